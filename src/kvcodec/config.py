@@ -1,0 +1,95 @@
+"""Codec configuration: a frozen dataclass that fully determines how a KV cache is coded."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from kvcodec.errors import ConfigError
+
+_INT_QUANT = re.compile(r"^int([2-8])$")
+QUANT_MODES = ("exact",) + tuple(f"int{b}" for b in range(2, 9))
+
+# Frame sizes (width, height) of the planes each chunk is stored at. All multiples of 16 and
+# >= 144 so that NVDEC can decode them; the fetcher picks one per chunk from the bandwidth.
+DEFAULT_RESOLUTIONS: tuple[tuple[int, int], ...] = ((256, 256), (512, 512), (1024, 1024))
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecConfig:
+    """How to code a KV cache.
+
+    quant: "exact" (every bit of fp16/bf16/fp32 restored) or "int2".."int8" (per-channel min-max
+        integer quantization, error <= half a step).
+    chunk_tokens: tokens per independently decodable chunk.
+    resolutions: frame plane sizes (width, height) each chunk is stored at.
+    layer_bits: optional per-layer bit widths overriding quant's width (layer-wise allocation);
+        empty means every layer uses quant's width.
+    x265_preset: x265 speed preset for the lossless encode.
+    search_layout: pick the tile layout per resolution by trial encodes on the first chunk
+        (otherwise the first candidate is used).
+    """
+
+    quant: str = "int8"
+    chunk_tokens: int = 256
+    resolutions: tuple[tuple[int, int], ...] = DEFAULT_RESOLUTIONS
+    layer_bits: tuple[int, ...] = ()
+    x265_preset: str = "ultrafast"
+    search_layout: bool = True
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANT_MODES:
+            raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}; got {self.quant!r}")
+        if self.chunk_tokens < 1:
+            raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
+        if not self.resolutions:
+            raise ConfigError("at least one resolution is needed")
+        object.__setattr__(self, "resolutions", tuple((int(w), int(h)) for w, h in self.resolutions))
+        object.__setattr__(self, "layer_bits", tuple(int(b) for b in self.layer_bits))
+        for w, h in self.resolutions:
+            if w < 144 or h < 144 or w % 16 or h % 16:
+                raise ConfigError(
+                    f"resolution {w}x{h}: width and height must be multiples of 16 and >= 144 (NVDEC)"
+                )
+        if len(set(self.resolutions)) != len(self.resolutions):
+            raise ConfigError(f"duplicate resolutions in {self.resolutions}")
+        for b in self.layer_bits:
+            if not 2 <= b <= 8:
+                raise ConfigError(f"layer_bits entries must be in 2..8; got {b}")
+        if self.layer_bits and self.quant == "exact":
+            raise ConfigError("layer_bits applies to integer quantization, not quant='exact'")
+
+    @property
+    def is_exact(self) -> bool:
+        return self.quant == "exact"
+
+    @property
+    def bits(self) -> int:
+        """Bit width of integer modes (8 for exact, whose high bytes are coded as 8-bit samples)."""
+        m = _INT_QUANT.match(self.quant)
+        return int(m.group(1)) if m else 8
+
+    def bits_for_layer(self, layer: int) -> int:
+        if self.layer_bits:
+            return self.layer_bits[layer]
+        return self.bits
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["resolutions"] = [list(r) for r in self.resolutions]
+        d["layer_bits"] = list(self.layer_bits)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CodecConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ConfigError(f"unknown CodecConfig fields: {sorted(unknown)}")
+        kw = dict(d)
+        if "resolutions" in kw:
+            kw["resolutions"] = tuple(tuple(r) for r in kw["resolutions"])
+        if "layer_bits" in kw:
+            kw["layer_bits"] = tuple(kw["layer_bits"])
+        return cls(**kw)
