@@ -1,0 +1,1 @@
+"""The `kvcodec` command line. Each subcommand lives in its own module of this package."""

@@ -1,0 +1,64 @@
+"""Entry point of the `kvcodec` command: a click group that gathers the subcommands by name.
+
+Each module listed in SUBCOMMAND_MODULES defines `command` (a click command or group). Benchmarks
+live under `kvcodec bench`, whose own modules are listed in kvcodec.cli.bench.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from kvcodec.errors import KVCodecError
+
+SUBCOMMAND_MODULES = (
+    "kvcodec.cli.codec_cmds",  # encode, decode, inspect
+    "kvcodec.cli.extract",  # extract
+    "kvcodec.cli.demo",  # demo
+    "kvcodec.cli.bench",  # bench <name>
+    "kvcodec.cli.serve",  # serve
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def cli(verbose: int) -> None:
+    """kvcodec: KV caches as lossless HEVC video, fetched and decoded on NVDEC."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _register() -> None:
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue  # subcommand not built yet
+            raise
+        cmds = getattr(module, "commands", None) or [module.command]
+        for cmd in cmds:
+            cli.add_command(cmd)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KVCodecError as e:
+        click.echo(f"kvcodec: error: {e}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
