@@ -1,0 +1,388 @@
+"""KV cache <-> lossless HEVC containers: the codec's encode and decode paths.
+
+encode:  KV (layers, 2, tokens, kv_heads, head_dim)
+         -> chunks of config.chunk_tokens tokens
+         -> integers (min-max quantization) or ordered byte planes (exact)
+         -> frames laid out by a searched LayoutPlan, one per resolution
+         -> lossless HEVC per (chunk, resolution) = one self-contained chunk blob
+decode:  chunk blob -> frames, one at a time, from the best decoder for the device
+         -> de-tiled and dequantized straight into the output KV tensor
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import zstandard
+
+from kvcodec.config import CodecConfig
+from kvcodec.container.format import (
+    CHUNK_MAGIC,
+    FILE_MAGIC,
+    BlobEntry,
+    ChunkHeader,
+    FileHeader,
+    StreamEntry,
+    crc32,
+    read_object,
+    split_streams,
+    write_object,
+)
+from kvcodec.errors import ChecksumError, CorruptStreamError, FormatError, ShapeError, TruncatedError
+from kvcodec.layout.search import choose_plan
+from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame, pixel_positions
+from kvcodec.quant import exact as exact_q
+from kvcodec.quant import integer as int_q
+from kvcodec.video.registry import get_decoder, get_encoder
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SIDE_ZSTD_LEVEL = 19
+BYTES_ZSTD_LEVEL = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedChunk:
+    """One chunk of tokens, as one self-contained blob per resolution (config.resolutions order)."""
+
+    index: int
+    start_token: int
+    tokens: int
+    resolutions: tuple[tuple[int, int], ...]
+    blobs: tuple[bytes, ...]
+
+    def blob_for(self, resolution: tuple[int, int]) -> bytes:
+        return self.blobs[self.resolutions.index(tuple(resolution))]
+
+
+# ---------------------------------------------------------------------------------------- encode
+
+
+def check_kv(kv: torch.Tensor, config: CodecConfig | None = None) -> None:
+    if not isinstance(kv, torch.Tensor):
+        raise ShapeError(f"KV must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ShapeError(
+            f"KV must have shape (layers, 2, tokens, kv_heads, head_dim) with 2 = K/V; got {tuple(kv.shape)}"
+        )
+    if kv.dtype not in DTYPE_NAMES:
+        raise ShapeError(f"KV dtype must be float16, bfloat16 or float32; got {kv.dtype}")
+    if min(kv.shape) == 0:
+        raise ShapeError(f"KV has an empty dimension: {tuple(kv.shape)}")
+    if config is not None and config.layer_bits and len(config.layer_bits) != kv.shape[0]:
+        raise ShapeError(f"config.layer_bits has {len(config.layer_bits)} entries, KV has {kv.shape[0]} layers")
+    if config is not None and not config.is_exact and not torch.isfinite(kv).all():
+        raise ShapeError("KV holds NaN or infinity; integer quantization needs finite values (use quant='exact')")
+
+
+def _units(x: torch.Tensor) -> torch.Tensor:
+    """(layers, 2, tokens, heads, dim) -> (layers*2*heads, tokens, dim)."""
+    L, _, T, H, D = x.shape
+    return x.permute(0, 1, 3, 2, 4).reshape(L * 2 * H, T, D)
+
+
+def _bits(config: CodecConfig, layers: int) -> torch.Tensor:
+    return torch.tensor([config.bits_for_layer(i) for i in range(layers)], dtype=torch.int64)
+
+
+def _zstd(data: bytes, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkSymbols:
+    """What a chunk becomes before video coding: the 8-bit samples and the side streams."""
+
+    samples: torch.Tensor  # (units, tokens, dim) uint8
+    side: list[StreamEntry]
+    side_payloads: list[bytes]
+    param_dtype: str
+
+
+def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
+    if config.is_exact:
+        planes = exact_q.split_bytes(x.contiguous())
+        side, payloads = [], []
+        for i, plane in enumerate(planes[1:], start=1):
+            raw = plane.numpy().tobytes()
+            packed = _zstd(raw, BYTES_ZSTD_LEVEL)
+            codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
+            side.append(StreamEntry(f"bytes{i}", codec, len(data), crc32(data)))
+            payloads.append(data)
+        return _ChunkSymbols(_units(planes[0]), side, payloads, "")
+    bits = _bits(config, x.shape[0])
+    offset, step = int_q.minmax_params(x, bits)
+    q = int_q.quantize(x, offset, step, bits)
+    params = torch.stack([offset, step]).contiguous()
+    data = _zstd(params.numpy().tobytes(), SIDE_ZSTD_LEVEL)
+    side = [StreamEntry("side", "zstd", len(data), crc32(data))]
+    return _ChunkSymbols(_units(q), side, [data], DTYPE_NAMES[params.dtype])
+
+
+def plan_layouts(kv: torch.Tensor, config: CodecConfig, encoder=None) -> tuple[LayoutPlan, ...]:
+    """One layout per resolution, searched on the first chunk of `kv` (cached per process)."""
+    check_kv(kv, config)
+    encoder = encoder or get_encoder(preset=config.x265_preset)
+    first = kv[:, :, : config.chunk_tokens].detach().to("cpu")
+    samples = _symbols(first, config).samples
+    key = (config.quant, DTYPE_NAMES[kv.dtype], config.layer_bits)
+    return tuple(
+        choose_plan(res, samples, config.chunk_tokens, encoder, key=key, search=config.search_layout)
+        for res in config.resolutions
+    )
+
+
+def encode_chunks(
+    kv: torch.Tensor,
+    config: CodecConfig = CodecConfig(),
+    *,
+    encoder=None,
+    plans: Sequence[LayoutPlan] | None = None,
+    on_chunk: Callable[[EncodedChunk], None] | None = None,
+    first_chunk_index: int = 0,
+) -> list[EncodedChunk]:
+    """Encode `kv` chunk by chunk; every chunk is stored at every resolution of `config`.
+
+    `first_chunk_index` numbers chunks when `kv` continues an earlier prefix (its first token is
+    `first_chunk_index * config.chunk_tokens`). `on_chunk` is called as each chunk is done."""
+    check_kv(kv, config)
+    kv = kv.detach().to("cpu")
+    encoder = encoder or get_encoder(preset=config.x265_preset)
+    plans = tuple(plans) if plans is not None else plan_layouts(kv, config, encoder)
+    L, _, T, H, D = kv.shape
+    out = []
+    for n, start in enumerate(range(0, T, config.chunk_tokens)):
+        x = kv[:, :, start : start + config.chunk_tokens]
+        symbols = _symbols(x, config)
+        blobs = []
+        for plan in plans:
+            frames = [pack_frame(b, plan).numpy() for _, _, b in frame_blocks(symbols.samples, plan)]
+            video = encoder.encode(frames, plan.width, plan.height)
+            streams = (*symbols.side, StreamEntry("video", "hevc", len(video), crc32(video)))
+            header = ChunkHeader(
+                layers=L,
+                kv_heads=H,
+                head_dim=D,
+                dtype=DTYPE_NAMES[kv.dtype],
+                chunk_index=first_chunk_index + n,
+                start_token=(first_chunk_index * config.chunk_tokens) + start,
+                tokens=x.shape[2],
+                quant=config.quant,
+                layer_bits=tuple(int(b) for b in _bits(config, L)) if not config.is_exact else (),
+                param_dtype=symbols.param_dtype,
+                resolution=(plan.width, plan.height),
+                layout=plan.to_dict(),
+                frames=len(frames),
+                streams=streams,
+            )
+            blobs.append(write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, video]))
+        chunk = EncodedChunk(first_chunk_index + n, header.start_token, x.shape[2], config.resolutions, tuple(blobs))
+        out.append(chunk)
+        if on_chunk:
+            on_chunk(chunk)
+    return out
+
+
+def encode(
+    kv: torch.Tensor,
+    config: CodecConfig = CodecConfig(),
+    *,
+    encoder=None,
+    on_chunk: Callable[[EncodedChunk], None] | None = None,
+) -> bytes:
+    """Encode a KV tensor (layers, 2, tokens, kv_heads, head_dim) into a kvcodec file (.kvc)."""
+    chunks = encode_chunks(kv, config, encoder=encoder, on_chunk=on_chunk)
+    entries, payloads, offset = [], [], 0
+    for c in chunks:
+        for res, blob in zip(c.resolutions, c.blobs):
+            entries.append(BlobEntry(c.index, tuple(res), offset, len(blob), crc32(blob)))
+            payloads.append(blob)
+            offset += len(blob)
+    L, _, T, H, D = kv.shape
+    header = FileHeader(
+        layers=L,
+        kv_heads=H,
+        head_dim=D,
+        dtype=DTYPE_NAMES[kv.dtype],
+        tokens=T,
+        config=config.to_dict(),
+        chunk_tokens=tuple(c.tokens for c in chunks),
+        blobs=tuple(entries),
+    )
+    return write_object(FILE_MAGIC, header.to_json(), payloads)
+
+
+# ---------------------------------------------------------------------------------------- decode
+
+
+def inspect_chunk_blob(blob: bytes | memoryview) -> ChunkHeader:
+    """Parse and verify a chunk blob's header (not its streams)."""
+    header, _ = read_object(blob, CHUNK_MAGIC, "chunk blob")
+    return ChunkHeader.from_json(header)
+
+
+def read_file_header(data: bytes | memoryview) -> tuple[FileHeader, memoryview]:
+    header, payload = read_object(data, FILE_MAGIC, "kvcodec file")
+    fh = FileHeader.from_json(header)
+    need = max((b.offset + b.length for b in fh.blobs), default=0)
+    if len(payload) < need:
+        raise TruncatedError(f"kvcodec file truncated: payload has {len(payload)} of {need} bytes")
+    return fh, payload
+
+
+def _side_params(h: ChunkHeader, streams, device) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = DTYPES.get(h.param_dtype)
+    if dtype is None:
+        raise FormatError(f"chunk blob has unknown parameter dtype {h.param_dtype!r}")
+    raw = _unzstd(streams["side"], "side")
+    n = h.layers * 2 * h.kv_heads * h.head_dim
+    if len(raw) != 2 * n * torch.tensor([], dtype=dtype).element_size():
+        raise CorruptStreamError("quantization parameters have the wrong size for the announced shape")
+    params = torch.frombuffer(bytearray(raw), dtype=dtype).view(2, h.layers, 2, h.kv_heads, h.head_dim)
+    return params[0].to(device), params[1].to(device)
+
+
+def _unzstd(data, name: str, size: int | None = None) -> bytes:
+    try:
+        return zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=size or (1 << 31))
+    except zstandard.ZstdError as e:
+        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+
+
+def _low_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
+    n = h.layers * 2 * h.tokens * h.kv_heads * h.head_dim
+    planes = []
+    for s in h.streams:
+        if not s.name.startswith("bytes"):
+            continue
+        raw = _unzstd(streams[s.name], s.name, n) if s.codec == "zstd" else bytes(streams[s.name])
+        if len(raw) != n:
+            raise CorruptStreamError(f"stream {s.name!r} holds {len(raw)} bytes, expected {n}")
+        planes.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(h.shape).to(device))
+    return planes
+
+
+def decode_chunk_blob(
+    blob: bytes | memoryview,
+    device: str | torch.device = "cpu",
+    out: torch.Tensor | None = None,
+    decoder=None,
+) -> torch.Tensor:
+    """Decode one chunk blob into a (layers, 2, tokens, kv_heads, head_dim) tensor on `device`,
+    restoring frame by frame. With `out` (for example a slice of a preallocated KV cache) the
+    values are written there and `out` is returned."""
+    header, payload = read_object(blob, CHUNK_MAGIC, "chunk blob")
+    h = ChunkHeader.from_json(header)
+    streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+    dtype = DTYPES.get(h.dtype)
+    if dtype is None:
+        raise FormatError(f"chunk blob has unknown dtype {h.dtype!r}")
+    device = torch.device(device) if out is None else out.device
+    if out is None:
+        out = torch.empty(h.shape, dtype=dtype, device=device)
+    elif tuple(out.shape) != h.shape or out.dtype != dtype:
+        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; chunk holds {h.shape} {dtype}")
+    try:
+        plan = LayoutPlan.from_dict(h.layout)
+    except (TypeError, ValueError, Exception) as e:
+        raise FormatError(f"chunk blob has an invalid layout: {e}") from e
+    if plan.units != h.layers * 2 * h.kv_heads or plan.dim != h.head_dim or (plan.width, plan.height) != h.resolution:
+        raise FormatError("chunk blob layout does not match its shape")
+    if h.quant == "exact":
+        low = _low_planes(h, streams, device)
+        if len(low) != exact_q.bytes_per_value(dtype) - 1:
+            raise FormatError(f"exact chunk carries {len(low)} low byte planes for {h.dtype}")
+    else:
+        offset, step = _side_params(h, streams, device)
+
+    decoder = decoder or get_decoder(device)
+    positions = pixel_positions(plan, device)
+    L, H, D = h.layers, h.kv_heads, h.head_dim
+    frames = 0
+    tpf = plan.tokens_per_frame
+    for frame in decoder.decode(bytes(streams["video"]), plan.width, plan.height):
+        start = frames * tpf
+        frames += 1
+        if start >= h.tokens:
+            raise CorruptStreamError(f"video stream has more frames than the {h.frames} announced")
+        n = min(tpf, h.tokens - start)
+        block = frame.to(device, non_blocking=True).reshape(-1)[positions].view(L, 2, H, tpf, D)
+        block = block[:, :, :, :n].permute(0, 1, 3, 2, 4)  # (L, 2, n, H, D)
+        target = out[:, :, start : start + n]
+        if h.quant == "exact":
+            target.copy_(exact_q.join_bytes([block, *(p[:, :, start : start + n] for p in low)], dtype))
+        else:
+            target.copy_(int_q.dequantize(block, offset, step, dtype))
+    if frames != h.frames:
+        raise CorruptStreamError(f"video stream decoded to {frames} frames, header announces {h.frames}")
+    return out
+
+
+def decode(
+    data: bytes | memoryview,
+    device: str | torch.device = "cpu",
+    *,
+    resolution: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+    decoder=None,
+) -> torch.Tensor:
+    """Decode a kvcodec file into a KV tensor of its original shape and dtype on `device`."""
+    fh, payload = read_file_header(data)
+    dtype = DTYPES.get(fh.dtype)
+    if dtype is None:
+        raise FormatError(f"kvcodec file has unknown dtype {fh.dtype!r}")
+    if resolution is None:
+        resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
+    device = torch.device(device) if out is None else out.device
+    if out is None:
+        out = torch.empty(fh.shape, dtype=dtype, device=device)
+    elif tuple(out.shape) != fh.shape or out.dtype != dtype:
+        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
+    decoder = decoder or get_decoder(device)
+    start = 0
+    for index, tokens in enumerate(fh.chunk_tokens):
+        entry = fh.blob(index, resolution)
+        blob = payload[entry.offset : entry.offset + entry.length]
+        if crc32(blob) != entry.crc32:
+            raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
+        decode_chunk_blob(blob, device, out=out[:, :, start : start + tokens], decoder=decoder)
+        start += tokens
+    return out
+
+
+def inspect(data: bytes | memoryview) -> dict:
+    """Summary of a kvcodec file: header, per-resolution bytes and ratio vs fp16."""
+    fh, payload = read_file_header(data)
+    fp16_bytes = 2 * int(np.prod(fh.shape))
+    per_res = {}
+    for res in fh.resolutions:
+        blobs = [b for b in fh.blobs if b.resolution == tuple(res)]
+        total = sum(b.length for b in blobs)
+        first = inspect_chunk_blob(payload[blobs[0].offset : blobs[0].offset + blobs[0].length])
+        streams: dict[str, int] = {}
+        for b in blobs:
+            for s in inspect_chunk_blob(payload[b.offset : b.offset + b.length]).streams:
+                streams[s.name] = streams.get(s.name, 0) + s.length
+        per_res[f"{res[0]}x{res[1]}"] = {
+            "bytes": total,
+            "ratio_vs_fp16": fp16_bytes / total,
+            "streams": streams,
+            "layout": first.layout,
+            "frames_per_chunk": first.frames,
+        }
+    return {
+        "shape": list(fh.shape),
+        "dtype": fh.dtype,
+        "tokens": fh.tokens,
+        "chunks": len(fh.chunk_tokens),
+        "config": fh.config,
+        "file_bytes": len(data),
+        "fp16_bytes": fp16_bytes,
+        "resolutions": per_res,
+    }

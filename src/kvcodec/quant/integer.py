@@ -1,0 +1,61 @@
+"""Per-channel min-max integer quantization (pure functions on torch tensors).
+
+Parameters are computed per (layer, K/V, head, channel) over the tokens of one chunk. Offsets are
+rounded down and steps rounded up to fp16 so the side information is small and the stored
+parameters still cover every value: |x - dequantize(quantize(x))| <= step / 2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def levels(bits: torch.Tensor | int) -> torch.Tensor | int:
+    return (1 << bits) - 1 if isinstance(bits, int) else (2 ** bits.to(torch.int64) - 1)
+
+
+def minmax_params(x: torch.Tensor, bits_per_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (layers, 2, tokens, heads, dim) float. Returns (offset, step), each (layers, 2, heads, dim),
+    with offset <= min(x) and offset + step * (2**bits - 1) >= max(x) per channel. Parameters are
+    fp16 (rounded outward) when the values allow it, fp32 otherwise."""
+    xf = x.float()
+    lo = xf.amin(dim=2)
+    hi = xf.amax(dim=2)
+    n = levels(bits_per_layer).to(torch.float32).view(-1, 1, 1, 1)
+    if max(lo.abs().max().item(), hi.abs().max().item()) > 30000.0:
+        step = (hi - lo) / n
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        return lo, step
+    offset = _round_fp16(lo, down=True)
+    step = _round_fp16((hi - offset.float()) / n, down=False)
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    # fp32 rounding of offset + step * n can still land just below the max: nudge the step up.
+    for _ in range(8):
+        short = offset.float() + step.float() * n < hi
+        if not short.any():
+            break
+        step = torch.where(short, _next_fp16(step, up=True), step)
+    return offset, step
+
+
+def quantize(x: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, bits_per_layer: torch.Tensor) -> torch.Tensor:
+    """Integers in [0, 2**bits - 1] as uint8, shape of x."""
+    n = levels(bits_per_layer).to(torch.float32).view(-1, 1, 1, 1, 1)
+    q = torch.round((x.float() - offset.float().unsqueeze(2)) / step.float().unsqueeze(2))
+    return torch.minimum(q.clamp_(min=0), n.expand_as(q)).to(torch.uint8)
+
+
+def dequantize(q: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize up to half a step. q: (layers, 2, tokens, heads, dim); offset/step:
+    (layers, 2, heads, dim)."""
+    return (offset.float().unsqueeze(2) + q.float() * step.float().unsqueeze(2)).to(dtype)
+
+
+def _round_fp16(v: torch.Tensor, down: bool) -> torch.Tensor:
+    h = v.to(torch.float16)
+    bad = (h.float() > v) if down else (h.float() < v)
+    return torch.where(bad, _next_fp16(h, up=not down), h)
+
+
+def _next_fp16(h: torch.Tensor, up: bool) -> torch.Tensor:
+    return torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf")))
