@@ -1,0 +1,172 @@
+"""Decode-speed profiles: how long a chunk takes to decode at each resolution on this device.
+
+Model per resolution j: seconds = overhead_s[j] + values * seconds_per_value[j], where `values` is
+the number of KV values in the chunk (layers * 2 * tokens * kv_heads * head_dim). A quick
+calibration encodes a synthetic chunk (two sizes, to separate the fixed cost from the per-value
+cost) and times its decode at every resolution. Profiles are cached as JSON in the cache dir
+(``$KVCODEC_CACHE_DIR`` or ``~/.cache/kvcodec``), keyed by device model, codec and configuration,
+and refined online from the decode times the fetcher observes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvcodec.fetcher.keys import codec_identity, config_fingerprint
+
+log = logging.getLogger(__name__)
+
+PROFILE_FILE = "decode-profiles.json"
+
+
+def cache_dir() -> Path:
+    d = os.environ.get("KVCODEC_CACHE_DIR")
+    return Path(d) if d else Path.home() / ".cache" / "kvcodec"
+
+
+def device_model(device: str | torch.device) -> str:
+    """A name for the decoding hardware: GPU model, or CPU model and thread count."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return "cuda:" + torch.cuda.get_device_name(dev.index or 0)
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{name} x{torch.get_num_threads()}"
+
+
+@dataclasses.dataclass
+class DecodeProfile:
+    resolutions: tuple[tuple[int, int], ...]
+    seconds_per_value: list[float]
+    overhead_s: list[float]
+    source: str = "default"  # "calibrated", "cache", "default"
+    alpha: float = 0.2
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @classmethod
+    def default(cls, resolutions, values_per_s: float = 50e6) -> "DecodeProfile":
+        n = len(resolutions)
+        return cls(tuple(tuple(r) for r in resolutions), [1.0 / values_per_s] * n, [0.0] * n, "default")
+
+    def predict(self, r: int, values: int) -> float:
+        return self.overhead_s[r] + values * self.seconds_per_value[r]
+
+    def observe(self, r: int, values: int, seconds: float) -> None:
+        """Fold an observed decode time into the per-value cost (EWMA)."""
+        if values <= 0 or seconds <= 0:
+            return
+        spv = max(0.0, seconds - self.overhead_s[r]) / values
+        with self._lock:
+            self.seconds_per_value[r] += self.alpha * (spv - self.seconds_per_value[r])
+
+    def values_per_s(self) -> list[float]:
+        return [1.0 / s if s > 0 else float("inf") for s in self.seconds_per_value]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "resolutions": [list(r) for r in self.resolutions],
+            "seconds_per_value": list(self.seconds_per_value),
+            "overhead_s": list(self.overhead_s),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], source: str = "cache") -> "DecodeProfile":
+        return cls(
+            tuple(tuple(r) for r in d["resolutions"]),
+            [float(x) for x in d["seconds_per_value"]],
+            [float(x) for x in d["overhead_s"]],
+            source,
+        )
+
+
+def _synthetic_kv(shape: tuple[int, int, int], tokens: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    L, H, D = shape
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand((L, 2, 1, H, D), generator=g) * 2 + 0.1
+    return (torch.randn((L, 2, tokens, H, D), generator=g) * scale).to(dtype)
+
+
+def calibrate(
+    codec: Any, config: Any, device: str | torch.device, shape: tuple[int, int, int],
+    dtype: torch.dtype = torch.float16, repeats: int = 2,
+) -> DecodeProfile:
+    """Time the decode of a synthetic chunk at every resolution of `config` (and of a quarter
+    chunk, to split fixed from per-value cost)."""
+    ct = int(config.chunk_tokens)
+    small = max(1, ct // 4)
+    full_kv = _synthetic_kv(shape, ct, dtype)
+    full = codec.encode_chunks(full_kv, config)[0]
+    part = codec.encode_chunks(full_kv[:, :, :small].contiguous(), config)[0] if small < ct else full
+    L, H, D = shape
+    v_full, v_small = L * 2 * ct * H * D, L * 2 * small * H * D
+    spv, ovh = [], []
+    for j in range(len(config.resolutions)):
+        times = []
+        for blob in (full.blobs[j], part.blobs[j]):
+            codec.decode_chunk_blob(blob, device=device)  # warm-up (decoder init, caches)
+            best = float("inf")
+            for _ in range(max(1, repeats)):
+                t = time.perf_counter()
+                codec.decode_chunk_blob(blob, device=device)
+                if torch.device(device).type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t)
+            times.append(best)
+        t_full, t_small = times
+        if v_full > v_small and t_full > t_small:
+            per = (t_full - t_small) / (v_full - v_small)
+            over = max(0.0, t_full - per * v_full)
+        else:
+            per, over = t_full / v_full, 0.0
+        spv.append(per)
+        ovh.append(over)
+    return DecodeProfile(tuple(config.resolutions), spv, ovh, "calibrated")
+
+
+def load_or_calibrate(
+    codec: Any, config: Any, device: str | torch.device, shape: tuple[int, int, int],
+    dtype: torch.dtype = torch.float16, directory: Path | None = None, recalibrate: bool = False,
+) -> DecodeProfile:
+    """The cached profile for (device model, codec, config, shape), calibrating on a miss."""
+    directory = directory or cache_dir()
+    path = directory / PROFILE_FILE
+    key = "|".join([device_model(device), codec_identity(codec), config_fingerprint(config, codec),
+                    "x".join(map(str, shape)), str(dtype).replace("torch.", "")])
+    table: dict[str, Any] = {}
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if not recalibrate and key in table:
+        try:
+            return DecodeProfile.from_json(table[key], "cache")
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignoring malformed cached decode profile %s", key)
+    t = time.perf_counter()
+    prof = calibrate(codec, config, device, shape, dtype)
+    log.info("decode profile calibrated in %.2fs: %s", time.perf_counter() - t, prof.values_per_s())
+    table[key] = prof.to_json()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("cannot cache decode profile in %s: %s", directory, e)
+    return prof

@@ -1,0 +1,162 @@
+"""Redis stores: ``redis://[[user]:password@]host:port/db``, ``rediss://`` (TLS) and
+``redis+cluster://host:port`` / ``rediss+cluster://`` (Redis Cluster), through the `redis` package.
+
+Options (keyword arguments of `open_store`, all passed through to redis-py, plus these):
+    socket_timeout (s, default 5.0), socket_connect_timeout (s, default 2.0): a dead or unreachable
+        server gives StoreError after at most about these times, never a hang.
+    retries (default 1): reconnect attempts on connection errors / timeouts before giving up.
+    namespace (default ""): a prefix prepended to every key (so several caches share one DB).
+    password, username, ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs, ...: redis-py's.
+See docs/STORE.md for the server's persistence settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from kvcodec.errors import ConfigError, StoreError
+from kvcodec.store.base import BaseStore, batched, check_key
+
+_BATCH = 512  # keys per pipelined round trip in the batched calls
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+
+
+class RedisStore(BaseStore):
+    def __init__(self, client: Any, url: str, namespace: str = "", cluster: bool = False) -> None:
+        self._r = client
+        self.url = url
+        self.namespace = namespace
+        self.cluster = cluster
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        socket_timeout: float = 5.0,
+        socket_connect_timeout: float = 2.0,
+        retries: int = 1,
+        namespace: str = "",
+        **options: Any,
+    ) -> "RedisStore":
+        import redis
+        from redis.backoff import ExponentialBackoff
+        from redis.retry import Retry
+
+        scheme, rest = url.split("://", 1)
+        cluster = scheme.endswith("+cluster")
+        base_url = scheme.replace("+cluster", "") + "://" + rest
+        if socket_timeout <= 0 or socket_connect_timeout <= 0:
+            raise ConfigError("redis timeouts must be > 0")
+        kw: dict[str, Any] = dict(
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_connect_timeout,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), max(0, int(retries))),
+        )
+        kw.update(options)
+        if cluster:
+            from redis.cluster import RedisCluster
+
+            client = RedisCluster.from_url(base_url, **kw)
+        else:
+            client = redis.Redis.from_url(base_url, **kw)
+        store = cls(client, url, namespace=namespace, cluster=cluster)
+        with store._errors("connect"):
+            client.ping()
+        return store
+
+    def _k(self, key: str) -> str:
+        return self.namespace + check_key(key)
+
+    def put(self, key: str, value: bytes) -> None:
+        k = self._k(key)
+        with self._errors("put", key):
+            self._r.set(k, value)  # SET replaces atomically; readers never see a partial value
+
+    def put_many(self, items: Mapping[str, bytes]) -> None:
+        pairs = [(self._k(k), v) for k, v in items.items()]
+        with self._errors("put_many"):
+            for part in batched(pairs, _BATCH):
+                pipe = self._r.pipeline(transaction=False)
+                for k, v in part:
+                    pipe.set(k, v)
+                pipe.execute()
+
+    def get(self, key: str) -> bytes | None:
+        k = self._k(key)
+        with self._errors("get", key):
+            return self._r.get(k)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        ks = [self._k(k) for k in keys]
+        out: list[bytes | None] = []
+        with self._errors("get_many"):
+            for part in batched(ks, _BATCH):
+                if self.cluster:
+                    pipe = self._r.pipeline(transaction=False)
+                    for k in part:
+                        pipe.get(k)
+                    out.extend(pipe.execute())
+                else:
+                    out.extend(self._r.mget(part))
+        return out
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        if start < 0 or end < start:
+            raise ConfigError(f"bad range [{start}, {end})")
+        if end == start:
+            if not self.exists(key):
+                raise StoreError(f"{self.url}: no object {key!r}")
+            return b""
+        k = self._k(key)
+        with self._errors("get_range", key):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.exists(k)
+            pipe.getrange(k, start, end - 1)
+            present, data = pipe.execute()
+        if not present:
+            raise StoreError(f"{self.url}: no object {key!r}")
+        return data
+
+    def size(self, key: str) -> int | None:
+        k = self._k(key)
+        with self._errors("size", key):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.exists(k)
+            pipe.strlen(k)
+            present, n = pipe.execute()
+        return int(n) if present else None
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        ks = [self._k(k) for k in keys]
+        out: list[bool] = []
+        with self._errors("exists_many"):
+            for part in batched(ks, _BATCH):
+                pipe = self._r.pipeline(transaction=False)
+                for k in part:
+                    pipe.exists(k)
+                out.extend(bool(x) for x in pipe.execute())
+        return out
+
+    def delete(self, key: str) -> bool:
+        k = self._k(key)
+        with self._errors("delete", key):
+            return bool(self._r.delete(k))
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        pat = _glob_escape(self.namespace + prefix) + "*"
+        n = len(self.namespace)
+        with self._errors("list", prefix):
+            keys = [k.decode() if isinstance(k, bytes) else k for k in self._r.scan_iter(match=pat, count=1000)]
+        for k in keys:
+            yield k[n:]
+
+    def close(self) -> None:
+        try:
+            self._r.close()
+        except Exception:  # noqa: BLE001 - closing a dead connection is not an error
+            pass
