@@ -42,6 +42,7 @@ class RedisServer:
         appendonly: bool = True,
         netns: str | None = None,
         maxmemory: str | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         binary = redis_server_binary()
         if binary is None:
@@ -54,6 +55,7 @@ class RedisServer:
         self.appendonly = appendonly
         self.netns = netns
         self.maxmemory = maxmemory
+        self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -77,6 +79,7 @@ class RedisServer:
         ]
         if self.maxmemory:
             argv += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+        argv += list(self.extra_args)
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns] + argv
         return argv
@@ -102,7 +105,8 @@ class RedisServer:
         try:
             with socket.create_connection((self.bind, self.port), timeout=0.5) as s:
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                reply = s.recv(16)
+                return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
         except OSError:
             return False
 

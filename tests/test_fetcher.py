@@ -1,0 +1,381 @@
+"""PrefixCache: keys, put/lookup idempotence, fetch pipeline, fallbacks, resolution policies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.config import CodecConfig
+from kvcodec.errors import ChecksumError, FetchError, FormatError, ShapeError, StoreError
+from kvcodec.fetcher import (
+    AdaptivePolicy,
+    BandwidthEstimator,
+    ChoiceContext,
+    DecodeProfile,
+    MinBytesPolicy,
+    MinDecodePolicy,
+    PrefixCache,
+    blob_key,
+    chunk_keys,
+    get_policy,
+    meta_key,
+    predicted_finish,
+)
+from kvcodec.fetcher.profile import load_or_calibrate
+from kvcodec.fetcher.rawcodec import RawCodec
+from kvcodec.store import open_store
+
+CFG = CodecConfig(chunk_tokens=16, resolutions=((256, 256), (512, 512)), search_layout=False)
+
+
+def make_kv(tokens=100, layers=3, heads=2, dim=32, seed=0, dtype=torch.float16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((layers, 2, tokens, heads, dim), generator=g).to(dtype)
+
+
+def ids_for(n, offset=1000):
+    return list(range(offset, offset + n))
+
+
+@pytest.fixture
+def raw_cache():
+    return PrefixCache(open_store("memory://"), "model-a", CFG, "cpu", codec=RawCodec(("raw", "zstd")),
+                       profile=DecodeProfile.default(CFG.resolutions))
+
+
+# ------------------------------------------------------------------------------------- keys
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=0, max_size=80), st.integers(0, 80))
+def test_keys_of_a_prefix_are_a_prefix_of_keys(tokens, cut):
+    cut = min(cut, len(tokens))
+    full = chunk_keys(tokens, "m", CFG, partial=False)
+    pre = chunk_keys(tokens[:cut], "m", CFG, partial=False)
+    assert full[: len(pre)] == pre
+    assert len(full) == len(tokens) // CFG.chunk_tokens
+    assert len(chunk_keys(tokens, "m", CFG)) == -(-len(tokens) // CFG.chunk_tokens)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 50000), min_size=16, max_size=48), st.integers(0, 15))
+def test_keys_depend_on_every_token_model_and_config(tokens, pos):
+    base = chunk_keys(tokens, "m", CFG)
+    changed = list(tokens)
+    changed[pos] += 1
+    k2 = chunk_keys(changed, "m", CFG)
+    assert all(a != b for a, b in zip(base, k2))  # chaining: a change in chunk 0 changes all
+    assert chunk_keys(tokens, "other-model", CFG)[0] != base[0]
+    assert chunk_keys(tokens, "m", CodecConfig(chunk_tokens=16, resolutions=((256, 256),)))[0] != base[0]
+    assert len(base[0]) == 64 and int(base[0], 16) >= 0
+
+
+def test_keys_accept_tensors_and_arrays():
+    t = torch.arange(40)
+    assert chunk_keys(t, "m", CFG) == chunk_keys(list(range(40)), "m", CFG)
+    assert chunk_keys(t[None], "m", CFG) == chunk_keys(t.numpy(), "m", CFG)
+    with pytest.raises(ShapeError):
+        chunk_keys(torch.zeros(2, 3, dtype=torch.long), "m", CFG)
+
+
+# ------------------------------------------------------------------------------- put / lookup
+
+
+def test_put_lookup_idempotent(raw_cache):
+    kv, ids = make_kv(100), ids_for(100)
+    assert raw_cache.lookup(ids) == 0
+    assert raw_cache.put(ids, kv) == 7  # 6 full chunks + a 4-token tail
+    assert raw_cache.put(ids, kv) == 0
+    assert raw_cache.lookup(ids) == 100
+    assert raw_cache.lookup(ids[:50]) == 48  # 3 whole chunks; the 2-token tail is not stored
+    assert raw_cache.lookup(ids + [7, 8, 9]) == 96  # the stored tail was 4 tokens, not these
+    assert raw_cache.lookup([1] + ids) == 0
+    # extending the prefix writes only the new chunks
+    kv2, ids2 = make_kv(130, seed=1), ids_for(130)
+    kv2[:, :, :96] = kv[:, :, :96]
+    assert raw_cache.put(ids2, kv2) == 3  # chunk 6 (full now), 7, and the 2-token tail
+    assert raw_cache.lookup(ids2) == 130
+
+
+def test_lookup_uses_one_batched_query(raw_cache):
+    kv, ids = make_kv(64), ids_for(64)
+    raw_cache.put(ids, kv)
+    calls = []
+    orig = raw_cache.store.exists_many
+    raw_cache.store.exists_many = lambda keys: calls.append(len(keys)) or orig(keys)
+    assert raw_cache.lookup(ids + ids_for(64, 5000)) == 64
+    assert calls == [8]
+
+
+def test_meta_is_commit_marker(raw_cache):
+    kv, ids = make_kv(32), ids_for(32)
+    raw_cache.put(ids, kv)
+    k = chunk_keys(ids, "model-a", CFG, fingerprint=raw_cache.fingerprint)
+    raw_cache.store.delete(meta_key(k[1]))  # as if the writer died before committing chunk 1
+    assert raw_cache.lookup(ids) == 16
+    assert raw_cache.put(ids, kv) == 1
+
+
+def test_put_rejects_bad_shapes(raw_cache):
+    with pytest.raises(ShapeError):
+        raw_cache.put(ids_for(10), torch.zeros(2, 3, 10, 2, 4))
+    with pytest.raises(ShapeError):
+        raw_cache.put(ids_for(5), make_kv(10))
+
+
+# ------------------------------------------------------------------------------------ fetch
+
+
+def test_fetch_roundtrip_raw_bit_exact(raw_cache):
+    kv, ids = make_kv(100), ids_for(100)
+    raw_cache.put(ids, kv)
+    for pol in ("adaptive", "fixed:0", "fixed:512x512", "min-bytes", "min-decode"):
+        r = raw_cache.fetch(ids, 100, policy=pol)
+        assert r.ok and r.tokens_restored == 100, (pol, r.error)
+        assert torch.equal(r.kv, kv)
+        assert sum(r.stats.resolution_counts.values()) == 7
+        assert [t.index for t in r.timeline] == list(range(7))
+        for t in r.timeline:
+            assert t.net_start <= t.net_end <= t.dec_start <= t.dec_end <= t.restore_start <= t.restore_end
+
+
+def test_fetch_partial_and_into_preallocated_out(raw_cache):
+    kv, ids = make_kv(100), ids_for(100)
+    raw_cache.put(ids, kv)
+    out = torch.full((3, 2, 120, 2, 32), 7.0, dtype=torch.float32)
+    r = raw_cache.fetch(ids, 40, out=out)
+    assert r.ok and r.tokens_restored == 40 and r.kv is out
+    assert torch.equal(out[:, :, :40], kv[:, :, :40].float())
+    assert (out[:, :, 40:] == 7).all()  # nothing beyond what was asked
+    with pytest.raises(ShapeError):
+        raw_cache.fetch(ids, 40, out=torch.zeros(3, 2, 20, 2, 32))
+
+
+def test_fetch_beyond_stored_reports_error(raw_cache):
+    kv, ids = make_kv(48), ids_for(48)
+    raw_cache.put(ids, kv)
+    longer = ids + ids_for(40, 9000)
+    r = raw_cache.fetch(longer, 88)
+    assert r.tokens_restored == 48 and isinstance(r.error, FetchError)
+    assert torch.equal(r.kv[:, :, :48], kv)
+    r = raw_cache.fetch(ids_for(30, 5), 30)
+    assert r.tokens_restored == 0 and isinstance(r.error, FetchError) and r.kv is None
+
+
+def test_fetch_real_codec_roundtrip():
+    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu",
+                        profile=DecodeProfile.default(CFG.resolutions))
+    kv, ids = make_kv(40, layers=2), ids_for(40)
+    assert cache.put(ids, kv) == 3
+    r = cache.fetch(ids, 40, policy="fixed:1")
+    assert r.ok and r.tokens_restored == 40
+    # int8 min-max quantization: error at most half a step of each channel's range
+    rng = kv.float().amax(2, keepdim=True) - kv.float().amin(2, keepdim=True)
+    assert ((r.kv.float() - kv.float()).abs() <= rng / 255 * 0.5 + 1e-2).all()
+    r0 = cache.fetch(ids, 40, policy="fixed:0")
+    assert torch.equal(r0.kv, r.kv)  # both resolutions decode to the same values
+
+
+def test_corrupt_chunk_stops_with_prefix(raw_cache):
+    kv, ids = make_kv(100), ids_for(100)
+    raw_cache.put(ids, kv)
+    k = chunk_keys(ids, "model-a", CFG, fingerprint=raw_cache.fingerprint)
+    for j in range(2):
+        blob = bytearray(raw_cache.store.get(blob_key(k[3], j)))
+        blob[-5] ^= 0xFF  # flip bits in the payload
+        raw_cache.store.put(blob_key(k[3], j), bytes(blob))
+    r = raw_cache.fetch(ids, 100)
+    assert isinstance(r.error, ChecksumError)
+    assert r.tokens_restored == 48
+    assert torch.equal(r.kv[:, :, :48], kv[:, :, :48])
+
+
+def test_corrupt_real_codec_blob_is_format_error():
+    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", policy="fixed:0")
+    kv, ids = make_kv(32, layers=2), ids_for(32)
+    cache.put(ids, kv)
+    k = chunk_keys(ids, "m", CFG, fingerprint=cache.fingerprint)
+    blob = bytearray(cache.store.get(blob_key(k[1], 0)))
+    blob[len(blob) // 2] ^= 0x55
+    cache.store.put(blob_key(k[1], 0), bytes(blob))
+    r = cache.fetch(ids, 32)
+    assert isinstance(r.error, FormatError) and r.tokens_restored == 16
+
+
+class SlowStore:
+    """A real store whose gets take `delay` seconds (a slow link), and can be made to fail."""
+
+    def __init__(self, inner, delay):
+        self.inner, self.delay, self.fail_after = inner, delay, None
+        self.url = "slow+" + inner.url
+        self.gets = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get(self, key):
+        self.gets += 1
+        if self.fail_after is not None and self.gets > self.fail_after:
+            raise StoreError(f"{self.url}: connection refused (test)")
+        time.sleep(self.delay)
+        return self.inner.get(key)
+
+
+def test_deadline_returns_restored_prefix(raw_cache):
+    kv, ids = make_kv(160), ids_for(160)
+    raw_cache.put(ids, kv)
+    raw_cache.store = SlowStore(raw_cache.store, 0.05)
+    t = time.monotonic()
+    r = raw_cache.fetch(ids, 160, deadline_s=0.18)
+    took = time.monotonic() - t
+    assert isinstance(r.error, FetchError) and "deadline" in str(r.error)
+    assert 0 < r.tokens_restored < 160 and r.tokens_restored % 16 == 0
+    assert torch.equal(r.kv[:, :, : r.tokens_restored], kv[:, :, : r.tokens_restored])
+    assert took < 0.4
+
+
+def test_store_failure_mid_fetch(raw_cache):
+    kv, ids = make_kv(100), ids_for(100)
+    raw_cache.put(ids, kv)
+    slow = SlowStore(raw_cache.store, 0.0)
+    slow.fail_after = 3
+    raw_cache.store = slow
+    r = raw_cache.fetch(ids, 100)
+    assert isinstance(r.error, StoreError) and r.tokens_restored == 48
+
+
+def test_meta_query_failure_is_reported():
+    class Down:
+        url = "down://"
+
+        def get_many(self, keys):
+            raise StoreError("down:// unreachable")
+
+    cache = PrefixCache(Down(), "m", CFG, "cpu", codec=RawCodec())
+    r = cache.fetch(ids_for(32), 32)
+    assert isinstance(r.error, StoreError) and r.tokens_restored == 0
+
+
+def test_inflight_is_bounded():
+    """With a slow decoder, the network stage stays at most max_inflight chunks ahead."""
+    codec = RawCodec()
+    inner_decode = codec.decode_chunk_blob
+    seen = []
+    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", codec=codec, max_inflight=2,
+                        policy="fixed:0")
+
+    def slow_decode(blob, device="cpu", out=None):
+        seen.append(cache.store.gets if hasattr(cache.store, "gets") else 0)
+        time.sleep(0.01)
+        return inner_decode(blob, device=device, out=out)
+
+    kv, ids = make_kv(160), ids_for(160)
+    cache.put(ids, kv)
+    cache.store = SlowStore(cache.store, 0.0)
+    codec.decode_chunk_blob = slow_decode
+    r = cache.fetch(ids, 160)
+    assert r.ok and torch.equal(r.kv, kv)
+    assert r.stats.peak_inflight <= 2
+    # when chunk i starts decoding, at most i + 2 gets have been issued
+    assert all(g <= i + 2 for i, g in enumerate(seen))
+
+
+def test_stages_overlap():
+    """Network and decode run concurrently: the fetch takes about max(stage), not the sum."""
+    codec = RawCodec()
+    inner = codec.decode_chunk_blob
+
+    def slow_decode(blob, device="cpu", out=None):
+        time.sleep(0.02)
+        return inner(blob, device=device, out=out)
+
+    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", codec=codec, policy="fixed:0")
+    kv, ids = make_kv(160), ids_for(160)
+    cache.put(ids, kv)
+    cache.store = SlowStore(cache.store, 0.02)
+    codec.decode_chunk_blob = slow_decode
+    r = cache.fetch(ids, 160)
+    assert r.ok
+    serial = r.stats.net_busy_s + r.stats.decode_busy_s
+    assert r.stats.wall_s < 0.8 * serial
+
+
+# -------------------------------------------------------------------------------- policies
+
+
+def ctx(sizes, dec, gbit, backlog=0.0, remaining=0, workers=1):
+    return ChoiceContext(sizes, dec, gbit * 1e9 / 8, backlog, workers, remaining, sizes, dec)
+
+
+def test_adaptive_trades_bytes_for_decode_speed():
+    sizes, dec = [1_000_000, 600_000], [0.001, 0.004]  # r0: big, fast; r1: small, slow
+    pol = AdaptivePolicy()
+    assert pol.choose(ctx(sizes, dec, 0.5, remaining=20)) == 1  # slow link: fewer bytes
+    assert pol.choose(ctx(sizes, dec, 40, remaining=20)) == 0  # fast link: faster decode
+    assert pol.choose(ctx(sizes, dec, 2.0, backlog=1.0, remaining=20)) == 0  # decoder behind
+    assert MinBytesPolicy().choose(ctx(sizes, dec, 1)) == 1
+    assert MinDecodePolicy().choose(ctx(sizes, dec, 1)) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1000, 10**7), st.floats(1e-4, 0.1)), min_size=1, max_size=4),
+       st.floats(0.1, 100), st.integers(0, 50), st.floats(0, 1))
+def test_adaptive_never_predicts_worse_than_any_fixed_choice(opts, gbit, remaining, backlog):
+    sizes, dec = [o[0] for o in opts], [o[1] for o in opts]
+    c = ctx(sizes, dec, gbit, backlog, remaining)
+    j = AdaptivePolicy().choose(c)
+    assert predicted_finish(c, j) <= min(predicted_finish(c, k) for k in range(len(sizes))) + 1e-12
+
+
+def test_get_policy_names():
+    assert get_policy("fixed:512x512", CFG.resolutions).index == 1
+    with pytest.raises(Exception):
+        get_policy("fixed:999x999", CFG.resolutions)
+    with pytest.raises(Exception):
+        get_policy("nope")
+
+
+def test_bandwidth_estimator_tracks_rate_and_overlap():
+    est = BandwidthEstimator(initial_gbit=1.0, alpha=0.5)
+    t = 0.0
+    for _ in range(20):  # 1 MB per 1 ms = 8 Gbit/s
+        est.add(1_000_000, t, t + 0.001)
+        t += 0.001
+    assert abs(est.gbit - 8.0) < 0.01
+    last = BandwidthEstimator(alpha=1.0)  # alpha 1: the estimate is the last sample
+    last.add(1_000_000, 10.0, 10.002)
+    assert abs(last.gbit - 4.0) < 0.01
+    # a transfer overlapping the previous one is charged only the time since that one ended
+    last.add(1_000_000, 10.0, 10.003)
+    assert abs(last.gbit - 8.0) < 0.01
+    last.begin()
+    last.add(1_000_000, 20.0, 20.004)
+    assert abs(last.gbit - 2.0) < 0.01
+
+
+def test_profile_calibration_cached(tmp_path):
+    codec = RawCodec(("raw", "zstd"))
+    p1 = load_or_calibrate(codec, CFG, "cpu", (2, 2, 32), directory=tmp_path)
+    assert p1.source == "calibrated" and len(p1.seconds_per_value) == 2
+    p2 = load_or_calibrate(codec, CFG, "cpu", (2, 2, 32), directory=tmp_path)
+    assert p2.source == "cache" and p2.seconds_per_value == p1.seconds_per_value
+    assert (tmp_path / "decode-profiles.json").exists()
+    p2.observe(0, 1000, 1.0)
+    assert p2.seconds_per_value[0] > p1.seconds_per_value[0]
+
+
+def test_concurrent_fetches_share_cache(raw_cache):
+    kv, ids = make_kv(64), ids_for(64)
+    raw_cache.put(ids, kv)
+    results = []
+    ts = [threading.Thread(target=lambda: results.append(raw_cache.fetch(ids, 64))) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert all(r.ok and torch.equal(r.kv, kv) for r in results)

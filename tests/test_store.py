@@ -1,0 +1,131 @@
+"""KVStore conformance for the embedded backends (file://, memory://) and the URL registry."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kvcodec.errors import ConfigError, StoreError
+from kvcodec.store import BaseStore, open_store, register_store, store_schemes
+
+
+@pytest.fixture(params=["file", "memory"])
+def store(request, tmp_path):
+    url = f"file://{tmp_path / 'st'}" if request.param == "file" else "memory://"
+    with open_store(url) as st:
+        yield st
+
+
+def conformance(st) -> None:
+    """Behaviour every backend must have (shared with the Redis tests)."""
+    assert st.get("a/b") is None
+    assert st.size("a/b") is None
+    st.put("a/b", b"hello world")
+    assert st.get("a/b") == b"hello world"
+    assert st.size("a/b") == 11
+    st.put("a/b", b"replaced")  # overwrite
+    assert st.get("a/b") == b"replaced"
+    st.put_many({"a/c": b"", "z/1": bytes(range(256)) * 10})
+    assert st.get("a/c") == b""
+    assert st.exists_many(["a/b", "nope", "a/c", "z/1"]) == [True, False, True, True]
+    assert st.exists("z/1") and not st.exists("z/2")
+    assert st.get_many(["z/1", "q", "a/b"]) == [bytes(range(256)) * 10, None, b"replaced"]
+    assert st.get_range("z/1", 250, 260) == bytes(range(250, 256)) + bytes(range(4))
+    assert st.get_range("a/b", 3, 100) == b"laced"
+    assert b"".join(st.iter_get("z/1", piece_bytes=1000)) == bytes(range(256)) * 10
+    with pytest.raises(StoreError):
+        st.get_range("missing", 0, 4)
+    with pytest.raises(StoreError):
+        list(st.iter_get("missing"))
+    assert sorted(st.list("a/")) == ["a/b", "a/c"]
+    assert sorted(st.list()) == ["a/b", "a/c", "z/1"]
+    assert st.delete("a/b") is True
+    assert st.delete("a/b") is False
+    assert st.get("a/b") is None
+    with pytest.raises(ConfigError):
+        st.put("bad key with spaces", b"x")
+
+
+def test_conformance(store):
+    conformance(store)
+
+
+def test_bare_path_means_file(tmp_path):
+    with open_store(str(tmp_path / "s")) as st:
+        st.put("k", b"v")
+    with open_store(f"file://{tmp_path / 's'}") as st:
+        assert st.get("k") == b"v"  # persisted on disk
+
+
+def test_memory_named_space_is_shared():
+    a, b = open_store("memory://shared-space-test"), open_store("memory://shared-space-test")
+    a.put("k", b"1")
+    assert b.get("k") == b"1"
+    assert open_store("memory://").get("k") is None
+
+
+def test_unknown_scheme_and_registry():
+    with pytest.raises(ConfigError, match="unknown store scheme"):
+        open_store("nosuch://x")
+
+    class Echo(BaseStore):
+        def __init__(self, url):
+            self.url = url
+
+    register_store("echo-test", lambda url, **kw: Echo(url))
+    assert "echo-test" in store_schemes()
+    assert open_store("echo-test://h").url == "echo-test://h"
+
+
+def test_closed_memory_store_raises():
+    st = open_store("memory://")
+    st.close()
+    with pytest.raises(StoreError):
+        st.get("k")
+
+
+def test_file_writes_are_atomic(tmp_path):
+    """Readers racing a writer that replaces a 4 MiB object see one whole version or nothing."""
+    st = open_store(f"file://{tmp_path}")
+    versions = [bytes([i]) * (4 << 20) for i in range(4)]
+    stop = threading.Event()
+    bad: list[int] = []
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            st.put("obj", versions[i % 4])
+            i += 1
+
+    def reader():
+        while not stop.is_set():
+            v = st.get("obj")
+            if v is not None and v not in versions:
+                bad.append(len(v))
+
+    ts = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in ts:
+        t.start()
+    threading.Event().wait(1.0)
+    stop.set()
+    for t in ts:
+        t.join()
+    assert not bad
+    assert os.listdir(tmp_path / "tmp") == []  # no temp file left behind
+
+
+def test_file_store_fsync_option(tmp_path):
+    st = open_store(f"file://{tmp_path}?fsync=1")
+    assert st.fsync
+    st.put("k", b"v")
+    assert st.get("k") == b"v"
+
+
+def test_file_store_error_carries_url(tmp_path):
+    blocker = tmp_path / "notadir"
+    blocker.write_text("x")
+    with pytest.raises(StoreError) as ei:
+        open_store(f"file://{blocker}/sub")
+    assert "notadir" in str(ei.value) and ei.value.__cause__ is not None

@@ -1,0 +1,128 @@
+"""RedisStore against a REAL redis-server process (started per test on a free port in a temp dir)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvcodec.errors import StoreError
+from kvcodec.net.redis_server import RedisServer, redis_server_binary
+from kvcodec.store import open_store
+
+from test_store import conformance
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.skipif(redis_server_binary() is None,
+                       reason="redis-server binary not installed (apt-get install redis-server)"),
+]
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    srv = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+def test_conformance(redis_server):
+    with open_store(redis_server.url) as st:
+        conformance(st)
+
+
+def test_namespace_isolates_keys(redis_server):
+    a = open_store(redis_server.url, namespace="a:")
+    b = open_store(redis_server.url, namespace="b:")
+    a.put("k", b"1")
+    assert b.get("k") is None
+    b.put("k", b"2")
+    assert a.get("k") == b"1" and sorted(a.list()) == ["k"]
+
+
+def test_large_value_and_batches(redis_server):
+    st = open_store(redis_server.url)
+    big = bytes(range(256)) * (32 << 10)  # 8 MiB
+    st.put("big", big)
+    assert st.get("big") == big
+    keys = [f"k{i}" for i in range(1200)]  # more than one pipelined batch
+    st.put_many({k: k.encode() for k in keys[::2]})
+    assert st.exists_many(keys) == [i % 2 == 0 for i in range(1200)]
+    assert st.get_many(keys[:4]) == [b"k0", None, b"k2", None]
+
+
+def test_restart_persistence_graceful(redis_server):
+    st = open_store(redis_server.url)
+    st.put("persist", b"x" * 1000)
+    redis_server.stop()  # SIGTERM: AOF flushed, RDB written
+    redis_server.start()
+    st2 = open_store(redis_server.url)
+    assert st2.get("persist") == b"x" * 1000
+
+
+def test_restart_persistence_after_crash(redis_server):
+    """appendonly yes + appendfsync everysec: a write survives SIGKILL once a second passed."""
+    st = open_store(redis_server.url)
+    st.put("crash-safe", b"y" * 1000)
+    time.sleep(1.5)
+    redis_server.kill()
+    redis_server.start()
+    assert open_store(redis_server.url).get("crash-safe") == b"y" * 1000
+
+
+def test_server_down_raises_store_error_fast(redis_server):
+    st = open_store(redis_server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    st.put("k", b"v")
+    redis_server.kill()
+    t = time.monotonic()
+    with pytest.raises(StoreError) as ei:
+        st.get("k")
+    assert time.monotonic() - t < 5.0
+    assert str(redis_server.port) in str(ei.value)
+    with pytest.raises(StoreError):
+        st.exists_many(["k"])
+
+
+def test_open_on_dead_port_raises(tmp_path):
+    from kvcodec.net.redis_server import free_port
+
+    t = time.monotonic()
+    with pytest.raises(StoreError, match="connect"):
+        open_store(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=0.5)
+    assert time.monotonic() - t < 5.0
+
+
+def test_password_passed_through(tmp_path):
+    srv = RedisServer(tmp_path / "pw", appendonly=False, extra_args=("--requirepass", "s3cret")).start()
+    try:
+        with pytest.raises(StoreError) as ei:
+            open_store(srv.url)
+        assert "s3cret" not in str(ei.value)
+        st = open_store(srv.url, password="s3cret")
+        st.put("k", b"v")
+        url = srv.url.replace("redis://", "redis://:s3cret@")
+        assert open_store(url).get("k") == b"v"
+        bad = url.replace("s3cret", "wrong")
+        with pytest.raises(StoreError) as ei:
+            open_store(bad)
+        assert "wrong" not in str(ei.value)  # password redacted in the message
+    finally:
+        srv.kill()
+
+
+def test_server_timeout_is_configurable(redis_server):
+    """A server that accepts but never answers (paused with SIGSTOP) -> StoreError after the timeout."""
+    import signal
+
+    st = open_store(redis_server.url, socket_timeout=0.5, retries=0)
+    st.put("k", b"v")
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        with pytest.raises(StoreError, match="Timeout"):
+            st.get("k")
+        assert 0.4 < time.monotonic() - t < 3.0
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
