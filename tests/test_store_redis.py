@@ -126,3 +126,43 @@ def test_server_timeout_is_configurable(redis_server):
         assert 0.4 < time.monotonic() - t < 3.0
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
+
+
+def test_redis_cluster(tmp_path):
+    """redis+cluster:// against a real 3-node Redis Cluster (keys spread over hash slots)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli not installed")
+    from kvcodec.net.redis_server import free_port
+
+    nodes = [RedisServer(tmp_path / f"n{i}", appendonly=False, port=free_port(cluster=True),
+                         extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                                     "--cluster-node-timeout", "2000"))
+             for i in range(3)]
+    try:
+        for n in nodes:
+            n.start()
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            info = subprocess.run(["redis-cli", "-p", str(nodes[0].port), "cluster", "info"],
+                                  capture_output=True, text=True).stdout
+            if "cluster_state:ok" in info:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("cluster did not come up")
+        st = open_store(f"redis+cluster://127.0.0.1:{nodes[0].port}")
+        assert st.cluster
+        conformance(st)
+        keys = [f"c{i}/meta" for i in range(50)]
+        st.put_many({k: k.encode() for k in keys[::2]})
+        assert st.exists_many(keys) == [i % 2 == 0 for i in range(50)]
+        assert st.get_many(keys[:3]) == [b"c0/meta", None, b"c2/meta"]
+        st.close()
+    finally:
+        for n in nodes:
+            n.kill()

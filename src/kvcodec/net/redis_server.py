@@ -18,10 +18,28 @@ def redis_server_binary() -> str | None:
     return shutil.which("redis-server")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port(host: str = "127.0.0.1", cluster: bool = False) -> int:
+    """A free TCP port; with `cluster`, one <= 55535 whose +10000 bus port is free too."""
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    import random
+
+    for _ in range(200):
+        p = random.randrange(20000, 45000)
+        if _bindable(host, p) and _bindable(host, p + 10000):
+            return p
+    raise StoreError("no free port pair for a cluster node")
 
 
 class RedisServer:
