@@ -35,6 +35,7 @@ from kvcodec.container.format import (
 from kvcodec.errors import ChecksumError, CorruptStreamError, FormatError, ShapeError, TruncatedError
 from kvcodec.layout.search import choose_plan
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame, pixel_positions
+from kvcodec.quant import centering
 from kvcodec.quant import exact as exact_q
 from kvcodec.quant import integer as int_q
 from kvcodec.video.registry import get_decoder, get_encoder
@@ -45,6 +46,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SIDE_ZSTD_LEVEL = 19
 BYTES_ZSTD_LEVEL = 3
+SAMPLES_ZSTD_LEVEL = 19
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,13 +101,25 @@ def _zstd(data: bytes, level: int) -> bytes:
 class _ChunkSymbols:
     """What a chunk becomes before video coding: the 8-bit samples and the side streams."""
 
-    samples: torch.Tensor  # (units, tokens, dim) uint8
+    samples: torch.Tensor  # (units, tokens, dim) uint8, centered
     side: list[StreamEntry]
     side_payloads: list[bytes]
     param_dtype: str
 
 
+def _unit_modulus(layer_bits: Sequence[int], layers: int, kv_heads: int) -> torch.Tensor:
+    bits = torch.tensor(list(layer_bits) if layer_bits else [8] * layers, dtype=torch.int64)
+    return (2**bits).repeat_interleave(2 * kv_heads)
+
+
+def _centered(symbols: torch.Tensor, modulus: torch.Tensor) -> tuple[torch.Tensor, StreamEntry, bytes]:
+    centers = centering.channel_centers(symbols, modulus)
+    data = _zstd(centers.numpy().tobytes(), SIDE_ZSTD_LEVEL)
+    return centering.center(symbols, centers, modulus), StreamEntry("center", "zstd", len(data), crc32(data)), data
+
+
 def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
+    L, H = x.shape[0], x.shape[3]
     if config.is_exact:
         planes = exact_q.split_bytes(x.contiguous())
         side, payloads = [], []
@@ -115,14 +129,29 @@ def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
             codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
             side.append(StreamEntry(f"bytes{i}", codec, len(data), crc32(data)))
             payloads.append(data)
-        return _ChunkSymbols(_units(planes[0]), side, payloads, "")
+        samples, entry, data = _centered(_units(planes[0]), _unit_modulus((), L, H))
+        return _ChunkSymbols(samples, [entry, *side], [data, *payloads], "")
     bits = _bits(config, x.shape[0])
     offset, step = int_q.minmax_params(x, bits)
     q = int_q.quantize(x, offset, step, bits)
     params = torch.stack([offset, step]).contiguous()
     data = _zstd(params.numpy().tobytes(), SIDE_ZSTD_LEVEL)
-    side = [StreamEntry("side", "zstd", len(data), crc32(data))]
-    return _ChunkSymbols(_units(q), side, [data], DTYPE_NAMES[params.dtype])
+    samples, entry, centers = _centered(_units(q), _unit_modulus(bits.tolist(), L, H))
+    side = [StreamEntry("side", "zstd", len(data), crc32(data)), entry]
+    return _ChunkSymbols(samples, side, [data, centers], DTYPE_NAMES[params.dtype])
+
+
+def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[str, str, bytes]:
+    """The sample planes as ("video", "hevc", bitstream) or ("samples", "zstd", bytes), as
+    config.sample_coder asks; "auto" keeps the smaller."""
+    options = []
+    if config.sample_coder in ("hevc", "auto"):
+        options.append(("video", "hevc", encoder.encode(frames, plan.width, plan.height)))
+    if config.sample_coder in ("zstd", "auto"):
+        if "z" not in zstd_cache:
+            zstd_cache["z"] = _zstd(samples.numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
+        options.append(("samples", "zstd", zstd_cache["z"]))
+    return min(options, key=lambda o: len(o[2]))
 
 
 def plan_layouts(kv: torch.Tensor, config: CodecConfig, encoder=None) -> tuple[LayoutPlan, ...]:
@@ -160,11 +189,12 @@ def encode_chunks(
     for n, start in enumerate(range(0, T, config.chunk_tokens)):
         x = kv[:, :, start : start + config.chunk_tokens]
         symbols = _symbols(x, config)
+        zstd_samples = {}  # resolution-independent, computed at most once per chunk
         blobs = []
         for plan in plans:
             frames = [pack_frame(b, plan).numpy() for _, _, b in frame_blocks(symbols.samples, plan)]
-            video = encoder.encode(frames, plan.width, plan.height)
-            streams = (*symbols.side, StreamEntry("video", "hevc", len(video), crc32(video)))
+            name, codec, video = _code_samples(frames, symbols.samples, plan, config, encoder, zstd_samples)
+            streams = (*symbols.side, StreamEntry(name, codec, len(video), crc32(video)))
             header = ChunkHeader(
                 layers=L,
                 kv_heads=H,
@@ -248,6 +278,14 @@ def _side_params(h: ChunkHeader, streams, device) -> tuple[torch.Tensor, torch.T
     return params[0].to(device), params[1].to(device)
 
 
+def _centers(h: ChunkHeader, streams, device) -> torch.Tensor:
+    raw = _unzstd(streams["center"], "center")
+    units = h.layers * 2 * h.kv_heads
+    if len(raw) != units * h.head_dim:
+        raise CorruptStreamError("channel centers have the wrong size for the announced shape")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(units, h.head_dim).to(device)
+
+
 def _unzstd(data, name: str, size: int | None = None) -> bytes:
     try:
         return zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=size or (1 << 31))
@@ -280,6 +318,9 @@ def decode_chunk_blob(
     header, payload = read_object(blob, CHUNK_MAGIC, "chunk blob")
     h = ChunkHeader.from_json(header)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+    required = {"center"} | ({"side"} if h.quant != "exact" else set())
+    if not required <= streams.keys() or not ({"video", "samples"} & streams.keys()):
+        raise FormatError(f"chunk blob lacks streams (has {sorted(streams)})")
     dtype = DTYPES.get(h.dtype)
     if dtype is None:
         raise FormatError(f"chunk blob has unknown dtype {h.dtype!r}")
@@ -301,18 +342,21 @@ def decode_chunk_blob(
     else:
         offset, step = _side_params(h, streams, device)
 
+    modulus = _unit_modulus(h.layer_bits, h.layers, h.kv_heads).to(device)
+    centers = _centers(h, streams, device)
     decoder = decoder or get_decoder(device)
     positions = pixel_positions(plan, device)
     L, H, D = h.layers, h.kv_heads, h.head_dim
     frames = 0
     tpf = plan.tokens_per_frame
-    for frame in decoder.decode(bytes(streams["video"]), plan.width, plan.height):
+    for frame in _frames(h, plan, streams, decoder):
         start = frames * tpf
         frames += 1
         if start >= h.tokens:
             raise CorruptStreamError(f"video stream has more frames than the {h.frames} announced")
         n = min(tpf, h.tokens - start)
-        block = frame.to(device, non_blocking=True).reshape(-1)[positions].view(L, 2, H, tpf, D)
+        block = frame.to(device, non_blocking=True).reshape(-1)[positions].view(-1, tpf, D)
+        block = centering.uncenter(block, centers, modulus).view(L, 2, H, tpf, D)
         block = block[:, :, :, :n].permute(0, 1, 3, 2, 4)  # (L, 2, n, H, D)
         target = out[:, :, start : start + n]
         if h.quant == "exact":
@@ -322,6 +366,20 @@ def decode_chunk_blob(
     if frames != h.frames:
         raise CorruptStreamError(f"video stream decoded to {frames} frames, header announces {h.frames}")
     return out
+
+
+def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
+    """Decoded frames, one at a time: from the HEVC stream, or rebuilt from zstd-coded samples."""
+    if "video" in streams:
+        yield from decoder.decode(bytes(streams["video"]), plan.width, plan.height)
+        return
+    units = h.layers * 2 * h.kv_heads
+    raw = _unzstd(streams["samples"], "samples", units * h.tokens * h.head_dim)
+    if len(raw) != units * h.tokens * h.head_dim:
+        raise CorruptStreamError("sample stream has the wrong size for the announced shape")
+    samples = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(units, h.tokens, h.head_dim)
+    for _, _, block in frame_blocks(samples, plan):
+        yield pack_frame(block, plan)
 
 
 def decode(

@@ -9,6 +9,7 @@ from typing import Any
 from kvcodec.errors import ConfigError
 
 _INT_QUANT = re.compile(r"^int([2-8])$")
+SAMPLE_CODERS = ("hevc", "zstd", "auto")
 QUANT_MODES = ("exact",) + tuple(f"int{b}" for b in range(2, 9))
 
 # Frame sizes (width, height) of the planes each chunk is stored at. All multiples of 16 and
@@ -29,6 +30,9 @@ class CodecConfig:
     x265_preset: x265 speed preset for the lossless encode.
     search_layout: pick the tile layout per resolution by trial encodes on the first chunk
         (otherwise the first candidate is used).
+    sample_coder: how the 8-bit sample planes are coded: "hevc" (lossless video, decoded by NVDEC
+        on GPUs, the default), "zstd" (byte coder, decoded on the CPU), or "auto" (per chunk and
+        resolution, whichever is smaller).
     """
 
     quant: str = "int8"
@@ -37,10 +41,13 @@ class CodecConfig:
     layer_bits: tuple[int, ...] = ()
     x265_preset: str = "ultrafast"
     search_layout: bool = True
+    sample_coder: str = "hevc"
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:
             raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}; got {self.quant!r}")
+        if self.sample_coder not in SAMPLE_CODERS:
+            raise ConfigError(f"sample_coder must be one of {', '.join(SAMPLE_CODERS)}; got {self.sample_coder!r}")
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
         if not self.resolutions:

@@ -1,0 +1,162 @@
+"""Round trips through the real x265 encoder and FFmpeg decoder, and bad input."""
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec import CodecConfig
+from kvcodec.codec import decode_chunk_blob, encode_chunks, inspect_chunk_blob
+from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
+
+SMALL = ((144, 144),)
+_INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def kv_like(layers=2, tokens=40, heads=2, dim=32, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.05, 4.0, dim)
+    kv = torch.randn(layers, 2, tokens, heads, dim, generator=g) * scale
+    kv[:, 0, 0] *= 20  # an attention-sink-like outlier token
+    return kv.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_exact_restores_every_bit(dtype):
+    kv = kv_like(dtype=dtype)
+    kv.view(-1)[5] = float("nan")
+    kv.view(-1)[6] = -0.0
+    out = kvcodec.decode(kvcodec.encode(kv, CodecConfig(quant="exact", chunk_tokens=16, resolutions=SMALL)))
+    assert out.dtype == dtype and out.shape == kv.shape
+    assert torch.equal(out.view(_INT[dtype]), kv.view(_INT[dtype]))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int5", "int2"])
+@pytest.mark.parametrize("coder", ["hevc", "zstd"])
+def test_integer_modes_restore_the_encoded_integers_within_half_a_step(quant, coder):
+    from kvcodec.quant import integer
+
+    kv = kv_like(tokens=33)
+    config = CodecConfig(quant=quant, chunk_tokens=33, resolutions=SMALL, sample_coder=coder)
+    out = kvcodec.decode(kvcodec.encode(kv, config))
+    bits = torch.full((kv.shape[0],), config.bits)
+    offset, step = integer.minmax_params(kv, bits)
+    q = integer.quantize(kv, offset, step, bits)
+    # the decoded values are exactly the dequantized encoded integers ...
+    assert torch.equal(out, integer.dequantize(q, offset, step, kv.dtype))
+    # ... and within half a step (plus fp16 output rounding) of the input
+    err = (out.float() - kv.float()).abs()
+    bound = step.float().unsqueeze(2) / 2 + kv.float().abs() * 2**-10
+    assert (err <= bound * 1.001).all()
+    assert err.max() > 0 or quant == "int8"
+
+
+def test_layer_wise_bits():
+    kv = kv_like(layers=3)
+    config = CodecConfig(quant="int4", layer_bits=(8, 4, 2), chunk_tokens=64, resolutions=SMALL)
+    out = kvcodec.decode(kvcodec.encode(kv, config))
+    errs = [(out[i].float() - kv[i].float()).abs().mean().item() for i in range(3)]
+    assert errs[0] < errs[1] < errs[2]
+    header = kvcodec.inspect_chunk_blob(encode_chunks(kv, config)[0].blobs[0])
+    assert header.layer_bits == (8, 4, 2)
+
+
+def test_chunks_are_independently_decodable_at_every_resolution():
+    kv = kv_like(tokens=50)
+    config = CodecConfig(quant="int8", chunk_tokens=16, resolutions=((144, 144), (256, 160)))
+    chunks = encode_chunks(kv, config)
+    assert [c.tokens for c in chunks] == [16, 16, 16, 2]
+    whole = kvcodec.decode(kvcodec.encode(kv, config))
+    for c in chunks:
+        assert len(c.blobs) == 2
+        a = decode_chunk_blob(c.blobs[0])
+        b = decode_chunk_blob(c.blob_for((256, 160)))
+        assert torch.equal(a, b)
+        assert torch.equal(a, whole[:, :, c.start_token : c.start_token + c.tokens])
+        assert inspect_chunk_blob(c.blobs[1]).resolution == (256, 160)
+
+
+def test_decode_into_a_slice_of_a_preallocated_cache():
+    kv = kv_like(tokens=20)
+    config = CodecConfig(quant="exact", chunk_tokens=20, resolutions=SMALL)
+    (chunk,) = encode_chunks(kv, config)
+    cache = torch.zeros(2, 2, 64, 2, 32, dtype=torch.float16)
+    got = decode_chunk_blob(chunk.blobs[0], out=cache[:, :, 10:30])
+    assert got.data_ptr() == cache[:, :, 10:30].data_ptr()
+    assert torch.equal(cache[:, :, 10:30], kv) and (cache[:, :, :10] == 0).all()
+    with pytest.raises(ShapeError):
+        decode_chunk_blob(chunk.blobs[0], out=cache[:, :, 0:19])
+
+
+def test_inspect_reports_sizes_and_ratio():
+    kv = kv_like()
+    info = kvcodec.inspect(kvcodec.encode(kv, CodecConfig(quant="int4", chunk_tokens=16, resolutions=SMALL)))
+    res = info["resolutions"]["144x144"]
+    assert info["shape"] == list(kv.shape) and info["chunks"] == 3
+    assert res["ratio_vs_fp16"] == pytest.approx(info["fp16_bytes"] / res["bytes"])
+    assert set(res["streams"]) == {"side", "center", "video"}
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (torch.zeros(2, 3, 4, 1, 8), ShapeError),  # K/V axis is not 2
+        (torch.zeros(2, 2, 4, 8), ShapeError),  # 4-D
+        (torch.zeros(2, 2, 4, 1, 8, dtype=torch.int32), ShapeError),
+        (torch.full((1, 2, 4, 1, 8), float("nan")), ShapeError),  # NaN cannot be quantized
+    ],
+)
+def test_bad_tensors_are_refused_clearly(bad, error):
+    with pytest.raises(error):
+        kvcodec.encode(bad, CodecConfig(resolutions=SMALL))
+
+
+def test_bad_configs_are_refused_clearly():
+    with pytest.raises(ConfigError, match="quant"):
+        CodecConfig(quant="int9")
+    with pytest.raises(ConfigError, match="multiples of 16"):
+        CodecConfig(resolutions=((150, 150),))
+    with pytest.raises(ShapeError, match="layer_bits"):
+        kvcodec.encode(kv_like(layers=2), CodecConfig(quant="int4", layer_bits=(4,), resolutions=SMALL))
+
+
+@pytest.fixture(scope="module")
+def encoded():
+    kv = kv_like(tokens=24)
+    return kv, kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=12, resolutions=SMALL))
+
+
+def test_every_truncation_raises_a_kvcodec_error(encoded):
+    _, data = encoded
+    cuts = sorted({1, 3, 8, 10, 50, len(data) // 3, len(data) // 2, len(data) - 1} | set(range(0, 12)))
+    for cut in cuts:
+        with pytest.raises(FormatError):
+            kvcodec.decode(data[:cut])
+    with pytest.raises(TruncatedError):
+        kvcodec.decode(data[: len(data) - 1])
+
+
+def test_bit_flips_anywhere_are_detected(encoded):
+    _, data = encoded
+    step = max(1, len(data) // 97)
+    for pos in range(0, len(data), step):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x10
+        with pytest.raises(FormatError):
+            kvcodec.decode(bytes(flipped))
+
+
+def test_foreign_and_future_files_are_named(encoded):
+    kv, data = encoded
+    with pytest.raises(FormatError, match="not a kvcodec"):
+        kvcodec.decode(b"\x89PNG\r\n\x1a\n" + b"\0" * 100)
+    future = bytearray(data)
+    future[4] = 9
+    with pytest.raises(FormatError, match="version 9"):
+        kvcodec.decode(bytes(future))
+    chunk = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=12, resolutions=SMALL))[0].blobs[0]
+    with pytest.raises(FormatError, match="chunk blob"):
+        kvcodec.decode(chunk)  # a chunk blob is not a file
+    with pytest.raises(ChecksumError):
+        bad = bytearray(chunk)
+        bad[-5] ^= 1
+        decode_chunk_blob(bytes(bad))

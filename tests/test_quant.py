@@ -1,0 +1,69 @@
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.quant import exact, integer
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+_INT = {2: torch.int16, 4: torch.int32}
+
+
+@st.composite
+def kv_tensors(draw, finite=True):
+    layers = draw(st.integers(1, 3))
+    tokens = draw(st.integers(1, 9))
+    heads = draw(st.integers(1, 2))
+    dim = draw(st.sampled_from([1, 4, 8]))
+    scale = draw(st.sampled_from([1e-3, 1.0, 30.0, 5e3]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(layers, 2, tokens, heads, dim, generator=g) * scale
+    if draw(st.booleans()):
+        x[..., 0] = x[..., 0] * 0 + draw(st.floats(-100, 100))  # constant channel
+    return x
+
+
+@given(kv_tensors(), st.sampled_from(DTYPES), st.data())
+@settings(max_examples=60, deadline=None)
+def test_integer_quantization_error_is_at_most_half_a_step(x, dtype, data):
+    x = x.to(dtype)
+    bits = torch.tensor([data.draw(st.integers(2, 8)) for _ in range(x.shape[0])])
+    offset, step = integer.minmax_params(x, bits)
+    q = integer.quantize(x, offset, step, bits)
+    assert q.dtype == torch.uint8
+    assert (q.amax(dim=(1, 2, 3, 4)).long() <= (2**bits - 1)).all()
+    back = integer.dequantize(q, offset, step, torch.float32)
+    err = (x.float() - back).abs()
+    bound = step.float().unsqueeze(2) / 2
+    assert (err <= bound * (1 + 1e-5) + 1e-6 * x.float().abs() + 1e-7).all()
+
+
+@given(kv_tensors(), st.sampled_from(DTYPES))
+@settings(max_examples=40, deadline=None)
+def test_quantization_params_cover_every_value(x, dtype):
+    x = x.to(dtype)
+    bits = torch.full((x.shape[0],), 8)
+    offset, step = integer.minmax_params(x, bits)
+    assert (offset.float() <= x.float().amin(dim=2)).all()
+    assert (offset.float() + step.float() * 255 >= x.float().amax(dim=2)).all()
+
+
+@given(st.sampled_from(DTYPES), st.integers(0, 2**31 - 1))
+@settings(max_examples=30, deadline=None)
+def test_exact_byte_planes_restore_every_bit(dtype, seed):
+    width = exact.bytes_per_value(dtype)
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2 ** (8 * width - 1)), 2 ** (8 * width - 1), (257,), generator=g, dtype=torch.int64)
+    x = bits.to(_INT[width]).view(dtype)  # every bit pattern: NaNs, infinities, -0, subnormals
+    planes = exact.split_bytes(x)
+    assert len(planes) == width and all(p.dtype == torch.uint8 for p in planes)
+    assert torch.equal(exact.join_bytes(planes, dtype).view(_INT[width]), x.view(_INT[width]))
+
+
+@given(st.sampled_from(DTYPES), st.lists(st.floats(-6e4, 6e4, allow_nan=False), min_size=2, max_size=50))
+@settings(max_examples=40, deadline=None)
+def test_ordered_codes_are_monotone_in_value(dtype, values):
+    x = torch.tensor(values).to(dtype)
+    codes = exact.to_ordered(x)
+    by_code = x.float()[torch.argsort(codes)]
+    assert (by_code.diff() >= 0).all()  # larger code, never smaller value (-0 and +0 tie)
