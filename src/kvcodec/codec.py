@@ -253,7 +253,7 @@ def encode(
 
 def inspect_chunk_blob(blob: bytes | memoryview) -> ChunkHeader:
     """Parse and verify a chunk blob's header (not its streams)."""
-    header, _ = read_object(blob, CHUNK_MAGIC, "chunk blob")
+    header, _ = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
     return ChunkHeader.from_json(header)
 
 
@@ -315,7 +315,7 @@ def decode_chunk_blob(
     """Decode one chunk blob into a (layers, 2, tokens, kv_heads, head_dim) tensor on `device`,
     restoring frame by frame. With `out` (for example a slice of a preallocated KV cache) the
     values are written there and `out` is returned."""
-    header, payload = read_object(blob, CHUNK_MAGIC, "chunk blob")
+    header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
     h = ChunkHeader.from_json(header)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
     required = {"center"} | ({"side"} if h.quant != "exact" else set())

@@ -156,12 +156,12 @@ def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict
     if len(view) < _PREFIX.size:
         if bytes(view[:4]) == magic[: len(view[:4])]:
             raise TruncatedError(f"{what} truncated: {len(view)} bytes, shorter than its fixed prefix")
-        raise FormatError(f"not a kvcodec {what} ({len(view)} bytes)")
+        raise FormatError(f"not a {what} ({len(view)} bytes)")
     got_magic, version, head_len = _PREFIX.unpack_from(view, 0)
     if got_magic != magic:
         other = {CHUNK_MAGIC: "chunk blob", FILE_MAGIC: "kvcodec file (.kvc)"}.get(got_magic)
         hint = f"; it is a {other}" if other else ""
-        raise FormatError(f"not a kvcodec {what}: magic {got_magic!r}, expected {magic!r}{hint}")
+        raise FormatError(f"not a {what}: magic {got_magic!r}, expected {magic!r}{hint}")
     if version != FORMAT_VERSION:
         raise FormatError(f"{what} has format version {version}; this kvcodec reads version {FORMAT_VERSION}")
     if head_len > MAX_HEADER_BYTES:

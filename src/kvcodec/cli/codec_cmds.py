@@ -1,0 +1,127 @@
+"""`kvcodec encode | decode | inspect`: files on disk <-> kvcodec containers."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from kvcodec.config import QUANT_MODES, SAMPLE_CODERS
+from kvcodec.errors import ShapeError
+
+
+def _parse_resolutions(text: str | None):
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        try:
+            w, h = part.lower().split("x")
+            out.append((int(w), int(h)))
+        except ValueError:
+            raise click.BadParameter(f"{part!r}: expected WIDTHxHEIGHT, e.g. 512x512") from None
+    return tuple(out)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@click.command("encode")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--quant", type=click.Choice(QUANT_MODES), default="int8", show_default=True)
+@click.option("--chunk-tokens", type=int, default=256, show_default=True)
+@click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 256x256,512x512,1024x1024).")
+@click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
+@click.option("--sample-coder", type=click.Choice(SAMPLE_CODERS), default="hevc", show_default=True)
+def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder):
+    """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
+    from safetensors.torch import load_file
+    from tqdm import tqdm
+
+    import kvcodec
+
+    tensors = load_file(str(src))
+    if "kv" not in tensors:
+        raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
+    kv = tensors["kv"]
+    kw = dict(quant=quant, chunk_tokens=chunk_tokens, sample_coder=sample_coder)
+    if res := _parse_resolutions(resolutions):
+        kw["resolutions"] = res
+    if layer_bits:
+        kw["layer_bits"] = tuple(int(b) for b in layer_bits.split(","))
+    config = kvcodec.CodecConfig(**kw)
+    kvcodec.codec.check_kv(kv, config)
+    chunks = -(-kv.shape[2] // chunk_tokens)
+    t0 = time.perf_counter()
+    with tqdm(total=chunks, unit="chunk", desc="encode", disable=None) as bar:
+        data = kvcodec.encode(kv, config, on_chunk=lambda c: bar.update(1))
+    elapsed = time.perf_counter() - t0
+    _atomic_write(dst, data)
+    info = kvcodec.inspect(data)
+    best = min(info["resolutions"].items(), key=lambda kv_: kv_[1]["bytes"])
+    click.echo(
+        f"{dst}: {len(data):,} bytes for {kv.shape[2]} tokens ({chunks} chunks x {len(config.resolutions)} resolutions) "
+        f"in {elapsed:.1f} s; best resolution {best[0]}: {best[1]['ratio_vs_fp16']:.2f}x vs fp16"
+    )
+
+
+@click.command("decode")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ...")
+@click.option("--resolution", help="Which stored resolution to decode, e.g. 512x512 (default: the largest).")
+def decode_cmd(src, dst, device, resolution):
+    """Decode SRC.kvc into DST.safetensors (one tensor named `kv`)."""
+    from safetensors.torch import save_file
+
+    import kvcodec
+
+    res = _parse_resolutions(resolution)
+    t0 = time.perf_counter()
+    kv = kvcodec.decode(src.read_bytes(), device=device, resolution=res[0] if res else None)
+    elapsed = time.perf_counter() - t0
+    save_file({"kv": kv.cpu().contiguous()}, str(dst))
+    click.echo(f"{dst}: kv {tuple(kv.shape)} {str(kv.dtype).removeprefix('torch.')} decoded on {device} in {elapsed:.2f} s")
+
+
+@click.command("inspect")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect_cmd(src, as_json):
+    """Show a .kvc file's header, streams, sizes, ratio vs fp16, quantization and layouts."""
+    import kvcodec
+
+    info = kvcodec.inspect(src.read_bytes())
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    cfg = info["config"]
+    click.echo(f"file        {src} ({info['file_bytes']:,} bytes, format v1)")
+    click.echo(f"kv          shape {tuple(info['shape'])} {info['dtype']}, {info['tokens']} tokens in {info['chunks']} chunks of {cfg['chunk_tokens']}")
+    bits = f" layer bits {cfg['layer_bits']}" if cfg["layer_bits"] else ""
+    click.echo(f"quant       {cfg['quant']}{bits}; samples coded with {cfg['sample_coder']}")
+    click.echo(f"fp16 size   {info['fp16_bytes']:,} bytes")
+    for name, r in info["resolutions"].items():
+        lay = r["layout"]
+        streams = ", ".join(f"{k} {v:,}" for k, v in r["streams"].items())
+        click.echo(
+            f"  {name:>9}  {r['bytes']:>12,} bytes  {r['ratio_vs_fp16']:5.2f}x  "
+            f"{lay['orientation']} tiles {lay['tile_w']}x{lay['tile_h']}, {lay['tokens_per_frame']} tokens/frame, "
+            f"{r['frames_per_chunk']} frames/chunk  [{streams}]"
+        )
+
+
+commands = [encode_cmd, decode_cmd, inspect_cmd]
