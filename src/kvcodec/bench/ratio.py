@@ -1,0 +1,194 @@
+"""`kvcodec bench ratio`: compressed size and accuracy cost of each quant mode on real KV caches.
+
+For each (model, text): the prefix KV of `--tokens` tokens from a real forward pass; then
+  * kvcodec in each quant mode (HEVC samples; every stored resolution; and the "auto" coder),
+  * zstd-3 / zstd-19 / lz4 on the fp16 bytes and on the SAME quantized integers kvcodec codes,
+  * CacheGen-style (kvcodec.baselines "cachegen"),
+  * the order-0 entropy of the quantized symbols per (layer, K/V, head, channel): the size a
+    per-channel static entropy coder could reach,
+  * accuracy: perplexity of the text's continuation and greedy-token agreement over
+    `--greedy-tokens` tokens, prefix KV restored vs recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import click
+
+FP16 = 2
+
+
+def per_channel_entropy_bits(symbols) -> float:
+    """Mean order-0 entropy in bits/value, with one histogram per (layer, K/V, head, channel).
+    symbols: (layers, 2, tokens, heads, dim) integer tensor."""
+    import torch
+
+    L, _, T, H, D = symbols.shape
+    rows = symbols.permute(0, 1, 3, 4, 2).reshape(-1, T).long()
+    counts = torch.zeros(rows.shape[0], 256, dtype=torch.float64)
+    counts.scatter_add_(1, rows, torch.ones_like(rows, dtype=torch.float64))
+    p = counts / T
+    ent = -(p * torch.where(p > 0, p.log2(), torch.zeros_like(p))).sum(1)
+    return float(ent.mean())
+
+
+def quantized_symbols(kv, quant: str, chunk_tokens: int):
+    """The integers kvcodec codes, per chunk (exact: the ordered byte planes), with side bytes."""
+    import torch
+
+    from kvcodec.quant import exact, integer
+
+    pieces, side = [], 0
+    for s in range(0, kv.shape[2], chunk_tokens):
+        x = kv[:, :, s : s + chunk_tokens]
+        if quant == "exact":
+            pieces.append(torch.stack(exact.split_bytes(x)))  # (bytes, L, 2, T, H, D)
+        else:
+            bits = torch.full((kv.shape[0],), int(quant[3:]))
+            off, step = integer.minmax_params(x, bits)
+            pieces.append(integer.quantize(x, off, step, bits).unsqueeze(0))
+            side += off.numel() * off.element_size() * 2
+    return torch.cat(pieces, dim=3), side
+
+
+def _byte_coders():
+    import lz4.frame
+    import zstandard
+
+    return {
+        "zstd-3": lambda b: len(zstandard.ZstdCompressor(level=3).compress(b)),
+        "zstd-19": lambda b: len(zstandard.ZstdCompressor(level=19).compress(b)),
+        "lz4": lambda b: len(lz4.frame.compress(b)),
+    }
+
+
+def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens: int, chunk_tokens: int, log):
+    import torch
+
+    import kvcodec
+    from kvcodec.baselines import get_codec
+    from kvcodec.bench import accuracy_metrics as acc
+    from kvcodec.integrations.hf import extract_kv
+    from kvcodec.models import load_model
+    from kvcodec.models.texts import load_text
+
+    model, tok = load_model(model_name)
+    text = load_text(text_name)
+    ids_all = tok(text, return_tensors="pt").input_ids[0]
+    if ids_all.numel() < tokens + 160:
+        raise click.ClickException(f"text {text_name} has only {ids_all.numel()} tokens; need {tokens + 160}")
+    prefix_ids = ids_all[:tokens]
+    continuation = ids_all[tokens : tokens + 128]
+    prompt = ids_all[tokens : tokens + 16]
+    t0 = time.perf_counter()
+    _, kv32 = extract_kv(model, tok, text, max_tokens=tokens)
+    log(f"{model_name} / {text_name}: KV {tuple(kv32.shape)} in {time.perf_counter() - t0:.1f} s")
+    kv = kv32.to(torch.float16)
+    fp16_bytes = kv.numel() * FP16
+    base = {"model": model_name, "text": text_name, "prefix_tokens": tokens, "kv_shape": list(kv.shape)}
+    records = []
+
+    def rec(codec, quant, nbytes, **extra):
+        r = {**base, "codec": codec, "quant": quant, "bytes": int(nbytes), "ratio_vs_fp16": fp16_bytes / nbytes}
+        r.setdefault("entropy_bits_per_value", None)
+        r.setdefault("ppl_delta", None)
+        r.setdefault("token_agreement", None)
+        r.update(extra)
+        records.append(r)
+        log(f"  {codec:>22} {quant:>6} {nbytes:>11,} B  {fp16_bytes / nbytes:5.2f}x")
+
+    raw = kv.numpy().tobytes()
+    for name, size in _byte_coders().items():
+        rec(name, "fp16", size(raw), entropy_bits_per_value=None)
+
+    for quant in quants:
+        symbols, side = quantized_symbols(kv, quant, chunk_tokens)
+        entropy = sum(per_channel_entropy_bits(p) for p in symbols)  # exact: sum over byte planes
+        for name, size in _byte_coders().items():
+            rec(f"{name} (same integers)", quant, sum(size(p.numpy().tobytes()) for p in symbols) + side,
+                entropy_bits_per_value=entropy)
+        rec("entropy bound (per-channel order-0)", quant, math.ceil(entropy * kv.numel() / 8) + side,
+            entropy_bits_per_value=entropy)
+        for coder in ("hevc", "auto"):
+            config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder)
+            t0 = time.perf_counter()
+            data = kvcodec.encode(kv, config)
+            enc_s = time.perf_counter() - t0
+            info = kvcodec.inspect(data)
+            best_name, best = min(info["resolutions"].items(), key=lambda kv_: kv_[1]["bytes"])
+            restored = kvcodec.decode(data, resolution=tuple(int(v) for v in best_name.split("x")))
+            extra = {
+                "entropy_bits_per_value": entropy,
+                "resolution": best_name,
+                "bytes_per_resolution": {k: v["bytes"] for k, v in info["resolutions"].items()},
+                "streams": best["streams"],
+                "layout": best["layout"],
+                "encode_s_cpu": enc_s,
+            }
+            if coder == "hevc":
+                ppl = acc.perplexity_delta(model, prefix_ids, restored.to(kv32.dtype), kv32, continuation)
+                agree = acc.greedy_agreement(model, prefix_ids, restored.to(kv32.dtype), kv32, prompt, greedy_tokens)
+                extra.update(
+                    ppl_reference=ppl.ppl_reference,
+                    ppl_restored=ppl.ppl_restored,
+                    ppl_delta=ppl.delta,
+                    token_agreement=agree.agreement,
+                    kv_error=acc.kv_error(restored.float(), kv.float()),
+                )
+            rec("kvcodec" if coder == "hevc" else "kvcodec (auto coder)", quant, best["bytes"], **extra)
+    cachegen = get_codec("cachegen")
+    data = cachegen.encode(kv)
+    restored = cachegen.decode(data)
+    ppl = acc.perplexity_delta(model, prefix_ids, restored.to(kv32.dtype), kv32, continuation)
+    agree = acc.greedy_agreement(model, prefix_ids, restored.to(kv32.dtype), kv32, prompt, greedy_tokens)
+    rec("cachegen-style", "cachegen", len(data), ppl_delta=ppl.delta, token_agreement=agree.agreement)
+    return records
+
+
+def write_table(records, path: Path) -> None:
+    lines = [
+        "| model | text | codec | quant | bytes | ratio vs fp16 | entropy bits/value | ppl delta | token agreement |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    for r in records:
+        lines.append(
+            f"| {r['model']} | {r['text']} | {r['codec']} | {r['quant']} | {r['bytes']:,} | {r['ratio_vs_fp16']:.2f} "
+            f"| {fmt(r['entropy_bits_per_value'], '.2f')} | {fmt(r['ppl_delta'], '+.4f')} | {fmt(r['token_agreement'], '.3f')} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+@click.command("ratio")
+@click.option("--models", default="smollm2-135m,qwen2.5-coder-0.5b", show_default=True)
+@click.option("--texts", default="pg/addiction,pg/aord", show_default=True, help="Names from kvcodec.models.texts.")
+@click.option("--tokens", default=512, show_default=True, help="Prefix tokens per text.")
+@click.option("--quants", default="exact,int8,int6,int4", show_default=True)
+@click.option("--greedy-tokens", default=64, show_default=True)
+@click.option("--chunk-tokens", default=256, show_default=True)
+@click.option("--out", "out_dir", default="benchmarks/results", show_default=True, type=click.Path(path_type=Path))
+@click.option("--tag", default="cpu", show_default=True, help="Suffix of the result files: ratio-<tag>.json/.md.")
+def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, out_dir, tag):
+    """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for model_name in models.split(","):
+        for text_name in texts.split(","):
+            records += measure(model_name, text_name, tokens, quants.split(","), greedy_tokens, chunk_tokens,
+                               lambda m: click.echo(m, err=True))
+    meta = {
+        "command": "kvcodec bench ratio " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "kvcodec bench ratio",
+        "machine": f"{platform.machine()} CPU, {platform.system()}",
+        "note": "sizes are bytes of the stored representation including side information; "
+        "kvcodec rows give the smallest stored resolution",
+    }
+    path = out_dir / f"ratio-{tag}.json"
+    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_table(records, out_dir / f"ratio-{tag}.md")
+    click.echo(f"wrote {path} and {path.with_suffix('.md')}")
