@@ -53,12 +53,13 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
 
     import kvcodec
 
+    res = _parse_resolutions(resolutions)  # options first: a typo fails before any work
     tensors = load_file(str(src))
     if "kv" not in tensors:
         raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
     kv = tensors["kv"]
     kw = dict(quant=quant, chunk_tokens=chunk_tokens, sample_coder=sample_coder)
-    if res := _parse_resolutions(resolutions):
+    if res:
         kw["resolutions"] = res
     if layer_bits:
         kw["layer_bits"] = tuple(int(b) for b in layer_bits.split(","))

@@ -1,0 +1,41 @@
+import json
+
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from kvcodec.cli.main import cli
+
+
+def test_encode_inspect_decode_round_trip(tmp_path):
+    kv = (torch.randn(2, 2, 30, 2, 16) * 3).to(torch.bfloat16)
+    save_file({"kv": kv}, str(tmp_path / "kv.safetensors"))
+    runner = CliRunner()
+    r = runner.invoke(cli, ["encode", str(tmp_path / "kv.safetensors"), str(tmp_path / "kv.kvc"),
+                            "--quant", "exact", "--chunk-tokens", "16", "--resolutions", "144x144,160x144"])
+    assert r.exit_code == 0, r.output
+    assert "2 chunks x 2 resolutions" in r.output
+    r = runner.invoke(cli, ["inspect", str(tmp_path / "kv.kvc"), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert info["shape"] == [2, 2, 30, 2, 16] and set(info["resolutions"]) == {"144x144", "160x144"}
+    r = runner.invoke(cli, ["inspect", str(tmp_path / "kv.kvc")])
+    assert "quant       exact" in r.output
+    r = runner.invoke(cli, ["decode", str(tmp_path / "kv.kvc"), str(tmp_path / "out.safetensors"), "--resolution", "160x144"])
+    assert r.exit_code == 0, r.output
+    out = load_file(str(tmp_path / "out.safetensors"))["kv"]
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    bad = tmp_path / "notkv.safetensors"
+    save_file({"x": torch.zeros(3)}, str(bad))
+    runner = CliRunner()
+    r = runner.invoke(cli, ["encode", str(bad), str(tmp_path / "o.kvc")])
+    assert r.exit_code != 0 and "no tensor named 'kv'" in str(r.exception)
+    junk = tmp_path / "junk.kvc"
+    junk.write_bytes(b"KVCF" + b"\x01\x00" + b"\xff" * 20)
+    r = runner.invoke(cli, ["inspect", str(junk)])
+    assert r.exit_code != 0 and "kvcodec" in str(r.exception)
+    r = runner.invoke(cli, ["encode", str(bad), str(tmp_path / "o.kvc"), "--resolutions", "big"])
+    assert r.exit_code == 2 and "WIDTHxHEIGHT" in r.output
