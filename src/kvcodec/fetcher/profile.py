@@ -2,8 +2,7 @@
 
 Model per resolution j: seconds = overhead_s[j] + values * seconds_per_value[j], where `values` is
 the number of KV values in the chunk (layers * 2 * tokens * kv_heads * head_dim). A quick
-calibration encodes a synthetic chunk (two sizes, to separate the fixed cost from the per-value
-cost) and times its decode at every resolution. Profiles are cached as JSON in the cache dir
+calibration encodes a synthetic full chunk and times its decode at every resolution. Profiles are cached as JSON in the cache dir
 (``$KVCODEC_CACHE_DIR`` or ``~/.cache/kvcodec``), keyed by device model, codec and configuration,
 and refined online from the decode times the fetcher observes.
 """
@@ -27,6 +26,7 @@ from kvcodec.fetcher.keys import codec_identity, config_fingerprint
 log = logging.getLogger(__name__)
 
 PROFILE_FILE = "decode-profiles.json"
+PROFILE_VERSION = 2  # bump when calibration changes: old cached profiles are then ignored
 
 
 def cache_dir() -> Path:
@@ -104,39 +104,29 @@ def _synthetic_kv(shape: tuple[int, int, int], tokens: int, dtype: torch.dtype, 
 
 def calibrate(
     codec: Any, config: Any, device: str | torch.device, shape: tuple[int, int, int],
-    dtype: torch.dtype = torch.float16, repeats: int = 2,
+    dtype: torch.dtype = torch.float16, repeats: int = 3,
 ) -> DecodeProfile:
-    """Time the decode of a synthetic chunk at every resolution of `config` (and of a quarter
-    chunk, to split fixed from per-value cost)."""
+    """Time the decode of one synthetic full chunk at every resolution of `config` (best of
+    `repeats` after a warm-up). Fetched chunks are full chunks except a prefix's tail, so the
+    per-value cost of a full chunk is what the policy needs; the fixed cost is left at 0 (a
+    two-size fit was tried and is unstable: a small chunk still costs whole frames)."""
     ct = int(config.chunk_tokens)
-    small = max(1, ct // 4)
-    full_kv = _synthetic_kv(shape, ct, dtype)
-    full = codec.encode_chunks(full_kv, config)[0]
-    part = codec.encode_chunks(full_kv[:, :, :small].contiguous(), config)[0] if small < ct else full
+    chunk = codec.encode_chunks(_synthetic_kv(shape, ct, dtype), config)[0]
     L, H, D = shape
-    v_full, v_small = L * 2 * ct * H * D, L * 2 * small * H * D
-    spv, ovh = [], []
+    values = L * 2 * ct * H * D
+    spv = []
     for j in range(len(config.resolutions)):
-        times = []
-        for blob in (full.blobs[j], part.blobs[j]):
-            codec.decode_chunk_blob(blob, device=device)  # warm-up (decoder init, caches)
-            best = float("inf")
-            for _ in range(max(1, repeats)):
-                t = time.perf_counter()
-                codec.decode_chunk_blob(blob, device=device)
-                if torch.device(device).type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t)
-            times.append(best)
-        t_full, t_small = times
-        if v_full > v_small and t_full > t_small:
-            per = (t_full - t_small) / (v_full - v_small)
-            over = max(0.0, t_full - per * v_full)
-        else:
-            per, over = t_full / v_full, 0.0
-        spv.append(per)
-        ovh.append(over)
-    return DecodeProfile(tuple(config.resolutions), spv, ovh, "calibrated")
+        blob = chunk.blobs[j]
+        codec.decode_chunk_blob(blob, device=device)  # warm-up (decoder init, caches)
+        best = float("inf")
+        for _ in range(max(1, repeats)):
+            t = time.perf_counter()
+            codec.decode_chunk_blob(blob, device=device)
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        spv.append(best / values)
+    return DecodeProfile(tuple(config.resolutions), spv, [0.0] * len(spv), "calibrated")
 
 
 def load_or_calibrate(
@@ -146,7 +136,7 @@ def load_or_calibrate(
     """The cached profile for (device model, codec, config, shape), calibrating on a miss."""
     directory = directory or cache_dir()
     path = directory / PROFILE_FILE
-    key = "|".join([device_model(device), codec_identity(codec), config_fingerprint(config, codec),
+    key = "|".join([f"v{PROFILE_VERSION}", device_model(device), codec_identity(codec), config_fingerprint(config, codec),
                     "x".join(map(str, shape)), str(dtype).replace("torch.", "")])
     table: dict[str, Any] = {}
     try:

@@ -119,13 +119,27 @@ class NetnsLink:
             self.close()
             raise
         if len(self.trace.segments) > 1:
-            self._thread = threading.Thread(target=self._play, name=f"{self.name}-trace", daemon=True)
-            self._thread.start()
+            self.play(self.trace)
         return self
 
-    def _play(self) -> None:
+    def play(self, trace: JitterTrace) -> None:
+        """Follow `trace` from now on (a background thread runs `tc qdisc change` at each
+        segment boundary) until `stop_play()` or `set_rate()`."""
+        self.stop_play()
+        self.trace = trace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._play, args=(self._stop,), name=f"{self.name}-trace", daemon=True)
+        self._thread.start()
+
+    def stop_play(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    def _play(self, stop: threading.Event) -> None:
         t0 = time.monotonic()
-        while not self._stop.is_set():
+        while not stop.is_set():
             t = time.monotonic() - t0
             rate = self.trace.rate_at(t)
             try:
@@ -139,9 +153,12 @@ class NetnsLink:
                 acc += d
                 if acc > off:
                     break
-            self._stop.wait(max(0.001, acc - off))
+            stop.wait(max(0.001, acc - off))
 
     def set_rate(self, rate_gbit: float) -> None:
+        """A constant rate from now on (stops a playing trace)."""
+        self.stop_play()
+        self.trace = JitterTrace.constant(rate_gbit)
         self._tc("change", rate_gbit)
 
     def exec_argv(self, argv: list[str]) -> list[str]:
@@ -149,10 +166,7 @@ class NetnsLink:
         return ["ip", "netns", "exec", self.name, *argv]
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
-            self._thread = None
+        self.stop_play()
         if self._up:
             _run(["ip", "netns", "del", self.name], check=False)
             self._up = False
