@@ -1,0 +1,110 @@
+"""Background writer: after a prefill, encode the prompt's KV (CPU x265) and put it in the store."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorePolicy:
+    """What gets stored after a prefill.
+
+    enabled: store at all.
+    min_tokens: prompts shorter than this are not stored (None: one chunk of the codec config).
+    max_tokens: store at most this many leading prompt tokens (None: all full chunks).
+    skip_if_restored: skip when the restored prefix already covers every full chunk of the prompt.
+    dtype: dtype the KV is stored from ("float16", "bfloat16", "float32"; None: the model's).
+        quant="exact" restores exactly what was stored, so keep the model's dtype for bit-exact reuse.
+    """
+
+    enabled: bool = True
+    min_tokens: int | None = None
+    max_tokens: int | None = None
+    skip_if_restored: bool = True
+    dtype: str | None = None
+
+
+class KVStorer:
+    """Runs PrefixCache.put on a worker thread so that the engine never waits for an encode."""
+
+    def __init__(self, prefix_cache: Any, policy: StorePolicy, chunk_tokens: int, workers: int = 1) -> None:
+        self.prefix_cache = prefix_cache
+        self.policy = policy
+        self.chunk_tokens = max(1, chunk_tokens)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-store")
+        self._pending: set[Future] = set()
+        self._lock = threading.Lock()
+        self.on_done: Any = None  # callable(chunks_written | None, error | None)
+
+    def tokens_to_store(self, prompt_len: int, restored: int) -> int:
+        p = self.policy
+        if not p.enabled or self.prefix_cache is None:
+            return 0
+        min_tokens = p.min_tokens if p.min_tokens is not None else self.chunk_tokens
+        if prompt_len < max(min_tokens, 1):
+            return 0
+        n = prompt_len if p.max_tokens is None else min(prompt_len, p.max_tokens)
+        full = (n // self.chunk_tokens) * self.chunk_tokens
+        if full == 0:
+            return 0
+        if p.skip_if_restored and restored >= full:
+            return 0
+        return n
+
+    def submit(self, prompt_ids: list[int], cache: Any, restored: int = 0) -> Future | None:
+        """Snapshot the first tokens of `cache` (no copy) and store them in the background."""
+        n = self.tokens_to_store(len(prompt_ids), restored)
+        if n == 0:
+            return None
+        # DynamicCache.update concatenates into new tensors, so these references stay valid (and
+        # unchanged) while the request keeps decoding.
+        layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+        fut = self._pool.submit(self._put, list(prompt_ids[:n]), layers)
+        with self._lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def _put(self, ids: list[int], layers: list) -> int:
+        from transformers import DynamicCache
+
+        from kvcodec.integrations.hf import cache_to_tensor
+
+        try:
+            import torch
+
+            kv = cache_to_tensor(DynamicCache(ddp_cache_data=layers)).to("cpu")
+            if self.policy.dtype:
+                kv = kv.to(getattr(torch, self.policy.dtype))
+            written = int(self.prefix_cache.put(ids, kv) or 0)
+        except Exception as e:
+            log.warning("storing %d tokens of KV failed: %s", len(ids), e)
+            if self.on_done:
+                self.on_done(None, e)
+            raise
+        if self.on_done:
+            self.on_done(written, None)
+        return written
+
+    def _forget(self, fut: Future) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued store has finished (errors are logged, not raised)."""
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            try:
+                f.result(timeout=timeout)
+            except Exception:
+                pass
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)

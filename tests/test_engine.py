@@ -1,0 +1,116 @@
+"""Engine on a real model (smollm2-135m): reuse gives the same greedy answer as recomputing."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvcodec.config import CodecConfig  # noqa: E402
+from kvcodec.engine import Engine, SamplingParams, StorePolicy  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 32
+DOC = (
+    "Alice keeps her bicycle in the blue shed behind the library. Bob keeps his canoe in the red "
+    "barn near the river. Carol keeps her telescope in the attic of the old school. Dave parks "
+    "his green truck in the garage on Elm Street, next to the bakery. Erin stores her violin in "
+    "the music room on the second floor. Frank hides his fishing rods under the porch of the "
+    "cabin by the lake, where nobody ever looks. "
+)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from kvcodec.models import load_model
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return load_model("smollm2-135m")
+
+
+def make_engine(smol, url: str, **kw) -> Engine:
+    model, tok = smol
+    kw.setdefault("codec_config", CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)))
+    kw.setdefault("prefix_cache_options", {"policy": "fixed:0"})
+    return Engine(model, tokenizer=tok, store_url=url, device="cpu", **kw)
+
+
+def prompts(tok) -> list[str]:  # noqa: ANN001
+    qs = ["Where does Bob keep his canoe?", "Where does Alice keep her bicycle?"]
+    out = [f"{DOC}\nQuestion: {q}\nAnswer:" for q in qs]
+    assert all(len(tok(p)["input_ids"]) <= 128 for p in out)
+    return out
+
+
+def test_reuse_equals_recompute_exact(smol, tmp_path: pathlib.Path):
+    with make_engine(smol, f"file://{tmp_path}") as eng:
+        ps = prompts(smol[1])
+        base = eng.generate(ps, max_new_tokens=6, reuse=False, store=False)
+        eng.generate(ps[:1], max_new_tokens=1, wait_for_store=True)  # stores the first prompt's KV
+        again = eng.generate(ps, max_new_tokens=6)
+        for b, a in zip(base, again):
+            assert b.matched_tokens == 0 and b.restored_tokens == 0
+            assert a.matched_tokens >= 2 * CHUNK  # the shared document prefix was found
+            assert a.restored_tokens >= 2 * CHUNK and a.fetch_error is None
+            assert a.prefilled_tokens == len(a.prompt_ids) - a.restored_tokens
+            assert a.token_ids == b.token_ids
+        m = eng.metrics.render().decode()
+        assert "kvcodec_reuse_hits_total 2.0" in m
+        assert "kvcodec_fetch_fallbacks_total 0.0" in m
+
+
+def test_reuse_int8_same_greedy_answer(smol, tmp_path: pathlib.Path):
+    cfg = CodecConfig(quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
+    with make_engine(smol, f"memory://", codec_config=cfg) as eng:
+        p = prompts(smol[1])[0]
+        base = eng.generate(p, max_new_tokens=6, wait_for_store=True)[0]
+        again = eng.generate(p, max_new_tokens=6)[0]
+        assert again.restored_tokens >= 2 * CHUNK
+        assert again.bytes_fetched > 0
+        assert again.token_ids == base.token_ids
+
+
+def test_fetch_failure_recomputes_same_answer(smol, tmp_path: pathlib.Path):
+    with make_engine(smol, f"file://{tmp_path}") as eng:
+        p = prompts(smol[1])[0]
+        base = eng.generate(p, max_new_tokens=6, wait_for_store=True)[0]
+        # corrupt every stored object but the chunk metas: a real fault the fetch must survive
+        files = [f for f in tmp_path.rglob("*") if f.is_file()]
+        blobs = [f for f in files if "meta" not in f.name]
+        assert blobs
+        for f in blobs:
+            data = bytearray(f.read_bytes())
+            for i in range(0, len(data), 7):
+                data[i] ^= 0x5A
+            f.write_bytes(bytes(data))
+        again = eng.generate(p, max_new_tokens=6)[0]
+        assert again.matched_tokens > 0
+        assert again.fetch_error is not None
+        assert again.restored_tokens == 0 and again.prefilled_tokens == len(again.prompt_ids)
+        assert again.token_ids == base.token_ids
+        assert "kvcodec_fetch_fallbacks_total 1.0" in eng.metrics.render().decode()
+
+
+def test_store_policy_min_tokens(smol):
+    with make_engine(smol, "memory://", store_policy=StorePolicy(min_tokens=10_000)) as eng:
+        p = prompts(smol[1])[0]
+        eng.generate(p, max_new_tokens=1, wait_for_store=True)
+        again = eng.generate(p, max_new_tokens=1)[0]
+        assert again.matched_tokens == 0
+
+
+def test_sampling_seeded_and_stops(smol):
+    with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
+        p = "Once upon a time"
+        sp = SamplingParams(max_new_tokens=5, temperature=0.8, seed=7)
+        a = eng.generate(p, params=sp)[0]
+        b = eng.generate(p, params=sp)[0]
+        assert a.token_ids == b.token_ids and len(a.token_ids) == 5 and a.finish_reason == "length"
+        g = eng.generate(p, max_new_tokens=3)[0]
+        stop = g.token_ids[1]
+        s = eng.generate(p, params=SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)))[0]
+        assert s.token_ids == g.token_ids[:2] and s.finish_reason == "stop"

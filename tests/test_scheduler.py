@@ -1,0 +1,125 @@
+"""Fetch-aware scheduling on a real model and a real slow store (token-bucket throttled link)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import urllib.parse
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvcodec.config import CodecConfig  # noqa: E402
+from kvcodec.engine import Engine, Request, SamplingParams, State  # noqa: E402
+from kvcodec.errors import ConfigError  # noqa: E402
+from kvcodec.fetcher.rawcodec import RawCodec  # noqa: E402
+from kvcodec.scheduler import Scheduler  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CHUNK = 32
+LONG = " ".join(f"Item {i} is stored in box {i * 7 % 13}." for i in range(12))  # ~120 tokens
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from kvcodec.models import load_model
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return load_model("smollm2-135m")
+
+
+def engine(smol, url: str, **kw) -> Engine:
+    model, tok = smol
+    return Engine(
+        model,
+        tokenizer=tok,
+        store_url=url,
+        device="cpu",
+        codec_config=CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)),
+        prefix_cache_options={"policy": "fixed:0", "codec": RawCodec()},
+        **kw,
+    )
+
+
+def slow_url(tmp_path: pathlib.Path, gbit: float) -> str:
+    return f"throttle://{gbit}?inner=" + urllib.parse.quote(f"file://{tmp_path}", safe="")
+
+
+@pytest.fixture(scope="module")
+def stored(smol, tmp_path_factory):
+    """A store holding the KV of LONG's tokens; returns (dir, bytes per fetch of LONG)."""
+    d = tmp_path_factory.mktemp("kv")
+    with engine(smol, f"file://{d}") as eng:
+        eng.generate(LONG, max_new_tokens=1, wait_for_store=True)
+        out = eng.generate(LONG, max_new_tokens=1, store=False)[0]
+    assert out.restored_tokens >= 3 * CHUNK
+    return d, out.bytes_fetched
+
+
+def _race(smol, stored, policy: str) -> tuple[Request, Request]:
+    """A reuse request whose fetch takes ~3 s over the link, then a request without reuse."""
+    d, nbytes = stored
+    gbit = nbytes * 8 / 3.0 / 1e9
+    with engine(smol, slow_url(d, gbit), policy=policy) as eng:
+        eng.generate("Hello", max_new_tokens=2, store=False)  # warm up the model
+        params = SamplingParams(max_new_tokens=3)
+        a = eng.submit(LONG, params)
+        b = eng.submit("The weather today is", params, reuse=False, store=False)
+        while not (a.finished and b.finished):
+            if eng.scheduler.wait_for_work(timeout=0.5):
+                eng.step()
+    assert a.matched_tokens > 0 and b.matched_tokens == 0
+    assert a.fetch_end - a.fetch_start > 1.5  # the link really was slow
+    return a, b
+
+
+def test_non_reuse_request_never_waits_for_fetch(smol, stored):
+    a, b = _race(smol, stored, "fetch-aware")
+    assert b.arrival_time > a.arrival_time  # b came second ...
+    assert b.finish_time < a.fetch_end  # ... and was done before a's KV even arrived
+    assert a.restored_tokens > 0 and a.fetch_error is None
+    assert a.first_token_time > a.fetch_end  # a joined the batch only after its fetch
+
+
+def test_blocking_policy_makes_others_wait(smol, stored):
+    a, b = _race(smol, stored, "blocking")
+    assert b.first_token_time > a.fetch_end  # head-of-line blocking behind the fetch
+    assert a.restored_tokens > 0
+
+
+def test_fetch_deadline_falls_back_to_recompute(smol, stored):
+    d, nbytes = stored
+    with engine(smol, slow_url(d, nbytes * 8 / 6.0 / 1e9), fetch_deadline_s=0.3) as eng:
+        ref = eng.generate(LONG, max_new_tokens=3, reuse=False, store=False)[0]
+        out = eng.generate(LONG, max_new_tokens=3, store=False)[0]
+    assert out.matched_tokens > 0 and out.fetch_error is not None
+    assert out.restored_tokens < out.matched_tokens
+    assert out.restored_tokens + out.prefilled_tokens == len(out.prompt_ids)
+    assert out.token_ids == ref.token_ids
+
+
+def test_running_batch_admits_and_retires_between_steps(smol):
+    with engine(smol, "memory://", reuse=False, max_batch=2) as eng:
+        reqs = [eng.submit(f"Count to {n}:", SamplingParams(max_new_tokens=n, ignore_eos=True)) for n in (1, 3, 2)]
+        sizes = []
+        while any(not r.finished for r in reqs):
+            eng.step()
+            sizes.append(len(eng.scheduler.running))
+        assert max(sizes) == 2  # never more than max_batch
+        assert [len(r.output_ids) for r in reqs] == [1, 3, 2]
+        # the third request joined when the first left, before the second finished
+        assert reqs[2].scheduled_time < reqs[1].finish_time
+        assert reqs[2].scheduled_time >= reqs[0].finish_time
+
+
+def test_scheduler_config_errors():
+    with pytest.raises(ConfigError):
+        Scheduler(None, policy="lifo")
+    with pytest.raises(ConfigError):
+        Scheduler(None, max_batch=0)
+    s = Scheduler(None)
+    r = Request(prompt_ids=[1, 2, 3])
+    s.add(r)
+    assert r.state is State.WAITING and s.schedule() == [r] and r.state is State.RUNNING

@@ -1,0 +1,117 @@
+"""The OpenAI-compatible server: completions, chat, SSE streaming, /metrics, /health."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from kvcodec.cli.serve import create_app  # noqa: E402
+from kvcodec.config import CodecConfig  # noqa: E402
+from kvcodec.engine import Engine  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPT = " ".join(f"Room {i} has {i * 3 % 7} chairs." for i in range(8)) + " The room with the most chairs is"
+
+
+@pytest.fixture(scope="module")
+def client():
+    from kvcodec.models import load_model
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    model, tok = load_model("smollm2-135m")
+    eng = Engine(
+        model,
+        tokenizer=tok,
+        store_url="memory://",
+        device="cpu",
+        # exact: the restored KV is bit-identical, so the answer must be too (int8 can flip near-ties)
+        codec_config=CodecConfig(quant="exact", chunk_tokens=16, resolutions=((256, 256),)),
+        prefix_cache_options={"policy": "fixed:0"},
+    )
+    with TestClient(create_app(eng, "smollm2-135m")) as c:
+        yield c, eng
+    eng.close()
+
+
+def _events(resp) -> list:  # noqa: ANN001
+    lines = [ln for ln in resp.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(ln[6:]) for ln in lines[:-1]]
+
+
+def test_health_and_models(client):
+    c, _ = client
+    assert c.get("/health").json()["status"] == "ok"
+    assert c.get("/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+
+
+def test_completion_then_reuse_same_text(client):
+    c, eng = client
+    r = c.post("/v1/completions", json={"model": "x", "prompt": PROMPT, "max_tokens": 5})
+    assert r.status_code == 200
+    first = r.json()
+    assert first["object"] == "text_completion"
+    assert first["usage"]["completion_tokens"] == 5 or first["choices"][0]["finish_reason"] == "stop"
+    assert first["kvcodec"]["restored_tokens"] == 0
+    eng.storer.flush()
+    second = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}).json()
+    assert second["kvcodec"]["restored_tokens"] > 0
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    metrics = c.get("/metrics")
+    assert metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    for name in ("kvcodec_ttft_seconds_bucket", "kvcodec_tpot_seconds_count", "kvcodec_fetch_bytes_total",
+                 "kvcodec_reuse_hits_total", "kvcodec_reuse_misses_total", "kvcodec_fetch_fallbacks_total"):
+        assert name in text
+    hits = [ln for ln in text.splitlines() if ln.startswith("kvcodec_reuse_hits_total")][0]
+    assert float(hits.split()[-1]) >= 1
+    fetched = [ln for ln in text.splitlines() if ln.startswith("kvcodec_fetch_bytes_total")][0]
+    assert float(fetched.split()[-1]) > 0
+
+
+def test_streaming_completion_matches_plain(client):
+    c, _ = client
+    body = {"prompt": "The capital of France is", "max_tokens": 6}
+    plain = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        ev = _events(r)
+    assert "".join(e["choices"][0]["text"] for e in ev) == plain
+    assert ev[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert all(e["choices"][0]["finish_reason"] is None for e in ev[:-1])
+    assert len(ev) >= 2
+
+
+def test_chat_completion_and_stream(client):
+    c, _ = client
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 5}
+    r = c.post("/v1/chat/completions", json=body).json()
+    msg = r["choices"][0]["message"]
+    assert r["object"] == "chat.completion" and msg["role"] == "assistant" and msg["content"]
+    with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        ev = _events(s)
+    assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in ev)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev) == msg["content"]
+
+
+def test_stop_string_and_bad_requests(client):
+    c, _ = client
+    full = c.post("/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 8}).json()["choices"][0]["text"]
+    cut = full.strip()[:1]
+    assert cut
+    r = c.post("/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 8, "stop": [cut]}).json()
+    assert cut not in r["choices"][0]["text"] and r["choices"][0]["finish_reason"] == "stop"
+    assert c.post("/v1/completions", json={"prompt": ""}).status_code == 400
+    assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).status_code == 400
+    assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+    assert c.post("/v1/completions", content=b"not json").status_code == 400
