@@ -1,0 +1,123 @@
+"""Accuracy helpers: pure result arithmetic, and real-model checks against full recomputation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.bench import accuracy_metrics as acc
+from kvcodec.errors import ShapeError
+from kvcodec.integrations.hf import extract_kv, forward_ids
+from kvcodec.models.texts import MultipleChoiceQuestion
+
+# ----------------------------------------------------------------------------- pure
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=40))
+def test_agreement_counts_equal_positions(pairs):
+    ref, got = zip(*pairs)
+    r = acc.AgreementResult(tuple(ref), tuple(got))
+    equal = [a == b for a, b in pairs]
+    assert r.agreement == pytest.approx(sum(equal) / len(pairs))
+    assert r.first_divergence == (None if all(equal) else equal.index(False))
+
+
+def test_perplexity_result_delta():
+    assert acc.PerplexityResult(10.0, 10.5, 7).delta == pytest.approx(0.5)
+    assert acc.PerplexityResult(3.0, 3.0, 7).delta == 0.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**16), st.floats(1e-3, 1.0))
+def test_kv_error(seed, scale):
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(2, 2, 5, 3, 4, generator=g)
+    noise = torch.randn(ref.shape, generator=g) * scale
+    e = acc.kv_error(ref + noise, ref)
+    assert e["max_abs"] == pytest.approx(float(noise.abs().max()), rel=1e-5)
+    assert e["rms"] == pytest.approx(float(noise.double().pow(2).mean().sqrt()), rel=1e-4)
+    assert acc.kv_error(ref, ref) == {"max_abs": 0.0, "rms": 0.0, "rel_rms": 0.0}
+    with pytest.raises(ShapeError):
+        acc.kv_error(ref[:, :, :4], ref)
+
+
+# ----------------------------------------------------------------------------- real models
+
+
+def _noisy(kv: torch.Tensor, rel: float, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return kv + torch.randn(kv.shape, generator=g) * kv.std() * rel
+
+
+@pytest.mark.slow
+def test_perplexity_matches_full_forward_pass(real_model, short_text):
+    name, model, tok = real_model
+    ids = tok(short_text, return_tensors="pt").input_ids[0][:96]
+    P = 64
+    _, kv = extract_kv(model, tok, short_text, max_tokens=P)
+    ppl = acc.perplexity(model, ids[:P], kv, ids[P:])
+    logits, _ = forward_ids(model, ids)
+    logp = torch.log_softmax(logits[P:-1].double(), -1).gather(1, ids[P + 1 :, None]).squeeze(1)
+    assert ppl == pytest.approx(math.exp(-float(logp.mean())), rel=1e-4)
+    assert 1.0 < ppl < 1000.0
+
+    same = acc.perplexity_delta(model, ids[:P], kv.clone(), kv, ids[P:])
+    assert same.delta == 0.0 and same.n_tokens == 96 - P - 1
+    noisy = acc.perplexity_delta(model, ids[:P], _noisy(kv, 1.0), kv, ids[P:])
+    assert noisy.delta != 0.0
+
+
+@pytest.mark.slow
+def test_greedy_agreement_identical_and_damaged(real_model, short_text):
+    name, model, tok = real_model
+    ids, kv = extract_kv(model, tok, short_text, max_tokens=48)
+    prompt = tok(" In short,", add_special_tokens=False).input_ids
+    same = acc.greedy_agreement(model, ids, kv.clone(), kv, prompt, n_tokens=12)
+    assert same.agreement == 1.0 and same.first_divergence is None
+    assert len(same.tokens_reference) == 12
+    wrecked = torch.randn(kv.shape, generator=torch.Generator().manual_seed(1)) * kv.abs().max()
+    bad = acc.greedy_agreement(model, ids, wrecked, kv, prompt, n_tokens=12)
+    assert bad.tokens_reference == same.tokens_reference
+    assert bad.agreement < 1.0
+
+
+@pytest.mark.slow
+def test_multiple_choice_scores_equal_recomputation(real_model):
+    name, model, tok = real_model
+    q = MultipleChoiceQuestion(
+        id="handmade/0",
+        document="Anna keeps her bicycle in the red shed. Ben keeps his car in the garage. "
+        "Carla keeps her boat at the lake.",
+        question="Where does Ben keep his car?",
+        options=("in the garage", "in the red shed", "at the lake"),
+        answer=0,
+    )
+    doc = acc.document_ids(tok, q)
+    _, kv = extract_kv(model, tok, acc.DOCUMENT_TEMPLATE.format(document=q.document))
+    res = acc.answer_multiple_choice(model, tok, doc, kv, q)
+    assert len(res.scores) == 3 and all(s < 0 for s in res.scores)
+    # same scores from one uninterrupted pass over document + suffix + option
+    suffix = tok(acc.SUFFIX_TEMPLATE.format(question=q.question), add_special_tokens=False).input_ids
+    for i, opt in enumerate(q.options):
+        o = tok(acc.OPTION_TEMPLATE.format(option=opt), add_special_tokens=False).input_ids
+        full = torch.cat([doc, torch.tensor(suffix + o)])
+        logits, _ = forward_ids(model, full)
+        n = len(o)
+        lp = torch.log_softmax(logits[-n - 1 : -1].double(), -1).gather(1, full[-n:, None]).sum()
+        assert res.scores[i] == pytest.approx(float(lp), abs=1e-3)
+    # a restored copy gives bit-identical scores
+    assert acc.answer_multiple_choice(model, tok, doc, kv.clone(), q).scores == res.scores
+    assert res.correct == (res.choice == 0)
+
+
+@pytest.mark.slow
+def test_score_options_needs_a_suffix(smollm2, short_text):
+    model, tok = smollm2
+    ids, kv = extract_kv(model, tok, short_text, max_tokens=8)
+    with pytest.raises(ShapeError, match="suffix"):
+        acc.score_options(model, ids, kv, [], [[5]])
