@@ -248,6 +248,24 @@ class CacheGenCodec:
             wo += k
         return header, bins, maxes, out
 
+    def size_breakdown(self, data: bytes) -> dict[str, int]:
+        """Bytes of each part of an encoded KV: entropy-coded streams, frequency tables, stream
+        lengths, per-token maxima (the last three together when the side information is zstd'd)."""
+        header, payload = unpack(data, self.name)
+        Lr, _, T, H, D = header.shape
+        _, mode, _ = _PARAMS.unpack_from(payload, 0)
+        off = _PARAMS.size + 2 * Lr
+        (side_len,) = struct.unpack_from("<Q", payload, off)
+        out = {"container": len(data) - len(payload), "params": off + 8, "streams": len(payload) - off - 8 - side_len}
+        if mode == _TABLE_MODES["zstd"]:
+            out["side_zstd"] = side_len
+            return out
+        _, bins, _, chunks = self.parse(data)
+        out["tables"] = sum(int((f > 0).sum()) * 2 for _, _, f, _, _ in chunks)
+        out["lengths"] = sum(2 * nw.numel() for _, _, _, nw, _ in chunks)
+        out["maxes"] = Lr * 2 * T * header.itemsize
+        return out
+
     def decode_symbols(self, data: bytes, device: str | torch.device = "cpu"):
         """(header, bins, maxes, q) with q the (layers, 2, tokens, H, D) uint8 integers on device."""
         header, bins, maxes, chunks = self.parse(data)
@@ -272,7 +290,7 @@ class CacheGenCodec:
         c = half_range(bins).to(q.device)
         if bool((q > (2 * c)[:, :, None, None, None]).any()):
             raise CorruptStreamError("CacheGen stream decoded to symbols outside the layer's alphabet")
-        return dequantize(q, maxes.to(q.device), bins.to(q.device), header.dtype)
+        return dequantize(q, maxes.to(q.device), bins.to(q.device), header.dtype).contiguous()
 
 
 def _pack_tables(freq: torch.Tensor, lane_alpha: torch.Tensor) -> bytes:

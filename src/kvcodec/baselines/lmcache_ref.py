@@ -126,6 +126,21 @@ class LMCacheCacheGen:
         return torch.cat(parts, dim=2).to(header.dtype).to(device)
 
 
+    def size_breakdown(self, data: bytes) -> dict[str, int]:
+        """Bytes of LMCache's parts: arithmetic-coded streams, int16 CDF tables, int32 stream lengths,
+        per-token maxima; "framing" is the safetensors header (LMCache's pickle has its own)."""
+        from safetensors.torch import load
+
+        _, payload = unpack(data, self.name)
+        tensors = load(bytes(payload))
+        out = {"container": len(data) - len(payload), "streams": 0, "tables": 0, "lengths": 0, "maxes": 0}
+        kinds = {"bytes": "streams", "cdf": "tables", "lengths": "lengths", "kmax": "maxes", "vmax": "maxes"}
+        for key, t in tensors.items():
+            out[kinds[key.rsplit(".", 1)[1]]] += t.numel() * t.element_size()
+        out["framing"] = len(payload) - sum(v for k, v in out.items() if k != "container")
+        return out
+
+
 def _metadata(blob: bytes) -> dict:
     import struct
 
