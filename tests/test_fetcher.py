@@ -226,6 +226,20 @@ class SlowStore:
         return self.inner.get(key)
 
 
+def test_missing_blob_stops_and_heals(raw_cache):
+    """An evicted blob: the fetch stops there, its meta is dropped, the next put rewrites it."""
+    kv, ids = make_kv(64), ids_for(64)
+    raw_cache.put(ids, kv)
+    k = chunk_keys(ids, "model-a", CFG, fingerprint=raw_cache.fingerprint)
+    for j in range(2):
+        raw_cache.store.delete(blob_key(k[2], j))
+    r = raw_cache.fetch(ids, 64)
+    assert isinstance(r.error, StoreError) and r.tokens_restored == 32
+    assert raw_cache.lookup(ids) == 32
+    assert raw_cache.put(ids, kv) == 1
+    assert torch.equal(raw_cache.fetch(ids, 64).kv, kv)
+
+
 def test_deadline_returns_restored_prefix(raw_cache):
     kv, ids = make_kv(160), ids_for(160)
     raw_cache.put(ids, kv)

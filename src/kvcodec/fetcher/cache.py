@@ -377,6 +377,12 @@ class PrefixCache:
                 te = time.monotonic()
                 tm.net_end = te - t0
                 if blob is None:
+                    # evicted or lost: drop the chunk's commit marker so lookups stop reporting it
+                    # and the next put rewrites it (best effort)
+                    try:
+                        self.store.delete(meta_key(keys[i]))
+                    except Exception as e:  # noqa: BLE001
+                        log.warning("could not drop meta of chunk %d after a missing blob: %s", i, e)
                     res_q.put((i, StoreError(f"chunk {i} resolution {j} blob is missing from {self.store.url}"), None))
                     return
                 est.add(len(blob), ts, te)
