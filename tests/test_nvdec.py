@@ -203,3 +203,40 @@ def test_pyav_cuda_hwaccel_bit_exact():
     src = _frames(256, 256, 3, seed=5)
     got = list(PyAVNvdecDecoder().decode(_encode(src, 256, 256), 256, 256))
     assert len(got) == 3 and all(np.array_equal(g.cpu().numpy(), s) for g, s in zip(got, src))
+
+
+def _small_kv(tokens: int = 80, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 2, tokens, 2, 64, generator=g) * 0.7).to(torch.float16)
+
+
+@needs_nvdec
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant", ["int8", "int4", "exact"])
+def test_codec_decode_on_cuda_matches_cpu(quant):
+    import kvcodec
+    from kvcodec.config import CodecConfig
+
+    kv = _small_kv()
+    data = kvcodec.encode(kv, CodecConfig(quant=quant, chunk_tokens=32, resolutions=((256, 256), (144, 144))))
+    for res in ((256, 256), (144, 144)):
+        cpu = kvcodec.decode(data, "cpu", resolution=res)
+        gpu = kvcodec.decode(data, "cuda", resolution=res)
+        assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
+        if quant == "exact":
+            assert torch.equal(gpu.cpu(), kv)
+
+
+@needs_nvdec
+@pytest.mark.gpu
+def test_pool_decode_parallel_matches_codec():
+    import kvcodec
+    from kvcodec.config import CodecConfig
+    from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
+
+    kv = _small_kv(tokens=200, seed=3)
+    data = kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
+    ref = kvcodec.decode(data, "cpu")
+    with NvdecPool(workers=2, slots=2, max_frame=(256, 256)) as pool:
+        got = decode_parallel(data, pool, threads=3)
+    assert torch.equal(got.cpu(), ref)

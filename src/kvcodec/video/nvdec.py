@@ -86,6 +86,20 @@ def _primary_context(index: int) -> int:
     return int(ctx.value or 0)
 
 
+@functools.cache
+def _decoder_caps(nvc, index: int) -> dict:
+    """NVDEC's capabilities for HEVC 4:4:4 8-bit on device `index` (GetDecoderCaps)."""
+    chroma = nvc.cudaVideoChromaFormat
+    c444 = next(getattr(chroma, n) for n in dir(chroma) if n.lstrip("_") == "444" or n.endswith("444"))
+    caps = nvc.GetDecoderCaps(gpuid=index, codec=nvc.cudaVideoCodec.HEVC, chromaformat=c444, bitdepth=8)
+    caps = dict(caps) if isinstance(caps, dict) else {"supported": bool(caps)}
+    if "supported" not in caps:
+        for k in ("is_supported", "bIsSupported", "IsSupported"):
+            if k in caps:
+                caps["supported"] = bool(caps[k])
+    return caps
+
+
 class _CudaBuffer:
     """A raw device pointer as a flat uint8 array (CUDA array interface), for torch.as_tensor."""
 
@@ -203,14 +217,7 @@ class NvdecDecoder:
             if not torch.cuda.is_available():
                 return False
             nvc = _nvc()
-            caps = nvc.GetDecoderCaps(
-                gpuid=torch.cuda.current_device(),
-                codec=nvc.cudaVideoCodec.HEVC,
-                chromaformat=nvc.cudaVideoChromaFormat._444,
-                bitdepth=8,
-            )
-            supported = caps.get("supported", caps.get("is_supported", 1)) if isinstance(caps, dict) else caps
-            return bool(supported)
+            return bool(_decoder_caps(nvc, torch.cuda.current_device()).get("supported", True))
         except Exception as e:
             log.debug("NVDEC unavailable: %s", e)
             return False

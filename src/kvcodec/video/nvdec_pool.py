@@ -1,23 +1,30 @@
 """A pool of NVDEC decoders, one per worker process, to keep all of a GPU's decode engines busy.
 
 One NVDEC session decodes on one engine at a time, and sessions driven by threads of one process do
-not scale (the driver serialises them), so the pool runs one `NvdecDecoder` in each of `workers`
-processes (spawned once, reused). Streams go to the workers through a shared job queue, their bytes
-in shared host memory (no pickling of the payload). Each worker owns a small ring of frame slots in
-GPU memory, shared once with the consumer through CUDA IPC; it copies each decoded frame into a free
-slot and passes the slot number back. The consumer reads the frame in place (no copy) and the slot
-goes back to the worker once the consumer's GPU work on it has finished (a CUDA event per slot), so
-at most `workers * slots` frames are in flight and staging memory does not grow with the prefix.
+not scale (about 2x at best), so the pool runs one `NvdecDecoder` in each of `workers` processes
+(spawned once, reused). Streams go to the workers through a shared job queue, their bytes in shared
+host memory. Each worker owns a small ring of frame slots in GPU memory, shared once with the
+consumer through CUDA IPC; it copies each decoded frame into a free slot and passes the slot number
+back. The consumer reads the frame in place (no copy); the slot goes back to its worker once the
+consumer's GPU work on it has finished (a CUDA event per handed-out frame, polled by a dispatcher
+thread), so at most `workers * slots` frames are in flight whatever the prefix length.
+
+Two ways to use it:
 
     with NvdecPool(workers=7) as pool:
         for stream_idx, frame_idx, frame in pool.decode_streams([(bitstream, w, h), ...]):
-            consume(frame)   # (3, h, w) uint8 on the GPU, valid until the next item is requested
+            consume(frame)  # (3, h, w) uint8 on the GPU, valid until the next item is requested
 
-Frames of one stream arrive in order; frames of different streams interleave.
+        kv = decode_parallel(kvc_bytes, pool)  # a whole .kvc file, chunks decoded in parallel
+
+`pool.decoder()` is a VideoDecoder (the protocol of kvcodec.video.base) that many threads can use
+at once; decode_parallel runs the codec's own `decode_chunk_blob` for several chunks in threads
+through it, each writing its slice of the output KV tensor.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -32,7 +39,7 @@ from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WORKERS = 7  # NVDEC engines of an H100/H200; more processes than engines still help a little
+DEFAULT_WORKERS = 7  # NVDEC engines of an H100/H200
 
 
 def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, res_q):
@@ -62,15 +69,14 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
 
         def flush():
             if batch:
-                cur.synchronize()  # copies into the slots are done before the consumer reads them
+                cur.synchronize()  # the copies into the slots are done before the consumer reads them
                 res_q.put(("frames", wid, jid, list(batch)))
                 batch.clear()
 
         try:
             if nbytes > slot_bytes:
-                raise CorruptStreamError(f"{width}x{height} frames exceed the pool's slot size {slot_bytes}")
-            data = payload.numpy()
-            for frame in dec.decode(data, width, height):
+                raise CorruptStreamError(f"{width}x{height} frames exceed the pool's slot size")
+            for frame in dec.decode(payload.numpy(), width, height):
                 if not free:
                     flush()
                     free.extend(free_q.get())
@@ -82,7 +88,7 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
                 count += 1
                 if len(batch) >= flush_at or not free:
                     flush()
-                while True:  # take back slots the consumer has released meanwhile
+                while True:  # take back slots released meanwhile
                     try:
                         free.extend(free_q.get_nowait())
                     except queue.Empty:
@@ -95,12 +101,20 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
         del payload
 
 
+class _Job:
+    __slots__ = ("jid", "width", "height", "sink", "tag")
+
+    def __init__(self, jid, width, height, sink, tag):
+        self.jid, self.width, self.height, self.sink, self.tag = jid, width, height, sink, tag
+
+
 class NvdecPool:
     """`workers` processes, each with its own NVDEC session, decoding streams in parallel.
 
     device: CUDA device of the decoders and of the frames handed out.
-    slots: frame buffers per worker (frames in flight); the consumer holds at most one of them.
+    slots: frame buffers per worker (frames in flight per worker).
     max_frame: (width, height) of the largest frame the pool will decode (sizes the slots).
+    latency: passed to each worker's NvdecDecoder ("low" or "native").
     """
 
     def __init__(
@@ -110,10 +124,11 @@ class NvdecPool:
         slots: int = 4,
         max_frame: tuple[int, int] = (1024, 1024),
         latency: str = "low",
-        start_timeout: float = 120.0,
+        start_timeout: float = 180.0,
     ):
         from kvcodec.video.nvdec import NvdecDecoder
 
+        self._closed = True
         if not NvdecDecoder.is_available():
             raise BackendUnavailableError("NVDEC (PyNvVideoCodec on a CUDA GPU) is not available")
         if workers < 1 or slots < 1:
@@ -139,114 +154,144 @@ class NvdecPool:
         for p in self._procs:
             p.start()
         self._rings: dict[int, torch.Tensor] = {}
-        self._events = {}
-        self._lock = threading.Lock()  # one decode_streams at a time
         deadline = time.monotonic() + start_timeout
         while len(self._rings) < workers:
             try:
                 msg = self._res_q.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                self.close()
+                self._stop_workers()
                 raise BackendUnavailableError("NVDEC pool workers did not start in time") from None
             if msg[0] == "fatal":
-                self.close()
+                self._stop_workers()
                 raise BackendUnavailableError(f"NVDEC pool worker {msg[1]} failed to start: {msg[2]}")
             if msg[0] == "ready":
                 self._rings[msg[1]] = msg[2]
         self._closed = False
+        self._ids = itertools.count()
+        self._jobs: dict[int, _Job] = {}
+        self._pending: list[tuple[torch.cuda.Event, int, int]] = []  # handed-out frames not yet released
+        self._lock = threading.Lock()
+        self._dispatcher = threading.Thread(target=self._dispatch, name="kvcodec-nvdec-dispatch", daemon=True)
+        self._dispatcher.start()
 
-    # -- consumer side ---------------------------------------------------------------------------
+    # -- dispatcher thread: routes worker messages to jobs, gives finished slots back ------------
 
-    def decode_streams(self, streams: Sequence[tuple[object, int, int]]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Decode every (bitstream, width, height) in `streams`; yield (stream index, frame index,
-        frame) as frames complete. A frame is a (3, height, width) uint8 view of a worker's slot on
-        the pool's device, valid until the next item is requested: de-tile or copy it before then.
-        GPU work queued on the current stream against the frame is waited for before the slot is
-        reused. Raises CorruptStreamError when a stream does not decode."""
-        if self._closed:
-            raise BackendUnavailableError("the NVDEC pool is closed")
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("NvdecPool.decode_streams is already running (one consumer at a time)")
-        try:
-            yield from self._decode_streams(streams)
-        finally:
-            self._lock.release()
-
-    def _decode_streams(self, streams):
-        sizes = []
-        todo = len(streams)
-        for jid, (bitstream, width, height) in enumerate(streams):
-            if 3 * width * height > self.slot_bytes:
-                raise ValueError(f"{width}x{height} frames exceed the pool's max_frame")
-            src = np.frombuffer(bitstream, dtype=np.uint8)
-            payload = torch.empty(src.size, dtype=torch.uint8).share_memory_()
-            payload.numpy()[:] = src
-            sizes.append((width, height))
-            self._job_q.put((jid, payload, width, height))
-        pending: list[tuple[torch.cuda.Event, int, int]] = []  # (event, worker, slot) awaiting release
-        stream = torch.cuda.current_stream(self.device)
-        error = None
-        try:
-            while todo:
-                try:
-                    msg = self._res_q.get_nowait()
-                except queue.Empty:
-                    self._release(pending, wait=True)
-                    msg = self._res_q.get()
-                kind, wid = msg[0], msg[1]
-                if kind == "frames":
-                    _, _, jid, batch = msg
-                    width, height = sizes[jid]
-                    nbytes = 3 * width * height
-                    ring = self._rings[wid]
-                    for slot, idx in batch:
-                        if error is None:
-                            yield jid, idx, ring[slot, :nbytes].view(3, height, width)
-                        ev = torch.cuda.Event()
-                        ev.record(stream)
-                        pending.append((ev, wid, slot))
-                    self._release(pending, wait=False)
-                elif kind == "done":
-                    todo -= 1
-                elif kind == "error":
-                    todo -= 1
-                    error = error or CorruptStreamError(f"stream {msg[2]}: {msg[3]}")
-                elif kind == "fatal":  # pragma: no cover
-                    raise BackendUnavailableError(f"NVDEC pool worker {wid} died: {msg[2]}")
-        finally:
-            # drain what is still in flight (consumer stopped early, or an error): give slots back
-            self._release(pending, wait=True)
-            while todo:
-                msg = self._res_q.get()
-                if msg[0] == "frames":
-                    self._free_q[msg[1]].put([slot for slot, _ in msg[3]])
-                elif msg[0] in ("done", "error"):
-                    todo -= 1
-                elif msg[0] == "fatal":  # pragma: no cover
-                    break
-        if error is not None:
-            raise error
-
-    def _release(self, pending: list, wait: bool) -> None:
-        by_worker: dict[int, list[int]] = {}
-        keep = []
-        for ev, wid, slot in pending:
-            if wait:
-                ev.synchronize()
-            elif not ev.query():
-                keep.append((ev, wid, slot))
+    def _dispatch(self) -> None:
+        while not self._closed:
+            with self._lock:
+                busy = bool(self._pending)
+            try:
+                msg = self._res_q.get(timeout=0.0002 if busy else 0.02)
+            except queue.Empty:
+                msg = None
+            except (EOFError, OSError):  # pragma: no cover - queue closed at shutdown
+                return
+            self._release(block=False)
+            if msg is None:
                 continue
-            by_worker.setdefault(wid, []).append(slot)
-        pending[:] = keep
+            kind, wid = msg[0], msg[1]
+            if kind == "fatal":  # pragma: no cover
+                log.error("NVDEC pool worker %s died: %s", wid, msg[2])
+                for job in list(self._jobs.values()):
+                    job.sink.put(("error", job, f"worker {wid} died: {msg[2]}"))
+                continue
+            jid = msg[2]
+            job = self._jobs.get(jid)
+            if kind == "frames":
+                if job is None:  # abandoned job: give the slots straight back
+                    self._free_q[wid].put([s for s, _ in msg[3]])
+                    continue
+                for slot, idx in msg[3]:
+                    job.sink.put(("frame", job, wid, slot, idx))
+            elif kind in ("done", "error"):
+                self._jobs.pop(jid, None)
+                if job is not None:
+                    job.sink.put(("done", job) if kind == "done" else ("error", job, msg[3]))
+
+    def _release(self, block: bool) -> None:
+        by_worker: dict[int, list[int]] = {}
+        with self._lock:
+            keep = []
+            for ev, wid, slot in self._pending:
+                if block:
+                    ev.synchronize()
+                elif not ev.query():
+                    keep.append((ev, wid, slot))
+                    continue
+                by_worker.setdefault(wid, []).append(slot)
+            self._pending = keep
         for wid, slots in by_worker.items():
             self._free_q[wid].put(slots)
 
+    def _hand_back(self, wid: int, slot: int) -> None:
+        """The consumer is done queuing GPU work on this frame: free it once that work is done."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        with self._lock:
+            self._pending.append((ev, wid, slot))
+
+    # -- consumer side ---------------------------------------------------------------------------
+
+    def submit(self, bitstream, width: int, height: int, sink: queue.Queue, tag=None) -> _Job:
+        if self._closed:
+            raise BackendUnavailableError("the NVDEC pool is closed")
+        if 3 * width * height > self.slot_bytes:
+            raise ValueError(f"{width}x{height} frames exceed the pool's max_frame")
+        src = np.frombuffer(bitstream, dtype=np.uint8)
+        payload = torch.empty(src.size, dtype=torch.uint8).share_memory_()
+        payload.numpy()[:] = src
+        job = _Job(next(self._ids), width, height, sink, tag)
+        self._jobs[job.jid] = job
+        self._job_q.put((job.jid, payload, width, height))
+        return job
+
+    def _frames(self, sink: queue.Queue, remaining: int) -> Iterator[tuple[_Job, int, torch.Tensor]]:
+        """Frames of `remaining` submitted jobs feeding `sink`, as views of the slots."""
+        error = None
+        try:
+            while remaining:
+                msg = sink.get()
+                if msg[0] == "frame":
+                    _, job, wid, slot, idx = msg
+                    try:
+                        if error is None:
+                            n = 3 * job.width * job.height
+                            yield job, idx, self._rings[wid][slot, :n].view(3, job.height, job.width)
+                    finally:
+                        self._hand_back(wid, slot)
+                elif msg[0] == "done":
+                    remaining -= 1
+                else:
+                    remaining -= 1
+                    error = error or CorruptStreamError(f"stream {msg[1].tag}: {msg[2]}")
+        finally:
+            while remaining:  # stopped early: let the rest run out, giving slots back
+                msg = sink.get()
+                if msg[0] == "frame":
+                    self._free_q[msg[2]].put([msg[3]])
+                else:
+                    remaining -= 1
+        if error is not None:
+            raise error
+
+    def decode_streams(self, streams: Sequence[tuple[object, int, int]]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Decode every (bitstream, width, height); yield (stream index, frame index, frame) as
+        frames complete. A frame is a (3, height, width) uint8 view of a worker's slot on the pool's
+        device, valid until the next item is requested: de-tile or copy it before then (GPU work
+        queued on the current stream is waited for before the slot is reused). Frames of one stream
+        come in order. Raises CorruptStreamError when a stream does not decode."""
+        sink: queue.Queue = queue.Queue()
+        for k, (bitstream, width, height) in enumerate(streams):
+            self.submit(bitstream, width, height, sink, tag=k)
+        for job, idx, frame in self._frames(sink, len(streams)):
+            yield job.tag, idx, frame
+
+    def decoder(self) -> "PoolDecoder":
+        return PoolDecoder(self)
+
     # -- lifetime --------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        if getattr(self, "_closed", False):
-            return
-        self._closed = True
+    def _stop_workers(self) -> None:
         self._rings.clear()  # drop the IPC mappings before the workers free the memory
         for _ in self._procs:
             self._job_q.put(None)
@@ -254,7 +299,14 @@ class NvdecPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-        self._rings.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._release(block=True)
+        self._closed = True
+        self._dispatcher.join(timeout=5)
+        self._stop_workers()
 
     def __enter__(self) -> "NvdecPool":
         return self
@@ -267,3 +319,86 @@ class NvdecPool:
             self.close()
         except Exception:
             pass
+
+
+class PoolDecoder:
+    """VideoDecoder over an NvdecPool, safe to use from several threads at once (each decode()
+    call is one job). Frames are views valid until the next frame is requested."""
+
+    name = "nvdec-pool"
+    device_type = "cuda"
+
+    def __init__(self, pool: NvdecPool):
+        self.pool = pool
+
+    @classmethod
+    def is_available(cls) -> bool:
+        from kvcodec.video.nvdec import NvdecDecoder
+
+        return NvdecDecoder.is_available()
+
+    def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:
+        sink: queue.Queue = queue.Queue()
+        self.pool.submit(bitstream, width, height, sink, tag=0)
+        for _, _, frame in self.pool._frames(sink, 1):
+            yield frame
+
+
+def decode_parallel(
+    data,
+    pool: NvdecPool,
+    *,
+    resolution: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """Decode a kvcodec file (.kvc bytes) on `pool`'s GPU, its chunks in parallel: the codec's own
+    decode_chunk_blob runs for up to `threads` chunks at once (default 2 per worker), each writing
+    its token range of the output KV tensor frame by frame."""
+    from kvcodec import codec
+    from kvcodec.container.format import crc32
+    from kvcodec.errors import ChecksumError, FormatError, ShapeError
+
+    fh, payload = codec.read_file_header(data)
+    dtype = codec.DTYPES.get(fh.dtype)
+    if dtype is None:
+        raise FormatError(f"kvcodec file has unknown dtype {fh.dtype!r}")
+    if resolution is None:
+        resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
+    if out is None:
+        out = torch.empty(fh.shape, dtype=dtype, device=pool.device)
+    elif tuple(out.shape) != fh.shape or out.dtype != dtype:
+        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
+    blobs, outs = [], []
+    start = 0
+    for index, tokens in enumerate(fh.chunk_tokens):
+        entry = fh.blob(index, resolution)
+        blob = payload[entry.offset : entry.offset + entry.length]
+        if crc32(blob) != entry.crc32:
+            raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
+        blobs.append(blob)
+        outs.append(out[:, :, start : start + tokens])
+        start += tokens
+    decode_blobs_parallel(blobs, outs, pool, threads=threads)
+    return out
+
+
+def decode_blobs_parallel(blobs, outs, pool: NvdecPool, threads: int | None = None) -> None:
+    """Run the codec's decode_chunk_blob(blob, out=target) for every (blob, target) pair, up to
+    `threads` at once (default 2 per pool worker), all through the pool's decoders; returns when
+    every target is written (the current stream is synchronized)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcodec import codec
+
+    dec = pool.decoder()
+
+    def run(job):
+        blob, target = job
+        with torch.cuda.device(pool.device):
+            codec.decode_chunk_blob(blob, pool.device, out=target, decoder=dec)
+            torch.cuda.current_stream(pool.device).synchronize()
+
+    with ThreadPoolExecutor(max_workers=threads or 2 * pool.workers) as ex:
+        for f in [ex.submit(run, j) for j in zip(blobs, outs)]:
+            f.result()

@@ -38,11 +38,15 @@ class PyAVNvdecDecoder:
         import av
         from av.codec.hwaccel import HWAccel
 
+        torch.cuda.set_device(self.device)
+        torch.cuda.current_stream(self.device)  # makes the primary context current in this thread
+        torch.empty(1, device=self.device)
         hw = HWAccel(
             device_type="cuda",
             device=str(self.device.index),
             allow_software_fallback=False,
-            options={"primary_ctx": "1"},  # share torch's context so DLPack pointers are valid
+            # use torch's (current, primary) context so DLPack pointers are valid in torch
+            options={"current_ctx": "1"},
             is_hw_owned=True,
         )
         return av.CodecContext.create("hevc", "r", hwaccel=hw)
@@ -76,8 +80,9 @@ class PyAVNvdecDecoder:
         if swname != "yuv444p":
             raise CorruptStreamError(f"CUDA frame holds {swname}; kvcodec streams are yuv444p")
         out = torch.empty((3, height, width), dtype=torch.uint8, device=self.device)
+        torch.cuda.synchronize(self.device)  # PyAV exports without stream ordering: the frame must be complete
         for p in range(3):
-            plane = torch.from_dlpack(frame.planes[p])
+            plane = torch.from_dlpack(frame.planes[p].__dlpack__(stream=None))
             if plane.dim() == 1:
                 plane = plane.view(-1, plane.numel() // height)
             out[p].copy_(plane[:height, :width])

@@ -1,0 +1,628 @@
+"""`kvcodec bench decode`: restoring KV from lossless HEVC on the GPU's NVDEC engines.
+
+For every quantization mode and frame resolution of a data folder (.kvc containers made by
+`--prepare` from a real KV cache), it measures
+
+* restore: chunk blobs -> KV tensor on the GPU through the codec (`decode_chunk_blob`), per backend:
+  one NVDEC session (`nvdec`), the NVDEC process pool (`nvdec-pool`), FFmpeg on the CPU
+  (`ffmpeg-cpu`, one thread per chunk over all cores), and nvCOMP's SM-based decompressors on the
+  same symbols / byte planes (`nvcomp-ANS`, `nvcomp-GDeflate`, restored by the same torch
+  dequantization / byte-join the codec uses);
+  GB/s of restored KV (fp16 bytes), tokens/s for the model's shape, Gbit/s of coded input;
+* decode only: NVDEC frames without de-tiling, Gbit/s coded and GB/s of 8-bit samples;
+* staging memory: peak GPU memory a restore needs beyond its output tensor, sampled with
+  cudaMemGetInfo (so it includes the decoders' own surfaces), for several prefix lengths;
+* interference: throughput of a bf16 matmul alone and while each backend restores flat out.
+
+The chunk blobs of a container are replicated `--copies` times so that every backend has enough
+independent streams to fill all engines; every copy is a real, separately decoded stream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+
+DEFAULT_MODES = "exact,int8,int4,int2"
+DEFAULT_RESOLUTIONS = "256x256,512x512,1024x1024"
+DEFAULT_BACKENDS = "nvdec,nvdec-pool,ffmpeg-cpu,nvcomp"
+NVCOMP_ALGORITHMS = ("ANS", "GDeflate")
+
+
+def _res(s: str) -> tuple[int, int]:
+    w, h = s.lower().split("x")
+    return int(w), int(h)
+
+
+# ------------------------------------------------------------------------------------ prepare
+
+
+def prepare(kv_path: str, data_dir: str, modes: list[str], resolutions: list[tuple[int, int]], tokens: int) -> None:
+    """Encode the first `tokens` tokens of a KV cache (safetensors, key "kv") into one .kvc per
+    (mode, resolution) in data_dir, on the CPU with x265."""
+    from safetensors.torch import load_file
+
+    import kvcodec
+    from kvcodec.config import CodecConfig
+
+    kv = load_file(kv_path)["kv"][:, :, :tokens].contiguous()
+    out = Path(data_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"source": Path(kv_path).name, "shape": list(kv.shape), "dtype": str(kv.dtype), "files": {}}
+    for mode in modes:
+        for w, h in resolutions:
+            t = time.time()
+            data = kvcodec.encode(kv, CodecConfig(quant=mode, resolutions=((w, h),)))
+            name = f"{mode}_{w}x{h}.kvc"
+            (out / name).write_bytes(data)
+            ratio = 2 * kv.numel() / len(data)
+            meta["files"][name] = {"bytes": len(data), "ratio_vs_fp16": ratio}
+            click.echo(f"{name}: {len(data)} bytes, {ratio:.2f}x vs fp16, {time.time() - t:.1f}s")
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+class _MemSampler:
+    """Peak device memory in use (all processes) while active, via cudaMemGetInfo."""
+
+    def __init__(self, device, period: float = 0.0005):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.period = period
+        self.min_free = None
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.min_free = self.torch.cuda.mem_get_info(self.device)[0]
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            free = self.torch.cuda.mem_get_info(self.device)[0]
+            self.min_free = min(self.min_free, free)
+            time.sleep(self.period)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.min_free = min(self.min_free, self.torch.cuda.mem_get_info(self.device)[0])
+
+
+def _free_now(device) -> int:
+    import torch
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _timed(fn, seconds: float, min_reps: int = 2) -> tuple[float, int]:
+    """Run fn() (which synchronizes) repeatedly for about `seconds`; (seconds per call, calls)."""
+    fn()  # warm-up: sessions, allocator, caches
+    reps, t0 = 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - t0 < seconds:
+        fn()
+        reps += 1
+    return (time.perf_counter() - t0) / reps, reps
+
+
+class _Case:
+    """One container: its chunk blobs at one resolution, replicated `copies` times."""
+
+    def __init__(self, path: Path, copies: int):
+        from kvcodec import codec
+        from kvcodec.config import CodecConfig
+        from kvcodec.container.format import split_streams, read_object, CHUNK_MAGIC
+
+        self.name = path.stem
+        self.data = path.read_bytes()
+        fh, payload = codec.read_file_header(self.data)
+        self.fh = fh
+        self.config = CodecConfig.from_dict(fh.config)
+        self.mode = self.config.quant
+        self.resolution = fh.resolutions[0]
+        blobs = []
+        for index, _ in enumerate(fh.chunk_tokens):
+            e = fh.blob(index, self.resolution)
+            blobs.append(bytes(payload[e.offset : e.offset + e.length]))
+        self.unique_blobs = blobs
+        self.blobs = [blobs[i % len(blobs)] for i in range(max(copies, len(blobs)))]
+        self.chunk_tokens = [fh.chunk_tokens[i % len(blobs)] for i in range(len(self.blobs))]
+        self.headers = [codec.inspect_chunk_blob(b) for b in self.blobs]
+        self.videos = []
+        for b, h in zip(self.blobs, self.headers):
+            _, pl = read_object(b, CHUNK_MAGIC, "chunk blob")
+            self.videos.append(bytes(split_streams(pl, h.streams, "chunk")["video"]))
+        L, _, _, H, D = fh.shape
+        self.layers, self.heads, self.dim = L, H, D
+        self.tokens = sum(self.chunk_tokens)
+        self.fp16_bytes = 2 * L * 2 * self.tokens * H * D
+        self.coded_bytes = sum(len(b) for b in self.blobs)
+        self.video_bytes = sum(len(v) for v in self.videos)
+        self.frames = sum(h.frames for h in self.headers)
+        self.samples = self.frames * 3 * self.resolution[0] * self.resolution[1]
+        self.dtype = codec.DTYPES[fh.dtype]
+
+    def outputs(self, device):
+        import torch
+
+        out = torch.empty((self.layers, 2, self.tokens, self.heads, self.dim), dtype=self.dtype, device=device)
+        views, start = [], 0
+        for t in self.chunk_tokens:
+            views.append(out[:, :, start : start + t])
+            start += t
+        return out, views
+
+    def record(self, backend: str, seconds: float, **extra) -> dict:
+        return {
+            "kind": "restore",
+            "backend": backend,
+            "mode": self.mode,
+            "resolution": f"{self.resolution[0]}x{self.resolution[1]}",
+            "chunks": len(self.blobs),
+            "tokens": self.tokens,
+            "coded_gbit_per_s": self.coded_bytes * 8 / seconds / 1e9,
+            "restored_gb_per_s": self.fp16_bytes / seconds / 1e9,
+            "tokens_per_s": self.tokens / seconds,
+            "samples_gb_per_s": self.samples / seconds / 1e9,
+            "ratio_vs_fp16": self.fp16_bytes / self.coded_bytes,
+            **extra,
+        }
+
+
+# ------------------------------------------------------------------------------------ backends
+
+
+def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int = 16):
+    """A zero-argument function restoring every blob of `case` into a KV tensor on `device`."""
+    import torch
+
+    from kvcodec import codec
+
+    out, views = case.outputs(device)
+    if backend == "nvdec":
+        from kvcodec.video.nvdec import NvdecDecoder
+
+        dec = NvdecDecoder(device)
+
+        def run():
+            for blob, o in zip(case.blobs, views):
+                codec.decode_chunk_blob(blob, device, out=o, decoder=dec)
+            torch.cuda.synchronize(device)
+
+        return run
+    if backend == "nvdec-pool":
+        from kvcodec.video.nvdec_pool import decode_blobs_parallel
+
+        def run():
+            decode_blobs_parallel(case.blobs, views, pool)
+            torch.cuda.synchronize(device)
+
+        return run
+    if backend == "ffmpeg-cpu":
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kvcodec.video.x265_cpu import FFmpegHevcDecoder
+
+        ex = ThreadPoolExecutor(cpu_threads)
+
+        def one(job):
+            blob, o = job
+            codec.decode_chunk_blob(blob, device, out=o, decoder=FFmpegHevcDecoder(threads=1))
+
+        def run():
+            list(ex.map(one, zip(case.blobs, views)))
+            torch.cuda.synchronize(device)
+
+        return run
+    raise click.BadParameter(f"unknown backend {backend}")
+
+
+def _decode_only(case: _Case, device, pool, seconds: float) -> list[dict]:
+    """NVDEC frames without de-tiling: one session, and the pool."""
+    import torch
+
+    from kvcodec.video.nvdec import NvdecDecoder
+
+    w, h = case.resolution
+    recs = []
+    dec = NvdecDecoder(device, latency="native")
+
+    def single():
+        for v in case.videos:
+            for _ in dec.decode(v, w, h):
+                pass
+        torch.cuda.synchronize(device)
+
+    runs = [("nvdec", single)]
+    if pool is not None:
+
+        def pooled():
+            for _ in pool.decode_streams([(v, w, h) for v in case.videos]):
+                pass
+            torch.cuda.synchronize(device)
+
+        runs.append(("nvdec-pool", pooled))
+    for name, fn in runs:
+        sec, _ = _timed(fn, seconds)
+        recs.append(
+            {
+                "kind": "decode_only",
+                "backend": name,
+                "mode": case.mode,
+                "resolution": f"{w}x{h}",
+                "frames_per_s": case.frames / sec,
+                "coded_gbit_per_s": case.video_bytes * 8 / sec / 1e9,
+                "samples_gb_per_s": case.samples / sec / 1e9,
+                "bits_per_sample": case.video_bytes * 8 / case.samples,
+            }
+        )
+    return recs
+
+
+class _NvcompCase:
+    """The same KV symbols the video carries (quantized integers, or exact mode's byte planes),
+    compressed with nvCOMP per chunk and restored on the GPU by the codec's own torch ops."""
+
+    def __init__(self, case: _Case, algorithm: str, device):
+        import torch
+        from nvidia import nvcomp
+
+        from kvcodec import codec
+        from kvcodec.quant import exact as exact_q
+        from kvcodec.quant import integer as int_q
+
+        self.case, self.algorithm, self.device = case, algorithm, device
+        kv = codec.decode(case.data, device).cpu()  # exact: bit-exact; intN: the dequantized values
+        cfg = case.config
+        self.nv = nvcomp
+        try:
+            self.codec = nvcomp.Codec(algorithm=algorithm, cuda_stream=torch.cuda.current_stream(device).cuda_stream)
+        except TypeError:
+            self.codec = nvcomp.Codec(algorithm=algorithm)
+        self.chunks, self.comp, comp_bytes = [], [], 0
+        for start in range(0, kv.shape[2], cfg.chunk_tokens):
+            x = kv[:, :, start : start + cfg.chunk_tokens].contiguous()
+            if cfg.is_exact:
+                planes = exact_q.split_bytes(x)
+                side = None
+            else:
+                bits = codec._bits(cfg, x.shape[0])
+                offset, step = int_q.minmax_params(x, bits)
+                planes = [int_q.quantize(x, offset, step, bits)]
+                side = (offset.to(device), step.to(device))
+                comp_bytes += 2 * offset.numel() * offset.element_size()
+            flat = torch.cat([p.reshape(-1) for p in planes]).to(device)
+            comp = self.codec.encode(nvcomp.as_array(flat))
+            ct = torch.as_tensor(comp, device=device)
+            comp_bytes += int(ct.numel() * ct.element_size())
+            self.chunks.append((x.shape, len(planes), side))
+            self.comp.append(comp)
+        self.copies = len(case.blobs) // len(case.unique_blobs)
+        self.comp_bytes = comp_bytes
+        self.ratio = 2 * kv.numel() / comp_bytes
+        torch.cuda.synchronize(device)
+
+    def run_fn(self):
+        import torch
+
+        from kvcodec.quant import exact as exact_q
+        from kvcodec.quant import integer as int_q
+
+        case, device = self.case, self.device
+        out, views = case.outputs(device)
+        comps = self.comp * self.copies
+        metas = self.chunks * self.copies
+
+        def run():
+            decoded = self.codec.decode(comps)
+            for arr, (shape, nplanes, side), o in zip(decoded, metas, views):
+                raw = torch.as_tensor(arr, device=device).view(torch.uint8).reshape(nplanes, *shape)
+                if side is None:
+                    o.copy_(exact_q.join_bytes(list(raw.unbind(0)), case.dtype))
+                else:
+                    o.copy_(int_q.dequantize(raw[0], side[0], side[1], case.dtype))
+            torch.cuda.synchronize(device)
+
+        return run
+
+
+def _matmul_tflops(device, seconds: float, n: int = 8192) -> float:
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    c = torch.empty_like(a)
+    s = torch.cuda.Stream(device)
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            torch.matmul(a, b, out=c)
+        s.synchronize()
+        flops, t0 = 0.0, time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record(s)
+        iters = 0
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(20):
+                torch.matmul(a, b, out=c)
+            iters += 20
+            s.synchronize()
+        end.record(s)
+        s.synchronize()
+    return 2.0 * n**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def _interference(name: str, fn, device, seconds: float, alone: float) -> dict:
+    stop = threading.Event()
+    count = [0]
+    errors = []
+
+    def loop():
+        try:
+            while not stop.is_set():
+                fn()
+                count[0] += 1
+        except Exception as e:  # pragma: no cover - reported in the record
+            errors.append(repr(e))
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    during = _matmul_tflops(device, seconds)
+    stop.set()
+    t.join()
+    return {
+        "kind": "interference",
+        "backend": name,
+        "matmul_tflops_alone": alone,
+        "matmul_tflops_during": during,
+        "matmul_slowdown": 1.0 - during / alone,
+        "decoder_runs_during": count[0],
+        **({"error": errors[0]} if errors else {}),
+    }
+
+
+def _staging(case_paths: dict, device, pool) -> list[dict]:
+    """Peak GPU memory beyond the output KV for restores of different prefix lengths."""
+    import torch
+
+    import kvcodec
+    from kvcodec.video.nvdec import NvdecDecoder
+    from kvcodec.video.nvdec_pool import decode_parallel
+
+    recs = []
+    for label, data in case_paths.items():
+        fh, _ = kvcodec.codec.read_file_header(data)
+        res = fh.resolutions[0]
+        for backend in ("nvdec", "nvdec-pool") if pool is not None else ("nvdec",):
+            out = torch.empty(fh.shape, dtype=kvcodec.codec.DTYPES[fh.dtype], device=device)
+            out_bytes = out.numel() * out.element_size()
+            free0 = _free_now(device) + out_bytes  # as if `out` were not allocated yet
+            t = time.perf_counter()
+            with _MemSampler(device) as m:
+                if backend == "nvdec":
+                    kvcodec.decode(data, device, out=out, decoder=NvdecDecoder(device))
+                else:
+                    decode_parallel(data, pool, out=out)
+                torch.cuda.synchronize(device)
+            sec = time.perf_counter() - t
+            peak = free0 - m.min_free - out_bytes
+            recs.append(
+                {
+                    "kind": "staging",
+                    "backend": backend,
+                    "prefix": label,
+                    "tokens": fh.tokens,
+                    "resolution": f"{res[0]}x{res[1]}",
+                    "staging_peak_mb": peak / 2**20,
+                    "output_mb": out_bytes / 2**20,
+                    "restored_gb_per_s": 2 * out.numel() / sec / 1e9,
+                    "note": "pool: beyond the pool's standing ring and worker contexts (see pool_fixed)",
+                }
+            )
+            del out
+    return recs
+
+
+def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
+    """KV-shaped Gaussian fp16 caches of several lengths, int8 at `res` (for staging only)."""
+    import torch
+
+    import kvcodec
+    from kvcodec.config import CodecConfig
+
+    L, H, D = shape_lhd
+    out = {}
+    g = torch.Generator().manual_seed(0)
+    for t in tokens_list:
+        kv = (torch.randn(L, 2, t, H, D, generator=g) * 0.5).to(torch.float16)
+        out[f"{t}tok"] = kvcodec.encode(kv, CodecConfig(quant="int8", resolutions=(res,), search_layout=False))
+    return out
+
+
+# ------------------------------------------------------------------------------------ command
+
+
+@click.command("decode")
+@click.option("--data", "data_dir", type=click.Path(file_okay=False), required=True, help="Folder of .kvc containers.")
+@click.option("--prepare", "kv_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Build --data from this KV safetensors file (key 'kv'), on the CPU, and exit.")
+@click.option("--tokens", default=256, show_default=True, help="(--prepare) tokens of the KV to encode.")
+@click.option("--modes", default=DEFAULT_MODES, show_default=True)
+@click.option("--resolutions", default=DEFAULT_RESOLUTIONS, show_default=True)
+@click.option("--backends", default=DEFAULT_BACKENDS, show_default=True,
+              help="nvdec, nvdec-pool, ffmpeg-cpu, nvcomp (ANS and GDeflate).")
+@click.option("--workers", default=7, show_default=True, help="NVDEC pool processes.")
+@click.option("--copies", default=56, show_default=True, help="Chunk streams per measurement (replicated).")
+@click.option("--seconds", default=1.0, show_default=True, help="Minimum time per measurement.")
+@click.option("--interference/--no-interference", default=True, show_default=True)
+@click.option("--interference-case", default="int8_1024x1024", show_default=True)
+@click.option("--staging-tokens", default="512,2048,8192", show_default=True,
+              help="Prefix lengths of the synthetic int8 caches whose staging memory is measured ('' to skip).")
+@click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/decode-<gpu>.json).")
+def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, copies, seconds, interference,
+            interference_case, staging_tokens, out_path) -> None:
+    """GPU-native decode: restored KV GB/s, tokens/s, coded Gbit/s, staging memory, interference."""
+    modes_l = [m for m in modes.split(",") if m]
+    res_l = [_res(r) for r in resolutions.split(",") if r]
+    if kv_path:
+        prepare(kv_path, data_dir, modes_l, res_l, tokens)
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise click.ClickException("bench decode needs a CUDA GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    gpu = torch.cuda.get_device_name(device)
+    backends_l = [b for b in backends.split(",") if b]
+    meta_path = Path(data_dir) / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    result = {
+        "command": "kvcodec " + " ".join(sys.argv[1:]),
+        "argv": sys.argv,
+        "gpu": gpu,
+        "cpu_cores": os.cpu_count(),
+        "data": meta,
+        "records": [],
+    }
+    records = result["records"]
+
+    def log(rec):
+        records.append(rec)
+        click.echo(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}))
+
+    pool = None
+    if "nvdec-pool" in backends_l:
+        from kvcodec.video.nvdec_pool import NvdecPool
+
+        free0 = _free_now(device)
+        t = time.perf_counter()
+        pool = NvdecPool(workers=workers, device=device, max_frame=max(res_l, key=lambda r: r[0] * r[1]))
+        fixed = free0 - _free_now(device)
+        ring = workers * pool.slots * pool.slot_bytes
+        log({"kind": "pool_fixed", "workers": workers, "start_s": time.perf_counter() - t,
+             "pool_fixed_mb": fixed / 2**20, "ring_mb": ring / 2**20,
+             "worker_context_mb": (fixed - ring) / 2**20 / workers})
+    cases = {}
+    try:
+        for mode in modes_l:
+            for w, h in res_l:
+                path = Path(data_dir) / f"{mode}_{w}x{h}.kvc"
+                if not path.exists():
+                    click.echo(f"skip {path.name}: missing", err=True)
+                    continue
+                case = _Case(path, copies)
+                cases[case.name] = case
+                for backend in [b for b in backends_l if b != "nvcomp"]:
+                    try:
+                        fn = _restore_fn(backend, case, device, pool)
+                        free0 = _free_now(device)
+                        with _MemSampler(device) as m:
+                            sec, reps = _timed(fn, seconds)
+                        out_bytes = case.fp16_bytes
+                        log(case.record(backend, sec, reps=reps, staging_peak_mb=(free0 - m.min_free - out_bytes) / 2**20))
+                    except Exception as e:
+                        log({"kind": "restore", "backend": backend, "mode": mode, "resolution": f"{w}x{h}", "error": repr(e)})
+                if {"nvdec", "nvdec-pool"} & set(backends_l):
+                    for rec in _decode_only(case, device, pool, seconds):
+                        log(rec)
+            if "nvcomp" in backends_l and cases:
+                case = next(c for c in cases.values() if c.mode == mode)
+                for alg in NVCOMP_ALGORITHMS:
+                    try:
+                        nc = _NvcompCase(case, alg, device)
+                        fn = nc.run_fn()
+                        free0 = _free_now(device)
+                        with _MemSampler(device) as m:
+                            sec, reps = _timed(fn, seconds)
+                        rec = case.record(f"nvcomp-{alg}", sec, reps=reps,
+                                          staging_peak_mb=(free0 - m.min_free - case.fp16_bytes) / 2**20)
+                        rec.update(resolution="-", coded_gbit_per_s=nc.comp_bytes * nc.copies * 8 / sec / 1e9,
+                                   ratio_vs_fp16=nc.ratio, samples_gb_per_s=None)
+                        log(rec)
+                        cases[f"nvcomp-{alg}-{mode}"] = nc
+                    except Exception as e:
+                        log({"kind": "restore", "backend": f"nvcomp-{alg}", "mode": mode, "error": repr(e)})
+        if interference:
+            alone = _matmul_tflops(device, max(seconds, 1.0))
+            base = cases.get(interference_case) or next(iter(cases.values()))
+            runs = []
+            for backend in backends_l:
+                if backend == "nvcomp":
+                    for alg in NVCOMP_ALGORITHMS:
+                        nc = cases.get(f"nvcomp-{alg}-{base.mode}")
+                        if nc is not None:
+                            runs.append((f"nvcomp-{alg}", nc.run_fn()))
+                else:
+                    runs.append((backend, _restore_fn(backend, base, device, pool)))
+            for name, fn in runs:
+                rec = _interference(name, fn, device, max(seconds, 1.0), alone)
+                rec.update(mode=base.mode, resolution=f"{base.resolution[0]}x{base.resolution[1]}")
+                log(rec)
+        if staging_tokens:
+            shape = next(iter(cases.values())) if cases else None
+            lhd = (shape.layers, shape.heads, shape.dim) if shape else (30, 3, 64)
+            res = max(res_l, key=lambda r: r[0] * r[1])
+            synth = _synthetic_containers(lhd, [int(t) for t in staging_tokens.split(",")], res)
+            for rec in _staging(synth, device, pool):
+                log(rec)
+    finally:
+        if pool is not None:
+            pool.close()
+    out = Path(out_path) if out_path else Path("benchmarks/results") / f"decode-{gpu.replace(' ', '-').lower()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(_markdown(result))
+    click.echo(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+def _markdown(result: dict) -> str:
+    def f(v, nd=2):
+        return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+
+    lines = [f"# kvcodec bench decode on {result['gpu']}", "", f"`{result['command']}`", ""]
+    rs = [r for r in result["records"] if r["kind"] == "restore" and "error" not in r]
+    if rs:
+        lines += ["## Restore (chunk blobs -> KV on the GPU)", "",
+                  "| mode | resolution | backend | restored GB/s (fp16) | tokens/s | coded Gbit/s | ratio vs fp16 | staging MB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rs:
+            lines.append(f"| {r['mode']} | {r['resolution']} | {r['backend']} | {f(r['restored_gb_per_s'])} | "
+                         f"{f(r['tokens_per_s'], 0)} | {f(r['coded_gbit_per_s'])} | {f(r['ratio_vs_fp16'])} | {f(r.get('staging_peak_mb'), 0)} |")
+    ds = [r for r in result["records"] if r["kind"] == "decode_only"]
+    if ds:
+        lines += ["", "## NVDEC decode only (no de-tiling)", "",
+                  "| mode | resolution | backend | frames/s | coded Gbit/s | 8-bit samples GB/s | bits/sample |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in ds:
+            lines.append(f"| {r['mode']} | {r['resolution']} | {r['backend']} | {f(r['frames_per_s'], 0)} | "
+                         f"{f(r['coded_gbit_per_s'])} | {f(r['samples_gb_per_s'])} | {f(r['bits_per_sample'])} |")
+    its = [r for r in result["records"] if r["kind"] == "interference"]
+    if its:
+        lines += ["", "## Interference: bf16 matmul 8192^3 while a backend restores flat out", "",
+                  "| backend | case | matmul TFLOP/s alone | during | slowdown |", "|---|---|---|---|---|"]
+        for r in its:
+            lines.append(f"| {r['backend']} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
+                         f"{f(r['matmul_tflops_during'], 0)} | {100 * r['matmul_slowdown']:.1f}% |")
+    st = [r for r in result["records"] if r["kind"] in ("staging", "pool_fixed")]
+    if st:
+        lines += ["", "## Staging memory", ""]
+        for r in st:
+            lines.append("- " + ", ".join(f"{k}={f(v)}" for k, v in r.items() if k != "kind"))
+    errs = [r for r in result["records"] if "error" in r]
+    if errs:
+        lines += ["", "## Errors", ""] + [f"- {r.get('backend')} {r.get('mode')}: {r['error']}" for r in errs]
+    return "\n".join(lines) + "\n"
