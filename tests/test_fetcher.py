@@ -299,6 +299,18 @@ def test_inflight_is_bounded():
     assert all(g <= i + 2 for i, g in enumerate(seen))
 
 
+def test_parallel_gets_restore_in_order():
+    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", codec=RawCodec(("raw", "zstd")),
+                        net_workers=3, max_inflight=4, profile=DecodeProfile.default(CFG.resolutions))
+    kv, ids = make_kv(200), ids_for(200)
+    cache.put(ids, kv)
+    cache.store = SlowStore(cache.store, 0.02)
+    t = time.monotonic()
+    r = cache.fetch(ids, 200)
+    assert r.ok and torch.equal(r.kv, kv) and r.stats.peak_inflight <= 4
+    assert time.monotonic() - t < 13 * 0.02  # gets overlapped (13 chunks)
+
+
 def test_stages_overlap():
     """Network and decode run concurrently: the fetch takes about max(stage), not the sum."""
     codec = RawCodec()

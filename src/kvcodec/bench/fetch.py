@@ -154,10 +154,11 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--max-inflight", default=4, show_default=True)
 @click.option("--decode-workers", default=1, show_default=True)
+@click.option("--net-workers", default=1, show_default=True, help="Concurrent gets per fetch.")
 @click.option("--out-dir", default="benchmarks/results", show_default=True)
 def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolutions, rates, jitter_mean,
             jitter_cv, jitter_segment_ms, policies, link_kind, repeats, device, max_inflight,
-            decode_workers, out_dir):
+            decode_workers, net_workers, out_dir):
     """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
     import torch
 
@@ -221,7 +222,8 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                     base_cache = raw if is_raw else hevc
                     pc = PrefixCache(link.store, model, base_cache.config, device, codec=base_cache.codec,
                                      policy="fixed:0" if is_raw else pol, max_inflight=max_inflight,
-                                     decode_workers=decode_workers, profile=None if is_raw else profile)
+                                     decode_workers=decode_workers, net_workers=net_workers,
+                                     profile=None if is_raw else profile)
                     pc.fetch(ids, T)  # warm-up: the bandwidth estimator learns the link
                     runs = []
                     for _ in range(repeats):
@@ -267,6 +269,8 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                         "bit_exact": exact,
                         "machine": machine,
                         "device": device,
+                        "net_workers": net_workers,
+                        "decode_workers": decode_workers,
                     }
                     records.append(rec)
                     click.echo(f"{trace.name:>36} {pol:>10}: {fetch_s * 1e3:8.1f} ms  bound {bound * 1e3:8.1f} ms"

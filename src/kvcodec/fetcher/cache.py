@@ -118,6 +118,8 @@ class PrefixCache:
     policy: resolution policy name or object ("adaptive", "fixed:J", "min-bytes", "min-decode").
     max_inflight: chunks between network get and restore at once (bounds peak memory).
     decode_workers: decode threads (results are restored in order).
+    net_workers: concurrent gets (several connections; helps where one client stream cannot fill
+        the link). The bandwidth estimator charges overlapping gets only their non-overlapped time.
     codec: module/object with encode_chunks, decode_chunk_blob, inspect_chunk_blob
         (default kvcodec.codec; kvcodec.fetcher.rawcodec.RawCodec() for the fp16 baseline).
     profile: a DecodeProfile; None = calibrate (cached in the cache dir) on first adaptive fetch.
@@ -135,6 +137,7 @@ class PrefixCache:
         policy: str | ResolutionPolicy = "adaptive",
         max_inflight: int = 4,
         decode_workers: int = 1,
+        net_workers: int = 1,
         codec: Any = None,
         profile: DecodeProfile | None = None,
         initial_gbit: float = 8.0,
@@ -151,6 +154,7 @@ class PrefixCache:
         self.policy = get_policy(policy, config.resolutions)
         self.max_inflight = int(max_inflight)
         self.decode_workers = int(decode_workers)
+        self.net_workers = max(1, min(int(net_workers), self.max_inflight))
         self.profile = profile
         self.bandwidth = BandwidthEstimator(initial_gbit, bandwidth_alpha)
         self.store_partial = store_partial
@@ -339,15 +343,21 @@ class PrefixCache:
             dec = [sum(profile.predict(j, m.values) for m in rest) / len(rest) for j in range(R)]
             return sizes, dec
 
+        next_issue = [0]
+
         def net_worker():
-            i = 0
-            while i < n and not stop.is_set():
+            while not stop.is_set():
                 if not slots.acquire(timeout=_POLL_S):
                     continue
                 if stop.is_set():
                     return
-                m = metas[i]
                 with sched_lock:
+                    i = next_issue[0]
+                    if i >= n:
+                        slots.release()
+                        return
+                    next_issue[0] += 1
+                    m = metas[i]
                     rs, rd = rest_means(i)
                     dpred = [profile.predict(j, m.values) for j in range(R)]
                     ctx = ChoiceContext(m.sizes, dpred, est.bytes_per_s, sum(backlog.values()),
@@ -387,7 +397,6 @@ class PrefixCache:
                     return
                 est.add(len(blob), ts, te)
                 dec_q.put((i, j, blob))
-                i += 1
 
         def decode_worker():
             while not stop.is_set():
@@ -421,7 +430,9 @@ class PrefixCache:
                     backlog.pop(i, None)
                 res_q.put((i, None, x))
 
-        threads = [threading.Thread(target=net_worker, name="kvc-fetch-net", daemon=True)]
+        threads = [threading.Thread(target=net_worker, name=f"kvc-fetch-net{w}", daemon=True)
+                   for w in range(self.net_workers)]
+        n_net = len(threads)
         threads += [threading.Thread(target=decode_worker, name=f"kvc-fetch-dec{w}", daemon=True) for w in range(workers)]
         for t in threads:
             t.start()
@@ -473,7 +484,7 @@ class PrefixCache:
             stop.set()
             for _ in range(workers):
                 dec_q.put(None)
-            for t in threads[1:]:
+            for t in threads[n_net:]:
                 t.join(timeout=0.05)
         tl = [t for t in timings if t is not None]
         stats.timeline = tl
