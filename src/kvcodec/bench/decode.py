@@ -31,7 +31,7 @@ import click
 
 DEFAULT_MODES = "exact,int8,int4,int2"
 DEFAULT_RESOLUTIONS = "256x256,512x512,1024x1024"
-DEFAULT_BACKENDS = "nvdec,nvdec-pool,ffmpeg-cpu,nvcomp"
+DEFAULT_BACKENDS = "nvdec,nvdec-pool,ffmpeg-cpu,nvcomp,nvdec-pyav"
 NVCOMP_ALGORITHMS = ("ANS", "GDeflate")
 
 
@@ -227,7 +227,45 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
             torch.cuda.synchronize(device)
 
         return run
+    if backend == "nvdec-pyav":
+        from kvcodec.video.nvdec_pyav import PyAVNvdecDecoder
+
+        dec = PyAVNvdecDecoder(device)
+
+        def run():
+            for blob, o in zip(case.blobs, views):
+                codec.decode_chunk_blob(blob, device, out=o, decoder=dec)
+            torch.cuda.synchronize(device)
+
+        return run
     raise click.BadParameter(f"unknown backend {backend}")
+
+
+class _CachedPositions:
+    """What-if for the codec's de-tiling (layout code is the codec's): keep each plan's gather index
+    on the GPU as int32 instead of copying the int64 index from the host for every chunk. Patches
+    kvcodec.codec.pixel_positions for the duration of a `with` block; records say detile=cached."""
+
+    def __enter__(self):
+        import torch
+
+        from kvcodec import codec
+        from kvcodec.layout import tiling
+
+        self.codec, self.orig = codec, codec.pixel_positions
+        cache = {}
+
+        def cached(plan, device="cpu"):
+            key = (plan, str(torch.device(device)))
+            if key not in cache:
+                cache[key] = tiling.pixel_positions(plan, device).to(torch.int32)
+            return cache[key]
+
+        codec.pixel_positions = cached
+        return self
+
+    def __exit__(self, *exc):
+        self.codec.pixel_positions = self.orig
 
 
 def _decode_only(case: _Case, device, pool, seconds: float) -> list[dict]:
@@ -272,19 +310,34 @@ def _decode_only(case: _Case, device, pool, seconds: float) -> list[dict]:
     return recs
 
 
+def _import_nvcomp():
+    """nvidia.nvcomp, also when another site directory holds a regular `nvidia` package."""
+    try:
+        from nvidia import nvcomp
+    except ImportError:
+        import nvidia
+
+        for entry in sys.path:
+            d = os.path.join(entry, "nvidia")
+            if os.path.isdir(os.path.join(d, "nvcomp")) and d not in list(nvidia.__path__):
+                nvidia.__path__.append(d)
+        from nvidia import nvcomp
+    return nvcomp
+
+
 class _NvcompCase:
     """The same KV symbols the video carries (quantized integers, or exact mode's byte planes),
     compressed with nvCOMP per chunk and restored on the GPU by the codec's own torch ops."""
 
     def __init__(self, case: _Case, algorithm: str, device):
         import torch
-        from nvidia import nvcomp
 
         from kvcodec import codec
         from kvcodec.quant import exact as exact_q
         from kvcodec.quant import integer as int_q
 
         self.case, self.algorithm, self.device = case, algorithm, device
+        nvcomp = _import_nvcomp()
         kv = codec.decode(case.data, device).cpu()  # exact: bit-exact; intN: the dequantized values
         cfg = case.config
         self.nv = nvcomp
@@ -464,7 +517,12 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
 @click.option("--modes", default=DEFAULT_MODES, show_default=True)
 @click.option("--resolutions", default=DEFAULT_RESOLUTIONS, show_default=True)
 @click.option("--backends", default=DEFAULT_BACKENDS, show_default=True,
-              help="nvdec, nvdec-pool, ffmpeg-cpu, nvcomp (ANS and GDeflate).")
+              help="nvdec, nvdec-pool, ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav.")
+@click.option("--detile", default="codec,cached", show_default=True,
+              help="De-tiling variants for the NVDEC backends: codec (as shipped), cached (device-resident "
+                   "int32 gather index: a proposed codec change, patched in for the measurement).")
+@click.option("--scaling-workers", default="1,4,7,10", show_default=True,
+              help="Pool sizes for the worker-scaling measurement ('' to skip).")
 @click.option("--workers", default=7, show_default=True, help="NVDEC pool processes.")
 @click.option("--copies", default=56, show_default=True, help="Chunk streams per measurement (replicated).")
 @click.option("--seconds", default=1.0, show_default=True, help="Minimum time per measurement.")
@@ -473,8 +531,8 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
 @click.option("--staging-tokens", default="512,2048,8192", show_default=True,
               help="Prefix lengths of the synthetic int8 caches whose staging memory is measured ('' to skip).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/decode-<gpu>.json).")
-def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, copies, seconds, interference,
-            interference_case, staging_tokens, out_path) -> None:
+def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, scaling_workers, workers, copies,
+            seconds, interference, interference_case, staging_tokens, out_path) -> None:
     """GPU-native decode: restored KV GB/s, tokens/s, coded Gbit/s, staging memory, interference."""
     modes_l = [m for m in modes.split(",") if m]
     res_l = [_res(r) for r in resolutions.split(",") if r]
@@ -488,6 +546,7 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, co
     device = torch.device("cuda", torch.cuda.current_device())
     gpu = torch.cuda.get_device_name(device)
     backends_l = [b for b in backends.split(",") if b]
+    detile_l = [d for d in detile.split(",") if d]
     meta_path = Path(data_dir) / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     result = {
@@ -499,10 +558,13 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, co
         "records": [],
     }
     records = result["records"]
+    out = Path(out_path) if out_path else Path("benchmarks/results") / f"decode-{gpu.replace(' ', '-').lower()}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
 
     def log(rec):
         records.append(rec)
         click.echo(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}))
+        out.write_text(json.dumps(result, indent=1))  # partial results survive an interrupted run
 
     pool = None
     if "nvdec-pool" in backends_l:
@@ -517,6 +579,7 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, co
              "pool_fixed_mb": fixed / 2**20, "ring_mb": ring / 2**20,
              "worker_context_mb": (fixed - ring) / 2**20 / workers})
     cases = {}
+    nvc_cases = {}
     try:
         for mode in modes_l:
             for w, h in res_l:
@@ -527,20 +590,25 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, co
                 case = _Case(path, copies)
                 cases[case.name] = case
                 for backend in [b for b in backends_l if b != "nvcomp"]:
-                    try:
-                        fn = _restore_fn(backend, case, device, pool)
-                        free0 = _free_now(device)
-                        with _MemSampler(device) as m:
-                            sec, reps = _timed(fn, seconds)
-                        out_bytes = case.fp16_bytes
-                        log(case.record(backend, sec, reps=reps, staging_peak_mb=(free0 - m.min_free - out_bytes) / 2**20))
-                    except Exception as e:
-                        log({"kind": "restore", "backend": backend, "mode": mode, "resolution": f"{w}x{h}", "error": repr(e)})
+                    variants = detile_l if backend.startswith("nvdec") else ["codec"]
+                    for variant in variants:
+                        try:
+                            with _CachedPositions() if variant == "cached" else _nullcontext():
+                                fn = _restore_fn(backend, case, device, pool)
+                                free0 = _free_now(device)
+                                with _MemSampler(device) as m:
+                                    sec, reps = _timed(fn, seconds)
+                            log(case.record(backend, sec, reps=reps, detile=variant,
+                                            mem_growth_mb=(free0 - m.min_free) / 2**20))
+                        except Exception as e:
+                            log({"kind": "restore", "backend": backend, "mode": mode, "resolution": f"{w}x{h}",
+                                 "detile": variant, "error": repr(e)[:500]})
                 if {"nvdec", "nvdec-pool"} & set(backends_l):
                     for rec in _decode_only(case, device, pool, seconds):
                         log(rec)
-            if "nvcomp" in backends_l and cases:
-                case = next(c for c in cases.values() if c.mode == mode)
+            mode_cases = [c for c in cases.values() if c.mode == mode]
+            if "nvcomp" in backends_l and mode_cases:
+                case = mode_cases[0]
                 for alg in NVCOMP_ALGORITHMS:
                     try:
                         nc = _NvcompCase(case, alg, device)
@@ -548,14 +616,13 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, co
                         free0 = _free_now(device)
                         with _MemSampler(device) as m:
                             sec, reps = _timed(fn, seconds)
-                        rec = case.record(f"nvcomp-{alg}", sec, reps=reps,
-                                          staging_peak_mb=(free0 - m.min_free - case.fp16_bytes) / 2**20)
+                        rec = case.record(f"nvcomp-{alg}", sec, reps=reps, mem_growth_mb=(free0 - m.min_free) / 2**20)
                         rec.update(resolution="-", coded_gbit_per_s=nc.comp_bytes * nc.copies * 8 / sec / 1e9,
                                    ratio_vs_fp16=nc.ratio, samples_gb_per_s=None)
                         log(rec)
-                        cases[f"nvcomp-{alg}-{mode}"] = nc
+                        nvc_cases[f"nvcomp-{alg}-{mode}"] = nc
                     except Exception as e:
-                        log({"kind": "restore", "backend": f"nvcomp-{alg}", "mode": mode, "error": repr(e)})
+                        log({"kind": "restore", "backend": f"nvcomp-{alg}", "mode": mode, "error": repr(e)[:500]})
         if interference:
             alone = _matmul_tflops(device, max(seconds, 1.0))
             base = cases.get(interference_case) or next(iter(cases.values()))
@@ -563,30 +630,71 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, workers, co
             for backend in backends_l:
                 if backend == "nvcomp":
                     for alg in NVCOMP_ALGORITHMS:
-                        nc = cases.get(f"nvcomp-{alg}-{base.mode}")
+                        nc = nvc_cases.get(f"nvcomp-{alg}-{base.mode}")
                         if nc is not None:
-                            runs.append((f"nvcomp-{alg}", nc.run_fn()))
-                else:
-                    runs.append((backend, _restore_fn(backend, base, device, pool)))
-            for name, fn in runs:
-                rec = _interference(name, fn, device, max(seconds, 1.0), alone)
-                rec.update(mode=base.mode, resolution=f"{base.resolution[0]}x{base.resolution[1]}")
+                            runs.append((f"nvcomp-{alg}", "nvcomp", nc.run_fn()))
+                elif backend == "nvdec-pool" and pool is not None:
+                    runs.append((backend, "codec", lambda: _restore_fn("nvdec-pool", base, device, pool)))
+                    runs.append((backend, "cached", lambda: _restore_fn("nvdec-pool", base, device, pool)))
+                    wv, hv = base.resolution
+                    streams = [(v, wv, hv) for v in base.videos]
+                    runs.append(("nvdec-pool-decode-only", "-", lambda: lambda: [None for _ in pool.decode_streams(streams)]))
+                elif backend == "nvdec":
+                    runs.append((backend, "codec", lambda: _restore_fn("nvdec", base, device, pool)))
+                    runs.append((backend, "cached", lambda: _restore_fn("nvdec", base, device, pool)))
+                elif backend != "nvdec-pyav":
+                    runs.append((backend, "codec", lambda b=backend: _restore_fn(b, base, device, pool)))
+            for name, variant, make in runs:
+                try:
+                    with _CachedPositions() if variant == "cached" else _nullcontext():
+                        rec = _interference(name, make() if variant != "nvcomp" else make, device, max(seconds, 1.0), alone)
+                except Exception as e:
+                    rec = {"kind": "interference", "backend": name, "error": repr(e)[:500]}
+                rec.update(mode=base.mode, resolution=f"{base.resolution[0]}x{base.resolution[1]}", detile=variant)
                 log(rec)
+        if scaling_workers and cases and "nvdec-pool" in backends_l:
+            from kvcodec.video.nvdec_pool import NvdecPool
+
+            base = cases.get(interference_case) or next(iter(cases.values()))
+            wv, hv = base.resolution
+            streams = [(v, wv, hv) for v in base.videos]
+            for nw in [int(x) for x in scaling_workers.split(",")]:
+                try:
+                    with NvdecPool(workers=nw, device=device, max_frame=(wv, hv)) as p2:
+                        sec, _ = _timed(lambda: [None for _ in p2.decode_streams(streams)], seconds)
+                        with _CachedPositions():
+                            rsec, _ = _timed(_restore_fn("nvdec-pool", base, device, p2), seconds)
+                    log({"kind": "scaling", "workers": nw, "mode": base.mode, "resolution": f"{wv}x{hv}",
+                         "decode_coded_gbit_per_s": base.video_bytes * 8 / sec / 1e9,
+                         "decode_samples_gb_per_s": base.samples / sec / 1e9,
+                         "restore_cached_gb_per_s": base.fp16_bytes / rsec / 1e9,
+                         "restore_cached_coded_gbit_per_s": base.coded_bytes * 8 / rsec / 1e9})
+                except Exception as e:
+                    log({"kind": "scaling", "workers": nw, "error": repr(e)[:500]})
         if staging_tokens:
             shape = next(iter(cases.values())) if cases else None
             lhd = (shape.layers, shape.heads, shape.dim) if shape else (30, 3, 64)
             res = max(res_l, key=lambda r: r[0] * r[1])
             synth = _synthetic_containers(lhd, [int(t) for t in staging_tokens.split(",")], res)
-            for rec in _staging(synth, device, pool):
-                log(rec)
+            for variant in detile_l:
+                with _CachedPositions() if variant == "cached" else _nullcontext():
+                    for rec in _staging(synth, device, pool):
+                        rec["detile"] = variant
+                        log(rec)
     finally:
         if pool is not None:
             pool.close()
-    out = Path(out_path) if out_path else Path("benchmarks/results") / f"decode-{gpu.replace(' ', '-').lower()}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(_markdown(result))
     click.echo(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _markdown(result: dict) -> str:
@@ -597,11 +705,11 @@ def _markdown(result: dict) -> str:
     rs = [r for r in result["records"] if r["kind"] == "restore" and "error" not in r]
     if rs:
         lines += ["## Restore (chunk blobs -> KV on the GPU)", "",
-                  "| mode | resolution | backend | restored GB/s (fp16) | tokens/s | coded Gbit/s | ratio vs fp16 | staging MB |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| mode | resolution | backend | detile | restored GB/s (fp16) | tokens/s | coded Gbit/s | 8-bit samples GB/s | ratio vs fp16 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in rs:
-            lines.append(f"| {r['mode']} | {r['resolution']} | {r['backend']} | {f(r['restored_gb_per_s'])} | "
-                         f"{f(r['tokens_per_s'], 0)} | {f(r['coded_gbit_per_s'])} | {f(r['ratio_vs_fp16'])} | {f(r.get('staging_peak_mb'), 0)} |")
+            lines.append(f"| {r['mode']} | {r['resolution']} | {r['backend']} | {r.get('detile', '-')} | {f(r['restored_gb_per_s'])} | "
+                         f"{f(r['tokens_per_s'], 0)} | {f(r['coded_gbit_per_s'])} | {f(r.get('samples_gb_per_s'))} | {f(r['ratio_vs_fp16'])} |")
     ds = [r for r in result["records"] if r["kind"] == "decode_only"]
     if ds:
         lines += ["", "## NVDEC decode only (no de-tiling)", "",
@@ -613,10 +721,20 @@ def _markdown(result: dict) -> str:
     its = [r for r in result["records"] if r["kind"] == "interference"]
     if its:
         lines += ["", "## Interference: bf16 matmul 8192^3 while a backend restores flat out", "",
-                  "| backend | case | matmul TFLOP/s alone | during | slowdown |", "|---|---|---|---|---|"]
+                  "| backend | detile | case | matmul TFLOP/s alone | during | slowdown |", "|---|---|---|---|---|---|"]
         for r in its:
-            lines.append(f"| {r['backend']} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
+            if "error" in r:
+                continue
+            lines.append(f"| {r['backend']} | {r.get('detile', '-')} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
                          f"{f(r['matmul_tflops_during'], 0)} | {100 * r['matmul_slowdown']:.1f}% |")
+    sc = [r for r in result["records"] if r["kind"] == "scaling" and "error" not in r]
+    if sc:
+        lines += ["", "## NVDEC pool: worker processes", "",
+                  "| workers | case | decode-only coded Gbit/s | decode-only samples GB/s | restore (cached detile) GB/s fp16 |",
+                  "|---|---|---|---|---|"]
+        for r in sc:
+            lines.append(f"| {r['workers']} | {r['mode']} {r['resolution']} | {f(r['decode_coded_gbit_per_s'])} | "
+                         f"{f(r['decode_samples_gb_per_s'])} | {f(r['restore_cached_gb_per_s'])} |")
     st = [r for r in result["records"] if r["kind"] in ("staging", "pool_fixed")]
     if st:
         lines += ["", "## Staging memory", ""]

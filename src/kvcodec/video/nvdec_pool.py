@@ -2,12 +2,12 @@
 
 One NVDEC session decodes on one engine at a time, and sessions driven by threads of one process do
 not scale (about 2x at best), so the pool runs one `NvdecDecoder` in each of `workers` processes
-(spawned once, reused). Streams go to the workers through a shared job queue, their bytes in shared
-host memory. Each worker owns a small ring of frame slots in GPU memory, shared once with the
+(spawned once, reused). Streams go to the workers through a shared job queue, their bytes pickled
+through the job pipe. Each worker owns a small ring of frame slots in GPU memory, shared once with the
 consumer through CUDA IPC; it copies each decoded frame into a free slot and passes the slot number
 back. The consumer reads the frame in place (no copy); the slot goes back to its worker once the
 consumer's GPU work on it has finished (a CUDA event per handed-out frame, polled by a dispatcher
-thread), so at most `workers * slots` frames are in flight whatever the prefix length.
+thread; slots go back a batch at a time), so at most `workers * slots` frames are in flight whatever the prefix length.
 
 Two ways to use it:
 
@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-import numpy as np
 import torch
 
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
@@ -76,7 +75,7 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
         try:
             if nbytes > slot_bytes:
                 raise CorruptStreamError(f"{width}x{height} frames exceed the pool's slot size")
-            for frame in dec.decode(payload.numpy(), width, height):
+            for frame in dec.decode(payload, width, height):
                 if not free:
                     flush()
                     free.extend(free_q.get())
@@ -169,7 +168,7 @@ class NvdecPool:
         self._closed = False
         self._ids = itertools.count()
         self._jobs: dict[int, _Job] = {}
-        self._pending: list[tuple[torch.cuda.Event, int, int]] = []  # handed-out frames not yet released
+        self._pending: list[tuple[torch.cuda.Event, int, list[int]]] = []  # handed-out slots not yet released
         self._lock = threading.Lock()
         self._dispatcher = threading.Thread(target=self._dispatch, name="kvcodec-nvdec-dispatch", daemon=True)
         self._dispatcher.start()
@@ -181,7 +180,7 @@ class NvdecPool:
             with self._lock:
                 busy = bool(self._pending)
             try:
-                msg = self._res_q.get(timeout=0.0002 if busy else 0.02)
+                msg = self._res_q.get(timeout=0.001 if busy else 0.02)
             except queue.Empty:
                 msg = None
             except (EOFError, OSError):  # pragma: no cover - queue closed at shutdown
@@ -201,8 +200,7 @@ class NvdecPool:
                 if job is None:  # abandoned job: give the slots straight back
                     self._free_q[wid].put([s for s, _ in msg[3]])
                     continue
-                for slot, idx in msg[3]:
-                    job.sink.put(("frame", job, wid, slot, idx))
+                job.sink.put(("frames", job, wid, msg[3]))
             elif kind in ("done", "error"):
                 self._jobs.pop(jid, None)
                 if job is not None:
@@ -212,23 +210,23 @@ class NvdecPool:
         by_worker: dict[int, list[int]] = {}
         with self._lock:
             keep = []
-            for ev, wid, slot in self._pending:
+            for ev, wid, slots in self._pending:
                 if block:
                     ev.synchronize()
                 elif not ev.query():
-                    keep.append((ev, wid, slot))
+                    keep.append((ev, wid, slots))
                     continue
-                by_worker.setdefault(wid, []).append(slot)
+                by_worker.setdefault(wid, []).extend(slots)
             self._pending = keep
         for wid, slots in by_worker.items():
             self._free_q[wid].put(slots)
 
-    def _hand_back(self, wid: int, slot: int) -> None:
-        """The consumer is done queuing GPU work on this frame: free it once that work is done."""
+    def _hand_back(self, wid: int, slots: list[int]) -> None:
+        """The consumer is done queuing GPU work on these frames: free them once that work is done."""
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         with self._lock:
-            self._pending.append((ev, wid, slot))
+            self._pending.append((ev, wid, slots))
 
     # -- consumer side ---------------------------------------------------------------------------
 
@@ -237,9 +235,7 @@ class NvdecPool:
             raise BackendUnavailableError("the NVDEC pool is closed")
         if 3 * width * height > self.slot_bytes:
             raise ValueError(f"{width}x{height} frames exceed the pool's max_frame")
-        src = np.frombuffer(bitstream, dtype=np.uint8)
-        payload = torch.empty(src.size, dtype=torch.uint8).share_memory_()
-        payload.numpy()[:] = src
+        payload = bytes(bitstream)  # pickled through the job pipe: cheaper than a shared-memory segment per job
         job = _Job(next(self._ids), width, height, sink, tag)
         self._jobs[job.jid] = job
         self._job_q.put((job.jid, payload, width, height))
@@ -251,14 +247,16 @@ class NvdecPool:
         try:
             while remaining:
                 msg = sink.get()
-                if msg[0] == "frame":
-                    _, job, wid, slot, idx = msg
+                if msg[0] == "frames":
+                    _, job, wid, batch = msg
                     try:
                         if error is None:
                             n = 3 * job.width * job.height
-                            yield job, idx, self._rings[wid][slot, :n].view(3, job.height, job.width)
+                            ring = self._rings[wid]
+                            for slot, idx in batch:
+                                yield job, idx, ring[slot, :n].view(3, job.height, job.width)
                     finally:
-                        self._hand_back(wid, slot)
+                        self._hand_back(wid, [slot for slot, _ in batch])
                 elif msg[0] == "done":
                     remaining -= 1
                 else:
@@ -267,8 +265,8 @@ class NvdecPool:
         finally:
             while remaining:  # stopped early: let the rest run out, giving slots back
                 msg = sink.get()
-                if msg[0] == "frame":
-                    self._free_q[msg[2]].put([msg[3]])
+                if msg[0] == "frames":
+                    self._free_q[msg[2]].put([slot for slot, _ in msg[3]])
                 else:
                     remaining -= 1
         if error is not None:

@@ -38,9 +38,14 @@ class PyAVNvdecDecoder:
         import av
         from av.codec.hwaccel import HWAccel
 
+        import ctypes
+
+        from kvcodec.video.nvdec import _primary_context
+
         torch.cuda.set_device(self.device)
-        torch.cuda.current_stream(self.device)  # makes the primary context current in this thread
         torch.empty(1, device=self.device)
+        # FFmpeg's "current_ctx" takes the driver's current context: make it torch's primary one
+        ctypes.CDLL("libcuda.so.1").cuCtxSetCurrent(ctypes.c_void_p(_primary_context(self.device.index)))
         hw = HWAccel(
             device_type="cuda",
             device=str(self.device.index),
