@@ -165,3 +165,33 @@ def test_model_shape_and_dtype_mismatches(smollm2, qwen25, short_text):
         continue_from_kv(s_model, ids, kv.half(), ids[:2])
     with pytest.raises(ShapeError, match="holds 16 tokens, expected 15"):
         continue_from_kv(s_model, ids[:15], kv, ids[:2])
+
+
+@pytest.mark.slow
+def test_extract_command_saves_canonical_kv(smollm2, short_text, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+    from safetensors import safe_open
+
+    from kvcodec.cli.extract import command
+    from kvcodec.models import model_id
+
+    model, tok = smollm2
+    src = tmp_path / "doc.txt"
+    src.write_text(short_text, encoding="utf-8")
+    out = tmp_path / "kv.safetensors"
+    res = CliRunner().invoke(command, ["--text", str(src), "--max-tokens", "32", "--chunk-tokens", "10", str(out)])
+    assert res.exit_code == 0, res.output
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+        kv = f.get_tensor("kv")
+        assert list(f.keys()) == ["kv"]
+    ids, ref = extract_kv(model, tok, short_text, max_tokens=32)
+    assert kv.dtype == torch.float16 and kv.shape == (30, 2, 32, 3, 64)
+    torch.testing.assert_close(kv, ref.half(), rtol=1e-3, atol=1e-3)  # chunked prefill: float rounding only
+    assert meta["model"] == "smollm2-135m" and meta["tokens"] == "32" and meta["model_id"] == model_id(model)
+    assert json.loads(meta["input_ids"]) == ids.tolist()
+
+    bad = CliRunner().invoke(command, ["--text", str(tmp_path / "missing.txt"), str(out)])
+    assert bad.exit_code != 0 and "neither a file nor a text name" in str(bad.exception)

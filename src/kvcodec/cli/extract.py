@@ -1,0 +1,97 @@
+"""`kvcodec extract`: run a real model over a text and save its KV cache as a safetensors file."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from kvcodec.errors import ConfigError
+
+_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _read_text(spec: str) -> tuple[str, str]:
+    """(text, label): a file path if one exists, else a kvcodec.models.texts name."""
+    from kvcodec.models.texts import load_text
+
+    path = Path(spec)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8"), path.name
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{spec}: not UTF-8 text ({e})") from e
+    if spec.startswith("pg"):
+        return load_text(spec), spec
+    raise ConfigError(f"--text {spec!r} is neither a file nor a text name ('pg' or 'pg/<essay>', e.g. pg/addiction)")
+
+
+@click.command("extract")
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Registered model name.")
+@click.option("--text", "text_spec", required=True, help="A UTF-8 file, or a text name: pg, pg/<essay>.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="Tokens to keep.")
+@click.option("--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True, help="dtype of the saved KV.")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Prefill chunk size.")
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+def command(model_name: str, text_spec: str, max_tokens: int, dtype: str, chunk_tokens: int, out: Path) -> None:
+    """Prefill MODEL on a text and save its KV to OUT.safetensors.
+
+    The file holds one tensor `kv` of shape (layers, 2, tokens, kv_heads, head_dim) (0 = keys,
+    1 = values) and metadata: model, model_id, tokens, dtype, text and the token ids (JSON).
+    """
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from kvcodec.integrations.hf import extract_kv
+    from kvcodec.models import get_spec, load_model, model_id
+
+    get_spec(model_name)  # unknown names fail before any work
+    if out.suffix != ".safetensors":
+        raise click.BadParameter(f"{out}: the output name must end in .safetensors", param_hint="OUT")
+    if not out.parent.exists():
+        raise click.BadParameter(f"{out.parent} does not exist", param_hint="OUT")
+    text, label = _read_text(text_spec)
+    if not text.strip():
+        raise ConfigError(f"--text {text_spec!r} is empty")
+
+    t0 = time.perf_counter()
+    click.echo(f"loading {model_name} ...", err=True)
+    model, tokenizer = load_model(model_name)
+    click.echo(f"loaded in {time.perf_counter() - t0:.1f} s", err=True)
+
+    t0 = time.perf_counter()
+    with tqdm(total=None, unit="tok", desc="prefill", disable=None) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        ids, kv = extract_kv(model, tokenizer, text, max_tokens, chunk_tokens=chunk_tokens, progress=progress)
+    elapsed = time.perf_counter() - t0
+    kv = kv.to(getattr(torch, dtype)).contiguous()
+    metadata = {
+        "model": model_name,
+        "model_id": model_id(model),
+        "tokens": str(int(ids.numel())),
+        "dtype": dtype,
+        "layout": "layers,2,tokens,kv_heads,head_dim",
+        "text": label,
+        "input_ids": json.dumps(ids.tolist()),
+    }
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        save_file({"kv": kv}, tmp, metadata=metadata)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    click.echo(
+        f"{out}: kv {tuple(kv.shape)} {dtype}, {kv.numel() * kv.element_size():,} bytes, "
+        f"{ids.numel()} tokens of {label} in {elapsed:.1f} s ({ids.numel() / max(elapsed, 1e-9):.0f} tok/s)"
+    )
