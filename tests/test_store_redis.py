@@ -166,3 +166,32 @@ def test_redis_cluster(tmp_path):
     finally:
         for n in nodes:
             n.kill()
+
+
+def test_tls_rediss(tmp_path):
+    """rediss:// against a TLS-only redis-server, CA passed through as ssl_ca_certs."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    srv = RedisServer(tmp_path / "tls", appendonly=False, tls=(str(cert), str(key), str(cert)))
+    try:
+        srv.start()
+    except StoreError as e:
+        pytest.skip(f"this redis-server has no TLS support: {e}")
+    try:
+        assert srv.url.startswith("rediss://")
+        st = open_store(srv.url, ssl_ca_certs=str(cert))
+        st.put("k", b"secret bytes")
+        assert st.get("k") == b"secret bytes"
+        with pytest.raises(StoreError):  # plain redis:// to a TLS port fails cleanly
+            open_store(srv.url.replace("rediss://", "redis://"), socket_timeout=1.0, socket_connect_timeout=1.0)
+        with pytest.raises(StoreError):  # an unknown CA is refused
+            open_store(srv.url)
+    finally:
+        srv.kill()

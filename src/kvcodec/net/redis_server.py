@@ -61,6 +61,7 @@ class RedisServer:
         netns: str | None = None,
         maxmemory: str | None = None,
         extra_args: tuple[str, ...] = (),
+        tls: tuple[str, str, str] | None = None,
     ) -> None:
         binary = redis_server_binary()
         if binary is None:
@@ -74,11 +75,12 @@ class RedisServer:
         self.netns = netns
         self.maxmemory = maxmemory
         self.extra_args = tuple(extra_args)
+        self.tls = tuple(str(x) for x in tls) if tls else None  # (cert, key, ca): TLS only
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.bind}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.bind}:{self.port}/0"
 
     def _argv(self) -> list[str]:
         argv = [
@@ -97,6 +99,11 @@ class RedisServer:
         ]
         if self.maxmemory:
             argv += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+        if self.tls:
+            cert, key, ca = self.tls
+            argv[argv.index("--port") + 1] = "0"
+            argv += ["--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
+                     "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
         argv += list(self.extra_args)
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns] + argv
@@ -121,7 +128,14 @@ class RedisServer:
 
     def _ping(self) -> bool:
         try:
-            with socket.create_connection((self.bind, self.port), timeout=0.5) as s:
+            with socket.create_connection((self.bind, self.port), timeout=0.5) as raw:
+                s = raw
+                if self.tls:
+                    import ssl
+
+                    ctx = ssl.create_default_context(cafile=self.tls[2])
+                    ctx.check_hostname = False
+                    s = ctx.wrap_socket(raw)
                 s.sendall(b"PING\r\n")
                 reply = s.recv(16)
                 return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
