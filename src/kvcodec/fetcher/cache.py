@@ -307,8 +307,8 @@ class PrefixCache:
         if pol.name == "adaptive" and self.profile is None:
             try:
                 self.ensure_profile((L, H, D), dtype)
-            except KVCodecError as e:  # calibration failed: fall back to a neutral prior
-                log.warning("decode calibration failed (%s); using a default profile", e)
+            except Exception as e:  # noqa: BLE001 - calibration failed: fall back to a neutral prior
+                log.warning("decode calibration failed (%s: %s); using a default profile", type(e).__name__, e)
         profile = self.profile or DecodeProfile.default(self.config.resolutions)
 
         restored, error = self._run_pipeline(metas, keys, n_tokens, out, t0, deadline_s, pol, profile, stats)
