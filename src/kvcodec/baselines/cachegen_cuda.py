@@ -7,6 +7,7 @@ vectorised torch decoder (which also runs on CUDA, one kernel launch per symbol 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -89,7 +90,9 @@ def decode_lanes(words: torch.Tensor, nwords: torch.Tensor, freq: torch.Tensor, 
     threads = 128
     blocks = (lanes + threads - 1) // threads
     with cupy.cuda.Device(dev.index or 0):
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream)
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream)
         with stream:
             _kernel()(
                 (blocks,),
