@@ -1,0 +1,292 @@
+"""`kvcodec bench ttft`: time to first token vs link bandwidth, for full prefill and four ways of
+reusing a stored prefix (raw fp16 KV, zstd, CacheGen-style, kvcodec).
+
+TTFT of a reuse method = fetch + prefill of the request's new (suffix) tokens, where the fetch is
+chunk-pipelined: with n chunks, transfer time X = bytes / bandwidth and decode time D,
+fetch = max(X, D) + min(X, D) / n. Full prefill = one forward over prefix + suffix. Every input is
+measured, and the record says where:
+
+- bytes per method: each codec encodes a REAL KV cache (a real model over a real essay, fp16) and
+  the ratio to fp16 is applied to the target model's fp16 KV size (layers x 2 x kv_heads x head_dim
+  x 2 bytes per token): the target's KV is assumed to compress like the real small model's of the
+  same family (llama-like <- smollm2-135m, qwen2 <- qwen2.5-coder-0.5b). For the small real
+  models themselves nothing is scaled.
+- decode speed per method: measured on this machine on the same real KV (CPU: zstd / CacheGen rANS
+  / software HEVC; raw = a copy). On a GPU: raw = host-to-device copy, measured; kvcodec = NVDEC at
+  `--nvdec-gbit` of coded stream (default from the decode benchmark / FACTS: ~9 Gbit/s for all 7
+  engines of an H200); other rates can be overridden with --decode-rate METHOD=GB/s (of fp16 KV).
+- prefill times: real forward passes on this machine; for 7B/8B-class targets ("llama3-8b",
+  "qwen2.5-7b") full-size architectures with RANDOM weights (timing only, never KV statistics).
+"""
+
+from __future__ import annotations
+
+import click
+
+LARGE = {
+    # name: (transformers config class, kwargs, KV-statistics source model)
+    "llama3-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                      rope_theta=500000.0, max_position_embeddings=131072), "smollm2-135m"),
+    "qwen2.5-7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                                       rope_theta=1000000.0, max_position_embeddings=32768), "qwen2.5-coder-0.5b"),
+}
+METHOD_LABELS = {"raw": "raw fp16 KV", "zstd-3": "zstd-3 KV", "cachegen": "CacheGen-style", "prefill": "full prefill"}
+
+
+def machine() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    m = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+         "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        m["gpu"] = torch.cuda.get_device_name(0)
+    return m
+
+
+def command_line() -> str:
+    import shlex
+    import sys
+
+    return "kvcodec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def kv_statistics(kv_model: str, tokens: int, methods: list[str], resolution: tuple[int, int], text: str) -> dict:
+    """Ratio to fp16 and CPU decode speed of each method on a real KV cache."""
+    import torch
+
+    from kvcodec.baselines.measure import measure_codec, real_kv
+
+    kv, desc = real_kv(kv_model, tokens, text)
+    kv = kv.to(torch.float16).contiguous()
+    out = {"model": kv_model, "text": text, "tokens": int(kv.shape[2]), "shape": list(kv.shape), "source": desc.get("source"),
+           "fp16_bytes": kv.numel() * 2, "methods": {}}
+    for m in methods:
+        if m.startswith("kvcodec-"):
+            from kvcodec.baselines import get_codec
+
+            # one stored resolution (what one fetch moves), not the sum of all of them
+            codec = get_codec(m, resolutions=(resolution,))
+            import time
+
+            t0 = time.perf_counter()
+            data = codec.encode(kv)
+            enc = time.perf_counter() - t0
+            dec = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                codec.decode(data, device="cpu")
+                dec.append(time.perf_counter() - t0)
+            row = {"bytes": len(data), "encode_s": enc, "decode_s": min(dec), "resolution": list(resolution)}
+        else:
+            r = measure_codec(m, kv, "cpu", repeat=2)
+            row = {"bytes": r["bytes"], "encode_s": r["encode_s"], "decode_s": r["decode_s"]}
+        row["ratio_vs_fp16"] = out["fp16_bytes"] / row["bytes"]
+        row["decode_GBps_fp16"] = out["fp16_bytes"] / row["decode_s"] / 1e9
+        out["methods"][m] = row
+        click.echo(f"  {kv_model} {m}: {row['ratio_vs_fp16']:.2f}x, decode {row['decode_GBps_fp16']:.3f} GB/s (cpu)", err=True)
+    return out
+
+
+def build_model(target: str, device: str):  # noqa: ANN201
+    """(model, kv fp16 bytes per token, is_random_weights)."""
+    import torch
+
+    if target in LARGE:
+        import transformers
+
+        cls, kw, _ = LARGE[target]
+        cfg = getattr(transformers, cls)(**kw)
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        random = True
+    else:
+        from kvcodec.models import load_model
+
+        model, _ = load_model(target)
+        model = model.to(device)
+        random = False
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
+    return model.eval(), per_token, random
+
+
+def time_prefill(model, tokens: int, suffix: int, device: str, repeat: int) -> tuple[float, float]:  # noqa: ANN001
+    """(full prefill of tokens+suffix, suffix prefill on top of a `tokens` cache), median seconds."""
+    import statistics
+    import time
+
+    import torch
+
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, min(vocab, 30000), (1, tokens + suffix), generator=g).to(device)
+
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    full, part = [], []
+    with torch.inference_mode():
+        model(input_ids=ids[:, :64])  # warm-up
+        for _ in range(repeat):
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids, logits_to_keep=1)
+            sync()
+            full.append(time.perf_counter() - t0)
+            out = model(input_ids=ids[:, :tokens], use_cache=True, logits_to_keep=1)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids[:, tokens:], cache=cache, use_cache=True, logits_to_keep=1)
+            sync()
+            part.append(time.perf_counter() - t0)
+            del out, cache
+    return statistics.median(full), statistics.median(part)
+
+
+def h2d_GBps(nbytes: int) -> float:
+    import time
+
+    import torch
+
+    x = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    x.to("cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        x.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    return 3 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def fetch_time(nbytes: float, fp16_bytes: float, gbit: float, decode_GBps: float, chunks: int) -> tuple[float, float, float]:
+    x = nbytes * 8 / (gbit * 1e9)
+    d = fp16_bytes / (decode_GBps * 1e9) if decode_GBps > 0 else 0.0
+    return max(x, d) + min(x, d) / max(1, chunks), x, d
+
+
+@click.command("ttft")
+@click.option("--targets", default=None, help="Models to time prefill for (comma list). Default: the KV models on CPU; "
+              "llama3-8b,qwen2.5-7b (random weights, full size) on a GPU.")
+@click.option("--kv-models", default="smollm2-135m,qwen2.5-coder-0.5b", show_default=True,
+              help="Real models whose KV statistics are measured.")
+@click.option("--text", default="pg", show_default=True, help="Text for the real KV (kvcodec.models.texts).")
+@click.option("--tokens", default=2048, show_default=True, type=int, help="Reused prefix length.")
+@click.option("--suffix-tokens", default=32, show_default=True, type=int, help="New tokens after the prefix.")
+@click.option("--bandwidths", default="1,2,5,10,20,40", show_default=True, help="Gbit/s, comma list.")
+@click.option("--methods", default="raw,zstd-3,cachegen,kvcodec-int8", show_default=True)
+@click.option("--resolution", default="512x512", show_default=True, help="Stored kvcodec resolution measured.")
+@click.option("--stats", "stats_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read KV statistics from an earlier record instead of measuring (the GPU machine has no GGUF loader).")
+@click.option("--nvdec-gbit", default=9.0, show_default=True, type=float,
+              help="kvcodec decode rate on a GPU, Gbit/s of coded stream over all NVDEC engines.")
+@click.option("--decode-rate", multiple=True, help="METHOD=GB/s of fp16 KV: override a decode rate (e.g. cachegen=40).")
+@click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
+@click.option("--repeat", default=3, show_default=True, type=int)
+@click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
+def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods, resolution, stats_file,
+            nvdec_gbit, decode_rate, device, repeat, out_path) -> None:  # noqa: ANN001
+    """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
+    import json
+    import os
+    import time
+
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.startswith("cuda")
+    bws = [float(b) for b in bandwidths.split(",")]
+    meths = [m.strip() for m in methods.split(",") if m.strip()]
+    w, h = (int(v) for v in resolution.lower().split("x"))
+    overrides = {k: float(v) for k, v in (o.split("=", 1) for o in decode_rate)}
+    if stats_file:
+        with open(stats_file) as f:
+            stats = json.load(f)["kv_stats"]
+    else:
+        click.echo("measuring codecs on real KV caches (cpu) ...", err=True)
+        stats = {m: kv_statistics(m, tokens, meths, (w, h), text) for m in kv_models.split(",")}
+    tlist = targets.split(",") if targets else (list(LARGE) if gpu else list(stats))
+    rows, targets_info = [], {}
+    for target in tlist:
+        src = LARGE[target][2] if target in LARGE else target
+        if src not in stats:
+            raise click.ClickException(f"no KV statistics for {src} (needed by {target})")
+        st = stats[src]
+        click.echo(f"timing prefill of {target} on {device} ...", err=True)
+        model, per_token, random = build_model(target, device)
+        full_s, suffix_s = time_prefill(model, tokens, suffix_tokens, device, repeat)
+        del model
+        if gpu:
+            torch.cuda.empty_cache()
+        fp16 = per_token * tokens
+        chunks = max(1, tokens // 256)
+        rates = {}
+        for m in meths:
+            r = st["methods"][m]["decode_GBps_fp16"]
+            where = "cpu (measured on the KV-statistics machine)"
+            if gpu and m == "raw":
+                r, where = h2d_GBps(fp16), "host-to-device copy (measured)"
+            elif gpu and m.startswith("kvcodec"):
+                coded = fp16 / st["methods"][m]["ratio_vs_fp16"]
+                r, where = fp16 / (coded * 8 / (nvdec_gbit * 1e9)) / 1e9, f"NVDEC at {nvdec_gbit:g} Gbit/s coded (--nvdec-gbit)"
+            if m in overrides:
+                r, where = overrides[m], "--decode-rate override"
+            rates[m] = {"decode_GBps_fp16": r, "source": where}
+        targets_info[target] = {"kv_stats_from": src, "random_weights": random, "kv_fp16_bytes_per_token": per_token,
+                                "prefill_s": full_s, "suffix_prefill_s": suffix_s, "decode_rates": rates,
+                                "bytes_scaled_from_real_kv": src != target}
+        click.echo(f"  prefill {tokens}+{suffix_tokens} tokens: {full_s:.3f} s; suffix only: {suffix_s:.3f} s", err=True)
+        for bw in bws:
+            res = {"prefill": {"ttft_s": full_s, "bytes": 0, "transfer_s": 0.0, "decode_s": 0.0}}
+            for m in meths:
+                nbytes = fp16 / st["methods"][m]["ratio_vs_fp16"]
+                f, x, d = fetch_time(nbytes, fp16, bw, rates[m]["decode_GBps_fp16"], chunks)
+                res[m] = {"ttft_s": f + suffix_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
+            for m, r in res.items():
+                rows.append({
+                    "model": target, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
+                    "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
+                    "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
+                    "speedup_vs_prefill": full_s / r["ttft_s"],
+                    "bytes": r["bytes"], "transfer_s": r["transfer_s"], "decode_s": r["decode_s"],
+                    "device": "gpu" if gpu else "cpu", "tokens": tokens, "suffix_tokens": suffix_tokens,
+                })
+    label = "gpu" if gpu else "cpu"
+    rec = {
+        "benchmark": "ttft", "command": command_line(), "machine": machine(), "device": device, "label": label,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "model_of_ttft": "fetch = max(X, D) + min(X, D)/chunks (256-token chunks), X = bytes/bandwidth, D = decode; "
+                         "TTFT = fetch + suffix prefill; full prefill measured directly",
+        "notes": ("prefill of llama3-8b/qwen2.5-7b: full-size architectures with random weights, timing only; bytes "
+                  "scaled from real KV of the small model of the same family by fp16 KV size" if gpu else
+                  "CPU run: small real models, their own real KV (no scaling); all decoders run on the CPU "
+                  "(kvcodec = software HEVC decode, which is what makes it slow here; NVDEC is the design point)"),
+        "kv_stats": stats, "targets": targets_info, "rows": rows,
+    }
+    out_path = out_path or os.path.join("benchmarks", "results", f"ttft-{label}.json")
+    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(rec, f, indent=2)
+    md = [f"# TTFT vs bandwidth ({label})", "", f"`{rec['command']}`", "", rec["notes"], "",
+          "| model | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths) + " | kvcodec vs raw | kvcodec vs CacheGen |",
+          "|---|---|" + "---|" * (len(meths) + 3)]
+    kvm = next((m for m in meths if m.startswith("kvcodec")), None)
+    for target in tlist:
+        for bw in bws:
+            sel = {r["method"]: r for r in rows if r["model"] == target and r["bandwidth_gbit"] == bw}
+            cells = [f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths]
+            vr = f"{sel[kvm]['speedup_vs_raw']:.2f}x" if kvm and sel[kvm]["speedup_vs_raw"] else "-"
+            vc = f"{sel[kvm]['speedup_vs_cachegen']:.2f}x" if kvm and sel[kvm]["speedup_vs_cachegen"] else "-"
+            md.append(f"| {target} | {bw:g} | " + " | ".join(cells) + f" | {vr} | {vc} |")
+    with open(out_path.replace(".json", ".md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    click.echo("\n".join(md))
+    click.echo(f"wrote {out_path}", err=True)
