@@ -122,3 +122,36 @@ def test_fallback_minmax_quantizer_is_within_half_a_step(x, bits):
     back = lo.unsqueeze(2) + q.float() * step.unsqueeze(2)
     err = (back - x).abs()
     assert bool((err <= step.unsqueeze(2) / 2 * (1 + 1e-5) + x.abs() * 1e-6 + 1e-6).all())
+
+
+@given(st.sampled_from(["raw", "zstd-3", "int8-zstd-19", "cachegen"]), st.data())
+@settings(max_examples=60, deadline=None)
+def test_any_flip_or_cut_of_a_container_is_a_format_error(name, data):
+    """Whatever byte is changed or however much is cut, decoding raises a FormatError subclass
+    (never another exception, never silently wrong data)."""
+    from kvcodec.baselines import get_codec
+    from kvcodec.errors import FormatError
+
+    codec = get_codec(name)
+    blob = _small_container(name)
+    if data.draw(st.booleans()):
+        pos = data.draw(st.integers(0, len(blob) - 1))
+        bad = bytearray(blob)
+        bad[pos] ^= data.draw(st.integers(1, 255))
+        bad = bytes(bad)
+    else:
+        bad = blob[: data.draw(st.integers(0, len(blob) - 1))]
+    with pytest.raises(FormatError):
+        codec.decode(bad)
+
+
+_CONTAINERS: dict = {}
+
+
+def _small_container(name):
+    if name not in _CONTAINERS:
+        from kvcodec.baselines import get_codec
+
+        kv = torch.randn(2, 2, 9, 1, 8, generator=torch.Generator().manual_seed(5)).half()
+        _CONTAINERS[name] = get_codec(name).encode(kv)
+    return _CONTAINERS[name]

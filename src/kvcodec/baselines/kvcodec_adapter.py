@@ -1,7 +1,9 @@
 """kvcodec itself behind the baseline interface ("kvcodec-exact", "kvcodec-int8", ...), so benches
 iterate over one list of codecs. Calls `kvcodec.encode(kv, CodecConfig(quant=...))` and
 `kvcodec.decode(data, device=...)`; the bytes are kvcodec's own container (it carries its own
-header and checksums), not wrapped again.
+header and checksums), not wrapped again. A kvcodec file stores every chunk at each resolution of
+its config and a fetch reads one: `size_breakdown` gives the bytes per resolution, which is what
+to compare with the baselines' sizes.
 """
 
 from __future__ import annotations
@@ -57,3 +59,14 @@ class KVCodecAdapter:
     def decode(self, data: bytes, device: str | torch.device = "cpu") -> torch.Tensor:
         _, decode, _ = self._require()
         return decode(data, device=device)
+
+    def size_breakdown(self, data: bytes) -> dict[str, int]:
+        """Bytes a fetch moves at each stored resolution (a kvcodec file keeps every chunk at every
+        resolution of its config; a fetch reads one), from `kvcodec.inspect`."""
+        import kvcodec
+
+        info = kvcodec.inspect(data)
+        out = {"file": int(info["file_bytes"])}
+        for res, r in info["resolutions"].items():
+            out[f"at_{res}"] = int(r["bytes"])
+        return out

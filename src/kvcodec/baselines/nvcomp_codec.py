@@ -85,7 +85,7 @@ class NvcompCodec:
         host = np.asarray(comp.cpu()).view(np.uint8).reshape(-1)
         return pack(self.name, kv, host.tobytes())
 
-    def decode(self, data: bytes, device: str | torch.device = "cuda") -> torch.Tensor:
+    def decode(self, data: bytes, device: str | torch.device = "cpu") -> torch.Tensor:
         header, payload = unpack(data, self.name)
         nvcomp = _nvcomp()
         dev = self._device(device)
