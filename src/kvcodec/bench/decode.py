@@ -64,6 +64,9 @@ def prepare(kv_path: str, data_dir: str, modes: list[str], resolutions: list[tup
             ratio = 2 * kv.numel() / len(data)
             meta["files"][name] = {"bytes": len(data), "ratio_vs_fp16": ratio}
             click.echo(f"{name}: {len(data)} bytes, {ratio:.2f}x vs fp16, {time.time() - t:.1f}s")
+    from safetensors.torch import save_file
+
+    save_file({"kv": kv}, str(out / "kv.safetensors"))  # for the nvCOMP comparison on the same values
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -127,6 +130,7 @@ class _Case:
         from kvcodec.container.format import split_streams, read_object, CHUNK_MAGIC
 
         self.name = path.stem
+        self.path = path
         self.data = path.read_bytes()
         fh, payload = codec.read_file_header(self.data)
         self.fh = fh
@@ -338,7 +342,13 @@ class _NvcompCase:
 
         self.case, self.algorithm, self.device = case, algorithm, device
         nvcomp = _import_nvcomp()
-        kv = codec.decode(case.data, device).cpu()  # exact: bit-exact; intN: the dequantized values
+        src = case.path.parent / "kv.safetensors"
+        if src.exists():  # the original KV the containers were made from (written by --prepare)
+            from safetensors.torch import load_file
+
+            kv = load_file(str(src))["kv"][:, :, : case.fh.tokens]
+        else:  # exact: bit-exact; intN: the dequantized values (re-quantized below)
+            kv = codec.decode(case.data, device).cpu()
         cfg = case.config
         self.nv = nvcomp
         try:
@@ -379,9 +389,12 @@ class _NvcompCase:
         comps = self.comp * self.copies
         metas = self.chunks * self.copies
 
+        batch = self.nv.as_arrays(comps)
+
         def run():
-            decoded = self.codec.decode(comps)
-            for arr, (shape, nplanes, side), o in zip(decoded, metas, views):
+            decoded = self.codec.decode(batch)
+            for i, ((shape, nplanes, side), o) in enumerate(zip(metas, views)):
+                arr = decoded[i]
                 raw = torch.as_tensor(arr, device=device).view(torch.uint8).reshape(nplanes, *shape)
                 if side is None:
                     o.copy_(exact_q.join_bytes(list(raw.unbind(0)), case.dtype))
