@@ -127,8 +127,8 @@ class CacheGenCodec:
         if not 1 <= chunk_tokens <= 65533:
             raise ConfigError(f"chunk_tokens must be in 1..65533; got {chunk_tokens}")
         for b in (key_bins or ()) + (value_bins or ()):
-            if not 4 <= b <= 256 or b % 2:
-                raise ConfigError(f"bins must be even and in 4..256; got {b}")
+            if not 4 <= b <= 254 or b % 2:
+                raise ConfigError(f"bins must be even and in 4..254; got {b}")
         self.name = name
         self.key_bins = key_bins
         self.value_bins = value_bins
@@ -206,13 +206,6 @@ class CacheGenCodec:
             if len(side) != side_len:
                 raise CorruptStreamError("CacheGen side information is truncated")
             off += side_len
-            if mode == _TABLE_MODES["zstd"]:
-                import zstandard
-
-                try:
-                    side = zstandard.ZstdDecompressor().decompress(side, max_output_size=1 << 34)
-                except zstandard.ZstdError as e:
-                    raise CorruptStreamError(f"CacheGen side information does not decode: {e}") from e
         except struct.error as e:
             raise CorruptStreamError(f"CacheGen payload is too short: {e}") from e
         alphabet_lk = 2 * half_range(bins) + 1
@@ -221,8 +214,14 @@ class CacheGenCodec:
         lanes = lane_alpha.numel()
         per_table = int(lane_alpha.sum()) * 2
         chunks = _chunks(T, chunk_tokens)
-        itemsize = header.itemsize
-        expect = len(chunks) * (per_table + 2 * lanes) + Lr * 2 * T * itemsize
+        expect = len(chunks) * (per_table + 2 * lanes) + Lr * 2 * T * header.itemsize
+        if mode == _TABLE_MODES["zstd"]:
+            import zstandard
+
+            try:
+                side = zstandard.ZstdDecompressor().decompress(side, max_output_size=expect)
+            except zstandard.ZstdError as e:
+                raise CorruptStreamError(f"CacheGen side information does not decode: {e}") from e
         if len(side) != expect:
             raise CorruptStreamError(f"CacheGen side information has {len(side)} bytes, expected {expect}")
         so = 0
