@@ -405,3 +405,24 @@ def test_concurrent_fetches_share_cache(raw_cache):
     for t in ts:
         t.join()
     assert all(r.ok and torch.equal(r.kv, kv) for r in results)
+
+
+def test_shared_decoder_is_used_by_all_decode_workers():
+    from kvcodec.video.registry import get_decoder
+
+    real = get_decoder("cpu")
+    calls = []
+
+    class Counting:
+        def decode(self, bitstream, width, height):
+            calls.append(threading.get_ident())
+            return real.decode(bitstream, width, height)
+
+    cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False)
+    cache = PrefixCache(open_store("memory://"), "m", cfg, "cpu", decoder=Counting(), decode_workers=2,
+                        profile=DecodeProfile.default(cfg.resolutions))
+    kv, ids = make_kv(64, layers=2), ids_for(64)
+    cache.put(ids, kv)
+    r = cache.fetch(ids)
+    assert r.ok and len(calls) == 4
+    assert (r.kv.float() - kv.float()).abs().max() < 0.05

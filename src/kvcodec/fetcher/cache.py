@@ -122,6 +122,9 @@ class PrefixCache:
         the link). The bandwidth estimator charges overlapping gets only their non-overlapped time.
     codec: module/object with encode_chunks, decode_chunk_blob, inspect_chunk_blob
         (default kvcodec.codec; kvcodec.fetcher.rawcodec.RawCodec() for the fp16 baseline).
+    decoder: a video decoder handed to codec.decode_chunk_blob, shared by the decode workers
+        (e.g. ``NvdecPool(workers=7).decoder()`` with ``decode_workers=7`` on a GPU); None: the
+        codec picks the best one for `device`.
     profile: a DecodeProfile; None = calibrate (cached in the cache dir) on first adaptive fetch.
     initial_gbit: bandwidth prior until chunks have been received.
     store_partial: also store a last chunk shorter than chunk_tokens.
@@ -139,6 +142,7 @@ class PrefixCache:
         decode_workers: int = 1,
         net_workers: int = 1,
         codec: Any = None,
+        decoder: Any = None,
         profile: DecodeProfile | None = None,
         initial_gbit: float = 8.0,
         bandwidth_alpha: float = 0.3,
@@ -151,6 +155,7 @@ class PrefixCache:
         self.config = config
         self.device = torch.device(device)
         self.codec = codec if codec is not None else _default_codec()
+        self.decoder = decoder
         self.policy = get_policy(policy, config.resolutions)
         self.max_inflight = int(max_inflight)
         self.decode_workers = int(decode_workers)
@@ -411,7 +416,10 @@ class PrefixCache:
                 tm = timings[i]
                 tm.dec_start = now()
                 try:
-                    x = self.codec.decode_chunk_blob(blob, device=self.device)
+                    if self.decoder is not None:
+                        x = self.codec.decode_chunk_blob(blob, device=self.device, decoder=self.decoder)
+                    else:
+                        x = self.codec.decode_chunk_blob(blob, device=self.device)
                     if tuple(x.shape) != (m.shape[0], 2, m.tokens, m.shape[1], m.shape[2]):
                         raise FormatError(f"chunk {i} decoded to {tuple(x.shape)}, meta says {m}")
                     if self.device.type == "cuda":
