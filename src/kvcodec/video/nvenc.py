@@ -1,0 +1,133 @@
+"""NVENC backend: lossless HEVC 4:4:4 8-bit encode on the GPU's hardware encoder (PyNvVideoCodec).
+
+UNTESTED ON REAL HARDWARE: this project's GPU machines are H200s, which have no NVENC (opening an
+encode session fails with NV_ENC_ERR_UNSUPPORTED_DEVICE), so `is_available()` is False there and
+the registry falls back to x265 on the CPU. The code follows PyNvVideoCodec's documented encoder
+API (CreateEncoder / Encode / EndEncode, HEVC, "lossless" tuning, YUV444 input) and is meant for
+GPUs with an NVENC that supports 4:4:4 lossless HEVC (L4, L40, A10, RTX class). Run
+tests/test_nvenc.py on such a GPU before relying on it: it checks bit-exact round trips.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterable
+
+import numpy as np
+
+from kvcodec.errors import BackendUnavailableError, CorruptStreamError
+
+log = logging.getLogger(__name__)
+
+# Encoder settings for mathematically lossless HEVC: the "lossless" tuning (NVENC's lossless preset
+# configuration: constant QP 0 with transquant bypass), no B-frames (decode order = display order,
+# as the NVDEC path assumes), one intra frame then P-frames, parameter sets repeated with each IDR.
+# Only option names PyNvVideoCodec's encoder parser knows are used.
+LOSSLESS_PARAMS = {
+    "codec": "hevc",
+    "preset": "P1",
+    "tuning_info": "lossless",
+    "bf": "0",
+    "gop": "-1",
+    "idrperiod": "-1",
+    "repeatspspps": "1",
+}
+
+
+def _nvc():
+    try:
+        import PyNvVideoCodec as nvc
+    except Exception as e:
+        raise BackendUnavailableError(f"PyNvVideoCodec is not usable here: {e}") from e
+    return nvc
+
+
+def _packets_bytes(packets) -> bytes:
+    """Encode()/EndEncode() return a list of dicts with 'data' (2.x) or a bytearray (1.x)."""
+    if packets is None:
+        return b""
+    if isinstance(packets, (bytes, bytearray, memoryview)):
+        return bytes(packets)
+    out = bytearray()
+    for p in packets:
+        out += bytes(p["data"]) if isinstance(p, dict) else bytes(p)
+    return bytes(out)
+
+
+@functools.cache
+def _probe(gpu_id: int) -> tuple[bool, str]:
+    """(available, reason): caps say lossless 4:4:4 HEVC and a small encode session opens."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False, "no CUDA device"
+        nvc = _nvc()
+        try:
+            caps = nvc.GetEncoderCaps(gpuid=gpu_id, codec="hevc")
+        except TypeError:
+            caps = nvc.GetEncoderCaps(codec="hevc")
+        caps = dict(caps) if caps else {}
+        for key in ("support_lossless_encode", "support_yuv444_encode"):
+            if key in caps and not int(caps[key]):
+                return False, f"NVENC lacks {key}"
+        enc = nvc.CreateEncoder(256, 256, "YUV444", True, gpu_id=gpu_id, **LOSSLESS_PARAMS)
+        del enc
+        return True, "ok"
+    except Exception as e:  # NV_ENC_ERR_UNSUPPORTED_DEVICE on GPUs without NVENC (H100/H200)
+        return False, f"{type(e).__name__}: {e}"
+
+
+class NvencEncoder:
+    """Lossless HEVC on NVENC. Frames: (3, height, width) uint8 planes, fed from host memory."""
+
+    name = "nvenc"
+
+    def __init__(self, gpu_id: int | None = None, preset: str = "P1", **params):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("NVENC needs a CUDA GPU")
+        self.gpu_id = torch.cuda.current_device() if gpu_id is None else int(gpu_id)
+        ok, reason = _probe(self.gpu_id)
+        if not ok:
+            raise BackendUnavailableError(f"NVENC lossless HEVC is not available: {reason}")
+        self.params = {**LOSSLESS_PARAMS, "preset": preset, **{k: str(v) for k, v in params.items()}}
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            import torch
+
+            return torch.cuda.is_available() and _probe(torch.cuda.current_device())[0]
+        except Exception:
+            return False
+
+    def encode(self, frames: Iterable[np.ndarray], width: int, height: int) -> bytes:
+        nvc = _nvc()
+        if width % 2 or height % 2:
+            raise ValueError("NVENC needs even frame dimensions")
+        try:
+            enc = nvc.CreateEncoder(width, height, "YUV444", True, gpu_id=self.gpu_id, **self.params)
+        except Exception as e:
+            raise BackendUnavailableError(f"cannot open an NVENC session: {e}") from e
+        out = bytearray()
+        n = 0
+        for i, planes in enumerate(frames):
+            if planes.shape != (3, height, width) or planes.dtype != np.uint8:
+                raise ValueError(f"frame {i}: expected (3, {height}, {width}) uint8, got {planes.shape} {planes.dtype}")
+            # YUV444 planar host buffer: the Y, U, V planes one after the other, exactly (3, H, W)
+            buf = np.ascontiguousarray(planes).reshape(-1)
+            try:
+                pic = nvc.NV_ENC_PIC_PARAMS()
+                pic.inputTimeStamp = i
+                packets = enc.Encode(buf, pic)
+            except TypeError:
+                packets = enc.Encode(buf)
+            out += _packets_bytes(packets)
+            n += 1
+        out += _packets_bytes(enc.EndEncode())
+        if n and not out:
+            raise CorruptStreamError("NVENC returned no bitstream")
+        return bytes(out)
