@@ -137,6 +137,10 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                from kvcodec.errors import ConfigError
+
+                raise ConfigError("this engine has no tokenizer: pass token ids")
             return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
         return [int(t) for t in prompt]
 
@@ -150,6 +154,8 @@ class Engine:
         return self.encode(text)
 
     def decode_text(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def submit(
