@@ -121,3 +121,51 @@ def test_score_options_needs_a_suffix(smollm2, short_text):
     ids, kv = extract_kv(model, tok, short_text, max_tokens=8)
     with pytest.raises(ShapeError, match="suffix"):
         acc.score_options(model, ids, kv, [], [[5]])
+
+
+# ----------------------------------------------------------------------------- the bench command
+
+
+def test_exact_failures_flags_any_difference():
+    from kvcodec.bench.accuracy import exact_failures
+
+    ok = {"model": "m", "quant": "exact", "n_questions": 3, "identical_scores": 3, "accuracy_restored": 0.5,
+          "accuracy_recomputed": 0.5, "token_agreement": 1.0, "ppl_delta": 0.0}
+    assert exact_failures([ok, {**ok, "quant": "int4", "identical_scores": 0}]) == []
+    assert exact_failures([{**ok, "identical_scores": 2}])
+    assert exact_failures([{**ok, "token_agreement": 0.98}])
+    assert exact_failures([{**ok, "ppl_delta": 1e-9}])
+
+
+@pytest.mark.slow
+def test_bench_accuracy_command_end_to_end(smollm2, tmp_path):
+    """A tiny real run through the codec: exact reproduces the recomputation; files are written."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kvcodec.bench.accuracy import command
+    from kvcodec.errors import ConfigError
+    from kvcodec.models.texts import ensure_bigbench
+
+    try:
+        ensure_bigbench()
+    except ConfigError as e:
+        pytest.skip(str(e))
+    args = ["--n-questions", "1", "--max-doc-tokens", "48", "--quants", "exact,int4", "--ppl-prefix", "32",
+            "--ppl-tokens", "8", "--greedy-tokens", "4", "--ppl-texts", "pg/addiction", "--out-dir", str(tmp_path),
+            "--tag", "test"]
+    res = CliRunner().invoke(command, args)
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    doc = json.loads((tmp_path / "accuracy-smollm2-135m-test.json").read_text())
+    assert doc["command"].startswith("kvcodec bench accuracy --quants exact,int4 --n-questions 1 ")
+    assert doc["machine"]["device"] == "cpu" and doc["exact_reproduces_recomputation"] is True
+    exact, int4 = doc["records"]
+    assert exact["quant"] == "exact" and int4["quant"] == "int4"
+    for key in ("model", "quant", "task", "n_questions", "accuracy_restored", "accuracy_recomputed", "ppl_delta",
+                "token_agreement"):
+        assert key in exact
+    assert exact["ppl_delta"] == 0.0 and exact["token_agreement"] == 1.0 and exact["identical_scores"] == 1
+    assert int4["kv_rel_rms_error"] > 0 and int4["ratio_vs_fp16"] > exact["ratio_vs_fp16"]
+    assert doc["per_question"][0]["doc_tokens"] == 48
+    assert (tmp_path / "accuracy-smollm2-135m-test.md").read_text().count("| smollm2-135m |") == 2

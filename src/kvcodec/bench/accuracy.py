@@ -1,0 +1,333 @@
+"""`kvcodec bench accuracy`: does a KV restored from kvcodec answer like the recomputed one?
+
+For each model and quant mode, on real data:
+
+- long-document QA: bigbench minute_mysteries (4-way multiple choice, ~1.5k-token stories). The
+  story is prefilled once (the recomputed KV), stored with kvcodec and decoded (the restored KV);
+  the question and each option are then scored by log-likelihood on top of either KV.
+  accuracy_restored vs accuracy_recomputed, plus how often both pick the same option;
+- perplexity of an essay continuation after a restored vs recomputed prefix KV (ppl_delta);
+- greedy decoding of N tokens after either KV (token_agreement: fraction of equal positions).
+
+quant "exact" must reproduce the recomputation token for token (same choices, bit-identical
+scores, agreement 1.0); the command fails if it does not. Results: benchmarks/results/accuracy-*.json
+and a markdown table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from kvcodec.config import QUANT_MODES
+
+RESULTS_DIR = Path("benchmarks/results")
+# Video-lossless: the restored values depend on the quantizer only, so one (small) resolution
+# suffices here and keeps the CPU encode short.
+BENCH_RESOLUTION = (256, 256)
+
+
+@dataclasses.dataclass
+class _QuantStats:
+    correct: int = 0
+    same_choice: int = 0
+    identical_scores: int = 0
+    max_score_diff: float = 0.0
+    ratio: list = dataclasses.field(default_factory=list)
+    encode_s: list = dataclasses.field(default_factory=list)
+    rel_rms: list = dataclasses.field(default_factory=list)
+    ppl_ref: list = dataclasses.field(default_factory=list)
+    ppl_got: list = dataclasses.field(default_factory=list)
+    agreement: list = dataclasses.field(default_factory=list)
+    first_div: list = dataclasses.field(default_factory=list)
+    greedy_identical: int = 0
+
+
+def restore(kv, quant: str, *, identity: bool = False):
+    """kvcodec round trip of kv: (restored, stored bytes, encode seconds)."""
+    if identity:  # harness check without the codec
+        return kv.clone(), kv.numel() * kv.element_size(), 0.0
+    import kvcodec
+
+    config = kvcodec.CodecConfig(quant=quant, resolutions=(BENCH_RESOLUTION,), search_layout=False)
+    t0 = time.perf_counter()
+    data = kvcodec.encode(kv, config)
+    enc = time.perf_counter() - t0
+    return kvcodec.decode(data), len(data), enc
+
+
+def run_model(
+    model_name: str,
+    quants: list[str],
+    *,
+    task: str,
+    n_questions: int,
+    max_doc_tokens: int,
+    ppl_texts: list[str],
+    ppl_prefix: int,
+    ppl_tokens: int,
+    greedy_tokens: int,
+    kv_dtype: str,
+    identity: bool,
+    download: bool,
+    log: Callable[[str], None],
+) -> tuple[list[dict], list[dict]]:
+    import torch
+
+    from kvcodec.bench import accuracy_metrics as acc
+    from kvcodec.integrations.hf import cache_to_tensor, extract_kv, forward_ids
+    from kvcodec.models import load_model, model_id
+    from kvcodec.models.texts import load_multiple_choice, load_text
+
+    store_dtype = getattr(torch, kv_dtype)
+    model, tok = load_model(model_name)
+    mid = model_id(model)
+    stats = {q: _QuantStats() for q in quants}
+    per_question: list[dict] = []
+    questions = load_multiple_choice(task, limit=n_questions, download=download)
+    recomputed_correct = 0
+    t_start = time.perf_counter()
+    for qi, q in enumerate(questions):
+        doc = acc.document_ids(tok, q, max_tokens=max_doc_tokens)
+        # prefill the exact ids (decoding and re-tokenizing could change them)
+        _, cache = forward_ids(model, doc)
+        kv_ref = cache_to_tensor(cache).cpu()
+        ref = acc.answer_multiple_choice(model, tok, doc, kv_ref, q)
+        recomputed_correct += ref.correct
+        row: dict[str, Any] = {
+            "model": model_name,
+            "question": q.id,
+            "doc_tokens": int(doc.numel()),
+            "answer": q.answer,
+            "choice_recomputed": ref.choice,
+            "choices_restored": {},
+        }
+        kv_store = kv_ref.to(store_dtype)
+        for quant in quants:
+            restored, nbytes, enc_s = restore(kv_store, quant, identity=identity)
+            restored = restored.to(kv_ref.dtype)
+            got = acc.answer_multiple_choice(model, tok, doc, restored, q)
+            s = stats[quant]
+            s.correct += got.correct
+            s.same_choice += got.choice == ref.choice
+            s.identical_scores += got.scores == ref.scores
+            s.max_score_diff = max(s.max_score_diff, max(abs(a - b) for a, b in zip(got.scores, ref.scores)))
+            s.ratio.append(kv_store.numel() * 2 / nbytes)  # vs fp16
+            s.encode_s.append(enc_s)
+            s.rel_rms.append(acc.kv_error(restored, kv_ref)["rel_rms"])
+            row["choices_restored"][quant] = got.choice
+        per_question.append(row)
+        elapsed = time.perf_counter() - t_start
+        log(
+            f"  {model_name} {qi + 1}/{len(questions)} ({doc.numel()} tok) recomputed={'ok' if ref.correct else '--'} "
+            + " ".join(f"{qq}:{row['choices_restored'][qq]}" for qq in quants)
+            + f"  [{elapsed:.0f} s]"
+        )
+
+    for text_name in ppl_texts:
+        ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
+        if ids.numel() < ppl_prefix + ppl_tokens:
+            raise click.ClickException(f"text {text_name} has {ids.numel()} tokens; need {ppl_prefix + ppl_tokens}")
+        prefix, cont = ids[:ppl_prefix], ids[ppl_prefix : ppl_prefix + ppl_tokens]
+        _, kv_ref = extract_kv(model, tok, load_text(text_name), max_tokens=ppl_prefix)
+        if not torch.equal(_, prefix):
+            raise click.ClickException(f"tokenization of {text_name} is not stable")
+        kv_store = kv_ref.to(store_dtype)
+        for quant in quants:
+            restored = restore(kv_store, quant, identity=identity)[0].to(kv_ref.dtype)
+            p = acc.perplexity_delta(model, prefix, restored, kv_ref, cont)
+            a = acc.greedy_agreement(model, prefix, restored, kv_ref, cont[:1], greedy_tokens)
+            s = stats[quant]
+            s.ppl_ref.append(p.ppl_reference)
+            s.ppl_got.append(p.ppl_restored)
+            s.agreement.append(a.agreement)
+            s.first_div.append(a.first_divergence)
+            s.greedy_identical += a.first_divergence is None
+            log(f"  {model_name} {text_name} {quant}: ppl {p.ppl_reference:.4f} -> {p.ppl_restored:.4f}, agreement {a.agreement:.3f}")
+
+    n = len(questions)
+    records = []
+    for quant in quants:
+        s = stats[quant]
+        mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+        ppl_ref, ppl_got = mean(s.ppl_ref), mean(s.ppl_got)
+        records.append(
+            {
+                "model": model_name,
+                "model_id": mid,
+                "quant": quant,
+                "kv_dtype": kv_dtype,
+                "task": task,
+                "n_questions": n,
+                "accuracy_restored": s.correct / n if n else None,
+                "accuracy_recomputed": recomputed_correct / n if n else None,
+                "answer_agreement": s.same_choice / n if n else None,
+                "identical_scores": s.identical_scores,
+                "max_abs_score_diff": s.max_score_diff,
+                "ppl_texts": ppl_texts,
+                "ppl_prefix_tokens": ppl_prefix,
+                "ppl_scored_tokens": ppl_tokens - 1,
+                "ppl_recomputed": ppl_ref,
+                "ppl_restored": ppl_got,
+                "ppl_delta": (ppl_got - ppl_ref) if ppl_ref is not None else None,
+                "greedy_tokens": greedy_tokens,
+                "token_agreement": mean(s.agreement),
+                "greedy_identical_texts": s.greedy_identical,
+                "first_divergence": [d for d in s.first_div],
+                "kv_rel_rms_error": mean(s.rel_rms),
+                "ratio_vs_fp16": mean(s.ratio),
+                "encode_s_cpu_mean": mean(s.encode_s),
+                "codec": "identity" if identity else f"kvcodec {BENCH_RESOLUTION[0]}x{BENCH_RESOLUTION[1]}",
+            }
+        )
+    return records, per_question
+
+
+def exact_failures(records: list[dict]) -> list[str]:
+    """Why quant=exact did not reproduce the recomputation (empty when it did)."""
+    bad = []
+    for r in records:
+        if r["quant"] != "exact":
+            continue
+        if r["identical_scores"] != r["n_questions"] or r["accuracy_restored"] != r["accuracy_recomputed"]:
+            bad.append(f"{r['model']}: exact gave different QA scores ({r['identical_scores']}/{r['n_questions']} identical)")
+        if r["token_agreement"] not in (None, 1.0) or (r["ppl_delta"] not in (None, 0.0)):
+            bad.append(f"{r['model']}: exact gave ppl_delta {r['ppl_delta']} / token_agreement {r['token_agreement']}")
+    return bad
+
+
+def write_table(doc: dict, path: Path) -> None:
+    f = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+    lines = [
+        f"# kvcodec bench accuracy ({doc['machine']['device']})",
+        "",
+        f"`{doc['command']}`",
+        "",
+        "| model | quant | task | n | acc restored | acc recomputed | same answer | ppl recomputed | ppl delta | token agreement | KV rel. RMS err | ratio vs fp16 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["records"]:
+        lines.append(
+            f"| {r['model']} | {r['quant']} | {r['task']} | {r['n_questions']} | {f(r['accuracy_restored'], '.3f')} "
+            f"| {f(r['accuracy_recomputed'], '.3f')} | {f(r['answer_agreement'], '.3f')} | {f(r['ppl_recomputed'], '.3f')} "
+            f"| {f(r['ppl_delta'], '+.4f')} | {f(r['token_agreement'], '.3f')} | {f(r['kv_rel_rms_error'], '.2e')} "
+            f"| {f(r['ratio_vs_fp16'], '.2f')} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _command_line(ctx: click.Context) -> str:
+    parts = ["kvcodec", "bench", "accuracy"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if ctx.get_parameter_source(param.name) != click.core.ParameterSource.COMMANDLINE:
+            continue
+        opt = param.opts[0]
+        if getattr(param, "is_flag", False):
+            if value:
+                parts.append(opt)
+        elif value is not None:
+            parts += [opt, str(value)]
+    return shlex.join(parts)
+
+
+@click.command("accuracy")
+@click.option("--models", default="smollm2-135m", show_default=True, help="Comma-separated registry names.")
+@click.option("--quants", default="exact,int8,int6,int4,int3", show_default=True, help="Comma-separated quant modes.")
+@click.option("--task", default="minute_mysteries", show_default=True, type=click.Choice(["minute_mysteries"]))
+@click.option("--n-questions", type=click.IntRange(min=1), default=40, show_default=True)
+@click.option("--max-doc-tokens", type=click.IntRange(min=16), default=2048, show_default=True,
+              help="Keep at most the last N tokens of each story.")
+@click.option("--ppl-texts", default="pg/addiction,pg/aord", show_default=True, help="Essays for perplexity / greedy.")
+@click.option("--ppl-prefix", type=click.IntRange(min=1), default=1024, show_default=True, help="Prefix tokens (the KV).")
+@click.option("--ppl-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Continuation tokens.")
+@click.option("--greedy-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="dtype the KV is stored in (float32: exact restores the model's own KV bit for bit).")
+@click.option("--quick", is_flag=True, help="Small run: 8 questions, quants exact,int8,int4, one essay, 512-token prefix.")
+@click.option("--identity", is_flag=True, help="Skip the codec (identity round trip): checks the harness only.")
+@click.option("--download", is_flag=True, help="Let the command pip-download the bigbench sdist if missing.")
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS_DIR, show_default=True)
+@click.option("--tag", default="cpu", show_default=True, help="Suffix of the result file names.")
+@click.pass_context
+def command(ctx, models, quants, task, n_questions, max_doc_tokens, ppl_texts, ppl_prefix, ppl_tokens, greedy_tokens,
+            kv_dtype, quick, identity, download, out_dir, tag):
+    """QA accuracy, perplexity delta and greedy-token agreement: restored KV vs recomputed KV."""
+    import torch
+
+    src = ctx.get_parameter_source
+    if quick:
+        if src("n_questions") != click.core.ParameterSource.COMMANDLINE:
+            n_questions = 8
+        if src("quants") != click.core.ParameterSource.COMMANDLINE:
+            quants = "exact,int8,int4"
+        if src("ppl_texts") != click.core.ParameterSource.COMMANDLINE:
+            ppl_texts = "pg/addiction"
+        if src("ppl_prefix") != click.core.ParameterSource.COMMANDLINE:
+            ppl_prefix = 512
+    model_list = [m.strip() for m in models.split(",") if m.strip()]
+    quant_list = [q.strip() for q in quants.split(",") if q.strip()]
+    for q in quant_list:
+        if q not in QUANT_MODES:
+            raise click.BadParameter(f"{q!r} is not one of {', '.join(QUANT_MODES)}", param_hint="--quants")
+    text_list = [t.strip() for t in ppl_texts.split(",") if t.strip()]
+    from kvcodec.models import get_spec
+
+    for m in model_list:
+        get_spec(m)
+    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
+
+    started = _dt.datetime.now(_dt.timezone.utc)
+    t0 = time.perf_counter()
+    records, questions = [], []
+    for m in model_list:
+        log(f"{m}: {n_questions} {task} questions, quants {','.join(quant_list)}")
+        r, q = run_model(
+            m, quant_list, task=task, n_questions=n_questions, max_doc_tokens=max_doc_tokens, ppl_texts=text_list,
+            ppl_prefix=ppl_prefix, ppl_tokens=ppl_tokens, greedy_tokens=greedy_tokens, kv_dtype=kv_dtype,
+            identity=identity, download=download, log=log,
+        )
+        records += r
+        questions += q
+    doc = {
+        "benchmark": "accuracy",
+        "command": _command_line(ctx),
+        "started_utc": started.isoformat(timespec="seconds"),
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+        "machine": {
+            "device": "cpu",
+            "note": "models run on the CPU in float32 (GGUF weights dequantized); no GPU was used",
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "settings": {
+            "quick": quick, "n_questions": n_questions, "max_doc_tokens": max_doc_tokens, "ppl_texts": text_list,
+            "ppl_prefix": ppl_prefix, "ppl_tokens": ppl_tokens, "greedy_tokens": greedy_tokens,
+            "kv_dtype": kv_dtype, "identity_codec": identity,
+            "scoring": "sum of option-token log-probabilities after 'Question: ...\\nAnswer:'",
+        },
+        "records": records,
+        "per_question": questions,
+    }
+    failures = exact_failures(records)
+    doc["exact_reproduces_recomputation"] = not failures
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"accuracy-{'+'.join(model_list)}-{tag}{'-quick' if quick else ''}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_table(doc, out_dir / f"{stem}.md")
+    click.echo(f"wrote {out_dir / (stem + '.json')} and .md")
+    click.echo((out_dir / f"{stem}.md").read_text())
+    if failures:
+        raise click.ClickException("; ".join(failures))
