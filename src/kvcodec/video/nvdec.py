@@ -233,11 +233,15 @@ class NvdecDecoder:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(idx)
             latency = nvc.DisplayDecodeLatencyType.LOW if self.latency == "low" else nvc.DisplayDecodeLatencyType.NATIVE
+            ctx = _primary_context(idx)
+            # torch's primary context must be the thread's current one (a library that failed to
+            # open a session elsewhere may have left its own context current)
+            ctypes.CDLL("libcuda.so.1").cuCtxSetCurrent(ctypes.c_void_p(ctx))
             try:
                 self._dec = nvc.CreateDecoder(
                     gpuid=idx,
                     codec=nvc.cudaVideoCodec.HEVC,
-                    cudacontext=_primary_context(idx),
+                    cudacontext=ctx,
                     cudastream=self._stream.cuda_stream,
                     usedevicememory=True,
                     maxwidth=width,

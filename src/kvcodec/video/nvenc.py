@@ -55,27 +55,54 @@ def _packets_bytes(packets) -> bytes:
     return bytes(out)
 
 
+_PROBE_SCRIPT = r"""
+import sys
+import PyNvVideoCodec as nvc
+from kvcodec.video.nvenc import LOSSLESS_PARAMS
+gpu = int(sys.argv[1])
+try:
+    caps = dict(nvc.GetEncoderCaps(gpuid=gpu, codec="hevc") or {})
+except TypeError:
+    caps = dict(nvc.GetEncoderCaps(codec="hevc") or {})
+for key in ("support_lossless_encode", "support_yuv444_encode"):
+    if key in caps and not int(caps[key]):
+        print("NVENC lacks " + key); sys.exit(1)
+enc = nvc.CreateEncoder(256, 256, "YUV444", True, gpu_id=gpu, **LOSSLESS_PARAMS)
+print("ok")
+"""
+
+
 @functools.cache
 def _probe(gpu_id: int) -> tuple[bool, str]:
-    """(available, reason): caps say lossless 4:4:4 HEVC and a small encode session opens."""
+    """(available, reason): the encoder caps allow lossless 4:4:4 HEVC and a small encode session
+    opens. Probed in a child process: a failed session open (NV_ENC_ERR_UNSUPPORTED_DEVICE on
+    GPUs without NVENC, such as the H100/H200) can leave a stray CUDA context current on the
+    calling thread, which would then break NVDEC and torch in this process."""
+    import os
+    import subprocess
+    import sys
+
     try:
         import torch
 
         if not torch.cuda.is_available():
             return False, "no CUDA device"
-        nvc = _nvc()
-        try:
-            caps = nvc.GetEncoderCaps(gpuid=gpu_id, codec="hevc")
-        except TypeError:
-            caps = nvc.GetEncoderCaps(codec="hevc")
-        caps = dict(caps) if caps else {}
-        for key in ("support_lossless_encode", "support_yuv444_encode"):
-            if key in caps and not int(caps[key]):
-                return False, f"NVENC lacks {key}"
-        enc = nvc.CreateEncoder(256, 256, "YUV444", True, gpu_id=gpu_id, **LOSSLESS_PARAMS)
-        del enc
-        return True, "ok"
-    except Exception as e:  # NV_ENC_ERR_UNSUPPORTED_DEVICE on GPUs without NVENC (H100/H200)
+        import importlib.util
+
+        if importlib.util.find_spec("PyNvVideoCodec") is None:
+            return False, "PyNvVideoCodec is not installed"
+        r = subprocess.run(
+            [sys.executable, "-c", _PROBE_SCRIPT, str(gpu_id)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+        )
+        if r.returncode == 0 and r.stdout.strip().endswith("ok"):
+            return True, "ok"
+        tail = (r.stdout + r.stderr).strip().splitlines()
+        return False, tail[-1] if tail else f"probe exited with {r.returncode}"
+    except Exception as e:
         return False, f"{type(e).__name__}: {e}"
 
 
