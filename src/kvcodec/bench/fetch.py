@@ -36,6 +36,10 @@ def _machine() -> dict:
 
     d = {"cpu": device_model("cpu"), "cpu_count": os.cpu_count(), "python": platform.python_version()}
     try:
+        d["load_avg_1m"] = os.getloadavg()[0]  # other users of a shared machine skew CPU timings
+    except OSError:
+        pass
+    try:
         import torch
 
         d["torch"] = torch.__version__
@@ -155,10 +159,13 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option("--max-inflight", default=4, show_default=True)
 @click.option("--decode-workers", default=1, show_default=True)
 @click.option("--net-workers", default=1, show_default=True, help="Concurrent gets per fetch.")
+@click.option("--torch-threads", default=1, show_default=True,
+              help="torch intra-op threads on the CPU (0: leave torch's default). More than 1 on a "
+                   "small shared CPU makes decode several times slower.")
 @click.option("--out-dir", default="benchmarks/results", show_default=True)
 def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolutions, rates, jitter_mean,
             jitter_cv, jitter_segment_ms, policies, link_kind, repeats, device, max_inflight,
-            decode_workers, net_workers, out_dir):
+            decode_workers, net_workers, torch_threads, out_dir):
     """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
     import torch
 
@@ -168,6 +175,8 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
     from kvcodec.fetcher.rawcodec import RawCodec
     from kvcodec.net.trace import JitterTrace
 
+    if torch_threads > 0:
+        torch.set_num_threads(torch_threads)
     cmdline = "kvcodec bench fetch " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "fetch"] else sys.argv[1:])
     res = tuple(tuple(int(v) for v in r.split("x")) for r in resolutions.split(","))
     cfg = CodecConfig(quant=quant, chunk_tokens=chunk_tokens, resolutions=res)
@@ -268,6 +277,8 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                         "timeline": [vars(t) for t in s.timeline],
                         "bit_exact": exact,
                         "machine": machine,
+                        "load_avg_1m": os.getloadavg()[0],
+                        "torch_threads": torch.get_num_threads(),
                         "device": device,
                         "net_workers": net_workers,
                         "decode_workers": decode_workers,

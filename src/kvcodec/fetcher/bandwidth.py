@@ -5,6 +5,11 @@ in flight, a get is charged only the time since the previous completion (or its 
 later), so overlapping transfers are not double counted. Samples are smoothed with an EWMA of
 seconds-per-byte (what predicts a transfer's duration; an EWMA of rates would overweight short
 bursts), and the EWMA deviation is tracked to report jitter.
+
+Per-request latency (round trip + client overhead) is estimated separately, from requests that
+carry almost no payload (the fetcher's batched meta query), and subtracted from each sample:
+otherwise small objects look like a slow link, which biases an adaptive policy towards small
+objects, whose samples then confirm the bias.
 """
 
 from __future__ import annotations
@@ -21,7 +26,21 @@ class BandwidthEstimator:
         self._dev = 0.0
         self._last_end = 0.0
         self.samples = 0
+        self.latency_s = 0.0
+        self._lat_window: list[float] = []
+        self._max_bytes = 1
         self._lock = threading.Lock()
+
+    def add_latency(self, seconds: float) -> None:
+        """A request that moved (almost) no payload took `seconds`. The latency is the minimum of
+        the last 16 such samples (a descheduled thread or a first-call warm-up inflates single
+        samples; over-estimating latency would inflate the bandwidth estimate)."""
+        if seconds <= 0:
+            return
+        with self._lock:
+            self._lat_window.append(seconds)
+            del self._lat_window[:-16]
+            self.latency_s = min(self._lat_window)
 
     def begin(self) -> None:
         """Start of a new fetch: forget the completion clock (keep the estimate as the prior)."""
@@ -37,13 +56,18 @@ class BandwidthEstimator:
             dt = t_end - start
             if dt <= 1e-7:
                 return
+            if start == t_start:  # not overlapped: the request paid its own latency
+                dt = max(dt - self.latency_s, 0.1 * dt)
             spb = dt / nbytes
+            # small transfers say less about the link (overheads dominate): they move it less
+            self._max_bytes = max(self._max_bytes, nbytes)
+            a = self.alpha * min(1.0, nbytes / self._max_bytes)
             if self.samples == 0:
                 self._spb = spb
             else:
                 err = spb - self._spb
-                self._spb += self.alpha * err
-                self._dev += self.alpha * (abs(err) - self._dev)
+                self._spb += a * err
+                self._dev += a * (abs(err) - self._dev)
             self.samples += 1
 
     @property
@@ -60,4 +84,5 @@ class BandwidthEstimator:
         return self._dev / self._spb
 
     def transfer_s(self, nbytes: int) -> float:
-        return nbytes * self._spb
+        """Predicted seconds for a get of `nbytes` (latency + bytes / bandwidth)."""
+        return self.latency_s + nbytes * self._spb

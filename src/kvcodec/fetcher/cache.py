@@ -77,6 +77,7 @@ class FetchStats:
     max_inflight: int = 0
     peak_inflight: int = 0
     bandwidth_estimate_gbit: float = 0.0
+    latency_estimate_s: float = 0.0
     resolution_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     timeline: list[ChunkTiming] = dataclasses.field(default_factory=list)
 
@@ -102,6 +103,21 @@ class FetchResult:
     @property
     def timeline(self) -> list[ChunkTiming]:
         return self.stats.timeline
+
+
+_NP_SAME = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+
+
+def _copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src); CPU to CPU of one dtype through numpy (single-threaded): torch's intra-op
+    threads make this small strided copy up to 1000x slower on an oversubscribed CPU."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype and dst.dtype in _NP_SAME:
+        import numpy as np
+
+        iv = _NP_SAME[dst.dtype]
+        np.copyto(dst.view(iv).numpy(), src.view(iv).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _default_codec():
@@ -263,6 +279,7 @@ class PrefixCache:
         def result(kv, restored, error):
             stats.wall_s = time.monotonic() - t0
             stats.bandwidth_estimate_gbit = self.bandwidth.gbit
+            stats.latency_estimate_s = self.bandwidth.latency_s
             if error is not None:
                 log.warning("fetch stopped after %d of %d tokens: %s: %s", restored, n_tokens,
                             type(error).__name__, error)
@@ -274,10 +291,12 @@ class PrefixCache:
         n_chunks = -(-n_tokens // ct)
         keys = self.keys(ids[: min(len(ids), n_chunks * ct)])[:n_chunks]
         try:
+            tm0 = time.monotonic()
             raw_metas = self.store.get_many([meta_key(k) for k in keys])
         except StoreError as e:
             return result(out, 0, e)
-        stats.meta_s = time.monotonic() - t0
+        stats.meta_s = time.monotonic() - tm0
+        self.bandwidth.add_latency(stats.meta_s)  # one round trip of ~200 bytes per chunk
         metas: list[ChunkMeta] = []
         plan_error: KVCodecError | None = None
         for i, raw in enumerate(raw_metas):
@@ -366,7 +385,7 @@ class PrefixCache:
                     rs, rd = rest_means(i)
                     dpred = [profile.predict(j, m.values) for j in range(R)]
                     ctx = ChoiceContext(m.sizes, dpred, est.bytes_per_s, sum(backlog.values()),
-                                        workers, n - i - 1, rs, rd)
+                                        workers, n - i - 1, rs, rd, est.latency_s)
                     try:
                         j = pol.choose(ctx)
                     except KVCodecError as e:
@@ -461,7 +480,7 @@ class PrefixCache:
                     tm = timings[next_i]
                     tm.restore_start = now()
                     take = min(m.tokens, n_tokens - m.start_token)
-                    out[:, :, m.start_token : m.start_token + take].copy_(x[:, :, :take])
+                    _copy_chunk(out[:, :, m.start_token : m.start_token + take], x[:, :, :take])
                     if out.device.type == "cuda":
                         torch.cuda.current_stream(out.device).synchronize()
                     tm.restore_end = now()

@@ -30,6 +30,7 @@ class ChoiceContext:
     remaining: int  # chunks after this one
     rest_sizes: Sequence[float]  # mean blob bytes per resolution over the remaining chunks
     rest_decode_s: Sequence[float]  # mean predicted decode seconds per resolution, remaining
+    latency_s: float = 0.0  # per-request latency of a get (paid once per chunk)
 
 
 class ResolutionPolicy(Protocol):
@@ -68,13 +69,13 @@ def predicted_finish(ctx: ChoiceContext, j: int) -> float:
     the remaining chunks the best single resolution (network: one serial link; decode: a pool of
     `decode_workers` fed in arrival order)."""
     w = max(1, ctx.decode_workers)
-    net = ctx.sizes[j] / ctx.bytes_per_s
+    net = ctx.latency_s + ctx.sizes[j] / ctx.bytes_per_s
     dec = max(net, ctx.backlog_s / w) + ctx.decode_s[j]
     if ctx.remaining <= 0:
         return dec
     best = float("inf")
     for k in range(len(ctx.rest_sizes)):
-        n_rest = ctx.rest_sizes[k] / ctx.bytes_per_s
+        n_rest = ctx.latency_s + ctx.rest_sizes[k] / ctx.bytes_per_s
         net_end = net + ctx.remaining * n_rest
         dec_end = max(dec + ctx.remaining * ctx.rest_decode_s[k] / w, net_end + ctx.rest_decode_s[k])
         best = min(best, dec_end)
