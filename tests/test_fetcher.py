@@ -102,6 +102,13 @@ def test_put_lookup_idempotent(raw_cache):
     assert raw_cache.lookup(ids2) == 130
 
 
+def test_store_url_accepted(tmp_path):
+    c = PrefixCache(f"file://{tmp_path}", "m", CFG, "cpu", codec=RawCodec())
+    kv, ids = make_kv(20), ids_for(20)
+    assert c.put(ids, kv) == 2 and c.lookup(ids) == 20
+    assert torch.equal(c.fetch(ids).kv, kv)
+
+
 def test_lookup_uses_one_batched_query(raw_cache):
     kv, ids = make_kv(64), ids_for(64)
     raw_cache.put(ids, kv)

@@ -127,7 +127,7 @@ def _default_codec():
 class PrefixCache:
     """Stored KV prefixes of one model under one codec configuration.
 
-    store: a KVStore (see kvcodec.store.open_store).
+    store: a KVStore, or a store URL for kvcodec.store.open_store.
     model_id: identity string of the model (part of every key: different models never collide).
     config: CodecConfig (its fingerprint is part of every key).
     device: where fetched KV is decoded and restored ("cpu", "cuda", "cuda:1").
@@ -166,6 +166,10 @@ class PrefixCache:
     ) -> None:
         if max_inflight < 1 or decode_workers < 1:
             raise ConfigError("max_inflight and decode_workers must be >= 1")
+        if isinstance(store, str):
+            from kvcodec.store import open_store
+
+            store = open_store(store)
         self.store = store
         self.model_id = str(model_id)
         self.config = config
