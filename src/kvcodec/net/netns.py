@@ -10,6 +10,7 @@ changes the rate over time from a background thread (`tc qdisc change`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -28,6 +29,20 @@ def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
     if check and p.returncode != 0:
         raise StoreError(f"{' '.join(argv)} failed ({p.returncode}): {p.stderr.strip()}")
     return p
+
+
+_COUNTER = itertools.count()
+
+
+def _free_octet() -> int:
+    """A third octet N such that 10.231.N.0/30 is not in use on the host (parallel links)."""
+    import random
+
+    used = _run(["ip", "-o", "-4", "addr", "show"], check=False).stdout
+    free = [n for n in range(1, 254) if f"10.231.{n}." not in used]
+    if not free:
+        raise StoreError("no free 10.231.N.0/30 subnet for a shaped link")
+    return random.choice(free)
 
 
 class NetnsLink:
@@ -54,11 +69,11 @@ class NetnsLink:
         self.trace = trace
         self.delay_ms = float(delay_ms)
         self.mtu = int(mtu)  # jumbo veth MTU: far fewer packets per byte on a small CPU
-        tag = f"{os.getpid() % 100000}{int(time.monotonic() * 1000) % 1000}"
+        tag = f"{os.getpid() % 100000}x{next(_COUNTER) % 1000}"
         self.name = f"kvc{tag}"
         self.veth_host = f"kvh{tag}"[:15]
         self.veth_ns = f"kvn{tag}"[:15]
-        octet = subnet if subnet is not None else (os.getpid() + int(time.monotonic())) % 250 + 1
+        octet = subnet if subnet is not None else _free_octet()
         self.host_ip = f"10.231.{octet}.1"
         self.ns_ip = f"10.231.{octet}.2"
         self.netem = False
@@ -74,7 +89,7 @@ class NetnsLink:
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 return False, f"`{tool}` not found (apt-get install iproute2)"
-        probe = NetnsLink(1.0, subnet=254)
+        probe = NetnsLink(1.0)
         try:
             probe.open()
             return True, "ok"
