@@ -154,6 +154,27 @@ def cachegen_gpu_decode(kv: torch.Tensor, tile: int, repeat: int = 5) -> dict[st
     }
 
 
+def source_revision() -> dict[str, Any]:
+    """The git commit the measured code came from, and which of its files were modified."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+            cwd=here.parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    if rev.returncode != 0:
+        return {}
+    return {"commit": rev.stdout.strip(), "modified": [ln[3:] for ln in dirty.stdout.splitlines() if ln.strip()]}
+
+
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
@@ -231,6 +252,7 @@ def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_
     report: dict[str, Any] = {
         "command": "python -m kvcodec.baselines.measure " + shlex.join(sys.argv[1:]),
         "machine": machine(),
+        "source": source_revision(),
         "kv": desc,
         "results": [],
     }
