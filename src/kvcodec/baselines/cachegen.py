@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from kvcodec.baselines import rans
-from kvcodec.baselines.base import BITS_VIEW, Header, check_kv, pack, unpack
+from kvcodec.baselines.base import BITS_VIEW, check_kv, pack, unpack
 from kvcodec.errors import ConfigError, CorruptStreamError
 
 CHUNK_TOKENS = 256  # LMCache: CACHEGEN_GPU_MAX_TOKENS_PER_CHUNK

@@ -98,8 +98,6 @@ class LMCacheCacheGen:
         _, dec, basics = _lmcache()
         Lr, _, T, H, D = header.shape
         try:
-            from safetensors import safe_open  # noqa: F401
-
             tensors = load(bytes(payload))
             meta = json.loads(_metadata(bytes(payload))["chunks"])
         except Exception as e:

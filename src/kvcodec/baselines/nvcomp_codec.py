@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from kvcodec.baselines.base import BITS_VIEW, bits_to_kv, check_kv, pack, unpack
+from kvcodec.baselines.base import BITS_VIEW, check_kv, pack, unpack
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 
 _WORD_TYPES = {1: "|u1", 2: "<u2", 4: "<u4"}
@@ -103,7 +103,3 @@ class NvcompCodec:
         kv = raw.view(BITS_VIEW[header.dtype]).view(header.dtype).reshape(header.shape)
         target = torch.device(device)
         return kv if target.type == "cuda" else kv.to(target)
-
-
-# keep bits_to_kv importable from here for symmetry with the CPU codecs
-__all__ = ["NvcompCodec", "bits_to_kv"]
