@@ -144,6 +144,11 @@ class PrefixCache:
     profile: a DecodeProfile; None = calibrate (cached in the cache dir) on first adaptive fetch.
     initial_gbit: bandwidth prior until chunks have been received.
     store_partial: also store a last chunk shorter than chunk_tokens.
+    direct: decode each chunk straight into its slice of the output tensor (the codec restores
+        frame by frame; no staging tensor, no copy) when `out` is on `device` in the stored dtype.
+        A fetch that stops early then waits for the decode workers to finish their current chunk
+        before returning, so nothing writes into `out` after `fetch` returns. Default: decode into
+        a per-chunk staging tensor and copy (returns at once on a deadline).
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class PrefixCache:
         initial_gbit: float = 8.0,
         bandwidth_alpha: float = 0.3,
         store_partial: bool = True,
+        direct: bool = False,
     ) -> None:
         if max_inflight < 1 or decode_workers < 1:
             raise ConfigError("max_inflight and decode_workers must be >= 1")
@@ -183,6 +189,7 @@ class PrefixCache:
         self.profile = profile
         self.bandwidth = BandwidthEstimator(initial_gbit, bandwidth_alpha)
         self.store_partial = store_partial
+        self.direct = bool(direct)
         self.codec_id = codec_identity(self.codec)
         self.fingerprint = config_fingerprint(config, self.codec)
 
@@ -346,6 +353,7 @@ class PrefixCache:
 
     # -- the pipeline ------------------------------------------------------------------------
     def _run_pipeline(self, metas, keys, n_tokens, out, t0, deadline_s, pol, profile, stats):
+        direct = self.direct
         n = len(metas)
         stop = threading.Event()
         slots = threading.Semaphore(self.max_inflight)
@@ -438,11 +446,13 @@ class PrefixCache:
                 m = metas[i]
                 tm = timings[i]
                 tm.dec_start = now()
+                kw = {"decoder": self.decoder} if self.decoder is not None else {}
+                in_place = (direct and out.device == self.device and out.dtype == _DTYPES.get(m.dtype)
+                            and m.start_token + m.tokens <= n_tokens)
+                if in_place:  # restore frame by frame straight into the output tensor
+                    kw["out"] = out[:, :, m.start_token : m.start_token + m.tokens]
                 try:
-                    if self.decoder is not None:
-                        x = self.codec.decode_chunk_blob(blob, device=self.device, decoder=self.decoder)
-                    else:
-                        x = self.codec.decode_chunk_blob(blob, device=self.device)
+                    x = self.codec.decode_chunk_blob(blob, device=self.device, **kw)
                     if tuple(x.shape) != (m.shape[0], 2, m.tokens, m.shape[1], m.shape[2]):
                         raise FormatError(f"chunk {i} decoded to {tuple(x.shape)}, meta says {m}")
                     if self.device.type == "cuda":
@@ -484,7 +494,9 @@ class PrefixCache:
                     tm = timings[next_i]
                     tm.restore_start = now()
                     take = min(m.tokens, n_tokens - m.start_token)
-                    _copy_chunk(out[:, :, m.start_token : m.start_token + take], x[:, :, :take])
+                    dst = out[:, :, m.start_token : m.start_token + take]
+                    if not (x.data_ptr() == dst.data_ptr() and x.shape == dst.shape):
+                        _copy_chunk(dst, x[:, :, :take])
                     if out.device.type == "cuda":
                         torch.cuda.current_stream(out.device).synchronize()
                     tm.restore_end = now()
@@ -516,7 +528,11 @@ class PrefixCache:
             for _ in range(workers):
                 dec_q.put(None)
             for t in threads[n_net:]:
-                t.join(timeout=0.05)
+                # direct mode: a decode worker may be writing into `out` beyond the restored
+                # prefix; the caller will write there next, so wait for it to finish its chunk
+                t.join(timeout=60.0 if direct else 0.05)
+                if direct and t.is_alive():
+                    log.error("decode worker still running 60 s after the fetch stopped")
         tl = [t for t in timings if t is not None]
         stats.timeline = tl
         stats.net_busy_s = sum(t.net_end - t.net_start for t in tl if t.net_end)
