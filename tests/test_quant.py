@@ -67,3 +67,19 @@ def test_ordered_codes_are_monotone_in_value(dtype, values):
     codes = exact.to_ordered(x)
     by_code = x.float()[torch.argsort(codes)]
     assert (by_code.diff() >= 0).all()  # larger code, never smaller value (-0 and +0 tie)
+
+
+@given(st.integers(1, 6), st.integers(1, 20), st.integers(1, 8), st.data())
+@settings(max_examples=50, deadline=None)
+def test_centering_is_a_bijection_per_bit_width(units, tokens, dim, data):
+    from kvcodec.quant import centering
+
+    bits = torch.tensor([data.draw(st.integers(2, 8)) for _ in range(units)])
+    modulus = 2**bits
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    symbols = (torch.randint(0, 256, (units, tokens, dim), generator=g) % modulus.view(-1, 1, 1)).to(torch.uint8)
+    centers = centering.channel_centers(symbols, modulus)
+    shifted = centering.center(symbols, centers, modulus)
+    assert (shifted.long() < modulus.view(-1, 1, 1)).all()
+    assert torch.equal(centering.uncenter(shifted, centers, modulus), symbols)

@@ -34,7 +34,7 @@ from kvcodec.container.format import (
 )
 from kvcodec.errors import ChecksumError, CorruptStreamError, FormatError, ShapeError, TruncatedError
 from kvcodec.layout.search import choose_plan
-from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame, pixel_positions
+from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame, unpack_frame
 from kvcodec.quant import centering
 from kvcodec.quant import exact as exact_q
 from kvcodec.quant import integer as int_q
@@ -342,10 +342,11 @@ def decode_chunk_blob(
     else:
         offset, step = _side_params(h, streams, device)
 
-    modulus = _unit_modulus(h.layer_bits, h.layers, h.kv_heads).to(device)
-    centers = _centers(h, streams, device)
+    shift, mask = centering.uncenter_terms(
+        _centers(h, streams, device), _unit_modulus(h.layer_bits, h.layers, h.kv_heads).to(device)
+    )
     decoder = decoder or get_decoder(device)
-    positions = pixel_positions(plan, device)
+    positions = gather_index(plan, device)
     L, H, D = h.layers, h.kv_heads, h.head_dim
     frames = 0
     tpf = plan.tokens_per_frame
@@ -355,8 +356,8 @@ def decode_chunk_blob(
         if start >= h.tokens:
             raise CorruptStreamError(f"video stream has more frames than the {h.frames} announced")
         n = min(tpf, h.tokens - start)
-        block = frame.to(device, non_blocking=True).reshape(-1)[positions].view(-1, tpf, D)
-        block = centering.uncenter(block, centers, modulus).view(L, 2, H, tpf, D)
+        block = unpack_frame(frame.to(device, non_blocking=True), plan, positions)
+        block = centering.uncenter_with(block, shift, mask).view(L, 2, H, tpf, D)
         block = block[:, :, :, :n].permute(0, 1, 3, 2, 4)  # (L, 2, n, H, D)
         target = out[:, :, start : start + n]
         if h.quant == "exact":

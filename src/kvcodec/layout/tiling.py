@@ -136,6 +136,20 @@ def pixel_positions(plan: LayoutPlan, device: torch.device | str = "cpu") -> tor
     return _pixel_positions_cached(plan).to(device)
 
 
+@functools.lru_cache(maxsize=64)
+def _gather_index(plan: LayoutPlan, device: str) -> torch.Tensor:
+    return _pixel_positions_cached(plan).to(device=device, dtype=torch.int32)
+
+
+def gather_index(plan: LayoutPlan, device: torch.device | str) -> torch.Tensor:
+    """pixel_positions as int32, kept on `device` for the process: the restore path gathers with
+    it once per frame, and building or copying it per chunk costs more than the gather."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _gather_index(plan, str(device))
+
+
 def pack_frame(block: torch.Tensor, plan: LayoutPlan, fill_value: int = 0) -> torch.Tensor:
     """block: (units, tokens_per_frame, dim) uint8 -> frame (3, height, width) uint8."""
     frame = torch.full((PLANES * plan.height * plan.width,), fill_value, dtype=torch.uint8, device=block.device)
@@ -145,8 +159,8 @@ def pack_frame(block: torch.Tensor, plan: LayoutPlan, fill_value: int = 0) -> to
 
 def unpack_frame(frame: torch.Tensor, plan: LayoutPlan, positions: torch.Tensor | None = None) -> torch.Tensor:
     """frame (3, height, width) uint8 -> block (units, tokens_per_frame, dim) uint8."""
-    pos = positions if positions is not None else pixel_positions(plan, frame.device)
-    return frame.reshape(-1)[pos].view(plan.units, plan.tokens_per_frame, plan.dim)
+    pos = positions if positions is not None else gather_index(plan, frame.device)
+    return torch.index_select(frame.reshape(-1), 0, pos).view(plan.units, plan.tokens_per_frame, plan.dim)
 
 
 def frame_blocks(units_tokens_dim: torch.Tensor, plan: LayoutPlan):

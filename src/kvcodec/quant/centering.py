@@ -25,6 +25,19 @@ def center(symbols: torch.Tensor, centers: torch.Tensor, modulus: torch.Tensor) 
 
 def uncenter(samples: torch.Tensor, centers: torch.Tensor, modulus: torch.Tensor) -> torch.Tensor:
     """Inverse of center. samples: (units, tokens, dim); centers (units, dim); modulus (units,)."""
-    m = modulus.view(-1, 1, 1).to(samples.device)
-    restored = samples.long() + centers.long().unsqueeze(1) - m // 2
-    return torch.remainder(restored, m).to(torch.uint8)
+    shift, mask = uncenter_terms(centers, modulus)
+    return uncenter_with(samples, shift, mask)
+
+
+def uncenter_terms(centers: torch.Tensor, modulus: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(unit, channel) uint8 shift and per-unit uint8 mask such that
+    uncenter(s) == (s + shift) & mask in wrapping uint8 arithmetic (every modulus divides 256)."""
+    m = modulus.to(centers.device).long()
+    shift = torch.remainder(centers.long() - (m // 2).unsqueeze(1), 256).to(torch.uint8)
+    mask = (m - 1).to(torch.uint8).view(-1, 1, 1)
+    return shift.unsqueeze(1), mask
+
+
+def uncenter_with(samples: torch.Tensor, shift: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """uint8 only, no wide temporaries: the restore path runs this once per decoded frame."""
+    return (samples + shift).bitwise_and_(mask)
