@@ -371,13 +371,21 @@ class PrefixCache:
         def now() -> float:
             return time.monotonic() - t0
 
+        # suffix sums, so each choice costs O(resolutions), not O(chunks)
+        suf_sizes = [[0.0] * R for _ in range(n + 1)]
+        suf_values = [0.0] * (n + 1)
+        for k in range(n - 1, -1, -1):
+            suf_values[k] = suf_values[k + 1] + metas[k].values
+            for j in range(R):
+                suf_sizes[k][j] = suf_sizes[k + 1][j] + metas[k].sizes[j]
+
         def rest_means(i):
-            rest = metas[i + 1 :]
-            if not rest:
+            cnt = n - i - 1
+            if cnt <= 0:
                 return [0.0] * R, [0.0] * R
-            sizes = [sum(m.sizes[j] for m in rest) / len(rest) for j in range(R)]
-            dec = [sum(profile.predict(j, m.values) for m in rest) / len(rest) for j in range(R)]
-            return sizes, dec
+            mean_values = suf_values[i + 1] / cnt
+            # the profile is linear in values, so the mean prediction is the prediction of the mean
+            return [suf_sizes[i + 1][j] / cnt for j in range(R)], [profile.predict(j, mean_values) for j in range(R)]
 
         next_issue = [0]
 
