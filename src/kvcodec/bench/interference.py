@@ -54,6 +54,25 @@ class BaselineChunkCodec:
         return {"codec": self.name, "bytes": len(blob)}
 
 
+def tiled_kv(real, layers: int, heads: int, head_dim: int, tokens: int):  # noqa: ANN001, ANN201
+    """A KV tensor of a larger shape filled with REAL values of a small model's KV `real`
+    (L0, 2, T0, H0, D0): out[l, k, t, h, d] = real[l % L0, k, (t + shift) % T0, (h + d // D0) % H0, d % D0]
+    with a token shift per (layer, head, dim block) copy, so that no two channels are identical. Used where the model
+    itself has random weights (timing runs): random-weight KV would not compress like real KV."""
+    import torch
+
+    L0, _, T0, H0, D0 = real.shape
+    out = torch.empty((layers, 2, tokens, heads, head_dim), dtype=real.dtype)
+    for l in range(layers):
+        for h in range(heads):
+            for b in range(0, head_dim, D0):
+                w = min(D0, head_dim - b)
+                shift = (97 * h + 13 * l + 31 * (b // D0)) % T0
+                ti = (torch.arange(tokens) + shift) % T0
+                out[l, :, :, h, b : b + w] = real[l % L0][:, ti][:, :, (h + b // D0) % H0, :w]
+    return out
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -79,9 +98,21 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
 @click.option("--conditions", default="alone,kvcodec,sm-decoder,blocking", show_default=True)
 @click.option("--device", default=None)
+@click.option("--kv-file", default=None, type=click.Path(dir_okay=False),
+              help="random:<arch> models: safetensors with a REAL small-model KV ('kv') to tile into the big shape.")
+@click.option("--store-dir", default=None, help="Keep the encoded stores here (reused when present: encode once, "
+              "e.g. on a CPU machine with --prepare-only, then ship the folder).")
+@click.option("--prepare-only", is_flag=True, help="Only encode and store the document's KV, then exit.")
+@click.option("--max-batch", default=32, show_default=True, type=int)
+@click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
 def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, gbit,
-            quant, sm_codec, conditions, device, out_path) -> None:  # noqa: ANN001
+            quant, sm_codec, conditions, device, kv_file, store_dir, prepare_only, max_batch, out_path, threads) -> None:  # noqa: ANN001
+    """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler.
+
+    --model random:llama3-8b / random:qwen2.5-7b: full-size architecture with random weights (timing
+    only, GPU), token ids instead of text, and the stored document KV tiled from --kv-file (real KV).
+    """
     """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler."""
     import json
     import os
@@ -95,50 +126,103 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, SamplingParams, StorePolicy
     from kvcodec.fetcher import PrefixCache
-    from kvcodec.integrations.hf import extract_kv
     from kvcodec.models import load_model, model_id
     from kvcodec.models.texts import load_text
     from kvcodec.net import ThrottledStore
     from kvcodec.store import open_store
 
+    if threads:
+        torch.set_num_threads(threads)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     conds = [c.strip() for c in conditions.split(",") if c.strip()]
-    click.echo(f"loading {model_name} ...", err=True)
-    model, tok = load_model(model_name)
-    model = model.to(device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
-    mid = model_id(model)
+    random_model = model_name.startswith("random:")
     cfg = CodecConfig(quant=quant, chunk_tokens=256, resolutions=((512, 512),))
-    tmp = tempfile.TemporaryDirectory(prefix="kvcodec-interf-")
+    tmp = None
+    if store_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvcodec-interf-")
+        store_dir = tmp.name
+    g = torch.Generator().manual_seed(0)
+    model = tok = None
+    if random_model:
+        from kvcodec.bench.ttft import LARGE
 
-    click.echo(f"prefill of the {doc_tokens}-token document and storing its KV (kvcodec, {sm_codec}) ...", err=True)
-    doc_ids, kv = extract_kv(model, tok, load_text(text, max_chars=doc_tokens * 12), max_tokens=doc_tokens)
-    doc_ids = doc_ids.tolist()
-    kv = kv.to(torch.float16)
-    codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec)}
+        arch = model_name.split(":", 1)[1]
+        if arch not in LARGE:
+            raise click.ClickException(f"unknown architecture {arch!r}; known: {', '.join(LARGE)}")
+        import transformers
+
+        c = getattr(transformers, LARGE[arch][0])(**LARGE[arch][1])
+        layers, heads = c.num_hidden_layers, c.num_key_value_heads
+        head_dim = c.hidden_size // c.num_attention_heads
+        mid = f"random-{arch}"  # fixed id: the stores are encoded where the model is never built
+        doc_ids = torch.randint(100, 30000, (doc_tokens,), generator=g).tolist()
+    else:
+        from kvcodec.integrations.hf import extract_kv
+
+        click.echo(f"loading {model_name} ...", err=True)
+        model, tok = load_model(model_name)
+        model = model.to(device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
+        mid = model_id(model)
+        doc_text = load_text(text, max_chars=doc_tokens * 12)
+        doc_ids = tok(doc_text, return_tensors="pt").input_ids[0][:doc_tokens].tolist()
+    need = [n for n in ("kvcodec", "sm-decoder") if n in conds or (n == "kvcodec" and "blocking" in conds)]
+    codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec) if "sm-decoder" in need else None}
     stored_bytes = {}
-    for name, codec in codecs.items():
-        if name not in conds and not (name == "kvcodec" and "blocking" in conds):
-            continue
-        base = open_store(f"file://{os.path.join(tmp.name, name)}")
-        pc = PrefixCache(base, mid, cfg, "cpu", policy="fixed:0", codec=codec)
-        t0 = time.perf_counter()
-        pc.put(doc_ids, kv)
-        stored_bytes[name] = sum(base.size(k) or 0 for k in base.list())
-        click.echo(f"  {name}: {stored_bytes[name] / 1e6:.2f} MB stored in {time.perf_counter() - t0:.1f} s", err=True)
+    ids_file = os.path.join(store_dir, "doc_ids.json")
+    kv = None
+    if random_model and os.path.exists(ids_file):
+        with open(ids_file) as f:
+            doc_ids = json.load(f)  # the prepared stores' document
+    for name in need:
+        base = open_store(f"file://{os.path.join(store_dir, name)}")
+        pc = PrefixCache(base, mid, cfg, "cpu", policy="fixed:0", codec=codecs[name])
+        if pc.lookup(doc_ids) < (len(doc_ids) // 256) * 256:
+            if kv is None:
+                click.echo(f"computing the {doc_tokens}-token document's KV ...", err=True)
+                if random_model:
+                    if not kv_file:
+                        raise click.ClickException("random:<arch> needs --kv-file (real KV to tile) or a prepared --store-dir")
+                    from safetensors.torch import load_file
 
-    questions = [f"\n\nQuestion {i}: what is said in this text about topic number {i}? Answer:" for i in range(1000)]
-    bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
+                    kv = tiled_kv(load_file(kv_file)["kv"].to(torch.float16), layers, heads, head_dim, doc_tokens)
+                else:
+                    ids, kv = extract_kv(model, tok, doc_text, max_tokens=doc_tokens)
+                    assert ids.tolist() == doc_ids
+                    kv = kv.to(torch.float16)
+            t0 = time.perf_counter()
+            pc.put(doc_ids, kv)
+            click.echo(f"  {name}: encoded and stored in {time.perf_counter() - t0:.1f} s", err=True)
+        stored_bytes[name] = sum(base.size(k) or 0 for k in base.list())
+        click.echo(f"  {name}: {stored_bytes[name] / 1e6:.2f} MB stored", err=True)
+    os.makedirs(store_dir, exist_ok=True)
+    with open(ids_file, "w") as f:
+        json.dump(doc_ids, f)
+    if prepare_only:
+        return
+    if random_model:
+        from kvcodec.bench.ttft import build_model
+
+        click.echo(f"building {arch} with random weights on {device} (timing only) ...", err=True)
+        model, _, _ = build_model(arch, device)
+
+    if random_model:
+        questions = [torch.randint(100, 30000, (16,), generator=g).tolist() for _ in range(1000)]
+        bg_prompts = [torch.randint(100, 30000, (64,), generator=g).tolist() for _ in range(1000)]
+    else:
+        questions = [tok(f"\n\nQuestion {i}: what is said in this text about topic number {i}? Answer:",
+                         add_special_tokens=False)["input_ids"] for i in range(1000)]
+        bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
 
     def run_condition(cond: str) -> dict:
-        store_dir = "sm-decoder" if cond == "sm-decoder" else "kvcodec"
+        sub = "sm-decoder" if cond == "sm-decoder" else "kvcodec"
         pc = None
         if cond != "alone":
-            slow = ThrottledStore(open_store(f"file://{os.path.join(tmp.name, store_dir)}"), rate_gbit=gbit)
-            pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codecs[store_dir])
+            slow = ThrottledStore(open_store(f"file://{os.path.join(store_dir, sub)}"), rate_gbit=gbit)
+            pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codecs[sub])
         eng = Engine(model, tokenizer=tok, prefix_cache=pc, reuse=pc is not None, device=device,
                      store_policy=StorePolicy(enabled=False), policy="blocking" if cond == "blocking" else "fetch-aware",
-                     max_batch=32)
-        eng.generate("Warm up the model.", max_new_tokens=2, reuse=False, store=False)
+                     max_batch=max_batch)
+        eng.generate([11, 12, 13, 14], max_new_tokens=2, reuse=False, store=False)
         eng.start()
         arrivals = [(i / bg_rate, "bg", i) for i in range(int(duration * bg_rate))]
         if cond != "alone":
@@ -156,7 +240,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
                     r = eng.submit(bg_prompts[i], SamplingParams(max_new_tokens=bg_new_tokens, ignore_eos=True),
                                    reuse=False, store=False)
                 else:
-                    r = eng.submit(doc_ids + tok(questions[i], add_special_tokens=False)["input_ids"],
+                    r = eng.submit(doc_ids + questions[i],
                                    SamplingParams(max_new_tokens=reuse_new_tokens, ignore_eos=True), store=False)
                 reqs.append((kind, r))
 
@@ -186,12 +270,14 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
     for cond in conds:
         click.echo(f"condition {cond} ({duration:g} s of arrivals) ...", err=True)
         results.append(run_condition(cond))
-    tmp.cleanup()
+    if tmp is not None:
+        tmp.cleanup()
     label = "gpu" if device.startswith("cuda") else "cpu"
     rec = {
         "benchmark": "interference", "command": command_line(), "machine": machine(), "device": device, "label": label,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": model_name, "doc_tokens": len(doc_ids), "link_gbit": gbit, "bg_rate": bg_rate, "reuse_rate": reuse_rate,
+        "model": model_name, "random_weights": random_model, "kv_tiled_from": kv_file if random_model else None,
+        "doc_tokens": len(doc_ids), "link_gbit": gbit, "bg_rate": bg_rate, "reuse_rate": reuse_rate,
         "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration,
         "stored_bytes": stored_bytes, "sm_codec": sm_codec,
         "notes": ("GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores" if label == "gpu" else

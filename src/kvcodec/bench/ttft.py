@@ -31,6 +31,10 @@ LARGE = {
     "qwen2.5-7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                                        rope_theta=1000000.0, max_position_embeddings=32768), "qwen2.5-coder-0.5b"),
+    # small stand-in for smoke tests of the random-weight paths on a CPU
+    "llama-tiny": ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
+                                       max_position_embeddings=4096), "smollm2-135m"),
 }
 METHOD_LABELS = {"raw": "raw fp16 KV", "zstd-3": "zstd-3 KV", "cachegen": "CacheGen-style", "prefill": "full prefill"}
 
@@ -43,6 +47,10 @@ def machine() -> dict:
 
     m = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
          "torch": torch.__version__, "threads": torch.get_num_threads()}
+    try:
+        m["loadavg_1m"] = os.getloadavg()[0]  # the CPU is shared: a load above the core count slows every timing
+    except OSError:
+        pass
     if torch.cuda.is_available():
         m["gpu"] = torch.cuda.get_device_name(0)
     return m
@@ -191,9 +199,10 @@ def fetch_time(nbytes: float, fp16_bytes: float, gbit: float, decode_GBps: float
 @click.option("--decode-rate", multiple=True, help="METHOD=GB/s of fp16 KV: override a decode rate (e.g. cachegen=40).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
 @click.option("--repeat", default=3, show_default=True, type=int)
+@click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
 def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods, resolution, stats_file,
-            nvdec_gbit, decode_rate, device, repeat, out_path) -> None:  # noqa: ANN001
+            nvdec_gbit, decode_rate, device, repeat, out_path, threads) -> None:  # noqa: ANN001
     """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
     import json
     import os
@@ -201,6 +210,8 @@ def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods
 
     import torch
 
+    if threads:
+        torch.set_num_threads(threads)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.startswith("cuda")
     bws = [float(b) for b in bandwidths.split(",")]
@@ -213,7 +224,7 @@ def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods
     else:
         click.echo("measuring codecs on real KV caches (cpu) ...", err=True)
         stats = {m: kv_statistics(m, tokens, meths, (w, h), text) for m in kv_models.split(",")}
-    tlist = targets.split(",") if targets else (list(LARGE) if gpu else list(stats))
+    tlist = targets.split(",") if targets else (["llama3-8b", "qwen2.5-7b"] if gpu else list(stats))
     rows, targets_info = [], {}
     for target in tlist:
         src = LARGE[target][2] if target in LARGE else target

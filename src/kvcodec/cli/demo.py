@@ -37,6 +37,7 @@ def _say(msg: str) -> None:
 @click.option("--max-new-tokens", default=24, show_default=True, type=int)
 @click.option("--store", "store_dir", default=None, help="Directory for the file:// store (default: a temp dir).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
+@click.option("--threads", default=None, type=int, help="torch CPU threads (default: torch's choice).")
 @click.option("--json-out", default=None, type=click.Path(dir_okay=False), help="Also write the numbers as JSON.")
 def command(
     model_name: str,
@@ -49,6 +50,7 @@ def command(
     store_dir: str | None,
     device: str | None,
     json_out: str | None,
+    threads: int | None,
 ) -> None:
     """Store a document's KV, then reuse it over an emulated link: TTFT and identical answers."""
     import json
@@ -58,6 +60,10 @@ def command(
     import urllib.parse
 
     t_start = time.perf_counter()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     _say(f"[1/6] loading {model_name} (the first run converts the weights, ~30 s) ...")
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, StorePolicy
