@@ -122,3 +122,23 @@ def test_netns_link_limits_redis_throughput(tmp_path):
             assert link.describe()["link"] == "tc-netns"
         finally:
             srv.kill()
+
+
+def test_netns_link_plays_a_trace():
+    ok, why = _netns_ok()
+    if not ok:
+        pytest.skip(f"netns + tc not usable here: {why}")
+    import subprocess
+
+    from kvcodec.net.netns import NetnsLink
+
+    with NetnsLink(1.0) as link:
+        link.play(JitterTrace(((0.15, 0.05), (0.15, 5.0))))
+        seen = set()
+        t = time.monotonic()
+        while time.monotonic() - t < 2.0 and not {"50Mbit", "5Gbit"} <= seen:
+            out = subprocess.run(["tc", "qdisc", "show", "dev", link.veth_host], capture_output=True, text=True).stdout
+            seen.add("50Mbit" if "rate 50Mbit" in out else "5Gbit" if "rate 5Gbit" in out else out.strip())
+            time.sleep(0.02)
+        link.set_rate(1.0)  # stops the trace
+        assert {"50Mbit", "5Gbit"} <= seen, seen
