@@ -187,7 +187,8 @@ def fetch_time(nbytes: float, fp16_bytes: float, gbit: float, decode_GBps: float
 @click.option("--kv-models", default="smollm2-135m,qwen2.5-coder-0.5b", show_default=True,
               help="Real models whose KV statistics are measured.")
 @click.option("--text", default="pg", show_default=True, help="Text for the real KV (kvcodec.models.texts).")
-@click.option("--tokens", default=2048, show_default=True, type=int, help="Reused prefix length.")
+@click.option("--tokens", "tokens_list", default="2048", show_default=True,
+              help="Reused prefix length(s), comma list; KV statistics are measured at the first.")
 @click.option("--suffix-tokens", default=32, show_default=True, type=int, help="New tokens after the prefix.")
 @click.option("--bandwidths", default="1,2,5,10,20,40", show_default=True, help="Gbit/s, comma list.")
 @click.option("--methods", default="raw,zstd-3,cachegen,kvcodec-int8", show_default=True)
@@ -201,7 +202,7 @@ def fetch_time(nbytes: float, fp16_bytes: float, gbit: float, decode_GBps: float
 @click.option("--repeat", default=3, show_default=True, type=int)
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
-def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods, resolution, stats_file,
+def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, methods, resolution, stats_file,
             nvdec_gbit, decode_rate, device, repeat, out_path, threads) -> None:  # noqa: ANN001
     """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
     import json
@@ -218,6 +219,8 @@ def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods
     meths = [m.strip() for m in methods.split(",") if m.strip()]
     w, h = (int(v) for v in resolution.lower().split("x"))
     overrides = {k: float(v) for k, v in (o.split("=", 1) for o in decode_rate)}
+    token_counts = [int(t) for t in str(tokens_list).split(",") if t.strip()]
+    tokens = token_counts[0]
     if stats_file:
         with open(stats_file) as f:
             stats = json.load(f)["kv_stats"]
@@ -233,43 +236,44 @@ def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods
         st = stats[src]
         click.echo(f"timing prefill of {target} on {device} ...", err=True)
         model, per_token, random = build_model(target, device)
-        full_s, suffix_s = time_prefill(model, tokens, suffix_tokens, device, repeat)
+        timings = {n: time_prefill(model, n, suffix_tokens, device, repeat) for n in token_counts}
         del model
         if gpu:
             torch.cuda.empty_cache()
-        fp16 = per_token * tokens
-        chunks = max(1, tokens // 256)
-        rates = {}
-        for m in meths:
-            r = st["methods"][m]["decode_GBps_fp16"]
-            where = "cpu (measured on the KV-statistics machine)"
-            if gpu and m == "raw":
-                r, where = h2d_GBps(fp16), "host-to-device copy (measured)"
-            elif gpu and m.startswith("kvcodec"):
-                coded = fp16 / st["methods"][m]["ratio_vs_fp16"]
-                r, where = fp16 / (coded * 8 / (nvdec_gbit * 1e9)) / 1e9, f"NVDEC at {nvdec_gbit:g} Gbit/s coded (--nvdec-gbit)"
-            if m in overrides:
-                r, where = overrides[m], "--decode-rate override"
-            rates[m] = {"decode_GBps_fp16": r, "source": where}
         targets_info[target] = {"kv_stats_from": src, "random_weights": random, "kv_fp16_bytes_per_token": per_token,
-                                "prefill_s": full_s, "suffix_prefill_s": suffix_s, "decode_rates": rates,
-                                "bytes_scaled_from_real_kv": src != target}
-        click.echo(f"  prefill {tokens}+{suffix_tokens} tokens: {full_s:.3f} s; suffix only: {suffix_s:.3f} s", err=True)
-        for bw in bws:
-            res = {"prefill": {"ttft_s": full_s, "bytes": 0, "transfer_s": 0.0, "decode_s": 0.0}}
+                                "bytes_scaled_from_real_kv": src != target, "by_tokens": {}}
+        for n, (full_s, suffix_s) in timings.items():
+            fp16 = per_token * n
+            chunks = max(1, n // 256)
+            rates = {}
             for m in meths:
-                nbytes = fp16 / st["methods"][m]["ratio_vs_fp16"]
-                f, x, d = fetch_time(nbytes, fp16, bw, rates[m]["decode_GBps_fp16"], chunks)
-                res[m] = {"ttft_s": f + suffix_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
-            for m, r in res.items():
-                rows.append({
-                    "model": target, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
-                    "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
-                    "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
-                    "speedup_vs_prefill": full_s / r["ttft_s"],
-                    "bytes": r["bytes"], "transfer_s": r["transfer_s"], "decode_s": r["decode_s"],
-                    "device": "gpu" if gpu else "cpu", "tokens": tokens, "suffix_tokens": suffix_tokens,
-                })
+                r = st["methods"][m]["decode_GBps_fp16"]
+                where = "cpu (measured on the KV-statistics machine)"
+                if gpu and m == "raw":
+                    r, where = h2d_GBps(min(fp16, 1 << 30)), "host-to-device copy (measured)"
+                elif gpu and m.startswith("kvcodec"):
+                    coded = fp16 / st["methods"][m]["ratio_vs_fp16"]
+                    r, where = fp16 / (coded * 8 / (nvdec_gbit * 1e9)) / 1e9, f"NVDEC at {nvdec_gbit:g} Gbit/s coded (--nvdec-gbit)"
+                if m in overrides:
+                    r, where = overrides[m], "--decode-rate override"
+                rates[m] = {"decode_GBps_fp16": r, "source": where}
+            targets_info[target]["by_tokens"][str(n)] = {"prefill_s": full_s, "suffix_prefill_s": suffix_s, "decode_rates": rates}
+            click.echo(f"  prefill {n}+{suffix_tokens} tokens: {full_s:.3f} s; suffix only: {suffix_s:.3f} s", err=True)
+            for bw in bws:
+                res = {"prefill": {"ttft_s": full_s, "bytes": 0, "transfer_s": 0.0, "decode_s": 0.0}}
+                for m in meths:
+                    nbytes = fp16 / st["methods"][m]["ratio_vs_fp16"]
+                    f, x, d = fetch_time(nbytes, fp16, bw, rates[m]["decode_GBps_fp16"], chunks)
+                    res[m] = {"ttft_s": f + suffix_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
+                for m, r in res.items():
+                    rows.append({
+                        "model": target, "tokens": n, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
+                        "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
+                        "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
+                        "speedup_vs_prefill": full_s / r["ttft_s"],
+                        "bytes": r["bytes"], "transfer_s": r["transfer_s"], "decode_s": r["decode_s"],
+                        "device": "gpu" if gpu else "cpu", "suffix_tokens": suffix_tokens,
+                    })
     label = "gpu" if gpu else "cpu"
     rec = {
         "benchmark": "ttft", "command": command_line(), "machine": machine(), "device": device, "label": label,
@@ -287,16 +291,19 @@ def command(targets, kv_models, text, tokens, suffix_tokens, bandwidths, methods
     with open(out_path, "w") as f:
         json.dump(rec, f, indent=2)
     md = [f"# TTFT vs bandwidth ({label})", "", f"`{rec['command']}`", "", rec["notes"], "",
-          "| model | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths) + " | kvcodec vs raw | kvcodec vs CacheGen |",
-          "|---|---|" + "---|" * (len(meths) + 3)]
+          "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths)
+          + " | kvcodec vs raw | kvcodec vs CacheGen | kvcodec vs prefill |",
+          "|---|---|---|" + "---|" * (len(meths) + 4)]
     kvm = next((m for m in meths if m.startswith("kvcodec")), None)
     for target in tlist:
-        for bw in bws:
-            sel = {r["method"]: r for r in rows if r["model"] == target and r["bandwidth_gbit"] == bw}
-            cells = [f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths]
-            vr = f"{sel[kvm]['speedup_vs_raw']:.2f}x" if kvm and sel[kvm]["speedup_vs_raw"] else "-"
-            vc = f"{sel[kvm]['speedup_vs_cachegen']:.2f}x" if kvm and sel[kvm]["speedup_vs_cachegen"] else "-"
-            md.append(f"| {target} | {bw:g} | " + " | ".join(cells) + f" | {vr} | {vc} |")
+        for n in token_counts:
+            for bw in bws:
+                sel = {r["method"]: r for r in rows if r["model"] == target and r["tokens"] == n and r["bandwidth_gbit"] == bw}
+                cells = [f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths]
+                vr = f"{sel[kvm]['speedup_vs_raw']:.2f}x" if kvm and sel[kvm]["speedup_vs_raw"] else "-"
+                vc = f"{sel[kvm]['speedup_vs_cachegen']:.2f}x" if kvm and sel[kvm]["speedup_vs_cachegen"] else "-"
+                vp = f"{sel[kvm]['speedup_vs_prefill']:.2f}x" if kvm else "-"
+                md.append(f"| {target} | {n} | {bw:g} | " + " | ".join(cells) + f" | {vr} | {vc} | {vp} |")
     with open(out_path.replace(".json", ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     click.echo("\n".join(md))
