@@ -210,16 +210,18 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                                decode_workers=decode_workers)
             raw = PrefixCache(link.base, model, raw_cfg, device, codec=RawCodec(), max_inflight=max_inflight,
                               decode_workers=decode_workers, policy="fixed:0")
-            t = time.perf_counter()
-            hevc.put(ids, kv)
-            encode_s = time.perf_counter() - t
             raw.put(ids, kv)
-            profile = hevc.ensure_profile((L, H, D), kv.dtype)
-            keys = hevc.keys(ids)
-            sizes = [sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(res))]
             raw_bytes = kv.numel() * 2
-            click.echo(f"encoded in {encode_s:.1f}s; bytes per resolution {sizes} (fp16 {raw_bytes}); "
-                       f"decode profile {[f'{v / 1e6:.1f}M/s' for v in profile.values_per_s()]}", err=True)
+            encode_s, sizes, profile = None, [], None
+            if any(p != "raw-fp16" for p in pols):
+                t = time.perf_counter()
+                hevc.put(ids, kv)
+                encode_s = time.perf_counter() - t
+                profile = hevc.ensure_profile((L, H, D), kv.dtype)
+                keys = hevc.keys(ids)
+                sizes = [sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(res))]
+                click.echo(f"encoded in {encode_s:.1f}s; bytes per resolution {sizes} (fp16 {raw_bytes}); "
+                           f"decode profile {[f'{v / 1e6:.1f}M/s' for v in profile.values_per_s()]}", err=True)
             # link goodput probe: the largest object, per condition
             probe_key = blob_key(raw.keys(ids)[0], 0)
             probe_bytes = len(link.base.get(probe_key))
@@ -304,7 +306,7 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
         "codec_config": cfg.to_dict(),
         "encode_s": encode_s,
         "bytes_per_resolution": dict(zip(["x".join(map(str, r)) for r in res], sizes)),
-        "decode_profile": profile.to_json() | {"source": profile.source},
+        "decode_profile": profile.to_json() | {"source": profile.source} if profile else None,
         "machine": machine,
         "link": link_kind,
         "records": records,
