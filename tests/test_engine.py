@@ -113,3 +113,14 @@ def test_sampling_seeded_and_stops(smol):
         stop = g.token_ids[1]
         s = eng.generate(p, params=SamplingParams(max_new_tokens=10, stop_token_ids=(stop,)))[0]
         assert s.token_ids == g.token_ids[:2] and s.finish_reason == "stop"
+
+
+def test_batched_decode_matches_one_by_one(smol):
+    prompts = ["The capital of France is", "One, two, three, four, five,", DOC + "Who keeps a canoe?"]
+    outs = {}
+    for batched in (True, False):
+        with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False),
+                         batch_decode=batched) as eng:
+            outs[batched] = [o.token_ids for o in eng.generate(prompts, max_new_tokens=6, ignore_eos=True)]
+    assert outs[True] == outs[False]
+    assert all(len(t) == 6 for t in outs[True])

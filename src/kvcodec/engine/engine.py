@@ -60,6 +60,8 @@ class Engine:
         e.g. one reading through an emulated slow link (store_url="throttle://1?inner=..." does too).
     prefix_cache_options: extra keyword arguments for the PrefixCache built from store_url
         (policy="fixed:0", codec=RawCodec(), ...).
+    batch_decode: one forward for the whole running batch per decode step (left-padded); False runs
+        one forward per request.
     """
 
     def __init__(
@@ -81,11 +83,13 @@ class Engine:
         dtype: torch.dtype | None = None,
         prefix_cache: Any = None,
         prefix_cache_options: dict[str, Any] | None = None,
+        batch_decode: bool = True,
     ) -> None:
         self.device = torch.device(device) if device is not None else default_device()
         model, self.tokenizer = _load(model, tokenizer, self.device, dtype)
         self.runner = ModelRunner(model, self.device)
         self.model = self.runner.model
+        self.batch_decode = batch_decode
         self.metrics = EngineMetrics()
         self.reuse = reuse
         self.codec_config = codec_config
@@ -208,7 +212,8 @@ class Engine:
                 self._append(req, sample(logits, req.params, req.generator))
                 produced += 1
             if decoding:
-                for req, logits in zip(decoding, self.runner.decode(decoding)):
+                run = self.runner.decode_batched if self.batch_decode else self.runner.decode
+                for req, logits in zip(decoding, run(decoding)):
                     self._append(req, sample(logits, req.params, req.generator))
                     produced += 1
             for state, n in self.scheduler.counts().items():

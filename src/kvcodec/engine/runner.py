@@ -1,8 +1,10 @@
 """Model execution: prefill (on top of a restored prefix) and one-token decode steps, and sampling.
 
-Each request keeps its own transformers DynamicCache. A decode iteration runs one forward per
-running request (no padding, no paged attention): simple and exact, at the cost of batching
-efficiency. The canonical KV tensor `(layers, 2, tokens, kv_heads, head_dim)` crosses into and out
+Each request keeps its own transformers DynamicCache. A decode iteration either runs one forward
+for the whole running batch (`decode_batched`: the caches are left-padded to the longest one into a
+temporary batched cache, with an attention mask and explicit positions; each request's new K/V is
+then appended to its own cache) or one forward per request (`decode`). No paged attention: the
+batched step copies the running caches once per iteration, simple rather than fast. The canonical KV tensor `(layers, 2, tokens, kv_heads, head_dim)` crosses into and out
 of the model through kvcodec.integrations.hf.
 """
 
@@ -68,6 +70,40 @@ class ModelRunner:
             req.cache = out.cache
             logits.append(out.logits[0, -1])
         return logits
+
+
+    @torch.inference_mode()
+    def decode_batched(self, reqs: list[Request]) -> list[torch.Tensor]:
+        """One decode step for all requests in a single forward (left-padded batch)."""
+        if len(reqs) <= 1:
+            return self.decode(reqs)
+        from transformers import DynamicCache
+
+        lens = [r.cache.get_seq_length() for r in reqs]
+        longest = max(lens)
+        data = []
+        for i in range(len(reqs[0].cache.layers)):
+            ks, vs = [], []
+            for r, n in zip(reqs, lens):
+                k, v = r.cache.layers[i].keys, r.cache.layers[i].values  # [1, kv_heads, n, head_dim]
+                if n < longest:
+                    pad = k.new_zeros(1, k.shape[1], longest - n, k.shape[3])
+                    k, v = torch.cat([pad, k], 2), torch.cat([pad, v], 2)
+                ks.append(k)
+                vs.append(v)
+            data.append((torch.cat(ks), torch.cat(vs)))
+        cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
+        mask = torch.zeros(len(reqs), longest + 1, dtype=torch.long, device=self.device)
+        for b, n in enumerate(lens):
+            mask[b, longest - n :] = 1
+        pos = torch.tensor([[n] for n in lens], dtype=torch.long, device=self.device)
+        ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
+        new = out.cache
+        for b, r in enumerate(reqs):
+            for i, layer in enumerate(new.layers):
+                r.cache.update(layer.keys[b : b + 1, :, -1:], layer.values[b : b + 1, :, -1:], i)
+        return [out.logits[b, -1] for b in range(len(reqs))]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
