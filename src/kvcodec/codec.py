@@ -383,6 +383,37 @@ def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
         yield pack_frame(block, plan)
 
 
+def file_chunks(
+    data: bytes | memoryview,
+    device: str | torch.device = "cpu",
+    *,
+    resolution: tuple[int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[tuple[memoryview, torch.Tensor]]]:
+    """Parse and verify a kvcodec file for decoding: returns the output KV tensor (allocated on
+    `device` unless `out` is given) and, per chunk, its blob at `resolution` (default: the largest)
+    with the slice of the output it restores into. Decoders, serial or parallel, start here."""
+    fh, payload = read_file_header(data)
+    dtype = DTYPES.get(fh.dtype)
+    if dtype is None:
+        raise FormatError(f"kvcodec file has unknown dtype {fh.dtype!r}")
+    if resolution is None:
+        resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
+    if out is None:
+        out = torch.empty(fh.shape, dtype=dtype, device=torch.device(device))
+    elif tuple(out.shape) != fh.shape or out.dtype != dtype:
+        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
+    jobs, start = [], 0
+    for index, tokens in enumerate(fh.chunk_tokens):
+        entry = fh.blob(index, resolution)
+        blob = payload[entry.offset : entry.offset + entry.length]
+        if crc32(blob) != entry.crc32:
+            raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
+        jobs.append((blob, out[:, :, start : start + tokens]))
+        start += tokens
+    return out, jobs
+
+
 def decode(
     data: bytes | memoryview,
     device: str | torch.device = "cpu",
@@ -391,27 +422,12 @@ def decode(
     out: torch.Tensor | None = None,
     decoder=None,
 ) -> torch.Tensor:
-    """Decode a kvcodec file into a KV tensor of its original shape and dtype on `device`."""
-    fh, payload = read_file_header(data)
-    dtype = DTYPES.get(fh.dtype)
-    if dtype is None:
-        raise FormatError(f"kvcodec file has unknown dtype {fh.dtype!r}")
-    if resolution is None:
-        resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
-    device = torch.device(device) if out is None else out.device
-    if out is None:
-        out = torch.empty(fh.shape, dtype=dtype, device=device)
-    elif tuple(out.shape) != fh.shape or out.dtype != dtype:
-        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
-    decoder = decoder or get_decoder(device)
-    start = 0
-    for index, tokens in enumerate(fh.chunk_tokens):
-        entry = fh.blob(index, resolution)
-        blob = payload[entry.offset : entry.offset + entry.length]
-        if crc32(blob) != entry.crc32:
-            raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
-        decode_chunk_blob(blob, device, out=out[:, :, start : start + tokens], decoder=decoder)
-        start += tokens
+    """Decode a kvcodec file into a KV tensor of its original shape and dtype on `device`
+    (NVDEC for CUDA devices where available, restoring frame by frame)."""
+    out, jobs = file_chunks(data, device, resolution=resolution, out=out)
+    decoder = decoder or get_decoder(out.device)
+    for blob, target in jobs:
+        decode_chunk_blob(blob, out=target, decoder=decoder)
     return out
 
 

@@ -354,29 +354,10 @@ def decode_parallel(
     decode_chunk_blob runs for up to `threads` chunks at once (default 2 per worker), each writing
     its token range of the output KV tensor frame by frame."""
     from kvcodec import codec
-    from kvcodec.container.format import crc32
-    from kvcodec.errors import ChecksumError, FormatError, ShapeError
 
-    fh, payload = codec.read_file_header(data)
-    dtype = codec.DTYPES.get(fh.dtype)
-    if dtype is None:
-        raise FormatError(f"kvcodec file has unknown dtype {fh.dtype!r}")
-    if resolution is None:
-        resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
-    if out is None:
-        out = torch.empty(fh.shape, dtype=dtype, device=pool.device)
-    elif tuple(out.shape) != fh.shape or out.dtype != dtype:
-        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
-    blobs, outs = [], []
-    start = 0
-    for index, tokens in enumerate(fh.chunk_tokens):
-        entry = fh.blob(index, resolution)
-        blob = payload[entry.offset : entry.offset + entry.length]
-        if crc32(blob) != entry.crc32:
-            raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
-        blobs.append(blob)
-        outs.append(out[:, :, start : start + tokens])
-        start += tokens
+    out, jobs = codec.file_chunks(data, pool.device, resolution=resolution, out=out)
+    blobs = [blob for blob, _ in jobs]
+    outs = [target for _, target in jobs]
     decode_blobs_parallel(blobs, outs, pool, threads=threads)
     return out
 
