@@ -188,6 +188,20 @@ class CacheGenCodec:
     def parse(self, data: bytes):
         """Check the container and split it: (header, bins, maxes, chunks) where chunks is a list of
         (start, n, freq (lanes, A) int64, nwords (lanes,), words (int32 tensor))."""
+        header, bins, maxes, chunks, freq, nwords, words = self._parse_batched(data)
+        lanes = freq.shape[0] // len(chunks)
+        ends = torch.cumsum(nwords.reshape(len(chunks), lanes).sum(1), 0).tolist()
+        out = []
+        for i, ch in enumerate(chunks):
+            w0 = ends[i - 1] if i else 0
+            sl = slice(i * lanes, (i + 1) * lanes)
+            out.append((ch.start, ch.n, freq[sl], nwords[sl], words[w0 : ends[i]]))
+        return header, bins, maxes, out
+
+    def _parse_batched(self, data: bytes, device: str | torch.device = "cpu"):
+        """(header, bins, maxes, chunks, freq, nwords, words): the tables, word counts and words of
+        all chunks concatenated in chunk order ((chunks * lanes, A), (chunks * lanes,), words),
+        unpacked on `device` (raw bytes cross to it in two copies)."""
         header, payload = unpack(data, self.name)
         Lr, _, T, H, D = header.shape
         try:
@@ -206,7 +220,7 @@ class CacheGenCodec:
             if len(side) != side_len:
                 raise CorruptStreamError("CacheGen side information is truncated")
             off += side_len
-        except struct.error as e:
+        except (struct.error, RuntimeError) as e:
             raise CorruptStreamError(f"CacheGen payload is too short: {e}") from e
         alphabet_lk = 2 * half_range(bins) + 1
         lane_alpha = alphabet_lk[:, :, None].expand(Lr, 2, H * D).reshape(-1)
@@ -214,7 +228,8 @@ class CacheGenCodec:
         lanes = lane_alpha.numel()
         per_table = int(lane_alpha.sum()) * 2
         chunks = _chunks(T, chunk_tokens)
-        expect = len(chunks) * (per_table + 2 * lanes) + Lr * 2 * T * header.itemsize
+        nch = len(chunks)
+        expect = nch * (per_table + 2 * lanes) + Lr * 2 * T * header.itemsize
         if mode == _TABLE_MODES["zstd"]:
             import zstandard
 
@@ -224,28 +239,24 @@ class CacheGenCodec:
                 raise CorruptStreamError(f"CacheGen side information does not decode: {e}") from e
         if len(side) != expect:
             raise CorruptStreamError(f"CacheGen side information has {len(side)} bytes, expected {expect}")
-        so = 0
-        freqs = []
-        for _ in chunks:
-            freqs.append(_unpack_tables(side[so : so + per_table], lane_alpha, A))
-            so += per_table
-        nwords = []
-        for _ in chunks:
-            nwords.append(torch.from_numpy(np.frombuffer(side[so : so + 2 * lanes], "<u2").astype(np.int64)))
-            so += 2 * lanes
-        mraw = np.frombuffer(side[so:], np.uint8).copy()
+        dev = torch.device(device)
+        tab_end = nch * per_table
+        len_end = tab_end + 2 * nch * lanes
+        side_t = torch.from_numpy(np.frombuffer(side, np.uint8, count=len_end).copy()).to(dev)
+        vals = _u16(side_t[:tab_end])
+        mask = (torch.arange(A, device=dev).unsqueeze(0) < lane_alpha.to(dev).unsqueeze(1)).repeat(nch, 1)
+        freq = torch.zeros((nch * lanes, A), dtype=torch.int64, device=dev)
+        freq[mask] = vals
+        nwords = _u16(side_t[tab_end:len_end])
+        mraw = np.frombuffer(side, np.uint8, offset=len_end).copy()
         maxes = torch.from_numpy(mraw).view(BITS_VIEW[header.dtype]).view(header.dtype).reshape(Lr, 2, T)
-        body = np.frombuffer(payload[off:], "<u2")
-        total = sum(int(nw.sum()) for nw in nwords)
-        if body.size * 2 != len(payload) - off or total != body.size:
-            raise CorruptStreamError(f"CacheGen streams hold {body.size} words, lengths say {total}")
-        out = []
-        wo = 0
-        for ch, f, nw in zip(chunks, freqs, nwords):
-            k = int(nw.sum())
-            out.append((ch.start, ch.n, f, nw, torch.from_numpy(body[wo : wo + k].astype(np.int32))))
-            wo += k
-        return header, bins, maxes, out
+        body_len = len(payload) - off
+        total = int(nwords.sum())
+        if body_len != 2 * total:
+            raise CorruptStreamError(f"CacheGen streams hold {body_len} bytes, lengths say {2 * total}")
+        body = torch.from_numpy(np.frombuffer(payload, np.uint8, offset=off).copy()).to(dev)
+        words = _u16(body).to(torch.int32)
+        return header, bins, maxes, chunks, freq, nwords, words
 
     def size_breakdown(self, data: bytes) -> dict[str, int]:
         """Bytes of each part of an encoded KV: entropy-coded streams, frequency tables, stream
@@ -266,23 +277,37 @@ class CacheGenCodec:
         return out
 
     def decode_symbols(self, data: bytes, device: str | torch.device = "cpu"):
-        """(header, bins, maxes, q) with q the (layers, 2, tokens, H, D) uint8 integers on device."""
-        header, bins, maxes, chunks = self.parse(data)
-        Lr, _, T, H, D = header.shape
+        """(header, bins, maxes, q) with q the (layers, 2, tokens, H, D) uint8 integers on device.
+
+        All full chunks are decoded in one pass (one kernel launch on CUDA), the shorter last chunk
+        in a second one; tables and words move to the device in one copy each."""
         dev = torch.device(device)
-        q = torch.empty((Lr, 2, H, D, T), dtype=torch.uint8, device=dev)
-        kernel = None
+        header, bins, maxes, chunks, freq, nwords, words = self._parse_batched(data, dev)
+        Lr, _, T, H, D = header.shape
+        lanes = freq.shape[0] // len(chunks)
+        decode = rans.decode
         if dev.type == "cuda":
             from kvcodec.baselines import cachegen_cuda
 
-            kernel = cachegen_cuda.decode_lanes if cachegen_cuda.is_available() else None
-        for start, n, freq, nw, words in chunks:
-            if kernel is not None:
-                sym = kernel(words.to(dev), nw.to(dev), freq.to(dev), n)
-            else:
-                sym = rans.decode(words.to(dev), nw.to(dev), freq.to(dev), n)
-            q[..., start : start + n] = sym.reshape(Lr, 2, H, D, n).to(torch.uint8)
-        return header, bins, maxes, q.permute(0, 1, 4, 2, 3)
+            if cachegen_cuda.is_available():
+                decode = cachegen_cuda.decode_lanes
+        q = torch.empty((Lr, 2, T, H, D), dtype=torch.uint8, device=dev)
+        groups = [(0, len(chunks) - 1), (len(chunks) - 1, len(chunks))]
+        if chunks[-1].n == chunks[0].n:
+            groups = [(0, len(chunks))]
+        w_start = 0
+        for c0, c1 in groups:
+            if c1 <= c0:
+                continue
+            n = chunks[c0].n
+            nw = nwords[c0 * lanes : c1 * lanes]
+            w_end = w_start + int(nw.sum())
+            sym = decode(words[w_start:w_end], nw, freq[c0 * lanes : c1 * lanes], n)
+            w_start = w_end
+            # (chunks, layers, 2, H, D, n) -> (layers, 2, chunks * n, H, D)
+            sym = sym.reshape(c1 - c0, Lr, 2, H, D, n).permute(1, 2, 0, 5, 3, 4).reshape(Lr, 2, (c1 - c0) * n, H, D)
+            q[:, :, chunks[c0].start : chunks[c0].start + (c1 - c0) * n] = sym.to(torch.uint8)
+        return header, bins, maxes, q
 
     def decode(self, data: bytes, device: str | torch.device = "cpu") -> torch.Tensor:
         header, bins, maxes, q = self.decode_symbols(data, device)
@@ -292,17 +317,14 @@ class CacheGenCodec:
         return dequantize(q, maxes.to(q.device), bins.to(q.device), header.dtype).contiguous()
 
 
+def _u16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian u16 values of a uint8 tensor (even length), as int64, on its device."""
+    return b.view(torch.int16).to(torch.int64) & 0xFFFF
+
+
 def _pack_tables(freq: torch.Tensor, lane_alpha: torch.Tensor) -> bytes:
     """Frequencies of each lane's alphabet, u16, lanes concatenated. A frequency of 65536 (the whole
     range) cannot occur: every alphabet has >= 3 symbols, each with frequency >= 1."""
     A = freq.shape[1]
     mask = torch.arange(A, device=freq.device).unsqueeze(0) < lane_alpha.to(freq.device).unsqueeze(1)
     return freq[mask].cpu().numpy().astype("<u2").tobytes()
-
-
-def _unpack_tables(raw: bytes, lane_alpha: torch.Tensor, A: int) -> torch.Tensor:
-    vals = torch.from_numpy(np.frombuffer(raw, "<u2").astype(np.int64))
-    mask = torch.arange(A).unsqueeze(0) < lane_alpha.unsqueeze(1)
-    freq = torch.zeros((lane_alpha.numel(), A), dtype=torch.int64)
-    freq[mask] = vals
-    return freq
