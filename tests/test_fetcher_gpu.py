@@ -1,0 +1,56 @@
+"""PrefixCache.fetch onto a CUDA device (skipped without CUDA): raw chunks, and HEVC through NVDEC."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcodec.config import CodecConfig
+from kvcodec.errors import BackendUnavailableError
+from kvcodec.fetcher import DecodeProfile, PrefixCache
+from kvcodec.fetcher.rawcodec import RawCodec
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+CFG = CodecConfig(chunk_tokens=64, resolutions=((256, 256), (512, 512)), search_layout=False)
+
+
+def make_kv(tokens=200, layers=4, heads=2, dim=64):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn((layers, 2, tokens, heads, dim), generator=g).half()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_raw_fetch_onto_cuda(direct):
+    cache = PrefixCache("memory://", "m", CFG, "cuda", codec=RawCodec(("raw", "zstd")), direct=direct,
+                        profile=DecodeProfile.default(CFG.resolutions))
+    kv, ids = make_kv(), list(range(200))
+    assert cache.put(ids, kv) == 4
+    r = cache.fetch(ids)
+    assert r.ok and r.kv.device.type == "cuda" and torch.equal(r.kv.cpu(), kv)
+    out = torch.zeros((4, 2, 256, 2, 64), dtype=torch.float32, device="cuda")
+    r = cache.fetch(ids, 150, out=out)
+    assert r.ok and torch.equal(out[:, :, :150].cpu(), kv[:, :, :150].float())
+    assert (out[:, :, 150:] == 0).all()
+    cpu_out = torch.zeros((4, 2, 200, 2, 64), dtype=torch.float16)
+    assert torch.equal(cache.fetch(ids, out=cpu_out).kv, kv)
+
+
+def test_hevc_fetch_through_nvdec_matches_cpu():
+    from kvcodec.video.registry import get_decoder
+
+    try:
+        get_decoder("cuda")
+    except BackendUnavailableError as e:
+        pytest.skip(f"no NVDEC decoder here: {e}")
+    kv, ids = make_kv(), list(range(200))
+    cpu = PrefixCache("memory://gpu-hevc", "m", CFG, "cpu", profile=DecodeProfile.default(CFG.resolutions))
+    assert cpu.put(ids, kv) == 4
+    ref = cpu.fetch(ids).kv
+    for direct in (False, True):
+        for pol in ("fixed:0", "fixed:1", "adaptive"):
+            gpu = PrefixCache("memory://gpu-hevc", "m", CFG, "cuda", policy=pol, direct=direct)
+            r = gpu.fetch(ids)
+            assert r.ok, r.error
+            assert r.kv.device.type == "cuda"
+            assert torch.allclose(r.kv.cpu().float(), ref.float(), atol=1e-3, rtol=0), (pol, direct)
