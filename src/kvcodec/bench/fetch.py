@@ -177,7 +177,13 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
 
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
-    cmdline = "kvcodec bench fetch " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "fetch"] else sys.argv[1:])
+    args = sys.argv[1:]
+    if "fetch" in args:  # the CLI path; under a test runner argv is the runner's
+        cmdline = "kvcodec " + " ".join(args)
+    else:
+        ctx = click.get_current_context()
+        cmdline = "kvcodec bench fetch " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in ctx.params.items() if v is not None)
     res = tuple(tuple(int(v) for v in r.split("x")) for r in resolutions.split(","))
     cfg = CodecConfig(quant=quant, chunk_tokens=chunk_tokens, resolutions=res)
     raw_cfg = CodecConfig(quant="exact", chunk_tokens=chunk_tokens, resolutions=(res[0],))
