@@ -57,7 +57,9 @@ class BandwidthEstimator:
             if dt <= 1e-7:
                 return
             if start == t_start:  # not overlapped: the request paid its own latency
-                dt = max(dt - self.latency_s, 0.1 * dt)
+                # (at most half of it: a latency sample inflated by a busy CPU must not turn a
+                # slow transfer into a fast one)
+                dt = max(dt - self.latency_s, 0.5 * dt)
             spb = dt / nbytes
             # small transfers say less about the link (overheads dominate): they move it less
             self._max_bytes = max(self._max_bytes, nbytes)
