@@ -44,6 +44,7 @@ class _QuantStats:
     identical_scores: int = 0
     max_score_diff: float = 0.0
     ratio: list = dataclasses.field(default_factory=list)
+    ratio_stored: list = dataclasses.field(default_factory=list)
     encode_s: list = dataclasses.field(default_factory=list)
     rel_rms: list = dataclasses.field(default_factory=list)
     ppl_ref: list = dataclasses.field(default_factory=list)
@@ -123,6 +124,7 @@ def run_model(
             s.identical_scores += got.scores == ref.scores
             s.max_score_diff = max(s.max_score_diff, max(abs(a - b) for a, b in zip(got.scores, ref.scores)))
             s.ratio.append(kv_store.numel() * 2 / nbytes)  # vs fp16
+            s.ratio_stored.append(kv_store.numel() * kv_store.element_size() / nbytes)
             s.encode_s.append(enc_s)
             s.rel_rms.append(acc.kv_error(restored, kv_ref)["rel_rms"])
             row["choices_restored"][quant] = got.choice
@@ -186,6 +188,7 @@ def run_model(
                 "first_divergence": [d for d in s.first_div],
                 "kv_rel_rms_error": mean(s.rel_rms),
                 "ratio_vs_fp16": mean(s.ratio),
+                "ratio_vs_stored_dtype": mean(s.ratio_stored),
                 "encode_s_cpu_mean": mean(s.encode_s),
                 "codec": "identity" if identity else f"kvcodec {BENCH_RESOLUTION[0]}x{BENCH_RESOLUTION[1]}",
             }
@@ -213,17 +216,27 @@ def write_table(doc: dict, path: Path) -> None:
         "",
         f"`{doc['command']}`",
         "",
-        "| model | quant | task | n | acc restored | acc recomputed | same answer | ppl recomputed | ppl delta | token agreement | KV rel. RMS err | ratio vs fp16 |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | quant | task | n | acc restored | acc recomputed | same answer | ppl recomputed | ppl delta "
+        "| token agreement | first divergence | KV rel. RMS err | ratio vs fp16 |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    lines_notes = [
+        "",
+        f"KV stored as {doc['settings']['kv_dtype']}; 'ratio vs fp16' compares the stored bytes with fp16 of the same KV.",
+        "'same answer': fraction of questions where restored and recomputed KV chose the same option.",
+        f"'token agreement': fraction of equal positions in two {doc['settings']['greedy_tokens']}-token greedy decodes;",
+        "'first divergence': per essay, index of the first differing token (none = identical).",
     ]
     for r in doc["records"]:
         lines.append(
             f"| {r['model']} | {r['quant']} | {r['task']} | {r['n_questions']} | {f(r['accuracy_restored'], '.3f')} "
             f"| {f(r['accuracy_recomputed'], '.3f')} | {f(r['answer_agreement'], '.3f')} | {f(r['ppl_recomputed'], '.3f')} "
-            f"| {f(r['ppl_delta'], '+.4f')} | {f(r['token_agreement'], '.3f')} | {f(r['kv_rel_rms_error'], '.2e')} "
+            f"| {f(r['ppl_delta'], '+.4f')} | {f(r['token_agreement'], '.3f')} "
+            f"| {', '.join('none' if d is None else str(d) for d in r['first_divergence'])} "
+            f"| {f(r['kv_rel_rms_error'], '.2e')} "
             f"| {f(r['ratio_vs_fp16'], '.2f')} |"
         )
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines + lines_notes) + "\n")
 
 
 def _command_line(ctx: click.Context) -> str:
