@@ -104,10 +104,12 @@ def _summary(xs: list[float]) -> dict:
               "e.g. on a CPU machine with --prepare-only, then ship the folder).")
 @click.option("--prepare-only", is_flag=True, help="Only encode and store the document's KV, then exit.")
 @click.option("--max-batch", default=32, show_default=True, type=int)
+@click.option("--nvdec-pool", default=0, show_default=True, type=int,
+              help="GPU: decode kvcodec streams with a pool of this many NVDEC worker processes (0: one in-process decoder).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
 def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, gbit,
-            quant, sm_codec, conditions, device, kv_file, store_dir, prepare_only, max_batch, out_path, threads) -> None:  # noqa: ANN001
+            quant, sm_codec, conditions, device, kv_file, store_dir, prepare_only, max_batch, nvdec_pool, out_path, threads) -> None:  # noqa: ANN001
     """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler.
 
     --model random:llama3-8b / random:qwen2.5-7b: full-size architecture with random weights (timing
@@ -213,12 +215,24 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
                          add_special_tokens=False)["input_ids"] for i in range(1000)]
         bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
 
+    pool, pool_note = None, None
+    if nvdec_pool and device.startswith("cuda"):
+        try:
+            from kvcodec.video.nvdec_pool import NvdecPool
+
+            pool = NvdecPool(workers=nvdec_pool)
+            pool_note = f"kvcodec streams decoded by an NVDEC pool of {nvdec_pool} worker processes"
+        except Exception as e:  # keep going with the in-process decoder, and say so
+            pool_note = f"NVDEC pool failed to start ({type(e).__name__}: {e}); one in-process decoder used"
+        click.echo(f"  {pool_note}", err=True)
+
     def run_condition(cond: str) -> dict:
         sub = "sm-decoder" if cond == "sm-decoder" else "kvcodec"
         pc = None
         if cond != "alone":
             slow = ThrottledStore(open_store(f"file://{os.path.join(store_dir, sub)}"), rate_gbit=gbit)
-            pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codecs[sub])
+            extra = {"decoder": pool.decoder(), "decode_workers": nvdec_pool} if pool is not None and sub == "kvcodec" else {}
+            pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codecs[sub], **extra)
         eng = Engine(model, tokenizer=tok, prefix_cache=pc, reuse=pc is not None, device=device,
                      store_policy=StorePolicy(enabled=False), policy="blocking" if cond == "blocking" else "fetch-aware",
                      max_batch=max_batch)
@@ -270,6 +284,8 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
     for cond in conds:
         click.echo(f"condition {cond} ({duration:g} s of arrivals) ...", err=True)
         results.append(run_condition(cond))
+    if pool is not None:
+        pool.close()
     if tmp is not None:
         tmp.cleanup()
     label = "gpu" if device.startswith("cuda") else "cpu"
@@ -279,7 +295,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         "model": model_name, "random_weights": random_model, "kv_tiled_from": kv_file if random_model else None,
         "doc_tokens": len(doc_ids), "link_gbit": gbit, "bg_rate": bg_rate, "reuse_rate": reuse_rate,
         "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration,
-        "stored_bytes": stored_bytes, "sm_codec": sm_codec,
+        "stored_bytes": stored_bytes, "sm_codec": sm_codec, "nvdec_pool": pool_note,
         "notes": ("GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores" if label == "gpu" else
                   "CPU run: every decoder (HEVC and the sm-decoder stand-in) runs on the same CPU cores as the model, "
                   "so only the scheduling effects (blocking vs fetch-aware) carry over to a GPU"),
