@@ -181,6 +181,68 @@ def fetch_time(nbytes: float, fp16_bytes: float, gbit: float, decode_GBps: float
     return max(x, d) + min(x, d) / max(1, chunks), x, d
 
 
+def e2e(kv_model: str, tokens: int, suffix: int, bws: list[float], meths: list[str], resolution: tuple[int, int],
+        text: str, device: str) -> list[dict]:
+    """Measured end to end: the engine restores the real prefix KV over a token-bucket link and
+    prefills the suffix; TTFT is the engine's (arrival -> first token), one request at a time."""
+    import tempfile
+
+    import torch
+
+    from kvcodec.baselines.measure import real_kv
+    from kvcodec.bench.interference import BaselineChunkCodec
+    from kvcodec.config import CodecConfig
+    from kvcodec.engine import Engine, StorePolicy
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.fetcher.rawcodec import RawCodec
+    from kvcodec.models import load_model, model_id
+    from kvcodec.models.texts import load_text
+    from kvcodec.net import ThrottledStore
+    from kvcodec.store import open_store
+
+    model, tok = load_model(kv_model)
+    kv, _ = real_kv(kv_model, tokens, text)  # the cached prefill of the same ids (see real_kv)
+    ids = tok(load_text(text, max_chars=tokens * 12), return_tensors="pt").input_ids[0][:tokens].tolist()
+    g = torch.Generator().manual_seed(1)
+    prompt = ids + torch.randint(100, 30000, (suffix,), generator=g).tolist()
+    mid = model_id(model)
+    cfg = CodecConfig(quant="int8", chunk_tokens=256, resolutions=(resolution,))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvcodec-ttft-") as tmp:
+        stores = {}
+        for m in meths:
+            codec = {"raw": RawCodec(("raw",)), "zstd-3": RawCodec(("zstd",), zstd_level=3)}.get(m)
+            if m.startswith("kvcodec-"):
+                codec, mcfg = None, CodecConfig(quant=m.split("-", 1)[1], chunk_tokens=256, resolutions=(resolution,))
+            else:
+                codec, mcfg = codec or BaselineChunkCodec(m), cfg
+            url = f"file://{tmp}/{m}"
+            PrefixCache(open_store(url), mid, mcfg, "cpu", policy="fixed:0", codec=codec).put(ids, kv.to(torch.float16))
+            stores[m] = (url, codec, mcfg)
+            click.echo(f"  e2e: stored {m}", err=True)
+        with Engine(model, tokenizer=tok, reuse=False, store_policy=StorePolicy(enabled=False), device=device) as eng:
+            eng.generate(prompt[:64], max_new_tokens=1)
+            full = eng.generate(prompt, max_new_tokens=1)[0].ttft_s
+        click.echo(f"  e2e: full prefill {full:.3f} s", err=True)
+        for bw in bws:
+            res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None}}
+            for m in meths:
+                url, codec, mcfg = stores[m]
+                pc = PrefixCache(ThrottledStore(open_store(url), rate_gbit=bw), mid, mcfg, device, policy="fixed:0", codec=codec)
+                with Engine(model, tokenizer=tok, prefix_cache=pc, store_policy=StorePolicy(enabled=False), device=device) as eng:
+                    o = eng.generate(prompt, max_new_tokens=1)[0]
+                res[m] = {"ttft_s": o.ttft_s, "bytes": o.bytes_fetched, "restored": o.restored_tokens, "error": o.fetch_error}
+                click.echo(f"  e2e {bw:g} Gbit/s {m}: {o.ttft_s:.3f} s ({o.restored_tokens} tokens restored)", err=True)
+            for m, r in res.items():
+                rows.append({"model": kv_model, "tokens": tokens, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
+                             "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
+                             "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
+                             "speedup_vs_prefill": full / r["ttft_s"], "bytes": r["bytes"],
+                             "restored_tokens": r["restored"], "fetch_error": r["error"], "mode": "measured end to end",
+                             "device": device, "suffix_tokens": suffix})
+    return rows
+
+
 @click.command("ttft")
 @click.option("--targets", default=None, help="Models to time prefill for (comma list). Default: the KV models on CPU; "
               "llama3-8b,qwen2.5-7b (random weights, full size) on a GPU.")
@@ -201,9 +263,11 @@ def fetch_time(nbytes: float, fp16_bytes: float, gbit: float, decode_GBps: float
 @click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
 @click.option("--repeat", default=3, show_default=True, type=int)
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
+@click.option("--e2e", "e2e_mode", is_flag=True, help="Measure TTFT end to end instead (real models only): the engine fetches the real "
+              "prefix KV of each --kv-models model over a token-bucket link at each bandwidth.")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
 def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, methods, resolution, stats_file,
-            nvdec_gbit, decode_rate, device, repeat, out_path, threads) -> None:  # noqa: ANN001
+            nvdec_gbit, decode_rate, device, repeat, out_path, threads, e2e_mode) -> None:  # noqa: ANN001
     """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
     import json
     import os
@@ -221,6 +285,31 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
     overrides = {k: float(v) for k, v in (o.split("=", 1) for o in decode_rate)}
     token_counts = [int(t) for t in str(tokens_list).split(",") if t.strip()]
     tokens = token_counts[0]
+    if e2e_mode:
+        rows = []
+        for km in kv_models.split(","):
+            rows += e2e(km, tokens, suffix_tokens, bws, meths, (w, h), text, device)
+        label = ("gpu" if gpu else "cpu") + "-e2e"
+        rec = {"benchmark": "ttft", "mode": "measured end to end", "command": command_line(), "machine": machine(),
+               "device": device, "label": label, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "notes": "engine TTFT (arrival -> first token), one request at a time, prefix KV restored through the "
+                        "fetcher over an in-process token-bucket link; decoders run on " + device,
+               "rows": rows}
+        out_path = out_path or os.path.join("benchmarks", "results", f"ttft-{label}.json")
+        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
+        with open(out_path, "w") as f:
+            json.dump(rec, f, indent=2)
+        md = [f"# TTFT vs bandwidth, measured end to end ({label})", "", f"`{rec['command']}`", "", rec["notes"], "",
+              "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths) + " |",
+              "|---|---|---|" + "---|" * (len(meths) + 1)]
+        for km in kv_models.split(","):
+            for bw in bws:
+                sel = {r["method"]: r for r in rows if r["model"] == km and r["bandwidth_gbit"] == bw}
+                md.append(f"| {km} | {tokens} | {bw:g} | " + " | ".join(f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths) + " |")
+        with open(out_path.replace(".json", ".md"), "w") as f:
+            f.write("\n".join(md) + "\n")
+        click.echo("\n".join(md))
+        return
     if stats_file:
         with open(stats_file) as f:
             stats = json.load(f)["kv_stats"]
