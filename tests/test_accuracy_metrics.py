@@ -135,6 +135,9 @@ def test_exact_failures_flags_any_difference():
     assert exact_failures([{**ok, "identical_scores": 2}])
     assert exact_failures([{**ok, "token_agreement": 0.98}])
     assert exact_failures([{**ok, "ppl_delta": 1e-9}])
+    ok2 = {**ok, "round_trips": 4, "bit_exact_round_trips": 4, "stored_dtype_is_model_dtype": False}
+    assert exact_failures([{**ok2, "ppl_delta": 0.01, "identical_scores": 0}]) == []  # fp16 storage of fp32 KV
+    assert exact_failures([{**ok2, "bit_exact_round_trips": 3}])
 
 
 @pytest.mark.slow
@@ -166,6 +169,7 @@ def test_bench_accuracy_command_end_to_end(smollm2, tmp_path):
                 "token_agreement"):
         assert key in exact
     assert exact["ppl_delta"] == 0.0 and exact["token_agreement"] == 1.0 and exact["identical_scores"] == 1
+    assert exact["bit_exact_round_trips"] == exact["round_trips"] == 2 and int4["bit_exact_round_trips"] == 0
     assert int4["kv_rel_rms_error"] > 0 and int4["ratio_vs_fp16"] > exact["ratio_vs_fp16"]
     assert doc["per_question"][0]["doc_tokens"] == 48
     assert (tmp_path / "accuracy-smollm2-135m-test.md").read_text().count("| smollm2-135m |") == 2

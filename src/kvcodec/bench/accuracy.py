@@ -52,6 +52,8 @@ class _QuantStats:
     agreement: list = dataclasses.field(default_factory=list)
     first_div: list = dataclasses.field(default_factory=list)
     greedy_identical: int = 0
+    bit_exact: int = 0  # round trips that returned the stored tensor bit for bit
+    round_trips: int = 0
 
 
 def restore(kv, quant: str, *, identity: bool = False):
@@ -116,6 +118,10 @@ def run_model(
         kv_store = kv_ref.to(store_dtype)
         for quant in quants:
             restored, nbytes, enc_s = restore(kv_store, quant, identity=identity)
+            stats[quant].round_trips += 1
+            stats[quant].bit_exact += restored.dtype == kv_store.dtype and torch.equal(
+                restored.view(torch.uint8), kv_store.view(torch.uint8)
+            )
             restored = restored.to(kv_ref.dtype)
             got = acc.answer_multiple_choice(model, tok, doc, restored, q)
             s = stats[quant]
@@ -146,7 +152,12 @@ def run_model(
             raise click.ClickException(f"tokenization of {text_name} is not stable")
         kv_store = kv_ref.to(store_dtype)
         for quant in quants:
-            restored = restore(kv_store, quant, identity=identity)[0].to(kv_ref.dtype)
+            restored = restore(kv_store, quant, identity=identity)[0]
+            stats[quant].round_trips += 1
+            stats[quant].bit_exact += restored.dtype == kv_store.dtype and torch.equal(
+                restored.view(torch.uint8), kv_store.view(torch.uint8)
+            )
+            restored = restored.to(kv_ref.dtype)
             p = acc.perplexity_delta(model, prefix, restored, kv_ref, cont)
             a = acc.greedy_agreement(model, prefix, restored, kv_ref, cont[:1], greedy_tokens)
             s = stats[quant]
@@ -157,6 +168,7 @@ def run_model(
             s.greedy_identical += a.first_divergence is None
             log(f"  {model_name} {text_name} {quant}: ppl {p.ppl_reference:.4f} -> {p.ppl_restored:.4f}, agreement {a.agreement:.3f}")
 
+    kv_ref_dtype = next(model.parameters()).dtype
     n = len(questions)
     records = []
     for quant in quants:
@@ -175,6 +187,9 @@ def run_model(
                 "accuracy_recomputed": recomputed_correct / n if n else None,
                 "answer_agreement": s.same_choice / n if n else None,
                 "identical_scores": s.identical_scores,
+                "bit_exact_round_trips": s.bit_exact,
+                "round_trips": s.round_trips,
+                "stored_dtype_is_model_dtype": store_dtype == kv_ref_dtype,
                 "max_abs_score_diff": s.max_score_diff,
                 "ppl_texts": ppl_texts,
                 "ppl_prefix_tokens": ppl_prefix,
@@ -197,11 +212,19 @@ def run_model(
 
 
 def exact_failures(records: list[dict]) -> list[str]:
-    """Why quant=exact did not reproduce the recomputation (empty when it did)."""
+    """Why quant=exact did not reproduce the recomputation (empty when it did).
+
+    exact must always return the stored tensor bit for bit; when the KV is stored in the model's
+    own dtype it must also give the recomputation's scores, perplexity and tokens exactly.
+    """
     bad = []
     for r in records:
         if r["quant"] != "exact":
             continue
+        if r.get("bit_exact_round_trips", r.get("round_trips")) != r.get("round_trips"):
+            bad.append(f"{r['model']}: exact round trips were bit-exact {r['bit_exact_round_trips']}/{r['round_trips']} times")
+        if not r.get("stored_dtype_is_model_dtype", True):
+            continue  # a cast to a narrower dtype is not the codec's to undo
         if r["identical_scores"] != r["n_questions"] or r["accuracy_restored"] != r["accuracy_recomputed"]:
             bad.append(f"{r['model']}: exact gave different QA scores ({r['identical_scores']}/{r['n_questions']} identical)")
         if r["token_agreement"] not in (None, 1.0) or (r["ppl_delta"] not in (None, 0.0)):
