@@ -181,7 +181,10 @@ def fetch_time(nbytes: float, fp16_bytes: float, gbit: float, decode_GBps: float
     return max(x, d) + min(x, d) / max(1, chunks), x, d
 
 
-def e2e(kv_model: str, tokens: int, suffix: int, bws: list[float], meths: list[str], resolution: tuple[int, int],
+E2E_QUESTION = "\n\nQuestion: In one sentence, what is the text above about?\nAnswer:"
+
+
+def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: list[str], resolution: tuple[int, int],
         text: str, device: str) -> list[dict]:
     """Measured end to end: the engine restores the real prefix KV over a token-bucket link and
     prefills the suffix; TTFT is the engine's (arrival -> first token), one request at a time."""
@@ -203,8 +206,8 @@ def e2e(kv_model: str, tokens: int, suffix: int, bws: list[float], meths: list[s
     model, tok = load_model(kv_model)
     kv, _ = real_kv(kv_model, tokens, text)  # the cached prefill of the same ids (see real_kv)
     ids = tok(load_text(text, max_chars=tokens * 12), return_tensors="pt").input_ids[0][:tokens].tolist()
-    g = torch.Generator().manual_seed(1)
-    prompt = ids + torch.randint(100, 30000, (suffix,), generator=g).tolist()
+    # a real question after the document; greedy answers of every method are compared with full prefill's
+    prompt = ids + tok(E2E_QUESTION, add_special_tokens=False)["input_ids"]
     mid = model_id(model)
     cfg = CodecConfig(quant="int8", chunk_tokens=256, resolutions=(resolution,))
     rows = []
@@ -222,16 +225,18 @@ def e2e(kv_model: str, tokens: int, suffix: int, bws: list[float], meths: list[s
             click.echo(f"  e2e: stored {m}", err=True)
         with Engine(model, tokenizer=tok, reuse=False, store_policy=StorePolicy(enabled=False), device=device) as eng:
             eng.generate(prompt[:64], max_new_tokens=1)
-            full = eng.generate(prompt, max_new_tokens=1)[0].ttft_s
+            ref = eng.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True)[0]
+            full = ref.ttft_s
         click.echo(f"  e2e: full prefill {full:.3f} s", err=True)
         for bw in bws:
-            res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None}}
+            res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None, "ids": ref.token_ids}}
             for m in meths:
                 url, codec, mcfg = stores[m]
                 pc = PrefixCache(ThrottledStore(open_store(url), rate_gbit=bw), mid, mcfg, device, policy="fixed:0", codec=codec)
                 with Engine(model, tokenizer=tok, prefix_cache=pc, store_policy=StorePolicy(enabled=False), device=device) as eng:
-                    o = eng.generate(prompt, max_new_tokens=1)[0]
-                res[m] = {"ttft_s": o.ttft_s, "bytes": o.bytes_fetched, "restored": o.restored_tokens, "error": o.fetch_error}
+                    o = eng.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True)[0]
+                res[m] = {"ttft_s": o.ttft_s, "bytes": o.bytes_fetched, "restored": o.restored_tokens, "error": o.fetch_error,
+                          "ids": o.token_ids}
                 click.echo(f"  e2e {bw:g} Gbit/s {m}: {o.ttft_s:.3f} s ({o.restored_tokens} tokens restored)", err=True)
             for m, r in res.items():
                 rows.append({"model": kv_model, "tokens": tokens, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
@@ -239,7 +244,9 @@ def e2e(kv_model: str, tokens: int, suffix: int, bws: list[float], meths: list[s
                              "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
                              "speedup_vs_prefill": full / r["ttft_s"], "bytes": r["bytes"],
                              "restored_tokens": r["restored"], "fetch_error": r["error"], "mode": "measured end to end",
-                             "device": device, "suffix_tokens": suffix})
+                             "device": device, "suffix_tokens": len(prompt) - len(ids), "new_tokens": new_tokens,
+                             "answer_identical_to_prefill": r["ids"] == ref.token_ids,
+                             "token_agreement_with_prefill": sum(a == b for a, b in zip(r["ids"], ref.token_ids)) / max(1, len(ref.token_ids))})
     return rows
 
 
@@ -263,11 +270,13 @@ def e2e(kv_model: str, tokens: int, suffix: int, bws: list[float], meths: list[s
 @click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
 @click.option("--repeat", default=3, show_default=True, type=int)
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
+@click.option("--e2e-new-tokens", default=16, show_default=True, type=int,
+              help="--e2e: greedy answer tokens generated and compared with full prefill's.")
 @click.option("--e2e", "e2e_mode", is_flag=True, help="Measure TTFT end to end instead (real models only): the engine fetches the real "
               "prefix KV of each --kv-models model over a token-bucket link at each bandwidth.")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
 def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, methods, resolution, stats_file,
-            nvdec_gbit, decode_rate, device, repeat, out_path, threads, e2e_mode) -> None:  # noqa: ANN001
+            nvdec_gbit, decode_rate, device, repeat, out_path, threads, e2e_new_tokens, e2e_mode) -> None:  # noqa: ANN001
     """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
     import json
     import os
@@ -288,12 +297,13 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
     if e2e_mode:
         rows = []
         for km in kv_models.split(","):
-            rows += e2e(km, tokens, suffix_tokens, bws, meths, (w, h), text, device)
+            rows += e2e(km, tokens, e2e_new_tokens, bws, meths, (w, h), text, device)
         label = ("gpu" if gpu else "cpu") + "-e2e"
         rec = {"benchmark": "ttft", "mode": "measured end to end", "command": command_line(), "machine": machine(),
                "device": device, "label": label, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "notes": "engine TTFT (arrival -> first token), one request at a time, prefix KV restored through the "
-                        "fetcher over an in-process token-bucket link; decoders run on " + device,
+                        "fetcher over an in-process token-bucket link; decoders run on " + device + ". 'same answer': "
+                        f"the {e2e_new_tokens} greedy answer tokens equal full prefill's, at every bandwidth",
                "rows": rows}
         out_path = out_path or os.path.join("benchmarks", "results", f"ttft-{label}.json")
         os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
@@ -306,6 +316,8 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
             for bw in bws:
                 sel = {r["method"]: r for r in rows if r["model"] == km and r["bandwidth_gbit"] == bw}
                 md.append(f"| {km} | {tokens} | {bw:g} | " + " | ".join(f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths) + " |")
+            same = {m: all(r["answer_identical_to_prefill"] for r in rows if r["model"] == km and r["method"] == m) for m in meths}
+            md.append(f"| {km} | same answer | | yes | " + " | ".join("yes" if same[m] else "NO" for m in meths) + " |")
         with open(out_path.replace(".json", ".md"), "w") as f:
             f.write("\n".join(md) + "\n")
         click.echo("\n".join(md))
