@@ -1,0 +1,1 @@
+"""Adapters between kvcodec's canonical KV tensor and serving frameworks' caches."""
