@@ -17,6 +17,37 @@ import torch
 from kvcodec.engine.sequence import Request, SamplingParams
 
 
+# ---- transformers 4.x / 5.x differences (the GPU machine runs 4.x) --------------------------------
+def cache_kwarg(model: Any) -> str:
+    """Name of forward()'s cache argument: "cache" (transformers 5) or "past_key_values" (4.x)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, each [batch, kv_heads, seq, head_dim], whatever the cache layout."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return [(layer.keys, layer.values) for layer in layers]
+    return list(zip(cache.key_cache, cache.value_cache))  # transformers < 4.56
+
+
+def make_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]], config: Any) -> Any:
+    """A DynamicCache holding `pairs` (no copy where the transformers release allows)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(ddp_cache_data=pairs, config=config)
+    except TypeError:
+        return DynamicCache.from_legacy_cache(tuple(pairs))
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -28,11 +59,14 @@ class ModelRunner:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device).eval()
         self.dtype = next(model.parameters()).dtype
+        self.cache_kw = cache_kwarg(self.model)
 
-    def empty_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
+    def forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
+        """(logits, cache) of one forward; cache None starts a new one."""
+        if cache is not None:
+            kw[self.cache_kw] = cache
+        out = self.model(input_ids=ids, use_cache=True, **kw)
+        return out.logits, output_cache(out)
 
     @torch.inference_mode()
     def prefill(self, req: Request) -> torch.Tensor:
@@ -52,13 +86,11 @@ class ModelRunner:
         req.restored_kv = None  # free it: the cache owns the data now
         if cache is None:
             start = 0
-            cache = self.empty_cache()
         ids = torch.tensor([req.prompt_ids[start:]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        req.cache = out.cache
+        logits, req.cache = self.forward(ids, cache, logits_to_keep=1)
         req.restored_tokens = start
         req.prefilled_tokens = req.prompt_len - start
-        return out.logits[0, -1]
+        return logits[0, -1]
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[torch.Tensor]:
@@ -66,9 +98,8 @@ class ModelRunner:
         logits = []
         for req in reqs:
             ids = torch.tensor([[req.output_ids[-1]]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, cache=req.cache, use_cache=True)
-            req.cache = out.cache
-            logits.append(out.logits[0, -1])
+            out, req.cache = self.forward(ids, req.cache)
+            logits.append(out[0, -1])
         return logits
 
 
@@ -77,33 +108,31 @@ class ModelRunner:
         """One decode step for all requests in a single forward (left-padded batch)."""
         if len(reqs) <= 1:
             return self.decode(reqs)
-        from transformers import DynamicCache
-
         lens = [r.cache.get_seq_length() for r in reqs]
         longest = max(lens)
+        per_req = [layer_pairs(r.cache) for r in reqs]
         data = []
-        for i in range(len(reqs[0].cache.layers)):
+        for i in range(len(per_req[0])):
             ks, vs = [], []
-            for r, n in zip(reqs, lens):
-                k, v = r.cache.layers[i].keys, r.cache.layers[i].values  # [1, kv_heads, n, head_dim]
+            for pairs, n in zip(per_req, lens):
+                k, v = pairs[i]  # [1, kv_heads, n, head_dim]
                 if n < longest:
                     pad = k.new_zeros(1, k.shape[1], longest - n, k.shape[3])
                     k, v = torch.cat([pad, k], 2), torch.cat([pad, v], 2)
                 ks.append(k)
                 vs.append(v)
             data.append((torch.cat(ks), torch.cat(vs)))
-        cache = DynamicCache(ddp_cache_data=data, config=self.model.config)
+        cache = make_cache(data, self.model.config)
         mask = torch.zeros(len(reqs), longest + 1, dtype=torch.long, device=self.device)
         for b, n in enumerate(lens):
             mask[b, longest - n :] = 1
         pos = torch.tensor([[n] for n in lens], dtype=torch.long, device=self.device)
         ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True)
-        new = out.cache
+        logits, new = self.forward(ids, cache, attention_mask=mask, position_ids=pos)
         for b, r in enumerate(reqs):
-            for i, layer in enumerate(new.layers):
-                r.cache.update(layer.keys[b : b + 1, :, -1:], layer.values[b : b + 1, :, -1:], i)
-        return [out.logits[b, -1] for b in range(len(reqs))]
+            for i, (k, v) in enumerate(layer_pairs(new)):
+                r.cache.update(k[b : b + 1, :, -1:], v[b : b + 1, :, -1:], i)
+        return [logits[b, -1] for b in range(len(reqs))]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:

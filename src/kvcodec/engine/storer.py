@@ -64,7 +64,9 @@ class KVStorer:
             return None
         # DynamicCache.update concatenates into new tensors, so these references stay valid (and
         # unchanged) while the request keeps decoding.
-        layers = [(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in cache.layers]
+        from kvcodec.engine.runner import layer_pairs
+
+        layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
         fut = self._pool.submit(self._put, list(prompt_ids[:n]), layers)
         with self._lock:
             self._pending.add(fut)
@@ -72,14 +74,12 @@ class KVStorer:
         return fut
 
     def _put(self, ids: list[int], layers: list) -> int:
-        from transformers import DynamicCache
+        import torch
 
         from kvcodec.integrations.hf import cache_to_tensor
 
         try:
-            import torch
-
-            kv = cache_to_tensor(DynamicCache(ddp_cache_data=layers)).to("cpu")
+            kv = cache_to_tensor(layers).to("cpu")  # a list of (keys, values) per layer is accepted
             if self.policy.dtype:
                 kv = kv.to(getattr(torch, self.policy.dtype))
             written = int(self.prefix_cache.put(ids, kv) or 0)
