@@ -517,8 +517,7 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
 @click.option("--backends", default=DEFAULT_BACKENDS, show_default=True,
               help="nvdec, nvdec-pool, ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav.")
 @click.option("--detile", default="codec", show_default=True,
-              help="De-tiling variants for the NVDEC backends: codec (as shipped), cached (device-resident "
-                   "int32 gather index: a proposed codec change, patched in for the measurement).")
+              help="De-tiling variants for the NVDEC backends: codec (as shipped); cached (kept for old command lines; now the same code).")
 @click.option("--scaling-workers", default="1,4,7,10", show_default=True,
               help="Pool sizes for the worker-scaling measurement ('' to skip).")
 @click.option("--workers", default=7, show_default=True, help="NVDEC pool processes.")
