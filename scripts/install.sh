@@ -11,7 +11,6 @@ if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 pip="$venv/bin/python -m pip --disable-pip-version-check -q"
-$pip install --upgrade pip >/dev/null
 
 # torch first: a CPU build where the machine offers one, so that nothing pulls a multi-GB CUDA build.
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
