@@ -51,3 +51,15 @@ def short_text() -> str:
         return load_text("pg/addiction", max_chars=600)
     except ConfigError as e:
         pytest.skip(f"texts unavailable: {e}")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server (append-only persistence) in a temp dir, killed after the test."""
+    from kvcodec.net.redis_server import RedisServer
+
+    srv = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        yield srv
+    finally:
+        srv.kill()

@@ -12,7 +12,7 @@ from kvcodec.config import CodecConfig
 from kvcodec.errors import StoreError
 from kvcodec.fetcher import DecodeProfile, PrefixCache
 from kvcodec.fetcher.rawcodec import RawCodec
-from kvcodec.net.redis_server import RedisServer, redis_server_binary
+from kvcodec.net.redis_server import redis_server_binary
 from kvcodec.store import open_store
 
 pytestmark = [
@@ -22,15 +22,6 @@ pytestmark = [
 ]
 
 CFG = CodecConfig(chunk_tokens=32, resolutions=((256, 256), (512, 512)), search_layout=False)
-
-
-@pytest.fixture
-def redis_server(tmp_path):
-    srv = RedisServer(tmp_path / "redis", appendonly=True).start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
 
 
 def kv_and_ids(tokens=256):

@@ -19,15 +19,6 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    srv = RedisServer(tmp_path / "redis", appendonly=True).start()
-    try:
-        yield srv
-    finally:
-        srv.kill()
-
-
 def test_conformance(redis_server):
     with open_store(redis_server.url) as st:
         conformance(st)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvcodec.codec import DTYPES
 from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError, StoreError
 from kvcodec.fetcher.bandwidth import BandwidthEstimator
 from kvcodec.fetcher.keys import (
@@ -41,7 +42,6 @@ from kvcodec.fetcher.profile import DecodeProfile, load_or_calibrate
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _POLL_S = 0.02
 
 
@@ -332,7 +332,7 @@ class PrefixCache:
             return result(out, 0, plan_error)
 
         L, H, D = metas[0].shape
-        dtype = _DTYPES.get(metas[0].dtype)
+        dtype = DTYPES.get(metas[0].dtype)
         if dtype is None:
             return result(out, 0, FormatError(f"stored dtype {metas[0].dtype!r} unknown"))
         if out is None:
@@ -455,7 +455,7 @@ class PrefixCache:
                 tm = timings[i]
                 tm.dec_start = now()
                 kw = {"decoder": self.decoder} if self.decoder is not None else {}
-                in_place = (direct and out.device == self.device and out.dtype == _DTYPES.get(m.dtype)
+                in_place = (direct and out.device == self.device and out.dtype == DTYPES.get(m.dtype)
                             and m.start_token + m.tokens <= n_tokens)
                 if in_place:  # restore frame by frame straight into the output tensor
                     kw["out"] = out[:, :, m.start_token : m.start_token + m.tokens]

@@ -19,11 +19,10 @@ from typing import Any
 
 import torch
 
+from kvcodec.codec import DTYPE_NAMES, DTYPES
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 
 MAGIC = b"KVRAW1\n"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +56,7 @@ class RawCodec:
         return payload
 
     def encode_chunks(self, kv: torch.Tensor, config: Any, *, first_chunk_index: int = 0, **_: Any) -> list[RawChunk]:
-        if kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in _NAMES:
+        if kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in DTYPE_NAMES:
             raise ShapeError(f"KV must be (layers, 2, tokens, kv_heads, head_dim) fp16/bf16/fp32; got {tuple(kv.shape)} {kv.dtype}")
         kv = kv.detach().to("cpu")
         L, _, T, H, D = kv.shape
@@ -75,7 +74,7 @@ class RawCodec:
                     "start_token": first_chunk_index * ct + start,
                     "tokens": x.shape[2],
                     "shape": [L, 2, x.shape[2], H, D],
-                    "dtype": _NAMES[x.dtype],
+                    "dtype": DTYPE_NAMES[x.dtype],
                     "resolution": list(res),
                     "variant": variant,
                     "raw_bytes": len(raw),
@@ -131,7 +130,7 @@ class RawCodec:
             raw = payload
         if len(raw) != header["raw_bytes"]:
             raise FormatError("raw chunk payload decompressed to the wrong size")
-        dtype = _DTYPES[header["dtype"]]
+        dtype = DTYPES[header["dtype"]]
         shape = tuple(header["shape"])
         x = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
         if out is not None:
