@@ -64,7 +64,7 @@ def test_reuse_equals_recompute_exact(smol, tmp_path: pathlib.Path):
 
 def test_reuse_int8_same_greedy_answer(smol, tmp_path: pathlib.Path):
     cfg = CodecConfig(quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
-    with make_engine(smol, f"memory://", codec_config=cfg) as eng:
+    with make_engine(smol, "memory://", codec_config=cfg) as eng:
         p = prompts(smol[1])[0]
         base = eng.generate(p, max_new_tokens=6, wait_for_store=True)[0]
         again = eng.generate(p, max_new_tokens=6)[0]

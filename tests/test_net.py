@@ -22,7 +22,7 @@ def test_trace_transfer_end_matches_integral(segs, start, nbytes):
     end = tr.transfer_end(start, nbytes)
     assert end >= start
     # integrate the rate numerically over [start, end]: it must carry exactly nbytes
-    bits, t, step = 0.0, start, (end - start) / 2000 if end > start else 0
+    bits, step = 0.0, (end - start) / 2000 if end > start else 0
     if step:
         for i in range(2000):
             bits += tr.rate_at(start + (i + 0.5) * step) * 1e9 * step

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from kvcodec.errors import BackendUnavailableError
 from kvcodec.video.nvenc import NvencEncoder, _packets_bytes

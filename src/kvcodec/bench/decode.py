@@ -401,7 +401,7 @@ def _matmul_tflops(device, seconds: float, n: int = 8192) -> float:
         for _ in range(3):
             torch.matmul(a, b, out=c)
         s.synchronize()
-        flops, t0 = 0.0, time.perf_counter()
+        t0 = time.perf_counter()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(s)

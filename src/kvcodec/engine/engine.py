@@ -24,7 +24,7 @@ import torch
 
 from kvcodec.engine.metrics import EngineMetrics
 from kvcodec.engine.runner import ModelRunner, default_device, sample
-from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams, State
+from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams
 from kvcodec.engine.storer import KVStorer, StorePolicy
 from kvcodec.scheduler import Scheduler
 

@@ -27,7 +27,6 @@ class PyAVNvdecDecoder:
     @classmethod
     def is_available(cls) -> bool:
         try:
-            import av
             from av.codec.hwaccel import HWAccel, hwdevices_available  # noqa: F401
 
             return torch.cuda.is_available() and "cuda" in hwdevices_available()
