@@ -24,11 +24,9 @@ DOC = (
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from kvcodec.models import load_model
-
+def smol(smollm2):
     torch.set_num_threads(1)  # leaves a core to the fetch / store threads; faster on a shared CPU
-    return load_model("smollm2-135m")
+    return smollm2
 
 
 def make_engine(smol, url: str, **kw) -> Engine:

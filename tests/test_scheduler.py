@@ -22,11 +22,9 @@ LONG = " ".join(f"Item {i} is stored in box {i * 7 % 13}." for i in range(12))  
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from kvcodec.models import load_model
-
+def smol(smollm2):
     torch.set_num_threads(1)  # leaves a core to the fetch / store threads; faster on a shared CPU
-    return load_model("smollm2-135m")
+    return smollm2
 
 
 def engine(smol, url: str, **kw) -> Engine:

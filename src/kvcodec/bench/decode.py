@@ -196,10 +196,12 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
     from kvcodec import codec
 
     out, views = case.outputs(device)
-    if backend == "nvdec":
-        from kvcodec.video.nvdec import NvdecDecoder
-
-        dec = NvdecDecoder(device)
+    if backend in ("nvdec", "nvdec-pyav"):  # one decoder, chunks in order
+        if backend == "nvdec":
+            from kvcodec.video.nvdec import NvdecDecoder as Decoder
+        else:
+            from kvcodec.video.nvdec_pyav import PyAVNvdecDecoder as Decoder
+        dec = Decoder(device)
 
         def run():
             for blob, o in zip(case.blobs, views):
@@ -228,17 +230,6 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
 
         def run():
             list(ex.map(one, zip(case.blobs, views)))
-            torch.cuda.synchronize(device)
-
-        return run
-    if backend == "nvdec-pyav":
-        from kvcodec.video.nvdec_pyav import PyAVNvdecDecoder
-
-        dec = PyAVNvdecDecoder(device)
-
-        def run():
-            for blob, o in zip(case.blobs, views):
-                codec.decode_chunk_blob(blob, device, out=o, decoder=dec)
             torch.cuda.synchronize(device)
 
         return run
