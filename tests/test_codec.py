@@ -93,7 +93,7 @@ def test_inspect_reports_sizes_and_ratio():
     res = info["resolutions"]["144x144"]
     assert info["shape"] == list(kv.shape) and info["chunks"] == 3
     assert res["ratio_vs_fp16"] == pytest.approx(info["fp16_bytes"] / res["bytes"])
-    assert set(res["streams"]) == {"side", "center", "video"}
+    assert set(res["streams"]) in ({"side", "center", "video"}, {"side", "center", "low", "video"})
 
 
 @pytest.mark.parametrize(
@@ -160,3 +160,67 @@ def test_foreign_and_future_files_are_named(encoded):
         bad = bytearray(chunk)
         bad[-5] ^= 1
         decode_chunk_blob(bytes(bad))
+
+
+@pytest.mark.parametrize("quant", ["int8", "int6", "exact"])
+def test_every_video_bits_split_decodes_to_the_same_values(quant):
+    kv = kv_like(tokens=37)
+    ref = None
+    sizes = {}
+    for video_bits in (8, 5, 3, 1):
+        config = CodecConfig(quant=quant, chunk_tokens=16, resolutions=SMALL, video_bits=video_bits)
+        data = kvcodec.encode(kv, config)
+        out = kvcodec.decode(data)
+        streams = kvcodec.inspect(data)["resolutions"]["144x144"]["streams"]
+        sizes[video_bits] = streams
+        assert ("low" in streams) == (video_bits < 8)
+        if quant == "exact":
+            assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+        ref = out if ref is None else ref
+        assert torch.equal(out, ref), f"video_bits={video_bits} restores other values than video_bits=8"
+
+
+def test_auto_video_bits_is_recorded_in_every_chunk_header():
+    kv = kv_like(tokens=40)
+    chunks = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=16, resolutions=SMALL))
+    bits = {inspect_chunk_blob(c.blobs[0]).video_bits for c in chunks}
+    assert len(bits) == 1 and 1 <= bits.pop() <= 8
+
+
+@pytest.mark.parametrize("bad", [0, 9, "4", 2.5, True])
+def test_video_bits_is_validated(bad):
+    with pytest.raises(ConfigError):
+        CodecConfig(video_bits=bad)
+
+
+def test_version_1_chunk_blobs_still_decode():
+    import json
+    import struct
+
+    from kvcodec.container.format import crc32
+
+    kv = kv_like(tokens=20)
+    (chunk,) = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=20, resolutions=SMALL, video_bits=8))
+    blob = chunk.blobs[0]
+    magic, _, head_len = struct.unpack_from("<4sHI", blob, 0)
+    header = json.loads(blob[10 : 10 + head_len])
+    del header["video_bits"]  # a version 1 writer knew no such field
+    head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    v1 = struct.pack("<4sHI", magic, 1, len(head)) + head + struct.pack("<I", crc32(head)) + blob[10 + head_len + 4 :]
+    assert torch.equal(decode_chunk_blob(v1), decode_chunk_blob(blob))
+    assert inspect_chunk_blob(v1).video_bits == 8
+
+
+def test_corrupted_low_bit_stream_is_refused():
+    kv = kv_like(tokens=20)
+    (chunk,) = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=20, resolutions=SMALL, video_bits=4))
+    header = inspect_chunk_blob(chunk.blobs[0])
+    names = [s.name for s in header.streams]
+    assert "low" in names
+    start = len(chunk.blobs[0]) - header.payload_bytes + sum(s.length for s in header.streams[: names.index("low")])
+    bad = bytearray(chunk.blobs[0])
+    bad[start + 3] ^= 0x10
+    with pytest.raises(ChecksumError, match="low"):
+        decode_chunk_blob(bytes(bad))
+    with pytest.raises(TruncatedError):
+        decode_chunk_blob(chunk.blobs[0][: start + 5])

@@ -32,12 +32,19 @@ from kvcodec.container.format import (
     split_streams,
     write_object,
 )
-from kvcodec.errors import ChecksumError, CorruptStreamError, FormatError, ShapeError, TruncatedError
-from kvcodec.layout.search import choose_plan
-from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame, unpack_frame
-from kvcodec.quant import centering
+from kvcodec.errors import (
+    ChecksumError,
+    CorruptStreamError,
+    FormatError,
+    ShapeError,
+    TruncatedError,
+)
+from kvcodec.layout.search import choose_plan, choose_video_bits
+from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame
+from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
 from kvcodec.quant import integer as int_q
+from kvcodec.restore import ChunkTerms, restorer_for
 from kvcodec.video.registry import get_decoder, get_encoder
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 SIDE_ZSTD_LEVEL = 19
 BYTES_ZSTD_LEVEL = 3
+LOW_ZSTD_LEVEL = 1  # low bit planes are near-random: zstd only removes planes a unit does not use
 SAMPLES_ZSTD_LEVEL = 19
 
 
@@ -105,11 +113,17 @@ class _ChunkSymbols:
     side: list[StreamEntry]
     side_payloads: list[bytes]
     param_dtype: str
+    unit_bits: torch.Tensor  # (units,) significant bits of each unit's samples
+
+
+def _unit_bits(layer_bits: Sequence[int], layers: int, kv_heads: int) -> torch.Tensor:
+    """Significant bits of each unit's samples, (units,) int64 (8 for exact mode's top bytes)."""
+    bits = torch.tensor(list(layer_bits) if layer_bits else [8] * layers, dtype=torch.int64)
+    return bits.repeat_interleave(2 * kv_heads)
 
 
 def _unit_modulus(layer_bits: Sequence[int], layers: int, kv_heads: int) -> torch.Tensor:
-    bits = torch.tensor(list(layer_bits) if layer_bits else [8] * layers, dtype=torch.int64)
-    return (2**bits).repeat_interleave(2 * kv_heads)
+    return 2 ** _unit_bits(layer_bits, layers, kv_heads)
 
 
 def _centered(symbols: torch.Tensor, modulus: torch.Tensor) -> tuple[torch.Tensor, StreamEntry, bytes]:
@@ -130,7 +144,7 @@ def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
             side.append(StreamEntry(f"bytes{i}", codec, len(data), crc32(data)))
             payloads.append(data)
         samples, entry, data = _centered(_units(planes[0]), _unit_modulus((), L, H))
-        return _ChunkSymbols(samples, [entry, *side], [data, *payloads], "")
+        return _ChunkSymbols(samples, [entry, *side], [data, *payloads], "", _unit_bits((), L, H))
     bits = _bits(config, x.shape[0])
     offset, step = int_q.minmax_params(x, bits)
     q = int_q.quantize(x, offset, step, bits)
@@ -138,7 +152,27 @@ def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
     data = _zstd(params.numpy().tobytes(), SIDE_ZSTD_LEVEL)
     samples, entry, centers = _centered(_units(q), _unit_modulus(bits.tolist(), L, H))
     side = [StreamEntry("side", "zstd", len(data), crc32(data)), entry]
-    return _ChunkSymbols(samples, side, [data, centers], DTYPE_NAMES[params.dtype])
+    return _ChunkSymbols(samples, side, [data, centers], DTYPE_NAMES[params.dtype], _unit_bits(bits.tolist(), L, H))
+
+
+def _split_low_bits(symbols: _ChunkSymbols, video_bits: int) -> tuple[torch.Tensor, list[StreamEntry], list[bytes]]:
+    """The samples the video codes (top video_bits bits) and the low bit planes as a stream."""
+    counts = bitsplit.low_bit_counts(symbols.unit_bits, video_bits)
+    if bitsplit.plane_count(counts) == 0:
+        return symbols.samples, [], []
+    high, low = bitsplit.split(symbols.samples, counts)
+    raw = bitsplit.pack_low(low, counts).numpy().tobytes()
+    packed = _zstd(raw, LOW_ZSTD_LEVEL)
+    codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
+    return high, [StreamEntry("low", codec, len(data), crc32(data))], [data]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodingPlan:
+    """Decisions made once per (model shape, config) by trial encodes on the first chunk."""
+
+    layouts: tuple[LayoutPlan, ...]  # one per resolution, config.resolutions order
+    video_bits: int
 
 
 def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[str, str, bytes]:
@@ -154,17 +188,30 @@ def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[s
     return min(options, key=lambda o: len(o[2]))
 
 
-def plan_layouts(kv: torch.Tensor, config: CodecConfig, encoder=None) -> tuple[LayoutPlan, ...]:
-    """One layout per resolution, searched on the first chunk of `kv` (cached per process)."""
+def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPlan:
+    """The video bits and one layout per resolution, searched on the first chunk of `kv`
+    (cached per process)."""
     check_kv(kv, config)
     encoder = encoder or get_encoder(preset=config.x265_preset)
     first = kv[:, :, : config.chunk_tokens].detach().to("cpu")
-    samples = _symbols(first, config).samples
+    symbols = _symbols(first, config)
     key = (config.quant, DTYPE_NAMES[kv.dtype], config.layer_bits)
-    return tuple(
+    units, _, dim = symbols.samples.shape
+    if not bitsplit.can_split(units, dim):
+        video_bits = bitsplit.FULL
+    elif config.video_bits == "auto":
+        video_bits = choose_video_bits(
+            config.resolutions[0], symbols.samples, symbols.unit_bits, config.chunk_tokens, encoder, key=key
+        )
+    else:
+        video_bits = int(config.video_bits)
+    samples, _, _ = _split_low_bits(symbols, video_bits)
+    key = (*key, video_bits)
+    layouts = tuple(
         choose_plan(res, samples, config.chunk_tokens, encoder, key=key, search=config.search_layout)
         for res in config.resolutions
     )
+    return CodingPlan(layouts, video_bits)
 
 
 def encode_chunks(
@@ -172,7 +219,7 @@ def encode_chunks(
     config: CodecConfig = CodecConfig(),
     *,
     encoder=None,
-    plans: Sequence[LayoutPlan] | None = None,
+    plan: CodingPlan | None = None,
     on_chunk: Callable[[EncodedChunk], None] | None = None,
     first_chunk_index: int = 0,
 ) -> list[EncodedChunk]:
@@ -183,18 +230,19 @@ def encode_chunks(
     check_kv(kv, config)
     kv = kv.detach().to("cpu")
     encoder = encoder or get_encoder(preset=config.x265_preset)
-    plans = tuple(plans) if plans is not None else plan_layouts(kv, config, encoder)
+    plan = plan or plan_coding(kv, config, encoder)
     L, _, T, H, D = kv.shape
     out = []
     for n, start in enumerate(range(0, T, config.chunk_tokens)):
         x = kv[:, :, start : start + config.chunk_tokens]
         symbols = _symbols(x, config)
+        samples, low_streams, low_payloads = _split_low_bits(symbols, plan.video_bits)
         zstd_samples = {}  # resolution-independent, computed at most once per chunk
         blobs = []
-        for plan in plans:
-            frames = [pack_frame(b, plan).numpy() for _, _, b in frame_blocks(symbols.samples, plan)]
-            name, codec, video = _code_samples(frames, symbols.samples, plan, config, encoder, zstd_samples)
-            streams = (*symbols.side, StreamEntry(name, codec, len(video), crc32(video)))
+        for layout in plan.layouts:
+            frames = [pack_frame(b, layout).numpy() for _, _, b in frame_blocks(samples, layout)]
+            name, codec, video = _code_samples(frames, samples, layout, config, encoder, zstd_samples)
+            streams = (*symbols.side, *low_streams, StreamEntry(name, codec, len(video), crc32(video)))
             header = ChunkHeader(
                 layers=L,
                 kv_heads=H,
@@ -206,12 +254,13 @@ def encode_chunks(
                 quant=config.quant,
                 layer_bits=tuple(int(b) for b in _bits(config, L)) if not config.is_exact else (),
                 param_dtype=symbols.param_dtype,
-                resolution=(plan.width, plan.height),
-                layout=plan.to_dict(),
+                resolution=(layout.width, layout.height),
+                layout=layout.to_dict(),
                 frames=len(frames),
                 streams=streams,
+                video_bits=plan.video_bits,
             )
-            blobs.append(write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, video]))
+            blobs.append(write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, *low_payloads, video]))
         chunk = EncodedChunk(first_chunk_index + n, header.start_token, x.shape[2], config.resolutions, tuple(blobs))
         out.append(chunk)
         if on_chunk:
@@ -306,15 +355,62 @@ def _low_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
     return planes
 
 
+def _low_bit_planes(h: ChunkHeader, streams, counts: torch.Tensor, device) -> torch.Tensor | None:
+    planes = bitsplit.plane_count(counts)
+    if "low" not in streams:
+        if planes:
+            raise FormatError(f"chunk codes {h.video_bits} video bits but has no low bit stream")
+        return None
+    units = h.layers * 2 * h.kv_heads
+    if not planes or not bitsplit.can_split(units, h.head_dim):
+        raise FormatError(f"chunk has a low bit stream it cannot use (video_bits={h.video_bits})")
+    n = planes * h.tokens * units * h.head_dim // 8
+    entry = next(s for s in h.streams if s.name == "low")
+    raw = _unzstd(streams["low"], "low", n) if entry.codec == "zstd" else bytes(streams["low"])
+    if len(raw) != n:
+        raise CorruptStreamError(f"stream 'low' holds {len(raw)} bytes, expected {n}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(planes, -1).to(device)
+
+
+def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device) -> ChunkTerms:
+    if not 1 <= h.video_bits <= 8:
+        raise FormatError(f"chunk blob has video_bits={h.video_bits}, outside 1..8")
+    unit_bits = _unit_bits(h.layer_bits, h.layers, h.kv_heads)
+    counts = bitsplit.low_bit_counts(unit_bits, h.video_bits)
+    shift, mask = centering.uncenter_terms(_centers(h, streams, device), (2**unit_bits).to(device))
+    common = dict(
+        plan=plan,
+        layers=h.layers,
+        kv_heads=h.kv_heads,
+        head_dim=h.head_dim,
+        tokens=h.tokens,
+        dtype=dtype,
+        positions=gather_index(plan, device),
+        shift=shift,
+        mask=mask,
+        low_counts=counts.to(device),
+        low_planes=_low_bit_planes(h, streams, counts, device),
+    )
+    if h.quant == "exact":
+        byte_planes = _low_planes(h, streams, device)
+        if len(byte_planes) != exact_q.bytes_per_value(dtype) - 1:
+            raise FormatError(f"exact chunk carries {len(byte_planes)} low byte planes for {h.dtype}")
+        return ChunkTerms(**common, byte_planes=tuple(byte_planes))
+    offset, step = _side_params(h, streams, device)
+    return ChunkTerms(**common, offset=offset, step=step)
+
+
 def decode_chunk_blob(
     blob: bytes | memoryview,
     device: str | torch.device = "cpu",
     out: torch.Tensor | None = None,
     decoder=None,
+    restore: str = "auto",
 ) -> torch.Tensor:
     """Decode one chunk blob into a (layers, 2, tokens, kv_heads, head_dim) tensor on `device`,
     restoring frame by frame. With `out` (for example a slice of a preallocated KV cache) the
-    values are written there and `out` is returned."""
+    values are written there and `out` is returned. `restore` picks the frame restorer
+    ("auto": the fused GPU kernel where it applies; "torch"; "triton")."""
     header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
     h = ChunkHeader.from_json(header)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
@@ -335,19 +431,9 @@ def decode_chunk_blob(
         raise FormatError(f"chunk blob has an invalid layout: {e}") from e
     if plan.units != h.layers * 2 * h.kv_heads or plan.dim != h.head_dim or (plan.width, plan.height) != h.resolution:
         raise FormatError("chunk blob layout does not match its shape")
-    if h.quant == "exact":
-        low = _low_planes(h, streams, device)
-        if len(low) != exact_q.bytes_per_value(dtype) - 1:
-            raise FormatError(f"exact chunk carries {len(low)} low byte planes for {h.dtype}")
-    else:
-        offset, step = _side_params(h, streams, device)
-
-    shift, mask = centering.uncenter_terms(
-        _centers(h, streams, device), _unit_modulus(h.layer_bits, h.layers, h.kv_heads).to(device)
-    )
+    terms = _chunk_terms(h, plan, streams, dtype, device)
+    restorer = restorer_for(terms, prefer=restore)
     decoder = decoder or get_decoder(device)
-    positions = gather_index(plan, device)
-    L, H, D = h.layers, h.kv_heads, h.head_dim
     frames = 0
     tpf = plan.tokens_per_frame
     for frame in _frames(h, plan, streams, decoder):
@@ -355,15 +441,7 @@ def decode_chunk_blob(
         frames += 1
         if start >= h.tokens:
             raise CorruptStreamError(f"video stream has more frames than the {h.frames} announced")
-        n = min(tpf, h.tokens - start)
-        block = unpack_frame(frame.to(device, non_blocking=True), plan, positions)
-        block = centering.uncenter_with(block, shift, mask).view(L, 2, H, tpf, D)
-        block = block[:, :, :, :n].permute(0, 1, 3, 2, 4)  # (L, 2, n, H, D)
-        target = out[:, :, start : start + n]
-        if h.quant == "exact":
-            target.copy_(exact_q.join_bytes([block, *(p[:, :, start : start + n] for p in low)], dtype))
-        else:
-            target.copy_(int_q.dequantize(block, offset, step, dtype))
+        restorer.restore(frame.to(device, non_blocking=True), start, min(tpf, h.tokens - start), out)
     if frames != h.frames:
         raise CorruptStreamError(f"video stream decoded to {frames} frames, header announces {h.frames}")
     return out

@@ -33,6 +33,9 @@ class CodecConfig:
     sample_coder: how the 8-bit sample planes are coded: "hevc" (lossless video, decoded by NVDEC
         on GPUs, the default), "zstd" (byte coder, decoded on the CPU), or "auto" (per chunk and
         resolution, whichever is smaller).
+    video_bits: how many top bits of each sample go through the video stream; the remaining low
+        bits (near-random on real KV) are stored as packed bit planes (kvcodec.quant.bitsplit).
+        8 puts every bit in the video; "auto" picks by trial encodes on the first chunk.
     """
 
     quant: str = "int8"
@@ -42,12 +45,17 @@ class CodecConfig:
     x265_preset: str = "ultrafast"
     search_layout: bool = True
     sample_coder: str = "hevc"
+    video_bits: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:
             raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}; got {self.quant!r}")
         if self.sample_coder not in SAMPLE_CODERS:
             raise ConfigError(f"sample_coder must be one of {', '.join(SAMPLE_CODERS)}; got {self.sample_coder!r}")
+        if self.video_bits != "auto" and (
+            isinstance(self.video_bits, bool) or not isinstance(self.video_bits, int) or not 1 <= self.video_bits <= 8
+        ):
+            raise ConfigError(f"video_bits must be 'auto' or an integer in 1..8; got {self.video_bits!r}")
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
         if not self.resolutions:

@@ -1,4 +1,4 @@
-"""kvcodec's binary containers, version 1 (documented in docs/FORMAT.md).
+"""kvcodec's binary containers, version 2 (documented in docs/FORMAT.md).
 
 Two kinds of object, both laid out as
 
@@ -23,7 +23,8 @@ from typing import Any
 
 from kvcodec.errors import ChecksumError, FormatError, TruncatedError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 chunk headers have no video_bits (every bit in the video)
 CHUNK_MAGIC = b"KVCC"
 FILE_MAGIC = b"KVCF"
 _PREFIX = struct.Struct("<4sHI")
@@ -59,6 +60,7 @@ class ChunkHeader:
     layout: dict[str, Any]
     frames: int
     streams: tuple[StreamEntry, ...]
+    video_bits: int = 8  # top bits of each sample in the video stream; the rest in the "low" stream
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -77,11 +79,11 @@ class ChunkHeader:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ChunkHeader":
+    def from_json(cls, d: dict[str, Any]) -> ChunkHeader:
         if d.get("format") != "kvcodec-chunk":
             raise FormatError("header is not a kvcodec chunk header")
         try:
-            kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
+            kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.default is dataclasses.MISSING}
             kw["layer_bits"] = tuple(kw["layer_bits"])
             kw["resolution"] = tuple(kw["resolution"])
             kw["streams"] = tuple(StreamEntry(**s) for s in kw["streams"])
@@ -130,7 +132,7 @@ class FileHeader:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "FileHeader":
+    def from_json(cls, d: dict[str, Any]) -> FileHeader:
         if d.get("format") != "kvcodec-file":
             raise FormatError("header is not a kvcodec file header")
         try:
@@ -162,8 +164,11 @@ def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict
         other = {CHUNK_MAGIC: "chunk blob", FILE_MAGIC: "kvcodec file (.kvc)"}.get(got_magic)
         hint = f"; it is a {other}" if other else ""
         raise FormatError(f"not a {what}: magic {got_magic!r}, expected {magic!r}{hint}")
-    if version != FORMAT_VERSION:
-        raise FormatError(f"{what} has format version {version}; this kvcodec reads version {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise FormatError(
+            f"{what} has format version {version}; this kvcodec reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
     if head_len > MAX_HEADER_BYTES:
         raise FormatError(f"{what} announces a {head_len}-byte header, over the {MAX_HEADER_BYTES} limit")
     end = _PREFIX.size + head_len

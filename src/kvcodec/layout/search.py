@@ -14,7 +14,10 @@ log = logging.getLogger(__name__)
 MAX_CANDIDATES = 6
 CALIBRATION_TOKENS = 128
 
+VIDEO_BITS_CANDIDATES = (3, 4, 5, 6, 8)
+
 _cache: dict[tuple, LayoutPlan] = {}
+_bits_cache: dict[tuple, int] = {}
 _lock = threading.Lock()
 
 
@@ -65,4 +68,39 @@ def choose_plan(
         )
     with _lock:
         _cache[cache_key] = best
+    return best
+
+
+def choose_video_bits(
+    resolution: tuple[int, int],
+    units_tokens_dim: torch.Tensor,
+    unit_bits: torch.Tensor,
+    chunk_tokens: int,
+    encoder,
+    key: tuple | None = None,
+) -> int:
+    """How many top bits of each sample to code as video: the candidate whose video stream plus
+    raw low bit planes is smallest on the calibration sample (first layout candidate). Cached
+    under `key` for the process."""
+    from kvcodec.quant import bitsplit
+
+    width, height = resolution
+    units, tokens, dim = units_tokens_dim.shape
+    cache_key = (key, resolution, units, dim, chunk_tokens)
+    with _lock:
+        if cache_key in _bits_cache:
+            return _bits_cache[cache_key]
+    plan = shortlist(width, height, units, dim, chunk_tokens)[0]
+    sample = units_tokens_dim[:, :CALIBRATION_TOKENS]
+    most = int(unit_bits.max())
+    scored = []
+    for video_bits in sorted({min(b, most) for b in VIDEO_BITS_CANDIDATES}):
+        counts = bitsplit.low_bit_counts(unit_bits, video_bits)
+        high, _ = bitsplit.split(sample, counts)
+        low_bytes = int(counts.sum()) * sample.shape[1] * dim / 8
+        scored.append((trial_bytes(plan, high, encoder) + low_bytes, video_bits))
+    best = min(scored)[1]
+    log.info("video bits: %s -> %d", ", ".join(f"{b}={s / sample.shape[1]:.0f}B/tok" for s, b in scored), best)
+    with _lock:
+        _bits_cache[cache_key] = best
     return best

@@ -67,7 +67,7 @@ class LayoutPlan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LayoutPlan":
+    def from_dict(cls, d: dict[str, Any]) -> LayoutPlan:
         return cls(**d)
 
 

@@ -47,8 +47,13 @@ def quantize(x: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, bits_per
 
 def dequantize(q: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of quantize up to half a step. q: (layers, 2, tokens, heads, dim); offset/step:
-    (layers, 2, heads, dim)."""
-    return (offset.float().unsqueeze(2) + q.float() * step.float().unsqueeze(2)).to(dtype)
+    (layers, 2, heads, dim).
+
+    offset + q * step is exact in float64 (a <= 8-bit integer times an fp16/fp32 step plus an
+    offset) and is rounded once to float32: the result a fused multiply-add in float32 gives,
+    which is what the fused GPU restorer computes, so every decoder yields the same values."""
+    exact = offset.double().unsqueeze(2) + q.double() * step.double().unsqueeze(2)
+    return exact.float().to(dtype)
 
 
 def _round_fp16(v: torch.Tensor, down: bool) -> torch.Tensor:

@@ -1,0 +1,33 @@
+"""Frame-by-frame restoration of decoded frames into the KV tensor.
+
+A decoded frame holds the (top bits of the) centered integer samples of `tokens_per_frame` tokens,
+tiled by a LayoutPlan. Restoring it means: gather the samples out of their tiles, merge the low bit
+planes back, undo the per-channel centering, dequantize (or join the exact mode's byte planes) and
+write the values into their slice of the output KV tensor. `ChunkTerms` holds what a chunk's header
+and side streams say; a `FrameRestorer` does the per-frame work. Two restorers:
+
+* `TorchRestorer`: torch operations, any device, every quant mode (the reference).
+* `TritonRestorer`: one fused Triton kernel per frame on CUDA for the integer modes: no
+  temporaries beyond the frame itself, one launch instead of about ten.
+
+`restorer_for(terms)` picks the fused kernel where it applies and the reference otherwise.
+"""
+
+from kvcodec.restore.terms import ChunkTerms, FrameRestorer
+from kvcodec.restore.torch_restore import TorchRestorer
+
+
+def restorer_for(terms: ChunkTerms, prefer: str = "auto") -> FrameRestorer:
+    """The restorer for `terms`: "auto" (the fused kernel where available), "torch" or "triton"."""
+    from kvcodec.restore import triton_restore
+
+    if prefer == "torch":
+        return TorchRestorer(terms)
+    if prefer == "triton" or (prefer == "auto" and triton_restore.supports(terms)):
+        return triton_restore.TritonRestorer(terms)
+    if prefer != "auto":
+        raise ValueError(f"unknown restorer {prefer!r}: use 'auto', 'torch' or 'triton'")
+    return TorchRestorer(terms)
+
+
+__all__ = ["ChunkTerms", "FrameRestorer", "TorchRestorer", "restorer_for"]

@@ -1,0 +1,36 @@
+"""The reference restorer: torch operations on any device, every quant mode."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcodec.layout.tiling import unpack_frame
+from kvcodec.quant import bitsplit, centering
+from kvcodec.quant import exact as exact_q
+from kvcodec.quant import integer as int_q
+from kvcodec.restore.terms import ChunkTerms
+
+
+class TorchRestorer:
+    name = "torch"
+
+    def __init__(self, terms: ChunkTerms):
+        self.terms = terms
+
+    def samples(self, frame: torch.Tensor, start: int, n: int) -> torch.Tensor:
+        """The frame's centered-back integer samples of tokens [start, start + n), (units, n, dim)."""
+        t = self.terms
+        block = unpack_frame(frame, t.plan, t.positions)[:, :n]
+        if t.low_planes is not None:
+            low = bitsplit.unpack_low(bitsplit.plane_slice(t.low_planes, start, n, t.units, t.head_dim), t.units, t.head_dim)
+            block = bitsplit.join(block, low, t.low_counts)
+        return centering.uncenter_with(block, t.shift, t.mask)
+
+    def restore(self, frame: torch.Tensor, start: int, n: int, out: torch.Tensor) -> None:
+        t = self.terms
+        block = self.samples(frame, start, n).view(t.layers, 2, t.kv_heads, n, t.head_dim).permute(0, 1, 3, 2, 4)
+        target = out[:, :, start : start + n]
+        if t.exact:
+            target.copy_(exact_q.join_bytes([block, *(p[:, :, start : start + n] for p in t.byte_planes)], t.dtype))
+        else:
+            target.copy_(int_q.dequantize(block, t.offset, t.step, t.dtype))

@@ -1,0 +1,54 @@
+"""The fused Triton restorer against the torch reference, value for value (CUDA only)."""
+
+import pytest
+import torch
+
+from kvcodec import CodecConfig
+from kvcodec.codec import decode_chunk_blob, encode_chunks
+from kvcodec.restore import triton_restore
+from kvcodec.video.x265_cpu import FFmpegHevcDecoder
+
+needs_triton = pytest.mark.skipif(not triton_restore.available(), reason="needs a CUDA GPU and Triton")
+
+
+def _kv(layers=3, tokens=70, heads=2, dim=64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(layers, 2, tokens, heads, dim, generator=g) * torch.linspace(0.1, 3, dim)
+    kv[:, 0, 0] *= 15
+    return kv.to(torch.float16)
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "quant, layer_bits, video_bits",
+    [("int8", (), 8), ("int8", (), 4), ("int4", (), 3), ("int6", (), 2), ("int8", (8, 4, 6), 5)],
+)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_fused_restore_equals_reference(quant, layer_bits, video_bits, dtype):
+    kv = _kv().to(dtype)
+    config = CodecConfig(
+        quant=quant, layer_bits=layer_bits, chunk_tokens=48, resolutions=((256, 256), (144, 144)), video_bits=video_bits
+    )
+    for chunk in encode_chunks(kv, config):
+        for blob in chunk.blobs:
+            # into a slice of a larger cache, so the kernel honours the output's strides
+            ref_cache = torch.zeros(3, 2, 100, 2, 64, dtype=dtype, device="cuda")
+            got_cache = torch.zeros_like(ref_cache)
+            span = slice(10, 10 + chunk.tokens)
+            decode_chunk_blob(blob, out=ref_cache[:, :, span], decoder=FFmpegHevcDecoder(), restore="torch")
+            decode_chunk_blob(blob, out=got_cache[:, :, span], decoder=FFmpegHevcDecoder(), restore="triton")
+            assert torch.equal(got_cache, ref_cache)
+            cpu = decode_chunk_blob(blob, "cpu")
+            assert torch.equal(got_cache[:, :, span].cpu(), cpu)
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_fused_restorer_refuses_exact_mode():
+    kv = _kv(tokens=20)
+    (chunk,) = encode_chunks(kv, CodecConfig(quant="exact", chunk_tokens=20, resolutions=((144, 144),)))
+    with pytest.raises(ValueError, match="exact"):
+        decode_chunk_blob(chunk.blobs[0], "cuda", decoder=FFmpegHevcDecoder(), restore="triton")
+    out = decode_chunk_blob(chunk.blobs[0], "cuda", decoder=FFmpegHevcDecoder())  # auto falls back to torch
+    assert torch.equal(out.cpu().view(torch.int16), kv.view(torch.int16))
