@@ -111,7 +111,7 @@ def test_nvdec_bit_exact_vs_cpu(width, height, n):
     bs = _encode(src, width, height)
     ref = _cpu_decode(bs, width, height)
     assert len(ref) == n and all(np.array_equal(a, b) for a, b in zip(ref, src))
-    dec = NvdecDecoder()
+    dec = NvdecDecoder(copy=True)
     got = list(dec.decode(bs, width, height))
     assert len(got) == n
     for g, r in zip(got, ref):
@@ -156,9 +156,17 @@ def test_nvdec_wrong_size_raises():
 
 @needs_nvdec
 @pytest.mark.gpu
+def test_nvdec_transient_frames_read_in_turn_are_exact():
+    src = _frames(256, 256, 5, seed=12)
+    got = [f.cpu().numpy() for f in NvdecDecoder().decode(_encode(src, 256, 256), 256, 256)]
+    assert all(np.array_equal(g, s) for g, s in zip(got, src))
+
+
+@needs_nvdec
+@pytest.mark.gpu
 def test_nvdec_frames_are_independent_copies():
     src = _frames(256, 256, 4, seed=11)
-    got = list(NvdecDecoder().decode(_encode(src, 256, 256), 256, 256))  # kept across Decode calls
+    got = list(NvdecDecoder(copy=True).decode(_encode(src, 256, 256), 256, 256))  # kept across Decode calls
     assert all(np.array_equal(g.cpu().numpy(), s) for g, s in zip(got, src))
 
 
@@ -234,7 +242,8 @@ def test_codec_decode_on_cuda_matches_cpu(quant):
 
 @needs_nvdec
 @pytest.mark.gpu
-def test_pool_decode_parallel_matches_codec():
+@pytest.mark.parametrize("where", ["workers", "consumer"])
+def test_pool_decode_parallel_matches_codec(where):
     import kvcodec
     from kvcodec.config import CodecConfig
     from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
@@ -243,5 +252,29 @@ def test_pool_decode_parallel_matches_codec():
     data = kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
     ref = kvcodec.decode(data, "cpu")
     with NvdecPool(workers=2, slots=2, max_frame=(256, 256)) as pool:
-        got = decode_parallel(data, pool, threads=3)
-    assert torch.equal(got.cpu(), ref)
+        got = decode_parallel(data, pool, threads=3, where=where)
+        assert torch.equal(got.cpu(), ref)
+        # into a slice of a larger cache, twice, through the same workers
+        cache = torch.zeros(2, 2, 260, 2, 64, dtype=torch.float16, device=pool.device)
+        for _ in range(2):
+            decode_parallel(data, pool, out=cache[:, :, 30:230], where=where)
+        assert torch.equal(cache[:, :, 30:230].cpu(), ref) and not cache[:, :, :30].any()
+
+
+@needs_nvdec
+@pytest.mark.gpu
+def test_pool_restore_in_workers_reports_a_corrupt_chunk():
+    import kvcodec
+    from kvcodec.codec import encode_chunks
+    from kvcodec.config import CodecConfig
+    from kvcodec.video.nvdec_pool import NvdecPool
+
+    kv = _small_kv(tokens=64, seed=4)
+    chunks = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
+    good, bad = chunks[0].blobs[0], bytearray(chunks[1].blobs[0])
+    bad[-40] ^= 0xFF
+    outs = [torch.zeros(2, 2, 32, 2, 64, dtype=torch.float16, device="cuda") for _ in range(2)]
+    with NvdecPool(workers=2, slots=2, max_frame=(256, 256)) as pool:
+        with pytest.raises(CorruptStreamError, match="chunk 1"):
+            pool.restore_blobs([good, bytes(bad)], outs)
+    assert torch.equal(outs[0].cpu(), kvcodec.codec.decode_chunk_blob(good, "cpu"))

@@ -54,5 +54,5 @@ def test_nvenc_lossless_roundtrip(width, height):
     from kvcodec.video.nvdec import NvdecDecoder
 
     if NvdecDecoder.is_available():
-        gpu = [f.cpu().numpy() for f in NvdecDecoder().decode(bs, width, height)]
+        gpu = [f.cpu().numpy() for f in NvdecDecoder(copy=True).decode(bs, width, height)]
         assert all(np.array_equal(a, b) for a, b in zip(gpu, frames))

@@ -499,13 +499,15 @@ def decode(
     resolution: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
     decoder=None,
+    restore: str = "auto",
 ) -> torch.Tensor:
     """Decode a kvcodec file into a KV tensor of its original shape and dtype on `device`
-    (NVDEC for CUDA devices where available, restoring frame by frame)."""
+    (NVDEC for CUDA devices where available, restoring frame by frame; `restore` as in
+    decode_chunk_blob)."""
     out, jobs = file_chunks(data, device, resolution=resolution, out=out)
     decoder = decoder or get_decoder(out.device)
     for blob, target in jobs:
-        decode_chunk_blob(blob, out=target, decoder=decoder)
+        decode_chunk_blob(blob, out=target, decoder=decoder, restore=restore)
     return out
 
 

@@ -35,6 +35,12 @@ DEFAULT_BACKENDS = "nvdec,nvdec-pool,ffmpeg-cpu,nvcomp,nvdec-pyav"
 NVCOMP_ALGORITHMS = ("ANS", "GDeflate")
 
 
+def _mode(label: str) -> tuple[str, int | str]:
+    """A mode label: a quant mode, optionally with "-vN" for N video bits (default: auto)."""
+    quant, _, bits = label.partition("-v")
+    return quant, int(bits) if bits else "auto"
+
+
 def _res(s: str) -> tuple[int, int]:
     w, h = s.lower().split("x")
     return int(w), int(h)
@@ -56,9 +62,10 @@ def prepare(kv_path: str, data_dir: str, modes: list[str], resolutions: list[tup
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source": Path(kv_path).name, "shape": list(kv.shape), "dtype": str(kv.dtype), "files": {}}
     for mode in modes:
+        quant, video_bits = _mode(mode)
         for w, h in resolutions:
             t = time.time()
-            data = kvcodec.encode(kv, CodecConfig(quant=mode, resolutions=((w, h),)))
+            data = kvcodec.encode(kv, CodecConfig(quant=quant, resolutions=((w, h),), video_bits=video_bits))
             name = f"{mode}_{w}x{h}.kvc"
             (out / name).write_bytes(data)
             ratio = 2 * kv.numel() / len(data)
@@ -135,7 +142,7 @@ class _Case:
         fh, payload = codec.read_file_header(self.data)
         self.fh = fh
         self.config = CodecConfig.from_dict(fh.config)
-        self.mode = self.config.quant
+        self.mode = path.stem.rsplit("_", 1)[0]  # the label it was prepared under (quant[-vN])
         self.resolution = fh.resolutions[0]
         blobs = []
         for index, _ in enumerate(fh.chunk_tokens):
@@ -145,6 +152,7 @@ class _Case:
         self.blobs = [blobs[i % len(blobs)] for i in range(max(copies, len(blobs)))]
         self.chunk_tokens = [fh.chunk_tokens[i % len(blobs)] for i in range(len(self.blobs))]
         self.headers = [codec.inspect_chunk_blob(b) for b in self.blobs]
+        self.video_bits = self.headers[0].video_bits
         self.videos = []
         for b, h in zip(self.blobs, self.headers):
             _, pl = read_object(b, CHUNK_MAGIC, "chunk blob")
@@ -182,6 +190,8 @@ class _Case:
             "tokens_per_s": self.tokens / seconds,
             "samples_gb_per_s": self.samples / seconds / 1e9,
             "ratio_vs_fp16": self.fp16_bytes / self.coded_bytes,
+            "video_bits": self.video_bits,
+            "values_g_per_s": self.fp16_bytes / 2 / seconds / 1e9,
             **extra,
         }
 
@@ -189,8 +199,9 @@ class _Case:
 # ------------------------------------------------------------------------------------ backends
 
 
-def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int = 16):
-    """A zero-argument function restoring every blob of `case` into a KV tensor on `device`."""
+def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int = 16, restore: str = "auto"):
+    """A zero-argument function restoring every blob of `case` into a KV tensor on `device`
+    (`restore`: the codec's frame restorer, "auto" or "torch")."""
     import torch
 
     from kvcodec import codec
@@ -205,15 +216,17 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
 
         def run():
             for blob, o in zip(case.blobs, views):
-                codec.decode_chunk_blob(blob, device, out=o, decoder=dec)
+                codec.decode_chunk_blob(blob, device, out=o, decoder=dec, restore=restore)
             torch.cuda.synchronize(device)
 
         return run
-    if backend == "nvdec-pool":
+    if backend in ("nvdec-pool", "nvdec-pool-consumer"):
         from kvcodec.video.nvdec_pool import decode_blobs_parallel
 
+        where = "workers" if backend == "nvdec-pool" else "consumer"
+
         def run():
-            decode_blobs_parallel(case.blobs, views, pool)
+            decode_blobs_parallel(case.blobs, views, pool, restore=restore, where=where)
             torch.cuda.synchronize(device)
 
         return run
@@ -226,7 +239,7 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
 
         def one(job):
             blob, o = job
-            codec.decode_chunk_blob(blob, device, out=o, decoder=FFmpegHevcDecoder(threads=1))
+            codec.decode_chunk_blob(blob, device, out=o, decoder=FFmpegHevcDecoder(threads=1), restore=restore)
 
         def run():
             list(ex.map(one, zip(case.blobs, views)))
@@ -234,18 +247,6 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
 
         return run
     raise click.BadParameter(f"unknown backend {backend}")
-
-
-class _CachedPositions:
-    """The 'cached' what-if of the first H200 run (decode-h200.json): a device-resident int32 gather
-    index. The codec now does this itself (kvcodec.layout.tiling.gather_index), so 'cached' and
-    'codec' measure the same code; kept so old command lines still run."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _decode_only(case: _Case, device, pool, seconds: float) -> list[dict]:
@@ -437,7 +438,7 @@ def _interference(name: str, fn, device, seconds: float, alone: float) -> dict:
     }
 
 
-def _staging(case_paths: dict, device, pool) -> list[dict]:
+def _staging(case_paths: dict, device, pool, restore: str = "auto") -> list[dict]:
     """Peak GPU memory beyond the output KV for restores of different prefix lengths."""
     import torch
 
@@ -456,9 +457,9 @@ def _staging(case_paths: dict, device, pool) -> list[dict]:
             t = time.perf_counter()
             with _MemSampler(device) as m:
                 if backend == "nvdec":
-                    kvcodec.decode(data, device, out=out, decoder=NvdecDecoder(device))
+                    kvcodec.decode(data, device, out=out, decoder=NvdecDecoder(device), restore=restore)
                 else:
-                    decode_parallel(data, pool, out=out)
+                    decode_parallel(data, pool, out=out, restore=restore)
                 torch.cuda.synchronize(device)
             sec = time.perf_counter() - t
             peak = free0 - m.min_free - out_bytes
@@ -506,9 +507,13 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
 @click.option("--modes", default=DEFAULT_MODES, show_default=True)
 @click.option("--resolutions", default=DEFAULT_RESOLUTIONS, show_default=True)
 @click.option("--backends", default=DEFAULT_BACKENDS, show_default=True,
-              help="nvdec, nvdec-pool, ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav.")
-@click.option("--detile", default="codec", show_default=True,
-              help="De-tiling variants for the NVDEC backends: codec (as shipped); cached (kept for old command lines; now the same code).")
+              help="nvdec, nvdec-pool (restore in the workers), nvdec-pool-consumer (frames from the workers, "
+                   "restore in this process), ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav.")
+@click.option("--restore", "restore", default="auto", show_default=True,
+              help="Frame restorers to measure, comma-separated: auto (the fused Triton kernel on CUDA "
+                   "for integer modes) and/or torch (the reference ops).")
+@click.option("--detile", default=None, hidden=True,
+              help="Old name of --restore (its values codec/cached mean auto).")
 @click.option("--scaling-workers", default="1,4,7,10", show_default=True,
               help="Pool sizes for the worker-scaling measurement ('' to skip).")
 @click.option("--workers", default=7, show_default=True, help="NVDEC pool processes.")
@@ -516,11 +521,13 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
 @click.option("--seconds", default=1.0, show_default=True, help="Minimum time per measurement.")
 @click.option("--interference/--no-interference", default=True, show_default=True)
 @click.option("--interference-case", default="int8_1024x1024", show_default=True)
+@click.option("--interference-seconds", default=5.0, show_default=True,
+              help="Matmul timing window, alone and during each backend.")
 @click.option("--staging-tokens", default="512,2048,8192", show_default=True,
               help="Prefix lengths of the synthetic int8 caches whose staging memory is measured ('' to skip).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/decode-<gpu>.json).")
-def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, scaling_workers, workers, copies,
-            seconds, interference, interference_case, staging_tokens, out_path) -> None:
+def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, detile, scaling_workers, workers, copies,
+            seconds, interference, interference_case, interference_seconds, staging_tokens, out_path) -> None:
     """GPU-native decode: restored KV GB/s, tokens/s, coded Gbit/s, staging memory, interference."""
     modes_l = [m for m in modes.split(",") if m]
     res_l = [_res(r) for r in resolutions.split(",") if r]
@@ -534,7 +541,9 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, sca
     device = torch.device("cuda", torch.cuda.current_device())
     gpu = torch.cuda.get_device_name(device)
     backends_l = [b for b in backends.split(",") if b]
-    detile_l = [d for d in detile.split(",") if d]
+    if detile:
+        restore = ",".join(dict.fromkeys("auto" if d in ("codec", "cached") else d for d in detile.split(",") if d))
+    restore_l = [r for r in restore.split(",") if r]
     meta_path = Path(data_dir) / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     result = {
@@ -555,7 +564,7 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, sca
         out.write_text(json.dumps(result, indent=1))  # partial results survive an interrupted run
 
     pool = None
-    if "nvdec-pool" in backends_l:
+    if any(b.startswith("nvdec-pool") for b in backends_l):
         from kvcodec.video.nvdec_pool import NvdecPool
 
         free0 = _free_now(device)
@@ -578,19 +587,18 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, sca
                 case = _Case(path, copies)
                 cases[case.name] = case
                 for backend in [b for b in backends_l if b != "nvcomp"]:
-                    variants = detile_l if backend.startswith("nvdec") else ["codec"]
+                    variants = restore_l if backend.startswith("nvdec") else restore_l[:1]
                     for variant in variants:
                         try:
-                            with _CachedPositions() if variant == "cached" else _nullcontext():
-                                fn = _restore_fn(backend, case, device, pool)
-                                free0 = _free_now(device)
-                                with _MemSampler(device) as m:
-                                    sec, reps = _timed(fn, seconds)
-                            log(case.record(backend, sec, reps=reps, detile=variant,
+                            fn = _restore_fn(backend, case, device, pool, restore=variant)
+                            free0 = _free_now(device)
+                            with _MemSampler(device) as m:
+                                sec, reps = _timed(fn, seconds)
+                            log(case.record(backend, sec, reps=reps, restore=variant,
                                             mem_growth_mb=(free0 - m.min_free) / 2**20))
                         except Exception as e:
                             log({"kind": "restore", "backend": backend, "mode": mode, "resolution": f"{w}x{h}",
-                                 "detile": variant, "error": repr(e)[:500]})
+                                 "restore": variant, "error": repr(e)[:500]})
                 if {"nvdec", "nvdec-pool"} & set(backends_l):
                     for rec in _decode_only(case, device, pool, seconds):
                         log(rec)
@@ -612,7 +620,7 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, sca
                     except Exception as e:
                         log({"kind": "restore", "backend": f"nvcomp-{alg}", "mode": mode, "error": repr(e)[:500]})
         if interference:
-            alone = _matmul_tflops(device, max(seconds, 1.0))
+            alone = _matmul_tflops(device, interference_seconds)
             base = cases.get(interference_case) or next(iter(cases.values()))
             runs = []
             for backend in backends_l:
@@ -621,24 +629,23 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, sca
                         nc = nvc_cases.get(f"nvcomp-{alg}-{base.mode}")
                         if nc is not None:
                             runs.append((f"nvcomp-{alg}", "nvcomp", nc.run_fn()))
-                elif backend == "nvdec-pool" and pool is not None:
-                    runs.append((backend, "codec", lambda: _restore_fn("nvdec-pool", base, device, pool)))
-                    runs.append((backend, "cached", lambda: _restore_fn("nvdec-pool", base, device, pool)))
+                elif backend.startswith("nvdec-pool") and pool is not None:
+                    for variant in restore_l:
+                        runs.append((backend, variant, lambda b=backend, v=variant: _restore_fn(b, base, device, pool, restore=v)))
                     wv, hv = base.resolution
                     streams = [(v, wv, hv) for v in base.videos]
                     runs.append(("nvdec-pool-decode-only", "-", lambda: lambda: [None for _ in pool.decode_streams(streams)]))
                 elif backend == "nvdec":
-                    runs.append((backend, "codec", lambda: _restore_fn("nvdec", base, device, pool)))
-                    runs.append((backend, "cached", lambda: _restore_fn("nvdec", base, device, pool)))
+                    for variant in restore_l:
+                        runs.append((backend, variant, lambda v=variant: _restore_fn("nvdec", base, device, pool, restore=v)))
                 elif backend != "nvdec-pyav":
-                    runs.append((backend, "codec", lambda b=backend: _restore_fn(b, base, device, pool)))
+                    runs.append((backend, restore_l[0], lambda b=backend: _restore_fn(b, base, device, pool, restore=restore_l[0])))
             for name, variant, make in runs:
                 try:
-                    with _CachedPositions() if variant == "cached" else _nullcontext():
-                        rec = _interference(name, make() if variant != "nvcomp" else make, device, max(seconds, 1.0), alone)
+                    rec = _interference(name, make() if variant != "nvcomp" else make, device, interference_seconds, alone)
                 except Exception as e:
                     rec = {"kind": "interference", "backend": name, "error": repr(e)[:500]}
-                rec.update(mode=base.mode, resolution=f"{base.resolution[0]}x{base.resolution[1]}", detile=variant)
+                rec.update(mode=base.mode, resolution=f"{base.resolution[0]}x{base.resolution[1]}", restore=variant)
                 log(rec)
         if scaling_workers and cases and "nvdec-pool" in backends_l:
             from kvcodec.video.nvdec_pool import NvdecPool
@@ -650,13 +657,12 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, sca
                 try:
                     with NvdecPool(workers=nw, device=device, max_frame=(wv, hv)) as p2:
                         sec, _ = _timed(lambda: [None for _ in p2.decode_streams(streams)], seconds)
-                        with _CachedPositions():
-                            rsec, _ = _timed(_restore_fn("nvdec-pool", base, device, p2), seconds)
+                        rsec, _ = _timed(_restore_fn("nvdec-pool", base, device, p2, restore=restore_l[0]), seconds)
                     log({"kind": "scaling", "workers": nw, "mode": base.mode, "resolution": f"{wv}x{hv}",
                          "decode_coded_gbit_per_s": base.video_bytes * 8 / sec / 1e9,
                          "decode_samples_gb_per_s": base.samples / sec / 1e9,
-                         "restore_cached_gb_per_s": base.fp16_bytes / rsec / 1e9,
-                         "restore_cached_coded_gbit_per_s": base.coded_bytes * 8 / rsec / 1e9})
+                         "restore_gb_per_s": base.fp16_bytes / rsec / 1e9,
+                         "restore_coded_gbit_per_s": base.coded_bytes * 8 / rsec / 1e9})
                 except Exception as e:
                     log({"kind": "scaling", "workers": nw, "error": repr(e)[:500]})
         if staging_tokens:
@@ -664,25 +670,16 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, detile, sca
             lhd = (shape.layers, shape.heads, shape.dim) if shape else (30, 3, 64)
             res = max(res_l, key=lambda r: r[0] * r[1])
             synth = _synthetic_containers(lhd, [int(t) for t in staging_tokens.split(",")], res)
-            for variant in detile_l:
-                with _CachedPositions() if variant == "cached" else _nullcontext():
-                    for rec in _staging(synth, device, pool):
-                        rec["detile"] = variant
-                        log(rec)
+            for variant in restore_l:
+                for rec in _staging(synth, device, pool, restore=variant):
+                    rec["restore"] = variant
+                    log(rec)
     finally:
         if pool is not None:
             pool.close()
     out.write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(_markdown(result))
     click.echo(f"wrote {out} and {out.with_suffix('.md')}")
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _markdown(result: dict) -> str:
@@ -693,10 +690,11 @@ def _markdown(result: dict) -> str:
     rs = [r for r in result["records"] if r["kind"] == "restore" and "error" not in r]
     if rs:
         lines += ["## Restore (chunk blobs -> KV on the GPU)", "",
-                  "| mode | resolution | backend | detile | restored GB/s (fp16) | tokens/s | coded Gbit/s | 8-bit samples GB/s | ratio vs fp16 |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| mode | video bits | resolution | backend | restore | restored GB/s (fp16) | values G/s | tokens/s | coded Gbit/s | frame samples GB/s | ratio vs fp16 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rs:
-            lines.append(f"| {r['mode']} | {r['resolution']} | {r['backend']} | {r.get('detile', '-')} | {f(r['restored_gb_per_s'])} | "
+            lines.append(f"| {r['mode']} | {r.get('video_bits', 8)} | {r['resolution']} | {r['backend']} | {r.get('restore', r.get('detile', '-'))} | "
+                         f"{f(r['restored_gb_per_s'])} | {f(r.get('values_g_per_s'))} | "
                          f"{f(r['tokens_per_s'], 0)} | {f(r['coded_gbit_per_s'])} | {f(r.get('samples_gb_per_s'))} | {f(r['ratio_vs_fp16'])} |")
     ds = [r for r in result["records"] if r["kind"] == "decode_only"]
     if ds:
@@ -709,20 +707,20 @@ def _markdown(result: dict) -> str:
     its = [r for r in result["records"] if r["kind"] == "interference"]
     if its:
         lines += ["", "## Interference: bf16 matmul 8192^3 while a backend restores flat out", "",
-                  "| backend | detile | case | matmul TFLOP/s alone | during | slowdown |", "|---|---|---|---|---|---|"]
+                  "| backend | restore | case | matmul TFLOP/s alone | during | slowdown |", "|---|---|---|---|---|---|"]
         for r in its:
             if "error" in r:
                 continue
-            lines.append(f"| {r['backend']} | {r.get('detile', '-')} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
+            lines.append(f"| {r['backend']} | {r.get('restore', r.get('detile', '-'))} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
                          f"{f(r['matmul_tflops_during'], 0)} | {100 * r['matmul_slowdown']:.1f}% |")
     sc = [r for r in result["records"] if r["kind"] == "scaling" and "error" not in r]
     if sc:
         lines += ["", "## NVDEC pool: worker processes", "",
-                  "| workers | case | decode-only coded Gbit/s | decode-only samples GB/s | restore (cached detile) GB/s fp16 |",
+                  "| workers | case | decode-only coded Gbit/s | decode-only samples GB/s | restore GB/s fp16 |",
                   "|---|---|---|---|---|"]
         for r in sc:
             lines.append(f"| {r['workers']} | {r['mode']} {r['resolution']} | {f(r['decode_coded_gbit_per_s'])} | "
-                         f"{f(r['decode_samples_gb_per_s'])} | {f(r['restore_cached_gb_per_s'])} |")
+                         f"{f(r['decode_samples_gb_per_s'])} | {f(r.get('restore_gb_per_s', r.get('restore_cached_gb_per_s')))} |")
     st = [r for r in result["records"] if r["kind"] in ("staging", "pool_fixed")]
     if st:
         lines += ["", "## Staging memory", ""]

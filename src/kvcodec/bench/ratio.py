@@ -63,6 +63,14 @@ def quantized_symbols(kv, quant: str, chunk_tokens: int):
     return torch.cat(pieces, dim=3), side
 
 
+def _first_blob(data: bytes) -> memoryview:
+    from kvcodec import codec
+
+    fh, payload = codec.read_file_header(data)
+    entry = fh.blobs[0]
+    return payload[entry.offset : entry.offset + entry.length]
+
+
 def _byte_coders():
     import lz4.frame
     import zstandard
@@ -121,8 +129,10 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
                 entropy_bits_per_value=entropy)
         rec("entropy bound (per-channel order-0)", quant, math.ceil(entropy * kv.numel() / 8) + side,
             entropy_bits_per_value=entropy)
-        for coder in ("hevc", "auto"):
-            config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder)
+        variants = (("kvcodec", "hevc", "auto"), ("kvcodec (auto coder)", "auto", "auto"),
+                    ("kvcodec (every bit in the video)", "hevc", 8))
+        for label, coder, video_bits in variants:
+            config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder, video_bits=video_bits)
             t0 = time.perf_counter()
             data = kvcodec.encode(kv, config)
             enc_s = time.perf_counter() - t0
@@ -136,8 +146,9 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
                 "streams": best["streams"],
                 "layout": best["layout"],
                 "encode_s_cpu": enc_s,
+                "video_bits": kvcodec.codec.inspect_chunk_blob(_first_blob(data)).video_bits,
             }
-            if coder == "hevc":
+            if label == "kvcodec":
                 ppl = acc.perplexity_delta(model, prefix_ids, restored.to(kv32.dtype), kv32, continuation)
                 agree = acc.greedy_agreement(model, prefix_ids, restored.to(kv32.dtype), kv32, prompt, greedy_tokens)
                 extra.update(
@@ -147,7 +158,7 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
                     token_agreement=agree.agreement,
                     kv_error=acc.kv_error(restored.float(), kv.float()),
                 )
-            rec("kvcodec" if coder == "hevc" else "kvcodec (auto coder)", quant, best["bytes"], **extra)
+            rec(label, quant, best["bytes"], **extra)
     cachegen = get_codec("cachegen")
     data = cachegen.encode(kv)
     restored = cachegen.decode(data)
@@ -165,13 +176,13 @@ def write_table(records, path: Path, meta: dict) -> None:
         "",
         meta["note"],
         "",
-        "| model | text | codec | quant | bytes | ratio vs fp16 | entropy bits/value | ppl delta | token agreement |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| model | text | codec | quant | video bits | bytes | ratio vs fp16 | entropy bits/value | ppl delta | token agreement |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     for r in records:
         lines.append(
-            f"| {r['model']} | {r['text']} | {r['codec']} | {r['quant']} | {r['bytes']:,} | {r['ratio_vs_fp16']:.2f} "
+            f"| {r['model']} | {r['text']} | {r['codec']} | {r['quant']} | {r.get('video_bits') or ''} | {r['bytes']:,} | {r['ratio_vs_fp16']:.2f} "
             f"| {fmt(r['entropy_bits_per_value'], '.2f')} | {fmt(r['ppl_delta'], '+.4f')} | {fmt(r['token_agreement'], '.3f')} |"
         )
     path.write_text("\n".join(lines) + "\n")

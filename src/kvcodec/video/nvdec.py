@@ -186,14 +186,16 @@ class NvdecDecoder:
     latency: "low" hands each access unit to NVDEC with end-of-picture set and gets its frame back
         at once (staging: one frame plus the decoder's surfaces); "native" lets NVDEC queue up to
         four pictures ahead (more overlap, a few more frames staged).
-    copy: yield a fresh tensor per frame (safe to keep). With copy=False the frame is a view of
-        the decoder's output buffer, valid only until the next frame is requested.
+    copy: yield a fresh tensor per frame (safe to keep). By default (copy=False) the frame is a
+        view of the decoder's output buffer, valid until the next frame is requested: GPU work the
+        consumer queued on its current stream before asking for the next frame is ordered before
+        the decoder writes that buffer again (what the codec's frame-by-frame restore needs; no copy).
     """
 
     name = "nvdec"
     device_type = "cuda"
 
-    def __init__(self, device: str | torch.device | int | None = None, latency: str = "low", copy: bool = True):
+    def __init__(self, device: str | torch.device | int | None = None, latency: str = "low", copy: bool = False):
         if not torch.cuda.is_available():
             raise BackendUnavailableError("no CUDA device")
         dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -327,9 +329,10 @@ class NvdecDecoder:
             cur.wait_stream(self._stream)
             if self.copy:
                 frame = frame.clone()
-                self._stream.wait_stream(cur)  # the next Decode may overwrite the buffer only after the copy
             count += 1
             yield frame
+            # the next Decode overwrites the buffer only after what the consumer queued meanwhile
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         if count == 0:
             raise CorruptStreamError("NVDEC decoded no frame from the stream")
 
@@ -338,3 +341,4 @@ def _yuv444_frame(surface: torch.Tensor, width: int, height: int) -> torch.Tenso
     """(3, height, width) uint8 view of an 8-bit YUV444 planar surface (pitch and padding kept)."""
     y, u, v = surface_to_planes(surface, "YUV444", width, height)
     return y.as_strided((3, height, width), (u.data_ptr() - y.data_ptr(), y.stride(0), y.stride(1)))
+

@@ -2,24 +2,27 @@
 
 One NVDEC session decodes on one engine at a time, and sessions driven by threads of one process do
 not scale (about 2x at best), so the pool runs one `NvdecDecoder` in each of `workers` processes
-(spawned once, reused). Streams go to the workers through a shared job queue, their bytes pickled
-through the job pipe. Each worker owns a small ring of frame slots in GPU memory, shared once with the
-consumer through CUDA IPC; it copies each decoded frame into a free slot and passes the slot number
-back. The consumer reads the frame in place (no copy); the slot goes back to its worker once the
-consumer's GPU work on it has finished (a CUDA event per handed-out frame, polled by a dispatcher
-thread; slots go back a batch at a time), so at most `workers * slots` frames are in flight whatever the prefix length.
+(spawned once, reused), fed from a shared job queue. Two kinds of job:
 
-Two ways to use it:
+* restore (`restore_blobs`, what `decode_parallel` uses): a chunk blob and its output tensor (a
+  CUDA tensor of the consumer, shared through CUDA IPC). The worker runs the codec's own
+  `decode_chunk_blob` with its decoder, so decoding, de-tiling and dequantization all happen in
+  the worker and the consumer does no per-frame work (Python's GIL made a consumer restoring for
+  seven decoders the bottleneck: benchmarks/results/decode-h200-v3.md).
+* frames (`decode_streams`, `PoolDecoder`): the worker copies each decoded frame into a small
+  ring of slots shared once with the consumer through CUDA IPC and passes the
+  slot number back; the consumer reads it in place and the slot is reused once the consumer's
+  GPU work on it has finished (CUDA events polled by a dispatcher thread), so at most
+  `workers * slots` frames are in flight whatever the prefix length.
 
     with NvdecPool(workers=7) as pool:
+        kv = decode_parallel(kvc_bytes, pool)  # a whole .kvc file, chunks restored in parallel
         for stream_idx, frame_idx, frame in pool.decode_streams([(bitstream, w, h), ...]):
             consume(frame)  # (3, h, w) uint8 on the GPU, valid until the next item is requested
 
-        kv = decode_parallel(kvc_bytes, pool)  # a whole .kvc file, chunks decoded in parallel
-
-`pool.decoder()` is a VideoDecoder (the protocol of kvcodec.video.base) that many threads can use
-at once; decode_parallel runs the codec's own `decode_chunk_blob` for several chunks in threads
-through it, each writing its slice of the output KV tensor.
+Every worker is a CUDA context of its own: without MPS the GPU time-slices between contexts, so a
+busy pool slows a model running beside it by several percent even when the workers launch no
+kernel (benchmarks/results/decode-h200-v3-probe.md); a single in-process decoder does not.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
         job = job_q.get()
         if job is None:
             break
-        jid, payload, width, height = job
+        if job[0] == "restore":
+            _restore_job(wid, dec, job, res_q)
+            continue
+        _, jid, payload, width, height = job
         nbytes = 3 * width * height
         batch: list[tuple[int, int]] = []
         count = 0
@@ -82,7 +88,6 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
                 s = free.pop()
                 cur.wait_stream(dec.stream)
                 ring[s, :nbytes].view(3, height, width).copy_(frame)
-                dec.stream.wait_stream(cur)
                 batch.append((s, count))
                 count += 1
                 if len(batch) >= flush_at or not free:
@@ -98,6 +103,21 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
             flush()
             res_q.put(("error", wid, jid, f"{type(e).__name__}: {e}"))
         del payload
+
+
+def _restore_job(wid, dec, job, res_q) -> None:
+    """Decode a chunk blob and restore it straight into the consumer's KV tensor (CUDA IPC)."""
+    _, jid, blob, out, restore = job
+    try:
+        from kvcodec import codec
+
+        codec.decode_chunk_blob(blob, out=out, decoder=dec, restore=restore)
+        torch.cuda.current_stream(out.device).synchronize()  # written before the consumer hears "done"
+        res_q.put(("done", wid, jid, 1))
+    except Exception as e:
+        res_q.put(("error", wid, jid, f"{type(e).__name__}: {e}"))
+    finally:
+        del out, blob
 
 
 class _Job:
@@ -238,8 +258,34 @@ class NvdecPool:
         payload = bytes(bitstream)  # pickled through the job pipe: cheaper than a shared-memory segment per job
         job = _Job(next(self._ids), width, height, sink, tag)
         self._jobs[job.jid] = job
-        self._job_q.put((job.jid, payload, width, height))
+        self._job_q.put(("frames", job.jid, payload, width, height))
         return job
+
+    def restore_blobs(self, blobs, outs, restore: str = "auto") -> None:
+        """Decode every chunk blob and restore it into its output tensor (a CUDA tensor on the
+        pool's device, typically a slice of a KV cache) inside the workers: each worker runs the
+        codec's decode_chunk_blob with its own NVDEC session and writes `out` through CUDA IPC,
+        so the consumer does no per-frame work. Returns when every output is written; raises
+        CorruptStreamError naming the first chunk that failed (the others are still written)."""
+        if self._closed:
+            raise BackendUnavailableError("the NVDEC pool is closed")
+        sink: queue.Queue = queue.Queue()
+        jobs = []
+        for k, (blob, out) in enumerate(zip(blobs, outs, strict=True)):
+            if out.device != self.device:
+                raise ValueError(f"output on {out.device}; the pool restores on {self.device}")
+            job = _Job(next(self._ids), 0, 0, sink, k)
+            self._jobs[job.jid] = job
+            jobs.append(job)
+            self._job_q.put(("restore", job.jid, bytes(blob), out, restore))
+        errors = []
+        for _ in jobs:
+            msg = sink.get()
+            if msg[0] == "error":
+                errors.append((msg[1].tag, msg[2]))
+        if errors:
+            tag, text = min(errors)
+            raise CorruptStreamError(f"chunk {tag}: {text}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
 
     def _frames(self, sink: queue.Queue, remaining: int) -> Iterator[tuple[_Job, int, torch.Tensor]]:
         """Frames of `remaining` submitted jobs feeding `sink`, as views of the slots."""
@@ -349,23 +395,34 @@ def decode_parallel(
     resolution: tuple[int, int] | None = None,
     out: torch.Tensor | None = None,
     threads: int | None = None,
+    restore: str = "auto",
+    where: str = "workers",
 ) -> torch.Tensor:
-    """Decode a kvcodec file (.kvc bytes) on `pool`'s GPU, its chunks in parallel: the codec's own
-    decode_chunk_blob runs for up to `threads` chunks at once (default 2 per worker), each writing
-    its token range of the output KV tensor frame by frame."""
+    """Decode a kvcodec file (.kvc bytes) on `pool`'s GPU, its chunks in parallel, each restored
+    frame by frame into its token range of the output KV tensor (see decode_blobs_parallel)."""
     from kvcodec import codec
 
     out, jobs = codec.file_chunks(data, pool.device, resolution=resolution, out=out)
     blobs = [blob for blob, _ in jobs]
     outs = [target for _, target in jobs]
-    decode_blobs_parallel(blobs, outs, pool, threads=threads)
+    decode_blobs_parallel(blobs, outs, pool, threads=threads, restore=restore, where=where)
     return out
 
 
-def decode_blobs_parallel(blobs, outs, pool: NvdecPool, threads: int | None = None) -> None:
-    """Run the codec's decode_chunk_blob(blob, out=target) for every (blob, target) pair, up to
-    `threads` at once (default 2 per pool worker), all through the pool's decoders; returns when
-    every target is written (the current stream is synchronized)."""
+def decode_blobs_parallel(
+    blobs, outs, pool: NvdecPool, threads: int | None = None, restore: str = "auto", where: str = "workers"
+) -> None:
+    """Restore every (blob, target) pair through the pool; returns when every target is written.
+
+    where="workers" (default): each worker decodes and restores whole chunks into the targets
+    (NvdecPool.restore_blobs). where="consumer": the codec's decode_chunk_blob runs here in up to
+    `threads` threads (default 2 per worker), frames coming from the workers' rings."""
+    if where == "workers":
+        torch.cuda.current_stream(pool.device).synchronize()  # targets allocated/zeroed here are ready
+        pool.restore_blobs(blobs, outs, restore=restore)
+        return
+    if where != "consumer":
+        raise ValueError("where must be 'workers' or 'consumer'")
     from concurrent.futures import ThreadPoolExecutor
 
     from kvcodec import codec
@@ -375,7 +432,7 @@ def decode_blobs_parallel(blobs, outs, pool: NvdecPool, threads: int | None = No
     def run(job):
         blob, target = job
         with torch.cuda.device(pool.device):
-            codec.decode_chunk_blob(blob, pool.device, out=target, decoder=dec)
+            codec.decode_chunk_blob(blob, pool.device, out=target, decoder=dec, restore=restore)
             torch.cuda.current_stream(pool.device).synchronize()
 
     with ThreadPoolExecutor(max_workers=threads or 2 * pool.workers) as ex:
