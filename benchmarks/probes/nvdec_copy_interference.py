@@ -17,6 +17,8 @@ import json
 import multiprocessing as mp
 import time
 
+import torch
+
 
 class _Memcpy2D(ctypes.Structure):
     """CUDA_MEMCPY2D of the driver API."""
@@ -97,8 +99,6 @@ def _videos(path: str):
 
 
 def _worker(path, mode, ready, stop, frames_out):
-    import torch
-
     from kvcodec.video.nvdec import NvdecDecoder
 
     torch.cuda.set_device(0)
@@ -128,13 +128,10 @@ def main():
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import torch
-
     from kvcodec.bench.decode import _matmul_tflops
 
     ctx = mp.get_context("spawn")
-    videos, res = _videos(args.kvc)
-    frames_per_pass = None
+    _, res = _videos(args.kvc)
     alone = _matmul_tflops(torch.device("cuda", 0), args.seconds)
     records = [{"case": "alone", "matmul_tflops": alone}]
     print(records[-1], flush=True)
@@ -149,9 +146,7 @@ def main():
             for r in readies:
                 r.wait(120)
             time.sleep(1.0)
-            t0 = time.perf_counter()
             during = _matmul_tflops(torch.device("cuda", 0), args.seconds)
-            sec = time.perf_counter() - t0
             stop.set()
             for p in procs:
                 p.join(60)
