@@ -54,3 +54,23 @@ def test_hevc_fetch_through_nvdec_matches_cpu():
             assert r.ok, r.error
             assert r.kv.device.type == "cuda"
             assert torch.allclose(r.kv.cpu().float(), ref.float(), atol=1e-3, rtol=0), (pol, direct)
+
+
+def test_fetch_through_pool_workers_matches_cpu():
+    from kvcodec.video.nvdec import NvdecDecoder
+    from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
+
+    if not NvdecDecoder.is_available():
+        pytest.skip("no NVDEC decoder here")
+    kv, ids = make_kv(), list(range(200))
+    cpu = PrefixCache("memory://gpu-pool", "m", CFG, "cpu", profile=DecodeProfile.default(CFG.resolutions))
+    assert cpu.put(ids, kv) == 4
+    ref = cpu.fetch(ids).kv
+    with NvdecPool(workers=2, slots=2, max_frame=(512, 512)) as pool:
+        for direct in (False, True):
+            gpu = PrefixCache("memory://gpu-pool", "m", CFG, "cuda", codec=PoolCodec(pool), decode_workers=2,
+                              direct=direct, policy="fixed:1")
+            assert gpu.lookup(ids) == 200  # same keys as the plain codec wrote
+            r = gpu.fetch(ids)
+            assert r.ok, r.error
+            assert torch.equal(r.kv.cpu(), ref)

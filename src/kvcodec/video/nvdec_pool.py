@@ -438,3 +438,42 @@ def decode_blobs_parallel(
     with ThreadPoolExecutor(max_workers=threads or 2 * pool.workers) as ex:
         for f in [ex.submit(run, j) for j in zip(blobs, outs)]:
             f.result()
+
+
+class PoolCodec:
+    """kvcodec's codec with every chunk restore run inside an NvdecPool's workers.
+
+    Hand it to the fetcher, `PrefixCache(..., device="cuda", codec=PoolCodec(pool),
+    decode_workers=pool.workers)`, and each fetched chunk is decoded and restored by a worker
+    straight into the fetch's output (no per-frame work in the serving process). Keys and blobs
+    are the codec's own: a cache written with kvcodec.codec is read through a PoolCodec."""
+
+    def __init__(self, pool: NvdecPool, restore: str = "auto"):
+        self.pool = pool
+        self.restore = restore
+
+    @property
+    def CODEC_ID(self) -> str:  # noqa: N802 - the attribute name the fetcher's key derivation reads
+        from kvcodec import codec
+        from kvcodec.fetcher.keys import codec_identity
+
+        return codec_identity(codec)
+
+    def encode_chunks(self, *args, **kwargs):
+        from kvcodec import codec
+
+        return codec.encode_chunks(*args, **kwargs)
+
+    def inspect_chunk_blob(self, blob):
+        from kvcodec import codec
+
+        return codec.inspect_chunk_blob(blob)
+
+    def decode_chunk_blob(self, blob, device=None, out: torch.Tensor | None = None, decoder=None) -> torch.Tensor:
+        from kvcodec import codec
+
+        if out is None:
+            h = codec.inspect_chunk_blob(blob)
+            out = torch.empty(h.shape, dtype=codec.DTYPES[h.dtype], device=self.pool.device)
+        self.pool.restore_blobs([blob], [out], restore=self.restore)
+        return out
