@@ -85,11 +85,19 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
 class _Link:
     """The shaped path to a redis-server: tc-netns or token-bucket, with a uniform interface."""
 
-    def __init__(self, kind: str, tmp: Path) -> None:
+    def __init__(self, kind: str, tmp: Path, store: str = "redis") -> None:
         from kvcodec.net.redis_server import RedisServer
 
         self.kind = kind
         self.netns = None
+        self.server = None
+        if store == "memory":  # in-process store behind the token bucket: no server, no client cap
+            from kvcodec.store import open_store
+
+            self.base = open_store(f"memory://bench-fetch-{id(self)}")
+            self.store = self.base
+            self.describe = {"link": kind, "rate": "unshaped", "store": "memory"}
+            return
         if kind == "tc-netns":
             from kvcodec.net.netns import NetnsLink
 
@@ -125,7 +133,8 @@ class _Link:
 
     def close(self) -> None:
         self.base.close()
-        self.server.kill()
+        if self.server is not None:
+            self.server.kill()
         if self.netns is not None:
             self.netns.close()
 
@@ -162,10 +171,16 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option("--torch-threads", default=1, show_default=True,
               help="torch intra-op threads on the CPU (0: leave torch's default). More than 1 on a "
                    "small shared CPU makes decode several times slower.")
+@click.option("--store", "store_kind", type=click.Choice(["redis", "memory"]), default="redis", show_default=True,
+              help="redis: a real redis-server process; memory: an in-process store (token-bucket link only; "
+                   "for machines without redis-server, and rates a single Redis client cannot reach).")
+@click.option("--nvdec-pool", "pool_workers", default=0, show_default=True,
+              help="On CUDA: restore in an NVDEC pool of this many worker processes (kvcodec.video.nvdec_pool."
+                   "PoolCodec; use --decode-workers of the same number). 0: the codec's own decoder.")
 @click.option("--out-dir", default="benchmarks/results", show_default=True)
 def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolutions, rates, jitter_mean,
             jitter_cv, jitter_segment_ms, policies, link_kind, repeats, device, max_inflight,
-            decode_workers, net_workers, torch_threads, out_dir):
+            decode_workers, net_workers, torch_threads, store_kind, pool_workers, out_dir):
     """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
     import torch
 
@@ -195,6 +210,10 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                                               n=n_seg, seed=1))
     pols = [p for p in policies.split(",") if p]
 
+    if store_kind == "memory":
+        if link_kind == "tc-netns":
+            raise click.BadParameter("--store memory has no network path: use --link token-bucket")
+        link_kind = "token-bucket"
     if link_kind == "auto":
         from kvcodec.net.netns import NetnsLink
 
@@ -209,11 +228,17 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
     click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
     machine = _machine()
     records = []
+    pool, hevc_codec = None, None
+    if pool_workers > 0:
+        from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
+
+        pool = NvdecPool(workers=pool_workers, device=device, max_frame=max(res, key=lambda r: r[0] * r[1]))
+        hevc_codec = PoolCodec(pool)
     with tempfile.TemporaryDirectory(prefix="kvc-bench-") as tmp:
-        link = _Link(link_kind, Path(tmp))
+        link = _Link(link_kind, Path(tmp), store_kind)
         try:
             hevc = PrefixCache(link.base, model, cfg, device, max_inflight=max_inflight,
-                               decode_workers=decode_workers)
+                               decode_workers=decode_workers, codec=hevc_codec)
             raw = PrefixCache(link.base, model, raw_cfg, device, codec=RawCodec(), max_inflight=max_inflight,
                               decode_workers=decode_workers, policy="fixed:0")
             raw.put(ids, kv)
@@ -290,6 +315,8 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                         "device": device,
                         "net_workers": net_workers,
                         "decode_workers": decode_workers,
+                        "store": store_kind,
+                        "nvdec_pool_workers": pool_workers,
                     }
                     records.append(rec)
                     click.echo(f"{trace.name:>36} {pol:>10}: {fetch_s * 1e3:8.1f} ms  bound {bound * 1e3:8.1f} ms"
@@ -298,6 +325,8 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                 link.unshape()
         finally:
             link.close()
+            if pool is not None:
+                pool.close()
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
