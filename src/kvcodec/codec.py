@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -433,7 +434,7 @@ def decode_chunk_blob(
         raise FormatError("chunk blob layout does not match its shape")
     terms = _chunk_terms(h, plan, streams, dtype, device)
     restorer = restorer_for(terms, prefer=restore)
-    decoder = decoder or get_decoder(device)
+    decoder = decoder or default_decoder(device)
     frames = 0
     tpf = plan.tokens_per_frame
     for frame in _frames(h, plan, streams, decoder):
@@ -445,6 +446,24 @@ def decode_chunk_blob(
     if frames != h.frames:
         raise CorruptStreamError(f"video stream decoded to {frames} frames, header announces {h.frames}")
     return out
+
+
+_thread_decoders = threading.local()
+
+
+def default_decoder(device: str | torch.device):
+    """The best decoder for `device`, one per thread and device, kept for the thread's life: an
+    NVDEC session costs far more to open than a chunk costs to decode, and one session must not
+    be driven by two threads at once."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    decoders = getattr(_thread_decoders, "by_device", None)
+    if decoders is None:
+        decoders = _thread_decoders.by_device = {}
+    if device not in decoders:
+        decoders[device] = get_decoder(device)
+    return decoders[device]
 
 
 def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
@@ -505,7 +524,7 @@ def decode(
     (NVDEC for CUDA devices where available, restoring frame by frame; `restore` as in
     decode_chunk_blob)."""
     out, jobs = file_chunks(data, device, resolution=resolution, out=out)
-    decoder = decoder or get_decoder(out.device)
+    decoder = decoder or default_decoder(out.device)
     for blob, target in jobs:
         decode_chunk_blob(blob, out=target, decoder=decoder, restore=restore)
     return out

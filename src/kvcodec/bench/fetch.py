@@ -285,7 +285,7 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
                     n = max(1, s.chunks_restored)
                     bound = max(net_s, dec_s) + min(net_s, dec_s) / n
                     if is_raw:
-                        exact = bool(torch.equal(med.kv, kv))
+                        exact = bool(torch.equal(med.kv.cpu(), kv))
                     else:
                         exact = None
                     rec = {

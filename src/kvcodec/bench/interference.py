@@ -96,7 +96,8 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--gbit", default=1.0, show_default=True, type=float, help="Emulated link (token bucket), Gbit/s.")
 @click.option("--quant", default="int8", show_default=True)
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
-@click.option("--conditions", default="alone,kvcodec,sm-decoder,blocking", show_default=True)
+@click.option("--conditions", default="alone,kvcodec,sm-decoder,blocking", show_default=True,
+              help="alone, kvcodec (one in-process decoder), kvcodec-pool (GPU: NVDEC worker pool), sm-decoder, blocking.")
 @click.option("--device", default=None)
 @click.option("--kv-file", default=None, type=click.Path(dir_okay=False),
               help="random:<arch> models: safetensors with a REAL small-model KV ('kv') to tile into the big shape.")
@@ -105,7 +106,7 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--prepare-only", is_flag=True, help="Only encode and store the document's KV, then exit.")
 @click.option("--max-batch", default=32, show_default=True, type=int)
 @click.option("--nvdec-pool", default=0, show_default=True, type=int,
-              help="GPU: decode kvcodec streams with a pool of this many NVDEC worker processes (0: one in-process decoder).")
+              help="Worker processes of the kvcodec-pool condition's NVDEC pool (0: 7).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
 def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, gbit,
@@ -167,7 +168,8 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         mid = model_id(model)
         doc_text = load_text(text, max_chars=doc_tokens * 12)
         doc_ids = tok(doc_text, return_tensors="pt").input_ids[0][:doc_tokens].tolist()
-    need = [n for n in ("kvcodec", "sm-decoder") if n in conds or (n == "kvcodec" and "blocking" in conds)]
+    need = [n for n in ("kvcodec", "sm-decoder")
+            if n in conds or (n == "kvcodec" and ({"blocking", "kvcodec-pool"} & set(conds)))]
     codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec) if "sm-decoder" in need else None}
     stored_bytes = {}
     ids_file = os.path.join(store_dir, "doc_ids.json")
@@ -216,12 +218,14 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
 
     pool, pool_note = None, None
-    if nvdec_pool and device.startswith("cuda"):
+    if "kvcodec-pool" in conds and device.startswith("cuda"):
+        nvdec_pool = nvdec_pool or 7
         try:
             from kvcodec.video.nvdec_pool import NvdecPool
 
             pool = NvdecPool(workers=nvdec_pool)
-            pool_note = f"kvcodec streams decoded by an NVDEC pool of {nvdec_pool} worker processes"
+            pool_note = (f"kvcodec-pool: chunks decoded and restored inside an NVDEC pool of {nvdec_pool} worker "
+                         "processes (PoolCodec); kvcodec and blocking: one in-process NVDEC decoder")
         except Exception as e:  # keep going with the in-process decoder, and say so
             pool_note = f"NVDEC pool failed to start ({type(e).__name__}: {e}); one in-process decoder used"
         click.echo(f"  {pool_note}", err=True)
@@ -231,8 +235,14 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         pc = None
         if cond != "alone":
             slow = ThrottledStore(open_store(f"file://{os.path.join(store_dir, sub)}"), rate_gbit=gbit)
-            extra = {"decoder": pool.decoder(), "decode_workers": nvdec_pool} if pool is not None and sub == "kvcodec" else {}
-            pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codecs[sub], **extra)
+            codec, workers = codecs[sub], 1
+            if cond == "kvcodec-pool":
+                if pool is None:
+                    raise click.ClickException(f"kvcodec-pool needs a CUDA device and a running pool ({pool_note})")
+                from kvcodec.video.nvdec_pool import PoolCodec
+
+                codec, workers = PoolCodec(pool), nvdec_pool
+            pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codec, decode_workers=workers)
         eng = Engine(model, tokenizer=tok, prefix_cache=pc, reuse=pc is not None, device=device,
                      store_policy=StorePolicy(enabled=False), policy="blocking" if cond == "blocking" else "fetch-aware",
                      max_batch=max_batch)
