@@ -52,3 +52,9 @@ def test_fused_restorer_refuses_exact_mode():
         decode_chunk_blob(chunk.blobs[0], "cuda", decoder=FFmpegHevcDecoder(), restore="triton")
     out = decode_chunk_blob(chunk.blobs[0], "cuda", decoder=FFmpegHevcDecoder())  # auto falls back to torch
     assert torch.equal(out.cpu().view(torch.int16), kv.view(torch.int16))
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_warm_up_compiles_for_every_output_dtype():
+    triton_restore.warm_up("cuda", dtypes=(torch.float16, torch.bfloat16, torch.float32))

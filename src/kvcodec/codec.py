@@ -11,6 +11,7 @@ decode:  chunk blob -> frames, one at a time, from the best decoder for the devi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -434,7 +435,13 @@ def decode_chunk_blob(
         raise FormatError("chunk blob layout does not match its shape")
     terms = _chunk_terms(h, plan, streams, dtype, device)
     restorer = restorer_for(terms, prefer=restore)
-    decoder = decoder or default_decoder(device)
+    if decoder is None:
+        with _idle_decoders.borrow(device) as lent:
+            return _restore_frames(h, plan, streams, lent, restorer, device, out)
+    return _restore_frames(h, plan, streams, decoder, restorer, device, out)
+
+
+def _restore_frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder, restorer, device, out: torch.Tensor) -> torch.Tensor:
     frames = 0
     tpf = plan.tokens_per_frame
     for frame in _frames(h, plan, streams, decoder):
@@ -448,22 +455,34 @@ def decode_chunk_blob(
     return out
 
 
-_thread_decoders = threading.local()
+class _IdleDecoders:
+    """Decoders not in use, per device, lent to decode calls that bring none. Opening an NVDEC
+    session costs more than decoding a chunk, and a session must not serve two threads at once:
+    a call borrows one (or opens one when all are busy) and gives it back when done, so a
+    process holds as many sessions as it ever decoded concurrently, whatever its threads."""
+
+    def __init__(self) -> None:
+        self._idle: dict[torch.device, list] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def borrow(self, device: str | torch.device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._lock:
+            free = self._idle.setdefault(device, [])
+            decoder = free.pop() if free else None
+        if decoder is None:
+            decoder = get_decoder(device)
+        try:
+            yield decoder
+        finally:
+            with self._lock:
+                self._idle[device].append(decoder)
 
 
-def default_decoder(device: str | torch.device):
-    """The best decoder for `device`, one per thread and device, kept for the thread's life: an
-    NVDEC session costs far more to open than a chunk costs to decode, and one session must not
-    be driven by two threads at once."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    decoders = getattr(_thread_decoders, "by_device", None)
-    if decoders is None:
-        decoders = _thread_decoders.by_device = {}
-    if device not in decoders:
-        decoders[device] = get_decoder(device)
-    return decoders[device]
+_idle_decoders = _IdleDecoders()
 
 
 def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
@@ -524,9 +543,9 @@ def decode(
     (NVDEC for CUDA devices where available, restoring frame by frame; `restore` as in
     decode_chunk_blob)."""
     out, jobs = file_chunks(data, device, resolution=resolution, out=out)
-    decoder = decoder or default_decoder(out.device)
-    for blob, target in jobs:
-        decode_chunk_blob(blob, out=target, decoder=decoder, restore=restore)
+    with contextlib.nullcontext(decoder) if decoder is not None else _idle_decoders.borrow(out.device) as dec:
+        for blob, target in jobs:
+            decode_chunk_blob(blob, out=target, decoder=dec, restore=restore)
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 from kvcodec.restore.terms import ChunkTerms
 
 BLOCK = 1024
+MAX_LOW_BITS = 7  # video_bits >= 1 leaves at most 7 low bits of an 8-bit sample
 
 
 @functools.cache
@@ -40,14 +41,19 @@ def supports(terms: ChunkTerms) -> bool:
 def _kernel():
     triton, tl = _triton()
 
-    @triton.jit
+    # integer arguments are not specialized on (value 1, multiple of 16): one compiled variant per
+    # output dtype, instead of a compile whenever a chunk brings a new combination
+    @triton.jit(do_not_specialize=[
+        "plane_stride", "row_stride", "frame_w", "frame_hw", "low_plane_bytes",
+        "s_layer", "s_kv", "s_token", "s_head", "s_dim", "start", "n", "tpf", "units", "heads", "dim",
+    ])
     def restore_frame(
         frame_ptr, plane_stride, row_stride, frame_w, frame_hw,
         pos_ptr, low_ptr, low_plane_bytes, low_count_ptr,
         shift_ptr, mask_ptr, offset_ptr, step_ptr,
         out_ptr, s_layer, s_kv, s_token, s_head, s_dim,
         start, n, tpf, units, heads, dim,
-        LOW_PLANES: tl.constexpr, BLOCK: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         total = units * n * dim
@@ -61,14 +67,13 @@ def _kernel():
         y = rem // frame_w
         x = rem - y * frame_w
         s = tl.load(frame_ptr + plane * plane_stride + y * row_stride + x, mask=live, other=0).to(tl.int32)
-        if LOW_PLANES > 0:
-            count = tl.load(low_count_ptr + u, mask=live, other=0).to(tl.int32)
-            i = ((start + t) * units + u) * dim + d
-            low = tl.zeros_like(s)
-            for j in tl.static_range(LOW_PLANES):
-                byte = tl.load(low_ptr + j * low_plane_bytes + (i >> 3), mask=live & (j < count), other=0).to(tl.int32)
-                low = low | (((byte >> (i & 7).to(tl.int32)) & 1) << j)
-            s = (s << count) | low
+        count = tl.load(low_count_ptr + u, mask=live, other=0).to(tl.int32)
+        i = ((start + t) * units + u) * dim + d
+        low = tl.zeros_like(s)
+        for j in tl.static_range(MAX_LOW_BITS):  # loads past a unit's own count are masked off
+            byte = tl.load(low_ptr + j * low_plane_bytes + (i >> 3), mask=live & (j < count), other=0).to(tl.int32)
+            low = low | (((byte >> (i & 7).to(tl.int32)) & 1) << j)
+        s = (s << count) | low
         ch = u * dim + d
         shift = tl.load(shift_ptr + ch, mask=live, other=0).to(tl.int32)
         mask = tl.load(mask_ptr + u, mask=live, other=0).to(tl.int32)
@@ -120,5 +125,28 @@ class TritonRestorer:
             self._shift, self._mask, self._offset, self._step,
             out, *out.stride(),
             start, n, plan.tokens_per_frame, t.units, t.kv_heads, t.head_dim,
-            LOW_PLANES=low.shape[0] if low is not None else 0, BLOCK=BLOCK,
+            BLOCK=BLOCK,
         )
+
+
+def warm_up(device: torch.device | str, dtypes=(torch.float16, torch.bfloat16)) -> None:
+    """Compile (or load from Triton's cache) the kernel for `dtypes` now, so that the first
+    chunk a process restores does not wait for it (a pool worker calls this when it starts)."""
+    from kvcodec.layout.tiling import LayoutPlan, gather_index
+
+    device = torch.device(device)
+    plan = LayoutPlan(144, 144, units=2, dim=8, tokens_per_frame=2, tile_w=8, tile_h=2)
+    for dtype in dtypes:
+        terms = ChunkTerms(
+            plan=plan, layers=1, kv_heads=1, head_dim=8, tokens=2, dtype=dtype,
+            positions=gather_index(plan, device),
+            shift=torch.zeros((2, 1, 8), dtype=torch.uint8, device=device),
+            mask=torch.full((2, 1, 1), 255, dtype=torch.uint8, device=device),
+            low_counts=torch.ones(2, dtype=torch.int64, device=device),
+            low_planes=torch.zeros((1, 4), dtype=torch.uint8, device=device),
+            offset=torch.zeros((1, 2, 1, 8), dtype=torch.float16, device=device),
+            step=torch.ones((1, 2, 1, 8), dtype=torch.float16, device=device),
+        )
+        frame = torch.zeros((3, 144, 144), dtype=torch.uint8, device=device)
+        TritonRestorer(terms).restore(frame, 0, 2, torch.empty((1, 2, 2, 1, 8), dtype=dtype, device=device))
+    torch.cuda.synchronize(device)

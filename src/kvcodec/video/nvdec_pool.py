@@ -52,6 +52,13 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
         from kvcodec.video.nvdec import NvdecDecoder
 
         dec = NvdecDecoder(device_index, latency=latency, copy=False)
+        try:  # load the fused restore kernel before the first job, not during it
+            from kvcodec.restore import triton_restore
+
+            if triton_restore.available():
+                triton_restore.warm_up(torch.device("cuda", device_index))
+        except Exception as e:  # the first job compiles it instead
+            log.warning("NVDEC pool worker %d: restore kernel warm-up failed: %s", wid, e)
         ring = torch.empty((slots, slot_bytes), dtype=torch.uint8, device=f"cuda:{device_index}")
         res_q.put(("ready", wid, ring))
     except Exception as e:  # pragma: no cover - start failures are reported to the consumer
