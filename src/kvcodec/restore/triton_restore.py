@@ -70,7 +70,7 @@ def _kernel():
         count = tl.load(low_count_ptr + u, mask=live, other=0).to(tl.int32)
         i = ((start + t) * units + u) * dim + d
         low = tl.zeros_like(s)
-        for j in tl.static_range(MAX_LOW_BITS):  # loads past a unit's own count are masked off
+        for j in tl.static_range(7):  # MAX_LOW_BITS; loads past a unit's own count are masked off
             byte = tl.load(low_ptr + j * low_plane_bytes + (i >> 3), mask=live & (j < count), other=0).to(tl.int32)
             low = low | (((byte >> (i & 7).to(tl.int32)) & 1) << j)
         s = (s << count) | low
