@@ -5,7 +5,7 @@ split into access units on the host (start-code scan, no copy), each access unit
 by pointer, and every decoded surface is turned into a torch tensor through DLPack / the CUDA array
 interface (no host copy) and converted on the GPU to the (3, H, W) uint8 frame of the protocol.
 
-One `NvdecDecoder` owns one NVDEC session (reused across streams of the same frame size). One
+One `NvdecDecoder` owns an NVDEC session per frame size (up to three, reused across streams). One
 session uses one engine at a time; to use all of a GPU's engines decode several streams in parallel
 through `kvcodec.video.nvdec_pool.NvdecPool` (one decoder per worker process: threads inside one
 process do not scale).
@@ -208,8 +208,7 @@ class NvdecDecoder:
             raise ValueError("latency must be 'low' or 'native'")
         self.latency = latency
         self.copy = copy
-        self._dec = None
-        self._dec_size: tuple[int, int] | None = None
+        self._sessions: dict[tuple[int, int], object] = {}  # frame size -> NVDEC session, most recent last
         self._stream: torch.cuda.Stream | None = None
         self.sessions_created = 0
 
@@ -226,9 +225,15 @@ class NvdecDecoder:
 
     # -- session ---------------------------------------------------------------------------------
 
+    MAX_SESSIONS = 3  # one per stored resolution: reopening a session costs 0.1-0.3 s
+
     def _session(self, width: int, height: int):
-        if self._dec is not None and self._dec_size == (width, height):
-            return self._dec
+        size = (width, height)
+        if size in self._sessions:
+            self._sessions[size] = self._sessions.pop(size)
+            return self._sessions[size]
+        while len(self._sessions) >= self.MAX_SESSIONS:
+            self._sessions.pop(next(iter(self._sessions)))
         nvc = _nvc()
         idx = self.device.index
         with torch.cuda.device(idx):
@@ -240,7 +245,7 @@ class NvdecDecoder:
             # open a session elsewhere may have left its own context current)
             ctypes.CDLL("libcuda.so.1").cuCtxSetCurrent(ctypes.c_void_p(ctx))
             try:
-                self._dec = nvc.CreateDecoder(
+                dec = nvc.CreateDecoder(
                     gpuid=idx,
                     codec=nvc.cudaVideoCodec.HEVC,
                     cudacontext=ctx,
@@ -252,13 +257,16 @@ class NvdecDecoder:
                 )
             except Exception as e:
                 raise BackendUnavailableError(f"cannot open an NVDEC session: {e}") from e
-        self._dec_size = (width, height)
+        self._sessions[size] = dec
         self.sessions_created += 1
-        return self._dec
+        return dec
 
-    def close(self) -> None:
-        self._dec = None
-        self._dec_size = None
+    def close(self, size: tuple[int, int] | None = None) -> None:
+        """Drop the session for frames of `size` (all sessions when None)."""
+        if size is None:
+            self._sessions.clear()
+        else:
+            self._sessions.pop(size, None)
 
     # -- decoding --------------------------------------------------------------------------------
 
@@ -302,7 +310,7 @@ class NvdecDecoder:
             raise CorruptStreamError(f"NVDEC could not decode the stream: {e}") from e
         finally:
             if not finished:
-                self.close()  # a session left mid-stream is not reused
+                self.close((width, height))  # a session left mid-stream is not reused
 
     @staticmethod
     def _check_size(dec, width: int, height: int) -> None:
