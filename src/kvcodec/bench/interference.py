@@ -93,6 +93,8 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--reuse-rate", default=0.25, show_default=True, type=float, help="Reuse requests per second.")
 @click.option("--reuse-new-tokens", default=4, show_default=True, type=int)
 @click.option("--duration", default=24.0, show_default=True, type=float, help="Seconds of arrivals per condition.")
+@click.option("--warmup", default=5.0, show_default=True, type=float,
+              help="Seconds of background arrivals run (and discarded) before the first condition.")
 @click.option("--gbit", default=1.0, show_default=True, type=float, help="Emulated link (token bucket), Gbit/s.")
 @click.option("--quant", default="int8", show_default=True)
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
@@ -109,7 +111,7 @@ def _summary(xs: list[float]) -> dict:
               help="Worker processes of the kvcodec-pool condition's NVDEC pool (0: 7).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
-def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, gbit,
+def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, warmup, gbit,
             quant, sm_codec, conditions, device, kv_file, store_dir, prepare_only, max_batch, nvdec_pool, out_path, threads) -> None:  # noqa: ANN001
     """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler.
 
@@ -230,7 +232,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
             pool_note = f"NVDEC pool failed to start ({type(e).__name__}: {e}); one in-process decoder used"
         click.echo(f"  {pool_note}", err=True)
 
-    def run_condition(cond: str) -> dict:
+    def run_condition(cond: str, duration: float = duration) -> dict:
         sub = "sm-decoder" if cond == "sm-decoder" else "kvcodec"
         pc = None
         if cond != "alone":
@@ -290,6 +292,9 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
                    + (f", reuse TTFT p50 {res['reuse_ttft_s']['p50']:.2f} s" if ru else ""), err=True)
         return res
 
+    if warmup > 0:  # the first seconds of a fresh engine (allocator growth, kernel autotuning) are not "alone"
+        click.echo(f"warm-up: {warmup:g} s of background arrivals, not recorded ...", err=True)
+        run_condition("alone", warmup)
     results = []
     for cond in conds:
         click.echo(f"condition {cond} ({duration:g} s of arrivals) ...", err=True)
@@ -304,7 +309,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": model_name, "random_weights": random_model, "kv_tiled_from": kv_file if random_model else None,
         "doc_tokens": len(doc_ids), "link_gbit": gbit, "bg_rate": bg_rate, "reuse_rate": reuse_rate,
-        "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration,
+        "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration, "warmup_s": warmup,
         "stored_bytes": stored_bytes, "sm_codec": sm_codec, "nvdec_pool": pool_note,
         "notes": ("GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores" if label == "gpu" else
                   "CPU run: every decoder (HEVC and the sm-decoder stand-in) runs on the same CPU cores as the model, "

@@ -236,6 +236,10 @@ def create_app(engine, model_name: str = "kvcodec"):  # noqa: ANN001, ANN201
 @click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--nvdec-pool", "nvdec_pool", default=0, show_default=True, type=int,
+              help="CUDA: restore fetched chunks in this many NVDEC worker processes (7 on an H100/H200). "
+                   "Keeps decoding off the serving process, whose request loop an in-process decoder slows "
+                   "(benchmarks/results/interference-h200-v2.md). 0: one decoder in this process.")
 def command(
     model_name: str,
     store_url: str | None,
@@ -250,6 +254,7 @@ def command(
     device: str | None,
     host: str,
     port: int,
+    nvdec_pool: int,
 ) -> None:
     """Serve a model over an OpenAI-compatible API with remote KV prefix reuse."""
     import tempfile
@@ -262,6 +267,17 @@ def command(
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}", err=True)
+    pool, cache_options = None, {}
+    if nvdec_pool > 0:
+        import torch
+
+        from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
+
+        if not (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+            raise click.BadParameter("--nvdec-pool needs a CUDA device", param_hint="--nvdec-pool")
+        pool = NvdecPool(workers=nvdec_pool, device=device)
+        cache_options = {"codec": PoolCodec(pool), "decode_workers": nvdec_pool}
+        click.echo(f"kvcodec serve: fetched chunks restored by {nvdec_pool} NVDEC worker processes", err=True)
     engine = Engine(
         model_name,
         store_url=store_url,
@@ -272,8 +288,11 @@ def command(
         max_batch=max_batch,
         fetch_deadline_s=fetch_deadline,
         device=device,
+        prefix_cache_options=cache_options,
     )
     try:
         uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level="info")
     finally:
         engine.close()
+        if pool is not None:
+            pool.close()
