@@ -391,21 +391,39 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
     os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(rec, f, indent=2)
-    md = [f"# TTFT vs bandwidth ({label})", "", f"`{rec['command']}`", "", rec["notes"], "",
-          "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths)
-          + " | kvcodec vs raw | kvcodec vs CacheGen | kvcodec vs prefill |",
-          "|---|---|---|" + "---|" * (len(meths) + 4)]
-    kvm = next((m for m in meths if m.startswith("kvcodec")), None)
-    for target in tlist:
-        for n in token_counts:
-            for bw in bws:
-                sel = {r["method"]: r for r in rows if r["model"] == target and r["tokens"] == n and r["bandwidth_gbit"] == bw}
-                cells = [f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths]
-                vr = f"{sel[kvm]['speedup_vs_raw']:.2f}x" if kvm and sel[kvm]["speedup_vs_raw"] else "-"
-                vc = f"{sel[kvm]['speedup_vs_cachegen']:.2f}x" if kvm and sel[kvm]["speedup_vs_cachegen"] else "-"
-                vp = f"{sel[kvm]['speedup_vs_prefill']:.2f}x" if kvm else "-"
-                md.append(f"| {target} | {n} | {bw:g} | " + " | ".join(cells) + f" | {vr} | {vc} | {vp} |")
+    md = modeled_markdown(rec)
     with open(out_path.replace(".json", ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     click.echo("\n".join(md))
     click.echo(f"wrote {out_path}", err=True)
+
+
+def modeled_markdown(rec: dict) -> list[str]:
+    """The report of a modeled TTFT record: TTFT per method, then each kvcodec method's speedup
+    over raw KV reuse, CacheGen-style reuse and full prefill."""
+    rows = rec["rows"]
+    meths = list(dict.fromkeys(r["method"] for r in rows if r["method"] != "prefill"))
+    kvms = [m for m in meths if m.startswith("kvcodec")]
+    targets = list(dict.fromkeys(r["model"] for r in rows))
+    tokens = sorted({r["tokens"] for r in rows})
+    bws = sorted({r["bandwidth_gbit"] for r in rows})
+    speed_cols = [f"{k} vs {b}" for k in kvms for b in ("raw", "CacheGen", "prefill")]
+    md = [f"# TTFT vs bandwidth ({rec['label']})", "", f"`{rec['command']}`", "", rec["notes"], "",
+          "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths)
+          + "".join(f" | {c}" for c in speed_cols) + " |",
+          "|---|---|---|" + "---|" * (len(meths) + 1 + len(speed_cols))]
+
+    def x(v) -> str:
+        return f"{v:.2f}x" if v else "-"
+
+    for target in targets:
+        for n in tokens:
+            for bw in bws:
+                sel = {r["method"]: r for r in rows if r["model"] == target and r["tokens"] == n and r["bandwidth_gbit"] == bw}
+                if not sel:
+                    continue
+                cells = [f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths]
+                for k in kvms:
+                    cells += [x(sel[k]["speedup_vs_raw"]), x(sel[k]["speedup_vs_cachegen"]), x(sel[k]["speedup_vs_prefill"])]
+                md.append(f"| {target} | {n} | {bw:g} | " + " | ".join(cells) + " |")
+    return md
