@@ -58,3 +58,20 @@ def test_fused_restorer_refuses_exact_mode():
 @pytest.mark.gpu
 def test_warm_up_compiles_for_every_output_dtype():
     triton_restore.warm_up("cuda", dtypes=(torch.float16, torch.bfloat16, torch.float32))
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant, video_bits", [("int8", 4), ("int4", 8)])
+def test_fused_restore_into_a_paged_cache_equals_reference(quant, video_bits):
+    from kvcodec import PagedKV
+
+    kv = _kv()
+    config = CodecConfig(quant=quant, chunk_tokens=48, resolutions=((256, 256),), video_bits=video_bits)
+    table = torch.tensor([11, 3, 5, 0, 9, 2, 7, 1, 4])
+    ref = PagedKV(torch.zeros(3, 2, 12, 8, 2, 64, dtype=torch.float16, device="cuda"), table)
+    got = PagedKV(torch.zeros_like(ref.pages), table)
+    for chunk in encode_chunks(kv, config):
+        decode_chunk_blob(chunk.blobs[0], out=ref, decoder=FFmpegHevcDecoder(), restore="torch")
+        decode_chunk_blob(chunk.blobs[0], out=got, decoder=FFmpegHevcDecoder(), restore="triton")
+    assert torch.equal(got.pages, ref.pages) and ref.pages.any()

@@ -2,6 +2,7 @@
 
 from kvcodec.codec import decode, decode_chunk_blob, encode, encode_chunks, inspect, inspect_chunk_blob
 from kvcodec.config import CodecConfig
+from kvcodec.restore.paged import PagedKV
 from kvcodec.errors import (
     ChecksumError,
     ConfigError,
@@ -26,6 +27,7 @@ def __getattr__(name):
 
 __all__ = [
     "CodecConfig",
+    "PagedKV",
     "encode",
     "decode",
     "encode_chunks",

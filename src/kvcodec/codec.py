@@ -47,6 +47,7 @@ from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
 from kvcodec.quant import integer as int_q
 from kvcodec.restore import ChunkTerms, restorer_for
+from kvcodec.restore.paged import PagedChunk, PagedKV
 from kvcodec.video.registry import get_decoder, get_encoder
 
 log = logging.getLogger(__name__)
@@ -405,14 +406,16 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
 def decode_chunk_blob(
     blob: bytes | memoryview,
     device: str | torch.device = "cpu",
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | PagedKV | None = None,
     decoder=None,
     restore: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | PagedKV:
     """Decode one chunk blob into a (layers, 2, tokens, kv_heads, head_dim) tensor on `device`,
     restoring frame by frame. With `out` (for example a slice of a preallocated KV cache) the
-    values are written there and `out` is returned. `restore` picks the frame restorer
-    ("auto": the fused GPU kernel where it applies; "torch"; "triton")."""
+    values are written there and `out` is returned; `out` may also be a PagedKV (blocks of a paged
+    cache and the sequence's block table): the chunk then fills its tokens' slots, from its
+    header's start_token. `restore` picks the frame restorer ("auto": the fused GPU kernel where
+    it applies; "torch"; "triton")."""
     header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
     h = ChunkHeader.from_json(header)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
@@ -422,11 +425,15 @@ def decode_chunk_blob(
     dtype = DTYPES.get(h.dtype)
     if dtype is None:
         raise FormatError(f"chunk blob has unknown dtype {h.dtype!r}")
-    device = torch.device(device) if out is None else out.device
-    if out is None:
-        out = torch.empty(h.shape, dtype=dtype, device=device)
-    elif tuple(out.shape) != h.shape or out.dtype != dtype:
-        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; chunk holds {h.shape} {dtype}")
+    if isinstance(out, PagedKV):
+        out.check(h.shape, dtype, h.start_token)
+        device = out.pages.device
+    else:
+        device = torch.device(device) if out is None else out.device
+        if out is None:
+            out = torch.empty(h.shape, dtype=dtype, device=device)
+        elif tuple(out.shape) != h.shape or out.dtype != dtype:
+            raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; chunk holds {h.shape} {dtype}")
     try:
         plan = LayoutPlan.from_dict(h.layout)
     except (TypeError, ValueError, Exception) as e:
@@ -441,7 +448,8 @@ def decode_chunk_blob(
     return _restore_frames(h, plan, streams, decoder, restorer, device, out)
 
 
-def _restore_frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder, restorer, device, out: torch.Tensor) -> torch.Tensor:
+def _restore_frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder, restorer, device, out):
+    target = PagedChunk(out, h.start_token) if isinstance(out, PagedKV) else out
     frames = 0
     tpf = plan.tokens_per_frame
     for frame in _frames(h, plan, streams, decoder):
@@ -449,7 +457,7 @@ def _restore_frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder, restorer
         frames += 1
         if start >= h.tokens:
             raise CorruptStreamError(f"video stream has more frames than the {h.frames} announced")
-        restorer.restore(frame.to(device, non_blocking=True), start, min(tpf, h.tokens - start), out)
+        restorer.restore(frame.to(device, non_blocking=True), start, min(tpf, h.tokens - start), target)
     if frames != h.frames:
         raise CorruptStreamError(f"video stream decoded to {frames} frames, header announces {h.frames}")
     return out
@@ -504,18 +512,21 @@ def file_chunks(
     device: str | torch.device = "cpu",
     *,
     resolution: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, list[tuple[memoryview, torch.Tensor]]]:
+    out: torch.Tensor | PagedKV | None = None,
+) -> tuple[torch.Tensor | PagedKV, list[tuple[memoryview, torch.Tensor | PagedKV]]]:
     """Parse and verify a kvcodec file for decoding: returns the output KV tensor (allocated on
     `device` unless `out` is given) and, per chunk, its blob at `resolution` (default: the largest)
-    with the slice of the output it restores into. Decoders, serial or parallel, start here."""
+    with the slice of the output it restores into (a PagedKV output is every chunk's target: each
+    chunk finds its tokens' blocks from its own start_token). Decoders, serial or parallel, start here."""
     fh, payload = read_file_header(data)
     dtype = DTYPES.get(fh.dtype)
     if dtype is None:
         raise FormatError(f"kvcodec file has unknown dtype {fh.dtype!r}")
     if resolution is None:
         resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
-    if out is None:
+    if isinstance(out, PagedKV):
+        out.check(fh.shape, dtype, 0)
+    elif out is None:
         out = torch.empty(fh.shape, dtype=dtype, device=torch.device(device))
     elif tuple(out.shape) != fh.shape or out.dtype != dtype:
         raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
@@ -525,7 +536,7 @@ def file_chunks(
         blob = payload[entry.offset : entry.offset + entry.length]
         if crc32(blob) != entry.crc32:
             raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
-        jobs.append((blob, out[:, :, start : start + tokens]))
+        jobs.append((blob, out if isinstance(out, PagedKV) else out[:, :, start : start + tokens]))
         start += tokens
     return out, jobs
 
@@ -535,12 +546,12 @@ def decode(
     device: str | torch.device = "cpu",
     *,
     resolution: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | PagedKV | None = None,
     decoder=None,
     restore: str = "auto",
-) -> torch.Tensor:
+) -> torch.Tensor | PagedKV:
     """Decode a kvcodec file into a KV tensor of its original shape and dtype on `device`
-    (NVDEC for CUDA devices where available, restoring frame by frame; `restore` as in
+    (NVDEC for CUDA devices where available, restoring frame by frame; `out` and `restore` as in
     decode_chunk_blob)."""
     out, jobs = file_chunks(data, device, resolution=resolution, out=out)
     with contextlib.nullcontext(decoder) if decoder is not None else _idle_decoders.borrow(out.device) as dec:

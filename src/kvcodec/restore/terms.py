@@ -49,7 +49,8 @@ class ChunkTerms:
 class FrameRestorer(Protocol):
     name: str
 
-    def restore(self, frame: torch.Tensor, start: int, n: int, out: torch.Tensor) -> None:
+    def restore(self, frame: torch.Tensor, start: int, n: int, out) -> None:
         """Write tokens [start, start + n) of the chunk, held by `frame` ((3, H, W) uint8, any
-        strides), into `out` (the chunk's (layers, 2, tokens, heads, dim) output tensor)."""
+        strides), into `out`: the chunk's (layers, 2, tokens, heads, dim) output tensor, or a
+        kvcodec.restore.paged.PagedChunk (blocks of a paged cache)."""
         ...

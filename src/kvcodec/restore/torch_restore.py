@@ -8,6 +8,7 @@ from kvcodec.layout.tiling import unpack_frame
 from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
 from kvcodec.quant import integer as int_q
+from kvcodec.restore.paged import PagedChunk
 from kvcodec.restore.terms import ChunkTerms
 
 
@@ -26,11 +27,15 @@ class TorchRestorer:
             block = bitsplit.join(block, low, t.low_counts)
         return centering.uncenter_with(block, t.shift, t.mask)
 
-    def restore(self, frame: torch.Tensor, start: int, n: int, out: torch.Tensor) -> None:
+    def restore(self, frame: torch.Tensor, start: int, n: int, out: torch.Tensor | PagedChunk) -> None:
         t = self.terms
         block = self.samples(frame, start, n).view(t.layers, 2, t.kv_heads, n, t.head_dim).permute(0, 1, 3, 2, 4)
-        target = out[:, :, start : start + n]
         if t.exact:
-            target.copy_(exact_q.join_bytes([block, *(p[:, :, start : start + n] for p in t.byte_planes)], t.dtype))
+            values = exact_q.join_bytes([block, *(p[:, :, start : start + n] for p in t.byte_planes)], t.dtype)
         else:
-            target.copy_(int_q.dequantize(block, t.offset, t.step, t.dtype))
+            values = int_q.dequantize(block, t.offset, t.step, t.dtype)
+        if isinstance(out, PagedChunk):
+            blocks, within = out.paged.slots(out.first_token + start, n)
+            out.paged.pages[:, :, blocks, within] = values
+        else:
+            out[:, :, start : start + n].copy_(values)

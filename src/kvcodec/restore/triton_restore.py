@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from kvcodec.restore.paged import PagedChunk
 from kvcodec.restore.terms import ChunkTerms
 
 BLOCK = 1024
@@ -51,9 +52,9 @@ def _kernel():
         frame_ptr, plane_stride, row_stride, frame_w, frame_hw,
         pos_ptr, low_ptr, low_plane_bytes, low_count_ptr,
         shift_ptr, mask_ptr, offset_ptr, step_ptr,
-        out_ptr, s_layer, s_kv, s_token, s_head, s_dim,
+        out_ptr, s_layer, s_kv, s_token, s_head, s_dim, token_offset_ptr,
         start, n, tpf, units, heads, dim,
-        BLOCK: tl.constexpr,
+        PAGED: tl.constexpr, BLOCK: tl.constexpr,
     ):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         total = units * n * dim
@@ -84,7 +85,11 @@ def _kernel():
         layer = u // (2 * heads)
         kv = (u // heads) % 2
         head = u % heads
-        dst = layer * s_layer + kv * s_kv + (start + t) * s_token + head * s_head + d * s_dim
+        if PAGED:  # each token's place in its block, from the block table
+            token = tl.load(token_offset_ptr + t, mask=live, other=0)
+        else:
+            token = (start + t) * s_token
+        dst = layer * s_layer + kv * s_kv + token + head * s_head + d * s_dim
         tl.store(out_ptr + dst, value.to(out_ptr.dtype.element_ty), mask=live)
 
     return restore_frame
@@ -109,7 +114,7 @@ class TritonRestorer:
         planes = terms.low_planes
         self._low_planes = planes.contiguous() if planes is not None and planes.shape[0] else None
 
-    def restore(self, frame: torch.Tensor, start: int, n: int, out: torch.Tensor) -> None:
+    def restore(self, frame: torch.Tensor, start: int, n: int, out) -> None:
         t = self.terms
         plan = t.plan
         if frame.dim() != 3 or frame.shape[0] != 3 or frame.shape[1] < plan.height or frame.shape[2] < plan.width:
@@ -117,15 +122,21 @@ class TritonRestorer:
         if frame.stride(2) != 1:
             frame = frame.contiguous()
         low = self._low_planes
+        if isinstance(out, PagedChunk):
+            pages = out.paged.pages
+            offsets = out.paged.token_offsets(out.first_token + start, n)
+            base, strides, paged = pages, (pages.stride(0), pages.stride(1), 0, pages.stride(4), pages.stride(5)), True
+        else:
+            base, strides, paged, offsets = out, out.stride(), False, self._low_counts  # offsets unused
         total = t.units * n * t.head_dim
         grid = ((total + BLOCK - 1) // BLOCK,)
         _kernel()[grid](
             frame, frame.stride(0), frame.stride(1), plan.width, plan.width * plan.height,
             t.positions, low if low is not None else frame, low.shape[1] if low is not None else 0, self._low_counts,
             self._shift, self._mask, self._offset, self._step,
-            out, *out.stride(),
+            base, *strides, offsets,
             start, n, plan.tokens_per_frame, t.units, t.kv_heads, t.head_dim,
-            BLOCK=BLOCK,
+            PAGED=paged, BLOCK=BLOCK,
         )
 
 
