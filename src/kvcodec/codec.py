@@ -30,6 +30,7 @@ from kvcodec.container.format import (
     FileHeader,
     StreamEntry,
     crc32,
+    object_version,
     read_object,
     split_streams,
     write_object,
@@ -579,8 +580,10 @@ def inspect(data: bytes | memoryview) -> dict:
             "streams": streams,
             "layout": first.layout,
             "frames_per_chunk": first.frames,
+            "video_bits": first.video_bits,
         }
     return {
+        "format_version": object_version(data),
         "shape": list(fh.shape),
         "dtype": fh.dtype,
         "tokens": fh.tokens,

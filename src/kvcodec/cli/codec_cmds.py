@@ -110,7 +110,7 @@ def inspect_cmd(src, as_json):
         click.echo(json.dumps(info, indent=2))
         return
     cfg = info["config"]
-    click.echo(f"file        {src} ({info['file_bytes']:,} bytes, format v1)")
+    click.echo(f"file        {src} ({info['file_bytes']:,} bytes, format v{info['format_version']})")
     click.echo(f"kv          shape {tuple(info['shape'])} {info['dtype']}, {info['tokens']} tokens in {info['chunks']} chunks of {cfg['chunk_tokens']}")
     bits = f" layer bits {cfg['layer_bits']}" if cfg["layer_bits"] else ""
     click.echo(f"quant       {cfg['quant']}{bits}; samples coded with {cfg['sample_coder']}")
@@ -121,7 +121,7 @@ def inspect_cmd(src, as_json):
         click.echo(
             f"  {name:>9}  {r['bytes']:>12,} bytes  {r['ratio_vs_fp16']:5.2f}x  "
             f"{lay['orientation']} tiles {lay['tile_w']}x{lay['tile_h']}, {lay['tokens_per_frame']} tokens/frame, "
-            f"{r['frames_per_chunk']} frames/chunk  [{streams}]"
+            f"{r['frames_per_chunk']} frames/chunk, top {r['video_bits']} bits in the video  [{streams}]"
         )
 
 

@@ -146,6 +146,11 @@ class FileHeader:
             raise FormatError(f"malformed file header: {e!r}") from e
 
 
+def object_version(data: bytes | memoryview) -> int:
+    """The format version written in an object's fixed prefix (call after read_object checked it)."""
+    return _PREFIX.unpack_from(memoryview(data), 0)[1]
+
+
 def write_object(magic: bytes, header: dict[str, Any], payloads: list[bytes]) -> bytes:
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     parts = [_PREFIX.pack(magic, FORMAT_VERSION, len(head)), head, _CRC.pack(crc32(head)), *payloads]
