@@ -202,6 +202,8 @@ def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPl
     key = (config.quant, DTYPE_NAMES[kv.dtype], config.layer_bits)
     units, _, dim = symbols.samples.shape
     if not bitsplit.can_split(units, dim):
+        if config.video_bits not in ("auto", bitsplit.FULL):
+            log.info("%d units x %d channels do not fill whole bytes of a bit plane: every bit in the video", units, dim)
         video_bits = bitsplit.FULL
     elif config.video_bits == "auto":
         video_bits = choose_video_bits(
@@ -346,17 +348,17 @@ def _unzstd(data, name: str, size: int | None = None) -> bytes:
         raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
 
 
-def _low_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
+def _byte_stream(entry: StreamEntry, streams, size: int, device) -> torch.Tensor:
+    """A zstd- or raw-coded stream of exactly `size` bytes, as a flat uint8 tensor on `device`."""
+    raw = _unzstd(streams[entry.name], entry.name, size) if entry.codec == "zstd" else bytes(streams[entry.name])
+    if len(raw) != size:
+        raise CorruptStreamError(f"stream {entry.name!r} holds {len(raw)} bytes, expected {size}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def _exact_byte_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
     n = h.layers * 2 * h.tokens * h.kv_heads * h.head_dim
-    planes = []
-    for s in h.streams:
-        if not s.name.startswith("bytes"):
-            continue
-        raw = _unzstd(streams[s.name], s.name, n) if s.codec == "zstd" else bytes(streams[s.name])
-        if len(raw) != n:
-            raise CorruptStreamError(f"stream {s.name!r} holds {len(raw)} bytes, expected {n}")
-        planes.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(h.shape).to(device))
-    return planes
+    return [_byte_stream(s, streams, n, device).view(h.shape) for s in h.streams if s.name.startswith("bytes")]
 
 
 def _low_bit_planes(h: ChunkHeader, streams, counts: torch.Tensor, device) -> torch.Tensor | None:
@@ -368,12 +370,8 @@ def _low_bit_planes(h: ChunkHeader, streams, counts: torch.Tensor, device) -> to
     units = h.layers * 2 * h.kv_heads
     if not planes or not bitsplit.can_split(units, h.head_dim):
         raise FormatError(f"chunk has a low bit stream it cannot use (video_bits={h.video_bits})")
-    n = planes * h.tokens * units * h.head_dim // 8
     entry = next(s for s in h.streams if s.name == "low")
-    raw = _unzstd(streams["low"], "low", n) if entry.codec == "zstd" else bytes(streams["low"])
-    if len(raw) != n:
-        raise CorruptStreamError(f"stream 'low' holds {len(raw)} bytes, expected {n}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(planes, -1).to(device)
+    return _byte_stream(entry, streams, planes * h.tokens * units * h.head_dim // 8, device).view(planes, -1)
 
 
 def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device) -> ChunkTerms:
@@ -396,7 +394,7 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
         low_planes=_low_bit_planes(h, streams, counts, device),
     )
     if h.quant == "exact":
-        byte_planes = _low_planes(h, streams, device)
+        byte_planes = _exact_byte_planes(h, streams, device)
         if len(byte_planes) != exact_q.bytes_per_value(dtype) - 1:
             raise FormatError(f"exact chunk carries {len(byte_planes)} low byte planes for {h.dtype}")
         return ChunkTerms(**common, byte_planes=tuple(byte_planes))
