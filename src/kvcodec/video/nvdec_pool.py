@@ -276,6 +276,7 @@ class NvdecPool:
         CorruptStreamError naming the first chunk that failed (the others are still written)."""
         if self._closed:
             raise BackendUnavailableError("the NVDEC pool is closed")
+        torch.cuda.current_stream(self.device).synchronize()  # what this process queued on the outputs is done
         sink: queue.Queue = queue.Queue()
         jobs = []
         for k, (blob, out) in enumerate(zip(blobs, outs, strict=True)):
@@ -425,7 +426,6 @@ def decode_blobs_parallel(
     (NvdecPool.restore_blobs). where="consumer": the codec's decode_chunk_blob runs here in up to
     `threads` threads (default 2 per worker), frames coming from the workers' rings."""
     if where == "workers":
-        torch.cuda.current_stream(pool.device).synchronize()  # targets allocated/zeroed here are ready
         pool.restore_blobs(blobs, outs, restore=restore)
         return
     if where != "consumer":
