@@ -559,6 +559,7 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, de
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def log(rec):
+        rec.setdefault("gpu", gpu)
         records.append(rec)
         click.echo(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}))
         out.write_text(json.dumps(result, indent=1))  # partial results survive an interrupted run
