@@ -18,6 +18,8 @@ per condition, as JSON + markdown under benchmarks/results/.
 
 from __future__ import annotations
 
+import statistics
+
 import click
 
 
@@ -93,6 +95,9 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--reuse-rate", default=0.25, show_default=True, type=float, help="Reuse requests per second.")
 @click.option("--reuse-new-tokens", default=4, show_default=True, type=int)
 @click.option("--duration", default=24.0, show_default=True, type=float, help="Seconds of arrivals per condition.")
+@click.option("--rounds", default=1, show_default=True, type=int,
+              help="Run the condition list this many times, interleaved; the report adds each condition's "
+                   "median over rounds relative to alone's.")
 @click.option("--warmup", default=5.0, show_default=True, type=float,
               help="Seconds of background arrivals run (and discarded) before the first condition.")
 @click.option("--gbit", default=1.0, show_default=True, type=float, help="Emulated link (token bucket), Gbit/s.")
@@ -111,7 +116,7 @@ def _summary(xs: list[float]) -> dict:
               help="Worker processes of the kvcodec-pool condition's NVDEC pool (0: 7).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
-def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, warmup, gbit,
+def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, rounds, warmup, gbit,
             quant, sm_codec, conditions, device, kv_file, store_dir, prepare_only, max_batch, nvdec_pool, out_path, threads) -> None:  # noqa: ANN001
     """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler.
 
@@ -296,9 +301,10 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         click.echo(f"warm-up: {warmup:g} s of background arrivals, not recorded ...", err=True)
         run_condition("alone", warmup)
     results = []
-    for cond in conds:
-        click.echo(f"condition {cond} ({duration:g} s of arrivals) ...", err=True)
-        results.append(run_condition(cond))
+    for rnd in range(rounds):  # interleaved rounds: slow drift of the machine hits every condition alike
+        for cond in conds:
+            click.echo(f"round {rnd + 1}/{rounds}: condition {cond} ({duration:g} s of arrivals) ...", err=True)
+            results.append({**run_condition(cond), "round": rnd})
     if pool is not None:
         pool.close()
     if tmp is not None:
@@ -309,7 +315,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": model_name, "random_weights": random_model, "kv_tiled_from": kv_file if random_model else None,
         "doc_tokens": len(doc_ids), "link_gbit": gbit, "bg_rate": bg_rate, "reuse_rate": reuse_rate,
-        "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration, "warmup_s": warmup,
+        "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration, "warmup_s": warmup, "rounds": rounds,
         "stored_bytes": stored_bytes, "sm_codec": sm_codec, "nvdec_pool": pool_note,
         "notes": ("GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores" if label == "gpu" else
                   "CPU run: every decoder (HEVC and the sm-decoder stand-in) runs on the same CPU cores as the model, "
@@ -335,9 +341,26 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         p90p = r["bg_tpot_s"]["p90"]
         rt = r["reuse_ttft_s"]["p50"]
         rf = r["reuse_fetch_s"]["p50"]
-        md.append(f"| {r['condition']} | {rel(r, 'bg_ttft_s')} | {p90t * 1e3 if p90t else 0:.1f} | {rel(r, 'bg_tpot_s')} | "
+        name = f"{r['condition']} (round {r['round'] + 1})" if rounds > 1 else r["condition"]
+        md.append(f"| {name} | {rel(r, 'bg_ttft_s')} | {p90t * 1e3 if p90t else 0:.1f} | {rel(r, 'bg_tpot_s')} | "
                   f"{p90p * 1e3 if p90p else 0:.1f} | {f'{rt:.2f}' if rt is not None else '-'} | {f'{rf:.2f}' if rf is not None else '-'} |")
+    if rounds > 1 and "alone" in conds:
+        md += ["", f"Median over {rounds} interleaved rounds of each condition's p50, relative to alone's:", "",
+               "| condition | bg TTFT p50 | bg TPOT p50 |", "|---|---|---|"]
+        for cond in dict.fromkeys(conds):
+            cells = []
+            for key in ("bg_ttft_s", "bg_tpot_s"):
+                ratios = [r[key]["p50"] / a[key]["p50"] for r, a in _paired_with_alone(results, cond)
+                          if r[key]["p50"] and a[key]["p50"]]
+                cells.append(f"{statistics.median(ratios):.3f}x" if ratios else "-")
+            md.append(f"| {cond} | " + " | ".join(cells) + " |")
     with open(out_path.replace(".json", ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     click.echo("\n".join(md))
     click.echo(f"wrote {out_path}", err=True)
+
+
+def _paired_with_alone(results: list[dict], cond: str) -> list[tuple[dict, dict]]:
+    """(condition's result, the same round's alone result) for every round."""
+    alone = {r["round"]: r for r in results if r["condition"] == "alone"}
+    return [(r, alone[r["round"]]) for r in results if r["condition"] == cond and r["round"] in alone]
