@@ -504,7 +504,9 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
 @click.option("--prepare", "kv_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Build --data from this KV safetensors file (key 'kv'), on the CPU, and exit.")
 @click.option("--tokens", default=256, show_default=True, help="(--prepare) tokens of the KV to encode.")
-@click.option("--modes", default=DEFAULT_MODES, show_default=True)
+@click.option("--modes", default=DEFAULT_MODES, show_default=True,
+              help="Quant modes, each optionally with -vN for N video bits (e.g. int8-v8: no bit split); "
+                   "files are <mode>_<W>x<H>.kvc in --data.")
 @click.option("--resolutions", default=DEFAULT_RESOLUTIONS, show_default=True)
 @click.option("--backends", default=DEFAULT_BACKENDS, show_default=True,
               help="nvdec, nvdec-pool (restore in the workers), nvdec-pool-consumer (frames from the workers, "
