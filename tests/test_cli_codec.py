@@ -39,3 +39,22 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert r.exit_code != 0 and "kvcodec" in str(r.exception)
     r = runner.invoke(cli, ["encode", str(bad), str(tmp_path / "o.kvc"), "--resolutions", "big"])
     assert r.exit_code == 2 and "WIDTHxHEIGHT" in r.output
+
+
+def test_encode_video_bits_option_is_recorded_and_decodes_to_the_same_values(tmp_path):
+    kv = (torch.randn(2, 2, 20, 2, 16) * 2).to(torch.float16)
+    save_file({"kv": kv}, str(tmp_path / "kv.safetensors"))
+    runner = CliRunner()
+    outs = {}
+    for bits in ("8", "3"):
+        r = runner.invoke(cli, ["encode", str(tmp_path / "kv.safetensors"), str(tmp_path / f"kv{bits}.kvc"),
+                                "--resolutions", "144x144", "--video-bits", bits])
+        assert r.exit_code == 0, r.output
+        info = json.loads(runner.invoke(cli, ["inspect", str(tmp_path / f"kv{bits}.kvc"), "--json"]).output)
+        assert info["resolutions"]["144x144"]["video_bits"] == int(bits) and info["format_version"] == 2
+        r = runner.invoke(cli, ["decode", str(tmp_path / f"kv{bits}.kvc"), str(tmp_path / f"out{bits}.safetensors")])
+        assert r.exit_code == 0, r.output
+        outs[bits] = load_file(str(tmp_path / f"out{bits}.safetensors"))["kv"]
+    assert torch.equal(outs["8"], outs["3"])
+    r = runner.invoke(cli, ["decode", str(tmp_path / "kv3.kvc"), str(tmp_path / "o.safetensors"), "--nvdec-pool", "2"])
+    assert r.exit_code != 0 and "--nvdec-pool needs --device cuda" in r.output

@@ -46,7 +46,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 @click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 256x256,512x512,1024x1024).")
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
 @click.option("--sample-coder", type=click.Choice(SAMPLE_CODERS), default="hevc", show_default=True)
-def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder):
+@click.option("--video-bits", type=click.Choice(["auto", *map(str, range(1, 9))]), default="auto", show_default=True,
+              help="Top bits of each sample coded as video; the rest go to packed bit planes (8: all in the video).")
+def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits):
     """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
     from safetensors.torch import load_file
     from tqdm import tqdm
@@ -58,7 +60,8 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
     if "kv" not in tensors:
         raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
     kv = tensors["kv"]
-    kw = dict(quant=quant, chunk_tokens=chunk_tokens, sample_coder=sample_coder)
+    kw = dict(quant=quant, chunk_tokens=chunk_tokens, sample_coder=sample_coder,
+              video_bits=video_bits if video_bits == "auto" else int(video_bits))
     if res:
         kw["resolutions"] = res
     if layer_bits:
@@ -84,16 +87,29 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ...")
 @click.option("--resolution", help="Which stored resolution to decode, e.g. 512x512 (default: the largest).")
-def decode_cmd(src, dst, device, resolution):
+@click.option("--nvdec-pool", "pool_workers", type=int, default=0, show_default=True,
+              help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).")
+def decode_cmd(src, dst, device, resolution, pool_workers):
     """Decode SRC.kvc into DST.safetensors (one tensor named `kv`)."""
     from safetensors.torch import save_file
 
     import kvcodec
 
     res = _parse_resolutions(resolution)
-    t0 = time.perf_counter()
-    kv = kvcodec.decode(src.read_bytes(), device=device, resolution=res[0] if res else None)
-    elapsed = time.perf_counter() - t0
+    data = src.read_bytes()
+    if pool_workers > 0:
+        if not device.startswith("cuda"):
+            raise click.BadParameter("--nvdec-pool needs --device cuda", param_hint="--nvdec-pool")
+        from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
+
+        with NvdecPool(workers=pool_workers, device=device) as pool:
+            t0 = time.perf_counter()
+            kv = decode_parallel(data, pool, resolution=res[0] if res else None)
+            elapsed = time.perf_counter() - t0
+    else:
+        t0 = time.perf_counter()
+        kv = kvcodec.decode(data, device=device, resolution=res[0] if res else None)
+        elapsed = time.perf_counter() - t0
     save_file({"kv": kv.cpu().contiguous()}, str(dst))
     click.echo(f"{dst}: kv {tuple(kv.shape)} {str(kv.dtype).removeprefix('torch.')} decoded on {device} in {elapsed:.2f} s")
 
