@@ -12,9 +12,9 @@ measured, and the record says where:
   same family (llama-like <- smollm2-135m, qwen2 <- qwen2.5-coder-0.5b). For the small real
   models themselves nothing is scaled.
 - decode speed per method: measured on this machine on the same real KV (CPU: zstd / CacheGen rANS
-  / software HEVC; raw = a copy). On a GPU: raw = host-to-device copy, measured; kvcodec = NVDEC at
-  `--nvdec-gbit` of coded stream (default from the decode benchmark / FACTS: ~9 Gbit/s for all 7
-  engines of an H200); other rates can be overridden with --decode-rate METHOD=GB/s (of fp16 KV).
+  / software HEVC; raw = a copy). On a GPU: raw = host-to-device copy, measured; kvcodec = the NVDEC
+  pool restoring `--nvdec-gbit` of stored bytes per second (default from `kvcodec bench decode` on an
+  H200); any rate can be set with --decode-rate METHOD=GB/s (of fp16 KV), as the committed GPU runs do.
 - prefill times: real forward passes on this machine; for 7B/8B-class targets ("llama3-8b",
   "qwen2.5-7b") full-size architectures with RANDOM weights (timing only, never KV statistics).
 """
@@ -264,8 +264,10 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
 @click.option("--resolution", default="512x512", show_default=True, help="Stored kvcodec resolution measured.")
 @click.option("--stats", "stats_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read KV statistics from an earlier record instead of measuring (the GPU machine has no GGUF loader).")
-@click.option("--nvdec-gbit", default=9.0, show_default=True, type=float,
-              help="kvcodec decode rate on a GPU, Gbit/s of coded stream over all NVDEC engines.")
+@click.option("--nvdec-gbit", default=6.0, show_default=True, type=float,
+              help="kvcodec restore rate on a GPU when no --decode-rate is given: Gbit/s of stored chunk bytes "
+                   "restored through the NVDEC pool (measured 6.8 for int8 and 5.6 for int4 in "
+                   "benchmarks/results/decode-h200-v3.md).")
 @click.option("--decode-rate", multiple=True, help="METHOD=GB/s of fp16 KV: override a decode rate (e.g. cachegen=40).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
 @click.option("--repeat", default=3, show_default=True, type=int)
