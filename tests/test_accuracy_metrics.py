@@ -175,3 +175,14 @@ def test_bench_accuracy_command_end_to_end(smollm2, tmp_path):
     assert int4["kv_rel_rms_error"] > 0 and int4["ratio_vs_fp16"] > exact["ratio_vs_fp16"]
     assert doc["per_question"][0]["doc_tokens"] == 48
     assert (tmp_path / "accuracy-smollm2-135m-test.md").read_text().count("| smollm2-135m |") == 2
+
+
+def test_extractive_answer_scoring_follows_squad_normalisation():
+    from kvcodec.bench.accuracy_metrics import answer_f1, normalize_answer
+
+    assert normalize_answer("The  Beatles!") == ["beatles"]
+    assert answer_f1("the Beatles.", ["Beatles"]) == (True, 1.0)
+    em, f1 = answer_f1("Catherine Hickson", ["Catherine"])
+    assert not em and abs(f1 - 2 / 3) < 1e-9
+    assert answer_f1("Warlock", ["Heseltine"]) == (False, 0.0)
+    assert answer_f1("x", ["nope", "x"]) == (True, 1.0)  # any accepted span counts

@@ -39,7 +39,8 @@ BENCH_RESOLUTION = (256, 256)
 
 @dataclasses.dataclass
 class _QuantStats:
-    correct: int = 0
+    correct: float = 0.0  # multiple choice: right answers; extractive: sum of F1
+    exact_match: int = 0  # extractive only
     same_choice: int = 0
     identical_scores: int = 0
     max_score_diff: float = 0.0
@@ -84,35 +85,44 @@ def run_model(
     identity: bool,
     download: bool,
     log: Callable[[str], None],
+    answer_tokens: int = 12,
 ) -> tuple[list[dict], list[dict]]:
     import torch
 
     from kvcodec.bench import accuracy_metrics as acc
     from kvcodec.integrations.hf import cache_to_tensor, extract_kv, forward_ids
     from kvcodec.models import load_model, model_id
-    from kvcodec.models.texts import load_multiple_choice, load_text
+    from kvcodec.models.texts import load_qa, load_text
 
     store_dtype = getattr(torch, kv_dtype)
+
+    def answer(model, tok, doc, kv, q):
+        if task == "quoref":
+            return acc.answer_extractive(model, tok, doc, kv, q, max_new_tokens=answer_tokens)
+        return acc.answer_multiple_choice(model, tok, doc, kv, q)
+
     model, tok = load_model(model_name)
     mid = model_id(model)
     stats = {q: _QuantStats() for q in quants}
     per_question: list[dict] = []
-    questions = load_multiple_choice(task, limit=n_questions, download=download)
-    recomputed_correct = 0
+    questions = load_qa(task, limit=n_questions, download=download)
+    extractive = task == "quoref"
+    recomputed_correct, recomputed_em = 0.0, 0
     t_start = time.perf_counter()
     for qi, q in enumerate(questions):
         doc = acc.document_ids(tok, q, max_tokens=max_doc_tokens)
         # prefill the exact ids (decoding and re-tokenizing could change them)
         _, cache = forward_ids(model, doc)
         kv_ref = cache_to_tensor(cache).cpu()
-        ref = acc.answer_multiple_choice(model, tok, doc, kv_ref, q)
-        recomputed_correct += ref.correct
+        ref = answer(model, tok, doc, kv_ref, q)
+        recomputed_correct += ref.f1 if extractive else ref.correct
+        recomputed_em += extractive and ref.exact_match
         row: dict[str, Any] = {
             "model": model_name,
             "question": q.id,
             "doc_tokens": int(doc.numel()),
-            "answer": q.answer,
-            "choice_recomputed": ref.choice,
+            "answer": list(q.answers) if extractive else q.answer,
+            "choice_recomputed": ref.text if extractive else ref.choice,
             "choices_restored": {},
         }
         kv_store = kv_ref.to(store_dtype)
@@ -123,22 +133,31 @@ def run_model(
                 restored.view(torch.uint8), kv_store.view(torch.uint8)
             )
             restored = restored.to(kv_ref.dtype)
-            got = acc.answer_multiple_choice(model, tok, doc, restored, q)
+            got = answer(model, tok, doc, restored, q)
             s = stats[quant]
-            s.correct += got.correct
-            s.same_choice += got.choice == ref.choice
-            s.identical_scores += got.scores == ref.scores
-            s.max_score_diff = max(s.max_score_diff, max(abs(a - b) for a, b in zip(got.scores, ref.scores)))
+            if extractive:
+                s.correct += got.f1
+                s.exact_match += got.exact_match
+                s.same_choice += got.text == ref.text
+                s.identical_scores += got.tokens == ref.tokens
+                s.max_score_diff = max(s.max_score_diff, abs(got.f1 - ref.f1))
+            else:
+                s.correct += got.correct
+                s.same_choice += got.choice == ref.choice
+                s.identical_scores += got.scores == ref.scores
+                s.max_score_diff = max(s.max_score_diff, max(abs(a - b) for a, b in zip(got.scores, ref.scores)))
             s.ratio.append(kv_store.numel() * 2 / nbytes)  # vs fp16
             s.ratio_stored.append(kv_store.numel() * kv_store.element_size() / nbytes)
             s.encode_s.append(enc_s)
             s.rel_rms.append(acc.kv_error(restored, kv_ref)["rel_rms"])
-            row["choices_restored"][quant] = got.choice
+            row["choices_restored"][quant] = got.text if extractive else got.choice
         per_question.append(row)
         elapsed = time.perf_counter() - t_start
         log(
-            f"  {model_name} {qi + 1}/{len(questions)} ({doc.numel()} tok) recomputed={'ok' if ref.correct else '--'} "
-            + " ".join(f"{qq}:{row['choices_restored'][qq]}" for qq in quants)
+            f"  {model_name} {qi + 1}/{len(questions)} ({doc.numel()} tok) recomputed="
+            + (f"{ref.text!r} (F1 {ref.f1:.2f}) " if extractive else f"{'ok' if ref.correct else '--'} ")
+            + " ".join(f"{qq}:{row['choices_restored'][qq]!r}" if extractive else f"{qq}:{row['choices_restored'][qq]}"
+                       for qq in quants)
             + f"  [{elapsed:.0f} s]"
         )
 
@@ -186,6 +205,9 @@ def run_model(
                 "accuracy_restored": s.correct / n if n else None,
                 "accuracy_recomputed": recomputed_correct / n if n else None,
                 "answer_agreement": s.same_choice / n if n else None,
+                **({"exact_match_restored": s.exact_match / n if n else None,
+                    "exact_match_recomputed": recomputed_em / n if n else None,
+                    "accuracy_is": "mean token F1 against the accepted spans"} if extractive else {}),
                 "identical_scores": s.identical_scores,
                 "bit_exact_round_trips": s.bit_exact,
                 "round_trips": s.round_trips,
@@ -280,7 +302,9 @@ def _command_line(ctx: click.Context) -> str:
 @click.command("accuracy")
 @click.option("--models", default="smollm2-135m", show_default=True, help="Comma-separated registry names.")
 @click.option("--quants", default="exact,int8,int6,int4,int3", show_default=True, help="Comma-separated quant modes.")
-@click.option("--task", default="minute_mysteries", show_default=True, type=click.Choice(["minute_mysteries"]))
+@click.option("--task", default="minute_mysteries", show_default=True, type=click.Choice(["minute_mysteries", "quoref"]),
+              help="minute_mysteries: 4-way multiple choice over ~1.5k-token stories, scored by likelihood; "
+                   "quoref: extractive QA over passages, greedy answers scored by F1 / exact match.")
 @click.option("--n-questions", type=click.IntRange(min=1), default=40, show_default=True)
 @click.option("--max-doc-tokens", type=click.IntRange(min=16), default=2048, show_default=True,
               help="Keep at most the last N tokens of each story.")
@@ -352,7 +376,9 @@ def command(ctx, models, quants, task, n_questions, max_doc_tokens, ppl_texts, p
             "quick": quick, "n_questions": n_questions, "max_doc_tokens": max_doc_tokens, "ppl_texts": text_list,
             "ppl_prefix": ppl_prefix, "ppl_tokens": ppl_tokens, "greedy_tokens": greedy_tokens,
             "kv_dtype": kv_dtype, "identity_codec": identity,
-            "scoring": "sum of option-token log-probabilities after 'Question: ...\\nAnswer:'",
+            "scoring": ("greedy answer (12 tokens, first line) after 'Question: ...\\nAnswer:', token F1 and exact "
+                        "match against the accepted spans" if task == "quoref" else
+                        "sum of option-token log-probabilities after 'Question: ...\\nAnswer:'"),
         },
         "records": records,
         "per_question": questions,

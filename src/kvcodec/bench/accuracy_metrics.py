@@ -185,3 +185,49 @@ def kv_error(kv_restored: torch.Tensor, kv_reference: torch.Tensor) -> dict[str,
     rms = float(d.pow(2).mean().sqrt())
     ref_rms = float(kv_reference.double().pow(2).mean().sqrt())
     return {"max_abs": float(d.abs().max()), "rms": rms, "rel_rms": rms / ref_rms if ref_rms else 0.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtractiveResult:
+    text: str  # the greedy answer, first line, stripped
+    tokens: tuple[int, ...]
+    exact_match: bool  # equals one of the accepted answers after normalisation
+    f1: float  # best token-overlap F1 against the accepted answers
+
+
+def normalize_answer(text: str) -> list[str]:
+    """SQuAD-style normalisation: lower case, punctuation and articles dropped, split on spaces."""
+    import re
+    import string
+
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return text.split()
+
+
+def answer_f1(prediction: str, answers: Sequence[str]) -> tuple[bool, float]:
+    """(exact match, F1) of a predicted answer against any of the accepted ones."""
+    pred = normalize_answer(prediction)
+    best_em, best_f1 = False, 0.0
+    for ans in answers:
+        gold = normalize_answer(ans)
+        best_em = best_em or pred == gold
+        common = sum(min(pred.count(w), gold.count(w)) for w in set(pred))
+        if common:
+            p, r = common / len(pred), common / len(gold)
+            best_f1 = max(best_f1, 2 * p * r / (p + r))
+        elif pred == gold:
+            best_f1 = 1.0
+    return best_em, best_f1
+
+
+def answer_extractive(
+    model: Any, tokenizer: Any, prefix_ids: Any, kv: torch.Tensor, question: Any, max_new_tokens: int = 12
+) -> ExtractiveResult:
+    """Greedy-answer an ExtractiveQuestion after its document prefix KV; score it against the spans."""
+    suffix = _tok(tokenizer, SUFFIX_TEMPLATE.format(question=question.question), False)
+    tokens = greedy_from_kv(model, prefix_ids, kv, suffix, max_new_tokens)
+    text = tokenizer.decode(tokens, skip_special_tokens=True).strip().split("\n")[0].strip()
+    em, f1 = answer_f1(text, question.answers)
+    return ExtractiveResult(text, tuple(tokens), em, f1)
