@@ -268,7 +268,8 @@ def write_table(doc: dict, path: Path) -> None:
     lines_notes = [
         "",
         f"KV stored as {doc['settings']['kv_dtype']}; 'ratio vs fp16' compares the stored bytes with fp16 of the same KV.",
-        "'same answer': fraction of questions where restored and recomputed KV chose the same option.",
+        "'same answer': fraction of questions where restored and recomputed KV chose the same option "
+        "(quoref: gave the same answer text; 'acc' is then the mean token F1 against the accepted spans).",
         f"'token agreement': fraction of equal positions in two {doc['settings']['greedy_tokens']}-token greedy decodes;",
         "'first divergence': per essay, index of the first differing token (none = identical).",
     ]
