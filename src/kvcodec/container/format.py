@@ -80,16 +80,12 @@ class ChunkHeader:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkHeader:
-        if d.get("format") != "kvcodec-chunk":
-            raise FormatError("header is not a kvcodec chunk header")
-        try:
-            kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.default is dataclasses.MISSING}
-            kw["layer_bits"] = tuple(kw["layer_bits"])
-            kw["resolution"] = tuple(kw["resolution"])
-            kw["streams"] = tuple(StreamEntry(**s) for s in kw["streams"])
-            return cls(**kw)
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"malformed chunk header: {e!r}") from e
+        return _header_from_json(cls, d, "chunk", lambda kw: {
+            **kw,
+            "layer_bits": tuple(kw["layer_bits"]),
+            "resolution": tuple(kw["resolution"]),
+            "streams": tuple(StreamEntry(**s) for s in kw["streams"]),
+        })
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,17 +129,23 @@ class FileHeader:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileHeader:
-        if d.get("format") != "kvcodec-file":
-            raise FormatError("header is not a kvcodec file header")
-        try:
-            kw = {f.name: d[f.name] for f in dataclasses.fields(cls)}
-            kw["chunk_tokens"] = tuple(kw["chunk_tokens"])
-            kw["blobs"] = tuple(
-                BlobEntry(**{**b, "resolution": tuple(b["resolution"])}) for b in kw["blobs"]
-            )
-            return cls(**kw)
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"malformed file header: {e!r}") from e
+        return _header_from_json(cls, d, "file", lambda kw: {
+            **kw,
+            "chunk_tokens": tuple(kw["chunk_tokens"]),
+            "blobs": tuple(BlobEntry(**{**b, "resolution": tuple(b["resolution"])}) for b in kw["blobs"]),
+        })
+
+
+def _header_from_json(cls, d: dict[str, Any], kind: str, convert):
+    """A header dataclass from its JSON object: the format tag checked, every field without a
+    default required, JSON lists turned back into tuples by `convert`; any mismatch is a FormatError."""
+    if d.get("format") != f"kvcodec-{kind}":
+        raise FormatError(f"header is not a kvcodec {kind} header")
+    try:
+        kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.default is dataclasses.MISSING}
+        return cls(**convert(kw))
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"malformed {kind} header: {e!r}") from e
 
 
 def object_version(data: bytes | memoryview) -> int:
