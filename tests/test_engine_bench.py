@@ -53,3 +53,26 @@ def test_baseline_chunk_codec_in_prefix_cache():
     res = pc.fetch(ids, 70)
     assert res.error is None and res.tokens_restored == 70
     assert torch.equal(res.kv, kv)
+
+
+def test_pool_condition_names():
+    import click
+
+    from kvcodec.bench.interference import pool_workers
+
+    assert pool_workers("kvcodec-pool", 7) == 7
+    assert pool_workers("kvcodec-pool:2", 7) == 2
+    for bad in ("kvcodec-pool:0", "kvcodec-pool:x", "kvcodec-pool:99", "kvcodec-poolish"):
+        with pytest.raises(click.ClickException):
+            pool_workers(bad, 7)
+
+
+def test_interference_rejects_unknown_and_cpu_pool_conditions_before_any_work():
+    from click.testing import CliRunner
+
+    from kvcodec.bench.interference import command
+
+    r = CliRunner().invoke(command, ["--conditions", "alone,kvcodec-turbo", "--device", "cpu"])
+    assert r.exit_code != 0 and "unknown condition 'kvcodec-turbo'" in r.output
+    r = CliRunner().invoke(command, ["--conditions", "alone,kvcodec-pool:2", "--device", "cpu"])
+    assert r.exit_code != 0 and "needs a CUDA device" in r.output

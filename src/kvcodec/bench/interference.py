@@ -10,7 +10,14 @@ and fetch the document's KV over an emulated link. Conditions:
   there);
 - sm-decoder: fetch-aware scheduler, CacheGen-style streams decoded by a compute decoder (CUDA
   kernels on the SMs on a GPU, numpy on a CPU), i.e. a decoder that competes with the model;
+- kvcodec-pool, kvcodec-pool:N (GPU): kvcodec streams decoded AND restored inside an NVDEC pool of
+  N worker processes (default `--nvdec-pool`); the pool is started before the condition's arrivals
+  and closed after them, so no idle pool sits beside the other conditions;
 - blocking: kvcodec streams, but fetched on the engine thread (non-fetch-aware scheduler).
+
+With `--rounds N` the condition list runs N times interleaved and the report gives each condition's
+median, over rounds, of its p50 relative to the same round's alone: slow drift of the machine then
+hits every condition alike instead of whichever ran last.
 
 It reports the background requests' TTFT and TPOT (mean, p50, p90) and the reuse requests' TTFT
 per condition, as JSON + markdown under benchmarks/results/.
@@ -21,6 +28,9 @@ from __future__ import annotations
 import statistics
 
 import click
+
+
+SIMPLE_CONDITIONS = ("alone", "kvcodec", "sm-decoder", "blocking")
 
 
 class BaselineChunkCodec:
@@ -104,7 +114,8 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--quant", default="int8", show_default=True)
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
 @click.option("--conditions", default="alone,kvcodec,sm-decoder,blocking", show_default=True,
-              help="alone, kvcodec (one in-process decoder), kvcodec-pool (GPU: NVDEC worker pool), sm-decoder, blocking.")
+              help="alone, kvcodec (one in-process decoder), kvcodec-pool or kvcodec-pool:N (GPU: NVDEC pool of N "
+                   "worker processes), sm-decoder, blocking.")
 @click.option("--device", default=None)
 @click.option("--kv-file", default=None, type=click.Path(dir_okay=False),
               help="random:<arch> models: safetensors with a REAL small-model KV ('kv') to tile into the big shape.")
@@ -113,7 +124,7 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--prepare-only", is_flag=True, help="Only encode and store the document's KV, then exit.")
 @click.option("--max-batch", default=32, show_default=True, type=int)
 @click.option("--nvdec-pool", default=0, show_default=True, type=int,
-              help="Worker processes of the kvcodec-pool condition's NVDEC pool (0: 7).")
+              help="Worker processes of a plain kvcodec-pool condition's NVDEC pool (0: 7).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
 def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, rounds, warmup, gbit,
@@ -123,7 +134,6 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
     --model random:llama3-8b / random:qwen2.5-7b: full-size architecture with random weights (timing
     only, GPU), token ids instead of text, and the stored document KV tiled from --kv-file (real KV).
     """
-    """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler."""
     import json
     import os
     import tempfile
@@ -145,6 +155,15 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         torch.set_num_threads(threads)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     conds = [c.strip() for c in conditions.split(",") if c.strip()]
+    nvdec_pool = nvdec_pool or 7
+    for cond in conds:  # bad names fail here, before minutes of preparation
+        if cond.startswith("kvcodec-pool"):
+            pool_workers(cond, nvdec_pool)
+            if not device.startswith("cuda"):
+                raise click.ClickException(f"{cond} needs a CUDA device (NVDEC)")
+        elif cond not in SIMPLE_CONDITIONS:
+            raise click.ClickException(f"unknown condition {cond!r}; known: {', '.join(SIMPLE_CONDITIONS)}, "
+                                       "kvcodec-pool, kvcodec-pool:N")
     random_model = model_name.startswith("random:")
     cfg = CodecConfig(quant=quant, chunk_tokens=256, resolutions=((512, 512),))
     tmp = None
@@ -176,7 +195,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         doc_text = load_text(text, max_chars=doc_tokens * 12)
         doc_ids = tok(doc_text, return_tensors="pt").input_ids[0][:doc_tokens].tolist()
     need = [n for n in ("kvcodec", "sm-decoder")
-            if n in conds or (n == "kvcodec" and ({"blocking", "kvcodec-pool"} & set(conds)))]
+            if n in conds or (n == "kvcodec" and any(c == "blocking" or c.startswith("kvcodec-pool") for c in conds))]
     codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec) if "sm-decoder" in need else None}
     stored_bytes = {}
     ids_file = os.path.join(store_dir, "doc_ids.json")
@@ -224,32 +243,22 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
                          add_special_tokens=False)["input_ids"] for i in range(1000)]
         bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
 
-    pool, pool_note = None, None
-    if "kvcodec-pool" in conds and device.startswith("cuda"):
-        nvdec_pool = nvdec_pool or 7
-        try:
-            from kvcodec.video.nvdec_pool import NvdecPool
-
-            pool = NvdecPool(workers=nvdec_pool)
-            pool_note = (f"kvcodec-pool: chunks decoded and restored inside an NVDEC pool of {nvdec_pool} worker "
-                         "processes (PoolCodec); kvcodec and blocking: one in-process NVDEC decoder")
-        except Exception as e:  # keep going with the in-process decoder, and say so
-            pool_note = f"NVDEC pool failed to start ({type(e).__name__}: {e}); one in-process decoder used"
-        click.echo(f"  {pool_note}", err=True)
-
     def run_condition(cond: str, duration: float = duration) -> dict:
         sub = "sm-decoder" if cond == "sm-decoder" else "kvcodec"
-        pc = None
+        pc = pool = None
         if cond != "alone":
             slow = ThrottledStore(open_store(f"file://{os.path.join(store_dir, sub)}"), rate_gbit=gbit)
             codec, workers = codecs[sub], 1
-            if cond == "kvcodec-pool":
-                if pool is None:
-                    raise click.ClickException(f"kvcodec-pool needs a CUDA device and a running pool ({pool_note})")
-                from kvcodec.video.nvdec_pool import PoolCodec
+            if cond.startswith("kvcodec-pool"):
+                from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
 
-                codec, workers = PoolCodec(pool), nvdec_pool
+                workers = pool_workers(cond, nvdec_pool)
+                t_pool = time.perf_counter()
+                pool = NvdecPool(workers=workers)
+                click.echo(f"  {cond}: NVDEC pool of {workers} started in {time.perf_counter() - t_pool:.1f} s", err=True)
+                codec = PoolCodec(pool)
             pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codec, decode_workers=workers)
+        processes_before = live_processes()
         eng = Engine(model, tokenizer=tok, prefix_cache=pc, reuse=pc is not None, device=device,
                      store_policy=StorePolicy(enabled=False), policy="blocking" if cond == "blocking" else "fetch-aware",
                      max_batch=max_batch)
@@ -282,6 +291,8 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
             r.done.wait()
         wall = time.perf_counter() - t0
         eng.close()
+        if pool is not None:
+            pool.close()
         bg = [r for k, r in reqs if k == "bg"]
         ru = [r for k, r in reqs if k == "reuse"]
         res = {
@@ -292,6 +303,10 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
             "reuse_fetch_s": _summary([r.fetch_end - r.fetch_start for r in ru if r.fetch_end and r.fetch_start]),
             "reuse_restored_tokens": _summary([float(r.restored_tokens) for r in ru]),
             "reuse_fetch_errors": sum(1 for r in ru if r.fetch_error),
+            # what else ran beside the engine: a drift between alone rounds that follows these is a leak
+            "python_threads_at_start": processes_before["threads"],
+            "child_processes_at_start": processes_before["children"],
+            "cuda_allocated_mb_at_start": processes_before["cuda_allocated_mb"],
         }
         click.echo(f"  {cond}: bg TTFT p50 {res['bg_ttft_s']['p50']:.3f} s, bg TPOT p50 {res['bg_tpot_s']['p50'] * 1e3:.1f} ms"
                    + (f", reuse TTFT p50 {res['reuse_ttft_s']['p50']:.2f} s" if ru else ""), err=True)
@@ -305,8 +320,6 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         for cond in conds:
             click.echo(f"round {rnd + 1}/{rounds}: condition {cond} ({duration:g} s of arrivals) ...", err=True)
             results.append({**run_condition(cond), "round": rnd})
-    if pool is not None:
-        pool.close()
     if tmp is not None:
         tmp.cleanup()
     label = "gpu" if device.startswith("cuda") else "cpu"
@@ -316,7 +329,8 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         "model": model_name, "random_weights": random_model, "kv_tiled_from": kv_file if random_model else None,
         "doc_tokens": len(doc_ids), "link_gbit": gbit, "bg_rate": bg_rate, "reuse_rate": reuse_rate,
         "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration, "warmup_s": warmup, "rounds": rounds,
-        "stored_bytes": stored_bytes, "sm_codec": sm_codec, "nvdec_pool": pool_note,
+        "stored_bytes": stored_bytes, "sm_codec": sm_codec,
+        "nvdec_pool": {c: pool_workers(c, nvdec_pool) for c in conds if c.startswith("kvcodec-pool")},
         "notes": ("GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores" if label == "gpu" else
                   "CPU run: every decoder (HEVC and the sm-decoder stand-in) runs on the same CPU cores as the model, "
                   "so only the scheduling effects (blocking vs fetch-aware) carry over to a GPU"),
@@ -358,6 +372,29 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         f.write("\n".join(md) + "\n")
     click.echo("\n".join(md))
     click.echo(f"wrote {out_path}", err=True)
+
+
+def pool_workers(condition: str, default: int) -> int:
+    """Worker count of a 'kvcodec-pool' or 'kvcodec-pool:N' condition."""
+    name, _, count = condition.partition(":")
+    if name != "kvcodec-pool":
+        raise click.ClickException(f"not a pool condition: {condition!r}")
+    if not count:
+        return default
+    if not count.isdigit() or not 1 <= int(count) <= 32:
+        raise click.ClickException(f"{condition!r}: the worker count after ':' must be 1..32")
+    return int(count)
+
+
+def live_processes() -> dict:
+    """Threads of this process, its child processes and CUDA memory held, at this moment."""
+    import multiprocessing
+    import threading
+
+    import torch
+
+    return {"threads": threading.active_count(), "children": len(multiprocessing.active_children()),
+            "cuda_allocated_mb": round(torch.cuda.memory_allocated() / 1e6, 1) if torch.cuda.is_available() else None}
 
 
 def _paired_with_alone(results: list[dict], cond: str) -> list[tuple[dict, dict]]:

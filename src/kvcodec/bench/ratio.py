@@ -2,6 +2,7 @@
 
 For each (model, text): the prefix KV of `--tokens` tokens from a real forward pass; then
   * kvcodec in each quant mode (HEVC samples; every stored resolution; and the "auto" coder),
+    and in each per-layer bit scheme of `--layer-bits-schemes` (CodecConfig.layer_bits),
   * zstd-3 / zstd-19 / lz4 on the fp16 bytes and on the SAME quantized integers kvcodec codes,
   * CacheGen-style (kvcodec.baselines "cachegen"),
   * the order-0 entropy of the quantized symbols per (layer, K/V, head, channel): the size a
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -44,8 +46,58 @@ def per_channel_entropy_bits(symbols) -> float:
     return float(ent.mean())
 
 
-def quantized_symbols(kv, quant: str, chunk_tokens: int):
-    """The integers kvcodec codes, per chunk (exact: the ordered byte planes), with side bytes."""
+_SCHEME_ITEM = re.compile(r"^(all|rest|first\d+|last\d+|\d+-\d+|\d+):[2-8]$")
+
+
+def parse_layer_bits_scheme(spec: str, n_layers: int) -> tuple[int, ...]:
+    """Per-layer bit widths from a scheme such as "first8:4,rest:3".
+
+    Items SEL:BITS are applied left to right, a later item overriding an earlier one, except
+    `rest`, which sets only the layers no earlier item set. SEL is one of: firstN, lastN, A-B (layers
+    A..B inclusive, 0-based), N (one layer), all, rest. Every layer must end up with a width in 2..8."""
+    bits: list[int | None] = [None] * n_layers
+    items = [i.strip() for i in spec.split(",") if i.strip()]
+    if not items:
+        raise click.BadParameter(f"empty layer-bits scheme {spec!r}")
+    for item in items:
+        sel, sep, b = item.partition(":")
+        sel = sel.strip().lower()
+        try:
+            width = int(b)
+        except ValueError:
+            raise click.BadParameter(f"{item!r} in scheme {spec!r}: expected SEL:BITS") from None
+        if not sep or not 2 <= width <= 8:
+            raise click.BadParameter(f"{item!r} in scheme {spec!r}: bits must be an integer in 2..8")
+        try:
+            if sel == "all":
+                layers = range(n_layers)
+            elif sel == "rest":
+                layers = [i for i in range(n_layers) if bits[i] is None]
+            elif sel.startswith("first"):
+                layers = range(int(sel[5:]))
+            elif sel.startswith("last"):
+                layers = range(n_layers - int(sel[4:]), n_layers)
+            elif "-" in sel:
+                a, _, z = sel.partition("-")
+                layers = range(int(a), int(z) + 1)
+            else:
+                layers = [int(sel)]
+        except ValueError:
+            raise click.BadParameter(f"{item!r} in scheme {spec!r}: unknown layer selector {sel!r}") from None
+        layers = list(layers)
+        if (not layers and sel != "rest") or any(not 0 <= i < n_layers for i in layers):
+            raise click.BadParameter(f"{item!r} in scheme {spec!r}: layers outside 0..{n_layers - 1}")
+        for i in layers:
+            bits[i] = width
+    unset = [i for i, v in enumerate(bits) if v is None]
+    if unset:
+        raise click.BadParameter(f"scheme {spec!r} leaves layers {unset} without a bit width (add rest:BITS)")
+    return tuple(int(v) for v in bits)
+
+
+def quantized_symbols(kv, quant: str, chunk_tokens: int, layer_bits=()):
+    """The integers kvcodec codes, per chunk (exact: the ordered byte planes), with side bytes.
+    layer_bits: per-layer widths overriding quant's (as CodecConfig.layer_bits)."""
     import torch
 
     from kvcodec.quant import exact, integer
@@ -56,7 +108,10 @@ def quantized_symbols(kv, quant: str, chunk_tokens: int):
         if quant == "exact":
             pieces.append(torch.stack(exact.split_bytes(x)))  # (bytes, L, 2, T, H, D)
         else:
-            bits = torch.full((kv.shape[0],), int(quant[3:]))
+            if layer_bits:
+                bits = torch.tensor(list(layer_bits), dtype=torch.int64)
+            else:
+                bits = torch.full((kv.shape[0],), int(quant[3:]))
             off, step = integer.minmax_params(x, bits)
             pieces.append(integer.quantize(x, off, step, bits).unsqueeze(0))
             side += off.numel() * off.element_size() * 2
@@ -82,7 +137,8 @@ def _byte_coders():
     }
 
 
-def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens: int, chunk_tokens: int, log):
+def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens: int, chunk_tokens: int, log,
+            layer_bits_schemes=()):
     import torch
 
     import kvcodec
@@ -121,18 +177,25 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
     for name, size in _byte_coders().items():
         rec(name, "fp16", size(raw), entropy_bits_per_value=None)
 
-    for quant in quants:
-        symbols, side = quantized_symbols(kv, quant, chunk_tokens)
+    # (label in the quant column, CodecConfig.quant, CodecConfig.layer_bits)
+    modes = [(q, q, ()) for q in quants]
+    for spec in layer_bits_schemes:
+        lb = parse_layer_bits_scheme(spec, kv.shape[0])
+        modes.append((f"layers {spec}", f"int{max(lb)}", lb))
+    for label_quant, quant, layer_bits in modes:
+        quant_extra = {"layer_bits": list(layer_bits), "mean_bits": sum(layer_bits) / len(layer_bits)} if layer_bits else {}
+        symbols, side = quantized_symbols(kv, quant, chunk_tokens, layer_bits)
         entropy = sum(per_channel_entropy_bits(p) for p in symbols)  # exact: sum over byte planes
         for name, size in _byte_coders().items():
-            rec(f"{name} (same integers)", quant, sum(size(p.numpy().tobytes()) for p in symbols) + side,
-                entropy_bits_per_value=entropy)
-        rec("entropy bound (per-channel order-0)", quant, math.ceil(entropy * kv.numel() / 8) + side,
-            entropy_bits_per_value=entropy)
+            rec(f"{name} (same integers)", label_quant, sum(size(p.numpy().tobytes()) for p in symbols) + side,
+                entropy_bits_per_value=entropy, **quant_extra)
+        rec("entropy bound (per-channel order-0)", label_quant, math.ceil(entropy * kv.numel() / 8) + side,
+            entropy_bits_per_value=entropy, **quant_extra)
         variants = (("kvcodec", "hevc", "auto"), ("kvcodec (auto coder)", "auto", "auto"),
                     ("kvcodec (every bit in the video)", "hevc", 8))
         for label, coder, video_bits in variants:
-            config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder, video_bits=video_bits)
+            config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder, video_bits=video_bits,
+                                         layer_bits=layer_bits)
             t0 = time.perf_counter()
             data = kvcodec.encode(kv, config)
             enc_s = time.perf_counter() - t0
@@ -140,6 +203,7 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
             best_name, best = min(info["resolutions"].items(), key=lambda kv_: kv_[1]["bytes"])
             restored = kvcodec.decode(data, resolution=tuple(int(v) for v in best_name.split("x")))
             extra = {
+                **quant_extra,
                 "entropy_bits_per_value": entropy,
                 "resolution": best_name,
                 "bytes_per_resolution": {k: v["bytes"] for k, v in info["resolutions"].items()},
@@ -158,13 +222,14 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
                     token_agreement=agree.agreement,
                     kv_error=acc.kv_error(restored.float(), kv.float()),
                 )
-            rec(label, quant, best["bytes"], **extra)
+            rec(label, label_quant, best["bytes"], **extra)
     cachegen = get_codec("cachegen")
     data = cachegen.encode(kv)
     restored = cachegen.decode(data)
     ppl = acc.perplexity_delta(model, prefix_ids, restored.to(kv32.dtype), kv32, continuation)
     agree = acc.greedy_agreement(model, prefix_ids, restored.to(kv32.dtype), kv32, prompt, greedy_tokens)
-    rec("cachegen-style", "cachegen", len(data), ppl_delta=ppl.delta, token_agreement=agree.agreement)
+    rec("cachegen-style", "cachegen", len(data), ppl_reference=ppl.ppl_reference, ppl_restored=ppl.ppl_restored,
+        ppl_delta=ppl.delta, token_agreement=agree.agreement, kv_error=acc.kv_error(restored.float(), kv.float()))
     return records
 
 
@@ -195,16 +260,26 @@ def write_table(records, path: Path, meta: dict) -> None:
 @click.option("--quants", default="exact,int8,int6,int4", show_default=True)
 @click.option("--greedy-tokens", default=64, show_default=True)
 @click.option("--chunk-tokens", default=256, show_default=True)
+@click.option("--layer-bits-schemes", default="", show_default=True,
+              help="Per-layer bit schemes (CodecConfig.layer_bits) to measure besides --quants, separated by ';', "
+                   "e.g. 'first8:4,rest:3;all:3'. Items SEL:BITS left to right; SEL: firstN, lastN, A-B, N, all, "
+                   "rest (layers not yet set).")
 @click.option("--out", "out_dir", default="benchmarks/results", show_default=True, type=click.Path(path_type=Path))
 @click.option("--tag", default="cpu", show_default=True, help="Suffix of the result files: ratio-<tag>.json/.md.")
-def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, out_dir, tag):
+def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bits_schemes, out_dir, tag):
     """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV."""
+    schemes = [s.strip() for s in layer_bits_schemes.split(";") if s.strip()]
+    for spec in schemes:  # syntax check before any model loads (layer counts are checked per model)
+        bad = [i for i in spec.split(",") if i.strip() and not _SCHEME_ITEM.match(i.strip().lower())]
+        if bad:
+            raise click.BadParameter(f"scheme {spec!r}: items {bad} are not SEL:BITS (see --help)")
+    quant_list = [q.strip() for q in quants.split(",") if q.strip()]
     out_dir.mkdir(parents=True, exist_ok=True)
     records = []
     for model_name in models.split(","):
         for text_name in texts.split(","):
-            records += measure(model_name, text_name, tokens, quants.split(","), greedy_tokens, chunk_tokens,
-                               lambda m: click.echo(m, err=True))
+            records += measure(model_name, text_name, tokens, quant_list, greedy_tokens, chunk_tokens,
+                               lambda m: click.echo(m, err=True), schemes)
     meta = {
         "command": "kvcodec bench ratio " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "kvcodec bench ratio",
         "machine": f"{platform.machine()} CPU, {platform.system()}",

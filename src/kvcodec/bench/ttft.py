@@ -185,9 +185,11 @@ E2E_QUESTION = "\n\nQuestion: In one sentence, what is the text above about?\nAn
 
 
 def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: list[str], resolution: tuple[int, int],
-        text: str, device: str) -> list[dict]:
+        text: str, device: str, pool=None) -> list[dict]:  # noqa: ANN001
     """Measured end to end: the engine restores the real prefix KV over a token-bucket link and
-    prefills the suffix; TTFT is the engine's (arrival -> first token), one request at a time."""
+    prefills the suffix; TTFT is the engine's (arrival -> first token), one request at a time.
+    With an NVDEC `pool` (kvcodec.video.nvdec_pool.NvdecPool) kvcodec chunks are decoded and
+    restored in its workers; otherwise the fetcher's own decoder (in-process NVDEC on a GPU)."""
     import tempfile
 
     import torch
@@ -215,12 +217,16 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
         stores = {}
         for m in meths:
             codec = {"raw": RawCodec(("raw",)), "zstd-3": RawCodec(("zstd",), zstd_level=3)}.get(m)
-            if m.startswith("kvcodec-"):
+            if m.startswith("kvcodec-"):  # stored with the CPU encoder; the pool only decodes
                 codec, mcfg = None, CodecConfig(quant=m.split("-", 1)[1], chunk_tokens=256, resolutions=(resolution,))
             else:
                 codec, mcfg = codec or BaselineChunkCodec(m), cfg
             url = f"file://{tmp}/{m}"
             PrefixCache(open_store(url), mid, mcfg, "cpu", policy="fixed:0", codec=codec).put(ids, kv.to(torch.float16))
+            if pool is not None and m.startswith("kvcodec-"):
+                from kvcodec.video.nvdec_pool import PoolCodec
+
+                codec = PoolCodec(pool)
             stores[m] = (url, codec, mcfg)
             click.echo(f"  e2e: stored {m}", err=True)
         with Engine(model, tokenizer=tok, reuse=False, store_policy=StorePolicy(enabled=False), device=device) as eng:
@@ -232,7 +238,9 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
             res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None, "ids": ref.token_ids}}
             for m in meths:
                 url, codec, mcfg = stores[m]
-                pc = PrefixCache(ThrottledStore(open_store(url), rate_gbit=bw), mid, mcfg, device, policy="fixed:0", codec=codec)
+                workers = pool.workers if pool is not None and m.startswith("kvcodec-") else 1
+                pc = PrefixCache(ThrottledStore(open_store(url), rate_gbit=bw), mid, mcfg, device, policy="fixed:0",
+                                 codec=codec, decode_workers=workers)
                 with Engine(model, tokenizer=tok, prefix_cache=pc, store_policy=StorePolicy(enabled=False), device=device) as eng:
                     o = eng.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True)[0]
                 res[m] = {"ttft_s": o.ttft_s, "bytes": o.bytes_fetched, "restored": o.restored_tokens, "error": o.fetch_error,
@@ -276,9 +284,12 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
               help="--e2e: greedy answer tokens generated and compared with full prefill's.")
 @click.option("--e2e", "e2e_mode", is_flag=True, help="Measure TTFT end to end instead (real models only): the engine fetches the real "
               "prefix KV of each --kv-models model over a token-bucket link at each bandwidth.")
+@click.option("--nvdec-pool", default=0, show_default=True, type=int,
+              help="--e2e on a GPU: decode and restore kvcodec chunks in an NVDEC pool of this many worker processes "
+                   "(0: the fetcher's in-process decoder).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
 def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, methods, resolution, stats_file,
-            nvdec_gbit, decode_rate, device, repeat, out_path, threads, e2e_new_tokens, e2e_mode) -> None:  # noqa: ANN001
+            nvdec_gbit, decode_rate, device, repeat, out_path, threads, e2e_new_tokens, e2e_mode, nvdec_pool) -> None:  # noqa: ANN001
     """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
     import json
     import os
@@ -298,13 +309,27 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
     tokens = token_counts[0]
     if e2e_mode:
         rows = []
-        for km in kv_models.split(","):
-            rows += e2e(km, tokens, e2e_new_tokens, bws, meths, (w, h), text, device)
+        pool = None
+        if nvdec_pool:
+            if not gpu:
+                raise click.ClickException("--nvdec-pool needs --device cuda")
+            from kvcodec.video.nvdec_pool import NvdecPool
+
+            pool = NvdecPool(workers=nvdec_pool)
+        try:
+            for km in kv_models.split(","):
+                for n in token_counts:
+                    rows += e2e(km, n, e2e_new_tokens, bws, meths, (w, h), text, device, pool)
+        finally:
+            if pool is not None:
+                pool.close()
         label = ("gpu" if gpu else "cpu") + "-e2e"
         rec = {"benchmark": "ttft", "mode": "measured end to end", "command": command_line(), "machine": machine(),
                "device": device, "label": label, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "nvdec_pool_workers": nvdec_pool or None,
                "notes": "engine TTFT (arrival -> first token), one request at a time, prefix KV restored through the "
-                        "fetcher over an in-process token-bucket link; decoders run on " + device + ". 'same answer': "
+                        "fetcher over an in-process token-bucket link; decoders run on " + device
+                        + (f" (kvcodec: an NVDEC pool of {nvdec_pool} worker processes)" if nvdec_pool else "") + ". 'same answer': "
                         f"the {e2e_new_tokens} greedy answer tokens equal full prefill's, at every bandwidth",
                "rows": rows}
         out_path = out_path or os.path.join("benchmarks", "results", f"ttft-{label}.json")
@@ -315,9 +340,10 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
               "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths) + " |",
               "|---|---|---|" + "---|" * (len(meths) + 1)]
         for km in kv_models.split(","):
-            for bw in bws:
-                sel = {r["method"]: r for r in rows if r["model"] == km and r["bandwidth_gbit"] == bw}
-                md.append(f"| {km} | {tokens} | {bw:g} | " + " | ".join(f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths) + " |")
+            for n in token_counts:
+                for bw in bws:
+                    sel = {r["method"]: r for r in rows if r["model"] == km and r["tokens"] == n and r["bandwidth_gbit"] == bw}
+                    md.append(f"| {km} | {n} | {bw:g} | " + " | ".join(f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths) + " |")
             same = {m: all(r["answer_identical_to_prefill"] for r in rows if r["model"] == km and r["method"] == m) for m in meths}
             md.append(f"| {km} | same answer | | yes | " + " | ".join("yes" if same[m] else "NO" for m in meths) + " |")
         with open(out_path.replace(".json", ".md"), "w") as f:
