@@ -13,7 +13,10 @@ and fetch the document's KV over an emulated link. Conditions:
 - kvcodec-pool, kvcodec-pool:N (GPU): kvcodec streams decoded AND restored inside an NVDEC pool of
   N worker processes (default `--nvdec-pool`); the pool is started before the condition's arrivals
   and closed after them, so no idle pool sits beside the other conditions;
-- blocking: kvcodec streams, but fetched on the engine thread (non-fetch-aware scheduler).
+- blocking: kvcodec streams, but fetched on the engine thread (non-fetch-aware scheduler);
+- raw: the same reuse requests fetch raw fp16 KV (the values kvcodec restores) with no decoder at
+  all: what serving the reuse requests costs the background by itself, so that the decoders'
+  own interference is the difference between a condition and raw.
 
 With `--rounds N` the condition list runs N times interleaved and the report gives each condition's
 median, over rounds, of its p50 relative to the same round's alone: slow drift of the machine then
@@ -30,7 +33,7 @@ import statistics
 import click
 
 
-SIMPLE_CONDITIONS = ("alone", "kvcodec", "sm-decoder", "blocking")
+SIMPLE_CONDITIONS = ("alone", "kvcodec", "sm-decoder", "blocking", "raw")
 
 
 class BaselineChunkCodec:
@@ -194,9 +197,12 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         mid = model_id(model)
         doc_text = load_text(text, max_chars=doc_tokens * 12)
         doc_ids = tok(doc_text, return_tensors="pt").input_ids[0][:doc_tokens].tolist()
-    need = [n for n in ("kvcodec", "sm-decoder")
-            if n in conds or (n == "kvcodec" and any(c == "blocking" or c.startswith("kvcodec-pool") for c in conds))]
-    codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec) if "sm-decoder" in need else None}
+    need = [n for n in ("kvcodec", "sm-decoder", "raw")
+            if n in conds or (n == "kvcodec" and any(c in ("blocking", "raw") or c.startswith("kvcodec-pool") for c in conds))]
+    from kvcodec.fetcher.rawcodec import RawCodec
+
+    codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec) if "sm-decoder" in need else None,
+              "raw": RawCodec(("raw",))}
     stored_bytes = {}
     ids_file = os.path.join(store_dir, "doc_ids.json")
     kv = None
@@ -207,6 +213,12 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         base = open_store(f"file://{os.path.join(store_dir, name)}")
         pc = PrefixCache(base, mid, cfg, "cpu", policy="fixed:0", codec=codecs[name])
         if pc.lookup(doc_ids) < (len(doc_ids) // 256) * 256:
+            if kv is None and name == "raw":  # exactly what kvcodec restores (stores prepared elsewhere ship without KV)
+                src = PrefixCache(open_store(f"file://{os.path.join(store_dir, 'kvcodec')}"), mid, cfg, device,
+                                  policy="fixed:0")
+                got = src.fetch(doc_ids, src.lookup(doc_ids))
+                if got.error is None and got.tokens_restored:
+                    kv = got.kv[:, :, :got.tokens_restored].to("cpu", torch.float16)
             if kv is None:
                 click.echo(f"computing the {doc_tokens}-token document's KV ...", err=True)
                 if random_model:
@@ -244,7 +256,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
 
     def run_condition(cond: str, duration: float = duration) -> dict:
-        sub = "sm-decoder" if cond == "sm-decoder" else "kvcodec"
+        sub = cond if cond in ("sm-decoder", "raw") else "kvcodec"
         pc = pool = None
         if cond != "alone":
             slow = ThrottledStore(open_store(f"file://{os.path.join(store_dir, sub)}"), rate_gbit=gbit)
@@ -359,14 +371,18 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         md.append(f"| {name} | {rel(r, 'bg_ttft_s')} | {p90t * 1e3 if p90t else 0:.1f} | {rel(r, 'bg_tpot_s')} | "
                   f"{p90p * 1e3 if p90p else 0:.1f} | {f'{rt:.2f}' if rt is not None else '-'} | {f'{rf:.2f}' if rf is not None else '-'} |")
     if rounds > 1 and "alone" in conds:
-        md += ["", f"Median over {rounds} interleaved rounds of each condition's p50, relative to alone's:", "",
-               "| condition | bg TTFT p50 | bg TPOT p50 |", "|---|---|---|"]
+        refs = ["alone"] + (["raw"] if "raw" in conds else [])
+        md += ["", f"Median over {rounds} interleaved rounds of each condition's p50, relative to the same round's "
+               + " and ".join(refs) + (" (raw: the reuse requests' own cost, no decoder)" if "raw" in refs else "") + ":", "",
+               "| condition | " + " | ".join(f"bg TTFT p50 vs {r} | bg TPOT p50 vs {r}" for r in refs) + " |",
+               "|---|" + "---|---|" * len(refs)]
         for cond in dict.fromkeys(conds):
             cells = []
-            for key in ("bg_ttft_s", "bg_tpot_s"):
-                ratios = [r[key]["p50"] / a[key]["p50"] for r, a in _paired_with_alone(results, cond)
-                          if r[key]["p50"] and a[key]["p50"]]
-                cells.append(f"{statistics.median(ratios):.3f}x" if ratios else "-")
+            for ref_cond in refs:
+                for key in ("bg_ttft_s", "bg_tpot_s"):
+                    ratios = [r[key]["p50"] / a[key]["p50"] for r, a in _paired_with(results, cond, ref_cond)
+                              if r[key]["p50"] and a[key]["p50"]]
+                    cells.append(f"{statistics.median(ratios):.3f}x" if ratios else "-")
             md.append(f"| {cond} | " + " | ".join(cells) + " |")
     with open(out_path.replace(".json", ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
@@ -397,7 +413,7 @@ def live_processes() -> dict:
             "cuda_allocated_mb": round(torch.cuda.memory_allocated() / 1e6, 1) if torch.cuda.is_available() else None}
 
 
-def _paired_with_alone(results: list[dict], cond: str) -> list[tuple[dict, dict]]:
-    """(condition's result, the same round's alone result) for every round."""
-    alone = {r["round"]: r for r in results if r["condition"] == "alone"}
-    return [(r, alone[r["round"]]) for r in results if r["condition"] == cond and r["round"] in alone]
+def _paired_with(results: list[dict], cond: str, ref_cond: str) -> list[tuple[dict, dict]]:
+    """(condition's result, the same round's ref_cond result) for every round that has both."""
+    ref = {r["round"]: r for r in results if r["condition"] == ref_cond}
+    return [(r, ref[r["round"]]) for r in results if r["condition"] == cond and r["round"] in ref]
