@@ -550,7 +550,7 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, de
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     result = {
         "command": "kvcodec " + " ".join(sys.argv[1:]),
-        "argv": sys.argv,
+        "argv": sys.argv[1:],
         "gpu": gpu,
         "cpu_cores": os.cpu_count(),
         "data": meta,
