@@ -278,3 +278,32 @@ def test_pool_restore_in_workers_reports_a_corrupt_chunk():
         with pytest.raises(CorruptStreamError, match="chunk 1"):
             pool.restore_blobs([good, bytes(bad)], outs)
     assert torch.equal(outs[0].cpu(), kvcodec.codec.decode_chunk_blob(good, "cpu"))
+
+
+@needs_nvdec
+@pytest.mark.gpu
+@pytest.mark.parametrize("hold", [0.0, 0.2])
+def test_pool_workers_release_the_consumers_output_when_idle(hold):
+    import time
+
+    import kvcodec
+    from kvcodec.config import CodecConfig
+    from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
+
+    kv = _small_kv(tokens=128, seed=5)
+    data = kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
+    ref = kvcodec.decode(data, "cpu")
+    with NvdecPool(workers=2, slots=2, max_frame=(256, 256), hold_output_s=hold) as pool:
+        decode_parallel(data, pool)  # workers warm
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(pool.device)
+        out = torch.empty(64 << 20, dtype=torch.uint8, device=pool.device)  # its own allocation, bigger than a block
+        view = out[: ref.numel() * 2].view(torch.float16).view(ref.shape)
+        decode_parallel(data, pool, out=view)
+        assert torch.equal(view.cpu(), ref)
+        del out, view
+        deadline = time.monotonic() + hold + 5.0
+        while torch.cuda.memory_allocated(pool.device) > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+            torch.cuda.ipc_collect()  # frees what the workers have let go of
+        assert torch.cuda.memory_allocated(pool.device) <= before

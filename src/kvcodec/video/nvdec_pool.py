@@ -44,8 +44,13 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = 7  # NVDEC engines of an H100/H200
 
 
-def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, res_q):
-    """Worker process: decode jobs from job_q into the slot ring, report slots on res_q."""
+def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, res_q, hold_output_s=0.0):
+    """Worker process: decode jobs from job_q into the slot ring, report slots on res_q.
+
+    hold_output_s: keep the last restore job's output tensor (the consumer's memory, mapped through
+    CUDA IPC) alive this long after the job while no other job comes. The chunks of one fetch are
+    slices of one tensor, so the next chunk finds the mapping open instead of opening and closing
+    the IPC handle again; the consumer cannot reuse that memory until it is released."""
     try:
         os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
         torch.cuda.set_device(device_index)
@@ -67,12 +72,22 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
     free = list(range(slots))
     flush_at = max(1, slots // 2)
     cur = torch.cuda.current_stream(device_index)
+    held = None  # the last restore target, kept mapped (see hold_output_s)
     while True:
-        job = job_q.get()
+        if held is None:
+            job = job_q.get()
+        else:
+            try:
+                job = job_q.get(timeout=hold_output_s)
+            except queue.Empty:
+                held = None
+                continue
         if job is None:
             break
         if job[0] == "restore":
-            _restore_job(wid, dec, job, res_q)
+            out = _restore_job(wid, dec, job, res_q)
+            held = out if hold_output_s > 0 else None
+            del out, job  # otherwise the loop variable would keep the mapping open until the next job
             continue
         _, jid, payload, width, height = job
         nbytes = 3 * width * height
@@ -112,8 +127,9 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
         del payload
 
 
-def _restore_job(wid, dec, job, res_q) -> None:
-    """Decode a chunk blob and restore it straight into the consumer's KV tensor (CUDA IPC)."""
+def _restore_job(wid, dec, job, res_q) -> torch.Tensor:
+    """Decode a chunk blob and restore it straight into the consumer's KV tensor (CUDA IPC);
+    returns that tensor (the caller decides how long its mapping stays open)."""
     _, jid, blob, out, restore = job
     try:
         from kvcodec import codec
@@ -123,8 +139,7 @@ def _restore_job(wid, dec, job, res_q) -> None:
         res_q.put(("done", wid, jid, 1))
     except Exception as e:
         res_q.put(("error", wid, jid, f"{type(e).__name__}: {e}"))
-    finally:
-        del out, blob
+    return out
 
 
 class _Job:
@@ -141,6 +156,10 @@ class NvdecPool:
     slots: frame buffers per worker (frames in flight per worker).
     max_frame: (width, height) of the largest frame the pool will decode (sizes the slots).
     latency: passed to each worker's NvdecDecoder ("low" or "native").
+    hold_output_s: how long a worker keeps the consumer's last output tensor mapped after a
+        restore job while it waits for the next (0: unmap after every job). Chunks of one fetch
+        land in one tensor, so this saves an IPC map and unmap per chunk; the consumer's allocator
+        cannot reuse that memory meanwhile.
     """
 
     def __init__(
@@ -151,6 +170,7 @@ class NvdecPool:
         max_frame: tuple[int, int] = (1024, 1024),
         latency: str = "low",
         start_timeout: float = 180.0,
+        hold_output_s: float = 0.05,
     ):
         from kvcodec.video.nvdec import NvdecDecoder
 
@@ -159,6 +179,8 @@ class NvdecPool:
             raise BackendUnavailableError("NVDEC (PyNvVideoCodec on a CUDA GPU) is not available")
         if workers < 1 or slots < 1:
             raise ValueError("workers and slots must be >= 1")
+        if hold_output_s < 0:
+            raise ValueError("hold_output_s must be >= 0")
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.workers = workers
@@ -171,7 +193,8 @@ class NvdecPool:
         self._procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(w, self.device.index, slots, self.slot_bytes, latency, self._job_q, self._free_q[w], self._res_q),
+                args=(w, self.device.index, slots, self.slot_bytes, latency, self._job_q, self._free_q[w], self._res_q,
+                      hold_output_s),
                 daemon=True,
                 name=f"kvcodec-nvdec-{w}",
             )
