@@ -50,8 +50,9 @@ def test_reuse_equals_recompute_exact(smol, tmp_path: pathlib.Path):
         eng.generate(ps[:1], max_new_tokens=1, wait_for_store=True)  # stores the first prompt's KV
         again = eng.generate(ps, max_new_tokens=6)
         for b, a in zip(base, again):
-            assert b.matched_tokens == 0 and b.restored_tokens == 0
+            assert b.matched_tokens == 0 and b.restored_tokens == 0 and b.fetch_s is None
             assert a.matched_tokens >= 2 * CHUNK  # the shared document prefix was found
+            assert a.fetch_s is not None and 0 < a.fetch_s <= a.ttft_s
             assert a.restored_tokens >= 2 * CHUNK and a.fetch_error is None
             assert a.prefilled_tokens == len(a.prompt_ids) - a.restored_tokens
             assert a.token_ids == b.token_ids

@@ -64,6 +64,8 @@ def test_completion_then_reuse_same_text(client):
     eng.storer.flush()
     second = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5}).json()
     assert second["kvcodec"]["restored_tokens"] > 0
+    assert second["kvcodec"]["fetch_s"] > 0 and second["kvcodec"]["bytes_fetched"] > 0
+    assert first["kvcodec"]["fetch_s"] is None
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     metrics = c.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")

@@ -273,19 +273,21 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
         for m in meths:  # first use of a decoder (sessions, kernels, pool workers) is not what a server pays per request
             reuse_run(m, max(bws))
         for bw in bws:
-            res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None, "ids": ref.token_ids}}
+            res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None, "ids": ref.token_ids, "fetch_s": None}}
             for m in meths:
                 runs = [reuse_run(m, bw) for _ in range(repeat)]
                 o = runs[0]
                 res[m] = {"ttft_s": statistics.median(r.ttft_s for r in runs), "bytes": o.bytes_fetched,
-                          "restored": o.restored_tokens, "error": o.fetch_error, "ids": o.token_ids}
+                          "restored": o.restored_tokens, "error": o.fetch_error, "ids": o.token_ids,
+                          "fetch_s": statistics.median(r.fetch_s for r in runs) if all(r.fetch_s is not None for r in runs) else None}
                 click.echo(f"  e2e {bw:g} Gbit/s {m}: {res[m]['ttft_s']:.3f} s ({o.restored_tokens} tokens restored)", err=True)
             for m, r in res.items():
                 rows.append({"model": kv_model, "tokens": tokens, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
                              "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
                              "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
                              "speedup_vs_prefill": full / r["ttft_s"], "bytes": r["bytes"],
-                             "restored_tokens": r["restored"], "fetch_error": r["error"], "mode": "measured end to end",
+                             "restored_tokens": r["restored"], "fetch_error": r["error"], "fetch_s": r["fetch_s"],
+                             "mode": "measured end to end",
                              "device": device, "suffix_tokens": len(prompt) - len(ids), "new_tokens": new_tokens,
                              "answer_identical_to_prefill": r["ids"] == ref.token_ids,
                              "token_agreement_with_prefill": sum(a == b for a, b in zip(r["ids"], ref.token_ids)) / max(1, len(ref.token_ids))})

@@ -118,6 +118,7 @@ class RequestOutput:
     prefilled_tokens: int
     fetch_error: str | None
     bytes_fetched: int
+    fetch_s: float | None = None  # from the fetch's start to its KV being restored (None: no fetch)
 
     @classmethod
     def from_request(cls, req: Request, text: str) -> "RequestOutput":
@@ -134,4 +135,5 @@ class RequestOutput:
             prefilled_tokens=req.prefilled_tokens,
             fetch_error=req.fetch_error,
             bytes_fetched=int(req.fetch_stats.get("bytes_fetched", 0) or 0),
+            fetch_s=req.fetch_end - req.fetch_start if req.fetch_start is not None and req.fetch_end is not None else None,
         )
