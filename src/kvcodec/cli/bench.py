@@ -13,6 +13,7 @@ BENCH_MODULES = (
     "kvcodec.bench.ttft",
     "kvcodec.bench.interference",
     "kvcodec.bench.accuracy",
+    "kvcodec.bench.plot",
     "kvcodec.baselines.measure",
 )
 
