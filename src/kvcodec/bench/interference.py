@@ -108,7 +108,7 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--reuse-rate", default=0.25, show_default=True, type=float, help="Reuse requests per second.")
 @click.option("--reuse-new-tokens", default=4, show_default=True, type=int)
 @click.option("--duration", default=24.0, show_default=True, type=float, help="Seconds of arrivals per condition.")
-@click.option("--rounds", default=1, show_default=True, type=int,
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
               help="Run the condition list this many times, interleaved; the report adds each condition's "
                    "median over rounds relative to alone's.")
 @click.option("--warmup", default=5.0, show_default=True, type=float,
@@ -116,9 +116,9 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--gbit", default=1.0, show_default=True, type=float, help="Emulated link (token bucket), Gbit/s.")
 @click.option("--quant", default="int8", show_default=True)
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
-@click.option("--conditions", default="alone,kvcodec,sm-decoder,blocking", show_default=True,
-              help="alone, kvcodec (one in-process decoder), kvcodec-pool or kvcodec-pool:N (GPU: NVDEC pool of N "
-                   "worker processes), sm-decoder, blocking.")
+@click.option("--conditions", default="alone,raw,kvcodec,sm-decoder,blocking", show_default=True,
+              help="alone, raw (reuse requests, no decoder), kvcodec (one in-process decoder), kvcodec-pool or "
+                   "kvcodec-pool:N (GPU: NVDEC pool of N worker processes), sm-decoder, blocking.")
 @click.option("--device", default=None)
 @click.option("--kv-file", default=None, type=click.Path(dir_okay=False),
               help="random:<arch> models: safetensors with a REAL small-model KV ('kv') to tile into the big shape.")
