@@ -264,7 +264,7 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
 
         def reuse_run(m: str, bw: float):  # noqa: ANN202
             url, codec, mcfg = stores[m]
-            workers = pool.workers if pool is not None and m.startswith("kvcodec-") else 1
+            workers = pool.workers if pool is not None else 1  # every method decodes with as many threads
             pc = PrefixCache(ThrottledStore(open_store(url), rate_gbit=bw), mid, mcfg, device, policy="fixed:0",
                              codec=codec, decode_workers=workers)
             with Engine(model, tokenizer=tok, prefix_cache=pc, store_policy=StorePolicy(enabled=False), device=device) as eng:
@@ -366,7 +366,8 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
                "notes": "engine TTFT (arrival -> first token), one request at a time, prefix KV restored through the "
                         "fetcher over an in-process token-bucket link, median of --repeat runs after one warm-up fetch per "
                         "method; the stored KV is the engine's own prefill of the prefix on this device; decoders run on " + device
-                        + (f" (kvcodec: an NVDEC pool of {nvdec_pool} worker processes)" if nvdec_pool else "") + ". 'same answer': "
+                        + (f" (kvcodec: an NVDEC pool of {nvdec_pool} worker processes; every method fetches with "
+                           f"{nvdec_pool} decode threads)" if nvdec_pool else "") + ". 'same answer': "
                         f"the {e2e_new_tokens} greedy answer tokens equal full prefill's, at every bandwidth",
                "rows": rows}
         out_path = out_path or os.path.join("benchmarks", "results", f"ttft-{label}.json")
