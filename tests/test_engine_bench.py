@@ -76,3 +76,11 @@ def test_interference_rejects_unknown_and_cpu_pool_conditions_before_any_work():
     assert r.exit_code != 0 and "unknown condition 'kvcodec-turbo'" in r.output
     r = CliRunner().invoke(command, ["--conditions", "alone,kvcodec-pool:2", "--device", "cpu"])
     assert r.exit_code != 0 and "needs a CUDA device" in r.output
+
+
+def test_conditions_fetch_from_their_stores():
+    from kvcodec.bench.interference import store_for
+
+    assert store_for("alone") is None
+    assert [store_for(c) for c in ("kvcodec", "blocking", "kvcodec-pool:2", "sm-decoder", "raw")] == [
+        "kvcodec", "kvcodec", "kvcodec", "sm-decoder", "raw"]

@@ -197,8 +197,10 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         mid = model_id(model)
         doc_text = load_text(text, max_chars=doc_tokens * 12)
         doc_ids = tok(doc_text, return_tensors="pt").input_ids[0][:doc_tokens].tolist()
-    need = [n for n in ("kvcodec", "sm-decoder", "raw")
-            if n in conds or (n == "kvcodec" and any(c in ("blocking", "raw") or c.startswith("kvcodec-pool") for c in conds))]
+    wanted = {store_for(c) for c in conds} - {None}
+    if "raw" in wanted:
+        wanted.add("kvcodec")  # the raw store holds what kvcodec restores
+    need = [n for n in ("kvcodec", "sm-decoder", "raw") if n in wanted]
     from kvcodec.fetcher.rawcodec import RawCodec
 
     codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec) if "sm-decoder" in need else None,
@@ -256,9 +258,9 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
 
     def run_condition(cond: str, duration: float = duration) -> dict:
-        sub = cond if cond in ("sm-decoder", "raw") else "kvcodec"
+        sub = store_for(cond)
         pc = pool = None
-        if cond != "alone":
+        if sub is not None:
             slow = ThrottledStore(open_store(f"file://{os.path.join(store_dir, sub)}"), rate_gbit=gbit)
             codec, workers = codecs[sub], 1
             if cond.startswith("kvcodec-pool"):
@@ -388,6 +390,13 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         f.write("\n".join(md) + "\n")
     click.echo("\n".join(md))
     click.echo(f"wrote {out_path}", err=True)
+
+
+def store_for(condition: str) -> str | None:
+    """The prepared store a condition's reuse requests fetch from (None: no reuse requests)."""
+    if condition == "alone":
+        return None
+    return condition if condition in ("sm-decoder", "raw") else "kvcodec"
 
 
 def pool_workers(condition: str, default: int) -> int:
