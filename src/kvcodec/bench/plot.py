@@ -22,12 +22,12 @@ from collections.abc import Iterable
 
 import click
 
+from kvcodec.bench.ttft import METHOD_LABELS
 from kvcodec.errors import ConfigError
 
 DEFAULT_RESULTS = os.path.join("benchmarks", "results")
 PATTERNS = ("ttft-*.json", "fetch-*.json", "interference-*.json")
 METHOD_ORDER = ("prefill", "raw", "zstd-3", "cachegen", "kvcodec-int8", "kvcodec-int6", "kvcodec-int4", "kvcodec-int3")
-METHOD_LABELS = {"prefill": "full prefill", "raw": "raw fp16 KV", "zstd-3": "zstd-3 KV", "cachegen": "CacheGen-style"}
 
 
 def result_kind(record: dict) -> str:
