@@ -314,7 +314,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
             "bg_ttft_s": _summary([r.ttft for r in bg]),
             "bg_tpot_s": _summary([r.tpot for r in bg if r.tpot is not None]),
             "reuse_ttft_s": _summary([r.ttft for r in ru]),
-            "reuse_fetch_s": _summary([r.fetch_end - r.fetch_start for r in ru if r.fetch_end and r.fetch_start]),
+            "reuse_fetch_s": _summary([r.fetch_s for r in ru if r.fetch_s is not None]),
             "reuse_restored_tokens": _summary([float(r.restored_tokens) for r in ru]),
             "reuse_fetch_errors": sum(1 for r in ru if r.fetch_error),
             # what else ran beside the engine: a drift between alone rounds that follows these is a leak

@@ -110,7 +110,7 @@ def create_app(engine, model_name: str = "kvcodec"):  # noqa: ANN001, ANN201
             "restored_tokens": req.restored_tokens,
             "prefilled_tokens": req.prefilled_tokens,
             "fetch_error": req.fetch_error,
-            "fetch_s": req.fetch_end - req.fetch_start if req.fetch_start is not None and req.fetch_end is not None else None,
+            "fetch_s": req.fetch_s,
             "bytes_fetched": int(req.fetch_stats.get("bytes_fetched", 0) or 0),
         }
 

@@ -226,8 +226,8 @@ class Engine:
         st = req.fetch_stats or {}
         nbytes = st.get("bytes_fetched", st.get("bytes", 0)) or 0
         self.metrics.bytes_fetched.inc(int(nbytes))
-        if req.fetch_start is not None and req.fetch_end is not None:
-            self.metrics.fetch_seconds.observe(req.fetch_end - req.fetch_start)
+        if req.fetch_s is not None:
+            self.metrics.fetch_seconds.observe(req.fetch_s)
         if req.fetch_error is not None or req.restored_tokens < min(req.matched_tokens, req.prompt_len - 1):
             self.metrics.fetch_fallbacks.inc()
 

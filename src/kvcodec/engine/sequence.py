@@ -91,6 +91,13 @@ class Request:
         return self.first_token_time - self.arrival_time
 
     @property
+    def fetch_s(self) -> float | None:
+        """Seconds from the start of the prefix fetch to its KV being restored (None: no fetch)."""
+        if self.fetch_start is None or self.fetch_end is None:
+            return None
+        return self.fetch_end - self.fetch_start
+
+    @property
     def tpot(self) -> float | None:
         """Mean seconds per output token after the first one."""
         if len(self.token_times) < 2:
@@ -135,5 +142,5 @@ class RequestOutput:
             prefilled_tokens=req.prefilled_tokens,
             fetch_error=req.fetch_error,
             bytes_fetched=int(req.fetch_stats.get("bytes_fetched", 0) or 0),
-            fetch_s=req.fetch_end - req.fetch_start if req.fetch_start is not None and req.fetch_end is not None else None,
+            fetch_s=req.fetch_s,
         )
