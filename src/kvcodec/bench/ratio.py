@@ -46,7 +46,19 @@ def per_channel_entropy_bits(symbols) -> float:
     return float(ent.mean())
 
 
-_SCHEME_ITEM = re.compile(r"^(all|rest|first\d+|last\d+|\d+-\d+|\d+):[2-8]$")
+_SCHEME_ITEM = re.compile(r"^(all|rest|first\d+|last\d+|\d+-\d+|\d+):([2-8])$")
+
+
+def scheme_items(spec: str) -> list[tuple[str, int]]:
+    """(selector, bits) per item of a layer-bits scheme such as "first8:4,rest:3"; raises
+    click.BadParameter on anything that is not SEL:BITS (see parse_layer_bits_scheme)."""
+    items = [i.strip().lower() for i in spec.split(",") if i.strip()]
+    if not items:
+        raise click.BadParameter(f"empty layer-bits scheme {spec!r}")
+    bad = [i for i in items if not _SCHEME_ITEM.match(i)]
+    if bad:
+        raise click.BadParameter(f"scheme {spec!r}: items {bad} are not SEL:BITS with BITS in 2..8 (see --help)")
+    return [(m.group(1), int(m.group(2))) for m in map(_SCHEME_ITEM.match, items)]
 
 
 def parse_layer_bits_scheme(spec: str, n_layers: int) -> tuple[int, ...]:
@@ -56,37 +68,22 @@ def parse_layer_bits_scheme(spec: str, n_layers: int) -> tuple[int, ...]:
     `rest`, which sets only the layers no earlier item set. SEL is one of: firstN, lastN, A-B (layers
     A..B inclusive, 0-based), N (one layer), all, rest. Every layer must end up with a width in 2..8."""
     bits: list[int | None] = [None] * n_layers
-    items = [i.strip() for i in spec.split(",") if i.strip()]
-    if not items:
-        raise click.BadParameter(f"empty layer-bits scheme {spec!r}")
-    for item in items:
-        sel, sep, b = item.partition(":")
-        sel = sel.strip().lower()
-        try:
-            width = int(b)
-        except ValueError:
-            raise click.BadParameter(f"{item!r} in scheme {spec!r}: expected SEL:BITS") from None
-        if not sep or not 2 <= width <= 8:
-            raise click.BadParameter(f"{item!r} in scheme {spec!r}: bits must be an integer in 2..8")
-        try:
-            if sel == "all":
-                layers = range(n_layers)
-            elif sel == "rest":
-                layers = [i for i in range(n_layers) if bits[i] is None]
-            elif sel.startswith("first"):
-                layers = range(int(sel[5:]))
-            elif sel.startswith("last"):
-                layers = range(n_layers - int(sel[4:]), n_layers)
-            elif "-" in sel:
-                a, _, z = sel.partition("-")
-                layers = range(int(a), int(z) + 1)
-            else:
-                layers = [int(sel)]
-        except ValueError:
-            raise click.BadParameter(f"{item!r} in scheme {spec!r}: unknown layer selector {sel!r}") from None
-        layers = list(layers)
+    for sel, width in scheme_items(spec):
+        if sel == "all":
+            layers = list(range(n_layers))
+        elif sel == "rest":
+            layers = [i for i in range(n_layers) if bits[i] is None]
+        elif sel.startswith("first"):
+            layers = list(range(int(sel[5:])))
+        elif sel.startswith("last"):
+            layers = list(range(n_layers - int(sel[4:]), n_layers))
+        elif "-" in sel:
+            a, _, z = sel.partition("-")
+            layers = list(range(int(a), int(z) + 1))
+        else:
+            layers = [int(sel)]
         if (not layers and sel != "rest") or any(not 0 <= i < n_layers for i in layers):
-            raise click.BadParameter(f"{item!r} in scheme {spec!r}: layers outside 0..{n_layers - 1}")
+            raise click.BadParameter(f"{sel}:{width} in scheme {spec!r}: layers outside 0..{n_layers - 1}")
         for i in layers:
             bits[i] = width
     unset = [i for i, v in enumerate(bits) if v is None]
@@ -270,9 +267,7 @@ def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bi
     """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV."""
     schemes = [s.strip() for s in layer_bits_schemes.split(";") if s.strip()]
     for spec in schemes:  # syntax check before any model loads (layer counts are checked per model)
-        bad = [i for i in spec.split(",") if i.strip() and not _SCHEME_ITEM.match(i.strip().lower())]
-        if bad:
-            raise click.BadParameter(f"scheme {spec!r}: items {bad} are not SEL:BITS (see --help)")
+        scheme_items(spec)
     quant_list = [q.strip() for q in quants.split(",") if q.strip()]
     out_dir.mkdir(parents=True, exist_ok=True)
     records = []
