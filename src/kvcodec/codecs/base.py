@@ -1,0 +1,91 @@
+"""The ChunkCodec type: what every KV chunk codec implements.
+
+A chunk codec turns a KV tensor into self-contained chunk blobs (one per stored resolution) and
+restores a blob into a caller's target: a dense slice of a KV tensor or a PagedKV. The fetcher,
+the engine, the server and the integrations see only this type; the HEVC codec (CPU, NVDEC or
+NVDEC process pool decoding), raw fp16, the transform codec and the benchmarks' baselines are
+all ChunkCodecs, registered by name.
+
+Data flow: encode_chunks(kv) -> EncodedChunk(blobs) -> store -> inspect_chunk(blob) (cheap,
+checks the header) -> decode_chunk(blob, out) (writes every value of `out`, or raises).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvcodec.restore.paged import PagedKV
+
+Target = torch.Tensor | PagedKV
+"""Where a chunk is restored: a (layers, 2, tokens, kv_heads, head_dim) tensor (for example a
+slice of a preallocated cache), or a PagedKV whose block table covers the chunk's tokens."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedChunk:
+    """One chunk of tokens, as one self-contained blob per resolution (the codec's order)."""
+
+    index: int
+    start_token: int
+    tokens: int
+    resolutions: tuple[tuple[int, int], ...]
+    blobs: tuple[bytes, ...]
+
+    def blob_for(self, resolution: tuple[int, int]) -> bytes:
+        return self.blobs[self.resolutions.index(tuple(resolution))]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkInfo:
+    """What a chunk blob's verified header says about it."""
+
+    index: int
+    start_token: int
+    tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    codec: str
+    key: str | None = None  # the chained prefix key the chunk was stored under, when bound
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.tokens, self.kv_heads, self.head_dim)
+
+
+@runtime_checkable
+class ChunkCodec(Protocol):
+    """A KV chunk codec. `id` names the codec, its format version and every setting that changes
+    the bytes it writes (it goes into chunk keys: a store never mixes codecs)."""
+
+    id: str
+    chunk_tokens: int
+    resolutions: tuple[tuple[int, int], ...]
+
+    def encode_chunks(
+        self,
+        kv: torch.Tensor,
+        *,
+        first_chunk_index: int = 0,
+        keys: Sequence[str] | None = None,
+        on_chunk: Callable[[EncodedChunk], None] | None = None,
+    ) -> list[EncodedChunk]:
+        """Chunks of `kv` (layers, 2, tokens, kv_heads, head_dim); chunk n is numbered
+        first_chunk_index + n. With `keys`, chunk n's header carries keys[n] (binding it to the
+        prefix it was stored under)."""
+        ...
+
+    def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
+        """Parse and verify a blob's header (not its payload); KVCodecError if it is not this
+        codec's or is damaged."""
+        ...
+
+    def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
+        """Restore every value of the chunk into `out` (its device decides where decoding runs)
+        and return `out`; KVCodecError on any damage or mismatch, never partial silent data."""
+        ...
