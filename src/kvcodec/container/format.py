@@ -61,6 +61,7 @@ class ChunkHeader:
     frames: int
     streams: tuple[StreamEntry, ...]
     video_bits: int = 8  # top bits of each sample in the video stream; the rest in the "low" stream
+    key: str | None = None  # the chained prefix key the chunk was stored under (binds it to its prefix)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -75,6 +76,8 @@ class ChunkHeader:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if d["key"] is None:
+            del d["key"]
         d["format"] = "kvcodec-chunk"
         return d
 
