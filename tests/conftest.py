@@ -56,7 +56,7 @@ def short_text() -> str:
 @pytest.fixture
 def redis_server(tmp_path):
     """A real redis-server (append-only persistence) in a temp dir, killed after the test."""
-    from kvcodec.net.redis_server import RedisServer
+    from kvbench.net.redis_server import RedisServer
 
     srv = RedisServer(tmp_path / "redis", appendonly=True).start()
     try:

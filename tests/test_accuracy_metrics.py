@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.bench import accuracy_metrics as acc
+from kvbench import accuracy_metrics as acc
 from kvcodec.errors import ShapeError
 from kvcodec.integrations.hf import extract_kv, forward_ids
 from kvcodec.models.texts import MultipleChoiceQuestion
@@ -129,7 +129,7 @@ def test_score_options_needs_a_suffix(smollm2, short_text):
 
 
 def test_exact_failures_flags_any_difference():
-    from kvcodec.bench.accuracy import exact_failures
+    from kvbench.accuracy import exact_failures
 
     ok = {"model": "m", "quant": "exact", "n_questions": 3, "identical_scores": 3, "accuracy_restored": 0.5,
           "accuracy_recomputed": 0.5, "token_agreement": 1.0, "ppl_delta": 0.0}
@@ -149,7 +149,7 @@ def test_bench_accuracy_command_end_to_end(smollm2, tmp_path):
 
     from click.testing import CliRunner
 
-    from kvcodec.bench.accuracy import command
+    from kvbench.accuracy import command
     from kvcodec.errors import ConfigError
     from kvcodec.models.texts import ensure_bigbench
 
@@ -178,7 +178,7 @@ def test_bench_accuracy_command_end_to_end(smollm2, tmp_path):
 
 
 def test_extractive_answer_scoring_follows_squad_normalisation():
-    from kvcodec.bench.accuracy_metrics import answer_f1, normalize_answer
+    from kvbench.accuracy_metrics import answer_f1, normalize_answer
 
     assert normalize_answer("The  Beatles!") == ["beatles"]
     assert answer_f1("the Beatles.", ["Beatles"]) == (True, 1.0)

@@ -7,14 +7,14 @@ import zlib
 import pytest
 import torch
 
-from kvcodec.baselines import (
+from kvbench.baselines import (
     KVCodec,
     available_codecs,
     get_codec,
     register_codec,
     registered_codecs,
 )
-from kvcodec.baselines import base, cachegen, general
+from kvbench.baselines import base, cachegen, general
 from kvcodec.errors import (
     BackendUnavailableError,
     ChecksumError,
@@ -81,7 +81,7 @@ def test_unknown_and_duplicate_names_are_config_errors():
     with pytest.raises(ConfigError):
         get_codec("zstd-42")
     with pytest.raises(ConfigError):
-        register_codec("raw", "kvcodec.baselines.general:RawCodec")
+        register_codec("raw", "kvbench.baselines.general:RawCodec")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
@@ -316,7 +316,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.gpu
 @needs_cuda
 def test_cachegen_cuda_decode_matches_the_cpu_decode():
-    from kvcodec.baselines import cachegen_cuda
+    from kvbench.baselines import cachegen_cuda
 
     kv = structured_kv((12, 2, 300, 2, 32))
     codec = get_codec("cachegen")
@@ -329,7 +329,7 @@ def test_cachegen_cuda_decode_matches_the_cpu_decode():
     # the vectorised torch decoder on CUDA agrees too
     _, bins, maxes, q = codec.decode_symbols(data, "cpu")
     header, _, _, chunks = codec.parse(data)
-    from kvcodec.baselines import rans
+    from kvbench.baselines import rans
 
     for start, n, freq, nw, words in chunks:
         a = rans.decode(words.cuda(), nw.cuda(), freq.cuda(), n).cpu()
@@ -340,7 +340,7 @@ def test_cachegen_cuda_decode_matches_the_cpu_decode():
 @pytest.mark.gpu
 @needs_cuda
 def test_cachegen_cuda_decode_detects_corrupt_lanes():
-    from kvcodec.baselines import cachegen_cuda
+    from kvbench.baselines import cachegen_cuda
 
     codec = get_codec("cachegen")
     header, _, _, chunks = codec.parse(codec.encode(structured_kv((2, 2, 40, 1, 16))))

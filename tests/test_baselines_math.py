@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.baselines import base, cachegen, general, rans
+from kvbench.baselines import base, cachegen, general, rans
 from kvcodec.errors import CorruptStreamError
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -129,7 +129,7 @@ def test_fallback_minmax_quantizer_is_within_half_a_step(x, bits):
 def test_any_flip_or_cut_of_a_container_is_a_format_error(name, data):
     """Whatever byte is changed or however much is cut, decoding raises a FormatError subclass
     (never another exception, never silently wrong data)."""
-    from kvcodec.baselines import get_codec
+    from kvbench.baselines import get_codec
     from kvcodec.errors import FormatError
 
     codec = get_codec(name)
@@ -150,7 +150,7 @@ _CONTAINERS: dict = {}
 
 def _small_container(name):
     if name not in _CONTAINERS:
-        from kvcodec.baselines import get_codec
+        from kvbench.baselines import get_codec
 
         kv = torch.randn(2, 2, 9, 1, 8, generator=torch.Generator().manual_seed(5)).half()
         _CONTAINERS[name] = get_codec(name).encode(kv)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 pytest.importorskip("matplotlib")
 from click.testing import CliRunner  # noqa: E402
 
-from kvcodec.bench import plot  # noqa: E402
+from kvbench import plot  # noqa: E402
 from kvcodec.errors import ConfigError  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 
 import kvcodec
-from kvcodec.bench import ratio
+from kvbench import ratio
 from kvcodec.quant import integer
 
 

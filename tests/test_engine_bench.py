@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvcodec.bench.interference import BaselineChunkCodec, tiled_kv  # noqa: E402
-from kvcodec.bench.ttft import fetch_time  # noqa: E402
+from kvbench.interference import BaselineChunkCodec, tiled_kv  # noqa: E402
+from kvbench.ttft import fetch_time  # noqa: E402
 from kvcodec.config import CodecConfig  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def test_baseline_chunk_codec_in_prefix_cache():
 def test_pool_condition_names():
     import click
 
-    from kvcodec.bench.interference import pool_workers
+    from kvbench.interference import pool_workers
 
     assert pool_workers("kvcodec-pool", 7) == 7
     assert pool_workers("kvcodec-pool:2", 7) == 2
@@ -70,7 +70,7 @@ def test_pool_condition_names():
 def test_interference_rejects_unknown_and_cpu_pool_conditions_before_any_work():
     from click.testing import CliRunner
 
-    from kvcodec.bench.interference import command
+    from kvbench.interference import command
 
     r = CliRunner().invoke(command, ["--conditions", "alone,kvcodec-turbo", "--device", "cpu"])
     assert r.exit_code != 0 and "unknown condition 'kvcodec-turbo'" in r.output
@@ -79,7 +79,7 @@ def test_interference_rejects_unknown_and_cpu_pool_conditions_before_any_work():
 
 
 def test_conditions_fetch_from_their_stores():
-    from kvcodec.bench.interference import store_for
+    from kvbench.interference import store_for
 
     assert store_for("alone") is None
     assert [store_for(c) for c in ("kvcodec", "blocking", "kvcodec-pool:2", "sm-decoder", "raw")] == [

@@ -450,7 +450,7 @@ def test_shared_decoder_is_used_by_all_decode_workers():
 def test_adaptive_end_to_end_follows_the_link():
     """Real trade-off through the whole loop (bandwidth estimate + calibrated profile + policy):
     resolution 0 = raw bytes (big, instant decode), 1 = zstd (about 4x smaller, slower decode)."""
-    from kvcodec.net.throttle import ThrottledStore
+    from kvbench.net.throttle import ThrottledStore
 
     cfg = CodecConfig(chunk_tokens=64, resolutions=((256, 256), (512, 512)), search_layout=False)
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvcodec.net.redis_server import redis_server_binary
+from kvbench.net.redis_server import redis_server_binary
 
 pytestmark = [
     pytest.mark.redis,
@@ -19,7 +19,7 @@ pytestmark = [
 def test_bench_fetch_writes_records(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
-    from kvcodec.bench.fetch import command
+    from kvbench.fetch import command
 
     monkeypatch.setenv("KVCODEC_CACHE_DIR", str(tmp_path / "cache"))
     g = torch.Generator().manual_seed(0)

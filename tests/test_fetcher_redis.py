@@ -12,7 +12,7 @@ from kvcodec.config import CodecConfig
 from kvcodec.errors import StoreError
 from kvcodec.fetcher import DecodeProfile, PrefixCache
 from kvcodec.fetcher.rawcodec import RawCodec
-from kvcodec.net.redis_server import redis_server_binary
+from kvbench.net.redis_server import redis_server_binary
 from kvcodec.store import open_store
 
 pytestmark = [

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.errors import ConfigError
-from kvcodec.net import JitterTrace
-from kvcodec.net.throttle import ThrottledStore, TokenBucketLink
+from kvbench.net import JitterTrace
+from kvbench.net.throttle import ThrottledStore, TokenBucketLink
 from kvcodec.store import open_store
 
 
@@ -89,7 +89,7 @@ def test_token_bucket_follows_trace():
 
 def _netns_ok():
     try:
-        from kvcodec.net.netns import NetnsLink
+        from kvbench.net.netns import NetnsLink
 
         return NetnsLink.available()
     except Exception as e:  # noqa: BLE001
@@ -101,8 +101,8 @@ def test_netns_link_limits_redis_throughput(tmp_path):
     ok, why = _netns_ok()
     if not ok:
         pytest.skip(f"netns + tc not usable here: {why}")
-    from kvcodec.net.netns import NetnsLink
-    from kvcodec.net.redis_server import RedisServer, redis_server_binary
+    from kvbench.net.netns import NetnsLink
+    from kvbench.net.redis_server import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip("redis-server binary not installed")
@@ -130,7 +130,7 @@ def test_netns_link_plays_a_trace():
         pytest.skip(f"netns + tc not usable here: {why}")
     import subprocess
 
-    from kvcodec.net.netns import NetnsLink
+    from kvbench.net.netns import NetnsLink
 
     with NetnsLink(1.0) as link:
         link.play(JitterTrace(((0.15, 0.05), (0.15, 5.0))))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvcodec.errors import StoreError
-from kvcodec.net.redis_server import RedisServer, redis_server_binary
+from kvbench.net.redis_server import RedisServer, redis_server_binary
 from kvcodec.store import open_store
 
 from test_store import conformance
@@ -77,7 +77,7 @@ def test_server_down_raises_store_error_fast(redis_server):
 
 
 def test_open_on_dead_port_raises(tmp_path):
-    from kvcodec.net.redis_server import free_port
+    from kvbench.net.redis_server import free_port
 
     t = time.monotonic()
     with pytest.raises(StoreError, match="connect"):
@@ -126,7 +126,7 @@ def test_redis_cluster(tmp_path):
 
     if shutil.which("redis-cli") is None:
         pytest.skip("redis-cli not installed")
-    from kvcodec.net.redis_server import free_port
+    from kvbench.net.redis_server import free_port
 
     nodes = [RedisServer(tmp_path / f"n{i}", appendonly=False, port=free_port(cluster=True),
                          extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",

@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from kvcodec.bench.decode import _matmul_tflops
+    from kvbench.decode import _matmul_tflops
 
     ctx = mp.get_context("spawn")
     _, res = _videos(args.kvc)

@@ -1,33 +1,25 @@
-"""`kvcodec bench <name>`: benchmarks; each one a module of kvcodec.bench with a click `command`."""
+"""`kvcodec bench <name>`: the benchmarks of the separate `kvbench` package (benchmarks/ in the
+source tree), when it is installed; otherwise a command that says how to install it."""
 
 from __future__ import annotations
 
-import importlib
-
 import click
 
-BENCH_MODULES = (
-    "kvcodec.bench.ratio",
-    "kvcodec.bench.decode",
-    "kvcodec.bench.fetch",
-    "kvcodec.bench.ttft",
-    "kvcodec.bench.interference",
-    "kvcodec.bench.accuracy",
-    "kvcodec.bench.plot",
-    "kvcodec.baselines.measure",
-)
+INSTALL_HINT = "the benchmarks are not installed; from a kvcodec checkout run: pip install -e benchmarks"
 
 
-@click.group("bench")
-def command() -> None:
-    """Run a benchmark; results go to benchmarks/results/ as JSON and a markdown table."""
+def _missing() -> click.Command:
+    @click.command("bench", context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+    def bench() -> None:
+        """Benchmarks (needs the kvbench package: pip install -e benchmarks)."""
+        raise click.ClickException(INSTALL_HINT)
+
+    return bench
 
 
-for _name in BENCH_MODULES:
-    try:
-        _module = importlib.import_module(_name)
-    except ModuleNotFoundError as _e:
-        if _e.name != _name:
-            raise
-        continue
-    command.add_command(_module.command)
+try:
+    from kvbench.cli import group as command
+except ModuleNotFoundError as e:
+    if e.name != "kvbench":
+        raise
+    command = _missing()

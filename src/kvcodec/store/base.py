@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.metadata
 import re
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -159,8 +160,10 @@ _REGISTRY: dict[str, str | StoreFactory] = {
     "rediss": "kvcodec.store.redis_store:RedisStore.from_url",
     "redis+cluster": "kvcodec.store.redis_store:RedisStore.from_url",
     "rediss+cluster": "kvcodec.store.redis_store:RedisStore.from_url",
-    "throttle": "kvcodec.net.throttle:ThrottledStore.from_url",
 }
+# More schemes come from installed plug-ins: entry points of group "kvcodec.stores" (name = scheme),
+# e.g. the benchmarks' throttle:// (an emulated slow link, in the kvbench package).
+PLUGIN_GROUP = "kvcodec.stores"
 
 
 def register_store(scheme: str, factory: str | StoreFactory) -> None:
@@ -169,7 +172,7 @@ def register_store(scheme: str, factory: str | StoreFactory) -> None:
 
 
 def store_schemes() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*_REGISTRY, *(ep.name for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP))})
 
 
 @functools.cache
@@ -191,7 +194,8 @@ def open_store(url: str, **options: Any) -> KVStore:
     if "://" not in url:
         url = "file://" + url
     scheme = url.split("://", 1)[0].lower()
-    target = _REGISTRY.get(scheme)
+    target = _REGISTRY.get(scheme) or next(
+        (ep.value for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP, name=scheme)), None)
     if target is None:
         raise ConfigError(f"unknown store scheme {scheme!r} in {redact_url(url)}; known: {store_schemes()}")
     factory = _load(target) if isinstance(target, str) else target

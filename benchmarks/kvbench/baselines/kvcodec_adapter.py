@@ -12,7 +12,7 @@ import importlib
 
 import torch
 
-from kvcodec.baselines.base import check_kv
+from kvbench.baselines.base import check_kv
 
 
 def _api():

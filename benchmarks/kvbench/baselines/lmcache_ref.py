@@ -18,8 +18,8 @@ import json
 
 import torch
 
-from kvcodec.baselines.base import check_kv, pack, unpack
-from kvcodec.baselines.cachegen import CHUNK_TOKENS, default_bins
+from kvbench.baselines.base import check_kv, pack, unpack
+from kvbench.baselines.cachegen import CHUNK_TOKENS, default_bins
 from kvcodec.errors import CorruptStreamError
 
 

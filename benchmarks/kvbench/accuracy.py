@@ -89,7 +89,7 @@ def run_model(
 ) -> tuple[list[dict], list[dict]]:
     import torch
 
-    from kvcodec.bench import accuracy_metrics as acc
+    from kvbench import accuracy_metrics as acc
     from kvcodec.integrations.hf import cache_to_tensor, extract_kv, forward_ids
     from kvcodec.models import load_model, model_id
     from kvcodec.models.texts import load_qa, load_text

@@ -86,7 +86,7 @@ class _Link:
     """The shaped path to a redis-server: tc-netns or token-bucket, with a uniform interface."""
 
     def __init__(self, kind: str, tmp: Path, store: str = "redis") -> None:
-        from kvcodec.net.redis_server import RedisServer
+        from kvbench.net.redis_server import RedisServer
 
         self.kind = kind
         self.netns = None
@@ -99,7 +99,7 @@ class _Link:
             self.describe = {"link": kind, "rate": "unshaped", "store": "memory"}
             return
         if kind == "tc-netns":
-            from kvcodec.net.netns import NetnsLink
+            from kvbench.net.netns import NetnsLink
 
             self.netns = NetnsLink(100.0).open()
             self.server = RedisServer(tmp / "redis", bind=self.netns.ns_ip, netns=self.netns.name,
@@ -113,7 +113,7 @@ class _Link:
         self.describe: dict = {"link": kind, "rate": "unshaped"}
 
     def shape(self, trace) -> None:
-        from kvcodec.net.throttle import ThrottledStore
+        from kvbench.net.throttle import ThrottledStore
 
         if self.netns is not None:
             if len(trace.segments) == 1:
@@ -188,7 +188,7 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
     from kvcodec.fetcher import PrefixCache
     from kvcodec.fetcher.keys import blob_key
     from kvcodec.fetcher.rawcodec import RawCodec
-    from kvcodec.net.trace import JitterTrace
+    from kvbench.net.trace import JitterTrace
 
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
@@ -215,7 +215,7 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
             raise click.BadParameter("--store memory has no network path: use --link token-bucket")
         link_kind = "token-bucket"
     if link_kind == "auto":
-        from kvcodec.net.netns import NetnsLink
+        from kvbench.net.netns import NetnsLink
 
         ok, why = NetnsLink.available()
         link_kind = "tc-netns" if ok else "token-bucket"

@@ -1,6 +1,6 @@
 """An in-process shaped link: a store wrapper whose reads pass through a token-bucket link.
 
-This is the fallback when a kernel-shaped link (kvcodec.net.netns) is not permitted. Every object
+This is the fallback when a kernel-shaped link (kvbench.net.netns) is not permitted. Every object
 read (get, get_many, get_range) occupies a single shared link for bytes / rate(t) seconds, in
 FIFO order across threads, plus a fixed one-way delay; the calling thread sleeps until its bytes
 have "arrived". The rate follows a JitterTrace (constant by default). Writes are not throttled
@@ -17,7 +17,7 @@ import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 
 from kvcodec.errors import ConfigError
-from kvcodec.net.trace import JitterTrace
+from kvbench.net.trace import JitterTrace
 from kvcodec.store.base import BaseStore, KVStore, open_store
 
 

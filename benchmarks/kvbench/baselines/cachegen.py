@@ -14,7 +14,7 @@ What it does, as LMCache (v0.5.x) does it:
   GPU decodes one stream per thread.
 
 Differences from LMCache (see benchmarks/BASELINES.md): the entropy coder is rANS with 16-bit
-words (kvcodec.baselines.rans) rather than LMCache's bitwise 32-bit arithmetic coder (same model,
+words (kvbench.baselines.rans) rather than LMCache's bitwise 32-bit arithmetic coder (same model,
 same compression to within a few bits per stream); frequency tables hold only the layer's
 alphabet (31 or 15 entries) rather than 33 int16 CDF entries; stream lengths are u16 rather than
 int32; the container is a checked binary layout rather than a pickle. `table="zstd"` additionally
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvcodec.baselines import rans
-from kvcodec.baselines.base import BITS_VIEW, check_kv, pack, unpack
+from kvbench.baselines import rans
+from kvbench.baselines.base import BITS_VIEW, check_kv, pack, unpack
 from kvcodec.errors import ConfigError, CorruptStreamError
 
 CHUNK_TOKENS = 256  # LMCache: CACHEGEN_GPU_MAX_TOKENS_PER_CHUNK
@@ -287,7 +287,7 @@ class CacheGenCodec:
         lanes = freq.shape[0] // len(chunks)
         decode = rans.decode
         if dev.type == "cuda":
-            from kvcodec.baselines import cachegen_cuda
+            from kvbench.baselines import cachegen_cuda
 
             if cachegen_cuda.is_available():
                 decode = cachegen_cuda.decode_lanes

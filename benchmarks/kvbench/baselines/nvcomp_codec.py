@@ -12,7 +12,7 @@ import functools
 import numpy as np
 import torch
 
-from kvcodec.baselines.base import BITS_VIEW, check_kv, pack, unpack
+from kvbench.baselines.base import BITS_VIEW, check_kv, pack, unpack
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 
 _WORD_TYPES = {1: "|u1", 2: "<u2", 4: "<u4"}

@@ -4,7 +4,7 @@ For each (model, text): the prefix KV of `--tokens` tokens from a real forward p
   * kvcodec in each quant mode (HEVC samples; every stored resolution; and the "auto" coder),
     and in each per-layer bit scheme of `--layer-bits-schemes` (CodecConfig.layer_bits),
   * zstd-3 / zstd-19 / lz4 on the fp16 bytes and on the SAME quantized integers kvcodec codes,
-  * CacheGen-style (kvcodec.baselines "cachegen"),
+  * CacheGen-style (kvbench.baselines "cachegen"),
   * the order-0 entropy of the quantized symbols per (layer, K/V, head, channel): the size a
     per-channel static entropy coder could reach,
   * accuracy: perplexity of the text's continuation and greedy-token agreement over
@@ -139,8 +139,8 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
     import torch
 
     import kvcodec
-    from kvcodec.baselines import get_codec
-    from kvcodec.bench import accuracy_metrics as acc
+    from kvbench.baselines import get_codec
+    from kvbench import accuracy_metrics as acc
     from kvcodec.integrations.hf import extract_kv
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text

@@ -37,10 +37,10 @@ SIMPLE_CONDITIONS = ("alone", "kvcodec", "sm-decoder", "blocking", "raw")
 
 
 class BaselineChunkCodec:
-    """A kvcodec.baselines codec behind the chunk-codec interface PrefixCache uses."""
+    """A kvbench.baselines codec behind the chunk-codec interface PrefixCache uses."""
 
     def __init__(self, name: str) -> None:
-        from kvcodec.baselines import get_codec
+        from kvbench.baselines import get_codec
 
         self.name = name
         self.codec = get_codec(name)
@@ -145,13 +145,13 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
 
     import torch
 
-    from kvcodec.bench.ttft import command_line, machine
+    from kvbench.ttft import command_line, machine
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, SamplingParams, StorePolicy
     from kvcodec.fetcher import PrefixCache
     from kvcodec.models import load_model, model_id
     from kvcodec.models.texts import load_text
-    from kvcodec.net import ThrottledStore
+    from kvbench.net import ThrottledStore
     from kvcodec.store import open_store
 
     if threads:
@@ -176,7 +176,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
     g = torch.Generator().manual_seed(0)
     model = tok = None
     if random_model:
-        from kvcodec.bench.ttft import LARGE
+        from kvbench.ttft import LARGE
 
         arch = model_name.split(":", 1)[1]
         if arch not in LARGE:
@@ -244,7 +244,7 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
     if prepare_only:
         return
     if random_model:
-        from kvcodec.bench.ttft import build_model
+        from kvbench.ttft import build_model
 
         click.echo(f"building {arch} with random weights on {device} (timing only) ...", err=True)
         model, _, _ = build_model(arch, device)

@@ -1,6 +1,6 @@
 """Measure every available baseline on one real KV cache: size, ratio, error, encode/decode speed.
 
-    python -m kvcodec.baselines.measure --model smollm2-135m --tokens 2048 \\
+    python -m kvbench.baselines.measure --model smollm2-135m --tokens 2048 \\
         --out benchmarks/results/baselines-cpu.json
 
 The KV comes from a real forward pass (kvcodec.models + kvcodec.integrations.hf) over the first
@@ -59,7 +59,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_codec(name: str, kv: torch.Tensor, device: str, repeat: int) -> dict[str, Any]:
-    from kvcodec.baselines import get_codec
+    from kvbench.baselines import get_codec
 
     codec = get_codec(name)
     dev = torch.device(device)
@@ -106,7 +106,7 @@ def cachegen_gpu_decode(kv: torch.Tensor, tile: int, repeat: int = 5) -> dict[st
     chunks, so every chunk is coded on its own and the tiling changes no stream): the container
     parse on the CPU, the rANS kernel alone (one thread per stream), and the full decode to a
     tensor on the GPU."""
-    from kvcodec.baselines import cachegen_cuda, get_codec
+    from kvbench.baselines import cachegen_cuda, get_codec
 
     codec = get_codec("cachegen")
     n = (kv.shape[2] // codec.chunk_tokens) * codec.chunk_tokens or kv.shape[2]
@@ -127,7 +127,7 @@ def cachegen_gpu_decode(kv: torch.Tensor, tile: int, repeat: int = 5) -> dict[st
             if fn is not None:
                 fn(w, nw, f, n_)
             else:
-                from kvcodec.baselines import rans
+                from kvbench.baselines import rans
 
                 rans.decode(w, nw, f, n_)
         torch.cuda.synchronize()
@@ -237,7 +237,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/baselines-cpu.json", show_default=True)
 def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_tile, out) -> None:
     """Measure the baseline codecs side by side on a real KV cache."""
-    from kvcodec.baselines import available_codecs
+    from kvbench.baselines import available_codecs
 
     if kv_file:
         from safetensors.torch import load_file
@@ -250,7 +250,7 @@ def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_
     desc.update({"shape": list(kv.shape), "dtype": dtype, "input_bytes": kv.numel() * kv.element_size()})
     names = codecs.split(",") if codecs else [n for n in available_codecs() if not n.startswith(DEFAULT_SKIP_PREFIXES)]
     report: dict[str, Any] = {
-        "command": "python -m kvcodec.baselines.measure " + shlex.join(sys.argv[1:]),
+        "command": "python -m kvbench.baselines.measure " + shlex.join(sys.argv[1:]),
         "machine": machine(),
         "source": source_revision(),
         "kv": desc,

@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import torch
 
-from kvcodec.baselines.base import (
+from kvbench.baselines.base import (
     Header,
     bits_to_kv,
     check_kv,

@@ -69,7 +69,7 @@ def kv_statistics(kv_model: str, tokens: int, methods: list[str], resolution: tu
     """Ratio to fp16 and CPU decode speed of each method on a real KV cache."""
     import torch
 
-    from kvcodec.baselines.measure import measure_codec, real_kv
+    from kvbench.baselines.measure import measure_codec, real_kv
 
     kv, desc = real_kv(kv_model, tokens, text)
     kv = kv.to(torch.float16).contiguous()
@@ -77,7 +77,7 @@ def kv_statistics(kv_model: str, tokens: int, methods: list[str], resolution: tu
            "fp16_bytes": kv.numel() * 2, "methods": {}}
     for m in methods:
         if m.startswith("kvcodec-"):
-            from kvcodec.baselines import get_codec
+            from kvbench.baselines import get_codec
 
             # one stored resolution (what one fetch moves), not the sum of all of them
             codec = get_codec(m, resolutions=(resolution,))
@@ -213,14 +213,14 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
 
     import torch
 
-    from kvcodec.bench.interference import BaselineChunkCodec
+    from kvbench.interference import BaselineChunkCodec
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.fetcher import PrefixCache
     from kvcodec.fetcher.rawcodec import RawCodec
     from kvcodec.models import load_model, model_id
     from kvcodec.models.texts import load_text
-    from kvcodec.net import ThrottledStore
+    from kvbench.net import ThrottledStore
     from kvcodec.store import open_store
 
     model, tok = load_model(kv_model)

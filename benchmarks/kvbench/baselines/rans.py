@@ -4,7 +4,7 @@ Each lane codes its own symbol sequence with its own frequency table, the way Ca
 one stream per (layer, channel): lanes step through their symbols together, so the CPU runs a
 few dozen torch operations per symbol position instead of a Python loop per symbol, and the
 same code runs unchanged on a CUDA device. A CUDA kernel with one thread per lane decodes the
-same format (kvcodec.baselines.cachegen_cuda).
+same format (kvbench.baselines.cachegen_cuda).
 
 Format of one lane: 32-bit state (written as two 16-bit words, high first), then the 16-bit
 renormalisation words in the order the decoder reads them. Parameters: probability precision

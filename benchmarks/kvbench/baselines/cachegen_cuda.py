@@ -72,7 +72,7 @@ def _kernel():
 
 
 def decode_lanes(words: torch.Tensor, nwords: torch.Tensor, freq: torch.Tensor, n: int) -> torch.Tensor:
-    """Same contract as kvcodec.baselines.rans.decode, on a CUDA device: (lanes, n) symbols (uint8)."""
+    """Same contract as kvbench.baselines.rans.decode, on a CUDA device: (lanes, n) symbols (uint8)."""
     import cupy
 
     lanes, A = freq.shape

@@ -1,5 +1,5 @@
 """Start and stop a real `redis-server` process (for tests and benchmarks), optionally inside a
-network namespace (see kvcodec.net.netns) so its traffic crosses a shaped veth link."""
+network namespace (see kvbench.net.netns) so its traffic crosses a shaped veth link."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Bandwidth traces: a link's rate as a function of time (piecewise constant, repeating).
 
 A trace is a list of (duration_s, rate_gbit) segments played in a loop. It drives both the
-in-process token bucket (kvcodec.net.throttle) and the tc-shaped veth link (kvcodec.net.netns).
+in-process token bucket (kvbench.net.throttle) and the tc-shaped veth link (kvbench.net.netns).
 """
 
 from __future__ import annotations

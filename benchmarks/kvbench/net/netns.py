@@ -19,7 +19,7 @@ import threading
 import time
 
 from kvcodec.errors import ConfigError, StoreError
-from kvcodec.net.trace import JitterTrace
+from kvbench.net.trace import JitterTrace
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,45 @@
+"""The benchmarks' click group: each benchmark is a module with a click `command`."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from kvcodec.errors import KVCodecError
+
+BENCH_MODULES = (
+    "kvbench.ratio",
+    "kvbench.decode",
+    "kvbench.fetch",
+    "kvbench.ttft",
+    "kvbench.interference",
+    "kvbench.accuracy",
+    "kvbench.plot",
+    "kvbench.baselines.measure",
+)
+
+
+@click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
+def group() -> None:
+    """Run a benchmark; results go to benchmarks/results/ as JSON and a markdown table."""
+
+
+for _name in BENCH_MODULES:
+    group.add_command(importlib.import_module(_name).command)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        group(standalone_mode=False)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KVCodecError as e:
+        click.echo(f"kvbench: error: {e}", err=True)
+        sys.exit(2)
