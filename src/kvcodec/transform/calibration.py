@@ -1,0 +1,116 @@
+"""Calibration: a mean and an orthonormal basis per (group of layers, K or V), fitted on KV of
+texts the codec will not be evaluated on. Keys are fitted with RoPE removed when the rotary
+settings are known. Sink tokens (the first few positions, whose KV are outliers) are left out."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcodec.errors import ConfigError, ShapeError
+from kvcodec.transform.pca import TARGET_TOKENS_PER_DIM, fit_pca, group_layers
+from kvcodec.transform.rope import RopeSpec, remove_rope
+
+KINDS = ("k", "v")
+DEFAULT_SINK_TOKENS = 4
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupBasis:
+    """One group's transform for K or V: x ~ mean + basis @ y, variances of y (descending)."""
+
+    mean: torch.Tensor  # (d,) float32
+    basis: torch.Tensor  # (d, d) float32, orthonormal columns
+    variances: torch.Tensor  # (d,) float32
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Calibration:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    rope: RopeSpec | None  # None: keys are transformed as stored (with RoPE)
+    groups: tuple[tuple[int, ...], ...]
+    bases: dict[tuple[int, str], GroupBasis]  # (group index, "k" | "v")
+    info: dict[str, Any]  # model, tokens, sources, sink_tokens: descriptive only
+
+    @property
+    def layer_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def basis(self, group: int, kind: str) -> GroupBasis:
+        return self.bases[(group, kind)]
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        want = (self.layers, 2, self.kv_heads, self.head_dim)
+        have = (shape[0], shape[1], shape[3], shape[4]) if len(shape) == 5 else tuple(shape)
+        if have != want:
+            raise ShapeError(
+                f"KV of shape (layers, 2, heads, dim) {have} does not match the transform's {want} "
+                f"(calibrated for {self.info.get('model', 'another model')})"
+            )
+
+
+def group_matrix(x: torch.Tensor, layers: Sequence[int], kind: int) -> torch.Tensor:
+    """(tokens, len(layers) * heads * dim) view of kv[layers, kind] (kv: layers, 2, T, H, D)."""
+    sel = x[list(layers), kind] if len(layers) != x.shape[0] else x[:, kind]
+    g, t, h, d = sel.shape
+    return sel.permute(1, 0, 2, 3).reshape(t, g * h * d)
+
+
+def keys_without_rope(kv: torch.Tensor, first_position: int, rope: RopeSpec | None) -> torch.Tensor:
+    """kv (layers, 2, T, H, D) as float32 with RoPE removed from its keys (positions first_position..)."""
+    x = kv.to(torch.float32)
+    if rope is None:
+        return x
+    positions = torch.arange(first_position, first_position + x.shape[2], device=x.device)
+    return torch.stack([remove_rope(x[:, 0], positions, rope), x[:, 1]], dim=1)
+
+
+def _check(kvs: Sequence[torch.Tensor]) -> tuple[int, int, int]:
+    if not kvs:
+        raise ConfigError("calibration needs at least one KV tensor")
+    shapes = {(k.shape[0], k.shape[3], k.shape[4]) if k.dim() == 5 else None for k in kvs}
+    if None in shapes or any(k.shape[1] != 2 for k in kvs):
+        raise ShapeError("calibration KV must be (layers, 2, tokens, kv_heads, head_dim)")
+    if len(shapes) != 1:
+        raise ShapeError(f"calibration KV files come from different models: shapes {sorted(shapes)}")
+    for k in kvs:
+        if not torch.isfinite(k).all():
+            raise ConfigError("calibration KV holds NaN or infinity; refusing to fit a transform on it")
+    return next(iter(shapes))
+
+
+def calibrate(
+    kvs: Sequence[torch.Tensor],
+    rope: RopeSpec | None,
+    *,
+    sink_tokens: int = DEFAULT_SINK_TOKENS,
+    tokens_per_dim: float = TARGET_TOKENS_PER_DIM,
+    max_group: int | None = None,
+    info: dict[str, Any] | None = None,
+) -> Calibration:
+    """Fit per-group bases on KV tensors whose first token is at position 0."""
+    layers, heads, dim = _check(kvs)
+    if rope is not None and rope.head_dim != dim:
+        raise ConfigError(f"rope head_dim {rope.head_dim} does not match the KV's head_dim {dim}")
+    used = [keys_without_rope(k, 0, rope)[:, :, sink_tokens:] for k in kvs]
+    tokens = sum(u.shape[2] for u in used)
+    groups = group_layers(layers, heads * dim, tokens, tokens_per_dim=tokens_per_dim, max_group=max_group)
+    bases = {}
+    for gi, group in enumerate(groups):
+        for ki, kind in enumerate(KINDS):
+            x = torch.cat([group_matrix(u, group, ki) for u in used])
+            mean, basis, var = fit_pca(x)
+            bases[(gi, kind)] = GroupBasis(mean.float(), basis.float(), var.float())
+    meta = dict(info or {})
+    meta.update(tokens=tokens, sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim)
+    return Calibration(layers, heads, dim, rope, groups, bases, meta)
+
+
+def all_variances(cal: Calibration) -> torch.Tensor:
+    """Every coordinate's calibration variance, groups in order, K before V within a group."""
+    return torch.cat([cal.basis(g, k).variances for g in range(len(cal.groups)) for k in KINDS])

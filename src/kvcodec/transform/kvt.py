@@ -1,0 +1,108 @@
+"""The .kvt calibration file: a safetensors file (tensors g<i>.<k|v>.{mean,basis,variances})
+whose metadata carries the format name and version, the shape, the rotary settings and the layer
+groups. Its identity is the sha256 of its bytes; the codec id and every chunk carry it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvcodec.errors import ConfigError, FormatError
+from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
+from kvcodec.transform.rope import RopeSpec
+
+FORMAT = "kvcodec-transform"
+VERSION = 1
+
+
+def kvt_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def to_bytes(cal: Calibration) -> bytes:
+    from safetensors.torch import save
+
+    tensors = {}
+    for (g, kind), b in sorted(cal.bases.items()):
+        for name in ("mean", "basis", "variances"):
+            tensors[f"g{g}.{kind}.{name}"] = getattr(b, name).to(torch.float32).contiguous()
+    meta = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "shape": json.dumps([cal.layers, cal.kv_heads, cal.head_dim]),
+        "rope": json.dumps(cal.rope.to_dict() if cal.rope else None),
+        "groups": json.dumps([list(g) for g in cal.groups]),
+        "info": json.dumps(cal.info, sort_keys=True),
+    }
+    return save(tensors, metadata=meta)
+
+
+def save_kvt(cal: Calibration, path: str | Path) -> str:
+    """Write `cal` atomically; returns its hash."""
+    path = Path(path)
+    data = to_bytes(cal)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return kvt_hash(data)
+
+
+def _meta(data: bytes) -> dict[str, str]:
+    if len(data) < 8:
+        raise FormatError("not a .kvt transform file (too short)")
+    n = int.from_bytes(data[:8], "little")
+    try:
+        head = json.loads(data[8 : 8 + n])
+        return dict(head.get("__metadata__") or {})
+    except (ValueError, AttributeError) as e:
+        raise FormatError(f"not a .kvt transform file: {e}") from e
+
+
+def from_bytes(data: bytes) -> Calibration:
+    from safetensors.torch import load
+
+    meta = _meta(data)
+    if meta.get("format") != FORMAT:
+        raise FormatError(f"not a .kvt transform file (format {meta.get('format')!r})")
+    if meta.get("version") != str(VERSION):
+        raise FormatError(f".kvt version {meta.get('version')} is not readable (this kvcodec reads {VERSION})")
+    try:
+        tensors = load(data)
+        layers, heads, dim = json.loads(meta["shape"])
+        rope = json.loads(meta["rope"])
+        groups = tuple(tuple(int(i) for i in g) for g in json.loads(meta["groups"]))
+        info = json.loads(meta.get("info", "{}"))
+        bases = {
+            (g, k): GroupBasis(*(tensors[f"g{g}.{k}.{n}"] for n in ("mean", "basis", "variances")))
+            for g in range(len(groups))
+            for k in KINDS
+        }
+    except (KeyError, ValueError, TypeError, Exception) as e:
+        raise FormatError(f"damaged .kvt transform file: {e}") from e
+    if sorted(i for g in groups for i in g) != list(range(layers)):
+        raise FormatError(".kvt layer groups do not cover the layers exactly once")
+    for (g, _), b in bases.items():
+        d = len(groups[g]) * heads * dim
+        if b.mean.shape != (d,) or b.basis.shape != (d, d) or b.variances.shape != (d,):
+            raise FormatError(f".kvt group {g} tensors do not match its {d} dimensions")
+    return Calibration(layers, heads, dim, RopeSpec.from_dict(rope) if rope else None, groups, bases, info)
+
+
+def load_kvt(path: str | Path) -> tuple[Calibration, str]:
+    """(calibration, sha256 hex) of a .kvt file; ConfigError if missing, FormatError if damaged."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"transform file {path}: {e.strerror or e}") from e
+    return from_bytes(data), kvt_hash(data)
