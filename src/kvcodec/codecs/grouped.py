@@ -1,0 +1,234 @@
+"""GroupedCodec: KV caches of several uniform layer groups (kvspec.GroupedKV) as chunk blobs.
+
+Each group (full-attention layers, sliding-window layers, MLA latents, MLA rope keys, ...) is coded
+by an inner ChunkCodec as the canonical tensor it is. Chunk n covers prefix positions
+[n * chunk_tokens, (n + 1) * chunk_tokens); its blob (one per resolution) holds, for every group
+that has positions in that range, the inner codec's blob of them (a sliding group only its held
+window), behind a header of its own with the KVSpec:
+
+    container framing (docs/FORMAT.md), magic "KVCG"; JSON header:
+    {"format": "kvcodec-grouped-chunk", "grouped_version": 1, "spec": KVSpec.to_dict(),
+     "chunk_index", "start_token", "tokens", "resolution", "key",
+     "parts": [{"group", "start", "tokens", "length", "crc32"}, ...]}   payload: the parts' blobs
+
+Plain tensors go to the inner codec unchanged, and blobs that are not grouped (older single-group
+data) decode through it: `GroupedCodec(HevcCodec(config))` reads everything `HevcCodec(config)` wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
+from kvcodec.container.format import crc32, read_object, write_object
+from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
+from kvcodec.kvspec import GroupedKV, KVSpec
+
+MAGIC = b"KVCG"
+GROUPED_VERSION = 1
+FORMAT_NAME = "kvcodec-grouped-chunk"
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One group's positions [start, start + tokens) inside a grouped chunk blob."""
+
+    group: int
+    start: int
+    tokens: int
+    length: int
+    crc32: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedChunkInfo(ChunkInfo):
+    """ChunkInfo of a grouped blob: `layers` counts the model's layers; kv_heads and head_dim are 0
+    (the groups differ: see `spec`); `parts` says which positions of which group it holds."""
+
+    spec: KVSpec | None = None
+    parts: tuple[Part, ...] = ()
+
+
+def is_grouped(blob: bytes | memoryview) -> bool:
+    return bytes(blob[:4]) == MAGIC
+
+
+def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
+    header, payload = read_object(blob, MAGIC, "grouped kvcodec chunk blob")
+    if header.get("format") != FORMAT_NAME or header.get("grouped_version") != GROUPED_VERSION:
+        raise FormatError(
+            f"grouped chunk version {header.get('grouped_version')!r} is not one this build reads ({GROUPED_VERSION})"
+        )
+    spec = KVSpec.from_dict(header.get("spec"))
+    try:
+        parts = tuple(Part(**{f: int(p[f]) for f in ("group", "start", "tokens", "length", "crc32")}) for p in header["parts"])
+        start, tokens = int(header["start_token"]), int(header["tokens"])
+        info = GroupedChunkInfo(int(header["chunk_index"]), start, tokens, len(spec.layers), 0, 0, spec.dtype,
+                                "grouped", header.get("key"), spec=spec, parts=parts)
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"grouped chunk header is malformed: {e!r}") from e
+    for p in parts:
+        if not (0 <= p.group < len(spec.groups) and start <= p.start and p.tokens >= 1 and p.start + p.tokens == start + tokens):
+            raise FormatError(f"grouped chunk part {p} does not fit the chunk [{start}, {start + tokens})")
+    if len({p.group for p in parts}) != len(parts):
+        raise FormatError("grouped chunk lists a group twice")
+    need = sum(p.length for p in parts)
+    if len(payload) != need:
+        raise (TruncatedError if len(payload) < need else FormatError)(
+            f"grouped chunk payload has {len(payload)} bytes; its parts take {need}"
+        )
+    return info, payload
+
+
+class GroupedCodec:
+    """A ChunkCodec for GroupedKV: every group coded by `inner` (e.g. HevcCodec(CodecConfig(...)))."""
+
+    def __init__(self, inner: ChunkCodec) -> None:
+        if not isinstance(inner, ChunkCodec):
+            raise ConfigError(f"GroupedCodec needs an inner ChunkCodec; got {type(inner).__name__}")
+        self.inner = inner
+        self.id = f"grouped-v{GROUPED_VERSION}-{inner.id}"
+
+    @classmethod
+    def from_options(cls, inner: str | ChunkCodec = "hevc", **options: Any) -> GroupedCodec:
+        """make_codec("grouped", inner="hevc", quant="exact"): the inner codec by name and its options."""
+        if isinstance(inner, str):
+            from kvcodec.codecs.registry import make_codec
+
+            inner = make_codec(inner, **options)
+        elif options:
+            raise ConfigError(f"options {sorted(options)} apply to an inner codec given by name only")
+        return cls(inner)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.inner.chunk_tokens
+
+    @property
+    def resolutions(self) -> tuple[tuple[int, int], ...]:
+        return self.inner.resolutions
+
+    # ---- encode ----------------------------------------------------------------------------------
+    def encode_chunks(
+        self,
+        kv: GroupedKV | torch.Tensor,
+        *,
+        first_chunk_index: int = 0,
+        keys: Sequence[str] | None = None,
+        on_chunk: Callable[[EncodedChunk], None] | None = None,
+    ) -> list[EncodedChunk]:
+        """Chunks of `kv` from position first_chunk_index * chunk_tokens to kv.stop (a GroupedKV
+        holds absolute positions); a plain tensor is coded by the inner codec as it is."""
+        if isinstance(kv, torch.Tensor):
+            return self.inner.encode_chunks(kv, first_chunk_index=first_chunk_index, keys=keys, on_chunk=on_chunk)
+        if not isinstance(kv, GroupedKV):
+            raise ShapeError(f"GroupedCodec encodes a GroupedKV or a KV tensor; got {type(kv).__name__}")
+        ct = self.chunk_tokens
+        starts = range(first_chunk_index * ct, kv.stop, ct)
+        if keys is not None and len(keys) != len(starts):
+            raise ShapeError(f"{len(keys)} keys given for {len(starts)} chunks")
+        out = []
+        for n, start in enumerate(starts):
+            chunk = self._chunk(kv.view(start, min(start + ct, kv.stop)), first_chunk_index + n,
+                                None if keys is None else str(keys[n]))
+            out.append(chunk)
+            if on_chunk:
+                on_chunk(chunk)
+        return out
+
+    def _chunk(self, part: GroupedKV, index: int, key: str | None) -> EncodedChunk:
+        start = index * self.chunk_tokens
+        coded = []  # (group, start, tokens, EncodedChunk of the inner codec)
+        for g, (s, t) in enumerate(zip(part.starts, part.tensors)):
+            if t.shape[2]:
+                inner = self.inner.encode_chunks(t, first_chunk_index=index, keys=None if key is None else [key])
+                if len(inner) != 1:
+                    raise ConfigError(f"inner codec {self.inner.id} split {t.shape[2]} tokens into {len(inner)} chunks")
+                coded.append((g, s, t.shape[2], inner[0]))
+        blobs = []
+        for res in self.resolutions:
+            payloads = [c.blob_for(res) for *_, c in coded]
+            parts = [{"group": g, "start": s, "tokens": n, "length": len(b), "crc32": crc32(b)}
+                     for (g, s, n, _), b in zip(coded, payloads)]
+            header = {"format": FORMAT_NAME, "grouped_version": GROUPED_VERSION, "spec": part.spec.to_dict(),
+                      "chunk_index": index, "start_token": start, "tokens": part.stop - start,
+                      "resolution": list(res), "key": key, "parts": parts}
+            blobs.append(write_object(MAGIC, header, payloads))
+        encoders = sorted({getattr(c, "encoder", "") for *_, c in coded} - {""})
+        return EncodedChunk(index, start, part.stop - start, self.resolutions, tuple(blobs), encoder=",".join(encoders))
+
+    # ---- decode ----------------------------------------------------------------------------------
+    def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
+        if not is_grouped(blob):
+            return self.inner.inspect_chunk(blob)
+        info, payload = _parse(blob)
+        offset = 0
+        for p in info.parts:  # the inner headers must verify too
+            self.inner.inspect_chunk(payload[offset : offset + p.length])
+            offset += p.length
+        return info
+
+    def decode_chunk(self, blob: bytes | memoryview, out: Target | GroupedKV) -> Target | GroupedKV:
+        """Restore a chunk into `out`: for a grouped blob, a GroupedKV covering the chunk's
+        positions (e.g. prefix_kv.view(start, stop)), each group from its own first position; a
+        plain blob restores into a tensor, or into the one group of a uniform GroupedKV."""
+        if not is_grouped(blob):
+            if isinstance(out, GroupedKV):
+                if not out.spec.uniform:
+                    raise ShapeError("a plain (single-group) chunk cannot fill a KV of several layer groups")
+                self.inner.decode_chunk(blob, out.tensors[0])
+                return out
+            return self.inner.decode_chunk(blob, out)
+        if not isinstance(out, GroupedKV):
+            raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(out).__name__}")
+        info, payload = _parse(blob)
+        self._check_target(info, out)
+        parts, offset = {}, 0
+        for p in info.parts:
+            parts[p.group] = (p, payload[offset : offset + p.length])
+            offset += p.length
+        for g, group in enumerate(out.spec.groups):
+            self._restore_group(g, group.name, parts.get(g), out)
+        return out
+
+    @staticmethod
+    def _check_target(info: GroupedChunkInfo, out: GroupedKV) -> None:
+        if out.spec != info.spec:
+            raise ShapeError(f"the chunk holds KV of another model shape or dtype: {_spec_diff(info.spec, out.spec)}")
+        if out.stop != info.start_token + info.tokens or min(out.starts) < info.start_token:
+            raise ShapeError(
+                f"target covers positions from {min(out.starts)} to {out.stop}; chunk {info.index} holds "
+                f"[{info.start_token}, {info.start_token + info.tokens})"
+            )
+
+    def _restore_group(self, g: int, name: str, part: tuple[Part, memoryview] | None, out: GroupedKV) -> None:
+        need = out.stop - out.starts[g]
+        if need == 0:
+            return
+        if part is None or part[0].start > out.starts[g]:
+            have = "nothing" if part is None else f"positions from {part[0].start}"
+            raise ShapeError(f"group {name}: the chunk holds {have}; the target needs them from {out.starts[g]}")
+        p, data = part
+        if crc32(data) != p.crc32:
+            raise ChecksumError(f"group {name}: part checksum mismatch")
+        target = out.tensors[g]
+        if p.tokens == need:
+            self.inner.decode_chunk(data, target)
+        else:  # the chunk holds more of this group than the target keeps: restore, then copy the tail
+            full = torch.empty((*target.shape[:2], p.tokens, *target.shape[3:]), dtype=target.dtype, device=target.device)
+            self.inner.decode_chunk(data, full)
+            target.copy_(full[:, :, p.tokens - need :])
+
+
+def _spec_diff(a: KVSpec, b: KVSpec) -> str:
+    if a.dtype != b.dtype:
+        return f"dtype {a.dtype}, target {b.dtype}"
+    if len(a.layers) != len(b.layers):
+        return f"{len(a.layers)} layers, target {len(b.layers)}"
+    i = next(i for i, (x, y) in enumerate(zip(a.layers, b.layers)) if x != y)
+    return f"layer {i} is {a.layers[i].to_dict()}, target {b.layers[i].to_dict()}"
+
