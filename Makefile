@@ -1,8 +1,8 @@
 VENV ?= .venv
 
-.PHONY: install demo test bench-ratio
+.PHONY: install demo test lint bench-ratio
 
-$(VENV)/.installed: pyproject.toml scripts/install.sh
+$(VENV)/.installed: pyproject.toml benchmarks/pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV)
 
 install: $(VENV)/.installed
@@ -12,6 +12,11 @@ demo: install
 
 test: install
 	$(VENV)/bin/python -m pytest -q
+	$(MAKE) lint
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench-ratio: install
 	$(VENV)/bin/kvcodec bench ratio

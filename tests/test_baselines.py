@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbench.baselines import (
-    KVCodec,
+    TensorCoder,
     available_codecs,
     get_codec,
     register_codec,
@@ -69,7 +69,7 @@ def test_registry_lists_cpu_codecs_and_builds_them_by_name():
     for name in OWN_CPU:
         assert name in avail
         codec = get_codec(name)
-        assert isinstance(codec, KVCodec)
+        assert isinstance(codec, TensorCoder)
         assert codec.name == name
         assert codec.lossless == (name in CPU_LOSSLESS)
     names = registered_codecs()

@@ -24,8 +24,9 @@ import platform
 import shlex
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -348,7 +349,7 @@ def command(ctx, models, quants, task, n_questions, max_doc_tokens, ppl_texts, p
         get_spec(m)
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
 
-    started = _dt.datetime.now(_dt.timezone.utc)
+    started = _dt.datetime.now(_dt.UTC)
     t0 = time.perf_counter()
     records, questions = [], []
     for m in model_list:

@@ -134,7 +134,7 @@ class _Case:
     def __init__(self, path: Path, copies: int):
         from kvcodec import codec
         from kvcodec.config import CodecConfig
-        from kvcodec.container.format import split_streams, read_object, CHUNK_MAGIC
+        from kvcodec.container.format import CHUNK_MAGIC, read_object, split_streams
 
         self.name = path.stem
         self.path = path

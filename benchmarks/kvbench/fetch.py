@@ -184,11 +184,11 @@ def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolution
     """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
     import torch
 
+    from kvbench.net.trace import JitterTrace
     from kvcodec.config import CodecConfig
     from kvcodec.fetcher import PrefixCache
     from kvcodec.fetcher.keys import blob_key
     from kvcodec.fetcher.rawcodec import RawCodec
-    from kvbench.net.trace import JitterTrace
 
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)

@@ -32,7 +32,6 @@ import statistics
 
 import click
 
-
 SIMPLE_CONDITIONS = ("alone", "kvcodec", "sm-decoder", "blocking", "raw")
 
 
@@ -145,13 +144,13 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
 
     import torch
 
+    from kvbench.net import ThrottledStore
     from kvbench.ttft import command_line, machine
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, SamplingParams, StorePolicy
     from kvcodec.fetcher import PrefixCache
     from kvcodec.models import load_model, model_id
     from kvcodec.models.texts import load_text
-    from kvbench.net import ThrottledStore
     from kvcodec.store import open_store
 
     if threads:

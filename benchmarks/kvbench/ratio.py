@@ -13,15 +13,14 @@ For each (model, text): the prefix KV of `--tokens` tokens from a real forward p
 
 from __future__ import annotations
 
-import json
 import math
-import platform
 import re
-import sys
 import time
 from pathlib import Path
 
 import click
+
+from kvbench.results import RESULTS_DIR, command_line, machine, write_result
 
 FP16 = 2
 NOTE = (
@@ -139,8 +138,8 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
     import torch
 
     import kvcodec
-    from kvbench.baselines import get_codec
     from kvbench import accuracy_metrics as acc
+    from kvbench.baselines import get_codec
     from kvcodec.integrations.hf import extract_kv
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text
@@ -230,13 +229,13 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
     return records
 
 
-def write_table(records, path: Path, meta: dict) -> None:
+def markdown(records, doc: dict) -> list[str]:
     lines = [
-        f"# kvcodec bench ratio ({meta['machine']})",
+        f"# kvcodec bench ratio ({doc['machine']['cpu']})",
         "",
-        f"`{meta['command']}`",
+        f"`{doc['command']}`",
         "",
-        meta["note"],
+        doc["note"],
         "",
         "| model | text | codec | quant | video bits | bytes | ratio vs fp16 | entropy bits/value | ppl delta | token agreement |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
@@ -247,7 +246,7 @@ def write_table(records, path: Path, meta: dict) -> None:
             f"| {r['model']} | {r['text']} | {r['codec']} | {r['quant']} | {r.get('video_bits') or ''} | {r['bytes']:,} | {r['ratio_vs_fp16']:.2f} "
             f"| {fmt(r['entropy_bits_per_value'], '.2f')} | {fmt(r['ppl_delta'], '+.4f')} | {fmt(r['token_agreement'], '.3f')} |"
         )
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 @click.command("ratio")
@@ -261,7 +260,7 @@ def write_table(records, path: Path, meta: dict) -> None:
               help="Per-layer bit schemes (CodecConfig.layer_bits) to measure besides --quants, separated by ';', "
                    "e.g. 'first8:4,rest:3;all:3'. Items SEL:BITS left to right; SEL: firstN, lastN, A-B, N, all, "
                    "rest (layers not yet set).")
-@click.option("--out", "out_dir", default="benchmarks/results", show_default=True, type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", default=str(RESULTS_DIR), show_default="benchmarks/results", type=click.Path(path_type=Path))
 @click.option("--tag", default="cpu", show_default=True, help="Suffix of the result files: ratio-<tag>.json/.md.")
 def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bits_schemes, out_dir, tag):
     """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV."""
@@ -269,18 +268,11 @@ def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bi
     for spec in schemes:  # syntax check before any model loads (layer counts are checked per model)
         scheme_items(spec)
     quant_list = [q.strip() for q in quants.split(",") if q.strip()]
-    out_dir.mkdir(parents=True, exist_ok=True)
     records = []
     for model_name in models.split(","):
         for text_name in texts.split(","):
             records += measure(model_name, text_name, tokens, quant_list, greedy_tokens, chunk_tokens,
                                lambda m: click.echo(m, err=True), schemes)
-    meta = {
-        "command": "kvcodec bench ratio " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "kvcodec bench ratio",
-        "machine": f"{platform.machine()} CPU, {platform.system()}",
-        "note": NOTE,
-    }
-    path = out_dir / f"ratio-{tag}.json"
-    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    write_table(records, out_dir / f"ratio-{tag}.md", meta)
+    doc = {"benchmark": "ratio", "command": command_line("ratio"), "machine": machine(), "note": NOTE, "records": records}
+    path = write_result(out_dir / f"ratio-{tag}.json", doc, markdown(records, doc))
     click.echo(f"wrote {path} and {path.with_suffix('.md')}")

@@ -214,13 +214,13 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
     import torch
 
     from kvbench.interference import BaselineChunkCodec
+    from kvbench.net import ThrottledStore
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.fetcher import PrefixCache
     from kvcodec.fetcher.rawcodec import RawCodec
     from kvcodec.models import load_model, model_id
     from kvcodec.models.texts import load_text
-    from kvbench.net import ThrottledStore
     from kvcodec.store import open_store
 
     model, tok = load_model(kv_model)

@@ -1,9 +1,15 @@
-"""Baselines: what users would pick instead of kvcodec, behind one small interface.
+"""Baselines: what users would pick instead of kvcodec.
 
     from kvbench.baselines import get_codec, available_codecs
-    codec = get_codec("zstd-19")
-    data = codec.encode(kv)                 # kv: (layers, 2, tokens, kv_heads, head_dim)
-    kv2 = codec.decode(data, device="cpu")
+    coder = get_codec("zstd-19")            # a whole-tensor TensorCoder
+    data = coder.encode(kv)                 # kv: (layers, 2, tokens, kv_heads, head_dim)
+    kv2 = coder.decode(data, device="cpu")
+
+    from kvbench.baselines.chunk import BaselineCodec
+    codec = BaselineCodec("cachegen")       # the same baseline as a kvcodec ChunkCodec, chunk by chunk
+
+kvcodec's codec registry finds them too: make_codec("baseline", baseline="cachegen") (an entry point of
+the kvbench package), or make_codec("cachegen") after kvbench.baselines.chunk.register_chunk_codecs().
 
 Codecs are registered by name (like LMCache's serializers): a name maps to "module:Class" plus
 constructor arguments; modules import only when a codec is asked for, so entries that need CUDA,
@@ -19,12 +25,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbench.baselines.base import KVCodec
+from kvbench.baselines.base import TensorCoder
 from kvcodec.errors import BackendUnavailableError, ConfigError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVCodec", "CodecEntry", "available_codecs", "get_codec", "register_codec", "registered_codecs"]
+__all__ = ["TensorCoder", "CodecEntry", "available_codecs", "get_codec", "register_codec", "registered_codecs"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ def available_codecs() -> list[str]:
     return [n for n in _REGISTRY if _is_available(n)]
 
 
-def get_codec(name: str, **overrides: Any) -> KVCodec:
+def get_codec(name: str, **overrides: Any) -> TensorCoder:
     """Build the codec registered as `name` (constructor arguments may be overridden)."""
     entry = _REGISTRY.get(name)
     if entry is None:

@@ -1,4 +1,5 @@
-"""What every baseline codec shares: the `KVCodec` protocol, KV tensor checks and the small
+"""What every baseline shares: the `TensorCoder` shape of a whole-tensor baseline (the building
+block that kvbench.baselines.chunk turns into a kvcodec ChunkCodec), KV tensor checks and the small
 container each baseline wraps its payload in.
 
 Container layout (little endian)::
@@ -49,9 +50,11 @@ _TAIL = struct.Struct("<QI")
 
 
 @runtime_checkable
-class KVCodec(Protocol):
-    """A way to turn a canonical KV tensor `(layers, 2, tokens, kv_heads, head_dim)` into bytes and
-    back. `lossless` codecs restore every bit; lossy ones document their error bound."""
+class TensorCoder(Protocol):
+    """A baseline's coder of a whole canonical KV tensor `(layers, 2, tokens, kv_heads, head_dim)`.
+    Not a codec of its own: the fetcher and the benchmarks use it through BaselineCodec, the
+    ChunkCodec that codes each chunk with it. `lossless` coders restore every bit; lossy ones
+    document their error bound."""
 
     name: str
     lossless: bool

@@ -18,8 +18,8 @@ import subprocess
 import threading
 import time
 
-from kvcodec.errors import ConfigError, StoreError
 from kvbench.net.trace import JitterTrace
+from kvcodec.errors import ConfigError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class NetnsLink:
               *self._qdisc_args(rate_gbit)])
         _run(["tc", "qdisc", verb, "dev", self.veth_host, "root", *self._qdisc_args(rate_gbit)])
 
-    def open(self) -> "NetnsLink":
+    def open(self) -> NetnsLink:
         ns = ["ip", "netns", "exec", self.name]
         try:
             _run(["ip", "netns", "add", self.name])
@@ -192,7 +192,7 @@ class NetnsLink:
                 "delay_ms": self.delay_ms if self.netem else 0.0, "qdisc": "tbf",
                 "netem": self.netem}
 
-    def __enter__(self) -> "NetnsLink":
+    def __enter__(self) -> NetnsLink:
         return self.open()
 
     def __exit__(self, *exc) -> None:

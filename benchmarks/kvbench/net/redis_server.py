@@ -109,7 +109,7 @@ class RedisServer:
             argv = ["ip", "netns", "exec", self.netns] + argv
         return argv
 
-    def start(self, timeout_s: float = 10.0) -> "RedisServer":
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
         if self.proc is not None and self.proc.poll() is None:
             return self
         self.proc = subprocess.Popen(self._argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -164,7 +164,7 @@ class RedisServer:
             self.proc.wait()
         self.proc = None
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

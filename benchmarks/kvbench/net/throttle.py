@@ -16,8 +16,8 @@ import time
 import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 
-from kvcodec.errors import ConfigError
 from kvbench.net.trace import JitterTrace
+from kvcodec.errors import ConfigError
 from kvcodec.store.base import BaseStore, KVStore, open_store
 
 
@@ -83,7 +83,7 @@ class ThrottledStore(BaseStore):
         self.url = f"throttle://{link.trace.mean_gbit:g}?inner={urllib.parse.quote(store.url, safe='')}"
 
     @classmethod
-    def from_url(cls, url: str, **options) -> "ThrottledStore":
+    def from_url(cls, url: str, **options) -> ThrottledStore:
         p = urllib.parse.urlsplit(url)
         q = dict(urllib.parse.parse_qsl(p.query))
         inner_url = q.pop("inner", None)

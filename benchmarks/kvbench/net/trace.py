@@ -68,13 +68,13 @@ class JitterTrace:
             idx = (idx + 1) % len(self.segments)
 
     @classmethod
-    def constant(cls, rate_gbit: float) -> "JitterTrace":
+    def constant(cls, rate_gbit: float) -> JitterTrace:
         return cls(((1.0, float(rate_gbit)),), name=f"const-{rate_gbit:g}gbit")
 
     @classmethod
     def random_walk(
         cls, mean_gbit: float, *, cv: float = 0.5, segment_s: float = 0.02, n: int = 200, seed: int = 0
-    ) -> "JitterTrace":
+    ) -> JitterTrace:
         """Log-normal rates (coefficient of variation `cv`) around `mean_gbit`, each lasting
         `segment_s`, rescaled so the time-average is exactly `mean_gbit`."""
         rng = random.Random(seed)
@@ -88,9 +88,9 @@ class JitterTrace:
         return {"name": self.name, "segments": [list(s) for s in self.segments]}
 
     @classmethod
-    def from_json(cls, d: dict) -> "JitterTrace":
+    def from_json(cls, d: dict) -> JitterTrace:
         return cls(tuple((float(a), float(b)) for a, b in d["segments"]), name=d.get("name", "trace"))
 
     @classmethod
-    def load(cls, path: str | Path) -> "JitterTrace":
+    def load(cls, path: str | Path) -> JitterTrace:
         return cls.from_json(json.loads(Path(path).read_text()))

@@ -1,0 +1,97 @@
+"""Where benchmark results go and the one writer of result files.
+
+Every benchmark writes its result as `<stem>.json` (the record, with the machine it ran on and the
+command that made it) and `<stem>.md` (a human-readable report that starts with that command)
+through `write_result`. The command is recorded without the program's path, always in its
+`kvcodec bench <name> ...` form, however the benchmark was started (`kvcodec bench`,
+`kvcodec-bench`, `python -m kvbench`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
+"""benchmarks/results/ of the source tree this package lives in."""
+
+
+def result_path(path: str | os.PathLike | None, default_stem: str, suffix: str = ".json") -> Path:
+    """The file a result goes to: `path` when given, else RESULTS_DIR/<default_stem><suffix>."""
+    return Path(path) if path else RESULTS_DIR / f"{default_stem}{suffix}"
+
+
+def command_line(bench: str, argv: Sequence[str] | None = None) -> str:
+    """`kvcodec bench <bench> <its arguments>`, read from argv (default sys.argv) after the
+    benchmark's own name; everything before it (program path, group options) is left out."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if bench in args:
+        args = args[args.index(bench) + 1 :]
+    return " ".join(["kvcodec", "bench", bench, *map(shlex.quote, args)])
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """What a timing depends on: OS, Python, CPU (model, count, load: the development CPU is
+    shared), torch and its thread count, the GPU when there is one."""
+    import torch
+
+    m: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+    try:
+        m["load_avg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        m["gpu"] = torch.cuda.get_device_name(0)
+    return m
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def write_json(path: str | os.PathLike, doc: dict[str, Any]) -> Path:
+    """Write (or rewrite: benchmarks save partial results as they go) a result's JSON."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(doc, indent=1) + "\n")
+    return p
+
+
+def write_result(path: str | os.PathLike, doc: dict[str, Any], markdown: str | Sequence[str]) -> Path:
+    """Write `doc` to path (.json) and `markdown` beside it (.md); returns the JSON path.
+
+    doc gets `machine` and `time` when it has none; it must carry `command` (from command_line),
+    which the markdown should show."""
+    if "command" not in doc:
+        raise ValueError("a result records the command that made it")
+    doc.setdefault("machine", machine())
+    doc.setdefault("time", utc_now())
+    p = write_json(Path(path).with_suffix(".json"), doc)
+    text = markdown if isinstance(markdown, str) else "\n".join(markdown)
+    p.with_suffix(".md").write_text(text.rstrip("\n") + "\n")
+    return p
