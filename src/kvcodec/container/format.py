@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 import zlib
 from typing import Any
 
-from kvcodec.errors import ChecksumError, FormatError, TruncatedError
+from kvcodec.config import QUANT_MODES, CodecConfig
+from kvcodec.container import validate as v
+from kvcodec.errors import ChecksumError, FormatError, KVCodecError, TruncatedError
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 chunk headers have no video_bits (every bit in the video)
@@ -30,6 +33,7 @@ FILE_MAGIC = b"KVCF"
 _PREFIX = struct.Struct("<4sHI")
 _CRC = struct.Struct("<I")
 MAX_HEADER_BYTES = 16 << 20
+PLAIN = "plain"
 
 
 def crc32(data: bytes | memoryview) -> int:
@@ -44,6 +48,18 @@ class StreamEntry:
     crc32: int
 
 
+_STREAM = v.record(
+    {
+        "name": v.text(64),
+        "codec": v.choice(v.STREAM_CODECS),
+        "length": v.integer(0, 1 << 40),
+        "crc32": v.integer(0, 0xFFFFFFFF),
+    },
+    StreamEntry,
+)
+CHUNK_QUANTS = (*QUANT_MODES, PLAIN)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkHeader:
     layers: int
@@ -53,15 +69,15 @@ class ChunkHeader:
     chunk_index: int
     start_token: int
     tokens: int
-    quant: str
+    quant: str  # a CodecConfig quant, or "plain" (the values' own bytes: small chunks)
     layer_bits: tuple[int, ...]
     param_dtype: str  # dtype of the quantization side information ("float16"/"float32"/"")
     resolution: tuple[int, int]
-    layout: dict[str, Any]
+    layout: dict[str, Any]  # a LayoutPlan as a dict ({} for plain chunks)
     frames: int
     streams: tuple[StreamEntry, ...]
     video_bits: int = 8  # top bits of each sample in the video stream; the rest in the "low" stream
-    key: str | None = None  # the chained prefix key the chunk was stored under (binds it to its prefix)
+    key: str | None = None  # the store key the chunk was written under, when bound to one
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -71,24 +87,83 @@ class ChunkHeader:
     def payload_bytes(self) -> int:
         return sum(s.length for s in self.streams)
 
+    @property
+    def decoded_bytes(self) -> int:
+        return math.prod(self.shape) * v.DTYPE_BYTES[self.dtype]
+
     def stream_sizes(self) -> dict[str, int]:
         return {s.name: s.length for s in self.streams}
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         if d["key"] is None:
-            del d["key"]
+            del d["key"]  # unbound chunks keep the version-2 header unchanged
         d["format"] = "kvcodec-chunk"
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkHeader:
-        return _header_from_json(cls, d, "chunk", lambda kw: {
-            **kw,
-            "layer_bits": tuple(kw["layer_bits"]),
-            "resolution": tuple(kw["resolution"]),
-            "streams": tuple(StreamEntry(**s) for s in kw["streams"]),
-        })
+        h = cls(**_checked(d, "chunk", _CHUNK_FIELDS, {"video_bits": 8, "key": None}))
+        check_chunk_header(h)
+        return h
+
+
+_SHAPE_FIELDS = {
+    "layers": v.integer(1, v.MAX_DIM),
+    "kv_heads": v.integer(1, v.MAX_DIM),
+    "head_dim": v.integer(1, v.MAX_DIM),
+    "dtype": v.choice(tuple(v.DTYPE_BYTES)),
+}
+_CHUNK_FIELDS = {
+    **_SHAPE_FIELDS,
+    "chunk_index": v.integer(0, v.MAX_TOKENS),
+    "start_token": v.integer(0, v.MAX_TOKENS),
+    "tokens": v.integer(1, v.MAX_TOKENS),
+    "quant": v.choice(CHUNK_QUANTS),
+    "layer_bits": v.listing(v.integer(2, 8), 0, v.MAX_DIM),
+    "param_dtype": v.choice(v.PARAM_DTYPES),
+    "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
+    "layout": v.mapping("an object (the tile layout)"),
+    "frames": v.integer(0, v.MAX_TOKENS),
+    "streams": v.listing(_STREAM, 1, 64),
+    "video_bits": v.integer(1, 8),
+    "key": v.text(512, optional=True),
+}
+
+
+def check_chunk_header(h: ChunkHeader) -> None:
+    """Fields that must agree with each other (each one's type and range is already checked)."""
+    names = [s.name for s in h.streams]
+    if len(set(names)) != len(names):
+        raise FormatError(f"header field 'streams' repeats a name: {names}")
+    integer_mode = h.quant.startswith("int")
+    if integer_mode != (len(h.layer_bits) == h.layers):
+        raise v.fail("layer_bits", list(h.layer_bits), f"{h.layers} entries for {h.quant}" if integer_mode else "[]")
+    if integer_mode != (h.param_dtype != ""):
+        raise v.fail("param_dtype", h.param_dtype, "float16/float32 for integer modes, '' otherwise")
+    if h.quant == PLAIN:
+        if h.layout or h.frames or names != ["plain"]:
+            raise FormatError("a plain chunk has no layout, no frames and one stream named 'plain'")
+    else:
+        _check_layout(h)
+    v.check_expansion(h.decoded_bytes, h.payload_bytes, f"chunk {h.chunk_index}")
+
+
+def _check_layout(h: ChunkHeader) -> None:
+    lay = v.LAYOUT(h.layout, "layout")
+    units = h.layers * 2 * h.kv_heads
+    if (lay["width"], lay["height"]) != h.resolution or lay["units"] != units or lay["dim"] != h.head_dim:
+        raise FormatError(
+            f"header field 'layout' ({lay['width']}x{lay['height']}, {lay['units']} units of {lay['dim']}) "
+            f"does not match the chunk ({h.resolution[0]}x{h.resolution[1]}, {units} units of {h.head_dim})"
+        )
+    tpf, tw, th = lay["tokens_per_frame"], lay["tile_w"], lay["tile_h"]
+    if tw > lay["width"] or th > lay["height"] or tw * th != tpf * h.head_dim:
+        raise FormatError(f"header field 'layout': a {tw}x{th} tile cannot hold {tpf} tokens of {h.head_dim}")
+    if 3 * (lay["width"] // tw) * (lay["height"] // th) < units:
+        raise FormatError(f"header field 'layout': the frame holds fewer than {units} tiles")
+    if h.frames != -(-h.tokens // tpf):
+        raise v.fail("frames", h.frames, f"{-(-h.tokens // tpf)} ({h.tokens} tokens, {tpf} per frame)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +173,18 @@ class BlobEntry:
     offset: int  # from the start of the payload
     length: int
     crc32: int
+
+
+_BLOB = v.record(
+    {
+        "chunk_index": v.integer(0, v.MAX_TOKENS),
+        "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
+        "offset": v.integer(0, 1 << 48),
+        "length": v.integer(1, 1 << 40),
+        "crc32": v.integer(0, 0xFFFFFFFF),
+    },
+    BlobEntry,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +203,19 @@ class FileHeader:
         return (self.layers, 2, self.tokens, self.kv_heads, self.head_dim)
 
     @property
+    def decoded_bytes(self) -> int:
+        return math.prod(self.shape) * v.DTYPE_BYTES[self.dtype]
+
+    @property
     def resolutions(self) -> tuple[tuple[int, int], ...]:
         return tuple(tuple(r) for r in self.config["resolutions"])
+
+    @property
+    def payload_bytes(self) -> int:
+        return max((b.offset + b.length for b in self.blobs), default=0)
+
+    def start_token(self, chunk_index: int) -> int:
+        return sum(self.chunk_tokens[:chunk_index])
 
     def blob(self, chunk_index: int, resolution: tuple[int, int]) -> BlobEntry:
         for b in self.blobs:
@@ -132,23 +230,95 @@ class FileHeader:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileHeader:
-        return _header_from_json(cls, d, "file", lambda kw: {
-            **kw,
-            "chunk_tokens": tuple(kw["chunk_tokens"]),
-            "blobs": tuple(BlobEntry(**{**b, "resolution": tuple(b["resolution"])}) for b in kw["blobs"]),
-        })
+        fh = cls(**_checked(d, "file", _FILE_FIELDS, {}))
+        check_file_header(fh)
+        return fh
 
 
-def _header_from_json(cls, d: dict[str, Any], kind: str, convert):
-    """A header dataclass from its JSON object: the format tag checked, every field without a
-    default required, JSON lists turned back into tuples by `convert`; any mismatch is a FormatError."""
+_FILE_FIELDS = {
+    **_SHAPE_FIELDS,
+    "tokens": v.integer(1, v.MAX_TOKENS),
+    "config": v.mapping("an object (the CodecConfig)"),
+    "chunk_tokens": v.listing(v.integer(1, v.MAX_TOKENS), 1),
+    "blobs": v.listing(_BLOB, 1),
+}
+
+
+def check_file_header(fh: FileHeader) -> None:
+    """The config parses, the chunks cover exactly `tokens`, and every chunk has exactly one blob
+    at every resolution of the config."""
+    try:
+        config = CodecConfig.from_dict(fh.config)
+    except (KVCodecError, TypeError, ValueError) as e:
+        raise FormatError(f"header field 'config' is not a valid CodecConfig: {e}") from e
+    if sum(fh.chunk_tokens) != fh.tokens:
+        raise v.fail("chunk_tokens", list(fh.chunk_tokens), f"chunk sizes adding up to tokens={fh.tokens}")
+    if max(fh.chunk_tokens) > config.chunk_tokens:
+        raise v.fail("chunk_tokens", list(fh.chunk_tokens), f"chunks of at most {config.chunk_tokens} tokens")
+    want = {(c, r) for c in range(len(fh.chunk_tokens)) for r in config.resolutions}
+    have = [(b.chunk_index, b.resolution) for b in fh.blobs]
+    if len(set(have)) != len(have) or set(have) != want:
+        raise FormatError(
+            f"header field 'blobs' does not list exactly one blob per chunk ({len(fh.chunk_tokens)}) "
+            f"and resolution ({len(config.resolutions)})"
+        )
+
+
+def check_chunk_against_file(
+    fh: FileHeader, index: int, ch: ChunkHeader, resolution: tuple[int, int] | None = None
+) -> None:
+    """Refuse chunk blob `ch` found at position `index` of file `fh` unless its own header says
+    it is that chunk: same model shape and dtype, same index, start token and length, the file's
+    quantization (or plain), and the resolution it is listed under."""
+    expect = {
+        "layers": fh.layers,
+        "kv_heads": fh.kv_heads,
+        "head_dim": fh.head_dim,
+        "dtype": fh.dtype,
+        "chunk_index": index,
+        "start_token": fh.start_token(index),
+        "tokens": fh.chunk_tokens[index],
+    }
+    if resolution is not None:
+        expect["resolution"] = tuple(resolution)
+    for name, want in expect.items():
+        if getattr(ch, name) != want:
+            raise FormatError(
+                f"chunk at position {index} of the file says {name}={getattr(ch, name)!r}; the file expects {want!r}"
+            )
+    if ch.quant not in (fh.config["quant"], PLAIN):
+        raise FormatError(f"chunk {index} is coded {ch.quant!r}; the file says {fh.config['quant']!r}")
+
+
+def _checked(d: dict[str, Any], kind: str, checks, optional) -> dict[str, Any]:
+    """A header's fields, type- and range-checked, after its format tag; FormatError naming
+    the field on any mismatch."""
     if d.get("format") != f"kvcodec-{kind}":
         raise FormatError(f"header is not a kvcodec {kind} header")
-    try:
-        kw = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.default is dataclasses.MISSING}
-        return cls(**convert(kw))
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"malformed {kind} header: {e!r}") from e
+    extra = sorted(set(d) - set(checks) - {"format"})
+    if extra:
+        raise FormatError(f"{kind} header has unknown fields {extra}")
+    return v.fields_of(d, checks, optional)
+
+
+def parse_file(data: bytes | memoryview) -> tuple[FileHeader, memoryview]:
+    """A file's verified header and payload: the blobs lie inside the payload, which has no
+    trailing bytes, and the announced output is not implausibly large for the file."""
+    header, payload = read_object(data, FILE_MAGIC, "kvcodec file")
+    fh = FileHeader.from_json(header)
+    need = fh.payload_bytes
+    if len(payload) < need:
+        raise TruncatedError(f"kvcodec file truncated: payload has {len(payload)} of {need} bytes")
+    if len(payload) > need:
+        raise FormatError(f"kvcodec file has {len(payload) - need} unexpected bytes after its last blob")
+    v.check_expansion(fh.decoded_bytes, len(memoryview(data)), "kvcodec file")
+    return fh, payload
+
+
+def parse_chunk(blob: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
+    """A chunk blob's verified header and its (not yet verified) payload."""
+    header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
+    return ChunkHeader.from_json(header), payload
 
 
 def object_version(data: bytes | memoryview) -> int:
@@ -188,9 +358,10 @@ def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict
     (want,) = _CRC.unpack_from(view, end)
     if crc32(head) != want:
         raise ChecksumError(f"{what} header checksum mismatch (corrupted header)")
+    v.check_json_depth(bytes(head), what)
     try:
         header = json.loads(bytes(head))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise FormatError(f"{what} header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise FormatError(f"{what} header is not a JSON object")

@@ -1,0 +1,241 @@
+"""Container validation: headers edited consistently (checksums recomputed) must give a clear
+FormatError naming the problem, never uninitialized, misplaced or huge output."""
+
+import json
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvcodec
+from kvcodec import CodecConfig
+from kvcodec.container import validate
+from kvcodec.container.format import (
+    CHUNK_MAGIC,
+    FILE_MAGIC,
+    ChunkHeader,
+    FileHeader,
+    check_chunk_against_file,
+    crc32,
+    parse_file,
+    read_object,
+    write_object,
+)
+from kvcodec.errors import FormatError, KVCodecError
+
+CONFIG = CodecConfig(quant="int8", chunk_tokens=16, resolutions=((144, 144),))
+
+
+def kv_like(layers=2, tokens=48, heads=2, dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(layers, 2, tokens, heads, dim, generator=g) * torch.linspace(0.1, 3, dim)).half()
+
+
+@pytest.fixture(scope="module")
+def kv():
+    return kv_like()
+
+
+@pytest.fixture(scope="module")
+def encoded(kv):
+    return kvcodec.encode(kv, CONFIG)
+
+
+def rewrite(data: bytes, magic: bytes, edit) -> bytes:
+    """`data` with its header replaced by edit(header) and every checksum recomputed."""
+    header, payload = read_object(data, magic, "object")
+    edit(header)
+    return write_object(magic, header, [bytes(payload)])
+
+
+def refused(data: bytes, *words: str) -> str:
+    for call in (kvcodec.decode, kvcodec.inspect):
+        with pytest.raises(FormatError) as e:
+            call(data)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, msg
+    return msg
+
+
+# ---------------------------------------------------------------------------- JSON depth
+
+
+def _depth(x) -> int:
+    if isinstance(x, list):
+        return 1 + max((_depth(i) for i in x), default=0)
+    if isinstance(x, dict):
+        return 1 + max((_depth(i) for i in x.values()), default=0)
+    return 0
+
+
+_json = st.recursive(
+    st.none() | st.integers() | st.text(alphabet="ab[]{}\"\\,:"),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet="[]{}\"x", max_size=3), inner, max_size=3),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_json)
+def test_json_depth_counts_nesting_and_ignores_brackets_in_strings(value):
+    assert validate.json_depth(json.dumps(value).encode()) == _depth(value)
+
+
+def test_a_deeply_nested_header_is_refused_before_parsing():
+    head = b"[" * 100_000 + b"]" * 100_000
+    data = struct.pack("<4sHI", FILE_MAGIC, 2, len(head)) + head + struct.pack("<I", crc32(head))
+    with pytest.raises(FormatError, match="nests 100000 levels"):
+        kvcodec.decode(data)
+
+
+# ---------------------------------------------------------------------------- file headers
+
+
+def test_the_untouched_file_decodes(kv, encoded):
+    out = kvcodec.decode(encoded)
+    assert out.shape == kv.shape
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("kv_heads", -2, ("kv_heads", "-2")),
+        ("layers", 0, ("layers",)),
+        ("config", None, ("config",)),
+        ("dtype", {"a": 1}, ("dtype",)),
+        ("dtype", "float64", ("dtype",)),
+        ("tokens", True, ("tokens",)),
+        ("chunk_tokens", [], ("chunk_tokens",)),
+        ("blobs", [], ("blobs",)),
+        ("chunk_tokens", "16", ("chunk_tokens",)),
+        ("blobs", [None], ("blobs[0]",)),
+        ("head_dim", 2.5, ("head_dim",)),
+    ],
+)
+def test_wrong_types_and_ranges_name_the_field(encoded, field, value, words):
+    refused(rewrite(encoded, FILE_MAGIC, lambda h: h.__setitem__(field, value)), *words)
+
+
+def test_tokens_beyond_what_the_chunks_cover_are_refused(encoded):
+    refused(rewrite(encoded, FILE_MAGIC, lambda h: h.__setitem__("tokens", h["tokens"] + 1)), "chunk_tokens")
+
+
+def test_missing_and_unknown_fields_are_refused(encoded):
+    refused(rewrite(encoded, FILE_MAGIC, lambda h: h.pop("blobs")), "blobs")
+    refused(rewrite(encoded, FILE_MAGIC, lambda h: h.__setitem__("extra", 1)), "extra")
+
+
+def test_a_chunk_without_a_blob_is_refused(encoded):
+    refused(rewrite(encoded, FILE_MAGIC, lambda h: h["blobs"].pop()), "blobs")
+
+
+def test_trailing_bytes_after_the_payload_are_refused(encoded):
+    refused(encoded + b"\0", "unexpected bytes")
+
+
+def test_a_tiny_file_announcing_a_huge_output_is_refused_without_allocating():
+    # the issue's forgery: a few hundred bytes that used to decode to gigabytes with exit 0
+    config = CodecConfig(chunk_tokens=1 << 20, resolutions=((144, 144),)).to_dict()
+    header = FileHeader(30, 3, 64, "float16", 400_000, config, (400_000,), ()).to_json()
+    header["blobs"] = [{"chunk_index": 0, "resolution": [144, 144], "offset": 0, "length": 100, "crc32": 0}]
+    data = write_object(FILE_MAGIC, header, [b"x" * 100])
+    assert len(data) < 1000
+    refused(data, "decoded bytes")
+
+
+def test_swapped_chunks_are_refused(encoded):
+    def swap(h):
+        a, b = h["blobs"][0], h["blobs"][1]
+        for k in ("offset", "length", "crc32"):
+            a[k], b[k] = b[k], a[k]
+
+    with pytest.raises(FormatError, match="position 0 .* chunk_index=1"):
+        kvcodec.decode(rewrite(encoded, FILE_MAGIC, swap))
+
+
+def test_check_chunk_against_file_names_the_mismatch(kv, encoded):
+    fh, payload = parse_file(encoded)
+    chunks = [kvcodec.inspect_chunk_blob(payload[b.offset : b.offset + b.length]) for b in fh.blobs]
+    for i, ch in enumerate(chunks):
+        check_chunk_against_file(fh, i, ch, (144, 144))
+    with pytest.raises(FormatError, match="start_token"):
+        check_chunk_against_file(fh, 1, _replace(chunks[1], start_token=0), (144, 144))
+    with pytest.raises(FormatError, match="tokens"):
+        check_chunk_against_file(fh, 2, _replace(chunks[2], tokens=15), (144, 144))
+    with pytest.raises(FormatError, match="resolution"):
+        check_chunk_against_file(fh, 0, chunks[0], (256, 256))
+    with pytest.raises(FormatError, match="coded 'exact'"):
+        check_chunk_against_file(fh, 0, _replace(chunks[0], quant="exact"))
+
+
+def _replace(h: ChunkHeader, **kw) -> ChunkHeader:
+    import dataclasses
+
+    return dataclasses.replace(h, **kw)
+
+
+def test_a_constant_kv_stays_under_the_expansion_limit():
+    kv = torch.zeros(2, 2, 256, 2, 32, dtype=torch.float16)
+    for quant in ("int8", "exact"):
+        data = kvcodec.encode(kv, CodecConfig(quant=quant, chunk_tokens=256, resolutions=((144, 144),)))
+        assert torch.equal(kvcodec.decode(data), kv)
+
+
+# ---------------------------------------------------------------------------- chunk headers
+
+
+@pytest.fixture(scope="module")
+def blob(kv):
+    return kvcodec.encode_chunks(kv, CONFIG)[0].blobs[0]
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda h: h.__setitem__("kv_heads", -1), ("kv_heads",)),
+        (lambda h: h.__setitem__("frames", h["frames"] + 1), ("frames",)),
+        (lambda h: h.__setitem__("tokens", h["tokens"] * 1000), ("frames",)),
+        (lambda h: h.__setitem__("layout", None), ("layout",)),
+        (lambda h: h["layout"].__setitem__("tile_w", 0), ("layout.tile_w",)),
+        (lambda h: h["layout"].__setitem__("units", 3), ("layout",)),
+        (lambda h: h.__setitem__("layer_bits", [8]), ("layer_bits",)),
+        (lambda h: h.__setitem__("param_dtype", ""), ("param_dtype",)),
+        (lambda h: h["streams"].append(dict(h["streams"][0])), ("repeats",)),
+        (lambda h: h["streams"][0].__setitem__("length", -1), ("streams[0].length",)),
+        (lambda h: h.__setitem__("quant", ["int8"]), ("quant",)),
+        (lambda h: h.__setitem__("video_bits", 9), ("video_bits",)),
+        (lambda h: h.__setitem__("key", 5), ("key",)),
+        (lambda h: h.__setitem__("resolution", [144]), ("resolution",)),
+    ],
+)
+def test_chunk_header_fields_are_checked(blob, edit, words):
+    bad = rewrite(blob, CHUNK_MAGIC, edit)
+    for call in (kvcodec.inspect_chunk_blob, kvcodec.decode_chunk_blob):
+        with pytest.raises(FormatError) as e:
+            call(bad)
+        for w in words:
+            assert w in str(e.value)
+
+
+def test_a_bound_key_round_trips_and_unbound_headers_are_unchanged(blob):
+    header, _ = read_object(blob, CHUNK_MAGIC, "blob")
+    assert "key" not in header
+    bound = rewrite(blob, CHUNK_MAGIC, lambda h: h.__setitem__("key", "abc/0"))
+    assert kvcodec.inspect_chunk_blob(bound).key == "abc/0"
+    assert "key" in kvcodec.inspect_chunk_blob(bound).to_json()
+
+
+def test_every_error_is_a_kvcodec_error(encoded):
+    # a consistent edit of every top-level field to a value of each JSON type
+    header, _ = read_object(encoded, FILE_MAGIC, "file")
+    for field in header:
+        for value in (None, -1, 0, 1 << 62, 2.5, "x", [], {}, [[1]], True):
+            data = rewrite(encoded, FILE_MAGIC, lambda h: h.__setitem__(field, value))
+            for call in (kvcodec.decode, kvcodec.inspect):
+                try:
+                    call(data)
+                except KVCodecError:
+                    pass
