@@ -32,13 +32,45 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     save_file({"x": torch.zeros(3)}, str(bad))
     runner = CliRunner()
     r = runner.invoke(cli, ["encode", str(bad), str(tmp_path / "o.kvc")])
-    assert r.exit_code != 0 and "no tensor named 'kv'" in str(r.exception)
+    assert r.exit_code == 1 and r.output.startswith("error: ") and "no tensor named 'kv'" in r.output
     junk = tmp_path / "junk.kvc"
     junk.write_bytes(b"KVCF" + b"\x01\x00" + b"\xff" * 20)
     r = runner.invoke(cli, ["inspect", str(junk)])
-    assert r.exit_code != 0 and "kvcodec" in str(r.exception)
+    assert r.exit_code == 1 and r.output.startswith("error: ") and r.exception.__class__ is SystemExit
     r = runner.invoke(cli, ["encode", str(bad), str(tmp_path / "o.kvc"), "--resolutions", "big"])
     assert r.exit_code == 2 and "WIDTHxHEIGHT" in r.output
+
+
+def _error_line(r) -> str:  # noqa: ANN001
+    """The one line naming what was wrong (click prints usage lines before it, never a traceback)."""
+    assert isinstance(r.exception, SystemExit) and "Traceback" not in r.output, r.output
+    return [ln for ln in r.output.splitlines() if ln.lower().startswith("error")][-1]
+
+
+def test_cli_misuse_ends_in_one_line_errors(tmp_path):
+    import torch as t
+
+    good = tmp_path / "kv.safetensors"
+    save_file({"kv": t.randn(2, 2, 20, 2, 16).half()}, str(good))
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"\x00garbage" * 10)
+    out = str(tmp_path / "o.kvc")
+    runner = CliRunner()
+    cases = [
+        (["encode", str(good), out, "--layer-bits", "a,b"], 2, "--layer-bits"),
+        (["encode", str(garbage), out], 2, "not a readable safetensors file"),
+        (["encode", str(good), str(tmp_path / "missing" / "o.kvc")], 2, "does not exist"),
+        (["encode", str(good), out, "--resolutions", "16384x16384"], 2, "8192"),
+        (["encode", str(good), out, "--layer-bits", "9,9", "--resolutions", "144x144"], 1, "layer_bits"),
+        (["decode", str(good), str(tmp_path / "o.safetensors"), "--device", "banana"], 2, "not a device"),
+        (["inspect", str(garbage)], 1, "kvcodec file"),
+    ]
+    if not t.cuda.is_available():
+        cases.append((["decode", str(good), str(tmp_path / "o.safetensors"), "--device", "cuda"], 2, "CUDA"))
+    for args, code, words in cases:
+        r = runner.invoke(cli, args)
+        assert r.exit_code == code, (args, r.output)
+        assert words in _error_line(r), (args, r.output)
 
 
 def test_encode_video_bits_option_is_recorded_and_decodes_to_the_same_values(tmp_path):

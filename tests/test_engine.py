@@ -32,7 +32,8 @@ def smol(smollm2):
 def make_engine(smol, url: str, **kw) -> Engine:
     model, tok = smol
     kw.setdefault("codec_config", CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)))
-    kw.setdefault("prefix_cache_options", {"policy": "fixed:0"})
+    kw.setdefault("resolution_policy", "fixed:0")
+    kw.setdefault("fetch_deadline_s", None)  # these tests check reuse itself, whatever its speed
     return Engine(model, tokenizer=tok, store_url=url, device="cpu", **kw)
 
 

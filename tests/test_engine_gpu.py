@@ -30,7 +30,7 @@ def tiny():
 def _engine(model, url="memory://", **kw):  # noqa: ANN001, ANN202
     return Engine(model, store_url=url, device="cuda",
                   codec_config=CodecConfig(quant="exact", chunk_tokens=32, resolutions=((256, 256),)),
-                  prefix_cache_options={"policy": "fixed:0", "codec": RawCodec()}, **kw)
+                  resolution_policy="fixed:0", codec=RawCodec(), **{"fetch_deadline_s": None, **kw})
 
 
 def test_cuda_reuse_equals_recompute(tiny):

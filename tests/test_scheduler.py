@@ -13,7 +13,7 @@ from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.engine import Engine, Request, SamplingParams, State  # noqa: E402
 from kvcodec.errors import ConfigError  # noqa: E402
 from kvcodec.fetcher.rawcodec import RawCodec  # noqa: E402
-from kvcodec.scheduler import Scheduler  # noqa: E402
+from kvcodec.engine import Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,9 @@ def engine(smol, url: str, **kw) -> Engine:
         store_url=url,
         device="cpu",
         codec_config=CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)),
-        prefix_cache_options={"policy": "fixed:0", "codec": RawCodec()},
-        **kw,
+        resolution_policy="fixed:0",
+        codec=RawCodec(),
+        **{"fetch_deadline_s": None, **kw},
     )
 
 

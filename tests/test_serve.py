@@ -11,7 +11,7 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kvcodec.cli.serve import create_app  # noqa: E402
+from kvcodec.server import create_app  # noqa: E402
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.engine import Engine  # noqa: E402
 
@@ -33,7 +33,8 @@ def client():
         device="cpu",
         # exact: the restored KV is bit-identical, so the answer must be too (int8 can flip near-ties)
         codec_config=CodecConfig(quant="exact", chunk_tokens=16, resolutions=((256, 256),)),
-        prefix_cache_options={"policy": "fixed:0"},
+        resolution_policy="fixed:0",
+        fetch_deadline_s=None,
     )
     with TestClient(create_app(eng, "smollm2-135m")) as c:
         yield c, eng

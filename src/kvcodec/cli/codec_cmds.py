@@ -10,21 +10,22 @@ from pathlib import Path
 
 import click
 
+from kvcodec.cli.options import check_output_path, device_option, parse_layer_bits, parse_resolutions
 from kvcodec.config import QUANT_MODES, SAMPLE_CODERS
 from kvcodec.errors import ShapeError
 
 
-def _parse_resolutions(text: str | None):
-    if not text:
-        return None
-    out = []
-    for part in text.split(","):
-        try:
-            w, h = part.lower().split("x")
-            out.append((int(w), int(h)))
-        except ValueError:
-            raise click.BadParameter(f"{part!r}: expected WIDTHxHEIGHT, e.g. 512x512") from None
-    return tuple(out)
+def _load_kv(src: Path):  # noqa: ANN202
+    """The tensor named `kv` of a safetensors file; a clear error for anything else."""
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(src))
+    except Exception as e:  # the safetensors parser raises its own types for damaged files
+        raise click.BadParameter(f"{str(src)!r} is not a readable safetensors file ({e})", param_hint="SRC") from None
+    if "kv" not in tensors:
+        raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
+    return tensors["kv"]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -40,9 +41,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 @click.command("encode")
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
 @click.option("--quant", type=click.Choice(QUANT_MODES), default="int8", show_default=True)
-@click.option("--chunk-tokens", type=int, default=256, show_default=True)
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 256x256,512x512,1024x1024).")
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
 @click.option("--sample-coder", type=click.Choice(SAMPLE_CODERS), default="hevc", show_default=True)
@@ -50,22 +51,19 @@ def _atomic_write(path: Path, data: bytes) -> None:
               help="Top bits of each sample coded as video; the rest go to packed bit planes (8: all in the video).")
 def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits):
     """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
-    from safetensors.torch import load_file
     from tqdm import tqdm
 
     import kvcodec
 
-    res = _parse_resolutions(resolutions)  # options first: a typo fails before any work
-    tensors = load_file(str(src))
-    if "kv" not in tensors:
-        raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
-    kv = tensors["kv"]
+    res = parse_resolutions(resolutions)  # options first: a typo fails before any work
+    bits = parse_layer_bits(layer_bits)
+    kv = _load_kv(src)
     kw = dict(quant=quant, chunk_tokens=chunk_tokens, sample_coder=sample_coder,
               video_bits=video_bits if video_bits == "auto" else int(video_bits))
     if res:
         kw["resolutions"] = res
-    if layer_bits:
-        kw["layer_bits"] = tuple(int(b) for b in layer_bits.split(","))
+    if bits:
+        kw["layer_bits"] = bits
     config = kvcodec.CodecConfig(**kw)
     kvcodec.codec.check_kv(kv, config)
     chunks = -(-kv.shape[2] // chunk_tokens)
@@ -84,8 +82,8 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
 
 @click.command("decode")
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1 ...")
+@click.argument("dst", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
+@device_option()
 @click.option("--resolution", help="Which stored resolution to decode, e.g. 512x512 (default: the largest).")
 @click.option("--nvdec-pool", "pool_workers", type=int, default=0, show_default=True,
               help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).")
@@ -95,14 +93,14 @@ def decode_cmd(src, dst, device, resolution, pool_workers):
 
     import kvcodec
 
-    res = _parse_resolutions(resolution)
+    res = parse_resolutions(resolution, "--resolution")
     data = src.read_bytes()
     if pool_workers > 0:
         if not device.startswith("cuda"):
             raise click.BadParameter("--nvdec-pool needs --device cuda", param_hint="--nvdec-pool")
-        from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
+        from kvcodec.codecs.hevc_pool import decode_parallel, open_pool
 
-        with NvdecPool(workers=pool_workers, device=device) as pool:
+        with open_pool(workers=pool_workers, device=device) as pool:
             t0 = time.perf_counter()
             kv = decode_parallel(data, pool, resolution=res[0] if res else None)
             elapsed = time.perf_counter() - t0

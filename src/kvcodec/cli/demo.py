@@ -99,11 +99,10 @@ def command(
     def engine(sub: str, codec=None) -> Engine:  # noqa: ANN001
         inner = "file://" + os.path.join(store_dir, sub)
         url = f"throttle://{gbit}?inner={urllib.parse.quote(inner, safe='')}"
-        opts = {"policy": "fixed:0", "store_partial": False}
-        if codec is not None:
-            opts["codec"] = codec
-        return Engine(model, tokenizer=tok, store_url=url, codec_config=cfg, store_policy=policy,
-                      max_batch=1, device=device, prefix_cache_options=opts)
+        # no fetch deadline: the demo measures each method's fetch, even one slower than a prefill
+        return Engine(model, tokenizer=tok, store_url=url, codec_config=cfg, codec=codec, store_policy=policy,
+                      max_batch=1, device=device, resolution_policy="fixed:0", store_partial=False,
+                      fetch_deadline_s=None)
 
     kvc, raw = engine("kvcodec"), engine("raw", RawCodec())
     kvc.generate([1, 2, 3, 4], max_new_tokens=2, reuse=False, store=False)  # warm-up

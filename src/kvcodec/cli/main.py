@@ -1,7 +1,9 @@
 """Entry point of the `kvcodec` command: a click group that gathers the subcommands by name.
 
 Each module listed in SUBCOMMAND_MODULES defines `command` (a click command or group). Benchmarks
-live under `kvcodec bench`, whose own modules are listed in kvcodec.cli.bench.
+live under `kvcodec bench`, whose own modules are listed in kvcodec.cli.bench. Errors end in one
+line, never a traceback: bad options are click usage errors (exit code 2); a KVCodecError or an
+OS error (a file that cannot be read or written) prints `error: ...` (exit code 1).
 """
 
 from __future__ import annotations
@@ -23,7 +25,28 @@ SUBCOMMAND_MODULES = (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class CommandError(click.ClickException):
+    """A failure of the work itself (not of the command line): `error: ...`, exit code 1."""
+
+    exit_code = 1
+
+    def show(self, file=None) -> None:  # noqa: ANN001
+        click.echo(f"error: {self.format_message()}", err=True, file=file)
+
+
+class Group(click.Group):
+    """The `kvcodec` group: turns KVCodecError and OSError from any subcommand into CommandError."""
+
+    def invoke(self, ctx: click.Context):  # noqa: ANN201
+        try:
+            return super().invoke(ctx)
+        except KVCodecError as e:
+            raise CommandError(str(e)) from None
+        except OSError as e:
+            raise CommandError(f"{e.strerror or e}: {e.filename}" if e.filename else str(e)) from None
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def cli(verbose: int) -> None:
     """kvcodec: KV caches as lossless HEVC video, fetched and decoded on NVDEC."""
@@ -55,9 +78,9 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except KVCodecError as e:
-        click.echo(f"kvcodec: error: {e}", err=True)
-        sys.exit(2)
+    except KVCodecError as e:  # raised outside a subcommand's invocation
+        CommandError(str(e)).show()
+        sys.exit(1)
 
 
 if __name__ == "__main__":

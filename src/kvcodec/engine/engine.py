@@ -1,13 +1,15 @@
 """The inference engine: a running batch stepped one token at a time, with remote prefix reuse.
 
     >>> from kvcodec.engine import Engine
-    >>> eng = Engine("smollm2-135m", store_url="file:///tmp/kv")
+    >>> eng = Engine("smollm2-135m", store_url="file:///tmp/kv", max_batch=4)
     >>> out = eng.generate([long_doc + "\\nQ: ...", long_doc + "\\nQ: ..."], max_new_tokens=32)
 
 Each iteration (`step`): the scheduler admits requests to the running batch (a request whose
-prefix KV is being fetched joins only once it is restored); admitted requests prefill their
-non-restored prompt tokens and sample their first token; every other running request decodes one
-token. After a prefill the prompt's KV is encoded and stored in the background for later requests.
+prefix KV is being fetched joins only once it is restored); admitted requests start from their
+restored prefix; at most `prefill_chunk_tokens` prompt tokens are prefilled per iteration (a
+request samples its first token when its whole prompt is in); every other running request decodes
+one token. A request that fails (in its prefill, decode or sampling) ends alone with finish reason
+"error"; the others go on. After a prefill the prompt's KV is encoded and stored in the background.
 `generate` drives steps on the caller's thread; `start()` runs them on a background thread for
 online serving (`submit` + streaming callbacks).
 """
@@ -22,11 +24,16 @@ from typing import Any
 
 import torch
 
+from kvcodec.engine.config import AUTO, EngineConfig
+from kvcodec.engine.deadline import PrefillRate
 from kvcodec.engine.metrics import EngineMetrics
+from kvcodec.engine.prefix import RestoreTargets, open_prefix_cache
 from kvcodec.engine.runner import ModelRunner, default_device, sample
+from kvcodec.engine.scheduler import Scheduler
 from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams
-from kvcodec.engine.storer import KVStorer, StorePolicy
-from kvcodec.scheduler import Scheduler
+from kvcodec.engine.storer import KVStorer
+from kvcodec.engine.tokens import Tokens
+from kvcodec.engine.validate import check_context, check_sampling, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -41,146 +48,96 @@ def _load(model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype |
         tokenizer = getattr(model, "tokenizer", None)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.float16
-    model = model.to(device=device, dtype=dtype)
-    return model, tokenizer
+    return model.to(device=device, dtype=dtype), tokenizer
 
 
 class Engine:
     """Generation with iteration-level scheduling and fetch-aware prefix reuse.
 
-    model: a name for kvcodec.models.load_model ("smollm2-135m", "qwen2.5-coder-0.5b") or a loaded
-        transformers causal LM (then pass `tokenizer` unless the model carries `.tokenizer`).
-    store_url: KV store (file://, memory://, redis://); None with reuse=True means an in-process
-        memory:// store. Ignored when `prefix_cache` is given.
-    codec_config: kvcodec.CodecConfig for stored KV (default: int8).
-    reuse: look up and fetch stored prefixes. store_policy: what to store after prefills
-        (StorePolicy or None for defaults; StorePolicy(enabled=False) stores nothing).
-    policy: "fetch-aware" (default) or "blocking" (fetch on the engine thread, for comparison).
-    prefix_cache: an already built kvcodec.fetcher.PrefixCache (or anything with lookup/fetch/put),
-        e.g. one reading through an emulated slow link (store_url="throttle://1?inner=..." does too).
-    prefix_cache_options: extra keyword arguments for the PrefixCache built from store_url
-        (policy="fixed:0", codec=RawCodec(), ...).
-    batch_decode: one forward for the whole running batch per decode step (left-padded); False runs
-        one forward per request.
+    model: a name for kvcodec.models.load_model ("smollm2-135m", ...) or a loaded transformers
+        causal LM (then pass `tokenizer` unless the model carries `.tokenizer`).
+    config: an EngineConfig; keyword arguments replace its fields (Engine(model, max_batch=4)).
+    prefix_cache: an already built kvcodec.fetcher.PrefixCache (or anything with lookup / fetch /
+        put); it replaces the one the config's store_url and codec would give.
     """
 
-    def __init__(
-        self,
-        model: Any = "smollm2-135m",
-        *,
-        tokenizer: Any = None,
-        store_url: str | None = None,
-        codec_config: Any = None,
-        reuse: bool = True,
-        store_policy: StorePolicy | None = None,
-        policy: str = "fetch-aware",
-        max_batch: int = 8,
-        max_prefill_tokens: int = 8192,
-        min_reuse_tokens: int = 1,
-        fetch_deadline_s: float | None = None,
-        fetch_workers: int = 2,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        prefix_cache: Any = None,
-        prefix_cache_options: dict[str, Any] | None = None,
-        batch_decode: bool = True,
-    ) -> None:
-        self.device = torch.device(device) if device is not None else default_device()
-        model, self.tokenizer = _load(model, tokenizer, self.device, dtype)
+    def __init__(self, model: Any = "smollm2-135m", config: EngineConfig | None = None, *,
+                 tokenizer: Any = None, prefix_cache: Any = None, **kwargs: Any) -> None:
+        cfg = self.config = EngineConfig.from_kwargs(config, **kwargs)
+        self.device = torch.device(cfg.device) if cfg.device is not None else default_device()
+        model, tokenizer = _load(model, tokenizer, self.device, cfg.dtype)
         self.runner = ModelRunner(model, self.device)
-        self.model = self.runner.model
-        self.batch_decode = batch_decode
+        self.model, self.tokens = self.runner.model, Tokens(tokenizer)
+        self.tokenizer = tokenizer
+        self.max_context = cfg.max_context or self.runner.max_positions
         self.metrics = EngineMetrics()
-        self.reuse = reuse
-        self.codec_config = codec_config
         self.store = None
-        if prefix_cache is None and (reuse or (store_policy is None or store_policy.enabled)):
-            prefix_cache = self._open_prefix_cache(store_url, codec_config, prefix_cache_options or {})
+        if prefix_cache is None and (cfg.reuse or cfg.store_policy.enabled):
+            self.store, prefix_cache = open_prefix_cache(cfg, self.model, self.device)
         self.prefix_cache = prefix_cache
-        chunk = getattr(getattr(prefix_cache, "config", None), "chunk_tokens", None) or getattr(
-            codec_config, "chunk_tokens", 256
-        )
-        self.chunk_tokens = int(chunk)
+        chunk = getattr(getattr(prefix_cache, "config", None), "chunk_tokens", None)
+        self.chunk_tokens = int(chunk or getattr(cfg.codec_config, "chunk_tokens", 256))
+        self.prefill_rate = PrefillRate()
         self.scheduler = Scheduler(
-            prefix_cache if reuse else None,
-            policy=policy,
-            max_batch=max_batch,
-            max_prefill_tokens=max_prefill_tokens,
-            min_reuse_tokens=min_reuse_tokens,
-            fetch_workers=fetch_workers,
-            fetch_deadline_s=fetch_deadline_s,
+            prefix_cache if cfg.reuse else None, policy=cfg.policy, max_batch=cfg.max_batch,
+            max_prefill_tokens=cfg.max_prefill_tokens, min_reuse_tokens=cfg.min_reuse_tokens,
+            fetch_workers=cfg.fetch_workers, deadline_for=self._deadline_for,
+            target_for=RestoreTargets(self.model, self.device, self.runner.dtype),
         )
-        self.storer = KVStorer(prefix_cache, store_policy or StorePolicy(), self.chunk_tokens)
-        self.storer.on_done = self._stored
-        self.eos_ids = self._eos_ids()
+        self.storer = KVStorer(prefix_cache, cfg.store_policy, self.chunk_tokens, max_pending=cfg.store_queue)
+        self.storer.on_done, self.storer.on_drop = self._stored, self.metrics.stores_dropped.inc
+        self.eos_ids = self.tokens.eos_ids(self.model)
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
         self._step_lock = threading.Lock()
+        self._last_progress = time.monotonic()
+        if cfg.reuse and cfg.fetch_deadline_s == AUTO and prefix_cache is not None:
+            self._measure_prefill()
 
     # ---- setup ---------------------------------------------------------------------------------
-    def _open_prefix_cache(self, store_url: str | None, codec_config: Any, options: dict[str, Any]) -> Any:
-        from kvcodec.config import CodecConfig
-        from kvcodec.fetcher import PrefixCache
-        from kvcodec.models import model_id
-        from kvcodec.store import open_store
+    @property
+    def batch_decode(self) -> bool:
+        return self.config.batch_decode
 
-        self.store = open_store(store_url or "memory://")
-        cfg = codec_config or CodecConfig(quant="int8")
-        self.codec_config = cfg
-        return PrefixCache(self.store, model_id(self.model), cfg, self.device, **options)
+    def _measure_prefill(self, tokens: int = 32) -> None:
+        """Seed the prefill rate (and warm the model up) before the first fetch needs a deadline."""
+        req = Request(prompt_ids=[0] * tokens, params=SamplingParams(max_new_tokens=1))
+        for _ in range(2):  # the first forward pays one-time setup costs
+            self.runner.begin_prefill(req)
+            t0 = time.perf_counter()
+            self.runner.prefill_chunk(req, tokens)
+            elapsed = time.perf_counter() - t0
+        self.prefill_rate.observe(tokens, elapsed)
 
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for src in (getattr(self.model, "generation_config", None), getattr(self.model, "config", None), self.tokenizer):
-            v = getattr(src, "eos_token_id", None)
-            if v is None:
-                continue
-            ids.update(v if isinstance(v, (list, tuple, set)) else [v])
-        return {int(i) for i in ids}
+    def _deadline_for(self, req: Request) -> float | None:
+        d = self.config.fetch_deadline_s
+        return self.prefill_rate.deadline_s(req.matched_tokens) if d == AUTO else d
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                from kvcodec.errors import ConfigError
-
-                raise ConfigError("this engine has no tokenizer: pass token ids")
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        return [int(t) for t in prompt]
+        return self.tokens.encode(prompt)
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat conversation through the tokenizer's chat template."""
-        tmpl = getattr(self.tokenizer, "chat_template", None)
-        if tmpl:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.encode(text)
+        return self.tokens.chat_ids(messages)
 
     def decode_text(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.tokens.decode(ids)
 
-    def submit(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        reuse: bool = True,
-        store: bool = True,
-        on_token: Callable[[Request, int], None] | None = None,
-        on_finish: Callable[[Request], None] | None = None,
-        request_id: str | None = None,
-    ) -> Request:
-        """Queue a request (its prefix lookup runs on this thread); returns it at once."""
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ConfigError unless the request can run (parameters, vocabulary, context)."""
+        check_sampling(params)
+        check_token_ids(prompt_ids, self.runner.vocab_size)
+        check_context(len(prompt_ids), params.max_new_tokens, self.max_context)
+
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, reuse: bool = True,
+               store: bool = True, on_token: Callable[[Request, int], None] | None = None,
+               on_finish: Callable[[Request], None] | None = None, request_id: str | None = None) -> Request:
+        """Check and queue a request (its prefix lookup runs on this thread); returns it at once."""
         req = Request(prompt_ids=self.encode(prompt), params=params or SamplingParams(), reuse=reuse, store=store)
+        self.check(req.prompt_ids, req.params)
         if request_id:
             req.request_id = request_id
-        if not req.prompt_ids:
-            from kvcodec.errors import ConfigError
-
-            raise ConfigError("empty prompt")
         req.on_token, req.on_finish = on_token, on_finish
         if req.params.temperature > 0:
             req.generator = torch.Generator(device="cpu")
@@ -190,42 +147,97 @@ class Engine:
             (self.metrics.reuse_hits if req.matched_tokens else self.metrics.reuse_misses).inc()
         return req
 
+    def abort(self, req: Request) -> None:
+        """Stop a request (client went away); it finishes with reason 'abort' at the next step."""
+        req.aborted = True
+        with self.scheduler.cv:
+            self.scheduler.cv.notify_all()
+
     # ---- one iteration -------------------------------------------------------------------------
     def step(self) -> int:
-        """Admit, prefill and decode once. Returns the number of tokens produced."""
+        """Admit, prefill (one chunk budget) and decode once. Returns the number of tokens produced."""
         with self._step_lock:
-            admitted = self.scheduler.schedule()
-            for req in [r for r in self.scheduler.running if r.aborted and r not in admitted]:
+            for req in self.scheduler.take_aborted():
                 self._finish(req, "abort")
-            decoding = [r for r in self.scheduler.running if r not in admitted]
-            produced = 0
+            admitted = self.scheduler.schedule()
+            for req in [r for r in self.scheduler.running if r.aborted]:
+                self._finish(req, "abort")
+            decoding = [r for r in self.scheduler.running if r.output_ids]
             for req in admitted:
-                self._account_fetch(req)
-                logits = self.runner.prefill(req)
-                self.metrics.restored_tokens.inc(req.restored_tokens)
-                self.metrics.prefill_tokens.inc(req.prefilled_tokens)
-                if req.store and self.prefix_cache is not None:
-                    try:
-                        self.storer.submit(req.prompt_ids, req.cache, restored=req.restored_tokens)
-                    except Exception as e:  # never fail a request because storing failed
-                        log.warning("could not queue KV store: %s", e)
-                self._append(req, sample(logits, req.params, req.generator))
-                produced += 1
-            if decoding:
-                run = self.runner.decode_batched if self.batch_decode else self.runner.decode
-                for req, logits in zip(decoding, run(decoding)):
-                    self._append(req, sample(logits, req.params, req.generator))
-                    produced += 1
+                self._guard(req, self._admit, req)
+            produced = self._prefill_some() + self._decode(decoding)
             for state, n in self.scheduler.counts().items():
                 self.metrics.queue.labels(state).set(n)
+            self._last_progress = time.monotonic()
             return produced
+
+    def _guard(self, req: Request, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args); if it raises, `req` alone ends with finish reason 'error'."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            log.exception("request %s failed", req.request_id)
+            req.error = f"{type(e).__name__}: {e}"
+            if not req.finished:
+                self._finish(req, "error")
+            return None
+
+    def _admit(self, req: Request) -> None:
+        self._account_fetch(req)
+        self.runner.begin_prefill(req)
+        self.metrics.restored_tokens.inc(req.restored_tokens)
+
+    def _prefill_some(self) -> int:
+        """Prefill at most prefill_chunk_tokens prompt tokens, oldest request first."""
+        budget, produced = self.config.prefill_chunk_tokens, 0
+        for req in [r for r in self.scheduler.running if r.prefilling]:
+            if budget <= 0:
+                break
+            n = min(budget, req.prompt_len - req.prefill_pos)
+            budget -= n
+            produced += bool(self._guard(req, self._prefill_chunk, req, n))
+        return produced
+
+    def _prefill_chunk(self, req: Request, n: int) -> bool:
+        t0 = time.perf_counter()
+        logits = self.runner.prefill_chunk(req, n)
+        self.prefill_rate.observe(n, time.perf_counter() - t0)
+        self.metrics.prefill_tokens.inc(n)
+        if logits is None:
+            return False
+        if req.store and self.prefix_cache is not None:
+            try:
+                self.storer.submit(req.prompt_ids, req.cache, restored=req.restored_tokens)
+            except Exception as e:  # never fail a request because storing failed
+                log.warning("could not queue KV store: %s", e)
+        self._append(req, sample(logits, req.params, req.generator))
+        return True
+
+    def _decode(self, reqs: list[Request]) -> int:
+        reqs = [r for r in reqs if not r.finished]
+        if not reqs:
+            return 0
+        if self.config.batch_decode and len(reqs) > 1:
+            try:
+                logits = self.runner.decode_batched(reqs)
+            except Exception:  # find the request that breaks it: one by one below
+                log.exception("batched decode failed; decoding one by one")
+            else:
+                return sum(bool(self._guard(r, self._emit, r, lg)) for r, lg in zip(reqs, logits))
+        return sum(bool(self._guard(r, self._decode_one, r)) for r in reqs)
+
+    def _decode_one(self, req: Request) -> bool:
+        return self._emit(req, self.runner.decode([req])[0])
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> bool:
+        self._append(req, sample(logits, req.params, req.generator))
+        return True
 
     def _account_fetch(self, req: Request) -> None:
         if not req.matched_tokens:
             return
         st = req.fetch_stats or {}
-        nbytes = st.get("bytes_fetched", st.get("bytes", 0)) or 0
-        self.metrics.bytes_fetched.inc(int(nbytes))
+        self.metrics.bytes_fetched.inc(int(st.get("bytes_fetched", st.get("bytes", 0)) or 0))
         if req.fetch_s is not None:
             self.metrics.fetch_seconds.observe(req.fetch_s)
         if req.fetch_error is not None or req.restored_tokens < min(req.matched_tokens, req.prompt_len - 1):
@@ -239,15 +251,9 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(req.ttft)
-        if req.on_token is not None:
-            try:
-                req.on_token(req, token)
-            except Exception as e:
-                log.warning("on_token callback failed: %s", e)
+        _callback(req.on_token, req, token)
         p = req.params
-        if not p.ignore_eos and token in self.eos_ids:
-            self._finish(req, "stop")
-        elif token in p.stop_token_ids:
+        if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:
             self._finish(req, "stop")
         elif len(req.output_ids) >= p.max_new_tokens:
             self._finish(req, "length")
@@ -255,21 +261,13 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         req.finish_time = time.perf_counter()
-        req.cache = None
+        req.cache = req.restored_kv = None
         self.scheduler.finish(req)
         self.metrics.requests.labels(reason).inc()
         if req.tpot is not None:
             self.metrics.tpot.observe(req.tpot)
         req.done.set()
-        if req.on_finish is not None:
-            try:
-                req.on_finish(req)
-            except Exception as e:
-                log.warning("on_finish callback failed: %s", e)
-
-    def abort(self, req: Request) -> None:
-        """Stop a request (client went away); it finishes with reason 'abort' at the next step."""
-        req.aborted = True
+        _callback(req.on_finish, req)
 
     def _stored(self, written: int | None, error: Exception | None) -> None:
         if error is not None:
@@ -278,37 +276,25 @@ class Engine:
             self.metrics.stored_chunks.inc(written)
 
     # ---- drivers -------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        *,
-        params: SamplingParams | None = None,
-        reuse: bool = True,
-        store: bool = True,
-        wait_for_store: bool = False,
-        **kw: Any,
-    ) -> list[RequestOutput]:
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], max_new_tokens: int = 64,
+                 temperature: float = 0.0, *, params: SamplingParams | None = None, reuse: bool = True,
+                 store: bool = True, wait_for_store: bool = False, **kw: Any) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in prompt order.
 
         wait_for_store: return only after the prompts' KV is in the store (so that a following call
         can reuse it).
         """
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        plist = [prompts] if single else list(prompts)
-        reqs = []
-        for p in plist:
-            sp = params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **kw)
-            reqs.append(self.submit(p, SamplingParams(**vars(sp)), reuse=reuse, store=store))
+        sp = params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **kw)
+        reqs = [self.submit(p, SamplingParams(**vars(sp)), reuse=reuse, store=store)
+                for p in ([prompts] if single else list(prompts))]
         if self._loop is not None:
             for r in reqs:
                 r.done.wait()
         else:
             while not all(r.finished for r in reqs):
-                if not self.scheduler.wait_for_work(timeout=0.5):
-                    continue
-                self.step()
+                if self.scheduler.wait_for_work(timeout=0.5):
+                    self.step()
         if wait_for_store:
             self.storer.flush()
         return [RequestOutput.from_request(r, self.decode_text(r.output_ids)) for r in reqs]
@@ -318,36 +304,66 @@ class Engine:
         if self._loop is not None:
             return
         self._stop.clear()
+        self._last_progress = time.monotonic()
         self._loop = threading.Thread(target=self._run, name="kvcodec-engine", daemon=True)
         self._loop.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
             if not self.scheduler.wait_for_work(timeout=0.05):
+                self._last_progress = time.monotonic()  # idle is not stalled
                 continue
             try:
                 self.step()
-            except Exception:  # keep serving; fail the requests of the batch that broke
+            except Exception:  # a fault outside any one request: fail the running batch, go on
                 log.exception("engine step failed")
                 for req in list(self.scheduler.running):
                     self._finish(req, "error")
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._loop is not None:
-            self._loop.join()
-            self._loop = None
+    def health(self) -> dict[str, Any]:
+        """{"ok", "stalled_s", "alive", "queue"}: not ok when the step loop died, or made no progress
+        for config.stall_s seconds while requests were waiting to run."""
+        counts = self.scheduler.counts()
+        alive = self._loop is None or self._loop.is_alive()
+        busy = bool(counts["running"] or counts["waiting"] or counts["ready"])
+        since = time.monotonic() - self._last_progress if busy else 0.0
+        return {"ok": alive and since < self.config.stall_s, "stalled_s": since, "alive": alive, "queue": counts}
 
-    def close(self) -> None:
-        self.stop()
-        self.storer.flush()
-        self.storer.shutdown()
-        self.scheduler.shutdown()
+    def stop(self, abort: bool = False) -> None:
+        """Stop the step loop after its current step; abort=True also ends every unfinished request
+        (finish reason 'abort') so that nothing waits for them."""
+        self._stop.set()
+        loop = self._loop
+        if loop is not None:  # stop() may run on two threads at once (signal handler, shutdown)
+            loop.join()
+            self._loop = None
+        if abort:
+            with self._step_lock:
+                for req in self.scheduler.drain():
+                    if not req.finished:
+                        self._finish(req, "abort")
+
+    def close(self, wait_for_store: bool = True) -> None:
+        """Stop and release everything; wait_for_store=False drops queued stores and fetches."""
+        self.stop(abort=not wait_for_store)
+        if wait_for_store:
+            self.storer.flush()
+        self.storer.shutdown(wait=wait_for_store)
+        self.scheduler.shutdown(wait=wait_for_store)
         if self.store is not None and hasattr(self.store, "close"):
             self.store.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _callback(fn: Callable[..., Any] | None, *args: Any) -> None:
+    if fn is None:
+        return
+    try:
+        fn(*args)
+    except Exception as e:
+        log.warning("callback %s failed: %s", getattr(fn, "__name__", fn), e)

@@ -30,6 +30,9 @@ class EngineMetrics:
         self.generated_tokens = Counter("kvcodec_generated_tokens", "Output tokens generated", registry=r)
         self.stored_chunks = Counter("kvcodec_stored_chunks", "KV chunks encoded and written to the store", registry=r)
         self.store_errors = Counter("kvcodec_store_errors", "Background KV stores that failed", registry=r)
+        self.stores_dropped = Counter(
+            "kvcodec_stores_dropped", "KV stores not queued because the store queue was full", registry=r
+        )
         self.queue = Gauge("kvcodec_requests_in_state", "Requests per scheduler state", ["state"], registry=r)
 
     def render(self) -> bytes:

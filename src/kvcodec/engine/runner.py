@@ -1,11 +1,13 @@
-"""Model execution: prefill (on top of a restored prefix) and one-token decode steps, and sampling.
+"""Model execution: chunked prefill (on top of a restored prefix), one-token decode steps, sampling.
 
-Each request keeps its own transformers DynamicCache. A decode iteration either runs one forward
-for the whole running batch (`decode_batched`: the caches are left-padded to the longest one into a
-temporary batched cache, with an attention mask and explicit positions; each request's new K/V is
-then appended to its own cache) or one forward per request (`decode`). No paged attention: the
-batched step copies the running caches once per iteration, simple rather than fast. The canonical KV tensor `(layers, 2, tokens, kv_heads, head_dim)` crosses into and out
-of the model through kvcodec.integrations.hf.
+Each request keeps its own transformers DynamicCache. A prompt is prefilled in pieces of at most
+`prefill_chunk_tokens` per engine iteration (`prefill_chunk`), so a long prompt never holds the
+running batch for its whole prefill. A decode iteration either runs one forward for the whole
+running batch (`decode_batched`: the caches are left-padded to the longest one into a temporary
+batched cache, with an attention mask and explicit positions; each request's new K/V is then
+appended to its own cache) or one forward per request (`decode`). No paged attention: the batched
+step copies the running caches once per iteration, simple rather than fast. Every transformers
+detail goes through kvcodec.integrations.hf.
 """
 
 from __future__ import annotations
@@ -15,41 +17,30 @@ from typing import Any
 import torch
 
 from kvcodec.engine.sequence import Request, SamplingParams
-
-
-# ---- transformers 4.x / 5.x differences (the GPU machine runs 4.x) --------------------------------
-def cache_kwarg(model: Any) -> str:
-    """Name of forward()'s cache argument: "cache" (transformers 5) or "past_key_values" (4.x)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def output_cache(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
-
-
-def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(keys, values) per layer, each [batch, kv_heads, seq, head_dim], whatever the cache layout."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return [(layer.keys, layer.values) for layer in layers]
-    return list(zip(cache.key_cache, cache.value_cache))  # transformers < 4.56
-
-
-def make_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]], config: Any) -> Any:
-    """A DynamicCache holding `pairs` (no copy where the transformers release allows)."""
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(ddp_cache_data=pairs, config=config)
-    except TypeError:
-        return DynamicCache.from_legacy_cache(tuple(pairs))
+from kvcodec.integrations.hf import cache_kwarg, layer_pairs, make_cache, output_cache
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def restored_pairs(kv: torch.Tensor, tokens: int, device: torch.device, dtype: torch.dtype) -> list:
+    """Per-layer ([1, H, tokens, D] keys, values) views of a canonical (L, 2, T, H, D) tensor.
+
+    No copy when `kv` is already on `device` in `dtype` (the engine's fetch target is allocated so,
+    in the cache's own [H, T, D] layout); otherwise one .to() copy.
+    """
+    kv = kv[:, :, :tokens]
+    if kv.device != device or kv.dtype != dtype:
+        kv = kv.to(device=device, dtype=dtype)
+    return [(kv[i, 0].transpose(0, 1)[None], kv[i, 1].transpose(0, 1)[None]) for i in range(kv.shape[0])]
+
+
+def restore_target(layers: int, tokens: int, kv_heads: int, head_dim: int, device: Any, dtype: Any) -> torch.Tensor:
+    """An uninitialized canonical (L, 2, T, H, D) view whose storage is laid out as the model's
+    cache ([L, 2, H, T, D]): restored values go straight where attention reads them."""
+    storage = torch.empty(layers, 2, kv_heads, tokens, head_dim, device=device, dtype=dtype)
+    return storage.permute(0, 1, 3, 2, 4)
 
 
 class ModelRunner:
@@ -60,6 +51,9 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         self.dtype = next(model.parameters()).dtype
         self.cache_kw = cache_kwarg(self.model)
+        config = getattr(self.model, "config", None)
+        self.vocab_size = int(getattr(config, "vocab_size", 0) or 0) or None
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or None
 
     def forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
         """(logits, cache) of one forward; cache None starts a new one."""
@@ -68,29 +62,28 @@ class ModelRunner:
         out = self.model(input_ids=ids, use_cache=True, **kw)
         return out.logits, output_cache(out)
 
-    @torch.inference_mode()
-    def prefill(self, req: Request) -> torch.Tensor:
-        """Fill req.cache with the prompt's KV (restored part + computed part); last-token logits.
-
-        A restored prefix is cut to at most prompt_len - 1 tokens: the last prompt token always goes
-        through the model, since its logits give the first output token.
-        """
+    def begin_prefill(self, req: Request) -> None:
+        """Start req.cache from its restored prefix (if any), cut to at most prompt_len - 1 tokens:
+        the last prompt token always goes through the model, since its logits give the first
+        output token."""
         start = 0
-        cache = None
+        req.cache = None
         if req.restored_kv is not None and req.restored_tokens > 0:
-            from kvcodec.integrations.hf import tensor_to_cache
-
             start = min(req.restored_tokens, req.prompt_len - 1)
-            kv = req.restored_kv[:, :, :start].to(device=self.device, dtype=self.dtype)
-            cache = tensor_to_cache(kv, self.model)
-        req.restored_kv = None  # free it: the cache owns the data now
-        if cache is None:
-            start = 0
-        ids = torch.tensor([req.prompt_ids[start:]], dtype=torch.long, device=self.device)
-        logits, req.cache = self.forward(ids, cache, logits_to_keep=1)
-        req.restored_tokens = start
+            req.cache = make_cache(restored_pairs(req.restored_kv, start, self.device, self.dtype), self.model.config)
+        req.restored_kv = None  # the cache holds (views of) the data now
+        req.restored_tokens = req.prefill_pos = start
         req.prefilled_tokens = req.prompt_len - start
-        return logits[0, -1]
+
+    @torch.inference_mode()
+    def prefill_chunk(self, req: Request, max_tokens: int) -> torch.Tensor | None:
+        """Run the next at most `max_tokens` prompt tokens; the last token's logits once the whole
+        prompt is in the cache, else None."""
+        end = min(req.prompt_len, req.prefill_pos + max(1, max_tokens))
+        ids = torch.tensor([req.prompt_ids[req.prefill_pos : end]], dtype=torch.long, device=self.device)
+        logits, req.cache = self.forward(ids, req.cache, logits_to_keep=1)
+        req.prefill_pos = end
+        return logits[0, -1] if end == req.prompt_len else None
 
     @torch.inference_mode()
     def decode(self, reqs: list[Request]) -> list[torch.Tensor]:
@@ -101,7 +94,6 @@ class ModelRunner:
             out, req.cache = self.forward(ids, req.cache)
             logits.append(out[0, -1])
         return logits
-
 
     @torch.inference_mode()
     def decode_batched(self, reqs: list[Request]) -> list[torch.Tensor]:

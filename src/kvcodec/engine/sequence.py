@@ -57,8 +57,11 @@ class Request:
     prefilled_tokens: int = 0  # tokens computed by this request's prefill
     fetch_error: str | None = None
     fetch_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
-    restored_kv: Any = None  # canonical KV tensor from the fetch, consumed by the prefill
+    restored_kv: Any = None  # canonical KV view of the fetch's target, consumed by the prefill
     fetch_future: Any = None
+    fetch_deadline_s: float | None = None  # the deadline the fetch ran under
+    prefill_pos: int = 0  # prompt tokens already in `cache` (restored or prefilled)
+    error: str | None = None  # why the request ended with finish_reason "error"
     # timing
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     fetch_start: float | None = None
@@ -107,6 +110,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.state is State.FINISHED
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted but its prompt is not all in the cache yet (chunked prefill)."""
+        return not self.output_ids and self.state is State.RUNNING
 
 
 @dataclasses.dataclass

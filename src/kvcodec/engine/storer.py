@@ -1,4 +1,9 @@
-"""Background writer: after a prefill, encode the prompt's KV (CPU x265) and put it in the store."""
+"""Background writer: after a prefill, encode the prompt's KV (CPU x265) and put it in the store.
+
+The queue is bounded: each queued store keeps slices of a request's KV cache alive (on the GPU
+when the model runs there) until it is encoded, so past `max_pending` a new store is dropped,
+logged and counted instead of queued.
+"""
 
 from __future__ import annotations
 
@@ -33,14 +38,19 @@ class StorePolicy:
 class KVStorer:
     """Runs PrefixCache.put on a worker thread so that the engine never waits for an encode."""
 
-    def __init__(self, prefix_cache: Any, policy: StorePolicy, chunk_tokens: int, workers: int = 1) -> None:
+    def __init__(
+        self, prefix_cache: Any, policy: StorePolicy, chunk_tokens: int, workers: int = 1, max_pending: int = 4
+    ) -> None:
         self.prefix_cache = prefix_cache
         self.policy = policy
         self.chunk_tokens = max(1, chunk_tokens)
+        self.max_pending = max(1, int(max_pending))
+        self.dropped = 0
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-store")
         self._pending: set[Future] = set()
         self._lock = threading.Lock()
         self.on_done: Any = None  # callable(chunks_written | None, error | None)
+        self.on_drop: Any = None  # callable() when a store is dropped (queue full)
 
     def tokens_to_store(self, prompt_len: int, restored: int) -> int:
         p = self.policy
@@ -64,11 +74,17 @@ class KVStorer:
             return None
         # DynamicCache.update concatenates into new tensors, so these references stay valid (and
         # unchanged) while the request keeps decoding.
-        from kvcodec.engine.runner import layer_pairs
+        from kvcodec.integrations.hf import layer_pairs
 
-        layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
-        fut = self._pool.submit(self._put, list(prompt_ids[:n]), layers)
         with self._lock:
+            if len(self._pending) >= self.max_pending:
+                self.dropped += 1
+                log.warning("KV store queue full (%d pending): not storing %d tokens", len(self._pending), n)
+                if self.on_drop:
+                    self.on_drop()
+                return None
+            layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
+            fut = self._pool.submit(self._put, list(prompt_ids[:n]), layers)
             self._pending.add(fut)
         fut.add_done_callback(self._forget)
         return fut
@@ -106,5 +122,6 @@ class KVStorer:
             except Exception:
                 pass
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the worker; wait=False drops queued stores (the one being encoded finishes)."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)

@@ -22,13 +22,14 @@ from kvcodec.models.registry import kv_shape
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _cache_kwarg(model: Any) -> str:
+def cache_kwarg(model: Any) -> str:
     """Name of the forward() argument that takes a cache: "cache" (5.x) or "past_key_values"."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _output_cache(out: Any) -> Any:
+def output_cache(out: Any) -> Any:
+    """The cache a forward(use_cache=True) returned (`.cache` in 5.x, `.past_key_values` before)."""
     cache = getattr(out, "cache", None)
     if cache is None:
         cache = getattr(out, "past_key_values", None)
@@ -37,7 +38,8 @@ def _output_cache(out: Any) -> Any:
     return cache
 
 
-def _layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer, each [batch, kv_heads, seq, head_dim], whatever the cache layout."""
     layers = getattr(cache, "layers", None)
     if layers is not None:
         pairs = []
@@ -47,9 +49,35 @@ def _layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
                 raise ShapeError(f"cache layer {i} holds no keys/values (empty or unsupported layer type)")
             pairs.append((k, v))
         return pairs
+    if hasattr(cache, "key_cache"):  # transformers < 4.56
+        return list(zip(cache.key_cache, cache.value_cache))
     if isinstance(cache, (tuple, list)):  # legacy tuple of (key, value) per layer
         return [(kv[0], kv[1]) for kv in cache]
     raise ShapeError(f"unsupported cache type {type(cache).__name__}; expected a transformers Cache")
+
+
+def make_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]], config: Any) -> Any:
+    """A DynamicCache holding `pairs` ([batch, kv_heads, seq, head_dim] per layer).
+
+    Full-attention layers adopt the given tensors (no copy: DynamicCache's own constructor
+    concatenates them onto an empty tensor, a copy); other layer types are filled with update().
+    """
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=config)
+    except TypeError:  # pragma: no cover - transformers releases without config=
+        return DynamicCache.from_legacy_cache(tuple(pairs))
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) != len(pairs):
+        return DynamicCache(pairs, config=config)
+    for layer, (k, v) in zip(layers, pairs):
+        if type(layer).__name__ == "DynamicLayer" and hasattr(layer, "lazy_initialization"):
+            layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        else:
+            layer.update(k, v)
+    return cache
 
 
 def cache_to_tensor(cache: Any) -> torch.Tensor:
@@ -57,7 +85,7 @@ def cache_to_tensor(cache: Any) -> torch.Tensor:
 
     The cache must hold one sequence (batch 1) and the same shape in every layer.
     """
-    pairs = _layer_pairs(cache)
+    pairs = layer_pairs(cache)
     if not pairs:
         raise ShapeError("the cache has no layers")
     k0 = pairs[0][0]
@@ -106,8 +134,6 @@ def tensor_to_cache(kv: torch.Tensor, config_or_model: Any) -> Any:
     The cache holds copies: running the model on it never changes `kv`. With a model, the cache is
     put on the model's device and the dtypes must match.
     """
-    from transformers import DynamicCache
-
     check_kv(kv, config_or_model)
     device = getattr(config_or_model, "device", None) if isinstance(config_or_model, torch.nn.Module) else None
     config = getattr(config_or_model, "config", config_or_model)
@@ -117,10 +143,7 @@ def tensor_to_cache(kv: torch.Tensor, config_or_model: Any) -> Any:
         (kv[i, 0].transpose(0, 1).unsqueeze(0).contiguous(), kv[i, 1].transpose(0, 1).unsqueeze(0).contiguous())
         for i in range(kv.shape[0])
     ]
-    try:
-        return DynamicCache(data, config=config)
-    except TypeError:  # pragma: no cover - transformers releases without config=
-        return DynamicCache(data)
+    return make_cache(data, config)
 
 
 def _as_ids(ids: Any, name: str) -> torch.Tensor:
@@ -151,14 +174,14 @@ def forward_ids(
     n = ids.numel()
     if n == 0:
         raise ShapeError("input_ids is empty")
-    kw = _cache_kwarg(model)
+    kw = cache_kwarg(model)
     step = n if not chunk_tokens else max(1, int(chunk_tokens))
     cache = None
     logits = []
     for start in range(0, n, step):
         args = {kw: cache} if cache is not None else {}
         out = model(ids[start : start + step].unsqueeze(0), use_cache=True, **args)
-        cache = _output_cache(out)
+        cache = output_cache(out)
         logits.append(out.logits[0])
         if progress is not None:
             progress(min(start + step, n), n)
@@ -208,7 +231,7 @@ def continue_from_kv(
         raise ShapeError("continuation_ids is empty")
     check_kv(kv, model, tokens=prefix.numel())
     cache = tensor_to_cache(kv, model)
-    return model(cont.unsqueeze(0), use_cache=True, **{_cache_kwarg(model): cache})
+    return model(cont.unsqueeze(0), use_cache=True, **{cache_kwarg(model): cache})
 
 
 @torch.inference_mode()
@@ -221,8 +244,8 @@ def greedy_from_kv(
 ) -> list[int]:
     """Greedy-decode n_tokens after prefix (given by its KV) + prompt_ids (computed fresh)."""
     out = continue_from_kv(model, input_ids_prefix, kv, prompt_ids)
-    cache = _output_cache(out)
-    kw = _cache_kwarg(model)
+    cache = output_cache(out)
+    kw = cache_kwarg(model)
     tokens: list[int] = []
     nxt = int(out.logits[0, -1].argmax())
     for _ in range(n_tokens):
@@ -230,6 +253,6 @@ def greedy_from_kv(
         if len(tokens) == n_tokens:
             break
         out = model(torch.tensor([[nxt]], device=model.device), use_cache=True, **{kw: cache})
-        cache = _output_cache(out)
+        cache = output_cache(out)
         nxt = int(out.logits[0, -1].argmax())
     return tokens

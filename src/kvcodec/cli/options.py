@@ -1,0 +1,89 @@
+"""Option parsers shared by the `kvcodec` commands: each turns a bad value into click's usage
+error (one line naming the option, exit code 2) before any work starts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+MAX_FRAME = 8192  # NVDEC's largest HEVC frame side (FACTS.md); x265 fails on larger frames too
+
+
+def parse_resolutions(text: str | None, param: str = "--resolutions") -> tuple[tuple[int, int], ...] | None:
+    """"256x256,512x512" -> ((256, 256), (512, 512)); None for an empty value."""
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        try:
+            w, h = (int(x) for x in part.strip().lower().split("x"))
+        except ValueError:
+            raise click.BadParameter(f"{part!r}: expected WIDTHxHEIGHT, e.g. 512x512", param_hint=param) from None
+        if not (0 < w <= MAX_FRAME and 0 < h <= MAX_FRAME):
+            raise click.BadParameter(f"{part!r}: frame sides must be in 1..{MAX_FRAME}", param_hint=param)
+        out.append((w, h))
+    return tuple(out)
+
+
+def parse_layer_bits(text: str | None) -> tuple[int, ...] | None:
+    """"8,6,4" -> (8, 6, 4); None for an empty value."""
+    if not text:
+        return None
+    try:
+        return tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated integers, e.g. 8,8,6",
+                                 param_hint="--layer-bits") from None
+
+
+def parse_deadline(ctx: click.Context | None, param: Any, value: str | float | None) -> float | str | None:
+    """--fetch-deadline: "auto", "none" or a positive number of seconds."""
+    if value is None or str(value).lower() == "auto":
+        return "auto"
+    if str(value).lower() == "none":
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected auto, none or seconds > 0") from None
+    if not seconds > 0:
+        raise click.BadParameter(f"{value!r}: a deadline must be > 0 seconds (or none)")
+    return seconds
+
+
+def check_device(ctx: click.Context | None, param: Any, value: str | None) -> str | None:
+    """A torch device name this machine has: cpu, cuda, cuda:N."""
+    if value is None:
+        return None
+    import torch
+
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise click.BadParameter(f"{value!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise click.BadParameter(f"{value!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise click.BadParameter(f"{value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise click.BadParameter(f"{value!r}: only cpu and cuda devices are supported")
+    return value
+
+
+def device_option(default: str | None = "cpu", help: str = "cpu, cuda, cuda:1 ...") -> Callable:
+    return click.option("--device", default=default, show_default=default is not None, callback=check_device,
+                        help=help)
+
+
+def check_output_path(ctx: click.Context | None, param: Any, value: Path) -> Path:
+    """An output file whose directory exists."""
+    parent = value.parent if str(value.parent) else Path(".")
+    if not parent.is_dir():
+        raise click.BadParameter(f"directory {str(parent)!r} does not exist")
+    if value.is_dir():
+        raise click.BadParameter(f"{str(value)!r} is a directory")
+    return value

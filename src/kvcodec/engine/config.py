@@ -1,0 +1,93 @@
+"""EngineConfig: every setting of an Engine in one frozen dataclass.
+
+    Engine("smollm2-135m", max_batch=4, store_url="file:///srv/kv")   # keyword arguments = fields
+    Engine(model, EngineConfig(max_batch=4))                           # or one config object
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvcodec.engine.storer import StorePolicy
+from kvcodec.errors import ConfigError
+
+POLICIES = ("fetch-aware", "blocking")
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How an Engine runs, stores and reuses KV.
+
+    store_url: KV store (file://, memory://, redis://, throttle://); None: in-process memory://.
+    codec_config: kvcodec.CodecConfig of stored KV (default int8). codec: a ChunkCodec object
+        (e.g. raw fp16, the NVDEC pool codec); None: the default codec of codec_config.
+    resolution_policy: which stored resolution a fetch reads ("adaptive", "fixed:0", ...).
+    decode_workers: decode threads of a fetch. store_partial: also store a last partial chunk.
+    reuse: look up and fetch stored prefixes. store_policy: what is stored after prefills.
+    policy: "fetch-aware" (a fetching request never blocks others) or "blocking" (for comparison).
+    max_batch: most requests in the running batch.
+    max_prefill_tokens: prompt tokens admitted per iteration (soft; one request always fits).
+    prefill_chunk_tokens: a prompt is prefilled at most this many tokens per iteration, so a long
+        prompt never stalls the running batch for its whole prefill.
+    min_reuse_tokens: shorter stored prefixes are recomputed instead of fetched.
+    fetch_deadline_s: "auto" (default): a fetch may take as long as recomputing its prefix would,
+        from the measured prefill rate; a number: that many seconds; None: no deadline.
+    fetch_workers: concurrent fetches.
+    store_queue: most prompt KVs waiting for the background encoder; past it new stores are
+        dropped (logged and counted), so queued cache slices never grow without bound.
+    max_context: longest prompt + output in tokens; None: the model's max_position_embeddings.
+    stall_s: /health reports a stalled engine after this long without a finished iteration while
+        work is pending.
+    batch_decode: one forward for the whole running batch per decode step.
+    device, dtype: where and in which dtype the model runs (default: cuda if present; fp32 on
+        CPU, fp16 on CUDA).
+    """
+
+    store_url: str | None = None
+    codec_config: Any = None
+    codec: Any = None
+    resolution_policy: str = "adaptive"
+    decode_workers: int = 1
+    store_partial: bool = True
+    reuse: bool = True
+    store_policy: StorePolicy = StorePolicy()
+    policy: str = "fetch-aware"
+    max_batch: int = 8
+    max_prefill_tokens: int = 8192
+    prefill_chunk_tokens: int = 512
+    min_reuse_tokens: int = 1
+    fetch_deadline_s: float | str | None = AUTO
+    fetch_workers: int = 2
+    store_queue: int = 4
+    max_context: int | None = None
+    stall_s: float = 60.0
+    batch_decode: bool = True
+    device: Any = None
+    dtype: Any = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"scheduler policy must be one of {POLICIES}; got {self.policy!r}")
+        for name in ("max_batch", "max_prefill_tokens", "prefill_chunk_tokens", "fetch_workers",
+                     "store_queue", "decode_workers"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        d = self.fetch_deadline_s
+        if not (d is None or d == AUTO or (isinstance(d, (int, float)) and d > 0)):
+            raise ConfigError(f"fetch_deadline_s must be 'auto', None or a positive number; got {d!r}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ConfigError(f"max_context must be >= 2; got {self.max_context}")
+        if self.stall_s <= 0:
+            raise ConfigError(f"stall_s must be > 0; got {self.stall_s}")
+
+    @classmethod
+    def from_kwargs(cls, config: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:
+        """`config` (or the defaults) with `kwargs` replacing fields; unknown names are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; EngineConfig has {sorted(names)}")
+        base = config if config is not None else cls()
+        return dataclasses.replace(base, **kwargs) if kwargs else base

@@ -1,0 +1,45 @@
+"""Text <-> token ids for the engine: prompts, chat templates, output text, end-of-sequence ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvcodec.errors import ConfigError
+
+
+class Tokens:
+    """The engine's view of a (possibly absent) Hugging Face tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this engine has no tokenizer: pass token ids")
+            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return [t if isinstance(t, bool) else (int(t) if hasattr(t, "__index__") else t) for t in prompt]
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template."""
+        tmpl = getattr(self.tokenizer, "chat_template", None)
+        if tmpl:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def eos_ids(self, model: Any) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(model, "generation_config", None), getattr(model, "config", None), self.tokenizer):
+            v = getattr(src, "eos_token_id", None)
+            if v is None:
+                continue
+            ids.update(v if isinstance(v, (list, tuple, set)) else [v])
+        return {int(i) for i in ids}

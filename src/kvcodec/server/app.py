@@ -1,0 +1,120 @@
+"""The OpenAI-compatible HTTP app over an Engine, with Prometheus metrics and a health check.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as
+server-sent events), GET /v1/models, GET /metrics (Prometheus text format), GET /health (503 when
+the engine is stalled or its loop died). Every request field is checked before the engine sees it
+(400 with an OpenAI-style error naming the field). Responses carry an extra `kvcodec` object
+(ttft_s, matched/restored/prefilled tokens, fetch_error, ...) saying what prefix reuse did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+
+from kvcodec.errors import KVCodecError
+from kvcodec.server import responses as R
+from kvcodec.server.schema import BadRequest, GenerationRequest, parse_chat, parse_completion
+from kvcodec.server.streaming import deltas, submit
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
+
+
+def create_app(engine: Any, model_name: str = "kvcodec", *, close_on_shutdown: bool = False) -> FastAPI:
+    """The app serving `engine`: started on app startup; on shutdown its unfinished requests end
+    ('abort') and, with close_on_shutdown, it is closed (queued stores dropped)."""
+    app = FastAPI(title="kvcodec", lifespan=_lifespan(engine, close_on_shutdown))
+    app.state.engine, app.state.model_name = engine, model_name
+    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(KVCodecError, _bad_request)
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    return app
+
+
+def _lifespan(engine: Any, close: bool):  # noqa: ANN202
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(engine.stop, abort=True)
+            if close:
+                await run_in_threadpool(engine.close, wait_for_store=False)
+
+    return lifespan
+
+
+async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse(R.error(str(exc), getattr(exc, "param", None)), status_code=400)
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except Exception as e:
+        raise BadRequest(f"the body is not JSON: {e}") from None
+
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, parse_completion(await _json(request)))
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, parse_chat(await _json(request)))
+
+
+def _prompt_ids(engine: Any, g: GenerationRequest) -> list[int]:
+    if g.chat:
+        return engine.chat_ids([{"role": role, "content": content} for role, content in g.messages])
+    return engine.encode(g.prompt) if isinstance(g.prompt, str) else list(g.prompt)
+
+
+async def _generate(request: Request, g: GenerationRequest) -> Response:
+    engine = request.app.state.engine
+    ids = await run_in_threadpool(_prompt_ids, engine, g)
+    env = R.Envelope.new(g.chat, g.model or request.app.state.model_name, len(ids))
+    req, q = await submit(engine, ids, g.params, g.reuse)  # a refused request: KVCodecError -> 400
+    if g.stream:
+        return StreamingResponse(_events(engine, env, req, q, g.stop), media_type="text/event-stream")
+    text, finish = "", None
+    async for d in deltas(engine, req, q, g.stop, gone=request.is_disconnected):
+        text, finish = text + d.text, d.finish_reason
+    if finish is None:  # the client went away; the request was aborted
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(R.completion(env, req, text, finish))
+
+
+async def _events(engine: Any, env: R.Envelope, req: Any, q: Any, stop: tuple[str, ...]) -> AsyncIterator[str]:
+    if env.chat:
+        yield R.sse(R.role_chunk(env))
+    async for d in deltas(engine, req, q, stop):
+        yield R.sse(R.chunk(env, req, d.text, d.finish_reason))
+    yield R.sse("[DONE]")
+
+
+async def models(request: Request) -> dict[str, Any]:
+    name = request.app.state.model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "kvcodec"}]}
+
+
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def health(request: Request) -> JSONResponse:
+    h = request.app.state.engine.health()
+    status = "ok" if h["ok"] else ("stalled" if h["alive"] else "dead")
+    body = {"status": status, "model": request.app.state.model_name, "queue": h["queue"],
+            "stalled_s": round(h["stalled_s"], 3)}
+    return JSONResponse(body, status_code=200 if h["ok"] else 503)

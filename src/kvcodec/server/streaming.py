@@ -1,0 +1,84 @@
+"""From engine tokens to text deltas: an asyncio queue fed by the engine thread, stop strings,
+incomplete multi-byte characters held back, the request aborted when its reader goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    text: str
+    finish_reason: str | None  # None while tokens keep coming
+
+
+def first_stop(text: str, stop: tuple[str, ...]) -> int:
+    """Index of the earliest stop string in text, -1 if none."""
+    return min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+
+
+async def submit(engine: Any, prompt_ids: list[int], params: Any, reuse: bool) -> tuple[Any, asyncio.Queue]:
+    """Check and queue a request; its tokens arrive on the returned queue as ("tok", id), then
+    ("end", None). Raises the engine's KVCodecError for a request it refuses."""
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+
+    def on_token(req: Any, tok: int) -> None:
+        loop.call_soon_threadsafe(q.put_nowait, ("tok", tok))
+
+    def on_finish(req: Any) -> None:
+        loop.call_soon_threadsafe(q.put_nowait, ("end", None))
+
+    req = await run_in_threadpool(engine.submit, prompt_ids, params, reuse=reuse, on_token=on_token,
+                                  on_finish=on_finish)
+    return req, q
+
+
+async def _next(q: asyncio.Queue, gone: Callable[[], Awaitable[bool]] | None) -> tuple[str, int | None]:
+    if gone is None:
+        return await q.get()
+    while True:
+        try:
+            return await asyncio.wait_for(q.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await gone():
+                return ("gone", None)
+
+
+async def deltas(engine: Any, req: Any, q: asyncio.Queue, stop: tuple[str, ...],
+                 gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Delta]:
+    """Text deltas of `req` as its tokens arrive; the last one carries the finish reason. `gone`:
+    an async check that the client disconnected (the request is then aborted)."""
+    sent, ids = "", []
+    try:
+        while True:
+            kind, tok = await _next(q, gone)
+            if kind == "gone":
+                return
+            if kind == "end":
+                text = engine.decode_text(ids)
+                yield Delta(text[len(sent):] if text.startswith(sent) else "", req.finish_reason or "stop")
+                return
+            ids.append(tok)
+            text = engine.decode_text(ids)
+            if text.endswith("\ufffd"):
+                continue  # an incomplete multi-byte character: wait for the next token
+            hit = first_stop(text, stop)
+            if hit >= 0:
+                engine.abort(req)
+                yield Delta(text[len(sent):hit] if hit >= len(sent) else "", "stop")
+                return
+            delta = text[len(sent):] if text.startswith(sent) else ""
+            sent = text
+            if delta:
+                yield Delta(delta, None)
+    finally:
+        if not req.finished:
+            engine.abort(req)
