@@ -77,7 +77,7 @@ class GroupSpec:
 
     @property
     def name(self) -> str:
-        stream = MLA_STREAM_NAMES[self.stream] if self.kind == "mla" else self.stream
+        stream = MLA_STREAM_NAMES.get(self.stream, self.stream) if self.kind == "mla" else self.stream
         span = f"{self.kind}{self.keep}" if self.keep is not None else self.kind
         return f"{span}-{stream}-{self.heads}x{self.head_dim}"
 

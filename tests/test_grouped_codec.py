@@ -1,0 +1,124 @@
+"""GroupedCodec: several layer groups per chunk through a real inner codec (raw and HEVC), the
+positions each group holds, old plain blobs, and damaged or mismatched input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcodec.codecs import make_codec
+from kvcodec.codecs.grouped import GroupedChunkInfo, GroupedCodec, is_grouped
+from kvcodec.errors import ChecksumError, FormatError, KVCodecError, ShapeError
+from kvcodec.kvspec import GroupedKV, KVSpec, LayerSpec
+
+HYBRID = KVSpec(
+    (
+        LayerSpec("sliding", (2, 8), (2, 8), keep=7),
+        LayerSpec("full", (2, 8), (2, 8)),
+        LayerSpec("mla", (1, 16), (1, 8)),
+        LayerSpec("sliding", (2, 8), (2, 8), keep=7),
+    ),
+    "bfloat16",
+)
+
+
+def _random(spec: KVSpec, stop: int, seed: int = 0) -> GroupedKV:
+    torch.manual_seed(seed)
+    kv = GroupedKV.empty(spec, stop, window=False)
+    for t in kv.tensors:
+        t.copy_(torch.randn(t.shape) * 3)
+    return kv
+
+
+def _restore(codec: GroupedCodec, chunks, spec: KVSpec, stop: int, resolution=None) -> GroupedKV:
+    out = GroupedKV.empty(spec, stop)
+    for ch in chunks:
+        blob = ch.blobs[0] if resolution is None else ch.blob_for(resolution)
+        codec.decode_chunk(blob, out.view(ch.start_token, ch.start_token + ch.tokens))
+    return out
+
+
+@pytest.mark.parametrize("stop", [5, 16, 23, 40])
+def test_windowed_roundtrip_raw(stop):
+    codec = GroupedCodec(make_codec("raw", variants=("raw", "zstd"), chunk_tokens=8))
+    kv = _random(HYBRID, stop).prefix(stop)  # what a cache holds: sliding layers only their window
+    chunks = codec.encode_chunks(kv)
+    assert [c.start_token for c in chunks] == list(range(0, stop, 8))
+    for res in codec.resolutions:
+        assert _restore(codec, chunks, HYBRID, stop, res).equal(kv)
+    # sliding parts appear only in chunks that hold window positions
+    for ch in chunks:
+        info = codec.inspect_chunk(ch.blobs[0])
+        assert isinstance(info, GroupedChunkInfo) and info.spec == HYBRID
+        held = {HYBRID.groups[p.group].name: (p.start, p.tokens) for p in info.parts}
+        window_from = max(0, stop - 7)
+        if ch.start_token + ch.tokens <= window_from:
+            assert "sliding7-kv-2x8" not in held
+        else:
+            assert held["sliding7-kv-2x8"][0] == max(ch.start_token, window_from)
+
+
+def test_exact_hevc_roundtrip_and_prefix_chunks():
+    codec = GroupedCodec(make_codec("hevc", quant="exact", chunk_tokens=16))
+    kv = _random(HYBRID, 40)  # full history (what the engine records for prefix reuse)
+    chunks = codec.encode_chunks(kv, keys=["a", "b", "c"])
+    assert [codec.inspect_chunk(c.blobs[0]).key for c in chunks] == ["a", "b", "c"]
+    assert _restore(codec, chunks, HYBRID, 40).equal(kv.prefix(40))
+    # a later prompt reuses the first two chunks: its sliding window lies inside them
+    assert _restore(codec, chunks[:2], HYBRID, 32).equal(kv.prefix(32))
+    # continuing from chunk 1 numbers chunks and positions from there
+    tail = codec.encode_chunks(kv, first_chunk_index=1)
+    assert [(c.index, c.start_token, c.tokens) for c in tail] == [(1, 16, 16), (2, 32, 8)]
+
+
+def test_plain_tensors_and_old_blobs_go_through_the_inner_codec():
+    inner = make_codec("raw", chunk_tokens=4)
+    codec = GroupedCodec(inner)
+    kv = torch.randn(3, 2, 10, 2, 4, dtype=torch.float16)
+    old = inner.encode_chunks(kv)
+    assert not is_grouped(old[0].blobs[0])
+    out = torch.empty_like(kv)
+    for ch in old:
+        codec.decode_chunk(ch.blobs[0], out[:, :, ch.start_token : ch.start_token + ch.tokens])
+    assert torch.equal(out, kv)
+    target = GroupedKV.from_tensor(torch.empty_like(kv))
+    for ch in codec.encode_chunks(kv):
+        codec.decode_chunk(ch.blobs[0], target.view(ch.start_token, ch.start_token + ch.tokens))
+    assert torch.equal(target.tensors[0], kv)
+    with pytest.raises(ShapeError, match="several layer groups"):
+        codec.decode_chunk(old[0].blobs[0], GroupedKV.empty(HYBRID, 4))
+
+
+def test_damage_and_mismatches_are_clear_errors():
+    codec = GroupedCodec(make_codec("raw", chunk_tokens=8))
+    kv = _random(HYBRID, 16).prefix(16)
+    blob = codec.encode_chunks(kv)[1].blobs[0]
+    target = GroupedKV.empty(HYBRID, 16).view(8, 16)
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0x10
+    with pytest.raises(ChecksumError):
+        codec.decode_chunk(bytes(flipped), target)
+    with pytest.raises(FormatError):
+        codec.inspect_chunk(blob[:-5])
+    other = KVSpec(HYBRID.layers[:3], "bfloat16")
+    with pytest.raises(ShapeError, match="4 layers, target 3"):
+        codec.decode_chunk(blob, GroupedKV.empty(other, 16).view(8, 16))
+    with pytest.raises(ShapeError, match="holds \\[8, 16\\)"):
+        codec.decode_chunk(blob, GroupedKV.empty(HYBRID, 24).view(16, 24))
+    # a target that wants sliding positions the chunk does not hold
+    wide = GroupedKV.empty(HYBRID, 16, window=False).view(8, 16)
+    with pytest.raises(ShapeError, match="needs them from 8"):
+        codec.decode_chunk(blob, wide)
+    with pytest.raises(KVCodecError):
+        codec.encode_chunks(kv, keys=["only-one"])
+    with pytest.raises(ShapeError):
+        codec.encode_chunks([1, 2, 3])
+
+
+def test_registered_by_name():
+    from kvcodec.codecs import registered_codecs
+
+    if "grouped" not in registered_codecs():
+        pytest.skip("grouped codec not registered in this checkout")
+    codec = make_codec("grouped", inner="raw", chunk_tokens=8)
+    assert isinstance(codec, GroupedCodec) and codec.chunk_tokens == 8
