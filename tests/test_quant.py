@@ -85,3 +85,35 @@ def test_centering_is_a_bijection_per_bit_width(units, tokens, dim, data):
     shifted = centering.center(symbols, centers, modulus)
     assert (shifted.long() < modulus.view(-1, 1, 1)).all()
     assert torch.equal(centering.uncenter(shifted, centers, modulus), symbols)
+
+
+@given(
+    st.floats(1e30, 3.4e38),
+    st.integers(2, 8),
+    st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_values_near_the_float32_limit_quantize_without_overflow(scale, bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(2, 2, 7, 1, 4, generator=g) * 2 - 1) * scale
+    x[0, 0, 0] = scale
+    x[0, 0, 1] = -scale
+    b = torch.full((2,), bits)
+    offset, step = integer.minmax_params(x, b)
+    assert torch.isfinite(step).all() and torch.isfinite(offset).all()
+    back = integer.dequantize(integer.quantize(x, offset, step, b), offset, step, torch.float32)
+    assert torch.isfinite(back).all()
+    err = (back.double() - x.double()).abs()
+    assert (err <= step.double().unsqueeze(2) / 2 * (1 + 1e-6) + x.double().abs() * 2**-23).all()
+
+
+def test_int8_codec_round_trip_of_plus_minus_3e38_has_no_nan():
+    import kvcodec
+
+    x = torch.randn(2, 2, 32, 2, 16, generator=torch.Generator().manual_seed(1)) * 1e37
+    x[:, :, 0] = 3e38
+    x[:, :, 1] = -3e38
+    config = kvcodec.CodecConfig(quant="int8", chunk_tokens=32, resolutions=((144, 144),), sample_coder="zstd")
+    out = kvcodec.decode(kvcodec.encode(x, config))
+    assert not out.isnan().any()
+    assert ((out.double() - x.double()).abs() <= 6e38 / 255 / 2 * 1.001).all()

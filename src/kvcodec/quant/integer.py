@@ -23,9 +23,7 @@ def minmax_params(x: torch.Tensor, bits_per_layer: torch.Tensor) -> tuple[torch.
     hi = xf.amax(dim=2)
     n = levels(bits_per_layer).to(torch.float32).view(-1, 1, 1, 1)
     if max(lo.abs().max().item(), hi.abs().max().item()) > 30000.0:
-        step = (hi - lo) / n
-        step = torch.where(step > 0, step, torch.ones_like(step))
-        return lo, step
+        return lo, _wide_step(lo, hi, n)
     offset = _round_fp16(lo, down=True)
     step = _round_fp16((hi - offset.float()) / n, down=False)
     step = torch.where(step > 0, step, torch.ones_like(step))
@@ -38,10 +36,21 @@ def minmax_params(x: torch.Tensor, bits_per_layer: torch.Tensor) -> tuple[torch.
     return offset, step
 
 
+def _wide_step(lo: torch.Tensor, hi: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """fp32 steps for values beyond fp16 range. hi - lo of values near +-3e38 overflows fp32, so
+    the step is computed in float64 and rounded up to fp32 (it stays finite: n >= 3)."""
+    exact = (hi.double() - lo.double()) / n.double()
+    step = exact.float()
+    step = torch.where(step.double() < exact, _next_up(step), step)
+    return torch.where(step > 0, step, torch.ones_like(step))
+
+
 def quantize(x: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, bits_per_layer: torch.Tensor) -> torch.Tensor:
     """Integers in [0, 2**bits - 1] as uint8, shape of x."""
-    n = levels(bits_per_layer).to(torch.float32).view(-1, 1, 1, 1, 1)
-    q = torch.round((x.float() - offset.float().unsqueeze(2)) / step.float().unsqueeze(2))
+    # fp32 parameters mean values beyond fp16 range, where x - offset can overflow fp32
+    work = torch.float64 if offset.dtype == torch.float32 else torch.float32
+    n = levels(bits_per_layer).to(work).view(-1, 1, 1, 1, 1)
+    q = torch.round((x.to(work) - offset.to(work).unsqueeze(2)) / step.to(work).unsqueeze(2))
     return torch.minimum(q.clamp_(min=0), n.expand_as(q)).to(torch.uint8)
 
 
@@ -60,6 +69,10 @@ def _round_fp16(v: torch.Tensor, down: bool) -> torch.Tensor:
     h = v.to(torch.float16)
     bad = (h.float() > v) if down else (h.float() < v)
     return torch.where(bad, _next_fp16(h, up=not down), h)
+
+
+def _next_up(v: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(v, torch.full_like(v, float("inf")))
 
 
 def _next_fp16(h: torch.Tensor, up: bool) -> torch.Tensor:
