@@ -1,0 +1,321 @@
+"""NVDEC through the driver's libnvcuvid, called with ctypes, in the caller's own CUDA context.
+
+Why a second NVDEC backend: PyNvVideoCodec's decoder keeps the GIL while it waits for the
+hardware, so decoder threads of one process do not scale, and the process pool that works around
+it costs a CUDA context per worker (GPU time-slicing against the model, 600 MB each). Here every
+foreign call goes through ctypes, which releases the GIL, and every session lives in torch's
+primary context: one process, N threads, N sessions, N engines busy.
+
+One `NvcuvidDecoder` holds one NVDEC session per frame size (reused across streams; a fresh
+parser per stream) and a CUDA stream of its own. The parser's display callback maps each decoded
+picture, copies it with the copy engine into a small ring of output slots, and unmaps it (as the
+Video Codec SDK's sample decoder does); frames are handed out as torch tensor views of the slots.
+Use one decoder per thread (`kvcodec.video.nvcuvid_threads` runs N of them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvcodec.errors import BackendUnavailableError, CorruptStreamError
+from kvcodec.video import nvcuvid_api as api
+from kvcodec.video.nvdec import split_access_units, surface_to_planes
+
+log = logging.getLogger(__name__)
+
+_SURFACES = {  # (chroma format, wide samples) -> (surface format, name, rows per luma row)
+    (api.CHROMA_444, False): (api.SURFACE_YUV444, "YUV444", 3.0),
+    (api.CHROMA_444, True): (api.SURFACE_YUV444_16BIT, "YUV444_16BIT", 3.0),
+    (api.CHROMA_420, False): (api.SURFACE_NV12, "NV12", 1.5),
+    (api.CHROMA_420, True): (api.SURFACE_P016, "P016", 1.5),
+}
+
+
+def surface_layout(chroma: int, bit_depth: int, width: int, height: int) -> tuple[int, str, int, int]:
+    """(surface format, its name, bytes per row, rows) of a decoded picture copied out densely."""
+    key = (chroma, bit_depth > 8)
+    if key not in _SURFACES:
+        raise CorruptStreamError(f"HEVC chroma format {chroma} at {bit_depth} bits is not decodable here")
+    fmt, name, rows_per_row = _SURFACES[key]
+    return fmt, name, width * (2 if bit_depth > 8 else 1), int(height * rows_per_row)
+
+
+def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int, int]]:
+    """(source byte offset, destination row, rows) of each copy that moves a mapped surface's
+    planes into a dense buffer. NVDEC's planes start every align2(height) rows of the surface."""
+    rows = (height + 1) & ~1
+    if name.startswith("YUV444"):
+        if rows == height:
+            return [(0, 0, 3 * height)]
+        return [(k * rows * src_pitch, k * height, height) for k in range(3)]
+    return [(0, 0, height), (rows * src_pitch, height, height // 2)]
+
+
+class _Session:
+    """An NVDEC decoder for one frame size in context `ctx`; pictures land in a ring of slots."""
+
+    def __init__(self, ctx: int, device: torch.device, stream: torch.cuda.Stream, width: int, height: int,
+                 display_delay: int):
+        self.ctx, self.device, self.stream = ctx, device, stream
+        self.width, self.height, self.display_delay = width, height, display_delay
+        self.handle = ctypes.c_void_p()
+        self.lock = ctypes.c_void_p()
+        self.format: tuple | None = None  # (chroma, bit depth, surfaces) the decoder was made for
+        self.layout: tuple | None = None
+        self.slots: torch.Tensor | None = None
+        self.released: list[torch.cuda.Event | None] = []
+        self.ready: list[int] = []  # slots holding pictures not yet handed out, in display order
+        self.shown = 0
+        self.error: BaseException | None = None
+        api.check(api.nvcuvid().cuvidCtxLockCreate(ctypes.byref(self.lock), ctypes.c_void_p(ctx)),
+                  "cuvidCtxLockCreate", BackendUnavailableError)
+
+    # -- parser callbacks (run inside cuvidParseVideoData, on the decoding thread) --------------
+
+    def on_sequence(self, _user, fmt_p) -> int:
+        try:
+            fmt = fmt_p.contents
+            area = fmt.display_area
+            if (area.right - area.left, area.bottom - area.top) != (self.width, self.height):
+                raise CorruptStreamError(f"stream decodes to {area.right - area.left}x{area.bottom - area.top} "
+                                         f"frames, expected {self.width}x{self.height}")
+            depth = 8 + fmt.bit_depth_luma_minus8
+            surfaces = max(int(fmt.min_num_decode_surfaces), 1) + self.display_delay + 2
+            self._ensure_decoder(fmt, depth, surfaces)
+            return self.format[2]
+        except BaseException as e:  # noqa: BLE001 - handed back to the decoding thread
+            self.error = e
+            return 0
+
+    def on_decode(self, _user, pic_params) -> int:
+        if self.error is not None:
+            return 0
+        return 1 if api.nvcuvid().cuvidDecodePicture(self.handle, pic_params) == 0 else self._fail("cuvidDecodePicture")
+
+    def on_display(self, _user, info_p) -> int:
+        try:
+            self._copy_out(info_p.contents.picture_index)
+            return 1
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+            return 0
+
+    def _fail(self, what: str) -> int:
+        self.error = CorruptStreamError(f"{what} failed: NVDEC could not decode the stream")
+        return 0
+
+    # -- decoder and output ---------------------------------------------------------------------
+
+    def _ensure_decoder(self, fmt, depth: int, surfaces: int) -> None:
+        if self.format is not None and self.format[:2] == (fmt.chroma_format, depth) and self.format[2] >= surfaces:
+            return
+        self.destroy_decoder()
+        out_fmt, name, row_bytes, rows = surface_layout(fmt.chroma_format, depth, self.width, self.height)
+        info = api.DecodeCreateInfo(
+            ulWidth=fmt.coded_width, ulHeight=fmt.coded_height, ulNumDecodeSurfaces=surfaces,
+            CodecType=api.CODEC_HEVC, ChromaFormat=fmt.chroma_format, ulCreationFlags=api.CREATE_PREFER_CUVID,
+            bitDepthMinus8=depth - 8, ulMaxWidth=fmt.coded_width, ulMaxHeight=fmt.coded_height,
+            OutputFormat=out_fmt, DeinterlaceMode=0, ulTargetWidth=self.width, ulTargetHeight=self.height,
+            ulNumOutputSurfaces=1, vidLock=self.lock,
+        )
+        info.display_area.left, info.display_area.top = fmt.display_area.left, fmt.display_area.top
+        info.display_area.right, info.display_area.bottom = fmt.display_area.right, fmt.display_area.bottom
+        api.check(api.nvcuvid().cuvidCreateDecoder(ctypes.byref(self.handle), ctypes.byref(info)),
+                  "cuvidCreateDecoder", BackendUnavailableError)
+        self.format = (fmt.chroma_format, depth, surfaces)
+        self.layout = (name, row_bytes, rows)
+        ring = self.display_delay + 2
+        self.slots = torch.empty((ring, rows, row_bytes), dtype=torch.uint8, device=self.device)
+        self.released = [None] * ring
+
+    def _copy_out(self, picture_index: int) -> None:
+        lib = api.nvcuvid()
+        slot = self.shown % len(self.released)
+        if self.released[slot] is not None:
+            self.stream.wait_event(self.released[slot])
+        ptr, pitch = ctypes.c_ulonglong(), ctypes.c_uint()
+        params = api.ProcParams(progressive_frame=1, output_stream=self.stream.cuda_stream)
+        api.check(lib.cuvidMapVideoFrame64(self.handle, picture_index, ctypes.byref(ptr), ctypes.byref(pitch),
+                                           ctypes.byref(params)), "cuvidMapVideoFrame64", CorruptStreamError)
+        try:
+            name, row_bytes, _ = self.layout
+            dst = self.slots[slot]
+            for offset, row, rows in plane_copies(name, self.height, pitch.value):
+                api.copy_rows(dst[row].data_ptr(), row_bytes, ptr.value + offset, pitch.value, row_bytes, rows,
+                              self.stream.cuda_stream)
+            api.check(api.cuda().cuStreamSynchronize(ctypes.c_void_p(self.stream.cuda_stream)), "cuStreamSynchronize")
+        finally:
+            api.check(lib.cuvidUnmapVideoFrame64(self.handle, ptr.value), "cuvidUnmapVideoFrame64")
+        self.ready.append(slot)
+        self.shown += 1
+
+    def release(self, slot: int, consumer: torch.cuda.Stream) -> None:
+        """The consumer is done queueing work on `slot`: it may be rewritten after that work."""
+        event = self.released[slot] or torch.cuda.Event()
+        event.record(consumer)
+        self.released[slot] = event
+
+    def destroy_decoder(self) -> None:
+        if self.handle.value:
+            api.make_current(self.ctx)
+            api.nvcuvid().cuvidDestroyDecoder(self.handle)
+            self.handle = ctypes.c_void_p()
+        self.format = None
+
+    def close(self) -> None:
+        self.destroy_decoder()
+        if self.lock.value:
+            api.nvcuvid().cuvidCtxLockDestroy(self.lock)
+            self.lock = ctypes.c_void_p()
+
+
+class _Parser:
+    """A fresh HEVC parser feeding `session` for one stream (parsers are cheap, host-only)."""
+
+    def __init__(self, session: _Session, display_delay: int):
+        self.callbacks = (
+            api.SequenceCallback(session.on_sequence),
+            api.DecodeCallback(session.on_decode),
+            api.DisplayCallback(session.on_display),
+        )  # kept alive as long as the parser
+        params = api.ParserParams(CodecType=api.CODEC_HEVC, ulMaxNumDecodeSurfaces=1, ulErrorThreshold=0,
+                                  ulMaxDisplayDelay=display_delay)
+        params.pfnSequenceCallback, params.pfnDecodePicture, params.pfnDisplayPicture = self.callbacks
+        self.handle = ctypes.c_void_p()
+        api.check(api.nvcuvid().cuvidCreateVideoParser(ctypes.byref(self.handle), ctypes.byref(params)),
+                  "cuvidCreateVideoParser", BackendUnavailableError)
+
+    def feed(self, address: int, length: int, flags: int) -> int:
+        packet = api.SourceDataPacket(flags=flags, payload_size=length, payload=address or None)
+        return api.nvcuvid().cuvidParseVideoData(self.handle, ctypes.byref(packet))
+
+    def close(self) -> None:
+        if self.handle.value:
+            api.nvcuvid().cuvidDestroyVideoParser(self.handle)
+            self.handle = ctypes.c_void_p()
+
+
+class NvcuvidDecoder:
+    """HEVC on NVDEC through libnvcuvid (ctypes), in torch's context: frames are (3, H, W) uint8
+    CUDA tensors. One decoder serves one thread at a time; run one per thread to use all engines.
+
+    display_delay: pictures the parser keeps queued before handing one out (0: each picture is
+        copied out as soon as it is decoded; more: the next picture's decode overlaps the copy).
+    copy: yield a fresh tensor per frame. By default the frame is a view of an output slot, valid
+        until the consumer asks for the frame after next; the slot is rewritten only after the GPU
+        work the consumer queued on its current stream before asking.
+    """
+
+    name = "nvcuvid"
+    device_type = "cuda"
+    MAX_SESSIONS = 3  # one per stored resolution: opening a session costs more than a chunk's decode
+
+    def __init__(self, device: str | torch.device | int | None = None, display_delay: int = 1, copy: bool = False):
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("no CUDA device")
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        if dev.type != "cuda":
+            raise BackendUnavailableError(f"NVDEC produces frames on cuda, not {dev}")
+        self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        if display_delay < 0:
+            raise ValueError("display_delay must be >= 0")
+        self.display_delay = display_delay
+        self.copy = copy
+        torch.cuda.init()
+        self.ctx = api.primary_context(self.device.index)
+        self._stream = torch.cuda.Stream(self.device)
+        self._sessions: dict[tuple[int, int], _Session] = {}
+        self.sessions_created = 0
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            if not torch.cuda.is_available():
+                return False
+            torch.cuda.init()
+            api.make_current(api.primary_context(torch.cuda.current_device()))
+            return bool(api.hevc_caps(api.CHROMA_444, 8).bIsSupported)
+        except Exception as e:  # noqa: BLE001 - any failure means the backend is not usable here
+            log.debug("nvcuvid unavailable: %s", e)
+            return False
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        """The CUDA stream the decoder copies its output on."""
+        return self._stream
+
+    def _session(self, width: int, height: int) -> _Session:
+        size = (width, height)
+        if size in self._sessions:
+            self._sessions[size] = self._sessions.pop(size)
+            return self._sessions[size]
+        while len(self._sessions) >= self.MAX_SESSIONS:
+            self._sessions.pop(next(iter(self._sessions))).close()
+        self._sessions[size] = _Session(self.ctx, self.device, self._stream, width, height, self.display_delay)
+        self.sessions_created += 1
+        return self._sessions[size]
+
+    def close(self, size: tuple[int, int] | None = None) -> None:
+        """Destroy the session for frames of `size` (all sessions when None)."""
+        for key in list(self._sessions) if size is None else [size]:
+            session = self._sessions.pop(key, None)
+            if session is not None:
+                session.close()
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def decode_surfaces(self, bitstream, width: int, height: int) -> Iterator[tuple[torch.Tensor, str]]:
+        """Yield (surface, format name) per frame: a dense (rows, row bytes) uint8 buffer holding the
+        picture's planes (see nvdec.surface_to_planes), ready on the consumer's current stream."""
+        buf = np.frombuffer(bitstream, dtype=np.uint8) if not isinstance(bitstream, np.ndarray) else bitstream
+        if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+            raise ValueError("bitstream must be bytes or a contiguous 1-d uint8 array")
+        units = split_access_units(memoryview(buf))
+        api.make_current(self.ctx)
+        session = self._session(width, height)
+        session.error, session.ready = None, []
+        parser = _Parser(session, self.display_delay)
+        finished = False
+        try:
+            base = buf.ctypes.data
+            feeds = [(base + off, n, api.PKT_ENDOFPICTURE) for off, n in units] + [(0, 0, api.PKT_ENDOFSTREAM)]
+            for address, length, flags in feeds:
+                result = parser.feed(address, length, flags)
+                if session.error is not None:
+                    raise session.error
+                if result != 0:
+                    raise CorruptStreamError(f"NVDEC could not parse the stream (CUDA error {result})")
+                yield from self._hand_out(session)
+            finished = True
+        finally:
+            parser.close()
+            if not finished:
+                self.close((width, height))  # a session left mid-stream is not reused
+
+    def _hand_out(self, session: _Session) -> Iterator[tuple[torch.Tensor, str]]:
+        name = session.layout[0] if session.layout else ""
+        while session.ready:
+            slot = session.ready.pop(0)
+            yield session.slots[slot], name
+            session.release(slot, torch.cuda.current_stream(self.device))
+
+    def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:
+        """Yield each frame as a (3, height, width) uint8 tensor on this decoder's device."""
+        count = 0
+        for surface, fmt in self.decode_surfaces(bitstream, width, height):
+            if fmt != "YUV444":
+                raise CorruptStreamError(f"NVDEC output is {fmt}; kvcodec streams are 4:4:4 8-bit (YUV444)")
+            frame = surface.view(3, height, width)
+            count += 1
+            yield frame.clone() if self.copy else frame
+        if count == 0:
+            raise CorruptStreamError("NVDEC decoded no frame from the stream")
