@@ -26,8 +26,10 @@ from kvcodec.fetcher import (
     meta_key,
     predicted_finish,
 )
+from kvcodec.codecs import ChunkCodec, make_codec, registered_codecs
+from kvcodec.codecs.hevc import HevcCodec
+from kvcodec.codecs.raw import RawCodec
 from kvcodec.fetcher.profile import load_or_calibrate
-from kvcodec.fetcher.rawcodec import RawCodec
 from kvcodec.store import open_store
 
 CFG = CodecConfig(chunk_tokens=16, resolutions=((256, 256), (512, 512)), search_layout=False)
@@ -42,10 +44,32 @@ def ids_for(n, offset=1000):
     return list(range(offset, offset + n))
 
 
+RAW = RawCodec(("raw", "zstd"), chunk_tokens=CFG.chunk_tokens, resolutions=CFG.resolutions)
+
+
 @pytest.fixture
 def raw_cache():
-    return PrefixCache(open_store("memory://"), "model-a", CFG, "cpu", codec=RawCodec(("raw", "zstd")),
-                       profile=DecodeProfile.default(CFG.resolutions))
+    return PrefixCache(open_store("memory://"), "model-a", RAW, "cpu", profile=DecodeProfile.default(CFG.resolutions))
+
+
+class SlowCodec:
+    """A real codec whose decodes take `delay` seconds; `before(blob)` runs before each."""
+
+    def __init__(self, inner, delay, before=None):
+        self.inner, self.delay, self.before = inner, delay, before
+        self.id, self.chunk_tokens, self.resolutions = inner.id, inner.chunk_tokens, inner.resolutions
+
+    def encode_chunks(self, kv, **kw):
+        return self.inner.encode_chunks(kv, **kw)
+
+    def inspect_chunk(self, blob):
+        return self.inner.inspect_chunk(blob)
+
+    def decode_chunk(self, blob, out):
+        if self.before:
+            self.before(blob)
+        time.sleep(self.delay)
+        return self.inner.decode_chunk(blob, out)
 
 
 # ------------------------------------------------------------------------------------- keys
@@ -103,7 +127,7 @@ def test_put_lookup_idempotent(raw_cache):
 
 
 def test_store_url_accepted(tmp_path):
-    c = PrefixCache(f"file://{tmp_path}", "m", CFG, "cpu", codec=RawCodec())
+    c = PrefixCache(f"file://{tmp_path}", "m", RawCodec(chunk_tokens=16), "cpu")
     kv, ids = make_kv(20), ids_for(20)
     assert c.put(ids, kv) == 2 and c.lookup(ids) == 20
     assert torch.equal(c.fetch(ids).kv, kv)
@@ -122,7 +146,7 @@ def test_lookup_uses_one_batched_query(raw_cache):
 def test_meta_is_commit_marker(raw_cache):
     kv, ids = make_kv(32), ids_for(32)
     raw_cache.put(ids, kv)
-    k = chunk_keys(ids, "model-a", CFG, fingerprint=raw_cache.fingerprint)
+    k = raw_cache.keys(ids)
     raw_cache.store.delete(meta_key(k[1]))  # as if the writer died before committing chunk 1
     assert raw_cache.lookup(ids) == 16
     assert raw_cache.put(ids, kv) == 1
@@ -191,7 +215,7 @@ def test_fetch_real_codec_roundtrip():
 def test_corrupt_chunk_stops_with_prefix(raw_cache):
     kv, ids = make_kv(100), ids_for(100)
     raw_cache.put(ids, kv)
-    k = chunk_keys(ids, "model-a", CFG, fingerprint=raw_cache.fingerprint)
+    k = raw_cache.keys(ids)
     for j in range(2):
         blob = bytearray(raw_cache.store.get(blob_key(k[3], j)))
         blob[-5] ^= 0xFF  # flip bits in the payload
@@ -206,7 +230,7 @@ def test_corrupt_real_codec_blob_is_format_error():
     cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", policy="fixed:0")
     kv, ids = make_kv(32, layers=2), ids_for(32)
     cache.put(ids, kv)
-    k = chunk_keys(ids, "m", CFG, fingerprint=cache.fingerprint)
+    k = cache.keys(ids)
     blob = bytearray(cache.store.get(blob_key(k[1], 0)))
     blob[len(blob) // 2] ^= 0x55
     cache.store.put(blob_key(k[1], 0), bytes(blob))
@@ -237,7 +261,7 @@ def test_missing_blob_stops_and_heals(raw_cache):
     """An evicted blob: the fetch stops there, its meta is dropped, the next put rewrites it."""
     kv, ids = make_kv(64), ids_for(64)
     raw_cache.put(ids, kv)
-    k = chunk_keys(ids, "model-a", CFG, fingerprint=raw_cache.fingerprint)
+    k = raw_cache.keys(ids)
     for j in range(2):
         raw_cache.store.delete(blob_key(k[2], j))
     r = raw_cache.fetch(ids, 64)
@@ -277,28 +301,20 @@ def test_meta_query_failure_is_reported():
         def get_many(self, keys):
             raise StoreError("down:// unreachable")
 
-    cache = PrefixCache(Down(), "m", CFG, "cpu", codec=RawCodec())
+    cache = PrefixCache(Down(), "m", RAW, "cpu")
     r = cache.fetch(ids_for(32), 32)
     assert isinstance(r.error, StoreError) and r.tokens_restored == 0
 
 
 def test_inflight_is_bounded():
     """With a slow decoder, the network stage stays at most max_inflight chunks ahead."""
-    codec = RawCodec()
-    inner_decode = codec.decode_chunk_blob
     seen = []
-    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", codec=codec, max_inflight=2,
-                        policy="fixed:0")
-
-    def slow_decode(blob, device="cpu", out=None):
-        seen.append(cache.store.gets if hasattr(cache.store, "gets") else 0)
-        time.sleep(0.01)
-        return inner_decode(blob, device=device, out=out)
-
+    codec = SlowCodec(RawCodec(chunk_tokens=16), 0.01,
+                      before=lambda blob: seen.append(cache.store.gets if hasattr(cache.store, "gets") else 0))
+    cache = PrefixCache(open_store("memory://"), "m", codec, "cpu", max_inflight=2, policy="fixed:0")
     kv, ids = make_kv(160), ids_for(160)
     cache.put(ids, kv)
     cache.store = SlowStore(cache.store, 0.0)
-    codec.decode_chunk_blob = slow_decode
     r = cache.fetch(ids, 160)
     assert r.ok and torch.equal(r.kv, kv)
     assert r.stats.peak_inflight <= 2
@@ -307,8 +323,7 @@ def test_inflight_is_bounded():
 
 
 def test_parallel_gets_restore_in_order():
-    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", codec=RawCodec(("raw", "zstd")),
-                        net_workers=3, max_inflight=4, profile=DecodeProfile.default(CFG.resolutions))
+    cache = PrefixCache(open_store("memory://"), "m", RAW, "cpu", net_workers=3, max_inflight=4, profile=DecodeProfile.default(CFG.resolutions))
     kv, ids = make_kv(200), ids_for(200)
     cache.put(ids, kv)
     cache.store = SlowStore(cache.store, 0.02)
@@ -320,18 +335,11 @@ def test_parallel_gets_restore_in_order():
 
 def test_stages_overlap():
     """Network and decode run concurrently: the fetch takes about max(stage), not the sum."""
-    codec = RawCodec()
-    inner = codec.decode_chunk_blob
-
-    def slow_decode(blob, device="cpu", out=None):
-        time.sleep(0.02)
-        return inner(blob, device=device, out=out)
-
-    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", codec=codec, policy="fixed:0")
+    cache = PrefixCache(open_store("memory://"), "m", SlowCodec(RawCodec(chunk_tokens=16), 0.02), "cpu",
+                        policy="fixed:0")
     kv, ids = make_kv(160), ids_for(160)
     cache.put(ids, kv)
     cache.store = SlowStore(cache.store, 0.02)
-    codec.decode_chunk_blob = slow_decode
     r = cache.fetch(ids, 160)
     assert r.ok
     serial = r.stats.net_busy_s + r.stats.decode_busy_s
@@ -404,10 +412,9 @@ def test_bandwidth_estimator_latency_and_small_objects():
 
 
 def test_profile_calibration_cached(tmp_path):
-    codec = RawCodec(("raw", "zstd"))
-    p1 = load_or_calibrate(codec, CFG, "cpu", (2, 2, 32), directory=tmp_path)
+    p1 = load_or_calibrate(RAW, "cpu", (2, 2, 32), directory=tmp_path)
     assert p1.source == "calibrated" and len(p1.seconds_per_value) == 2
-    p2 = load_or_calibrate(codec, CFG, "cpu", (2, 2, 32), directory=tmp_path)
+    p2 = load_or_calibrate(RAW, "cpu", (2, 2, 32), directory=tmp_path)
     assert p2.source == "cache" and p2.seconds_per_value == p1.seconds_per_value
     assert (tmp_path / "decode-profiles.json").exists()
     p2.observe(0, 1000, 1.0)
@@ -438,7 +445,7 @@ def test_shared_decoder_is_used_by_all_decode_workers():
             return real.decode(bitstream, width, height)
 
     cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False)
-    cache = PrefixCache(open_store("memory://"), "m", cfg, "cpu", decoder=Counting(), decode_workers=2,
+    cache = PrefixCache(open_store("memory://"), "m", HevcCodec(cfg, decoder=Counting()), "cpu", decode_workers=2,
                         profile=DecodeProfile.default(cfg.resolutions))
     kv, ids = make_kv(64, layers=2), ids_for(64)
     cache.put(ids, kv)
@@ -457,15 +464,14 @@ def test_adaptive_end_to_end_follows_the_link():
     kv = torch.randint(-3, 4, (4, 2, 1024, 4, 64), generator=g).half()  # compressible values
     ids = ids_for(1024)
     inner = open_store("memory://")
-    codec = RawCodec(("raw", "zstd"))
-    PrefixCache(inner, "m", cfg, "cpu", codec=codec, profile=DecodeProfile.default(cfg.resolutions)).put(ids, kv)
-    sizes = [len(b) for b in codec.encode_chunks(kv[:, :, :64], cfg)[0].blobs]
+    codec = RawCodec(("raw", "zstd")).with_config(cfg)
+    PrefixCache(inner, "m", codec, "cpu", profile=DecodeProfile.default(cfg.resolutions)).put(ids, kv)
+    sizes = [len(b) for b in codec.encode_chunks(kv[:, :, :64])[0].blobs]
     assert sizes[1] * 3 < sizes[0]
     profile = None
     counts_by_rate = {}
     for gbit in (0.1, 50.0):
-        cache = PrefixCache(ThrottledStore(inner, rate_gbit=gbit), "m", cfg, "cpu", codec=codec,
-                            profile=profile, initial_gbit=10.0)  # the same prior for both links
+        cache = PrefixCache(ThrottledStore(inner, rate_gbit=gbit), "m", codec, "cpu", profile=profile, initial_gbit=10.0)  # the same prior for both links
         cache.ensure_profile((4, 4, 64))
         profile = cache.profile
         cache.fetch(ids)  # the bandwidth estimator learns the link (it persists across fetches)
@@ -486,12 +492,13 @@ def test_adaptive_end_to_end_follows_the_link():
 
 @pytest.mark.parametrize("codec", [RawCodec(), None], ids=["raw", "hevc"])
 def test_direct_restore_into_out(codec):
+    """The earlier call form (a CodecConfig and codec=) still works."""
     cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False)
     cache = PrefixCache(open_store("memory://"), "m", cfg, "cpu", codec=codec, direct=True,
                         profile=DecodeProfile.default(cfg.resolutions))
     kv, ids = make_kv(40, layers=2), ids_for(40)
     cache.put(ids, kv)
-    ref = PrefixCache(cache.store, "m", cfg, "cpu", codec=codec, profile=cache.profile).fetch(ids).kv
+    ref = PrefixCache(cache.store, "m", cfg, "cpu", codec=codec, profile=cache.profile, direct=False).fetch(ids).kv
     out = torch.zeros((2, 2, 40, 2, 32), dtype=torch.float16)
     r = cache.fetch(ids, 40, out=out)
     assert r.ok and r.kv is out and torch.equal(out, ref)
@@ -500,15 +507,8 @@ def test_direct_restore_into_out(codec):
 
 
 def test_direct_mode_never_writes_after_return():
-    codec = RawCodec()
-    inner = codec.decode_chunk_blob
-
-    def slow(blob, device="cpu", out=None):
-        time.sleep(0.03)
-        return inner(blob, device=device, out=out)
-
-    codec.decode_chunk_blob = slow
-    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", codec=codec, direct=True, decode_workers=2,
+    cache = PrefixCache(open_store("memory://"), "m", SlowCodec(RawCodec(chunk_tokens=16), 0.03), "cpu",
+                        direct=True, decode_workers=2,
                         max_inflight=4, policy="fixed:0")
     kv, ids = make_kv(160), ids_for(160)
     cache.put(ids, kv)

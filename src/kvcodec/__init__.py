@@ -1,6 +1,7 @@
 """kvcodec: KV caches as lossless HEVC video, for fast remote prefix reuse decoded on NVDEC."""
 
 from kvcodec.codec import decode, decode_chunk_blob, encode, encode_chunks, inspect, inspect_chunk_blob
+from kvcodec.codecs import ChunkCodec, ChunkInfo, EncodedChunk, make_codec, register_codec, registered_codecs
 from kvcodec.config import CodecConfig
 from kvcodec.restore.paged import PagedKV
 from kvcodec.errors import (
@@ -26,6 +27,12 @@ def __getattr__(name):
 
 
 __all__ = [
+    "ChunkCodec",
+    "ChunkInfo",
+    "EncodedChunk",
+    "make_codec",
+    "register_codec",
+    "registered_codecs",
     "CodecConfig",
     "PagedKV",
     "encode",

@@ -34,6 +34,7 @@ class EncodedChunk:
     tokens: int
     resolutions: tuple[tuple[int, int], ...]
     blobs: tuple[bytes, ...]
+    encoder: str = ""  # the coder(s) that actually ran (e.g. "x265" after an NVENC session failed)
 
     def blob_for(self, resolution: tuple[int, int]) -> bytes:
         return self.blobs[self.resolutions.index(tuple(resolution))]

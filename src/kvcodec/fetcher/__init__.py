@@ -1,17 +1,19 @@
 """Remote prefix reuse: chunk keys, PrefixCache (lookup / put / fetch) and its pipeline parts.
 
 Public API (what the serving engine calls):
-    PrefixCache(store, model_id, config, device, *, policy="adaptive", max_inflight=4, ...)
-        .lookup(token_ids) -> matched_tokens
+    PrefixCache(store, model_id, codec, device, *, namespace=None, policy="adaptive", max_inflight=4, ...)
+        .lookup(token_ids, deadline_s=None) -> matched_tokens
         .put(token_ids, kv) -> chunks_written
-        .fetch(token_ids, n_tokens, out=None, deadline_s=None) -> FetchResult
+        .fetch(token_ids, n_tokens, out=None, deadline_s=None) -> FetchResult   (out: tensor or PagedKV)
     FetchResult(kv, tokens_restored, error, stats)   (stats.timeline: per-chunk stage times)
-    chunk_keys(token_ids, model_id, config) -> list[str]
+    chunk_keys(token_ids, model_id, codec, namespace=None) -> list[str]
 """
 
 from kvcodec.fetcher.bandwidth import BandwidthEstimator
-from kvcodec.fetcher.cache import ChunkTiming, FetchResult, FetchStats, PrefixCache
+from kvcodec.fetcher.cache import PrefixCache
 from kvcodec.fetcher.keys import ChunkMeta, blob_key, chunk_keys, config_fingerprint, meta_key
+from kvcodec.fetcher.pipeline import FetchPipeline
+from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 from kvcodec.fetcher.policy import (
     AdaptivePolicy,
     ChoiceContext,
@@ -26,7 +28,7 @@ from kvcodec.fetcher.profile import DecodeProfile, calibrate, load_or_calibrate
 
 __all__ = [
     "AdaptivePolicy", "BandwidthEstimator", "ChoiceContext", "ChunkMeta", "ChunkTiming", "DecodeProfile",
-    "FetchResult", "FetchStats", "FixedPolicy", "MinBytesPolicy", "MinDecodePolicy", "PrefixCache",
+    "FetchPipeline", "FetchResult", "FetchStats", "FixedPolicy", "MinBytesPolicy", "MinDecodePolicy", "PrefixCache",
     "blob_key", "calibrate", "chunk_keys", "config_fingerprint", "get_policy", "load_or_calibrate",
     "meta_key", "predicted_finish", "register_policy",
 ]

@@ -1,14 +1,17 @@
 """Content-addressed chunk keys and the per-chunk store objects.
 
-A prefix is split into chunks of `config.chunk_tokens` tokens. Chunk i's key chains the previous
+A prefix is split into chunks of `codec.chunk_tokens` tokens. Chunk i's key chains the previous
 key, so it names the whole prefix up to the chunk's end, not just the chunk's own tokens:
 
-    key_i = blake2b-256( key_{i-1} | model_id | codec-config fingerprint | token ids of chunk i )
+    key_i = blake2b-256( key_{i-1} | model_id | codec.id [| namespace] | token ids of chunk i )
 
-(each field length-prefixed, token ids as little-endian int64; key_{-1} is empty). Store objects
-for chunk key K:  ``K/r{j}``: the chunk blob at `config.resolutions[j]`;  ``K/meta``: a small JSON
-object with the per-resolution blob sizes, shape and dtype. The meta object is written last, so its
-presence means every resolution's blob is complete (the commit marker lookups test for).
+(each field length-prefixed, token ids as little-endian int64; key_{-1} is empty; codec.id names
+the codec and every setting that changes its bytes; an optional namespace, e.g. a tenant's salt,
+keeps tenants sharing a store from finding each other's prefixes). Store objects for chunk key K:
+``K/r{j}``: the chunk blob at `codec.resolutions[j]`, whose header carries K (so a blob served
+under another key is refused);  ``K/meta``: a small JSON object with the per-resolution blob
+sizes, shape and dtype. The meta object is written last, so its presence means every
+resolution's blob is complete (the commit marker lookups test for).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from kvcodec.errors import FormatError, ShapeError
+from kvcodec.config import CodecConfig
+from kvcodec.dtypes import DTYPES
+from kvcodec.errors import ConfigError, FormatError, ShapeError
 
 META_VERSION = 1
 
@@ -41,24 +46,22 @@ def as_token_array(token_ids: Any) -> np.ndarray:
     return a.astype("<i8", copy=False)
 
 
-def codec_identity(codec: Any) -> str:
-    """A string naming the codec implementation and its format version."""
-    ident = getattr(codec, "CODEC_ID", None)
-    if ident:
-        return str(ident)
-    name = getattr(codec, "__name__", type(codec).__name__)
-    if name == "kvcodec.codec":
-        from kvcodec.container.format import FORMAT_VERSION
+def key_fingerprint(codec: Any) -> str:
+    """What chunk keys take from the codec: its id; a bare CodecConfig means the HEVC codec with it."""
+    ident = getattr(codec, "id", None)
+    if isinstance(ident, str) and ident:
+        return ident
+    if isinstance(codec, CodecConfig):
+        from kvcodec.codecs.hevc import hevc_id
 
-        return f"kvcodec-hevc-v{FORMAT_VERSION}"
-    return name
+        return hevc_id(codec)
+    raise ConfigError(f"{type(codec).__name__} has no codec id")
 
 
 def config_fingerprint(config: Any, codec: Any = None) -> str:
-    """blake2b hex of the codec configuration (+ codec identity): any change gives new keys."""
-    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    payload = {"config": d, "codec": codec_identity(codec) if codec is not None else "kvcodec-hevc"}
-    return hashlib.blake2b(json.dumps(payload, sort_keys=True).encode(), digest_size=16).hexdigest()
+    """blake2b hex of a codec (or CodecConfig): any change of its id gives new keys."""
+    ident = key_fingerprint(codec if codec is not None else config)
+    return hashlib.blake2b(ident.encode(), digest_size=16).hexdigest()
 
 
 def _field(b: bytes) -> bytes:
@@ -66,14 +69,16 @@ def _field(b: bytes) -> bytes:
 
 
 def chunk_keys(
-    token_ids: Any, model_id: str, config: Any, *, partial: bool = True, fingerprint: str | None = None
+    token_ids: Any, model_id: str, codec: Any, *, partial: bool = True, namespace: str | None = None,
 ) -> list[str]:
-    """Keys of the chunks of `token_ids` (blake2b-256 hex, chained). With `partial`, a last chunk
-    shorter than `config.chunk_tokens` gets a key too (it matches only that exact tail)."""
+    """Keys of the chunks of `token_ids` (blake2b-256 hex, chained) for a ChunkCodec (or a
+    CodecConfig: the HEVC codec). With `partial`, a last chunk shorter than `codec.chunk_tokens`
+    gets a key too (it matches only that exact tail)."""
     ids = as_token_array(token_ids)
-    ct = int(config.chunk_tokens)
-    fp = fingerprint if fingerprint is not None else config_fingerprint(config)
-    head = _field(model_id.encode()) + _field(fp.encode())
+    ct = int(codec.chunk_tokens)
+    head = _field(model_id.encode()) + _field(key_fingerprint(codec).encode())
+    if namespace:
+        head += _field(b"namespace:" + namespace.encode())
     keys: list[str] = []
     prev = b""
     n = len(ids)
@@ -121,25 +126,42 @@ class ChunkMeta:
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, b: bytes) -> "ChunkMeta":
+    def from_bytes(cls, b: bytes) -> ChunkMeta:
+        """Parse and range-check a meta object; FormatError naming what is wrong."""
         try:
             d = json.loads(b)
-            if d.pop("v", None) != META_VERSION:
-                raise FormatError(f"chunk meta version {d.get('v')!r} unsupported")
-            return cls(
-                index=int(d["index"]),
-                start_token=int(d["start_token"]),
-                tokens=int(d["tokens"]),
-                shape=tuple(int(x) for x in d["shape"]),
+            if not isinstance(d, dict) or d.pop("v", None) != META_VERSION:
+                raise FormatError(f"chunk meta version {d.get('v') if isinstance(d, dict) else d!r} unsupported")
+            m = cls(
+                index=_int(d["index"]),
+                start_token=_int(d["start_token"]),
+                tokens=_int(d["tokens"]),
+                shape=tuple(_int(x) for x in d["shape"]),
                 dtype=str(d["dtype"]),
-                resolutions=tuple(tuple(int(x) for x in r) for r in d["resolutions"]),
-                sizes=tuple(int(x) for x in d["sizes"]),
+                resolutions=tuple(tuple(_int(x) for x in r) for r in d["resolutions"]),
+                sizes=tuple(_int(x) for x in d["sizes"]),
                 codec=str(d["codec"]),
             )
         except FormatError:
             raise
-        except (ValueError, KeyError, TypeError) as e:
-            raise FormatError(f"chunk meta object is malformed: {e}") from e
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise FormatError(f"chunk meta object is malformed: {e!r}") from e
+        m.check()
+        return m
+
+    def check(self) -> None:
+        if len(self.shape) != 3 or min(self.shape) < 1 or self.tokens < 1 or self.index < 0 or self.start_token < 0:
+            raise FormatError(f"chunk meta has an impossible shape or position: {self}")
+        if self.dtype not in DTYPES:
+            raise FormatError(f"chunk meta dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if len(self.sizes) != len(self.resolutions) or not self.sizes or min(self.sizes) < 1:
+            raise FormatError(f"chunk meta sizes {self.sizes} do not match its resolutions {self.resolutions}")
+
+
+def _int(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"expected an integer, got {x!r}")
+    return x
 
 
 def chunk_spans(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:

@@ -3,7 +3,7 @@
 Model per resolution j: seconds = overhead_s[j] + values * seconds_per_value[j], where `values` is
 the number of KV values in the chunk (layers * 2 * tokens * kv_heads * head_dim). A quick
 calibration encodes a synthetic full chunk and times its decode at every resolution. Profiles are cached as JSON in the cache dir
-(``$KVCODEC_CACHE_DIR`` or ``~/.cache/kvcodec``), keyed by device model, codec and configuration,
+(``$KVCODEC_CACHE_DIR`` or ``~/.cache/kvcodec``), keyed by device model and codec id (which covers its configuration),
 and refined online from the decode times the fetcher observes.
 """
 
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from kvcodec.fetcher.keys import codec_identity, config_fingerprint
+from kvcodec.codecs.base import ChunkCodec
 
 log = logging.getLogger(__name__)
 
 PROFILE_FILE = "decode-profiles.json"
-PROFILE_VERSION = 2  # bump when calibration changes: old cached profiles are then ignored
+PROFILE_VERSION = 3  # bump when calibration changes: old cached profiles are then ignored
 
 
 def cache_dir() -> Path:
@@ -103,54 +103,54 @@ def _synthetic_kv(shape: tuple[int, int, int], tokens: int, dtype: torch.dtype, 
 
 
 def calibrate(
-    codec: Any, config: Any, device: str | torch.device, shape: tuple[int, int, int],
+    codec: ChunkCodec, device: str | torch.device, shape: tuple[int, int, int],
     dtype: torch.dtype = torch.float16, repeats: int = 3,
 ) -> DecodeProfile:
-    """Time the decode of one synthetic full chunk at every resolution of `config` (best of
-    `repeats` after a warm-up). Fetched chunks are full chunks except a prefix's tail, so the
-    per-value cost of a full chunk is what the policy needs; the fixed cost is left at 0 (a
-    two-size fit was tried and is unstable: a small chunk still costs whole frames)."""
-    ct = int(config.chunk_tokens)
-    chunk = codec.encode_chunks(_synthetic_kv(shape, ct, dtype), config)[0]
+    """Time the decode of one synthetic full chunk at every resolution of `codec` (best of
+    `repeats` after a warm-up) into a target on `device`. Fetched chunks are full chunks except a
+    prefix's tail, so the per-value cost of a full chunk is what the policy needs; the fixed cost
+    is left at 0 (a two-size fit was tried and is unstable: a small chunk still costs whole frames)."""
+    ct = int(codec.chunk_tokens)
+    chunk = codec.encode_chunks(_synthetic_kv(shape, ct, dtype))[0]
     L, H, D = shape
-    values = L * 2 * ct * H * D
+    out = torch.empty((L, 2, ct, H, D), dtype=dtype, device=device)
     spv = []
-    for j in range(len(config.resolutions)):
-        blob = chunk.blobs[j]
-        codec.decode_chunk_blob(blob, device=device)  # warm-up (decoder init, caches)
+    for blob in chunk.blobs:
+        codec.decode_chunk(blob, out)  # warm-up (decoder init, caches)
         best = float("inf")
         for _ in range(max(1, repeats)):
             t = time.perf_counter()
-            codec.decode_chunk_blob(blob, device=device)
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize()
+            codec.decode_chunk(blob, out)
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
             best = min(best, time.perf_counter() - t)
-        spv.append(best / values)
-    return DecodeProfile(tuple(config.resolutions), spv, [0.0] * len(spv), "calibrated")
+        spv.append(best / out.numel())
+    return DecodeProfile(tuple(codec.resolutions), spv, [0.0] * len(spv), "calibrated")
 
 
 def load_or_calibrate(
-    codec: Any, config: Any, device: str | torch.device, shape: tuple[int, int, int],
+    codec: ChunkCodec, device: str | torch.device, shape: tuple[int, int, int],
     dtype: torch.dtype = torch.float16, directory: Path | None = None, recalibrate: bool = False,
 ) -> DecodeProfile:
-    """The cached profile for (device model, codec, config, shape), calibrating on a miss."""
+    """The cached profile for (device model, codec id, shape), calibrating on a miss."""
     directory = directory or cache_dir()
     path = directory / PROFILE_FILE
-    key = "|".join([f"v{PROFILE_VERSION}", device_model(device), codec_identity(codec), config_fingerprint(config, codec),
-                    "x".join(map(str, shape)), str(dtype).replace("torch.", "")])
+    key = "|".join([f"v{PROFILE_VERSION}", device_model(device), codec.id, "x".join(map(str, shape)),
+                    str(dtype).replace("torch.", "")])
     table: dict[str, Any] = {}
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    if not recalibrate and key in table:
+    if not recalibrate and isinstance(table, dict) and key in table:
         try:
             return DecodeProfile.from_json(table[key], "cache")
         except (KeyError, TypeError, ValueError):
             log.warning("ignoring malformed cached decode profile %s", key)
     t = time.perf_counter()
-    prof = calibrate(codec, config, device, shape, dtype)
+    prof = calibrate(codec, device, shape, dtype)
     log.info("decode profile calibrated in %.2fs: %s", time.perf_counter() - t, prof.values_per_s())
+    table = table if isinstance(table, dict) else {}
     table[key] = prof.to_json()
     try:
         directory.mkdir(parents=True, exist_ok=True)

@@ -4,11 +4,12 @@ One NVDEC session decodes on one engine at a time, and sessions driven by thread
 not scale (about 2x at best), so the pool runs one `NvdecDecoder` in each of `workers` processes
 (spawned once, reused), fed from a shared job queue. Two kinds of job:
 
-* restore (`restore_blobs`, what `decode_parallel` uses): a chunk blob and its output tensor (a
-  CUDA tensor of the consumer, shared through CUDA IPC). The worker runs the codec's own
-  `decode_chunk_blob` with its decoder, so decoding, de-tiling and dequantization all happen in
-  the worker and the consumer does no per-frame work (Python's GIL made a consumer restoring for
-  seven decoders the bottleneck: benchmarks/results/decode-h200-v3.md).
+* restore (`restore_blobs`): a chunk blob, its output tensor (a CUDA tensor of the consumer,
+  shared through CUDA IPC) and the codec's chunk restore function, handed in by the codec
+  (kvcodec.codecs.hevc_pool: this package knows no codec). The worker runs it with its decoder,
+  so decoding, de-tiling and dequantization all happen in the worker and the consumer does no
+  per-frame work (Python's GIL made a consumer restoring for seven decoders the bottleneck:
+  benchmarks/results/decode-h200-v3.md).
 * frames (`decode_streams`, `PoolDecoder`): the worker copies each decoded frame into a small
   ring of slots shared once with the consumer through CUDA IPC and passes the
   slot number back; the consumer reads it in place and the slot is reused once the consumer's
@@ -16,7 +17,7 @@ not scale (about 2x at best), so the pool runs one `NvdecDecoder` in each of `wo
   `workers * slots` frames are in flight whatever the prefix length.
 
     with NvdecPool(workers=7) as pool:
-        kv = decode_parallel(kvc_bytes, pool)  # a whole .kvc file, chunks restored in parallel
+        pool.restore_blobs(blobs, outs, decode_into=restore_chunk)  # restore_chunk(blob, out, decoder, restore)
         for stream_idx, frame_idx, frame in pool.decode_streams([(bitstream, w, h), ...]):
             consume(frame)  # (3, h, w) uint8 on the GPU, valid until the next item is requested
 
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = 7  # NVDEC engines of an H100/H200
 
 
-def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, res_q, hold_output_s=0.0):
+def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, res_q, hold_output_s=0.0,
+                 warm_up=None):
     """Worker process: decode jobs from job_q into the slot ring, report slots on res_q.
 
     hold_output_s: keep the last restore job's output tensor (the consumer's memory, mapped through
@@ -57,13 +59,11 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
         from kvcodec.video.nvdec import NvdecDecoder
 
         dec = NvdecDecoder(device_index, latency=latency, copy=False)
-        try:  # load the fused restore kernel before the first job, not during it
-            from kvcodec.restore import triton_restore
-
-            if triton_restore.available():
-                triton_restore.warm_up(torch.device("cuda", device_index))
-        except Exception as e:  # the first job compiles it instead
-            log.warning("NVDEC pool worker %d: restore kernel warm-up failed: %s", wid, e)
+        try:  # e.g. load the codec's restore kernel before the first job, not during it
+            if warm_up is not None:
+                warm_up(torch.device("cuda", device_index))
+        except Exception as e:  # the first job pays for it instead
+            log.warning("NVDEC pool worker %d: warm-up failed: %s", wid, e)
         ring = torch.empty((slots, slot_bytes), dtype=torch.uint8, device=f"cuda:{device_index}")
         res_q.put(("ready", wid, ring))
     except Exception as e:  # pragma: no cover - start failures are reported to the consumer
@@ -128,13 +128,12 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
 
 
 def _restore_job(wid, dec, job, res_q) -> torch.Tensor:
-    """Decode a chunk blob and restore it straight into the consumer's KV tensor (CUDA IPC);
-    returns that tensor (the caller decides how long its mapping stays open)."""
-    _, jid, blob, out, restore = job
+    """Decode a chunk blob and restore it straight into the consumer's KV tensor (CUDA IPC) with
+    the job's restore function; returns that tensor (the caller decides how long its mapping
+    stays open)."""
+    _, jid, blob, out, restore, decode_into = job
     try:
-        from kvcodec import codec
-
-        codec.decode_chunk_blob(blob, out=out, decoder=dec, restore=restore)
+        decode_into(blob, out, dec, restore)
         torch.cuda.current_stream(out.device).synchronize()  # written before the consumer hears "done"
         res_q.put(("done", wid, jid, 1))
     except Exception as e:
@@ -160,6 +159,8 @@ class NvdecPool:
         restore job while it waits for the next (0: unmap after every job). Chunks of one fetch
         land in one tensor, so this saves an IPC map and unmap per chunk; the consumer's allocator
         cannot reuse that memory meanwhile.
+    warm_up: a module-level function(device) each worker runs once at start (the codec's kernel
+        loading; kvcodec.codecs.hevc_pool.open_pool passes the HEVC restore's).
     """
 
     def __init__(
@@ -171,6 +172,7 @@ class NvdecPool:
         latency: str = "low",
         start_timeout: float = 180.0,
         hold_output_s: float = 0.05,
+        warm_up=None,
     ):
         from kvcodec.video.nvdec import NvdecDecoder
 
@@ -194,7 +196,7 @@ class NvdecPool:
             ctx.Process(
                 target=_worker_main,
                 args=(w, self.device.index, slots, self.slot_bytes, latency, self._job_q, self._free_q[w], self._res_q,
-                      hold_output_s),
+                      hold_output_s, warm_up),
                 daemon=True,
                 name=f"kvcodec-nvdec-{w}",
             )
@@ -291,12 +293,15 @@ class NvdecPool:
         self._job_q.put(("frames", job.jid, payload, width, height))
         return job
 
-    def restore_blobs(self, blobs, outs, restore: str = "auto") -> None:
+    def restore_blobs(self, blobs, outs, restore: str = "auto", *, decode_into=None) -> None:
         """Decode every chunk blob and restore it into its output tensor (a CUDA tensor on the
-        pool's device, typically a slice of a KV cache) inside the workers: each worker runs the
-        codec's decode_chunk_blob with its own NVDEC session and writes `out` through CUDA IPC,
-        so the consumer does no per-frame work. Returns when every output is written; raises
-        CorruptStreamError naming the first chunk that failed (the others are still written)."""
+        pool's device, typically a slice of a KV cache) inside the workers: each worker calls
+        `decode_into(blob, out, decoder, restore)` (a module-level function, pickled by name) with
+        its own NVDEC session and writes `out` through CUDA IPC, so the consumer does no
+        per-frame work. Returns when every output is written; raises CorruptStreamError naming
+        the first chunk that failed (the others are still written)."""
+        if decode_into is None:
+            raise ValueError("restore_blobs needs the codec's decode_into (e.g. kvcodec.codecs.hevc_pool.restore_chunk)")
         if self._closed:
             raise BackendUnavailableError("the NVDEC pool is closed")
         torch.cuda.current_stream(self.device).synchronize()  # what this process queued on the outputs is done
@@ -308,7 +313,7 @@ class NvdecPool:
             job = _Job(next(self._ids), 0, 0, sink, k)
             self._jobs[job.jid] = job
             jobs.append(job)
-            self._job_q.put(("restore", job.jid, bytes(blob), out, restore))
+            self._job_q.put(("restore", job.jid, bytes(blob), out, restore, decode_into))
         errors = []
         for _ in jobs:
             msg = sink.get()
@@ -417,93 +422,3 @@ class PoolDecoder:
         self.pool.submit(bitstream, width, height, sink, tag=0)
         for _, _, frame in self.pool._frames(sink, 1):
             yield frame
-
-
-def decode_parallel(
-    data,
-    pool: NvdecPool,
-    *,
-    resolution: tuple[int, int] | None = None,
-    out: torch.Tensor | None = None,
-    threads: int | None = None,
-    restore: str = "auto",
-    where: str = "workers",
-) -> torch.Tensor:
-    """Decode a kvcodec file (.kvc bytes) on `pool`'s GPU, its chunks in parallel, each restored
-    frame by frame into its token range of the output KV tensor (see decode_blobs_parallel)."""
-    from kvcodec import codec
-
-    out, jobs = codec.file_chunks(data, pool.device, resolution=resolution, out=out)
-    blobs = [blob for blob, _ in jobs]
-    outs = [target for _, target in jobs]
-    decode_blobs_parallel(blobs, outs, pool, threads=threads, restore=restore, where=where)
-    return out
-
-
-def decode_blobs_parallel(
-    blobs, outs, pool: NvdecPool, threads: int | None = None, restore: str = "auto", where: str = "workers"
-) -> None:
-    """Restore every (blob, target) pair through the pool; returns when every target is written.
-
-    where="workers" (default): each worker decodes and restores whole chunks into the targets
-    (NvdecPool.restore_blobs). where="consumer": the codec's decode_chunk_blob runs here in up to
-    `threads` threads (default 2 per worker), frames coming from the workers' rings."""
-    if where == "workers":
-        pool.restore_blobs(blobs, outs, restore=restore)
-        return
-    if where != "consumer":
-        raise ValueError("where must be 'workers' or 'consumer'")
-    from concurrent.futures import ThreadPoolExecutor
-
-    from kvcodec import codec
-
-    dec = pool.decoder()
-
-    def run(job):
-        blob, target = job
-        with torch.cuda.device(pool.device):
-            codec.decode_chunk_blob(blob, pool.device, out=target, decoder=dec, restore=restore)
-            torch.cuda.current_stream(pool.device).synchronize()
-
-    with ThreadPoolExecutor(max_workers=threads or 2 * pool.workers) as ex:
-        for f in [ex.submit(run, j) for j in zip(blobs, outs)]:
-            f.result()
-
-
-class PoolCodec:
-    """kvcodec's codec with every chunk restore run inside an NvdecPool's workers.
-
-    Hand it to the fetcher, `PrefixCache(..., device="cuda", codec=PoolCodec(pool),
-    decode_workers=pool.workers)`, and each fetched chunk is decoded and restored by a worker
-    straight into the fetch's output (no per-frame work in the serving process). Keys and blobs
-    are the codec's own: a cache written with kvcodec.codec is read through a PoolCodec."""
-
-    def __init__(self, pool: NvdecPool, restore: str = "auto"):
-        self.pool = pool
-        self.restore = restore
-
-    @property
-    def CODEC_ID(self) -> str:  # noqa: N802 - the attribute name the fetcher's key derivation reads
-        from kvcodec import codec
-        from kvcodec.fetcher.keys import codec_identity
-
-        return codec_identity(codec)
-
-    def encode_chunks(self, *args, **kwargs):
-        from kvcodec import codec
-
-        return codec.encode_chunks(*args, **kwargs)
-
-    def inspect_chunk_blob(self, blob):
-        from kvcodec import codec
-
-        return codec.inspect_chunk_blob(blob)
-
-    def decode_chunk_blob(self, blob, device=None, out: torch.Tensor | None = None, decoder=None) -> torch.Tensor:
-        from kvcodec import codec
-
-        if out is None:
-            h = codec.inspect_chunk_blob(blob)
-            out = torch.empty(h.shape, dtype=codec.DTYPES[h.dtype], device=self.pool.device)
-        self.pool.restore_blobs([blob], [out], restore=self.restore)
-        return out

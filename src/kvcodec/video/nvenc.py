@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvcodec.errors import BackendUnavailableError, CorruptStreamError
+from kvcodec.errors import BackendUnavailableError, ConfigError, CorruptStreamError
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,24 @@ LOSSLESS_PARAMS = {
     "idrperiod": "-1",
     "repeatspspps": "1",
 }
+
+
+# x265 speed presets (what CodecConfig.x265_preset names) -> NVENC presets P1 (fastest) .. P7.
+X265_TO_NVENC_PRESET = {
+    "ultrafast": "P1", "superfast": "P2", "veryfast": "P3", "faster": "P3", "fast": "P4",
+    "medium": "P4", "slow": "P5", "slower": "P6", "veryslow": "P7", "placebo": "P7",
+}
+NVENC_PRESETS = tuple(f"P{i}" for i in range(1, 8))
+
+
+def nvenc_preset(preset: str) -> str:
+    """The NVENC preset for an x265 preset name, or an NVENC preset name itself."""
+    if preset.upper() in NVENC_PRESETS:
+        return preset.upper()
+    try:
+        return X265_TO_NVENC_PRESET[preset]
+    except KeyError:
+        raise ConfigError(f"unknown encoder preset {preset!r}: use an x265 preset or P1..P7") from None
 
 
 def _nvc():
@@ -112,6 +130,7 @@ class NvencEncoder:
     name = "nvenc"
 
     def __init__(self, gpu_id: int | None = None, preset: str = "P1", **params):
+        preset = nvenc_preset(preset)  # callers name x265 presets ("ultrafast"); NVENC takes P1..P7
         import torch
 
         if not torch.cuda.is_available():
@@ -146,15 +165,27 @@ class NvencEncoder:
                 raise ValueError(f"frame {i}: expected (3, {height}, {width}) uint8, got {planes.shape} {planes.dtype}")
             # YUV444 planar host buffer: the Y, U, V planes one after the other, exactly (3, H, W)
             buf = np.ascontiguousarray(planes).reshape(-1)
-            try:
-                pic = nvc.NV_ENC_PIC_PARAMS()
-                pic.inputTimeStamp = i
-                packets = enc.Encode(buf, pic)
-            except TypeError:
-                packets = enc.Encode(buf)
-            out += _packets_bytes(packets)
+            out += _packets_bytes(_session_call(_encode_frame, nvc, enc, buf, i))
             n += 1
-        out += _packets_bytes(enc.EndEncode())
+        out += _packets_bytes(_session_call(enc.EndEncode))
         if n and not out:
             raise CorruptStreamError("NVENC returned no bitstream")
         return bytes(out)
+
+
+def _encode_frame(nvc, enc, buf, i):
+    try:
+        pic = nvc.NV_ENC_PIC_PARAMS()
+        pic.inputTimeStamp = i
+        return enc.Encode(buf, pic)
+    except TypeError:
+        return enc.Encode(buf)
+
+
+def _session_call(fn, *args):
+    """A call into the NVENC session; its failure is the backend's (so the registry's fallback
+    encoder moves on to x265), not the data's."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise BackendUnavailableError(f"NVENC encode failed: {type(e).__name__}: {e}") from e

@@ -1,0 +1,133 @@
+"""HevcCodec: kvcodec's own ChunkCodec, KV chunks as lossless HEVC (hevc_encode / hevc_decode).
+
+Decode options (none changes the bytes, so none changes `id`): the best decoder for the target's
+device (NVDEC on CUDA where present, else FFmpeg on the CPU), a given video decoder shared by
+every call, or an NvdecPool whose worker processes decode and restore whole chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
+from kvcodec.codecs.hevc_decode import decode_chunk_blob, decoder_name, inspect_chunk_blob
+from kvcodec.codecs.hevc_encode import encode_chunks
+from kvcodec.config import CodecConfig
+from kvcodec.container.format import FORMAT_VERSION
+from kvcodec.errors import ConfigError, FormatError
+from kvcodec.video.registry import get_encoder
+
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(CodecConfig))
+
+
+def config_digest(config: CodecConfig) -> str:
+    return hashlib.blake2b(json.dumps(config.to_dict(), sort_keys=True).encode(), digest_size=8).hexdigest()
+
+
+class HevcCodec:
+    """KV chunks as lossless HEVC video, configured by a CodecConfig.
+
+    decoder: a video decoder used by every decode (e.g. ``NvdecPool(...).decoder()``); None picks
+        the best one for the target's device per call. pool: an NvdecPool; chunks restored into
+        tensors on its device are decoded and restored inside its workers. restore: the frame
+        restorer ("auto", "torch", "triton"). encoder: a video encoder (default: NVENC where the
+        GPU has one, else x265; an NVENC session that fails falls back to x265)."""
+
+    def __init__(
+        self,
+        config: CodecConfig = CodecConfig(),
+        *,
+        decoder: Any = None,
+        pool: Any = None,
+        restore: str = "auto",
+        encoder: Any = None,
+    ) -> None:
+        if not isinstance(config, CodecConfig):
+            raise ConfigError(f"HevcCodec needs a CodecConfig; got {type(config).__name__}")
+        if decoder is not None and pool is not None:
+            raise ConfigError("give HevcCodec a decoder or a pool, not both")
+        self.config = config
+        self.decoder = decoder
+        self.pool = pool
+        self.restore = restore
+        self._encoder = encoder
+        self._lock = threading.Lock()
+        self.id = hevc_id(config)
+
+    @classmethod
+    def from_options(cls, config: CodecConfig | dict | None = None, **options: Any) -> HevcCodec:
+        """make_codec("hevc", quant="int4", chunk_tokens=128, pool=pool): CodecConfig fields and
+        decode options by keyword (or a whole `config`)."""
+        fields = {k: options.pop(k) for k in list(options) if k in _CONFIG_FIELDS}
+        if isinstance(config, dict):
+            config = CodecConfig.from_dict(config)
+        config = dataclasses.replace(config or CodecConfig(), **fields) if fields else (config or CodecConfig())
+        return cls(config, **options)
+
+    def with_config(self, config: CodecConfig) -> HevcCodec:
+        """This codec with another configuration and the same decode options."""
+        return HevcCodec(config, decoder=self.decoder, pool=self.pool, restore=self.restore, encoder=self._encoder)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.config.chunk_tokens
+
+    @property
+    def resolutions(self) -> tuple[tuple[int, int], ...]:
+        return self.config.resolutions
+
+    @property
+    def encoder(self) -> Any:
+        with self._lock:
+            if self._encoder is None:
+                self._encoder = get_encoder(preset=self.config.x265_preset)
+            return self._encoder
+
+    def encode_chunks(
+        self,
+        kv: torch.Tensor,
+        *,
+        first_chunk_index: int = 0,
+        keys: Sequence[str] | None = None,
+        on_chunk: Callable[[EncodedChunk], None] | None = None,
+    ) -> list[EncodedChunk]:
+        return encode_chunks(kv, self.config, encoder=self.encoder, on_chunk=on_chunk,
+                             first_chunk_index=first_chunk_index, keys=keys)
+
+    def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
+        h = inspect_chunk_blob(blob)
+        if h.quant != self.config.quant or tuple(h.resolution) not in self.config.resolutions:
+            raise FormatError(f"chunk blob is {h.quant} at {h.resolution}; this codec writes "
+                              f"{self.config.quant} at {list(self.config.resolutions)}")
+        return ChunkInfo(h.chunk_index, h.start_token, h.tokens, h.layers, h.kv_heads, h.head_dim, h.dtype,
+                         "hevc", h.key)
+
+    def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
+        if self.pool is not None and out.device == self.pool.device:
+            from kvcodec.codecs.hevc_pool import restore_in_pool
+
+            restore_in_pool(self.pool, [blob], [out], restore=self.restore)
+            return out
+        return decode_chunk_blob(blob, out=out, decoder=self.decoder, restore=self.restore)
+
+    def decoder_name(self, device: str | torch.device) -> str:
+        """The video decoder a decode into a target on `device` uses."""
+        if self.pool is not None and torch.device(device) == self.pool.device:
+            return f"nvdec-pool:{self.pool.workers}"
+        if self.decoder is not None:
+            return str(getattr(self.decoder, "name", type(self.decoder).__name__))
+        return decoder_name(device)
+
+    def __repr__(self) -> str:
+        return f"HevcCodec({self.config!r}, id={self.id!r})"
+
+
+def hevc_id(config: CodecConfig) -> str:
+    """The id of the HEVC codec with `config` (format version and every setting)."""
+    return f"hevc-v{FORMAT_VERSION}-{config_digest(config)}"

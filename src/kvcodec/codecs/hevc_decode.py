@@ -1,0 +1,227 @@
+"""HEVC codec, decode side: chunk blob -> frames, one at a time, from the best decoder for the
+device -> de-tiled, merged with the low bit planes, uncentered and dequantized straight into the
+caller's target (a dense slice or a PagedKV)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import zstandard
+
+from kvcodec.codecs.base import Target
+from kvcodec.codecs.hevc_encode import unit_bits
+from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, read_object, split_streams
+from kvcodec.dtypes import dtype_of
+from kvcodec.errors import CorruptStreamError, FormatError, ShapeError
+from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame
+from kvcodec.quant import bitsplit, centering
+from kvcodec.quant import exact as exact_q
+from kvcodec.restore import ChunkTerms, restorer_for
+from kvcodec.restore.paged import PagedChunk, PagedKV
+from kvcodec.video.registry import get_decoder
+
+
+def inspect_chunk_blob(blob: bytes | memoryview) -> ChunkHeader:
+    """Parse and verify a chunk blob's header (not its streams)."""
+    header, _ = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
+    return ChunkHeader.from_json(header)
+
+
+def _side_params(h: ChunkHeader, streams, device) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = dtype_of(h.param_dtype, "chunk blob parameter dtype")
+    raw = _unzstd(streams["side"], "side")
+    n = h.layers * 2 * h.kv_heads * h.head_dim
+    if len(raw) != 2 * n * torch.tensor([], dtype=dtype).element_size():
+        raise CorruptStreamError("quantization parameters have the wrong size for the announced shape")
+    params = torch.frombuffer(bytearray(raw), dtype=dtype).view(2, h.layers, 2, h.kv_heads, h.head_dim)
+    return params[0].to(device), params[1].to(device)
+
+
+def _centers(h: ChunkHeader, streams, device) -> torch.Tensor:
+    raw = _unzstd(streams["center"], "center")
+    units = h.layers * 2 * h.kv_heads
+    if len(raw) != units * h.head_dim:
+        raise CorruptStreamError("channel centers have the wrong size for the announced shape")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(units, h.head_dim).to(device)
+
+
+def _unzstd(data, name: str, size: int | None = None) -> bytes:
+    try:
+        return zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=size or (1 << 31))
+    except zstandard.ZstdError as e:
+        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+
+
+def _byte_stream(entry: StreamEntry, streams, size: int, device) -> torch.Tensor:
+    """A zstd- or raw-coded stream of exactly `size` bytes, as a flat uint8 tensor on `device`."""
+    raw = _unzstd(streams[entry.name], entry.name, size) if entry.codec == "zstd" else bytes(streams[entry.name])
+    if len(raw) != size:
+        raise CorruptStreamError(f"stream {entry.name!r} holds {len(raw)} bytes, expected {size}")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def _exact_byte_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
+    n = h.layers * 2 * h.tokens * h.kv_heads * h.head_dim
+    return [_byte_stream(s, streams, n, device).view(h.shape) for s in h.streams if s.name.startswith("bytes")]
+
+
+def _low_bit_planes(h: ChunkHeader, streams, counts: torch.Tensor, device) -> torch.Tensor | None:
+    planes = bitsplit.plane_count(counts)
+    if "low" not in streams:
+        if planes:
+            raise FormatError(f"chunk codes {h.video_bits} video bits but has no low bit stream")
+        return None
+    units = h.layers * 2 * h.kv_heads
+    if not planes or not bitsplit.can_split(units, h.head_dim):
+        raise FormatError(f"chunk has a low bit stream it cannot use (video_bits={h.video_bits})")
+    entry = next(s for s in h.streams if s.name == "low")
+    return _byte_stream(entry, streams, planes * h.tokens * units * h.head_dim // 8, device).view(planes, -1)
+
+
+def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device) -> ChunkTerms:
+    if not 1 <= h.video_bits <= 8:
+        raise FormatError(f"chunk blob has video_bits={h.video_bits}, outside 1..8")
+    ubits = unit_bits(h.layer_bits, h.layers, h.kv_heads)
+    counts = bitsplit.low_bit_counts(ubits, h.video_bits)
+    shift, mask = centering.uncenter_terms(_centers(h, streams, device), (2**ubits).to(device))
+    common = dict(
+        plan=plan,
+        layers=h.layers,
+        kv_heads=h.kv_heads,
+        head_dim=h.head_dim,
+        tokens=h.tokens,
+        dtype=dtype,
+        positions=gather_index(plan, device),
+        shift=shift,
+        mask=mask,
+        low_counts=counts.to(device),
+        low_planes=_low_bit_planes(h, streams, counts, device),
+    )
+    if h.quant == "exact":
+        byte_planes = _exact_byte_planes(h, streams, device)
+        if len(byte_planes) != exact_q.bytes_per_value(dtype) - 1:
+            raise FormatError(f"exact chunk carries {len(byte_planes)} low byte planes for {h.dtype}")
+        return ChunkTerms(**common, byte_planes=tuple(byte_planes))
+    offset, step = _side_params(h, streams, device)
+    return ChunkTerms(**common, offset=offset, step=step)
+
+
+def decode_chunk_blob(
+    blob: bytes | memoryview,
+    device: str | torch.device = "cpu",
+    out: Target | None = None,
+    decoder=None,
+    restore: str = "auto",
+) -> Target:
+    """Decode one chunk blob into a (layers, 2, tokens, kv_heads, head_dim) tensor on `device`,
+    restoring frame by frame. With `out` (for example a slice of a preallocated KV cache) the
+    values are written there and `out` is returned; `out` may also be a PagedKV (blocks of a paged
+    cache and the sequence's block table): the chunk then fills its tokens' slots, from its
+    header's start_token. `restore` picks the frame restorer ("auto": the fused GPU kernel where
+    it applies; "torch"; "triton")."""
+    header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
+    h = ChunkHeader.from_json(header)
+    streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+    required = {"center"} | ({"side"} if h.quant != "exact" else set())
+    if not required <= streams.keys() or not ({"video", "samples"} & streams.keys()):
+        raise FormatError(f"chunk blob lacks streams (has {sorted(streams)})")
+    dtype = dtype_of(h.dtype, "chunk blob dtype")
+    out, device = _target(h, dtype, device, out)
+    plan = _layout(h)
+    terms = _chunk_terms(h, plan, streams, dtype, device)
+    restorer = restorer_for(terms, prefer=restore)
+    if decoder is None:
+        with idle_decoders.borrow(device) as lent:
+            return _restore_frames(h, plan, streams, lent, restorer, device, out)
+    return _restore_frames(h, plan, streams, decoder, restorer, device, out)
+
+
+def _target(h: ChunkHeader, dtype: torch.dtype, device, out: Target | None) -> tuple[Target, torch.device]:
+    """The checked output (allocated on `device` when None) and the device restoring into it."""
+    if isinstance(out, PagedKV):
+        out.check(h.shape, dtype, h.start_token)
+        return out, out.pages.device
+    if out is None:
+        device = torch.device(device)
+        return torch.empty(h.shape, dtype=dtype, device=device), device
+    if tuple(out.shape) != h.shape or out.dtype != dtype:
+        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; chunk holds {h.shape} {dtype}")
+    return out, out.device
+
+
+def _layout(h: ChunkHeader) -> LayoutPlan:
+    try:
+        plan = LayoutPlan.from_dict(h.layout)
+    except Exception as e:  # any malformed layout dict is a format error
+        raise FormatError(f"chunk blob has an invalid layout: {e}") from e
+    if plan.units != h.layers * 2 * h.kv_heads or plan.dim != h.head_dim or (plan.width, plan.height) != h.resolution:
+        raise FormatError("chunk blob layout does not match its shape")
+    return plan
+
+
+def _restore_frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder, restorer, device, out):
+    target = PagedChunk(out, h.start_token) if isinstance(out, PagedKV) else out
+    frames = 0
+    tpf = plan.tokens_per_frame
+    for frame in _frames(h, plan, streams, decoder):
+        start = frames * tpf
+        frames += 1
+        if start >= h.tokens:
+            raise CorruptStreamError(f"video stream has more frames than the {h.frames} announced")
+        restorer.restore(frame.to(device, non_blocking=True), start, min(tpf, h.tokens - start), target)
+    if frames != h.frames:
+        raise CorruptStreamError(f"video stream decoded to {frames} frames, header announces {h.frames}")
+    return out
+
+
+class _IdleDecoders:
+    """Decoders not in use, per device, lent to decode calls that bring none. Opening an NVDEC
+    session costs more than decoding a chunk, and a session must not serve two threads at once:
+    a call borrows one (or opens one when all are busy) and gives it back when done, so a
+    process holds as many sessions as it ever decoded concurrently, whatever its threads."""
+
+    def __init__(self) -> None:
+        self._idle: dict[torch.device, list] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def borrow(self, device: str | torch.device):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        with self._lock:
+            free = self._idle.setdefault(device, [])
+            decoder = free.pop() if free else None
+        if decoder is None:
+            decoder = get_decoder(device, fallback=True)
+        try:
+            yield decoder
+        finally:
+            with self._lock:
+                self._idle[device].append(decoder)
+
+
+idle_decoders = _IdleDecoders()
+
+
+def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
+    """Decoded frames, one at a time: from the HEVC stream, or rebuilt from zstd-coded samples."""
+    if "video" in streams:
+        yield from decoder.decode(bytes(streams["video"]), plan.width, plan.height)
+        return
+    units = h.layers * 2 * h.kv_heads
+    raw = _unzstd(streams["samples"], "samples", units * h.tokens * h.head_dim)
+    if len(raw) != units * h.tokens * h.head_dim:
+        raise CorruptStreamError("sample stream has the wrong size for the announced shape")
+    samples = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(units, h.tokens, h.head_dim)
+    for _, _, block in frame_blocks(samples, plan):
+        yield pack_frame(block, plan)
+
+
+def decoder_name(device: str | torch.device) -> str:
+    """The name of the video decoder a decode on `device` uses (e.g. "ffmpeg-cpu" where a CUDA
+    device has no NVDEC)."""
+    with idle_decoders.borrow(device) as lent:
+        return lent.name

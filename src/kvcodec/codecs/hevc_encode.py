@@ -1,0 +1,247 @@
+"""HEVC codec, encode side: KV chunks -> integers or byte planes -> tiled frames -> lossless HEVC.
+
+    KV (layers, 2, tokens, kv_heads, head_dim)
+    -> chunks of config.chunk_tokens tokens
+    -> integers (min-max quantization) or ordered byte planes (exact), centered per channel
+    -> top `video_bits` bits in frames laid out by a searched LayoutPlan (one per resolution),
+       the low bits as packed planes
+    -> one self-contained chunk blob per (chunk, resolution)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+import zstandard
+
+from kvcodec.codecs.base import EncodedChunk
+from kvcodec.config import CodecConfig
+from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc32, write_object
+from kvcodec.dtypes import DTYPE_NAMES
+from kvcodec.errors import ShapeError
+from kvcodec.layout.search import choose_plan, choose_video_bits
+from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame
+from kvcodec.quant import bitsplit, centering
+from kvcodec.quant import exact as exact_q
+from kvcodec.quant import integer as int_q
+from kvcodec.video.registry import get_encoder
+
+log = logging.getLogger(__name__)
+
+SIDE_ZSTD_LEVEL = 19
+BYTES_ZSTD_LEVEL = 3
+LOW_ZSTD_LEVEL = 1  # low bit planes are near-random: zstd only removes planes a unit does not use
+SAMPLES_ZSTD_LEVEL = 19
+
+
+def check_kv(kv: torch.Tensor, config: CodecConfig | None = None) -> None:
+    if not isinstance(kv, torch.Tensor):
+        raise ShapeError(f"KV must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.dim() != 5 or kv.shape[1] != 2:
+        raise ShapeError(
+            f"KV must have shape (layers, 2, tokens, kv_heads, head_dim) with 2 = K/V; got {tuple(kv.shape)}"
+        )
+    if kv.dtype not in DTYPE_NAMES:
+        raise ShapeError(f"KV dtype must be float16, bfloat16 or float32; got {kv.dtype}")
+    if min(kv.shape) == 0:
+        raise ShapeError(f"KV has an empty dimension: {tuple(kv.shape)}")
+    if config is not None and config.layer_bits and len(config.layer_bits) != kv.shape[0]:
+        raise ShapeError(f"config.layer_bits has {len(config.layer_bits)} entries, KV has {kv.shape[0]} layers")
+    if config is not None and not config.is_exact and not torch.isfinite(kv).all():
+        raise ShapeError("KV holds NaN or infinity; integer quantization needs finite values (use quant='exact')")
+
+
+def _units(x: torch.Tensor) -> torch.Tensor:
+    """(layers, 2, tokens, heads, dim) -> (layers*2*heads, tokens, dim)."""
+    L, _, T, H, D = x.shape
+    return x.permute(0, 1, 3, 2, 4).reshape(L * 2 * H, T, D)
+
+
+def _bits(config: CodecConfig, layers: int) -> torch.Tensor:
+    return torch.tensor([config.bits_for_layer(i) for i in range(layers)], dtype=torch.int64)
+
+
+def _zstd(data: bytes, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level).compress(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ChunkSymbols:
+    """What a chunk becomes before video coding: the 8-bit samples and the side streams."""
+
+    samples: torch.Tensor  # (units, tokens, dim) uint8, centered
+    side: list[StreamEntry]
+    side_payloads: list[bytes]
+    param_dtype: str
+    unit_bits: torch.Tensor  # (units,) significant bits of each unit's samples
+
+
+def unit_bits(layer_bits: Sequence[int], layers: int, kv_heads: int) -> torch.Tensor:
+    """Significant bits of each unit's samples, (units,) int64 (8 for exact mode's top bytes)."""
+    bits = torch.tensor(list(layer_bits) if layer_bits else [8] * layers, dtype=torch.int64)
+    return bits.repeat_interleave(2 * kv_heads)
+
+
+def _unit_modulus(layer_bits: Sequence[int], layers: int, kv_heads: int) -> torch.Tensor:
+    return 2 ** unit_bits(layer_bits, layers, kv_heads)
+
+
+def _centered(symbols: torch.Tensor, modulus: torch.Tensor) -> tuple[torch.Tensor, StreamEntry, bytes]:
+    centers = centering.channel_centers(symbols, modulus)
+    data = _zstd(centers.numpy().tobytes(), SIDE_ZSTD_LEVEL)
+    return centering.center(symbols, centers, modulus), StreamEntry("center", "zstd", len(data), crc32(data)), data
+
+
+def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
+    L, H = x.shape[0], x.shape[3]
+    if config.is_exact:
+        planes = exact_q.split_bytes(x.contiguous())
+        side, payloads = [], []
+        for i, plane in enumerate(planes[1:], start=1):
+            raw = plane.numpy().tobytes()
+            packed = _zstd(raw, BYTES_ZSTD_LEVEL)
+            codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
+            side.append(StreamEntry(f"bytes{i}", codec, len(data), crc32(data)))
+            payloads.append(data)
+        samples, entry, data = _centered(_units(planes[0]), _unit_modulus((), L, H))
+        return _ChunkSymbols(samples, [entry, *side], [data, *payloads], "", unit_bits((), L, H))
+    bits = _bits(config, x.shape[0])
+    offset, step = int_q.minmax_params(x, bits)
+    q = int_q.quantize(x, offset, step, bits)
+    params = torch.stack([offset, step]).contiguous()
+    data = _zstd(params.numpy().tobytes(), SIDE_ZSTD_LEVEL)
+    samples, entry, centers = _centered(_units(q), _unit_modulus(bits.tolist(), L, H))
+    side = [StreamEntry("side", "zstd", len(data), crc32(data)), entry]
+    return _ChunkSymbols(samples, side, [data, centers], DTYPE_NAMES[params.dtype], unit_bits(bits.tolist(), L, H))
+
+
+def _split_low_bits(symbols: _ChunkSymbols, video_bits: int) -> tuple[torch.Tensor, list[StreamEntry], list[bytes]]:
+    """The samples the video codes (top video_bits bits) and the low bit planes as a stream."""
+    counts = bitsplit.low_bit_counts(symbols.unit_bits, video_bits)
+    if bitsplit.plane_count(counts) == 0:
+        return symbols.samples, [], []
+    high, low = bitsplit.split(symbols.samples, counts)
+    raw = bitsplit.pack_low(low, counts).numpy().tobytes()
+    packed = _zstd(raw, LOW_ZSTD_LEVEL)
+    codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
+    return high, [StreamEntry("low", codec, len(data), crc32(data))], [data]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodingPlan:
+    """Decisions made once per (model shape, config) by trial encodes on the first chunk."""
+
+    layouts: tuple[LayoutPlan, ...]  # one per resolution, config.resolutions order
+    video_bits: int
+
+
+def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[str, str, bytes]:
+    """The sample planes as ("video", "hevc", bitstream) or ("samples", "zstd", bytes), as
+    config.sample_coder asks; "auto" keeps the smaller."""
+    options = []
+    if config.sample_coder in ("hevc", "auto"):
+        options.append(("video", "hevc", encoder.encode(frames, plan.width, plan.height)))
+    if config.sample_coder in ("zstd", "auto"):
+        if "z" not in zstd_cache:
+            zstd_cache["z"] = _zstd(samples.numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
+        options.append(("samples", "zstd", zstd_cache["z"]))
+    return min(options, key=lambda o: len(o[2]))
+
+
+def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPlan:
+    """The video bits and one layout per resolution, searched on the first chunk of `kv`
+    (cached per process)."""
+    check_kv(kv, config)
+    encoder = encoder or get_encoder(preset=config.x265_preset)
+    first = kv[:, :, : config.chunk_tokens].detach().to("cpu")
+    symbols = _symbols(first, config)
+    key = (config.quant, DTYPE_NAMES[kv.dtype], config.layer_bits)
+    units, _, dim = symbols.samples.shape
+    if not bitsplit.can_split(units, dim):
+        if config.video_bits not in ("auto", bitsplit.FULL):
+            log.info("%d units x %d channels do not fill whole bytes of a bit plane: every bit in the video", units, dim)
+        video_bits = bitsplit.FULL
+    elif config.video_bits == "auto":
+        video_bits = choose_video_bits(
+            config.resolutions[0], symbols.samples, symbols.unit_bits, config.chunk_tokens, encoder, key=key
+        )
+    else:
+        video_bits = int(config.video_bits)
+    samples, _, _ = _split_low_bits(symbols, video_bits)
+    key = (*key, video_bits)
+    layouts = tuple(
+        choose_plan(res, samples, config.chunk_tokens, encoder, key=key, search=config.search_layout)
+        for res in config.resolutions
+    )
+    return CodingPlan(layouts, video_bits)
+
+
+def encode_chunks(
+    kv: torch.Tensor,
+    config: CodecConfig = CodecConfig(),
+    *,
+    encoder=None,
+    plan: CodingPlan | None = None,
+    on_chunk: Callable[[EncodedChunk], None] | None = None,
+    first_chunk_index: int = 0,
+    keys: Sequence[str] | None = None,
+) -> list[EncodedChunk]:
+    """Encode `kv` chunk by chunk; every chunk is stored at every resolution of `config`.
+
+    `first_chunk_index` numbers chunks when `kv` continues an earlier prefix (its first token is
+    `first_chunk_index * config.chunk_tokens`). With `keys`, chunk n's header carries keys[n] (the
+    prefix key it is stored under). `on_chunk` is called as each chunk is done."""
+    check_kv(kv, config)
+    kv = kv.detach().to("cpu")
+    n_chunks = -(-kv.shape[2] // config.chunk_tokens)
+    if keys is not None and len(keys) != n_chunks:
+        raise ShapeError(f"{len(keys)} keys given for {n_chunks} chunks")
+    encoder = encoder or get_encoder(preset=config.x265_preset)
+    plan = plan or plan_coding(kv, config, encoder)
+    out = []
+    for n, start in enumerate(range(0, kv.shape[2], config.chunk_tokens)):
+        x = kv[:, :, start : start + config.chunk_tokens]
+        index = first_chunk_index + n
+        chunk = _encode_chunk(x, config, plan, encoder, index, first_chunk_index * config.chunk_tokens + start,
+                              None if keys is None else str(keys[n]))
+        out.append(chunk)
+        if on_chunk:
+            on_chunk(chunk)
+    return out
+
+
+def _encode_chunk(x, config, plan, encoder, index, start_token, key) -> EncodedChunk:
+    """One chunk at every resolution of `plan`."""
+    L, _, T, H, D = x.shape
+    symbols = _symbols(x, config)
+    samples, low_streams, low_payloads = _split_low_bits(symbols, plan.video_bits)
+    zstd_samples = {}  # resolution-independent, computed at most once per chunk
+    blobs, coders = [], []
+    for layout in plan.layouts:
+        frames = [pack_frame(b, layout).numpy() for _, _, b in frame_blocks(samples, layout)]
+        name, codec, video = _code_samples(frames, samples, layout, config, encoder, zstd_samples)
+        coders.append(getattr(encoder, "name", "hevc") if codec == "hevc" else codec)
+        streams = (*symbols.side, *low_streams, StreamEntry(name, codec, len(video), crc32(video)))
+        header = ChunkHeader(
+            layers=L,
+            kv_heads=H,
+            head_dim=D,
+            dtype=DTYPE_NAMES[x.dtype],
+            chunk_index=index,
+            start_token=start_token,
+            tokens=T,
+            quant=config.quant,
+            layer_bits=tuple(int(b) for b in _bits(config, L)) if not config.is_exact else (),
+            param_dtype=symbols.param_dtype,
+            resolution=(layout.width, layout.height),
+            layout=layout.to_dict(),
+            frames=len(frames),
+            streams=streams,
+            video_bits=plan.video_bits,
+            key=key,
+        )
+        blobs.append(write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, *low_payloads, video]))
+    return EncodedChunk(index, start_token, T, config.resolutions, tuple(blobs), encoder=",".join(dict.fromkeys(coders)))

@@ -1,0 +1,159 @@
+"""HEVC codec, whole prefixes: the .kvc file (a header indexing chunk blobs, then the blobs)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvcodec.codecs.base import EncodedChunk, Target
+from kvcodec.codecs.hevc_decode import decode_chunk_blob, idle_decoders, inspect_chunk_blob
+from kvcodec.codecs.hevc_encode import encode_chunks
+from kvcodec.config import CodecConfig
+from kvcodec.container.format import (
+    FILE_MAGIC,
+    BlobEntry,
+    FileHeader,
+    check_chunk_against_file,
+    crc32,
+    object_version,
+    parse_file,
+    write_object,
+)
+from kvcodec.dtypes import DTYPE_NAMES, dtype_of
+from kvcodec.errors import ChecksumError, FormatError, ShapeError
+from kvcodec.restore.paged import PagedKV
+
+
+def encode(
+    kv: torch.Tensor,
+    config: CodecConfig = CodecConfig(),
+    *,
+    encoder=None,
+    on_chunk: Callable[[EncodedChunk], None] | None = None,
+) -> bytes:
+    """Encode a KV tensor (layers, 2, tokens, kv_heads, head_dim) into a kvcodec file (.kvc)."""
+    chunks = encode_chunks(kv, config, encoder=encoder, on_chunk=on_chunk)
+    entries, payloads, offset = [], [], 0
+    for c in chunks:
+        for res, blob in zip(c.resolutions, c.blobs):
+            entries.append(BlobEntry(c.index, tuple(res), offset, len(blob), crc32(blob)))
+            payloads.append(blob)
+            offset += len(blob)
+    L, _, T, H, D = kv.shape
+    header = FileHeader(
+        layers=L,
+        kv_heads=H,
+        head_dim=D,
+        dtype=DTYPE_NAMES[kv.dtype],
+        tokens=T,
+        config=config.to_dict(),
+        chunk_tokens=tuple(c.tokens for c in chunks),
+        blobs=tuple(entries),
+    )
+    return write_object(FILE_MAGIC, header.to_json(), payloads)
+
+
+def read_file_header(data: bytes | memoryview) -> tuple[FileHeader, memoryview]:
+    return parse_file(data)
+
+
+def file_chunks(
+    data: bytes | memoryview,
+    device: str | torch.device = "cpu",
+    *,
+    resolution: tuple[int, int] | None = None,
+    out: Target | None = None,
+) -> tuple[Target, list[tuple[memoryview, Target]]]:
+    """Parse and verify a kvcodec file for decoding: returns the output KV tensor (allocated on
+    `device` unless `out` is given) and, per chunk, its blob at `resolution` (default: the largest)
+    with the slice of the output it restores into (a PagedKV output is every chunk's target: each
+    chunk finds its tokens' blocks from its own start_token). Every blob's own header must name
+    the chunk, first token and token count the file places it at. Decoders start here."""
+    fh, payload = read_file_header(data)
+    dtype = dtype_of(fh.dtype, "kvcodec file dtype")
+    if resolution is None:
+        resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
+    blobs = _chunk_blobs(fh, payload, tuple(resolution))
+    if isinstance(out, PagedKV):
+        out.check(fh.shape, dtype, 0)
+    elif out is None:
+        out = torch.empty(fh.shape, dtype=dtype, device=torch.device(device))
+    elif tuple(out.shape) != fh.shape or out.dtype != dtype:
+        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
+    jobs, start = [], 0
+    for blob, tokens in zip(blobs, fh.chunk_tokens):
+        jobs.append((blob, out if isinstance(out, PagedKV) else out[:, :, start : start + tokens]))
+        start += tokens
+    return out, jobs
+
+
+def _chunk_blobs(fh: FileHeader, payload: memoryview, resolution: tuple[int, int]) -> list[memoryview]:
+    """Each chunk's verified blob at `resolution`, checked against where the file places it."""
+    blobs = []
+    for index in range(len(fh.chunk_tokens)):
+        entry = fh.blob(index, resolution)
+        blob = payload[entry.offset : entry.offset + entry.length]
+        if crc32(blob) != entry.crc32:
+            raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
+        check_chunk_against_file(fh, index, inspect_chunk_blob(blob), resolution)
+        blobs.append(blob)
+    return blobs
+
+
+def decode(
+    data: bytes | memoryview,
+    device: str | torch.device = "cpu",
+    *,
+    resolution: tuple[int, int] | None = None,
+    out: Target | None = None,
+    decoder=None,
+    restore: str = "auto",
+) -> Target:
+    """Decode a kvcodec file into a KV tensor of its original shape and dtype on `device`
+    (NVDEC for CUDA devices where available, restoring frame by frame; `out` and `restore` as in
+    decode_chunk_blob)."""
+    out, jobs = file_chunks(data, device, resolution=resolution, out=out)
+    with contextlib.nullcontext(decoder) if decoder is not None else idle_decoders.borrow(out.device) as dec:
+        for blob, target in jobs:
+            decode_chunk_blob(blob, out=target, decoder=dec, restore=restore)
+    return out
+
+
+def inspect(data: bytes | memoryview) -> dict:
+    """Summary of a kvcodec file: header, per-resolution bytes and ratio vs fp16."""
+    fh, payload = read_file_header(data)
+    fp16_bytes = 2 * int(np.prod(fh.shape))
+    return {
+        "format_version": object_version(data),
+        "shape": list(fh.shape),
+        "dtype": fh.dtype,
+        "tokens": fh.tokens,
+        "chunks": len(fh.chunk_tokens),
+        "config": fh.config,
+        "file_bytes": len(data),
+        "fp16_bytes": fp16_bytes,
+        "resolutions": {f"{r[0]}x{r[1]}": _resolution_summary(fh, payload, r, fp16_bytes) for r in fh.resolutions},
+    }
+
+
+def _resolution_summary(fh: FileHeader, payload: memoryview, res, fp16_bytes: int) -> dict:
+    blobs = [b for b in fh.blobs if b.resolution == tuple(res)]
+    if not blobs:
+        raise FormatError(f"kvcodec file lists resolution {res[0]}x{res[1]} but holds no blob at it")
+    headers = [inspect_chunk_blob(payload[b.offset : b.offset + b.length]) for b in blobs]
+    total = sum(b.length for b in blobs)
+    streams: dict[str, int] = {}
+    for h in headers:
+        for s in h.streams:
+            streams[s.name] = streams.get(s.name, 0) + s.length
+    return {
+        "bytes": total,
+        "ratio_vs_fp16": fp16_bytes / total if total else 0.0,
+        "streams": streams,
+        "layout": headers[0].layout,
+        "frames_per_chunk": headers[0].frames,
+        "video_bits": headers[0].video_bits,
+    }

@@ -1,0 +1,179 @@
+"""RawCodec: KV chunks as their own bytes (optionally zstd or lz4), the "raw fp16 KV over the same
+link" baseline. Same chunking, store layout, pipeline and checksums as the HEVC codec.
+
+Resolution j of the codec stores payload variant ``variants[j % len(variants)]`` ("raw", "zstd",
+"lz4"): real size / decode-speed trade-offs that exercise the resolution policies without the
+video codec. Blobs use kvcodec's container envelope (docs/FORMAT.md) with magic "KVRW" and one
+payload whose length and CRC32 the header names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
+from kvcodec.container.format import crc32, read_object, write_object
+from kvcodec.dtypes import DTYPE_NAMES, SAME_SIZE_INT, dtype_of
+from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
+from kvcodec.restore.paged import PagedKV
+
+MAGIC = b"KVRW"
+VARIANTS = ("raw", "zstd", "lz4")
+
+
+@dataclasses.dataclass(frozen=True)
+class RawCodec:
+    """variants: payload coding per resolution slot; resolutions: the slots' labels (default one
+    per variant); chunk_tokens: tokens per chunk."""
+
+    variants: tuple[str, ...] = ("raw",)
+    zstd_level: int = 3
+    chunk_tokens: int = 256
+    resolutions: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "variants", tuple(self.variants))
+        bad = [v for v in self.variants if v not in VARIANTS]
+        if bad or not self.variants:
+            raise ConfigError(f"raw codec variants {list(self.variants)}: expected some of {', '.join(VARIANTS)}")
+        if int(self.chunk_tokens) < 1:
+            raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
+        res = self.resolutions or tuple((256 << j, 256 << j) for j in range(len(self.variants)))
+        object.__setattr__(self, "resolutions", tuple((int(w), int(h)) for w, h in res))
+
+    @property
+    def id(self) -> str:
+        spec = [list(self.variants), self.zstd_level, int(self.chunk_tokens), [list(r) for r in self.resolutions]]
+        return "raw-v2-" + hashlib.blake2b(json.dumps(spec).encode(), digest_size=8).hexdigest()
+
+    def with_config(self, config) -> RawCodec:
+        """This codec with the chunking and resolution slots of a CodecConfig."""
+        return dataclasses.replace(self, chunk_tokens=config.chunk_tokens, resolutions=config.resolutions)
+
+    # -- encode ------------------------------------------------------------------------------
+    def _pack(self, payload: bytes, variant: str) -> bytes:
+        if variant == "zstd":
+            import zstandard
+
+            return zstandard.ZstdCompressor(level=self.zstd_level).compress(payload)
+        if variant == "lz4":
+            import lz4.frame
+
+            return lz4.frame.compress(payload)
+        return payload
+
+    def encode_chunks(
+        self,
+        kv: torch.Tensor,
+        *,
+        first_chunk_index: int = 0,
+        keys: Sequence[str] | None = None,
+        on_chunk: Callable[[EncodedChunk], None] | None = None,
+    ) -> list[EncodedChunk]:
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in DTYPE_NAMES:
+            raise ShapeError(f"KV must be (layers, 2, tokens, kv_heads, head_dim) fp16/bf16/fp32; got "
+                             f"{tuple(getattr(kv, 'shape', ()))} {getattr(kv, 'dtype', type(kv).__name__)}")
+        kv = kv.detach().to("cpu")
+        ct = int(self.chunk_tokens)
+        starts = range(0, kv.shape[2], ct)
+        if keys is not None and len(keys) != len(starts):
+            raise ShapeError(f"{len(keys)} keys given for {len(starts)} chunks")
+        out = []
+        for n, start in enumerate(starts):
+            chunk = self._chunk(kv[:, :, start : start + ct].contiguous(), first_chunk_index + n,
+                                first_chunk_index * ct + start, None if keys is None else str(keys[n]))
+            out.append(chunk)
+            if on_chunk:
+                on_chunk(chunk)
+        return out
+
+    def _chunk(self, x: torch.Tensor, index: int, start_token: int, key: str | None) -> EncodedChunk:
+        raw = x.view(torch.uint8).numpy().tobytes()
+        blobs = []
+        for j, res in enumerate(self.resolutions):
+            variant = self.variants[j % len(self.variants)]
+            payload = self._pack(raw, variant)
+            header = {"format": "kvcodec-raw-chunk", "index": index, "start_token": start_token,
+                      "shape": list(x.shape), "dtype": DTYPE_NAMES[x.dtype], "resolution": list(res),
+                      "variant": variant, "raw_bytes": len(raw), "payload_bytes": len(payload),
+                      "crc32": crc32(payload), "key": key}
+            blobs.append(write_object(MAGIC, header, [payload]))
+        return EncodedChunk(index, start_token, x.shape[2], self.resolutions, tuple(blobs), encoder="raw")
+
+    # -- decode ------------------------------------------------------------------------------
+    def _parse(self, blob: bytes | memoryview) -> tuple[dict, memoryview]:
+        header, payload = read_object(blob, MAGIC, "raw kvcodec chunk blob")
+        try:
+            h = {k: header[k] for k in ("index", "start_token", "shape", "dtype", "variant", "raw_bytes",
+                                         "payload_bytes", "crc32")}
+            h["shape"] = tuple(int(s) for s in h["shape"])
+            h["key"] = header.get("key")
+            ok = (len(h["shape"]) == 5 and h["shape"][1] == 2 and min(h["shape"]) > 0 and h["variant"] in VARIANTS
+                  and h["raw_bytes"] == math.prod(h["shape"]) * dtype_of(h["dtype"]).itemsize)
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"raw chunk header is malformed: {e!r}") from e
+        if not ok:
+            raise FormatError(f"raw chunk header is inconsistent: {header}")
+        if len(payload) < h["payload_bytes"]:
+            raise TruncatedError(f"raw chunk payload has {len(payload)} of {h['payload_bytes']} bytes")
+        if len(payload) > h["payload_bytes"]:
+            raise FormatError(f"raw chunk has {len(payload) - h['payload_bytes']} unexpected bytes after its payload")
+        if crc32(payload) != h["crc32"]:
+            raise ChecksumError(f"raw chunk {h['index']} payload checksum mismatch")
+        return h, payload
+
+    def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
+        h, _ = self._parse(blob)
+        L, _, T, H, D = h["shape"]
+        return ChunkInfo(int(h["index"]), int(h["start_token"]), T, L, H, D, h["dtype"], "raw", h["key"])
+
+    def _unpack(self, h: dict, payload: memoryview) -> bytes:
+        try:
+            if h["variant"] == "zstd":
+                import zstandard
+
+                return zstandard.ZstdDecompressor().decompress(bytes(payload), max_output_size=h["raw_bytes"])
+            if h["variant"] == "lz4":
+                import lz4.frame
+
+                return lz4.frame.decompress(bytes(payload))
+        except Exception as e:  # zstd/lz4 errors: a damaged payload whose CRC was forged
+            raise FormatError(f"raw chunk payload does not decompress: {e}") from e
+        return bytes(payload)
+
+    def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
+        h, payload = self._parse(blob)
+        raw = self._unpack(h, payload)
+        if len(raw) != h["raw_bytes"]:
+            raise FormatError("raw chunk payload decompressed to the wrong size")
+        dtype = dtype_of(h["dtype"])
+        x = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(h["shape"])
+        if isinstance(out, PagedKV):
+            out.check(h["shape"], dtype, int(h["start_token"]))
+            blocks, within = out.slots(int(h["start_token"]), h["shape"][2])
+            out.pages[:, :, blocks, within] = x.to(out.device)
+            return out
+        if tuple(out.shape) != h["shape"] or out.dtype != dtype:
+            raise ShapeError(f"output is {tuple(out.shape)} {out.dtype}; chunk holds {h['shape']} {dtype}")
+        copy_chunk(out, x)
+        return out
+
+    def decoder_name(self, device) -> str:
+        return "raw-cpu"
+
+
+def copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.copy_(src); CPU to CPU of one dtype through numpy (single-threaded): torch's intra-op
+    threads make this small strided copy up to 1000x slower on an oversubscribed CPU."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype and dst.dtype in SAME_SIZE_INT:
+        iv = SAME_SIZE_INT[dst.dtype]
+        np.copyto(dst.view(iv).numpy(), src.view(iv).numpy())
+    else:
+        dst.copy_(src)

@@ -1,0 +1,364 @@
+"""TransformCodec: KV chunks coded as decorrelated, bit-allocated coefficients.
+
+encode: keys with RoPE removed -> per (layer group, K|V): y = basis^T (x - mean) -> one
+        distortion level theta for the file (from a target ratio, measured on the data, or a
+        modelled bits/value) -> integers round(y / step), 0-bit coordinates dropped -> 8-bit
+        samples + escapes -> lossless HEVC frames (or zstd on the same samples)
+decode: frames (NVDEC on a CUDA target, FFmpeg on the CPU) -> integers -> dequantize -> one
+        GEMM per (group, K|V) -> RoPE re-applied -> the caller's dense slice or PagedKV.
+The first `sink_tokens` positions of a prefix are kept as fp16 (attention sinks are outliers).
+Every chunk names the sha256 of the .kvt it was coded with; another transform refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import zstandard
+
+from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
+from kvcodec.container.format import StreamEntry, crc32, read_object, split_streams, write_object
+from kvcodec.errors import ConfigError, CorruptStreamError, FormatError, ShapeError
+from kvcodec.restore.paged import PagedKV
+from kvcodec.transform import alloc, frames, quantize, rate
+from kvcodec.transform.calibration import KINDS, Calibration, all_variances, group_matrix, keys_without_rope
+from kvcodec.transform.kvt import load_kvt
+from kvcodec.transform.rope import apply_rope
+
+CHUNK_MAGIC = b"KVTC"
+TRANSFORM_VERSION = 1
+CODERS = ("hevc", "zstd")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+ZSTD_LEVEL = 19
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CoordPlan:
+    """Which coefficients are coded at level theta and how: counts[j] leading coordinates of
+    the j-th (group, kind) block, their steps, and the layout order (widest first)."""
+
+    counts: tuple[int, ...]
+    steps: torch.Tensor  # (C,) float32, concatenated (group, kind) order
+    order: torch.Tensor  # (C,) layout position -> concatenated index
+    inverse: torch.Tensor  # (C,) concatenated index -> layout position
+
+
+def coord_plan(cal: Calibration, theta: float, key_weight: float) -> CoordPlan:
+    counts, steps, widths = [], [], []
+    for g in range(len(cal.groups)):
+        for kind in KINDS:
+            var = cal.basis(g, kind).variances.to(torch.float64)
+            w = torch.full_like(var, key_weight if kind == "k" else 1.0)
+            s = alloc.steps_for(var, theta, w)
+            n = int((s > 0).sum())
+            counts.append(n)
+            steps.append(s[:n])
+            widths.append(var[:n] / s[:n] ** 2)
+    steps_t = torch.cat(steps).float()
+    order = torch.argsort(torch.cat(widths), descending=True, stable=True)
+    return CoordPlan(tuple(counts), steps_t, order, torch.argsort(order))
+
+
+def _zstd(data: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+
+def _unzstd(data, name: str, size: int) -> bytes:
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=max(size, 1))
+    except zstandard.ZstdError as e:
+        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+    if len(raw) != size:
+        raise CorruptStreamError(f"stream {name!r} holds {len(raw)} bytes, expected {size}")
+    return raw
+
+
+class TransformCodec:
+    """A ChunkCodec over a calibration (.kvt). Size: target_ratio (file size vs fp16, measured on
+    the data being encoded) or bits_per_value (modelled from the calibration's variances)."""
+
+    def __init__(
+        self,
+        transform: str | Path | Calibration,
+        *,
+        kvt_hash: str | None = None,
+        target_ratio: float | None = None,
+        bits_per_value: float | None = None,
+        key_weight: float = 1.0,
+        sink_tokens: int = 4,
+        coder: str = "hevc",
+        chunk_tokens: int = 256,
+        resolutions: Sequence[tuple[int, int]] = ((512, 512),),
+    ):
+        if isinstance(transform, Calibration):
+            if not kvt_hash:
+                raise ConfigError("a Calibration object needs its kvt_hash (the sha256 of its .kvt bytes)")
+            self.cal, self.kvt_hash = transform, kvt_hash
+        else:
+            self.cal, self.kvt_hash = load_kvt(transform)
+        if coder not in CODERS:
+            raise ConfigError(f"coder must be one of {CODERS}; got {coder!r}")
+        if target_ratio is not None and not target_ratio > 1:
+            raise ConfigError(f"target ratio must be > 1; got {target_ratio}")
+        if chunk_tokens < 1 or sink_tokens < 0 or not key_weight > 0:
+            raise ConfigError("chunk_tokens must be >= 1, sink_tokens >= 0 and key_weight > 0")
+        self.target_ratio, self.key_weight, self.sink_tokens = target_ratio, float(key_weight), int(sink_tokens)
+        self.bits_per_value = bits_per_value if bits_per_value is not None else (None if target_ratio else 2.0)
+        self.coder, self.chunk_tokens = coder, int(chunk_tokens)
+        self.resolutions = tuple((int(w), int(h)) for w, h in resolutions)
+        size = f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
+        self.id = (f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
+                   f"-s{sink_tokens}-c{chunk_tokens}")
+        self._plans: dict[tuple[float, float], CoordPlan] = {}
+        self._device_bases: dict[torch.device, list] = {}
+
+    # ------------------------------------------------------------------------------ encode
+
+    def plan(self, theta: float, key_weight: float | None = None) -> CoordPlan:
+        key = (theta, self.key_weight if key_weight is None else key_weight)
+        if key not in self._plans:
+            self._plans[key] = coord_plan(self.cal, *key)
+        return self._plans[key]
+
+    def coefficients(self, kv: torch.Tensor, first_position: int) -> torch.Tensor:
+        """(tokens, all dims) float32 coefficients, concatenated (group, kind) order."""
+        x = keys_without_rope(kv, first_position, self.cal.rope)
+        parts = []
+        for g, layers in enumerate(self.cal.groups):
+            for ki, kind in enumerate(KINDS):
+                b = self.cal.basis(g, kind)
+                parts.append((group_matrix(x, layers, ki) - b.mean) @ b.basis)
+        return torch.cat(parts, dim=1)
+
+    def _active(self, y: torch.Tensor, plan: CoordPlan) -> torch.Tensor:
+        """The coded columns of y (tokens, all dims), concatenated order."""
+        cols, off = [], 0
+        for j, n in enumerate(plan.counts):
+            d = len(self.cal.groups[j // 2]) * self.cal.layer_dim
+            cols.append(y[:, off : off + n])
+            off += d
+        return torch.cat(cols, dim=1)
+
+    def _symbols(self, y: torch.Tensor, theta: float, first_position: int) -> torch.Tensor:
+        plan = self.plan(theta)
+        q = quantize.quantize(self._active(y, plan), plan.steps)
+        sink = max(0, min(self.sink_tokens - first_position, q.shape[0]))
+        q[:sink] = 0  # sink tokens travel as fp16
+        return q
+
+    def _level(self, y: torch.Tensor, kv: torch.Tensor, first_position: int) -> float:
+        var = all_variances(self.cal).to(torch.float64)
+        w = self._weights()
+        if self.target_ratio is None:
+            return alloc.water_level(var, self.bits_per_value, w)
+        target = 16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)
+        top = float((var * w).max())
+
+        def est(theta: float) -> float:
+            return rate.column_entropy_bits(self._symbols(y, theta, first_position))
+
+        theta = rate.solve_level(est, target, top * 1e-9, top)
+        first = y[: self.chunk_tokens]  # one trial chunk: how far the real coder is from the estimate
+        actual = 8.0 * self._payload_bytes(first, kv[:, :, : self.chunk_tokens], theta, first_position)
+        factor = actual / max(rate.column_entropy_bits(self._symbols(first, theta, first_position)), 1.0)
+        return rate.solve_level(est, target / max(factor, 1e-3), top * 1e-9, top)
+
+    def _weights(self) -> torch.Tensor:
+        ws = []
+        for g in range(len(self.cal.groups)):
+            for kind in KINDS:
+                d = len(self.cal.groups[g]) * self.cal.layer_dim
+                ws.append(torch.full((d,), self.key_weight if kind == "k" else 1.0, dtype=torch.float64))
+        return torch.cat(ws)
+
+    def _overhead_bits(self, kv: torch.Tensor, first_position: int) -> float:
+        sink = max(0, min(self.sink_tokens - first_position, kv.shape[2]))
+        per_token = kv.numel() // kv.shape[2]
+        return 8.0 * (sink * per_token * 2 + 600 * -(-kv.shape[2] // self.chunk_tokens))
+
+    def _payload_bytes(self, y, kv, theta, first_position) -> int:
+        streams, _ = self._streams(y, kv, theta, first_position, self.resolutions[0])
+        return sum(len(s) for s in streams.values()) - len(streams.get("sink", b""))
+
+    def _streams(self, y, kv, theta, first_position, resolution) -> tuple[dict[str, bytes], dict]:
+        """The chunk's streams and the header fields they need (frames, escapes)."""
+        q = self._symbols(y, theta, first_position)
+        plan = self.plan(theta)
+        samples, idx, values = quantize.to_samples(q[:, plan.order].T.contiguous())
+        streams = {"escapes": _zstd(quantize.pack_escapes(idx, values))}
+        sink = max(0, min(self.sink_tokens - first_position, kv.shape[2]))
+        if sink:
+            streams["sink"] = _zstd(kv[:, :, :sink].to(torch.float16).contiguous().numpy().tobytes())
+        if self.coder == "hevc":
+            from kvcodec.video.registry import get_encoder
+
+            w, h = resolution
+            fr = [f.numpy() for f in frames.to_frames(samples, w, h)]
+            streams["video"] = get_encoder(preset="ultrafast").encode(fr, w, h)
+            return streams, {"frames": len(fr), "escapes": int(idx.size)}
+        streams["samples"] = _zstd(samples.numpy().tobytes())
+        return streams, {"frames": 0, "escapes": int(idx.size)}
+
+    def encode_chunks(
+        self,
+        kv: torch.Tensor,
+        *,
+        first_chunk_index: int = 0,
+        keys: Sequence[str] | None = None,
+        on_chunk: Callable[[EncodedChunk], None] | None = None,
+    ) -> list[EncodedChunk]:
+        kv = self._check_kv(kv)
+        first = first_chunk_index * self.chunk_tokens
+        y = self.coefficients(kv, first)
+        theta = self._level(y, kv, first)
+        T = kv.shape[2]
+        count = -(-T // self.chunk_tokens)
+        if keys is not None and len(keys) != count:
+            raise ConfigError(f"{len(keys)} keys for {count} chunks")
+        out = []
+        for n, s in enumerate(range(0, T, self.chunk_tokens)):
+            e = min(T, s + self.chunk_tokens)
+            blobs = tuple(
+                self._blob(y[s:e], kv[:, :, s:e], theta, first + s, first_chunk_index + n, res,
+                           keys[n] if keys is not None else None)
+                for res in self.resolutions
+            )
+            chunk = EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
+            out.append(chunk)
+            if on_chunk:
+                on_chunk(chunk)
+        return out
+
+    def _blob(self, y, kv, theta, start, index, resolution, key) -> bytes:
+        streams, counts = self._streams(y, kv, theta, start, resolution)
+        names = [n for n in ("escapes", "sink", "video", "samples") if n in streams]
+        entries = [[n, "hevc" if n == "video" else "zstd", len(streams[n]), crc32(streams[n])] for n in names]
+        L, _, t, H, D = kv.shape
+        header = {
+            "transform_version": TRANSFORM_VERSION, "kvt": self.kvt_hash, "codec": self.id, "index": index,
+            "start_token": start, "tokens": t, "shape": [L, H, D], "dtype": str(kv.dtype).replace("torch.", ""),
+            "theta": theta, "key_weight": self.key_weight, "sink": max(0, min(self.sink_tokens - start, t)),
+            "coder": self.coder, "resolution": list(resolution), **counts, "streams": entries, "key": key,
+        }
+        return write_object(CHUNK_MAGIC, header, [streams[n] for n in names])
+
+    def _check_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+            raise ShapeError("KV must be a (layers, 2, tokens, kv_heads, head_dim) tensor")
+        if kv.dtype not in DTYPES.values() or kv.shape[2] == 0:
+            raise ShapeError(f"KV must be non-empty float16/bfloat16/float32; got {kv.dtype} {tuple(kv.shape)}")
+        self.cal.check_shape(kv.shape)
+        kv = kv.detach().to("cpu")
+        if not torch.isfinite(kv).all():
+            raise ShapeError("KV holds NaN or infinity; the transform codec needs finite values")
+        return kv
+
+    # ------------------------------------------------------------------------------ decode
+
+    def _read(self, blob) -> tuple[dict, dict]:
+        h, payload = read_object(blob, CHUNK_MAGIC, "transform-coded chunk")
+        try:
+            if h["transform_version"] != TRANSFORM_VERSION:
+                raise FormatError(f"transform chunk version {h['transform_version']} is not readable")
+            if h["kvt"] != self.kvt_hash:
+                raise ConfigError(
+                    f"chunk was coded with transform {h['kvt'][:16]}, this codec holds {self.kvt_hash[:16]}: "
+                    "decode it with the .kvt it was encoded with"
+                )
+            entries = tuple(StreamEntry(*e) for e in h["streams"])
+            self.cal.check_shape((h["shape"][0], 2, h["tokens"], h["shape"][1], h["shape"][2]))
+            if h["dtype"] not in DTYPES or not h["theta"] > 0 or h["coder"] not in CODERS or h["escapes"] < 0:
+                raise FormatError("transform chunk header has an invalid dtype, level or coder")
+        except (KeyError, TypeError, IndexError) as e:
+            raise FormatError(f"transform chunk header is incomplete: {e}") from e
+        return h, split_streams(payload, entries, f"transform chunk {h['index']}")
+
+    def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
+        h, _ = self._read(blob)
+        L, H, D = h["shape"]
+        return ChunkInfo(h["index"], h["start_token"], h["tokens"], L, H, D, h["dtype"], h["codec"], h.get("key"))
+
+    def _bases_on(self, device: torch.device) -> list:
+        if device not in self._device_bases:
+            self._device_bases[device] = [
+                (self.cal.basis(g, k).mean.to(device), self.cal.basis(g, k).basis.to(device))
+                for g in range(len(self.cal.groups))
+                for k in KINDS
+            ]
+        return self._device_bases[device]
+
+    def _samples(self, h: dict, streams: dict, count: int, device: torch.device) -> torch.Tensor:
+        if h["coder"] == "zstd":
+            raw = _unzstd(streams["samples"], "samples", count)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+        from kvcodec.video.registry import get_decoder
+
+        w, hh = h["resolution"]
+        if h["frames"] != frames.frame_count(count, w, hh):
+            raise CorruptStreamError("transform chunk announces the wrong number of frames")
+        decoder = _decoder(device, get_decoder)
+        return frames.from_frames(decoder.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
+
+    def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
+        h, streams = self._read(blob)
+        L, H, D = h["shape"]
+        t, dtype = h["tokens"], DTYPES[h["dtype"]]
+        shape = (L, 2, t, H, D)
+        if isinstance(out, PagedKV):
+            out.check(shape, dtype, h["start_token"])
+        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+            raise ShapeError(f"output must be a {shape} {dtype} tensor or a PagedKV")
+        device = out.device
+        x = self._restore(h, streams, device)
+        if h["sink"]:
+            raw = _unzstd(streams["sink"], "sink", h["sink"] * L * 2 * H * D * 2)
+            sink = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(L, 2, h["sink"], H, D)
+            x[:, :, : h["sink"]] = sink.to(device, torch.float32)
+        if isinstance(out, PagedKV):
+            blocks, within = out.slots(h["start_token"], t)
+            out.pages[:, :, blocks, within] = x.to(dtype)
+        else:
+            out.copy_(x)
+        return out
+
+    def _restore(self, h: dict, streams: dict, device: torch.device) -> torch.Tensor:
+        """Dequantize, inverse transform (one GEMM per group and kind), re-apply RoPE: float32 KV."""
+        plan = self.plan(float(h["theta"]), float(h["key_weight"]))
+        C, t = plan.steps.numel(), h["tokens"]
+        samples = self._samples(h, streams, C * t, device).view(C, t)
+        idx, values = quantize.unpack_escapes(_unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
+        q = quantize.from_samples(samples, idx, values)
+        coeffs = (q.to(torch.float32) * plan.steps.to(device)[:, None])[plan.inverse.to(device)]
+        L, H, D = h["shape"]
+        x = torch.empty((L, 2, t, H, D), dtype=torch.float32, device=device)
+        off = 0
+        for j, (mean, basis) in enumerate(self._bases_on(device)):
+            layers, n = self.cal.groups[j // 2], plan.counts[j]
+            xg = torch.addmm(mean[:, None], basis[:, :n], coeffs[off : off + n]) if n else mean[:, None].expand(-1, t)
+            x[list(layers), j % 2] = xg.T.reshape(t, len(layers), H, D).permute(1, 0, 2, 3)
+            off += n
+        if self.cal.rope is not None:
+            positions = torch.arange(h["start_token"], h["start_token"] + t, device=device)
+            x[:, 0] = apply_rope(x[:, 0], positions, self.cal.rope)
+        return x
+
+
+@functools.cache
+def _decoder_for(device: torch.device, get_decoder):
+    return get_decoder(device)
+
+
+def _decoder(device: torch.device, get_decoder):
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _decoder_for(device, get_decoder)
+
+
+def make_transform_codec(transform: str | Path, **options) -> TransformCodec:
+    """Registry factory: make_codec("transform", transform="MODEL.kvt", target_ratio=6, ...)."""
+    return TransformCodec(transform, **options)
+

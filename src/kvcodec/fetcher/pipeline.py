@@ -1,0 +1,316 @@
+"""The fetch pipeline: three overlapping stages with at most `max_inflight` chunks between the
+first and the last (threads and bounded queues, so peak memory does not grow with the prefix):
+
+    network get (the policy picks the resolution per chunk) -> check + decode -> restore in order
+
+Each chunk is decoded straight into the caller's target (its slice of a dense tensor, or its
+blocks of a PagedKV) when the target is on the decode device in the stored dtype; otherwise into
+a staging tensor that the in-order restore copies from. A blob is decoded only after its header
+names the key, chunk, first token and shape the fetch asked for (a store serving another
+prefix's KV is caught here); a chunk failing a check is reported through `on_bad_chunk` (the
+cache drops its meta, so the next put rewrites it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, Target
+from kvcodec.codecs.raw import copy_chunk
+from kvcodec.errors import FetchError, FormatError, KVCodecError, StoreError
+from kvcodec.fetcher import storecalls
+from kvcodec.fetcher.bandwidth import BandwidthEstimator
+from kvcodec.fetcher.keys import ChunkMeta, blob_key
+from kvcodec.fetcher.policy import ChoiceContext, ResolutionPolicy
+from kvcodec.fetcher.profile import DecodeProfile
+from kvcodec.fetcher.stats import ChunkTiming, FetchStats
+from kvcodec.restore.paged import PagedKV
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+_DIRECT_JOIN_S = 60.0  # how long a stopped fetch waits for a decode still writing into the target
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSettings:
+    codec: ChunkCodec
+    store: Any
+    device: torch.device
+    max_inflight: int
+    decode_workers: int
+    net_workers: int
+    direct: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchPlan:
+    """The chunks to fetch (their metas and keys, in order), the tokens asked for and where."""
+
+    metas: list[ChunkMeta]
+    keys: list[str]
+    n_tokens: int
+    dtype: torch.dtype
+    out: Target
+
+
+class FetchPipeline:
+    """One fetch's stages; `run()` returns (tokens restored, error or None)."""
+
+    def __init__(self, settings: PipelineSettings, plan: FetchPlan, policy: ResolutionPolicy,
+                 profile: DecodeProfile, bandwidth: BandwidthEstimator, stats: FetchStats,
+                 deadline: storecalls.Deadline, t0: float, on_bad_chunk: Callable[[int, KVCodecError], None]) -> None:
+        self.s, self.plan, self.policy, self.profile = settings, plan, policy, profile
+        self.est, self.stats, self.deadline, self.t0 = bandwidth, stats, deadline, t0
+        self.on_bad_chunk = on_bad_chunk
+        n = len(plan.metas)
+        self.stop = threading.Event()
+        self.slots = threading.Semaphore(settings.max_inflight)
+        self.dec_q: queue.Queue = queue.Queue()
+        self.res_q: queue.Queue = queue.Queue()
+        self.timings: list[ChunkTiming | None] = [None] * n
+        self.lock = threading.Lock()
+        self.backlog: dict[int, float] = {}  # predicted decode seconds of issued, undecoded chunks
+        self.inflight = 0
+        self.next_issue = 0
+        self.direct_used = False
+        self._suffix_sums()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # -- the whole run -----------------------------------------------------------------------
+    def run(self) -> tuple[int, KVCodecError | None]:
+        self.est.begin()
+        net = [threading.Thread(target=self._net_worker, name=f"kvc-fetch-net{w}", daemon=True)
+               for w in range(min(self.s.net_workers, self.s.max_inflight))]
+        dec = [threading.Thread(target=self._decode_worker, name=f"kvc-fetch-dec{w}", daemon=True)
+               for w in range(self.s.decode_workers)]
+        for t in net + dec:
+            t.start()
+        try:
+            return self._consume()
+        finally:
+            self._shutdown(dec)
+            self._finish_stats()
+
+    def _shutdown(self, decoders: list[threading.Thread]) -> None:
+        self.stop.set()
+        for _ in decoders:
+            self.dec_q.put(None)
+        for t in decoders:
+            # a decode may be writing into the caller's target beyond the restored prefix; the
+            # caller writes there next, so wait for it to finish its chunk
+            t.join(timeout=_DIRECT_JOIN_S if self.direct_used else 0.05)
+            if self.direct_used and t.is_alive():
+                log.error("a decode worker is still writing into the target %.0f s after the fetch stopped", _DIRECT_JOIN_S)
+
+    def _consume(self) -> tuple[int, KVCodecError | None]:
+        """Restore chunks in order as they come back; stop at the first error or the deadline."""
+        pending: dict[int, tuple] = {}
+        next_i, restored, n = 0, 0, len(self.plan.metas)
+        while next_i < n:
+            while next_i in pending:
+                err, staged = pending.pop(next_i)
+                if err is not None:
+                    return restored, err
+                restored = self._restore(next_i, staged)
+                next_i += 1
+            if next_i >= n:
+                break
+            wait, left = _POLL_S * 5, self.deadline.left()
+            if left is not None:
+                if left <= 0:
+                    return restored, FetchError(f"deadline of {self.deadline.seconds:.3f}s passed after "
+                                                f"{restored} of {self.plan.n_tokens} tokens")
+                wait = min(wait, left)
+            try:
+                i, err, staged = self.res_q.get(timeout=wait)
+            except queue.Empty:
+                continue
+            pending[i] = (err, staged)
+        return restored, None
+
+    def _restore(self, i: int, staged: torch.Tensor | None) -> int:
+        """Chunk i is complete in the target (copied from its staging tensor if it has one)."""
+        m, tm, out = self.plan.metas[i], self.timings[i], self.plan.out
+        tm.restore_start = self.now()
+        take = min(m.tokens, self.plan.n_tokens - m.start_token)
+        if staged is not None:
+            if isinstance(out, PagedKV):
+                blocks, within = out.slots(m.start_token, take)
+                out.pages[:, :, blocks, within] = staged[:, :, :take].to(out.device, out.pages.dtype)
+            else:
+                copy_chunk(out[:, :, m.start_token : m.start_token + take], staged[:, :, :take])
+        if out.device.type == "cuda":
+            torch.cuda.current_stream(out.device).synchronize()
+        tm.restore_end = self.now()
+        st = self.stats
+        st.chunks_restored += 1
+        st.bytes_fetched += tm.nbytes
+        label = "x".join(map(str, self.s.codec.resolutions[tm.resolution]))
+        st.resolution_counts[label] = st.resolution_counts.get(label, 0) + 1
+        with self.lock:
+            self.inflight -= 1
+        self.slots.release()
+        return m.start_token + take
+
+    # -- network stage -----------------------------------------------------------------------
+    def _net_worker(self) -> None:
+        while not self.stop.is_set():
+            if not self.slots.acquire(timeout=_POLL_S):
+                continue
+            if self.stop.is_set():
+                return
+            try:
+                issued = self._issue()
+            except KVCodecError as e:
+                self.res_q.put((self.next_issue - 1, e, None))
+                return
+            if issued is None:
+                self.slots.release()
+                return
+            i, j = issued
+            try:
+                blob = self._get(i, j)
+            except KVCodecError as e:
+                self.res_q.put((i, e, None))
+                return
+            self.dec_q.put((i, j, blob))
+
+    def _issue(self) -> tuple[int, int] | None:
+        """The next chunk to get and the resolution the policy picks for it."""
+        with self.lock:
+            i = self.next_issue
+            if i >= len(self.plan.metas):
+                return None
+            self.next_issue += 1
+            m = self.plan.metas[i]
+            dpred = [self.profile.predict(j, m.values) for j in range(len(m.sizes))]
+            rest_sizes, rest_dec = self._rest_means(i)
+            ctx = ChoiceContext(m.sizes, dpred, self.est.bytes_per_s, sum(self.backlog.values()),
+                                self.s.decode_workers, len(self.plan.metas) - i - 1, rest_sizes, rest_dec,
+                                self.est.latency_s)
+            j = self.policy.choose(ctx)
+            self.backlog[i] = dpred[j]
+            self.inflight += 1
+            self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
+        self.timings[i] = ChunkTiming(i, j, m.sizes[j], m.tokens, bw_estimate_gbit=self.est.gbit,
+                                      predicted_decode_s=dpred[j])
+        return i, j
+
+    def _get(self, i: int, j: int) -> bytes:
+        tm = self.timings[i]
+        tm.net_start = self.now()
+        ts = time.monotonic()
+        blob = storecalls.call(self.deadline, f"get of chunk {i}", self.s.store.get, blob_key(self.plan.keys[i], j))
+        te = time.monotonic()
+        tm.net_end = te - self.t0
+        if blob is None:
+            err = StoreError(f"chunk {i} resolution {j} blob is missing from {getattr(self.s.store, 'url', 'the store')}")
+            self.on_bad_chunk(i, err)
+            raise err
+        self.est.add(len(blob), ts, te)
+        return blob
+
+    # -- decode stage ------------------------------------------------------------------------
+    def _decode_worker(self) -> None:
+        while not self.stop.is_set():
+            try:
+                item = self.dec_q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            i, j, blob = item
+            try:
+                staged = self._decode(i, j, blob)
+            except KVCodecError as e:
+                if isinstance(e, FormatError):
+                    self.on_bad_chunk(i, e)
+                self.res_q.put((i, e, None))
+                continue
+            except Exception as e:  # noqa: BLE001 - report, never swallow
+                err = FetchError(f"chunk {i} failed to decode: {type(e).__name__}: {e}")
+                err.__cause__ = e
+                self.res_q.put((i, err, None))
+                continue
+            self.res_q.put((i, None, staged))
+
+    def _decode(self, i: int, j: int, blob: bytes) -> torch.Tensor | None:
+        """Check chunk i's blob, decode it into its target; returns its staging tensor (None when
+        it went straight into the caller's target)."""
+        m, tm = self.plan.metas[i], self.timings[i]
+        tm.dec_start = self.now()
+        self._check_binding(i, self.s.codec.inspect_chunk(blob))
+        target, direct = self._target(m)
+        self.s.codec.decode_chunk(blob, target)
+        if self.s.device.type == "cuda":
+            torch.cuda.current_stream(self.s.device).synchronize()
+        tm.dec_end = self.now()
+        self.profile.observe(j, m.values, tm.dec_end - tm.dec_start)
+        with self.lock:
+            self.backlog.pop(i, None)
+        return None if direct else target
+
+    def _check_binding(self, i: int, info: ChunkInfo) -> None:
+        m = self.plan.metas[i]
+        want = (m.index, m.start_token, m.tokens, tuple(m.shape), m.dtype)
+        got = (info.index, info.start_token, info.tokens, (info.layers, info.kv_heads, info.head_dim), info.dtype)
+        if info.key != self.plan.keys[i]:
+            raise FormatError(f"chunk {i}: the stored blob is bound to another prefix key ({info.key!r}), not "
+                              f"the one asked for")
+        if got != want:
+            raise FormatError(f"chunk {i}: the stored blob is (index, start, tokens, shape, dtype) {got}; "
+                              f"its meta says {want}")
+
+    def _target(self, m: ChunkMeta) -> tuple[Target, bool]:
+        out, dev, dtype = self.plan.out, self.s.device, self.plan.dtype
+        end = m.start_token + m.tokens
+        if self.s.direct and end <= self.plan.n_tokens and out.device == dev:
+            if isinstance(out, PagedKV) and out.pages.dtype == dtype:
+                self.direct_used = True
+                return out, True
+            if isinstance(out, torch.Tensor) and out.dtype == dtype:
+                self.direct_used = True
+                return out[:, :, m.start_token : end], True
+        L, H, D = m.shape
+        return torch.empty((L, 2, m.tokens, H, D), dtype=dtype, device=dev), False
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _suffix_sums(self) -> None:
+        """Suffix sums of sizes and values, so each choice costs O(resolutions), not O(chunks)."""
+        metas = self.plan.metas
+        R = len(metas[0].sizes) if metas else 0
+        self.suf_sizes = [[0.0] * R for _ in range(len(metas) + 1)]
+        self.suf_values = [0.0] * (len(metas) + 1)
+        for k in range(len(metas) - 1, -1, -1):
+            self.suf_values[k] = self.suf_values[k + 1] + metas[k].values
+            for j in range(R):
+                self.suf_sizes[k][j] = self.suf_sizes[k + 1][j] + metas[k].sizes[j]
+
+    def _rest_means(self, i: int) -> tuple[list[float], list[float]]:
+        R = len(self.suf_sizes[0])
+        cnt = len(self.plan.metas) - i - 1
+        if cnt <= 0:
+            return [0.0] * R, [0.0] * R
+        mean_values = self.suf_values[i + 1] / cnt
+        # the profile is linear in values, so the mean prediction is the prediction of the mean
+        return ([self.suf_sizes[i + 1][j] / cnt for j in range(R)],
+                [self.profile.predict(j, mean_values) for j in range(R)])
+
+    def _finish_stats(self) -> None:
+        tl = [t for t in self.timings if t is not None]
+        st = self.stats
+        st.timeline = tl
+        st.net_busy_s = sum(t.net_end - t.net_start for t in tl if t.net_end)
+        st.decode_busy_s = sum(t.dec_end - t.dec_start for t in tl if t.dec_end)
+        st.restore_busy_s = sum(t.restore_end - t.restore_start for t in tl if t.restore_end)

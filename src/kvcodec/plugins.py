@@ -1,0 +1,23 @@
+"""The one "module:attr" loader: registries (codecs, video backends, stores) name their lazily
+imported factories this way, so registering a backend never imports it."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from kvcodec.errors import ConfigError
+
+
+@functools.cache
+def load_object(target: str) -> Any:
+    """The object `target` names: "package.module:attr" or "package.module:Class.method".
+    ConfigError if it is not of that form; ImportError/AttributeError from the import itself."""
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr:
+        raise ConfigError(f"{target!r} is not a 'module:attr' reference")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
