@@ -1,0 +1,232 @@
+"""PrefixCache over every registered ChunkCodec: round trips, direct restore into dense and paged
+targets, chunk binding (a blob served under another key is refused), healing, namespaces,
+malformed metas and store calls bounded by the deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvcodec
+from kvcodec.codecs import ChunkCodec, make_codec, registered_codecs
+from kvcodec.errors import ConfigError, FetchError, FormatError
+from kvcodec.fetcher import DecodeProfile, PrefixCache, blob_key, chunk_keys, meta_key
+from kvcodec.restore.paged import PagedKV
+from kvcodec.store import open_store
+
+RES = ((256, 256), (512, 512))
+# options that make each built-in codec small and fast; other registered codecs get the common ones
+EXTRA = {"hevc": {"search_layout": False, "quant": "int8"}, "raw": {"variants": ("raw", "zstd")}}
+
+
+def build(name: str) -> ChunkCodec:
+    try:
+        return make_codec(name, chunk_tokens=16, resolutions=RES, **EXTRA.get(name, {}))
+    except (TypeError, ConfigError) as e:
+        pytest.skip(f"codec {name!r} does not take chunk_tokens/resolutions: {e}")
+
+
+@pytest.fixture(params=registered_codecs())
+def codec(request) -> ChunkCodec:
+    return build(request.param)
+
+
+def make_kv(tokens=40, layers=2, heads=2, dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((layers, 2, tokens, heads, dim), generator=g).half()
+
+
+def ids_for(n, offset=1000):
+    return list(range(offset, offset + n))
+
+
+def cache_for(codec, store=None, **kw) -> PrefixCache:
+    kw.setdefault("profile", DecodeProfile.default(codec.resolutions))
+    kw.setdefault("policy", "fixed:0")
+    return PrefixCache(store or open_store("memory://"), "m", codec, "cpu", **kw)
+
+
+def reference(codec: ChunkCodec, kv: torch.Tensor) -> torch.Tensor:
+    """What the codec itself restores from its chunks (resolution 0)."""
+    out = torch.empty_like(kv)
+    for c in codec.encode_chunks(kv):
+        codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
+    return out
+
+
+def test_builtins_registered_and_public():
+    assert {"hevc", "raw"} <= set(registered_codecs())
+    assert kvcodec.ChunkCodec is ChunkCodec
+    assert isinstance(make_codec("raw"), kvcodec.ChunkCodec)
+    with pytest.raises(ConfigError):
+        make_codec("no-such-codec")
+
+
+def test_codec_id_covers_its_settings(codec):
+    assert isinstance(codec, ChunkCodec) and codec.id
+    name = [n for n in registered_codecs() if build(n).id == codec.id]
+    assert name, "the same options give the same id"
+    other = make_codec(name[0], chunk_tokens=32, resolutions=RES, **EXTRA.get(name[0], {}))
+    assert other.id != codec.id
+
+
+def test_fetch_roundtrip_and_direct_targets(codec):
+    kv, ids = make_kv(), ids_for(40)
+    cache = cache_for(codec)
+    assert cache.put(ids, kv) == 3 and cache.lookup(ids) == 40
+    ref = reference(codec, kv)
+    r = cache.fetch(ids)
+    assert r.ok and r.tokens_restored == 40 and torch.equal(r.kv, ref), r.error
+    assert r.stats.codec == codec.id and r.stats.decoder
+    out = torch.zeros((2, 2, 48, 2, 32), dtype=torch.float16)
+    r = cache.fetch(ids, 35, out=out)
+    assert r.ok and r.kv is out and torch.equal(out[:, :, :35], ref[:, :, :35]) and (out[:, :, 35:] == 0).all()
+    pages = torch.zeros((2, 2, 8, 8, 2, 32), dtype=torch.float16)  # 8 blocks of 8 tokens
+    table = torch.tensor([7, 2, 5, 0, 3])
+    r = cache.fetch(ids, out=PagedKV(pages, table))
+    assert r.ok and torch.equal(PagedKV(pages, table).gather(0, 40), ref)
+
+
+def swap_blobs(cache: PrefixCache, ids_a, ids_b, chunk: int) -> None:
+    """Write chunk `chunk` of prefix B (valid blobs of another prefix) at prefix A's key."""
+    ka, kb = cache.keys(ids_a), cache.keys(ids_b)
+    for j in range(len(cache.codec.resolutions)):
+        cache.store.put(blob_key(ka[chunk], j), cache.store.get(blob_key(kb[chunk], j)))
+
+
+def test_blob_of_another_prefix_is_refused_and_healed(codec):
+    kv_a, kv_b = make_kv(seed=1), make_kv(seed=2)
+    ids_a, ids_b = ids_for(40), ids_for(40, 5000)
+    cache = cache_for(codec)
+    cache.put(ids_a, kv_a)
+    cache.put(ids_b, kv_b)
+    swap_blobs(cache, ids_a, ids_b, 1)  # same index, start and shape: only the key differs
+    r = cache.fetch(ids_a)
+    assert isinstance(r.error, FormatError) and "another prefix" in str(r.error)
+    assert r.tokens_restored == 16 and r.stats.chunks_dropped == 1
+    assert cache.lookup(ids_a) == 16  # the bad chunk is no longer reported
+    assert cache.put(ids_a, kv_a) == 1  # ... and the next put rewrites it
+    r = cache.fetch(ids_a)
+    assert r.ok and torch.equal(r.kv, reference(codec, kv_a))
+
+
+def test_blob_at_the_wrong_position_is_refused(codec):
+    kv, ids = make_kv(48), ids_for(48)
+    cache = cache_for(codec)
+    cache.put(ids, kv)
+    k = cache.keys(ids)
+    cache.store.put(blob_key(k[2], 0), cache.store.get(blob_key(k[1], 0)))
+    r = cache.fetch(ids)
+    assert isinstance(r.error, FormatError) and r.tokens_restored == 32
+
+
+def test_corrupted_blob_is_dropped_and_rewritten(codec):
+    kv, ids = make_kv(), ids_for(40)
+    cache = cache_for(codec)
+    cache.put(ids, kv)
+    key = blob_key(cache.keys(ids)[0], 0)
+    blob = bytearray(cache.store.get(key))
+    blob[-3] ^= 0x40
+    cache.store.put(key, bytes(blob))
+    r = cache.fetch(ids)
+    assert isinstance(r.error, FormatError) and r.tokens_restored == 0
+    assert cache.lookup(ids) == 0 and cache.put(ids, kv) == 1
+    assert cache.fetch(ids).ok
+
+
+@pytest.mark.parametrize("meta", [b"not json", b"[1, 2]", b'{"v": 1}', b"{}",
+                                  b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,2],"dtype":"float16",'
+                                  b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}',
+                                  b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,-2,32],"dtype":"float16",'
+                                  b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}',
+                                  b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,2,32],"dtype":{"a":1},'
+                                  b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}'])
+def test_malformed_meta_is_a_clean_error_and_heals(meta):
+    codec = build("raw")
+    kv, ids = make_kv(), ids_for(40)
+    cache = cache_for(codec)
+    cache.put(ids, kv)
+    cache.store.put(meta_key(cache.keys(ids)[1]), meta)
+    r = cache.fetch(ids)
+    assert isinstance(r.error, FormatError) and r.tokens_restored == 16
+    assert cache.lookup(ids) == 16 and cache.put(ids, kv) == 1 and cache.fetch(ids).ok
+
+
+def test_namespace_separates_tenants():
+    codec = build("raw")
+    kv, ids = make_kv(), ids_for(40)
+    store = open_store("memory://")
+    a, b = cache_for(codec, store, namespace="tenant-a"), cache_for(codec, store, namespace="tenant-b")
+    a.put(ids, kv)
+    assert a.lookup(ids) == 40 and b.lookup(ids) == 0 and cache_for(codec, store).lookup(ids) == 0
+    assert not b.fetch(ids).ok
+    assert chunk_keys(ids, "m", codec, namespace="tenant-a") == a.keys(ids)
+    assert chunk_keys(ids, "m", codec) != a.keys(ids)
+
+
+class StalledStore:
+    """A real store whose calls block while `stalled` is set (a paused server)."""
+
+    def __init__(self, inner):
+        self.inner, self.url, self.stalled = inner, "stalled+" + inner.url, threading.Event()
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args):
+            while self.stalled.is_set():
+                time.sleep(0.01)
+            return attr(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("stall", ["meta", "blob"])
+def test_deadline_covers_every_store_call(stall):
+    codec = build("raw")
+    kv, ids = make_kv(), ids_for(40)
+    store = StalledStore(open_store("memory://"))
+    cache = cache_for(codec, store)
+    cache.put(ids, kv)
+    if stall == "blob":
+        cache.fetch(ids)  # warm
+        real_get = store.inner.get
+
+        def slow_get(key):
+            if key.endswith("/r0") and key.startswith(cache.keys(ids)[1]):
+                time.sleep(2.0)
+            return real_get(key)
+
+        store.inner.get = slow_get
+    else:
+        store.stalled.set()
+    t = time.monotonic()
+    r = cache.fetch(ids, deadline_s=0.3)
+    took = time.monotonic() - t
+    store.stalled.clear()
+    assert isinstance(r.error, FetchError) and "deadline" in str(r.error) and took < 1.0, (took, r.error)
+    assert r.tokens_restored == (16 if stall == "blob" else 0)
+    if stall == "meta":
+        store.stalled.set()
+        t = time.monotonic()
+        with pytest.raises(FetchError):
+            cache.lookup(ids, deadline_s=0.2)
+        assert time.monotonic() - t < 1.0
+        store.stalled.clear()
+
+
+def test_earlier_call_form_still_works():
+    cfg = kvcodec.CodecConfig(chunk_tokens=16, resolutions=RES, search_layout=False)
+    c = PrefixCache(open_store("memory://"), "m", cfg, "cpu")
+    assert c.codec.id == make_codec("hevc", config=cfg).id and c.config == cfg
+    from kvcodec.codecs.raw import RawCodec
+
+    r = PrefixCache(open_store("memory://"), "m", cfg, "cpu", codec=RawCodec())
+    assert r.chunk_tokens == 16 and r.codec.resolutions == RES
+    with pytest.raises(ConfigError):
+        PrefixCache(open_store("memory://"), "m", RawCodec(), "cpu", codec=RawCodec())
