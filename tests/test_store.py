@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -44,6 +45,9 @@ def conformance(st) -> None:
     assert st.delete("a/b") is True
     assert st.delete("a/b") is False
     assert st.get("a/b") is None
+    st.put_many({"d/1": b"1", "d/2": b"2"})
+    assert st.delete_many(["d/1", "d/2", "d/3"]) == 2
+    assert st.exists_many(["d/1", "d/2"]) == [False, False]
     with pytest.raises(ConfigError):
         st.put("bad key with spaces", b"x")
 
@@ -129,3 +133,100 @@ def test_file_store_error_carries_url(tmp_path):
     with pytest.raises(StoreError) as ei:
         open_store(f"file://{blocker}/sub")
     assert "notadir" in str(ei.value) and ei.value.__cause__ is not None
+
+
+# ---------------------------------------------------------------------------- capacity (file)
+
+
+def _fill(st, keys, size=300):
+    for k in keys:
+        st.put(k, k.encode() * (size // len(k)))
+        time.sleep(0.02)  # distinct mtimes even on coarse-clock filesystems
+
+
+def test_file_store_evicts_least_recently_used_past_its_capacity(tmp_path):
+    with open_store(f"file://{tmp_path / 's'}?capacity=1000") as st:
+        assert st.capacity == 1000
+        _fill(st, ["k1", "k2", "k3"])
+        assert st.get("k1") is not None  # k1 is now the most recently used
+        time.sleep(0.02)
+        _fill(st, ["k4"])
+        assert st.exists_many(["k1", "k2", "k3", "k4"]) == [True, False, True, True]
+        assert st.used_bytes() <= 1000
+        _fill(st, [f"m{i}" for i in range(10)])
+        assert st.used_bytes() <= 1000
+        assert st.exists("m9")  # the object just written is never the one evicted
+
+
+def test_file_store_capacity_counts_what_is_already_on_disk(tmp_path):
+    with open_store(f"file://{tmp_path / 's'}") as st:
+        _fill(st, ["a1", "a2", "a3", "a4"])
+    with open_store(f"file://{tmp_path / 's'}", capacity_bytes="1k") as st:
+        _fill(st, ["b1"])
+        assert st.used_bytes() <= 1024
+        assert not st.exists("a1") and st.exists("b1")
+
+
+def test_file_store_refuses_an_object_larger_than_its_capacity(tmp_path):
+    with open_store(f"file://{tmp_path / 's'}", capacity_bytes=10) as st:
+        with pytest.raises(StoreError, match="exceeds the capacity"):
+            st.put("big", b"x" * 11)
+
+
+@pytest.mark.parametrize("text, value", [("512", 512), ("64M", 64 << 20), ("1.5GiB", 3 << 29), ("2kb", 2048), (7, 7)])
+def test_parse_size(text, value):
+    from kvcodec.store.file import parse_size
+
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("bad", ["", "-1", "0", "12X", "1e9"])
+def test_parse_size_refuses_nonsense(bad):
+    from kvcodec.store.file import parse_size
+
+    with pytest.raises(ConfigError):
+        parse_size(bad)
+
+
+# ---------------------------------------------------------------------------- deadlines
+
+
+class _StalledStore(BaseStore):
+    """A backend that stops answering (a fault a file or memory store cannot be made to show;
+    the Redis tests pause a real server instead)."""
+
+    url = "stalled://"
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def get(self, key):
+        self.release.wait(10)
+        return b"late"
+
+    def exists_many(self, keys):
+        self.release.wait(10)
+        return [True] * len(keys)
+
+
+def test_deadline_store_returns_by_the_deadline_when_the_backend_stalls():
+    from kvcodec.store import DeadlineStore
+
+    inner = _StalledStore()
+    try:
+        t = time.monotonic()
+        st = DeadlineStore(inner, t + 0.3)
+        with pytest.raises(StoreError, match="deadline"):
+            st.get("k")
+        assert time.monotonic() - t < 1.0
+        with pytest.raises(StoreError, match="deadline passed"):
+            st.exists_many(["k"])  # already past: not even started
+    finally:
+        inner.release.set()
+
+
+def test_deadline_store_passes_calls_through(store):
+    from kvcodec.store import DeadlineStore
+
+    conformance(DeadlineStore(store, time.monotonic() + 30))
+    conformance(DeadlineStore(store, None))

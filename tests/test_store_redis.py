@@ -186,3 +186,29 @@ def test_tls_rediss(tmp_path):
             open_store(srv.url)
     finally:
         srv.kill()
+
+
+def test_a_paused_server_costs_one_timeout_and_a_deadline_bounds_every_call(redis_server):
+    """The issue: with Redis paused (SIGSTOP), a lookup took 10.1 s and fetch(deadline_s=0.5) too."""
+    import signal
+
+    from kvcodec.store import DeadlineStore
+
+    st = open_store(redis_server.url)  # defaults
+    st.put("k", b"v")
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        with pytest.raises(StoreError):
+            st.exists_many(["k"])  # a lookup: one socket timeout (1 s), not retried
+        assert time.monotonic() - t < 1.6
+        t = time.monotonic()
+        bounded = DeadlineStore(st, t + 0.3)
+        for call in (lambda: bounded.get("k"), lambda: bounded.get_many(["k"]), lambda: bounded.exists_many(["k"])):
+            with pytest.raises(StoreError):
+                call()
+        assert time.monotonic() - t < 0.6
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    time.sleep(1.2)  # abandoned calls time out on their own
+    assert st.get("k") == b"v"  # the store works again once the server does

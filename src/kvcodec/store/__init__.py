@@ -7,5 +7,8 @@
 """
 
 from kvcodec.store.base import KVStore, BaseStore, check_key, open_store, redact_url, register_store, store_schemes
+from kvcodec.store.deadline import DeadlineStore
 
-__all__ = ["KVStore", "BaseStore", "check_key", "open_store", "redact_url", "register_store", "store_schemes"]
+__all__ = [
+    "KVStore", "BaseStore", "DeadlineStore", "check_key", "open_store", "redact_url", "register_store", "store_schemes",
+]

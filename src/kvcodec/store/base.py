@@ -63,6 +63,9 @@ class KVStore(Protocol):
     def delete(self, key: str) -> bool:
         """Remove `key`; True if it existed."""
 
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Remove several keys (one round trip where the backend allows); how many existed."""
+
     def list(self, prefix: str = "") -> Iterator[str]:
         """Keys starting with `prefix` (order unspecified)."""
 
@@ -108,6 +111,9 @@ class BaseStore:
 
     def exists(self, key: str) -> bool:
         return self.exists_many([key])[0]
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return sum(self.delete(k) for k in keys)
 
     def iter_get(self, key: str, piece_bytes: int = 1 << 20) -> Iterator[bytes]:
         if piece_bytes < 1:

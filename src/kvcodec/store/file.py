@@ -3,12 +3,19 @@
 Layout: ``DIR/objects/<2-char fan-out>/<quoted key>``. Writes go to ``DIR/tmp/`` first and are
 moved into place with ``os.replace`` (atomic on POSIX), so a reader never sees a half-written
 object; a crash leaves only stray temp files, which `open` cleans when they are old.
+
+With a capacity (``capacity_bytes=`` or ``?capacity=64G``) the store evicts least recently used
+objects once it holds more: a read marks an object used (its mtime), and a put that takes the
+total past the capacity deletes the oldest objects down to 90% of it (the one just written
+stays). Several processes may share the directory: eviction rescans it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import threading
 import tempfile
 import time
 import urllib.parse
@@ -19,13 +26,40 @@ from kvcodec.errors import ConfigError, StoreError
 from kvcodec.store.base import BaseStore, check_key
 
 _STALE_TMP_S = 3600.0
+_LOW_WATER = 0.9  # eviction frees down to this fraction of the capacity
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from an int or a string like "512", "64M", "1.5GiB" (binary units)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _SIZE.match(str(text))
+        if not m:
+            raise ConfigError(f"capacity {text!r}: expected bytes, e.g. 1073741824, 512M or 64G")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 1:
+        raise ConfigError(f"capacity must be at least 1 byte; got {text!r}")
+    return value
 
 
 class FileStore(BaseStore):
-    def __init__(self, root: str | os.PathLike, *, fsync: bool = False, url: str | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        fsync: bool = False,
+        capacity_bytes: int | str | None = None,
+        url: str | None = None,
+    ) -> None:
         self.root = Path(root)
         self.url = url or f"file://{self.root}"
         self.fsync = bool(fsync)
+        self.capacity = None if capacity_bytes is None else parse_size(capacity_bytes)
+        self._used: int | None = None  # bytes held, counted on first need
+        self._lock = threading.Lock()
         self._objects = self.root / "objects"
         self._tmp = self.root / "tmp"
         with self._errors("open"):
@@ -48,6 +82,8 @@ class FileStore(BaseStore):
         q = dict(urllib.parse.parse_qsl(p.query))
         if "fsync" in q and "fsync" not in options:
             options["fsync"] = q["fsync"].lower() in ("1", "true", "yes")
+        if "capacity" in q and "capacity_bytes" not in options:
+            options["capacity_bytes"] = q["capacity"]
         return cls(path, url=url, **options)
 
     # -- paths -------------------------------------------------------------------------------
@@ -62,6 +98,9 @@ class FileStore(BaseStore):
     # -- primitives --------------------------------------------------------------------------
     def put(self, key: str, value: bytes) -> None:
         path = self._path(key)
+        if self.capacity is not None and len(value) > self.capacity:
+            raise StoreError(f"{self.url}: object {key!r} of {len(value)} bytes exceeds the capacity {self.capacity}")
+        old_size = self._size_or_zero(path) if self.capacity is not None else 0
         with self._errors("put", key):
             path.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
@@ -84,14 +123,18 @@ class FileStore(BaseStore):
                     os.fsync(dfd)
                 finally:
                     os.close(dfd)
+        if self.capacity is not None:
+            self._account(len(value) - old_size, keep=path)
 
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
         with self._errors("get", key):
             try:
-                return path.read_bytes()
+                data = path.read_bytes()
             except FileNotFoundError:
                 return None
+            self._touch(path)
+            return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         path = self._path(key)
@@ -101,7 +144,9 @@ class FileStore(BaseStore):
             try:
                 with open(path, "rb") as f:
                     f.seek(start)
-                    return f.read(end - start)
+                    data = f.read(end - start)
+                self._touch(path)
+                return data
             except FileNotFoundError:
                 raise StoreError(f"{self.url}: no object {key!r}") from None
 
@@ -121,11 +166,14 @@ class FileStore(BaseStore):
     def delete(self, key: str) -> bool:
         path = self._path(key)
         with self._errors("delete", key):
+            size = self._size_or_zero(path)
             try:
                 path.unlink()
-                return True
             except FileNotFoundError:
                 return False
+            if self.capacity is not None:
+                self._account(-size)
+            return True
 
     def list(self, prefix: str = "") -> Iterator[str]:
         with self._errors("list", prefix):
@@ -139,3 +187,60 @@ class FileStore(BaseStore):
 
     def close(self) -> None:
         pass
+
+    # -- capacity (LRU by mtime) -------------------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes of all objects (a scan of the directory)."""
+        with self._errors("used_bytes"):
+            return sum(size for _, _, size in self._scan())
+
+    def _scan(self) -> list[tuple[float, Path, int]]:
+        out = []
+        for sub in self._objects.iterdir():
+            for p in sub.iterdir() if sub.is_dir() else ():
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                out.append((st.st_mtime, p, st.st_size))
+        return out
+
+    @staticmethod
+    def _size_or_zero(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def _touch(self, path: Path) -> None:
+        if self.capacity is not None:
+            try:
+                os.utime(path)
+            except FileNotFoundError:  # evicted or replaced meanwhile: nothing to mark
+                pass
+
+    def _account(self, delta: int, keep: Path | None = None) -> None:
+        with self._lock, self._errors("evict"):
+            if self._used is None:
+                self._used = self.used_bytes()
+            else:
+                self._used = max(0, self._used + delta)
+            if self._used > self.capacity:
+                self._used = self._evict(keep)
+
+    def _evict(self, keep: Path | None) -> int:
+        """Delete least recently used objects until at most _LOW_WATER * capacity remain."""
+        objects = sorted(self._scan(), key=lambda o: o[0])
+        used = sum(size for _, _, size in objects)
+        target = int(self.capacity * _LOW_WATER)
+        for _, path, size in objects:
+            if used <= target:
+                break
+            if path == keep:
+                continue
+            try:
+                path.unlink()
+                used -= size
+            except FileNotFoundError:
+                pass
+        return used

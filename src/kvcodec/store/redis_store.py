@@ -2,9 +2,13 @@
 ``redis+cluster://host:port`` / ``rediss+cluster://`` (Redis Cluster), through the `redis` package.
 
 Options (keyword arguments of `open_store`, all passed through to redis-py, plus these):
-    socket_timeout (s, default 5.0), socket_connect_timeout (s, default 2.0): a dead or unreachable
-        server gives StoreError after at most about these times, never a hang.
-    retries (default 1): reconnect attempts on connection errors / timeouts before giving up.
+    socket_timeout (s, default 1.0), socket_connect_timeout (s, default 1.0): a dead, paused or
+        unreachable server gives StoreError after about these times, never a hang (the timeout
+        bounds each wait for bytes, not a whole transfer, so large values are not cut short).
+    retries (default 1): reconnect attempts on connection errors (a restarted server). A timeout
+        is not retried: a server that did not answer within socket_timeout is stalled, and a
+        cache lookup must fall back to recompute rather than wait twice as long.
+    For a deadline across several calls, wrap the store in kvcodec.store.DeadlineStore.
     namespace (default ""): a prefix prepended to every key (so several caches share one DB).
     password, username, ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs, ...: redis-py's.
 See docs/STORE.md for the server's persistence settings.
@@ -37,8 +41,8 @@ class RedisStore(BaseStore):
         cls,
         url: str,
         *,
-        socket_timeout: float = 5.0,
-        socket_connect_timeout: float = 2.0,
+        socket_timeout: float = 1.0,
+        socket_connect_timeout: float = 1.0,
         retries: int = 1,
         namespace: str = "",
         **options: Any,
@@ -55,7 +59,9 @@ class RedisStore(BaseStore):
         kw: dict[str, Any] = dict(
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_connect_timeout,
-            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), max(0, int(retries))),
+            retry=Retry(
+                ExponentialBackoff(cap=0.5, base=0.05), max(0, int(retries)), supported_errors=(redis.ConnectionError,)
+            ),
         )
         kw.update(options)
         if cluster:
@@ -146,6 +152,13 @@ class RedisStore(BaseStore):
         k = self._k(key)
         with self._errors("delete", key):
             return bool(self._r.delete(k))
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        ks = [self._k(k) for k in keys]
+        with self._errors("delete_many"):
+            if self.cluster:  # keys of one DEL must share a slot in a cluster
+                return sum(int(self._r.delete(k)) for k in ks)
+            return sum(int(self._r.delete(*part)) for part in batched(ks, _BATCH))
 
     def list(self, prefix: str = "") -> Iterator[str]:
         pat = _glob_escape(self.namespace + prefix) + "*"

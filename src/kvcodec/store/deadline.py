@@ -1,0 +1,94 @@
+"""A view of a store whose every call returns (or raises StoreError) by a deadline.
+
+A paused or overloaded server makes a socket call block until the backend's own timeout; a fetch
+that must fall back to recompute by its deadline cannot wait for that. `DeadlineStore(store,
+deadline)` runs each call on a worker thread and waits at most until `deadline`
+(`time.monotonic()` seconds). A call still blocked then is abandoned: its thread finishes when
+the backend's timeout fires (`socket_timeout` for Redis), its result is dropped, and the caller
+gets a StoreError at the deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvcodec.errors import StoreError
+from kvcodec.store.base import BaseStore, KVStore
+
+T = TypeVar("T")
+_POOL_LOCK = threading.Lock()
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_WORKERS = 32  # abandoned calls hold a worker only until their backend times out
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="kvcodec-store-call")
+        return _POOL
+
+
+def call_by(deadline: float | None, op: str, url: str, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args), or StoreError once time.monotonic() passes `deadline` (None: no limit)."""
+    if deadline is None:
+        return fn(*args)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise StoreError(f"{op} on {url}: deadline passed before the call")
+    future = _pool().submit(fn, *args)
+    try:
+        return future.result(timeout=left)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise StoreError(f"{op} on {url} did not answer within the deadline ({left:.3f}s left)") from None
+
+
+class DeadlineStore(BaseStore):
+    """`inner` with every call bounded by `deadline` (time.monotonic() seconds; None: unbounded).
+    Closing the view leaves `inner` open."""
+
+    def __init__(self, inner: KVStore, deadline: float | None) -> None:
+        self.inner = inner
+        self.deadline = deadline
+        self.url = inner.url
+
+    def _call(self, op: str, *args: Any) -> Any:
+        return call_by(self.deadline, op, self.url, getattr(self.inner, op), *args)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._call("put", key, value)
+
+    def put_many(self, items: Mapping[str, bytes]) -> None:
+        self._call("put_many", items)
+
+    def get(self, key: str) -> bytes | None:
+        return self._call("get", key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._call("get_many", keys)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self._call("get_range", key, start, end)
+
+    def size(self, key: str) -> int | None:
+        return self._call("size", key)
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return self._call("exists_many", keys)
+
+    def delete(self, key: str) -> bool:
+        return self._call("delete", key)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return self._call("delete_many", keys)
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        yield from call_by(self.deadline, "list", self.url, lambda: list(self.inner.list(prefix)))
+
+    def close(self) -> None:
+        pass
