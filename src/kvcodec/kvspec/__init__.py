@@ -4,7 +4,7 @@ See spec.py (KVSpec, groups), tensors.py (GroupedKV) and hf.py (transformers cac
 
 from kvcodec.kvspec.spec import GroupSpec, KVSpec, LayerSpec, group_layers
 from kvcodec.kvspec.tensors import GroupedKV, pack_groups, unpack_groups
-from kvcodec.kvspec.hf import build_cache, split_cache, spec_from_cache  # transformers only on use
+from kvcodec.kvspec.hf import build_cache, end_recording, recording_cache, split_cache, spec_from_cache
 
 
 __all__ = [
@@ -13,6 +13,8 @@ __all__ = [
     "KVSpec",
     "LayerSpec",
     "build_cache",
+    "end_recording",
+    "recording_cache",
     "group_layers",
     "pack_groups",
     "split_cache",

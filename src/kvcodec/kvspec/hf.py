@@ -127,3 +127,27 @@ def build_cache(gkv: GroupedKV, config_or_model: Any, tokens: int | None = None)
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = part.stop
     return cache
+
+
+def recording_cache(config_or_model: Any) -> Any:
+    """An empty DynamicCache whose sliding-window layers keep every position until
+    `end_recording`: a prefill into it yields the full history that prefix chunks store (a chunk's
+    content must not depend on how long the prompt that stored it was)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=getattr(config_or_model, "config", config_or_model))
+    for layer in cache.layers:
+        if type(layer).__name__ == "DynamicSlidingWindowLayer":
+            layer.activate_past_recording()
+    return cache
+
+
+def end_recording(cache: Any) -> Any:
+    """Back to normal sliding-window behaviour: drop the positions past each window; returns cache."""
+    for layer in _cache_layers(cache):
+        if type(layer).__name__ == "DynamicSlidingWindowLayer" and layer.record_past:
+            layer.record_past = False
+            if layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[2] > layer.sliding_window - 1:
+                layer.keys = layer.keys[:, :, -layer.sliding_window + 1 :]
+                layer.values = layer.values[:, :, -layer.sliding_window + 1 :]
+    return cache

