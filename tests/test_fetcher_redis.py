@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from kvcodec.config import CodecConfig
-from kvcodec.errors import StoreError
+from kvcodec.errors import FetchError, StoreError
 from kvcodec.fetcher import DecodeProfile, PrefixCache
 from kvcodec.fetcher.rawcodec import RawCodec
 from kvbench.net.redis_server import redis_server_binary
@@ -53,15 +54,8 @@ def test_server_killed_mid_fetch_gives_partial_result_not_hang(redis_server):
     kv, ids = kv_and_ids(512)
     c = cache_on(redis_server.url, max_inflight=1)
     c.put(ids, kv)
-    inner = c.codec.decode_chunk_blob
     started = threading.Event()
-
-    def slow(blob, device="cpu", out=None):  # slow decode so the kill lands mid-fetch
-        started.set()
-        time.sleep(0.05)
-        return inner(blob, device=device, out=out)
-
-    c.codec.decode_chunk_blob = slow
+    c.codec = SlowDecodes(c.codec, started)  # slow decode so the kill lands mid-fetch
     killer = threading.Thread(target=lambda: (started.wait(5), time.sleep(0.12), redis_server.kill()))
     killer.start()
     t = time.monotonic()
@@ -71,6 +65,45 @@ def test_server_killed_mid_fetch_gives_partial_result_not_hang(redis_server):
     assert isinstance(r.error, StoreError)
     assert 0 < r.tokens_restored < 512
     assert torch.equal(r.kv[:, :, : r.tokens_restored], kv[:, :, : r.tokens_restored])
+
+
+class SlowDecodes:
+    def __init__(self, inner, started):
+        self.inner, self.started = inner, started
+        self.id, self.chunk_tokens, self.resolutions = inner.id, inner.chunk_tokens, inner.resolutions
+
+    def encode_chunks(self, kv, **kw):
+        return self.inner.encode_chunks(kv, **kw)
+
+    def inspect_chunk(self, blob):
+        return self.inner.inspect_chunk(blob)
+
+    def decode_chunk(self, blob, out):
+        self.started.set()
+        time.sleep(0.05)
+        return self.inner.decode_chunk(blob, out)
+
+
+def test_paused_server_is_bounded_by_the_deadline(redis_server):
+    """SIGSTOP: the server holds every call until the client's socket timeout (here 1 s; 10 s
+    with defaults); the fetch and the lookup still return at their deadline."""
+    kv, ids = kv_and_ids()
+    c = cache_on(redis_server.url)
+    c.put(ids, kv)
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        r = c.fetch(ids, 256, deadline_s=0.3)
+        took = time.monotonic() - t
+        assert isinstance(r.error, FetchError) and "deadline" in str(r.error) and took < 0.8, (took, r.error)
+        t = time.monotonic()
+        with pytest.raises(FetchError):
+            c.lookup(ids, deadline_s=0.3)
+        assert time.monotonic() - t < 0.8
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    time.sleep(1.5)  # the abandoned calls time out on their own
+    assert c.fetch(ids, 256).ok
 
 
 def test_lookup_on_dead_server_raises(redis_server):
