@@ -40,7 +40,7 @@ def test_hevc_fetch_through_nvdec_matches_cpu():
     from kvcodec.video.registry import get_decoder
 
     try:
-        get_decoder("cuda")
+        get_decoder("cuda", fallback=False)
     except BackendUnavailableError as e:
         pytest.skip(f"no NVDEC decoder here: {e}")
     kv, ids = make_kv(), list(range(200))
@@ -56,9 +56,35 @@ def test_hevc_fetch_through_nvdec_matches_cpu():
             assert torch.allclose(r.kv.cpu().float(), ref.float(), atol=1e-3, rtol=0), (pol, direct)
 
 
+def test_cuda_without_a_gpu_decoder_decodes_on_the_cpu_and_says_so():
+    """The README's promise: a CUDA device whose GPU decoder is unavailable decodes on the CPU
+    (frames moved to the device) instead of failing every fetch; the result names the decoder."""
+    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.video.registry import get_decoder
+    from kvcodec.video.x265_cpu import FFmpegHevcDecoder
+
+    kv, ids = make_kv(), list(range(200))
+    cpu = PrefixCache("memory://gpu-fallback", "m", CFG, "cpu", profile=DecodeProfile.default(CFG.resolutions))
+    cpu.put(ids, kv)
+    ref = cpu.fetch(ids).kv
+    try:
+        get_decoder("cuda", fallback=False)
+        expected = "nvdec"
+    except BackendUnavailableError:
+        expected = "ffmpeg-cpu"
+    auto = PrefixCache("memory://gpu-fallback", "m", CFG, "cuda", policy="fixed:0")
+    r = auto.fetch(ids)
+    assert r.ok and r.stats.decoder == expected and torch.equal(r.kv.cpu(), ref), (r.error, r.stats.decoder)
+    forced = PrefixCache("memory://gpu-fallback", "m", HevcCodec(CFG, decoder=FFmpegHevcDecoder()), "cuda",
+                         policy="fixed:0")
+    r = forced.fetch(ids)
+    assert r.ok and r.stats.decoder == "ffmpeg-cpu" and r.kv.device.type == "cuda" and torch.equal(r.kv.cpu(), ref)
+
+
 def test_fetch_through_pool_workers_matches_cpu():
+    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.codecs.hevc_pool import open_pool
     from kvcodec.video.nvdec import NvdecDecoder
-    from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
 
     if not NvdecDecoder.is_available():
         pytest.skip("no NVDEC decoder here")
@@ -66,9 +92,9 @@ def test_fetch_through_pool_workers_matches_cpu():
     cpu = PrefixCache("memory://gpu-pool", "m", CFG, "cpu", profile=DecodeProfile.default(CFG.resolutions))
     assert cpu.put(ids, kv) == 4
     ref = cpu.fetch(ids).kv
-    with NvdecPool(workers=2, slots=2, max_frame=(512, 512)) as pool:
+    with open_pool(workers=2, slots=2, max_frame=(512, 512)) as pool:
         for direct in (False, True):
-            gpu = PrefixCache("memory://gpu-pool", "m", CFG, "cuda", codec=PoolCodec(pool), decode_workers=2,
+            gpu = PrefixCache("memory://gpu-pool", "m", HevcCodec(CFG, pool=pool), "cuda", decode_workers=2,
                               direct=direct, policy="fixed:1")
             assert gpu.lookup(ids) == 200  # same keys as the plain codec wrote
             r = gpu.fetch(ids)

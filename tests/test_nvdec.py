@@ -246,7 +246,8 @@ def test_codec_decode_on_cuda_matches_cpu(quant):
 def test_pool_decode_parallel_matches_codec(where):
     import kvcodec
     from kvcodec.config import CodecConfig
-    from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
+    from kvcodec.codecs.hevc_pool import decode_parallel
+    from kvcodec.video.nvdec_pool import NvdecPool
 
     kv = _small_kv(tokens=200, seed=3)
     data = kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
@@ -266,6 +267,7 @@ def test_pool_decode_parallel_matches_codec(where):
 def test_pool_restore_in_workers_reports_a_corrupt_chunk():
     import kvcodec
     from kvcodec.codec import encode_chunks
+    from kvcodec.codecs.hevc_pool import restore_chunk
     from kvcodec.config import CodecConfig
     from kvcodec.video.nvdec_pool import NvdecPool
 
@@ -276,7 +278,7 @@ def test_pool_restore_in_workers_reports_a_corrupt_chunk():
     outs = [torch.zeros(2, 2, 32, 2, 64, dtype=torch.float16, device="cuda") for _ in range(2)]
     with NvdecPool(workers=2, slots=2, max_frame=(256, 256)) as pool:
         with pytest.raises(CorruptStreamError, match="chunk 1"):
-            pool.restore_blobs([good, bytes(bad)], outs)
+            pool.restore_blobs([good, bytes(bad)], outs, decode_into=restore_chunk)
     assert torch.equal(outs[0].cpu(), kvcodec.codec.decode_chunk_blob(good, "cpu"))
 
 
@@ -288,7 +290,8 @@ def test_pool_workers_release_the_consumers_output_when_idle(hold):
 
     import kvcodec
     from kvcodec.config import CodecConfig
-    from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
+    from kvcodec.codecs.hevc_pool import decode_parallel
+    from kvcodec.video.nvdec_pool import NvdecPool
 
     kv = _small_kv(tokens=128, seed=5)
     data = kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))

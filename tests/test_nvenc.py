@@ -56,3 +56,49 @@ def test_nvenc_lossless_roundtrip(width, height):
     if NvdecDecoder.is_available():
         gpu = [f.cpu().numpy() for f in NvdecDecoder(copy=True).decode(bs, width, height)]
         assert all(np.array_equal(a, b) for a, b in zip(gpu, frames))
+
+
+def test_x265_presets_map_to_nvenc_presets():
+    from kvcodec.errors import ConfigError
+    from kvcodec.video.nvenc import NVENC_PRESETS, X265_TO_NVENC_PRESET, nvenc_preset
+
+    assert nvenc_preset("ultrafast") == "P1" and nvenc_preset("veryslow") == "P7" and nvenc_preset("p4") == "P4"
+    order = ["ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow"]
+    ranks = [NVENC_PRESETS.index(X265_TO_NVENC_PRESET[p]) for p in order]
+    assert ranks == sorted(ranks)  # slower x265 presets never map to faster NVENC ones
+    with pytest.raises(ConfigError):
+        nvenc_preset("warp")
+
+
+def test_failed_encode_session_falls_back_and_says_which_encoder_ran():
+    """An NVENC session that fails (here: a stand-in, since no NVENC is reachable from this
+    project's machines) hands the encode to x265; the chunk records the encoder that ran."""
+    import torch
+
+    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.config import CodecConfig
+    from kvcodec.video.registry import _ENCODERS, BackendEntry, FallbackEncoder
+
+    class FailingSession:
+        name = "nvenc"
+
+        def __init__(self, **_):
+            pass
+
+        def encode(self, frames, width, height):
+            raise BackendUnavailableError("cannot open an NVENC session: NV_ENC_ERR_UNSUPPORTED_DEVICE")
+
+    import sys
+
+    sys.modules[__name__].FailingSession = FailingSession
+    entries = [BackendEntry("nvenc", f"{__name__}:FailingSession", "cuda", 100),
+               next(e for e in _ENCODERS if e.name == "x265")]
+    enc = FallbackEncoder(entries, {"preset": "ultrafast"})
+    cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False, video_bits=8)
+    codec = HevcCodec(cfg, encoder=enc)
+    kv = torch.randn(2, 2, 16, 2, 32).half()
+    (chunk,) = codec.encode_chunks(kv)
+    assert enc.name == "x265" and chunk.encoder == "x265"
+    out = torch.empty_like(kv)
+    codec.decode_chunk(chunk.blobs[0], out)
+    assert (out.float() - kv.float()).abs().max() < 0.05
