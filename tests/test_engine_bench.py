@@ -1,4 +1,4 @@
-"""Pieces of the serving benchmarks: the TTFT fetch model, tiled KV, the baseline chunk adapter."""
+"""Pieces of the serving benchmarks: the TTFT fetch model, tiled KV, baselines in the prefix cache."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvbench.interference import BaselineChunkCodec, tiled_kv  # noqa: E402
 from kvbench.ttft import fetch_time  # noqa: E402
+from kvbench.workloads import tiled_kv  # noqa: E402
 from kvcodec.config import CodecConfig  # noqa: E402
 
 
@@ -40,14 +40,16 @@ def test_tiled_kv_uses_real_values_without_duplicate_channels():
     assert torch.equal(out[0, :, :64, 0, :8], real[0, :, :64, 0, :])
 
 
-def test_baseline_chunk_codec_in_prefix_cache():
+@pytest.mark.parametrize("method", ["lz4", "raw", "zstd-3"])
+def test_baseline_and_raw_methods_in_prefix_cache(method):
+    from kvbench.methods import method_codec
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
     kv = torch.randn(2, 2, 70, 2, 8).to(torch.float16)
     ids = list(range(100, 170))
-    pc = PrefixCache(open_store("memory://"), "m", CodecConfig(quant="exact", chunk_tokens=32, resolutions=((256, 256),)),
-                     "cpu", policy="fixed:0", codec=BaselineChunkCodec("zstd-3"))
+    cfg = CodecConfig(quant="exact", chunk_tokens=32, resolutions=((256, 256),))
+    pc = PrefixCache(open_store("memory://"), "m", method_codec(method, cfg), "cpu", policy="fixed:0")
     assert pc.put(ids, kv) == 3
     assert pc.lookup(ids) == 70
     res = pc.fetch(ids, 70)

@@ -17,37 +17,18 @@ says which. Results: benchmarks/results/fetch-<machine>-<time>.json and .md.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import click
 
+from kvbench.results import RESULTS_DIR, command_line, machine, write_result
+
 log = logging.getLogger(__name__)
-
-
-def _machine() -> dict:
-    from kvcodec.fetcher.profile import device_model
-
-    d = {"cpu": device_model("cpu"), "cpu_count": os.cpu_count(), "python": platform.python_version()}
-    try:
-        d["load_avg_1m"] = os.getloadavg()[0]  # other users of a shared machine skew CPU timings
-    except OSError:
-        pass
-    try:
-        import torch
-
-        d["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            d["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    return d
 
 
 def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
@@ -176,184 +157,218 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
                    "for machines without redis-server, and rates a single Redis client cannot reach).")
 @click.option("--nvdec-pool", "pool_workers", default=0, show_default=True,
               help="On CUDA: restore in an NVDEC pool of this many worker processes (kvcodec.video.nvdec_pool."
-                   "PoolCodec; use --decode-workers of the same number). 0: the codec's own decoder.")
-@click.option("--out-dir", default="benchmarks/results", show_default=True)
-def command(model, kv_path, text, prefix_tokens, chunk_tokens, quant, resolutions, rates, jitter_mean,
-            jitter_cv, jitter_segment_ms, policies, link_kind, repeats, device, max_inflight,
-            decode_workers, net_workers, torch_threads, store_kind, pool_workers, out_dir):
+                   "HevcCodec(pool=...); use --decode-workers of the same number). 0: the codec's own decoder.")
+@click.option("--out-dir", default=str(RESULTS_DIR), show_default="benchmarks/results")
+def command(**options) -> None:  # noqa: ANN003
     """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
     import torch
 
+    s = Settings(**options)
+    if s.torch_threads > 0:
+        torch.set_num_threads(s.torch_threads)
+    link_kind = resolve_link_kind(s.store_kind, s.link_kind)
+    ids, kv, source = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
+    click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
+    pool = None
+    if s.pool_workers > 0:
+        from kvcodec.video.nvdec_pool import NvdecPool
+
+        pool = NvdecPool(workers=s.pool_workers, device=s.device, max_frame=max(s.res, key=lambda r: r[0] * r[1]))
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvc-bench-") as tmp:
+            link = _Link(link_kind, Path(tmp), s.store_kind)
+            try:
+                run = FetchRun(s, link, ids, kv, pool)
+                records = [rec for trace in traces(s) for rec in run.under(trace)]
+            finally:
+                link.close()
+    finally:
+        if pool is not None:
+            pool.close()
+    doc = {"benchmark": "fetch", "command": command_line("fetch"), "kv_source": source, "kv_shape": list(kv.shape),
+           "codec_config": s.config.to_dict(), "encode_s": run.encode_s,
+           "bytes_per_resolution": dict(zip(["x".join(map(str, r)) for r in s.res], run.sizes)),
+           "decode_profile": run.profile.to_json() | {"source": run.profile.source} if run.profile else None,
+           "machine": run.machine, "link": link_kind, "records": records}
+    host = "gpu" if "gpu" in run.machine else "cpu"
+    stem = f"fetch-{host}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    path = write_result(Path(s.out_dir) / f"{stem}.json", doc, markdown(doc, host))
+    click.echo(f"wrote {path} and .md", err=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The command's options (see its --help)."""
+
+    model: str
+    kv_path: str | None
+    text: str
+    prefix_tokens: int
+    chunk_tokens: int
+    quant: str
+    resolutions: str
+    rates: str
+    jitter_mean: float
+    jitter_cv: float
+    jitter_segment_ms: float
+    policies: str
+    link_kind: str
+    repeats: int
+    device: str
+    max_inflight: int
+    decode_workers: int
+    net_workers: int
+    torch_threads: int
+    store_kind: str
+    pool_workers: int
+    out_dir: str
+
+    @property
+    def res(self) -> tuple[tuple[int, int], ...]:
+        return tuple(tuple(int(v) for v in r.split("x")) for r in self.resolutions.split(","))
+
+    @property
+    def config(self):  # noqa: ANN201
+        from kvcodec.config import CodecConfig
+
+        return CodecConfig(quant=self.quant, chunk_tokens=self.chunk_tokens, resolutions=self.res)
+
+    @property
+    def policy_list(self) -> list[str]:
+        return [p for p in self.policies.split(",") if p]
+
+
+def traces(s: Settings) -> list:
+    """Constant-rate traces at each --rates, then the jitter trace (when --jitter-mean > 0)."""
     from kvbench.net.trace import JitterTrace
-    from kvcodec.config import CodecConfig
-    from kvcodec.fetcher import PrefixCache
-    from kvcodec.fetcher.keys import blob_key
-    from kvcodec.fetcher.rawcodec import RawCodec
 
-    if torch_threads > 0:
-        torch.set_num_threads(torch_threads)
-    args = sys.argv[1:]
-    if "fetch" in args:  # the CLI path; under a test runner argv is the runner's
-        cmdline = "kvcodec " + " ".join(args)
-    else:
-        ctx = click.get_current_context()
-        cmdline = "kvcodec bench fetch " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in ctx.params.items() if v is not None)
-    res = tuple(tuple(int(v) for v in r.split("x")) for r in resolutions.split(","))
-    cfg = CodecConfig(quant=quant, chunk_tokens=chunk_tokens, resolutions=res)
-    raw_cfg = CodecConfig(quant="exact", chunk_tokens=chunk_tokens, resolutions=(res[0],))
-    rate_list = [float(r) for r in rates.split(",") if r]
-    traces = [JitterTrace.constant(r) for r in rate_list]
-    if jitter_mean > 0:
-        n_seg = max(20, int(20.0 / (jitter_segment_ms / 1e3)) // 10)
-        traces.append(JitterTrace.random_walk(jitter_mean, cv=jitter_cv, segment_s=jitter_segment_ms / 1e3,
-                                              n=n_seg, seed=1))
-    pols = [p for p in policies.split(",") if p]
+    out = [JitterTrace.constant(float(r)) for r in s.rates.split(",") if r]
+    if s.jitter_mean > 0:
+        n_seg = max(20, int(20.0 / (s.jitter_segment_ms / 1e3)) // 10)
+        out.append(JitterTrace.random_walk(s.jitter_mean, cv=s.jitter_cv, segment_s=s.jitter_segment_ms / 1e3,
+                                           n=n_seg, seed=1))
+    return out
 
+
+def resolve_link_kind(store_kind: str, link_kind: str) -> str:
     if store_kind == "memory":
         if link_kind == "tc-netns":
             raise click.BadParameter("--store memory has no network path: use --link token-bucket")
-        link_kind = "token-bucket"
+        return "token-bucket"
     if link_kind == "auto":
         from kvbench.net.netns import NetnsLink
 
         ok, why = NetnsLink.available()
-        link_kind = "tc-netns" if ok else "token-bucket"
         if not ok:
             click.echo(f"tc-netns link unavailable ({why}); using the token bucket", err=True)
+        return "tc-netns" if ok else "token-bucket"
+    return link_kind
 
-    ids, kv, source = _load_kv(model, kv_path, text, prefix_tokens)
-    T = kv.shape[2]
-    L, _, _, H, D = kv.shape
-    click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
-    machine = _machine()
-    records = []
-    pool, hevc_codec = None, None
-    if pool_workers > 0:
-        from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
 
-        pool = NvdecPool(workers=pool_workers, device=device, max_frame=max(res, key=lambda r: r[0] * r[1]))
-        hevc_codec = PoolCodec(pool)
-    with tempfile.TemporaryDirectory(prefix="kvc-bench-") as tmp:
-        link = _Link(link_kind, Path(tmp), store_kind)
+class FetchRun:
+    """The prefix stored raw and (unless only raw-fp16 is measured) with kvcodec, then fetched
+    under each trace and policy."""
+
+    def __init__(self, s: Settings, link: _Link, ids, kv, pool) -> None:  # noqa: ANN001
+        from kvcodec.codecs.registry import make_codec
+        from kvcodec.fetcher import PrefixCache
+        from kvcodec.fetcher.keys import blob_key
+
+        self.s, self.link, self.ids, self.kv = s, link, ids, kv
+        self.machine = machine()
+        hevc = make_codec("hevc", config=s.config, **({"pool": pool} if pool is not None else {}))
+        raw = make_codec("raw", chunk_tokens=s.chunk_tokens, resolutions=(s.res[0],))
+        self.hevc = PrefixCache(link.base, s.model, hevc, s.device, max_inflight=s.max_inflight,
+                                decode_workers=s.decode_workers)
+        self.raw = PrefixCache(link.base, s.model, raw, s.device, max_inflight=s.max_inflight,
+                               decode_workers=s.decode_workers, policy="fixed:0")
+        self.raw.put(ids, kv)
+        self.encode_s, self.sizes, self.profile = None, [], None
+        if any(p != "raw-fp16" for p in s.policy_list):
+            t = time.perf_counter()
+            self.hevc.put(ids, kv)
+            self.encode_s = time.perf_counter() - t
+            L, _, _, H, D = kv.shape
+            self.profile = self.hevc.ensure_profile((L, H, D), kv.dtype)
+            keys = self.hevc.keys(ids)
+            self.sizes = [sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(s.res))]
+            click.echo(f"encoded in {self.encode_s:.1f}s; bytes per resolution {self.sizes} (fp16 {kv.numel() * 2}); "
+                       f"decode profile {[f'{v / 1e6:.1f}M/s' for v in self.profile.values_per_s()]}", err=True)
+        # link goodput probe: the largest object, per condition
+        self.probe_key = blob_key(self.raw.keys(ids)[0], 0)
+        self.probe_bytes = len(link.base.get(self.probe_key))
+
+    def under(self, trace) -> list[dict]:  # noqa: ANN001
+        """One record per policy, the link shaped by `trace`."""
+        self.link.shape(trace)
         try:
-            hevc = PrefixCache(link.base, model, cfg, device, max_inflight=max_inflight,
-                               decode_workers=decode_workers, codec=hevc_codec)
-            raw = PrefixCache(link.base, model, raw_cfg, device, codec=RawCodec(), max_inflight=max_inflight,
-                              decode_workers=decode_workers, policy="fixed:0")
-            raw.put(ids, kv)
-            raw_bytes = kv.numel() * 2
-            encode_s, sizes, profile = None, [], None
-            if any(p != "raw-fp16" for p in pols):
-                t = time.perf_counter()
-                hevc.put(ids, kv)
-                encode_s = time.perf_counter() - t
-                profile = hevc.ensure_profile((L, H, D), kv.dtype)
-                keys = hevc.keys(ids)
-                sizes = [sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(res))]
-                click.echo(f"encoded in {encode_s:.1f}s; bytes per resolution {sizes} (fp16 {raw_bytes}); "
-                           f"decode profile {[f'{v / 1e6:.1f}M/s' for v in profile.values_per_s()]}", err=True)
-            # link goodput probe: the largest object, per condition
-            probe_key = blob_key(raw.keys(ids)[0], 0)
-            probe_bytes = len(link.base.get(probe_key))
-            for trace in traces:
-                link.shape(trace)
-                goodput = _goodput(link.store, probe_key, probe_bytes)
-                for pol in pols:
-                    is_raw = pol == "raw-fp16"
-                    base_cache = raw if is_raw else hevc
-                    pc = PrefixCache(link.store, model, base_cache.config, device, codec=base_cache.codec,
-                                     policy="fixed:0" if is_raw else pol, max_inflight=max_inflight,
-                                     decode_workers=decode_workers, net_workers=net_workers,
-                                     profile=None if is_raw else profile)
-                    pc.fetch(ids, T)  # warm-up: the bandwidth estimator learns the link
-                    runs = []
-                    for _ in range(repeats):
-                        out = torch.empty((L, 2, T, H, D), dtype=kv.dtype, device=device)
-                        t = time.perf_counter()
-                        r = pc.fetch(ids, T, out=out)
-                        dt = time.perf_counter() - t
-                        if r.error is not None:
-                            raise click.ClickException(f"fetch failed under {pol} at {trace.name}: {r.error}")
-                        runs.append((dt, r))
-                    runs.sort(key=lambda x: x[0])
-                    fetch_s, med = runs[len(runs) // 2]
-                    s = med.stats
-                    bw = trace.mean_gbit
-                    net_s = s.bytes_fetched * 8 / (bw * 1e9)
-                    dec_s = s.decode_busy_s / decode_workers
-                    n = max(1, s.chunks_restored)
-                    bound = max(net_s, dec_s) + min(net_s, dec_s) / n
-                    if is_raw:
-                        exact = bool(torch.equal(med.kv.cpu(), kv))
-                    else:
-                        exact = None
-                    rec = {
-                        "bandwidth_gbit": bw,
-                        "trace": trace.name,
-                        "prefix_tokens": T,
-                        "policy": pol,
-                        "fetch_s": fetch_s,
-                        "fetch_s_min": runs[0][0],
-                        "fetch_s_all": [x[0] for x in runs],
-                        "bound_s": bound,
-                        "time_over_bound": fetch_s / bound,
-                        "bytes": s.bytes_fetched,
-                        "fp16_bytes": raw_bytes,
-                        "net_s_at_nominal_rate": net_s,
-                        "decode_s": dec_s,
-                        "link_goodput_gbit": goodput,
-                        "link": link.describe["link"],
-                        "link_detail": link.describe,
-                        "resolution_counts": s.resolution_counts,
-                        "stats": {k: v for k, v in s.to_dict().items() if k != "timeline"},
-                        "timeline": [vars(t) for t in s.timeline],
-                        "bit_exact": exact,
-                        "machine": machine,
-                        "load_avg_1m": os.getloadavg()[0],
-                        "torch_threads": torch.get_num_threads(),
-                        "device": device,
-                        "net_workers": net_workers,
-                        "decode_workers": decode_workers,
-                        "store": store_kind,
-                        "nvdec_pool_workers": pool_workers,
-                    }
-                    records.append(rec)
-                    click.echo(f"{trace.name:>36} {pol:>10}: {fetch_s * 1e3:8.1f} ms  bound {bound * 1e3:8.1f} ms"
-                               f"  x{fetch_s / bound:5.2f}  {s.bytes_fetched / 1e6:6.2f} MB  {s.resolution_counts}",
-                               err=True)
-                link.unshape()
+            goodput = _goodput(self.link.store, self.probe_key, self.probe_bytes)
+            return [self.measure(trace, pol, goodput) for pol in self.s.policy_list]
         finally:
-            link.close()
-            if pool is not None:
-                pool.close()
+            self.link.unshape()
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    host = "gpu" if "gpu" in machine else "cpu"
-    base = out / f"fetch-{host}-{stamp}"
-    doc = {
-        "benchmark": "fetch",
-        "command": cmdline,
-        "kv_source": source,
-        "kv_shape": list(kv.shape),
-        "codec_config": cfg.to_dict(),
-        "encode_s": encode_s,
-        "bytes_per_resolution": dict(zip(["x".join(map(str, r)) for r in res], sizes)),
-        "decode_profile": profile.to_json() | {"source": profile.source} if profile else None,
-        "machine": machine,
-        "link": link_kind,
-        "records": records,
-    }
-    base.with_suffix(".json").write_text(json.dumps(doc, indent=1))
-    lines = [f"# fetch benchmark ({host}, link {link_kind})", "", f"`{cmdline}`", "",
-             f"KV {tuple(kv.shape)} fp16 from {source}; machine {machine['cpu']}", "",
+    def timed_fetches(self, pc, pol: str, trace) -> list[tuple[float, object]]:  # noqa: ANN001
+        """(seconds, result) of --repeats fetches after one warm-up (the bandwidth estimator learns
+        the link), fastest first."""
+        import torch
+
+        T = self.kv.shape[2]
+        pc.fetch(self.ids, T)
+        runs = []
+        for _ in range(self.s.repeats):
+            out = torch.empty(self.kv.shape, dtype=self.kv.dtype, device=self.s.device)
+            t = time.perf_counter()
+            r = pc.fetch(self.ids, T, out=out)
+            dt = time.perf_counter() - t
+            if r.error is not None:
+                raise click.ClickException(f"fetch failed under {pol} at {trace.name}: {r.error}")
+            runs.append((dt, r))
+        return sorted(runs, key=lambda x: x[0])
+
+    def measure(self, trace, pol: str, goodput: float) -> dict:  # noqa: ANN001
+        import torch
+
+        from kvcodec.fetcher import PrefixCache
+
+        s, is_raw = self.s, pol == "raw-fp16"
+        base = self.raw if is_raw else self.hevc
+        pc = PrefixCache(self.link.store, s.model, base.codec, s.device,
+                         policy="fixed:0" if is_raw else pol, max_inflight=s.max_inflight,
+                         decode_workers=s.decode_workers, net_workers=s.net_workers,
+                         profile=None if is_raw else self.profile)
+        runs = self.timed_fetches(pc, pol, trace)
+        fetch_s, med = runs[len(runs) // 2]
+        st = med.stats
+        bw = trace.mean_gbit
+        net_s = st.bytes_fetched * 8 / (bw * 1e9)
+        dec_s = st.decode_busy_s / s.decode_workers
+        bound = max(net_s, dec_s) + min(net_s, dec_s) / max(1, st.chunks_restored)
+        rec = {
+            "bandwidth_gbit": bw, "trace": trace.name, "prefix_tokens": self.kv.shape[2], "policy": pol,
+            "fetch_s": fetch_s, "fetch_s_min": runs[0][0], "fetch_s_all": [x[0] for x in runs],
+            "bound_s": bound, "time_over_bound": fetch_s / bound, "bytes": st.bytes_fetched,
+            "fp16_bytes": self.kv.numel() * 2, "net_s_at_nominal_rate": net_s, "decode_s": dec_s,
+            "link_goodput_gbit": goodput, "link": self.link.describe["link"], "link_detail": self.link.describe,
+            "resolution_counts": st.resolution_counts,
+            "stats": {k: v for k, v in st.to_dict().items() if k != "timeline"},
+            "timeline": [vars(t) for t in st.timeline],
+            "bit_exact": bool(torch.equal(med.kv.cpu(), self.kv)) if is_raw else None,
+            "machine": self.machine, "load_avg_1m": os.getloadavg()[0], "torch_threads": torch.get_num_threads(),
+            "device": s.device, "net_workers": s.net_workers, "decode_workers": s.decode_workers,
+            "store": s.store_kind, "nvdec_pool_workers": s.pool_workers,
+        }
+        click.echo(f"{trace.name:>36} {pol:>10}: {fetch_s * 1e3:8.1f} ms  bound {bound * 1e3:8.1f} ms"
+                   f"  x{fetch_s / bound:5.2f}  {st.bytes_fetched / 1e6:6.2f} MB  {st.resolution_counts}", err=True)
+        return rec
+
+
+def markdown(doc: dict, host: str) -> list[str]:
+    lines = [f"# fetch benchmark ({host}, link {doc['link']})", "", f"`{doc['command']}`", "",
+             f"KV {tuple(doc['kv_shape'])} fp16 from {doc['kv_source']}; machine {doc['machine']['cpu']}", "",
              "| rate Gbit/s | trace | policy | fetch ms | bound ms | x bound | MB | resolutions | link goodput Gbit/s |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
+    for r in doc["records"]:
         lines.append(f"| {r['bandwidth_gbit']:g} | {r['trace']} | {r['policy']} | {r['fetch_s'] * 1e3:.1f} | "
                      f"{r['bound_s'] * 1e3:.1f} | {r['time_over_bound']:.2f} | {r['bytes'] / 1e6:.2f} | "
                      f"{r['resolution_counts']} | {r['link_goodput_gbit']:.2f} |")
-    base.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    click.echo(f"wrote {base}.json and .md", err=True)
+    return lines

@@ -28,63 +28,66 @@ per condition, as JSON + markdown under benchmarks/results/.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import statistics
+import tempfile
+import threading
+import time
+from typing import Any
 
 import click
+
+from kvbench.methods import method_codec
+from kvbench.results import command_line, machine, result_path, utc_now, write_result
+from kvbench.workloads import LARGE, build_model, tiled_kv
 
 SIMPLE_CONDITIONS = ("alone", "kvcodec", "sm-decoder", "blocking", "raw")
 
 
-class BaselineChunkCodec:
-    """A kvbench.baselines codec behind the chunk-codec interface PrefixCache uses."""
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The command's options (see its --help)."""
 
-    def __init__(self, name: str) -> None:
-        from kvbench.baselines import get_codec
+    model_name: str
+    text: str
+    doc_tokens: int
+    bg_rate: float
+    bg_new_tokens: int
+    reuse_rate: float
+    reuse_new_tokens: int
+    duration: float
+    rounds: int
+    warmup: float
+    gbit: float
+    quant: str
+    sm_codec: str
+    conditions: str
+    device: str | None
+    kv_file: str | None
+    store_dir: str | None
+    prepare_only: bool
+    max_batch: int
+    nvdec_pool: int
+    out_path: str | None
+    threads: int | None
 
-        self.name = name
-        self.codec = get_codec(name)
-        self.CODEC_ID = f"baseline-v1:{name}"
-
-    def encode_chunks(self, kv, config, *, first_chunk_index: int = 0, **_):  # noqa: ANN001, ANN201
-        import types
-
-        ct = int(config.chunk_tokens)
-        out = []
-        for n, start in enumerate(range(0, kv.shape[2], ct)):
-            x = kv[:, :, start : start + ct].contiguous()
-            data = bytes(self.codec.encode(x))
-            out.append(types.SimpleNamespace(index=first_chunk_index + n, start_token=first_chunk_index * ct + start,
-                                             tokens=x.shape[2], blobs=tuple(data for _ in config.resolutions)))
-        return out
-
-    def decode_chunk_blob(self, blob, device="cpu", out=None):  # noqa: ANN001, ANN201
-        x = self.codec.decode(bytes(blob), device=device)
-        if out is not None:
-            out.copy_(x)
-            return out
-        return x
-
-    def inspect_chunk_blob(self, blob) -> dict:  # noqa: ANN001
-        return {"codec": self.name, "bytes": len(blob)}
+    @property
+    def random_model(self) -> bool:
+        return self.model_name.startswith("random:")
 
 
-def tiled_kv(real, layers: int, heads: int, head_dim: int, tokens: int):  # noqa: ANN001, ANN201
-    """A KV tensor of a larger shape filled with REAL values of a small model's KV `real`
-    (L0, 2, T0, H0, D0): out[l, k, t, h, d] = real[l % L0, k, (t + shift) % T0, (h + d // D0) % H0, d % D0]
-    with a token shift per (layer, head, dim block) copy, so that no two channels are identical. Used where the model
-    itself has random weights (timing runs): random-weight KV would not compress like real KV."""
-    import torch
+@dataclasses.dataclass
+class Workload:
+    """The model, its tokenizer (None for random weights) and the stored document's token ids."""
 
-    L0, _, T0, H0, D0 = real.shape
-    out = torch.empty((layers, 2, tokens, heads, head_dim), dtype=real.dtype)
-    for l in range(layers):
-        for h in range(heads):
-            for b in range(0, head_dim, D0):
-                w = min(D0, head_dim - b)
-                shift = (97 * h + 13 * l + 31 * (b // D0)) % T0
-                ti = (torch.arange(tokens) + shift) % T0
-                out[l, :, :, h, b : b + w] = real[l % L0][:, ti][:, :, (h + b // D0) % H0, :w]
-    return out
+    model: Any
+    tok: Any
+    model_id: str
+    doc_ids: list[int]
+    doc_text: str | None = None
+    shape: tuple[int, int, int] | None = None  # random:<arch>: (layers, kv heads, head dim)
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -96,6 +99,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def _summary(xs: list[float]) -> dict:
     return {"n": len(xs), "mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9)}
+
 
 
 @click.command("interference")
@@ -129,36 +133,45 @@ def _summary(xs: list[float]) -> dict:
               help="Worker processes of a plain kvcodec-pool condition's NVDEC pool (0: 7).")
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
-def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, reuse_new_tokens, duration, rounds, warmup, gbit,
-            quant, sm_codec, conditions, device, kv_file, store_dir, prepare_only, max_batch, nvdec_pool, out_path, threads) -> None:  # noqa: ANN001
+def command(**options: Any) -> None:
     """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler.
 
     --model random:llama3-8b / random:qwen2.5-7b: full-size architecture with random weights (timing
     only, GPU), token ids instead of text, and the stored document KV tiled from --kv-file (real KV).
     """
-    import json
-    import os
-    import tempfile
-    import threading
-    import time
-
     import torch
 
-    from kvbench.net import ThrottledStore
-    from kvbench.ttft import command_line, machine
-    from kvcodec.config import CodecConfig
-    from kvcodec.engine import Engine, SamplingParams, StorePolicy
-    from kvcodec.fetcher import PrefixCache
-    from kvcodec.models import load_model, model_id
-    from kvcodec.models.texts import load_text
-    from kvcodec.store import open_store
+    s = Settings(**options)
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    conds = check_conditions(s.conditions, device, s.nvdec_pool or 7)
+    with tempfile.TemporaryDirectory(prefix="kvcodec-interf-") as tmp:
+        store_dir = s.store_dir or tmp
+        w = load_workload(s, device)
+        stored = prepare_stores(s, w, conds, device, store_dir)
+        if s.prepare_only:
+            return
+        if s.random_model:
+            click.echo(f"building {s.model_name} with random weights on {device} (timing only) ...", err=True)
+            w.model, _, _ = build_model(s.model_name.split(":", 1)[1], device)
+        results = run_rounds(s, conds, Conditions(s, w, device, store_dir))
+    doc = record(s, w, device, conds, stored, results)
+    path = write_result(result_path(s.out_path, f"interference-{doc['label']}"), doc, markdown(doc))
+    click.echo(path.with_suffix(".md").read_text())
+    click.echo(f"wrote {path}", err=True)
 
-    if threads:
-        torch.set_num_threads(threads)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+def codec_config(s: Settings):  # noqa: ANN201
+    from kvcodec.config import CodecConfig
+
+    return CodecConfig(quant=s.quant, chunk_tokens=256, resolutions=((512, 512),))
+
+
+def check_conditions(conditions: str, device: str, nvdec_pool: int) -> list[str]:
+    """The condition names, checked before minutes of preparation."""
     conds = [c.strip() for c in conditions.split(",") if c.strip()]
-    nvdec_pool = nvdec_pool or 7
-    for cond in conds:  # bad names fail here, before minutes of preparation
+    for cond in conds:
         if cond.startswith("kvcodec-pool"):
             pool_workers(cond, nvdec_pool)
             if not device.startswith("cuda"):
@@ -166,123 +179,173 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         elif cond not in SIMPLE_CONDITIONS:
             raise click.ClickException(f"unknown condition {cond!r}; known: {', '.join(SIMPLE_CONDITIONS)}, "
                                        "kvcodec-pool, kvcodec-pool:N")
-    random_model = model_name.startswith("random:")
-    cfg = CodecConfig(quant=quant, chunk_tokens=256, resolutions=((512, 512),))
-    tmp = None
-    if store_dir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="kvcodec-interf-")
-        store_dir = tmp.name
-    g = torch.Generator().manual_seed(0)
-    model = tok = None
-    if random_model:
-        from kvbench.ttft import LARGE
+    return conds
 
-        arch = model_name.split(":", 1)[1]
+
+def load_workload(s: Settings, device: str) -> Workload:
+    """A real model and its tokenized document, or (random:<arch>) token ids and the KV shape
+    only (the model is built after the stores are prepared: they may be prepared elsewhere)."""
+    import torch
+
+    if s.random_model:
+        arch = s.model_name.split(":", 1)[1]
         if arch not in LARGE:
             raise click.ClickException(f"unknown architecture {arch!r}; known: {', '.join(LARGE)}")
         import transformers
 
         c = getattr(transformers, LARGE[arch][0])(**LARGE[arch][1])
-        layers, heads = c.num_hidden_layers, c.num_key_value_heads
-        head_dim = c.hidden_size // c.num_attention_heads
-        mid = f"random-{arch}"  # fixed id: the stores are encoded where the model is never built
-        doc_ids = torch.randint(100, 30000, (doc_tokens,), generator=g).tolist()
-    else:
-        from kvcodec.integrations.hf import extract_kv
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(100, 30000, (s.doc_tokens,), generator=g).tolist()
+        ids_file = os.path.join(s.store_dir or "", "doc_ids.json")
+        if s.store_dir and os.path.exists(ids_file):
+            with open(ids_file) as f:
+                ids = json.load(f)  # the prepared stores' document
+        shape = (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads)
+        return Workload(None, None, f"random-{arch}", ids, shape=shape)  # fixed id: stores encoded elsewhere
+    from kvcodec.models import load_model, model_id
+    from kvcodec.models.texts import load_text
 
-        click.echo(f"loading {model_name} ...", err=True)
-        model, tok = load_model(model_name)
-        model = model.to(device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
-        mid = model_id(model)
-        doc_text = load_text(text, max_chars=doc_tokens * 12)
-        doc_ids = tok(doc_text, return_tensors="pt").input_ids[0][:doc_tokens].tolist()
+    click.echo(f"loading {s.model_name} ...", err=True)
+    model, tok = load_model(s.model_name)
+    model = model.to(device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
+    text = load_text(s.text, max_chars=s.doc_tokens * 12)
+    ids = tok(text, return_tensors="pt").input_ids[0][: s.doc_tokens].tolist()
+    return Workload(model, tok, model_id(model), ids, doc_text=text)
+
+
+def needed_stores(conds: list[str]) -> list[str]:
     wanted = {store_for(c) for c in conds} - {None}
     if "raw" in wanted:
         wanted.add("kvcodec")  # the raw store holds what kvcodec restores
-    need = [n for n in ("kvcodec", "sm-decoder", "raw") if n in wanted]
-    from kvcodec.fetcher.rawcodec import RawCodec
+    return [n for n in ("kvcodec", "sm-decoder", "raw") if n in wanted]
 
-    codecs = {"kvcodec": None, "sm-decoder": BaselineChunkCodec(sm_codec) if "sm-decoder" in need else None,
-              "raw": RawCodec(("raw",))}
-    stored_bytes = {}
-    ids_file = os.path.join(store_dir, "doc_ids.json")
-    kv = None
-    if random_model and os.path.exists(ids_file):
-        with open(ids_file) as f:
-            doc_ids = json.load(f)  # the prepared stores' document
-    for name in need:
+
+def store_codec(s: Settings, store: str, **hevc_options: Any):  # noqa: ANN201
+    return method_codec({"kvcodec": "kvcodec", "sm-decoder": s.sm_codec, "raw": "raw"}[store], codec_config(s),
+                        **hevc_options)
+
+
+def prepare_stores(s: Settings, w: Workload, conds: list[str], device: str, store_dir: str) -> dict[str, int]:
+    """Encode and store the document's KV once per store the conditions fetch from (a store that
+    already holds it is reused); returns the bytes stored per store."""
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    stored, kv = {}, None
+    for name in needed_stores(conds):
         base = open_store(f"file://{os.path.join(store_dir, name)}")
-        pc = PrefixCache(base, mid, cfg, "cpu", policy="fixed:0", codec=codecs[name])
-        if pc.lookup(doc_ids) < (len(doc_ids) // 256) * 256:
-            if kv is None and name == "raw":  # exactly what kvcodec restores (stores prepared elsewhere ship without KV)
-                src = PrefixCache(open_store(f"file://{os.path.join(store_dir, 'kvcodec')}"), mid, cfg, device,
-                                  policy="fixed:0")
-                got = src.fetch(doc_ids, src.lookup(doc_ids))
-                if got.error is None and got.tokens_restored:
-                    kv = got.kv[:, :, :got.tokens_restored].to("cpu", torch.float16)
-            if kv is None:
-                click.echo(f"computing the {doc_tokens}-token document's KV ...", err=True)
-                if random_model:
-                    if not kv_file:
-                        raise click.ClickException("random:<arch> needs --kv-file (real KV to tile) or a prepared --store-dir")
-                    from safetensors.torch import load_file
-
-                    kv = tiled_kv(load_file(kv_file)["kv"].to(torch.float16), layers, heads, head_dim, doc_tokens)
-                else:
-                    ids, kv = extract_kv(model, tok, doc_text, max_tokens=doc_tokens)
-                    assert ids.tolist() == doc_ids
-                    kv = kv.to(torch.float16)
+        pc = PrefixCache(base, w.model_id, store_codec(s, name), "cpu", policy="fixed:0")
+        if pc.lookup(w.doc_ids) < (len(w.doc_ids) // 256) * 256:
+            kv = kv if kv is not None else document_kv(s, w, device, store_dir, from_kvcodec=name == "raw")
             t0 = time.perf_counter()
-            pc.put(doc_ids, kv)
+            pc.put(w.doc_ids, kv)
             click.echo(f"  {name}: encoded and stored in {time.perf_counter() - t0:.1f} s", err=True)
-        stored_bytes[name] = sum(base.size(k) or 0 for k in base.list())
-        click.echo(f"  {name}: {stored_bytes[name] / 1e6:.2f} MB stored", err=True)
+        stored[name] = sum(base.size(k) or 0 for k in base.list())
+        click.echo(f"  {name}: {stored[name] / 1e6:.2f} MB stored", err=True)
     os.makedirs(store_dir, exist_ok=True)
-    with open(ids_file, "w") as f:
-        json.dump(doc_ids, f)
-    if prepare_only:
-        return
-    if random_model:
-        from kvbench.ttft import build_model
+    with open(os.path.join(store_dir, "doc_ids.json"), "w") as f:
+        json.dump(w.doc_ids, f)
+    return stored
 
-        click.echo(f"building {arch} with random weights on {device} (timing only) ...", err=True)
-        model, _, _ = build_model(arch, device)
 
-    if random_model:
-        questions = [torch.randint(100, 30000, (16,), generator=g).tolist() for _ in range(1000)]
-        bg_prompts = [torch.randint(100, 30000, (64,), generator=g).tolist() for _ in range(1000)]
-    else:
-        questions = [tok(f"\n\nQuestion {i}: what is said in this text about topic number {i}? Answer:",
-                         add_special_tokens=False)["input_ids"] for i in range(1000)]
-        bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
+def document_kv(s: Settings, w: Workload, device: str, store_dir: str, from_kvcodec: bool):  # noqa: ANN201
+    """The document's fp16 KV: for the raw store exactly what kvcodec restores (stores prepared
+    elsewhere ship without KV), else tiled real KV (random:<arch>) or the model's own prefill."""
+    import torch
 
-    def run_condition(cond: str, duration: float = duration) -> dict:
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    if from_kvcodec:
+        src = PrefixCache(open_store(f"file://{os.path.join(store_dir, 'kvcodec')}"), w.model_id,
+                          store_codec(s, "kvcodec"), device, policy="fixed:0")
+        got = src.fetch(w.doc_ids, src.lookup(w.doc_ids))
+        if got.error is None and got.tokens_restored:
+            return got.kv[:, :, : got.tokens_restored].to("cpu", torch.float16)
+    click.echo(f"computing the {s.doc_tokens}-token document's KV ...", err=True)
+    if s.random_model:
+        if not s.kv_file:
+            raise click.ClickException("random:<arch> needs --kv-file (real KV to tile) or a prepared --store-dir")
+        from safetensors.torch import load_file
+
+        return tiled_kv(load_file(s.kv_file)["kv"].to(torch.float16), *w.shape, s.doc_tokens)
+    from kvcodec.integrations.hf import extract_kv
+
+    ids, kv = extract_kv(w.model, w.tok, w.doc_text, max_tokens=s.doc_tokens)
+    if ids.tolist() != w.doc_ids:
+        raise click.ClickException("the model's prefill tokenized the document differently")
+    return kv.to(torch.float16)
+
+
+class Conditions:
+    """Runs one condition: an engine (and the condition's prefix cache and NVDEC pool) for it
+    alone, background and reuse arrivals on a fixed schedule, a summary of what they saw."""
+
+    def __init__(self, s: Settings, w: Workload, device: str, store_dir: str) -> None:
+        import torch
+
+        self.s, self.w, self.device, self.store_dir = s, w, device, store_dir
+        if w.tok is None:
+            g = torch.Generator().manual_seed(1)
+            self.questions = [torch.randint(100, 30000, (16,), generator=g).tolist() for _ in range(1000)]
+            self.bg_prompts = [torch.randint(100, 30000, (64,), generator=g).tolist() for _ in range(1000)]
+        else:
+            self.questions = [w.tok(f"\n\nQuestion {i}: what is said in this text about topic number {i}? Answer:",
+                                    add_special_tokens=False)["input_ids"] for i in range(1000)]
+            self.bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
+
+    def run(self, cond: str, duration: float) -> dict:
+        from kvcodec.engine import Engine, StorePolicy
+
+        pc, pool = self.prefix_cache(cond)
+        before = live_processes()
+        eng = Engine(self.w.model, tokenizer=self.w.tok, prefix_cache=pc, reuse=pc is not None, device=self.device,
+                     store_policy=StorePolicy(enabled=False),
+                     policy="blocking" if cond == "blocking" else "fetch-aware", max_batch=self.s.max_batch)
+        try:
+            eng.generate([11, 12, 13, 14], max_new_tokens=2, reuse=False, store=False)
+            eng.start()
+            reqs, wall = self.drive(eng, self.arrivals(cond, duration))
+        finally:
+            eng.close()
+            if pool is not None:
+                pool.close()
+        return summarize(cond, reqs, wall, before)
+
+    def prefix_cache(self, cond: str):  # noqa: ANN201
+        """(the condition's prefix cache over the shaped link or None, its NVDEC pool or None)."""
+        from kvbench.net import ThrottledStore
+        from kvcodec.fetcher import PrefixCache
+        from kvcodec.store import open_store
+
         sub = store_for(cond)
-        pc = pool = None
-        if sub is not None:
-            slow = ThrottledStore(open_store(f"file://{os.path.join(store_dir, sub)}"), rate_gbit=gbit)
-            codec, workers = codecs[sub], 1
-            if cond.startswith("kvcodec-pool"):
-                from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
+        if sub is None:
+            return None, None
+        slow = ThrottledStore(open_store(f"file://{os.path.join(self.store_dir, sub)}"), rate_gbit=self.s.gbit)
+        workers, pool = 1, None
+        if cond.startswith("kvcodec-pool"):
+            from kvcodec.video.nvdec_pool import NvdecPool
 
-                workers = pool_workers(cond, nvdec_pool)
-                t_pool = time.perf_counter()
-                pool = NvdecPool(workers=workers)
-                click.echo(f"  {cond}: NVDEC pool of {workers} started in {time.perf_counter() - t_pool:.1f} s", err=True)
-                codec = PoolCodec(pool)
-            pc = PrefixCache(slow, mid, cfg, device, policy="fixed:0", codec=codec, decode_workers=workers)
-        processes_before = live_processes()
-        eng = Engine(model, tokenizer=tok, prefix_cache=pc, reuse=pc is not None, device=device,
-                     store_policy=StorePolicy(enabled=False), policy="blocking" if cond == "blocking" else "fetch-aware",
-                     max_batch=max_batch)
-        eng.generate([11, 12, 13, 14], max_new_tokens=2, reuse=False, store=False)
-        eng.start()
-        arrivals = [(i / bg_rate, "bg", i) for i in range(int(duration * bg_rate))]
+            workers = pool_workers(cond, self.s.nvdec_pool or 7)
+            t0 = time.perf_counter()
+            pool = NvdecPool(workers=workers)
+            click.echo(f"  {cond}: NVDEC pool of {workers} started in {time.perf_counter() - t0:.1f} s", err=True)
+        codec = store_codec(self.s, sub, **({"pool": pool} if pool is not None else {}))
+        pc = PrefixCache(slow, self.w.model_id, codec, self.device, policy="fixed:0", decode_workers=workers)
+        return pc, pool
+
+    def arrivals(self, cond: str, duration: float) -> list[tuple[float, str, int]]:
+        s = self.s
+        out = [(i / s.bg_rate, "bg", i) for i in range(int(duration * s.bg_rate))]
         if cond != "alone":
-            arrivals += [(0.5 / reuse_rate + j / reuse_rate, "reuse", j) for j in range(int(duration * reuse_rate))]
-        arrivals.sort()
-        reqs: list = []
-        t0 = time.perf_counter()
+            out += [(0.5 / s.reuse_rate + j / s.reuse_rate, "reuse", j) for j in range(int(duration * s.reuse_rate))]
+        return sorted(out)
+
+    def drive(self, eng, arrivals: list[tuple[float, str, int]]) -> tuple[list, float]:  # noqa: ANN001
+        """Submit every arrival at its time (from a thread of its own); wait for all to finish."""
+        from kvcodec.engine import SamplingParams
+
+        s, reqs, t0 = self.s, [], time.perf_counter()
 
         def driver() -> None:
             for at, kind, i in arrivals:
@@ -290,11 +353,11 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
                 if wait > 0:
                     time.sleep(wait)
                 if kind == "bg":
-                    r = eng.submit(bg_prompts[i], SamplingParams(max_new_tokens=bg_new_tokens, ignore_eos=True),
+                    r = eng.submit(self.bg_prompts[i], SamplingParams(max_new_tokens=s.bg_new_tokens, ignore_eos=True),
                                    reuse=False, store=False)
                 else:
-                    r = eng.submit(doc_ids + questions[i],
-                                   SamplingParams(max_new_tokens=reuse_new_tokens, ignore_eos=True), store=False)
+                    r = eng.submit(self.w.doc_ids + self.questions[i],
+                                   SamplingParams(max_new_tokens=s.reuse_new_tokens, ignore_eos=True), store=False)
                 reqs.append((kind, r))
 
         th = threading.Thread(target=driver)
@@ -302,93 +365,107 @@ def command(model_name, text, doc_tokens, bg_rate, bg_new_tokens, reuse_rate, re
         th.join()
         for _, r in reqs:
             r.done.wait()
-        wall = time.perf_counter() - t0
-        eng.close()
-        if pool is not None:
-            pool.close()
-        bg = [r for k, r in reqs if k == "bg"]
-        ru = [r for k, r in reqs if k == "reuse"]
-        res = {
-            "condition": cond, "wall_s": wall,
-            "bg_ttft_s": _summary([r.ttft for r in bg]),
-            "bg_tpot_s": _summary([r.tpot for r in bg if r.tpot is not None]),
-            "reuse_ttft_s": _summary([r.ttft for r in ru]),
-            "reuse_fetch_s": _summary([r.fetch_s for r in ru if r.fetch_s is not None]),
-            "reuse_restored_tokens": _summary([float(r.restored_tokens) for r in ru]),
-            "reuse_fetch_errors": sum(1 for r in ru if r.fetch_error),
-            # what else ran beside the engine: a drift between alone rounds that follows these is a leak
-            "python_threads_at_start": processes_before["threads"],
-            "child_processes_at_start": processes_before["children"],
-            "cuda_allocated_mb_at_start": processes_before["cuda_allocated_mb"],
-        }
-        click.echo(f"  {cond}: bg TTFT p50 {res['bg_ttft_s']['p50']:.3f} s, bg TPOT p50 {res['bg_tpot_s']['p50'] * 1e3:.1f} ms"
-                   + (f", reuse TTFT p50 {res['reuse_ttft_s']['p50']:.2f} s" if ru else ""), err=True)
-        return res
+        return reqs, time.perf_counter() - t0
 
-    if warmup > 0:  # the first seconds of a fresh engine (allocator growth, kernel autotuning) are not "alone"
-        click.echo(f"warm-up: {warmup:g} s of background arrivals, not recorded ...", err=True)
-        run_condition("alone", warmup)
+
+def summarize(cond: str, reqs: list, wall: float, before: dict) -> dict:
+    bg = [r for k, r in reqs if k == "bg"]
+    ru = [r for k, r in reqs if k == "reuse"]
+    res = {
+        "condition": cond, "wall_s": wall,
+        "bg_ttft_s": _summary([r.ttft for r in bg]),
+        "bg_tpot_s": _summary([r.tpot for r in bg if r.tpot is not None]),
+        "reuse_ttft_s": _summary([r.ttft for r in ru]),
+        "reuse_fetch_s": _summary([r.fetch_s for r in ru if r.fetch_s is not None]),
+        "reuse_restored_tokens": _summary([float(r.restored_tokens) for r in ru]),
+        "reuse_fetch_errors": sum(1 for r in ru if r.fetch_error),
+        # what else ran beside the engine: a drift between alone rounds that follows these is a leak
+        "python_threads_at_start": before["threads"],
+        "child_processes_at_start": before["children"],
+        "cuda_allocated_mb_at_start": before["cuda_allocated_mb"],
+    }
+    click.echo(f"  {cond}: bg TTFT p50 {res['bg_ttft_s']['p50']:.3f} s, bg TPOT p50 {res['bg_tpot_s']['p50'] * 1e3:.1f} ms"
+               + (f", reuse TTFT p50 {res['reuse_ttft_s']['p50']:.2f} s" if ru else ""), err=True)
+    return res
+
+
+def run_rounds(s: Settings, conds: list[str], runner: Conditions) -> list[dict]:
+    """A warm-up, then the condition list `s.rounds` times, interleaved: slow drift of the
+    machine hits every condition alike."""
+    if s.warmup > 0:  # the first seconds of a fresh engine (allocator growth, kernel autotuning) are not "alone"
+        click.echo(f"warm-up: {s.warmup:g} s of background arrivals, not recorded ...", err=True)
+        runner.run("alone", s.warmup)
     results = []
-    for rnd in range(rounds):  # interleaved rounds: slow drift of the machine hits every condition alike
+    for rnd in range(s.rounds):
         for cond in conds:
-            click.echo(f"round {rnd + 1}/{rounds}: condition {cond} ({duration:g} s of arrivals) ...", err=True)
-            results.append({**run_condition(cond), "round": rnd})
-    if tmp is not None:
-        tmp.cleanup()
+            click.echo(f"round {rnd + 1}/{s.rounds}: condition {cond} ({s.duration:g} s of arrivals) ...", err=True)
+            results.append({**runner.run(cond, s.duration), "round": rnd})
+    return results
+
+
+def record(s: Settings, w: Workload, device: str, conds: list[str], stored: dict, results: list[dict]) -> dict:
     label = "gpu" if device.startswith("cuda") else "cpu"
-    rec = {
-        "benchmark": "interference", "command": command_line(), "machine": machine(), "device": device, "label": label,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "model": model_name, "random_weights": random_model, "kv_tiled_from": kv_file if random_model else None,
-        "doc_tokens": len(doc_ids), "link_gbit": gbit, "bg_rate": bg_rate, "reuse_rate": reuse_rate,
-        "bg_new_tokens": bg_new_tokens, "reuse_new_tokens": reuse_new_tokens, "duration_s": duration, "warmup_s": warmup, "rounds": rounds,
-        "stored_bytes": stored_bytes, "sm_codec": sm_codec,
-        "nvdec_pool": {c: pool_workers(c, nvdec_pool) for c in conds if c.startswith("kvcodec-pool")},
+    return {
+        "benchmark": "interference", "command": command_line("interference"), "machine": machine(),
+        "device": device, "label": label, "time": utc_now(),
+        "model": s.model_name, "random_weights": s.random_model, "kv_tiled_from": s.kv_file if s.random_model else None,
+        "doc_tokens": len(w.doc_ids), "link_gbit": s.gbit, "bg_rate": s.bg_rate, "reuse_rate": s.reuse_rate,
+        "bg_new_tokens": s.bg_new_tokens, "reuse_new_tokens": s.reuse_new_tokens, "duration_s": s.duration,
+        "warmup_s": s.warmup, "rounds": s.rounds, "stored_bytes": stored, "sm_codec": s.sm_codec,
+        "nvdec_pool": {c: pool_workers(c, s.nvdec_pool or 7) for c in conds if c.startswith("kvcodec-pool")},
         "notes": ("GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores" if label == "gpu" else
                   "CPU run: every decoder (HEVC and the sm-decoder stand-in) runs on the same CPU cores as the model, "
                   "so only the scheduling effects (blocking vs fetch-aware) carry over to a GPU"),
+        "conditions": conds,
         "results": results,
     }
-    out_path = out_path or os.path.join("benchmarks", "results", f"interference-{label}.json")
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(rec, f, indent=2)
+
+
+def markdown(doc: dict) -> list[str]:
+    return [f"# Interference ({doc['label']}): {doc['model']}, {doc['doc_tokens']}-token stored document, "
+            f"link {doc['link_gbit']:g} Gbit/s", "", f"`{doc['command']}`", "", doc["notes"], "",
+            *rounds_table(doc["results"], doc["rounds"]), *medians_table(doc["results"], doc["conditions"], doc["rounds"])]
+
+
+def rounds_table(results: list[dict], rounds: int) -> list[str]:
     ref = results[0]
 
     def rel(r: dict, key: str) -> str:
         a, b = r[key]["p50"], ref[key]["p50"]
         return f"{a * 1e3:.1f} ({a / b:.2f}x)" if a is not None and b else "-"
 
-    md = [f"# Interference ({label}): {model_name}, {len(doc_ids)}-token stored document, link {gbit:g} Gbit/s", "",
-          f"`{rec['command']}`", "", rec["notes"], "",
-          "| condition | bg TTFT p50 ms (vs first) | bg TTFT p90 ms | bg TPOT p50 ms (vs first) | bg TPOT p90 ms | reuse TTFT p50 s | reuse fetch p50 s |",
-          "|---|---|---|---|---|---|---|"]
+    def num(v: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
+        return format(v * scale, fmt) if v is not None else "-"
+
+    md = ["| condition | bg TTFT p50 ms (vs first) | bg TTFT p90 ms | bg TPOT p50 ms (vs first) | bg TPOT p90 ms "
+          "| reuse TTFT p50 s | reuse fetch p50 s |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        p90t = r["bg_ttft_s"]["p90"]
-        p90p = r["bg_tpot_s"]["p90"]
-        rt = r["reuse_ttft_s"]["p50"]
-        rf = r["reuse_fetch_s"]["p50"]
         name = f"{r['condition']} (round {r['round'] + 1})" if rounds > 1 else r["condition"]
-        md.append(f"| {name} | {rel(r, 'bg_ttft_s')} | {p90t * 1e3 if p90t else 0:.1f} | {rel(r, 'bg_tpot_s')} | "
-                  f"{p90p * 1e3 if p90p else 0:.1f} | {f'{rt:.2f}' if rt is not None else '-'} | {f'{rf:.2f}' if rf is not None else '-'} |")
-    if rounds > 1 and "alone" in conds:
-        refs = ["alone"] + (["raw"] if "raw" in conds else [])
-        md += ["", f"Median over {rounds} interleaved rounds of each condition's p50, relative to the same round's "
-               + " and ".join(refs) + (" (raw: the reuse requests' own cost, no decoder)" if "raw" in refs else "") + ":", "",
-               "| condition | " + " | ".join(f"bg TTFT p50 vs {r} | bg TPOT p50 vs {r}" for r in refs) + " |",
-               "|---|" + "---|---|" * len(refs)]
-        for cond in dict.fromkeys(conds):
-            cells = []
-            for ref_cond in refs:
-                for key in ("bg_ttft_s", "bg_tpot_s"):
-                    ratios = [r[key]["p50"] / a[key]["p50"] for r, a in _paired_with(results, cond, ref_cond)
-                              if r[key]["p50"] and a[key]["p50"]]
-                    cells.append(f"{statistics.median(ratios):.3f}x" if ratios else "-")
-            md.append(f"| {cond} | " + " | ".join(cells) + " |")
-    with open(out_path.replace(".json", ".md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    click.echo("\n".join(md))
-    click.echo(f"wrote {out_path}", err=True)
+        md.append(f"| {name} | {rel(r, 'bg_ttft_s')} | {num(r['bg_ttft_s']['p90'], 1e3, '.1f')} | {rel(r, 'bg_tpot_s')} "
+                  f"| {num(r['bg_tpot_s']['p90'], 1e3, '.1f')} | {num(r['reuse_ttft_s']['p50'])} "
+                  f"| {num(r['reuse_fetch_s']['p50'])} |")
+    return md
+
+
+def medians_table(results: list[dict], conds: list[str], rounds: int) -> list[str]:
+    """Each condition's median over rounds of its p50 relative to the same round's alone (and raw)."""
+    if rounds <= 1 or "alone" not in conds:
+        return []
+    refs = ["alone"] + (["raw"] if "raw" in conds else [])
+    md = ["", f"Median over {rounds} interleaved rounds of each condition's p50, relative to the same round's "
+          + " and ".join(refs) + (" (raw: the reuse requests' own cost, no decoder)" if "raw" in refs else "") + ":", "",
+          "| condition | " + " | ".join(f"bg TTFT p50 vs {r} | bg TPOT p50 vs {r}" for r in refs) + " |",
+          "|---|" + "---|---|" * len(refs)]
+    for cond in dict.fromkeys(conds):
+        cells = []
+        for ref_cond in refs:
+            for key in ("bg_ttft_s", "bg_tpot_s"):
+                ratios = [r[key]["p50"] / a[key]["p50"] for r, a in _paired_with(results, cond, ref_cond)
+                          if r[key]["p50"] and a[key]["p50"]]
+                cells.append(f"{statistics.median(ratios):.3f}x" if ratios else "-")
+        md.append(f"| {cond} | " + " | ".join(cells) + " |")
+    return md
+
 
 
 def store_for(condition: str) -> str | None:

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 
 import click
 
-from kvbench.ttft import METHOD_LABELS
+from kvbench.methods import LABELS as METHOD_LABELS
 from kvcodec.errors import ConfigError
 
 DEFAULT_RESULTS = os.path.join("benchmarks", "results")

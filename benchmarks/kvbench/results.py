@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import click
+
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
 """benchmarks/results/ of the source tree this package lives in."""
 
@@ -30,10 +32,16 @@ def result_path(path: str | os.PathLike | None, default_stem: str, suffix: str =
 
 def command_line(bench: str, argv: Sequence[str] | None = None) -> str:
     """`kvcodec bench <bench> <its arguments>`, read from argv (default sys.argv) after the
-    benchmark's own name; everything before it (program path, group options) is left out."""
+    benchmark's own name; everything before it (program path, group options) is left out. Where
+    argv does not name the benchmark (called from Python, e.g. a test), the arguments are the
+    current click command's parameters."""
     args = list(sys.argv[1:] if argv is None else argv)
     if bench in args:
         args = args[args.index(bench) + 1 :]
+    else:
+        ctx = click.get_current_context(silent=True)
+        params = ctx.params.items() if ctx is not None else ()
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in params if v is not None]
     return " ".join(["kvcodec", "bench", bench, *map(shlex.quote, args)])
 
 

@@ -25,20 +25,7 @@ import statistics
 
 import click
 
-LARGE = {
-    # name: (transformers config class, kwargs, KV-statistics source model)
-    "llama3-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                      rope_theta=500000.0, max_position_embeddings=131072), "smollm2-135m"),
-    "qwen2.5-7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                       rope_theta=1000000.0, max_position_embeddings=32768), "qwen2.5-coder-0.5b"),
-    # small stand-in for smoke tests of the random-weight paths on a CPU
-    "llama-tiny": ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
-                                       max_position_embeddings=4096), "smollm2-135m"),
-}
-METHOD_LABELS = {"raw": "raw fp16 KV", "zstd-3": "zstd-3 KV", "cachegen": "CacheGen-style", "prefill": "full prefill"}
+
 
 
 def machine() -> dict:
@@ -100,31 +87,6 @@ def kv_statistics(kv_model: str, tokens: int, methods: list[str], resolution: tu
         out["methods"][m] = row
         click.echo(f"  {kv_model} {m}: {row['ratio_vs_fp16']:.2f}x, decode {row['decode_GBps_fp16']:.3f} GB/s (cpu)", err=True)
     return out
-
-
-def build_model(target: str, device: str):  # noqa: ANN201
-    """(model, kv fp16 bytes per token, is_random_weights)."""
-    import torch
-
-    if target in LARGE:
-        import transformers
-
-        cls, kw, _ = LARGE[target]
-        cfg = getattr(transformers, cls)(**kw)
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        random = True
-    else:
-        from kvcodec.models import load_model
-
-        model, _ = load_model(target)
-        model = model.to(device)
-        random = False
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 2
-    return model.eval(), per_token, random
 
 
 def time_prefill(model, tokens: int, suffix: int, device: str, repeat: int) -> tuple[float, float]:  # noqa: ANN001
