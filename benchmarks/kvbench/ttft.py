@@ -25,31 +25,10 @@ import statistics
 
 import click
 
-
-
-
-def machine() -> dict:
-    import os
-    import platform
-
-    import torch
-
-    m = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-         "torch": torch.__version__, "threads": torch.get_num_threads()}
-    try:
-        m["loadavg_1m"] = os.getloadavg()[0]  # the CPU is shared: a load above the core count slows every timing
-    except OSError:
-        pass
-    if torch.cuda.is_available():
-        m["gpu"] = torch.cuda.get_device_name(0)
-    return m
-
-
-def command_line() -> str:
-    import shlex
-    import sys
-
-    return "kvcodec " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+from kvbench.methods import LABELS as METHOD_LABELS
+from kvbench.methods import method_codec
+from kvbench.results import command_line, machine, result_path, utc_now, write_result
+from kvbench.workloads import LARGE, build_model
 
 
 def kv_statistics(kv_model: str, tokens: int, methods: list[str], resolution: tuple[int, int], text: str) -> dict:
@@ -175,12 +154,10 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
 
     import torch
 
-    from kvbench.interference import BaselineChunkCodec
     from kvbench.net import ThrottledStore
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.fetcher import PrefixCache
-    from kvcodec.fetcher.rawcodec import RawCodec
     from kvcodec.models import load_model, model_id
     from kvcodec.models.texts import load_text
     from kvcodec.store import open_store
@@ -203,19 +180,11 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvcodec-ttft-") as tmp:
         stores = {}
-        for m in meths:
-            codec = {"raw": RawCodec(("raw",)), "zstd-3": RawCodec(("zstd",), zstd_level=3)}.get(m)
-            if m.startswith("kvcodec-"):  # stored with the CPU encoder; the pool only decodes
-                codec, mcfg = None, CodecConfig(quant=m.split("-", 1)[1], chunk_tokens=256, resolutions=(resolution,))
-            else:
-                codec, mcfg = codec or BaselineChunkCodec(m), cfg
+        for m in meths:  # stored with the CPU encoder; a pool only decodes
             url = f"file://{tmp}/{m}"
-            PrefixCache(open_store(url), mid, mcfg, "cpu", policy="fixed:0", codec=codec).put(ids, kv.to(torch.float16))
-            if pool is not None and m.startswith("kvcodec-"):
-                from kvcodec.video.nvdec_pool import PoolCodec
-
-                codec = PoolCodec(pool)
-            stores[m] = (url, codec, mcfg)
+            PrefixCache(open_store(url), mid, method_codec(m, cfg), "cpu", policy="fixed:0").put(ids, kv.to(torch.float16))
+            pooled = pool is not None and m.startswith("kvcodec-")
+            stores[m] = (url, method_codec(m, cfg, **({"pool": pool} if pooled else {})))
             click.echo(f"  e2e: stored {m}", err=True)
         with Engine(model, tokenizer=tok, reuse=False, store_policy=StorePolicy(enabled=False), device=device) as eng:
             eng.generate(prompt[:64], max_new_tokens=1)
@@ -225,10 +194,10 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
         click.echo(f"  e2e: full prefill {full:.3f} s", err=True)
 
         def reuse_run(m: str, bw: float):  # noqa: ANN202
-            url, codec, mcfg = stores[m]
+            url, codec = stores[m]
             workers = pool.workers if pool is not None else 1  # every method decodes with as many threads
-            pc = PrefixCache(ThrottledStore(open_store(url), rate_gbit=bw), mid, mcfg, device, policy="fixed:0",
-                             codec=codec, decode_workers=workers)
+            pc = PrefixCache(ThrottledStore(open_store(url), rate_gbit=bw), mid, codec, device, policy="fixed:0",
+                             decode_workers=workers)
             with Engine(model, tokenizer=tok, prefix_cache=pc, store_policy=StorePolicy(enabled=False), device=device) as eng:
                 return eng.generate(prompt, max_new_tokens=new_tokens, ignore_eos=True)[0]
 
@@ -286,12 +255,11 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
               help="--e2e on a GPU: decode and restore kvcodec chunks in an NVDEC pool of this many worker processes "
                    "(0: the fetcher's in-process decoder).")
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
+
+
 def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, methods, resolution, stats_file,
             nvdec_gbit, decode_rate, device, repeat, out_path, threads, e2e_new_tokens, e2e_mode, nvdec_pool) -> None:  # noqa: ANN001
     """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
-    import json
-    import os
-    import time
 
     import torch
 
@@ -304,52 +272,64 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
     w, h = (int(v) for v in resolution.lower().split("x"))
     overrides = {k: float(v) for k, v in (o.split("=", 1) for o in decode_rate)}
     token_counts = [int(t) for t in str(tokens_list).split(",") if t.strip()]
-    tokens = token_counts[0]
     if e2e_mode:
-        rows = []
-        pool = None
-        if nvdec_pool:
-            if not gpu:
-                raise click.ClickException("--nvdec-pool needs --device cuda")
-            from kvcodec.video.nvdec_pool import NvdecPool
+        return e2e_command(kv_models, token_counts, e2e_new_tokens, bws, meths, w, h, text, device, gpu, nvdec_pool,
+                           repeat, out_path)
+    return modeled_command(targets, kv_models, text, token_counts, suffix_tokens, bws, meths, w, h, stats_file,
+                           overrides, nvdec_gbit, device, gpu, repeat, out_path)
 
-            pool = NvdecPool(workers=nvdec_pool)
-        try:
-            for km in kv_models.split(","):
-                for n in token_counts:
-                    rows += e2e(km, n, e2e_new_tokens, bws, meths, (w, h), text, device, pool, repeat)
-        finally:
-            if pool is not None:
-                pool.close()
-        label = ("gpu" if gpu else "cpu") + "-e2e"
-        rec = {"benchmark": "ttft", "mode": "measured end to end", "command": command_line(), "machine": machine(),
-               "device": device, "label": label, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "nvdec_pool_workers": nvdec_pool or None,
-               "notes": "engine TTFT (arrival -> first token), one request at a time, prefix KV restored through the "
-                        "fetcher over an in-process token-bucket link, median of --repeat runs after one warm-up fetch per "
-                        "method; the stored KV is the engine's own prefill of the prefix on this device; decoders run on " + device
-                        + (f" (kvcodec: an NVDEC pool of {nvdec_pool} worker processes; every method fetches with "
-                           f"{nvdec_pool} decode threads)" if nvdec_pool else "") + ". 'same answer': "
-                        f"the {e2e_new_tokens} greedy answer tokens equal full prefill's, at every bandwidth",
-               "rows": rows}
-        out_path = out_path or os.path.join("benchmarks", "results", f"ttft-{label}.json")
-        os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-        with open(out_path, "w") as f:
-            json.dump(rec, f, indent=2)
-        md = [f"# TTFT vs bandwidth, measured end to end ({label})", "", f"`{rec['command']}`", "", rec["notes"], "",
-              "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths) + " |",
-              "|---|---|---|" + "---|" * (len(meths) + 1)]
+
+def e2e_command(kv_models: str, token_counts: list[int], e2e_new_tokens: int, bws: list[float], meths: list[str],
+                w: int, h: int, text: str, device: str, gpu: bool, nvdec_pool: int, repeat: int, out_path) -> None:  # noqa: ANN001
+    """--e2e: TTFT measured through the engine for every model, prefix length, bandwidth and method."""
+    rows = []
+    pool = None
+    if nvdec_pool:
+        if not gpu:
+            raise click.ClickException("--nvdec-pool needs --device cuda")
+        from kvcodec.video.nvdec_pool import NvdecPool
+
+        pool = NvdecPool(workers=nvdec_pool)
+    try:
         for km in kv_models.split(","):
             for n in token_counts:
-                for bw in bws:
-                    sel = {r["method"]: r for r in rows if r["model"] == km and r["tokens"] == n and r["bandwidth_gbit"] == bw}
-                    md.append(f"| {km} | {n} | {bw:g} | " + " | ".join(f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths) + " |")
-            same = {m: all(r["answer_identical_to_prefill"] for r in rows if r["model"] == km and r["method"] == m) for m in meths}
-            md.append(f"| {km} | same answer | | yes | " + " | ".join("yes" if same[m] else "NO" for m in meths) + " |")
-        with open(out_path.replace(".json", ".md"), "w") as f:
-            f.write("\n".join(md) + "\n")
-        click.echo("\n".join(md))
-        return
+                rows += e2e(km, n, e2e_new_tokens, bws, meths, (w, h), text, device, pool, repeat)
+    finally:
+        if pool is not None:
+            pool.close()
+    label = ("gpu" if gpu else "cpu") + "-e2e"
+    rec = {"benchmark": "ttft", "mode": "measured end to end", "command": command_line("ttft"), "machine": machine(),
+           "device": device, "label": label, "time": utc_now(),
+           "nvdec_pool_workers": nvdec_pool or None,
+           "notes": "engine TTFT (arrival -> first token), one request at a time, prefix KV restored through the "
+                    "fetcher over an in-process token-bucket link, median of --repeat runs after one warm-up fetch per "
+                    "method; the stored KV is the engine's own prefill of the prefix on this device; decoders run on " + device
+                    + (f" (kvcodec: an NVDEC pool of {nvdec_pool} worker processes; every method fetches with "
+                       f"{nvdec_pool} decode threads)" if nvdec_pool else "") + ". 'same answer': "
+                    f"the {e2e_new_tokens} greedy answer tokens equal full prefill's, at every bandwidth",
+           "rows": rows}
+    md = [f"# TTFT vs bandwidth, measured end to end ({label})", "", f"`{rec['command']}`", "", rec["notes"], "",
+          "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths) + " |",
+          "|---|---|---|" + "---|" * (len(meths) + 1)]
+    for km in kv_models.split(","):
+        for n in token_counts:
+            for bw in bws:
+                sel = {r["method"]: r for r in rows if r["model"] == km and r["tokens"] == n and r["bandwidth_gbit"] == bw}
+                md.append(f"| {km} | {n} | {bw:g} | " + " | ".join(f"{sel[m]['ttft_s']:.3f}" for m in ["prefill"] + meths) + " |")
+        same = {m: all(r["answer_identical_to_prefill"] for r in rows if r["model"] == km and r["method"] == m) for m in meths}
+        md.append(f"| {km} | same answer | | yes | " + " | ".join("yes" if same[m] else "NO" for m in meths) + " |")
+    path = write_result(result_path(out_path, f"ttft-{label}"), rec, md)
+    click.echo("\n".join(md))
+    click.echo(f"wrote {path}", err=True)
+
+
+def modeled_command(targets, kv_models: str, text: str, token_counts: list[int], suffix_tokens: int, bws: list[float],
+                    meths: list[str], w: int, h: int, stats_file, overrides: dict, nvdec_gbit: float, device: str,
+                    gpu: bool, repeat: int, out_path) -> None:  # noqa: ANN001
+    """TTFT modeled from measured parts (see the module's docstring)."""
+    import json
+
+    tokens = token_counts[0]
     if stats_file:
         with open(stats_file) as f:
             stats = json.load(f)["kv_stats"]
@@ -359,54 +339,12 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
     tlist = targets.split(",") if targets else (["llama3-8b", "qwen2.5-7b"] if gpu else list(stats))
     rows, targets_info = [], {}
     for target in tlist:
-        src = LARGE[target][2] if target in LARGE else target
-        if src not in stats:
-            raise click.ClickException(f"no KV statistics for {src} (needed by {target})")
-        st = stats[src]
-        click.echo(f"timing prefill of {target} on {device} ...", err=True)
-        model, per_token, random = build_model(target, device)
-        timings = {n: time_prefill(model, n, suffix_tokens, device, repeat) for n in token_counts}
-        del model
-        if gpu:
-            torch.cuda.empty_cache()
-        targets_info[target] = {"kv_stats_from": src, "random_weights": random, "kv_fp16_bytes_per_token": per_token,
-                                "bytes_scaled_from_real_kv": src != target, "by_tokens": {}}
-        for n, (full_s, suffix_s) in timings.items():
-            fp16 = per_token * n
-            chunks = max(1, n // 256)
-            rates = {}
-            for m in meths:
-                r = st["methods"][m]["decode_GBps_fp16"]
-                where = "cpu (measured on the KV-statistics machine)"
-                if gpu and m == "raw":
-                    r, where = h2d_GBps(min(fp16, 1 << 30)), "host-to-device copy (measured)"
-                elif gpu and m.startswith("kvcodec"):
-                    coded = fp16 / st["methods"][m]["ratio_vs_fp16"]
-                    r, where = fp16 / (coded * 8 / (nvdec_gbit * 1e9)) / 1e9, f"NVDEC at {nvdec_gbit:g} Gbit/s coded (--nvdec-gbit)"
-                if m in overrides:
-                    r, where = overrides[m], "--decode-rate override"
-                rates[m] = {"decode_GBps_fp16": r, "source": where}
-            targets_info[target]["by_tokens"][str(n)] = {"prefill_s": full_s, "suffix_prefill_s": suffix_s, "decode_rates": rates}
-            click.echo(f"  prefill {n}+{suffix_tokens} tokens: {full_s:.3f} s; suffix only: {suffix_s:.3f} s", err=True)
-            for bw in bws:
-                res = {"prefill": {"ttft_s": full_s, "bytes": 0, "transfer_s": 0.0, "decode_s": 0.0}}
-                for m in meths:
-                    nbytes = fp16 / st["methods"][m]["ratio_vs_fp16"]
-                    f, x, d = fetch_time(nbytes, fp16, bw, rates[m]["decode_GBps_fp16"], chunks)
-                    res[m] = {"ttft_s": f + suffix_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
-                for m, r in res.items():
-                    rows.append({
-                        "model": target, "tokens": n, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
-                        "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
-                        "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
-                        "speedup_vs_prefill": full_s / r["ttft_s"],
-                        "bytes": r["bytes"], "transfer_s": r["transfer_s"], "decode_s": r["decode_s"],
-                        "device": "gpu" if gpu else "cpu", "suffix_tokens": suffix_tokens,
-                    })
+        rows += target_rows(target, stats, token_counts, suffix_tokens, bws, meths, overrides, nvdec_gbit, device, gpu,
+                            repeat, targets_info)
     label = "gpu" if gpu else "cpu"
     rec = {
-        "benchmark": "ttft", "command": command_line(), "machine": machine(), "device": device, "label": label,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "benchmark": "ttft", "command": command_line("ttft"), "machine": machine(), "device": device, "label": label,
+        "time": utc_now(),
         "model_of_ttft": "fetch = max(X, D) + min(X, D)/chunks (256-token chunks), X = bytes/bandwidth, D = decode; "
                          "TTFT = fetch + suffix prefill; full prefill measured directly",
         "notes": ("prefill of llama3-8b/qwen2.5-7b: full-size architectures with random weights, timing only; bytes "
@@ -415,15 +353,64 @@ def command(targets, kv_models, text, tokens_list, suffix_tokens, bandwidths, me
                   "(kvcodec = software HEVC decode, which is what makes it slow here; NVDEC is the design point)"),
         "kv_stats": stats, "targets": targets_info, "rows": rows,
     }
-    out_path = out_path or os.path.join("benchmarks", "results", f"ttft-{label}.json")
-    os.makedirs(os.path.dirname(out_path) or ".", exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(rec, f, indent=2)
     md = modeled_markdown(rec)
-    with open(out_path.replace(".json", ".md"), "w") as f:
-        f.write("\n".join(md) + "\n")
+    path = write_result(result_path(out_path, f"ttft-{label}"), rec, md)
     click.echo("\n".join(md))
-    click.echo(f"wrote {out_path}", err=True)
+    click.echo(f"wrote {path}", err=True)
+
+
+def target_rows(target: str, stats: dict, token_counts: list[int], suffix_tokens: int, bws: list[float],
+                meths: list[str], overrides: dict, nvdec_gbit: float, device: str, gpu: bool, repeat: int,
+                targets_info: dict) -> list[dict]:
+    """Modeled TTFT rows of one target model: its prefill timed here, fetch from the KV statistics."""
+    import torch
+
+    rows = []
+    src = LARGE[target][2] if target in LARGE else target
+    if src not in stats:
+        raise click.ClickException(f"no KV statistics for {src} (needed by {target})")
+    st = stats[src]
+    click.echo(f"timing prefill of {target} on {device} ...", err=True)
+    model, per_token, random = build_model(target, device)
+    timings = {n: time_prefill(model, n, suffix_tokens, device, repeat) for n in token_counts}
+    del model
+    if gpu:
+        torch.cuda.empty_cache()
+    targets_info[target] = {"kv_stats_from": src, "random_weights": random, "kv_fp16_bytes_per_token": per_token,
+                            "bytes_scaled_from_real_kv": src != target, "by_tokens": {}}
+    for n, (full_s, suffix_s) in timings.items():
+        fp16 = per_token * n
+        chunks = max(1, n // 256)
+        rates = {}
+        for m in meths:
+            r = st["methods"][m]["decode_GBps_fp16"]
+            where = "cpu (measured on the KV-statistics machine)"
+            if gpu and m == "raw":
+                r, where = h2d_GBps(min(fp16, 1 << 30)), "host-to-device copy (measured)"
+            elif gpu and m.startswith("kvcodec"):
+                coded = fp16 / st["methods"][m]["ratio_vs_fp16"]
+                r, where = fp16 / (coded * 8 / (nvdec_gbit * 1e9)) / 1e9, f"NVDEC at {nvdec_gbit:g} Gbit/s coded (--nvdec-gbit)"
+            if m in overrides:
+                r, where = overrides[m], "--decode-rate override"
+            rates[m] = {"decode_GBps_fp16": r, "source": where}
+        targets_info[target]["by_tokens"][str(n)] = {"prefill_s": full_s, "suffix_prefill_s": suffix_s, "decode_rates": rates}
+        click.echo(f"  prefill {n}+{suffix_tokens} tokens: {full_s:.3f} s; suffix only: {suffix_s:.3f} s", err=True)
+        for bw in bws:
+            res = {"prefill": {"ttft_s": full_s, "bytes": 0, "transfer_s": 0.0, "decode_s": 0.0}}
+            for m in meths:
+                nbytes = fp16 / st["methods"][m]["ratio_vs_fp16"]
+                f, x, d = fetch_time(nbytes, fp16, bw, rates[m]["decode_GBps_fp16"], chunks)
+                res[m] = {"ttft_s": f + suffix_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
+            for m, r in res.items():
+                rows.append({
+                    "model": target, "tokens": n, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
+                    "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
+                    "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
+                    "speedup_vs_prefill": full_s / r["ttft_s"],
+                    "bytes": r["bytes"], "transfer_s": r["transfer_s"], "decode_s": r["decode_s"],
+                    "device": "gpu" if gpu else "cpu", "suffix_tokens": suffix_tokens,
+                })
+    return rows
 
 
 def modeled_markdown(rec: dict) -> list[str]:
