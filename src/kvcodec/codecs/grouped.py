@@ -109,6 +109,15 @@ class GroupedCodec:
         return self.inner.chunk_tokens
 
     @property
+    def config(self) -> Any:
+        """The inner codec's CodecConfig (None when it has none)."""
+        return getattr(self.inner, "config", None)
+
+    def decoder_name(self, device: str | torch.device) -> str:
+        name = getattr(self.inner, "decoder_name", None)
+        return f"grouped:{name(device) if name else type(self.inner).__name__}"
+
+    @property
     def resolutions(self) -> tuple[tuple[int, int], ...]:
         return self.inner.resolutions
 

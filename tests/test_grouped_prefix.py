@@ -1,0 +1,73 @@
+"""GroupedPrefixCache: store, look up and fetch prefixes of multi-group KV through a real store."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcodec.codecs import make_codec
+from kvcodec.errors import ShapeError
+from kvcodec.fetcher.grouped import GroupedPrefixCache
+from kvcodec.fetcher.keys import blob_key, meta_key
+from kvcodec.kvspec import GroupedKV, KVSpec, LayerSpec
+from kvcodec.store import open_store
+
+SPEC = KVSpec((LayerSpec("sliding", (2, 8), (2, 8), keep=5), LayerSpec("mla", (1, 16), (1, 8)),
+               LayerSpec("full", (2, 8), (2, 8))), "float16")
+CT = 8
+
+
+def _kv(stop: int) -> GroupedKV:
+    torch.manual_seed(stop)
+    kv = GroupedKV.empty(SPEC, stop, window=False)
+    for t in kv.tensors:
+        t.copy_(torch.randn(t.shape))
+    return kv
+
+
+@pytest.fixture
+def cache():
+    return GroupedPrefixCache(open_store("memory://"), "test-model", make_codec("raw", chunk_tokens=CT), spec=SPEC)
+
+
+def test_put_lookup_fetch_shorter_prefix(cache):
+    ids = list(range(100, 130))
+    kv = _kv(30)
+    assert cache.put(ids, kv) == 4
+    assert cache.put(ids, kv) == 0  # idempotent
+    other = ids[:16] + [7] * 10  # shares two chunks
+    assert cache.lookup(other) == 16
+    res = cache.fetch(other, 16, out=cache.target(16))
+    assert res.ok and res.tokens_restored == 16 and res.stats.chunks_restored == 2
+    assert res.kv.equal(kv.view(0, 16))
+    assert res.kv.prefix(16).equal(kv.prefix(16))
+
+
+def test_only_complete_chunks_are_stored(cache):
+    ids = list(range(33))
+    windowed = _kv(33).prefix(33)  # the sliding group holds positions 28..32 only
+    assert windowed.starts == (28, 0, 0, 0)
+    assert cache.put(ids, windowed) == 1  # chunk 4 (32) is the only one all groups hold whole
+    assert cache.lookup(ids) == 0 and cache.store.exists(meta_key(cache.keys(ids)[4]))
+
+
+def test_damaged_chunk_is_dropped_and_the_fetch_stops(cache):
+    ids = list(range(24))
+    cache.put(ids, _kv(24))
+    k1 = cache.keys(ids)[1]
+    blob = bytearray(cache.store.get(blob_key(k1, 0)))
+    blob[-2] ^= 1
+    cache.store.put(blob_key(k1, 0), bytes(blob))
+    res = cache.fetch(ids, 24)
+    assert res.tokens_restored == 8 and res.error is not None and res.stats.chunks_dropped == 1
+    assert not cache.store.exists(meta_key(k1))
+    assert cache.lookup(ids) == 8
+
+
+def test_wrong_inputs_are_errors(cache):
+    with pytest.raises(ShapeError):
+        cache.put(list(range(8)), torch.zeros(1, 2, 8, 1, 4))
+    with pytest.raises(ShapeError):
+        cache.put(list(range(4)), _kv(8))
+    with pytest.raises(ShapeError):
+        cache.fetch(list(range(8)), 8, out=GroupedKV.empty(SPEC, 8))  # windowed: lacks sliding history
