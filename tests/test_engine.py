@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import threading
 
 import pytest
 
@@ -124,3 +125,58 @@ def test_batched_decode_matches_one_by_one(smol):
             outs[batched] = [o.token_ids for o in eng.generate(prompts, max_new_tokens=6, ignore_eos=True)]
     assert outs[True] == outs[False]
     assert all(len(t) == 6 for t in outs[True])
+
+
+def test_a_failing_sequence_ends_alone(smol):
+    """A request that faults in sampling (top_p=0 with temperature>0, which the door refuses) is
+    placed straight in the scheduler: it alone ends with 'error', its batch neighbours finish."""
+    from kvcodec.engine import Request
+
+    with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
+        ps = ["The capital of France is", "One, two, three,"]
+        alone = [o.token_ids for o in eng.generate(ps, max_new_tokens=4, ignore_eos=True)]
+        good = [eng.submit(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in ps]
+        bad = Request(prompt_ids=eng.encode("Hello there"), params=SamplingParams(temperature=1.0, top_p=0.0))
+        bad.generator = torch.Generator().manual_seed(0)
+        eng.scheduler.add(bad)
+        while not all(r.finished for r in [*good, bad]):
+            eng.step()
+        assert bad.finish_reason == "error" and bad.error
+        assert [r.finish_reason for r in good] == ["length", "length"]
+        assert [r.output_ids for r in good] == alone
+        with pytest.raises(Exception, match="top_p"):
+            eng.submit("Hello", SamplingParams(temperature=1.0, top_p=0.0))
+
+
+def test_long_prompt_prefills_in_chunks_while_others_decode(smol):
+    with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False),
+                     prefill_chunk_tokens=16) as eng:
+        long_p = DOC * 2 + "Who keeps a canoe?"
+        one_shot = make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False))
+        with one_shot:
+            ref = one_shot.generate(long_p, max_new_tokens=3, ignore_eos=True)[0].token_ids
+        short = eng.submit("Count: one, two,", SamplingParams(max_new_tokens=12, ignore_eos=True))
+        eng.step()  # short is prefilled and decoding
+        long_r = eng.submit(long_p, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        while not (short.finished and long_r.finished):
+            eng.step()
+        assert long_r.prompt_len > 8 * 16
+        during = [t for t in short.token_times if long_r.scheduled_time < t < long_r.first_token_time]
+        assert len(during) >= 4  # short kept decoding while long was being prefilled
+        assert long_r.output_ids == ref
+
+
+def test_store_queue_is_bounded(smol):
+    """Stores past the queue bound are dropped and counted, never queued without limit."""
+    with make_engine(smol, "memory://", reuse=False, store_queue=1) as eng:
+        gate = threading.Event()
+        put = eng.prefix_cache.put
+        eng.prefix_cache.put = lambda ids, kv: (gate.wait(30), put(ids, kv))[1]  # a store that hangs
+        try:
+            ps = [f"{DOC} Variant {i}." for i in range(3)]
+            eng.generate(ps, max_new_tokens=1)
+            assert eng.storer.dropped == 2 and len(eng.storer._pending) == 1
+            assert "kvcodec_stores_dropped_total 2.0" in eng.metrics.render().decode()
+        finally:
+            gate.set()
+        eng.storer.flush()

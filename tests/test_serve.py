@@ -117,3 +117,59 @@ def test_stop_string_and_bad_requests(client):
     assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).status_code == 400
     assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 400
     assert c.post("/v1/completions", content=b"not json").status_code == 400
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "Hi", "temperature": 1.0, "top_p": 0}, "top_p"),
+        ("/v1/completions", {"prompt": "Hi", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "Hi", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "Hi", "stop": 5}, "stop"),
+        ("/v1/completions", {"prompt": "Hi", "stop": ["a", 3]}, "stop"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": 2.5}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "seed": "x"}, "seed"),
+        ("/v1/completions", {"prompt": "Hi", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": [1, 2.0]}, "prompt"),
+        ("/v1/completions", {"prompt": None}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 123}]}, "messages"),
+        ("/v1/chat/completions", {"messages": [1]}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ],
+)
+def test_bad_fields_are_refused_at_the_door(client, path, body, param):
+    c, eng = client
+    r = c.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"]
+
+
+def test_requests_the_model_cannot_run_are_refused(client):
+    c, eng = client
+    vocab = eng.runner.vocab_size
+    for body in ({"prompt": [1, vocab]}, {"prompt": [-1, 2]}, {"prompt": [5] * (eng.max_context + 1)},
+                 {"prompt": "Hi", "max_tokens": eng.max_context}):
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    assert c.get("/health").json()["status"] == "ok"
+
+
+def test_health_reports_a_stalled_engine(client):
+    import dataclasses
+    import time
+
+    c, eng = client
+    old = eng.config
+    eng.config = dataclasses.replace(old, stall_s=0.5)
+    try:
+        with eng._step_lock:  # the step loop cannot make progress while a request waits
+            req = eng.submit("Hello", None)
+            time.sleep(1.0)
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "stalled" and r.json()["stalled_s"] >= 0.5
+        req.done.wait(30)
+        assert c.get("/health").status_code == 200
+    finally:
+        eng.config = old

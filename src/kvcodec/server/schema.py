@@ -74,7 +74,8 @@ def sampling_params(body: dict) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
         raise BadRequest(f"seed must be an integer in [0, 2**63); got {seed!r}", "seed")
-    return SamplingParams(max_new_tokens=_max_tokens(body), temperature=temperature, top_p=top_p, seed=seed)
+    return SamplingParams(max_new_tokens=_max_tokens(body), temperature=temperature, top_p=top_p, seed=seed,
+                          ignore_eos=_flag(body, "ignore_eos", False))
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:
