@@ -141,6 +141,24 @@ def decode_only(case: Case, make_decoder, threads: int, seconds: float) -> dict:
     return {"threads": threads, **case.rates(s)}
 
 
+def decode_loop(case: Case, decs) -> None:
+    """Every video of the case decoded once, spread over the decoders' threads (no restore)."""
+    w, h = case.size
+    n = len(decs)
+
+    def work(i):
+        torch.cuda.set_device(0)
+        for v in case.job_videos[i::n]:
+            for _ in decs[i].decode(v, w, h):
+                pass
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def check_exact(case: Case, restore_fn, hashes: dict) -> dict:
     out = {}
     for i in range(min(2, len(case.blobs))):
@@ -189,17 +207,21 @@ def backends(args, case: Case):
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
     from kvcodec.video.nvdec import NvdecDecoder
 
-    def nvcuvid(n):
+    def nvcuvid(sessions, threads):
         def open_():
-            d = NvcuvidThreads(n, 0, display_delay=args.display_delay)
+            d = NvcuvidThreads(sessions, threads, 0, display_delay=args.display_delay)
             d.warm_up(case.blobs[0])
             return (lambda b, o: d.restore_blobs(b, o, synchronize=True)), d.close
         return open_
 
+    def warm_outs(n):
+        h = case.headers[0]
+        return [torch.empty(h.shape, dtype=codec.DTYPES[h.dtype], device="cuda") for _ in range(n)]
+
     def pynv(n):
         def open_():
             r = ThreadRestorer(lambda: NvdecDecoder(0), n)
-            r.restore_blobs(case.blobs[:1] * n, case.outs[:n])
+            r.restore_blobs(case.blobs[:1] * n, warm_outs(n))
             return r.restore_blobs, r.close
         return open_
 
@@ -212,11 +234,11 @@ def backends(args, case: Case):
             def run(b, o):
                 restore_in_pool(p, b, o)
                 torch.cuda.synchronize()
-            run(case.blobs[:1] * n, case.outs[:n])
+            run(case.blobs[:1] * n, warm_outs(n))
             return run, p.close
         return open_
 
-    out = [("nvcuvid", n, 1, nvcuvid(n)) for n in args.restore_threads]
+    out = [(f"nvcuvid:{s}x{t}", s, 1, nvcuvid(s, t)) for s, t in args.restore_threads]
     out += [("pynvvideocodec", n, 1, pynv(n)) for n in (1, 7)]
     if not args.skip_pool:
         out.append(("nvdec-pool", 7, 8, pool(7)))
@@ -250,13 +272,13 @@ def main():
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--interference-seconds", type=float, default=4.0)
     ap.add_argument("--scaling-threads", default="1,2,4,7,10")
-    ap.add_argument("--restore-threads", default="7")
+    ap.add_argument("--restore-threads", default="7x14", help="nvcuvid SESSIONSxTHREADS, comma-separated")
     ap.add_argument("--display-delay", type=int, default=1)
     ap.add_argument("--skip-pool", action="store_true")
     ap.add_argument("--hashes", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    args.restore_threads = [int(x) for x in args.restore_threads.split(",")]
+    args.restore_threads = [tuple(int(v) for v in x.split("x")) for x in args.restore_threads.split(",")]
     from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.nvdec import NvdecDecoder
 
@@ -277,6 +299,12 @@ def main():
         for n in [int(x) for x in args.scaling_threads.split(",")]:
             log({"kind": "decode-only", "backend": "nvcuvid", "case": case.name,
                  **decode_only(case, lambda: NvcuvidDecoder(0, display_delay=args.display_delay), n, args.seconds)})
+        if args.interference_seconds > 0:
+            decs = [NvcuvidDecoder(0, display_delay=args.display_delay) for _ in range(7)]
+            log({"kind": "decode-only-interference", "backend": "nvcuvid", "threads": 7, "case": case.name,
+                 **interference(lambda: decode_loop(case, decs), args.interference_seconds, alone)})
+            for d in decs:
+                d.close()
         for n in (1, 7):
             log({"kind": "decode-only", "backend": "pynvvideocodec", "case": case.name,
                  **decode_only(case, lambda: NvdecDecoder(0), n, args.seconds)})

@@ -67,7 +67,7 @@ class _Session:
         self.lock = ctypes.c_void_p()
         self.format: tuple | None = None  # (chroma, bit depth, surfaces) the decoder was made for
         self.layout: tuple | None = None
-        self.slots: torch.Tensor | None = None
+        self.slots: list[torch.Tensor] = []
         self.released: list[torch.cuda.Event | None] = []
         self.ready: list[int] = []  # slots holding pictures not yet handed out, in display order
         self.shown = 0
@@ -85,7 +85,7 @@ class _Session:
                 raise CorruptStreamError(f"stream decodes to {area.right - area.left}x{area.bottom - area.top} "
                                          f"frames, expected {self.width}x{self.height}")
             depth = 8 + fmt.bit_depth_luma_minus8
-            surfaces = max(int(fmt.min_num_decode_surfaces), 1) + self.display_delay + 2
+            surfaces = max(int(fmt.min_num_decode_surfaces), 1) + self.display_delay
             self._ensure_decoder(fmt, depth, surfaces)
             return self.format[2]
         except BaseException as e:  # noqa: BLE001 - handed back to the decoding thread
@@ -129,13 +129,13 @@ class _Session:
                   "cuvidCreateDecoder", BackendUnavailableError)
         self.format = (fmt.chroma_format, depth, surfaces)
         self.layout = (name, row_bytes, rows)
-        ring = self.display_delay + 2
-        self.slots = torch.empty((ring, rows, row_bytes), dtype=torch.uint8, device=self.device)
+        ring = self.display_delay + 1  # grows when one feed displays more pictures (reordering)
+        self.slots = [torch.empty((rows, row_bytes), dtype=torch.uint8, device=self.device) for _ in range(ring)]
         self.released = [None] * ring
 
     def _copy_out(self, picture_index: int) -> None:
         lib = api.nvcuvid()
-        slot = self.shown % len(self.released)
+        slot = self._free_slot()
         if self.released[slot] is not None:
             self.stream.wait_event(self.released[slot])
         ptr, pitch = ctypes.c_ulonglong(), ctypes.c_uint()
@@ -153,6 +153,16 @@ class _Session:
             api.check(lib.cuvidUnmapVideoFrame64(self.handle, ptr.value), "cuvidUnmapVideoFrame64")
         self.ready.append(slot)
         self.shown += 1
+
+    def _free_slot(self) -> int:
+        """A slot no picture waiting to be handed out occupies (handed-out ones are rewritten only
+        after the consumer's work on them, see release)."""
+        slot = self.shown % len(self.slots)
+        if slot in self.ready:
+            self.slots.append(torch.empty_like(self.slots[0]))
+            self.released.append(None)
+            slot = len(self.slots) - 1
+        return slot
 
     def release(self, slot: int, consumer: torch.cuda.Stream) -> None:
         """The consumer is done queueing work on `slot`: it may be rewritten after that work."""
@@ -207,8 +217,8 @@ class NvcuvidDecoder:
     display_delay: pictures the parser keeps queued before handing one out (0: each picture is
         copied out as soon as it is decoded; more: the next picture's decode overlaps the copy).
     copy: yield a fresh tensor per frame. By default the frame is a view of an output slot, valid
-        until the consumer asks for the frame after next; the slot is rewritten only after the GPU
-        work the consumer queued on its current stream before asking.
+        until the next frame is requested: the slot is rewritten only after the GPU work the
+        consumer queued on its current stream before asking (what a frame-by-frame restore needs).
     """
 
     name = "nvcuvid"

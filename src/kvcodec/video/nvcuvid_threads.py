@@ -1,106 +1,133 @@
-"""Every NVDEC engine from the serving process: N decoder threads, one CUDA context.
+"""Every NVDEC engine from the serving process: decoder threads in one CUDA context.
 
-Each thread owns an `NvcuvidDecoder` (its own NVDEC sessions and copy stream) and a torch CUDA
-stream of its own for the restore kernel; all of them live in torch's primary context, the one
-the model runs in, so the GPU never time-slices between contexts and no worker process holds a
-context's memory. Chunks are restored straight into the caller's tensors.
+`sessions` NvcuvidDecoders (one NVDEC session per frame size each, default one per engine) are
+shared by `threads` worker threads (default two per session). A worker holds a decoder only while
+frames come out of it: a chunk's host-side preparation (header, zstd, uploads of side streams)
+runs without one, so the engines stay busy while other chunks are being prepared. Every worker
+restores on a CUDA stream of its own, and everything lives in torch's primary context, the one the
+model runs in: the GPU never time-slices between contexts and no worker process holds a context's
+memory. Chunks are restored straight into the caller's tensors.
 
-    with NvcuvidThreads(threads=7) as dec:
+    with NvcuvidThreads() as dec:
         dec.restore_blobs(blobs, [kv[:, :, a:b] for a, b in ranges])  # ordered before later work
 """
 
 from __future__ import annotations
 
+import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kvcodec.video.nvcuvid import NvcuvidDecoder
 
-DEFAULT_THREADS = 7  # NVDEC engines of an H100/H200
+DEFAULT_SESSIONS = 7  # NVDEC engines of an H100/H200
+
+
+class _LentDecoder:
+    """A VideoDecoder that borrows one of the shared decoders for the frames of one stream."""
+
+    name = "nvcuvid"
+    device_type = "cuda"
+
+    def __init__(self, idle: queue.Queue):
+        self._idle = idle
+
+    def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:
+        dec = self._idle.get()
+        try:
+            yield from dec.decode(bitstream, width, height)
+        finally:
+            self._idle.put(dec)
 
 
 class NvcuvidThreads:
-    """A pool of `threads` in-process NVDEC decoder threads on `device`.
+    """In-process NVDEC: `sessions` decoders shared by `threads` worker threads on `device`.
 
     restore: the frame restorer the codec uses ("auto", "torch", "triton").
     display_delay: passed to each NvcuvidDecoder.
     """
 
-    def __init__(self, threads: int = DEFAULT_THREADS, device: str | torch.device | int | None = None,
-                 restore: str = "auto", display_delay: int = 1):
-        if threads < 1:
-            raise ValueError("threads must be >= 1")
+    def __init__(self, sessions: int = DEFAULT_SESSIONS, threads: int | None = None,
+                 device: str | torch.device | int | None = None, restore: str = "auto", display_delay: int = 1):
+        if sessions < 1 or (threads is not None and threads < 1):
+            raise ValueError("sessions and threads must be >= 1")
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
-        self.threads = threads
+        self.sessions = sessions
+        self.threads = threads or 2 * sessions
         self.restore = restore
-        self.display_delay = display_delay
+        self.decoders = [NvcuvidDecoder(self.device, display_delay=display_delay) for _ in range(sessions)]
+        self._idle: queue.Queue = queue.Queue()
+        for dec in self.decoders:
+            self._idle.put(dec)
         self._local = threading.local()
-        self._decoders: list[NvcuvidDecoder] = []
-        self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nvcuvid")
-        self.workers = threads  # the name NvdecPool users read
+        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nvcuvid")
+        self.workers = sessions  # what NvdecPool users read: engines kept busy
 
-    def _thread_state(self) -> tuple[NvcuvidDecoder, torch.cuda.Stream]:
-        state = getattr(self._local, "state", None)
-        if state is None:
+    def _stream(self) -> torch.cuda.Stream:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
             torch.cuda.set_device(self.device)
-            dec = NvcuvidDecoder(self.device, display_delay=self.display_delay)
-            state = (dec, torch.cuda.Stream(self.device))
-            self._local.state = state
-            with self._lock:
-                self._decoders.append(dec)
-        return state
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        return stream
 
     def _restore_one(self, blob, out, restore: str) -> torch.cuda.Event:
         from kvcodec import codec
 
-        dec, stream = self._thread_state()
+        stream = self._stream()
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            codec.decode_chunk_blob(blob, self.device, out=out, decoder=dec, restore=restore)
+            codec.decode_chunk_blob(blob, self.device, out=out, decoder=_LentDecoder(self._idle), restore=restore)
             done = torch.cuda.Event()
             done.record(stream)
         return done
 
-    def restore_blobs(self, blobs: Sequence, outs: Sequence, restore: str | None = None, synchronize: bool = False) -> None:
+    def restore_blobs(self, blobs: Sequence, outs: Sequence, restore: str | None = None,
+                      synchronize: bool = False) -> None:
         """Restore every chunk blob into its output (a tensor slice or PagedKV), in parallel.
         Returns once every chunk is decoded and its restore queued; the caller's current stream
-        waits for them (synchronize=True also waits on the host)."""
+        waits for them (synchronize=True also waits on the host). A chunk that fails raises its
+        error here after the others are done."""
         if len(blobs) != len(outs):
             raise ValueError("restore_blobs needs one output per blob")
         futures = [self._pool.submit(self._restore_one, b, o, restore or self.restore) for b, o in zip(blobs, outs)]
-        events = [f.result() for f in futures]
+        events, error = [], None
+        for f in futures:
+            try:
+                events.append(f.result())
+            except Exception as e:  # noqa: BLE001 - re-raised once every chunk has finished
+                error = error or e
         current = torch.cuda.current_stream(self.device)
         for event in events:
             current.wait_event(event)
         if synchronize:
             current.synchronize()
+        if error is not None:
+            raise error
 
     def warm_up(self, blob) -> None:
-        """Open every thread's NVDEC session (and compile the restore kernel) with one chunk blob,
-        so the first request pays neither."""
+        """Open every decoder's NVDEC session for the blob's frame size and load the restore kernel,
+        so the first request pays neither (call it before decoding starts)."""
         from kvcodec import codec
 
         h = codec.inspect_chunk_blob(blob)
-        barrier = threading.Barrier(self.threads)
 
-        def one():
-            barrier.wait(timeout=60)  # one job per thread: every thread opens its session
+        def one(dec):
+            torch.cuda.set_device(self.device)
             out = torch.empty(h.shape, dtype=codec.DTYPES[h.dtype], device=self.device)
-            self._restore_one(blob, out, self.restore).synchronize()
+            codec.decode_chunk_blob(blob, self.device, out=out, decoder=dec, restore=self.restore)
+            torch.cuda.current_stream(self.device).synchronize()
 
-        for f in [self._pool.submit(one) for _ in range(self.threads)]:
-            f.result()
+        with ThreadPoolExecutor(max_workers=self.sessions) as ex:
+            for f in [ex.submit(one, dec) for dec in self.decoders]:
+                f.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        with self._lock:
-            for dec in self._decoders:
-                dec.close()
-            self._decoders.clear()
+        for dec in self.decoders:
+            dec.close()
 
     def __enter__(self) -> NvcuvidThreads:
         return self
