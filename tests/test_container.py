@@ -25,10 +25,10 @@ from kvcodec.container.format import (
 )
 from kvcodec.errors import FormatError, KVCodecError
 
-CONFIG = CodecConfig(quant="int8", chunk_tokens=16, resolutions=((144, 144),))
+CONFIG = CodecConfig(quant="int8", chunk_tokens=32, resolutions=((144, 144),))
 
 
-def kv_like(layers=2, tokens=48, heads=2, dim=32, seed=0):
+def kv_like(layers=4, tokens=96, heads=2, dim=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(layers, 2, tokens, heads, dim, generator=g) * torch.linspace(0.1, 3, dim)).half()
 
@@ -164,7 +164,7 @@ def test_check_chunk_against_file_names_the_mismatch(kv, encoded):
     with pytest.raises(FormatError, match="start_token"):
         check_chunk_against_file(fh, 1, _replace(chunks[1], start_token=0), (144, 144))
     with pytest.raises(FormatError, match="tokens"):
-        check_chunk_against_file(fh, 2, _replace(chunks[2], tokens=15), (144, 144))
+        check_chunk_against_file(fh, 2, _replace(chunks[2], tokens=31), (144, 144))
     with pytest.raises(FormatError, match="resolution"):
         check_chunk_against_file(fh, 0, chunks[0], (256, 256))
     with pytest.raises(FormatError, match="coded 'exact'"):
@@ -239,3 +239,57 @@ def test_every_error_is_a_kvcodec_error(encoded):
                     call(data)
                 except KVCodecError:
                     pass
+
+
+# ---------------------------------------------------------------------------- plain chunks
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4", "exact"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_a_one_token_encode_does_not_expand_and_restores_every_bit(quant, dtype):
+    kv = kv_like(layers=6, tokens=1, heads=3, dim=64).to(dtype)
+    data = kvcodec.encode(kv, CodecConfig(quant=quant, resolutions=((256, 256),)))
+    raw = kv.numel() * kv.element_size()
+    assert len(data) < raw + 1024  # the values plus headers, not a padded video frame
+    out = kvcodec.decode(data)
+    assert torch.equal(out, kv)  # one value per channel: exact even when coded
+    if dtype == torch.float16:  # fp32 values are large enough for the coding to pay
+        assert "plain" in kvcodec.inspect(data)["resolutions"]["256x256"]["streams"]
+
+
+def test_chunks_of_real_length_are_never_stored_plain(kv, encoded):
+    fh, payload = parse_file(encoded)
+    for b in fh.blobs:
+        assert kvcodec.inspect_chunk_blob(payload[b.offset : b.offset + b.length]).quant == "int8"
+
+
+def test_a_plain_chunk_restores_into_a_paged_cache():
+    from kvcodec.container.plain import plain_chunk_blob
+
+    x = kv_like(layers=2, tokens=3, dim=32)
+    blob = plain_chunk_blob(x, chunk_index=2, start_token=5, resolution=(144, 144))
+    pages = torch.zeros(2, 2, 4, 4, 2, 32, dtype=torch.float16)
+    paged = kvcodec.PagedKV(pages, torch.tensor([3, 0, 1]))
+    kvcodec.decode_chunk_blob(blob, out=paged)
+    assert torch.equal(paged.gather(5, 3), x)
+    assert pages[:, :, 2].abs().sum() == 0  # blocks outside the table untouched
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda h: h.__setitem__("frames", 1), ("plain",)),
+        (lambda h: h.__setitem__("layout", {"width": 1}), ("plain",)),
+        (lambda h: h["streams"][0].__setitem__("name", "video"), ("plain",)),
+        (lambda h: h.__setitem__("tokens", 4), ()),
+    ],
+)
+def test_plain_chunk_headers_are_checked(edit, words):
+    from kvcodec.container.plain import plain_chunk_blob
+
+    blob = plain_chunk_blob(kv_like(tokens=3), chunk_index=0, start_token=0, resolution=(144, 144))
+    bad = rewrite(blob, CHUNK_MAGIC, edit)
+    with pytest.raises(FormatError) as e:
+        kvcodec.decode_chunk_blob(bad)
+    for w in words:
+        assert w in str(e.value)

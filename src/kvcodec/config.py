@@ -36,6 +36,9 @@ class CodecConfig:
     video_bits: how many top bits of each sample go through the video stream; the remaining low
         bits (near-random on real KV) are stored as packed bit planes (kvcodec.quant.bitsplit).
         8 puts every bit in the video; "auto" picks by trial encodes on the first chunk.
+    plain_fallback: a chunk whose coded blob is not smaller than its values (a few tokens) is
+        stored plain instead: its values' own bytes, zstd-coded, restored bit for bit
+        (kvcodec.container.plain). False always keeps the coded blob.
     """
 
     quant: str = "int8"
@@ -46,6 +49,7 @@ class CodecConfig:
     search_layout: bool = True
     sample_coder: str = "hevc"
     video_bits: int | str = "auto"
+    plain_fallback: bool = True
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:
@@ -56,6 +60,8 @@ class CodecConfig:
             isinstance(self.video_bits, bool) or not isinstance(self.video_bits, int) or not 1 <= self.video_bits <= 8
         ):
             raise ConfigError(f"video_bits must be 'auto' or an integer in 1..8; got {self.video_bits!r}")
+        if not isinstance(self.plain_fallback, bool):
+            raise ConfigError(f"plain_fallback must be True or False; got {self.plain_fallback!r}")
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
         if not self.resolutions:
