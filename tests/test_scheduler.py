@@ -121,3 +121,22 @@ def test_scheduler_config_errors():
     r = Request(prompt_ids=[1, 2, 3])
     s.add(r)
     assert r.state is State.WAITING and s.schedule() == [r] and r.state is State.RUNNING
+
+
+def test_default_deadline_is_the_measured_recompute_time(smol, stored):
+    """With the default deadline ("auto"), a fetch over a link that needs ~6 s stops once it has
+    taken as long as recomputing the prefix would, and the answer is unchanged."""
+    d, nbytes = stored
+    with engine(smol, slow_url(d, nbytes * 8 / 6.0 / 1e9), fetch_deadline_s="auto") as eng:
+        assert eng.prefill_rate.tokens_per_s is not None  # measured when the engine started
+        ref = eng.generate(LONG, max_new_tokens=3, reuse=False, store=False)[0]
+        req = eng.submit(LONG, SamplingParams(max_new_tokens=3))
+        while not req.finished:
+            if eng.scheduler.wait_for_work(timeout=0.5):
+                eng.step()
+    expected = req.matched_tokens / eng.prefill_rate.tokens_per_s
+    assert req.fetch_deadline_s is not None and 0 < req.fetch_deadline_s < 3.0
+    assert req.fetch_error is not None and req.restored_tokens < req.matched_tokens
+    assert req.fetch_s < req.fetch_deadline_s + 1.5  # stopped near its deadline, not after the 6 s transfer
+    assert expected / 4 < req.fetch_deadline_s < expected * 4
+    assert req.output_ids == ref.token_ids

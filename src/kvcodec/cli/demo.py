@@ -17,6 +17,8 @@ import time
 
 import click
 
+from kvcodec.cli.options import device_option
+
 QUESTIONS = (
     "What is this text about? Answer in one sentence.",
     "What did the author do first, according to the text? Answer briefly.",
@@ -30,34 +32,22 @@ def _say(msg: str) -> None:
 @click.command("demo")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Model (kvcodec.models).")
 @click.option("--text", "text_name", default="pg/worked", show_default=True, help="Document (kvcodec.models.texts).")
-@click.option("--doc-tokens", default=2048, show_default=True, type=int, help="Tokens of the document to use.")
-@click.option("--gbit", default=1.0, show_default=True, type=float, help="Emulated link bandwidth (Gbit/s, token bucket).")
+@click.option("--doc-tokens", default=2048, show_default=True, type=click.IntRange(min=1), help="Tokens of the document to use.")
+@click.option("--gbit", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Emulated link bandwidth (Gbit/s, token bucket).")
 @click.option("--quant", default="int8", show_default=True, help="kvcodec quantization (int8, ..., exact).")
-@click.option("--chunk-tokens", default=256, show_default=True, type=int)
-@click.option("--max-new-tokens", default=24, show_default=True, type=int)
+@click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))
 @click.option("--store", "store_dir", default=None, help="Directory for the file:// store (default: a temp dir).")
-@click.option("--device", default=None, help="cpu or cuda (default: cuda if available).")
-@click.option("--threads", default=None, type=int, help="torch CPU threads (default: torch's choice).")
+@device_option(default=None, help="cpu or cuda (default: cuda if available).")
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch CPU threads (default: torch's choice).")
 @click.option("--json-out", default=None, type=click.Path(dir_okay=False), help="Also write the numbers as JSON.")
-def command(
-    model_name: str,
-    text_name: str,
-    doc_tokens: int,
-    gbit: float,
-    quant: str,
-    chunk_tokens: int,
-    max_new_tokens: int,
-    store_dir: str | None,
-    device: str | None,
-    json_out: str | None,
-    threads: int | None,
-) -> None:
+def command(model_name: str, text_name: str, doc_tokens: int, gbit: float, quant: str, chunk_tokens: int,
+            max_new_tokens: int, store_dir: str | None, device: str | None, json_out: str | None,
+            threads: int | None) -> None:
     """Store a document's KV, then reuse it over an emulated link: TTFT and identical answers."""
-    import json
     import os
-    import sys
     import tempfile
-    import urllib.parse
 
     t_start = time.perf_counter()
     if threads:
@@ -65,9 +55,6 @@ def command(
 
         torch.set_num_threads(threads)
     _say(f"[1/6] loading {model_name} (the first run converts the weights, ~30 s) ...")
-    from kvcodec.config import CodecConfig
-    from kvcodec.engine import Engine, StorePolicy
-    from kvcodec.fetcher.rawcodec import RawCodec
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text
 
@@ -77,11 +64,30 @@ def command(
         tmp = tempfile.TemporaryDirectory(prefix="kvcodec-demo-")
         store_dir = tmp.name
     os.makedirs(store_dir, exist_ok=True)
-
-    # The document, cut to doc_tokens tokens, then a question: the shared prefix is the system
-    # prompt + document; only that prefix is stored (so both methods restore the same tokens).
     doc_ids = tok(load_text(text_name), add_special_tokens=False)["input_ids"][:doc_tokens]
-    doc = tok.decode(doc_ids)
+    p1, p2 = _prompts(tok, tok.decode(doc_ids))
+    shared = next((i for i, (a, b) in enumerate(zip(p1, p2)) if a != b), min(len(p1), len(p2)))
+    kvc, raw = _engines(model, tok, store_dir, gbit, quant, chunk_tokens, shared, device)
+    kvc.generate([1, 2, 3, 4], max_new_tokens=2, reuse=False, store=False)  # warm-up
+    _say(f"      document: {text_name}, {len(doc_ids)} tokens; prompts {len(p1)} / {len(p2)} tokens; "
+         f"link {gbit:g} Gbit/s (token bucket)")
+    ref, rr, kr = _story(kvc, raw, p1, p2, gbit, max_new_tokens)
+    rec = _report(model_name, str(kvc.device), len(doc_ids), gbit, quant, ref, rr, kr)
+    click.echo(f"total demo time {time.perf_counter() - t_start:.0f} s")
+    if json_out:
+        import json
+
+        with open(json_out, "w") as f:
+            json.dump(rec, f, indent=2)
+    for e in (kvc, raw):
+        e.close()
+    if tmp is not None:
+        tmp.cleanup()
+
+
+def _prompts(tok, doc: str) -> tuple[list[int], list[int]]:  # noqa: ANN001
+    """The two questions' prompts: the shared prefix is the system prompt + document; only that
+    prefix is stored (so both methods restore the same tokens)."""
 
     def prompt(q: str) -> list[int]:
         msgs = [{"role": "user", "content": f"{doc}\n\n{q}"}]
@@ -91,8 +97,19 @@ def command(
             text = f"{doc}\n\nQuestion: {q}\nAnswer:"
         return tok(text, add_special_tokens=False)["input_ids"]
 
-    p1, p2 = prompt(QUESTIONS[0]), prompt(QUESTIONS[1])
-    shared = next((i for i, (a, b) in enumerate(zip(p1, p2)) if a != b), min(len(p1), len(p2)))
+    return prompt(QUESTIONS[0]), prompt(QUESTIONS[1])
+
+
+def _engines(model, tok, store_dir: str, gbit: float, quant: str, chunk_tokens: int, shared: int,  # noqa: ANN001
+             device: str | None):  # noqa: ANN202
+    """(kvcodec engine, raw fp16 engine), each storing into its own file:// store behind the link."""
+    import os
+    import urllib.parse
+
+    from kvcodec.config import CodecConfig
+    from kvcodec.engine import Engine, StorePolicy
+    from kvcodec.fetcher.rawcodec import RawCodec
+
     cfg = CodecConfig(quant=quant, chunk_tokens=chunk_tokens, resolutions=((512, 512),))
     policy = StorePolicy(max_tokens=shared, dtype="float16")
 
@@ -104,12 +121,13 @@ def command(
                       max_batch=1, device=device, resolution_policy="fixed:0", store_partial=False,
                       fetch_deadline_s=None)
 
-    kvc, raw = engine("kvcodec"), engine("raw", RawCodec())
-    kvc.generate([1, 2, 3, 4], max_new_tokens=2, reuse=False, store=False)  # warm-up
-    _say(f"      document: {text_name}, {len(doc_ids)} tokens; prompts {len(p1)} / {len(p2)} tokens; "
-         f"link {gbit:g} Gbit/s (token bucket)")
+    return engine("kvcodec"), engine("raw", RawCodec())
 
-    def run(eng: Engine, ids: list[int], reuse: bool, store: bool):  # noqa: ANN202
+
+def _story(kvc, raw, p1: list[int], p2: list[int], gbit: float, max_new_tokens: int):  # noqa: ANN001, ANN202
+    """Steps 2-6: store, reference prefill, raw reuse, kvcodec reuse; (reference, raw, kvcodec)."""
+
+    def run(eng, ids: list[int], reuse: bool, store: bool):  # noqa: ANN001, ANN202
         out = eng.generate([ids], max_new_tokens=max_new_tokens, reuse=reuse, store=store)[0]
         t0 = time.perf_counter()
         eng.storer.flush()
@@ -128,19 +146,23 @@ def command(
     kr, _ = run(kvc, p2, reuse=True, store=False)
     _say(f"      TTFT {kr.ttft_s:.2f} s ({kr.restored_tokens} tokens restored, {kr.bytes_fetched / 1e6:.1f} MB)")
     _say("[6/6] done")
+    return ref, rr, kr
 
-    dev = str(kvc.device)
+
+def _report(model_name: str, dev: str, doc_tokens: int, gbit: float, quant: str, ref, rr, kr) -> dict:  # noqa: ANN001
+    """Print the comparison table and the answers; return them as a JSON record."""
+    import sys
+
     decoder = "NVDEC" if dev.startswith("cuda") else "CPU (software HEVC decode)"
     ratio = rr.bytes_fetched / kr.bytes_fetched if kr.bytes_fetched else float("nan")
-    same_raw = rr.token_ids == ref.token_ids
-    same_kvc = kr.token_ids == ref.token_ids
+    same_raw, same_kvc = rr.token_ids == ref.token_ids, kr.token_ids == ref.token_ids
     rows = [
         ("full prefill", ref, ref.prefilled_tokens, 0),
         ("raw fp16 KV reuse", rr, rr.prefilled_tokens, rr.bytes_fetched),
         (f"kvcodec ({quant}) reuse", kr, kr.prefilled_tokens, kr.bytes_fetched),
     ]
     click.echo("")
-    click.echo(f"model {model_name} on {dev}; document {len(doc_ids)} tokens; link {gbit:g} Gbit/s; decoder {decoder}")
+    click.echo(f"model {model_name} on {dev}; document {doc_tokens} tokens; link {gbit:g} Gbit/s; decoder {decoder}")
     click.echo(f"{'method':<24}{'TTFT (s)':>10}{'vs prefill':>12}{'prefilled':>11}{'fetched MB':>12}")
     for name, r, n, b in rows:
         click.echo(f"{name:<24}{r.ttft_s:>10.3f}{ref.ttft_s / r.ttft_s:>11.2f}x{n:>11}{b / 1e6:>12.2f}")
@@ -150,20 +172,12 @@ def command(
     click.echo(f"greedy answers identical: raw reuse {'yes' if same_raw else 'NO'}, kvcodec {'yes' if same_kvc else 'NO'}")
     if kr.fetch_error or rr.fetch_error:
         click.echo(f"fetch errors (recomputed): raw={rr.fetch_error} kvcodec={kr.fetch_error}")
-    click.echo(f"total demo time {time.perf_counter() - t_start:.0f} s")
-    if json_out:
-        rec = {
-            "command": " ".join(["kvcodec"] + sys.argv[1:]),
-            "model": model_name, "device": dev, "doc_tokens": len(doc_ids), "link_gbit": gbit, "quant": quant,
-            "ttft_s": {"prefill": ref.ttft_s, "raw": rr.ttft_s, "kvcodec": kr.ttft_s},
-            "bytes_fetched": {"raw": rr.bytes_fetched, "kvcodec": kr.bytes_fetched},
-            "restored_tokens": {"raw": rr.restored_tokens, "kvcodec": kr.restored_tokens},
-            "compression_vs_fp16": ratio, "identical": {"raw": same_raw, "kvcodec": same_kvc},
-            "answers": {"prefill": ref.text, "raw": rr.text, "kvcodec": kr.text},
-        }
-        with open(json_out, "w") as f:
-            json.dump(rec, f, indent=2)
-    for e in (kvc, raw):
-        e.close()
-    if tmp is not None:
-        tmp.cleanup()
+    return {
+        "command": " ".join(["kvcodec"] + sys.argv[1:]),
+        "model": model_name, "device": dev, "doc_tokens": doc_tokens, "link_gbit": gbit, "quant": quant,
+        "ttft_s": {"prefill": ref.ttft_s, "raw": rr.ttft_s, "kvcodec": kr.ttft_s},
+        "bytes_fetched": {"raw": rr.bytes_fetched, "kvcodec": kr.bytes_fetched},
+        "restored_tokens": {"raw": rr.restored_tokens, "kvcodec": kr.restored_tokens},
+        "compression_vs_fp16": ratio, "identical": {"raw": same_raw, "kvcodec": same_kvc},
+        "answers": {"prefill": ref.text, "raw": rr.text, "kvcodec": kr.text},
+    }

@@ -1,0 +1,101 @@
+"""Pure parts of the engine and server: EngineConfig, the fetch deadline, request checks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcodec.engine import EngineConfig, SamplingParams
+from kvcodec.engine.deadline import MIN_SAMPLE_TOKENS, PrefillRate, ema, recompute_seconds
+from kvcodec.engine.validate import check_context, check_sampling, check_token_ids
+from kvcodec.errors import ConfigError
+from kvcodec.server.schema import BadRequest, parse_chat, parse_completion
+
+
+def test_config_from_kwargs_replaces_fields_and_refuses_unknown_names():
+    cfg = EngineConfig.from_kwargs(None, max_batch=3, fetch_deadline_s=0.5)
+    assert cfg.max_batch == 3 and cfg.fetch_deadline_s == 0.5 and cfg.policy == "fetch-aware"
+    assert EngineConfig.from_kwargs(cfg, policy="blocking").max_batch == 3
+    with pytest.raises(ConfigError, match="prefix_cache_options"):
+        EngineConfig.from_kwargs(None, prefix_cache_options={})
+    with pytest.raises(AttributeError):
+        cfg.max_batch = 4  # frozen
+
+
+@pytest.mark.parametrize("kw", [{"policy": "lifo"}, {"max_batch": 0}, {"prefill_chunk_tokens": 0},
+                                {"store_queue": 0}, {"fetch_deadline_s": -1}, {"fetch_deadline_s": "soon"},
+                                {"max_context": 1}, {"stall_s": 0}])
+def test_config_refuses_bad_values(kw):
+    with pytest.raises(ConfigError):
+        EngineConfig(**kw)
+
+
+@given(st.integers(0, 10**6), st.floats(1e-3, 1e6))
+def test_recompute_seconds_is_tokens_over_rate(tokens, rate):
+    s = recompute_seconds(tokens, rate)
+    assert s >= 0 and math.isclose(s * rate, tokens, rel_tol=1e-9, abs_tol=1e-9)
+
+
+@given(st.floats(0, 1e6), st.floats(0, 1e6), st.floats(0, 1))
+def test_ema_stays_between_previous_and_sample(prev, sample, alpha):
+    v = ema(prev, sample, alpha)
+    assert min(prev, sample) - 1e-6 <= v <= max(prev, sample) + 1e-6
+    assert ema(None, sample, alpha) == sample
+
+
+def test_prefill_rate_gives_the_recompute_time_as_deadline():
+    rate = PrefillRate(min_deadline_s=0.01)
+    assert rate.deadline_s(1000) is None  # nothing measured yet
+    rate.observe(MIN_SAMPLE_TOKENS - 1, 0.001)  # too short to say anything
+    assert rate.deadline_s(1000) is None
+    rate.observe(200, 1.0)  # 200 tokens/s
+    assert math.isclose(rate.deadline_s(1000), 5.0)
+    assert rate.deadline_s(1) == 0.01  # floor
+    rate.observe(400, 1.0)
+    assert 200 < rate.tokens_per_s < 400
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=0), SamplingParams(temperature=-0.1),
+                                    SamplingParams(temperature=float("nan")), SamplingParams(top_p=0.0),
+                                    SamplingParams(top_p=1.01), SamplingParams(seed=-1)])
+def test_check_sampling_refuses(params):
+    with pytest.raises(ConfigError):
+        check_sampling(params)
+
+
+def test_check_tokens_and_context():
+    check_token_ids([0, 5, 9], 10)
+    for bad in ([10], [-1], [1.0], [True]):
+        with pytest.raises(ConfigError, match="token 0"):
+            check_token_ids(bad, 10)
+    check_context(10, 6, 16)
+    for n, m in ((0, 1), (16, 1), (10, 7)):
+        with pytest.raises(ConfigError):
+            check_context(n, m, 16)
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "stop",
+                                        "seed", "stream", "n", "model"]), _json, max_size=6))
+def test_parsers_accept_or_raise_bad_request_only(body):
+    for parse in (parse_completion, parse_chat):
+        try:
+            g = parse(body)
+        except BadRequest as e:
+            assert str(e)
+            continue
+        p = g.params
+        assert p.max_new_tokens >= 1 and p.temperature >= 0 and 0 < p.top_p <= 1
+        assert all(isinstance(s, str) and s for s in g.stop)
+        if not g.chat:
+            assert isinstance(g.prompt, str) and g.prompt or all(type(t) is int for t in g.prompt)
+        else:
+            assert g.messages and all(isinstance(c, str) for _, c in g.messages)
