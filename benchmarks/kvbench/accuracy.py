@@ -18,10 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import json
-import os
-import platform
-import shlex
 import statistics
 import time
 from collections.abc import Callable
@@ -30,9 +26,9 @@ from typing import Any
 
 import click
 
+from kvbench.results import RESULTS_DIR, command_line, machine, write_result
 from kvcodec.config import QUANT_MODES
 
-RESULTS_DIR = Path("benchmarks/results")
 # Video-lossless: the restored values depend on the quantizer only, so one (small) resolution
 # suffices here and keeps the CPU encode short.
 BENCH_RESOLUTION = (256, 256)
@@ -223,7 +219,7 @@ def run_model(
                 "greedy_tokens": greedy_tokens,
                 "token_agreement": mean(s.agreement),
                 "greedy_identical_texts": s.greedy_identical,
-                "first_divergence": [d for d in s.first_div],
+                "first_divergence": list(s.first_div),
                 "kv_rel_rms_error": mean(s.rel_rms),
                 "ratio_vs_fp16": mean(s.ratio),
                 "ratio_vs_stored_dtype": mean(s.ratio_stored),
@@ -255,7 +251,7 @@ def exact_failures(records: list[dict]) -> list[str]:
     return bad
 
 
-def write_table(doc: dict, path: Path) -> None:
+def table(doc: dict) -> list[str]:
     f = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
     lines = [
         f"# kvcodec bench accuracy ({doc['machine']['device']})",
@@ -283,22 +279,7 @@ def write_table(doc: dict, path: Path) -> None:
             f"| {f(r['kv_rel_rms_error'], '.2e')} "
             f"| {f(r['ratio_vs_fp16'], '.2f')} |"
         )
-    path.write_text("\n".join(lines + lines_notes) + "\n")
-
-
-def _command_line(ctx: click.Context) -> str:
-    parts = ["kvcodec", "bench", "accuracy"]
-    for param in ctx.command.params:
-        value = ctx.params.get(param.name)
-        if ctx.get_parameter_source(param.name) != click.core.ParameterSource.COMMANDLINE:
-            continue
-        opt = param.opts[0]
-        if getattr(param, "is_flag", False):
-            if value:
-                parts.append(opt)
-        elif value is not None:
-            parts += [opt, str(value)]
-    return shlex.join(parts)
+    return lines + lines_notes
 
 
 @click.command("accuracy")
@@ -325,7 +306,6 @@ def _command_line(ctx: click.Context) -> str:
 def command(ctx, models, quants, task, n_questions, max_doc_tokens, ppl_texts, ppl_prefix, ppl_tokens, greedy_tokens,
             kv_dtype, quick, identity, download, out_dir, tag):
     """QA accuracy, perplexity delta and greedy-token agreement: restored KV vs recomputed KV."""
-    import torch
 
     src = ctx.get_parameter_source
     if quick:
@@ -363,16 +343,12 @@ def command(ctx, models, quants, task, n_questions, max_doc_tokens, ppl_texts, p
         questions += q
     doc = {
         "benchmark": "accuracy",
-        "command": _command_line(ctx),
+        "command": command_line("accuracy"),
         "started_utc": started.isoformat(timespec="seconds"),
         "elapsed_s": round(time.perf_counter() - t0, 1),
-        "machine": {
+        "machine": machine() | {
             "device": "cpu",
             "note": "models run on the CPU in float32 (GGUF weights dequantized); no GPU was used",
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
         },
         "settings": {
             "quick": quick, "n_questions": n_questions, "max_doc_tokens": max_doc_tokens, "ppl_texts": text_list,
@@ -387,10 +363,8 @@ def command(ctx, models, quants, task, n_questions, max_doc_tokens, ppl_texts, p
     }
     failures = exact_failures(records)
     doc["exact_reproduces_recomputation"] = not failures
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"accuracy-{'+'.join(model_list)}-{tag}{'-quick' if quick else ''}"
-    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    write_table(doc, out_dir / f"{stem}.md")
+    write_result(out_dir / f"{stem}.json", doc, table(doc))
     click.echo(f"wrote {out_dir / (stem + '.json')} and .md")
     click.echo((out_dir / f"{stem}.md").read_text())
     if failures:

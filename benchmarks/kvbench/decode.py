@@ -29,6 +29,8 @@ from pathlib import Path
 
 import click
 
+from kvbench.results import command_line, result_path, write_json, write_result
+
 DEFAULT_MODES = "exact,int8,int4,int2"
 DEFAULT_RESOLUTIONS = "256x256,512x512,1024x1024"
 DEFAULT_BACKENDS = "nvdec,nvdec-pool,ffmpeg-cpu,nvcomp,nvdec-pyav"
@@ -549,22 +551,21 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, de
     meta_path = Path(data_dir) / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     result = {
-        "command": "kvcodec " + " ".join(sys.argv[1:]),
-        "argv": sys.argv[1:],
+        "command": command_line("decode"),
         "gpu": gpu,
         "cpu_cores": os.cpu_count(),
         "data": meta,
         "records": [],
     }
     records = result["records"]
-    out = Path(out_path) if out_path else Path("benchmarks/results") / f"decode-{gpu.replace(' ', '-').lower()}.json"
+    out = result_path(out_path, f"decode-{gpu.replace(' ', '-').lower()}")
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def log(rec):
         rec.setdefault("gpu", gpu)
         records.append(rec)
         click.echo(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}))
-        out.write_text(json.dumps(result, indent=1))  # partial results survive an interrupted run
+        write_json(out, result)  # partial results survive an interrupted run
 
     pool = None
     if any(b.startswith("nvdec-pool") for b in backends_l):
@@ -680,8 +681,7 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, de
     finally:
         if pool is not None:
             pool.close()
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(_markdown(result))
+    write_result(out, result, _markdown(result))
     click.echo(f"wrote {out} and {out.with_suffix('.md')}")
 
 

@@ -23,9 +23,10 @@ from collections.abc import Iterable
 import click
 
 from kvbench.methods import LABELS as METHOD_LABELS
+from kvbench.results import RESULTS_DIR
 from kvcodec.errors import ConfigError
 
-DEFAULT_RESULTS = os.path.join("benchmarks", "results")
+DEFAULT_RESULTS = str(RESULTS_DIR)
 PATTERNS = ("ttft-*.json", "fetch-*.json", "interference-*.json")
 METHOD_ORDER = ("prefill", "raw", "zstd-3", "cachegen", "kvcodec-int8", "kvcodec-int6", "kvcodec-int4", "kvcodec-int3")
 

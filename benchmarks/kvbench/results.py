@@ -39,10 +39,24 @@ def command_line(bench: str, argv: Sequence[str] | None = None) -> str:
     if bench in args:
         args = args[args.index(bench) + 1 :]
     else:
-        ctx = click.get_current_context(silent=True)
-        params = ctx.params.items() if ctx is not None else ()
-        args = [f"--{k.replace('_', '-')}={v}" for k, v in params if v is not None]
+        args = _explicit_options(click.get_current_context(silent=True))
     return " ".join(["kvcodec", "bench", bench, *map(shlex.quote, args)])
+
+
+def _explicit_options(ctx: click.Context | None) -> list[str]:
+    """The options given on the command line of the current click command, as arguments."""
+    if ctx is None:
+        return []
+    args = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if not param.opts or ctx.get_parameter_source(param.name) != click.core.ParameterSource.COMMANDLINE:
+            continue
+        if getattr(param, "is_flag", False):
+            args += [param.opts[0]] if value else []
+        elif value is not None:
+            args += [param.opts[0], str(value)]
+    return args
 
 
 def cpu_model() -> str:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import click
 import torch
+
+from kvbench.results import RESULTS_DIR, command_line, write_result
+from kvbench.results import machine as common_machine
 
 DEFAULT_SKIP_PREFIXES = ("kvcodec-",)
 
@@ -176,16 +176,11 @@ def source_revision() -> dict[str, Any]:
 
 
 def machine() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+    """kvbench.results.machine() plus the versions of the packages the baselines run on."""
     from importlib.metadata import PackageNotFoundError, version
 
+    info = common_machine()
+    info["cuda"] = info.get("gpu")
     pkgs = {}
     for pkg in ("numpy", "zstandard", "lz4", "cupy-cuda13x", "nvidia-nvcomp-cu13", "lmcache", "numba"):
         try:
@@ -193,14 +188,10 @@ def machine() -> dict[str, Any]:
         except PackageNotFoundError:
             pass
     info["packages"] = pkgs
-    try:
-        info["loadavg_at_start"] = os.getloadavg()
-    except OSError:
-        pass
     return info
 
 
-def write_markdown(report: dict[str, Any], path: Path) -> None:
+def markdown(report: dict[str, Any]) -> list[str]:
     kv = report["kv"]
     lines = [
         f"# Baselines on a real KV cache ({kv['model']}, {kv['tokens']} tokens, {kv['dtype']})",
@@ -221,7 +212,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
             f"| {r['codec']} | {'yes' if r['bit_exact'] else 'no'} | {r['bytes']:,} | {r['ratio_vs_input']:.2f}x | "
             f"{r['bits_per_value']:.2f} | {r['rel_rmse']:.4f} | {r['encode_MBps']:.1f} | {r['decode_MBps']:.1f} |"
         )
-    path.write_text("\n".join(lines) + "\n")
+    return lines
 
 
 @click.command("baselines")
@@ -234,7 +225,7 @@ def write_markdown(report: dict[str, Any], path: Path) -> None:
 @click.option("--device", default="cpu", show_default=True, help="where to decode")
 @click.option("--repeat", default=1, show_default=True, help="decode repetitions (the fastest is kept)")
 @click.option("--kernel-tile", default=0, show_default=True, help="with --device cuda: also time CacheGen GPU decode on the KV tiled N times")
-@click.option("--out", type=click.Path(dir_okay=False), default="benchmarks/results/baselines-cpu.json", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default=str(RESULTS_DIR / "baselines-cpu.json"), show_default="benchmarks/results/baselines-cpu.json")
 def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_tile, out) -> None:
     """Measure the baseline codecs side by side on a real KV cache."""
     from kvbench.baselines import available_codecs
@@ -250,7 +241,7 @@ def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_
     desc.update({"shape": list(kv.shape), "dtype": dtype, "input_bytes": kv.numel() * kv.element_size()})
     names = codecs.split(",") if codecs else [n for n in available_codecs() if not n.startswith(DEFAULT_SKIP_PREFIXES)]
     report: dict[str, Any] = {
-        "command": "python -m kvbench.baselines.measure " + shlex.join(sys.argv[1:]),
+        "command": command_line("baselines"),
         "machine": machine(),
         "source": source_revision(),
         "kv": desc,
@@ -277,10 +268,7 @@ def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_
         except Exception as e:
             report["cachegen_gpu_decode"] = {"error": f"{type(e).__name__}: {e}"}
         click.echo(json.dumps(report["cachegen_gpu_decode"]), err=True)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    write_markdown(report, path.with_suffix(".md"))
+    path = write_result(out, report, markdown(report))
     click.echo(f"wrote {path} and {path.with_suffix('.md')}", err=True)
 
 
