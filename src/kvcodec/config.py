@@ -13,8 +13,11 @@ SAMPLE_CODERS = ("hevc", "zstd", "auto")
 QUANT_MODES = ("exact",) + tuple(f"int{b}" for b in range(2, 9))
 
 # Frame sizes (width, height) of the planes each chunk is stored at. All multiples of 16 and
-# >= 144 so that NVDEC can decode them; the fetcher picks one per chunk from the bandwidth.
-DEFAULT_RESOLUTIONS: tuple[tuple[int, int], ...] = ((256, 256), (512, 512), (1024, 1024))
+# >= 144 so that NVDEC can decode them; with several, the fetcher picks one per chunk from the
+# bandwidth. One by default: on real KV the candidates differ by under 0.3% in size (int modes)
+# while every extra one costs its full size and encode time again; 512x512 is never more than
+# 0.3% from the smallest and smallest in exact mode (benchmarks/results/resolution-default-cpu.md).
+DEFAULT_RESOLUTIONS: tuple[tuple[int, int], ...] = ((512, 512),)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +27,8 @@ class CodecConfig:
     quant: "exact" (every bit of fp16/bf16/fp32 restored) or "int2".."int8" (per-channel min-max
         integer quantization, error <= half a step).
     chunk_tokens: tokens per independently decodable chunk.
-    resolutions: frame plane sizes (width, height) each chunk is stored at.
+    resolutions: frame plane sizes (width, height) each chunk is stored at (one by default;
+        more only pay where a measured decode profile shows the fetcher gains by choosing).
     layer_bits: optional per-layer bit widths overriding quant's width (layer-wise allocation);
         empty means every layer uses quant's width.
     x265_preset: x265 speed preset for the lossless encode.

@@ -44,7 +44,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
 @click.option("--quant", type=click.Choice(QUANT_MODES), default="int8", show_default=True)
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 256x256,512x512,1024x1024).")
+@click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 512x512).")
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
 @click.option("--sample-coder", type=click.Choice(SAMPLE_CODERS), default="hevc", show_default=True)
 @click.option("--video-bits", type=click.Choice(["auto", *map(str, range(1, 9))]), default="auto", show_default=True,
