@@ -38,5 +38,6 @@ if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v
   (apt-get update -q && apt-get install -y -q redis-server iproute2 openssl) >/dev/null 2>&1 \
     || echo "warning: could not install redis-server; Redis tests will be skipped" >&2
 fi
+bash scripts/install-integrations.sh "$venv"  # LMCache / SGLang / vLLM interfaces, for their adapters' tests
 touch "$venv/.installed"
 echo "kvcodec installed in $venv"

@@ -1,0 +1,216 @@
+"""LMCache serde: LMCache's L2 adapters store kvcodec-coded KV.
+
+`register()` adds the serde type "kvcodec" to `lmcache.v1.distributed.serde` (the registry that
+also holds "fp8" and "turboquant"); an L2 adapter then opts in with
+
+    {"type": "resp", "host": "...", "port": 6379, "serde": {"type": "kvcodec", "quant": "int8"}}
+
+Serde options (all optional): `codec` (a registered kvcodec codec, default "hevc") and that
+codec's options (for "hevc" the `kvcodec.CodecConfig` fields `quant`, `video_bits`,
+`sample_coder`, `x265_preset`, `search_layout`, `layer_bits`; each object is one chunk, so not
+`chunk_tokens`), `resolution` ("256x256": the one frame size objects are stored at), `head_dim`
+(how LMCache's hidden dimension splits into heads; the default picks 128 or 64), `device`
+("auto": NVDEC on CUDA where present, else the CPU decoder) and `max_workers` (LMCache's serde
+thread pool). The serde runs inside the LMCache process: `python -m kvcodec.integrations.lmcache_plugin
+server ...` registers it and starts LMCache's own `lmcache server` with the same arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import threading
+from collections.abc import Mapping
+
+import torch
+
+from kvcodec.codecs import ChunkCodec, make_codec
+from kvcodec.errors import ConfigError, FormatError, ShapeError, TruncatedError
+
+SERDE_NAME = "kvcodec"
+_MAGIC = b"KVLM"
+_VERSION = 1
+_HEAD = struct.Struct("<4sBBH")  # magic, version, flags (unused), number of parts
+_PART = struct.Struct("<BQ")  # part kind (coded or raw), byte length
+_CODED, _RAW = 1, 2
+_HEADROOM = 4096  # frame and header bytes beyond a part's raw size (the size bound)
+_OWN = {"codec", "resolution", "head_dim", "device", "max_workers"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SerdeOptions:
+    """The serde's settings, parsed from LMCache's `"serde": {...}` dict: `codec` (a registered
+    kvcodec codec, default "hevc") and its options (for "hevc": CodecConfig fields), plus the
+    serde's own keys."""
+
+    codec: str = "hevc"
+    codec_options: tuple[tuple[str, object], ...] = ()
+    head_dim: int | None = None
+    device: str = "auto"
+    max_workers: int = 1
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, object]) -> SerdeOptions:
+        options = {k: v for k, v in kwargs.items() if k not in _OWN}
+        if "chunk_tokens" in options or "resolutions" in options:
+            raise ConfigError("the kvcodec serde codes each LMCache object as one chunk at one `resolution`; "
+                              "chunk_tokens and resolutions are not options")
+        codec = str(kwargs.get("codec", "hevc"))
+        if "resolution" in kwargs or codec == "hevc":
+            options["resolutions"] = (parse_resolution(str(kwargs.get("resolution", "256x256"))),)
+        device = str(kwargs.get("device", "auto"))
+        if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
+            raise ConfigError(f"kvcodec serde device must be auto, cpu or cuda[:N]; got {device!r}")
+        head_dim = kwargs.get("head_dim")
+        made = cls(codec, tuple(sorted(options.items())), None if head_dim is None else int(head_dim), device,
+                   int(kwargs.get("max_workers", 1)))
+        made.make_codec(256)  # a bad codec name or option fails here, when LMCache builds the adapter
+        return made
+
+    def make_codec(self, tokens: int) -> ChunkCodec:
+        """The codec for objects of `tokens` tokens: the whole object is one chunk."""
+        return make_codec(self.codec, **dict(self.codec_options), chunk_tokens=max(1, tokens))
+
+    def decode_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def parse_resolution(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError as e:
+        raise ConfigError(f"resolution must look like 256x256; got {text!r}") from e
+    return w, h
+
+
+def default_head_dim(hidden: int) -> int:
+    """LMCache objects carry heads * head_dim as one hidden dimension; the codec wants them apart.
+    Values and the quantizer (per channel) do not depend on the split; only the frame tiling does."""
+    return next((d for d in (128, 64) if hidden % d == 0), hidden)
+
+
+def to_canonical(x: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+    """LMCache KV (2, layers, tokens, hidden), or MLA (layers, tokens, dim), as kvcodec's
+    (layers, 2, tokens, heads, head_dim). MLA's latent is cut in two halves (K and V slots): a view,
+    per-channel quantization is unchanged."""
+    if x.dim() == 4 and x.shape[0] == 2:
+        _, layers, tokens, hidden = x.shape
+        d = head_dim or default_head_dim(hidden)
+        if hidden % d:
+            raise ShapeError(f"hidden size {hidden} is not a multiple of head_dim {d}")
+        return x.permute(1, 0, 2, 3).reshape(layers, 2, tokens, hidden // d, d)
+    if x.dim() == 3:
+        layers, tokens, dim = x.shape
+        if dim % 2:
+            raise ShapeError(f"MLA objects need an even latent size; got {dim}")
+        return x.reshape(layers, tokens, 2, 1, dim // 2).permute(0, 2, 1, 3, 4)
+    raise ShapeError(f"LMCache object shape {tuple(x.shape)}: expected (2, layers, tokens, hidden) or MLA (layers, tokens, dim)")
+
+
+def from_canonical(kv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Inverse of to_canonical for an object of `shape`."""
+    if len(shape) == 4:
+        return kv.reshape(shape[1], 2, shape[2], shape[3]).permute(1, 0, 2, 3)
+    return kv.permute(0, 2, 1, 3, 4).reshape(shape)
+
+
+def object_parts(obj) -> list[torch.Tensor]:
+    """The tensors of an LMCache MemoryObj, one per (shape, dtype) group."""
+    shapes = obj.get_shapes()
+    if len(shapes) <= 1:
+        t = obj.tensor
+        return [] if t is None else [t]
+    return [obj.get_tensor(i) for i in range(len(shapes))]
+
+
+class KVCodecCoder:
+    """Codes one LMCache object: each part as one kvcodec chunk (all the object's tokens) through
+    the configured ChunkCodec, or raw bytes where coding would break the size bound."""
+
+    def __init__(self, options: SerdeOptions) -> None:
+        self.options = options
+        self._codecs: dict[int, ChunkCodec] = {}
+        self._lock = threading.Lock()
+
+    def codec(self, tokens: int) -> ChunkCodec:
+        with self._lock:
+            if tokens not in self._codecs:
+                self._codecs[tokens] = self.options.make_codec(tokens)
+            return self._codecs[tokens]
+
+    def encode(self, parts: list[torch.Tensor]) -> bytes:
+        pieces = [self._encode_part(p) for p in parts]
+        head = _HEAD.pack(_MAGIC, _VERSION, 0, len(pieces))
+        return b"".join([head, *(_PART.pack(kind, len(b)) for kind, b in pieces), *(b for _, b in pieces)])
+
+    def decode_into(self, data: memoryview, parts: list[torch.Tensor]) -> None:
+        pieces = split_frame(data)
+        if len(pieces) != len(parts):
+            raise ShapeError(f"stored object has {len(pieces)} parts; the destination has {len(parts)}")
+        for (kind, blob), out in zip(pieces, parts):
+            if kind == _RAW:
+                _copy_raw(blob, out)
+            else:
+                self._decode_part(blob, out)
+
+    def _encode_part(self, x: torch.Tensor) -> tuple[int, bytes]:
+        kv = to_canonical(x.detach().to("cpu"), self.options.head_dim)
+        blob = self.codec(kv.shape[2]).encode_chunks(kv)[0].blobs[0]
+        raw_size = x.numel() * x.element_size()
+        # Tiny objects can code larger than raw (side information): those are stored raw, which
+        # keeps every serialized object within size_bound.
+        if len(blob) > raw_size + _HEADROOM // 2:
+            return _RAW, x.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        return _CODED, blob
+
+    def _decode_part(self, blob: memoryview, out: torch.Tensor) -> None:
+        view = to_canonical(out, self.options.head_dim)
+        codec = self.codec(view.shape[2])
+        device = self.options.decode_device()
+        if device == out.device:
+            codec.decode_chunk(blob, view)  # straight into LMCache's buffer
+        else:  # NVDEC decodes into GPU memory; LMCache's L1 buffer is host memory
+            staged = torch.empty(view.shape, dtype=view.dtype, device=device)
+            view.copy_(codec.decode_chunk(blob, staged))
+
+
+def split_frame(data: memoryview) -> list[tuple[int, memoryview]]:
+    """(kind, bytes) of each part of a serialized object; trailing bytes (LMCache loads into a
+    buffer of the estimated size) are ignored."""
+    view = memoryview(data).cast("B")
+    if len(view) < _HEAD.size:
+        raise TruncatedError(f"kvcodec LMCache object truncated: {len(view)} bytes")
+    magic, version, _, n = _HEAD.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise FormatError(f"not a kvcodec LMCache object (magic {bytes(magic)!r})")
+    if version != _VERSION:
+        raise FormatError(f"kvcodec LMCache object version {version}; this kvcodec reads {_VERSION}")
+    pos = _HEAD.size + n * _PART.size
+    if len(view) < pos:
+        raise TruncatedError("kvcodec LMCache object truncated inside its part table")
+    pieces = []
+    for i in range(n):
+        kind, length = _PART.unpack_from(view, _HEAD.size + i * _PART.size)
+        if kind not in (_CODED, _RAW):
+            raise FormatError(f"kvcodec LMCache object part {i} has unknown kind {kind}")
+        if pos + length > len(view):
+            raise TruncatedError(f"kvcodec LMCache object truncated in part {i}")
+        pieces.append((kind, view[pos : pos + length]))
+        pos += length
+    return pieces
+
+
+def _copy_raw(blob: memoryview, out: torch.Tensor) -> None:
+    if len(blob) != out.numel() * out.element_size():
+        raise ShapeError(f"raw part has {len(blob)} bytes; destination holds {out.numel() * out.element_size()}")
+    src = torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(out.dtype).view(out.shape)
+    out.copy_(src)
+
+
+def size_bound(shapes, dtypes) -> int:
+    """Bytes a serialized object can take at most: raw parts plus framing (a part that codes
+    larger than that is stored raw)."""
+    raw = sum(torch.Size(s).numel() * d.itemsize for s, d in zip(shapes, dtypes))
+    return raw + _HEADROOM * max(1, len(shapes))

@@ -1,0 +1,157 @@
+"""An LMCache L2 adapter on any kvcodec store (file://, redis://, ...), loaded as LMCache's
+"plugin" adapter type:
+
+    --l2-adapter '{"type": "plugin", "module_path": "kvcodec.integrations.lmcache_store",
+                   "class_name": "KVCodecStoreL2Adapter",
+                   "adapter_params": {"url": "redis://127.0.0.1:6379/0"},
+                   "serde": {"type": "kvcodec", "quant": "int8"}}'
+
+Why it exists: LMCache 0.5.6's own adapters (fs, resp) load an object only when its stored size
+equals the load buffer, which the serde wrapper sizes from the serde's upper bound; a coded
+object is smaller, so they store it and then never load it. This adapter keeps each object's
+own length and loads it into the front of the buffer. Importing this module also registers the
+"kvcodec" serde, so the config line above is all LMCache needs.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.platform import create_event_notifier
+
+import kvcodec.integrations.lmcache_plugin  # noqa: F401  (registers the "kvcodec" serde)
+from kvcodec.errors import ConfigError
+from kvcodec.store import open_store
+
+_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def store_key(key: ObjectKey, prefix: str = "lmcache") -> str:
+    """A kvcodec store key for an LMCache ObjectKey (every field, injectively)."""
+
+    def part(text: str) -> str:
+        return "".join(c if c in _SAFE else f"={ord(c):02x}" for c in text) or "="
+
+    return "/".join(
+        [prefix, part(key.model_name), str(key.kv_rank), str(key.object_group_id), part(key.cache_salt), key.chunk_hash.hex()]
+    )
+
+
+class KVCodecStoreL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter over `kvcodec.store.open_store(url)`. Objects are immutable in the store,
+    so lookup-and-lock is an existence check and unlock has nothing to release."""
+
+    def __init__(self, params: dict[str, Any], **_: Any) -> None:
+        super().__init__(int(params.get("max_capacity_bytes", 0)))
+        url = params.get("url")
+        if not isinstance(url, str) or not url:
+            raise ConfigError("KVCodecStoreL2Adapter needs adapter_params.url (a kvcodec store URL)")
+        options = {k: v for k, v in params.items() if k not in ("url", "workers", "max_capacity_bytes", "prefix")}
+        self._store = open_store(url, **options)
+        self._prefix = str(params.get("prefix", "lmcache"))
+        self._pool = ThreadPoolExecutor(max_workers=int(params.get("workers", 2)), thread_name_prefix="kvcodec-l2")
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._efds = {op: create_event_notifier() for op in ("store", "lookup", "load")}
+        self._done: dict[str, dict[L2TaskId, Any]] = {op: {} for op in self._efds}
+
+    def get_store_event_fd(self) -> int:
+        return self._efds["store"].fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._efds["lookup"].fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._efds["load"].fileno()
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("store", self._store_objects, keys, objects)
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._done["store"] = self._done["store"], {}
+        return done
+
+    def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
+        return self._submit("lookup", self._lookup, keys)
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._pop("lookup", task_id)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        return None
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        return self._submit("load", self._load, keys, objects)
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        return self._pop("load", task_id)
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        sizes = [self._store.size(store_key(k, self._prefix)) or 0 for k in keys]
+        gone = [(k, s) for k, s in zip(keys, sizes) if self._store.delete(store_key(k, self._prefix))]
+        if gone:
+            self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._store.close()
+        for efd in self._efds.values():
+            efd.close()
+
+    def report_status(self) -> dict:
+        return {"is_healthy": True, "type": type(self).__name__, "store": repr(self._store)}
+
+    # -- work, on the adapter's threads ------------------------------------------------------
+    def _store_objects(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
+        items = {store_key(k, self._prefix): bytes(o.byte_array) for k, o in zip(keys, objects, strict=True)}
+        self._store.put_many(items)
+        self._notify_keys_stored(list(keys), [len(v) for v in items.values()])
+        return L2StoreResult(True, sum(len(v) for v in items.values()))
+
+    def _lookup(self, keys: list[ObjectKey]) -> Bitmap:
+        bitmap = Bitmap(len(keys))
+        for i, hit in enumerate(self._store.exists_many([store_key(k, self._prefix) for k in keys])):
+            if hit:
+                bitmap.set(i)
+        return bitmap
+
+    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
+        bitmap = Bitmap(len(keys))
+        blobs = self._store.get_many([store_key(k, self._prefix) for k in keys])
+        for i, (blob, obj) in enumerate(zip(blobs, objects, strict=True)):
+            buf = obj.byte_array.cast("B")  # ctypes exposes '<B', which slice assignment refuses
+            if blob is not None and len(blob) <= len(buf):
+                buf[: len(blob)] = blob
+                bitmap.set(i)
+        hits = [keys[i] for i in bitmap.get_indices_list()]
+        if hits:
+            self._notify_keys_accessed(hits)
+        return bitmap
+
+    def _submit(self, op: str, fn, *args) -> L2TaskId:
+        with self._lock:
+            task_id = self._next_id
+            self._next_id += 1
+        self._pool.submit(self._run, op, task_id, fn, *args)
+        return task_id
+
+    def _run(self, op: str, task_id: L2TaskId, fn, keys: list[ObjectKey], *rest) -> None:
+        try:
+            result = fn(keys, *rest)
+        except Exception:  # noqa: BLE001 - a failed batch is reported to LMCache, which treats it as a miss
+            result = L2StoreResult(False, 0) if op == "store" else Bitmap(len(keys))
+        with self._lock:
+            self._done[op][task_id] = result
+        self._efds[op].notify()
+
+    def _pop(self, op: str, task_id: L2TaskId):
+        with self._lock:
+            return self._done[op].pop(task_id, None)
