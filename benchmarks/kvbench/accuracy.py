@@ -84,150 +84,167 @@ def run_model(
     log: Callable[[str], None],
     answer_tokens: int = 12,
 ) -> tuple[list[dict], list[dict]]:
-    import torch
+    """(one record per quant, one row per question) of `model_name` on `task` and the perplexity texts."""
+    from kvcodec.models.texts import load_qa
 
-    from kvbench import accuracy_metrics as acc
-    from kvcodec.integrations.hf import cache_to_tensor, extract_kv, forward_ids
-    from kvcodec.models import load_model, model_id
-    from kvcodec.models.texts import load_qa, load_text
-
-    store_dtype = getattr(torch, kv_dtype)
-
-    def answer(model, tok, doc, kv, q):
-        if task == "quoref":
-            return acc.answer_extractive(model, tok, doc, kv, q, max_new_tokens=answer_tokens)
-        return acc.answer_multiple_choice(model, tok, doc, kv, q)
-
-    model, tok = load_model(model_name)
-    mid = model_id(model)
-    stats = {q: _QuantStats() for q in quants}
-    per_question: list[dict] = []
+    run = ModelRun(model_name, quants, task, kv_dtype, identity, log, answer_tokens)
     questions = load_qa(task, limit=n_questions, download=download)
-    extractive = task == "quoref"
-    recomputed_correct, recomputed_em = 0.0, 0
     t_start = time.perf_counter()
     for qi, q in enumerate(questions):
-        doc = acc.document_ids(tok, q, max_tokens=max_doc_tokens)
-        # prefill the exact ids (decoding and re-tokenizing could change them)
-        _, cache = forward_ids(model, doc)
+        row = run.question(q, max_doc_tokens)
+        log(f"  {model_name} {qi + 1}/{len(questions)} ({row['doc_tokens']} tok) recomputed={row['summary']} "
+            + " ".join(f"{qq}:{row['choices_restored'][qq]!r}" if run.extractive else f"{qq}:{row['choices_restored'][qq]}"
+                       for qq in quants)
+            + f"  [{time.perf_counter() - t_start:.0f} s]")
+        del row["summary"]
+    for text_name in ppl_texts:
+        run.perplexity(text_name, ppl_prefix, ppl_tokens, greedy_tokens)
+    settings = {"ppl_texts": ppl_texts, "ppl_prefix_tokens": ppl_prefix, "ppl_scored_tokens": ppl_tokens - 1,
+                "greedy_tokens": greedy_tokens}
+    return [run.record(quant, len(questions), settings) for quant in quants], run.per_question
+
+
+class ModelRun:
+    """One model's accuracy run: every question answered from recomputed KV and from each quant's
+    restored KV, perplexity and greedy agreement on texts, statistics per quant."""
+
+    def __init__(self, model_name: str, quants: list[str], task: str, kv_dtype: str, identity: bool,
+                 log: Callable[[str], None], answer_tokens: int) -> None:
+        import torch
+
+        from kvcodec.models import load_model, model_id
+
+        self.model_name, self.quants, self.task, self.kv_dtype = model_name, quants, task, kv_dtype
+        self.identity, self.log, self.answer_tokens = identity, log, answer_tokens
+        self.store_dtype = getattr(torch, kv_dtype)
+        self.model, self.tok = load_model(model_name)
+        self.model_id = model_id(self.model)
+        self.extractive = task == "quoref"
+        self.stats = {q: _QuantStats() for q in quants}
+        self.per_question: list[dict] = []
+        self.recomputed_correct, self.recomputed_em = 0.0, 0
+
+    def answer(self, doc, kv, q):  # noqa: ANN001, ANN201
+        from kvbench import accuracy_metrics as acc
+
+        if self.extractive:
+            return acc.answer_extractive(self.model, self.tok, doc, kv, q, max_new_tokens=self.answer_tokens)
+        return acc.answer_multiple_choice(self.model, self.tok, doc, kv, q)
+
+    def round_trip(self, kv_store, quant: str, like):  # noqa: ANN001, ANN201
+        """(kv_store encoded with `quant` and restored, in like's dtype; stored bytes; encode seconds)."""
+        import torch
+
+        restored, nbytes, enc_s = restore(kv_store, quant, identity=self.identity)
+        s = self.stats[quant]
+        s.round_trips += 1
+        s.bit_exact += restored.dtype == kv_store.dtype and torch.equal(restored.view(torch.uint8),
+                                                                        kv_store.view(torch.uint8))
+        return restored.to(like.dtype), nbytes, enc_s
+
+    def question(self, q, max_doc_tokens: int) -> dict:  # noqa: ANN001
+        from kvbench import accuracy_metrics as acc
+        from kvcodec.integrations.hf import cache_to_tensor, forward_ids
+
+        doc = acc.document_ids(self.tok, q, max_tokens=max_doc_tokens)
+        _, cache = forward_ids(self.model, doc)  # the exact ids (decoding and re-tokenizing could change them)
         kv_ref = cache_to_tensor(cache).cpu()
-        ref = answer(model, tok, doc, kv_ref, q)
-        recomputed_correct += ref.f1 if extractive else ref.correct
-        recomputed_em += extractive and ref.exact_match
+        ref = self.answer(doc, kv_ref, q)
+        self.recomputed_correct += ref.f1 if self.extractive else ref.correct
+        self.recomputed_em += self.extractive and ref.exact_match
         row: dict[str, Any] = {
-            "model": model_name,
-            "question": q.id,
-            "doc_tokens": int(doc.numel()),
-            "answer": list(q.answers) if extractive else q.answer,
-            "choice_recomputed": ref.text if extractive else ref.choice,
-            "choices_restored": {},
+            "model": self.model_name, "question": q.id, "doc_tokens": int(doc.numel()),
+            "answer": list(q.answers) if self.extractive else q.answer,
+            "choice_recomputed": ref.text if self.extractive else ref.choice, "choices_restored": {},
+            "summary": f"{ref.text!r} (F1 {ref.f1:.2f})" if self.extractive else ("ok" if ref.correct else "--"),
         }
-        kv_store = kv_ref.to(store_dtype)
-        for quant in quants:
-            restored, nbytes, enc_s = restore(kv_store, quant, identity=identity)
-            stats[quant].round_trips += 1
-            stats[quant].bit_exact += restored.dtype == kv_store.dtype and torch.equal(
-                restored.view(torch.uint8), kv_store.view(torch.uint8)
-            )
-            restored = restored.to(kv_ref.dtype)
-            got = answer(model, tok, doc, restored, q)
-            s = stats[quant]
-            if extractive:
-                s.correct += got.f1
-                s.exact_match += got.exact_match
-                s.same_choice += got.text == ref.text
-                s.identical_scores += got.tokens == ref.tokens
-                s.max_score_diff = max(s.max_score_diff, abs(got.f1 - ref.f1))
-            else:
-                s.correct += got.correct
-                s.same_choice += got.choice == ref.choice
-                s.identical_scores += got.scores == ref.scores
-                s.max_score_diff = max(s.max_score_diff, max(abs(a - b) for a, b in zip(got.scores, ref.scores)))
+        kv_store = kv_ref.to(self.store_dtype)
+        for quant in self.quants:
+            restored, nbytes, enc_s = self.round_trip(kv_store, quant, kv_ref)
+            got = self.answer(doc, restored, q)
+            self.score(self.stats[quant], got, ref)
+            s = self.stats[quant]
             s.ratio.append(kv_store.numel() * 2 / nbytes)  # vs fp16
             s.ratio_stored.append(kv_store.numel() * kv_store.element_size() / nbytes)
             s.encode_s.append(enc_s)
             s.rel_rms.append(acc.kv_error(restored, kv_ref)["rel_rms"])
-            row["choices_restored"][quant] = got.text if extractive else got.choice
-        per_question.append(row)
-        elapsed = time.perf_counter() - t_start
-        log(
-            f"  {model_name} {qi + 1}/{len(questions)} ({doc.numel()} tok) recomputed="
-            + (f"{ref.text!r} (F1 {ref.f1:.2f}) " if extractive else f"{'ok' if ref.correct else '--'} ")
-            + " ".join(f"{qq}:{row['choices_restored'][qq]!r}" if extractive else f"{qq}:{row['choices_restored'][qq]}"
-                       for qq in quants)
-            + f"  [{elapsed:.0f} s]"
-        )
+            row["choices_restored"][quant] = got.text if self.extractive else got.choice
+        self.per_question.append(row)
+        return row
 
-    for text_name in ppl_texts:
-        ids = tok(load_text(text_name), return_tensors="pt").input_ids[0]
+    def score(self, s: _QuantStats, got, ref) -> None:  # noqa: ANN001
+        if self.extractive:
+            s.correct += got.f1
+            s.exact_match += got.exact_match
+            s.same_choice += got.text == ref.text
+            s.identical_scores += got.tokens == ref.tokens
+            s.max_score_diff = max(s.max_score_diff, abs(got.f1 - ref.f1))
+        else:
+            s.correct += got.correct
+            s.same_choice += got.choice == ref.choice
+            s.identical_scores += got.scores == ref.scores
+            s.max_score_diff = max(s.max_score_diff, max(abs(a - b) for a, b in zip(got.scores, ref.scores)))
+
+    def perplexity(self, text_name: str, ppl_prefix: int, ppl_tokens: int, greedy_tokens: int) -> None:
+        import torch
+
+        from kvbench import accuracy_metrics as acc
+        from kvcodec.integrations.hf import extract_kv
+        from kvcodec.models.texts import load_text
+
+        ids = self.tok(load_text(text_name), return_tensors="pt").input_ids[0]
         if ids.numel() < ppl_prefix + ppl_tokens:
             raise click.ClickException(f"text {text_name} has {ids.numel()} tokens; need {ppl_prefix + ppl_tokens}")
         prefix, cont = ids[:ppl_prefix], ids[ppl_prefix : ppl_prefix + ppl_tokens]
-        _, kv_ref = extract_kv(model, tok, load_text(text_name), max_tokens=ppl_prefix)
-        if not torch.equal(_, prefix):
+        got_ids, kv_ref = extract_kv(self.model, self.tok, load_text(text_name), max_tokens=ppl_prefix)
+        if not torch.equal(got_ids, prefix):
             raise click.ClickException(f"tokenization of {text_name} is not stable")
-        kv_store = kv_ref.to(store_dtype)
-        for quant in quants:
-            restored = restore(kv_store, quant, identity=identity)[0]
-            stats[quant].round_trips += 1
-            stats[quant].bit_exact += restored.dtype == kv_store.dtype and torch.equal(
-                restored.view(torch.uint8), kv_store.view(torch.uint8)
-            )
-            restored = restored.to(kv_ref.dtype)
-            p = acc.perplexity_delta(model, prefix, restored, kv_ref, cont)
-            a = acc.greedy_agreement(model, prefix, restored, kv_ref, cont[:1], greedy_tokens)
-            s = stats[quant]
+        kv_store = kv_ref.to(self.store_dtype)
+        for quant in self.quants:
+            restored = self.round_trip(kv_store, quant, kv_ref)[0]
+            p = acc.perplexity_delta(self.model, prefix, restored, kv_ref, cont)
+            a = acc.greedy_agreement(self.model, prefix, restored, kv_ref, cont[:1], greedy_tokens)
+            s = self.stats[quant]
             s.ppl_ref.append(p.ppl_reference)
             s.ppl_got.append(p.ppl_restored)
             s.agreement.append(a.agreement)
             s.first_div.append(a.first_divergence)
             s.greedy_identical += a.first_divergence is None
-            log(f"  {model_name} {text_name} {quant}: ppl {p.ppl_reference:.4f} -> {p.ppl_restored:.4f}, agreement {a.agreement:.3f}")
+            self.log(f"  {self.model_name} {text_name} {quant}: ppl {p.ppl_reference:.4f} -> {p.ppl_restored:.4f}, "
+                     f"agreement {a.agreement:.3f}")
 
-    kv_ref_dtype = next(model.parameters()).dtype
-    n = len(questions)
-    records = []
-    for quant in quants:
-        s = stats[quant]
-        mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    def record(self, quant: str, n: int, settings: dict) -> dict:
+        s = self.stats[quant]
+
+        def mean(xs: list) -> float | None:
+            return statistics.fmean(xs) if xs else None
+
+        def per_question(x: float) -> float | None:
+            return x / n if n else None
+
         ppl_ref, ppl_got = mean(s.ppl_ref), mean(s.ppl_got)
-        records.append(
-            {
-                "model": model_name,
-                "model_id": mid,
-                "quant": quant,
-                "kv_dtype": kv_dtype,
-                "task": task,
-                "n_questions": n,
-                "accuracy_restored": s.correct / n if n else None,
-                "accuracy_recomputed": recomputed_correct / n if n else None,
-                "answer_agreement": s.same_choice / n if n else None,
-                **({"exact_match_restored": s.exact_match / n if n else None,
-                    "exact_match_recomputed": recomputed_em / n if n else None,
-                    "accuracy_is": "mean token F1 against the accepted spans"} if extractive else {}),
-                "identical_scores": s.identical_scores,
-                "bit_exact_round_trips": s.bit_exact,
-                "round_trips": s.round_trips,
-                "stored_dtype_is_model_dtype": store_dtype == kv_ref_dtype,
-                "max_abs_score_diff": s.max_score_diff,
-                "ppl_texts": ppl_texts,
-                "ppl_prefix_tokens": ppl_prefix,
-                "ppl_scored_tokens": ppl_tokens - 1,
-                "ppl_recomputed": ppl_ref,
-                "ppl_restored": ppl_got,
-                "ppl_delta": (ppl_got - ppl_ref) if ppl_ref is not None else None,
-                "greedy_tokens": greedy_tokens,
-                "token_agreement": mean(s.agreement),
-                "greedy_identical_texts": s.greedy_identical,
-                "first_divergence": list(s.first_div),
-                "kv_rel_rms_error": mean(s.rel_rms),
-                "ratio_vs_fp16": mean(s.ratio),
-                "ratio_vs_stored_dtype": mean(s.ratio_stored),
-                "encode_s_cpu_mean": mean(s.encode_s),
-                "codec": "identity" if identity else f"kvcodec {BENCH_RESOLUTION[0]}x{BENCH_RESOLUTION[1]}",
-            }
-        )
-    return records, per_question
+        return {
+            "model": self.model_name, "model_id": self.model_id, "quant": quant, "kv_dtype": self.kv_dtype,
+            "task": self.task, "n_questions": n,
+            "accuracy_restored": per_question(s.correct), "accuracy_recomputed": per_question(self.recomputed_correct),
+            "answer_agreement": per_question(s.same_choice),
+            **({"exact_match_restored": per_question(s.exact_match),
+                "exact_match_recomputed": per_question(self.recomputed_em),
+                "accuracy_is": "mean token F1 against the accepted spans"} if self.extractive else {}),
+            "identical_scores": s.identical_scores, "bit_exact_round_trips": s.bit_exact,
+            "round_trips": s.round_trips,
+            "stored_dtype_is_model_dtype": self.store_dtype == next(self.model.parameters()).dtype,
+            "max_abs_score_diff": s.max_score_diff,
+            "ppl_texts": settings["ppl_texts"], "ppl_prefix_tokens": settings["ppl_prefix_tokens"],
+            "ppl_scored_tokens": settings["ppl_scored_tokens"],
+            "ppl_recomputed": ppl_ref, "ppl_restored": ppl_got,
+            "ppl_delta": (ppl_got - ppl_ref) if ppl_ref is not None else None,
+            "greedy_tokens": settings["greedy_tokens"], "token_agreement": mean(s.agreement),
+            "greedy_identical_texts": s.greedy_identical, "first_divergence": list(s.first_div),
+            "kv_rel_rms_error": mean(s.rel_rms), "ratio_vs_fp16": mean(s.ratio),
+            "ratio_vs_stored_dtype": mean(s.ratio_stored), "encode_s_cpu_mean": mean(s.encode_s),
+            "codec": "identity" if self.identity else f"kvcodec {BENCH_RESOLUTION[0]}x{BENCH_RESOLUTION[1]}",
+        }
 
 
 def exact_failures(records: list[dict]) -> list[str]:

@@ -223,7 +223,7 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
 
         return run
     if backend in ("nvdec-pool", "nvdec-pool-consumer"):
-        from kvcodec.video.nvdec_pool import decode_blobs_parallel
+        from kvcodec.codecs.hevc_pool import decode_blobs_parallel
 
         where = "workers" if backend == "nvdec-pool" else "consumer"
 
@@ -445,8 +445,8 @@ def _staging(case_paths: dict, device, pool, restore: str = "auto") -> list[dict
     import torch
 
     import kvcodec
+    from kvcodec.codecs.hevc_pool import decode_parallel
     from kvcodec.video.nvdec import NvdecDecoder
-    from kvcodec.video.nvdec_pool import decode_parallel
 
     recs = []
     for label, data in case_paths.items():
@@ -542,147 +542,178 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, de
 
     if not torch.cuda.is_available():
         raise click.ClickException("bench decode needs a CUDA GPU")
-    device = torch.device("cuda", torch.cuda.current_device())
-    gpu = torch.cuda.get_device_name(device)
-    backends_l = [b for b in backends.split(",") if b]
     if detile:
         restore = ",".join(dict.fromkeys("auto" if d in ("codec", "cached") else d for d in detile.split(",") if d))
-    restore_l = [r for r in restore.split(",") if r]
-    meta_path = Path(data_dir) / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    result = {
-        "command": command_line("decode"),
-        "gpu": gpu,
-        "cpu_cores": os.cpu_count(),
-        "data": meta,
-        "records": [],
-    }
-    records = result["records"]
-    out = result_path(out_path, f"decode-{gpu.replace(' ', '-').lower()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    run = DecodeRun(data_dir, [b for b in backends.split(",") if b], [r for r in restore.split(",") if r],
+                    seconds, out_path)
+    try:
+        if any(b.startswith("nvdec-pool") for b in run.backends):
+            run.start_pool(workers, res_l)
+        for mode in modes_l:
+            run.restore_mode(mode, res_l, copies)
+        if interference:
+            run.interference(interference_case, interference_seconds)
+        if scaling_workers and run.cases and "nvdec-pool" in run.backends:
+            run.scaling([int(x) for x in scaling_workers.split(",")], interference_case)
+        if staging_tokens:
+            run.staging([int(t) for t in staging_tokens.split(",")], res_l)
+    finally:
+        if run.pool is not None:
+            run.pool.close()
+    write_result(run.out, run.result, _markdown(run.result))
+    click.echo(f"wrote {run.out} and {run.out.with_suffix('.md')}")
 
-    def log(rec):
-        rec.setdefault("gpu", gpu)
-        records.append(rec)
+
+class DecodeRun:
+    """One `bench decode` run on the current CUDA device: the prepared containers as cases, an
+    optional NVDEC pool, and the result whose records each step appends (and saves at once, so
+    partial results survive an interrupted run)."""
+
+    def __init__(self, data_dir: str, backends: list[str], restores: list[str], seconds: float, out_path) -> None:  # noqa: ANN001
+        import torch
+
+        self.data_dir, self.backends, self.restores, self.seconds = Path(data_dir), backends, restores, seconds
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.gpu = torch.cuda.get_device_name(self.device)
+        meta_path = self.data_dir / "meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        self.result = {"command": command_line("decode"), "gpu": self.gpu, "cpu_cores": os.cpu_count(), "data": meta,
+                       "records": []}
+        self.out = result_path(out_path, f"decode-{self.gpu.replace(' ', '-').lower()}")
+        self.pool = None
+        self.cases: dict[str, _Case] = {}
+        self.nvc_cases: dict[str, _NvcompCase] = {}
+
+    def log(self, rec: dict) -> None:
+        rec.setdefault("gpu", self.gpu)
+        self.result["records"].append(rec)
         click.echo(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}))
-        write_json(out, result)  # partial results survive an interrupted run
+        write_json(self.out, self.result)
 
-    pool = None
-    if any(b.startswith("nvdec-pool") for b in backends_l):
+    def start_pool(self, workers: int, res_l: list[tuple[int, int]]) -> None:
         from kvcodec.video.nvdec_pool import NvdecPool
 
-        free0 = _free_now(device)
+        free0 = _free_now(self.device)
         t = time.perf_counter()
-        pool = NvdecPool(workers=workers, device=device, max_frame=max(res_l, key=lambda r: r[0] * r[1]))
-        fixed = free0 - _free_now(device)
-        ring = workers * pool.slots * pool.slot_bytes
-        log({"kind": "pool_fixed", "workers": workers, "start_s": time.perf_counter() - t,
-             "pool_fixed_mb": fixed / 2**20, "ring_mb": ring / 2**20,
-             "worker_context_mb": (fixed - ring) / 2**20 / workers})
-    cases = {}
-    nvc_cases = {}
-    try:
-        for mode in modes_l:
-            for w, h in res_l:
-                path = Path(data_dir) / f"{mode}_{w}x{h}.kvc"
-                if not path.exists():
-                    click.echo(f"skip {path.name}: missing", err=True)
-                    continue
-                case = _Case(path, copies)
-                cases[case.name] = case
-                for backend in [b for b in backends_l if b != "nvcomp"]:
-                    variants = restore_l if backend.startswith("nvdec") else restore_l[:1]
-                    for variant in variants:
-                        try:
-                            fn = _restore_fn(backend, case, device, pool, restore=variant)
-                            free0 = _free_now(device)
-                            with _MemSampler(device) as m:
-                                sec, reps = _timed(fn, seconds)
-                            log(case.record(backend, sec, reps=reps, restore=variant,
-                                            mem_growth_mb=(free0 - m.min_free) / 2**20))
-                        except Exception as e:
-                            log({"kind": "restore", "backend": backend, "mode": mode, "resolution": f"{w}x{h}",
-                                 "restore": variant, "error": repr(e)[:500]})
-                if {"nvdec", "nvdec-pool"} & set(backends_l):
-                    for rec in _decode_only(case, device, pool, seconds):
-                        log(rec)
-            mode_cases = [c for c in cases.values() if c.mode == mode]
-            if "nvcomp" in backends_l and mode_cases:
-                case = mode_cases[0]
-                for alg in NVCOMP_ALGORITHMS:
-                    try:
-                        nc = _NvcompCase(case, alg, device)
-                        fn = nc.run_fn()
-                        free0 = _free_now(device)
-                        with _MemSampler(device) as m:
-                            sec, reps = _timed(fn, seconds)
-                        rec = case.record(f"nvcomp-{alg}", sec, reps=reps, mem_growth_mb=(free0 - m.min_free) / 2**20)
-                        rec.update(resolution="-", coded_gbit_per_s=nc.comp_bytes * nc.copies * 8 / sec / 1e9,
-                                   ratio_vs_fp16=nc.ratio, samples_gb_per_s=None)
-                        log(rec)
-                        nvc_cases[f"nvcomp-{alg}-{mode}"] = nc
-                    except Exception as e:
-                        log({"kind": "restore", "backend": f"nvcomp-{alg}", "mode": mode, "error": repr(e)[:500]})
-        if interference:
-            alone = _matmul_tflops(device, interference_seconds)
-            base = cases.get(interference_case) or next(iter(cases.values()))
-            runs = []
-            for backend in backends_l:
-                if backend == "nvcomp":
-                    for alg in NVCOMP_ALGORITHMS:
-                        nc = nvc_cases.get(f"nvcomp-{alg}-{base.mode}")
-                        if nc is not None:
-                            runs.append((f"nvcomp-{alg}", "nvcomp", nc.run_fn()))
-                elif backend.startswith("nvdec-pool") and pool is not None:
-                    for variant in restore_l:
-                        runs.append((backend, variant, lambda b=backend, v=variant: _restore_fn(b, base, device, pool, restore=v)))
-                    wv, hv = base.resolution
-                    streams = [(v, wv, hv) for v in base.videos]
-                    runs.append(("nvdec-pool-decode-only", "-", lambda: lambda: [None for _ in pool.decode_streams(streams)]))
-                elif backend == "nvdec":
-                    for variant in restore_l:
-                        runs.append((backend, variant, lambda v=variant: _restore_fn("nvdec", base, device, pool, restore=v)))
-                elif backend != "nvdec-pyav":
-                    runs.append((backend, restore_l[0], lambda b=backend: _restore_fn(b, base, device, pool, restore=restore_l[0])))
-            for name, variant, make in runs:
-                try:
-                    rec = _interference(name, make() if variant != "nvcomp" else make, device, interference_seconds, alone)
-                except Exception as e:
-                    rec = {"kind": "interference", "backend": name, "error": repr(e)[:500]}
-                rec.update(mode=base.mode, resolution=f"{base.resolution[0]}x{base.resolution[1]}", restore=variant)
-                log(rec)
-        if scaling_workers and cases and "nvdec-pool" in backends_l:
-            from kvcodec.video.nvdec_pool import NvdecPool
+        self.pool = NvdecPool(workers=workers, device=self.device, max_frame=max(res_l, key=lambda r: r[0] * r[1]))
+        fixed = free0 - _free_now(self.device)
+        ring = workers * self.pool.slots * self.pool.slot_bytes
+        self.log({"kind": "pool_fixed", "workers": workers, "start_s": time.perf_counter() - t,
+                  "pool_fixed_mb": fixed / 2**20, "ring_mb": ring / 2**20,
+                  "worker_context_mb": (fixed - ring) / 2**20 / workers})
 
-            base = cases.get(interference_case) or next(iter(cases.values()))
-            wv, hv = base.resolution
-            streams = [(v, wv, hv) for v in base.videos]
-            for nw in [int(x) for x in scaling_workers.split(",")]:
-                try:
-                    with NvdecPool(workers=nw, device=device, max_frame=(wv, hv)) as p2:
-                        sec, _ = _timed(lambda: [None for _ in p2.decode_streams(streams)], seconds)
-                        rsec, _ = _timed(_restore_fn("nvdec-pool", base, device, p2, restore=restore_l[0]), seconds)
-                    log({"kind": "scaling", "workers": nw, "mode": base.mode, "resolution": f"{wv}x{hv}",
-                         "decode_coded_gbit_per_s": base.video_bytes * 8 / sec / 1e9,
-                         "decode_samples_gb_per_s": base.samples / sec / 1e9,
-                         "restore_gb_per_s": base.fp16_bytes / rsec / 1e9,
-                         "restore_coded_gbit_per_s": base.coded_bytes * 8 / rsec / 1e9})
-                except Exception as e:
-                    log({"kind": "scaling", "workers": nw, "error": repr(e)[:500]})
-        if staging_tokens:
-            shape = next(iter(cases.values())) if cases else None
-            lhd = (shape.layers, shape.heads, shape.dim) if shape else (30, 3, 64)
-            res = max(res_l, key=lambda r: r[0] * r[1])
-            synth = _synthetic_containers(lhd, [int(t) for t in staging_tokens.split(",")], res)
-            for variant in restore_l:
-                for rec in _staging(synth, device, pool, restore=variant):
-                    rec["restore"] = variant
-                    log(rec)
-    finally:
-        if pool is not None:
-            pool.close()
-    write_result(out, result, _markdown(result))
-    click.echo(f"wrote {out} and {out.with_suffix('.md')}")
+    def timed(self, fn) -> tuple[float, int, float]:  # noqa: ANN001
+        """(seconds per call, calls, MB of GPU memory the calls took beyond what was free)."""
+        free0 = _free_now(self.device)
+        with _MemSampler(self.device) as m:
+            sec, reps = _timed(fn, self.seconds)
+        return sec, reps, (free0 - m.min_free) / 2**20
+
+    def restore_mode(self, mode: str, res_l: list[tuple[int, int]], copies: int) -> None:
+        """Every backend (and restore variant) on each prepared container of `mode`, then nvCOMP."""
+        for w, h in res_l:
+            path = self.data_dir / f"{mode}_{w}x{h}.kvc"
+            if not path.exists():
+                click.echo(f"skip {path.name}: missing", err=True)
+                continue
+            case = self.cases[path.stem] = _Case(path, copies)
+            for backend in [b for b in self.backends if b != "nvcomp"]:
+                for variant in self.restores if backend.startswith("nvdec") else self.restores[:1]:
+                    try:
+                        sec, reps, mem = self.timed(_restore_fn(backend, case, self.device, self.pool, restore=variant))
+                        self.log(case.record(backend, sec, reps=reps, restore=variant, mem_growth_mb=mem))
+                    except Exception as e:
+                        self.log({"kind": "restore", "backend": backend, "mode": mode, "resolution": f"{w}x{h}",
+                                  "restore": variant, "error": repr(e)[:500]})
+            if {"nvdec", "nvdec-pool"} & set(self.backends):
+                for rec in _decode_only(case, self.device, self.pool, self.seconds):
+                    self.log(rec)
+        mode_cases = [c for c in self.cases.values() if c.mode == mode]
+        if "nvcomp" in self.backends and mode_cases:
+            self.nvcomp(mode_cases[0])
+
+    def nvcomp(self, case: _Case) -> None:
+        for alg in NVCOMP_ALGORITHMS:
+            try:
+                nc = _NvcompCase(case, alg, self.device)
+                sec, reps, mem = self.timed(nc.run_fn())
+                rec = case.record(f"nvcomp-{alg}", sec, reps=reps, mem_growth_mb=mem)
+                rec.update(resolution="-", coded_gbit_per_s=nc.comp_bytes * nc.copies * 8 / sec / 1e9,
+                           ratio_vs_fp16=nc.ratio, samples_gb_per_s=None)
+                self.log(rec)
+                self.nvc_cases[f"nvcomp-{alg}-{case.mode}"] = nc
+            except Exception as e:
+                self.log({"kind": "restore", "backend": f"nvcomp-{alg}", "mode": case.mode, "error": repr(e)[:500]})
+
+    def base_case(self, name: str | None) -> _Case:
+        return self.cases.get(name) or next(iter(self.cases.values()))
+
+    def interference_runs(self, base: _Case) -> list[tuple[str, str, object]]:
+        """(backend, restore variant, maker of its restore function) for every backend measured."""
+        device, pool, runs = self.device, self.pool, []
+        for backend in self.backends:
+            if backend == "nvcomp":
+                for alg in NVCOMP_ALGORITHMS:
+                    nc = self.nvc_cases.get(f"nvcomp-{alg}-{base.mode}")
+                    if nc is not None:
+                        runs.append((f"nvcomp-{alg}", "nvcomp", nc.run_fn()))
+            elif backend.startswith("nvdec-pool") and pool is not None:
+                for variant in self.restores:
+                    runs.append((backend, variant, lambda b=backend, v=variant: _restore_fn(b, base, device, pool, restore=v)))
+                wv, hv = base.resolution
+                streams = [(v, wv, hv) for v in base.videos]
+                runs.append(("nvdec-pool-decode-only", "-",
+                             lambda s=streams: lambda: [None for _ in pool.decode_streams(s)]))
+            elif backend == "nvdec":
+                for variant in self.restores:
+                    runs.append((backend, variant, lambda v=variant: _restore_fn("nvdec", base, device, pool, restore=v)))
+            elif backend != "nvdec-pyav":
+                first = self.restores[0]
+                runs.append((backend, first, lambda b=backend, v=first: _restore_fn(b, base, device, pool, restore=v)))
+        return runs
+
+    def interference(self, case_name: str | None, seconds: float) -> None:
+        """A bf16 matmul's TFLOP/s alone and while each backend restores flat out."""
+        alone = _matmul_tflops(self.device, seconds)
+        base = self.base_case(case_name)
+        for name, variant, make in self.interference_runs(base):
+            try:
+                rec = _interference(name, make() if variant != "nvcomp" else make, self.device, seconds, alone)
+            except Exception as e:
+                rec = {"kind": "interference", "backend": name, "error": repr(e)[:500]}
+            rec.update(mode=base.mode, resolution=f"{base.resolution[0]}x{base.resolution[1]}", restore=variant)
+            self.log(rec)
+
+    def scaling(self, worker_counts: list[int], case_name: str | None) -> None:
+        """Decode-only and restore throughput of pools of each size."""
+        from kvcodec.video.nvdec_pool import NvdecPool
+
+        base = self.base_case(case_name)
+        wv, hv = base.resolution
+        streams = [(v, wv, hv) for v in base.videos]
+        for nw in worker_counts:
+            try:
+                with NvdecPool(workers=nw, device=self.device, max_frame=(wv, hv)) as p2:
+                    sec, _ = _timed(lambda p=p2: [None for _ in p.decode_streams(streams)], self.seconds)
+                    rsec, _ = _timed(_restore_fn("nvdec-pool", base, self.device, p2, restore=self.restores[0]),
+                                     self.seconds)
+                self.log({"kind": "scaling", "workers": nw, "mode": base.mode, "resolution": f"{wv}x{hv}",
+                          "decode_coded_gbit_per_s": base.video_bytes * 8 / sec / 1e9,
+                          "decode_samples_gb_per_s": base.samples / sec / 1e9,
+                          "restore_gb_per_s": base.fp16_bytes / rsec / 1e9,
+                          "restore_coded_gbit_per_s": base.coded_bytes * 8 / rsec / 1e9})
+            except Exception as e:
+                self.log({"kind": "scaling", "workers": nw, "error": repr(e)[:500]})
+
+    def staging(self, tokens_list: list[int], res_l: list[tuple[int, int]]) -> None:
+        """Staging memory of decoding prefixes of each length (synthetic containers)."""
+        shape = next(iter(self.cases.values())) if self.cases else None
+        lhd = (shape.layers, shape.heads, shape.dim) if shape else (30, 3, 64)
+        synth = _synthetic_containers(lhd, tokens_list, max(res_l, key=lambda r: r[0] * r[1]))
+        for variant in self.restores:
+            for rec in _staging(synth, self.device, self.pool, restore=variant):
+                rec["restore"] = variant
+                self.log(rec)
 
 
 def _markdown(result: dict) -> str:

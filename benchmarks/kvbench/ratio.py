@@ -13,10 +13,12 @@ For each (model, text): the prefix KV of `--tokens` tokens from a real forward p
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -133,13 +135,23 @@ def _byte_coders():
     }
 
 
-def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens: int, chunk_tokens: int, log,
-            layer_bits_schemes=()):
+@dataclasses.dataclass
+class Prefix:
+    """A real model's KV of a text's first tokens, and the tokens after it that accuracy is scored on."""
+
+    model_name: str
+    text_name: str
+    model: Any
+    kv32: Any  # the KV the model computed (fp32)
+    kv: Any  # what is coded: that KV cast to fp16
+    prefix_ids: Any
+    continuation: Any  # 128 tokens: perplexity
+    prompt: Any  # 16 tokens: greedy agreement
+
+
+def load_prefix(model_name: str, text_name: str, tokens: int, log) -> Prefix:  # noqa: ANN001
     import torch
 
-    import kvcodec
-    from kvbench import accuracy_metrics as acc
-    from kvbench.baselines import get_codec
     from kvcodec.integrations.hf import extract_kv
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text
@@ -149,84 +161,100 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
     ids_all = tok(text, return_tensors="pt").input_ids[0]
     if ids_all.numel() < tokens + 160:
         raise click.ClickException(f"text {text_name} has only {ids_all.numel()} tokens; need {tokens + 160}")
-    prefix_ids = ids_all[:tokens]
-    continuation = ids_all[tokens : tokens + 128]
-    prompt = ids_all[tokens : tokens + 16]
     t0 = time.perf_counter()
     _, kv32 = extract_kv(model, tok, text, max_tokens=tokens)
     log(f"{model_name} / {text_name}: KV {tuple(kv32.shape)} in {time.perf_counter() - t0:.1f} s")
-    kv = kv32.to(torch.float16)
-    fp16_bytes = kv.numel() * FP16
-    base = {"model": model_name, "text": text_name, "prefix_tokens": tokens, "kv_shape": list(kv.shape)}
-    records = []
+    return Prefix(model_name, text_name, model, kv32, kv32.to(torch.float16), ids_all[:tokens],
+                  ids_all[tokens : tokens + 128], ids_all[tokens : tokens + 16])
 
-    def rec(codec, quant, nbytes, **extra):
-        r = {**base, "codec": codec, "quant": quant, "bytes": int(nbytes), "ratio_vs_fp16": fp16_bytes / nbytes}
-        r.setdefault("entropy_bits_per_value", None)
-        r.setdefault("ppl_delta", None)
-        r.setdefault("token_agreement", None)
-        r.update(extra)
-        records.append(r)
-        log(f"  {codec:>22} {quant:>6} {nbytes:>11,} B  {fp16_bytes / nbytes:5.2f}x")
 
-    raw = kv.numpy().tobytes()
+class Records:
+    """The records of one prefix: size and ratio vs fp16 of each (codec, quant), with extras."""
+
+    def __init__(self, p: Prefix, log) -> None:  # noqa: ANN001
+        self.fp16_bytes = p.kv.numel() * FP16
+        self.base = {"model": p.model_name, "text": p.text_name, "prefix_tokens": p.kv.shape[2],
+                     "kv_shape": list(p.kv.shape)}
+        self.log = log
+        self.rows: list[dict] = []
+
+    def add(self, codec: str, quant: str, nbytes: int, **extra) -> None:  # noqa: ANN003
+        r = {**self.base, "codec": codec, "quant": quant, "bytes": int(nbytes), "ratio_vs_fp16": self.fp16_bytes / nbytes,
+             "entropy_bits_per_value": None, "ppl_delta": None, "token_agreement": None, **extra}
+        self.rows.append(r)
+        self.log(f"  {codec:>22} {quant:>6} {nbytes:>11,} B  {self.fp16_bytes / nbytes:5.2f}x")
+
+
+def accuracy(p: Prefix, restored, greedy_tokens: int) -> dict:  # noqa: ANN001
+    """Perplexity delta and greedy-token agreement of restored KV against the computed KV."""
+    from kvbench import accuracy_metrics as acc
+
+    ppl = acc.perplexity_delta(p.model, p.prefix_ids, restored.to(p.kv32.dtype), p.kv32, p.continuation)
+    agree = acc.greedy_agreement(p.model, p.prefix_ids, restored.to(p.kv32.dtype), p.kv32, p.prompt, greedy_tokens)
+    return {"ppl_reference": ppl.ppl_reference, "ppl_restored": ppl.ppl_restored, "ppl_delta": ppl.delta,
+            "token_agreement": agree.agreement, "kv_error": acc.kv_error(restored.float(), p.kv.float())}
+
+
+def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens: int, chunk_tokens: int, log,
+            layer_bits_schemes=()) -> list[dict]:
+    from kvbench.baselines import get_codec
+
+    p = load_prefix(model_name, text_name, tokens, log)
+    out = Records(p, log)
+    raw = p.kv.numpy().tobytes()
     for name, size in _byte_coders().items():
-        rec(name, "fp16", size(raw), entropy_bits_per_value=None)
-
+        out.add(name, "fp16", size(raw))
     # (label in the quant column, CodecConfig.quant, CodecConfig.layer_bits)
     modes = [(q, q, ()) for q in quants]
     for spec in layer_bits_schemes:
-        lb = parse_layer_bits_scheme(spec, kv.shape[0])
+        lb = parse_layer_bits_scheme(spec, p.kv.shape[0])
         modes.append((f"layers {spec}", f"int{max(lb)}", lb))
     for label_quant, quant, layer_bits in modes:
-        quant_extra = {"layer_bits": list(layer_bits), "mean_bits": sum(layer_bits) / len(layer_bits)} if layer_bits else {}
-        symbols, side = quantized_symbols(kv, quant, chunk_tokens, layer_bits)
-        entropy = sum(per_channel_entropy_bits(p) for p in symbols)  # exact: sum over byte planes
-        for name, size in _byte_coders().items():
-            rec(f"{name} (same integers)", label_quant, sum(size(p.numpy().tobytes()) for p in symbols) + side,
-                entropy_bits_per_value=entropy, **quant_extra)
-        rec("entropy bound (per-channel order-0)", label_quant, math.ceil(entropy * kv.numel() / 8) + side,
-            entropy_bits_per_value=entropy, **quant_extra)
-        variants = (("kvcodec", "hevc", "auto"), ("kvcodec (auto coder)", "auto", "auto"),
-                    ("kvcodec (every bit in the video)", "hevc", 8))
-        for label, coder, video_bits in variants:
-            config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder, video_bits=video_bits,
-                                         layer_bits=layer_bits)
-            t0 = time.perf_counter()
-            data = kvcodec.encode(kv, config)
-            enc_s = time.perf_counter() - t0
-            info = kvcodec.inspect(data)
-            best_name, best = min(info["resolutions"].items(), key=lambda kv_: kv_[1]["bytes"])
-            restored = kvcodec.decode(data, resolution=tuple(int(v) for v in best_name.split("x")))
-            extra = {
-                **quant_extra,
-                "entropy_bits_per_value": entropy,
-                "resolution": best_name,
-                "bytes_per_resolution": {k: v["bytes"] for k, v in info["resolutions"].items()},
-                "streams": best["streams"],
-                "layout": best["layout"],
-                "encode_s_cpu": enc_s,
-                "video_bits": kvcodec.codec.inspect_chunk_blob(_first_blob(data)).video_bits,
-            }
-            if label == "kvcodec":
-                ppl = acc.perplexity_delta(model, prefix_ids, restored.to(kv32.dtype), kv32, continuation)
-                agree = acc.greedy_agreement(model, prefix_ids, restored.to(kv32.dtype), kv32, prompt, greedy_tokens)
-                extra.update(
-                    ppl_reference=ppl.ppl_reference,
-                    ppl_restored=ppl.ppl_restored,
-                    ppl_delta=ppl.delta,
-                    token_agreement=agree.agreement,
-                    kv_error=acc.kv_error(restored.float(), kv.float()),
-                )
-            rec(label, label_quant, best["bytes"], **extra)
+        measure_quant(p, out, label_quant, quant, layer_bits, chunk_tokens, greedy_tokens)
     cachegen = get_codec("cachegen")
-    data = cachegen.encode(kv)
-    restored = cachegen.decode(data)
-    ppl = acc.perplexity_delta(model, prefix_ids, restored.to(kv32.dtype), kv32, continuation)
-    agree = acc.greedy_agreement(model, prefix_ids, restored.to(kv32.dtype), kv32, prompt, greedy_tokens)
-    rec("cachegen-style", "cachegen", len(data), ppl_reference=ppl.ppl_reference, ppl_restored=ppl.ppl_restored,
-        ppl_delta=ppl.delta, token_agreement=agree.agreement, kv_error=acc.kv_error(restored.float(), kv.float()))
-    return records
+    data = cachegen.encode(p.kv)
+    out.add("cachegen-style", "cachegen", len(data), **accuracy(p, cachegen.decode(data), greedy_tokens))
+    return out.rows
+
+
+def measure_quant(p: Prefix, out: Records, label_quant: str, quant: str, layer_bits, chunk_tokens: int,
+                  greedy_tokens: int) -> None:  # noqa: ANN001
+    """General-purpose coders on the same integers kvcodec codes, their entropy bound, and kvcodec
+    itself (bit split, auto coder, every bit in the video); accuracy of the default."""
+    import kvcodec
+
+    quant_extra = {"layer_bits": list(layer_bits), "mean_bits": sum(layer_bits) / len(layer_bits)} if layer_bits else {}
+    symbols, side = quantized_symbols(p.kv, quant, chunk_tokens, layer_bits)
+    entropy = sum(per_channel_entropy_bits(s) for s in symbols)  # exact: sum over byte planes
+    for name, size in _byte_coders().items():
+        out.add(f"{name} (same integers)", label_quant, sum(size(s.numpy().tobytes()) for s in symbols) + side,
+                entropy_bits_per_value=entropy, **quant_extra)
+    out.add("entropy bound (per-channel order-0)", label_quant, math.ceil(entropy * p.kv.numel() / 8) + side,
+            entropy_bits_per_value=entropy, **quant_extra)
+    variants = (("kvcodec", "hevc", "auto"), ("kvcodec (auto coder)", "auto", "auto"),
+                ("kvcodec (every bit in the video)", "hevc", 8))
+    for label, coder, video_bits in variants:
+        config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder, video_bits=video_bits,
+                                     layer_bits=layer_bits)
+        t0 = time.perf_counter()
+        data = kvcodec.encode(p.kv, config)
+        enc_s = time.perf_counter() - t0
+        info = kvcodec.inspect(data)
+        best_name, best = min(info["resolutions"].items(), key=lambda kv_: kv_[1]["bytes"])
+        extra = {
+            **quant_extra,
+            "entropy_bits_per_value": entropy,
+            "resolution": best_name,
+            "bytes_per_resolution": {k: v["bytes"] for k, v in info["resolutions"].items()},
+            "streams": best["streams"],
+            "layout": best["layout"],
+            "encode_s_cpu": enc_s,
+            "video_bits": kvcodec.codec.inspect_chunk_blob(_first_blob(data)).video_bits,
+        }
+        if label == "kvcodec":
+            restored = kvcodec.decode(data, resolution=tuple(int(v) for v in best_name.split("x")))
+            extra.update(accuracy(p, restored, greedy_tokens))
+        out.add(label, label_quant, best["bytes"], **extra)
 
 
 def markdown(records, doc: dict) -> list[str]:

@@ -166,15 +166,7 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
     ids = tok(load_text(text, max_chars=tokens * 12), return_tensors="pt").input_ids[0][:tokens].tolist()
     # a real question after the document; greedy answers of every method are compared with full prefill's
     prompt = ids + tok(E2E_QUESTION, add_special_tokens=False)["input_ids"]
-    # the stored KV is what this engine's own prefill computed on this device, as in serving
-    capture = _CapturedKV(chunk_tokens=256)
-    with Engine(model, tokenizer=tok, prefix_cache=capture, reuse=False, device=device,
-                store_policy=StorePolicy(max_tokens=len(ids), skip_if_restored=False)) as eng:
-        eng.generate(prompt, max_new_tokens=1)
-        eng.storer.flush()
-    if capture.kv is None or capture.kv.shape[2] != len(ids):
-        raise click.ClickException(f"the engine stored no KV for the {len(ids)}-token prefix")
-    kv = capture.kv
+    kv = engine_prefix_kv(model, tok, len(ids), prompt, device)
     mid = model_id(model)
     cfg = CodecConfig(quant="int8", chunk_tokens=256, resolutions=(resolution,))
     rows = []
@@ -206,23 +198,47 @@ def e2e(kv_model: str, tokens: int, new_tokens: int, bws: list[float], meths: li
         for bw in bws:
             res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None, "ids": ref.token_ids, "fetch_s": None}}
             for m in meths:
-                runs = [reuse_run(m, bw) for _ in range(repeat)]
-                o = runs[0]
-                res[m] = {"ttft_s": statistics.median(r.ttft_s for r in runs), "bytes": o.bytes_fetched,
-                          "restored": o.restored_tokens, "error": o.fetch_error, "ids": o.token_ids,
-                          "fetch_s": statistics.median(r.fetch_s for r in runs) if all(r.fetch_s is not None for r in runs) else None}
-                click.echo(f"  e2e {bw:g} Gbit/s {m}: {res[m]['ttft_s']:.3f} s ({o.restored_tokens} tokens restored)", err=True)
-            for m, r in res.items():
-                rows.append({"model": kv_model, "tokens": tokens, "bandwidth_gbit": bw, "method": m, "ttft_s": r["ttft_s"],
-                             "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
-                             "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
-                             "speedup_vs_prefill": full / r["ttft_s"], "bytes": r["bytes"],
-                             "restored_tokens": r["restored"], "fetch_error": r["error"], "fetch_s": r["fetch_s"],
-                             "mode": "measured end to end",
-                             "device": device, "suffix_tokens": len(prompt) - len(ids), "new_tokens": new_tokens,
-                             "answer_identical_to_prefill": r["ids"] == ref.token_ids,
-                             "token_agreement_with_prefill": sum(a == b for a, b in zip(r["ids"], ref.token_ids)) / max(1, len(ref.token_ids))})
+                res[m] = method_result([reuse_run(m, bw) for _ in range(repeat)])
+                click.echo(f"  e2e {bw:g} Gbit/s {m}: {res[m]['ttft_s']:.3f} s ({res[m]['restored']} tokens restored)",
+                           err=True)
+            common = {"model": kv_model, "tokens": tokens, "bandwidth_gbit": bw, "mode": "measured end to end",
+                      "device": device, "suffix_tokens": len(prompt) - len(ids), "new_tokens": new_tokens}
+            rows += [e2e_row(common, m, r, res, ref.token_ids) for m, r in res.items()]
     return rows
+
+
+def engine_prefix_kv(model, tok, tokens: int, prompt: list[int], device: str):  # noqa: ANN001, ANN201
+    """The KV this engine's own prefill computes for the prompt's first `tokens` tokens on this
+    device: what a server would store."""
+    from kvcodec.engine import Engine, StorePolicy
+
+    capture = _CapturedKV(chunk_tokens=256)
+    with Engine(model, tokenizer=tok, prefix_cache=capture, reuse=False, device=device,
+                store_policy=StorePolicy(max_tokens=tokens, skip_if_restored=False)) as eng:
+        eng.generate(prompt, max_new_tokens=1)
+        eng.storer.flush()
+    if capture.kv is None or capture.kv.shape[2] != tokens:
+        raise click.ClickException(f"the engine stored no KV for the {tokens}-token prefix")
+    return capture.kv
+
+
+def method_result(runs: list) -> dict:
+    """Median TTFT (and fetch time) of repeated runs of one method; the first run's details."""
+    o = runs[0]
+    fetch = [r.fetch_s for r in runs]
+    return {"ttft_s": statistics.median(r.ttft_s for r in runs), "bytes": o.bytes_fetched,
+            "restored": o.restored_tokens, "error": o.fetch_error, "ids": o.token_ids,
+            "fetch_s": statistics.median(fetch) if None not in fetch else None}
+
+
+def e2e_row(common: dict, m: str, r: dict, res: dict, ref_ids: list[int]) -> dict:
+    return {**common, "method": m, "ttft_s": r["ttft_s"],
+            "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
+            "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
+            "speedup_vs_prefill": res["prefill"]["ttft_s"] / r["ttft_s"], "bytes": r["bytes"],
+            "restored_tokens": r["restored"], "fetch_error": r["error"], "fetch_s": r["fetch_s"],
+            "answer_identical_to_prefill": r["ids"] == ref_ids,
+            "token_agreement_with_prefill": sum(a == b for a, b in zip(r["ids"], ref_ids)) / max(1, len(ref_ids))}
 
 
 @click.command("ttft")
