@@ -205,11 +205,11 @@ def plot_file(json_path: str, out_dir: str | None = None) -> str:
               help="Where to look for result JSONs when no FILES are given.")
 @click.option("--out-dir", default=None, help="Write the SVGs here (default: beside each JSON).")
 def command(files, results_dir, out_dir) -> None:  # noqa: ANN001
-    """SVG charts of ttft, fetch and interference results (needs matplotlib: pip install 'kvcodec[plot]')."""
+    """SVG charts of ttft, fetch and interference results (needs matplotlib: pip install -e 'benchmarks[plot]')."""
     try:
         import matplotlib  # noqa: F401
     except ModuleNotFoundError:
-        raise click.ClickException("plotting needs matplotlib: pip install 'kvcodec[plot]'") from None
+        raise click.ClickException("plotting needs matplotlib: pip install -e 'benchmarks[plot]'") from None
     paths = list(files) or sorted(p for pat in PATTERNS for p in glob.glob(os.path.join(results_dir, pat)))
     if not paths:
         raise click.ClickException(f"no result JSONs given or found under {results_dir}")
