@@ -21,8 +21,9 @@ class EngineConfig:
     """How an Engine runs, stores and reuses KV.
 
     store_url: KV store (file://, memory://, redis://, throttle://); None: in-process memory://.
-    codec_config: kvcodec.CodecConfig of stored KV (default int8). codec: a ChunkCodec object
-        (e.g. raw fp16, the NVDEC pool codec); None: the default codec of codec_config.
+    codec: the ChunkCodec of stored KV: an object (e.g. HevcCodec(config, pool=pool), RawCodec())
+        or a registered name ("hevc", "raw", ...); None: HevcCodec. codec_config: a
+        kvcodec.CodecConfig the codec is configured with (default int8 for HevcCodec).
     resolution_policy: which stored resolution a fetch reads ("adaptive", "fixed:0", ...).
     decode_workers: decode threads of a fetch. store_partial: also store a last partial chunk.
     reuse: look up and fetch stored prefixes. store_policy: what is stored after prefills.

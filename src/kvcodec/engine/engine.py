@@ -27,13 +27,14 @@ import torch
 from kvcodec.engine.config import AUTO, EngineConfig
 from kvcodec.engine.deadline import PrefillRate
 from kvcodec.engine.metrics import EngineMetrics
-from kvcodec.engine.prefix import RestoreTargets, open_prefix_cache
+from kvcodec.engine.prefix import RestoreTargets, chunk_tokens_of, open_prefix_cache
 from kvcodec.engine.runner import ModelRunner, default_device, sample
 from kvcodec.engine.scheduler import Scheduler
 from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams
 from kvcodec.engine.storer import KVStorer
 from kvcodec.engine.tokens import Tokens
 from kvcodec.engine.validate import check_context, check_sampling, check_token_ids
+from kvcodec.kvspec.serving import layout_for
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +47,9 @@ def _load(model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype |
         tokenizer = tokenizer or tok
     if tokenizer is None:
         tokenizer = getattr(model, "tokenizer", None)
-    if dtype is None:
-        dtype = torch.float32 if device.type == "cpu" else torch.float16
+    if dtype is None:  # the model's own dtype; only float32 weights become float16 on a GPU
+        own = next(model.parameters()).dtype
+        dtype = torch.float16 if own == torch.float32 and device.type != "cpu" else own
     return model.to(device=device, dtype=dtype), tokenizer
 
 
@@ -72,17 +74,18 @@ class Engine:
         self.max_context = cfg.max_context or self.runner.max_positions
         self.metrics = EngineMetrics()
         self.store = None
-        if prefix_cache is None and (cfg.reuse or cfg.store_policy.enabled):
-            self.store, prefix_cache = open_prefix_cache(cfg, self.model, self.device)
+        keeps_kv = cfg.reuse or cfg.store_policy.enabled
+        layout = self.runner.layout = layout_for(self.model, self.device) if keeps_kv else None
+        if prefix_cache is None and keeps_kv:
+            self.store, prefix_cache = open_prefix_cache(cfg, self.model, self.device, layout)
         self.prefix_cache = prefix_cache
-        chunk = getattr(getattr(prefix_cache, "config", None), "chunk_tokens", None)
-        self.chunk_tokens = int(chunk or getattr(cfg.codec_config, "chunk_tokens", 256))
+        self.chunk_tokens = chunk_tokens_of(prefix_cache, getattr(cfg.codec_config, "chunk_tokens", 256))
         self.prefill_rate = PrefillRate()
         self.scheduler = Scheduler(
             prefix_cache if cfg.reuse else None, policy=cfg.policy, max_batch=cfg.max_batch,
             max_prefill_tokens=cfg.max_prefill_tokens, min_reuse_tokens=cfg.min_reuse_tokens,
             fetch_workers=cfg.fetch_workers, deadline_for=self._deadline_for,
-            target_for=RestoreTargets(self.model, self.device, self.runner.dtype),
+            target_for=RestoreTargets(self.model, self.device, self.runner.dtype, layout),
         )
         self.storer = KVStorer(prefix_cache, cfg.store_policy, self.chunk_tokens, max_pending=cfg.store_queue)
         self.storer.on_done, self.storer.on_drop = self._stored, self.metrics.stores_dropped.inc
@@ -205,11 +208,15 @@ class Engine:
         self.metrics.prefill_tokens.inc(n)
         if logits is None:
             return False
+        layout = self.runner.layout
         if req.store and self.prefix_cache is not None:
             try:
-                self.storer.submit(req.prompt_ids, req.cache, restored=req.restored_tokens)
+                kv = layout.snapshot(req.cache) if layout is not None else req.cache
+                self.storer.submit(req.prompt_ids, kv, restored=req.restored_tokens)
             except Exception as e:  # never fail a request because storing failed
                 log.warning("could not queue KV store: %s", e)
+        if layout is not None:
+            layout.after_prefill(req.cache)
         self._append(req, sample(logits, req.params, req.generator))
         return True
 
@@ -217,7 +224,7 @@ class Engine:
         reqs = [r for r in reqs if not r.finished]
         if not reqs:
             return 0
-        if self.config.batch_decode and len(reqs) > 1:
+        if self.config.batch_decode and len(reqs) > 1 and self.runner.layout is None:
             try:
                 logits = self.runner.decode_batched(reqs)
             except Exception:  # find the request that breaks it: one by one below

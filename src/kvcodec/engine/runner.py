@@ -51,6 +51,7 @@ class ModelRunner:
         self.model = model.to(self.device).eval()
         self.dtype = next(model.parameters()).dtype
         self.cache_kw = cache_kwarg(self.model)
+        self.layout: Any = None  # kvspec.serving.GroupedLayout for models with several KV layer groups
         config = getattr(self.model, "config", None)
         self.vocab_size = int(getattr(config, "vocab_size", 0) or 0) or None
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or None
@@ -70,7 +71,12 @@ class ModelRunner:
         req.cache = None
         if req.restored_kv is not None and req.restored_tokens > 0:
             start = min(req.restored_tokens, req.prompt_len - 1)
-            req.cache = make_cache(restored_pairs(req.restored_kv, start, self.device, self.dtype), self.model.config)
+            if self.layout is not None:
+                req.cache = self.layout.restored_cache(req.restored_kv, start)
+            else:
+                req.cache = make_cache(restored_pairs(req.restored_kv, start, self.device, self.dtype), self.model.config)
+        elif self.layout is not None:
+            req.cache = self.layout.new_cache()
         req.restored_kv = None  # the cache holds (views of) the data now
         req.restored_tokens = req.prefill_pos = start
         req.prefilled_tokens = req.prompt_len - start

@@ -13,6 +13,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from kvcodec.kvspec.tensors import GroupedKV
+
 log = logging.getLogger(__name__)
 
 
@@ -83,7 +85,10 @@ class KVStorer:
                 if self.on_drop:
                     self.on_drop()
                 return None
-            layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
+            if isinstance(cache, GroupedKV):  # models with several KV layer groups
+                layers = cache.view(0, n)
+            else:
+                layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
             fut = self._pool.submit(self._put, list(prompt_ids[:n]), layers)
             self._pending.add(fut)
         fut.add_done_callback(self._forget)
@@ -95,9 +100,12 @@ class KVStorer:
         from kvcodec.integrations.hf import cache_to_tensor
 
         try:
-            kv = cache_to_tensor(layers).to("cpu")  # a list of (keys, values) per layer is accepted
-            if self.policy.dtype:
-                kv = kv.to(getattr(torch, self.policy.dtype))
+            if isinstance(layers, GroupedKV):
+                kv = layers.to("cpu", getattr(torch, self.policy.dtype) if self.policy.dtype else None)
+            else:
+                kv = cache_to_tensor(layers).to("cpu")  # a list of (keys, values) per layer is accepted
+                if self.policy.dtype:
+                    kv = kv.to(getattr(torch, self.policy.dtype))
             written = int(self.prefix_cache.put(ids, kv) or 0)
         except Exception as e:
             log.warning("storing %d tokens of KV failed: %s", len(ids), e)
