@@ -41,8 +41,9 @@ class Case:
         reps = [i % len(self.blobs) for i in range(copies)]
         self.job_blobs = [self.blobs[i] for i in reps]
         self.job_videos = [self.videos[i] for i in reps]
-        self.outs = [torch.empty(self.headers[i].shape, dtype=codec.DTYPES[self.headers[i].dtype], device=device)
-                     for i in reps]
+        self.outs = [
+            torch.empty(self.headers[i].shape, dtype=codec.DTYPES[self.headers[i].dtype], device=device) for i in reps
+        ]
         self.fp16_bytes = sum(o.numel() * 2 for o in self.outs)
         self.video_bytes = sum(len(v) for v in self.job_videos)
         self.blob_bytes = sum(len(b) for b in self.job_blobs)
@@ -107,8 +108,12 @@ def interference(fn, seconds: float, alone: float) -> dict:
     c1, t1 = calls[0], time.perf_counter()
     stop.set()
     t.join()
-    return {"matmul_tflops": round(during, 1), "matmul_slowdown": round(1 - during / alone, 4),
-            "calls_during": c1 - c0, "call_s_during": round((t1 - t0) / max(c1 - c0, 1), 4)}
+    return {
+        "matmul_tflops": round(during, 1),
+        "matmul_slowdown": round(1 - during / alone, 4),
+        "calls_during": c1 - c0,
+        "call_s_during": round((t1 - t0) / max(c1 - c0, 1), 4),
+    }
 
 
 def free_mb() -> float:
@@ -133,8 +138,10 @@ def decode_only(case: Case, make_decoder, threads: int, seconds: float) -> dict:
         return n
 
     with ThreadPoolExecutor(threads) as ex:
+
         def run():
             return sum(ex.map(work, range(threads)))
+
         s = timed(run, seconds)
     for d in decs:
         d.close()
@@ -207,11 +214,12 @@ def backends(args, case: Case):
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
     from kvcodec.video.nvdec import NvdecDecoder
 
-    def nvcuvid(sessions, threads):
+    def nvcuvid(sessions, threads, zero_copy):
         def open_():
-            d = NvcuvidThreads(sessions, threads, 0, display_delay=args.display_delay)
+            d = NvcuvidThreads(sessions, threads, 0, display_delay=args.display_delay, zero_copy=zero_copy)
             d.warm_up(case.blobs[0])
             return (lambda b, o: d.restore_blobs(b, o, synchronize=True)), d.close
+
         return open_
 
     def warm_outs(n):
@@ -223,6 +231,7 @@ def backends(args, case: Case):
             r = ThreadRestorer(lambda: NvdecDecoder(0), n)
             r.restore_blobs(case.blobs[:1] * n, warm_outs(n))
             return r.restore_blobs, r.close
+
         return open_
 
     def pool(n):
@@ -234,11 +243,13 @@ def backends(args, case: Case):
             def run(b, o):
                 restore_in_pool(p, b, o)
                 torch.cuda.synchronize()
+
             run(case.blobs[:1] * n, warm_outs(n))
             return run, p.close
+
         return open_
 
-    out = [(f"nvcuvid:{s}x{t}", s, 1, nvcuvid(s, t)) for s, t in args.restore_threads]
+    out = [(f"nvcuvid:{s}x{t}{'-zerocopy' if z else ''}", s, 1, nvcuvid(s, t, z)) for s, t, z in args.restore_threads]
     out += [("pynvvideocodec", n, 1, pynv(n)) for n in (1, 7)]
     if not args.skip_pool:
         out.append(("nvdec-pool", 7, 8, pool(7)))
@@ -250,9 +261,16 @@ def measure_backend(args, case, name, n, contexts, opener, alone, hashes) -> dic
     restore, close = opener()
     time.sleep(0.2)
     standing = before - free_mb()
-    rec = {"backend": name, "threads": n, "cuda_contexts": contexts, "gpus": 1, "case": case.name,
-           "resolution": f"{case.size[0]}x{case.size[1]}", "chunks": len(case.job_blobs),
-           "standing_mb": round(standing, 1)}
+    rec = {
+        "backend": name,
+        "threads": n,
+        "cuda_contexts": contexts,
+        "gpus": 1,
+        "case": case.name,
+        "resolution": f"{case.size[0]}x{case.size[1]}",
+        "chunks": len(case.job_blobs),
+        "standing_mb": round(standing, 1),
+    }
     try:
         rec["exact_vs_cpu"] = check_exact(case, restore, hashes)
         s = timed(lambda: restore(case.job_blobs, case.outs), args.seconds)
@@ -272,13 +290,19 @@ def main():
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--interference-seconds", type=float, default=4.0)
     ap.add_argument("--scaling-threads", default="1,2,4,7,10")
-    ap.add_argument("--restore-threads", default="7x14", help="nvcuvid SESSIONSxTHREADS, comma-separated")
+    ap.add_argument(
+        "--restore-threads", default="7x14", help="nvcuvid SESSIONSxTHREADS[z], comma-separated (z: zero-copy)"
+    )
     ap.add_argument("--display-delay", type=int, default=1)
+    ap.add_argument("--pynv-decode-threads", default="1,7")
     ap.add_argument("--skip-pool", action="store_true")
     ap.add_argument("--hashes", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    args.restore_threads = [tuple(int(v) for v in x.split("x")) for x in args.restore_threads.split(",")]
+    args.pynv_decode_threads = [int(x) for x in args.pynv_decode_threads.split(",") if x]
+    args.restore_threads = [
+        (*(int(v) for v in x.rstrip("z").split("x")), x.endswith("z")) for x in args.restore_threads.split(",")
+    ]
     from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.nvdec import NvdecDecoder
 
@@ -296,18 +320,43 @@ def main():
 
     for path in args.kvc:
         case = Case(path, args.copies, "cuda")
-        for n in [int(x) for x in args.scaling_threads.split(",")]:
-            log({"kind": "decode-only", "backend": "nvcuvid", "case": case.name,
-                 **decode_only(case, lambda: NvcuvidDecoder(0, display_delay=args.display_delay), n, args.seconds)})
-        if args.interference_seconds > 0:
-            decs = [NvcuvidDecoder(0, display_delay=args.display_delay) for _ in range(7)]
-            log({"kind": "decode-only-interference", "backend": "nvcuvid", "threads": 7, "case": case.name,
-                 **interference(lambda: decode_loop(case, decs), args.interference_seconds, alone)})
+        for n in [int(x) for x in args.scaling_threads.split(",") if x]:
+            for zero_copy in (False, True):
+                log(
+                    {
+                        "kind": "decode-only",
+                        "backend": "nvcuvid" + ("-zerocopy" if zero_copy else ""),
+                        "case": case.name,
+                        **decode_only(
+                            case,
+                            lambda: NvcuvidDecoder(0, display_delay=args.display_delay, zero_copy=zero_copy),
+                            n,
+                            args.seconds,
+                        ),
+                    }
+                )
+        for zero_copy in (False, True) if args.interference_seconds > 0 else ():
+            decs = [NvcuvidDecoder(0, display_delay=args.display_delay, zero_copy=zero_copy) for _ in range(7)]
+            log(
+                {
+                    "kind": "decode-only-interference",
+                    "backend": "nvcuvid" + ("-zerocopy" if zero_copy else ""),
+                    "threads": 7,
+                    "case": case.name,
+                    **interference(lambda: decode_loop(case, decs), args.interference_seconds, alone),
+                }
+            )
             for d in decs:
                 d.close()
-        for n in (1, 7):
-            log({"kind": "decode-only", "backend": "pynvvideocodec", "case": case.name,
-                 **decode_only(case, lambda: NvdecDecoder(0), n, args.seconds)})
+        for n in args.pynv_decode_threads:
+            log(
+                {
+                    "kind": "decode-only",
+                    "backend": "pynvvideocodec",
+                    "case": case.name,
+                    **decode_only(case, lambda: NvdecDecoder(0), n, args.seconds),
+                }
+            )
         for name, n, contexts, opener in backends(args, case):
             try:
                 log({"kind": "restore", **measure_backend(args, case, name, n, contexts, opener, alone, hashes)})
