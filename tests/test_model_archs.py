@@ -188,3 +188,69 @@ def test_unrepresentable_caches_are_named(model_dirs, prompt_ids):
         build_cache(gkv, gemma, tokens=PROMPT - 9)  # its windows ended at position 48, not 40
     with pytest.raises(ShapeError, match="cache layers"):
         build_cache(gkv, model)  # another model's layout
+
+
+# ---- through the engine and the server ---------------------------------------------------------
+
+
+def _engine(folder, **kw):
+    from kvcodec.config import CodecConfig
+    from kvcodec.engine import Engine
+
+    return Engine(str(folder), store_url="memory://", device="cpu", fetch_deadline_s=None,
+                  codec_config=CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)),
+                  prefill_chunk_tokens=20, **kw)
+
+
+@pytest.mark.parametrize("arch", sorted(EXPECTED_GROUPS))
+def test_engine_reuses_a_shorter_stored_prefix_with_the_same_answer(arch, model_dirs, prompt_ids):
+    """Store after a chunked prefill, then fetch two chunks for another prompt sharing them and
+    restore: the greedy answer equals recomputation's (the model directory loads by path)."""
+    ids = prompt_ids.tolist()
+    other = ids[:2 * CHUNK + 5] + ids[:9]  # shares chunks 0-1 with `ids`, then differs
+    with _engine(model_dirs[arch]) as eng:
+        assert (eng.runner.layout is None) == (arch == "qwen3")
+        first = eng.generate(ids, max_new_tokens=STEPS, wait_for_store=True)[0]
+        assert first.restored_tokens == 0
+        reused = eng.generate(other, max_new_tokens=STEPS)[0]
+        fresh = eng.generate(other, max_new_tokens=STEPS, reuse=False, store=False)[0]
+    assert reused.restored_tokens == 2 * CHUNK and reused.fetch_error is None and reused.bytes_fetched > 0
+    assert fresh.restored_tokens == 0
+    assert reused.token_ids == fresh.token_ids == _greedy_recomputed(eng.model, torch.tensor(other))
+
+
+def test_engine_keeps_a_bf16_model_in_bf16(model_dirs, tmp_path):
+    model = _load(model_dirs["mistral"], dtype=torch.bfloat16)
+    model.save_pretrained(str(tmp_path))
+    transformers.AutoTokenizer.from_pretrained(str(model_dirs["mistral"])).save_pretrained(str(tmp_path))
+    with _engine(tmp_path) as eng:
+        assert eng.runner.dtype == torch.bfloat16 and eng.runner.layout.spec.dtype == "bfloat16"
+
+
+def test_server_serves_a_local_sliding_window_model(model_dirs, short_text):
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from kvcodec.server import create_app
+
+    eng = _engine(model_dirs["gemma3"])
+    prompt = short_text[:300]
+    with TestClient(create_app(eng, "gemma3-tiny")) as c:
+        first = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}).json()
+        eng.storer.flush()
+        second = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6}).json()
+    eng.close()
+    assert first["kvcodec"]["restored_tokens"] == 0 and second["kvcodec"]["restored_tokens"] >= CHUNK
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+def test_local_model_paths_load_or_fail_clearly(model_dirs, tmp_path):
+    from kvcodec.errors import ConfigError
+    from kvcodec.models import load_model
+
+    model, tok = load_model(str(model_dirs["qwen3"]))
+    assert type(model).__name__ == "Qwen3ForCausalLM" and tok is not None
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_model(str(tmp_path))
+    with pytest.raises(ConfigError, match="neither a registered name"):
+        load_model(str(tmp_path / "missing.gguf"))

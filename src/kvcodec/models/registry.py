@@ -284,7 +284,8 @@ def load_model(
     dtype: "torch.dtype | None" = None,
     use_cache: bool = True,
 ) -> tuple[Any, Any]:
-    """Load a named model and its tokenizer, on the CPU, in eval mode.
+    """Load a named model and its tokenizer, on the CPU, in eval mode; a path (model directory or
+    .gguf file) loads through kvcodec.models.local.
 
     dtype: weights dtype (default float32: the dequantized GGUF values exactly).
     use_cache: read / write the safetensors copy in the cache directory.
@@ -293,6 +294,10 @@ def load_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from kvcodec.models.local import is_local, load_local
+
+    if is_local(name) and name not in MODELS:
+        return load_local(name, dtype=dtype)
     spec = get_spec(name)
     dtype = dtype or torch.float32
     folder = model_cache_path(name)

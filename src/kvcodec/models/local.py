@@ -1,0 +1,49 @@
+"""Models given by path: a local transformers model directory or a GGUF file.
+
+    model, tokenizer = load_local("/srv/models/my-gemma")          # config.json + weights + tokenizer
+    model, tokenizer = load_local("/srv/models/model.Q4_K_M.gguf")  # dequantized to float32
+
+A directory loads in its checkpoint's own dtype (bf16 stays bf16) unless `dtype` says otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvcodec.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+def is_local(name: str) -> bool:
+    """True when `name` names a path (it contains a separator, or ends in .gguf) rather than a
+    registered model."""
+    return isinstance(name, str) and ("/" in name or "\\" in name or name.endswith(".gguf") or Path(name).is_dir())
+
+
+def load_local(name: str, *, dtype: "torch.dtype | None" = None) -> tuple[Any, Any]:
+    """(model, tokenizer) from a model directory or GGUF file, on the CPU, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model directory {name!r} has no config.json (a transformers model folder is needed)")
+        where, extra = str(path), {}
+    elif path.is_file() and path.suffix == ".gguf":
+        from kvcodec.models.registry import _require_loader_deps
+
+        _require_loader_deps()
+        where, extra = str(path.parent), {"gguf_file": path.name}
+        dtype = dtype or torch.float32  # GGUF weights are dequantized
+    else:
+        raise ConfigError(f"model {name!r} is neither a registered name, a model directory nor a .gguf file")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype or "auto", **extra)
+        tokenizer = AutoTokenizer.from_pretrained(where, **extra)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"cannot load model {name!r}: {e}") from e
+    return model.eval(), tokenizer
