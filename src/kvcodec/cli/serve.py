@@ -41,7 +41,6 @@ def command(model_name: str, dtype: str | None, store_url: str | None, quant: st
     """Serve a model over an OpenAI-compatible API with remote KV prefix reuse."""
     import tempfile
 
-    from kvcodec.codecs import HevcCodec
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.server import serve
@@ -49,11 +48,11 @@ def command(model_name: str, dtype: str | None, store_url: str | None, quant: st
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}", err=True)
-    pool = _nvdec_pool(nvdec_pool, device)
+    pool, codec = _nvdec_pool(nvdec_pool, device)
     try:
         engine = Engine(
-            model_name, store_url=store_url, codec=HevcCodec(CodecConfig(quant=quant, chunk_tokens=chunk_tokens), pool=pool),
-            decode_workers=max(1, nvdec_pool), reuse=not no_reuse,
+            model_name, store_url=store_url, codec_config=CodecConfig(quant=quant, chunk_tokens=chunk_tokens),
+            codec=codec, decode_workers=max(1, nvdec_pool), reuse=not no_reuse,
             store_policy=StorePolicy(enabled=not no_store, min_tokens=store_min_tokens), policy=policy,
             max_batch=max_batch, prefill_chunk_tokens=prefill_chunk_tokens, fetch_deadline_s=fetch_deadline,
             stall_s=stall_timeout, device=device, dtype=_torch_dtype(dtype),
@@ -71,15 +70,15 @@ def _torch_dtype(name: str | None):  # noqa: ANN202
 
 
 def _nvdec_pool(workers: int, device: str | None):  # noqa: ANN202
-    """An NvdecPool restoring fetched chunks in `workers` NVDEC processes; None for 0."""
+    """(pool, codec) restoring fetched chunks in `workers` NVDEC processes; (None, None) for 0."""
     if workers <= 0:
-        return None
+        return None, None
     import torch
 
     if not (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
         raise click.BadParameter("--nvdec-pool needs a CUDA device", param_hint="--nvdec-pool")
-    from kvcodec.video.nvdec_pool import NvdecPool
+    from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
 
     pool = NvdecPool(workers=workers, device=device)
     click.echo(f"kvcodec serve: fetched chunks restored by {workers} NVDEC worker processes", err=True)
-    return pool
+    return pool, PoolCodec(pool)

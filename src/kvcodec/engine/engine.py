@@ -27,7 +27,7 @@ import torch
 from kvcodec.engine.config import AUTO, EngineConfig
 from kvcodec.engine.deadline import PrefillRate
 from kvcodec.engine.metrics import EngineMetrics
-from kvcodec.engine.prefix import RestoreTargets, chunk_tokens_of, open_prefix_cache
+from kvcodec.engine.prefix import RestoreTargets, open_prefix_cache
 from kvcodec.engine.runner import ModelRunner, default_device, sample
 from kvcodec.engine.scheduler import Scheduler
 from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams
@@ -79,7 +79,8 @@ class Engine:
         if prefix_cache is None and keeps_kv:
             self.store, prefix_cache = open_prefix_cache(cfg, self.model, self.device, layout)
         self.prefix_cache = prefix_cache
-        self.chunk_tokens = chunk_tokens_of(prefix_cache, getattr(cfg.codec_config, "chunk_tokens", 256))
+        chunk = getattr(getattr(prefix_cache, "config", None), "chunk_tokens", None)
+        self.chunk_tokens = int(chunk or getattr(cfg.codec_config, "chunk_tokens", 256))
         self.prefill_rate = PrefillRate()
         self.scheduler = Scheduler(
             prefix_cache if cfg.reuse else None, policy=cfg.policy, max_batch=cfg.max_batch,
