@@ -131,8 +131,16 @@ def test_score_options_needs_a_suffix(smollm2, short_text):
 def test_exact_failures_flags_any_difference():
     from kvbench.accuracy import exact_failures
 
-    ok = {"model": "m", "quant": "exact", "n_questions": 3, "identical_scores": 3, "accuracy_restored": 0.5,
-          "accuracy_recomputed": 0.5, "token_agreement": 1.0, "ppl_delta": 0.0}
+    ok = {
+        "model": "m",
+        "quant": "exact",
+        "n_questions": 3,
+        "identical_scores": 3,
+        "accuracy_restored": 0.5,
+        "accuracy_recomputed": 0.5,
+        "token_agreement": 1.0,
+        "ppl_delta": 0.0,
+    }
     assert exact_failures([ok, {**ok, "quant": "int4", "identical_scores": 0}]) == []
     assert exact_failures([{**ok, "identical_scores": 2}])
     assert exact_failures([{**ok, "token_agreement": 0.98}])
@@ -157,9 +165,26 @@ def test_bench_accuracy_command_end_to_end(smollm2, tmp_path):
         ensure_bigbench()
     except ConfigError as e:
         pytest.skip(str(e))
-    args = ["--n-questions", "1", "--max-doc-tokens", "48", "--quants", "exact,int4", "--ppl-prefix", "32",
-            "--ppl-tokens", "8", "--greedy-tokens", "4", "--ppl-texts", "pg/addiction", "--out-dir", str(tmp_path),
-            "--tag", "test"]
+    args = [
+        "--n-questions",
+        "1",
+        "--max-doc-tokens",
+        "48",
+        "--quants",
+        "exact,int4",
+        "--ppl-prefix",
+        "32",
+        "--ppl-tokens",
+        "8",
+        "--greedy-tokens",
+        "4",
+        "--ppl-texts",
+        "pg/addiction",
+        "--out-dir",
+        str(tmp_path),
+        "--tag",
+        "test",
+    ]
     res = CliRunner().invoke(command, args)
     assert res.exit_code == 0, res.output + repr(res.exception)
     doc = json.loads((tmp_path / "accuracy-smollm2-135m-test.json").read_text())
@@ -167,8 +192,16 @@ def test_bench_accuracy_command_end_to_end(smollm2, tmp_path):
     assert doc["machine"]["device"] == "cpu" and doc["exact_reproduces_recomputation"] is True
     exact, int4 = doc["records"]
     assert exact["quant"] == "exact" and int4["quant"] == "int4"
-    for key in ("model", "quant", "task", "n_questions", "accuracy_restored", "accuracy_recomputed", "ppl_delta",
-                "token_agreement"):
+    for key in (
+        "model",
+        "quant",
+        "task",
+        "n_questions",
+        "accuracy_restored",
+        "accuracy_recomputed",
+        "ppl_delta",
+        "token_agreement",
+    ):
         assert key in exact
     assert exact["ppl_delta"] == 0.0 and exact["token_agreement"] == 1.0 and exact["identical_scores"] == 1
     assert exact["bit_exact_round_trips"] == exact["round_trips"] == 2 and int4["bit_exact_round_trips"] == 0

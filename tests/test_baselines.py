@@ -10,11 +10,13 @@ import torch
 from kvbench.baselines import (
     TensorCoder,
     available_codecs,
+    base,
+    cachegen,
+    general,
     get_codec,
     register_codec,
     registered_codecs,
 )
-from kvbench.baselines import base, cachegen, general
 from kvcodec.errors import (
     BackendUnavailableError,
     ChecksumError,
@@ -58,7 +60,11 @@ def rounding(out):
 
 
 def bits_equal(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(base.BITS_VIEW[a.dtype]), b.view(base.BITS_VIEW[b.dtype]))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(base.BITS_VIEW[a.dtype]), b.view(base.BITS_VIEW[b.dtype]))
+    )
 
 
 # --- registry -------------------------------------------------------------------------------------
@@ -73,7 +79,14 @@ def test_registry_lists_cpu_codecs_and_builds_them_by_name():
         assert codec.name == name
         assert codec.lossless == (name in CPU_LOSSLESS)
     names = registered_codecs()
-    for name in ("nvcomp-ans", "nvcomp-bitcomp", "nvcomp-gdeflate", "kvcodec-int8", "kvcodec-exact", "lmcache-cachegen"):
+    for name in (
+        "nvcomp-ans",
+        "nvcomp-bitcomp",
+        "nvcomp-gdeflate",
+        "kvcodec-int8",
+        "kvcodec-exact",
+        "lmcache-cachegen",
+    ):
         assert name in names
 
 
@@ -331,7 +344,7 @@ def test_cachegen_cuda_decode_matches_the_cpu_decode():
     header, _, _, chunks = codec.parse(data)
     from kvbench.baselines import rans
 
-    for start, n, freq, nw, words in chunks:
+    for _start, n, freq, nw, words in chunks:
         a = rans.decode(words.cuda(), nw.cuda(), freq.cuda(), n).cpu()
         b = cachegen_cuda.decode_lanes(words.cuda(), nw.cuda(), freq.cuda(), n).cpu().long()
         assert torch.equal(a, b)

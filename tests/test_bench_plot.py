@@ -48,8 +48,10 @@ def test_interference_ratios_are_per_round_medians(base, factor):
 
 
 def test_fetch_series_keeps_constant_rate_traces():
-    recs = [{"trace": "const-1gbit", "policy": "adaptive", "bandwidth_gbit": 1, "fetch_s": 0.1, "bound_s": 0.09},
-            {"trace": "lognormal-x", "policy": "adaptive", "bandwidth_gbit": 4, "fetch_s": 0.05, "bound_s": 0.02}]
+    recs = [
+        {"trace": "const-1gbit", "policy": "adaptive", "bandwidth_gbit": 1, "fetch_s": 0.1, "bound_s": 0.09},
+        {"trace": "lognormal-x", "policy": "adaptive", "bandwidth_gbit": 4, "fetch_s": 0.05, "bound_s": 0.02},
+    ]
     assert plot.fetch_series(recs) == {"adaptive": [(1.0, 0.1, 0.09)]}
 
 
@@ -57,8 +59,21 @@ def test_plot_files_and_cli(tmp_path):
     ttft = tmp_path / "ttft-x.json"
     ttft.write_text(json.dumps(_ttft_record()))
     interf = tmp_path / "interference-x.json"
-    interf.write_text(json.dumps({"benchmark": "interference", "model": "m", "link_gbit": 10, "rounds": 2, "results": [
-        _result(c, r, 0.03 * (1 + i), 0.02 * (1 + i)) for r in range(2) for i, c in enumerate(("alone", "raw", "kvcodec-pool:7"))]}))
+    interf.write_text(
+        json.dumps(
+            {
+                "benchmark": "interference",
+                "model": "m",
+                "link_gbit": 10,
+                "rounds": 2,
+                "results": [
+                    _result(c, r, 0.03 * (1 + i), 0.02 * (1 + i))
+                    for r in range(2)
+                    for i, c in enumerate(("alone", "raw", "kvcodec-pool:7"))
+                ],
+            }
+        )
+    )
     out = plot.plot_file(str(ttft))
     svg = (tmp_path / "ttft-x.svg").read_text()
     assert out.endswith("ttft-x.svg") and "<svg" in svg and "m2, 8192 tokens" in svg and "raw fp16 KV" in svg

@@ -15,8 +15,11 @@ from kvcodec.config import CodecConfig  # noqa: E402
 
 @settings(max_examples=200, deadline=None)
 @given(
-    nbytes=st.floats(1e3, 1e10), fp16=st.floats(1e3, 1e10), gbit=st.floats(0.1, 100),
-    rate=st.floats(0.01, 100), chunks=st.integers(1, 64),
+    nbytes=st.floats(1e3, 1e10),
+    fp16=st.floats(1e3, 1e10),
+    gbit=st.floats(0.1, 100),
+    rate=st.floats(0.01, 100),
+    chunks=st.integers(1, 64),
 )
 def test_pipelined_fetch_between_max_and_sum(nbytes, fp16, gbit, rate, chunks):
     f, x, d = fetch_time(nbytes, fp16, gbit, rate, chunks)
@@ -85,4 +88,9 @@ def test_conditions_fetch_from_their_stores():
 
     assert store_for("alone") is None
     assert [store_for(c) for c in ("kvcodec", "blocking", "kvcodec-pool:2", "sm-decoder", "raw")] == [
-        "kvcodec", "kvcodec", "kvcodec", "sm-decoder", "raw"]
+        "kvcodec",
+        "kvcodec",
+        "kvcodec",
+        "sm-decoder",
+        "raw",
+    ]

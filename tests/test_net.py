@@ -8,15 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.errors import ConfigError
 from kvbench.net import JitterTrace
 from kvbench.net.throttle import ThrottledStore, TokenBucketLink
+from kvcodec.errors import ConfigError
 from kvcodec.store import open_store
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.001, 1.0), st.floats(0.01, 50.0)), min_size=1, max_size=6),
-       st.floats(0, 10), st.integers(0, 10**8))
+@given(
+    st.lists(st.tuples(st.floats(0.001, 1.0), st.floats(0.01, 50.0)), min_size=1, max_size=6),
+    st.floats(0, 10),
+    st.integers(0, 10**8),
+)
 def test_trace_transfer_end_matches_integral(segs, start, nbytes):
     tr = JitterTrace(tuple(segs))
     end = tr.transfer_end(start, nbytes)
@@ -86,6 +89,7 @@ def test_token_bucket_follows_trace():
 
 
 # -------------------------------------------------------------------------- kernel-shaped link
+
 
 def _netns_ok():
     try:

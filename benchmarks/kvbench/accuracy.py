@@ -92,15 +92,23 @@ def run_model(
     t_start = time.perf_counter()
     for qi, q in enumerate(questions):
         row = run.question(q, max_doc_tokens)
-        log(f"  {model_name} {qi + 1}/{len(questions)} ({row['doc_tokens']} tok) recomputed={row['summary']} "
-            + " ".join(f"{qq}:{row['choices_restored'][qq]!r}" if run.extractive else f"{qq}:{row['choices_restored'][qq]}"
-                       for qq in quants)
-            + f"  [{time.perf_counter() - t_start:.0f} s]")
+        log(
+            f"  {model_name} {qi + 1}/{len(questions)} ({row['doc_tokens']} tok) recomputed={row['summary']} "
+            + " ".join(
+                f"{qq}:{row['choices_restored'][qq]!r}" if run.extractive else f"{qq}:{row['choices_restored'][qq]}"
+                for qq in quants
+            )
+            + f"  [{time.perf_counter() - t_start:.0f} s]"
+        )
         del row["summary"]
     for text_name in ppl_texts:
         run.perplexity(text_name, ppl_prefix, ppl_tokens, greedy_tokens)
-    settings = {"ppl_texts": ppl_texts, "ppl_prefix_tokens": ppl_prefix, "ppl_scored_tokens": ppl_tokens - 1,
-                "greedy_tokens": greedy_tokens}
+    settings = {
+        "ppl_texts": ppl_texts,
+        "ppl_prefix_tokens": ppl_prefix,
+        "ppl_scored_tokens": ppl_tokens - 1,
+        "greedy_tokens": greedy_tokens,
+    }
     return [run.record(quant, len(questions), settings) for quant in quants], run.per_question
 
 
@@ -108,8 +116,16 @@ class ModelRun:
     """One model's accuracy run: every question answered from recomputed KV and from each quant's
     restored KV, perplexity and greedy agreement on texts, statistics per quant."""
 
-    def __init__(self, model_name: str, quants: list[str], task: str, kv_dtype: str, identity: bool,
-                 log: Callable[[str], None], answer_tokens: int) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        quants: list[str],
+        task: str,
+        kv_dtype: str,
+        identity: bool,
+        log: Callable[[str], None],
+        answer_tokens: int,
+    ) -> None:
         import torch
 
         from kvcodec.models import load_model, model_id
@@ -138,8 +154,9 @@ class ModelRun:
         restored, nbytes, enc_s = restore(kv_store, quant, identity=self.identity)
         s = self.stats[quant]
         s.round_trips += 1
-        s.bit_exact += restored.dtype == kv_store.dtype and torch.equal(restored.view(torch.uint8),
-                                                                        kv_store.view(torch.uint8))
+        s.bit_exact += restored.dtype == kv_store.dtype and torch.equal(
+            restored.view(torch.uint8), kv_store.view(torch.uint8)
+        )
         return restored.to(like.dtype), nbytes, enc_s
 
     def question(self, q, max_doc_tokens: int) -> dict:  # noqa: ANN001
@@ -153,9 +170,12 @@ class ModelRun:
         self.recomputed_correct += ref.f1 if self.extractive else ref.correct
         self.recomputed_em += self.extractive and ref.exact_match
         row: dict[str, Any] = {
-            "model": self.model_name, "question": q.id, "doc_tokens": int(doc.numel()),
+            "model": self.model_name,
+            "question": q.id,
+            "doc_tokens": int(doc.numel()),
             "answer": list(q.answers) if self.extractive else q.answer,
-            "choice_recomputed": ref.text if self.extractive else ref.choice, "choices_restored": {},
+            "choice_recomputed": ref.text if self.extractive else ref.choice,
+            "choices_restored": {},
             "summary": f"{ref.text!r} (F1 {ref.f1:.2f})" if self.extractive else ("ok" if ref.correct else "--"),
         }
         kv_store = kv_ref.to(self.store_dtype)
@@ -210,8 +230,10 @@ class ModelRun:
             s.agreement.append(a.agreement)
             s.first_div.append(a.first_divergence)
             s.greedy_identical += a.first_divergence is None
-            self.log(f"  {self.model_name} {text_name} {quant}: ppl {p.ppl_reference:.4f} -> {p.ppl_restored:.4f}, "
-                     f"agreement {a.agreement:.3f}")
+            self.log(
+                f"  {self.model_name} {text_name} {quant}: ppl {p.ppl_reference:.4f} -> {p.ppl_restored:.4f}, "
+                f"agreement {a.agreement:.3f}"
+            )
 
     def record(self, quant: str, n: int, settings: dict) -> dict:
         s = self.stats[quant]
@@ -224,25 +246,43 @@ class ModelRun:
 
         ppl_ref, ppl_got = mean(s.ppl_ref), mean(s.ppl_got)
         return {
-            "model": self.model_name, "model_id": self.model_id, "quant": quant, "kv_dtype": self.kv_dtype,
-            "task": self.task, "n_questions": n,
-            "accuracy_restored": per_question(s.correct), "accuracy_recomputed": per_question(self.recomputed_correct),
+            "model": self.model_name,
+            "model_id": self.model_id,
+            "quant": quant,
+            "kv_dtype": self.kv_dtype,
+            "task": self.task,
+            "n_questions": n,
+            "accuracy_restored": per_question(s.correct),
+            "accuracy_recomputed": per_question(self.recomputed_correct),
             "answer_agreement": per_question(s.same_choice),
-            **({"exact_match_restored": per_question(s.exact_match),
-                "exact_match_recomputed": per_question(self.recomputed_em),
-                "accuracy_is": "mean token F1 against the accepted spans"} if self.extractive else {}),
-            "identical_scores": s.identical_scores, "bit_exact_round_trips": s.bit_exact,
+            **(
+                {
+                    "exact_match_restored": per_question(s.exact_match),
+                    "exact_match_recomputed": per_question(self.recomputed_em),
+                    "accuracy_is": "mean token F1 against the accepted spans",
+                }
+                if self.extractive
+                else {}
+            ),
+            "identical_scores": s.identical_scores,
+            "bit_exact_round_trips": s.bit_exact,
             "round_trips": s.round_trips,
             "stored_dtype_is_model_dtype": self.store_dtype == next(self.model.parameters()).dtype,
             "max_abs_score_diff": s.max_score_diff,
-            "ppl_texts": settings["ppl_texts"], "ppl_prefix_tokens": settings["ppl_prefix_tokens"],
+            "ppl_texts": settings["ppl_texts"],
+            "ppl_prefix_tokens": settings["ppl_prefix_tokens"],
             "ppl_scored_tokens": settings["ppl_scored_tokens"],
-            "ppl_recomputed": ppl_ref, "ppl_restored": ppl_got,
+            "ppl_recomputed": ppl_ref,
+            "ppl_restored": ppl_got,
             "ppl_delta": (ppl_got - ppl_ref) if ppl_ref is not None else None,
-            "greedy_tokens": settings["greedy_tokens"], "token_agreement": mean(s.agreement),
-            "greedy_identical_texts": s.greedy_identical, "first_divergence": list(s.first_div),
-            "kv_rel_rms_error": mean(s.rel_rms), "ratio_vs_fp16": mean(s.ratio),
-            "ratio_vs_stored_dtype": mean(s.ratio_stored), "encode_s_cpu_mean": mean(s.encode_s),
+            "greedy_tokens": settings["greedy_tokens"],
+            "token_agreement": mean(s.agreement),
+            "greedy_identical_texts": s.greedy_identical,
+            "first_divergence": list(s.first_div),
+            "kv_rel_rms_error": mean(s.rel_rms),
+            "ratio_vs_fp16": mean(s.ratio),
+            "ratio_vs_stored_dtype": mean(s.ratio_stored),
+            "encode_s_cpu_mean": mean(s.encode_s),
             "codec": "identity" if self.identity else f"kvcodec {BENCH_RESOLUTION[0]}x{BENCH_RESOLUTION[1]}",
         }
 
@@ -258,11 +298,15 @@ def exact_failures(records: list[dict]) -> list[str]:
         if r["quant"] != "exact":
             continue
         if r.get("bit_exact_round_trips", r.get("round_trips")) != r.get("round_trips"):
-            bad.append(f"{r['model']}: exact round trips were bit-exact {r['bit_exact_round_trips']}/{r['round_trips']} times")
+            bad.append(
+                f"{r['model']}: exact round trips were bit-exact {r['bit_exact_round_trips']}/{r['round_trips']} times"
+            )
         if not r.get("stored_dtype_is_model_dtype", True):
             continue  # a cast to a narrower dtype is not the codec's to undo
         if r["identical_scores"] != r["n_questions"] or r["accuracy_restored"] != r["accuracy_recomputed"]:
-            bad.append(f"{r['model']}: exact gave different QA scores ({r['identical_scores']}/{r['n_questions']} identical)")
+            bad.append(
+                f"{r['model']}: exact gave different QA scores ({r['identical_scores']}/{r['n_questions']} identical)"
+            )
         if r["token_agreement"] not in (None, 1.0) or (r["ppl_delta"] not in (None, 0.0)):
             bad.append(f"{r['model']}: exact gave ppl_delta {r['ppl_delta']} / token_agreement {r['token_agreement']}")
     return bad
@@ -302,87 +346,121 @@ def table(doc: dict) -> list[str]:
 @click.command("accuracy")
 @click.option("--models", default="smollm2-135m", show_default=True, help="Comma-separated registry names.")
 @click.option("--quants", default="exact,int8,int6,int4,int3", show_default=True, help="Comma-separated quant modes.")
-@click.option("--task", default="minute_mysteries", show_default=True, type=click.Choice(["minute_mysteries", "quoref"]),
-              help="minute_mysteries: 4-way multiple choice over ~1.5k-token stories, scored by likelihood; "
-                   "quoref: extractive QA over passages, greedy answers scored by F1 / exact match.")
+@click.option(
+    "--task",
+    default="minute_mysteries",
+    show_default=True,
+    type=click.Choice(["minute_mysteries", "quoref"]),
+    help="minute_mysteries: 4-way multiple choice over ~1.5k-token stories, scored by likelihood; "
+    "quoref: extractive QA over passages, greedy answers scored by F1 / exact match.",
+)
 @click.option("--n-questions", type=click.IntRange(min=1), default=40, show_default=True)
-@click.option("--max-doc-tokens", type=click.IntRange(min=16), default=2048, show_default=True,
-              help="Keep at most the last N tokens of each story.")
+@click.option(
+    "--max-doc-tokens",
+    type=click.IntRange(min=16),
+    default=2048,
+    show_default=True,
+    help="Keep at most the last N tokens of each story.",
+)
 @click.option("--ppl-texts", default="pg/addiction,pg/aord", show_default=True, help="Essays for perplexity / greedy.")
-@click.option("--ppl-prefix", type=click.IntRange(min=1), default=1024, show_default=True, help="Prefix tokens (the KV).")
+@click.option(
+    "--ppl-prefix", type=click.IntRange(min=1), default=1024, show_default=True, help="Prefix tokens (the KV)."
+)
 @click.option("--ppl-tokens", type=click.IntRange(min=2), default=128, show_default=True, help="Continuation tokens.")
 @click.option("--greedy-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--kv-dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
-              help="dtype the KV is stored in (float32: exact restores the model's own KV bit for bit).")
-@click.option("--quick", is_flag=True, help="Small run: 8 questions, quants exact,int8,int4, one essay, 512-token prefix.")
+@click.option(
+    "--kv-dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="dtype the KV is stored in (float32: exact restores the model's own KV bit for bit).",
+)
+@click.option(
+    "--quick", is_flag=True, help="Small run: 8 questions, quants exact,int8,int4, one essay, 512-token prefix."
+)
 @click.option("--identity", is_flag=True, help="Skip the codec (identity round trip): checks the harness only.")
 @click.option("--download", is_flag=True, help="Let the command pip-download the bigbench sdist if missing.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS_DIR, show_default=True)
 @click.option("--tag", default="cpu", show_default=True, help="Suffix of the result file names.")
 @click.pass_context
-def command(ctx, models, quants, task, n_questions, max_doc_tokens, ppl_texts, ppl_prefix, ppl_tokens, greedy_tokens,
-            kv_dtype, quick, identity, download, out_dir, tag):
+def command(ctx, **o) -> None:  # noqa: ANN001, ANN003
     """QA accuracy, perplexity delta and greedy-token agreement: restored KV vs recomputed KV."""
-
-    src = ctx.get_parameter_source
-    if quick:
-        if src("n_questions") != click.core.ParameterSource.COMMANDLINE:
-            n_questions = 8
-        if src("quants") != click.core.ParameterSource.COMMANDLINE:
-            quants = "exact,int8,int4"
-        if src("ppl_texts") != click.core.ParameterSource.COMMANDLINE:
-            ppl_texts = "pg/addiction"
-        if src("ppl_prefix") != click.core.ParameterSource.COMMANDLINE:
-            ppl_prefix = 512
-    model_list = [m.strip() for m in models.split(",") if m.strip()]
-    quant_list = [q.strip() for q in quants.split(",") if q.strip()]
-    for q in quant_list:
-        if q not in QUANT_MODES:
-            raise click.BadParameter(f"{q!r} is not one of {', '.join(QUANT_MODES)}", param_hint="--quants")
-    text_list = [t.strip() for t in ppl_texts.split(",") if t.strip()]
-    from kvcodec.models import get_spec
-
-    for m in model_list:
-        get_spec(m)
-    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
-
+    o = with_quick_defaults(ctx, o)
+    model_list, quant_list, text_list = checked_lists(o["models"], o["quants"], o["ppl_texts"])
     started = _dt.datetime.now(_dt.UTC)
     t0 = time.perf_counter()
     records, questions = [], []
     for m in model_list:
-        log(f"{m}: {n_questions} {task} questions, quants {','.join(quant_list)}")
+        click.echo(f"{m}: {o['n_questions']} {o['task']} questions, quants {','.join(quant_list)}", err=True)
         r, q = run_model(
-            m, quant_list, task=task, n_questions=n_questions, max_doc_tokens=max_doc_tokens, ppl_texts=text_list,
-            ppl_prefix=ppl_prefix, ppl_tokens=ppl_tokens, greedy_tokens=greedy_tokens, kv_dtype=kv_dtype,
-            identity=identity, download=download, log=log,
+            m,
+            quant_list,
+            task=o["task"],
+            n_questions=o["n_questions"],
+            max_doc_tokens=o["max_doc_tokens"],
+            ppl_texts=text_list,
+            ppl_prefix=o["ppl_prefix"],
+            ppl_tokens=o["ppl_tokens"],
+            greedy_tokens=o["greedy_tokens"],
+            kv_dtype=o["kv_dtype"],
+            identity=o["identity"],
+            download=o["download"],
+            log=lambda msg: click.echo(msg, err=True),
         )
         records += r
         questions += q
+    failures = exact_failures(records)
     doc = {
         "benchmark": "accuracy",
         "command": command_line("accuracy"),
         "started_utc": started.isoformat(timespec="seconds"),
         "elapsed_s": round(time.perf_counter() - t0, 1),
-        "machine": machine() | {
-            "device": "cpu",
-            "note": "models run on the CPU in float32 (GGUF weights dequantized); no GPU was used",
-        },
-        "settings": {
-            "quick": quick, "n_questions": n_questions, "max_doc_tokens": max_doc_tokens, "ppl_texts": text_list,
-            "ppl_prefix": ppl_prefix, "ppl_tokens": ppl_tokens, "greedy_tokens": greedy_tokens,
-            "kv_dtype": kv_dtype, "identity_codec": identity,
-            "scoring": ("greedy answer (12 tokens, first line) after 'Question: ...\\nAnswer:', token F1 and exact "
-                        "match against the accepted spans" if task == "quoref" else
-                        "sum of option-token log-probabilities after 'Question: ...\\nAnswer:'"),
-        },
+        "machine": machine() | {"device": "cpu", "note": CPU_NOTE},
+        "settings": settings_record(o, text_list),
         "records": records,
         "per_question": questions,
+        "exact_reproduces_recomputation": not failures,
     }
-    failures = exact_failures(records)
-    doc["exact_reproduces_recomputation"] = not failures
-    stem = f"accuracy-{'+'.join(model_list)}-{tag}{'-quick' if quick else ''}"
-    write_result(out_dir / f"{stem}.json", doc, table(doc))
-    click.echo(f"wrote {out_dir / (stem + '.json')} and .md")
-    click.echo((out_dir / f"{stem}.md").read_text())
+    stem = f"accuracy-{'+'.join(model_list)}-{o['tag']}{'-quick' if o['quick'] else ''}"
+    path = write_result(o["out_dir"] / f"{stem}.json", doc, table(doc))
+    click.echo(f"wrote {path} and .md")
+    click.echo(path.with_suffix(".md").read_text())
     if failures:
         raise click.ClickException("; ".join(failures))
+
+
+CPU_NOTE = "models run on the CPU in float32 (GGUF weights dequantized); no GPU was used"
+QUICK_DEFAULTS = {"n_questions": 8, "quants": "exact,int8,int4", "ppl_texts": "pg/addiction", "ppl_prefix": 512}
+
+
+def with_quick_defaults(ctx: click.Context, o: dict) -> dict:
+    """--quick: smaller defaults for the options not given on the command line."""
+    if not o["quick"]:
+        return o
+    given = {k for k in QUICK_DEFAULTS if ctx.get_parameter_source(k) == click.core.ParameterSource.COMMANDLINE}
+    return o | {k: v for k, v in QUICK_DEFAULTS.items() if k not in given}
+
+
+def checked_lists(models: str, quants: str, ppl_texts: str) -> tuple[list[str], list[str], list[str]]:
+    """(models, quants, texts) from their comma lists; unknown models and quants fail here, before any work."""
+    from kvcodec.models import get_spec
+
+    model_list = [m.strip() for m in models.split(",") if m.strip()]
+    quant_list = [q.strip() for q in quants.split(",") if q.strip()]
+    for q in quant_list:
+        if q not in QUANT_MODES:
+            raise click.BadParameter(f"{q!r} is not one of {', '.join(QUANT_MODES)}", param_hint="--quants")
+    for m in model_list:
+        get_spec(m)
+    return model_list, quant_list, [t.strip() for t in ppl_texts.split(",") if t.strip()]
+
+
+def settings_record(o: dict, text_list: list[str]) -> dict:
+    keys = ("quick", "n_questions", "max_doc_tokens", "ppl_prefix", "ppl_tokens", "greedy_tokens", "kv_dtype")
+    scoring = (
+        "greedy answer (12 tokens, first line) after 'Question: ...\\nAnswer:', token F1 and exact "
+        "match against the accepted spans"
+        if o["task"] == "quoref"
+        else "sum of option-token log-probabilities after 'Question: ...\\nAnswer:'"
+    )
+    return {k: o[k] for k in keys} | {"ppl_texts": text_list, "identity_codec": o["identity"], "scoring": scoring}

@@ -181,7 +181,9 @@ def answer_multiple_choice(
 def kv_error(kv_restored: torch.Tensor, kv_reference: torch.Tensor) -> dict[str, float]:
     """max |error|, RMS error and RMS error relative to the reference's RMS."""
     if kv_restored.shape != kv_reference.shape:
-        raise ShapeError(f"KV shapes differ: restored {tuple(kv_restored.shape)}, reference {tuple(kv_reference.shape)}")
+        raise ShapeError(
+            f"KV shapes differ: restored {tuple(kv_restored.shape)}, reference {tuple(kv_reference.shape)}"
+        )
     d = kv_restored.double() - kv_reference.double()
     rms = float(d.pow(2).mean().sqrt())
     ref_rms = float(kv_reference.double().pow(2).mean().sqrt())

@@ -503,35 +503,81 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
 
 @click.command("decode")
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), required=True, help="Folder of .kvc containers.")
-@click.option("--prepare", "kv_path", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="Build --data from this KV safetensors file (key 'kv'), on the CPU, and exit.")
+@click.option(
+    "--prepare",
+    "kv_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Build --data from this KV safetensors file (key 'kv'), on the CPU, and exit.",
+)
 @click.option("--tokens", default=256, show_default=True, help="(--prepare) tokens of the KV to encode.")
-@click.option("--modes", default=DEFAULT_MODES, show_default=True,
-              help="Quant modes, each optionally with -vN for N video bits (e.g. int8-v8: no bit split); "
-                   "files are <mode>_<W>x<H>.kvc in --data.")
+@click.option(
+    "--modes",
+    default=DEFAULT_MODES,
+    show_default=True,
+    help="Quant modes, each optionally with -vN for N video bits (e.g. int8-v8: no bit split); "
+    "files are <mode>_<W>x<H>.kvc in --data.",
+)
 @click.option("--resolutions", default=DEFAULT_RESOLUTIONS, show_default=True)
-@click.option("--backends", default=DEFAULT_BACKENDS, show_default=True,
-              help="nvdec, nvdec-pool (restore in the workers), nvdec-pool-consumer (frames from the workers, "
-                   "restore in this process), ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav.")
-@click.option("--restore", "restore", default="auto", show_default=True,
-              help="Frame restorers to measure, comma-separated: auto (the fused Triton kernel on CUDA "
-                   "for integer modes) and/or torch (the reference ops).")
-@click.option("--detile", default=None, hidden=True,
-              help="Old name of --restore (its values codec/cached mean auto).")
-@click.option("--scaling-workers", default="1,4,7,10", show_default=True,
-              help="Pool sizes for the worker-scaling measurement ('' to skip).")
+@click.option(
+    "--backends",
+    default=DEFAULT_BACKENDS,
+    show_default=True,
+    help="nvdec, nvdec-pool (restore in the workers), nvdec-pool-consumer (frames from the workers, "
+    "restore in this process), ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav.",
+)
+@click.option(
+    "--restore",
+    "restore",
+    default="auto",
+    show_default=True,
+    help="Frame restorers to measure, comma-separated: auto (the fused Triton kernel on CUDA "
+    "for integer modes) and/or torch (the reference ops).",
+)
+@click.option("--detile", default=None, hidden=True, help="Old name of --restore (its values codec/cached mean auto).")
+@click.option(
+    "--scaling-workers",
+    default="1,4,7,10",
+    show_default=True,
+    help="Pool sizes for the worker-scaling measurement ('' to skip).",
+)
 @click.option("--workers", default=7, show_default=True, help="NVDEC pool processes.")
 @click.option("--copies", default=56, show_default=True, help="Chunk streams per measurement (replicated).")
 @click.option("--seconds", default=1.0, show_default=True, help="Minimum time per measurement.")
 @click.option("--interference/--no-interference", default=True, show_default=True)
 @click.option("--interference-case", default="int8_1024x1024", show_default=True)
-@click.option("--interference-seconds", default=5.0, show_default=True,
-              help="Matmul timing window, alone and during each backend.")
-@click.option("--staging-tokens", default="512,2048,8192", show_default=True,
-              help="Prefix lengths of the synthetic int8 caches whose staging memory is measured ('' to skip).")
+@click.option(
+    "--interference-seconds",
+    default=5.0,
+    show_default=True,
+    help="Matmul timing window, alone and during each backend.",
+)
+@click.option(
+    "--staging-tokens",
+    default="512,2048,8192",
+    show_default=True,
+    help="Prefix lengths of the synthetic int8 caches whose staging memory is measured ('' to skip).",
+)
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/decode-<gpu>.json).")
-def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, detile, scaling_workers, workers, copies,
-            seconds, interference, interference_case, interference_seconds, staging_tokens, out_path) -> None:
+def command(
+    data_dir,
+    kv_path,
+    tokens,
+    modes,
+    resolutions,
+    backends,
+    restore,
+    detile,
+    scaling_workers,
+    workers,
+    copies,
+    seconds,
+    interference,
+    interference_case,
+    interference_seconds,
+    staging_tokens,
+    out_path,
+) -> None:
     """GPU-native decode: restored KV GB/s, tokens/s, coded Gbit/s, staging memory, interference."""
     modes_l = [m for m in modes.split(",") if m]
     res_l = [_res(r) for r in resolutions.split(",") if r]
@@ -544,8 +590,9 @@ def command(data_dir, kv_path, tokens, modes, resolutions, backends, restore, de
         raise click.ClickException("bench decode needs a CUDA GPU")
     if detile:
         restore = ",".join(dict.fromkeys("auto" if d in ("codec", "cached") else d for d in detile.split(",") if d))
-    run = DecodeRun(data_dir, [b for b in backends.split(",") if b], [r for r in restore.split(",") if r],
-                    seconds, out_path)
+    run = DecodeRun(
+        data_dir, [b for b in backends.split(",") if b], [r for r in restore.split(",") if r], seconds, out_path
+    )
     try:
         if any(b.startswith("nvdec-pool") for b in run.backends):
             run.start_pool(workers, res_l)
@@ -577,8 +624,13 @@ class DecodeRun:
         self.gpu = torch.cuda.get_device_name(self.device)
         meta_path = self.data_dir / "meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        self.result = {"command": command_line("decode"), "gpu": self.gpu, "cpu_cores": os.cpu_count(), "data": meta,
-                       "records": []}
+        self.result = {
+            "command": command_line("decode"),
+            "gpu": self.gpu,
+            "cpu_cores": os.cpu_count(),
+            "data": meta,
+            "records": [],
+        }
         self.out = result_path(out_path, f"decode-{self.gpu.replace(' ', '-').lower()}")
         self.pool = None
         self.cases: dict[str, _Case] = {}
@@ -598,9 +650,16 @@ class DecodeRun:
         self.pool = NvdecPool(workers=workers, device=self.device, max_frame=max(res_l, key=lambda r: r[0] * r[1]))
         fixed = free0 - _free_now(self.device)
         ring = workers * self.pool.slots * self.pool.slot_bytes
-        self.log({"kind": "pool_fixed", "workers": workers, "start_s": time.perf_counter() - t,
-                  "pool_fixed_mb": fixed / 2**20, "ring_mb": ring / 2**20,
-                  "worker_context_mb": (fixed - ring) / 2**20 / workers})
+        self.log(
+            {
+                "kind": "pool_fixed",
+                "workers": workers,
+                "start_s": time.perf_counter() - t,
+                "pool_fixed_mb": fixed / 2**20,
+                "ring_mb": ring / 2**20,
+                "worker_context_mb": (fixed - ring) / 2**20 / workers,
+            }
+        )
 
     def timed(self, fn) -> tuple[float, int, float]:  # noqa: ANN001
         """(seconds per call, calls, MB of GPU memory the calls took beyond what was free)."""
@@ -623,8 +682,16 @@ class DecodeRun:
                         sec, reps, mem = self.timed(_restore_fn(backend, case, self.device, self.pool, restore=variant))
                         self.log(case.record(backend, sec, reps=reps, restore=variant, mem_growth_mb=mem))
                     except Exception as e:
-                        self.log({"kind": "restore", "backend": backend, "mode": mode, "resolution": f"{w}x{h}",
-                                  "restore": variant, "error": repr(e)[:500]})
+                        self.log(
+                            {
+                                "kind": "restore",
+                                "backend": backend,
+                                "mode": mode,
+                                "resolution": f"{w}x{h}",
+                                "restore": variant,
+                                "error": repr(e)[:500],
+                            }
+                        )
             if {"nvdec", "nvdec-pool"} & set(self.backends):
                 for rec in _decode_only(case, self.device, self.pool, self.seconds):
                     self.log(rec)
@@ -638,8 +705,12 @@ class DecodeRun:
                 nc = _NvcompCase(case, alg, self.device)
                 sec, reps, mem = self.timed(nc.run_fn())
                 rec = case.record(f"nvcomp-{alg}", sec, reps=reps, mem_growth_mb=mem)
-                rec.update(resolution="-", coded_gbit_per_s=nc.comp_bytes * nc.copies * 8 / sec / 1e9,
-                           ratio_vs_fp16=nc.ratio, samples_gb_per_s=None)
+                rec.update(
+                    resolution="-",
+                    coded_gbit_per_s=nc.comp_bytes * nc.copies * 8 / sec / 1e9,
+                    ratio_vs_fp16=nc.ratio,
+                    samples_gb_per_s=None,
+                )
                 self.log(rec)
                 self.nvc_cases[f"nvcomp-{alg}-{case.mode}"] = nc
             except Exception as e:
@@ -659,14 +730,19 @@ class DecodeRun:
                         runs.append((f"nvcomp-{alg}", "nvcomp", nc.run_fn()))
             elif backend.startswith("nvdec-pool") and pool is not None:
                 for variant in self.restores:
-                    runs.append((backend, variant, lambda b=backend, v=variant: _restore_fn(b, base, device, pool, restore=v)))
+                    runs.append(
+                        (backend, variant, lambda b=backend, v=variant: _restore_fn(b, base, device, pool, restore=v))
+                    )
                 wv, hv = base.resolution
                 streams = [(v, wv, hv) for v in base.videos]
-                runs.append(("nvdec-pool-decode-only", "-",
-                             lambda s=streams: lambda: [None for _ in pool.decode_streams(s)]))
+                runs.append(
+                    ("nvdec-pool-decode-only", "-", lambda s=streams: lambda: [None for _ in pool.decode_streams(s)])
+                )
             elif backend == "nvdec":
                 for variant in self.restores:
-                    runs.append((backend, variant, lambda v=variant: _restore_fn("nvdec", base, device, pool, restore=v)))
+                    runs.append(
+                        (backend, variant, lambda v=variant: _restore_fn("nvdec", base, device, pool, restore=v))
+                    )
             elif backend != "nvdec-pyav":
                 first = self.restores[0]
                 runs.append((backend, first, lambda b=backend, v=first: _restore_fn(b, base, device, pool, restore=v)))
@@ -695,13 +771,21 @@ class DecodeRun:
             try:
                 with NvdecPool(workers=nw, device=self.device, max_frame=(wv, hv)) as p2:
                     sec, _ = _timed(lambda p=p2: [None for _ in p.decode_streams(streams)], self.seconds)
-                    rsec, _ = _timed(_restore_fn("nvdec-pool", base, self.device, p2, restore=self.restores[0]),
-                                     self.seconds)
-                self.log({"kind": "scaling", "workers": nw, "mode": base.mode, "resolution": f"{wv}x{hv}",
-                          "decode_coded_gbit_per_s": base.video_bytes * 8 / sec / 1e9,
-                          "decode_samples_gb_per_s": base.samples / sec / 1e9,
-                          "restore_gb_per_s": base.fp16_bytes / rsec / 1e9,
-                          "restore_coded_gbit_per_s": base.coded_bytes * 8 / rsec / 1e9})
+                    rsec, _ = _timed(
+                        _restore_fn("nvdec-pool", base, self.device, p2, restore=self.restores[0]), self.seconds
+                    )
+                self.log(
+                    {
+                        "kind": "scaling",
+                        "workers": nw,
+                        "mode": base.mode,
+                        "resolution": f"{wv}x{hv}",
+                        "decode_coded_gbit_per_s": base.video_bytes * 8 / sec / 1e9,
+                        "decode_samples_gb_per_s": base.samples / sec / 1e9,
+                        "restore_gb_per_s": base.fp16_bytes / rsec / 1e9,
+                        "restore_coded_gbit_per_s": base.coded_bytes * 8 / rsec / 1e9,
+                    }
+                )
             except Exception as e:
                 self.log({"kind": "scaling", "workers": nw, "error": repr(e)[:500]})
 
@@ -723,38 +807,62 @@ def _markdown(result: dict) -> str:
     lines = [f"# kvcodec bench decode on {result['gpu']}", "", f"`{result['command']}`", ""]
     rs = [r for r in result["records"] if r["kind"] == "restore" and "error" not in r]
     if rs:
-        lines += ["## Restore (chunk blobs -> KV on the GPU)", "",
-                  "| mode | video bits | resolution | backend | restore | restored GB/s (fp16) | values G/s | tokens/s | coded Gbit/s | frame samples GB/s | ratio vs fp16 |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "## Restore (chunk blobs -> KV on the GPU)",
+            "",
+            "| mode | video bits | resolution | backend | restore | restored GB/s (fp16) | values G/s | tokens/s | coded Gbit/s | frame samples GB/s | ratio vs fp16 |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rs:
-            lines.append(f"| {r['mode']} | {r.get('video_bits', 8)} | {r['resolution']} | {r['backend']} | {r.get('restore', r.get('detile', '-'))} | "
-                         f"{f(r['restored_gb_per_s'])} | {f(r.get('values_g_per_s'))} | "
-                         f"{f(r['tokens_per_s'], 0)} | {f(r['coded_gbit_per_s'])} | {f(r.get('samples_gb_per_s'))} | {f(r['ratio_vs_fp16'])} |")
+            lines.append(
+                f"| {r['mode']} | {r.get('video_bits', 8)} | {r['resolution']} | {r['backend']} | {r.get('restore', r.get('detile', '-'))} | "
+                f"{f(r['restored_gb_per_s'])} | {f(r.get('values_g_per_s'))} | "
+                f"{f(r['tokens_per_s'], 0)} | {f(r['coded_gbit_per_s'])} | {f(r.get('samples_gb_per_s'))} | {f(r['ratio_vs_fp16'])} |"
+            )
     ds = [r for r in result["records"] if r["kind"] == "decode_only"]
     if ds:
-        lines += ["", "## NVDEC decode only (no de-tiling)", "",
-                  "| mode | resolution | backend | frames/s | coded Gbit/s | 8-bit samples GB/s | bits/sample |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## NVDEC decode only (no de-tiling)",
+            "",
+            "| mode | resolution | backend | frames/s | coded Gbit/s | 8-bit samples GB/s | bits/sample |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in ds:
-            lines.append(f"| {r['mode']} | {r['resolution']} | {r['backend']} | {f(r['frames_per_s'], 0)} | "
-                         f"{f(r['coded_gbit_per_s'])} | {f(r['samples_gb_per_s'])} | {f(r['bits_per_sample'])} |")
+            lines.append(
+                f"| {r['mode']} | {r['resolution']} | {r['backend']} | {f(r['frames_per_s'], 0)} | "
+                f"{f(r['coded_gbit_per_s'])} | {f(r['samples_gb_per_s'])} | {f(r['bits_per_sample'])} |"
+            )
     its = [r for r in result["records"] if r["kind"] == "interference"]
     if its:
-        lines += ["", "## Interference: bf16 matmul 8192^3 while a backend restores flat out", "",
-                  "| backend | restore | case | matmul TFLOP/s alone | during | slowdown |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Interference: bf16 matmul 8192^3 while a backend restores flat out",
+            "",
+            "| backend | restore | case | matmul TFLOP/s alone | during | slowdown |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in its:
             if "error" in r:
                 continue
-            lines.append(f"| {r['backend']} | {r.get('restore', r.get('detile', '-'))} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
-                         f"{f(r['matmul_tflops_during'], 0)} | {100 * r['matmul_slowdown']:.1f}% |")
+            lines.append(
+                f"| {r['backend']} | {r.get('restore', r.get('detile', '-'))} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
+                f"{f(r['matmul_tflops_during'], 0)} | {100 * r['matmul_slowdown']:.1f}% |"
+            )
     sc = [r for r in result["records"] if r["kind"] == "scaling" and "error" not in r]
     if sc:
-        lines += ["", "## NVDEC pool: worker processes", "",
-                  "| workers | case | decode-only coded Gbit/s | decode-only samples GB/s | restore GB/s fp16 |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## NVDEC pool: worker processes",
+            "",
+            "| workers | case | decode-only coded Gbit/s | decode-only samples GB/s | restore GB/s fp16 |",
+            "|---|---|---|---|---|",
+        ]
         for r in sc:
-            lines.append(f"| {r['workers']} | {r['mode']} {r['resolution']} | {f(r['decode_coded_gbit_per_s'])} | "
-                         f"{f(r['decode_samples_gb_per_s'])} | {f(r.get('restore_gb_per_s', r.get('restore_cached_gb_per_s')))} |")
+            lines.append(
+                f"| {r['workers']} | {r['mode']} {r['resolution']} | {f(r['decode_coded_gbit_per_s'])} | "
+                f"{f(r['decode_samples_gb_per_s'])} | {f(r.get('restore_gb_per_s', r.get('restore_cached_gb_per_s')))} |"
+            )
     st = [r for r in result["records"] if r["kind"] in ("staging", "pool_fixed")]
     if st:
         lines += ["", "## Staging memory", ""]

@@ -83,8 +83,9 @@ class _Link:
             from kvbench.net.netns import NetnsLink
 
             self.netns = NetnsLink(100.0).open()
-            self.server = RedisServer(tmp / "redis", bind=self.netns.ns_ip, netns=self.netns.name,
-                                      appendonly=False).start()
+            self.server = RedisServer(
+                tmp / "redis", bind=self.netns.ns_ip, netns=self.netns.name, appendonly=False
+            ).start()
         else:
             self.server = RedisServer(tmp / "redis", appendonly=False).start()
         from kvcodec.store import open_store
@@ -142,22 +143,38 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option("--jitter-cv", default=0.6, show_default=True)
 @click.option("--jitter-segment-ms", default=50.0, show_default=True)
 @click.option("--policies", default="fixed:0,fixed:1,fixed:2,adaptive,raw-fp16", show_default=True)
-@click.option("--link", "link_kind", type=click.Choice(["auto", "tc-netns", "token-bucket"]), default="auto",
-              show_default=True)
+@click.option(
+    "--link", "link_kind", type=click.Choice(["auto", "tc-netns", "token-bucket"]), default="auto", show_default=True
+)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--max-inflight", default=4, show_default=True)
 @click.option("--decode-workers", default=1, show_default=True)
 @click.option("--net-workers", default=1, show_default=True, help="Concurrent gets per fetch.")
-@click.option("--torch-threads", default=1, show_default=True,
-              help="torch intra-op threads on the CPU (0: leave torch's default). More than 1 on a "
-                   "small shared CPU makes decode several times slower.")
-@click.option("--store", "store_kind", type=click.Choice(["redis", "memory"]), default="redis", show_default=True,
-              help="redis: a real redis-server process; memory: an in-process store (token-bucket link only; "
-                   "for machines without redis-server, and rates a single Redis client cannot reach).")
-@click.option("--nvdec-pool", "pool_workers", default=0, show_default=True,
-              help="On CUDA: restore in an NVDEC pool of this many worker processes (kvcodec.video.nvdec_pool."
-                   "HevcCodec(pool=...); use --decode-workers of the same number). 0: the codec's own decoder.")
+@click.option(
+    "--torch-threads",
+    default=1,
+    show_default=True,
+    help="torch intra-op threads on the CPU (0: leave torch's default). More than 1 on a "
+    "small shared CPU makes decode several times slower.",
+)
+@click.option(
+    "--store",
+    "store_kind",
+    type=click.Choice(["redis", "memory"]),
+    default="redis",
+    show_default=True,
+    help="redis: a real redis-server process; memory: an in-process store (token-bucket link only; "
+    "for machines without redis-server, and rates a single Redis client cannot reach).",
+)
+@click.option(
+    "--nvdec-pool",
+    "pool_workers",
+    default=0,
+    show_default=True,
+    help="On CUDA: restore in an NVDEC pool of this many worker processes (kvcodec.video.nvdec_pool."
+    "HevcCodec(pool=...); use --decode-workers of the same number). 0: the codec's own decoder.",
+)
 @click.option("--out-dir", default=str(RESULTS_DIR), show_default="benchmarks/results")
 def command(**options) -> None:  # noqa: ANN003
     """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
@@ -185,11 +202,19 @@ def command(**options) -> None:  # noqa: ANN003
     finally:
         if pool is not None:
             pool.close()
-    doc = {"benchmark": "fetch", "command": command_line("fetch"), "kv_source": source, "kv_shape": list(kv.shape),
-           "codec_config": s.config.to_dict(), "encode_s": run.encode_s,
-           "bytes_per_resolution": dict(zip(["x".join(map(str, r)) for r in s.res], run.sizes)),
-           "decode_profile": run.profile.to_json() | {"source": run.profile.source} if run.profile else None,
-           "machine": run.machine, "link": link_kind, "records": records}
+    doc = {
+        "benchmark": "fetch",
+        "command": command_line("fetch"),
+        "kv_source": source,
+        "kv_shape": list(kv.shape),
+        "codec_config": s.config.to_dict(),
+        "encode_s": run.encode_s,
+        "bytes_per_resolution": dict(zip(["x".join(map(str, r)) for r in s.res], run.sizes)),
+        "decode_profile": run.profile.to_json() | {"source": run.profile.source} if run.profile else None,
+        "machine": run.machine,
+        "link": link_kind,
+        "records": records,
+    }
     host = "gpu" if "gpu" in run.machine else "cpu"
     stem = f"fetch-{host}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     path = write_result(Path(s.out_dir) / f"{stem}.json", doc, markdown(doc, host))
@@ -245,8 +270,9 @@ def traces(s: Settings) -> list:
     out = [JitterTrace.constant(float(r)) for r in s.rates.split(",") if r]
     if s.jitter_mean > 0:
         n_seg = max(20, int(20.0 / (s.jitter_segment_ms / 1e3)) // 10)
-        out.append(JitterTrace.random_walk(s.jitter_mean, cv=s.jitter_cv, segment_s=s.jitter_segment_ms / 1e3,
-                                           n=n_seg, seed=1))
+        out.append(
+            JitterTrace.random_walk(s.jitter_mean, cv=s.jitter_cv, segment_s=s.jitter_segment_ms / 1e3, n=n_seg, seed=1)
+        )
     return out
 
 
@@ -278,10 +304,18 @@ class FetchRun:
         self.machine = machine()
         hevc = make_codec("hevc", config=s.config, **({"pool": pool} if pool is not None else {}))
         raw = make_codec("raw", chunk_tokens=s.chunk_tokens, resolutions=(s.res[0],))
-        self.hevc = PrefixCache(link.base, s.model, hevc, s.device, max_inflight=s.max_inflight,
-                                decode_workers=s.decode_workers)
-        self.raw = PrefixCache(link.base, s.model, raw, s.device, max_inflight=s.max_inflight,
-                               decode_workers=s.decode_workers, policy="fixed:0")
+        self.hevc = PrefixCache(
+            link.base, s.model, hevc, s.device, max_inflight=s.max_inflight, decode_workers=s.decode_workers
+        )
+        self.raw = PrefixCache(
+            link.base,
+            s.model,
+            raw,
+            s.device,
+            max_inflight=s.max_inflight,
+            decode_workers=s.decode_workers,
+            policy="fixed:0",
+        )
         self.raw.put(ids, kv)
         self.encode_s, self.sizes, self.profile = None, [], None
         if any(p != "raw-fp16" for p in s.policy_list):
@@ -292,8 +326,11 @@ class FetchRun:
             self.profile = self.hevc.ensure_profile((L, H, D), kv.dtype)
             keys = self.hevc.keys(ids)
             self.sizes = [sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(s.res))]
-            click.echo(f"encoded in {self.encode_s:.1f}s; bytes per resolution {self.sizes} (fp16 {kv.numel() * 2}); "
-                       f"decode profile {[f'{v / 1e6:.1f}M/s' for v in self.profile.values_per_s()]}", err=True)
+            click.echo(
+                f"encoded in {self.encode_s:.1f}s; bytes per resolution {self.sizes} (fp16 {kv.numel() * 2}); "
+                f"decode profile {[f'{v / 1e6:.1f}M/s' for v in self.profile.values_per_s()]}",
+                err=True,
+            )
         # link goodput probe: the largest object, per condition
         self.probe_key = blob_key(self.raw.keys(ids)[0], 0)
         self.probe_bytes = len(link.base.get(self.probe_key))
@@ -332,10 +369,17 @@ class FetchRun:
 
         s, is_raw = self.s, pol == "raw-fp16"
         base = self.raw if is_raw else self.hevc
-        pc = PrefixCache(self.link.store, s.model, base.codec, s.device,
-                         policy="fixed:0" if is_raw else pol, max_inflight=s.max_inflight,
-                         decode_workers=s.decode_workers, net_workers=s.net_workers,
-                         profile=None if is_raw else self.profile)
+        pc = PrefixCache(
+            self.link.store,
+            s.model,
+            base.codec,
+            s.device,
+            policy="fixed:0" if is_raw else pol,
+            max_inflight=s.max_inflight,
+            decode_workers=s.decode_workers,
+            net_workers=s.net_workers,
+            profile=None if is_raw else self.profile,
+        )
         runs = self.timed_fetches(pc, pol, trace)
         fetch_s, med = runs[len(runs) // 2]
         st = med.stats
@@ -344,31 +388,58 @@ class FetchRun:
         dec_s = st.decode_busy_s / s.decode_workers
         bound = max(net_s, dec_s) + min(net_s, dec_s) / max(1, st.chunks_restored)
         rec = {
-            "bandwidth_gbit": bw, "trace": trace.name, "prefix_tokens": self.kv.shape[2], "policy": pol,
-            "fetch_s": fetch_s, "fetch_s_min": runs[0][0], "fetch_s_all": [x[0] for x in runs],
-            "bound_s": bound, "time_over_bound": fetch_s / bound, "bytes": st.bytes_fetched,
-            "fp16_bytes": self.kv.numel() * 2, "net_s_at_nominal_rate": net_s, "decode_s": dec_s,
-            "link_goodput_gbit": goodput, "link": self.link.describe["link"], "link_detail": self.link.describe,
+            "bandwidth_gbit": bw,
+            "trace": trace.name,
+            "prefix_tokens": self.kv.shape[2],
+            "policy": pol,
+            "fetch_s": fetch_s,
+            "fetch_s_min": runs[0][0],
+            "fetch_s_all": [x[0] for x in runs],
+            "bound_s": bound,
+            "time_over_bound": fetch_s / bound,
+            "bytes": st.bytes_fetched,
+            "fp16_bytes": self.kv.numel() * 2,
+            "net_s_at_nominal_rate": net_s,
+            "decode_s": dec_s,
+            "link_goodput_gbit": goodput,
+            "link": self.link.describe["link"],
+            "link_detail": self.link.describe,
             "resolution_counts": st.resolution_counts,
             "stats": {k: v for k, v in st.to_dict().items() if k != "timeline"},
             "timeline": [vars(t) for t in st.timeline],
             "bit_exact": bool(torch.equal(med.kv.cpu(), self.kv)) if is_raw else None,
-            "machine": self.machine, "load_avg_1m": os.getloadavg()[0], "torch_threads": torch.get_num_threads(),
-            "device": s.device, "net_workers": s.net_workers, "decode_workers": s.decode_workers,
-            "store": s.store_kind, "nvdec_pool_workers": s.pool_workers,
+            "machine": self.machine,
+            "load_avg_1m": os.getloadavg()[0],
+            "torch_threads": torch.get_num_threads(),
+            "device": s.device,
+            "net_workers": s.net_workers,
+            "decode_workers": s.decode_workers,
+            "store": s.store_kind,
+            "nvdec_pool_workers": s.pool_workers,
         }
-        click.echo(f"{trace.name:>36} {pol:>10}: {fetch_s * 1e3:8.1f} ms  bound {bound * 1e3:8.1f} ms"
-                   f"  x{fetch_s / bound:5.2f}  {st.bytes_fetched / 1e6:6.2f} MB  {st.resolution_counts}", err=True)
+        click.echo(
+            f"{trace.name:>36} {pol:>10}: {fetch_s * 1e3:8.1f} ms  bound {bound * 1e3:8.1f} ms"
+            f"  x{fetch_s / bound:5.2f}  {st.bytes_fetched / 1e6:6.2f} MB  {st.resolution_counts}",
+            err=True,
+        )
         return rec
 
 
 def markdown(doc: dict, host: str) -> list[str]:
-    lines = [f"# fetch benchmark ({host}, link {doc['link']})", "", f"`{doc['command']}`", "",
-             f"KV {tuple(doc['kv_shape'])} fp16 from {doc['kv_source']}; machine {doc['machine']['cpu']}", "",
-             "| rate Gbit/s | trace | policy | fetch ms | bound ms | x bound | MB | resolutions | link goodput Gbit/s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# fetch benchmark ({host}, link {doc['link']})",
+        "",
+        f"`{doc['command']}`",
+        "",
+        f"KV {tuple(doc['kv_shape'])} fp16 from {doc['kv_source']}; machine {doc['machine']['cpu']}",
+        "",
+        "| rate Gbit/s | trace | policy | fetch ms | bound ms | x bound | MB | resolutions | link goodput Gbit/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["records"]:
-        lines.append(f"| {r['bandwidth_gbit']:g} | {r['trace']} | {r['policy']} | {r['fetch_s'] * 1e3:.1f} | "
-                     f"{r['bound_s'] * 1e3:.1f} | {r['time_over_bound']:.2f} | {r['bytes'] / 1e6:.2f} | "
-                     f"{r['resolution_counts']} | {r['link_goodput_gbit']:.2f} |")
+        lines.append(
+            f"| {r['bandwidth_gbit']:g} | {r['trace']} | {r['policy']} | {r['fetch_s'] * 1e3:.1f} | "
+            f"{r['bound_s'] * 1e3:.1f} | {r['time_over_bound']:.2f} | {r['bytes'] / 1e6:.2f} | "
+            f"{r['resolution_counts']} | {r['link_goodput_gbit']:.2f} |"
+        )
     return lines

@@ -101,7 +101,6 @@ def _summary(xs: list[float]) -> dict:
     return {"n": len(xs), "mean": sum(xs) / len(xs) if xs else None, "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9)}
 
 
-
 @click.command("interference")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True)
 @click.option("--text", default="pg/worked", show_default=True, help="Stored document (kvcodec.models.texts).")
@@ -111,28 +110,57 @@ def _summary(xs: list[float]) -> dict:
 @click.option("--reuse-rate", default=0.25, show_default=True, type=float, help="Reuse requests per second.")
 @click.option("--reuse-new-tokens", default=4, show_default=True, type=int)
 @click.option("--duration", default=24.0, show_default=True, type=float, help="Seconds of arrivals per condition.")
-@click.option("--rounds", default=3, show_default=True, type=click.IntRange(min=1),
-              help="Run the condition list this many times, interleaved; the report adds each condition's "
-                   "median over rounds relative to alone's.")
-@click.option("--warmup", default=5.0, show_default=True, type=float,
-              help="Seconds of background arrivals run (and discarded) before the first condition.")
+@click.option(
+    "--rounds",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Run the condition list this many times, interleaved; the report adds each condition's "
+    "median over rounds relative to alone's.",
+)
+@click.option(
+    "--warmup",
+    default=5.0,
+    show_default=True,
+    type=float,
+    help="Seconds of background arrivals run (and discarded) before the first condition.",
+)
 @click.option("--gbit", default=1.0, show_default=True, type=float, help="Emulated link (token bucket), Gbit/s.")
 @click.option("--quant", default="int8", show_default=True)
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
-@click.option("--conditions", default="alone,raw,kvcodec,sm-decoder,blocking", show_default=True,
-              help="alone, raw (reuse requests, no decoder), kvcodec (one in-process decoder), kvcodec-pool or "
-                   "kvcodec-pool:N (GPU: NVDEC pool of N worker processes), sm-decoder, blocking.")
+@click.option(
+    "--conditions",
+    default="alone,raw,kvcodec,sm-decoder,blocking",
+    show_default=True,
+    help="alone, raw (reuse requests, no decoder), kvcodec (one in-process decoder), kvcodec-pool or "
+    "kvcodec-pool:N (GPU: NVDEC pool of N worker processes), sm-decoder, blocking.",
+)
 @click.option("--device", default=None)
-@click.option("--kv-file", default=None, type=click.Path(dir_okay=False),
-              help="random:<arch> models: safetensors with a REAL small-model KV ('kv') to tile into the big shape.")
-@click.option("--store-dir", default=None, help="Keep the encoded stores here (reused when present: encode once, "
-              "e.g. on a CPU machine with --prepare-only, then ship the folder).")
+@click.option(
+    "--kv-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="random:<arch> models: safetensors with a REAL small-model KV ('kv') to tile into the big shape.",
+)
+@click.option(
+    "--store-dir",
+    default=None,
+    help="Keep the encoded stores here (reused when present: encode once, "
+    "e.g. on a CPU machine with --prepare-only, then ship the folder).",
+)
 @click.option("--prepare-only", is_flag=True, help="Only encode and store the document's KV, then exit.")
 @click.option("--max-batch", default=32, show_default=True, type=int)
-@click.option("--nvdec-pool", default=0, show_default=True, type=int,
-              help="Worker processes of a plain kvcodec-pool condition's NVDEC pool (0: 7).")
+@click.option(
+    "--nvdec-pool",
+    default=0,
+    show_default=True,
+    type=int,
+    help="Worker processes of a plain kvcodec-pool condition's NVDEC pool (0: 7).",
+)
 @click.option("--threads", default=None, type=int, help="torch CPU threads (1 is faster on a loaded shared CPU).")
-@click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json).")
+@click.option(
+    "--out", "out_path", default=None, help="JSON path (default benchmarks/results/interference-<device>.json)."
+)
 def command(**options: Any) -> None:
     """Background TTFT/TPOT alone vs with kvcodec fetches vs an SM-based decoder vs a blocking scheduler.
 
@@ -177,8 +205,9 @@ def check_conditions(conditions: str, device: str, nvdec_pool: int) -> list[str]
             if not device.startswith("cuda"):
                 raise click.ClickException(f"{cond} needs a CUDA device (NVDEC)")
         elif cond not in SIMPLE_CONDITIONS:
-            raise click.ClickException(f"unknown condition {cond!r}; known: {', '.join(SIMPLE_CONDITIONS)}, "
-                                       "kvcodec-pool, kvcodec-pool:N")
+            raise click.ClickException(
+                f"unknown condition {cond!r}; known: {', '.join(SIMPLE_CONDITIONS)}, kvcodec-pool, kvcodec-pool:N"
+            )
     return conds
 
 
@@ -221,8 +250,9 @@ def needed_stores(conds: list[str]) -> list[str]:
 
 
 def store_codec(s: Settings, store: str, **hevc_options: Any):  # noqa: ANN201
-    return method_codec({"kvcodec": "kvcodec", "sm-decoder": s.sm_codec, "raw": "raw"}[store], codec_config(s),
-                        **hevc_options)
+    return method_codec(
+        {"kvcodec": "kvcodec", "sm-decoder": s.sm_codec, "raw": "raw"}[store], codec_config(s), **hevc_options
+    )
 
 
 def prepare_stores(s: Settings, w: Workload, conds: list[str], device: str, store_dir: str) -> dict[str, int]:
@@ -257,8 +287,13 @@ def document_kv(s: Settings, w: Workload, device: str, store_dir: str, from_kvco
     from kvcodec.store import open_store
 
     if from_kvcodec:
-        src = PrefixCache(open_store(f"file://{os.path.join(store_dir, 'kvcodec')}"), w.model_id,
-                          store_codec(s, "kvcodec"), device, policy="fixed:0")
+        src = PrefixCache(
+            open_store(f"file://{os.path.join(store_dir, 'kvcodec')}"),
+            w.model_id,
+            store_codec(s, "kvcodec"),
+            device,
+            policy="fixed:0",
+        )
         got = src.fetch(w.doc_ids, src.lookup(w.doc_ids))
         if got.error is None and got.tokens_restored:
             return got.kv[:, :, : got.tokens_restored].to("cpu", torch.float16)
@@ -290,8 +325,13 @@ class Conditions:
             self.questions = [torch.randint(100, 30000, (16,), generator=g).tolist() for _ in range(1000)]
             self.bg_prompts = [torch.randint(100, 30000, (64,), generator=g).tolist() for _ in range(1000)]
         else:
-            self.questions = [w.tok(f"\n\nQuestion {i}: what is said in this text about topic number {i}? Answer:",
-                                    add_special_tokens=False)["input_ids"] for i in range(1000)]
+            self.questions = [
+                w.tok(
+                    f"\n\nQuestion {i}: what is said in this text about topic number {i}? Answer:",
+                    add_special_tokens=False,
+                )["input_ids"]
+                for i in range(1000)
+            ]
             self.bg_prompts = [f"Write a short note about the number {i}. The number {i} is" for i in range(1000)]
 
     def run(self, cond: str, duration: float) -> dict:
@@ -299,9 +339,16 @@ class Conditions:
 
         pc, pool = self.prefix_cache(cond)
         before = live_processes()
-        eng = Engine(self.w.model, tokenizer=self.w.tok, prefix_cache=pc, reuse=pc is not None, device=self.device,
-                     store_policy=StorePolicy(enabled=False),
-                     policy="blocking" if cond == "blocking" else "fetch-aware", max_batch=self.s.max_batch)
+        eng = Engine(
+            self.w.model,
+            tokenizer=self.w.tok,
+            prefix_cache=pc,
+            reuse=pc is not None,
+            device=self.device,
+            store_policy=StorePolicy(enabled=False),
+            policy="blocking" if cond == "blocking" else "fetch-aware",
+            max_batch=self.s.max_batch,
+        )
         try:
             eng.generate([11, 12, 13, 14], max_new_tokens=2, reuse=False, store=False)
             eng.start()
@@ -353,11 +400,18 @@ class Conditions:
                 if wait > 0:
                     time.sleep(wait)
                 if kind == "bg":
-                    r = eng.submit(self.bg_prompts[i], SamplingParams(max_new_tokens=s.bg_new_tokens, ignore_eos=True),
-                                   reuse=False, store=False)
+                    r = eng.submit(
+                        self.bg_prompts[i],
+                        SamplingParams(max_new_tokens=s.bg_new_tokens, ignore_eos=True),
+                        reuse=False,
+                        store=False,
+                    )
                 else:
-                    r = eng.submit(self.w.doc_ids + self.questions[i],
-                                   SamplingParams(max_new_tokens=s.reuse_new_tokens, ignore_eos=True), store=False)
+                    r = eng.submit(
+                        self.w.doc_ids + self.questions[i],
+                        SamplingParams(max_new_tokens=s.reuse_new_tokens, ignore_eos=True),
+                        store=False,
+                    )
                 reqs.append((kind, r))
 
         th = threading.Thread(target=driver)
@@ -372,7 +426,8 @@ def summarize(cond: str, reqs: list, wall: float, before: dict) -> dict:
     bg = [r for k, r in reqs if k == "bg"]
     ru = [r for k, r in reqs if k == "reuse"]
     res = {
-        "condition": cond, "wall_s": wall,
+        "condition": cond,
+        "wall_s": wall,
         "bg_ttft_s": _summary([r.ttft for r in bg]),
         "bg_tpot_s": _summary([r.tpot for r in bg if r.tpot is not None]),
         "reuse_ttft_s": _summary([r.ttft for r in ru]),
@@ -384,8 +439,11 @@ def summarize(cond: str, reqs: list, wall: float, before: dict) -> dict:
         "child_processes_at_start": before["children"],
         "cuda_allocated_mb_at_start": before["cuda_allocated_mb"],
     }
-    click.echo(f"  {cond}: bg TTFT p50 {res['bg_ttft_s']['p50']:.3f} s, bg TPOT p50 {res['bg_tpot_s']['p50'] * 1e3:.1f} ms"
-               + (f", reuse TTFT p50 {res['reuse_ttft_s']['p50']:.2f} s" if ru else ""), err=True)
+    click.echo(
+        f"  {cond}: bg TTFT p50 {res['bg_ttft_s']['p50']:.3f} s, bg TPOT p50 {res['bg_tpot_s']['p50'] * 1e3:.1f} ms"
+        + (f", reuse TTFT p50 {res['reuse_ttft_s']['p50']:.2f} s" if ru else ""),
+        err=True,
+    )
     return res
 
 
@@ -406,25 +464,50 @@ def run_rounds(s: Settings, conds: list[str], runner: Conditions) -> list[dict]:
 def record(s: Settings, w: Workload, device: str, conds: list[str], stored: dict, results: list[dict]) -> dict:
     label = "gpu" if device.startswith("cuda") else "cpu"
     return {
-        "benchmark": "interference", "command": command_line("interference"), "machine": machine(),
-        "device": device, "label": label, "time": utc_now(),
-        "model": s.model_name, "random_weights": s.random_model, "kv_tiled_from": s.kv_file if s.random_model else None,
-        "doc_tokens": len(w.doc_ids), "link_gbit": s.gbit, "bg_rate": s.bg_rate, "reuse_rate": s.reuse_rate,
-        "bg_new_tokens": s.bg_new_tokens, "reuse_new_tokens": s.reuse_new_tokens, "duration_s": s.duration,
-        "warmup_s": s.warmup, "rounds": s.rounds, "stored_bytes": stored, "sm_codec": s.sm_codec,
+        "benchmark": "interference",
+        "command": command_line("interference"),
+        "machine": machine(),
+        "device": device,
+        "label": label,
+        "time": utc_now(),
+        "model": s.model_name,
+        "random_weights": s.random_model,
+        "kv_tiled_from": s.kv_file if s.random_model else None,
+        "doc_tokens": len(w.doc_ids),
+        "link_gbit": s.gbit,
+        "bg_rate": s.bg_rate,
+        "reuse_rate": s.reuse_rate,
+        "bg_new_tokens": s.bg_new_tokens,
+        "reuse_new_tokens": s.reuse_new_tokens,
+        "duration_s": s.duration,
+        "warmup_s": s.warmup,
+        "rounds": s.rounds,
+        "stored_bytes": stored,
+        "sm_codec": s.sm_codec,
         "nvdec_pool": {c: pool_workers(c, s.nvdec_pool or 7) for c in conds if c.startswith("kvcodec-pool")},
-        "notes": ("GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores" if label == "gpu" else
-                  "CPU run: every decoder (HEVC and the sm-decoder stand-in) runs on the same CPU cores as the model, "
-                  "so only the scheduling effects (blocking vs fetch-aware) carry over to a GPU"),
+        "notes": (
+            "GPU: kvcodec decodes on NVDEC, the sm-decoder on CUDA cores"
+            if label == "gpu"
+            else "CPU run: every decoder (HEVC and the sm-decoder stand-in) runs on the same CPU cores as the model, "
+            "so only the scheduling effects (blocking vs fetch-aware) carry over to a GPU"
+        ),
         "conditions": conds,
         "results": results,
     }
 
 
 def markdown(doc: dict) -> list[str]:
-    return [f"# Interference ({doc['label']}): {doc['model']}, {doc['doc_tokens']}-token stored document, "
-            f"link {doc['link_gbit']:g} Gbit/s", "", f"`{doc['command']}`", "", doc["notes"], "",
-            *rounds_table(doc["results"], doc["rounds"]), *medians_table(doc["results"], doc["conditions"], doc["rounds"])]
+    return [
+        f"# Interference ({doc['label']}): {doc['model']}, {doc['doc_tokens']}-token stored document, "
+        f"link {doc['link_gbit']:g} Gbit/s",
+        "",
+        f"`{doc['command']}`",
+        "",
+        doc["notes"],
+        "",
+        *rounds_table(doc["results"], doc["rounds"]),
+        *medians_table(doc["results"], doc["conditions"], doc["rounds"]),
+    ]
 
 
 def rounds_table(results: list[dict], rounds: int) -> list[str]:
@@ -437,13 +520,18 @@ def rounds_table(results: list[dict], rounds: int) -> list[str]:
     def num(v: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
         return format(v * scale, fmt) if v is not None else "-"
 
-    md = ["| condition | bg TTFT p50 ms (vs first) | bg TTFT p90 ms | bg TPOT p50 ms (vs first) | bg TPOT p90 ms "
-          "| reuse TTFT p50 s | reuse fetch p50 s |", "|---|---|---|---|---|---|---|"]
+    md = [
+        "| condition | bg TTFT p50 ms (vs first) | bg TTFT p90 ms | bg TPOT p50 ms (vs first) | bg TPOT p90 ms "
+        "| reuse TTFT p50 s | reuse fetch p50 s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         name = f"{r['condition']} (round {r['round'] + 1})" if rounds > 1 else r["condition"]
-        md.append(f"| {name} | {rel(r, 'bg_ttft_s')} | {num(r['bg_ttft_s']['p90'], 1e3, '.1f')} | {rel(r, 'bg_tpot_s')} "
-                  f"| {num(r['bg_tpot_s']['p90'], 1e3, '.1f')} | {num(r['reuse_ttft_s']['p50'])} "
-                  f"| {num(r['reuse_fetch_s']['p50'])} |")
+        md.append(
+            f"| {name} | {rel(r, 'bg_ttft_s')} | {num(r['bg_ttft_s']['p90'], 1e3, '.1f')} | {rel(r, 'bg_tpot_s')} "
+            f"| {num(r['bg_tpot_s']['p90'], 1e3, '.1f')} | {num(r['reuse_ttft_s']['p50'])} "
+            f"| {num(r['reuse_fetch_s']['p50'])} |"
+        )
     return md
 
 
@@ -452,20 +540,28 @@ def medians_table(results: list[dict], conds: list[str], rounds: int) -> list[st
     if rounds <= 1 or "alone" not in conds:
         return []
     refs = ["alone"] + (["raw"] if "raw" in conds else [])
-    md = ["", f"Median over {rounds} interleaved rounds of each condition's p50, relative to the same round's "
-          + " and ".join(refs) + (" (raw: the reuse requests' own cost, no decoder)" if "raw" in refs else "") + ":", "",
-          "| condition | " + " | ".join(f"bg TTFT p50 vs {r} | bg TPOT p50 vs {r}" for r in refs) + " |",
-          "|---|" + "---|---|" * len(refs)]
+    md = [
+        "",
+        f"Median over {rounds} interleaved rounds of each condition's p50, relative to the same round's "
+        + " and ".join(refs)
+        + (" (raw: the reuse requests' own cost, no decoder)" if "raw" in refs else "")
+        + ":",
+        "",
+        "| condition | " + " | ".join(f"bg TTFT p50 vs {r} | bg TPOT p50 vs {r}" for r in refs) + " |",
+        "|---|" + "---|---|" * len(refs),
+    ]
     for cond in dict.fromkeys(conds):
         cells = []
         for ref_cond in refs:
             for key in ("bg_ttft_s", "bg_tpot_s"):
-                ratios = [r[key]["p50"] / a[key]["p50"] for r, a in _paired_with(results, cond, ref_cond)
-                          if r[key]["p50"] and a[key]["p50"]]
+                ratios = [
+                    r[key]["p50"] / a[key]["p50"]
+                    for r, a in _paired_with(results, cond, ref_cond)
+                    if r[key]["p50"] and a[key]["p50"]
+                ]
                 cells.append(f"{statistics.median(ratios):.3f}x" if ratios else "-")
         md.append(f"| {cond} | " + " | ".join(cells) + " |")
     return md
-
 
 
 def store_for(condition: str) -> str | None:
@@ -494,8 +590,11 @@ def live_processes() -> dict:
 
     import torch
 
-    return {"threads": threading.active_count(), "children": len(multiprocessing.active_children()),
-            "cuda_allocated_mb": round(torch.cuda.memory_allocated() / 1e6, 1) if torch.cuda.is_available() else None}
+    return {
+        "threads": threading.active_count(),
+        "children": len(multiprocessing.active_children()),
+        "cuda_allocated_mb": round(torch.cuda.memory_allocated() / 1e6, 1) if torch.cuda.is_available() else None,
+    }
 
 
 def _paired_with(results: list[dict], cond: str, ref_cond: str) -> list[tuple[dict, dict]]:

@@ -26,6 +26,11 @@ def method_codec(method: str, config, **hevc_options: Any):  # noqa: ANN001, ANN
         quant = method.split("-", 1)[1] if "-" in method else config.quant
         return make_codec("hevc", config=dataclasses.replace(config, quant=quant), **hevc_options)
     if method in RAW_VARIANTS:
-        return make_codec("raw", variants=RAW_VARIANTS[method], zstd_level=3, chunk_tokens=config.chunk_tokens,
-                          resolutions=config.resolutions)
+        return make_codec(
+            "raw",
+            variants=RAW_VARIANTS[method],
+            zstd_level=3,
+            chunk_tokens=config.chunk_tokens,
+            resolutions=config.resolutions,
+        )
     return BaselineCodec(method, config.chunk_tokens, config.resolutions)

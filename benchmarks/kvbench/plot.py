@@ -201,8 +201,13 @@ def plot_file(json_path: str, out_dir: str | None = None) -> str:
 
 @click.command("plot")
 @click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
-@click.option("--results", "results_dir", default=DEFAULT_RESULTS, show_default=True,
-              help="Where to look for result JSONs when no FILES are given.")
+@click.option(
+    "--results",
+    "results_dir",
+    default=DEFAULT_RESULTS,
+    show_default=True,
+    help="Where to look for result JSONs when no FILES are given.",
+)
 @click.option("--out-dir", default=None, help="Write the SVGs here (default: beside each JSON).")
 def command(files, results_dir, out_dir) -> None:  # noqa: ANN001
     """SVG charts of ttft, fetch and interference results (needs matplotlib: pip install -e 'benchmarks[plot]')."""

@@ -164,8 +164,16 @@ def load_prefix(model_name: str, text_name: str, tokens: int, log) -> Prefix:  #
     t0 = time.perf_counter()
     _, kv32 = extract_kv(model, tok, text, max_tokens=tokens)
     log(f"{model_name} / {text_name}: KV {tuple(kv32.shape)} in {time.perf_counter() - t0:.1f} s")
-    return Prefix(model_name, text_name, model, kv32, kv32.to(torch.float16), ids_all[:tokens],
-                  ids_all[tokens : tokens + 128], ids_all[tokens : tokens + 16])
+    return Prefix(
+        model_name,
+        text_name,
+        model,
+        kv32,
+        kv32.to(torch.float16),
+        ids_all[:tokens],
+        ids_all[tokens : tokens + 128],
+        ids_all[tokens : tokens + 16],
+    )
 
 
 class Records:
@@ -173,14 +181,27 @@ class Records:
 
     def __init__(self, p: Prefix, log) -> None:  # noqa: ANN001
         self.fp16_bytes = p.kv.numel() * FP16
-        self.base = {"model": p.model_name, "text": p.text_name, "prefix_tokens": p.kv.shape[2],
-                     "kv_shape": list(p.kv.shape)}
+        self.base = {
+            "model": p.model_name,
+            "text": p.text_name,
+            "prefix_tokens": p.kv.shape[2],
+            "kv_shape": list(p.kv.shape),
+        }
         self.log = log
         self.rows: list[dict] = []
 
     def add(self, codec: str, quant: str, nbytes: int, **extra) -> None:  # noqa: ANN003
-        r = {**self.base, "codec": codec, "quant": quant, "bytes": int(nbytes), "ratio_vs_fp16": self.fp16_bytes / nbytes,
-             "entropy_bits_per_value": None, "ppl_delta": None, "token_agreement": None, **extra}
+        r = {
+            **self.base,
+            "codec": codec,
+            "quant": quant,
+            "bytes": int(nbytes),
+            "ratio_vs_fp16": self.fp16_bytes / nbytes,
+            "entropy_bits_per_value": None,
+            "ppl_delta": None,
+            "token_agreement": None,
+            **extra,
+        }
         self.rows.append(r)
         self.log(f"  {codec:>22} {quant:>6} {nbytes:>11,} B  {self.fp16_bytes / nbytes:5.2f}x")
 
@@ -191,12 +212,25 @@ def accuracy(p: Prefix, restored, greedy_tokens: int) -> dict:  # noqa: ANN001
 
     ppl = acc.perplexity_delta(p.model, p.prefix_ids, restored.to(p.kv32.dtype), p.kv32, p.continuation)
     agree = acc.greedy_agreement(p.model, p.prefix_ids, restored.to(p.kv32.dtype), p.kv32, p.prompt, greedy_tokens)
-    return {"ppl_reference": ppl.ppl_reference, "ppl_restored": ppl.ppl_restored, "ppl_delta": ppl.delta,
-            "token_agreement": agree.agreement, "kv_error": acc.kv_error(restored.float(), p.kv.float())}
+    return {
+        "ppl_reference": ppl.ppl_reference,
+        "ppl_restored": ppl.ppl_restored,
+        "ppl_delta": ppl.delta,
+        "token_agreement": agree.agreement,
+        "kv_error": acc.kv_error(restored.float(), p.kv.float()),
+    }
 
 
-def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens: int, chunk_tokens: int, log,
-            layer_bits_schemes=()) -> list[dict]:
+def measure(
+    model_name: str,
+    text_name: str,
+    tokens: int,
+    quants,
+    greedy_tokens: int,
+    chunk_tokens: int,
+    log,
+    layer_bits_schemes=(),
+) -> list[dict]:
     from kvbench.baselines import get_codec
 
     p = load_prefix(model_name, text_name, tokens, log)
@@ -217,8 +251,9 @@ def measure(model_name: str, text_name: str, tokens: int, quants, greedy_tokens:
     return out.rows
 
 
-def measure_quant(p: Prefix, out: Records, label_quant: str, quant: str, layer_bits, chunk_tokens: int,
-                  greedy_tokens: int) -> None:  # noqa: ANN001
+def measure_quant(
+    p: Prefix, out: Records, label_quant: str, quant: str, layer_bits, chunk_tokens: int, greedy_tokens: int
+) -> None:  # noqa: ANN001
     """General-purpose coders on the same integers kvcodec codes, their entropy bound, and kvcodec
     itself (bit split, auto coder, every bit in the video); accuracy of the default."""
     import kvcodec
@@ -227,15 +262,29 @@ def measure_quant(p: Prefix, out: Records, label_quant: str, quant: str, layer_b
     symbols, side = quantized_symbols(p.kv, quant, chunk_tokens, layer_bits)
     entropy = sum(per_channel_entropy_bits(s) for s in symbols)  # exact: sum over byte planes
     for name, size in _byte_coders().items():
-        out.add(f"{name} (same integers)", label_quant, sum(size(s.numpy().tobytes()) for s in symbols) + side,
-                entropy_bits_per_value=entropy, **quant_extra)
-    out.add("entropy bound (per-channel order-0)", label_quant, math.ceil(entropy * p.kv.numel() / 8) + side,
-            entropy_bits_per_value=entropy, **quant_extra)
-    variants = (("kvcodec", "hevc", "auto"), ("kvcodec (auto coder)", "auto", "auto"),
-                ("kvcodec (every bit in the video)", "hevc", 8))
+        out.add(
+            f"{name} (same integers)",
+            label_quant,
+            sum(size(s.numpy().tobytes()) for s in symbols) + side,
+            entropy_bits_per_value=entropy,
+            **quant_extra,
+        )
+    out.add(
+        "entropy bound (per-channel order-0)",
+        label_quant,
+        math.ceil(entropy * p.kv.numel() / 8) + side,
+        entropy_bits_per_value=entropy,
+        **quant_extra,
+    )
+    variants = (
+        ("kvcodec", "hevc", "auto"),
+        ("kvcodec (auto coder)", "auto", "auto"),
+        ("kvcodec (every bit in the video)", "hevc", 8),
+    )
     for label, coder, video_bits in variants:
-        config = kvcodec.CodecConfig(quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder, video_bits=video_bits,
-                                     layer_bits=layer_bits)
+        config = kvcodec.CodecConfig(
+            quant=quant, chunk_tokens=chunk_tokens, sample_coder=coder, video_bits=video_bits, layer_bits=layer_bits
+        )
         t0 = time.perf_counter()
         data = kvcodec.encode(p.kv, config)
         enc_s = time.perf_counter() - t0
@@ -284,11 +333,17 @@ def markdown(records, doc: dict) -> list[str]:
 @click.option("--quants", default="exact,int8,int6,int4", show_default=True)
 @click.option("--greedy-tokens", default=64, show_default=True)
 @click.option("--chunk-tokens", default=256, show_default=True)
-@click.option("--layer-bits-schemes", default="", show_default=True,
-              help="Per-layer bit schemes (CodecConfig.layer_bits) to measure besides --quants, separated by ';', "
-                   "e.g. 'first8:4,rest:3;all:3'. Items SEL:BITS left to right; SEL: firstN, lastN, A-B, N, all, "
-                   "rest (layers not yet set).")
-@click.option("--out", "out_dir", default=str(RESULTS_DIR), show_default="benchmarks/results", type=click.Path(path_type=Path))
+@click.option(
+    "--layer-bits-schemes",
+    default="",
+    show_default=True,
+    help="Per-layer bit schemes (CodecConfig.layer_bits) to measure besides --quants, separated by ';', "
+    "e.g. 'first8:4,rest:3;all:3'. Items SEL:BITS left to right; SEL: firstN, lastN, A-B, N, all, "
+    "rest (layers not yet set).",
+)
+@click.option(
+    "--out", "out_dir", default=str(RESULTS_DIR), show_default="benchmarks/results", type=click.Path(path_type=Path)
+)
 @click.option("--tag", default="cpu", show_default=True, help="Suffix of the result files: ratio-<tag>.json/.md.")
 def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bits_schemes, out_dir, tag):
     """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV."""
@@ -299,8 +354,22 @@ def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bi
     records = []
     for model_name in models.split(","):
         for text_name in texts.split(","):
-            records += measure(model_name, text_name, tokens, quant_list, greedy_tokens, chunk_tokens,
-                               lambda m: click.echo(m, err=True), schemes)
-    doc = {"benchmark": "ratio", "command": command_line("ratio"), "machine": machine(), "note": NOTE, "records": records}
+            records += measure(
+                model_name,
+                text_name,
+                tokens,
+                quant_list,
+                greedy_tokens,
+                chunk_tokens,
+                lambda m: click.echo(m, err=True),
+                schemes,
+            )
+    doc = {
+        "benchmark": "ratio",
+        "command": command_line("ratio"),
+        "machine": machine(),
+        "note": NOTE,
+        "records": records,
+    }
     path = write_result(out_dir / f"ratio-{tag}.json", doc, markdown(records, doc))
     click.echo(f"wrote {path} and {path.with_suffix('.md')}")

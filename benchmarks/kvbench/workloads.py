@@ -7,16 +7,48 @@ from __future__ import annotations
 # stands in for this architecture's)
 LARGE = {
     # name: (transformers config class, kwargs, KV-statistics source model)
-    "llama3-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                                      rope_theta=500000.0, max_position_embeddings=131072), "smollm2-135m"),
-    "qwen2.5-7b": ("Qwen2Config", dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                                       rope_theta=1000000.0, max_position_embeddings=32768), "qwen2.5-coder-0.5b"),
+    "llama3-8b": (
+        "LlamaConfig",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            rope_theta=500000.0,
+            max_position_embeddings=131072,
+        ),
+        "smollm2-135m",
+    ),
+    "qwen2.5-7b": (
+        "Qwen2Config",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            rope_theta=1000000.0,
+            max_position_embeddings=32768,
+        ),
+        "qwen2.5-coder-0.5b",
+    ),
     # small stand-in for smoke tests of the random-weight paths on a CPU
-    "llama-tiny": ("LlamaConfig", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
-                                       max_position_embeddings=4096), "smollm2-135m"),
+    "llama-tiny": (
+        "LlamaConfig",
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        ),
+        "smollm2-135m",
+    ),
 }
 
 

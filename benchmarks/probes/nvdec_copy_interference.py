@@ -54,7 +54,7 @@ def _memcpy2d_async():
     return fn
 
 
-def copy_frame_dma(dst: "torch.Tensor", frame: "torch.Tensor", stream: "torch.cuda.Stream") -> None:
+def copy_frame_dma(dst: torch.Tensor, frame: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """Copy a (3, H, W) uint8 frame with any row pitch into the contiguous (3, H, W) `dst` with
     the driver's pitched memcpy on `stream`: a copy-engine transfer, no kernel on the SMs (a
     kernel launched from a decoder process makes the GPU time-slice with the model's process)."""
@@ -62,9 +62,11 @@ def copy_frame_dma(dst: "torch.Tensor", frame: "torch.Tensor", stream: "torch.cu
     if dst.shape != frame.shape or not dst.is_contiguous() or frame.stride(2) != 1:
         raise ValueError("copy_frame_dma needs a row-major frame and a contiguous destination of its shape")
     one_block = frame.stride(0) == frame.stride(1) * height
-    copies = [(frame.data_ptr(), dst.data_ptr(), planes * height)] if one_block else [
-        (frame[p].data_ptr(), dst[p].data_ptr(), height) for p in range(planes)
-    ]
+    copies = (
+        [(frame.data_ptr(), dst.data_ptr(), planes * height)]
+        if one_block
+        else [(frame[p].data_ptr(), dst[p].data_ptr(), height) for p in range(planes)]
+    )
     for src, dst_ptr, rows in copies:
         desc = _Memcpy2D(
             srcMemoryType=_CU_MEMORYTYPE_DEVICE,
@@ -85,7 +87,8 @@ def _videos(path: str):
     from kvcodec import codec
     from kvcodec.container.format import CHUNK_MAGIC, read_object, split_streams
 
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     fh, payload = codec.read_file_header(data)
     res = fh.resolutions[0]
     out = []
@@ -151,16 +154,25 @@ def main():
             for p in procs:
                 p.join(60)
             frames = sum(c.value for c in counts)
-            rec = {"case": f"{workers} decoder processes, copy={mode}", "workers": workers, "copy": mode,
-                   "matmul_tflops": during, "matmul_slowdown": 1 - during / alone,
-                   "frames_decoded": frames, "resolution": f"{res[0]}x{res[1]}"}
+            rec = {
+                "case": f"{workers} decoder processes, copy={mode}",
+                "workers": workers,
+                "copy": mode,
+                "matmul_tflops": during,
+                "matmul_slowdown": 1 - during / alone,
+                "frames_decoded": frames,
+                "resolution": f"{res[0]}x{res[1]}",
+            }
             records.append(rec)
             print(rec, flush=True)
     alone2 = _matmul_tflops(torch.device("cuda", 0), args.seconds)
     records.append({"case": "alone again", "matmul_tflops": alone2})
     print(records[-1], flush=True)
-    json.dump({"command": "python benchmarks/probes/nvdec_copy_interference.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items()), "records": records}, open(args.out, "w"), indent=1)
+    command = "python benchmarks/probes/nvdec_copy_interference.py " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items()
+    )
+    with open(args.out, "w") as f:
+        json.dump({"command": command, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -77,21 +77,68 @@ _BUILTIN = [
     ("lz4", f"{_G}:ByteCodec", "lz4 frame (default level) on the KV bytes", {"backend": "lz4", "level": 0}),
     ("lz4-shuffle", f"{_G}:ByteCodec", "lz4 on byte planes", {"backend": "lz4", "level": 0, "shuffle": True}),
     ("int8-zstd-19", f"{_G}:QuantZstdCodec", "per-channel min-max int8, then zstd 19", {"bits": 8, "level": 19}),
-    ("int4-zstd-19", f"{_G}:QuantZstdCodec", "per-channel min-max int4 (byte per symbol), then zstd 19", {"bits": 4, "level": 19}),
-    ("cachegen", "kvbench.baselines.cachegen:CacheGenCodec", "CacheGen-style per-token quantization + per-(layer, channel) rANS, LMCache bins", {}),
-    ("cachegen-compact", "kvbench.baselines.cachegen:CacheGenCodec", "cachegen with zstd-compressed side information", {"table": "zstd"}),
-    ("lmcache-cachegen", "kvbench.baselines.lmcache_ref:LMCacheCacheGen", "LMCache's own CacheGen serializer (needs lmcache)", {}),
-    ("nvcomp-ans", "kvbench.baselines.nvcomp_codec:NvcompCodec", "nvCOMP ANS on the KV bytes (GPU)", {"algorithm": "ANS"}),
-    ("nvcomp-ans-shuffle", "kvbench.baselines.nvcomp_codec:NvcompCodec", "nvCOMP ANS on byte planes (GPU)", {"algorithm": "ANS", "shuffle": True}),
-    ("nvcomp-bitcomp", "kvbench.baselines.nvcomp_codec:NvcompCodec", "nvCOMP Bitcomp on 16/32-bit words (GPU)", {"algorithm": "Bitcomp", "typed": True}),
-    ("nvcomp-gdeflate", "kvbench.baselines.nvcomp_codec:NvcompCodec", "nvCOMP GDeflate on the KV bytes (GPU)", {"algorithm": "GDeflate"}),
-    ("nvcomp-gdeflate-shuffle", "kvbench.baselines.nvcomp_codec:NvcompCodec", "nvCOMP GDeflate on byte planes (GPU)", {"algorithm": "GDeflate", "shuffle": True}),
+    (
+        "int4-zstd-19",
+        f"{_G}:QuantZstdCodec",
+        "per-channel min-max int4 (byte per symbol), then zstd 19",
+        {"bits": 4, "level": 19},
+    ),
+    (
+        "cachegen",
+        "kvbench.baselines.cachegen:CacheGenCodec",
+        "CacheGen-style per-token quantization + per-(layer, channel) rANS, LMCache bins",
+        {},
+    ),
+    (
+        "cachegen-compact",
+        "kvbench.baselines.cachegen:CacheGenCodec",
+        "cachegen with zstd-compressed side information",
+        {"table": "zstd"},
+    ),
+    (
+        "lmcache-cachegen",
+        "kvbench.baselines.lmcache_ref:LMCacheCacheGen",
+        "LMCache's own CacheGen serializer (needs lmcache)",
+        {},
+    ),
+    (
+        "nvcomp-ans",
+        "kvbench.baselines.nvcomp_codec:NvcompCodec",
+        "nvCOMP ANS on the KV bytes (GPU)",
+        {"algorithm": "ANS"},
+    ),
+    (
+        "nvcomp-ans-shuffle",
+        "kvbench.baselines.nvcomp_codec:NvcompCodec",
+        "nvCOMP ANS on byte planes (GPU)",
+        {"algorithm": "ANS", "shuffle": True},
+    ),
+    (
+        "nvcomp-bitcomp",
+        "kvbench.baselines.nvcomp_codec:NvcompCodec",
+        "nvCOMP Bitcomp on 16/32-bit words (GPU)",
+        {"algorithm": "Bitcomp", "typed": True},
+    ),
+    (
+        "nvcomp-gdeflate",
+        "kvbench.baselines.nvcomp_codec:NvcompCodec",
+        "nvCOMP GDeflate on the KV bytes (GPU)",
+        {"algorithm": "GDeflate"},
+    ),
+    (
+        "nvcomp-gdeflate-shuffle",
+        "kvbench.baselines.nvcomp_codec:NvcompCodec",
+        "nvCOMP GDeflate on byte planes (GPU)",
+        {"algorithm": "GDeflate", "shuffle": True},
+    ),
 ]
 _QUANTS = ("exact",) + tuple(f"int{b}" for b in range(2, 9))
 for _name, _target, _desc, _kw in _BUILTIN:
     register_codec(_name, _target, _desc, **_kw)
 for _q in _QUANTS:
-    register_codec(f"kvcodec-{_q}", "kvbench.baselines.kvcodec_adapter:KVCodecAdapter", f"kvcodec, quant={_q}", quant=_q)
+    register_codec(
+        f"kvcodec-{_q}", "kvbench.baselines.kvcodec_adapter:KVCodecAdapter", f"kvcodec, quant={_q}", quant=_q
+    )
 
 
 def registered_codecs() -> dict[str, str]:

@@ -179,7 +179,9 @@ class CacheGenCodec:
             import zstandard
 
             side = zstandard.ZstdCompressor(level=19).compress(side)
-        params = _PARAMS.pack(self.chunk_tokens, _TABLE_MODES[self.table], Lr) + bins.T.numpy().astype(np.uint8).tobytes()
+        params = (
+            _PARAMS.pack(self.chunk_tokens, _TABLE_MODES[self.table], Lr) + bins.T.numpy().astype(np.uint8).tobytes()
+        )
         body = b"".join(x.tobytes() for x in words)
         return pack(self.name, kv, params + struct.pack("<Q", len(side)) + side + body)
 

@@ -32,8 +32,13 @@ _WHAT = "baseline chunk blob"
 class BaselineCodec:
     """The baseline registered as `baseline` in kvbench.baselines, chunk by chunk."""
 
-    def __init__(self, baseline: str, chunk_tokens: int = 256,
-                 resolutions: Sequence[tuple[int, int]] = ((512, 512),), **options: Any) -> None:
+    def __init__(
+        self,
+        baseline: str,
+        chunk_tokens: int = 256,
+        resolutions: Sequence[tuple[int, int]] = ((512, 512),),
+        **options: Any,
+    ) -> None:
         from kvbench.baselines import get_codec
 
         if int(chunk_tokens) < 1:
@@ -65,11 +70,21 @@ class BaselineCodec:
         out = []
         for n, start in enumerate(starts):
             x = kv[:, :, start : start + ct].contiguous()
-            header = {"format": FORMAT, "codec": self.name, "index": first_chunk_index + n,
-                      "start_token": first_chunk_index * ct + start, "key": None if keys is None else str(keys[n])}
+            header = {
+                "format": FORMAT,
+                "codec": self.name,
+                "index": first_chunk_index + n,
+                "start_token": first_chunk_index * ct + start,
+                "key": None if keys is None else str(keys[n]),
+            }
             blob = write_object(MAGIC, header, [bytes(self.baseline.encode(x))])
-            chunk = EncodedChunk(header["index"], header["start_token"], x.shape[2], self.resolutions,
-                                 tuple(blob for _ in self.resolutions))
+            chunk = EncodedChunk(
+                header["index"],
+                header["start_token"],
+                x.shape[2],
+                self.resolutions,
+                tuple(blob for _ in self.resolutions),
+            )
             out.append(chunk)
             if on_chunk:
                 on_chunk(chunk)
@@ -87,8 +102,17 @@ class BaselineCodec:
     def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
         header, head, _ = self._parse(blob)
         layers, _, tokens, heads, dim = head.shape
-        return ChunkInfo(header["index"], header["start_token"], tokens, layers, heads, dim,
-                         str(head.dtype).removeprefix("torch."), self.id, header.get("key"))
+        return ChunkInfo(
+            header["index"],
+            header["start_token"],
+            tokens,
+            layers,
+            heads,
+            dim,
+            str(head.dtype).removeprefix("torch."),
+            self.id,
+            header.get("key"),
+        )
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
         header, head, inner = self._parse(blob)

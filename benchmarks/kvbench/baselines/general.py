@@ -162,7 +162,9 @@ def _quantize_chunk_fallback(x: torch.Tensor, bits: int):
     return q, lo, step
 
 
-def minmax_dequantize(q: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, chunk_tokens: int, dtype) -> torch.Tensor:
+def minmax_dequantize(
+    q: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, chunk_tokens: int, dtype
+) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for c in range(offset.shape[0]):
         s = c * chunk_tokens

@@ -123,7 +123,6 @@ class LMCacheCacheGen:
             parts.append(torch.stack([k, v], dim=1).reshape(Lr, 2, n, H, D))
         return torch.cat(parts, dim=2).to(header.dtype).to(device)
 
-
     def size_breakdown(self, data: bytes) -> dict[str, int]:
         """Bytes of LMCache's parts: arithmetic-coded streams, int16 CDF tables, int32 stream lengths,
         per-token maxima; "framing" is the safetensors header (LMCache's pickle has its own)."""

@@ -219,13 +219,25 @@ def markdown(report: dict[str, Any]) -> list[str]:
 @click.option("--model", default="smollm2-135m", show_default=True, help="registry name in kvcodec.models")
 @click.option("--tokens", default=2048, show_default=True)
 @click.option("--text", default="pg", show_default=True, help="kvcodec.models.texts name")
-@click.option("--kv-file", type=click.Path(exists=True, dir_okay=False), default=None, help="safetensors with a 'kv' tensor")
+@click.option(
+    "--kv-file", type=click.Path(exists=True, dir_okay=False), default=None, help="safetensors with a 'kv' tensor"
+)
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
 @click.option("--codecs", default=None, help="comma-separated names (default: every available one but kvcodec-*)")
 @click.option("--device", default="cpu", show_default=True, help="where to decode")
 @click.option("--repeat", default=1, show_default=True, help="decode repetitions (the fastest is kept)")
-@click.option("--kernel-tile", default=0, show_default=True, help="with --device cuda: also time CacheGen GPU decode on the KV tiled N times")
-@click.option("--out", type=click.Path(dir_okay=False), default=str(RESULTS_DIR / "baselines-cpu.json"), show_default="benchmarks/results/baselines-cpu.json")
+@click.option(
+    "--kernel-tile",
+    default=0,
+    show_default=True,
+    help="with --device cuda: also time CacheGen GPU decode on the KV tiled N times",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default=str(RESULTS_DIR / "baselines-cpu.json"),
+    show_default="benchmarks/results/baselines-cpu.json",
+)
 def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_tile, out) -> None:
     """Measure the baseline codecs side by side on a real KV cache."""
     from kvbench.baselines import available_codecs

@@ -97,7 +97,9 @@ class NvcompCodec:
         except (RuntimeError, ValueError) as e:
             raise CorruptStreamError(f"nvCOMP {self.algorithm} stream does not decode: {e}") from e
         if raw.numel() != header.numel * header.itemsize:
-            raise CorruptStreamError(f"nvCOMP decoded {raw.numel()} bytes, header announces {header.numel * header.itemsize}")
+            raise CorruptStreamError(
+                f"nvCOMP decoded {raw.numel()} bytes, header announces {header.numel * header.itemsize}"
+            )
         if self.shuffle:
             raw = _unshuffle(raw, header.itemsize)
         kv = raw.view(BITS_VIEW[header.dtype]).view(header.dtype).reshape(header.shape)

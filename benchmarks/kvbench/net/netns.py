@@ -105,8 +105,21 @@ class NetnsLink:
         return ["tbf", "rate", f"{rate_gbit * 1e3:.3f}mbit", "burst", str(burst), "latency", "100ms"]
 
     def _tc(self, verb: str, rate_gbit: float) -> None:
-        _run(["ip", "netns", "exec", self.name, "tc", "qdisc", verb, "dev", self.veth_ns, "root",
-              *self._qdisc_args(rate_gbit)])
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.name,
+                "tc",
+                "qdisc",
+                verb,
+                "dev",
+                self.veth_ns,
+                "root",
+                *self._qdisc_args(rate_gbit),
+            ]
+        )
         _run(["tc", "qdisc", verb, "dev", self.veth_host, "root", *self._qdisc_args(rate_gbit)])
 
     def open(self) -> NetnsLink:
@@ -125,8 +138,23 @@ class NetnsLink:
             if self.delay_ms > 0:
                 # netem as the child of tbf would need a classful setup; try a plain root netem
                 # on the host side (the request direction) and report whether it worked.
-                p = _run(["tc", "qdisc", "add", "dev", self.veth_host, "parent", "root", "handle",
-                          "2:", "netem", "delay", f"{self.delay_ms}ms"], check=False)
+                p = _run(
+                    [
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        self.veth_host,
+                        "parent",
+                        "root",
+                        "handle",
+                        "2:",
+                        "netem",
+                        "delay",
+                        f"{self.delay_ms}ms",
+                    ],
+                    check=False,
+                )
                 self.netem = p.returncode == 0
                 if not self.netem:
                     log.warning("netem not available (%s): link has no added delay", p.stderr.strip())
@@ -188,9 +216,14 @@ class NetnsLink:
         _run(["ip", "link", "del", self.veth_host], check=False)
 
     def describe(self) -> dict:
-        return {"link": self.kind, "trace": self.trace.name, "mean_gbit": self.trace.mean_gbit,
-                "delay_ms": self.delay_ms if self.netem else 0.0, "qdisc": "tbf",
-                "netem": self.netem}
+        return {
+            "link": self.kind,
+            "trace": self.trace.name,
+            "mean_gbit": self.trace.mean_gbit,
+            "delay_ms": self.delay_ms if self.netem else 0.0,
+            "qdisc": "tbf",
+            "netem": self.netem,
+        }
 
     def __enter__(self) -> NetnsLink:
         return self.open()

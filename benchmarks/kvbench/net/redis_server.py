@@ -85,25 +85,46 @@ class RedisServer:
     def _argv(self) -> list[str]:
         argv = [
             self.binary,
-            "--port", str(self.port),
-            "--bind", self.bind,
-            "--dir", str(self.data_dir),
-            "--dbfilename", "dump.rdb",
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--save", "60 1",
-            "--protected-mode", "no",
-            "--daemonize", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
-            "--proto-max-bulk-len", "1gb",
+            "--port",
+            str(self.port),
+            "--bind",
+            self.bind,
+            "--dir",
+            str(self.data_dir),
+            "--dbfilename",
+            "dump.rdb",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "60 1",
+            "--protected-mode",
+            "no",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
+            "--proto-max-bulk-len",
+            "1gb",
         ]
         if self.maxmemory:
             argv += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
         if self.tls:
             cert, key, ca = self.tls
             argv[argv.index("--port") + 1] = "0"
-            argv += ["--tls-port", str(self.port), "--tls-cert-file", cert, "--tls-key-file", key,
-                     "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+            argv += [
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                cert,
+                "--tls-key-file",
+                key,
+                "--tls-ca-cert-file",
+                ca,
+                "--tls-auth-clients",
+                "no",
+            ]
         argv += list(self.extra_args)
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns] + argv

@@ -54,8 +54,12 @@ class TokenBucketLink:
             time.sleep(left)
 
     def describe(self) -> dict:
-        return {"link": self.kind, "trace": self.trace.name, "mean_gbit": self.trace.mean_gbit,
-                "delay_ms": self.delay_s * 1e3}
+        return {
+            "link": self.kind,
+            "trace": self.trace.name,
+            "mean_gbit": self.trace.mean_gbit,
+            "delay_ms": self.delay_s * 1e3,
+        }
 
 
 class ThrottledStore(BaseStore):
