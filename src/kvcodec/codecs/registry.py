@@ -25,6 +25,7 @@ CodecFactory = Callable[..., ChunkCodec]
 _REGISTRY: dict[str, str | CodecFactory] = {
     "hevc": "kvcodec.codecs.hevc:HevcCodec.from_options",
     "raw": "kvcodec.codecs.raw:RawCodec",
+    "grouped": "kvcodec.codecs.grouped:GroupedCodec.from_options",
 }
 
 

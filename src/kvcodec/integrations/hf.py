@@ -72,12 +72,20 @@ def make_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]], config: Any) -> A
     if layers is None or len(layers) != len(pairs):
         return DynamicCache(pairs, config=config)
     for layer, (k, v) in zip(layers, pairs):
-        if type(layer).__name__ == "DynamicLayer" and hasattr(layer, "lazy_initialization"):
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-        else:
+        if not (type(layer).__name__ == "DynamicLayer" and _adopt(layer, k, v)):
             layer.update(k, v)
     return cache
+
+
+def _adopt(layer: Any, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Make a fresh DynamicLayer hold k and v themselves; False where this release's layer
+    cannot be initialized that way (the caller then copies them in with update())."""
+    try:
+        layer.lazy_initialization(k, v)
+    except (AttributeError, TypeError):
+        return False
+    layer.keys, layer.values = k, v
+    return True
 
 
 def cache_to_tensor(cache: Any) -> torch.Tensor:
@@ -95,7 +103,7 @@ def cache_to_tensor(cache: Any) -> torch.Tensor:
         if k.shape != k0.shape or v.shape != k0.shape:
             raise ShapeError(
                 f"cache layer {i}: keys {list(k.shape)} / values {list(v.shape)}, expected {list(k0.shape)}"
-                " like layer 0 (sliding-window or mixed-shape caches are not supported)"
+                " like layer 0 (sliding-window, MLA or mixed-shape caches: use kvcodec.kvspec.split_cache)"
             )
         if k.dtype != k0.dtype or v.dtype != k0.dtype:
             raise ShapeError(f"cache layer {i}: dtype {k.dtype}/{v.dtype}, expected {k0.dtype}")
