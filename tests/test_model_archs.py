@@ -36,6 +36,9 @@ def _configs(vocab: int) -> dict[str, object]:
             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, **SMALL),
         "qwen3": transformers.Qwen3Config(
             vocab_size=vocab, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, **SMALL),
+        "lfm2": transformers.Lfm2Config(  # a convolution layer: state, not keys and values
+            vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+            **SMALL),
     }
 
 
@@ -254,3 +257,13 @@ def test_local_model_paths_load_or_fail_clearly(model_dirs, tmp_path):
         load_model(str(tmp_path))
     with pytest.raises(ConfigError, match="neither a registered name"):
         load_model(str(tmp_path / "missing.gguf"))
+
+
+def test_engine_names_what_it_cannot_store_and_serves_without_reuse(model_dirs, prompt_ids):
+    from kvcodec.engine import StorePolicy
+
+    with pytest.raises(ShapeError, match="LinearAttentionLayer: linear-attention .* --no-reuse --no-store"):
+        _engine(model_dirs["lfm2"])
+    with _engine(model_dirs["lfm2"], reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
+        out = eng.generate(prompt_ids.tolist(), max_new_tokens=3)[0]
+    assert len(out.token_ids) == 3 and out.token_ids == _greedy_recomputed(eng.model, prompt_ids, 3)

@@ -28,6 +28,10 @@ _UNSUPPORTED_HINTS = {
     "DynamicIndexedLayer": "a sparse-attention indexer cache (its indexer keys are not coded)",
     "DummyLayer": "a layer without a KV cache of its own (KV sharing or no attention)",
 }
+_UNSUPPORTED_FAMILIES = {  # class-name fragment -> why
+    "Linear": "linear-attention / recurrent state (convolution or state-space caches), not keys and values",
+    "Quant": "quantized cache storage; use the default DynamicCache",
+}
 
 
 def _text_config(config: Any) -> Any:
@@ -55,7 +59,8 @@ def _layer_spec(i: int, layer: Any, config: Any) -> LayerSpec:
     cls = type(layer).__name__
     kind = _LAYER_KINDS.get(cls)
     if kind is None:
-        why = _UNSUPPORTED_HINTS.get(cls, "linear-attention / recurrent state or quantized storage" if "Linear" in cls or "Quant" in cls else "an unknown layer type")
+        family = next((why for part, why in _UNSUPPORTED_FAMILIES.items() if part in cls), "an unknown layer type")
+        why = _UNSUPPORTED_HINTS.get(cls, family)
         raise ShapeError(f"cache layer {i} is a {cls}: {why}; kvcodec cannot code it")
     k, v = layer.keys, layer.values
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4 or k.numel() == 0:

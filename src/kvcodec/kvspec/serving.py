@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvcodec.errors import ShapeError
 from kvcodec.kvspec.hf import build_cache, end_recording, recording_cache, spec_from_cache, split_cache
 from kvcodec.kvspec.spec import KVSpec
 from kvcodec.kvspec.tensors import GroupedKV
@@ -62,5 +63,10 @@ class GroupedLayout:
 
 
 def layout_for(model: Any, device: torch.device | str) -> GroupedLayout | None:
-    spec = probe_spec(model)
+    """None for a uniform cache, else the GroupedLayout; ShapeError for caches kvcodec cannot code."""
+    try:
+        spec = probe_spec(model)
+    except ShapeError as e:
+        raise ShapeError(f"{e}. Serve this model without KV reuse and storing (Engine(reuse=False, "
+                         "store_policy=StorePolicy(enabled=False)); kvcodec serve --no-reuse --no-store)") from e
     return None if spec.uniform else GroupedLayout(model, spec, torch.device(device))
