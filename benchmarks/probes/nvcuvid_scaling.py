@@ -214,9 +214,9 @@ def backends(args, case: Case):
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
     from kvcodec.video.nvdec import NvdecDecoder
 
-    def nvcuvid(sessions, threads, zero_copy):
+    def nvcuvid(sessions, threads):
         def open_():
-            d = NvcuvidThreads(sessions, threads, 0, display_delay=args.display_delay, zero_copy=zero_copy)
+            d = NvcuvidThreads(sessions, threads, 0, display_delay=args.display_delay)
             d.warm_up(case.blobs[0])
             return (lambda b, o: d.restore_blobs(b, o, synchronize=True)), d.close
 
@@ -249,7 +249,7 @@ def backends(args, case: Case):
 
         return open_
 
-    out = [(f"nvcuvid:{s}x{t}{'-zerocopy' if z else ''}", s, 1, nvcuvid(s, t, z)) for s, t, z in args.restore_threads]
+    out = [(f"nvcuvid:{s}x{t}", s, 1, nvcuvid(s, t)) for s, t in args.restore_threads]
     out += [("pynvvideocodec", n, 1, pynv(n)) for n in (1, 7)]
     if not args.skip_pool:
         out.append(("nvdec-pool", 7, 8, pool(7)))
@@ -291,7 +291,7 @@ def main():
     ap.add_argument("--interference-seconds", type=float, default=4.0)
     ap.add_argument("--scaling-threads", default="1,2,4,7,10")
     ap.add_argument(
-        "--restore-threads", default="7x14", help="nvcuvid SESSIONSxTHREADS[z], comma-separated (z: zero-copy)"
+        "--restore-threads", default="7x14", help="nvcuvid SESSIONSxTHREADS, comma-separated"
     )
     ap.add_argument("--display-delay", type=int, default=1)
     ap.add_argument("--pynv-decode-threads", default="1,7")
@@ -301,7 +301,7 @@ def main():
     args = ap.parse_args()
     args.pynv_decode_threads = [int(x) for x in args.pynv_decode_threads.split(",") if x]
     args.restore_threads = [
-        (*(int(v) for v in x.rstrip("z").split("x")), x.endswith("z")) for x in args.restore_threads.split(",")
+        tuple(int(v) for v in x.split("x")) for x in args.restore_threads.split(",")
     ]
     from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.nvdec import NvdecDecoder
@@ -321,26 +321,14 @@ def main():
     for path in args.kvc:
         case = Case(path, args.copies, "cuda")
         for n in [int(x) for x in args.scaling_threads.split(",") if x]:
-            for zero_copy in (False, True):
-                log(
-                    {
-                        "kind": "decode-only",
-                        "backend": "nvcuvid" + ("-zerocopy" if zero_copy else ""),
-                        "case": case.name,
-                        **decode_only(
-                            case,
-                            lambda: NvcuvidDecoder(0, display_delay=args.display_delay, zero_copy=zero_copy),
-                            n,
-                            args.seconds,
-                        ),
-                    }
-                )
-        for zero_copy in (False, True) if args.interference_seconds > 0 else ():
-            decs = [NvcuvidDecoder(0, display_delay=args.display_delay, zero_copy=zero_copy) for _ in range(7)]
+            make = lambda: NvcuvidDecoder(0, display_delay=args.display_delay)  # noqa: E731
+            log({"kind": "decode-only", "backend": "nvcuvid", "case": case.name, **decode_only(case, make, n, args.seconds)})
+        if args.interference_seconds > 0:
+            decs = [NvcuvidDecoder(0, display_delay=args.display_delay) for _ in range(7)]
             log(
                 {
                     "kind": "decode-only-interference",
-                    "backend": "nvcuvid" + ("-zerocopy" if zero_copy else ""),
+                    "backend": "nvcuvid",
                     "threads": 7,
                     "case": case.name,
                     **interference(lambda: decode_loop(case, decs), args.interference_seconds, alone),

@@ -24,7 +24,7 @@ import torch
 
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 from kvcodec.video import nvcuvid_api as api
-from kvcodec.video.nvdec import _CudaBuffer, split_access_units, surface_to_planes
+from kvcodec.video.nvdec import split_access_units, surface_to_planes
 
 log = logging.getLogger(__name__)
 
@@ -56,32 +56,20 @@ def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int,
     return [(0, 0, height), (rows * src_pitch, height, height // 2)]
 
 
-class _Mapping:
-    """A decoded picture kept mapped (zero-copy): its surface view and the consumer's release."""
-
-    def __init__(self, ptr: int, view: torch.Tensor):
-        self.ptr, self.view = ptr, view
-        self.event: torch.cuda.Event | None = None
-
-
 class _Session:
-    """An NVDEC decoder for one frame size in context `ctx`. Pictures are copied into a ring of
-    slots, or (zero_copy) handed out as views of their mapped output surfaces, unmapped once the
-    consumer's work on them is done."""
+    """An NVDEC decoder for one frame size in context `ctx`; pictures land in a ring of slots."""
 
     def __init__(self, ctx: int, device: torch.device, stream: torch.cuda.Stream, width: int, height: int,
-                 display_delay: int, zero_copy: bool = False):
+                 display_delay: int):
         self.ctx, self.device, self.stream = ctx, device, stream
         self.width, self.height, self.display_delay = width, height, display_delay
-        self.zero_copy = zero_copy and height % 2 == 0  # planes are contiguous rows only then
-        self.mapped: list[_Mapping] = []
         self.handle = ctypes.c_void_p()
         self.lock = ctypes.c_void_p()
         self.format: tuple | None = None  # (chroma, bit depth, surfaces) the decoder was made for
         self.layout: tuple | None = None
         self.slots: list[torch.Tensor] = []
         self.released: list[torch.cuda.Event | None] = []
-        self.ready: list = []  # pictures not yet handed out (slot numbers or _Mappings), in display order
+        self.ready: list[int] = []  # slots holding pictures not yet handed out, in display order
         self.shown = 0
         self.error: BaseException | None = None
         api.check(api.nvcuvid().cuvidCtxLockCreate(ctypes.byref(self.lock), ctypes.c_void_p(ctx)),
@@ -111,10 +99,7 @@ class _Session:
 
     def on_display(self, _user, info_p) -> int:
         try:
-            if self.zero_copy:
-                self._map_keep(info_p.contents.picture_index)
-            else:
-                self._copy_out(info_p.contents.picture_index)
+            self._copy_out(info_p.contents.picture_index)
             return 1
         except BaseException as e:  # noqa: BLE001
             self.error = e
@@ -136,7 +121,7 @@ class _Session:
             CodecType=api.CODEC_HEVC, ChromaFormat=fmt.chroma_format, ulCreationFlags=api.CREATE_PREFER_CUVID,
             bitDepthMinus8=depth - 8, ulMaxWidth=fmt.coded_width, ulMaxHeight=fmt.coded_height,
             OutputFormat=out_fmt, DeinterlaceMode=0, ulTargetWidth=self.width, ulTargetHeight=self.height,
-            ulNumOutputSurfaces=surfaces + 1 if self.zero_copy else 1, vidLock=self.lock,
+            ulNumOutputSurfaces=1, vidLock=self.lock,
         )
         info.display_area.left, info.display_area.top = fmt.display_area.left, fmt.display_area.top
         info.display_area.right, info.display_area.bottom = fmt.display_area.right, fmt.display_area.bottom
@@ -144,8 +129,6 @@ class _Session:
                   "cuvidCreateDecoder", BackendUnavailableError)
         self.format = (fmt.chroma_format, depth, surfaces)
         self.layout = (name, row_bytes, rows)
-        if self.zero_copy:
-            return
         ring = self.display_delay + 1  # grows when one feed displays more pictures (reordering)
         self.slots = [torch.empty((rows, row_bytes), dtype=torch.uint8, device=self.device) for _ in range(ring)]
         self.released = [None] * ring
@@ -181,64 +164,15 @@ class _Session:
             slot = len(self.slots) - 1
         return slot
 
-    def _map_keep(self, picture_index: int) -> None:
-        self._reclaim(need_one=len(self.mapped) > self.format[2])  # surfaces + 1 output surfaces
-        ptr, pitch = ctypes.c_ulonglong(), ctypes.c_uint()
-        params = api.ProcParams(progressive_frame=1, output_stream=self.stream.cuda_stream)
-        api.check(api.nvcuvid().cuvidMapVideoFrame64(self.handle, picture_index, ctypes.byref(ptr), ctypes.byref(pitch),
-                                                     ctypes.byref(params)), "cuvidMapVideoFrame64", CorruptStreamError)
-        _, row_bytes, rows = self.layout
-        flat = torch.as_tensor(_CudaBuffer(ptr.value, rows * pitch.value), device=self.device)
-        mapping = _Mapping(ptr.value, flat.view(rows, pitch.value)[:, :row_bytes])
-        self.mapped.append(mapping)
-        self.ready.append(mapping)
-        self.shown += 1
-
-    def _reclaim(self, need_one: bool) -> None:
-        """Unmap pictures the consumer is done with; with need_one, wait for the oldest."""
-        for m in list(self.mapped):
-            if m.event is not None and (need_one or m.event.query()):
-                m.event.synchronize()
-                self._unmap(m)
-                need_one = False
-        if need_one:
-            raise CorruptStreamError("more pictures pending display than NVDEC output surfaces")
-
-    def _unmap(self, m: _Mapping) -> None:
-        self.mapped.remove(m)
-        api.check(api.nvcuvid().cuvidUnmapVideoFrame64(self.handle, m.ptr), "cuvidUnmapVideoFrame64")
-
-    def unmap_all(self, consumer: torch.cuda.Stream) -> None:
-        """At the end of a stream: unmap every picture once the consumer's work on it is done."""
-        if any(m.event is None for m in self.mapped):
-            consumer.synchronize()  # an abandoned stream: a handed-out picture may still be read
-        for m in list(self.mapped):
-            if m.event is not None:
-                m.event.synchronize()
-            self._unmap(m)
-        self.ready = []
-
-    def frame(self, item, consumer: torch.cuda.Stream) -> torch.Tensor:
-        """The picture `item` as a (rows, row bytes) uint8 tensor the consumer's stream may read."""
-        if isinstance(item, _Mapping):
-            consumer.wait_stream(self.stream)  # the map's post-processing ran on self.stream
-            return item.view
-        return self.slots[item]
-
-    def release(self, item, consumer: torch.cuda.Stream) -> None:
-        """The consumer is done queueing work on `item`: it may be reused after that work."""
-        event = torch.cuda.Event() if isinstance(item, _Mapping) else self.released[item] or torch.cuda.Event()
+    def release(self, slot: int, consumer: torch.cuda.Stream) -> None:
+        """The consumer is done queueing work on `slot`: it may be rewritten after that work."""
+        event = self.released[slot] or torch.cuda.Event()
         event.record(consumer)
-        if isinstance(item, _Mapping):
-            item.event = event
-        else:
-            self.released[item] = event
+        self.released[slot] = event
 
     def destroy_decoder(self) -> None:
         if self.handle.value:
             api.make_current(self.ctx)
-            if self.mapped:
-                self.unmap_all(torch.cuda.current_stream(self.device))
             api.nvcuvid().cuvidDestroyDecoder(self.handle)
             self.handle = ctypes.c_void_p()
         self.format = None
@@ -285,17 +219,13 @@ class NvcuvidDecoder:
     copy: yield a fresh tensor per frame. By default the frame is a view of an output slot, valid
         until the next frame is requested: the slot is rewritten only after the GPU work the
         consumer queued on its current stream before asking (what a frame-by-frame restore needs).
-    zero_copy: hand out views of NVDEC's mapped output surfaces (rows `pitch` bytes apart) instead
-        of copying each picture into a slot; a surface is unmapped once the consumer's work on it
-        is done (the decoding thread waits for it at the end of each stream).
     """
 
     name = "nvcuvid"
     device_type = "cuda"
     MAX_SESSIONS = 3  # one per stored resolution: opening a session costs more than a chunk's decode
 
-    def __init__(self, device: str | torch.device | int | None = None, display_delay: int = 1, copy: bool = False,
-                 zero_copy: bool = False):
+    def __init__(self, device: str | torch.device | int | None = None, display_delay: int = 1, copy: bool = False):
         if not torch.cuda.is_available():
             raise BackendUnavailableError("no CUDA device")
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
@@ -306,7 +236,6 @@ class NvcuvidDecoder:
             raise ValueError("display_delay must be >= 0")
         self.display_delay = display_delay
         self.copy = copy
-        self.zero_copy = zero_copy
         torch.cuda.init()
         self.ctx = api.primary_context(self.device.index)
         self._stream = torch.cuda.Stream(self.device)
@@ -337,8 +266,7 @@ class NvcuvidDecoder:
             return self._sessions[size]
         while len(self._sessions) >= self.MAX_SESSIONS:
             self._sessions.pop(next(iter(self._sessions))).close()
-        self._sessions[size] = _Session(self.ctx, self.device, self._stream, width, height, self.display_delay,
-                                        self.zero_copy)
+        self._sessions[size] = _Session(self.ctx, self.device, self._stream, width, height, self.display_delay)
         self.sessions_created += 1
         return self._sessions[size]
 
@@ -356,9 +284,8 @@ class NvcuvidDecoder:
             pass
 
     def decode_surfaces(self, bitstream, width: int, height: int) -> Iterator[tuple[torch.Tensor, str]]:
-        """Yield (surface, format name) per frame: a (rows, row bytes) uint8 tensor holding the
-        picture's planes one after another (see nvdec.surface_to_planes; rows are `pitch` apart
-        with zero_copy), ready for the consumer's current stream."""
+        """Yield (surface, format name) per frame: a dense (rows, row bytes) uint8 buffer holding the
+        picture's planes (see nvdec.surface_to_planes), ready on the consumer's current stream."""
         buf = np.frombuffer(bitstream, dtype=np.uint8) if not isinstance(bitstream, np.ndarray) else bitstream
         if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError("bitstream must be bytes or a contiguous 1-d uint8 array")
@@ -381,17 +308,15 @@ class NvcuvidDecoder:
             finished = True
         finally:
             parser.close()
-            if session.mapped:
-                session.unmap_all(torch.cuda.current_stream(self.device))
             if not finished:
                 self.close((width, height))  # a session left mid-stream is not reused
 
     def _hand_out(self, session: _Session) -> Iterator[tuple[torch.Tensor, str]]:
         name = session.layout[0] if session.layout else ""
         while session.ready:
-            item = session.ready.pop(0)
-            yield session.frame(item, torch.cuda.current_stream(self.device)), name
-            session.release(item, torch.cuda.current_stream(self.device))
+            slot = session.ready.pop(0)
+            yield session.slots[slot], name
+            session.release(slot, torch.cuda.current_stream(self.device))
 
     def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:
         """Yield each frame as a (3, height, width) uint8 tensor on this decoder's device."""
@@ -399,7 +324,7 @@ class NvcuvidDecoder:
         for surface, fmt in self.decode_surfaces(bitstream, width, height):
             if fmt != "YUV444":
                 raise CorruptStreamError(f"NVDEC output is {fmt}; kvcodec streams are 4:4:4 8-bit (YUV444)")
-            frame = surface.as_strided((3, height, width), (height * surface.stride(0), surface.stride(0), 1))
+            frame = surface.view(3, height, width)
             count += 1
             yield frame.clone() if self.copy else frame
         if count == 0:

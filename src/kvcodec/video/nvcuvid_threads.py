@@ -47,12 +47,11 @@ class NvcuvidThreads:
     """In-process NVDEC: `sessions` decoders shared by `threads` worker threads on `device`.
 
     restore: the frame restorer the codec uses ("auto", "torch", "triton").
-    display_delay, zero_copy: passed to each NvcuvidDecoder.
+    display_delay: passed to each NvcuvidDecoder.
     """
 
     def __init__(self, sessions: int = DEFAULT_SESSIONS, threads: int | None = None,
-                 device: str | torch.device | int | None = None, restore: str = "auto", display_delay: int = 1,
-                 zero_copy: bool = False):
+                 device: str | torch.device | int | None = None, restore: str = "auto", display_delay: int = 1):
         if sessions < 1 or (threads is not None and threads < 1):
             raise ValueError("sessions and threads must be >= 1")
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
@@ -60,7 +59,7 @@ class NvcuvidThreads:
         self.sessions = sessions
         self.threads = threads or 2 * sessions
         self.restore = restore
-        self.decoders = [NvcuvidDecoder(self.device, display_delay=display_delay, zero_copy=zero_copy) for _ in range(sessions)]
+        self.decoders = [NvcuvidDecoder(self.device, display_delay=display_delay) for _ in range(sessions)]
         self._idle: queue.Queue = queue.Queue()
         for dec in self.decoders:
             self._idle.put(dec)
