@@ -122,3 +122,20 @@ def test_registered_by_name():
         pytest.skip("grouped codec not registered in this checkout")
     codec = make_codec("grouped", inner="raw", chunk_tokens=8)
     assert isinstance(codec, GroupedCodec) and codec.chunk_tokens == 8
+
+
+def test_int8_groups_decode_as_the_inner_codec_decodes_them():
+    """Lossy modes: each group restores to exactly what the inner codec gives for that group alone."""
+    inner = make_codec("hevc", quant="int8", chunk_tokens=16)
+    codec = GroupedCodec(inner)
+    kv = _random(HYBRID, 20).prefix(20)
+    got = _restore(codec, codec.encode_chunks(kv), HYBRID, 20)
+    for g, t, s, out in zip(HYBRID.groups, kv.tensors, kv.starts, got.tensors):
+        want = torch.empty_like(t)
+        for c in range(0, 20, 16):  # the same chunk boundaries, from the group's first position
+            a, b = max(c, s), min(c + 16, 20)
+            if a < b:
+                blob = inner.encode_chunks(t[:, :, a - s : b - s].contiguous())[0].blobs[0]
+                inner.decode_chunk(blob, want[:, :, a - s : b - s])
+        assert torch.equal(out, want), g.name
+        assert (out.float() - t.float()).abs().max() < 0.1  # int8 of values within +-15
