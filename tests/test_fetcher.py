@@ -10,8 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcodec.codecs.hevc import HevcCodec
+from kvcodec.codecs.raw import RawCodec
 from kvcodec.config import CodecConfig
-from kvcodec.errors import ChecksumError, FetchError, FormatError, ShapeError, StoreError
+from kvcodec.errors import ChecksumError, ConfigError, FetchError, FormatError, ShapeError, StoreError
 from kvcodec.fetcher import (
     AdaptivePolicy,
     BandwidthEstimator,
@@ -26,9 +28,6 @@ from kvcodec.fetcher import (
     meta_key,
     predicted_finish,
 )
-from kvcodec.codecs import ChunkCodec, make_codec, registered_codecs
-from kvcodec.codecs.hevc import HevcCodec
-from kvcodec.codecs.raw import RawCodec
 from kvcodec.fetcher.profile import load_or_calibrate
 from kvcodec.store import open_store
 
@@ -375,9 +374,9 @@ def test_adaptive_never_predicts_worse_than_any_fixed_choice(opts, gbit, remaini
 
 def test_get_policy_names():
     assert get_policy("fixed:512x512", CFG.resolutions).index == 1
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError):
         get_policy("fixed:999x999", CFG.resolutions)
-    with pytest.raises(Exception):
+    with pytest.raises(ConfigError):
         get_policy("nope")
 
 
@@ -444,7 +443,8 @@ def test_shared_decoder_is_used_by_all_decode_workers():
             calls.append(threading.get_ident())
             return real.decode(bitstream, width, height)
 
-    cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False)
+    # plain_fallback off: these small random chunks would otherwise be stored plain (no video)
+    cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False, plain_fallback=False)
     cache = PrefixCache(open_store("memory://"), "m", HevcCodec(cfg, decoder=Counting()), "cpu", decode_workers=2,
                         profile=DecodeProfile.default(cfg.resolutions))
     kv, ids = make_kv(64, layers=2), ids_for(64)

@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
+from kvbench.net.redis_server import redis_server_binary
 from kvcodec.config import CodecConfig
 from kvcodec.errors import FetchError, StoreError
 from kvcodec.fetcher import DecodeProfile, PrefixCache
 from kvcodec.fetcher.rawcodec import RawCodec
-from kvbench.net.redis_server import redis_server_binary
 from kvcodec.store import open_store
 
 pytestmark = [

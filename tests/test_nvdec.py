@@ -245,8 +245,8 @@ def test_codec_decode_on_cuda_matches_cpu(quant):
 @pytest.mark.parametrize("where", ["workers", "consumer"])
 def test_pool_decode_parallel_matches_codec(where):
     import kvcodec
-    from kvcodec.config import CodecConfig
     from kvcodec.codecs.hevc_pool import decode_parallel
+    from kvcodec.config import CodecConfig
     from kvcodec.video.nvdec_pool import NvdecPool
 
     kv = _small_kv(tokens=200, seed=3)
@@ -289,8 +289,8 @@ def test_pool_workers_release_the_consumers_output_when_idle(hold):
     import time
 
     import kvcodec
-    from kvcodec.config import CodecConfig
     from kvcodec.codecs.hevc_pool import decode_parallel
+    from kvcodec.config import CodecConfig
     from kvcodec.video.nvdec_pool import NvdecPool
 
     kv = _small_kv(tokens=128, seed=5)

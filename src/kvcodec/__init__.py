@@ -3,7 +3,6 @@
 from kvcodec.codec import decode, decode_chunk_blob, encode, encode_chunks, inspect, inspect_chunk_blob
 from kvcodec.codecs import ChunkCodec, ChunkInfo, EncodedChunk, make_codec, register_codec, registered_codecs
 from kvcodec.config import CodecConfig
-from kvcodec.restore.paged import PagedKV
 from kvcodec.errors import (
     ChecksumError,
     ConfigError,
@@ -13,6 +12,7 @@ from kvcodec.errors import (
     ShapeError,
     TruncatedError,
 )
+from kvcodec.restore.paged import PagedKV
 
 __version__ = "0.1.0"
 

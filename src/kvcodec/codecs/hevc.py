@@ -19,7 +19,7 @@ from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
 from kvcodec.codecs.hevc_decode import decode_chunk_blob, decoder_name, inspect_chunk_blob
 from kvcodec.codecs.hevc_encode import encode_chunks
 from kvcodec.config import CodecConfig
-from kvcodec.container.format import FORMAT_VERSION
+from kvcodec.container.format import FORMAT_VERSION, PLAIN
 from kvcodec.errors import ConfigError, FormatError
 from kvcodec.video.registry import get_encoder
 
@@ -102,7 +102,7 @@ class HevcCodec:
 
     def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
         h = inspect_chunk_blob(blob)
-        if h.quant != self.config.quant or tuple(h.resolution) not in self.config.resolutions:
+        if h.quant not in (self.config.quant, PLAIN) or tuple(h.resolution) not in self.config.resolutions:
             raise FormatError(f"chunk blob is {h.quant} at {h.resolution}; this codec writes "
                               f"{self.config.quant} at {list(self.config.resolutions)}")
         return ChunkInfo(h.chunk_index, h.start_token, h.tokens, h.layers, h.kv_heads, h.head_dim, h.dtype,

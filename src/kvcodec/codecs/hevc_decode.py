@@ -12,7 +12,8 @@ import zstandard
 
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.hevc_encode import unit_bits
-from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, read_object, split_streams
+from kvcodec.container.format import CHUNK_MAGIC, PLAIN, ChunkHeader, StreamEntry, read_object, split_streams
+from kvcodec.container.plain import plain_values
 from kvcodec.dtypes import dtype_of
 from kvcodec.errors import CorruptStreamError, FormatError, ShapeError
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame
@@ -124,6 +125,8 @@ def decode_chunk_blob(
     header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
     h = ChunkHeader.from_json(header)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+    if h.quant == PLAIN:
+        return _restore_plain(h, streams, device, out)
     required = {"center"} | ({"side"} if h.quant != "exact" else set())
     if not required <= streams.keys() or not ({"video", "samples"} & streams.keys()):
         raise FormatError(f"chunk blob lacks streams (has {sorted(streams)})")
@@ -136,6 +139,18 @@ def decode_chunk_blob(
         with idle_decoders.borrow(device) as lent:
             return _restore_frames(h, plan, streams, lent, restorer, device, out)
     return _restore_frames(h, plan, streams, decoder, restorer, device, out)
+
+
+def _restore_plain(h: ChunkHeader, streams, device, out: Target | None) -> Target:
+    """A chunk stored plain (too small to code): its values copied into the target."""
+    values = plain_values(h, streams)
+    out, device = _target(h, values.dtype, device, out)
+    if isinstance(out, PagedKV):
+        blocks, within = out.slots(h.start_token, h.tokens)
+        out.pages[:, :, blocks, within] = values.to(device)
+    else:
+        out.copy_(values)
+    return out
 
 
 def _target(h: ChunkHeader, dtype: torch.dtype, device, out: Target | None) -> tuple[Target, torch.device]:

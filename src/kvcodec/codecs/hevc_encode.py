@@ -19,6 +19,7 @@ import zstandard
 
 from kvcodec.codecs.base import EncodedChunk
 from kvcodec.config import CodecConfig
+from kvcodec.container import plain
 from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc32, write_object
 from kvcodec.dtypes import DTYPE_NAMES
 from kvcodec.errors import ShapeError
@@ -243,5 +244,7 @@ def _encode_chunk(x, config, plan, encoder, index, start_token, key) -> EncodedC
             video_bits=plan.video_bits,
             key=key,
         )
-        blobs.append(write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, *low_payloads, video]))
+        coded = write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, *low_payloads, video])
+        blobs.append(plain.keep_smaller(coded, x, chunk_index=index, start_token=start_token,
+                                        resolution=header.resolution, key=key) if config.plain_fallback else coded)
     return EncodedChunk(index, start_token, T, config.resolutions, tuple(blobs), encoder=",".join(dict.fromkeys(coders)))

@@ -13,7 +13,6 @@ from kvcodec.fetcher.bandwidth import BandwidthEstimator
 from kvcodec.fetcher.cache import PrefixCache
 from kvcodec.fetcher.keys import ChunkMeta, blob_key, chunk_keys, config_fingerprint, meta_key
 from kvcodec.fetcher.pipeline import FetchPipeline
-from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 from kvcodec.fetcher.policy import (
     AdaptivePolicy,
     ChoiceContext,
@@ -25,6 +24,7 @@ from kvcodec.fetcher.policy import (
     register_policy,
 )
 from kvcodec.fetcher.profile import DecodeProfile, calibrate, load_or_calibrate
+from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 
 __all__ = [
     "AdaptivePolicy", "BandwidthEstimator", "ChoiceContext", "ChunkMeta", "ChunkTiming", "DecodeProfile",

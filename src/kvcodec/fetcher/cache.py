@@ -166,7 +166,7 @@ class PrefixCache:
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
             raise ShapeError(f"KV must be (layers, 2, tokens, kv_heads, head_dim); got {tuple(getattr(kv, 'shape', ()))}")
         T = kv.shape[2]
-        if T > len(ids):
+        if len(ids) < T:
             raise ShapeError(f"KV holds {T} tokens but only {len(ids)} token ids were given")
         keys = self.keys(ids[:T])
         present = self.store.exists_many([meta_key(k) for k in keys]) if keys else []

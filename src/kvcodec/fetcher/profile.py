@@ -60,7 +60,7 @@ class DecodeProfile:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
-    def default(cls, resolutions, values_per_s: float = 50e6) -> "DecodeProfile":
+    def default(cls, resolutions, values_per_s: float = 50e6) -> DecodeProfile:
         n = len(resolutions)
         return cls(tuple(tuple(r) for r in resolutions), [1.0 / values_per_s] * n, [0.0] * n, "default")
 
@@ -86,7 +86,7 @@ class DecodeProfile:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], source: str = "cache") -> "DecodeProfile":
+    def from_json(cls, d: dict[str, Any], source: str = "cache") -> DecodeProfile:
         return cls(
             tuple(tuple(r) for r in d["resolutions"]),
             [float(x) for x in d["seconds_per_value"]],

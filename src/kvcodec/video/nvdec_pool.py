@@ -70,7 +70,6 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
         res_q.put(("fatal", wid, f"{type(e).__name__}: {e}"))
         return
     free = list(range(slots))
-    flush_at = max(1, slots // 2)
     cur = torch.cuda.current_stream(device_index)
     held = None  # the last restore target, kept mapped (see hold_output_s)
     while True:
@@ -89,42 +88,57 @@ def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, r
             held = out if hold_output_s > 0 else None
             del out, job  # otherwise the loop variable would keep the mapping open until the next job
             continue
-        _, jid, payload, width, height = job
-        nbytes = 3 * width * height
-        batch: list[tuple[int, int]] = []
-        count = 0
+        _frames_job(wid, dec, job, _Ring(ring, free, free_q, max(1, slots // 2), cur), slot_bytes, res_q)
+        del job
 
-        def flush():
-            if batch:
-                cur.synchronize()  # the copies into the slots are done before the consumer reads them
-                res_q.put(("frames", wid, jid, list(batch)))
-                batch.clear()
 
-        try:
-            if nbytes > slot_bytes:
-                raise CorruptStreamError(f"{width}x{height} frames exceed the pool's slot size")
-            for frame in dec.decode(payload, width, height):
-                if not free:
-                    flush()
-                    free.extend(free_q.get())
-                s = free.pop()
-                cur.wait_stream(dec.stream)
-                ring[s, :nbytes].view(3, height, width).copy_(frame)
-                batch.append((s, count))
-                count += 1
-                if len(batch) >= flush_at or not free:
-                    flush()
-                while True:  # take back slots released meanwhile
-                    try:
-                        free.extend(free_q.get_nowait())
-                    except queue.Empty:
-                        break
-            flush()
-            res_q.put(("done", wid, jid, count))
-        except Exception as e:
-            flush()
-            res_q.put(("error", wid, jid, f"{type(e).__name__}: {e}"))
-        del payload
+class _Ring:
+    """A worker's frame slots: the ring, the free slot numbers and where released ones come back."""
+
+    def __init__(self, ring, free, free_q, flush_at, stream):
+        self.ring, self.free, self.free_q, self.flush_at, self.stream = ring, free, free_q, flush_at, stream
+
+    def take_back(self) -> None:
+        while True:  # slots the consumer released meanwhile
+            try:
+                self.free.extend(self.free_q.get_nowait())
+            except queue.Empty:
+                return
+
+
+def _frames_job(wid, dec, job, ring: _Ring, slot_bytes: int, res_q) -> None:
+    """Decode one stream into the slot ring, reporting filled slots in batches on res_q."""
+    _, jid, payload, width, height = job
+    nbytes = 3 * width * height
+    batch: list[tuple[int, int]] = []
+    count = 0
+
+    def flush():
+        if batch:
+            ring.stream.synchronize()  # the copies into the slots are done before the consumer reads them
+            res_q.put(("frames", wid, jid, list(batch)))
+            batch.clear()
+
+    try:
+        if nbytes > slot_bytes:
+            raise CorruptStreamError(f"{width}x{height} frames exceed the pool's slot size")
+        for frame in dec.decode(payload, width, height):
+            if not ring.free:
+                flush()
+                ring.free.extend(ring.free_q.get())
+            s = ring.free.pop()
+            ring.stream.wait_stream(dec.stream)
+            ring.ring[s, :nbytes].view(3, height, width).copy_(frame)
+            batch.append((s, count))
+            count += 1
+            if len(batch) >= ring.flush_at or not ring.free:
+                flush()
+            ring.take_back()
+        flush()
+        res_q.put(("done", wid, jid, count))
+    except Exception as e:
+        flush()
+        res_q.put(("error", wid, jid, f"{type(e).__name__}: {e}"))
 
 
 def _restore_job(wid, dec, job, res_q) -> torch.Tensor:
@@ -366,7 +380,7 @@ class NvdecPool:
         for job, idx, frame in self._frames(sink, len(streams)):
             yield job.tag, idx, frame
 
-    def decoder(self) -> "PoolDecoder":
+    def decoder(self) -> PoolDecoder:
         return PoolDecoder(self)
 
     # -- lifetime --------------------------------------------------------------------------------
@@ -388,7 +402,7 @@ class NvdecPool:
         self._dispatcher.join(timeout=5)
         self._stop_workers()
 
-    def __enter__(self) -> "NvdecPool":
+    def __enter__(self) -> NvdecPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 
 from kvcodec.errors import BackendUnavailableError
@@ -37,6 +36,7 @@ class BackendEntry:
 
 _DECODERS = (
     BackendEntry("nvdec", "kvcodec.video.nvdec:NvdecDecoder", "cuda", 100),
+    BackendEntry("nvcuvid", "kvcodec.video.nvcuvid:NvcuvidDecoder", "cuda", 90),  # driver only, no PyNvVideoCodec
     BackendEntry("ffmpeg-cpu", "kvcodec.video.x265_cpu:FFmpegHevcDecoder", "cpu", 10),
 )
 _ENCODERS = (
