@@ -180,3 +180,26 @@ def test_store_queue_is_bounded(smol):
         finally:
             gate.set()
         eng.storer.flush()
+
+
+def test_restored_chunks_land_in_the_cache_without_a_copy(smol):
+    """A fetch decodes straight into the engine's target (model dtype, the cache's [H, T, D]
+    layout), and the request's cache adopts views of it: no copy between decoder and cache."""
+    from kvcodec.engine import Request
+    from kvcodec.engine.prefix import RestoreTargets
+
+    with make_engine(smol, "memory://") as eng:
+        p = prompts(smol[1])[0]
+        base = eng.generate(p, max_new_tokens=4, wait_for_store=True)[0]
+        req = Request(prompt_ids=eng.encode(p), params=SamplingParams(max_new_tokens=4))
+        req.matched_tokens = eng.prefix_cache.lookup(req.prompt_ids)
+        target = RestoreTargets(eng.model, eng.device, eng.runner.dtype)(req)
+        res = eng.prefix_cache.fetch(req.prompt_ids, req.matched_tokens, out=target)
+        assert res.tokens_restored >= 2 * CHUNK and res.kv.data_ptr() == target.data_ptr()
+        req.restored_kv, req.restored_tokens = res.kv, res.tokens_restored
+        eng.runner.begin_prefill(req)
+        k0 = req.cache.layers[0].keys
+        assert k0.data_ptr() == target.data_ptr() and k0.dtype == eng.runner.dtype  # a view, not a copy
+        assert torch.equal(k0[0].transpose(0, 1), target[0, 0, : req.restored_tokens])
+        again = eng.generate(p, max_new_tokens=4)[0]
+        assert again.restored_tokens > 0 and again.token_ids == base.token_ids
