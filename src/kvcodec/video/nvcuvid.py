@@ -1,14 +1,14 @@
 """NVDEC through the driver's libnvcuvid, called with ctypes, in the caller's own CUDA context.
 
-Why a second NVDEC backend: PyNvVideoCodec's decoder keeps the GIL while it waits for the
-hardware, so decoder threads of one process do not scale, and the process pool that works around
-it costs a CUDA context per worker (GPU time-slicing against the model, 600 MB each). Here every
-foreign call goes through ctypes, which releases the GIL, and every session lives in torch's
-primary context: one process, N threads, N sessions, N engines busy.
+A second NVDEC backend that needs nothing but the driver: no PyNvVideoCodec. Every foreign call goes
+through ctypes, which releases the GIL, and every session lives in torch's primary context (the
+model's), so N threads of the serving process drive N sessions on N engines without a context per
+worker (the process pool's GPU time-slicing and 600 MB per worker). On the H200 it decodes as fast
+as PyNvVideoCodec 2.2.4, whose threads also scale in one process (benchmarks/results/decode-h200-nvcuvid.md).
 
 One `NvcuvidDecoder` holds one NVDEC session per frame size (reused across streams; a fresh
 parser per stream) and a CUDA stream of its own. The parser's display callback maps each decoded
-picture, copies it with the copy engine into a small ring of output slots, and unmaps it (as the
+picture, copies it with cuMemcpy2DAsync into a small ring of output slots, and unmaps it (as the
 Video Codec SDK's sample decoder does); frames are handed out as torch tensor views of the slots.
 Use one decoder per thread (`kvcodec.video.nvcuvid_threads` runs N of them).
 """

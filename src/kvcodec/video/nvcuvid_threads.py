@@ -1,9 +1,11 @@
 """Every NVDEC engine from the serving process: decoder threads in one CUDA context.
 
 `sessions` NvcuvidDecoders (one NVDEC session per frame size each, default one per engine) are
-shared by `threads` worker threads (default two per session). A worker holds a decoder only while
+shared by `threads` worker threads (default one per session). A worker holds a decoder only while
 frames come out of it: a chunk's host-side preparation (header, zstd, uploads of side streams)
-runs without one, so the engines stay busy while other chunks are being prepared. Every worker
+runs without one. (More threads than sessions, meant to keep engines busy while chunks are being
+prepared, restored no faster on the H200 and slowed a concurrent matmul more:
+benchmarks/results/decode-h200-nvcuvid.md.) Every worker
 restores on a CUDA stream of its own, and everything lives in torch's primary context, the one the
 model runs in: the GPU never time-slices between contexts and no worker process holds a context's
 memory. Chunks are restored straight into the caller's tensors.
@@ -57,7 +59,7 @@ class NvcuvidThreads:
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         self.sessions = sessions
-        self.threads = threads or 2 * sessions
+        self.threads = threads or sessions
         self.restore = restore
         self.decoders = [NvcuvidDecoder(self.device, display_delay=display_delay) for _ in range(sessions)]
         self._idle: queue.Queue = queue.Queue()
