@@ -3,12 +3,14 @@ positions each group holds, old plain blobs, and damaged or mismatched input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvcodec.codecs import make_codec
 from kvcodec.codecs.grouped import GroupedChunkInfo, GroupedCodec, is_grouped
-from kvcodec.errors import ChecksumError, FormatError, KVCodecError, ShapeError
+from kvcodec.errors import ChecksumError, ConfigError, FormatError, KVCodecError, ShapeError
 from kvcodec.kvspec import GroupedKV, KVSpec, LayerSpec
 
 HYBRID = KVSpec(
@@ -139,3 +141,28 @@ def test_int8_groups_decode_as_the_inner_codec_decodes_them():
                 inner.decode_chunk(blob, want[:, :, a - s : b - s])
         assert torch.equal(out, want), g.name
         assert (out.float() - t.float()).abs().max() < 0.1  # int8 of values within +-15
+
+
+def test_per_kind_codecs_code_their_groups():
+    from kvcodec.codecs.grouped import _parse
+    from kvcodec.codecs.raw import MAGIC as RAW_MAGIC
+    from kvcodec.codecs.raw import RawCodec
+    from kvcodec.container.format import read_object
+
+    plain, zstd, lz4 = RawCodec(chunk_tokens=8), RawCodec(("zstd",), chunk_tokens=8), RawCodec(("lz4",), chunk_tokens=8)
+    plain_res = plain.resolutions
+    zstd, lz4 = (dataclasses.replace(c, resolutions=plain_res) for c in (zstd, lz4))
+    codec = GroupedCodec(plain, {"sliding": zstd, "mla-rope-1x4": lz4})
+    assert codec.id != GroupedCodec(plain).id
+    kv = _random(HYBRID, 16).prefix(16)
+    chunks = codec.encode_chunks(kv)
+    assert _restore(codec, chunks, HYBRID, 16).equal(kv)
+    info, payload = _parse(chunks[1].blobs[0])
+    offset, variants = 0, {}
+    for p in info.parts:  # each part is a raw codec blob whose header names its payload coding
+        header, _ = read_object(payload[offset : offset + p.length], RAW_MAGIC, "raw chunk")
+        variants[HYBRID.groups[p.group].name] = header["variant"]
+        offset += p.length
+    assert variants == {"sliding7-kv-2x8": "zstd", "full-kv-2x8": "raw", "mla-latent-1x8": "raw", "mla-rope-1x4": "lz4"}
+    with pytest.raises(ConfigError, match="16-token chunks"):
+        GroupedCodec(plain, {"full": RawCodec(chunk_tokens=16, resolutions=plain_res)})

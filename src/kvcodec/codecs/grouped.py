@@ -18,7 +18,9 @@ data) decode through it: `GroupedCodec(HevcCodec(config))` reads everything `Hev
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import hashlib
+import json
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ import torch
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
 from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
-from kvcodec.kvspec import GroupedKV, KVSpec
+from kvcodec.kvspec import GroupedKV, GroupSpec, KVSpec
 
 MAGIC = b"KVCG"
 GROUPED_VERSION = 1
@@ -85,13 +87,30 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
 
 
 class GroupedCodec:
-    """A ChunkCodec for GroupedKV: every group coded by `inner` (e.g. HevcCodec(CodecConfig(...)))."""
+    """A ChunkCodec for GroupedKV: every group coded by `inner` (e.g. HevcCodec(CodecConfig(...))),
+    or by `per_group[name]` / `per_group[kind]` where given (a codec calibrated for that kind of
+    layer: "sliding", "mla", "full", or one group's name such as "mla-rope-1x32"). All codecs
+    share chunk_tokens and resolutions; their ids all go into this codec's id."""
 
-    def __init__(self, inner: ChunkCodec) -> None:
-        if not isinstance(inner, ChunkCodec):
-            raise ConfigError(f"GroupedCodec needs an inner ChunkCodec; got {type(inner).__name__}")
+    def __init__(self, inner: ChunkCodec, per_group: Mapping[str, ChunkCodec] | None = None) -> None:
+        self.per_group = dict(per_group or {})
+        for name, codec in {"inner": inner, **self.per_group}.items():
+            if not isinstance(codec, ChunkCodec):
+                raise ConfigError(f"GroupedCodec: {name} is {type(codec).__name__}, not a ChunkCodec")
+            if (codec.chunk_tokens, tuple(codec.resolutions)) != (inner.chunk_tokens, tuple(inner.resolutions)):
+                raise ConfigError(f"GroupedCodec: {name} codes {codec.chunk_tokens}-token chunks at "
+                                  f"{list(codec.resolutions)}; the inner codec {inner.chunk_tokens} at {list(inner.resolutions)}")
         self.inner = inner
         self.id = f"grouped-v{GROUPED_VERSION}-{inner.id}"
+        if self.per_group:
+            ids = json.dumps(sorted((k, c.id) for k, c in self.per_group.items()))
+            self.id += "-" + hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
+
+    def codec_for(self, group: GroupSpec) -> ChunkCodec:
+        for name in (group.name, group.kind):
+            if self.per_group.get(name) is not None:
+                return self.per_group[name]
+        return self.inner
 
     @classmethod
     def from_options(cls, inner: str | ChunkCodec = "hevc", **options: Any) -> GroupedCodec:
@@ -154,9 +173,10 @@ class GroupedCodec:
         coded = []  # (group, start, tokens, EncodedChunk of the inner codec)
         for g, (s, t) in enumerate(zip(part.starts, part.tensors)):
             if t.shape[2]:
-                inner = self.inner.encode_chunks(t, first_chunk_index=index, keys=None if key is None else [key])
+                codec = self.codec_for(part.spec.groups[g])
+                inner = codec.encode_chunks(t, first_chunk_index=index, keys=None if key is None else [key])
                 if len(inner) != 1:
-                    raise ConfigError(f"inner codec {self.inner.id} split {t.shape[2]} tokens into {len(inner)} chunks")
+                    raise ConfigError(f"inner codec {codec.id} split {t.shape[2]} tokens into {len(inner)} chunks")
                 coded.append((g, s, t.shape[2], inner[0]))
         blobs = []
         for res in self.resolutions:
@@ -177,7 +197,7 @@ class GroupedCodec:
         info, payload = _parse(blob)
         offset = 0
         for p in info.parts:  # the inner headers must verify too
-            self.inner.inspect_chunk(payload[offset : offset + p.length])
+            self.codec_for(info.spec.groups[p.group]).inspect_chunk(payload[offset : offset + p.length])
             offset += p.length
         return info
 
@@ -201,7 +221,7 @@ class GroupedCodec:
             parts[p.group] = (p, payload[offset : offset + p.length])
             offset += p.length
         for g, group in enumerate(out.spec.groups):
-            self._restore_group(g, group.name, parts.get(g), out)
+            self._restore_group(g, group, parts.get(g), out)
         return out
 
     @staticmethod
@@ -214,7 +234,8 @@ class GroupedCodec:
                 f"[{info.start_token}, {info.start_token + info.tokens})"
             )
 
-    def _restore_group(self, g: int, name: str, part: tuple[Part, memoryview] | None, out: GroupedKV) -> None:
+    def _restore_group(self, g: int, group: GroupSpec, part: tuple[Part, memoryview] | None, out: GroupedKV) -> None:
+        name, codec = group.name, self.codec_for(group)
         need = out.stop - out.starts[g]
         if need == 0:
             return
@@ -226,10 +247,10 @@ class GroupedCodec:
             raise ChecksumError(f"group {name}: part checksum mismatch")
         target = out.tensors[g]
         if p.tokens == need:
-            self.inner.decode_chunk(data, target)
+            codec.decode_chunk(data, target)
         else:  # the chunk holds more of this group than the target keeps: restore, then copy the tail
             full = torch.empty((*target.shape[:2], p.tokens, *target.shape[3:]), dtype=target.dtype, device=target.device)
-            self.inner.decode_chunk(data, full)
+            codec.decode_chunk(data, full)
             target.copy_(full[:, :, p.tokens - need :])
 
 
