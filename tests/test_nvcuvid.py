@@ -185,3 +185,26 @@ def test_threads_restore_chunks_exactly_in_one_context():
         assert all(d.ctx == api.primary_context(0) for d in dec.decoders)
     assert names
     assert torch.equal(out.cpu(), ref)
+
+
+@needs_nvcuvid
+@pytest.mark.gpu
+def test_threads_stand_where_an_nvdec_pool_does():
+    import kvcodec
+    from kvcodec.codecs.hevc_pool import restore_in_pool
+    from kvcodec.video.nvcuvid_threads import NvcuvidThreads
+
+    gen = torch.Generator().manual_seed(1)
+    kv = (torch.randn((2, 2, 512, 2, 64), generator=gen) * 0.5).to(torch.float16)
+    chunks = kvcodec.encode_chunks(kv, kvcodec.CodecConfig(quant="int4", chunk_tokens=128, resolutions=((256, 256),)))
+    blobs = [c.blob_for((256, 256)) for c in chunks]
+    ref = torch.empty_like(kv)
+    outs = []
+    out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+    for i, blob in enumerate(blobs):
+        kvcodec.decode_chunk_blob(blob, "cpu", out=ref[:, :, i * 128 : (i + 1) * 128])
+        outs.append(out[:, :, i * 128 : (i + 1) * 128])
+    with NvcuvidThreads(sessions=2) as dec:
+        restore_in_pool(dec, blobs, outs)
+        torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), ref)

@@ -76,25 +76,31 @@ class NvcuvidThreads:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
 
-    def _restore_one(self, blob, out, restore: str) -> torch.cuda.Event:
+    def _restore_one(self, blob, out, restore: str, decode_into=None) -> torch.cuda.Event:
         from kvcodec import codec
 
         stream = self._stream()
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            codec.decode_chunk_blob(blob, self.device, out=out, decoder=_LentDecoder(self._idle), restore=restore)
+            if decode_into is None:
+                codec.decode_chunk_blob(blob, self.device, out=out, decoder=_LentDecoder(self._idle), restore=restore)
+            else:
+                decode_into(blob, out, _LentDecoder(self._idle), restore)
             done = torch.cuda.Event()
             done.record(stream)
         return done
 
     def restore_blobs(self, blobs: Sequence, outs: Sequence, restore: str | None = None,
-                      synchronize: bool = False) -> None:
+                      synchronize: bool = False, *, decode_into=None) -> None:
         """Restore every chunk blob into its output (a tensor slice or PagedKV), in parallel.
         Returns once every chunk is decoded and its restore queued; the caller's current stream
         waits for them (synchronize=True also waits on the host). A chunk that fails raises its
-        error here after the others are done."""
+        error here after the others are done. decode_into(blob, out, decoder, restore): the
+        codec's chunk restore (default: kvcodec's HEVC decode_chunk_blob), as NvdecPool takes it,
+        so this object can stand where an NvdecPool does."""
         if len(blobs) != len(outs):
             raise ValueError("restore_blobs needs one output per blob")
-        futures = [self._pool.submit(self._restore_one, b, o, restore or self.restore) for b, o in zip(blobs, outs)]
+        restore = restore or self.restore
+        futures = [self._pool.submit(self._restore_one, b, o, restore, decode_into) for b, o in zip(blobs, outs)]
         events, error = [], None
         for f in futures:
             try:
