@@ -11,8 +11,20 @@ def test_encode_inspect_decode_round_trip(tmp_path):
     kv = (torch.randn(2, 2, 30, 2, 16) * 3).to(torch.bfloat16)
     save_file({"kv": kv}, str(tmp_path / "kv.safetensors"))
     runner = CliRunner()
-    r = runner.invoke(cli, ["encode", str(tmp_path / "kv.safetensors"), str(tmp_path / "kv.kvc"),
-                            "--quant", "exact", "--chunk-tokens", "16", "--resolutions", "144x144,160x144"])
+    r = runner.invoke(
+        cli,
+        [
+            "encode",
+            str(tmp_path / "kv.safetensors"),
+            str(tmp_path / "kv.kvc"),
+            "--quant",
+            "exact",
+            "--chunk-tokens",
+            "16",
+            "--resolutions",
+            "144x144,160x144",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "2 chunks x 2 resolutions" in r.output
     r = runner.invoke(cli, ["inspect", str(tmp_path / "kv.kvc"), "--json"])
@@ -21,7 +33,9 @@ def test_encode_inspect_decode_round_trip(tmp_path):
     assert info["shape"] == [2, 2, 30, 2, 16] and set(info["resolutions"]) == {"144x144", "160x144"}
     r = runner.invoke(cli, ["inspect", str(tmp_path / "kv.kvc")])
     assert "quant       exact" in r.output
-    r = runner.invoke(cli, ["decode", str(tmp_path / "kv.kvc"), str(tmp_path / "out.safetensors"), "--resolution", "160x144"])
+    r = runner.invoke(
+        cli, ["decode", str(tmp_path / "kv.kvc"), str(tmp_path / "out.safetensors"), "--resolution", "160x144"]
+    )
     assert r.exit_code == 0, r.output
     out = load_file(str(tmp_path / "out.safetensors"))["kv"]
     assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
@@ -79,8 +93,18 @@ def test_encode_video_bits_option_is_recorded_and_decodes_to_the_same_values(tmp
     runner = CliRunner()
     outs = {}
     for bits in ("8", "3"):
-        r = runner.invoke(cli, ["encode", str(tmp_path / "kv.safetensors"), str(tmp_path / f"kv{bits}.kvc"),
-                                "--resolutions", "144x144", "--video-bits", bits])
+        r = runner.invoke(
+            cli,
+            [
+                "encode",
+                str(tmp_path / "kv.safetensors"),
+                str(tmp_path / f"kv{bits}.kvc"),
+                "--resolutions",
+                "144x144",
+                "--video-bits",
+                bits,
+            ],
+        )
         assert r.exit_code == 0, r.output
         info = json.loads(runner.invoke(cli, ["inspect", str(tmp_path / f"kv{bits}.kvc"), "--json"]).output)
         assert info["resolutions"]["144x144"]["video_bits"] == int(bits) and info["format_version"] == 2

@@ -20,8 +20,24 @@ def test_demo_short_document(tmp_path):
 
     torch.set_num_threads(1)  # leaves a core to the fetch / store threads; faster on a shared CPU
     out = tmp_path / "demo.json"
-    args = ["--doc-tokens", "96", "--chunk-tokens", "32", "--max-new-tokens", "3", "--gbit", "0.2",
-            "--quant", "exact", "--store", str(tmp_path / "store"), "--device", "cpu", "--json-out", str(out)]
+    args = [
+        "--doc-tokens",
+        "96",
+        "--chunk-tokens",
+        "32",
+        "--max-new-tokens",
+        "3",
+        "--gbit",
+        "0.2",
+        "--quant",
+        "exact",
+        "--store",
+        str(tmp_path / "store"),
+        "--device",
+        "cpu",
+        "--json-out",
+        str(out),
+    ]
     res = CliRunner().invoke(command, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert "greedy answers identical: raw reuse yes, kvcodec yes" in res.output

@@ -120,8 +120,9 @@ def test_batched_decode_matches_one_by_one(smol):
     prompts = ["The capital of France is", "One, two, three, four, five,", DOC + "Who keeps a canoe?"]
     outs = {}
     for batched in (True, False):
-        with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False),
-                         batch_decode=batched) as eng:
+        with make_engine(
+            smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False), batch_decode=batched
+        ) as eng:
             outs[batched] = [o.token_ids for o in eng.generate(prompts, max_new_tokens=6, ignore_eos=True)]
     assert outs[True] == outs[False]
     assert all(len(t) == 6 for t in outs[True])
@@ -149,8 +150,9 @@ def test_a_failing_sequence_ends_alone(smol):
 
 
 def test_long_prompt_prefills_in_chunks_while_others_decode(smol):
-    with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False),
-                     prefill_chunk_tokens=16) as eng:
+    with make_engine(
+        smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False), prefill_chunk_tokens=16
+    ) as eng:
         long_p = DOC * 2 + "Who keeps a canoe?"
         one_shot = make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False))
         with one_shot:

@@ -12,7 +12,7 @@ from kvcodec.engine import EngineConfig, SamplingParams
 from kvcodec.engine.deadline import MIN_SAMPLE_TOKENS, PrefillRate, ema, recompute_seconds
 from kvcodec.engine.validate import check_context, check_sampling, check_token_ids
 from kvcodec.errors import ConfigError
-from kvcodec.server.schema import BadRequest, parse_chat, parse_completion
+from kvcodec.server.schema import BadRequestError, parse_chat, parse_completion
 
 
 def test_config_from_kwargs_replaces_fields_and_refuses_unknown_names():
@@ -25,9 +25,19 @@ def test_config_from_kwargs_replaces_fields_and_refuses_unknown_names():
         cfg.max_batch = 4  # frozen
 
 
-@pytest.mark.parametrize("kw", [{"policy": "lifo"}, {"max_batch": 0}, {"prefill_chunk_tokens": 0},
-                                {"store_queue": 0}, {"fetch_deadline_s": -1}, {"fetch_deadline_s": "soon"},
-                                {"max_context": 1}, {"stall_s": 0}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"policy": "lifo"},
+        {"max_batch": 0},
+        {"prefill_chunk_tokens": 0},
+        {"store_queue": 0},
+        {"fetch_deadline_s": -1},
+        {"fetch_deadline_s": "soon"},
+        {"max_context": 1},
+        {"stall_s": 0},
+    ],
+)
 def test_config_refuses_bad_values(kw):
     with pytest.raises(ConfigError):
         EngineConfig(**kw)
@@ -58,9 +68,17 @@ def test_prefill_rate_gives_the_recompute_time_as_deadline():
     assert 200 < rate.tokens_per_s < 400
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=0), SamplingParams(temperature=-0.1),
-                                    SamplingParams(temperature=float("nan")), SamplingParams(top_p=0.0),
-                                    SamplingParams(top_p=1.01), SamplingParams(seed=-1)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_new_tokens=0),
+        SamplingParams(temperature=-0.1),
+        SamplingParams(temperature=float("nan")),
+        SamplingParams(top_p=0.0),
+        SamplingParams(top_p=1.01),
+        SamplingParams(seed=-1),
+    ],
+)
 def test_check_sampling_refuses(params):
     with pytest.raises(ConfigError):
         check_sampling(params)
@@ -77,19 +95,28 @@ def test_check_tokens_and_context():
             check_context(n, m, 16)
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
-                     max_leaves=8)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=8,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(["prompt", "messages", "max_tokens", "temperature", "top_p", "stop",
-                                        "seed", "stream", "n", "model"]), _json, max_size=6))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            ["prompt", "messages", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "n", "model"]
+        ),
+        _json,
+        max_size=6,
+    )
+)
 def test_parsers_accept_or_raise_bad_request_only(body):
     for parse in (parse_completion, parse_chat):
         try:
             g = parse(body)
-        except BadRequest as e:
+        except BadRequestError as e:
             assert str(e)
             continue
         p = g.params

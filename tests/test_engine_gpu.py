@@ -22,15 +22,28 @@ def tiny():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        max_position_embeddings=1024,
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).cuda().eval()
 
 
 def _engine(model, url="memory://", **kw):  # noqa: ANN001, ANN202
-    return Engine(model, store_url=url, device="cuda",
-                  codec_config=CodecConfig(quant="exact", chunk_tokens=32, resolutions=((256, 256),)),
-                  resolution_policy="fixed:0", codec=RawCodec(), **{"fetch_deadline_s": None, **kw})
+    return Engine(
+        model,
+        store_url=url,
+        device="cuda",
+        codec_config=CodecConfig(quant="exact", chunk_tokens=32, resolutions=((256, 256),)),
+        resolution_policy="fixed:0",
+        codec=RawCodec(),
+        **{"fetch_deadline_s": None, **kw},
+    )
 
 
 def test_cuda_reuse_equals_recompute(tiny):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -55,7 +54,10 @@ def test_tensor_cache_round_trip_is_bit_exact(layers, tokens, kv_heads, head_dim
     assert torch.equal(cache.layers[layers - 1].values[0, :, -1], kv[layers - 1, 1, -1])
     back = cache_to_tensor(cache)
     assert back.dtype == dtype and back.shape == kv.shape
-    assert torch.equal(back.view(torch.uint8) if dtype != torch.float32 else back, kv.view(torch.uint8) if dtype != torch.float32 else kv)
+    assert torch.equal(
+        back.view(torch.uint8) if dtype != torch.float32 else back,
+        kv.view(torch.uint8) if dtype != torch.float32 else kv,
+    )
 
 
 def test_cache_to_tensor_accepts_legacy_tuples():
@@ -133,7 +135,9 @@ def test_restored_prefix_continues_like_uninterrupted_pass(real_model, short_tex
 def test_greedy_generation_from_restored_kv_matches_generate(real_model, short_text):
     name, model, tokenizer = real_model
     ids = tokenizer(short_text, return_tensors="pt").input_ids[0][:48]
-    ref = model.generate(ids.unsqueeze(0), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, 48, dtype=torch.long))
+    ref = model.generate(
+        ids.unsqueeze(0), max_new_tokens=8, do_sample=False, attention_mask=torch.ones(1, 48, dtype=torch.long)
+    )
     ref_tokens = ref[0, 48:].tolist()
     _, kv = extract_kv(model, tokenizer, short_text, max_tokens=47)
     got = greedy_from_kv(model, ids[:47], _serialize(kv), ids[47:48], 8)

@@ -10,10 +10,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvcodec.config import CodecConfig  # noqa: E402
-from kvcodec.engine import Engine, Request, SamplingParams, State  # noqa: E402
+from kvcodec.engine import (  # noqa: E402
+    Engine,
+    Request,
+    SamplingParams,
+    Scheduler,  # noqa: E402
+    State,
+)
 from kvcodec.errors import ConfigError  # noqa: E402
 from kvcodec.fetcher.rawcodec import RawCodec  # noqa: E402
-from kvcodec.engine import Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

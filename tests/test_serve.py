@@ -11,9 +11,9 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from kvcodec.server import create_app  # noqa: E402
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.engine import Engine  # noqa: E402
+from kvcodec.server import create_app  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -71,8 +71,14 @@ def test_completion_then_reuse_same_text(client):
     metrics = c.get("/metrics")
     assert metrics.headers["content-type"].startswith("text/plain")
     text = metrics.text
-    for name in ("kvcodec_ttft_seconds_bucket", "kvcodec_tpot_seconds_count", "kvcodec_fetch_bytes_total",
-                 "kvcodec_reuse_hits_total", "kvcodec_reuse_misses_total", "kvcodec_fetch_fallbacks_total"):
+    for name in (
+        "kvcodec_ttft_seconds_bucket",
+        "kvcodec_tpot_seconds_count",
+        "kvcodec_fetch_bytes_total",
+        "kvcodec_reuse_hits_total",
+        "kvcodec_reuse_misses_total",
+        "kvcodec_fetch_fallbacks_total",
+    ):
         assert name in text
     hits = [ln for ln in text.splitlines() if ln.startswith("kvcodec_reuse_hits_total")][0]
     assert float(hits.split()[-1]) >= 1
@@ -149,8 +155,12 @@ def test_bad_fields_are_refused_at_the_door(client, path, body, param):
 def test_requests_the_model_cannot_run_are_refused(client):
     c, eng = client
     vocab = eng.runner.vocab_size
-    for body in ({"prompt": [1, vocab]}, {"prompt": [-1, 2]}, {"prompt": [5] * (eng.max_context + 1)},
-                 {"prompt": "Hi", "max_tokens": eng.max_context}):
+    for body in (
+        {"prompt": [1, vocab]},
+        {"prompt": [-1, 2]},
+        {"prompt": [5] * (eng.max_context + 1)},
+        {"prompt": "Hi", "max_tokens": eng.max_context},
+    ):
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["message"], r.text
     assert c.get("/health").json()["status"] == "ok"

@@ -20,8 +20,10 @@ httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow
 
-DOC = ("The lighthouse keeper, Mara, kept a logbook of every ship. On Monday the Albatross passed at dawn; "
-       "on Tuesday the Heron anchored for repairs; on Wednesday fog hid the bay. ")
+DOC = (
+    "The lighthouse keeper, Mara, kept a logbook of every ship. On Monday the Albatross passed at dawn; "
+    "on Tuesday the Heron anchored for repairs; on Wednesday fog hid the bay. "
+)
 VALID = [
     {"prompt": DOC + "Question: Which ship anchored for repairs? Answer:", "max_tokens": 6},
     {"prompt": DOC + "Question: What hid the bay on Wednesday? Answer:", "max_tokens": 6},
@@ -56,8 +58,26 @@ def server(tmp_path_factory, smollm2):  # smollm2: converts the weights once, be
     store = tmp_path_factory.mktemp("store")
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "kvcodec.cli.main", "serve", "--model", "smollm2-135m", "--store", f"file://{store}",
-           "--device", "cpu", "--port", str(port), "--quant", "exact", "--chunk-tokens", "32", "--max-batch", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvcodec.cli.main",
+        "serve",
+        "--model",
+        "smollm2-135m",
+        "--store",
+        f"file://{store}",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--quant",
+        "exact",
+        "--chunk-tokens",
+        "32",
+        "--max-batch",
+        "4",
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -120,8 +140,11 @@ def test_vanished_client_request_is_cancelled(server):
     body = json.dumps({"prompt": "Count slowly:", "max_tokens": 4000, "ignore_eos": True}).encode()
     port = int(base.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         time.sleep(1.0)
     deadline = time.monotonic() + 15
     while _aborted(base) <= before and time.monotonic() < deadline:

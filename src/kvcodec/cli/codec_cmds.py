@@ -47,8 +47,13 @@ def _atomic_write(path: Path, data: bytes) -> None:
 @click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 512x512).")
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
 @click.option("--sample-coder", type=click.Choice(SAMPLE_CODERS), default="hevc", show_default=True)
-@click.option("--video-bits", type=click.Choice(["auto", *map(str, range(1, 9))]), default="auto", show_default=True,
-              help="Top bits of each sample coded as video; the rest go to packed bit planes (8: all in the video).")
+@click.option(
+    "--video-bits",
+    type=click.Choice(["auto", *map(str, range(1, 9))]),
+    default="auto",
+    show_default=True,
+    help="Top bits of each sample coded as video; the rest go to packed bit planes (8: all in the video).",
+)
 def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits):
     """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
     from tqdm import tqdm
@@ -58,8 +63,12 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
     bits = parse_layer_bits(layer_bits)
     kv = _load_kv(src)
-    kw = dict(quant=quant, chunk_tokens=chunk_tokens, sample_coder=sample_coder,
-              video_bits=video_bits if video_bits == "auto" else int(video_bits))
+    kw = dict(
+        quant=quant,
+        chunk_tokens=chunk_tokens,
+        sample_coder=sample_coder,
+        video_bits=video_bits if video_bits == "auto" else int(video_bits),
+    )
     if res:
         kw["resolutions"] = res
     if bits:
@@ -85,8 +94,14 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
 @device_option()
 @click.option("--resolution", help="Which stored resolution to decode, e.g. 512x512 (default: the largest).")
-@click.option("--nvdec-pool", "pool_workers", type=int, default=0, show_default=True,
-              help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).")
+@click.option(
+    "--nvdec-pool",
+    "pool_workers",
+    type=int,
+    default=0,
+    show_default=True,
+    help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).",
+)
 def decode_cmd(src, dst, device, resolution, pool_workers):
     """Decode SRC.kvc into DST.safetensors (one tensor named `kv`)."""
     from safetensors.torch import save_file
@@ -109,7 +124,9 @@ def decode_cmd(src, dst, device, resolution, pool_workers):
         kv = kvcodec.decode(data, device=device, resolution=res[0] if res else None)
         elapsed = time.perf_counter() - t0
     save_file({"kv": kv.cpu().contiguous()}, str(dst))
-    click.echo(f"{dst}: kv {tuple(kv.shape)} {str(kv.dtype).removeprefix('torch.')} decoded on {device} in {elapsed:.2f} s")
+    click.echo(
+        f"{dst}: kv {tuple(kv.shape)} {str(kv.dtype).removeprefix('torch.')} decoded on {device} in {elapsed:.2f} s"
+    )
 
 
 @click.command("inspect")
@@ -125,7 +142,9 @@ def inspect_cmd(src, as_json):
         return
     cfg = info["config"]
     click.echo(f"file        {src} ({info['file_bytes']:,} bytes, format v{info['format_version']})")
-    click.echo(f"kv          shape {tuple(info['shape'])} {info['dtype']}, {info['tokens']} tokens in {info['chunks']} chunks of {cfg['chunk_tokens']}")
+    click.echo(
+        f"kv          shape {tuple(info['shape'])} {info['dtype']}, {info['tokens']} tokens in {info['chunks']} chunks of {cfg['chunk_tokens']}"
+    )
     bits = f" layer bits {cfg['layer_bits']}" if cfg["layer_bits"] else ""
     click.echo(f"quant       {cfg['quant']}{bits}; samples coded with {cfg['sample_coder']}")
     click.echo(f"fp16 size   {info['fp16_bytes']:,} bytes")

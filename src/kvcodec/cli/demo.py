@@ -32,19 +32,38 @@ def _say(msg: str) -> None:
 @click.command("demo")
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Model (kvcodec.models).")
 @click.option("--text", "text_name", default="pg/worked", show_default=True, help="Document (kvcodec.models.texts).")
-@click.option("--doc-tokens", default=2048, show_default=True, type=click.IntRange(min=1), help="Tokens of the document to use.")
-@click.option("--gbit", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Emulated link bandwidth (Gbit/s, token bucket).")
+@click.option(
+    "--doc-tokens", default=2048, show_default=True, type=click.IntRange(min=1), help="Tokens of the document to use."
+)
+@click.option(
+    "--gbit",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Emulated link bandwidth (Gbit/s, token bucket).",
+)
 @click.option("--quant", default="int8", show_default=True, help="kvcodec quantization (int8, ..., exact).")
 @click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))
 @click.option("--store", "store_dir", default=None, help="Directory for the file:// store (default: a temp dir).")
 @device_option(default=None, help="cpu or cuda (default: cuda if available).")
-@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch CPU threads (default: torch's choice).")
+@click.option(
+    "--threads", default=None, type=click.IntRange(min=1), help="torch CPU threads (default: torch's choice)."
+)
 @click.option("--json-out", default=None, type=click.Path(dir_okay=False), help="Also write the numbers as JSON.")
-def command(model_name: str, text_name: str, doc_tokens: int, gbit: float, quant: str, chunk_tokens: int,
-            max_new_tokens: int, store_dir: str | None, device: str | None, json_out: str | None,
-            threads: int | None) -> None:
+def command(
+    model_name: str,
+    text_name: str,
+    doc_tokens: int,
+    gbit: float,
+    quant: str,
+    chunk_tokens: int,
+    max_new_tokens: int,
+    store_dir: str | None,
+    device: str | None,
+    json_out: str | None,
+    threads: int | None,
+) -> None:
     """Store a document's KV, then reuse it over an emulated link: TTFT and identical answers."""
     import os
     import tempfile
@@ -69,8 +88,10 @@ def command(model_name: str, text_name: str, doc_tokens: int, gbit: float, quant
     shared = next((i for i, (a, b) in enumerate(zip(p1, p2)) if a != b), min(len(p1), len(p2)))
     kvc, raw = _engines(model, tok, store_dir, gbit, quant, chunk_tokens, shared, device)
     kvc.generate([1, 2, 3, 4], max_new_tokens=2, reuse=False, store=False)  # warm-up
-    _say(f"      document: {text_name}, {len(doc_ids)} tokens; prompts {len(p1)} / {len(p2)} tokens; "
-         f"link {gbit:g} Gbit/s (token bucket)")
+    _say(
+        f"      document: {text_name}, {len(doc_ids)} tokens; prompts {len(p1)} / {len(p2)} tokens; "
+        f"link {gbit:g} Gbit/s (token bucket)"
+    )
     ref, rr, kr = _story(kvc, raw, p1, p2, gbit, max_new_tokens)
     rec = _report(model_name, str(kvc.device), len(doc_ids), gbit, quant, ref, rr, kr)
     click.echo(f"total demo time {time.perf_counter() - t_start:.0f} s")
@@ -100,8 +121,16 @@ def _prompts(tok, doc: str) -> tuple[list[int], list[int]]:  # noqa: ANN001
     return prompt(QUESTIONS[0]), prompt(QUESTIONS[1])
 
 
-def _engines(model, tok, store_dir: str, gbit: float, quant: str, chunk_tokens: int, shared: int,  # noqa: ANN001
-             device: str | None):  # noqa: ANN202
+def _engines(
+    model,
+    tok,
+    store_dir: str,
+    gbit: float,
+    quant: str,
+    chunk_tokens: int,
+    shared: int,  # noqa: ANN001
+    device: str | None,
+):  # noqa: ANN202
     """(kvcodec engine, raw fp16 engine), each storing into its own file:// store behind the link."""
     import os
     import urllib.parse
@@ -117,9 +146,19 @@ def _engines(model, tok, store_dir: str, gbit: float, quant: str, chunk_tokens: 
         inner = "file://" + os.path.join(store_dir, sub)
         url = f"throttle://{gbit}?inner={urllib.parse.quote(inner, safe='')}"
         # no fetch deadline: the demo measures each method's fetch, even one slower than a prefill
-        return Engine(model, tokenizer=tok, store_url=url, codec_config=cfg, codec=codec, store_policy=policy,
-                      max_batch=1, device=device, resolution_policy="fixed:0", store_partial=False,
-                      fetch_deadline_s=None)
+        return Engine(
+            model,
+            tokenizer=tok,
+            store_url=url,
+            codec_config=cfg,
+            codec=codec,
+            store_policy=policy,
+            max_batch=1,
+            device=device,
+            resolution_policy="fixed:0",
+            store_partial=False,
+            fetch_deadline_s=None,
+        )
 
     return engine("kvcodec"), engine("raw", RawCodec())
 
@@ -169,15 +208,22 @@ def _report(model_name: str, dev: str, doc_tokens: int, gbit: float, quant: str,
     click.echo(f"compression vs raw fp16 KV: {ratio:.2f}x")
     click.echo(f"answer (full prefill):   {ref.text.strip()!r}")
     click.echo(f"answer (kvcodec reuse):  {kr.text.strip()!r}")
-    click.echo(f"greedy answers identical: raw reuse {'yes' if same_raw else 'NO'}, kvcodec {'yes' if same_kvc else 'NO'}")
+    click.echo(
+        f"greedy answers identical: raw reuse {'yes' if same_raw else 'NO'}, kvcodec {'yes' if same_kvc else 'NO'}"
+    )
     if kr.fetch_error or rr.fetch_error:
         click.echo(f"fetch errors (recomputed): raw={rr.fetch_error} kvcodec={kr.fetch_error}")
     return {
         "command": " ".join(["kvcodec"] + sys.argv[1:]),
-        "model": model_name, "device": dev, "doc_tokens": doc_tokens, "link_gbit": gbit, "quant": quant,
+        "model": model_name,
+        "device": dev,
+        "doc_tokens": doc_tokens,
+        "link_gbit": gbit,
+        "quant": quant,
         "ttft_s": {"prefill": ref.ttft_s, "raw": rr.ttft_s, "kvcodec": kr.ttft_s},
         "bytes_fetched": {"raw": rr.bytes_fetched, "kvcodec": kr.bytes_fetched},
         "restored_tokens": {"raw": rr.restored_tokens, "kvcodec": kr.restored_tokens},
-        "compression_vs_fp16": ratio, "identical": {"raw": same_raw, "kvcodec": same_kvc},
+        "compression_vs_fp16": ratio,
+        "identical": {"raw": same_raw, "kvcodec": same_kvc},
         "answers": {"prefill": ref.text, "raw": rr.text, "kvcodec": kr.text},
     }

@@ -34,7 +34,9 @@ def _read_text(spec: str) -> tuple[str, str]:
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Registered model name.")
 @click.option("--text", "text_spec", required=True, help="A UTF-8 file, or a text name: pg, pg/<essay>.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="Tokens to keep.")
-@click.option("--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True, help="dtype of the saved KV.")
+@click.option(
+    "--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True, help="dtype of the saved KV."
+)
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Prefill chunk size.")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 def command(model_name: str, text_spec: str, max_tokens: int, dtype: str, chunk_tokens: int, out: Path) -> None:

@@ -19,6 +19,7 @@ from kvcodec.errors import KVCodecError
 SUBCOMMAND_MODULES = (
     "kvcodec.cli.codec_cmds",  # encode, decode, inspect
     "kvcodec.cli.extract",  # extract
+    "kvcodec.cli.calibrate",  # calibrate
     "kvcodec.cli.demo",  # demo
     "kvcodec.cli.bench",  # bench <name>
     "kvcodec.cli.serve",  # serve

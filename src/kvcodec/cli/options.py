@@ -13,7 +13,7 @@ MAX_FRAME = 8192  # NVDEC's largest HEVC frame side (FACTS.md); x265 fails on la
 
 
 def parse_resolutions(text: str | None, param: str = "--resolutions") -> tuple[tuple[int, int], ...] | None:
-    """"256x256,512x512" -> ((256, 256), (512, 512)); None for an empty value."""
+    """ "256x256,512x512" -> ((256, 256), (512, 512)); None for an empty value."""
     if not text:
         return None
     out = []
@@ -29,14 +29,15 @@ def parse_resolutions(text: str | None, param: str = "--resolutions") -> tuple[t
 
 
 def parse_layer_bits(text: str | None) -> tuple[int, ...] | None:
-    """"8,6,4" -> (8, 6, 4); None for an empty value."""
+    """ "8,6,4" -> (8, 6, 4); None for an empty value."""
     if not text:
         return None
     try:
         return tuple(int(b) for b in text.split(","))
     except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated integers, e.g. 8,8,6",
-                                 param_hint="--layer-bits") from None
+        raise click.BadParameter(
+            f"{text!r}: expected comma-separated integers, e.g. 8,8,6", param_hint="--layer-bits"
+        ) from None
 
 
 def parse_deadline(ctx: click.Context | None, param: Any, value: str | float | None) -> float | str | None:
@@ -75,8 +76,7 @@ def check_device(ctx: click.Context | None, param: Any, value: str | None) -> st
 
 
 def device_option(default: str | None = "cpu", help: str = "cpu, cuda, cuda:1 ...") -> Callable:
-    return click.option("--device", default=default, show_default=default is not None, callback=check_device,
-                        help=help)
+    return click.option("--device", default=default, show_default=default is not None, callback=check_device, help=help)
 
 
 def check_output_path(ctx: click.Context | None, param: Any, value: Path) -> Path:

@@ -8,39 +8,92 @@ from kvcodec.cli.options import device_option, parse_deadline
 
 
 @click.command("serve")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True,
-              help="Registered model name (kvcodec.models), local model directory or .gguf file.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
-              help="Run the model in this dtype (default: its own; float32 weights run as float16 on CUDA).")
-@click.option("--store", "store_url", default=None, help="KV store URL (file://, memory://, redis://); default: a temp file:// dir.")
+@click.option(
+    "--model",
+    "model_name",
+    default="smollm2-135m",
+    show_default=True,
+    help="Registered model name (kvcodec.models), local model directory or .gguf file.",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default=None,
+    help="Run the model in this dtype (default: its own; float32 weights run as float16 on CUDA).",
+)
+@click.option(
+    "--store",
+    "store_url",
+    default=None,
+    help="KV store URL (file://, memory://, redis://); default: a temp file:// dir.",
+)
 @click.option("--quant", default="int8", show_default=True, help="Codec quantization of stored KV (int8, exact, ...).")
 @click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--policy", type=click.Choice(["fetch-aware", "blocking"]), default="fetch-aware", show_default=True)
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--prefill-chunk-tokens", default=512, show_default=True, type=click.IntRange(min=1),
-              help="Prompt tokens prefilled per engine step (long prompts never stall the others).")
+@click.option(
+    "--prefill-chunk-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Prompt tokens prefilled per engine step (long prompts never stall the others).",
+)
 @click.option("--no-reuse", is_flag=True, help="Never fetch stored prefixes.")
 @click.option("--no-store", is_flag=True, help="Never store prompt KV after prefill.")
-@click.option("--store-min-tokens", default=None, type=click.IntRange(min=0), help="Store prompts of at least this many tokens.")
-@click.option("--fetch-deadline", default="auto", show_default=True, callback=parse_deadline,
-              help="Seconds a fetch may take before the rest is recomputed; auto: the measured time to "
-                   "recompute the prefix; none: no deadline.")
-@click.option("--stall-timeout", default=60.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="/health answers 503 after this many seconds without engine progress while work is pending.")
+@click.option(
+    "--store-min-tokens", default=None, type=click.IntRange(min=0), help="Store prompts of at least this many tokens."
+)
+@click.option(
+    "--fetch-deadline",
+    default="auto",
+    show_default=True,
+    callback=parse_deadline,
+    help="Seconds a fetch may take before the rest is recomputed; auto: the measured time to "
+    "recompute the prefix; none: no deadline.",
+)
+@click.option(
+    "--stall-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="/health answers 503 after this many seconds without engine progress while work is pending.",
+)
 @device_option(default=None, help="cpu or cuda (default: cuda if available).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--nvdec-pool", "nvdec_pool", default=0, show_default=True, type=click.IntRange(min=0),
-              help="CUDA: restore fetched chunks in this many NVDEC worker processes (7 on an H100/H200). "
-                   "Keeps decoding off the serving process, whose request loop an in-process decoder slows "
-                   "(benchmarks/results/interference-h200-v2.md). 0: one decoder in this process.")
-def command(model_name: str, dtype: str | None, store_url: str | None, quant: str, chunk_tokens: int, policy: str, max_batch: int,
-            prefill_chunk_tokens: int, no_reuse: bool, no_store: bool, store_min_tokens: int | None,
-            fetch_deadline: float | str | None, stall_timeout: float, device: str | None, host: str, port: int,
-            nvdec_pool: int) -> None:
+@click.option(
+    "--nvdec-pool",
+    "nvdec_pool",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="CUDA: restore fetched chunks in this many NVDEC worker processes (7 on an H100/H200). "
+    "Keeps decoding off the serving process, whose request loop an in-process decoder slows "
+    "(benchmarks/results/interference-h200-v2.md). 0: one decoder in this process.",
+)
+def command(
+    model_name: str,
+    dtype: str | None,
+    store_url: str | None,
+    quant: str,
+    chunk_tokens: int,
+    policy: str,
+    max_batch: int,
+    prefill_chunk_tokens: int,
+    no_reuse: bool,
+    no_store: bool,
+    store_min_tokens: int | None,
+    fetch_deadline: float | str | None,
+    stall_timeout: float,
+    device: str | None,
+    host: str,
+    port: int,
+    nvdec_pool: int,
+) -> None:
     """Serve a model over an OpenAI-compatible API with remote KV prefix reuse."""
     import tempfile
 
+    from kvcodec.codecs import HevcCodec
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.server import serve
@@ -48,14 +101,22 @@ def command(model_name: str, dtype: str | None, store_url: str | None, quant: st
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}", err=True)
-    pool, codec = _nvdec_pool(nvdec_pool, device)
+    pool = _nvdec_pool(nvdec_pool, device)
     try:
         engine = Engine(
-            model_name, store_url=store_url, codec_config=CodecConfig(quant=quant, chunk_tokens=chunk_tokens),
-            codec=codec, decode_workers=max(1, nvdec_pool), reuse=not no_reuse,
-            store_policy=StorePolicy(enabled=not no_store, min_tokens=store_min_tokens), policy=policy,
-            max_batch=max_batch, prefill_chunk_tokens=prefill_chunk_tokens, fetch_deadline_s=fetch_deadline,
-            stall_s=stall_timeout, device=device, dtype=_torch_dtype(dtype),
+            model_name,
+            store_url=store_url,
+            codec=HevcCodec(CodecConfig(quant=quant, chunk_tokens=chunk_tokens), pool=pool),
+            decode_workers=max(1, nvdec_pool),
+            reuse=not no_reuse,
+            store_policy=StorePolicy(enabled=not no_store, min_tokens=store_min_tokens),
+            policy=policy,
+            max_batch=max_batch,
+            prefill_chunk_tokens=prefill_chunk_tokens,
+            fetch_deadline_s=fetch_deadline,
+            stall_s=stall_timeout,
+            device=device,
+            dtype=_torch_dtype(dtype),
         )
         serve(engine, model_name, host=host, port=port)
     finally:
@@ -70,15 +131,15 @@ def _torch_dtype(name: str | None):  # noqa: ANN202
 
 
 def _nvdec_pool(workers: int, device: str | None):  # noqa: ANN202
-    """(pool, codec) restoring fetched chunks in `workers` NVDEC processes; (None, None) for 0."""
+    """An NvdecPool restoring fetched chunks in `workers` NVDEC processes; None for 0."""
     if workers <= 0:
-        return None, None
+        return None
     import torch
 
     if not (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
         raise click.BadParameter("--nvdec-pool needs a CUDA device", param_hint="--nvdec-pool")
-    from kvcodec.video.nvdec_pool import NvdecPool, PoolCodec
+    from kvcodec.video.nvdec_pool import NvdecPool
 
     pool = NvdecPool(workers=workers, device=device)
     click.echo(f"kvcodec serve: fetched chunks restored by {workers} NVDEC worker processes", err=True)
-    return pool, PoolCodec(pool)
+    return pool

@@ -8,6 +8,15 @@ from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams, Stat
 from kvcodec.engine.storer import StorePolicy
 
 __all__ = [
-    "POLICIES", "Engine", "EngineConfig", "EngineMetrics", "PrefixSource", "Request", "RequestOutput",
-    "SamplingParams", "Scheduler", "State", "StorePolicy",
+    "POLICIES",
+    "Engine",
+    "EngineConfig",
+    "EngineMetrics",
+    "PrefixSource",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "Scheduler",
+    "State",
+    "StorePolicy",
 ]

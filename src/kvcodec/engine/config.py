@@ -1,7 +1,7 @@
 """EngineConfig: every setting of an Engine in one frozen dataclass.
 
-    Engine("smollm2-135m", max_batch=4, store_url="file:///srv/kv")   # keyword arguments = fields
-    Engine(model, EngineConfig(max_batch=4))                           # or one config object
+Engine("smollm2-135m", max_batch=4, store_url="file:///srv/kv")   # keyword arguments = fields
+Engine(model, EngineConfig(max_batch=4))                           # or one config object
 """
 
 from __future__ import annotations
@@ -71,8 +71,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduler policy must be one of {POLICIES}; got {self.policy!r}")
-        for name in ("max_batch", "max_prefill_tokens", "prefill_chunk_tokens", "fetch_workers",
-                     "store_queue", "decode_workers"):
+        for name in (
+            "max_batch",
+            "max_prefill_tokens",
+            "prefill_chunk_tokens",
+            "fetch_workers",
+            "store_queue",
+            "decode_workers",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         d = self.fetch_deadline_s

@@ -27,7 +27,7 @@ import torch
 from kvcodec.engine.config import AUTO, EngineConfig
 from kvcodec.engine.deadline import PrefillRate
 from kvcodec.engine.metrics import EngineMetrics
-from kvcodec.engine.prefix import RestoreTargets, open_prefix_cache
+from kvcodec.engine.prefix import RestoreTargets, chunk_tokens_of, open_prefix_cache
 from kvcodec.engine.runner import ModelRunner, default_device, sample
 from kvcodec.engine.scheduler import Scheduler
 from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams
@@ -63,8 +63,15 @@ class Engine:
         put); it replaces the one the config's store_url and codec would give.
     """
 
-    def __init__(self, model: Any = "smollm2-135m", config: EngineConfig | None = None, *,
-                 tokenizer: Any = None, prefix_cache: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any = "smollm2-135m",
+        config: EngineConfig | None = None,
+        *,
+        tokenizer: Any = None,
+        prefix_cache: Any = None,
+        **kwargs: Any,
+    ) -> None:
         cfg = self.config = EngineConfig.from_kwargs(config, **kwargs)
         self.device = torch.device(cfg.device) if cfg.device is not None else default_device()
         model, tokenizer = _load(model, tokenizer, self.device, cfg.dtype)
@@ -79,13 +86,16 @@ class Engine:
         if prefix_cache is None and keeps_kv:
             self.store, prefix_cache = open_prefix_cache(cfg, self.model, self.device, layout)
         self.prefix_cache = prefix_cache
-        chunk = getattr(getattr(prefix_cache, "config", None), "chunk_tokens", None)
-        self.chunk_tokens = int(chunk or getattr(cfg.codec_config, "chunk_tokens", 256))
+        self.chunk_tokens = chunk_tokens_of(prefix_cache, getattr(cfg.codec_config, "chunk_tokens", 256))
         self.prefill_rate = PrefillRate()
         self.scheduler = Scheduler(
-            prefix_cache if cfg.reuse else None, policy=cfg.policy, max_batch=cfg.max_batch,
-            max_prefill_tokens=cfg.max_prefill_tokens, min_reuse_tokens=cfg.min_reuse_tokens,
-            fetch_workers=cfg.fetch_workers, deadline_for=self._deadline_for,
+            prefix_cache if cfg.reuse else None,
+            policy=cfg.policy,
+            max_batch=cfg.max_batch,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            min_reuse_tokens=cfg.min_reuse_tokens,
+            fetch_workers=cfg.fetch_workers,
+            deadline_for=self._deadline_for,
             target_for=RestoreTargets(self.model, self.device, self.runner.dtype, layout),
         )
         self.storer = KVStorer(prefix_cache, cfg.store_policy, self.chunk_tokens, max_pending=cfg.store_queue)
@@ -134,9 +144,17 @@ class Engine:
         check_token_ids(prompt_ids, self.runner.vocab_size)
         check_context(len(prompt_ids), params.max_new_tokens, self.max_context)
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, reuse: bool = True,
-               store: bool = True, on_token: Callable[[Request, int], None] | None = None,
-               on_finish: Callable[[Request], None] | None = None, request_id: str | None = None) -> Request:
+    def submit(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        reuse: bool = True,
+        store: bool = True,
+        on_token: Callable[[Request, int], None] | None = None,
+        on_finish: Callable[[Request], None] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
         """Check and queue a request (its prefix lookup runs on this thread); returns it at once."""
         req = Request(prompt_ids=self.encode(prompt), params=params or SamplingParams(), reuse=reuse, store=store)
         self.check(req.prompt_ids, req.params)
@@ -284,9 +302,18 @@ class Engine:
             self.metrics.stored_chunks.inc(written)
 
     # ---- drivers -------------------------------------------------------------------------------
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], max_new_tokens: int = 64,
-                 temperature: float = 0.0, *, params: SamplingParams | None = None, reuse: bool = True,
-                 store: bool = True, wait_for_store: bool = False, **kw: Any) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        *,
+        params: SamplingParams | None = None,
+        reuse: bool = True,
+        store: bool = True,
+        wait_for_store: bool = False,
+        **kw: Any,
+    ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs in prompt order.
 
         wait_for_store: return only after the prompts' KV is in the store (so that a following call
@@ -294,8 +321,10 @@ class Engine:
         """
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         sp = params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **kw)
-        reqs = [self.submit(p, SamplingParams(**vars(sp)), reuse=reuse, store=store)
-                for p in ([prompts] if single else list(prompts))]
+        reqs = [
+            self.submit(p, SamplingParams(**vars(sp)), reuse=reuse, store=store)
+            for p in ([prompts] if single else list(prompts))
+        ]
         if self._loop is not None:
             for r in reqs:
                 r.done.wait()

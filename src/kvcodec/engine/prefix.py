@@ -8,38 +8,60 @@ import torch
 
 from kvcodec.engine.config import EngineConfig
 from kvcodec.engine.runner import restore_target
+from kvcodec.errors import ConfigError
+
+
+def engine_codec(cfg: EngineConfig) -> Any:
+    """The ChunkCodec of `cfg`: its codec (an object or a registered name), configured by its
+    codec_config when both are given; by default the HEVC codec at int8."""
+    from kvcodec.codecs import HevcCodec, make_codec
+    from kvcodec.config import CodecConfig
+
+    codec = make_codec(cfg.codec) if isinstance(cfg.codec, str) else cfg.codec
+    if codec is None:
+        return HevcCodec(cfg.codec_config or CodecConfig(quant="int8"))
+    if cfg.codec_config is not None:
+        if not hasattr(codec, "with_config"):
+            raise ConfigError(f"codec {type(codec).__name__} cannot take a codec_config; configure the codec itself")
+        codec = codec.with_config(cfg.codec_config)
+    return codec
 
 
 def open_prefix_cache(cfg: EngineConfig, model: Any, device: torch.device, layout: Any = None) -> tuple[Any, Any]:
     """(store, PrefixCache) for `cfg`: its store URL (memory:// by default), codec and policy; a
     GroupedPrefixCache for a model with several KV layer groups (`layout`, kvspec.serving)."""
-    from kvcodec.config import CodecConfig
     from kvcodec.fetcher import PrefixCache
     from kvcodec.models import model_id
     from kvcodec.store import open_store
 
+    codec = engine_codec(cfg)
     store = open_store(cfg.store_url or "memory://")
-    codec_config = cfg.codec_config or CodecConfig(quant="int8")
-    options: dict[str, Any] = {
+    options = {
         "policy": cfg.resolution_policy,
         "decode_workers": cfg.decode_workers,
         "store_partial": cfg.store_partial,
     }
-    if cfg.codec is not None:
-        options["codec"] = cfg.codec
     try:
         if layout is not None:
             from kvcodec.fetcher.grouped import GroupedPrefixCache
 
-            codec = options.pop("codec", None) or codec_config
             cache = GroupedPrefixCache(store, model_id(model), codec, device, spec=layout.spec, **options)
         else:
-            cache = PrefixCache(store, model_id(model), codec_config, device, **options)
+            cache = PrefixCache(store, model_id(model), codec, device, **options)
     except BaseException:
         if hasattr(store, "close"):
             store.close()
         raise
     return store, cache
+
+
+def chunk_tokens_of(prefix_cache: Any, default: int = 256) -> int:
+    """Tokens per stored chunk of a prefix cache (its codec's, or its config's)."""
+    for owner in (getattr(prefix_cache, "codec", None), getattr(prefix_cache, "config", None)):
+        n = getattr(owner, "chunk_tokens", None)
+        if n:
+            return int(n)
+    return default
 
 
 def kv_dims(model: Any) -> tuple[int, int, int]:

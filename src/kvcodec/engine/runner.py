@@ -74,7 +74,9 @@ class ModelRunner:
             if self.layout is not None:
                 req.cache = self.layout.restored_cache(req.restored_kv, start)
             else:
-                req.cache = make_cache(restored_pairs(req.restored_kv, start, self.device, self.dtype), self.model.config)
+                req.cache = make_cache(
+                    restored_pairs(req.restored_kv, start, self.device, self.dtype), self.model.config
+                )
         elif self.layout is not None:
             req.cache = self.layout.new_cache()
         req.restored_kv = None  # the cache holds (views of) the data now

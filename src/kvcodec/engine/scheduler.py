@@ -26,8 +26,8 @@ import collections
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from kvcodec.engine.config import POLICIES

@@ -74,8 +74,8 @@ class Request:
     cache: Any = None
     generator: Any = None
     # streaming: called from the engine thread as on_token(request, token_id) and on_finish(request)
-    on_token: Callable[["Request", int], None] | None = None
-    on_finish: Callable[["Request"], None] | None = None
+    on_token: Callable[[Request, int], None] | None = None
+    on_finish: Callable[[Request], None] | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
@@ -136,7 +136,7 @@ class RequestOutput:
     fetch_s: float | None = None  # from the fetch's start to its KV being restored (None: no fetch)
 
     @classmethod
-    def from_request(cls, req: Request, text: str) -> "RequestOutput":
+    def from_request(cls, req: Request, text: str) -> RequestOutput:
         return cls(
             request_id=req.request_id,
             prompt_ids=list(req.prompt_ids),

@@ -12,7 +12,8 @@ one sequence (batch of 1). transformers (5.x) keeps, per layer, ``cache.layers[i
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -19,8 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
 from kvcodec.errors import KVCodecError
-from kvcodec.server import responses as R
-from kvcodec.server.schema import BadRequest, GenerationRequest, parse_chat, parse_completion
+from kvcodec.server import responses
+from kvcodec.server.schema import BadRequestError, GenerationRequest, parse_chat, parse_completion
 from kvcodec.server.streaming import deltas, submit
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
@@ -31,7 +31,7 @@ def create_app(engine: Any, model_name: str = "kvcodec", *, close_on_shutdown: b
     ('abort') and, with close_on_shutdown, it is closed (queued stores dropped)."""
     app = FastAPI(title="kvcodec", lifespan=_lifespan(engine, close_on_shutdown))
     app.state.engine, app.state.model_name = engine, model_name
-    app.add_exception_handler(BadRequest, _bad_request)
+    app.add_exception_handler(BadRequestError, _bad_request)
     app.add_exception_handler(KVCodecError, _bad_request)
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
@@ -56,14 +56,14 @@ def _lifespan(engine: Any, close: bool):  # noqa: ANN202
 
 
 async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(R.error(str(exc), getattr(exc, "param", None)), status_code=400)
+    return JSONResponse(responses.error(str(exc), getattr(exc, "param", None)), status_code=400)
 
 
 async def _json(request: Request) -> Any:
     try:
         return await request.json()
     except Exception as e:
-        raise BadRequest(f"the body is not JSON: {e}") from None
+        raise BadRequestError(f"the body is not JSON: {e}") from None
 
 
 async def completions(request: Request) -> Response:
@@ -83,7 +83,7 @@ def _prompt_ids(engine: Any, g: GenerationRequest) -> list[int]:
 async def _generate(request: Request, g: GenerationRequest) -> Response:
     engine = request.app.state.engine
     ids = await run_in_threadpool(_prompt_ids, engine, g)
-    env = R.Envelope.new(g.chat, g.model or request.app.state.model_name, len(ids))
+    env = responses.Envelope.new(g.chat, g.model or request.app.state.model_name, len(ids))
     req, q = await submit(engine, ids, g.params, g.reuse)  # a refused request: KVCodecError -> 400
     if g.stream:
         return StreamingResponse(_events(engine, env, req, q, g.stop), media_type="text/event-stream")
@@ -92,15 +92,15 @@ async def _generate(request: Request, g: GenerationRequest) -> Response:
         text, finish = text + d.text, d.finish_reason
     if finish is None:  # the client went away; the request was aborted
         return Response(status_code=CLIENT_CLOSED)
-    return JSONResponse(R.completion(env, req, text, finish))
+    return JSONResponse(responses.completion(env, req, text, finish))
 
 
-async def _events(engine: Any, env: R.Envelope, req: Any, q: Any, stop: tuple[str, ...]) -> AsyncIterator[str]:
+async def _events(engine: Any, env: responses.Envelope, req: Any, q: Any, stop: tuple[str, ...]) -> AsyncIterator[str]:
     if env.chat:
-        yield R.sse(R.role_chunk(env))
+        yield responses.sse(responses.role_chunk(env))
     async for d in deltas(engine, req, q, stop):
-        yield R.sse(R.chunk(env, req, d.text, d.finish_reason))
-    yield R.sse("[DONE]")
+        yield responses.sse(responses.chunk(env, req, d.text, d.finish_reason))
+    yield responses.sse("[DONE]")
 
 
 async def models(request: Request) -> dict[str, Any]:
@@ -115,6 +115,10 @@ async def metrics(request: Request) -> Response:
 async def health(request: Request) -> JSONResponse:
     h = request.app.state.engine.health()
     status = "ok" if h["ok"] else ("stalled" if h["alive"] else "dead")
-    body = {"status": status, "model": request.app.state.model_name, "queue": h["queue"],
-            "stalled_s": round(h["stalled_s"], 3)}
+    body = {
+        "status": status,
+        "model": request.app.state.model_name,
+        "queue": h["queue"],
+        "stalled_s": round(h["stalled_s"], 3),
+    }
     return JSONResponse(body, status_code=200 if h["ok"] else 503)

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible endpoints, checked field by field at the door.
 
 `parse_completion(body)` / `parse_chat(body)` turn a decoded JSON body into a frozen
-GenerationRequest or raise BadRequest naming the field; nothing unchecked reaches the engine.
+GenerationRequest or raise BadRequestError naming the field; nothing unchecked reaches the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ MAX_STOP_STRINGS = 16
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
-class BadRequest(ValueError):
+class BadRequestError(ValueError):
     """A request the server refuses with HTTP 400; `param` names the offending field."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -48,7 +48,7 @@ def _number(body: dict, name: str, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"{name} must be a finite number; got {v!r}", name)
+        raise BadRequestError(f"{name} must be a finite number; got {v!r}", name)
     return float(v)
 
 
@@ -58,24 +58,29 @@ def _max_tokens(body: dict) -> int:
     if v is None:
         return DEFAULT_MAX_TOKENS
     if not _is_int(v):
-        raise BadRequest(f"{name} must be an integer; got {v!r}", name)
+        raise BadRequestError(f"{name} must be an integer; got {v!r}", name)
     if v < 1:
-        raise BadRequest(f"{name} must be >= 1; got {v}", name)
+        raise BadRequestError(f"{name} must be >= 1; got {v}", name)
     return v
 
 
 def sampling_params(body: dict) -> SamplingParams:
     temperature = _number(body, "temperature", 0.0)
     if temperature < 0:
-        raise BadRequest(f"temperature must be >= 0; got {temperature:g}", "temperature")
+        raise BadRequestError(f"temperature must be >= 0; got {temperature:g}", "temperature")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1]; got {top_p:g}", "top_p")
+        raise BadRequestError(f"top_p must be in (0, 1]; got {top_p:g}", "top_p")
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise BadRequest(f"seed must be an integer in [0, 2**63); got {seed!r}", "seed")
-    return SamplingParams(max_new_tokens=_max_tokens(body), temperature=temperature, top_p=top_p, seed=seed,
-                          ignore_eos=_flag(body, "ignore_eos", False))
+        raise BadRequestError(f"seed must be an integer in [0, 2**63); got {seed!r}", "seed")
+    return SamplingParams(
+        max_new_tokens=_max_tokens(body),
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        ignore_eos=_flag(body, "ignore_eos", False),
+    )
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:
@@ -85,9 +90,9 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
+        raise BadRequestError("stop must be a string or a list of strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
-        raise BadRequest(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
+        raise BadRequestError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
     return tuple(s for s in stop if s)
 
 
@@ -96,19 +101,24 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise BadRequest(f"{name} must be true or false; got {v!r}", name)
+        raise BadRequestError(f"{name} must be true or false; got {v!r}", name)
     return v
 
 
 def _common(body: dict) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise BadRequest("model must be a string", "model")
+        raise BadRequestError("model must be a string", "model")
     n = body.get("n")
     if n is not None and n != 1:
-        raise BadRequest("only n = 1 is supported", "n")
-    return {"params": sampling_params(body), "stop": stop_strings(body), "stream": _flag(body, "stream", False),
-            "reuse": _flag(body, "kvcodec_reuse", True), "model": model}
+        raise BadRequestError("only n = 1 is supported", "n")
+    return {
+        "params": sampling_params(body),
+        "stop": stop_strings(body),
+        "stream": _flag(body, "stream", False),
+        "reuse": _flag(body, "kvcodec_reuse", True),
+        "model": model,
+    }
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -119,11 +129,11 @@ def parse_completion(body: Any) -> GenerationRequest:
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise BadRequest("empty prompt", "prompt")
+            raise BadRequestError("empty prompt", "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompt = tuple(prompt)
     else:
-        raise BadRequest("prompt must be a non-empty string or a non-empty list of integer token ids", "prompt")
+        raise BadRequestError("prompt must be a non-empty string or a non-empty list of integer token ids", "prompt")
     return GenerationRequest(chat=False, prompt=prompt, messages=(), **_common(body))
 
 
@@ -132,21 +142,21 @@ def parse_chat(body: Any) -> GenerationRequest:
     body = _object(body)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages must be a non-empty list", "messages")
+        raise BadRequestError("messages must be a non-empty list", "messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise BadRequest(f"messages[{i}] must be an object with role and content", "messages")
+            raise BadRequestError(f"messages[{i}] must be an object with role and content", "messages")
         role, content = m.get("role", "user"), m.get("content")
         if role not in ROLES:
-            raise BadRequest(f"messages[{i}].role must be one of {list(ROLES)}; got {role!r}", "messages")
+            raise BadRequestError(f"messages[{i}].role must be one of {list(ROLES)}; got {role!r}", "messages")
         if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+            raise BadRequestError(f"messages[{i}].content must be a string", "messages")
         out.append((role, content))
     return GenerationRequest(chat=True, prompt=None, messages=tuple(out), **_common(body))
 
 
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+        raise BadRequestError("the body must be a JSON object")
     return body

@@ -36,8 +36,9 @@ async def submit(engine: Any, prompt_ids: list[int], params: Any, reuse: bool) -
     def on_finish(req: Any) -> None:
         loop.call_soon_threadsafe(q.put_nowait, ("end", None))
 
-    req = await run_in_threadpool(engine.submit, prompt_ids, params, reuse=reuse, on_token=on_token,
-                                  on_finish=on_finish)
+    req = await run_in_threadpool(
+        engine.submit, prompt_ids, params, reuse=reuse, on_token=on_token, on_finish=on_finish
+    )
     return req, q
 
 
@@ -47,13 +48,14 @@ async def _next(q: asyncio.Queue, gone: Callable[[], Awaitable[bool]] | None) ->
     while True:
         try:
             return await asyncio.wait_for(q.get(), POLL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if await gone():
                 return ("gone", None)
 
 
-async def deltas(engine: Any, req: Any, q: asyncio.Queue, stop: tuple[str, ...],
-                 gone: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Delta]:
+async def deltas(
+    engine: Any, req: Any, q: asyncio.Queue, stop: tuple[str, ...], gone: Callable[[], Awaitable[bool]] | None = None
+) -> AsyncIterator[Delta]:
     """Text deltas of `req` as its tokens arrive; the last one carries the finish reason. `gone`:
     an async check that the client disconnected (the request is then aborted)."""
     sent, ids = "", []
@@ -64,7 +66,7 @@ async def deltas(engine: Any, req: Any, q: asyncio.Queue, stop: tuple[str, ...],
                 return
             if kind == "end":
                 text = engine.decode_text(ids)
-                yield Delta(text[len(sent):] if text.startswith(sent) else "", req.finish_reason or "stop")
+                yield Delta(text[len(sent) :] if text.startswith(sent) else "", req.finish_reason or "stop")
                 return
             ids.append(tok)
             text = engine.decode_text(ids)
@@ -73,9 +75,9 @@ async def deltas(engine: Any, req: Any, q: asyncio.Queue, stop: tuple[str, ...],
             hit = first_stop(text, stop)
             if hit >= 0:
                 engine.abort(req)
-                yield Delta(text[len(sent):hit] if hit >= len(sent) else "", "stop")
+                yield Delta(text[len(sent) : hit] if hit >= len(sent) else "", "stop")
                 return
-            delta = text[len(sent):] if text.startswith(sent) else ""
+            delta = text[len(sent) :] if text.startswith(sent) else ""
             sent = text
             if delta:
                 yield Delta(delta, None)
