@@ -12,8 +12,14 @@ from kvcodec.fetcher.keys import blob_key, meta_key
 from kvcodec.kvspec import GroupedKV, KVSpec, LayerSpec
 from kvcodec.store import open_store
 
-SPEC = KVSpec((LayerSpec("sliding", (2, 8), (2, 8), keep=5), LayerSpec("mla", (1, 16), (1, 8)),
-               LayerSpec("full", (2, 8), (2, 8))), "float16")
+SPEC = KVSpec(
+    (
+        LayerSpec("sliding", (2, 8), (2, 8), keep=5),
+        LayerSpec("mla", (1, 16), (1, 8)),
+        LayerSpec("full", (2, 8), (2, 8)),
+    ),
+    "float16",
+)
 CT = 8
 
 

@@ -85,11 +85,16 @@ def test_spec_dict_roundtrip(spec):
 
 @pytest.mark.parametrize(
     "bad",
-    [None, {}, {"version": 2, "dtype": "float16", "layers": []}, {"version": 1, "dtype": "float16", "layers": "x"},
-     {"version": 1, "dtype": "int8", "layers": [{"kind": "full", "k": [1, 2], "v": [1, 2]}]},
-     {"version": 1, "dtype": "float16", "layers": [{"kind": "sliding", "k": [1, 2], "v": [1, 2]}]},
-     {"version": 1, "dtype": "float16", "layers": [{"kind": "swa", "k": [1, 2], "v": [1, 2]}]},
-     {"version": 1, "dtype": "float16", "layers": [{"kind": "full", "k": [0, 2], "v": [1, 2]}]}],
+    [
+        None,
+        {},
+        {"version": 2, "dtype": "float16", "layers": []},
+        {"version": 1, "dtype": "float16", "layers": "x"},
+        {"version": 1, "dtype": "int8", "layers": [{"kind": "full", "k": [1, 2], "v": [1, 2]}]},
+        {"version": 1, "dtype": "float16", "layers": [{"kind": "sliding", "k": [1, 2], "v": [1, 2]}]},
+        {"version": 1, "dtype": "float16", "layers": [{"kind": "swa", "k": [1, 2], "v": [1, 2]}]},
+        {"version": 1, "dtype": "float16", "layers": [{"kind": "full", "k": [0, 2], "v": [1, 2]}]},
+    ],
 )
 def test_bad_spec_dicts_are_format_errors(bad):
     with pytest.raises(FormatError):

@@ -26,19 +26,44 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, max_p
 def _configs(vocab: int) -> dict[str, object]:
     return {
         "gemma3": transformers.Gemma3TextConfig(
-            vocab_size=vocab, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-            sliding_window=WINDOW, layer_types=["sliding_attention"] * 3 + ["full_attention"], **SMALL),
+            vocab_size=vocab,
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            **SMALL,
+        ),
         "mistral": transformers.MistralConfig(
-            vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW, **SMALL),
+            vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW, **SMALL
+        ),
         "deepseek_v2": transformers.DeepseekV2Config(
-            vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
-            num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, **SMALL),
+            vocab_size=vocab,
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            **SMALL,
+        ),
         "qwen3": transformers.Qwen3Config(
-            vocab_size=vocab, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, **SMALL),
+            vocab_size=vocab, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, **SMALL
+        ),
         "lfm2": transformers.Lfm2Config(  # a convolution layer: state, not keys and values
-            vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2, layer_types=["conv", "full_attention"],
-            **SMALL),
+            vocab_size=vocab,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            layer_types=["conv", "full_attention"],
+            **SMALL,
+        ),
     }
 
 
@@ -133,7 +158,8 @@ def test_exact_restore_continues_like_recomputation(arch, model_dirs, prompt_ids
         cache = model(prompt_ids[:-1].unsqueeze(0), use_cache=True).cache
     gkv = split_cache(cache, model.config)
     assert [(g.name, s) for g, s in zip(gkv.spec.groups, gkv.starts)] == [
-        (name, max(0, s - 1)) for name, s in EXPECTED_GROUPS[arch]]
+        (name, max(0, s - 1)) for name, s in EXPECTED_GROUPS[arch]
+    ]
     restored = _roundtrip(exact_codec, gkv)
     assert restored.equal(gkv)
     last = prompt_ids[-1:]
@@ -168,7 +194,9 @@ def test_bf16_stays_bf16_and_exact(model_dirs, prompt_ids, exact_codec):
     assert gkv.spec.dtype == "bfloat16"
     restored = _roundtrip(exact_codec, gkv)
     assert restored.equal(gkv)
-    assert _greedy_from(model, build_cache(restored, model), prompt_ids[-1:]) == _greedy_from(model, cache, prompt_ids[-1:])
+    assert _greedy_from(model, build_cache(restored, model), prompt_ids[-1:]) == _greedy_from(
+        model, cache, prompt_ids[-1:]
+    )
     with pytest.raises(ShapeError, match="differs from the model"):
         build_cache(restored.to(dtype=torch.float32), model)
 
@@ -200,9 +228,15 @@ def _engine(folder, **kw):
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine
 
-    return Engine(str(folder), store_url="memory://", device="cpu", fetch_deadline_s=None,
-                  codec_config=CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)),
-                  prefill_chunk_tokens=20, **kw)
+    return Engine(
+        str(folder),
+        store_url="memory://",
+        device="cpu",
+        fetch_deadline_s=None,
+        codec_config=CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)),
+        prefill_chunk_tokens=20,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("arch", sorted(EXPECTED_GROUPS))
@@ -210,7 +244,7 @@ def test_engine_reuses_a_shorter_stored_prefix_with_the_same_answer(arch, model_
     """Store after a chunked prefill, then fetch two chunks for another prompt sharing them and
     restore: the greedy answer equals recomputation's (the model directory loads by path)."""
     ids = prompt_ids.tolist()
-    other = ids[:2 * CHUNK + 5] + ids[:9]  # shares chunks 0-1 with `ids`, then differs
+    other = ids[: 2 * CHUNK + 5] + ids[:9]  # shares chunks 0-1 with `ids`, then differs
     with _engine(model_dirs[arch]) as eng:
         assert (eng.runner.layout is None) == (arch == "qwen3")
         first = eng.generate(ids, max_new_tokens=STEPS, wait_for_store=True)[0]

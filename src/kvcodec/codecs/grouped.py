@@ -67,14 +67,32 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
         )
     spec = KVSpec.from_dict(header.get("spec"))
     try:
-        parts = tuple(Part(**{f: int(p[f]) for f in ("group", "start", "tokens", "length", "crc32")}) for p in header["parts"])
+        parts = tuple(
+            Part(**{f: int(p[f]) for f in ("group", "start", "tokens", "length", "crc32")}) for p in header["parts"]
+        )
         start, tokens = int(header["start_token"]), int(header["tokens"])
-        info = GroupedChunkInfo(int(header["chunk_index"]), start, tokens, len(spec.layers), 0, 0, spec.dtype,
-                                "grouped", header.get("key"), spec=spec, parts=parts)
+        info = GroupedChunkInfo(
+            int(header["chunk_index"]),
+            start,
+            tokens,
+            len(spec.layers),
+            0,
+            0,
+            spec.dtype,
+            "grouped",
+            header.get("key"),
+            spec=spec,
+            parts=parts,
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"grouped chunk header is malformed: {e!r}") from e
     for p in parts:
-        if not (0 <= p.group < len(spec.groups) and start <= p.start and p.tokens >= 1 and p.start + p.tokens == start + tokens):
+        if not (
+            0 <= p.group < len(spec.groups)
+            and start <= p.start
+            and p.tokens >= 1
+            and p.start + p.tokens == start + tokens
+        ):
             raise FormatError(f"grouped chunk part {p} does not fit the chunk [{start}, {start + tokens})")
     if len({p.group for p in parts}) != len(parts):
         raise FormatError("grouped chunk lists a group twice")
@@ -98,8 +116,10 @@ class GroupedCodec:
             if not isinstance(codec, ChunkCodec):
                 raise ConfigError(f"GroupedCodec: {name} is {type(codec).__name__}, not a ChunkCodec")
             if (codec.chunk_tokens, tuple(codec.resolutions)) != (inner.chunk_tokens, tuple(inner.resolutions)):
-                raise ConfigError(f"GroupedCodec: {name} codes {codec.chunk_tokens}-token chunks at "
-                                  f"{list(codec.resolutions)}; the inner codec {inner.chunk_tokens} at {list(inner.resolutions)}")
+                raise ConfigError(
+                    f"GroupedCodec: {name} codes {codec.chunk_tokens}-token chunks at "
+                    f"{list(codec.resolutions)}; the inner codec {inner.chunk_tokens} at {list(inner.resolutions)}"
+                )
         self.inner = inner
         self.id = f"grouped-v{GROUPED_VERSION}-{inner.id}"
         if self.per_group:
@@ -161,8 +181,9 @@ class GroupedCodec:
             raise ShapeError(f"{len(keys)} keys given for {len(starts)} chunks")
         out = []
         for n, start in enumerate(starts):
-            chunk = self._chunk(kv.view(start, min(start + ct, kv.stop)), first_chunk_index + n,
-                                None if keys is None else str(keys[n]))
+            chunk = self._chunk(
+                kv.view(start, min(start + ct, kv.stop)), first_chunk_index + n, None if keys is None else str(keys[n])
+            )
             out.append(chunk)
             if on_chunk:
                 on_chunk(chunk)
@@ -181,11 +202,21 @@ class GroupedCodec:
         blobs = []
         for res in self.resolutions:
             payloads = [c.blob_for(res) for *_, c in coded]
-            parts = [{"group": g, "start": s, "tokens": n, "length": len(b), "crc32": crc32(b)}
-                     for (g, s, n, _), b in zip(coded, payloads)]
-            header = {"format": FORMAT_NAME, "grouped_version": GROUPED_VERSION, "spec": part.spec.to_dict(),
-                      "chunk_index": index, "start_token": start, "tokens": part.stop - start,
-                      "resolution": list(res), "key": key, "parts": parts}
+            parts = [
+                {"group": g, "start": s, "tokens": n, "length": len(b), "crc32": crc32(b)}
+                for (g, s, n, _), b in zip(coded, payloads)
+            ]
+            header = {
+                "format": FORMAT_NAME,
+                "grouped_version": GROUPED_VERSION,
+                "spec": part.spec.to_dict(),
+                "chunk_index": index,
+                "start_token": start,
+                "tokens": part.stop - start,
+                "resolution": list(res),
+                "key": key,
+                "parts": parts,
+            }
             blobs.append(write_object(MAGIC, header, payloads))
         encoders = sorted({getattr(c, "encoder", "") for *_, c in coded} - {""})
         return EncodedChunk(index, start, part.stop - start, self.resolutions, tuple(blobs), encoder=",".join(encoders))
@@ -249,7 +280,9 @@ class GroupedCodec:
         if p.tokens == need:
             codec.decode_chunk(data, target)
         else:  # the chunk holds more of this group than the target keeps: restore, then copy the tail
-            full = torch.empty((*target.shape[:2], p.tokens, *target.shape[3:]), dtype=target.dtype, device=target.device)
+            full = torch.empty(
+                (*target.shape[:2], p.tokens, *target.shape[3:]), dtype=target.dtype, device=target.device
+            )
             codec.decode_chunk(data, full)
             target.copy_(full[:, :, p.tokens - need :])
 
@@ -261,4 +294,3 @@ def _spec_diff(a: KVSpec, b: KVSpec) -> str:
         return f"{len(a.layers)} layers, target {len(b.layers)}"
     i = next(i for i, (x, y) in enumerate(zip(a.layers, b.layers)) if x != y)
     return f"layer {i} is {a.layers[i].to_dict()}, target {b.layers[i].to_dict()}"
-

@@ -44,8 +44,17 @@ def grouped_codec(codec: Any) -> GroupedCodec:
 class GroupedPrefixCache(PrefixCache):
     """Stored KV prefixes of one model whose KV is described by `spec` (see module doc)."""
 
-    def __init__(self, store: Any, model_id: str, codec: Any, /, device: str | torch.device = "cpu", *,
-                 spec: KVSpec, **options: Any) -> None:
+    def __init__(
+        self,
+        store: Any,
+        model_id: str,
+        codec: Any,
+        /,
+        device: str | torch.device = "cpu",
+        *,
+        spec: KVSpec,
+        **options: Any,
+    ) -> None:
         super().__init__(store, model_id, grouped_codec(codec), device, **options)
         self.spec = spec
 
@@ -66,10 +75,16 @@ class GroupedPrefixCache(PrefixCache):
             for c in self.codec.encode_chunks(kv.view(a, b), first_chunk_index=run[0], keys=[keys[i] for i in run]):
                 k = keys[c.index]
                 self.store.put_many({blob_key(k, j): blob for j, blob in enumerate(c.blobs)})
-                meta = ChunkMeta(index=c.index, start_token=c.start_token, tokens=c.tokens,
-                                 shape=(len(self.spec.layers), 1, 1), dtype=self.spec.dtype,
-                                 resolutions=tuple(tuple(r) for r in c.resolutions),
-                                 sizes=tuple(len(bl) for bl in c.blobs), codec=self.codec.id)
+                meta = ChunkMeta(
+                    index=c.index,
+                    start_token=c.start_token,
+                    tokens=c.tokens,
+                    shape=(len(self.spec.layers), 1, 1),
+                    dtype=self.spec.dtype,
+                    resolutions=tuple(tuple(r) for r in c.resolutions),
+                    sizes=tuple(len(bl) for bl in c.blobs),
+                    codec=self.codec.id,
+                )
                 self.store.put(meta_key(k), meta.to_bytes())
                 written += 1
         return written
@@ -78,8 +93,15 @@ class GroupedPrefixCache(PrefixCache):
         """Where a fetch of `tokens` tokens restores to: every group from position 0."""
         return GroupedKV.empty(self.spec, tokens, device=self.device, window=False)
 
-    def fetch(self, token_ids: Any, n_tokens: int | None = None, out: GroupedKV | None = None,
-              deadline_s: float | None = None, *, policy: Any = None) -> FetchResult:
+    def fetch(
+        self,
+        token_ids: Any,
+        n_tokens: int | None = None,
+        out: GroupedKV | None = None,
+        deadline_s: float | None = None,
+        *,
+        policy: Any = None,
+    ) -> FetchResult:
         """Restore the first `n_tokens` tokens (default all) into `out` (a GroupedKV holding every
         group from 0, e.g. `target(n)`). Never raises for store, data or deadline failures: the
         result says how many tokens were restored and why it stopped."""
@@ -117,8 +139,10 @@ class GroupedPrefixCache(PrefixCache):
             raise FetchError(f"chunk {m.index}: its blob is missing")
         info = self.codec.inspect_chunk(blob)
         if (info.index, info.start_token, info.tokens, info.key) != (m.index, m.start_token, m.tokens, key):
-            raise ShapeError(f"chunk {m.index}: the blob is chunk {info.index} at {info.start_token} "
-                             f"(+{info.tokens}) bound to another key")
+            raise ShapeError(
+                f"chunk {m.index}: the blob is chunk {info.index} at {info.start_token} "
+                f"(+{info.tokens}) bound to another key"
+            )
         end = m.start_token + m.tokens
         if end <= out.stop:
             self.codec.decode_chunk(blob, out.view(m.start_token, end))

@@ -2,10 +2,9 @@
 
 See spec.py (KVSpec, groups), tensors.py (GroupedKV) and hf.py (transformers caches)."""
 
+from kvcodec.kvspec.hf import build_cache, end_recording, recording_cache, spec_from_cache, split_cache
 from kvcodec.kvspec.spec import GroupSpec, KVSpec, LayerSpec, group_layers
 from kvcodec.kvspec.tensors import GroupedKV, pack_groups, unpack_groups
-from kvcodec.kvspec.hf import build_cache, end_recording, recording_cache, split_cache, spec_from_cache
-
 
 __all__ = [
     "GroupSpec",

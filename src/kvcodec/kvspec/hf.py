@@ -107,7 +107,9 @@ def _check_model_layer(i: int, layer: Any, want: LayerSpec) -> None:
     keep = int(layer.sliding_window) - 1 if kind == "sliding" else None
     if kind is None or (kind == "sliding") != (want.kind == "sliding") or keep != want.keep:
         have = f"{type(layer).__name__}" + (f" keeping {keep}" if keep else "")
-        raise ShapeError(f"the model's cache layer {i} is a {have}; the stored KV holds a {want.kind} layer (keep={want.keep})")
+        raise ShapeError(
+            f"the model's cache layer {i} is a {have}; the stored KV holds a {want.kind} layer (keep={want.keep})"
+        )
 
 
 def build_cache(gkv: GroupedKV, config_or_model: Any, tokens: int | None = None) -> Any:

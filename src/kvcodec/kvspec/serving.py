@@ -67,6 +67,8 @@ def layout_for(model: Any, device: torch.device | str) -> GroupedLayout | None:
     try:
         spec = probe_spec(model)
     except ShapeError as e:
-        raise ShapeError(f"{e}. Serve this model without KV reuse and storing (Engine(reuse=False, "
-                         "store_policy=StorePolicy(enabled=False)); kvcodec serve --no-reuse --no-store)") from e
+        raise ShapeError(
+            f"{e}. Serve this model without KV reuse and storing (Engine(reuse=False, "
+            "store_policy=StorePolicy(enabled=False)); kvcodec serve --no-reuse --no-store)"
+        ) from e
     return None if spec.uniform else GroupedLayout(model, spec, torch.device(device))

@@ -46,7 +46,9 @@ def pack_groups(spec: KVSpec, pairs: Sequence[LayerKV]) -> tuple[torch.Tensor, .
         parts = [_layer_part(g, pairs[i]) for i in g.layers]
         tokens = {p.shape[1] for p in parts}
         if len(tokens) != 1:
-            raise ShapeError(f"layers {g.layers} of group {g.name} hold different numbers of positions: {sorted(tokens)}")
+            raise ShapeError(
+                f"layers {g.layers} of group {g.name} hold different numbers of positions: {sorted(tokens)}"
+            )
         out.append(torch.stack(parts))
     return tuple(out)
 
@@ -104,7 +106,9 @@ class GroupedKV:
     def from_tensor(cls, kv: torch.Tensor, start: int = 0) -> GroupedKV:
         """A plain canonical (layers, 2, tokens, kv_heads, head_dim) tensor holding [start, start + tokens)."""
         if kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in DTYPE_NAMES:
-            raise ShapeError(f"expected a (layers, 2, tokens, kv_heads, head_dim) float tensor; got {tuple(kv.shape)} {kv.dtype}")
+            raise ShapeError(
+                f"expected a (layers, 2, tokens, kv_heads, head_dim) float tensor; got {tuple(kv.shape)} {kv.dtype}"
+            )
         spec = KVSpec.uniform_spec(kv.shape[0], kv.shape[3], kv.shape[4], DTYPE_NAMES[kv.dtype])
         return cls(spec, start + kv.shape[2], (start,), (kv,))
 

@@ -23,7 +23,7 @@ def is_local(name: str) -> bool:
     return isinstance(name, str) and ("/" in name or "\\" in name or name.endswith(".gguf") or Path(name).is_dir())
 
 
-def load_local(name: str, *, dtype: "torch.dtype | None" = None) -> tuple[Any, Any]:
+def load_local(name: str, *, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) from a model directory or GGUF file, on the CPU, in eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
