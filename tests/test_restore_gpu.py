@@ -47,7 +47,9 @@ def test_fused_restore_equals_reference(quant, layer_bits, video_bits, dtype):
 @pytest.mark.gpu
 def test_fused_restorer_refuses_exact_mode():
     kv = _kv(tokens=20)
-    (chunk,) = encode_chunks(kv, CodecConfig(quant="exact", chunk_tokens=20, resolutions=((144, 144),)))
+    # plain_fallback off: a 20-token chunk would otherwise be stored plain, with no frames to restore
+    config = CodecConfig(quant="exact", chunk_tokens=20, resolutions=((144, 144),), plain_fallback=False)
+    (chunk,) = encode_chunks(kv, config)
     with pytest.raises(ValueError, match="exact"):
         decode_chunk_blob(chunk.blobs[0], "cuda", decoder=FFmpegHevcDecoder(), restore="triton")
     out = decode_chunk_blob(chunk.blobs[0], "cuda", decoder=FFmpegHevcDecoder())  # auto falls back to torch
