@@ -7,12 +7,8 @@ import ast
 import itertools
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parents[1] / "src" / "kvcodec"
 FORBIDDEN_FOR_VIDEO = ("kvcodec.codec", "kvcodec.codecs", "kvcodec.fetcher", "kvcodec.engine", "kvcodec.restore")
-# cycles being removed by other work in progress; strict=False so the test passes once they are gone
-KNOWN_CYCLES = {frozenset({"engine", "scheduler"}), frozenset({"store", "net"})}
 
 
 def module_name(path: Path) -> str:
@@ -103,11 +99,5 @@ def test_cycle_finder_finds_cycles():
 
 
 def test_no_import_cycles_between_subpackages():
-    found = [c for c in cycles(subpackage_graph()) if c not in KNOWN_CYCLES]
+    found = cycles(subpackage_graph())
     assert not found, f"import cycles between kvcodec subpackages: {[sorted(c) for c in found]}"
-
-
-@pytest.mark.xfail(strict=False, reason="engine<->scheduler and store<->net are being removed by other work")
-def test_known_cycles_are_gone():
-    found = [c for c in cycles(subpackage_graph()) if c in KNOWN_CYCLES]
-    assert not found, [sorted(c) for c in found]
