@@ -20,6 +20,6 @@ def _missing() -> click.Command:
 try:
     from kvbench.cli import group as command
 except ModuleNotFoundError as e:
-    if e.name != "kvbench":
+    if (e.name or "").partition(".")[0] != "kvbench":
         raise
     command = _missing()
