@@ -34,6 +34,8 @@ TRANSFORM_VERSION = 1
 CODERS = ("hevc", "zstd")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ZSTD_LEVEL = 19
+SAMPLE_CHUNKS = 4  # chunks the size search measures entropy on
+ITERS = 22
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,8 +80,9 @@ def _unzstd(data, name: str, size: int) -> bytes:
 
 
 class TransformCodec:
-    """A ChunkCodec over a calibration (.kvt). Size: target_ratio (file size vs fp16, measured on
-    the data being encoded) or bits_per_value (modelled from the calibration's variances)."""
+    """A ChunkCodec over a calibration (.kvt). Size, first that is given: theta (an explicit
+    distortion level), target_ratio (file size vs fp16, measured on the data being encoded) or
+    bits_per_value (modelled from the calibration's variances; default 2)."""
 
     def __init__(
         self,
@@ -88,6 +91,7 @@ class TransformCodec:
         kvt_hash: str | None = None,
         target_ratio: float | None = None,
         bits_per_value: float | None = None,
+        theta: float | None = None,
         key_weight: float = 1.0,
         sink_tokens: int = 4,
         coder: str = "hevc",
@@ -107,10 +111,13 @@ class TransformCodec:
         if chunk_tokens < 1 or sink_tokens < 0 or not key_weight > 0:
             raise ConfigError("chunk_tokens must be >= 1, sink_tokens >= 0 and key_weight > 0")
         self.target_ratio, self.key_weight, self.sink_tokens = target_ratio, float(key_weight), int(sink_tokens)
+        if theta is not None and not theta > 0:
+            raise ConfigError(f"theta (distortion level) must be > 0; got {theta}")
+        self.theta = theta
         self.bits_per_value = bits_per_value if bits_per_value is not None else (None if target_ratio else 2.0)
         self.coder, self.chunk_tokens = coder, int(chunk_tokens)
         self.resolutions = tuple((int(w), int(h)) for w, h in resolutions)
-        size = f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
+        size = f"t{theta!r}" if theta else f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
         self.id = (f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
                    f"-s{sink_tokens}-c{chunk_tokens}")
         self._plans: dict[tuple[float, float], CoordPlan] = {}
@@ -134,38 +141,46 @@ class TransformCodec:
                 parts.append((group_matrix(x, layers, ki) - b.mean) @ b.basis)
         return torch.cat(parts, dim=1)
 
-    def _active(self, y: torch.Tensor, plan: CoordPlan) -> torch.Tensor:
-        """The coded columns of y (tokens, all dims), concatenated order."""
+    def _columns(self, plan: CoordPlan) -> torch.Tensor:
+        """Indices of the coded columns among all dims, concatenated order."""
         cols, off = [], 0
         for j, n in enumerate(plan.counts):
-            d = len(self.cal.groups[j // 2]) * self.cal.layer_dim
-            cols.append(y[:, off : off + n])
-            off += d
-        return torch.cat(cols, dim=1)
+            cols.append(torch.arange(off, off + n))
+            off += len(self.cal.groups[j // 2]) * self.cal.layer_dim
+        return torch.cat(cols)
 
     def _symbols(self, y: torch.Tensor, theta: float, first_position: int) -> torch.Tensor:
+        """Integers (tokens, coded coords), concatenated order; sink tokens zeroed (they travel as fp16)."""
         plan = self.plan(theta)
-        q = quantize.quantize(self._active(y, plan), plan.steps)
+        q = quantize.quantize(y.index_select(1, self._columns(plan)), plan.steps)
         sink = max(0, min(self.sink_tokens - first_position, q.shape[0]))
-        q[:sink] = 0  # sink tokens travel as fp16
+        q[:sink] = 0
         return q
 
     def _level(self, y: torch.Tensor, kv: torch.Tensor, first_position: int) -> float:
+        """theta: from bits_per_value (modelled), or meeting target_ratio on this data: bisection on
+        the coded coordinates' entropy over a sample of tokens, corrected once by a trial chunk."""
+        if self.theta is not None:
+            return self.theta
         var = all_variances(self.cal).to(torch.float64)
         w = self._weights()
         if self.target_ratio is None:
             return alloc.water_level(var, self.bits_per_value, w)
-        target = 16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)
+        T, ct = kv.shape[2], self.chunk_tokens
+        target = (16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)) / T
+        starts = list(range(0, T, ct))
+        sample = [starts[i * len(starts) // SAMPLE_CHUNKS] for i in range(min(SAMPLE_CHUNKS, len(starts)))]
         top = float((var * w).max())
 
-        def est(theta: float) -> float:
-            return rate.column_entropy_bits(self._symbols(y, theta, first_position))
+        def est(theta: float, chunks=tuple(sample)) -> float:  # entropy per token, chunk by chunk as coded
+            bits = sum(rate.column_entropy_bits(self._symbols(y[s : s + ct], theta, first_position + s)) for s in chunks)
+            return bits / sum(min(ct, T - s) for s in chunks)
 
-        theta = rate.solve_level(est, target, top * 1e-9, top)
-        first = y[: self.chunk_tokens]  # one trial chunk: how far the real coder is from the estimate
-        actual = 8.0 * self._payload_bytes(first, kv[:, :, : self.chunk_tokens], theta, first_position)
-        factor = actual / max(rate.column_entropy_bits(self._symbols(first, theta, first_position)), 1.0)
-        return rate.solve_level(est, target / max(factor, 1e-3), top * 1e-9, top)
+        theta = rate.solve_level(est, target, top * 1e-7, top, iters=ITERS)
+        trial = slice(0, min(T, ct))
+        actual = 8.0 * self._payload_bytes(y[trial], kv[:, :, trial], theta, first_position) / trial.stop
+        factor = actual / max(est(theta, (0,)), 1e-9)
+        return rate.solve_level(est, target / max(factor, 1e-3), top * 1e-7, top, iters=ITERS)
 
     def _weights(self) -> torch.Tensor:
         ws = []
@@ -178,11 +193,13 @@ class TransformCodec:
     def _overhead_bits(self, kv: torch.Tensor, first_position: int) -> float:
         sink = max(0, min(self.sink_tokens - first_position, kv.shape[2]))
         per_token = kv.numel() // kv.shape[2]
-        return 8.0 * (sink * per_token * 2 + 600 * -(-kv.shape[2] // self.chunk_tokens))
+        return 8.0 * sink * per_token * 2
 
     def _payload_bytes(self, y, kv, theta, first_position) -> int:
-        streams, _ = self._streams(y, kv, theta, first_position, self.resolutions[0])
-        return sum(len(s) for s in streams.values()) - len(streams.get("sink", b""))
+        """Bytes of one chunk blob (header included), its fp16 sink tokens left out."""
+        streams, counts = self._streams(y, kv, theta, first_position, self.resolutions[0])
+        blob = self._write(streams, counts, kv, theta, first_position, 0, self.resolutions[0], None)
+        return len(blob) - len(streams.get("sink", b""))
 
     def _streams(self, y, kv, theta, first_position, resolution) -> tuple[dict[str, bytes], dict]:
         """The chunk's streams and the header fields they need (frames, escapes)."""
@@ -235,6 +252,9 @@ class TransformCodec:
 
     def _blob(self, y, kv, theta, start, index, resolution, key) -> bytes:
         streams, counts = self._streams(y, kv, theta, start, resolution)
+        return self._write(streams, counts, kv, theta, start, index, resolution, key)
+
+    def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
         names = [n for n in ("escapes", "sink", "video", "samples") if n in streams]
         entries = [[n, "hevc" if n == "video" else "zstd", len(streams[n]), crc32(streams[n])] for n in names]
         L, _, t, H, D = kv.shape
@@ -276,6 +296,10 @@ class TransformCodec:
         except (KeyError, TypeError, IndexError) as e:
             raise FormatError(f"transform chunk header is incomplete: {e}") from e
         return h, split_streams(payload, entries, f"transform chunk {h['index']}")
+
+    def header(self, blob: bytes | memoryview) -> dict:
+        """A chunk's verified header (theta, escapes, frames, streams, ...)."""
+        return self._read(blob)[0]
 
     def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
         h, _ = self._read(blob)
@@ -356,9 +380,3 @@ def _decoder(device: torch.device, get_decoder):
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _decoder_for(device, get_decoder)
-
-
-def make_transform_codec(transform: str | Path, **options) -> TransformCodec:
-    """Registry factory: make_codec("transform", transform="MODEL.kvt", target_ratio=6, ...)."""
-    return TransformCodec(transform, **options)
-

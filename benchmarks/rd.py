@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""Rate-accuracy benchmark of the transform codec against per-channel intN and CacheGen-style.
+
+    python benchmarks/rd.py --model smollm2-135m --calib pg/addiction,pg/aord,pg/apple,pg/avg \
+        --eval pg/want,pg/web20 --ratios 4,5,6,8,10 --out benchmarks/results/rd-smollm2-135m-cpu
+
+The transform is calibrated on --calib texts (or --calib-kv files from `kvcodec extract`, or an
+existing --kvt) and evaluated on --eval texts, never the same. For each eval text the prefix's KV is
+recomputed (the reference), stored as fp16 and encoded by each method; the continuation is then run
+teacher-forced on the restored KV and on the reference: top-1 agreement of the next-token argmax,
+perplexity change, bits per value and ratio vs fp16 (every byte of every chunk blob counted).
+For each transform point the same integers are also coded with zstd-19 (coder comparison).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kvbench, when not installed
+
+
+def load_calibration(model, tokenizer, name, calib, calib_kv, kvt, max_tokens):
+    """(Calibration, hash, seconds, sources)."""
+    from kvcodec.cli.calibrate import _load_kv_files
+    from kvcodec.integrations.hf import extract_kv
+    from kvcodec.models.texts import load_text
+    from kvcodec.transform import RopeSpec, calibrate, load_kvt
+    from kvcodec.transform.kvt import kvt_hash, to_bytes
+
+    if kvt:
+        cal, digest = load_kvt(kvt)
+        return cal, digest, 0.0, cal.info.get("sources", [])
+    t0 = time.perf_counter()
+    if calib_kv:
+        kvs, meta = _load_kv_files([Path(p) for p in calib_kv])
+        sources = meta.get("sources", list(calib_kv))
+    else:
+        sources = calib.split(",")
+        kvs = [extract_kv(model, tokenizer, load_text(s), max_tokens)[1] for s in sources]
+    cal = calibrate(kvs, RopeSpec.from_hf_config(model.config), info={"model": name, "sources": sources})
+    return cal, kvt_hash(to_bytes(cal)), time.perf_counter() - t0, sources
+
+
+def teacher_forced(model, prefix, kv, cont):
+    """(argmax (n-1,), nll (n-1,) float64) of continuation tokens 1.. given prefix KV and cont[0]."""
+    from kvcodec.integrations.hf import continue_from_kv
+
+    logits = continue_from_kv(model, prefix, kv.to(model.dtype), cont).logits[0, :-1].double()
+    nll = -torch.log_softmax(logits, -1).gather(1, cont[1:, None]).squeeze(1)
+    return logits.argmax(-1), nll
+
+
+def chunk_roundtrip(codec, kv16):
+    chunks = codec.encode_chunks(kv16)
+    out = torch.empty_like(kv16)
+    for c in chunks:
+        codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
+    return out, sum(len(c.blobs[0]) for c in chunks), chunks
+
+
+def methods(cal, digest, ratios, baselines):
+    """name -> (factory of a roundtrip function kv16 -> (restored, bytes, extra))."""
+    from kvcodec.codecs.transform import TransformCodec
+
+    out = {"fp16": lambda kv: (kv, kv.numel() * 2, {})}
+    for r in ratios:
+        out[f"transform-hevc-r{r:g}"] = _transform(TransformCodec(cal, kvt_hash=digest, target_ratio=r), cal, digest)
+    out["transform-hevc-r6-nosink"] = _transform(
+        TransformCodec(cal, kvt_hash=digest, target_ratio=6, sink_tokens=0), cal, digest, compare=False)
+    for b in baselines:
+        out[b] = _baseline(b)
+    return out
+
+
+def _transform(codec, cal, digest, compare=True):
+    from kvcodec.codecs.transform import TransformCodec
+
+    def run(kv):
+        t0 = time.perf_counter()
+        restored, size, chunks = chunk_roundtrip(codec, kv)
+        extra = {"encode_decode_s": round(time.perf_counter() - t0, 2)}
+        extra["theta"] = codec.header(chunks[0].blobs[0])["theta"]
+        if compare:
+            z = TransformCodec(cal, kvt_hash=digest, theta=extra["theta"], coder="zstd",
+                               sink_tokens=codec.sink_tokens)
+            z_restored, z_size, _ = chunk_roundtrip(z, kv)
+            extra.update(zstd_bytes=z_size, hevc_over_zstd=round(size / z_size, 4),
+                         same_symbols=bool(torch.equal(z_restored, restored)))
+        return restored, size, extra
+
+    return run
+
+
+def _baseline(name):
+    if name.startswith("int"):
+        from kvcodec.codecs import make_codec
+
+        codec = make_codec("hevc", quant=name)
+        return lambda kv: (*chunk_roundtrip(codec, kv)[:2], {})
+    if name == "cachegen":
+        from kvbench.baselines.cachegen import CacheGenCodec
+
+        cg = CacheGenCodec()
+
+        def run(kv):
+            data = cg.encode(kv)
+            return cg.decode(data).to(kv.dtype), len(data), {}
+
+        return run
+    raise click.BadParameter(f"unknown baseline {name!r}")
+
+
+def evaluate_text(model, tokenizer, text_name, prefix_tokens, cont_tokens, runners):
+    """Per method: bytes, values, agreeing tokens, NLL sums, for one eval text."""
+    from kvcodec.integrations.hf import cache_to_tensor, forward_ids
+    from kvcodec.models.texts import load_text
+
+    ids = tokenizer(load_text(text_name), return_tensors="pt").input_ids[0][: prefix_tokens + cont_tokens]
+    if ids.numel() < prefix_tokens + 2:
+        raise click.BadParameter(f"{text_name} has only {ids.numel()} tokens")
+    prefix, cont = ids[:prefix_tokens], ids[prefix_tokens:]
+    _, cache = forward_ids(model, prefix)
+    kv_ref = cache_to_tensor(cache).cpu()
+    ref_top, ref_nll = teacher_forced(model, prefix, kv_ref, cont)
+    kv16 = kv_ref.to(torch.float16)
+    rows = {}
+    for name, run in runners.items():
+        restored, size, extra = run(kv16)
+        top, nll = teacher_forced(model, prefix, restored.float(), cont)
+        rows[name] = dict(bytes=size, values=kv16.numel(), agree=int((top == ref_top).sum()), n=top.numel(),
+                          nll=float(nll.sum()), ref_nll=float(ref_nll.sum()), **extra)
+        click.echo(f"  {text_name} {name}: {16 * kv16.numel() * 2 / 16 / size:.2f}x top1 {rows[name]['agree'] / top.numel():.3f} "
+                   f"ppl {math.exp(rows[name]['nll'] / top.numel()):.3f} (ref {math.exp(float(ref_nll.mean())):.3f})", err=True)
+    return rows
+
+
+def aggregate(model_name, per_text):
+    records = []
+    for name in per_text[0]:
+        rs = [t[name] for t in per_text]
+        size, values, n = sum(r["bytes"] for r in rs), sum(r["values"] for r in rs), sum(r["n"] for r in rs)
+        ppl, ref = math.exp(sum(r["nll"] for r in rs) / n), math.exp(sum(r["ref_nll"] for r in rs) / n)
+        rec = dict(model=model_name, method=name, bits_per_value=round(8 * size / values, 4),
+                   ratio_vs_fp16=round(2 * values / size, 3), top1_agreement=round(sum(r["agree"] for r in rs) / n, 4),
+                   ppl=round(ppl, 4), ppl_ref=round(ref, 4), ppl_delta_pct=round(100 * (ppl / ref - 1), 3),
+                   bytes=size, tokens_scored=n)
+        if "zstd_bytes" in rs[0]:
+            z = sum(r["zstd_bytes"] for r in rs)
+            rec.update(zstd_ratio_vs_fp16=round(2 * values / z, 3), hevc_over_zstd=round(size / z, 4),
+                       same_symbols=all(r["same_symbols"] for r in rs))
+        if "theta" in rs[0]:
+            rec["theta"] = [r["theta"] for r in rs]
+        records.append(rec)
+    return records
+
+
+def markdown(doc):
+    lines = [f"# Rate-accuracy: transform codec vs per-channel intN and CacheGen-style ({doc['machine']})", "",
+             f"Command: `{doc['command']}`", "",
+             f"Model {doc['model']}; calibrated on {', '.join(doc['calibration']['sources'])} "
+             f"({doc['calibration']['tokens']} tokens, {doc['calibration']['groups']} layer groups, "
+             f"{doc['calibration']['seconds']:.0f} s incl. KV extraction); evaluated on {', '.join(doc['eval_texts'])} "
+             f"({doc['prefix_tokens']}-token prefix, {doc['cont_tokens']}-token teacher-forced continuation). "
+             "Ratios count every byte of every chunk blob (headers, escapes, fp16 sink tokens).", "",
+             "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | zstd-19 on same integers | HEVC / zstd bytes |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["records"]:
+        z = f"{r['zstd_ratio_vs_fp16']:.2f}x" if "zstd_ratio_vs_fp16" in r else ""
+        hz = f"{r['hevc_over_zstd']:.3f}" if "hevc_over_zstd" in r else ""
+        lines.append(f"| {r['method']} | {r['bits_per_value']:.2f} | {r['ratio_vs_fp16']:.2f}x | {r['top1_agreement']:.4f} "
+                     f"| {r['ppl_delta_pct']:+.2f} | {z} | {hz} |")
+    return "\n".join(lines) + "\n"
+
+
+@click.command()
+@click.option("--model", "model_name", default="smollm2-135m", show_default=True)
+@click.option("--calib", default="pg/addiction,pg/aord,pg/apple,pg/avg", show_default=True, help="Calibration texts.")
+@click.option("--calib-kv", multiple=True, help="Calibration KV files instead of --calib texts (repeatable).")
+@click.option("--kvt", help="An existing .kvt instead of calibrating.")
+@click.option("--calib-tokens", default=1024, show_default=True)
+@click.option("--eval", "eval_texts", default="pg/want,pg/web20", show_default=True)
+@click.option("--prefix", "prefix_tokens", default=1024, show_default=True)
+@click.option("--cont", "cont_tokens", default=128, show_default=True)
+@click.option("--ratios", default="4,5,6,8,10", show_default=True)
+@click.option("--baselines", default="int8,int4,cachegen", show_default=True)
+@click.option("--out", "out_stem", required=True, help="Output stem: writes STEM.json and STEM.md.")
+@click.option("--save-kvt", help="Write the calibration here.")
+def main(model_name, calib, calib_kv, kvt, calib_tokens, eval_texts, prefix_tokens, cont_tokens, ratios, baselines,
+         out_stem, save_kvt):
+    from kvcodec.models import load_model
+    from kvcodec.transform import save_kvt as write_kvt
+
+    evals = eval_texts.split(",")
+    if set(evals) & set(calib.split(",")) and not (calib_kv or kvt):
+        raise click.BadParameter("evaluation texts must not be calibration texts")
+    torch.manual_seed(0)
+    model, tokenizer = load_model(model_name)
+    cal, digest, secs, sources = load_calibration(model, tokenizer, model_name, calib, calib_kv, kvt, calib_tokens)
+    if save_kvt:
+        write_kvt(cal, save_kvt)
+    click.echo(f"calibrated in {secs:.1f} s: {len(cal.groups)} groups, {cal.info['tokens']} tokens", err=True)
+    runners = methods(cal, digest, [float(r) for r in ratios.split(",") if r], [b for b in baselines.split(",") if b])
+    per_text = [evaluate_text(model, tokenizer, t, prefix_tokens, cont_tokens, runners) for t in evals]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    doc = dict(command="python " + shlex.join(sys.argv), machine=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+               commit=commit, model=model_name, eval_texts=evals, prefix_tokens=prefix_tokens, cont_tokens=cont_tokens,
+               calibration=dict(sources=sources, tokens=cal.info["tokens"], groups=len(cal.groups), seconds=round(secs, 1),
+                                kvt_sha256=digest),
+               records=aggregate(model_name, per_text))
+    Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
+    Path(out_stem + ".md").write_text(markdown(doc))
+    click.echo(markdown(doc))
+
+
+if __name__ == "__main__":
+    main()

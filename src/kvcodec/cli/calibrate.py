@@ -1,0 +1,117 @@
+"""`kvcodec calibrate`: fit a transform (.kvt) on KV files or on a registered model's texts."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+from kvcodec.errors import ConfigError, ShapeError
+from kvcodec.transform.rope import STYLES, RopeSpec
+
+
+def rope_for_model(name: str) -> RopeSpec:
+    """A registered model's rotary settings, from its cached config (or by loading it once)."""
+    from kvcodec.models import get_spec, load_model
+    from kvcodec.models.registry import model_cache_path
+
+    get_spec(name)
+    folder = model_cache_path(name)
+    if (folder / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return RopeSpec.from_hf_config(AutoConfig.from_pretrained(str(folder)))
+    model, _ = load_model(name)
+    return RopeSpec.from_hf_config(model.config)
+
+
+def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec | None:
+    """Rotary settings: --no-rope, else the KV file's 'rope' metadata, else flags, else the
+    registered model named in the file's metadata. None if nothing says."""
+    if no_rope:
+        return None
+    if metadata.get("rope"):
+        return RopeSpec.from_dict(json.loads(metadata["rope"]))
+    head_dim = int(metadata["head_dim"])
+    if theta is not None:
+        return RopeSpec(theta, head_dim, rotary_dim, style)
+    if metadata.get("model"):
+        return rope_for_model(metadata["model"])
+    raise ConfigError("the KV files do not say their model's rotary settings: pass --rope-theta (or --no-rope)")
+
+
+def _load_kv_files(paths) -> tuple[list, dict]:
+    from safetensors import safe_open
+
+    kvs, metas = [], []
+    for p in paths:
+        try:
+            with safe_open(str(p), "pt") as f:
+                if "kv" not in f.keys():
+                    raise ShapeError(f"{p} holds no tensor named 'kv'")
+                kvs.append(f.get_tensor("kv"))
+                metas.append(dict(f.metadata() or {}))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{p}: not a readable safetensors KV file ({e})") from e
+    models = {m.get("model") for m in metas}
+    if len(models) > 1:
+        raise ConfigError(f"KV files come from different models: {sorted(map(str, models))}")
+    meta = dict(metas[0])
+    if any(m.get("text") for m in metas):
+        meta["sources"] = [m.get("text", str(p)) for m, p in zip(metas, paths)]
+    return kvs, meta
+
+
+def _kv_from_model(name: str, texts: str, max_tokens: int) -> tuple[list, dict]:
+    from kvcodec.cli.extract import _read_text
+    from kvcodec.integrations.hf import extract_kv
+    from kvcodec.models import load_model
+
+    model, tokenizer = load_model(name)
+    kvs, sources = [], []
+    for spec in texts.split(","):
+        text, label = _read_text(spec.strip())
+        _, kv = extract_kv(model, tokenizer, text, max_tokens)
+        kvs.append(kv)
+        sources.append(label)
+    return kvs, {"model": name, "sources": sources, "rope": json.dumps(RopeSpec.from_hf_config(model.config).to_dict())}
+
+
+@click.command("calibrate")
+@click.argument("kv_files", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="MODEL.kvt to write.")
+@click.option("--model", "model_name", help="Registered model: extract its KV from --texts instead of KV files.")
+@click.option("--texts", help="Comma-separated texts for --model (files or pg/<essay>); never the texts you evaluate on.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="Tokens per text (--model).")
+@click.option("--rope-theta", type=float, help="Rotary base, when the KV files do not carry their model's settings.")
+@click.option("--rope-style", type=click.Choice(STYLES), default="half", show_default=True)
+@click.option("--rotary-dim", type=int, help="Rotated channels per head (partial rotary); default the whole head.")
+@click.option("--no-rope", is_flag=True, help="Fit the keys as stored (with RoPE).")
+@click.option("--sink-tokens", type=click.IntRange(min=0), default=4, show_default=True, help="Leading tokens left out of the fit.")
+@click.option("--max-group", type=click.IntRange(min=1), help="At most this many layers per PCA group.")
+def command(kv_files, out, model_name, texts, max_tokens, rope_theta, rope_style, rotary_dim, no_rope, sink_tokens, max_group):
+    """Learn a transform (a mean and a PCA basis per group of layers, for K and V) from
+    KV_FILES (written by `kvcodec extract`) or from --model with --texts; write it to OUT.kvt."""
+    from kvcodec.transform import calibrate, save_kvt
+
+    if bool(kv_files) == bool(model_name):
+        raise click.UsageError("give either KV files or --model with --texts")
+    if model_name and not texts:
+        raise click.UsageError("--model needs --texts")
+    if out.suffix != ".kvt":
+        raise click.BadParameter(f"{out}: the output name must end in .kvt", param_hint="--out")
+    t0 = time.perf_counter()
+    kvs, meta = _kv_from_model(model_name, texts, max_tokens) if model_name else _load_kv_files(kv_files)
+    meta["head_dim"] = str(kvs[0].shape[-1])
+    rope = resolve_rope(meta, rope_theta, rope_style, rotary_dim, no_rope)
+    info = {"model": meta.get("model"), "model_id": meta.get("model_id"), "sources": meta.get("sources", [])}
+    cal = calibrate(kvs, rope, sink_tokens=sink_tokens, max_group=max_group, info=info)
+    digest = save_kvt(cal, out)
+    sizes = sorted({len(g) for g in cal.groups})
+    click.echo(
+        f"{out}: {len(cal.groups)} layer groups of {'/'.join(map(str, sizes))} layers from {cal.info['tokens']} tokens, "
+        f"rope {'off' if rope is None else f'theta={rope.theta:g} {rope.style}'}, sha256 {digest[:16]}, "
+        f"{time.perf_counter() - t0:.1f} s"
+    )

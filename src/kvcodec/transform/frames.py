@@ -1,0 +1,47 @@
+"""Coefficient samples <-> video frames. Samples (coordinates, tokens) are laid out
+coordinate-major (each coordinate's tokens in a run, coordinates ordered from widest to
+narrowest so that runs of similar width sit together) and fill 4:4:4 frames row by row; the
+tail of the last frame is padded with the zero sample (128)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcodec.errors import ConfigError, CorruptStreamError
+
+PAD = 128
+
+
+def frame_count(samples: int, width: int, height: int) -> int:
+    return max(1, -(-samples // (3 * width * height)))
+
+
+def to_frames(samples: torch.Tensor, width: int, height: int) -> list[torch.Tensor]:
+    """uint8 samples (any shape, read in order) -> frames (3, height, width) uint8."""
+    if width < 16 or height < 16:
+        raise ConfigError(f"frames must be at least 16x16; got {width}x{height}")
+    flat = samples.reshape(-1)
+    per = 3 * width * height
+    n = frame_count(flat.numel(), width, height)
+    padded = torch.full((n * per,), PAD, dtype=torch.uint8, device=flat.device)
+    padded[: flat.numel()] = flat
+    return list(padded.view(n, 3, height, width).unbind(0))
+
+
+def from_frames(frames, count: int, width: int, height: int, device) -> torch.Tensor:
+    """The first `count` samples of a sequence of (3, height, width) frames, as a flat uint8
+    tensor on `device` (each frame is copied as it arrives: decoders may reuse their surfaces)."""
+    per = 3 * width * height
+    n = frame_count(count, width, height)
+    out = torch.empty(n * per, dtype=torch.uint8, device=device)
+    got = 0
+    for frame in frames:
+        if got >= n:
+            raise CorruptStreamError(f"video stream has more than the {n} frames announced")
+        if tuple(frame.shape) != (3, height, width):
+            raise CorruptStreamError(f"decoded frame is {tuple(frame.shape)}, expected (3, {height}, {width})")
+        out[got * per : (got + 1) * per].copy_(frame.reshape(-1), non_blocking=True)
+        got += 1
+    if got != n:
+        raise CorruptStreamError(f"video stream decoded to {got} frames, expected {n}")
+    return out[:count]

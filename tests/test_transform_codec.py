@@ -1,0 +1,178 @@
+"""TransformCodec and calibration on synthetic correlated KV (fast), plus the calibrate command."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvcodec.codecs.base import ChunkCodec
+from kvcodec.codecs.registry import make_codec
+from kvcodec.codecs.transform import TransformCodec
+from kvcodec.errors import ConfigError, FormatError, KVCodecError, ShapeError
+from kvcodec.restore.paged import PagedKV
+from kvcodec.transform import RopeSpec, calibrate, load_kvt, save_kvt
+from kvcodec.transform.rope import apply_rope
+
+L, H, D = 4, 2, 16
+ROPE = RopeSpec(10000.0, D)
+
+
+def synthetic_kv(tokens: int, seed: int, first: int = 0, rank: int = 12) -> torch.Tensor:
+    """KV whose channels and layers are correlated (low rank + noise); keys carry RoPE."""
+    g = torch.Generator().manual_seed(1234)  # the same mixing for every text: one "model"
+    mix = torch.randn(rank, L * 2 * H * D, generator=g) * torch.linspace(3, 0.2, rank)[:, None]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, rank, generator=g) @ mix + 0.05 * torch.randn(tokens, L * 2 * H * D, generator=g)
+    kv = x.view(tokens, L, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
+    kv[:, 0] = apply_rope(kv[:, 0], torch.arange(first, first + tokens), ROPE)
+    return kv.to(torch.float16)
+
+
+@pytest.fixture(scope="module")
+def kvt(tmp_path_factory):
+    cal = calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "synthetic"})
+    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
+    return path, save_kvt(cal, path)
+
+
+def codec(kvt, **kw):
+    kw.setdefault("chunk_tokens", 64)
+    kw.setdefault("resolutions", ((64, 64),))
+    return TransformCodec(kvt[0], **kw)
+
+
+def roundtrip(c, kv, first_chunk_index=0):
+    chunks = c.encode_chunks(kv, first_chunk_index=first_chunk_index)
+    out = torch.empty_like(kv)
+    for ch in chunks:
+        s = ch.start_token - first_chunk_index * c.chunk_tokens
+        c.decode_chunk(ch.blobs[0], out[:, :, s : s + ch.tokens])
+    return out, chunks
+
+
+def rel_mse(a, b):
+    return float((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean())
+
+
+@pytest.mark.parametrize("coder", ["zstd", "hevc"])
+def test_roundtrip_is_close_and_finer_steps_are_closer(kvt, coder):
+    kv = synthetic_kv(150, seed=7)
+    coarse, _ = roundtrip(codec(kvt, coder=coder, bits_per_value=0.5), kv)
+    fine, chunks = roundtrip(codec(kvt, coder=coder, bits_per_value=3.0), kv)
+    assert rel_mse(fine, kv) < 1e-3
+    assert rel_mse(fine, kv) < rel_mse(coarse, kv) / 4
+    assert [c.tokens for c in chunks] == [64, 64, 22]
+    assert torch.equal(fine[:, :, :4], kv[:, :, :4])  # sink tokens travel as fp16
+
+
+def test_hevc_and_zstd_code_the_same_integers(kvt):
+    kv = synthetic_kv(100, seed=8)
+    a, chunks = roundtrip(codec(kvt, coder="hevc", bits_per_value=2.0), kv)
+    theta = codec(kvt).header(chunks[0].blobs[0])["theta"]
+    b, _ = roundtrip(codec(kvt, coder="zstd", theta=theta), kv)
+    assert torch.equal(a, b)
+
+
+def test_rope_positions_follow_the_chunk_index(kvt):
+    first = 3 * 64
+    kv = synthetic_kv(64, seed=9, first=first)
+    # un-RoPE at the wrong positions leaves keys the basis does not decorrelate: at a low rate
+    # most of their energy is dropped
+    good, _ = roundtrip(codec(kvt, bits_per_value=0.5, coder="zstd"), kv, first_chunk_index=3)
+    wrong, _ = roundtrip(codec(kvt, bits_per_value=0.5, coder="zstd"), kv, first_chunk_index=0)
+    assert 5 * rel_mse(good, kv) < rel_mse(wrong, kv)
+
+
+def test_paged_target_gets_the_same_values(kvt):
+    c = codec(kvt, coder="zstd", bits_per_value=2.0)
+    kv = synthetic_kv(128, seed=10)
+    dense, chunks = roundtrip(c, kv)
+    pages = torch.zeros(L, 2, 20, 16, H, D, dtype=torch.float16)
+    table = torch.randperm(20)[:8]
+    paged = PagedKV(pages, table)
+    for ch in chunks:
+        c.decode_chunk(ch.blobs[0], paged)
+    assert torch.equal(paged.gather(0, 128), dense)
+
+
+def test_target_ratio_is_met_within_ten_percent(kvt):
+    kv = synthetic_kv(512, seed=11)
+    for r in (4.0, 8.0):
+        chunks = codec(kvt, target_ratio=r, coder="zstd").encode_chunks(kv)
+        size = sum(len(ch.blobs[0]) for ch in chunks)
+        assert abs(kv.numel() * 2 / r / size - 1) < 0.10, (r, kv.numel() * 2 / size)
+
+
+def test_wrong_transform_is_refused(kvt, tmp_path):
+    other = calibrate([synthetic_kv(600, s) for s in (3, 4)], ROPE)
+    save_kvt(other, tmp_path / "other.kvt")
+    blob = codec(kvt, coder="zstd").encode_chunks(synthetic_kv(64, seed=12))[0].blobs[0]
+    with pytest.raises(ConfigError, match="coded with transform"):
+        TransformCodec(tmp_path / "other.kvt").decode_chunk(blob, torch.empty(L, 2, 64, H, D, dtype=torch.float16))
+    with pytest.raises(ConfigError):
+        TransformCodec(tmp_path / "missing.kvt")
+
+
+def test_damage_and_bad_input_are_clear_errors(kvt):
+    c = codec(kvt, coder="zstd")
+    blob = bytearray(c.encode_chunks(synthetic_kv(64, seed=13))[0].blobs[0])
+    blob[-5] ^= 0xFF
+    with pytest.raises(KVCodecError):
+        c.decode_chunk(bytes(blob), torch.empty(L, 2, 64, H, D, dtype=torch.float16))
+    with pytest.raises(ShapeError):
+        c.decode_chunk(c.encode_chunks(synthetic_kv(64, seed=13))[0].blobs[0], torch.empty(L, 2, 63, H, D))
+    bad = synthetic_kv(64, seed=14)
+    bad[0, 0, 3, 0, 0] = float("nan")
+    with pytest.raises(ShapeError):
+        c.encode_chunks(bad)
+    with pytest.raises(ShapeError):
+        c.encode_chunks(torch.zeros(L + 1, 2, 8, H, D))
+
+
+def test_inspect_and_registry(kvt):
+    c = make_codec("transform", transform=str(kvt[0]), coder="zstd", chunk_tokens=64, resolutions=((64, 64),))
+    assert isinstance(c, ChunkCodec) and kvt[1][:16] in c.id
+    chunks = c.encode_chunks(synthetic_kv(100, seed=15), first_chunk_index=2, keys=["a", "b"])
+    info = c.inspect_chunk(chunks[1].blobs[0])
+    assert (info.index, info.start_token, info.tokens, info.key) == (3, 192, 36, "b")
+
+
+def test_kvt_file_round_trip_and_damage(kvt, tmp_path):
+    cal, digest = load_kvt(kvt[0])
+    assert digest == kvt[1] and cal.groups and cal.rope == ROPE
+    data = bytearray(kvt[0].read_bytes())
+    (tmp_path / "cut.kvt").write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(FormatError):
+        load_kvt(tmp_path / "cut.kvt")
+
+
+def test_calibration_refuses_small_or_nan_data():
+    with pytest.raises(ConfigError, match="too few"):
+        calibrate([synthetic_kv(40, 1)], ROPE)
+    bad = synthetic_kv(600, 1)
+    bad[1, 1, 100, 0, 0] = float("nan")
+    with pytest.raises(ConfigError, match="NaN"):
+        calibrate([bad], ROPE)
+
+
+def test_group_size_adapts_to_calibration_size():
+    small = calibrate([synthetic_kv(200, 1)], ROPE)
+    large = calibrate([synthetic_kv(1200, 1)], ROPE)
+    assert max(map(len, small.groups)) < max(map(len, large.groups))
+
+
+def test_calibrate_command(tmp_path):
+    from click.testing import CliRunner
+
+    from kvcodec.cli.calibrate import command
+
+    for s in (1, 2):
+        save_file({"kv": synthetic_kv(400, s)}, str(tmp_path / f"k{s}.safetensors"), metadata={"model": "synthetic"})
+    args = [str(tmp_path / "k1.safetensors"), str(tmp_path / "k2.safetensors"), "--out", str(tmp_path / "m.kvt")]
+    res = CliRunner().invoke(command, [*args, "--rope-theta", "10000"])
+    assert res.exit_code == 0, res.output
+    cal, _ = load_kvt(tmp_path / "m.kvt")
+    assert cal.rope == ROPE and cal.info["tokens"] == 2 * (400 - 4)
+    res = CliRunner().invoke(command, args)  # no rope settings anywhere: the model is not registered
+    assert res.exit_code != 0
