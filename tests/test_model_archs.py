@@ -15,6 +15,7 @@ from kvcodec.errors import ShapeError
 from kvcodec.kvspec import GroupedKV, build_cache, end_recording, recording_cache, split_cache
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a real tokenizer and four small models per session (about 2 minutes on 2 CPUs)
 
 WINDOW = 16  # sliding_window: transformers keeps the last 15 positions
 PROMPT = 50
