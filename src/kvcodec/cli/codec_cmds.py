@@ -54,13 +54,21 @@ def _atomic_write(path: Path, data: bytes) -> None:
     show_default=True,
     help="Top bits of each sample coded as video; the rest go to packed bit planes (8: all in the video).",
 )
-def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits):
+@click.option("--transform", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="MODEL.kvt: transform-code the KV.")
+@click.option("--target-ratio", type=float, help="With --transform: file size = fp16 size / R (within 10%).")
+def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits, transform, target_ratio):
     """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
     from tqdm import tqdm
 
     import kvcodec
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
+    if transform or target_ratio:
+        from kvcodec.cli import transform_io
+
+        if not transform:
+            raise click.BadParameter("--target-ratio needs --transform", param_hint="--target-ratio")
+        return transform_io.encode_cmd(_load_kv(src), dst, transform, target_ratio, chunk_tokens, sample_coder, res)
     bits = parse_layer_bits(layer_bits)
     kv = _load_kv(src)
     kw = dict(
@@ -102,11 +110,17 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
     show_default=True,
     help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).",
 )
-def decode_cmd(src, dst, device, resolution, pool_workers):
+@click.option("--transform", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="The MODEL.kvt SRC was encoded with.")
+def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     """Decode SRC.kvc into DST.safetensors (one tensor named `kv`)."""
     from safetensors.torch import save_file
 
     import kvcodec
+
+    if transform:
+        from kvcodec.cli import transform_io
+
+        return transform_io.decode_cmd(src.read_bytes(), dst, transform, device)
 
     res = parse_resolutions(resolution, "--resolution")
     data = src.read_bytes()
