@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvcodec.errors import CorruptStreamError
 from kvcodec.video import nvcuvid_api as api
-from kvcodec.video.nvcuvid import NvcuvidDecoder, plane_copies, surface_layout
+from kvcodec.video.nvcuvid import NvcuvidDecoder, feed_plan, plane_copies, surface_layout
 from kvcodec.video.nvdec import surface_to_planes
 
 needs_nvcuvid = pytest.mark.skipif(not NvcuvidDecoder.is_available(), reason="needs a CUDA GPU with NVDEC")
@@ -89,6 +89,15 @@ def test_plane_copies_rebuild_the_dense_surface(name, half_height, odd, width, e
         dense[row : row + n] = src
     got = surface_to_planes(torch.from_numpy(dense), name, width, height)
     assert all(np.array_equal(g.numpy(), p) for g, p in zip(got, planes))
+
+
+@given(size=st.integers(0, 5000), piece=st.integers(1, 700))
+def test_feed_plan_covers_the_stream_in_order(size, piece):
+    plan = feed_plan(size, piece)
+    assert [off for off, _ in plan] == list(range(0, size, piece))
+    assert sum(n for _, n in plan) == size and all(0 < n <= piece for _, n in plan)
+    with pytest.raises(ValueError):
+        feed_plan(size, 0)
 
 
 def test_unavailable_without_a_gpu_is_a_clean_no():

@@ -24,7 +24,7 @@ import torch
 
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 from kvcodec.video import nvcuvid_api as api
-from kvcodec.video.nvdec import split_access_units, surface_to_planes
+from kvcodec.video.nvdec import surface_to_planes
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,13 @@ def surface_layout(chroma: int, bit_depth: int, width: int, height: int) -> tupl
         raise CorruptStreamError(f"HEVC chroma format {chroma} at {bit_depth} bits is not decodable here")
     fmt, name, rows_per_row = _SURFACES[key]
     return fmt, name, width * (2 if bit_depth > 8 else 1), int(height * rows_per_row)
+
+
+def feed_plan(size: int, piece: int) -> list[tuple[int, int]]:
+    """(offset, length) of the pieces a stream of `size` bytes is handed to the parser in."""
+    if piece < 1:
+        raise ValueError("piece must be >= 1 byte")
+    return [(off, min(piece, size - off)) for off in range(0, size, piece)]
 
 
 def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int, int]]:
@@ -129,7 +136,7 @@ class _Session:
                   "cuvidCreateDecoder", BackendUnavailableError)
         self.format = (fmt.chroma_format, depth, surfaces)
         self.layout = (name, row_bytes, rows)
-        ring = self.display_delay + 1  # grows when one feed displays more pictures (reordering)
+        ring = self.display_delay + 1  # grows when one piece of stream completes several pictures
         self.slots = [torch.empty((rows, row_bytes), dtype=torch.uint8, device=self.device) for _ in range(ring)]
         self.released = [None] * ring
 
@@ -224,6 +231,11 @@ class NvcuvidDecoder:
     name = "nvcuvid"
     device_type = "cuda"
     MAX_SESSIONS = 3  # one per stored resolution: opening a session costs more than a chunk's decode
+    # The stream goes to the parser in pieces, not access units: NVDEC's parser finds picture
+    # boundaries in C with the GIL released (a start-code scan in Python costs ~2.5 ms per MB of
+    # lossless stream, whose many zero bytes defeat bytes.find). Pictures come out as the pieces
+    # after them arrive; the last ones at end of stream.
+    PIECE_BYTES = 1 << 18
 
     def __init__(self, device: str | torch.device | int | None = None, display_delay: int = 1, copy: bool = False):
         if not torch.cuda.is_available():
@@ -289,7 +301,6 @@ class NvcuvidDecoder:
         buf = np.frombuffer(bitstream, dtype=np.uint8) if not isinstance(bitstream, np.ndarray) else bitstream
         if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError("bitstream must be bytes or a contiguous 1-d uint8 array")
-        units = split_access_units(memoryview(buf))
         api.make_current(self.ctx)
         session = self._session(width, height)
         session.error, session.ready = None, []
@@ -297,7 +308,8 @@ class NvcuvidDecoder:
         finished = False
         try:
             base = buf.ctypes.data
-            feeds = [(base + off, n, api.PKT_ENDOFPICTURE) for off, n in units] + [(0, 0, api.PKT_ENDOFSTREAM)]
+            feeds = feed_plan(buf.size, self.PIECE_BYTES)
+            feeds = [(base + off, n, 0) for off, n in feeds] + [(0, 0, api.PKT_ENDOFSTREAM)]
             for address, length, flags in feeds:
                 result = parser.feed(address, length, flags)
                 if session.error is not None:
