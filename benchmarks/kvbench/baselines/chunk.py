@@ -30,11 +30,12 @@ _WHAT = "baseline chunk blob"
 
 
 class BaselineCodec:
-    """The baseline registered as `baseline` in kvbench.baselines, chunk by chunk."""
+    """The baseline registered as `baseline` in kvbench.baselines, chunk by chunk (default zstd-3,
+    lossless, so that make_codec("baseline") alone gives a working codec)."""
 
     def __init__(
         self,
-        baseline: str,
+        baseline: str = "zstd-3",
         chunk_tokens: int = 256,
         resolutions: Sequence[tuple[int, int]] = ((512, 512),),
         **options: Any,
