@@ -3,8 +3,9 @@
 A second NVDEC backend that needs nothing but the driver: no PyNvVideoCodec. Every foreign call goes
 through ctypes, which releases the GIL, and every session lives in torch's primary context (the
 model's), so N threads of the serving process drive N sessions on N engines without a context per
-worker (the process pool's GPU time-slicing and 600 MB per worker). On the H200 it decodes as fast
-as PyNvVideoCodec 2.2.4, whose threads also scale in one process (benchmarks/results/decode-h200-nvcuvid.md).
+worker (the process pool's GPU time-slicing and 600 MB per worker). On the H200, 7 threads decode
+913 frames/s against PyNvVideoCodec 2.2.4's 762 (whose threads also scale in one process), at a
+1% cost to a concurrent matmul (benchmarks/results/decode-h200-nvcuvid.md).
 
 One `NvcuvidDecoder` holds one NVDEC session per frame size (reused across streams; a fresh
 parser per stream) and a CUDA stream of its own. The parser's display callback maps each decoded
