@@ -9,6 +9,15 @@ cd "$(dirname "$0")/.."
 venv=${1:-.venv}
 pip="$venv/bin/python -m pip --disable-pip-version-check -q"
 
+# Rule: never let one of these pull torch (or CUDA libraries): anything that depends on torch goes in
+# with --no-deps.
+
 # LMCache: the serde registry, memory objects, L1 manager, L2 adapters (fs, resp, plugin).
 $pip install --no-deps "lmcache==0.5.6"
 $pip install cryptography numba py-cpuinfo aiohttp cachetools aiofiles
+
+# SGLang: the HiCacheStorage interface and its backend factory. `import sglang` imports triton at the
+# top level (so triton, without its torch pin); the host memory pool module additionally needs
+# torchvision, which has no build for the CPU torch here: it is not installed, and not imported.
+$pip install --no-deps "sglang==0.5.23" "triton==3.8.0"
+$pip install orjson pybase64 msgspec pyzmq ipython pillow requests

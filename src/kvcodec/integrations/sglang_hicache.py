@@ -1,0 +1,189 @@
+"""SGLang HiCache storage backend: HiCache pages coded with kvcodec on any kvcodec store.
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "kvcodec",
+            "module_path": "kvcodec.integrations.sglang_hicache", "class_name": "KVCodecHiCacheStorage",
+            "url": "redis://127.0.0.1:6379/0", "quant": "int8"}'
+
+Pages are small (page_size tokens), and a kvcodec chunk that small loses much of its ratio (see
+docs/integrations/sglang.md), so the pages of one batch_set are coded together in groups of
+`group_tokens` tokens: the group's blob is stored once, and each page key holds a small pointer
+(group key, index). Reading a page decodes its whole group; a batch_get decodes each group once.
+
+Options in the extra config (besides SGLang's backend_name / module_path / class_name): `url`
+(required), `codec` ("hevc") and its options (`quant`, `video_bits`, ...), `resolution`
+("256x256"), `group_tokens`, `device` ("auto": NVDEC on CUDA where present), `prefix`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvcodec.codecs import ChunkCodec, make_codec
+from kvcodec.errors import ConfigError, KVCodecError
+from kvcodec.integrations.sglang_pages import (
+    PageGeometry,
+    PagePointer,
+    canonical_to_page,
+    group_spans,
+    page_to_canonical,
+)
+from kvcodec.store import open_store
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP_TOKENS = 256
+_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
+_OWN_KEYS = {"url", "codec", "resolution", "group_tokens", "device", "prefix", "store_options"}
+_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c in _SAFE else f"={ord(c):02x}" for c in text) or "="
+
+
+class KVCodecHiCacheStorage(HiCacheStorage):
+    """HiCacheStorage over `kvcodec.store.open_store(url)`, pages coded in groups (generic
+    get/set interface: SGLang copies pages between its host pool and the tensors given here)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        if storage_config.is_mla_model:
+            raise ConfigError("the kvcodec HiCache backend supports MHA/GQA host pools, not MLA")
+        url = extra.get("url")
+        if not isinstance(url, str) or not url:
+            raise ConfigError("the kvcodec HiCache backend needs 'url' (a kvcodec store URL) in the extra config")
+        self.group_tokens = int(extra.get("group_tokens", DEFAULT_GROUP_TOKENS))
+        if self.group_tokens < 1:
+            raise ConfigError(f"group_tokens must be >= 1; got {self.group_tokens}")
+        self.codec_name = str(extra.get("codec", "hevc"))
+        options = {k: v for k, v in extra.items() if k not in _SGLANG_KEYS | _OWN_KEYS}
+        if "chunk_tokens" in options or "resolutions" in options:
+            raise ConfigError("set group_tokens and resolution, not chunk_tokens / resolutions")
+        if "resolution" in extra or self.codec_name == "hevc":
+            w, h = (int(v) for v in str(extra.get("resolution", "256x256")).lower().split("x"))
+            options["resolutions"] = ((w, h),)
+        self.codec_options = options
+        make_codec(self.codec_name, **options, chunk_tokens=self.group_tokens)  # bad options fail at startup
+        device = str(extra.get("device", "auto"))
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+        shard = f"tp{storage_config.tp_rank}of{storage_config.tp_size}"
+        if storage_config.pp_size > 1:
+            shard += f"-pp{storage_config.pp_rank}of{storage_config.pp_size}"
+        model = _safe(storage_config.model_name or "model")
+        self.prefix = f"{_safe(str(extra.get('prefix', 'sglang')))}/{model}/{shard}"
+        self.store = open_store(url, **dict(extra.get("store_options", {})))
+        self.geometry: PageGeometry | None = None
+        self._codecs: dict[int, ChunkCodec] = {}
+        self._lock = threading.Lock()
+
+    # -- registration ---------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.geometry = PageGeometry(
+            layout=mem_pool_host.layout,
+            layers=mem_pool_host.layer_num,
+            page_size=mem_pool_host.page_size,
+            heads=mem_pool_host.head_num,
+            head_dim=mem_pool_host.head_dim,
+            dtype=mem_pool_host.dtype,
+        )
+
+    # -- HiCacheStorage -------------------------------------------------------------------
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
+        g = self._geometry()
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        try:
+            pointers = self._pointers(keys)
+            groups: dict[str, list[int]] = {}
+            for i, p in enumerate(pointers):
+                if p is not None:
+                    groups.setdefault(p.group_key, []).append(i)
+            blobs = dict(zip(groups, self.store.get_many(list(groups))))
+            for group_key, members in groups.items():
+                self._restore_group(blobs[group_key], [pointers[i] for i in members], members, targets, out, g)
+        except KVCodecError as e:  # a damaged or missing object is a miss; SGLang recomputes
+            logger.warning("kvcodec HiCache get failed: %s", e)
+        return out
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
+            target_sizes: Optional[Any] = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
+                  target_sizes: Optional[Any] = None) -> bool:
+        g = self._geometry()
+        if values is None or len(values) != len(keys):
+            raise ConfigError("batch_set needs one page tensor per key")
+        have = self.store.exists_many([self._page_key(k) for k in keys])
+        todo = [i for i, h in enumerate(have) if not h]
+        per_group = max(1, self.group_tokens // g.page_size)
+        try:
+            for start, end in group_spans(len(todo), per_group):
+                self._write_group([keys[i] for i in todo[start:end]], [values[i] for i in todo[start:end]], g)
+        except KVCodecError as e:
+            logger.warning("kvcodec HiCache set failed: %s", e)
+            return False
+        return True
+
+    def exists(self, key: str) -> bool:
+        return self.store.exists(self._page_key(key))
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        found = self.store.exists_many([self._page_key(k) for k in keys])
+        return next((i for i, f in enumerate(found) if not f), len(keys))
+
+    def clear(self) -> None:
+        for key in list(self.store.list(self.prefix + "/")):
+            self.store.delete(key)
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- internals ------------------------------------------------------------------------
+    def _geometry(self) -> PageGeometry:
+        if self.geometry is None:
+            raise ConfigError("the kvcodec HiCache backend has no host pool registered yet")
+        return self.geometry
+
+    def _page_key(self, key: str) -> str:
+        return f"{self.prefix}/p/{_safe(key)}"
+
+    def _codec(self, tokens: int) -> ChunkCodec:
+        with self._lock:
+            if tokens not in self._codecs:
+                self._codecs[tokens] = make_codec(self.codec_name, **self.codec_options, chunk_tokens=tokens)
+            return self._codecs[tokens]
+
+    def _pointers(self, keys: List[str]) -> list[PagePointer | None]:
+        raw = self.store.get_many([self._page_key(k) for k in keys])
+        return [None if r is None else PagePointer.from_bytes(r) for r in raw]
+
+    def _write_group(self, keys: List[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
+        kv = torch.cat([page_to_canonical(p.detach().to("cpu"), g) for p in pages], dim=2)
+        blob = self._codec(kv.shape[2]).encode_chunks(kv)[0].blobs[0]
+        group_key = f"{self.prefix}/g/{_safe(keys[0])}.{_safe(keys[-1])}.{len(keys)}"
+        self.store.put(group_key, blob)  # the group first: a pointer never names a missing group
+        self.store.put_many({self._page_key(k): PagePointer(group_key, i, len(keys)).to_bytes()
+                             for i, k in enumerate(keys)})
+
+    def _restore_group(self, blob, pointers, members, targets, out, g: PageGeometry) -> None:
+        if blob is None:
+            return
+        tokens = pointers[0].pages * g.page_size
+        shape = (g.layers, 2, tokens, g.heads, g.head_dim)
+        kv = self._codec(tokens).decode_chunk(blob, torch.empty(shape, dtype=g.dtype, device=self.device)).cpu()
+        for p, i in zip(pointers, members):
+            target = targets[i] if targets[i] is not None else torch.empty(g.numel, dtype=g.dtype)
+            page = kv[:, :, p.index * g.page_size : (p.index + 1) * g.page_size]
+            out[i] = canonical_to_page(page, g, target.reshape(-1))

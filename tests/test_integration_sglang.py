@@ -1,0 +1,188 @@
+"""The kvcodec HiCache backend inside the real SGLang package: created by SGLang's own
+StorageBackendFactory as a "dynamic" backend from the extra config, called through the
+HiCacheStorage interface the way HiCacheController's generic page path calls it (batch_set of
+flat host pages, batch_exists, batch_get into flat dummy pages), over a real file store and a
+real Redis, with real model KV.
+
+Untested here: SGLang's host pool class itself (sglang.srt.mem_cache.memory_pool_host) does not
+import on this CPU machine (its import chain needs torchvision, which has no build for the CPU
+torch here), so the pages below are cut from a host buffer laid out as SGLang's MHA host pool
+lays it out (layer_first: (2, layers, tokens, heads, dim); page_first: (2, tokens, layers, heads,
+dim)), and the registered host pool is a record of its geometry attributes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang not installed (scripts/install-integrations.sh)")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvcodec.codecs import make_codec  # noqa: E402
+from kvcodec.errors import ConfigError  # noqa: E402
+from kvcodec.integrations.sglang_hicache import KVCodecHiCacheStorage  # noqa: E402
+from kvcodec.integrations.sglang_pages import PageGeometry, page_to_canonical  # noqa: E402
+from kvcodec.store import open_store  # noqa: E402
+
+PAGE = 16
+
+
+@dataclasses.dataclass
+class HostPoolGeometry:
+    """The attributes of SGLang's MHA host pool that a storage backend reads."""
+
+    layout: str
+    layer_num: int
+    page_size: int
+    head_num: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+def host_buffer(kv: torch.Tensor, layout: str) -> torch.Tensor:
+    """Canonical KV laid out as SGLang's MHA host pool buffer."""
+    return {"layer_first": kv.permute(1, 0, 2, 3, 4), "page_first": kv.permute(1, 2, 0, 3, 4)}[layout].contiguous()
+
+
+def host_page(buf: torch.Tensor, layout: str, i: int) -> torch.Tensor:
+    """Page i of the host buffer, flat, as the host pool's get_data_page gives it."""
+    span = slice(i * PAGE, (i + 1) * PAGE)
+    return (buf[:, :, span] if layout == "layer_first" else buf[:, span]).flatten()
+
+
+@pytest.fixture(scope="module")
+def real_kv(smollm2, short_text):
+    from kvcodec.integrations.hf import extract_kv
+
+    model, tok = smollm2
+    _, kv = extract_kv(model, tok, short_text, max_tokens=96)  # 6 pages of 16 tokens
+    return kv
+
+
+def storage_config(url: str, **extra) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=False, model_name="HuggingFaceTB/SmolLM2-135M",
+        extra_config={"backend_name": "kvcodec", "module_path": "kvcodec.integrations.sglang_hicache",
+                      "class_name": "KVCodecHiCacheStorage", "url": url, **extra},
+    )
+
+
+def backend(url: str, kv: torch.Tensor, layout: str = "layer_first", **extra):
+    pool = HostPoolGeometry(layout, kv.shape[0], PAGE, kv.shape[3], kv.shape[4], kv.dtype)
+    b = StorageBackendFactory.create_backend("dynamic", storage_config(url, **extra), pool)
+    b.register_mem_pool_host(pool)  # as HiCacheController does after creating the backend
+    return b
+
+
+@pytest.fixture(params=["file", "redis"])
+def store_url(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path / 'store'}"
+    return request.getfixturevalue("redis_server").url
+
+
+def keys_for(n: int, tag: str = "") -> list[str]:
+    return [f"{tag}{i:064x}" for i in range(1, n + 1)]
+
+
+def dummy_pages(n: int, kv: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.zeros(2 * kv.shape[0] * PAGE * kv.shape[3] * kv.shape[4], dtype=kv.dtype) for _ in range(n)]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_exact_pages_round_trip_through_sglang_factory(real_kv, store_url, layout):
+    kv = real_kv.to(torch.bfloat16)
+    b = backend(store_url, kv, layout, quant="exact", group_tokens=64)
+    assert isinstance(b, KVCodecHiCacheStorage)
+    buf = host_buffer(kv, layout)
+    n = kv.shape[2] // PAGE
+    keys = keys_for(n)
+    pages = [host_page(buf, layout, i) for i in range(n)]
+    assert b.batch_set(keys, pages)
+    assert b.batch_exists(keys) == n
+    got = b.batch_get(keys, dummy_pages(n, kv))
+    assert all(torch.equal(g.view(torch.int16), p.view(torch.int16)) for g, p in zip(got, pages))
+    one = b.get(keys[5], dummy_pages(1, kv)[0])  # a page of the second group, alone
+    assert torch.equal(one.view(torch.int16), pages[5].view(torch.int16))
+    with open_store(store_url) as st:
+        stored = [k for k in st.list("sglang/") if "/g/" in k]
+        coded = sum(st.size(k) for k in stored)
+    assert len(stored) == 2 and coded < kv.numel() * 2  # 6 pages in groups of 4: two blobs, smaller than bf16
+    b.close()
+
+
+def test_int8_equals_kvcodecs_own_decode_of_the_group(real_kv, tmp_path):
+    kv = real_kv.to(torch.float16)
+    b = backend(f"file://{tmp_path}", kv, quant="int8", group_tokens=48)
+    buf = host_buffer(kv, "layer_first")
+    keys = keys_for(6)
+    assert b.batch_set(keys, [host_page(buf, "layer_first", i) for i in range(6)])
+    got = b.batch_get(keys, dummy_pages(6, kv))
+    codec = make_codec("hevc", quant="int8", chunk_tokens=48, resolutions=((256, 256),))
+    want = torch.cat([codec.decode_chunk(c.blobs[0], torch.empty_like(kv[:, :, :48])) for c in codec.encode_chunks(kv)], 2)
+    want_buf = host_buffer(want, "layer_first")
+    assert all(torch.equal(g, host_page(want_buf, "layer_first", i)) for i, g in enumerate(got))
+
+
+def test_exists_counts_the_stored_prefix_and_get_stops_at_a_miss(real_kv, tmp_path):
+    kv = real_kv.to(torch.float16)
+    b = backend(f"file://{tmp_path}", kv, quant="int8", group_tokens=32)
+    buf = host_buffer(kv, "layer_first")
+    keys = keys_for(6)
+    assert b.batch_set(keys[:3], [host_page(buf, "layer_first", i) for i in range(3)])
+    assert b.batch_exists(keys) == 3
+    assert not b.exists(keys[4])
+    got = b.batch_get(keys, dummy_pages(6, kv))
+    assert [g is not None for g in got] == [True] * 3 + [False] * 3
+    assert b.batch_set(keys, [host_page(buf, "layer_first", i) for i in range(6)])  # stored pages are skipped
+    assert b.batch_exists(keys) == 6
+
+
+def test_damaged_group_is_a_miss(real_kv, tmp_path):
+    kv = real_kv.to(torch.float16)
+    url = f"file://{tmp_path}"
+    b = backend(url, kv, quant="int8", group_tokens=96)
+    buf = host_buffer(kv, "layer_first")
+    keys = keys_for(6)
+    assert b.batch_set(keys, [host_page(buf, "layer_first", i) for i in range(6)])
+    with open_store(url) as st:
+        (group,) = [k for k in st.list("sglang/") if "/g/" in k]
+        blob = bytearray(st.get(group))
+        blob[len(blob) // 2] ^= 0x40
+        st.put(group, bytes(blob))
+    assert b.batch_get(keys, dummy_pages(6, kv)) == [None] * 6
+
+
+def test_bad_configs_fail_at_startup(real_kv, tmp_path):
+    url = f"file://{tmp_path}"
+    with pytest.raises(ConfigError, match="url"):
+        StorageBackendFactory.create_backend("dynamic", storage_config(""), None)
+    with pytest.raises(ConfigError):
+        backend(url, real_kv, quant="int9")
+    with pytest.raises(ConfigError, match="group_tokens"):
+        backend(url, real_kv, chunk_tokens=16)
+    mla = dataclasses.replace(storage_config(url), is_mla_model=True)
+    with pytest.raises(ConfigError, match="MLA"):
+        StorageBackendFactory.create_backend("dynamic", mla, None)
+    with pytest.raises(ConfigError, match="layout"):
+        PageGeometry("page_unified", 2, 16, 2, 64, torch.float16)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_page_layouts_map_to_canonical(layout):
+    L, H, D = 3, 2, 4
+    kv = torch.arange(L * 2 * PAGE * H * D, dtype=torch.float32).reshape(L, 2, PAGE, H, D)
+    flat = {  # each layout's page as SGLang's host pool stores it
+        "layer_first": kv.permute(1, 0, 2, 3, 4),
+        "page_first": kv.permute(1, 2, 0, 3, 4),
+        "page_first_direct": kv.permute(1, 0, 2, 3, 4).unsqueeze(1),
+        "page_head": kv.permute(1, 3, 2, 0, 4).unsqueeze(1),
+    }[layout].flatten()
+    g = PageGeometry(layout, L, PAGE, H, D, torch.float32)
+    assert torch.equal(page_to_canonical(flat, g), kv)
