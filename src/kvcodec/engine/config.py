@@ -30,8 +30,9 @@ class EngineConfig:
     policy: "fetch-aware" (a fetching request never blocks others) or "blocking" (for comparison).
     max_batch: most requests in the running batch.
     max_prefill_tokens: prompt tokens admitted per iteration (soft; one request always fits).
-    prefill_chunk_tokens: a prompt is prefilled at most this many tokens per iteration, so a long
-        prompt never stalls the running batch for its whole prefill.
+    prefill_chunk_tokens: while other requests are decoding, a prompt is prefilled at most this
+        many tokens per iteration, so a long prompt never stalls the running batch for its whole
+        prefill (with nothing else running, up to max_prefill_tokens go in one forward).
     min_reuse_tokens: shorter stored prefixes are recomputed instead of fetched.
     fetch_deadline_s: "auto" (default): a fetch may take as long as recomputing its prefix would,
         from the measured prefill rate; a number: that many seconds; None: no deadline.

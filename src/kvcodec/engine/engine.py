@@ -187,7 +187,7 @@ class Engine:
             decoding = [r for r in self.scheduler.running if r.output_ids]
             for req in admitted:
                 self._guard(req, self._admit, req)
-            produced = self._prefill_some() + self._decode(decoding)
+            produced = self._prefill_some(bool(decoding)) + self._decode(decoding)
             for state, n in self.scheduler.counts().items():
                 self.metrics.queue.labels(state).set(n)
             self._last_progress = time.monotonic()
@@ -209,9 +209,13 @@ class Engine:
         self.runner.begin_prefill(req)
         self.metrics.restored_tokens.inc(req.restored_tokens)
 
-    def _prefill_some(self) -> int:
-        """Prefill at most prefill_chunk_tokens prompt tokens, oldest request first."""
-        budget, produced = self.config.prefill_chunk_tokens, 0
+    def _prefill_some(self, others_decoding: bool) -> int:
+        """Prefill prompt tokens, oldest request first: at most prefill_chunk_tokens while other
+        requests are decoding (they wait for this step), else up to max_prefill_tokens: a prompt
+        cut into pieces costs more in all (each piece attends to the cache through a mask)."""
+        cfg = self.config
+        budget = cfg.prefill_chunk_tokens if others_decoding else max(cfg.prefill_chunk_tokens, cfg.max_prefill_tokens)
+        produced = 0
         for req in [r for r in self.scheduler.running if r.prefilling]:
             if budget <= 0:
                 break
