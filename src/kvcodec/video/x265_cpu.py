@@ -46,7 +46,9 @@ class X265Encoder:
         ctx = av.CodecContext.create("libx265", "w")
         ctx.width, ctx.height, ctx.pix_fmt = width, height, PIX_FMT
         ctx.time_base = fractions.Fraction(1, 25)
-        params = f"lossless=1:log-level=none:bframes=0:keyint=-1:pools={self.threads}"
+        # hash=1: an MD5 of every decoded picture in an SEI message, which the CPU decoder
+        # verifies: a damaged stream must not decode to memory the decoder never wrote
+        params = f"lossless=1:log-level=none:bframes=0:keyint=-1:hash=1:pools={self.threads}"
         if self.extra_params:
             params += ":" + self.extra_params
         ctx.options = {"preset": self.preset, "x265-params": params}
@@ -95,6 +97,7 @@ class FFmpegHevcDecoder:
     def decode(self, bitstream: bytes, width: int, height: int) -> Iterator[torch.Tensor]:
         av = _av()
         ctx = av.CodecContext.create("hevc", "r")
+        ctx.options = {"err_detect": "crccheck+explode"}  # verify picture hashes, stop at any error
         if self.threads:
             ctx.thread_count = self.threads
         try:
