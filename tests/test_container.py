@@ -293,3 +293,20 @@ def test_plain_chunk_headers_are_checked(edit, words):
         kvcodec.decode_chunk_blob(bad)
     for w in words:
         assert w in str(e.value)
+
+
+def test_inspect_reports_the_real_bytes(kv):
+    config = CodecConfig(quant="int8", chunk_tokens=32, resolutions=((144, 144), (256, 256)))
+    data = kvcodec.encode(kv, config)
+    info = kvcodec.inspect(data)
+    assert info["file_bytes"] == len(data)
+    assert info["ratio_vs_fp16"] == pytest.approx(kv.numel() * 2 / len(data))
+    per_res = [r["bytes"] for r in info["resolutions"].values()]
+    assert sum(per_res) < len(data) < sum(per_res) + 4096  # both resolutions are stored
+    assert info["ratio_vs_fp16"] < min(r["ratio_vs_fp16"] for r in info["resolutions"].values()) / 1.9
+
+
+def test_the_default_stores_one_resolution(kv):
+    assert len(CodecConfig().resolutions) == 1
+    data = kvcodec.encode(kv, CodecConfig(chunk_tokens=32))
+    assert len(kvcodec.inspect(data)["resolutions"]) == 1
