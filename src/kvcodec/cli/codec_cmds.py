@@ -93,7 +93,7 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
     best = min(info["resolutions"].items(), key=lambda kv_: kv_[1]["bytes"])
     click.echo(
         f"{dst}: {len(data):,} bytes for {kv.shape[2]} tokens ({chunks} chunks x {len(config.resolutions)} resolutions) "
-        f"in {elapsed:.1f} s; {info['ratio_vs_fp16']:.2f}x vs fp16 (one resolution, {best[0]}: "
+        f"in {elapsed:.1f} s; {info['fp16_bytes'] / len(data):.2f}x vs fp16 (one resolution, {best[0]}: "
         f"{best[1]['ratio_vs_fp16']:.2f}x)"
     )
 
