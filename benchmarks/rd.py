@@ -76,7 +76,8 @@ def methods(cal, digest, ratios, baselines):
     for r in ratios:
         out[f"transform-hevc-r{r:g}"] = _transform(TransformCodec(cal, kvt_hash=digest, target_ratio=r), cal, digest)
     out["transform-hevc-r6-nosink"] = _transform(
-        TransformCodec(cal, kvt_hash=digest, target_ratio=6, sink_tokens=0), cal, digest, compare=False)
+        TransformCodec(cal, kvt_hash=digest, target_ratio=6, sink_tokens=0), cal, digest, compare=False
+    )
     for b in baselines:
         out[b] = _baseline(b)
     return out
@@ -91,11 +92,13 @@ def _transform(codec, cal, digest, compare=True):
         extra = {"encode_decode_s": round(time.perf_counter() - t0, 2)}
         extra["theta"] = codec.header(chunks[0].blobs[0])["theta"]
         if compare:
-            z = TransformCodec(cal, kvt_hash=digest, theta=extra["theta"], coder="zstd",
-                               sink_tokens=codec.sink_tokens)
+            z = TransformCodec(cal, kvt_hash=digest, theta=extra["theta"], coder="zstd", sink_tokens=codec.sink_tokens)
             z_restored, z_size, _ = chunk_roundtrip(z, kv)
-            extra.update(zstd_bytes=z_size, hevc_over_zstd=round(size / z_size, 4),
-                         same_symbols=bool(torch.equal(z_restored, restored)))
+            extra.update(
+                zstd_bytes=z_size,
+                hevc_over_zstd=round(size / z_size, 4),
+                same_symbols=bool(torch.equal(z_restored, restored)),
+            )
         return restored, size, extra
 
     return run
@@ -137,10 +140,20 @@ def evaluate_text(model, tokenizer, text_name, prefix_tokens, cont_tokens, runne
     for name, run in runners.items():
         restored, size, extra = run(kv16)
         top, nll = teacher_forced(model, prefix, restored.float(), cont)
-        rows[name] = dict(bytes=size, values=kv16.numel(), agree=int((top == ref_top).sum()), n=top.numel(),
-                          nll=float(nll.sum()), ref_nll=float(ref_nll.sum()), **extra)
-        click.echo(f"  {text_name} {name}: {16 * kv16.numel() * 2 / 16 / size:.2f}x top1 {rows[name]['agree'] / top.numel():.3f} "
-                   f"ppl {math.exp(rows[name]['nll'] / top.numel()):.3f} (ref {math.exp(float(ref_nll.mean())):.3f})", err=True)
+        rows[name] = dict(
+            bytes=size,
+            values=kv16.numel(),
+            agree=int((top == ref_top).sum()),
+            n=top.numel(),
+            nll=float(nll.sum()),
+            ref_nll=float(ref_nll.sum()),
+            **extra,
+        )
+        click.echo(
+            f"  {text_name} {name}: {16 * kv16.numel() * 2 / 16 / size:.2f}x top1 {rows[name]['agree'] / top.numel():.3f} "
+            f"ppl {math.exp(rows[name]['nll'] / top.numel()):.3f} (ref {math.exp(float(ref_nll.mean())):.3f})",
+            err=True,
+        )
     return rows
 
 
@@ -150,14 +163,25 @@ def aggregate(model_name, per_text):
         rs = [t[name] for t in per_text]
         size, values, n = sum(r["bytes"] for r in rs), sum(r["values"] for r in rs), sum(r["n"] for r in rs)
         ppl, ref = math.exp(sum(r["nll"] for r in rs) / n), math.exp(sum(r["ref_nll"] for r in rs) / n)
-        rec = dict(model=model_name, method=name, bits_per_value=round(8 * size / values, 4),
-                   ratio_vs_fp16=round(2 * values / size, 3), top1_agreement=round(sum(r["agree"] for r in rs) / n, 4),
-                   ppl=round(ppl, 4), ppl_ref=round(ref, 4), ppl_delta_pct=round(100 * (ppl / ref - 1), 3),
-                   bytes=size, tokens_scored=n)
+        rec = dict(
+            model=model_name,
+            method=name,
+            bits_per_value=round(8 * size / values, 4),
+            ratio_vs_fp16=round(2 * values / size, 3),
+            top1_agreement=round(sum(r["agree"] for r in rs) / n, 4),
+            ppl=round(ppl, 4),
+            ppl_ref=round(ref, 4),
+            ppl_delta_pct=round(100 * (ppl / ref - 1), 3),
+            bytes=size,
+            tokens_scored=n,
+        )
         if "zstd_bytes" in rs[0]:
             z = sum(r["zstd_bytes"] for r in rs)
-            rec.update(zstd_ratio_vs_fp16=round(2 * values / z, 3), hevc_over_zstd=round(size / z, 4),
-                       same_symbols=all(r["same_symbols"] for r in rs))
+            rec.update(
+                zstd_ratio_vs_fp16=round(2 * values / z, 3),
+                hevc_over_zstd=round(size / z, 4),
+                same_symbols=all(r["same_symbols"] for r in rs),
+            )
         if "theta" in rs[0]:
             rec["theta"] = [r["theta"] for r in rs]
         records.append(rec)
@@ -165,20 +189,27 @@ def aggregate(model_name, per_text):
 
 
 def markdown(doc):
-    lines = [f"# Rate-accuracy: transform codec vs per-channel intN and CacheGen-style ({doc['machine']})", "",
-             f"Command: `{doc['command']}`", "",
-             f"Model {doc['model']}; calibrated on {', '.join(doc['calibration']['sources'])} "
-             f"({doc['calibration']['tokens']} tokens, {doc['calibration']['groups']} layer groups, "
-             f"{doc['calibration']['seconds']:.0f} s incl. KV extraction); evaluated on {', '.join(doc['eval_texts'])} "
-             f"({doc['prefix_tokens']}-token prefix, {doc['cont_tokens']}-token teacher-forced continuation). "
-             "Ratios count every byte of every chunk blob (headers, escapes, fp16 sink tokens).", "",
-             "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | zstd-19 on same integers | HEVC / zstd bytes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Rate-accuracy: transform codec vs per-channel intN and CacheGen-style ({doc['machine']})",
+        "",
+        f"Command: `{doc['command']}`",
+        "",
+        f"Model {doc['model']}; calibrated on {', '.join(doc['calibration']['sources'])} "
+        f"({doc['calibration']['tokens']} tokens, {doc['calibration']['groups']} layer groups, "
+        f"{doc['calibration']['seconds']:.0f} s incl. KV extraction); evaluated on {', '.join(doc['eval_texts'])} "
+        f"({doc['prefix_tokens']}-token prefix, {doc['cont_tokens']}-token teacher-forced continuation). "
+        "Ratios count every byte of every chunk blob (headers, escapes, fp16 sink tokens).",
+        "",
+        "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | zstd-19 on same integers | HEVC / zstd bytes |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in doc["records"]:
         z = f"{r['zstd_ratio_vs_fp16']:.2f}x" if "zstd_ratio_vs_fp16" in r else ""
         hz = f"{r['hevc_over_zstd']:.3f}" if "hevc_over_zstd" in r else ""
-        lines.append(f"| {r['method']} | {r['bits_per_value']:.2f} | {r['ratio_vs_fp16']:.2f}x | {r['top1_agreement']:.4f} "
-                     f"| {r['ppl_delta_pct']:+.2f} | {z} | {hz} |")
+        lines.append(
+            f"| {r['method']} | {r['bits_per_value']:.2f} | {r['ratio_vs_fp16']:.2f}x | {r['top1_agreement']:.4f} "
+            f"| {r['ppl_delta_pct']:+.2f} | {z} | {hz} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -195,8 +226,20 @@ def markdown(doc):
 @click.option("--baselines", default="int8,int4,cachegen", show_default=True)
 @click.option("--out", "out_stem", required=True, help="Output stem: writes STEM.json and STEM.md.")
 @click.option("--save-kvt", help="Write the calibration here.")
-def main(model_name, calib, calib_kv, kvt, calib_tokens, eval_texts, prefix_tokens, cont_tokens, ratios, baselines,
-         out_stem, save_kvt):
+def main(
+    model_name,
+    calib,
+    calib_kv,
+    kvt,
+    calib_tokens,
+    eval_texts,
+    prefix_tokens,
+    cont_tokens,
+    ratios,
+    baselines,
+    out_stem,
+    save_kvt,
+):
     from kvcodec.models import load_model
     from kvcodec.transform import save_kvt as write_kvt
 
@@ -212,11 +255,23 @@ def main(model_name, calib, calib_kv, kvt, calib_tokens, eval_texts, prefix_toke
     runners = methods(cal, digest, [float(r) for r in ratios.split(",") if r], [b for b in baselines.split(",") if b])
     per_text = [evaluate_text(model, tokenizer, t, prefix_tokens, cont_tokens, runners) for t in evals]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    doc = dict(command="python " + shlex.join(sys.argv), machine=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
-               commit=commit, model=model_name, eval_texts=evals, prefix_tokens=prefix_tokens, cont_tokens=cont_tokens,
-               calibration=dict(sources=sources, tokens=cal.info["tokens"], groups=len(cal.groups), seconds=round(secs, 1),
-                                kvt_sha256=digest),
-               records=aggregate(model_name, per_text))
+    doc = dict(
+        command="python " + shlex.join(sys.argv),
+        machine=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+        commit=commit,
+        model=model_name,
+        eval_texts=evals,
+        prefix_tokens=prefix_tokens,
+        cont_tokens=cont_tokens,
+        calibration=dict(
+            sources=sources,
+            tokens=cal.info["tokens"],
+            groups=len(cal.groups),
+            seconds=round(secs, 1),
+            kvt_sha256=digest,
+        ),
+        records=aggregate(model_name, per_text),
+    )
     Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
     Path(out_stem + ".md").write_text(markdown(doc))
     click.echo(markdown(doc))

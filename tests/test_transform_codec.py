@@ -186,19 +186,33 @@ def test_encode_decode_commands_with_transform(kvt, tmp_path):
 
     kv = synthetic_kv(256, seed=16)
     save_file({"kv": kv}, str(tmp_path / "in.safetensors"))
-    enc = [str(tmp_path / "in.safetensors"), str(tmp_path / "t.kvc"), "--transform", str(kvt[0]),
-           "--target-ratio", "5", "--sample-coder", "zstd", "--chunk-tokens", "64"]
+    enc = [
+        str(tmp_path / "in.safetensors"),
+        str(tmp_path / "t.kvc"),
+        "--transform",
+        str(kvt[0]),
+        "--target-ratio",
+        "5",
+        "--sample-coder",
+        "zstd",
+        "--chunk-tokens",
+        "64",
+    ]
     res = CliRunner().invoke(encode_cmd, enc)
     assert res.exit_code == 0, res.output
     size = (tmp_path / "t.kvc").stat().st_size
     assert abs(kv.numel() * 2 / 5 / size - 1) < 0.10
-    res = CliRunner().invoke(decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "out.safetensors"), "--transform", str(kvt[0])])
+    res = CliRunner().invoke(
+        decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "out.safetensors"), "--transform", str(kvt[0])]
+    )
     assert res.exit_code == 0, res.output
     assert rel_mse(load_file(str(tmp_path / "out.safetensors"))["kv"], kv) < 0.05
     other = calibrate([synthetic_kv(600, s) for s in (5, 6)], ROPE)
     save_kvt(other, tmp_path / "other.kvt")
-    res = CliRunner().invoke(decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "o2.safetensors"), "--transform",
-                                          str(tmp_path / "other.kvt")])
+    res = CliRunner().invoke(
+        decode_cmd,
+        [str(tmp_path / "t.kvc"), str(tmp_path / "o2.safetensors"), "--transform", str(tmp_path / "other.kvt")],
+    )
     assert res.exit_code != 0 and isinstance(res.exception, ConfigError)
     res = CliRunner().invoke(decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "o3.safetensors")])
     assert res.exit_code != 0 and isinstance(res.exception, FormatError)

@@ -82,8 +82,12 @@ def test_pca_refuses_nan_and_tiny_data():
 
 
 @settings(max_examples=60, deadline=None)
-@given(layers=st.integers(1, 80), layer_dim=st.integers(1, 512), tokens=st.integers(1, 200_000),
-       max_group=st.one_of(st.none(), st.integers(1, 10)))
+@given(
+    layers=st.integers(1, 80),
+    layer_dim=st.integers(1, 512),
+    tokens=st.integers(1, 200_000),
+    max_group=st.one_of(st.none(), st.integers(1, 10)),
+)
 def test_group_sizes_adapt_to_data(layers, layer_dim, tokens, max_group):
     if tokens < pca.MIN_TOKENS_PER_DIM * layer_dim:
         with pytest.raises(ConfigError, match="too few"):
@@ -129,8 +133,9 @@ def test_water_filling_gives_zero_bits_to_small_coordinates():
 
 
 @settings(max_examples=60, deadline=None)
-@given(shape=st.tuples(st.integers(1, 20), st.integers(1, 30)), scale=st.floats(0.01, 1000.0),
-       seed=st.integers(0, 2**31))
+@given(
+    shape=st.tuples(st.integers(1, 20), st.integers(1, 30)), scale=st.floats(0.01, 1000.0), seed=st.integers(0, 2**31)
+)
 def test_quantize_error_bounded_by_half_step(shape, scale, seed):
     g = torch.Generator().manual_seed(seed)
     y = torch.randn(*shape, generator=g, dtype=torch.float64) * scale

@@ -49,7 +49,7 @@ def _load_kv_files(paths) -> tuple[list, dict]:
     for p in paths:
         try:
             with safe_open(str(p), "pt") as f:
-                if "kv" not in f.keys():
+                if "kv" not in f.keys():  # noqa: SIM118 - safe_open has no __contains__
                     raise ShapeError(f"{p} holds no tensor named 'kv'")
                 kvs.append(f.get_tensor("kv"))
                 metas.append(dict(f.metadata() or {}))
@@ -81,17 +81,31 @@ def _kv_from_model(name: str, texts: str, max_tokens: int) -> tuple[list, dict]:
 
 @click.command("calibrate")
 @click.argument("kv_files", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="MODEL.kvt to write.")
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="MODEL.kvt to write."
+)
 @click.option("--model", "model_name", help="Registered model: extract its KV from --texts instead of KV files.")
-@click.option("--texts", help="Comma-separated texts for --model (files or pg/<essay>); never the texts you evaluate on.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="Tokens per text (--model).")
+@click.option(
+    "--texts", help="Comma-separated texts for --model (files or pg/<essay>); never the texts you evaluate on."
+)
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="Tokens per text (--model)."
+)
 @click.option("--rope-theta", type=float, help="Rotary base, when the KV files do not carry their model's settings.")
 @click.option("--rope-style", type=click.Choice(STYLES), default="half", show_default=True)
 @click.option("--rotary-dim", type=int, help="Rotated channels per head (partial rotary); default the whole head.")
 @click.option("--no-rope", is_flag=True, help="Fit the keys as stored (with RoPE).")
-@click.option("--sink-tokens", type=click.IntRange(min=0), default=4, show_default=True, help="Leading tokens left out of the fit.")
+@click.option(
+    "--sink-tokens",
+    type=click.IntRange(min=0),
+    default=4,
+    show_default=True,
+    help="Leading tokens left out of the fit.",
+)
 @click.option("--max-group", type=click.IntRange(min=1), help="At most this many layers per PCA group.")
-def command(kv_files, out, model_name, texts, max_tokens, rope_theta, rope_style, rotary_dim, no_rope, sink_tokens, max_group):
+def command(
+    kv_files, out, model_name, texts, max_tokens, rope_theta, rope_style, rotary_dim, no_rope, sink_tokens, max_group
+):
     """Learn a transform (a mean and a PCA basis per group of layers, for K and V) from
     KV_FILES (written by `kvcodec extract`) or from --model with --texts; write it to OUT.kvt."""
     from kvcodec.transform import calibrate, save_kvt

@@ -22,8 +22,10 @@ def encode_cmd(kv, dst: Path, transform: Path, target_ratio, chunk_tokens: int, 
     t0 = time.perf_counter()
     data = encode_file(kv, codec)
     _atomic_write(dst, data)
-    click.echo(f"{dst}: {len(data):,} bytes for {kv.shape[2]} tokens in {time.perf_counter() - t0:.1f} s; "
-               f"{kv.numel() * 2 / len(data):.2f}x vs fp16 (codec {codec.id})")
+    click.echo(
+        f"{dst}: {len(data):,} bytes for {kv.shape[2]} tokens in {time.perf_counter() - t0:.1f} s; "
+        f"{kv.numel() * 2 / len(data):.2f}x vs fp16 (codec {codec.id})"
+    )
 
 
 def decode_cmd(data: bytes, dst: Path, transform: Path, device: str) -> None:

@@ -118,8 +118,10 @@ class TransformCodec:
         self.coder, self.chunk_tokens = coder, int(chunk_tokens)
         self.resolutions = tuple((int(w), int(h)) for w, h in resolutions)
         size = f"t{theta!r}" if theta else f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
-        self.id = (f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
-                   f"-s{sink_tokens}-c{chunk_tokens}")
+        self.id = (
+            f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
+            f"-s{sink_tokens}-c{chunk_tokens}"
+        )
         self._plans: dict[tuple[float, float], CoordPlan] = {}
         self._device_bases: dict[torch.device, list] = {}
 
@@ -173,7 +175,9 @@ class TransformCodec:
         top = float((var * w).max())
 
         def est(theta: float, chunks=tuple(sample)) -> float:  # entropy per token, chunk by chunk as coded
-            bits = sum(rate.column_entropy_bits(self._symbols(y[s : s + ct], theta, first_position + s)) for s in chunks)
+            bits = sum(
+                rate.column_entropy_bits(self._symbols(y[s : s + ct], theta, first_position + s)) for s in chunks
+            )
             return bits / sum(min(ct, T - s) for s in chunks)
 
         theta = rate.solve_level(est, target, top * 1e-7, top, iters=ITERS)
@@ -240,8 +244,15 @@ class TransformCodec:
         for n, s in enumerate(range(0, T, self.chunk_tokens)):
             e = min(T, s + self.chunk_tokens)
             blobs = tuple(
-                self._blob(y[s:e], kv[:, :, s:e], theta, first + s, first_chunk_index + n, res,
-                           keys[n] if keys is not None else None)
+                self._blob(
+                    y[s:e],
+                    kv[:, :, s:e],
+                    theta,
+                    first + s,
+                    first_chunk_index + n,
+                    res,
+                    keys[n] if keys is not None else None,
+                )
                 for res in self.resolutions
             )
             chunk = EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
@@ -259,10 +270,22 @@ class TransformCodec:
         entries = [[n, "hevc" if n == "video" else "zstd", len(streams[n]), crc32(streams[n])] for n in names]
         L, _, t, H, D = kv.shape
         header = {
-            "transform_version": TRANSFORM_VERSION, "kvt": self.kvt_hash, "codec": self.id, "index": index,
-            "start_token": start, "tokens": t, "shape": [L, H, D], "dtype": str(kv.dtype).replace("torch.", ""),
-            "theta": theta, "key_weight": self.key_weight, "sink": max(0, min(self.sink_tokens - start, t)),
-            "coder": self.coder, "resolution": list(resolution), **counts, "streams": entries, "key": key,
+            "transform_version": TRANSFORM_VERSION,
+            "kvt": self.kvt_hash,
+            "codec": self.id,
+            "index": index,
+            "start_token": start,
+            "tokens": t,
+            "shape": [L, H, D],
+            "dtype": str(kv.dtype).replace("torch.", ""),
+            "theta": theta,
+            "key_weight": self.key_weight,
+            "sink": max(0, min(self.sink_tokens - start, t)),
+            "coder": self.coder,
+            "resolution": list(resolution),
+            **counts,
+            "streams": entries,
+            "key": key,
         }
         return write_object(CHUNK_MAGIC, header, [streams[n] for n in names])
 

@@ -17,7 +17,10 @@ def encode_file(kv: torch.Tensor, codec: TransformCodec, on_chunk=None) -> bytes
     chunks = codec.encode_chunks(kv, on_chunk=on_chunk)
     blobs = [c.blobs[0] for c in chunks]
     header = {
-        "kvt": codec.kvt_hash, "codec": codec.id, "shape": list(kv.shape), "dtype": str(kv.dtype).replace("torch.", ""),
+        "kvt": codec.kvt_hash,
+        "codec": codec.id,
+        "shape": list(kv.shape),
+        "dtype": str(kv.dtype).replace("torch.", ""),
         "chunks": [[c.tokens, len(b), crc32(b)] for c, b in zip(chunks, blobs)],
     }
     return write_object(FILE_MAGIC, header, blobs)
