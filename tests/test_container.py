@@ -310,3 +310,14 @@ def test_the_default_stores_one_resolution(kv):
     assert len(CodecConfig().resolutions) == 1
     data = kvcodec.encode(kv, CodecConfig(chunk_tokens=32))
     assert len(kvcodec.inspect(data)["resolutions"]) == 1
+
+
+def test_a_config_missing_fields_means_their_defaults(encoded):
+    # found by the fuzzer: a config without "quant" passed the config check, then raised KeyError
+    for field in ("quant", "resolutions", "chunk_tokens"):
+        data = rewrite(encoded, FILE_MAGIC, lambda h: h["config"].pop(field))
+        try:
+            out = kvcodec.decode(data)
+        except FormatError:
+            continue
+        assert torch.equal(out, kvcodec.decode(encoded))

@@ -110,7 +110,10 @@ def _fetch_and_heal(st, chunk_tokens: int, ids, kv, clean) -> str:
     try:
         res = cache.fetch(ids, deadline_s=30.0)
         n = res.tokens_restored
-        if not _same(res.kv[:, :, :n], clean[:, :, :n]):
+        if res.kv is None:  # nothing could be planned (e.g. an unreadable meta of chunk 0)
+            if n:
+                return f"altered:{n} tokens reported restored without a result tensor"
+        elif not _same(res.kv[:, :, :n], clean[:, :, :n]):
             return "altered:restored tokens differ from the stored prefix (wrong or foreign data)"
         outcome = "original" if n == len(ids) and res.error is None else "error"
         cache.put(ids, kv)

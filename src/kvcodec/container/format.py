@@ -231,8 +231,7 @@ class FileHeader:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileHeader:
         fh = cls(**_checked(d, "file", _FILE_FIELDS, {}))
-        check_file_header(fh)
-        return fh
+        return check_file_header(fh)
 
 
 _FILE_FIELDS = {
@@ -244,9 +243,9 @@ _FILE_FIELDS = {
 }
 
 
-def check_file_header(fh: FileHeader) -> None:
-    """The config parses, the chunks cover exactly `tokens`, and every chunk has exactly one blob
-    at every resolution of the config."""
+def check_file_header(fh: FileHeader) -> FileHeader:
+    """`fh` with its config completed by CodecConfig's defaults, once the config parses, the
+    chunks cover exactly `tokens`, and every chunk has exactly one blob at every resolution."""
     try:
         config = CodecConfig.from_dict(fh.config)
     except (KVCodecError, TypeError, ValueError) as e:
@@ -262,6 +261,7 @@ def check_file_header(fh: FileHeader) -> None:
             f"header field 'blobs' does not list exactly one blob per chunk ({len(fh.chunk_tokens)}) "
             f"and resolution ({len(config.resolutions)})"
         )
+    return dataclasses.replace(fh, config=config.to_dict())
 
 
 def check_chunk_against_file(
