@@ -34,8 +34,8 @@ TRANSFORM_VERSION = 1
 CODERS = ("hevc", "zstd")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ZSTD_LEVEL = 19
-SAMPLE_CHUNKS = 4  # chunks the size search measures entropy on
-ITERS = 22
+SAMPLE_CHUNKS = 2  # chunks the size search measures entropy on
+ITERS = 16
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
