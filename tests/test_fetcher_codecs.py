@@ -230,3 +230,20 @@ def test_earlier_call_form_still_works():
     assert r.chunk_tokens == 16 and r.codec.resolutions == RES
     with pytest.raises(ConfigError):
         PrefixCache(open_store("memory://"), "m", RawCodec(), "cpu", codec=RawCodec())
+
+
+@pytest.mark.parametrize("edit", [{"shape": [2**31, 2, 32]}, {"shape": [2**63, 2, 32]}, {"sizes": [5, 5]}])
+def test_consistent_looking_meta_edits_never_size_an_allocation(edit):
+    """A meta edited consistently (valid JSON, right codec id) is checked against the blob's own
+    header before anything is allocated from it."""
+    import json
+
+    codec = build("raw")
+    kv, ids = make_kv(), ids_for(40)
+    cache = cache_for(codec)
+    cache.put(ids, kv)
+    key = meta_key(cache.keys(ids)[0])
+    cache.store.put(key, json.dumps({**json.loads(cache.store.get(key)), **edit}).encode())
+    r = cache.fetch(ids)
+    assert isinstance(r.error, FormatError) and r.tokens_restored == 0 and r.kv is None
+    assert cache.lookup(ids) == 0 and cache.put(ids, kv) == 1 and cache.fetch(ids).ok

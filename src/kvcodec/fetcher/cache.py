@@ -230,7 +230,8 @@ class PrefixCache:
         Never raises for store, format, stored-data or deadline failures: it stops at the first
         chunk that cannot be restored in order and returns what was restored with `error` set
         (also logged). A chunk that fails its checks is dropped so the next put rewrites it.
-        Invalid arguments (a bad `out` or n_tokens) raise ShapeError/ConfigError.
+        Invalid arguments (n_tokens, or an `out` too short for them) raise ShapeError/ConfigError;
+        an `out` whose (layers, heads, dim) differ from the stored metas' is a result error.
         """
         t0 = time.monotonic()
         deadline = storecalls.Deadline(deadline_s, t0)
@@ -240,13 +241,19 @@ class PrefixCache:
         n_tokens = len(ids) if n_tokens is None else int(n_tokens)
         if n_tokens < 0 or n_tokens > len(ids):
             raise ConfigError(f"n_tokens={n_tokens} outside 0..{len(ids)}")
+        capacity = out.capacity if isinstance(out, PagedKV) else (out.shape[2] if out is not None else n_tokens)
+        if out is not None and (capacity < n_tokens or (isinstance(out, torch.Tensor) and out.dim() != 5)):
+            raise ShapeError(f"out holds {capacity} tokens; {n_tokens} asked for")
         if n_tokens == 0:
             return self._result(stats, t0, out, 0, n_tokens, None)
         metas, keys, plan_error = self._plan(ids, n_tokens, deadline, stats)
         if not metas:
             return self._result(stats, t0, out, 0, n_tokens, plan_error)
         dtype = DTYPES[metas[0].dtype]
-        out = self._prepare_out(out, metas[0].shape, n_tokens, dtype)
+        try:
+            self._check_out(out, metas[0].shape, n_tokens)
+        except ShapeError as e:  # the caller's target or the stored metas are wrong: no fetch
+            return self._result(stats, t0, out, 0, n_tokens, e)
         profile = self._profile_for(pol, metas[0].shape, dtype)
         stats.decoder = self.decoder_name()
         settings = PipelineSettings(self.codec, self.store, self.device, self.max_inflight, self.decode_workers,
@@ -256,7 +263,7 @@ class PrefixCache:
         restored, error = pipeline.run()
         if error is None and restored < n_tokens:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
-        return self._result(stats, t0, out, restored, n_tokens, error)
+        return self._result(stats, t0, pipeline.out, restored, n_tokens, error)
 
     def _result(self, stats: FetchStats, t0: float, kv, restored: int, n_tokens: int, error) -> FetchResult:
         stats.wall_s = time.monotonic() - t0
@@ -292,10 +299,14 @@ class PrefixCache:
                                    f"tokens can be fetched")
                 break
             try:
-                m = self._checked_meta(raw, i, metas[0] if metas else None)
+                m = self._checked_meta(raw, i)
             except FormatError as e:
                 self._bad_chunk(keys[i], i, e, stats)
                 error = e
+                break
+            if metas and (m.shape, m.dtype) != (metas[0].shape, metas[0].dtype):
+                # which of the two is damaged shows when chunk 0's blob is checked against its meta
+                error = FormatError(f"chunk {i} meta has another shape or dtype than chunk 0: {m}")
                 break
             metas.append(m)
         if metas and metas[-1].start_token + metas[-1].tokens < min(n_tokens, metas[-1].start_token + ct):
@@ -303,30 +314,27 @@ class PrefixCache:
         stats.chunks_planned = len(metas)
         return metas, keys[: len(metas)], error
 
-    def _checked_meta(self, raw: bytes, i: int, first: ChunkMeta | None) -> ChunkMeta:
+    def _checked_meta(self, raw: bytes, i: int) -> ChunkMeta:
         m = ChunkMeta.from_bytes(raw)
         ct = self.chunk_tokens
         if m.index != i or m.start_token != i * ct or m.tokens > ct or m.codec != self.codec.id:
             raise FormatError(f"chunk {i} meta does not match this cache's codec and chunking: {m}")
         if len(m.sizes) != len(self.codec.resolutions):
             raise FormatError(f"chunk {i} meta lists {len(m.sizes)} resolutions; the codec has {len(self.codec.resolutions)}")
-        if first is not None and (m.shape, m.dtype) != (first.shape, first.dtype):
-            raise FormatError(f"chunk {i} meta has another shape or dtype than chunk 0: {m}")
         return m
 
-    def _prepare_out(self, out: Target | None, shape: tuple[int, int, int], n_tokens: int, dtype) -> Target:
-        L, H, D = shape
+    def _check_out(self, out: Target | None, shape: tuple[int, int, int], n_tokens: int) -> None:
+        """ShapeError unless the caller's target can hold n_tokens of KV of `shape` (L, H, D)."""
         if out is None:
-            return torch.empty((L, 2, n_tokens, H, D), dtype=dtype, device=self.device)
+            return
+        L, H, D = shape
         if isinstance(out, PagedKV):
             p = out.pages
             if (p.shape[0], p.shape[4], p.shape[5]) != (L, H, D) or out.capacity < n_tokens:
                 raise ShapeError(f"pages {tuple(p.shape)} with {out.capacity} tokens of block table cannot hold "
                                  f"({L}, 2, {n_tokens}, {H}, {D})")
-            return out
-        if out.dim() != 5 or tuple(out.shape[:2]) != (L, 2) or tuple(out.shape[3:]) != (H, D) or out.shape[2] < n_tokens:
-            raise ShapeError(f"out is {tuple(out.shape)}; need ({L}, 2, >={n_tokens}, {H}, {D})")
-        return out
+        elif out.dim() != 5 or tuple(out.shape[:2]) != (L, 2) or tuple(out.shape[3:]) != (H, D):
+            raise ShapeError(f"out is {tuple(out.shape)}; the stored KV is ({L}, 2, {n_tokens}, {H}, {D})")
 
     def _profile_for(self, pol: ResolutionPolicy, shape, dtype) -> DecodeProfile:
         if pol.name == "adaptive" and self.profile is None:

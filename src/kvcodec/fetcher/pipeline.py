@@ -53,13 +53,15 @@ class PipelineSettings:
 
 @dataclasses.dataclass(frozen=True)
 class FetchPlan:
-    """The chunks to fetch (their metas and keys, in order), the tokens asked for and where."""
+    """The chunks to fetch (their metas and keys, in order), the tokens asked for and where (None:
+    allocated on the decode device once a chunk's own header has confirmed the metas' shape, so
+    a damaged meta never sizes an allocation)."""
 
     metas: list[ChunkMeta]
     keys: list[str]
     n_tokens: int
     dtype: torch.dtype
-    out: Target
+    out: Target | None
 
 
 class FetchPipeline:
@@ -82,6 +84,7 @@ class FetchPipeline:
         self.inflight = 0
         self.next_issue = 0
         self.direct_used = False
+        self.out = plan.out
         self._suffix_sums()
 
     def now(self) -> float:
@@ -141,7 +144,7 @@ class FetchPipeline:
 
     def _restore(self, i: int, staged: torch.Tensor | None) -> int:
         """Chunk i is complete in the target (copied from its staging tensor if it has one)."""
-        m, tm, out = self.plan.metas[i], self.timings[i], self.plan.out
+        m, tm, out = self.plan.metas[i], self.timings[i], self.out
         tm.restore_start = self.now()
         take = min(m.tokens, self.plan.n_tokens - m.start_token)
         if staged is not None:
@@ -218,6 +221,11 @@ class FetchPipeline:
             err = StoreError(f"chunk {i} resolution {j} blob is missing from {getattr(self.s.store, 'url', 'the store')}")
             self.on_bad_chunk(i, err)
             raise err
+        if len(blob) != self.plan.metas[i].sizes[j]:
+            err = FormatError(f"chunk {i} resolution {j} blob has {len(blob)} bytes; its meta says "
+                              f"{self.plan.metas[i].sizes[j]}")
+            self.on_bad_chunk(i, err)
+            raise err
         self.est.add(len(blob), ts, te)
         return blob
 
@@ -273,7 +281,12 @@ class FetchPipeline:
                               f"its meta says {want}")
 
     def _target(self, m: ChunkMeta) -> tuple[Target, bool]:
-        out, dev, dtype = self.plan.out, self.s.device, self.plan.dtype
+        dev, dtype = self.s.device, self.plan.dtype
+        L, H, D = m.shape
+        with self.lock:
+            if self.out is None:  # the metas' shape is now confirmed by a blob bound to its key
+                self.out = torch.empty((L, 2, self.plan.n_tokens, H, D), dtype=dtype, device=dev)
+            out = self.out
         end = m.start_token + m.tokens
         if self.s.direct and end <= self.plan.n_tokens and out.device == dev:
             if isinstance(out, PagedKV) and out.pages.dtype == dtype:
@@ -282,7 +295,6 @@ class FetchPipeline:
             if isinstance(out, torch.Tensor) and out.dtype == dtype:
                 self.direct_used = True
                 return out[:, :, m.start_token : end], True
-        L, H, D = m.shape
         return torch.empty((L, 2, m.tokens, H, D), dtype=dtype, device=dev), False
 
     # -- bookkeeping -------------------------------------------------------------------------
