@@ -135,6 +135,7 @@ def inspect(data: bytes | memoryview) -> dict:
         "config": fh.config,
         "file_bytes": len(data),
         "fp16_bytes": fp16_bytes,
+        "ratio_vs_fp16": fp16_bytes / len(data),  # the whole file: every stored resolution counts
         "resolutions": {f"{r[0]}x{r[1]}": _resolution_summary(fh, payload, r, fp16_bytes) for r in fh.resolutions},
     }
 
