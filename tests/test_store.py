@@ -230,3 +230,18 @@ def test_deadline_store_passes_calls_through(store):
 
     conformance(DeadlineStore(store, time.monotonic() + 30))
     conformance(DeadlineStore(store, None))
+
+
+def test_memory_store_evicts_least_recently_used_past_its_capacity():
+    with open_store("memory://?capacity=1000") as st:
+        for k in ("k1", "k2", "k3"):
+            st.put(k, b"x" * 300)
+        assert st.get("k1") is not None
+        st.put("k4", b"y" * 300)
+        assert st.exists_many(["k1", "k2", "k3", "k4"]) == [True, False, True, True]
+        st.put_many({f"m{i}": b"z" * 300 for i in range(3)})
+        assert st.used_bytes() <= 1000 and st.exists_many(["m0", "m1", "m2"]) == [True] * 3
+        with pytest.raises(StoreError, match="exceeds the capacity"):
+            st.put("big", b"x" * 1001)
+    with pytest.raises(ConfigError):
+        open_store("memory://", fsync=True)
