@@ -21,3 +21,8 @@ $pip install cryptography numba py-cpuinfo aiohttp cachetools aiofiles
 # torchvision, which has no build for the CPU torch here: it is not installed, and not imported.
 $pip install --no-deps "sglang==0.5.23" "triton==3.8.0"
 $pip install orjson pybase64 msgspec pyzmq ipython pillow requests
+
+# vLLM: KVConnectorBase_V1, its config, scheduler and request classes and the connector factory.
+# Its kernels and CUDA stack are not installed (--no-deps); torch-bound packages with --no-deps.
+$pip install --no-deps "vllm==0.33.0" "xgrammar==0.2.8" "apache-tvm-ffi==0.1.11" "llguidance<1.8.0,>=1.7.0"
+$pip install cbor2 oss-harmony openai cloudpickle uvloop partial-json-parser

@@ -1,0 +1,230 @@
+"""vLLM KV connector: prompt prefixes stored as kvcodec chunks in any kvcodec store.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVCodecConnector",
+        "kv_connector_module_path": "kvcodec.integrations.vllm_connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"url": "redis://127.0.0.1:6379/0", "quant": "int8"}}'
+
+Scheduler side: get_num_new_matched_tokens looks up the prompt's chained chunk keys (one batched
+exists query) and offers the stored whole chunks beyond what vLLM already has; build_connector_meta
+tells the workers which chunks to restore into which blocks, and which fully prefilled prompts to
+store. Worker side: start_load_kv decodes each chunk (NVDEC on CUDA where present) and writes its
+tokens into every layer's paged cache (vLLM 0.33: one [blocks, kv_heads, block_size, 2 * head_dim]
+tensor per layer, K then V on the last axis); wait_for_save gathers the stored prompts' KV from the
+paged caches and codes and stores it on a background thread (a lost save is a later miss).
+
+Extra config: `url` (required), `codec` ("hevc") and its options (`quant`, `chunk_tokens`,
+`resolutions`, ...), `model_id` (default: the served model name; it goes into the keys), `namespace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcodec.codecs import make_codec
+from kvcodec.errors import ConfigError, KVCodecError
+from kvcodec.fetcher.keys import blob_key, chunk_keys, longest_present
+from kvcodec.store import open_store
+
+logger = logging.getLogger(__name__)
+_OWN = {"url", "codec", "model_id", "namespace", "store_options"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkLoad:
+    """Restore chunks `keys` (covering tokens [0, len(keys) * chunk_tokens)) into `block_ids`,
+    writing only tokens from `skip_tokens` on (the ones vLLM already holds stay untouched)."""
+
+    req_id: str
+    keys: tuple[str, ...]
+    block_ids: tuple[int, ...]
+    skip_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSave:
+    """Store the whole chunks of `token_ids`, whose KV sits in `block_ids` after this step."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class KVCodecConnectorMetadata(KVConnectorMetadata):
+    loads: list[ChunkLoad] = dataclasses.field(default_factory=list)
+    saves: list[PrefixSave] = dataclasses.field(default_factory=list)
+
+
+def layer_order(names) -> list[str]:
+    """Layer names in model order (by the first integer in each name: model.layers.N...)."""
+    def index(name: str) -> int:
+        m = re.search(r"\d+", name)
+        return int(m.group()) if m else -1
+
+    return sorted(names, key=lambda n: (index(n), n))
+
+
+def token_slots(block_ids, block_size: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset in block) of sequence tokens [start, end)."""
+    pos = torch.arange(start, end)
+    return torch.as_tensor(block_ids, dtype=torch.int64)[pos // block_size], pos % block_size
+
+
+class KVCodecConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        url = extra.get("url")
+        if not isinstance(url, str) or not url:
+            raise ConfigError("KVCodecConnector needs kv_connector_extra_config.url (a kvcodec store URL)")
+        options = {k: v for k, v in extra.items() if k not in _OWN}
+        if extra.get("codec", "hevc") == "hevc":
+            options.setdefault("resolutions", [[256, 256]])  # one stored frame size per chunk
+        self.codec = make_codec(str(extra.get("codec", "hevc")), **options)
+        model = getattr(vllm_config.model_config, "model", None) if vllm_config.model_config else None
+        self.model_id = str(extra.get("model_id") or model or "model")
+        self.namespace = extra.get("namespace")
+        self.block_size = vllm_config.cache_config.block_size
+        self.store = open_store(url, **dict(extra.get("store_options", {})))
+        self._need_load: dict[str, int] = {}  # req_id -> tokens to load
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._load_errors: set[int] = set()
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcodec-save")
+
+    # -- scheduler side -------------------------------------------------------------------
+    def _keys(self, token_ids) -> list[str]:
+        return chunk_keys(token_ids, self.model_id, self.codec, partial=False, namespace=self.namespace)
+
+    def _stored_chunks(self, token_ids) -> int:
+        keys = self._keys(token_ids)
+        return longest_present(self.store.exists_many([blob_key(k, 0) for k in keys])) if keys else 0
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = request.prompt_token_ids or []
+        usable = max(0, len(prompt) - 1)  # vLLM must compute at least the last prompt token
+        hit = self._stored_chunks(prompt[:usable]) * self.codec.chunk_tokens
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._need_load[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output) -> KVCodecConnectorMetadata:
+        meta = KVCodecConnectorMetadata()
+        ct = self.codec.chunk_tokens
+        for req in scheduler_output.scheduled_new_reqs:
+            prompt = list(req.prompt_token_ids or [])
+            block_ids = tuple(req.block_ids[0])
+            if req.req_id in self._need_load:
+                # The scheduler has set num_computed_tokens to vLLM's own hit plus ours.
+                external = self._need_load.pop(req.req_id)
+                have = req.num_computed_tokens - external
+                n_chunks = -(-req.num_computed_tokens // ct)
+                keys = tuple(self._keys(prompt[: n_chunks * ct]))
+                meta.loads.append(ChunkLoad(req.req_id, keys, block_ids, have))
+                continue
+            scheduled = scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
+            whole = (len(prompt) // ct) * ct
+            # Only prompts prefilled in this one step are stored (chunked prefill is not).
+            if whole and req.num_computed_tokens + scheduled >= len(prompt) and self._stored_chunks(prompt[:whole]) * ct < whole:
+                meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids))
+        self._need_load.clear()
+        return meta
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = {name: kv_caches[name] for name in layer_order(kv_caches)}
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for load in getattr(meta, "loads", []):
+            try:
+                self._load(load)
+            except KVCodecError as e:
+                logger.warning("kvcodec load for request %s failed: %s", load.req_id, e)
+                self._load_errors.update(load.block_ids[load.skip_tokens // self.block_size :])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # start_load_kv restores every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return None  # saved whole (all layers, whole chunks) in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        for save in getattr(meta, "saves", []):
+            kv = self.gather(save.block_ids, 0, len(save.token_ids)).cpu()  # copied before the blocks move on
+            self._saver.submit(self._store_prefix, save.token_ids, kv)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._saver.shutdown(wait=True)
+        self.store.close()
+
+    # -- the paged caches -----------------------------------------------------------------
+    def _layers(self) -> list[torch.Tensor]:
+        if not self._kv_caches:
+            raise ConfigError("KVCodecConnector has no registered KV caches")
+        return list(self._kv_caches.values())
+
+    def gather(self, block_ids, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of a sequence as canonical (layers, 2, tokens, heads, head_dim)."""
+        layers = self._layers()
+        blocks, offsets = token_slots(block_ids, self.block_size, start, end)
+        d = layers[0].shape[-1] // 2
+        per_layer = [c[blocks.to(c.device), :, offsets.to(c.device)] for c in layers]  # (tokens, heads, 2d)
+        return torch.stack([torch.stack([x[..., :d], x[..., d:]]) for x in per_layer])
+
+    def scatter(self, kv: torch.Tensor, block_ids, start: int) -> None:
+        """Write canonical KV of sequence tokens [start, start + kv.shape[2]) into the paged caches."""
+        blocks, offsets = token_slots(block_ids, self.block_size, start, start + kv.shape[2])
+        for layer, c in enumerate(self._layers()):
+            d = c.shape[-1] // 2
+            b, o = blocks.to(c.device), offsets.to(c.device)
+            c[b, :, o, :d] = kv[layer, 0].to(c.device)
+            c[b, :, o, d:] = kv[layer, 1].to(c.device)
+
+    def _load(self, load: ChunkLoad) -> None:
+        layers = self._layers()
+        ct = self.codec.chunk_tokens
+        blobs = self.store.get_many([blob_key(k, 0) for k in load.keys])
+        heads, d = layers[0].shape[1], layers[0].shape[-1] // 2
+        for i, (key, blob) in enumerate(zip(load.keys, blobs)):
+            start, end = i * ct, (i + 1) * ct
+            if end <= load.skip_tokens:
+                continue
+            if blob is None:
+                raise KVCodecError(f"chunk {key} vanished from the store")
+            if self.codec.inspect_chunk(blob).key not in (None, key):
+                raise KVCodecError(f"chunk blob under {key} is bound to another prefix")
+            out = torch.empty((len(layers), 2, ct, heads, d), dtype=layers[0].dtype, device=layers[0].device)
+            kv = self.codec.decode_chunk(blob, out)
+            first = max(start, load.skip_tokens)
+            self.scatter(kv[:, :, first - start :], load.block_ids, first)
+
+    def _store_prefix(self, token_ids, kv: torch.Tensor) -> None:
+        try:
+            keys = self._keys(token_ids)
+            for chunk in self.codec.encode_chunks(kv, keys=keys):
+                self.store.put(blob_key(keys[chunk.index], 0), chunk.blobs[0])
+        except KVCodecError as e:
+            logger.warning("kvcodec save failed: %s", e)
+
+    def wait_for_pending_saves(self) -> None:
+        """Block until background saves are done (tests, shutdown)."""
+        self._saver.submit(lambda: None).result()
+

@@ -1,0 +1,191 @@
+"""The kvcodec connector inside the real vLLM package: loaded by vLLM's KVConnectorFactory from
+`kv_connector_module_path`, driven with vLLM's own Request, NewRequestData, SchedulerOutput,
+KVCacheBlocks and ForwardContext the way its scheduler and worker call a connector, restoring into
+per-layer paged caches of vLLM's shape ([blocks, kv_heads, block_size, 2 * head_dim]), with real
+model KV over a real file store and a real Redis.
+
+Untested here: a running vLLM engine (vLLM's CPU platform and attention kernels are not installable
+next to this venv's CPU torch); so the paged caches are filled and read by this test, and the
+connector's scheduler and worker halves run in one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base", reason="vllm not installed")
+
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.forward_context import ForwardContext  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+from kvcodec.codecs import make_codec  # noqa: E402
+from kvcodec.fetcher.keys import blob_key, chunk_keys  # noqa: E402
+from kvcodec.integrations.vllm_connector import KVCodecConnector, layer_order  # noqa: E402
+from kvcodec.store import open_store  # noqa: E402
+
+BLOCK = 16
+CHUNK = 32
+NUM_BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def prompt_kv(smollm2, short_text):
+    """(prompt token ids, canonical KV of the prompt) from a real forward pass."""
+    from kvcodec.integrations.hf import extract_kv
+
+    model, tok = smollm2
+    ids, kv = extract_kv(model, tok, short_text, max_tokens=100)
+    return ids.tolist(), kv
+
+
+def connectors(url: str, **extra):
+    kt = KVTransferConfig(kv_connector="KVCodecConnector", kv_connector_module_path="kvcodec.integrations.vllm_connector",
+                          kv_role="kv_both", kv_connector_extra_config={"url": url, "chunk_tokens": CHUNK,
+                                                                        "model_id": "smollm2-135m", **extra})
+    config = VllmConfig(kv_transfer_config=kt, cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig(device="cpu"))
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    return sched, worker
+
+
+def paged_caches(kv: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
+    layers, _, _, heads, dim = kv.shape
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * dim, dtype=dtype) for i in range(layers)}
+
+
+def write_prompt(caches: dict[str, torch.Tensor], kv: torch.Tensor, block_ids: list[int]) -> None:
+    """What vLLM's attention layers do during prefill: each token's K and V into its slot."""
+    d = kv.shape[-1]
+    for layer, name in enumerate(layer_order(caches)):
+        for t in range(kv.shape[2]):
+            b, o = block_ids[t // BLOCK], t % BLOCK
+            caches[name][b, :, o, :d] = kv[layer, 0, t]
+            caches[name][b, :, o, d:] = kv[layer, 1, t]
+
+
+def read_tokens(caches: dict[str, torch.Tensor], block_ids: list[int], n: int, d: int) -> torch.Tensor:
+    out = []
+    for name in layer_order(caches):
+        c = caches[name]
+        toks = [c[block_ids[t // BLOCK], :, t % BLOCK] for t in range(n)]
+        x = torch.stack(toks)  # (n, heads, 2d)
+        out.append(torch.stack([x[..., :d], x[..., d:]]))
+    return torch.stack(out)
+
+
+def scheduler_step(sched, worker, request: Request, block_ids: list[int], num_scheduled: int) -> None:
+    """One engine step for a new request: scheduler builds metadata, the worker loads, forwards, saves."""
+    new = NewRequestData.from_request(request, (block_ids,))
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={request.request_id: num_scheduled}, total_num_scheduled_tokens=num_scheduled,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+    meta = sched.build_connector_meta(out)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    worker.wait_for_pending_saves()
+
+
+def admit(sched, request: Request, local_hit: int, block_ids: list[int]) -> int:
+    """The scheduler's admission of a waiting request: connector lookup, allocation, bookkeeping."""
+    external, is_async = sched.get_num_new_matched_tokens(request, local_hit)
+    assert is_async is False
+    blocks = KVCacheBlocks(blocks=([KVCacheBlock(block_id=b) for b in block_ids],))
+    sched.update_state_after_alloc(request, blocks, external)
+    request.num_computed_tokens = local_hit + external
+    return external
+
+
+@pytest.fixture(params=["file", "redis"])
+def store_url(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path / 'store'}"
+    return request.getfixturevalue("redis_server").url
+
+
+def first_request_then_second(url, prompt, kv, dtype, local_hit=0, **extra):
+    sched, worker = connectors(url, **extra)
+    assert isinstance(worker, KVCodecConnector)
+    caches = paged_caches(kv, dtype)
+    worker.register_kv_caches(caches)
+    blocks1 = list(range(0, 7))
+    r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r1, 0, blocks1) == 0  # nothing stored yet
+    write_prompt(caches, kv.to(dtype), blocks1)
+    scheduler_step(sched, worker, r1, blocks1, len(prompt))
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    external = admit(sched, r2, local_hit, blocks2)
+    scheduler_step(sched, worker, r2, blocks2, len(prompt) - r2.num_computed_tokens)
+    return external, caches, blocks1, blocks2, worker
+
+
+def test_exact_prefix_stored_by_one_request_restored_for_the_next(prompt_kv, store_url):
+    prompt, kv = prompt_kv
+    external, caches, blocks1, blocks2, _ = first_request_then_second(store_url, prompt, kv, torch.bfloat16, quant="exact")
+    n = (len(prompt) - 1) // CHUNK * CHUNK
+    assert external == n == 96
+    d = kv.shape[-1]
+    got = read_tokens(caches, blocks2, n, d)
+    want = read_tokens(caches, blocks1, n, d)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with open_store(store_url) as st:
+        codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
+        keys = chunk_keys(prompt[:n], "smollm2-135m", codec, partial=False)
+        assert all(st.exists_many([blob_key(k, 0) for k in keys]))
+
+
+def test_int8_restores_kvcodecs_own_decode_and_skips_tokens_vllm_has(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    external, caches, blocks1, blocks2, _ = first_request_then_second(url, prompt, kv, torch.float16, local_hit=BLOCK, quant="int8")
+    assert external == 96 - BLOCK
+    d = kv.shape[-1]
+    codec = make_codec("hevc", quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
+    original = read_tokens(caches, blocks1, 96, d)
+    want = torch.cat([codec.decode_chunk(c.blobs[0], torch.empty_like(original[:, :, :CHUNK]))
+                      for c in codec.encode_chunks(original)], dim=2)
+    got = read_tokens(caches, blocks2, 96, d)
+    assert torch.equal(got[:, :, BLOCK:], want[:, :, BLOCK:])
+    assert not got[:, :, :BLOCK].any()  # the tokens vLLM already held (its own prefix hit) are not written
+
+
+def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    sched, worker = connectors(url, quant="int8")
+    caches = paged_caches(kv, torch.float16)
+    worker.register_kv_caches(caches)
+    r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
+    admit(sched, r1, 0, list(range(7)))
+    write_prompt(caches, kv.to(torch.float16), list(range(7)))
+    scheduler_step(sched, worker, r1, list(range(7)), len(prompt))
+    with open_store(url) as st:
+        codec = make_codec("hevc", quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
+        key = blob_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[1], 0)
+        blob = bytearray(st.get(key))
+        blob[len(blob) // 2] ^= 0x21
+        st.put(key, bytes(blob))
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    assert admit(sched, r2, 0, blocks2) == 96
+    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
+    assert worker.get_block_ids_with_load_errors() == set(blocks2)
+
+
+def test_layer_order_is_numeric():
+    names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1)]
+    assert layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
