@@ -54,9 +54,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
     show_default=True,
     help="Top bits of each sample coded as video; the rest go to packed bit planes (8: all in the video).",
 )
-@click.option("--transform", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="MODEL.kvt: transform-code the KV.")
+@click.option(
+    "--transform",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="MODEL.kvt: transform-code the KV.",
+)
 @click.option("--target-ratio", type=float, help="With --transform: file size = fp16 size / R (within 10%).")
-def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits, transform, target_ratio):
+def encode_cmd(
+    src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits, transform, target_ratio
+):
     """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
     from tqdm import tqdm
 
@@ -111,7 +117,11 @@ def encode_cmd(src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_co
     show_default=True,
     help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).",
 )
-@click.option("--transform", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="The MODEL.kvt SRC was encoded with.")
+@click.option(
+    "--transform",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The MODEL.kvt SRC was encoded with.",
+)
 def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     """Decode SRC.kvc into DST.safetensors (one tensor named `kv`)."""
     from safetensors.torch import save_file
