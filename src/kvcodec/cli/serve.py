@@ -100,6 +100,7 @@ def command(
 
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
+    _check_store_scheme(store_url)  # before the model loads
     click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}", err=True)
     pool = _nvdec_pool(nvdec_pool, device)
     try:
@@ -122,6 +123,17 @@ def command(
     finally:
         if pool is not None:
             pool.close()
+
+
+def _check_store_scheme(url: str) -> None:
+    from kvcodec.store import redact_url, store_schemes
+
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if scheme not in store_schemes():
+        raise click.BadParameter(
+            f"{redact_url(url)!r}: unknown scheme {scheme!r}; known: {', '.join(store_schemes())}",
+            param_hint="--store",
+        )
 
 
 def _torch_dtype(name: str | None):  # noqa: ANN202
