@@ -78,6 +78,9 @@ def test_cli_misuse_ends_in_one_line_errors(tmp_path):
         (["encode", str(good), out, "--layer-bits", "9,9", "--resolutions", "144x144"], 1, "layer_bits"),
         (["decode", str(good), str(tmp_path / "o.safetensors"), "--device", "banana"], 2, "not a device"),
         (["inspect", str(garbage)], 1, "kvcodec file"),
+        (["serve", "--store", "bogus://x"], 2, "unknown scheme"),
+        (["serve", "--device", "banana"], 2, "not a device"),
+        (["serve", "--fetch-deadline", "-1"], 2, "--fetch-deadline"),
     ]
     if not t.cuda.is_available():
         cases.append((["decode", str(good), str(tmp_path / "o.safetensors"), "--device", "cuda"], 2, "CUDA"))
