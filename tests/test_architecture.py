@@ -47,8 +47,9 @@ def test_finds_lazy_and_relative_imports(tmp_path):
     f = PKG / "video" / "__init__.py"
     assert module_name(f) == "kvcodec.video"
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from kvcodec import codec\n    import kvcodec.fetcher.keys\n"
-                     "    from ..fetcher import cache\n")
+    probe.write_text(
+        "def f():\n    from kvcodec import codec\n    import kvcodec.fetcher.keys\n    from ..fetcher import cache\n"
+    )
     assert {"kvcodec.codec", "kvcodec.fetcher.keys", "kvcodec.fetcher.cache"} <= imports_of(probe, "kvcodec.video.x")
 
 
@@ -88,13 +89,18 @@ def cycles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
         return seen
 
     r = {a: reach(a) for a in graph}
-    return sorted({frozenset({a, b}) for a, b in itertools.combinations(sorted(graph), 2)
-                   if b in r[a] and a in r.get(b, set())}, key=sorted)
+    return sorted(
+        {frozenset({a, b}) for a, b in itertools.combinations(sorted(graph), 2) if b in r[a] and a in r.get(b, set())},
+        key=sorted,
+    )
 
 
 def test_cycle_finder_finds_cycles():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
-        frozenset({"a", "b"}), frozenset({"a", "c"}), frozenset({"b", "c"})]
+        frozenset({"a", "b"}),
+        frozenset({"a", "c"}),
+        frozenset({"b", "c"}),
+    ]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 

@@ -89,7 +89,9 @@ def test_decode_into_a_slice_of_a_preallocated_cache():
 
 def test_inspect_reports_sizes_and_ratio():
     kv = kv_like()
-    info = kvcodec.inspect(kvcodec.encode(kv, CodecConfig(quant="int4", chunk_tokens=16, resolutions=SMALL, plain_fallback=False)))
+    info = kvcodec.inspect(
+        kvcodec.encode(kv, CodecConfig(quant="int4", chunk_tokens=16, resolutions=SMALL, plain_fallback=False))
+    )
     res = info["resolutions"]["144x144"]
     assert info["shape"] == list(kv.shape) and info["chunks"] == 3
     assert res["ratio_vs_fp16"] == pytest.approx(info["fp16_bytes"] / res["bytes"])
@@ -168,7 +170,9 @@ def test_every_video_bits_split_decodes_to_the_same_values(quant):
     ref = None
     sizes = {}
     for video_bits in (8, 5, 3, 1):
-        config = CodecConfig(quant=quant, chunk_tokens=16, resolutions=SMALL, video_bits=video_bits, plain_fallback=False)
+        config = CodecConfig(
+            quant=quant, chunk_tokens=16, resolutions=SMALL, video_bits=video_bits, plain_fallback=False
+        )
         data = kvcodec.encode(kv, config)
         out = kvcodec.decode(data)
         streams = kvcodec.inspect(data)["resolutions"]["144x144"]["streams"]
@@ -213,7 +217,9 @@ def test_version_1_chunk_blobs_still_decode():
 
 def test_corrupted_low_bit_stream_is_refused():
     kv = kv_like(tokens=20)
-    (chunk,) = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=20, resolutions=SMALL, video_bits=4, plain_fallback=False))
+    (chunk,) = encode_chunks(
+        kv, CodecConfig(quant="int8", chunk_tokens=20, resolutions=SMALL, video_bits=4, plain_fallback=False)
+    )
     header = inspect_chunk_blob(chunk.blobs[0])
     names = [s.name for s in header.streams]
     assert "low" in names

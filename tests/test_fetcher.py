@@ -198,8 +198,7 @@ def test_fetch_beyond_stored_reports_error(raw_cache):
 
 
 def test_fetch_real_codec_roundtrip():
-    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu",
-                        profile=DecodeProfile.default(CFG.resolutions))
+    cache = PrefixCache(open_store("memory://"), "m", CFG, "cpu", profile=DecodeProfile.default(CFG.resolutions))
     kv, ids = make_kv(40, layers=2), ids_for(40)
     assert cache.put(ids, kv) == 3
     r = cache.fetch(ids, 40, policy="fixed:1")
@@ -308,8 +307,11 @@ def test_meta_query_failure_is_reported():
 def test_inflight_is_bounded():
     """With a slow decoder, the network stage stays at most max_inflight chunks ahead."""
     seen = []
-    codec = SlowCodec(RawCodec(chunk_tokens=16), 0.01,
-                      before=lambda blob: seen.append(cache.store.gets if hasattr(cache.store, "gets") else 0))
+    codec = SlowCodec(
+        RawCodec(chunk_tokens=16),
+        0.01,
+        before=lambda blob: seen.append(cache.store.gets if hasattr(cache.store, "gets") else 0),
+    )
     cache = PrefixCache(open_store("memory://"), "m", codec, "cpu", max_inflight=2, policy="fixed:0")
     kv, ids = make_kv(160), ids_for(160)
     cache.put(ids, kv)
@@ -322,7 +324,15 @@ def test_inflight_is_bounded():
 
 
 def test_parallel_gets_restore_in_order():
-    cache = PrefixCache(open_store("memory://"), "m", RAW, "cpu", net_workers=3, max_inflight=4, profile=DecodeProfile.default(CFG.resolutions))
+    cache = PrefixCache(
+        open_store("memory://"),
+        "m",
+        RAW,
+        "cpu",
+        net_workers=3,
+        max_inflight=4,
+        profile=DecodeProfile.default(CFG.resolutions),
+    )
     kv, ids = make_kv(200), ids_for(200)
     cache.put(ids, kv)
     cache.store = SlowStore(cache.store, 0.02)
@@ -334,8 +344,9 @@ def test_parallel_gets_restore_in_order():
 
 def test_stages_overlap():
     """Network and decode run concurrently: the fetch takes about max(stage), not the sum."""
-    cache = PrefixCache(open_store("memory://"), "m", SlowCodec(RawCodec(chunk_tokens=16), 0.02), "cpu",
-                        policy="fixed:0")
+    cache = PrefixCache(
+        open_store("memory://"), "m", SlowCodec(RawCodec(chunk_tokens=16), 0.02), "cpu", policy="fixed:0"
+    )
     kv, ids = make_kv(160), ids_for(160)
     cache.put(ids, kv)
     cache.store = SlowStore(cache.store, 0.02)
@@ -363,8 +374,12 @@ def test_adaptive_trades_bytes_for_decode_speed():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1000, 10**7), st.floats(1e-4, 0.1)), min_size=1, max_size=4),
-       st.floats(0.1, 100), st.integers(0, 50), st.floats(0, 1))
+@given(
+    st.lists(st.tuples(st.integers(1000, 10**7), st.floats(1e-4, 0.1)), min_size=1, max_size=4),
+    st.floats(0.1, 100),
+    st.integers(0, 50),
+    st.floats(0, 1),
+)
 def test_adaptive_never_predicts_worse_than_any_fixed_choice(opts, gbit, remaining, backlog):
     sizes, dec = [o[0] for o in opts], [o[1] for o in opts]
     c = ctx(sizes, dec, gbit, backlog, remaining)
@@ -445,8 +460,14 @@ def test_shared_decoder_is_used_by_all_decode_workers():
 
     # plain_fallback off: these small random chunks would otherwise be stored plain (no video)
     cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False, plain_fallback=False)
-    cache = PrefixCache(open_store("memory://"), "m", HevcCodec(cfg, decoder=Counting()), "cpu", decode_workers=2,
-                        profile=DecodeProfile.default(cfg.resolutions))
+    cache = PrefixCache(
+        open_store("memory://"),
+        "m",
+        HevcCodec(cfg, decoder=Counting()),
+        "cpu",
+        decode_workers=2,
+        profile=DecodeProfile.default(cfg.resolutions),
+    )
     kv, ids = make_kv(64, layers=2), ids_for(64)
     cache.put(ids, kv)
     r = cache.fetch(ids)
@@ -471,7 +492,9 @@ def test_adaptive_end_to_end_follows_the_link():
     profile = None
     counts_by_rate = {}
     for gbit in (0.1, 50.0):
-        cache = PrefixCache(ThrottledStore(inner, rate_gbit=gbit), "m", codec, "cpu", profile=profile, initial_gbit=10.0)  # the same prior for both links
+        cache = PrefixCache(
+            ThrottledStore(inner, rate_gbit=gbit), "m", codec, "cpu", profile=profile, initial_gbit=10.0
+        )  # the same prior for both links
         cache.ensure_profile((4, 4, 64))
         profile = cache.profile
         cache.fetch(ids)  # the bandwidth estimator learns the link (it persists across fetches)
@@ -494,8 +517,15 @@ def test_adaptive_end_to_end_follows_the_link():
 def test_direct_restore_into_out(codec):
     """The earlier call form (a CodecConfig and codec=) still works."""
     cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False)
-    cache = PrefixCache(open_store("memory://"), "m", cfg, "cpu", codec=codec, direct=True,
-                        profile=DecodeProfile.default(cfg.resolutions))
+    cache = PrefixCache(
+        open_store("memory://"),
+        "m",
+        cfg,
+        "cpu",
+        codec=codec,
+        direct=True,
+        profile=DecodeProfile.default(cfg.resolutions),
+    )
     kv, ids = make_kv(40, layers=2), ids_for(40)
     cache.put(ids, kv)
     ref = PrefixCache(cache.store, "m", cfg, "cpu", codec=codec, profile=cache.profile, direct=False).fetch(ids).kv
@@ -507,9 +537,16 @@ def test_direct_restore_into_out(codec):
 
 
 def test_direct_mode_never_writes_after_return():
-    cache = PrefixCache(open_store("memory://"), "m", SlowCodec(RawCodec(chunk_tokens=16), 0.03), "cpu",
-                        direct=True, decode_workers=2,
-                        max_inflight=4, policy="fixed:0")
+    cache = PrefixCache(
+        open_store("memory://"),
+        "m",
+        SlowCodec(RawCodec(chunk_tokens=16), 0.03),
+        "cpu",
+        direct=True,
+        decode_workers=2,
+        max_inflight=4,
+        policy="fixed:0",
+    )
     kv, ids = make_kv(160), ids_for(160)
     cache.put(ids, kv)
     out = torch.zeros((3, 2, 160, 2, 32), dtype=torch.float16)

@@ -148,13 +148,21 @@ def test_corrupted_blob_is_dropped_and_rewritten(codec):
     assert cache.fetch(ids).ok
 
 
-@pytest.mark.parametrize("meta", [b"not json", b"[1, 2]", b'{"v": 1}', b"{}",
-                                  b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,2],"dtype":"float16",'
-                                  b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}',
-                                  b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,-2,32],"dtype":"float16",'
-                                  b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}',
-                                  b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,2,32],"dtype":{"a":1},'
-                                  b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}'])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        b"not json",
+        b"[1, 2]",
+        b'{"v": 1}',
+        b"{}",
+        b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,2],"dtype":"float16",'
+        b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}',
+        b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,-2,32],"dtype":"float16",'
+        b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}',
+        b'{"v":1,"index":0,"start_token":0,"tokens":16,"shape":[2,2,32],"dtype":{"a":1},'
+        b'"resolutions":[[256,256],[512,512]],"sizes":[10,10],"codec":"x"}',
+    ],
+)
 def test_malformed_meta_is_a_clean_error_and_heals(meta):
     codec = build("raw")
     kv, ids = make_kv(), ids_for(40)

@@ -22,8 +22,15 @@ def make_kv(tokens=200, layers=4, heads=2, dim=64):
 
 @pytest.mark.parametrize("direct", [False, True])
 def test_raw_fetch_onto_cuda(direct):
-    cache = PrefixCache("memory://", "m", CFG, "cuda", codec=RawCodec(("raw", "zstd")), direct=direct,
-                        profile=DecodeProfile.default(CFG.resolutions))
+    cache = PrefixCache(
+        "memory://",
+        "m",
+        CFG,
+        "cuda",
+        codec=RawCodec(("raw", "zstd")),
+        direct=direct,
+        profile=DecodeProfile.default(CFG.resolutions),
+    )
     kv, ids = make_kv(), list(range(200))
     assert cache.put(ids, kv) == 4
     r = cache.fetch(ids)
@@ -75,8 +82,9 @@ def test_cuda_without_a_gpu_decoder_decodes_on_the_cpu_and_says_so():
     auto = PrefixCache("memory://gpu-fallback", "m", CFG, "cuda", policy="fixed:0")
     r = auto.fetch(ids)
     assert r.ok and r.stats.decoder == expected and torch.equal(r.kv.cpu(), ref), (r.error, r.stats.decoder)
-    forced = PrefixCache("memory://gpu-fallback", "m", HevcCodec(CFG, decoder=FFmpegHevcDecoder()), "cuda",
-                         policy="fixed:0")
+    forced = PrefixCache(
+        "memory://gpu-fallback", "m", HevcCodec(CFG, decoder=FFmpegHevcDecoder()), "cuda", policy="fixed:0"
+    )
     r = forced.fetch(ids)
     assert r.ok and r.stats.decoder == "ffmpeg-cpu" and r.kv.device.type == "cuda" and torch.equal(r.kv.cpu(), ref)
 
@@ -94,8 +102,15 @@ def test_fetch_through_pool_workers_matches_cpu():
     ref = cpu.fetch(ids).kv
     with open_pool(workers=2, slots=2, max_frame=(512, 512)) as pool:
         for direct in (False, True):
-            gpu = PrefixCache("memory://gpu-pool", "m", HevcCodec(CFG, pool=pool), "cuda", decode_workers=2,
-                              direct=direct, policy="fixed:1")
+            gpu = PrefixCache(
+                "memory://gpu-pool",
+                "m",
+                HevcCodec(CFG, pool=pool),
+                "cuda",
+                decode_workers=2,
+                direct=direct,
+                policy="fixed:1",
+            )
             assert gpu.lookup(ids) == 200  # same keys as the plain codec wrote
             r = gpu.fetch(ids)
             assert r.ok, r.error

@@ -18,8 +18,9 @@ from kvcodec.store import open_store
 
 pytestmark = [
     pytest.mark.redis,
-    pytest.mark.skipif(redis_server_binary() is None,
-                       reason="redis-server binary not installed (apt-get install redis-server)"),
+    pytest.mark.skipif(
+        redis_server_binary() is None, reason="redis-server binary not installed (apt-get install redis-server)"
+    ),
 ]
 
 CFG = CodecConfig(chunk_tokens=32, resolutions=((256, 256), (512, 512)), search_layout=False)
@@ -31,9 +32,15 @@ def kv_and_ids(tokens=256):
 
 
 def cache_on(url, **kw):
-    return PrefixCache(open_store(url, socket_timeout=1.0, socket_connect_timeout=1.0, retries=0),
-                       "m", CFG, "cpu", codec=RawCodec(("raw", "lz4")),
-                       profile=DecodeProfile.default(CFG.resolutions), **kw)
+    return PrefixCache(
+        open_store(url, socket_timeout=1.0, socket_connect_timeout=1.0, retries=0),
+        "m",
+        CFG,
+        "cpu",
+        codec=RawCodec(("raw", "lz4")),
+        profile=DecodeProfile.default(CFG.resolutions),
+        **kw,
+    )
 
 
 def test_roundtrip_and_restart(redis_server):

@@ -16,16 +16,16 @@ from kvcodec.errors import CorruptStreamError
 from kvcodec.video.nvdec import NvdecDecoder, split_access_units, surface_to_planes
 from kvcodec.video.x265_cpu import FFmpegHevcDecoder, X265Encoder
 
-needs_nvdec = pytest.mark.skipif(not NvdecDecoder.is_available(), reason="needs a CUDA GPU with NVDEC and PyNvVideoCodec")
+needs_nvdec = pytest.mark.skipif(
+    not NvdecDecoder.is_available(), reason="needs a CUDA GPU with NVDEC and PyNvVideoCodec"
+)
 
 
 def _frames(width: int, height: int, n: int, seed: int, spread: float = 20.0) -> list[np.ndarray]:
     """KV-like planes: quantized Gaussians around a per-row offset (lossless x265 gets 3-6 bits)."""
     rng = np.random.default_rng(seed)
     base = rng.integers(40, 200, size=(3, height, 1))
-    return [
-        np.clip(base + rng.normal(0, spread, size=(3, height, width)), 0, 255).astype(np.uint8) for _ in range(n)
-    ]
+    return [np.clip(base + rng.normal(0, spread, size=(3, height, width)), 0, 255).astype(np.uint8) for _ in range(n)]
 
 
 def _encode(frames, width, height) -> bytes:
@@ -64,7 +64,11 @@ def test_split_access_units_rejects_garbage():
 
 
 @settings(max_examples=25, deadline=None)
-@given(w=st.integers(1, 20).map(lambda k: 16 * k), h=st.integers(1, 20).map(lambda k: 8 * k), pitch_extra=st.integers(0, 64))
+@given(
+    w=st.integers(1, 20).map(lambda k: 16 * k),
+    h=st.integers(1, 20).map(lambda k: 8 * k),
+    pitch_extra=st.integers(0, 64),
+)
 def test_surface_layouts_roundtrip(w, h, pitch_extra):
     rng = np.random.default_rng(w * 1000 + h)
     y, u, v = (torch.from_numpy(rng.integers(0, 256, size=(h, w), dtype=np.uint8)) for _ in range(3))
@@ -105,7 +109,9 @@ def _cpu_decode(bs, width, height):
 
 @needs_nvdec
 @pytest.mark.gpu
-@pytest.mark.parametrize("width,height,n", [(144, 144, 4), (256, 256, 6), (512, 256, 5), (1024, 1024, 3), (176, 400, 4)])
+@pytest.mark.parametrize(
+    "width,height,n", [(144, 144, 4), (256, 256, 6), (512, 256, 5), (1024, 1024, 3), (176, 400, 4)]
+)
 def test_nvdec_bit_exact_vs_cpu(width, height, n):
     src = _frames(width, height, n, seed=width + height)
     bs = _encode(src, width, height)
@@ -192,7 +198,7 @@ def test_pool_bit_exact_many_streams():
             assert frame.is_cuda
             assert np.array_equal(frame.cpu().numpy(), srcs[sid][idx])
             seen.setdefault(sid, []).append(idx)
-        assert {k: v for k, v in seen.items()} == {k: list(range(len(s))) for k, s in enumerate(srcs)}
+        assert seen == {k: list(range(len(s))) for k, s in enumerate(srcs)}
         # the pool is reusable, and a corrupt stream raises without wedging it
         bad = bytearray(streams[0][0])
         with pytest.raises(CorruptStreamError):
@@ -276,9 +282,11 @@ def test_pool_restore_in_workers_reports_a_corrupt_chunk():
     good, bad = chunks[0].blobs[0], bytearray(chunks[1].blobs[0])
     bad[-40] ^= 0xFF
     outs = [torch.zeros(2, 2, 32, 2, 64, dtype=torch.float16, device="cuda") for _ in range(2)]
-    with NvdecPool(workers=2, slots=2, max_frame=(256, 256)) as pool:
-        with pytest.raises(CorruptStreamError, match="chunk 1"):
-            pool.restore_blobs([good, bytes(bad)], outs, decode_into=restore_chunk)
+    with (
+        NvdecPool(workers=2, slots=2, max_frame=(256, 256)) as pool,
+        pytest.raises(CorruptStreamError, match="chunk 1"),
+    ):
+        pool.restore_blobs([good, bytes(bad)], outs, decode_into=restore_chunk)
     assert torch.equal(outs[0].cpu(), kvcodec.codec.decode_chunk_blob(good, "cpu"))
 
 

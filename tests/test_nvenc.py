@@ -91,8 +91,10 @@ def test_failed_encode_session_falls_back_and_says_which_encoder_ran():
     import sys
 
     sys.modules[__name__].FailingSession = FailingSession
-    entries = [BackendEntry("nvenc", f"{__name__}:FailingSession", "cuda", 100),
-               next(e for e in _ENCODERS if e.name == "x265")]
+    entries = [
+        BackendEntry("nvenc", f"{__name__}:FailingSession", "cuda", 100),
+        next(e for e in _ENCODERS if e.name == "x265"),
+    ]
     enc = FallbackEncoder(entries, {"preset": "ultrafast"})
     cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False, video_bits=8)
     codec = HevcCodec(cfg, encoder=enc)

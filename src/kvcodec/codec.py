@@ -9,6 +9,18 @@ from kvcodec.codecs.hevc_file import decode, encode, file_chunks, inspect, read_
 from kvcodec.dtypes import DTYPE_NAMES, DTYPES
 
 __all__ = [
-    "DTYPES", "DTYPE_NAMES", "CodingPlan", "EncodedChunk", "check_kv", "decode", "decode_chunk_blob", "encode",
-    "encode_chunks", "file_chunks", "inspect", "inspect_chunk_blob", "plan_coding", "read_file_header",
+    "DTYPES",
+    "DTYPE_NAMES",
+    "CodingPlan",
+    "EncodedChunk",
+    "check_kv",
+    "decode",
+    "decode_chunk_blob",
+    "encode",
+    "encode_chunks",
+    "file_chunks",
+    "inspect",
+    "inspect_chunk_blob",
+    "plan_coding",
+    "read_file_header",
 ]

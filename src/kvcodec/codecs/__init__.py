@@ -17,5 +17,14 @@ def __getattr__(name):
     raise AttributeError(f"module 'kvcodec.codecs' has no attribute {name!r}")
 
 
-__all__ = ["ChunkCodec", "ChunkInfo", "EncodedChunk", "HevcCodec", "RawCodec", "Target", "make_codec",
-           "register_codec", "registered_codecs"]
+__all__ = [
+    "ChunkCodec",
+    "ChunkInfo",
+    "EncodedChunk",
+    "HevcCodec",
+    "RawCodec",
+    "Target",
+    "make_codec",
+    "register_codec",
+    "registered_codecs",
+]

@@ -97,16 +97,20 @@ class HevcCodec:
         keys: Sequence[str] | None = None,
         on_chunk: Callable[[EncodedChunk], None] | None = None,
     ) -> list[EncodedChunk]:
-        return encode_chunks(kv, self.config, encoder=self.encoder, on_chunk=on_chunk,
-                             first_chunk_index=first_chunk_index, keys=keys)
+        return encode_chunks(
+            kv, self.config, encoder=self.encoder, on_chunk=on_chunk, first_chunk_index=first_chunk_index, keys=keys
+        )
 
     def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
         h = inspect_chunk_blob(blob)
         if h.quant not in (self.config.quant, PLAIN) or tuple(h.resolution) not in self.config.resolutions:
-            raise FormatError(f"chunk blob is {h.quant} at {h.resolution}; this codec writes "
-                              f"{self.config.quant} at {list(self.config.resolutions)}")
-        return ChunkInfo(h.chunk_index, h.start_token, h.tokens, h.layers, h.kv_heads, h.head_dim, h.dtype,
-                         "hevc", h.key)
+            raise FormatError(
+                f"chunk blob is {h.quant} at {h.resolution}; this codec writes "
+                f"{self.config.quant} at {list(self.config.resolutions)}"
+            )
+        return ChunkInfo(
+            h.chunk_index, h.start_token, h.tokens, h.layers, h.kv_heads, h.head_dim, h.dtype, "hevc", h.key
+        )
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
         if self.pool is not None and out.device == self.pool.device:

@@ -1,11 +1,11 @@
 """HEVC codec, encode side: KV chunks -> integers or byte planes -> tiled frames -> lossless HEVC.
 
-    KV (layers, 2, tokens, kv_heads, head_dim)
-    -> chunks of config.chunk_tokens tokens
-    -> integers (min-max quantization) or ordered byte planes (exact), centered per channel
-    -> top `video_bits` bits in frames laid out by a searched LayoutPlan (one per resolution),
-       the low bits as packed planes
-    -> one self-contained chunk blob per (chunk, resolution)
+KV (layers, 2, tokens, kv_heads, head_dim)
+-> chunks of config.chunk_tokens tokens
+-> integers (min-max quantization) or ordered byte planes (exact), centered per channel
+-> top `video_bits` bits in frames laid out by a searched LayoutPlan (one per resolution),
+   the low bits as packed planes
+-> one self-contained chunk blob per (chunk, resolution)
 """
 
 from __future__ import annotations
@@ -163,7 +163,9 @@ def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPl
     units, _, dim = symbols.samples.shape
     if not bitsplit.can_split(units, dim):
         if config.video_bits not in ("auto", bitsplit.FULL):
-            log.info("%d units x %d channels do not fill whole bytes of a bit plane: every bit in the video", units, dim)
+            log.info(
+                "%d units x %d channels do not fill whole bytes of a bit plane: every bit in the video", units, dim
+            )
         video_bits = bitsplit.FULL
     elif config.video_bits == "auto":
         video_bits = choose_video_bits(
@@ -206,8 +208,15 @@ def encode_chunks(
     for n, start in enumerate(range(0, kv.shape[2], config.chunk_tokens)):
         x = kv[:, :, start : start + config.chunk_tokens]
         index = first_chunk_index + n
-        chunk = _encode_chunk(x, config, plan, encoder, index, first_chunk_index * config.chunk_tokens + start,
-                              None if keys is None else str(keys[n]))
+        chunk = _encode_chunk(
+            x,
+            config,
+            plan,
+            encoder,
+            index,
+            first_chunk_index * config.chunk_tokens + start,
+            None if keys is None else str(keys[n]),
+        )
         out.append(chunk)
         if on_chunk:
             on_chunk(chunk)
@@ -245,6 +254,13 @@ def _encode_chunk(x, config, plan, encoder, index, start_token, key) -> EncodedC
             key=key,
         )
         coded = write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, *low_payloads, video])
-        blobs.append(plain.keep_smaller(coded, x, chunk_index=index, start_token=start_token,
-                                        resolution=header.resolution, key=key) if config.plain_fallback else coded)
-    return EncodedChunk(index, start_token, T, config.resolutions, tuple(blobs), encoder=",".join(dict.fromkeys(coders)))
+        blobs.append(
+            plain.keep_smaller(
+                coded, x, chunk_index=index, start_token=start_token, resolution=header.resolution, key=key
+            )
+            if config.plain_fallback
+            else coded
+        )
+    return EncodedChunk(
+        index, start_token, T, config.resolutions, tuple(blobs), encoder=",".join(dict.fromkeys(coders))
+    )

@@ -60,8 +60,9 @@ def decode_parallel(
     """Decode a kvcodec file (.kvc bytes) on `pool`'s GPU, its chunks in parallel, each restored
     frame by frame into its token range of the output KV tensor (see decode_blobs_parallel)."""
     out, jobs = file_chunks(data, pool.device, resolution=resolution, out=out)
-    decode_blobs_parallel([b for b, _ in jobs], [t for _, t in jobs], pool, threads=threads, restore=restore,
-                          where=where)
+    decode_blobs_parallel(
+        [b for b, _ in jobs], [t for _, t in jobs], pool, threads=threads, restore=restore, where=where
+    )
     return out
 
 

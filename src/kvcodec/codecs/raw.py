@@ -78,8 +78,10 @@ class RawCodec:
         on_chunk: Callable[[EncodedChunk], None] | None = None,
     ) -> list[EncodedChunk]:
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in DTYPE_NAMES:
-            raise ShapeError(f"KV must be (layers, 2, tokens, kv_heads, head_dim) fp16/bf16/fp32; got "
-                             f"{tuple(getattr(kv, 'shape', ()))} {getattr(kv, 'dtype', type(kv).__name__)}")
+            raise ShapeError(
+                f"KV must be (layers, 2, tokens, kv_heads, head_dim) fp16/bf16/fp32; got "
+                f"{tuple(getattr(kv, 'shape', ()))} {getattr(kv, 'dtype', type(kv).__name__)}"
+            )
         kv = kv.detach().to("cpu")
         ct = int(self.chunk_tokens)
         starts = range(0, kv.shape[2], ct)
@@ -87,8 +89,12 @@ class RawCodec:
             raise ShapeError(f"{len(keys)} keys given for {len(starts)} chunks")
         out = []
         for n, start in enumerate(starts):
-            chunk = self._chunk(kv[:, :, start : start + ct].contiguous(), first_chunk_index + n,
-                                first_chunk_index * ct + start, None if keys is None else str(keys[n]))
+            chunk = self._chunk(
+                kv[:, :, start : start + ct].contiguous(),
+                first_chunk_index + n,
+                first_chunk_index * ct + start,
+                None if keys is None else str(keys[n]),
+            )
             out.append(chunk)
             if on_chunk:
                 on_chunk(chunk)
@@ -100,10 +106,19 @@ class RawCodec:
         for j, res in enumerate(self.resolutions):
             variant = self.variants[j % len(self.variants)]
             payload = self._pack(raw, variant)
-            header = {"format": "kvcodec-raw-chunk", "index": index, "start_token": start_token,
-                      "shape": list(x.shape), "dtype": DTYPE_NAMES[x.dtype], "resolution": list(res),
-                      "variant": variant, "raw_bytes": len(raw), "payload_bytes": len(payload),
-                      "crc32": crc32(payload), "key": key}
+            header = {
+                "format": "kvcodec-raw-chunk",
+                "index": index,
+                "start_token": start_token,
+                "shape": list(x.shape),
+                "dtype": DTYPE_NAMES[x.dtype],
+                "resolution": list(res),
+                "variant": variant,
+                "raw_bytes": len(raw),
+                "payload_bytes": len(payload),
+                "crc32": crc32(payload),
+                "key": key,
+            }
             blobs.append(write_object(MAGIC, header, [payload]))
         return EncodedChunk(index, start_token, x.shape[2], self.resolutions, tuple(blobs), encoder="raw")
 
@@ -111,12 +126,19 @@ class RawCodec:
     def _parse(self, blob: bytes | memoryview) -> tuple[dict, memoryview]:
         header, payload = read_object(blob, MAGIC, "raw kvcodec chunk blob")
         try:
-            h = {k: header[k] for k in ("index", "start_token", "shape", "dtype", "variant", "raw_bytes",
-                                         "payload_bytes", "crc32")}
+            h = {
+                k: header[k]
+                for k in ("index", "start_token", "shape", "dtype", "variant", "raw_bytes", "payload_bytes", "crc32")
+            }
             h["shape"] = tuple(int(s) for s in h["shape"])
             h["key"] = header.get("key")
-            ok = (len(h["shape"]) == 5 and h["shape"][1] == 2 and min(h["shape"]) > 0 and h["variant"] in VARIANTS
-                  and h["raw_bytes"] == math.prod(h["shape"]) * dtype_of(h["dtype"]).itemsize)
+            ok = (
+                len(h["shape"]) == 5
+                and h["shape"][1] == 2
+                and min(h["shape"]) > 0
+                and h["variant"] in VARIANTS
+                and h["raw_bytes"] == math.prod(h["shape"]) * dtype_of(h["dtype"]).itemsize
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise FormatError(f"raw chunk header is malformed: {e!r}") from e
         if not ok:

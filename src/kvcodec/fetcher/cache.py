@@ -153,8 +153,9 @@ class PrefixCache:
         keys = self.keys(ids)
         if not keys:
             return 0
-        flags = storecalls.call(storecalls.Deadline(deadline_s), "lookup", self.store.exists_many,
-                                [meta_key(k) for k in keys])
+        flags = storecalls.call(
+            storecalls.Deadline(deadline_s), "lookup", self.store.exists_many, [meta_key(k) for k in keys]
+        )
         return min(len(ids), longest_present(flags) * self.chunk_tokens)
 
     # -- put ---------------------------------------------------------------------------------
@@ -164,7 +165,9 @@ class PrefixCache:
         Each chunk's blobs (bound to its key) are written before its meta object, the commit marker."""
         ids = as_token_array(token_ids)
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
-            raise ShapeError(f"KV must be (layers, 2, tokens, kv_heads, head_dim); got {tuple(getattr(kv, 'shape', ()))}")
+            raise ShapeError(
+                f"KV must be (layers, 2, tokens, kv_heads, head_dim); got {tuple(getattr(kv, 'shape', ()))}"
+            )
         T = kv.shape[2]
         if len(ids) < T:
             raise ShapeError(f"KV holds {T} tokens but only {len(ids)} token ids were given")
@@ -177,10 +180,16 @@ class PrefixCache:
             for c in chunks:
                 k = keys[c.index]
                 self.store.put_many({blob_key(k, j): blob for j, blob in enumerate(c.blobs)})
-                meta = ChunkMeta(index=c.index, start_token=c.start_token, tokens=c.tokens, shape=(
-                    kv.shape[0], kv.shape[3], kv.shape[4]), dtype=name_of(kv.dtype),
-                    resolutions=tuple(tuple(r) for r in c.resolutions), sizes=tuple(len(bl) for bl in c.blobs),
-                    codec=self.codec.id)
+                meta = ChunkMeta(
+                    index=c.index,
+                    start_token=c.start_token,
+                    tokens=c.tokens,
+                    shape=(kv.shape[0], kv.shape[3], kv.shape[4]),
+                    dtype=name_of(kv.dtype),
+                    resolutions=tuple(tuple(r) for r in c.resolutions),
+                    sizes=tuple(len(bl) for bl in c.blobs),
+                    codec=self.codec.id,
+                )
                 self.store.put(meta_key(k), meta.to_bytes())
                 written += 1
         return written
@@ -256,10 +265,20 @@ class PrefixCache:
             return self._result(stats, t0, out, 0, n_tokens, e)
         profile = self._profile_for(pol, metas[0].shape, dtype)
         stats.decoder = self.decoder_name()
-        settings = PipelineSettings(self.codec, self.store, self.device, self.max_inflight, self.decode_workers,
-                                    self.net_workers, self.direct)
-        pipeline = FetchPipeline(settings, FetchPlan(metas, keys, n_tokens, dtype, out), pol, profile,
-                                 self.bandwidth, stats, deadline, t0, lambda i, e: self._bad_chunk(keys[i], i, e, stats))
+        settings = PipelineSettings(
+            self.codec, self.store, self.device, self.max_inflight, self.decode_workers, self.net_workers, self.direct
+        )
+        pipeline = FetchPipeline(
+            settings,
+            FetchPlan(metas, keys, n_tokens, dtype, out),
+            pol,
+            profile,
+            self.bandwidth,
+            stats,
+            deadline,
+            t0,
+            lambda i, e: self._bad_chunk(keys[i], i, e, stats),
+        )
         restored, error = pipeline.run()
         if error is None and restored < n_tokens:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
@@ -278,7 +297,9 @@ class PrefixCache:
         self.drop_chunk(key)
         stats.chunks_dropped += 1
 
-    def _plan(self, ids, n_tokens: int, deadline, stats: FetchStats) -> tuple[list[ChunkMeta], list[str], KVCodecError | None]:
+    def _plan(
+        self, ids, n_tokens: int, deadline, stats: FetchStats
+    ) -> tuple[list[ChunkMeta], list[str], KVCodecError | None]:
         """The metas of the stored chunks covering n_tokens, in order, up to the first missing
         or unusable one (whose reason is the third item)."""
         ct = self.chunk_tokens
@@ -295,8 +316,9 @@ class PrefixCache:
         error: KVCodecError | None = None
         for i, raw in enumerate(list(raw_metas)[: len(keys)]):
             if raw is None:
-                error = FetchError(f"chunk {i} (tokens {i * ct}..) is not stored; only {i * ct} of {n_tokens} "
-                                   f"tokens can be fetched")
+                error = FetchError(
+                    f"chunk {i} (tokens {i * ct}..) is not stored; only {i * ct} of {n_tokens} tokens can be fetched"
+                )
                 break
             try:
                 m = self._checked_meta(raw, i)
@@ -320,7 +342,9 @@ class PrefixCache:
         if m.index != i or m.start_token != i * ct or m.tokens > ct or m.codec != self.codec.id:
             raise FormatError(f"chunk {i} meta does not match this cache's codec and chunking: {m}")
         if len(m.sizes) != len(self.codec.resolutions):
-            raise FormatError(f"chunk {i} meta lists {len(m.sizes)} resolutions; the codec has {len(self.codec.resolutions)}")
+            raise FormatError(
+                f"chunk {i} meta lists {len(m.sizes)} resolutions; the codec has {len(self.codec.resolutions)}"
+            )
         return m
 
     def _check_out(self, out: Target | None, shape: tuple[int, int, int], n_tokens: int) -> None:
@@ -331,8 +355,10 @@ class PrefixCache:
         if isinstance(out, PagedKV):
             p = out.pages
             if (p.shape[0], p.shape[4], p.shape[5]) != (L, H, D) or out.capacity < n_tokens:
-                raise ShapeError(f"pages {tuple(p.shape)} with {out.capacity} tokens of block table cannot hold "
-                                 f"({L}, 2, {n_tokens}, {H}, {D})")
+                raise ShapeError(
+                    f"pages {tuple(p.shape)} with {out.capacity} tokens of block table cannot hold "
+                    f"({L}, 2, {n_tokens}, {H}, {D})"
+                )
         elif out.dim() != 5 or tuple(out.shape[:2]) != (L, 2) or tuple(out.shape[3:]) != (H, D):
             raise ShapeError(f"out is {tuple(out.shape)}; the stored KV is ({L}, 2, {n_tokens}, {H}, {D})")
 

@@ -69,7 +69,12 @@ def _field(b: bytes) -> bytes:
 
 
 def chunk_keys(
-    token_ids: Any, model_id: str, codec: Any, *, partial: bool = True, namespace: str | None = None,
+    token_ids: Any,
+    model_id: str,
+    codec: Any,
+    *,
+    partial: bool = True,
+    namespace: str | None = None,
 ) -> list[str]:
     """Keys of the chunks of `token_ids` (blake2b-256 hex, chained) for a ChunkCodec (or a
     CodecConfig: the HEVC codec). With `partial`, a last chunk shorter than `codec.chunk_tokens`

@@ -67,9 +67,18 @@ class FetchPlan:
 class FetchPipeline:
     """One fetch's stages; `run()` returns (tokens restored, error or None)."""
 
-    def __init__(self, settings: PipelineSettings, plan: FetchPlan, policy: ResolutionPolicy,
-                 profile: DecodeProfile, bandwidth: BandwidthEstimator, stats: FetchStats,
-                 deadline: storecalls.Deadline, t0: float, on_bad_chunk: Callable[[int, KVCodecError], None]) -> None:
+    def __init__(
+        self,
+        settings: PipelineSettings,
+        plan: FetchPlan,
+        policy: ResolutionPolicy,
+        profile: DecodeProfile,
+        bandwidth: BandwidthEstimator,
+        stats: FetchStats,
+        deadline: storecalls.Deadline,
+        t0: float,
+        on_bad_chunk: Callable[[int, KVCodecError], None],
+    ) -> None:
         self.s, self.plan, self.policy, self.profile = settings, plan, policy, profile
         self.est, self.stats, self.deadline, self.t0 = bandwidth, stats, deadline, t0
         self.on_bad_chunk = on_bad_chunk
@@ -93,10 +102,14 @@ class FetchPipeline:
     # -- the whole run -----------------------------------------------------------------------
     def run(self) -> tuple[int, KVCodecError | None]:
         self.est.begin()
-        net = [threading.Thread(target=self._net_worker, name=f"kvc-fetch-net{w}", daemon=True)
-               for w in range(min(self.s.net_workers, self.s.max_inflight))]
-        dec = [threading.Thread(target=self._decode_worker, name=f"kvc-fetch-dec{w}", daemon=True)
-               for w in range(self.s.decode_workers)]
+        net = [
+            threading.Thread(target=self._net_worker, name=f"kvc-fetch-net{w}", daemon=True)
+            for w in range(min(self.s.net_workers, self.s.max_inflight))
+        ]
+        dec = [
+            threading.Thread(target=self._decode_worker, name=f"kvc-fetch-dec{w}", daemon=True)
+            for w in range(self.s.decode_workers)
+        ]
         for t in net + dec:
             t.start()
         try:
@@ -114,7 +127,9 @@ class FetchPipeline:
             # caller writes there next, so wait for it to finish its chunk
             t.join(timeout=_DIRECT_JOIN_S if self.direct_used else 0.05)
             if self.direct_used and t.is_alive():
-                log.error("a decode worker is still writing into the target %.0f s after the fetch stopped", _DIRECT_JOIN_S)
+                log.error(
+                    "a decode worker is still writing into the target %.0f s after the fetch stopped", _DIRECT_JOIN_S
+                )
 
     def _consume(self) -> tuple[int, KVCodecError | None]:
         """Restore chunks in order as they come back; stop at the first error or the deadline."""
@@ -132,8 +147,10 @@ class FetchPipeline:
             wait, left = _POLL_S * 5, self.deadline.left()
             if left is not None:
                 if left <= 0:
-                    return restored, FetchError(f"deadline of {self.deadline.seconds:.3f}s passed after "
-                                                f"{restored} of {self.plan.n_tokens} tokens")
+                    return restored, FetchError(
+                        f"deadline of {self.deadline.seconds:.3f}s passed after "
+                        f"{restored} of {self.plan.n_tokens} tokens"
+                    )
                 wait = min(wait, left)
             try:
                 i, err, staged = self.res_q.get(timeout=wait)
@@ -199,15 +216,24 @@ class FetchPipeline:
             m = self.plan.metas[i]
             dpred = [self.profile.predict(j, m.values) for j in range(len(m.sizes))]
             rest_sizes, rest_dec = self._rest_means(i)
-            ctx = ChoiceContext(m.sizes, dpred, self.est.bytes_per_s, sum(self.backlog.values()),
-                                self.s.decode_workers, len(self.plan.metas) - i - 1, rest_sizes, rest_dec,
-                                self.est.latency_s)
+            ctx = ChoiceContext(
+                m.sizes,
+                dpred,
+                self.est.bytes_per_s,
+                sum(self.backlog.values()),
+                self.s.decode_workers,
+                len(self.plan.metas) - i - 1,
+                rest_sizes,
+                rest_dec,
+                self.est.latency_s,
+            )
             j = self.policy.choose(ctx)
             self.backlog[i] = dpred[j]
             self.inflight += 1
             self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
-        self.timings[i] = ChunkTiming(i, j, m.sizes[j], m.tokens, bw_estimate_gbit=self.est.gbit,
-                                      predicted_decode_s=dpred[j])
+        self.timings[i] = ChunkTiming(
+            i, j, m.sizes[j], m.tokens, bw_estimate_gbit=self.est.gbit, predicted_decode_s=dpred[j]
+        )
         return i, j
 
     def _get(self, i: int, j: int) -> bytes:
@@ -218,12 +244,15 @@ class FetchPipeline:
         te = time.monotonic()
         tm.net_end = te - self.t0
         if blob is None:
-            err = StoreError(f"chunk {i} resolution {j} blob is missing from {getattr(self.s.store, 'url', 'the store')}")
+            err = StoreError(
+                f"chunk {i} resolution {j} blob is missing from {getattr(self.s.store, 'url', 'the store')}"
+            )
             self.on_bad_chunk(i, err)
             raise err
         if len(blob) != self.plan.metas[i].sizes[j]:
-            err = FormatError(f"chunk {i} resolution {j} blob has {len(blob)} bytes; its meta says "
-                              f"{self.plan.metas[i].sizes[j]}")
+            err = FormatError(
+                f"chunk {i} resolution {j} blob has {len(blob)} bytes; its meta says {self.plan.metas[i].sizes[j]}"
+            )
             self.on_bad_chunk(i, err)
             raise err
         self.est.add(len(blob), ts, te)
@@ -274,11 +303,13 @@ class FetchPipeline:
         want = (m.index, m.start_token, m.tokens, tuple(m.shape), m.dtype)
         got = (info.index, info.start_token, info.tokens, (info.layers, info.kv_heads, info.head_dim), info.dtype)
         if info.key != self.plan.keys[i]:
-            raise FormatError(f"chunk {i}: the stored blob is bound to another prefix key ({info.key!r}), not "
-                              f"the one asked for")
+            raise FormatError(
+                f"chunk {i}: the stored blob is bound to another prefix key ({info.key!r}), not the one asked for"
+            )
         if got != want:
-            raise FormatError(f"chunk {i}: the stored blob is (index, start, tokens, shape, dtype) {got}; "
-                              f"its meta says {want}")
+            raise FormatError(
+                f"chunk {i}: the stored blob is (index, start, tokens, shape, dtype) {got}; its meta says {want}"
+            )
 
     def _target(self, m: ChunkMeta) -> tuple[Target, bool]:
         dev, dtype = self.s.device, self.plan.dtype
@@ -316,8 +347,10 @@ class FetchPipeline:
             return [0.0] * R, [0.0] * R
         mean_values = self.suf_values[i + 1] / cnt
         # the profile is linear in values, so the mean prediction is the prediction of the mean
-        return ([self.suf_sizes[i + 1][j] / cnt for j in range(R)],
-                [self.profile.predict(j, mean_values) for j in range(R)])
+        return (
+            [self.suf_sizes[i + 1][j] / cnt for j in range(R)],
+            [self.profile.predict(j, mean_values) for j in range(R)],
+        )
 
     def _finish_stats(self) -> None:
         tl = [t for t in self.timings if t is not None]

@@ -103,8 +103,11 @@ def _synthetic_kv(shape: tuple[int, int, int], tokens: int, dtype: torch.dtype, 
 
 
 def calibrate(
-    codec: ChunkCodec, device: str | torch.device, shape: tuple[int, int, int],
-    dtype: torch.dtype = torch.float16, repeats: int = 3,
+    codec: ChunkCodec,
+    device: str | torch.device,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype = torch.float16,
+    repeats: int = 3,
 ) -> DecodeProfile:
     """Time the decode of one synthetic full chunk at every resolution of `codec` (best of
     `repeats` after a warm-up) into a target on `device`. Fetched chunks are full chunks except a
@@ -129,14 +132,25 @@ def calibrate(
 
 
 def load_or_calibrate(
-    codec: ChunkCodec, device: str | torch.device, shape: tuple[int, int, int],
-    dtype: torch.dtype = torch.float16, directory: Path | None = None, recalibrate: bool = False,
+    codec: ChunkCodec,
+    device: str | torch.device,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype = torch.float16,
+    directory: Path | None = None,
+    recalibrate: bool = False,
 ) -> DecodeProfile:
     """The cached profile for (device model, codec id, shape), calibrating on a miss."""
     directory = directory or cache_dir()
     path = directory / PROFILE_FILE
-    key = "|".join([f"v{PROFILE_VERSION}", device_model(device), codec.id, "x".join(map(str, shape)),
-                    str(dtype).replace("torch.", "")])
+    key = "|".join(
+        [
+            f"v{PROFILE_VERSION}",
+            device_model(device),
+            codec.id,
+            "x".join(map(str, shape)),
+            str(dtype).replace("torch.", ""),
+        ]
+    )
     table: dict[str, Any] = {}
     try:
         table = json.loads(path.read_text())

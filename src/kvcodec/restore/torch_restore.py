@@ -23,7 +23,9 @@ class TorchRestorer:
         t = self.terms
         block = unpack_frame(frame, t.plan, t.positions)[:, :n]
         if t.low_planes is not None:
-            low = bitsplit.unpack_low(bitsplit.plane_slice(t.low_planes, start, n, t.units, t.head_dim), t.units, t.head_dim)
+            low = bitsplit.unpack_low(
+                bitsplit.plane_slice(t.low_planes, start, n, t.units, t.head_dim), t.units, t.head_dim
+            )
             block = bitsplit.join(block, low, t.low_counts)
         return centering.uncenter_with(block, t.shift, t.mask)
 

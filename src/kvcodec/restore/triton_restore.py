@@ -44,17 +44,55 @@ def _kernel():
 
     # integer arguments are not specialized on (value 1, multiple of 16): one compiled variant per
     # output dtype, instead of a compile whenever a chunk brings a new combination
-    @triton.jit(do_not_specialize=[
-        "plane_stride", "row_stride", "frame_w", "frame_hw", "low_plane_bytes",
-        "s_layer", "s_kv", "s_token", "s_head", "s_dim", "start", "n", "tpf", "units", "heads", "dim",
-    ])
+    @triton.jit(
+        do_not_specialize=[
+            "plane_stride",
+            "row_stride",
+            "frame_w",
+            "frame_hw",
+            "low_plane_bytes",
+            "s_layer",
+            "s_kv",
+            "s_token",
+            "s_head",
+            "s_dim",
+            "start",
+            "n",
+            "tpf",
+            "units",
+            "heads",
+            "dim",
+        ]
+    )
     def restore_frame(
-        frame_ptr, plane_stride, row_stride, frame_w, frame_hw,
-        pos_ptr, low_ptr, low_plane_bytes, low_count_ptr,
-        shift_ptr, mask_ptr, offset_ptr, step_ptr,
-        out_ptr, s_layer, s_kv, s_token, s_head, s_dim, token_offset_ptr,
-        start, n, tpf, units, heads, dim,
-        PAGED: tl.constexpr, BLOCK: tl.constexpr,
+        frame_ptr,
+        plane_stride,
+        row_stride,
+        frame_w,
+        frame_hw,
+        pos_ptr,
+        low_ptr,
+        low_plane_bytes,
+        low_count_ptr,
+        shift_ptr,
+        mask_ptr,
+        offset_ptr,
+        step_ptr,
+        out_ptr,
+        s_layer,
+        s_kv,
+        s_token,
+        s_head,
+        s_dim,
+        token_offset_ptr,
+        start,
+        n,
+        tpf,
+        units,
+        heads,
+        dim,
+        PAGED: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         total = units * n * dim
@@ -131,12 +169,30 @@ class TritonRestorer:
         total = t.units * n * t.head_dim
         grid = ((total + BLOCK - 1) // BLOCK,)
         _kernel()[grid](
-            frame, frame.stride(0), frame.stride(1), plan.width, plan.width * plan.height,
-            t.positions, low if low is not None else frame, low.shape[1] if low is not None else 0, self._low_counts,
-            self._shift, self._mask, self._offset, self._step,
-            base, *strides, offsets,
-            start, n, plan.tokens_per_frame, t.units, t.kv_heads, t.head_dim,
-            PAGED=paged, BLOCK=BLOCK,
+            frame,
+            frame.stride(0),
+            frame.stride(1),
+            plan.width,
+            plan.width * plan.height,
+            t.positions,
+            low if low is not None else frame,
+            low.shape[1] if low is not None else 0,
+            self._low_counts,
+            self._shift,
+            self._mask,
+            self._offset,
+            self._step,
+            base,
+            *strides,
+            offsets,
+            start,
+            n,
+            plan.tokens_per_frame,
+            t.units,
+            t.kv_heads,
+            t.head_dim,
+            PAGED=paged,
+            BLOCK=BLOCK,
         )
 
 
@@ -149,7 +205,12 @@ def warm_up(device: torch.device | str, dtypes=(torch.float16, torch.bfloat16)) 
     plan = LayoutPlan(144, 144, units=2, dim=8, tokens_per_frame=2, tile_w=8, tile_h=2)
     for dtype in dtypes:
         terms = ChunkTerms(
-            plan=plan, layers=1, kv_heads=1, head_dim=8, tokens=2, dtype=dtype,
+            plan=plan,
+            layers=1,
+            kv_heads=1,
+            head_dim=8,
+            tokens=2,
+            dtype=dtype,
             positions=gather_index(plan, device),
             shift=torch.zeros((2, 1, 8), dtype=torch.uint8, device=device),
             mask=torch.full((2, 1, 1), 255, dtype=torch.uint8, device=device),

@@ -53,9 +53,8 @@ def split_access_units(bitstream) -> list[tuple[int, int]]:
             if data[i + 5] & 0x80:  # first_slice_segment_in_pic_flag
                 au_starts.append(begin if pending is None else pending)
                 pending = None
-        elif nal_type in _AU_PREFIX_NALS:
-            if pending is None:
-                pending = begin
+        elif nal_type in _AU_PREFIX_NALS and pending is None:
+            pending = begin
         i = data.find(b"\x00\x00\x01", i + 3)
     if not au_starts:
         raise CorruptStreamError("no HEVC picture (slice NAL unit) found in the bitstream")
@@ -66,7 +65,7 @@ def split_access_units(bitstream) -> list[tuple[int, int]]:
 
 def _nvc():
     try:
-        import PyNvVideoCodec as nvc
+        import PyNvVideoCodec as nvc  # noqa: N813 - the package's own spelling
     except Exception as e:  # ImportError, or RuntimeError when the driver's codec libraries are absent
         raise BackendUnavailableError(f"PyNvVideoCodec is not usable here: {e}") from e
     return nvc
@@ -349,4 +348,3 @@ def _yuv444_frame(surface: torch.Tensor, width: int, height: int) -> torch.Tenso
     """(3, height, width) uint8 view of an 8-bit YUV444 planar surface (pitch and padding kept)."""
     y, u, v = surface_to_planes(surface, "YUV444", width, height)
     return y.as_strided((3, height, width), (u.data_ptr() - y.data_ptr(), y.stride(0), y.stride(1)))
-

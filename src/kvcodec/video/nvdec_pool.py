@@ -45,8 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WORKERS = 7  # NVDEC engines of an H100/H200
 
 
-def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, res_q, hold_output_s=0.0,
-                 warm_up=None):
+def _worker_main(wid, device_index, slots, slot_bytes, latency, job_q, free_q, res_q, hold_output_s=0.0, warm_up=None):
     """Worker process: decode jobs from job_q into the slot ring, report slots on res_q.
 
     hold_output_s: keep the last restore job's output tensor (the consumer's memory, mapped through
@@ -209,8 +208,18 @@ class NvdecPool:
         self._procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(w, self.device.index, slots, self.slot_bytes, latency, self._job_q, self._free_q[w], self._res_q,
-                      hold_output_s, warm_up),
+                args=(
+                    w,
+                    self.device.index,
+                    slots,
+                    self.slot_bytes,
+                    latency,
+                    self._job_q,
+                    self._free_q[w],
+                    self._res_q,
+                    hold_output_s,
+                    warm_up,
+                ),
                 daemon=True,
                 name=f"kvcodec-nvdec-{w}",
             )
@@ -315,7 +324,9 @@ class NvdecPool:
         per-frame work. Returns when every output is written; raises CorruptStreamError naming
         the first chunk that failed (the others are still written)."""
         if decode_into is None:
-            raise ValueError("restore_blobs needs the codec's decode_into (e.g. kvcodec.codecs.hevc_pool.restore_chunk)")
+            raise ValueError(
+                "restore_blobs needs the codec's decode_into (e.g. kvcodec.codecs.hevc_pool.restore_chunk)"
+            )
         if self._closed:
             raise BackendUnavailableError("the NVDEC pool is closed")
         torch.cuda.current_stream(self.device).synchronize()  # what this process queued on the outputs is done
@@ -335,7 +346,9 @@ class NvdecPool:
                 errors.append((msg[1].tag, msg[2]))
         if errors:
             tag, text = min(errors)
-            raise CorruptStreamError(f"chunk {tag}: {text}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+            raise CorruptStreamError(
+                f"chunk {tag}: {text}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+            )
 
     def _frames(self, sink: queue.Queue, remaining: int) -> Iterator[tuple[_Job, int, torch.Tensor]]:
         """Frames of `remaining` submitted jobs feeding `sink`, as views of the slots."""

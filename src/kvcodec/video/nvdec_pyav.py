@@ -34,10 +34,10 @@ class PyAVNvdecDecoder:
             return False
 
     def _context(self):
+        import ctypes
+
         import av
         from av.codec.hwaccel import HWAccel
-
-        import ctypes
 
         from kvcodec.video.nvdec import _primary_context
 

@@ -37,8 +37,16 @@ LOSSLESS_PARAMS = {
 
 # x265 speed presets (what CodecConfig.x265_preset names) -> NVENC presets P1 (fastest) .. P7.
 X265_TO_NVENC_PRESET = {
-    "ultrafast": "P1", "superfast": "P2", "veryfast": "P3", "faster": "P3", "fast": "P4",
-    "medium": "P4", "slow": "P5", "slower": "P6", "veryslow": "P7", "placebo": "P7",
+    "ultrafast": "P1",
+    "superfast": "P2",
+    "veryfast": "P3",
+    "faster": "P3",
+    "fast": "P4",
+    "medium": "P4",
+    "slow": "P5",
+    "slower": "P6",
+    "veryslow": "P7",
+    "placebo": "P7",
 }
 NVENC_PRESETS = tuple(f"P{i}" for i in range(1, 8))
 
@@ -55,7 +63,7 @@ def nvenc_preset(preset: str) -> str:
 
 def _nvc():
     try:
-        import PyNvVideoCodec as nvc
+        import PyNvVideoCodec as nvc  # noqa: N813 - the package's own spelling
     except Exception as e:
         raise BackendUnavailableError(f"PyNvVideoCodec is not usable here: {e}") from e
     return nvc

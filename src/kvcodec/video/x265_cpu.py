@@ -116,8 +116,7 @@ class FFmpegHevcDecoder:
 def _frame_to_tensor(frame, width: int, height: int) -> torch.Tensor:
     if frame.width != width or frame.height != height or frame.format.name != PIX_FMT:
         raise CorruptStreamError(
-            f"decoded frame is {frame.width}x{frame.height} {frame.format.name}, "
-            f"expected {width}x{height} {PIX_FMT}"
+            f"decoded frame is {frame.width}x{frame.height} {frame.format.name}, expected {width}x{height} {PIX_FMT}"
         )
     out = np.empty((3, height, width), dtype=np.uint8)
     for p in range(3):
