@@ -18,7 +18,9 @@ import dataclasses
 import pytest
 import torch
 
-pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="sglang not installed (scripts/install-integrations.sh)")
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage", reason="sglang not installed (scripts/install-integrations.sh)"
+)
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
@@ -66,10 +68,23 @@ def real_kv(smollm2, short_text):
 
 def storage_config(url: str, **extra) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=False, model_name="HuggingFaceTB/SmolLM2-135M",
-        extra_config={"backend_name": "kvcodec", "module_path": "kvcodec.integrations.sglang_hicache",
-                      "class_name": "KVCodecHiCacheStorage", "url": url, **extra},
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=False,
+        model_name="HuggingFaceTB/SmolLM2-135M",
+        extra_config={
+            "backend_name": "kvcodec",
+            "module_path": "kvcodec.integrations.sglang_hicache",
+            "class_name": "KVCodecHiCacheStorage",
+            "url": url,
+            **extra,
+        },
     )
 
 
@@ -125,7 +140,9 @@ def test_int8_equals_kvcodecs_own_decode_of_the_group(real_kv, tmp_path):
     assert b.batch_set(keys, [host_page(buf, "layer_first", i) for i in range(6)])
     got = b.batch_get(keys, dummy_pages(6, kv))
     codec = make_codec("hevc", quant="int8", chunk_tokens=48, resolutions=((256, 256),))
-    want = torch.cat([codec.decode_chunk(c.blobs[0], torch.empty_like(kv[:, :, :48])) for c in codec.encode_chunks(kv)], 2)
+    want = torch.cat(
+        [codec.decode_chunk(c.blobs[0], torch.empty_like(kv[:, :, :48])) for c in codec.encode_chunks(kv)], 2
+    )
     want_buf = host_buffer(want, "layer_first")
     assert all(torch.equal(g, host_page(want_buf, "layer_first", i)) for i, g in enumerate(got))
 

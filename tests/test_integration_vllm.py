@@ -28,7 +28,7 @@ from vllm.v1.kv_cache_interface import KVCacheConfig  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from kvcodec.codecs import make_codec  # noqa: E402
-from kvcodec.fetcher.keys import blob_key, chunk_keys  # noqa: E402
+from kvcodec.fetcher.keys import chunk_keys  # noqa: E402
 from kvcodec.integrations.vllm_connector import KVCodecConnector, layer_order  # noqa: E402
 from kvcodec.store import open_store  # noqa: E402
 
@@ -48,10 +48,15 @@ def prompt_kv(smollm2, short_text):
 
 
 def connectors(url: str, **extra):
-    kt = KVTransferConfig(kv_connector="KVCodecConnector", kv_connector_module_path="kvcodec.integrations.vllm_connector",
-                          kv_role="kv_both", kv_connector_extra_config={"url": url, "chunk_tokens": CHUNK,
-                                                                        "model_id": "smollm2-135m", **extra})
-    config = VllmConfig(kv_transfer_config=kt, cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig(device="cpu"))
+    kt = KVTransferConfig(
+        kv_connector="KVCodecConnector",
+        kv_connector_module_path="kvcodec.integrations.vllm_connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"url": url, "chunk_tokens": CHUNK, "model_id": "smollm2-135m", **extra},
+    )
+    config = VllmConfig(
+        kv_transfer_config=kt, cache_config=CacheConfig(block_size=BLOCK), device_config=DeviceConfig(device="cpu")
+    )
     kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
     sched = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
@@ -60,7 +65,10 @@ def connectors(url: str, **extra):
 
 def paged_caches(kv: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
     layers, _, _, heads, dim = kv.shape
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * dim, dtype=dtype) for i in range(layers)}
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * dim, dtype=dtype)
+        for i in range(layers)
+    }
 
 
 def write_prompt(caches: dict[str, torch.Tensor], kv: torch.Tensor, block_ids: list[int]) -> None:
@@ -87,9 +95,14 @@ def scheduler_step(sched, worker, request: Request, block_ids: list[int], num_sc
     """One engine step for a new request: scheduler builds metadata, the worker loads, forwards, saves."""
     new = NewRequestData.from_request(request, (block_ids,))
     out = SchedulerOutput(
-        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={request.request_id: num_scheduled}, total_num_scheduled_tokens=num_scheduled,
-        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(), free_encoder_mm_hashes=[],
+        scheduled_new_reqs=[new],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={request.request_id: num_scheduled},
+        total_num_scheduled_tokens=num_scheduled,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
     )
     meta = sched.build_connector_meta(out)
     worker.bind_connector_metadata(meta)
@@ -135,7 +148,9 @@ def first_request_then_second(url, prompt, kv, dtype, local_hit=0, **extra):
 
 def test_exact_prefix_stored_by_one_request_restored_for_the_next(prompt_kv, store_url):
     prompt, kv = prompt_kv
-    external, caches, blocks1, blocks2, _ = first_request_then_second(store_url, prompt, kv, torch.bfloat16, quant="exact")
+    external, caches, blocks1, blocks2, worker = first_request_then_second(
+        store_url, prompt, kv, torch.bfloat16, quant="exact"
+    )
     n = (len(prompt) - 1) // CHUNK * CHUNK
     assert external == n == 96
     d = kv.shape[-1]
@@ -145,19 +160,26 @@ def test_exact_prefix_stored_by_one_request_restored_for_the_next(prompt_kv, sto
     with open_store(store_url) as st:
         codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
         keys = chunk_keys(prompt[:n], "smollm2-135m", codec, partial=False)
-        assert all(st.exists_many([blob_key(k, 0) for k in keys]))
+        assert all(st.exists_many([worker.object_key(k) for k in keys]))
 
 
 def test_int8_restores_kvcodecs_own_decode_and_skips_tokens_vllm_has(prompt_kv, tmp_path):
     prompt, kv = prompt_kv
     url = f"file://{tmp_path}"
-    external, caches, blocks1, blocks2, _ = first_request_then_second(url, prompt, kv, torch.float16, local_hit=BLOCK, quant="int8")
+    external, caches, blocks1, blocks2, _ = first_request_then_second(
+        url, prompt, kv, torch.float16, local_hit=BLOCK, quant="int8"
+    )
     assert external == 96 - BLOCK
     d = kv.shape[-1]
     codec = make_codec("hevc", quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
     original = read_tokens(caches, blocks1, 96, d)
-    want = torch.cat([codec.decode_chunk(c.blobs[0], torch.empty_like(original[:, :, :CHUNK]))
-                      for c in codec.encode_chunks(original)], dim=2)
+    want = torch.cat(
+        [
+            codec.decode_chunk(c.blobs[0], torch.empty_like(original[:, :, :CHUNK]))
+            for c in codec.encode_chunks(original)
+        ],
+        dim=2,
+    )
     got = read_tokens(caches, blocks2, 96, d)
     assert torch.equal(got[:, :, BLOCK:], want[:, :, BLOCK:])
     assert not got[:, :, :BLOCK].any()  # the tokens vLLM already held (its own prefix hit) are not written
@@ -175,7 +197,7 @@ def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
     scheduler_step(sched, worker, r1, list(range(7)), len(prompt))
     with open_store(url) as st:
         codec = make_codec("hevc", quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
-        key = blob_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[1], 0)
+        key = worker.object_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[1])
         blob = bytearray(st.get(key))
         blob[len(blob) // 2] ^= 0x21
         st.put(key, bytes(blob))
@@ -184,6 +206,12 @@ def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
     assert admit(sched, r2, 0, blocks2) == 96
     scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
     assert worker.get_block_ids_with_load_errors() == set(blocks2)
+
+
+def test_each_tp_and_pp_rank_has_its_own_objects(tmp_path):
+    _, worker = connectors(f"file://{tmp_path}")
+    keys = {worker.object_key("k", (tp, pp)) for tp in range(2) for pp in range(2)}
+    assert len(keys) == 4 and worker.object_key("k") == worker.object_key("k", (0, 0))
 
 
 def test_layer_order_is_numeric():

@@ -53,8 +53,10 @@ class SerdeOptions:
     def from_kwargs(cls, kwargs: Mapping[str, object]) -> SerdeOptions:
         options = {k: v for k, v in kwargs.items() if k not in _OWN}
         if "chunk_tokens" in options or "resolutions" in options:
-            raise ConfigError("the kvcodec serde codes each LMCache object as one chunk at one `resolution`; "
-                              "chunk_tokens and resolutions are not options")
+            raise ConfigError(
+                "the kvcodec serde codes each LMCache object as one chunk at one `resolution`; "
+                "chunk_tokens and resolutions are not options"
+            )
         codec = str(kwargs.get("codec", "hevc"))
         if "resolution" in kwargs or codec == "hevc":
             options["resolutions"] = (parse_resolution(str(kwargs.get("resolution", "256x256"))),)
@@ -62,8 +64,13 @@ class SerdeOptions:
         if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
             raise ConfigError(f"kvcodec serde device must be auto, cpu or cuda[:N]; got {device!r}")
         head_dim = kwargs.get("head_dim")
-        made = cls(codec, tuple(sorted(options.items())), None if head_dim is None else int(head_dim), device,
-                   int(kwargs.get("max_workers", 1)))
+        made = cls(
+            codec,
+            tuple(sorted(options.items())),
+            None if head_dim is None else int(head_dim),
+            device,
+            int(kwargs.get("max_workers", 1)),
+        )
         made.make_codec(256)  # a bad codec name or option fails here, when LMCache builds the adapter
         return made
 
@@ -106,7 +113,9 @@ def to_canonical(x: torch.Tensor, head_dim: int | None) -> torch.Tensor:
         if dim % 2:
             raise ShapeError(f"MLA objects need an even latent size; got {dim}")
         return x.reshape(layers, tokens, 2, 1, dim // 2).permute(0, 2, 1, 3, 4)
-    raise ShapeError(f"LMCache object shape {tuple(x.shape)}: expected (2, layers, tokens, hidden) or MLA (layers, tokens, dim)")
+    raise ShapeError(
+        f"LMCache object shape {tuple(x.shape)}: expected (2, layers, tokens, hidden) or MLA (layers, tokens, dim)"
+    )
 
 
 def from_canonical(kv: torch.Tensor, shape: torch.Size) -> torch.Tensor:

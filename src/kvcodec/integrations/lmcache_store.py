@@ -40,7 +40,14 @@ def store_key(key: ObjectKey, prefix: str = "lmcache") -> str:
         return "".join(c if c in _SAFE else f"={ord(c):02x}" for c in text) or "="
 
     return "/".join(
-        [prefix, part(key.model_name), str(key.kv_rank), str(key.object_group_id), part(key.cache_salt), key.chunk_hash.hex()]
+        [
+            prefix,
+            part(key.model_name),
+            str(key.kv_rank),
+            str(key.object_group_id),
+            part(key.cache_salt),
+            key.chunk_hash.hex(),
+        ]
     )
 
 
@@ -79,7 +86,9 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
             done, self._done["store"] = self._done["store"], {}
         return done
 
-    def submit_lookup_and_lock_task(self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]) -> L2TaskId:
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
         return self._submit("lookup", self._lookup, keys)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:

@@ -52,8 +52,18 @@ def measure(models: list[str], texts: list[str], tokens: int, quants: list[str],
                 for g in GROUPS:
                     t0 = time.perf_counter()
                     n = coded_bytes(kv, g, quant, resolution)
-                    rows.append({"model": name, "text": text, "tokens": kv.shape[2], "quant": quant, "group_tokens": g,
-                                 "bytes": n, "ratio": raw / n, "encode_s": time.perf_counter() - t0})
+                    rows.append(
+                        {
+                            "model": name,
+                            "text": text,
+                            "tokens": kv.shape[2],
+                            "quant": quant,
+                            "group_tokens": g,
+                            "bytes": n,
+                            "ratio": raw / n,
+                            "encode_s": time.perf_counter() - t0,
+                        }
+                    )
                     print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -83,8 +93,11 @@ def markdown(result: dict) -> str:
     for key in sorted({(r["model"], r["text"], r["quant"]) for r in rows}):
         by_g = {r["group_tokens"]: r["ratio"] for r in rows if (r["model"], r["text"], r["quant"]) == key}
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(f"{by_g[g]:.2f}x" for g in GROUPS) + " |")
-    lines += ["", "Choices on the calibration text: "
-              + ", ".join(f"{k}: G={v}" for k, v in sorted(result["choices"].items())), ""]
+    lines += [
+        "",
+        "Choices on the calibration text: " + ", ".join(f"{k}: G={v}" for k, v in sorted(result["choices"].items())),
+        "",
+    ]
     return "\n".join(lines)
 
 

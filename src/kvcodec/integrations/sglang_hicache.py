@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
@@ -52,7 +52,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
     """HiCacheStorage over `kvcodec.store.open_store(url)`, pages coded in groups (generic
     get/set interface: SGLang copies pages between its host pool and the tensors given here)."""
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         if storage_config.is_mla_model:
             raise ConfigError("the kvcodec HiCache backend supports MHA/GQA host pools, not MLA")
@@ -96,10 +96,10 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         )
 
     # -- HiCacheStorage -------------------------------------------------------------------
-    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None):
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None):
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None):
+    def batch_get(self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None):
         g = self._geometry()
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
@@ -116,12 +116,18 @@ class KVCodecHiCacheStorage(HiCacheStorage):
             logger.warning("kvcodec HiCache get failed: %s", e)
         return out
 
-    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None,
-            target_sizes: Optional[Any] = None) -> bool:
+    def set(
+        self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
         return self.batch_set([key], [value])
 
-    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None,
-                  target_sizes: Optional[Any] = None) -> bool:
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
         g = self._geometry()
         if values is None or len(values) != len(keys):
             raise ConfigError("batch_set needs one page tensor per key")
@@ -139,7 +145,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.store.exists(self._page_key(key))
 
-    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         found = self.store.exists_many([self._page_key(k) for k in keys])
         return next((i for i, f in enumerate(found) if not f), len(keys))
 
@@ -165,17 +171,18 @@ class KVCodecHiCacheStorage(HiCacheStorage):
                 self._codecs[tokens] = make_codec(self.codec_name, **self.codec_options, chunk_tokens=tokens)
             return self._codecs[tokens]
 
-    def _pointers(self, keys: List[str]) -> list[PagePointer | None]:
+    def _pointers(self, keys: list[str]) -> list[PagePointer | None]:
         raw = self.store.get_many([self._page_key(k) for k in keys])
         return [None if r is None else PagePointer.from_bytes(r) for r in raw]
 
-    def _write_group(self, keys: List[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
+    def _write_group(self, keys: list[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
         kv = torch.cat([page_to_canonical(p.detach().to("cpu"), g) for p in pages], dim=2)
         blob = self._codec(kv.shape[2]).encode_chunks(kv)[0].blobs[0]
         group_key = f"{self.prefix}/g/{_safe(keys[0])}.{_safe(keys[-1])}.{len(keys)}"
         self.store.put(group_key, blob)  # the group first: a pointer never names a missing group
-        self.store.put_many({self._page_key(k): PagePointer(group_key, i, len(keys)).to_bytes()
-                             for i, k in enumerate(keys)})
+        self.store.put_many(
+            {self._page_key(k): PagePointer(group_key, i, len(keys)).to_bytes() for i, k in enumerate(keys)}
+        )
 
     def _restore_group(self, blob, pointers, members, targets, out, g: PageGeometry) -> None:
         if blob is None:

@@ -51,7 +51,9 @@ class PageGeometry:
 def page_to_canonical(flat: torch.Tensor, g: PageGeometry) -> torch.Tensor:
     """A flat page (host layout order) as a (layers, 2, page_size, heads, head_dim) view."""
     if flat.numel() != g.numel or flat.dtype != g.dtype:
-        raise ShapeError(f"HiCache page has {flat.numel()} {flat.dtype} values; the pool's pages hold {g.numel} {g.dtype}")
+        raise ShapeError(
+            f"HiCache page has {flat.numel()} {flat.dtype} values; the pool's pages hold {g.numel} {g.dtype}"
+        )
     axes = PAGE_AXES[g.layout]
     sizes = g.sizes()
     return flat.reshape([sizes[a] for a in axes]).permute([axes.index(a) for a in _CANONICAL])

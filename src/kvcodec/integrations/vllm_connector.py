@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcodec.codecs import make_codec
 from kvcodec.errors import ConfigError, KVCodecError
-from kvcodec.fetcher.keys import blob_key, chunk_keys, longest_present
+from kvcodec.fetcher.keys import chunk_keys, longest_present
 from kvcodec.store import open_store
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,19 @@ class KVCodecConnectorMetadata(KVConnectorMetadata):
     saves: list[PrefixSave] = dataclasses.field(default_factory=list)
 
 
+def worker_rank() -> tuple[int, int]:
+    """(TP rank, PP rank) of this worker; (0, 0) where vLLM's process groups are not set up."""
+    from vllm.distributed import parallel_state
+
+    try:
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+    except (AssertionError, AttributeError):
+        return 0, 0
+
+
 def layer_order(names) -> list[str]:
     """Layer names in model order (by the first integer in each name: model.layers.N...)."""
+
     def index(name: str) -> int:
         m = re.search(r"\d+", name)
         return int(m.group()) if m else -1
@@ -96,11 +107,20 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.model_id = str(extra.get("model_id") or model or "model")
         self.namespace = extra.get("namespace")
         self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        self.shards = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+        self.rank = (0, 0) if role == KVConnectorRole.SCHEDULER else worker_rank()
         self.store = open_store(url, **dict(extra.get("store_options", {})))
         self._need_load: dict[str, int] = {}  # req_id -> tokens to load
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._load_errors: set[int] = set()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcodec-save")
+
+    def object_key(self, chunk_key: str, rank: tuple[int, int] | None = None) -> str:
+        """Store key of a chunk's blob for one (TP rank, PP rank): each rank holds its own heads and
+        layers. The scheduler checks rank (0, 0)'s; a rank whose blob is missing reports a load error."""
+        tp, pp = self.rank if rank is None else rank
+        return f"{chunk_key}/tp{tp}of{self.shards[0]}-pp{pp}of{self.shards[1]}"
 
     # -- scheduler side -------------------------------------------------------------------
     def _keys(self, token_ids) -> list[str]:
@@ -108,7 +128,7 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def _stored_chunks(self, token_ids) -> int:
         keys = self._keys(token_ids)
-        return longest_present(self.store.exists_many([blob_key(k, 0) for k in keys])) if keys else 0
+        return longest_present(self.store.exists_many([self.object_key(k, (0, 0)) for k in keys])) if keys else 0
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids or []
@@ -137,7 +157,11 @@ class KVCodecConnector(KVConnectorBase_V1):
             scheduled = scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
             whole = (len(prompt) // ct) * ct
             # Only prompts prefilled in this one step are stored (chunked prefill is not).
-            if whole and req.num_computed_tokens + scheduled >= len(prompt) and self._stored_chunks(prompt[:whole]) * ct < whole:
+            if (
+                whole
+                and req.num_computed_tokens + scheduled >= len(prompt)
+                and self._stored_chunks(prompt[:whole]) * ct < whole
+            ):
                 meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids))
         self._need_load.clear()
         return meta
@@ -201,7 +225,7 @@ class KVCodecConnector(KVConnectorBase_V1):
     def _load(self, load: ChunkLoad) -> None:
         layers = self._layers()
         ct = self.codec.chunk_tokens
-        blobs = self.store.get_many([blob_key(k, 0) for k in load.keys])
+        blobs = self.store.get_many([self.object_key(k) for k in load.keys])
         heads, d = layers[0].shape[1], layers[0].shape[-1] // 2
         for i, (key, blob) in enumerate(zip(load.keys, blobs)):
             start, end = i * ct, (i + 1) * ct
@@ -220,11 +244,10 @@ class KVCodecConnector(KVConnectorBase_V1):
         try:
             keys = self._keys(token_ids)
             for chunk in self.codec.encode_chunks(kv, keys=keys):
-                self.store.put(blob_key(keys[chunk.index], 0), chunk.blobs[0])
+                self.store.put(self.object_key(keys[chunk.index]), chunk.blobs[0])
         except KVCodecError as e:
             logger.warning("kvcodec save failed: %s", e)
 
     def wait_for_pending_saves(self) -> None:
         """Block until background saves are done (tests, shutdown)."""
         self._saver.submit(lambda: None).result()
-
