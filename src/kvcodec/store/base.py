@@ -9,8 +9,6 @@ carrying the store's URL (password redacted) and the original exception as `__ca
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import importlib.metadata
 import re
 import urllib.parse
@@ -18,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvcodec.errors import ConfigError, StoreError
+from kvcodec.plugins import load_object
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,512}$")
 
@@ -181,15 +180,6 @@ def store_schemes() -> list[str]:
     return sorted({*_REGISTRY, *(ep.name for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP))})
 
 
-@functools.cache
-def _load(target: str) -> StoreFactory:
-    module, attr = target.split(":")
-    obj: Any = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def open_store(url: str, **options: Any) -> KVStore:
     """Open the store a URL names, e.g. ``file:///var/kv``, ``memory://``, ``redis://h:6379/0``,
     ``rediss://:pw@h:6380/0``, ``redis+cluster://h:7000``, ``throttle://4?inner=memory://x``.
@@ -204,7 +194,7 @@ def open_store(url: str, **options: Any) -> KVStore:
         (ep.value for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP, name=scheme)), None)
     if target is None:
         raise ConfigError(f"unknown store scheme {scheme!r} in {redact_url(url)}; known: {store_schemes()}")
-    factory = _load(target) if isinstance(target, str) else target
+    factory = load_object(target) if isinstance(target, str) else target
     try:
         return factory(url, **options)
     except (StoreError, ConfigError):
