@@ -21,8 +21,10 @@ from typing import Any
 
 import click
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "results"
-"""benchmarks/results/ of the source tree this package lives in."""
+_TREE_RESULTS = Path(__file__).resolve().parent.parent / "results"
+RESULTS_DIR = _TREE_RESULTS if _TREE_RESULTS.is_dir() else Path("benchmarks") / "results"
+"""benchmarks/results/ of the source tree this package lives in (an editable install), else
+benchmarks/results/ under the current directory."""
 
 
 def result_path(path: str | os.PathLike | None, default_stem: str, suffix: str = ".json") -> Path:
