@@ -104,3 +104,25 @@ def test_failed_encode_session_falls_back_and_says_which_encoder_ran():
     out = torch.empty_like(kv)
     codec.decode_chunk(chunk.blobs[0], out)
     assert (out.float() - kv.float()).abs().max() < 0.05
+
+
+@pytest.mark.gpu
+def test_real_nvenc_failure_falls_back_to_x265():
+    """On a CUDA GPU without a usable NVENC (the H200: opening a session fails with
+    NV_ENC_ERR_UNSUPPORTED_DEVICE) the real NVENC backend refuses and the encode runs on x265."""
+    import importlib.util
+
+    import torch
+
+    from kvcodec.video.registry import _ENCODERS, FallbackEncoder
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("PyNvVideoCodec") is None:
+        pytest.skip("needs a CUDA GPU with PyNvVideoCodec")
+    if NvencEncoder.is_available():
+        pytest.skip("this GPU has a working NVENC")
+    enc = FallbackEncoder(sorted(_ENCODERS, key=lambda e: -e.priority), {"preset": "ultrafast"})
+    frames = [np.random.default_rng(0).integers(0, 256, (3, 160, 160), dtype=np.uint8)]
+    stream = enc.encode(frames, 160, 160)
+    assert enc.name == "x265"
+    (got,) = list(FFmpegHevcDecoder().decode(stream, 160, 160))
+    assert np.array_equal(got.numpy(), frames[0])
