@@ -1,8 +1,8 @@
 """The kvcodec serde as LMCache sees it: Serializer / Deserializer subclasses, the factory, its
-registration under "kvcodec", and a launcher that registers it and starts `lmcache server`.
-
-    python -m kvcodec.integrations.lmcache_plugin server --l1-size-gb 8 \\
-        --l2-adapter '{"type": "resp", "host": "127.0.0.1", "port": 6379, "serde": {"type": "kvcodec"}}'
+registration under "kvcodec" (on import), and a launcher that registers it and starts LMCache's
+own command line (`python -m kvcodec.integrations.lmcache_plugin server ...`). With kvcodec's L2
+adapter (kvcodec.integrations.lmcache_store) no launcher is needed: importing the adapter
+registers the serde.
 
 Coding lives in kvcodec.integrations.lmcache_serde (no LMCache import there).
 """

@@ -1,9 +1,10 @@
 """LMCache serde: LMCache's L2 adapters store kvcodec-coded KV.
 
-`register()` adds the serde type "kvcodec" to `lmcache.v1.distributed.serde` (the registry that
-also holds "fp8" and "turboquant"); an L2 adapter then opts in with
-
-    {"type": "resp", "host": "...", "port": 6379, "serde": {"type": "kvcodec", "quant": "int8"}}
+`kvcodec.integrations.lmcache_plugin` registers the serde type "kvcodec" in
+`lmcache.v1.distributed.serde` (the registry that also holds "fp8" and "turboquant"); an L2
+adapter opts in with `"serde": {"type": "kvcodec", "quant": "int8"}`. Use it with
+`kvcodec.integrations.lmcache_store.KVCodecStoreL2Adapter`: LMCache 0.5.6's own fs and resp
+adapters cannot load objects shorter than the serde's size bound (docs/integrations/lmcache.md).
 
 Serde options (all optional): `codec` (a registered kvcodec codec, default "hevc") and that
 codec's options (for "hevc" the `kvcodec.CodecConfig` fields `quant`, `video_bits`,
@@ -11,8 +12,7 @@ codec's options (for "hevc" the `kvcodec.CodecConfig` fields `quant`, `video_bit
 `chunk_tokens`), `resolution` ("256x256": the one frame size objects are stored at), `head_dim`
 (how LMCache's hidden dimension splits into heads; the default picks 128 or 64), `device`
 ("auto": NVDEC on CUDA where present, else the CPU decoder) and `max_workers` (LMCache's serde
-thread pool). The serde runs inside the LMCache process: `python -m kvcodec.integrations.lmcache_plugin
-server ...` registers it and starts LMCache's own `lmcache server` with the same arguments.
+thread pool). This module does the coding and imports nothing of LMCache.
 """
 
 from __future__ import annotations
