@@ -68,16 +68,21 @@ def chunk_roundtrip(codec, kv16):
     return out, sum(len(c.blobs[0]) for c in chunks), chunks
 
 
-def methods(cal, digest, ratios, baselines):
+def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True):
     """name -> (factory of a roundtrip function kv16 -> (restored, bytes, extra))."""
     from kvcodec.codecs.transform import TransformCodec
 
     out = {"fp16": lambda kv: (kv, kv.numel() * 2, {})}
     for r in ratios:
-        out[f"transform-hevc-r{r:g}"] = _transform(TransformCodec(cal, kvt_hash=digest, target_ratio=r), cal, digest)
-    out["transform-hevc-r6-nosink"] = _transform(
-        TransformCodec(cal, kvt_hash=digest, target_ratio=6, sink_tokens=0), cal, digest, compare=False
-    )
+        codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r)
+        out[f"transform-hevc-r{r:g}"] = _transform(codec, cal, digest, compare=r in compare)
+    for kw in key_weights:
+        codec = TransformCodec(cal, kvt_hash=digest, target_ratio=ratios[0], key_weight=kw)
+        out[f"transform-hevc-r{ratios[0]:g}-kw{kw:g}"] = _transform(codec, cal, digest, compare=False)
+    if nosink:
+        out[f"transform-hevc-r{ratios[0]:g}-nosink"] = _transform(
+            TransformCodec(cal, kvt_hash=digest, target_ratio=ratios[0], sink_tokens=0), cal, digest, compare=False
+        )
     for b in baselines:
         out[b] = _baseline(b)
     return out
@@ -224,6 +229,9 @@ def markdown(doc):
 @click.option("--cont", "cont_tokens", default=128, show_default=True)
 @click.option("--ratios", default="4,5,6,8,10", show_default=True)
 @click.option("--baselines", default="int8,int4,cachegen", show_default=True)
+@click.option("--compare", default="5", show_default=True, help="Ratios at which zstd-19 also codes the same integers.")
+@click.option("--key-weights", default="", help="Extra points at the first ratio with these key weights.")
+@click.option("--no-nosink", is_flag=True, help="Skip the point without fp16 sink tokens.")
 @click.option("--out", "out_stem", required=True, help="Output stem: writes STEM.json and STEM.md.")
 @click.option("--save-kvt", help="Write the calibration here.")
 def main(
@@ -237,6 +245,9 @@ def main(
     cont_tokens,
     ratios,
     baselines,
+    compare,
+    key_weights,
+    no_nosink,
     out_stem,
     save_kvt,
 ):
@@ -252,7 +263,11 @@ def main(
     if save_kvt:
         write_kvt(cal, save_kvt)
     click.echo(f"calibrated in {secs:.1f} s: {len(cal.groups)} groups, {cal.info['tokens']} tokens", err=True)
-    runners = methods(cal, digest, [float(r) for r in ratios.split(",") if r], [b for b in baselines.split(",") if b])
+    ratio_list = [float(r) for r in ratios.split(",") if r]
+    compare_set = {float(r) for r in compare.split(",") if r}
+    weights = [float(w) for w in key_weights.split(",") if w]
+    bl = [b for b in baselines.split(",") if b]
+    runners = methods(cal, digest, ratio_list, bl, compare_set, weights, not no_nosink)
     per_text = [evaluate_text(model, tokenizer, t, prefix_tokens, cont_tokens, runners) for t in evals]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = dict(
