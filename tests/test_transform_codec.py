@@ -216,3 +216,11 @@ def test_encode_decode_commands_with_transform(kvt, tmp_path):
     assert res.exit_code != 0 and isinstance(res.exception, ConfigError)
     res = CliRunner().invoke(decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "o3.safetensors")])
     assert res.exit_code != 0 and isinstance(res.exception, FormatError)
+
+
+def test_presets_are_target_ratios(kvt):
+    assert codec(kvt, preset="compact").target_ratio == 8.0
+    with pytest.raises(ConfigError):
+        codec(kvt, preset="nonsense")
+    with pytest.raises(ConfigError):
+        codec(kvt, preset="compact", target_ratio=3)

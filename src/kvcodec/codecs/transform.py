@@ -32,6 +32,7 @@ from kvcodec.transform.rope import apply_rope
 CHUNK_MAGIC = b"KVTC"
 TRANSFORM_VERSION = 1
 CODERS = ("hevc", "zstd")
+PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ZSTD_LEVEL = 19
 SAMPLE_CHUNKS = 2  # chunks the size search measures entropy on
@@ -90,6 +91,7 @@ class TransformCodec:
         *,
         kvt_hash: str | None = None,
         target_ratio: float | None = None,
+        preset: str | None = None,
         bits_per_value: float | None = None,
         theta: float | None = None,
         key_weight: float = 1.0,
@@ -104,6 +106,12 @@ class TransformCodec:
             self.cal, self.kvt_hash = transform, kvt_hash
         else:
             self.cal, self.kvt_hash = load_kvt(transform)
+        if preset is not None:
+            if preset not in PRESETS or target_ratio is not None:
+                raise ConfigError(
+                    f"preset must be one of {sorted(PRESETS)} (and excludes target_ratio); got {preset!r}"
+                )
+            target_ratio = PRESETS[preset]
         if coder not in CODERS:
             raise ConfigError(f"coder must be one of {CODERS}; got {coder!r}")
         if target_ratio is not None and not target_ratio > 1:
