@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from kvcodec.errors import ConfigError
-from kvcodec.models import MODELS, ModelSpec, get_spec, gguf_path, kv_shape, list_models, model_id
-from kvcodec.models import registry, texts
+from kvcodec.models import MODELS, ModelSpec, get_spec, gguf_path, kv_shape, list_models, model_id, registry, texts
 from kvcodec.models.registry import PackageFile
 
 
@@ -73,7 +72,9 @@ def test_multi_part_assembly_checks_size_and_sha256(monkeypatch, tmp_path):
     monkeypatch.setenv("KVCODEC_CACHE_DIR", str(tmp_path))
     parts = _essay_parts()
     blob = b"".join(registry._locate(p, get_spec("smollm2-135m")).read_bytes() for p in parts)
-    spec = ModelSpec("joined", "test", "llama", "joined.bin", parts, 1, 1, 8, len(blob), hashlib.sha256(blob).hexdigest())
+    spec = ModelSpec(
+        "joined", "test", "llama", "joined.bin", parts, 1, 1, 8, len(blob), hashlib.sha256(blob).hexdigest()
+    )
     monkeypatch.setitem(MODELS, "joined", spec)
     path = gguf_path("joined")
     assert path.read_bytes() == blob and path.parent == tmp_path / "gguf"
@@ -139,11 +140,13 @@ def test_concurrent_first_loads_share_one_atomic_cache(tmp_path):
     stale.mkdir(parents=True)  # a folder left by a process killed mid-write must not matter
     (stale / "config.json").write_text("{")
     procs = [
-        subprocess.Popen([sys.executable, "-c", _LOAD_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _LOAD_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     results = [p.communicate(timeout=600) for p in procs]
-    for p, (out, err) in zip(procs, results):
+    for p, (_out, err) in zip(procs, results):
         assert p.returncode == 0, err[-2000:]
     ids = {json.loads(out.strip().splitlines()[-1])["id"] for out, _ in results}
     assert len(ids) == 1

@@ -281,7 +281,7 @@ def _save_cache(spec: ModelSpec, model: Any, tokenizer: Any, folder: Path) -> No
 def load_model(
     name: str,
     *,
-    dtype: "torch.dtype | None" = None,
+    dtype: torch.dtype | None = None,
     use_cache: bool = True,
 ) -> tuple[Any, Any]:
     """Load a named model and its tokenizer, on the CPU, in eval mode; a path (model directory or
