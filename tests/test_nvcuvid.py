@@ -175,6 +175,7 @@ def test_wrong_size_and_garbage_raise():
 @pytest.mark.gpu
 def test_threads_restore_chunks_exactly_in_one_context():
     import kvcodec
+    from kvcodec.codecs.hevc_pool import restore_in_pool
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     gen = torch.Generator().manual_seed(0)
@@ -188,7 +189,7 @@ def test_threads_restore_chunks_exactly_in_one_context():
     out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
     names = set()
     with NvcuvidThreads(sessions=2, threads=4) as dec:
-        dec.restore_blobs(blobs, [out[:, :, i * 128 : (i + 1) * 128] for i in range(len(blobs))])
+        restore_in_pool(dec, blobs, [out[:, :, i * 128 : (i + 1) * 128] for i in range(len(blobs))])
         names = {t.name for t in threading.enumerate() if t.name.startswith("nvcuvid")}
         assert len(dec.decoders) == 2
         assert all(d.ctx == api.primary_context(0) for d in dec.decoders)

@@ -211,14 +211,14 @@ class ThreadRestorer:
 def backends(args, case: Case):
     """(backend name, threads or workers, CUDA contexts, opener) for each compared backend; an opener
     returns (restore_fn(blobs, outs), close_fn)."""
-    from kvcodec.video.nvcuvid_threads import NvcuvidThreads
+    from kvcodec.codecs.hevc_pool import open_threads, restore_chunk
     from kvcodec.video.nvdec import NvdecDecoder
 
     def nvcuvid(sessions, threads):
         def open_():
-            d = NvcuvidThreads(sessions, threads, 0, display_delay=args.display_delay)
-            d.warm_up(case.blobs[0])
-            return (lambda b, o: d.restore_blobs(b, o, synchronize=True)), d.close
+            d = open_threads(sessions, threads=threads, device=0, display_delay=args.display_delay,
+                             warm_blob=case.blobs[0])
+            return (lambda b, o: d.restore_blobs(b, o, synchronize=True, decode_into=restore_chunk)), d.close
 
         return open_
 

@@ -13,7 +13,8 @@ import torch
 
 import kvcodec
 from kvcodec.config import CodecConfig
-from kvcodec.video.nvdec_pool import NvdecPool, decode_parallel
+from kvcodec.codecs.hevc_pool import decode_parallel
+from kvcodec.video.nvdec_pool import NvdecPool
 
 
 def main() -> None:

@@ -71,6 +71,16 @@ from kvcodec.cli.options import device_option, parse_deadline
     "Keeps decoding off the serving process, whose request loop an in-process decoder slows "
     "(benchmarks/results/interference-h200-v2.md). 0: one decoder in this process.",
 )
+@click.option(
+    "--nvdec-threads",
+    "nvdec_threads",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="CUDA: restore fetched chunks on this many NVDEC sessions in this process's own CUDA context "
+    "(7 on an H100/H200; needs only the driver's libnvcuvid). Costs a concurrent matmul 3-5%% where "
+    "the pool costs 12-14%% and 5 GB (benchmarks/results/decode-h200-nvcuvid.md).",
+)
 def command(
     model_name: str,
     dtype: str | None,
@@ -89,6 +99,7 @@ def command(
     host: str,
     port: int,
     nvdec_pool: int,
+    nvdec_threads: int,
 ) -> None:
     """Serve a model over an OpenAI-compatible API with remote KV prefix reuse."""
     import tempfile
@@ -102,13 +113,13 @@ def command(
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     _check_store_scheme(store_url)  # before the model loads
     click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}", err=True)
-    pool = _nvdec_pool(nvdec_pool, device)
+    pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
     try:
         engine = Engine(
             model_name,
             store_url=store_url,
             codec=HevcCodec(CodecConfig(quant=quant, chunk_tokens=chunk_tokens), pool=pool),
-            decode_workers=max(1, nvdec_pool),
+            decode_workers=max(1, nvdec_pool, nvdec_threads),
             reuse=not no_reuse,
             store_policy=StorePolicy(enabled=not no_store, min_tokens=store_min_tokens),
             policy=policy,
@@ -142,16 +153,32 @@ def _torch_dtype(name: str | None):  # noqa: ANN202
     return getattr(torch, name) if name else None
 
 
+def _require_cuda(device: str | None, option: str) -> None:
+    import torch
+
+    if not (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
+        raise click.BadParameter(f"{option} needs a CUDA device", param_hint=option)
+
+
+def _nvdec_threads(sessions: int, pool_workers: int, device: str | None):  # noqa: ANN202
+    """NVDEC sessions on threads of the serving process (one CUDA context)."""
+    if pool_workers:
+        raise click.UsageError("--nvdec-threads and --nvdec-pool are alternatives: give one")
+    _require_cuda(device, "--nvdec-threads")
+    from kvcodec.codecs.hevc_pool import open_threads
+
+    threads = open_threads(sessions, device=device)
+    click.echo(f"kvcodec serve: fetched chunks restored by {sessions} in-process NVDEC sessions", err=True)
+    return threads
+
+
 def _nvdec_pool(workers: int, device: str | None):  # noqa: ANN202
     """An NvdecPool restoring fetched chunks in `workers` NVDEC processes; None for 0."""
     if workers <= 0:
         return None
-    import torch
+    _require_cuda(device, "--nvdec-pool")
+    from kvcodec.codecs.hevc_pool import open_pool
 
-    if not (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
-        raise click.BadParameter("--nvdec-pool needs a CUDA device", param_hint="--nvdec-pool")
-    from kvcodec.video.nvdec_pool import NvdecPool
-
-    pool = NvdecPool(workers=workers, device=device)
+    pool = open_pool(workers, device=device)
     click.echo(f"kvcodec serve: fetched chunks restored by {workers} NVDEC worker processes", err=True)
     return pool

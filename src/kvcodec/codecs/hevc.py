@@ -123,7 +123,7 @@ class HevcCodec:
     def decoder_name(self, device: str | torch.device) -> str:
         """The video decoder a decode into a target on `device` uses."""
         if self.pool is not None and torch.device(device) == self.pool.device:
-            return f"nvdec-pool:{self.pool.workers}"
+            return f"{getattr(self.pool, 'name', 'nvdec-pool')}:{self.pool.workers}"
         if self.decoder is not None:
             return str(getattr(self.decoder, "name", type(self.decoder).__name__))
         return decoder_name(device)

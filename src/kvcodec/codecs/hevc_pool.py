@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.hevc import HevcCodec
-from kvcodec.codecs.hevc_decode import decode_chunk_blob
+from kvcodec.codecs.hevc_decode import decode_chunk_blob, inspect_chunk_blob
+from kvcodec.dtypes import DTYPES
 from kvcodec.codecs.hevc_file import file_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.errors import ConfigError
@@ -34,6 +35,24 @@ def open_pool(workers: int | None = None, **options: Any) -> Any:
     from kvcodec.video.nvdec_pool import DEFAULT_WORKERS, NvdecPool
 
     return NvdecPool(workers=workers or DEFAULT_WORKERS, warm_up=warm_up_restore, **options)
+
+
+def open_threads(sessions: int | None = None, *, warm_blob=None, **options: Any) -> Any:
+    """NVDEC sessions on threads of this process, in its own CUDA context (video.nvcuvid_threads),
+    standing where an NvdecPool does; with `warm_blob`, every session is opened on it first."""
+    from kvcodec.video.nvcuvid_threads import DEFAULT_SESSIONS, NvcuvidThreads
+
+    threads = NvcuvidThreads(sessions or DEFAULT_SESSIONS, **options)
+    if warm_blob is not None:
+        info = inspect_chunk_blob(warm_blob)
+        dtype = DTYPES[info.dtype]
+
+        def decode_one(decoder):
+            out = torch.empty(info.shape, dtype=dtype, device=threads.device)
+            restore_chunk(warm_blob, out, decoder, threads.restore)
+
+        threads.warm_up(decode_one)
+    return threads
 
 
 def restore_chunk(blob, out, decoder, restore: str = "auto") -> None:

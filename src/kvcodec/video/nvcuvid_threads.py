@@ -68,6 +68,7 @@ class NvcuvidThreads:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nvcuvid")
         self.workers = sessions  # what NvdecPool users read: engines kept busy
+        self.name = "nvcuvid-threads"
 
     def _stream(self) -> torch.cuda.Stream:
         stream = getattr(self._local, "stream", None)
@@ -76,26 +77,21 @@ class NvcuvidThreads:
             stream = self._local.stream = torch.cuda.Stream(self.device)
         return stream
 
-    def _restore_one(self, blob, out, restore: str, decode_into=None) -> torch.cuda.Event:
-        from kvcodec import codec
-
+    def _restore_one(self, blob, out, restore: str, decode_into) -> torch.cuda.Event:
         stream = self._stream()
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            if decode_into is None:
-                codec.decode_chunk_blob(blob, self.device, out=out, decoder=_LentDecoder(self._idle), restore=restore)
-            else:
-                decode_into(blob, out, _LentDecoder(self._idle), restore)
+            decode_into(blob, out, _LentDecoder(self._idle), restore)
             done = torch.cuda.Event()
             done.record(stream)
         return done
 
     def restore_blobs(self, blobs: Sequence, outs: Sequence, restore: str | None = None,
-                      synchronize: bool = False, *, decode_into=None) -> None:
+                      synchronize: bool = False, *, decode_into) -> None:
         """Restore every chunk blob into its output (a tensor slice or PagedKV), in parallel.
         Returns once every chunk is decoded and its restore queued; the caller's current stream
         waits for them (synchronize=True also waits on the host). A chunk that fails raises its
         error here after the others are done. decode_into(blob, out, decoder, restore): the
-        codec's chunk restore (default: kvcodec's HEVC decode_chunk_blob), as NvdecPool takes it,
+        codec's chunk restore (kvcodec.codecs.hevc_pool.restore_chunk for HEVC), as NvdecPool takes it,
         so this object can stand where an NvdecPool does."""
         if len(blobs) != len(outs):
             raise ValueError("restore_blobs needs one output per blob")
@@ -115,17 +111,14 @@ class NvcuvidThreads:
         if error is not None:
             raise error
 
-    def warm_up(self, blob) -> None:
-        """Open every decoder's NVDEC session for the blob's frame size and load the restore kernel,
-        so the first request pays neither (call it before decoding starts)."""
-        from kvcodec import codec
-
-        h = codec.inspect_chunk_blob(blob)
+    def warm_up(self, decode_one) -> None:
+        """Open every decoder's NVDEC session and load the restore kernel before requests come:
+        decode_one(decoder) decodes one chunk with the given decoder (the codec hands it in, as it
+        hands in decode_into)."""
 
         def one(dec):
             torch.cuda.set_device(self.device)
-            out = torch.empty(h.shape, dtype=codec.DTYPES[h.dtype], device=self.device)
-            codec.decode_chunk_blob(blob, self.device, out=out, decoder=dec, restore=self.restore)
+            decode_one(dec)
             torch.cuda.current_stream(self.device).synchronize()
 
         with ThreadPoolExecutor(max_workers=self.sessions) as ex:
