@@ -224,3 +224,13 @@ def test_presets_are_target_ratios(kvt):
         codec(kvt, preset="nonsense")
     with pytest.raises(ConfigError):
         codec(kvt, preset="compact", target_ratio=3)
+
+
+def test_key_weight_moves_error_from_keys_to_values(kvt):
+    kv = synthetic_kv(128, seed=17)
+    errs = {}
+    for kw in (0.25, 1.0, 4.0):
+        out, _ = roundtrip(codec(kvt, coder="zstd", theta=0.05, key_weight=kw), kv)
+        errs[kw] = [rel_mse(out[:, i], kv[:, i]) for i in (0, 1)]
+    assert errs[4.0][0] < errs[1.0][0] < errs[0.25][0]  # finer key steps, smaller key error
+    assert errs[4.0][1] == pytest.approx(errs[1.0][1], rel=0.05)  # values coded the same way

@@ -387,7 +387,7 @@ class TransformCodec:
         samples = self._samples(h, streams, C * t, device).view(C, t)
         idx, values = quantize.unpack_escapes(_unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
         q = quantize.from_samples(samples, idx, values)
-        coeffs = (q.to(torch.float32) * plan.steps.to(device)[:, None])[plan.inverse.to(device)]
+        coeffs = q[plan.inverse.to(device)].to(torch.float32) * plan.steps.to(device)[:, None]  # concatenated order
         L, H, D = h["shape"]
         x = torch.empty((L, 2, t, H, D), dtype=torch.float32, device=device)
         off = 0
