@@ -27,22 +27,40 @@ needs_nvcuvid = pytest.mark.skipif(not NvcuvidDecoder.is_available(), reason="ne
 # -- host side -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("struct,size", [
-    (api.DecodeCaps, 88), (api.DecodeCreateInfo, 176), (api.ProcParams, 264), (api.VideoFormat, 64),
-    (api.ParserDispInfo, 24), (api.SourceDataPacket, 32), (api.ParserParams, 136), (api.Memcpy2D, 128),
-])
+@pytest.mark.parametrize(
+    "struct,size",
+    [
+        (api.DecodeCaps, 88),
+        (api.DecodeCreateInfo, 176),
+        (api.ProcParams, 264),
+        (api.VideoFormat, 64),
+        (api.ParserDispInfo, 24),
+        (api.SourceDataPacket, 32),
+        (api.ParserParams, 136),
+        (api.Memcpy2D, 128),
+    ],
+)
 def test_struct_sizes_match_the_sdk(struct, size):
     assert ctypes.sizeof(struct) == size
 
 
-@pytest.mark.parametrize("struct,field,offset", [
-    (api.DecodeCreateInfo, "display_area", 80), (api.DecodeCreateInfo, "OutputFormat", 88),
-    (api.DecodeCreateInfo, "vidLock", 120), (api.DecodeCreateInfo, "enableHistogram", 136),
-    (api.ProcParams, "output_stream", 56), (api.ProcParams, "histogram_dptr", 248),
-    (api.ParserParams, "pUserData", 40), (api.ParserParams, "pfnDisplayPicture", 64),
-    (api.ParserParams, "pExtVideoInfo", 128), (api.VideoFormat, "chroma_format", 40),
-    (api.VideoFormat, "min_num_decode_surfaces", 15), (api.DecodeCaps, "bIsSupported", 24),
-])
+@pytest.mark.parametrize(
+    "struct,field,offset",
+    [
+        (api.DecodeCreateInfo, "display_area", 80),
+        (api.DecodeCreateInfo, "OutputFormat", 88),
+        (api.DecodeCreateInfo, "vidLock", 120),
+        (api.DecodeCreateInfo, "enableHistogram", 136),
+        (api.ProcParams, "output_stream", 56),
+        (api.ProcParams, "histogram_dptr", 248),
+        (api.ParserParams, "pUserData", 40),
+        (api.ParserParams, "pfnDisplayPicture", 64),
+        (api.ParserParams, "pExtVideoInfo", 128),
+        (api.VideoFormat, "chroma_format", 40),
+        (api.VideoFormat, "min_num_decode_surfaces", 15),
+        (api.DecodeCaps, "bIsSupported", 24),
+    ],
+)
 def test_struct_field_offsets(struct, field, offset):
     assert getattr(struct, field).offset == offset
 
@@ -127,7 +145,9 @@ def _encode(frames, width, height) -> bytes:
 @pytest.mark.parametrize("width,height,n", [(144, 144, 4), (512, 256, 7), (1024, 1024, 3), (176, 400, 4)])
 def test_bit_exact_frames(width, height, n, delay):
     src = _frames(width, height, n, seed=width + height)
-    got = [f.cpu().numpy() for f in NvcuvidDecoder(display_delay=delay).decode(_encode(src, width, height), width, height)]
+    got = [
+        f.cpu().numpy() for f in NvcuvidDecoder(display_delay=delay).decode(_encode(src, width, height), width, height)
+    ]
     assert len(got) == n and all(np.array_equal(g, s) for g, s in zip(got, src))
 
 

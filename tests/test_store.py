@@ -168,9 +168,11 @@ def test_file_store_capacity_counts_what_is_already_on_disk(tmp_path):
 
 
 def test_file_store_refuses_an_object_larger_than_its_capacity(tmp_path):
-    with open_store(f"file://{tmp_path / 's'}", capacity_bytes=10) as st:
-        with pytest.raises(StoreError, match="exceeds the capacity"):
-            st.put("big", b"x" * 11)
+    with (
+        open_store(f"file://{tmp_path / 's'}", capacity_bytes=10) as st,
+        pytest.raises(StoreError, match="exceeds the capacity"),
+    ):
+        st.put("big", b"x" * 11)
 
 
 @pytest.mark.parametrize("text, value", [("512", 512), ("64M", 64 << 20), ("1.5GiB", 3 << 29), ("2kb", 2048), (7, 7)])

@@ -6,16 +6,16 @@ import time
 
 import pytest
 
-from kvcodec.errors import StoreError
 from kvbench.net.redis_server import RedisServer, redis_server_binary
+from kvcodec.errors import StoreError
 from kvcodec.store import open_store
-
 from test_store import conformance
 
 pytestmark = [
     pytest.mark.redis,
-    pytest.mark.skipif(redis_server_binary() is None,
-                       reason="redis-server binary not installed (apt-get install redis-server)"),
+    pytest.mark.skipif(
+        redis_server_binary() is None, reason="redis-server binary not installed (apt-get install redis-server)"
+    ),
 ]
 
 
@@ -128,19 +128,44 @@ def test_redis_cluster(tmp_path):
         pytest.skip("redis-cli not installed")
     from kvbench.net.redis_server import free_port
 
-    nodes = [RedisServer(tmp_path / f"n{i}", appendonly=False, port=free_port(cluster=True),
-                         extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                     "--cluster-node-timeout", "2000"))
-             for i in range(3)]
+    nodes = [
+        RedisServer(
+            tmp_path / f"n{i}",
+            appendonly=False,
+            port=free_port(cluster=True),
+            extra_args=(
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                "2000",
+            ),
+        )
+        for i in range(3)
+    ]
     try:
         for n in nodes:
             n.start()
-        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            info = subprocess.run(["redis-cli", "-p", str(nodes[0].port), "cluster", "info"],
-                                  capture_output=True, text=True).stdout
+            info = subprocess.run(
+                ["redis-cli", "-p", str(nodes[0].port), "cluster", "info"], capture_output=True, text=True
+            ).stdout
             if "cluster_state:ok" in info:
                 break
             time.sleep(0.1)
@@ -167,9 +192,28 @@ def test_tls_rediss(tmp_path):
     if shutil.which("openssl") is None:
         pytest.skip("openssl not installed")
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
-                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     srv = RedisServer(tmp_path / "tls", appendonly=False, tls=(str(cert), str(key), str(cert)))
     try:
         srv.start()

@@ -13,8 +13,10 @@ on the CPU (x265/FFmpeg path) to check the GPU restores bit for bit.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
+import pathlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +33,7 @@ class Case:
     """A container's chunk blobs replicated to `copies` jobs, each with its own output tensor."""
 
     def __init__(self, path: str, copies: int, device):
-        data = open(path, "rb").read()
+        data = pathlib.Path(path).read_bytes()
         _, jobs = codec.file_chunks(data, "cpu")
         self.name = path.rsplit("/", 1)[-1].removesuffix(".kvc")
         self.blobs = [bytes(b) for b, _ in jobs]
@@ -216,8 +218,9 @@ def backends(args, case: Case):
 
     def nvcuvid(sessions, threads):
         def open_():
-            d = open_threads(sessions, threads=threads, device=0, display_delay=args.display_delay,
-                             warm_blob=case.blobs[0])
+            d = open_threads(
+                sessions, threads=threads, device=0, display_delay=args.display_delay, warm_blob=case.blobs[0]
+            )
             return (lambda b, o: d.restore_blobs(b, o, synchronize=True, decode_into=restore_chunk)), d.close
 
         return open_
@@ -290,9 +293,7 @@ def main():
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--interference-seconds", type=float, default=4.0)
     ap.add_argument("--scaling-threads", default="1,2,4,7,10")
-    ap.add_argument(
-        "--restore-threads", default="7x14", help="nvcuvid SESSIONSxTHREADS, comma-separated"
-    )
+    ap.add_argument("--restore-threads", default="7x14", help="nvcuvid SESSIONSxTHREADS, comma-separated")
     ap.add_argument("--display-delay", type=int, default=1)
     ap.add_argument("--pynv-decode-threads", default="1,7")
     ap.add_argument("--skip-pool", action="store_true")
@@ -300,15 +301,13 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.pynv_decode_threads = [int(x) for x in args.pynv_decode_threads.split(",") if x]
-    args.restore_threads = [
-        tuple(int(v) for v in x.split("x")) for x in args.restore_threads.split(",")
-    ]
+    args.restore_threads = [tuple(int(v) for v in x.split("x")) for x in args.restore_threads.split(",")]
     from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.nvdec import NvdecDecoder
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")
-    hashes = json.load(open(args.hashes)) if args.hashes else {}
+    hashes = json.loads(pathlib.Path(args.hashes).read_text()) if args.hashes else {}
     result = {"device": torch.cuda.get_device_name(0), "args": vars(args), "records": []}
     alone = matmul_tflops(args.interference_seconds or 2.0)
     result["matmul_alone_tflops"] = round(alone, 1)
@@ -316,13 +315,20 @@ def main():
     def log(rec):
         result["records"].append(rec)
         print(json.dumps(rec), flush=True)
-        json.dump(result, open(args.out, "w"), indent=1)
+        pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
 
     for path in args.kvc:
         case = Case(path, args.copies, "cuda")
         for n in [int(x) for x in args.scaling_threads.split(",") if x]:
             make = lambda: NvcuvidDecoder(0, display_delay=args.display_delay)  # noqa: E731
-            log({"kind": "decode-only", "backend": "nvcuvid", "case": case.name, **decode_only(case, make, n, args.seconds)})
+            log(
+                {
+                    "kind": "decode-only",
+                    "backend": "nvcuvid",
+                    "case": case.name,
+                    **decode_only(case, make, n, args.seconds),
+                }
+            )
         if args.interference_seconds > 0:
             decs = [NvcuvidDecoder(0, display_delay=args.display_delay) for _ in range(7)]
             log(
@@ -331,7 +337,7 @@ def main():
                     "backend": "nvcuvid",
                     "threads": 7,
                     "case": case.name,
-                    **interference(lambda: decode_loop(case, decs), args.interference_seconds, alone),
+                    **interference(functools.partial(decode_loop, case, decs), args.interference_seconds, alone),
                 }
             )
             for d in decs:
@@ -351,7 +357,7 @@ def main():
             except Exception as e:  # noqa: BLE001 - a failing backend is reported, the others still run
                 log({"kind": "restore", "backend": name, "threads": n, "case": case.name, "error": repr(e)})
     result["matmul_alone_again_tflops"] = round(matmul_tflops(args.interference_seconds or 2.0), 1)
-    json.dump(result, open(args.out, "w"), indent=1)
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ import time
 import torch
 
 import kvcodec
-from kvcodec.config import CodecConfig
 from kvcodec.codecs.hevc_pool import decode_parallel
+from kvcodec.config import CodecConfig
 from kvcodec.video.nvdec_pool import NvdecPool
 
 

@@ -74,9 +74,7 @@ class CodecConfig:
         object.__setattr__(self, "layer_bits", tuple(int(b) for b in self.layer_bits))
         for w, h in self.resolutions:
             if w < 144 or h < 144 or w % 16 or h % 16:
-                raise ConfigError(
-                    f"resolution {w}x{h}: width and height must be multiples of 16 and >= 144 (NVDEC)"
-                )
+                raise ConfigError(f"resolution {w}x{h}: width and height must be multiples of 16 and >= 144 (NVDEC)")
         if len(set(self.resolutions)) != len(self.resolutions):
             raise ConfigError(f"duplicate resolutions in {self.resolutions}")
         for b in self.layer_bits:
@@ -107,7 +105,7 @@ class CodecConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CodecConfig":
+    def from_dict(cls, d: dict[str, Any]) -> CodecConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

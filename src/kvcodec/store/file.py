@@ -15,8 +15,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import threading
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
@@ -74,7 +74,7 @@ class FileStore(BaseStore):
                     pass
 
     @classmethod
-    def from_url(cls, url: str, **options) -> "FileStore":
+    def from_url(cls, url: str, **options) -> FileStore:
         p = urllib.parse.urlsplit(url)
         path = urllib.parse.unquote(p.netloc + p.path)
         if not path:

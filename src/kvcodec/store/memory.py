@@ -34,7 +34,7 @@ class MemoryStore(BaseStore):
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: str, **options) -> "MemoryStore":
+    def from_url(cls, url: str, **options) -> MemoryStore:
         unknown = set(options) - {"capacity_bytes"}
         if unknown:
             raise ConfigError(f"memory store takes only capacity_bytes; got {sorted(unknown)}")

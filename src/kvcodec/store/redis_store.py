@@ -46,7 +46,7 @@ class RedisStore(BaseStore):
         retries: int = 1,
         namespace: str = "",
         **options: Any,
-    ) -> "RedisStore":
+    ) -> RedisStore:
         import redis
         from redis.backoff import ExponentialBackoff
         from redis.retry import Retry

@@ -25,7 +25,6 @@ import torch
 
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 from kvcodec.video import nvcuvid_api as api
-from kvcodec.video.nvdec import surface_to_planes
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +66,9 @@ def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int,
 class _Session:
     """An NVDEC decoder for one frame size in context `ctx`; pictures land in a ring of slots."""
 
-    def __init__(self, ctx: int, device: torch.device, stream: torch.cuda.Stream, width: int, height: int,
-                 display_delay: int):
+    def __init__(
+        self, ctx: int, device: torch.device, stream: torch.cuda.Stream, width: int, height: int, display_delay: int
+    ):
         self.ctx, self.device, self.stream = ctx, device, stream
         self.width, self.height, self.display_delay = width, height, display_delay
         self.handle = ctypes.c_void_p()
@@ -80,8 +80,11 @@ class _Session:
         self.ready: list[int] = []  # slots holding pictures not yet handed out, in display order
         self.shown = 0
         self.error: BaseException | None = None
-        api.check(api.nvcuvid().cuvidCtxLockCreate(ctypes.byref(self.lock), ctypes.c_void_p(ctx)),
-                  "cuvidCtxLockCreate", BackendUnavailableError)
+        api.check(
+            api.nvcuvid().cuvidCtxLockCreate(ctypes.byref(self.lock), ctypes.c_void_p(ctx)),
+            "cuvidCtxLockCreate",
+            BackendUnavailableError,
+        )
 
     # -- parser callbacks (run inside cuvidParseVideoData, on the decoding thread) --------------
 
@@ -90,8 +93,10 @@ class _Session:
             fmt = fmt_p.contents
             area = fmt.display_area
             if (area.right - area.left, area.bottom - area.top) != (self.width, self.height):
-                raise CorruptStreamError(f"stream decodes to {area.right - area.left}x{area.bottom - area.top} "
-                                         f"frames, expected {self.width}x{self.height}")
+                raise CorruptStreamError(
+                    f"stream decodes to {area.right - area.left}x{area.bottom - area.top} "
+                    f"frames, expected {self.width}x{self.height}"
+                )
             depth = 8 + fmt.bit_depth_luma_minus8
             surfaces = max(int(fmt.min_num_decode_surfaces), 1) + self.display_delay
             self._ensure_decoder(fmt, depth, surfaces)
@@ -125,16 +130,29 @@ class _Session:
         self.destroy_decoder()
         out_fmt, name, row_bytes, rows = surface_layout(fmt.chroma_format, depth, self.width, self.height)
         info = api.DecodeCreateInfo(
-            ulWidth=fmt.coded_width, ulHeight=fmt.coded_height, ulNumDecodeSurfaces=surfaces,
-            CodecType=api.CODEC_HEVC, ChromaFormat=fmt.chroma_format, ulCreationFlags=api.CREATE_PREFER_CUVID,
-            bitDepthMinus8=depth - 8, ulMaxWidth=fmt.coded_width, ulMaxHeight=fmt.coded_height,
-            OutputFormat=out_fmt, DeinterlaceMode=0, ulTargetWidth=self.width, ulTargetHeight=self.height,
-            ulNumOutputSurfaces=1, vidLock=self.lock,
+            ulWidth=fmt.coded_width,
+            ulHeight=fmt.coded_height,
+            ulNumDecodeSurfaces=surfaces,
+            CodecType=api.CODEC_HEVC,
+            ChromaFormat=fmt.chroma_format,
+            ulCreationFlags=api.CREATE_PREFER_CUVID,
+            bitDepthMinus8=depth - 8,
+            ulMaxWidth=fmt.coded_width,
+            ulMaxHeight=fmt.coded_height,
+            OutputFormat=out_fmt,
+            DeinterlaceMode=0,
+            ulTargetWidth=self.width,
+            ulTargetHeight=self.height,
+            ulNumOutputSurfaces=1,
+            vidLock=self.lock,
         )
         info.display_area.left, info.display_area.top = fmt.display_area.left, fmt.display_area.top
         info.display_area.right, info.display_area.bottom = fmt.display_area.right, fmt.display_area.bottom
-        api.check(api.nvcuvid().cuvidCreateDecoder(ctypes.byref(self.handle), ctypes.byref(info)),
-                  "cuvidCreateDecoder", BackendUnavailableError)
+        api.check(
+            api.nvcuvid().cuvidCreateDecoder(ctypes.byref(self.handle), ctypes.byref(info)),
+            "cuvidCreateDecoder",
+            BackendUnavailableError,
+        )
         self.format = (fmt.chroma_format, depth, surfaces)
         self.layout = (name, row_bytes, rows)
         ring = self.display_delay + 1  # grows when one piece of stream completes several pictures
@@ -148,14 +166,26 @@ class _Session:
             self.stream.wait_event(self.released[slot])
         ptr, pitch = ctypes.c_ulonglong(), ctypes.c_uint()
         params = api.ProcParams(progressive_frame=1, output_stream=self.stream.cuda_stream)
-        api.check(lib.cuvidMapVideoFrame64(self.handle, picture_index, ctypes.byref(ptr), ctypes.byref(pitch),
-                                           ctypes.byref(params)), "cuvidMapVideoFrame64", CorruptStreamError)
+        api.check(
+            lib.cuvidMapVideoFrame64(
+                self.handle, picture_index, ctypes.byref(ptr), ctypes.byref(pitch), ctypes.byref(params)
+            ),
+            "cuvidMapVideoFrame64",
+            CorruptStreamError,
+        )
         try:
             name, row_bytes, _ = self.layout
             dst = self.slots[slot]
             for offset, row, rows in plane_copies(name, self.height, pitch.value):
-                api.copy_rows(dst[row].data_ptr(), row_bytes, ptr.value + offset, pitch.value, row_bytes, rows,
-                              self.stream.cuda_stream)
+                api.copy_rows(
+                    dst[row].data_ptr(),
+                    row_bytes,
+                    ptr.value + offset,
+                    pitch.value,
+                    row_bytes,
+                    rows,
+                    self.stream.cuda_stream,
+                )
             api.check(api.cuda().cuStreamSynchronize(ctypes.c_void_p(self.stream.cuda_stream)), "cuStreamSynchronize")
         finally:
             api.check(lib.cuvidUnmapVideoFrame64(self.handle, ptr.value), "cuvidUnmapVideoFrame64")
@@ -201,12 +231,16 @@ class _Parser:
             api.DecodeCallback(session.on_decode),
             api.DisplayCallback(session.on_display),
         )  # kept alive as long as the parser
-        params = api.ParserParams(CodecType=api.CODEC_HEVC, ulMaxNumDecodeSurfaces=1, ulErrorThreshold=0,
-                                  ulMaxDisplayDelay=display_delay)
+        params = api.ParserParams(
+            CodecType=api.CODEC_HEVC, ulMaxNumDecodeSurfaces=1, ulErrorThreshold=0, ulMaxDisplayDelay=display_delay
+        )
         params.pfnSequenceCallback, params.pfnDecodePicture, params.pfnDisplayPicture = self.callbacks
         self.handle = ctypes.c_void_p()
-        api.check(api.nvcuvid().cuvidCreateVideoParser(ctypes.byref(self.handle), ctypes.byref(params)),
-                  "cuvidCreateVideoParser", BackendUnavailableError)
+        api.check(
+            api.nvcuvid().cuvidCreateVideoParser(ctypes.byref(self.handle), ctypes.byref(params)),
+            "cuvidCreateVideoParser",
+            BackendUnavailableError,
+        )
 
     def feed(self, address: int, length: int, flags: int) -> int:
         packet = api.SourceDataPacket(flags=flags, payload_size=length, payload=address or None)

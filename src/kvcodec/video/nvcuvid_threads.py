@@ -52,8 +52,14 @@ class NvcuvidThreads:
     display_delay: passed to each NvcuvidDecoder.
     """
 
-    def __init__(self, sessions: int = DEFAULT_SESSIONS, threads: int | None = None,
-                 device: str | torch.device | int | None = None, restore: str = "auto", display_delay: int = 1):
+    def __init__(
+        self,
+        sessions: int = DEFAULT_SESSIONS,
+        threads: int | None = None,
+        device: str | torch.device | int | None = None,
+        restore: str = "auto",
+        display_delay: int = 1,
+    ):
         if sessions < 1 or (threads is not None and threads < 1):
             raise ValueError("sessions and threads must be >= 1")
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
@@ -85,8 +91,9 @@ class NvcuvidThreads:
             done.record(stream)
         return done
 
-    def restore_blobs(self, blobs: Sequence, outs: Sequence, restore: str | None = None,
-                      synchronize: bool = False, *, decode_into) -> None:
+    def restore_blobs(
+        self, blobs: Sequence, outs: Sequence, restore: str | None = None, synchronize: bool = False, *, decode_into
+    ) -> None:
         """Restore every chunk blob into its output (a tensor slice or PagedKV), in parallel.
         Returns once every chunk is decoded and its restore queued; the caller's current stream
         waits for them (synchronize=True also waits on the host). A chunk that fails raises its
