@@ -193,6 +193,12 @@ def aggregate(model_name, per_text):
     return records
 
 
+def _calib_time(seconds: float) -> str:
+    return (
+        f"{seconds:.0f} s incl. KV extraction" if seconds else "loaded from a .kvt, calibration timed where it was made"
+    )
+
+
 def markdown(doc):
     lines = [
         f"# Rate-accuracy: transform codec vs per-channel intN and CacheGen-style ({doc['machine']})",
@@ -201,7 +207,7 @@ def markdown(doc):
         "",
         f"Model {doc['model']}; calibrated on {', '.join(doc['calibration']['sources'])} "
         f"({doc['calibration']['tokens']} tokens, {doc['calibration']['groups']} layer groups, "
-        f"{doc['calibration']['seconds']:.0f} s incl. KV extraction); evaluated on {', '.join(doc['eval_texts'])} "
+        f"{_calib_time(doc['calibration']['seconds'])}); evaluated on {', '.join(doc['eval_texts'])} "
         f"({doc['prefix_tokens']}-token prefix, {doc['cont_tokens']}-token teacher-forced continuation). "
         "Ratios count every byte of every chunk blob (headers, escapes, fp16 sink tokens).",
         "",
