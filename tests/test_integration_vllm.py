@@ -29,7 +29,7 @@ from vllm.v1.request import Request  # noqa: E402
 
 from kvcodec.codecs import make_codec  # noqa: E402
 from kvcodec.fetcher.keys import chunk_keys  # noqa: E402
-from kvcodec.integrations.vllm_connector import KVCodecConnector, layer_order  # noqa: E402
+from kvcodec.integrations.vllm_connector import KVCodecConnector, layer_order, paged_view  # noqa: E402
 from kvcodec.store import open_store  # noqa: E402
 
 BLOCK = 16
@@ -63,12 +63,15 @@ def connectors(url: str, **extra):
     return sched, worker
 
 
-def paged_caches(kv: torch.Tensor, dtype) -> dict[str, torch.Tensor]:
+def paged_caches(kv: torch.Tensor, dtype, shared: bool = True) -> dict[str, torch.Tensor]:
+    """Per-layer caches of vLLM's shape; `shared`: views of one allocation, evenly spaced by layer,
+    as vLLM 0.33 allocates them (else one tensor per layer)."""
     layers, _, _, heads, dim = kv.shape
-    return {
-        f"model.layers.{i}.self_attn.attn": torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * dim, dtype=dtype)
-        for i in range(layers)
-    }
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    if shared:
+        backing = torch.zeros(layers, NUM_BLOCKS, heads, BLOCK, 2 * dim, dtype=dtype)
+        return {name: backing[i] for i, name in enumerate(names)}
+    return {name: torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * dim, dtype=dtype) for name in names}
 
 
 def write_prompt(caches: dict[str, torch.Tensor], kv: torch.Tensor, block_ids: list[int]) -> None:
@@ -129,10 +132,10 @@ def store_url(request, tmp_path):
     return request.getfixturevalue("redis_server").url
 
 
-def first_request_then_second(url, prompt, kv, dtype, local_hit=0, **extra):
+def first_request_then_second(url, prompt, kv, dtype, local_hit=0, shared=True, **extra):
     sched, worker = connectors(url, **extra)
     assert isinstance(worker, KVCodecConnector)
-    caches = paged_caches(kv, dtype)
+    caches = paged_caches(kv, dtype, shared)
     worker.register_kv_caches(caches)
     blocks1 = list(range(0, 7))
     r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
@@ -163,12 +166,14 @@ def test_exact_prefix_stored_by_one_request_restored_for_the_next(prompt_kv, sto
         assert all(st.exists_many([worker.object_key(k) for k in keys]))
 
 
-def test_int8_restores_kvcodecs_own_decode_and_skips_tokens_vllm_has(prompt_kv, tmp_path):
+@pytest.mark.parametrize("shared", [True, False], ids=["paged-restore", "per-layer-scatter"])
+def test_int8_restores_kvcodecs_own_decode_and_skips_tokens_vllm_has(prompt_kv, tmp_path, shared):
     prompt, kv = prompt_kv
     url = f"file://{tmp_path}"
-    external, caches, blocks1, blocks2, _ = first_request_then_second(
-        url, prompt, kv, torch.float16, local_hit=BLOCK, quant="int8"
+    external, caches, blocks1, blocks2, worker = first_request_then_second(
+        url, prompt, kv, torch.float16, local_hit=BLOCK, shared=shared, quant="int8"
     )
+    assert (worker._pages is not None) == shared
     assert external == 96 - BLOCK
     d = kv.shape[-1]
     codec = make_codec("hevc", quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
@@ -212,6 +217,18 @@ def test_each_tp_and_pp_rank_has_its_own_objects(tmp_path):
     _, worker = connectors(f"file://{tmp_path}")
     keys = {worker.object_key("k", (tp, pp)) for tp in range(2) for pp in range(2)}
     assert len(keys) == 4 and worker.object_key("k") == worker.object_key("k", (0, 0))
+
+
+def test_paged_view_addresses_every_layers_k_and_v():
+    kv = torch.zeros(3, 2, 1, 2, 4)
+    caches = paged_caches(kv, torch.float32)
+    for c in caches.values():
+        c.copy_(torch.randn_like(c))
+    pages = paged_view(list(caches.values()))
+    for layer, c in enumerate(caches.values()):
+        assert torch.equal(pages[layer, 0], c[..., :4].permute(0, 2, 1, 3))
+        assert torch.equal(pages[layer, 1], c[..., 4:].permute(0, 2, 1, 3))
+    assert paged_view(list(paged_caches(kv, torch.float32, shared=False).values())) is None
 
 
 def test_layer_order_is_numeric():

@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvcodec.codecs import make_codec
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.fetcher.keys import chunk_keys, longest_present
+from kvcodec.restore.paged import PagedKV
 from kvcodec.store import open_store
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,34 @@ def worker_rank() -> tuple[int, int]:
         return 0, 0
 
 
+def paged_view(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """One (layers, 2, blocks, block_size, heads, head_dim) view over vLLM's per-layer caches
+    ([blocks, heads, block_size, 2 * head_dim] each) when they are evenly spaced views of one
+    allocation, as vLLM 0.33 allocates them; None otherwise. kvcodec's paged restore (PagedKV)
+    then writes each chunk straight into its blocks, every layer at once."""
+    first = caches[0]
+    same = all(
+        c.shape == first.shape and c.stride() == first.stride() and c.dtype == first.dtype and c.device == first.device
+        for c in caches
+    )
+    if not same or first.dim() != 4 or first.shape[-1] % 2:
+        return None
+    if any(c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for c in caches):
+        return None
+    step = caches[1].storage_offset() - first.storage_offset() if len(caches) > 1 else first.numel()
+    if step <= 0 or any(c.storage_offset() - first.storage_offset() != i * step for i, c in enumerate(caches)):
+        return None
+    blocks, heads, block_size, two_d = first.shape
+    sb, sh, sn, sc = first.stride()
+    d = two_d // 2
+    return torch.as_strided(
+        first,
+        size=(len(caches), 2, blocks, block_size, heads, d),
+        stride=(step, d * sc, sb, sn, sh, sc),
+        storage_offset=first.storage_offset(),
+    )
+
+
 def layer_order(names) -> list[str]:
     """Layer names in model order (by the first integer in each name: model.layers.N...)."""
 
@@ -113,6 +142,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.store = open_store(url, **dict(extra.get("store_options", {})))
         self._need_load: dict[str, int] = {}  # req_id -> tokens to load
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._pages: torch.Tensor | None = None  # all layers as one paged view, where vLLM's layout allows
         self._load_errors: set[int] = set()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcodec-save")
 
@@ -169,6 +199,7 @@ class KVCodecConnector(KVConnectorBase_V1):
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = {name: kv_caches[name] for name in layer_order(kv_caches)}
+        self._pages = paged_view(list(self._kv_caches.values())) if self._kv_caches else None
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -235,6 +266,10 @@ class KVCodecConnector(KVConnectorBase_V1):
                 raise KVCodecError(f"chunk {key} vanished from the store")
             if self.codec.inspect_chunk(blob).key not in (None, key):
                 raise KVCodecError(f"chunk blob under {key} is bound to another prefix")
+            if self._pages is not None and start >= load.skip_tokens:
+                table = torch.as_tensor(load.block_ids, dtype=torch.int64)
+                self.codec.decode_chunk(blob, PagedKV(self._pages, table))  # straight into the blocks
+                continue
             out = torch.empty((len(layers), 2, ct, heads, d), dtype=layers[0].dtype, device=layers[0].device)
             kv = self.codec.decode_chunk(blob, out)
             first = max(start, load.skip_tokens)
