@@ -253,7 +253,9 @@ def measure_case(name, case, args) -> dict:
 
 def commit() -> str:
     root = Path(__file__).resolve().parents[2]
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def run_once(args) -> dict:
@@ -273,8 +275,18 @@ def compare(args) -> dict:
     old = Path(tempfile.mkdtemp(prefix="kvcodec-before-"))
     archive = subprocess.run(["git", "archive", args.compare, "src"], cwd=root, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-    base = [sys.executable, __file__, "--reps", str(args.reps), "--seconds", str(args.seconds),
-            "--chunk-tokens", str(args.chunk_tokens), "--blobs", str(args.blobs)]
+    base = [
+        sys.executable,
+        __file__,
+        "--reps",
+        str(args.reps),
+        "--seconds",
+        str(args.seconds),
+        "--chunk-tokens",
+        str(args.chunk_tokens),
+        "--blobs",
+        str(args.blobs),
+    ]
     rounds: dict[str, list] = {"before": [], "after": []}
     for _ in range(args.rounds):
         for label, path in (("before", old / "src"), ("after", root / "src")):
@@ -287,7 +299,10 @@ def compare(args) -> dict:
 
 def best_of(records: list[dict]) -> dict:
     """Per case, the round with the lowest median host time (the least disturbed by other load)."""
-    cases = [min((r["cases"][i] for r in records), key=lambda c: c["host_ms_median"]) for i in range(len(records[0]["cases"]))]
+    cases = [
+        min((r["cases"][i] for r in records), key=lambda c: c["host_ms_median"])
+        for i in range(len(records[0]["cases"]))
+    ]
     return {**records[0], "cases": cases, "rounds": len(records)}
 
 
@@ -334,8 +349,11 @@ def report(data: dict) -> str:
     base = runs.get("before")
     lines = ["# Host work per chunk decode, around the video decoder (CPU)", ""]
     lines += [f"- {lab}: commit {r['commit']}, `{r['command']}`, {r['machine']}" for lab, r in runs.items()]
-    lines += ["", "| run | case | blob KB | host ms/chunk (median) | thread CPU ms | chunks/s 1 thread | 2 threads | 2-thread scaling | vs before |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| run | case | blob KB | host ms/chunk (median) | thread CPU ms | chunks/s 1 thread | 2 threads | 2-thread scaling | vs before |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for lab, r in runs.items():
         for c in r["cases"]:
             ref = next((b for b in (base or {}).get("cases", []) if b["case"] == c["case"]), None)

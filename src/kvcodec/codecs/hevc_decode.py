@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numpy as np
 import torch
 import zstandard
 
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.hevc_encode import unit_bits
-from kvcodec.container.format import CHUNK_MAGIC, PLAIN, ChunkHeader, StreamEntry, read_object, split_streams
+from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, parse_chunk, split_streams
 from kvcodec.container.plain import plain_values
 from kvcodec.dtypes import dtype_of
 from kvcodec.errors import CorruptStreamError, FormatError, ShapeError
@@ -26,41 +27,77 @@ from kvcodec.video.registry import get_decoder
 
 def inspect_chunk_blob(blob: bytes | memoryview) -> ChunkHeader:
     """Parse and verify a chunk blob's header (not its streams)."""
-    header, _ = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
-    return ChunkHeader.from_json(header)
+    return parse_chunk(blob)[0]
 
 
 def _side_params(h: ChunkHeader, streams, device) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = dtype_of(h.param_dtype, "chunk blob parameter dtype")
-    raw = _unzstd(streams["side"], "side")
-    n = h.layers * 2 * h.kv_heads * h.head_dim
-    if len(raw) != 2 * n * torch.tensor([], dtype=dtype).element_size():
-        raise CorruptStreamError("quantization parameters have the wrong size for the announced shape")
-    params = torch.frombuffer(bytearray(raw), dtype=dtype).view(2, h.layers, 2, h.kv_heads, h.head_dim)
-    return params[0].to(device), params[1].to(device)
+    n = 2 * h.layers * 2 * h.kv_heads * h.head_dim * torch.tensor([], dtype=dtype).element_size()
+    wrong = "quantization parameters have the wrong size for the announced shape"
+    params = _stream_tensor(streams["side"], True, n, device, "side", wrong).view(dtype)
+    params = params.view(2, h.layers, 2, h.kv_heads, h.head_dim)
+    return params[0], params[1]
 
 
 def _centers(h: ChunkHeader, streams, device) -> torch.Tensor:
-    raw = _unzstd(streams["center"], "center")
     units = h.layers * 2 * h.kv_heads
-    if len(raw) != units * h.head_dim:
-        raise CorruptStreamError("channel centers have the wrong size for the announced shape")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(units, h.head_dim).to(device)
-
-
-def _unzstd(data, name: str, size: int | None = None) -> bytes:
-    try:
-        return zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=size or (1 << 31))
-    except zstandard.ZstdError as e:
-        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+    wrong = "channel centers have the wrong size for the announced shape"
+    return _stream_tensor(streams["center"], True, units * h.head_dim, device, "center", wrong).view(units, h.head_dim)
 
 
 def _byte_stream(entry: StreamEntry, streams, size: int, device) -> torch.Tensor:
     """A zstd- or raw-coded stream of exactly `size` bytes, as a flat uint8 tensor on `device`."""
-    raw = _unzstd(streams[entry.name], entry.name, size) if entry.codec == "zstd" else bytes(streams[entry.name])
-    if len(raw) != size:
-        raise CorruptStreamError(f"stream {entry.name!r} holds {len(raw)} bytes, expected {size}")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    wrong = f"stream {entry.name!r} holds {{got}} bytes, expected {size}"
+    return _stream_tensor(streams[entry.name], entry.codec == "zstd", size, device, entry.name, wrong)
+
+
+def _stream_tensor(data, coded: bool, size: int, device, name: str, wrong: str) -> torch.Tensor:
+    """A zstd-coded (`coded`) or raw stream that must hold exactly `size` bytes, as a flat uint8
+    tensor on `device`. The bytes are decompressed or copied once, into a fresh host buffer; for
+    CUDA that buffer is pinned and uploaded asynchronously on the current stream, so a decoder
+    thread never waits for its stream's earlier work (a pageable copy would), and the pinned
+    allocator keeps the buffer until the copy has run."""
+    device = torch.device(device)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    got = _unzstd_into(data, host.numpy(), name) if coded else _copy_into(data, host.numpy())
+    if got != size:
+        raise CorruptStreamError(wrong.format(got=got))
+    return host.to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def _copy_into(data, buf: np.ndarray) -> int:
+    """Copy `data` into `buf` when the sizes agree (numpy copies without the GIL); data's size."""
+    if len(data) == buf.size:
+        buf[:] = np.frombuffer(data, dtype=np.uint8)
+    return len(data)
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`, read-only there (see _stream_tensor for CUDA)."""
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+_zstd = threading.local()  # a decompression context per thread: making one per stream costs more than small streams
+
+
+def _unzstd_into(data, buf: np.ndarray, name: str) -> int:
+    """Decompress `data` into `buf`; the decompressed size (buf.size + 1 when there is more)."""
+    dctx = getattr(_zstd, "dctx", None)
+    if dctx is None:
+        dctx = _zstd.dctx = zstandard.ZstdDecompressor()
+    view, got = memoryview(buf).cast("B"), 0
+    try:
+        with dctx.stream_reader(data) as reader:
+            while got < buf.size:
+                n = reader.readinto(view[got:])
+                if not n:
+                    return got
+                got += n
+            return got + len(reader.read(1))
+    except zstandard.ZstdError as e:
+        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
 
 
 def _exact_byte_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
@@ -86,7 +123,7 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
         raise FormatError(f"chunk blob has video_bits={h.video_bits}, outside 1..8")
     ubits = unit_bits(h.layer_bits, h.layers, h.kv_heads)
     counts = bitsplit.low_bit_counts(ubits, h.video_bits)
-    shift, mask = centering.uncenter_terms(_centers(h, streams, device), (2**ubits).to(device))
+    shift, mask = centering.uncenter_terms(_centers(h, streams, device), _to_device(2**ubits, device))
     common = dict(
         plan=plan,
         layers=h.layers,
@@ -97,7 +134,7 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
         positions=gather_index(plan, device),
         shift=shift,
         mask=mask,
-        low_counts=counts.to(device),
+        low_counts=_to_device(counts, device),
         low_planes=_low_bit_planes(h, streams, counts, device),
     )
     if h.quant == "exact":
@@ -122,8 +159,7 @@ def decode_chunk_blob(
     cache and the sequence's block table): the chunk then fills its tokens' slots, from its
     header's start_token. `restore` picks the frame restorer ("auto": the fused GPU kernel where
     it applies; "torch"; "triton")."""
-    header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
-    h = ChunkHeader.from_json(header)
+    h, payload = parse_chunk(blob)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
     if h.quant == PLAIN:
         return _restore_plain(h, streams, device, out)
@@ -224,13 +260,12 @@ idle_decoders = _IdleDecoders()
 def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
     """Decoded frames, one at a time: from the HEVC stream, or rebuilt from zstd-coded samples."""
     if "video" in streams:
-        yield from decoder.decode(bytes(streams["video"]), plan.width, plan.height)
+        yield from decoder.decode(streams["video"], plan.width, plan.height)
         return
     units = h.layers * 2 * h.kv_heads
-    raw = _unzstd(streams["samples"], "samples", units * h.tokens * h.head_dim)
-    if len(raw) != units * h.tokens * h.head_dim:
-        raise CorruptStreamError("sample stream has the wrong size for the announced shape")
-    samples = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(units, h.tokens, h.head_dim)
+    wrong = "sample stream has the wrong size for the announced shape"
+    samples = _stream_tensor(streams["samples"], True, units * h.tokens * h.head_dim, "cpu", "samples", wrong)
+    samples = samples.view(units, h.tokens, h.head_dim)
     for _, _, block in frame_blocks(samples, plan):
         yield pack_frame(block, plan)
 

@@ -16,6 +16,7 @@ Two kinds of object, both laid out as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import struct
@@ -316,9 +317,19 @@ def parse_file(data: bytes | memoryview) -> tuple[FileHeader, memoryview]:
 
 
 def parse_chunk(blob: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
-    """A chunk blob's verified header and its (not yet verified) payload."""
-    header, payload = read_object(blob, CHUNK_MAGIC, "kvcodec chunk blob")
-    return ChunkHeader.from_json(header), payload
+    """A chunk blob's verified header and its (not yet verified) payload. The prefix and header
+    checksum are checked on every call; the JSON parse and field checks, a pure function of the
+    header bytes, are remembered for recent headers (a chunk is inspected, then decoded)."""
+    head, payload = _read_head(blob, CHUNK_MAGIC, _CHUNK_WHAT)
+    return _chunk_header(bytes(head)), payload
+
+
+_CHUNK_WHAT = "kvcodec chunk blob"
+
+
+@functools.lru_cache(maxsize=512)
+def _chunk_header(head: bytes) -> ChunkHeader:
+    return ChunkHeader.from_json(_json_object(head, _CHUNK_WHAT))
 
 
 def object_version(data: bytes | memoryview) -> int:
@@ -334,6 +345,12 @@ def write_object(magic: bytes, header: dict[str, Any], payloads: list[bytes]) ->
 
 def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict[str, Any], memoryview]:
     """Parse and verify the prefix and header; returns (header dict, payload view)."""
+    head, payload = _read_head(data, magic, what)
+    return _json_object(bytes(head), what), payload
+
+
+def _read_head(data: bytes | memoryview, magic: bytes, what: str) -> tuple[memoryview, memoryview]:
+    """Verify the prefix and the header's checksum; returns (header bytes, payload), both views."""
     view = memoryview(data)
     if len(view) < _PREFIX.size:
         if bytes(view[:4]) == magic[: len(view[:4])]:
@@ -346,8 +363,7 @@ def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict
         raise FormatError(f"not a {what}: magic {got_magic!r}, expected {magic!r}{hint}")
     if version not in READABLE_VERSIONS:
         raise FormatError(
-            f"{what} has format version {version}; this kvcodec reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}"
+            f"{what} has format version {version}; this kvcodec reads versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
     if head_len > MAX_HEADER_BYTES:
         raise FormatError(f"{what} announces a {head_len}-byte header, over the {MAX_HEADER_BYTES} limit")
@@ -358,14 +374,18 @@ def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict
     (want,) = _CRC.unpack_from(view, end)
     if crc32(head) != want:
         raise ChecksumError(f"{what} header checksum mismatch (corrupted header)")
-    v.check_json_depth(bytes(head), what)
+    return head, view[end + _CRC.size :]
+
+
+def _json_object(head: bytes, what: str) -> dict[str, Any]:
+    v.check_json_depth(head, what)
     try:
-        header = json.loads(bytes(head))
+        header = json.loads(head)
     except (ValueError, RecursionError) as e:
         raise FormatError(f"{what} header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
         raise FormatError(f"{what} header is not a JSON object")
-    return header, view[end + _CRC.size :]
+    return header
 
 
 def split_streams(payload: memoryview, streams: tuple[StreamEntry, ...], what: str) -> dict[str, memoryview]:
