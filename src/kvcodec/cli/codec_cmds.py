@@ -178,8 +178,12 @@ def inspect_cmd(src, as_json):
         streams = ", ".join(f"{k} {v:,}" for k, v in r["streams"].items())
         click.echo(
             f"  {name:>9}  {r['bytes']:>12,} bytes  {r['ratio_vs_fp16']:5.2f}x  "
-            f"{lay['orientation']} tiles {lay['tile_w']}x{lay['tile_h']}, {lay['tokens_per_frame']} tokens/frame, "
-            f"{r['frames_per_chunk']} frames/chunk, top {r['video_bits']} bits in the video  [{streams}]"
+            + (
+                f"{lay['orientation']} tiles {lay['tile_w']}x{lay['tile_h']}, {lay['tokens_per_frame']} tokens/frame, "
+                if lay
+                else "plain (values stored as their own bytes), "
+            )
+            + f"{r['frames_per_chunk']} frames/chunk, top {r['video_bits']} bits in the video  [{streams}]"
         )
 
 
