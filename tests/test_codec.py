@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+import zstandard
 
 import kvcodec
 from kvcodec import CodecConfig
 from kvcodec.codec import decode_chunk_blob, encode_chunks, inspect_chunk_blob
-from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
+from kvcodec.errors import ChecksumError, ConfigError, CorruptStreamError, FormatError, ShapeError, TruncatedError
 
 SMALL = ((144, 144),)
 _INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -230,3 +231,55 @@ def test_corrupted_low_bit_stream_is_refused():
         decode_chunk_blob(bytes(bad))
     with pytest.raises(TruncatedError):
         decode_chunk_blob(chunk.blobs[0][: start + 5])
+
+
+def _with_stream(blob: bytes, name: str, data: bytes) -> bytes:
+    """`blob` with stream `name` replaced by `data`, lengths and checksums made consistent."""
+    from kvcodec.container.format import CHUNK_MAGIC, crc32, parse_chunk, split_streams, write_object
+
+    h, payload = parse_chunk(blob)
+    streams = split_streams(payload, h.streams, "test")
+    header, parts = h.to_json(), []
+    for s in header["streams"]:
+        piece = data if s["name"] == name else bytes(streams[s["name"]])
+        s["length"], s["crc32"] = len(piece), crc32(piece)
+        parts.append(piece)
+    return write_object(CHUNK_MAGIC, header, parts)
+
+
+@pytest.fixture(scope="module")
+def split_chunk():
+    config = CodecConfig(quant="int8", chunk_tokens=20, resolutions=SMALL, video_bits=4, plain_fallback=False)
+    (chunk,) = encode_chunks(kv_like(tokens=20), config)
+    return chunk.blobs[0]
+
+
+def test_a_blob_decodes_from_any_buffer_and_is_never_written(split_chunk):
+    want = decode_chunk_blob(split_chunk)
+    inside = bytearray(b"x" * 7 + split_chunk + b"y" * 5)
+    kept = bytes(inside)
+    for blob in (bytearray(split_chunk), memoryview(inside)[7:-5], memoryview(split_chunk)):
+        assert torch.equal(decode_chunk_blob(blob), want)
+        assert inspect_chunk_blob(blob) == inspect_chunk_blob(split_chunk)
+    assert bytes(inside) == kept
+
+
+@pytest.mark.parametrize(
+    "stream, data, match",
+    [
+        ("center", lambda n: zstandard.ZstdCompressor().compress(bytes(n - 1)), "channel centers"),
+        ("center", lambda n: zstandard.ZstdCompressor().compress(bytes(n + 1)), "channel centers"),
+        ("center", lambda n: b"not zstd at all", "does not decompress"),
+        ("side", lambda n: zstandard.ZstdCompressor().compress(bytes(7)), "quantization parameters"),
+        ("low", lambda n: bytes(n - 1), "holds"),
+        ("low", lambda n: bytes(n + 8), "holds"),
+    ],
+)
+def test_streams_of_the_wrong_size_are_refused(split_chunk, stream, data, match):
+    from kvcodec.container.format import parse_chunk, split_streams
+
+    h, payload = parse_chunk(split_chunk)
+    raw = split_streams(payload, h.streams, "test")[stream]
+    size = len(raw) if stream == "low" else len(zstandard.ZstdDecompressor().decompress(bytes(raw)))
+    with pytest.raises(CorruptStreamError, match=match):
+        decode_chunk_blob(_with_stream(split_chunk, stream, data(size)))

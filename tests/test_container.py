@@ -321,3 +321,18 @@ def test_a_config_missing_fields_means_their_defaults(encoded):
         except FormatError:
             continue
         assert torch.equal(out, kvcodec.decode(encoded))
+
+
+def test_a_remembered_chunk_header_keeps_every_check(blob):
+    from kvcodec.container.format import parse_chunk
+    from kvcodec.errors import ChecksumError
+
+    first, payload = parse_chunk(blob)
+    assert parse_chunk(blob)[0] == first and bytes(parse_chunk(blob)[1]) == bytes(payload)
+    broken_crc = bytearray(blob)
+    head_len = struct.unpack_from("<I", blob, 6)[0]
+    broken_crc[10 + head_len] ^= 0xFF  # same header bytes, wrong header checksum
+    with pytest.raises(ChecksumError):
+        parse_chunk(bytes(broken_crc))
+    with pytest.raises(FormatError, match="version"):
+        parse_chunk(blob[:4] + struct.pack("<H", 99) + blob[6:])

@@ -272,9 +272,8 @@ def compare(args) -> dict:
     """Rounds of the code at --compare (its src/ unpacked by git archive) and the working tree,
     alternating, each in its own process, on the same blobs: the same load on both."""
     root = Path(__file__).resolve().parents[2]
-    old = Path(tempfile.mkdtemp(prefix="kvcodec-before-"))
-    archive = subprocess.run(["git", "archive", args.compare, "src"], cwd=root, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+    old = unpacked(root, args.compare)
+    new = unpacked(root, args.against) if args.against else root
     base = [
         sys.executable,
         __file__,
@@ -289,12 +288,20 @@ def compare(args) -> dict:
     ]
     rounds: dict[str, list] = {"before": [], "after": []}
     for _ in range(args.rounds):
-        for label, path in (("before", old / "src"), ("after", root / "src")):
+        for label, path in (("before", old / "src"), ("after", new / "src")):
             out = old / f"{label}.json"
             env = {**os.environ, "PYTHONPATH": str(path)}
             subprocess.run([*base, "--label", label, "--record", str(out)], env=env, check=True)
             rounds[label].append(json.loads(out.read_text()))
     return {label: best_of(rs) for label, rs in rounds.items()}
+
+
+def unpacked(root: Path, commit: str) -> Path:
+    """The src/ folder of `commit`, unpacked into a temporary folder (returned)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"kvcodec-{commit}-"))
+    archive = subprocess.run(["git", "archive", commit, "src"], cwd=root, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
 
 
 def best_of(records: list[dict]) -> dict:
@@ -310,6 +317,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--label", default="after", help="name of this run (e.g. before, after)")
     p.add_argument("--compare", help="a commit: measure its code ('before') against the working tree ('after')")
+    p.add_argument("--against", help="with --compare: a commit for 'after' instead of the working tree")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--reps", type=int, default=40)
     p.add_argument("--seconds", type=float, default=4.0, help="per threaded-rate measurement")
@@ -326,7 +334,7 @@ def main() -> None:
         prepared(args)
         runs = compare(args)
         runs["before"]["commit"] = args.compare
-        runs["after"]["commit"] = commit() + " + working tree"
+        runs["after"]["commit"] = args.against or commit() + " + working tree"
     else:
         runs = {args.label: {**run_once(args), "commit": commit()}}
     meta = {
