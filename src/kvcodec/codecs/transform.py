@@ -13,7 +13,6 @@ Every chunk names the sha256 of the .kvt it was coded with; another transform re
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -350,13 +349,13 @@ class TransformCodec:
         if h["coder"] == "zstd":
             raw = _unzstd(streams["samples"], "samples", count)
             return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-        from kvcodec.video.registry import get_decoder
+        from kvcodec.codecs.hevc_decode import idle_decoders  # sessions lent per call: one thread each
 
         w, hh = h["resolution"]
         if h["frames"] != frames.frame_count(count, w, hh):
             raise CorruptStreamError("transform chunk announces the wrong number of frames")
-        decoder = _decoder(device, get_decoder)
-        return frames.from_frames(decoder.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
+        with idle_decoders.borrow(device) as decoder:
+            return frames.from_frames(decoder.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
         h, streams = self._read(blob)
@@ -400,14 +399,3 @@ class TransformCodec:
             positions = torch.arange(h["start_token"], h["start_token"] + t, device=device)
             x[:, 0] = apply_rope(x[:, 0], positions, self.cal.rope)
         return x
-
-
-@functools.cache
-def _decoder_for(device: torch.device, get_decoder):
-    return get_decoder(device)
-
-
-def _decoder(device: torch.device, get_decoder):
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _decoder_for(device, get_decoder)
