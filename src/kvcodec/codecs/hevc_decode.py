@@ -5,6 +5,7 @@ caller's target (a dense slice or a PagedKV)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -32,7 +33,7 @@ def inspect_chunk_blob(blob: bytes | memoryview) -> ChunkHeader:
 
 def _side_params(h: ChunkHeader, streams, device) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = dtype_of(h.param_dtype, "chunk blob parameter dtype")
-    n = 2 * h.layers * 2 * h.kv_heads * h.head_dim * torch.tensor([], dtype=dtype).element_size()
+    n = 2 * h.layers * 2 * h.kv_heads * h.head_dim * dtype.itemsize
     wrong = "quantization parameters have the wrong size for the announced shape"
     params = _stream_tensor(streams["side"], True, n, device, "side", wrong).view(dtype)
     params = params.view(2, h.layers, 2, h.kv_heads, h.head_dim)
@@ -72,11 +73,16 @@ def _copy_into(data, buf: np.ndarray) -> int:
     return len(data)
 
 
-def _to_device(host: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on `device`, read-only there (see _stream_tensor for CUDA)."""
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+@functools.lru_cache(maxsize=256)
+def _unit_terms(layer_bits: tuple[int, ...], layers: int, kv_heads: int, video_bits: int, device: str):
+    """(low bit planes, per-unit low bit counts, per-unit modulus) of a header's shape, the tensors
+    on `device`, made once per shape: a CUDA upload is waited for here, so any stream may read them."""
+    ubits = unit_bits(layer_bits, layers, kv_heads)
+    counts = bitsplit.low_bit_counts(ubits, video_bits)
+    on_device = counts.to(device), (2**ubits).to(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    return bitsplit.plane_count(counts), *on_device
 
 
 _zstd = threading.local()  # a decompression context per thread: making one per stream costs more than small streams
@@ -105,8 +111,7 @@ def _exact_byte_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
     return [_byte_stream(s, streams, n, device).view(h.shape) for s in h.streams if s.name.startswith("bytes")]
 
 
-def _low_bit_planes(h: ChunkHeader, streams, counts: torch.Tensor, device) -> torch.Tensor | None:
-    planes = bitsplit.plane_count(counts)
+def _low_bit_planes(h: ChunkHeader, streams, planes: int, device) -> torch.Tensor | None:
     if "low" not in streams:
         if planes:
             raise FormatError(f"chunk codes {h.video_bits} video bits but has no low bit stream")
@@ -121,9 +126,8 @@ def _low_bit_planes(h: ChunkHeader, streams, counts: torch.Tensor, device) -> to
 def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device) -> ChunkTerms:
     if not 1 <= h.video_bits <= 8:
         raise FormatError(f"chunk blob has video_bits={h.video_bits}, outside 1..8")
-    ubits = unit_bits(h.layer_bits, h.layers, h.kv_heads)
-    counts = bitsplit.low_bit_counts(ubits, h.video_bits)
-    shift, mask = centering.uncenter_terms(_centers(h, streams, device), _to_device(2**ubits, device))
+    planes, counts, modulus = _unit_terms(h.layer_bits, h.layers, h.kv_heads, h.video_bits, str(device))
+    shift, mask = centering.uncenter_terms(_centers(h, streams, device), modulus)
     common = dict(
         plan=plan,
         layers=h.layers,
@@ -134,8 +138,8 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
         positions=gather_index(plan, device),
         shift=shift,
         mask=mask,
-        low_counts=_to_device(counts, device),
-        low_planes=_low_bit_planes(h, streams, counts, device),
+        low_counts=counts,
+        low_planes=_low_bit_planes(h, streams, planes, device),
     )
     if h.quant == "exact":
         byte_planes = _exact_byte_planes(h, streams, device)
