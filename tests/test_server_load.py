@@ -146,7 +146,7 @@ def test_vanished_client_request_is_cancelled(server):
             + body
         )
         time.sleep(1.0)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # generous for a loaded CI machine; passes as soon as it aborts
     while _aborted(base) <= before and time.monotonic() < deadline:
         time.sleep(0.25)
     assert _aborted(base) == before + 1

@@ -327,8 +327,10 @@ class PrefixCache:
                 error = e
                 break
             if metas and (m.shape, m.dtype) != (metas[0].shape, metas[0].dtype):
-                # which of the two is damaged shows when chunk 0's blob is checked against its meta
+                # one of the two is damaged: drop chunk i (the next put rewrites it); if chunk 0 is
+                # the damaged one, its blob check drops it too, so a valid chunk costs one re-encode
                 error = FormatError(f"chunk {i} meta has another shape or dtype than chunk 0: {m}")
+                self._bad_chunk(keys[i], i, error, stats)
                 break
             metas.append(m)
         if metas and metas[-1].start_token + metas[-1].tokens < min(n_tokens, metas[-1].start_token + ct):
