@@ -218,6 +218,58 @@ def threaded_rate(codec, blob, h, frames, threads: int, seconds: float) -> float
     return sum(counts) / (time.perf_counter() - t0)
 
 
+def spin_share(work) -> float:
+    """This thread's counting rate while a worker runs `work`, against the rate beside a sleeping
+    worker: near 1 when `work` releases the GIL, near 0 when it holds it."""
+
+    def rate(fn) -> float:
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (fn(), done.set()))
+        n, t0 = 0, time.perf_counter()
+        t.start()
+        while not done.is_set():
+            n += 1
+        t.join()
+        return n / (time.perf_counter() - t0)
+
+    seconds = _timed(work)
+    idle = rate(lambda: time.sleep(seconds))
+    return rate(work) / idle
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def gil_release() -> dict[str, float]:
+    """spin_share of the primitives a chunk decode spends its host time in, on 64 MB buffers."""
+    import zlib
+
+    import numpy as np
+    import zstandard
+
+    data = np.random.default_rng(0).integers(0, 4, 64 << 20, dtype=np.uint8).tobytes()
+    into = np.empty(len(data), dtype=np.uint8)
+    packed = zstandard.ZstdCompressor(level=1).compress(data)
+    work = {
+        "zlib.crc32": lambda: zlib.crc32(data),
+        "bytes copy": lambda: bytes(memoryview(data)),
+        "bytearray copy": lambda: bytearray(data),
+        "numpy copy into a buffer": lambda: np.copyto(into, np.frombuffer(data, dtype=np.uint8)),
+        "zstd stream_reader.readinto": lambda: zstandard.ZstdDecompressor().stream_reader(packed).readinto(into),
+        "json.loads (1 MB header-like)": lambda: json.loads(json.dumps([{"a": i, "b": [i, i]} for i in range(40000)])),
+    }
+    try:
+        from isal.isal_zlib import crc32
+
+        work["isal crc32"] = lambda: crc32(data)
+    except ImportError:
+        pass
+    return {name: spin_share(fn) for name, fn in work.items()}
+
+
 def measure_case(name, case, args) -> dict:
     codec = HevcCodec(CodecConfig.from_dict(case["config"]))
     blob, frames, reference = case["blob"], case["frames"], case["reference"]
@@ -265,6 +317,7 @@ def run_once(args) -> dict:
         "label": args.label,
         "code": str(Path(hevc_decode.__file__).parents[2]),
         "cases": [measure_case(n, c, args) for n, c in data.items()],
+        "gil_release": gil_release(),
     }
 
 
@@ -376,6 +429,10 @@ def report(data: dict) -> str:
         for c in r["cases"]:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in c["phases_ms"].items())
             lines.append(f"- {lab} / {c['case']}: {parts}")
+    lines += ["", "## GIL release of the primitives (a counting thread's rate beside each: 1 released, 0 held)", ""]
+    for lab, r in runs.items():
+        if "gil_release" in r:
+            lines.append(f"- {lab}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["gil_release"].items()))
     return "\n".join(lines) + "\n"
 
 
