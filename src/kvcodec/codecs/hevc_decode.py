@@ -126,6 +126,9 @@ def _low_bit_planes(h: ChunkHeader, streams, planes: int, device) -> torch.Tenso
 def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device) -> ChunkTerms:
     if not 1 <= h.video_bits <= 8:
         raise FormatError(f"chunk blob has video_bits={h.video_bits}, outside 1..8")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     planes, counts, modulus = _unit_terms(h.layer_bits, h.layers, h.kv_heads, h.video_bits, str(device))
     shift, mask = centering.uncenter_terms(_centers(h, streams, device), modulus)
     common = dict(
