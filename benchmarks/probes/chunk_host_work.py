@@ -12,9 +12,10 @@ the same work concurrently (this machine's cores): the ratio says how much of th
 outside the GIL. Cases: real SmolLM2-135M KV (an essay, int8 and int4) and a random 7B-shaped
 chunk (28 layers x 4 KV heads x 128; timing only), 256-token chunks at the default 512x512.
 
-    python benchmarks/probes/chunk_host_work.py --label before   # then, after a change:
-    python benchmarks/probes/chunk_host_work.py --label after
-    # results: benchmarks/results/chunk-host-work-cpu.{json,md} (labels merged, ratios vs "before")
+    python benchmarks/probes/chunk_host_work.py --compare OLD --against NEW --rounds 3 --reps 60 --seconds 3
+    # OLD and NEW are commits (NEW left out: the working tree); each round runs both, alternately,
+    # in processes of their own on the same blobs; results: benchmarks/results/chunk-host-work-cpu.*
+    python benchmarks/probes/chunk_host_work.py --label now   # one run of the working tree
 """
 
 from __future__ import annotations
