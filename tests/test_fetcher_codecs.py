@@ -266,3 +266,19 @@ def test_consistent_looking_meta_edits_never_size_an_allocation(edit):
     r = cache.fetch(ids)
     assert isinstance(r.error, FormatError) and r.tokens_restored == 0 and r.kv is None
     assert cache.lookup(ids) == 0 and cache.put(ids, kv) == 1 and cache.fetch(ids).ok
+
+
+def test_a_later_meta_disagreeing_with_chunk_0_is_dropped_and_healed():
+    """Chunk 1's meta edited to another dtype: chunk 0 restores, which shows chunk 1's meta is the
+    damaged one; it is dropped, and the next put rewrites only it."""
+    import json
+
+    codec = build("raw")
+    kv, ids = make_kv(), ids_for(40)
+    cache = cache_for(codec)
+    cache.put(ids, kv)
+    key = meta_key(cache.keys(ids)[1])
+    cache.store.put(key, json.dumps({**json.loads(cache.store.get(key)), "dtype": "bfloat16"}).encode())
+    r = cache.fetch(ids)
+    assert isinstance(r.error, FormatError) and r.tokens_restored == cache.chunk_tokens
+    assert cache.put(ids, kv) == 1 and cache.fetch(ids).ok

@@ -64,6 +64,14 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
+class _MetaMismatchError(FormatError):
+    """A chunk's meta disagrees with chunk 0's shape or dtype (one of the two is damaged)."""
+
+    def __init__(self, message: str, index: int, key: str) -> None:
+        super().__init__(message)
+        self.index, self.key = index, key
+
+
 class PrefixCache:
     """Stored KV prefixes of one model under one chunk codec.
 
@@ -280,6 +288,7 @@ class PrefixCache:
             lambda i, e: self._bad_chunk(keys[i], i, e, stats),
         )
         restored, error = pipeline.run()
+        self._heal_suspect(plan_error, error, stats)
         if error is None and restored < n_tokens:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
         return self._result(stats, t0, pipeline.out, restored, n_tokens, error)
@@ -291,6 +300,12 @@ class PrefixCache:
         if error is not None:
             log.warning("fetch stopped after %d of %d tokens: %s: %s", restored, n_tokens, type(error).__name__, error)
         return FetchResult(kv, restored, error, stats)
+
+    def _heal_suspect(self, plan_error: KVCodecError | None, error: KVCodecError | None, stats: FetchStats) -> None:
+        """Every chunk before a meta that disagrees with chunk 0's restored cleanly: that meta is
+        the damaged one, so it is dropped and the next put rewrites it."""
+        if isinstance(plan_error, _MetaMismatchError) and error is None:
+            self._bad_chunk(plan_error.key, plan_error.index, plan_error, stats)
 
     def _bad_chunk(self, key: str, index: int, error: KVCodecError, stats: FetchStats) -> None:
         log.warning("chunk %d fails its checks (%s); dropping it so the next put rewrites it", index, error)
@@ -327,10 +342,8 @@ class PrefixCache:
                 error = e
                 break
             if metas and (m.shape, m.dtype) != (metas[0].shape, metas[0].dtype):
-                # one of the two is damaged: drop chunk i (the next put rewrites it); if chunk 0 is
-                # the damaged one, its blob check drops it too, so a valid chunk costs one re-encode
-                error = FormatError(f"chunk {i} meta has another shape or dtype than chunk 0: {m}")
-                self._bad_chunk(keys[i], i, error, stats)
+                # one of the two is damaged: chunk 0's blob check tells which (see _heal_suspect)
+                error = _MetaMismatchError(f"chunk {i} meta has another shape or dtype than chunk 0: {m}", i, keys[i])
                 break
             metas.append(m)
         if metas and metas[-1].start_token + metas[-1].tokens < min(n_tokens, metas[-1].start_token + ct):
