@@ -72,8 +72,10 @@ def _depth(x) -> int:
 
 
 _json = st.recursive(
-    st.none() | st.integers() | st.text(alphabet="ab[]{}\"\\,:"),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet="[]{}\"x", max_size=3), inner, max_size=3),
+    st.none() | st.integers() | st.text(alphabet='ab[]{}"\\,:'),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(alphabet='[]{}"x', max_size=3), inner, max_size=3)
+    ),
     max_leaves=20,
 )
 
@@ -233,7 +235,7 @@ def test_every_error_is_a_kvcodec_error(encoded):
     header, _ = read_object(encoded, FILE_MAGIC, "file")
     for field in header:
         for value in (None, -1, 0, 1 << 62, 2.5, "x", [], {}, [[1]], True):
-            data = rewrite(encoded, FILE_MAGIC, lambda h: h.__setitem__(field, value))
+            data = rewrite(encoded, FILE_MAGIC, lambda h, f=field, v=value: h.__setitem__(f, v))
             for call in (kvcodec.decode, kvcodec.inspect):
                 try:
                     call(data)
@@ -315,7 +317,7 @@ def test_the_default_stores_one_resolution(kv):
 def test_a_config_missing_fields_means_their_defaults(encoded):
     # found by the fuzzer: a config without "quant" passed the config check, then raised KeyError
     for field in ("quant", "resolutions", "chunk_tokens"):
-        data = rewrite(encoded, FILE_MAGIC, lambda h: h["config"].pop(field))
+        data = rewrite(encoded, FILE_MAGIC, lambda h, f=field: h["config"].pop(f))
         try:
             out = kvcodec.decode(data)
         except FormatError:

@@ -39,7 +39,11 @@ def keep_smaller(coded: bytes, x: torch.Tensor, **where) -> bytes:
         return coded
     log.info(
         "chunk %d (%d tokens): coded %d bytes >= its %d bytes of values; stored plain (lossless) in %d bytes",
-        where["chunk_index"], x.shape[2], len(coded), x.numel() * x.element_size(), len(plain),
+        where["chunk_index"],
+        x.shape[2],
+        len(coded),
+        x.numel() * x.element_size(),
+        len(plain),
     )
     return plain
 
@@ -91,4 +95,3 @@ def plain_values(h: ChunkHeader, streams: dict[str, memoryview]) -> torch.Tensor
         raise CorruptStreamError(f"plain stream holds {len(data)} bytes ({entry.codec}); the header announces {size}")
     values = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return values.view(DTYPES[h.dtype]).view(h.shape)
-
