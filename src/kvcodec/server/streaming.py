@@ -42,15 +42,30 @@ async def submit(engine: Any, prompt_ids: list[int], params: Any, reuse: bool) -
     return req, q
 
 
-async def _next(q: asyncio.Queue, gone: Callable[[], Awaitable[bool]] | None) -> tuple[str, int | None]:
-    if gone is None:
-        return await q.get()
+class _Watch:
+    """Asks `gone` at most every POLL_S, whether tokens keep arriving or not (a request whose
+    tokens come faster than POLL_S must notice its client leaving too)."""
+
+    def __init__(self, gone: Callable[[], Awaitable[bool]] | None) -> None:
+        self.gone = gone
+        self.checked = asyncio.get_running_loop().time()
+
+    async def client_left(self) -> bool:
+        now = asyncio.get_running_loop().time()
+        if self.gone is None or now - self.checked < POLL_S:
+            return False
+        self.checked = now
+        return await self.gone()
+
+
+async def _next(q: asyncio.Queue, watch: _Watch) -> tuple[str, int | None]:
     while True:
+        if await watch.client_left():
+            return ("gone", None)
         try:
             return await asyncio.wait_for(q.get(), POLL_S)
         except TimeoutError:
-            if await gone():
-                return ("gone", None)
+            continue
 
 
 async def deltas(
@@ -59,9 +74,10 @@ async def deltas(
     """Text deltas of `req` as its tokens arrive; the last one carries the finish reason. `gone`:
     an async check that the client disconnected (the request is then aborted)."""
     sent, ids = "", []
+    watch = _Watch(gone)
     try:
         while True:
-            kind, tok = await _next(q, gone)
+            kind, tok = await _next(q, watch)
             if kind == "gone":
                 return
             if kind == "end":
