@@ -282,3 +282,19 @@ def test_a_later_meta_disagreeing_with_chunk_0_is_dropped_and_healed():
     r = cache.fetch(ids)
     assert isinstance(r.error, FormatError) and r.tokens_restored == cache.chunk_tokens
     assert cache.put(ids, kv) == 1 and cache.fetch(ids).ok
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [{"index": "x"}, {"start_token": -1}, {"key": 5}, {"raw_bytes": 1 << 40}, {"variant": "lz4", "raw_bytes": 1 << 30}],
+)
+def test_raw_chunk_headers_forged_with_valid_checksums_are_format_errors(edit):
+    from kvcodec.codecs.raw import MAGIC, RawCodec
+    from kvcodec.container.format import read_object, write_object
+
+    codec = RawCodec(chunk_tokens=16, resolutions=RES)
+    blob = codec.encode_chunks(make_kv())[0].blobs[0]
+    header, payload = read_object(blob, MAGIC, "raw")
+    forged = write_object(MAGIC, {**header, **edit}, [bytes(payload)])
+    with pytest.raises(FormatError):
+        codec.inspect_chunk(forged)

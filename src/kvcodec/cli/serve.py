@@ -79,7 +79,7 @@ from kvcodec.cli.options import device_option, parse_deadline
     type=click.IntRange(min=0),
     help="CUDA: restore fetched chunks on this many NVDEC sessions in this process's own CUDA context "
     "(7 on an H100/H200; needs only the driver's libnvcuvid). Costs a concurrent matmul 3-5% where "
-    "the pool costs 12-14% and 5 GB (benchmarks/results/decode-h200-nvcuvid.md).",
+    "the pool costs 10-19% and 5 GB (benchmarks/results/decode-h200-nvcuvid*.md).",
 )
 def command(
     model_name: str,

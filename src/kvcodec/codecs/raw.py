@@ -28,6 +28,13 @@ MAGIC = b"KVRW"
 VARIANTS = ("raw", "zstd", "lz4")
 
 
+MAX_EXPANSION = 1 << 16  # a payload may announce at most this many times its size (forged headers)
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 @dataclasses.dataclass(frozen=True)
 class RawCodec:
     """variants: payload coding per resolution slot; resolutions: the slots' labels (default one
@@ -133,7 +140,11 @@ class RawCodec:
             h["shape"] = tuple(int(s) for s in h["shape"])
             h["key"] = header.get("key")
             ok = (
-                len(h["shape"]) == 5
+                all(_is_count(h[k]) for k in ("index", "start_token", "raw_bytes", "payload_bytes", "crc32"))
+                and (h["key"] is None or isinstance(h["key"], str))
+                and h["raw_bytes"] <= MAX_EXPANSION * max(h["payload_bytes"], 1)
+                and (h["variant"] != "raw" or h["raw_bytes"] == h["payload_bytes"])
+                and len(h["shape"]) == 5
                 and h["shape"][1] == 2
                 and min(h["shape"]) > 0
                 and h["variant"] in VARIANTS
@@ -165,7 +176,7 @@ class RawCodec:
             if h["variant"] == "lz4":
                 import lz4.frame
 
-                return lz4.frame.decompress(bytes(payload))
+                return lz4.frame.LZ4FrameDecompressor().decompress(bytes(payload), max_length=h["raw_bytes"])
         except Exception as e:  # zstd/lz4 errors: a damaged payload whose CRC was forged
             raise FormatError(f"raw chunk payload does not decompress: {e}") from e
         return bytes(payload)
