@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, Target
+from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES, name_of
 from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError
@@ -186,21 +186,24 @@ class PrefixCache:
             a, b = run[0] * self.chunk_tokens, min(T, (run[-1] + 1) * self.chunk_tokens)
             chunks = self.codec.encode_chunks(kv[:, :, a:b], first_chunk_index=run[0], keys=[keys[i] for i in run])
             for c in chunks:
-                k = keys[c.index]
-                self.store.put_many({blob_key(k, j): blob for j, blob in enumerate(c.blobs)})
-                meta = ChunkMeta(
-                    index=c.index,
-                    start_token=c.start_token,
-                    tokens=c.tokens,
-                    shape=(kv.shape[0], kv.shape[3], kv.shape[4]),
-                    dtype=name_of(kv.dtype),
-                    resolutions=tuple(tuple(r) for r in c.resolutions),
-                    sizes=tuple(len(bl) for bl in c.blobs),
-                    codec=self.codec.id,
-                )
-                self.store.put(meta_key(k), meta.to_bytes())
+                self._store_chunk(keys[c.index], c, (kv.shape[0], kv.shape[3], kv.shape[4]), name_of(kv.dtype))
                 written += 1
         return written
+
+    def _store_chunk(self, key: str, chunk: EncodedChunk, shape: tuple[int, int, int], dtype: str) -> None:
+        """The chunk's blobs, then its meta object (the commit marker lookups test for)."""
+        self.store.put_many({blob_key(key, j): blob for j, blob in enumerate(chunk.blobs)})
+        meta = ChunkMeta(
+            index=chunk.index,
+            start_token=chunk.start_token,
+            tokens=chunk.tokens,
+            shape=shape,
+            dtype=dtype,
+            resolutions=tuple(tuple(r) for r in chunk.resolutions),
+            sizes=tuple(len(bl) for bl in chunk.blobs),
+            codec=self.codec.id,
+        )
+        self.store.put(meta_key(key), meta.to_bytes())
 
     def drop_chunk(self, key: str) -> None:
         """Forget a stored chunk (its meta, the commit marker): lookups stop reporting it and the

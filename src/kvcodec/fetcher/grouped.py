@@ -73,19 +73,7 @@ class GroupedPrefixCache(PrefixCache):
         for run in _runs(missing):
             a, b = run[0] * self.chunk_tokens, min(kv.stop, (run[-1] + 1) * self.chunk_tokens)
             for c in self.codec.encode_chunks(kv.view(a, b), first_chunk_index=run[0], keys=[keys[i] for i in run]):
-                k = keys[c.index]
-                self.store.put_many({blob_key(k, j): blob for j, blob in enumerate(c.blobs)})
-                meta = ChunkMeta(
-                    index=c.index,
-                    start_token=c.start_token,
-                    tokens=c.tokens,
-                    shape=(len(self.spec.layers), 1, 1),
-                    dtype=self.spec.dtype,
-                    resolutions=tuple(tuple(r) for r in c.resolutions),
-                    sizes=tuple(len(bl) for bl in c.blobs),
-                    codec=self.codec.id,
-                )
-                self.store.put(meta_key(k), meta.to_bytes())
+                self._store_chunk(keys[c.index], c, (len(self.spec.layers), 1, 1), self.spec.dtype)
                 written += 1
         return written
 
