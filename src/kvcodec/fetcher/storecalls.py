@@ -1,24 +1,23 @@
 """Store calls bounded by a deadline.
 
 Store clients block in their own I/O (a paused Redis holds a call until its socket timeout), and
-the KVStore API has no per-call timeout. With a deadline, each call runs on a shared worker
-thread and the caller stops waiting when the deadline passes: the call is abandoned (its thread
-finishes or fails on its own later), and the caller gets a FetchError at once.
+the KVStore API has no per-call timeout. With a deadline, each call runs on the stores' shared
+worker threads (kvcodec.store.deadline.run_within) and the caller stops waiting when the deadline
+passes: the call is abandoned (its thread finishes or fails on its own later), and the caller
+gets a FetchError at once.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from kvcodec.errors import FetchError, KVCodecError, StoreError
+from kvcodec.store.deadline import run_within
 
 T = TypeVar("T")
-
-_EXECUTOR = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvc-store")
 
 
 class Deadline:
@@ -44,11 +43,9 @@ def call(deadline: Deadline, what: str, fn: Callable[..., T], *args: Any) -> T:
         return _guarded(what, fn, *args)
     if left <= 0:
         raise FetchError(f"{what}: the deadline of {deadline.seconds:.3f}s passed before the call")
-    future = _EXECUTOR.submit(_guarded, what, fn, *args)
     try:
-        return future.result(timeout=left)
+        return run_within(left, _guarded, what, fn, *args)
     except FutureTimeout:
-        future.cancel()
         raise FetchError(f"{what}: no answer within the deadline of {deadline.seconds:.3f}s") from None
 
 

@@ -33,6 +33,17 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         return _POOL
 
 
+def run_within(seconds: float, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a shared worker thread; concurrent.futures.TimeoutError when it has not
+    answered within `seconds` (the call is abandoned and finishes on its own later)."""
+    future = _pool().submit(fn, *args)
+    try:
+        return future.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise
+
+
 def call_by(deadline: float | None, op: str, url: str, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args), or StoreError once time.monotonic() passes `deadline` (None: no limit)."""
     if deadline is None:
@@ -40,11 +51,9 @@ def call_by(deadline: float | None, op: str, url: str, fn: Callable[..., T], *ar
     left = deadline - time.monotonic()
     if left <= 0:
         raise StoreError(f"{op} on {url}: deadline passed before the call")
-    future = _pool().submit(fn, *args)
     try:
-        return future.result(timeout=left)
+        return run_within(left, fn, *args)
     except concurrent.futures.TimeoutError:
-        future.cancel()
         raise StoreError(f"{op} on {url} did not answer within the deadline ({left:.3f}s left)") from None
 
 
