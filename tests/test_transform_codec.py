@@ -234,3 +234,15 @@ def test_key_weight_moves_error_from_keys_to_values(kvt):
         errs[kw] = [rel_mse(out[:, i], kv[:, i]) for i in (0, 1)]
     assert errs[4.0][0] < errs[1.0][0] < errs[0.25][0]  # finer key steps, smaller key error
     assert errs[4.0][1] == pytest.approx(errs[1.0][1], rel=0.05)  # values coded the same way
+
+
+def test_calibrate_refuses_a_damaged_kv_file_with_a_clear_error(tmp_path):
+    from click.testing import CliRunner
+
+    from kvcodec.cli.main import cli
+
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(bytes(range(256)) * 4)
+    res = CliRunner().invoke(cli, ["calibrate", str(junk), "--out", str(tmp_path / "m.kvt")])
+    assert res.exit_code == 1 and "not a readable safetensors KV file" in res.output
+    assert isinstance(res.exception, SystemExit)  # a clean exit, not a traceback

@@ -43,7 +43,7 @@ def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec 
 
 
 def _load_kv_files(paths) -> tuple[list, dict]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     kvs, metas = [], []
     for p in paths:
@@ -53,7 +53,7 @@ def _load_kv_files(paths) -> tuple[list, dict]:
                     raise ShapeError(f"{p} holds no tensor named 'kv'")
                 kvs.append(f.get_tensor("kv"))
                 metas.append(dict(f.metadata() or {}))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, SafetensorError) as e:  # the parser's own type for damaged files
             raise ConfigError(f"{p}: not a readable safetensors KV file ({e})") from e
     models = {m.get("model") for m in metas}
     if len(models) > 1:
