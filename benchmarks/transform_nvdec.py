@@ -79,18 +79,18 @@ def dense_stage_ms(codec, blob, device, repeat=20) -> float:
     """ms per chunk of dequantize + GEMMs + RoPE, the decoded samples already on the GPU."""
     h, streams = codec._read(blob)
     count = codec.plan(h["theta"], h["key_weight"]).steps.numel() * h["tokens"]
-    samples = codec._samples(h, streams, count, device)
-    codec._samples = lambda *a, **k: samples
+    samples = codec._restorer._samples(h, streams, count, device)
+    codec._restorer._samples = lambda *a, **k: samples
     try:
-        codec._restore(h, streams, device)
+        codec._restorer._restore(h, streams, device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(repeat):
-            codec._restore(h, streams, device)
+            codec._restorer._restore(h, streams, device)
         torch.cuda.synchronize()
         return 1e3 * (time.perf_counter() - t0) / repeat
     finally:
-        del codec._samples
+        del codec._restorer._samples
 
 
 @click.group()
