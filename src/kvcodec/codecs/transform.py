@@ -324,6 +324,7 @@ class TransformCodec:
         L, H, D = h["shape"]
         return ChunkInfo(h["index"], h["start_token"], h["tokens"], L, H, D, h["dtype"], h["codec"], h.get("key"))
 
-    def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
+    def decode_chunk(self, blob: bytes | memoryview, out: Target, decoder=None) -> Target:
+        """decoder: a video decoder to use (NvcuvidThreads lends one) instead of one borrowed per call."""
         h, streams = self._read(blob)
-        return self._restorer.decode(h, streams, out)
+        return self._restorer.decode(h, streams, out, decoder)

@@ -4,6 +4,7 @@ a CUDA target, FFmpeg on the CPU, or zstd) -> integers -> dequantize -> one GEMM
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -11,6 +12,7 @@ import zstandard
 
 from kvcodec.codecs.base import Target
 from kvcodec.errors import CorruptStreamError, ShapeError
+from kvcodec.restore import transform_kernels
 from kvcodec.restore.paged import PagedKV
 from kvcodec.transform import frames, quantize
 from kvcodec.transform.calibration import KINDS, Calibration
@@ -33,9 +35,13 @@ class TransformRestorer:
     """Restores verified transform chunks; `plan(theta, key_weight)` gives the coordinate plan
     a chunk was coded with (the codec's, cached)."""
 
-    def __init__(self, cal: Calibration, plan: Callable):
+    def __init__(self, cal: Calibration, plan: Callable, batched: bool | None = None):
         self.cal, self.plan = cal, plan
+        self.batched = batched  # None: the batched restore (restore.transform_kernels) on CUDA only
         self._device_bases: dict[torch.device, list] = {}
+        self._batched_plans: dict[tuple, transform_kernels.BatchedPlan] = {}
+        self._rope_tables: dict[torch.device, transform_kernels.RopeTables] = {}
+        self._lock = threading.Lock()  # plans and tables are built once, by whichever thread asks first
 
     def _bases_on(self, device: torch.device) -> list:
         if device not in self._device_bases:
@@ -46,19 +52,23 @@ class TransformRestorer:
             ]
         return self._device_bases[device]
 
-    def _samples(self, h: dict, streams: dict, count: int, device: torch.device) -> torch.Tensor:
+    def _samples(self, h: dict, streams: dict, count: int, device: torch.device, decoder=None) -> torch.Tensor:
         if h["coder"] == "zstd":
             raw = unzstd(streams["samples"], "samples", count)
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-        from kvcodec.codecs.hevc_decode import idle_decoders  # sessions lent per call: one thread each
-
+            return _to_device(torch.frombuffer(bytearray(raw), dtype=torch.uint8), device)
         w, hh = h["resolution"]
         if h["frames"] != frames.frame_count(count, w, hh):
             raise CorruptStreamError("transform chunk announces the wrong number of frames")
-        with idle_decoders.borrow(device) as decoder:
+        if decoder is not None:
             return frames.from_frames(decoder.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
+        from kvcodec.codecs.hevc_decode import idle_decoders  # sessions lent per call: one thread each
 
-    def decode(self, h: dict, streams: dict, out: Target) -> Target:
+        with idle_decoders.borrow(device) as lent:
+            return frames.from_frames(lent.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
+
+    def decode(self, h: dict, streams: dict, out: Target, decoder=None) -> Target:
+        """Restore a verified chunk into `out`; `decoder`: the video decoder to use (one lent by
+        NvcuvidThreads, say) instead of one borrowed for the call."""
         L, H, D = h["shape"]
         t, dtype = h["tokens"], DTYPES[h["dtype"]]
         shape = (L, 2, t, H, D)
@@ -67,11 +77,12 @@ class TransformRestorer:
         elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
             raise ShapeError(f"output must be a {shape} {dtype} tensor or a PagedKV")
         device = out.device
-        x = self._restore(h, streams, device)
+        batched = self.batched if self.batched is not None else device.type == "cuda"
+        if batched:
+            return self._decode_batched(h, streams, out, device, decoder)
+        x = self._restore(h, streams, device, decoder)
         if h["sink"]:
-            raw = unzstd(streams["sink"], "sink", h["sink"] * L * 2 * H * D * 2)
-            sink = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(L, 2, h["sink"], H, D)
-            x[:, :, : h["sink"]] = sink.to(device, torch.float32)
+            x[:, :, : h["sink"]] = self._sink(h, streams, device).to(torch.float32)
         if isinstance(out, PagedKV):
             blocks, within = out.slots(h["start_token"], t)
             out.pages[:, :, blocks, within] = x.to(dtype)
@@ -79,11 +90,19 @@ class TransformRestorer:
             out.copy_(x)
         return out
 
-    def _restore(self, h: dict, streams: dict, device: torch.device) -> torch.Tensor:
+    @staticmethod
+    def _sink(h: dict, streams: dict, device: torch.device) -> torch.Tensor:
+        """The chunk's fp16 sink tokens (L, 2, sink, H, D) on `device`."""
+        L, H, D = h["shape"]
+        raw = unzstd(streams["sink"], "sink", h["sink"] * L * 2 * H * D * 2)
+        sink = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(L, 2, h["sink"], H, D)
+        return _to_device(sink, device)
+
+    def _restore(self, h: dict, streams: dict, device: torch.device, decoder=None) -> torch.Tensor:
         """Dequantize, inverse transform (one GEMM per group and kind), re-apply RoPE: float32 KV."""
         plan = self.plan(float(h["theta"]), float(h["key_weight"]))
         C, t = plan.steps.numel(), h["tokens"]
-        samples = self._samples(h, streams, C * t, device).view(C, t)
+        samples = self._samples(h, streams, C * t, device, decoder).view(C, t)
         idx, values = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
         q = quantize.from_samples(samples, idx, values)
         coeffs = q[plan.inverse.to(device)].to(torch.float32) * plan.steps.to(device)[:, None]  # concatenated order
@@ -99,3 +118,57 @@ class TransformRestorer:
             positions = torch.arange(h["start_token"], h["start_token"] + t, device=device)
             x[:, 0] = apply_rope(x[:, 0], positions, self.cal.rope)
         return x
+
+    # ------------------------------------------------------------------ batched (GPU) restore
+
+    def _batched_plan(self, h: dict, device: torch.device) -> transform_kernels.BatchedPlan:
+        key = (float(h["theta"]), float(h["key_weight"]), device)
+        with self._lock:
+            if key not in self._batched_plans:
+                p = self.plan(key[0], key[1])
+                self._batched_plans[key] = transform_kernels.build_plan(self.cal, p.counts, p.steps, p.inverse, device)
+            if self.cal.rope is not None and device not in self._rope_tables:
+                self._rope_tables[device] = transform_kernels.RopeTables(self.cal.rope, device)
+            return self._batched_plans[key]
+
+    def _decode_batched(self, h: dict, streams: dict, out: Target, device: torch.device, decoder) -> Target:
+        """The same restore in about ten kernels (restore.transform_kernels), no host waits."""
+        L, H, D = h["shape"]
+        t, dtype = h["tokens"], DTYPES[h["dtype"]]
+        bp = self._batched_plan(h, device)
+        C = self.plan(float(h["theta"]), float(h["key_weight"])).steps.numel()
+        escapes = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
+        samples = self._samples(h, streams, C * t, device, decoder).view(C, t)
+        y = transform_kernels.restore(
+            bp, samples, escapes, (L, H, D, t), self._rope_tables.get(device), h["start_token"]
+        )
+        dense = out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)
+        transform_kernels.emit(y, dense)
+        if h["sink"]:
+            dense[:, :, : h["sink"]] = self._sink(h, streams, device)
+        if isinstance(out, PagedKV):
+            blocks, within = out.slots(h["start_token"], t)
+            out.pages[:, :, blocks, within] = dense
+        return out
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory, so the copy does not wait for
+    the GPU's queued work (a pageable upload synchronises the stream first)."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def threads_decode_into(codec) -> Callable:
+    """The `decode_into` NvcuvidThreads.restore_blobs takes, for a TransformCodec: each chunk
+    restored with the NVDEC session the worker thread was lent.
+
+        with NvcuvidThreads(7) as dec:
+            dec.restore_blobs(blobs, outs, decode_into=threads_decode_into(codec))
+    """
+
+    def decode_into(blob, out, decoder, restore: str = "auto") -> None:
+        codec.decode_chunk(blob, out, decoder=decoder)
+
+    return decode_into

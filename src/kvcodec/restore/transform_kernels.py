@@ -1,0 +1,179 @@
+"""Batched restore of transform-coded chunks: every (layer group, K|V) block in one GEMM.
+
+The per-chunk path of codecs/transform_decode.py runs one GEMM per block and a dozen small ops
+per block; on a GPU that is launch and indexing overhead, not arithmetic. Here the chunk's 8-bit
+samples (layout order) go through a fixed sequence of about ten kernels whatever the groups:
+
+    gather:   samples (C, t) -> (J, n, t)   each block's coded coordinates, padded to n = max count
+    GEMM:     x = mean' + basis' @ samples  one baddbmm over the J blocks; the steps and the sample
+                                            offset (128) are folded into basis' and mean'
+    rows:     (J, d, t) -> (L, 2, H, D, t)  one index_select puts every layer's rows in place
+    RoPE:     keys * cos + keys[partner] * sin   (tables precomputed on the device, any position)
+    emit:     permute + cast into the dense slice (or a staging tensor scattered into PagedKV)
+
+Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples as
+sample-equivalents q + 128 (host-side index arithmetic, one pinned upload). Nothing waits on the
+GPU: no host synchronisation per chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from kvcodec.errors import CorruptStreamError
+from kvcodec.transform.calibration import KINDS, Calibration
+from kvcodec.transform.quantize import OFFSET
+from kvcodec.transform.rope import RopeSpec, inv_freq
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BatchedPlan:
+    """Device tensors for one (calibration, coordinate plan, device)."""
+
+    gather: torch.Tensor  # (J * n,) int64 layout row of each block slot (row 0 for padding)
+    bases: torch.Tensor  # (J, d, n) float32 basis columns scaled by their steps; padding zero
+    means: torch.Tensor  # (J, d, 1) float32 mean - OFFSET * bases @ 1
+    rows: torch.Tensor  # (L * 2 * H * D,) int64 row of J * d holding each (layer, kind, head, dim)
+    slot_of_row: np.ndarray  # (C,) int64 host: block slot (j * n + k) of each layout row
+    n: int  # padded coefficients per block
+
+
+def block_layout(counts, group_sizes, layer_dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Pure index arithmetic of the batched layout. counts[j]: coded coordinates of block j
+    (block j = group j // 2, kind j % 2, concatenated order); group_sizes[g]: layers of group g.
+    Returns (offset of each block in concatenated order, rows, n, d) where rows[i] is the
+    row of the (J * d) GEMM output that holds output element i of (layer, kind, layer_dim)
+    order, n the padded coefficient count and d the padded block height."""
+    counts = np.asarray(counts, dtype=np.int64)
+    n = max(1, int(counts.max(initial=0)))
+    d = max(group_sizes) * layer_dim
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    rows = []
+    for g, size in enumerate(group_sizes):
+        for lpos in range(size):
+            for kind in range(2):
+                j = 2 * g + kind
+                rows.append(j * d + lpos * layer_dim + np.arange(layer_dim))
+    return offsets, np.concatenate(rows).astype(np.int64), n, d
+
+
+def build_plan(cal: Calibration, counts, steps: torch.Tensor, inverse: torch.Tensor, device) -> BatchedPlan:
+    """steps (C,) and inverse (C,: concatenated index -> layout row) as in codecs.transform.CoordPlan."""
+    group_sizes = [len(g) for g in cal.groups]
+    offsets, rows, n, d = block_layout(counts, group_sizes, cal.layer_dim)
+    J = 2 * len(cal.groups)
+    inverse = inverse.to(torch.int64).cpu()
+    gather = torch.zeros((J, n), dtype=torch.int64)
+    bases = torch.zeros((J, d, n), dtype=torch.float32)
+    means = torch.zeros((J, d), dtype=torch.float32)
+    slot_of_row = np.zeros(inverse.numel(), dtype=np.int64)
+    for j in range(J):
+        b, c, o = cal.basis(j // 2, KINDS[j % 2]), int(counts[j]), int(offsets[j])
+        rows_j = b.mean.numel()
+        scaled = b.basis[:, :c].to(torch.float64) * steps[o : o + c].to(torch.float64)
+        bases[j, :rows_j, :c] = scaled.float()
+        means[j, :rows_j] = (b.mean.to(torch.float64) - OFFSET * scaled.sum(1)).float()
+        gather[j, :c] = inverse[o : o + c]
+        slot_of_row[inverse[o : o + c].numpy()] = j * n + np.arange(c)
+    return BatchedPlan(
+        gather.reshape(-1).to(device),
+        bases.to(device),
+        means[:, :, None].to(device),
+        torch.from_numpy(rows).to(device),
+        slot_of_row,
+        n,
+    )
+
+
+def rope_partner(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(partner channel, frequency index, sign) per head channel: rotated = x * cos(f) +
+    x[partner] * sign * sin(f); channels beyond the rotary dims have partner itself, sign 0."""
+    D, r = spec.head_dim, spec.rotary
+    ch = np.arange(D)
+    if spec.style == "half":
+        partner = np.where(ch < r // 2, ch + r // 2, ch - r // 2)
+        freq = ch % (r // 2)
+        sign = np.where(ch < r // 2, -1.0, 1.0)
+    else:
+        partner, freq, sign = ch ^ 1, ch // 2, np.where(ch % 2 == 0, -1.0, 1.0)
+    rest = ch >= r
+    partner, freq, sign = np.where(rest, ch, partner), np.where(rest, 0, freq), np.where(rest, 0.0, sign)
+    return partner.astype(np.int64), freq.astype(np.int64), sign
+
+
+class RopeTables:
+    """cos / signed sin per (channel, position) on one device, grown to the positions asked for."""
+
+    def __init__(self, spec: RopeSpec, device):
+        self.spec, self.device = spec, torch.device(device)
+        partner, self._freq, self._sign = rope_partner(spec)
+        self.partner = torch.from_numpy(partner).to(self.device)
+        self._rest = torch.from_numpy(np.arange(spec.head_dim) >= spec.rotary)
+        self.cos = self.sin = torch.empty((spec.head_dim, 0), device=self.device)
+
+    def window(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(D, tokens) float32 cos and signed sin for positions start .. start + tokens - 1."""
+        end = start + tokens
+        if end > self.cos.shape[1]:
+            self._grow(max(end, 2 * self.cos.shape[1], 4096))
+        return self.cos[:, start:end], self.sin[:, start:end]
+
+    def _grow(self, size: int) -> None:
+        # the same float64 angles -> float32 as transform.rope.apply_rope
+        angles = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq(self.spec)[None, :]
+        cos = torch.cos(angles)[:, self._freq].T
+        sin = (torch.sin(angles)[:, self._freq] * torch.from_numpy(self._sign)).T
+        cos[self._rest] = 1.0
+        self.cos = cos.float().contiguous().to(self.device)
+        self.sin = sin.float().contiguous().to(self.device)
+
+
+def escape_slots(plan: BatchedPlan, idx: torch.Tensor, values: torch.Tensor, tokens: int, rows: int):
+    """Flat positions in the (J * n, tokens) gathered samples, and the sample-equivalent values
+    (q + OFFSET, float32) of a chunk's escapes; idx are flat indices in the (rows, tokens) layout."""
+    idx_np = idx.numpy()
+    if idx_np.size and (idx_np.min() < 0 or idx_np.max() >= rows * tokens):
+        raise CorruptStreamError("escape list names samples outside the chunk")
+    flat = plan.slot_of_row[idx_np // tokens] * tokens + idx_np % tokens
+    return torch.from_numpy(flat), values.to(torch.float32) + OFFSET
+
+
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def restore(
+    plan: BatchedPlan,
+    samples: torch.Tensor,
+    escapes: tuple[torch.Tensor, torch.Tensor],
+    shape: tuple[int, int, int, int],
+    rope: RopeTables | None,
+    start: int,
+) -> torch.Tensor:
+    """float32 KV (L, 2, H, D, t) of one chunk from its samples (C, t) uint8 in layout order and
+    its escapes (flat index, true integer) on the host. A view: callers permute while casting."""
+    L, H, D, t = shape
+    device = samples.device
+    g = samples.index_select(0, plan.gather).to(torch.float32)  # (J * n, t)
+    if escapes[0].numel():
+        flat, vals = escape_slots(plan, *escapes, t, samples.shape[0])
+        g.view(-1).index_put_((_upload(flat, device),), _upload(vals, device))
+    J = plan.bases.shape[0]
+    x = torch.baddbmm(plan.means, plan.bases, g.view(J, plan.n, t))  # (J, d, t)
+    y = x.view(-1, t).index_select(0, plan.rows).view(L, 2, H, D, t)
+    if rope is not None:
+        cos, sin = rope.window(start, t)
+        k = y[:, 0]
+        rotated = k.index_select(2, rope.partner).mul_(sin)
+        y[:, 0] = rotated.addcmul_(k, cos)
+    return y
+
+
+def emit(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """y (L, 2, H, D, t) float32 into out (L, 2, t, H, D): one permuting, casting copy."""
+    return out.copy_(y.permute(0, 1, 4, 2, 3))

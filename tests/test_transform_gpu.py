@@ -1,0 +1,170 @@
+"""The transform codec's batched restore (restore.transform_kernels): the same values as the
+per-group reference path, on the CPU here and on the GPU (NVDEC, NvcuvidThreads) where present.
+
+CPU: the batched path against the reference path (dense, paged, escapes, sink tokens, RoPE
+tables for every rotary style); its pure index arithmetic with hypothesis. GPU (skipped without
+CUDA / NVDEC): GPU restore against the CPU restore, chunks in parallel on NvcuvidThreads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform_decode import threads_decode_into
+from kvcodec.errors import CorruptStreamError
+from kvcodec.restore import transform_kernels as tk
+from kvcodec.restore.paged import PagedKV
+from kvcodec.transform import RopeSpec, calibrate, save_kvt
+from kvcodec.transform.rope import apply_rope
+
+L, H, D = 5, 2, 16
+ROPE = RopeSpec(10000.0, D)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def synthetic_kv(tokens: int, seed: int, first: int = 0, rank: int = 12) -> torch.Tensor:
+    """KV whose channels and layers are correlated (low rank + noise); keys carry RoPE."""
+    g = torch.Generator().manual_seed(1234)
+    mix = torch.randn(rank, L * 2 * H * D, generator=g) * torch.linspace(3, 0.2, rank)[:, None]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, rank, generator=g) @ mix + 0.05 * torch.randn(tokens, L * 2 * H * D, generator=g)
+    kv = x.view(tokens, L, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
+    kv[:, 0] = apply_rope(kv[:, 0], torch.arange(first, first + tokens), ROPE)
+    return kv.to(torch.float16)
+
+
+@pytest.fixture(scope="module")
+def kvt(tmp_path_factory):
+    # max_group=2: groups of 2, 2, 1 layers, so blocks differ in height and coded count
+    cal = calibrate([synthetic_kv(900, s) for s in (1, 2)], ROPE, max_group=2, info={"model": "synthetic"})
+    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
+    return path, save_kvt(cal, path)
+
+
+def codecs(kvt, batched_device: str = "cpu", **kw):
+    """(reference codec, batched codec) over the same transform."""
+    kw.setdefault("chunk_tokens", 64)
+    kw.setdefault("resolutions", ((64, 64),))
+    kw.setdefault("coder", "zstd")
+    ref, fast = TransformCodec(kvt[0], **kw), TransformCodec(kvt[0], **kw)
+    ref._restorer.batched, fast._restorer.batched = False, True
+    return ref, fast
+
+
+def within_an_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp16 values equal up to the last bit's rounding (float32 sums in another order)."""
+    return torch.allclose(a.float(), b.float(), rtol=2**-10, atol=2**-12)
+
+
+def restore_all(c, chunks, shape, dtype=torch.float16, device="cpu"):
+    out = torch.empty(shape, dtype=dtype, device=device)
+    for ch in chunks:
+        c.decode_chunk(ch.blobs[0], out[:, :, ch.start_token : ch.start_token + ch.tokens])
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(target_ratio=4.0), dict(theta=1e-6)], ids=["ratio4", "escapes"])
+def test_batched_restore_matches_the_reference_path(kvt, kw):
+    ref, fast = codecs(kvt, **kw)
+    kv = synthetic_kv(150, 7)  # 3 chunks: sink tokens in the first, a short last one
+    chunks = ref.encode_chunks(kv)
+    if "theta" in kw:
+        assert ref.header(chunks[1].blobs[0])["escapes"] > 0
+    a = restore_all(ref, chunks, kv.shape)
+    b = restore_all(fast, chunks, kv.shape)
+    assert torch.equal(a[:, :, :4], kv[:, :, :4])
+    assert within_an_ulp(a, b)
+
+
+def test_batched_restore_into_pages_equals_dense(kvt):
+    _, fast = codecs(kvt, target_ratio=4.0)
+    kv = synthetic_kv(128, 3)
+    chunks = fast.encode_chunks(kv)
+    dense = restore_all(fast, chunks, kv.shape)
+    pages = torch.zeros((L, 2, 16, 8, H, D), dtype=torch.float16)
+    table = torch.randperm(16)
+    for ch in chunks:
+        fast.decode_chunk(ch.blobs[0], PagedKV(pages, table))
+    assert torch.equal(PagedKV(pages, table).gather(0, 128), dense)
+
+
+def test_batched_restore_refuses_escapes_outside_the_chunk(kvt):
+    _, fast = codecs(kvt, theta=1e-6)
+    plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
+    idx, vals = torch.tensor([0, 10**9]), torch.tensor([300, -300], dtype=torch.int32)
+    with pytest.raises(CorruptStreamError):
+        tk.escape_slots(plan, idx, vals, 64, 100)
+
+
+@pytest.mark.parametrize("spec", [RopeSpec(1e4, 16), RopeSpec(5e5, 16, 8, "interleaved"), RopeSpec(1e6, 16, 12)])
+def test_rope_tables_equal_apply_rope(spec):
+    tables = tk.RopeTables(spec, "cpu")
+    x = torch.randn(3, 40, 2, 16)  # (layers, tokens, heads, dim)
+    want = apply_rope(x, torch.arange(5000, 5040), spec)
+    cos, sin = tables.window(5000, 40)  # (D, t)
+    k = x.permute(0, 2, 3, 1)  # (layers, heads, D, t)
+    got = (k * cos + k.index_select(2, tables.partner) * sin).permute(0, 3, 1, 2)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    layer_dim=st.integers(1, 6),
+    data=st.data(),
+)
+def test_block_layout_places_every_output_row_once(sizes, layer_dim, data):
+    counts = [data.draw(st.integers(0, s * layer_dim)) for s in sizes for _ in range(2)]
+    offsets, rows, n, d = tk.block_layout(counts, sizes, layer_dim)
+    assert rows.size == sum(sizes) * 2 * layer_dim and len(set(rows.tolist())) == rows.size
+    assert n == max(1, max(counts)) and d == max(sizes) * layer_dim
+    assert list(offsets) == list(np.cumsum([0] + counts[:-1]))
+    j, within = rows // d, rows % d
+    assert within.max() < d and j.max() < 2 * len(sizes)
+    # output element (layer, kind, e) comes from block (group, kind), row lpos * layer_dim + e
+    layer_of = np.repeat(np.arange(sum(sizes)), 2 * layer_dim)
+    kind_of = np.tile(np.repeat([0, 1], layer_dim), sum(sizes))
+    group_of = np.repeat(np.arange(len(sizes)), sizes)[layer_of]
+    assert np.array_equal(j, 2 * group_of + kind_of)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+
+@needs_cuda
+@pytest.mark.parametrize("coder", ["zstd", "hevc"])
+def test_gpu_restore_matches_the_cpu_restore(kvt, coder):
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if coder == "hevc" and not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    ref, fast = codecs(kvt, target_ratio=4.0, coder=coder, resolutions=((144, 144),))
+    kv = synthetic_kv(200, 11)
+    chunks = ref.encode_chunks(kv)
+    cpu = restore_all(ref, chunks, kv.shape)
+    gpu = restore_all(TransformCodec(kvt[0], chunk_tokens=64, coder=coder), chunks, kv.shape, device="cuda")
+    torch.cuda.synchronize()
+    assert within_an_ulp(cpu, gpu.cpu())
+
+
+@needs_cuda
+def test_nvcuvid_threads_restore_transform_chunks_in_parallel(kvt):
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+    from kvcodec.video.nvcuvid_threads import NvcuvidThreads
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, resolutions=((144, 144),))
+    kv = synthetic_kv(256, 13)
+    chunks = c.encode_chunks(kv)
+    one = restore_all(c, chunks, kv.shape, device="cuda")
+    out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+    with NvcuvidThreads(3) as dec:
+        outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
+        dec.restore_blobs([ch.blobs[0] for ch in chunks], outs, synchronize=True, decode_into=threads_decode_into(c))
+    assert torch.equal(out, one)
