@@ -7,11 +7,18 @@
     # says why a fetch stopped early (None when everything asked for was restored).
     cache.put(token_ids, kv)                        # after prefill: encode + store missing chunks
 
+With tensor parallelism each rank keeps a cache of its own KV heads, restored on its own GPU:
+
+    cache = PrefixCache(store, model_id, codec, f"cuda:{local_rank}", shard=TPShard(rank, world, kv_heads))
+    cache.put(token_ids, local_kv)                  # this rank's heads only (TPShard.take(kv))
+    PrefixCache(store, model_id, codec).put_sharded(token_ids, kv, world)   # a TP=1 producer, for TP=world
+
 The fetch itself runs in fetcher.pipeline.FetchPipeline.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any
@@ -28,6 +35,7 @@ from kvcodec.fetcher.keys import ChunkMeta, as_token_array, blob_key, chunk_keys
 from kvcodec.fetcher.pipeline import FetchPipeline, FetchPlan, PipelineSettings
 from kvcodec.fetcher.policy import ResolutionPolicy, get_policy
 from kvcodec.fetcher.profile import DecodeProfile, load_or_calibrate
+from kvcodec.fetcher.shards import TPShard
 from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 from kvcodec.restore.paged import PagedKV
 
@@ -93,6 +101,8 @@ class PrefixCache:
         stored dtype (no staging tensor, no copy); a fetch that stops early then waits for the
         decodes in flight to finish their chunk, so nothing writes into `out` after `fetch`
         returns. False: decode into staging tensors and copy (returns at once on a deadline).
+    shard: a TPShard: this cache holds one tensor-parallel rank's KV heads (puts and fetches
+        carry only those heads, under keys of their own); None: every head.
     """
 
     def __init__(
@@ -113,10 +123,13 @@ class PrefixCache:
         bandwidth_alpha: float = 0.3,
         store_partial: bool = True,
         direct: bool = True,
+        shard: TPShard | None = None,
         **legacy: Any,
     ) -> None:
         if max_inflight < 1 or decode_workers < 1:
             raise ConfigError("max_inflight and decode_workers must be >= 1")
+        if shard is not None and not isinstance(shard, TPShard):
+            raise ConfigError(f"shard must be a TPShard; got {type(shard).__name__}")
         if isinstance(store, str):
             from kvcodec.store import open_store
 
@@ -134,6 +147,7 @@ class PrefixCache:
         self.bandwidth = BandwidthEstimator(initial_gbit, bandwidth_alpha)
         self.store_partial = store_partial
         self.direct = bool(direct)
+        self.shard = shard
         self._decoder_name: str | None = None
 
     @property
@@ -150,7 +164,17 @@ class PrefixCache:
         return self.codec.id
 
     def keys(self, token_ids: Any) -> list[str]:
-        return chunk_keys(token_ids, self.model_id, self.codec, partial=self.store_partial, namespace=self.namespace)
+        return chunk_keys(
+            token_ids, self.model_id, self.codec, partial=self.store_partial, namespace=self.namespace, shard=self.shard
+        )
+
+    def for_shard(self, shard: TPShard | None) -> PrefixCache:
+        """This cache (same store, codec, device and options) for another shard's heads."""
+        if shard is not None and not isinstance(shard, TPShard):
+            raise ConfigError(f"shard must be a TPShard; got {type(shard).__name__}")
+        other = copy.copy(self)
+        other.shard = shard
+        return other
 
     # -- lookup ------------------------------------------------------------------------------
     def lookup(self, token_ids: Any, deadline_s: float | None = None) -> int:
@@ -176,6 +200,8 @@ class PrefixCache:
             raise ShapeError(
                 f"KV must be (layers, 2, tokens, kv_heads, head_dim); got {tuple(getattr(kv, 'shape', ()))}"
             )
+        if self.shard is not None:
+            self.shard.check_local(kv.shape[3])
         T = kv.shape[2]
         if len(ids) < T:
             raise ShapeError(f"KV holds {T} tokens but only {len(ids)} token ids were given")
@@ -186,12 +212,33 @@ class PrefixCache:
             a, b = run[0] * self.chunk_tokens, min(T, (run[-1] + 1) * self.chunk_tokens)
             chunks = self.codec.encode_chunks(kv[:, :, a:b], first_chunk_index=run[0], keys=[keys[i] for i in run])
             for c in chunks:
-                self._store_chunk(keys[c.index], c, (kv.shape[0], kv.shape[3], kv.shape[4]), name_of(kv.dtype))
+                self.store_chunk(keys[c.index], c, (kv.shape[0], kv.shape[3], kv.shape[4]), name_of(kv.dtype))
                 written += 1
         return written
 
-    def _store_chunk(self, key: str, chunk: EncodedChunk, shape: tuple[int, int, int], dtype: str) -> None:
-        """The chunk's blobs, then its meta object (the commit marker lookups test for)."""
+    def put_sharded(self, token_ids: Any, kv: torch.Tensor, world: int) -> int:
+        """Store the full `kv` as `world` tensor-parallel ranks will fetch it: each distinct head
+        range once, under its shard's keys (a TP=1 producer serving TP=world consumers). Returns
+        the chunks written over all shards."""
+        if self.shard is not None and not self.shard.full:
+            raise ConfigError(f"put_sharded takes the full KV; this cache holds only {self.shard}")
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5:
+            raise ShapeError(
+                f"KV must be (layers, 2, tokens, kv_heads, head_dim); got {tuple(getattr(kv, 'shape', ()))}"
+            )
+        written, seen = 0, set()
+        for shard in TPShard.all(world, kv.shape[3]):
+            if shard.key_field not in seen:
+                seen.add(shard.key_field)
+                written += self.for_shard(shard).put(token_ids, shard.take(kv).contiguous())
+        return written
+
+    def store_chunk(self, key: str, chunk: EncodedChunk, shape: tuple[int, int, int], dtype: str) -> None:
+        """Store an encoded chunk (e.g. encoded in another process) under `key` (one of `keys()`):
+        its blobs, then its meta object (the commit marker lookups test for). shape: (layers,
+        kv_heads, head_dim) of the chunk's KV, dtype its name (kvcodec.dtypes)."""
+        if self.shard is not None:
+            self.shard.check_local(shape[1], "the chunk")
         self.store.put_many({blob_key(key, j): blob for j, blob in enumerate(chunk.blobs)})
         meta = ChunkMeta(
             index=chunk.index,
@@ -204,6 +251,8 @@ class PrefixCache:
             codec=self.codec.id,
         )
         self.store.put(meta_key(key), meta.to_bytes())
+
+    _store_chunk = store_chunk  # the name GroupedPrefixCache calls
 
     def drop_chunk(self, key: str) -> None:
         """Forget a stored chunk (its meta, the commit marker): lookups stop reporting it and the
@@ -264,6 +313,8 @@ class PrefixCache:
         capacity = out.capacity if isinstance(out, PagedKV) else (out.shape[2] if out is not None else n_tokens)
         if out is not None and (capacity < n_tokens or (isinstance(out, torch.Tensor) and out.dim() != 5)):
             raise ShapeError(f"out holds {capacity} tokens; {n_tokens} asked for")
+        if out is not None and self.shard is not None:
+            self.shard.check_local(out.pages.shape[4] if isinstance(out, PagedKV) else out.shape[3], "out")
         if n_tokens == 0:
             return self._result(stats, t0, out, 0, n_tokens, None)
         metas, keys, plan_error = self._plan(ids, n_tokens, deadline, stats)
@@ -359,6 +410,8 @@ class PrefixCache:
         ct = self.chunk_tokens
         if m.index != i or m.start_token != i * ct or m.tokens > ct or m.codec != self.codec.id:
             raise FormatError(f"chunk {i} meta does not match this cache's codec and chunking: {m}")
+        if self.shard is not None and m.shape[1] != self.shard.local_heads:
+            raise FormatError(f"chunk {i} meta has {m.shape[1]} KV heads; {self.shard} holds {self.shard.local_heads}")
         if len(m.sizes) != len(self.codec.resolutions):
             raise FormatError(
                 f"chunk {i} meta lists {len(m.sizes)} resolutions; the codec has {len(self.codec.resolutions)}"

@@ -3,11 +3,13 @@
 A prefix is split into chunks of `codec.chunk_tokens` tokens. Chunk i's key chains the previous
 key, so it names the whole prefix up to the chunk's end, not just the chunk's own tokens:
 
-    key_i = blake2b-256( key_{i-1} | model_id | codec.id [| namespace] | token ids of chunk i )
+    key_i = blake2b-256( key_{i-1} | model_id | codec.id [| namespace] [| heads] | token ids of chunk i )
 
 (each field length-prefixed, token ids as little-endian int64; key_{-1} is empty; codec.id names
 the codec and every setting that changes its bytes; an optional namespace, e.g. a tenant's salt,
-keeps tenants sharing a store from finding each other's prefixes). Store objects for chunk key K:
+keeps tenants sharing a store from finding each other's prefixes; a tensor-parallel shard's
+head range (fetcher.shards.TPShard.key_field, absent for all heads) keeps each rank's heads under
+keys of their own). Store objects for chunk key K:
 ``K/r{j}``: the chunk blob at `codec.resolutions[j]`, whose header carries K (so a blob served
 under another key is refused);  ``K/meta``: a small JSON object with the per-resolution blob
 sizes, shape and dtype. The meta object is written last, so its presence means every
@@ -21,13 +23,16 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ConfigError, FormatError, ShapeError
+
+if TYPE_CHECKING:
+    from kvcodec.fetcher.shards import TPShard
 
 META_VERSION = 1
 
@@ -75,15 +80,19 @@ def chunk_keys(
     *,
     partial: bool = True,
     namespace: str | None = None,
+    shard: TPShard | None = None,
 ) -> list[str]:
     """Keys of the chunks of `token_ids` (blake2b-256 hex, chained) for a ChunkCodec (or a
     CodecConfig: the HEVC codec). With `partial`, a last chunk shorter than `codec.chunk_tokens`
-    gets a key too (it matches only that exact tail)."""
+    gets a key too (it matches only that exact tail). With a `shard`, the keys of its KV heads."""
     ids = as_token_array(token_ids)
     ct = int(codec.chunk_tokens)
     head = _field(model_id.encode()) + _field(key_fingerprint(codec).encode())
     if namespace:
         head += _field(b"namespace:" + namespace.encode())
+    heads = shard.key_field if shard is not None else None
+    if heads:
+        head += _field(heads.encode())
     keys: list[str] = []
     prev = b""
     n = len(ids)
