@@ -338,3 +338,129 @@ def test_a_remembered_chunk_header_keeps_every_check(blob):
         parse_chunk(bytes(broken_crc))
     with pytest.raises(FormatError, match="version"):
         parse_chunk(blob[:4] + struct.pack("<H", 99) + blob[6:])
+
+
+# ---------------------------------------------------------------------------- split chunks (several streams)
+
+from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob  # noqa: E402
+from kvcodec.container import split  # noqa: E402
+from kvcodec.restore.paged import PagedKV  # noqa: E402
+
+SPLIT = CodecConfig(quant="int8", chunk_tokens=32, resolutions=((144, 144),), streams_per_chunk=3)
+
+
+@given(st.integers(1, 200), st.integers(1, 80))
+def test_layer_ranges_cover_every_layer_once_in_near_equal_runs(layers, parts):
+    ranges = split.layer_ranges(layers, parts)
+    assert len(ranges) == min(layers, parts)
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [e - s for s, e in ranges]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+@pytest.fixture(scope="module")
+def split_encoded(kv):
+    return kvcodec.encode(kv, SPLIT)
+
+
+@pytest.fixture(scope="module")
+def split_blob(kv):
+    return kvcodec.encode_chunks(kv, SPLIT)[1].blobs[0]
+
+
+def test_split_chunks_restore_the_same_values_as_one_stream(kv, encoded, split_encoded):
+    assert torch.equal(kvcodec.decode(split_encoded), kvcodec.decode(encoded))
+    info = kvcodec.inspect(split_encoded)["resolutions"]["144x144"]
+    assert [p["layers"] for p in info["parts"]] == [1, 1, 2]
+
+
+def test_a_split_chunk_restores_into_a_paged_cache_by_layer(kv, split_blob):
+    pages = torch.zeros(4, 2, 8, 16, 2, 64, dtype=torch.float16)
+    table = torch.tensor([7, 0, 3, 5, 1])  # the chunk's tokens 32..63 live in blocks 3 and 5
+    decode_chunk_blob(split_blob, out=PagedKV(pages, table))
+    dense = decode_chunk_blob(split_blob)
+    assert torch.equal(pages[:, :, 3], dense[:, :, :16]) and torch.equal(pages[:, :, 5], dense[:, :, 16:])
+    assert [tuple(t.pages.shape[:1]) for _, t in chunk_parts(split_blob, PagedKV(pages, table))] == [(1,), (1,), (2,)]
+
+
+def test_split_config_changes_the_codec_id_and_one_stream_keeps_the_old_dict():
+    from kvcodec.codecs import HevcCodec
+
+    assert "streams_per_chunk" not in CONFIG.to_dict()
+    assert SPLIT.to_dict()["streams_per_chunk"] == 3
+    assert HevcCodec(SPLIT).id != HevcCodec(CONFIG).id
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(kvcodec.errors.ConfigError):
+            CodecConfig(streams_per_chunk=bad)
+
+
+def _edit_part(blob: bytes, index: int, edit) -> bytes:
+    """`blob` with part `index`'s header edited consistently (every checksum recomputed)."""
+    h, payload = split.parse_split_header(blob)
+    parts, pos = [], 0
+    for p in h.parts:
+        parts.append(bytes(payload[pos : pos + p.length]))
+        pos += p.length
+    parts[index] = rewrite(parts[index], CHUNK_MAGIC, edit)
+    outer, _ = read_object(blob, split.SPLIT_MAGIC, "split")
+    for p, b in zip(outer["parts"], parts):
+        p["length"] = len(b)
+    return write_object(split.SPLIT_MAGIC, outer, parts)
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda h: h.__setitem__("chunk_index", 0), ["part 1", "chunk_index"]),
+        (lambda h: h.__setitem__("start_token", 0), ["start_token"]),
+        (lambda h: h.__setitem__("key", "another-prefix"), ["key"]),
+        (lambda h: h.__setitem__("resolution", [160, 160]), ["resolution"]),
+    ],
+)
+def test_a_part_that_is_not_this_chunk_is_refused(split_blob, edit, words):
+    bad = _edit_part(split_blob, 1, edit)
+    with pytest.raises(FormatError) as e:
+        decode_chunk_blob(bad)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda h: h["parts"][0].__setitem__("layers", 2), ["layers"]),
+        (lambda h: h["parts"].pop(), ["parts", "layers=4"]),
+        (lambda h: h["parts"][0].__setitem__("length", h["parts"][0]["length"] + 1), ["payload"]),
+        (lambda h: h.__setitem__("parts", h["parts"][:1]), ["parts"]),
+        (lambda h: h.__setitem__("split_version", 2), ["version"]),
+        (lambda h: h.__setitem__("extra", 1), ["unknown"]),
+        (lambda h: h.__setitem__("layers", 1 << 20), ["layers"]),
+    ],
+)
+def test_split_header_edits_are_refused_naming_the_problem(split_blob, edit, words):
+    bad = rewrite(split_blob, split.SPLIT_MAGIC, edit)
+    with pytest.raises(FormatError) as e:
+        decode_chunk_blob(bad)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_part_with_the_wrong_layer_count_is_refused(split_blob):
+    h, _ = read_object(split_blob, split.SPLIT_MAGIC, "split")
+    h["parts"][0]["layers"], h["parts"][2]["layers"] = 2, 1  # sums still match, parts do not
+    with pytest.raises(FormatError, match="holds 1 layers"):
+        decode_chunk_blob(rewrite(split_blob, split.SPLIT_MAGIC, lambda d: d.update(parts=h["parts"])))
+
+
+def test_every_truncation_and_byte_flip_of_a_split_chunk_is_an_error_or_exact(split_blob):
+    want = decode_chunk_blob(split_blob)
+    for n in range(0, len(split_blob), max(1, len(split_blob) // 97)):
+        with pytest.raises(KVCodecError):
+            decode_chunk_blob(split_blob[:n])
+    for pos in range(0, len(split_blob), max(1, len(split_blob) // 211)):
+        bad = bytearray(split_blob)
+        bad[pos] ^= 0x5A
+        try:
+            got = decode_chunk_blob(bytes(bad))
+        except KVCodecError:
+            continue
+        assert torch.equal(got, want), f"a flip at byte {pos} decoded to other values"

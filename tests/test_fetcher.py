@@ -210,6 +210,27 @@ def test_fetch_real_codec_roundtrip():
     assert torch.equal(r0.kv, r.kv)  # both resolutions decode to the same values
 
 
+def test_fetch_of_split_chunks_restores_what_one_stream_does():
+    """Chunks stored as several streams (a layer range each) fetch into the same values, under
+    their own codec id, and a damaged part stops the fetch at that chunk."""
+    kv, ids = make_kv(40, layers=3), ids_for(40)
+    one = PrefixCache(open_store("memory://"), "m", CFG, "cpu", profile=DecodeProfile.default(CFG.resolutions))
+    split_cfg = CodecConfig(**{**CFG.to_dict(), "streams_per_chunk": 2})
+    store = open_store("memory://")
+    cache = PrefixCache(store, "m", split_cfg, "cpu", profile=DecodeProfile.default(CFG.resolutions))
+    assert one.put(ids, kv) == 3 and cache.put(ids, kv) == 3
+    assert cache.codec_id != one.codec_id
+    want = one.fetch(ids, 40, policy="fixed:0").kv
+    got = cache.fetch(ids, 40, policy="fixed:0")
+    assert got.ok and torch.equal(got.kv, want)
+    key = blob_key(cache.keys(ids)[1], 0)
+    blob = bytearray(store.get(key))
+    blob[-10] ^= 0xFF  # inside the last part's video stream
+    store.put(key, bytes(blob))
+    r = cache.fetch(ids, 40, policy="fixed:0")
+    assert r.tokens_restored == 16 and isinstance(r.error, ChecksumError)
+
+
 def test_corrupt_chunk_stops_with_prefix(raw_cache):
     kv, ids = make_kv(100), ids_for(100)
     raw_cache.put(ids, kv)

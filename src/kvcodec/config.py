@@ -43,6 +43,9 @@ class CodecConfig:
     plain_fallback: a chunk whose coded blob is not smaller than its values (a few tokens) is
         stored plain instead: its values' own bytes, zstd-coded, restored bit for bit
         (kvcodec.container.plain). False always keeps the coded blob.
+    streams_per_chunk: each chunk as this many independent HEVC streams, one per contiguous
+        range of layers (at most one per layer), so one chunk decodes on several NVDEC engines at
+        once (kvcodec.container.split); 1 (the default) keeps one stream per chunk.
     """
 
     quant: str = "int8"
@@ -54,6 +57,7 @@ class CodecConfig:
     sample_coder: str = "hevc"
     video_bits: int | str = "auto"
     plain_fallback: bool = True
+    streams_per_chunk: int = 1
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:
@@ -66,6 +70,10 @@ class CodecConfig:
             raise ConfigError(f"video_bits must be 'auto' or an integer in 1..8; got {self.video_bits!r}")
         if not isinstance(self.plain_fallback, bool):
             raise ConfigError(f"plain_fallback must be True or False; got {self.plain_fallback!r}")
+        if isinstance(self.streams_per_chunk, bool) or not isinstance(self.streams_per_chunk, int):
+            raise ConfigError(f"streams_per_chunk must be an integer; got {self.streams_per_chunk!r}")
+        if not 1 <= self.streams_per_chunk <= 64:
+            raise ConfigError(f"streams_per_chunk must be in 1..64; got {self.streams_per_chunk}")
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
         if not self.resolutions:
@@ -102,6 +110,8 @@ class CodecConfig:
         d = dataclasses.asdict(self)
         d["resolutions"] = [list(r) for r in self.resolutions]
         d["layer_bits"] = list(self.layer_bits)
+        if self.streams_per_chunk == 1:
+            del d["streams_per_chunk"]  # single-stream configs keep their earlier dict (and codec ids)
         return d
 
     @classmethod

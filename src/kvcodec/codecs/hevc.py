@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
-from kvcodec.codecs.hevc_decode import decode_chunk_blob, decoder_name, inspect_chunk_blob
+from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob, decoder_name, inspect_chunk_blob
 from kvcodec.codecs.hevc_encode import encode_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import FORMAT_VERSION, PLAIN
@@ -116,7 +116,8 @@ class HevcCodec:
         if self.pool is not None and out.device == self.pool.device:
             from kvcodec.codecs.hevc_pool import restore_in_pool
 
-            restore_in_pool(self.pool, [blob], [out], restore=self.restore)
+            parts = chunk_parts(blob, out)
+            restore_in_pool(self.pool, [b for b, _ in parts], [t for _, t in parts], restore=self.restore)
             return out
         return decode_chunk_blob(blob, out=out, decoder=self.decoder, restore=self.restore)
 

@@ -14,8 +14,10 @@ import zstandard
 
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.hevc_encode import unit_bits
+from kvcodec.container import split
 from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, parse_chunk, split_streams
 from kvcodec.container.plain import plain_values
+from kvcodec.container.split import SplitHeader
 from kvcodec.dtypes import dtype_of
 from kvcodec.errors import CorruptStreamError, FormatError, ShapeError
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame
@@ -26,9 +28,35 @@ from kvcodec.restore.paged import PagedChunk, PagedKV
 from kvcodec.video.registry import get_decoder
 
 
-def inspect_chunk_blob(blob: bytes | memoryview) -> ChunkHeader:
-    """Parse and verify a chunk blob's header (not its streams)."""
+def inspect_chunk_blob(blob: bytes | memoryview) -> ChunkHeader | SplitHeader:
+    """Parse and verify a chunk blob's header (not its streams); a split chunk's header names
+    the whole chunk (its parts' headers: `part_headers`)."""
+    if split.is_split(blob):
+        return split.parse_split_header(blob)[0]
     return parse_chunk(blob)[0]
+
+
+def part_headers(blob: bytes | memoryview) -> list[ChunkHeader]:
+    """The chunk headers a blob holds: its own, or each part's of a split chunk."""
+    if split.is_split(blob):
+        return [h for h, _ in split.parse_split(blob)[1]]
+    return [parse_chunk(blob)[0]]
+
+
+def chunk_parts(blob: bytes | memoryview, out: Target) -> list[tuple[memoryview | bytes, Target]]:
+    """(part blob, its target) for each independently decodable stream of a chunk blob: the blob
+    and `out` itself, or each part of a split chunk with its layers of `out` (a view of a dense
+    target, or a PagedKV over those layers' pages). The parts' headers are checked here."""
+    if not split.is_split(blob):
+        return [(blob, out)]
+    h, parts = split.parse_split(blob)
+    dtype = dtype_of(h.dtype, "chunk blob dtype")
+    if isinstance(out, PagedKV):
+        out.check(h.shape, dtype, h.start_token)
+        return [(b, PagedKV(out.pages[a:e], out.block_table)) for (a, e), (_, b) in zip(h.layer_ranges(), parts)]
+    if tuple(out.shape) != h.shape or out.dtype != dtype:
+        raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; chunk holds {h.shape} {dtype}")
+    return [(b, out[a:e]) for (a, e), (_, b) in zip(h.layer_ranges(), parts)]
 
 
 def _side_params(h: ChunkHeader, streams, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +193,14 @@ def decode_chunk_blob(
     values are written there and `out` is returned; `out` may also be a PagedKV (blocks of a paged
     cache and the sequence's block table): the chunk then fills its tokens' slots, from its
     header's start_token. `restore` picks the frame restorer ("auto": the fused GPU kernel where
-    it applies; "torch"; "triton")."""
+    it applies; "torch"; "triton"). A split chunk's parts are restored one after the other
+    (an NvdecPool or NvcuvidThreads restores them in parallel: HevcCodec(pool=...))."""
+    if split.is_split(blob):
+        h = split.parse_split_header(blob)[0]
+        out, _ = _target(h, dtype_of(h.dtype, "chunk blob dtype"), device, out)
+        for part, target in chunk_parts(blob, out):
+            decode_chunk_blob(part, out=target, decoder=decoder, restore=restore)
+        return out
     h, payload = parse_chunk(blob)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
     if h.quant == PLAIN:
@@ -196,7 +231,9 @@ def _restore_plain(h: ChunkHeader, streams, device, out: Target | None) -> Targe
     return out
 
 
-def _target(h: ChunkHeader, dtype: torch.dtype, device, out: Target | None) -> tuple[Target, torch.device]:
+def _target(
+    h: ChunkHeader | SplitHeader, dtype: torch.dtype, device, out: Target | None
+) -> tuple[Target, torch.device]:
     """The checked output (allocated on `device` when None) and the device restoring into it."""
     if isinstance(out, PagedKV):
         out.check(h.shape, dtype, h.start_token)

@@ -11,6 +11,7 @@ KV (layers, 2, tokens, kv_heads, head_dim)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -19,8 +20,9 @@ import zstandard
 
 from kvcodec.codecs.base import EncodedChunk
 from kvcodec.config import CodecConfig
-from kvcodec.container import plain
-from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc32, write_object
+from kvcodec.container import plain, split
+from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc32, parse_chunk, write_object
+from kvcodec.container.split import layer_ranges
 from kvcodec.dtypes import DTYPE_NAMES
 from kvcodec.errors import ShapeError
 from kvcodec.layout.search import choose_plan, choose_video_bits
@@ -203,19 +205,21 @@ def encode_chunks(
     if keys is not None and len(keys) != n_chunks:
         raise ShapeError(f"{len(keys)} keys given for {n_chunks} chunks")
     encoder = encoder or get_encoder(preset=config.x265_preset)
-    plan = plan or plan_coding(kv, config, encoder)
+    groups = layer_ranges(kv.shape[0], config.streams_per_chunk)
+    if len(groups) > 1:
+        encode_one = _split_encoder(kv, config, encoder, groups)
+    else:
+        plan = plan or plan_coding(kv, config, encoder)
+        encode_one = functools.partial(_encode_chunk, config=config, plan=plan, encoder=encoder)
     out = []
     for n, start in enumerate(range(0, kv.shape[2], config.chunk_tokens)):
         x = kv[:, :, start : start + config.chunk_tokens]
         index = first_chunk_index + n
-        chunk = _encode_chunk(
+        chunk = encode_one(
             x,
-            config,
-            plan,
-            encoder,
-            index,
-            first_chunk_index * config.chunk_tokens + start,
-            None if keys is None else str(keys[n]),
+            index=index,
+            start_token=first_chunk_index * config.chunk_tokens + start,
+            key=None if keys is None else str(keys[n]),
         )
         out.append(chunk)
         if on_chunk:
@@ -223,7 +227,37 @@ def encode_chunks(
     return out
 
 
-def _encode_chunk(x, config, plan, encoder, index, start_token, key) -> EncodedChunk:
+def _split_encoder(kv: torch.Tensor, config: CodecConfig, encoder, groups) -> Callable[..., EncodedChunk]:
+    """A chunk encoder writing split chunk blobs (kvcodec.container.split): each layer group of
+    `groups` coded as a chunk of its own (its own coding plan, searched on its layers), the parts
+    joined per resolution. Plain fallback applies to the whole chunk, never to one part."""
+    part_configs = [
+        dataclasses.replace(config, layer_bits=config.layer_bits[a:b], streams_per_chunk=1, plain_fallback=False)
+        for a, b in groups
+    ]
+    plans = [plan_coding(kv[a:b], c, encoder) for (a, b), c in zip(groups, part_configs)]
+
+    def encode_one(x, *, index: int, start_token: int, key: str | None) -> EncodedChunk:
+        parts = [
+            _encode_chunk(x[a:b], config=c, plan=p, encoder=encoder, index=index, start_token=start_token, key=key)
+            for (a, b), c, p in zip(groups, part_configs, plans)
+        ]
+        blobs = []
+        for r in range(len(config.resolutions)):
+            part_blobs = [p.blobs[r] for p in parts]
+            blob = split.write_split(part_blobs, [parse_chunk(b)[0] for b in part_blobs])
+            if config.plain_fallback:
+                blob = plain.keep_smaller(
+                    blob, x, chunk_index=index, start_token=start_token, resolution=config.resolutions[r], key=key
+                )
+            blobs.append(blob)
+        coders = ",".join(dict.fromkeys(c for p in parts for c in p.encoder.split(",") if c))
+        return EncodedChunk(index, start_token, x.shape[2], config.resolutions, tuple(blobs), encoder=coders)
+
+    return encode_one
+
+
+def _encode_chunk(x, *, config, plan, encoder, index, start_token, key) -> EncodedChunk:
     """One chunk at every resolution of `plan`."""
     L, _, T, H, D = x.shape
     symbols = _symbols(x, config)

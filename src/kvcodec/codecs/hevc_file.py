@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import EncodedChunk, Target
-from kvcodec.codecs.hevc_decode import decode_chunk_blob, idle_decoders, inspect_chunk_blob
+from kvcodec.codecs.hevc_decode import decode_chunk_blob, idle_decoders, inspect_chunk_blob, part_headers
 from kvcodec.codecs.hevc_encode import encode_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import (
@@ -144,17 +144,21 @@ def _resolution_summary(fh: FileHeader, payload: memoryview, res, fp16_bytes: in
     blobs = [b for b in fh.blobs if b.resolution == tuple(res)]
     if not blobs:
         raise FormatError(f"kvcodec file lists resolution {res[0]}x{res[1]} but holds no blob at it")
-    headers = [inspect_chunk_blob(payload[b.offset : b.offset + b.length]) for b in blobs]
+    per_chunk = [part_headers(payload[b.offset : b.offset + b.length]) for b in blobs]
     total = sum(b.length for b in blobs)
     streams: dict[str, int] = {}
-    for h in headers:
+    for h in (h for parts in per_chunk for h in parts):
         for s in h.streams:
             streams[s.name] = streams.get(s.name, 0) + s.length
-    return {
+    first = per_chunk[0]
+    summary = {
         "bytes": total,
         "ratio_vs_fp16": fp16_bytes / total if total else 0.0,
         "streams": streams,
-        "layout": headers[0].layout,
-        "frames_per_chunk": headers[0].frames,
-        "video_bits": headers[0].video_bits,
+        "layout": first[0].layout,
+        "frames_per_chunk": sum(h.frames for h in first),
+        "video_bits": first[0].video_bits,
     }
+    if len(first) > 1:  # split chunks: each part has its own layout and video bits
+        summary["parts"] = [{"layers": h.layers, "layout": h.layout, "video_bits": h.video_bits} for h in first]
+    return summary

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.hevc import HevcCodec
-from kvcodec.codecs.hevc_decode import decode_chunk_blob, inspect_chunk_blob
+from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob, inspect_chunk_blob
 from kvcodec.codecs.hevc_file import file_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES
@@ -78,7 +78,8 @@ def decode_parallel(
 ) -> torch.Tensor:
     """Decode a kvcodec file (.kvc bytes) on `pool`'s GPU, its chunks in parallel, each restored
     frame by frame into its token range of the output KV tensor (see decode_blobs_parallel)."""
-    out, jobs = file_chunks(data, pool.device, resolution=resolution, out=out)
+    out, chunks = file_chunks(data, pool.device, resolution=resolution, out=out)
+    jobs = [part for blob, target in chunks for part in chunk_parts(blob, target)]
     decode_blobs_parallel(
         [b for b, _ in jobs], [t for _, t in jobs], pool, threads=threads, restore=restore, where=where
     )

@@ -363,7 +363,9 @@ def _read_head(data: bytes | memoryview, magic: bytes, what: str) -> tuple[memor
         raise FormatError(f"not a {what} ({len(view)} bytes)")
     got_magic, version, head_len = _PREFIX.unpack_from(view, 0)
     if got_magic != magic:
-        other = {CHUNK_MAGIC: "chunk blob", FILE_MAGIC: "kvcodec file (.kvc)"}.get(got_magic)
+        other = {CHUNK_MAGIC: "chunk blob", FILE_MAGIC: "kvcodec file (.kvc)", b"KVCS": "split chunk blob"}.get(
+            got_magic
+        )
         hint = f"; it is a {other}" if other else ""
         raise FormatError(f"not a {what}: magic {got_magic!r}, expected {magic!r}{hint}")
     if version not in READABLE_VERSIONS:

@@ -1,0 +1,170 @@
+"""Split chunk blobs (docs/FORMAT.md): one chunk as several independent chunk blobs, one per
+contiguous range of layers, so that a chunk decodes on several NVDEC engines at once.
+
+    container framing (format.py), magic "KVCS"; JSON header:
+    {"format": "kvcodec-split-chunk", "split_version": 1, "layers", "kv_heads", "head_dim",
+     "dtype", "chunk_index", "start_token", "tokens", "quant", "resolution", ["key"],
+     "parts": [{"layers", "length"}, ...]}     payload: the parts' chunk blobs (magic "KVCC"), in
+                                              layer order, part p covering the layers after part p-1
+
+Each part is a complete chunk blob of its layers with its own header, checksums and video stream;
+its header must repeat the split header's chunk index, first token, tokens, heads, head_dim, dtype,
+quantization, resolution and key. The parts' own checksums cover every payload byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kvcodec.container import validate as v
+from kvcodec.container.format import CHUNK_QUANTS, ChunkHeader, parse_chunk, read_object, write_object
+from kvcodec.errors import FormatError, TruncatedError
+
+SPLIT_MAGIC = b"KVCS"
+SPLIT_VERSION = 1
+FORMAT_NAME = "kvcodec-split-chunk"
+MAX_PARTS = 64
+
+
+def layer_ranges(layers: int, parts: int) -> tuple[tuple[int, int], ...]:
+    """`parts` contiguous, near-equal [start, end) ranges covering `layers` layers (fewer when
+    there are fewer layers than parts; the larger ranges come last)."""
+    n = max(1, min(parts, layers))
+    bounds = [layers * i // n for i in range(n + 1)]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPart:
+    layers: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitHeader:
+    """What a split chunk blob's header says: the whole chunk's identity, and its parts."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    chunk_index: int
+    start_token: int
+    tokens: int
+    quant: str
+    resolution: tuple[int, int]
+    parts: tuple[SplitPart, ...]
+    key: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.tokens, self.kv_heads, self.head_dim)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(p.length for p in self.parts)
+
+    @property
+    def decoded_bytes(self) -> int:
+        return math.prod(self.shape) * v.DTYPE_BYTES[self.dtype]
+
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        out, start = [], 0
+        for p in self.parts:
+            out.append((start, start + p.layers))
+            start += p.layers
+        return tuple(out)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["parts"] = [dataclasses.asdict(p) for p in self.parts]
+        if d["key"] is None:
+            del d["key"]
+        d["format"] = FORMAT_NAME
+        d["split_version"] = SPLIT_VERSION
+        return d
+
+
+_PART = v.record({"layers": v.integer(1, v.MAX_DIM), "length": v.integer(1, 1 << 40)}, SplitPart)
+_FIELDS = {
+    "layers": v.integer(1, v.MAX_DIM),
+    "kv_heads": v.integer(1, v.MAX_DIM),
+    "head_dim": v.integer(1, v.MAX_DIM),
+    "dtype": v.choice(tuple(v.DTYPE_BYTES)),
+    "chunk_index": v.integer(0, v.MAX_TOKENS),
+    "start_token": v.integer(0, v.MAX_TOKENS),
+    "tokens": v.integer(1, v.MAX_TOKENS),
+    "quant": v.choice(CHUNK_QUANTS),
+    "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
+    "parts": v.listing(_PART, 2, MAX_PARTS),
+    "key": v.text(512, optional=True),
+}
+# the fields a part's own header must repeat
+_SHARED = ("kv_heads", "head_dim", "dtype", "chunk_index", "start_token", "tokens", "quant", "resolution", "key")
+
+
+def is_split(blob: bytes | memoryview) -> bool:
+    return bytes(memoryview(blob)[:4]) == SPLIT_MAGIC
+
+
+def write_split(parts: list[bytes], headers: list[ChunkHeader]) -> bytes:
+    """The split chunk blob of `parts` (chunk blobs of consecutive layer ranges, first layer first)."""
+    first = headers[0]
+    h = SplitHeader(
+        layers=sum(p.layers for p in headers),
+        kv_heads=first.kv_heads,
+        head_dim=first.head_dim,
+        dtype=first.dtype,
+        chunk_index=first.chunk_index,
+        start_token=first.start_token,
+        tokens=first.tokens,
+        quant=first.quant,
+        resolution=tuple(first.resolution),
+        parts=tuple(SplitPart(ph.layers, len(b)) for ph, b in zip(headers, parts)),
+        key=first.key,
+    )
+    return write_object(SPLIT_MAGIC, h.to_json(), parts)
+
+
+def parse_split_header(blob: bytes | memoryview) -> tuple[SplitHeader, memoryview]:
+    """A split blob's verified header and its payload (the parts, not yet verified)."""
+    d, payload = read_object(blob, SPLIT_MAGIC, "split kvcodec chunk blob")
+    if d.get("format") != FORMAT_NAME or d.get("split_version") != SPLIT_VERSION:
+        raise FormatError(
+            f"split chunk version {d.get('split_version')!r} is not one this build reads ({SPLIT_VERSION})"
+        )
+    extra = sorted(set(d) - set(_FIELDS) - {"format", "split_version"})
+    if extra:
+        raise FormatError(f"split chunk header has unknown fields {extra}")
+    fields = v.fields_of({k: d[k] for k in d if k in _FIELDS}, _FIELDS, {"key": None})
+    h = SplitHeader(**fields)
+    if sum(p.layers for p in h.parts) != h.layers:
+        raise v.fail("parts", [p.layers for p in h.parts], f"layer counts adding up to layers={h.layers}")
+    need = h.payload_bytes
+    if len(payload) != need:
+        raise (TruncatedError if len(payload) < need else FormatError)(
+            f"split chunk payload has {len(payload)} bytes; its parts take {need}"
+        )
+    v.check_expansion(h.decoded_bytes, len(payload), f"split chunk {h.chunk_index}")
+    return h, payload
+
+
+def parse_split(blob: bytes | memoryview) -> tuple[SplitHeader, list[tuple[ChunkHeader, memoryview]]]:
+    """A split blob's header and, per part, its verified header and whole blob. Every part's
+    header must be the chunk's own (same identity fields) over its layer count."""
+    h, payload = parse_split_header(blob)
+    parts, pos = [], 0
+    for i, p in enumerate(h.parts):
+        part = payload[pos : pos + p.length]
+        pos += p.length
+        ph = parse_chunk(part)[0]
+        for name in _SHARED:
+            got, want = getattr(ph, name), getattr(h, name)
+            if (tuple(got) if name == "resolution" else got) != want:
+                raise FormatError(f"split chunk part {i} says {name}={got!r}; the chunk says {want!r}")
+        if ph.layers != p.layers:
+            raise FormatError(f"split chunk part {i} holds {ph.layers} layers; the chunk lists {p.layers}")
+        parts.append((ph, part))
+    return h, parts
