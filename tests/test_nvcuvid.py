@@ -238,3 +238,30 @@ def test_threads_stand_where_an_nvdec_pool_does():
         restore_in_pool(dec, blobs, outs)
         torch.cuda.synchronize()
     assert torch.equal(out.cpu(), ref)
+
+
+@needs_nvcuvid
+@pytest.mark.gpu
+def test_split_chunks_restore_their_parts_on_several_sessions_exactly():
+    import kvcodec
+    from kvcodec.codecs import HevcCodec
+    from kvcodec.restore.paged import PagedKV
+    from kvcodec.video.nvcuvid_threads import NvcuvidThreads
+
+    gen = torch.Generator().manual_seed(2)
+    kv = (torch.randn((5, 2, 256, 2, 64), generator=gen) * 0.5).to(torch.float16)
+    one = kvcodec.CodecConfig(quant="int8", chunk_tokens=128, resolutions=((256, 256),))
+    split = kvcodec.CodecConfig(**{**one.to_dict(), "streams_per_chunk": 3})
+    ref = kvcodec.decode(kvcodec.encode(kv, one))
+    blobs = [c.blobs[0] for c in kvcodec.encode_chunks(kv, split)]
+    out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+    pages = torch.zeros((5, 2, 8, 64, 2, 64), dtype=kv.dtype, device="cuda")
+    table = torch.tensor([6, 1, 4, 0], device="cuda")
+    with NvcuvidThreads(sessions=3) as dec:
+        codec = HevcCodec(split, pool=dec)
+        for i, blob in enumerate(blobs):
+            codec.decode_chunk(blob, out[:, :, i * 128 : (i + 1) * 128])
+            codec.decode_chunk(blob, PagedKV(pages, table))
+        torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), ref)
+    assert torch.equal(PagedKV(pages, table).gather(0, 256).cpu(), ref)
