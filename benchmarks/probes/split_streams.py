@@ -157,6 +157,7 @@ def fetch_records(sp: Split, threads, ids, args, store, rates, want: torch.Tenso
     from kvcodec.fetcher.profile import DecodeProfile
 
     codec = HevcCodec(sp.config, pool=threads)
+    sync = torch.cuda.synchronize if want.is_cuda else (lambda: None)
     recs = []
     for rate in rates:
         link = ThrottledStore(store, rate) if rate > 0 else store
@@ -164,7 +165,7 @@ def fetch_records(sp: Split, threads, ids, args, store, rates, want: torch.Tenso
             link,
             "split-probe",
             codec,
-            "cuda",
+            want.device,
             policy="fixed:0",
             max_inflight=args.max_inflight,
             decode_workers=args.decode_workers,
@@ -173,11 +174,11 @@ def fetch_records(sp: Split, threads, ids, args, store, rates, want: torch.Tenso
         pc.fetch(ids, args.fetch_tokens)
         runs = []
         for _ in range(args.repeats):
-            out = torch.empty(want.shape, dtype=torch.float16, device="cuda")
-            torch.cuda.synchronize()
+            out = torch.empty(want.shape, dtype=torch.float16, device=want.device)
+            sync()
             t = time.perf_counter()
             r = pc.fetch(ids, args.fetch_tokens, out=out)
-            torch.cuda.synchronize()
+            sync()
             runs.append((time.perf_counter() - t, r, out))
         runs.sort(key=lambda x: x[0])
         fetch_s, r, out = runs[len(runs) // 2]
