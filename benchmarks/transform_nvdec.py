@@ -1,34 +1,47 @@
 #!/usr/bin/env python3
-"""Restore of transform-coded KV through NVDEC: decode -> dequantize -> inverse transform (one
-GEMM per layer group and K/V) -> RoPE -> a dense fp16 KV tensor on the GPU.
+"""Restore of transform-coded KV through NVDEC, inverse transform included, in one process and
+one CUDA context (NvcuvidThreads): NVDEC decode -> batched restore (restore.transform_kernels:
+gather, one GEMM over every (group, K|V) block, RoPE, cast) -> dense fp16 KV on the GPU.
 
-    # on a CPU machine: encode (x265) a KV file at several target ratios into transform-coded files
-    python benchmarks/transform_nvdec.py prep --kvt M.kvt --kv KV.safetensors --ratios 6,8,10 --dir D
-    # on the GPU machine: time the restore
-    python benchmarks/transform_nvdec.py run --kvt M.kvt --dir D --processes 1,4,7 --out STEM
+    # on a CPU machine: transform-coded files (x265) and CPU references
+    python benchmarks/transform_nvdec.py prep --kvt M.kvt --kv KV.safetensors --ratios 5,8 \\
+        --resolutions 1024x1024,512x512 --dir D
+    # on the GPU machine
+    python benchmarks/transform_nvdec.py run --dir D --threads 7x7,7x14 --out STEM
 
-`run` times one decoder in this process (chunk after chunk into one tensor), and N processes
-each with its own NVDEC decoder restoring every chunk into its own tensor (aggregate rate of
-fp16-equivalent KV restored). It checks the NVDEC restore against the same integers coded with
-zstd and restored on the GPU without video (equal up to GEMM rounding), and times the dense
-stages (dequantize, GEMMs, RoPE) alone.
+prep writes the files, the calibration with each basis cut to the coordinates any file codes
+(`transform.pack.safetensors`, so the data travels light; the codec still checks the .kvt hash),
+the sha256 of every chunk's samples as the CPU's FFmpeg decodes them, and the CPU restore of the
+first chunk of the first file. run checks NVDEC's samples against those hashes and the GPU restore
+against the CPU's, then measures per file: NVDEC decode alone (7 threads), the full restore with
+N sessions x M threads (restored GB/s of fp16-equivalent KV, coded Gbit/s, the GPU memory the
+backend holds), a bf16 matmul's slowdown beside each, and the restore kernels alone (GPU time per
+chunk by CUDA events, host time per chunk, and their own cost to the matmul).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
-import multiprocessing as mp
+import pathlib
 import platform
 import shlex
 import sys
+import threading
 import time
-from pathlib import Path
 
 import click
 import torch
 
+PACK = "transform.pack.safetensors"
+REF_TOKENS = 128  # leading tokens of the first chunk's CPU restore kept as the reference
 
-def _chunks(data: bytes):
+
+# ------------------------------------------------------------------------------------ shared
+
+
+def _chunks(data: bytes) -> tuple[dict, list[bytes]]:
     from kvcodec.codecs.transform_file import read_header
 
     h, payload = read_header(data)
@@ -39,58 +52,82 @@ def _chunks(data: bytes):
     return h, blobs
 
 
-def _restore_all(codec, blobs, shape, device, repeat=1):
-    out = torch.empty(shape, dtype=torch.float16, device=device)
-    t = codec.chunk_tokens
-    for _ in range(repeat):
-        for i, b in enumerate(blobs):
-            codec.decode_chunk(b, out[:, :, i * t : (i + 1) * t])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return out
+def _sample_count(codec, h: dict) -> int:
+    return codec.plan(float(h["theta"]), float(h["key_weight"])).steps.numel() * h["tokens"]
 
 
-def _worker(kvt, blobs, shape, repeat, barrier, q):
-    from kvcodec.codecs.transform import TransformCodec
+def _samples(codec, blob: bytes, decoder, device) -> torch.Tensor:
+    from kvcodec.transform import frames
 
-    codec = TransformCodec(kvt)
-    dev = torch.device("cuda")
-    _restore_all(codec, blobs[:1], (shape[0], 2, codec.chunk_tokens, shape[3], shape[4]), dev)  # session, bases
-    barrier.wait()
-    t0 = time.perf_counter()
-    _restore_all(codec, blobs, shape, dev, repeat)
-    q.put((t0, time.perf_counter()))
-
-
-def pool_rate(kvt, blobs, shape, processes, repeat) -> float:
-    ctx = mp.get_context("spawn")
-    barrier, q = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(kvt, blobs, shape, repeat, barrier, q)) for _ in range(processes)]
-    for p in procs:
-        p.start()
-    spans = [q.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join()
-    elapsed = max(e for _, e in spans) - min(s for s, _ in spans)
-    return 2 * torch.Size(shape).numel() * repeat * processes / elapsed / 1e9
-
-
-def dense_stage_ms(codec, blob, device, repeat=20) -> float:
-    """ms per chunk of dequantize + GEMMs + RoPE, the decoded samples already on the GPU."""
     h, streams = codec._read(blob)
-    count = codec.plan(h["theta"], h["key_weight"]).steps.numel() * h["tokens"]
-    samples = codec._restorer._samples(h, streams, count, device)
-    codec._restorer._samples = lambda *a, **k: samples
-    try:
-        codec._restorer._restore(h, streams, device)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            codec._restorer._restore(h, streams, device)
-        torch.cuda.synchronize()
-        return 1e3 * (time.perf_counter() - t0) / repeat
-    finally:
-        del codec._restorer._samples
+    w, hh = h["resolution"]
+    count = _sample_count(codec, h)
+    return frames.from_frames(decoder.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def load_pack(path: pathlib.Path):
+    """A TransformCodec over the cut calibration prep wrote (bases as wide as any file codes)."""
+    from safetensors import safe_open
+
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
+    from kvcodec.transform.rope import RopeSpec
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        groups = tuple(tuple(g) for g in json.loads(meta["groups"]))
+        bases = {
+            (g, k): GroupBasis(*(f.get_tensor(f"g{g}.{k}.{n}") for n in ("mean", "basis", "variances")))
+            for g in range(len(groups))
+            for k in KINDS
+        }
+    layers, heads, dim = json.loads(meta["shape"])
+    rope = json.loads(meta["rope"])
+    cal = Calibration(layers, heads, dim, RopeSpec.from_dict(rope) if rope else None, groups, bases, {})
+    return TransformCodec(cal, kvt_hash=meta["kvt_hash"])
+
+
+# -------------------------------------------------------------------------------------- prep
+
+
+def _write_pack(cal, kvt_hash: str, widths: list[int], path: pathlib.Path) -> None:
+    from safetensors.torch import save_file
+
+    from kvcodec.transform.calibration import KINDS
+
+    tensors = {}
+    for j, (g, k) in enumerate((g, k) for g in range(len(cal.groups)) for k in KINDS):
+        b = cal.basis(g, k)
+        tensors[f"g{g}.{k}.mean"] = b.mean.contiguous()
+        tensors[f"g{g}.{k}.basis"] = b.basis[:, : max(widths[j], 1)].contiguous()
+        tensors[f"g{g}.{k}.variances"] = b.variances.contiguous()
+    meta = {
+        "kvt_hash": kvt_hash,
+        "shape": json.dumps([cal.layers, cal.kv_heads, cal.head_dim]),
+        "rope": json.dumps(cal.rope.to_dict() if cal.rope else None),
+        "groups": json.dumps([list(g) for g in cal.groups]),
+    }
+    save_file(tensors, str(path), metadata=meta)
+
+
+def _existing(out: pathlib.Path) -> tuple[dict, list | None, object]:
+    """Hashes and basis widths of an earlier prep into the same folder (a later prep adds files)."""
+    from safetensors import safe_open
+
+    from kvcodec.video.registry import get_decoder
+
+    hashes = json.loads((out / "hashes.json").read_text()) if (out / "hashes.json").exists() else {}
+    widths = None
+    if (out / PACK).exists():
+        with safe_open(str(out / PACK), "pt") as f:
+            basis = [k for k in f.keys() if k.endswith(".basis")]  # noqa: SIM118 - safe_open is no dict
+            names = sorted(basis, key=lambda k: (int(k[1:].split(".")[0]), k))
+            widths = [f.get_slice(k).get_shape()[1] for k in names]
+    return hashes, widths, get_decoder("cpu")
 
 
 @click.group()
@@ -101,78 +138,328 @@ def cli():
 @cli.command()
 @click.option("--kvt", required=True)
 @click.option("--kv", "kv_path", required=True)
-@click.option("--ratios", default="6,8,10")
-@click.option("--resolution", default="1024x1024")
+@click.option("--ratios", default="5,8")
+@click.option("--resolutions", default="1024x1024,512x512")
+@click.option("--tokens", default=2048, help="leading tokens of the KV file coded")
 @click.option("--dir", "out_dir", required=True)
-def prep(kvt, kv_path, ratios, resolution, out_dir):
-    from safetensors.torch import load_file
+def prep(kvt, kv_path, ratios, resolutions, tokens, out_dir):
+    from safetensors.torch import load_file, save_file
 
     from kvcodec.codecs.transform import TransformCodec
     from kvcodec.codecs.transform_file import encode_file
 
     kv = load_file(kv_path)["kv"]
-    kv = kv[:, :, : kv.shape[2] // 256 * 256].contiguous()
-    w, h = (int(x) for x in resolution.split("x"))
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    for r in ratios.split(","):
-        codec = TransformCodec(kvt, target_ratio=float(r), resolutions=((w, h),))
-        data = encode_file(kv, codec)
-        (Path(out_dir) / f"hevc-r{r}.kvc").write_bytes(data)
-        theta = codec.header(_chunks(data)[1][0])["theta"]
-        z = encode_file(kv, TransformCodec(kvt, theta=theta, coder="zstd"))
-        (Path(out_dir) / f"zstd-r{r}.kvc").write_bytes(z)
-        print(f"r{r}: hevc {kv.numel() * 2 / len(data):.2f}x, zstd on the same integers {kv.numel() * 2 / len(z):.2f}x")
+    kv = kv[:, :, : min(tokens, kv.shape[2]) // 256 * 256].contiguous()
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hashes, widths, cpu = _existing(out)
+    for res in resolutions.split(","):
+        w, h = (int(x) for x in res.split("x"))
+        for r in ratios.split(","):
+            codec = TransformCodec(kvt, target_ratio=float(r), resolutions=((w, h),))
+            data = encode_file(kv, codec)
+            name = f"hevc-r{r}-{res}"
+            (out / f"{name}.kvc").write_bytes(data)
+            _, blobs = _chunks(data)
+            hashes[name] = [_sha(_samples(codec, b, cpu, "cpu")) for b in blobs]
+            counts = codec.plan(codec.header(blobs[0])["theta"], codec.key_weight).counts
+            widths = [max(a, b) for a, b in zip(widths or counts, counts)]
+            if not (out / "reference.safetensors").exists():  # the CPU restore of the first chunk
+                ref = torch.empty((kv.shape[0], 2, 256, kv.shape[3], kv.shape[4]), dtype=kv.dtype)
+                codec.decode_chunk(blobs[0], ref)
+                ref = ref[:, :, :REF_TOKENS].contiguous()  # sink, escapes and RoPE in a fraction of the bytes
+                save_file({"kv": ref}, str(out / "reference.safetensors"), metadata={"file": name})
+            print(f"{name}: {kv.numel() * 2 / len(data):.2f}x, coded coordinates {sum(counts)}", flush=True)
+    _write_pack(codec.cal, codec.kvt_hash, widths, out / PACK)
+    (out / "hashes.json").write_text(json.dumps(hashes, indent=1) + "\n")
+
+
+# --------------------------------------------------------------------------------------- run
+
+
+class Case:
+    """A file's chunk blobs replicated to `copies` jobs, each restoring into its own tensor."""
+
+    def __init__(self, path: pathlib.Path, codec, copies: int):
+        h, self.blobs = _chunks(path.read_bytes())
+        self.name, self.shape = path.stem, tuple(h["shape"])
+        self.headers = [codec.header(b) for b in self.blobs]
+        L, _, _, H, D = self.shape
+        reps = [i % len(self.blobs) for i in range(copies)]
+        self.job_blobs = [self.blobs[i] for i in reps]
+        self.outs = [
+            torch.empty((L, 2, self.headers[i]["tokens"], H, D), dtype=torch.float16, device="cuda") for i in reps
+        ]
+        self.fp16_bytes = sum(o.numel() * 2 for o in self.outs)
+        self.blob_bytes = sum(len(b) for b in self.job_blobs)
+        self.videos = [bytes(codec._read(b)[1]["video"]) for b in self.job_blobs]
+        self.video_bytes = sum(map(len, self.videos))
+        self.frames = sum(self.headers[i]["frames"] for i in reps)
+        self.ratio = 2 * torch.Size(self.shape).numel() / sum(map(len, self.blobs))
+        self.bits_per_value = 8 * sum(map(len, self.blobs)) / torch.Size(self.shape).numel()
+
+    def rates(self, seconds: float) -> dict:
+        return {
+            "restored_gb_per_s": round(self.fp16_bytes / seconds / 1e9, 3),
+            "coded_gbit_per_s": round(self.video_bytes * 8 / seconds / 1e9, 3),
+            "blob_gbit_per_s": round(self.blob_bytes * 8 / seconds / 1e9, 3),
+            "frames_per_s": round(self.frames / seconds, 1),
+        }
+
+
+def check_exact(codec, case: Case, hashes: dict, reference: dict) -> dict:
+    """NVDEC samples vs the CPU's FFmpeg (sha256 per chunk); GPU restore vs the CPU restore."""
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    dec = NvcuvidDecoder(0)
+    got = [_sha(_samples(codec, b, dec, "cuda")) for b in case.blobs]
+    dec.close()
+    rec = {"samples_exact_vs_cpu": got == hashes.get(case.name), "chunks_checked": len(got)}
+    if reference.get("file") == case.name:
+        L, _, _, H, D = case.shape
+        out = torch.empty((L, 2, case.headers[0]["tokens"], H, D), dtype=torch.float16, device="cuda")
+        codec.decode_chunk(case.blobs[0], out)
+        out = out[:, :, : reference["kv"].shape[2]]
+        diff = (out.cpu().float() - reference["kv"].float()).abs()
+        rec["restore_vs_cpu_max_abs"] = float(diff.max())
+        rec["restore_vs_cpu_within_fp16_ulp"] = bool(
+            torch.allclose(out.cpu().float(), reference["kv"].float(), rtol=2**-10, atol=2**-12)
+        )
+    return rec
+
+
+def kernel_times(codec, case: Case, repeat: int = 200) -> dict:
+    """The restore math alone, samples already on the GPU: GPU ms per chunk (CUDA events; the
+    batched path and the per-group reference path) and host ms per chunk (launch-bound)."""
+    from kvcodec.codecs import transform_decode
+    from kvcodec.restore import transform_kernels as tk
+    from kvcodec.transform import quantize
+
+    r = codec._restorer
+    h, streams = codec._read(case.blobs[1 % len(case.blobs)])
+    L, H, D = h["shape"]
+    t = h["tokens"]
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    dec = NvcuvidDecoder(0)
+    C = codec.plan(float(h["theta"]), float(h["key_weight"])).steps.numel()
+    samples = _samples(codec, case.blobs[1 % len(case.blobs)], dec, "cuda").view(C, t)
+    dec.close()
+    esc = quantize.unpack_escapes(transform_decode.unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
+    dev = torch.device("cuda")
+    bp = r._batched_plan(h, dev)
+    out = torch.empty((L, 2, t, H, D), dtype=torch.float16, device=dev)
+
+    def batched():
+        tk.emit(tk.restore(bp, samples, esc, (L, H, D, t), r._rope_tables.get(dev), h["start_token"]), out)
+
+    def reference():
+        r._samples = lambda *a, **k: samples.reshape(-1)
+        try:
+            out.copy_(r._restore(h, streams, dev))
+        finally:
+            del r._samples
+
+    rec = {"escapes_in_chunk": int(h["escapes"]), "coded_coordinates": C}
+    for name, fn in (("batched", batched), ("reference", reference)):
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(repeat):
+            fn()
+        end.record()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        rec[f"{name}_gpu_ms_per_chunk"] = round(start.elapsed_time(end) / repeat, 4)
+        rec[f"{name}_host_ms_per_chunk"] = round(1e3 * host / repeat, 4)
+    try:
+        rec["batched_graph_gpu_ms_per_chunk"] = _graph_ms(batched, repeat)
+    except Exception as e:  # noqa: BLE001 - capture is a probe here, not the product's path
+        rec["batched_graph_error"] = repr(e)
+    rec["_batched_fn"] = batched
+    return rec
+
+
+def _graph_ms(fn, repeat: int) -> float:
+    """GPU ms per call of fn's kernels replayed from a CUDA graph (no launch gaps)."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / repeat, 4)
+
+
+def measure_threads(probe, codec, case: Case, sessions: int, threads: int, secs: tuple, alone: float) -> dict:
+    from kvcodec.codecs.transform_decode import threads_decode_into
+    from kvcodec.video.nvcuvid_threads import NvcuvidThreads
+
+    into = threads_decode_into(codec)
+    before = probe.free_mb()
+    dec = NvcuvidThreads(sessions, threads=threads, device=0)
+    h0 = case.headers[0]
+    L, _, _, H, D = case.shape
+    dec.warm_up(lambda d: codec.decode_chunk(case.blobs[0], case.outs[0][:, :, : h0["tokens"]], decoder=d))
+    time.sleep(0.2)
+    rec = {
+        "backend": f"nvcuvid-threads:{sessions}x{threads}",
+        "sessions": sessions,
+        "threads": threads,
+        "cuda_contexts": 1,
+        "standing_mb": round(before - probe.free_mb(), 1),
+    }
+
+    side = torch.cuda.Stream()  # the consumer's stream: waiting for the restore never blocks the matmul's
+
+    def run():
+        with torch.cuda.stream(side):
+            dec.restore_blobs(case.job_blobs, case.outs, synchronize=True, decode_into=into)
+
+    try:
+        rec.update(case.rates(probe.timed(run, secs[0])))
+        if secs[1] > 0:
+            rec.update(probe.interference(run, secs[1], alone))
+            rec["restored_gb_per_s_under_matmul"] = round(case.fp16_bytes / rec["call_s_during"] / 1e9, 3)
+    finally:
+        dec.close()
+    return rec
+
+
+def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> dict:
+    """The restore kernels alone, looping on their own stream beside the matmul."""
+    stream = torch.cuda.Stream()
+
+    def loop():
+        with torch.cuda.stream(stream):
+            for _ in range(50):
+                fn()
+        stream.synchronize()
+
+    rec = probe.interference(loop, seconds, alone)
+    chunk_bytes = case.outs[0].numel() * 2 * 50
+    return {
+        "backend": "batched-kernels",
+        "cuda_contexts": 1,
+        "matmul_slowdown": rec["matmul_slowdown"],
+        "matmul_tflops": rec["matmul_tflops"],
+        "kernels_gb_per_s_under_matmul": round(chunk_bytes / rec["call_s_during"] / 1e9, 3),
+    }
 
 
 @cli.command()
-@click.option("--kvt", required=True)
 @click.option("--dir", "in_dir", required=True)
-@click.option("--processes", default="1,4,7")
-@click.option("--repeat", default=3)
+@click.option("--threads", "thread_specs", default="7x7,7x14", help="SESSIONSxTHREADS, comma-separated")
+@click.option("--copies", default=56, help="chunk jobs per timed call (chunks replicated)")
+@click.option("--seconds", default=2.0)
+@click.option("--interference-seconds", default=4.0)
+@click.option("--only", default="", help="comma-separated file stems (default: every hevc-*.kvc)")
 @click.option("--out", "out_stem", required=True)
-def run(kvt, in_dir, processes, repeat, out_stem):
-    from kvcodec.codecs.transform import TransformCodec
+def run(in_dir, thread_specs, copies, seconds, interference_seconds, only, out_stem):
+    from safetensors import safe_open
 
-    records = []
-    dev = torch.device("cuda")
-    for path in sorted(Path(in_dir).glob("hevc-r*.kvc")):
-        h, blobs = _chunks(path.read_bytes())
-        zpath = path.parent / path.name.replace("hevc", "zstd")
-        shape = tuple(h["shape"])
-        codec = TransformCodec(kvt)
-        gpu = _restore_all(codec, blobs, shape, dev)  # also warms the decoder session
-        if zpath.exists():  # the same integers without video: equal up to GEMM rounding
-            via_zstd = _restore_all(codec, _chunks(zpath.read_bytes())[1], shape, dev)
-            diff = float((gpu.float() - via_zstd.float()).abs().max())
-        else:
-            diff = None
-        t0 = time.perf_counter()
-        _restore_all(codec, blobs, shape, dev, repeat)
-        one = 2 * torch.Size(shape).numel() * repeat / (time.perf_counter() - t0) / 1e9
-        size = sum(map(len, blobs))
-        rec = dict(
-            file=path.name,
-            ratio_vs_fp16=round(2 * torch.Size(shape).numel() / size, 3),
-            bits_per_value=round(8 * size / torch.Size(shape).numel(), 3),
-            shape=list(shape),
-            nvdec_vs_zstd_path_max_abs=diff,
-            one_decoder_gbps=round(one, 3),
-            dense_stages_ms_per_chunk=round(dense_stage_ms(codec, blobs[0], dev), 3),
-            coded_gbit_per_s_one_decoder=round(
-                8 * size * repeat / (2 * torch.Size(shape).numel() * repeat / one / 1e9) / 1e9, 3
-            ),
-        )
-        for p in (int(x) for x in processes.split(",")):
-            rec[f"processes_{p}_gbps"] = round(pool_rate(kvt, blobs, shape, p, repeat), 3)
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "probes"))
+    import nvcuvid_scaling as probe
+
+    d = pathlib.Path(in_dir)
+    torch.zeros(1, device="cuda")
+    hashes = json.loads((d / "hashes.json").read_text())
+    with safe_open(str(d / "reference.safetensors"), "pt") as f:
+        reference = {"kv": f.get_tensor("kv"), "file": f.metadata()["file"]}
+    alone = probe.matmul_tflops(interference_seconds or 2.0)
+    doc = {
+        "command": "python " + shlex.join(["benchmarks/transform_nvdec.py", *sys.argv[1:]]),
+        "machine": f"{torch.cuda.get_device_name()} ({platform.machine()})",
+        "torch": torch.__version__,
+        "matmul": "bf16 8192x8192 torch.mm, TFLOP/s",
+        "matmul_alone_tflops": round(alone, 1),
+        "records": [],
+    }
+
+    def log(rec):
+        doc["records"].append(rec)
         print(json.dumps(rec), flush=True)
-        records.append(rec)
-    doc = dict(
-        command="python " + shlex.join(sys.argv),
-        machine=f"{torch.cuda.get_device_name()} ({platform.machine()})",
-        torch=torch.__version__,
-        records=records,
-    )
-    Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
+        pathlib.Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
+
+    stems = [s for s in only.split(",") if s]
+    for path in sorted(d.glob("hevc-*.kvc")):
+        if not stems or path.stem in stems:
+            specs = [tuple(int(x) for x in spec.split("x")) for spec in thread_specs.split(",")]
+            measure_file(log, probe, d, path, copies, specs, (seconds, interference_seconds), alone, hashes, reference)
+    doc["matmul_alone_again_tflops"] = round(probe.matmul_tflops(interference_seconds or 2.0), 1)
+    pathlib.Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, reference) -> None:
+    """Every measurement of one file, each logged as it completes."""
+    codec = load_pack(d / PACK)
+    case = Case(path, codec, copies)
+    base = {
+        "case": case.name,
+        "ratio_vs_fp16": round(case.ratio, 3),
+        "bits_per_value": round(case.bits_per_value, 3),
+        "shape": list(case.shape),
+        "chunks": len(case.job_blobs),
+    }
+    stage(log, base, "check", check_exact, codec, case, hashes, reference)
+    stage(log, base, "decode-only", decode_only, probe, codec, case, secs, alone)
+    for sessions, threads in specs:
+        stage(log, base, "restore", measure_threads, probe, codec, case, sessions, threads, secs, alone)
+    k = stage(log, base, "restore-kernels", kernel_times, codec, case)
+    if secs[1] > 0 and "_batched_fn" in k:
+        stage(log, base, "restore-kernels-only", kernel_interference, probe, k["_batched_fn"], case, secs[1], alone)
+
+
+def decode_only(probe, codec, case: Case, secs: tuple, alone: float) -> dict:
+    """NVDEC alone on 7 threads (frames decoded, nothing restored): the engines' rate for this stream."""
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    decs = [NvcuvidDecoder(0) for _ in range(7)]
+    try:
+        fn = functools.partial(_decode_all, codec, case, decs)
+        rec = {"backend": "nvcuvid", "threads": 7, "cuda_contexts": 1, **case.rates(probe.timed(fn, secs[0]))}
+        if secs[1] > 0:
+            rec.update(probe.interference(fn, secs[1], alone))
+        return rec
+    finally:
+        for dec in decs:
+            dec.close()
+
+
+def stage(log, base: dict, kind: str, fn, *args) -> dict:
+    """fn(*args), one measurement, logged; a failure is logged as the stage's error and the run goes on."""
+    try:
+        rec = fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        rec = {"error": repr(e)}
+    log({"kind": kind, **base, **{k: v for k, v in rec.items() if not k.startswith("_")}})
+    return rec
+
+
+def _decode_all(codec, case: Case, decs) -> None:
+    """Every job's video decoded once (no restore), spread over the decoders' threads."""
+    n = len(decs)
+    w, h = case.headers[0]["resolution"]
+
+    def work(i):
+        torch.cuda.set_device(0)
+        for v in case.videos[i::n]:
+            for _ in decs[i].decode(v, w, h):
+                pass
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 if __name__ == "__main__":
