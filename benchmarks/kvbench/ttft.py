@@ -191,7 +191,7 @@ def e2e(
         ) in meths:  # first use of a decoder (sessions, kernels, pool workers) is not what a server pays per request
             run.reuse(m, max(bws))
         for bw in bws:
-            res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None, "ids": ref, "fetch_s": None}}
+            res = {"prefill": {"ttft_s": full, "bytes": 0, "restored": 0, "error": None, "ids": ref}}
             for m in meths:
                 res[m] = method_result([run.reuse(m, bw) for _ in range(repeat)])
                 click.echo(
@@ -307,17 +307,29 @@ def engine_prefix_kv(model, tok, tokens: int, prompt: list[int], device: str):  
     return capture.kv
 
 
+GAP_FIELDS = ("restored_to_prefill_s", "prefill_to_first_token_s")
+
+
+def _median(values: list) -> float | None:
+    return statistics.median(values) if values and None not in values else None
+
+
 def method_result(runs: list) -> dict:
-    """Median TTFT (and fetch time) of repeated runs of one method; the first run's details."""
+    """Median TTFT, fetch time and the engine's split after the fetch (restored KV -> suffix
+    prefill started -> first token) of repeated runs of one method; the first run's details."""
     o = runs[0]
     fetch = [r.fetch_s for r in runs]
+    after = [r.ttft_s - r.fetch_s if r.fetch_s is not None else None for r in runs]
     return {
         "ttft_s": statistics.median(r.ttft_s for r in runs),
         "bytes": o.bytes_fetched,
         "restored": o.restored_tokens,
         "error": o.fetch_error,
         "ids": o.token_ids,
-        "fetch_s": statistics.median(fetch) if None not in fetch else None,
+        "fetch_s": _median(fetch),
+        "ttft_minus_fetch_s": _median(after),
+        # engines before these time points existed report None
+        **{f: _median([getattr(r, f, None) for r in runs]) for f in GAP_FIELDS},
     }
 
 
@@ -332,7 +344,9 @@ def e2e_row(common: dict, m: str, r: dict, res: dict, ref_ids: list[int]) -> dic
         "bytes": r["bytes"],
         "restored_tokens": r["restored"],
         "fetch_error": r["error"],
-        "fetch_s": r["fetch_s"],
+        "fetch_s": r.get("fetch_s"),
+        "ttft_minus_fetch_s": r.get("ttft_minus_fetch_s"),
+        **{f: r.get(f) for f in GAP_FIELDS},
         "answer_identical_to_prefill": r["ids"] == ref_ids,
         "token_agreement_with_prefill": sum(a == b for a, b in zip(r["ids"], ref_ids)) / max(1, len(ref_ids)),
     }
@@ -556,6 +570,31 @@ def e2e_markdown(
             for m in meths
         }
         md.append(f"| {km} | same answer | | yes | " + " | ".join("yes" if same[m] else "NO" for m in meths) + " |")
+    return md + gap_markdown(rows, meths)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1e3 * v:.1f}"
+
+
+def gap_markdown(rows: list[dict], meths: list[str]) -> list[str]:
+    """After the fetch, per request (ms): restored KV -> suffix prefill started -> first token, and
+    TTFT minus fetch (which also holds the lookup before the fetch)."""
+    md = [
+        "",
+        "After the fetch, in ms (median per point): restored KV -> suffix prefill started / prefill started -> "
+        "first token / TTFT - fetch_s (also holds arrival -> fetch start: tokens check and lookup)",
+        "",
+        "| model | tokens | Gbit/s | method | restored -> prefill | prefill -> first token | TTFT - fetch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["method"] in meths:
+            md.append(
+                f"| {r['model']} | {r['tokens']} | {r['bandwidth_gbit']:g} | {METHOD_LABELS.get(r['method'], r['method'])} | "
+                f"{_ms(r.get('restored_to_prefill_s'))} | {_ms(r.get('prefill_to_first_token_s'))} | "
+                f"{_ms(r.get('ttft_minus_fetch_s'))} |"
+            )
     return md
 
 

@@ -226,6 +226,10 @@ class Engine:
 
     def _prefill_chunk(self, req: Request, n: int) -> bool:
         t0 = time.perf_counter()
+        if req.prefill_start_time is None:
+            req.prefill_start_time = t0
+            if req.restored_to_prefill_s is not None:
+                self.metrics.restored_to_prefill.observe(req.restored_to_prefill_s)
         logits = self.runner.prefill_chunk(req, n)
         self.prefill_rate.observe(n, time.perf_counter() - t0)
         self.metrics.prefill_tokens.inc(n)
@@ -281,6 +285,8 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
             self.metrics.ttft.observe(req.ttft)
+            if req.prefill_to_first_token_s is not None:
+                self.metrics.prefill_to_first_token.observe(req.prefill_to_first_token_s)
         _callback(req.on_token, req, token)
         p = req.params
         if (not p.ignore_eos and token in self.eos_ids) or token in p.stop_token_ids:

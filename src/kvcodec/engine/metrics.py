@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LAT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_GAP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -17,6 +18,18 @@ class EngineMetrics:
         )
         self.fetch_seconds = Histogram(
             "kvcodec_fetch_seconds", "Prefix KV fetch time (lookup excluded)", buckets=_LAT_BUCKETS, registry=r
+        )
+        self.restored_to_prefill = Histogram(
+            "kvcodec_restored_to_prefill_seconds",
+            "From a request's prefix KV restored to its suffix prefill starting",
+            buckets=_GAP_BUCKETS,
+            registry=r,
+        )
+        self.prefill_to_first_token = Histogram(
+            "kvcodec_prefill_to_first_token_seconds",
+            "From a request's (suffix) prefill starting to its first token",
+            buckets=_LAT_BUCKETS,
+            registry=r,
         )
         self.requests = Counter("kvcodec_requests", "Finished requests", ["finish_reason"], registry=r)
         self.reuse_hits = Counter("kvcodec_reuse_hits", "Requests that found a stored prefix", registry=r)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from kvcodec.engine.config import EngineConfig
-from kvcodec.engine.runner import restore_target
+from kvcodec.engine.runner import cache_capacity, restore_target
 from kvcodec.errors import ConfigError
 
 
@@ -85,4 +85,6 @@ class RestoreTargets:
             return None
         if self.layout is not None:
             return self.layout.restore_target(req.matched_tokens)
-        return restore_target(self.layers, req.matched_tokens, self.kv_heads, self.head_dim, self.device, self.dtype)
+        # room for the suffix and the answer too: the request's cache works in this storage
+        capacity = max(req.matched_tokens, cache_capacity(req))
+        return restore_target(self.layers, capacity, self.kv_heads, self.head_dim, self.device, self.dtype)

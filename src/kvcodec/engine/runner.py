@@ -17,23 +17,21 @@ from typing import Any
 import torch
 
 from kvcodec.engine.sequence import Request, SamplingParams
-from kvcodec.integrations.hf import cache_kwarg, layer_pairs, make_cache, output_cache
+from kvcodec.errors import KVCodecError
+from kvcodec.integrations.hf import cache_kwarg, layer_pairs, make_cache, output_cache, reserved_cache
+from kvcodec.models.registry import kv_shape
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def restored_pairs(kv: torch.Tensor, tokens: int, device: torch.device, dtype: torch.dtype) -> list:
-    """Per-layer ([1, H, tokens, D] keys, values) views of a canonical (L, 2, T, H, D) tensor.
+RESERVE_NEW_TOKENS = 512  # room for output tokens reserved up front; a longer answer grows the cache
 
-    No copy when `kv` is already on `device` in `dtype` (the engine's fetch target is allocated so,
-    in the cache's own [H, T, D] layout); otherwise one .to() copy.
-    """
-    kv = kv[:, :, :tokens]
-    if kv.device != device or kv.dtype != dtype:
-        kv = kv.to(device=device, dtype=dtype)
-    return [(kv[i, 0].transpose(0, 1)[None], kv[i, 1].transpose(0, 1)[None]) for i in range(kv.shape[0])]
+
+def cache_capacity(req: Request) -> int:
+    """Tokens of cache storage reserved for a request: its prompt and (up to a bound) its answer."""
+    return req.prompt_len + min(req.params.max_new_tokens, RESERVE_NEW_TOKENS)
 
 
 def restore_target(layers: int, tokens: int, kv_heads: int, head_dim: int, device: Any, dtype: Any) -> torch.Tensor:
@@ -41,6 +39,15 @@ def restore_target(layers: int, tokens: int, kv_heads: int, head_dim: int, devic
     cache ([L, 2, H, T, D]): restored values go straight where attention reads them."""
     storage = torch.empty(layers, 2, kv_heads, tokens, head_dim, device=device, dtype=dtype)
     return storage.permute(0, 1, 3, 2, 4)
+
+
+def layer_storage(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Per-layer ([1, H, T, D] keys, values) views of a canonical (L, 2, T, H, D) tensor laid out
+    as restore_target lays it out (each head's tokens contiguous); None for any other layout."""
+    st = kv.permute(0, 1, 3, 2, 4)  # (L, 2, H, T, D)
+    if st.stride(-1) != 1 or st.stride(-2) != st.shape[-1] or st.stride(-3) != st.shape[-1] * st.shape[-2]:
+        return None
+    return [(st[i, 0][None], st[i, 1][None]) for i in range(st.shape[0])]
 
 
 class ModelRunner:
@@ -66,7 +73,8 @@ class ModelRunner:
     def begin_prefill(self, req: Request) -> None:
         """Start req.cache from its restored prefix (if any), cut to at most prompt_len - 1 tokens:
         the last prompt token always goes through the model, since its logits give the first
-        output token."""
+        output token. The cache works in the restored tensor's own storage when the fetch
+        restored into a restore_target on this device in this dtype (no copy)."""
         start = 0
         req.cache = None
         if req.restored_kv is not None and req.restored_tokens > 0:
@@ -74,14 +82,32 @@ class ModelRunner:
             if self.layout is not None:
                 req.cache = self.layout.restored_cache(req.restored_kv, start)
             else:
-                req.cache = make_cache(
-                    restored_pairs(req.restored_kv, start, self.device, self.dtype), self.model.config
-                )
+                req.cache = self._restored_cache(req.restored_kv, start, cache_capacity(req))
         elif self.layout is not None:
             req.cache = self.layout.new_cache()
+        else:
+            req.cache = self._empty_cache(cache_capacity(req))
         req.restored_kv = None  # the cache holds (views of) the data now
         req.restored_tokens = req.prefill_pos = start
         req.prefilled_tokens = req.prompt_len - start
+
+    def _restored_cache(self, kv: torch.Tensor, start: int, capacity: int) -> Any:
+        storage = layer_storage(kv) if kv.device == self.device and kv.dtype == self.dtype else None
+        if storage is None:  # restored elsewhere (another device, dtype or layout): one copy
+            target = restore_target(kv.shape[0], capacity, kv.shape[3], kv.shape[4], self.device, self.dtype)
+            target[:, :, :start].copy_(kv[:, :, :start])
+            storage = layer_storage(target)
+        return reserved_cache(storage, start, self.model.config)
+
+    def _empty_cache(self, capacity: int) -> Any:
+        """A cache with room for `capacity` tokens; None (the model makes its own) for caches
+        whose shape kvcodec cannot tell."""
+        try:
+            layers, kv_heads, head_dim = kv_shape(self.model)
+        except (KVCodecError, AttributeError, TypeError):
+            return None
+        target = restore_target(layers, capacity, kv_heads, head_dim, self.device, self.dtype)
+        return reserved_cache(layer_storage(target), 0, self.model.config)
 
     @torch.inference_mode()
     def prefill_chunk(self, req: Request, max_tokens: int) -> torch.Tensor | None:

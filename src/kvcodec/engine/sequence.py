@@ -66,7 +66,8 @@ class Request:
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     fetch_start: float | None = None
     fetch_end: float | None = None
-    scheduled_time: float | None = None
+    scheduled_time: float | None = None  # admitted to the running batch
+    prefill_start_time: float | None = None  # its first prefill forward called
     first_token_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)
     finish_time: float | None = None
@@ -99,6 +100,20 @@ class Request:
         if self.fetch_start is None or self.fetch_end is None:
             return None
         return self.fetch_end - self.fetch_start
+
+    @property
+    def restored_to_prefill_s(self) -> float | None:
+        """Seconds from the prefix KV being restored to the suffix prefill starting (None: no fetch)."""
+        if self.fetch_end is None or self.prefill_start_time is None:
+            return None
+        return self.prefill_start_time - self.fetch_end
+
+    @property
+    def prefill_to_first_token_s(self) -> float | None:
+        """Seconds from the (suffix) prefill starting to the first token being sampled."""
+        if self.prefill_start_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.prefill_start_time
 
     @property
     def tpot(self) -> float | None:
@@ -134,6 +149,8 @@ class RequestOutput:
     fetch_error: str | None
     bytes_fetched: int
     fetch_s: float | None = None  # from the fetch's start to its KV being restored (None: no fetch)
+    restored_to_prefill_s: float | None = None  # restored KV -> suffix prefill started (None: no fetch)
+    prefill_to_first_token_s: float | None = None  # suffix prefill started -> first token sampled
 
     @classmethod
     def from_request(cls, req: Request, text: str) -> RequestOutput:
@@ -151,4 +168,6 @@ class RequestOutput:
             fetch_error=req.fetch_error,
             bytes_fetched=int(req.fetch_stats.get("bytes_fetched", 0) or 0),
             fetch_s=req.fetch_s,
+            restored_to_prefill_s=req.restored_to_prefill_s,
+            prefill_to_first_token_s=req.prefill_to_first_token_s,
         )

@@ -78,6 +78,97 @@ def make_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]], config: Any) -> A
     return cache
 
 
+def reserved_cache(storage: list[tuple[torch.Tensor, torch.Tensor]], filled: int, config: Any) -> Any:
+    """A DynamicCache over preallocated storage: ([batch, kv_heads, capacity, head_dim] keys, values)
+    per layer whose first `filled` tokens hold valid KV (e.g. a restored prefix).
+
+    Its full-attention layers write each forward's new tokens in place after the filled ones and
+    hand attention views of the storage, so neither the restored prefix nor earlier tokens are
+    copied again (DynamicCache concatenates the whole layer into new tensors at every forward). A
+    layer that outgrows its capacity moves once into double the room. Where this transformers
+    release's layers differ, the cache adopts the filled views instead (make_cache).
+    """
+    from transformers import DynamicCache
+
+    filled_pairs = [(k[:, :, :filled], v[:, :, :filled]) for k, v in storage]
+    try:
+        cache = DynamicCache(config=config)
+    except TypeError:  # pragma: no cover - transformers releases without config=
+        return make_cache(filled_pairs, config)
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) != len(storage) or ReservedLayer is None:
+        return make_cache(filled_pairs, config)
+    for i, (layer, (k, v)) in enumerate(zip(layers, storage)):
+        if type(layer).__name__ == "DynamicLayer":
+            layers[i] = ReservedLayer(k, v, filled)
+        elif filled:
+            layer.update(k[:, :, :filled], v[:, :, :filled])
+    return cache
+
+
+def _reserved_layer_class() -> Any:
+    """ReservedLayer, or None where transformers has no DynamicLayer to derive it from."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # pragma: no cover - transformers < 4.56
+        return None
+
+    class _ReservedLayer(DynamicLayer):
+        """A DynamicLayer whose keys/values are views of preallocated storage (see reserved_cache)."""
+
+        def __init__(self, k_store: torch.Tensor, v_store: torch.Tensor, filled: int) -> None:
+            super().__init__()
+            self.device = k_store.device
+            self._k, self._v = k_store, v_store
+            self.keys, self.values = k_store[:, :, :filled], v_store[:, :, :filled]
+            self.is_initialized = True
+
+        def _fits(self, k_new: torch.Tensor, v_new: torch.Tensor, end: int) -> bool:
+            """The new tokens go in place: keys/values are still the leading views of the storage
+            (crop keeps them so; a batch reorder or reset replaces them) and it has room and shape."""
+            k, v, ks, vs = self.keys, self.values, self._k, self._v
+            return (
+                k.data_ptr() == ks.data_ptr()
+                and v.data_ptr() == vs.data_ptr()
+                and k.stride() == ks.stride()
+                and v.stride() == vs.stride()
+                and end <= ks.shape[2]
+                and (k.shape[0], k_new.shape[1], k_new.shape[3]) == (ks.shape[0], ks.shape[1], ks.shape[3])
+                and (v_new.shape[1], v_new.shape[3]) == (vs.shape[1], vs.shape[3])
+            )
+
+        def _reserve(self, need: int, k_like: torch.Tensor, v_like: torch.Tensor) -> None:
+            """Move the filled tokens into new storage with room for `need` tokens (one copy)."""
+            n = self.keys.shape[-2] if self.keys is not None else 0
+            batch = self.keys.shape[0] if n else k_like.shape[0]
+            cap = max(need, 2 * self._k.shape[2])
+            self._k = k_like.new_empty((batch, k_like.shape[1], cap, k_like.shape[3]))
+            self._v = v_like.new_empty((batch, v_like.shape[1], cap, v_like.shape[3]))
+            if n:
+                self._k[:, :, :n].copy_(self.keys)
+                self._v[:, :, :n].copy_(self.values)
+            self.keys, self.values = self._k[:, :, :n], self._v[:, :, :n]
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not self.is_initialized or self.keys is None:  # after reset()
+                self.keys = self.values = None
+                self.is_initialized = True
+                self._reserve(key_states.shape[-2], key_states, value_states)
+            n = self.keys.shape[-2]
+            end = n + key_states.shape[-2]
+            if not self._fits(key_states, value_states, end):
+                self._reserve(end, key_states, value_states)
+            self._k[:, :, n:end].copy_(key_states)
+            self._v[:, :, n:end].copy_(value_states)
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+    return _ReservedLayer
+
+
+ReservedLayer = _reserved_layer_class()
+
+
 def _adopt(layer: Any, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Make a fresh DynamicLayer hold k and v themselves; False where this release's layer
     cannot be initialized that way (the caller then copies them in with update())."""
