@@ -46,17 +46,27 @@ MODEL = "synthetic-7b"
 
 
 # -- the KV, the codec and the stores (both sides) --------------------------------------------------
-def config(a):
+def shard_chunk_tokens(a, shard) -> int:
+    """Tokens per chunk of a shard: --chunk-tokens, or with --shard-chunks bytes as many more as
+    the shard has fewer heads (every chunk then carries the bytes of a full-head chunk)."""
+    return a.chunk_tokens * (shard.kv_heads // shard.local_heads if a.shard_chunks == "bytes" else 1)
+
+
+def config(a, shard):
     from kvcodec.config import CodecConfig
 
     w, h = map(int, a.resolution.split("x"))
     return CodecConfig(
-        quant=a.quant, chunk_tokens=a.chunk_tokens, resolutions=((w, h),), search_layout=False, video_bits=a.video_bits
+        quant=a.quant,
+        chunk_tokens=shard_chunk_tokens(a, shard),
+        resolutions=((w, h),),
+        search_layout=False,
+        video_bits=a.video_bits,
     )
 
 
-def chunk_kv(a, index: int) -> torch.Tensor:
-    """Chunk `index` of the synthetic KV (every head), the same in every process."""
+def base_chunk(a, index: int) -> torch.Tensor:
+    """Tokens [index * chunk_tokens, ...) of the synthetic KV (every head), the same in every process."""
     g = torch.Generator().manual_seed(1_000_003)
     scale = torch.exp(0.7 * torch.randn((a.layers, 2, 1, a.kv_heads, a.head_dim), generator=g))
     g.manual_seed(17 + index)
@@ -64,19 +74,21 @@ def chunk_kv(a, index: int) -> torch.Tensor:
     return (torch.randn((a.layers, 2, T, a.kv_heads, a.head_dim), generator=g) * scale).half()
 
 
+def kv_span(a, start: int, stop: int) -> torch.Tensor:
+    """Tokens [start, stop) of the synthetic KV; start is a multiple of --chunk-tokens."""
+    first, last = start // a.chunk_tokens, -(-stop // a.chunk_tokens)
+    return torch.cat([base_chunk(a, i) for i in range(first, last)], dim=2)[:, :, : stop - start]
+
+
 def token_ids(a) -> list[int]:
     return list(range(1000, 1000 + a.tokens))
-
-
-def n_chunks(a) -> int:
-    return -(-a.tokens // a.chunk_tokens)
 
 
 def prefix_cache(a, store, shard, device="cpu", codec=None, **kw):
     from kvcodec.codecs.hevc import HevcCodec
     from kvcodec.fetcher import DecodeProfile, PrefixCache
 
-    codec = codec or HevcCodec(config(a))
+    codec = codec or HevcCodec(config(a, shard))
     kw.setdefault("profile", DecodeProfile.default(codec.resolutions))
     return PrefixCache(store, MODEL, codec, device, shard=shard, policy="fixed:0", **kw)
 
@@ -93,12 +105,13 @@ def encode_run(a, world: int, rank: int, first: int, stop: int) -> tuple[int, fl
     torch.set_num_threads(1)
     t0 = time.monotonic()
     shard = TPShard(rank, world, a.kv_heads)
-    codec = HevcCodec(config(a), encoder=X265Encoder(threads=2))
+    codec = HevcCodec(config(a, shard), encoder=X265Encoder(threads=2))
     cache = prefix_cache(a, open_store(a.store), shard, codec=codec)
     keys = cache.keys(token_ids(a))[first:stop]
     if all(cache.store.exists_many([meta_key(k) for k in keys])):
         return 0, 0.0
-    local = torch.cat([shard.take(chunk_kv(a, i)) for i in range(first, stop)], dim=2).contiguous()
+    ct = codec.chunk_tokens
+    local = shard.take(kv_span(a, first * ct, min(stop * ct, a.tokens))).contiguous()
     written = 0
     for c in codec.encode_chunks(local, first_chunk_index=first, keys=keys):
         cache.store_chunk(keys[c.index - first], c, (a.layers, shard.local_heads, a.head_dim), "float16")
@@ -115,8 +128,9 @@ def encode_all(a) -> dict:
             if shard.key_field in seen:
                 continue
             seen.add(shard.key_field)
-            for first in range(0, n_chunks(a), a.chunks_per_task):
-                runs.append((world, shard.rank, first, min(first + a.chunks_per_task, n_chunks(a))))
+            n = -(-a.tokens // shard_chunk_tokens(a, shard))
+            for first in range(0, n, a.chunks_per_task):
+                runs.append((world, shard.rank, first, min(first + a.chunks_per_task, n)))
     t0 = time.monotonic()
     with ProcessPoolExecutor(a.encode_workers, mp_context=mp.get_context("fork")) as ex:
         done = list(ex.map(encode_run, *zip(*[(a, *r) for r in runs])))
@@ -136,7 +150,7 @@ class Rank:
         if gpus:
             self.device = torch.device("cuda", index % gpus)
             torch.cuda.set_device(self.device)
-            self.threads = open_threads(a.sessions, device=self.device)
+            self.threads = open_threads(a.sessions, threads=a.threads, device=self.device)
         else:  # a CPU smoke run of the orchestration
             self.device, self.threads = torch.device("cpu"), None
         self.cache = None
@@ -153,8 +167,8 @@ class Rank:
         mem = open_store("memory://")
         names = [n for k in src.keys(ids) for n in (blob_key(k, 0), meta_key(k))]
         mem.put_many(dict(zip(names, src.store.get_many(names))))
-        codec = HevcCodec(config(a), pool=self.threads)
-        workers = a.sessions if self.threads else 1
+        codec = HevcCodec(config(a, self.shard), pool=self.threads)
+        workers = self.threads.threads if self.threads else 1
         self.cache = prefix_cache(
             a, mem, self.shard, self.device, codec, decode_workers=workers, max_inflight=2 * workers
         )
@@ -168,6 +182,7 @@ class Rank:
             "rank": rank,
             "device": str(self.device),
             "heads": [self.shard.heads.start, self.shard.heads.stop],
+            "chunk_tokens": self.cache.chunk_tokens,
             "fp16_bytes": self.out.numel() * 2,
             "coded_bytes": sum(map(len, self.blobs)),
         }
@@ -181,7 +196,7 @@ class Rank:
     def restore(self) -> None:
         from kvcodec.codecs.hevc_pool import restore_chunk, restore_in_pool
 
-        ct = self.a.chunk_tokens
+        ct = self.cache.chunk_tokens
         outs = [self.out[:, :, i * ct : (i + 1) * ct] for i in range(len(self.blobs))]
         if self.threads is None:
             for b, o in zip(self.blobs, outs):
@@ -205,14 +220,15 @@ class Rank:
         """Chunk 0 against the CPU decoder's restore of the same blob; sha256 of each head of it."""
         from kvcodec.codecs.hevc_decode import decode_chunk_blob
 
-        ct = min(self.a.chunk_tokens, self.a.tokens)
+        ct = min(self.cache.chunk_tokens, self.a.tokens)
         got = self.out[:, :, :ct].cpu()
         ref = decode_chunk_blob(self.blobs[0], out=torch.empty_like(got))
-        src = self.shard.take(chunk_kv(self.a, 0)).float()
+        src = self.shard.take(kv_span(self.a, 0, ct)).float()
+        base = min(self.a.chunk_tokens, ct)  # the tokens every TP degree's chunk 0 covers
         heads = {
-            str(self.shard.heads.start + h): hashlib.sha256(got[:, :, :, h].contiguous().numpy().tobytes()).hexdigest()[
-                :16
-            ]
+            str(self.shard.heads.start + h): hashlib.sha256(
+                got[:, :, :base, h].contiguous().numpy().tobytes()
+            ).hexdigest()[:16]
             for h in range(self.shard.local_heads)
         }
         return {
@@ -350,13 +366,18 @@ def run_all(a, gpus: int) -> list[dict]:
 
 # -- report ------------------------------------------------------------------------------------
 def head_agreement(records: list[dict]) -> bool | None:
-    """Whether every head's chunk 0 hashes the same under every TP degree (None: one degree only)."""
-    seen: dict[str, set] = {}
+    """Whether every head's chunk 0 hashes the same under every TP degree that chunks by the same
+    tokens (quantization is per chunk: other chunk bounds give other values); None: nothing to compare."""
+    seen: dict[tuple, set] = {}
+    worlds: dict[int, set] = {}
     for rec in records:
-        for check in rec["checks"].values():
+        for info in rec["ranks"]:
+            worlds.setdefault(info.get("chunk_tokens"), set()).add(rec["world"])
+        for i, check in rec["checks"].items():
+            ct = next(r.get("chunk_tokens") for r in rec["ranks"] if str(r["rank"]) == str(i))
             for h, digest in check["head_sha256"].items():
-                seen.setdefault(h, set()).add(digest)
-    if len({rec["world"] for rec in records}) < 2:
+                seen.setdefault((ct, h), set()).add(digest)
+    if all(len(w) < 2 for w in worlds.values()):
         return None
     return all(len(v) == 1 for v in seen.values())
 
@@ -385,9 +406,10 @@ def markdown(doc: dict) -> str:
         f"Machine: {doc['machine'].get('gpu', 'no GPU')} x{doc['gpus']}, {doc['machine']['cpu_count']} CPUs. "
         f"KV {a['layers']} layers x {a['kv_heads']} KV heads x {a['head_dim']} dim, {a['tokens']} tokens fp16 "
         f"(synthetic), {a['quant']} at {a['resolution']}, {a['chunk_tokens']}-token chunks; "
-        f"{a['sessions']} in-process NVDEC sessions per rank process; median of {a['repeats']}.",
+        f"{a['sessions']} in-process NVDEC sessions and {a.get('threads') or a['sessions']} decode threads per rank "
+        f"process; shard chunks by {a.get('shard_chunks', 'tokens')}; median of {a['repeats']}.",
         "",
-        "| TP degree | mode | aggregate | ranks x heads | fetch GB/s (fp16-eq) | fetch coded Gbit/s | fetch vs TP=1 "
+        "| TP degree | mode | aggregate | ranks x heads (chunk tokens) | fetch GB/s (fp16-eq) | fetch coded Gbit/s | fetch vs TP=1 "
         "| restore GB/s | restore vs TP=1 | per-rank fetch s (median) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -397,7 +419,7 @@ def markdown(doc: dict) -> str:
         per_rank = ", ".join(f"{statistics.median(v):.4f}" for v in r["timings"]["fetch"]["rank_s"].values())
         lines.append(
             f"| {r['world']} | {r['mode']} | {'projected' if r['mode'] == 'alone' else 'measured'} | "
-            f"{len(r['ranks'])} x {heads} | {s['fetch']['restored_gb_per_s']} | {s['fetch']['coded_gbit_per_s']} | "
+            f"{len(r['ranks'])} x {heads} ({r['ranks'][0].get('chunk_tokens', a['chunk_tokens'])}) | {s['fetch']['restored_gb_per_s']} | {s['fetch']['coded_gbit_per_s']} | "
             f"{sp.get('fetch', '-')} | {s['restore']['restored_gb_per_s']} | {sp.get('restore', '-')} | {per_rank} |"
         )
     exact = all(c["exact_vs_cpu"] for r in doc["records"] for c in r["checks"].values())
@@ -409,7 +431,7 @@ def markdown(doc: dict) -> str:
         "`shared-gpu` all ranks at once on one GPU (they share its NVDEC engines: not a multi-GPU figure).",
         "",
         f"Checks: chunk 0 of every rank bit-identical to the CPU decoder: {exact}; each head's restored "
-        f"chunk 0 identical under every TP degree: {doc['head_agreement']}. Encode: {doc['encode']}.",
+        f"chunk 0 identical under every TP degree that chunks alike: {doc['head_agreement']}. Encode: {doc['encode']}.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -434,7 +456,14 @@ def parse(argv=None):
     p.add_argument("--resolution", default="512x512")
     p.add_argument("--worlds", default="1,2", help="TP degrees, comma-separated")
     p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible; 0: CPU smoke run)")
-    p.add_argument("--sessions", type=int, default=7, help="NVDEC sessions (and decode threads) per rank process")
+    p.add_argument("--sessions", type=int, default=7, help="NVDEC sessions per rank process")
+    p.add_argument("--threads", type=int, default=None, help="decode threads per rank process (default: --sessions)")
+    p.add_argument(
+        "--shard-chunks",
+        choices=("tokens", "bytes"),
+        default="tokens",
+        help="tokens: every shard chunks by --chunk-tokens; bytes: a shard of 1/k of the heads chunks by k x that",
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-shared", dest="shared", action="store_false", help="skip ranks sharing one GPU")
     p.add_argument("--store", default=None, help="file:// store of the encoded chunks (default: a temp dir)")
