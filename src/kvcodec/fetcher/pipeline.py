@@ -260,6 +260,8 @@ class FetchPipeline:
 
     # -- decode stage ------------------------------------------------------------------------
     def _decode_worker(self) -> None:
+        if self.s.device.type == "cuda":  # a new thread's CUDA device is 0: decoders and kernels must use the fetch's
+            torch.cuda.set_device(self.s.device)
         while not self.stop.is_set():
             try:
                 item = self.dec_q.get(timeout=_POLL_S)
