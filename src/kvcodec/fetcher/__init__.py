@@ -6,7 +6,8 @@ Public API (what the serving engine calls):
         .put(token_ids, kv) -> chunks_written
         .fetch(token_ids, n_tokens, out=None, deadline_s=None) -> FetchResult   (out: tensor or PagedKV)
     FetchResult(kv, tokens_restored, error, stats)   (stats.timeline: per-chunk stage times)
-    chunk_keys(token_ids, model_id, codec, namespace=None) -> list[str]
+    chunk_keys(token_ids, model_id, codec, namespace=None, shard=None) -> list[str]
+    TPShard(rank, world, kv_heads), split_kv, join_kv   (tensor parallelism: PrefixCache(..., shard=))
 """
 
 from kvcodec.fetcher.bandwidth import BandwidthEstimator
@@ -24,6 +25,7 @@ from kvcodec.fetcher.policy import (
     register_policy,
 )
 from kvcodec.fetcher.profile import DecodeProfile, calibrate, load_or_calibrate
+from kvcodec.fetcher.shards import TPShard, join_kv, shard_heads, split_kv
 from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 
 __all__ = [
@@ -40,13 +42,17 @@ __all__ = [
     "MinBytesPolicy",
     "MinDecodePolicy",
     "PrefixCache",
+    "TPShard",
     "blob_key",
     "calibrate",
     "chunk_keys",
     "config_fingerprint",
     "get_policy",
+    "join_kv",
     "load_or_calibrate",
     "meta_key",
     "predicted_finish",
     "register_policy",
+    "shard_heads",
+    "split_kv",
 ]
