@@ -124,21 +124,81 @@ class Split:
         self.bytes = sum(map(len, self.blobs))
 
 
-def batch_rate(sp: Split, threads, shape, hashes, seconds: float) -> dict:
-    """Every part of every chunk submitted at once to the NVDEC threads: the steady-state rate."""
+class Phases:
+    """Wall seconds spent inside wrapped functions, summed over threads (a thread waiting for the
+    GIL inside one counts too): where a restore's time goes, per stream."""
+
+    WRAPPED = (
+        ("kvcodec.codecs.hevc_decode", "parse_chunk", "header parse"),
+        ("kvcodec.codecs.hevc_decode", "split_streams", "stream split + CRC"),
+        ("kvcodec.codecs.hevc_decode", "_chunk_terms", "side streams, uploads, terms"),
+        ("kvcodec.codecs.hevc_decode", "restorer_for", "restorer"),
+        ("kvcodec.codecs.hevc_decode", "_restore_frames", "frames: decode + restore"),
+        ("kvcodec.video.nvcuvid._Parser", "__init__", "parser create"),
+        ("kvcodec.video.nvcuvid._Session", "_copy_out", "map + copy + sync per frame"),
+        ("kvcodec.video.nvcuvid._Parser", "feed", "parser feed (decode calls)"),
+        ("kvcodec.video.nvcuvid._Parser", "close", "parser destroy"),
+    )
+
+    def __init__(self):
+        import importlib
+        import threading
+
+        self.lock, self.acc, self.undo = threading.Lock(), {}, []
+        for mod, attr, label in self.WRAPPED:
+            owner = importlib.import_module(mod) if "._" not in mod else self._cls(importlib, mod)
+            fn = getattr(owner, attr)
+            setattr(owner, attr, self._wrap(fn, label))
+            self.undo.append((owner, attr, fn))
+
+    @staticmethod
+    def _cls(importlib, path):
+        mod, cls = path.rsplit(".", 1)
+        return getattr(importlib.import_module(mod), cls)
+
+    def _wrap(self, fn, label):
+        import functools
+
+        @functools.wraps(fn)
+        def timed_call(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                with self.lock:
+                    n, s = self.acc.get(label, (0, 0.0))
+                    self.acc[label] = (n + 1, s + dt)
+
+        return timed_call
+
+    def close(self) -> dict:
+        for owner, attr, fn in self.undo:
+            setattr(owner, attr, fn)
+        return {k: {"calls": n, "ms_total": round(s * 1e3, 2)} for k, (n, s) in self.acc.items()}
+
+
+def batch_rate(sp: Split, restore, shape, hashes, seconds: float) -> dict:
+    """Every part of every chunk submitted at once to restore(blobs, outs) (NVDEC threads or a
+    pool): the steady-state rate."""
     from nvcuvid_scaling import timed
 
     from kvcodec.codecs.hevc_decode import chunk_parts
-    from kvcodec.codecs.hevc_pool import restore_chunk
 
     out = torch.empty(shape, dtype=torch.float16, device="cuda")
     jobs = [p for i, b in enumerate(sp.blobs) for p in chunk_parts(b, out[:, :, i * 256 : (i + 1) * 256])]
     blobs, outs = [b for b, _ in jobs], [t for _, t in jobs]
 
     def run():
-        threads.restore_blobs(blobs, outs, synchronize=True, decode_into=restore_chunk)
+        restore(blobs, outs)
+        torch.cuda.synchronize()
 
     s = timed(run, seconds)
+    phases = Phases()
+    t = time.perf_counter()
+    run()
+    profiled_s = time.perf_counter() - t
+    phases = {"profiled_run_s": round(profiled_s, 4), **phases.close()}
     exact = all(sha(out[:, :, i * 256 : (i + 1) * 256]) == h for i, h in enumerate(hashes))
     return {
         "jobs": len(jobs),
@@ -146,6 +206,7 @@ def batch_rate(sp: Split, threads, shape, hashes, seconds: float) -> dict:
         "restored_gb_per_s": round(out.numel() * 2 / s / 1e9, 3),
         "coded_gbit_per_s": round(sp.bytes * 8 / s / 1e9, 3),
         "exact_vs_cpu": exact,
+        "phases": phases,
         "run": run,
         "out": out,
     }
@@ -159,7 +220,7 @@ def fetch_records(sp: Split, threads, ids, args, store, rates, want: torch.Tenso
     codec = HevcCodec(sp.config, pool=threads)
     sync = torch.cuda.synchronize if want.is_cuda else (lambda: None)
     recs = []
-    for rate in rates:
+    for (workers, inflight), rate in [(w, r) for w in args.workers for r in rates]:
         link = ThrottledStore(store, rate) if rate > 0 else store
         pc = PrefixCache(
             link,
@@ -167,8 +228,8 @@ def fetch_records(sp: Split, threads, ids, args, store, rates, want: torch.Tenso
             codec,
             want.device,
             policy="fixed:0",
-            max_inflight=args.max_inflight,
-            decode_workers=args.decode_workers,
+            max_inflight=inflight,
+            decode_workers=workers,
             profile=DecodeProfile.default(sp.config.resolutions),
         )
         pc.fetch(ids, args.fetch_tokens)
@@ -195,13 +256,40 @@ def fetch_records(sp: Split, threads, ids, args, store, rates, want: torch.Tenso
                 "tokens_restored": r.tokens_restored,
                 "error": str(r.error) if r.error else None,
                 "exact_vs_batch_restore": bool(torch.equal(out, want)),
-                "decode_workers": args.decode_workers,
-                "max_inflight": args.max_inflight,
+                "decode_workers": workers,
+                "max_inflight": inflight,
                 "stats": {k: v for k, v in st.to_dict().items() if k != "timeline"},
                 "timeline": [vars(t) for t in st.timeline],
             }
         )
-        print(f"fetch s={sp.s} rate={rate}: {fetch_s * 1e3:.1f} ms ({r.tokens_restored} tokens)", flush=True)
+        print(
+            f"fetch s={sp.s} workers={workers} inflight={inflight} rate={rate}: {fetch_s * 1e3:.1f} ms "
+            f"({r.tokens_restored} tokens)",
+            flush=True,
+        )
+    return recs
+
+
+def pool_records(args, splits, shape, hashes, ids) -> list[dict]:
+    """The same batch restore (and the fetch at the first rate) in an NvdecPool of worker processes."""
+    from nvcuvid_scaling import free_mb
+
+    from kvcodec.codecs.hevc_pool import open_pool, restore_in_pool
+
+    before = free_mb()
+    pool = open_pool(args.pool, device="cuda", max_frame=tuple(splits[0].config.resolutions[0]))
+    standing = round(before - free_mb(), 1)
+    recs = []
+    try:
+        for sp in splits:
+            b = batch_rate(sp, lambda bl, o: restore_in_pool(pool, bl, o), shape, hashes, args.seconds)
+            rec = {"backend": f"nvdec-pool:{args.pool}", "cuda_contexts": args.pool + 1, "gpus": 1}
+            rec |= {"streams_per_chunk": sp.s, "standing_mb": standing}
+            rec |= {k: v for k, v in b.items() if k not in ("run", "out", "phases")}
+            print(json.dumps(rec), flush=True)
+            recs.append(rec)
+    finally:
+        pool.close()
     return recs
 
 
@@ -209,7 +297,7 @@ def run(args) -> None:
     from nvcuvid_scaling import free_mb, interference, matmul_tflops
 
     from kvcodec.codecs.base import EncodedChunk
-    from kvcodec.codecs.hevc_pool import open_threads
+    from kvcodec.codecs.hevc_pool import open_threads, restore_chunk
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
@@ -226,7 +314,10 @@ def run(args) -> None:
     before = free_mb()
     store = open_store("memory://split-probe")
     splits, threads = [], None
+    wanted = {int(v) for v in args.splits.split(",") if v}
     for rec in [r for r in manifest["splits"] if "carried_chunks" in r]:
+        if wanted and rec["streams_per_chunk"] not in wanted:
+            continue
         writer = PrefixCache(store, "split-probe", HevcCodec(CodecConfig.from_dict(rec["config"])))
         sp = Split(rec, d, writer.keys(ids))
         for i, (k, b) in enumerate(zip(writer.keys(ids), sp.blobs)):
@@ -235,8 +326,12 @@ def run(args) -> None:
             threads = open_threads(args.sessions, warm_blob=sp.blobs[0])
             results["standing_mb"] = round(before - free_mb(), 1)
         splits.append(sp)
+
+    def on_threads(blobs, outs):
+        threads.restore_blobs(blobs, outs, decode_into=restore_chunk)
+
     for sp in splits:
-        sp.batch = batch_rate(sp, threads, shape, manifest["hashes"], args.seconds)
+        sp.batch = batch_rate(sp, on_threads, shape, manifest["hashes"], args.seconds)
         rec = {
             "backend": f"nvcuvid:{args.sessions}x{args.sessions}",
             "cuda_contexts": 1,
@@ -263,6 +358,9 @@ def run(args) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "split-streams.json").write_text(json.dumps(results, indent=1, default=str))
+    if args.pool:
+        results["pool"] = pool_records(args, splits, shape, manifest["hashes"], ids)
+        (out / "split-streams.json").write_text(json.dumps(results, indent=1, default=str))
 
 
 def main() -> None:
@@ -287,9 +385,12 @@ def main() -> None:
     r.add_argument("--interference-seconds", type=float, default=2.0)
     r.add_argument("--rates", default="40", help="link Gbit/s (0: no shaping)")
     r.add_argument("--repeats", type=int, default=5)
-    r.add_argument("--decode-workers", type=int, default=7)
-    r.add_argument("--max-inflight", type=int, default=16)
+    r.add_argument("--workers", default="7:16", help="decode_workers:max_inflight pairs of the fetches")
+    r.add_argument("--splits", default="", help="streams_per_chunk values to run (default: every carried one)")
+    r.add_argument("--pool", type=int, default=0, help="also restore in an NvdecPool of this many processes")
     args = ap.parse_args()
+    if args.step == "run":
+        args.workers = [tuple(int(v) for v in p.split(":")) for p in args.workers.split(",")]
     prepare(args) if args.step == "prepare" else run(args)
 
 
