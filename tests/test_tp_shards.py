@@ -15,7 +15,7 @@ from kvcodec.codecs.hevc import HevcCodec
 from kvcodec.config import CodecConfig
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.fetcher import DecodeProfile, PrefixCache, blob_key, chunk_keys, meta_key
-from kvcodec.fetcher.shards import TPShard, join_kv, shard_heads, split_kv
+from kvcodec.fetcher.shards import TPShard, join_kv, shard_heads, split_kv, tiling_shards
 from kvcodec.store import open_store
 
 CFG = CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),), search_layout=False, video_bits=3)
@@ -240,3 +240,68 @@ def test_a_chunk_of_other_heads_under_a_shards_key_is_refused():
     assert res.tokens_restored == 0 and isinstance(res.error, FormatError)
     assert "4 KV heads" in str(res.error)
     assert cache(store, shard).lookup(ids) == 0  # dropped: the next put rewrites it
+
+
+# -- reading chunks stored by another TP degree ---------------------------------------------------
+@given(tp_pairs(), st.data())
+def test_tiling_shards_cover_a_range_exactly_or_refuse(pair, data):
+    """A holder reads its heads from stored shards when their bounds fall on its range's bounds;
+    otherwise (a stored shard straddles the range) it is a ConfigError."""
+    world, kv_heads = pair
+    own_world = data.draw(st.sampled_from([d for d in range(1, world * 2 + 1) if valid_tp(d, kv_heads)]))
+    own = TPShard(data.draw(st.integers(0, own_world - 1)), own_world, kv_heads)
+    per = max(1, kv_heads // world)  # heads per stored shard
+    fine = own.heads.start % per == 0 and own.heads.stop % per == 0
+    if fine:
+        tiles = tiling_shards(own.heads, world, kv_heads)
+        assert [h for s in tiles for h in s.heads] == list(own.heads)
+    else:
+        with pytest.raises(ConfigError):
+            tiling_shards(own.heads, world, kv_heads)
+
+
+def valid_tp(world, kv_heads):
+    try:
+        TPShard(0, world, kv_heads)
+    except ConfigError:
+        return False
+    return True
+
+
+def test_tp1_consumer_reads_what_tp_ranks_stored(tmp_path):
+    """TP=2 ranks each put their own heads; a TP=1 consumer (and a TP=2 rank of a TP=4 store)
+    restores its heads from those shards, bit for bit what a TP=1 store restores."""
+    store = open_store(f"file://{tmp_path / 'store'}")
+    kv, ids = make_kv(tokens=64, heads=4), ids_for(64)
+    for world in (2, 4):
+        for shard in TPShard.all(world, 4):
+            cache(store, shard).put(ids, shard.take(kv))
+    reference = full_restore(open_store("memory://"), ids, kv)
+    full = cache(store, TPShard(0, 1, 4))
+    assert full.lookup(ids) == 0 and full.lookup_sharded(ids, 2) == 64
+    res = full.fetch_sharded(ids, 2)
+    assert res.error is None and res.tokens_restored == 64 and torch.equal(res.kv, reference)
+    out = torch.zeros_like(kv)
+    res = full.fetch_sharded(ids, 4, out=out)
+    assert res.kv is out and torch.equal(out, reference) and res.stats.chunks_restored == 4 * 2
+    rank1 = cache(store, TPShard(1, 2, 4))
+    assert torch.equal(rank1.fetch_sharded(ids, 4).kv, reference[:, :, :, 2:4])
+    with pytest.raises(ConfigError, match="do not tile"):
+        cache(store, TPShard(3, 4, 4)).fetch_sharded(ids, 2)
+    with pytest.raises(ShapeError):
+        full.fetch_sharded(ids, 2, out=torch.empty_like(kv[:, :, :, :2]))
+    with pytest.raises(ConfigError):
+        cache(store).fetch_sharded(ids, 2)
+
+
+def test_fetch_sharded_stops_at_the_shortest_shard():
+    store = open_store("memory://")
+    kv, ids = make_kv(tokens=96, heads=4), ids_for(96)
+    for shard in TPShard.all(2, 4):
+        cache(store, shard).put(ids, shard.take(kv))
+    shard1 = cache(store, TPShard(1, 2, 4))
+    store.delete(meta_key(shard1.keys(ids)[1]))  # shard 1 keeps only its first 32 tokens
+    full = cache(store, TPShard(0, 1, 4))
+    assert full.lookup_sharded(ids, 2) == 32
+    res = full.fetch_sharded(ids, 2)
+    assert res.tokens_restored == 32 and res.error is not None

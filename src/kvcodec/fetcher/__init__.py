@@ -25,7 +25,7 @@ from kvcodec.fetcher.policy import (
     register_policy,
 )
 from kvcodec.fetcher.profile import DecodeProfile, calibrate, load_or_calibrate
-from kvcodec.fetcher.shards import TPShard, join_kv, shard_heads, split_kv
+from kvcodec.fetcher.shards import TPShard, join_kv, shard_heads, split_kv, tiling_shards
 from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 
 __all__ = [
@@ -55,4 +55,5 @@ __all__ = [
     "register_policy",
     "shard_heads",
     "split_kv",
+    "tiling_shards",
 ]

@@ -12,6 +12,7 @@ With tensor parallelism each rank keeps a cache of its own KV heads, restored on
     cache = PrefixCache(store, model_id, codec, f"cuda:{local_rank}", shard=TPShard(rank, world, kv_heads))
     cache.put(token_ids, local_kv)                  # this rank's heads only (TPShard.take(kv))
     PrefixCache(store, model_id, codec).put_sharded(token_ids, kv, world)   # a TP=1 producer, for TP=world
+    cache.fetch_sharded(token_ids, stored_world)    # this cache's heads from chunks a TP=stored_world producer stored
 
 The fetch itself runs in fetcher.pipeline.FetchPipeline.
 """
@@ -35,7 +36,7 @@ from kvcodec.fetcher.keys import ChunkMeta, as_token_array, blob_key, chunk_keys
 from kvcodec.fetcher.pipeline import FetchPipeline, FetchPlan, PipelineSettings
 from kvcodec.fetcher.policy import ResolutionPolicy, get_policy
 from kvcodec.fetcher.profile import DecodeProfile, load_or_calibrate
-from kvcodec.fetcher.shards import TPShard
+from kvcodec.fetcher.shards import TPShard, tiling_shards
 from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 from kvcodec.restore.paged import PagedKV
 
@@ -347,6 +348,53 @@ class PrefixCache:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
         return self._result(stats, t0, pipeline.out, restored, n_tokens, error)
 
+    # -- chunks stored by another TP degree ------------------------------------------------------
+    def _stored_shards(self, stored_world: int) -> tuple[TPShard, ...]:
+        if self.shard is None:
+            raise ConfigError("give the cache a shard (TPShard(0, 1, kv_heads) for every head) to read sharded chunks")
+        return tiling_shards(self.shard.heads, stored_world, self.shard.kv_heads)
+
+    def lookup_sharded(self, token_ids: Any, stored_world: int, deadline_s: float | None = None) -> int:
+        """Leading tokens of `token_ids` whose KV of this cache's heads a `stored_world`-rank TP
+        producer stored (each rank its own heads; see fetch_sharded)."""
+        shards = self._stored_shards(stored_world)
+        return min(self.for_shard(s).lookup(token_ids, deadline_s) for s in shards)
+
+    def fetch_sharded(
+        self,
+        token_ids: Any,
+        stored_world: int,
+        n_tokens: int | None = None,
+        out: Target | None = None,
+        deadline_s: float | None = None,
+    ) -> FetchResult:
+        """Restore this cache's heads from chunks stored by the ranks of a `stored_world`-rank TP
+        producer whose head ranges tile them (that TP degree or a finer one, e.g. a TP=1 consumer
+        of TP=2 ranks' puts): each stored shard is fetched in turn into its heads of `out`
+        (allocated on the cache's device when None). tokens_restored is the least any shard
+        restored; the first error is returned. ConfigError when the stored shards do not tile
+        this cache's heads."""
+        t0 = time.monotonic()
+        shards = self._stored_shards(stored_world)
+        if out is not None:
+            self.shard.check_local(out.pages.shape[4] if isinstance(out, PagedKV) else out.shape[3], "out")
+        base = self.shard.heads.start
+        parts: list[FetchResult] = []
+        for shard in shards:
+            a, b = shard.heads.start - base, shard.heads.stop - base
+            left = None if deadline_s is None else max(0.0, deadline_s - (time.monotonic() - t0))
+            view = None if out is None else _head_view(out, a, b)
+            parts.append(self.for_shard(shard).fetch(token_ids, n_tokens, out=view, deadline_s=left))
+        if out is None and all(isinstance(p.kv, torch.Tensor) for p in parts):
+            out = torch.cat([p.kv for p in parts], dim=3)
+        stats = FetchStats(policy=parts[0].stats.policy, codec=self.codec.id, decoder=parts[0].stats.decoder)
+        for p in parts:
+            for name in ("chunks_planned", "chunks_restored", "chunks_dropped", "bytes_fetched"):
+                setattr(stats, name, getattr(stats, name) + getattr(p.stats, name))
+        stats.wall_s = time.monotonic() - t0
+        error = next((p.error for p in parts if p.error is not None), None)
+        return FetchResult(out, min(p.tokens_restored for p in parts), error, stats)
+
     def _result(self, stats: FetchStats, t0: float, kv, restored: int, n_tokens: int, error) -> FetchResult:
         stats.wall_s = time.monotonic() - t0
         stats.bandwidth_estimate_gbit = self.bandwidth.gbit
@@ -440,6 +488,13 @@ class PrefixCache:
             except Exception as e:  # noqa: BLE001 - calibration failed: fall back to a neutral prior
                 log.warning("decode calibration failed (%s: %s); using a default profile", type(e).__name__, e)
         return self.profile or DecodeProfile.default(self.codec.resolutions)
+
+
+def _head_view(out: Target, a: int, b: int) -> Target:
+    """Heads [a, b) of a fetch target (a view: restores write straight into `out`)."""
+    if isinstance(out, PagedKV):
+        return PagedKV(out.pages[:, :, :, :, a:b], out.block_table)
+    return out[:, :, :, a:b]
 
 
 def _runs(indices: list[int]) -> list[list[int]]:

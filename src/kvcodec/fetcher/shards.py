@@ -111,6 +111,25 @@ class TPShard:
         )
 
 
+def tiling_shards(heads: range, world: int, kv_heads: int) -> tuple[TPShard, ...]:
+    """The shards of a `world`-rank group that tile `heads` exactly, in head order, one per
+    distinct head range: where a holder of `heads` finds its KV among chunks stored by `world`
+    ranks. ConfigError when they do not tile it (a stored shard straddles the range: that TP
+    degree is coarser than the holder's, so its chunks carry heads the holder does not keep)."""
+    out, pos = [], heads.start
+    for shard in TPShard.all(world, kv_heads):
+        h = shard.heads
+        if h.start == pos and h.stop <= heads.stop:
+            out.append(shard)
+            pos = h.stop
+    if pos != heads.stop or not out:
+        raise ConfigError(
+            f"chunks stored by {world} tensor-parallel ranks over {kv_heads} KV heads do not tile heads "
+            f"{heads.start}..{heads.stop - 1}: store them for this TP degree (PrefixCache.put_sharded)"
+        )
+    return tuple(out)
+
+
 def _check_5d(kv: torch.Tensor) -> None:
     if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
         raise ShapeError(f"KV must be (layers, 2, tokens, kv_heads, head_dim); got {tuple(getattr(kv, 'shape', ()))}")
