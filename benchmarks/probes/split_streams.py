@@ -132,6 +132,10 @@ class Phases:
         ("kvcodec.codecs.hevc_decode", "parse_chunk", "header parse"),
         ("kvcodec.codecs.hevc_decode", "split_streams", "stream split + CRC"),
         ("kvcodec.codecs.hevc_decode", "_chunk_terms", "side streams, uploads, terms"),
+        ("kvcodec.codecs.hevc_decode", "_stream_tensor", "terms: one stream to the device"),
+        ("kvcodec.codecs.hevc_decode", "_unzstd_into", "terms: zstd"),
+        ("kvcodec.codecs.hevc_decode", "_copy_into", "terms: raw copy"),
+        ("kvcodec.quant.centering", "uncenter_terms", "terms: uncenter ops"),
         ("kvcodec.codecs.hevc_decode", "restorer_for", "restorer"),
         ("kvcodec.codecs.hevc_decode", "_restore_frames", "frames: decode + restore"),
         ("kvcodec.video.nvcuvid._Parser", "__init__", "parser create"),
@@ -294,7 +298,7 @@ def pool_records(args, splits, shape, hashes, ids) -> list[dict]:
 
 
 def run(args) -> None:
-    from nvcuvid_scaling import free_mb, interference, matmul_tflops
+    from nvcuvid_scaling import free_mb, matmul_tflops
 
     from kvcodec.codecs.base import EncodedChunk
     from kvcodec.codecs.hevc_pool import open_threads, restore_chunk
@@ -330,37 +334,46 @@ def run(args) -> None:
     def on_threads(blobs, outs):
         threads.restore_blobs(blobs, outs, decode_into=restore_chunk)
 
-    for sp in splits:
-        sp.batch = batch_rate(sp, on_threads, shape, manifest["hashes"], args.seconds)
-        rec = {
-            "backend": f"nvcuvid:{args.sessions}x{args.sessions}",
-            "cuda_contexts": 1,
-            "gpus": 1,
-            "streams_per_chunk": sp.s,
-            "chunks": n_chunks,
-            "standing_mb": results["standing_mb"],
-            **{k: v for k, v in sp.batch.items() if k not in ("run", "out")},
-        }
-        if sp.s in [int(v) for v in args.interference.split(",") if v]:
-            rec.update(interference(sp.batch["run"], args.interference_seconds, alone))
-        results["decode"].append(rec)
-        print(json.dumps(rec), flush=True)
-    best = max(sp.batch["coded_gbit_per_s"] for sp in splits)
-    for sp in splits:
-        want = sp.batch["out"][:, :, : args.fetch_tokens]
-        for r in fetch_records(sp, threads, ids, args, store, [float(v) for v in args.rates.split(",")], want):
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for interval in [float(v) for v in args.switch_intervals.split(",")]:
+        sys.setswitchinterval(interval)
+        for sp in splits:
+            rec = measure_batch(args, sp, on_threads, shape, manifest["hashes"], alone)
+            results["decode"].append(rec | {"switch_interval_s": interval, "standing_mb": results["standing_mb"]})
+            print(json.dumps(results["decode"][-1]), flush=True)
+        best = max(r["coded_gbit_per_s"] for r in results["decode"])
+        for sp in splits:
+            want = sp.batch["out"][:, :, : args.fetch_tokens]
+            for r in fetch_records(sp, threads, ids, args, store, [float(v) for v in args.rates.split(",")], want):
+                results["fetch"].append(r | {"switch_interval_s": interval})
+        for r in results["fetch"]:  # the bound: the best batch rate of the whole run
             link = r["bytes"] * 8 / (r["bandwidth_gbit"] * 1e9) if r["bandwidth_gbit"] else 0.0
             r["bound_s"] = max(link, r["bytes"] * 8 / (best * 1e9))
             r["bound_nvdec_gbit"] = best
             r["time_over_bound"] = round(r["fetch_s"] / r["bound_s"], 3)
-            results["fetch"].append(r)
+        (out / "split-streams.json").write_text(json.dumps(results, indent=1, default=str))
     threads.close()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "split-streams.json").write_text(json.dumps(results, indent=1, default=str))
     if args.pool:
         results["pool"] = pool_records(args, splits, shape, manifest["hashes"], ids)
         (out / "split-streams.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def measure_batch(args, sp: Split, restore, shape, hashes, alone: float) -> dict:
+    from nvcuvid_scaling import interference
+
+    sp.batch = batch_rate(sp, restore, shape, hashes, args.seconds)
+    rec = {
+        "backend": f"nvcuvid:{args.sessions}x{args.sessions}",
+        "cuda_contexts": 1,
+        "gpus": 1,
+        "streams_per_chunk": sp.s,
+        "chunks": shape[2] // 256,
+        **{k: v for k, v in sp.batch.items() if k not in ("run", "out")},
+    }
+    if sp.s in [int(v) for v in args.interference.split(",") if v]:
+        rec.update(interference(sp.batch["run"], args.interference_seconds, alone))
+    return rec
 
 
 def main() -> None:
@@ -387,6 +400,9 @@ def main() -> None:
     r.add_argument("--repeats", type=int, default=5)
     r.add_argument("--workers", default="7:16", help="decode_workers:max_inflight pairs of the fetches")
     r.add_argument("--splits", default="", help="streams_per_chunk values to run (default: every carried one)")
+    r.add_argument(
+        "--switch-intervals", default="0.005", help="sys.setswitchinterval values (s) to run everything under"
+    )
     r.add_argument("--pool", type=int, default=0, help="also restore in an NvdecPool of this many processes")
     args = ap.parse_args()
     if args.step == "run":
