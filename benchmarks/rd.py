@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kvbench, when not installed
 
+import rd_tasks  # noqa: E402
+
 
 def load_calibration(model, tokenizer, name, calib, calib_kv, kvt, max_tokens):
     """(Calibration, hash, seconds, sources)."""
@@ -68,7 +70,7 @@ def chunk_roundtrip(codec, kv16):
     return out, sum(len(c.blobs[0]) for c in chunks), chunks
 
 
-def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True):
+def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True, zstd_ratios=()):
     """name -> (factory of a roundtrip function kv16 -> (restored, bytes, extra))."""
     from kvcodec.codecs.transform import TransformCodec
 
@@ -76,6 +78,9 @@ def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True
     for r in ratios:
         codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r)
         out[f"transform-hevc-r{r:g}"] = _transform(codec, cal, digest, compare=r in compare)
+    for r in zstd_ratios:  # the same transform, zstd-19 instead of HEVC, sized to its own target
+        codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder="zstd")
+        out[f"transform-zstd-r{r:g}"] = _transform(codec, cal, digest, compare=False)
     for kw in key_weights:
         codec = TransformCodec(cal, kvt_hash=digest, target_ratio=ratios[0], key_weight=kw)
         out[f"transform-hevc-r{ratios[0]:g}-kw{kw:g}"] = _transform(codec, cal, digest, compare=False)
@@ -193,6 +198,36 @@ def aggregate(model_name, per_text):
     return records
 
 
+def task_prompts(tokenizer, n_quoref, quoref_max_tokens, needle_lengths, needle_depths, calib, evals):
+    """Quoref and needle prompts; the needle haystacks avoid the calibration and eval essays."""
+    prompts = rd_tasks.quoref_prompts(tokenizer, n_quoref, quoref_max_tokens) if n_quoref else []
+    lengths = [int(x) for x in needle_lengths.split(",") if x]
+    depths = [float(x) for x in needle_depths.split(",") if x]
+    exclude = {*rd_tasks.CALIBRATION_ESSAYS, *calib.split(","), *evals}
+    return prompts + rd_tasks.needle_prompts(tokenizer, lengths, depths, exclude=exclude)
+
+
+def task_settings(prompts, quoref_max_tokens):
+    q = [p for p in prompts if p.task == "quoref"]
+    n = [p for p in prompts if p.task == "needle"]
+    return dict(
+        quoref=dict(
+            n=len(q),
+            source="bigbench natural_instructions subtask002_quoref_answer_generation, one question per passage",
+            max_prefix_tokens=quoref_max_tokens,
+            mean_prefix_tokens=round(sum(p.prefix.numel() for p in q) / len(q), 1) if q else None,
+            prompt=rd_tasks.QUOREF_INSTRUCTION + "Passage: {passage}" + rd_tasks.QUOREF_QUESTION,
+        ),
+        needle=dict(
+            cases=[p.meta for p in n],
+            needle=rd_tasks.NEEDLE_TEXT,
+            prompt=rd_tasks.NEEDLE_INSTRUCTION + "{haystack with needle}" + rd_tasks.NEEDLE_QUESTION,
+        ),
+        answering="chat template; stored prefix = template head + instruction + passage; question computed "
+        "fresh; greedy, cut at the first line; same answer = equal after SQuAD normalisation",
+    )
+
+
 def _calib_time(seconds: float) -> str:
     return (
         f"{seconds:.0f} s incl. KV extraction" if seconds else "loaded from a .kvt, calibration timed where it was made"
@@ -211,17 +246,69 @@ def markdown(doc):
         f"({doc['prefix_tokens']}-token prefix, {doc['cont_tokens']}-token teacher-forced continuation). "
         "Ratios count every byte of every chunk blob (headers, escapes, fp16 sink tokens).",
         "",
-        "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | zstd-19 on same integers | HEVC / zstd bytes |",
-        "|---|---|---|---|---|---|---|",
+        "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | zstd-19 on same integers | HEVC / zstd bytes |"
+        + TASK_HEAD,
+        "|---|---|---|---|---|---|---|" + "---|" * TASK_HEAD.count("|"),
     ]
     for r in doc["records"]:
         z = f"{r['zstd_ratio_vs_fp16']:.2f}x" if "zstd_ratio_vs_fp16" in r else ""
         hz = f"{r['hevc_over_zstd']:.3f}" if "hevc_over_zstd" in r else ""
         lines.append(
             f"| {r['method']} | {r['bits_per_value']:.2f} | {r['ratio_vs_fp16']:.2f}x | {r['top1_agreement']:.4f} "
-            f"| {r['ppl_delta_pct']:+.2f} | {z} | {hz} |"
+            f"| {r['ppl_delta_pct']:+.2f} | {z} | {hz} |" + task_cells(r)
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + task_notes(doc)) + "\n"
+
+
+TASK_HEAD = (
+    " Quoref same answer | Quoref F1 restored / recomputed | needle same answer | needle found restored / recomputed |"
+)
+
+
+def task_cells(r):
+    def f(key, spec):
+        return format(r[key], spec) if key in r else ""
+
+    q = f"{f('quoref_f1_restored', '.3f')} / {f('quoref_f1_recomputed', '.3f')}" if "quoref_n" in r else ""
+    nd = (
+        f"{f('needle_retrieval_restored', '.2f')} / {f('needle_retrieval_recomputed', '.2f')}"
+        if "needle_n" in r
+        else ""
+    )
+    return f" {f('quoref_same_answer_rate', '.3f')} | {q} | {f('needle_same_answer_rate', '.2f')} | {nd} |"
+
+
+def task_notes(doc):
+    """Target lines: no measurable loss (top-1 >= 0.99, ppl <= +0.5 %, Quoref same answer >= 0.95) at >= 5x."""
+    t = doc.get("tasks", {})
+    q, n = t.get("quoref", {}), t.get("needle", {})
+    out = [""]
+    if q.get("n"):
+        out.append(
+            f"Quoref: {q['n']} questions, one per passage (mean prefix {q['mean_prefix_tokens']} tokens, at most "
+            f"{q['max_prefix_tokens']}); 'same answer': the restored KV's greedy answer equals the recomputed KV's."
+        )
+    if n.get("cases"):
+        cases = ", ".join(f"{c['length']}@{c['depth']:g} ({c['prefix_tokens']} tok)" for c in n["cases"])
+        out.append(f"Needle: {len(n['cases'])} cases, length@depth: {cases}; 'found': the answer holds the code.")
+    if t:
+        out.append(f"Answering: {t['answering']}.")
+    out += [
+        "",
+        "Target (issue 12): no measurable loss at >= 5x vs fp16: top-1 >= 0.99, ppl delta <= +0.5 %, Quoref same answer >= 0.95.",
+        "",
+    ]
+    for r in doc["records"]:
+        checks = {
+            ">=5x": r["ratio_vs_fp16"] >= 5,
+            "top-1": r["top1_agreement"] >= 0.99,
+            "ppl": r["ppl_delta_pct"] <= 0.5,
+        }
+        if "quoref_same_answer_rate" in r:
+            checks["Quoref"] = r["quoref_same_answer_rate"] >= 0.95
+        verdict = "MET" if all(checks.values()) else "missed: " + ", ".join(k for k, v in checks.items() if not v)
+        out.append(f"- {r['method']}: {verdict}")
+    return out
 
 
 @click.command()
@@ -238,6 +325,11 @@ def markdown(doc):
 @click.option("--compare", default="5", show_default=True, help="Ratios at which zstd-19 also codes the same integers.")
 @click.option("--key-weights", default="", help="Extra points at the first ratio with these key weights.")
 @click.option("--no-nosink", is_flag=True, help="Skip the point without fp16 sink tokens.")
+@click.option("--zstd-ratios", default="", help="Transform points coded with zstd-19 instead of HEVC, e.g. 5.")
+@click.option("--quoref", "n_quoref", default=0, show_default=True, help="Quoref questions (distinct passages).")
+@click.option("--quoref-max-tokens", default=640, show_default=True, help="Longest Quoref prefix kept.")
+@click.option("--needle-lengths", default="", help="Needle haystack lengths in tokens, e.g. 2048,4096.")
+@click.option("--needle-depths", default="0.1,0.5,0.9", show_default=True)
 @click.option("--out", "out_stem", required=True, help="Output stem: writes STEM.json and STEM.md.")
 @click.option("--save-kvt", help="Write the calibration here.")
 def main(
@@ -256,6 +348,11 @@ def main(
     no_nosink,
     out_stem,
     save_kvt,
+    zstd_ratios,
+    n_quoref,
+    quoref_max_tokens,
+    needle_lengths,
+    needle_depths,
 ):
     from kvcodec.models import load_model
     from kvcodec.transform import save_kvt as write_kvt
@@ -273,8 +370,14 @@ def main(
     compare_set = {float(r) for r in compare.split(",") if r}
     weights = [float(w) for w in key_weights.split(",") if w]
     bl = [b for b in baselines.split(",") if b]
-    runners = methods(cal, digest, ratio_list, bl, compare_set, weights, not no_nosink)
+    zstd_list = [float(r) for r in zstd_ratios.split(",") if r]
+    runners = methods(cal, digest, ratio_list, bl, compare_set, weights, not no_nosink, zstd_list)
     per_text = [evaluate_text(model, tokenizer, t, prefix_tokens, cont_tokens, runners) for t in evals]
+    prompts = task_prompts(tokenizer, n_quoref, quoref_max_tokens, needle_lengths, needle_depths, calib, evals)
+    task_runners = methods(cal, digest, ratio_list, bl, set(), weights, not no_nosink, zstd_list)
+    task_rows = rd_tasks.evaluate_prompts(
+        model, tokenizer, prompts, task_runners, log=lambda m: click.echo(m, err=True)
+    )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     doc = dict(
         command="python " + shlex.join(sys.argv),
@@ -291,7 +394,9 @@ def main(
             seconds=round(secs, 1),
             kvt_sha256=digest,
         ),
-        records=aggregate(model_name, per_text),
+        records=[r | rd_tasks.task_fields(task_rows, r["method"]) for r in aggregate(model_name, per_text)],
+        tasks=task_settings(prompts, quoref_max_tokens),
+        task_items=task_rows,
     )
     Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
     Path(out_stem + ".md").write_text(markdown(doc))
