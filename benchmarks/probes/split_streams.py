@@ -376,6 +376,42 @@ def measure_batch(args, sp: Split, restore, shape, hashes, alone: float) -> dict
     return rec
 
 
+def report(args) -> None:
+    """Markdown tables of a run's JSON (sizes, batch restores, fetches)."""
+    doc = json.loads(pathlib.Path(args.json).read_text())
+    lines = ["| streams/chunk | parts (layers) | bytes | vs 1 stream | video bytes | frames/chunk | ratio vs fp16 |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in doc["manifest"]["splits"]:
+        lines.append(
+            f"| {r['streams_per_chunk']} | {r['part_layers']} | {r['bytes']} | {r['size_vs_one_stream']:.4f} | "
+            f"{r['video_bytes']} | {r['frames_per_chunk']} | {r['ratio_vs_fp16']:.3f} |"
+        )
+    lines += [
+        "",
+        "| backend | switch s | streams/chunk | jobs | restored GB/s | coded Gbit/s | matmul slowdown | exact |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in doc["decode"] + doc.get("pool", []):
+        slow = f"{r['matmul_slowdown'] * 100:.1f}%" if "matmul_slowdown" in r else ""
+        lines.append(
+            f"| {r['backend']} | {r.get('switch_interval_s', '')} | {r['streams_per_chunk']} | {r['jobs']} | "
+            f"{r['restored_gb_per_s']} | {r['coded_gbit_per_s']} | {slow} | {r['exact_vs_cpu']} |"
+        )
+    lines += [
+        "",
+        "| switch s | streams/chunk | workers:inflight | link Gbit/s | fetch ms (median) | all ms | bound ms | x bound |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in doc["fetch"]:
+        lines.append(
+            f"| {r.get('switch_interval_s', '')} | {r['streams_per_chunk']} | {r['decode_workers']}:{r['max_inflight']} | "
+            f"{r['bandwidth_gbit'] or 'unshaped'} | {r['fetch_s'] * 1e3:.1f} | "
+            f"{', '.join(f'{x * 1e3:.0f}' for x in r['fetch_s_all'])} | {r['bound_s'] * 1e3:.1f} | "
+            f"{r['time_over_bound']:.2f} |"
+        )
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="step", required=True)
@@ -404,7 +440,11 @@ def main() -> None:
         "--switch-intervals", default="0.005", help="sys.setswitchinterval values (s) to run everything under"
     )
     r.add_argument("--pool", type=int, default=0, help="also restore in an NvdecPool of this many processes")
+    t = sub.add_parser("report")
+    t.add_argument("--json", required=True)
     args = ap.parse_args()
+    if args.step == "report":
+        return report(args)
     if args.step == "run":
         args.workers = [tuple(int(v) for v in p.split(":")) for p in args.workers.split(",")]
     prepare(args) if args.step == "prepare" else run(args)
