@@ -228,63 +228,70 @@ def check_exact(codec, case: Case, hashes: dict, reference: dict) -> dict:
     return rec
 
 
-def kernel_times(codec, case: Case, repeat: int = 200) -> dict:
-    """The restore math alone, samples already on the GPU: GPU ms per chunk (CUDA events; the
-    batched path and the per-group reference path) and host ms per chunk (launch-bound)."""
+def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
+    """The restore math alone, samples already on the GPU: ms per chunk on the GPU (CUDA events)
+    and on the host (launch-bound), for one chunk at a time, `batch` chunks in one pass, one chunk
+    replayed from a CUDA graph (GPU time without launch gaps), and the per-group reference path."""
     from kvcodec.codecs import transform_decode
     from kvcodec.restore import transform_kernels as tk
     from kvcodec.transform import quantize
-
-    r = codec._restorer
-    h, streams = codec._read(case.blobs[1 % len(case.blobs)])
-    L, H, D = h["shape"]
-    t = h["tokens"]
     from kvcodec.video.nvcuvid import NvcuvidDecoder
 
-    dec = NvcuvidDecoder(0)
+    r, blob = codec._restorer, case.blobs[1 % len(case.blobs)]
+    h, streams = codec._read(blob)
+    (L, H, D), t, dev = h["shape"], h["tokens"], torch.device("cuda")
     C = codec.plan(float(h["theta"]), float(h["key_weight"])).steps.numel()
-    samples = _samples(codec, case.blobs[1 % len(case.blobs)], dec, "cuda").view(C, t)
+    dec = NvcuvidDecoder(0)
+    samples = _samples(codec, blob, dec, "cuda").view(C, t)
     dec.close()
     esc = quantize.unpack_escapes(transform_decode.unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
-    dev = torch.device("cuda")
-    bp = r._batched_plan(h, dev)
-    out = torch.empty((L, 2, t, H, D), dtype=torch.float16, device=dev)
+    bp, rope = r._batched_plan(h, dev), r._rope_tables.get(dev)
+    outs = [torch.empty((L, 2, t, H, D), dtype=torch.float16, device=dev) for _ in range(batch)]
+    many = samples[None].expand(batch, C, t).contiguous()
+    none = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
 
-    def batched():
-        tk.emit(tk.restore(bp, samples, esc, (L, H, D, t), r._rope_tables.get(dev), h["start_token"]), out)
+    def run(n, escapes=(esc,)):
+        def fn():
+            y = tk.restore(
+                bp, many[:n], list(escapes) * n, (L, H, D), rope, [h["start_token"] + i * t for i in range(n)]
+            )
+            for i in range(n):
+                tk.emit(y, i, t, outs[i])
+
+        return fn
 
     def reference():
         r._samples = lambda *a, **k: samples.reshape(-1)
         try:
-            out.copy_(r._restore(h, streams, dev))
+            outs[0].copy_(r._restore(h, streams, dev))
         finally:
             del r._samples
 
-    rec = {"escapes_in_chunk": int(h["escapes"]), "coded_coordinates": C}
-    for name, fn in (("batched", batched), ("reference", reference)):
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        start.record()
-        for _ in range(repeat):
-            fn()
-        end.record()
-        host = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        rec[f"{name}_gpu_ms_per_chunk"] = round(start.elapsed_time(end) / repeat, 4)
-        rec[f"{name}_host_ms_per_chunk"] = round(1e3 * host / repeat, 4)
+    rec = {"escapes_in_chunk": int(h["escapes"]), "coded_coordinates": C, "batch": batch}
+    for name, fn, n in (("batched", run(1), 1), (f"batched_x{batch}", run(batch), batch), ("reference", reference, 1)):
+        gpu, host = _event_ms(fn, max(repeat // n, 5))
+        rec[f"{name}_gpu_ms_per_chunk"], rec[f"{name}_host_ms_per_chunk"] = round(gpu / n, 4), round(host / n, 4)
     try:
-        no_escapes = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))  # no host work inside
-
-        def captured():
-            tk.emit(tk.restore(bp, samples, no_escapes, (L, H, D, t), r._rope_tables.get(dev), h["start_token"]), out)
-
-        rec["batched_graph_gpu_ms_per_chunk"] = _graph_ms(captured, repeat)
+        rec["batched_graph_gpu_ms_per_chunk"] = _graph_ms(run(1, (none,)), repeat)  # no host work inside
     except Exception as e:  # noqa: BLE001 - capture is a probe here, not the product's path
         rec["batched_graph_error"] = repr(e)
-    rec["_batched_fn"] = batched
+    rec["_batched_fn"] = run(1)
     return rec
+
+
+def _event_ms(fn, repeat: int) -> tuple[float, float]:
+    """(GPU ms, host ms) per call of fn, `repeat` calls queued back to back."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeat, 1e3 * host / repeat
 
 
 def _graph_ms(fn, repeat: int) -> float:
@@ -304,8 +311,12 @@ def _graph_ms(fn, repeat: int) -> float:
     return round(start.elapsed_time(end) / repeat, 4)
 
 
-def measure_threads(probe, codec, case: Case, sessions: int, threads: int, secs: tuple, alone: float) -> dict:
-    from kvcodec.codecs.transform_decode import threads_decode_into
+def measure_threads(
+    probe, codec, case: Case, sessions: int, threads: int, batched: bool, secs: tuple, alone: float
+) -> dict:
+    """NvcuvidThreads restoring every job: per chunk on the worker threads (threads_decode_into),
+    or batched (restore_chunks: NVDEC on the workers, the math in one pass over all chunks)."""
+    from kvcodec.codecs.transform_decode import restore_chunks, threads_decode_into
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     into = threads_decode_into(codec)
@@ -316,7 +327,7 @@ def measure_threads(probe, codec, case: Case, sessions: int, threads: int, secs:
     dec.warm_up(lambda d: codec.decode_chunk(case.blobs[0], case.outs[0][:, :, : h0["tokens"]], decoder=d))
     time.sleep(0.2)
     rec = {
-        "backend": f"nvcuvid-threads:{sessions}x{threads}",
+        "backend": f"nvcuvid-threads{'-batched' if batched else ''}:{sessions}x{threads}",
         "sessions": sessions,
         "threads": threads,
         "cuda_contexts": 1,
@@ -327,7 +338,11 @@ def measure_threads(probe, codec, case: Case, sessions: int, threads: int, secs:
 
     def run():
         with torch.cuda.stream(side):
-            dec.restore_blobs(case.job_blobs, case.outs, synchronize=True, decode_into=into)
+            if batched:
+                restore_chunks(codec, case.job_blobs, case.outs, threads=dec)
+                side.synchronize()
+            else:
+                dec.restore_blobs(case.job_blobs, case.outs, synchronize=True, decode_into=into)
 
     try:
         rec.update(case.rates(probe.timed(run, secs[0])))
@@ -362,7 +377,12 @@ def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> 
 
 @cli.command()
 @click.option("--dir", "in_dir", required=True)
-@click.option("--threads", "thread_specs", default="7x7,7x14", help="SESSIONSxTHREADS, comma-separated")
+@click.option(
+    "--threads",
+    "thread_specs",
+    default="7x7,b7x7,b7x14",
+    help="[b]SESSIONSxTHREADS, comma-separated; b: the math batched over all chunks (restore_chunks)",
+)
 @click.option("--copies", default=56, help="chunk jobs per timed call (chunks replicated)")
 @click.option("--seconds", default=2.0)
 @click.option("--interference-seconds", default=4.0)
@@ -397,7 +417,7 @@ def run(in_dir, thread_specs, copies, seconds, interference_seconds, only, out_s
     stems = [s for s in only.split(",") if s]
     for path in sorted(d.glob("hevc-*.kvc")):
         if not stems or path.stem in stems:
-            specs = [tuple(int(x) for x in spec.split("x")) for spec in thread_specs.split(",")]
+            specs = [_spec(spec) for spec in thread_specs.split(",")]
             measure_file(log, probe, d, path, copies, specs, (seconds, interference_seconds), alone, hashes, reference)
     doc["matmul_alone_again_tflops"] = round(probe.matmul_tflops(interference_seconds or 2.0), 1)
     pathlib.Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -416,8 +436,8 @@ def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, refere
     }
     stage(log, base, "check", check_exact, codec, case, hashes, reference)
     stage(log, base, "decode-only", decode_only, probe, codec, case, secs, alone)
-    for sessions, threads in specs:
-        stage(log, base, "restore", measure_threads, probe, codec, case, sessions, threads, secs, alone)
+    for sessions, threads, batched in specs:
+        stage(log, base, "restore", measure_threads, probe, codec, case, sessions, threads, batched, secs, alone)
     k = stage(log, base, "restore-kernels", kernel_times, codec, case)
     if secs[1] > 0 and "_batched_fn" in k:
         stage(log, base, "restore-kernels-only", kernel_interference, probe, k["_batched_fn"], case, secs[1], alone)
@@ -437,6 +457,11 @@ def decode_only(probe, codec, case: Case, secs: tuple, alone: float) -> dict:
     finally:
         for dec in decs:
             dec.close()
+
+
+def _spec(spec: str) -> tuple[int, int, bool]:
+    sessions, threads = (int(x) for x in spec.removeprefix("b").split("x"))
+    return sessions, threads, spec.startswith("b")
 
 
 def stage(log, base: dict, kind: str, fn, *args) -> dict:

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.codecs.transform import TransformCodec
-from kvcodec.codecs.transform_decode import threads_decode_into
+from kvcodec.codecs.transform_decode import restore_chunks, threads_decode_into
 from kvcodec.errors import CorruptStreamError
 from kvcodec.restore import transform_kernels as tk
 from kvcodec.restore.paged import PagedKV
@@ -98,7 +98,21 @@ def test_batched_restore_refuses_escapes_outside_the_chunk(kvt):
     plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
     idx, vals = torch.tensor([0, 10**9]), torch.tensor([300, -300], dtype=torch.int32)
     with pytest.raises(CorruptStreamError):
-        tk.escape_slots(plan, idx, vals, 64, 100)
+        tk.escape_slots(plan, [(idx, vals)], 64, 100)
+
+
+def test_many_chunks_restored_at_once_equal_one_by_one(kvt):
+    ref, fast = codecs(kvt, theta=1e-6)  # escapes in several chunks, a short last chunk, sink tokens
+    kv = synthetic_kv(300, 5)
+    chunks = ref.encode_chunks(kv)
+    one = restore_all(ref, chunks, kv.shape)
+    out = torch.empty_like(kv)
+    order = [3, 0, 4, 2, 1]  # any order, each into its own slice
+    outs = [out[:, :, chunks[i].start_token : chunks[i].start_token + chunks[i].tokens] for i in order]
+    restore_chunks(fast, [chunks[i].blobs[0] for i in order], outs)
+    assert within_an_ulp(out, one)
+    with pytest.raises(ValueError):
+        restore_chunks(fast, [chunks[0].blobs[0]], [])
 
 
 @pytest.mark.parametrize("spec", [RopeSpec(1e4, 16), RopeSpec(5e5, 16, 8, "interleaved"), RopeSpec(1e6, 16, 12)])
@@ -168,3 +182,23 @@ def test_nvcuvid_threads_restore_transform_chunks_in_parallel(kvt):
         outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
         dec.restore_blobs([ch.blobs[0] for ch in chunks], outs, synchronize=True, decode_into=threads_decode_into(c))
     assert torch.equal(out, one)
+
+
+@needs_cuda
+def test_restore_chunks_on_nvcuvid_threads_matches_the_cpu(kvt):
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+    from kvcodec.video.nvcuvid_threads import NvcuvidThreads
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    ref, _ = codecs(kvt, target_ratio=4.0, coder="hevc", resolutions=((144, 144),))
+    kv = synthetic_kv(300, 17)
+    chunks = ref.encode_chunks(kv)
+    cpu = restore_all(ref, chunks, kv.shape)
+    c = TransformCodec(kvt[0], chunk_tokens=64, resolutions=((144, 144),))
+    out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+    outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
+    with NvcuvidThreads(3) as dec:
+        restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=dec)
+        torch.cuda.synchronize()
+    assert within_an_ulp(cpu, out.cpu())

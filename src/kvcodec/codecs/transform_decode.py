@@ -4,8 +4,9 @@ a CUDA target, FFmpeg on the CPU, or zstd) -> integers -> dequantize -> one GEMM
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import zstandard
@@ -69,14 +70,8 @@ class TransformRestorer:
     def decode(self, h: dict, streams: dict, out: Target, decoder=None) -> Target:
         """Restore a verified chunk into `out`; `decoder`: the video decoder to use (one lent by
         NvcuvidThreads, say) instead of one borrowed for the call."""
-        L, H, D = h["shape"]
-        t, dtype = h["tokens"], DTYPES[h["dtype"]]
-        shape = (L, 2, t, H, D)
-        if isinstance(out, PagedKV):
-            out.check(shape, dtype, h["start_token"])
-        elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
-            raise ShapeError(f"output must be a {shape} {dtype} tensor or a PagedKV")
-        device = out.device
+        _check_target(h, out)
+        t, dtype, device = h["tokens"], DTYPES[h["dtype"]], out.device
         batched = self.batched if self.batched is not None else device.type == "cuda"
         if batched:
             return self._decode_batched(h, streams, out, device, decoder)
@@ -133,23 +128,72 @@ class TransformRestorer:
 
     def _decode_batched(self, h: dict, streams: dict, out: Target, device: torch.device, decoder) -> Target:
         """The same restore in about ten kernels (restore.transform_kernels), no host waits."""
-        L, H, D = h["shape"]
-        t, dtype = h["tokens"], DTYPES[h["dtype"]]
-        bp = self._batched_plan(h, device)
+        self.finish([self.decode_samples(h, streams, device, decoder)], [out])
+        return out
+
+    def decode_samples(self, h: dict, streams: dict, device: torch.device, decoder=None) -> Decoded:
+        """A chunk's first half of the batched restore: its samples on `device` (NVDEC or zstd),
+        escapes and sink tokens; finish() does the math, for many chunks at once."""
         C = self.plan(float(h["theta"]), float(h["key_weight"])).steps.numel()
         escapes = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
-        samples = self._samples(h, streams, C * t, device, decoder).view(C, t)
+        samples = self._samples(h, streams, C * h["tokens"], device, decoder).view(C, h["tokens"])
+        sink = self._sink(h, streams, device) if h["sink"] else None
+        return Decoded(h, samples, escapes, sink)
+
+    def finish(self, chunks: list[Decoded], outs: list[Target]) -> None:
+        """The math of the batched restore for decoded chunks, each into its target: one pass
+        per group of chunks that share a plan and a length (usually all of them)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
+            _check_target(c.h, out)
+            key = (float(c.h["theta"]), float(c.h["key_weight"]), c.h["tokens"], out.device, c.h["dtype"])
+            groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            self._finish_group([chunks[i] for i in members], [outs[i] for i in members])
+
+    def _finish_group(self, chunks: list[Decoded], outs: list[Target]) -> None:
+        h0 = chunks[0].h
+        L, H, D = h0["shape"]
+        t, dtype, device = h0["tokens"], DTYPES[h0["dtype"]], outs[0].device
+        bp = self._batched_plan(h0, device)
+        if device.type == "cuda":  # decoded on worker streams, read on this one: not reused before that
+            stream = torch.cuda.current_stream(device)
+            for c in chunks:
+                for tensor in (c.samples, c.sink):
+                    if tensor is not None:
+                        tensor.record_stream(stream)
+        samples = chunks[0].samples[None] if len(chunks) == 1 else torch.stack([c.samples for c in chunks])
+        starts = [c.h["start_token"] for c in chunks]
         y = transform_kernels.restore(
-            bp, samples, escapes, (L, H, D, t), self._rope_tables.get(device), h["start_token"]
+            bp, samples, [c.escapes for c in chunks], (L, H, D), self._rope_tables.get(device), starts
         )
-        dense = out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)
-        transform_kernels.emit(y, dense)
-        if h["sink"]:
-            dense[:, :, : h["sink"]] = self._sink(h, streams, device)
-        if isinstance(out, PagedKV):
-            blocks, within = out.slots(h["start_token"], t)
-            out.pages[:, :, blocks, within] = dense
-        return out
+        for i, (c, out) in enumerate(zip(chunks, outs)):
+            dense = out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)
+            transform_kernels.emit(y, i, t, dense)
+            if c.sink is not None:
+                dense[:, :, : c.h["sink"]] = c.sink
+            if isinstance(out, PagedKV):
+                blocks, within = out.slots(c.h["start_token"], t)
+                out.pages[:, :, blocks, within] = dense
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decoded:
+    """A chunk between the two halves of the batched restore (TransformRestorer.decode_samples)."""
+
+    h: dict
+    samples: torch.Tensor  # (C, tokens) uint8 on the target's device, layout order
+    escapes: tuple[torch.Tensor, torch.Tensor]  # host: flat indices, true integers
+    sink: torch.Tensor | None  # (L, 2, sink, H, D) float16 on the device
+
+
+def _check_target(h: dict, out: Target) -> None:
+    L, H, D = h["shape"]
+    shape, dtype = (L, 2, h["tokens"], H, D), DTYPES[h["dtype"]]
+    if isinstance(out, PagedKV):
+        out.check(shape, dtype, h["start_token"])
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+        raise ShapeError(f"output must be a {shape} {dtype} tensor or a PagedKV")
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -172,3 +216,26 @@ def threads_decode_into(codec) -> Callable:
         codec.decode_chunk(blob, out, decoder=decoder)
 
     return decode_into
+
+
+def restore_chunks(codec, blobs: Sequence, outs: Sequence[Target], threads=None) -> None:
+    """Many transform chunks into their targets: NVDEC decodes them in parallel on the sessions of
+    `threads` (an NvcuvidThreads; None: one after another on this thread), then the math runs
+    batched over all of them in a few kernels on the caller's current stream. Returns once the
+    work is queued; a chunk that fails raises its error after the others are decoded."""
+    if len(blobs) != len(outs):
+        raise ValueError("restore_chunks needs one output per blob")
+    r = codec._restorer
+    decoded: list = [None] * len(blobs)
+
+    def first_half(blob, i, decoder, restore="auto"):
+        h, streams = codec._read(blob)
+        _check_target(h, outs[i])
+        decoded[i] = r.decode_samples(h, streams, outs[i].device, decoder)
+
+    if threads is None:
+        for i, blob in enumerate(blobs):
+            first_half(blob, i, None)
+    else:
+        threads.restore_blobs(blobs, list(range(len(blobs))), decode_into=first_half)
+    r.finish(decoded, list(outs))

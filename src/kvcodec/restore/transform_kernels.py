@@ -19,6 +19,7 @@ GPU: no host synchronisation per chunk.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import torch
@@ -105,40 +106,49 @@ def rope_partner(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 class RopeTables:
-    """cos / signed sin per (channel, position) on one device, grown to the positions asked for."""
+    """cos / signed sin per (channel, position) on one device, grown to the positions asked for
+    (thread-safe: the pair is replaced whole, under a lock)."""
 
     def __init__(self, spec: RopeSpec, device):
         self.spec, self.device = spec, torch.device(device)
         partner, self._freq, self._sign = rope_partner(spec)
         self.partner = torch.from_numpy(partner).to(self.device)
         self._rest = torch.from_numpy(np.arange(spec.head_dim) >= spec.rotary)
-        self.cos = self.sin = torch.empty((spec.head_dim, 0), device=self.device)
+        self._lock = threading.Lock()
+        self._tables = self._make(4096)
 
     def window(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(D, tokens) float32 cos and signed sin for positions start .. start + tokens - 1."""
         end = start + tokens
-        if end > self.cos.shape[1]:
-            self._grow(max(end, 2 * self.cos.shape[1], 4096))
-        return self.cos[:, start:end], self.sin[:, start:end]
+        cos, sin = self._tables
+        if end > cos.shape[1]:
+            with self._lock:
+                if end > self._tables[0].shape[1]:
+                    self._tables = self._make(max(end, 2 * self._tables[0].shape[1]))
+                cos, sin = self._tables
+        return cos[:, start:end], sin[:, start:end]
 
-    def _grow(self, size: int) -> None:
+    def _make(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         # the same float64 angles -> float32 as transform.rope.apply_rope
         angles = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq(self.spec)[None, :]
         cos = torch.cos(angles)[:, self._freq].T
         sin = (torch.sin(angles)[:, self._freq] * torch.from_numpy(self._sign)).T
         cos[self._rest] = 1.0
-        self.cos = cos.float().contiguous().to(self.device)
-        self.sin = sin.float().contiguous().to(self.device)
+        return cos.float().contiguous().to(self.device), sin.float().contiguous().to(self.device)
 
 
-def escape_slots(plan: BatchedPlan, idx: torch.Tensor, values: torch.Tensor, tokens: int, rows: int):
-    """Flat positions in the (J * n, tokens) gathered samples, and the sample-equivalent values
-    (q + OFFSET, float32) of a chunk's escapes; idx are flat indices in the (rows, tokens) layout."""
-    idx_np = idx.numpy()
-    if idx_np.size and (idx_np.min() < 0 or idx_np.max() >= rows * tokens):
-        raise CorruptStreamError("escape list names samples outside the chunk")
-    flat = plan.slot_of_row[idx_np // tokens] * tokens + idx_np % tokens
-    return torch.from_numpy(flat), values.to(torch.float32) + OFFSET
+def escape_slots(plan: BatchedPlan, escapes, tokens: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions in the (J * n, N, tokens) gathered samples of N chunks, and the
+    sample-equivalent values (q + OFFSET, float32), of every chunk's escapes. escapes[i]: chunk
+    i's (flat indices in its (rows, tokens) layout, true integers), on the host."""
+    N, flats, vals = len(escapes), [], []
+    for i, (idx, values) in enumerate(escapes):
+        idx_np = idx.numpy()
+        if idx_np.size and (idx_np.min() < 0 or idx_np.max() >= rows * tokens):
+            raise CorruptStreamError("escape list names samples outside the chunk")
+        flats.append(plan.slot_of_row[idx_np // tokens] * (N * tokens) + i * tokens + idx_np % tokens)
+        vals.append(values.numpy().astype(np.float32) + OFFSET)
+    return torch.from_numpy(np.concatenate(flats)), torch.from_numpy(np.concatenate(vals))
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -150,30 +160,35 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def restore(
     plan: BatchedPlan,
     samples: torch.Tensor,
-    escapes: tuple[torch.Tensor, torch.Tensor],
-    shape: tuple[int, int, int, int],
+    escapes,
+    shape: tuple[int, int, int],
     rope: RopeTables | None,
-    start: int,
+    starts,
 ) -> torch.Tensor:
-    """float32 KV (L, 2, H, D, t) of one chunk from its samples (C, t) uint8 in layout order and
-    its escapes (flat index, true integer) on the host. A view: callers permute while casting."""
-    L, H, D, t = shape
+    """float32 KV (L, 2, H, D, N * t) of N chunks of t tokens (same plan) from their samples
+    (N, C, t) uint8 in layout order, their escapes (per chunk: flat index, true integer, on the
+    host) and first positions. Chunk i is [..., i * t : (i + 1) * t]; emit() writes it out."""
+    L, H, D = shape
+    N, C, t = samples.shape
     device = samples.device
-    g = samples.index_select(0, plan.gather).to(torch.float32)  # (J * n, t)
-    if escapes[0].numel():
-        flat, vals = escape_slots(plan, *escapes, t, samples.shape[0])
+    g = torch.empty((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
+    g.copy_(samples.index_select(1, plan.gather).permute(1, 0, 2))
+    if any(idx.numel() for idx, _ in escapes):
+        flat, vals = escape_slots(plan, escapes, t, C)
         g.view(-1).index_put_((_upload(flat, device),), _upload(vals, device))
     J = plan.bases.shape[0]
-    x = torch.baddbmm(plan.means, plan.bases, g.view(J, plan.n, t))  # (J, d, t)
-    y = x.view(-1, t).index_select(0, plan.rows).view(L, 2, H, D, t)
+    x = torch.baddbmm(plan.means, plan.bases, g.view(J, plan.n, N * t))  # (J, d, N t)
+    y = x.view(-1, N * t).index_select(0, plan.rows).view(L, 2, H, D, N * t)
     if rope is not None:
-        cos, sin = rope.window(start, t)
+        windows = [rope.window(s, t) for s in starts]
+        cos = windows[0][0] if N == 1 else torch.cat([w[0] for w in windows], dim=1)
+        sin = windows[0][1] if N == 1 else torch.cat([w[1] for w in windows], dim=1)
         k = y[:, 0]
         rotated = k.index_select(2, rope.partner).mul_(sin)
         y[:, 0] = rotated.addcmul_(k, cos)
     return y
 
 
-def emit(y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """y (L, 2, H, D, t) float32 into out (L, 2, t, H, D): one permuting, casting copy."""
-    return out.copy_(y.permute(0, 1, 4, 2, 3))
+def emit(y: torch.Tensor, i: int, t: int, out: torch.Tensor) -> torch.Tensor:
+    """Chunk i of y (L, 2, H, D, N * t) into out (L, 2, t, H, D): one permuting, casting copy."""
+    return out.copy_(y[..., i * t : (i + 1) * t].permute(0, 1, 4, 2, 3))
