@@ -14,6 +14,7 @@ from kvcodec.errors import ConfigError
 
 POLICIES = ("fetch-aware", "blocking")
 AUTO = "auto"
+SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,13 @@ class EngineConfig:
     stall_s: /health reports a stalled engine after this long without a finished iteration while
         work is pending.
     batch_decode: one forward for the whole running batch per decode step.
+    sdpa_backends: the torch scaled-dot-product attention kernels the model may use, in
+        SDPA_BACKENDS names; None: torch's own choice. The default leaves out cuDNN, which plans
+        anew for every new (query, key) length pair, and serving meets a new pair with nearly
+        every request's suffix and decode step (H200, SmolLM2's shape, 8k restored tokens: the
+        first request's suffix forward 0.67 s with cuDNN vs 0.06 s without, later new-length
+        suffixes 66-89 ms vs 43-49 ms to the first token, decode steps 56-65 ms vs 25-40 ms;
+        benchmarks/results/ttft-gpu-h200-latency.md).
     device, dtype: where and in which dtype the model runs (default: cuda if present; fp32 on
         CPU, fp16 on CUDA).
     """
@@ -66,6 +74,7 @@ class EngineConfig:
     max_context: int | None = None
     stall_s: float = 60.0
     batch_decode: bool = True
+    sdpa_backends: tuple[str, ...] | None = ("flash", "efficient", "math")
     device: Any = None
     dtype: Any = None
 
@@ -87,6 +96,10 @@ class EngineConfig:
             raise ConfigError(f"fetch_deadline_s must be 'auto', None or a positive number; got {d!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ConfigError(f"max_context must be >= 2; got {self.max_context}")
+        if self.sdpa_backends is not None and (
+            not self.sdpa_backends or not set(self.sdpa_backends) <= set(SDPA_BACKENDS)
+        ):
+            raise ConfigError(f"sdpa_backends must be None or names from {SDPA_BACKENDS}; got {self.sdpa_backends!r}")
         if self.stall_s <= 0:
             raise ConfigError(f"stall_s must be > 0; got {self.stall_s}")
 

@@ -75,7 +75,7 @@ class Engine:
         cfg = self.config = EngineConfig.from_kwargs(config, **kwargs)
         self.device = torch.device(cfg.device) if cfg.device is not None else default_device()
         model, tokenizer = _load(model, tokenizer, self.device, cfg.dtype)
-        self.runner = ModelRunner(model, self.device)
+        self.runner = ModelRunner(model, self.device, cfg.sdpa_backends)
         self.model, self.tokens = self.runner.model, Tokens(tokenizer)
         self.tokenizer = tokenizer
         self.max_context = cfg.max_context or self.runner.max_positions

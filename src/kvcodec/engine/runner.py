@@ -12,6 +12,7 @@ detail goes through kvcodec.integrations.hf.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -50,14 +51,34 @@ def layer_storage(kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]] |
     return [(st[i, 0][None], st[i, 1][None]) for i in range(st.shape[0])]
 
 
+def sdpa_context(backends: tuple[str, ...] | None) -> Any:
+    """A factory of contexts that restrict torch's attention kernels to `backends` (names of
+    EngineConfig.SDPA_BACKENDS); None: no restriction."""
+    if backends is None:
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }
+    chosen = [names[b] for b in backends]
+    return lambda: sdpa_kernel(chosen)
+
+
 class ModelRunner:
     """Runs a Hugging Face causal LM for the engine."""
 
-    def __init__(self, model: Any, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, model: Any, device: torch.device | str | None = None, sdpa_backends: tuple[str, ...] | None = None
+    ) -> None:
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device).eval()
         self.dtype = next(model.parameters()).dtype
         self.cache_kw = cache_kwarg(self.model)
+        self.attention = sdpa_context(sdpa_backends)
         self.layout: Any = None  # kvspec.serving.GroupedLayout for models with several KV layer groups
         config = getattr(self.model, "config", None)
         self.vocab_size = int(getattr(config, "vocab_size", 0) or 0) or None
@@ -67,7 +88,8 @@ class ModelRunner:
         """(logits, cache) of one forward; cache None starts a new one."""
         if cache is not None:
             kw[self.cache_kw] = cache
-        out = self.model(input_ids=ids, use_cache=True, **kw)
+        with self.attention():
+            out = self.model(input_ids=ids, use_cache=True, **kw)
         return out.logits, output_cache(out)
 
     def begin_prefill(self, req: Request) -> None:

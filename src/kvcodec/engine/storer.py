@@ -74,8 +74,8 @@ class KVStorer:
         n = self.tokens_to_store(len(prompt_ids), restored)
         if n == 0:
             return None
-        # DynamicCache.update concatenates into new tensors, so these references stay valid (and
-        # unchanged) while the request keeps decoding.
+        # The request's cache writes later tokens after the prompt (in place, or into new storage
+        # when it grows), so these views of the prompt's tokens stay unchanged while it decodes.
         from kvcodec.integrations.hf import layer_pairs
 
         with self._lock:

@@ -128,8 +128,8 @@ def _reserved_layer_class() -> Any:
             (crop keeps them so; a batch reorder or reset replaces them) and it has room and shape."""
             k, v, ks, vs = self.keys, self.values, self._k, self._v
             return (
-                k.data_ptr() == ks.data_ptr()
-                and v.data_ptr() == vs.data_ptr()
+                _same_start(k, ks)
+                and _same_start(v, vs)
                 and k.stride() == ks.stride()
                 and v.stride() == vs.stride()
                 and end <= ks.shape[2]
@@ -164,6 +164,14 @@ def _reserved_layer_class() -> Any:
             return self.keys, self.values
 
     return _ReservedLayer
+
+
+def _same_start(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """`view` starts where `base` does in the same storage (data_ptr() is 0 for empty views)."""
+    return (
+        view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        and view.storage_offset() == base.storage_offset()
+    )
 
 
 ReservedLayer = _reserved_layer_class()

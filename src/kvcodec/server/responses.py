@@ -38,6 +38,8 @@ def kvcodec_info(req: Any) -> dict[str, Any]:
         "fetch_error": req.fetch_error,
         "fetch_deadline_s": req.fetch_deadline_s,
         "fetch_s": req.fetch_s,
+        "restored_to_prefill_s": req.restored_to_prefill_s,
+        "prefill_to_first_token_s": req.prefill_to_first_token_s,
         "bytes_fetched": int(req.fetch_stats.get("bytes_fetched", 0) or 0),
         "error": req.error,
     }
