@@ -94,3 +94,25 @@ def test_conditions_fetch_from_their_stores():
         "sm-decoder",
         "raw",
     ]
+
+
+def test_ttft_rows_carry_the_engine_split_after_the_fetch_and_tolerate_older_engines():
+    from types import SimpleNamespace
+
+    from kvbench.ttft import gap_markdown, method_result
+
+    def run(ttft, fetch, gap=None, first=None):  # noqa: ANN001, ANN202
+        out = SimpleNamespace(
+            ttft_s=ttft, fetch_s=fetch, bytes_fetched=10, restored_tokens=256, fetch_error=None, token_ids=[1]
+        )
+        if gap is not None:  # engines before the time points have no such fields
+            out.restored_to_prefill_s, out.prefill_to_first_token_s = gap, first
+        return out
+
+    new = method_result([run(0.10, 0.07, 0.001, 0.02), run(0.12, 0.08, 0.003, 0.03), run(0.11, 0.09, 0.002, 0.01)])
+    assert new["ttft_minus_fetch_s"] == pytest.approx(0.03)
+    assert new["restored_to_prefill_s"] == pytest.approx(0.002) and new["prefill_to_first_token_s"] == 0.02
+    old = method_result([run(0.10, 0.07), run(0.12, 0.08)])
+    assert old["restored_to_prefill_s"] is None and old["ttft_minus_fetch_s"] == pytest.approx(0.035)
+    rows = [{"model": "m", "tokens": 8, "bandwidth_gbit": 40.0, "method": "raw", **new}]
+    assert "| m | 8 | 40 | raw fp16 KV | 2.0 | 20.0 | 30.0 |" in gap_markdown(rows, ["raw"])

@@ -36,11 +36,29 @@ def test_config_from_kwargs_replaces_fields_and_refuses_unknown_names():
         {"fetch_deadline_s": "soon"},
         {"max_context": 1},
         {"stall_s": 0},
+        {"sdpa_backends": ()},
+        {"sdpa_backends": ("flash", "fast")},
+        {"sdpa_backends": "flash"},
     ],
 )
 def test_config_refuses_bad_values(kw):
     with pytest.raises(ConfigError):
         EngineConfig(**kw)
+
+
+def test_attention_leaves_out_cudnn_by_default_and_restricts_torch_inside_forwards():
+    torch = pytest.importorskip("torch")
+    from kvcodec.engine.runner import sdpa_context
+
+    assert "cudnn" not in EngineConfig().sdpa_backends
+    assert EngineConfig(sdpa_backends=None).sdpa_backends is None
+    before = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()
+    with sdpa_context(("math",))():
+        assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
+    with sdpa_context(None)():
+        assert (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled()) == before
 
 
 @given(st.integers(0, 10**6), st.floats(1e-3, 1e6))
