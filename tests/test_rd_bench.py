@@ -133,9 +133,11 @@ def test_task_fields_aggregate_per_task():
     assert f["same_answer_rate"] == f["quoref_same_answer_rate"] == 0.5
     assert f["f1"] == f["quoref_f1_restored"] == 0.5
     assert f["quoref_f1_recomputed"] == 0.75
-    assert f["quoref_ratio_vs_fp16"] == 2.0 and f["needle_ratio_vs_fp16"] == 5.0
+    assert f["quoref_ratio_vs_fp16_zstd_path"] == 2.0 and f["needle_ratio_vs_fp16_zstd_path"] == 5.0
     assert f["needle_retrieval_restored"] == 1.0
     assert rd_tasks.task_fields([], "m") == {}
+    no_bytes = [_row("quoref", True, 1.0, 1.0, None)]
+    assert "quoref_ratio_vs_fp16_zstd_path" not in rd_tasks.task_fields(no_bytes, "m")
 
 
 # ----------------------------------------------------------------------------- real tokenizer
@@ -181,3 +183,21 @@ def test_needle_prompts_hold_their_code_and_skip_calibration_essays(smol_tokeniz
     openings = [load_text(e).strip()[:60] for e in rd_tasks.CALIBRATION_ESSAYS]
     assert all(len(o) == 60 for o in openings)
     assert not any(o in smol_tokenizer.decode(p.prefix) for o in openings for p in ps)
+
+
+def test_generate_like_matches_generate(smollm2):
+    from kvcodec.integrations.hf import cache_to_tensor, forward_ids
+
+    model, tok = smollm2
+    prefix, suffix = rd_tasks.chat_split(
+        tok, "Passage: Ann met Bob in Paris. Bob gave Ann a red book.", "\n\nQuestion: Who gave Ann a book?"
+    )
+    kv = cache_to_tensor(forward_ids(model, prefix)[1])
+    ref = rd_tasks.generate(model, tok, prefix, kv, suffix, 12)
+    assert ref and rd_tasks.generate_like(model, tok, prefix, kv, suffix, ref, 12) == ref
+    torch.manual_seed(0)
+    for scale in (0.3, 3.0):
+        noisy = kv + scale * kv.std() * torch.randn_like(kv)
+        want = rd_tasks.generate(model, tok, prefix, noisy, suffix, 12)
+        assert rd_tasks.generate_like(model, tok, prefix, noisy, suffix, ref, 12) == want
+    assert rd_tasks.generate_like(model, tok, prefix, kv, suffix, ref[:-1] + (ref[-1] + 1,), 12) == ref
