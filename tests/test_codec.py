@@ -3,6 +3,8 @@
 import pytest
 import torch
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvcodec
 from kvcodec import CodecConfig
@@ -283,3 +285,24 @@ def test_streams_of_the_wrong_size_are_refused(split_chunk, stream, data, match)
     size = len(raw) if stream == "low" else len(zstandard.ZstdDecompressor().decompress(bytes(raw)))
     with pytest.raises(CorruptStreamError, match=match):
         decode_chunk_blob(_with_stream(split_chunk, stream, data(size)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_host_shift_is_the_uncenter_shift(data):
+    """The restore's per-channel shift, computed on the host from the centers, equals
+    centering.uncenter_terms' (what the encoder's centering inverts)."""
+    import numpy as np
+
+    from kvcodec.codecs.hevc_decode import shift_from_centers
+    from kvcodec.quant import centering
+
+    units, dim = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 16))
+    bits = torch.tensor(data.draw(st.lists(st.integers(2, 8), min_size=units, max_size=units)))
+    modulus = 2**bits
+    centers = torch.tensor(
+        [[data.draw(st.integers(0, int(m) - 1)) for _ in range(dim)] for m in modulus], dtype=torch.uint8
+    )
+    shift, _ = centering.uncenter_terms(centers, modulus)
+    got = shift_from_centers(centers.numpy(), (modulus // 2).numpy())
+    assert np.array_equal(got, shift.squeeze(1).numpy())

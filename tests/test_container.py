@@ -415,7 +415,10 @@ def _edit_part(blob: bytes, index: int, edit) -> bytes:
         (lambda h: h.__setitem__("chunk_index", 0), ["part 1", "chunk_index"]),
         (lambda h: h.__setitem__("start_token", 0), ["start_token"]),
         (lambda h: h.__setitem__("key", "another-prefix"), ["key"]),
-        (lambda h: h.__setitem__("resolution", [160, 160]), ["resolution"]),
+        (
+            lambda h: h.update(resolution=[160, 160], layout={**h["layout"], "width": 160, "height": 160}),
+            ["resolution"],
+        ),
     ],
 )
 def test_a_part_that_is_not_this_chunk_is_refused(split_blob, edit, words):

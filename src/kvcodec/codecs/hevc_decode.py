@@ -21,7 +21,7 @@ from kvcodec.container.split import SplitHeader
 from kvcodec.dtypes import dtype_of
 from kvcodec.errors import CorruptStreamError, FormatError, ShapeError
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame
-from kvcodec.quant import bitsplit, centering
+from kvcodec.quant import bitsplit
 from kvcodec.quant import exact as exact_q
 from kvcodec.restore import ChunkTerms, restorer_for
 from kvcodec.restore.paged import PagedChunk, PagedKV
@@ -59,39 +59,20 @@ def chunk_parts(blob: bytes | memoryview, out: Target) -> list[tuple[memoryview 
     return [(b, out[a:e]) for (a, e), (_, b) in zip(h.layer_ranges(), parts)]
 
 
-def _side_params(h: ChunkHeader, streams, device) -> tuple[torch.Tensor, torch.Tensor]:
-    dtype = dtype_of(h.param_dtype, "chunk blob parameter dtype")
-    n = 2 * h.layers * 2 * h.kv_heads * h.head_dim * dtype.itemsize
-    wrong = "quantization parameters have the wrong size for the announced shape"
-    params = _stream_tensor(streams["side"], True, n, device, "side", wrong).view(dtype)
-    params = params.view(2, h.layers, 2, h.kv_heads, h.head_dim)
-    return params[0], params[1]
-
-
-def _centers(h: ChunkHeader, streams, device) -> torch.Tensor:
-    units = h.layers * 2 * h.kv_heads
-    wrong = "channel centers have the wrong size for the announced shape"
-    return _stream_tensor(streams["center"], True, units * h.head_dim, device, "center", wrong).view(units, h.head_dim)
-
-
-def _byte_stream(entry: StreamEntry, streams, size: int, device) -> torch.Tensor:
-    """A zstd- or raw-coded stream of exactly `size` bytes, as a flat uint8 tensor on `device`."""
-    wrong = f"stream {entry.name!r} holds {{got}} bytes, expected {size}"
-    return _stream_tensor(streams[entry.name], entry.codec == "zstd", size, device, entry.name, wrong)
+_ALIGN = 64  # each stream's place in a chunk's upload buffer starts on this many bytes
 
 
 def _stream_tensor(data, coded: bool, size: int, device, name: str, wrong: str) -> torch.Tensor:
     """A zstd-coded (`coded`) or raw stream that must hold exactly `size` bytes, as a flat uint8
-    tensor on `device`. The bytes are decompressed or copied once, into a fresh host buffer; for
-    CUDA that buffer is pinned and uploaded asynchronously on the current stream, so a decoder
-    thread never waits for its stream's earlier work (a pageable copy would), and the pinned
-    allocator keeps the buffer until the copy has run."""
-    device = torch.device(device)
-    host = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    got = _unzstd_into(data, host.numpy(), name) if coded else _copy_into(data, host.numpy())
-    if got != size:
+    tensor on `device` (the zstd-coded samples of chunks not coded as video)."""
+    return _upload({name: (size, functools.partial(_fill, data, coded, name, wrong))}, torch.device(device))[name]
+
+
+def _fill(data, coded: bool, name: str, wrong: str, buf: np.ndarray) -> None:
+    """Decompress (`coded`) or copy `data` into `buf`, which it must fill exactly."""
+    got = _unzstd_into(data, buf, name) if coded else _copy_into(data, buf)
+    if got != buf.size:
         raise CorruptStreamError(wrong.format(got=got))
-    return host.to(device, non_blocking=True) if device.type == "cuda" else host
 
 
 def _copy_into(data, buf: np.ndarray) -> int:
@@ -101,16 +82,50 @@ def _copy_into(data, buf: np.ndarray) -> int:
     return len(data)
 
 
+def _upload(fills: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    """{name: (size, fill(buf))} -> {name: flat uint8 tensor of `size` bytes on `device`}: every
+    stream decompressed or copied once, into its place in ONE host buffer, then one copy. For CUDA
+    the buffer is pinned and the copy asynchronous on the current stream (a decoder thread never
+    waits for its stream's earlier work, and the pinned allocator keeps the buffer until the copy
+    ran). One buffer and one copy per chunk, not per stream: on the H200 each pinned allocation
+    and upload cost about 1 ms of a decoder thread's time beside busy NVDEC threads
+    (benchmarks/results/split-streams-h200.md)."""
+    offsets, total = {}, 0
+    for name, (size, _) in fills.items():
+        offsets[name] = total
+        total += -(-size // _ALIGN) * _ALIGN
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    buf = host.numpy()
+    for name, (size, fill) in fills.items():
+        fill(buf[offsets[name] : offsets[name] + size])
+    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return {name: flat[offsets[name] : offsets[name] + size] for name, (size, _) in fills.items()}
+
+
+def shift_from_centers(centers: np.ndarray, half: np.ndarray) -> np.ndarray:
+    """centering.uncenter_terms' shift on the host: (centers - modulus // 2) mod 256 as uint8,
+    centers (units, dim) uint8, half (units,) = modulus // 2."""
+    return ((centers.astype(np.int16) - half.astype(np.int16)[:, None]) % 256).astype(np.uint8)
+
+
+def _fill_shift(data, half: np.ndarray, dim: int, buf: np.ndarray) -> None:
+    centers = np.empty(buf.size, dtype=np.uint8)
+    _fill(data, True, "center", "channel centers have the wrong size for the announced shape", centers)
+    buf[:] = shift_from_centers(centers.reshape(-1, dim), half).reshape(-1)
+
+
 @functools.lru_cache(maxsize=256)
 def _unit_terms(layer_bits: tuple[int, ...], layers: int, kv_heads: int, video_bits: int, device: str):
-    """(low bit planes, per-unit low bit counts, per-unit modulus) of a header's shape, the tensors
-    on `device`, made once per shape: a CUDA upload is waited for here, so any stream may read them."""
+    """(low bit planes, per-unit low bit counts, per-unit uint8 mask (units, 1, 1), per-unit
+    modulus // 2 on the host) of a header's shape, the tensors on `device`, made once per shape:
+    a CUDA upload is waited for here, so any stream may read them."""
     ubits = unit_bits(layer_bits, layers, kv_heads)
     counts = bitsplit.low_bit_counts(ubits, video_bits)
-    on_device = counts.to(device), (2**ubits).to(device)
+    modulus = 2**ubits
+    on_device = counts.to(device), (modulus - 1).to(torch.uint8).view(-1, 1, 1).to(device)
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    return bitsplit.plane_count(counts), *on_device
+    return bitsplit.plane_count(counts), *on_device, (modulus // 2).numpy()
 
 
 _zstd = threading.local()  # a decompression context per thread: making one per stream costs more than small streams
@@ -134,21 +149,38 @@ def _unzstd_into(data, buf: np.ndarray, name: str) -> int:
         raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
 
 
-def _exact_byte_planes(h: ChunkHeader, streams, device) -> list[torch.Tensor]:
-    n = h.layers * 2 * h.tokens * h.kv_heads * h.head_dim
-    return [_byte_stream(s, streams, n, device).view(h.shape) for s in h.streams if s.name.startswith("bytes")]
-
-
-def _low_bit_planes(h: ChunkHeader, streams, planes: int, device) -> torch.Tensor | None:
+def _low_entry(h: ChunkHeader, streams, planes: int) -> StreamEntry | None:
+    """The chunk's low bit stream (None when every bit is in the video), checked against its header."""
     if "low" not in streams:
         if planes:
             raise FormatError(f"chunk codes {h.video_bits} video bits but has no low bit stream")
         return None
-    units = h.layers * 2 * h.kv_heads
-    if not planes or not bitsplit.can_split(units, h.head_dim):
+    if not planes or not bitsplit.can_split(h.layers * 2 * h.kv_heads, h.head_dim):
         raise FormatError(f"chunk has a low bit stream it cannot use (video_bits={h.video_bits})")
-    entry = next(s for s in h.streams if s.name == "low")
-    return _byte_stream(entry, streams, planes * h.tokens * units * h.head_dim // 8, device).view(planes, -1)
+    return next(s for s in h.streams if s.name == "low")
+
+
+def _stream_fills(h: ChunkHeader, streams, planes: int, half: np.ndarray) -> dict:
+    """{name: (size, fill)} of every side stream a chunk's restore reads: quantization parameters
+    ("side"), exact mode's low byte planes, the low bit planes, and the per-channel shift made
+    from the centers."""
+    units = h.layers * 2 * h.kv_heads
+    fills = {}
+    if h.quant != "exact":
+        n = 2 * units * h.head_dim * dtype_of(h.param_dtype, "chunk blob parameter dtype").itemsize
+        wrong = "quantization parameters have the wrong size for the announced shape"
+        fills["side"] = (n, functools.partial(_fill, streams["side"], True, "side", wrong))
+    entries = [s for s in h.streams if s.name.startswith("bytes")]
+    low = _low_entry(h, streams, planes)
+    sizes = [units * h.tokens * h.head_dim] * len(entries)
+    if low is not None:
+        entries.append(low)
+        sizes.append(planes * h.tokens * units * h.head_dim // 8)
+    for s, n in zip(entries, sizes):
+        wrong = f"stream {s.name!r} holds {{got}} bytes, expected {n}"
+        fills[s.name] = (n, functools.partial(_fill, streams[s.name], s.codec == "zstd", s.name, wrong))
+    fills["shift"] = (units * h.head_dim, functools.partial(_fill_shift, streams["center"], half, h.head_dim))
+    return fills
 
 
 def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device) -> ChunkTerms:
@@ -157,8 +189,9 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    planes, counts, modulus = _unit_terms(h.layer_bits, h.layers, h.kv_heads, h.video_bits, str(device))
-    shift, mask = centering.uncenter_terms(_centers(h, streams, device), modulus)
+    planes, counts, mask, half = _unit_terms(h.layer_bits, h.layers, h.kv_heads, h.video_bits, str(device))
+    units = h.layers * 2 * h.kv_heads
+    on_device = _upload(_stream_fills(h, streams, planes, half), device)
     common = dict(
         plan=plan,
         layers=h.layers,
@@ -167,18 +200,19 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
         tokens=h.tokens,
         dtype=dtype,
         positions=gather_index(plan, device),
-        shift=shift,
+        shift=on_device["shift"].view(units, 1, h.head_dim),
         mask=mask,
         low_counts=counts,
-        low_planes=_low_bit_planes(h, streams, planes, device),
+        low_planes=on_device["low"].view(planes, -1) if "low" in on_device else None,
     )
     if h.quant == "exact":
-        byte_planes = _exact_byte_planes(h, streams, device)
+        byte_planes = [on_device[s.name].view(h.shape) for s in h.streams if s.name.startswith("bytes")]
         if len(byte_planes) != exact_q.bytes_per_value(dtype) - 1:
             raise FormatError(f"exact chunk carries {len(byte_planes)} low byte planes for {h.dtype}")
         return ChunkTerms(**common, byte_planes=tuple(byte_planes))
-    offset, step = _side_params(h, streams, device)
-    return ChunkTerms(**common, offset=offset, step=step)
+    params = on_device["side"].view(dtype_of(h.param_dtype, "chunk blob parameter dtype"))
+    params = params.view(2, h.layers, 2, h.kv_heads, h.head_dim)
+    return ChunkTerms(**common, offset=params[0], step=params[1])
 
 
 def decode_chunk_blob(
