@@ -1,6 +1,8 @@
 """Model execution: chunked prefill (on top of a restored prefix), one-token decode steps, sampling.
 
-Each request keeps its own transformers DynamicCache. A prompt is prefilled in pieces of at most
+Each request keeps its own transformers DynamicCache over reserved storage (room for its prompt
+and answer; a restored prefix's storage is the fetch's target), into which every forward writes
+its new tokens in place (integrations.hf.reserved_cache). A prompt is prefilled in pieces of at most
 `prefill_chunk_tokens` per engine iteration (`prefill_chunk`), so a long prompt never holds the
 running batch for its whole prefill. A decode iteration either runs one forward for the whole
 running batch (`decode_batched`: the caches are left-padded to the longest one into a temporary
