@@ -279,6 +279,48 @@ def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
     return rec
 
 
+def host_profile(codec, case: Case, rounds: int = 3) -> dict:
+    """Where one thread's time goes per chunk in the first half of restore_chunks (the part that
+    runs on the NVDEC worker threads): host ms per chunk for each step, one chunk after another."""
+    from kvcodec.codecs import transform_decode
+    from kvcodec.container.format import crc32
+    from kvcodec.transform import frames, quantize
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    dec, dev = NvcuvidDecoder(0), torch.device("cuda")
+    steps = dict.fromkeys(("read_and_crc", "escapes", "nvdec_frames", "to_samples", "crc_only"), 0.0)
+    n = 0
+    for _ in range(rounds):
+        for blob in case.blobs:
+            t0 = time.perf_counter()
+            h, streams = codec._read(blob)
+            t1 = time.perf_counter()
+            quantize.unpack_escapes(transform_decode.unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
+            t2 = time.perf_counter()
+            w, hh = h["resolution"]
+            got = [f.clone() for f in dec.decode(streams["video"], w, hh)]
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+            frames.from_frames(iter(got), _sample_count(codec, h), w, hh, dev)
+            torch.cuda.synchronize()
+            t4 = time.perf_counter()
+            crc32(blob)
+            t5 = time.perf_counter()
+            for k, v in zip(steps, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                steps[k] += v
+            n += 1
+    dec.close()
+    rec = {f"{k}_ms_per_chunk": round(1e3 * v / n, 4) for k, v in steps.items()}
+    rec["blob_mb"] = round(sum(map(len, case.blobs)) / len(case.blobs) / 1e6, 3)
+    try:
+        import isal.isal_zlib  # noqa: F401
+
+        rec["crc32_backend"] = "isal"
+    except ImportError:
+        rec["crc32_backend"] = "zlib"
+    return rec
+
+
 def _event_ms(fn, repeat: int) -> tuple[float, float]:
     """(GPU ms, host ms) per call of fn, `repeat` calls queued back to back."""
     fn()
@@ -438,6 +480,7 @@ def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, refere
     stage(log, base, "decode-only", decode_only, probe, codec, case, secs, alone)
     for sessions, threads, batched in specs:
         stage(log, base, "restore", measure_threads, probe, codec, case, sessions, threads, batched, secs, alone)
+    stage(log, base, "host-profile", host_profile, codec, case)
     k = stage(log, base, "restore-kernels", kernel_times, codec, case)
     if secs[1] > 0 and "_batched_fn" in k:
         stage(log, base, "restore-kernels-only", kernel_interference, probe, k["_batched_fn"], case, secs[1], alone)

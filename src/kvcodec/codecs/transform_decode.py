@@ -60,12 +60,13 @@ class TransformRestorer:
         w, hh = h["resolution"]
         if h["frames"] != frames.frame_count(count, w, hh):
             raise CorruptStreamError("transform chunk announces the wrong number of frames")
+        video = streams["video"]  # the blob's own bytes (a memoryview, as the hevc codec hands its decoders)
         if decoder is not None:
-            return frames.from_frames(decoder.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
+            return frames.from_frames(decoder.decode(video, w, hh), count, w, hh, device)
         from kvcodec.codecs.hevc_decode import idle_decoders  # sessions lent per call: one thread each
 
         with idle_decoders.borrow(device) as lent:
-            return frames.from_frames(lent.decode(bytes(streams["video"]), w, hh), count, w, hh, device)
+            return frames.from_frames(lent.decode(video, w, hh), count, w, hh, device)
 
     def decode(self, h: dict, streams: dict, out: Target, decoder=None) -> Target:
         """Restore a verified chunk into `out`; `decoder`: the video decoder to use (one lent by
