@@ -429,8 +429,9 @@ def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> 
 @click.option("--seconds", default=2.0)
 @click.option("--interference-seconds", default=4.0)
 @click.option("--only", default="", help="comma-separated file stems (default: every hevc-*.kvc)")
+@click.option("--skip", default="", help="stage kinds to leave out, comma-separated (e.g. decode-only,check)")
 @click.option("--out", "out_stem", required=True)
-def run(in_dir, thread_specs, copies, seconds, interference_seconds, only, out_stem):
+def run(in_dir, thread_specs, copies, seconds, interference_seconds, only, skip, out_stem):
     from safetensors import safe_open
 
     sys.path.insert(0, str(pathlib.Path(__file__).parent / "probes"))
@@ -456,6 +457,7 @@ def run(in_dir, thread_specs, copies, seconds, interference_seconds, only, out_s
         print(json.dumps(rec), flush=True)
         pathlib.Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
 
+    SKIP.update(k for k in skip.split(",") if k)
     stems = [s for s in only.split(",") if s]
     for path in sorted(d.glob("hevc-*.kvc")):
         if not stems or path.stem in stems:
@@ -507,8 +509,13 @@ def _spec(spec: str) -> tuple[int, int, bool]:
     return sessions, threads, spec.startswith("b")
 
 
+SKIP: set[str] = set()  # stage kinds left out (run --skip)
+
+
 def stage(log, base: dict, kind: str, fn, *args) -> dict:
     """fn(*args), one measurement, logged; a failure is logged as the stage's error and the run goes on."""
+    if kind in SKIP:
+        return {}
     try:
         rec = fn(*args)
     except Exception as e:  # noqa: BLE001 - reported in the results
