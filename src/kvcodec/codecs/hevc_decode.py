@@ -89,7 +89,7 @@ def _upload(fills: dict, device: torch.device) -> dict[str, torch.Tensor]:
     waits for its stream's earlier work, and the pinned allocator keeps the buffer until the copy
     ran). One buffer and one copy per chunk, not per stream: on the H200 each pinned allocation
     and upload cost about 1 ms of a decoder thread's time beside busy NVDEC threads
-    (benchmarks/results/split-streams-h200.md)."""
+    (benchmarks/results/decode-h200-split-streams.md)."""
     offsets, total = {}, 0
     for name, (size, _) in fills.items():
         offsets[name] = total
