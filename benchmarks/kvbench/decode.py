@@ -137,6 +137,7 @@ class _Case:
         from kvcodec import codec
         from kvcodec.config import CodecConfig
         from kvcodec.container.format import CHUNK_MAGIC, read_object, split_streams
+        from kvcodec.container.split import is_split, parse_split
 
         self.name = path.stem
         self.path = path
@@ -153,10 +154,13 @@ class _Case:
         self.unique_blobs = blobs
         self.blobs = [blobs[i % len(blobs)] for i in range(max(copies, len(blobs)))]
         self.chunk_tokens = [fh.chunk_tokens[i % len(blobs)] for i in range(len(self.blobs))]
-        self.headers = [codec.inspect_chunk_blob(b) for b in self.blobs]
+        # a split chunk (CodecConfig.streams_per_chunk > 1) holds several chunk blobs: its parts
+        self.parts = [[bytes(p) for _, p in parse_split(b)[1]] if is_split(b) else [b] for b in self.blobs]
+        self.streams_per_chunk = len(self.parts[0])
+        self.headers = [codec.inspect_chunk_blob(p) for parts in self.parts for p in parts]
         self.video_bits = self.headers[0].video_bits
         self.videos = []
-        for b, h in zip(self.blobs, self.headers):
+        for b, h in zip([p for parts in self.parts for p in parts], self.headers):
             _, pl = read_object(b, CHUNK_MAGIC, "chunk blob")
             self.videos.append(bytes(split_streams(pl, h.streams, "chunk")["video"]))
         L, _, _, H, D = fh.shape
@@ -179,6 +183,14 @@ class _Case:
             start += t
         return out, views
 
+    def part_jobs(self, views) -> tuple[list, list]:
+        """(blobs, targets) with every part of a split chunk a job of its own (what spreads one
+        chunk over several engines)."""
+        from kvcodec.codecs.hevc_decode import chunk_parts
+
+        jobs = [job for blob, view in zip(self.blobs, views) for job in chunk_parts(blob, view)]
+        return [b for b, _ in jobs], [t for _, t in jobs]
+
     def record(self, backend: str, seconds: float, **extra) -> dict:
         return {
             "kind": "restore",
@@ -194,11 +206,33 @@ class _Case:
             "ratio_vs_fp16": self.fp16_bytes / self.coded_bytes,
             "video_bits": self.video_bits,
             "values_g_per_s": self.fp16_bytes / 2 / seconds / 1e9,
+            "streams_per_chunk": self.streams_per_chunk,
+            "gpus": 1,
             **extra,
         }
 
 
 # ------------------------------------------------------------------------------------ backends
+
+
+_THREADS: dict = {}
+THREAD_SESSIONS = 7  # NVDEC engines of an H100/H200
+
+
+def _nvcuvid_threads(device, warm_blob):
+    """One NvcuvidThreads per device for the whole run (sessions warmed on a chunk of the data)."""
+    from kvcodec.codecs.hevc_pool import open_threads
+
+    key = str(device)
+    if key not in _THREADS:
+        _THREADS[key] = open_threads(THREAD_SESSIONS, warm_blob=warm_blob, device=device)
+    return _THREADS[key]
+
+
+def cuda_contexts(backend: str, pool_workers: int) -> int:
+    """CUDA contexts a backend's restore runs in: the process's own (the output lives there),
+    plus a pool's workers'."""
+    return pool_workers + 1 if backend.startswith("nvdec-pool") else 1
 
 
 def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int = 16, restore: str = "auto"):
@@ -226,9 +260,21 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
         from kvcodec.codecs.hevc_pool import decode_blobs_parallel
 
         where = "workers" if backend == "nvdec-pool" else "consumer"
+        blobs, targets = case.part_jobs(views)
 
         def run():
-            decode_blobs_parallel(case.blobs, views, pool, restore=restore, where=where)
+            decode_blobs_parallel(blobs, targets, pool, restore=restore, where=where)
+            torch.cuda.synchronize(device)
+
+        return run
+    if backend == "nvcuvid-threads":  # in-process NVDEC sessions on threads, torch's own context
+        from kvcodec.codecs.hevc_pool import restore_in_pool
+
+        threads = _nvcuvid_threads(device, case.unique_blobs[0])
+        blobs, targets = case.part_jobs(views)
+
+        def run():
+            restore_in_pool(threads, blobs, targets, restore=restore)
             torch.cuda.synchronize(device)
 
         return run
@@ -524,7 +570,9 @@ def _synthetic_containers(shape_lhd, tokens_list, res) -> dict:
     default=DEFAULT_BACKENDS,
     show_default=True,
     help="nvdec, nvdec-pool (restore in the workers), nvdec-pool-consumer (frames from the workers, "
-    "restore in this process), ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav.",
+    "restore in this process), nvcuvid-threads (7 NVDEC sessions on threads of this process, one "
+    "CUDA context), ffmpeg-cpu, nvcomp (ANS and GDeflate), nvdec-pyav. Split chunks "
+    "(streams_per_chunk > 1) run one job per part on the pool and the threads.",
 )
 @click.option(
     "--restore",
@@ -680,7 +728,12 @@ class DecodeRun:
                 for variant in self.restores if backend.startswith("nvdec") else self.restores[:1]:
                     try:
                         sec, reps, mem = self.timed(_restore_fn(backend, case, self.device, self.pool, restore=variant))
-                        self.log(case.record(backend, sec, reps=reps, restore=variant, mem_growth_mb=mem))
+                        contexts = cuda_contexts(backend, getattr(self.pool, "workers", 0))
+                        self.log(
+                            case.record(
+                                backend, sec, reps=reps, restore=variant, mem_growth_mb=mem, cuda_contexts=contexts
+                            )
+                        )
                     except Exception as e:
                         self.log(
                             {

@@ -175,6 +175,28 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
     help="On CUDA: restore in an NVDEC pool of this many worker processes (kvcodec.video.nvdec_pool."
     "HevcCodec(pool=...); use --decode-workers of the same number). 0: the codec's own decoder.",
 )
+@click.option(
+    "--nvdec-threads",
+    "thread_sessions",
+    default=0,
+    show_default=True,
+    help="On CUDA: restore on this many NVDEC sessions on threads of this process, in its own CUDA context "
+    "(kvcodec.video.nvcuvid_threads; use --decode-workers of the same number). 0: not used.",
+)
+@click.option(
+    "--streams-per-chunk",
+    default=1,
+    show_default=True,
+    help="CodecConfig.streams_per_chunk: each chunk as this many HEVC streams (layer ranges), restored in "
+    "parallel by a pool or threads.",
+)
+@click.option(
+    "--nvdec-gbit",
+    default=0.0,
+    show_default=True,
+    help="Measured NVDEC restore rate in coded Gbit/s (e.g. from `kvcodec bench decode`): records then carry "
+    "target_bound_s = max(bytes / link, bytes / this rate) and fetch_s over it. 0: not computed.",
+)
 @click.option("--out-dir", default=str(RESULTS_DIR), show_default="benchmarks/results")
 def command(**options) -> None:  # noqa: ANN003
     """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
@@ -187,10 +209,16 @@ def command(**options) -> None:  # noqa: ANN003
     ids, kv, source = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
     click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
     pool = None
+    if s.pool_workers > 0 and s.thread_sessions > 0:
+        raise click.BadParameter("give --nvdec-pool or --nvdec-threads, not both")
     if s.pool_workers > 0:
         from kvcodec.video.nvdec_pool import NvdecPool
 
         pool = NvdecPool(workers=s.pool_workers, device=s.device, max_frame=max(s.res, key=lambda r: r[0] * r[1]))
+    elif s.thread_sessions > 0:
+        from kvcodec.codecs.hevc_pool import open_threads
+
+        pool = open_threads(s.thread_sessions, device=s.device)
     try:
         with tempfile.TemporaryDirectory(prefix="kvc-bench-") as tmp:
             link = _Link(link_kind, Path(tmp), s.store_kind)
@@ -246,6 +274,9 @@ class Settings:
     torch_threads: int
     store_kind: str
     pool_workers: int
+    thread_sessions: int
+    streams_per_chunk: int
+    nvdec_gbit: float
     out_dir: str
 
     @property
@@ -256,7 +287,12 @@ class Settings:
     def config(self):  # noqa: ANN201
         from kvcodec.config import CodecConfig
 
-        return CodecConfig(quant=self.quant, chunk_tokens=self.chunk_tokens, resolutions=self.res)
+        return CodecConfig(
+            quant=self.quant,
+            chunk_tokens=self.chunk_tokens,
+            resolutions=self.res,
+            streams_per_chunk=self.streams_per_chunk,
+        )
 
     @property
     def policy_list(self) -> list[str]:
@@ -416,7 +452,13 @@ class FetchRun:
             "decode_workers": s.decode_workers,
             "store": s.store_kind,
             "nvdec_pool_workers": s.pool_workers,
+            "nvdec_threads": s.thread_sessions,
+            "cuda_contexts": s.pool_workers + 1 if s.pool_workers else 1,
+            "streams_per_chunk": 1 if is_raw else s.streams_per_chunk,
         }
+        if s.nvdec_gbit > 0 and not is_raw:
+            rec["target_bound_s"] = max(net_s, st.bytes_fetched * 8 / (s.nvdec_gbit * 1e9))
+            rec["time_over_target_bound"] = fetch_s / rec["target_bound_s"]
         click.echo(
             f"{trace.name:>36} {pol:>10}: {fetch_s * 1e3:8.1f} ms  bound {bound * 1e3:8.1f} ms"
             f"  x{fetch_s / bound:5.2f}  {st.bytes_fetched / 1e6:6.2f} MB  {st.resolution_counts}",
@@ -442,4 +484,13 @@ def markdown(doc: dict, host: str) -> list[str]:
             f"{r['bound_s'] * 1e3:.1f} | {r['time_over_bound']:.2f} | {r['bytes'] / 1e6:.2f} | "
             f"{r['resolution_counts']} | {r['link_goodput_gbit']:.2f} |"
         )
+    target = [r for r in doc["records"] if "target_bound_s" in r]
+    if target:
+        lines += ["", "target bound = max(bytes / link, bytes / the given NVDEC rate):", ""]
+        lines += ["| rate Gbit/s | policy | fetch ms | target bound ms | x target bound |", "|---|---|---|---|---|"]
+        for r in target:
+            lines.append(
+                f"| {r['bandwidth_gbit']:g} | {r['policy']} | {r['fetch_s'] * 1e3:.1f} | "
+                f"{r['target_bound_s'] * 1e3:.1f} | {r['time_over_target_bound']:.2f} |"
+            )
     return lines
