@@ -202,3 +202,17 @@ def test_restore_chunks_on_nvcuvid_threads_matches_the_cpu(kvt):
         restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=dec)
         torch.cuda.synchronize()
     assert within_an_ulp(cpu, out.cpu())
+
+
+def test_batched_plans_are_kept_for_a_few_levels_only(kvt):
+    from kvcodec.codecs.transform_decode import MAX_PLANS
+
+    _, fast = codecs(kvt)
+    kv = synthetic_kv(64, 9)
+    for theta in (1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3):
+        ref, _ = codecs(kvt, theta=theta)
+        ref._restorer.batched = False
+        chunk = ref.encode_chunks(kv)[0]
+        want = restore_all(ref, [chunk], kv.shape)
+        assert within_an_ulp(restore_all(fast, [chunk], kv.shape), want)
+    assert len(fast._restorer._batched_plans) == MAX_PLANS

@@ -1,6 +1,10 @@
 """The transform codec's restore path: a chunk's verified header and streams -> samples (NVDEC on
-a CUDA target, FFmpeg on the CPU, or zstd) -> integers -> dequantize -> one GEMM per
-(layer group, K|V) -> RoPE re-applied -> the caller's dense slice or PagedKV."""
+a CUDA target, FFmpeg on the CPU, or zstd) -> integers -> dequantize -> inverse transform ->
+RoPE re-applied -> the caller's dense slice or PagedKV.
+
+On the CPU: one GEMM per (layer group, K|V) (the reference path). On CUDA: the batched path of
+restore.transform_kernels (a few kernels per chunk, or per batch of chunks: restore_chunks decodes
+many chunks on NvcuvidThreads' sessions, then restores them in one pass)."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from kvcodec.transform.calibration import KINDS, Calibration
 from kvcodec.transform.rope import apply_rope
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+MAX_PLANS = 4  # batched plans kept per restorer (a file coded to a target ratio has its own level)
 
 
 def unzstd(data, name: str, size: int) -> bytes:
@@ -120,7 +125,11 @@ class TransformRestorer:
     def _batched_plan(self, h: dict, device: torch.device) -> transform_kernels.BatchedPlan:
         key = (float(h["theta"]), float(h["key_weight"]), device)
         with self._lock:
-            if key not in self._batched_plans:
+            if key in self._batched_plans:
+                self._batched_plans[key] = self._batched_plans.pop(key)  # most recently used last
+            else:
+                while len(self._batched_plans) >= MAX_PLANS:  # each holds a padded basis on the device
+                    self._batched_plans.pop(next(iter(self._batched_plans)))
                 p = self.plan(key[0], key[1])
                 self._batched_plans[key] = transform_kernels.build_plan(self.cal, p.counts, p.steps, p.inverse, device)
             if self.cal.rope is not None and device not in self._rope_tables:

@@ -1,15 +1,17 @@
-"""Batched restore of transform-coded chunks: every (layer group, K|V) block in one GEMM.
+"""Batched restore of transform-coded chunks: every (layer group, K|V) block, and every chunk
+of a batch, in one GEMM.
 
-The per-chunk path of codecs/transform_decode.py runs one GEMM per block and a dozen small ops
-per block; on a GPU that is launch and indexing overhead, not arithmetic. Here the chunk's 8-bit
-samples (layout order) go through a fixed sequence of about ten kernels whatever the groups:
+The per-group path of codecs/transform_decode.py runs one GEMM per block and a dozen small ops
+per block; on a GPU that is launch and indexing overhead, not arithmetic. Here the 8-bit samples
+(layout order) of N chunks that share a coordinate plan go through a fixed sequence of about ten
+kernels whatever the groups and however many chunks:
 
-    gather:   samples (C, t) -> (J, n, t)   each block's coded coordinates, padded to n = max count
-    GEMM:     x = mean' + basis' @ samples  one baddbmm over the J blocks; the steps and the sample
-                                            offset (128) are folded into basis' and mean'
-    rows:     (J, d, t) -> (L, 2, H, D, t)  one index_select puts every layer's rows in place
-    RoPE:     keys * cos + keys[partner] * sin   (tables precomputed on the device, any position)
-    emit:     permute + cast into the dense slice (or a staging tensor scattered into PagedKV)
+    gather:   samples (N, C, t) -> (J, n, N t)  each block's coded coordinates, padded to n
+    GEMM:     x = mean' + basis' @ samples      one baddbmm over the J blocks; the steps and the
+                                                sample offset (128) are folded into basis', mean'
+    rows:     (J, d, N t) -> (L, 2, H, D, N t)  one index_select puts every layer's rows in place
+    RoPE:     keys * cos + keys[partner] * sin  (tables precomputed on the device, any position)
+    emit:     per chunk, permute + cast into its dense slice (or a staging tensor for PagedKV)
 
 Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples as
 sample-equivalents q + 128 (host-side index arithmetic, one pinned upload). Nothing waits on the
