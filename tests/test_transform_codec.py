@@ -246,3 +246,26 @@ def test_calibrate_refuses_a_damaged_kv_file_with_a_clear_error(tmp_path):
     res = CliRunner().invoke(cli, ["calibrate", str(junk), "--out", str(tmp_path / "m.kvt")])
     assert res.exit_code == 1 and "not a readable safetensors KV file" in res.output
     assert isinstance(res.exception, SystemExit)  # a clean exit, not a traceback
+
+
+def test_weighted_transform_round_trips_through_the_kvt_and_moves_error(tmp_path):
+    kvs = [synthetic_kv(600, s) for s in (1, 2)]
+    w = torch.ones(L, 2, H, D)
+    w[0] = 50.0  # layer 0 (K and V) matters 50x more
+    plain = calibrate(kvs, ROPE)
+    weighted = calibrate(kvs, ROPE, weights=w)
+    save_kvt(plain, tmp_path / "p.kvt")
+    save_kvt(weighted, tmp_path / "w.kvt")
+    loaded, _ = load_kvt(tmp_path / "w.kvt")
+    assert torch.equal(loaded.basis(0, "k").weights, weighted.basis(0, "k").weights)
+    assert load_kvt(tmp_path / "p.kvt")[0].basis(0, "k").weights is None
+    kv = synthetic_kv(128, seed=9)
+    errs = {}
+    for name in ("p", "w"):
+        c = TransformCodec(tmp_path / f"{name}.kvt", chunk_tokens=64, resolutions=((64, 64),), coder="zstd", theta=0.05)
+        out, _ = roundtrip(c, kv)
+        assert rel_mse(out, kv) < 0.05
+        errs[name] = (rel_mse(out[0], kv[0]), rel_mse(out[1:], kv[1:]))
+    assert errs["w"][0] < errs["p"][0]  # the heavily weighted layer is restored more precisely
+    with pytest.raises(ConfigError, match="weights"):
+        calibrate(kvs, ROPE, weights=torch.zeros(L, 2, H, D))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.errors import ConfigError, CorruptStreamError
-from kvcodec.transform import alloc, pca, quantize
+from kvcodec.transform import alloc, pca, quantize, weights
 from kvcodec.transform.rope import RopeSpec, apply_rope, inv_freq, remove_rope
 
 specs = st.builds(
@@ -163,3 +163,47 @@ def test_escape_stream_damage_is_an_error():
     i, v = quantize.unpack_escapes(raw)
     with pytest.raises(CorruptStreamError):
         quantize.from_samples(torch.zeros(2, 2, dtype=torch.uint8), i, v)
+
+
+fishers = st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 8), st.integers(0, 2**31)).map(
+    lambda a: torch.rand(a[0], 2, a[1], 2 * a[2], generator=torch.Generator().manual_seed(a[3])).pow(4)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(f=fishers, alpha=st.floats(0.0, 1.0), style=st.sampled_from(["half", "interleaved", None]))
+def test_channel_weights_are_positive_mean_one_and_monotone(f, alpha, style):
+    w = weights.channel_weights(f, rope_style=style, alpha=alpha)
+    assert w.shape == f.shape and bool((w > 0).all())
+    assert float(w.mean()) == pytest.approx(1.0, rel=1e-9)
+    if style is None:  # a more sensitive channel never gets a smaller weight
+        order = torch.argsort(f.reshape(-1))
+        assert bool((w.reshape(-1)[order].diff() >= -1e-12).all())
+    else:  # the two channels RoPE mixes share a weight (keys only)
+        assert torch.allclose(w[:, 0], weights.pair_average(w[:, 0], style))
+    if alpha == 0:
+        assert torch.allclose(w, torch.ones_like(w))
+
+
+def test_channel_weights_refuse_bad_fisher():
+    for bad in (torch.ones(2, 3, 1, 4), -torch.ones(2, 2, 1, 4), torch.zeros(2, 2, 1, 4)):
+        with pytest.raises(ConfigError):
+            weights.channel_weights(bad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(20, 80), d=st.integers(2, 12), seed=st.integers(0, 2**31))
+def test_weighted_klt_inverts_and_decorrelates_the_scaled_channels(n, d, seed):
+    from kvcodec.transform.calibration import fit_group
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64) @ torch.randn(d, d, generator=g, dtype=torch.float64)
+    w = torch.rand(d, generator=g, dtype=torch.float64) * 10 + 0.1
+    b = fit_group(x, w)
+    y = (x.float() - b.mean) @ b.analysis
+    assert torch.allclose(y @ b.basis.T + b.mean, x.float(), atol=1e-3 * float(x.abs().max()) + 1e-4)
+    cov = torch.cov(y.T.double())
+    off = cov - torch.diag(torch.diag(cov))
+    assert float(off.abs().max()) <= 1e-3 * float(cov.abs().max()) + 1e-9
+    # coefficient variances are those of the weighted channels: their sum is sum_c w_c var(x_c)
+    assert float(b.variances.sum()) == pytest.approx(float((w * x.var(0)).sum()), rel=1e-3)

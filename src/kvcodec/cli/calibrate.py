@@ -11,6 +11,9 @@ import click
 from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.transform.rope import STYLES, RopeSpec
 
+SENSITIVITY_PREFIX, SENSITIVITY_CONT = 512, 128  # the Fisher's prefix and scored continuation per text
+WEIGHT_ALPHA = 0.5  # weights = Fisher ** alpha (docs/TRANSFORM.md: measured)
+
 
 def rope_for_model(name: str) -> RopeSpec:
     """A registered model's rotary settings, from its cached config (or by loading it once)."""
@@ -64,19 +67,37 @@ def _load_kv_files(paths) -> tuple[list, dict]:
     return kvs, meta
 
 
-def _kv_from_model(name: str, texts: str, max_tokens: int) -> tuple[list, dict]:
+def _kv_from_model(name: str, texts: str, max_tokens: int, sensitivity: bool, sink_tokens: int) -> tuple[list, dict]:
+    """KV of the texts; with sensitivity, also the model's diagonal Fisher on them (meta['fisher'])."""
     from kvcodec.cli.extract import _read_text
     from kvcodec.integrations.hf import extract_kv
     from kvcodec.models import load_model
 
     model, tokenizer = load_model(name)
-    kvs, sources = [], []
+    kvs, sources, ids = [], [], []
     for spec in texts.split(","):
         text, label = _read_text(spec.strip())
-        _, kv = extract_kv(model, tokenizer, text, max_tokens)
+        tokens, kv = extract_kv(model, tokenizer, text, max_tokens)
         kvs.append(kv)
         sources.append(label)
-    return kvs, {"model": name, "sources": sources, "rope": json.dumps(RopeSpec.from_hf_config(model.config).to_dict())}
+        ids.append(tokens)
+    rope = RopeSpec.from_hf_config(model.config)
+    meta = {"model": name, "sources": sources, "rope": json.dumps(rope.to_dict())}
+    if sensitivity:
+        meta["fisher"] = _fisher(model, ids, sink_tokens)
+    return kvs, meta
+
+
+def _fisher(model, ids: list, sink_tokens: int):
+    """Diagonal Fisher on each text's first SENSITIVITY_PREFIX tokens followed by SENSITIVITY_CONT."""
+    from kvcodec.transform.sensitivity import fisher_diagonal
+
+    usable = [t[: SENSITIVITY_PREFIX + SENSITIVITY_CONT] for t in ids if t.numel() > SENSITIVITY_PREFIX + 1]
+    if not usable:
+        raise ConfigError(
+            f"--weights fisher needs texts longer than {SENSITIVITY_PREFIX + 1} tokens (raise --max-tokens)"
+        )
+    return fisher_diagonal(model, usable, SENSITIVITY_PREFIX, sink_tokens=sink_tokens)
 
 
 @click.command("calibrate")
@@ -103,8 +124,29 @@ def _kv_from_model(name: str, texts: str, max_tokens: int) -> tuple[list, dict]:
     help="Leading tokens left out of the fit.",
 )
 @click.option("--max-group", type=click.IntRange(min=1), help="At most this many layers per PCA group.")
+@click.option(
+    "--weights",
+    "weighting",
+    type=click.Choice(["fisher", "mse"]),
+    default="fisher",
+    show_default=True,
+    help="fisher: weight channels by the model's sensitivity (needs --model); mse: plain squared error.",
+)
+@click.option("--weight-alpha", type=click.FloatRange(0.0, 1.0), default=WEIGHT_ALPHA, show_default=True)
 def command(
-    kv_files, out, model_name, texts, max_tokens, rope_theta, rope_style, rotary_dim, no_rope, sink_tokens, max_group
+    kv_files,
+    out,
+    model_name,
+    texts,
+    max_tokens,
+    rope_theta,
+    rope_style,
+    rotary_dim,
+    no_rope,
+    sink_tokens,
+    max_group,
+    weighting,
+    weight_alpha,
 ):
     """Learn a transform (a mean and a PCA basis per group of layers, for K and V) from
     KV_FILES (written by `kvcodec extract`) or from --model with --texts; write it to OUT.kvt."""
@@ -117,15 +159,29 @@ def command(
     if out.suffix != ".kvt":
         raise click.BadParameter(f"{out}: the output name must end in .kvt", param_hint="--out")
     t0 = time.perf_counter()
-    kvs, meta = _kv_from_model(model_name, texts, max_tokens) if model_name else _load_kv_files(kv_files)
+    weighted = weighting == "fisher" and bool(model_name) and weight_alpha > 0
+    if model_name:
+        kvs, meta = _kv_from_model(model_name, texts, max_tokens, weighted, sink_tokens)
+    else:
+        kvs, meta = _load_kv_files(kv_files)
     meta["head_dim"] = str(kvs[0].shape[-1])
     rope = resolve_rope(meta, rope_theta, rope_style, rotary_dim, no_rope)
     info = {"model": meta.get("model"), "model_id": meta.get("model_id"), "sources": meta.get("sources", [])}
-    cal = calibrate(kvs, rope, sink_tokens=sink_tokens, max_group=max_group, info=info)
+    w = None
+    if weighted:
+        from kvcodec.transform.weights import channel_weights
+
+        style = None if rope is None else rope.style
+        w = channel_weights(
+            meta["fisher"], rope_style=style, rotary_dim=None if rope is None else rope.rotary_dim, alpha=weight_alpha
+        )
+        info.update(weights="fisher", weight_alpha=weight_alpha)
+    cal = calibrate(kvs, rope, sink_tokens=sink_tokens, max_group=max_group, weights=w, info=info)
     digest = save_kvt(cal, out)
     sizes = sorted({len(g) for g in cal.groups})
     click.echo(
         f"{out}: {len(cal.groups)} layer groups of {'/'.join(map(str, sizes))} layers from {cal.info['tokens']} tokens, "
-        f"rope {'off' if rope is None else f'theta={rope.theta:g} {rope.style}'}, sha256 {digest[:16]}, "
+        f"rope {'off' if rope is None else f'theta={rope.theta:g} {rope.style}'}, "
+        f"{'Fisher-weighted' if w is not None else 'plain MSE'}, sha256 {digest[:16]}, "
         f"{time.perf_counter() - t0:.1f} s"
     )

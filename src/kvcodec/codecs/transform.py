@@ -135,7 +135,7 @@ class TransformCodec:
         for g, layers in enumerate(self.cal.groups):
             for ki, kind in enumerate(KINDS):
                 b = self.cal.basis(g, kind)
-                parts.append((group_matrix(x, layers, ki) - b.mean) @ b.basis)
+                parts.append((group_matrix(x, layers, ki) - b.mean) @ b.analysis)
         return torch.cat(parts, dim=1)
 
     def _columns(self, plan: CoordPlan) -> torch.Tensor:

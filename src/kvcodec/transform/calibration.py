@@ -20,11 +20,18 @@ DEFAULT_SINK_TOKENS = 4
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GroupBasis:
-    """One group's transform for K or V: x ~ mean + basis @ y, variances of y (descending)."""
+    """One group's transform for K or V: x ~ mean + basis @ y, variances of y (descending).
+    With channel weights w (a weighted KLT, weights.py) basis = B / sqrt(w) for an orthonormal B,
+    and y = analysis^T (x - mean) with analysis = w * basis."""
 
     mean: torch.Tensor  # (d,) float32
-    basis: torch.Tensor  # (d, d) float32, orthonormal columns
-    variances: torch.Tensor  # (d,) float32
+    basis: torch.Tensor  # (d, d) float32: synthesis; orthonormal columns when unweighted
+    variances: torch.Tensor  # (d,) float32, of the (weighted) coefficients
+    weights: torch.Tensor | None = None  # (d,) float32 channel weights, None: plain MSE
+
+    @property
+    def analysis(self) -> torch.Tensor:
+        return self.basis if self.weights is None else self.basis * self.weights[:, None]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,24 +98,38 @@ def calibrate(
     sink_tokens: int = DEFAULT_SINK_TOKENS,
     tokens_per_dim: float = TARGET_TOKENS_PER_DIM,
     max_group: int | None = None,
+    weights: torch.Tensor | None = None,
     info: dict[str, Any] | None = None,
 ) -> Calibration:
-    """Fit per-group bases on KV tensors whose first token is at position 0."""
+    """Fit per-group bases on KV tensors whose first token is at position 0; with channel
+    weights (layers, 2, heads, dim), weighted KLTs (weights.py)."""
     layers, heads, dim = _check(kvs)
     if rope is not None and rope.head_dim != dim:
         raise ConfigError(f"rope head_dim {rope.head_dim} does not match the KV's head_dim {dim}")
     used = [keys_without_rope(k, 0, rope)[:, :, sink_tokens:] for k in kvs]
     tokens = sum(u.shape[2] for u in used)
     groups = group_layers(layers, heads * dim, tokens, tokens_per_dim=tokens_per_dim, max_group=max_group)
+    if weights is not None and (tuple(weights.shape) != (layers, 2, heads, dim) or not bool((weights > 0).all())):
+        raise ConfigError(f"channel weights must be positive, of shape {(layers, 2, heads, dim)}")
     bases = {}
     for gi, group in enumerate(groups):
         for ki, kind in enumerate(KINDS):
             x = torch.cat([group_matrix(u, group, ki) for u in used])
-            mean, basis, var = fit_pca(x)
-            bases[(gi, kind)] = GroupBasis(mean.float(), basis.float(), var.float())
+            w = None if weights is None else weights[list(group), ki].reshape(-1).to(torch.float64)
+            bases[(gi, kind)] = fit_group(x, w)
     meta = dict(info or {})
     meta.update(tokens=tokens, sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim)
     return Calibration(layers, heads, dim, rope, groups, bases, meta)
+
+
+def fit_group(x: torch.Tensor, w: torch.Tensor | None) -> GroupBasis:
+    """The (weighted) KLT of samples x (n, d): PCA of sqrt(w) x, basis scaled back by 1/sqrt(w)."""
+    if w is None:
+        mean, basis, var = fit_pca(x)
+        return GroupBasis(mean.float(), basis.float(), var.float())
+    sw = w.sqrt()
+    mean, basis, var = fit_pca(x.to(torch.float64) * sw)
+    return GroupBasis((mean / sw).float(), (basis / sw[:, None]).float(), var.float(), w.float())
 
 
 def all_variances(cal: Calibration) -> torch.Tensor:

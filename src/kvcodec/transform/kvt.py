@@ -17,7 +17,8 @@ from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
 from kvcodec.transform.rope import RopeSpec
 
 FORMAT = "kvcodec-transform"
-VERSION = 1
+VERSION = 2  # 2: optional channel weights (weighted KLT); written as 1 when there are none
+READABLE = ("1", "2")
 
 
 def kvt_hash(data: bytes) -> str:
@@ -29,11 +30,13 @@ def to_bytes(cal: Calibration) -> bytes:
 
     tensors = {}
     for (g, kind), b in sorted(cal.bases.items()):
-        for name in ("mean", "basis", "variances"):
-            tensors[f"g{g}.{kind}.{name}"] = getattr(b, name).to(torch.float32).contiguous()
+        for name in ("mean", "basis", "variances", "weights"):
+            if getattr(b, name) is not None:
+                tensors[f"g{g}.{kind}.{name}"] = getattr(b, name).to(torch.float32).contiguous()
+    weighted = any(b.weights is not None for b in cal.bases.values())
     meta = {
         "format": FORMAT,
-        "version": str(VERSION),
+        "version": str(VERSION if weighted else 1),
         "shape": json.dumps([cal.layers, cal.kv_heads, cal.head_dim]),
         "rope": json.dumps(cal.rope.to_dict() if cal.rope else None),
         "groups": json.dumps([list(g) for g in cal.groups]),
@@ -74,8 +77,10 @@ def from_bytes(data: bytes) -> Calibration:
     meta = _meta(data)
     if meta.get("format") != FORMAT:
         raise FormatError(f"not a .kvt transform file (format {meta.get('format')!r})")
-    if meta.get("version") != str(VERSION):
-        raise FormatError(f".kvt version {meta.get('version')} is not readable (this kvcodec reads {VERSION})")
+    if meta.get("version") not in READABLE:
+        raise FormatError(
+            f".kvt version {meta.get('version')} is not readable (this kvcodec reads {', '.join(READABLE)})"
+        )
     try:
         tensors = load(data)
         layers, heads, dim = json.loads(meta["shape"])
@@ -83,7 +88,9 @@ def from_bytes(data: bytes) -> Calibration:
         groups = tuple(tuple(int(i) for i in g) for g in json.loads(meta["groups"]))
         info = json.loads(meta.get("info", "{}"))
         bases = {
-            (g, k): GroupBasis(*(tensors[f"g{g}.{k}.{n}"] for n in ("mean", "basis", "variances")))
+            (g, k): GroupBasis(
+                *(tensors[f"g{g}.{k}.{n}"] for n in ("mean", "basis", "variances")), tensors.get(f"g{g}.{k}.weights")
+            )
             for g in range(len(groups))
             for k in KINDS
         }
@@ -95,6 +102,8 @@ def from_bytes(data: bytes) -> Calibration:
         d = len(groups[g]) * heads * dim
         if b.mean.shape != (d,) or b.basis.shape != (d, d) or b.variances.shape != (d,):
             raise FormatError(f".kvt group {g} tensors do not match its {d} dimensions")
+        if b.weights is not None and (b.weights.shape != (d,) or not bool((b.weights > 0).all())):
+            raise FormatError(f".kvt group {g} channel weights are not {d} positive numbers")
     return Calibration(layers, heads, dim, RopeSpec.from_dict(rope) if rope else None, groups, bases, info)
 
 
