@@ -216,3 +216,13 @@ def test_batched_plans_are_kept_for_a_few_levels_only(kvt):
         want = restore_all(ref, [chunk], kv.shape)
         assert within_an_ulp(restore_all(fast, [chunk], kv.shape), want)
     assert len(fast._restorer._batched_plans) == MAX_PLANS
+
+
+def test_batched_restore_of_a_weighted_transform_matches_the_reference(tmp_path):
+    weights = torch.rand(L, 2, H, D, generator=torch.Generator().manual_seed(3)) + 0.25
+    cal = calibrate([synthetic_kv(900, s) for s in (1, 2)], ROPE, max_group=2, weights=weights, info={})
+    path = tmp_path / "weighted.kvt"
+    ref, fast = codecs((path, save_kvt(cal, path)), target_ratio=4.0)
+    kv = synthetic_kv(128, 21)
+    chunks = ref.encode_chunks(kv)
+    assert within_an_ulp(restore_all(fast, chunks, kv.shape), restore_all(ref, chunks, kv.shape))
