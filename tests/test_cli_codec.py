@@ -117,3 +117,46 @@ def test_encode_video_bits_option_is_recorded_and_decodes_to_the_same_values(tmp
     assert torch.equal(outs["8"], outs["3"])
     r = runner.invoke(cli, ["decode", str(tmp_path / "kv3.kvc"), str(tmp_path / "o.safetensors"), "--nvdec-pool", "2"])
     assert r.exit_code != 0 and "--nvdec-pool needs --device cuda" in r.output
+
+
+def test_encode_streams_per_chunk_splits_chunks_and_inspect_shows_the_parts(tmp_path):
+    kv = (torch.randn(4, 2, 40, 2, 64) * 2).to(torch.float16)
+    save_file({"kv": kv}, str(tmp_path / "kv.safetensors"))
+    runner = CliRunner()
+    assert "slower on the H200" in " ".join(runner.invoke(cli, ["encode", "--help"]).output.split())
+    outs = {}
+    for n in ("1", "2"):
+        dst = str(tmp_path / f"kv{n}.kvc")
+        args = ["encode", str(tmp_path / "kv.safetensors"), dst, "--chunk-tokens", "32", "--resolutions", "144x144"]
+        r = runner.invoke(cli, [*args, "--streams-per-chunk", n, "--video-bits", "8"])
+        assert r.exit_code == 0, r.output
+        info = json.loads(runner.invoke(cli, ["inspect", dst, "--json"]).output)
+        res = info["resolutions"]["144x144"]
+        assert info["config"].get("streams_per_chunk", 1) == int(n)
+        assert [p["layers"] for p in res.get("parts", [{"layers": 4}])] == ([4] if n == "1" else [2, 2])
+        text = runner.invoke(cli, ["inspect", dst]).output
+        assert ("2 streams per chunk" in text) == (n == "2"), text
+        r = runner.invoke(cli, ["decode", dst, str(tmp_path / f"out{n}.safetensors")])
+        assert r.exit_code == 0, r.output
+        outs[n] = load_file(str(tmp_path / f"out{n}.safetensors"))["kv"]
+    assert "part 0: layers 0-1, " in text and "part 1: layers 2-3, " in text and "tiles" in text, text
+    assert torch.equal(outs["1"], outs["2"])
+    r = runner.invoke(cli, ["encode", str(tmp_path / "kv.safetensors"), dst, "--streams-per-chunk", "0"])
+    assert r.exit_code == 2 and "--streams-per-chunk" in _error_line(r)
+
+
+def test_inspect_shows_the_layout_when_the_first_chunk_is_stored_plain(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(2, 2, 64, 2, 64, dtype=torch.float16)
+    noise = torch.randint(-32768, 32767, (2, 2, 32, 2, 64), generator=g, dtype=torch.int16)
+    kv[:, :, :32] = noise.view(torch.float16)  # incompressible: the first chunk is stored plain
+    kv[:, :, 32:] = torch.linspace(0, 1, 32).view(1, 1, 32, 1, 1).half()
+    save_file({"kv": kv}, str(tmp_path / "kv.safetensors"))
+    runner = CliRunner()
+    dst = str(tmp_path / "kv.kvc")
+    args = ["encode", str(tmp_path / "kv.safetensors"), dst, "--quant", "exact", "--chunk-tokens", "32"]
+    assert runner.invoke(cli, [*args, "--resolutions", "144x144"]).exit_code == 0
+    res = json.loads(runner.invoke(cli, ["inspect", dst, "--json"]).output)["resolutions"]["144x144"]
+    assert res["plain_chunks"] == 1 and res["layout"]["tile_w"] > 0 and res["frames_per_chunk"] >= 1
+    text = runner.invoke(cli, ["inspect", dst]).output
+    assert "tiles" in text and "1 of 2 chunks plain" in text, text

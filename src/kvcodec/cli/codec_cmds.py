@@ -60,8 +60,27 @@ def _atomic_write(path: Path, data: bytes) -> None:
     help="MODEL.kvt: transform-code the KV.",
 )
 @click.option("--target-ratio", type=float, help="With --transform: file size = fp16 size / R (within 10%).")
+@click.option(
+    "--streams-per-chunk",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Code each chunk as N independent HEVC streams by layer range, so one chunk decodes on N NVDEC "
+    "engines at once. 1 is the default because 2-7 restored and fetched slower on the H200 "
+    "(benchmarks/results/decode-h200-split-streams.md).",
+)
 def encode_cmd(
-    src, dst, quant, chunk_tokens, resolutions, layer_bits, sample_coder, video_bits, transform, target_ratio
+    src,
+    dst,
+    quant,
+    chunk_tokens,
+    resolutions,
+    layer_bits,
+    sample_coder,
+    video_bits,
+    transform,
+    target_ratio,
+    streams_per_chunk,
 ):
     """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
     from tqdm import tqdm
@@ -74,6 +93,8 @@ def encode_cmd(
 
         if not transform:
             raise click.BadParameter("--target-ratio needs --transform", param_hint="--target-ratio")
+        if streams_per_chunk != 1:
+            raise click.BadParameter("applies to HEVC files, not --transform", param_hint="--streams-per-chunk")
         return transform_io.encode_cmd(_load_kv(src), dst, transform, target_ratio, chunk_tokens, sample_coder, res)
     bits = parse_layer_bits(layer_bits)
     kv = _load_kv(src)
@@ -82,6 +103,7 @@ def encode_cmd(
         chunk_tokens=chunk_tokens,
         sample_coder=sample_coder,
         video_bits=video_bits if video_bits == "auto" else int(video_bits),
+        streams_per_chunk=streams_per_chunk,
     )
     if res:
         kw["resolutions"] = res
@@ -174,17 +196,39 @@ def inspect_cmd(src, as_json):
     click.echo(f"quant       {cfg['quant']}{bits}; samples coded with {cfg['sample_coder']}")
     click.echo(f"fp16 size   {info['fp16_bytes']:,} bytes")
     for name, r in info["resolutions"].items():
-        lay = r["layout"]
-        streams = ", ".join(f"{k} {v:,}" for k, v in r["streams"].items())
-        click.echo(
-            f"  {name:>9}  {r['bytes']:>12,} bytes  {r['ratio_vs_fp16']:5.2f}x  "
-            + (
-                f"{lay['orientation']} tiles {lay['tile_w']}x{lay['tile_h']}, {lay['tokens_per_frame']} tokens/frame, "
-                if lay
-                else "plain (values stored as their own bytes), "
-            )
-            + f"{r['frames_per_chunk']} frames/chunk, top {r['video_bits']} bits in the video  [{streams}]"
+        for line in _resolution_lines(name, r, info["chunks"]):
+            click.echo(line)
+
+
+def _layout_text(layout: dict, frames: int, video_bits: int) -> str:
+    if not layout:
+        return "plain (values stored as their own bytes)"
+    return (
+        f"{layout['orientation']} tiles {layout['tile_w']}x{layout['tile_h']}, {layout['tokens_per_frame']} "
+        f"tokens/frame, {frames} frames/chunk, top {video_bits} bits in the video"
+    )
+
+
+def _resolution_lines(name: str, r: dict, chunks: int) -> list[str]:
+    """One line per stored resolution, then one per part of a split chunk (its layer range)."""
+    streams = ", ".join(f"{k} {v:,}" for k, v in r["streams"].items())
+    plain = r.get("plain_chunks", 0)
+    note = f"; {plain} of {chunks} chunks plain" if plain and r["layout"] else ""
+    parts = r.get("parts", [])
+    where = (
+        f"{len(parts)} streams per chunk, {r['frames_per_chunk']} frames/chunk"
+        if parts
+        else _layout_text(r["layout"], r["frames_per_chunk"], r["video_bits"])
+    )
+    lines = [f"  {name:>9}  {r['bytes']:>12,} bytes  {r['ratio_vs_fp16']:5.2f}x  {where}{note}  [{streams}]"]
+    start = 0
+    for i, p in enumerate(parts):
+        end = start + p["layers"]
+        lines.append(
+            f"{'':15}part {i}: layers {start}-{end - 1}, " + _layout_text(p["layout"], p["frames"], p["video_bits"])
         )
+        start = end
+    return lines
 
 
 commands = [encode_cmd, decode_cmd, inspect_cmd]

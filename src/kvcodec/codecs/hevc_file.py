@@ -14,6 +14,7 @@ from kvcodec.codecs.hevc_encode import encode_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import (
     FILE_MAGIC,
+    PLAIN,
     BlobEntry,
     FileHeader,
     check_chunk_against_file,
@@ -150,7 +151,8 @@ def _resolution_summary(fh: FileHeader, payload: memoryview, res, fp16_bytes: in
     for h in (h for parts in per_chunk for h in parts):
         for s in h.streams:
             streams[s.name] = streams.get(s.name, 0) + s.length
-    first = per_chunk[0]
+    coded = [parts for parts in per_chunk if parts[0].quant != PLAIN]
+    first = coded[0] if coded else per_chunk[0]  # a plain chunk (a few tokens) has no layout to show
     summary = {
         "bytes": total,
         "ratio_vs_fp16": fp16_bytes / total if total else 0.0,
@@ -158,7 +160,10 @@ def _resolution_summary(fh: FileHeader, payload: memoryview, res, fp16_bytes: in
         "layout": first[0].layout,
         "frames_per_chunk": sum(h.frames for h in first),
         "video_bits": first[0].video_bits,
+        "plain_chunks": len(per_chunk) - len(coded),
     }
     if len(first) > 1:  # split chunks: each part has its own layout and video bits
-        summary["parts"] = [{"layers": h.layers, "layout": h.layout, "video_bits": h.video_bits} for h in first]
+        summary["parts"] = [
+            {"layers": h.layers, "layout": h.layout, "frames": h.frames, "video_bits": h.video_bits} for h in first
+        ]
     return summary
