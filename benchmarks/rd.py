@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import shlex
 import subprocess
@@ -328,6 +329,14 @@ def task_notes(doc):
         out.append(f"Needle: {len(n['cases'])} cases, length@depth: {cases}; 'found': the answer holds the code.")
     if t:
         out.append(f"Answering: {t['answering']}.")
+        out.append(
+            "Task KVs are restored through each method's fast path: the lossless coder swapped for zstd (HEVC "
+            "layout search off; CacheGen-style: its quantizer, the rANS coder being lossless) and, for transform "
+            "points, the distortion level fixed at the geometric mean of the levels the target ratio gave on the "
+            "essays. On the essays every fast path restored bit-identical values: "
+            + ("yes" if all(r.get("fast_path_identical") for r in doc["records"]) else "NO, see fast_path_identical")
+            + ". Task ratios (`*_ratio_vs_fp16_zstd_path` in the JSON) are those zstd-path bytes."
+        )
     out += [
         "",
         "Target (issue 12): no measurable loss at >= 5x vs fp16: top-1 >= 0.99, ppl delta <= +0.5 %, Quoref same answer >= 0.95.",
@@ -412,6 +421,7 @@ def main(
     fast = task_runners(runners, per_text)
     task_rows = rd_tasks.evaluate_prompts(model, tokenizer, prompts, fast, log=lambda m: click.echo(m, err=True))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("RD_SRC_COMMIT", commit)  # the commit of the src/ imported, when not the checkout's
     doc = dict(
         command="python " + shlex.join(sys.argv),
         machine=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",

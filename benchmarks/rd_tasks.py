@@ -224,7 +224,7 @@ def _ends_answer(tokenizer: Any, tokens: Sequence[int]) -> bool:
     return "\n" in text.strip(" ") and bool(cut_answer(text))
 
 
-MAX_NEW = {"quoref": 16, "needle": 10}
+MAX_NEW = {"quoref": 24, "needle": 24}
 
 
 def score(p: TaskPrompt, answer: str) -> float:
