@@ -160,3 +160,32 @@ def test_inspect_shows_the_layout_when_the_first_chunk_is_stored_plain(tmp_path)
     assert res["plain_chunks"] == 1 and res["layout"]["tile_w"] > 0 and res["frames_per_chunk"] >= 1
     text = runner.invoke(cli, ["inspect", dst]).output
     assert "tiles" in text and "1 of 2 chunks plain" in text, text
+
+
+def test_serve_sdpa_backends_reach_the_engine_config(monkeypatch):
+    import kvcodec.engine
+    import kvcodec.server
+    from kvcodec.engine.config import EngineConfig
+
+    seen = []
+
+    def fake_engine(model, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(EngineConfig.from_kwargs(**kwargs).sdpa_backends)  # the config the engine would run with
+        return object()
+
+    monkeypatch.setattr(kvcodec.engine, "Engine", fake_engine)
+    monkeypatch.setattr(kvcodec.server, "serve", lambda *a, **k: None)
+    runner = CliRunner()
+    for value, want in (
+        (None, ("flash", "efficient", "math")),
+        ("default", None),
+        ("math", ("math",)),
+        ("cudnn, flash", ("cudnn", "flash")),
+    ):
+        extra = [] if value is None else ["--sdpa-backends", value]
+        r = runner.invoke(cli, ["serve", "--store", "memory://", "--device", "cpu", *extra])
+        assert r.exit_code == 0, r.output
+        assert seen[-1] == want, (value, seen)
+    r = runner.invoke(cli, ["serve", "--store", "memory://", "--sdpa-backends", "flash,fast"])
+    assert r.exit_code == 2 and "--sdpa-backends" in _error_line(r) and "cudnn" in _error_line(r)
+    assert "cuDNN" in runner.invoke(cli, ["serve", "--help"]).output

@@ -81,6 +81,16 @@ from kvcodec.cli.options import device_option, parse_deadline
     "(7 on an H100/H200; needs only the driver's libnvcuvid). Costs a concurrent matmul 3-5% where "
     "the pool costs 10-19% and 5 GB (benchmarks/results/decode-h200-nvcuvid*.md).",
 )
+@click.option(
+    "--sdpa-backends",
+    default="flash,efficient,math",
+    show_default=True,
+    callback=lambda ctx, param, value: _sdpa_backends(value),
+    help="Attention kernels the model may use (comma-separated: flash, efficient, math, cudnn; 'default': "
+    "torch's own choice). cuDNN is left out because it plans anew for every new query/key length "
+    "(H200: 0.67 s first suffix forward, +20-40 ms per new length; "
+    "benchmarks/results/ttft-gpu-h200-latency.md).",
+)
 def command(
     model_name: str,
     dtype: str | None,
@@ -100,6 +110,7 @@ def command(
     port: int,
     nvdec_pool: int,
     nvdec_threads: int,
+    sdpa_backends: tuple[str, ...] | None,
 ) -> None:
     """Serve a model over an OpenAI-compatible API with remote KV prefix reuse."""
     import tempfile
@@ -129,6 +140,7 @@ def command(
             stall_s=stall_timeout,
             device=device,
             dtype=_torch_dtype(dtype),
+            sdpa_backends=sdpa_backends,
         )
         serve(engine, model_name, host=host, port=port)
     finally:
@@ -145,6 +157,18 @@ def _check_store_scheme(url: str) -> None:
             f"{redact_url(url)!r}: unknown scheme {scheme!r}; known: {', '.join(store_schemes())}",
             param_hint="--store",
         )
+
+
+def _sdpa_backends(value: str) -> tuple[str, ...] | None:
+    """--sdpa-backends: "default" (torch's choice: None) or names from SDPA_BACKENDS."""
+    from kvcodec.engine.config import SDPA_BACKENDS
+
+    if value.strip().lower() == "default":
+        return None
+    names = tuple(n.strip().lower() for n in value.split(",") if n.strip())
+    if not names or not set(names) <= set(SDPA_BACKENDS):
+        raise click.BadParameter(f"{value!r}: expected 'default' or names from {', '.join(SDPA_BACKENDS)}")
+    return names
 
 
 def _torch_dtype(name: str | None):  # noqa: ANN202
