@@ -298,3 +298,109 @@ def test_raw_chunk_headers_forged_with_valid_checksums_are_format_errors(edit):
     forged = write_object(MAGIC, {**header, **edit}, [bytes(payload)])
     with pytest.raises(FormatError):
         codec.inspect_chunk(forged)
+
+
+# -- staged decode (codecs.base.StagedDecode): the batched second half in the fetch path ---------
+
+
+def within_an_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """fp16 values equal up to the last bit's rounding (the batched math sums in another order)."""
+    return torch.allclose(a.float(), b.float(), rtol=2**-10, atol=2**-12)
+
+
+def staged_spy(codec) -> list[int]:
+    """The sizes of the batches the codec's finish is called with; decode_chunk must not run."""
+    sizes: list[int] = []
+    finish = codec.finish
+
+    def counted(staged, outs):
+        sizes.append(len(staged))
+        finish(staged, outs)
+
+    def refused(blob, out):
+        raise AssertionError("a staged fetch called decode_chunk")
+
+    codec.finish, codec.decode_chunk = counted, refused
+    return sizes
+
+
+def test_staged_fetch_restores_every_target_through_batched_finishes(extra):
+    codec = build("transform", extra)
+    assert isinstance(codec, kvcodec.codecs.base.StagedDecode)
+    kv, ids = make_kv(80, seed=3), ids_for(80)
+    ref = reference(codec, kv)
+    cache = cache_for(codec, batched_restore=True, decode_workers=3, max_inflight=8)
+    assert cache.put(ids, kv) == 5
+    sizes = staged_spy(codec)
+    r = cache.fetch(ids)
+    assert r.ok and r.tokens_restored == 80 and within_an_ulp(r.kv, ref), r.error
+    assert sum(sizes) == 5 and r.stats.chunks_restored == 5
+    out = torch.zeros((2, 2, 48, 2, 32), dtype=torch.float16)
+    r = cache.fetch(ids, 35, out=out)  # the third chunk goes through a staging tensor
+    assert r.ok and r.kv is out and within_an_ulp(out[:, :, :35], ref[:, :, :35]) and (out[:, :, 35:] == 0).all()
+    pages = torch.zeros((2, 2, 12, 8, 2, 32), dtype=torch.float16)
+    table = torch.tensor([7, 2, 5, 0, 3, 11, 9, 1, 4, 10])
+    r = cache.fetch(ids, out=PagedKV(pages, table))
+    assert r.ok and within_an_ulp(PagedKV(pages, table).gather(0, 80), ref)
+    r = cache_for(codec, store=cache.store, batched_restore=True, direct=False).fetch(ids)
+    assert r.ok and within_an_ulp(r.kv, ref)
+
+
+def test_staged_fetch_stops_at_a_damaged_or_foreign_chunk(extra):
+    codec = build("transform", extra)
+    kv_a, ids_a, ids_b = make_kv(64, seed=4), ids_for(64), ids_for(64, 7000)
+    cache = cache_for(codec, batched_restore=True, decode_workers=2, max_inflight=8)
+    cache.put(ids_a, kv_a)
+    cache.put(ids_b, kv_a)  # the same values: blobs of the same size that differ in their key only
+    ref_a = reference(codec, kv_a)
+    staged_spy(codec)
+    key = blob_key(cache.keys(ids_a)[2], 0)
+    blob = bytearray(cache.store.get(key))
+    blob[-3] ^= 0x40
+    cache.store.put(key, bytes(blob))
+    r = cache.fetch(ids_a)
+    assert isinstance(r.error, FormatError) and r.tokens_restored == 32 and r.stats.chunks_dropped == 1
+    assert within_an_ulp(r.kv[:, :, :32], ref_a[:, :, :32])
+    assert cache.lookup(ids_a) == 32
+    swap_blobs(cache, ids_b, ids_a, 1)  # a valid blob of another prefix
+    r = cache.fetch(ids_b)
+    assert isinstance(r.error, FormatError) and "another prefix" in str(r.error) and r.tokens_restored == 16
+
+
+def test_staged_fetch_reports_a_failing_finish_and_keeps_what_came_before(extra):
+    codec = build("transform", extra)
+    kv, ids = make_kv(64, seed=6), ids_for(64)
+    cache = cache_for(codec, batched_restore=True, max_inflight=1)  # one chunk per finish
+    cache.put(ids, kv)
+    finish, calls = codec.finish, []
+
+    def third_fails(staged, outs):
+        calls.append(len(staged))
+        if len(calls) == 3:
+            raise RuntimeError("kernel launch failed")
+        finish(staged, outs)
+
+    codec.finish = third_fails
+    r = cache.fetch(ids)
+    assert isinstance(r.error, FetchError) and "chunk 2" in str(r.error) and r.tokens_restored == 32
+
+
+@pytest.mark.parametrize("name", ["raw", "hevc"])
+def test_codecs_without_staged_decode_fetch_as_before_when_batched_is_asked(name, extra):
+    codec = build(name, extra)
+    assert not isinstance(codec, kvcodec.codecs.base.StagedDecode)
+    kv, ids = make_kv(), ids_for(40)
+    cache = cache_for(codec, batched_restore=True)
+    cache.put(ids, kv)
+    r = cache.fetch(ids)
+    assert r.ok and torch.equal(r.kv, reference(codec, kv))
+
+
+def test_transform_fetch_on_the_cpu_is_not_staged_unless_asked(extra):
+    codec = build("transform", extra)
+    kv, ids = make_kv(48, seed=7), ids_for(48)
+    cache = cache_for(codec)
+    cache.put(ids, kv)
+    codec.finish = None  # never called: the CPU default is decode_chunk per chunk
+    r = cache.fetch(ids)
+    assert r.ok and torch.equal(r.kv, reference(codec, kv))

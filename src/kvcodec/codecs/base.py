@@ -90,3 +90,22 @@ class ChunkCodec(Protocol):
         """Restore every value of the chunk into `out` (its device decides where decoding runs)
         and return `out`; KVCodecError on any damage or mismatch, never partial silent data."""
         ...
+
+
+@runtime_checkable
+class StagedDecode(Protocol):
+    """An optional capability of a ChunkCodec: restoring in two halves, so that many chunks share
+    one pass of the second. The fetch pipeline uses it (on CUDA, or when asked to) for codecs that
+    have it: decode workers run `stage` on each chunk in parallel (the video decode, on NVDEC where
+    the target is on CUDA), then the in-order restore hands every chunk ready at that moment to
+    one `finish` call (the transform codec's inverse transform: a few kernels for the whole batch
+    instead of per chunk). A codec without it is decoded with decode_chunk, as before.
+
+    stage(blob, out): check the blob and the target as decode_chunk does (KVCodecError on any
+        damage or mismatch) and return an opaque staged chunk; `out` is not written yet.
+    finish(staged, outs): write every value of each outs[i] from staged[i] (work may still be
+        queued on the target device's current stream when it returns)."""
+
+    def stage(self, blob: bytes | memoryview, out: Target) -> object: ...
+
+    def finish(self, staged: Sequence[object], outs: Sequence[Target]) -> None: ...

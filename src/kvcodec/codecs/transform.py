@@ -20,7 +20,7 @@ import torch
 import zstandard
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
-from kvcodec.codecs.transform_decode import DTYPES, TransformRestorer
+from kvcodec.codecs.transform_decode import DTYPES, TransformRestorer, check_target
 from kvcodec.container.format import StreamEntry, crc32, read_object, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.transform import alloc, frames, quantize, rate
@@ -328,3 +328,16 @@ class TransformCodec:
         """decoder: a video decoder to use (NvcuvidThreads lends one) instead of one borrowed per call."""
         h, streams = self._read(blob)
         return self._restorer.decode(h, streams, out, decoder)
+
+    # ------------------------------------------------------------ staged decode (base.StagedDecode)
+
+    def stage(self, blob: bytes | memoryview, out: Target):  # noqa: ANN201 - a transform_decode.Decoded
+        """The first half of a batched restore: the chunk's samples on out's device (NVDEC on CUDA),
+        escapes and sink tokens; `finish` does the math for many staged chunks at once."""
+        h, streams = self._read(blob)
+        check_target(h, out)
+        return self._restorer.decode_samples(h, streams, out.device)
+
+    def finish(self, staged: Sequence, outs: Sequence[Target]) -> None:
+        """The second half: the inverse transform of every staged chunk into its target."""
+        self._restorer.finish(list(staged), list(outs))

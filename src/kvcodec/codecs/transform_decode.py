@@ -76,7 +76,7 @@ class TransformRestorer:
     def decode(self, h: dict, streams: dict, out: Target, decoder=None) -> Target:
         """Restore a verified chunk into `out`; `decoder`: the video decoder to use (one lent by
         NvcuvidThreads, say) instead of one borrowed for the call."""
-        _check_target(h, out)
+        check_target(h, out)
         t, dtype, device = h["tokens"], DTYPES[h["dtype"]], out.device
         batched = self.batched if self.batched is not None else device.type == "cuda"
         if batched:
@@ -155,7 +155,7 @@ class TransformRestorer:
         per group of chunks that share a plan and a length (usually all of them)."""
         groups: dict[tuple, list[int]] = {}
         for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
-            _check_target(c.h, out)
+            check_target(c.h, out)
             key = (float(c.h["theta"]), float(c.h["key_weight"]), c.h["tokens"], out.device, c.h["dtype"])
             groups.setdefault(key, []).append(i)
         for members in groups.values():
@@ -197,7 +197,8 @@ class Decoded:
     sink: torch.Tensor | None  # (L, 2, sink, H, D) float16 on the device
 
 
-def _check_target(h: dict, out: Target) -> None:
+def check_target(h: dict, out: Target) -> None:
+    """ShapeError unless `out` is a target for the chunk of header `h`."""
     L, H, D = h["shape"]
     shape, dtype = (L, 2, h["tokens"], H, D), DTYPES[h["dtype"]]
     if isinstance(out, PagedKV):
@@ -240,7 +241,7 @@ def restore_chunks(codec, blobs: Sequence, outs: Sequence[Target], threads=None)
 
     def first_half(blob, i, decoder, restore="auto"):
         h, streams = codec._read(blob)
-        _check_target(h, outs[i])
+        check_target(h, outs[i])
         decoded[i] = r.decode_samples(h, streams, outs[i].device, decoder)
 
     if threads is None:

@@ -104,6 +104,8 @@ class PrefixCache:
         returns. False: decode into staging tensors and copy (returns at once on a deadline).
     shard: a TPShard: this cache holds one tensor-parallel rank's KV heads (puts and fetches
         carry only those heads, under keys of their own); None: every head.
+    batched_restore: restore codecs with the StagedDecode capability in two halves, the second
+        batched over the chunks ready together (fetcher/pipeline.py); None: on CUDA only.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class PrefixCache:
         store_partial: bool = True,
         direct: bool = True,
         shard: TPShard | None = None,
+        batched_restore: bool | None = None,
         **legacy: Any,
     ) -> None:
         if max_inflight < 1 or decode_workers < 1:
@@ -149,6 +152,7 @@ class PrefixCache:
         self.store_partial = store_partial
         self.direct = bool(direct)
         self.shard = shard
+        self.batched_restore = batched_restore
         self._decoder_name: str | None = None
 
     @property
@@ -329,7 +333,14 @@ class PrefixCache:
         profile = self._profile_for(pol, metas[0].shape, dtype)
         stats.decoder = self.decoder_name()
         settings = PipelineSettings(
-            self.codec, self.store, self.device, self.max_inflight, self.decode_workers, self.net_workers, self.direct
+            self.codec,
+            self.store,
+            self.device,
+            self.max_inflight,
+            self.decode_workers,
+            self.net_workers,
+            self.direct,
+            self.batched_restore,
         )
         pipeline = FetchPipeline(
             settings,

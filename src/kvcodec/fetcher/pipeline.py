@@ -5,7 +5,10 @@ first and the last (threads and bounded queues, so peak memory does not grow wit
 
 Each chunk is decoded straight into the caller's target (its slice of a dense tensor, or its
 blocks of a PagedKV) when the target is on the decode device in the stored dtype; otherwise into
-a staging tensor that the in-order restore copies from. A blob is decoded only after its header
+a staging tensor that the in-order restore copies from. A codec with the StagedDecode capability
+(codecs.base) is restored in two halves where the fetch runs on CUDA (or `batched` says so): the
+decode workers stage each chunk (its video decode), and the in-order restore finishes every chunk
+ready at that moment in one call (the transform codec's math, batched over those chunks). A blob is decoded only after its header
 names the key, chunk, first token and shape the fetch asked for (a store serving another
 prefix's KV is caught here); a chunk failing a check is reported through `on_bad_chunk` (the
 cache drops its meta, so the next put rewrites it).
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, Target
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target
 from kvcodec.codecs.raw import copy_chunk
 from kvcodec.errors import FetchError, FormatError, KVCodecError, StoreError
 from kvcodec.fetcher import storecalls
@@ -49,6 +52,22 @@ class PipelineSettings:
     decode_workers: int
     net_workers: int
     direct: bool
+    batched: bool | None = None  # staged decode for codecs that have it; None: on CUDA only
+
+    @property
+    def staged(self) -> bool:
+        on = self.batched if self.batched is not None else self.device.type == "cuda"
+        return bool(on) and isinstance(self.codec, StagedDecode)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoded:
+    """A chunk out of the decode stage: its target, the staging tensor the restore copies from
+    (None: the target is the caller's own) and, in a staged fetch, what the codec's finish takes."""
+
+    target: Target
+    staging: torch.Tensor | None
+    part: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,12 +155,19 @@ class FetchPipeline:
         pending: dict[int, tuple] = {}
         next_i, restored, n = 0, 0, len(self.plan.metas)
         while next_i < n:
-            while next_i in pending:
-                err, staged = pending.pop(next_i)
-                if err is not None:
-                    return restored, err
-                restored = self._restore(next_i, staged)
-                next_i += 1
+            ready, err = _ready_run(pending, next_i)
+            if ready:
+                try:
+                    self._finish(ready)
+                except KVCodecError as e:
+                    return restored, e
+                except Exception as e:  # noqa: BLE001 - report, never swallow
+                    return restored, _failed(ready[0][0], "failed to restore", e)
+                for i, done in ready:
+                    restored = self._restore(i, done.staging)
+                next_i += len(ready)
+            if err is not None:
+                return restored, err
             if next_i >= n:
                 break
             wait, left = _POLL_S * 5, self.deadline.left()
@@ -159,10 +185,25 @@ class FetchPipeline:
             pending[i] = (err, staged)
         return restored, None
 
+    def _finish(self, ready: list[tuple[int, Decoded]]) -> None:
+        """A staged fetch: the codec's second half for the chunks `ready` (in order), in one call."""
+        if not self.s.staged:
+            return
+        start = self.now()
+        for i, _ in ready:
+            self.timings[i].restore_start = start
+        parts, targets = [d.part for _, d in ready], [d.target for _, d in ready]
+        if self.s.device.type == "cuda":
+            with torch.cuda.device(self.s.device):
+                self.s.codec.finish(parts, targets)
+        else:
+            self.s.codec.finish(parts, targets)
+
     def _restore(self, i: int, staged: torch.Tensor | None) -> int:
         """Chunk i is complete in the target (copied from its staging tensor if it has one)."""
         m, tm, out = self.plan.metas[i], self.timings[i], self.out
-        tm.restore_start = self.now()
+        if not self.s.staged:  # a staged chunk's restore began with its finish
+            tm.restore_start = self.now()
         take = min(m.tokens, self.plan.n_tokens - m.start_token)
         if staged is not None:
             if isinstance(out, PagedKV):
@@ -278,27 +319,26 @@ class FetchPipeline:
                 self.res_q.put((i, e, None))
                 continue
             except Exception as e:  # noqa: BLE001 - report, never swallow
-                err = FetchError(f"chunk {i} failed to decode: {type(e).__name__}: {e}")
-                err.__cause__ = e
-                self.res_q.put((i, err, None))
+                self.res_q.put((i, _failed(i, "failed to decode", e), None))
                 continue
             self.res_q.put((i, None, staged))
 
-    def _decode(self, i: int, j: int, blob: bytes) -> torch.Tensor | None:
-        """Check chunk i's blob, decode it into its target; returns its staging tensor (None when
-        it went straight into the caller's target)."""
+    def _decode(self, i: int, j: int, blob: bytes) -> Decoded:
+        """Check chunk i's blob, decode it into its target (or, staged, its first half)."""
         m, tm = self.plan.metas[i], self.timings[i]
         tm.dec_start = self.now()
         self._check_binding(i, self.s.codec.inspect_chunk(blob))
         target, direct = self._target(m)
-        self.s.codec.decode_chunk(blob, target)
+        part = self.s.codec.stage(blob, target) if self.s.staged else None
+        if not self.s.staged:
+            self.s.codec.decode_chunk(blob, target)
         if self.s.device.type == "cuda":
             torch.cuda.current_stream(self.s.device).synchronize()
         tm.dec_end = self.now()
         self.profile.observe(j, m.values, tm.dec_end - tm.dec_start)
         with self.lock:
             self.backlog.pop(i, None)
-        return None if direct else target
+        return Decoded(target, None if direct else target, part)
 
     def _check_binding(self, i: int, info: ChunkInfo) -> None:
         m = self.plan.metas[i]
@@ -361,3 +401,21 @@ class FetchPipeline:
         st.net_busy_s = sum(t.net_end - t.net_start for t in tl if t.net_end)
         st.decode_busy_s = sum(t.dec_end - t.dec_start for t in tl if t.dec_end)
         st.restore_busy_s = sum(t.restore_end - t.restore_start for t in tl if t.restore_end)
+
+
+def _ready_run(pending: dict[int, tuple], first: int) -> tuple[list[tuple[int, Decoded]], KVCodecError | None]:
+    """The decoded chunks first, first+1, ... that are in `pending` (taken out of it), up to the
+    first that failed; and that chunk's error."""
+    ready = []
+    while first + len(ready) in pending:
+        err, done = pending.pop(first + len(ready))
+        if err is not None:
+            return ready, err
+        ready.append((first + len(ready), done))
+    return ready, None
+
+
+def _failed(i: int, what: str, e: Exception) -> FetchError:
+    err = FetchError(f"chunk {i} {what}: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err
