@@ -205,3 +205,33 @@ def test_restored_chunks_land_in_the_cache_without_a_copy(smol):
         assert torch.equal(k0[0].transpose(0, 1), target[0, 0, : req.restored_tokens])
         again = eng.generate(p, max_new_tokens=4)[0]
         assert again.restored_tokens > 0 and again.token_ids == base.token_ids
+
+
+class _SlowTokenizer:
+    """The real tokenizer behind a fixed delay: TTFT must count it."""
+
+    def __init__(self, tok, delay_s: float) -> None:  # noqa: ANN001
+        self.tok, self.delay_s = tok, delay_s
+
+    def __call__(self, *a, **k):  # noqa: ANN002, ANN003, ANN204
+        import time
+
+        time.sleep(self.delay_s)
+        return self.tok(*a, **k)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.tok, name)
+
+
+def test_ttft_counts_tokenizing_from_arrival(smol):
+    import time
+
+    with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
+        eng.tokens.tokenizer = _SlowTokenizer(eng.tokens.tokenizer, 0.3)
+        out = eng.generate("The capital of France is", max_new_tokens=1)[0]
+        assert out.ttft_s >= 0.3
+        t0 = time.perf_counter()
+        req = eng.submit("The capital of France is", SamplingParams(max_new_tokens=1), arrival_time=t0 - 0.5)
+        while not req.finished:
+            eng.step()
+        assert req.arrival_time == t0 - 0.5 and req.ttft >= 0.8  # a caller's arrival time is kept

@@ -183,3 +183,25 @@ def test_health_reports_a_stalled_engine(client):
         assert c.get("/health").status_code == 200
     finally:
         eng.config = old
+
+
+def test_ttft_counts_from_when_the_server_received_the_request(client, monkeypatch):
+    import time
+
+    c, eng = client
+    tok = eng.tokens.tokenizer
+
+    class Slow:  # a slow tokenizer: the server tokenizes before the engine sees the request
+        def __call__(self, *a, **k):  # noqa: ANN002, ANN003, ANN204
+            time.sleep(0.3)
+            return tok(*a, **k)
+
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(tok, name)
+
+    monkeypatch.setattr(eng.tokens, "tokenizer", Slow())
+    t0 = time.perf_counter()
+    r = c.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 1, "kvcodec_reuse": False})
+    wall = time.perf_counter() - t0
+    assert r.status_code == 200, r.text
+    assert 0.3 <= r.json()["kvcodec"]["ttft_s"] <= wall

@@ -154,9 +154,16 @@ class Engine:
         on_token: Callable[[Request, int], None] | None = None,
         on_finish: Callable[[Request], None] | None = None,
         request_id: str | None = None,
+        arrival_time: float | None = None,
     ) -> Request:
-        """Check and queue a request (its prefix lookup runs on this thread); returns it at once."""
+        """Check and queue a request (its prefix lookup runs on this thread); returns it at once.
+
+        arrival_time: when the request arrived (`time.perf_counter()`; a server passes when it
+        received it); default now, before tokenizing, so its TTFT includes the tokenizer.
+        """
+        arrival = time.perf_counter() if arrival_time is None else arrival_time
         req = Request(prompt_ids=self.encode(prompt), params=params or SamplingParams(), reuse=reuse, store=store)
+        req.arrival_time = arrival
         self.check(req.prompt_ids, req.params)
         if request_id:
             req.request_id = request_id

@@ -10,6 +10,7 @@ the engine is stalled or its loop died). Every request field is checked before t
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -67,11 +68,13 @@ async def _json(request: Request) -> Any:
 
 
 async def completions(request: Request) -> Response:
-    return await _generate(request, parse_completion(await _json(request)))
+    arrival = time.perf_counter()  # TTFT counts from here: reading, checking and tokenizing included
+    return await _generate(request, parse_completion(await _json(request)), arrival)
 
 
 async def chat_completions(request: Request) -> Response:
-    return await _generate(request, parse_chat(await _json(request)))
+    arrival = time.perf_counter()
+    return await _generate(request, parse_chat(await _json(request)), arrival)
 
 
 def _prompt_ids(engine: Any, g: GenerationRequest) -> list[int]:
@@ -80,11 +83,11 @@ def _prompt_ids(engine: Any, g: GenerationRequest) -> list[int]:
     return engine.encode(g.prompt) if isinstance(g.prompt, str) else list(g.prompt)
 
 
-async def _generate(request: Request, g: GenerationRequest) -> Response:
+async def _generate(request: Request, g: GenerationRequest, arrival: float) -> Response:
     engine = request.app.state.engine
     ids = await run_in_threadpool(_prompt_ids, engine, g)
     env = responses.Envelope.new(g.chat, g.model or request.app.state.model_name, len(ids))
-    req, q = await submit(engine, ids, g.params, g.reuse)  # a refused request: KVCodecError -> 400
+    req, q = await submit(engine, ids, g.params, g.reuse, arrival)  # a refused request: KVCodecError -> 400
     if g.stream:
         return StreamingResponse(_events(engine, env, req, q, g.stop), media_type="text/event-stream")
     text, finish = "", None

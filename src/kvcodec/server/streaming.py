@@ -24,9 +24,12 @@ def first_stop(text: str, stop: tuple[str, ...]) -> int:
     return min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
 
 
-async def submit(engine: Any, prompt_ids: list[int], params: Any, reuse: bool) -> tuple[Any, asyncio.Queue]:
-    """Check and queue a request; its tokens arrive on the returned queue as ("tok", id), then
-    ("end", None). Raises the engine's KVCodecError for a request it refuses."""
+async def submit(
+    engine: Any, prompt_ids: list[int], params: Any, reuse: bool, arrival_time: float | None = None
+) -> tuple[Any, asyncio.Queue]:
+    """Check and queue a request that arrived at `arrival_time` (perf_counter; default now); its
+    tokens arrive on the returned queue as ("tok", id), then ("end", None). Raises the engine's
+    KVCodecError for a request it refuses."""
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
 
@@ -37,7 +40,13 @@ async def submit(engine: Any, prompt_ids: list[int], params: Any, reuse: bool) -
         loop.call_soon_threadsafe(q.put_nowait, ("end", None))
 
     req = await run_in_threadpool(
-        engine.submit, prompt_ids, params, reuse=reuse, on_token=on_token, on_finish=on_finish
+        engine.submit,
+        prompt_ids,
+        params,
+        reuse=reuse,
+        on_token=on_token,
+        on_finish=on_finish,
+        arrival_time=arrival_time,
     )
     return req, q
 
