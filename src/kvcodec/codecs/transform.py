@@ -21,7 +21,8 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
 from kvcodec.codecs.transform_decode import DTYPES, TransformRestorer, check_target
-from kvcodec.container.format import StreamEntry, crc32, read_object, split_streams, write_object
+from kvcodec.codecs.transform_header import check_header
+from kvcodec.container.format import crc32, read_object, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.transform import alloc, frames, quantize, rate
 from kvcodec.transform.calibration import KINDS, Calibration, all_variances, group_matrix, keys_without_rope
@@ -299,20 +300,18 @@ class TransformCodec:
 
     def _read(self, blob) -> tuple[dict, dict]:
         h, payload = read_object(blob, CHUNK_MAGIC, "transform-coded chunk")
-        try:
-            if h["transform_version"] != TRANSFORM_VERSION:
-                raise FormatError(f"transform chunk version {h['transform_version']} is not readable")
-            if h["kvt"] != self.kvt_hash:
-                raise ConfigError(
-                    f"chunk was coded with transform {h['kvt'][:16]}, this codec holds {self.kvt_hash[:16]}: "
-                    "decode it with the .kvt it was encoded with"
-                )
-            entries = tuple(StreamEntry(*e) for e in h["streams"])
-            self.cal.check_shape((h["shape"][0], 2, h["tokens"], h["shape"][1], h["shape"][2]))
-            if h["dtype"] not in DTYPES or not h["theta"] > 0 or h["coder"] not in CODERS or h["escapes"] < 0:
-                raise FormatError("transform chunk header has an invalid dtype, level or coder")
-        except (KeyError, TypeError, IndexError) as e:
-            raise FormatError(f"transform chunk header is incomplete: {e}") from e
+        h, entries = check_header(h)  # every field typed and in range (transform_header.py)
+        if h["transform_version"] != TRANSFORM_VERSION:
+            raise FormatError(f"transform chunk version {h['transform_version']} is not readable")
+        if h["kvt"] != self.kvt_hash:
+            raise ConfigError(
+                f"chunk was coded with transform {h['kvt'][:16]}, this codec holds {self.kvt_hash[:16]}: "
+                "decode it with the .kvt it was encoded with"
+            )
+        L, H, D = h["shape"]
+        self.cal.check_shape((L, 2, h["tokens"], H, D))
+        if h["escapes"] > h["tokens"] * L * 2 * H * D:
+            raise FormatError(f"transform chunk announces {h['escapes']} escapes, more than it has samples")
         return h, split_streams(payload, entries, f"transform chunk {h['index']}")
 
     def header(self, blob: bytes | memoryview) -> dict:

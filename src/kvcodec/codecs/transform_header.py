@@ -1,0 +1,80 @@
+"""Type and range checks of a transform-coded chunk's header (magic KVTC), so that a damaged or
+forged header reaches the restore path only as well-typed fields it can trust: a FormatError
+naming the field otherwise (never a KeyError, a TypeError or a NaN level deep in the math)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvcodec.container import validate as v
+from kvcodec.container.format import StreamEntry
+from kvcodec.errors import FormatError
+
+CODERS = ("hevc", "zstd")
+DTYPES = ("float16", "bfloat16", "float32")
+STREAM_NAMES = ("escapes", "sink", "video", "samples")
+
+
+def positive_number(lo: float = 0.0, hi: float = 1e30) -> v.Check:
+    def check(x: Any, field: str) -> float:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not lo < x <= hi:
+            raise v.fail(field, x, f"a finite number in ({lo:g}, {hi:g}]")
+        return x
+
+    return check
+
+
+def _stream(x: Any, field: str) -> StreamEntry:
+    if not isinstance(x, list) or len(x) != 4:
+        raise v.fail(field, x, "[name, codec, length, crc32]")
+    return StreamEntry(
+        v.choice(STREAM_NAMES)(x[0], f"{field}.name"),
+        v.choice(v.STREAM_CODECS)(x[1], f"{field}.codec"),
+        v.integer(0, 1 << 40)(x[2], f"{field}.length"),
+        v.integer(0, 0xFFFFFFFF)(x[3], f"{field}.crc32"),
+    )
+
+
+FIELDS: dict[str, v.Check] = {
+    "transform_version": v.integer(0, 1 << 16),
+    "kvt": v.text(64),
+    "codec": v.text(512),
+    "index": v.integer(0, v.MAX_TOKENS),
+    "start_token": v.integer(0, v.MAX_TOKENS),
+    "tokens": v.integer(1, v.MAX_TOKENS),
+    "shape": v.listing(v.integer(1, v.MAX_DIM), 3, 3),
+    "dtype": v.choice(DTYPES),
+    "theta": positive_number(),
+    "key_weight": positive_number(0.0, 1e12),
+    "sink": v.integer(0, v.MAX_TOKENS),
+    "coder": v.choice(CODERS),
+    "resolution": v.pair(v.integer(16, v.MAX_FRAME_SIDE)),
+    "frames": v.integer(0, v.MAX_TOKENS),
+    "escapes": v.integer(0, v.MAX_TOKENS),
+    "streams": v.listing(_stream, 1, len(STREAM_NAMES)),
+    "key": v.text(512, optional=True),
+}
+
+
+def check_header(h: Any) -> tuple[dict, tuple[StreamEntry, ...]]:
+    """The header with every field checked (shape and resolution as lists of ints), and its
+    stream entries; FormatError for a missing, mistyped or out-of-range field, a stream named
+    twice, or a stream the coder needs that is missing."""
+    if not isinstance(h, dict):
+        raise FormatError("transform chunk header is not a JSON object")
+    extra = sorted(set(h) - set(FIELDS))
+    if extra:
+        raise FormatError(f"transform chunk header has unknown fields {extra}")
+    checked = v.fields_of(h, FIELDS, {"key": None})
+    entries = checked.pop("streams")
+    names = [e.name for e in entries]
+    need = {"escapes", "video" if checked["coder"] == "hevc" else "samples"} | ({"sink"} if checked["sink"] else set())
+    if len(set(names)) != len(names) or not need <= set(names):
+        raise FormatError(
+            f"transform chunk streams {names} do not fit coder {checked['coder']!r} (need {sorted(need)})"
+        )
+    if checked["sink"] > checked["tokens"]:
+        raise v.fail("sink", checked["sink"], f"at most tokens={checked['tokens']}")
+    checked["shape"], checked["resolution"] = list(checked["shape"]), list(checked["resolution"])
+    return {**h, **checked, "streams": h["streams"]}, entries
