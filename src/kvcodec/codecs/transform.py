@@ -150,8 +150,15 @@ class TransformCodec:
     def _symbols(self, y: torch.Tensor, theta: float, first_position: int) -> torch.Tensor:
         """Integers (tokens, coded coords), concatenated order; sink tokens zeroed (they travel as fp16)."""
         plan = self.plan(theta)
-        q = quantize.quantize(y.index_select(1, self._columns(plan)), plan.steps)
-        sink = max(0, min(self.sink_tokens - first_position, q.shape[0]))
+        coded = y.index_select(1, self._columns(plan))
+        sink = max(0, min(self.sink_tokens - first_position, coded.shape[0]))
+        scaled = coded[sink:] / plan.steps
+        if not bool(torch.isfinite(scaled).all()) or bool((scaled.abs() >= 2**31).any()):
+            raise FormatError(
+                "the transform maps this KV to coefficients beyond the integer range (NaN, infinite or huge): "
+                "is the .kvt damaged, or calibrated for another model?"
+            )
+        q = quantize.quantize(coded, plan.steps)
         q[:sink] = 0
         return q
 

@@ -19,6 +19,7 @@ from kvcodec.transform.rope import RopeSpec
 FORMAT = "kvcodec-transform"
 VERSION = 2  # 2: optional channel weights (weighted KLT); written as 1 when there are none
 READABLE = ("1", "2")
+MAX_LAYERS = 1 << 16  # bound on layers, heads and head_dim a .kvt may announce
 
 
 def kvt_hash(data: bytes) -> str:
@@ -83,10 +84,13 @@ def from_bytes(data: bytes) -> Calibration:
         )
     try:
         tensors = load(data)
-        layers, heads, dim = json.loads(meta["shape"])
+        layers, heads, dim = _shape(json.loads(meta["shape"]))
         rope = json.loads(meta["rope"])
-        groups = tuple(tuple(int(i) for i in g) for g in json.loads(meta["groups"]))
+        rope = RopeSpec.from_dict(rope) if rope is not None else None
+        groups = tuple(tuple(_index(i) for i in g) for g in json.loads(meta["groups"]))
         info = json.loads(meta.get("info", "{}"))
+        if not isinstance(info, dict):
+            raise TypeError(f"info is {type(info).__name__}, not an object")
         bases = {
             (g, k): GroupBasis(
                 *(tensors[f"g{g}.{k}.{n}"] for n in ("mean", "basis", "variances")), tensors.get(f"g{g}.{k}.weights")
@@ -104,7 +108,25 @@ def from_bytes(data: bytes) -> Calibration:
             raise FormatError(f".kvt group {g} tensors do not match its {d} dimensions")
         if b.weights is not None and (b.weights.shape != (d,) or not bool((b.weights > 0).all())):
             raise FormatError(f".kvt group {g} channel weights are not {d} positive numbers")
-    return Calibration(layers, heads, dim, RopeSpec.from_dict(rope) if rope else None, groups, bases, info)
+        parts = (b.mean, b.basis, b.variances) + ((b.weights,) if b.weights is not None else ())
+        if not all(bool(torch.isfinite(t).all()) for t in parts) or bool((b.variances < 0).any()):
+            raise FormatError(f".kvt group {g} holds NaN, infinite or negative-variance values (a damaged file)")
+    return Calibration(layers, heads, dim, rope, groups, bases, info)
+
+
+def _index(i) -> int:
+    if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < MAX_LAYERS:
+        raise ValueError(f"layer index {i!r} is not an integer in 0..{MAX_LAYERS - 1}")
+    return i
+
+
+def _shape(shape) -> tuple[int, int, int]:
+    if not isinstance(shape, list) or len(shape) != 3:
+        raise ValueError(f"shape {shape!r} is not [layers, kv_heads, head_dim]")
+    for n in shape:
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_LAYERS:
+            raise ValueError(f"shape {shape!r} is not three integers in 1..{MAX_LAYERS}")
+    return tuple(shape)
 
 
 def load_kvt(path: str | Path) -> tuple[Calibration, str]:
