@@ -41,18 +41,28 @@ from kvcodec.codecs.hevc import HevcCodec
 from kvcodec.config import CodecConfig
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-# (module, attribute, phase name): wrapped for the breakdown; missing ones are skipped, so the
-# same probe runs on the code before and after a change
+# (module, attribute, phase name, enclosing phase or None): wrapped for the breakdown; missing ones
+# are skipped, so the same probe runs on the code before and after a change. Nested phases are
+# shown under their enclosing one and not subtracted again from the chunk's wall time.
+_D = "kvcodec.codecs.hevc_decode"
 PHASES = [
-    ("kvcodec.codecs.hevc_decode", "read_object", "header read (prefix, CRC, JSON)"),
-    ("kvcodec.codecs.hevc_decode", "parse_chunk", "header parse (prefix, CRC, cached JSON + checks)"),
-    ("kvcodec.container.format", "ChunkHeader.from_json", "header validation"),
-    ("kvcodec.codecs.hevc_decode", "split_streams", "stream split + CRC32"),
-    ("kvcodec.codecs.hevc_decode", "_side_params", "side params (zstd, upload)"),
-    ("kvcodec.codecs.hevc_decode", "_centers", "centers (zstd, upload)"),
-    ("kvcodec.codecs.hevc_decode", "_low_bit_planes", "low bit planes (copy, upload)"),
-    ("kvcodec.codecs.hevc_decode", "_layout", "layout plan"),
-    ("kvcodec.codecs.hevc_decode", "gather_index", "gather index"),
+    # the decode path since cccf1e9: side streams through one host buffer, centering shift on the host
+    (_D, "parse_chunk", "header parse (prefix, CRC, cached JSON + checks)", None),
+    ("kvcodec.container.format", "ChunkHeader.from_json", "header validation", "header parse"),
+    (_D, "split_streams", "stream split + CRC32", None),
+    (_D, "_layout", "layout plan", None),
+    (_D, "_chunk_terms", "side terms (streams to the device, gather index)", None),
+    (_D, "_upload", "one host buffer: fills + one copy", "side terms"),
+    (_D, "_unzstd_into", "zstd into the buffer", "one host buffer"),
+    (_D, "_copy_into", "raw copy into the buffer", "one host buffer"),
+    (_D, "shift_from_centers", "centering shift (host)", "one host buffer"),
+    (_D, "gather_index", "gather index", "side terms"),
+    (_D, "_restore_frames", "frames (pre-decoded, restore a no-op)", None),
+    # earlier code (kept for --compare against older commits)
+    (_D, "read_object", "header read (prefix, CRC, JSON)", None),
+    (_D, "_side_params", "side params (zstd, upload)", None),
+    (_D, "_centers", "centers (zstd, upload)", None),
+    (_D, "_low_bit_planes", "low bit planes (copy, upload)", None),
 ]
 
 
@@ -161,7 +171,7 @@ def _resolve(module: str, attr: str):
 def phase_timers(totals: dict[str, float]):
     """Wrap every PHASES function present; add its wall time to totals."""
     restore = []
-    for module, attr, label in PHASES:
+    for module, attr, label, _ in PHASES:
         owner, name = _resolve(module, attr)
         fn = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
         if fn is None:
@@ -193,9 +203,20 @@ def breakdown(codec, blob, out, decoder, reps: int) -> dict[str, float]:
     totals: dict[str, float] = {}
     with phase_timers(totals):
         wall, _ = timed_chunks(codec, blob, out, decoder, reps)
-    per = {k: 1e3 * v / reps for k, v in totals.items()}
-    per["other (rest of decode_chunk_blob + inspect)"] = 1e3 * sum(wall) / reps - sum(per.values())
+    per = {_shown(k): 1e3 * v / reps for k, v in totals.items()}
+    top = sum(1e3 * v / reps for k, v in totals.items() if _parent(k) is None)
+    per["other (rest of decode_chunk_blob + inspect)"] = 1e3 * sum(wall) / reps - top
     return per
+
+
+def _parent(label: str) -> str | None:
+    return next(parent for _, _, name, parent in PHASES if name == label)
+
+
+def _shown(label: str) -> str:
+    """A nested phase's label names the phase it is inside ("zstd into the buffer [in ...]")."""
+    parent = _parent(label)
+    return label if parent is None else f"{label} [in {parent}]"
 
 
 def threaded_rate(codec, blob, h, frames, threads: int, seconds: float) -> float:
@@ -401,6 +422,7 @@ def main() -> None:
     for label, r in runs.items():
         r.pop("code", None)
         data["runs"][label] = {**r, **meta}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(report(data))
     print(report(data))
