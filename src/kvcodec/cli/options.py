@@ -87,3 +87,32 @@ def check_output_path(ctx: click.Context | None, param: Any, value: Path) -> Pat
     if value.is_dir():
         raise click.BadParameter(f"{str(value)!r} is a directory")
     return value
+
+
+def parse_codec_options(ctx: click.Context | None, param: Any, values: tuple[str, ...]) -> dict[str, Any]:
+    """--codec-option key=value (repeated) -> {key: value}: a value that reads as a Python literal
+    (8, 2.5, true/false, none, "text", (512, 512)) is that literal, anything else is its text."""
+    out: dict[str, Any] = {}
+    for item in values or ():
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key.isidentifier():
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE, e.g. quant=int4")
+        if key in out:
+            raise click.BadParameter(f"{key!r} is given twice")
+        out[key] = _literal(text.strip())
+    return out
+
+
+_WORDS = {"true": True, "false": False, "none": None}
+
+
+def _literal(text: str) -> Any:
+    import ast
+
+    if text.lower() in _WORDS:
+        return _WORDS[text.lower()]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text

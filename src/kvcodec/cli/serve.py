@@ -1,10 +1,14 @@
-"""`kvcodec serve`: the OpenAI-compatible HTTP server (kvcodec.server) over an Engine."""
+"""`kvcodec serve`: the OpenAI-compatible HTTP server (kvcodec.server) over an Engine, storing and
+fetching prompt KV with any registered codec (kvcodec.codecs.registry)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import click
 
-from kvcodec.cli.options import device_option, parse_deadline
+from kvcodec.cli.options import device_option, parse_codec_options, parse_deadline
 
 
 @click.command("serve")
@@ -27,8 +31,34 @@ from kvcodec.cli.options import device_option, parse_deadline
     default=None,
     help="KV store URL (file://, memory://, redis://); default: a temp file:// dir.",
 )
-@click.option("--quant", default="int8", show_default=True, help="Codec quantization of stored KV (int8, exact, ...).")
-@click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--codec",
+    "codec_name",
+    default=None,
+    help="Registered codec of stored KV (hevc, raw, transform, ...; default hevc, or transform with --transform).",
+)
+@click.option(
+    "--codec-option",
+    "codec_options",
+    multiple=True,
+    callback=parse_codec_options,
+    metavar="KEY=VALUE",
+    help="An option of the codec (repeatable), e.g. quant=int4, coder=zstd, resolutions=((256,256),).",
+)
+@click.option(
+    "--transform",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Store KV transform-coded with this calibration (.kvt from `kvcodec calibrate`): --codec transform.",
+)
+@click.option("--preset", type=click.Choice(["accurate", "compact"]), default=None, help="Transform codec size preset.")
+@click.option(
+    "--target-ratio", type=click.FloatRange(min=1, min_open=True), default=None, help="Transform codec: size vs fp16."
+)
+@click.option("--quant", default=None, help="HEVC codec quantization of stored KV (int8 by default, exact, int4, ...).")
+@click.option(
+    "--chunk-tokens", default=None, type=click.IntRange(min=1), help="Tokens per stored chunk [codec's: 256]."
+)
 @click.option("--policy", type=click.Choice(["fetch-aware", "blocking"]), default="fetch-aware", show_default=True)
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -82,6 +112,13 @@ from kvcodec.cli.options import device_option, parse_deadline
     "the pool costs 10-19% and 5 GB (benchmarks/results/decode-h200-nvcuvid*.md).",
 )
 @click.option(
+    "--decode-workers",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Decode threads of a fetch (default: the pool's or threads' size, else 1). Codecs without a "
+    "pool (transform) decode on CUDA with one NVDEC session per thread: 7 on an H100/H200.",
+)
+@click.option(
     "--sdpa-backends",
     default="flash,efficient,math",
     show_default=True,
@@ -95,8 +132,13 @@ def command(
     model_name: str,
     dtype: str | None,
     store_url: str | None,
-    quant: str,
-    chunk_tokens: int,
+    codec_name: str | None,
+    codec_options: dict[str, Any],
+    transform: Path | None,
+    preset: str | None,
+    target_ratio: float | None,
+    quant: str | None,
+    chunk_tokens: int | None,
     policy: str,
     max_batch: int,
     prefill_chunk_tokens: int,
@@ -111,26 +153,29 @@ def command(
     nvdec_pool: int,
     nvdec_threads: int,
     sdpa_backends: tuple[str, ...] | None,
+    decode_workers: int | None,
 ) -> None:
     """Serve a model over an OpenAI-compatible API with remote KV prefix reuse."""
     import tempfile
 
-    from kvcodec.codecs import HevcCodec
-    from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.server import serve
 
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     _check_store_scheme(store_url)  # before the model loads
-    click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}", err=True)
+    flags = {"transform": transform, "preset": preset, "target_ratio": target_ratio, "quant": quant}
+    name, options = codec_choice(codec_name, codec_options, {**flags, "chunk_tokens": chunk_tokens})
+    build_codec(name, options)  # a bad codec, option or .kvt is refused before pools or the model start
     pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
     try:
+        codec = build_codec(name, options if pool is None else {**options, "pool": pool})
+        click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}, codec {codec.id}", err=True)
         engine = Engine(
             model_name,
             store_url=store_url,
-            codec=HevcCodec(CodecConfig(quant=quant, chunk_tokens=chunk_tokens), pool=pool),
-            decode_workers=max(1, nvdec_pool, nvdec_threads),
+            codec=codec,
+            decode_workers=decode_workers or max(1, nvdec_pool, nvdec_threads),
             reuse=not no_reuse,
             store_policy=StorePolicy(enabled=not no_store, min_tokens=store_min_tokens),
             policy=policy,
@@ -146,6 +191,37 @@ def command(
     finally:
         if pool is not None:
             pool.close()
+
+
+def codec_choice(name: str | None, options: dict[str, Any], flags: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(registered codec name, its options): --codec-option values plus the shorthand flags that
+    were given (--transform names the transform codec and its calibration file)."""
+    options = dict(options)
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in options:
+            flag = "--" + key.replace("_", "-")
+            raise click.UsageError(f"{flag} and --codec-option {key}=... are alternatives: give one")
+        options[key] = str(value) if isinstance(value, Path) else value
+    if flags.get("transform") is not None and name not in (None, "transform"):
+        raise click.UsageError(f"--transform stores KV with the transform codec; --codec {name} contradicts it")
+    return name or ("transform" if flags.get("transform") is not None else "hevc"), options
+
+
+def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCodec
+    """The registered codec `name` built from `options`; a one-line usage error when the name,
+    an option or a file it reads (a .kvt) is wrong."""
+    from kvcodec.codecs import make_codec as make
+    from kvcodec.errors import KVCodecError
+
+    try:
+        return make(name, **options)
+    except TypeError as e:  # an option the codec's factory does not take
+        given = ", ".join(sorted(options)) or "none"
+        raise click.BadParameter(f"codec {name!r} refuses its options ({given}): {e}", param_hint="--codec") from None
+    except KVCodecError as e:
+        raise click.BadParameter(f"codec {name!r}: {e}", param_hint="--codec") from None
 
 
 def _check_store_scheme(url: str) -> None:
