@@ -2,14 +2,16 @@
 contiguous range of layers, so that a chunk decodes on several NVDEC engines at once.
 
     container framing (format.py), magic "KVCS"; JSON header:
-    {"format": "kvcodec-split-chunk", "split_version": 1, "layers", "kv_heads", "head_dim",
+    {"format": "kvcodec-split-chunk", "split_version": 2, "layers", "kv_heads", "head_dim",
      "dtype", "chunk_index", "start_token", "tokens", "quant", "resolution", ["key"],
-     "parts": [{"layers", "length"}, ...]}     payload: the parts' chunk blobs (magic "KVCC"), in
+     "parts": [{"layers", "length", "header_crc32"}, ...]}     payload: the parts' chunk blobs (magic "KVCC"), in
                                               layer order, part p covering the layers after part p-1
 
 Each part is a complete chunk blob of its layers with its own header, checksums and video stream;
 its header must repeat the split header's chunk index, first token, tokens, heads, head_dim, dtype,
-quantization, resolution and key. The parts' own checksums cover every payload byte.
+quantization, resolution and key. The parts' own checksums cover every payload byte; their
+header CRCs, listed in the split header (version 2), fix which part is which, so parts of equal
+layer counts cannot be reordered or exchanged unnoticed (version 1 blobs, without them, still read).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from kvcodec.container.format import CHUNK_QUANTS, ChunkHeader, parse_chunk, rea
 from kvcodec.errors import FormatError, TruncatedError
 
 SPLIT_MAGIC = b"KVCS"
-SPLIT_VERSION = 1
+SPLIT_VERSION = 2
+READABLE_SPLIT_VERSIONS = (1, 2)  # 1: parts without header_crc32
 FORMAT_NAME = "kvcodec-split-chunk"
 MAX_PARTS = 64
 
@@ -40,6 +43,7 @@ def layer_ranges(layers: int, parts: int) -> tuple[tuple[int, int], ...]:
 class SplitPart:
     layers: int
     length: int
+    header_crc32: int | None = None  # the part blob's own header CRC (version 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +83,7 @@ class SplitHeader:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["parts"] = [dataclasses.asdict(p) for p in self.parts]
+        d["parts"] = [{k: x for k, x in dataclasses.asdict(p).items() if x is not None} for p in self.parts]
         if d["key"] is None:
             del d["key"]
         d["format"] = FORMAT_NAME
@@ -87,7 +91,11 @@ class SplitHeader:
         return d
 
 
-_PART = v.record({"layers": v.integer(1, v.MAX_DIM), "length": v.integer(1, 1 << 40)}, SplitPart)
+_PART_FIELDS = {"layers": v.integer(1, v.MAX_DIM), "length": v.integer(1, 1 << 40)}
+_PART = {
+    1: v.record(_PART_FIELDS, SplitPart),
+    2: v.record({**_PART_FIELDS, "header_crc32": v.integer(0, 0xFFFFFFFF)}, SplitPart),
+}
 _FIELDS = {
     "layers": v.integer(1, v.MAX_DIM),
     "kv_heads": v.integer(1, v.MAX_DIM),
@@ -98,7 +106,7 @@ _FIELDS = {
     "tokens": v.integer(1, v.MAX_TOKENS),
     "quant": v.choice(CHUNK_QUANTS),
     "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
-    "parts": v.listing(_PART, 2, MAX_PARTS),
+    "parts": None,  # per version: _PART
     "key": v.text(512, optional=True),
 }
 # the fields a part's own header must repeat
@@ -107,6 +115,14 @@ _SHARED = ("kv_heads", "head_dim", "dtype", "chunk_index", "start_token", "token
 
 def is_split(blob: bytes | memoryview) -> bool:
     return bytes(memoryview(blob)[:4]) == SPLIT_MAGIC
+
+
+def header_crc(blob: bytes | memoryview) -> int:
+    """The header CRC a chunk blob carries (after its prefix and header; the blob is verified
+    by parse_chunk before this is trusted)."""
+    view = memoryview(blob)
+    end = 10 + int.from_bytes(view[6:10], "little")
+    return int.from_bytes(view[end : end + 4], "little")
 
 
 def write_split(parts: list[bytes], headers: list[ChunkHeader]) -> bytes:
@@ -122,7 +138,7 @@ def write_split(parts: list[bytes], headers: list[ChunkHeader]) -> bytes:
         tokens=first.tokens,
         quant=first.quant,
         resolution=tuple(first.resolution),
-        parts=tuple(SplitPart(ph.layers, len(b)) for ph, b in zip(headers, parts)),
+        parts=tuple(SplitPart(ph.layers, len(b), header_crc(b)) for ph, b in zip(headers, parts)),
         key=first.key,
     )
     return write_object(SPLIT_MAGIC, h.to_json(), parts)
@@ -131,14 +147,14 @@ def write_split(parts: list[bytes], headers: list[ChunkHeader]) -> bytes:
 def parse_split_header(blob: bytes | memoryview) -> tuple[SplitHeader, memoryview]:
     """A split blob's verified header and its payload (the parts, not yet verified)."""
     d, payload = read_object(blob, SPLIT_MAGIC, "split kvcodec chunk blob")
-    if d.get("format") != FORMAT_NAME or d.get("split_version") != SPLIT_VERSION:
-        raise FormatError(
-            f"split chunk version {d.get('split_version')!r} is not one this build reads ({SPLIT_VERSION})"
-        )
+    version = d.get("split_version")
+    if d.get("format") != FORMAT_NAME or version not in READABLE_SPLIT_VERSIONS or isinstance(version, bool):
+        raise FormatError(f"split chunk version {version!r} is not one this build reads {READABLE_SPLIT_VERSIONS}")
     extra = sorted(set(d) - set(_FIELDS) - {"format", "split_version"})
     if extra:
         raise FormatError(f"split chunk header has unknown fields {extra}")
-    fields = v.fields_of({k: d[k] for k in d if k in _FIELDS}, _FIELDS, {"key": None})
+    checks = {**_FIELDS, "parts": v.listing(_PART[version], 2, MAX_PARTS)}
+    fields = v.fields_of({k: d[k] for k in d if k in _FIELDS}, checks, {"key": None})
     h = SplitHeader(**fields)
     if sum(p.layers for p in h.parts) != h.layers:
         raise v.fail("parts", [p.layers for p in h.parts], f"layer counts adding up to layers={h.layers}")
@@ -166,5 +182,7 @@ def parse_split(blob: bytes | memoryview) -> tuple[SplitHeader, list[tuple[Chunk
                 raise FormatError(f"split chunk part {i} says {name}={got!r}; the chunk says {want!r}")
         if ph.layers != p.layers:
             raise FormatError(f"split chunk part {i} holds {ph.layers} layers; the chunk lists {p.layers}")
+        if p.header_crc32 is not None and header_crc(part) != p.header_crc32:
+            raise FormatError(f"split chunk part {i} is not the part the chunk lists there (reordered or exchanged)")
         parts.append((ph, part))
     return h, parts
