@@ -77,3 +77,52 @@ def test_wrong_inputs_are_errors(cache):
         cache.put(list(range(4)), _kv(8))
     with pytest.raises(ShapeError):
         cache.fetch(list(range(8)), 8, out=GroupedKV.empty(SPEC, 8))  # windowed: lacks sliding history
+
+
+class _SlowStore:
+    """A real memory store behind a link that takes `delay_s` per get (a slow network)."""
+
+    def __init__(self, store, delay_s: float) -> None:  # noqa: ANN001
+        self.store, self.delay_s = store, delay_s
+
+    def get(self, key: str):  # noqa: ANN201
+        import time
+
+        time.sleep(self.delay_s)
+        return self.store.get(key)
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.store, name)
+
+
+def _slow_cache(delay_s: float, **options) -> GroupedPrefixCache:
+    store = _SlowStore(open_store("memory://"), delay_s)
+    return GroupedPrefixCache(store, "test-model", make_codec("raw", chunk_tokens=CT), spec=SPEC, **options)
+
+
+def test_fetch_is_pipelined_and_restores_a_target_shorter_than_the_last_chunk():
+    cache = _slow_cache(0.05, net_workers=2, max_inflight=4, decode_workers=2)
+    ids = list(range(200, 232))
+    kv = _kv(32)
+    assert cache.put(ids, kv) == 4
+    res = cache.fetch(ids, 28)  # the last chunk reaches past the 28-token target
+    assert res.ok and res.tokens_restored == 28 and res.stats.chunks_restored == 4, res.error
+    assert res.kv.stop == 28 and res.kv.equal(kv.view(0, 28))
+    assert res.stats.peak_inflight >= 2  # two gets in flight at once: not one chunk after the other
+    spans = sorted((t.net_start, t.net_end) for t in res.stats.timeline)
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans
+
+
+def test_fetch_stops_at_the_deadline_with_what_was_restored():
+    import time
+
+    cache = _slow_cache(0.0)
+    ids = list(range(40))
+    kv = _kv(40)
+    cache.put(ids, kv)
+    cache.store.delay_s = 0.4  # every get now takes longer than the whole budget
+    t0 = time.monotonic()
+    res = cache.fetch(ids, 40, deadline_s=0.25)
+    assert time.monotonic() - t0 < 0.4 + 0.3  # the fetch did not wait for the slow gets
+    assert not res.ok and res.tokens_restored == 0 and "deadline" in str(res.error)
+    assert res.stats.chunks_dropped == 0 and cache.lookup(ids) == 40  # a slow link is no damage

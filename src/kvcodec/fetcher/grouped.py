@@ -5,9 +5,9 @@ Keys, lookup and the store layout are PrefixCache's (the codec is a GroupedCodec
 these chunks apart from canonical ones); a chunk's meta records shape (layers, 1, 1): the group
 shapes are in the KVSpec of the blob header. `put` takes a GroupedKV and writes only chunks whose
 every group holds all of the chunk's positions (a sliding group recorded from before the chunk),
-since a later, shorter prompt may need any of them. `fetch` restores chunk by chunk, in order,
-into a GroupedKV target (every group from position 0), network and decode one after the other: the
-pipelined fetcher of PrefixCache takes canonical tensors only.
+since a later, shorter prompt may need any of them. `fetch` runs PrefixCache's fetch pipeline
+(gets bounded by the deadline, network and decode overlapped, chunks restored in order) with
+GroupedKV targets: each chunk decodes into its positions of the target (every group from 0).
 """
 
 from __future__ import annotations
@@ -17,13 +17,17 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.config import CodecConfig
-from kvcodec.errors import ConfigError, FetchError, KVCodecError, ShapeError
+from kvcodec.dtypes import DTYPES
+from kvcodec.errors import ConfigError, FetchError, FormatError, ShapeError
 from kvcodec.fetcher import storecalls
 from kvcodec.fetcher.cache import PrefixCache, _runs
-from kvcodec.fetcher.keys import ChunkMeta, as_token_array, blob_key, meta_key
+from kvcodec.fetcher.keys import ChunkMeta, as_token_array, meta_key
+from kvcodec.fetcher.pipeline import Decoded, FetchPipeline, FetchPlan, PipelineSettings
+from kvcodec.fetcher.policy import get_policy
+from kvcodec.fetcher.profile import DecodeProfile
 from kvcodec.fetcher.stats import FetchResult, FetchStats
 from kvcodec.kvspec import GroupedKV, KVSpec
 
@@ -91,11 +95,15 @@ class GroupedPrefixCache(PrefixCache):
         policy: Any = None,
     ) -> FetchResult:
         """Restore the first `n_tokens` tokens (default all) into `out` (a GroupedKV holding every
-        group from 0, e.g. `target(n)`). Never raises for store, data or deadline failures: the
+        group from 0, e.g. `target(n)`), through the fetch pipeline (policy: which stored
+        resolution per chunk, default the cache's; decode times come from the cache's `profile` or
+        a neutral prior, never a calibration of canonical KV). Never raises for store, data or deadline failures: the
         result says how many tokens were restored and why it stopped."""
         t0 = time.monotonic()
         deadline = storecalls.Deadline(deadline_s, t0)
-        stats = FetchStats(policy="fixed:0", codec=self.codec.id, max_inflight=1, decoder=self.decoder_name())
+        pol = get_policy(policy, self.codec.resolutions) if policy is not None else self.policy
+        stats = FetchStats(policy=pol.name, codec=self.codec.id, max_inflight=self.max_inflight)
+        stats.decoder = self.decoder_name()
         ids = as_token_array(token_ids)
         n_tokens = len(ids) if n_tokens is None else int(n_tokens)
         if not 0 <= n_tokens <= len(ids):
@@ -104,41 +112,62 @@ class GroupedPrefixCache(PrefixCache):
             raise ShapeError(f"out must be a GroupedKV holding every group from 0 to >= {n_tokens}")
         if n_tokens == 0:
             return self._result(stats, t0, out, 0, n_tokens, None)
-        metas, keys, error = self._plan(ids, n_tokens, deadline, stats)
+        metas, keys, plan_error = self._plan(ids, n_tokens, deadline, stats)
         out = out if out is not None else self.target(n_tokens)
-        restored = 0
-        for i, (m, key) in enumerate(zip(metas, keys)):
-            try:
-                restored = self._fetch_chunk(m, key, out, n_tokens, deadline, stats)
-            except FetchError as e:
-                error = e
-                break
-            except KVCodecError as e:
-                self._bad_chunk(key, i, e, stats)
-                error = e
-                break
+        if not metas:
+            return self._result(stats, t0, out, 0, n_tokens, plan_error)
+        settings = PipelineSettings(
+            self.codec, self.store, out.device, self.max_inflight, self.decode_workers, self.net_workers, True, False
+        )
+        pipeline = _GroupedPipeline(
+            settings,
+            FetchPlan(metas, keys, n_tokens, DTYPES[self.spec.dtype], out),
+            pol,
+            self.profile or DecodeProfile.default(self.codec.resolutions),
+            self.bandwidth,
+            stats,
+            deadline,
+            t0,
+            lambda i, e: self._bad_chunk(keys[i], i, e, stats),
+        )
+        restored, error = pipeline.run()
+        self._heal_suspect(plan_error, error, stats)
         if error is None and restored < n_tokens:
-            error = FetchError(f"only {restored} of {n_tokens} tokens restored")
+            error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
         return self._result(stats, t0, out, restored, n_tokens, error)
 
-    def _fetch_chunk(self, m: ChunkMeta, key: str, out: GroupedKV, n_tokens: int, deadline, stats) -> int:
-        blob = storecalls.call(deadline, "get", self.store.get, blob_key(key, 0))
-        if blob is None:
-            raise FetchError(f"chunk {m.index}: its blob is missing")
-        info = self.codec.inspect_chunk(blob)
-        if (info.index, info.start_token, info.tokens, info.key) != (m.index, m.start_token, m.tokens, key):
-            raise ShapeError(
-                f"chunk {m.index}: the blob is chunk {info.index} at {info.start_token} "
-                f"(+{info.tokens}) bound to another key"
+
+class _GroupedPipeline(FetchPipeline):
+    """The fetch pipeline over a GroupedKV target: a chunk decodes into its positions of the
+    target; the last chunk, when it reaches past the target, into a GroupedKV of its own whose
+    positions that fit are copied over by the decode worker (so the in-order restore has no
+    staging to copy). A blob is checked against its key, chunk, positions and the model's KVSpec."""
+
+    def _check_binding(self, i: int, info: ChunkInfo) -> None:
+        m, key = self.plan.metas[i], self.plan.keys[i]
+        if info.key != key:
+            raise FormatError(f"chunk {i}: the stored blob is bound to another prefix key ({info.key!r})")
+        if (info.index, info.start_token, info.tokens) != (m.index, m.start_token, m.tokens):
+            raise FormatError(
+                f"chunk {i}: the blob is chunk {info.index} at {info.start_token} (+{info.tokens}); its meta says "
+                f"chunk {m.index} at {m.start_token} (+{m.tokens})"
             )
+        spec = getattr(info, "spec", None)
+        if spec is not None and spec != self.out.spec:
+            raise FormatError(f"chunk {i}: the blob holds KV of another KVSpec than this model's")
+
+    def _target(self, m: ChunkMeta) -> tuple[GroupedKV, bool]:
+        self.direct_used = True  # every decode writes into the caller's target: a stopped fetch waits for it
         end = m.start_token + m.tokens
-        if end <= out.stop:
-            self.codec.decode_chunk(blob, out.view(m.start_token, end))
-        else:  # the last chunk reaches past the target: restore it whole, keep what fits
-            part = GroupedKV.empty(self.spec, end, start=m.start_token, device=out.device, window=False)
-            self.codec.decode_chunk(blob, part)
-            for dst, src in zip(out.view(m.start_token, out.stop).tensors, part.tensors):
-                dst.copy_(src[:, :, : dst.shape[2]])
-        stats.bytes_fetched += len(blob)
-        stats.chunks_restored += 1
-        return min(end, n_tokens)
+        if end <= self.out.stop:
+            return self.out.view(m.start_token, end), True
+        return GroupedKV.empty(self.out.spec, end, start=m.start_token, device=self.out.device, window=False), False
+
+    def _decode(self, i: int, j: int, blob: bytes) -> Decoded:
+        done = super()._decode(i, j, blob)
+        if done.staging is None:
+            return done
+        start = self.plan.metas[i].start_token
+        for dst, src in zip(self.out.view(start, self.out.stop).tensors, done.staging.tensors):
+            dst.copy_(src[:, :, : dst.shape[2]])
+        return Decoded(done.target, None, done.part)
