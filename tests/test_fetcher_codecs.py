@@ -404,3 +404,21 @@ def test_transform_fetch_on_the_cpu_is_not_staged_unless_asked(extra):
     codec.finish = None  # never called: the CPU default is decode_chunk per chunk
     r = cache.fetch(ids)
     assert r.ok and torch.equal(r.kv, reference(codec, kv))
+
+
+def test_staged_fetch_past_its_deadline_returns_without_waiting_for_stages(extra):
+    codec = build("transform", extra)
+    kv, ids = make_kv(64, seed=8), ids_for(64)
+    cache = cache_for(codec, batched_restore=True, decode_workers=2)
+    cache.put(ids, kv)
+    stage = codec.stage
+
+    def slow(blob, out):
+        time.sleep(1.5)  # a stage never writes into the target: nothing to wait for
+        return stage(blob, out)
+
+    codec.stage = slow
+    t0 = time.monotonic()
+    r = cache.fetch(ids, deadline_s=0.3)
+    assert isinstance(r.error, FetchError) and r.tokens_restored == 0
+    assert time.monotonic() - t0 < 1.2

@@ -141,11 +141,12 @@ class FetchPipeline:
         self.stop.set()
         for _ in decoders:
             self.dec_q.put(None)
+        writers = self.direct_used and not self.s.staged  # a staged chunk's target is written by finish, here
         for t in decoders:
             # a decode may be writing into the caller's target beyond the restored prefix; the
             # caller writes there next, so wait for it to finish its chunk
-            t.join(timeout=_DIRECT_JOIN_S if self.direct_used else 0.05)
-            if self.direct_used and t.is_alive():
+            t.join(timeout=_DIRECT_JOIN_S if writers else 0.05)
+            if writers and t.is_alive():
                 log.error(
                     "a decode worker is still writing into the target %.0f s after the fetch stopped", _DIRECT_JOIN_S
                 )
