@@ -54,6 +54,8 @@ from kvcodec.transform.kvt import from_bytes, kvt_hash, to_bytes
 from kvcodec.transform.rope import RopeSpec
 
 SMOLLM2_ROPE = RopeSpec(100000.0, 64)  # SmolLM2-135M: theta 1e5, HF rotate-half
+# a case's cost in CPU seconds of this process: on a shared machine wall time measures the neighbours
+clock = time.process_time
 
 
 # ---------------------------------------------------------------------------- chunk subjects
@@ -260,9 +262,9 @@ def fuzz_chunks(
         crng = random.Random(case_seed)
         i = crng.randrange(len(subject.blobs))
         blob = mutate(crng, subject.blobs[i], subject)
-        t0 = time.monotonic()
+        t0 = clock()
         outcome = classify_chunk(subject.codec, blob, subject.originals[i])
-        tally.add(category, outcome, allowed, time.monotonic() - t0, f"{subject.name} chunk {i} case seed {case_seed}")
+        tally.add(category, outcome, allowed, clock() - t0, f"{subject.name} chunk {i} case seed {case_seed}")
         n += 1
 
 
@@ -382,9 +384,9 @@ def fuzz_kvt(subject: KvtSubject, seed: int, seconds: float, tally: Tally, chunk
         mutate, allowed = KVT_CATEGORIES[category]
         case_seed = rng.randrange(2**32)
         data = mutate(random.Random(case_seed), subject.data)
-        t0 = time.monotonic()
+        t0 = clock()
         outcome = classify_kvt(data, subject, chunk_tokens)
-        tally.add(category, outcome, allowed, time.monotonic() - t0, f"{subject.name} case seed {case_seed}")
+        tally.add(category, outcome, allowed, clock() - t0, f"{subject.name} case seed {case_seed}")
         n += 1
 
 
@@ -421,3 +423,107 @@ def split_subjects(kv: torch.Tensor, chunk_tokens: int) -> list[ChunkSubject]:
         cfg = CodecConfig(quant=quant, chunk_tokens=chunk_tokens, resolutions=res, streams_per_chunk=streams)
         out.append(chunk_subject(f"split-{quant}-{streams}", HevcCodec(cfg), kv))
     return out
+
+
+# ---------------------------------------------------------------------------- TP shards in a store
+
+
+def _shard_cache(store, shard, chunk_tokens: int):
+    from kvcodec.fetcher import PrefixCache
+
+    cfg = CodecConfig(quant="int8", chunk_tokens=chunk_tokens, resolutions=((144, 144),))
+    return PrefixCache(store, "fuzz-model", HevcCodec(cfg), "cpu", policy="fixed:0", shard=shard)
+
+
+def _forge_key(blob: bytes, key: str) -> bytes:
+    """A chunk blob rebound to `key` (header CRC recomputed); a split blob's parts too."""
+    if blob[:4] == SPLIT_MAGIC:
+        h, parts = _split_parts(blob)
+        parts = [_forge_key(p, key) for p in parts]
+        h["key"] = key
+        for entry in h["parts"]:
+            entry.pop("header_crc32", None)
+        h["split_version"] = 1
+        return _join_split(h, parts)
+    h, payload = read_object(blob, CHUNK_MAGIC, "chunk")
+    h["key"] = key
+    return write_object(CHUNK_MAGIC, h, [bytes(payload)])
+
+
+def shard_mutations(keys: dict) -> dict:
+    """category -> (allowed, edit(rng, store)): keys[name] = the chunk keys of each stored shard
+    ("mine": the fetching rank's heads, "other": another rank's heads of the same world, "full":
+    a world-1 producer's every head, "pair": a world-2-like range of two heads)."""
+    from kvcodec.fetcher import blob_key, meta_key
+
+    def serve(source: str, with_meta: bool, forge: bool = False):
+        def edit(rng, st):
+            i = rng.randrange(len(keys["mine"]))
+            mine, theirs = keys["mine"][i], keys[source][i]
+            blob = st.get(blob_key(theirs, 0))
+            st.put(blob_key(mine, 0), _forge_key(blob, mine) if forge else blob)
+            if with_meta:
+                st.put(meta_key(mine), st.get(meta_key(theirs)))
+
+        return edit
+
+    return {
+        "shard-other-heads": (STRICT, serve("other", False)),
+        "shard-other-heads+meta": (STRICT, serve("other", True)),
+        "shard-other-world": (STRICT, serve("full", False)),
+        "shard-other-world+meta": (STRICT, serve("full", True)),
+        "shard-forged-key": (LOOSE, serve("other", True, forge=True)),
+    }
+
+
+def fuzz_shards(kv: torch.Tensor, chunk_tokens: int, seed: int, cases: int, streams: int = 1) -> Tally:
+    """A store holding rank 0's, rank 1's (of a world of kv_heads ranks) and a world-1 producer's
+    chunks of one prefix; each case serves rank 1's or the full chunk under rank 0's key, then
+    rank 0 fetches: its restored tokens must be exact, the fetch must stop at the foreign chunk,
+    and the next put must heal the store."""
+    from kvcodec.fetcher.shards import TPShard
+    from kvcodec.store.memory import MemoryStore
+
+    H = kv.shape[3]
+    ids = torch.arange(kv.shape[2]) + 2000
+    base = MemoryStore()
+    full = _shard_cache(base, None, chunk_tokens)
+    full.put(ids, kv)
+    full.put_sharded(ids, kv, H)
+    mine, other = TPShard(0, H, H), TPShard(1, H, H)
+    keys = {"mine": _shard_cache(base, mine, chunk_tokens).keys(ids), "full": full.keys(ids)}
+    keys["other"] = _shard_cache(base, other, chunk_tokens).keys(ids)
+    snapshot = {k: base.get(k) for k in base.list()}
+    local = mine.take(kv).contiguous()
+    clean = _shard_cache(base, mine, chunk_tokens).fetch(ids).kv.clone()
+    mutations = shard_mutations(keys)
+    names, rng, tally = list(mutations), random.Random(seed), Tally()
+    for n in range(cases):
+        category = names[n % len(names)]
+        allowed, edit = mutations[category]
+        case_seed = rng.randrange(2**32)
+        st = MemoryStore()
+        st.put_many(snapshot)
+        edit(random.Random(case_seed), st)
+        t0 = clock()
+        outcome = _fetch_shard(_shard_cache(st, mine, chunk_tokens), ids, local, clean)
+        tally.add(category, outcome, allowed, clock() - t0, f"case seed {case_seed}")
+    return tally
+
+
+def _fetch_shard(cache, ids, local: torch.Tensor, clean: torch.Tensor) -> str:
+    try:
+        res = cache.fetch(ids, deadline_s=30.0)
+        n = res.tokens_restored
+        if res.kv is not None and not torch.equal(bits(res.kv[:, :, :n]), bits(clean[:, :, :n])):
+            return "altered"
+        if res.kv is None and n:
+            return f"altered:{n} tokens reported restored without a result tensor"
+        outcome = "original" if n == len(ids) and res.error is None else "error"
+        cache.put(ids, local)
+        healed = cache.fetch(ids, deadline_s=30.0)
+        if healed.tokens_restored != len(ids) or not torch.equal(bits(healed.kv), bits(clean)):
+            return f"unhealed:after a put the fetch restored {healed.tokens_restored} of {len(ids)} ({healed.error})"
+        return outcome
+    except Exception as e:  # noqa: BLE001 - fetch and put must not raise for stored-data damage
+        return f"crash:{type(e).__name__}:{str(e)[:80]}"
