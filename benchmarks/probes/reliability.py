@@ -3,7 +3,9 @@ KVCodecError or exactly the original data (never another exception, never uninit
 foreign data, never a huge allocation).
 
     python benchmarks/probes/reliability.py --seconds 300 --seed 1 --out benchmarks/results/reliability-cpu
-(tests/test_fuzz.py runs the same cases, seeded and time-bounded, in CI)
+    python benchmarks/probes/reliability.py ... --formats-seconds 200 --out benchmarks/results/reliability-cpu-v2
+(tests/test_fuzz.py runs the same cases, seeded and time-bounded, in CI; --formats-seconds adds the
+split, transform, .kvt and TP-shard cases of format_fuzz.py, tests/test_fuzz_formats.py in CI)
 
 Categories (a mutation each; "altered" = decoded completely but to other values, allowed only
 where the mutation rewrites content together with its checksums, which no checksum can catch):
@@ -291,6 +293,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=65)
     ap.add_argument("--chunk-tokens", type=int, default=32)
+    ap.add_argument("--formats-seconds", type=float, default=0.0, help="per format family (format_fuzz.py)")
+    ap.add_argument("--shard-cases", type=int, default=60)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -303,7 +307,27 @@ def main() -> None:
     from store_fuzz import fuzz_store  # noqa: E402 - the store half, beside this file
 
     store_tally = fuzz_store(kv, args.chunk_tokens, args.seed, args.store_cases)
+    if args.formats_seconds > 0:
+        fuzz_formats(kv, args, tally, store_tally)
     write_results(args, tally, store_tally, time.monotonic() - t0, rss0, kv)
+
+
+def fuzz_formats(kv: torch.Tensor, args, tally: Tally, store_tally: Tally) -> None:
+    """The format_fuzz.py families into the same tallies (chunk and .kvt cases with the file
+    cases, shard cases with the store cases). The transform is calibrated on another essay."""
+    import format_fuzz as ff
+
+    s, ct = args.formats_seconds, args.chunk_tokens
+    whole = kv[:, :, : (kv.shape[2] // ct) * ct].contiguous()  # full chunks: every one split
+    ff.fuzz_chunks(ff.split_subjects(whole, ct), ff.SPLIT_CATEGORIES, args.seed, s, tally)
+    subjects, kvt_subject = ff.transform_subjects(kv, real_kv(256, text="pg/apple"), ct)
+    ff.fuzz_chunks(subjects, ff.TC_CATEGORIES, args.seed, s, tally)
+    ff.fuzz_kvt(kvt_subject, args.seed, s, tally, ct)
+    shards = ff.fuzz_shards(kv, ct, args.seed, args.shard_cases)
+    for category, counts in shards.outcomes.items():
+        store_tally.outcomes[category] = counts
+    store_tally.violations += shards.violations
+    store_tally.max_case_s = max(store_tally.max_case_s, shards.max_case_s)
 
 
 def write_results(args, tally: Tally, store_tally: Tally, wall_s: float, rss0: float, kv: torch.Tensor) -> None:
@@ -311,6 +335,7 @@ def write_results(args, tally: Tally, store_tally: Tally, wall_s: float, rss0: f
         "command": "python benchmarks/probes/reliability.py " + " ".join(sys.argv[1:]),
         "machine": "CPU development VM (2 cores), torch threads 1",
         "kv": {"model": "smollm2-135m", "text": "pg/addiction", "shape": list(kv.shape), "dtype": "float16"},
+        "transform_calibration": "smollm2-135m over 256 tokens of pg/apple" if args.formats_seconds else None,
         "wall_s": round(wall_s, 1),
         "file_cases": {k: dict(v) for k, v in tally.outcomes.items()},
         "store_cases": {k: dict(v) for k, v in store_tally.outcomes.items()},
@@ -326,7 +351,7 @@ def write_results(args, tally: Tally, store_tally: Tally, wall_s: float, rss0: f
 
 
 def render(r: dict) -> str:
-    kinds = ["error", "original", "altered", "uninitialized", "crash"]
+    kinds = ["error", "original", "altered", "uninitialized", "nonfinite", "unhealed", "crash"]
     lines = [
         "# Reliability: fuzzed real containers and store entries",
         "",
@@ -341,7 +366,8 @@ def render(r: dict) -> str:
     lines += [
         "",
         f"Violations (an outcome not allowed for its category): **{len(r['violations'])}**.",
-        f"Slowest case {r['max_case_s']} s; largest output any accepted file announced "
+        f"Slowest case {r['max_case_s']} s (wall clock for .kvc and store cases, CPU time of the process for the "
+        "format_fuzz.py cases: the machine was shared); largest output any accepted file announced "
         f"{r['max_announced_output_bytes']:,} bytes (the original: {r['original_output_bytes']:,}); "
         f"peak RSS grew {r['peak_rss_growth_mb']} MB over the run.",
         "",
