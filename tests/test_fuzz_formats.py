@@ -36,7 +36,7 @@ CHUNK = 32
 def kvs(smollm2):
     torch.manual_seed(0)
     kv = reliability.real_kv(2 * CHUNK, smollm2)
-    cal_kv = reliability.real_kv(256, smollm2, text="pg/apple")  # calibrated on another essay
+    cal_kv = reliability.real_kv(400, smollm2, text="pg/apple")  # calibrated on another essay
     return kv, cal_kv
 
 

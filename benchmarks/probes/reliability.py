@@ -320,7 +320,7 @@ def fuzz_formats(kv: torch.Tensor, args, tally: Tally, store_tally: Tally) -> No
     s, ct = args.formats_seconds, args.chunk_tokens
     whole = kv[:, :, : (kv.shape[2] // ct) * ct].contiguous()  # full chunks: every one split
     ff.fuzz_chunks(ff.split_subjects(whole, ct), ff.SPLIT_CATEGORIES, args.seed, s, tally)
-    subjects, kvt_subject = ff.transform_subjects(kv, real_kv(256, text="pg/apple"), ct)
+    subjects, kvt_subject = ff.transform_subjects(kv, real_kv(400, text="pg/apple"), ct)
     ff.fuzz_chunks(subjects, ff.TC_CATEGORIES, args.seed, s, tally)
     ff.fuzz_kvt(kvt_subject, args.seed, s, tally, ct)
     shards = ff.fuzz_shards(kv, ct, args.seed, args.shard_cases)
@@ -335,7 +335,7 @@ def write_results(args, tally: Tally, store_tally: Tally, wall_s: float, rss0: f
         "command": "python benchmarks/probes/reliability.py " + " ".join(sys.argv[1:]),
         "machine": "CPU development VM (2 cores), torch threads 1",
         "kv": {"model": "smollm2-135m", "text": "pg/addiction", "shape": list(kv.shape), "dtype": "float16"},
-        "transform_calibration": "smollm2-135m over 256 tokens of pg/apple" if args.formats_seconds else None,
+        "transform_calibration": "smollm2-135m over 400 tokens of pg/apple" if args.formats_seconds else None,
         "wall_s": round(wall_s, 1),
         "file_cases": {k: dict(v) for k, v in tally.outcomes.items()},
         "store_cases": {k: dict(v) for k, v in store_tally.outcomes.items()},
