@@ -422,3 +422,23 @@ def test_staged_fetch_past_its_deadline_returns_without_waiting_for_stages(extra
     r = cache.fetch(ids, deadline_s=0.3)
     assert isinstance(r.error, FetchError) and r.tokens_restored == 0
     assert time.monotonic() - t0 < 1.2
+
+
+def test_staged_fetch_finishes_the_chunks_ready_together_in_one_call(extra):
+    codec = build("transform", extra)
+    kv, ids = make_kv(96, seed=9), ids_for(96)
+    ref = reference(codec, kv)
+    cache = cache_for(codec, batched_restore=True, decode_workers=3, max_inflight=8)
+    cache.put(ids, kv)
+    finish, sizes = codec.finish, []
+
+    def first_is_slow(staged, outs):
+        sizes.append(len(staged))
+        if len(sizes) == 1:
+            time.sleep(0.8)  # the other chunks are staged meanwhile
+        finish(staged, outs)
+
+    codec.finish = first_is_slow
+    r = cache.fetch(ids)
+    assert r.ok and within_an_ulp(r.kv, ref), r.error
+    assert sum(sizes) == 6 and max(sizes[1:]) >= 3, sizes

@@ -184,7 +184,17 @@ class FetchPipeline:
             except queue.Empty:
                 continue
             pending[i] = (err, staged)
+            self._take_ready(pending)
         return restored, None
+
+    def _take_ready(self, pending: dict[int, tuple]) -> None:
+        """Every result already queued, so that chunks decoded together are finished together."""
+        while True:
+            try:
+                i, err, staged = self.res_q.get_nowait()
+            except queue.Empty:
+                return
+            pending[i] = (err, staged)
 
     def _finish(self, ready: list[tuple[int, Decoded]]) -> None:
         """A staged fetch: the codec's second half for the chunks `ready` (in order), in one call."""
