@@ -166,10 +166,11 @@ def command(
     _check_store_scheme(store_url)  # before the model loads
     flags = {"transform": transform, "preset": preset, "target_ratio": target_ratio, "quant": quant}
     name, options = codec_choice(codec_name, codec_options, {**flags, "chunk_tokens": chunk_tokens})
-    build_codec(name, options)  # a bad codec, option or .kvt is refused before pools or the model start
+    codec = build_codec(name, options)  # a bad codec, option or .kvt is refused before pools or the model start
     pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
     try:
-        codec = build_codec(name, options if pool is None else {**options, "pool": pool})
+        if pool is not None:
+            codec = build_codec(name, {**options, "pool": pool})
         click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}, codec {codec.id}", err=True)
         engine = Engine(
             model_name,
