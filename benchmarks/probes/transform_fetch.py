@@ -242,7 +242,7 @@ def run(d: pathlib.Path, out: pathlib.Path, device: str, workers: list[int], inf
     except Exception as e:  # noqa: BLE001 - an optional comparison: say why it is missing
         checks["restore_chunks_nvcuvid"] = f"unavailable: {type(e).__name__}: {e}"
     doc = {
-        "command": " ".join(shlex.quote(a) for a in sys.argv),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "machine": {
             "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
             "torch": torch.__version__,
