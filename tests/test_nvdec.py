@@ -178,10 +178,12 @@ def test_nvdec_frames_are_independent_copies():
 
 @needs_nvdec
 @pytest.mark.gpu
-def test_registry_picks_nvdec_for_cuda():
+def test_registry_picks_an_nvdec_backend_for_cuda_driver_first():
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.registry import get_decoder
 
-    assert get_decoder("cuda").name == "nvdec"
+    assert get_decoder("cuda").name == ("nvcuvid" if NvcuvidDecoder.is_available() else "nvdec")
+    assert get_decoder("cuda", "nvdec").name == "nvdec"
 
 
 @needs_nvdec

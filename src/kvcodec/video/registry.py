@@ -35,8 +35,10 @@ class BackendEntry:
 
 
 _DECODERS = (
-    BackendEntry("nvdec", "kvcodec.video.nvdec:NvdecDecoder", "cuda", 100),
-    BackendEntry("nvcuvid", "kvcodec.video.nvcuvid:NvcuvidDecoder", "cuda", 90),  # driver only, no PyNvVideoCodec
+    # The driver's libnvcuvid first: restored 1.85 vs 1.55 GB/s (decode-h200-nvcuvid.md) and fetched
+    # transform-coded KV at 2.28 vs 1.51 GB/s (transform-fetch-h200.md) against PyNvVideoCodec on 7 threads.
+    BackendEntry("nvcuvid", "kvcodec.video.nvcuvid:NvcuvidDecoder", "cuda", 110),
+    BackendEntry("nvdec", "kvcodec.video.nvdec:NvdecDecoder", "cuda", 100),  # PyNvVideoCodec
     BackendEntry("ffmpeg-cpu", "kvcodec.video.x265_cpu:FFmpegHevcDecoder", "cpu", 10),
 )
 _ENCODERS = (
@@ -80,6 +82,8 @@ def get_decoder(device: str | torch.device = "cpu", name: str | None = None, *, 
     """The best available decoder for `device` (NVDEC for cuda, FFmpeg for cpu). With `fallback`,
     a CUDA device without an available GPU decoder gets the CPU decoder (as the README says)."""
     device_type = torch.device(device).type
+    if device_type == "cuda":
+        kwargs.setdefault("device", device)  # cuda:1 from a thread whose current device is 0 stays on 1
     try:
         return _pick(_DECODERS, name, None if name else device_type)(**kwargs)
     except BackendUnavailableError as e:
