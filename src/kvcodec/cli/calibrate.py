@@ -12,7 +12,7 @@ from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.transform.rope import STYLES, RopeSpec
 
 SENSITIVITY_PREFIX, SENSITIVITY_CONT = 512, 128  # the Fisher's prefix and scored continuation per text
-WEIGHT_ALPHA = 0.5  # weights = Fisher ** alpha (docs/TRANSFORM.md: measured)
+WEIGHT_ALPHA = 1.0  # weights = Fisher ** alpha; 1 (the second-order KL) measured best (docs/TRANSFORM.md)
 
 
 def rope_for_model(name: str) -> RopeSpec:

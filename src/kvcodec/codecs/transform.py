@@ -184,9 +184,14 @@ class TransformCodec:
             return bits / sum(min(ct, T - s) for s in chunks)
 
         theta = rate.solve_level(est, target, top * 1e-7, top, iters=ITERS)
-        trial = slice(0, min(T, ct))
-        actual = 8.0 * self._payload_bytes(y[trial], kv[:, :, trial], theta, first_position) / trial.stop
-        factor = actual / max(est(theta, (0,)), 1e-9)
+        actual = (
+            sum(  # the coder's real bytes on the sampled chunks, against their entropy
+                8.0 * self._payload_bytes(y[s : s + ct], kv[:, :, s : s + ct], theta, first_position + s)
+                for s in sample
+            )
+            / sum(min(ct, T - s) for s in sample)
+        )
+        factor = actual / max(est(theta), 1e-9)
         return rate.solve_level(est, target / max(factor, 1e-3), top * 1e-7, top, iters=ITERS)
 
     def _weights(self) -> torch.Tensor:
