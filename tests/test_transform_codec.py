@@ -269,3 +269,42 @@ def test_weighted_transform_round_trips_through_the_kvt_and_moves_error(tmp_path
     assert errs["w"][0] < errs["p"][0]  # the heavily weighted layer is restored more precisely
     with pytest.raises(ConfigError, match="weights"):
         calibrate(kvs, ROPE, weights=torch.zeros(L, 2, H, D))
+
+
+def test_fisher_predicts_the_kl_divergence_of_kv_noise():
+    """Second order, isotropic KV noise of variance s^2 costs KL = 0.5 s^2 trace(F): the diagonal
+    Fisher (its token mean times the tokens it covers) must predict the measured KL."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcodec.integrations.hf import cache_kwarg, cache_to_tensor, forward_ids, tensor_to_cache
+    from kvcodec.transform.sensitivity import fisher_diagonal
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (48,))
+    prefix, sink = 32, 2
+    f = fisher_diagonal(model, [ids], prefix, samples=64, sink_tokens=sink)
+    assert f.shape == (2, 2, 2, 8) and bool((f >= 0).all()) and float(f.sum()) > 0
+    kv = cache_to_tensor(forward_ids(model, ids[:prefix])[1])
+    cont = ids[prefix:].unsqueeze(0)
+
+    def logp(x):
+        with torch.no_grad():
+            out = model(cont, use_cache=True, **{cache_kwarg(model): tensor_to_cache(x, model)})
+        return torch.log_softmax(out.logits[0].double(), -1)
+
+    ref, s, kls = logp(kv), 1e-2, []
+    for _ in range(16):
+        noisy = kv.clone()
+        noisy[:, :, sink:] += s * torch.randn_like(noisy[:, :, sink:])
+        kls.append(float((ref.exp() * (ref - logp(noisy))).sum()))
+    predicted = 0.5 * s**2 * float(f.double().sum()) * (prefix - sink)
+    assert sum(kls) / len(kls) == pytest.approx(predicted, rel=0.35)
