@@ -319,6 +319,9 @@ def task_notes(doc):
     t = doc.get("tasks", {})
     q, n = t.get("quoref", {}), t.get("needle", {})
     out = [""]
+    if not doc.get("complete", True):
+        planned = q.get("n", 0) + len(n.get("cases", []))
+        out.append(f"**Partial run**: stopped after {len(doc.get('task_items', []))} of {planned} task items.")
     if q.get("n"):
         out.append(
             f"Quoref: {q['n']} questions, one per passage (mean prefix {q['mean_prefix_tokens']} tokens, at most "
@@ -419,7 +422,6 @@ def main(
     per_text = [evaluate_text(model, tokenizer, t, prefix_tokens, cont_tokens, runners) for t in evals]
     prompts = task_prompts(tokenizer, n_quoref, quoref_max_tokens, needle_lengths, needle_depths, calib, evals)
     fast = task_runners(runners, per_text)
-    task_rows = rd_tasks.evaluate_prompts(model, tokenizer, prompts, fast, log=lambda m: click.echo(m, err=True))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     commit = os.environ.get("RD_SRC_COMMIT", commit)  # the commit of the src/ imported, when not the checkout's
     doc = dict(
@@ -436,13 +438,26 @@ def main(
             groups=len(cal.groups),
             seconds=round(secs, 1),
             kvt_sha256=digest,
+            info={k: v for k, v in cal.info.items() if k not in ("sources", "tokens")},
         ),
-        records=[r | rd_tasks.task_fields(task_rows, r["method"]) for r in aggregate(model_name, per_text)],
         tasks=task_settings(prompts, quoref_max_tokens),
-        task_items=task_rows,
     )
-    Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
-    Path(out_stem + ".md").write_text(markdown(doc))
+    records = aggregate(model_name, per_text)
+
+    def write(rows, complete):
+        doc.update(
+            complete=complete,
+            records=[r | rd_tasks.task_fields(rows, r["method"]) for r in records],
+            task_items=rows,
+        )
+        Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
+        Path(out_stem + ".md").write_text(markdown(doc))
+
+    write([], False)
+    rows = rd_tasks.evaluate_prompts(
+        model, tokenizer, prompts, fast, log=lambda m: click.echo(m, err=True), on_row=lambda r: write(r, False)
+    )
+    write(rows, True)
     click.echo(markdown(doc))
 
 

@@ -232,8 +232,11 @@ def score(p: TaskPrompt, answer: str) -> float:
     return best_f1(answer, p.gold) if p.task == "quoref" else float(needle_hit(answer, p.gold[0]))
 
 
-def evaluate_prompts(model: Any, tokenizer: Any, prompts: Sequence[TaskPrompt], runners: dict, log=print) -> list:
-    """Per prompt: the recomputed answer and, per method, the restored one, bytes and values."""
+def evaluate_prompts(
+    model: Any, tokenizer: Any, prompts: Sequence[TaskPrompt], runners: dict, log=print, on_row=None
+) -> list:
+    """Per prompt: the recomputed answer and, per method, the restored one, bytes and values.
+    on_row(rows so far) after each prompt (checkpoints)."""
     import torch
 
     from kvcodec.integrations.hf import cache_to_tensor, forward_ids
@@ -256,6 +259,8 @@ def evaluate_prompts(model: Any, tokenizer: Any, prompts: Sequence[TaskPrompt], 
             )
         row["values"] = kv16.numel()
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         same = sum(m["same"] for m in row["methods"].values())
         log(
             f"  {p.id} ({p.prefix.numel()} tok) ref {ref!r} score {row['score_recomputed']:.2f}; same {same}/{len(runners)}"
