@@ -107,9 +107,13 @@ def rope_partner(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return partner.astype(np.int64), freq.astype(np.int64), sign
 
 
+MAX_TABLE_POSITIONS = 1 << 20  # beyond: a window's cos / sin are computed for its positions only
+
+
 class RopeTables:
     """cos / signed sin per (channel, position) on one device, grown to the positions asked for
-    (thread-safe: the pair is replaced whole, under a lock)."""
+    up to MAX_TABLE_POSITIONS (thread-safe: the pair is replaced whole, under a lock); a window
+    past them is computed on its own (so a chunk's start position never sizes an allocation)."""
 
     def __init__(self, spec: RopeSpec, device):
         self.spec, self.device = spec, torch.device(device)
@@ -117,22 +121,24 @@ class RopeTables:
         self.partner = torch.from_numpy(partner).to(self.device)
         self._rest = torch.from_numpy(np.arange(spec.head_dim) >= spec.rotary)
         self._lock = threading.Lock()
-        self._tables = self._make(4096)
+        self._tables = self._make(0, 4096)
 
     def window(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(D, tokens) float32 cos and signed sin for positions start .. start + tokens - 1."""
         end = start + tokens
+        if end > MAX_TABLE_POSITIONS:
+            return self._make(start, end)
         cos, sin = self._tables
         if end > cos.shape[1]:
             with self._lock:
                 if end > self._tables[0].shape[1]:
-                    self._tables = self._make(max(end, 2 * self._tables[0].shape[1]))
+                    self._tables = self._make(0, min(max(end, 2 * self._tables[0].shape[1]), MAX_TABLE_POSITIONS))
                 cos, sin = self._tables
         return cos[:, start:end], sin[:, start:end]
 
-    def _make(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _make(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         # the same float64 angles -> float32 as transform.rope.apply_rope
-        angles = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq(self.spec)[None, :]
+        angles = torch.arange(start, end, dtype=torch.float64)[:, None] * inv_freq(self.spec)[None, :]
         cos = torch.cos(angles)[:, self._freq].T
         sin = (torch.sin(angles)[:, self._freq] * torch.from_numpy(self._sign)).T
         cos[self._rest] = 1.0
@@ -173,8 +179,11 @@ def restore(
     L, H, D = shape
     N, C, t = samples.shape
     device = samples.device
-    g = torch.empty((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
-    g.copy_(samples.index_select(1, plan.gather).permute(1, 0, 2))
+    if C:
+        g = torch.empty((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
+        g.copy_(samples.index_select(1, plan.gather).permute(1, 0, 2))
+    else:  # a level so coarse that nothing is coded: every slot is padding (the chunk is the mean)
+        g = torch.zeros((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
     if any(idx.numel() for idx, _ in escapes):
         flat, vals = escape_slots(plan, escapes, t, C)
         g.view(-1).index_put_((_upload(flat, device),), _upload(vals, device))
