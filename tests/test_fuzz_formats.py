@@ -158,3 +158,22 @@ def test_a_kvt_that_maps_kv_beyond_the_integer_range_is_refused_at_encode(transf
     codec = TransformCodec(from_bytes(data), kvt_hash=kvt_hash(data), coder="zstd", chunk_tokens=CHUNK)
     with pytest.raises(KVCodecError, match="integer range"):
         codec.encode_chunks(transform[1].kv)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("start_token", 2**31 - 64), ("theta", 2.0**31)],  # RoPE tables sized by the position; nothing coded
+)
+def test_batched_restore_of_a_far_position_or_an_empty_plan_matches_the_reference(transform, field, value):
+    by_name = {s.name: s for s in transform[0]}
+    ref, batched = by_name["transform-hevc-ref"], by_name["transform-hevc-batched"]
+    tail = ref.codec.encode_chunks(transform[1].kv[:, :, CHUNK : CHUNK + 1], first_chunk_index=1)[0].blobs[0]
+    h, payload = read_object(tail, TC_MAGIC, "tc")  # one token past the sinks: one frame at any level
+    h[field] = value
+    blob = write_object(TC_MAGIC, h, [bytes(payload)])
+    rss0 = reliability.peak_rss_mb()
+    want = ref.codec.decode_chunk(blob, torch.empty(transform[1].kv[:, :, :1].shape, dtype=transform[1].kv.dtype))
+    got = batched.codec.decode_chunk(blob, torch.empty(transform[1].kv[:, :, :1].shape, dtype=transform[1].kv.dtype))
+    assert reliability.peak_rss_mb() - rss0 < 512
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
