@@ -277,7 +277,7 @@ def test_fisher_predicts_the_kl_divergence_of_kv_noise():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kvcodec.integrations.hf import cache_kwarg, cache_to_tensor, forward_ids, tensor_to_cache
-    from kvcodec.transform.sensitivity import fisher_diagonal
+    from kvcodec.integrations.hf_fisher import fisher_diagonal
 
     torch.manual_seed(0)
     cfg = LlamaConfig(

@@ -89,10 +89,10 @@ def _evaluate(model, items, codec, label):
 def main(model_name, calib, calib_tokens, eval_texts, prefix_tokens, cont_tokens, ratio, alphas, out_stem):
     from kvcodec.codecs.transform import TransformCodec
     from kvcodec.integrations.hf import cache_to_tensor, extract_kv, forward_ids
+    from kvcodec.integrations.hf_fisher import fisher_diagonal
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text
     from kvcodec.transform import RopeSpec, calibrate
-    from kvcodec.transform.sensitivity import fisher_diagonal
     from kvcodec.transform.weights import channel_weights
 
     calib_list, evals = calib.split(","), eval_texts.split(",")

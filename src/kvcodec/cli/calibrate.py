@@ -90,7 +90,7 @@ def _kv_from_model(name: str, texts: str, max_tokens: int, sensitivity: bool, si
 
 def _fisher(model, ids: list, sink_tokens: int):
     """Diagonal Fisher on each text's first SENSITIVITY_PREFIX tokens followed by SENSITIVITY_CONT."""
-    from kvcodec.transform.sensitivity import fisher_diagonal
+    from kvcodec.integrations.hf_fisher import fisher_diagonal
 
     usable = [t[: SENSITIVITY_PREFIX + SENSITIVITY_CONT] for t in ids if t.numel() > SENSITIVITY_PREFIX + 1]
     if not usable:

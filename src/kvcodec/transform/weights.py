@@ -3,7 +3,7 @@
 The codec minimises weighted squared error sum_c w_c (x_c - x_c')^2 instead of plain MSE. With a
 diagonal weight per channel, the best transform is the PCA of the scaled channels z = sqrt(w) x
 (a weighted KLT): coefficients y = B^T sqrt(w) (x - mean), restored as x = mean + B y / sqrt(w).
-The weights come from a diagonal Fisher information (sensitivity.py), averaged over tokens; for
+The weights come from a diagonal Fisher information (kvcodec.integrations.hf_fisher), averaged over tokens; for
 keys, the two channels RoPE rotates into each other share one weight (the rotation angle varies
 with the position, so only their mean is meaningful once RoPE is removed).
 """
