@@ -308,3 +308,15 @@ def test_fisher_predicts_the_kl_divergence_of_kv_noise():
         kls.append(float((ref.exp() * (ref - logp(noisy))).sum()))
     predicted = 0.5 * s**2 * float(f.double().sum()) * (prefix - sink)
     assert sum(kls) / len(kls) == pytest.approx(predicted, rel=0.35)
+
+
+def test_plans_kept_per_codec_are_bounded(kvt):
+    """Every chunk names its own distortion level; a stream of chunks with ever new levels (forged or
+    not) must not grow the codec's plan cache without bound."""
+    from kvcodec.codecs.transform import MAX_PLANS
+
+    c = codec(kvt)
+    for i in range(MAX_PLANS + 40):
+        c.plan(1e-3 * (1 + i))
+    assert len(c._plans) == MAX_PLANS
+    assert c.plan(1e-3 * (MAX_PLANS + 40)) is c.plan(1e-3 * (MAX_PLANS + 40))  # the latest kept, reused

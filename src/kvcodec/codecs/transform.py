@@ -35,6 +35,7 @@ PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy 
 ZSTD_LEVEL = 19
 SAMPLE_CHUNKS = 2  # chunks the size search measures entropy on
 ITERS = 16
+MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -125,7 +126,11 @@ class TransformCodec:
 
     def plan(self, theta: float, key_weight: float | None = None) -> CoordPlan:
         key = (theta, self.key_weight if key_weight is None else key_weight)
-        if key not in self._plans:
+        if key in self._plans:
+            self._plans[key] = self._plans.pop(key)  # most recently used last
+        else:
+            while len(self._plans) >= MAX_PLANS:  # chunks name their own level: a stream of them must not grow this
+                self._plans.pop(next(iter(self._plans)))
             self._plans[key] = coord_plan(self.cal, *key)
         return self._plans[key]
 
