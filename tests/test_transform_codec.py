@@ -18,13 +18,13 @@ L, H, D = 4, 2, 16
 ROPE = RopeSpec(10000.0, D)
 
 
-def synthetic_kv(tokens: int, seed: int, first: int = 0, rank: int = 12) -> torch.Tensor:
+def synthetic_kv(tokens: int, seed: int, first: int = 0, rank: int = 12, layers: int = L) -> torch.Tensor:
     """KV whose channels and layers are correlated (low rank + noise); keys carry RoPE."""
     g = torch.Generator().manual_seed(1234)  # the same mixing for every text: one "model"
-    mix = torch.randn(rank, L * 2 * H * D, generator=g) * torch.linspace(3, 0.2, rank)[:, None]
+    mix = torch.randn(rank, layers * 2 * H * D, generator=g) * torch.linspace(3, 0.2, rank)[:, None]
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, rank, generator=g) @ mix + 0.05 * torch.randn(tokens, L * 2 * H * D, generator=g)
-    kv = x.view(tokens, L, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
+    x = torch.randn(tokens, rank, generator=g) @ mix + 0.05 * torch.randn(tokens, layers * 2 * H * D, generator=g)
+    kv = x.view(tokens, layers, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
     kv[:, 0] = apply_rope(kv[:, 0], torch.arange(first, first + tokens), ROPE)
     return kv.to(torch.float16)
 

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import test_transform_codec as codec_tests  # the synthetic KV those tests code
 from kvcodec.codecs.transform import TransformCodec
 from kvcodec.codecs.transform_decode import restore_chunks, threads_decode_into
 from kvcodec.errors import CorruptStreamError
@@ -28,14 +29,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def synthetic_kv(tokens: int, seed: int, first: int = 0, rank: int = 12) -> torch.Tensor:
-    """KV whose channels and layers are correlated (low rank + noise); keys carry RoPE."""
-    g = torch.Generator().manual_seed(1234)
-    mix = torch.randn(rank, L * 2 * H * D, generator=g) * torch.linspace(3, 0.2, rank)[:, None]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, rank, generator=g) @ mix + 0.05 * torch.randn(tokens, L * 2 * H * D, generator=g)
-    kv = x.view(tokens, L, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
-    kv[:, 0] = apply_rope(kv[:, 0], torch.arange(first, first + tokens), ROPE)
-    return kv.to(torch.float16)
+    return codec_tests.synthetic_kv(tokens, seed, first, rank, layers=L)  # 5 layers: blocks of unequal height
 
 
 @pytest.fixture(scope="module")
