@@ -358,7 +358,7 @@ def measure_threads(
 ) -> dict:
     """NvcuvidThreads restoring every job: per chunk on the worker threads (threads_decode_into),
     or batched (restore_chunks: NVDEC on the workers, the math in one pass over all chunks)."""
-    from kvcodec.codecs.transform_decode import restore_chunks, threads_decode_into
+    from kvcodec.codecs.transform_batch import restore_chunks, threads_decode_into
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     into = threads_decode_into(codec)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import test_transform_codec as codec_tests  # the synthetic KV those tests code
 from kvcodec.codecs.transform import TransformCodec
-from kvcodec.codecs.transform_decode import restore_chunks, threads_decode_into
+from kvcodec.codecs.transform_batch import restore_chunks, threads_decode_into
 from kvcodec.errors import CorruptStreamError
 from kvcodec.restore import transform_kernels as tk
 from kvcodec.restore.paged import PagedKV

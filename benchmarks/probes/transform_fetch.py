@@ -194,7 +194,7 @@ def measure(mem, d, prefixes, device, workers: int, inflight: int, batched: bool
 
 def restore_chunks_rate(mem, d, prefixes, sessions: int, repeat: int) -> dict:
     """Every chunk of every prefix at once through restore_chunks on NvcuvidThreads (no fetcher)."""
-    from kvcodec.codecs.transform_decode import restore_chunks
+    from kvcodec.codecs.transform_batch import restore_chunks
     from kvcodec.fetcher import blob_key
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 

@@ -3,14 +3,14 @@ a CUDA target, FFmpeg on the CPU, or zstd) -> integers -> dequantize -> inverse 
 RoPE re-applied -> the caller's dense slice or PagedKV.
 
 On the CPU: one GEMM per (layer group, K|V) (the reference path). On CUDA: the batched path of
-restore.transform_kernels (a few kernels per chunk, or per batch of chunks: restore_chunks decodes
-many chunks on NvcuvidThreads' sessions, then restores them in one pass)."""
+restore.transform_kernels (a few kernels per chunk, or per batch of chunks: transform_batch.restore_chunks
+decodes many chunks on NvcuvidThreads' sessions, then restores them in one pass)."""
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import zstandard
@@ -213,40 +213,3 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
-
-
-def threads_decode_into(codec) -> Callable:
-    """The `decode_into` NvcuvidThreads.restore_blobs takes, for a TransformCodec: each chunk
-    restored with the NVDEC session the worker thread was lent.
-
-        with NvcuvidThreads(7) as dec:
-            dec.restore_blobs(blobs, outs, decode_into=threads_decode_into(codec))
-    """
-
-    def decode_into(blob, out, decoder, restore: str = "auto") -> None:
-        codec.decode_chunk(blob, out, decoder=decoder)
-
-    return decode_into
-
-
-def restore_chunks(codec, blobs: Sequence, outs: Sequence[Target], threads=None) -> None:
-    """Many transform chunks into their targets: NVDEC decodes them in parallel on the sessions of
-    `threads` (an NvcuvidThreads; None: one after another on this thread), then the math runs
-    batched over all of them in a few kernels on the caller's current stream. Returns once the
-    work is queued; a chunk that fails raises its error after the others are decoded."""
-    if len(blobs) != len(outs):
-        raise ValueError("restore_chunks needs one output per blob")
-    r = codec._restorer
-    decoded: list = [None] * len(blobs)
-
-    def first_half(blob, i, decoder, restore="auto"):
-        h, streams = codec._read(blob)
-        check_target(h, outs[i])
-        decoded[i] = r.decode_samples(h, streams, outs[i].device, decoder)
-
-    if threads is None:
-        for i, blob in enumerate(blobs):
-            first_half(blob, i, None)
-    else:
-        threads.restore_blobs(blobs, list(range(len(blobs))), decode_into=first_half)
-    r.finish(decoded, list(outs))
