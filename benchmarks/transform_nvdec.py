@@ -28,7 +28,6 @@ import pathlib
 import platform
 import shlex
 import sys
-import threading
 import time
 
 import click
@@ -279,6 +278,63 @@ def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
     return rec
 
 
+def gemm_precision(codec, case: Case, batch: int = 16, repeat: int = 50) -> dict:
+    """The batched restore's GEMM (J blocks of basis' @ samples over `batch` chunks) in lower
+    precisions, against the fp32 GEMM it runs today: GPU ms per chunk and how far the GEMM's output,
+    rounded to fp16, moves (max abs, and whether it stays within the tests' one-fp16-rounding
+    tolerance vs the CPU, rtol 2^-10 atol 2^-12). Variants: tf32 as coded (means fold the -128
+    sample offset, so large terms cancel), tf32 and an fp16 hi + lo split of the basis (two fp16
+    GEMMs, fp32 accumulate and output) on centred samples (exact in fp16)."""
+    from kvcodec.transform.quantize import OFFSET
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    r, blob = codec._restorer, case.blobs[1 % len(case.blobs)]
+    h, _ = codec._read(blob)
+    t, dev = h["tokens"], torch.device("cuda")
+    C = codec.plan(float(h["theta"]), float(h["key_weight"])).steps.numel()
+    dec = NvcuvidDecoder(0)
+    samples = _samples(codec, blob, dec, "cuda").view(C, t)
+    dec.close()
+    bp = r._batched_plan(h, dev)
+    J, n = bp.bases.shape[0], bp.n
+    g = samples[None].expand(batch, C, t).index_select(1, bp.gather).permute(1, 0, 2).float().contiguous()
+    g = g.view(J, n, batch * t)
+    centred = g - OFFSET
+    means_c = (bp.means.double() + OFFSET * bp.bases.double().sum(2, keepdim=True)).float()
+    hi = bp.bases.half()
+    lo = (bp.bases - hi.float()).half()
+    c16 = centred.half()
+
+    def split():
+        x = torch.bmm(hi, c16, out_dtype=torch.float32)
+        return x.add_(torch.bmm(lo, c16, out_dtype=torch.float32)).add_(means_c)
+
+    variants = {
+        "fp32": (False, lambda: torch.baddbmm(bp.means, bp.bases, g)),
+        "tf32_folded": (True, lambda: torch.baddbmm(bp.means, bp.bases, g)),
+        "tf32_centred": (True, lambda: torch.baddbmm(means_c, bp.bases, centred)),
+        "fp16x2_centred": (False, split),
+    }
+    rec, ref = {"batch": batch, "gemm_gflop_per_chunk": round(2 * J * bp.bases.shape[1] * n * t / 1e9, 3)}, None
+    saved = torch.backends.cuda.matmul.allow_tf32
+    for name, (tf32, fn) in variants.items():
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            x = fn()
+            gpu, _ = _event_ms(fn, repeat)
+            rec[f"{name}_gpu_ms_per_chunk"] = round(gpu / batch, 5)
+            ref = x if ref is None else ref
+            a, b = x.half().float(), ref.half().float()
+            rec[f"{name}_max_abs_vs_fp32"] = float((a - b).abs().max())
+            rec[f"{name}_within_test_tolerance"] = bool(torch.allclose(a, b, rtol=2**-10, atol=2**-12))
+            rec[f"{name}_fraction_outside"] = float((~torch.isclose(a, b, rtol=2**-10, atol=2**-12)).float().mean())
+        except Exception as e:  # noqa: BLE001 - a variant this torch lacks is reported, not fatal
+            rec[f"{name}_error"] = repr(e)[:200]
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+    return rec
+
+
 def host_profile(codec, case: Case, rounds: int = 3) -> dict:
     """Where one thread's time goes per chunk in the first half of restore_chunks (the part that
     runs on the NVDEC worker threads): host ms per chunk for each step, one chunk after another."""
@@ -354,37 +410,42 @@ def _graph_ms(fn, repeat: int) -> float:
 
 
 def measure_threads(
-    probe, codec, case: Case, sessions: int, threads: int, batched: bool, secs: tuple, alone: float
+    probe, codec, case: Case, sessions: int, threads: int, mode: str, wave: int, secs: tuple, alone: float
 ) -> dict:
-    """NvcuvidThreads restoring every job: per chunk on the worker threads (threads_decode_into),
-    or batched (restore_chunks: NVDEC on the workers, the math in one pass over all chunks)."""
-    from kvcodec.codecs.transform_batch import restore_chunks, threads_decode_into
+    """NvcuvidThreads restoring every job. mode "chunk": per chunk on the worker threads
+    (threads_decode_into); "v2": session 5's restore_chunks (a fresh parser per chunk, the math in
+    one pass once all are decoded); "stream": restore_chunks now (each session streams its chunks
+    through one parser, the math in waves of `wave` chunks as they come, 0: one pass at the end)."""
+    from kvcodec.codecs import transform_batch
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
-    into = threads_decode_into(codec)
+    into = transform_batch.threads_decode_into(codec)
     before = probe.free_mb()
     dec = NvcuvidThreads(sessions, threads=threads, device=0)
     h0 = case.headers[0]
-    L, _, _, H, D = case.shape
     dec.warm_up(lambda d: codec.decode_chunk(case.blobs[0], case.outs[0][:, :, : h0["tokens"]], decoder=d))
     time.sleep(0.2)
     rec = {
-        "backend": f"nvcuvid-threads{'-batched' if batched else ''}:{sessions}x{threads}",
+        "backend": f"nvcuvid-threads-{mode}:{sessions}x{threads}" + (f"-wave{wave}" if mode == "stream" else ""),
+        "mode": mode,
         "sessions": sessions,
         "threads": threads,
+        "wave": wave if mode == "stream" else None,
         "cuda_contexts": 1,
         "standing_mb": round(before - probe.free_mb(), 1),
     }
-
+    fallbacks = _count_fallbacks(transform_batch)
     side = torch.cuda.Stream()  # the consumer's stream: waiting for the restore never blocks the matmul's
 
     def run():
         with torch.cuda.stream(side):
-            if batched:
-                restore_chunks(codec, case.job_blobs, case.outs, threads=dec)
-                side.synchronize()
+            if mode == "stream":
+                transform_batch.restore_chunks(codec, case.job_blobs, case.outs, threads=dec, wave=wave)
+            elif mode == "v2":
+                restore_chunks_v2(codec, case.job_blobs, case.outs, dec)
             else:
-                dec.restore_blobs(case.job_blobs, case.outs, synchronize=True, decode_into=into)
+                dec.restore_blobs(case.job_blobs, case.outs, decode_into=into)
+            side.synchronize()
 
     try:
         rec.update(case.rates(probe.timed(run, secs[0])))
@@ -393,7 +454,44 @@ def measure_threads(
             rec["restored_gb_per_s_under_matmul"] = round(case.fp16_bytes / rec["call_s_during"] / 1e9, 3)
     finally:
         dec.close()
+        rec["chunks_decoded_alone_after_a_stream_failed"] = fallbacks.pop()
     return rec
+
+
+def _count_fallbacks(transform_batch) -> list:
+    """Counts the chunks restore_chunks re-decodes on their own after a streamed decode failed
+    (0 when every stream decodes as fed); .pop() restores the method and returns the count."""
+    run, original, count = transform_batch._Run, transform_batch._Run._one, [0]
+
+    def one(self, *a):
+        count[0] += 1
+        return original(self, *a)
+
+    run._one = one
+
+    class Counter(list):
+        def pop(self):
+            run._one = original
+            return count[0]
+
+    return Counter()
+
+
+def restore_chunks_v2(codec, blobs, outs, threads) -> None:
+    """Session 5's restore_chunks, kept as the baseline: every chunk decoded by a worker with a
+    fresh parser per stream (restore_blobs), then one pass of the math over all of them."""
+    r = codec._restorer
+    decoded: list = [None] * len(blobs)
+
+    def first_half(blob, i, decoder, restore="auto"):
+        from kvcodec.codecs.transform_decode import check_target
+
+        h, streams = codec._read(blob)
+        check_target(h, outs[i])
+        decoded[i] = r.decode_samples(h, streams, outs[i].device, decoder)
+
+    threads.restore_blobs(blobs, list(range(len(blobs))), decode_into=first_half)
+    r.finish(decoded, list(outs))
 
 
 def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> dict:
@@ -422,8 +520,9 @@ def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> 
 @click.option(
     "--threads",
     "thread_specs",
-    default="7x7,b7x7,b7x14",
-    help="[b]SESSIONSxTHREADS, comma-separated; b: the math batched over all chunks (restore_chunks)",
+    default="b7x7,s7x7,s14x14",
+    help="[c|b|s]SESSIONSxTHREADS[wWAVE], comma-separated: c per chunk, b session 5's batched restore, "
+    "s restore_chunks streaming each session's chunks (math in waves of WAVE chunks, default 16, 0: at the end)",
 )
 @click.option("--copies", default=56, help="chunk jobs per timed call (chunks replicated)")
 @click.option("--seconds", default=2.0)
@@ -479,23 +578,29 @@ def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, refere
         "chunks": len(case.job_blobs),
     }
     stage(log, base, "check", check_exact, codec, case, hashes, reference)
-    stage(log, base, "decode-only", decode_only, probe, codec, case, secs, alone)
-    for sessions, threads, batched in specs:
-        stage(log, base, "restore", measure_threads, probe, codec, case, sessions, threads, batched, secs, alone)
+    for sessions, streamed in DECODE_ONLY:
+        stage(log, base, "decode-only", decode_only, probe, case, sessions, streamed, secs, alone)
+    for sessions, threads, mode, wave in specs:
+        stage(log, base, "restore", measure_threads, probe, codec, case, sessions, threads, mode, wave, secs, alone)
     stage(log, base, "host-profile", host_profile, codec, case)
+    stage(log, base, "gemm-precision", gemm_precision, codec, case)
     k = stage(log, base, "restore-kernels", kernel_times, codec, case)
     if secs[1] > 0 and "_batched_fn" in k:
         stage(log, base, "restore-kernels-only", kernel_interference, probe, k["_batched_fn"], case, secs[1], alone)
 
 
-def decode_only(probe, codec, case: Case, secs: tuple, alone: float) -> dict:
-    """NVDEC alone on 7 threads (frames decoded, nothing restored): the engines' rate for this stream."""
+def decode_only(probe, case: Case, sessions: int, streamed: bool, secs: tuple, alone: float) -> dict:
+    """NVDEC alone (frames decoded, nothing restored) on `sessions` threads: the engines' rate for
+    this stream, a fresh parser per chunk or (streamed) each thread's chunks through one parser."""
     from kvcodec.video.nvcuvid import NvcuvidDecoder
 
-    decs = [NvcuvidDecoder(0) for _ in range(7)]
+    decs = [NvcuvidDecoder(0) for _ in range(sessions)]
+    size = tuple(case.headers[0]["resolution"])
+    frames = [case.headers[i % len(case.headers)]["frames"] for i in range(len(case.videos))]
     try:
-        fn = functools.partial(_decode_all, codec, case, decs)
-        rec = {"backend": "nvcuvid", "threads": 7, "cuda_contexts": 1, **case.rates(probe.timed(fn, secs[0]))}
+        fn = functools.partial(probe.decode_loop, case.videos, frames, size, decs, streamed)
+        rec = {"backend": "nvcuvid" + ("-streamed" if streamed else ""), "threads": sessions, "cuda_contexts": 1}
+        rec.update(case.rates(probe.timed(fn, secs[0])))
         if secs[1] > 0:
             rec.update(probe.interference(fn, secs[1], alone))
         return rec
@@ -504,12 +609,18 @@ def decode_only(probe, codec, case: Case, secs: tuple, alone: float) -> dict:
             dec.close()
 
 
-def _spec(spec: str) -> tuple[int, int, bool]:
-    sessions, threads = (int(x) for x in spec.removeprefix("b").split("x"))
-    return sessions, threads, spec.startswith("b")
+def _spec(spec: str) -> tuple[int, int, str, int]:
+    """[c|b|s]SESSIONSxTHREADS[wWAVE]: c per chunk, b session 5's batched restore, s streamed."""
+    modes = {"c": "chunk", "b": "v2", "s": "stream"}
+    mode = modes.get(spec[0], "chunk")
+    body = spec[1:] if spec[0] in modes else spec
+    body, _, wave = body.partition("w")
+    sessions, threads = (int(x) for x in body.split("x"))
+    return sessions, threads, mode, int(wave) if wave else 16
 
 
 SKIP: set[str] = set()  # stage kinds left out (run --skip)
+DECODE_ONLY = [(7, False), (7, True), (14, True)]  # (sessions, streamed) of the decode-only stage
 
 
 def stage(log, base: dict, kind: str, fn, *args) -> dict:
@@ -522,24 +633,6 @@ def stage(log, base: dict, kind: str, fn, *args) -> dict:
         rec = {"error": repr(e)}
     log({"kind": kind, **base, **{k: v for k, v in rec.items() if not k.startswith("_")}})
     return rec
-
-
-def _decode_all(codec, case: Case, decs) -> None:
-    """Every job's video decoded once (no restore), spread over the decoders' threads."""
-    n = len(decs)
-    w, h = case.headers[0]["resolution"]
-
-    def work(i):
-        torch.cuda.set_device(0)
-        for v in case.videos[i::n]:
-            for _ in decs[i].decode(v, w, h):
-                pass
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 if __name__ == "__main__":

@@ -177,6 +177,35 @@ def test_session_reuse_resize_and_abandoned_stream():
 
 @needs_nvcuvid
 @pytest.mark.gpu
+@pytest.mark.parametrize("delay", [0, 1, 2])
+def test_streams_back_to_back_come_out_exactly_each_under_its_key(delay):
+    sizes = [(256, 256, 1), (256, 256, 3), (256, 256, 1), (144, 176, 2), (144, 176, 1), (256, 256, 1)]
+    srcs = [_frames(w, h, n, seed=50 + k) for k, (w, h, n) in enumerate(sizes)]
+    streams = [_encode(src, w, h) for src, (w, h, _) in zip(srcs, sizes)]
+    dec = NvcuvidDecoder(display_delay=delay)
+    items = [(f"s{k}", bs, w, h, n) for k, (bs, (w, h, n)) in enumerate(zip(streams, sizes))]
+    got = [(key, f.cpu().numpy()) for key, f in dec.decode_each(iter(items))]
+    want = [(f"s{k}", frame) for k, src in enumerate(srcs) for frame in src]
+    assert [k for k, _ in got] == [k for k, _ in want]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, want))
+    assert dec.sessions_created == 2  # one per size, reused when the size comes back
+
+
+@needs_nvcuvid
+@pytest.mark.gpu
+@pytest.mark.parametrize("announced", [1, 3])
+def test_a_stream_announcing_the_wrong_frame_count_raises(announced):
+    a, b = _encode(_frames(256, 256, 2, seed=60), 256, 256), _encode(_frames(256, 256, 1, seed=61), 256, 256)
+    dec = NvcuvidDecoder()
+    with pytest.raises(CorruptStreamError):
+        list(dec.decode_each(iter([("a", a, 256, 256, announced), ("b", b, 256, 256, 1)])))
+    with pytest.raises(CorruptStreamError):
+        list(dec.decode_each(iter([("b", b, 256, 256, 1), ("a", a, 256, 256, announced)])))
+    assert [k for k, _ in dec.decode_each(iter([("a", a, 256, 256, 2), ("b", b, 256, 256, 1)]))] == ["a", "a", "b"]
+
+
+@needs_nvcuvid
+@pytest.mark.gpu
 def test_wrong_size_and_garbage_raise():
     bs = _encode(_frames(256, 256, 2, seed=3), 256, 256)
     with pytest.raises(CorruptStreamError):

@@ -49,7 +49,8 @@ class Case:
         self.fp16_bytes = sum(o.numel() * 2 for o in self.outs)
         self.video_bytes = sum(len(v) for v in self.job_videos)
         self.blob_bytes = sum(len(b) for b in self.job_blobs)
-        self.frames = sum(self.headers[i].frames for i in reps)
+        self.job_frames = [self.headers[i].frames for i in reps]
+        self.frames = sum(self.job_frames)
 
     @staticmethod
     def _video(blob, h) -> bytes:
@@ -150,16 +151,24 @@ def decode_only(case: Case, make_decoder, threads: int, seconds: float) -> dict:
     return {"threads": threads, **case.rates(s)}
 
 
-def decode_loop(case: Case, decs) -> None:
-    """Every video of the case decoded once, spread over the decoders' threads (no restore)."""
-    w, h = case.size
+def decode_loop(videos, frames, size: tuple[int, int], decs, streamed: bool = False) -> None:
+    """Every video decoded once (no restore), spread over the decoders' threads (frames: each
+    video's frame count). streamed: each thread feeds its share to one parser back to back
+    (NvcuvidDecoder.decode_each); else one decode() per video (a fresh parser each)."""
+    w, h = size
     n = len(decs)
 
     def work(i):
         torch.cuda.set_device(0)
-        for v in case.job_videos[i::n]:
-            for _ in decs[i].decode(v, w, h):
+        if streamed:
+            items = ((k, v, w, h, f) for k, (v, f) in enumerate(zip(videos[i::n], frames[i::n])))
+            for _ in decs[i].decode_each(items):
                 pass
+        else:
+            for v in videos[i::n]:
+                for _ in decs[i].decode(v, w, h):
+                    pass
+        torch.cuda.current_stream().synchronize()
 
     threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
     for t in threads:
@@ -337,7 +346,11 @@ def main():
                     "backend": "nvcuvid",
                     "threads": 7,
                     "case": case.name,
-                    **interference(functools.partial(decode_loop, case, decs), args.interference_seconds, alone),
+                    **interference(
+                        functools.partial(decode_loop, case.job_videos, case.job_frames, case.size, decs),
+                        args.interference_seconds,
+                        alone,
+                    ),
                 }
             )
             for d in decs:

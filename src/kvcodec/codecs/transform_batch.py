@@ -1,12 +1,24 @@
 """Many transform-coded chunks at once on NvcuvidThreads: NVDEC decodes on the sessions of one
-CUDA context, the math (transform_decode.TransformRestorer.finish) runs batched over all chunks."""
+CUDA context, the math (transform_decode.TransformRestorer.finish) runs batched over the chunks.
+
+Each session's worker thread pulls chunks itself and streams their videos through one parser
+back to back (NvcuvidDecoder.decode_each), so the engine decodes the next chunk's picture while
+the last one is copied out and its host work (header, CRC, escapes) runs; the caller's thread
+meanwhile runs the math in waves over the chunks decoded so far, on its own stream."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
 
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.transform_decode import check_target
+from kvcodec.errors import CorruptStreamError
+
+DEFAULT_WAVE = 16  # chunks per pass of the math: launch-bound below ~8, no faster per chunk above 16
 
 
 def threads_decode_into(codec) -> Callable:
@@ -23,24 +35,165 @@ def threads_decode_into(codec) -> Callable:
     return decode_into
 
 
-def restore_chunks(codec, blobs: Sequence, outs: Sequence[Target], threads=None) -> None:
-    """Many transform chunks into their targets: NVDEC decodes them in parallel on the sessions of
-    `threads` (an NvcuvidThreads; None: one after another on this thread), then the math runs
-    batched over all of them in a few kernels on the caller's current stream. Returns once the
-    work is queued; a chunk that fails raises its error after the others are decoded."""
+def restore_chunks(codec, blobs: Sequence, outs: Sequence[Target], threads=None, wave: int = DEFAULT_WAVE) -> None:
+    """Many transform chunks into their targets. threads: an NvcuvidThreads whose sessions decode
+    the chunks in parallel while this thread runs the math on its current stream in passes of
+    `wave` chunks or more as they come (0: one pass once every chunk is decoded); None: decoded one
+    after another on this thread, then one pass. Returns once the work is queued on the current
+    stream; a chunk that fails raises its error once the others are restored."""
     if len(blobs) != len(outs):
         raise ValueError("restore_chunks needs one output per blob")
-    r = codec._restorer
-    decoded: list = [None] * len(blobs)
-
-    def first_half(blob, i, decoder, restore="auto"):
-        h, streams = codec._read(blob)
-        check_target(h, outs[i])
-        decoded[i] = r.decode_samples(h, streams, outs[i].device, decoder)
-
+    run = _Run(codec, blobs, outs)
     if threads is None:
-        for i, blob in enumerate(blobs):
-            first_half(blob, i, None)
+        run.session(None)
+        run.collect(1, 0)
     else:
-        threads.restore_blobs(blobs, list(range(len(blobs))), decode_into=first_half)
-    r.finish(decoded, list(outs))
+        futures = threads.run_sessions(run.session)
+        run.collect(len(futures), wave)
+        for f in futures:
+            f.result()  # a worker's own failure (every chunk's error is in run.errors)
+    if run.errors:
+        raise run.errors[min(run.errors)]
+
+
+class _Run:
+    """One restore_chunks call: the chunks still to decode, those decoded, the errors."""
+
+    def __init__(self, codec, blobs: Sequence, outs: Sequence[Target]):
+        self.codec, self.r, self.blobs, self.outs = codec, codec._restorer, blobs, outs
+        self._next, self._lock = iter(range(len(blobs))), threading.Lock()
+        self.done: queue.Queue = queue.Queue()  # (index, Decoded, event) per chunk; None per finished worker
+        self.errors: dict[int, BaseException] = {}
+
+    # -- worker threads ------------------------------------------------------------------------
+
+    def session(self, decoder) -> None:
+        """Decode chunks with `decoder` until none is left (None: a decoder borrowed per chunk)."""
+        try:
+            if decoder is None:
+                for i, h, streams in self._videos({}, yield_video=False):
+                    self._one(i, h, streams, None)
+            else:
+                while self._stream_chunks(decoder):
+                    pass
+        finally:
+            self.done.put(None)
+
+    def _stream_chunks(self, decoder) -> bool:
+        """Chunks through decode_each until none is left (False) or a stream fails (True: each chunk
+        fed and not yet complete is then decoded on its own, which names the chunk that fails)."""
+        fed: dict[int, tuple] = {}  # fed and not complete: index -> (header, streams)
+        frames = _decode_each(decoder, self._videos(fed))
+        try:
+            router = _Router(frames)
+            for i in router.chunks():
+                h, streams = fed[i]
+                decoded = self.r.decode_samples(h, streams, self.outs[i].device, router)
+                del fed[i]
+                self._done(i, decoded)
+            return False
+        except Exception:  # noqa: BLE001 - attributed to its chunk below
+            frames.close()
+            for i, (h, streams) in fed.items():
+                self._one(i, h, streams, decoder)
+            return True
+
+    def _videos(self, fed: dict, yield_video: bool = True) -> Iterator[tuple]:
+        """The remaining chunks, pulled one at a time (the workers share them), each read and
+        checked; chunks without a video (zstd samples) are decoded here and not yielded."""
+        while (i := self._take()) is not None:
+            try:
+                h, streams = self.codec._read(self.blobs[i])
+                check_target(h, self.outs[i])
+                if h["coder"] == "zstd":
+                    self._done(i, self.r.decode_samples(h, streams, self.outs[i].device, None))
+                    continue
+            except Exception as e:  # noqa: BLE001 - raised once the others are restored
+                self.errors[i] = e
+                continue
+            if not yield_video:
+                yield i, h, streams
+                continue
+            fed[i] = (h, streams)
+            w, hh = h["resolution"]
+            yield i, streams["video"], w, hh, h["frames"]
+
+    def _take(self) -> int | None:
+        with self._lock:
+            return next(self._next, None)
+
+    def _one(self, i: int, h: dict, streams: dict, decoder) -> None:
+        try:
+            self._done(i, self.r.decode_samples(h, streams, self.outs[i].device, decoder))
+        except Exception as e:  # noqa: BLE001
+            self.errors[i] = e
+
+    def _done(self, i: int, decoded) -> None:
+        event = None
+        if self.outs[i].device.type == "cuda":  # decoded on this worker's stream
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.outs[i].device))
+        self.done.put((i, decoded, event))
+
+    # -- the caller's thread -------------------------------------------------------------------
+
+    def collect(self, workers: int, wave: int) -> None:
+        """The math over the decoded chunks, in passes of `wave` or more (0: one pass at the end)."""
+        batch: list[tuple[int, object]] = []
+        while workers:
+            items = [self.done.get()]
+            while not self.done.empty():
+                items.append(self.done.get_nowait())
+            for item in items:
+                if item is None:
+                    workers -= 1
+                    continue
+                i, decoded, event = item
+                if event is not None:
+                    torch.cuda.current_stream(self.outs[i].device).wait_event(event)
+                batch.append((i, decoded))
+            if batch and ((wave and len(batch) >= wave) or not workers):
+                self._finish(batch)
+                batch = []
+
+    def _finish(self, batch: list[tuple[int, object]]) -> None:
+        try:
+            self.r.finish([d for _, d in batch], [self.outs[i] for i, _ in batch])
+        except Exception:  # noqa: BLE001 - one by one, to name the chunk that fails
+            for i, d in batch:
+                try:
+                    self.r.finish([d], [self.outs[i]])
+                except Exception as e:  # noqa: BLE001
+                    self.errors[i] = e
+
+
+class _Router:
+    """The (key, frame) sequence of decode_each handed out one chunk at a time: a video decoder
+    whose decode() yields the frames of the chunk that comes next (TransformRestorer.decode_samples
+    takes it as its decoder). A chunk's frames end when the next chunk's first frame (or the end)
+    has come, which is what confirms them."""
+
+    def __init__(self, frames: Iterator[tuple]):
+        self._frames = frames
+        self._head = next(frames, None)
+
+    def chunks(self) -> Iterator:
+        while self._head is not None:
+            key = self._head[0]
+            yield key
+            if self._head is not None and self._head[0] == key:
+                raise CorruptStreamError(f"the frames of chunk {key} were not all restored")
+
+    def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:
+        key = self._head[0]
+        while self._head is not None and self._head[0] == key:
+            yield self._head[1]
+            self._head = next(self._frames, None)
+
+
+def _decode_each(decoder, items: Iterator[tuple]) -> Iterator[tuple]:
+    """(key, frame) of every (key, bitstream, width, height, frames) item: one parser for all of
+    them where the decoder can (NvcuvidDecoder.decode_each), else one decode() per stream."""
+    if hasattr(decoder, "decode_each"):
+        return decoder.decode_each(items)
+    return ((key, frame) for key, video, w, h, _ in items for frame in decoder.decode(video, w, h))

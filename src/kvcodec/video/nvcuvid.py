@@ -16,9 +16,10 @@ Use one decoder per thread (`kvcodec.video.nvcuvid_threads` runs N of them).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -63,6 +64,32 @@ def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int,
     return [(0, 0, height), (rows * src_pitch, height, height // 2)]
 
 
+def attribute(expected: collections.deque, timestamp: int) -> object:
+    """The key of the stream a decoded picture belongs to. expected: [key, frames still due,
+    ordinal] per stream fed and not yet complete, in feed order; frames None: one stream, unchecked."""
+    if not expected:
+        raise CorruptStreamError("NVDEC returned a picture beyond the frames the streams announce")
+    head = expected[0]
+    if head[1] is None:
+        return head[0]
+    if timestamp != head[2]:
+        raise CorruptStreamError(
+            f"a picture of stream {timestamp} came where stream {head[2]} was due: a stream holds more or "
+            "fewer frames than its chunk announces"
+        )
+    head[1] -= 1
+    if head[1] == 0:
+        expected.popleft()
+    return head[0]
+
+
+def _as_buffer(bitstream) -> np.ndarray:
+    buf = np.frombuffer(bitstream, dtype=np.uint8) if not isinstance(bitstream, np.ndarray) else bitstream
+    if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
+        raise ValueError("bitstream must be bytes or a contiguous 1-d uint8 array")
+    return buf
+
+
 class _Session:
     """An NVDEC decoder for one frame size in context `ctx`; pictures land in a ring of slots."""
 
@@ -77,7 +104,7 @@ class _Session:
         self.layout: tuple | None = None
         self.slots: list[torch.Tensor] = []
         self.released: list[torch.cuda.Event | None] = []
-        self.ready: list[int] = []  # slots holding pictures not yet handed out, in display order
+        self.ready: list[tuple[int, int]] = []  # (slot, timestamp) of pictures not yet handed out, in display order
         self.shown = 0
         self.error: BaseException | None = None
         api.check(
@@ -112,7 +139,8 @@ class _Session:
 
     def on_display(self, _user, info_p) -> int:
         try:
-            self._copy_out(info_p.contents.picture_index)
+            info = info_p.contents
+            self._copy_out(info.picture_index, info.timestamp)
             return 1
         except BaseException as e:  # noqa: BLE001
             self.error = e
@@ -159,7 +187,7 @@ class _Session:
         self.slots = [torch.empty((rows, row_bytes), dtype=torch.uint8, device=self.device) for _ in range(ring)]
         self.released = [None] * ring
 
-    def _copy_out(self, picture_index: int) -> None:
+    def _copy_out(self, picture_index: int, timestamp: int) -> None:
         lib = api.nvcuvid()
         slot = self._free_slot()
         if self.released[slot] is not None:
@@ -189,14 +217,14 @@ class _Session:
             api.check(api.cuda().cuStreamSynchronize(ctypes.c_void_p(self.stream.cuda_stream)), "cuStreamSynchronize")
         finally:
             api.check(lib.cuvidUnmapVideoFrame64(self.handle, ptr.value), "cuvidUnmapVideoFrame64")
-        self.ready.append(slot)
+        self.ready.append((slot, timestamp))
         self.shown += 1
 
     def _free_slot(self) -> int:
         """A slot no picture waiting to be handed out occupies (handed-out ones are rewritten only
         after the consumer's work on them, see release)."""
         slot = self.shown % len(self.slots)
-        if slot in self.ready:
+        if any(slot == waiting for waiting, _ in self.ready):
             self.slots.append(torch.empty_like(self.slots[0]))
             self.released.append(None)
             slot = len(self.slots) - 1
@@ -242,8 +270,8 @@ class _Parser:
             BackendUnavailableError,
         )
 
-    def feed(self, address: int, length: int, flags: int) -> int:
-        packet = api.SourceDataPacket(flags=flags, payload_size=length, payload=address or None)
+    def feed(self, address: int, length: int, flags: int, timestamp: int = 0) -> int:
+        packet = api.SourceDataPacket(flags=flags, payload_size=length, payload=address or None, timestamp=timestamp)
         return api.nvcuvid().cuvidParseVideoData(self.handle, ctypes.byref(packet))
 
     def close(self) -> None:
@@ -333,36 +361,75 @@ class NvcuvidDecoder:
     def decode_surfaces(self, bitstream, width: int, height: int) -> Iterator[tuple[torch.Tensor, str]]:
         """Yield (surface, format name) per frame: a dense (rows, row bytes) uint8 buffer holding the
         picture's planes (see nvdec.surface_to_planes), ready on the consumer's current stream."""
-        buf = np.frombuffer(bitstream, dtype=np.uint8) if not isinstance(bitstream, np.ndarray) else bitstream
-        if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous:
-            raise ValueError("bitstream must be bytes or a contiguous 1-d uint8 array")
+        for _, surface, name, _ in self._surfaces_each([(None, bitstream, width, height, None)]):
+            yield surface, name
+
+    def decode_each(self, items: Iterable[tuple]) -> Iterator[tuple[object, torch.Tensor]]:
+        """(key, frame) for every frame of many streams fed to one parser back to back. items:
+        (key, bitstream, width, height, frames announced), pulled one at a time as the parser wants
+        the next stream; frames come out stream by stream, each frame a view as in decode().
+
+        A stream per decode() call waits for its last frame (end-of-stream flush) before the next
+        stream starts: with one-frame streams the engine idles during each stream's host work. Here
+        the next stream's first picture is queued on NVDEC while the previous one's last frame is
+        copied out. Each stream must start with its parameter sets and an IDR picture (x265's do).
+        Every packet carries its stream's ordinal as timestamp; a picture that comes back under
+        another stream's ordinal, or a stream with more or fewer frames than announced, raises
+        CorruptStreamError (a stream's frames are confirmed once a later stream's frame, or the
+        end, has come). A change of frame size flushes the parser and opens the size's session."""
+        for key, surface, fmt, (width, height) in self._surfaces_each(items):
+            if fmt != "YUV444":
+                raise CorruptStreamError(f"NVDEC output is {fmt}; kvcodec streams are 4:4:4 8-bit (YUV444)")
+            yield key, surface.view(3, height, width)
+
+    def _surfaces_each(self, items: Iterable[tuple]) -> Iterator[tuple[object, torch.Tensor, str, tuple]]:
         api.make_current(self.ctx)
-        session = self._session(width, height)
-        session.error, session.ready = None, []
-        parser = _Parser(session, self.display_delay)
+        session = parser = None
+        expected: collections.deque = collections.deque()  # [key, frames still due (None: unchecked), ordinal]
+        held: collections.deque = collections.deque(maxlen=2)  # the buffers of the streams in flight
         finished = False
         try:
-            base = buf.ctypes.data
-            feeds = feed_plan(buf.size, self.PIECE_BYTES)
-            feeds = [(base + off, n, 0) for off, n in feeds] + [(0, 0, api.PKT_ENDOFSTREAM)]
-            for address, length, flags in feeds:
-                result = parser.feed(address, length, flags)
-                if session.error is not None:
-                    raise session.error
-                if result != 0:
-                    raise CorruptStreamError(f"NVDEC could not parse the stream (CUDA error {result})")
-                yield from self._hand_out(session)
+            for ordinal, (key, bitstream, width, height, frames) in enumerate(items):
+                buf = _as_buffer(bitstream)
+                if frames is not None and frames < 1:
+                    raise ValueError("a stream fed to decode_each announces at least one frame")
+                held.append(buf)
+                if session is None or (session.width, session.height) != (width, height):
+                    if parser is not None:
+                        yield from self._end_stream(session, parser, expected)
+                        parser.close()
+                    session = self._session(width, height)
+                    session.error, session.ready = None, []
+                    parser = _Parser(session, self.display_delay)
+                expected.append([key, frames, ordinal])
+                flags = 0 if frames is None else api.PKT_TIMESTAMP
+                for off, n in feed_plan(buf.size, self.PIECE_BYTES):
+                    yield from self._feed(session, parser, (buf.ctypes.data + off, n, flags, ordinal), expected)
+            if parser is not None:
+                yield from self._end_stream(session, parser, expected)
             finished = True
         finally:
-            parser.close()
-            if not finished:
-                self.close((width, height))  # a session left mid-stream is not reused
+            if parser is not None:
+                parser.close()
+            if not finished and session is not None:
+                self.close((session.width, session.height))  # a session left mid-stream is not reused
 
-    def _hand_out(self, session: _Session) -> Iterator[tuple[torch.Tensor, str]]:
+    def _end_stream(self, session: _Session, parser: _Parser, expected: collections.deque) -> Iterator[tuple]:
+        yield from self._feed(session, parser, (0, 0, api.PKT_ENDOFSTREAM, 0), expected)
+        if expected and expected[0][1] is not None:
+            raise CorruptStreamError(f"stream {expected[0][2]} decoded to fewer frames than its chunk announces")
+        expected.clear()
+
+    def _feed(self, session: _Session, parser: _Parser, packet: tuple, expected: collections.deque) -> Iterator[tuple]:
+        result = parser.feed(*packet)
+        if session.error is not None:
+            raise session.error
+        if result != 0:
+            raise CorruptStreamError(f"NVDEC could not parse the stream (CUDA error {result})")
         name = session.layout[0] if session.layout else ""
         while session.ready:
-            slot = session.ready.pop(0)
-            yield session.slots[slot], name
+            slot, timestamp = session.ready.pop(0)
+            yield attribute(expected, timestamp), session.slots[slot], name, (session.width, session.height)
             session.release(slot, torch.cuda.current_stream(self.device))
 
     def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:

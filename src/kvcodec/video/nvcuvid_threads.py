@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -117,6 +117,22 @@ class NvcuvidThreads:
             current.synchronize()
         if error is not None:
             raise error
+
+    def run_sessions(self, work: Callable[[NvcuvidDecoder], None]) -> list[Future]:
+        """work(decoder) on as many worker threads as there are sessions (at most `threads`), each
+        holding one session for the whole call and running on its own CUDA stream: for callers that
+        stream many chunks through each session (NvcuvidDecoder.decode_each) and pull the chunks
+        themselves. Returns the futures at once; work records its own events."""
+
+        def one() -> None:
+            dec = self._idle.get()
+            try:
+                with torch.cuda.device(self.device), torch.cuda.stream(self._stream()):
+                    work(dec)
+            finally:
+                self._idle.put(dec)
+
+        return [self._pool.submit(one) for _ in range(min(self.sessions, self.threads))]
 
     def warm_up(self, decode_one) -> None:
         """Open every decoder's NVDEC session and load the restore kernel before requests come:

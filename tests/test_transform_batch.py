@@ -1,0 +1,137 @@
+"""restore_chunks (codecs/transform_batch.py): many transform chunks decoded on worker sessions that
+stream their chunks through one parser each, the math in waves on the caller's thread.
+
+On the CPU the sessions are threads with FFmpeg decoders (the orchestration is the same as on
+NvcuvidThreads); a decoder with decode_each that attributes pictures to streams as NVDEC's path does
+(nvcuvid.attribute) checks the streamed path, its fallback after a stream fails, and the errors.
+GPU coverage: tests/test_transform_gpu.py, tests/test_nvcuvid.py.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import test_transform_gpu as gpu_tests  # the synthetic transform and KV those tests code
+from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform_batch import restore_chunks
+from kvcodec.errors import CorruptStreamError, KVCodecError
+from kvcodec.video.nvcuvid import attribute
+from kvcodec.video.registry import get_decoder
+
+kvt = gpu_tests.kvt  # the module-scoped fixture
+
+
+class StreamingCpuDecoder:
+    """FFmpeg per stream, handed out like NvcuvidDecoder.decode_each (keys from nvcuvid.attribute);
+    extra: {stream ordinal: frames added} fakes a stream that holds more pictures than announced."""
+
+    def __init__(self, extra=None):
+        self.cpu, self.extra, self.fed = get_decoder("cpu"), extra or {}, 0
+
+    def decode(self, video, w, h):
+        return self.cpu.decode(video, w, h)
+
+    def decode_each(self, items):
+        expected = collections.deque()
+        for ordinal, (key, video, w, h, frames) in enumerate(items):
+            self.fed += 1
+            expected.append([key, frames, ordinal])
+            got = list(self.cpu.decode(video, w, h))
+            for frame in got + got[:1] * self.extra.get(ordinal, 0):
+                yield attribute(expected, ordinal), frame
+        if expected:
+            raise CorruptStreamError("fewer frames than announced")
+
+
+class CpuSessions:
+    """Stands where NvcuvidThreads does for restore_chunks: run_sessions on worker threads."""
+
+    def __init__(self, decoders):
+        self.decoders = decoders
+        self.pool = ThreadPoolExecutor(len(decoders))
+
+    def run_sessions(self, work):
+        return [self.pool.submit(work, d) for d in self.decoders]
+
+
+def _case(kvt, tokens=400, **kw):
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="hevc", resolutions=((64, 64),), **kw)
+    c._restorer.batched = True
+    kv = gpu_tests.synthetic_kv(tokens, 21)
+    chunks = c.encode_chunks(kv)
+    ref = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="hevc", resolutions=((64, 64),), **kw)
+    ref._restorer.batched = False
+    return c, kv, chunks, gpu_tests.restore_all(ref, chunks, kv.shape)
+
+
+def _outs(kv, chunks):
+    out = torch.full_like(kv, float("nan"))
+    return out, [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
+
+
+@pytest.mark.parametrize("wave", [0, 1, 3, 16])
+@pytest.mark.parametrize("streaming", [True, False])
+def test_sessions_restore_every_chunk_as_the_reference(kvt, wave, streaming):
+    c, kv, chunks, want = _case(kvt)
+    out, outs = _outs(kv, chunks)
+    decoders = [StreamingCpuDecoder() if streaming else get_decoder("cpu") for _ in range(3)]
+    restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions(decoders), wave=wave)
+    assert gpu_tests.within_an_ulp(out, want)
+    if streaming:
+        assert sum(d.fed for d in decoders) == len(chunks)  # every chunk streamed once, none re-decoded
+
+
+def test_a_stream_with_an_extra_picture_is_decoded_again_on_its_own(kvt):
+    c, kv, chunks, want = _case(kvt)
+    out, outs = _outs(kv, chunks)
+    dec = StreamingCpuDecoder(extra={2: 1})  # its third stream hands back one picture too many
+    restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions([dec]))
+    assert gpu_tests.within_an_ulp(out, want)  # the chunks after it were streamed again, the rest kept
+
+
+def test_a_damaged_chunk_raises_after_the_others_are_restored(kvt):
+    c, kv, chunks, want = _case(kvt)
+    blobs = [bytearray(ch.blobs[0]) for ch in chunks]
+    blobs[3][len(blobs[3]) // 2] ^= 0xFF
+    out, outs = _outs(kv, chunks)
+    with pytest.raises(KVCodecError):
+        restore_chunks(c, [bytes(b) for b in blobs], outs, threads=CpuSessions([StreamingCpuDecoder()] * 2))
+    bad = slice(chunks[3].start_token, chunks[3].start_token + chunks[3].tokens)
+    keep = torch.ones(kv.shape[2], dtype=torch.bool)
+    keep[bad] = False
+    assert gpu_tests.within_an_ulp(out[:, :, keep], want[:, :, keep])
+
+
+def test_zstd_chunks_go_through_the_same_call(kvt):
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    kv = gpu_tests.synthetic_kv(200, 22)
+    chunks = c.encode_chunks(kv)
+    want = gpu_tests.restore_all(c, chunks, kv.shape)
+    out, outs = _outs(kv, chunks)
+    restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions([StreamingCpuDecoder()] * 2))
+    assert gpu_tests.within_an_ulp(out, want)  # batched math vs the CPU's per-group reference
+
+
+@settings(max_examples=60, deadline=None)
+@given(frames=st.lists(st.integers(1, 3), min_size=1, max_size=6), data=st.data())
+def test_attribute_names_each_picture_s_stream_and_refuses_a_miscount(frames, data):
+    expected = collections.deque([f"k{i}", n, i] for i, n in enumerate(frames))
+    stamps = [i for i, n in enumerate(frames) for _ in range(n)]
+    assert [attribute(expected, s) for s in stamps] == [f"k{s}" for s in stamps]
+    assert not expected
+    # one stream's count off by one: some picture lands where another stream is due, or one is left
+    wrong = data.draw(st.integers(0, len(frames) - 1))
+    delta = data.draw(st.sampled_from([-1, 1])) if frames[wrong] > 1 else 1
+    real = [i for i, n in enumerate(frames) for _ in range(n + (delta if i == wrong else 0))]
+    expected = collections.deque([f"k{i}", n, i] for i, n in enumerate(frames))
+    with pytest.raises(CorruptStreamError):
+        for s in real:
+            attribute(expected, s)
+        if expected:
+            raise CorruptStreamError("left")
