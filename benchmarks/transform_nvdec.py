@@ -227,6 +227,43 @@ def check_exact(codec, case: Case, hashes: dict, reference: dict) -> dict:
     return rec
 
 
+def stream_probe(codec, case: Case, hashes: dict) -> dict:
+    """The file's chunks through one parser back to back (NvcuvidDecoder.decode_each): the packet
+    timestamps NVDEC hands back per picture, and each chunk's samples against the CPU's hashes."""
+    from kvcodec.transform import frames
+    from kvcodec.video import nvcuvid
+
+    seen, original = [], nvcuvid.attribute
+
+    def record(expected, timestamp):
+        seen.append(int(timestamp))
+        return original(expected, timestamp)
+
+    nvcuvid.attribute = record
+    dec = nvcuvid.NvcuvidDecoder(0)
+    rec: dict = {}
+    try:
+        items = []
+        for k, blob in enumerate(case.blobs):
+            h, streams = codec._read(blob)
+            items.append((k, bytes(streams["video"]), *h["resolution"], h["frames"]))
+        got: dict = {}
+        for key, frame in dec.decode_each(iter(items)):
+            got.setdefault(key, []).append(frame.clone())
+        shas = []
+        for k, (_, _, w, hh, _) in enumerate(items):
+            count = _sample_count(codec, case.headers[k])
+            shas.append(_sha(frames.from_frames(iter(got.get(k, [])), count, w, hh, "cuda")))
+        rec["samples_exact_vs_cpu"] = shas == hashes.get(case.name)
+    except Exception as e:  # noqa: BLE001 - the probe reports what NVDEC did
+        rec["error"] = repr(e)[:300]
+    finally:
+        nvcuvid.attribute = original
+        dec.close()
+    rec["timestamps"] = seen
+    return rec
+
+
 def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
     """The restore math alone, samples already on the GPU: ms per chunk on the GPU (CUDA events)
     and on the host (launch-bound), for one chunk at a time, `batch` chunks in one pass, one chunk
@@ -578,6 +615,7 @@ def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, refere
         "chunks": len(case.job_blobs),
     }
     stage(log, base, "check", check_exact, codec, case, hashes, reference)
+    stage(log, base, "stream-probe", stream_probe, codec, case, hashes)
     for sessions, streamed in DECODE_ONLY:
         stage(log, base, "decode-only", decode_only, probe, case, sessions, streamed, secs, alone)
     for sessions, threads, mode, wave in specs:
