@@ -33,33 +33,40 @@ def _ids(tok, name, n):
 
 
 def _scores(model, prefix, kv, cont):
+    """(top-1 tokens, per-token NLL of cont, float32 log-probabilities) of the continuation on kv."""
     from kvcodec.integrations.hf import continue_from_kv
 
     logits = continue_from_kv(model, prefix, kv.to(model.dtype), cont).logits[0, :-1].double()
-    nll = -torch.log_softmax(logits, -1).gather(1, cont[1:, None]).squeeze(1)
-    return logits.argmax(-1), nll
+    logp = torch.log_softmax(logits, -1)
+    nll = -logp.gather(1, cont[1:, None]).squeeze(1)
+    return logits.argmax(-1), nll, logp.float()
 
 
 def _roundtrip(codec, kv16):
+    """(restored KV, bytes of every chunk blob, the chunks)."""
     chunks = codec.encode_chunks(kv16)
     out = torch.empty_like(kv16)
     for c in chunks:
         codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
-    return out, sum(len(c.blobs[0]) for c in chunks)
+    return out, sum(len(c.blobs[0]) for c in chunks), chunks
 
 
-def _evaluate(model, items, codec, label):
+def _evaluate(model, items, codec, label, measure=None):
+    """Top-1 agreement, perplexity change and ratio over items; measure(item, restored, logp, chunks)
+    may return extra per-text totals (dict of floats), reported summed and divided by the scored tokens."""
     agree = n = size = values = 0
     nll = ref = 0.0
-    per_text = []
+    per_text, extra = [], {}
     for it in items:
         kv16 = it["kv"].to(torch.float16)
-        restored, b = _roundtrip(codec, kv16)
-        top, lo = _scores(model, it["prefix"], restored.float(), it["cont"])
+        restored, b, chunks = _roundtrip(codec, kv16)
+        top, lo, logp = _scores(model, it["prefix"], restored.float(), it["cont"])
         a = int((top == it["top"]).sum())
         agree, n, size, values = agree + a, n + top.numel(), size + b, values + kv16.numel()
         nll, ref = nll + float(lo.sum()), ref + float(it["nll"].sum())
         per_text.append(a)
+        for k, v in (measure(it, restored.float(), logp, chunks) if measure else {}).items():
+            extra[k] = extra.get(k, 0.0) + v
     rec = dict(
         method=label,
         ratio_vs_fp16=round(2 * values / size, 3),
@@ -69,9 +76,29 @@ def _evaluate(model, items, codec, label):
         tokens_scored=n,
         ppl_delta_pct=round(100 * (math.exp((nll - ref) / n) - 1), 3),
         agree_per_text=per_text,
+        **{k: v / n for k, v in extra.items()},
     )
     click.echo(json.dumps(rec), err=True)
     return rec
+
+
+def _eval_items(model, tok, evals, prefix_tokens, cont_tokens):
+    """Per held-out text: prefix and continuation ids, the recomputed prefix KV (fp32) and the
+    reference top-1 / NLL / log-probabilities of the continuation on it."""
+    from kvcodec.integrations.hf import cache_to_tensor, forward_ids
+
+    items = []
+    for name in evals:
+        ids = _ids(tok, name, prefix_tokens + cont_tokens)
+        prefix, cont = ids[:prefix_tokens], ids[prefix_tokens:]
+        kv = cache_to_tensor(forward_ids(model, prefix)[1]).cpu()
+        top, nll, logp = _scores(model, prefix, kv, cont)
+        items.append(dict(name=name, prefix=prefix, cont=cont, kv=kv, top=top, nll=nll, logp=logp))
+    return items
+
+
+def _commit():
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 @click.command()
@@ -88,7 +115,7 @@ def _evaluate(model, items, codec, label):
 @click.option("--out", "out_stem", required=True)
 def main(model_name, calib, calib_tokens, eval_texts, prefix_tokens, cont_tokens, ratio, alphas, out_stem):
     from kvcodec.codecs.transform import TransformCodec
-    from kvcodec.integrations.hf import cache_to_tensor, extract_kv, forward_ids
+    from kvcodec.integrations.hf import extract_kv
     from kvcodec.integrations.hf_fisher import fisher_diagonal
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text
@@ -108,13 +135,7 @@ def main(model_name, calib, calib_tokens, eval_texts, prefix_tokens, cont_tokens
         seqs.append(ids[: prefix_tokens + cont_tokens])
     fisher = fisher_diagonal(model, seqs, prefix_tokens)
     calib_s = time.perf_counter() - t0
-    items = []
-    for name in evals:
-        ids = _ids(tok, name, prefix_tokens + cont_tokens)
-        prefix, cont = ids[:prefix_tokens], ids[prefix_tokens:]
-        kv = cache_to_tensor(forward_ids(model, prefix)[1]).cpu()
-        top, nll = _scores(model, prefix, kv, cont)
-        items.append(dict(prefix=prefix, cont=cont, kv=kv, top=top, nll=nll))
+    items = _eval_items(model, tok, evals, prefix_tokens, cont_tokens)
     records = []
     for a in (float(x) for x in alphas.split(",")):
         w = channel_weights(fisher, rope_style=rope.style, rotary_dim=rope.rotary_dim, alpha=a) if a > 0 else None
@@ -122,7 +143,7 @@ def main(model_name, calib, calib_tokens, eval_texts, prefix_tokens, cont_tokens
         codec = TransformCodec(cal, kvt_hash="0" * 64, target_ratio=ratio)
         label = f"transform-hevc-r{ratio:g}-" + (f"fisher{a:g}" if a > 0 else "mse")
         records.append(dict(model=model_name, alpha=a, **_evaluate(model, items, codec, label)))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = _commit()
     doc = dict(
         command="python " + shlex.join(sys.argv),
         machine=f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",

@@ -99,10 +99,12 @@ def calibrate(
     tokens_per_dim: float = TARGET_TOKENS_PER_DIM,
     max_group: int | None = None,
     weights: torch.Tensor | None = None,
+    covariance: str = "sample",
     info: dict[str, Any] | None = None,
 ) -> Calibration:
     """Fit per-group bases on KV tensors whose first token is at position 0; with channel
-    weights (layers, 2, heads, dim), weighted KLTs (weights.py)."""
+    weights (layers, 2, heads, dim), weighted KLTs (weights.py); covariance names the estimator
+    (pca.COVARIANCES)."""
     layers, heads, dim = _check(kvs)
     if rope is not None and rope.head_dim != dim:
         raise ConfigError(f"rope head_dim {rope.head_dim} does not match the KV's head_dim {dim}")
@@ -116,19 +118,21 @@ def calibrate(
         for ki, kind in enumerate(KINDS):
             x = torch.cat([group_matrix(u, group, ki) for u in used])
             w = None if weights is None else weights[list(group), ki].reshape(-1).to(torch.float64)
-            bases[(gi, kind)] = fit_group(x, w)
+            bases[(gi, kind)] = fit_group(x, w, covariance)
     meta = dict(info or {})
     meta.update(tokens=tokens, sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim)
+    if covariance != "sample":
+        meta["covariance"] = covariance
     return Calibration(layers, heads, dim, rope, groups, bases, meta)
 
 
-def fit_group(x: torch.Tensor, w: torch.Tensor | None) -> GroupBasis:
+def fit_group(x: torch.Tensor, w: torch.Tensor | None, covariance: str = "sample") -> GroupBasis:
     """The (weighted) KLT of samples x (n, d): PCA of sqrt(w) x, basis scaled back by 1/sqrt(w)."""
     if w is None:
-        mean, basis, var = fit_pca(x)
+        mean, basis, var = fit_pca(x, covariance)
         return GroupBasis(mean.float(), basis.float(), var.float())
     sw = w.sqrt()
-    mean, basis, var = fit_pca(x.to(torch.float64) * sw)
+    mean, basis, var = fit_pca(x.to(torch.float64) * sw, covariance)
     return GroupBasis((mean / sw).float(), (basis / sw[:, None]).float(), var.float(), w.float())
 
 
