@@ -26,6 +26,7 @@ import hashlib
 import json
 import pathlib
 import platform
+import re
 import shlex
 import sys
 import time
@@ -446,33 +447,29 @@ def _graph_ms(fn, repeat: int) -> float:
     return round(start.elapsed_time(end) / repeat, 4)
 
 
-def measure_threads(
-    probe, codec, case: Case, sessions: int, threads: int, mode: str, wave: int, secs: tuple, alone: float
-) -> dict:
-    """NvcuvidThreads restoring every job. mode "chunk": per chunk on the worker threads
-    (threads_decode_into); "v2": session 5's restore_chunks (a fresh parser per chunk, the math in
-    one pass once all are decoded); "stream": restore_chunks now (each session streams its chunks
-    through one parser, the math in waves of `wave` chunks as they come, 0: one pass at the end)."""
+def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: float) -> dict:
+    """NvcuvidThreads restoring every job (spec: see _spec). mode "chunk": per chunk on the worker
+    threads (threads_decode_into); "v2": session 5's restore_chunks (a fresh parser per chunk, the
+    math in one pass once all are decoded); "stream": restore_chunks now (each session streams its
+    chunks through one parser, the math in waves as they come). cpu_ms_per_chunk: the process's
+    CPU time per chunk restored (all threads; CUDA waits may spin)."""
     from kvcodec.codecs import transform_batch
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
+    mode, wave = spec["mode"], spec["wave"]
     into = transform_batch.threads_decode_into(codec)
     before = probe.free_mb()
-    dec = NvcuvidThreads(sessions, threads=threads, device=0)
+    dec = NvcuvidThreads(spec["sessions"], threads=spec["threads"], device=0, display_delay=spec["display_delay"])
     h0 = case.headers[0]
     dec.warm_up(lambda d: codec.decode_chunk(case.blobs[0], case.outs[0][:, :, : h0["tokens"]], decoder=d))
     time.sleep(0.2)
-    rec = {
-        "backend": f"nvcuvid-threads-{mode}:{sessions}x{threads}" + (f"-wave{wave}" if mode == "stream" else ""),
-        "mode": mode,
-        "sessions": sessions,
-        "threads": threads,
-        "wave": wave if mode == "stream" else None,
-        "cuda_contexts": 1,
-        "standing_mb": round(before - probe.free_mb(), 1),
-    }
+    name = f"nvcuvid-threads-{mode}:{spec['sessions']}x{spec['threads']}"
+    name += (f"-wave{wave}" if mode == "stream" else "") + f"-delay{spec['display_delay']}"
+    name += f"-switch{spec['switch_us']}us" if spec["switch_us"] else ""
+    rec = {"backend": name, **spec, "cuda_contexts": 1, "standing_mb": round(before - probe.free_mb(), 1)}
     fallbacks = _count_fallbacks(transform_batch)
     side = torch.cuda.Stream()  # the consumer's stream: waiting for the restore never blocks the matmul's
+    calls = [0]
 
     def run():
         with torch.cuda.stream(side):
@@ -483,13 +480,20 @@ def measure_threads(
             else:
                 dec.restore_blobs(case.job_blobs, case.outs, decode_into=into)
             side.synchronize()
+        calls[0] += 1
 
+    switch = sys.getswitchinterval()
+    if spec["switch_us"]:
+        sys.setswitchinterval(spec["switch_us"] / 1e6)
     try:
+        cpu0 = time.process_time()
         rec.update(case.rates(probe.timed(run, secs[0])))
+        rec["cpu_ms_per_chunk"] = round(1e3 * (time.process_time() - cpu0) / (calls[0] * len(case.job_blobs)), 3)
         if secs[1] > 0:
             rec.update(probe.interference(run, secs[1], alone))
             rec["restored_gb_per_s_under_matmul"] = round(case.fp16_bytes / rec["call_s_during"] / 1e9, 3)
     finally:
+        sys.setswitchinterval(switch)
         dec.close()
         rec["chunks_decoded_alone_after_a_stream_failed"] = fallbacks.pop()
     return rec
@@ -557,9 +561,10 @@ def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> 
 @click.option(
     "--threads",
     "thread_specs",
-    default="b7x7,s7x7,s14x14",
-    help="[c|b|s]SESSIONSxTHREADS[wWAVE], comma-separated: c per chunk, b session 5's batched restore, "
-    "s restore_chunks streaming each session's chunks (math in waves of WAVE chunks, default 16, 0: at the end)",
+    default="b7x7,s7x7,s7x7d3",
+    help="[c|b|s]SESSIONSxTHREADS[wWAVE][dDELAY][iMICROSECONDS], comma-separated: c per chunk, b session 5's "
+    "batched restore, s restore_chunks streaming each session's chunks (math in waves of WAVE chunks, default "
+    "16, 0: at the end); DELAY: the parsers' display delay; i: the interpreter's switch interval",
 )
 @click.option("--copies", default=56, help="chunk jobs per timed call (chunks replicated)")
 @click.option("--seconds", default=2.0)
@@ -618,8 +623,8 @@ def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, refere
     stage(log, base, "stream-probe", stream_probe, codec, case, hashes)
     for sessions, streamed in DECODE_ONLY:
         stage(log, base, "decode-only", decode_only, probe, case, sessions, streamed, secs, alone)
-    for sessions, threads, mode, wave in specs:
-        stage(log, base, "restore", measure_threads, probe, codec, case, sessions, threads, mode, wave, secs, alone)
+    for spec in specs:
+        stage(log, base, "restore", measure_threads, probe, codec, case, spec, secs, alone)
     stage(log, base, "host-profile", host_profile, codec, case)
     stage(log, base, "gemm-precision", gemm_precision, codec, case)
     k = stage(log, base, "restore-kernels", kernel_times, codec, case)
@@ -647,14 +652,26 @@ def decode_only(probe, case: Case, sessions: int, streamed: bool, secs: tuple, a
             dec.close()
 
 
-def _spec(spec: str) -> tuple[int, int, str, int]:
-    """[c|b|s]SESSIONSxTHREADS[wWAVE]: c per chunk, b session 5's batched restore, s streamed."""
-    modes = {"c": "chunk", "b": "v2", "s": "stream"}
-    mode = modes.get(spec[0], "chunk")
-    body = spec[1:] if spec[0] in modes else spec
-    body, _, wave = body.partition("w")
-    sessions, threads = (int(x) for x in body.split("x"))
-    return sessions, threads, mode, int(wave) if wave else 16
+SPEC = re.compile(r"([cbs]?)(\d+)x(\d+)((?:[wdi]\d+)*)$")
+
+
+def _spec(spec: str) -> dict:
+    """[c|b|s]SESSIONSxTHREADS[wWAVE][dDELAY][iMICROSECONDS]: c per chunk, b session 5's batched
+    restore, s streamed (restore_chunks); WAVE chunks per pass of the math (default 16, 0: at the
+    end), DELAY the parser's display delay (default 1), i the interpreter's switch interval."""
+    m = SPEC.match(spec)
+    if m is None:
+        raise click.BadParameter(f"thread spec {spec!r}")
+    opts = {k: int(v) for k, v in re.findall(r"([wdi])(\d+)", m[4])}
+    mode = {"c": "chunk", "b": "v2", "s": "stream", "": "chunk"}[m[1]]
+    return {
+        "sessions": int(m[2]),
+        "threads": int(m[3]),
+        "mode": mode,
+        "wave": opts.get("w", 16),
+        "display_delay": opts.get("d", 1),
+        "switch_us": opts.get("i"),
+    }
 
 
 SKIP: set[str] = set()  # stage kinds left out (run --skip)

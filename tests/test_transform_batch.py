@@ -21,7 +21,7 @@ import test_transform_gpu as gpu_tests  # the synthetic transform and KV those t
 from kvcodec.codecs.transform import TransformCodec
 from kvcodec.codecs.transform_batch import restore_chunks
 from kvcodec.errors import CorruptStreamError, KVCodecError
-from kvcodec.video.nvcuvid import attribute
+from kvcodec.video.nvcuvid import STAMP_SHIFT, attribute
 from kvcodec.video.registry import get_decoder
 
 kvt = gpu_tests.kvt  # the module-scoped fixture
@@ -43,8 +43,8 @@ class StreamingCpuDecoder:
             self.fed += 1
             expected.append([key, frames, ordinal])
             got = list(self.cpu.decode(video, w, h))
-            for frame in got + got[:1] * self.extra.get(ordinal, 0):
-                yield attribute(expected, ordinal), frame
+            for k, frame in enumerate(got + got[:1] * self.extra.get(ordinal, 0)):
+                yield attribute(expected, (ordinal << STAMP_SHIFT) + 400000 * k), frame  # as NVDEC stamps them
         if expected:
             raise CorruptStreamError("fewer frames than announced")
 
@@ -122,13 +122,13 @@ def test_zstd_chunks_go_through_the_same_call(kvt):
 @given(frames=st.lists(st.integers(1, 3), min_size=1, max_size=6), data=st.data())
 def test_attribute_names_each_picture_s_stream_and_refuses_a_miscount(frames, data):
     expected = collections.deque([f"k{i}", n, i] for i, n in enumerate(frames))
-    stamps = [i for i, n in enumerate(frames) for _ in range(n)]
-    assert [attribute(expected, s) for s in stamps] == [f"k{s}" for s in stamps]
+    stamps = [(i << STAMP_SHIFT) + 400000 * k for i, n in enumerate(frames) for k in range(n)]
+    assert [attribute(expected, s) for s in stamps] == [f"k{s >> STAMP_SHIFT}" for s in stamps]
     assert not expected
     # one stream's count off by one: some picture lands where another stream is due, or one is left
     wrong = data.draw(st.integers(0, len(frames) - 1))
     delta = data.draw(st.sampled_from([-1, 1])) if frames[wrong] > 1 else 1
-    real = [i for i, n in enumerate(frames) for _ in range(n + (delta if i == wrong else 0))]
+    real = [(i << STAMP_SHIFT) + k for i, n in enumerate(frames) for k in range(n + (delta if i == wrong else 0))]
     expected = collections.deque([f"k{i}", n, i] for i, n in enumerate(frames))
     with pytest.raises(CorruptStreamError):
         for s in real:

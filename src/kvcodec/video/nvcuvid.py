@@ -64,6 +64,12 @@ def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int,
     return [(0, 0, height), (rows * src_pitch, height, height // 2)]
 
 
+# A packet's timestamp is its stream's ordinal << STAMP_SHIFT: the parser stamps a picture that
+# starts in a packet already stamped with that stamp plus a frame duration (400000 at its default
+# clock), so the ordinal is read back from the high bits.
+STAMP_SHIFT = 32
+
+
 def attribute(expected: collections.deque, timestamp: int) -> object:
     """The key of the stream a decoded picture belongs to. expected: [key, frames still due,
     ordinal] per stream fed and not yet complete, in feed order; frames None: one stream, unchecked."""
@@ -72,10 +78,10 @@ def attribute(expected: collections.deque, timestamp: int) -> object:
     head = expected[0]
     if head[1] is None:
         return head[0]
-    if timestamp != head[2]:
+    if timestamp >> STAMP_SHIFT != head[2]:
         raise CorruptStreamError(
-            f"a picture of stream {timestamp} came where stream {head[2]} was due: a stream holds more or "
-            "fewer frames than its chunk announces"
+            f"a picture of stream {timestamp >> STAMP_SHIFT} came where stream {head[2]} was due: a stream "
+            "holds more or fewer frames than its chunk announces"
         )
     head[1] -= 1
     if head[1] == 0:
@@ -373,7 +379,7 @@ class NvcuvidDecoder:
         stream starts: with one-frame streams the engine idles during each stream's host work. Here
         the next stream's first picture is queued on NVDEC while the previous one's last frame is
         copied out. Each stream must start with its parameter sets and an IDR picture (x265's do).
-        Every packet carries its stream's ordinal as timestamp; a picture that comes back under
+        Every packet carries its stream's ordinal in its timestamp; a picture that comes back under
         another stream's ordinal, or a stream with more or fewer frames than announced, raises
         CorruptStreamError (a stream's frames are confirmed once a later stream's frame, or the
         end, has come). A change of frame size flushes the parser and opens the size's session."""
@@ -402,9 +408,9 @@ class NvcuvidDecoder:
                     session.error, session.ready = None, []
                     parser = _Parser(session, self.display_delay)
                 expected.append([key, frames, ordinal])
-                flags = 0 if frames is None else api.PKT_TIMESTAMP
+                flags, stamp = (0, 0) if frames is None else (api.PKT_TIMESTAMP, ordinal << STAMP_SHIFT)
                 for off, n in feed_plan(buf.size, self.PIECE_BYTES):
-                    yield from self._feed(session, parser, (buf.ctypes.data + off, n, flags, ordinal), expected)
+                    yield from self._feed(session, parser, (buf.ctypes.data + off, n, flags, stamp), expected)
             if parser is not None:
                 yield from self._end_stream(session, parser, expected)
             finished = True
