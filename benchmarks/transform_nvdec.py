@@ -466,6 +466,7 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     name = f"nvcuvid-threads-{mode}:{spec['sessions']}x{spec['threads']}"
     name += (f"-wave{wave}" if mode == "stream" else "") + f"-delay{spec['display_delay']}"
     name += f"-switch{spec['switch_us']}us" if spec["switch_us"] else ""
+    name += "-nomath" if spec["no_math"] else ""
     rec = {"backend": name, **spec, "cuda_contexts": 1, "standing_mb": round(before - probe.free_mb(), 1)}
     fallbacks = _count_fallbacks(transform_batch)
     side = torch.cuda.Stream()  # the consumer's stream: waiting for the restore never blocks the matmul's
@@ -482,7 +483,9 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
             side.synchronize()
         calls[0] += 1
 
-    switch = sys.getswitchinterval()
+    switch, finish = sys.getswitchinterval(), codec._restorer.finish
+    if spec["no_math"]:
+        codec._restorer.finish = lambda chunks, outs: None
     if spec["switch_us"]:
         sys.setswitchinterval(spec["switch_us"] / 1e6)
     try:
@@ -494,6 +497,7 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
             rec["restored_gb_per_s_under_matmul"] = round(case.fp16_bytes / rec["call_s_during"] / 1e9, 3)
     finally:
         sys.setswitchinterval(switch)
+        codec._restorer.finish = finish
         dec.close()
         rec["chunks_decoded_alone_after_a_stream_failed"] = fallbacks.pop()
     return rec
@@ -652,17 +656,18 @@ def decode_only(probe, case: Case, sessions: int, streamed: bool, secs: tuple, a
             dec.close()
 
 
-SPEC = re.compile(r"([cbs]?)(\d+)x(\d+)((?:[wdi]\d+)*)$")
+SPEC = re.compile(r"([cbs]?)(\d+)x(\d+)((?:[wdin]\d+)*)$")
 
 
 def _spec(spec: str) -> dict:
-    """[c|b|s]SESSIONSxTHREADS[wWAVE][dDELAY][iMICROSECONDS]: c per chunk, b session 5's batched
+    """[c|b|s]SESSIONSxTHREADS[wWAVE][dDELAY][iMICROSECONDS][n1]: c per chunk, b session 5's batched
     restore, s streamed (restore_chunks); WAVE chunks per pass of the math (default 16, 0: at the
-    end), DELAY the parser's display delay (default 1), i the interpreter's switch interval."""
+    end), DELAY the parser's display delay (default 1), i the interpreter's switch interval, n1: no
+    math (finish skipped: what decoding and the host work alone reach)."""
     m = SPEC.match(spec)
     if m is None:
         raise click.BadParameter(f"thread spec {spec!r}")
-    opts = {k: int(v) for k, v in re.findall(r"([wdi])(\d+)", m[4])}
+    opts = {k: int(v) for k, v in re.findall(r"([wdin])(\d+)", m[4])}
     mode = {"c": "chunk", "b": "v2", "s": "stream", "": "chunk"}[m[1]]
     return {
         "sessions": int(m[2]),
@@ -671,6 +676,7 @@ def _spec(spec: str) -> dict:
         "wave": opts.get("w", 16),
         "display_delay": opts.get("d", 1),
         "switch_us": opts.get("i"),
+        "no_math": bool(opts.get("n")),
     }
 
 
