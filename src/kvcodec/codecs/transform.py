@@ -6,7 +6,10 @@ encode: keys with RoPE removed -> per (layer group, K|V): y = basis^T (x - mean)
         samples + escapes -> lossless HEVC frames (or zstd on the same samples)
 decode: frames (NVDEC on a CUDA target, FFmpeg on the CPU) -> integers -> dequantize -> one
         GEMM per (group, K|V) -> RoPE re-applied -> the caller's dense slice or PagedKV.
-The first `sink_tokens` positions of a prefix are kept as fp16 (attention sinks are outliers).
+The first `sink_tokens` positions of a prefix are kept as fp16 (attention sinks are outliers);
+the last `fine_tokens` tokens of the KV being encoded (those right before whatever a later request
+appends) are coded with a step 2^fine_bits times finer; coefficients are restored at the bin
+centre or at the bin's centroid under a Laplacian (`recon`, quantize.recon_offset).
 Every chunk names the sha256 of the .kvt it was coded with; another transform refuses it.
 """
 
@@ -29,7 +32,8 @@ from kvcodec.transform.calibration import KINDS, Calibration, all_variances, gro
 from kvcodec.transform.kvt import load_kvt
 
 CHUNK_MAGIC = b"KVTC"
-TRANSFORM_VERSION = 1
+TRANSFORM_VERSION = 2  # 2: fine_tokens, fine_bits, recon in the header (version 1 chunks: 0, 0, "centre")
+READABLE_VERSIONS = (1, 2)
 CODERS = ("hevc", "zstd")
 PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
 ZSTD_LEVEL = 19
@@ -45,12 +49,13 @@ class CoordPlan:
 
     counts: tuple[int, ...]
     steps: torch.Tensor  # (C,) float32, concatenated (group, kind) order
+    sigmas: torch.Tensor  # (C,) float32 calibrated deviation of each coded coordinate
     order: torch.Tensor  # (C,) layout position -> concatenated index
     inverse: torch.Tensor  # (C,) concatenated index -> layout position
 
 
 def coord_plan(cal: Calibration, theta: float, key_weight: float) -> CoordPlan:
-    counts, steps, widths = [], [], []
+    counts, steps, widths, sigmas = [], [], [], []
     for g in range(len(cal.groups)):
         for kind in KINDS:
             var = cal.basis(g, kind).variances.to(torch.float64)
@@ -59,10 +64,11 @@ def coord_plan(cal: Calibration, theta: float, key_weight: float) -> CoordPlan:
             n = int((s > 0).sum())
             counts.append(n)
             steps.append(s[:n])
+            sigmas.append(var[:n].clamp_min(0).sqrt())
             widths.append(var[:n] / s[:n] ** 2)
     steps_t = torch.cat(steps).float()
     order = torch.argsort(torch.cat(widths), descending=True, stable=True)
-    return CoordPlan(tuple(counts), steps_t, order, torch.argsort(order))
+    return CoordPlan(tuple(counts), steps_t, torch.cat(sigmas).float(), order, torch.argsort(order))
 
 
 def _zstd(data: bytes) -> bytes:
@@ -72,7 +78,9 @@ def _zstd(data: bytes) -> bytes:
 class TransformCodec:
     """A ChunkCodec over a calibration (.kvt). Size, first that is given: theta (an explicit
     distortion level), target_ratio (file size vs fp16, measured on the data being encoded) or
-    bits_per_value (modelled from the calibration's variances; default 2)."""
+    bits_per_value (modelled from the calibration's variances; default 2). fine_tokens /
+    fine_bits: the last fine_tokens tokens of the KV being encoded get a step 2^fine_bits times
+    finer (inside the same size); recon: "centre" or "laplace" (quantize.RECONS)."""
 
     def __init__(
         self,
@@ -85,6 +93,9 @@ class TransformCodec:
         theta: float | None = None,
         key_weight: float = 1.0,
         sink_tokens: int = 4,
+        fine_tokens: int = 0,
+        fine_bits: int = 0,
+        recon: str = "centre",
         coder: str = "hevc",
         chunk_tokens: int = 256,
         resolutions: Sequence[tuple[int, int]] = ((512, 512),),
@@ -107,6 +118,13 @@ class TransformCodec:
             raise ConfigError(f"target ratio must be > 1; got {target_ratio}")
         if chunk_tokens < 1 or sink_tokens < 0 or not key_weight > 0:
             raise ConfigError("chunk_tokens must be >= 1, sink_tokens >= 0 and key_weight > 0")
+        if fine_tokens < 0 or not 0 <= fine_bits <= quantize.MAX_FINE_BITS or recon not in quantize.RECONS:
+            raise ConfigError(
+                f"fine_tokens must be >= 0, fine_bits in 0..{quantize.MAX_FINE_BITS} and recon one of "
+                f"{quantize.RECONS}; got {fine_tokens}, {fine_bits}, {recon!r}"
+            )
+        self.fine_tokens, self.fine_bits = (int(fine_tokens), int(fine_bits)) if fine_tokens and fine_bits else (0, 0)
+        self.recon = recon
         self.target_ratio, self.key_weight, self.sink_tokens = target_ratio, float(key_weight), int(sink_tokens)
         if theta is not None and not theta > 0:
             raise ConfigError(f"theta (distortion level) must be > 0; got {theta}")
@@ -117,7 +135,7 @@ class TransformCodec:
         size = f"t{theta!r}" if theta else f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
         self.id = (
             f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
-            f"-s{sink_tokens}-c{chunk_tokens}"
+            f"-s{sink_tokens}-c{chunk_tokens}-f{self.fine_tokens}x{self.fine_bits}-{recon}"
         )
         self._plans: dict[tuple[float, float], CoordPlan] = {}
         self._restorer = TransformRestorer(self.cal, self.plan)
@@ -152,18 +170,20 @@ class TransformCodec:
             off += len(self.cal.groups[j // 2]) * self.cal.layer_dim
         return torch.cat(cols)
 
-    def _symbols(self, y: torch.Tensor, theta: float, first_position: int) -> torch.Tensor:
-        """Integers (tokens, coded coords), concatenated order; sink tokens zeroed (they travel as fp16)."""
+    def _symbols(self, y: torch.Tensor, theta: float, first_position: int, fine: int = 0) -> torch.Tensor:
+        """Integers (tokens, coded coords), concatenated order; sink tokens zeroed (they travel as fp16);
+        the last `fine` tokens with the finer step."""
         plan = self.plan(theta)
         coded = y.index_select(1, self._columns(plan))
         sink = max(0, min(self.sink_tokens - first_position, coded.shape[0]))
-        scaled = coded[sink:] / plan.steps
-        if not bool(torch.isfinite(scaled).all()) or bool((scaled.abs() >= 2**31).any()):
+        scale = quantize.token_scales(coded.shape[0], fine, self.fine_bits)
+        scaled = quantize.scaled(coded, plan.steps, scale)
+        if not bool((scaled[sink:].abs() < 2**31).all()):  # NaN compares False too
             raise FormatError(
                 "the transform maps this KV to coefficients beyond the integer range (NaN, infinite or huge): "
                 "is the .kvt damaged, or calibrated for another model?"
             )
-        q = quantize.quantize(coded, plan.steps)
+        q = quantize.rounded(scaled)
         q[:sink] = 0
         return q
 
@@ -182,13 +202,23 @@ class TransformCodec:
         sample = [starts[i * len(starts) // SAMPLE_CHUNKS] for i in range(min(SAMPLE_CHUNKS, len(starts)))]
         top = float((var * w).max())
 
-        def est(theta: float, chunks=tuple(sample)) -> float:  # entropy per token, chunk by chunk as coded
-            bits = sum(
-                rate.column_entropy_bits(self._symbols(y[s : s + ct], theta, first_position + s)) for s in chunks
-            )
-            return bits / sum(min(ct, T - s) for s in chunks)
+        fine = min(self.fine_tokens, T) if self.fine_bits else 0
 
-        theta = rate.solve_level(est, target, top * 1e-7, top, iters=ITERS)
+        def per_token(theta: float, all_fine: bool) -> float:  # entropy per token of the sampled chunks
+            bits = 0.0
+            for s in sample:
+                t = min(ct, T - s)
+                bits += rate.column_entropy_bits(self._symbols(y[s : s + t], theta, first_position + s, t * all_fine))
+            return bits / sum(min(ct, T - s) for s in sample)
+
+        def est(theta: float) -> float:  # the finer tail tokens' cost measured on the same tokens
+            return (
+                per_token(theta, False)
+                if not fine
+                else ((T - fine) * per_token(theta, False) + fine * per_token(theta, True)) / T
+            )
+
+        theta = rate.solve_level(est, target, top * 1e-7, top, iters=ITERS // 2 + 2)  # refined below
         actual = (
             sum(  # the coder's real bytes on the sampled chunks, against their entropy
                 8.0 * self._payload_bytes(y[s : s + ct], kv[:, :, s : s + ct], theta, first_position + s)
@@ -196,8 +226,12 @@ class TransformCodec:
             )
             / sum(min(ct, T - s) for s in sample)
         )
-        factor = actual / max(est(theta), 1e-9)
-        return rate.solve_level(est, target / max(factor, 1e-3), top * 1e-7, top, iters=ITERS)
+        factor = actual / max(per_token(theta, False), 1e-9)
+        target /= max(factor, 1e-3)
+        lo, hi = max(theta / 4, top * 1e-7), min(theta * 4, top)  # the correction is a few percent of rate
+        if est(lo) <= target or est(hi) > target:
+            lo, hi = top * 1e-7, top
+        return rate.solve_level(est, target, lo, hi, iters=ITERS // 2 + 2)
 
     def _weights(self) -> torch.Tensor:
         ws = []
@@ -214,13 +248,13 @@ class TransformCodec:
 
     def _payload_bytes(self, y, kv, theta, first_position) -> int:
         """Bytes of one chunk blob (header included), its fp16 sink tokens left out."""
-        streams, counts = self._streams(y, kv, theta, first_position, self.resolutions[0])
+        streams, counts = self._streams(y, kv, theta, first_position, self.resolutions[0], 0)
         blob = self._write(streams, counts, kv, theta, first_position, 0, self.resolutions[0], None)
         return len(blob) - len(streams.get("sink", b""))
 
-    def _streams(self, y, kv, theta, first_position, resolution) -> tuple[dict[str, bytes], dict]:
-        """The chunk's streams and the header fields they need (frames, escapes)."""
-        q = self._symbols(y, theta, first_position)
+    def _streams(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict]:
+        """The chunk's streams and the header fields they need (frames, escapes, fine tokens)."""
+        q = self._symbols(y, theta, first_position, fine)
         plan = self.plan(theta)
         samples, idx, values = quantize.to_samples(q[:, plan.order].T.contiguous())
         streams = {"escapes": _zstd(quantize.pack_escapes(idx, values))}
@@ -233,9 +267,9 @@ class TransformCodec:
             w, h = resolution
             fr = [f.numpy() for f in frames.to_frames(samples, w, h)]
             streams["video"] = get_encoder(preset="ultrafast").encode(fr, w, h)
-            return streams, {"frames": len(fr), "escapes": int(idx.size)}
+            return streams, {"frames": len(fr), "escapes": int(idx.size), "fine_tokens": fine}
         streams["samples"] = _zstd(samples.numpy().tobytes())
-        return streams, {"frames": 0, "escapes": int(idx.size)}
+        return streams, {"frames": 0, "escapes": int(idx.size), "fine_tokens": fine}
 
     def encode_chunks(
         self,
@@ -256,12 +290,13 @@ class TransformCodec:
         out = []
         for n, s in enumerate(range(0, T, self.chunk_tokens)):
             e = min(T, s + self.chunk_tokens)
+            fine = max(0, e - max(s, T - self.fine_tokens)) if self.fine_bits else 0  # the KV's last tokens
             blobs = tuple(
                 self._blob(
                     y[s:e],
                     kv[:, :, s:e],
                     theta,
-                    first + s,
+                    (first + s, fine),
                     first_chunk_index + n,
                     res,
                     keys[n] if keys is not None else None,
@@ -274,8 +309,9 @@ class TransformCodec:
                 on_chunk(chunk)
         return out
 
-    def _blob(self, y, kv, theta, start, index, resolution, key) -> bytes:
-        streams, counts = self._streams(y, kv, theta, start, resolution)
+    def _blob(self, y, kv, theta, start_fine, index, resolution, key) -> bytes:
+        start, fine = start_fine
+        streams, counts = self._streams(y, kv, theta, start, resolution, fine)
         return self._write(streams, counts, kv, theta, start, index, resolution, key)
 
     def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
@@ -294,6 +330,8 @@ class TransformCodec:
             "theta": theta,
             "key_weight": self.key_weight,
             "sink": max(0, min(self.sink_tokens - start, t)),
+            "fine_bits": self.fine_bits,
+            "recon": self.recon,
             "coder": self.coder,
             "resolution": list(resolution),
             **counts,
@@ -318,8 +356,6 @@ class TransformCodec:
     def _read(self, blob) -> tuple[dict, dict]:
         h, payload = read_object(blob, CHUNK_MAGIC, "transform-coded chunk")
         h, entries = check_header(h)  # every field typed and in range (transform_header.py)
-        if h["transform_version"] != TRANSFORM_VERSION:
-            raise FormatError(f"transform chunk version {h['transform_version']} is not readable")
         if h["kvt"] != self.kvt_hash:
             raise ConfigError(
                 f"chunk was coded with transform {h['kvt'][:16]}, this codec holds {self.kvt_hash[:16]}: "

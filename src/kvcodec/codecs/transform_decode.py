@@ -105,8 +105,10 @@ class TransformRestorer:
         C, t = plan.steps.numel(), h["tokens"]
         samples = self._samples(h, streams, C * t, device, decoder).view(C, t)
         idx, values = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
-        q = quantize.from_samples(samples, idx, values)
-        coeffs = q[plan.inverse.to(device)].to(torch.float32) * plan.steps.to(device)[:, None]  # concatenated order
+        q = quantize.from_samples(samples, idx, values)[plan.inverse.to(device)]  # concatenated order
+        scale = quantize.token_scales(t, h["fine_tokens"], h["fine_bits"]) if h["fine_tokens"] else None
+        coeffs = quantize.dequantize(q.T, plan.steps, token_scale=scale, sigmas=plan.sigmas, recon=h["recon"])
+        coeffs = coeffs.T.contiguous()
         L, H, D = h["shape"]
         x = torch.empty((L, 2, t, H, D), dtype=torch.float32, device=device)
         off = 0
@@ -131,7 +133,9 @@ class TransformRestorer:
                 while len(self._batched_plans) >= MAX_PLANS:  # each holds a padded basis on the device
                     self._batched_plans.pop(next(iter(self._batched_plans)))
                 p = self.plan(key[0], key[1])
-                self._batched_plans[key] = transform_kernels.build_plan(self.cal, p.counts, p.steps, p.inverse, device)
+                self._batched_plans[key] = transform_kernels.build_plan(
+                    self.cal, p.counts, p.steps, p.inverse, device, sigmas=p.sigmas
+                )
             if self.cal.rope is not None and device not in self._rope_tables:
                 self._rope_tables[device] = transform_kernels.RopeTables(self.cal.rope, device)
             return self._batched_plans[key]
@@ -156,7 +160,7 @@ class TransformRestorer:
         groups: dict[tuple, list[int]] = {}
         for i, (c, out) in enumerate(zip(chunks, outs, strict=True)):
             check_target(c.h, out)
-            key = (float(c.h["theta"]), float(c.h["key_weight"]), c.h["tokens"], out.device, c.h["dtype"])
+            key = (float(c.h["theta"]), float(c.h["key_weight"]), c.h["tokens"], out.device, c.h["dtype"], c.h["recon"])
             groups.setdefault(key, []).append(i)
         for members in groups.values():
             self._finish_group([chunks[i] for i in members], [outs[i] for i in members])
@@ -174,8 +178,19 @@ class TransformRestorer:
                         tensor.record_stream(stream)
         samples = chunks[0].samples[None] if len(chunks) == 1 else torch.stack([c.samples for c in chunks])
         starts = [c.h["start_token"] for c in chunks]
+        scales = None
+        if any(c.h["fine_tokens"] for c in chunks):  # per-token step multipliers (N, t)
+            per = [quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in chunks]
+            scales = _to_device(torch.stack(per), device)
         y = transform_kernels.restore(
-            bp, samples, [c.escapes for c in chunks], (L, H, D), self._rope_tables.get(device), starts
+            bp,
+            samples,
+            [c.escapes for c in chunks],
+            (L, H, D),
+            self._rope_tables.get(device),
+            starts,
+            recon=h0["recon"],
+            token_scales=scales,
         )
         for i, (c, out) in enumerate(zip(chunks, outs)):
             dense = out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)

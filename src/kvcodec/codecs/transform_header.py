@@ -1,6 +1,9 @@
 """Type and range checks of a transform-coded chunk's header (magic KVTC), so that a damaged or
 forged header reaches the restore path only as well-typed fields it can trust: a FormatError
-naming the field otherwise (never a KeyError, a TypeError or a NaN level deep in the math)."""
+naming the field otherwise (never a KeyError, a TypeError or a NaN level deep in the math).
+
+Version 1 chunks have no fine_tokens / fine_bits / recon (read as 0, 0, "centre"); version 2
+chunks must carry all three."""
 
 from __future__ import annotations
 
@@ -10,10 +13,13 @@ from typing import Any
 from kvcodec.container import validate as v
 from kvcodec.container.format import StreamEntry
 from kvcodec.errors import FormatError
+from kvcodec.transform.quantize import MAX_FINE_BITS, RECONS
 
 CODERS = ("hevc", "zstd")
 DTYPES = ("float16", "bfloat16", "float32")
 STREAM_NAMES = ("escapes", "sink", "video", "samples")
+VERSIONS = (1, 2)
+V1_DEFAULTS = {"fine_tokens": 0, "fine_bits": 0, "recon": "centre"}  # fields version 2 added
 
 
 def positive_number(lo: float = 0.0, hi: float = 1e30) -> v.Check:
@@ -54,6 +60,9 @@ FIELDS: dict[str, v.Check] = {
     "escapes": v.integer(0, v.MAX_TOKENS),
     "streams": v.listing(_stream, 1, len(STREAM_NAMES)),
     "key": v.text(512, optional=True),
+    "fine_tokens": v.integer(0, v.MAX_TOKENS),
+    "fine_bits": v.integer(0, MAX_FINE_BITS),
+    "recon": v.choice(RECONS),
 }
 
 
@@ -63,10 +72,15 @@ def check_header(h: Any) -> tuple[dict, tuple[StreamEntry, ...]]:
     twice, or a stream the coder needs that is missing."""
     if not isinstance(h, dict):
         raise FormatError("transform chunk header is not a JSON object")
-    extra = sorted(set(h) - set(FIELDS))
+    version = FIELDS["transform_version"](h.get("transform_version"), "transform_version")
+    if version not in VERSIONS:
+        raise FormatError(f"transform chunk version {version} is not readable (this reads {VERSIONS})")
+    known = set(FIELDS) - (set(V1_DEFAULTS) if version == 1 else set())
+    extra = sorted(set(h) - known)
     if extra:
-        raise FormatError(f"transform chunk header has unknown fields {extra}")
-    checked = v.fields_of(h, FIELDS, {"key": None})
+        raise FormatError(f"transform chunk header (version {version}) has unknown fields {extra}")
+    checks = {k: c for k, c in FIELDS.items() if k in known}
+    checked = {**(V1_DEFAULTS if version == 1 else {}), **v.fields_of(h, checks, {"key": None})}
     entries = checked.pop("streams")
     names = [e.name for e in entries]
     need = {"escapes", "video" if checked["coder"] == "hevc" else "samples"} | ({"sink"} if checked["sink"] else set())
@@ -74,7 +88,8 @@ def check_header(h: Any) -> tuple[dict, tuple[StreamEntry, ...]]:
         raise FormatError(
             f"transform chunk streams {names} do not fit coder {checked['coder']!r} (need {sorted(need)})"
         )
-    if checked["sink"] > checked["tokens"]:
-        raise v.fail("sink", checked["sink"], f"at most tokens={checked['tokens']}")
+    for field in ("sink", "fine_tokens"):
+        if checked[field] > checked["tokens"]:
+            raise v.fail(field, checked[field], f"at most tokens={checked['tokens']}")
     checked["shape"], checked["resolution"] = list(checked["shape"]), list(checked["resolution"])
     return {**h, **checked, "streams": h["streams"]}, entries

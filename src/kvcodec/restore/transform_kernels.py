@@ -7,6 +7,8 @@ per block; on a GPU that is launch and indexing overhead, not arithmetic. Here t
 kernels whatever the groups and however many chunks:
 
     gather:   samples (N, C, t) -> (J, n, N t)  each block's coded coordinates, padded to n
+    (recon)   q -= sign(q) delta; q *= scale    only for chunks restored at bin centroids or with
+                                                finer tail tokens (quantize.dequantize's rule)
     GEMM:     x = mean' + basis' @ samples      one baddbmm over the J blocks; the steps and the
                                                 sample offset (128) are folded into basis', mean'
     rows:     (J, d, N t) -> (L, 2, H, D, N t)  one index_select puts every layer's rows in place
@@ -28,7 +30,7 @@ import torch
 
 from kvcodec.errors import CorruptStreamError
 from kvcodec.transform.calibration import KINDS, Calibration
-from kvcodec.transform.quantize import OFFSET
+from kvcodec.transform.quantize import OFFSET, recon_offset
 from kvcodec.transform.rope import RopeSpec, inv_freq
 
 
@@ -42,6 +44,7 @@ class BatchedPlan:
     rows: torch.Tensor  # (L * 2 * H * D,) int64 row of J * d holding each (layer, kind, head, dim)
     slot_of_row: np.ndarray  # (C,) int64 host: block slot (j * n + k) of each layout row
     n: int  # padded coefficients per block
+    ratios: torch.Tensor | None = None  # (J * n,) float32 step / calibrated deviation per slot (0: padding)
 
 
 def block_layout(counts, group_sizes, layer_dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -63,8 +66,11 @@ def block_layout(counts, group_sizes, layer_dim: int) -> tuple[np.ndarray, np.nd
     return offsets, np.concatenate(rows).astype(np.int64), n, d
 
 
-def build_plan(cal: Calibration, counts, steps: torch.Tensor, inverse: torch.Tensor, device) -> BatchedPlan:
-    """steps (C,) and inverse (C,: concatenated index -> layout row) as in codecs.transform.CoordPlan."""
+def build_plan(
+    cal: Calibration, counts, steps: torch.Tensor, inverse: torch.Tensor, device, sigmas: torch.Tensor | None = None
+) -> BatchedPlan:
+    """steps (C,), inverse (C,: concatenated index -> layout row) and sigmas (C,, for the
+    "laplace" reconstruction) as in codecs.transform.CoordPlan."""
     group_sizes = [len(g) for g in cal.groups]
     offsets, rows, n, d = block_layout(counts, group_sizes, cal.layer_dim)
     J = 2 * len(cal.groups)
@@ -73,6 +79,7 @@ def build_plan(cal: Calibration, counts, steps: torch.Tensor, inverse: torch.Ten
     bases = torch.zeros((J, d, n), dtype=torch.float32)
     means = torch.zeros((J, d), dtype=torch.float32)
     slot_of_row = np.zeros(inverse.numel(), dtype=np.int64)
+    ratios = torch.zeros((J, n), dtype=torch.float32)
     for j in range(J):
         b, c, o = cal.basis(j // 2, KINDS[j % 2]), int(counts[j]), int(offsets[j])
         rows_j = b.mean.numel()
@@ -81,6 +88,9 @@ def build_plan(cal: Calibration, counts, steps: torch.Tensor, inverse: torch.Ten
         means[j, :rows_j] = (b.mean.to(torch.float64) - OFFSET * scaled.sum(1)).float()
         gather[j, :c] = inverse[o : o + c]
         slot_of_row[inverse[o : o + c].numpy()] = j * n + np.arange(c)
+        if sigmas is not None:
+            sig = sigmas[o : o + c].to(torch.float64)
+            ratios[j, :c] = torch.where(sig > 0, steps[o : o + c].to(torch.float64) / sig.clamp_min(1e-30), 0.0).float()
     return BatchedPlan(
         gather.reshape(-1).to(device),
         bases.to(device),
@@ -88,6 +98,7 @@ def build_plan(cal: Calibration, counts, steps: torch.Tensor, inverse: torch.Ten
         torch.from_numpy(rows).to(device),
         slot_of_row,
         n,
+        ratios.reshape(-1).to(device) if sigmas is not None else None,
     )
 
 
@@ -172,10 +183,14 @@ def restore(
     shape: tuple[int, int, int],
     rope: RopeTables | None,
     starts,
+    *,
+    recon: str = "centre",
+    token_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 KV (L, 2, H, D, N * t) of N chunks of t tokens (same plan) from their samples
     (N, C, t) uint8 in layout order, their escapes (per chunk: flat index, true integer, on the
-    host) and first positions. Chunk i is [..., i * t : (i + 1) * t]; emit() writes it out."""
+    host) and first positions; recon and token_scales ((N, t) step multipliers on the device,
+    None: all 1) as in quantize.dequantize. Chunk i is [..., i * t : (i + 1) * t]; emit() writes it out."""
     L, H, D = shape
     N, C, t = samples.shape
     device = samples.device
@@ -187,6 +202,8 @@ def restore(
     if any(idx.numel() for idx, _ in escapes):
         flat, vals = escape_slots(plan, escapes, t, C)
         g.view(-1).index_put_((_upload(flat, device),), _upload(vals, device))
+    if recon != "centre" or token_scales is not None:
+        _reconstruct(plan, g, recon, token_scales)
     J = plan.bases.shape[0]
     x = torch.baddbmm(plan.means, plan.bases, g.view(J, plan.n, N * t))  # (J, d, N t)
     y = x.view(-1, N * t).index_select(0, plan.rows).view(L, 2, H, D, N * t)
@@ -198,6 +215,23 @@ def restore(
         rotated = k.index_select(2, rope.partner).mul_(sin)
         y[:, 0] = rotated.addcmul_(k, cos)
     return y
+
+
+def _reconstruct(plan: BatchedPlan, g: torch.Tensor, recon: str, token_scales: torch.Tensor | None) -> None:
+    """In place on the gathered sample-equivalents g (J * n, N, t): q = g - OFFSET becomes
+    (q - sign(q) * delta) * scale, then the OFFSET goes back (the plan's means subtract it)."""
+    q = g.sub_(OFFSET)
+    if recon == "laplace":
+        if plan.ratios is None:
+            raise ValueError("the laplace reconstruction needs a plan built with sigmas")
+        ratio = plan.ratios[:, None, None]
+        ratio = ratio if token_scales is None else ratio * token_scales[None]
+        q.sub_(torch.sign(q).mul_(recon_offset(ratio)))
+    elif recon != "centre":
+        raise ValueError(f"unknown reconstruction {recon!r}")
+    if token_scales is not None:
+        q.mul_(token_scales[None])
+    q.add_(OFFSET)
 
 
 def emit(y: torch.Tensor, i: int, t: int, out: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,16 @@
 
 Integers q = round(y / step) map to samples q + 128; the rare q outside [-128, 127] are clamped
 in the samples and listed (flat index, true value) in an escape list, so the mapping is lossless.
+
+A token may be coded with a finer step (step * token_scale, token_scale = 2^-bits for the
+prefix's last tokens). A coefficient is restored at its bin's centre q * step ("centre") or, for
+"laplace", at the centroid of the bin under a Laplacian of the coordinate's calibrated deviation:
+q * step - sign(q) * delta * step, delta = recon_offset(step / sigma) (no side information).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -12,15 +19,69 @@ import torch
 from kvcodec.errors import CorruptStreamError
 
 OFFSET = 128
+RECONS = ("centre", "laplace")
+MAX_FINE_BITS = 6
 
 
-def quantize(y: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Integers round(y / steps) (int32); y (..., d), steps (d,) all > 0."""
-    return torch.round(y / steps.to(y.dtype)).to(torch.int32)
+def token_scales(tokens: int, fine_tokens: int, fine_bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(tokens,) step multipliers: 1, and 2^-fine_bits for the last fine_tokens tokens."""
+    scale = torch.ones(tokens, dtype=dtype)
+    if fine_tokens > 0 and fine_bits > 0:
+        scale[max(0, tokens - fine_tokens) :] = 2.0**-fine_bits
+    return scale
 
 
-def dequantize(q: torch.Tensor, steps: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return q.to(dtype) * steps.to(dtype)
+def recon_offset(ratio: torch.Tensor) -> torch.Tensor:
+    """delta in [0, 1/2): how far below |q| * step (in steps) the centroid of a bin q != 0 lies for a
+    Laplacian of deviation sigma quantized with step = ratio * sigma. With r = step / b (b =
+    sigma / sqrt 2 the Laplacian's scale) the density in a bin falls as exp(-u / b), whose mean
+    over [0, step) is b - step / (e^r - 1): delta = 1/2 - 1/r + 1/(e^r - 1) (r / 12 for small r).
+    ratio 0 (no deviation known, or padding) gives 0."""
+    r = ratio * math.sqrt(2.0)
+    safe = r.clamp_min(1e-2)
+    exact = 0.5 - 1.0 / safe + 1.0 / torch.expm1(safe)
+    return torch.where(r < 1e-2, r / 12.0, exact).clamp(0.0, 0.5)
+
+
+def quantize(y: torch.Tensor, steps: torch.Tensor, token_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Integers round(y / (steps * token_scale)) (int32); y (tokens, d), steps (d,) all > 0,
+    token_scale (tokens,) (None: all 1)."""
+    return rounded(scaled(y, steps, token_scale))
+
+
+def scaled(y: torch.Tensor, steps: torch.Tensor, token_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y / (steps * token_scale), before rounding (a caller checks the range first)."""
+    s = steps.to(y.dtype) if token_scale is None else steps.to(y.dtype) * token_scale.to(y.dtype)[:, None]
+    return y / s
+
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    return torch.round(x).to(torch.int32)
+
+
+def dequantize(
+    q: torch.Tensor,
+    steps: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    token_scale: torch.Tensor | None = None,
+    sigmas: torch.Tensor | None = None,
+    recon: str = "centre",
+) -> torch.Tensor:
+    """Coefficients (tokens, d) from integers q (tokens, d): each at its bin's reconstruction
+    point for step steps[i] * token_scale[t] (recon "centre" or "laplace", the latter needs the
+    coordinates' deviations `sigmas` (d,))."""
+    s = steps.to(q.device, dtype)[None, :]
+    if token_scale is not None:
+        s = s * token_scale.to(q.device, dtype)[:, None]
+    x = q.to(dtype)
+    if recon == "laplace":
+        sig = sigmas.to(q.device, dtype)[None, :]
+        ratio = torch.where(sig > 0, s / sig.clamp_min(1e-30), torch.zeros_like(s))
+        x = x - torch.sign(x) * recon_offset(ratio)
+    elif recon != "centre":
+        raise ValueError(f"reconstruction must be one of {RECONS}; got {recon!r}")
+    return x * s
 
 
 def to_samples(q: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:

@@ -18,13 +18,15 @@ def column_entropy_bits(q: torch.Tensor) -> float:
     t, c = q.shape
     if q.numel() == 0:
         return 0.0
-    shifted = q.to(torch.int64) + 128
-    escapes = int(((shifted < 0) | (shifted > 255)).sum())
-    idx = shifted.clamp(0, 255) + 256 * torch.arange(c, device=q.device)[None, :]
-    counts = torch.bincount(idx.reshape(-1), minlength=256 * c).view(c, 256).to(torch.float64)
-    p = counts / t
-    h = -(p * torch.log2(p.clamp_min(1e-300))).sum(1)
-    return float(h.sum()) * t + ESCAPE_BITS * escapes
+    lo, hi = (int(x) for x in torch.aminmax(q))
+    escapes = 0 if lo >= -128 and hi <= 127 else int(((q < -128) | (q > 127)).sum())
+    lo, hi = max(lo, -128), min(hi, 127)
+    width = hi - lo + 1  # bins per column: only the values that occur
+    idx = (q.to(torch.int32) - lo).clamp_(0, width - 1)
+    idx.add_(width * torch.arange(c, dtype=torch.int32, device=q.device))
+    counts = torch.bincount(idx.reshape(-1), minlength=width * c).to(torch.float64)
+    # summed over columns: -sum n log2(n / t) = N log2 t - sum n log2 n
+    return q.numel() * math.log2(t) - float(torch.xlogy(counts, counts).sum()) / math.log(2) + ESCAPE_BITS * escapes
 
 
 def solve_level(size_bits, target_bits: float, lo: float, hi: float, iters: int = 30) -> float:
