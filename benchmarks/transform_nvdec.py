@@ -467,6 +467,7 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     name += (f"-wave{wave}" if mode == "stream" else "") + f"-delay{spec['display_delay']}"
     name += f"-switch{spec['switch_us']}us" if spec["switch_us"] else ""
     name += "-nomath" if spec["no_math"] else ""
+    name += f"-drivers{spec['drivers']}" if spec["drivers"] else ""
     rec = {"backend": name, **spec, "cuda_contexts": 1, "standing_mb": round(before - probe.free_mb(), 1)}
     fallbacks = _count_fallbacks(transform_batch)
     side = torch.cuda.Stream()  # the consumer's stream: waiting for the restore never blocks the matmul's
@@ -475,7 +476,9 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     def run():
         with torch.cuda.stream(side):
             if mode == "stream":
-                transform_batch.restore_chunks(codec, case.job_blobs, case.outs, threads=dec, wave=wave)
+                transform_batch.restore_chunks(
+                    codec, case.job_blobs, case.outs, threads=dec, wave=wave, drivers=spec["drivers"]
+                )
             elif mode == "v2":
                 restore_chunks_v2(codec, case.job_blobs, case.outs, dec)
             else:
@@ -656,18 +659,19 @@ def decode_only(probe, case: Case, sessions: int, streamed: bool, secs: tuple, a
             dec.close()
 
 
-SPEC = re.compile(r"([cbs]?)(\d+)x(\d+)((?:[wdin]\d+)*)$")
+SPEC = re.compile(r"([cbs]?)(\d+)x(\d+)((?:[wdint]\d+)*)$")
 
 
 def _spec(spec: str) -> dict:
     """[c|b|s]SESSIONSxTHREADS[wWAVE][dDELAY][iMICROSECONDS][n1]: c per chunk, b session 5's batched
     restore, s streamed (restore_chunks); WAVE chunks per pass of the math (default 16, 0: at the
     end), DELAY the parser's display delay (default 1), i the interpreter's switch interval, n1: no
-    math (finish skipped: what decoding and the host work alone reach)."""
+    math (finish skipped: what decoding and the host work alone reach), tN: N host threads drive the
+    sessions (restore_chunks' drivers; default one per session)."""
     m = SPEC.match(spec)
     if m is None:
         raise click.BadParameter(f"thread spec {spec!r}")
-    opts = {k: int(v) for k, v in re.findall(r"([wdin])(\d+)", m[4])}
+    opts = {k: int(v) for k, v in re.findall(r"([wdint])(\d+)", m[4])}
     mode = {"c": "chunk", "b": "v2", "s": "stream", "": "chunk"}[m[1]]
     return {
         "sessions": int(m[2]),
@@ -677,6 +681,7 @@ def _spec(spec: str) -> dict:
         "display_delay": opts.get("d", 1),
         "switch_us": opts.get("i"),
         "no_math": bool(opts.get("n")),
+        "drivers": opts.get("t"),
     }
 
 

@@ -50,14 +50,16 @@ class StreamingCpuDecoder:
 
 
 class CpuSessions:
-    """Stands where NvcuvidThreads does for restore_chunks: run_sessions on worker threads."""
+    """Stands where NvcuvidThreads does for restore_chunks: run_sessions on worker threads, the
+    decoders shared out among `drivers` of them."""
 
     def __init__(self, decoders):
         self.decoders = decoders
         self.pool = ThreadPoolExecutor(len(decoders))
 
-    def run_sessions(self, work):
-        return [self.pool.submit(work, d) for d in self.decoders]
+    def run_sessions(self, work, drivers=None):
+        n = drivers or len(self.decoders)
+        return [self.pool.submit(work, self.decoders[k::n]) for k in range(n)]
 
 
 def _case(kvt, tokens=400, **kw):
@@ -75,13 +77,14 @@ def _outs(kv, chunks):
     return out, [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
 
 
-@pytest.mark.parametrize("wave", [0, 1, 3, 16])
+@pytest.mark.parametrize("wave,drivers", [(0, None), (1, 1), (3, 2), (16, None)])
 @pytest.mark.parametrize("streaming", [True, False])
-def test_sessions_restore_every_chunk_as_the_reference(kvt, wave, streaming):
+def test_sessions_restore_every_chunk_as_the_reference(kvt, wave, drivers, streaming):
     c, kv, chunks, want = _case(kvt)
     out, outs = _outs(kv, chunks)
     decoders = [StreamingCpuDecoder() if streaming else get_decoder("cpu") for _ in range(3)]
-    restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions(decoders), wave=wave)
+    sessions = CpuSessions(decoders)
+    restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=sessions, wave=wave, drivers=drivers)
     assert gpu_tests.within_an_ulp(out, want)
     if streaming:
         assert sum(d.fed for d in decoders) == len(chunks)  # every chunk streamed once, none re-decoded
@@ -91,7 +94,9 @@ def test_a_stream_with_an_extra_picture_is_decoded_again_on_its_own(kvt):
     c, kv, chunks, want = _case(kvt)
     out, outs = _outs(kv, chunks)
     dec = StreamingCpuDecoder(extra={2: 1})  # its third stream hands back one picture too many
-    restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions([dec]))
+    restore_chunks(
+        c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions([dec, StreamingCpuDecoder()]), drivers=1
+    )
     assert gpu_tests.within_an_ulp(out, want)  # the chunks after it were streamed again, the rest kept
 
 

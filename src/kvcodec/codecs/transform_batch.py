@@ -18,6 +18,7 @@ from kvcodec.codecs.base import Target
 from kvcodec.codecs.transform_decode import check_target
 from kvcodec.errors import CorruptStreamError
 
+_END = object()
 DEFAULT_WAVE = 16  # chunks per pass of the math: launch-bound below ~8, no faster per chunk above 16
 
 
@@ -35,12 +36,15 @@ def threads_decode_into(codec) -> Callable:
     return decode_into
 
 
-def restore_chunks(codec, blobs: Sequence, outs: Sequence[Target], threads=None, wave: int = DEFAULT_WAVE) -> None:
+def restore_chunks(
+    codec, blobs: Sequence, outs: Sequence[Target], threads=None, wave: int = DEFAULT_WAVE, drivers: int | None = None
+) -> None:
     """Many transform chunks into their targets. threads: an NvcuvidThreads whose sessions decode
     the chunks in parallel while this thread runs the math on its current stream in passes of
-    `wave` chunks or more as they come (0: one pass once every chunk is decoded); None: decoded one
-    after another on this thread, then one pass. Returns once the work is queued on the current
-    stream; a chunk that fails raises its error once the others are restored."""
+    `wave` chunks or more as they come (0: one pass once every chunk is decoded); drivers: host
+    threads driving the sessions, each several in turn (default one per session); None: decoded
+    one after another on this thread, then one pass. Returns once the work is queued on the
+    current stream; a chunk that fails raises its error once the others are restored."""
     if len(blobs) != len(outs):
         raise ValueError("restore_chunks needs one output per blob")
     run = _Run(codec, blobs, outs)
@@ -48,7 +52,7 @@ def restore_chunks(codec, blobs: Sequence, outs: Sequence[Target], threads=None,
         run.session(None)
         run.collect(1, 0)
     else:
-        futures = threads.run_sessions(run.session)
+        futures = threads.run_sessions(run.session, drivers)
         run.collect(len(futures), wave)
         for f in futures:
             f.result()  # a worker's own failure (every chunk's error is in run.errors)
@@ -67,36 +71,40 @@ class _Run:
 
     # -- worker threads ------------------------------------------------------------------------
 
-    def session(self, decoder) -> None:
-        """Decode chunks with `decoder` until none is left (None: a decoder borrowed per chunk)."""
+    def session(self, decoders) -> None:
+        """Decode chunks until none is left: with `decoders` (sessions this thread drives in turn,
+        a chunk at a time each), or None (a decoder borrowed per chunk)."""
         try:
-            if decoder is None:
+            if decoders is None:
                 for i, h, streams in self._videos({}, yield_video=False):
                     self._one(i, h, streams, None)
-            else:
-                while self._stream_chunks(decoder):
-                    pass
+                return
+            steps = [self._stream_chunks(d) for d in decoders]
+            while steps:
+                steps = [s for s in steps if next(s, _END) is not _END]
         finally:
             self.done.put(None)
 
-    def _stream_chunks(self, decoder) -> bool:
-        """Chunks through decode_each until none is left (False) or a stream fails (True: each chunk
-        fed and not yet complete is then decoded on its own, which names the chunk that fails)."""
-        fed: dict[int, tuple] = {}  # fed and not complete: index -> (header, streams)
-        frames = _decode_each(decoder, self._videos(fed))
-        try:
-            router = _Router(frames)
-            for i in router.chunks():
-                h, streams = fed[i]
-                decoded = self.r.decode_samples(h, streams, self.outs[i].device, router)
-                del fed[i]
-                self._done(i, decoded)
-            return False
-        except Exception:  # noqa: BLE001 - attributed to its chunk below
-            frames.close()
-            for i, (h, streams) in fed.items():
-                self._one(i, h, streams, decoder)
-            return True
+    def _stream_chunks(self, decoder) -> Iterator[None]:
+        """Chunks through decoder.decode_each until none is left, one step per chunk. After a
+        stream fails, each chunk fed and not yet complete is decoded on its own (which names the
+        chunk that fails) and streaming goes on with the chunks left."""
+        while True:
+            fed: dict[int, tuple] = {}  # fed and not complete: index -> (header, streams)
+            frames = _decode_each(decoder, self._videos(fed))
+            try:
+                router = _Router(frames)
+                for i in router.chunks():
+                    h, streams = fed[i]
+                    decoded = self.r.decode_samples(h, streams, self.outs[i].device, router)
+                    del fed[i]
+                    self._done(i, decoded)
+                    yield
+                return
+            except Exception:  # noqa: BLE001 - attributed to its chunk below
+                frames.close()
+                for i, (h, streams) in fed.items():
+                    self._one(i, h, streams, decoder)
 
     def _videos(self, fed: dict, yield_video: bool = True) -> Iterator[tuple]:
         """The remaining chunks, pulled one at a time (the workers share them), each read and

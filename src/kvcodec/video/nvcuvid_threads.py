@@ -72,6 +72,7 @@ class NvcuvidThreads:
         for dec in self.decoders:
             self._idle.put(dec)
         self._local = threading.local()
+        self._taking = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nvcuvid")
         self.workers = sessions  # what NvdecPool users read: engines kept busy
         self.name = "nvcuvid-threads"
@@ -118,21 +119,26 @@ class NvcuvidThreads:
         if error is not None:
             raise error
 
-    def run_sessions(self, work: Callable[[NvcuvidDecoder], None]) -> list[Future]:
-        """work(decoder) on as many worker threads as there are sessions (at most `threads`), each
-        holding one session for the whole call and running on its own CUDA stream: for callers that
-        stream many chunks through each session (NvcuvidDecoder.decode_each) and pull the chunks
-        themselves. Returns the futures at once; work records its own events."""
+    def run_sessions(self, work: Callable[[list[NvcuvidDecoder]], None], drivers: int | None = None) -> list[Future]:
+        """work(decoders) on `drivers` worker threads (default and at most: one per session, and no
+        more than `threads`), the sessions shared out among them; each thread holds its decoders for
+        the whole call and runs on its own CUDA stream. For callers that stream many chunks through
+        each session (NvcuvidDecoder.decode_each) and pull the chunks themselves; fewer threads
+        than sessions means less contention for the interpreter lock. Returns the futures at once."""
+        n = max(1, min(drivers or self.sessions, self.sessions, self.threads))
+        shares = [self.sessions // n + (1 if k < self.sessions % n else 0) for k in range(n)]
 
-        def one() -> None:
-            dec = self._idle.get()
+        def one(count: int) -> None:
+            with self._taking:  # all of a share at once: two callers never each hold part of what they wait for
+                decs = [self._idle.get() for _ in range(count)]
             try:
                 with torch.cuda.device(self.device), torch.cuda.stream(self._stream()):
-                    work(dec)
+                    work(decs)
             finally:
-                self._idle.put(dec)
+                for dec in decs:
+                    self._idle.put(dec)
 
-        return [self._pool.submit(one) for _ in range(min(self.sessions, self.threads))]
+        return [self._pool.submit(one, count) for count in shares]
 
     def warm_up(self, decode_one) -> None:
         """Open every decoder's NVDEC session and load the restore kernel before requests come:
