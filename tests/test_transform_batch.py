@@ -31,6 +31,8 @@ class StreamingCpuDecoder:
     """FFmpeg per stream, handed out like NvcuvidDecoder.decode_each (keys from nvcuvid.attribute);
     extra: {stream ordinal: frames added} fakes a stream that holds more pictures than announced."""
 
+    display_delay = 1  # restore_chunks pauses after display_delay + 1 streams (decode_each's None item)
+
     def __init__(self, extra=None):
         self.cpu, self.extra, self.fed = get_decoder("cpu"), extra or {}, 0
 
@@ -39,7 +41,11 @@ class StreamingCpuDecoder:
 
     def decode_each(self, items):
         expected = collections.deque()
-        for ordinal, (key, video, w, h, frames) in enumerate(items):
+        for ordinal, item in enumerate(items):
+            if item is None:
+                yield None, None
+                continue
+            key, video, w, h, frames = item
             self.fed += 1
             expected.append([key, frames, ordinal])
             got = list(self.cpu.decode(video, w, h))

@@ -91,10 +91,13 @@ class _Run:
         chunk that fails) and streaming goes on with the chunks left."""
         while True:
             fed: dict[int, tuple] = {}  # fed and not complete: index -> (header, streams)
-            frames = _decode_each(decoder, self._videos(fed))
+            frames = _decode_each(decoder, self._videos(fed, prime=getattr(decoder, "display_delay", 0) + 1))
             try:
                 router = _Router(frames)
                 for i in router.chunks():
+                    if i is None:  # the session's first streams are queued: on to the next session
+                        yield
+                        continue
                     h, streams = fed[i]
                     decoded = self.r.decode_samples(h, streams, self.outs[i].device, router)
                     del fed[i]
@@ -106,10 +109,14 @@ class _Run:
                 for i, (h, streams) in fed.items():
                     self._one(i, h, streams, decoder)
 
-    def _videos(self, fed: dict, yield_video: bool = True) -> Iterator[tuple]:
+    def _videos(self, fed: dict, yield_video: bool = True, prime: int = 0) -> Iterator[tuple]:
         """The remaining chunks, pulled one at a time (the workers share them), each read and
-        checked; chunks without a video (zstd samples) are decoded here and not yielded."""
+        checked; chunks without a video (zstd samples) are decoded here and not yielded. After the
+        first `prime` videos, one None (decode_each's pause)."""
         while (i := self._take()) is not None:
+            if len(fed) == prime and prime:
+                prime = 0
+                yield None
             try:
                 h, streams = self.codec._read(self.blobs[i])
                 check_target(h, self.outs[i])
@@ -186,10 +193,13 @@ class _Router:
         self._head = next(frames, None)
 
     def chunks(self) -> Iterator:
+        """The key of each chunk whose frames come next; None for decode_each's pause."""
         while self._head is not None:
             key = self._head[0]
             yield key
-            if self._head is not None and self._head[0] == key:
+            if key is None:
+                self._head = next(self._frames, None)
+            elif self._head is not None and self._head[0] == key:
                 raise CorruptStreamError(f"the frames of chunk {key} were not all restored")
 
     def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:
@@ -204,4 +214,9 @@ def _decode_each(decoder, items: Iterator[tuple]) -> Iterator[tuple]:
     them where the decoder can (NvcuvidDecoder.decode_each), else one decode() per stream."""
     if hasattr(decoder, "decode_each"):
         return decoder.decode_each(items)
-    return ((key, frame) for key, video, w, h, _ in items for frame in decoder.decode(video, w, h))
+    return (pair for item in items for pair in ([(None, None)] if item is None else _frames_of(decoder, item)))
+
+
+def _frames_of(decoder, item: tuple) -> Iterator[tuple]:
+    key, video, w, h, _ = item
+    return ((key, frame) for frame in decoder.decode(video, w, h))

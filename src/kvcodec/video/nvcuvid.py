@@ -212,7 +212,7 @@ class _Session:
             dst = self.slots[slot]
             for offset, row, rows in plane_copies(name, self.height, pitch.value):
                 api.copy_rows(
-                    dst[row].data_ptr(),
+                    dst.data_ptr() + row * row_bytes,
                     row_bytes,
                     ptr.value + offset,
                     pitch.value,
@@ -382,8 +382,14 @@ class NvcuvidDecoder:
         Every packet carries its stream's ordinal in its timestamp; a picture that comes back under
         another stream's ordinal, or a stream with more or fewer frames than announced, raises
         CorruptStreamError (a stream's frames are confirmed once a later stream's frame, or the
-        end, has come). A change of frame size flushes the parser and opens the size's session."""
+        end, has come). A change of frame size flushes the parser and opens the size's session.
+        An item None yields (None, None) at once: a caller driving several decoders from one thread
+        feeds each its first streams (display_delay + 1 of them queue pictures without waiting for
+        any) before it waits on one."""
         for key, surface, fmt, (width, height) in self._surfaces_each(items):
+            if surface is None:
+                yield None, None
+                continue
             if fmt != "YUV444":
                 raise CorruptStreamError(f"NVDEC output is {fmt}; kvcodec streams are 4:4:4 8-bit (YUV444)")
             yield key, surface.view(3, height, width)
@@ -395,7 +401,11 @@ class NvcuvidDecoder:
         held: collections.deque = collections.deque(maxlen=2)  # the buffers of the streams in flight
         finished = False
         try:
-            for ordinal, (key, bitstream, width, height, frames) in enumerate(items):
+            for ordinal, item in enumerate(items):
+                if item is None:  # a pause the caller asked for: nothing fed, control handed back
+                    yield None, None, None, (0, 0)
+                    continue
+                key, bitstream, width, height, frames = item
                 buf = _as_buffer(bitstream)
                 if frames is not None and frames < 1:
                     raise ValueError("a stream fed to decode_each announces at least one frame")
