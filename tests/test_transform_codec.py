@@ -320,3 +320,80 @@ def test_plans_kept_per_codec_are_bounded(kvt):
         c.plan(1e-3 * (1 + i))
     assert len(c._plans) == MAX_PLANS
     assert c.plan(1e-3 * (MAX_PLANS + 40)) is c.plan(1e-3 * (MAX_PLANS + 40))  # the latest kept, reused
+
+
+def test_finer_tail_tokens_are_closer_at_the_same_size(kvt):
+    kv = synthetic_kv(200, seed=31)  # chunks of 64: the last 24 tokens span the last two chunks
+    base, _ = roundtrip(codec(kvt, coder="zstd", target_ratio=4.0), kv)
+    c = codec(kvt, coder="zstd", target_ratio=4.0, fine_tokens=24, fine_bits=2)
+    fine, chunks = roundtrip(c, kv)
+    assert [c.header(ch.blobs[0])["fine_tokens"] for ch in chunks] == [0, 0, 16, 8]
+    assert rel_mse(fine[:, :, -24:], kv[:, :, -24:]) < rel_mse(base[:, :, -24:], kv[:, :, -24:]) / 2
+    size = sum(len(ch.blobs[0]) for ch in chunks)
+    assert abs(kv.numel() * 2 / 4.0 / size - 1) < 0.10
+    assert "f24x2" in c.id and "f0x0" in codec(kvt).id  # stores never mix the two
+
+
+def test_chunks_with_and_without_the_new_fields_decode_with_any_codec(kvt):
+    kv = synthetic_kv(100, seed=32)
+    plain = codec(kvt, coder="zstd", bits_per_value=2.0)
+    special = codec(kvt, coder="zstd", bits_per_value=2.0, fine_tokens=50, fine_bits=1, recon="laplace")
+    for coded_by in (plain, special):
+        chunks = coded_by.encode_chunks(kv)
+        want, _ = roundtrip(coded_by, kv)
+        for decoder in (plain, special):  # the chunk says how it was coded
+            got = torch.empty_like(kv)
+            for ch in chunks:
+                decoder.decode_chunk(ch.blobs[0], got[:, :, ch.start_token : ch.start_token + ch.tokens])
+            assert torch.equal(got, want)
+    assert rel_mse(roundtrip(special, kv)[0], kv) < rel_mse(roundtrip(plain, kv)[0], kv)
+
+
+def test_version_1_chunks_still_decode_at_the_bin_centres(kvt):
+    from kvcodec.codecs.transform import CHUNK_MAGIC
+    from kvcodec.container.format import read_object, write_object
+
+    c = codec(kvt, coder="zstd", bits_per_value=2.0)
+    kv = synthetic_kv(64, seed=33)
+    blob = c.encode_chunks(kv)[0].blobs[0]
+    want = c.decode_chunk(blob, torch.empty_like(kv))
+    h, payload = read_object(blob, CHUNK_MAGIC, "tc")
+    assert (h["transform_version"], h["fine_tokens"], h["recon"]) == (2, 0, "centre")
+    for field in ("fine_tokens", "fine_bits", "recon"):
+        del h[field]
+    h["transform_version"] = 1  # the header today's version-1 writers produced
+    old = write_object(CHUNK_MAGIC, h, [bytes(payload)])
+    for decoder in (c, codec(kvt, recon="laplace", fine_tokens=8, fine_bits=1)):
+        assert torch.equal(decoder.decode_chunk(old, torch.empty_like(kv)), want)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: h.__setitem__("fine_tokens", 65),  # more than the chunk's tokens
+        lambda h: h.__setitem__("fine_tokens", -1),
+        lambda h: h.__setitem__("fine_bits", 7),
+        lambda h: h.__setitem__("fine_bits", 1.5),
+        lambda h: h.__setitem__("recon", "median"),
+        lambda h: h.pop("recon"),  # version 2 needs all three
+        lambda h: h.__setitem__("transform_version", 1),  # version 1 has none of them
+        lambda h: h.__setitem__("transform_version", 3),
+        lambda h: h.__setitem__("transform_version", "2"),
+    ],
+)
+def test_forged_precision_fields_are_format_errors(kvt, edit):
+    from kvcodec.codecs.transform import CHUNK_MAGIC
+    from kvcodec.container.format import read_object, write_object
+
+    c = codec(kvt, coder="zstd", bits_per_value=2.0, fine_tokens=8, fine_bits=1)
+    kv = synthetic_kv(64, seed=34)
+    h, payload = read_object(c.encode_chunks(kv)[0].blobs[0], CHUNK_MAGIC, "tc")
+    edit(h)
+    with pytest.raises(FormatError):
+        c.decode_chunk(write_object(CHUNK_MAGIC, h, [bytes(payload)]), torch.empty_like(kv))
+
+
+def test_precision_options_are_checked(kvt):
+    for kw in (dict(fine_tokens=-1), dict(fine_bits=9), dict(recon="median")):
+        with pytest.raises(ConfigError):
+            codec(kvt, **kw)

@@ -62,7 +62,14 @@ def restore_all(c, chunks, shape, dtype=torch.float16, device="cpu"):
     return out
 
 
-@pytest.mark.parametrize("kw", [dict(target_ratio=4.0), dict(theta=1e-6)], ids=["ratio4", "escapes"])
+PRECISION = dict(fine_tokens=70, fine_bits=2, recon="laplace")  # finer tail over the last two chunks
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(target_ratio=4.0), dict(theta=1e-6), dict(target_ratio=4.0, **PRECISION), dict(theta=1e-6, **PRECISION)],
+    ids=["ratio4", "escapes", "ratio4-precision", "escapes-precision"],
+)
 def test_batched_restore_matches_the_reference_path(kvt, kw):
     ref, fast = codecs(kvt, **kw)
     kv = synthetic_kv(150, 7)  # 3 chunks: sink tokens in the first, a short last one
@@ -95,8 +102,9 @@ def test_batched_restore_refuses_escapes_outside_the_chunk(kvt):
         tk.escape_slots(plan, [(idx, vals)], 64, 100)
 
 
-def test_many_chunks_restored_at_once_equal_one_by_one(kvt):
-    ref, fast = codecs(kvt, theta=1e-6)  # escapes in several chunks, a short last chunk, sink tokens
+@pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
+def test_many_chunks_restored_at_once_equal_one_by_one(kvt, kw):
+    ref, fast = codecs(kvt, theta=1e-6, **kw)  # escapes in several chunks, a short last chunk, sink tokens
     kv = synthetic_kv(300, 5)
     chunks = ref.encode_chunks(kv)
     one = restore_all(ref, chunks, kv.shape)
@@ -146,12 +154,13 @@ def test_block_layout_places_every_output_row_once(sizes, layer_dim, data):
 
 @needs_cuda
 @pytest.mark.parametrize("coder", ["zstd", "hevc"])
-def test_gpu_restore_matches_the_cpu_restore(kvt, coder):
+@pytest.mark.parametrize("kw", [{}, PRECISION], ids=["plain", "precision"])
+def test_gpu_restore_matches_the_cpu_restore(kvt, coder, kw):
     from kvcodec.video.nvcuvid import NvcuvidDecoder
 
     if coder == "hevc" and not NvcuvidDecoder.is_available():
         pytest.skip("needs NVDEC")
-    ref, fast = codecs(kvt, target_ratio=4.0, coder=coder, resolutions=((144, 144),))
+    ref, fast = codecs(kvt, target_ratio=4.0, coder=coder, resolutions=((144, 144),), **kw)
     kv = synthetic_kv(200, 11)
     chunks = ref.encode_chunks(kv)
     cpu = restore_all(ref, chunks, kv.shape)
@@ -179,13 +188,14 @@ def test_nvcuvid_threads_restore_transform_chunks_in_parallel(kvt):
 
 
 @needs_cuda
-def test_restore_chunks_on_nvcuvid_threads_matches_the_cpu(kvt):
+@pytest.mark.parametrize("kw", [{}, PRECISION], ids=["plain", "precision"])
+def test_restore_chunks_on_nvcuvid_threads_matches_the_cpu(kvt, kw):
     from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     if not NvcuvidDecoder.is_available():
         pytest.skip("needs NVDEC")
-    ref, _ = codecs(kvt, target_ratio=4.0, coder="hevc", resolutions=((144, 144),))
+    ref, _ = codecs(kvt, target_ratio=4.0, coder="hevc", resolutions=((144, 144),), **kw)
     kv = synthetic_kv(300, 17)
     chunks = ref.encode_chunks(kv)
     cpu = restore_all(ref, chunks, kv.shape)

@@ -53,16 +53,24 @@ def _configs(text: str) -> list[tuple[str, dict]]:
 
 def _items(model, tok, evals, prefix_tokens, cont_tokens, cache: Path | None, model_name: str) -> list[dict]:
     """rd_weights' evaluation items (recomputed KV and its scores per essay), cached on disk if asked."""
-    path = cache / f"items-{model_name}-{prefix_tokens}-{cont_tokens}.pt" if cache else None
+    path = cache / f"items-{model_name}-{prefix_tokens}-{cont_tokens}-logp.pt" if cache else None
     if path is not None and path.exists():
         items = torch.load(path)
         if [it["name"] for it in items] == evals:
             return items
-    items = _eval_items(model, tok, evals, prefix_tokens, cont_tokens)
+    items = _eval_items(model, tok, evals, prefix_tokens, cont_tokens)  # "logp": the reference distribution
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save([{k: v for k, v in it.items() if k != "logp"} for it in items], path)
+        torch.save(items, path)
     return items
+
+
+def kl_measure(item, restored, logp, chunks) -> dict:
+    """Summed KL(reference || restored) of the continuation's next-token distributions (nats),
+    and the same over the first 8 continuation tokens (where the prefix's last tokens matter most)."""
+    ref = item["logp"].float()
+    kl = (ref.exp() * (ref - logp)).sum(-1)
+    return {"kl_nats": float(kl.sum()), "kl_first8_nats": float(kl[:8].sum()) * len(kl) / 8}
 
 
 def weighted_mse(codec, kv16: torch.Tensor, recons) -> dict:
@@ -90,12 +98,19 @@ def _write(doc: dict, out_stem: str) -> None:
     lines += [f"Command: `{doc['command']}`", "", doc["setup"], ""]
     if doc.get("partial"):
         lines += ["**Partial run**: stopped before every configuration was measured.", ""]
-    lines += ["| model | config | options | ratio vs fp16 | top-1 agreement | agreeing / scored | ppl delta % |"]
-    lines += ["|---|---|---|---|---|---|---|"]
+    lines += [
+        "KL: mean KL(recomputed || restored) of the next-token distribution per scored token (milli-nats); "
+        "first 8: over the first 8 continuation tokens only.",
+        "",
+        "| model | config | options | ratio vs fp16 | top-1 agreement | agreeing / scored | ppl delta % | KL mnats "
+        "| KL first 8 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in doc["records"]:
         lines.append(
             f"| {r['model']} | {r['config']} | `{r['options']}` | {r['ratio_vs_fp16']:.3f}x | {r['top1_agreement']:.4f} "
-            f"| {r['agree']} / {r['tokens_scored']} | {r['ppl_delta_pct']:+.3f} |"
+            f"| {r['agree']} / {r['tokens_scored']} | {r['ppl_delta_pct']:+.3f} | {1000 * r['kl_nats']:.2f} "
+            f"| {1000 * r['kl_first8_nats']:.2f} |"
         )
     if doc.get("mse"):
         lines += ["", "Fisher-weighted squared error per value of the coded coefficients, same integers:", ""]
@@ -159,7 +174,7 @@ def main(
         _write(doc, out_stem)
     for name, opts in _configs(configs_text):
         codec = TransformCodec(kvt, target_ratio=ratio, **opts)
-        rec = _evaluate(model, items, codec, f"transform-r{ratio:g}-{name}")
+        rec = _evaluate(model, items, codec, f"transform-r{ratio:g}-{name}", measure=kl_measure)
         doc["records"].append(dict(model=model_name, config=name, options=opts, codec_id=codec.id, **rec))
         _write(doc, out_stem)
     doc["partial"] = False

@@ -20,7 +20,7 @@ def column_entropy_bits(q: torch.Tensor) -> float:
         return 0.0
     lo, hi = (int(x) for x in torch.aminmax(q))
     escapes = 0 if lo >= -128 and hi <= 127 else int(((q < -128) | (q > 127)).sum())
-    lo, hi = max(lo, -128), min(hi, 127)
+    lo, hi = min(max(lo, -128), 127), min(max(hi, -128), 127)
     width = hi - lo + 1  # bins per column: only the values that occur
     idx = (q.to(torch.int32) - lo).clamp_(0, width - 1)
     idx.add_(width * torch.arange(c, dtype=torch.int32, device=q.device))
