@@ -506,53 +506,6 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     return rec
 
 
-def profile_restore(codec, case: Case, sessions: int = 7, display_delay: int = 3, calls: int = 5) -> dict:
-    """Where the host time of restore_chunks goes: cProfile of the one driver thread that runs
-    all `sessions` (drivers=1) and of the caller's thread (the math), over `calls` calls; the top
-    functions by own time, ms per chunk."""
-    import cProfile
-    import pstats
-
-    from kvcodec.codecs import transform_batch
-    from kvcodec.video.nvcuvid_threads import NvcuvidThreads
-
-    dec = NvcuvidThreads(sessions, device=0, display_delay=display_delay)
-    h0 = case.headers[0]
-    dec.warm_up(lambda d: codec.decode_chunk(case.blobs[0], case.outs[0][:, :, : h0["tokens"]], decoder=d))
-    worker, main = cProfile.Profile(), cProfile.Profile()
-    session = transform_batch._Run.session
-
-    def profiled(self, decoders):
-        worker.enable()
-        try:
-            session(self, decoders)
-        finally:
-            worker.disable()
-
-    transform_batch._Run.session = profiled
-    try:
-        for k in range(calls + 1):
-            if k == 1:
-                main.enable()
-            transform_batch.restore_chunks(codec, case.job_blobs, case.outs, threads=dec, drivers=1)
-            torch.cuda.synchronize()
-        main.disable()
-    finally:
-        transform_batch._Run.session = session
-        dec.close()
-    chunks = calls * len(case.job_blobs)  # the worker's first call (warm-up) is in its profile too
-    rec = {}
-    for name, prof, n in (("driver", worker, chunks + len(case.job_blobs)), ("caller", main, chunks)):
-        stats = pstats.Stats(prof)
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
-        rec[f"{name}_total_ms_per_chunk"] = round(1e3 * stats.total_tt / n, 4)
-        rec[f"{name}_top_own_ms_per_chunk"] = [
-            [f"{pathlib.Path(f).name}:{line}({fn})", round(1e3 * tt / n, 4), round(1e3 * ct / n, 4), nc // max(n, 1)]
-            for (f, line, fn), (_, nc, tt, ct, _) in rows
-        ]
-    return rec
-
-
 def _count_fallbacks(transform_batch) -> list:
     """Counts the chunks restore_chunks re-decodes on their own after a streamed decode failed
     (0 when every stream decodes as fed); .pop() restores the method and returns the count."""
@@ -680,7 +633,6 @@ def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, refere
     for spec in specs:
         stage(log, base, "restore", measure_threads, probe, codec, case, spec, secs, alone)
     stage(log, base, "host-profile", host_profile, codec, case)
-    stage(log, base, "restore-profile", profile_restore, codec, case)
     stage(log, base, "gemm-precision", gemm_precision, codec, case)
     k = stage(log, base, "restore-kernels", kernel_times, codec, case)
     if secs[1] > 0 and "_batched_fn" in k:

@@ -146,3 +146,18 @@ def test_attribute_names_each_picture_s_stream_and_refuses_a_miscount(frames, da
             attribute(expected, s)
         if expected:
             raise CorruptStreamError("left")
+
+
+def test_a_worker_that_fails_before_it_begins_raises_instead_of_hanging(kvt):
+    class OneFails(CpuSessions):
+        def run_sessions(self, work, drivers=None):
+            def fail():
+                raise RuntimeError("no NVDEC session")
+
+            return [*super().run_sessions(work, drivers), self.pool.submit(fail)]
+
+    c, kv, chunks, want = _case(kvt, tokens=200)
+    out, outs = _outs(kv, chunks)
+    with pytest.raises(RuntimeError, match="no NVDEC session"):
+        restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=OneFails([StreamingCpuDecoder()] * 2))
+    assert gpu_tests.within_an_ulp(out, want)  # the other workers restored every chunk

@@ -53,7 +53,7 @@ def restore_chunks(
         run.collect(1, 0)
     else:
         futures = threads.run_sessions(run.session, drivers)
-        run.collect(len(futures), wave)
+        run.collect(len(futures), wave, futures)
         for f in futures:
             f.result()  # a worker's own failure (every chunk's error is in run.errors)
     if run.errors:
@@ -152,13 +152,14 @@ class _Run:
 
     # -- the caller's thread -------------------------------------------------------------------
 
-    def collect(self, workers: int, wave: int) -> None:
-        """The math over the decoded chunks, in passes of `wave` or more (0: one pass at the end)."""
+    def collect(self, workers: int, wave: int, futures: Sequence = ()) -> None:
+        """The math over the decoded chunks, in passes of `wave` or more (0: one pass at the end),
+        until every worker has said it is done (or its future has ended without saying so)."""
         batch: list[tuple[int, object]] = []
         while workers:
-            items = [self.done.get()]
-            while not self.done.empty():
-                items.append(self.done.get_nowait())
+            items = self._wait(futures)
+            if items is None:
+                break
             for item in items:
                 if item is None:
                     workers -= 1
@@ -170,6 +171,22 @@ class _Run:
             if batch and ((wave and len(batch) >= wave) or not workers):
                 self._finish(batch)
                 batch = []
+        if batch:
+            self._finish(batch)
+
+    def _wait(self, futures: Sequence) -> list | None:
+        """What the workers have handed over since the last call (waiting for something); None
+        once every future has ended and nothing is left (a worker that failed before it began)."""
+        while True:
+            try:
+                items = [self.done.get(timeout=0.5 if futures else None)]
+                break
+            except queue.Empty:
+                if all(f.done() for f in futures) and self.done.empty():
+                    return None
+        while not self.done.empty():
+            items.append(self.done.get_nowait())
+        return items
 
     def _finish(self, batch: list[tuple[int, object]]) -> None:
         try:
