@@ -92,6 +92,17 @@ def weighted_mse(codec, kv16: torch.Tensor, recons) -> dict:
     return out
 
 
+def _merged(docs: list[dict]) -> dict:
+    """One result from several runs (one per model, say): their records, commands and commits."""
+    out = dict(docs[0], records=[], mse=[], partial=any(d.get("partial") for d in docs))
+    out["command"] = " ; ".join(d["command"] for d in docs)
+    out["commit"] = ",".join(sorted({d["commit"] for d in docs}))
+    for d in docs:
+        out["records"] += d["records"]
+        out["mse"] += d.get("mse", [])
+    return out
+
+
 def _write(doc: dict, out_stem: str) -> None:
     Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
     lines = [f"# Transform codec: precision where the model looks ({doc['machine']})", ""]
@@ -125,7 +136,7 @@ def _write(doc: dict, out_stem: str) -> None:
 
 @click.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True)
-@click.option("--kvt", required=True, help="calibration (.kvt) made from other texts than --eval")
+@click.option("--kvt", help="calibration (.kvt) made from other texts than --eval")
 @click.option("--eval", "eval_texts", default=EVAL, show_default=True)
 @click.option("--prefix", "prefix_tokens", default=512, show_default=True)
 @click.option("--cont", "cont_tokens", default=128, show_default=True)
@@ -136,13 +147,29 @@ def _write(doc: dict, out_stem: str) -> None:
 )
 @click.option("--cache", type=click.Path(path_type=Path), default=None, help="folder caching the recomputed KV")
 @click.option("--append/--no-append", default=False, help="add to the records already in --out.json")
+@click.option("--merge", default="", help="only merge these result JSONs (comma-separated) into --out")
 @click.option("--out", "out_stem", required=True)
 def main(
-    model_name, kvt, eval_texts, prefix_tokens, cont_tokens, ratio, configs_text, mse_rules, cache, append, out_stem
+    model_name,
+    kvt,
+    eval_texts,
+    prefix_tokens,
+    cont_tokens,
+    ratio,
+    configs_text,
+    mse_rules,
+    cache,
+    append,
+    merge,
+    out_stem,
 ):
     from kvcodec.codecs.transform import TransformCodec
     from kvcodec.models import load_model
 
+    if merge:
+        return _write(_merged([json.loads(Path(p).read_text()) for p in merge.split(",")]), out_stem)
+    if not kvt:
+        raise click.BadParameter("--kvt is needed to measure", param_hint="--kvt")
     evals = eval_texts.split(",")
     if set((TransformCodec(kvt).cal.info or {}).get("sources", [])) & set(evals):
         raise click.BadParameter("evaluation texts must not be calibration texts")
