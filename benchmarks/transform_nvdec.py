@@ -141,31 +141,32 @@ def cli():
 @click.option("--ratios", default="5,8")
 @click.option("--resolutions", default="1024x1024,512x512")
 @click.option("--tokens", default=2048, help="leading tokens of the KV file coded")
+@click.option("--chunk-tokens", default=256, help="tokens per chunk (files of other sizes are named -cN)")
 @click.option("--dir", "out_dir", required=True)
-def prep(kvt, kv_path, ratios, resolutions, tokens, out_dir):
+def prep(kvt, kv_path, ratios, resolutions, tokens, chunk_tokens, out_dir):
     from safetensors.torch import load_file, save_file
 
     from kvcodec.codecs.transform import TransformCodec
     from kvcodec.codecs.transform_file import encode_file
 
     kv = load_file(kv_path)["kv"]
-    kv = kv[:, :, : min(tokens, kv.shape[2]) // 256 * 256].contiguous()
+    kv = kv[:, :, : min(tokens, kv.shape[2]) // chunk_tokens * chunk_tokens].contiguous()
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hashes, widths, cpu = _existing(out)
     for res in resolutions.split(","):
         w, h = (int(x) for x in res.split("x"))
         for r in ratios.split(","):
-            codec = TransformCodec(kvt, target_ratio=float(r), resolutions=((w, h),))
+            codec = TransformCodec(kvt, target_ratio=float(r), resolutions=((w, h),), chunk_tokens=chunk_tokens)
             data = encode_file(kv, codec)
-            name = f"hevc-r{r}-{res}"
+            name = f"hevc-r{r}-{res}" + (f"-c{chunk_tokens}" if chunk_tokens != 256 else "")
             (out / f"{name}.kvc").write_bytes(data)
             _, blobs = _chunks(data)
             hashes[name] = [_sha(_samples(codec, b, cpu, "cpu")) for b in blobs]
             counts = codec.plan(codec.header(blobs[0])["theta"], codec.key_weight).counts
             widths = [max(a, b) for a, b in zip(widths or counts, counts)]
             if not (out / "reference.safetensors").exists():  # the CPU restore of the first chunk
-                ref = torch.empty((kv.shape[0], 2, 256, kv.shape[3], kv.shape[4]), dtype=kv.dtype)
+                ref = torch.empty((kv.shape[0], 2, chunk_tokens, kv.shape[3], kv.shape[4]), dtype=kv.dtype)
                 codec.decode_chunk(blobs[0], ref)
                 ref = ref[:, :, :REF_TOKENS].contiguous()  # sink, escapes and RoPE in a fraction of the bytes
                 save_file({"kv": ref}, str(out / "reference.safetensors"), metadata={"file": name})
