@@ -398,7 +398,7 @@ class NvcuvidDecoder:
         api.make_current(self.ctx)
         session = parser = None
         expected: collections.deque = collections.deque()  # [key, frames still due (None: unchecked), ordinal]
-        held: collections.deque = collections.deque(maxlen=2)  # the buffers of the streams in flight
+        held: collections.deque = collections.deque(maxlen=self.display_delay + 2)  # buffers of the streams in flight
         finished = False
         try:
             for ordinal, item in enumerate(items):
