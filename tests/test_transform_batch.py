@@ -161,3 +161,16 @@ def test_a_worker_that_fails_before_it_begins_raises_instead_of_hanging(kvt):
     with pytest.raises(RuntimeError, match="no NVDEC session"):
         restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=OneFails([StreamingCpuDecoder()] * 2))
     assert gpu_tests.within_an_ulp(out, want)  # the other workers restored every chunk
+
+
+def test_a_session_that_fails_on_its_own_stops_its_worker_and_the_call_raises(kvt):
+    class Broken(StreamingCpuDecoder):
+        def decode_each(self, items):
+            raise RuntimeError("NVDEC session lost")
+            yield  # a generator, as decode_each is
+
+    c, kv, chunks, want = _case(kvt, tokens=200)
+    out, outs = _outs(kv, chunks)
+    with pytest.raises(RuntimeError, match="session lost"):
+        restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions([Broken(), StreamingCpuDecoder()]))
+    assert gpu_tests.within_an_ulp(out, want)  # the healthy session restored every chunk

@@ -106,6 +106,8 @@ class _Run:
                 return
             except Exception:  # noqa: BLE001 - attributed to its chunk below
                 frames.close()
+                if not fed:  # no chunk's fault (the session itself failed): this worker stops
+                    raise
                 for i, (h, streams) in fed.items():
                     self._one(i, h, streams, decoder)
 
