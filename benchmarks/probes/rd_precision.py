@@ -113,15 +113,15 @@ def _write(doc: dict, out_stem: str) -> None:
         "KL: mean KL(recomputed || restored) of the next-token distribution per scored token (milli-nats); "
         "first 8: over the first 8 continuation tokens only.",
         "",
-        "| model | config | options | ratio vs fp16 | top-1 agreement | agreeing / scored | ppl delta % | KL mnats "
+        "| model | config | codec id (sink, chunk, finer tail, reconstruction) | ratio vs fp16 | top-1 agreement | agreeing / scored | ppl delta % | KL mnats "
         "| KL first 8 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["records"]:
         lines.append(
-            f"| {r['model']} | {r['config']} | `{r['options']}` | {r['ratio_vs_fp16']:.3f}x | {r['top1_agreement']:.4f} "
-            f"| {r['agree']} / {r['tokens_scored']} | {r['ppl_delta_pct']:+.3f} | {1000 * r['kl_nats']:.2f} "
-            f"| {1000 * r['kl_first8_nats']:.2f} |"
+            f"| {r['model']} | {r['config']} | `{r['codec_id'].rsplit('-kw', 1)[-1].split('-', 1)[-1]}` | {r['ratio_vs_fp16']:.3f}x | {r['top1_agreement']:.4f} "
+            f"| {r['agree']} / {r['tokens_scored']} | {r['ppl_delta_pct']:+.3f} | {1000 * r['kl_nats']:.3f} "
+            f"| {1000 * r['kl_first8_nats']:.3f} |"
         )
     if doc.get("mse"):
         lines += ["", "Fisher-weighted squared error per value of the coded coefficients, same integers:", ""]

@@ -80,7 +80,8 @@ class TransformCodec:
     distortion level), target_ratio (file size vs fp16, measured on the data being encoded) or
     bits_per_value (modelled from the calibration's variances; default 2). fine_tokens /
     fine_bits: the last fine_tokens tokens of the KV being encoded get a step 2^fine_bits times
-    finer (inside the same size); recon: "centre" or "laplace" (quantize.RECONS)."""
+    finer (inside the same size; 0 turns it off); recon: "centre" (default) or "laplace"
+    (bin centroids: lower squared error, but a higher KL divergence on real models)."""
 
     def __init__(
         self,
@@ -93,8 +94,8 @@ class TransformCodec:
         theta: float | None = None,
         key_weight: float = 1.0,
         sink_tokens: int = 4,
-        fine_tokens: int = 0,
-        fine_bits: int = 0,
+        fine_tokens: int = 16,  # defaults measured in benchmarks/results/rd-precision-cpu.md
+        fine_bits: int = 2,
         recon: str = "centre",
         coder: str = "hevc",
         chunk_tokens: int = 256,
