@@ -76,3 +76,47 @@ def test_ledoit_wolf_is_closer_to_the_true_covariance_when_samples_are_few():
 def test_unknown_covariance_estimator_is_refused():
     with pytest.raises(ConfigError, match="covariance estimator"):
         pca.fit_pca(torch.randn(10, 3), "shrunk")
+
+
+def test_default_calibration_texts_exclude_the_evaluation_essays():
+    from kvcodec.cli.calibrate import DEFAULT_TEXTS
+    from kvcodec.transform.calibration import CALIBRATION_POOL, HELD_OUT_TEXTS
+
+    assert len(HELD_OUT_TEXTS) == 8 and not set(CALIBRATION_POOL) & set(HELD_OUT_TEXTS)
+    assert len(set(CALIBRATION_POOL)) == len(CALIBRATION_POOL)
+    assert CALIBRATION_POOL[: len(DEFAULT_TEXTS)] == DEFAULT_TEXTS and len(DEFAULT_TEXTS) >= 4
+
+
+def test_calibrate_command_uses_the_default_texts_without_texts(tmp_path):
+    from click.testing import CliRunner
+
+    from kvcodec.cli.calibrate import DEFAULT_TEXTS, command
+    from kvcodec.transform import load_kvt
+
+    out = tmp_path / "m.kvt"
+    args = ["--model", "smollm2-135m", "--max-tokens", "128", "--weights", "mse", "--out", str(out)]
+    res = CliRunner().invoke(command, [*args, "--covariance", "ledoit-wolf"])
+    assert res.exit_code == 0, res.output
+    cal, _ = load_kvt(out)
+    assert cal.info["sources"] == list(DEFAULT_TEXTS)
+    assert cal.info["covariance"] == "ledoit-wolf"
+    assert cal.info["tokens"] == sum(min(128, n) - 4 for n in _token_counts(DEFAULT_TEXTS))
+
+
+def _token_counts(names):
+    from kvcodec.models import load_model
+    from kvcodec.models.texts import load_text
+
+    _, tok = load_model("smollm2-135m")
+    return [len(tok(load_text(n)).input_ids) for n in names]
+
+
+def test_calibrate_command_refuses_texts_without_a_model(tmp_path):
+    from click.testing import CliRunner
+    from safetensors.torch import save_file
+
+    from kvcodec.cli.calibrate import command
+
+    save_file({"kv": torch.randn(2, 2, 300, 1, 8)}, str(tmp_path / "k.safetensors"))
+    res = CliRunner().invoke(command, [str(tmp_path / "k.safetensors"), "--texts", "pg/aord", "--out", "x.kvt"])
+    assert res.exit_code != 0 and "--texts needs --model" in res.output

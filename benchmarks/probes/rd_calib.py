@@ -36,50 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rd_weights import _commit, _eval_items, _evaluate  # noqa: E402
 
-POOL = [
-    "addiction",
-    "aord",
-    "apple",
-    "avg",
-    "before",
-    "bias",
-    "boss",
-    "copy",
-    "corpdev",
-    "desres",
-    "diff",
-    "ecw",
-    "founders",
-    "foundervisa",
-    "gba",
-    "gh",
-    "goodtaste",
-    "hubs",
-    "iflisp",
-    "island",
-    "know",
-    "langdes",
-    "laundry",
-    "mod",
-    "newideas",
-    "nft",
-    "philosophy",
-    "pow",
-    "rootsoflisp",
-    "rss",
-    "siliconvalley",
-    "startuplessons",
-    "submarine",
-    "sun",
-    "superangels",
-    "todo",
-    "unions",
-    "vb",
-    "vcsqueeze",
-    "vw",
-    "weird",
-]
-EVAL = ["web20", "gap", "love", "popular", "want", "wisdom", "worked", "useful"]
+from kvcodec.transform.calibration import CALIBRATION_POOL, HELD_OUT_TEXTS  # noqa: E402
+
+POOL = [t.removeprefix("pg/") for t in CALIBRATION_POOL]
+EVAL = [t.removeprefix("pg/") for t in HELD_OUT_TEXTS]
 FISHER_PREFIX, FISHER_CONT = 512, 128
 
 
@@ -116,10 +76,10 @@ class Config:
         return ":".join(parts + [f"f{self.fisher_texts}"])
 
 
-def _fisher_per_text(model, seqs):
+def _fisher_per_text(model, seqs, samples=2):
     from kvcodec.integrations.hf_fisher import fisher_diagonal
 
-    return [fisher_diagonal(model, [s], FISHER_PREFIX) for s in seqs]
+    return [fisher_diagonal(model, [s], FISHER_PREFIX, samples=samples) for s in seqs]
 
 
 def _measure(codec, judge):
@@ -144,7 +104,7 @@ def _run_config(cfg, model_name, model, kvs, fishers, rope, items, judge, ratio,
     from kvcodec.transform import calibrate, save_kvt
     from kvcodec.transform.weights import channel_weights
 
-    fisher = torch.stack(fishers[: cfg.fisher_texts]).mean(0)
+    fisher = torch.stack(fishers[0 : cfg.fisher_texts]).mean(0)
     w = channel_weights(fisher, rope_style=rope.style, rotary_dim=rope.rotary_dim, alpha=1.0)
     t0 = time.perf_counter()
     cal = calibrate(
@@ -193,7 +153,9 @@ def _write(out_stem, model_name, section):
             f"Evaluated on {', '.join(sec['eval_texts'])} ({sec['prefix_tokens']}-token prefix, "
             f"{sec['cont_tokens']}-token teacher-forced continuation), target {sec['ratio']:g}x. "
             "kl: mean KL(recomputed || restored) per scored token; fisher_err: the KL the restored KV's "
-            "error predicts to second order (Fisher of the held-out essays); FLOPs: restore GEMM per token.",
+            "error predicts to second order (Fisher of "
+            + ("the held-out essays" if sec.get("judge", "eval") == "eval" else "the first 4 calibration texts")
+            + "); FLOPs: restore GEMM per token; fit s: PCA fit wall time under the load noted.",
             "",
             "| config | calib tokens | groups | .kvt MB | restore MFLOP/token | ratio | top-1 | agree | ppl % "
             "| kl (1e-3 nats) | fisher_err (1e-3) | fit s |",
@@ -210,6 +172,21 @@ def _write(out_stem, model_name, section):
     Path(out_stem + ".md").write_text("\n".join(lines))
 
 
+class FisherCache:
+    """Per-text diagonal Fisher of the calibration pool, measured on first use (the expensive part)."""
+
+    def __init__(self, model, pool_ids, samples=2):
+        self.model, self.pool_ids, self.samples, self.done, self.seconds = model, pool_ids, samples, [], 0.0
+
+    def __getitem__(self, part: slice):
+        t0 = time.perf_counter()
+        while len(self.done) < part.stop:
+            ids = self.pool_ids[len(self.done)][: FISHER_PREFIX + FISHER_CONT]
+            self.done += _fisher_per_text(self.model, [ids], self.samples)
+        self.seconds += time.perf_counter() - t0
+        return self.done[part]
+
+
 @click.command()
 @click.option("--model", "model_name", default="smollm2-135m", show_default=True)
 @click.option("--configs", default="n4,n8,n16", show_default=True, help="Comma-separated, see the module doc.")
@@ -217,17 +194,26 @@ def _write(out_stem, model_name, section):
 @click.option("--prefix", "prefix_tokens", default=512, show_default=True)
 @click.option("--cont", "cont_tokens", default=128, show_default=True)
 @click.option("--ratio", default=5.0, show_default=True)
+@click.option(
+    "--judge",
+    type=click.Choice(["eval", "calib"]),
+    default="eval",
+    show_default=True,
+    help="Fisher of fisher_err: measured on the held-out essays, or the first 4 calibration texts' (cheaper).",
+)
+@click.option("--judge-samples", default=2, show_default=True, help="Fisher draws per held-out text (--judge eval).")
 @click.option("--kvt-dir", default=".scratch_h1", show_default=True, help="Where the fitted .kvt files go.")
 @click.option("--out", "out_stem", required=True)
-def main(model_name, configs, calib_tokens, prefix_tokens, cont_tokens, ratio, kvt_dir, out_stem):
+def main(model_name, configs, calib_tokens, prefix_tokens, cont_tokens, ratio, judge, judge_samples, kvt_dir, out_stem):
     from kvcodec.integrations.hf import extract_kv
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text
     from kvcodec.transform import RopeSpec
 
     cfgs = [Config.parse(c) for c in configs.split(",")]
-    n_pool, n_fisher = max(c.texts for c in cfgs), max(c.fisher_texts for c in cfgs)
-    if max(n_pool, n_fisher) > len(POOL) or set(POOL) & set(EVAL):
+    n_pool = max(c.texts for c in cfgs)
+    n_extract = max(n_pool, 4, *(c.fisher_texts for c in cfgs))
+    if n_extract > len(POOL) or set(POOL) & set(EVAL):
         raise click.BadParameter(f"the calibration pool has {len(POOL)} texts, none of them evaluation texts")
     Path(kvt_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -235,15 +221,17 @@ def main(model_name, configs, calib_tokens, prefix_tokens, cont_tokens, ratio, k
     rope = RopeSpec.from_hf_config(model.config)
     timing = {"load_s": round(time.perf_counter() - t0, 1)}
     t0 = time.perf_counter()
-    pool = [extract_kv(model, tok, load_text(f"pg/{t}"), calib_tokens) for t in POOL[: max(n_pool, n_fisher)]]
-    kvs = [kv for _, kv in pool]
+    ids_kv = [extract_kv(model, tok, load_text(f"pg/{t}"), calib_tokens) for t in POOL[:n_extract]]
+    kvs = [kv for _, kv in ids_kv]
     timing["extract_s"] = round(time.perf_counter() - t0, 1)
-    t0 = time.perf_counter()
-    fishers = _fisher_per_text(model, [ids[: FISHER_PREFIX + FISHER_CONT] for ids, _ in pool[:n_fisher]])
-    timing["fisher_calib_s"] = round(time.perf_counter() - t0, 1)
+    fishers = FisherCache(model, [ids for ids, _ in ids_kv])
     items = _eval_items(model, tok, [f"pg/{t}" for t in EVAL], prefix_tokens, cont_tokens)
     t0 = time.perf_counter()
-    judge = torch.stack(_fisher_per_text(model, [torch.cat([it["prefix"], it["cont"]]) for it in items])).mean(0)
+    if judge == "eval":
+        seqs = [torch.cat([it["prefix"], it["cont"]]) for it in items]
+        judge_f = torch.stack(_fisher_per_text(model, seqs, judge_samples)).mean(0)
+    else:
+        judge_f = torch.stack(fishers[:4]).mean(0)
     timing["fisher_judge_s"] = round(time.perf_counter() - t0, 1)
     click.echo(json.dumps(timing), err=True)
     section = dict(
@@ -257,14 +245,17 @@ def main(model_name, configs, calib_tokens, prefix_tokens, cont_tokens, ratio, k
         cont_tokens=cont_tokens,
         ratio=ratio,
         timing=timing,
+        judge=judge,
+        judge_samples=judge_samples if judge == "eval" else None,
         records=[],
         partial=True,
     )
     for cfg in cfgs:
         section["records"].append(
-            _run_config(cfg, model_name, model, kvs, fishers, rope, items, judge, ratio, Path(kvt_dir))
+            _run_config(cfg, model_name, model, kvs, fishers, rope, items, judge_f, ratio, Path(kvt_dir))
         )
         section["load_average"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        timing["fisher_calib_s"] = round(fishers.seconds, 1)
         _write(out_stem, model_name, section)
     section["partial"] = False
     _write(out_stem, model_name, section)

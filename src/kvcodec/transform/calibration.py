@@ -16,6 +16,61 @@ from kvcodec.transform.rope import RopeSpec, remove_rope
 
 KINDS = ("k", "v")
 DEFAULT_SINK_TOKENS = 4
+# The essays the project evaluates the transform on (docs/TRANSFORM.md): never calibrate on them.
+HELD_OUT_TEXTS = (
+    "pg/web20",
+    "pg/gap",
+    "pg/love",
+    "pg/popular",
+    "pg/want",
+    "pg/wisdom",
+    "pg/worked",
+    "pg/useful",
+)
+# Calibration texts in the order they are taken (the first N of them), disjoint from HELD_OUT_TEXTS.
+CALIBRATION_POOL = (
+    "pg/addiction",
+    "pg/aord",
+    "pg/apple",
+    "pg/avg",
+    "pg/before",
+    "pg/bias",
+    "pg/boss",
+    "pg/copy",
+    "pg/corpdev",
+    "pg/desres",
+    "pg/diff",
+    "pg/ecw",
+    "pg/founders",
+    "pg/foundervisa",
+    "pg/gba",
+    "pg/gh",
+    "pg/goodtaste",
+    "pg/hubs",
+    "pg/iflisp",
+    "pg/island",
+    "pg/know",
+    "pg/langdes",
+    "pg/laundry",
+    "pg/mod",
+    "pg/newideas",
+    "pg/nft",
+    "pg/philosophy",
+    "pg/pow",
+    "pg/rootsoflisp",
+    "pg/rss",
+    "pg/siliconvalley",
+    "pg/startuplessons",
+    "pg/submarine",
+    "pg/sun",
+    "pg/superangels",
+    "pg/todo",
+    "pg/unions",
+    "pg/vb",
+    "pg/vcsqueeze",
+    "pg/vw",
+    "pg/weird",
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
