@@ -109,6 +109,7 @@ def _write(doc: dict, out_stem: str) -> None:
     lines += [f"Command: `{doc['command']}`", "", doc["setup"], ""]
     if doc.get("partial"):
         lines += ["**Partial run**: stopped before every configuration was measured.", ""]
+    lines += [line for note in doc.get("notes", []) for line in (note, "")]
     lines += [
         "KL: mean KL(recomputed || restored) of the next-token distribution per scored token (milli-nats); "
         "first 8: over the first 8 continuation tokens only.",
@@ -148,6 +149,7 @@ def _write(doc: dict, out_stem: str) -> None:
 @click.option("--cache", type=click.Path(path_type=Path), default=None, help="folder caching the recomputed KV")
 @click.option("--append/--no-append", default=False, help="add to the records already in --out.json")
 @click.option("--merge", default="", help="only merge these result JSONs (comma-separated) into --out")
+@click.option("--note", "notes", multiple=True, help="with --merge: a paragraph for the markdown")
 @click.option("--out", "out_stem", required=True)
 def main(
     model_name,
@@ -161,13 +163,18 @@ def main(
     cache,
     append,
     merge,
+    notes,
     out_stem,
 ):
     from kvcodec.codecs.transform import TransformCodec
     from kvcodec.models import load_model
 
     if merge:
-        return _write(_merged([json.loads(Path(p).read_text()) for p in merge.split(",")]), out_stem)
+        doc = _merged([json.loads(Path(p).read_text()) for p in merge.split(",")])
+        doc["notes"] = list(notes)
+        doc["partial"] = False  # a merge says in its notes what was left out
+        doc["command"] += " ; python " + shlex.join(sys.argv)
+        return _write(doc, out_stem)
     if not kvt:
         raise click.BadParameter("--kvt is needed to measure", param_hint="--kvt")
     evals = eval_texts.split(",")
