@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvbench.accuracy_metrics import answer_f1, normalize_answer
+from kvcodec.cli.calibrate import DEFAULT_TEXTS
 
 QUOREF_INSTRUCTION = "Read the passage, then answer the question with a short span copied from the passage.\n\n"
 QUOREF_QUESTION = "\n\nQuestion: {question}\nAnswer with the span only."
@@ -29,7 +30,8 @@ NEEDLE_INSTRUCTION = "Read the following essays carefully. A secret code is hidd
 NEEDLE_TEXT = "The secret code of the {color} vault is {code}."
 NEEDLE_QUESTION = "\n\nQuestion: What is the secret code of the {color} vault? Answer with the number only."
 COLORS = ("blue", "green", "amber", "violet", "crimson", "silver", "golden", "orange", "teal")
-CALIBRATION_ESSAYS = ("pg/addiction", "pg/aord", "pg/apple", "pg/avg")
+# every essay `kvcodec calibrate --model M` fits on by default (the first 4 were the default before): never a haystack
+CALIBRATION_ESSAYS = tuple(DEFAULT_TEXTS)
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
