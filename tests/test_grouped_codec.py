@@ -219,8 +219,8 @@ def test_transform_codecs_calibrated_per_layer_kind():
     for g, t in zip(spec.groups, calib.tensors):
         cal = calibrate([t], None, sink_tokens=0)
         per_kind[g.kind] = TransformCodec(
-            cal, kvt_hash=kvt_hash(to_bytes(cal)), bits_per_value=4, coder="zstd", chunk_tokens=32
-        )
+            cal, kvt_hash=kvt_hash(to_bytes(cal)), bits_per_value=4, coder="zstd", chunk_tokens=32, fine_tokens=0
+        )  # fine_tokens=0: the grouped codec codes chunk by chunk, a finer tail would end each chunk
     codec = GroupedCodec(per_kind["full"], {"sliding": per_kind["sliding"]})
     kv = _random(spec, 70, seed=2)
     got = _restore(codec, codec.encode_chunks(kv), spec, 70)
