@@ -166,7 +166,7 @@ def _write(out_stem, model_name, section):
                 f"| {r['label']} | {r['calib_tokens']} | {'/'.join(map(str, sorted(set(r['groups']))))} x {len(r['groups'])} "
                 f"| {r['kvt_bytes'] / 1e6:.1f} | {r['flops_per_token'] / 1e6:.1f} | {r['ratio_vs_fp16']:.2f}x "
                 f"| {r['top1_agreement']:.4f} | {r['agree']} / {r['tokens_scored']} | {r['ppl_delta_pct']:+.2f} "
-                f"| {1e3 * r['kl']:.2f} | {1e3 * r['fisher_err']:.2f} | {r['fit_seconds']:.0f} |"
+                f"| {1e3 * r['kl']:.3f} | {1e3 * r['fisher_err']:.3f} | {r['fit_seconds']:.0f} |"
             )
         lines.append("")
     Path(out_stem + ".md").write_text("\n".join(lines))
