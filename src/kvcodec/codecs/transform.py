@@ -297,7 +297,8 @@ class TransformCodec:
                     y[s:e],
                     kv[:, :, s:e],
                     theta,
-                    (first + s, fine),
+                    first + s,
+                    fine,
                     first_chunk_index + n,
                     res,
                     keys[n] if keys is not None else None,
@@ -310,8 +311,7 @@ class TransformCodec:
                 on_chunk(chunk)
         return out
 
-    def _blob(self, y, kv, theta, start_fine, index, resolution, key) -> bytes:
-        start, fine = start_fine
+    def _blob(self, y, kv, theta, start, fine, index, resolution, key) -> bytes:
         streams, counts = self._streams(y, kv, theta, start, resolution, fine)
         return self._write(streams, counts, kv, theta, start, index, resolution, key)
 

@@ -30,7 +30,7 @@ import torch
 
 from kvcodec.errors import CorruptStreamError
 from kvcodec.transform.calibration import KINDS, Calibration
-from kvcodec.transform.quantize import OFFSET, recon_offset
+from kvcodec.transform.quantize import OFFSET, recon_offset, step_ratio
 from kvcodec.transform.rope import RopeSpec, inv_freq
 
 
@@ -89,8 +89,7 @@ def build_plan(
         gather[j, :c] = inverse[o : o + c]
         slot_of_row[inverse[o : o + c].numpy()] = j * n + np.arange(c)
         if sigmas is not None:
-            sig = sigmas[o : o + c].to(torch.float64)
-            ratios[j, :c] = torch.where(sig > 0, steps[o : o + c].to(torch.float64) / sig.clamp_min(1e-30), 0.0).float()
+            ratios[j, :c] = step_ratio(steps[o : o + c].to(torch.float64), sigmas[o : o + c].to(torch.float64)).float()
     return BatchedPlan(
         gather.reshape(-1).to(device),
         bases.to(device),

@@ -43,6 +43,11 @@ def recon_offset(ratio: torch.Tensor) -> torch.Tensor:
     return torch.where(r < 1e-2, r / 12.0, exact).clamp(0.0, 0.5)
 
 
+def step_ratio(steps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """step / sigma, the argument of recon_offset; 0 where no deviation is known."""
+    return torch.where(sigmas > 0, steps / sigmas.clamp_min(1e-30), 0.0)
+
+
 def quantize(y: torch.Tensor, steps: torch.Tensor, token_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Integers round(y / (steps * token_scale)) (int32); y (tokens, d), steps (d,) all > 0,
     token_scale (tokens,) (None: all 1)."""
@@ -76,9 +81,7 @@ def dequantize(
         s = s * token_scale.to(q.device, dtype)[:, None]
     x = q.to(dtype)
     if recon == "laplace":
-        sig = sigmas.to(q.device, dtype)[None, :]
-        ratio = torch.where(sig > 0, s / sig.clamp_min(1e-30), torch.zeros_like(s))
-        x = x - torch.sign(x) * recon_offset(ratio)
+        x = x - torch.sign(x) * recon_offset(step_ratio(s, sigmas.to(q.device, dtype)[None, :]))
     elif recon != "centre":
         raise ValueError(f"reconstruction must be one of {RECONS}; got {recon!r}")
     return x * s
