@@ -161,7 +161,7 @@ def test_serve_picks_the_codec_through_the_registry(served, small_kvt):
     assert serve_cli().exit_code == 0
     codec = served[-1]["codec"]
     assert isinstance(codec, HevcCodec) and codec.config.quant == "int8" and codec.chunk_tokens == 256
-    assert served[-1]["decode_workers"] == 1
+    assert served[-1]["decode_workers"] is None  # the fetcher's default: 1 on the CPU, one per NVDEC engine on CUDA
     r = serve_cli("--quant", "int4", "--chunk-tokens", "64", "--codec-option", "resolutions=((256, 256),)")
     assert r.exit_code == 0, r.output
     codec = served[-1]["codec"]

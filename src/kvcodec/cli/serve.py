@@ -99,7 +99,8 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     type=click.IntRange(min=0),
     help="CUDA: restore fetched chunks in this many NVDEC worker processes (7 on an H100/H200). "
     "Keeps decoding off the serving process, whose request loop an in-process decoder slows "
-    "(benchmarks/results/interference-h200-v2.md). 0: one decoder in this process.",
+    "(benchmarks/results/interference-h200-v2.md). 0 (default): decoder sessions on threads of this process, "
+    "one per NVDEC engine (see --decode-workers).",
 )
 @click.option(
     "--nvdec-threads",
@@ -115,8 +116,9 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     "--decode-workers",
     default=None,
     type=click.IntRange(min=1),
-    help="Decode threads of a fetch (default: the pool's or threads' size, else 1). Codecs without a "
-    "pool (transform) decode on CUDA with one NVDEC session per thread: 7 on an H100/H200.",
+    help="Decode threads of a fetch (default: the pool's or threads' size; without them one per NVDEC "
+    "engine on CUDA, each thread its own NVDEC session in this process's CUDA context: 7 on an H100/H200; "
+    "1 on the CPU).",
 )
 @click.option(
     "--sdpa-backends",
@@ -176,7 +178,7 @@ def command(
             model_name,
             store_url=store_url,
             codec=codec,
-            decode_workers=decode_workers or max(1, nvdec_pool, nvdec_threads),
+            decode_workers=decode_workers or max(nvdec_pool, nvdec_threads) or None,
             reuse=not no_reuse,
             store_policy=StorePolicy(enabled=not no_store, min_tokens=store_min_tokens),
             policy=policy,

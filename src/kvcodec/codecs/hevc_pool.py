@@ -37,6 +37,14 @@ def open_pool(workers: int | None = None, **options: Any) -> Any:
     return NvdecPool(workers=workers or DEFAULT_WORKERS, warm_up=warm_up_restore, **options)
 
 
+def decode_engines(device) -> int:
+    """NVDEC engines of a CUDA `device` (video.nvcuvid_threads.nvdec_engines): the decode sessions a
+    fetch on it runs by default; 0 without CUDA."""
+    from kvcodec.video.nvcuvid_threads import nvdec_engines
+
+    return nvdec_engines(device)
+
+
 def open_threads(sessions: int | None = None, *, warm_blob=None, **options: Any) -> Any:
     """NVDEC sessions on threads of this process, in its own CUDA context (video.nvcuvid_threads),
     standing where an NvdecPool does; with `warm_blob`, every session is opened on it first."""

@@ -26,7 +26,9 @@ class EngineConfig:
         or a registered name ("hevc", "raw", ...); None: HevcCodec. codec_config: a
         kvcodec.CodecConfig the codec is configured with (default int8 for HevcCodec).
     resolution_policy: which stored resolution a fetch reads ("adaptive", "fixed:0", ...).
-    decode_workers: decode threads of a fetch. store_partial: also store a last partial chunk.
+    decode_workers: decode threads of a fetch; None (default): the fetcher's default for the
+        device (on CUDA one per NVDEC engine, each its own session in this process's CUDA context:
+        7 on an H100/H200; 1 on the CPU). store_partial: also store a last partial chunk.
     reuse: look up and fetch stored prefixes. store_policy: what is stored after prefills.
     policy: "fetch-aware" (a fetching request never blocks others) or "blocking" (for comparison).
     max_batch: most requests in the running batch.
@@ -59,7 +61,7 @@ class EngineConfig:
     codec_config: Any = None
     codec: Any = None
     resolution_policy: str = "adaptive"
-    decode_workers: int = 1
+    decode_workers: int | None = None
     store_partial: bool = True
     reuse: bool = True
     store_policy: StorePolicy = StorePolicy()
@@ -89,6 +91,8 @@ class EngineConfig:
             "store_queue",
             "decode_workers",
         ):
+            if getattr(self, name) is None and name == "decode_workers":
+                continue
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         d = self.fetch_deadline_s

@@ -33,7 +33,13 @@ from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, S
 from kvcodec.fetcher import storecalls
 from kvcodec.fetcher.bandwidth import BandwidthEstimator
 from kvcodec.fetcher.keys import ChunkMeta, as_token_array, blob_key, chunk_keys, longest_present, meta_key
-from kvcodec.fetcher.pipeline import FetchPipeline, FetchPlan, PipelineSettings
+from kvcodec.fetcher.pipeline import (
+    FetchPipeline,
+    FetchPlan,
+    PipelineSettings,
+    default_decode_workers,
+    default_max_inflight,
+)
 from kvcodec.fetcher.policy import ResolutionPolicy, get_policy
 from kvcodec.fetcher.profile import DecodeProfile, load_or_calibrate
 from kvcodec.fetcher.shards import TPShard, tiling_shards
@@ -91,8 +97,11 @@ class PrefixCache:
     device: where fetched KV is decoded and restored ("cpu", "cuda", "cuda:1").
     namespace: a tenant's salt in every key: tenants sharing a store cannot find each other's prefixes.
     policy: resolution policy name or object ("adaptive", "fixed:J", "min-bytes", "min-decode").
-    max_inflight: chunks between network get and restore at once (bounds peak memory).
-    decode_workers: decode threads (results are restored in order).
+    max_inflight: chunks between network get and restore at once (bounds peak memory); None: 64
+        on CUDA (never caps the staged batch), 4 on the CPU (pipeline.default_max_inflight).
+    decode_workers: decode threads (results are restored in order); None: on CUDA one per NVDEC
+        engine (7 on an H100/H200, each thread its own session, all in this process's CUDA
+        context), 1 on the CPU (pipeline.default_decode_workers).
     net_workers: concurrent gets (several connections; helps where one client stream cannot fill
         the link). The bandwidth estimator charges overlapping gets only their non-overlapped time.
     profile: a DecodeProfile; None = calibrate (cached in the cache dir) on first adaptive fetch.
@@ -118,8 +127,8 @@ class PrefixCache:
         *,
         namespace: str | None = None,
         policy: str | ResolutionPolicy = "adaptive",
-        max_inflight: int = 4,
-        decode_workers: int = 1,
+        max_inflight: int | None = None,
+        decode_workers: int | None = None,
         net_workers: int = 1,
         profile: DecodeProfile | None = None,
         initial_gbit: float = 8.0,
@@ -130,8 +139,8 @@ class PrefixCache:
         batched_restore: bool | None = None,
         **legacy: Any,
     ) -> None:
-        if max_inflight < 1 or decode_workers < 1:
-            raise ConfigError("max_inflight and decode_workers must be >= 1")
+        if (max_inflight is not None and max_inflight < 1) or (decode_workers is not None and decode_workers < 1):
+            raise ConfigError("max_inflight and decode_workers must be >= 1 (or None: the device's default)")
         if shard is not None and not isinstance(shard, TPShard):
             raise ConfigError(f"shard must be a TPShard; got {type(shard).__name__}")
         if isinstance(store, str):
@@ -144,8 +153,8 @@ class PrefixCache:
         self.device = _device(device)
         self.namespace = namespace
         self.policy = get_policy(policy, self.codec.resolutions)
-        self.max_inflight = int(max_inflight)
-        self.decode_workers = int(decode_workers)
+        self.decode_workers = int(decode_workers or default_decode_workers(self.device))
+        self.max_inflight = int(max_inflight or default_max_inflight(self.device, self.decode_workers))
         self.net_workers = max(1, min(int(net_workers), self.max_inflight))
         self.profile = profile
         self.bandwidth = BandwidthEstimator(initial_gbit, bandwidth_alpha)
@@ -154,6 +163,7 @@ class PrefixCache:
         self.shard = shard
         self.batched_restore = batched_restore
         self._decoder_name: str | None = None
+        self._profile_failed = False  # a failed decode calibration is not retried per fetch
 
     @property
     def chunk_tokens(self) -> int:
@@ -330,7 +340,7 @@ class PrefixCache:
             self._check_out(out, metas[0].shape, n_tokens)
         except ShapeError as e:  # the caller's target or the stored metas are wrong: no fetch
             return self._result(stats, t0, out, 0, n_tokens, e)
-        profile = self._profile_for(pol, metas[0].shape, dtype)
+        profile = self._profile_for(pol, metas[0].shape, dtype, keys[0])
         stats.decoder = self.decoder_name()
         settings = PipelineSettings(
             self.codec,
@@ -492,13 +502,30 @@ class PrefixCache:
         elif out.dim() != 5 or tuple(out.shape[:2]) != (L, 2) or tuple(out.shape[3:]) != (H, D):
             raise ShapeError(f"out is {tuple(out.shape)}; the stored KV is ({L}, 2, {n_tokens}, {H}, {D})")
 
-    def _profile_for(self, pol: ResolutionPolicy, shape, dtype) -> DecodeProfile:
-        if pol.name == "adaptive" and self.profile is None:
+    def _profile_for(self, pol: ResolutionPolicy, shape, dtype, key: str | None = None) -> DecodeProfile:
+        """The decode profile the policy weighs resolutions with. Calibrated only for an adaptive
+        policy over several resolutions (with one there is nothing to choose), on the stored blobs
+        of the chunk `key` (no encoder needed here); a calibration that fails is not retried."""
+        several = len(self.codec.resolutions) > 1
+        if pol.name == "adaptive" and self.profile is None and several and not self._profile_failed:
             try:
-                self.ensure_profile(shape, dtype)
+                blobs = None if key is None else (lambda: self._chunk_blobs(key))
+                self.profile = load_or_calibrate(self.codec, self.device, tuple(shape), dtype, blobs=blobs)
             except Exception as e:  # noqa: BLE001 - calibration failed: fall back to a neutral prior
+                self._profile_failed = True
                 log.warning("decode calibration failed (%s: %s); using a default profile", type(e).__name__, e)
         return self.profile or DecodeProfile.default(self.codec.resolutions)
+
+    def _chunk_blobs(self, key: str) -> list[bytes] | None:
+        """A stored chunk's blob at every resolution (None when one is missing)."""
+        blobs = storecalls.call(
+            storecalls.Deadline(10.0),
+            "profile blobs",
+            self.store.get_many,
+            [blob_key(key, j) for j in range(len(self.codec.resolutions))],
+        )
+        blobs = list(blobs)
+        return None if any(b is None for b in blobs) else blobs
 
 
 def _head_view(out: Target, a: int, b: int) -> Target:

@@ -40,6 +40,29 @@ from kvcodec.restore.paged import PagedKV
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
+CPU_DECODE_WORKERS = 1  # FFmpeg's decoder threads itself
+CPU_MAX_INFLIGHT = 4
+CUDA_MAX_INFLIGHT = 64  # never caps the staged batch of a fetch on CUDA (chunks are a few MB each)
+
+
+def default_decode_workers(device: torch.device) -> int:
+    """Decode threads of a fetch on `device`: one NVDEC session each, one per engine on CUDA (all
+    in this process's CUDA context), else CPU_DECODE_WORKERS."""
+    if device.type != "cuda":
+        return CPU_DECODE_WORKERS
+    from kvcodec.codecs.hevc_pool import decode_engines
+
+    return max(1, decode_engines(device))
+
+
+def default_max_inflight(device: torch.device, decode_workers: int) -> int:
+    """Chunks between network get and restore: on CUDA enough that the staged batch a finish takes
+    is never capped (every engine busy and chunks queued behind each), else CPU_MAX_INFLIGHT."""
+    if device.type != "cuda":
+        return max(CPU_MAX_INFLIGHT, decode_workers)
+    return max(CUDA_MAX_INFLIGHT, 4 * decode_workers)
+
+
 _DIRECT_JOIN_S = 60.0  # how long a stopped fetch waits for a decode still writing into the target
 
 

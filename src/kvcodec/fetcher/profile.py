@@ -2,7 +2,9 @@
 
 Model per resolution j: seconds = overhead_s[j] + values * seconds_per_value[j], where `values` is
 the number of KV values in the chunk (layers * 2 * tokens * kv_heads * head_dim). A quick
-calibration encodes a synthetic full chunk and times its decode at every resolution. Profiles are cached as JSON in the cache dir
+calibration times the decode of one stored chunk at every resolution (PrefixCache hands it the
+blobs of the fetch's first chunk: no encoder needed where the cache serves), or of a synthetic
+chunk encoded here. A calibration that fails is remembered for the process and not retried. Profiles are cached as JSON in the cache dir
 (``$KVCODEC_CACHE_DIR`` or ``~/.cache/kvcodec``), keyed by device model and codec id (which covers its configuration),
 and refined online from the decode times the fetcher observes.
 """
@@ -16,17 +18,23 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvcodec.codecs.base import ChunkCodec
+from kvcodec.errors import KVCodecError
 
 log = logging.getLogger(__name__)
 
 PROFILE_FILE = "decode-profiles.json"
 PROFILE_VERSION = 3  # bump when calibration changes: old cached profiles are then ignored
+
+
+class CalibrationError(KVCodecError):
+    """The decode-speed calibration cannot run here (it failed before in this process)."""
 
 
 def cache_dir() -> Path:
@@ -108,17 +116,22 @@ def calibrate(
     shape: tuple[int, int, int],
     dtype: torch.dtype = torch.float16,
     repeats: int = 3,
+    blobs: Sequence[bytes] | None = None,
 ) -> DecodeProfile:
-    """Time the decode of one synthetic full chunk at every resolution of `codec` (best of
-    `repeats` after a warm-up) into a target on `device`. Fetched chunks are full chunks except a
-    prefix's tail, so the per-value cost of a full chunk is what the policy needs; the fixed cost
-    is left at 0 (a two-size fit was tried and is unstable: a small chunk still costs whole frames)."""
-    ct = int(codec.chunk_tokens)
-    chunk = codec.encode_chunks(_synthetic_kv(shape, ct, dtype))[0]
-    L, H, D = shape
-    out = torch.empty((L, 2, ct, H, D), dtype=dtype, device=device)
+    """Time the decode of one full chunk at every resolution of `codec` (best of `repeats` after a
+    warm-up) into a target on `device`: `blobs` (one stored chunk, one blob per resolution: no
+    encoder needed on the serving machine) or, without them, a synthetic chunk encoded here.
+    Fetched chunks are full chunks except a prefix's tail, so the per-value cost of a full chunk is
+    what the policy needs; the fixed cost is left at 0 (a two-size fit was tried and is unstable:
+    a small chunk still costs whole frames)."""
+    if blobs is None:
+        blobs = codec.encode_chunks(_synthetic_kv(shape, int(codec.chunk_tokens), dtype))[0].blobs
+    if len(blobs) != len(codec.resolutions):
+        raise ValueError(f"{len(blobs)} blobs for {len(codec.resolutions)} resolutions")
+    info = codec.inspect_chunk(blobs[0])
+    out = torch.empty((info.layers, 2, info.tokens, info.kv_heads, info.head_dim), dtype=dtype, device=device)
     spv = []
-    for blob in chunk.blobs:
+    for blob in blobs:
         codec.decode_chunk(blob, out)  # warm-up (decoder init, caches)
         best = float("inf")
         for _ in range(max(1, repeats)):
@@ -131,18 +144,12 @@ def calibrate(
     return DecodeProfile(tuple(codec.resolutions), spv, [0.0] * len(spv), "calibrated")
 
 
-def load_or_calibrate(
-    codec: ChunkCodec,
-    device: str | torch.device,
-    shape: tuple[int, int, int],
-    dtype: torch.dtype = torch.float16,
-    directory: Path | None = None,
-    recalibrate: bool = False,
-) -> DecodeProfile:
-    """The cached profile for (device model, codec id, shape), calibrating on a miss."""
-    directory = directory or cache_dir()
-    path = directory / PROFILE_FILE
-    key = "|".join(
+_FAILED: dict[str, str] = {}  # profile key -> why its calibration failed (this process never retries it)
+_FAILED_LOCK = threading.Lock()
+
+
+def profile_key(codec: ChunkCodec, device: str | torch.device, shape, dtype: torch.dtype) -> str:
+    return "|".join(
         [
             f"v{PROFILE_VERSION}",
             device_model(device),
@@ -151,6 +158,29 @@ def load_or_calibrate(
             str(dtype).replace("torch.", ""),
         ]
     )
+
+
+def failed_calibration(key: str) -> str | None:
+    """Why the calibration of profile `key` failed in this process (None: it has not)."""
+    with _FAILED_LOCK:
+        return _FAILED.get(key)
+
+
+def load_or_calibrate(
+    codec: ChunkCodec,
+    device: str | torch.device,
+    shape: tuple[int, int, int],
+    dtype: torch.dtype = torch.float16,
+    directory: Path | None = None,
+    recalibrate: bool = False,
+    blobs: Sequence[bytes] | Callable[[], Sequence[bytes] | None] | None = None,
+) -> DecodeProfile:
+    """The cached profile for (device model, codec id, shape), calibrating on a miss (on `blobs`,
+    a stored chunk or a function that gets one, asked only on a miss; see calibrate). A calibration that fails raises, and is remembered:
+    later calls for the same key raise CalibrationError at once instead of calibrating again."""
+    directory = directory or cache_dir()
+    path = directory / PROFILE_FILE
+    key = profile_key(codec, device, shape, dtype)
     table: dict[str, Any] = {}
     try:
         table = json.loads(path.read_text())
@@ -161,8 +191,16 @@ def load_or_calibrate(
             return DecodeProfile.from_json(table[key], "cache")
         except (KeyError, TypeError, ValueError):
             log.warning("ignoring malformed cached decode profile %s", key)
+    why = failed_calibration(key)
+    if why is not None and not recalibrate:
+        raise CalibrationError(f"decode calibration failed earlier in this process: {why}")
     t = time.perf_counter()
-    prof = calibrate(codec, device, shape, dtype)
+    try:
+        prof = calibrate(codec, device, shape, dtype, blobs=blobs() if callable(blobs) else blobs)
+    except Exception as e:
+        with _FAILED_LOCK:
+            _FAILED[key] = f"{type(e).__name__}: {e}"
+        raise
     log.info("decode profile calibrated in %.2fs: %s", time.perf_counter() - t, prof.values_per_s())
     table = table if isinstance(table, dict) else {}
     table[key] = prof.to_json()

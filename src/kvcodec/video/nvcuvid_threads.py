@@ -26,6 +26,27 @@ import torch
 from kvcodec.video.nvcuvid import NvcuvidDecoder
 
 DEFAULT_SESSIONS = 7  # NVDEC engines of an H100/H200
+# NVDEC engines per GPU (the vendor's NVDEC support matrix), by a substring of the device name; a
+# GPU not listed gets DEFAULT_ENGINES (sessions beyond the engines share them: memory, not errors).
+ENGINES_BY_NAME = (("H100", 7), ("H200", 7), ("H800", 7), ("H20", 7), ("GH200", 7), ("B200", 7), ("B100", 7))
+ENGINES_BY_NAME += (("A100", 5), ("A800", 5), ("A30", 4), ("A10", 2), ("L40", 3), ("L4", 4), ("T4", 2))
+DEFAULT_ENGINES = 4
+
+
+def engines_for_name(name: str) -> int:
+    """NVDEC engines of a GPU called `name` (torch.cuda.get_device_name), DEFAULT_ENGINES if unknown."""
+    for part, engines in ENGINES_BY_NAME:
+        if part in name:
+            return engines
+    return DEFAULT_ENGINES
+
+
+def nvdec_engines(device: str | torch.device | int | None = None) -> int:
+    """NVDEC engines of a CUDA device: how many decoder sessions keep it busy (0: no CUDA device)."""
+    if not torch.cuda.is_available():
+        return 0
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    return engines_for_name(torch.cuda.get_device_name(dev.index or 0))
 
 
 class _LentDecoder:
