@@ -435,7 +435,7 @@ def test_a_part_that_is_not_this_chunk_is_refused(split_blob, edit, words):
         (lambda h: h["parts"].pop(), ["parts", "layers=4"]),
         (lambda h: h["parts"][0].__setitem__("length", h["parts"][0]["length"] + 1), ["payload"]),
         (lambda h: h.__setitem__("parts", h["parts"][:1]), ["parts"]),
-        (lambda h: h.__setitem__("split_version", 3), ["version"]),
+        (lambda h: h.__setitem__("split_version", 4), ["version"]),
         (lambda h: h.__setitem__("extra", 1), ["unknown"]),
         (lambda h: h.__setitem__("layers", 1 << 20), ["layers"]),
     ],

@@ -7,9 +7,12 @@ that has positions in that range, the inner codec's blob of them (a sliding grou
 window), behind a header of its own with the KVSpec:
 
     container framing (docs/FORMAT.md), magic "KVCG"; JSON header:
-    {"format": "kvcodec-grouped-chunk", "grouped_version": 1, "spec": KVSpec.to_dict(),
+    {"format": "kvcodec-grouped-chunk", "grouped_version": 2, "spec": KVSpec.to_dict(),
      "chunk_index", "start_token", "tokens", "resolution", "key",
      "parts": [{"group", "start", "tokens", "length", "crc32"}, ...]}   payload: the parts' blobs
+
+Each part's own header carries the key `part_key(key, group)` (version 2; version 1 parts carry the
+chunk's key and still read), so parts of two same-shape groups cannot be exchanged unnoticed.
 
 Plain tensors go to the inner codec unchanged, and blobs that are not grouped (older single-group
 data) decode through it: `GroupedCodec(HevcCodec(config))` reads everything `HevcCodec(config)` wrote.
@@ -26,12 +29,14 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
+from kvcodec.container import validate as v
 from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 from kvcodec.kvspec import GroupedKV, GroupSpec, KVSpec
 
 MAGIC = b"KVCG"
-GROUPED_VERSION = 1
+GROUPED_VERSION = 2  # 2: each inner blob carries part_key(key, group)
+READABLE_VERSIONS = (1, 2)
 FORMAT_NAME = "kvcodec-grouped-chunk"
 
 
@@ -53,46 +58,68 @@ class GroupedChunkInfo(ChunkInfo):
 
     spec: KVSpec | None = None
     parts: tuple[Part, ...] = ()
+    version: int = GROUPED_VERSION
 
 
 def is_grouped(blob: bytes | memoryview) -> bool:
     return bytes(blob[:4]) == MAGIC
 
 
+_PART = v.record(
+    {
+        "group": v.integer(0, v.MAX_DIM),
+        "start": v.integer(0, v.MAX_TOKENS),
+        "tokens": v.integer(1, v.MAX_TOKENS),
+        "length": v.integer(1, 1 << 40),
+        "crc32": v.integer(0, 0xFFFFFFFF),
+    },
+    Part,
+)
+_FIELDS = {
+    "chunk_index": v.integer(0, v.MAX_TOKENS),
+    "start_token": v.integer(0, v.MAX_TOKENS),
+    "tokens": v.integer(1, v.MAX_TOKENS),
+    "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
+    "key": v.text(512, optional=True),
+    "parts": v.listing(_PART, 1, 4 * v.MAX_DIM),
+}
+
+
+def spec_of(d: Any) -> KVSpec:
+    """A header's KVSpec; FormatError (never a TypeError or an OverflowError) for a damaged one."""
+    try:
+        spec = KVSpec.from_dict(d)
+    except FormatError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, ShapeError) as e:
+        raise FormatError(f"header field 'spec' is not a valid KV spec: {e}") from e
+    if len(spec.layers) > v.MAX_DIM or any(max(g.heads, g.head_dim) > v.MAX_DIM for g in spec.groups):
+        raise FormatError(f"header field 'spec' announces more than {v.MAX_DIM} layers, heads or dims")
+    return spec
+
+
+def part_key(key: str | None, group: int) -> str:
+    """The key an inner blob of group `group` carries (version 2): the chunk's key and the group,
+    so that parts of same-shape groups cannot be exchanged unnoticed."""
+    return f"{key or ''}#g{group}"
+
+
 def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
     header, payload = read_object(blob, MAGIC, "grouped kvcodec chunk blob")
-    if header.get("format") != FORMAT_NAME or header.get("grouped_version") != GROUPED_VERSION:
-        raise FormatError(
-            f"grouped chunk version {header.get('grouped_version')!r} is not one this build reads ({GROUPED_VERSION})"
-        )
-    spec = KVSpec.from_dict(header.get("spec"))
-    try:
-        parts = tuple(
-            Part(**{f: int(p[f]) for f in ("group", "start", "tokens", "length", "crc32")}) for p in header["parts"]
-        )
-        start, tokens = int(header["start_token"]), int(header["tokens"])
-        info = GroupedChunkInfo(
-            int(header["chunk_index"]),
-            start,
-            tokens,
-            len(spec.layers),
-            0,
-            0,
-            spec.dtype,
-            "grouped",
-            header.get("key"),
-            spec=spec,
-            parts=parts,
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"grouped chunk header is malformed: {e!r}") from e
+    version = header.get("grouped_version")
+    if header.get("format") != FORMAT_NAME or isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise FormatError(f"grouped chunk version {version!r} is not one this build reads {READABLE_VERSIONS}")
+    extra = sorted(set(header) - set(_FIELDS) - {"format", "grouped_version", "spec"})
+    if extra:
+        raise FormatError(f"grouped chunk header has unknown fields {extra}")
+    spec = spec_of(header.get("spec"))
+    f = v.fields_of(header, _FIELDS, {"key": None})
+    start, tokens, parts = f["start_token"], f["tokens"], f["parts"]
+    info = GroupedChunkInfo(
+        f["chunk_index"], start, tokens, len(spec.layers), 0, 0, spec.dtype, "grouped", f["key"], spec=spec, parts=parts
+    )
     for p in parts:
-        if not (
-            0 <= p.group < len(spec.groups)
-            and start <= p.start
-            and p.tokens >= 1
-            and p.start + p.tokens == start + tokens
-        ):
+        if not (0 <= p.group < len(spec.groups) and start <= p.start and p.start + p.tokens == start + tokens):
             raise FormatError(f"grouped chunk part {p} does not fit the chunk [{start}, {start + tokens})")
     if len({p.group for p in parts}) != len(parts):
         raise FormatError("grouped chunk lists a group twice")
@@ -101,7 +128,7 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
         raise (TruncatedError if len(payload) < need else FormatError)(
             f"grouped chunk payload has {len(payload)} bytes; its parts take {need}"
         )
-    return info, payload
+    return dataclasses.replace(info, version=version), payload
 
 
 class GroupedCodec:
@@ -195,7 +222,7 @@ class GroupedCodec:
         for g, (s, t) in enumerate(zip(part.starts, part.tensors)):
             if t.shape[2]:
                 codec = self.codec_for(part.spec.groups[g])
-                inner = codec.encode_chunks(t, first_chunk_index=index, keys=None if key is None else [key])
+                inner = codec.encode_chunks(t, first_chunk_index=index, keys=[part_key(key, g)])
                 if len(inner) != 1:
                     raise ConfigError(f"inner codec {codec.id} split {t.shape[2]} tokens into {len(inner)} chunks")
                 coded.append((g, s, t.shape[2], inner[0]))
@@ -252,7 +279,7 @@ class GroupedCodec:
             parts[p.group] = (p, payload[offset : offset + p.length])
             offset += p.length
         for g, group in enumerate(out.spec.groups):
-            self._restore_group(g, group, parts.get(g), out)
+            self._restore_group(g, group, parts.get(g), out, info)
         return out
 
     @staticmethod
@@ -265,7 +292,9 @@ class GroupedCodec:
                 f"[{info.start_token}, {info.start_token + info.tokens})"
             )
 
-    def _restore_group(self, g: int, group: GroupSpec, part: tuple[Part, memoryview] | None, out: GroupedKV) -> None:
+    def _restore_group(
+        self, g: int, group: GroupSpec, part: tuple[Part, memoryview] | None, out: GroupedKV, info: GroupedChunkInfo
+    ) -> None:
         name, codec = group.name, self.codec_for(group)
         need = out.stop - out.starts[g]
         if need == 0:
@@ -276,6 +305,7 @@ class GroupedCodec:
         p, data = part
         if crc32(data) != p.crc32:
             raise ChecksumError(f"group {name}: part checksum mismatch")
+        _check_part(codec.inspect_chunk(data), p, g, info)
         target = out.tensors[g]
         if p.tokens == need:
             codec.decode_chunk(data, target)
@@ -285,6 +315,17 @@ class GroupedCodec:
             )
             codec.decode_chunk(data, full)
             target.copy_(full[:, :, p.tokens - need :])
+
+
+def _check_part(inner: ChunkInfo, p: Part, g: int, info: GroupedChunkInfo) -> None:
+    """Refuse an inner blob that is not group g's part of this chunk: its own header must give
+    the part's token count and (version 2) the chunk's key bound to the group."""
+    want_key = part_key(info.key, g) if info.version >= 2 else inner.key
+    if inner.tokens != p.tokens or inner.key != want_key:
+        raise FormatError(
+            f"grouped chunk {info.index}: the part listed for group {g} holds {inner.tokens} tokens under key "
+            f"{inner.key!r}; expected {p.tokens} under {want_key!r} (parts exchanged or moved)"
+        )
 
 
 def _spec_diff(a: KVSpec, b: KVSpec) -> str:

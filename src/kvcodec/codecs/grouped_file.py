@@ -5,18 +5,20 @@
     inspect_grouped(data)                            # spec, groups, positions, sizes per resolution
 
 Container framing (docs/FORMAT.md); JSON header: {"format": "kvcodec-grouped-file",
-"grouped_version": 1, "codec": codec id, "spec", "stop", "starts", "chunk_tokens", "blobs":
+"grouped_version": 2, "codec": codec id, "spec", "stop", "starts", "chunk_tokens", "blobs":
 [{"chunk_index", "resolution", "offset", "length", "crc32"}]}; payload: the grouped chunk blobs
 (KVCG), every chunk at every resolution of the codec.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-from kvcodec.codecs.grouped import GROUPED_VERSION, GroupedCodec
+from kvcodec.codecs.grouped import GROUPED_VERSION, READABLE_VERSIONS, GroupedCodec, spec_of
+from kvcodec.container import validate as v
 from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
@@ -24,7 +26,6 @@ from kvcodec.kvspec import GroupedKV, KVSpec
 
 MAGIC = b"KVGF"
 FORMAT_NAME = "kvcodec-grouped-file"
-_BLOB_FIELDS = ("chunk_index", "resolution", "offset", "length", "crc32")
 
 
 def encode_grouped(kv: GroupedKV, codec: GroupedCodec) -> bytes:
@@ -58,33 +59,69 @@ def encode_grouped(kv: GroupedKV, codec: GroupedCodec) -> bytes:
     return write_object(MAGIC, header, payloads)
 
 
+_BLOB = v.record(
+    {
+        "chunk_index": v.integer(0, v.MAX_TOKENS),
+        "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
+        "offset": v.integer(0, 1 << 48),
+        "length": v.integer(1, 1 << 40),
+        "crc32": v.integer(0, 0xFFFFFFFF),
+    }
+)
+_FIELDS = {
+    "codec": v.text(1024),
+    "stop": v.integer(1, v.MAX_TOKENS),
+    "starts": v.listing(v.integer(0, v.MAX_TOKENS), 1, 4 * v.MAX_DIM),
+    "chunk_tokens": v.integer(1, v.MAX_TOKENS),
+    "blobs": v.listing(_BLOB, 1, 1 << 24),
+}
+
+
 def _read(data: bytes | memoryview) -> tuple[dict[str, Any], KVSpec, memoryview]:
+    """The file's header, every field type- and range-checked, and its payload. Refused before
+    any allocation: blobs that do not tile the payload exactly (gaps, overlaps, trailing bytes),
+    a blob list that is not one blob per chunk and resolution, starts past the stop, and a KV
+    implausibly large for the file."""
     header, payload = read_object(data, MAGIC, "grouped kvcodec file")
-    if header.get("format") != FORMAT_NAME or header.get("grouped_version") != GROUPED_VERSION:
-        raise FormatError(f"grouped file version {header.get('grouped_version')!r} is not {GROUPED_VERSION}")
-    spec = KVSpec.from_dict(header.get("spec"))
-    try:
-        blobs = [{f: b[f] for f in _BLOB_FIELDS} for b in header["blobs"]]
-        ok = all(
-            isinstance(b[f], int) and b[f] >= 0 for b in blobs for f in ("chunk_index", "offset", "length", "crc32")
+    version = header.get("grouped_version")
+    if header.get("format") != FORMAT_NAME or isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise FormatError(f"grouped file version {version!r} is not one this build reads {READABLE_VERSIONS}")
+    extra = sorted(set(header) - set(_FIELDS) - {"format", "grouped_version", "spec"})
+    if extra:
+        raise FormatError(f"grouped file header has unknown fields {extra}")
+    spec = spec_of(header.get("spec"))
+    f = v.fields_of(header, _FIELDS, {})
+    stop, starts, ct, blobs = f["stop"], f["starts"], f["chunk_tokens"], list(f["blobs"])
+    if len(starts) != len(spec.groups) or max(starts) > stop:
+        raise v.fail("starts", list(starts)[:8], f"{len(spec.groups)} first positions, none past stop={stop}")
+    resolutions = {tuple(b["resolution"]) for b in blobs}
+    chunks = -(-stop // ct)
+    have = sorted((b["chunk_index"], tuple(b["resolution"])) for b in blobs)
+    if len(blobs) != chunks * len(resolutions) or have != sorted((c, r) for c in range(chunks) for r in resolutions):
+        raise v.fail("blobs", f"{len(blobs)} entries", f"one blob per chunk ({chunks}) and resolution")
+    pos = 0
+    for b in sorted(blobs, key=lambda b: b["offset"]):
+        if b["offset"] != pos:
+            raise v.fail("blobs", b, f"blobs laid end to end (the next at offset {pos})")
+        pos += b["length"]
+    if len(payload) != pos:
+        raise (TruncatedError if len(payload) < pos else FormatError)(
+            f"grouped file payload has {len(payload)} bytes; its blobs take {pos}"
         )
-        stop, starts = int(header["stop"]), tuple(int(s) for s in header["starts"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"grouped file header is malformed: {e!r}") from e
-    if (
-        not ok
-        or len(starts) != len(spec.groups)
-        or not isinstance(header.get("chunk_tokens"), int)
-        or header["chunk_tokens"] < 1
-    ):
-        raise FormatError("grouped file header lists impossible blobs or starts")
-    end = max((b["offset"] + b["length"] for b in blobs), default=0)
-    if len(payload) != end:
-        raise (TruncatedError if len(payload) < end else FormatError)(
-            f"grouped file payload has {len(payload)} bytes; its blobs take {end}"
-        )
-    header.update(blobs=blobs, stop=stop, starts=starts)
+    if spec.dtype not in v.DTYPE_BYTES:
+        raise v.fail("spec.dtype", spec.dtype, "one of " + ", ".join(v.DTYPE_BYTES))
+    decoded = sum(math.prod(g.shape(stop - s)) for g, s in zip(spec.groups, starts)) * v.DTYPE_BYTES[spec.dtype]
+    v.check_expansion(decoded, len(memoryview(data)), "grouped kvcodec file")
+    header.update(f, version=version, stop=stop, starts=starts, blobs=blobs)
     return header, spec, payload
+
+
+def _accepts(codec: GroupedCodec, file_codec: str, version: int) -> bool:
+    """Whether `codec` decodes a file written by codec id `file_codec` (a version 1 file names the
+    same codec with the version 1 prefix)."""
+    return file_codec == codec.id or (
+        version == 1 and file_codec == codec.id.replace(f"grouped-v{GROUPED_VERSION}-", "grouped-v1-", 1)
+    )
 
 
 def decode_grouped(
@@ -93,15 +130,18 @@ def decode_grouped(
     device: str | torch.device = "cpu",
     resolution: tuple[int, int] | None = None,
 ) -> GroupedKV:
-    """The GroupedKV a file holds, restored on `device` from one resolution (default: the first)."""
+    """The GroupedKV a file holds, restored on `device` from one resolution (default: the first).
+    Each chunk must say it is the chunk its entry lists (index, first token, tokens, resolution)."""
     header, spec, payload = _read(data)
-    if header.get("codec") != codec.id:
-        raise ConfigError(f"the file was written by codec {header.get('codec')}; this codec is {codec.id}")
+    if not _accepts(codec, header["codec"], header["version"]):
+        raise ConfigError(f"the file was written by codec {header['codec']}; this codec is {codec.id}")
     res = list(resolution or codec.resolutions[0])
-    ct, stop, starts = int(header["chunk_tokens"]), header["stop"], header["starts"]
-    chunks = sorted((b for b in header["blobs"] if b["resolution"] == res), key=lambda b: b["chunk_index"])
-    if [b["chunk_index"] for b in chunks] != list(range(-(-stop // ct))):
-        raise FormatError(f"grouped file does not hold every chunk of its {stop} tokens at {res}")
+    ct, stop, starts = header["chunk_tokens"], header["stop"], header["starts"]
+    if ct != codec.chunk_tokens:
+        raise v.fail("chunk_tokens", ct, f"{codec.chunk_tokens} (the codec's)")
+    chunks = sorted((b for b in header["blobs"] if list(b["resolution"]) == res), key=lambda b: b["chunk_index"])
+    if not chunks:
+        raise FormatError(f"grouped file holds no chunk at {res}")
     dtype = DTYPES[spec.dtype]
     try:
         out = GroupedKV(
@@ -117,8 +157,18 @@ def decode_grouped(
         if crc32(blob) != b["crc32"]:
             raise ChecksumError(f"grouped file: chunk {b['chunk_index']} checksum mismatch")
         start = b["chunk_index"] * ct
+        _check_chunk(codec.inspect_chunk(blob), b["chunk_index"], start, min(start + ct, stop) - start, res)
         codec.decode_chunk(blob, out.view(start, min(start + ct, stop)))
     return out
+
+
+def _check_chunk(info, index: int, start: int, tokens: int, res: list) -> None:
+    want = {"index": index, "start_token": start, "tokens": tokens}
+    for name, value in want.items():
+        if getattr(info, name) != value:
+            raise FormatError(
+                f"grouped file: the chunk listed as chunk {index} says {name}={getattr(info, name)}; expected {value}"
+            )
 
 
 def inspect_grouped(data: bytes | memoryview) -> dict[str, Any]:

@@ -1,43 +1,183 @@
-"""Transform-coded KV files (.kvc written with --transform): a header naming the transform's
-sha256 and the chunks, then the chunk blobs of one resolution."""
+"""Transform-coded KV files (.kvc written with --transform, magic KVTF): a header naming the
+transform's sha256, the codec, the KV's shape and the chunks, then the chunk blobs (KVTC) of one
+resolution, in token order (docs/FORMAT.md).
+
+Version 2 (`kvtf_version`) also writes the settings every chunk was coded with (theta,
+key_weight, sink, fine tail, recon, coder, resolution): each chunk's own header must say exactly
+what the file says about it (its index, first token, length, shape, dtype, transform, codec and
+settings), so a chunk moved, repeated, dropped or edited consistently (checksums recomputed) is
+refused, not decoded into the wrong place or with the wrong parameters. Version 1 files (no
+settings) still read: their chunks must agree with each other.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 
 from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform_header import positive_number
+from kvcodec.container import validate as v
 from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, TruncatedError
+from kvcodec.transform.quantize import MAX_FINE_BITS, RECONS
 
 FILE_MAGIC = b"KVTF"
+FORMAT_NAME = "kvcodec-transform-file"
+KVTF_VERSION = 2
+READABLE_KVTF_VERSIONS = (1, 2)  # 1: no format tag, no settings
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# the chunk header fields every chunk of a file shares (version 1: checked chunk against chunk)
+SHARED = ("theta", "key_weight", "fine_bits", "recon", "coder", "resolution")
+MAX_CHUNKS = 1 << 20
+
+
+def _entry(x: Any, field: str) -> tuple[int, int, int]:
+    if not isinstance(x, list) or len(x) != 3:
+        raise v.fail(field, x, "[tokens, length, crc32]")
+    return (
+        v.integer(1, v.MAX_TOKENS)(x[0], f"{field}.tokens"),
+        v.integer(1, 1 << 40)(x[1], f"{field}.length"),
+        v.integer(0, 0xFFFFFFFF)(x[2], f"{field}.crc32"),
+    )
+
+
+def _shape(x: Any, field: str) -> tuple[int, ...]:
+    dims = v.listing(v.integer(1, v.MAX_TOKENS), 5, 5)(x, field)
+    L, two, _, H, D = dims
+    if two != 2 or max(L, H, D) > v.MAX_DIM:
+        raise v.fail(field, x, f"[layers, 2, tokens, kv_heads, head_dim], each dimension at most {v.MAX_DIM}")
+    return dims
+
+
+SETTINGS = v.record(
+    {
+        "theta": positive_number(),
+        "key_weight": positive_number(0.0, 1e12),
+        "sink_tokens": v.integer(0, v.MAX_TOKENS),
+        "chunk_tokens": v.integer(1, v.MAX_TOKENS),
+        "fine_tokens": v.integer(0, v.MAX_TOKENS),
+        "fine_bits": v.integer(0, MAX_FINE_BITS),
+        "recon": v.choice(RECONS),
+        "coder": v.choice(("hevc", "zstd")),
+        "resolution": v.listing(v.integer(16, v.MAX_FRAME_SIDE), 2, 2),
+    }
+)
+FIELDS: dict[str, v.Check] = {
+    "kvt": v.text(64),
+    "codec": v.text(512),
+    "shape": _shape,
+    "dtype": v.choice(tuple(DTYPES)),
+    "chunks": v.listing(_entry, 1, MAX_CHUNKS),
+}
+FIELDS_V2 = {**FIELDS, "settings": SETTINGS}
 
 
 def encode_file(kv: torch.Tensor, codec: TransformCodec, on_chunk=None) -> bytes:
     chunks = codec.encode_chunks(kv, on_chunk=on_chunk)
     blobs = [c.blobs[0] for c in chunks]
+    first = codec.header(blobs[0])
     header = {
+        "format": FORMAT_NAME,
+        "kvtf_version": KVTF_VERSION,
         "kvt": codec.kvt_hash,
         "codec": codec.id,
         "shape": list(kv.shape),
         "dtype": str(kv.dtype).replace("torch.", ""),
         "chunks": [[c.tokens, len(b), crc32(b)] for c, b in zip(chunks, blobs)],
+        "settings": {
+            "theta": first["theta"],
+            "key_weight": first["key_weight"],
+            "sink_tokens": codec.sink_tokens,
+            "chunk_tokens": codec.chunk_tokens,
+            "fine_tokens": codec.fine_tokens,
+            "fine_bits": first["fine_bits"],
+            "recon": first["recon"],
+            "coder": first["coder"],
+            "resolution": list(first["resolution"]),
+        },
     }
     return write_object(FILE_MAGIC, header, blobs)
 
 
 def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
+    """The file's header, every field type- and range-checked, and its payload (exactly the
+    chunks' bytes: no trailing bytes); refused before any allocation when the KV it announces is
+    not what its chunks add up to or is implausibly large for the file."""
     h, payload = read_object(data, FILE_MAGIC, "transform-coded KV file")
-    try:
-        need = sum(int(n) for _, n, _ in h["chunks"])
-        shape, dtype = tuple(int(s) for s in h["shape"]), h["dtype"]
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"transform-coded KV file header is incomplete: {e}") from e
+    version = h.get("kvtf_version", 1)
+    if isinstance(version, bool) or version not in READABLE_KVTF_VERSIONS:
+        raise v.fail("kvtf_version", version, f"one of {READABLE_KVTF_VERSIONS}")
+    if version >= 2 and h.get("format") != FORMAT_NAME:
+        raise v.fail("format", h.get("format"), repr(FORMAT_NAME))
+    fields = FIELDS_V2 if version >= 2 else FIELDS
+    extra = sorted(set(h) - set(fields) - ({"format", "kvtf_version"} if version >= 2 else set()))
+    if extra:
+        raise FormatError(f"transform-coded KV file header (version {version}) has unknown fields {extra}")
+    checked = v.fields_of(h, fields, {})
+    shape, chunks = checked["shape"], checked["chunks"]
+    if sum(c[0] for c in chunks) != shape[2]:
+        raise v.fail("chunks", [c[0] for c in chunks][:8], f"chunk token counts adding up to shape[2]={shape[2]}")
+    need = sum(c[1] for c in chunks)
     if len(payload) < need:
         raise TruncatedError(f"transform-coded KV file truncated: {len(payload)} of {need} payload bytes")
-    if dtype not in DTYPES or len(shape) != 5:
-        raise FormatError("transform-coded KV file has an invalid shape or dtype")
-    return h, payload
+    if len(payload) > need:
+        raise FormatError(f"transform-coded KV file has {len(payload) - need} unexpected bytes after its last chunk")
+    decoded = math.prod(shape) * torch.tensor([], dtype=DTYPES[checked["dtype"]]).element_size()
+    v.check_expansion(decoded, len(memoryview(data)), "transform-coded KV file")
+    settings = checked.get("settings")
+    if settings is not None:
+        _check_settings(settings, chunks)
+        checked["settings"] = {**settings, "resolution": list(settings["resolution"])}
+    out = {**h, **checked, "kvtf_version": version, "shape": list(shape), "chunks": [list(c) for c in chunks]}
+    return out, payload
+
+
+def _check_settings(s: dict, chunks: tuple) -> None:
+    """Every chunk but the last holds chunk_tokens tokens; the last at most that many."""
+    sizes = [c[0] for c in chunks]
+    if any(t != s["chunk_tokens"] for t in sizes[:-1]) or sizes[-1] > s["chunk_tokens"]:
+        raise v.fail(
+            "chunks", sizes[:8], f"chunks of settings.chunk_tokens={s['chunk_tokens']} tokens (the last fewer)"
+        )
+
+
+def expected_chunk(h: dict, index: int, start: int, tokens: int) -> dict[str, Any]:
+    """What the header of chunk `index` (tokens [start, start + tokens)) of file header `h` must say."""
+    L, _, T, H, D = h["shape"]
+    want: dict[str, Any] = {
+        "index": index,
+        "start_token": start,
+        "tokens": tokens,
+        "shape": [L, H, D],
+        "dtype": h["dtype"],
+        "kvt": h["kvt"],
+        "codec": h["codec"],
+        "key": None,
+    }
+    s = h.get("settings")
+    if s is not None:
+        end = start + tokens
+        want.update({k: s[k] for k in SHARED})
+        want["sink"] = max(0, min(s["sink_tokens"] - start, tokens))
+        want["fine_tokens"] = max(0, end - max(start, T - s["fine_tokens"])) if s["fine_bits"] else 0
+    return want
+
+
+def check_chunk(h: dict, ch: dict, want: dict[str, Any], first: dict | None) -> None:
+    """Refuse chunk header `ch` unless it says what the file says about it (and, in a version 1
+    file, shares the first chunk's settings)."""
+    if first is not None and h.get("settings") is None:
+        want = {**want, **{k: first[k] for k in SHARED}}
+    for name, value in want.items():
+        got = ch.get(name)
+        if (list(got) if isinstance(got, tuple) else got) != value:
+            raise FormatError(
+                f"chunk at position {want['index']} of the transform-coded file says {name}={got!r}; "
+                f"the file expects {value!r} (a chunk moved, repeated, dropped or edited)"
+            )
 
 
 def decode_file(data: bytes | memoryview, codec: TransformCodec, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -47,12 +187,19 @@ def decode_file(data: bytes | memoryview, codec: TransformCodec, device: str | t
             f"file was coded with transform {h['kvt'][:16]}, the given .kvt is {codec.kvt_hash[:16]}: "
             "decode it with the .kvt it was encoded with"
         )
-    out = torch.empty(tuple(h["shape"]), dtype=DTYPES[h["dtype"]], device=torch.device(device))
-    pos = start = 0
-    for i, (tokens, length, crc) in enumerate(h["chunks"]):
+    codec.cal.check_shape(tuple(h["shape"]))
+    blobs, headers, pos, start, first = [], [], 0, 0, None
+    for i, (tokens, length, crc) in enumerate(h["chunks"]):  # every chunk verified before any allocation
         blob = payload[pos : pos + length]
         if crc32(blob) != crc:
             raise ChecksumError(f"chunk {i} fails its checksum")
-        codec.decode_chunk(blob, out[:, :, start : start + tokens])
+        ch = codec.header(blob)
+        check_chunk(h, ch, expected_chunk(h, i, start, tokens), first)
+        first = first or ch
+        blobs.append(blob)
+        headers.append((start, tokens))
         pos, start = pos + length, start + tokens
+    out = torch.empty(tuple(h["shape"]), dtype=DTYPES[h["dtype"]], device=torch.device(device))
+    for blob, (s, tokens) in zip(blobs, headers):
+        codec.decode_chunk(blob, out[:, :, s : s + tokens])
     return out

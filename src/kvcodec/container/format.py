@@ -84,6 +84,7 @@ class ChunkHeader:
     streams: tuple[StreamEntry, ...]
     video_bits: int = 8  # top bits of each sample in the video stream; the rest in the "low" stream
     key: str | None = None  # the store key the chunk was written under, when bound to one
+    layer_offset: int = 0  # a split chunk's part: the chunk's layer its first layer is (split version 3)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -104,12 +105,14 @@ class ChunkHeader:
         d = dataclasses.asdict(self)
         if d["key"] is None:
             del d["key"]  # unbound chunks keep the version-2 header unchanged
+        if not d["layer_offset"]:
+            del d["layer_offset"]  # only the parts of a split chunk after its first carry one
         d["format"] = "kvcodec-chunk"
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ChunkHeader:
-        h = cls(**_checked(d, "chunk", _CHUNK_FIELDS, {"video_bits": 8, "key": None}))
+        h = cls(**_checked(d, "chunk", _CHUNK_FIELDS, {"video_bits": 8, "key": None, "layer_offset": 0}))
         check_chunk_header(h)
         return h
 
@@ -134,6 +137,7 @@ _CHUNK_FIELDS = {
     "streams": v.listing(_STREAM, 1, 64),
     "video_bits": v.integer(1, 8),
     "key": v.text(512, optional=True),
+    "layer_offset": v.integer(0, v.MAX_DIM),
 }
 
 

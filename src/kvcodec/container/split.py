@@ -2,7 +2,7 @@
 contiguous range of layers, so that a chunk decodes on several NVDEC engines at once.
 
     container framing (format.py), magic "KVCS"; JSON header:
-    {"format": "kvcodec-split-chunk", "split_version": 2, "layers", "kv_heads", "head_dim",
+    {"format": "kvcodec-split-chunk", "split_version": 3, "layers", "kv_heads", "head_dim",
      "dtype", "chunk_index", "start_token", "tokens", "quant", "resolution", ["key"],
      "parts": [{"layers", "length", "header_crc32"}, ...]}     payload: the parts' chunk blobs (magic "KVCC"), in
                                               layer order, part p covering the layers after part p-1
@@ -10,8 +10,10 @@ contiguous range of layers, so that a chunk decodes on several NVDEC engines at 
 Each part is a complete chunk blob of its layers with its own header, checksums and video stream;
 its header must repeat the split header's chunk index, first token, tokens, heads, head_dim, dtype,
 quantization, resolution and key. The parts' own checksums cover every payload byte; their
-header CRCs, listed in the split header (version 2), fix which part is which, so parts of equal
-layer counts cannot be reordered or exchanged unnoticed (version 1 blobs, without them, still read).
+header CRCs, listed in the split header (version 2), fix which part the split header lists, and
+each part's own header says which layer of the chunk its first layer is (`layer_offset`, version
+3), so parts of equal layer counts cannot be reordered or exchanged unnoticed, even together with
+their split-header entries (version 1 and 2 blobs still read; their parts carry no offset).
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ import math
 from typing import Any
 
 from kvcodec.container import validate as v
-from kvcodec.container.format import CHUNK_QUANTS, ChunkHeader, parse_chunk, read_object, write_object
+from kvcodec.container.format import CHUNK_MAGIC, CHUNK_QUANTS, ChunkHeader, parse_chunk, read_object, write_object
 from kvcodec.errors import FormatError, TruncatedError
 
 SPLIT_MAGIC = b"KVCS"
-SPLIT_VERSION = 2
-READABLE_SPLIT_VERSIONS = (1, 2)  # 1: parts without header_crc32
+SPLIT_VERSION = 3
+READABLE_SPLIT_VERSIONS = (1, 2, 3)  # 1: parts without header_crc32; 2: parts without layer_offset
 FORMAT_NAME = "kvcodec-split-chunk"
 MAX_PARTS = 64
 
@@ -61,6 +63,7 @@ class SplitHeader:
     resolution: tuple[int, int]
     parts: tuple[SplitPart, ...]
     key: str | None = None
+    version: int = SPLIT_VERSION  # the split_version it was read with
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -86,6 +89,7 @@ class SplitHeader:
         d["parts"] = [{k: x for k, x in dataclasses.asdict(p).items() if x is not None} for p in self.parts]
         if d["key"] is None:
             del d["key"]
+        del d["version"]
         d["format"] = FORMAT_NAME
         d["split_version"] = SPLIT_VERSION
         return d
@@ -96,6 +100,7 @@ _PART = {
     1: v.record(_PART_FIELDS, SplitPart),
     2: v.record({**_PART_FIELDS, "header_crc32": v.integer(0, 0xFFFFFFFF)}, SplitPart),
 }
+_PART[3] = _PART[2]
 _FIELDS = {
     "layers": v.integer(1, v.MAX_DIM),
     "kv_heads": v.integer(1, v.MAX_DIM),
@@ -125,8 +130,21 @@ def header_crc(blob: bytes | memoryview) -> int:
     return int.from_bytes(view[end : end + 4], "little")
 
 
+def _with_offset(part: bytes, h: ChunkHeader, offset: int) -> tuple[bytes, ChunkHeader]:
+    """Part blob `part` whose header also says which layer of the chunk its first layer is."""
+    if h.layer_offset == offset:
+        return part, h
+    _, payload = parse_chunk(part)
+    h = dataclasses.replace(h, layer_offset=offset)
+    return write_object(CHUNK_MAGIC, h.to_json(), [bytes(payload)]), h
+
+
 def write_split(parts: list[bytes], headers: list[ChunkHeader]) -> bytes:
-    """The split chunk blob of `parts` (chunk blobs of consecutive layer ranges, first layer first)."""
+    """The split chunk blob of `parts` (chunk blobs of consecutive layer ranges, first layer first);
+    each part's header is bound to its place (layer_offset, version 3)."""
+    offsets = [sum(h.layers for h in headers[:i]) for i in range(len(headers))]
+    bound = [_with_offset(p, h, o) for p, h, o in zip(parts, headers, offsets)]
+    parts, headers = [b for b, _ in bound], [h for _, h in bound]
     first = headers[0]
     h = SplitHeader(
         layers=sum(p.layers for p in headers),
@@ -155,7 +173,7 @@ def parse_split_header(blob: bytes | memoryview) -> tuple[SplitHeader, memoryvie
         raise FormatError(f"split chunk header has unknown fields {extra}")
     checks = {**_FIELDS, "parts": v.listing(_PART[version], 2, MAX_PARTS)}
     fields = v.fields_of({k: d[k] for k in d if k in _FIELDS}, checks, {"key": None})
-    h = SplitHeader(**fields)
+    h = SplitHeader(**fields, version=version)
     if sum(p.layers for p in h.parts) != h.layers:
         raise v.fail("parts", [p.layers for p in h.parts], f"layer counts adding up to layers={h.layers}")
     need = h.payload_bytes
@@ -171,7 +189,7 @@ def parse_split(blob: bytes | memoryview) -> tuple[SplitHeader, list[tuple[Chunk
     """A split blob's header and, per part, its verified header and whole blob. Every part's
     header must be the chunk's own (same identity fields) over its layer count."""
     h, payload = parse_split_header(blob)
-    parts, pos = [], 0
+    parts, pos, first_layer = [], 0, 0
     for i, p in enumerate(h.parts):
         part = payload[pos : pos + p.length]
         pos += p.length
@@ -182,6 +200,12 @@ def parse_split(blob: bytes | memoryview) -> tuple[SplitHeader, list[tuple[Chunk
                 raise FormatError(f"split chunk part {i} says {name}={got!r}; the chunk says {want!r}")
         if ph.layers != p.layers:
             raise FormatError(f"split chunk part {i} holds {ph.layers} layers; the chunk lists {p.layers}")
+        want, first_layer = first_layer, first_layer + p.layers
+        if ph.layer_offset != want and (h.version >= 3 or ph.layer_offset):  # version 1, 2: offsets optional
+            raise FormatError(
+                f"split chunk part {i} says it starts at layer {ph.layer_offset}; its place is layer {want} "
+                "(parts reordered or exchanged)"
+            )
         if p.header_crc32 is not None and header_crc(part) != p.header_crc32:
             raise FormatError(f"split chunk part {i} is not the part the chunk lists there (reordered or exchanged)")
         parts.append((ph, part))
