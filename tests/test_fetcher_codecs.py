@@ -409,18 +409,27 @@ def test_transform_fetch_on_the_cpu_is_not_staged_unless_asked(extra):
     assert r.ok and torch.equal(r.kv, reference(codec, kv))
 
 
-def test_staged_fetch_past_its_deadline_returns_without_waiting_for_stages(extra):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_staged_fetch_past_its_deadline_returns_without_waiting_for_stages(extra, streamed):
     codec = build("transform", extra)
     kv, ids = make_kv(64, seed=8), ids_for(64)
     cache = cache_for(codec, batched_restore=True, decode_workers=2)
     cache.put(ids, kv)
-    stage = codec.stage
+    stage, stage_stream = codec.stage, codec.stage_stream
 
     def slow(blob, out):
         time.sleep(1.5)  # a stage never writes into the target: nothing to wait for
         return stage(blob, out)
 
-    codec.stage = slow
+    def slow_stream(items, device, check=None):
+        for done in stage_stream(items, device, check):
+            time.sleep(1.5)
+            yield done
+
+    if streamed:
+        codec.stage_stream = slow_stream
+    else:
+        codec.stage, codec.stage_stream = slow, None
     t0 = time.monotonic()
     r = cache.fetch(ids, deadline_s=0.3)
     assert isinstance(r.error, FetchError) and r.tokens_restored == 0

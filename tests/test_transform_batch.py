@@ -174,3 +174,30 @@ def test_a_session_that_fails_on_its_own_stops_its_worker_and_the_call_raises(kv
     with pytest.raises(RuntimeError, match="session lost"):
         restore_chunks(c, [ch.blobs[0] for ch in chunks], outs, threads=CpuSessions([Broken(), StreamingCpuDecoder()]))
     assert gpu_tests.within_an_ulp(out, want)  # the healthy session restored every chunk
+
+
+def test_stage_stream_stages_every_chunk_and_names_the_refused_and_the_damaged(kvt):
+    """The fetch pipeline's streamed first half: every chunk staged as it completes, a chunk that
+    its check refuses and a chunk whose stream holds an extra picture reported as that chunk's own."""
+    from kvcodec.codecs.transform_batch import stage_stream
+    from kvcodec.errors import FormatError
+
+    c, kv, chunks, want = _case(kvt)
+    out, outs = _outs(kv, chunks)
+
+    def check(tag, info):
+        assert info.index == tag and info.start_token == chunks[tag].start_token
+        if tag == 4:
+            raise FormatError("refused by its check")
+
+    decoder = StreamingCpuDecoder(extra={2: 1})  # the third stream fed holds a picture too many
+    items = [(i, ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)]
+    got = dict(stage_stream(c, iter(items), "cpu", check, decoder=decoder))
+    assert sorted(got) == list(range(len(chunks))) and isinstance(got[4], FormatError)
+    ok = [i for i in got if i != 4]
+    assert all(not isinstance(got[i], KVCodecError) for i in ok)  # re-decoded on its own, the extra picture gone
+    c.finish([got[i] for i in ok], [outs[i] for i in ok])
+    for i in ok:
+        assert gpu_tests.within_an_ulp(
+            outs[i], want[:, :, chunks[i].start_token : chunks[i].start_token + chunks[i].tokens]
+        )

@@ -230,3 +230,34 @@ def test_batched_restore_of_a_weighted_transform_matches_the_reference(tmp_path)
     kv = synthetic_kv(128, 21)
     chunks = ref.encode_chunks(kv)
     assert within_an_ulp(restore_all(fast, chunks, kv.shape), restore_all(ref, chunks, kv.shape))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(target_ratio=4.0), dict(target_ratio=4.0, fine_tokens=100, fine_bits=1), dict(theta=1e-6)],
+    ids=["ratio4", "finer-tail", "escapes"],
+)
+def test_split_gemm_restores_what_the_float32_gemm_does(kvt, kw, device, monkeypatch):
+    """The float16 [hi | lo] GEMM (tensor cores on CUDA; the same split in float32 on the CPU)
+    against the float32 GEMM, chunks with escapes and finer tail tokens included."""
+    _, fast = codecs(kvt, **kw)
+    kv = synthetic_kv(300, 9)
+    chunks = fast.encode_chunks(kv)
+    split = restore_all(fast, chunks, kv.shape, device=device)
+    monkeypatch.setattr(tk, "SPLIT_GEMM", False)
+    full = restore_all(fast, chunks, kv.shape, device=device)
+    assert within_an_ulp(split, full)
+
+
+@given(st.integers(1, 4), st.integers(1, 40), st.integers(1, 24), st.floats(1e-6, 1e4))
+@settings(max_examples=30, deadline=None)
+def test_split_bases_carry_21_bits(blocks, rows, cols, magnitude):
+    g = torch.Generator().manual_seed(blocks * 1000 + rows * 10 + cols)
+    bases = torch.randn((blocks, rows, cols), generator=g) * magnitude
+    bases[0, 0, 0] = 0.0
+    split, scales = tk.split_bases(bases)
+    n = bases.shape[2]
+    back = (split[:, :, :n].double() + split[:, :, n:].double()) * scales.double()
+    err = (back - bases.double()).abs() / scales.double()
+    assert split.dtype == torch.float16 and float(err.max()) <= 2.0**-21

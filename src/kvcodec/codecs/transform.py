@@ -394,3 +394,9 @@ class TransformCodec:
     def finish(self, staged: Sequence, outs: Sequence[Target]) -> None:
         """The second half: the inverse transform of every staged chunk into its target."""
         self._restorer.finish(list(staged), list(outs))
+
+    def stage_stream(self, items, device, check=None):  # noqa: ANN001, ANN201 - see transform_batch.stage_stream
+        """The first half for a stream of (tag, blob, target) on one NVDEC session, chunks back to back."""
+        from kvcodec.codecs.transform_batch import stage_stream
+
+        return stage_stream(self, items, device, check)

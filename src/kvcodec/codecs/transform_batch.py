@@ -8,15 +8,16 @@ meanwhile runs the math in waves over the chunks decoded so far, on its own stre
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from kvcodec.codecs.base import Target
+from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.transform_decode import check_target
-from kvcodec.errors import CorruptStreamError
+from kvcodec.errors import CorruptStreamError, KVCodecError
 
 _END = object()
 DEFAULT_WAVE = 16  # chunks per pass of the math: launch-bound below ~8, no faster per chunk above 16
@@ -34,6 +35,85 @@ def threads_decode_into(codec) -> Callable:
         codec.decode_chunk(blob, out, decoder=decoder)
 
     return decode_into
+
+
+def chunk_info(h: dict) -> ChunkInfo:
+    """The ChunkInfo of a verified transform chunk header (what TransformCodec.inspect_chunk returns)."""
+    L, H, D = h["shape"]
+    return ChunkInfo(h["index"], h["start_token"], h["tokens"], L, H, D, h["dtype"], h["codec"], h.get("key"))
+
+
+def stage_stream(codec, items: Iterable[tuple], device, check: Callable | None = None, decoder=None) -> Iterator[tuple]:
+    """(tag, staged chunk or the KVCodecError it failed with) for every (tag, blob, target) of
+    `items`, as each completes: the chunks' videos go back to back through one parser on one NVDEC
+    session borrowed for the call (NvcuvidDecoder.decode_each), so the engine decodes the next
+    chunk while this thread does the last one's host work (the fetch pipeline's decode workers run
+    this; TransformCodec.finish does the math). `items` is pulled when the parser wants the next
+    stream; when it ends, the parser is flushed and the last chunks complete. check(tag, info):
+    called with each chunk's ChunkInfo before its video is fed; what it raises is that chunk's
+    error. After a stream fails, each chunk fed and not complete is decoded on its own (which
+    names the chunk at fault) and streaming goes on with the items left. decoder: the video decoder
+    to use instead of one borrowed for the call."""
+    r, items = codec._restorer, iter(items)
+    done: collections.deque = collections.deque()  # results found while feeding (refused or zstd chunks)
+    fed: dict = {}  # tag -> (header, streams, target) of chunks fed and not complete
+
+    def videos() -> Iterator[tuple]:
+        for tag, blob, target in items:
+            try:
+                h, streams = codec._read(blob)
+                check_target(h, target)
+                if check is not None:
+                    check(tag, chunk_info(h))
+                if h["coder"] == "zstd":
+                    done.append((tag, r.decode_samples(h, streams, target.device, None)))
+                    continue
+            except KVCodecError as e:
+                done.append((tag, e))
+                continue
+            fed[tag] = (h, streams, target)
+            w, hh = h["resolution"]
+            yield tag, streams["video"], w, hh, h["frames"]
+
+    if decoder is None:
+        from kvcodec.codecs.hevc_decode import idle_decoders
+
+        with idle_decoders.borrow(device) as lent:
+            yield from _stream(r, lent, videos, fed, done)
+    else:
+        yield from _stream(r, decoder, videos, fed, done)
+
+
+def _stream(r, decoder, videos: Callable, fed: dict, done: collections.deque) -> Iterator[tuple]:
+    """stage_stream's loop on one decoder (see there)."""
+    while True:
+        frames = _decode_each(decoder, videos())
+        try:
+            router = _Router(frames)
+            for tag in router.chunks():
+                yield from _drain(done)
+                h, streams, target = fed[tag]
+                staged = r.decode_samples(h, streams, target.device, router)
+                del fed[tag]
+                yield tag, staged
+            yield from _drain(done)
+            return
+        except Exception:  # noqa: BLE001 - attributed to its chunk below
+            frames.close()
+            if not fed:  # no chunk's fault (the session itself failed)
+                raise
+            yield from _drain(done)
+            for tag, (h, streams, target) in list(fed.items()):
+                del fed[tag]
+                try:
+                    yield tag, r.decode_samples(h, streams, target.device, decoder)
+                except KVCodecError as e:
+                    yield tag, e
+
+
+def _drain(done: collections.deque) -> Iterator[tuple]:
+    while done:
+        yield done.popleft()
 
 
 def restore_chunks(

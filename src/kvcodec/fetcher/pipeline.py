@@ -16,6 +16,7 @@ cache drops its meta, so the next put rewrites it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -76,11 +77,18 @@ class PipelineSettings:
     net_workers: int
     direct: bool
     batched: bool | None = None  # staged decode for codecs that have it; None: on CUDA only
+    stream: bool = True  # staged decode streamed (stage_stream) where the codec can
 
     @property
     def staged(self) -> bool:
         on = self.batched if self.batched is not None else self.device.type == "cuda"
         return bool(on) and isinstance(self.codec, StagedDecode)
+
+    @property
+    def streamed(self) -> bool:
+        """Staged through the codec's stage_stream (chunks back to back on one decoder session per
+        worker), where the codec has one; `stream` False turns it off."""
+        return self.staged and self.stream and callable(getattr(self.codec, "stage_stream", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +99,7 @@ class Decoded:
     target: Target
     staging: torch.Tensor | None
     part: object = None
+    ready: torch.cuda.Event | None = None  # recorded where the part was staged; finish waits for it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +146,10 @@ class FetchPipeline:
         self.direct_used = False
         self.out = plan.out
         self._suffix_sums()
+        self.started = None  # CUDA: the caller's stream at the start; the fetch's own streams wait for it
+        if settings.device.type == "cuda":
+            self.started = torch.cuda.Event()
+            self.started.record(torch.cuda.current_stream(settings.device))
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -155,7 +168,8 @@ class FetchPipeline:
         for t in net + dec:
             t.start()
         try:
-            return self._consume()
+            with _own_stream(self.s.device, self.started):  # never queued behind the caller's (the model's) work
+                return self._consume()
         finally:
             self._shutdown(dec)
             self._finish_stats()
@@ -228,6 +242,10 @@ class FetchPipeline:
             self.timings[i].restore_start = start
         parts, targets = [d.part for _, d in ready], [d.target for _, d in ready]
         if self.s.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.s.device)
+            for _, d in ready:
+                if d.ready is not None:
+                    stream.wait_event(d.ready)
             with torch.cuda.device(self.s.device):
                 self.s.codec.finish(parts, targets)
         else:
@@ -337,6 +355,75 @@ class FetchPipeline:
     def _decode_worker(self) -> None:
         if self.s.device.type == "cuda":  # a new thread's CUDA device is 0: decoders and kernels must use the fetch's
             torch.cuda.set_device(self.s.device)
+        with _own_stream(self.s.device, self.started):  # each worker waits for its own work only
+            if self.s.streamed:
+                self._stream_loop()
+            else:
+                self._decode_loop()
+
+    # -- streamed staged decode (a codec's stage_stream: one NVDEC session per worker) ---------
+    def _stream_loop(self) -> None:
+        """Chunks through the codec's stage_stream while they come: one stream per run of chunks
+        already queued (the parser is flushed when the queue runs dry, so no chunk waits for the
+        network behind another's frames)."""
+        while not self.stop.is_set():
+            try:
+                item = self.dec_q.get(timeout=_POLL_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            fed: dict[int, tuple] = {}
+            ended: list[bool] = [False]  # the shutdown marker came while chunks were queued
+            try:
+                items = self._queued(item, fed, ended)
+                for i, part in self.s.codec.stage_stream(items, self.s.device, self._check_info):
+                    self._staged(i, part, fed.pop(i))
+            except Exception as e:  # noqa: BLE001 - the session failed: every chunk fed reports it
+                for i in list(fed):
+                    fed.pop(i)
+                    self.res_q.put((i, e if isinstance(e, KVCodecError) else _failed(i, "failed to decode", e), None))
+            if ended[0]:
+                return
+
+    def _queued(self, first: tuple, fed: dict, ended: list[bool]):
+        """(index, blob, target) of `first` and of every chunk queued behind it, until the queue is
+        empty (or the fetch stops)."""
+        item = first
+        while item is not None and not self.stop.is_set():
+            i, j, blob = item
+            self.timings[i].dec_start = self.now()
+            target, direct = self._target(self.plan.metas[i])
+            fed[i] = (j, target, direct)
+            yield i, blob, target
+            try:
+                item = self.dec_q.get_nowait()
+            except queue.Empty:
+                return
+            ended[0] = item is None
+
+    def _check_info(self, i: int, info: ChunkInfo) -> None:
+        self._check_binding(i, info)
+
+    def _staged(self, i: int, part: object, fed: tuple) -> None:
+        """Chunk i's staged part (or its error) to the in-order restore."""
+        j, target, direct = fed
+        if isinstance(part, KVCodecError):
+            if isinstance(part, FormatError):
+                self.on_bad_chunk(i, part)
+            self.res_q.put((i, part, None))
+            return
+        ready = torch.cuda.Event() if self.s.device.type == "cuda" else None
+        if ready is not None:
+            ready.record(torch.cuda.current_stream(self.s.device))
+        tm = self.timings[i]
+        tm.dec_end = self.now()
+        self.profile.observe(j, self.plan.metas[i].values, tm.dec_end - tm.dec_start)
+        with self.lock:
+            self.backlog.pop(i, None)
+        self.res_q.put((i, None, Decoded(target, None if direct else target, part, ready)))
+
+    def _decode_loop(self) -> None:
         while not self.stop.is_set():
             try:
                 item = self.dec_q.get(timeout=_POLL_S)
@@ -435,6 +522,21 @@ class FetchPipeline:
         st.net_busy_s = sum(t.net_end - t.net_start for t in tl if t.net_end)
         st.decode_busy_s = sum(t.dec_end - t.dec_start for t in tl if t.dec_end)
         st.restore_busy_s = sum(t.restore_end - t.restore_start for t in tl if t.restore_end)
+
+
+@contextlib.contextmanager
+def _own_stream(device: torch.device, after: torch.cuda.Event | None):
+    """On CUDA, a stream of the fetch's own as the thread's current one (ordered after `after`):
+    its host waits wait for this stream's work alone, not for the legacy default stream that every
+    thread and the model share."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    if after is not None:
+        stream.wait_event(after)
+    with torch.cuda.stream(stream):
+        yield
 
 
 def _ready_run(pending: dict[int, tuple], first: int) -> tuple[list[tuple[int, Decoded]], KVCodecError | None]:

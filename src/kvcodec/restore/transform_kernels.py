@@ -23,6 +23,7 @@ GPU: no host synchronisation per chunk.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 import numpy as np
@@ -32,6 +33,8 @@ from kvcodec.errors import CorruptStreamError
 from kvcodec.transform.calibration import KINDS, Calibration
 from kvcodec.transform.quantize import OFFSET, recon_offset, step_ratio
 from kvcodec.transform.rope import RopeSpec, inv_freq
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,6 +48,9 @@ class BatchedPlan:
     slot_of_row: np.ndarray  # (C,) int64 host: block slot (j * n + k) of each layout row
     n: int  # padded coefficients per block
     ratios: torch.Tensor | None = None  # (J * n,) float32 step / calibrated deviation per slot (0: padding)
+    split: torch.Tensor | None = None  # (J, d, 2 n) float16: [hi | lo] of bases / scales (see split_bases)
+    scales: torch.Tensor | None = None  # (J, 1, 1) float32 largest |bases| of each block
+    centred_means: torch.Tensor | None = None  # (J, d, 1) float32 means for centred samples (q, not q + 128)
 
 
 def block_layout(counts, group_sizes, layer_dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -78,6 +84,7 @@ def build_plan(
     gather = torch.zeros((J, n), dtype=torch.int64)
     bases = torch.zeros((J, d, n), dtype=torch.float32)
     means = torch.zeros((J, d), dtype=torch.float32)
+    centred = torch.zeros((J, d), dtype=torch.float32)  # the means for centred integers (split GEMM)
     slot_of_row = np.zeros(inverse.numel(), dtype=np.int64)
     ratios = torch.zeros((J, n), dtype=torch.float32)
     for j in range(J):
@@ -86,10 +93,12 @@ def build_plan(
         scaled = b.basis[:, :c].to(torch.float64) * steps[o : o + c].to(torch.float64)
         bases[j, :rows_j, :c] = scaled.float()
         means[j, :rows_j] = (b.mean.to(torch.float64) - OFFSET * scaled.sum(1)).float()
+        centred[j, :rows_j] = b.mean.float()
         gather[j, :c] = inverse[o : o + c]
         slot_of_row[inverse[o : o + c].numpy()] = j * n + np.arange(c)
         if sigmas is not None:
             ratios[j, :c] = step_ratio(steps[o : o + c].to(torch.float64), sigmas[o : o + c].to(torch.float64)).float()
+    split, scales = split_bases(bases)
     return BatchedPlan(
         gather.reshape(-1).to(device),
         bases.to(device),
@@ -98,7 +107,27 @@ def build_plan(
         slot_of_row,
         n,
         ratios.reshape(-1).to(device) if sigmas is not None else None,
+        split.to(device),
+        scales.to(device),
+        centred[:, :, None].to(device),
     )
+
+
+SPLIT_GEMM = True  # the inverse transform on fp16 tensor cores (hi + lo halves) where the values allow it
+SPLIT_MAX = 2048  # |q| up to which float16 holds the integers exactly
+
+
+def split_bases(bases: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(J, d, 2 n) float16 [hi | lo] and (J, 1, 1) float32 scales with bases ~= scales * (hi + lo):
+    each block scaled to at most 1, hi its float16 rounding, lo the float16 rounding of the rest,
+    so hi + lo carries about 21 bits of each value (float32 carries 24). With integer coefficients
+    q (|q| <= SPLIT_MAX, exact in float16) every product is exact in float32, so one float16 GEMM
+    over [hi | lo] and [q; q] with float32 accumulation restores what the float32 GEMM does."""
+    scales = bases.abs().amax(dim=(1, 2), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    unit = bases.to(torch.float64) / scales
+    hi = unit.to(torch.float16)
+    lo = (unit - hi.to(torch.float64)).to(torch.float16)
+    return torch.cat([hi, lo], dim=2), scales.float()
 
 
 def rope_partner(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -192,6 +221,71 @@ def restore(
     None: all 1) as in quantize.dequantize. Chunk i is [..., i * t : (i + 1) * t]; emit() writes it out."""
     L, H, D = shape
     N, C, t = samples.shape
+    x = None
+    if _split_fits(plan, escapes, recon):
+        try:
+            x = _split_gemm(plan, samples, escapes, token_scales)
+        except (TypeError, RuntimeError, NotImplementedError) as e:  # a torch without float16 -> float32 bmm
+            _split_unavailable(e)
+    if x is None:
+        x = _float_gemm(plan, samples, escapes, recon, token_scales)
+    y = x.view(-1, N * t).index_select(0, plan.rows).view(L, 2, H, D, N * t)
+    if rope is not None:
+        windows = [rope.window(s, t) for s in starts]
+        cos = windows[0][0] if N == 1 else torch.cat([w[0] for w in windows], dim=1)
+        sin = windows[0][1] if N == 1 else torch.cat([w[1] for w in windows], dim=1)
+        k = y[:, 0]
+        rotated = k.index_select(2, rope.partner).mul_(sin)
+        y[:, 0] = rotated.addcmul_(k, cos)
+    return y
+
+
+def _split_unavailable(error: BaseException) -> None:
+    global SPLIT_GEMM
+    SPLIT_GEMM = False
+    log.warning("split float16 GEMM unavailable (%s: %s): restoring with the float32 GEMM", type(error).__name__, error)
+
+
+def _split_fits(plan: BatchedPlan, escapes, recon: str) -> bool:
+    """The split GEMM holds the chunk's values exactly: centre reconstruction, escapes within SPLIT_MAX."""
+    if not SPLIT_GEMM or plan.split is None or recon != "centre":
+        return False
+    return all(not v.numel() or int(v.abs().max()) <= SPLIT_MAX for _, v in escapes)
+
+
+def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(J * n, N, t) of `dtype`: each block's coded coordinates of every chunk (sample values)."""
+    N, C, t = samples.shape
+    if not C:  # a level so coarse that nothing is coded: every slot is padding (the chunk is the mean)
+        return torch.full((plan.gather.numel(), N, t), OFFSET, dtype=dtype, device=samples.device)
+    g = torch.empty((plan.gather.numel(), N, t), dtype=dtype, device=samples.device)
+    g.copy_(samples.index_select(1, plan.gather).permute(1, 0, 2))
+    return g
+
+
+def _split_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, token_scales) -> torch.Tensor:
+    """x (J, d, N t) float32 through the float16 [hi | lo] GEMM over centred integers q."""
+    N, C, t = samples.shape
+    J, n, device = plan.bases.shape[0], plan.n, samples.device
+    half = device.type == "cuda"  # tensor cores; on the CPU the same split in float32 (tests)
+    q = _gathered(plan, samples, torch.float16 if half else torch.float32).sub_(OFFSET)
+    if any(idx.numel() for idx, _ in escapes):
+        flat, vals = escape_slots(plan, escapes, t, C)
+        q.view(-1).index_put_((_upload(flat, device),), _upload(vals - OFFSET, device).to(q.dtype))
+    both = q.view(J, 1, n, N * t).expand(J, 2, n, N * t).reshape(J, 2 * n, N * t)  # [q; q]
+    if half:
+        x = torch.bmm(plan.split, both, out_dtype=torch.float32)
+    else:
+        x = torch.bmm(plan.split.float(), both)
+    x.mul_(plan.scales)
+    if token_scales is not None:
+        x.view(J, -1, N, t).mul_(token_scales[None, None])
+    return x.add_(plan.centred_means)
+
+
+def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, recon: str, token_scales) -> torch.Tensor:
+    """x (J, d, N t) float32 through the float32 GEMM (any reconstruction, any escape)."""
+    N, C, t = samples.shape
     device = samples.device
     if C:
         g = torch.empty((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
@@ -204,16 +298,7 @@ def restore(
     if recon != "centre" or token_scales is not None:
         _reconstruct(plan, g, recon, token_scales)
     J = plan.bases.shape[0]
-    x = torch.baddbmm(plan.means, plan.bases, g.view(J, plan.n, N * t))  # (J, d, N t)
-    y = x.view(-1, N * t).index_select(0, plan.rows).view(L, 2, H, D, N * t)
-    if rope is not None:
-        windows = [rope.window(s, t) for s in starts]
-        cos = windows[0][0] if N == 1 else torch.cat([w[0] for w in windows], dim=1)
-        sin = windows[0][1] if N == 1 else torch.cat([w[1] for w in windows], dim=1)
-        k = y[:, 0]
-        rotated = k.index_select(2, rope.partner).mul_(sin)
-        y[:, 0] = rotated.addcmul_(k, cos)
-    return y
+    return torch.baddbmm(plan.means, plan.bases, g.view(J, plan.n, N * t))  # (J, d, N t)
 
 
 def _reconstruct(plan: BatchedPlan, g: torch.Tensor, recon: str, token_scales: torch.Tensor | None) -> None:

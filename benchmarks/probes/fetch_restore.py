@@ -1,0 +1,552 @@
+#!/usr/bin/env python3
+"""Probe (issue 21): `PrefixCache.fetch` of real models' KV on CUDA with the defaults, against
+NVDEC's decode-only rate on the same streams, with a concurrent bf16 matmul's slowdown, the
+decoder's standing memory and a host profile of where each chunk's CPU time goes.
+
+    # on a CPU machine: KV of a real model (2048 tokens of an essay), a transform calibrated on two
+    # other essays, every case coded into one file:// store, the CPU fetch's values sampled
+    python benchmarks/probes/fetch_restore.py prep --model smollm2-135m --dir D \\
+        --cases t5:ratio=5 --cases t8:ratio=8 --cases int8:hevc
+    # on the GPU machine (D carried; its .kvt stays behind, the pack cut to the coded widths travels)
+    python benchmarks/probes/fetch_restore.py run --dir D --out OUT.json
+
+A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
+(int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk). run measures per case:
+the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
+get) and with the settings in --variants; NVDEC decode-only on the same chunk streams (7 threads,
+each streaming its chunks through one parser); a bf16 8192^3 matmul's TFLOP/s alone and beside
+fetches looping on another thread (one CUDA context); the GPU memory the decoders hold after the
+fetch (sessions, rings, plans); for transform cases the batched inverse-transform kernels alone
+beside the matmul (SM cost per GB/s). Every GPU fetch is checked against the CPU fetch's sampled
+values (prep). --profile CASE samples the stacks of every fetch thread (a sampling profiler in the
+process) during a fetch loop of that case, with the defaults and with one decode thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import shlex
+import sys
+import threading
+import time
+
+import torch
+
+CAL_TEXTS = ("pg/aord", "pg/apple")
+SERVED_TEXT = "pg/gap"
+PACK = "transform.pack.safetensors"
+SAMPLES = 4096  # values of the CPU fetch kept as the reference (random positions, fixed seed)
+
+
+# ------------------------------------------------------------------------------------ cases
+
+
+def parse_case(text: str) -> dict:
+    name, _, spec = text.partition(":")
+    case = {"name": name, "codec": "transform", "ratio": None, "res": [512, 512], "chunk": 256, "ns": None}
+    for part in filter(None, spec.split(",")):
+        key, _, value = part.partition("=")
+        if key == "hevc":
+            case["codec"] = "hevc"
+        elif key == "ratio":
+            case["ratio"] = float(value)
+        elif key == "res":
+            case["res"] = [int(x) for x in value.split("x")]
+        elif key == "chunk":
+            case["chunk"] = int(value)
+        elif key == "ns":  # a key namespace: cases whose codec ids coincide (frame sizes) keep apart
+            case["ns"] = value
+        else:
+            raise SystemExit(f"unknown case field {key!r} in {text!r}")
+    return case
+
+
+def make_codec(case: dict, d: pathlib.Path, cal=None):
+    """The case's codec: on the CPU (prep) over the .kvt, on the GPU machine over the pack."""
+    res = (tuple(case["res"]),)
+    if case["codec"] == "hevc":
+        from kvcodec.codecs.hevc import HevcCodec
+        from kvcodec.config import CodecConfig
+
+        return HevcCodec(CodecConfig(quant="int8", chunk_tokens=case["chunk"], resolutions=res))
+    from kvcodec.codecs.transform import TransformCodec
+
+    options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], "resolutions": res}
+    if cal is not None:
+        return TransformCodec(cal[0], kvt_hash=cal[1], **options)
+    return TransformCodec(d.parent / f"{d.name}.kvt", **options)
+
+
+def _samples_of(kv: torch.Tensor, n: int = SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, kv.numel(), (n,), generator=g)
+    return idx, kv.reshape(-1)[idx].float()
+
+
+def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_tokens: int, text: str) -> None:
+    from kvcodec.fetcher import DecodeProfile, PrefixCache
+    from kvcodec.integrations.hf import extract_kv
+    from kvcodec.models import load_model
+    from kvcodec.models.texts import load_text
+    from kvcodec.store import open_store
+    from kvcodec.transform import RopeSpec, calibrate, save_kvt
+
+    d.mkdir(parents=True, exist_ok=True)
+    model, tok = load_model(model_name)
+    kvt = d.parent / f"{d.name}.kvt"
+    if not kvt.exists():
+        kvs = [extract_kv(model, tok, load_text(t), cal_tokens)[1] for t in CAL_TEXTS]
+        save_kvt(calibrate(kvs, RopeSpec.from_hf_config(model.config), info={"model": model_name}), kvt)
+    ids, kv = extract_kv(model, tok, "\n\n".join(load_text(t) for t in text.split(",")), tokens)
+    kv = kv.half()
+    store = open_store(f"file://{d / 'store'}")
+    fp16 = kv.numel() * 2
+    doc = {"model": model_name, "text": text, "ids": ids.tolist(), "fp16_bytes": fp16, "cases": []}
+    if (d / "cases.json").exists():  # cases of an earlier prep are kept unless prepared again
+        names = {c["name"] for c in cases}
+        doc["cases"] = [c for c in json.loads((d / "cases.json").read_text())["cases"] if c["name"] not in names]
+    for case in cases:
+        codec = make_codec(case, d)
+        profile = DecodeProfile.default(codec.resolutions)
+        cache = PrefixCache(store, model_name, codec, "cpu", profile=profile, namespace=case["ns"])
+        t0 = time.perf_counter()
+        cache.put(ids, kv)
+        enc = time.perf_counter() - t0
+        r = cache.fetch(ids)
+        assert r.ok, r.error
+        idx, vals = _samples_of(r.kv)
+        rel = float((r.kv.float() - kv.float()).norm() / kv.float().norm())
+        case.update(codec_id=codec.id, encode_s=round(enc, 2), relative_error=rel)
+        case.update(ref_idx=idx.tolist(), ref_vals=vals.tolist())
+        print(f"{case['name']}: {codec.id}, encoded in {enc:.1f}s, relative error {rel:.4f}", flush=True)
+        doc["cases"].append(case)
+    for case in doc["cases"]:
+        case["coded_bytes"] = _stored_bytes(store, doc, case)
+        case["ratio_vs_fp16"] = round(fp16 / case["coded_bytes"], 3)
+    (d / "cases.json").write_text(json.dumps(doc))
+    _pack(d, doc)
+    size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
+    print(f"{d}: {size / 1e6:.1f} MB; ratios {[c['ratio_vs_fp16'] for c in doc['cases']]}")
+
+
+def _stored_bytes(store, doc: dict, case: dict) -> int:
+    """Blob bytes (metas left out) of a case's chunks."""
+    from kvcodec.fetcher import ChunkMeta, meta_key
+
+    return sum(sum(ChunkMeta.from_bytes(store.get(meta_key(k))).sizes) for k in _keys(doc, case))
+
+
+class _IdOnly:
+    """Enough of a ChunkCodec for PrefixCache.keys: the id and chunk length of a prepared case."""
+
+    def __init__(self, case: dict):
+        self.id, self.chunk_tokens, self.resolutions = case["codec_id"], case["chunk"], (tuple(case["res"]),)
+
+    def encode_chunks(self, *a, **k):  # pragma: no cover - never called
+        raise NotImplementedError
+
+    inspect_chunk = decode_chunk = encode_chunks
+
+
+def _pack(d: pathlib.Path, doc: dict) -> None:
+    """The calibration cut to the widest coordinates any transform case codes (travels light)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from kvcodec.fetcher import blob_key
+    from kvcodec.store import open_store
+    from transform_nvdec import _write_pack
+
+    store, widths, codec = open_store(f"file://{d / 'store'}"), None, None
+    for case in doc["cases"]:
+        if case["codec"] != "transform":
+            continue
+        codec = make_codec(case, d)
+        cache_keys = _keys(doc, case)
+        for k in cache_keys:
+            counts = codec.plan(codec.header(store.get(blob_key(k, 0)))["theta"]).counts
+            widths = [max(a, b) for a, b in zip(widths or counts, counts)]
+    if codec is not None:
+        _write_pack(codec.cal, codec.kvt_hash, widths, d / PACK)
+
+
+def _keys(doc: dict, case: dict) -> list[str]:
+    from kvcodec.fetcher import PrefixCache
+
+    return PrefixCache("memory://", doc["model"], _IdOnly(case), "cpu", namespace=case.get("ns")).keys(doc["ids"])
+
+
+# ------------------------------------------------------------------------------------ GPU run
+
+
+def _probe():
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import nvcuvid_scaling
+
+    return nvcuvid_scaling
+
+
+def _memory_store(d: pathlib.Path, doc: dict):
+    from kvcodec.store import open_store
+
+    src, mem = open_store(f"file://{d / 'store'}"), open_store("memory://")
+    for k in src.list(""):
+        mem.put(k, src.get(k))
+    return mem
+
+
+def _check(kv: torch.Tensor, case: dict) -> dict:
+    got = kv.reshape(-1)[torch.tensor(case["ref_idx"], device=kv.device)].float().cpu()
+    ref = torch.tensor(case["ref_vals"])
+    diff = (got - ref).abs()
+    ok = bool(torch.all(diff <= 2**-12 + 2**-10 * ref.abs()))  # fp16 rounding of float32 sums in another order
+    return {"within_fp16_rounding": ok, "max_abs_diff": float(diff.max())}
+
+
+def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
+    times, kv = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        r = cache.fetch(ids, deadline_s=None)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if not r.ok:
+            raise RuntimeError(f"fetch failed: {r.error}")
+        kv = r.kv
+    return times, kv
+
+
+def measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alone: float, secs: float) -> dict:
+    from kvcodec.fetcher import PrefixCache
+
+    before = probe.free_mb()
+    cache = PrefixCache(mem, doc["model"], codec, "cuda", namespace=case.get("ns"), **variant)
+    ids = doc["ids"]
+    _, kv = fetch_loop(cache, ids, 2)  # warm-up: sessions opened, plans built
+    out_mb = kv.numel() * kv.element_size() / 2**20
+    del kv
+    standing = before - probe.free_mb() - out_mb
+    cpu0 = time.process_time()
+    times, kv = fetch_loop(cache, ids, repeat)
+    cpu_ms = 1e3 * (time.process_time() - cpu0) / repeat / -(-len(ids) // case["chunk"])
+    med = sorted(times)[len(times) // 2]
+    nbytes = doc["fp16_bytes"]
+    rec = {
+        "kind": "fetch",
+        "backend": f"nvcuvid-threads:{cache.decode_workers}",
+        "decode_workers": cache.decode_workers,
+        "max_inflight": cache.max_inflight,
+        "defaults": not variant,
+        "cuda_contexts": 1,
+        "tokens": len(ids),
+        "restored_gb_per_s": round(nbytes / med / 1e9, 3),
+        "restored_gb_per_s_best": round(nbytes / min(times) / 1e9, 3),
+        "coded_gbit_per_s": round(8 * case["coded_bytes"] / med / 1e9, 3),
+        "standing_mb": round(standing, 1),
+        "host_cpu_ms_per_chunk": round(cpu_ms, 3),
+        **_check(kv, case),
+    }
+    if secs > 0:
+        inter = probe.interference(lambda: fetch_loop(cache, ids, 1), secs, alone)
+        rec["matmul_slowdown"] = inter["matmul_slowdown"]
+        rec["restored_gb_per_s_under_matmul"] = round(nbytes / inter["call_s_during"] / 1e9, 3)
+    return rec
+
+
+def _videos(case, codec, mem, doc) -> tuple[list, list, tuple]:
+    from kvcodec.fetcher import blob_key
+
+    videos, frames = [], []
+    for k in _keys(doc, case):
+        h, streams = codec._read(mem.get(blob_key(k, 0)))
+        videos.append(bytes(streams["video"]))
+        frames.append(h["frames"])
+    return videos, frames, tuple(h["resolution"])
+
+
+def decode_only(case, codec, mem, doc, probe, copies: int, seconds: float) -> dict:
+    """NVDEC alone on the case's chunk streams: 7 threads, each streaming its share through one parser."""
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+    from kvcodec.video.nvcuvid_threads import nvdec_engines
+
+    videos, frames, size = _videos(case, codec, mem, doc)
+    reps = max(1, copies // len(videos))
+    videos, frames = videos * reps, frames * reps
+    n = nvdec_engines(0)
+    decs = [NvcuvidDecoder(0) for _ in range(n)]
+    try:
+        s = probe.timed(lambda: probe.decode_loop(videos, frames, size, decs, True), seconds)
+    finally:
+        for dec in decs:
+            dec.close()
+    return {
+        "kind": "decode-only",
+        "backend": "nvcuvid-streamed",
+        "threads": n,
+        "cuda_contexts": 1,
+        "nvdec_gb_per_s": round(doc["fp16_bytes"] * reps / s / 1e9, 3),
+        "coded_gbit_per_s": round(8 * case["coded_bytes"] * reps / s / 1e9, 3),
+    }
+
+
+def restore_alone(case, codec, mem, doc, probe, seconds: float) -> dict:
+    """restore_chunks on NvcuvidThreads (one session per engine, streamed, math in waves): the
+    restore without the fetch pipeline, for the pipeline's own cost."""
+    from kvcodec.codecs.transform_batch import restore_chunks
+    from kvcodec.fetcher import blob_key
+    from kvcodec.video.nvcuvid_threads import NvcuvidThreads, nvdec_engines
+
+    blobs = [mem.get(blob_key(k, 0)) for k in _keys(doc, case)]
+    infos = [codec.inspect_chunk(b) for b in blobs]
+    out = torch.empty((infos[0].layers, 2, len(doc["ids"]), infos[0].kv_heads, infos[0].head_dim), device="cuda")
+    out = out.half()
+    outs = [out[:, :, i.start_token : i.start_token + i.tokens] for i in infos]
+    n = nvdec_engines(0)
+    with NvcuvidThreads(n) as threads:
+
+        def once():
+            restore_chunks(codec, blobs, outs, threads=threads)
+            torch.cuda.synchronize()
+
+        s = probe.timed(once, seconds)
+    return {
+        "kind": "restore-alone",
+        "backend": f"nvcuvid-threads-streamed:{n}",
+        "cuda_contexts": 1,
+        "restored_gb_per_s": round(doc["fp16_bytes"] / s / 1e9, 3),
+        **_check(out, case),
+    }
+
+
+def kernels_only(case, codec, mem, doc, probe, alone: float, secs: float, split: bool = True) -> dict:
+    """The batched inverse transform alone (samples staged once), looping beside the matmul."""
+    from kvcodec.fetcher import blob_key
+    from kvcodec.restore import transform_kernels
+
+    keys = _keys(doc, case)
+    blobs = [mem.get(blob_key(k, 0)) for k in keys]
+    info = codec.inspect_chunk(blobs[0])
+    L, H, D = info.layers, info.kv_heads, info.head_dim
+    outs = [torch.empty((L, 2, case["chunk"], H, D), dtype=torch.float16, device="cuda") for _ in blobs]
+    staged = [codec.stage(b, o) for b, o in zip(blobs, outs)]
+    full = [i for i, s in enumerate(staged) if s.h["tokens"] == case["chunk"]]
+    staged, outs = [staged[i] for i in full], [outs[i] for i in full]
+    stream = torch.cuda.Stream()
+
+    def loop():
+        saved = transform_kernels.SPLIT_GEMM
+        transform_kernels.SPLIT_GEMM = split
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(10):
+                    codec.finish(staged, outs)
+            stream.synchronize()
+        finally:
+            transform_kernels.SPLIT_GEMM = saved
+
+    loop()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(stream)
+    loop()
+    end.record(stream)
+    torch.cuda.synchronize()
+    nbytes = 10 * sum(o.numel() * 2 for o in outs)
+    rec = {"kind": "restore-kernels", "gemm": "fp16-split" if split else "fp32", "chunks_per_pass": len(outs)}
+    rec["cuda_contexts"] = 1
+    rec["kernels_gb_per_s_alone"] = round(nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 3)
+    if secs > 0:
+        inter = probe.interference(loop, secs, alone)
+        gbs = nbytes / inter["call_s_during"] / 1e9
+        rec.update(matmul_slowdown=inter["matmul_slowdown"], kernels_gb_per_s_under_matmul=round(gbs, 3))
+        rec["matmul_slowdown_per_gb_per_s"] = round(inter["matmul_slowdown"] / max(gbs, 1e-9), 5)
+    return rec
+
+
+class Sampler:
+    """A sampling profiler in this process: every `interval` s the stacks of the other threads
+    (sys._current_frames), counted per thread group (its name without the trailing number) as
+    self (leaf frame) and inclusive (every frame on the stack). The sampler needs the interpreter
+    lock to take a sample, so its lateness measures how long threads hold it."""
+
+    def __init__(self, interval: float = 5e-4):
+        self.interval, self.stop = interval, threading.Event()
+        self.self_counts: dict = {}
+        self.incl_counts: dict = {}
+        self.samples: dict = {}
+        self.gaps: list[float] = []
+        self.thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+
+    def _run(self) -> None:
+        me, last = threading.get_ident(), time.perf_counter()
+        while not self.stop.is_set():
+            time.sleep(self.interval)
+            now = time.perf_counter()
+            self.gaps.append(now - last)
+            last = now
+            names = {t.ident: t.name.rstrip("0123456789_") for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                group = names.get(ident, "?")
+                self.samples[group] = self.samples.get(group, 0) + 1
+                leaf = _where(frame)
+                self.self_counts[(group, leaf)] = self.self_counts.get((group, leaf), 0) + 1
+                seen = set()
+                while frame is not None:
+                    w = _where(frame)
+                    if w not in seen:
+                        seen.add(w)
+                        self.incl_counts[(group, w)] = self.incl_counts.get((group, w), 0) + 1
+                    frame = frame.f_back
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    def report(self, scale: float, top: int = 30) -> dict:
+        """ms per chunk (scale: wall ms per chunk / samples per thread) of the top functions."""
+        mean_gap = sum(self.gaps) / max(len(self.gaps), 1)
+        rows = {}
+        for name, counts in (("self", self.self_counts), ("inclusive", self.incl_counts)):
+            best = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+            rows[name] = [[g, w, round(c * scale, 4)] for (g, w), c in best]
+        return {"sampler_interval_ms": round(1e3 * mean_gap, 3), "samples_per_group": self.samples, **rows}
+
+
+def _where(frame) -> str:
+    code = frame.f_code
+    return f"{code.co_filename.split('/')[-1]}:{code.co_name}:{frame.f_lineno}"
+
+
+def standing_sessions(probe) -> dict:
+    """GPU memory the fetches' decoder sessions hold (every idle NVDEC session closed and measured)."""
+    from kvcodec.codecs.hevc_decode import idle_decoders
+
+    before = probe.free_mb()
+    decoders = [d for ds in idle_decoders._idle.values() for d in ds]
+    for d in decoders:
+        d.close()
+    return {"kind": "standing", "sessions": len(decoders), "standing_mb": round(probe.free_mb() - before, 1)}
+
+
+def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathlib.Path) -> dict:
+    """Where each thread of `repeat` fetches spends its time (Sampler): ms per chunk per function."""
+    from kvcodec.fetcher import PrefixCache
+
+    cache = PrefixCache(mem, doc["model"], codec, "cuda", namespace=case.get("ns"), **variant)
+    fetch_loop(cache, doc["ids"], 2)
+    chunks = repeat * -(-len(doc["ids"]) // case["chunk"])
+    with Sampler() as sampler:
+        t0 = time.perf_counter()
+        fetch_loop(cache, doc["ids"], repeat)
+        wall = time.perf_counter() - t0
+    per_sample = 1e3 * wall / chunks / max(len(sampler.gaps), 1)  # ms per chunk that one sample stands for
+    rec = {"kind": "profile", "variant": variant, "chunks": chunks, "wall_ms_per_chunk": round(1e3 * wall / chunks, 3)}
+    rec.update(sampler.report(per_sample))
+    out.write_text(json.dumps(rec, indent=1) + "\n")
+    return {k: v for k, v in rec.items() if k not in ("inclusive",)}
+
+
+def run(d, out, variants, repeat, seconds, interference_s, profile_case, only) -> None:
+    from kvcodec.transform import frames  # noqa: F401 - import before threads start
+
+    probe = _probe()
+    doc = json.loads((d / "cases.json").read_text())
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    cal = None
+    if (d / PACK).exists():
+        from transform_nvdec import load_pack
+
+        packed = load_pack(d / PACK)
+        cal = (packed.cal, packed.kvt_hash)
+    torch.zeros(1, device="cuda")
+    mem = _memory_store(d, doc)
+    alone = probe.matmul_tflops(2.0)
+    result = {
+        "command": "python " + shlex.join(["benchmarks/probes/fetch_restore.py", *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(),
+        "model": doc["model"],
+        "tokens": len(doc["ids"]),
+        "fp16_bytes": doc["fp16_bytes"],
+        "matmul": "bf16 8192x8192 torch.mm on its own stream, same process",
+        "matmul_alone_tflops": round(alone, 1),
+        "records": [],
+    }
+
+    def log(rec):
+        result["records"].append(rec)
+        print(json.dumps(rec), flush=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    for case in doc["cases"]:
+        if only and case["name"] not in only:
+            continue
+        codec = make_codec(case, d, cal if case["codec"] == "transform" else None)
+        assert codec.id == case["codec_id"], (codec.id, case["codec_id"])
+        base = {k: case[k] for k in ("name", "codec", "ratio_vs_fp16", "res", "chunk")} | {"model": doc["model"]}
+        for i, variant in enumerate([{}] + variants):
+            secs = interference_s if i == 0 else 0.0
+            _stage(log, base, measure_fetch, mem, doc, case, codec, probe, variant, repeat, alone, secs)
+        if case["codec"] == "transform":
+            _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
+            _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
+            for split in (True, False):
+                _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split)
+        if case["name"] == profile_case:
+            for v in ({}, {"decode_workers": 1}):
+                name = f"profile-{doc['model']}-{case['name']}-w{v.get('decode_workers', 'default')}.json"
+                _stage(log, base, profile_fetch, mem, doc, case, codec, v, repeat, out.parent / name)
+    _stage(log, {"model": doc["model"]}, standing_sessions, probe)
+    result["matmul_alone_again_tflops"] = round(probe.matmul_tflops(2.0), 1)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _stage(log, base, fn, *args) -> None:
+    try:
+        rec = fn(*args)
+    except Exception as e:  # noqa: BLE001 - reported in the results, the run goes on
+        rec = {"kind": fn.__name__, "error": repr(e)[:400]}
+    log({**base, **rec})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prep")
+    p.add_argument("--dir", type=pathlib.Path, required=True, help="its .kvt is written beside it, as DIR.kvt")
+    p.add_argument("--model", required=True)
+    p.add_argument("--cases", action="append", required=True, help="NAME:SPEC (see the module's doc)")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--cal-tokens", type=int, default=1024)
+    p.add_argument("--text", default=SERVED_TEXT, help="served texts, comma-separated (joined): not the calibration's")
+    r = sub.add_parser("run")
+    r.add_argument("--dir", type=pathlib.Path, required=True)
+    r.add_argument("--out", type=pathlib.Path, required=True)
+    r.add_argument(
+        "--variants",
+        default="1x4,7x4,7x16",
+        help="WORKERSxINFLIGHT fetch settings measured besides the defaults, comma-separated",
+    )
+    r.add_argument("--repeat", type=int, default=7)
+    r.add_argument("--seconds", type=float, default=1.5)
+    r.add_argument("--interference-seconds", type=float, default=3.0)
+    r.add_argument("--profile", default="", help="case name whose fetches are profiled")
+    r.add_argument("--only", default="", help="case names, comma-separated (default: all)")
+    a = ap.parse_args()
+    if a.cmd == "prep":
+        prep(a.dir, a.model, [parse_case(c) for c in a.cases], a.tokens, a.cal_tokens, a.text)
+        return
+    variants = []
+    for v in filter(None, a.variants.split(",")):
+        w, m = v.split("x")
+        variants.append({"decode_workers": int(w), "max_inflight": int(m)})
+    only = set(filter(None, a.only.split(",")))
+    run(a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only)
+
+
+if __name__ == "__main__":
+    main()
