@@ -8,9 +8,10 @@ from pathlib import Path
 
 import click
 
-from kvcodec.errors import ConfigError, ShapeError
+from kvcodec.errors import ConfigError
 from kvcodec.transform.calibration import CALIBRATION_POOL, HELD_OUT_TEXTS
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
+from kvcodec.transform.quality import REPORT_RATIOS, safe_ratio, summary
 from kvcodec.transform.rope import STYLES, RopeSpec
 
 SENSITIVITY_PREFIX, SENSITIVITY_CONT = 512, 128  # the Fisher's prefix and scored continuation per text
@@ -20,24 +21,19 @@ DEFAULT_TEXT_COUNT = 16  # texts of CALIBRATION_POOL used without --texts (bench
 DEFAULT_TEXTS = CALIBRATION_POOL[:DEFAULT_TEXT_COUNT]
 
 
+HOLDOUT_TEXTS = CALIBRATION_POOL[DEFAULT_TEXT_COUNT : DEFAULT_TEXT_COUNT + 2]  # held out of the default fit
+
+
 def rope_for_model(name: str) -> RopeSpec:
-    """A registered model's rotary settings, from its cached config (or by loading it once)."""
-    from kvcodec.models import get_spec, load_model
-    from kvcodec.models.registry import model_cache_path
+    """A model's one rotary setting (registered name, directory or .gguf), from its config alone."""
+    from kvcodec.models.check import inspect_model
 
-    get_spec(name)
-    folder = model_cache_path(name)
-    if (folder / "config.json").is_file():
-        from transformers import AutoConfig
-
-        return RopeSpec.from_hf_config(AutoConfig.from_pretrained(str(folder)))
-    model, _ = load_model(name)
-    return RopeSpec.from_hf_config(model.config)
+    return inspect_model(name).uniform_rope
 
 
 def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec | None:
     """Rotary settings: --no-rope, else the KV file's 'rope' metadata, else flags, else the
-    registered model named in the file's metadata. None if nothing says."""
+    model named in the file's metadata. ConfigError if nothing says."""
     if no_rope:
         return None
     if metadata.get("rope"):
@@ -50,48 +46,65 @@ def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec 
     raise ConfigError("the KV files do not say their model's rotary settings: pass --rope-theta (or --no-rope)")
 
 
+def group_ropes(spec, metadata: dict, theta, style, rotary_dim, no_rope) -> list[RopeSpec | None]:
+    """Per group of a grouped KV file: its keys' rotary settings (the file's per-layer 'ropes', else
+    --rope-theta for every full-kv group, else the model named in the metadata)."""
+    if no_rope:
+        return [None] * len(spec.groups)
+    if metadata.get("ropes"):
+        per_layer = [RopeSpec.from_dict(r) if r else None for r in json.loads(metadata["ropes"])]
+    elif theta is not None:
+        per_layer = [RopeSpec(theta, x.k_shape[1], rotary_dim, style) for x in spec.layers]
+    elif metadata.get("model"):
+        from kvcodec.models.check import inspect_model
+
+        per_layer = list(inspect_model(metadata["model"]).ropes)
+    else:
+        raise ConfigError("the KV files do not say their model's rotary settings: pass --rope-theta (or --no-rope)")
+    out = []
+    for g in spec.groups:
+        ropes = {per_layer[i] for i in g.layers}
+        if g.kind == "mla" or g.stream != "kv" or ropes == {None}:
+            out.append(None)
+        elif len(ropes) != 1:
+            raise ConfigError(f"layers {g.layers} of group {g.name} use different RoPE settings")
+        else:
+            out.append(ropes.pop())
+    return out
+
+
 def _load_kv_files(paths) -> tuple[list, dict]:
-    from safetensors import SafetensorError, safe_open
+    from kvcodec.kvspec.files import load_kv_file
 
     kvs, metas = [], []
     for p in paths:
-        try:
-            with safe_open(str(p), "pt") as f:
-                if "kv" not in f.keys():  # noqa: SIM118 - safe_open has no __contains__
-                    raise ShapeError(f"{p} holds no tensor named 'kv'")
-                kvs.append(f.get_tensor("kv"))
-                metas.append(dict(f.metadata() or {}))
-        except (OSError, ValueError, SafetensorError) as e:  # the parser's own type for damaged files
-            raise ConfigError(f"{p}: not a readable safetensors KV file ({e})") from e
+        kv, meta = load_kv_file(p)
+        kvs.append(kv)
+        metas.append(meta)
     models = {m.get("model") for m in metas}
     if len(models) > 1:
         raise ConfigError(f"KV files come from different models: {sorted(map(str, models))}")
+    if len({type(k).__name__ for k in kvs}) > 1 or len({getattr(k, "spec", None) for k in kvs}) > 1:
+        raise ConfigError("KV files hold caches of different layouts (layer groups)")
     meta = dict(metas[0])
     if any(m.get("text") for m in metas):
         meta["sources"] = [m.get("text", str(p)) for m, p in zip(metas, paths)]
     return kvs, meta
 
 
-def _kv_from_model(name: str, texts: str, max_tokens: int, sensitivity: int, sink_tokens: int) -> tuple[list, dict]:
-    """KV of the texts; with sensitivity > 0, also the model's diagonal Fisher on the first `sensitivity` texts
-    long enough for it (meta['fisher'])."""
+def _kv_from_model(model, tokenizer, layout, texts: list[str], max_tokens: int) -> tuple[list, list, list]:
+    """(KV per text, labels, token ids per text)."""
     from kvcodec.cli.extract import _read_text
-    from kvcodec.integrations.hf import extract_kv
-    from kvcodec.models import load_model
+    from kvcodec.models.extract import extract_text_kv
 
-    model, tokenizer = load_model(name)
     kvs, sources, ids = [], [], []
-    for spec in texts.split(","):
-        text, label = _read_text(spec.strip())
-        tokens, kv = extract_kv(model, tokenizer, text, max_tokens)
+    for spec in texts:
+        text, label = _read_text(spec)
+        tokens, kv = extract_text_kv(model, tokenizer, layout, text, max_tokens, chunk_tokens=512)
         kvs.append(kv)
         sources.append(label)
         ids.append(tokens)
-    rope = RopeSpec.from_hf_config(model.config)
-    meta = {"model": name, "sources": sources, "rope": json.dumps(rope.to_dict())}
-    if sensitivity:
-        meta["fisher"] = _fisher(model, ids, sink_tokens, sensitivity)
-    return kvs, meta
+    return kvs, sources, ids
 
 
 def _fisher(model, ids: list, sink_tokens: int, count: int):
@@ -100,10 +113,20 @@ def _fisher(model, ids: list, sink_tokens: int, count: int):
 
     usable = [t[: SENSITIVITY_PREFIX + SENSITIVITY_CONT] for t in ids if t.numel() > SENSITIVITY_PREFIX + 1]
     if not usable:
-        raise ConfigError(
-            f"--weights fisher needs texts longer than {SENSITIVITY_PREFIX + 1} tokens (raise --max-tokens)"
+        click.echo(
+            f"warning: the Fisher weights need texts longer than {SENSITIVITY_PREFIX + 1} tokens (raise --max-tokens); "
+            "fitting with plain MSE",
+            err=True,
         )
+        return None
     return fisher_diagonal(model, usable[:count], SENSITIVITY_PREFIX, sink_tokens=sink_tokens)
+
+
+def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
+    """(fit, held out): the last `holdout` items (default: one in eight, at least one when there are three)."""
+    n = len(items)
+    k = (max(1, n // 8) if n >= 3 else 0) if holdout is None else min(holdout, n - 1)
+    return (items[: n - k], items[n - k :]) if k > 0 else (items, [])
 
 
 @click.command("calibrate")
@@ -111,7 +134,12 @@ def _fisher(model, ids: list, sink_tokens: int, count: int):
 @click.option(
     "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="MODEL.kvt to write."
 )
-@click.option("--model", "model_name", help="Registered model: extract its KV from --texts instead of KV files.")
+@click.option(
+    "--model",
+    "model_name",
+    help="A registered model name, a transformers model directory or a .gguf file: extract its KV from --texts "
+    "instead of KV files (checked in seconds before anything loads).",
+)
 @click.option(
     "--texts",
     help=f"Comma-separated texts for --model (files or pg/<essay>); never the texts you evaluate on. Default: "
@@ -163,6 +191,19 @@ def _fisher(model, ids: list, sink_tokens: int, count: int):
     show_default=True,
     help="The Fisher weights are measured on the first this many texts (the expensive part of calibration).",
 )
+@click.option(
+    "--report-ratios",
+    default=",".join(f"{r:g}" for r in REPORT_RATIOS),
+    show_default=True,
+    help="Target ratios (vs fp16) the held-out quality report measures.",
+)
+@click.option(
+    "--holdout",
+    type=click.IntRange(min=0),
+    help=f"Texts (or KV files) held out of the fit, last ones first: the per-channel fallback is decided and the "
+    f"quality report measured on them. Default: {', '.join(HOLDOUT_TEXTS)} beside the default texts; one in eight "
+    "of given texts or files.",
+)
 def command(
     kv_files,
     out,
@@ -180,55 +221,229 @@ def command(
     weighting,
     weight_alpha,
     fisher_texts,
+    report_ratios,
+    holdout,
 ):
     """Learn a transform (a mean and a PCA basis per group of layers, for K and V) from
     KV_FILES (written by `kvcodec extract`) or from --model on --texts (by default a fixed set of calibration
-    essays, none of them an evaluation essay: see --texts); write it to OUT.kvt."""
-    from kvcodec.transform import calibrate, save_kvt
-
+    essays, none of them an evaluation essay: see --texts); write it to OUT.kvt. Part of the texts is held
+    out: blocks the basis codes worse than per-channel quantization fall back to it, and the quality per
+    ratio (top-1 agreement and perplexity change with the model, relative error from KV files) is written
+    into the .kvt and printed."""
     if bool(kv_files) == bool(model_name):
         raise click.UsageError("give either KV files or --model (with --texts or the default texts)")
     if texts and not model_name:
         raise click.UsageError("--texts needs --model")
-    texts = texts or ",".join(DEFAULT_TEXTS)
-    held_out = sorted({t.strip() for t in texts.split(",")} & set(HELD_OUT_TEXTS))
-    if model_name and held_out:
-        click.echo(f"warning: calibrating on {', '.join(held_out)}, which the project evaluates on", err=True)
     if out.suffix != ".kvt":
         raise click.BadParameter(f"{out}: the output name must end in .kvt", param_hint="--out")
+    try:
+        ratios = sorted({float(r) for r in report_ratios.split(",") if r.strip()})
+    except ValueError:
+        ratios = []
+    if not ratios or min(ratios) <= 1:
+        raise click.BadParameter(f"{report_ratios!r}: ratios above 1, comma-separated", param_hint="--report-ratios")
     t0 = time.perf_counter()
-    weighted = weighting == "fisher" and bool(model_name) and weight_alpha > 0
+    settings = dict(sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim, max_group=max_group, covariance=covariance)
+    rope_flags = (rope_theta, rope_style, rotary_dim, no_rope)
     if model_name:
-        kvs, meta = _kv_from_model(model_name, texts, max_tokens, fisher_texts if weighted else 0, sink_tokens)
+        data = _model_data(model_name, texts, holdout, max_tokens, weighting, weight_alpha, fisher_texts, sink_tokens)
     else:
-        kvs, meta = _load_kv_files(kv_files)
-    meta["head_dim"] = str(kvs[0].shape[-1])
-    rope = resolve_rope(meta, rope_theta, rope_style, rotary_dim, no_rope)
-    info = {"model": meta.get("model"), "model_id": meta.get("model_id"), "sources": meta.get("sources", [])}
+        data = _file_data(kv_files, holdout)
+    fit = _fit_grouped if data["grouped"] else _fit_uniform
+    result = fit(data, settings, rope_flags, weight_alpha)
+    points = _quality(data, result, ratios)
+    report = {
+        "metric": "model" if data.get("model") is not None else "kv",
+        "held_out": data["held_sources"],
+        "coder": "zstd",
+        "points": points,
+    }
+    if points:
+        report["safe_ratio"] = safe_ratio(report)
+    digest = _save(out, data, result, report, time.perf_counter() - t0)
+    _print_report(out, result, report, digest, time.perf_counter() - t0)
+
+
+def _texts(texts: str | None, holdout: int | None) -> tuple[list[str], list[str]]:
+    if not texts:
+        return list(DEFAULT_TEXTS), list(HOLDOUT_TEXTS[: 2 if holdout is None else holdout])
+    return split_held_out([t.strip() for t in texts.split(",") if t.strip()], holdout)
+
+
+def _model_data(model_name, texts, holdout, max_tokens, weighting, alpha, fisher_texts, sink_tokens) -> dict:
+    from kvcodec.models import load_model, model_id
+    from kvcodec.models.check import inspect_model
+
+    layout = inspect_model(model_name)  # a model kvcodec cannot code fails here, in seconds
+    fit_texts, held_texts = _texts(texts, holdout)
+    held = sorted(set(fit_texts) & set(HELD_OUT_TEXTS))
+    if held:
+        click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
+    model, tokenizer = load_model(model_name)
+    kvs, sources, ids = _kv_from_model(model, tokenizer, layout, fit_texts, max_tokens)
+    held_kvs, held_sources, held_ids = _kv_from_model(model, tokenizer, layout, held_texts, max_tokens)
+    grouped = not layout.spec.uniform
+    data = dict(
+        model=model,
+        layout=layout,
+        grouped=grouped,
+        kvs=kvs,
+        held=held_kvs,
+        held_ids=held_ids,
+        held_sources=held_sources,
+        meta={"model": model_name, "model_id": model_id(model), "sources": sources},
+    )
+    if weighting == "fisher" and alpha > 0 and not grouped:  # the Fisher of grouped caches is not measured yet
+        data["fisher"] = _fisher(model, ids, sink_tokens, fisher_texts)  # None: texts too short
+        data["fisher_texts"] = fisher_texts
+    return data
+
+
+def _file_data(kv_files, holdout) -> dict:
+    import torch
+
+    kvs, meta = _load_kv_files(kv_files)
+    sources = meta.get("sources") or [str(p) for p in kv_files]
+    fit, held = split_held_out(list(zip(kvs, sources)), holdout)
+    return dict(
+        model=None,
+        grouped=not isinstance(kvs[0], torch.Tensor),
+        kvs=[k for k, _ in fit],
+        held=[k for k, _ in held],
+        held_sources=[s for _, s in held],
+        meta={"model": meta.get("model"), "model_id": meta.get("model_id"), "sources": [s for _, s in fit]},
+        file_meta=meta,
+    )
+
+
+def _fit_uniform(data: dict, settings: dict, rope_flags, alpha: float) -> dict:
+    from kvcodec.transform import calibrate
+
+    if data.get("layout") is not None:
+        rope = None if rope_flags[3] else data["layout"].uniform_rope
+    else:
+        meta = dict(data["file_meta"], head_dim=str(data["kvs"][0].shape[-1]))
+        rope = resolve_rope(meta, *rope_flags)
+    info = dict(data["meta"])
     w = None
-    if weighted:
+    if data.get("fisher") is not None:
         from kvcodec.transform.weights import channel_weights
 
-        style = None if rope is None else rope.style
         w = channel_weights(
-            meta["fisher"], rope_style=style, rotary_dim=None if rope is None else rope.rotary_dim, alpha=weight_alpha
+            data["fisher"],
+            rope_style=None if rope is None else rope.style,
+            rotary_dim=None if rope is None else rope.rotary_dim,
+            alpha=alpha,
         )
-        info.update(weights="fisher", weight_alpha=weight_alpha, fisher_texts=fisher_texts)
-    cal = calibrate(
-        kvs,
-        rope,
-        sink_tokens=sink_tokens,
-        tokens_per_dim=tokens_per_dim,
-        max_group=max_group,
-        weights=w,
-        covariance=covariance,
-        info=info,
-    )
-    digest = save_kvt(cal, out)
-    sizes = sorted({len(g) for g in cal.groups})
+        info.update(weights="fisher", weight_alpha=alpha, fisher_texts=data["fisher_texts"])
+    cal = calibrate(data["kvs"], rope, weights=w, info=info, held_out=data["held"], **settings)
+    return {"cal": cal, "fallback": cal.info.get("fallback", []), "weighted": w is not None}
+
+
+def _fit_grouped(data: dict, settings: dict, rope_flags, alpha: float) -> dict:
+    from kvcodec.transform import calibrate
+
+    spec = data["kvs"][0].spec
+    if data.get("layout") is not None:
+        ropes = [None if rope_flags[3] else data["layout"].group_rope(g) for g in spec.groups]
+    else:
+        ropes = group_ropes(spec, data["file_meta"], *rope_flags)
+    parts, fallback = {}, []
+    for gi, g in enumerate(spec.groups):
+        starts = {k.starts[gi] for k in [*data["kvs"], *data["held"]]}
+        if len(starts) != 1:
+            raise ConfigError(f"group {g.name}: the KV files hold it from different positions {sorted(starts)}")
+        cal = calibrate(
+            [k.tensors[gi] for k in data["kvs"]],
+            ropes[gi],
+            info=dict(data["meta"], group=g.name),
+            held_out=[k.tensors[gi] for k in data["held"]],
+            first_position=starts.pop(),
+            **settings,
+        )
+        parts[g.name] = cal
+        fallback += [f"{g.name}:{b}" for b in cal.info.get("fallback", [])]
+    return {"spec": spec, "parts": parts, "fallback": fallback, "weighted": False}
+
+
+def _codec_factory(result: dict):
+    from kvcodec.codecs.grouped import GroupedCodec
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.transform.kvt import kvt_hash, to_bytes
+
+    if "cal" in result:
+        cal = result["cal"]
+        digest = kvt_hash(to_bytes(cal))
+        return lambda r: TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder="zstd")
+    digests = {n: kvt_hash(to_bytes(c)) for n, c in result["parts"].items()}
+    first = result["spec"].groups[0].name
+
+    def make(r: float):
+        codecs = {
+            n: TransformCodec(c, kvt_hash=digests[n], target_ratio=r, coder="zstd", fine_tokens=0)
+            for n, c in result["parts"].items()
+        }
+        return GroupedCodec(codecs[first], codecs)
+
+    return make
+
+
+def _quality(data: dict, result: dict, ratios: list[float]) -> list:
+    from kvcodec.models.quality import measure_kv, measure_model
+
+    if not data["held"]:
+        return []
+    make = _codec_factory(result)
+    if data.get("model") is not None:
+        return measure_model(data["model"], data["layout"], data["held_ids"], make, ratios)
+    return measure_kv(data["held"], make, ratios)
+
+
+def _peak_rss_mb() -> float:
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
+
+
+def _save(out: Path, data: dict, result: dict, report: dict, seconds: float) -> str:
+    from kvcodec.transform import save_kvt
+    from kvcodec.transform.grouped_kvt import save_grouped_kvt
+
+    cost = {"seconds": round(seconds, 1), "peak_rss_mb": round(_peak_rss_mb())}
+    if "cal" in result:
+        result["cal"].info.update(quality=report, calibration_cost=cost)
+        return save_kvt(result["cal"], out)
+    info = dict(data["meta"], quality=report, fallback=result["fallback"], calibration_cost=cost)
+    return save_grouped_kvt(result["spec"], result["parts"], out, info)
+
+
+def _print_report(out: Path, result: dict, report: dict, digest: str, seconds: float) -> None:
+    if "cal" in result:
+        cal = result["cal"]
+        sizes = sorted({len(g) for g in cal.groups})
+        rope = cal.rope
+        what = (
+            f"{len(cal.groups)} layer groups of {'/'.join(map(str, sizes))} layers from {cal.info['tokens']} tokens, "
+            f"rope {'off' if rope is None else f'theta={rope.theta:g} {rope.style}'}"
+        )
+    else:
+        what = ", ".join(
+            f"{name}: {len(c.groups)} groups, rope {'off' if c.rope is None else f'theta={c.rope.theta:g}'}"
+            for name, c in result["parts"].items()
+        )
     click.echo(
-        f"{out}: {len(cal.groups)} layer groups of {'/'.join(map(str, sizes))} layers from {cal.info['tokens']} tokens, "
-        f"rope {'off' if rope is None else f'theta={rope.theta:g} {rope.style}'}, "
-        f"{'Fisher-weighted' if w is not None else 'plain MSE'}, sha256 {digest[:16]}, "
-        f"{time.perf_counter() - t0:.1f} s"
+        f"{out}: {what}, {'Fisher-weighted' if result['weighted'] else 'plain MSE'}, sha256 {digest[:16]}, "
+        f"{out.stat().st_size / 1e6:.1f} MB, {seconds:.1f} s, peak RSS {_peak_rss_mb():.0f} MB"
     )
+    fell = result["fallback"]
+    if report["held_out"]:
+        click.echo(f"per-channel fallback (held-out check): {', '.join(fell) if fell else 'none'}")
+        click.echo(f"held-out quality ({', '.join(report['held_out'])}): {summary(report)}")
+        safe = report.get("safe_ratio")
+        click.echo(f"safe ratio (no measurable loss): {f'{safe:g}x' if safe else 'none of the measured ratios'}")
+    else:
+        click.echo(
+            "no held-out texts or KV files: no fallback check and no quality report (give three or more, or --holdout)"
+        )

@@ -61,6 +61,11 @@ def _atomic_write(path: Path, data: bytes) -> None:
 )
 @click.option("--target-ratio", type=float, help="With --transform: file size = fp16 size / R (within 10%).")
 @click.option(
+    "--target-quality",
+    help="With --transform: the highest ratio whose held-out quality at calibration met this: top1=0.99 "
+    "(top-1 agreement at least), ppl=0.5 (perplexity change at most, %), err=0.01 (KV-file calibrations).",
+)
+@click.option(
     "--streams-per-chunk",
     type=click.IntRange(1, 64),
     default=1,
@@ -80,6 +85,7 @@ def encode_cmd(
     video_bits,
     transform,
     target_ratio,
+    target_quality,
     streams_per_chunk,
 ):
     """Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim) into DST.kvc."""
@@ -88,14 +94,16 @@ def encode_cmd(
     import kvcodec
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
-    if transform or target_ratio:
+    if transform or target_ratio or target_quality:
         from kvcodec.cli import transform_io
 
         if not transform:
-            raise click.BadParameter("--target-ratio needs --transform", param_hint="--target-ratio")
+            raise click.BadParameter("--target-ratio / --target-quality need --transform", param_hint="--target-ratio")
         if streams_per_chunk != 1:
             raise click.BadParameter("applies to HEVC files, not --transform", param_hint="--streams-per-chunk")
-        return transform_io.encode_cmd(_load_kv(src), dst, transform, target_ratio, chunk_tokens, sample_coder, res)
+        return transform_io.encode_cmd(
+            src, dst, transform, target_ratio, chunk_tokens, sample_coder, res, target_quality=target_quality
+        )
     bits = parse_layer_bits(layer_bits)
     kv = _load_kv(src)
     kw = dict(

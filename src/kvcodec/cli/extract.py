@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +29,13 @@ def _read_text(spec: str) -> tuple[str, str]:
 
 
 @click.command("extract")
-@click.option("--model", "model_name", default="smollm2-135m", show_default=True, help="Registered model name.")
+@click.option(
+    "--model",
+    "model_name",
+    default="smollm2-135m",
+    show_default=True,
+    help="A registered model name, a transformers model directory or a .gguf file.",
+)
 @click.option("--text", "text_spec", required=True, help="A UTF-8 file, or a text name: pg, pg/<essay>.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="Tokens to keep.")
 @click.option(
@@ -42,21 +46,24 @@ def _read_text(spec: str) -> tuple[str, str]:
 def command(model_name: str, text_spec: str, max_tokens: int, dtype: str, chunk_tokens: int, out: Path) -> None:
     """Prefill MODEL on a text and save its KV to OUT.safetensors.
 
-    The file holds one tensor `kv` of shape (layers, 2, tokens, kv_heads, head_dim) (0 = keys,
-    1 = values) and metadata: model, model_id, tokens, dtype, text and the token ids (JSON).
+    A uniform cache is one tensor `kv` of shape (layers, 2, tokens, kv_heads, head_dim) (0 = keys,
+    1 = values); a cache of several layer groups (sliding-window layers, recorded whole; MLA latents)
+    is one tensor per group with its KVSpec in the metadata (docs/KVSPEC.md). Metadata: model,
+    model_id, tokens, dtype, text, the token ids (JSON) and each layer's RoPE.
     """
     import torch
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
-    from kvcodec.integrations.hf import extract_kv
-    from kvcodec.models import get_spec, load_model, model_id
+    from kvcodec.kvspec.files import save_kv_file
+    from kvcodec.models import load_model, model_id
+    from kvcodec.models.check import inspect_model
+    from kvcodec.models.extract import extract_text_kv
 
-    get_spec(model_name)  # unknown names fail before any work
     if out.suffix != ".safetensors":
         raise click.BadParameter(f"{out}: the output name must end in .safetensors", param_hint="OUT")
     if not out.parent.exists():
         raise click.BadParameter(f"{out.parent} does not exist", param_hint="OUT")
+    layout = inspect_model(model_name)  # a model kvcodec cannot code fails here, in seconds
     text, label = _read_text(text_spec)
     if not text.strip():
         raise ConfigError(f"--text {text_spec!r} is empty")
@@ -73,27 +80,29 @@ def command(model_name: str, text_spec: str, max_tokens: int, dtype: str, chunk_
             bar.total = total
             bar.update(done - bar.n)
 
-        ids, kv = extract_kv(model, tokenizer, text, max_tokens, chunk_tokens=chunk_tokens, progress=progress)
+        ids, kv = extract_text_kv(
+            model, tokenizer, layout, text, max_tokens, chunk_tokens=chunk_tokens, progress=progress
+        )
     elapsed = time.perf_counter() - t0
-    kv = kv.to(getattr(torch, dtype)).contiguous()
+    kv = kv.to(dtype=getattr(torch, dtype))
     metadata = {
         "model": model_name,
         "model_id": model_id(model),
         "tokens": str(int(ids.numel())),
         "dtype": dtype,
-        "layout": "layers,2,tokens,kv_heads,head_dim",
         "text": label,
         "input_ids": json.dumps(ids.tolist()),
+        "ropes": json.dumps([r.to_dict() if r else None for r in layout.ropes]),
     }
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".part")
-    os.close(fd)
-    try:
-        save_file({"kv": kv}, tmp, metadata=metadata)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    if isinstance(kv, torch.Tensor) and len(set(layout.ropes)) == 1 and layout.ropes[0] is not None:
+        metadata["rope"] = json.dumps(layout.ropes[0].to_dict())
+    save_kv_file(out, kv, metadata)
+    shape = tuple(kv.shape) if isinstance(kv, torch.Tensor) else ", ".join(g.name for g in kv.spec.groups)
     click.echo(
-        f"{out}: kv {tuple(kv.shape)} {dtype}, {kv.numel() * kv.element_size():,} bytes, "
+        f"{out}: kv {shape} {dtype}, {_nbytes(kv):,} bytes, "
         f"{ids.numel()} tokens of {label} in {elapsed:.1f} s ({ids.numel() / max(elapsed, 1e-9):.0f} tok/s)"
     )
+
+
+def _nbytes(kv) -> int:  # noqa: ANN001 - a tensor or a GroupedKV
+    return kv.nbytes if not hasattr(kv, "numel") else kv.numel() * kv.element_size()

@@ -1,4 +1,6 @@
-"""`kvcodec encode/decode --transform MODEL.kvt`: the transform codec's side of those commands."""
+"""`kvcodec encode/decode --transform MODEL.kvt`: the transform codec's side of those commands.
+A KV file of several layer groups (sliding windows, MLA) is coded group by group with the grouped
+.kvt's transforms into one grouped file (KVGF); a plain one into a transform file (KVTF)."""
 
 from __future__ import annotations
 
@@ -8,34 +10,79 @@ from pathlib import Path
 import click
 
 
-def encode_cmd(kv, dst: Path, transform: Path, target_ratio, chunk_tokens: int, coder: str, resolutions) -> None:
+def pick_ratio(transform: Path, target_ratio: float | None, target_quality: str | None) -> float | None:
+    """--target-quality: the highest calibrated ratio that met it on the held-out texts; --target-ratio
+    beyond the measured safe ratio: a warning on stderr."""
+    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.transform.quality import ratio_for, ratio_warning
+
+    report = kvt_info(transform).get("quality")
+    if target_quality is not None:
+        if target_ratio is not None:
+            raise click.BadParameter("give --target-ratio or --target-quality, not both", param_hint="--target-quality")
+        ratio = ratio_for(report, target_quality)
+        click.echo(f"--target-quality {target_quality}: ratio {ratio:g} (held-out, from {transform.name})", err=True)
+        return ratio
+    if target_ratio is not None and (warning := ratio_warning(report, target_ratio)):
+        click.echo(warning, err=True)
+    return target_ratio
+
+
+def encode_cmd(
+    src: Path, dst: Path, transform: Path, target_ratio, chunk_tokens: int, coder: str, resolutions, target_quality=None
+) -> None:
     from kvcodec.cli.codec_cmds import _atomic_write
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.grouped import GroupedCodec
+    from kvcodec.codecs.grouped_file import encode_grouped
+    from kvcodec.codecs.transform import open_transform
     from kvcodec.codecs.transform_file import encode_file
+    from kvcodec.errors import ShapeError
+    from kvcodec.kvspec.files import load_kv_file
+    from kvcodec.models.quality import fp16_bytes
 
     if coder not in ("hevc", "zstd"):
         raise click.BadParameter("with --transform the sample coder is hevc or zstd", param_hint="--sample-coder")
+    target_ratio = pick_ratio(transform, target_ratio, target_quality)
+    kv, _ = load_kv_file(src)
     kw = dict(target_ratio=target_ratio, chunk_tokens=chunk_tokens, coder=coder)
     if resolutions:
         kw["resolutions"] = resolutions[:1]
-    codec = TransformCodec(transform, **kw)
+    codec = open_transform(transform, **kw)
     t0 = time.perf_counter()
-    data = encode_file(kv, codec)
+    if isinstance(codec, GroupedCodec) != hasattr(kv, "spec"):
+        held = "a cache of layer groups" if hasattr(kv, "spec") else "one KV tensor"
+        want = "a cache of layer groups" if isinstance(codec, GroupedCodec) else "one KV tensor"
+        raise ShapeError(f"{src} holds {held}; {transform} is calibrated for {want}")
+    data = encode_grouped(kv, codec) if isinstance(codec, GroupedCodec) else encode_file(kv, codec)
     _atomic_write(dst, data)
+    tokens = kv.stop if hasattr(kv, "spec") else kv.shape[2]
     click.echo(
-        f"{dst}: {len(data):,} bytes for {kv.shape[2]} tokens in {time.perf_counter() - t0:.1f} s; "
-        f"{kv.numel() * 2 / len(data):.2f}x vs fp16 (codec {codec.id})"
+        f"{dst}: {len(data):,} bytes for {tokens} tokens in {time.perf_counter() - t0:.1f} s; "
+        f"{fp16_bytes(kv) / len(data):.2f}x vs fp16 (codec {codec.id})"
     )
 
 
 def decode_cmd(data: bytes, dst: Path, transform: Path, device: str) -> None:
-    from safetensors.torch import save_file
-
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.grouped import GroupedCodec
+    from kvcodec.codecs.grouped_file import decode_grouped, inspect_grouped
+    from kvcodec.codecs.transform import open_transform
     from kvcodec.codecs.transform_file import decode_file
+    from kvcodec.kvspec.files import save_kv_file
 
+    codec = open_transform(transform)
     t0 = time.perf_counter()
-    kv = decode_file(data, TransformCodec(transform), device)
+    if isinstance(codec, GroupedCodec):
+        head = inspect_grouped(data)
+        codec = open_transform(transform, chunk_tokens=head["chunk_tokens"])
+        # the file names the codec with its size setting (which decoding does not need): accept it when it
+        # is this transform's; every part's chunk header still names its own .kvt part, checked on decode
+        if codec.inner.kvt_hash[:16] in head["codec"] and head["codec"].startswith("grouped-"):
+            codec.id = head["codec"]
+        kv = decode_grouped(data, codec, device).to(device="cpu")
+        shape = ", ".join(g.name for g in kv.spec.groups)
+    else:
+        kv = decode_file(data, codec, device).cpu()
+        shape = tuple(kv.shape)
     elapsed = time.perf_counter() - t0
-    save_file({"kv": kv.cpu().contiguous()}, str(dst))
-    click.echo(f"{dst}: kv {tuple(kv.shape)} decoded on {device} with the transform in {elapsed:.2f} s")
+    save_kv_file(dst, kv, {})
+    click.echo(f"{dst}: kv {shape} decoded on {device} with the transform in {elapsed:.2f} s")

@@ -400,3 +400,35 @@ class TransformCodec:
         from kvcodec.codecs.transform_batch import stage_stream
 
         return stage_stream(self, items, device, check)
+
+
+def open_transform(transform: str | Path, **options):  # noqa: ANN201 - a TransformCodec or a GroupedCodec
+    """The codec of a .kvt file: a TransformCodec for a one-group (uniform) cache, or a GroupedCodec
+    whose every layer group (sliding window, full, MLA latent / RoPE key) is coded by the transform
+    calibrated for it (transform.grouped_kvt). Grouped chunks are coded one by one, so their parts get
+    no finer tail unless `fine_tokens` says so."""
+    from kvcodec.codecs.grouped import GroupedCodec
+    from kvcodec.transform.grouped_kvt import grouped_from_bytes, is_grouped_kvt
+
+    try:
+        data = Path(transform).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"transform file {transform}: {e.strerror or e}") from e
+    if not is_grouped_kvt(data):
+        return TransformCodec(transform, **options)
+    spec, parts, _ = grouped_from_bytes(data)
+    options.setdefault("fine_tokens", 0)
+    codecs = {name: TransformCodec(cal, kvt_hash=digest, **options) for name, (cal, digest) in parts.items()}
+    return GroupedCodec(codecs[spec.groups[0].name], codecs)
+
+
+def kvt_info(transform: str | Path) -> dict:
+    """The descriptive info of a .kvt (plain or grouped): model, sources, quality report, fallbacks."""
+    from kvcodec.transform.grouped_kvt import grouped_from_bytes, is_grouped_kvt
+    from kvcodec.transform.kvt import from_bytes
+
+    try:
+        data = Path(transform).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"transform file {transform}: {e.strerror or e}") from e
+    return grouped_from_bytes(data)[2] if is_grouped_kvt(data) else dict(from_bytes(data).info)

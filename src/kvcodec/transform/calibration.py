@@ -156,14 +156,19 @@ def calibrate(
     weights: torch.Tensor | None = None,
     covariance: str = "sample",
     info: dict[str, Any] | None = None,
+    held_out: Sequence[torch.Tensor] = (),
+    first_position: int = 0,
 ) -> Calibration:
-    """Fit per-group bases on KV tensors whose first token is at position 0; with channel
+    """Fit per-group bases on KV tensors whose first token is at `first_position`; with channel
     weights (layers, 2, heads, dim), weighted KLTs (weights.py); covariance names the estimator
-    (pca.COVARIANCES)."""
+    (pca.COVARIANCES). With `held_out` KV (tensors of the same model not fitted on), every
+    (group, K|V) whose basis codes them worse than per-channel quantization of the same size falls
+    back to it (fallback.py); info["fallback"] names those blocks."""
     layers, heads, dim = _check(kvs)
     if rope is not None and rope.head_dim != dim:
         raise ConfigError(f"rope head_dim {rope.head_dim} does not match the KV's head_dim {dim}")
-    used = [keys_without_rope(k, 0, rope)[:, :, sink_tokens:] for k in kvs]
+    sink = max(0, sink_tokens - first_position)
+    used = [keys_without_rope(k, first_position, rope)[:, :, sink:] for k in kvs]
     tokens = sum(u.shape[2] for u in used)
     groups = group_layers(layers, heads * dim, tokens, tokens_per_dim=tokens_per_dim, max_group=max_group)
     if weights is not None and (tuple(weights.shape) != (layers, 2, heads, dim) or not bool((weights > 0).all())):
@@ -178,7 +183,33 @@ def calibrate(
     meta.update(tokens=tokens, sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim)
     if covariance != "sample":
         meta["covariance"] = covariance
+    if held_out:
+        _check([*kvs, *held_out])
+        held = [keys_without_rope(k, first_position, rope)[:, :, sink:] for k in held_out]
+        meta["fallback"] = _fall_back(bases, groups, used, held, weights)
+        meta["held_out_tokens"] = sum(h.shape[2] for h in held)
     return Calibration(layers, heads, dim, rope, groups, bases, meta)
+
+
+def _fall_back(bases: dict, groups, used, held, weights) -> list[str]:
+    """Replace, in place, every block whose basis codes the held-out KV worse than per-channel
+    quantization (fallback.py); the names ("g<i>.<k|v>") of those blocks."""
+    from kvcodec.transform.fallback import diagonal_basis, levels, prefer_diagonal
+
+    variances = torch.cat([bases[(g, k)].variances for g in range(len(groups)) for k in KINDS])
+    thetas = levels(variances)
+    fell = []
+    for gi, group in enumerate(groups):
+        for ki, kind in enumerate(KINDS):
+            w = None if weights is None else weights[list(group), ki].reshape(-1).to(torch.float64)
+            x = torch.cat([group_matrix(u, group, ki) for u in used])
+            diagonal = diagonal_basis(x, w)
+            if prefer_diagonal(
+                bases[(gi, kind)], diagonal, torch.cat([group_matrix(h, group, ki) for h in held]), thetas
+            ):
+                bases[(gi, kind)] = diagonal
+                fell.append(f"g{gi}.{kind}")
+    return fell
 
 
 def fit_group(x: torch.Tensor, w: torch.Tensor | None, covariance: str = "sample") -> GroupBasis:

@@ -48,8 +48,12 @@ def to_bytes(cal: Calibration) -> bytes:
 
 def save_kvt(cal: Calibration, path: str | Path) -> str:
     """Write `cal` atomically; returns its hash."""
-    path = Path(path)
     data = to_bytes(cal)
+    write_atomic(Path(path), data)
+    return kvt_hash(data)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -58,7 +62,6 @@ def save_kvt(cal: Calibration, path: str | Path) -> str:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return kvt_hash(data)
 
 
 def _meta(data: bytes) -> dict[str, str]:

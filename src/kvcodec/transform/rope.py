@@ -4,7 +4,9 @@ Keys are stored after RoPE: key(t) = R(t) k(t). Removing R(t) before the decorre
 transform lets one basis serve every position; decode re-applies it with the token's absolute
 position. Two pairings are supported: "half" (transformers' rotate_half: channel i pairs with
 i + rotary_dim/2) and "interleaved" (GPT-J: 2i with 2i+1). Partial rotary rotates only the first
-rotary_dim channels.
+rotary_dim channels. Frequencies are computed here for the default, linear and llama3 scalings;
+any other scaling (YaRN, LongRoPE, dynamic NTK at its base length, ...) is carried as its explicit
+list of frequencies (`scaling="explicit"`), so apply and remove stay exact inverses whatever it is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 from kvcodec.errors import ConfigError
 
 STYLES = ("half", "interleaved")
-SCALINGS = ("default", "linear", "llama3")
+SCALINGS = ("default", "linear", "llama3", "explicit")
+# model types whose keys are rotated in (2i, 2i+1) pairs (GPT-J style); others use rotate_half
+INTERLEAVED_MODEL_TYPES = ("glm", "cohere", "cohere2", "deepseek_v2", "gptj", "codegen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,9 +38,12 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    frequencies: tuple[float, ...] | None = None  # scaling "explicit": the rotary/2 angular frequencies
 
     def __post_init__(self) -> None:
         rd = self.rotary
+        if self.frequencies is not None:
+            object.__setattr__(self, "frequencies", tuple(float(f) for f in self.frequencies))
         if not (self.theta > 0 and math.isfinite(self.theta)):
             raise ConfigError(f"rope theta must be a positive number; got {self.theta}")
         if rd <= 0 or rd > self.head_dim or rd % 2:
@@ -47,13 +54,24 @@ class RopeSpec:
             raise ConfigError(f"rope scaling {self.scaling!r} is not supported (supported: {', '.join(SCALINGS)})")
         if self.factor <= 0:
             raise ConfigError(f"rope scaling factor must be > 0; got {self.factor}")
+        if (self.scaling == "explicit") != (self.frequencies is not None):
+            raise ConfigError("rope frequencies are given exactly when the scaling is 'explicit'")
+        if self.frequencies is not None and (
+            len(self.frequencies) != rd // 2 or not all(math.isfinite(f) and f >= 0 for f in self.frequencies)
+        ):
+            raise ConfigError(f"explicit rope frequencies must be {rd // 2} finite numbers >= 0")
 
     @property
     def rotary(self) -> int:
         return self.head_dim if self.rotary_dim is None else int(self.rotary_dim)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.frequencies is None:
+            del d["frequencies"]  # .kvt files without explicit frequencies keep their former bytes
+        else:
+            d["frequencies"] = list(self.frequencies)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RopeSpec:
@@ -64,34 +82,93 @@ class RopeSpec:
         return cls(**d)
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> RopeSpec:
-        """The rotary settings of a transformers (text) config."""
+    def from_hf_config(cls, config: Any, layer_type: str | None = None) -> RopeSpec:
+        """The rotary settings of a transformers (text) config; for configs that give RoPE per layer
+        type (`rope_parameters` keyed by `layer_types` entries), those of `layer_type` (default: the
+        type of layer 0)."""
         get = getattr(config, "get_text_config", None)
         c = get(decoder=True) if get is not None else config
         heads = int(c.num_attention_heads)
         head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-        params = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+        params = rope_parameters(c, layer_type)
         theta = params.get("rope_theta", getattr(c, "rope_theta", None))
         if theta is None:
-            raise ConfigError("the model config names no rope_theta")
+            raise ConfigError(
+                f"the model config names no rope_theta{f' for {layer_type} layers' if layer_type else ''}"
+            )
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        partial = float(getattr(c, "partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0)
-        extra = {}
+        partial = float(params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) or 1.0)
+        rotary = int(head_dim * partial) // 2 * 2
+        mt = str(getattr(c, "model_type", ""))
+        style = "interleaved" if getattr(c, "rope_interleave", mt in INTERLEAVED_MODEL_TYPES) else "half"
+        if kind == "default":
+            return cls(float(theta), head_dim, rotary, style)
         if kind == "linear":
-            extra = dict(factor=float(params["factor"]))
-        elif kind == "llama3":
-            extra = dict(
+            return cls(float(theta), head_dim, rotary, style, kind, factor=float(params["factor"]))
+        if kind == "llama3":
+            return cls(
+                float(theta),
+                head_dim,
+                rotary,
+                style,
+                kind,
                 factor=float(params["factor"]),
                 low_freq_factor=float(params["low_freq_factor"]),
                 high_freq_factor=float(params["high_freq_factor"]),
                 original_max_position=int(params["original_max_position_embeddings"]),
             )
-        return cls(float(theta), head_dim, int(head_dim * partial) // 2 * 2, "half", kind, **extra)
+        freqs = _hf_frequencies(config, kind, layer_type, rotary)
+        return cls(float(theta), head_dim, rotary, style, "explicit", frequencies=freqs)
+
+
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The RoPE parameter dict of one layer type (transformers 5 nests them by layer type when they differ)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"the model config's rope_parameters is a {type(params).__name__}, not a mapping")
+    nested = {k: v for k, v in params.items() if isinstance(v, dict)}
+    if not nested:
+        return dict(params)
+    types = list(getattr(config, "layer_types", None) or [])
+    key = layer_type or (types[0] if types else next(iter(nested)))
+    if key not in nested:
+        raise ConfigError(f"the model config gives RoPE for layer types {sorted(nested)}, not for {key!r} layers")
+    return dict(nested[key])
+
+
+def _hf_frequencies(config: Any, kind: str, layer_type: str | None, rotary: int) -> tuple[float, ...]:
+    """Frequencies of a scaling type this module does not compute, from transformers' own RoPE init
+    (its attention factor scales keys uniformly: a constant the transform absorbs)."""
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise ConfigError(f"rope scaling {kind!r} needs transformers: {e}") from e
+    fn = ROPE_INIT_FUNCTIONS.get(kind)
+    if fn is None:
+        raise ConfigError(f"rope scaling {kind!r} is not supported (known: default, {', '.join(ROPE_INIT_FUNCTIONS)})")
+    get = getattr(config, "get_text_config", None)
+    c = get(decoder=True) if get is not None else config
+    try:
+        kw = (
+            {"layer_type": layer_type}
+            if layer_type and isinstance(getattr(c, "rope_parameters", {}).get(layer_type), dict)
+            else {}
+        )
+        freqs = fn(c, "cpu", **kw)[0]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"rope scaling {kind!r}: cannot compute its frequencies from the config ({e})") from e
+    if freqs.numel() != rotary // 2:
+        raise ConfigError(
+            f"rope scaling {kind!r} gives {freqs.numel()} frequencies; the rotary dim {rotary} needs {rotary // 2}"
+        )
+    return tuple(float(f) for f in freqs.to(torch.float64))
 
 
 def inv_freq(spec: RopeSpec) -> torch.Tensor:
     """(rotary/2,) float64 angular frequencies, after scaling."""
     r = spec.rotary
+    if spec.frequencies is not None:
+        return torch.tensor(spec.frequencies, dtype=torch.float64)
     f = 1.0 / (spec.theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
     if spec.scaling == "linear":
         return f / spec.factor

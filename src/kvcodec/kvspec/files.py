@@ -1,0 +1,73 @@
+"""KV files on disk (safetensors): one canonical tensor `kv`, or, for a cache of several layer groups,
+one tensor per group (`group.<i>`) with the KVSpec and the positions each holds in the metadata.
+
+    save_kv_file(path, kv_or_grouped, {"model": ...})
+    kv, meta = load_kv_file(path)     # a (layers, 2, T, H, D) tensor, or a GroupedKV
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvcodec.errors import ConfigError, FormatError, ShapeError
+from kvcodec.kvspec.spec import KVSpec
+from kvcodec.kvspec.tensors import GroupedKV
+
+LAYOUT_PLAIN = "layers,2,tokens,kv_heads,head_dim"
+LAYOUT_GROUPED = "kvspec-groups"
+
+
+def save_kv_file(path: str | Path, kv: torch.Tensor | GroupedKV, metadata: dict[str, str]) -> None:
+    """Write atomically; metadata values are strings (safetensors)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    meta = dict(metadata)
+    if isinstance(kv, GroupedKV):
+        tensors = {f"group.{i}": t.contiguous() for i, t in enumerate(kv.tensors)}
+        meta.update(
+            layout=LAYOUT_GROUPED,
+            kvspec=json.dumps(kv.spec.to_dict()),
+            starts=json.dumps(list(kv.starts)),
+            stop=str(kv.stop),
+        )
+    else:
+        tensors, meta["layout"] = {"kv": kv.contiguous()}, LAYOUT_PLAIN
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_kv_file(path: str | Path) -> tuple[torch.Tensor | GroupedKV, dict[str, str]]:
+    """(kv tensor or GroupedKV, metadata) of a file written by save_kv_file (or any file holding `kv`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            names = set(f.keys())
+            meta = dict(f.metadata() or {})
+            tensors = {n: f.get_tensor(n) for n in names}
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ConfigError(f"{path}: not a readable safetensors KV file ({e})") from e
+    if "kv" in tensors:
+        return tensors["kv"], meta
+    if meta.get("layout") != LAYOUT_GROUPED:
+        raise ShapeError(f"{path} holds no tensor named 'kv' (it has {sorted(names)})")
+    try:
+        spec = KVSpec.from_dict(json.loads(meta["kvspec"]))
+        starts = tuple(int(s) for s in json.loads(meta["starts"]))
+        group_tensors = tuple(tensors[f"group.{i}"] for i in range(len(spec.groups)))
+        return GroupedKV(spec, int(meta["stop"]), starts, group_tensors), meta
+    except (KeyError, ValueError, TypeError, ShapeError) as e:
+        raise FormatError(f"{path}: damaged grouped KV file ({e})") from e

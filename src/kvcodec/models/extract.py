@@ -1,0 +1,68 @@
+"""KV of a text under any model kvcodec can code: one canonical tensor for uniform caches, a
+GroupedKV for caches of several layer groups (sliding windows, MLA). Sliding-window layers are
+recorded whole (every position, not only their window): calibration fits on all of them and a
+stored prefix must not depend on the prompt's length (docs/KVSPEC.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvcodec.errors import ShapeError
+from kvcodec.kvspec.hf import recording_cache, split_cache
+from kvcodec.kvspec.tensors import GroupedKV
+from kvcodec.models.check import ModelLayout, check_cache_spec
+
+
+@torch.inference_mode()
+def prefill_recorded(
+    model: Any, ids: torch.Tensor, chunk_tokens: int | None = None, progress: Callable[[int, int], None] | None = None
+) -> tuple[torch.Tensor, Any]:
+    """(logits [T, vocab], cache) of a prefill into a recording cache (sliding layers keep every
+    position); transformers 5.x models (`cache=` in, `.cache` out)."""
+    n = ids.numel()
+    if n == 0:
+        raise ShapeError("the text tokenizes to no tokens")
+    cache, logits, step = recording_cache(model), [], n if not chunk_tokens else max(1, int(chunk_tokens))
+    for start in range(0, n, step):
+        out = model(ids[start : start + step].unsqueeze(0).to(model.device), use_cache=True, cache=cache)
+        cache = out.cache
+        logits.append(out.logits[0])
+        if progress is not None:
+            progress(min(start + step, n), n)
+    return torch.cat(logits), cache
+
+
+def extract_text_kv(
+    model: Any,
+    tokenizer: Any,
+    layout: ModelLayout,
+    text: str,
+    max_tokens: int | None = None,
+    *,
+    chunk_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | GroupedKV]:
+    """(token ids, KV on the CPU): a (layers, 2, T, H, D) tensor for a uniform cache, else a GroupedKV
+    whose groups all hold positions [0, T)."""
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    return ids, kv_of_ids(model, layout, ids, chunk_tokens=chunk_tokens, progress=progress)
+
+
+def kv_of_ids(
+    model: Any,
+    layout: ModelLayout,
+    ids: torch.Tensor,
+    *,
+    chunk_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> torch.Tensor | GroupedKV:
+    _, cache = prefill_recorded(model, ids, chunk_tokens, progress)
+    gkv = split_cache(cache, model.config)
+    check_cache_spec(layout, gkv.spec)
+    gkv = gkv.to(device="cpu")
+    return gkv.tensors[0] if gkv.spec.uniform else gkv

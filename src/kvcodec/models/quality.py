@@ -1,0 +1,111 @@
+"""Held-out quality of a transform, measured at calibration: per target ratio, each held-out text's
+prefix KV is coded, restored, and the model continues teacher-forced on the restored and on the
+original KV; top-1 agreement of the next-token predictions and the perplexity change of the text's
+own continuation. From KV files alone (no model), the relative squared error of the restored KV."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from kvcodec.kvspec.hf import build_cache
+from kvcodec.kvspec.tensors import GroupedKV
+from kvcodec.models.check import ModelLayout
+from kvcodec.models.extract import kv_of_ids
+
+QUALITY_PREFIX, QUALITY_CONT = 512, 128  # tokens of each held-out text: prefix coded, continuation scored
+
+
+def roundtrip(codec: Any, kv: torch.Tensor | GroupedKV) -> tuple[torch.Tensor | GroupedKV, int]:
+    """(restored KV, coded bytes) through codec's chunks."""
+    chunks = codec.encode_chunks(kv)
+    if isinstance(kv, GroupedKV):
+        out = GroupedKV.empty(kv.spec, kv.stop, window=False)
+        for c in chunks:
+            codec.decode_chunk(c.blobs[0], out.view(c.start_token, c.start_token + c.tokens))
+    else:
+        out = torch.empty_like(kv)
+        for c in chunks:
+            codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
+    return out, sum(len(c.blobs[0]) for c in chunks)
+
+
+def fp16_bytes(kv: torch.Tensor | GroupedKV) -> int:
+    tensors = kv.tensors if isinstance(kv, GroupedKV) else (kv,)
+    return sum(2 * t.numel() for t in tensors)
+
+
+@torch.inference_mode()
+def _continue(model: Any, kv: torch.Tensor | GroupedKV, cont: torch.Tensor) -> torch.Tensor:
+    gkv = kv if isinstance(kv, GroupedKV) else GroupedKV.from_tensor(kv)
+    return model(cont.unsqueeze(0), cache=build_cache(gkv, model), use_cache=True).logits[0].float()
+
+
+def measure_model(
+    model: Any,
+    layout: ModelLayout,
+    held_ids: Sequence[torch.Tensor],
+    codec_for: Callable[[float], Any],
+    ratios: Sequence[float],
+    *,
+    prefix: int = QUALITY_PREFIX,
+    cont: int = QUALITY_CONT,
+) -> list[dict[str, Any]]:
+    """Per target ratio: {"target", "ratio", "top1", "ppl_delta_pct", "tokens"} over the held-out texts."""
+    runs = []
+    for ids in held_ids:
+        p = min(prefix, ids.numel() * 3 // 4)  # short texts: a quarter of them scored
+        if p < 8:
+            continue
+        kv = kv_of_ids(model, layout, ids[:p])
+        c = ids[p : p + cont]
+        runs.append((kv, c, _continue(model, kv, c)))
+    points = []
+    for r in ratios:
+        agree = n = 0
+        nll0 = nll1 = 0.0
+        coded = raw = 0
+        for kv, c, ref in runs:
+            restored, nbytes = roundtrip(codec_for(r), kv)
+            got = _continue(model, restored, c)
+            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            n += c.numel()
+            target = c[1:]
+            nll0 += float(torch.nn.functional.cross_entropy(ref[:-1], target, reduction="sum"))
+            nll1 += float(torch.nn.functional.cross_entropy(got[:-1], target, reduction="sum"))
+            coded, raw = coded + nbytes, raw + fp16_bytes(kv)
+        if n:
+            m = max(1, n - len(runs))
+            ppl = 100.0 * (math.exp((nll1 - nll0) / m) - 1.0)
+            points.append(
+                {
+                    "target": r,
+                    "ratio": round(raw / coded, 3),
+                    "top1": round(agree / n, 4),
+                    "ppl_delta_pct": round(ppl, 3),
+                    "tokens": n,
+                }
+            )
+    return points
+
+
+def measure_kv(
+    held: Sequence[torch.Tensor | GroupedKV], codec_for: Callable[[float], Any], ratios: Sequence[float]
+) -> list[dict[str, Any]]:
+    """Per target ratio: {"target", "ratio", "rel_error"} of the held-out KV restored vs original."""
+    points = []
+    for r in ratios:
+        err = ref = 0.0
+        coded = raw = 0
+        for kv in held:
+            restored, nbytes = roundtrip(codec_for(r), kv)
+            a = kv.tensors if isinstance(kv, GroupedKV) else (kv,)
+            b = restored.tensors if isinstance(restored, GroupedKV) else (restored,)
+            err += sum(float((x.double() - y.double()).pow(2).sum()) for x, y in zip(a, b))
+            ref += sum(float(x.double().pow(2).sum()) for x in a)
+            coded, raw = coded + nbytes, raw + fp16_bytes(kv)
+        points.append({"target": r, "ratio": round(raw / coded, 3), "rel_error": round(err / max(ref, 1e-30), 6)})
+    return points

@@ -1,0 +1,238 @@
+"""The transform codec for the model a user brings: random-weight model directories of every
+architecture the engine serves (Llama, Qwen2, Qwen3, Mistral with a sliding window, Gemma-2 and
+Gemma-3 with RoPE per layer type, DeepSeek-V2 MLA), each with a real tokenizer. For each:
+`extract`, `calibrate --model DIR`, `encode --transform`, `decode --transform` through the CLI; a
+model kvcodec cannot code fails from its config, before any weights load."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcodec.errors import ConfigError, FormatError, ShapeError
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # a real tokenizer and tiny models (about a minute on 2 CPUs)
+
+WINDOW = 24
+SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, max_position_embeddings=2048)
+TEXTS = "pg/addiction,pg/aord,pg/apple,pg/avg"  # three fitted, the last held out (one in eight, at least one)
+RATIOS = ("--report-ratios", "3,5")  # the quality report at two ratios keeps each calibration to seconds
+
+
+def _configs(vocab: int) -> dict[str, object]:
+    kw = dict(vocab_size=vocab, **SMALL)
+    return {
+        "llama": transformers.LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **kw),
+        "qwen2": transformers.Qwen2Config(num_hidden_layers=2, num_key_value_heads=2, **kw),
+        "qwen3": transformers.Qwen3Config(num_hidden_layers=2, num_key_value_heads=2, head_dim=16, **kw),
+        "mistral": transformers.MistralConfig(num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW, **kw),
+        "gemma2": transformers.Gemma2Config(
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            **kw,
+        ),
+        "gemma3": transformers.Gemma3TextConfig(
+            num_hidden_layers=3,
+            num_key_value_heads=1,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+            **kw,
+        ),
+        "deepseek_v2": transformers.DeepseekV2Config(
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            **kw,
+        ),
+        "lfm2": transformers.Lfm2Config(  # a convolution layer: state, not keys and values
+            num_hidden_layers=2, num_key_value_heads=2, layer_types=["conv", "full_attention"], **kw
+        ),
+    }
+
+
+GROUPS = {
+    "llama": ["full-kv-2x16"],
+    "qwen2": ["full-kv-2x16"],
+    "qwen3": ["full-kv-2x16"],
+    "mistral": [f"sliding{WINDOW - 1}-kv-2x16"],
+    "gemma2": [f"sliding{WINDOW - 1}-kv-2x16", "full-kv-2x16"],
+    "gemma3": [f"sliding{WINDOW - 1}-kv-1x32", "full-kv-1x32"],
+    "deepseek_v2": ["mla-latent-1x16", "mla-rope-1x4"],
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvcodec.models.registry import gguf_path, model_cache_path
+
+    folder = model_cache_path("smollm2-135m")
+    if (folder / "tokenizer.json").is_file():
+        return transformers.AutoTokenizer.from_pretrained(str(folder))
+    try:
+        path = gguf_path("smollm2-135m")
+    except ConfigError as e:
+        pytest.skip(f"no real tokenizer here: {e}")
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tokenizer):
+    dirs = {}
+    for i, (arch, config) in enumerate(_configs(len(tokenizer)).items()):
+        torch.manual_seed(2000 + i)
+        folder = tmp_path_factory.mktemp(arch)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+        tokenizer.save_pretrained(str(folder))
+        dirs[arch] = folder
+    return dirs
+
+
+def _cli(*args):
+    from kvcodec.cli.main import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_layouts_come_from_the_config_with_rope_per_layer_type(model_dirs):
+    from kvcodec.models.check import inspect_model
+
+    for arch, names in GROUPS.items():
+        layout = inspect_model(str(model_dirs[arch]))
+        assert [g.name for g in layout.spec.groups] == names, arch
+    gemma = inspect_model(str(model_dirs["gemma3"]))
+    local, glob = gemma.ropes[0], gemma.ropes[2]
+    assert (local.theta, local.scaling) == (10000.0, "default")
+    assert (glob.theta, glob.scaling, glob.factor) == (1000000.0, "linear", 8.0)
+    assert [gemma.group_rope(g) for g in gemma.spec.groups] == [local, glob]
+    assert inspect_model(str(model_dirs["deepseek_v2"])).ropes == (None, None)
+
+
+def test_a_model_kvcodec_cannot_code_fails_from_its_config_before_loading(model_dirs, tmp_path):
+    from kvcodec.models.check import inspect_model
+
+    folder = model_dirs["lfm2"]
+    with pytest.raises(ShapeError, match="cache layer 0 is a LinearAttentionLayer"):
+        inspect_model(str(folder))
+    broken = tmp_path / "lfm2-no-weights"  # the config alone: loading weights would fail differently
+    broken.mkdir()
+    (broken / "config.json").write_text((folder / "config.json").read_text())
+    for args in (
+        ["calibrate", "--model", broken, "--out", tmp_path / "m.kvt"],
+        ["extract", "--model", broken, "--text", "pg/addiction", tmp_path / "kv.safetensors"],
+    ):
+        res = _cli(*args)
+        assert res.exit_code != 0 and "LinearAttentionLayer" in res.output, res.output
+    with pytest.raises(ConfigError, match="neither a registered name"):
+        inspect_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ConfigError, match="no config.json"):
+        inspect_model(str(tmp_path))
+    bad = json.loads((model_dirs["llama"] / "config.json").read_text())
+    bad["rope_parameters"] = {"rope_type": "no-such-scaling", "rope_theta": 10000.0}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="no-such-scaling"):
+        inspect_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("arch", sorted(GROUPS))
+def test_extract_calibrate_encode_decode(arch, model_dirs, tmp_path):
+    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.kvspec.files import load_kv_file
+
+    folder, kvt, kv_file = model_dirs[arch], tmp_path / "m.kvt", tmp_path / "kv.safetensors"
+    res = _cli("extract", "--model", folder, "--text", "pg/web20", "--max-tokens", 160, kv_file)
+    assert res.exit_code == 0, res.output
+    res = _cli("calibrate", "--model", folder, "--texts", TEXTS, "--max-tokens", 200, "--out", kvt, *RATIOS)
+    assert res.exit_code == 0, res.output
+    assert "held-out quality (pg/avg)" in res.output and "per-channel fallback" in res.output
+    report = kvt_info(kvt)["quality"]
+    assert report["metric"] == "model" and [p["target"] for p in report["points"]] == [3.0, 5.0]
+    assert all(0 <= p["top1"] <= 1 and math.isfinite(p["ppl_delta_pct"]) for p in report["points"])
+    res = _cli(
+        "encode", kv_file, tmp_path / "kv.kvc", "--transform", kvt, "--target-ratio", 4, "--sample-coder", "zstd"
+    )
+    assert res.exit_code == 0, res.output
+    res = _cli("decode", tmp_path / "kv.kvc", tmp_path / "out.safetensors", "--transform", kvt)
+    assert res.exit_code == 0, res.output
+    kv, _ = load_kv_file(kv_file)
+    out, _ = load_kv_file(tmp_path / "out.safetensors")
+    pairs = zip(kv.tensors, out.tensors) if hasattr(kv, "spec") else [(kv, out)]
+    if hasattr(kv, "spec"):
+        assert [g.name for g in kv.spec.groups] == GROUPS[arch] and out.spec == kv.spec
+    for a, b in pairs:
+        a, b = a.float(), b.float()
+        assert a.shape == b.shape and (a - b).pow(2).mean() < 0.1 * a.pow(2).mean(), arch  # ~4 bits per value
+
+
+def test_target_quality_picks_the_highest_ratio_that_met_it_and_a_ratio_beyond_warns(model_dirs, tmp_path):
+    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.transform.quality import ratio_for
+
+    folder, kvt = model_dirs["gemma3"], tmp_path / "g.kvt"
+    assert _cli("calibrate", "--model", folder, "--texts", TEXTS, "--max-tokens", 200, "--out", kvt).exit_code == 0
+    assert (
+        _cli(
+            "extract", "--model", folder, "--text", "pg/web20", "--max-tokens", 120, tmp_path / "kv.safetensors"
+        ).exit_code
+        == 0
+    )
+    report = kvt_info(kvt)["quality"]
+    worst = min(p["ppl_delta_pct"] for p in report["points"])
+    want = ratio_for(report, f"ppl={max(worst, 0) + 100}")  # every ratio meets a loose bound: the highest
+    assert want == max(p["target"] for p in report["points"])
+    res = _cli(
+        "encode", tmp_path / "kv.safetensors", tmp_path / "a.kvc", "--transform", kvt, "--sample-coder", "zstd",
+        "--target-quality", f"ppl={max(worst, 0) + 100}",
+    )  # fmt: skip
+    assert res.exit_code == 0 and f"ratio {want:g}" in res.output, res.output
+    res = _cli(
+        "encode", tmp_path / "kv.safetensors", tmp_path / "b.kvc", "--transform", kvt, "--sample-coder", "zstd",
+        "--target-quality", "top1=1.01",
+    )  # fmt: skip
+    assert res.exit_code != 0 and "no calibrated ratio met top1" in res.output, res.output
+    safe = report.get("safe_ratio") or 0
+    res = _cli(
+        "encode", tmp_path / "kv.safetensors", tmp_path / "c.kvc", "--transform", kvt, "--sample-coder", "zstd",
+        "--target-ratio", max(safe, 10) + 2,
+    )  # fmt: skip
+    assert res.exit_code == 0 and "warning: --target-ratio" in res.output, res.output
+
+
+def test_grouped_kvt_parts_are_checked(model_dirs, tmp_path):
+    from kvcodec.transform.grouped_kvt import grouped_from_bytes
+
+    kvt = tmp_path / "m.kvt"
+    assert (
+        _cli(
+            "calibrate", "--model", model_dirs["deepseek_v2"], "--texts", TEXTS, "--max-tokens", 200, "--out", kvt
+        ).exit_code
+        == 0
+    )
+    data = bytearray(kvt.read_bytes())
+    spec, parts, info = grouped_from_bytes(bytes(data))
+    assert list(parts) == GROUPS["deepseek_v2"] and len({h for _, h in parts.values()}) == 2 and "quality" in info
+    data[-20] ^= 0xFF  # inside the last part's bytes
+    with pytest.raises(FormatError, match="sha256|damaged"):
+        grouped_from_bytes(bytes(data))
