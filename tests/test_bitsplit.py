@@ -66,3 +66,17 @@ def test_pack_refuses_a_shape_that_does_not_fill_whole_bytes():
     assert not bitsplit.can_split(3, 5)
     with pytest.raises(ValueError):
         bitsplit.pack_low(torch.zeros(3, 2, 5, dtype=torch.uint8), torch.tensor([1, 1, 1]))
+
+
+@given(unit_samples(), st.integers(1, 8))
+@settings(max_examples=40, deadline=None)
+def test_numpy_and_torch_plane_packing_agree(data, video_bits):
+    samples, bits = data
+    units, tokens, dim = samples.shape
+    counts = bitsplit.low_bit_counts(bits, video_bits)
+    planes = bitsplit.plane_count(counts)
+    _, low = bitsplit.split(samples, counts)
+    if (units * dim) % 8 or planes == 0:
+        return
+    flat = low.permute(1, 0, 2).reshape(-1)
+    assert torch.equal(bitsplit.pack_low(low, counts), bitsplit.pack_planes_torch(flat, planes))

@@ -189,7 +189,8 @@ def test_every_video_bits_split_decodes_to_the_same_values(quant):
 
 def test_auto_video_bits_is_recorded_in_every_chunk_header():
     kv = kv_like(tokens=40)
-    chunks = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=16, resolutions=SMALL))
+    config = CodecConfig(quant="int8", chunk_tokens=16, resolutions=SMALL, plain_fallback=False)  # all coded
+    chunks = encode_chunks(kv, config)
     bits = {inspect_chunk_blob(c.blobs[0]).video_bits for c in chunks}
     assert len(bits) == 1 and 1 <= bits.pop() <= 8
 

@@ -85,6 +85,12 @@ def test_centering_is_a_bijection_per_bit_width(units, tokens, dim, data):
     shifted = centering.center(symbols, centers, modulus)
     assert (shifted.long() < modulus.view(-1, 1, 1)).all()
     assert torch.equal(centering.uncenter(shifted, centers, modulus), symbols)
+    # the fast CPU paths equal the plain definitions: torch's lower median, the modular shift
+    assert torch.equal(centers, symbols.median(dim=1).values)
+    m = modulus.view(-1, 1, 1)
+    assert torch.equal(
+        shifted, torch.remainder(symbols.long() - centers.long().unsqueeze(1) + m // 2, m).to(torch.uint8)
+    )
 
 
 @given(

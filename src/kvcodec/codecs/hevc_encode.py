@@ -10,10 +10,13 @@ KV (layers, 2, tokens, kv_heads, head_dim)
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import zstandard
@@ -24,7 +27,7 @@ from kvcodec.container import plain, split
 from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc32, parse_chunk, write_object
 from kvcodec.container.split import layer_ranges
 from kvcodec.dtypes import DTYPE_NAMES
-from kvcodec.errors import ShapeError
+from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.layout.search import choose_plan, choose_video_bits
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame
 from kvcodec.quant import bitsplit, centering
@@ -206,28 +209,73 @@ def encode_chunks(
         raise ShapeError(f"{len(keys)} keys given for {n_chunks} chunks")
     encoder = encoder or get_encoder(preset=config.x265_preset)
     groups = layer_ranges(kv.shape[0], config.streams_per_chunk)
+    starts = list(range(0, kv.shape[2], config.chunk_tokens))
+    # chunks in parallel, each on one encoder thread (the bitstream does not depend on the count),
+    # where the encoder can make single-threaded copies of itself (x265; not a GPU session)
+    parallel = callable(getattr(encoder, "with_threads", None))
+    workers = min(encode_workers(), len(starts)) if parallel else 1
+    chunk_encoder = encoder.with_threads(1) if workers > 1 else encoder
     if len(groups) > 1:
-        encode_one = _split_encoder(kv, config, encoder, groups)
+        encode_one = _split_encoder(kv, config, encoder, groups, chunk_encoder)
     else:
         plan = plan or plan_coding(kv, config, encoder)
-        encode_one = functools.partial(_encode_chunk, config=config, plan=plan, encoder=encoder)
-    out = []
-    for n, start in enumerate(range(0, kv.shape[2], config.chunk_tokens)):
-        x = kv[:, :, start : start + config.chunk_tokens]
-        index = first_chunk_index + n
-        chunk = encode_one(
-            x,
-            index=index,
+        encode_one = functools.partial(_encode_chunk, config=config, plan=plan, encoder=chunk_encoder)
+
+    def one(n: int) -> EncodedChunk:
+        start = starts[n]
+        return encode_one(
+            kv[:, :, start : start + config.chunk_tokens],
+            index=first_chunk_index + n,
             start_token=first_chunk_index * config.chunk_tokens + start,
             key=None if keys is None else str(keys[n]),
         )
+
+    out = []
+    for chunk in _in_order(one, len(starts), workers):
         out.append(chunk)
         if on_chunk:
             on_chunk(chunk)
     return out
 
 
-def _split_encoder(kv: torch.Tensor, config: CodecConfig, encoder, groups) -> Callable[..., EncodedChunk]:
+def encode_workers() -> int:
+    """Chunks encoded at once: the cores this process may use ($KVCODEC_ENCODE_WORKERS overrides)."""
+    env = os.environ.get("KVCODEC_ENCODE_WORKERS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ConfigError(f"KVCODEC_ENCODE_WORKERS must be an integer; got {env!r}") from None
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return max(1, os.cpu_count() or 1)
+
+
+def _in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterator[EncodedChunk]:
+    """fn(0), ..., fn(n - 1) in order, computed by `workers` threads (x265, zstd and torch release
+    the interpreter lock while they work). At most 2 * workers chunks are in flight, so a long KV
+    never holds all its frames at once; an error stops the submission of further chunks."""
+    if workers <= 1:
+        yield from (fn(i) for i in range(n))
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-encode") as pool:
+        pending: collections.deque[Future] = collections.deque()
+        try:
+            for i in range(n):
+                pending.append(pool.submit(fn, i))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+
+
+def _split_encoder(
+    kv: torch.Tensor, config: CodecConfig, encoder, groups, chunk_encoder=None
+) -> Callable[..., EncodedChunk]:
     """A chunk encoder writing split chunk blobs (kvcodec.container.split): each layer group of
     `groups` coded as a chunk of its own (its own coding plan, searched on its layers), the parts
     joined per resolution. Plain fallback applies to the whole chunk, never to one part."""
@@ -236,10 +284,13 @@ def _split_encoder(kv: torch.Tensor, config: CodecConfig, encoder, groups) -> Ca
         for a, b in groups
     ]
     plans = [plan_coding(kv[a:b], c, encoder) for (a, b), c in zip(groups, part_configs)]
+    chunk_encoder = chunk_encoder or encoder
 
     def encode_one(x, *, index: int, start_token: int, key: str | None) -> EncodedChunk:
         parts = [
-            _encode_chunk(x[a:b], config=c, plan=p, encoder=encoder, index=index, start_token=start_token, key=key)
+            _encode_chunk(
+                x[a:b], config=c, plan=p, encoder=chunk_encoder, index=index, start_token=start_token, key=key
+            )
             for (a, b), c, p in zip(groups, part_configs, plans)
         ]
         blobs = []

@@ -1,9 +1,20 @@
-"""Pick a tile layout per frame resolution by trial encodes on a calibration sample."""
+"""Pick a tile layout per frame resolution by trial encodes on a calibration sample.
+
+Decisions are per model shape, not per chunk: each is made once (on the first chunk that needs
+it) and kept for the process and on disk (`$KVCODEC_CACHE_DIR/coding-plans.json`, default
+`~/.cache/kvcodec`), keyed by everything the trial depends on (shape, quantization, resolution,
+the encoder's bitstream settings), so later processes encoding KV of the same model pay no trial
+encodes. `KVCODEC_PLAN_CACHE=0` keeps decisions in memory only.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import tempfile
 import threading
+from pathlib import Path
 
 import torch
 
@@ -16,9 +27,69 @@ CALIBRATION_TOKENS = 128
 
 VIDEO_BITS_CANDIDATES = (3, 4, 5, 6, 8)
 
+PLANS_FILE = "coding-plans.json"
+PLANS_VERSION = 1  # bump when a trial's method changes: older decisions are then ignored
+
 _cache: dict[tuple, LayoutPlan] = {}
 _bits_cache: dict[tuple, int] = {}
 _lock = threading.Lock()
+_disk: dict[str, object] | None = None
+
+
+def plans_file() -> Path | None:
+    """Where decisions are kept between processes (None: in memory only)."""
+    if os.environ.get("KVCODEC_PLAN_CACHE", "1").lower() in ("0", "off", "false", "no"):
+        return None
+    d = os.environ.get("KVCODEC_CACHE_DIR")
+    return (Path(d) if d else Path.home() / ".cache" / "kvcodec") / PLANS_FILE
+
+
+def encoder_settings(encoder) -> str:
+    """What an encoder's bitstream (and so a trial's outcome) depends on."""
+    return str(getattr(encoder, "settings", None) or getattr(encoder, "name", type(encoder).__name__))
+
+
+def _disk_key(kind: str, cache_key: tuple) -> str:
+    return json.dumps([kind, PLANS_VERSION, repr(cache_key)])
+
+
+def _read_disk() -> dict[str, object]:
+    path = plans_file()
+    if path is None or not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable coding-plan cache %s: %s", path, e)
+        return {}
+
+
+def _disk_get(key: str) -> object | None:
+    global _disk
+    with _lock:
+        if _disk is None:
+            _disk = _read_disk()
+        return _disk.get(key)
+
+
+def _disk_put(key: str, value: object) -> None:
+    """Record a decision (merged with what other processes wrote meanwhile; best effort)."""
+    global _disk
+    path = plans_file()
+    with _lock:
+        _disk = {**(_disk or {}), key: value}
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {**_read_disk(), key: value}
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(merged, f, indent=0, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("could not write the coding-plan cache %s: %s", path, e)
 
 
 def shortlist(width: int, height: int, units: int, dim: int, chunk_tokens: int) -> list[LayoutPlan]:
@@ -48,12 +119,16 @@ def choose_plan(
     calibration sample) in the fewest bytes per token. Cached under `key` for the process."""
     width, height = resolution
     units, tokens, dim = units_tokens_dim.shape
-    cache_key = (key, resolution, units, dim, chunk_tokens, search)
+    cache_key = (key, resolution, units, dim, chunk_tokens, search, encoder_settings(encoder))
     with _lock:
         if cache_key in _cache:
             return _cache[cache_key]
     candidates = shortlist(width, height, units, dim, chunk_tokens)
-    if not search or len(candidates) == 1:
+    disk_key = _disk_key("layout", cache_key)
+    stored = _disk_get(disk_key) if search and len(candidates) > 1 else None
+    if isinstance(stored, dict) and LayoutPlan.from_dict(stored) in candidates:
+        best = LayoutPlan.from_dict(stored)
+    elif not search or len(candidates) == 1:
         best = candidates[0]
     else:
         sample = units_tokens_dim[:, :CALIBRATION_TOKENS]
@@ -66,6 +141,7 @@ def choose_plan(
             height,
             ", ".join(f"{p.orientation}/{p.tile_w}x{p.tile_h}/{p.tokens_per_frame}tpf={b:.0f}B/tok" for b, p in scored),
         )
+        _disk_put(disk_key, best.to_dict())
     with _lock:
         _cache[cache_key] = best
     return best
@@ -86,10 +162,16 @@ def choose_video_bits(
 
     width, height = resolution
     units, tokens, dim = units_tokens_dim.shape
-    cache_key = (key, resolution, units, dim, chunk_tokens)
+    cache_key = (key, resolution, units, dim, chunk_tokens, encoder_settings(encoder))
     with _lock:
         if cache_key in _bits_cache:
             return _bits_cache[cache_key]
+    disk_key = _disk_key("video_bits", cache_key)
+    stored = _disk_get(disk_key)
+    if isinstance(stored, int) and 1 <= stored <= 8:
+        with _lock:
+            _bits_cache[cache_key] = stored
+        return stored
     plan = shortlist(width, height, units, dim, chunk_tokens)[0]
     sample = units_tokens_dim[:, :CALIBRATION_TOKENS]
     most = int(unit_bits.max())
@@ -101,6 +183,7 @@ def choose_video_bits(
         scored.append((trial_bytes(plan, high, encoder) + low_bytes, video_bits))
     best = min(scored)[1]
     log.info("video bits: %s -> %d", ", ".join(f"{b}={s / sample.shape[1]:.0f}B/tok" for s, b in scored), best)
+    _disk_put(disk_key, best)
     with _lock:
         _bits_cache[cache_key] = best
     return best

@@ -13,6 +13,7 @@ slice). Plane j holds bit j of every value, eight values per byte, least signifi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 FULL = 8  # video_bits meaning "no split": every bit of the sample goes through the video stream
@@ -55,12 +56,20 @@ def pack_low(low: torch.Tensor, low_counts: torch.Tensor) -> torch.Tensor:
     if not can_split(units, dim):
         raise ValueError(f"{units} units x {dim} channels per token do not fill whole bytes")
     planes = plane_count(low_counts)
-    flat = low.permute(1, 0, 2).reshape(-1).to(torch.int64)
-    weights = 1 << torch.arange(8, dtype=torch.int64, device=low.device)
-    out = torch.empty((planes, flat.numel() // 8), dtype=torch.uint8, device=low.device)
+    flat = low.permute(1, 0, 2).reshape(-1)
+    if flat.device.type == "cpu" and planes:  # numpy's packbits: one uint8 pass per plane
+        values = flat.numpy()
+        return torch.from_numpy(np.stack([np.packbits((values >> j) & 1, bitorder="little") for j in range(planes)]))
+    return pack_planes_torch(flat, planes)
+
+
+def pack_planes_torch(flat: torch.Tensor, planes: int) -> torch.Tensor:
+    """pack_low's planes from its flat token-major uint8 values, on any device (uint8 only)."""
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=flat.device)).to(torch.uint8)
+    out = torch.empty((planes, flat.numel() // 8), dtype=torch.uint8, device=flat.device)
+    bits = flat.view(-1, 8)
     for j in range(planes):
-        bit = ((flat >> j) & 1).view(-1, 8)
-        out[j] = (bit * weights).sum(1).to(torch.uint8)
+        out[j] = (((bits >> j) & 1) * weights).sum(1, dtype=torch.uint8)
     return out
 
 

@@ -8,19 +8,29 @@ lossless stream (see benchmarks/results/ratio-*.md).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
 def channel_centers(symbols: torch.Tensor, modulus: torch.Tensor) -> torch.Tensor:
     """symbols: (units, tokens, dim) uint8; modulus: (units,) int64 (2**bits).
-    Returns the per-(unit, channel) median as uint8, shape (units, dim)."""
-    return symbols.median(dim=1).values.to(torch.uint8)
+    Returns the per-(unit, channel) median as uint8, shape (units, dim): the lower of the two
+    middle values for an even count, as torch.median."""
+    if symbols.device.type != "cpu":
+        return symbols.median(dim=1).values.to(torch.uint8)
+    # numpy sorts uint8 by radix (kind="stable"): several times faster than torch.median here
+    rows = np.ascontiguousarray(symbols.numpy().transpose(0, 2, 1))
+    middle = (rows.shape[2] - 1) // 2
+    return torch.from_numpy(np.sort(rows, axis=2, kind="stable")[:, :, middle].copy())
 
 
 def center(symbols: torch.Tensor, centers: torch.Tensor, modulus: torch.Tensor) -> torch.Tensor:
-    m = modulus.view(-1, 1, 1)
-    shifted = symbols.long() - centers.long().unsqueeze(1) + m // 2
-    return torch.remainder(shifted, m).to(torch.uint8)
+    """(symbols - centers + modulus / 2) mod modulus per unit, in wrapping uint8 arithmetic (every
+    modulus divides 256): no wide temporaries."""
+    m = modulus.to(centers.device).long()
+    shift = torch.remainder((m // 2).unsqueeze(1) - centers.long(), 256).to(torch.uint8).unsqueeze(1)
+    mask = (m - 1).to(torch.uint8).view(-1, 1, 1)
+    return (symbols.to(torch.uint8) + shift).bitwise_and_(mask)
 
 
 def uncenter(samples: torch.Tensor, centers: torch.Tensor, modulus: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""The encode fast path: chunks in parallel give the same bytes as one at a time, x265's bitstream
+does not depend on its thread count, and per-model decisions made by trial encodes are kept on
+disk so that a later process makes none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcodec import CodecConfig
+from kvcodec.codecs import hevc_encode
+from kvcodec.errors import ConfigError
+from kvcodec.layout import search
+from kvcodec.layout.tiling import frame_blocks, pack_frame
+from kvcodec.video.x265_cpu import X265Encoder
+
+RES = ((144, 144),)
+
+
+def kv_like(layers=2, tokens=72, heads=2, dim=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(layers, 2, tokens, heads, dim, generator=g) * torch.linspace(0.05, 4.0, dim)).half()
+
+
+class CountingX265(X265Encoder):
+    """Real x265 that counts its encodes (trial encodes included)."""
+
+    calls = 0
+
+    def encode(self, frames, width, height):
+        CountingX265.calls += 1
+        return super().encode(frames, width, height)
+
+    def with_threads(self, threads):
+        return CountingX265(self.preset, threads, self.extra_params, self.tuning)
+
+
+@pytest.fixture
+def fresh_plans(tmp_path, monkeypatch):
+    """An empty on-disk plan cache and empty in-process caches."""
+    monkeypatch.setenv("KVCODEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCODEC_PLAN_CACHE", "1")
+    monkeypatch.setattr(search, "_disk", None)
+    monkeypatch.setattr(search, "_cache", {})
+    monkeypatch.setattr(search, "_bits_cache", {})
+    return tmp_path / search.PLANS_FILE
+
+
+def test_parallel_chunks_give_the_bytes_of_one_at_a_time_in_order(monkeypatch, fresh_plans):
+    kv = kv_like()
+    config = CodecConfig(chunk_tokens=16, resolutions=RES, plain_fallback=False)
+    runs = {}
+    for workers in ("1", "3"):
+        monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers)
+        seen: list[int] = []
+        chunks = hevc_encode.encode_chunks(kv, config, on_chunk=seen.append)
+        seen = [c.index for c in seen]
+        assert seen == [c.index for c in chunks] == list(range(5))
+        runs[workers] = [c.blobs for c in chunks]
+    assert runs["1"] == runs["3"]
+
+
+def test_bad_worker_count_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "many")
+    with pytest.raises(ConfigError, match="KVCODEC_ENCODE_WORKERS"):
+        hevc_encode.encode_workers()
+
+
+def test_x265_bitstream_does_not_depend_on_threads():
+    kv = kv_like(tokens=32)
+    config = CodecConfig(chunk_tokens=32, resolutions=RES, search_layout=False, video_bits=4)
+    plan = hevc_encode.plan_coding(kv, config)
+    symbols = hevc_encode._symbols(kv, config)
+    samples, _, _ = hevc_encode._split_low_bits(symbols, plan.video_bits)
+    frames = [pack_frame(b, plan.layouts[0]).numpy() for _, _, b in frame_blocks(samples, plan.layouts[0])]
+    one, four = (X265Encoder(threads=t).encode(frames, 144, 144) for t in (1, 4))
+    assert one == four
+
+
+def test_trial_decisions_are_made_once_and_kept_on_disk(fresh_plans):
+    kv = kv_like(tokens=48)
+    config = CodecConfig(chunk_tokens=16, resolutions=RES)  # video_bits "auto", layout searched
+    CountingX265.calls = 0
+    first = hevc_encode.plan_coding(kv, config, CountingX265())
+    trials = CountingX265.calls
+    assert trials > 1 and fresh_plans.is_file()
+    search._disk, search._cache, search._bits_cache = None, {}, {}  # a new process
+    CountingX265.calls = 0
+    again = hevc_encode.plan_coding(kv_like(tokens=48, seed=5), config, CountingX265())
+    assert again == first and CountingX265.calls == 0
+    # other encoder settings are other decisions
+    hevc_encode.plan_coding(kv, config, CountingX265(tuning=""))
+    assert CountingX265.calls > 0
+
+
+def test_unreadable_plan_cache_is_ignored(fresh_plans):
+    fresh_plans.parent.mkdir(parents=True, exist_ok=True)
+    fresh_plans.write_text("{not json")
+    plan = hevc_encode.plan_coding(kv_like(tokens=16), CodecConfig(chunk_tokens=16, resolutions=RES))
+    assert 1 <= plan.video_bits <= 8
