@@ -298,6 +298,19 @@ def check_chunk_against_file(
             )
     if ch.quant not in (fh.config["quant"], PLAIN):
         raise FormatError(f"chunk {index} is coded {ch.quant!r}; the file says {fh.config['quant']!r}")
+    got = getattr(ch, "layer_bits", ())
+    if ch.quant.startswith("int") and (got or isinstance(ch, ChunkHeader)):
+        want = _file_layer_bits(json.dumps(fh.config, sort_keys=True), fh.layers)
+        if tuple(got) != want:
+            raise FormatError(
+                f"chunk {index} codes layer bits {list(got)[:8]}...; the file's config says {list(want)[:8]}..."
+            )
+
+
+@functools.lru_cache(maxsize=64)
+def _file_layer_bits(config_json: str, layers: int) -> tuple[int, ...]:
+    config = CodecConfig.from_dict(json.loads(config_json))
+    return tuple(config.bits_for_layer(i) for i in range(layers))
 
 
 def _checked(d: dict[str, Any], kind: str, checks, optional) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class SplitHeader:
     resolution: tuple[int, int]
     parts: tuple[SplitPart, ...]
     key: str | None = None
+    layer_bits: tuple[int, ...] = ()  # integer modes, version 3: every layer's bit width (the parts' must agree)
     version: int = SPLIT_VERSION  # the split_version it was read with
 
     @property
@@ -89,6 +90,8 @@ class SplitHeader:
         d["parts"] = [{k: x for k, x in dataclasses.asdict(p).items() if x is not None} for p in self.parts]
         if d["key"] is None:
             del d["key"]
+        if not d["layer_bits"]:
+            del d["layer_bits"]
         del d["version"]
         d["format"] = FORMAT_NAME
         d["split_version"] = SPLIT_VERSION
@@ -113,6 +116,7 @@ _FIELDS = {
     "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
     "parts": None,  # per version: _PART
     "key": v.text(512, optional=True),
+    "layer_bits": v.listing(v.integer(2, 8), 0, v.MAX_DIM),
 }
 # the fields a part's own header must repeat
 _SHARED = ("kv_heads", "head_dim", "dtype", "chunk_index", "start_token", "tokens", "quant", "resolution", "key")
@@ -158,6 +162,7 @@ def write_split(parts: list[bytes], headers: list[ChunkHeader]) -> bytes:
         resolution=tuple(first.resolution),
         parts=tuple(SplitPart(ph.layers, len(b), header_crc(b)) for ph, b in zip(headers, parts)),
         key=first.key,
+        layer_bits=tuple(b for ph in headers for b in ph.layer_bits),
     )
     return write_object(SPLIT_MAGIC, h.to_json(), parts)
 
@@ -172,8 +177,10 @@ def parse_split_header(blob: bytes | memoryview) -> tuple[SplitHeader, memoryvie
     if extra:
         raise FormatError(f"split chunk header has unknown fields {extra}")
     checks = {**_FIELDS, "parts": v.listing(_PART[version], 2, MAX_PARTS)}
-    fields = v.fields_of({k: d[k] for k in d if k in _FIELDS}, checks, {"key": None})
+    fields = v.fields_of({k: d[k] for k in d if k in _FIELDS}, checks, {"key": None, "layer_bits": ()})
     h = SplitHeader(**fields, version=version)
+    if h.layer_bits and len(h.layer_bits) != h.layers:
+        raise v.fail("layer_bits", list(h.layer_bits), f"{h.layers} entries (one per layer) or none")
     if sum(p.layers for p in h.parts) != h.layers:
         raise v.fail("parts", [p.layers for p in h.parts], f"layer counts adding up to layers={h.layers}")
     need = h.payload_bytes
@@ -201,6 +208,8 @@ def parse_split(blob: bytes | memoryview) -> tuple[SplitHeader, list[tuple[Chunk
         if ph.layers != p.layers:
             raise FormatError(f"split chunk part {i} holds {ph.layers} layers; the chunk lists {p.layers}")
         want, first_layer = first_layer, first_layer + p.layers
+        if h.layer_bits and ph.layer_bits != h.layer_bits[want:first_layer]:
+            raise FormatError(f"split chunk part {i} codes layer bits {list(ph.layer_bits)}; the chunk lists others")
         if ph.layer_offset != want and (h.version >= 3 or ph.layer_offset):  # version 1, 2: offsets optional
             raise FormatError(
                 f"split chunk part {i} says it starts at layer {ph.layer_offset}; its place is layer {want} "
