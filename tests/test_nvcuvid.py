@@ -297,3 +297,34 @@ def test_split_chunks_restore_their_parts_on_several_sessions_exactly():
         torch.cuda.synchronize()
     assert torch.equal(out.cpu(), ref)
     assert torch.equal(PagedKV(pages, table).gather(0, 256).cpu(), ref)
+
+
+@needs_nvcuvid
+@pytest.mark.gpu
+@pytest.mark.parametrize("delay", [0, 1, 2])
+def test_native_callbacks_put_every_stream_exactly_in_its_buffer(delay):
+    """decode_each_into (C decode and display callbacks, nvcuvid_native) against the frames the
+    sources hold, several streams back to back, a change of size among them, odd heights."""
+    import torch
+
+    if not NvcuvidDecoder.native():
+        pytest.skip("the native callbacks do not build here")
+    sizes = [(256, 256, 1), (256, 256, 3), (144, 176, 2), (160, 145, 1), (256, 256, 2)]
+    srcs = [_frames(w, h, n, seed=70 + k) for k, (w, h, n) in enumerate(sizes)]
+    streams = [_encode(src, w, h) for src, (w, h, _) in zip(srcs, sizes)]
+    bufs = [torch.full((n * 3 * w * h,), 7, dtype=torch.uint8, device="cuda") for w, h, n in sizes]
+    dec = NvcuvidDecoder(display_delay=delay)
+    items = [(k, bs, w, h, n, b.data_ptr()) for k, (bs, (w, h, n), b) in enumerate(zip(streams, sizes, bufs))]
+    assert list(dec.decode_each_into(iter(items))) == list(range(len(sizes)))
+    for src, buf in zip(srcs, bufs):
+        assert np.array_equal(buf.cpu().numpy(), np.concatenate([f.reshape(-1) for f in src]))
+    a, b = streams[1], streams[0]
+    with pytest.raises(CorruptStreamError):  # a stream with more frames than it announces
+        list(
+            dec.decode_each_into(
+                iter([("a", a, 256, 256, 1, bufs[1].data_ptr()), ("b", b, 256, 256, 1, bufs[0].data_ptr())])
+            )
+        )
+    with pytest.raises(CorruptStreamError):  # fewer
+        list(dec.decode_each_into(iter([("b", b, 256, 256, 2, bufs[1].data_ptr())])))
+    assert list(dec.decode_each_into(iter([("b", b, 256, 256, 1, bufs[0].data_ptr())]))) == ["b"]

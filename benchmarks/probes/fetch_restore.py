@@ -25,6 +25,7 @@ process) during a fetch loop of that case, with the defaults and with one decode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import shlex
@@ -216,7 +217,33 @@ def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
     return times, kv
 
 
+@contextlib.contextmanager
+def _switches(codec, variant: dict):
+    """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
+    native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM)."""
+    from kvcodec.restore import transform_kernels
+    from kvcodec.video import nvcuvid_native
+
+    saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM
+    nvcuvid_native.ENABLED = variant.get("native", True) and saved[0]
+    transform_kernels.SPLIT_GEMM = variant.get("split", True) and saved[1]
+    if not variant.get("stream", True):
+        codec.stage_stream = None
+    try:
+        yield {k: v for k, v in variant.items() if k not in ("stream", "native", "split")}
+    finally:
+        nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved
+        codec.__dict__.pop("stage_stream", None)
+
+
 def measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alone: float, secs: float) -> dict:
+    with _switches(codec, variant) as settings:
+        rec = _measure_fetch(mem, doc, case, codec, probe, settings, repeat, alone, secs)
+    rec["defaults"] = not variant
+    return {"switches": {k: v for k, v in variant.items() if k in ("stream", "native", "split")}, **rec}
+
+
+def _measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alone: float, secs: float) -> dict:
     from kvcodec.fetcher import PrefixCache
 
     before = probe.free_mb()
@@ -236,7 +263,6 @@ def measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alon
         "backend": f"nvcuvid-threads:{cache.decode_workers}",
         "decode_workers": cache.decode_workers,
         "max_inflight": cache.max_inflight,
-        "defaults": not variant,
         "cuda_contexts": 1,
         "tokens": len(ids),
         "restored_gb_per_s": round(nbytes / med / 1e9, 3),
@@ -315,6 +341,48 @@ def restore_alone(case, codec, mem, doc, probe, seconds: float) -> dict:
         "cuda_contexts": 1,
         "restored_gb_per_s": round(doc["fp16_bytes"] / s / 1e9, 3),
         **_check(out, case),
+    }
+
+
+def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float) -> dict:
+    """NVDEC alone through the native callbacks (NvcuvidDecoder.decode_each_into): 7 threads, each
+    streaming its share of the chunk videos into scratch buffers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+    from kvcodec.video.nvcuvid_threads import nvdec_engines
+
+    videos, frames, (w, h) = _videos(case, codec, mem, doc)
+    reps = max(1, copies // len(videos))
+    videos, frames = videos * reps, frames * reps
+    n = nvdec_engines(0)
+    decs = [NvcuvidDecoder(0) for _ in range(n)]
+    bufs = [torch.empty(max(frames) * 3 * w * h, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    pool = ThreadPoolExecutor(n)
+
+    def work(i):
+        torch.cuda.set_device(0)
+        items = ((k, v, w, h, f, bufs[i].data_ptr()) for k, (v, f) in enumerate(zip(videos[i::n], frames[i::n])))
+        for _ in decs[i].decode_each_into(items):
+            pass
+
+    def once():
+        for f in [pool.submit(work, i) for i in range(n)]:
+            f.result()
+
+    try:
+        s = probe.timed(once, seconds)
+    finally:
+        pool.shutdown()
+        for dec in decs:
+            dec.close()
+    return {
+        "kind": "decode-only",
+        "backend": "nvcuvid-native-streamed",
+        "threads": n,
+        "cuda_contexts": 1,
+        "nvdec_gb_per_s": round(doc["fp16_bytes"] * reps / s / 1e9, 3),
+        "coded_gbit_per_s": round(8 * case["coded_bytes"] * reps / s / 1e9, 3),
     }
 
 
@@ -493,6 +561,7 @@ def run(d, out, variants, repeat, seconds, interference_s, profile_case, only) -
             _stage(log, base, measure_fetch, mem, doc, case, codec, probe, variant, repeat, alone, secs)
         if case["codec"] == "transform":
             _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
+            _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds)
             _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
             for split in (True, False):
                 _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split)
@@ -513,6 +582,15 @@ def _stage(log, base, fn, *args) -> None:
     log({**base, **rec})
 
 
+def _variant(text: str) -> dict:
+    """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32 (see _switches)."""
+    size, *switches = text.split("-")
+    v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
+    names = {"nostream": "stream", "python": "native", "fp32": "split"}
+    v.update({names[s]: False for s in switches})
+    return v
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -529,7 +607,8 @@ def main() -> None:
     r.add_argument(
         "--variants",
         default="1x4,7x4,7x16",
-        help="WORKERSxINFLIGHT fetch settings measured besides the defaults, comma-separated",
+        help="fetch settings measured besides the defaults, comma-separated: WORKERSxINFLIGHT or default, "
+        "each with optional -nostream (chunk by chunk), -python (Python parser callbacks), -fp32 (float32 GEMM)",
     )
     r.add_argument("--repeat", type=int, default=7)
     r.add_argument("--seconds", type=float, default=1.5)
@@ -540,10 +619,7 @@ def main() -> None:
     if a.cmd == "prep":
         prep(a.dir, a.model, [parse_case(c) for c in a.cases], a.tokens, a.cal_tokens, a.text)
         return
-    variants = []
-    for v in filter(None, a.variants.split(",")):
-        w, m = v.split("x")
-        variants.append({"decode_workers": int(w), "max_inflight": int(m)})
+    variants = [_variant(v) for v in filter(None, a.variants.split(","))]
     only = set(filter(None, a.only.split(",")))
     run(a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only)
 

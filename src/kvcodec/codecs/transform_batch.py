@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.transform_decode import check_target
+from kvcodec.codecs.transform_decode import check_target, frame_buffer
 from kvcodec.errors import CorruptStreamError, KVCodecError
+from kvcodec.transform.frames import frame_count
 
 _END = object()
 DEFAULT_WAVE = 16  # chunks per pass of the math: launch-bound below ~8, no faster per chunk above 16
@@ -56,9 +57,9 @@ def stage_stream(codec, items: Iterable[tuple], device, check: Callable | None =
     to use instead of one borrowed for the call."""
     r, items = codec._restorer, iter(items)
     done: collections.deque = collections.deque()  # results found while feeding (refused or zstd chunks)
-    fed: dict = {}  # tag -> (header, streams, target) of chunks fed and not complete
+    fed: dict = {}  # tag -> (header, streams, target, sample buffer or None) of chunks fed and not complete
 
-    def videos() -> Iterator[tuple]:
+    def videos(into: bool) -> Iterator[tuple]:
         for tag, blob, target in items:
             try:
                 h, streams = codec._read(blob)
@@ -68,47 +69,71 @@ def stage_stream(codec, items: Iterable[tuple], device, check: Callable | None =
                 if h["coder"] == "zstd":
                     done.append((tag, r.decode_samples(h, streams, target.device, None)))
                     continue
+                w, hh = h["resolution"]
+                if h["frames"] != frame_count(r.sample_count(h), w, hh):
+                    raise CorruptStreamError("transform chunk announces the wrong number of frames")
             except KVCodecError as e:
                 done.append((tag, e))
                 continue
-            fed[tag] = (h, streams, target)
-            w, hh = h["resolution"]
-            yield tag, streams["video"], w, hh, h["frames"]
+            buf = frame_buffer(h["frames"], w, hh, target.device) if into else None
+            fed[tag] = (h, streams, target, buf)
+            if into:
+                yield tag, streams["video"], w, hh, h["frames"], buf.data_ptr()
+            else:
+                yield tag, streams["video"], w, hh, h["frames"]
 
     if decoder is None:
         from kvcodec.codecs.hevc_decode import idle_decoders
 
         with idle_decoders.borrow(device) as lent:
-            yield from _stream(r, lent, videos, fed, done)
+            yield from _stream(r, lent, videos, fed, done, _native(lent, device))
     else:
-        yield from _stream(r, decoder, videos, fed, done)
+        yield from _stream(r, decoder, videos, fed, done, _native(decoder, device))
 
 
-def _stream(r, decoder, videos: Callable, fed: dict, done: collections.deque) -> Iterator[tuple]:
-    """stage_stream's loop on one decoder (see there)."""
+def _native(decoder, device) -> bool:
+    """Whether `decoder` decodes into buffers with native callbacks for targets on `device`."""
+    native = getattr(decoder, "native", None)
+    return native is not None and native() and torch.device(device) == getattr(decoder, "device", None)
+
+
+def _stream(r, decoder, videos: Callable, fed: dict, done: collections.deque, native: bool) -> Iterator[tuple]:
+    """stage_stream's loop on one decoder (see there): native, each chunk's frames decoded straight
+    into its buffer (NvcuvidDecoder.decode_each_into); else frame by frame through decode_each."""
     while True:
-        frames = _decode_each(decoder, videos())
+        stream = decoder.decode_each_into(videos(True)) if native else _decode_each(decoder, videos(False))
         try:
-            router = _Router(frames)
-            for tag in router.chunks():
-                yield from _drain(done)
-                h, streams, target = fed[tag]
-                staged = r.decode_samples(h, streams, target.device, router)
-                del fed[tag]
-                yield tag, staged
+            yield from _native_chunks(r, stream, fed, done) if native else _routed_chunks(r, stream, fed, done)
             yield from _drain(done)
             return
         except Exception:  # noqa: BLE001 - attributed to its chunk below
-            frames.close()
+            stream.close()
             if not fed:  # no chunk's fault (the session itself failed)
                 raise
             yield from _drain(done)
-            for tag, (h, streams, target) in list(fed.items()):
+            for tag, (h, streams, target, _) in list(fed.items()):
                 del fed[tag]
                 try:
                     yield tag, r.decode_samples(h, streams, target.device, decoder)
                 except KVCodecError as e:
                     yield tag, e
+
+
+def _native_chunks(r, keys: Iterator, fed: dict, done: collections.deque) -> Iterator[tuple]:
+    for tag in keys:
+        yield from _drain(done)
+        h, streams, target, buf = fed.pop(tag)
+        yield tag, r.decode_samples(h, streams, target.device, samples=buf)
+
+
+def _routed_chunks(r, frames: Iterator, fed: dict, done: collections.deque) -> Iterator[tuple]:
+    router = _Router(frames)
+    for tag in router.chunks():
+        yield from _drain(done)
+        h, streams, target, _ = fed[tag]
+        staged = r.decode_samples(h, streams, target.device, router)
+        del fed[tag]
+        yield tag, staged
 
 
 def _drain(done: collections.deque) -> Iterator[tuple]:

@@ -67,11 +67,11 @@ class TransformRestorer:
             raise CorruptStreamError("transform chunk announces the wrong number of frames")
         video = streams["video"]  # the blob's own bytes (a memoryview, as the hevc codec hands its decoders)
         if decoder is not None:
-            return frames.from_frames(decoder.decode(video, w, hh), count, w, hh, device)
+            return _decoded(decoder, video, h["frames"], count, w, hh, device)
         from kvcodec.codecs.hevc_decode import idle_decoders  # sessions lent per call: one thread each
 
         with idle_decoders.borrow(device) as lent:
-            return frames.from_frames(lent.decode(video, w, hh), count, w, hh, device)
+            return _decoded(lent, video, h["frames"], count, w, hh, device)
 
     def decode(self, h: dict, streams: dict, out: Target, decoder=None) -> Target:
         """Restore a verified chunk into `out`; `decoder`: the video decoder to use (one lent by
@@ -145,12 +145,19 @@ class TransformRestorer:
         self.finish([self.decode_samples(h, streams, device, decoder)], [out])
         return out
 
-    def decode_samples(self, h: dict, streams: dict, device: torch.device, decoder=None) -> Decoded:
-        """A chunk's first half of the batched restore: its samples on `device` (NVDEC or zstd),
-        escapes and sink tokens; finish() does the math, for many chunks at once."""
+    def sample_count(self, h: dict) -> int:
+        """Samples a verified chunk codes (coded coordinates x tokens)."""
+        return self.plan(float(h["theta"]), float(h["key_weight"])).steps.numel() * h["tokens"]
+
+    def decode_samples(self, h: dict, streams: dict, device: torch.device, decoder=None, samples=None) -> Decoded:
+        """A chunk's first half of the batched restore: its samples on `device` (NVDEC or zstd;
+        `samples`: already decoded, a flat uint8 buffer that starts with them), escapes and sink
+        tokens; finish() does the math, for many chunks at once."""
         C = self.plan(float(h["theta"]), float(h["key_weight"])).steps.numel()
         escapes = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
-        samples = self._samples(h, streams, C * h["tokens"], device, decoder).view(C, h["tokens"])
+        if samples is None:
+            samples = self._samples(h, streams, C * h["tokens"], device, decoder)
+        samples = samples[: C * h["tokens"]].view(C, h["tokens"])
         sink = self._sink(h, streams, device) if h["sink"] else None
         return Decoded(h, samples, escapes, sink)
 
@@ -210,6 +217,24 @@ class Decoded:
     samples: torch.Tensor  # (C, tokens) uint8 on the target's device, layout order
     escapes: tuple[torch.Tensor, torch.Tensor]  # host: flat indices, true integers
     sink: torch.Tensor | None  # (L, 2, sink, H, D) float16 on the device
+
+
+def frame_buffer(frames_announced: int, width: int, height: int, device) -> torch.Tensor:
+    """A flat uint8 buffer for a video's frames, decoded frame after frame straight into it."""
+    return torch.empty(frames_announced * 3 * width * height, dtype=torch.uint8, device=device)
+
+
+def _decoded(decoder, video, frames_announced: int, count: int, w: int, hh: int, device) -> torch.Tensor:
+    """The first `count` samples of a chunk's video on `device`: straight into one buffer where the
+    decoder decodes into buffers with native callbacks (NvcuvidDecoder.decode_each_into), else
+    frame by frame (frames.from_frames)."""
+    native = getattr(decoder, "native", None)
+    if native is not None and native() and torch.device(device) == getattr(decoder, "device", None):
+        buf = frame_buffer(frames_announced, w, hh, device)
+        for _ in decoder.decode_each_into([(0, video, w, hh, frames_announced, buf.data_ptr())]):
+            pass
+        return buf[:count]
+    return frames.from_frames(decoder.decode(video, w, hh), count, w, hh, device)
 
 
 def check_target(h: dict, out: Target) -> None:

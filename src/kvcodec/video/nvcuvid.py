@@ -286,6 +286,39 @@ class _Parser:
             self.handle = ctypes.c_void_p()
 
 
+class _NativeParser:
+    """A fresh HEVC parser whose decode and display callbacks are the C ones of nvcuvid_native:
+    pictures go straight into the sample buffers pushed onto `state` (one per stream fed)."""
+
+    def __init__(self, session: _Session, display_delay: int, lib, state):
+        from kvcodec.video import nvcuvid_native as native
+
+        def on_sequence(user, fmt_p) -> int:
+            surfaces = session.on_sequence(user, fmt_p)
+            state.decoder = session.handle.value  # the session the C callbacks decode on
+            return surfaces
+
+        self.callbacks = (
+            api.SequenceCallback(on_sequence),
+            api.DecodeCallback(native.function_pointer(lib.kv_decode)),
+            api.DisplayCallback(native.function_pointer(lib.kv_display)),
+        )
+        params = api.ParserParams(
+            CodecType=api.CODEC_HEVC, ulMaxNumDecodeSurfaces=1, ulErrorThreshold=0, ulMaxDisplayDelay=display_delay
+        )
+        params.pUserData = ctypes.addressof(state)
+        params.pfnSequenceCallback, params.pfnDecodePicture, params.pfnDisplayPicture = self.callbacks
+        self.handle = ctypes.c_void_p()
+        api.check(
+            api.nvcuvid().cuvidCreateVideoParser(ctypes.byref(self.handle), ctypes.byref(params)),
+            "cuvidCreateVideoParser",
+            BackendUnavailableError,
+        )
+
+    feed = _Parser.feed
+    close = _Parser.close
+
+
 class NvcuvidDecoder:
     """HEVC on NVDEC through libnvcuvid (ctypes), in torch's context: frames are (3, H, W) uint8
     CUDA tensors. One decoder serves one thread at a time; run one per thread to use all engines.
@@ -447,6 +480,103 @@ class NvcuvidDecoder:
             slot, timestamp = session.ready.pop(0)
             yield attribute(expected, timestamp), session.slots[slot], name, (session.width, session.height)
             session.release(slot, torch.cuda.current_stream(self.device))
+
+    @staticmethod
+    def native() -> bool:
+        """Whether decode_each_into runs its per-picture work in C (nvcuvid_native builds here)."""
+        from kvcodec.video import nvcuvid_native
+
+        return nvcuvid_native.available()
+
+    def decode_each_into(self, items: Iterable[tuple]) -> Iterator[object]:
+        """The key of each stream whose frames are all in place, in feed order. items: (key,
+        bitstream, width, height, frames announced, device address of a buffer of frames x 3 x
+        height x width bytes), pulled as the parser wants the next stream (as decode_each). The
+        decode and display callbacks are C (nvcuvid_native): every picture is copied straight
+        into its stream's buffer, frame after frame, by the C code, which checks that it belongs
+        to the stream due (CorruptStreamError otherwise, or for a stream with more or fewer
+        frames than announced). A buffer is complete when its key is yielded (the copies ran on
+        this decoder's stream and were waited for). Needs nvcuvid_native.library()."""
+        from kvcodec.video import nvcuvid_native as native
+
+        lib = native.library() if native.available() else None
+        if lib is None:
+            raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
+        api.make_current(self.ctx)
+        session = parser = state = None
+        keys: collections.deque = collections.deque()
+        procparams = api.ProcParams(progressive_frame=1, output_stream=self._stream.cuda_stream)
+        held: collections.deque = collections.deque(maxlen=native.MAX_TARGETS)
+        finished = False
+        try:
+            for ordinal, (key, bitstream, width, height, frames, out_ptr) in enumerate(items):
+                buf = _as_buffer(bitstream)
+                if frames < 1:
+                    raise ValueError("a stream fed to decode_each_into announces at least one frame")
+                held.append(buf)
+                if session is None or (session.width, session.height) != (width, height):
+                    if parser is not None:
+                        yield from self._native_end(state, parser, session, keys)
+                        parser.close()
+                    session = self._session(width, height)
+                    session.error = None
+                    state = self._native_state(lib, session, procparams)
+                    parser = _NativeParser(session, self.display_delay, lib, state)
+                state.push(out_ptr, ordinal, frames)
+                keys.append(key)
+                for off, n in feed_plan(buf.size, self.PIECE_BYTES):
+                    packet = (buf.ctypes.data + off, n, api.PKT_TIMESTAMP, ordinal << STAMP_SHIFT)
+                    yield from self._native_feed(state, parser, session, keys, packet)
+            if parser is not None:
+                yield from self._native_end(state, parser, session, keys)
+            finished = True
+        finally:
+            if parser is not None:
+                parser.close()
+            if not finished and session is not None:
+                self.close((session.width, session.height))
+
+    def _native_state(self, lib, session: _Session, procparams):  # noqa: ANN202 - an nvcuvid_native.State
+        from kvcodec.video import nvcuvid_native as native
+
+        nv, cu = api.nvcuvid(), api.cuda()
+        state = native.State(
+            decoder=session.handle.value,
+            procparams=ctypes.addressof(procparams),
+            stream=self._stream.cuda_stream,
+            decode=native.function_pointer(nv.cuvidDecodePicture),
+            map=native.function_pointer(nv.cuvidMapVideoFrame64),
+            unmap=native.function_pointer(nv.cuvidUnmapVideoFrame64),
+            copy=native.function_pointer(cu.cuMemcpy2DAsync),
+            sync=native.function_pointer(cu.cuStreamSynchronize),
+            row_bytes=session.width,
+            height=session.height,
+            planes=3,
+            shift=STAMP_SHIFT,
+        )
+        state._keep = procparams  # the C code reads it through the pointer
+        return state
+
+    def _native_feed(self, state, parser, session: _Session, keys, packet: tuple) -> Iterator[object]:
+        from kvcodec.video import nvcuvid_native as native
+
+        result = parser.feed(*packet)
+        if session.error is not None:
+            raise session.error
+        if session.layout is not None and session.layout[0] != "YUV444":
+            raise CorruptStreamError(f"NVDEC output is {session.layout[0]}; kvcodec streams are 4:4:4 8-bit (YUV444)")
+        if state.error:
+            what = native.ERRORS.get(int(state.error), "the native decode failed")
+            raise CorruptStreamError(f"{what} (CUDA error {int(state.cuda_error)})")
+        if result != 0:
+            raise CorruptStreamError(f"NVDEC could not parse the stream (CUDA error {result})")
+        while len(keys) > state.pending:
+            yield keys.popleft()
+
+    def _native_end(self, state, parser, session: _Session, keys) -> Iterator[object]:
+        yield from self._native_feed(state, parser, session, keys, (0, 0, api.PKT_ENDOFSTREAM, 0))
+        if keys:
+            raise CorruptStreamError("a stream decoded to fewer frames than its chunk announces")
 
     def decode(self, bitstream, width: int, height: int) -> Iterator[torch.Tensor]:
         """Yield each frame as a (3, height, width) uint8 tensor on this decoder's device."""

@@ -1,0 +1,157 @@
+"""The native nvcuvid callbacks (video/nvcuvid_native.py): the C library builds with the system
+compiler (skipped without one) and its display callback puts each picture of each stream in its
+place, refusing pictures of another stream or beyond the streams fed. Here the CUDA driver calls
+are stand-ins written in Python (this machine has no GPU); on a GPU, tests/test_nvcuvid.py compares
+the native decode with the Python callbacks' frame for frame."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+
+import pytest
+
+from kvcodec.video import nvcuvid_native as native
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler")
+
+MAP = ctypes.CFUNCTYPE(
+    ctypes.c_int,
+    ctypes.c_void_p,
+    ctypes.c_int,
+    ctypes.POINTER(ctypes.c_ulonglong),
+    ctypes.POINTER(ctypes.c_uint),
+    ctypes.c_void_p,
+)
+UNMAP = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_ulonglong)
+COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class Memcpy2D(ctypes.Structure):
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_ulonglong),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_ulonglong),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+class DispInfo(ctypes.Structure):
+    _fields_ = [("picture_index", ctypes.c_int), ("pf", ctypes.c_int * 3), ("timestamp", ctypes.c_longlong)]
+
+
+class Driver:
+    """Stand-ins for cuvidDecodePicture, cuvidMapVideoFrame64, cuvidUnmapVideoFrame64,
+    cuMemcpy2DAsync and cuStreamSynchronize that record what the C code asks for."""
+
+    PITCH = 1024
+
+    def __init__(self, fail_map: bool = False):
+        self.copies, self.maps, self.unmaps, self.syncs, self.fail_map = [], [], [], 0, fail_map
+        self.fns = (
+            native.DecodeFn(lambda dec, pic: 0),
+            MAP(self._map),
+            UNMAP(self._unmap),
+            COPY(self._copy),
+            SYNC(self._sync),
+        )
+
+    def _map(self, dec, index, ptr, pitch, params):
+        if self.fail_map:
+            return 700
+        ptr[0], pitch[0] = 0x100000 * (index + 1), self.PITCH
+        self.maps.append(index)
+        return 0
+
+    def _unmap(self, dec, ptr):
+        self.unmaps.append(ptr)
+        return 0
+
+    def _copy(self, desc, stream):
+        c = Memcpy2D.from_address(desc)
+        self.copies.append((c.srcDevice, c.srcPitch, c.dstDevice, c.dstPitch, c.WidthInBytes, c.Height))
+        return 0
+
+    def _sync(self, stream):
+        self.syncs += 1
+        return 0
+
+    def state(self, width: int, height: int) -> native.State:
+        addr = [native.function_pointer(f) for f in self.fns]
+        return native.State(
+            decoder=1, stream=2, decode=addr[0], map=addr[1], unmap=addr[2], copy=addr[3], sync=addr[4],
+            row_bytes=width, height=height, planes=3, shift=32,
+        )  # fmt: skip
+
+
+def display(lib, state, index: int, ordinal: int, k: int = 0) -> int:
+    info = DispInfo(picture_index=index, timestamp=(ordinal << 32) + 400000 * k)
+    return lib.kv_display(ctypes.byref(state), ctypes.byref(info))
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    path = native.build(tmp_path_factory.mktemp("native"))
+    assert path is not None and path.exists()
+    lib = ctypes.CDLL(str(path))
+    lib.kv_display.restype = lib.kv_decode.restype = ctypes.c_int
+    return lib
+
+
+def test_each_picture_goes_to_its_stream_buffer_frame_after_frame(lib):
+    drv = Driver()
+    s = drv.state(256, 144)  # even height: the three planes are one copy of 3 x 144 rows
+    frame = 256 * 144 * 3
+    s.push(0xA000000, 0, 2)
+    s.push(0xB000000, 1, 1)
+    assert [display(lib, s, i, o, k) for i, o, k in ((3, 0, 0), (4, 0, 1), (5, 1, 0))] == [1, 1, 1]
+    assert (s.completed, s.pending, s.error, s.pictures) == (2, 0, 0, 3)
+    dst = [c[2] for c in drv.copies]
+    assert dst == [0xA000000, 0xA000000 + frame, 0xB000000]
+    assert all(c[1] == Driver.PITCH and c[3] == 256 and c[4] == 256 and c[5] == 3 * 144 for c in drv.copies)
+    assert drv.maps == [3, 4, 5] and drv.syncs == 3 and len(drv.unmaps) == 3
+
+
+def test_odd_heights_copy_each_plane_from_its_aligned_start(lib):
+    drv = Driver()
+    s = drv.state(160, 145)
+    s.push(0xC000000, 0, 1)
+    assert display(lib, s, 0, 0) == 1
+    src0 = 0x100000
+    assert [(c[0] - src0, c[2] - 0xC000000, c[5]) for c in drv.copies] == [
+        (k * 146 * Driver.PITCH, k * 145 * 160, 145) for k in range(3)
+    ]
+
+
+def test_pictures_of_another_stream_or_beyond_the_streams_are_refused(lib):
+    drv = Driver()
+    s = drv.state(256, 144)
+    assert display(lib, s, 0, 0) == 0 and s.error == 3  # nothing fed
+    s = drv.state(256, 144)
+    s.push(0xA000000, 7, 1)
+    assert display(lib, s, 0, 8) == 0 and s.error == 2 and s.completed == 0  # stream 8's picture while 7 is due
+    assert display(lib, s, 0, 7) == 0  # an error stops every later picture
+    s = Driver(fail_map=True).state(256, 144)
+    s.push(0xA000000, 0, 1)
+    assert display(lib, s, 0, 0) == 0 and (s.error, s.cuda_error) == (1, 700)
+
+
+def test_the_ring_refuses_more_streams_than_it_holds():
+    s = native.State()
+    for k in range(native.MAX_TARGETS):
+        s.push(k, k, 1)
+    with pytest.raises(RuntimeError):
+        s.push(0, 0, 1)
