@@ -29,7 +29,7 @@ import torch
 from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES, name_of
-from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError
+from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError, StoreError
 from kvcodec.fetcher import storecalls
 from kvcodec.fetcher.bandwidth import BandwidthEstimator
 from kvcodec.fetcher.keys import ChunkMeta, as_token_array, blob_key, chunk_keys, longest_present, meta_key
@@ -221,7 +221,7 @@ class PrefixCache:
         if len(ids) < T:
             raise ShapeError(f"KV holds {T} tokens but only {len(ids)} token ids were given")
         keys = self.keys(ids[:T])
-        present = self.store.exists_many([meta_key(k) for k in keys]) if keys else []
+        present = self._stored_whole(keys)
         written = 0
         for run in _runs([i for i, p in enumerate(present) if not p]):
             a, b = run[0] * self.chunk_tokens, min(T, (run[-1] + 1) * self.chunk_tokens)
@@ -230,6 +230,16 @@ class PrefixCache:
                 self.store_chunk(keys[c.index], c, (kv.shape[0], kv.shape[3], kv.shape[4]), name_of(kv.dtype))
                 written += 1
         return written
+
+    def _stored_whole(self, keys: list[str]) -> list[bool]:
+        """Whether each chunk is stored whole: its meta and every blob (one batched query). A chunk
+        whose meta survived but a blob did not is unreadable: put rewrites it instead of skipping it."""
+        if not keys:
+            return []
+        n = len(self.codec.resolutions)
+        flags = self.store.exists_many([meta_key(k) for k in keys] + [blob_key(k, j) for k in keys for j in range(n)])
+        metas, blobs = flags[: len(keys)], flags[len(keys) :]
+        return [bool(m) and all(blobs[i * n : (i + 1) * n]) for i, m in enumerate(metas)]
 
     def put_sharded(self, token_ids: Any, kv: torch.Tensor, world: int) -> int:
         """Store the full `kv` as `world` tensor-parallel ranks will fetch it: each distinct head
@@ -352,6 +362,7 @@ class PrefixCache:
             self.direct,
             self.batched_restore,
         )
+        bad: list[int] = []  # chunks found damaged (dropped; the chunks behind the first are checked too)
         pipeline = FetchPipeline(
             settings,
             FetchPlan(metas, keys, n_tokens, dtype, out),
@@ -361,9 +372,10 @@ class PrefixCache:
             stats,
             deadline,
             t0,
-            lambda i, e: self._bad_chunk(keys[i], i, e, stats),
+            lambda i, e: bad.append(i) or self._bad_chunk(keys[i], i, e, stats),
         )
         restored, error = pipeline.run()
+        self._drop_damaged_after(keys, metas, bad, deadline, stats)
         self._heal_suspect(plan_error, error, stats)
         if error is None and restored < n_tokens:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
@@ -429,6 +441,43 @@ class PrefixCache:
         the damaged one, so it is dropped and the next put rewrites it."""
         if isinstance(plan_error, _MetaMismatchError) and error is None:
             self._bad_chunk(plan_error.key, plan_error.index, plan_error, stats)
+
+    def _drop_damaged_after(self, keys: list[str], metas: list[ChunkMeta], bad: list[int], deadline, stats) -> None:
+        """After a damaged chunk, check the planned chunks behind it (each one's blobs fetched and
+        decoded into scratch, while the fetch's deadline lasts) and drop every damaged one too: one
+        put then rewrites them all, instead of one fetch and put per damaged chunk."""
+        if not bad:
+            return
+        n = len(self.codec.resolutions)
+        for j in range(min(bad) + 1, len(metas)):
+            if j in bad:
+                continue
+            try:
+                blobs = storecalls.call(
+                    deadline, "check get", self.store.get_many, [blob_key(keys[j], r) for r in range(n)]
+                )
+                for blob in blobs:
+                    self._check_blob(blob, metas[j], keys[j])
+            except FetchError:
+                return  # the deadline ends the check: the chunks not checked stay as they are
+            except KVCodecError as e:
+                self._bad_chunk(keys[j], j, e, stats)
+
+    def _check_blob(self, blob: bytes | None, m: ChunkMeta, key: str) -> None:
+        """KVCodecError unless `blob` is chunk `m` of the prefix `key` names and decodes."""
+        if blob is None:
+            raise StoreError(f"chunk {m.index} blob is missing")
+        info = self.codec.inspect_chunk(blob)
+        where = (info.index, info.start_token, info.tokens)
+        if where != (m.index, m.start_token, m.tokens) or info.key not in (None, key):
+            raise FormatError(f"chunk {m.index} blob is another chunk ({info.index}, key {str(info.key)[:16]})")
+        L, H, D = m.shape
+        scratch = torch.empty((L, 2, m.tokens, H, D), dtype=DTYPES[m.dtype], device=self.device)
+        stage = getattr(self.codec, "stage", None)  # a staged codec verifies its streams in its first half
+        if stage is not None and self.batched_restore is not False:
+            stage(blob, scratch)
+        else:
+            self.codec.decode_chunk(blob, scratch)
 
     def _bad_chunk(self, key: str, index: int, error: KVCodecError, stats: FetchStats) -> None:
         log.warning("chunk %d fails its checks (%s); dropping it so the next put rewrites it", index, error)

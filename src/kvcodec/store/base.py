@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import re
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -178,13 +179,21 @@ def store_schemes() -> list[str]:
     return sorted({*_REGISTRY, *(ep.name for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP))})
 
 
-def open_store(url: str, **options: Any) -> KVStore:
+def open_store(url: str, *, deadline_s: float | None = None, **options: Any) -> KVStore:
     """Open the store a URL names, e.g. ``file:///var/kv``, ``memory://``, ``redis://h:6379/0``,
     ``rediss://:pw@h:6380/0``, ``redis+cluster://h:7000``, ``throttle://4?inner=memory://x``.
 
     Keyword options go to the backend (e.g. ``socket_timeout=2.0``, ``password=...``,
     ``ssl_ca_certs=...`` for Redis; ``fsync=True`` for files). A bare path means ``file://``.
+    deadline_s: open (connect, first round trip) within this many seconds or raise StoreError
+    then: a paused or unreachable server cannot hold the caller past its own deadline.
     """
+    if deadline_s is not None:
+        from kvcodec.store.deadline import call_by
+
+        if not deadline_s > 0:
+            raise ConfigError(f"deadline_s must be > 0; got {deadline_s}")
+        return call_by(time.monotonic() + deadline_s, "open", redact_url(url), lambda: open_store(url, **options))
     if "://" not in url:
         url = "file://" + url
     scheme = url.split("://", 1)[0].lower()
