@@ -39,6 +39,7 @@ from kvcodec.fetcher.pipeline import (
     PipelineSettings,
     default_decode_workers,
     default_max_inflight,
+    stage_executor,
 )
 from kvcodec.fetcher.policy import ResolutionPolicy, get_policy
 from kvcodec.fetcher.profile import DecodeProfile, load_or_calibrate
@@ -164,6 +165,7 @@ class PrefixCache:
         self.batched_restore = batched_restore
         self._decoder_name: str | None = None
         self._profile_failed = False  # a failed decode calibration is not retried per fetch
+        self._executor = None  # the fetch stages' threads, started once (pipeline.stage_executor)
 
     @property
     def chunk_tokens(self) -> int:
@@ -564,6 +566,11 @@ class PrefixCache:
                 self._profile_failed = True
                 log.warning("decode calibration failed (%s: %s); using a default profile", type(e).__name__, e)
         return self.profile or DecodeProfile.default(self.codec.resolutions)
+
+    def _stage_executor(self):  # noqa: ANN202 - a ThreadPoolExecutor
+        if self._executor is None:
+            self._executor = stage_executor(self.decode_workers, self.net_workers)
+        return self._executor
 
     def _chunk_blobs(self, key: str) -> list[bytes] | None:
         """A stored chunk's blob at every resolution (None when one is missing)."""

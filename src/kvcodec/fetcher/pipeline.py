@@ -16,6 +16,7 @@ cache drops its meta, so the next put rewrites it).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
@@ -56,6 +57,13 @@ def default_decode_workers(device: torch.device) -> int:
     return max(1, decode_engines(device))
 
 
+def stage_executor(decode_workers: int, net_workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for the stages of a cache's fetches, started once and kept (a fetch of a short
+    prefix otherwise spends a good part of its time starting and joining its threads): room for
+    two fetches at once, more fetches queue their stages."""
+    return concurrent.futures.ThreadPoolExecutor(2 * (decode_workers + net_workers), thread_name_prefix="kvc-fetch")
+
+
 def default_max_inflight(device: torch.device, decode_workers: int) -> int:
     """Chunks between network get and restore: on CUDA enough that the staged batch a finish takes
     is never capped (every engine busy and chunks queued behind each), else CPU_MAX_INFLIGHT."""
@@ -78,6 +86,7 @@ class PipelineSettings:
     direct: bool
     batched: bool | None = None  # staged decode for codecs that have it; None: on CUDA only
     stream: bool = True  # staged decode streamed (stage_stream) where the codec can
+    executor: Any = None  # a ThreadPoolExecutor whose threads run the stages (None: threads per fetch)
 
     @property
     def staged(self) -> bool:
@@ -157,16 +166,9 @@ class FetchPipeline:
     # -- the whole run -----------------------------------------------------------------------
     def run(self) -> tuple[int, KVCodecError | None]:
         self.est.begin()
-        net = [
-            threading.Thread(target=self._net_worker, name=f"kvc-fetch-net{w}", daemon=True)
-            for w in range(min(self.s.net_workers, self.s.max_inflight))
-        ]
-        dec = [
-            threading.Thread(target=self._decode_worker, name=f"kvc-fetch-dec{w}", daemon=True)
-            for w in range(self.s.decode_workers)
-        ]
-        for t in net + dec:
-            t.start()
+        for _ in range(min(self.s.net_workers, self.s.max_inflight)):
+            self._start(self._net_worker, "net")
+        dec = [self._start(self._decode_worker, "dec") for _ in range(self.s.decode_workers)]
         try:
             with _own_stream(self.s.device, self.started):  # never queued behind the caller's (the model's) work
                 return self._consume()
@@ -174,7 +176,15 @@ class FetchPipeline:
             self._shutdown(dec)
             self._finish_stats()
 
-    def _shutdown(self, decoders: list[threading.Thread]) -> None:
+    def _start(self, work: Callable[[], None], kind: str):  # noqa: ANN202 - a threading.Thread or a _Task
+        """Run `work` on a thread of the settings' executor (kept across fetches), else a new thread."""
+        if self.s.executor is not None:
+            return _Task(self.s.executor.submit(work))
+        t = threading.Thread(target=work, name=f"kvc-fetch-{kind}", daemon=True)
+        t.start()
+        return t
+
+    def _shutdown(self, decoders: list) -> None:
         self.stop.set()
         for _ in decoders:
             self.dec_q.put(None)
@@ -537,6 +547,19 @@ def _own_stream(device: torch.device, after: torch.cuda.Event | None):
         stream.wait_event(after)
     with torch.cuda.stream(stream):
         yield
+
+
+class _Task:
+    """A stage running on an executor's thread, joined like a thread."""
+
+    def __init__(self, future: concurrent.futures.Future):
+        self.future = future
+
+    def join(self, timeout: float | None = None) -> None:
+        concurrent.futures.wait([self.future], timeout=timeout)
+
+    def is_alive(self) -> bool:
+        return not self.future.done()
 
 
 def _ready_run(pending: dict[int, tuple], first: int) -> tuple[list[tuple[int, Decoded]], KVCodecError | None]:
