@@ -12,6 +12,7 @@ from kvcodec.errors import KVCodecError
 
 BENCH_MODULES = (
     "kvbench.ratio",
+    "kvbench.encode",
     "kvbench.decode",
     "kvbench.fetch",
     "kvbench.ttft",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc3
 from kvcodec.container.split import layer_ranges
 from kvcodec.dtypes import DTYPE_NAMES
 from kvcodec.errors import ConfigError, ShapeError
-from kvcodec.layout.search import choose_plan, choose_video_bits
+from kvcodec.layout.search import choose_plan, choose_video_bits, recall, remember
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame
 from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
@@ -37,7 +38,7 @@ from kvcodec.video.registry import get_encoder
 
 log = logging.getLogger(__name__)
 
-SIDE_ZSTD_LEVEL = 19
+SIDE_ZSTD_LEVEL = 12  # 19 saved 0.1% of a chunk for 30 ms of its encode (kvcodec bench encode)
 BYTES_ZSTD_LEVEL = 3
 LOW_ZSTD_LEVEL = 1  # low bit planes are near-random: zstd only removes planes a unit does not use
 SAMPLES_ZSTD_LEVEL = 19
@@ -143,6 +144,13 @@ class CodingPlan:
     layouts: tuple[LayoutPlan, ...]  # one per resolution, config.resolutions order
     video_bits: int
 
+    def to_dict(self) -> dict:
+        return {"layouts": [p.to_dict() for p in self.layouts], "video_bits": self.video_bits}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CodingPlan:
+        return cls(tuple(LayoutPlan.from_dict(p) for p in d["layouts"]), int(d["video_bits"]))
+
 
 def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[str, str, bytes]:
     """The sample planes as ("video", "hevc", bitstream) or ("samples", "zstd", bytes), as
@@ -158,10 +166,31 @@ def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[s
 
 
 def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPlan:
-    """The video bits and one layout per resolution, searched on the first chunk of `kv`
-    (cached per process)."""
+    """The video bits and one layout per resolution, searched on the first chunk of `kv`: once
+    per (KV shape and dtype, config, encoder settings), then recalled (kvcodec.layout.search keeps
+    decisions for the process and on disk)."""
     check_kv(kv, config)
-    encoder = encoder or get_encoder(preset=config.x265_preset)
+    return _plan(kv, config, encoder or get_encoder(preset=config.x265_preset))
+
+
+def _plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
+    """plan_coding for KV already checked."""
+    L, _, _, H, D = kv.shape
+    plan_key = (json.dumps(config.to_dict(), sort_keys=True), L, H, D, DTYPE_NAMES[kv.dtype])
+    known = recall("coding_plan", plan_key, encoder)
+    if isinstance(known, dict):
+        try:
+            plan = CodingPlan.from_dict(known)
+            if len(plan.layouts) == len(config.resolutions):
+                return plan
+        except (KeyError, TypeError, ValueError, ConfigError) as e:
+            log.warning("ignoring a malformed cached coding plan: %s", e)
+    plan = _search_plan(kv, config, encoder)
+    remember("coding_plan", plan_key, encoder, plan.to_dict())
+    return plan
+
+
+def _search_plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
     first = kv[:, :, : config.chunk_tokens].detach().to("cpu")
     symbols = _symbols(first, config)
     key = (config.quant, DTYPE_NAMES[kv.dtype], config.layer_bits)
@@ -218,7 +247,7 @@ def encode_chunks(
     if len(groups) > 1:
         encode_one = _split_encoder(kv, config, encoder, groups, chunk_encoder)
     else:
-        plan = plan or plan_coding(kv, config, encoder)
+        plan = plan or _plan(kv, config, encoder)
         encode_one = functools.partial(_encode_chunk, config=config, plan=plan, encoder=chunk_encoder)
 
     def one(n: int) -> EncodedChunk:
@@ -283,7 +312,7 @@ def _split_encoder(
         dataclasses.replace(config, layer_bits=config.layer_bits[a:b], streams_per_chunk=1, plain_fallback=False)
         for a, b in groups
     ]
-    plans = [plan_coding(kv[a:b], c, encoder) for (a, b), c in zip(groups, part_configs)]
+    plans = [_plan(kv[a:b], c, encoder) for (a, b), c in zip(groups, part_configs)]
     chunk_encoder = chunk_encoder or encoder
 
     def encode_one(x, *, index: int, start_token: int, key: str | None) -> EncodedChunk:

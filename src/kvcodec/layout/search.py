@@ -92,6 +92,17 @@ def _disk_put(key: str, value: object) -> None:
             log.warning("could not write the coding-plan cache %s: %s", path, e)
 
 
+def recall(kind: str, key: tuple, encoder) -> object | None:
+    """A decision of `kind` made before for `key` with this encoder's settings (this process or,
+    through the plan cache file, an earlier one); None when there is none."""
+    return _disk_get(_disk_key(kind, (*key, encoder_settings(encoder))))
+
+
+def remember(kind: str, key: tuple, encoder, value: object) -> None:
+    """Keep a decision (JSON-serializable) for `recall`."""
+    _disk_put(_disk_key(kind, (*key, encoder_settings(encoder))), value)
+
+
 def shortlist(width: int, height: int, units: int, dim: int, chunk_tokens: int) -> list[LayoutPlan]:
     """Candidates worth a trial: the best-filled plans first, both orientations represented."""
     plans = candidate_plans(width, height, units, dim, chunk_tokens)

@@ -50,8 +50,9 @@ def quantize(x: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, bits_per
     # fp32 parameters mean values beyond fp16 range, where x - offset can overflow fp32
     work = torch.float64 if offset.dtype == torch.float32 else torch.float32
     n = levels(bits_per_layer).to(work).view(-1, 1, 1, 1, 1)
-    q = torch.round((x.to(work) - offset.to(work).unsqueeze(2)) / step.to(work).unsqueeze(2))
-    return torch.minimum(q.clamp_(min=0), n.expand_as(q)).to(torch.uint8)
+    q = x.to(work, copy=True)  # one working copy, then in place: the same values as out of place
+    q.sub_(offset.to(work).unsqueeze(2)).div_(step.to(work).unsqueeze(2)).round_().clamp_(min=0)
+    return torch.minimum(q, n, out=q).to(torch.uint8)
 
 
 def dequantize(q: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

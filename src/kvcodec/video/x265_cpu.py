@@ -28,13 +28,14 @@ def _av():
 # names the encoder's options (thread counts among them): without it the bitstream is the same
 # for any number of threads.
 FAST_TUNING = "ctu=16:rd=1:info=0"
+default_tuning = FAST_TUNING  # what X265Encoder() uses; a benchmark may set "" to time the earlier default
 
 
 class X265Encoder:
     """Lossless HEVC through libx265 (bundled with PyAV).
 
-    tuning: x265 parameters added to the lossless ones (default FAST_TUNING; "" gives the preset
-    alone, the earlier default). threads: x265's thread pool size (with tuning's info=0 the
+    tuning: x265 parameters added to the lossless ones (None: `default_tuning`, FAST_TUNING unless
+    changed; "" gives the preset alone, the earlier default). threads: x265's thread pool size (with tuning's info=0 the
     bitstream does not depend on it); chunk-parallel encodes use 1 per chunk."""
 
     name = "x265"
@@ -44,12 +45,12 @@ class X265Encoder:
         preset: str = "ultrafast",
         threads: int | None = None,
         extra_params: str = "",
-        tuning: str = FAST_TUNING,
+        tuning: str | None = None,
     ):
         self.preset = preset
         self.threads = threads or min(os.cpu_count() or 1, 16)
         self.extra_params = extra_params
-        self.tuning = tuning
+        self.tuning = default_tuning if tuning is None else tuning
 
     @property
     def settings(self) -> str:
