@@ -363,6 +363,7 @@ class PrefixCache:
             self.net_workers,
             self.direct,
             self.batched_restore,
+            executor=self._stage_executor(),
         )
         bad: list[int] = []  # chunks found damaged (dropped; the chunks behind the first are checked too)
         pipeline = FetchPipeline(
