@@ -205,3 +205,20 @@ def test_ttft_counts_from_when_the_server_received_the_request(client, monkeypat
     wall = time.perf_counter() - t0
     assert r.status_code == 200, r.text
     assert 0.3 <= r.json()["kvcodec"]["ttft_s"] <= wall
+
+
+def test_every_malformed_request_is_a_4xx_naming_the_field(client):
+    """benchmarks/probes/server_fuzz.py's ~65 malformed request kinds (issue 22: a lone surrogate
+    gave HTTP 500, an 8 MB prompt took 29.8 s to be refused)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "probes"))
+    import server_fuzz
+
+    c, _ = client
+    rows = server_fuzz.run(c)
+    bad = [r for r in rows if not (400 <= r["status"] < 500 and r["names_field"])]
+    assert not bad, bad
+    assert max(r["seconds"] for r in rows if "8 MB" in r["case"]) < 1.0
+    assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200

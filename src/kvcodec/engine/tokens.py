@@ -7,18 +7,33 @@ from typing import Any
 
 from kvcodec.errors import ConfigError
 
+MAX_TOKEN_CHARS = 256  # bound assumed for a tokenizer without a vocabulary listing
+
 
 class Tokens:
     """The engine's view of a (possibly absent) Hugging Face tokenizer."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._max_chars: int | None = None
+
+    def max_token_chars(self) -> int:
+        """Most characters one token stands for (the longest vocabulary entry; at least 1): a text
+        of more than max_context times this many characters cannot fit the context."""
+        if self._max_chars is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_chars = max([len(t) for t in vocab] or [MAX_TOKEN_CHARS])
+        return max(1, self._max_chars)
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this engine has no tokenizer: pass token ids")
-            return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            try:
+                prompt.encode("utf-8")
+                return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            except (UnicodeEncodeError, TypeError) as e:
+                raise ConfigError(f"the prompt is not valid Unicode text: {e}") from None
         return [t if isinstance(t, bool) else (int(t) if hasattr(t, "__index__") else t) for t in prompt]
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:

@@ -10,6 +10,7 @@ the engine is stalled or its loop died). Every request field is checked before t
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,12 +20,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 
+from kvcodec.engine.validate import check_context, check_token_ids
 from kvcodec.errors import KVCodecError
 from kvcodec.server import responses
-from kvcodec.server.schema import BadRequestError, GenerationRequest, parse_chat, parse_completion
+from kvcodec.server.schema import BadRequestError, GenerationRequest, parse_chat, parse_completion, prompt_chars
 from kvcodec.server.streaming import deltas, submit
 
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away
+MAX_BODY_BYTES = 32 << 20  # a request body larger than this is refused (413) before it is parsed
+MAX_PROMPT_CHARS = 8 << 20  # and a prompt longer than this, or than the context can hold, before tokenizing
 
 
 def create_app(engine: Any, model_name: str = "kvcodec", *, close_on_shutdown: bool = False) -> FastAPI:
@@ -57,14 +61,66 @@ def _lifespan(engine: Any, close: bool):  # noqa: ANN202
 
 
 async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
-    return JSONResponse(responses.error(str(exc), getattr(exc, "param", None)), status_code=400)
+    status = getattr(exc, "status", 400)
+    return JSONResponse(responses.error(str(exc), getattr(exc, "param", None)), status_code=status)
 
 
 async def _json(request: Request) -> Any:
+    """The body as JSON; an oversize body (by its Content-Length, or as it arrives) is refused
+    before it is read whole or parsed."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        raise BadRequestError(f"the body is over {MAX_BODY_BYTES} bytes", "body", status=413)
+    body, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > MAX_BODY_BYTES:
+            raise BadRequestError(f"the body is over {MAX_BODY_BYTES} bytes", "body", status=413)
+        body.append(piece)
     try:
-        return await request.json()
+        return json.loads(b"".join(body))
     except Exception as e:
-        raise BadRequestError(f"the body is not JSON: {e}") from None
+        raise BadRequestError(f"the body is not JSON: {e}", "body") from None
+
+
+def _check_size(engine: Any, g: GenerationRequest) -> None:
+    """Refuse, before tokenizing, a prompt too long to fit the model's context in any tokenization
+    (more characters than the context times the longest token's) or over MAX_PROMPT_CHARS."""
+    chars = prompt_chars(g)
+    limit = min(MAX_PROMPT_CHARS, prompt_char_limit(engine))
+    if chars > limit:
+        field = "messages" if g.chat else "prompt"
+        raise BadRequestError(f"{field} holds {chars} characters; at most {limit} fit this model's context", field)
+    if not g.chat and not isinstance(g.prompt, str):
+        context = getattr(engine, "max_context", None)
+        if context is not None and len(g.prompt) >= context:
+            raise BadRequestError(
+                f"prompt of {len(g.prompt)} tokens does not fit the model's context of {context} tokens", "prompt"
+            )
+
+
+def _check_ids(engine: Any, g: GenerationRequest, ids: list[int]) -> None:
+    """The prompt's tokens against the vocabulary and the context, the error naming the field
+    (the engine checks the same again when the request is queued)."""
+    field = "messages" if g.chat else "prompt"
+    runner = getattr(engine, "runner", None)
+    try:
+        check_token_ids(ids, getattr(runner, "vocab_size", None))
+    except KVCodecError as e:
+        raise BadRequestError(str(e), field) from None
+    context = getattr(engine, "max_context", None)
+    try:
+        check_context(len(ids), g.params.max_new_tokens, context)
+    except KVCodecError as e:
+        too_long = context is not None and len(ids) >= context
+        raise BadRequestError(str(e), field if too_long or not ids else "max_tokens") from None
+
+
+def prompt_char_limit(engine: Any) -> int:
+    context, tokens = getattr(engine, "max_context", None), getattr(engine, "tokens", None)
+    if context is None or tokens is None:
+        return MAX_PROMPT_CHARS
+    return int(context) * tokens.max_token_chars()
 
 
 async def completions(request: Request) -> Response:
@@ -85,7 +141,9 @@ def _prompt_ids(engine: Any, g: GenerationRequest) -> list[int]:
 
 async def _generate(request: Request, g: GenerationRequest, arrival: float) -> Response:
     engine = request.app.state.engine
+    _check_size(engine, g)
     ids = await run_in_threadpool(_prompt_ids, engine, g)
+    _check_ids(engine, g, ids)
     env = responses.Envelope.new(g.chat, g.model or request.app.state.model_name, len(ids))
     req, q = await submit(engine, ids, g.params, g.reuse, arrival)  # a refused request: KVCodecError -> 400
     if g.stream:

@@ -14,15 +14,27 @@ from kvcodec.engine.sequence import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class BadRequestError(ValueError):
-    """A request the server refuses with HTTP 400; `param` names the offending field."""
+    """A request the server refuses with HTTP `status` (400; 413 for an oversize body); `param`
+    names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.status = status
+
+
+def text_field(s: str, name: str) -> str:
+    """`s` when it is valid Unicode text (no lone surrogate such as a JSON "\\ud800")."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequestError(f"{name} is not valid Unicode text ({e.reason} at character {e.start})", name) from None
+    return s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +105,9 @@ def stop_strings(body: dict) -> tuple[str, ...]:
         raise BadRequestError("stop must be a string or a list of strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise BadRequestError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS}", "stop")
-    return tuple(s for s in stop if s)
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadRequestError(f"stop strings hold at most {MAX_STOP_CHARS} characters", "stop")
+    return tuple(text_field(s, "stop") for s in stop if s)
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -109,8 +123,10 @@ def _common(body: dict) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequestError("model must be a string", "model")
+    if model is not None and len(text_field(model, "model")) > 1024:
+        raise BadRequestError("model names hold at most 1024 characters", "model")
     n = body.get("n")
-    if n is not None and n != 1:
+    if n is not None and (not _is_int(n) or n != 1):
         raise BadRequestError("only n = 1 is supported", "n")
     return {
         "params": sampling_params(body),
@@ -130,6 +146,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequestError("empty prompt", "prompt")
+        text_field(prompt, "prompt")
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompt = tuple(prompt)
     else:
@@ -148,12 +165,19 @@ def parse_chat(body: Any) -> GenerationRequest:
         if not isinstance(m, dict):
             raise BadRequestError(f"messages[{i}] must be an object with role and content", "messages")
         role, content = m.get("role", "user"), m.get("content")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise BadRequestError(f"messages[{i}].role must be one of {list(ROLES)}; got {role!r}", "messages")
         if not isinstance(content, str):
             raise BadRequestError(f"messages[{i}].content must be a string", "messages")
-        out.append((role, content))
+        out.append((role, text_field(content, f"messages[{i}].content")))
     return GenerationRequest(chat=True, prompt=None, messages=tuple(out), **_common(body))
+
+
+def prompt_chars(g: GenerationRequest) -> int:
+    """Characters of text the request asks to tokenize (0 for token ids)."""
+    if g.chat:
+        return sum(len(c) for _, c in g.messages)
+    return len(g.prompt) if isinstance(g.prompt, str) else 0
 
 
 def _object(body: Any) -> dict:
