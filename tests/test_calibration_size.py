@@ -90,15 +90,17 @@ def test_default_calibration_texts_exclude_the_evaluation_essays():
 def test_calibrate_command_uses_the_default_texts_without_texts(tmp_path):
     from click.testing import CliRunner
 
-    from kvcodec.cli.calibrate import DEFAULT_TEXTS, command
+    from kvcodec.cli.calibrate import DEFAULT_TEXTS, HOLDOUT_TEXTS, command
     from kvcodec.transform import load_kvt
 
     out = tmp_path / "m.kvt"
     args = ["--model", "smollm2-135m", "--max-tokens", "128", "--weights", "mse", "--out", str(out)]
-    res = CliRunner().invoke(command, [*args, "--covariance", "ledoit-wolf"])
+    res = CliRunner().invoke(command, [*args, "--covariance", "ledoit-wolf", "--report-ratios", "5"])
     assert res.exit_code == 0, res.output
     cal, _ = load_kvt(out)
     assert cal.info["sources"] == list(DEFAULT_TEXTS)
+    assert cal.info["quality"]["held_out"] == list(HOLDOUT_TEXTS) and not set(HOLDOUT_TEXTS) & set(DEFAULT_TEXTS)
+    assert [p["target"] for p in cal.info["quality"]["points"]] == [5.0]
     assert cal.info["covariance"] == "ledoit-wolf"
     assert cal.info["tokens"] == sum(min(128, n) - 4 for n in _token_counts(DEFAULT_TEXTS))
 

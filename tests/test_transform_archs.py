@@ -236,3 +236,38 @@ def test_grouped_kvt_parts_are_checked(model_dirs, tmp_path):
     data[-20] ^= 0xFF  # inside the last part's bytes
     with pytest.raises(FormatError, match="sha256|damaged"):
         grouped_from_bytes(bytes(data))
+
+
+def test_engine_stores_and_restores_grouped_kv_with_the_grouped_transform(model_dirs, tmp_path):
+    """Gemma-3 style (sliding + full layers, RoPE per layer type): the engine stores prefixes with the
+    grouped .kvt's transforms and a later prompt restores them; a .kvt of another model is refused."""
+    from kvcodec.codecs import make_codec
+    from kvcodec.engine import Engine
+
+    kvt = tmp_path / "g.kvt"
+    assert (
+        _cli(
+            "calibrate", "--model", model_dirs["gemma3"], "--texts", TEXTS, "--max-tokens", 200, "--out", kvt, *RATIOS
+        ).exit_code
+        == 0
+    )
+    codec = make_codec("transform", transform=str(kvt), target_quality="ppl=100", coder="zstd", chunk_tokens=16)
+    assert codec.per_group["full-kv-1x32"].target_ratio == 5.0  # the highest reported ratio meeting the bound
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dirs["gemma3"]))
+    from kvcodec.models.texts import load_text
+
+    ids = tok(load_text("pg/web20", max_chars=800)).input_ids[:60]
+    with Engine(
+        str(model_dirs["gemma3"]), store_url="memory://", device="cpu", codec=codec, fetch_deadline_s=None
+    ) as eng:
+        eng.generate(ids, max_new_tokens=4, wait_for_store=True)
+        again = eng.generate(ids[:40] + [ids[3]], max_new_tokens=4)[0]
+    assert again.restored_tokens == 32 and again.fetch_error is None and len(again.token_ids) == 4
+    with pytest.raises(ShapeError, match="not for KV group"):
+        codec.codec_for(inspect_groups(model_dirs["mistral"])[0])
+
+
+def inspect_groups(folder):
+    from kvcodec.models.check import inspect_model
+
+    return inspect_model(str(folder)).spec.groups

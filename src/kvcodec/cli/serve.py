@@ -55,6 +55,11 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
 @click.option(
     "--target-ratio", type=click.FloatRange(min=1, min_open=True), default=None, help="Transform codec: size vs fp16."
 )
+@click.option(
+    "--target-quality",
+    default=None,
+    help="Transform codec: the highest ratio whose held-out quality at calibration met this (top1=0.99, ppl=0.5).",
+)
 @click.option("--quant", default=None, help="HEVC codec quantization of stored KV (int8 by default, exact, int4, ...).")
 @click.option(
     "--chunk-tokens", default=None, type=click.IntRange(min=1), help="Tokens per stored chunk [codec's: 256]."
@@ -139,6 +144,7 @@ def command(
     transform: Path | None,
     preset: str | None,
     target_ratio: float | None,
+    target_quality: str | None,
     quant: str | None,
     chunk_tokens: int | None,
     policy: str,
@@ -166,7 +172,15 @@ def command(
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     _check_store_scheme(store_url)  # before the model loads
-    flags = {"transform": transform, "preset": preset, "target_ratio": target_ratio, "quant": quant}
+    if not (no_reuse and no_store):
+        _check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
+    flags = {
+        "transform": transform,
+        "preset": preset,
+        "target_ratio": target_ratio,
+        "target_quality": target_quality,
+        "quant": quant,
+    }
     name, options = codec_choice(codec_name, codec_options, {**flags, "chunk_tokens": chunk_tokens})
     codec = build_codec(name, options)  # a bad codec, option or .kvt is refused before pools or the model start
     pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
@@ -194,6 +208,16 @@ def command(
     finally:
         if pool is not None:
             pool.close()
+
+
+def _check_model(model_name: str) -> None:
+    from kvcodec.errors import KVCodecError
+    from kvcodec.models.check import inspect_model
+
+    try:
+        inspect_model(model_name)
+    except KVCodecError as e:
+        raise click.BadParameter(str(e), param_hint="--model") from None
 
 
 def codec_choice(name: str | None, options: dict[str, Any], flags: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -26,7 +26,7 @@ _REGISTRY: dict[str, str | CodecFactory] = {
     "hevc": "kvcodec.codecs.hevc:HevcCodec.from_options",
     "raw": "kvcodec.codecs.raw:RawCodec",
     "grouped": "kvcodec.codecs.grouped:GroupedCodec.from_options",
-    "transform": "kvcodec.codecs.transform:TransformCodec",
+    "transform": "kvcodec.codecs.transform:make_transform_codec",
 }
 
 

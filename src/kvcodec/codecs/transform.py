@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 import zstandard
 
-from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
+from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.transform_decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform_header import check_header
 from kvcodec.container.format import crc32, read_object, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
+from kvcodec.kvspec import GroupSpec
 from kvcodec.transform import alloc, frames, quantize, rate
 from kvcodec.transform.calibration import KINDS, Calibration, all_variances, group_matrix, keys_without_rope
 from kvcodec.transform.kvt import load_kvt
@@ -202,6 +204,8 @@ class TransformCodec:
         starts = list(range(0, T, ct))
         sample = [starts[i * len(starts) // SAMPLE_CHUNKS] for i in range(min(SAMPLE_CHUNKS, len(starts)))]
         top = float((var * w).max())
+        if target <= 0:  # the fp16 sink tokens alone exceed the budget (a short first chunk): the coarsest level
+            return top * 0.999  # that still codes a coordinate (a chunk of no samples has nothing to decode)
 
         fine = min(self.fine_tokens, T) if self.fine_bits else 0
 
@@ -407,7 +411,6 @@ def open_transform(transform: str | Path, **options):  # noqa: ANN201 - a Transf
     whose every layer group (sliding window, full, MLA latent / RoPE key) is coded by the transform
     calibrated for it (transform.grouped_kvt). Grouped chunks are coded one by one, so their parts get
     no finer tail unless `fine_tokens` says so."""
-    from kvcodec.codecs.grouped import GroupedCodec
     from kvcodec.transform.grouped_kvt import grouped_from_bytes, is_grouped_kvt
 
     try:
@@ -419,7 +422,44 @@ def open_transform(transform: str | Path, **options):  # noqa: ANN201 - a Transf
     spec, parts, _ = grouped_from_bytes(data)
     options.setdefault("fine_tokens", 0)
     codecs = {name: TransformCodec(cal, kvt_hash=digest, **options) for name, (cal, digest) in parts.items()}
-    return GroupedCodec(codecs[spec.groups[0].name], codecs)
+    return GroupedTransformCodec(codecs[spec.groups[0].name], codecs)
+
+
+class GroupedTransformCodec(GroupedCodec):
+    """A GroupedCodec whose every group has its own calibrated transform: a group the .kvt was not
+    calibrated for (another model's cache) is refused instead of coded with another group's basis."""
+
+    def codec_for(self, group: GroupSpec) -> ChunkCodec:
+        codec = self.per_group.get(group.name)
+        if codec is None:
+            raise ShapeError(
+                f"the grouped .kvt has transforms for {sorted(self.per_group)}, not for KV group {group.name} "
+                "(calibrated for another model?)"
+            )
+        return codec
+
+
+def make_transform_codec(transform: str | Path | Calibration, *, target_quality: str | None = None, **options):  # noqa: ANN201
+    """The registered "transform" codec: a TransformCodec, or for a grouped .kvt (several KV layer
+    groups) a GroupedCodec of one transform per group. target_quality ("top1=0.99", "ppl=0.5"): the
+    highest ratio whose held-out quality at calibration met it (transform.quality); a target_ratio
+    beyond the measured safe ratio logs a warning."""
+    import logging
+
+    from kvcodec.transform.quality import ratio_for, ratio_warning
+
+    if isinstance(transform, Calibration):
+        if target_quality is not None:
+            raise ConfigError("target_quality needs a .kvt file (its quality report)")
+        return TransformCodec(transform, **options)
+    report = kvt_info(transform).get("quality")
+    if target_quality is not None:
+        if options.get("target_ratio") is not None or options.get("preset") is not None:
+            raise ConfigError("give target_quality or target_ratio / preset, not both")
+        options["target_ratio"] = ratio_for(report, target_quality)
+    elif options.get("target_ratio") is not None and (warning := ratio_warning(report, options["target_ratio"])):
+        logging.getLogger(__name__).warning(warning.removeprefix("warning: "))
+    return open_transform(transform, **options)
 
 
 def kvt_info(transform: str | Path) -> dict:
