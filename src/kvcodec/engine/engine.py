@@ -100,6 +100,9 @@ class Engine:
         )
         self.storer = KVStorer(prefix_cache, cfg.store_policy, self.chunk_tokens, max_pending=cfg.store_queue)
         self.storer.on_done, self.storer.on_drop = self._stored, self.metrics.stores_dropped.inc
+        self.storer.on_stored, self.storer.on_skip = self._prefix_stored, self.metrics.stores_skipped.inc
+        self.metrics.store_backlog.set_function(lambda: self.storer.backlog)
+        self.metrics.store_backlog_tokens.set_function(lambda: self.storer.backlog_tokens)
         self.eos_ids = self.tokens.eos_ids(self.model)
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
@@ -317,6 +320,11 @@ class Engine:
             self.metrics.store_errors.inc()
         elif written:
             self.metrics.stored_chunks.inc(written)
+
+    def _prefix_stored(self, tokens: int, lag_s: float) -> None:
+        self.metrics.stored_prefixes.inc()
+        self.metrics.stored_tokens.inc(tokens)
+        self.metrics.store_lag.observe(lag_s)
 
     # ---- drivers -------------------------------------------------------------------------------
     def generate(

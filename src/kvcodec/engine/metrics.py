@@ -44,7 +44,24 @@ class EngineMetrics:
         self.stored_chunks = Counter("kvcodec_stored_chunks", "KV chunks encoded and written to the store", registry=r)
         self.store_errors = Counter("kvcodec_store_errors", "Background KV stores that failed", registry=r)
         self.stores_dropped = Counter(
-            "kvcodec_stores_dropped", "KV stores not queued because the store queue was full", registry=r
+            "kvcodec_stores_dropped",
+            "KV stores dropped because the store backlog was full (a new one, or a waiting one for a more valuable one)",
+            registry=r,
+        )
+        self.stores_skipped = Counter(
+            "kvcodec_stores_skipped", "Prompts not stored: no prefix seen by StorePolicy.min_seen prompts", registry=r
+        )
+        self.stored_prefixes = Counter("kvcodec_stored_prefixes", "Prompt prefixes encoded and stored", registry=r)
+        self.stored_tokens = Counter("kvcodec_stored_tokens", "Prompt tokens of KV encoded and stored", registry=r)
+        self.store_lag = Histogram(
+            "kvcodec_store_lag_seconds",
+            "From a prefill to its prefix KV in the store",
+            buckets=_LAT_BUCKETS,
+            registry=r,
+        )
+        self.store_backlog = Gauge("kvcodec_store_backlog", "KV stores waiting for or in the encoder", registry=r)
+        self.store_backlog_tokens = Gauge(
+            "kvcodec_store_backlog_tokens", "Prompt tokens of the KV stores waiting for the encoder", registry=r
         )
         self.queue = Gauge("kvcodec_requests_in_state", "Requests per scheduler state", ["state"], registry=r)
 

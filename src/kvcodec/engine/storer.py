@@ -1,18 +1,33 @@
 """Background writer: after a prefill, encode the prompt's KV (CPU x265) and put it in the store.
 
-The queue is bounded: each queued store keeps slices of a request's KV cache alive (on the GPU
-when the model runs there) until it is encoded, so past `max_pending` a new store is dropped,
-logged and counted instead of queued.
+When encoding cannot keep up with prefill (a GPU prefills thousands of tokens a second, a CPU
+encodes far fewer), stores wait in a bounded backlog and the most valuable go first:
+  * priority: each store's chunks weighted by how many recent prompts began with them (the chunk
+    chain counted by `PrefixCounts`): popular prefixes first, then long ones, then older ones;
+  * `StorePolicy.min_seen`: store only the part of a prompt that at least that many prompts began
+    with (2: "seen twice"; the unique tail of a prompt is never encoded);
+  * the backlog holds at most `max_pending` stores (each keeps slices of a request's KV cache
+    alive, on the GPU when the model runs there): past it, the lowest-priority waiting store is
+    dropped for a more valuable new one, else the new one is dropped; drops are logged and counted.
+Submitting never waits for an encode: it takes a lock, hashes the prompt's chunks and returns.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
+import heapq
+import itertools
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
+from kvcodec.errors import ConfigError
 from kvcodec.kvspec.tensors import GroupedKV
 
 log = logging.getLogger(__name__)
@@ -28,6 +43,9 @@ class StorePolicy:
     skip_if_restored: skip when the restored prefix already covers every full chunk of the prompt.
     dtype: dtype the KV is stored from ("float16", "bfloat16", "float32"; None: the model's).
         quant="exact" restores exactly what was stored, so keep the model's dtype for bit-exact reuse.
+    min_seen: store only the leading whole chunks that at least this many recent prompts (this one
+        included) began with: 1 stores every prompt, 2 only prefixes seen twice (shared documents,
+        system prompts), never a prompt's own tail.
     """
 
     enabled: bool = True
@@ -35,10 +53,56 @@ class StorePolicy:
     max_tokens: int | None = None
     skip_if_restored: bool = True
     dtype: str | None = None
+    min_seen: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.min_seen, bool) or not isinstance(self.min_seen, int) or self.min_seen < 1:
+            raise ConfigError(f"StorePolicy.min_seen must be an integer >= 1; got {self.min_seen!r}")
+
+
+class PrefixCounts:
+    """How many recent prompts began with each chunk-aligned prefix: a bounded LRU of chained
+    chunk hashes (the newest `capacity` prefixes)."""
+
+    def __init__(self, chunk_tokens: int, capacity: int = 65536) -> None:
+        self.chunk_tokens, self.capacity = chunk_tokens, capacity
+        self._counts: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+
+    def observe(self, ids: Any, chunks: int) -> list[int]:
+        """Count the prompt `ids` once; returns, per leading whole chunk (up to `chunks`), how many
+        prompts so far (this one included) began with the prompt's tokens up to that chunk's end."""
+        arr = np.asarray(ids, dtype=np.int64)
+        prev, out = b"", []
+        for j in range(chunks):
+            prev = hashlib.blake2b(prev + arr[j * self.chunk_tokens : (j + 1) * self.chunk_tokens].tobytes()).digest()
+            n = self._counts.pop(prev, 0) + 1
+            self._counts[prev] = n
+            out.append(n)
+        while len(self._counts) > self.capacity:
+            self._counts.popitem(last=False)
+        return out
+
+
+@dataclasses.dataclass(order=True)
+class _Job:
+    rank: tuple[int, int, int]  # (-value, -tokens, arrival): heap order, most valuable first
+    ids: list[int] = dataclasses.field(compare=False)
+    layers: Any = dataclasses.field(compare=False)
+    future: Future = dataclasses.field(compare=False)
+    submitted: float = dataclasses.field(compare=False)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
 
 
 class KVStorer:
-    """Runs PrefixCache.put on a worker thread so that the engine never waits for an encode."""
+    """Runs PrefixCache.put on worker threads, most valuable prefix first, never blocking a request.
+
+    Callbacks (each optional): on_done(chunks_written | None, error | None) when a store ends;
+    on_drop() when a store is dropped (backlog full); on_skip() when a prompt has no prefix seen
+    min_seen times; on_stored(tokens, lag_s) when a prefix is in the store, lag_s from its
+    submission."""
 
     def __init__(
         self, prefix_cache: Any, policy: StorePolicy, chunk_tokens: int, workers: int = 1, max_pending: int = 4
@@ -48,12 +112,21 @@ class KVStorer:
         self.chunk_tokens = max(1, chunk_tokens)
         self.max_pending = max(1, int(max_pending))
         self.dropped = 0
+        self.skipped = 0  # prompts whose prefix was not seen min_seen times
+        self.stored_prefixes = 0
+        self.stored_tokens = 0
+        self.counts = PrefixCounts(self.chunk_tokens)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-store")
-        self._pending: set[Future] = set()
+        self._waiting: list[_Job] = []  # heap
+        self._pending: set[Future] = set()  # waiting or being encoded
+        self._arrival = itertools.count()
         self._lock = threading.Lock()
-        self.on_done: Any = None  # callable(chunks_written | None, error | None)
-        self.on_drop: Any = None  # callable() when a store is dropped (queue full)
+        self.on_done: Any = None
+        self.on_drop: Any = None
+        self.on_stored: Any = None
+        self.on_skip: Any = None
 
+    # -- what to store -------------------------------------------------------------------------
     def tokens_to_store(self, prompt_len: int, restored: int) -> int:
         p = self.policy
         if not p.enabled or self.prefix_cache is None:
@@ -69,36 +142,105 @@ class KVStorer:
             return 0
         return n
 
+    def _seen(self, prompt_ids: list[int], n: int, restored: int) -> tuple[int, int]:
+        """(tokens to store under policy.min_seen, their value): the value is the sum over the
+        stored chunks of how many prompts began with the prompt up to that chunk, i.e. chunks
+        weighted by how often they were asked for (popular first, then long)."""
+        with self._lock:
+            seen = self.counts.observe(prompt_ids, n // self.chunk_tokens)
+        if self.policy.min_seen > 1:
+            shared = sum(1 for s in seen if s >= self.policy.min_seen)  # counts fall along the chain
+            seen, n = seen[:shared], shared * self.chunk_tokens
+            if n == 0 or (self.policy.skip_if_restored and restored >= n):
+                return 0, 0
+        return n, sum(seen) or 1
+
+    @property
+    def backlog(self) -> int:
+        """Stores waiting for or in the encoder."""
+        return len(self._pending)
+
+    @property
+    def backlog_tokens(self) -> int:
+        """Tokens of the stores waiting for the encoder."""
+        with self._lock:
+            return sum(j.tokens for j in self._waiting)
+
+    # -- queueing --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], cache: Any, restored: int = 0) -> Future | None:
-        """Snapshot the first tokens of `cache` (no copy) and store them in the background."""
+        """Snapshot the first tokens of `cache` (no copy) and store them in the background, most
+        valuable first; None when nothing is queued (nothing to store, or dropped)."""
         n = self.tokens_to_store(len(prompt_ids), restored)
         if n == 0:
+            return None
+        n, seen = self._seen(list(prompt_ids), n, restored)
+        if n == 0:
+            self.skipped += 1
+            if self.on_skip:
+                self.on_skip()
             return None
         # The request's cache writes later tokens after the prompt (in place, or into new storage
         # when it grows), so these views of the prompt's tokens stay unchanged while it decodes.
         from kvcodec.integrations.hf import layer_pairs
 
+        job = _Job((-seen, -n, next(self._arrival)), list(prompt_ids[:n]), None, Future(), time.monotonic())
+        evicted = None
         with self._lock:
-            if len(self._pending) >= self.max_pending:
-                self.dropped += 1
-                log.warning("KV store queue full (%d pending): not storing %d tokens", len(self._pending), n)
-                if self.on_drop:
-                    self.on_drop()
-                return None
-            if isinstance(cache, GroupedKV):  # models with several KV layer groups
-                layers = cache.view(0, n)
-            else:
-                layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
-            fut = self._pool.submit(self._put, list(prompt_ids[:n]), layers)
-            self._pending.add(fut)
-        fut.add_done_callback(self._forget)
-        return fut
+            full = len(self._pending) >= self.max_pending
+            if full:
+                evicted = self._evict_for(job)
+            if not full or evicted is not None:
+                if isinstance(cache, GroupedKV):  # models with several KV layer groups
+                    job.layers = cache.view(0, n)
+                else:
+                    job.layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
+                heapq.heappush(self._waiting, job)
+                self._pending.add(job.future)
+        if evicted is not None:  # outside the lock: its future's callbacks take it
+            evicted.future.set_result(None)
+            self._drop(evicted.tokens, "a more valuable prefix came")
+        elif full:
+            self._drop(n, "backlog full")
+            return None
+        job.future.add_done_callback(self._forget)
+        self._pool.submit(self._run_next)
+        return job.future
 
-    def _put(self, ids: list[int], layers: list) -> int:
+    def _evict_for(self, job: _Job) -> _Job | None:
+        """Take the least valuable waiting store out if `job` is worth more (lock held)."""
+        if not self._waiting:
+            return None
+        worst = max(self._waiting)
+        if worst.rank <= job.rank:  # not less valuable than the new one (ties: the older stays)
+            return None
+        self._waiting.remove(worst)
+        heapq.heapify(self._waiting)
+        self._pending.discard(worst.future)
+        worst.layers = None  # its KV slices are freed now
+        return worst
+
+    def _drop(self, tokens: int, why: str) -> None:
+        self.dropped += 1
+        log.warning("KV store backlog full (%d pending): not storing %d tokens (%s)", len(self._pending), tokens, why)
+        if self.on_drop:
+            self.on_drop()
+
+    def _run_next(self) -> None:
+        with self._lock:
+            if not self._waiting:
+                return  # its job was dropped for a more valuable one (which another run took)
+            job = heapq.heappop(self._waiting)
+        try:
+            job.future.set_result(self._put(job))
+        except Exception as e:  # reported by _put; the future carries it
+            job.future.set_exception(e)
+
+    def _put(self, job: _Job) -> int:
         import torch
 
         from kvcodec.integrations.hf import cache_to_tensor
 
+        layers, job.layers = job.layers, None
         try:
             if isinstance(layers, GroupedKV):
                 kv = layers.to("cpu", getattr(torch, self.policy.dtype) if self.policy.dtype else None)
@@ -106,14 +248,20 @@ class KVStorer:
                 kv = cache_to_tensor(layers).to("cpu")  # a list of (keys, values) per layer is accepted
                 if self.policy.dtype:
                     kv = kv.to(getattr(torch, self.policy.dtype))
-            written = int(self.prefix_cache.put(ids, kv) or 0)
+            del layers
+            written = int(self.prefix_cache.put(job.ids, kv) or 0)
         except Exception as e:
-            log.warning("storing %d tokens of KV failed: %s", len(ids), e)
+            log.warning("storing %d tokens of KV failed: %s", job.tokens, e)
             if self.on_done:
                 self.on_done(None, e)
             raise
+        with self._lock:
+            self.stored_prefixes += 1
+            self.stored_tokens += job.tokens
         if self.on_done:
             self.on_done(written, None)
+        if self.on_stored:
+            self.on_stored(job.tokens, time.monotonic() - job.submitted)
         return written
 
     def _forget(self, fut: Future) -> None:
@@ -131,5 +279,11 @@ class KVStorer:
                 pass
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the worker; wait=False drops queued stores (the one being encoded finishes)."""
+        """Stop the workers; wait=False drops waiting stores (the ones being encoded finish)."""
+        if not wait:
+            with self._lock:
+                waiting, self._waiting = self._waiting, []
+            for job in waiting:
+                job.layers = None
+                job.future.cancel()
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
