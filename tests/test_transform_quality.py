@@ -1,0 +1,154 @@
+"""Calibration's guarantees without a model: the per-channel fallback (fallback.py), the quality report's
+choices (quality.py), RoPE read from transformers 5 configs (explicit frequencies for other scalings)
+and KV files of layer groups (kvspec.files)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.errors import ConfigError
+from kvcodec.transform.calibration import calibrate
+from kvcodec.transform.fallback import diagonal_basis, lagrangian, levels, prefer_diagonal
+from kvcodec.transform.pca import fit_pca
+from kvcodec.transform.quality import parse_target, ratio_for, ratio_warning, safe_ratio
+from kvcodec.transform.rope import RopeSpec, apply_rope, inv_freq, remove_rope
+
+
+def _independent(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3.0, d, dtype=torch.float64)
+
+
+def _correlated(n: int, d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(8, d, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+    return torch.randn(n, 8, generator=g, dtype=torch.float64) @ mix + 0.05 * torch.randn(
+        n, d, generator=g, dtype=torch.float64
+    )
+
+
+def _fitted(x: torch.Tensor):
+    from kvcodec.transform.calibration import GroupBasis
+
+    mean, basis, var = fit_pca(x)
+    return GroupBasis(mean.float(), basis.float(), var.float())
+
+
+def test_per_channel_coding_wins_where_the_fit_has_nothing_to_decorrelate_and_loses_where_it_has():
+    d = 48
+    fit, held = _independent(2 * d, d, 1), _independent(2000, d, 2)  # few tokens per dimension, no correlation
+    b, diag = _fitted(fit), diagonal_basis(fit, None)
+    thetas = levels(b.variances)
+    assert prefer_diagonal(b, diag, held, thetas)
+    fit, held = _correlated(8 * d, d, 3), _correlated(2000, d, 4)  # rank-8 structure: the KLT pays
+    b, diag = _fitted(fit), diagonal_basis(fit, None)
+    assert not prefer_diagonal(b, diag, held, levels(b.variances))
+
+
+def test_diagonal_basis_is_an_exact_per_channel_code_and_calibration_reports_fallbacks():
+    x = _independent(400, 16, 5)
+    w = torch.rand(16, dtype=torch.float64) + 0.5
+    diag = diagonal_basis(x, w)
+    y = (x.float() - diag.mean) @ diag.analysis
+    assert torch.allclose(y @ diag.basis.T + diag.mean, x.float(), atol=1e-4)  # synthesis inverts analysis
+    assert bool((diag.variances[:-1] >= diag.variances[1:]).all())  # widest first, as the codec expects
+    assert math.isfinite(lagrangian(diag, x, float(diag.variances[3])))
+    kv = lambda n, s: _independent(n, 2 * 2 * 8, s).float().reshape(n, 1, 2, 2, 8).permute(1, 2, 0, 3, 4)  # noqa: E731
+    cal = calibrate([kv(48, 1)], None, sink_tokens=0, held_out=[kv(400, 2)], max_group=1)
+    assert cal.info["fallback"] == ["g0.k", "g0.v"] and cal.info["held_out_tokens"] == 400
+
+
+REPORT = {
+    "metric": "model",
+    "points": [
+        {"target": 3.0, "ratio": 3.0, "top1": 0.998, "ppl_delta_pct": 0.02},
+        {"target": 5.0, "ratio": 5.0, "top1": 0.991, "ppl_delta_pct": 0.3},
+        {"target": 8.0, "ratio": 8.0, "top1": 0.97, "ppl_delta_pct": 0.9},
+    ],
+}
+
+
+def test_target_quality_and_the_safe_ratio():
+    assert parse_target("0.99") == ("top1", 0.99) and parse_target("ppl<=0.5") == ("ppl", 0.5)
+    with pytest.raises(ConfigError, match="target-quality"):
+        parse_target("speed=3")
+    assert (
+        ratio_for(REPORT, "top1=0.99") == 5.0
+        and ratio_for(REPORT, "ppl=1") == 8.0
+        and ratio_for(REPORT, "0.995") == 3.0
+    )
+    with pytest.raises(ConfigError, match="no calibrated ratio met top1"):
+        ratio_for(REPORT, "top1=0.999")
+    with pytest.raises(ConfigError, match="cannot pick"):
+        ratio_for(REPORT, "err=0.1")
+    assert (
+        safe_ratio(REPORT) == 5.0 and ratio_warning(REPORT, 5) is None and "safe ratio 5x" in ratio_warning(REPORT, 6)
+    )
+    assert ratio_warning(None, 12) is None
+    kv_report = {"metric": "kv", "points": [{"target": 4.0, "ratio": 4.0, "rel_error": 0.01}]}
+    assert ratio_for(kv_report, "err=0.02") == 4.0 and safe_ratio(kv_report) == 4.0
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["yarn", "longrope", "dynamic", "linear", "llama3", "default"]), st.sampled_from([0.5, 1.0]))
+def test_rope_of_any_scaling_matches_transformers_and_inverts(kind, partial):
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": kind, "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 256}
+    if kind == "llama3":
+        params.update(low_freq_factor=1.0, high_freq_factor=4.0)
+    if kind == "longrope":
+        params.update(short_factor=[1.0] * int(32 * partial / 2), long_factor=[2.0] * int(32 * partial / 2))
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=2, num_hidden_layers=1, max_position_embeddings=1024,
+        rope_parameters=params, partial_rotary_factor=partial,
+    )  # fmt: skip
+    spec = RopeSpec.from_hf_config(config)
+    assert spec.rotary == int(32 * partial)
+    if kind != "default":
+        want = ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0].to(torch.float64)
+        assert torch.allclose(inv_freq(spec), want, rtol=1e-6)
+    assert RopeSpec.from_dict(spec.to_dict()) == spec
+    x = torch.randn(2, 5, 3, 32)
+    pos = torch.arange(100, 105)
+    assert torch.allclose(remove_rope(apply_rope(x, pos, spec), pos, spec), x, atol=1e-5)
+
+
+def test_rope_per_layer_type_and_interleaved_models():
+    transformers = pytest.importorskip("transformers")
+    gemma = transformers.Gemma3TextConfig(
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+        },
+    )  # fmt: skip
+    local, glob = (RopeSpec.from_hf_config(gemma, t) for t in ("sliding_attention", "full_attention"))
+    assert (local.theta, glob.theta, glob.scaling, glob.factor) == (10000.0, 1e6, "linear", 8.0)
+    with pytest.raises(ConfigError, match="not for 'chunked_attention'"):
+        RopeSpec.from_hf_config(gemma, "chunked_attention")
+    glm = transformers.AutoConfig.for_model("glm", hidden_size=64, num_attention_heads=2, num_hidden_layers=1)
+    assert RopeSpec.from_hf_config(glm).style == "interleaved"
+
+
+def test_grouped_kv_files_round_trip(tmp_path):
+    from kvcodec.kvspec import GroupedKV, KVSpec, LayerSpec
+    from kvcodec.kvspec.files import load_kv_file, save_kv_file
+
+    spec = KVSpec((LayerSpec("sliding", (2, 8), (2, 8), keep=15), LayerSpec("mla", (1, 16), (1, 4))), "float16")
+    gkv = GroupedKV.empty(spec, 40, window=False)
+    for t in gkv.tensors:
+        t.copy_(torch.randn(t.shape))
+    save_kv_file(tmp_path / "g.safetensors", gkv, {"model": "m"})
+    back, meta = load_kv_file(tmp_path / "g.safetensors")
+    assert back.equal(gkv) and meta["model"] == "m"
+    save_kv_file(tmp_path / "p.safetensors", gkv.tensors[0], {})
+    plain, _ = load_kv_file(tmp_path / "p.safetensors")
+    assert torch.equal(plain, gkv.tensors[0])
