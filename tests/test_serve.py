@@ -222,3 +222,30 @@ def test_every_malformed_request_is_a_4xx_naming_the_field(client):
     assert not bad, bad
     assert max(r["seconds"] for r in rows if "8 MB" in r["case"]) < 1.0
     assert c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+
+
+def test_serve_refuses_a_transform_of_another_model_at_start(client):
+    """A .kvt of another model's KV shape: refused before serving (it used to start, then fail
+    every store with a warning and never reuse)."""
+    import click
+
+    from kvcodec.cli.serve import _check_codec_fits
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.transform import calibrate
+    from kvcodec.transform.rope import RopeSpec
+
+    _, eng = client
+    g = torch.Generator().manual_seed(0)
+    cal = calibrate([torch.randn((4, 2, 600, 2, 16), generator=g).half()], RopeSpec(10000.0, 16))
+    with pytest.raises(click.UsageError, match="does not fit the served model"):
+        _check_codec_fits(TransformCodec(cal, kvt_hash="0" * 64), _NoClose(eng))
+
+
+class _NoClose:
+    """The module's engine, which the refusal must not close for the other tests."""
+
+    def __init__(self, eng) -> None:  # noqa: ANN001
+        self.model = eng.model
+
+    def close(self) -> None:
+        pass

@@ -142,7 +142,7 @@ def encode_cmd(
 @click.option(
     "--nvdec-pool",
     "pool_workers",
-    type=int,
+    type=click.IntRange(min=0),
     default=0,
     show_default=True,
     help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).",

@@ -163,7 +163,14 @@ def command(
     sdpa_backends: tuple[str, ...] | None,
     decode_workers: int | None,
 ) -> None:
-    """Serve a model over an OpenAI-compatible API with remote KV prefix reuse."""
+    """Serve a model over an OpenAI-compatible API with remote KV prefix reuse.
+
+    \b
+    Exactness: --quant exact restores the prefix's KV bit for bit, so every answer is the one
+    the model gives without reuse. The default (int8) and --transform are lossy: answers match
+    almost always, but a temperature-0 answer whose top two tokens nearly tie can change after
+    its prefix is restored (1 of 4 prompts in one test). Use --quant exact where that matters.
+    """
     import tempfile
 
     from kvcodec.engine import Engine, StorePolicy
@@ -204,10 +211,28 @@ def command(
             dtype=_torch_dtype(dtype),
             sdpa_backends=sdpa_backends,
         )
+        _check_codec_fits(codec, engine)
         serve(engine, model_name, host=host, port=port)
     finally:
         if pool is not None:
             pool.close()
+
+
+def _check_codec_fits(codec: Any, engine: Any) -> None:
+    """Refuse at start a transform whose .kvt was calibrated for KV of another shape than the
+    served model's (another model): every store would fail, and the server would never reuse."""
+    cal = getattr(codec, "cal", None)
+    if cal is None:
+        return
+    from kvcodec.engine.prefix import kv_dims
+    from kvcodec.errors import KVCodecError
+
+    layers, heads, dim = kv_dims(engine.model)
+    try:
+        cal.check_shape((layers, 2, 1, heads, dim))
+    except KVCodecError as e:
+        engine.close()
+        raise click.UsageError(f"--transform does not fit the served model: {e}") from None
 
 
 def _check_model(model_name: str) -> None:
