@@ -23,6 +23,7 @@ SUBCOMMAND_MODULES = (
     "kvcodec.cli.demo",  # demo
     "kvcodec.cli.bench",  # bench <name>
     "kvcodec.cli.serve",  # serve
+    "kvcodec.cli.ingest",  # ingest
 )
 
 

@@ -1,0 +1,134 @@
+"""`kvcodec ingest`: prefill a corpus with a model and store every document's prefix KV, so that
+later requests beginning with a document restore its KV instead of computing it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvcodec.cli.options import device_option, parse_codec_options
+
+
+@click.command("ingest")
+@click.argument("docs", type=click.Path(exists=True, path_type=Path))
+@click.option("--model", "model_name", required=True, help="Registered model name, model directory or .gguf file.")
+@click.option("--store", "store_url", required=True, help="Store URL (file:///path, redis://host:port, ...).")
+@click.option("--codec", "codec_name", default=None, help="Registered codec of stored KV (default hevc).")
+@click.option(
+    "--codec-option",
+    "codec_options",
+    multiple=True,
+    callback=parse_codec_options,
+    help="An option of the codec (repeatable), e.g. quant=int4.",
+)
+@click.option(
+    "--transform", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="MODEL.kvt: transform-code."
+)
+@click.option("--quant", default=None, help="HEVC codec quantization (int8 by default, exact, int4, ...).")
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=None, help="Tokens per stored chunk [256].")
+@click.option("--template", default=None, help="Shared prompt template with {text} where each document goes.")
+@click.option("--text-field", default="text", show_default=True, help="JSONL: the field holding the text.")
+@click.option("--id-field", default="id", show_default=True, help="JSONL: the field naming the document.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Leading tokens kept per document.")
+@click.option(
+    "--store-workers", type=click.IntRange(min=1), default=1, show_default=True, help="Documents encoded at once."
+)
+@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the summary (JSON) here.")
+@device_option(default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+def command(
+    docs: Path,
+    model_name: str,
+    store_url: str,
+    codec_name: str | None,
+    codec_options: dict[str, Any],
+    transform: Path | None,
+    quant: str | None,
+    chunk_tokens: int | None,
+    template: str | None,
+    text_field: str,
+    id_field: str,
+    max_tokens: int | None,
+    store_workers: int,
+    report: Path | None,
+    device: str | None,
+) -> None:
+    """Prefill each document of DOCS with MODEL and store its KV in the store.
+
+    DOCS: a folder of text files (.txt/.md), a .jsonl file (objects with a text field), or a file
+    of prompts, one per line. Documents already stored are skipped (run the same command again to
+    resume); a document that fails is reported and the others go on (exit code 1 if any failed).
+    """
+    from tqdm import tqdm
+
+    from kvcodec.cli.serve import build_codec, codec_choice
+    from kvcodec.engine.config import EngineConfig
+    from kvcodec.engine.prefix import open_prefix_cache
+    from kvcodec.engine.runner import default_device
+    from kvcodec.errors import ConfigError
+    from kvcodec.ingest import ingest, read_documents
+    from kvcodec.ingest.sources import check_template
+    from kvcodec.kvspec.serving import layout_for
+
+    check_template(template)
+    flags = {"transform": transform, "quant": quant, "chunk_tokens": chunk_tokens}
+    name, options = codec_choice(codec_name, codec_options, flags)
+    codec = build_codec(name, options)  # a bad codec or option fails before the model loads
+    documents = list(read_documents(docs, template=template, text_field=text_field, id_field=id_field))
+    model, tokenizer, dev = _load(model_name, device, default_device)
+    if layout_for(model, dev) is not None:
+        raise ConfigError(f"{model_name} keeps several KV layer groups; kvcodec ingest stores uniform caches only")
+    store, cache = open_prefix_cache(EngineConfig(store_url=store_url, codec=codec), model, dev)
+    click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
+    counts = {"stored": 0, "skipped": 0, "failed": 0}
+    try:
+        with tqdm(total=len(documents), unit="doc", desc="ingest", disable=None) as bar:
+
+            def on_result(r) -> None:  # noqa: ANN001
+                counts[r.status] += 1
+                if r.status == "failed":
+                    tqdm.write(f"failed: {r.id}: {r.error}", file=click.get_text_stream("stderr"))
+                bar.set_postfix(counts, refresh=False)
+                bar.update(1)
+
+            result = ingest(
+                documents,
+                model,
+                tokenizer,
+                cache,
+                max_tokens=max_tokens,
+                store_workers=store_workers,
+                on_result=on_result,
+            )
+    finally:
+        if hasattr(store, "close"):
+            store.close()
+    summary = result.to_dict()
+    click.echo(_summary_line(summary))
+    if report:
+        report.write_text(json.dumps(summary, indent=1) + "\n")
+    if summary["failed"]:
+        raise click.exceptions.Exit(1)
+
+
+def _load(model_name: str, device: str | None, default_device) -> tuple[Any, Any, Any]:  # noqa: ANN001
+    import torch
+
+    from kvcodec.models import load_model
+
+    dev = torch.device(device) if device else default_device()
+    model, tokenizer = load_model(model_name)
+    if dev.type == "cuda" and next(model.parameters()).dtype == torch.float32:
+        model = model.to(torch.float16)
+    return model.to(dev).eval(), tokenizer, dev
+
+
+def _summary_line(s: dict[str, Any]) -> str:
+    rate = f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"
+    return (
+        f"{s['documents']} documents: {s['stored']} stored, {s['skipped']} already stored, {s['failed']} failed; "
+        f"{s['stored_tokens']:,} tokens in {s['chunks']} chunks in {s['seconds']:.1f} s ({rate}; "
+        f"prefill {s['prefill_s']:.1f} s, encode+write {s['store_s']:.1f} s)"
+    )

@@ -1,0 +1,156 @@
+"""Prefill documents and store their prefix KV: the model prefills one document while the chunks
+of the previous ones are encoded (in parallel over the cores, kvcodec.codecs.hevc_encode) and
+written on background threads.
+
+Documents are tokenized as the engine tokenizes a prompt and stored under the engine's keys
+(same model id, codec and options), so a later request that begins with a document restores its
+KV. A document whose KV is already stored is skipped after one lookup (resume); one that fails
+(unreadable, empty, too long for the model, a store error) is reported and the job goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from kvcodec.errors import KVCodecError
+from kvcodec.ingest.sources import Document
+
+STORED, SKIPPED, FAILED = "stored", "skipped", "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class DocResult:
+    id: str
+    status: str  # stored | skipped | failed
+    tokens: int = 0
+    chunks: int = 0  # chunks written (0 for skipped)
+    error: str | None = None
+    prefill_s: float = 0.0
+    store_s: float = 0.0  # encode + write
+
+
+@dataclasses.dataclass(frozen=True)
+class IngestReport:
+    results: tuple[DocResult, ...]
+    seconds: float
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def stored_tokens(self) -> int:
+        return sum(r.tokens for r in self.results if r.status == STORED)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "documents": len(self.results),
+            "stored": self.count(STORED),
+            "skipped": self.count(SKIPPED),
+            "failed": self.count(FAILED),
+            "stored_tokens": self.stored_tokens,
+            "chunks": sum(r.chunks for r in self.results),
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.stored_tokens / self.seconds, 1) if self.seconds > 0 else None,
+            "prefill_s": round(sum(r.prefill_s for r in self.results), 3),
+            "store_s": round(sum(r.store_s for r in self.results), 3),
+            "errors": {r.id: r.error for r in self.results if r.status == FAILED},
+        }
+
+
+def _stored_already(cache: Any, ids: list[int]) -> bool:
+    """Whether every chunk a put of `ids` would write is in the store (one batched lookup)."""
+    want = len(ids)
+    if not getattr(cache, "store_partial", True):
+        want -= want % int(cache.chunk_tokens)
+    return want == 0 or cache.lookup(ids) >= want
+
+
+def _prefill(model: Any, ids: list[int], chunk_tokens: int | None) -> Any:
+    import torch
+
+    from kvcodec.integrations.hf import cache_to_tensor, forward_ids
+
+    with torch.inference_mode():
+        _, kv_cache = forward_ids(model, torch.tensor(ids), chunk_tokens=chunk_tokens)
+        return cache_to_tensor(kv_cache)
+
+
+def ingest(
+    documents: Iterable[Document],
+    model: Any,
+    tokenizer: Any,
+    cache: Any,
+    *,
+    max_tokens: int | None = None,
+    prefill_chunk_tokens: int | None = 2048,
+    store_workers: int = 1,
+    on_result: Callable[[DocResult], None] | None = None,
+) -> IngestReport:
+    """Prefill each document with `model` and store its KV through `cache` (a PrefixCache).
+
+    max_tokens: keep at most this many leading tokens of a document (None: the model's context).
+    store_workers: documents encoded and written at once (each encode already uses every core);
+        at most store_workers + 1 prefilled KVs wait for the encoder, bounding memory.
+    on_result: called with each document's result as it is known (for progress bars)."""
+    from kvcodec.engine.tokens import Tokens
+
+    tokens = Tokens(tokenizer)
+    limit = max_tokens or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    results: list[DocResult] = []
+    inflight: collections.deque[tuple[Future, DocResult]] = collections.deque()
+
+    def done(r: DocResult) -> None:
+        results.append(r)
+        if on_result:
+            on_result(r)
+
+    def settle(keep: int) -> None:
+        while len(inflight) > keep:
+            fut, r = inflight.popleft()
+            try:
+                chunks, store_s = fut.result()
+                done(dataclasses.replace(r, chunks=chunks, store_s=store_s))
+            except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
+                done(dataclasses.replace(r, status=FAILED, error=_why(e)))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, store_workers), thread_name_prefix="kvcodec-ingest") as pool:
+        for doc in documents:
+            if doc.error:
+                done(DocResult(doc.id, FAILED, error=doc.error))
+                continue
+            try:
+                ids = tokens.encode(doc.text)[: limit or None]
+                if not ids:
+                    raise KVCodecError("the document tokenizes to no tokens")
+                if _stored_already(cache, ids):
+                    done(DocResult(doc.id, SKIPPED, len(ids)))
+                    continue
+                t = time.perf_counter()
+                kv = _prefill(model, ids, prefill_chunk_tokens)
+                prefill_s = time.perf_counter() - t
+            except Exception as e:  # noqa: BLE001 - reported per document
+                done(DocResult(doc.id, FAILED, error=_why(e)))
+                continue
+            inflight.append(
+                (pool.submit(_store, cache, ids, kv), DocResult(doc.id, STORED, len(ids), 0, None, prefill_s))
+            )
+            del kv
+            settle(max(1, store_workers))
+        settle(0)
+    return IngestReport(tuple(results), time.perf_counter() - t0)
+
+
+def _store(cache: Any, ids: list[int], kv: Any) -> tuple[int, float]:
+    t = time.perf_counter()
+    written = int(cache.put(ids, kv) or 0)
+    return written, time.perf_counter() - t
+
+
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if not isinstance(e, KVCodecError) else str(e)

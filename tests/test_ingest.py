@@ -1,0 +1,78 @@
+"""`kvcodec ingest`: documents from a folder, JSONL or a prompt list (with a template) prefilled by
+a real model and stored under the engine's keys; a second run skips them (resume); a bad
+document is reported without stopping the job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvcodec.codecs import make_codec
+from kvcodec.engine.tokens import Tokens
+from kvcodec.errors import ConfigError
+from kvcodec.fetcher import PrefixCache
+from kvcodec.ingest import ingest, read_documents
+from kvcodec.models import model_id
+from kvcodec.store import open_store
+
+DOCS = [
+    "The river ran past the old mill, where the miller kept a canoe tied to a post. " * 3,
+    "A lighthouse keeper counted ships at night and wrote each name in a blue book. " * 3,
+]
+
+
+def test_sources_read_folders_jsonl_and_prompt_lists_with_a_template(tmp_path):
+    folder = tmp_path / "docs"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text("second")
+    (folder / "sub" / "a.md").write_text("first")
+    (folder / "skip.bin").write_bytes(b"\x00")
+    assert [(d.id, d.text) for d in read_documents(folder)] == [("b.txt", "second"), ("sub/a.md", "first")]
+    jl = tmp_path / "c.jsonl"
+    jl.write_text('{"id": "x", "text": "one"}\n"two"\n{not json\n{"body": 1}\n')
+    got = list(read_documents(jl, template="Q: {text} A:"))
+    assert [(d.id, d.text) for d in got[:2]] == [("x", "Q: one A:"), ("line 2", "Q: two A:")]
+    assert got[2].error.startswith("not JSON") and "no string field" in got[3].error
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("alpha\n\nbeta\n")
+    assert [d.text for d in read_documents(prompts)] == ["alpha", "beta"]
+    with pytest.raises(ConfigError, match="text"):
+        list(read_documents(prompts, template="no placeholder"))
+
+
+def test_ingest_stores_under_engine_keys_resumes_and_reports_bad_documents(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    jl = tmp_path / "docs.jsonl"
+    jl.write_text("\n".join([json.dumps({"id": "mill", "text": DOCS[0]}), "{broken", json.dumps({"text": ""})]))
+    jl.write_text(jl.read_text() + "\n" + json.dumps({"id": "light", "text": DOCS[1]}) + "\n")
+    codec = make_codec("hevc", chunk_tokens=32)
+    cache = PrefixCache(open_store(f"file://{tmp_path / 'store'}"), model_id(model), codec, "cpu")
+    seen = []
+    report = ingest(list(read_documents(jl)), model, tokenizer, cache, on_result=seen.append)
+    s = report.to_dict()
+    assert (s["stored"], s["skipped"], s["failed"]) == (2, 0, 2) and len(seen) == 4
+    assert set(s["errors"]) == {"line 2", "line 3"} and "no tokens" in s["errors"]["line 3"]
+    for text in DOCS:  # a request beginning with the document finds all of it
+        ids = Tokens(tokenizer).encode(text)
+        assert cache.lookup(ids + [13, 14]) == len(ids) - len(ids) % 32
+    again = ingest(list(read_documents(jl)), model, tokenizer, cache).to_dict()
+    assert (again["stored"], again["skipped"], again["failed"]) == (0, 2, 2)
+
+
+def test_ingest_command_summary_and_exit_code(tmp_path):
+    from kvcodec.cli.main import cli
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(DOCS[0])
+    store = f"file://{tmp_path / 'store'}"
+    args = ["ingest", str(folder), "--model", "smollm2-135m", "--store", store, "--device", "cpu"]
+    args += ["--codec", "raw", "--codec-option", "chunk_tokens=32", "--report", str(tmp_path / "r.json")]
+    first = CliRunner().invoke(cli, args)
+    assert first.exit_code == 0, first.output
+    assert "1 stored, 0 already stored, 0 failed" in first.output
+    second = CliRunner().invoke(cli, args)
+    assert "0 stored, 1 already stored" in second.output
+    assert json.loads((tmp_path / "r.json").read_text())["skipped"] == 1
