@@ -379,6 +379,12 @@ def task_notes(doc):
 @click.option("--needle-depths", default="0.1,0.5,0.9", show_default=True)
 @click.option("--out", "out_stem", required=True, help="Output stem: writes STEM.json and STEM.md.")
 @click.option("--save-kvt", help="Write the calibration here.")
+@click.option(
+    "--defaults-tuned-on",
+    default="smollm2-135m,qwen2.5-coder-0.5b",
+    show_default=True,
+    help="The models whose measurements chose the codec's defaults (recorded in every record).",
+)
 def main(
     model_name,
     calib,
@@ -400,6 +406,7 @@ def main(
     quoref_max_tokens,
     needle_lengths,
     needle_depths,
+    defaults_tuned_on,
 ):
     from kvcodec.models import load_model
     from kvcodec.transform import save_kvt as write_kvt
@@ -443,6 +450,8 @@ def main(
         tasks=task_settings(prompts, quoref_max_tokens),
     )
     records = aggregate(model_name, per_text)
+    for r in records:  # what the result may be claimed for: calibration texts and the models that chose the defaults
+        r.update(calibrated_on=list(sources), defaults_tuned_on=[m for m in defaults_tuned_on.split(",") if m])
 
     def write(rows, complete):
         doc.update(

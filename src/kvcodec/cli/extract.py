@@ -23,9 +23,11 @@ def _read_text(spec: str) -> tuple[str, str]:
             return path.read_text(encoding="utf-8"), path.name
         except UnicodeDecodeError as e:
             raise ConfigError(f"{spec}: not UTF-8 text ({e})") from e
-    if spec.startswith("pg"):
+    if spec.startswith(("pg", "py/", "doc/")):
         return load_text(spec), spec
-    raise ConfigError(f"--text {spec!r} is neither a file nor a text name ('pg' or 'pg/<essay>', e.g. pg/addiction)")
+    raise ConfigError(
+        f"--text {spec!r} is neither a file nor a text name ('pg', 'pg/<essay>', 'py/<module>', 'doc/<module>')"
+    )
 
 
 @click.command("extract")

@@ -92,9 +92,31 @@ def load_text(name: str, max_chars: int | None = None) -> str:
         if not path.is_file():
             raise ConfigError(f"unknown text {name!r}; known: pg, {', '.join(list_texts()[1:6])}, ...")
         text = path.read_text(encoding="utf-8")
+    elif name.startswith(("py/", "doc/")):
+        text = _module_text(name)
     else:
-        raise ConfigError(f"unknown text {name!r}; names are 'pg' or 'pg/<essay>' (see list_texts())")
+        raise ConfigError(
+            f"unknown text {name!r}; names are 'pg', 'pg/<essay>' (see list_texts()), 'py/<module>' (Python source "
+            "code) or 'doc/<module>' (its documentation as pydoc renders it)"
+        )
     return text if max_chars is None else text[:max_chars]
+
+
+def _module_text(name: str) -> str:
+    """Texts of another kind than the essays, from Python's standard library: 'py/json.decoder' is a
+    module's source code, 'doc/json' its documentation (pydoc's plain-text rendering)."""
+    import importlib
+    import inspect
+    import pydoc
+
+    kind, _, module = name.partition("/")
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", module):
+        raise ConfigError(f"unknown text {name!r}: {kind}/ takes a module name such as json.decoder")
+    try:
+        mod = importlib.import_module(module)
+        return inspect.getsource(mod) if kind == "py" else pydoc.plain(pydoc.render_doc(mod, renderer=pydoc.plaintext))
+    except (ImportError, OSError, TypeError) as e:
+        raise ConfigError(f"text {name!r}: {e}") from e
 
 
 # ----------------------------------------------------------------------------- QA data
