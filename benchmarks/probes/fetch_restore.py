@@ -151,22 +151,24 @@ class _IdOnly:
     inspect_chunk = decode_chunk = encode_chunks
 
 
-def _pack(d: pathlib.Path, doc: dict) -> None:
-    """The calibration cut to the widest coordinates any transform case codes (travels light)."""
+def _pack(d: pathlib.Path, doc: dict, also: list[pathlib.Path] = ()) -> None:
+    """The calibration cut to the widest coordinates any transform case codes (travels light); with
+    `also`, other prepared directories of the same calibration, whose cases the pack serves too."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from kvcodec.fetcher import blob_key
     from kvcodec.store import open_store
     from transform_nvdec import _write_pack
 
-    store, widths, codec = open_store(f"file://{d / 'store'}"), None, None
-    for case in doc["cases"]:
-        if case["codec"] != "transform":
-            continue
-        codec = make_codec(case, d)
-        cache_keys = _keys(doc, case)
-        for k in cache_keys:
-            counts = codec.plan(codec.header(store.get(blob_key(k, 0)))["theta"]).counts
-            widths = [max(a, b) for a, b in zip(widths or counts, counts)]
+    widths, codec = None, None
+    for src, sdoc in [(d, doc)] + [(o, json.loads((o / "cases.json").read_text())) for o in also]:
+        store = open_store(f"file://{src / 'store'}")
+        for case in sdoc["cases"]:
+            if case["codec"] != "transform":
+                continue
+            codec = make_codec(case, d)
+            for k in _keys(sdoc, case):
+                counts = codec.plan(codec.header(store.get(blob_key(k, 0)))["theta"]).counts
+                widths = [max(a, b) for a, b in zip(widths or counts, counts)]
     if codec is not None:
         _write_pack(codec.cal, codec.kvt_hash, widths, d / PACK)
 
@@ -519,17 +521,17 @@ def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathli
     return {k: v for k, v in rec.items() if k not in ("inclusive",)}
 
 
-def run(d, out, variants, repeat, seconds, interference_s, profile_case, only) -> None:
+def run(d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None) -> None:
     from kvcodec.transform import frames  # noqa: F401 - import before threads start
 
     probe = _probe()
     doc = json.loads((d / "cases.json").read_text())
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    cal = None
-    if (d / PACK).exists():
+    cal, pack = None, pack or d / PACK
+    if pack.exists():
         from transform_nvdec import load_pack
 
-        packed = load_pack(d / PACK)
+        packed = load_pack(pack)
         cal = (packed.cal, packed.kvt_hash)
     torch.zeros(1, device="cuda")
     mem = _memory_store(d, doc)
@@ -594,6 +596,9 @@ def _variant(text: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    k = sub.add_parser("pack", help="DIR's pack cut to serve the cases of --also DIRS too (same calibration)")
+    k.add_argument("--dir", type=pathlib.Path, required=True)
+    k.add_argument("--also", type=pathlib.Path, action="append", default=[])
     p = sub.add_parser("prep")
     p.add_argument("--dir", type=pathlib.Path, required=True, help="its .kvt is written beside it, as DIR.kvt")
     p.add_argument("--model", required=True)
@@ -615,13 +620,17 @@ def main() -> None:
     r.add_argument("--interference-seconds", type=float, default=3.0)
     r.add_argument("--profile", default="", help="case name whose fetches are profiled")
     r.add_argument("--only", default="", help="case names, comma-separated (default: all)")
+    r.add_argument("--pack", type=pathlib.Path, default=None, help="the cut calibration (default: DIR's)")
     a = ap.parse_args()
+    if a.cmd == "pack":
+        _pack(a.dir, json.loads((a.dir / "cases.json").read_text()), a.also)
+        return
     if a.cmd == "prep":
         prep(a.dir, a.model, [parse_case(c) for c in a.cases], a.tokens, a.cal_tokens, a.text)
         return
     variants = [_variant(v) for v in filter(None, a.variants.split(","))]
     only = set(filter(None, a.only.split(",")))
-    run(a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only)
+    run(a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack)
 
 
 if __name__ == "__main__":

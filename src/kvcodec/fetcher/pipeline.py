@@ -397,15 +397,18 @@ class FetchPipeline:
                 return
 
     def _queued(self, first: tuple, fed: dict, ended: list[bool]):
-        """(index, blob, target) of `first` and of every chunk queued behind it, until the queue is
-        empty (or the fetch stops)."""
-        item = first
+        """(index, blob, target) of `first` and of the chunks queued behind it, until the queue is
+        empty, this worker holds its share of the fetch's chunks (fed and not yet staged: the
+        others go to the other workers' engines) or the fetch stops."""
+        item, share = first, max(1, -(-len(self.plan.metas) // self.s.decode_workers))
         while item is not None and not self.stop.is_set():
             i, j, blob = item
             self.timings[i].dec_start = self.now()
             target, direct = self._target(self.plan.metas[i])
             fed[i] = (j, target, direct)
             yield i, blob, target
+            if len(fed) >= share:
+                return
             try:
                 item = self.dec_q.get_nowait()
             except queue.Empty:
