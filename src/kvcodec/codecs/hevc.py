@@ -19,7 +19,7 @@ from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
 from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob, decoder_name, inspect_chunk_blob
 from kvcodec.codecs.hevc_encode import encode_chunks
 from kvcodec.config import CodecConfig
-from kvcodec.container.format import FORMAT_VERSION, PLAIN
+from kvcodec.container.format import FORMAT_VERSION, PLAIN, check_chunk_config
 from kvcodec.errors import ConfigError, FormatError
 from kvcodec.video.registry import get_encoder
 
@@ -108,6 +108,7 @@ class HevcCodec:
                 f"chunk blob is {h.quant} at {h.resolution}; this codec writes "
                 f"{self.config.quant} at {list(self.config.resolutions)}"
             )
+        check_chunk_config(h, self.config)  # bit widths: a header edited with its checksums recomputed
         return ChunkInfo(
             h.chunk_index, h.start_token, h.tokens, h.layers, h.kv_heads, h.head_dim, h.dtype, "hevc", h.key
         )

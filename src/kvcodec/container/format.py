@@ -298,19 +298,27 @@ def check_chunk_against_file(
             )
     if ch.quant not in (fh.config["quant"], PLAIN):
         raise FormatError(f"chunk {index} is coded {ch.quant!r}; the file says {fh.config['quant']!r}")
-    got = getattr(ch, "layer_bits", ())
-    if ch.quant.startswith("int") and (got or isinstance(ch, ChunkHeader)):
-        want = _file_layer_bits(json.dumps(fh.config, sort_keys=True), fh.layers)
-        if tuple(got) != want:
-            raise FormatError(
-                f"chunk {index} codes layer bits {list(got)[:8]}...; the file's config says {list(want)[:8]}..."
-            )
+    check_chunk_config(ch, _file_config(json.dumps(fh.config, sort_keys=True)), f"chunk {index}")
+
+
+def check_chunk_config(h: ChunkHeader | Any, config: CodecConfig, what: str = "chunk") -> None:
+    """Refuse a chunk (or a split chunk's header) coded with other integer bit widths than `config`
+    gives its layers: a header whose layer_bits were edited with its checksums recomputed."""
+    if getattr(h, "layer_offset", 0):
+        raise FormatError(f"{what} is a part of a split chunk (layer_offset {h.layer_offset}), not a whole chunk")
+    got = tuple(getattr(h, "layer_bits", ()))
+    if not h.quant.startswith("int") or not (got or isinstance(h, ChunkHeader)):
+        return  # exact / plain, or a version 1-2 split header (its parts carry the bits)
+    if config.layer_bits and len(config.layer_bits) != h.layers:
+        raise FormatError(f"{what} has {h.layers} layers; its codec config gives bits for {len(config.layer_bits)}")
+    want = tuple(config.bits_for_layer(i) for i in range(h.layers))
+    if got != want:
+        raise FormatError(f"{what} codes layer bits {list(got)[:8]}; its codec config says {list(want)[:8]}")
 
 
 @functools.lru_cache(maxsize=64)
-def _file_layer_bits(config_json: str, layers: int) -> tuple[int, ...]:
-    config = CodecConfig.from_dict(json.loads(config_json))
-    return tuple(config.bits_for_layer(i) for i in range(layers))
+def _file_config(config_json: str) -> CodecConfig:
+    return CodecConfig.from_dict(json.loads(config_json))
 
 
 def _checked(d: dict[str, Any], kind: str, checks, optional) -> dict[str, Any]:
