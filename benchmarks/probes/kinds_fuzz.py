@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import json
 import random
 import sys
 import time
@@ -501,20 +502,16 @@ class KindTally:
         }
 
 
-def fuzz(kinds: dict[str, list[Subject]], cases: int, seed: int, ct: int, seconds: float | None = None) -> dict:
-    """`cases` seeded cases (or until `seconds` of wall time, at least one round), round-robin over
-    kinds, their mutations and subjects; returns KindTally per kind."""
+def fuzz(kinds: dict[str, list[Subject]], cases: int, seed: int, ct: int, progress=None, every: int = 500) -> dict:
+    """`cases` seeded cases, round-robin over kinds, their mutations and subjects; returns a
+    KindTally per kind (progress(tallies, n) is called every `every` cases)."""
     rng = random.Random(seed)
     tallies = {k: KindTally() for k in kinds}
     plan = [(k, m) for k in kinds for m in (KVT_MUTATIONS if k == "kvt" else MUTATIONS)]
     track = AllocTrack()
     tracemalloc.start()
-    end = None if seconds is None else time.monotonic() + seconds
     try:
-        n = 0
-        while n < cases or (end is not None and n < len(plan) and time.monotonic() < end):
-            if end is not None and n >= len(plan) and time.monotonic() >= end:
-                break
+        for n in range(cases):
             kind, mname = plan[n % len(plan)]
             subjects = kinds[kind]
             subject = subjects[(n // len(plan)) % len(subjects)]
@@ -527,7 +524,8 @@ def fuzz(kinds: dict[str, list[Subject]], cases: int, seed: int, ct: int, second
             t0 = clock()
             outcome = classify(subject, data, track, ct)
             tallies[kind].add(mname, outcome, track.peak, len(data), clock() - t0, f"{subject.name} seed {case_seed}")
-            n += 1
+            if progress is not None and (n + 1) % every == 0:
+                progress(tallies, n + 1)
     finally:
         tracemalloc.stop()
     return tallies
@@ -543,37 +541,91 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=65)
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--merge", nargs="+", help="JSON results of runs with other seeds: write their sum to --out")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from kvbench.results import write_result
+
+    if args.merge:
+        doc = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        doc["command"] = "python benchmarks/probes/kinds_fuzz.py " + " ".join(sys.argv[1:])
+        write_result(args.out, doc, render(doc))
+        return
     torch.set_num_threads(1)
     t0 = time.monotonic()
     kv = real_kv(args.tokens)
     kinds = all_subjects(kv, real_kv(400, text="pg/apple"), args.chunk_tokens)
-    tallies = fuzz(kinds, args.cases, args.seed, args.chunk_tokens)
+
+    def write(tallies: dict, n: int) -> None:
+        doc = summary(kinds, tallies, kv, time.monotonic() - t0, complete=n >= args.cases)
+        doc["command"] = "python benchmarks/probes/kinds_fuzz.py " + " ".join(sys.argv[1:])
+        write_result(args.out, doc, render(doc))
+
+    write(fuzz(kinds, args.cases, args.seed, args.chunk_tokens, progress=write), args.cases)
+
+
+def summary(kinds: dict, tallies: dict, kv: torch.Tensor, wall_s: float, complete: bool) -> dict:
     rows = [tallies[k].row(k) for k in kinds]
-    doc = {
-        "command": "python benchmarks/probes/kinds_fuzz.py " + " ".join(sys.argv[1:]),
-        "machine": "CPU development VM (2 cores shared), torch threads 1, nice",
+    return {
+        "machine": "CPU development VM (2 cores shared with other work), torch threads 1, nice",
         "kv": {"model": "smollm2-135m", "text": "pg/addiction", "shape": list(kv.shape), "dtype": "float16"},
         "subjects": {k: [s.name for s in v] for k, v in kinds.items()},
         "max_expansion": MAX_EXPANSION,
-        "wall_s": round(time.monotonic() - t0, 1),
+        "complete": complete,
+        "wall_s": round(wall_s, 1),
+        **totals(rows),
+        "kinds": rows,
+    }
+
+
+def totals(rows: list[dict]) -> dict:
+    return {
         "cases": sum(r["cases"] for r in rows),
         "wrong_data": sum(r["wrong_data"] for r in rows),
         "crashes": sum(r["crashes"] for r in rows),
         "max_alloc_mb": max(r["max_alloc_mb"] for r in rows),
+    }
+
+
+def merge(docs: list[dict]) -> dict:
+    """The sum of runs with other seeds (same subjects)."""
+    rows = []
+    for i, first in enumerate(docs[0]["kinds"]):
+        group = [d["kinds"][i] for d in docs]
+        row = {"kind": first["kind"]}
+        for key in ("cases", "wrong_data", "crashes", "errors", "original", "over_expansion_limit"):
+            row[key] = sum(r[key] for r in group)
+        for key in ("max_alloc_mb", "max_alloc_per_file_byte", "max_case_cpu_s"):
+            row[key] = max(r[key] for r in group)
+        row["by_mutation"] = {}
+        for r in group:
+            for m, counts in r["by_mutation"].items():
+                into = row["by_mutation"].setdefault(m, {})
+                for k, v in counts.items():
+                    into[k] = into.get(k, 0) + v
+        row["failures"] = [f for r in group for f in r["failures"]][:20]
+        rows.append(row)
+    return {
+        **{k: docs[0][k] for k in ("machine", "kv", "subjects", "max_expansion")},
+        "runs": [
+            {"command": d["command"], "cases": d["cases"], "complete": d["complete"], "wall_s": d["wall_s"]}
+            for d in docs
+        ],
+        "complete": all(d["complete"] for d in docs),
+        "wall_s": max(d["wall_s"] for d in docs),
+        **totals(rows),
         "kinds": rows,
     }
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvbench.results import write_result
-
-    write_result(args.out, doc, render(doc))
 
 
 def render(doc: dict) -> str:
     lines = [
         "# Reliability: every container kind fuzzed (issue 22)",
         "",
-        f"`{doc['command']}` on {doc['machine']}; KV {doc['kv']['model']} {doc['kv']['shape']}; {doc['wall_s']} s.",
+        f"`{doc['command']}` on {doc['machine']}; KV {doc['kv']['model']} {doc['kv']['shape']}; {doc['wall_s']} s"
+        + ("" if doc["complete"] else " (PARTIAL: the run was still going)")
+        + ".",
+        *[f"- run: `{r['command']}`: {r['cases']} cases, {r['wall_s']} s" for r in doc.get("runs", [])],
         "",
         "| kind | cases | wrong_data | crashes | errors | original | max_alloc_mb | max alloc / file byte | over limit |",
         "|---|---|---|---|---|---|---|---|---|",
