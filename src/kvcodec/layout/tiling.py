@@ -16,6 +16,7 @@ import functools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvcodec.errors import ConfigError
@@ -152,8 +153,23 @@ def gather_index(plan: LayoutPlan, device: torch.device | str) -> torch.Tensor:
     return _gather_index(plan, str(device))
 
 
+@functools.lru_cache(maxsize=16)
+def _inverse_positions(plan: LayoutPlan) -> np.ndarray:
+    """For each sample of the flattened frame, the index of the block value it holds, or the
+    block's size (a fill sample): packing becomes one gather."""
+    size = plan.units * plan.tokens_per_frame * plan.dim
+    inverse = np.full(PLANES * plan.height * plan.width, size, dtype=np.int32)
+    inverse[_pixel_positions_cached(plan).numpy()] = np.arange(size, dtype=np.int32)
+    return inverse
+
+
 def pack_frame(block: torch.Tensor, plan: LayoutPlan, fill_value: int = 0) -> torch.Tensor:
     """block: (units, tokens_per_frame, dim) uint8 -> frame (3, height, width) uint8."""
+    if block.device.type == "cpu":  # a gather through the inverse positions: several times faster
+        src = np.empty(block.numel() + 1, dtype=np.uint8)
+        src[:-1] = block.reshape(-1).numpy()
+        src[-1] = fill_value
+        return torch.from_numpy(np.take(src, _inverse_positions(plan))).view(PLANES, plan.height, plan.width)
     frame = torch.full((PLANES * plan.height * plan.width,), fill_value, dtype=torch.uint8, device=block.device)
     frame[pixel_positions(plan, block.device)] = block.reshape(-1)
     return frame.view(PLANES, plan.height, plan.width)

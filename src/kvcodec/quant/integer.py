@@ -18,9 +18,8 @@ def minmax_params(x: torch.Tensor, bits_per_layer: torch.Tensor) -> tuple[torch.
     """x: (layers, 2, tokens, heads, dim) float. Returns (offset, step), each (layers, 2, heads, dim),
     with offset <= min(x) and offset + step * (2**bits - 1) >= max(x) per channel. Parameters are
     fp16 (rounded outward) when the values allow it, fp32 otherwise."""
-    xf = x.float()
-    lo = xf.amin(dim=2)
-    hi = xf.amax(dim=2)
+    lo = x.amin(dim=2).float()  # min and max are exact in x's own dtype: no float copy of x
+    hi = x.amax(dim=2).float()
     n = levels(bits_per_layer).to(torch.float32).view(-1, 1, 1, 1)
     if max(lo.abs().max().item(), hi.abs().max().item()) > 30000.0:
         return lo, _wide_step(lo, hi, n)
