@@ -164,3 +164,19 @@ def test_transform_file_decodes_only_with_its_own_transform(kinds):
     subject = _file(kinds, "kvtf-zstd")
     codec = subject.decode.__defaults__[0]
     assert torch.equal(kf.bits(decode_file(subject.data, codec)), kf.bits(subject.original[0]))
+
+
+def test_cli_refuses_a_damaged_transform_file_in_one_line(kinds, tmp_path):
+    """The CLI printed a 34-line traceback for a mistyped header field; now one line, exit 1."""
+    from click.testing import CliRunner
+
+    from kvcodec.cli.main import cli
+
+    subject = _file(kinds, "kvtf-zstd")
+    (tmp_path / "m.kvt").write_bytes(kinds["kvt"][0].data)
+    bad = _rewrite(subject.data, lambda m, h, b: (dict(h, kvt=7), b))
+    (tmp_path / "bad.kvc").write_bytes(bad)
+    args = ["decode", str(tmp_path / "bad.kvc"), str(tmp_path / "out.safetensors"), "--transform"]
+    res = CliRunner().invoke(cli, [*args, str(tmp_path / "m.kvt")])
+    assert res.exit_code == 1 and "kvt" in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
