@@ -250,7 +250,7 @@ def _split_fits(plan: BatchedPlan, escapes, recon: str) -> bool:
     """The split GEMM holds the chunk's values exactly: centre reconstruction, escapes within SPLIT_MAX."""
     if not SPLIT_GEMM or plan.split is None or recon != "centre":
         return False
-    return all(not v.numel() or int(v.abs().max()) <= SPLIT_MAX for _, v in escapes)
+    return all(not v.numel() or int(np.abs(v.numpy()).max()) <= SPLIT_MAX for _, v in escapes)  # host arrays
 
 
 def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
