@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -29,7 +28,7 @@ from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc3
 from kvcodec.container.split import layer_ranges
 from kvcodec.dtypes import DTYPE_NAMES
 from kvcodec.errors import ConfigError, ShapeError
-from kvcodec.layout.search import choose_plan, choose_video_bits, recall, remember
+from kvcodec.layout.search import choose_plan, choose_video_bits, encode_workers, recall, remember
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame
 from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
@@ -265,20 +264,6 @@ def encode_chunks(
         if on_chunk:
             on_chunk(chunk)
     return out
-
-
-def encode_workers() -> int:
-    """Chunks encoded at once: the cores this process may use ($KVCODEC_ENCODE_WORKERS overrides)."""
-    env = os.environ.get("KVCODEC_ENCODE_WORKERS")
-    if env:
-        try:
-            return max(1, int(env))
-        except ValueError:
-            raise ConfigError(f"KVCODEC_ENCODE_WORKERS must be an integer; got {env!r}") from None
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - platforms without affinity
-        return max(1, os.cpu_count() or 1)
 
 
 def _in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterator[EncodedChunk]:

@@ -14,10 +14,12 @@ import logging
 import os
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from kvcodec.errors import ConfigError
 from kvcodec.layout.tiling import LayoutPlan, candidate_plans, frame_blocks, pack_frame
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,32 @@ def trial_bytes(plan: LayoutPlan, units_tokens_dim: torch.Tensor, encoder) -> in
     return len(encoder.encode(frames, plan.width, plan.height))
 
 
+def encode_workers() -> int:
+    """Encodes run at once (chunks, trials): the cores this process may use
+    ($KVCODEC_ENCODE_WORKERS overrides)."""
+    env = os.environ.get("KVCODEC_ENCODE_WORKERS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise ConfigError(f"KVCODEC_ENCODE_WORKERS must be an integer; got {env!r}") from None
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return max(1, os.cpu_count() or 1)
+
+
+def _trials(jobs: list[tuple[LayoutPlan, torch.Tensor]], encoder) -> list[int]:
+    """trial_bytes of each (plan, sample), in parallel over the cores where the encoder can make
+    single-threaded copies of itself (the sizes do not depend on it)."""
+    workers = min(encode_workers(), len(jobs)) if callable(getattr(encoder, "with_threads", None)) else 1
+    if workers <= 1:
+        return [trial_bytes(p, x, encoder) for p, x in jobs]
+    one = encoder.with_threads(1)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-trial") as pool:
+        return list(pool.map(lambda job: trial_bytes(job[0], job[1], one), jobs))
+
+
 def choose_plan(
     resolution: tuple[int, int],
     units_tokens_dim: torch.Tensor,
@@ -143,7 +171,8 @@ def choose_plan(
         best = candidates[0]
     else:
         sample = units_tokens_dim[:, :CALIBRATION_TOKENS]
-        scored = [(trial_bytes(p, sample, encoder) / sample.shape[1], p) for p in candidates]
+        sizes = _trials([(p, sample) for p in candidates], encoder)
+        scored = [(b / sample.shape[1], p) for b, p in zip(sizes, candidates)]
         scored.sort(key=lambda sp: sp[0])
         best = scored[0][1]
         log.info(
@@ -186,12 +215,11 @@ def choose_video_bits(
     plan = shortlist(width, height, units, dim, chunk_tokens)[0]
     sample = units_tokens_dim[:, :CALIBRATION_TOKENS]
     most = int(unit_bits.max())
-    scored = []
-    for video_bits in sorted({min(b, most) for b in VIDEO_BITS_CANDIDATES}):
-        counts = bitsplit.low_bit_counts(unit_bits, video_bits)
-        high, _ = bitsplit.split(sample, counts)
-        low_bytes = int(counts.sum()) * sample.shape[1] * dim / 8
-        scored.append((trial_bytes(plan, high, encoder) + low_bytes, video_bits))
+    candidates = sorted({min(b, most) for b in VIDEO_BITS_CANDIDATES})
+    counts = [bitsplit.low_bit_counts(unit_bits, video_bits) for video_bits in candidates]
+    sizes = _trials([(plan, bitsplit.split(sample, c)[0]) for c in counts], encoder)
+    low_bytes = [int(c.sum()) * sample.shape[1] * dim / 8 for c in counts]
+    scored = [(v + low, video_bits) for v, low, video_bits in zip(sizes, low_bytes, candidates)]
     best = min(scored)[1]
     log.info("video bits: %s -> %d", ", ".join(f"{b}={s / sample.shape[1]:.0f}B/tok" for s, b in scored), best)
     _disk_put(disk_key, best)
