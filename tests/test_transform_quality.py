@@ -152,3 +152,19 @@ def test_grouped_kv_files_round_trip(tmp_path):
     save_kv_file(tmp_path / "p.safetensors", gkv.tensors[0], {})
     plain, _ = load_kv_file(tmp_path / "p.safetensors")
     assert torch.equal(plain, gkv.tensors[0])
+
+
+def test_gguf_config_from_the_header_alone_matches_the_model():
+    from kvcodec.models.check import inspect_model
+    from kvcodec.models.gguf_config import read_header
+    from kvcodec.models.registry import gguf_path
+
+    try:
+        path = gguf_path("smollm2-135m")
+    except ConfigError as e:
+        pytest.skip(f"no GGUF model here: {e}")
+    fields, tensors = read_header(path)
+    assert fields["general.architecture"] == "llama" and "token_embd.weight" in tensors
+    layout = inspect_model(str(path))
+    assert [g.name for g in layout.spec.groups] == ["full-kv-3x64"] and len(layout.spec.layers) == 30
+    assert layout.ropes[0] == RopeSpec(100000.0, 64, 64)
