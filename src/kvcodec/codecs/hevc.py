@@ -39,6 +39,8 @@ class HevcCodec:
         restorer ("auto", "torch", "triton"). encoder: a video encoder (default: NVENC where the
         GPU has one, else x265; an NVENC session that fails falls back to x265)."""
 
+    encodes_on_device = True  # KV on a GPU is quantized and packed there (hevc_encode)
+
     def __init__(
         self,
         config: CodecConfig = CodecConfig(),

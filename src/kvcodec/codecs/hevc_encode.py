@@ -60,6 +60,14 @@ def check_kv(kv: torch.Tensor, config: CodecConfig | None = None) -> None:
         raise ShapeError("KV holds NaN or infinity; integer quantization needs finite values (use quant='exact')")
 
 
+def _on_encode_device(kv: torch.Tensor) -> torch.Tensor:
+    """KV on a CUDA device stays there: quantization, centering, the bit split and frame packing
+    run on the GPU (the same integers as on the CPU) and only the 8-bit frames and side streams
+    cross to the host (half of fp16's bytes, and the CPU cores are left to x265); elsewhere the CPU."""
+    kv = kv.detach()
+    return kv if kv.device.type == "cuda" else kv.to("cpu")
+
+
 def _units(x: torch.Tensor) -> torch.Tensor:
     """(layers, 2, tokens, heads, dim) -> (layers*2*heads, tokens, dim)."""
     L, _, T, H, D = x.shape
@@ -97,7 +105,7 @@ def _unit_modulus(layer_bits: Sequence[int], layers: int, kv_heads: int) -> torc
 
 def _centered(symbols: torch.Tensor, modulus: torch.Tensor) -> tuple[torch.Tensor, StreamEntry, bytes]:
     centers = centering.channel_centers(symbols, modulus)
-    data = _zstd(centers.numpy().tobytes(), SIDE_ZSTD_LEVEL)
+    data = _zstd(centers.cpu().numpy().tobytes(), SIDE_ZSTD_LEVEL)
     return centering.center(symbols, centers, modulus), StreamEntry("center", "zstd", len(data), crc32(data)), data
 
 
@@ -107,7 +115,7 @@ def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
         planes = exact_q.split_bytes(x.contiguous())
         side, payloads = [], []
         for i, plane in enumerate(planes[1:], start=1):
-            raw = plane.numpy().tobytes()
+            raw = plane.cpu().numpy().tobytes()
             packed = _zstd(raw, BYTES_ZSTD_LEVEL)
             codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
             side.append(StreamEntry(f"bytes{i}", codec, len(data), crc32(data)))
@@ -118,7 +126,7 @@ def _symbols(x: torch.Tensor, config: CodecConfig) -> _ChunkSymbols:
     offset, step = int_q.minmax_params(x, bits)
     q = int_q.quantize(x, offset, step, bits)
     params = torch.stack([offset, step]).contiguous()
-    data = _zstd(params.numpy().tobytes(), SIDE_ZSTD_LEVEL)
+    data = _zstd(params.cpu().numpy().tobytes(), SIDE_ZSTD_LEVEL)
     samples, entry, centers = _centered(_units(q), _unit_modulus(bits.tolist(), L, H))
     side = [StreamEntry("side", "zstd", len(data), crc32(data)), entry]
     return _ChunkSymbols(samples, side, [data, centers], DTYPE_NAMES[params.dtype], unit_bits(bits.tolist(), L, H))
@@ -130,7 +138,7 @@ def _split_low_bits(symbols: _ChunkSymbols, video_bits: int) -> tuple[torch.Tens
     if bitsplit.plane_count(counts) == 0:
         return symbols.samples, [], []
     high, low = bitsplit.split(symbols.samples, counts)
-    raw = bitsplit.pack_low(low, counts).numpy().tobytes()
+    raw = bitsplit.pack_low(low, counts).cpu().numpy().tobytes()
     packed = _zstd(raw, LOW_ZSTD_LEVEL)
     codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
     return high, [StreamEntry("low", codec, len(data), crc32(data))], [data]
@@ -159,7 +167,7 @@ def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[s
         options.append(("video", "hevc", encoder.encode(frames, plan.width, plan.height)))
     if config.sample_coder in ("zstd", "auto"):
         if "z" not in zstd_cache:
-            zstd_cache["z"] = _zstd(samples.numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
+            zstd_cache["z"] = _zstd(samples.cpu().numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
         options.append(("samples", "zstd", zstd_cache["z"]))
     return min(options, key=lambda o: len(o[2]))
 
@@ -190,7 +198,7 @@ def _plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
 
 
 def _search_plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
-    first = kv[:, :, : config.chunk_tokens].detach().to("cpu")
+    first = _on_encode_device(kv[:, :, : config.chunk_tokens])
     symbols = _symbols(first, config)
     key = (config.quant, DTYPE_NAMES[kv.dtype], config.layer_bits)
     units, _, dim = symbols.samples.shape
@@ -231,7 +239,7 @@ def encode_chunks(
     `first_chunk_index * config.chunk_tokens`). With `keys`, chunk n's header carries keys[n] (the
     prefix key it is stored under). `on_chunk` is called as each chunk is done."""
     check_kv(kv, config)
-    kv = kv.detach().to("cpu")
+    kv = _on_encode_device(kv)
     n_chunks = -(-kv.shape[2] // config.chunk_tokens)
     if keys is not None and len(keys) != n_chunks:
         raise ShapeError(f"{len(keys)} keys given for {n_chunks} chunks")
@@ -330,7 +338,7 @@ def _encode_chunk(x, *, config, plan, encoder, index, start_token, key) -> Encod
     zstd_samples = {}  # resolution-independent, computed at most once per chunk
     blobs, coders = [], []
     for layout in plan.layouts:
-        frames = [pack_frame(b, layout).numpy() for _, _, b in frame_blocks(samples, layout)]
+        frames = [pack_frame(b, layout).cpu().numpy() for _, _, b in frame_blocks(samples, layout)]
         name, codec, video = _code_samples(frames, samples, layout, config, encoder, zstd_samples)
         coders.append(getattr(encoder, "name", "hevc") if codec == "hevc" else codec)
         streams = (*symbols.side, *low_streams, StreamEntry(name, codec, len(video), crc32(video)))

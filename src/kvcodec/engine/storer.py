@@ -245,7 +245,9 @@ class KVStorer:
             if isinstance(layers, GroupedKV):
                 kv = layers.to("cpu", getattr(torch, self.policy.dtype) if self.policy.dtype else None)
             else:
-                kv = cache_to_tensor(layers).to("cpu")  # a list of (keys, values) per layer is accepted
+                kv = cache_to_tensor(layers)
+                if not getattr(getattr(self.prefix_cache, "codec", None), "encodes_on_device", False):
+                    kv = kv.to("cpu")  # else the codec quantizes on the KV's GPU (HevcCodec)
                 if self.policy.dtype:
                     kv = kv.to(getattr(torch, self.policy.dtype))
             del layers

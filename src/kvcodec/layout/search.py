@@ -116,7 +116,7 @@ def shortlist(width: int, height: int, units: int, dim: int, chunk_tokens: int) 
 
 
 def trial_bytes(plan: LayoutPlan, units_tokens_dim: torch.Tensor, encoder) -> int:
-    frames = [pack_frame(block, plan).numpy() for _, _, block in frame_blocks(units_tokens_dim, plan)]
+    frames = [pack_frame(block, plan).cpu().numpy() for _, _, block in frame_blocks(units_tokens_dim, plan)]
     return len(encoder.encode(frames, plan.width, plan.height))
 
 

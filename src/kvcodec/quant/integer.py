@@ -20,7 +20,7 @@ def minmax_params(x: torch.Tensor, bits_per_layer: torch.Tensor) -> tuple[torch.
     fp16 (rounded outward) when the values allow it, fp32 otherwise."""
     lo = x.amin(dim=2).float()  # min and max are exact in x's own dtype: no float copy of x
     hi = x.amax(dim=2).float()
-    n = levels(bits_per_layer).to(torch.float32).view(-1, 1, 1, 1)
+    n = levels(bits_per_layer).to(device=x.device, dtype=torch.float32).view(-1, 1, 1, 1)
     if max(lo.abs().max().item(), hi.abs().max().item()) > 30000.0:
         return lo, _wide_step(lo, hi, n)
     offset = _round_fp16(lo, down=True)
@@ -48,7 +48,7 @@ def quantize(x: torch.Tensor, offset: torch.Tensor, step: torch.Tensor, bits_per
     """Integers in [0, 2**bits - 1] as uint8, shape of x."""
     # fp32 parameters mean values beyond fp16 range, where x - offset can overflow fp32
     work = torch.float64 if offset.dtype == torch.float32 else torch.float32
-    n = levels(bits_per_layer).to(work).view(-1, 1, 1, 1, 1)
+    n = levels(bits_per_layer).to(device=x.device, dtype=work).view(-1, 1, 1, 1, 1)
     q = x.to(work, copy=True)  # one working copy, then in place: the same values as out of place
     q.sub_(offset.to(work).unsqueeze(2)).div_(step.to(work).unsqueeze(2)).round_().clamp_(min=0)
     return torch.minimum(q, n, out=q).to(torch.uint8)
