@@ -44,13 +44,14 @@ def gpu_name() -> str | None:
 def _setting(*, tuning: str | None = None, workers: int | None = None, plans: str = "cold") -> Iterator[None]:
     """x265 tuning, encode workers and the plan cache ("cold": empty; "warm": as left by the
     previous run; "off": in memory only, emptied: every process pays the trials) for one run."""
+    from kvcodec.codecs import hevc_encode
     from kvcodec.layout import search
     from kvcodec.video import x265_cpu
 
-    saved_tuning, saved_env = x265_cpu.default_tuning, dict(os.environ)
+    saved, saved_env = (x265_cpu.default_tuning, hevc_encode.X265_TUNING), dict(os.environ)
     try:
         if tuning is not None:
-            x265_cpu.default_tuning = tuning
+            x265_cpu.default_tuning = hevc_encode.X265_TUNING = tuning
         if workers is not None:
             os.environ["KVCODEC_ENCODE_WORKERS"] = str(workers)
         search._cache.clear()
@@ -62,7 +63,7 @@ def _setting(*, tuning: str | None = None, workers: int | None = None, plans: st
             os.environ["KVCODEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvbench-plans-")
         yield
     finally:
-        x265_cpu.default_tuning = saved_tuning
+        x265_cpu.default_tuning, hevc_encode.X265_TUNING = saved
         os.environ.clear()
         os.environ.update(saved_env)
 

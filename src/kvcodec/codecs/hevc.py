@@ -17,11 +17,10 @@ import torch
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
 from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob, decoder_name, inspect_chunk_blob
-from kvcodec.codecs.hevc_encode import encode_chunks
+from kvcodec.codecs.hevc_encode import default_encoder, encode_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import FORMAT_VERSION, PLAIN, check_chunk_config
 from kvcodec.errors import ConfigError, FormatError
-from kvcodec.video.registry import get_encoder
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(CodecConfig))
 
@@ -88,7 +87,7 @@ class HevcCodec:
     def encoder(self) -> Any:
         with self._lock:
             if self._encoder is None:
-                self._encoder = get_encoder(preset=self.config.x265_preset)
+                self._encoder = default_encoder(self.config)
             return self._encoder
 
     def encode_chunks(

@@ -33,6 +33,7 @@ from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame
 from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
 from kvcodec.quant import integer as int_q
+from kvcodec.video import x265_cpu
 from kvcodec.video.registry import get_encoder
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,15 @@ SIDE_ZSTD_LEVEL = 12  # 19 saved 0.1% of a chunk for 30 ms of its encode (kvcode
 BYTES_ZSTD_LEVEL = 3
 LOW_ZSTD_LEVEL = 1  # low bit planes are near-random: zstd only removes planes a unit does not use
 SAMPLES_ZSTD_LEVEL = 19
+
+
+X265_TUNING = x265_cpu.FAST_TUNING  # the HEVC codec's x265 parameters (a benchmark may set the earlier "")
+
+
+def default_encoder(config: CodecConfig):  # noqa: ANN201 - a VideoEncoder
+    """The video encoder HEVC chunks are coded with: NVENC where the GPU has one, else x265 at
+    config.x265_preset with X265_TUNING."""
+    return get_encoder(preset=config.x265_preset, tuning=X265_TUNING)
 
 
 def check_kv(kv: torch.Tensor, config: CodecConfig | None = None) -> None:
@@ -177,7 +187,7 @@ def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPl
     per (KV shape and dtype, config, encoder settings), then recalled (kvcodec.layout.search keeps
     decisions for the process and on disk)."""
     check_kv(kv, config)
-    return _plan(kv, config, encoder or get_encoder(preset=config.x265_preset))
+    return _plan(kv, config, encoder or default_encoder(config))
 
 
 def _plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
@@ -243,7 +253,7 @@ def encode_chunks(
     n_chunks = -(-kv.shape[2] // config.chunk_tokens)
     if keys is not None and len(keys) != n_chunks:
         raise ShapeError(f"{len(keys)} keys given for {n_chunks} chunks")
-    encoder = encoder or get_encoder(preset=config.x265_preset)
+    encoder = encoder or default_encoder(config)
     groups = layer_ranges(kv.shape[0], config.streams_per_chunk)
     starts = list(range(0, kv.shape[2], config.chunk_tokens))
     # chunks in parallel, each on one encoder thread (the bitstream does not depend on the count),

@@ -139,6 +139,7 @@ class NvencEncoder:
 
     def __init__(self, gpu_id: int | None = None, preset: str = "P1", **params):
         preset = nvenc_preset(preset)  # callers name x265 presets ("ultrafast"); NVENC takes P1..P7
+        params.pop("tuning", None)  # x265 parameters (FAST_TUNING): nothing NVENC takes
         import torch
 
         if not torch.cuda.is_available():

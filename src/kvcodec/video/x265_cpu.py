@@ -22,20 +22,22 @@ def _av():
     return av
 
 
-# x265 settings beyond the preset, chosen by measured speed against size on real KV (kvcodec
-# bench encode; benchmarks/results/encode-*.md): 16x16 CTUs and RD level 1 encode several times
-# faster than ultrafast's 32x32 / RD 2 for under 1% more bytes. info=0 leaves out the SEI that
-# names the encoder's options (thread counts among them): without it the bitstream is the same
-# for any number of threads.
+# x265 settings beyond the preset. info=0 leaves out the SEI that names the encoder's options
+# (thread counts among them): without it the bitstream is the same for any number of threads,
+# and a little smaller. FAST_TUNING, what the HEVC codec uses, was chosen by measured speed
+# against size on real KV (kvcodec bench encode; benchmarks/results/encode-*.md): 16x16 CTUs and
+# RD level 1 encode several times faster than ultrafast's 32x32 / RD 2 for under 1% more bytes.
+# The transform codec's streams gain nothing from it (same speed, 0.9% larger), so the generic
+# default is info=0 alone.
 FAST_TUNING = "ctu=16:rd=1:info=0"
-default_tuning = FAST_TUNING  # what X265Encoder() uses; a benchmark may set "" to time the earlier default
+default_tuning = "info=0"  # what X265Encoder() uses; a benchmark may set "" to time the earlier default
 
 
 class X265Encoder:
     """Lossless HEVC through libx265 (bundled with PyAV).
 
-    tuning: x265 parameters added to the lossless ones (None: `default_tuning`, FAST_TUNING unless
-    changed; "" gives the preset alone, the earlier default). threads: x265's thread pool size (with tuning's info=0 the
+    tuning: x265 parameters added to the lossless ones (None: `default_tuning`; FAST_TUNING for
+    the HEVC codec; "" gives the preset alone, the earlier default). threads: x265's thread pool size (with tuning's info=0 the
     bitstream does not depend on it); chunk-parallel encodes use 1 per chunk."""
 
     name = "x265"
