@@ -22,13 +22,24 @@ from collections.abc import Iterable
 
 import click
 
-from kvbench.methods import LABELS as METHOD_LABELS
+from kvbench.methods import label as method_label
 from kvbench.results import RESULTS_DIR
 from kvcodec.errors import ConfigError
 
 DEFAULT_RESULTS = str(RESULTS_DIR)
 PATTERNS = ("ttft-*.json", "fetch-*.json", "interference-*.json")
-METHOD_ORDER = ("prefill", "raw", "zstd-3", "cachegen", "kvcodec-int8", "kvcodec-int6", "kvcodec-int4", "kvcodec-int3")
+METHOD_ORDER = (
+    "prefill",
+    "raw",
+    "zstd-3",
+    "cachegen",
+    "kvcodec-int8",
+    "kvcodec-int6",
+    "kvcodec-int4",
+    "kvcodec-int3",
+    "kvcodec-transform-5",
+    "kvcodec-transform-8",
+)
 
 
 def result_kind(record: dict) -> str:
@@ -122,7 +133,7 @@ def plot_ttft(record: dict, path: str) -> None:
         for method in sorted(series, key=_method_key):
             xs, ys = zip(*series[method])
             style = "--" if method == "prefill" else "-"
-            ax.plot(xs, ys, style, marker="o", markersize=3, label=METHOD_LABELS.get(method, method))
+            ax.plot(xs, ys, style, marker="o", markersize=3, label=method_label(method))
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"{model}, {tokens} tokens", fontsize=9)

@@ -1,5 +1,6 @@
-"""`kvcodec bench ttft`: time to first token vs link bandwidth, for full prefill and four ways of
-reusing a stored prefix (raw fp16 KV, zstd, CacheGen-style, kvcodec).
+"""`kvcodec bench ttft`: time to first token vs link bandwidth, for full prefill and the ways of
+reusing a stored prefix (raw fp16 KV, zstd, CacheGen-style, kvcodec's HEVC quant codec, kvcodec's
+transform codec: `--methods ...,kvcodec-transform --transform PATH.kvt --target-ratios 5,8`).
 
 TTFT of a reuse method = fetch + prefill of the request's new (suffix) tokens, where the fetch is
 chunk-pipelined: with n chunks, transfer time X = bytes / bandwidth and decode time D,
@@ -10,7 +11,11 @@ measured, and the record says where:
   the ratio to fp16 is applied to the target model's fp16 KV size (layers x 2 x kv_heads x head_dim
   x 2 bytes per token): the target's KV is assumed to compress like the real small model's of the
   same family (llama-like <- smollm2-135m, qwen2 <- qwen2.5-coder-0.5b). For the small real
-  models themselves nothing is scaled.
+  models themselves nothing is scaled. `--kv-file MODEL=PATH` measures on a saved KV cache instead;
+  kvcodec-transform-<ratio> encodes it chunk by chunk with the .kvt given by `--transform`.
+  `--stats-only` writes these statistics alone, for a later `--stats` run (e.g. on a GPU machine).
+- accuracy per method: read from benchmarks/rd.py records (`--accuracy rd-*.json`) of the
+  statistics model, shown beside the TTFT.
 - decode speed per method: measured on this machine on the same real KV (CPU: zstd / CacheGen rANS
   / software HEVC; raw = a copy). On a GPU: raw = host-to-device copy, measured; kvcodec = the NVDEC
   pool restoring `--nvdec-gbit` of stored bytes per second (default from `kvcodec bench decode` on an
@@ -21,27 +26,39 @@ measured, and the record says where:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 import click
 
-from kvbench.methods import LABELS as METHOD_LABELS
-from kvbench.methods import method_codec
+from kvbench.methods import expand_methods, method_codec, transform_ratio
+from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model
 
 
-def kv_statistics(kv_model: str, tokens: int, methods: list[str], resolution: tuple[int, int], text: str) -> dict:
-    """Ratio to fp16 and CPU decode speed of each method on a real KV cache."""
+def kv_statistics(
+    kv_model: str,
+    tokens: int,
+    methods: list[str],
+    resolution: tuple[int, int],
+    text: str,
+    transform: str | None = None,
+    kv_file: str | None = None,
+    skip_decode: frozenset[str] = frozenset(),
+) -> dict:
+    """Ratio to fp16 and CPU decode speed of each method on a real KV cache: `kv_model`'s prefill
+    of `text`, or the KV saved in `kv_file` (any safetensors file holding a `kv` tensor).
+    `transform`: the .kvt of the kvcodec-transform-<ratio> methods. Methods in `skip_decode` (their
+    decode rate is given) are only encoded."""
     import torch
 
-    from kvbench.baselines.measure import measure_codec, real_kv
-
-    kv, desc = real_kv(kv_model, tokens, text)
+    kv, desc = load_kv(kv_file) if kv_file else real_kv_of(kv_model, tokens, text)
     kv = kv.to(torch.float16).contiguous()
     out = {
         "model": kv_model,
-        "text": text,
+        "text": None if kv_file else text,
+        "kv_file": kv_file,
         "tokens": int(kv.shape[2]),
         "shape": list(kv.shape),
         "source": desc.get("source"),
@@ -49,32 +66,80 @@ def kv_statistics(kv_model: str, tokens: int, methods: list[str], resolution: tu
         "methods": {},
     }
     for m in methods:
-        if m.startswith("kvcodec-"):
-            from kvbench.baselines import get_codec
-
-            # one stored resolution (what one fetch moves), not the sum of all of them
-            codec = get_codec(m, resolutions=(resolution,))
-            import time
-
-            t0 = time.perf_counter()
-            data = codec.encode(kv)
-            enc = time.perf_counter() - t0
-            dec = []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                codec.decode(data, device="cpu")
-                dec.append(time.perf_counter() - t0)
-            row = {"bytes": len(data), "encode_s": enc, "decode_s": min(dec), "resolution": list(resolution)}
-        else:
-            r = measure_codec(m, kv, "cpu", repeat=2)
-            row = {"bytes": r["bytes"], "encode_s": r["encode_s"], "decode_s": r["decode_s"]}
+        row = measure_method(m, kv, resolution, transform, m not in skip_decode)
         row["ratio_vs_fp16"] = out["fp16_bytes"] / row["bytes"]
-        row["decode_GBps_fp16"] = out["fp16_bytes"] / row["decode_s"] / 1e9
+        row["decode_GBps_fp16"] = out["fp16_bytes"] / row["decode_s"] / 1e9 if row["decode_s"] else None
         out["methods"][m] = row
-        click.echo(
-            f"  {kv_model} {m}: {row['ratio_vs_fp16']:.2f}x, decode {row['decode_GBps_fp16']:.3f} GB/s (cpu)", err=True
-        )
+        rate = f"decode {row['decode_GBps_fp16']:.3f} GB/s (cpu)" if row["decode_s"] else "decode not timed"
+        click.echo(f"  {kv_model} {m}: {row['ratio_vs_fp16']:.2f}x, {rate}", err=True)
     return out
+
+
+def real_kv_of(kv_model: str, tokens: int, text: str):  # noqa: ANN201
+    from kvbench.baselines.measure import real_kv
+
+    return real_kv(kv_model, tokens, text)
+
+
+def load_kv(path: str):  # noqa: ANN201
+    """(kv, description) of a KV file: one (layers, 2, tokens, kv_heads, head_dim) tensor."""
+    import torch
+
+    from kvcodec.errors import ShapeError
+    from kvcodec.kvspec.files import load_kv_file
+
+    kv, meta = load_kv_file(path)
+    if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+        raise ShapeError(f"{path}: the TTFT bench needs one (layers, 2, tokens, kv_heads, head_dim) KV tensor")
+    return kv, {"source": "kv file", **{k: v for k, v in meta.items() if k in ("model", "text")}}
+
+
+def measure_method(m: str, kv, resolution: tuple[int, int], transform: str | None, decode: bool) -> dict:  # noqa: ANN001
+    """Bytes, encode and (if `decode`) CPU decode seconds of method `m` on the fp16 `kv`."""
+    import time
+
+    if transform_ratio(m) is not None:
+        from kvcodec.config import CodecConfig
+
+        # chunk by chunk, as a store holds it: every byte of every chunk blob counts
+        codec = method_codec(m, CodecConfig(chunk_tokens=256, resolutions=(resolution,)), transform=transform)
+        t0 = time.perf_counter()
+        chunks = codec.encode_chunks(kv)
+        enc = time.perf_counter() - t0
+        dec = None
+        if decode:
+            out = kv.new_empty(kv.shape)
+            t0 = time.perf_counter()
+            for ch in chunks:
+                codec.decode_chunk(ch.blobs[0], out[:, :, ch.start_token : ch.start_token + ch.tokens])
+            dec = time.perf_counter() - t0
+        return {
+            "bytes": sum(len(ch.blobs[0]) for ch in chunks),
+            "encode_s": enc,
+            "decode_s": dec,
+            "resolution": list(resolution),
+            "chunks": len(chunks),
+            "kvt_sha256": codec.kvt_hash,
+            "target_ratio": transform_ratio(m),
+        }
+    if m.startswith("kvcodec-"):
+        from kvbench.baselines import get_codec
+
+        # one stored resolution (what one fetch moves), not the sum of all of them
+        codec = get_codec(m, resolutions=(resolution,))
+        t0 = time.perf_counter()
+        data = codec.encode(kv)
+        enc = time.perf_counter() - t0
+        dec = []
+        for _ in range(2 if decode else 0):
+            t0 = time.perf_counter()
+            codec.decode(data, device="cpu")
+            dec.append(time.perf_counter() - t0)
+        return {"bytes": len(data), "encode_s": enc, "decode_s": min(dec, default=None), "resolution": list(resolution)}
+    from kvbench.baselines.measure import measure_codec
+
+    r = measure_codec(m, kv, "cpu", repeat=2)
+    return {"bytes": r["bytes"], "encode_s": r["encode_s"], "decode_s": r["decode_s"]}
 
 
 def time_prefill(model, tokens: int, suffix: int, device: str, repeat: int) -> tuple[float, float]:  # noqa: ANN001
@@ -166,6 +231,7 @@ def e2e(
     device: str,
     pool=None,  # noqa: ANN001
     repeat: int = 1,
+    transform: str | None = None,
 ) -> list[dict]:
     """Measured end to end: the engine restores the real prefix KV over a token-bucket link and
     prefills the suffix; TTFT is the engine's (arrival -> first token), one request at a time.
@@ -183,6 +249,7 @@ def e2e(
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvcodec-ttft-") as tmp:
         run = E2ERun(model, tok, ids, prompt, new_tokens, device, pool, repeat)
+        run.transform = transform
         for m in meths:
             run.store(m, f"file://{tmp}/{m}", resolution)
         full, ref = run.full_prefill()
@@ -231,6 +298,7 @@ class E2ERun:
         self.kv = engine_prefix_kv(model, tok, len(ids), prompt, device)
         self.model_id = model_id(model)
         self.stores: dict[str, tuple[str, object]] = {}
+        self.transform: str | None = None  # the .kvt of kvcodec-transform-<ratio> methods
 
     def store(self, method: str, url: str, resolution: tuple[int, int]) -> None:
         """Store the prefix KV with the method's codec (the CPU encoder; a pool only decodes)."""
@@ -241,10 +309,12 @@ class E2ERun:
         from kvcodec.store import open_store
 
         cfg = CodecConfig(quant="int8", chunk_tokens=256, resolutions=(resolution,))
-        pc = PrefixCache(open_store(url), self.model_id, method_codec(method, cfg), "cpu", policy="fixed:0")
+        codec = method_codec(method, cfg, transform=self.transform)
+        pc = PrefixCache(open_store(url), self.model_id, codec, "cpu", policy="fixed:0")
         pc.put(self.ids, self.kv.to(torch.float16))
-        pooled = self.pool is not None and method.startswith("kvcodec-")
-        self.stores[method] = (url, method_codec(method, cfg, **({"pool": self.pool} if pooled else {})))
+        pooled = self.pool is not None and method.startswith("kvcodec-") and transform_ratio(method) is None
+        options = {"pool": self.pool} if pooled else {}
+        self.stores[method] = (url, method_codec(method, cfg, transform=self.transform, **options))
         click.echo(f"  e2e: stored {method}", err=True)
 
     def full_prefill(self) -> tuple[float, list[int]]:
@@ -425,6 +495,42 @@ def e2e_row(common: dict, m: str, r: dict, res: dict, ref_ids: list[int]) -> dic
     help="--e2e on a GPU: decode and restore kvcodec chunks in an NVDEC pool of this many worker processes "
     "(0: the fetcher's in-process decoder).",
 )
+@click.option(
+    "--transform",
+    "transforms",
+    multiple=True,
+    help="The .kvt the kvcodec-transform methods code with: PATH (every KV model) or MODEL=PATH.",
+)
+@click.option(
+    "--target-ratios",
+    default="5,8",
+    show_default=True,
+    help="Target ratios vs fp16 that the method 'kvcodec-transform' stands for (one method each, "
+    "kvcodec-transform-<ratio>).",
+)
+@click.option(
+    "--kv-file",
+    "kv_files",
+    multiple=True,
+    help="MODEL=PATH: measure MODEL's KV statistics on the KV saved in PATH (a safetensors file with a "
+    "(layers, 2, tokens, kv_heads, head_dim) 'kv' tensor, as `kvcodec extract` writes) instead of a prefill.",
+)
+@click.option(
+    "--accuracy",
+    "accuracy_files",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="A benchmarks/rd.py record (rd-*.json): its accuracy per method (top-1 agreement, perplexity "
+    "change, Quoref same answer) goes beside the TTFT of the targets whose KV statistics are its model's.",
+)
+@click.option(
+    "--stats-only",
+    is_flag=True,
+    help="Only measure the KV statistics (bytes per method) and write them; a later run reads them with --stats.",
+)
+@click.option(
+    "--note", default="", help="Text added to the record's notes (e.g. where --decode-rate values come from)."
+)
 @click.option("--out", "out_path", default=None, help="JSON path (default benchmarks/results/ttft-<device>.json).")
 def command(
     targets,
@@ -445,8 +551,15 @@ def command(
     e2e_new_tokens,
     e2e_mode,
     nvdec_pool,
+    transforms,
+    target_ratios,
+    kv_files,
+    accuracy_files,
+    stats_only,
+    note,
 ) -> None:  # noqa: ANN001
-    """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec prefix reuse."""
+    """TTFT vs bandwidth: full prefill vs raw / zstd / CacheGen-style / kvcodec (HEVC quant or transform)
+    prefix reuse."""
 
     import torch
 
@@ -455,18 +568,37 @@ def command(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.startswith("cuda")
     bws = [float(b) for b in bandwidths.split(",")]
-    meths = [m.strip() for m in methods.split(",") if m.strip()]
+    ratios = [float(r) for r in target_ratios.split(",") if r.strip()]
+    meths = expand_methods([m.strip() for m in methods.split(",") if m.strip()], ratios)
+    kvts = per_model(transforms, "--transform", kv_models.split(","))
+    if any(transform_ratio(m) for m in meths) and not (kvts or stats_file):
+        raise click.ClickException("the kvcodec-transform methods need --transform PATH.kvt")
     w, h = (int(v) for v in resolution.lower().split("x"))
     overrides = {k: float(v) for k, v in (o.split("=", 1) for o in decode_rate)}
     token_counts = [int(t) for t in str(tokens_list).split(",") if t.strip()]
     if e2e_mode:
         return e2e_command(
-            kv_models, token_counts, e2e_new_tokens, bws, meths, w, h, text, device, gpu, nvdec_pool, repeat, out_path
+            kv_models,
+            token_counts,
+            e2e_new_tokens,
+            bws,
+            meths,
+            w,
+            h,
+            text,
+            device,
+            gpu,
+            nvdec_pool,
+            repeat,
+            out_path,
+            kvts,
         )
+    src = KVSources(kv_models.split(","), text, kvts, dict(kv_pair(o, "--kv-file") for o in kv_files))
+    if stats_only:
+        return stats_command(src, token_counts[0], meths, (w, h), overrides, out_path)
     return modeled_command(
         targets,
-        kv_models,
-        text,
+        src,
         token_counts,
         suffix_tokens,
         bws,
@@ -480,7 +612,88 @@ def command(
         gpu,
         repeat,
         out_path,
+        accuracy_files,
+        note,
     )
+
+
+def kv_pair(option: str, name: str) -> tuple[str, str]:
+    if "=" not in option:
+        raise click.ClickException(f"{name} takes MODEL=PATH; got {option!r}")
+    model, path = option.split("=", 1)
+    return model, path
+
+
+def per_model(options: tuple[str, ...], name: str, models: list[str]) -> dict[str, str]:
+    """{model: path} of PATH (every model) / MODEL=PATH options."""
+    out: dict[str, str] = {}
+    for o in options:
+        model, path = kv_pair(o, name) if "=" in o and o.split("=", 1)[0] in models else ("", o)
+        out.update({model: path} if model else dict.fromkeys(models, path))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSources:
+    """Where the KV statistics come from: each model's prefill of `text` or its saved KV file, and
+    the .kvt its transform methods code with."""
+
+    models: list[str]
+    text: str
+    transforms: dict[str, str]
+    kv_files: dict[str, str]
+
+    def stats(self, model: str, tokens: int, meths: list[str], resolution: tuple[int, int], skip: frozenset) -> dict:
+        return kv_statistics(
+            model,
+            tokens,
+            meths,
+            resolution,
+            self.text,
+            self.transforms.get(model),
+            self.kv_files.get(model),
+            skip,
+        )
+
+    def all_stats(self, tokens: int, meths: list[str], resolution: tuple[int, int], overrides: dict) -> dict:
+        click.echo("measuring codecs on real KV caches (cpu) ...", err=True)
+        skip = frozenset(m for m in overrides if transform_ratio(m) is not None)
+        return {m: self.stats(m, tokens, meths, resolution, skip) for m in self.models}
+
+
+def stats_command(
+    src: KVSources, tokens: int, meths: list[str], resolution: tuple[int, int], overrides: dict, out_path
+) -> None:  # noqa: ANN001
+    """--stats-only: the KV statistics alone, as a record a later (GPU) run reads with --stats."""
+    stats = src.all_stats(tokens, meths, resolution, overrides)
+    rec = {
+        "benchmark": "ttft-stats",
+        "command": command_line("ttft"),
+        "machine": machine(),
+        "time": utc_now(),
+        "notes": "bytes of each method on real KV, every chunk blob counted (256-token chunks); kvcodec-transform: "
+        "TransformCodec of the .kvt whose sha256 is kvt_sha256, at the target ratio",
+        "kv_stats": stats,
+    }
+    md = [
+        "# KV statistics for the TTFT bench",
+        "",
+        f"`{rec['command']}`",
+        "",
+        rec["notes"],
+        "",
+        "| KV model | tokens | method | bytes | ratio vs fp16 | CPU decode GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for km, st in stats.items():
+        for m, r in st["methods"].items():
+            dec = f"{r['decode_GBps_fp16']:.3f}" if r.get("decode_GBps_fp16") else "-"
+            md.append(
+                f"| {km} | {st['tokens']} | {method_label(m)} | {r['bytes']} | {r['ratio_vs_fp16']:.3f} | {dec} |"
+            )
+    path = write_result(result_path(out_path, "ttft-stats"), rec, md)
+    click.echo("\n".join(md))
+    click.echo(f"wrote {path}", err=True)
 
 
 def e2e_command(
@@ -497,6 +710,7 @@ def e2e_command(
     nvdec_pool: int,
     repeat: int,
     out_path,
+    transforms: dict[str, str] | None = None,
 ) -> None:  # noqa: ANN001
     """--e2e: TTFT measured through the engine for every model, prefix length, bandwidth and method."""
     rows = []
@@ -510,7 +724,9 @@ def e2e_command(
     try:
         for km in kv_models.split(","):
             for n in token_counts:
-                rows += e2e(km, n, e2e_new_tokens, bws, meths, (w, h), text, device, pool, repeat)
+                rows += e2e(
+                    km, n, e2e_new_tokens, bws, meths, (w, h), text, device, pool, repeat, (transforms or {}).get(km)
+                )
     finally:
         if pool is not None:
             pool.close()
@@ -557,7 +773,7 @@ def e2e_markdown(
         "",
         rec["notes"],
         "",
-        "| model | tokens | Gbit/s | " + " | ".join(METHOD_LABELS.get(m, m) for m in cols) + " |",
+        "| model | tokens | Gbit/s | " + " | ".join(method_label(m) for m in cols) + " |",
         "|---|---|---|" + "---|" * len(cols),
     ]
     for km in models:
@@ -591,7 +807,7 @@ def gap_markdown(rows: list[dict], meths: list[str]) -> list[str]:
     for r in rows:
         if r["method"] in meths:
             md.append(
-                f"| {r['model']} | {r['tokens']} | {r['bandwidth_gbit']:g} | {METHOD_LABELS.get(r['method'], r['method'])} | "
+                f"| {r['model']} | {r['tokens']} | {r['bandwidth_gbit']:g} | {method_label(r['method'])} | "
                 f"{_ms(r.get('restored_to_prefill_s'))} | {_ms(r.get('prefill_to_first_token_s'))} | "
                 f"{_ms(r.get('ttft_minus_fetch_s'))} |"
             )
@@ -600,8 +816,7 @@ def gap_markdown(rows: list[dict], meths: list[str]) -> list[str]:
 
 def modeled_command(
     targets,
-    kv_models: str,
-    text: str,
+    src: KVSources,
     token_counts: list[int],
     suffix_tokens: int,
     bws: list[float],
@@ -615,6 +830,8 @@ def modeled_command(
     gpu: bool,
     repeat: int,
     out_path,
+    accuracy_files: tuple[str, ...] = (),
+    note: str = "",
 ) -> None:  # noqa: ANN001
     """TTFT modeled from measured parts (see the module's docstring)."""
     import json
@@ -623,9 +840,12 @@ def modeled_command(
     if stats_file:
         with open(stats_file) as f:
             stats = json.load(f)["kv_stats"]
+        missing = [(km, m) for km, st in stats.items() for m in meths if m not in st["methods"]]
+        if missing:
+            raise click.ClickException(f"{stats_file} has no statistics for {missing}")
     else:
-        click.echo("measuring codecs on real KV caches (cpu) ...", err=True)
-        stats = {m: kv_statistics(m, tokens, meths, (w, h), text) for m in kv_models.split(",")}
+        stats = src.all_stats(tokens, meths, (w, h), overrides)
+    accuracy = load_accuracy(accuracy_files)
     tlist = targets.split(",") if targets else (["llama3-8b", "qwen2.5-7b"] if gpu else list(stats))
     rows, targets_info = [], {}
     for target in tlist:
@@ -642,6 +862,7 @@ def modeled_command(
             gpu,
             repeat,
             targets_info,
+            accuracy,
         )
     label = "gpu" if gpu else "cpu"
     rec = {
@@ -659,9 +880,11 @@ def modeled_command(
             if gpu
             else "CPU run: small real models, their own real KV (no scaling); all decoders run on the CPU "
             "(kvcodec = software HEVC decode, which is what makes it slow here; NVDEC is the design point)"
-        ),
+        )
+        + (f". {note}" if note else ""),
         "kv_stats": stats,
         "targets": targets_info,
+        "accuracy": accuracy,
         "rows": rows,
     }
     md = modeled_markdown(rec)
@@ -683,6 +906,7 @@ def target_rows(
     gpu: bool,
     repeat: int,
     targets_info: dict,
+    accuracy: dict | None = None,
 ) -> list[dict]:
     """Modeled TTFT rows of one target model: its prefill timed here, fetch from the KV statistics."""
     import torch
@@ -707,7 +931,6 @@ def target_rows(
     }
     for n, (full_s, suffix_s) in timings.items():
         fp16 = per_token * n
-        chunks = max(1, n // 256)
         rates = {m: decode_rate(m, st, fp16, gpu, nvdec_gbit, overrides) for m in meths}
         targets_info[target]["by_tokens"][str(n)] = {
             "prefill_s": full_s,
@@ -715,31 +938,97 @@ def target_rows(
             "decode_rates": rates,
         }
         click.echo(f"  prefill {n}+{suffix_tokens} tokens: {full_s:.3f} s; suffix only: {suffix_s:.3f} s", err=True)
-        for bw in bws:
-            res = {"prefill": {"ttft_s": full_s, "bytes": 0, "transfer_s": 0.0, "decode_s": 0.0}}
-            for m in meths:
-                nbytes = fp16 / st["methods"][m]["ratio_vs_fp16"]
-                f, x, d = fetch_time(nbytes, fp16, bw, rates[m]["decode_GBps_fp16"], chunks)
-                res[m] = {"ttft_s": f + suffix_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
-            for m, r in res.items():
-                rows.append(
-                    {
-                        "model": target,
-                        "tokens": n,
-                        "bandwidth_gbit": bw,
-                        "method": m,
-                        "ttft_s": r["ttft_s"],
-                        "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
-                        "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
-                        "speedup_vs_prefill": full_s / r["ttft_s"],
-                        "bytes": r["bytes"],
-                        "transfer_s": r["transfer_s"],
-                        "decode_s": r["decode_s"],
-                        "device": "gpu" if gpu else "cpu",
-                        "suffix_tokens": suffix_tokens,
-                    }
-                )
+        point = ModeledPoint(target, n, fp16, full_s, suffix_s, suffix_tokens, "gpu" if gpu else "cpu")
+        ratios = {m: st["methods"][m]["ratio_vs_fp16"] for m in meths}
+        decode = {m: rates[m]["decode_GBps_fp16"] for m in meths}
+        rows += modeled_rows(point, bws, ratios, decode, (accuracy or {}).get(src, {}))
     return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeledPoint:
+    """One target and prefix length: its fp16 KV bytes and measured prefill times."""
+
+    model: str
+    tokens: int
+    fp16_bytes: int
+    prefill_s: float
+    suffix_prefill_s: float
+    suffix_tokens: int
+    device: str
+
+
+ACCURACY_FIELDS = ("top1_agreement", "ppl_delta_pct", "quoref_same_answer_rate")
+
+
+def modeled_rows(
+    p: ModeledPoint, bws: list[float], ratios: dict[str, float], decode: dict[str, float], accuracy: dict
+) -> list[dict]:
+    """TTFT rows of full prefill and every method (ratio vs fp16, decode GB/s of fp16 KV) at each
+    bandwidth, with each method's speedups and its accuracy where `accuracy` ({method: record}) has it."""
+    chunks = max(1, p.tokens // 256)
+    rows = []
+    for bw in bws:
+        res = {"prefill": {"ttft_s": p.prefill_s, "bytes": 0, "transfer_s": 0.0, "decode_s": 0.0}}
+        for m, ratio in ratios.items():
+            nbytes = p.fp16_bytes / ratio
+            f, x, d = fetch_time(nbytes, p.fp16_bytes, bw, decode[m], chunks)
+            res[m] = {"ttft_s": f + p.suffix_prefill_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
+        for m, r in res.items():
+            acc = accuracy.get(m, {})
+            rows.append(
+                {
+                    "model": p.model,
+                    "tokens": p.tokens,
+                    "bandwidth_gbit": bw,
+                    "method": m,
+                    "ttft_s": r["ttft_s"],
+                    "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
+                    "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
+                    "speedup_vs_prefill": p.prefill_s / r["ttft_s"],
+                    "bytes": r["bytes"],
+                    "transfer_s": r["transfer_s"],
+                    "decode_s": r["decode_s"],
+                    "device": p.device,
+                    "suffix_tokens": p.suffix_tokens,
+                    **{f: acc.get(f) for f in ACCURACY_FIELDS},
+                }
+            )
+    return rows
+
+
+RD_METHODS = {"fp16": "raw", "int8": "kvcodec-int8", "int4": "kvcodec-int4", "cachegen": "cachegen"}
+
+
+def rd_method(name: str) -> str | None:
+    """The TTFT method a benchmarks/rd.py method name measures ("transform-hevc-r5" ->
+    "kvcodec-transform-5"); None for variants the TTFT bench does not fetch."""
+    if name.startswith("transform-hevc-r") and name[len("transform-hevc-r") :].replace(".", "", 1).isdigit():
+        return f"kvcodec-transform-{float(name[len('transform-hevc-r') :]):g}"
+    return RD_METHODS.get(name)
+
+
+def load_accuracy(paths: tuple[str, ...]) -> dict:
+    """{KV model: {method: accuracy record}} from benchmarks/rd.py records; a later file wins."""
+    import json
+    import os
+
+    out: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            rec = json.load(f)
+        if "records" not in rec:
+            raise click.ClickException(f"{path} is not a benchmarks/rd.py record (no 'records')")
+        for r in rec["records"]:
+            m = rd_method(r.get("method", ""))
+            if m is None:
+                continue
+            row = {k: r.get(k) for k in ("ratio_vs_fp16", "tokens_scored", "quoref_n", *ACCURACY_FIELDS)}
+            row["source"] = os.path.basename(path)
+            out.setdefault(r["model"], {})[m] = row
+            if m == "raw":  # zstd is lossless: the same KV as fp16
+                out[r["model"]]["zstd-3"] = row
+    return out
 
 
 def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overrides: dict) -> dict:
@@ -754,10 +1043,10 @@ def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overr
             "decode_GBps_fp16": fp16 / (coded * 8 / (nvdec_gbit * 1e9)) / 1e9,
             "source": f"NVDEC at {nvdec_gbit:g} Gbit/s coded (--nvdec-gbit)",
         }
-    return {
-        "decode_GBps_fp16": st["methods"][m]["decode_GBps_fp16"],
-        "source": "cpu (measured on the KV-statistics machine)",
-    }
+    rate = st["methods"][m].get("decode_GBps_fp16")
+    if not rate:
+        raise click.ClickException(f"no decode rate for {m}: its CPU decode was not timed; give --decode-rate {m}=GB/s")
+    return {"decode_GBps_fp16": rate, "source": "cpu (measured on the KV-statistics machine)"}
 
 
 def modeled_markdown(rec: dict) -> list[str]:
@@ -778,7 +1067,7 @@ def modeled_markdown(rec: dict) -> list[str]:
         rec["notes"],
         "",
         "| model | tokens | Gbit/s | "
-        + " | ".join(METHOD_LABELS.get(m, m) for m in ["prefill"] + meths)
+        + " | ".join(method_label(m) for m in ["prefill"] + meths)
         + "".join(f" | {c}" for c in speed_cols)
         + " |",
         "|---|---|---|" + "---|" * (len(meths) + 1 + len(speed_cols)),
@@ -805,4 +1094,36 @@ def modeled_markdown(rec: dict) -> list[str]:
                         x(sel[k]["speedup_vs_prefill"]),
                     ]
                 md.append(f"| {target} | {n} | {bw:g} | " + " | ".join(cells) + " |")
+    return md + inputs_markdown(rec, meths)
+
+
+def inputs_markdown(rec: dict, meths: list[str]) -> list[str]:
+    """What the modeled TTFT of each method rests on: its measured ratio, decode rate (and where that
+    comes from) and, where an rd record gave it, its accuracy on the real model."""
+    acc = rec.get("accuracy") or {}
+    md = [
+        "",
+        "Inputs per target and method: ratio vs fp16 (real KV of the statistics model), decode rate (GB/s of "
+        "fp16 KV) and its source, accuracy on the statistics model (benchmarks/rd.py record named).",
+        "",
+        "| target | tokens | prefill s | suffix prefill s | method | ratio vs fp16 | decode GB/s | decode source "
+        "| top-1 agreement | ppl change % | Quoref same answer | accuracy from |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v, fmt: str) -> str:  # noqa: ANN001
+        return "-" if v is None else format(v, fmt)
+
+    for target, info in rec.get("targets", {}).items():
+        st = rec["kv_stats"][info["kv_stats_from"]]
+        a = acc.get(info["kv_stats_from"], {})
+        for n, t in info["by_tokens"].items():
+            for m in meths:
+                r, x = t["decode_rates"][m], a.get(m, {})
+                md.append(
+                    f"| {target} | {n} | {t['prefill_s']:.3f} | {t['suffix_prefill_s']:.3f} | {method_label(m)} | "
+                    f"{st['methods'][m]['ratio_vs_fp16']:.2f} | {r['decode_GBps_fp16']:.2f} | {r['source']} | "
+                    f"{f(x.get('top1_agreement'), '.4f')} | {f(x.get('ppl_delta_pct'), '+.2f')} | "
+                    f"{f(x.get('quoref_same_answer_rate'), '.3f')} | {x.get('source', '-')} |"
+                )
     return md

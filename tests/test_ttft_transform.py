@@ -1,0 +1,127 @@
+"""The TTFT bench's transform methods: bytes from encoding a KV file with a .kvt, the modeled rows,
+accuracy read from an rd record (CPU, seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from click.testing import CliRunner  # noqa: E402
+
+from kvbench import ttft  # noqa: E402
+from kvbench.methods import expand_methods, label, method_codec, transform_ratio  # noqa: E402
+from kvcodec.config import CodecConfig  # noqa: E402
+from kvcodec.errors import ConfigError  # noqa: E402
+from kvcodec.kvspec.files import save_kv_file  # noqa: E402
+from kvcodec.transform import RopeSpec, calibrate, save_kvt  # noqa: E402
+from kvcodec.transform.rope import apply_rope  # noqa: E402
+
+L, H, D = 4, 2, 16
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def synthetic_kv(tokens: int, seed: int) -> torch.Tensor:
+    """Correlated (low rank + noise) KV of one synthetic "model"; keys carry RoPE."""
+    g = torch.Generator().manual_seed(1234)
+    mix = torch.randn(12, L * 2 * H * D, generator=g) * torch.linspace(3, 0.2, 12)[:, None]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 12, generator=g) @ mix + 0.05 * torch.randn(tokens, L * 2 * H * D, generator=g)
+    kv = x.view(tokens, L, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
+    kv[:, 0] = apply_rope(kv[:, 0], torch.arange(tokens), RopeSpec(10000.0, D))
+    return kv.to(torch.float16)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ttft")
+    save_kvt(
+        calibrate([synthetic_kv(600, s) for s in (1, 2)], RopeSpec(10000.0, D), info={"model": "syn"}), d / "s.kvt"
+    )
+    save_kv_file(d / "kv.safetensors", synthetic_kv(300, seed=9), {"model": "syn"})
+    return d / "s.kvt", d / "kv.safetensors"
+
+
+def test_transform_method_names():
+    assert expand_methods(["raw", "kvcodec-transform", "kvcodec-int8"], [5, 8]) == [
+        "raw",
+        "kvcodec-transform-5",
+        "kvcodec-transform-8",
+        "kvcodec-int8",
+    ]
+    assert transform_ratio("kvcodec-transform-6.5") == 6.5 and transform_ratio("kvcodec-int8") is None
+    assert label("kvcodec-transform-5") == "kvcodec-transform 5x" and label("raw") == "raw fp16 KV"
+    for bad in ("kvcodec-transform-x", "kvcodec-transform-1"):
+        with pytest.raises(ConfigError):
+            expand_methods([bad], [])
+    with pytest.raises(ConfigError, match="needs a .kvt"):
+        method_codec("kvcodec-transform-5", CodecConfig())
+
+
+def test_kv_file_and_kvt_by_path_give_the_transform_bytes(files):
+    kvt, kv_path = files
+    res = (144, 144)
+    first = ttft.kv_statistics("syn", 0, ["raw", "kvcodec-transform-4"], res, "pg", str(kvt), str(kv_path))
+    t = first["methods"]["kvcodec-transform-4"]
+    assert first["tokens"] == 300 and first["fp16_bytes"] == L * 2 * 300 * H * D * 2
+    assert t["chunks"] == 2 and t["target_ratio"] == 4 and len(t["kvt_sha256"]) == 64
+    assert 3.5 < t["ratio_vs_fp16"] < 4.5 and t["decode_GBps_fp16"] > 0
+    assert first["methods"]["raw"]["ratio_vs_fp16"] == pytest.approx(1, abs=1e-3)
+
+
+def test_transform_method_stores_and_fetches_through_a_prefix_cache(files):
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    kv = synthetic_kv(300, seed=9)
+    cfg = CodecConfig(chunk_tokens=128, resolutions=((144, 144),))
+    codec = method_codec("kvcodec-transform-4", cfg, transform=files[0])
+    pc = PrefixCache(open_store("memory://"), "syn", codec, "cpu", policy="fixed:0")
+    ids = list(range(100, 400))
+    assert pc.put(ids, kv) == 3
+    res = pc.fetch(ids, 300)
+    assert res.error is None and res.tokens_restored == 300
+    err = float((res.kv.float() - kv.float()).pow(2).mean() / kv.float().pow(2).mean())
+    assert err < 0.05
+
+
+def test_modeled_rows_speedups_and_accuracy():
+    p = ttft.ModeledPoint("m", 8192, 10**9, prefill_s=0.3, suffix_prefill_s=0.03, suffix_tokens=32, device="gpu")
+    ratios = {"raw": 1.0, "cachegen": 4.0, "kvcodec-transform-5": 5.0}
+    decode = {"raw": 50.0, "cachegen": 4.0, "kvcodec-transform-5": 2.5}
+    acc = {"kvcodec-transform-5": {"top1_agreement": 0.99, "ppl_delta_pct": 0.1}}
+    rows = {(r["bandwidth_gbit"], r["method"]): r for r in ttft.modeled_rows(p, [1.0, 100.0], ratios, decode, acc)}
+    t = rows[(1.0, "kvcodec-transform-5")]
+    x, d = 0.2e9 * 8 / 1e9, 1e9 / 2.5e9  # link-bound at 1 Gbit/s: the decode hides but for one chunk
+    assert t["ttft_s"] == pytest.approx(x + d / 32 + 0.03)
+    assert t["speedup_vs_raw"] == pytest.approx(rows[(1.0, "raw")]["ttft_s"] / t["ttft_s"])
+    assert t["top1_agreement"] == 0.99 and rows[(1.0, "raw")]["top1_agreement"] is None
+    fast = rows[(100.0, "kvcodec-transform-5")]  # decode-bound: slower than the 0.3 s prefill
+    assert fast["ttft_s"] == pytest.approx(d + 0.016 / 32 + 0.03) and fast["speedup_vs_prefill"] < 1
+    assert rows[(100.0, "prefill")]["ttft_s"] == 0.3
+
+
+def test_accuracy_from_a_committed_rd_record():
+    acc = ttft.load_accuracy((str(RESULTS / "rd-smollm2-135m-cpu-s6.json"),))["smollm2-135m"]
+    assert {"raw", "zstd-3", "kvcodec-int8", "cachegen", "kvcodec-transform-5", "kvcodec-transform-8"} <= set(acc)
+    assert acc["kvcodec-transform-5"]["top1_agreement"] == pytest.approx(0.9882, abs=1e-4)
+    assert acc["cachegen"]["source"] == "rd-smollm2-135m-cpu-s6.json"
+    assert ttft.rd_method("transform-hevc-r5-nosink") is None and ttft.rd_method("transform-zstd-r5") is None
+
+
+def test_stats_only_command_writes_a_record(files, tmp_path):
+    kvt, kv_path = files
+    out = tmp_path / "ttft-stats-x.json"
+    args = ["--stats-only", "--kv-models", "syn", "--kv-file", f"syn={kv_path}", "--transform", str(kvt)]
+    args += ["--methods", "raw,kvcodec-transform", "--target-ratios", "4", "--resolution", "144x144"]
+    args += ["--decode-rate", "kvcodec-transform-4=2.5", "--device", "cpu", "--out", str(out)]
+    r = CliRunner().invoke(ttft.command, args)
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    assert set(rec["kv_stats"]["syn"]["methods"]) == {"raw", "kvcodec-transform-4"}
+    assert rec["kv_stats"]["syn"]["methods"]["kvcodec-transform-4"]["decode_s"] is None  # its rate is given
+    assert "kvcodec-transform 4x" in out.with_suffix(".md").read_text()
+    missing = CliRunner().invoke(ttft.command, ["--stats-only", "--methods", "kvcodec-transform", "--device", "cpu"])
+    assert missing.exit_code != 0 and "--transform" in missing.output
