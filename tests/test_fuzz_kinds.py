@@ -108,8 +108,11 @@ def test_transform_file_version_1_still_decodes(kinds):
     subject = _file(kinds, "kvtf-zstd")
 
     def downgrade(m, h, b):
-        for name in ("format", "kvtf_version", "settings"):
+        for name in ("format", "kvtf_version", "settings", "file_id"):
             del h[name]
+        for i, blob in enumerate(b):  # version 1 chunks carry no key
+            ch, payload = read_object(blob, blob[:4], "chunk")
+            b[i] = write_object(blob[:4], {**ch, "key": None}, [bytes(payload)])
 
     old = _rewrite(subject.data, downgrade)
     assert read_header(old)[0]["kvtf_version"] == 1

@@ -12,6 +12,7 @@ Container framing (docs/FORMAT.md); JSON header: {"format": "kvcodec-grouped-fil
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 
 from kvcodec.codecs.grouped import GROUPED_VERSION, READABLE_VERSIONS, GroupedCodec, spec_of
 from kvcodec.container import validate as v
-from kvcodec.container.format import crc32, read_object, write_object
+from kvcodec.container.format import content_id, crc32, read_object, write_object
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 from kvcodec.kvspec import GroupedKV, KVSpec
@@ -33,7 +34,9 @@ def encode_grouped(kv: GroupedKV, codec: GroupedCodec) -> bytes:
     if not isinstance(codec, GroupedCodec):
         raise ConfigError(f"encode_grouped needs a GroupedCodec; got {type(codec).__name__}")
     blobs, payloads, offset = [], [], 0
-    for chunk in codec.encode_chunks(kv):
+    file_id = content_id(kv.tensors, codec.id, json.dumps(kv.spec.to_dict(), sort_keys=True), str(kv.starts))
+    keys = [chunk_key(file_id, n) for n in range(-(-kv.stop // codec.chunk_tokens))]
+    for chunk in codec.encode_chunks(kv, keys=keys):
         for res, blob in zip(chunk.resolutions, chunk.blobs):
             blobs.append(
                 {
@@ -54,9 +57,15 @@ def encode_grouped(kv: GroupedKV, codec: GroupedCodec) -> bytes:
         "stop": kv.stop,
         "starts": list(kv.starts),
         "chunk_tokens": codec.chunk_tokens,
+        "file_id": file_id,
         "blobs": blobs,
     }
     return write_object(MAGIC, header, payloads)
+
+
+def chunk_key(file_id: str | None, index: int) -> str | None:
+    """The key chunk `index` of a file carries (version 2: bound to the file's content id)."""
+    return None if file_id is None else f"{file_id}/{index}"
 
 
 _BLOB = v.record(
@@ -74,6 +83,7 @@ _FIELDS = {
     "starts": v.listing(v.integer(0, v.MAX_TOKENS), 1, 4 * v.MAX_DIM),
     "chunk_tokens": v.integer(1, v.MAX_TOKENS),
     "blobs": v.listing(_BLOB, 1, 1 << 24),
+    "file_id": v.text(64),
 }
 
 
@@ -90,7 +100,7 @@ def _read(data: bytes | memoryview) -> tuple[dict[str, Any], KVSpec, memoryview]
     if extra:
         raise FormatError(f"grouped file header has unknown fields {extra}")
     spec = spec_of(header.get("spec"))
-    f = v.fields_of(header, _FIELDS, {})
+    f = v.fields_of(header, _FIELDS, {} if version >= 2 else {"file_id": None})
     stop, starts, ct, blobs = f["stop"], f["starts"], f["chunk_tokens"], list(f["blobs"])
     if len(starts) != len(spec.groups) or max(starts) > stop:
         raise v.fail("starts", list(starts)[:8], f"{len(spec.groups)} first positions, none past stop={stop}")
@@ -157,17 +167,22 @@ def decode_grouped(
         if crc32(blob) != b["crc32"]:
             raise ChecksumError(f"grouped file: chunk {b['chunk_index']} checksum mismatch")
         start = b["chunk_index"] * ct
-        _check_chunk(codec.inspect_chunk(blob), b["chunk_index"], start, min(start + ct, stop) - start, res)
+        info = codec.inspect_chunk(blob)
+        _check_chunk(
+            info, b["chunk_index"], start, min(start + ct, stop) - start, chunk_key(header["file_id"], b["chunk_index"])
+        )
         codec.decode_chunk(blob, out.view(start, min(start + ct, stop)))
     return out
 
 
-def _check_chunk(info, index: int, start: int, tokens: int, res: list) -> None:
-    want = {"index": index, "start_token": start, "tokens": tokens}
+def _check_chunk(info, index: int, start: int, tokens: int, key: str | None) -> None:
+    """Refuse a chunk blob that is not chunk `index` of this file (its place, or its file: the key)."""
+    want = {"index": index, "start_token": start, "tokens": tokens, "key": key}
     for name, value in want.items():
         if getattr(info, name) != value:
             raise FormatError(
-                f"grouped file: the chunk listed as chunk {index} says {name}={getattr(info, name)}; expected {value}"
+                f"grouped file: the chunk listed as chunk {index} says {name}={getattr(info, name)}; expected {value} "
+                "(a chunk moved or of another file)"
             )
 
 

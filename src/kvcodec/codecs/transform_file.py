@@ -20,7 +20,7 @@ import torch
 from kvcodec.codecs.transform import TransformCodec
 from kvcodec.codecs.transform_header import positive_number
 from kvcodec.container import validate as v
-from kvcodec.container.format import crc32, read_object, write_object
+from kvcodec.container.format import content_id, crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, TruncatedError
 from kvcodec.transform.quantize import MAX_FINE_BITS, RECONS
 
@@ -72,11 +72,18 @@ FIELDS: dict[str, v.Check] = {
     "dtype": v.choice(tuple(DTYPES)),
     "chunks": v.listing(_entry, 1, MAX_CHUNKS),
 }
-FIELDS_V2 = {**FIELDS, "settings": SETTINGS}
+FIELDS_V2 = {**FIELDS, "settings": SETTINGS, "file_id": v.text(64)}
+
+
+def chunk_key(file_id: str | None, index: int) -> str | None:
+    """The key chunk `index` carries (version 2: bound to the file's content id; version 1: none)."""
+    return None if file_id is None else f"{file_id}/{index}"
 
 
 def encode_file(kv: torch.Tensor, codec: TransformCodec, on_chunk=None) -> bytes:
-    chunks = codec.encode_chunks(kv, on_chunk=on_chunk)
+    file_id = content_id([kv], codec.id)
+    keys = [chunk_key(file_id, i) for i in range(-(-kv.shape[2] // codec.chunk_tokens))]
+    chunks = codec.encode_chunks(kv, keys=keys, on_chunk=on_chunk)
     blobs = [c.blobs[0] for c in chunks]
     first = codec.header(blobs[0])
     header = {
@@ -87,6 +94,7 @@ def encode_file(kv: torch.Tensor, codec: TransformCodec, on_chunk=None) -> bytes
         "shape": list(kv.shape),
         "dtype": str(kv.dtype).replace("torch.", ""),
         "chunks": [[c.tokens, len(b), crc32(b)] for c, b in zip(chunks, blobs)],
+        "file_id": file_id,
         "settings": {
             "theta": first["theta"],
             "key_weight": first["key_weight"],
@@ -155,7 +163,7 @@ def expected_chunk(h: dict, index: int, start: int, tokens: int) -> dict[str, An
         "dtype": h["dtype"],
         "kvt": h["kvt"],
         "codec": h["codec"],
-        "key": None,
+        "key": chunk_key(h.get("file_id"), index),
     }
     s = h.get("settings")
     if s is not None:

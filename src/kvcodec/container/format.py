@@ -321,6 +321,22 @@ def _file_config(config_json: str) -> CodecConfig:
     return CodecConfig.from_dict(json.loads(config_json))
 
 
+def content_id(tensors, *labels: str) -> str:
+    """A 32-hex-digit digest of tensors' bytes and labels: the identity a file gives its chunks
+    (their keys), so a chunk of another file, even of the same codec and shape, is refused."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    for label in labels:
+        h.update(label.encode() + b"\0")
+    for t in tensors:
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        h.update(t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _checked(d: dict[str, Any], kind: str, checks, optional) -> dict[str, Any]:
     """A header's fields, type- and range-checked, after its format tag; FormatError naming
     the field on any mismatch."""
