@@ -1058,7 +1058,7 @@ def modeled_markdown(rec: dict) -> list[str]:
     targets = list(dict.fromkeys(r["model"] for r in rows))
     tokens = sorted({r["tokens"] for r in rows})
     bws = sorted({r["bandwidth_gbit"] for r in rows})
-    speed_cols = [f"{k} vs {b}" for k in kvms for b in ("raw", "CacheGen", "prefill")]
+    speed_cols = [f"{method_label(k)} vs {b}" for k in kvms for b in ("raw", "CacheGen", "prefill")]
     md = [
         f"# TTFT vs bandwidth ({rec['label']})",
         "",
