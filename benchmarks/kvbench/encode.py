@@ -143,7 +143,7 @@ def _relative(rows: list[dict[str, Any]], base: dict[str, Any]) -> None:
 
 def _markdown(doc: dict[str, Any]) -> list[str]:
     lines = [
-        f"# Encode speed: {doc['kv_file']}",
+        f"# Encode speed: {doc['kv_file']} {doc.get('kv_meta') or ''}",
         "",
         f"`{doc['command']}`",
         "",
@@ -191,9 +191,12 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Result JSON path.")
 def command(kv_file, quant, tokens, kvt, repeat, sweep, device, name, out) -> None:
     """Encode speed and size of KV_FILE (safetensors, tensor `kv`) now and with the earlier default."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     kv = load_file(str(kv_file))["kv"]
+    with safe_open(str(kv_file), "pt") as f:  # what `kvcodec extract` recorded: model, text, tokens
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k in ("model", "text", "tokens", "dtype")}
     if tokens:
         kv = kv[:, :, :tokens].contiguous()
     kv = kv.to(device)
@@ -208,6 +211,7 @@ def command(kv_file, quant, tokens, kvt, repeat, sweep, device, name, out) -> No
     doc = {
         "command": command_line("encode"),
         "kv_file": kv_file.name,
+        "kv_meta": meta,
         "shape": list(kv.shape),
         "fp16_mb": kv.numel() * 2 / 1e6,
         "kv_device": str(kv.device),
