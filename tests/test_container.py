@@ -467,3 +467,21 @@ def test_every_truncation_and_byte_flip_of_a_split_chunk_is_an_error_or_exact(sp
         except KVCodecError:
             continue
         assert torch.equal(got, want), f"a flip at byte {pos} decoded to other values"
+
+
+def test_a_chunk_of_another_file_of_the_same_config_is_refused(kv, encoded):
+    """Chunks are keyed to their file's content id: another file's chunk 1 (same codec, shape and
+    place) in this file's place, its entry's offset, length and CRC recomputed, is refused."""
+    other = kvcodec.encode(kv_like(seed=1), CONFIG)
+    blob_of = lambda data: (lambda h, p: (h, p))(*read_object(data, FILE_MAGIC, "file"))  # noqa: E731
+    (h, payload), (oh, opayload) = blob_of(encoded), blob_of(other)
+    blobs = [bytes(payload[b["offset"] : b["offset"] + b["length"]]) for b in h["blobs"]]
+    o = oh["blobs"][1]
+    blobs[1] = bytes(opayload[o["offset"] : o["offset"] + o["length"]])
+    offset = 0
+    for entry, blob in zip(h["blobs"], blobs):
+        entry.update(offset=offset, length=len(blob), crc32=crc32(blob))
+        offset += len(blob)
+    assert h["file_id"] != oh["file_id"]
+    with pytest.raises(FormatError, match="key"):
+        kvcodec.decode(write_object(FILE_MAGIC, h, blobs))

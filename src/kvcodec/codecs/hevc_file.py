@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 
 import numpy as np
@@ -18,7 +19,9 @@ from kvcodec.container.format import (
     BlobEntry,
     FileHeader,
     check_chunk_against_file,
+    content_id,
     crc32,
+    file_chunk_key,
     object_version,
     parse_file,
     write_object,
@@ -36,7 +39,9 @@ def encode(
     on_chunk: Callable[[EncodedChunk], None] | None = None,
 ) -> bytes:
     """Encode a KV tensor (layers, 2, tokens, kv_heads, head_dim) into a kvcodec file (.kvc)."""
-    chunks = encode_chunks(kv, config, encoder=encoder, on_chunk=on_chunk)
+    file_id = content_id([kv], json.dumps(config.to_dict(), sort_keys=True))  # chunks keyed to this file
+    keys = [file_chunk_key(file_id, i) for i in range(-(-kv.shape[2] // config.chunk_tokens))]
+    chunks = encode_chunks(kv, config, encoder=encoder, on_chunk=on_chunk, keys=keys)
     entries, payloads, offset = [], [], 0
     for c in chunks:
         for res, blob in zip(c.resolutions, c.blobs):
@@ -53,6 +58,7 @@ def encode(
         config=config.to_dict(),
         chunk_tokens=tuple(c.tokens for c in chunks),
         blobs=tuple(entries),
+        file_id=file_id,
     )
     return write_object(FILE_MAGIC, header.to_json(), payloads)
 

@@ -207,6 +207,7 @@ class FileHeader:
     config: dict[str, Any]
     chunk_tokens: tuple[int, ...]  # tokens of each chunk
     blobs: tuple[BlobEntry, ...]
+    file_id: str | None = None  # content id; chunk i carries the key file_chunk_key(file_id, i)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -235,12 +236,14 @@ class FileHeader:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if d["file_id"] is None:
+            del d["file_id"]
         d["format"] = "kvcodec-file"
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> FileHeader:
-        fh = cls(**_checked(d, "file", _FILE_FIELDS, {}))
+        fh = cls(**_checked(d, "file", _FILE_FIELDS, {"file_id": None}))
         return check_file_header(fh)
 
 
@@ -250,7 +253,13 @@ _FILE_FIELDS = {
     "config": v.mapping("an object (the CodecConfig)"),
     "chunk_tokens": v.listing(v.integer(1, v.MAX_TOKENS), 1),
     "blobs": v.listing(_BLOB, 1),
+    "file_id": v.text(64),
 }
+
+
+def file_chunk_key(file_id: str | None, index: int) -> str | None:
+    """The key chunk `index` of a file carries: bound to the file's content id (None: unbound)."""
+    return None if file_id is None else f"{file_id}/{index}"
 
 
 def check_file_header(fh: FileHeader) -> FileHeader:
@@ -288,6 +297,7 @@ def check_chunk_against_file(
         "chunk_index": index,
         "start_token": fh.start_token(index),
         "tokens": fh.chunk_tokens[index],
+        "key": file_chunk_key(fh.file_id, index),
     }
     if resolution is not None:
         expect["resolution"] = tuple(resolution)
