@@ -19,8 +19,13 @@ from kvcodec.restore.paged import PagedKV
 from kvcodec.store import open_store
 
 RES = ((256, 256), (512, 512))
-# options that make each codec small and fast on this file's KV; other codecs get the common ones
-EXTRA = {"hevc": {"search_layout": False, "quant": "int8"}, "raw": {"variants": ("raw", "zstd")}}
+# options that make each codec small and fast on this file's KV; other codecs get the common ones.
+# hevc: no plain fallback, so that a chunk coded with its key (put) and without (reference) is the
+# same int8 chunk (its size is near the plain threshold on this KV, and the key counts in it)
+EXTRA = {
+    "hevc": {"search_layout": False, "quant": "int8", "plain_fallback": False},
+    "raw": {"variants": ("raw", "zstd")},
+}
 
 
 @pytest.fixture(scope="module")
