@@ -71,14 +71,14 @@ def chunk_roundtrip(codec, kv16):
     return out, sum(len(c.blobs[0]) for c in chunks), chunks
 
 
-def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True, zstd_ratios=()):
+def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True, zstd_ratios=(), coder="hevc"):
     """name -> (factory of a roundtrip function kv16 -> (restored, bytes, extra))."""
     from kvcodec.codecs.transform import TransformCodec
 
     out = {"fp16": _with_fast(lambda kv: (kv, kv.numel() * 2, {}), lambda theta: out["fp16"])}
     for r in ratios:
-        codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r)
-        out[f"transform-hevc-r{r:g}"] = _transform(codec, cal, digest, compare=r in compare)
+        codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder=coder)
+        out[f"transform-{coder}-r{r:g}"] = _transform(codec, cal, digest, compare=r in compare and coder == "hevc")
     for r in zstd_ratios:  # the same transform, zstd-19 instead of HEVC, sized to its own target
         codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder="zstd")
         out[f"transform-zstd-r{r:g}"] = _transform(codec, cal, digest, compare=False)
@@ -380,6 +380,13 @@ def task_notes(doc):
 @click.option("--out", "out_stem", required=True, help="Output stem: writes STEM.json and STEM.md.")
 @click.option("--save-kvt", help="Write the calibration here.")
 @click.option(
+    "--coder",
+    type=click.Choice(["hevc", "zstd"]),
+    default="hevc",
+    show_default=True,
+    help="Sample coder of the transform points (zstd: the same integers, a CPU-cheap coder; sizes within ~2%).",
+)
+@click.option(
     "--defaults-tuned-on",
     default="smollm2-135m,qwen2.5-coder-0.5b",
     show_default=True,
@@ -406,6 +413,7 @@ def main(
     quoref_max_tokens,
     needle_lengths,
     needle_depths,
+    coder,
     defaults_tuned_on,
 ):
     from kvcodec.models import load_model
@@ -425,7 +433,7 @@ def main(
     weights = [float(w) for w in key_weights.split(",") if w]
     bl = [b for b in baselines.split(",") if b]
     zstd_list = [float(r) for r in zstd_ratios.split(",") if r]
-    runners = methods(cal, digest, ratio_list, bl, compare_set, weights, not no_nosink, zstd_list)
+    runners = methods(cal, digest, ratio_list, bl, compare_set, weights, not no_nosink, zstd_list, coder)
     per_text = [evaluate_text(model, tokenizer, t, prefix_tokens, cont_tokens, runners) for t in evals]
     prompts = task_prompts(tokenizer, n_quoref, quoref_max_tokens, needle_lengths, needle_depths, calib, evals)
     fast = task_runners(runners, per_text)

@@ -63,10 +63,10 @@ def main(kvts, rds, out_stem):
     for path in rds:
         doc = json.loads(Path(path).read_text())
         for r in doc["records"]:
-            if not r["method"].startswith("transform-hevc-r"):
+            if not r["method"].startswith(("transform-hevc-r", "transform-zstd-r")):
                 records.append(dict(r, eval_texts=doc["eval_texts"]))
                 continue
-            target = float(r["method"].removeprefix("transform-hevc-r"))
+            target = float(r["method"].split("-r", 1)[1])
             pred = next(
                 (x for x in records if x["model"] == r["model"] and x["method"] == f"transform-report-r{target:g}"),
                 None,
