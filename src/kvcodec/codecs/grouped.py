@@ -81,7 +81,7 @@ _FIELDS = {
     "tokens": v.integer(1, v.MAX_TOKENS),
     "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
     "key": v.text(512, optional=True),
-    "parts": v.listing(_PART, 1, 4 * v.MAX_DIM),
+    "parts": v.listing(_PART, 0, 4 * v.MAX_DIM),  # none: a chunk before every group's window
 }
 
 
