@@ -18,7 +18,11 @@ from kvcodec.fetcher import DecodeProfile, PrefixCache, blob_key, chunk_keys, me
 from kvcodec.fetcher.shards import TPShard, join_kv, shard_heads, split_kv, tiling_shards
 from kvcodec.store import open_store
 
-CFG = CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),), search_layout=False, video_bits=3)
+# no plain fallback: a shard's chunk and the full chunk are both int8-coded whatever their sizes
+# (the plain threshold would otherwise decide per shard)
+CFG = CodecConfig(
+    quant="int8", chunk_tokens=32, resolutions=((256, 256),), search_layout=False, video_bits=3, plain_fallback=False
+)
 
 
 def tp_pairs():
