@@ -52,7 +52,8 @@ def report_records(model: str, kvt: str) -> tuple[list[dict], dict]:
 @click.option("--kvt", "kvts", multiple=True, required=True, help="MODEL=PATH of a .kvt with a quality report.")
 @click.option("--rd", "rds", multiple=True, help="rd.py result JSONs of the same .kvt on other texts.")
 @click.option("--out", "out_stem", required=True)
-def main(kvts, rds, out_stem):
+@click.option("--note", "notes", multiple=True, help="A line for the result (e.g. the calibrate command, the machine).")
+def main(kvts, rds, out_stem, notes):
     records, calib = [], {}
     for item in kvts:
         model, _, path = item.partition("=")
@@ -90,11 +91,13 @@ def main(kvts, rds, out_stem):
                     )
                 )
     command = "python benchmarks/probes/rd_report.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    doc = dict(command=command, records=records, checks=checks, calibration=calib)
+    doc = dict(command=command, records=records, checks=checks, calibration=calib, notes=list(notes))
     md = [
         "# Calibration quality report vs held-out measurements (issue 23)",
         "",
         f"Command: `{doc['command']}`",
+        "",
+        *[f"- {n}" for n in notes],
         "",
         "| model | method | eval texts | ratio vs fp16 | top-1 | ppl delta | calibrated on |",
         "|---|---|---|---|---|---|---|",
