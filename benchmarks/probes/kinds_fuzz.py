@@ -542,6 +542,7 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--out", required=True)
     ap.add_argument("--merge", nargs="+", help="JSON results of runs with other seeds: write their sum to --out")
+    ap.add_argument("--note", default="", help="a sentence the result carries (e.g. which commit each run tested)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvbench.results import write_result
@@ -549,6 +550,7 @@ def main() -> None:
     if args.merge:
         doc = merge([json.loads(Path(p).read_text()) for p in args.merge])
         doc["command"] = "python benchmarks/probes/kinds_fuzz.py " + " ".join(sys.argv[1:])
+        doc["note"] = args.note
         write_result(args.out, doc, render(doc))
         return
     torch.set_num_threads(1)
@@ -640,6 +642,11 @@ def render(doc: dict) -> str:
         f"Total: {doc['cases']} cases, **{doc['wrong_data']} wrong data, {doc['crashes']} crashes**; the largest "
         f"allocation of any case {doc['max_alloc_mb']} MB (limit: {doc['max_expansion']}x the file's size).",
         "",
+        "A .kvt has no checksum (its sha256 is its identity): the kvt cases that are neither errors nor the "
+        "original are changed calibrations that load, code and restore finite KV and refuse every chunk of the "
+        "original (wrong_data would be one of its chunks decoded with them, or NaN/inf accepted).",
+        "",
+        *([doc["note"], ""] if doc.get("note") else []),
         "Subjects (real files): " + "; ".join(f"{k}: {', '.join(v)}" for k, v in doc["subjects"].items()) + ".",
         "",
         "Outcomes per mutation:",
