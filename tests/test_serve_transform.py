@@ -133,6 +133,8 @@ def served(monkeypatch) -> list:
 
     monkeypatch.setattr(kvcodec.engine, "Engine", fake_engine)
     monkeypatch.setattr(kvcodec.server, "serve", lambda *a, **k: None)
+    # the faked engine has no model to fit the .kvt against (tests/test_serve.py covers that check)
+    monkeypatch.setattr("kvcodec.cli.serve._check_codec_fits", lambda codec, engine: None)
     return seen
 
 
