@@ -139,6 +139,7 @@ class TransformCodec:
         self.id = (
             f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
             f"-s{sink_tokens}-c{chunk_tokens}-f{self.fine_tokens}x{self.fine_bits}-{recon}"
+            f"-{'+'.join(f'{w}x{h}' for w, h in self.resolutions)}"  # blob r{j} is the j-th frame size
         )
         self._plans: dict[tuple[float, float], CoordPlan] = {}
         self._restorer = TransformRestorer(self.cal, self.plan)
