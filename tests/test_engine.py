@@ -235,3 +235,19 @@ def test_ttft_counts_tokenizing_from_arrival(smol):
         while not req.finished:
             eng.step()
         assert req.arrival_time == t0 - 0.5 and req.ttft >= 0.8  # a caller's arrival time is kept
+
+
+def test_engine_start_on_a_paused_store_fails_by_its_deadline(smol, redis_server, monkeypatch):
+    import signal
+
+    from kvcodec.engine import prefix
+    from kvcodec.errors import StoreError
+
+    monkeypatch.setattr(prefix, "STORE_OPEN_DEADLINE_S", 0.3)
+    redis_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(StoreError, match="deadline"):
+            make_engine(smol, redis_server.url)
+    finally:
+        redis_server.proc.send_signal(signal.SIGCONT)
+    make_engine(smol, redis_server.url).close()

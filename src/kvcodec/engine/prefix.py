@@ -10,6 +10,9 @@ from kvcodec.engine.config import EngineConfig
 from kvcodec.engine.runner import cache_capacity, restore_target
 from kvcodec.errors import ConfigError
 
+# A store that is down or paused when the engine starts fails the start in seconds, naming the store.
+STORE_OPEN_DEADLINE_S = 10.0
+
 
 def engine_codec(cfg: EngineConfig) -> Any:
     """The ChunkCodec of `cfg`: its codec (an object or a registered name), configured by its
@@ -35,7 +38,7 @@ def open_prefix_cache(cfg: EngineConfig, model: Any, device: torch.device, layou
     from kvcodec.store import open_store
 
     codec = engine_codec(cfg)
-    store = open_store(cfg.store_url or "memory://")
+    store = open_store(cfg.store_url or "memory://", deadline_s=STORE_OPEN_DEADLINE_S)
     options = {
         "policy": cfg.resolution_policy,
         "decode_workers": cfg.decode_workers,
