@@ -98,3 +98,41 @@ def test_unreadable_plan_cache_is_ignored(fresh_plans):
     fresh_plans.write_text("{not json")
     plan = hevc_encode.plan_coding(kv_like(tokens=16), CodecConfig(chunk_tokens=16, resolutions=RES))
     assert 1 <= plan.video_bits <= 8
+
+
+def _transform_codec(tmp_path, **kw):
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.transform import RopeSpec, calibrate, save_kvt
+
+    g = torch.Generator().manual_seed(3)
+    mix = torch.randn(8, 2 * 2 * 2 * 16, generator=g)
+    kvs = [(torch.randn(300, 8, generator=g) @ mix).view(300, 2, 2, 2, 16).permute(1, 2, 0, 3, 4) for _ in range(2)]
+    cal = calibrate([k.contiguous().half() for k in kvs], RopeSpec(10000.0, 16), info={"model": "synthetic"})
+    save_kvt(cal, tmp_path / "s.kvt")
+    return TransformCodec(tmp_path / "s.kvt", chunk_tokens=32, resolutions=((64, 64),), **kw), kvs[0].half()
+
+
+@pytest.mark.parametrize("coder", ["hevc", "zstd"])
+def test_transform_chunks_in_parallel_give_the_bytes_of_one_at_a_time(monkeypatch, tmp_path, coder):
+    codec, kv = _transform_codec(tmp_path, coder=coder)
+    runs = {}
+    for workers in ("1", "3"):
+        monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers)
+        seen: list[int] = []
+        chunks = codec.encode_chunks(kv[:, :, :200], keys=[f"k{i}" for i in range(7)], on_chunk=seen.append)
+        assert [c.index for c in seen] == [c.index for c in chunks] == list(range(7))
+        runs[workers] = [c.blobs for c in chunks]
+    assert runs["1"] == runs["3"]
+
+
+def test_transform_plan_cache_is_safe_on_threads(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcodec.codecs import transform
+
+    codec, _ = _transform_codec(tmp_path)
+    thetas = [10.0 ** (-k / 20) for k in range(3 * transform.MAX_PLANS)]
+    with ThreadPoolExecutor(8) as pool:
+        plans = list(pool.map(codec.plan, thetas * 2))
+    assert all(p.counts == transform.coord_plan(codec.cal, t, 1.0).counts for p, t in zip(plans, thetas * 2))
+    assert len(codec._plans) <= transform.MAX_PLANS

@@ -6,7 +6,8 @@ For a KV file (safetensors, tensor `kv`, e.g. from `kvcodec extract`), in one pr
   * "new, first of model": today's default with an empty plan cache (its trial encodes once);
   * "new default": today's default as a new process runs it (decisions read from the plan cache);
   * with --sweep, the x265 tuning alternatives at today's parallelism (bytes and speed of each).
-The transform codec (--transform MODEL.kvt) is timed the same way: its x265 tuning old and new.
+The transform codec (--transform MODEL.kvt) is timed the same way: its earlier default (untuned x265,
+chunks one at a time, the transform on the CPU, its bit allocation level solved on every encode) and now.
 Speeds are MB/s of the fp16 KV (2 bytes per value, whatever the file's dtype).
 """
 
@@ -44,14 +45,15 @@ def gpu_name() -> str | None:
 def _setting(*, tuning: str | None = None, workers: int | None = None, plans: str = "cold") -> Iterator[None]:
     """x265 tuning, encode workers and the plan cache ("cold": empty; "warm": as left by the
     previous run; "off": in memory only, emptied: every process pays the trials) for one run."""
-    from kvcodec.codecs import hevc_encode
+    from kvcodec.codecs import hevc_encode, transform
     from kvcodec.layout import search
     from kvcodec.video import x265_cpu
 
-    saved, saved_env = (x265_cpu.default_tuning, hevc_encode.X265_TUNING), dict(os.environ)
+    saved = (x265_cpu.default_tuning, hevc_encode.X265_TUNING, transform.X265_TUNING)
+    saved_env = dict(os.environ)
     try:
         if tuning is not None:
-            x265_cpu.default_tuning = hevc_encode.X265_TUNING = tuning
+            x265_cpu.default_tuning = hevc_encode.X265_TUNING = transform.X265_TUNING = tuning
         if workers is not None:
             os.environ["KVCODEC_ENCODE_WORKERS"] = str(workers)
         search._cache.clear()
@@ -63,7 +65,7 @@ def _setting(*, tuning: str | None = None, workers: int | None = None, plans: st
             os.environ["KVCODEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvbench-plans-")
         yield
     finally:
-        x265_cpu.default_tuning, hevc_encode.X265_TUNING = saved
+        x265_cpu.default_tuning, hevc_encode.X265_TUNING, transform.X265_TUNING = saved
         os.environ.clear()
         os.environ.update(saved_env)
 
@@ -121,17 +123,25 @@ def _hevc_runs(kv, quant: str, repeat: int, sweep: bool) -> list[dict[str, Any]]
 
 def _transform_runs(kv, kvt: Path, repeat: int) -> list[dict[str, Any]]:
     import kvcodec
+    from kvcodec.codecs import transform
 
     fp16 = kv.numel() * 2
     rows = []
-    for name, tuning in (("transform, old x265 tuning", ""), ("transform, new default", None)):
+    settings = (
+        # before issue 24: untuned x265 (its own threads), chunks one at a time, the math on the CPU
+        ("transform, old default", dict(tuning="", workers=1), True),
+        ("transform, new default", dict(), False),
+    )
+    for name, kw, on_cpu in settings:
         best = None
         for _ in range(repeat):
-            with _setting(tuning=tuning, plans="cold"):
+            with _setting(plans="cold", **kw):
+                if on_cpu:  # the earlier encode solved the level of its bits per value every time
+                    transform._WATER_LEVELS.clear()
                 codec = kvcodec.make_codec("transform", transform=kvt)
-                r = _timed(lambda codec=codec: codec.encode_chunks(kv), fp16)
+                r = _timed(lambda codec=codec, on_cpu=on_cpu: codec.encode_chunks(kv.cpu() if on_cpu else kv), fp16)
             best = r if best is None or r["seconds"] < best["seconds"] else best
-        rows.append({"setting": name, "codec": "transform", "tuning": tuning, **best})
+        rows.append({"setting": name, "codec": "transform", **kw, **best})
     return rows
 
 

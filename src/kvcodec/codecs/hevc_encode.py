@@ -277,14 +277,14 @@ def encode_chunks(
         )
 
     out = []
-    for chunk in _in_order(one, len(starts), workers):
+    for chunk in in_order(one, len(starts), workers):
         out.append(chunk)
         if on_chunk:
             on_chunk(chunk)
     return out
 
 
-def _in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterator[EncodedChunk]:
+def in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterator[EncodedChunk]:
     """fn(0), ..., fn(n - 1) in order, computed by `workers` threads (x265, zstd and torch release
     the interpreter lock while they work). At most 2 * workers chunks are in flight, so a long KV
     never holds all its frames at once; an error stops the submission of further chunks."""

@@ -16,22 +16,27 @@ Every chunk names the sha256 of the .kvt it was coded with; another transform re
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
 from kvcodec.codecs.grouped import GroupedCodec
+from kvcodec.codecs.hevc_encode import in_order
 from kvcodec.codecs.transform_decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform_header import check_header
 from kvcodec.container.format import crc32, read_object, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
+from kvcodec.layout.search import encode_workers
 from kvcodec.transform import alloc, frames, quantize, rate
 from kvcodec.transform.calibration import KINDS, Calibration, all_variances, group_matrix, keys_without_rope
 from kvcodec.transform.kvt import load_kvt
+from kvcodec.video import x265_cpu
 
 CHUNK_MAGIC = b"KVTC"
 TRANSFORM_VERSION = 2  # 2: fine_tokens, fine_bits, recon in the header (version 1 chunks: 0, 0, "centre")
@@ -42,6 +47,9 @@ ZSTD_LEVEL = 19
 SAMPLE_CHUNKS = 2  # chunks the size search measures entropy on
 ITERS = 16
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
+# x265 parameters beyond the lossless ones: those of the HEVC codec, 2.3x faster than the earlier
+# "info=0" for 0.7% more bytes on SmolLM2 coefficients (kvcodec bench encode; a benchmark may set "")
+X265_TUNING = x265_cpu.FAST_TUNING
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -73,8 +81,31 @@ def coord_plan(cal: Calibration, theta: float, key_weight: float) -> CoordPlan:
     return CoordPlan(tuple(counts), steps_t, torch.cat(sigmas).float(), order, torch.argsort(order))
 
 
+_WATER_LEVELS: dict[tuple[str, float, float], float] = {}  # (kvt hash, bits per value, key weight) -> theta
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DevicePlan:
+    """A CoordPlan's encode-side tensors on one device: the coded columns among all dims, their
+    steps and the layout order."""
+
+    plan: CoordPlan
+    columns: torch.Tensor
+    steps: torch.Tensor
+    order: torch.Tensor
+
+
 def _zstd(data: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+
+def _samples(q: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """quantize.to_samples on q's device: the uint8 samples stay there, the (rare) escapes come to
+    the host."""
+    shifted = q.to(torch.int64) + quantize.OFFSET
+    idx = torch.nonzero(((shifted < 0) | (shifted > 255)).reshape(-1)).reshape(-1)
+    values = q.reshape(-1)[idx].to(torch.int32)
+    return shifted.clamp(0, 255).to(torch.uint8), idx.cpu().numpy().astype(np.int64), values.cpu().numpy()
 
 
 class TransformCodec:
@@ -142,28 +173,56 @@ class TransformCodec:
             f"-{'+'.join(f'{w}x{h}' for w, h in self.resolutions)}"  # blob r{j} is the j-th frame size
         )
         self._plans: dict[tuple[float, float], CoordPlan] = {}
+        self._device_plans: dict[tuple[float, float, str], DevicePlan] = {}
+        self._device_bases: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._lock = threading.Lock()  # encode chunks and decoders on threads share the plan caches
         self._restorer = TransformRestorer(self.cal, self.plan)
 
     # ------------------------------------------------------------------------------ encode
 
     def plan(self, theta: float, key_weight: float | None = None) -> CoordPlan:
         key = (theta, self.key_weight if key_weight is None else key_weight)
-        if key in self._plans:
-            self._plans[key] = self._plans.pop(key)  # most recently used last
-        else:
-            while len(self._plans) >= MAX_PLANS:  # chunks name their own level: a stream of them must not grow this
-                self._plans.pop(next(iter(self._plans)))
-            self._plans[key] = coord_plan(self.cal, *key)
-        return self._plans[key]
+        with self._lock:  # threads of one encode or of a fetch share this cache
+            if key in self._plans:
+                self._plans[key] = self._plans.pop(key)  # most recently used last
+            else:
+                while len(self._plans) >= MAX_PLANS:  # chunks name their own level: a stream must not grow this
+                    self._plans.pop(next(iter(self._plans)))
+                self._plans[key] = coord_plan(self.cal, *key)
+            return self._plans[key]
+
+    def device_plan(self, theta: float, device: torch.device) -> DevicePlan:
+        """The plan of level theta (this codec's key weight) with its tensors on `device`."""
+        plan = self.plan(theta)
+        key = (theta, self.key_weight, str(device))
+        with self._lock:
+            if key not in self._device_plans:
+                if len(self._device_plans) >= MAX_PLANS:
+                    self._device_plans.clear()
+                self._device_plans[key] = DevicePlan(
+                    plan, self._columns(plan).to(device), plan.steps.to(device), plan.order.to(device)
+                )
+            return self._device_plans[key]
+
+    def _bases_on(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(mean, analysis) of every (group, kind), concatenated order, on `device`."""
+        with self._lock:
+            if str(device) not in self._device_bases:
+                self._device_bases[str(device)] = [
+                    (b.mean.to(device), b.analysis.to(device))
+                    for b in (self.cal.basis(g, kind) for g in range(len(self.cal.groups)) for kind in KINDS)
+                ]
+            return self._device_bases[str(device)]
 
     def coefficients(self, kv: torch.Tensor, first_position: int) -> torch.Tensor:
-        """(tokens, all dims) float32 coefficients, concatenated (group, kind) order."""
+        """(tokens, all dims) float32 coefficients, concatenated (group, kind) order, on kv's device."""
         x = keys_without_rope(kv, first_position, self.cal.rope)
+        bases = iter(self._bases_on(x.device))
         parts = []
-        for g, layers in enumerate(self.cal.groups):
-            for ki, kind in enumerate(KINDS):
-                b = self.cal.basis(g, kind)
-                parts.append((group_matrix(x, layers, ki) - b.mean) @ b.analysis)
+        for layers in self.cal.groups:
+            for ki in range(len(KINDS)):
+                mean, analysis = next(bases)
+                parts.append((group_matrix(x, layers, ki) - mean) @ analysis)
         return torch.cat(parts, dim=1)
 
     def _columns(self, plan: CoordPlan) -> torch.Tensor:
@@ -177,11 +236,11 @@ class TransformCodec:
     def _symbols(self, y: torch.Tensor, theta: float, first_position: int, fine: int = 0) -> torch.Tensor:
         """Integers (tokens, coded coords), concatenated order; sink tokens zeroed (they travel as fp16);
         the last `fine` tokens with the finer step."""
-        plan = self.plan(theta)
-        coded = y.index_select(1, self._columns(plan))
+        dp = self.device_plan(theta, y.device)
+        coded = y.index_select(1, dp.columns)
         sink = max(0, min(self.sink_tokens - first_position, coded.shape[0]))
-        scale = quantize.token_scales(coded.shape[0], fine, self.fine_bits)
-        scaled = quantize.scaled(coded, plan.steps, scale)
+        scale = quantize.token_scales(coded.shape[0], fine, self.fine_bits).to(y.device)
+        scaled = quantize.scaled(coded, dp.steps, scale)
         if not bool((scaled[sink:].abs() < 2**31).all()):  # NaN compares False too
             raise FormatError(
                 "the transform maps this KV to coefficients beyond the integer range (NaN, infinite or huge): "
@@ -199,7 +258,10 @@ class TransformCodec:
         var = all_variances(self.cal).to(torch.float64)
         w = self._weights()
         if self.target_ratio is None:
-            return alloc.water_level(var, self.bits_per_value, w)
+            key = (self.kvt_hash, self.bits_per_value, self.key_weight)
+            if key not in _WATER_LEVELS:  # depends on the calibration alone: once per process
+                _WATER_LEVELS[key] = alloc.water_level(var, self.bits_per_value, w)
+            return _WATER_LEVELS[key]
         T, ct = kv.shape[2], self.chunk_tokens
         target = (16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)) / T
         starts = list(range(0, T, ct))
@@ -254,27 +316,37 @@ class TransformCodec:
 
     def _payload_bytes(self, y, kv, theta, first_position) -> int:
         """Bytes of one chunk blob (header included), its fp16 sink tokens left out."""
-        streams, counts = self._streams(y, kv, theta, first_position, self.resolutions[0], 0)
+        streams, counts = self._streams(y, kv, theta, first_position, self.resolutions[0], 0, self._encoder())
         blob = self._write(streams, counts, kv, theta, first_position, 0, self.resolutions[0], None)
         return len(blob) - len(streams.get("sink", b""))
 
-    def _streams(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict]:
-        """The chunk's streams and the header fields they need (frames, escapes, fine tokens)."""
+    def _encoder(self, threads: int | None = None):  # noqa: ANN202 - a VideoEncoder
+        """The video encoder (x265 ultrafast, or NVENC where the GPU has one); `threads`: a
+        single-threaded copy for one of several chunk threads, where the encoder can make one."""
+        if self.coder != "hevc":
+            return None
+        from kvcodec.video.registry import get_encoder
+
+        encoder = get_encoder(preset="ultrafast", tuning=X265_TUNING)
+        return (
+            encoder.with_threads(threads) if threads and callable(getattr(encoder, "with_threads", None)) else encoder
+        )
+
+    def _streams(self, y, kv, theta, first_position, resolution, fine, encoder) -> tuple[dict[str, bytes], dict]:
+        """The chunk's streams and the header fields they need (frames, escapes, fine tokens).
+        y and kv on one device (the GPU's KV is quantized there; only samples come to the host)."""
         q = self._symbols(y, theta, first_position, fine)
-        plan = self.plan(theta)
-        samples, idx, values = quantize.to_samples(q[:, plan.order].T.contiguous())
+        samples, idx, values = _samples(q.index_select(1, self.device_plan(theta, q.device).order).T.contiguous())
         streams = {"escapes": _zstd(quantize.pack_escapes(idx, values))}
         sink = max(0, min(self.sink_tokens - first_position, kv.shape[2]))
         if sink:
-            streams["sink"] = _zstd(kv[:, :, :sink].to(torch.float16).contiguous().numpy().tobytes())
+            streams["sink"] = _zstd(kv[:, :, :sink].to(torch.float16).cpu().contiguous().numpy().tobytes())
         if self.coder == "hevc":
-            from kvcodec.video.registry import get_encoder
-
             w, h = resolution
-            fr = [f.numpy() for f in frames.to_frames(samples, w, h)]
-            streams["video"] = get_encoder(preset="ultrafast").encode(fr, w, h)
+            fr = [f.cpu().numpy() for f in frames.to_frames(samples, w, h)]
+            streams["video"] = encoder.encode(fr, w, h)
             return streams, {"frames": len(fr), "escapes": int(idx.size), "fine_tokens": fine}
-        streams["samples"] = _zstd(samples.numpy().tobytes())
+        streams["samples"] = _zstd(samples.cpu().numpy().tobytes())
         return streams, {"frames": 0, "escapes": int(idx.size), "fine_tokens": fine}
 
     def encode_chunks(
@@ -293,31 +365,35 @@ class TransformCodec:
         count = -(-T // self.chunk_tokens)
         if keys is not None and len(keys) != count:
             raise ConfigError(f"{len(keys)} keys for {count} chunks")
-        out = []
-        for n, s in enumerate(range(0, T, self.chunk_tokens)):
+        self.device_plan(theta, y.device)  # made once, before the chunk threads share it
+        # chunks in parallel, each on a single-threaded encoder (x265's bitstream does not depend
+        # on its thread count), in order; a GPU encoder (no with_threads) codes one chunk at a time
+        workers, encoder = min(encode_workers(), count), self._encoder()
+        if encoder is not None and not callable(getattr(encoder, "with_threads", None)):
+            workers = 1
+        elif workers > 1:
+            encoder = self._encoder(1)
+
+        def one(n: int) -> EncodedChunk:
+            s = n * self.chunk_tokens
             e = min(T, s + self.chunk_tokens)
             fine = max(0, e - max(s, T - self.fine_tokens)) if self.fine_bits else 0  # the KV's last tokens
+            key = keys[n] if keys is not None else None
             blobs = tuple(
-                self._blob(
-                    y[s:e],
-                    kv[:, :, s:e],
-                    theta,
-                    first + s,
-                    fine,
-                    first_chunk_index + n,
-                    res,
-                    keys[n] if keys is not None else None,
-                )
+                self._blob(y[s:e], kv[:, :, s:e], theta, first + s, fine, first_chunk_index + n, res, key, encoder)
                 for res in self.resolutions
             )
-            chunk = EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
+            return EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
+
+        out = []
+        for chunk in in_order(one, count, workers):
             out.append(chunk)
             if on_chunk:
                 on_chunk(chunk)
         return out
 
-    def _blob(self, y, kv, theta, start, fine, index, resolution, key) -> bytes:
-        streams, counts = self._streams(y, kv, theta, start, resolution, fine)
+    def _blob(self, y, kv, theta, start, fine, index, resolution, key, encoder) -> bytes:
+        streams, counts = self._streams(y, kv, theta, start, resolution, fine, encoder)
         return self._write(streams, counts, kv, theta, start, index, resolution, key)
 
     def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
@@ -352,7 +428,8 @@ class TransformCodec:
         if kv.dtype not in DTYPES.values() or kv.shape[2] == 0:
             raise ShapeError(f"KV must be non-empty float16/bfloat16/float32; got {kv.dtype} {tuple(kv.shape)}")
         self.cal.check_shape(kv.shape)
-        kv = kv.detach().to("cpu")
+        kv = kv.detach()
+        kv = kv if kv.device.type == "cuda" else kv.to("cpu")  # a GPU's KV is transformed and quantized there
         if not torch.isfinite(kv).all():
             raise ShapeError("KV holds NaN or infinity; the transform codec needs finite values")
         return kv
