@@ -4,6 +4,7 @@ later requests beginning with a document restore its KV instead of computing it.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,17 @@ from kvcodec.cli.options import device_option, parse_codec_options
     "--store-workers", type=click.IntRange(min=1), default=1, show_default=True, help="Documents encoded at once."
 )
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the summary (JSON) here.")
+@click.option(
+    "--ray",
+    "ray_address",
+    default=None,
+    help="Run on a Ray cluster (ADDRESS or auto; the ray extra): prefill actors on its GPUs, encode tasks on "
+    "its CPUs, all writing to the store (which every node must reach).",
+)
+@click.option("--prefill-actors", type=click.IntRange(min=1), default=None, help="--ray: actors [one per GPU].")
+@click.option(
+    "--encode-cpus", type=click.IntRange(min=1), default=4, show_default=True, help="--ray: CPUs per encode task."
+)
 @device_option(default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
 def command(
     docs: Path,
@@ -53,6 +65,9 @@ def command(
     max_tokens: int | None,
     store_workers: int,
     report: Path | None,
+    ray_address: str | None,
+    prefill_actors: int | None,
+    encode_cpus: int,
     device: str | None,
 ) -> None:
     """Prefill each document of DOCS with MODEL and store its KV in the store.
@@ -61,39 +76,64 @@ def command(
     of prompts, one per line. Documents already stored are skipped (run the same command again to
     resume); a document that fails is reported and the others go on (exit code 1 if any failed).
     """
-    from tqdm import tqdm
-
     from kvcodec.cli.serve import build_codec, codec_choice
-    from kvcodec.engine.config import EngineConfig
-    from kvcodec.engine.prefix import open_prefix_cache
-    from kvcodec.engine.runner import default_device
-    from kvcodec.errors import ConfigError
-    from kvcodec.ingest import ingest, read_documents
+    from kvcodec.ingest import read_documents
     from kvcodec.ingest.sources import check_template
-    from kvcodec.kvspec.serving import layout_for
 
     check_template(template)
     flags = {"transform": transform, "quant": quant, "chunk_tokens": chunk_tokens}
     name, options = codec_choice(codec_name, codec_options, flags)
     codec = build_codec(name, options)  # a bad codec or option fails before the model loads
     documents = list(read_documents(docs, template=template, text_field=text_field, id_field=id_field))
-    model, tokenizer, dev = _load(model_name, device, default_device)
+    click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
+    if ray_address:
+        from kvcodec.ingest.distributed import RayJob
+
+        job = RayJob(model_name, store_url, name, tuple(sorted(options.items())), max_tokens, encode_cpus=encode_cpus)
+        result = _on_ray(ray_address, documents, job, prefill_actors)
+    else:
+        result = _here(documents, model_name, store_url, codec, device, max_tokens, store_workers)
+    summary = result.to_dict()
+    click.echo(_summary_line(summary))
+    if report:
+        report.write_text(json.dumps(summary, indent=1) + "\n")
+    if summary["failed"]:
+        raise click.exceptions.Exit(1)
+
+
+def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback)
+    from tqdm import tqdm
+
+    counts = {"stored": 0, "skipped": 0, "failed": 0}
+    bar = tqdm(total=total, unit="doc", desc="ingest", disable=None)
+
+    def on_result(r) -> None:  # noqa: ANN001
+        counts[r.status] += 1
+        if r.status == "failed":
+            tqdm.write(f"failed: {r.id}: {r.error}", file=sys.stderr)
+        bar.set_postfix(counts, refresh=False)
+        bar.update(1)
+
+    return bar, on_result
+
+
+def _here(documents, model_name, store_url, codec, device, max_tokens, store_workers):  # noqa: ANN001, ANN202
+    """The job on this machine: its GPU (or CPU) prefills, its cores encode."""
+    from kvcodec.engine.config import EngineConfig
+    from kvcodec.engine.prefix import open_prefix_cache
+    from kvcodec.errors import ConfigError
+    from kvcodec.ingest import ingest
+    from kvcodec.ingest.run import load_for_ingest
+    from kvcodec.kvspec.serving import layout_for
+
+    model, tokenizer, dev = load_for_ingest(model_name, device)
     if layout_for(model, dev) is not None:
         raise ConfigError(f"{model_name} keeps several KV layer groups; kvcodec ingest stores uniform caches only")
     store, cache = open_prefix_cache(EngineConfig(store_url=store_url, codec=codec), model, dev)
-    click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
-    counts = {"stored": 0, "skipped": 0, "failed": 0}
+    bar, on_result = _progress(len(documents))
     try:
-        with tqdm(total=len(documents), unit="doc", desc="ingest", disable=None) as bar:
-
-            def on_result(r) -> None:  # noqa: ANN001
-                counts[r.status] += 1
-                if r.status == "failed":
-                    tqdm.write(f"failed: {r.id}: {r.error}", file=click.get_text_stream("stderr"))
-                bar.set_postfix(counts, refresh=False)
-                bar.update(1)
-
-            result = ingest(
+        with bar:
+            return ingest(
                 documents,
                 model,
                 tokenizer,
@@ -105,24 +145,17 @@ def command(
     finally:
         if hasattr(store, "close"):
             store.close()
-    summary = result.to_dict()
-    click.echo(_summary_line(summary))
-    if report:
-        report.write_text(json.dumps(summary, indent=1) + "\n")
-    if summary["failed"]:
-        raise click.exceptions.Exit(1)
 
 
-def _load(model_name: str, device: str | None, default_device) -> tuple[Any, Any, Any]:  # noqa: ANN001
-    import torch
+def _on_ray(address: str, documents, job, actors):  # noqa: ANN001, ANN202
+    """The job on a Ray cluster (connected here, left running)."""
+    from kvcodec.ingest.distributed import import_ray, ingest_on_ray
 
-    from kvcodec.models import load_model
-
-    dev = torch.device(device) if device else default_device()
-    model, tokenizer = load_model(model_name)
-    if dev.type == "cuda" and next(model.parameters()).dtype == torch.float32:
-        model = model.to(torch.float16)
-    return model.to(dev).eval(), tokenizer, dev
+    ray = import_ray()
+    ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    bar, on_result = _progress(len(documents))
+    with bar:
+        return ingest_on_ray(documents, job, actors=actors, on_result=on_result)
 
 
 def _summary_line(s: dict[str, Any]) -> str:

@@ -70,6 +70,21 @@ def _stored_already(cache: Any, ids: list[int]) -> bool:
     return want == 0 or cache.lookup(ids) >= want
 
 
+def load_for_ingest(model_name: str, device: Any = None) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, device) as ingest prefills: fp16 on a GPU, the model's dtype on the CPU;
+    device None: the engine's default (a GPU if there is one)."""
+    import torch
+
+    from kvcodec.engine.runner import default_device
+    from kvcodec.models import load_model
+
+    dev = torch.device(device) if device else default_device()
+    model, tokenizer = load_model(model_name)
+    if dev.type == "cuda" and next(model.parameters()).dtype == torch.float32:
+        model = model.to(torch.float16)
+    return model.to(dev).eval(), tokenizer, dev
+
+
 def _prefill(model: Any, ids: list[int], chunk_tokens: int | None) -> Any:
     import torch
 
