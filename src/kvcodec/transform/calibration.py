@@ -163,7 +163,8 @@ def calibrate(
     weights (layers, 2, heads, dim), weighted KLTs (weights.py); covariance names the estimator
     (pca.COVARIANCES). With `held_out` KV (tensors of the same model not fitted on), every
     (group, K|V) whose basis codes them worse than per-channel quantization of the same size falls
-    back to it (fallback.py); info["fallback"] names those blocks."""
+    back to it (fallback.py); info["fallback"] names those blocks. The bases are returned as a
+    version-3 .kvt stores them (kvt.compact: float16, coordinates no ratio >= 2 codes dropped)."""
     layers, heads, dim = _check(kvs)
     if rope is not None and rope.head_dim != dim:
         raise ConfigError(f"rope head_dim {rope.head_dim} does not match the KV's head_dim {dim}")
@@ -188,7 +189,9 @@ def calibrate(
         held = [keys_without_rope(k, first_position, rope)[:, :, sink:] for k in held_out]
         meta["fallback"] = _fall_back(bases, groups, used, held, weights)
         meta["held_out_tokens"] = sum(h.shape[2] for h in held)
-    return Calibration(layers, heads, dim, rope, groups, bases, meta)
+    from kvcodec.transform.kvt import compact  # float16 bases cut to the coordinates a ratio codes
+
+    return compact(Calibration(layers, heads, dim, rope, groups, bases, meta))
 
 
 def _fall_back(bases: dict, groups, used, held, weights) -> list[str]:

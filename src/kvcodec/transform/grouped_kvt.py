@@ -19,7 +19,7 @@ import torch
 from kvcodec.errors import ConfigError, FormatError
 from kvcodec.kvspec.spec import KVSpec
 from kvcodec.transform.calibration import Calibration
-from kvcodec.transform.kvt import _meta, from_bytes, kvt_hash, to_bytes
+from kvcodec.transform.kvt import _meta, from_bytes, kvt_hash, save_canonical, to_bytes
 
 FORMAT = "kvcodec-transform-grouped"
 VERSION = "1"
@@ -34,8 +34,6 @@ def is_grouped_kvt(data: bytes) -> bool:
 
 def grouped_to_bytes(spec: KVSpec, parts: dict[str, Calibration], info: dict | None = None) -> bytes:
     """parts: group name -> its calibration, for every group of `spec`."""
-    from safetensors.torch import save
-
     names = [g.name for g in spec.groups]
     if sorted(parts) != sorted(names):
         raise ConfigError(f"a grouped transform needs one calibration per group {names}; got {sorted(parts)}")
@@ -48,7 +46,7 @@ def grouped_to_bytes(spec: KVSpec, parts: dict[str, Calibration], info: dict | N
         "parts": json.dumps([[n, kvt_hash(b)] for n, b in zip(names, blobs)]),
         "info": json.dumps(info or {}, sort_keys=True),
     }
-    return save(tensors, metadata=meta)
+    return save_canonical(tensors, meta)
 
 
 def grouped_from_bytes(data: bytes) -> tuple[KVSpec, dict[str, tuple[Calibration, str]], dict]:
