@@ -302,9 +302,11 @@ def test_split_chunks_restore_their_parts_on_several_sessions_exactly():
 @needs_nvcuvid
 @pytest.mark.gpu
 @pytest.mark.parametrize("delay", [0, 1, 2])
-def test_native_callbacks_put_every_stream_exactly_in_its_buffer(delay):
-    """decode_each_into (C decode and display callbacks, nvcuvid_native) against the frames the
-    sources hold, several streams back to back, a change of size among them, odd heights."""
+@pytest.mark.parametrize("loop", ["decode_each_into", "decode_each_fed"])
+def test_native_callbacks_put_every_stream_exactly_in_its_buffer(delay, loop):
+    """decode_each_into (C decode and display callbacks, nvcuvid_native) and decode_each_fed (the
+    same, the parser fed by a native thread) against the frames the sources hold, several streams
+    back to back, a change of size among them, odd heights."""
     import torch
 
     if not NvcuvidDecoder.native():
@@ -314,17 +316,14 @@ def test_native_callbacks_put_every_stream_exactly_in_its_buffer(delay):
     streams = [_encode(src, w, h) for src, (w, h, _) in zip(srcs, sizes)]
     bufs = [torch.full((n * 3 * w * h,), 7, dtype=torch.uint8, device="cuda") for w, h, n in sizes]
     dec = NvcuvidDecoder(display_delay=delay)
+    each = getattr(dec, loop)
     items = [(k, bs, w, h, n, b.data_ptr()) for k, (bs, (w, h, n), b) in enumerate(zip(streams, sizes, bufs))]
-    assert list(dec.decode_each_into(iter(items))) == list(range(len(sizes)))
+    assert list(each(iter(items))) == list(range(len(sizes)))
     for src, buf in zip(srcs, bufs):
         assert np.array_equal(buf.cpu().numpy(), np.concatenate([f.reshape(-1) for f in src]))
     a, b = streams[1], streams[0]
     with pytest.raises(CorruptStreamError):  # a stream with more frames than it announces
-        list(
-            dec.decode_each_into(
-                iter([("a", a, 256, 256, 1, bufs[1].data_ptr()), ("b", b, 256, 256, 1, bufs[0].data_ptr())])
-            )
-        )
+        list(each(iter([("a", a, 256, 256, 1, bufs[1].data_ptr()), ("b", b, 256, 256, 1, bufs[0].data_ptr())])))
     with pytest.raises(CorruptStreamError):  # fewer
-        list(dec.decode_each_into(iter([("b", b, 256, 256, 2, bufs[1].data_ptr())])))
-    assert list(dec.decode_each_into(iter([("b", b, 256, 256, 1, bufs[0].data_ptr())]))) == ["b"]
+        list(each(iter([("b", b, 256, 256, 2, bufs[1].data_ptr())])))
+    assert list(each(iter([("b", b, 256, 256, 1, bufs[0].data_ptr())]))) == ["b"]

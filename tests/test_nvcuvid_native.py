@@ -155,3 +155,105 @@ def test_the_ring_refuses_more_streams_than_it_holds():
         s.push(k, k, 1)
     with pytest.raises(RuntimeError):
         s.push(0, 0, 1)
+
+
+PARSE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+class Packet(ctypes.Structure):  # CUVIDSOURCEDATAPACKET
+    _fields_ = [
+        ("flags", ctypes.c_ulong),
+        ("size", ctypes.c_ulong),
+        ("payload", ctypes.c_void_p),
+        ("ts", ctypes.c_longlong),
+    ]
+
+
+class Parser:
+    """A stand-in for cuvidParseVideoData, called on the feeder's thread: it records each packet
+    and, once a stream's last byte has come, displays that stream's pictures (kv_display), as
+    NVDEC's parser does once it has seen a stream's end. fail_at: the packet it refuses."""
+
+    def __init__(self, lib, state, sizes: dict, frames: dict, fail_at: int | None = None):
+        self.lib, self.state, self.sizes, self.frames, self.fail_at = lib, state, sizes, frames, fail_at
+        self.packets, self.seen = [], {}
+        self.fn = PARSE(self._parse)
+
+    def _parse(self, parser, packet):
+        p = Packet.from_address(packet)
+        self.packets.append((p.flags, p.size, p.ts))
+        if self.fail_at is not None and len(self.packets) > self.fail_at:
+            return 9
+        if p.flags & 1:
+            return 0
+        ordinal = p.ts >> 32
+        self.seen[ordinal] = self.seen.get(ordinal, 0) + p.size
+        if self.seen[ordinal] == self.sizes[ordinal]:
+            for k in range(self.frames[ordinal]):
+                display(self.lib, self.state, k, ordinal, k)
+        return 0
+
+
+@pytest.fixture(scope="module")
+def flib(tmp_path_factory):
+    path = native.build(tmp_path_factory.mktemp("feeder"))
+    lib = ctypes.CDLL(str(path))
+    lib.kv_display.restype = ctypes.c_int
+    for name, (res, args) in {
+        "kv_feeder_start": (ctypes.c_void_p, [ctypes.c_void_p] * 5 + [ctypes.c_longlong]),
+        "kv_feeder_submit": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]),
+        "kv_feeder_end": (None, [ctypes.c_void_p]),
+        "kv_feeder_wait": (ctypes.c_longlong, [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]),
+        "kv_feeder_close": (ctypes.c_int, [ctypes.c_void_p]),
+    }.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
+    return lib
+
+
+def _feeder(flib, sizes, frames, piece, fail_at=None):
+    drv = Driver()
+    s = drv.state(256, 144)
+    parser = Parser(flib, s, sizes, frames, fail_at)
+    f = native.Feeder(flib, s, 1, native.function_pointer(parser.fn), 0, 0, piece)
+    return drv, s, parser, f
+
+
+def test_the_feeder_thread_feeds_each_stream_in_pieces_then_flushes(flib):
+    sizes, frames = {0: 1000, 1: 300, 2: 1}, {0: 2, 1: 1, 2: 3}
+    data = [ctypes.create_string_buffer(n) for n in sizes.values()]
+    drv, s, parser, f = _feeder(flib, sizes, frames, piece=256)
+    for k, buf in enumerate(data):
+        s.push(0xA000000 * (k + 1), k, frames[k])
+        f.submit(ctypes.addressof(buf), sizes[k], k)
+    deadline = 0
+    while f.wait(3, 1.0) >= 0 and s.completed < 3 and deadline < 20:
+        deadline += 1
+    assert s.completed == 3 and not f.finished  # complete, the flush not asked for yet
+    f.end()
+    while f.wait(1 << 62, 1.0) >= 0:
+        pass
+    assert f.finished and f.close() == 0
+    stamps = [(flags, size, ts >> 32) for flags, size, ts in parser.packets]
+    assert stamps == [(2, 256, 0), (2, 256, 0), (2, 256, 0), (2, 232, 0), (2, 256, 1), (2, 44, 1), (2, 1, 2), (1, 0, 0)]
+    assert (s.pictures, s.error) == (6, 0) and len(drv.copies) == 6
+
+
+def test_a_parse_error_stops_the_feeder_and_close_reports_it(flib):
+    sizes, frames = {0: 600, 1: 600}, {0: 1, 1: 1}
+    data = [ctypes.create_string_buffer(600) for _ in range(2)]
+    _, s, parser, f = _feeder(flib, sizes, frames, piece=256, fail_at=2)
+    for k, buf in enumerate(data):
+        s.push(0xA000000, k, 1)
+        f.submit(ctypes.addressof(buf), 600, k)
+    for _ in range(20):
+        if f.wait(2, 1.0) < 0:
+            break
+    assert f.finished and s.completed == 0
+    assert f.close() == 9 and len(parser.packets) == 3  # nothing fed after the refused piece
+    assert f.close() == 0  # closed once
+
+
+def test_closing_a_feeder_waiting_for_streams_stops_its_thread(flib):
+    _, s, _, f = _feeder(flib, {}, {}, piece=256)
+    assert f.wait(1, 0.01) == 0  # nothing pushed: the wait times out
+    assert f.close() == 0

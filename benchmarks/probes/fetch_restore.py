@@ -224,25 +224,51 @@ def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
     native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM)."""
     from kvcodec.restore import transform_kernels
-    from kvcodec.video import nvcuvid_native
+    from kvcodec.video import nvcuvid, nvcuvid_native
 
-    saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM
+    saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
+    fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
+    nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
+    nvcuvid_native.FEED_DEPTH = variant.get("fd", fed[1])
     nvcuvid_native.ENABLED = variant.get("native", True) and saved[0]
     transform_kernels.SPLIT_GEMM = variant.get("split", True) and saved[1]
+    if variant.get("swi"):
+        sys.setswitchinterval(variant["swi"])
+    if variant.get("dd") is not None:
+        _close_idle()
+        nvcuvid.DISPLAY_DELAY = variant["dd"]
     if not variant.get("stream", True):
         codec.stage_stream = None
     try:
-        yield {k: v for k, v in variant.items() if k not in ("stream", "native", "split")}
+        yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
-        nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved
+        nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
+        nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
+        sys.setswitchinterval(saved[2])
+        if variant.get("dd") is not None:
+            _close_idle()
+            nvcuvid.DISPLAY_DELAY = saved[3]
         codec.__dict__.pop("stage_stream", None)
+
+
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd")
+
+
+def _close_idle() -> None:
+    """Close every idle decoder the fetches keep (a variant's decoders are made afresh)."""
+    from kvcodec.codecs.hevc_decode import idle_decoders
+
+    for ds in idle_decoders._idle.values():
+        for d in ds:
+            d.close()
+        ds.clear()
 
 
 def measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alone: float, secs: float) -> dict:
     with _switches(codec, variant) as settings:
         rec = _measure_fetch(mem, doc, case, codec, probe, settings, repeat, alone, secs)
     rec["defaults"] = not variant
-    return {"switches": {k: v for k, v in variant.items() if k in ("stream", "native", "split")}, **rec}
+    return {"switches": {k: v for k, v in variant.items() if k in SWITCHES}, **rec}
 
 
 def _measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alone: float, secs: float) -> dict:
@@ -346,7 +372,7 @@ def restore_alone(case, codec, mem, doc, probe, seconds: float) -> dict:
     }
 
 
-def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float) -> dict:
+def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float, loop: str = "into") -> dict:
     """NVDEC alone through the native callbacks (NvcuvidDecoder.decode_each_into): 7 threads, each
     streaming its share of the chunk videos into scratch buffers."""
     from concurrent.futures import ThreadPoolExecutor
@@ -365,7 +391,7 @@ def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float
     def work(i):
         torch.cuda.set_device(0)
         items = ((k, v, w, h, f, bufs[i].data_ptr()) for k, (v, f) in enumerate(zip(videos[i::n], frames[i::n])))
-        for _ in decs[i].decode_each_into(items):
+        for _ in getattr(decs[i], f"decode_each_{loop}")(items):
             pass
 
     def once():
@@ -380,7 +406,7 @@ def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float
             dec.close()
     return {
         "kind": "decode-only",
-        "backend": "nvcuvid-native-streamed",
+        "backend": "nvcuvid-native-streamed" + ("-fed" if loop == "fed" else ""),
         "threads": n,
         "cuda_contexts": 1,
         "nvdec_gb_per_s": round(doc["fp16_bytes"] * reps / s / 1e9, 3),
@@ -521,7 +547,59 @@ def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathli
     return {k: v for k, v in rec.items() if k not in ("inclusive",)}
 
 
-def run(d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None) -> None:
+def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
+    """One fetch's per-chunk path (decode start/end per worker thread, restore) and NVDEC's
+    utilization (NVML, sampled) over a loop of fetches: where the engines wait."""
+    import subprocess
+
+    from kvcodec.fetcher import PrefixCache
+
+    with _switches(codec, variant) as settings:
+        cache = PrefixCache(mem, doc["model"], codec, "cuda", namespace=case.get("ns"), **settings)
+        fetch_loop(cache, doc["ids"], 2)
+        smi = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=utilization.decoder", "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 2.0:
+                fetch_loop(cache, doc["ids"], 1)
+        finally:
+            smi.terminate()
+        util = [float(x) for x in smi.communicate()[0].split() if x.strip().replace(".", "").isdigit()]
+        r = cache.fetch(doc["ids"], deadline_s=None)
+        torch.cuda.synchronize()
+    tl = sorted(r.stats.timeline, key=lambda t: t.index)
+    rows = [
+        [t.index, t.worker, round(1e3 * t.net_end, 3), round(1e3 * t.dec_start, 3), round(1e3 * t.dec_end, 3)]
+        + [round(1e3 * t.restore_start, 3), round(1e3 * t.restore_end, 3)]
+        for t in tl
+    ]
+    workers: dict = {}
+    for t in tl:
+        workers.setdefault(t.worker, []).append(1e3 * (t.dec_end - t.dec_start))
+    return {
+        "kind": "timeline",
+        "switches": {k: v for k, v in variant.items() if k in SWITCHES},
+        "nvdec_util_pct": util[len(util) // 4 :],  # the loop's steady part
+        "fetch_ms": round(1e3 * max(t.restore_end for t in tl), 3),
+        "chunks_per_worker": {w: len(v) for w, v in workers.items()},
+        "chunks": rows,
+        "columns": [
+            "index",
+            "worker",
+            "net_end_ms",
+            "dec_start_ms",
+            "dec_end_ms",
+            "restore_start_ms",
+            "restore_end_ms",
+        ],
+    }
+
+
+def run(d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False) -> None:
     from kvcodec.transform import frames  # noqa: F401 - import before threads start
 
     probe = _probe()
@@ -556,6 +634,8 @@ def run(d, out, variants, repeat, seconds, interference_s, profile_case, only, p
         if only and case["name"] not in only:
             continue
         codec = make_codec(case, d, cal if case["codec"] == "transform" else None)
+        if codec.id.startswith(case["codec_id"]):  # prepared before the id named its frame sizes (8d2f2fe)
+            codec.id = case["codec_id"]
         assert codec.id == case["codec_id"], (codec.id, case["codec_id"])
         base = {k: case[k] for k in ("name", "codec", "ratio_vs_fp16", "res", "chunk")} | {"model": doc["model"]}
         for i, variant in enumerate([{}] + variants):
@@ -564,11 +644,15 @@ def run(d, out, variants, repeat, seconds, interference_s, profile_case, only, p
         if case["codec"] == "transform":
             _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
             _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds)
-            _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
-            for split in (True, False):
-                _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split)
+            _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds, "fed")
+            if not quick:
+                _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
+                for split in (True, False):
+                    _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split)
         if case["name"] == profile_case:
-            for v in ({}, {"decode_workers": 1}):
+            for v in [{}] + variants:
+                _stage(log, base, timeline, mem, doc, case, codec, v, repeat)
+            for v in () if quick else ({}, {"decode_workers": 1}):
                 name = f"profile-{doc['model']}-{case['name']}-w{v.get('decode_workers', 'default')}.json"
                 _stage(log, base, profile_fetch, mem, doc, case, codec, v, repeat, out.parent / name)
     _stage(log, {"model": doc["model"]}, standing_sessions, probe)
@@ -588,9 +672,74 @@ def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32 (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
-    names = {"nostream": "stream", "python": "native", "fp32": "split"}
-    v.update({names[s]: False for s in switches})
+    names = {"nostream": "stream", "python": "native", "fp32": "split", "nofeed": "feed"}
+    for sw in switches:
+        if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
+            v["swi"] = int(sw[3:]) * 1e-6
+        elif sw.startswith("dd"):  # -dd3: the parser's display delay
+            v["dd"] = int(sw[2:])
+        elif sw.startswith("fd"):  # -fd4: streams a native feeder holds fed and not complete
+            v["fd"] = int(sw[2:])
+        else:
+            v[names[sw]] = False
     return v
+
+
+FETCH_COLS = ("name", "ratio_vs_fp16", "switches", "restored_gb_per_s", "restored_gb_per_s_best", "coded_gbit_per_s")
+FETCH_COLS += ("matmul_slowdown", "standing_mb", "host_cpu_ms_per_chunk", "within_fp16_rounding")
+
+
+def report(src: pathlib.Path, dst: pathlib.Path, title: str, notes: list[str], extra: dict) -> None:
+    """A run's JSON (from the GPU machine) as a committed result: JSON + markdown tables."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    import re
+
+    from kvbench.results import write_result
+
+    doc = json.loads(src.read_text()) | extra
+    doc["command"] = re.sub(r"--out \S*/", "--out $OUT/", doc["command"])  # the GPU machine's output folder
+    recs = doc["records"]
+    md = [f"# {title}", "", f"Command (GPU machine): `{doc['command']}`", ""]
+    md += (
+        [
+            f"Machine: {doc.get('machine_note', doc['device'])}; matmul {doc['matmul']}, "
+            f"{doc['matmul_alone_tflops']} TFLOP/s alone.",
+            "",
+        ]
+        + notes
+        + ["", "## Fetch (PrefixCache defaults + switches)", ""]
+    )
+    md += ["| " + " | ".join(FETCH_COLS) + " |", "|" + "---|" * len(FETCH_COLS)]
+    md += ["| " + " | ".join(str(r.get(c, "")) for c in FETCH_COLS) + " |" for r in recs if r.get("kind") == "fetch"]
+    md += [
+        "",
+        "## NVDEC decode-only (same streams)",
+        "",
+        "| name | backend | nvdec_gb_per_s | coded_gbit_per_s |",
+        "|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['name']} | {r['backend']} | {r['nvdec_gb_per_s']} | {r['coded_gbit_per_s']} |"
+        for r in recs
+        if r.get("kind") == "decode-only"
+    ]
+    tl = [r for r in recs if r.get("kind") == "timeline"]
+    if tl:
+        md += ["", "## One fetch's timeline and NVDEC utilization (NVML, 100 ms samples over 2 s of fetches)", ""]
+        md += [
+            "| name | switches | fetch ms | NVDEC utilization % (median) | chunks per decode thread |",
+            "|---|---|---|---|---|",
+        ]
+        for r in tl:
+            u = sorted(r["nvdec_util_pct"])
+            md.append(
+                f"| {r['name']} | {r['switches']} | {r['fetch_ms']} | {u[len(u) // 2] if u else ''} | "
+                f"{sorted(r['chunks_per_worker'].values())} |"
+            )
+    other = [r for r in recs if r.get("kind") not in ("fetch", "decode-only", "timeline")]
+    if other:
+        md += ["", "## Other records", ""] + [f"- `{json.dumps(r)}`" for r in other]
+    write_result(dst, doc, md)
 
 
 def main() -> None:
@@ -621,6 +770,7 @@ def main() -> None:
     r.add_argument("--profile", default="", help="case name whose fetches are profiled")
     r.add_argument("--only", default="", help="case names, comma-separated (default: all)")
     r.add_argument("--pack", type=pathlib.Path, default=None, help="the cut calibration (default: DIR's)")
+    r.add_argument("--quick", action="store_true", help="no restore-alone, kernel or sampler-profile stages")
     a = ap.parse_args()
     if a.cmd == "pack":
         _pack(a.dir, json.loads((a.dir / "cases.json").read_text()), a.also)
@@ -630,7 +780,7 @@ def main() -> None:
         return
     variants = [_variant(v) for v in filter(None, a.variants.split(","))]
     only = set(filter(None, a.only.split(",")))
-    run(a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack)
+    run(a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack, a.quick)
 
 
 if __name__ == "__main__":

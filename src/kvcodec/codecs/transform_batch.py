@@ -101,7 +101,7 @@ def _stream(r, decoder, videos: Callable, fed: dict, done: collections.deque, na
     """stage_stream's loop on one decoder (see there): native, each chunk's frames decoded straight
     into its buffer (NvcuvidDecoder.decode_each_into); else frame by frame through decode_each."""
     while True:
-        stream = decoder.decode_each_into(videos(True)) if native else _decode_each(decoder, videos(False))
+        stream = _decode_into(decoder)(videos(True)) if native else _decode_each(decoder, videos(False))
         try:
             yield from _native_chunks(r, stream, fed, done) if native else _routed_chunks(r, stream, fed, done)
             yield from _drain(done)
@@ -117,6 +117,15 @@ def _stream(r, decoder, videos: Callable, fed: dict, done: collections.deque, na
                     yield tag, r.decode_samples(h, streams, target.device, decoder)
                 except KVCodecError as e:
                     yield tag, e
+
+
+def _decode_into(decoder) -> Callable:
+    """The decoder's decode-into-buffers loop: its parser fed by a native thread where it can
+    (NvcuvidDecoder.decode_each_fed, nvcuvid_native.FEEDER), else on this thread (decode_each_into)."""
+    from kvcodec.video import nvcuvid_native
+
+    fed = getattr(decoder, "decode_each_fed", None)
+    return fed if fed is not None and nvcuvid_native.FEEDER else decoder.decode_each_into
 
 
 def _native_chunks(r, keys: Iterator, fed: dict, done: collections.deque) -> Iterator[tuple]:

@@ -404,6 +404,7 @@ class FetchPipeline:
         while item is not None and not self.stop.is_set():
             i, j, blob = item
             self.timings[i].dec_start = self.now()
+            self.timings[i].worker = threading.current_thread().name
             target, direct = self._target(self.plan.metas[i])
             fed[i] = (j, target, direct)
             yield i, blob, target

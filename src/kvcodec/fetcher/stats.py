@@ -27,6 +27,7 @@ class ChunkTiming:
     restore_end: float = 0.0
     bw_estimate_gbit: float = 0.0
     predicted_decode_s: float = 0.0
+    worker: str = ""  # the decode thread's name (where a chunk's decode ran)
 
 
 @dataclasses.dataclass

@@ -68,6 +68,7 @@ def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int,
 # starts in a packet already stamped with that stamp plus a frame duration (400000 at its default
 # clock), so the ordinal is read back from the high bits.
 STAMP_SHIFT = 32
+DISPLAY_DELAY = 1  # NvcuvidDecoder's default: pictures the parser queues before handing one out
 
 
 def attribute(expected: collections.deque, timestamp: int) -> object:
@@ -339,13 +340,16 @@ class NvcuvidDecoder:
     # after them arrive; the last ones at end of stream.
     PIECE_BYTES = 1 << 18
 
-    def __init__(self, device: str | torch.device | int | None = None, display_delay: int = 1, copy: bool = False):
+    def __init__(
+        self, device: str | torch.device | int | None = None, display_delay: int | None = None, copy: bool = False
+    ):
         if not torch.cuda.is_available():
             raise BackendUnavailableError("no CUDA device")
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
         if dev.type != "cuda":
             raise BackendUnavailableError(f"NVDEC produces frames on cuda, not {dev}")
         self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+        display_delay = DISPLAY_DELAY if display_delay is None else display_delay
         if display_delay < 0:
             raise ValueError("display_delay must be >= 0")
         self.display_delay = display_delay
@@ -536,6 +540,37 @@ class NvcuvidDecoder:
             if not finished and session is not None:
                 self.close((session.width, session.height))
 
+    def decode_each_fed(self, items: Iterable[tuple], depth: int | None = None) -> Iterator[object]:
+        """decode_each_into with the parser fed by a native thread (nvcuvid_native.Feeder): each
+        stream pulled from `items` is pushed to it, and the next item pulled at once while fewer
+        than `depth` (default nvcuvid_native.FEED_DEPTH) streams pushed are not yet fed, so the
+        engine decodes while this thread does its own work (or waits for the interpreter lock).
+        Same items, keys and errors as decode_each_into."""
+        from kvcodec.video import nvcuvid_native as native
+
+        lib = native.library() if native.available() else None
+        if lib is None:
+            raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
+        depth = max(1, min(depth or native.FEED_DEPTH, native.MAX_TARGETS))
+        api.make_current(self.ctx)
+        run = _FedRun(self, lib)
+        finished = False
+        try:
+            for ordinal, (key, bitstream, width, height, frames, out_ptr) in enumerate(items):
+                buf = _as_buffer(bitstream)
+                if frames < 1:
+                    raise ValueError("a stream fed to decode_each_fed announces at least one frame")
+                if run.session is None or (run.session.width, run.session.height) != (width, height):
+                    yield from run.end()
+                    run.open(width, height)
+                yield from run.room(depth)
+                run.push(key, buf, ordinal, frames, out_ptr)
+                yield from run.ready()
+            yield from run.end()
+            finished = True
+        finally:
+            run.close(finished)
+
     def _native_state(self, lib, session: _Session, procparams):  # noqa: ANN202 - an nvcuvid_native.State
         from kvcodec.video import nvcuvid_native as native
 
@@ -589,3 +624,105 @@ class NvcuvidDecoder:
             yield frame.clone() if self.copy else frame
         if count == 0:
             raise CorruptStreamError("NVDEC decoded no frame from the stream")
+
+
+class _FedRun:
+    """One decode_each_fed call: the session, parser, native state and feeder of the frame size
+    being decoded, and the keys of the streams pushed and not complete."""
+
+    WAIT_S = 0.5  # a blocking wait re-checks the feeder this often
+
+    def __init__(self, decoder: NvcuvidDecoder, lib):
+        self.decoder, self.lib = decoder, lib
+        self.session = self.parser = self.state = self.feeder = None
+        self.keys: collections.deque = collections.deque()
+        self.held: collections.deque = collections.deque()  # buffers pushed and not complete
+        self.procparams = api.ProcParams(progressive_frame=1, output_stream=decoder.stream.cuda_stream)
+
+    def open(self, width: int, height: int) -> None:
+        from kvcodec.video import nvcuvid_native as native
+
+        self.session = self.decoder._session(width, height)
+        self.session.error = None
+        self.state = self.decoder._native_state(self.lib, self.session, self.procparams)
+        self.parser = _NativeParser(self.session, self.decoder.display_delay, self.lib, self.state)
+        nv, cu = api.nvcuvid(), api.cuda()
+        self.feeder = native.Feeder(
+            self.lib,
+            self.state,
+            self.parser.handle.value,
+            native.function_pointer(nv.cuvidParseVideoData),
+            native.function_pointer(cu.cuCtxSetCurrent),
+            self.decoder.ctx,
+            self.decoder.PIECE_BYTES,
+        )
+
+    def push(self, key, buf: np.ndarray, ordinal: int, frames: int, out_ptr: int) -> None:
+        self.state.push(out_ptr, ordinal, frames)
+        self.keys.append(key)
+        self.held.append(buf)
+        self.feeder.submit(buf.ctypes.data, buf.size, ordinal)
+
+    def room(self, depth: int) -> Iterator[object]:
+        """Wait until fewer than `depth` streams pushed are not yet fed and the native ring has a
+        free target (the keys of the streams that complete meanwhile)."""
+        from kvcodec.video import nvcuvid_native as native
+
+        if self.feeder is None:
+            return
+        while self.feeder.wait_fed(depth - 1, self.WAIT_S) > depth - 1 or len(self.keys) >= native.MAX_TARGETS:
+            if len(self.keys) >= native.MAX_TARGETS:  # every target fed: the oldest completes
+                self.feeder.wait(int(self.state.completed) + 1, self.WAIT_S)
+            yield from self.ready()
+        yield from self.ready()
+
+    def ready(self) -> Iterator[object]:
+        """The keys of the streams complete now."""
+        if self.feeder.finished:  # stopped before the end was asked for: the parser failed
+            self._check(self.feeder.close())
+            raise CorruptStreamError("NVDEC's parser stopped before the streams were complete")
+        yield from self._ready()
+
+    def end(self) -> Iterator[object]:
+        """Flush the parser after the streams pushed; their keys as they complete; then close."""
+        if self.feeder is None:
+            return
+        self.feeder.end()
+        while not self.feeder.finished:
+            self.feeder.wait(1 << 62, self.WAIT_S)
+            yield from self._ready()
+        self._check(self.feeder.close())
+        yield from self._ready()
+        if self.keys:
+            raise CorruptStreamError("a stream decoded to fewer frames than its chunk announces")
+        self.parser.close()
+        self.session = self.parser = self.state = self.feeder = None
+
+    def _ready(self) -> Iterator[object]:
+        self._check()
+        while len(self.keys) > self.state.pending:
+            self.held.popleft()
+            yield self.keys.popleft()
+
+    def _check(self, parse_error: int = 0) -> None:
+        from kvcodec.video import nvcuvid_native as native
+
+        if self.session.error is not None:
+            raise self.session.error
+        if self.session.layout is not None and self.session.layout[0] != "YUV444":
+            raise CorruptStreamError(
+                f"NVDEC output is {self.session.layout[0]}; kvcodec streams are 4:4:4 8-bit (YUV444)"
+            )
+        if self.state.error:
+            what = native.ERRORS.get(int(self.state.error), "the native decode failed")
+            raise CorruptStreamError(f"{what} (CUDA error {int(self.state.cuda_error)})")
+        if parse_error:
+            raise CorruptStreamError(f"NVDEC could not parse the stream (CUDA error {parse_error})")
+
+    def close(self, finished: bool) -> None:
+        if self.feeder is not None:
+            self.feeder.close()
+        if self.parser is not None:
+            self.parser.close()
+        if not finished and self.session is not None:
+            self.decoder.close((self.session.width, self.session.height))

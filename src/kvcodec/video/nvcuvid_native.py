@@ -34,7 +34,10 @@ MAX_TARGETS = 64  # streams fed and not complete at once (a ring in the C state)
 ENABLED = os.environ.get("KVCODEC_NATIVE", "1") != "0"  # False: the Python callbacks everywhere
 
 SOURCE = r"""
+#include <pthread.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <time.h>
 
 typedef int (*decode_fn)(void *, void *);
 typedef int (*map_fn)(void *, int, unsigned long long *, unsigned int *, void *);
@@ -117,6 +120,147 @@ int kv_display(void *user, dispinfo_t *info) {
     if (++s->done_in_head == s->frames[k]) { s->head++; s->done_in_head = 0; s->completed++; }
     return 1;
 }
+
+/* The feeder: a thread of its own that hands the streams pushed by the caller to the parser, piece
+   by piece, so NVDEC gets its next pictures while the caller's thread (Python) does its own work or
+   waits for the interpreter lock. The parser's callbacks run on this thread. */
+
+typedef int (*parse_fn)(void *, void *);
+typedef int (*setctx_fn)(void *);
+
+typedef struct {  /* CUVIDSOURCEDATAPACKET */
+    unsigned long flags, payload_size; const unsigned char *payload; long long timestamp;
+} packet_t;
+
+typedef struct {
+    state_t *s; void *parser; parse_fn parse; setctx_fn setctx; void *ctx;
+    long long piece, submitted, fed;
+    const unsigned char *ptr[MAX_TARGETS]; long long len[MAX_TARGETS]; long long ord[MAX_TARGETS];
+    int end, stop, finished, parse_error, started;
+    pthread_mutex_t mu; pthread_cond_t cv; pthread_t thread;
+} feeder_t;
+
+static void feeder_done(feeder_t *f, int parse_error) {
+    pthread_mutex_lock(&f->mu);
+    f->parse_error = parse_error; f->finished = 1;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+}
+
+static int feed(feeder_t *f, unsigned long flags, const unsigned char *p, long long n, long long stamp) {
+    packet_t pk = {flags, (unsigned long)n, p, stamp};
+    int r = f->parse(f->parser, &pk);
+    pthread_mutex_lock(&f->mu);  /* pictures may have completed: wake the waiter */
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+    return r;
+}
+
+static void *feeder_main(void *arg) {
+    feeder_t *f = (feeder_t *)arg;
+    if (f->setctx && f->setctx(f->ctx)) { feeder_done(f, -1); return NULL; }
+    for (;;) {
+        pthread_mutex_lock(&f->mu);
+        while (f->fed == f->submitted && !f->end && !f->stop) pthread_cond_wait(&f->cv, &f->mu);
+        if (f->stop) { pthread_mutex_unlock(&f->mu); feeder_done(f, 0); return NULL; }
+        if (f->fed == f->submitted) {  /* end: flush the parser (the last pictures come out) */
+            pthread_mutex_unlock(&f->mu);
+            int r = feed(f, 0x01, NULL, 0, 0);
+            feeder_done(f, r);
+            return NULL;
+        }
+        long long k = f->fed % MAX_TARGETS;
+        const unsigned char *p = f->ptr[k];
+        long long n = f->len[k], stamp = f->ord[k] << f->s->shift;
+        pthread_mutex_unlock(&f->mu);
+        for (long long off = 0; off < n; off += f->piece) {
+            long long m = n - off < f->piece ? n - off : f->piece;
+            int r = feed(f, 0x02, p + off, m, stamp);
+            if (r || f->s->error) { feeder_done(f, r); return NULL; }
+        }
+        pthread_mutex_lock(&f->mu);
+        f->fed++;
+        pthread_cond_broadcast(&f->cv);
+        pthread_mutex_unlock(&f->mu);
+    }
+}
+
+void *kv_feeder_start(state_t *s, void *parser, void *parse, void *setctx, void *ctx, long long piece) {
+    feeder_t *f = (feeder_t *)calloc(1, sizeof(feeder_t));
+    if (!f) return NULL;
+    f->s = s; f->parser = parser; f->parse = (parse_fn)parse; f->setctx = (setctx_fn)setctx; f->ctx = ctx;
+    f->piece = piece > 0 ? piece : (1 << 18);
+    pthread_mutex_init(&f->mu, NULL); pthread_cond_init(&f->cv, NULL);
+    if (pthread_create(&f->thread, NULL, feeder_main, f)) {
+        pthread_mutex_destroy(&f->mu); pthread_cond_destroy(&f->cv); free(f); return NULL;
+    }
+    f->started = 1;
+    return f;
+}
+
+/* A stream to feed after those pushed before; -1 when MAX_TARGETS streams are not yet fed. */
+int kv_feeder_submit(feeder_t *f, const unsigned char *p, long long n, long long ordinal) {
+    pthread_mutex_lock(&f->mu);
+    if (f->submitted - f->fed >= MAX_TARGETS || f->end) { pthread_mutex_unlock(&f->mu); return -1; }
+    long long k = f->submitted % MAX_TARGETS;
+    f->ptr[k] = p; f->len[k] = n; f->ord[k] = ordinal; f->submitted++;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+    return 0;
+}
+
+/* No more streams: the parser is flushed once every stream pushed is fed. */
+void kv_feeder_end(feeder_t *f) {
+    pthread_mutex_lock(&f->mu);
+    f->end = 1;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Wait (at most timeout_us) until `completed` streams are complete or the feeder has finished;
+   returns the streams complete, -1 once the feeder has finished. */
+long long kv_feeder_wait(feeder_t *f, long long completed, long long timeout_us) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += timeout_us / 1000000; ts.tv_nsec += (timeout_us % 1000000) * 1000;
+    if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
+    pthread_mutex_lock(&f->mu);
+    while (f->s->completed < completed && !f->finished && !f->s->error)
+        if (pthread_cond_timedwait(&f->cv, &f->mu, &ts)) break;
+    long long done = f->finished ? -1 : f->s->completed;
+    pthread_mutex_unlock(&f->mu);
+    return done;
+}
+
+/* Wait (at most timeout_us) until at most `unfed` streams pushed are not yet fed (or the feeder has
+   finished); returns the streams not yet fed, -1 once the feeder has finished. A stream's last
+   pictures come out only once the parser has seen what follows it: a caller that waited for its
+   completion before pushing more would wait for ever. */
+long long kv_feeder_wait_fed(feeder_t *f, long long unfed, long long timeout_us) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += timeout_us / 1000000; ts.tv_nsec += (timeout_us % 1000000) * 1000;
+    if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
+    pthread_mutex_lock(&f->mu);
+    while (f->submitted - f->fed > unfed && !f->finished)
+        if (pthread_cond_timedwait(&f->cv, &f->mu, &ts)) break;
+    long long left = f->finished ? -1 : f->submitted - f->fed;
+    pthread_mutex_unlock(&f->mu);
+    return left;
+}
+
+/* Stop (unless already finished), join the thread, free; the parser's last error (0: none). */
+int kv_feeder_close(feeder_t *f) {
+    pthread_mutex_lock(&f->mu);
+    f->stop = 1;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+    pthread_join(f->thread, NULL);
+    int r = f->parse_error;
+    pthread_mutex_destroy(&f->mu); pthread_cond_destroy(&f->cv);
+    free(f);
+    return r;
+}
 """
 
 
@@ -188,7 +332,8 @@ def build(directory: Path | None = None) -> Path | None:
         with tempfile.TemporaryDirectory(dir=directory) as tmp:
             src, lib = Path(tmp) / "loop.c", Path(tmp) / "loop.so"
             src.write_text(SOURCE)
-            subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True, capture_output=True)
+            cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)]
+            subprocess.run(cmd, check=True, capture_output=True)
             os.replace(lib, path)  # atomic: a concurrent build wins or loses whole
     except (OSError, subprocess.CalledProcessError) as e:
         log.warning("building the native nvcuvid callbacks failed (%s): they stay in Python", e)
@@ -203,15 +348,73 @@ def library():  # noqa: ANN201 - the ctypes CDLL, or None
     if path is None:
         return None
     try:
-        return ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(path))
     except OSError as e:
         log.warning("loading %s failed (%s): the nvcuvid callbacks stay in Python", path, e)
         return None
+    lib.kv_feeder_start.restype = c_void_p
+    lib.kv_feeder_start.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_longlong]
+    lib.kv_feeder_submit.restype = c_int
+    lib.kv_feeder_submit.argtypes = [c_void_p, c_void_p, c_longlong, c_longlong]
+    lib.kv_feeder_end.restype = None
+    lib.kv_feeder_end.argtypes = [c_void_p]
+    lib.kv_feeder_wait.restype = c_longlong
+    lib.kv_feeder_wait.argtypes = [c_void_p, c_longlong, c_longlong]
+    lib.kv_feeder_wait_fed.restype = c_longlong
+    lib.kv_feeder_wait_fed.argtypes = [c_void_p, c_longlong, c_longlong]
+    lib.kv_feeder_close.restype = c_int
+    lib.kv_feeder_close.argtypes = [c_void_p]
+    return lib
 
 
 def available() -> bool:
     """Whether decoders use the native callbacks (ENABLED, and the library builds and loads here)."""
     return ENABLED and library() is not None
+
+
+FEEDER = os.environ.get("KVCODEC_FEEDER", "1") != "0"  # False: the parser fed on the caller's thread
+FEED_DEPTH = 2  # streams pushed to a feeder and not yet fed (the engine's next stream is always there)
+
+
+class Feeder:
+    """A native thread that feeds the streams pushed onto it to `parser` (whose callbacks are the C
+    ones, on `state`), piece by piece, so the engine does not wait for the caller's thread."""
+
+    def __init__(self, lib, state: State, parser: int, parse: int, setctx: int, ctx: int, piece: int):
+        self.lib, self.state = lib, state
+        self.handle = lib.kv_feeder_start(ctypes.addressof(state), parser, parse, setctx, ctx, piece)
+        if not self.handle:
+            raise OSError("the native feeder thread did not start")
+        self.finished = False
+
+    def submit(self, address: int, length: int, ordinal: int) -> None:
+        if self.lib.kv_feeder_submit(self.handle, address, length, ordinal) != 0:
+            raise RuntimeError("more streams pushed than the feeder holds")
+
+    def end(self) -> None:
+        """No more streams: the parser is flushed after the last one."""
+        self.lib.kv_feeder_end(self.handle)
+
+    def wait(self, completed: int, timeout_s: float) -> int:
+        """Streams complete once `completed` are (or timeout_s passed); -1 once the feeder finished
+        (the flush done, or stopped by an error)."""
+        done = self.lib.kv_feeder_wait(self.handle, completed, int(timeout_s * 1e6))
+        self.finished = done < 0
+        return done
+
+    def wait_fed(self, unfed: int, timeout_s: float) -> int:
+        """Streams pushed and not yet fed once at most `unfed` are (or timeout_s passed); -1 once
+        the feeder finished."""
+        left = self.lib.kv_feeder_wait_fed(self.handle, unfed, int(timeout_s * 1e6))
+        self.finished = left < 0
+        return left
+
+    def close(self) -> int:
+        """Stop and join the thread; the parser's last error code (0: none)."""
+        if not self.handle:
+            return 0
+        handle, self.handle = self.handle, None
+        return self.lib.kv_feeder_close(handle)
 
 
 def function_pointer(fn) -> int:
