@@ -599,7 +599,9 @@ def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
     }
 
 
-def run(d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False) -> None:
+def run(
+    d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False, interfere_all=False
+) -> None:
     from kvcodec.transform import frames  # noqa: F401 - import before threads start
 
     probe = _probe()
@@ -639,7 +641,7 @@ def run(d, out, variants, repeat, seconds, interference_s, profile_case, only, p
         assert codec.id == case["codec_id"], (codec.id, case["codec_id"])
         base = {k: case[k] for k in ("name", "codec", "ratio_vs_fp16", "res", "chunk")} | {"model": doc["model"]}
         for i, variant in enumerate([{}] + variants):
-            secs = interference_s if i == 0 else 0.0
+            secs = interference_s if i == 0 or interfere_all else 0.0
             _stage(log, base, measure_fetch, mem, doc, case, codec, probe, variant, repeat, alone, secs)
         if case["codec"] == "transform":
             _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
@@ -771,6 +773,7 @@ def main() -> None:
     r.add_argument("--only", default="", help="case names, comma-separated (default: all)")
     r.add_argument("--pack", type=pathlib.Path, default=None, help="the cut calibration (default: DIR's)")
     r.add_argument("--quick", action="store_true", help="no restore-alone, kernel or sampler-profile stages")
+    r.add_argument("--interfere-all", action="store_true", help="the matmul's slowdown for every variant")
     a = ap.parse_args()
     if a.cmd == "pack":
         _pack(a.dir, json.loads((a.dir / "cases.json").read_text()), a.also)
@@ -780,7 +783,10 @@ def main() -> None:
         return
     variants = [_variant(v) for v in filter(None, a.variants.split(","))]
     only = set(filter(None, a.only.split(",")))
-    run(a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack, a.quick)
+    run(
+        a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack, a.quick,
+        a.interfere_all,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -47,7 +47,20 @@ class TransformRestorer:
         self._device_bases: dict[torch.device, list] = {}
         self._batched_plans: dict[tuple, transform_kernels.BatchedPlan] = {}
         self._rope_tables: dict[torch.device, transform_kernels.RopeTables] = {}
+        self._coord_plans: dict[tuple[float, float], object] = {}  # plan(theta, key_weight), read without a lock
         self._lock = threading.Lock()  # plans and tables are built once, by whichever thread asks first
+
+    def _plan_of(self, h: dict):  # noqa: ANN202 - the codec's CoordPlan
+        """The coordinate plan of a verified header (the codec's plan, memoized here: a fetch asks
+        for it a few times per chunk on every decode thread)."""
+        key = (float(h["theta"]), float(h["key_weight"]))
+        plan = self._coord_plans.get(key)
+        if plan is None:
+            plan = self.plan(*key)
+            if len(self._coord_plans) >= MAX_PLANS:
+                self._coord_plans.clear()
+            self._coord_plans[key] = plan
+        return plan
 
     def _bases_on(self, device: torch.device) -> list:
         if device not in self._device_bases:
@@ -101,7 +114,7 @@ class TransformRestorer:
 
     def _restore(self, h: dict, streams: dict, device: torch.device, decoder=None) -> torch.Tensor:
         """Dequantize, inverse transform (one GEMM per group and kind), re-apply RoPE: float32 KV."""
-        plan = self.plan(float(h["theta"]), float(h["key_weight"]))
+        plan = self._plan_of(h)
         C, t = plan.steps.numel(), h["tokens"]
         samples = self._samples(h, streams, C * t, device, decoder).view(C, t)
         idx, values = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
@@ -147,18 +160,18 @@ class TransformRestorer:
 
     def sample_count(self, h: dict) -> int:
         """Samples a verified chunk codes (coded coordinates x tokens)."""
-        return self.plan(float(h["theta"]), float(h["key_weight"])).steps.numel() * h["tokens"]
+        return self._plan_of(h).steps.numel() * h["tokens"]
 
     def decode_samples(self, h: dict, streams: dict, device: torch.device, decoder=None, samples=None) -> Decoded:
         """A chunk's first half of the batched restore: its samples on `device` (NVDEC or zstd;
         `samples`: already decoded, a flat uint8 buffer that starts with them), escapes and sink
         tokens; finish() does the math, for many chunks at once."""
-        C = self.plan(float(h["theta"]), float(h["key_weight"])).steps.numel()
+        C = self._plan_of(h).steps.numel()
         escapes = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
         if samples is None:
             samples = self._samples(h, streams, C * h["tokens"], device, decoder)
         samples = samples[: C * h["tokens"]].view(C, h["tokens"])
-        sink = self._sink(h, streams, device) if h["sink"] else None
+        sink = self._sink(h, streams, torch.device("cpu")) if h["sink"] else None  # uploaded by finish, all at once
         return Decoded(h, samples, escapes, sink)
 
     def finish(self, chunks: list[Decoded], outs: list[Target]) -> None:
@@ -180,9 +193,9 @@ class TransformRestorer:
         if device.type == "cuda":  # decoded on worker streams, read on this one: not reused before that
             stream = torch.cuda.current_stream(device)
             for c in chunks:
-                for tensor in (c.samples, c.sink):
-                    if tensor is not None:
-                        tensor.record_stream(stream)
+                if c.samples.device.type == "cuda":
+                    c.samples.record_stream(stream)
+        sinks = _sinks_on([c.sink for c in chunks], device)
         samples = chunks[0].samples[None] if len(chunks) == 1 else torch.stack([c.samples for c in chunks])
         starts = [c.h["start_token"] for c in chunks]
         scales = None
@@ -202,11 +215,27 @@ class TransformRestorer:
         for i, (c, out) in enumerate(zip(chunks, outs)):
             dense = out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)
             transform_kernels.emit(y, i, t, dense)
-            if c.sink is not None:
-                dense[:, :, : c.h["sink"]] = c.sink
+            if sinks[i] is not None:
+                dense[:, :, : c.h["sink"]] = sinks[i]
             if isinstance(out, PagedKV):
                 blocks, within = out.slots(c.h["start_token"], t)
                 out.pages[:, :, blocks, within] = dense
+
+
+def _sinks_on(sinks: list, device: torch.device) -> list:
+    """The chunks' sink tokens (host tensors or None) on `device`: one upload for all of them."""
+    host = [s for s in sinks if s is not None and s.device != device]
+    if not host:
+        return sinks
+    flat = _to_device(torch.cat([s.reshape(-1) for s in host]), device)
+    out, off = [], 0
+    for s in sinks:
+        if s is None or s.device == device:
+            out.append(s)
+            continue
+        out.append(flat[off : off + s.numel()].view(s.shape))
+        off += s.numel()
+    return out
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -216,7 +245,7 @@ class Decoded:
     h: dict
     samples: torch.Tensor  # (C, tokens) uint8 on the target's device, layout order
     escapes: tuple[torch.Tensor, torch.Tensor]  # host: flat indices, true integers
-    sink: torch.Tensor | None  # (L, 2, sink, H, D) float16 on the device
+    sink: torch.Tensor | None  # (L, 2, sink, H, D) float16 (on the host from decode_samples; finish uploads)
 
 
 def frame_buffer(frames_announced: int, width: int, height: int, device) -> torch.Tensor:

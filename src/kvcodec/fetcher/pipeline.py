@@ -211,6 +211,8 @@ class FetchPipeline:
                     return restored, e
                 except Exception as e:  # noqa: BLE001 - report, never swallow
                     return restored, _failed(ready[0][0], "failed to restore", e)
+                if self.s.staged and self.s.device.type == "cuda":  # one wait for the batch's math
+                    torch.cuda.current_stream(self.s.device).synchronize()
                 for i, done in ready:
                     restored = self._restore(i, done.staging)
                 next_i += len(ready)
@@ -273,8 +275,8 @@ class FetchPipeline:
                 out.pages[:, :, blocks, within] = staged[:, :, :take].to(out.device, out.pages.dtype)
             else:
                 copy_chunk(out[:, :, m.start_token : m.start_token + take], staged[:, :, :take])
-        if out.device.type == "cuda":
-            torch.cuda.current_stream(out.device).synchronize()
+        if out.device.type == "cuda" and (staged is not None or not self.s.staged):
+            torch.cuda.current_stream(out.device).synchronize()  # a staged batch was waited for once
         tm.restore_end = self.now()
         st = self.stats
         st.chunks_restored += 1
