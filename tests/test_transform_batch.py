@@ -201,3 +201,19 @@ def test_stage_stream_stages_every_chunk_and_names_the_refused_and_the_damaged(k
         assert gpu_tests.within_an_ulp(
             outs[i], want[:, :, chunks[i].start_token : chunks[i].start_token + chunks[i].tokens]
         )
+
+
+def test_sink_tokens_go_up_in_one_piece_each_to_its_chunk(monkeypatch):
+    """finish uploads every staged chunk's host sink tokens at once (transform_decode._sinks_on):
+    each chunk gets its own values and shape back, chunks without sink tokens get None. (No GPU
+    here: the upload is a copy, standing for the host-to-device one.)"""
+    from kvcodec.codecs import transform_decode
+
+    a = torch.arange(2 * 2 * 4 * 3 * 2, dtype=torch.float16).view(2, 2, 4, 3, 2)
+    b = -torch.arange(2 * 2 * 1 * 3 * 2, dtype=torch.float16).view(2, 2, 1, 3, 2)
+    assert transform_decode._sinks_on([a, None, b], torch.device("cpu"))[0] is a  # already there: as is
+    uploads = []
+    monkeypatch.setattr(transform_decode, "_to_device", lambda t, device: uploads.append(t.numel()) or t.clone())
+    out = transform_decode._sinks_on([a, None, b], torch.device("meta"))
+    assert uploads == [a.numel() + b.numel()]  # one upload
+    assert out[1] is None and torch.equal(out[0], a) and torch.equal(out[2], b)
