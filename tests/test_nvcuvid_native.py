@@ -257,3 +257,84 @@ def test_closing_a_feeder_waiting_for_streams_stops_its_thread(flib):
     _, s, _, f = _feeder(flib, {}, {}, piece=256)
     assert f.wait(1, 0.01) == 0  # nothing pushed: the wait times out
     assert f.close() == 0
+
+
+class LaggingParser:
+    """A stand-in for NVDEC's parser as decode_each_fed drives it: a stream's pictures come out
+    only once `lag` later streams have started (or the end was fed), as the real parser holds a
+    picture until it has seen what follows it."""
+
+    def __init__(self, lib, frames: dict, lag: int, fail_stream: int | None = None):
+        self.lib, self.frames, self.lag, self.fail_stream = lib, frames, lag, fail_stream
+        self.state, self.started, self.shown = None, [], 0
+        self.fn = PARSE(self._parse)
+
+    def _parse(self, parser, packet):
+        p = Packet.from_address(packet)
+        if p.flags & 1:
+            upto = len(self.started)
+        else:
+            ordinal = p.ts >> 32
+            if ordinal == self.fail_stream:
+                return 7
+            if not self.started or self.started[-1] != ordinal:
+                self.started.append(ordinal)
+            upto = len(self.started) - self.lag
+        while self.shown < upto:
+            ordinal = self.started[self.shown]
+            for k in range(self.frames[ordinal]):
+                display(self.lib, self.state, k, ordinal, k)
+            self.shown += 1
+        return 0
+
+
+def _fed(monkeypatch, n: int, frames: int, depth: int, lag: int, fail_stream=None) -> list:
+    """decode_each_fed's keys over n streams of `frames` pictures, on the stand-ins (no GPU here)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvcodec.video import nvcuvid
+    from kvcodec.video import nvcuvid_api as api
+
+    parser = LaggingParser(native.library(), dict.fromkeys(range(n), frames), lag, fail_stream)
+    drv = Driver()
+    setctx = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda ctx: 0)
+
+    class Session:
+        width, height, error, layout = 256, 144, None, ("YUV444", 256, 432)
+
+    class NativeParser:
+        def __init__(self, session, delay, lib, state):
+            self.handle = ctypes.c_void_p(1)
+            parser.state = state
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(nvcuvid, "_NativeParser", NativeParser)
+    monkeypatch.setattr(api, "nvcuvid", lambda: SimpleNamespace(cuvidParseVideoData=parser.fn))
+    monkeypatch.setattr(api, "cuda", lambda: SimpleNamespace(cuCtxSetCurrent=setctx))
+    monkeypatch.setattr(api, "make_current", lambda ctx: None)
+    decoder = SimpleNamespace(
+        ctx=0, stream=SimpleNamespace(cuda_stream=0), display_delay=1, PIECE_BYTES=256,
+        _session=lambda w, h: Session(), _native_state=lambda lib, s, pp: drv.state(256, 144),
+        close=lambda size=None: None,
+    )  # fmt: skip
+    data = [np.zeros(600, np.uint8) for _ in range(n)]
+    items = ((k, data[k], 256, 144, frames, 0xA000000 * (k + 1)) for k in range(n))
+    return list(nvcuvid.NvcuvidDecoder.decode_each_fed(decoder, items, depth))
+
+
+@pytest.mark.parametrize(("n", "frames", "depth", "lag"), [(5, 2, 2, 1), (5, 1, 2, 2), (6, 2, 1, 3), (70, 1, 2, 2)])
+def test_fed_streams_complete_whatever_the_parser_holds_back(monkeypatch, n, frames, depth, lag):
+    """decode_each_fed never waits for a stream to complete before feeding what completes it
+    (a parser holding `lag` streams back, more streams than the native ring holds)."""
+    assert _fed(monkeypatch, n, frames, depth, lag) == list(range(n))
+
+
+def test_fed_streams_report_the_parsers_refusal(monkeypatch):
+    from kvcodec.errors import CorruptStreamError
+
+    with pytest.raises(CorruptStreamError, match="could not parse"):
+        _fed(monkeypatch, 5, 2, 2, 1, fail_stream=3)
