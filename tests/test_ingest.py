@@ -76,3 +76,20 @@ def test_ingest_command_summary_and_exit_code(tmp_path):
     second = CliRunner().invoke(cli, args)
     assert "0 stored, 1 already stored" in second.output
     assert json.loads((tmp_path / "r.json").read_text())["skipped"] == 1
+
+
+def test_an_interrupted_ingest_says_what_was_done_and_how_to_resume(tmp_path, monkeypatch):
+    import kvcodec.ingest
+    from kvcodec.cli.main import cli
+    from kvcodec.ingest import DocResult
+
+    def interrupted(documents, *args, on_result, **kw):  # Ctrl-C after the first document
+        on_result(DocResult(documents[0].id, "stored", 10, 1))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kvcodec.ingest, "ingest", interrupted)
+    (tmp_path / "p.txt").write_text("alpha\nbeta\n")
+    args = ["ingest", str(tmp_path / "p.txt"), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}"]
+    result = CliRunner().invoke(cli, [*args, "--device", "cpu", "--codec", "raw"])
+    assert result.exit_code == 130
+    assert "interrupted after 1 stored, 0 skipped, 0 failed of 2 documents; run the same command" in result.output

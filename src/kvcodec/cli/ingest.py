@@ -86,13 +86,21 @@ def command(
     codec = build_codec(name, options)  # a bad codec or option fails before the model loads
     documents = list(read_documents(docs, template=template, text_field=text_field, id_field=id_field))
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
-    if ray_address:
-        from kvcodec.ingest.distributed import RayJob
+    bar, on_result, counts = _progress(len(documents))
+    try:
+        with bar:
+            if ray_address:
+                from kvcodec.ingest.distributed import RayJob
 
-        job = RayJob(model_name, store_url, name, tuple(sorted(options.items())), max_tokens, encode_cpus=encode_cpus)
-        result = _on_ray(ray_address, documents, job, prefill_actors)
-    else:
-        result = _here(documents, model_name, store_url, codec, device, max_tokens, store_workers)
+                options = tuple(sorted(options.items()))
+                job = RayJob(model_name, store_url, name, options, max_tokens, encode_cpus=encode_cpus)
+                result = _on_ray(ray_address, documents, job, prefill_actors, on_result)
+            else:
+                result = _here(documents, model_name, store_url, codec, device, max_tokens, store_workers, on_result)
+    except KeyboardInterrupt:
+        done = ", ".join(f"{v} {k}" for k, v in counts.items())
+        click.echo(f"interrupted after {done} of {len(documents)} documents; run the same command to resume", err=True)
+        raise click.exceptions.Exit(130) from None
     summary = result.to_dict()
     click.echo(_summary_line(summary))
     if report:
@@ -101,11 +109,12 @@ def command(
         raise click.exceptions.Exit(1)
 
 
-def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback)
+def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, counts so far)
+    """A progress bar on stderr: live on a terminal, a line every 30 s in a log."""
     from tqdm import tqdm
 
     counts = {"stored": 0, "skipped": 0, "failed": 0}
-    bar = tqdm(total=total, unit="doc", desc="ingest", disable=None)
+    bar = tqdm(total=total, unit="doc", desc="ingest", mininterval=0.1 if sys.stderr.isatty() else 30.0)
 
     def on_result(r) -> None:  # noqa: ANN001
         counts[r.status] += 1
@@ -114,10 +123,10 @@ def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback)
         bar.set_postfix(counts, refresh=False)
         bar.update(1)
 
-    return bar, on_result
+    return bar, on_result, counts
 
 
-def _here(documents, model_name, store_url, codec, device, max_tokens, store_workers):  # noqa: ANN001, ANN202
+def _here(documents, model_name, store_url, codec, device, max_tokens, store_workers, on_result):  # noqa: ANN001, ANN202
     """The job on this machine: its GPU (or CPU) prefills, its cores encode."""
     from kvcodec.engine.config import EngineConfig
     from kvcodec.engine.prefix import open_prefix_cache
@@ -130,32 +139,22 @@ def _here(documents, model_name, store_url, codec, device, max_tokens, store_wor
     if layout_for(model, dev) is not None:
         raise ConfigError(f"{model_name} keeps several KV layer groups; kvcodec ingest stores uniform caches only")
     store, cache = open_prefix_cache(EngineConfig(store_url=store_url, codec=codec), model, dev)
-    bar, on_result = _progress(len(documents))
     try:
-        with bar:
-            return ingest(
-                documents,
-                model,
-                tokenizer,
-                cache,
-                max_tokens=max_tokens,
-                store_workers=store_workers,
-                on_result=on_result,
-            )
+        return ingest(
+            documents, model, tokenizer, cache, max_tokens=max_tokens, store_workers=store_workers, on_result=on_result
+        )
     finally:
         if hasattr(store, "close"):
             store.close()
 
 
-def _on_ray(address: str, documents, job, actors):  # noqa: ANN001, ANN202
+def _on_ray(address: str, documents, job, actors, on_result):  # noqa: ANN001, ANN202
     """The job on a Ray cluster (connected here, left running)."""
     from kvcodec.ingest.distributed import import_ray, ingest_on_ray
 
     ray = import_ray()
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    bar, on_result = _progress(len(documents))
-    with bar:
-        return ingest_on_ray(documents, job, actors=actors, on_result=on_result)
+    return ingest_on_ray(documents, job, actors=actors, on_result=on_result)
 
 
 def _summary_line(s: dict[str, Any]) -> str:
