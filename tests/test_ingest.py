@@ -93,3 +93,11 @@ def test_an_interrupted_ingest_says_what_was_done_and_how_to_resume(tmp_path, mo
     result = CliRunner().invoke(cli, [*args, "--device", "cpu", "--codec", "raw"])
     assert result.exit_code == 130
     assert "interrupted after 1 stored, 0 skipped, 0 failed of 2 documents; run the same command" in result.output
+
+
+def test_documents_encoded_at_once_fill_the_cores_with_chunks():
+    from kvcodec.ingest.run import documents_at_once
+
+    assert documents_at_once(None, 16, 8) == 2  # 2k-token documents of 8 chunks on 16 cores
+    assert documents_at_once(None, 2, 8) == 1 and documents_at_once(None, 16, 1) == 16
+    assert documents_at_once(None, 16, 0) == 16 and documents_at_once(3, 16, 8) == 3

@@ -35,7 +35,10 @@ from kvcodec.cli.options import device_option, parse_codec_options
 @click.option("--id-field", default="id", show_default=True, help="JSONL: the field naming the document.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Leading tokens kept per document.")
 @click.option(
-    "--store-workers", type=click.IntRange(min=1), default=1, show_default=True, help="Documents encoded at once."
+    "--store-workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Documents encoded at once [enough that their chunks fill the cores].",
 )
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the summary (JSON) here.")
 @click.option(
@@ -63,7 +66,7 @@ def command(
     text_field: str,
     id_field: str,
     max_tokens: int | None,
-    store_workers: int,
+    store_workers: int | None,
     report: Path | None,
     ray_address: str | None,
     prefill_actors: int | None,

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvcodec.errors import KVCodecError
 from kvcodec.ingest.sources import Document
+from kvcodec.layout.search import encode_workers
 
 STORED, SKIPPED, FAILED = "stored", "skipped", "failed"
 
@@ -103,14 +104,16 @@ def ingest(
     *,
     max_tokens: int | None = None,
     prefill_chunk_tokens: int | None = 2048,
-    store_workers: int = 1,
+    store_workers: int | None = None,
     on_result: Callable[[DocResult], None] | None = None,
 ) -> IngestReport:
     """Prefill each document with `model` and store its KV through `cache` (a PrefixCache).
 
     max_tokens: keep at most this many leading tokens of a document (None: the model's context).
-    store_workers: documents encoded and written at once (each encode already uses every core);
-        at most store_workers + 1 prefilled KVs wait for the encoder, bounding memory.
+    store_workers: documents encoded and written at once; at most store_workers + 1 prefilled KVs
+        wait for the encoder, bounding memory. None: enough documents that their chunks fill the
+        encode threads (a document's chunks are encoded in parallel; one 2k-token document has 8
+        chunks of 256 tokens, so 16 cores take 2 at once), at least 1.
     on_result: called with each document's result as it is known (for progress bars)."""
     from kvcodec.engine.tokens import Tokens
 
@@ -134,7 +137,10 @@ def ingest(
                 done(dataclasses.replace(r, status=FAILED, error=_why(e)))
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, store_workers), thread_name_prefix="kvcodec-ingest") as pool:
+    cores = encode_workers()
+    chunk_tokens = int(getattr(cache, "chunk_tokens", 0) or 256)
+    pool_size = max(1, store_workers or cores)
+    with ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvcodec-ingest") as pool:
         for doc in documents:
             if doc.error:
                 done(DocResult(doc.id, FAILED, error=doc.error))
@@ -156,9 +162,17 @@ def ingest(
                 (pool.submit(_store, cache, ids, kv), DocResult(doc.id, STORED, len(ids), 0, None, prefill_s))
             )
             del kv
-            settle(max(1, store_workers))
+            settle(documents_at_once(store_workers, cores, -(-len(ids) // chunk_tokens)))
         settle(0)
     return IngestReport(tuple(results), time.perf_counter() - t0)
+
+
+def documents_at_once(store_workers: int | None, cores: int, chunks: int) -> int:
+    """Documents whose KV may be encoded at once: store_workers, or (None) as many documents of
+    `chunks` chunks as it takes to give every one of `cores` encode threads a chunk."""
+    if store_workers:
+        return max(1, store_workers)
+    return max(1, -(-cores // max(1, chunks)))
 
 
 def _store(cache: Any, ids: list[int], kv: Any) -> tuple[int, float]:
