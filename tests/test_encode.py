@@ -136,3 +136,19 @@ def test_transform_plan_cache_is_safe_on_threads(tmp_path):
         plans = list(pool.map(codec.plan, thetas * 2))
     assert all(p.counts == transform.coord_plan(codec.cal, t, 1.0).counts for p, t in zip(plans, thetas * 2))
     assert len(codec._plans) <= transform.MAX_PLANS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_transform_encode_of_cuda_kv_decodes_like_the_host_encode(tmp_path):
+    """KV in CUDA memory is transformed and quantized there: the chunks decode as close as the
+    host encode's (the GPU's float sums may move a coefficient across a rounding boundary)."""
+    codec, kv = _transform_codec(tmp_path)
+    kv = kv[:, :, :200].contiguous()
+    errors = []
+    for device in ("cpu", "cuda"):
+        chunks = codec.encode_chunks(kv.to(device))
+        out = torch.empty_like(kv)
+        for c in chunks:
+            codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
+        errors.append(float((out.float() - kv.float()).pow(2).mean() / kv.float().pow(2).mean()))
+    assert errors[1] <= errors[0] * 1.05 + 1e-6
