@@ -128,9 +128,15 @@ def ingest_on_ray(
     At most two documents per actor wait for prefill and two encodes per actor run at once."""
     ray = import_ray()
     gpus = cluster_gpus(ray)
-    node_cpus = max((int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=1)
-    job = dataclasses.replace(job, encode_cpus=max(1, min(job.encode_cpus, node_cpus)))  # a task must fit a node
     n = actors or max(1, gpus)
+    node_cpus = max((int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
+    total_cpus = int(ray.cluster_resources().get("CPU", 0))
+    if total_cpus - (0 if gpus else n) < 1:
+        raise ConfigError(
+            f"the Ray cluster has {total_cpus} CPUs and no GPU: {n} prefill actors on the CPU leave none for encoding"
+        )
+    # a task must fit a node (a CPU actor holds one CPU of its node)
+    job = dataclasses.replace(job, encode_cpus=max(1, min(job.encode_cpus, node_cpus - (0 if gpus else 1))))
     per_actor = {"num_gpus": 1} if gpus else {"num_cpus": 1}
     remote_actor = ray.remote(Prefiller).options(**per_actor)
     pool = [remote_actor.remote(job) for _ in range(n)]
