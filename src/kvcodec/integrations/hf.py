@@ -11,32 +11,16 @@ one sequence (batch of 1). transformers (5.x) keeps, per layer, ``cache.layers[i
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvcodec.errors import ConfigError, ShapeError
+from kvcodec.kvspec.hf import cache_kwarg, output_cache, prefill
 from kvcodec.models.registry import kv_shape
 
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def cache_kwarg(model: Any) -> str:
-    """Name of the forward() argument that takes a cache: "cache" (5.x) or "past_key_values"."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def output_cache(out: Any) -> Any:
-    """The cache a forward(use_cache=True) returned (`.cache` in 5.x, `.past_key_values` before)."""
-    cache = getattr(out, "cache", None)
-    if cache is None:
-        cache = getattr(out, "past_key_values", None)
-    if cache is None:
-        raise ShapeError("the model output carries no cache; call the model with use_cache=True")
-    return cache
 
 
 def layer_pairs(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -279,21 +263,9 @@ def forward_ids(
     KV then differs from a one-shot prefill only by float rounding.
     """
     ids = _as_ids(input_ids, "input_ids").to(model.device)
-    n = ids.numel()
-    if n == 0:
+    if ids.numel() == 0:
         raise ShapeError("input_ids is empty")
-    kw = cache_kwarg(model)
-    step = n if not chunk_tokens else max(1, int(chunk_tokens))
-    cache = None
-    logits = []
-    for start in range(0, n, step):
-        args = {kw: cache} if cache is not None else {}
-        out = model(ids[start : start + step].unsqueeze(0), use_cache=True, **args)
-        cache = output_cache(out)
-        logits.append(out.logits[0])
-        if progress is not None:
-            progress(min(start + step, n), n)
-    return torch.cat(logits), cache
+    return prefill(model, ids, chunk_tokens=chunk_tokens, progress=progress)
 
 
 def extract_kv(

@@ -12,6 +12,8 @@ and DynamicSlidingWindowLayer (sliding window or chunked attention: it keeps its
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -134,6 +136,45 @@ def build_cache(gkv: GroupedKV, config_or_model: Any, tokens: int | None = None)
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = part.stop
     return cache
+
+
+def cache_kwarg(model: Any) -> str:
+    """Name of the forward() argument that takes a cache: "cache" (5.x) or "past_key_values"."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    """The cache a forward(use_cache=True) returned (`.cache` in 5.x, `.past_key_values` before)."""
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        raise ShapeError("the model output carries no cache; call the model with use_cache=True")
+    return cache
+
+
+def prefill(
+    model: Any,
+    ids: torch.Tensor,
+    *,
+    cache: Any = None,
+    chunk_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[torch.Tensor, Any]:
+    """(logits [T, vocab], cache) of running the model over token ids (1-D, on the model's device) from
+    `cache` (None: the model's own new cache), in chunks of chunk_tokens (None: at once)."""
+    n = ids.numel()
+    kw, step = cache_kwarg(model), n if not chunk_tokens else max(1, int(chunk_tokens))
+    logits = []
+    for start in range(0, n, step):
+        args = {kw: cache} if cache is not None else {}
+        out = model(ids[start : start + step].unsqueeze(0), use_cache=True, **args)
+        cache = output_cache(out)
+        logits.append(out.logits[0])
+        if progress is not None:
+            progress(min(start + step, n), n)
+    return torch.cat(logits), cache
 
 
 def recording_cache(config_or_model: Any) -> Any:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvcodec.errors import ShapeError
-from kvcodec.kvspec.hf import recording_cache, split_cache
+from kvcodec.kvspec.hf import prefill, recording_cache, split_cache
 from kvcodec.kvspec.tensors import GroupedKV
 from kvcodec.models.check import ModelLayout, check_cache_spec
 
@@ -21,18 +21,11 @@ def prefill_recorded(
     model: Any, ids: torch.Tensor, chunk_tokens: int | None = None, progress: Callable[[int, int], None] | None = None
 ) -> tuple[torch.Tensor, Any]:
     """(logits [T, vocab], cache) of a prefill into a recording cache (sliding layers keep every
-    position); transformers 5.x models (`cache=` in, `.cache` out)."""
-    n = ids.numel()
-    if n == 0:
+    position): kvspec.hf.prefill, the loop integrations.hf.forward_ids runs too."""
+    if ids.numel() == 0:
         raise ShapeError("the text tokenizes to no tokens")
-    cache, logits, step = recording_cache(model), [], n if not chunk_tokens else max(1, int(chunk_tokens))
-    for start in range(0, n, step):
-        out = model(ids[start : start + step].unsqueeze(0).to(model.device), use_cache=True, cache=cache)
-        cache = out.cache
-        logits.append(out.logits[0])
-        if progress is not None:
-            progress(min(start + step, n), n)
-    return torch.cat(logits), cache
+    cache = recording_cache(model)
+    return prefill(model, ids.to(model.device), cache=cache, chunk_tokens=chunk_tokens, progress=progress)
 
 
 def extract_text_kv(
