@@ -6,14 +6,22 @@ Each mode gets its own new prompts (none was seen or stored before), submitted a
 from a thread (as a server's requests arrive), each generating a few tokens. The KV stored per
 second is counted as fp16 bytes (2 per value) over the stream's duration, as `bench encode` does.
 
+Modes (--modes, in order, the whole list --repeat times): off (storing off), on (the engine's
+default storing: background encode threads, lower priority), legacy (storing as before issue 24's
+fix: an encode thread per core at the engine's priority), or on:W:N (W encode workers at nice N).
+--encode-workers / --nice set "on" to other values than the defaults.
+
     python benchmarks/probes/serve_store.py --model DIR --docs docs.jsonl --requests 80 --rate 8 \
         --store file:///tmp/serve-store --out results/serve-store-h200.json
+    python benchmarks/probes/serve_store.py --model smollm2-135m --max-tokens 512 --requests 12 \
+        --rate 0.5 --modes off,legacy,on --repeat 2 --out results/serve-store-cpu.json   # essays
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -47,12 +55,37 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, store: bool) -> dict:  # noqa: ANN001
-    from kvcodec.engine import Engine
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def policy_of(mode: str, args: argparse.Namespace):  # noqa: ANN201
+    """The StorePolicy of a mode name (see the module doc)."""
     from kvcodec.engine.storer import StorePolicy
 
-    url = f"{args.store.rstrip('/')}-{'on' if store else 'off'}"
-    engine = Engine(model, tokenizer=tokenizer, store_url=url, store_policy=StorePolicy(enabled=store))
+    if mode == "off":
+        return StorePolicy(enabled=False)
+    if mode == "legacy":
+        return StorePolicy(encode_workers=_cores(), nice=0)
+    if mode == "on":
+        given = {"encode_workers": args.encode_workers, "nice": args.nice}
+        return StorePolicy(**{k: v for k, v in given.items() if v is not None})
+    if mode.startswith("on:"):
+        _, w, n = mode.split(":")
+        return StorePolicy(encode_workers=int(w), nice=int(n))
+    sys.exit(f"unknown mode {mode!r}: off, on, legacy or on:WORKERS:NICE")
+
+
+def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, mode: str, tag: str) -> dict:  # noqa: ANN001
+    from kvcodec.engine import Engine
+
+    policy = policy_of(mode, args)
+    store = policy.enabled
+    url = f"{args.store.rstrip('/')}-{tag}"
+    engine = Engine(model, tokenizer=tokenizer, store_url=url, store_policy=policy)
     engine.generate(prompts[0], max_new_tokens=args.new_tokens)  # warm-up (kernels, plan cache)
     engine.storer.flush()
     before = _metrics(engine)
@@ -77,8 +110,12 @@ def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, sto
     stored_tokens = at_end["kvcodec_stored_tokens_total"] - before["kvcodec_stored_tokens_total"]
     lag_n = after["kvcodec_store_lag_seconds_count"] - before["kvcodec_store_lag_seconds_count"]
     lag_sum = after["kvcodec_store_lag_seconds_sum"] - before["kvcodec_store_lag_seconds_sum"]
+    settings = getattr(engine.storer, "settings", None)
     return {
+        "mode": mode,
         "storing": store,
+        "encode_workers": getattr(settings, "workers", None) if store else None,
+        "nice": getattr(settings, "nice", None) if store else None,
         "requests": len(reqs),
         "prompt_tokens_mean": round(statistics.mean(r.prompt_len for r in reqs), 1),
         "served_s": round(served, 3),
@@ -113,8 +150,14 @@ def _kv_dims(model) -> tuple[int, int, int]:  # noqa: ANN001
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="registered name or model folder")
-    ap.add_argument("--docs", required=True, help="JSONL of prompts (field text)")
+    ap.add_argument("--model", required=True, help="registered name, model folder or GGUF file")
+    ap.add_argument(
+        "--docs", default=None, help="JSONL of prompts (field text); default: windows of the Paul Graham essays"
+    )
+    ap.add_argument("--modes", default="off,on", help="storing modes, in order: off, on, legacy, on:W:N")
+    ap.add_argument("--repeat", type=int, default=1, help="run the list of modes this many times")
+    ap.add_argument("--encode-workers", type=int, default=None, help="mode on: encode threads [cores less one]")
+    ap.add_argument("--nice", type=int, default=None, help="mode on: storer niceness above the engine's [10]")
     ap.add_argument("--requests", type=int, default=80, help="requests per mode")
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second")
     ap.add_argument("--new-tokens", type=int, default=4)
@@ -125,27 +168,30 @@ def main() -> None:
     from kvcodec.ingest.run import load_for_ingest
 
     model, tokenizer, device = load_for_ingest(args.model)
-    texts = [json.loads(line)["text"] for line in Path(args.docs).read_text().splitlines() if line.strip()]
+    modes = [m for m in args.modes.split(",") if m] * args.repeat
     n = args.requests + 1
-    if len(texts) < 2 * n:
-        sys.exit(f"need {2 * n} documents, {args.docs} has {len(texts)}")
+    texts = _texts(args, tokenizer, n * len(modes))
+    if len(texts) < n * len(modes):
+        sys.exit(f"need {n * len(modes)} documents, {args.docs} has {len(texts)}")
 
     def prompt(t: str) -> str:  # at most --max-tokens tokens
         return tokenizer.decode(tokenizer(t)["input_ids"][: args.max_tokens])
 
-    runs = [
-        run_mode(model, tokenizer, [prompt(t) for t in texts[:n]], args, store=False),
-        run_mode(model, tokenizer, [prompt(t) for t in texts[n : 2 * n]], args, store=True),
-    ]
-    off, on = runs
+    runs = []
+    for i, mode in enumerate(modes):
+        prompts = [prompt(t) for t in texts[i * n : (i + 1) * n]]
+        runs.append(run_mode(model, tokenizer, prompts, args, mode, f"{i}-{mode.replace(':', '_')}"))
+        r = runs[-1]
+        print(f"{mode}: TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} stored {r['stored_prefixes_during']}")
     doc = {
         "command": "python benchmarks/probes/serve_store.py " + " ".join(sys.argv[1:]),
         "model": Path(args.model).name,
         "device": str(device),
         "gpu": _gpu(),
+        "cores": _cores(),
         "rate_per_s": args.rate,
         "runs": runs,
-        "ttft_p50_on_vs_off": round(on["ttft_p50_s"] / off["ttft_p50_s"] - 1, 4),
+        **_ratios(runs),
     }
     lines = [
         f"# Storing while serving: {doc['model']} on {doc['gpu'] or doc['device']}",
@@ -155,25 +201,59 @@ def main() -> None:
         f"{args.requests} new prompts per mode at {args.rate:g}/s, {args.new_tokens} tokens each; the engine of "
         "`kvcodec serve` in one process, storing off then on (each mode its own new prompts).",
         "",
-        "| storing | prompt tokens | TTFT p50 s | p90 s | stored/s | stored MB/s fp16 | dropped | lag mean s | "
-        "backlog at end | drain s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| storing | workers/nice | prompt tokens | TTFT p50 s | p90 s | stored/s | stored MB/s fp16 | dropped | "
+        "lag mean s | backlog at end | drain s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        wn = f"{r['encode_workers']}/{r['nice']}" if r["storing"] else "-"
         lines.append(
-            f"| {'on' if r['storing'] else 'off'} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
+            f"| {r['mode']} | {wn} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
             f"{r['ttft_p90_s']:.4f} | {r['stored_per_s']:.2f} | {r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
             f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} |"
         )
+    lines += ["", "| mode | TTFT p50 vs off (each, then median) | p90 vs off (median) |", "|---|---|---|"]
+    for mode, r in doc["vs_off"].items():
+        each = ", ".join(f"{x:.2f}" for x in r["p50_each"])
+        lines.append(f"| {mode} | {each} -> **{r['p50_median']:.2f}** | {r['p90_median']:.2f} |")
     lines += [
         "",
-        f"p50 TTFT with storing on vs off: {doc['ttft_p50_on_vs_off']:+.1%}. stored/s and MB/s: prefixes stored "
+        "Ratios: each run's TTFT over the nearest earlier off run's (the same repeat). stored/s and MB/s: prefixes stored "
         "while the stream ran (kvcodec_stored_prefixes_total / tokens), over its duration; dropped: "
         "kvcodec_stores_dropped_total (the bounded backlog); lag: kvcodec_store_lag_seconds (prefill to stored).",
     ]
     path = write_result(args.out, doc, lines)
     print("\n".join(lines[6:]))
     print("wrote", path)
+
+
+def _texts(args: argparse.Namespace, tokenizer, count: int) -> list[str]:  # noqa: ANN001
+    if args.docs:
+        return [json.loads(line)["text"] for line in Path(args.docs).read_text().splitlines() if line.strip()]
+    from kvcodec.models.texts import load_text
+
+    ids = tokenizer(load_text("pg"))["input_ids"]
+    step = args.max_tokens + 1
+    return [tokenizer.decode(ids[i * step : (i + 1) * step]) for i in range(min(count, len(ids) // step))]
+
+
+def _ratios(runs: list[dict]) -> dict:
+    """Per storing mode: TTFT p50/p90 over the last off run before it (ratios, not seconds)."""
+    out: dict[str, dict] = {}
+    base = None
+    for r in runs:
+        if not r["storing"]:
+            base = r
+            continue
+        if base is None:
+            continue
+        d = out.setdefault(r["mode"], {"p50_each": [], "p90_each": []})
+        d["p50_each"].append(round(r["ttft_p50_s"] / base["ttft_p50_s"], 3))
+        d["p90_each"].append(round(r["ttft_p90_s"] / base["ttft_p90_s"], 3))
+    for d in out.values():
+        d["p50_median"] = statistics.median(d["p50_each"])
+        d["p90_median"] = statistics.median(d["p90_each"])
+    return {"vs_off": out}
 
 
 def _gpu() -> str | None:

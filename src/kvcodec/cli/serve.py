@@ -79,6 +79,12 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     "--store-min-tokens", default=None, type=click.IntRange(min=0), help="Store prompts of at least this many tokens."
 )
 @click.option(
+    "--store-encode-workers",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Threads encoding a stored prompt's chunks, below the engine's priority [the cores less one].",
+)
+@click.option(
     "--fetch-deadline",
     default="auto",
     show_default=True,
@@ -153,6 +159,7 @@ def command(
     no_reuse: bool,
     no_store: bool,
     store_min_tokens: int | None,
+    store_encode_workers: int | None,
     fetch_deadline: float | str | None,
     stall_timeout: float,
     device: str | None,
@@ -201,7 +208,9 @@ def command(
             codec=codec,
             decode_workers=decode_workers or max(nvdec_pool, nvdec_threads) or None,
             reuse=not no_reuse,
-            store_policy=StorePolicy(enabled=not no_store, min_tokens=store_min_tokens),
+            store_policy=StorePolicy(
+                enabled=not no_store, min_tokens=store_min_tokens, encode_workers=store_encode_workers
+            ),
             policy=policy,
             max_batch=max_batch,
             prefill_chunk_tokens=prefill_chunk_tokens,

@@ -11,10 +11,15 @@ KV (layers, 2, tokens, kv_heads, head_dim)
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import json
 import logging
+import os
+import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -45,6 +50,58 @@ SAMPLES_ZSTD_LEVEL = 19
 
 
 X265_TUNING = x265_cpu.FAST_TUNING  # the HEVC codec's x265 parameters (a benchmark may set the earlier "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Background:
+    """Encoding as background work (the engine's storer): at most `workers` chunk threads, each at
+    `nice` more OS niceness than the process (0: the same priority)."""
+
+    workers: int = 1
+    nice: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"background encode workers must be an integer >= 1; got {self.workers!r}")
+        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
+            raise ConfigError(f"background encode nice must be an integer in 0..19; got {self.nice!r}")
+
+
+_BACKGROUND: contextvars.ContextVar[Background | None] = contextvars.ContextVar("kvcodec_background", default=None)
+
+
+@contextlib.contextmanager
+def background(settings: Background) -> Iterator[Background]:
+    """Encodes started by this thread inside the block run as `settings` say (this thread too is
+    lowered to its priority): the engine's storer, so that storing never takes cores from serving."""
+    lower_priority(settings.nice)
+    token = _BACKGROUND.set(settings)
+    try:
+        yield settings
+    finally:
+        _BACKGROUND.reset(token)
+
+
+def background_settings() -> Background | None:
+    """The Background settings of this thread's encodes (None: foreground, every core)."""
+    return _BACKGROUND.get()
+
+
+def lower_priority(nice: int) -> bool:
+    """Run the calling thread at `nice` more OS niceness than the process's main thread (Linux:
+    niceness is per thread; threads it starts later inherit it). Never raises the priority, and
+    is quietly a no-op where the OS does not allow it or has no per-thread niceness; True when
+    the thread now runs at that niceness."""
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+        return os.getpriority(os.PRIO_PROCESS, tid) >= target
+    except (AttributeError, OSError):  # pragma: no cover - sandboxes that forbid it
+        return False
 
 
 def default_encoder(config: CodecConfig):  # noqa: ANN201 - a VideoEncoder
@@ -259,8 +316,10 @@ def encode_chunks(
     # chunks in parallel, each on one encoder thread (the bitstream does not depend on the count),
     # where the encoder can make single-threaded copies of itself (x265; not a GPU session)
     parallel = callable(getattr(encoder, "with_threads", None))
-    workers = min(encode_workers(), len(starts)) if parallel else 1
-    chunk_encoder = encoder.with_threads(1) if workers > 1 else encoder
+    bg = background_settings()
+    workers = min(encode_workers(), len(starts), bg.workers if bg else len(starts)) if parallel else 1
+    # in the background every chunk is coded by one thread, never by x265's pool of every core
+    chunk_encoder = encoder.with_threads(1) if parallel and (workers > 1 or bg) else encoder
     if len(groups) > 1:
         encode_one = _split_encoder(kv, config, encoder, groups, chunk_encoder)
     else:
@@ -287,11 +346,17 @@ def encode_chunks(
 def in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterator[EncodedChunk]:
     """fn(0), ..., fn(n - 1) in order, computed by `workers` threads (x265, zstd and torch release
     the interpreter lock while they work). At most 2 * workers chunks are in flight, so a long KV
-    never holds all its frames at once; an error stops the submission of further chunks."""
+    never holds all its frames at once; an error stops the submission of further chunks.
+    Under `background` settings at most their worker count, each thread at their priority; the
+    threads run their CUDA work on the caller's current stream (not the device's default one)."""
+    bg = background_settings()
+    if bg is not None:
+        workers = min(workers, bg.workers)
     if workers <= 1:
         yield from (fn(i) for i in range(n))
         return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-encode") as pool:
+    init = functools.partial(_encode_thread, bg.nice if bg else 0, _caller_stream())
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-encode", initializer=init) as pool:
         pending: collections.deque[Future] = collections.deque()
         try:
             for i in range(n):
@@ -303,6 +368,21 @@ def in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterato
         finally:
             for f in pending:
                 f.cancel()
+
+
+def _caller_stream():  # noqa: ANN202 - a torch.cuda.Stream or None
+    """The calling thread's current CUDA stream where CUDA is in use and it is not the default."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    stream = torch.cuda.current_stream()
+    return None if stream == torch.cuda.default_stream(stream.device) else stream
+
+
+def _encode_thread(nice: int, stream) -> None:  # noqa: ANN001
+    """Start of an encode thread: the caller's priority and CUDA stream."""
+    lower_priority(nice)
+    if stream is not None:
+        torch.cuda.set_stream(stream)
 
 
 def _split_encoder(

@@ -29,7 +29,9 @@ class EngineConfig:
     decode_workers: decode threads of a fetch; None (default): the fetcher's default for the
         device (on CUDA one per NVDEC engine, each its own session in this process's CUDA context:
         7 on an H100/H200; 1 on the CPU). store_partial: also store a last partial chunk.
-    reuse: look up and fetch stored prefixes. store_policy: what is stored after prefills.
+    reuse: look up and fetch stored prefixes. store_policy: what is stored after prefills, and
+        how: storing is background work, encoded by store_policy.encode_workers threads (default:
+        the cores less one) at store_policy.nice lower OS priority (default 10) than the engine.
     policy: "fetch-aware" (a fetching request never blocks others) or "blocking" (for comparison).
     max_batch: most requests in the running batch.
     max_prefill_tokens: prompt tokens admitted per iteration (soft; one request always fits).

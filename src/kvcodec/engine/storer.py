@@ -10,6 +10,17 @@ encodes far fewer), stores wait in a bounded backlog and the most valuable go fi
     alive, on the GPU when the model runs there): past it, the lowest-priority waiting store is
     dropped for a more valuable new one, else the new one is dropped; drops are logged and counted.
 Submitting never waits for an encode: it takes a lock, hashes the prompt's chunks and returns.
+
+Storing is background work and must never slow a request:
+  * its threads (the store worker and the chunk threads of each encode) run at
+    `StorePolicy.nice` more OS niceness than the engine (Linux: per thread), so under contention
+    the engine's thread and its torch threads get the cores;
+  * one store's chunks are encoded by `StorePolicy.encode_workers` threads (default: every core
+    but one, one x265 thread each), never x265's pool of every core;
+  * on a GPU, the stored KV is gathered and quantized on a CUDA stream of the storer's own: it
+    waits for the prefill by an event recorded at submission (the engine never waits for it),
+    the request's cache tensors are marked used on that stream (their memory is not reused
+    while the storer reads it), and only the coded frames and side streams cross to the host.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import hashlib
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,6 +58,10 @@ class StorePolicy:
     min_seen: store only the leading whole chunks that at least this many recent prompts (this one
         included) began with: 1 stores every prompt, 2 only prefixes seen twice (shared documents,
         system prompts), never a prompt's own tail.
+    encode_workers: threads encoding one store's chunks (one x265 thread each); None: the cores
+        this process may use less one, at least 1 (the engine keeps a core).
+    nice: OS niceness the storer's threads run at above the engine's (0..19; 0: the same
+        priority). Where the OS does not allow it, storing runs at the engine's priority.
     """
 
     enabled: bool = True
@@ -54,10 +70,35 @@ class StorePolicy:
     skip_if_restored: bool = True
     dtype: str | None = None
     min_seen: int = 1
+    encode_workers: int | None = None
+    nice: int = 10
 
     def __post_init__(self) -> None:
         if isinstance(self.min_seen, bool) or not isinstance(self.min_seen, int) or self.min_seen < 1:
             raise ConfigError(f"StorePolicy.min_seen must be an integer >= 1; got {self.min_seen!r}")
+        w = self.encode_workers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ConfigError(f"StorePolicy.encode_workers must be None or an integer >= 1; got {w!r}")
+        if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
+            raise ConfigError(f"StorePolicy.nice must be an integer in 0..19; got {self.nice!r}")
+
+    def background(self):  # noqa: ANN201 - kvcodec.codecs.hevc_encode.Background
+        """How the storer's encodes run: encode_workers threads (default: cores less one) at nice."""
+        from kvcodec.codecs.hevc_encode import Background
+
+        return Background(self.encode_workers or default_store_workers(), self.nice)
+
+
+def default_store_workers() -> int:
+    """Encode threads of a background store: the cores this process may use less one (the
+    engine's), at least 1; $KVCODEC_ENCODE_WORKERS (the encoder's own cap) still applies."""
+    from kvcodec.layout.search import encode_workers
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        cores = os.cpu_count() or 1
+    return max(1, min(cores - 1, encode_workers()))
 
 
 class PrefixCounts:
@@ -90,6 +131,7 @@ class _Job:
     layers: Any = dataclasses.field(compare=False)
     future: Future = dataclasses.field(compare=False)
     submitted: float = dataclasses.field(compare=False)
+    ready: Any = dataclasses.field(default=None, compare=False)  # CUDA event: the prefill is done
 
     @property
     def tokens(self) -> int:
@@ -116,7 +158,11 @@ class KVStorer:
         self.stored_prefixes = 0
         self.stored_tokens = 0
         self.counts = PrefixCounts(self.chunk_tokens)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-store")
+        self.settings = policy.background()
+        self._pool = ThreadPoolExecutor(
+            max_workers=workers, thread_name_prefix="kvcodec-store", initializer=self._start_thread
+        )
+        self._streams: dict[Any, Any] = {}  # CUDA device -> the storer's stream
         self._waiting: list[_Job] = []  # heap
         self._pending: set[Future] = set()  # waiting or being encoded
         self._arrival = itertools.count()
@@ -194,6 +240,7 @@ class KVStorer:
                     job.layers = cache.view(0, n)
                 else:
                     job.layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
+                job.ready = _prefill_done(job.layers)
                 heapq.heappush(self._waiting, job)
                 self._pending.add(job.future)
         if evicted is not None:  # outside the lock: its future's callbacks take it
@@ -225,15 +272,44 @@ class KVStorer:
         if self.on_drop:
             self.on_drop()
 
+    def _start_thread(self) -> None:
+        """A store worker starts at the background priority (its encode threads inherit it)."""
+        from kvcodec.codecs.hevc_encode import lower_priority
+
+        lower_priority(self.settings.nice)
+
     def _run_next(self) -> None:
+        from kvcodec.codecs.hevc_encode import background
+
         with self._lock:
             if not self._waiting:
                 return  # its job was dropped for a more valuable one (which another run took)
             job = heapq.heappop(self._waiting)
         try:
-            job.future.set_result(self._put(job))
+            with background(self.settings), self._on_stream(job):
+                result = self._put(job)
+            job.future.set_result(result)
         except Exception as e:  # reported by _put; the future carries it
             job.future.set_exception(e)
+
+    def _on_stream(self, job: _Job) -> Any:
+        """On CUDA: the storer's stream (after the prefill's event), the job's tensors marked used
+        on it; elsewhere nothing."""
+        import contextlib
+
+        import torch
+
+        if job.ready is None:
+            return contextlib.nullcontext()
+        tensors = _tensors(job.layers)
+        device = tensors[0].device
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        stream = self._streams[device]
+        stream.wait_event(job.ready)
+        for t in tensors:
+            t.record_stream(stream)
+        return torch.cuda.stream(stream)
 
     def _put(self, job: _Job) -> int:
         import torch
@@ -289,3 +365,23 @@ class KVStorer:
                 job.layers = None
                 job.future.cancel()
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _tensors(layers: Any) -> list[Any]:
+    """The tensors of a job's KV slices (a GroupedKV view or (k, v) pairs)."""
+    if isinstance(layers, GroupedKV):
+        return list(layers.tensors)
+    return [t for pair in layers for t in pair]
+
+
+def _prefill_done(layers: Any) -> Any:
+    """A CUDA event recorded on the submitting (engine) thread's current stream after its prefill,
+    when the KV is on a GPU; None elsewhere."""
+    tensors = _tensors(layers)
+    if not tensors or not tensors[0].is_cuda:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return event
