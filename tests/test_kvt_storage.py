@@ -11,11 +11,12 @@ from kvcodec.transform import calibrate
 from kvcodec.transform.kvt import CUT_VERSION, _meta, compact, from_bytes, save_canonical, to_bytes
 
 
-def _kv(tokens=300, layers=2, heads=2, dim=8, seed=0):
+def _kv(tokens=300, layers=2, heads=2, dim=8, seed=0, constant=True):
     g = torch.Generator().manual_seed(seed)
     d = layers * heads * dim
     x = torch.randn(2, tokens, d, generator=g) @ torch.randn(d, d, generator=g)
-    x[:, :, d // 2 :] = 0.5  # constant channels: coordinates of no variance, never coded
+    if constant:
+        x[:, :, d // 2 :] = 0.5  # constant channels: coordinates of no variance, never coded
     x = x.reshape(2, tokens, layers, heads, dim)
     return x.permute(2, 0, 1, 3, 4).contiguous()  # (layers, 2, tokens, heads, dim)
 
@@ -50,3 +51,33 @@ def test_compact_keeps_an_uncut_float32_file_readable_and_is_idempotent():
     cal = calibrate([_kv(seed=s) for s in range(3)], None, tokens_per_dim=4, sink_tokens=0)
     again = compact(cal)
     assert all(torch.equal(again.bases[k].basis, b.basis) for k, b in cal.bases.items())
+
+
+@pytest.mark.parametrize("ratio", [3.0, 8.0])
+def test_the_reports_simulation_restores_what_the_codec_decodes_and_estimates_its_size(ratio):
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.transform import simulate
+    from kvcodec.transform.kvt import kvt_hash
+    from kvcodec.transform.rope import RopeSpec, apply_rope
+
+    rope = RopeSpec(10000.0, 8)
+
+    def roped(seed):
+        kv = _kv(tokens=512, seed=seed, constant=False)
+        kv[:, 0] = apply_rope(kv[:, 0], torch.arange(kv.shape[2]), rope)
+        return kv
+
+    cal = calibrate([roped(s) for s in range(4)], rope, tokens_per_dim=4)
+    digest = kvt_hash(to_bytes(cal))
+    kv = roped(9)
+    sim = simulate.simulate(TransformCodec(cal, kvt_hash=digest, coder="zstd", chunk_tokens=128), kv, ratio)
+    real = TransformCodec(cal, kvt_hash=digest, coder="zstd", chunk_tokens=128, theta=sim.theta)
+    chunks = real.encode_chunks(kv)
+    out = torch.empty_like(kv)
+    for c in chunks:
+        real.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
+    assert torch.allclose(out, sim.restored, atol=1e-5, rtol=1e-5)  # the coder is lossless: the same KV
+    coded = sum(len(c.blobs[0]) for c in chunks)
+    assert abs(sim.bytes / coded - 1) < 0.1
+    own = TransformCodec(cal, kvt_hash=digest, coder="zstd", chunk_tokens=128, target_ratio=ratio)
+    assert abs(sum(len(c.blobs[0]) for c in own.encode_chunks(kv)) / coded - 1) < 0.1  # the codec's own search

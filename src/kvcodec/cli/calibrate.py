@@ -94,6 +94,8 @@ def _load_kv_files(paths) -> tuple[list, dict]:
 
 def _kv_from_model(model, tokenizer, layout, texts: list[str], max_tokens: int) -> tuple[list, list, list]:
     """(KV per text, labels, token ids per text)."""
+    import torch
+
     from kvcodec.cli.extract import _read_text
     from kvcodec.models.extract import extract_text_kv
 
@@ -101,7 +103,7 @@ def _kv_from_model(model, tokenizer, layout, texts: list[str], max_tokens: int) 
     for spec in texts:
         text, label = _read_text(spec)
         tokens, kv = extract_text_kv(model, tokenizer, layout, text, max_tokens, chunk_tokens=512)
-        kvs.append(kv)
+        kvs.append(kv.to(torch.float16) if isinstance(kv, torch.Tensor) else kv)  # as a store holds it; half the memory
         sources.append(label)
         ids.append(tokens)
     return kvs, sources, ids
@@ -251,11 +253,13 @@ def command(
         data = _file_data(kv_files, holdout)
     fit = _fit_grouped if data["grouped"] else _fit_uniform
     result = fit(data, settings, rope_flags, weight_alpha)
-    points = _quality(data, result, ratios)
+    data["kvs"] = None  # fitted: the report needs only the held-out texts (bounded memory)
+    coder = report_coder() if "cal" in result else "zstd"  # grouped caches: real zstd encodes
+    points = _quality(data, result, ratios, coder)
     report = {
         "metric": "model" if data.get("model") is not None else "kv",
         "held_out": data["held_sources"],
-        "coder": "zstd",
+        "coder": coder,
         "points": points,
     }
     if points:
@@ -366,7 +370,15 @@ def _fit_grouped(data: dict, settings: dict, rope_flags, alpha: float) -> dict:
     return {"spec": spec, "parts": parts, "fallback": fallback, "weighted": False}
 
 
-def _codec_factory(result: dict):
+def report_coder() -> str:
+    """The coder the quality report measures one chunk of every point with: HEVC (the codec's
+    default) where a video encoder is installed, else zstd."""
+    from kvcodec.video.registry import available_backends
+
+    return "hevc" if available_backends()["encoders"] else "zstd"
+
+
+def _codec_factory(result: dict, coder: str):
     from kvcodec.codecs.grouped import GroupedCodec
     from kvcodec.codecs.transform import TransformCodec
     from kvcodec.transform.kvt import kvt_hash, to_bytes
@@ -374,7 +386,7 @@ def _codec_factory(result: dict):
     if "cal" in result:
         cal = result["cal"]
         digest = kvt_hash(to_bytes(cal))
-        return lambda r: TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder="zstd")
+        return lambda r: TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder=coder)
     digests = {n: kvt_hash(to_bytes(c)) for n, c in result["parts"].items()}
     first = result["spec"].groups[0].name
 
@@ -388,12 +400,12 @@ def _codec_factory(result: dict):
     return make
 
 
-def _quality(data: dict, result: dict, ratios: list[float]) -> list:
+def _quality(data: dict, result: dict, ratios: list[float], coder: str) -> list:
     from kvcodec.models.quality import measure_kv, measure_model
 
     if not data["held"]:
         return []
-    make = _codec_factory(result)
+    make = _codec_factory(result, coder)
     if data.get("model") is not None:
         return measure_model(data["model"], data["layout"], data["held_ids"], make, ratios)
     return measure_kv(data["held"], make, ratios)

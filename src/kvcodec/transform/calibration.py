@@ -169,49 +169,99 @@ def calibrate(
     if rope is not None and rope.head_dim != dim:
         raise ConfigError(f"rope head_dim {rope.head_dim} does not match the KV's head_dim {dim}")
     sink = max(0, sink_tokens - first_position)
-    used = [keys_without_rope(k, first_position, rope)[:, :, sink:] for k in kvs]
-    tokens = sum(u.shape[2] for u in used)
+    tokens = sum(max(0, k.shape[2] - sink) for k in kvs)
     groups = group_layers(layers, heads * dim, tokens, tokens_per_dim=tokens_per_dim, max_group=max_group)
     if weights is not None and (tuple(weights.shape) != (layers, 2, heads, dim) or not bool((weights > 0).all())):
         raise ConfigError(f"channel weights must be positive, of shape {(layers, 2, heads, dim)}")
-    bases = {}
+    if held_out:
+        _check([*kvs, *held_out])
+    bases, diagonals = {}, {}
     for gi, group in enumerate(groups):
         for ki, kind in enumerate(KINDS):
-            x = torch.cat([group_matrix(u, group, ki) for u in used])
             w = None if weights is None else weights[list(group), ki].reshape(-1).to(torch.float64)
-            bases[(gi, kind)] = fit_group(x, w, covariance)
+            mean, cov, n = _moments(block_samples(k, group, ki, first_position, rope, sink) for k in kvs)
+            if covariance == "sample":
+                bases[(gi, kind)] = fit_moments(mean, cov, w)
+            else:  # estimators that need the samples themselves
+                x = torch.cat([block_samples(k, group, ki, first_position, rope, sink) for k in kvs])
+                bases[(gi, kind)] = fit_group(x, w, covariance)
+            if held_out:
+                from kvcodec.transform.fallback import diagonal_from_moments
+
+                diagonals[(gi, kind)] = diagonal_from_moments(mean, torch.diagonal(cov) * ((n - 1) / n), w)
+            del cov
     meta = dict(info or {})
     meta.update(tokens=tokens, sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim)
     if covariance != "sample":
         meta["covariance"] = covariance
     if held_out:
-        _check([*kvs, *held_out])
-        held = [keys_without_rope(k, first_position, rope)[:, :, sink:] for k in held_out]
-        meta["fallback"] = _fall_back(bases, groups, used, held, weights)
-        meta["held_out_tokens"] = sum(h.shape[2] for h in held)
+        held = [lambda g, k, h=h: block_samples(h, groups[g], k, first_position, rope, sink) for h in held_out]
+        meta["fallback"] = _fall_back(bases, diagonals, held)
+        meta["held_out_tokens"] = sum(max(0, h.shape[2] - sink) for h in held_out)
     from kvcodec.transform.kvt import compact  # float16 bases cut to the coordinates a ratio codes
 
     return compact(Calibration(layers, heads, dim, rope, groups, bases, meta))
 
 
-def _fall_back(bases: dict, groups, used, held, weights) -> list[str]:
-    """Replace, in place, every block whose basis codes the held-out KV worse than per-channel
-    quantization (fallback.py); the names ("g<i>.<k|v>") of those blocks."""
-    from kvcodec.transform.fallback import diagonal_basis, levels, prefer_diagonal
+def block_samples(
+    kv: torch.Tensor, layers: Sequence[int], kind: int, first_position: int, rope: RopeSpec | None, sink: int
+) -> torch.Tensor:
+    """(tokens - sink, len(layers) * heads * dim) float32 samples of kv[layers, kind], keys with
+    RoPE removed (kv's first token at first_position), the first `sink` tokens left out."""
+    sel = kv[list(layers), kind].to(torch.float32)
+    if kind == 0 and rope is not None:
+        positions = torch.arange(first_position, first_position + kv.shape[2], device=kv.device)
+        sel = remove_rope(sel, positions, rope)
+    g, t, h, d = sel.shape
+    return sel[:, sink:].permute(1, 0, 2, 3).reshape(t - min(sink, t), g * h * d)
 
-    variances = torch.cat([bases[(g, k)].variances for g in range(len(groups)) for k in KINDS])
-    thetas = levels(variances)
+
+def _moments(parts) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(mean, unbiased covariance, count) in float64 of sample matrices given one by one: float32
+    products of samples shifted by the first part's mean (no cancellation), summed in float64."""
+    shift = s1 = s2 = None
+    n = 0
+    for x in parts:
+        if not torch.isfinite(x).all():
+            raise ConfigError("calibration data holds NaN or infinity; refusing to fit a transform on it")
+        if shift is None:
+            shift = x.mean(0)
+            s1 = torch.zeros(x.shape[1], dtype=torch.float64)
+            s2 = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+        c = x - shift
+        s1 += c.sum(0, dtype=torch.float64)
+        s2 += (c.T @ c).to(torch.float64)
+        n += x.shape[0]
+    if n < 2:
+        raise ConfigError(f"PCA needs >= 2 samples; got {n}")
+    m = s1 / n
+    cov = (s2 - n * torch.outer(m, m)) / (n - 1)
+    return shift.to(torch.float64) + m, cov, n
+
+
+def fit_moments(mean: torch.Tensor, cov: torch.Tensor, w: torch.Tensor | None) -> GroupBasis:
+    """The (weighted) KLT from a float64 mean and covariance: eigenvectors of the covariance of
+    sqrt(w) x, computed in float32 (the .kvt keeps float16 bases), basis scaled back by 1/sqrt(w)."""
+    sw = torch.ones_like(mean) if w is None else w.sqrt()
+    var, vec = torch.linalg.eigh((cov * sw[:, None] * sw[None, :]).to(torch.float32))
+    order = torch.argsort(var, descending=True)
+    basis = vec[:, order].to(torch.float64) / sw[:, None]
+    return GroupBasis(mean.float(), basis.float(), var[order].clamp_min(0.0).float(), None if w is None else w.float())
+
+
+def _fall_back(bases: dict, diagonals: dict, held) -> list[str]:
+    """Replace, in place, every block whose basis codes the held-out KV worse than per-channel
+    quantization (fallback.py); the names ("g<i>.<k|v>") of those blocks. held: per held-out KV,
+    a function (group, kind index) -> its samples."""
+    from kvcodec.transform.fallback import levels, prefer_diagonal
+
+    thetas = levels(torch.cat([bases[key].variances for key in sorted(bases)]))
     fell = []
-    for gi, group in enumerate(groups):
-        for ki, kind in enumerate(KINDS):
-            w = None if weights is None else weights[list(group), ki].reshape(-1).to(torch.float64)
-            x = torch.cat([group_matrix(u, group, ki) for u in used])
-            diagonal = diagonal_basis(x, w)
-            if prefer_diagonal(
-                bases[(gi, kind)], diagonal, torch.cat([group_matrix(h, group, ki) for h in held]), thetas
-            ):
-                bases[(gi, kind)] = diagonal
-                fell.append(f"g{gi}.{kind}")
+    for gi, kind in sorted(bases):
+        samples = torch.cat([h(gi, KINDS.index(kind)) for h in held])
+        if prefer_diagonal(bases[(gi, kind)], diagonals[(gi, kind)], samples, thetas):
+            bases[(gi, kind)] = diagonals[(gi, kind)]
+            fell.append(f"g{gi}.{kind}")
     return fell
 
 

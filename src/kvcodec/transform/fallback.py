@@ -28,17 +28,24 @@ def diagonal_basis(x: torch.Tensor, w: torch.Tensor | None) -> GroupBasis:
     descending) scaled by 1/sqrt(w), and those variances."""
     x = x.to(torch.float64)
     mean = x.mean(0)
-    ww = torch.ones(x.shape[1], dtype=torch.float64) if w is None else w.to(torch.float64)
-    var = (x - mean).pow(2).mean(0) * ww
+    return diagonal_from_moments(mean, (x - mean).pow(2).mean(0), w)
+
+
+def diagonal_from_moments(mean: torch.Tensor, var: torch.Tensor, w: torch.Tensor | None) -> GroupBasis:
+    """diagonal_basis from the samples' mean and (population) variance per channel."""
+    mean, var = mean.to(torch.float64), var.to(torch.float64).clamp_min(0.0)
+    ww = torch.ones_like(var) if w is None else w.to(torch.float64)
+    var = var * ww
     order = torch.argsort(var, descending=True, stable=True)
-    basis = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
-    basis[order, torch.arange(x.shape[1])] = 1.0 / ww[order].sqrt()
+    basis = torch.zeros(var.shape[0], var.shape[0], dtype=torch.float64)
+    basis[order, torch.arange(var.shape[0])] = 1.0 / ww[order].sqrt()
     return GroupBasis(mean.float(), basis.float(), var[order].float(), None if w is None else w.float())
 
 
-def lagrangian(b: GroupBasis, x: torch.Tensor, theta: float) -> float:
-    """J = D + 2 ln2 theta R per token of the basis coding held-out samples x (n, d) at level theta."""
-    y = (x.to(torch.float32) - b.mean) @ b.analysis
+def lagrangian(b: GroupBasis, x: torch.Tensor, theta: float, y: torch.Tensor | None = None) -> float:
+    """J = D + 2 ln2 theta R per token of the basis coding held-out samples x (n, d) at level theta
+    (y: their coefficients, when already computed)."""
+    y = coefficients(b, x) if y is None else y
     steps = alloc.steps_for(b.variances, theta).to(torch.float32)
     n = int((steps > 0).sum())
     if n:
@@ -50,6 +57,17 @@ def lagrangian(b: GroupBasis, x: torch.Tensor, theta: float) -> float:
     return (float(err) + 2 * math.log(2) * theta * bits) / x.shape[0]
 
 
+def coefficients(b: GroupBasis, x: torch.Tensor) -> torch.Tensor:
+    """y = analysis^T (x - mean) of samples x (n, d); a diagonal basis (one nonzero per column) gathers."""
+    c = x.to(torch.float32) - b.mean
+    a = b.analysis
+    nz = (a != 0).sum(0)
+    if bool((nz == 1).all()):
+        rows = a.abs().argmax(0)
+        return c[:, rows] * a[rows, torch.arange(a.shape[1])]
+    return c @ a
+
+
 def levels(variances: torch.Tensor, ratios: Sequence[float] = FALLBACK_RATIOS) -> list[float]:
     """The distortion levels at which the modelled rate of all coordinates is 16 / ratio bits per value."""
     return [alloc.water_level(variances, 16.0 / r) for r in ratios]
@@ -57,4 +75,7 @@ def levels(variances: torch.Tensor, ratios: Sequence[float] = FALLBACK_RATIOS) -
 
 def prefer_diagonal(fitted: GroupBasis, diagonal: GroupBasis, held_out: torch.Tensor, thetas: Sequence[float]) -> bool:
     """True when per-channel coding beats the fitted basis on held-out samples (summed J over thetas)."""
-    return sum(lagrangian(diagonal, held_out, t) for t in thetas) < sum(lagrangian(fitted, held_out, t) for t in thetas)
+    yd, yf = coefficients(diagonal, held_out), coefficients(fitted, held_out)
+    return sum(lagrangian(diagonal, held_out, t, yd) for t in thetas) < sum(
+        lagrangian(fitted, held_out, t, yf) for t in thetas
+    )
