@@ -136,3 +136,26 @@ def test_a_background_store_is_byte_identical_to_a_foreground_encode():
     assert name.startswith("kvcodec-store") and settings == Background(2, 5)
     if sys.platform.startswith("linux"):
         assert nice == min(19, process_nice() + 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_store_of_cuda_kv_runs_on_the_storers_own_stream_and_matches_a_foreground_encode():
+    ids, kv = list(range(48)), kv_of(48).cuda()
+    fore = PrefixCache(open_store("memory://"), "m", HevcCodec(CONFIG), "cuda")
+    fore.put(ids, kv)
+    streams = []
+
+    class StreamCache(RecordingCache):
+        def put(self, token_ids, kv):
+            streams.append(torch.cuda.current_stream(kv.device))
+            return super().put(token_ids, kv)
+
+    cache = StreamCache()
+    storer = KVStorer(cache, StorePolicy(), CONFIG.chunk_tokens)
+    try:
+        layers = [(kv[i, 0].permute(1, 0, 2)[None], kv[i, 1].permute(1, 0, 2)[None]) for i in range(kv.shape[0])]
+        assert storer.submit(ids, layers).result(timeout=120) == 3
+    finally:
+        storer.shutdown()
+    assert streams and streams[0] != torch.cuda.default_stream(kv.device)
+    assert stored_bytes(cache, ids) == stored_bytes(fore, ids)

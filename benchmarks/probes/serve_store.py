@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2048, help="prompt tokens kept")
     ap.add_argument("--store", default="file:///tmp/kvcodec-serve-store", help="store URL prefix (-on / -off)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--notes", default="", help="text added to the result (how it was run, the machine)")
     args = ap.parse_args()
     from kvcodec.ingest.run import load_for_ingest
 
@@ -192,6 +193,7 @@ def main() -> None:
         "rate_per_s": args.rate,
         "runs": runs,
         **_ratios(runs),
+        "notes": args.notes,
     }
     lines = [
         f"# Storing while serving: {doc['model']} on {doc['gpu'] or doc['device']}",
@@ -222,7 +224,13 @@ def main() -> None:
         "while the stream ran (kvcodec_stored_prefixes_total / tokens), over its duration; dropped: "
         "kvcodec_stores_dropped_total (the bounded backlog); lag: kvcodec_store_lag_seconds (prefill to stored).",
     ]
-    path = write_result(args.out, doc, lines)
+    from kvbench.results import machine
+
+    m = machine()
+    lines += ["", f"Machine: {m.get('cpu')}, {m.get('cpu_count')} cores, load {m.get('load_avg_1m')} at the end."]
+    if args.notes:
+        lines += ["", args.notes]
+    path = write_result(args.out, {**doc, "machine": m}, lines)
     print("\n".join(lines[6:]))
     print("wrote", path)
 
