@@ -22,7 +22,7 @@ from kvcodec.transform.calibration import KINDS, all_variances
 from kvcodec.transform.rope import apply_rope
 
 # A first guess of the coded payload over the order-0 entropy of the same integers
-# (rate.column_entropy_bits), before one chunk's real encode measures it (benchmarks/results/calibrate-cost-cpu.md).
+# (rate.column_entropy_bits), before one chunk's real encode measures it (benchmarks/results/report-estimate-smollm2-cpu.md).
 CODER_GAP = {"zstd": 1.06, "hevc": 1.09}
 SEARCH_TOLERANCE = 0.002  # relative size error at which the level search stops
 
