@@ -42,6 +42,45 @@ def real_model(request):
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer (from its cached copy or its GGUF), for random-weight model folders."""
+    from transformers import AutoTokenizer
+
+    from kvcodec.errors import ConfigError
+    from kvcodec.models.registry import gguf_path, model_cache_path
+
+    folder = model_cache_path("smollm2-135m")
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(folder))
+    try:
+        path = gguf_path("smollm2-135m")
+    except ConfigError as e:
+        pytest.skip(f"no real tokenizer here: {e}")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def random_model_dirs(tmp_path_factory, smollm2_tokenizer):
+    """save(configs, seed) -> {arch: a local model folder}: each config's model with seeded random
+    weights, SmolLM2's tokenizer saved beside it."""
+
+    def save(configs: dict, seed: int) -> dict:
+        import torch
+        import transformers
+
+        dirs = {}
+        for i, (arch, config) in enumerate(configs.items()):
+            torch.manual_seed(seed + i)
+            folder = tmp_path_factory.mktemp(arch)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+            smollm2_tokenizer.save_pretrained(str(folder))
+            dirs[arch] = folder
+        return dirs
+
+    return save
+
+
+@pytest.fixture(scope="session")
 def short_text() -> str:
     """A real English text, short enough for <= 128 tokens of either model."""
     from kvcodec.errors import ConfigError

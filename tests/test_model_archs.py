@@ -78,34 +78,14 @@ EXPECTED_GROUPS = {
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from kvcodec.errors import ConfigError
-    from kvcodec.models.registry import gguf_path, model_cache_path
-
-    folder = model_cache_path("smollm2-135m")
-    if (folder / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(folder))
-    try:
-        path = gguf_path("smollm2-135m")
-    except ConfigError as e:
-        pytest.skip(f"no real tokenizer here: {e}")
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory, tokenizer):
+def model_dirs(random_model_dirs, tokenizer):
     """arch -> a local model directory (random weights, seeded) with the tokenizer saved beside."""
-    dirs = {}
-    for i, (arch, config) in enumerate(_configs(len(tokenizer)).items()):
-        torch.manual_seed(1000 + i)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        folder = tmp_path_factory.mktemp(arch)
-        model.save_pretrained(str(folder))
-        tokenizer.save_pretrained(str(folder))
-        dirs[arch] = folder
-    return dirs
+    return random_model_dirs(_configs(len(tokenizer)), seed=1000)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ import json
 import math
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from kvcodec.errors import ConfigError, FormatError, ShapeError
@@ -85,29 +84,14 @@ GROUPS = {
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from kvcodec.models.registry import gguf_path, model_cache_path
-
-    folder = model_cache_path("smollm2-135m")
-    if (folder / "tokenizer.json").is_file():
-        return transformers.AutoTokenizer.from_pretrained(str(folder))
-    try:
-        path = gguf_path("smollm2-135m")
-    except ConfigError as e:
-        pytest.skip(f"no real tokenizer here: {e}")
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory, tokenizer):
-    dirs = {}
-    for i, (arch, config) in enumerate(_configs(len(tokenizer)).items()):
-        torch.manual_seed(2000 + i)
-        folder = tmp_path_factory.mktemp(arch)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
-        tokenizer.save_pretrained(str(folder))
-        dirs[arch] = folder
-    return dirs
+def model_dirs(random_model_dirs, tokenizer):
+    """arch -> a local model directory (random weights, seeded) with the tokenizer saved beside."""
+    return random_model_dirs(_configs(len(tokenizer)), seed=2000)
 
 
 def _cli(*args):
