@@ -1,10 +1,8 @@
-"""Calibration's guarantees without a model: the per-channel fallback (fallback.py), the quality report's
-choices (quality.py), RoPE read from transformers 5 configs (explicit frequencies for other scalings)
+"""Calibration's guarantees without a model (the per-channel fallback: test_transform_fallback.py): the
+quality report's choices (quality.py), RoPE read from transformers 5 configs (explicit frequencies for other scalings)
 and KV files of layer groups (kvspec.files)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -12,56 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.errors import ConfigError
-from kvcodec.transform.calibration import calibrate
-from kvcodec.transform.fallback import diagonal_basis, lagrangian, levels, prefer_diagonal
-from kvcodec.transform.pca import fit_pca
 from kvcodec.transform.quality import parse_target, ratio_for, ratio_warning, safe_ratio
 from kvcodec.transform.rope import RopeSpec, apply_rope, inv_freq, remove_rope
-
-
-def _independent(n: int, d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3.0, d, dtype=torch.float64)
-
-
-def _correlated(n: int, d: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    mix = torch.randn(8, d, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
-    return torch.randn(n, 8, generator=g, dtype=torch.float64) @ mix + 0.05 * torch.randn(
-        n, d, generator=g, dtype=torch.float64
-    )
-
-
-def _fitted(x: torch.Tensor):
-    from kvcodec.transform.calibration import GroupBasis
-
-    mean, basis, var = fit_pca(x)
-    return GroupBasis(mean.float(), basis.float(), var.float())
-
-
-def test_per_channel_coding_wins_where_the_fit_has_nothing_to_decorrelate_and_loses_where_it_has():
-    d = 48
-    fit, held = _independent(2 * d, d, 1), _independent(2000, d, 2)  # few tokens per dimension, no correlation
-    b, diag = _fitted(fit), diagonal_basis(fit, None)
-    thetas = levels(b.variances)
-    assert prefer_diagonal(b, diag, held, thetas)
-    fit, held = _correlated(8 * d, d, 3), _correlated(2000, d, 4)  # rank-8 structure: the KLT pays
-    b, diag = _fitted(fit), diagonal_basis(fit, None)
-    assert not prefer_diagonal(b, diag, held, levels(b.variances))
-
-
-def test_diagonal_basis_is_an_exact_per_channel_code_and_calibration_reports_fallbacks():
-    x = _independent(400, 16, 5)
-    w = torch.rand(16, dtype=torch.float64) + 0.5
-    diag = diagonal_basis(x, w)
-    y = (x.float() - diag.mean) @ diag.analysis
-    assert torch.allclose(y @ diag.basis.T + diag.mean, x.float(), atol=1e-4)  # synthesis inverts analysis
-    assert bool((diag.variances[:-1] >= diag.variances[1:]).all())  # widest first, as the codec expects
-    assert math.isfinite(lagrangian(diag, x, float(diag.variances[3])))
-    kv = lambda n, s: _independent(n, 2 * 2 * 8, s).float().reshape(n, 1, 2, 2, 8).permute(1, 2, 0, 3, 4)  # noqa: E731
-    cal = calibrate([kv(48, 1)], None, sink_tokens=0, held_out=[kv(400, 2)], max_group=1)
-    assert cal.info["fallback"] == ["g0.k", "g0.v"] and cal.info["held_out_tokens"] == 400
-
 
 REPORT = {
     "metric": "model",

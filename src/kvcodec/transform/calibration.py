@@ -162,8 +162,8 @@ def calibrate(
     """Fit per-group bases on KV tensors whose first token is at `first_position`; with channel
     weights (layers, 2, heads, dim), weighted KLTs (weights.py); covariance names the estimator
     (pca.COVARIANCES). With `held_out` KV (tensors of the same model not fitted on), every
-    (group, K|V) whose basis codes them worse than per-channel quantization of the same size falls
-    back to it (fallback.py); info["fallback"] names those blocks. The bases are returned as a
+    (group, K|V) whose basis codes them less accurately than per-channel int-N of the same or fewer
+    bytes falls back to per-channel coding (fallback.py); info["fallback"] names those blocks. The bases are returned as a
     version-3 .kvt stores them (kvt.compact: float16, coordinates no ratio >= 2 codes dropped)."""
     layers, heads, dim = _check(kvs)
     if rope is not None and rope.head_dim != dim:
@@ -250,16 +250,16 @@ def fit_moments(mean: torch.Tensor, cov: torch.Tensor, w: torch.Tensor | None) -
 
 
 def _fall_back(bases: dict, diagonals: dict, held) -> list[str]:
-    """Replace, in place, every block whose basis codes the held-out KV worse than per-channel
-    quantization (fallback.py); the names ("g<i>.<k|v>") of those blocks. held: per held-out KV,
+    """Replace, in place, every block whose basis codes the held-out KV less accurately than
+    per-channel int-N of the same or fewer bytes (fallback.py) by its diagonal basis; the names ("g<i>.<k|v>") of those blocks. held: per held-out KV,
     a function (group, kind index) -> its samples."""
-    from kvcodec.transform.fallback import levels, prefer_diagonal
+    from kvcodec.transform.fallback import falls_back, levels
 
     thetas = levels(torch.cat([bases[key].variances for key in sorted(bases)]))
     fell = []
     for gi, kind in sorted(bases):
         samples = torch.cat([h(gi, KINDS.index(kind)) for h in held])
-        if prefer_diagonal(bases[(gi, kind)], diagonals[(gi, kind)], samples, thetas):
+        if falls_back(bases[(gi, kind)], samples, thetas):
             bases[(gi, kind)] = diagonals[(gi, kind)]
             fell.append(f"g{gi}.{kind}")
     return fell

@@ -1,13 +1,19 @@
 """Never worse than the simple thing: per (layer group, K|V), the decorrelating basis is kept only
-where, on held-out calibration tokens, it codes better than per-channel quantization of the same
-size; elsewhere the group falls back to a diagonal basis (each channel quantized on its own, with the
-same water-filled step, mean and weights). A diagonal basis is an ordinary .kvt basis (a scaled
-permutation), so the codec and every restore path code it unchanged.
+where, on held-out calibration tokens, it is at least as accurate as per-channel integer
+quantization of the same or fewer bytes; elsewhere the group falls back to a diagonal basis (each
+channel quantized on its own, with the same water-filled step, mean and weights). A diagonal basis
+is an ordinary .kvt basis (a scaled permutation), so the codec and every restore path code it
+unchanged.
 
-"Better" is the rate-distortion Lagrangian J = D + lambda R measured on the held-out tokens with the
-codec's own quantizer: D the (weighted) squared error per token, R the order-0 entropy of the integers
-per token (rate.column_entropy_bits), lambda = 2 ln 2 theta (the slope of D(R) where every coded
-coordinate has error theta), summed over the distortion levels of a few target ratios.
+The comparison is at equal bytes. At each of a few target ratios' distortion levels theta the fitted
+basis codes the held-out samples with the codec's own quantizer: a point (bits per token, weighted
+squared error per token), bits the order-0 entropy of its integers per chunk of INT_CHUNK_TOKENS
+(rate.column_entropy_bits). Per-channel int-N (the codec's min-max quantizer, kvcodec.quant.integer,
+N = 1..8, parameters per chunk and channel) gives points the same way, its fp16 offset and step per
+channel and chunk counted in its bits. The block keeps the basis only when, at every level, no int-N
+point of at most the transform's bits has a smaller error (keeps_transform, a pure function of those
+points). The entropy is a lower bound on what a lossless coder spends on int-N's integers, so int
+is, if anything, given fewer bytes than it would cost.
 """
 
 from __future__ import annotations
@@ -17,10 +23,16 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcodec.quant import integer
 from kvcodec.transform import alloc, rate
 from kvcodec.transform.calibration import GroupBasis
 
 FALLBACK_RATIOS = (3.0, 5.0, 8.0)  # the ratios (vs fp16) whose distortion levels the comparison uses
+INT_BITS = tuple(range(1, 9))  # the per-channel int widths compared against
+INT_CHUNK_TOKENS = 256  # tokens per chunk, as the codecs cut KV (CodecConfig's default)
+INT_SIDE_BITS = 32.0  # int-N's fp16 offset and step per channel and chunk
+
+Point = tuple[float, float]  # (bits per token, weighted squared error per token)
 
 
 def diagonal_basis(x: torch.Tensor, w: torch.Tensor | None) -> GroupBasis:
@@ -42,19 +54,41 @@ def diagonal_from_moments(mean: torch.Tensor, var: torch.Tensor, w: torch.Tensor
     return GroupBasis(mean.float(), basis.float(), var[order].float(), None if w is None else w.float())
 
 
-def lagrangian(b: GroupBasis, x: torch.Tensor, theta: float, y: torch.Tensor | None = None) -> float:
-    """J = D + 2 ln2 theta R per token of the basis coding held-out samples x (n, d) at level theta
-    (y: their coefficients, when already computed)."""
-    y = coefficients(b, x) if y is None else y
+def _chunked_bits(q: torch.Tensor, chunk: int) -> float:
+    """Order-0 bits of integer columns q (tokens, coords), each chunk of `chunk` tokens its own models."""
+    return sum(rate.column_entropy_bits(q[s : s + chunk]) for s in range(0, q.shape[0], chunk))
+
+
+def transform_point(b: GroupBasis, y: torch.Tensor, theta: float, chunk: int = INT_CHUNK_TOKENS) -> Point:
+    """(bits, weighted squared error) per token of the basis coding held-out coefficients y (n, d)
+    at level theta with the codec's quantizer; coordinates without a step are not coded."""
     steps = alloc.steps_for(b.variances, theta).to(torch.float32)
     n = int((steps > 0).sum())
-    if n:
-        q = torch.round(y[:, :n] / steps[:n])
-        err = (y[:, :n] - q * steps[:n]).pow(2).sum() + y[:, n:].pow(2).sum()
-        bits = rate.column_entropy_bits(q.to(torch.int64))
-    else:
-        err, bits = y.pow(2).sum(), 0.0
-    return (float(err) + 2 * math.log(2) * theta * bits) / x.shape[0]
+    q = torch.round(y[:, :n] / steps[:n])
+    err = (y[:, :n] - q * steps[:n]).pow(2).sum() + y[:, n:].pow(2).sum()
+    return _chunked_bits(q.to(torch.int64), chunk) / y.shape[0], float(err) / y.shape[0]
+
+
+def int_point(x: torch.Tensor, w: torch.Tensor | None, bits: int, chunk: int = INT_CHUNK_TOKENS) -> Point:
+    """(bits, weighted squared error) per token of per-channel min-max int-`bits` quantization of
+    samples x (n, d), parameters per chunk of `chunk` tokens (kvcodec.quant.integer, the codec's)."""
+    total_bits = err = 0.0
+    width = torch.tensor([bits])
+    for s in range(0, x.shape[0], chunk):
+        xc = x[s : s + chunk].to(torch.float32)[None, None, :, None, :]  # (1, 1, tokens, 1, d)
+        offset, step = integer.minmax_params(xc, width)
+        q = integer.quantize(xc, offset, step, width)
+        e = (integer.dequantize(q, offset, step, torch.float32) - xc).double().pow(2)[0, 0, :, 0]
+        err += float(e.sum(0) @ (torch.ones(x.shape[1], dtype=torch.float64) if w is None else w.double()))
+        centred = q[0, 0, :, 0].to(torch.int64) - (1 << (bits - 1))  # in [-128, 127]: no escapes
+        total_bits += rate.column_entropy_bits(centred) + INT_SIDE_BITS * x.shape[1]
+    return total_bits / x.shape[0], err / x.shape[0]
+
+
+def keeps_transform(transform: Sequence[Point], per_channel: Sequence[Point]) -> bool:
+    """True when at every transform point (bits, error) no per-channel point spending at most those
+    bits has a smaller error: the transform is at least as accurate for its size everywhere."""
+    return all(not any(pb <= tb and pe < te for pb, pe in per_channel) for tb, te in transform)
 
 
 def coefficients(b: GroupBasis, x: torch.Tensor) -> torch.Tensor:
@@ -73,9 +107,19 @@ def levels(variances: torch.Tensor, ratios: Sequence[float] = FALLBACK_RATIOS) -
     return [alloc.water_level(variances, 16.0 / r) for r in ratios]
 
 
-def prefer_diagonal(fitted: GroupBasis, diagonal: GroupBasis, held_out: torch.Tensor, thetas: Sequence[float]) -> bool:
-    """True when per-channel coding beats the fitted basis on held-out samples (summed J over thetas)."""
-    yd, yf = coefficients(diagonal, held_out), coefficients(fitted, held_out)
-    return sum(lagrangian(diagonal, held_out, t, yd) for t in thetas) < sum(
-        lagrangian(fitted, held_out, t, yf) for t in thetas
-    )
+def compare(fitted: GroupBasis, held_out: torch.Tensor, thetas: Sequence[float]) -> tuple[list[Point], list[Point]]:
+    """The transform's points at levels thetas and per-channel int-N's points (N in INT_BITS) on
+    held-out samples (n, d), errors weighted by the basis' channel weights."""
+    y = coefficients(fitted, held_out)
+    return [transform_point(fitted, y, t) for t in thetas], [int_point(held_out, fitted.weights, n) for n in INT_BITS]
+
+
+def falls_back(fitted: GroupBasis, held_out: torch.Tensor, thetas: Sequence[float]) -> bool:
+    """True when per-channel int-N is more accurate than the fitted basis at equal or fewer bytes
+    at one of the levels thetas, on held-out samples (n, d)."""
+    return not keeps_transform(*compare(fitted, held_out, thetas))
+
+
+def int_error_at(per_channel: Sequence[Point], bits: float) -> float:
+    """The smallest per-channel error spending at most `bits` per token (inf where none does)."""
+    return min((e for b, e in per_channel if b <= bits), default=math.inf)
