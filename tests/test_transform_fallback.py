@@ -45,14 +45,19 @@ def _fitted(x: torch.Tensor, w: torch.Tensor | None = None) -> GroupBasis:
     return GroupBasis((mean / sw).float(), (basis / sw[:, None]).float(), var.float(), w.float())
 
 
+def _log_ratio(transform, per_channel) -> float:
+    """Sum over levels of log(transform error / int error at equal or fewer bytes)."""
+    pairs = [(e, int_error_at(per_channel, b)) for b, e in transform]
+    return sum(math.log(max(e, 1e-300)) - math.log(max(i, 1e-300)) for e, i in pairs if math.isfinite(i))
+
+
 def _decision_is_the_more_accurate(fitted: GroupBasis, held: torch.Tensor) -> bool:
-    """falls_back agrees with the points: kept iff no int-N of at most the transform's bits is more
-    accurate at any level; returns whether it fell back."""
+    """falls_back agrees with the measured points: kept iff the transform's errors are, in geometric
+    mean over the levels, at most int-N's at equal or fewer bytes; returns whether it fell back."""
     thetas = levels(fitted.variances)
     transform, per_channel = compare(fitted, held, thetas)
     fell = falls_back(fitted, held, thetas)
-    beaten = [int_error_at(per_channel, bits) < err for bits, err in transform]
-    assert fell == any(beaten)
+    assert fell == (_log_ratio(transform, per_channel) > 0)
     return fell
 
 
@@ -81,12 +86,14 @@ def test_equal_bytes_not_equal_slope_noise_fitted_on_enough_tokens_keeps_the_bas
 )
 def test_keeps_transform_never_picks_the_larger_error_at_equal_bytes(transform, per_channel):
     kept = keeps_transform(transform, per_channel)
-    if kept:  # at each of its sizes the transform is at least as accurate as any int that fits
-        assert all(int_error_at(per_channel, b) >= e for b, e in transform)
-    else:  # some int of at most the transform's bytes is strictly more accurate
-        assert any(pb <= tb and pe < te for tb, te in transform for pb, pe in per_channel)
-    assert keeps_transform(transform, [])  # nothing to compare against: kept
-    assert keeps_transform([(b, 0.0) for b, _ in transform], per_channel)  # exact at its size: kept
+    assert kept == (_log_ratio(transform, per_channel) <= 0)
+    if len(transform) == 1:  # one level: kept iff no int of at most its bytes is strictly more accurate
+        ((tb, te),) = transform
+        assert kept == all(not (pb <= tb and pe < te) for pb, pe in per_channel)
+    assert keeps_transform(transform, [])  # nothing of its size to compare against: kept
+    assert keeps_transform([(b, 0.0) for b, _ in transform], per_channel)  # exact at its sizes: kept
+    if not kept:  # a transform less accurate everywhere still falls back
+        assert not keeps_transform([(b, 2 * e + 1) for b, e in transform], per_channel)
 
 
 @settings(max_examples=8, deadline=None)
@@ -132,7 +139,9 @@ def test_diagonal_basis_is_an_exact_per_channel_code_and_calibration_reports_fal
     kv = lambda n, s: _noise(n, 2 * 2 * 8, s).float().reshape(n, 1, 2, 2, 8).permute(1, 2, 0, 3, 4)  # noqa: E731
     quiet = kv(200, 1)
     quiet[:, :, :, 1] *= 1e-3  # a head near-constant in calibration, noisy in the held-out texts
-    cal = calibrate([quiet], None, sink_tokens=0, held_out=[kv(400, 2)], max_group=1)
+    loud = kv(400, 2)
+    loud[:, :, :, 1] *= 3.0
+    cal = calibrate([quiet], None, sink_tokens=0, held_out=[loud], max_group=1)
     assert cal.info["fallback"] == ["g0.k", "g0.v"] and cal.info["held_out_tokens"] == 400
     cal = calibrate([kv(2000, 3)], None, sink_tokens=0, held_out=[kv(400, 2)], max_group=1)
     assert cal.info["fallback"] == []

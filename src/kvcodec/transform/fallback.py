@@ -10,10 +10,12 @@ basis codes the held-out samples with the codec's own quantizer: a point (bits p
 squared error per token), bits the order-0 entropy of its integers per chunk of INT_CHUNK_TOKENS
 (rate.column_entropy_bits). Per-channel int-N (the codec's min-max quantizer, kvcodec.quant.integer,
 N = 1..8, parameters per chunk and channel) gives points the same way, its fp16 offset and step per
-channel and chunk counted in its bits. The block keeps the basis only when, at every level, no int-N
-point of at most the transform's bits has a smaller error (keeps_transform, a pure function of those
-points). The entropy is a lower bound on what a lossless coder spends on int-N's integers, so int
-is, if anything, given fewer bytes than it would cost.
+channel and chunk counted in its bits, and plain fp16 one more (16 bits per value). At each level the transform's error is paired with the
+smallest int-N error of at most the transform's bits; the block keeps the basis only when its errors'
+geometric mean over the levels is at most int's (keeps_transform, a pure function of those points):
+every level counts by its relative error, so a near-lossless 3x level where int-7 is a little more
+accurate does not throw away a basis ten times more accurate at 5x and 8x.
+Both are charged the same order-0 measure: at most N bits per value for int-N, usually less.
 """
 
 from __future__ import annotations
@@ -86,9 +88,16 @@ def int_point(x: torch.Tensor, w: torch.Tensor | None, bits: int, chunk: int = I
 
 
 def keeps_transform(transform: Sequence[Point], per_channel: Sequence[Point]) -> bool:
-    """True when at every transform point (bits, error) no per-channel point spending at most those
-    bits has a smaller error: the transform is at least as accurate for its size everywhere."""
-    return all(not any(pb <= tb and pe < te for pb, pe in per_channel) for tb, te in transform)
+    """True when the transform is at least as accurate for its size: at each transform point
+    (bits, error) the per-channel error at equal or fewer bits (int_error_at) is paired with it, and
+    the transform's errors' geometric mean is at most those. Levels where no per-channel point fits
+    in the transform's bits have nothing of that size to compare with and are left out."""
+    pairs = [(err, int_error_at(per_channel, bits)) for bits, err in transform]
+    return sum(_log(e) - _log(i) for e, i in pairs if math.isfinite(i)) <= 0.0
+
+
+def _log(err: float) -> float:
+    return math.log(max(err, 1e-300))
 
 
 def coefficients(b: GroupBasis, x: torch.Tensor) -> torch.Tensor:
@@ -108,10 +117,18 @@ def levels(variances: torch.Tensor, ratios: Sequence[float] = FALLBACK_RATIOS) -
 
 
 def compare(fitted: GroupBasis, held_out: torch.Tensor, thetas: Sequence[float]) -> tuple[list[Point], list[Point]]:
-    """The transform's points at levels thetas and per-channel int-N's points (N in INT_BITS) on
+    """The transform's points at levels thetas and per-channel int-N's (N in INT_BITS) and fp16's on
     held-out samples (n, d), errors weighted by the basis' channel weights."""
     y = coefficients(fitted, held_out)
-    return [transform_point(fitted, y, t) for t in thetas], [int_point(held_out, fitted.weights, n) for n in INT_BITS]
+    ints = [int_point(held_out, fitted.weights, n) for n in INT_BITS]
+    return [transform_point(fitted, y, t) for t in thetas], [*ints, fp16_point(held_out, fitted.weights)]
+
+
+def fp16_point(x: torch.Tensor, w: torch.Tensor | None) -> Point:
+    """(bits, weighted squared error) per token of storing samples x (n, d) as fp16: the simplest
+    per-channel code, so a transform spending more than 16 bits per value is compared with it."""
+    e = (x.to(torch.float16).double() - x.double()).pow(2).sum(0)
+    return 16.0 * x.shape[1], float(e @ (torch.ones_like(e) if w is None else w.double())) / x.shape[0]
 
 
 def falls_back(fitted: GroupBasis, held_out: torch.Tensor, thetas: Sequence[float]) -> bool:
