@@ -8,6 +8,7 @@ KVCODEC_FUZZ_SEED set the budget."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -151,14 +152,27 @@ def test_a_damaged_kvt_is_a_format_error(transform, meta, tensor):
         from_bytes(format_fuzz._kvt_join(m, tensors))
 
 
-def test_a_kvt_that_maps_kv_beyond_the_integer_range_is_refused_at_encode(transform):
+def test_a_kvt_that_maps_kv_beyond_the_integer_range_is_refused_at_load_and_at_encode(transform):
     m, tensors = format_fuzz._kvt_parts(transform[1].data)
     tensors["g0.k.basis"] = tensors["g0.k.basis"].float()  # a version-3 .kvt may store it as float32 too
     tensors["g0.k.basis"][:, 0] = 1e30  # finite, but the first coefficient overflows int32
-    data = format_fuzz._kvt_join(m, tensors)
-    codec = TransformCodec(from_bytes(data), kvt_hash=kvt_hash(data), coder="zstd", chunk_tokens=CHUNK)
+    with pytest.raises(FormatError, match="basis column of norm"):
+        from_bytes(format_fuzz._kvt_join(m, tensors))
+    cal = from_bytes(transform[1].data)  # a calibration built in memory, past the loader's checks
+    b = cal.bases[(0, "k")]
+    basis = b.basis.clone()
+    basis[:, 0] = 1e30
+    cal.bases[(0, "k")] = dataclasses.replace(b, basis=basis)
+    codec = TransformCodec(cal, kvt_hash=kvt_hash(transform[1].data), coder="zstd", chunk_tokens=CHUNK)
     with pytest.raises(KVCodecError, match="integer range"):
         codec.encode_chunks(transform[1].kv)
+
+
+def test_a_kvt_whose_mean_leaves_the_float16_range_is_refused(transform):
+    m, tensors = format_fuzz._kvt_parts(transform[1].data)
+    tensors["g0.v.mean"][0] = 2.0**67  # a flipped exponent bit: finite, but restored KV would overflow
+    with pytest.raises(FormatError, match="mean beyond"):
+        from_bytes(format_fuzz._kvt_join(m, tensors))
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,8 @@ READABLE = ("1", "2", "3")
 CUT_RATIO = 2.0  # coordinates no ratio from this one up codes are dropped from a calibration (`compact`)
 CUT_MARGIN = 16.0  # ... with this margin on the distortion level (a step 4x finer than that ratio's)
 MAX_LAYERS = 1 << 16  # bound on layers, heads and head_dim a .kvt may announce
+MAX_COLUMN_NORM = 1.01  # float16 rounding of unit columns stays far below
+MAX_MEAN = 65504.0  # float16 max: KV means beyond it are damage, not data
 
 
 def kvt_hash(data: bytes) -> str:
@@ -175,7 +177,21 @@ def from_bytes(data: bytes) -> Calibration:
         parts = (b.mean, b.basis, b.variances) + ((b.weights,) if b.weights is not None else ())
         if not all(bool(torch.isfinite(t).all()) for t in parts) or bool((b.variances < 0).any()):
             raise FormatError(f".kvt group {g} holds NaN, infinite or negative-variance values (a damaged file)")
+        _check_magnitudes(g, b)
     return Calibration(layers, heads, dim, rope, groups, bases, info)
+
+
+def _check_magnitudes(g: int, b: GroupBasis) -> None:
+    """A calibrated basis has orthonormal columns in the channel-weighted metric (W^1/2 B), and a mean
+    within fp16's range; a damaged value (a flipped exponent bit) breaks either and would restore
+    KV that overflows, so it is refused here."""
+    scale = b.weights.sqrt()[:, None] if b.weights is not None else 1.0
+    norm = float((b.basis * scale).norm(dim=0).max())
+    if norm > MAX_COLUMN_NORM or float(b.mean.abs().max()) > MAX_MEAN:
+        raise FormatError(
+            f".kvt group {g}: a basis column of norm {norm:.4g} (at most {MAX_COLUMN_NORM}) or a mean beyond "
+            f"{MAX_MEAN:g} (a damaged file)"
+        )
 
 
 def _block(tensors: dict, name: str, version: str) -> GroupBasis:
