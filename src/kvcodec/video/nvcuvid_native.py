@@ -217,13 +217,19 @@ void kv_feeder_end(feeder_t *f) {
     pthread_mutex_unlock(&f->mu);
 }
 
-/* Wait (at most timeout_us) until `completed` streams are complete or the feeder has finished;
-   returns the streams complete, -1 once the feeder has finished. */
-long long kv_feeder_wait(feeder_t *f, long long completed, long long timeout_us) {
+/* The wall-clock time timeout_us from now, as pthread_cond_timedwait takes it. */
+static struct timespec deadline_after(long long timeout_us) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     ts.tv_sec += timeout_us / 1000000; ts.tv_nsec += (timeout_us % 1000000) * 1000;
     if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
+    return ts;
+}
+
+/* Wait (at most timeout_us) until `completed` streams are complete or the feeder has finished;
+   returns the streams complete, -1 once the feeder has finished. */
+long long kv_feeder_wait(feeder_t *f, long long completed, long long timeout_us) {
+    struct timespec ts = deadline_after(timeout_us);
     pthread_mutex_lock(&f->mu);
     while (f->s->completed < completed && !f->finished && !f->s->error)
         if (pthread_cond_timedwait(&f->cv, &f->mu, &ts)) break;
@@ -237,10 +243,7 @@ long long kv_feeder_wait(feeder_t *f, long long completed, long long timeout_us)
    pictures come out only once the parser has seen what follows it: a caller that waited for its
    completion before pushing more would wait for ever. */
 long long kv_feeder_wait_fed(feeder_t *f, long long unfed, long long timeout_us) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    ts.tv_sec += timeout_us / 1000000; ts.tv_nsec += (timeout_us % 1000000) * 1000;
-    if (ts.tv_nsec >= 1000000000) { ts.tv_sec++; ts.tv_nsec -= 1000000000; }
+    struct timespec ts = deadline_after(timeout_us);
     pthread_mutex_lock(&f->mu);
     while (f->submitted - f->fed > unfed && !f->finished)
         if (pthread_cond_timedwait(&f->cv, &f->mu, &ts)) break;
