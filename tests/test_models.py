@@ -218,3 +218,19 @@ def test_quoref_questions():
         assert any(a.lower() in q.document.lower() for a in q.answers)
     with pytest.raises(ConfigError, match="unknown QA task"):
         texts.load_qa("squad")
+
+
+def test_dialogue_texts_are_whole_conversations():
+    try:
+        texts.ensure_bigbench(tasks=("topical_chat",))
+    except ConfigError as e:
+        pytest.skip(str(e))
+    t = texts.load_text("dlg/0")
+    lines = t.splitlines()
+    assert lines[0] == 'agent_A: "Are you a football fan?"' and lines[1].startswith("agent_B: ")
+    assert all(line.startswith(("agent_A: ", "agent_B: ")) for line in lines) and len(lines) > 10
+    assert texts.load_text("dlg/0", max_chars=50) == t[:50]
+    assert len(texts.load_text("dlg/37")) > 3300  # one of the evaluation conversations (docs/TRANSFORM.md)
+    for bad in ("dlg/x", "dlg/-1", "dlg/100000"):
+        with pytest.raises(ConfigError, match="unknown text"):
+            texts.load_text(bad)

@@ -15,7 +15,7 @@ _DTYPES = ("float16", "bfloat16", "float32")
 
 def _read_text(spec: str) -> tuple[str, str]:
     """(text, label): a file path if one exists, else a kvcodec.models.texts name."""
-    from kvcodec.models.texts import load_text
+    from kvcodec.models.texts import TEXT_KINDS, load_text
 
     path = Path(spec)
     if path.is_file():
@@ -23,10 +23,11 @@ def _read_text(spec: str) -> tuple[str, str]:
             return path.read_text(encoding="utf-8"), path.name
         except UnicodeDecodeError as e:
             raise ConfigError(f"{spec}: not UTF-8 text ({e})") from e
-    if spec.startswith(("pg", "py/", "doc/")):
+    if spec.startswith(TEXT_KINDS):
         return load_text(spec), spec
     raise ConfigError(
-        f"--text {spec!r} is neither a file nor a text name ('pg', 'pg/<essay>', 'py/<module>', 'doc/<module>')"
+        f"--text {spec!r} is neither a file nor a text name ('pg', 'pg/<essay>', 'py/<module>', 'doc/<module>', "
+        "'dlg/<n>')"
     )
 
 

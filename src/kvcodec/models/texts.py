@@ -9,7 +9,9 @@ QA (optional; the ``bigbench==1.0.0`` sdist, 358 MB, fetched with
 are extracted into the cache directory at first use:
 
 - ``minute_mysteries``: 203 four-way multiple-choice mystery stories (~1.5k tokens each);
-- ``quoref``: extractive QA over passages (natural_instructions subtask002).
+- ``quoref``: extractive QA over passages (natural_instructions subtask002);
+- ``topical_chat``: 1078 open-domain conversations between two people, the texts ``dlg/<n>`` (the n-th
+  conversation in the task file's order, one turn a line), a third kind of text beside essays and code.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ _BB_ROOT = "bigbench-1.0.0/bigbench/benchmark_tasks/"
 _BB_TASKS = {
     "minute_mysteries": "minute_mysteries_qa/multiplechoice/task.json",
     "quoref": "natural_instructions/subtask002_quoref_answer_generation/task.json",
+    "topical_chat": "topical_chat/task.json",
 }
-QA_TASKS = tuple(_BB_TASKS)
+QA_TASKS = ("minute_mysteries", "quoref")
+TEXT_KINDS = ("pg", "py/", "doc/", "dlg/")  # how the names load_text accepts begin
 
 
 # ----------------------------------------------------------------------------- essays
@@ -94,10 +98,12 @@ def load_text(name: str, max_chars: int | None = None) -> str:
         text = path.read_text(encoding="utf-8")
     elif name.startswith(("py/", "doc/")):
         text = _module_text(name)
+    elif name.startswith("dlg/"):
+        text = _dialogue(name)
     else:
         raise ConfigError(
             f"unknown text {name!r}; names are 'pg', 'pg/<essay>' (see list_texts()), 'py/<module>' (Python source "
-            "code) or 'doc/<module>' (its documentation as pydoc renders it)"
+            "code), 'doc/<module>' (its documentation as pydoc renders it) or 'dlg/<n>' (a conversation)"
         )
     return text if max_chars is None else text[:max_chars]
 
@@ -117,6 +123,34 @@ def _module_text(name: str) -> str:
         return inspect.getsource(mod) if kind == "py" else pydoc.plain(pydoc.render_doc(mod, renderer=pydoc.plaintext))
     except (ImportError, OSError, TypeError) as e:
         raise ConfigError(f"text {name!r}: {e}") from e
+
+
+def _dialogue(name: str) -> str:
+    """'dlg/<n>': the n-th conversation of bigbench's topical_chat (needs the bigbench sdist, like the
+    QA tasks), one "agent_A: ..." / "agent_B: ..." turn a line."""
+    n = name[4:]
+    if not n.isdigit():
+        raise ConfigError(f"unknown text {name!r}: dlg/ takes a conversation number such as dlg/3")
+    talks = _conversations(False)
+    if int(n) >= len(talks):
+        raise ConfigError(f"unknown text {name!r}: topical_chat has conversations 0..{len(talks) - 1}")
+    return talks[int(n)]
+
+
+@functools.cache
+def _conversations(download: bool) -> tuple[str, ...]:
+    """Every topical_chat conversation in full: the task lists each one's growing prefixes (input)
+    with the next turn (target); the longest prefix and its target are the whole conversation."""
+    longest: dict[str, dict] = {}
+    for ex in _task_json("topical_chat", download)["examples"]:
+        key = ex.get("comment", ex["input"][:200])
+        if key not in longest or len(ex["input"]) > len(longest[key]["input"]):
+            longest[key] = ex
+    talks = []
+    for ex in longest.values():
+        last = ex["target"][0] if isinstance(ex["target"], list) else ex["target"]
+        talks.append(re.sub(r" (agent_[AB]: )", r"\n\1", f"{ex['input'].strip()} agent_B: {last.strip()}"))
+    return tuple(talks)
 
 
 # ----------------------------------------------------------------------------- QA data
@@ -174,15 +208,16 @@ def _download_sdist() -> Path:
     return dest / BIGBENCH_SDIST
 
 
-def ensure_bigbench(download: bool = False) -> Path:
-    """Folder holding the extracted bigbench task files, extracting them at first use.
+def ensure_bigbench(download: bool = False, tasks: tuple[str, ...] = QA_TASKS) -> Path:
+    """Folder holding the extracted bigbench task files of `tasks`, extracting every task file
+    (of _BB_TASKS) missing there at first use.
 
     The sdist is looked for at $KVCODEC_BIGBENCH_SDIST, then $KVCODEC_CACHE_DIR/downloads/.
     download=True (or KVCODEC_DOWNLOAD=1) lets this call run `pip download` for it.
     Raises ConfigError, saying how to get it, when it is not there.
     """
     out = _bigbench_dir()
-    if all((out / rel).is_file() for rel in _BB_TASKS.values()):
+    if all((out / _BB_TASKS[t]).is_file() for t in tasks):
         return out
     sdist = _find_sdist()
     if sdist is None:
@@ -190,7 +225,7 @@ def ensure_bigbench(download: bool = False) -> Path:
             sdist = _download_sdist()
         else:
             raise ConfigError(
-                f"the QA tasks need the {BIGBENCH} sdist (358 MB, used only to extract two task files); "
+                f"the QA tasks and dlg/ texts need the {BIGBENCH} sdist (358 MB, used only to extract three task files); "
                 f"fetch it with: pip download --no-deps {BIGBENCH} -d {cache_dir() / 'downloads'}"
                 " (or set KVCODEC_BIGBENCH_SDIST to its path)"
             )
@@ -223,7 +258,7 @@ def ensure_bigbench(download: bool = False) -> Path:
 def _task_json(task: str, download: bool) -> dict:
     if task not in _BB_TASKS:
         raise ConfigError(f"unknown QA task {task!r}; known: {', '.join(QA_TASKS)}")
-    path = ensure_bigbench(download) / _BB_TASKS[task]
+    path = ensure_bigbench(download, (task,)) / _BB_TASKS[task]
     return json.loads(path.read_text(encoding="utf-8"))
 
 
