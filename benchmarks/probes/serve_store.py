@@ -7,9 +7,11 @@ from a thread (as a server's requests arrive), each generating a few tokens. The
 second is counted as fp16 bytes (2 per value) over the stream's duration, as `bench encode` does.
 
 Modes (--modes, in order, the whole list --repeat times): off (storing off), on (the engine's
-default storing: background encode threads, lower priority), legacy (storing as before issue 24's
-fix: an encode thread per core at the engine's priority), or on:W:N (W encode workers at nice N).
---encode-workers / --nice set "on" to other values than the defaults.
+default storing: encode worker processes at lower priority, the serving process only copies the KV
+to shared memory), threads (the background storer's encode threads inside the serving process),
+legacy (storing as before issue 24's fix: an encode thread per core at the engine's priority),
+on:W:N (W encode workers at nice N, processes) or threads:W:N (the same on threads).
+--encode-workers / --nice set "on" and "threads" to other values than the defaults.
 
     python benchmarks/probes/serve_store.py --model DIR --docs docs.jsonl --requests 80 --rate 8 \
         --store file:///tmp/serve-store --out results/serve-store-h200.json
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -56,10 +57,9 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    from kvcodec.layout.search import usable_cores
+
+    return usable_cores()
 
 
 def policy_of(mode: str, args: argparse.Namespace):  # noqa: ANN201
@@ -69,14 +69,15 @@ def policy_of(mode: str, args: argparse.Namespace):  # noqa: ANN201
     if mode == "off":
         return StorePolicy(enabled=False)
     if mode == "legacy":
-        return StorePolicy(encode_workers=_cores(), nice=0)
-    if mode == "on":
+        return StorePolicy(encode_workers=_cores(), nice=0, encode_in="threads")
+    where = {"on": "processes", "threads": "threads"}
+    if mode in where:
         given = {"encode_workers": args.encode_workers, "nice": args.nice}
-        return StorePolicy(**{k: v for k, v in given.items() if v is not None})
-    if mode.startswith("on:"):
-        _, w, n = mode.split(":")
-        return StorePolicy(encode_workers=int(w), nice=int(n))
-    sys.exit(f"unknown mode {mode!r}: off, on, legacy or on:WORKERS:NICE")
+        return StorePolicy(**{k: v for k, v in given.items() if v is not None}, encode_in=where[mode])
+    if mode.split(":")[0] in where and mode.count(":") == 2:
+        kind, w, n = mode.split(":")
+        return StorePolicy(encode_workers=int(w), nice=int(n), encode_in=where[kind])
+    sys.exit(f"unknown mode {mode!r}: off, on, threads, legacy, on:WORKERS:NICE or threads:WORKERS:NICE")
 
 
 def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, mode: str, tag: str) -> dict:  # noqa: ANN001
@@ -89,6 +90,8 @@ def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, mod
     engine.generate(prompts[0], max_new_tokens=args.new_tokens)  # warm-up (kernels, plan cache)
     engine.storer.flush()
     before = _metrics(engine)
+    encode_in = engine.storer.encode_in  # where the warm-up store was encoded
+    processes = engine.storer.processes.processes if engine.storer.processes is not None else 0
     engine.start()
     reqs, gap = [], 1.0 / args.rate
     t0 = time.perf_counter()
@@ -116,6 +119,8 @@ def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, mod
         "storing": store,
         "encode_workers": getattr(settings, "workers", None) if store else None,
         "nice": getattr(settings, "nice", None) if store else None,
+        "encode_in": encode_in if store else None,
+        "encode_processes": processes if store else None,
         "requests": len(reqs),
         "prompt_tokens_mean": round(statistics.mean(r.prompt_len for r in reqs), 1),
         "served_s": round(served, 3),
@@ -203,14 +208,15 @@ def main() -> None:
         f"{args.requests} new prompts per mode at {args.rate:g}/s, {args.new_tokens} tokens each; the engine of "
         "`kvcodec serve` in one process, storing off then on (each mode its own new prompts).",
         "",
-        "| storing | workers/nice | prompt tokens | TTFT p50 s | p90 s | stored/s | stored MB/s fp16 | dropped | "
+        "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | stored/s | stored MB/s fp16 | dropped | "
         "lag mean s | backlog at end | drain s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         wn = f"{r['encode_workers']}/{r['nice']}" if r["storing"] else "-"
+        where = f"{r['encode_in']} ({r['encode_processes']})" if r["encode_processes"] else r["encode_in"] or "-"
         lines.append(
-            f"| {r['mode']} | {wn} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
+            f"| {r['mode']} | {where} | {wn} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
             f"{r['ttft_p90_s']:.4f} | {r['stored_per_s']:.2f} | {r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
             f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} |"
         )

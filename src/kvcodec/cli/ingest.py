@@ -40,6 +40,14 @@ from kvcodec.cli.options import device_option, parse_codec_options
     default=None,
     help="Documents encoded at once [enough that their chunks fill the cores].",
 )
+@click.option(
+    "--encode-in",
+    type=click.Choice(["processes", "threads"]),
+    default="processes",
+    show_default=True,
+    help="Encode documents in worker processes (each takes a document's KV from shared memory) or on threads "
+    "of this process (also where the store is memory://).",
+)
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the summary (JSON) here.")
 @click.option(
     "--ray",
@@ -67,6 +75,7 @@ def command(
     id_field: str,
     max_tokens: int | None,
     store_workers: int | None,
+    encode_in: str,
     report: Path | None,
     ray_address: str | None,
     prefill_actors: int | None,
@@ -99,7 +108,8 @@ def command(
                 job = RayJob(model_name, store_url, name, options, max_tokens, encode_cpus=encode_cpus)
                 result = _on_ray(ray_address, documents, job, prefill_actors, on_result)
             else:
-                result = _here(documents, model_name, store_url, codec, device, max_tokens, store_workers, on_result)
+                where = {"store_workers": store_workers, "encode_in": encode_in}
+                result = _here(documents, model_name, store_url, codec, device, max_tokens, where, on_result)
     except KeyboardInterrupt:
         done = ", ".join(f"{v} {k}" for k, v in counts.items())
         click.echo(f"interrupted after {done} of {len(documents)} documents; run the same command to resume", err=True)
@@ -129,7 +139,7 @@ def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, coun
     return bar, on_result, counts
 
 
-def _here(documents, model_name, store_url, codec, device, max_tokens, store_workers, on_result):  # noqa: ANN001, ANN202
+def _here(documents, model_name, store_url, codec, device, max_tokens, where, on_result):  # noqa: ANN001, ANN202
     """The job on this machine: its GPU (or CPU) prefills, its cores encode."""
     from kvcodec.engine.config import EngineConfig
     from kvcodec.engine.prefix import open_prefix_cache
@@ -144,7 +154,7 @@ def _here(documents, model_name, store_url, codec, device, max_tokens, store_wor
     store, cache = open_prefix_cache(EngineConfig(store_url=store_url, codec=codec), model, dev)
     try:
         return ingest(
-            documents, model, tokenizer, cache, max_tokens=max_tokens, store_workers=store_workers, on_result=on_result
+            documents, model, tokenizer, cache, max_tokens=max_tokens, on_result=on_result, store_url=store_url, **where
         )
     finally:
         if hasattr(store, "close"):
@@ -165,5 +175,8 @@ def _summary_line(s: dict[str, Any]) -> str:
     return (
         f"{s['documents']} documents: {s['stored']} stored, {s['skipped']} already stored, {s['failed']} failed; "
         f"{s['stored_tokens']:,} tokens in {s['chunks']} chunks in {s['seconds']:.1f} s ({rate}; "
-        f"prefill {s['prefill_s']:.1f} s, encode+write {s['store_s']:.1f} s)"
+        f"prefill {s['prefill_s']:.1f} s, encode+write {s['store_s']:.1f} s"
+        + (f"; {s['kv_mb_per_s']:,.1f} MB/s of KV" if s.get("kv_mb_per_s") else "")
+        + (f", encoded in {s['encoded_in']}" if s.get("encoded_in") else "")
+        + ")"
     )

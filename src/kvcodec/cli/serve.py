@@ -82,7 +82,15 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     "--store-encode-workers",
     default=None,
     type=click.IntRange(min=1),
-    help="Threads encoding a stored prompt's chunks, below the engine's priority [the cores less one].",
+    help="Threads encoding stored prompts' chunks in all, below the engine's priority [the cores less one].",
+)
+@click.option(
+    "--store-encode-in",
+    type=click.Choice(["processes", "threads"]),
+    default="processes",
+    show_default=True,
+    help="Encode stored prompts in worker processes (the serving process only copies the KV to shared memory) "
+    "or on threads of the serving process (also where the store is memory://).",
 )
 @click.option(
     "--fetch-deadline",
@@ -160,6 +168,7 @@ def command(
     no_store: bool,
     store_min_tokens: int | None,
     store_encode_workers: int | None,
+    store_encode_in: str,
     fetch_deadline: float | str | None,
     stall_timeout: float,
     device: str | None,
@@ -209,7 +218,10 @@ def command(
             decode_workers=decode_workers or max(nvdec_pool, nvdec_threads) or None,
             reuse=not no_reuse,
             store_policy=StorePolicy(
-                enabled=not no_store, min_tokens=store_min_tokens, encode_workers=store_encode_workers
+                enabled=not no_store,
+                min_tokens=store_min_tokens,
+                encode_workers=store_encode_workers,
+                encode_in=store_encode_in,
             ),
             policy=policy,
             max_batch=max_batch,

@@ -30,8 +30,10 @@ class EngineConfig:
         device (on CUDA one per NVDEC engine, each its own session in this process's CUDA context:
         7 on an H100/H200; 1 on the CPU). store_partial: also store a last partial chunk.
     reuse: look up and fetch stored prefixes. store_policy: what is stored after prefills, and
-        how: storing is background work, encoded by store_policy.encode_workers threads (default:
-        the cores less one) at store_policy.nice lower OS priority (default 10) than the engine.
+        how: storing is background work, encoded in worker processes (store_policy.encode_in;
+        threads of this process where the store URL cannot be opened by another, e.g. memory://)
+        by store_policy.encode_workers threads in all (default: the cores less one) at
+        store_policy.nice lower OS priority (default 10) than the engine.
     policy: "fetch-aware" (a fetching request never blocks others) or "blocking" (for comparison).
     max_batch: most requests in the running batch.
     max_prefill_tokens: prompt tokens admitted per iteration (soft; one request always fits).
@@ -42,8 +44,9 @@ class EngineConfig:
     fetch_deadline_s: "auto" (default): a fetch may take as long as recomputing its prefix would,
         from the measured prefill rate; a number: that many seconds; None: no deadline.
     fetch_workers: concurrent fetches.
-    store_queue: most prompt KVs waiting for the background encoder; past it new stores are
-        dropped (logged and counted), so queued cache slices never grow without bound.
+    store_queue: most prompt KVs waiting for the background encoder (besides one in each encode
+        process); past it new stores are dropped (logged and counted), so queued cache slices
+        never grow without bound.
     max_context: longest prompt + output in tokens; None: the model's max_position_embeddings.
     stall_s: /health reports a stalled engine after this long without a finished iteration while
         work is pending.

@@ -83,8 +83,10 @@ class Engine:
         self.store = None
         keeps_kv = cfg.reuse or cfg.store_policy.enabled
         layout = self.runner.layout = layout_for(self.model, self.device) if keeps_kv else None
+        store_url = None  # worker processes encode stores where they can open the same store
         if prefix_cache is None and keeps_kv:
             self.store, prefix_cache = open_prefix_cache(cfg, self.model, self.device, layout)
+            store_url = cfg.store_url
         self.prefix_cache = prefix_cache
         self.chunk_tokens = chunk_tokens_of(prefix_cache, getattr(cfg.codec_config, "chunk_tokens", 256))
         self.prefill_rate = PrefillRate()
@@ -98,7 +100,9 @@ class Engine:
             deadline_for=self._deadline_for,
             target_for=RestoreTargets(self.model, self.device, self.runner.dtype, layout),
         )
-        self.storer = KVStorer(prefix_cache, cfg.store_policy, self.chunk_tokens, max_pending=cfg.store_queue)
+        self.storer = KVStorer(
+            prefix_cache, cfg.store_policy, self.chunk_tokens, max_pending=cfg.store_queue, store_url=store_url
+        )
         self.storer.on_done, self.storer.on_drop = self._stored, self.metrics.stores_dropped.inc
         self.storer.on_stored, self.storer.on_skip = self._prefix_stored, self.metrics.stores_skipped.inc
         self.metrics.store_backlog.set_function(lambda: self.storer.backlog)

@@ -12,15 +12,23 @@ encodes far fewer), stores wait in a bounded backlog and the most valuable go fi
 Submitting never waits for an encode: it takes a lock, hashes the prompt's chunks and returns.
 
 Storing is background work and must never slow a request:
-  * its threads (the store worker and the chunk threads of each encode) run at
+  * by default (`StorePolicy.encode_in="processes"`) stores are encoded in spawned worker
+    processes (engine/encode_pool.py): the serving process only copies the prompt's KV into
+    shared (pinned) host memory and hands it over, so encoding never holds its interpreter lock
+    (encode threads in the serving process did: on an H200, 15 of them cost 7x the p50 TTFT of a
+    stream of 2k-token prompts, one of them 1.7x); where a worker cannot be used (no store URL,
+    a memory:// store, a codec that cannot cross, processes that fail to start) the storer
+    encodes on its own threads as below (`encode_in="threads"` asks for that);
+  * its threads and processes (the store workers and the chunk threads of each encode) run at
     `StorePolicy.nice` more OS niceness than the engine (Linux: per thread), so under contention
     the engine's thread and its torch threads get the cores;
-  * one store's chunks are encoded by `StorePolicy.encode_workers` threads (default: every core
+  * stores' chunks are encoded by `StorePolicy.encode_workers` threads in all (default: every core
     but one, one x265 thread each), never x265's pool of every core;
-  * on a GPU, the stored KV is gathered and quantized on a CUDA stream of the storer's own: it
-    waits for the prefill by an event recorded at submission (the engine never waits for it),
-    the request's cache tensors are marked used on that stream (their memory is not reused
-    while the storer reads it), and only the coded frames and side streams cross to the host.
+  * on a GPU, the stored KV is gathered on a CUDA stream of the storer's own: it waits for the
+    prefill by an event recorded at submission (the engine never waits for it), the request's
+    cache tensors are marked used on that stream (their memory is not reused while the storer
+    reads it); on threads it is quantized there too and only the coded frames and side streams
+    cross to the host.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ import hashlib
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,10 +46,13 @@ from typing import Any
 
 import numpy as np
 
+from kvcodec.engine.encode_pool import EncodeProcessError
 from kvcodec.errors import ConfigError
 from kvcodec.kvspec.tensors import GroupedKV
 
 log = logging.getLogger(__name__)
+
+ENCODE_IN = ("processes", "threads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +68,15 @@ class StorePolicy:
     min_seen: store only the leading whole chunks that at least this many recent prompts (this one
         included) began with: 1 stores every prompt, 2 only prefixes seen twice (shared documents,
         system prompts), never a prompt's own tail.
-    encode_workers: threads encoding one store's chunks (one x265 thread each); None: the cores
-        this process may use less one, at least 1 (the engine keeps a core).
-    nice: OS niceness the storer's threads run at above the engine's (0..19; 0: the same
-        priority). Where the OS does not allow it, storing runs at the engine's priority.
+    encode_workers: chunk encode threads in all (one x265 thread each); None: the cores this
+        process may use less one, at least 1 (the engine keeps a core).
+    nice: OS niceness the storer's threads and processes run at above the engine's (0..19; 0:
+        the same priority). Where the OS does not allow it, storing runs at the engine's priority.
+    encode_in: "processes" (default): spawned worker processes encode and write each store, the
+        serving process only copies its KV to shared memory; "threads": threads of the serving
+        process (also where processes cannot be used; see the module doc).
+    encode_processes: worker processes (encode_in="processes"); None: enough that each runs at
+        most 8 of the encode_workers threads (one store's chunks at once).
     """
 
     enabled: bool = True
@@ -72,6 +87,8 @@ class StorePolicy:
     min_seen: int = 1
     encode_workers: int | None = None
     nice: int = 10
+    encode_in: str = "processes"
+    encode_processes: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.min_seen, bool) or not isinstance(self.min_seen, int) or self.min_seen < 1:
@@ -81,6 +98,11 @@ class StorePolicy:
             raise ConfigError(f"StorePolicy.encode_workers must be None or an integer >= 1; got {w!r}")
         if isinstance(self.nice, bool) or not isinstance(self.nice, int) or not 0 <= self.nice <= 19:
             raise ConfigError(f"StorePolicy.nice must be an integer in 0..19; got {self.nice!r}")
+        if self.encode_in not in ENCODE_IN:
+            raise ConfigError(f"StorePolicy.encode_in must be one of {ENCODE_IN}; got {self.encode_in!r}")
+        p = self.encode_processes
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
+            raise ConfigError(f"StorePolicy.encode_processes must be None or an integer >= 1; got {p!r}")
 
     def background(self):  # noqa: ANN201 - kvcodec.codecs.hevc_encode.Background
         """How the storer's encodes run: encode_workers threads (default: cores less one) at nice."""
@@ -92,13 +114,9 @@ class StorePolicy:
 def default_store_workers() -> int:
     """Encode threads of a background store: the cores this process may use less one (the
     engine's), at least 1; $KVCODEC_ENCODE_WORKERS (the encoder's own cap) still applies."""
-    from kvcodec.layout.search import encode_workers
+    from kvcodec.layout.search import encode_workers, usable_cores
 
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - platforms without affinity
-        cores = os.cpu_count() or 1
-    return max(1, min(cores - 1, encode_workers()))
+    return max(1, min(usable_cores() - 1, encode_workers()))
 
 
 class PrefixCounts:
@@ -139,7 +157,12 @@ class _Job:
 
 
 class KVStorer:
-    """Runs PrefixCache.put on worker threads, most valuable prefix first, never blocking a request.
+    """Stores prefixes in the background (PrefixCache.put in worker processes, or on threads), most
+    valuable prefix first, never blocking a request.
+
+    store_url: the URL the prefix cache's store was opened from: worker processes open it too
+        (None: stores are encoded on threads). max_pending: stores waiting, with one in each
+        encoder (a thread, or a worker process) counted in.
 
     Callbacks (each optional): on_done(chunks_written | None, error | None) when a store ends;
     on_drop() when a store is dropped (backlog full); on_skip() when a prompt has no prefix seen
@@ -147,18 +170,31 @@ class KVStorer:
     submission."""
 
     def __init__(
-        self, prefix_cache: Any, policy: StorePolicy, chunk_tokens: int, workers: int = 1, max_pending: int = 4
+        self,
+        prefix_cache: Any,
+        policy: StorePolicy,
+        chunk_tokens: int,
+        workers: int = 1,
+        max_pending: int = 4,
+        *,
+        store_url: str | None = None,
     ) -> None:
         self.prefix_cache = prefix_cache
         self.policy = policy
         self.chunk_tokens = max(1, chunk_tokens)
-        self.max_pending = max(1, int(max_pending))
         self.dropped = 0
         self.skipped = 0  # prompts whose prefix was not seen min_seen times
         self.stored_prefixes = 0
         self.stored_tokens = 0
         self.counts = PrefixCounts(self.chunk_tokens)
         self.settings = policy.background()
+        self.processes = self._encode_pool(store_url)
+        if self.processes is not None:
+            workers = self.processes.processes  # one storer thread feeds each worker process
+        self.max_pending = max(1, int(max_pending)) + max(0, workers - 1)
+        self.encoder_pids: set[int] = set()  # the worker processes that encoded stores
+        self._started: list[Future] = []  # the worker processes' start (their pids)
+        self._start_asked = False
         self._pool = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="kvcodec-store", initializer=self._start_thread
         )
@@ -171,6 +207,29 @@ class KVStorer:
         self.on_drop: Any = None
         self.on_stored: Any = None
         self.on_skip: Any = None
+
+    def _encode_pool(self, store_url: str | None) -> Any:
+        """The EncodePool stores go to (policy.encode_in == "processes" and the cache's stores can
+        be written by another process), else None: threads."""
+        if not self.policy.enabled or self.policy.encode_in != "processes" or self.prefix_cache is None:
+            return None
+        from kvcodec.engine.encode_pool import EncodePool, split_workers, worker_spec
+
+        processes, threads = split_workers(self.settings.workers, self.policy.encode_processes)
+        spec = worker_spec(self.prefix_cache, store_url, threads, self.settings.nice)
+        if spec is None:
+            log.info("KV stores are encoded on threads of this process (no store URL other processes can open)")
+            return None
+        try:
+            return EncodePool(spec, processes)
+        except Exception as e:  # noqa: BLE001 - no processes: threads
+            log.warning("cannot make KV encode processes (%s): encoding on threads", e)
+            return None
+
+    @property
+    def encode_in(self) -> str:
+        """Where stores are encoded now: "processes" or "threads"."""
+        return "threads" if self.processes is None else "processes"
 
     # -- what to store -------------------------------------------------------------------------
     def tokens_to_store(self, prompt_len: int, restored: int) -> int:
@@ -285,6 +344,10 @@ class KVStorer:
             if not self._waiting:
                 return  # its job was dropped for a more valuable one (which another run took)
             job = heapq.heappop(self._waiting)
+            start = self.processes is not None and not self._start_asked
+            self._start_asked = True
+        if start:
+            self._start_processes()
         try:
             with background(self.settings), self._on_stream(job):
                 result = self._put(job)
@@ -311,6 +374,21 @@ class KVStorer:
             t.record_stream(stream)
         return torch.cuda.stream(stream)
 
+    def _start_processes(self) -> None:
+        """Spawn every worker process now (from a storer thread, never the engine's); a pool that
+        cannot start leaves storing on threads."""
+        try:
+            self._started = self.processes.start()
+        except Exception as e:  # noqa: BLE001
+            self._to_threads(e)
+
+    def _to_threads(self, error: BaseException) -> None:
+        with self._lock:
+            pool, self.processes = self.processes, None
+        if pool is not None:
+            log.warning("KV encode processes failed (%s): encoding on threads from now on", error)
+            pool.shutdown(wait=False)
+
     def _put(self, job: _Job) -> int:
         import torch
 
@@ -318,16 +396,28 @@ class KVStorer:
 
         layers, job.layers = job.layers, None
         try:
+            pool = self.processes
             if isinstance(layers, GroupedKV):
                 kv = layers.to("cpu", getattr(torch, self.policy.dtype) if self.policy.dtype else None)
             else:
                 kv = cache_to_tensor(layers)
-                if not getattr(getattr(self.prefix_cache, "codec", None), "encodes_on_device", False):
+                on_device = pool is not None or getattr(self.prefix_cache.codec, "encodes_on_device", False)
+                if not on_device:
                     kv = kv.to("cpu")  # else the codec quantizes on the KV's GPU (HevcCodec)
                 if self.policy.dtype:
                     kv = kv.to(getattr(torch, self.policy.dtype))
             del layers
-            written = int(self.prefix_cache.put(job.ids, kv) or 0)
+            written = None
+            if pool is not None:
+                try:
+                    written, pid = pool.put(job.ids, kv)
+                    self.encoder_pids.add(pid)
+                except EncodeProcessError as e:
+                    self._to_threads(e)
+            if written is None:
+                if kv.is_cuda and not getattr(self.prefix_cache.codec, "encodes_on_device", False):
+                    kv = kv.to("cpu")
+                written = int(self.prefix_cache.put(job.ids, kv) or 0)
         except Exception as e:
             log.warning("storing %d tokens of KV failed: %s", job.tokens, e)
             if self.on_done:
@@ -347,9 +437,10 @@ class KVStorer:
             self._pending.discard(fut)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every queued store has finished (errors are logged, not raised)."""
+        """Wait until every queued store has finished and the encode processes started for them
+        are up (errors are logged, not raised)."""
         with self._lock:
-            pending = list(self._pending)
+            pending = list(self._pending) + list(self._started)
         for f in pending:
             try:
                 f.result(timeout=timeout)
@@ -365,6 +456,8 @@ class KVStorer:
                 job.layers = None
                 job.future.cancel()
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        if self.processes is not None:
+            self.processes.shutdown(wait=wait)
 
 
 def _tensors(layers: Any) -> list[Any]:

@@ -1,6 +1,8 @@
 """Prefill documents and store their prefix KV: the model prefills one document while the chunks
 of the previous ones are encoded (in parallel over the cores, kvcodec.codecs.hevc_encode) and
-written on background threads.
+written in worker processes (engine/encode_pool.py: each takes a document's KV from shared memory,
+encodes it over its threads and writes it; given the store's URL), or on background threads of
+this process.
 
 Documents are tokenized as the engine tokenizes a prompt and stored under the engine's keys
 (same model id, codec and options), so a later request that begins with a document restores its
@@ -11,13 +13,15 @@ KV. A document whose KV is already stored is skipped after one lookup (resume); 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvcodec.errors import KVCodecError
+from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.ingest.sources import Document
 from kvcodec.layout.search import encode_workers
 
@@ -33,12 +37,14 @@ class DocResult:
     error: str | None = None
     prefill_s: float = 0.0
     store_s: float = 0.0  # encode + write
+    kv_bytes: int = 0  # bytes of the KV prefilled (in the model's dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class IngestReport:
     results: tuple[DocResult, ...]
     seconds: float
+    encoded_in: str | None = None  # "processes" or "threads" (None: not said)
 
     def count(self, status: str) -> int:
         return sum(r.status == status for r in self.results)
@@ -59,6 +65,10 @@ class IngestReport:
             "tokens_per_s": round(self.stored_tokens / self.seconds, 1) if self.seconds > 0 else None,
             "prefill_s": round(sum(r.prefill_s for r in self.results), 3),
             "store_s": round(sum(r.store_s for r in self.results), 3),
+            "kv_mb_per_s": round(sum(r.kv_bytes for r in self.results) / self.seconds / 1e6, 1)
+            if self.seconds > 0
+            else None,
+            "encoded_in": self.encoded_in,
             "errors": {r.id: r.error for r in self.results if r.status == FAILED},
         }
 
@@ -106,6 +116,8 @@ def ingest(
     prefill_chunk_tokens: int | None = 2048,
     store_workers: int | None = None,
     on_result: Callable[[DocResult], None] | None = None,
+    store_url: str | None = None,
+    encode_in: str = "processes",
 ) -> IngestReport:
     """Prefill each document with `model` and store its KV through `cache` (a PrefixCache).
 
@@ -114,7 +126,11 @@ def ingest(
         wait for the encoder, bounding memory. None: enough documents that their chunks fill the
         encode threads (a document's chunks are encoded in parallel; one 2k-token document has 8
         chunks of 256 tokens, so 16 cores take 2 at once), at least 1.
-    on_result: called with each document's result as it is known (for progress bars)."""
+    on_result: called with each document's result as it is known (for progress bars).
+    store_url: the URL `cache`'s store was opened from; with encode_in="processes" (and a store
+        other processes can open: not memory://, a codec that can cross) documents are encoded
+        in worker processes (every core's thread in all; a worker per 8 of them, each encoding
+        one document), else on threads of this process."""
     from kvcodec.engine.tokens import Tokens
 
     tokens = Tokens(tokenizer)
@@ -139,8 +155,19 @@ def ingest(
     t0 = time.perf_counter()
     cores = encode_workers()
     chunk_tokens = int(getattr(cache, "chunk_tokens", 0) or 256)
-    pool_size = max(1, store_workers or cores)
-    with ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvcodec-ingest") as pool:
+    procs = _encode_pool(cache, store_url, encode_in, cores, store_workers)
+    pool_size = procs.processes if procs else max(1, store_workers or cores)
+    put = functools.partial(_store_in, procs, cache) if procs else functools.partial(_store, cache)
+
+    def at_once(ids: list[int]) -> int:  # documents encoding, or waiting with their KV, at once
+        if procs:
+            return procs.processes + 1  # one waits to take the first free worker
+        return documents_at_once(store_workers, cores, -(-len(ids) // chunk_tokens))
+
+    with contextlib.ExitStack() as stack:
+        if procs:  # shut down after the threads that feed it
+            stack.callback(procs.shutdown)
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvcodec-ingest"))
         for doc in documents:
             if doc.error:
                 done(DocResult(doc.id, FAILED, error=doc.error))
@@ -158,13 +185,12 @@ def ingest(
             except Exception as e:  # noqa: BLE001 - reported per document
                 done(DocResult(doc.id, FAILED, error=_why(e)))
                 continue
-            inflight.append(
-                (pool.submit(_store, cache, ids, kv), DocResult(doc.id, STORED, len(ids), 0, None, prefill_s))
-            )
+            result = DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv.numel() * kv.element_size())
+            inflight.append((pool.submit(put, ids, kv), result))
             del kv
-            settle(documents_at_once(store_workers, cores, -(-len(ids) // chunk_tokens)))
+            settle(at_once(ids))
         settle(0)
-    return IngestReport(tuple(results), time.perf_counter() - t0)
+    return IngestReport(tuple(results), time.perf_counter() - t0, "processes" if procs else "threads")
 
 
 def documents_at_once(store_workers: int | None, cores: int, chunks: int) -> int:
@@ -178,6 +204,32 @@ def documents_at_once(store_workers: int | None, cores: int, chunks: int) -> int
 def _store(cache: Any, ids: list[int], kv: Any) -> tuple[int, float]:
     t = time.perf_counter()
     written = int(cache.put(ids, kv) or 0)
+    return written, time.perf_counter() - t
+
+
+def _encode_pool(cache: Any, store_url: str | None, encode_in: str, cores: int, store_workers: int | None) -> Any:
+    """An EncodePool for ingest (every core, at the engine's priority: nothing else runs), or None."""
+    from kvcodec.engine.encode_pool import EncodePool, split_workers, worker_spec
+    from kvcodec.engine.storer import ENCODE_IN
+
+    if encode_in not in ENCODE_IN:
+        raise ConfigError(f"encode_in must be one of {ENCODE_IN}; got {encode_in!r}")
+    if encode_in != "processes":
+        return None
+    processes, threads = split_workers(cores, store_workers)
+    spec = worker_spec(cache, store_url, threads, 0)
+    return EncodePool(spec, processes) if spec is not None else None
+
+
+def _store_in(procs: Any, cache: Any, ids: list[int], kv: Any) -> tuple[int, float]:
+    """_store in a worker process of `procs`; on this thread where the processes are down."""
+    from kvcodec.engine.encode_pool import EncodeProcessError
+
+    t = time.perf_counter()
+    try:
+        written, _ = procs.put(ids, kv)
+    except EncodeProcessError:
+        return _store(cache, ids, kv)
     return written, time.perf_counter() - t
 
 

@@ -120,6 +120,14 @@ def trial_bytes(plan: LayoutPlan, units_tokens_dim: torch.Tensor, encoder) -> in
     return len(encoder.encode(frames, plan.width, plan.height))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return max(1, os.cpu_count() or 1)
+
+
 def encode_workers() -> int:
     """Encodes run at once (chunks, trials): the cores this process may use
     ($KVCODEC_ENCODE_WORKERS overrides)."""
@@ -129,10 +137,7 @@ def encode_workers() -> int:
             return max(1, int(env))
         except ValueError:
             raise ConfigError(f"KVCODEC_ENCODE_WORKERS must be an integer; got {env!r}") from None
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - platforms without affinity
-        return max(1, os.cpu_count() or 1)
+    return usable_cores()
 
 
 def _trials(jobs: list[tuple[LayoutPlan, torch.Tensor]], encoder) -> list[int]:

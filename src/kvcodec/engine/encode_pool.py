@@ -1,0 +1,324 @@
+"""Background stores encoded in worker processes, out of the serving process's interpreter lock.
+
+The serving process only copies a prompt's KV into a shared-memory buffer (on a GPU: one copy on
+the storer's CUDA stream into buffers registered as pinned memory, so the copy engine moves it
+without a staging copy) and sends the buffer's name, the token ids and the tensor's shape to a
+worker. Workers are spawned (never forked from a process holding CUDA and threads), run at the
+storer's niceness, encode on their CPU (they never touch a GPU) with `threads` chunk threads each,
+and write through a PrefixCache of their own opened from the same store URL, model id and codec,
+so the stored bytes and keys are those of an in-process put.
+
+Codecs cross to the workers as factories (`portable_codec`, a registry by codec class; any codec
+that pickles and keeps its id works too); a store must be reachable by URL from another process
+(file://, redis://, ...; not memory://). Where either is missing, or the processes cannot start,
+the storer encodes on its threads instead (engine/storer.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import math
+import multiprocessing
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+
+from kvcodec.errors import BackendUnavailableError
+
+log = logging.getLogger(__name__)
+
+LOCAL_SCHEMES = ("memory",)  # stores another process cannot see
+BUFFER_ALIGN = 8 << 20  # shared buffers grow in steps of 8 MiB (reused across stores)
+THREADS_PER_PROCESS = 8  # chunk threads of one worker: a 2k-token prompt's 8 chunks of 256 at once
+
+
+class EncodeProcessError(BackendUnavailableError):
+    """The encode processes cannot take a store (they did not start, or one died)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process needs to write stores as the engine's PrefixCache would."""
+
+    store_url: str
+    model_id: str
+    codec: Callable[[], Any]  # a picklable factory of the codec (portable_codec)
+    store_partial: bool = True
+    namespace: str | None = None
+    threads: int = 1  # chunk threads per worker
+    niceness: int = 0  # absolute OS niceness of the worker (its threads inherit it)
+
+
+def split_workers(workers: int, processes: int | None = None) -> tuple[int, int]:
+    """(processes, chunk threads per process) for `workers` encode threads in all: `processes`
+    if given, else enough that each runs at most THREADS_PER_PROCESS threads."""
+    workers = max(1, int(workers))
+    procs = max(1, min(workers, processes or math.ceil(workers / THREADS_PER_PROCESS)))
+    return procs, max(1, math.ceil(workers / procs))
+
+
+# -- codecs that cross to a worker --------------------------------------------------------------
+def _hevc_factory(codec: Any) -> Callable[[], Any]:
+    from kvcodec.codecs.hevc import HevcCodec
+
+    return functools.partial(HevcCodec, codec.config)
+
+
+def _transform_factory(codec: Any) -> Callable[[], Any]:
+    from kvcodec.codecs.transform import TransformCodec
+
+    c = codec
+    return functools.partial(
+        TransformCodec,
+        c.cal,
+        kvt_hash=c.kvt_hash,
+        target_ratio=c.target_ratio,
+        bits_per_value=c.bits_per_value,
+        theta=c.theta,
+        key_weight=c.key_weight,
+        sink_tokens=c.sink_tokens,
+        fine_tokens=c.fine_tokens,
+        fine_bits=c.fine_bits,
+        recon=c.recon,
+        coder=c.coder,
+        chunk_tokens=c.chunk_tokens,
+        resolutions=c.resolutions,
+    )
+
+
+# codec class path -> factory maker (the encode side only: decoders and NVDEC pools stay behind)
+PORTABLE_CODECS: dict[str, Callable[[Any], Callable[[], Any]]] = {
+    "kvcodec.codecs.hevc.HevcCodec": _hevc_factory,
+    "kvcodec.codecs.transform.TransformCodec": _transform_factory,
+}
+
+
+def _copy_of(codec: Any) -> Any:
+    return codec
+
+
+def portable_codec(codec: Any) -> Callable[[], Any] | None:
+    """A picklable factory making, in another process, a codec that encodes as `codec` does (the
+    same id); None where there is none (the storer then encodes on threads)."""
+    name = f"{type(codec).__module__}.{type(codec).__qualname__}"
+    make = PORTABLE_CODECS.get(name)
+    try:
+        factory = make(codec) if make else functools.partial(_copy_of, codec)
+        pickle.loads(pickle.dumps(factory))
+        same = factory().id == codec.id
+    except Exception as e:  # noqa: BLE001 - any codec that cannot cross stays on threads
+        log.info("codec %s cannot be sent to encode processes (%s): storing on threads", name, e)
+        return None
+    return factory if same else None
+
+
+def worker_spec(prefix_cache: Any, store_url: str | None, threads: int, nice: int) -> WorkerSpec | None:
+    """The WorkerSpec of an engine's PrefixCache, or None where its stores cannot be encoded in
+    another process (no store URL, a process-local store, tensor-parallel shards, layer groups)."""
+    from kvcodec.fetcher import PrefixCache
+
+    if not store_url or type(prefix_cache) is not PrefixCache or prefix_cache.shard is not None:
+        return None
+    if "://" in store_url and store_url.split("://", 1)[0].lower() in LOCAL_SCHEMES:
+        return None
+    factory = portable_codec(prefix_cache.codec)
+    if factory is None:
+        return None
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid()) if hasattr(os, "getpriority") else 0
+    return WorkerSpec(
+        store_url,
+        prefix_cache.model_id,
+        factory,
+        store_partial=prefix_cache.store_partial,
+        namespace=prefix_cache.namespace,
+        threads=max(1, threads),
+        niceness=min(19, base + max(0, nice)),
+    )
+
+
+# -- shared buffers (serving process) ------------------------------------------------------------
+class SharedBuffer:
+    """A shared-memory block the storer copies one store's KV into; pinned for CUDA copies."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = max(BUFFER_ALIGN, -(-int(nbytes) // BUFFER_ALIGN) * BUFFER_ALIGN)
+        self.shm = shared_memory.SharedMemory(create=True, size=self.nbytes)
+        self.bytes = torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=self.nbytes)
+        self.pinned = False
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self.bytes[:n].view(dtype).view(shape)
+
+    def pin(self) -> None:
+        """Register the block with CUDA (page-locked): device-to-host copies into it are DMA."""
+        if self.pinned or not torch.cuda.is_available():
+            return
+        rc = torch.cuda.cudart().cudaHostRegister(self.bytes.data_ptr(), self.nbytes, 0)
+        self.pinned = int(rc) == 0
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
+            self.pinned = False
+        del self.bytes
+        self.shm.close()
+        self.shm.unlink()
+
+
+class BufferPool:
+    """At most `limit` SharedBuffers, reused: acquire waits while all are in use."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._free: list[SharedBuffer] = []
+        self._count = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> SharedBuffer:
+        with self._cond:
+            while True:
+                fits = [b for b in self._free if b.nbytes >= nbytes]
+                if fits:
+                    buf = min(fits, key=lambda b: b.nbytes)
+                    self._free.remove(buf)
+                    return buf
+                if self._count < self.limit:
+                    self._count += 1
+                    break
+                if self._free:  # every free one is too small: replace the smallest
+                    small = min(self._free, key=lambda b: b.nbytes)
+                    self._free.remove(small)
+                    small.close()
+                    break
+                self._cond.wait()
+        try:
+            return SharedBuffer(nbytes)
+        except BaseException:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify()
+            raise
+
+    def release(self, buf: SharedBuffer) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            free, self._free = self._free, []
+            self._count -= len(free)
+        for b in free:
+            b.close()
+
+
+class EncodePool:
+    """`processes` spawned encode workers and the shared buffers their stores travel in.
+
+    put(ids, kv) blocks the calling (storer) thread until a worker has encoded and written the
+    store: call it from as many threads as there are processes."""
+
+    def __init__(self, spec: WorkerSpec, processes: int) -> None:
+        self.spec, self.processes = spec, max(1, processes)
+        self.buffers = BufferPool(self.processes)
+        self._executor = ProcessPoolExecutor(
+            self.processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(spec,)
+        )
+
+    def start(self) -> list[Any]:
+        """Start every worker now (each opens the store and builds the codec): futures of their pids."""
+        return [self._executor.submit(_worker_pid) for _ in range(self.processes)]
+
+    def put(self, ids: list[int], kv: torch.Tensor) -> tuple[int, int]:
+        """(chunks written, worker pid): `kv` (on a GPU on the caller's current stream, or on the
+        CPU) copied into a shared buffer, encoded and written by a worker."""
+        kv = kv.contiguous()
+        shape, dtype = tuple(kv.shape), str(kv.dtype).removeprefix("torch.")
+        buf = self.buffers.acquire(kv.numel() * kv.element_size())
+        try:
+            host = buf.view(shape, kv.dtype)
+            if kv.is_cuda:
+                buf.pin()
+                host.copy_(kv, non_blocking=buf.pinned)
+                torch.cuda.current_stream(kv.device).synchronize()
+            else:
+                host.copy_(kv)
+            del host, kv
+            try:
+                return self._executor.submit(_encode, list(ids), buf.name, shape, dtype).result()
+            except (BrokenProcessPool, OSError) as e:  # not the encode's own errors
+                raise EncodeProcessError(f"{type(e).__name__}: {e}") from e
+        finally:
+            self.buffers.release(buf)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        self.buffers.close()
+
+
+# -- worker process ------------------------------------------------------------------------------
+_STATE: dict[str, Any] = {}
+_ATTACHED: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
+MAX_ATTACHED = 4
+
+
+def _init_worker(spec: WorkerSpec) -> None:
+    from kvcodec.codecs.hevc_encode import Background
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    if hasattr(os, "setpriority"):
+        try:
+            if os.getpriority(os.PRIO_PROCESS, 0) < spec.niceness:
+                os.setpriority(os.PRIO_PROCESS, 0, spec.niceness)
+        except OSError:  # pragma: no cover - sandboxes that forbid it
+            pass
+    torch.set_num_threads(1)  # chunk threads are the parallelism; no torch pool per thread
+    store = open_store(spec.store_url)
+    cache = PrefixCache(
+        store, spec.model_id, spec.codec(), "cpu", store_partial=spec.store_partial, namespace=spec.namespace
+    )
+    _STATE.update(cache=cache, background=Background(spec.threads, 0))
+
+
+def _worker_pid() -> int:
+    return os.getpid()
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    shm = _ATTACHED.pop(name, None) or shared_memory.SharedMemory(name=name)
+    _ATTACHED[name] = shm
+    while len(_ATTACHED) > MAX_ATTACHED:  # buffers the storer replaced by larger ones
+        _, old = _ATTACHED.popitem(last=False)
+        try:
+            old.close()
+        except BufferError:  # pragma: no cover - still viewed
+            pass
+    return shm
+
+
+def _encode(ids: list[int], name: str, shape: tuple[int, ...], dtype: str) -> tuple[int, int]:
+    from kvcodec.codecs.hevc_encode import background
+
+    dt = getattr(torch, dtype)
+    kv = torch.frombuffer(_attach(name).buf, dtype=dt, count=math.prod(shape)).view(shape)
+    try:
+        with background(_STATE["background"]):
+            return int(_STATE["cache"].put(ids, kv) or 0), os.getpid()
+    finally:
+        del kv

@@ -1,0 +1,163 @@
+"""Stores encoded in worker processes (issue 24, target 2): the serving process copies the KV into
+shared memory and a spawned worker, below the engine's priority, encodes and writes the same bytes
+a foreground put writes; the storer falls back to its threads where processes cannot be used or
+fail to start. Real processes, real x265, real file:// stores; the one injected fault (a codec
+that cannot be built in a worker) is a real exception raised in the worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+from multiprocessing import shared_memory
+
+import pytest
+import torch
+
+from kvcodec import CodecConfig
+from kvcodec.codecs.hevc import HevcCodec
+from kvcodec.codecs.raw import RawCodec
+from kvcodec.engine import encode_pool
+from kvcodec.engine.encode_pool import BufferPool, portable_codec, split_workers
+from kvcodec.engine.storer import KVStorer, StorePolicy, default_store_workers
+from kvcodec.errors import ConfigError
+from kvcodec.fetcher import PrefixCache
+from kvcodec.fetcher.keys import blob_key, meta_key
+from kvcodec.layout.search import encode_workers, usable_cores
+from kvcodec.store import open_store
+
+CONFIG = CodecConfig(quant="int8", chunk_tokens=16, resolutions=((144, 144),), video_bits=8)
+
+
+def kv_of(tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, tokens, 2, 32, generator=g).half()
+
+
+def layers_of(kv: torch.Tensor) -> list:
+    """The (k, v) per layer of a transformers cache ([1, heads, tokens, dim]) holding `kv`."""
+    return [(kv[i, 0].permute(1, 0, 2)[None], kv[i, 1].permute(1, 0, 2)[None]) for i in range(kv.shape[0])]
+
+
+def stored_bytes(cache: PrefixCache, ids: list[int]) -> list[bytes]:
+    keys = cache.keys(ids)
+    return [cache.store.get(meta_key(k)) for k in keys] + [cache.store.get(blob_key(k, 0)) for k in keys]
+
+
+def file_cache(tmp_path, codec, name: str = "store") -> tuple[str, PrefixCache]:
+    url = f"file://{tmp_path / name}"
+    return url, PrefixCache(open_store(url), "m", codec, "cpu")
+
+
+def test_a_store_is_encoded_in_a_worker_process_below_the_engine_with_the_same_bytes(tmp_path):
+    ids, kv = list(range(48)), kv_of(48)
+    fore = PrefixCache(open_store("memory://"), "m", HevcCodec(CONFIG), "cpu")
+    assert fore.put(ids, kv) == 3
+    url, cache = file_cache(tmp_path, HevcCodec(CONFIG))
+    storer = KVStorer(cache, StorePolicy(encode_workers=2, nice=5), CONFIG.chunk_tokens, store_url=url)
+    try:
+        assert storer.encode_in == "processes" and storer.processes.spec.threads == 2
+        assert storer.submit(ids, layers_of(kv)).result(timeout=300) == 3
+        storer.flush()
+        pids = {f.result() for f in storer._started}
+        assert storer.encoder_pids and storer.encoder_pids <= pids and os.getpid() not in pids
+        if sys.platform.startswith("linux"):
+            base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+            assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {min(19, base + 5)}
+        assert storer.stored_prefixes == 1 and storer.encode_in == "processes"
+    finally:
+        storer.shutdown()
+    assert stored_bytes(cache, ids) == stored_bytes(fore, ids) and all(stored_bytes(fore, ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParentOnlyRaw(RawCodec):
+    """A raw codec whose worker-side factory fails in any process but the test's."""
+
+
+def _built_in(pid: int, codec: RawCodec) -> RawCodec:
+    if os.getpid() != pid:
+        raise RuntimeError("this codec cannot be built in a worker process")
+    return codec
+
+
+def test_processes_that_cannot_start_leave_the_store_to_the_storers_threads(tmp_path, monkeypatch):
+    name = f"{ParentOnlyRaw.__module__}.{ParentOnlyRaw.__qualname__}"
+    monkeypatch.setitem(encode_pool.PORTABLE_CODECS, name, lambda c: functools.partial(_built_in, os.getpid(), c))
+    url, cache = file_cache(tmp_path, ParentOnlyRaw(chunk_tokens=4))
+    storer = KVStorer(cache, StorePolicy(encode_workers=1), 4, store_url=url)
+    try:
+        assert storer.encode_in == "processes"
+        ids = list(range(12))
+        assert storer.submit(ids, layers_of(kv_of(12))).result(timeout=300) == 3  # written on a thread
+        assert storer.encode_in == "threads" and not storer.encoder_pids
+        assert cache.lookup(ids) == 12 and storer.stored_prefixes == 1
+        assert storer.submit(list(range(100, 108)), layers_of(kv_of(8, 1))).result(timeout=60) == 2
+    finally:
+        storer.shutdown()
+
+
+def test_stores_stay_on_threads_where_processes_cannot_be_used(tmp_path):
+    kv = kv_of(8)
+    memory = PrefixCache(open_store("memory://"), "m", RawCodec(chunk_tokens=4), "cpu")
+    url, on_disk = file_cache(tmp_path, RawCodec(chunk_tokens=4))
+
+    @dataclasses.dataclass(frozen=True)
+    class Local(RawCodec):  # a class no other process can import
+        pass
+
+    _, local = file_cache(tmp_path, Local(chunk_tokens=4), "local")
+    cases = [
+        (memory, "memory://", StorePolicy()),  # another process cannot see it
+        (on_disk, None, StorePolicy()),  # no URL to open it by
+        (on_disk, url, StorePolicy(encode_in="threads")),  # asked for
+        (local, f"file://{tmp_path / 'local'}", StorePolicy()),  # the codec cannot cross
+    ]
+    for cache, store_url, policy in cases:
+        storer = KVStorer(cache, policy, 4, store_url=store_url)
+        try:
+            assert storer.encode_in == "threads" and storer.processes is None
+            assert storer.submit(list(range(8)), layers_of(kv)).result(timeout=60) in (0, 2)
+        finally:
+            storer.shutdown()
+    assert portable_codec(Local(chunk_tokens=4)) is None and portable_codec(HevcCodec(CONFIG)) is not None
+
+
+def test_workers_split_into_processes_of_at_most_eight_threads_and_cores_are_counted_once(monkeypatch):
+    assert split_workers(15) == (2, 8) and split_workers(16) == (2, 8) and split_workers(17) == (3, 6)
+    assert split_workers(1) == (1, 1) and split_workers(3) == (1, 3)
+    assert split_workers(16, 4) == (4, 4) and split_workers(3, 8) == (3, 1)
+    monkeypatch.delenv("KVCODEC_ENCODE_WORKERS", raising=False)
+    assert encode_workers() == usable_cores() == len(os.sched_getaffinity(0))
+    assert default_store_workers() == max(1, usable_cores() - 1)
+
+
+@pytest.mark.parametrize("field, bad", [("encode_in", "gpu"), ("encode_processes", 0), ("encode_processes", 1.5)])
+def test_store_policy_process_fields_are_validated(field, bad):
+    with pytest.raises(ConfigError):
+        StorePolicy(**{field: bad})
+
+
+def test_shared_buffers_are_reused_grown_within_the_limit_and_unlinked():
+    pool = BufferPool(limit=1)
+    first = pool.acquire(100)
+    assert first.nbytes == encode_pool.BUFFER_ALIGN
+    pool.release(first)
+    assert pool.acquire(200) is first  # fits: reused
+    pool.release(first)
+    bigger = pool.acquire(encode_pool.BUFFER_ALIGN + 1)  # too small: replaced (the limit is 1)
+    assert bigger is not first and bigger.nbytes == 2 * encode_pool.BUFFER_ALIGN
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=first.name)
+    view = bigger.view((4, 8), torch.float16)
+    view.copy_(torch.arange(32, dtype=torch.float16).view(4, 8))
+    other = shared_memory.SharedMemory(name=bigger.name)  # what a worker sees
+    seen = torch.frombuffer(other.buf, dtype=torch.float16, count=32).view(4, 8).clone()
+    other.close()
+    assert torch.equal(seen, view)
+    del view
+    pool.release(bigger)
+    pool.close()
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=bigger.name)
