@@ -52,3 +52,27 @@ def test_a_forged_word_count_sets_the_error_count():
     assert int(err[0]) > 0 and int(err[1]) > 0 and int(err[2:].abs().sum()) == 0
     with pytest.raises(CorruptStreamError):
         rans.decode(forged, x.size, params)
+
+
+def test_codec_restores_on_the_sms_as_the_zstd_transform_does(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform_ans import TransformAnsCodec
+    from kvcodec.transform import calibrate, save_kvt
+    from test_transform_codec import ROPE, synthetic_kv
+
+    save_kvt(calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE), tmp_path / "s.kvt")
+    kv = synthetic_kv(300, seed=9).cuda()
+    ans = TransformAnsCodec(tmp_path / "s.kvt", chunk_tokens=64, bits_per_value=3.0)
+    ref = TransformCodec(tmp_path / "s.kvt", chunk_tokens=64, bits_per_value=3.0, coder="zstd")
+    chunks, zchunks = ans.encode_chunks(kv), ref.encode_chunks(kv)
+    a, b, c = torch.empty_like(kv), torch.empty_like(kv), torch.empty_like(kv)
+    outs = [a[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
+    ans.finish([ans.stage(ch.blobs[0], o) for ch, o in zip(chunks, outs)], outs)
+    for ch, zch in zip(chunks, zchunks):
+        ans.decode_chunk(ch.blobs[0], b[:, :, ch.start_token : ch.start_token + ch.tokens])
+        ref.decode_chunk(zch.blobs[0], c[:, :, ch.start_token : ch.start_token + ch.tokens])
+    torch.cuda.synchronize()
+    assert torch.equal(a, c) and torch.equal(b, c)
