@@ -27,6 +27,7 @@ _REGISTRY: dict[str, str | CodecFactory] = {
     "raw": "kvcodec.codecs.raw:RawCodec",
     "grouped": "kvcodec.codecs.grouped:GroupedCodec.from_options",
     "transform": "kvcodec.codecs.transform:make_transform_codec",
+    "transform-ans": "kvcodec.codecs.transform_ans:make_transform_ans_codec",
 }
 
 
