@@ -46,7 +46,13 @@ def _atomic_write(path: Path, data: bytes) -> None:
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 512x512).")
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
-@click.option("--sample-coder", type=click.Choice(SAMPLE_CODERS), default="hevc", show_default=True)
+@click.option(
+    "--sample-coder",
+    type=click.Choice([*SAMPLE_CODERS, "ans"]),
+    default="hevc",
+    show_default=True,
+    help="ans (with --transform): the integers rANS-coded for decoding on the GPU's SMs instead of NVDEC.",
+)
 @click.option(
     "--video-bits",
     type=click.Choice(["auto", *map(str, range(1, 9))]),
@@ -104,6 +110,8 @@ def encode_cmd(
         return transform_io.encode_cmd(
             src, dst, transform, target_ratio, chunk_tokens, sample_coder, res, target_quality=target_quality
         )
+    if sample_coder == "ans":
+        raise click.BadParameter("ans codes the transform's integers: give --transform", param_hint="--sample-coder")
     bits = parse_layer_bits(layer_bits)
     kv = _load_kv(src)
     kw = dict(

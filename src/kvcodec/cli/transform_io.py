@@ -40,14 +40,14 @@ def encode_cmd(
     from kvcodec.kvspec.files import load_kv_file
     from kvcodec.models.quality import fp16_bytes
 
-    if coder not in ("hevc", "zstd"):
-        raise click.BadParameter("with --transform the sample coder is hevc or zstd", param_hint="--sample-coder")
+    if coder not in ("hevc", "zstd", "ans"):
+        raise click.BadParameter("with --transform the sample coder is hevc, zstd or ans", param_hint="--sample-coder")
     target_ratio = pick_ratio(transform, target_ratio, target_quality)
     kv, _ = load_kv_file(src)
     kw = dict(target_ratio=target_ratio, chunk_tokens=chunk_tokens, coder=coder)
     if resolutions:
         kw["resolutions"] = resolutions[:1]
-    codec = open_transform(transform, **kw)
+    codec = _ans_codec(transform, **kw) if coder == "ans" else open_transform(transform, **kw)
     t0 = time.perf_counter()
     if isinstance(codec, GroupedCodec) != hasattr(kv, "spec"):
         held = "a cache of layer groups" if hasattr(kv, "spec") else "one KV tensor"
@@ -69,7 +69,7 @@ def decode_cmd(data: bytes, dst: Path, transform: Path, device: str) -> None:
     from kvcodec.codecs.transform_file import decode_file
     from kvcodec.kvspec.files import save_kv_file
 
-    codec = open_transform(transform)
+    codec = _ans_codec(transform) if _file_coder(data) == "ans" else open_transform(transform)
     t0 = time.perf_counter()
     if isinstance(codec, GroupedCodec):
         head = inspect_grouped(data)
@@ -86,3 +86,19 @@ def decode_cmd(data: bytes, dst: Path, transform: Path, device: str) -> None:
     elapsed = time.perf_counter() - t0
     save_kv_file(dst, kv, {})
     click.echo(f"{dst}: kv {shape} decoded on {device} with the transform in {elapsed:.2f} s")
+
+
+def _ans_codec(transform: Path, **kw):  # noqa: ANN202 - a TransformAnsCodec
+    """The transform codec with rANS-coded samples (decoded on the GPU's SMs): --sample-coder ans."""
+    from kvcodec.codecs.transform_ans import make_transform_ans_codec
+
+    return make_transform_ans_codec(transform, **kw)
+
+
+def _file_coder(data: bytes) -> str | None:
+    """The sample coder a transform file (KVTF) says its chunks use; None for other files."""
+    from kvcodec.codecs.transform_file import FILE_MAGIC, read_header
+
+    if bytes(data[:4]) != FILE_MAGIC:
+        return None
+    return (read_header(data)[0].get("settings") or {}).get("coder")

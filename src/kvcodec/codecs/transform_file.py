@@ -61,7 +61,7 @@ SETTINGS = v.record(
         "fine_tokens": v.integer(0, v.MAX_TOKENS),
         "fine_bits": v.integer(0, MAX_FINE_BITS),
         "recon": v.choice(RECONS),
-        "coder": v.choice(("hevc", "zstd")),
+        "coder": v.choice(("hevc", "zstd", "ans")),  # ans: chunks of the transform-ans codec (KVTA)
         "resolution": v.listing(v.integer(16, v.MAX_FRAME_SIDE), 2, 2),
     }
 )
