@@ -50,7 +50,8 @@ def fp16_bytes(kv: torch.Tensor | GroupedKV) -> int:
 @torch.inference_mode()
 def _continue(model: Any, kv: torch.Tensor | GroupedKV, cont: torch.Tensor) -> torch.Tensor:
     gkv = kv if isinstance(kv, GroupedKV) else GroupedKV.from_tensor(kv)
-    return model(cont.unsqueeze(0), cache=build_cache(gkv, model), use_cache=True).logits[0].float()
+    out = model(cont.unsqueeze(0).to(model.device), cache=build_cache(gkv, model), use_cache=True)
+    return out.logits[0].float().cpu()  # a model on a GPU: scored beside the CPU token ids
 
 
 def measure_model(
