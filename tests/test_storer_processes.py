@@ -125,7 +125,7 @@ def test_stores_stay_on_threads_where_processes_cannot_be_used(tmp_path):
 
 
 def test_workers_split_into_processes_of_at_most_eight_threads_and_cores_are_counted_once(monkeypatch):
-    assert split_workers(15) == (2, 8) and split_workers(16) == (2, 8) and split_workers(17) == (3, 6)
+    assert split_workers(15) == (2, 7) and split_workers(16) == (2, 8) and split_workers(17) == (3, 5)
     assert split_workers(1) == (1, 1) and split_workers(3) == (1, 3)
     assert split_workers(16, 4) == (4, 4) and split_workers(3, 8) == (3, 1)
     monkeypatch.delenv("KVCODEC_ENCODE_WORKERS", raising=False)

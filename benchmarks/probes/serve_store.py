@@ -161,6 +161,12 @@ def main() -> None:
     )
     ap.add_argument("--modes", default="off,on", help="storing modes, in order: off, on, legacy, on:W:N")
     ap.add_argument("--repeat", type=int, default=1, help="run the list of modes this many times")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="first serve this many of the first mode's prompts, storing off, unrecorded",
+    )
     ap.add_argument("--encode-workers", type=int, default=None, help="mode on: encode threads [cores less one]")
     ap.add_argument("--nice", type=int, default=None, help="mode on: storer niceness above the engine's [10]")
     ap.add_argument("--requests", type=int, default=80, help="requests per mode")
@@ -183,6 +189,9 @@ def main() -> None:
     def prompt(t: str) -> str:  # at most --max-tokens tokens
         return tokenizer.decode(tokenizer(t)["input_ids"][: args.max_tokens])
 
+    if args.warmup:  # a fresh process and GPU serve their first stream slower (cold off baselines)
+        warm = run_mode(model, tokenizer, [prompt(t) for t in texts[: args.warmup + 1]], args, "off", "warmup")
+        print(f"warm-up (off, not recorded): TTFT p50 {warm['ttft_p50_s']}")
     runs = []
     for i, mode in enumerate(modes):
         prompts = [prompt(t) for t in texts[i * n : (i + 1) * n]]

@@ -4,7 +4,7 @@ The serving process only copies a prompt's KV into a shared-memory buffer (on a 
 the storer's CUDA stream into buffers registered as pinned memory, so the copy engine moves it
 without a staging copy) and sends the buffer's name, the token ids and the tensor's shape to a
 worker. Workers are spawned (never forked from a process holding CUDA and threads), run at the
-storer's niceness, encode on their CPU (they never touch a GPU) with `threads` chunk threads each,
+storer's niceness, encode on their CPU (GPUs are hidden from them) with `threads` chunk threads each,
 and write through a PrefixCache of their own opened from the same store URL, model id and codec,
 so the stored bytes and keys are those of an in-process put.
 
@@ -60,11 +60,11 @@ class WorkerSpec:
 
 
 def split_workers(workers: int, processes: int | None = None) -> tuple[int, int]:
-    """(processes, chunk threads per process) for `workers` encode threads in all: `processes`
-    if given, else enough that each runs at most THREADS_PER_PROCESS threads."""
+    """(processes, chunk threads per process) for at most `workers` encode threads in all:
+    `processes` if given, else enough that each runs at most THREADS_PER_PROCESS threads."""
     workers = max(1, int(workers))
     procs = max(1, min(workers, processes or math.ceil(workers / THREADS_PER_PROCESS)))
-    return procs, max(1, math.ceil(workers / procs))
+    return procs, max(1, workers // procs)
 
 
 # -- codecs that cross to a worker --------------------------------------------------------------
@@ -282,6 +282,7 @@ def _init_worker(spec: WorkerSpec) -> None:
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU only: no CUDA context (memory, NVENC probe) per worker
     if hasattr(os, "setpriority"):
         try:
             if os.getpriority(os.PRIO_PROCESS, 0) < spec.niceness:
