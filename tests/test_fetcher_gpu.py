@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import test_transform_gpu as gpu_tests  # the synthetic transform (kvt fixture) and KV those tests code
 from kvcodec.config import CodecConfig
 from kvcodec.errors import BackendUnavailableError
 from kvcodec.fetcher import DecodeProfile, PrefixCache
 from kvcodec.fetcher.rawcodec import RawCodec
+
+kvt = gpu_tests.kvt  # the module-scoped fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -114,3 +117,59 @@ def test_fetch_through_pool_workers_matches_cpu():
             r = gpu.fetch(ids)
             assert r.ok, r.error
             assert torch.equal(r.kv.cpu(), ref)
+
+
+def _transform_caches(kvt, tokens: int = 600):
+    """A CPU and a CUDA PrefixCache over one memory store holding `tokens` of synthetic KV coded by
+    the transform codec (HEVC samples: NVDEC on CUDA), and the token ids."""
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.store import open_store
+
+    codec = TransformCodec(
+        kvt[0], chunk_tokens=64, target_ratio=4.0, coder="hevc", resolutions=((256, 256),)
+    )  # NVDEC: >= 144
+    store, ids = open_store("memory://"), list(range(tokens))
+    caches = [
+        PrefixCache(store, "m", codec, dev, profile=DecodeProfile.default(codec.resolutions)) for dev in ("cpu", "cuda")
+    ]
+    assert caches[0].put(ids, gpu_tests.synthetic_kv(tokens, 21).half()) == -(-tokens // 64)
+    return caches, ids, store
+
+
+@pytest.mark.parametrize("driven", [True, False])
+def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, monkeypatch):
+    """The default staged fetch on CUDA: the caller's thread drives every NVDEC session
+    (transform_batch.StageDriver; driven False: decode worker threads); both restore what the CPU does."""
+    import threading
+
+    from kvcodec.codecs import transform_batch
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    monkeypatch.setattr(transform_batch, "DRIVEN", driven)
+    (cpu, gpu), ids, _ = _transform_caches(kvt)
+    ref = cpu.fetch(ids)
+    for _ in range(2):  # the second fetch reuses the sessions
+        r = gpu.fetch(ids)
+        assert r.ok, r.error
+        torch.testing.assert_close(r.kv.cpu().float(), ref.kv.float(), atol=2**-12, rtol=2**-10)
+    workers = {t.worker for t in r.stats.timeline}
+    assert (workers == {threading.current_thread().name}) == driven
+
+
+def test_a_damaged_chunk_stops_a_driven_fetch_there(kvt):
+    from kvcodec.fetcher import blob_key
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    (cpu, gpu), ids, store = _transform_caches(kvt)
+    key = blob_key(gpu.keys(ids)[3], 0)
+    blob = bytearray(store.get(key))
+    blob[-100] ^= 0xFF  # inside the last stream (the video): its checksum fails
+    store.put(key, bytes(blob))
+    r = gpu.fetch(ids)
+    assert not r.ok and r.tokens_restored == 3 * 64 and "chunk" in str(r.error).lower()
+    ref = cpu.fetch(ids, 3 * 64)
+    torch.testing.assert_close(r.kv[:, :, : 3 * 64].cpu().float(), ref.kv.float(), atol=2**-12, rtol=2**-10)

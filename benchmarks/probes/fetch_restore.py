@@ -223,11 +223,14 @@ def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
 def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
     native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM)."""
+    from kvcodec.codecs import transform_batch
     from kvcodec.restore import transform_kernels
     from kvcodec.video import nvcuvid, nvcuvid_native
 
     saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
+    driven = transform_batch.DRIVEN
+    transform_batch.DRIVEN = variant.get("drive", True) and driven
     nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
     nvcuvid_native.FEED_DEPTH = variant.get("fd", fed[1])
     nvcuvid_native.ENABLED = variant.get("native", True) and saved[0]
@@ -244,6 +247,7 @@ def _switches(codec, variant: dict):
     finally:
         nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
+        transform_batch.DRIVEN = driven
         sys.setswitchinterval(saved[2])
         if variant.get("dd") is not None:
             _close_idle()
@@ -251,7 +255,7 @@ def _switches(codec, variant: dict):
         codec.__dict__.pop("stage_stream", None)
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd")
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive")
 
 
 def _close_idle() -> None:
@@ -281,9 +285,10 @@ def _measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alo
     out_mb = kv.numel() * kv.element_size() / 2**20
     del kv
     standing = before - probe.free_mb() - out_mb
-    cpu0 = time.process_time()
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     times, kv = fetch_loop(cache, ids, repeat)
-    cpu_ms = 1e3 * (time.process_time() - cpu0) / repeat / -(-len(ids) // case["chunk"])
+    cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+    cpu_ms = 1e3 * cpu_s / repeat / -(-len(ids) // case["chunk"])
     med = sorted(times)[len(times) // 2]
     nbytes = doc["fp16_bytes"]
     rec = {
@@ -298,6 +303,7 @@ def _measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alo
         "coded_gbit_per_s": round(8 * case["coded_bytes"] / med / 1e9, 3),
         "standing_mb": round(standing, 1),
         "host_cpu_ms_per_chunk": round(cpu_ms, 3),
+        "cores_used": round(cpu_s / wall_s, 2),  # process CPU seconds per wall second while fetching
         **_check(kv, case),
     }
     if secs > 0:
@@ -644,9 +650,11 @@ def run(
             secs = interference_s if i == 0 or interfere_all else 0.0
             _stage(log, base, measure_fetch, mem, doc, case, codec, probe, variant, repeat, alone, secs)
         if case["codec"] == "transform":
-            _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
+            if not quick:
+                _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
             _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds)
             _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds, "fed")
+            _against_decode_only(result["records"], case["name"])
             if not quick:
                 _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
                 for split in (True, False):
@@ -662,6 +670,17 @@ def run(
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 
+def _against_decode_only(records: list, name: str) -> None:
+    """Each fetch record of case `name`: its rate over NVDEC's decode-only rate on the same streams
+    (the native parser loop, the faster of the two decode-only records)."""
+    only = [r.get("nvdec_gb_per_s", 0) for r in records if r.get("name") == name and r.get("kind") == "decode-only"]
+    if not only or not max(only):
+        return
+    for r in records:
+        if r.get("name") == name and r.get("kind") == "fetch" and "restored_gb_per_s" in r:
+            r["vs_decode_only"] = round(r["restored_gb_per_s"] / max(only), 3)
+
+
 def _stage(log, base, fn, *args) -> None:
     try:
         rec = fn(*args)
@@ -674,7 +693,7 @@ def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32 (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
-    names = {"nostream": "stream", "python": "native", "fp32": "split", "nofeed": "feed"}
+    names = {"nostream": "stream", "python": "native", "fp32": "split", "nofeed": "feed", "nodrive": "drive"}
     for sw in switches:
         if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
             v["swi"] = int(sw[3:]) * 1e-6
@@ -688,7 +707,8 @@ def _variant(text: str) -> dict:
 
 
 FETCH_COLS = ("name", "ratio_vs_fp16", "switches", "restored_gb_per_s", "restored_gb_per_s_best", "coded_gbit_per_s")
-FETCH_COLS += ("matmul_slowdown", "standing_mb", "host_cpu_ms_per_chunk", "within_fp16_rounding")
+FETCH_COLS += ("vs_decode_only", "matmul_slowdown", "standing_mb", "host_cpu_ms_per_chunk", "cores_used")
+FETCH_COLS += ("within_fp16_rounding",)
 
 
 def report(src: pathlib.Path, dst: pathlib.Path, title: str, notes: list[str], extra: dict) -> None:

@@ -9,8 +9,11 @@ meanwhile runs the math in waves over the chunks decoded so far, on its own stre
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -22,6 +25,7 @@ from kvcodec.transform.frames import frame_count
 
 _END = object()
 DEFAULT_WAVE = 16  # chunks per pass of the math: launch-bound below ~8, no faster per chunk above 16
+DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
 
 
 def threads_decode_into(codec) -> Callable:
@@ -353,3 +357,194 @@ def _decode_each(decoder, items: Iterator[tuple]) -> Iterator[tuple]:
 def _frames_of(decoder, item: tuple) -> Iterator[tuple]:
     key, video, w, h, _ = item
     return ((key, frame) for frame in decoder.decode(video, w, h))
+
+
+@contextlib.contextmanager
+def stage_driver(codec, device, sessions: int, check: Callable | None = None) -> Iterator[StageDriver | None]:
+    """A StageDriver over `sessions` NVDEC sessions borrowed for the block; None where chunks
+    cannot be driven that way (DRIVEN off, not a CUDA device, not a transform codec, no native
+    feeder, or a borrowed decoder that is not nvcuvid's)."""
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.video import nvcuvid_native
+
+    device = torch.device(device)
+    if not (DRIVEN and nvcuvid_native.FEEDER and device.type == "cuda" and type(codec) is TransformCodec):
+        yield None
+        return
+    if not nvcuvid_native.available():
+        yield None
+        return
+    from kvcodec.codecs.hevc_decode import idle_decoders
+
+    with contextlib.ExitStack() as stack:
+        decoders = [stack.enter_context(idle_decoders.borrow(device)) for _ in range(max(1, sessions))]
+        if not all(callable(getattr(d, "fed_run", None)) and d.device == device for d in decoders):
+            yield None
+            return
+        driver = StageDriver(codec, decoders, check)
+        try:
+            yield driver
+        finally:
+            driver.close()
+
+
+class StageDriver:
+    """Transform chunks staged on several NVDEC sessions from the calling thread alone.
+
+    submit(tag, blob, target) reads and checks the chunk here and pushes its video at once to the
+    native feeder thread of the least busy session (nvcuvid._FedRun), which decodes its frames
+    straight into the chunk's buffer; poll() hands back the chunks complete since (tag, staged chunk
+    or its KVCodecError, seconds its session spent on it); wait(tag) blocks until one more of the
+    tag's session completes. No Python thread per session: the per-chunk host work of a fetch runs
+    on one thread (the one that also launches the math), where decode worker threads queued for
+    the interpreter lock behind each other (benchmarks/results/fetch-h200-issue21.md). A chunk's
+    last pictures come out once its session has more stream or is flushed: wait(flush=True)
+    flushes a session whose every stream is fed. After a session fails, each chunk it held is
+    decoded on its own (which names the chunk at fault)."""
+
+    WAIT_S = 0.05
+
+    def __init__(self, codec, decoders: Sequence, check: Callable | None = None):
+        self.codec, self.r, self.check = codec, codec._restorer, check
+        self.runs = [d.fed_run() for d in decoders]
+        self.fed: dict = {}  # tag -> (header, streams, target, buffer, run, submitted at)
+        self.done: collections.deque = collections.deque()  # (tag, staged or error, decode seconds)
+        self.free_at = [0.0] * len(self.runs)  # when each session finished its last chunk
+
+    def submit(self, tag, blob, target: Target) -> None:
+        t0 = time.monotonic()
+        try:
+            h, streams = self.codec._read(blob)
+            check_target(h, target)
+            if self.check is not None:
+                self.check(tag, chunk_info(h))
+            if h["coder"] == "zstd":
+                self.done.append((tag, self.r.decode_samples(h, streams, target.device, None), 0.0))
+                return
+            w, hh = h["resolution"]
+            if h["frames"] != frame_count(self.r.sample_count(h), w, hh):
+                raise CorruptStreamError("transform chunk announces the wrong number of frames")
+        except KVCodecError as e:
+            self.done.append((tag, e, 0.0))
+            return
+        k = self._run_for(w, hh)
+        run = self.runs[k]
+        with _on_stream(run.decoder, target.device):  # reused only after its (synchronous) copies
+            buf = frame_buffer(h["frames"], w, hh, target.device)
+        self.fed[tag] = (h, streams, target, buf, k, t0)
+        run.push(tag, _video_array(streams["video"]), run.next_ordinal(), h["frames"], buf.data_ptr())
+
+    def poll(self) -> list[tuple]:
+        """(tag, staged chunk or KVCodecError, decode seconds) of every chunk complete since the last call."""
+        for k in range(len(self.runs)):
+            self._collect(k)
+        out = list(self.done)
+        self.done.clear()
+        return out
+
+    def has_done(self) -> bool:
+        """Whether poll has chunks to hand back without collecting (refused or zstd chunks)."""
+        return bool(self.done)
+
+    def pending(self, tag) -> bool:
+        """Whether the chunk is submitted and not yet handed back by poll."""
+        return tag in self.fed
+
+    def wait(self, tag, timeout_s: float, flush: bool) -> None:
+        """Wait (at most timeout_s) for one more chunk of `tag`'s session to complete; flush: first
+        flush that session if its every stream is fed (its last pictures wait for that)."""
+        entry = self.fed.get(tag)
+        if entry is None:
+            return
+        run = self.runs[entry[4]]
+        if flush and run.stuck():
+            run.begin_end()
+        run.wait(timeout_s)
+
+    def flush_stuck(self) -> None:
+        """Flush every session whose every stream is fed (no more chunks are coming)."""
+        for run in self.runs:
+            if run.stuck():
+                run.begin_end()
+
+    def close(self) -> None:
+        """Every session flushed and its run closed (chunks still in flight are decoded to the end)."""
+        for k, run in enumerate(self.runs):
+            try:
+                self._drain(k)
+            except Exception:  # noqa: BLE001 - the session is closed, not reused
+                run.close(False)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def _run_for(self, w: int, hh: int) -> int:
+        """The session for the next chunk: the least busy one open for frames of w x hh (or not
+        open); if none, one is emptied first."""
+        from kvcodec.video.nvcuvid_native import MAX_TARGETS
+
+        def fits(run) -> bool:
+            same = run.session is None or (run.session.width, run.session.height) == (w, hh)
+            return same and not run.ending and run.pending < MAX_TARGETS
+
+        ok = [k for k, run in enumerate(self.runs) if fits(run)]
+        if not ok:
+            k = min(range(len(self.runs)), key=lambda j: self.runs[j].pending)
+            self._drain(k)
+            ok = [k]
+        k = min(ok, key=lambda j: self.runs[j].pending)
+        if self.runs[k].session is None:
+            self.runs[k].open(w, hh)
+        return k
+
+    def _drain(self, k: int) -> None:
+        """Flush session k and wait until its run is closed (its chunks to `done`)."""
+        run = self.runs[k]
+        run.begin_end()
+        while run.feeder is not None:
+            self._collect(k)
+            if run.feeder is not None:
+                run.wait(self.WAIT_S)
+
+    def _collect(self, k: int) -> None:
+        run = self.runs[k]
+        try:
+            for tag in run.poll():
+                h, streams, target, buf, _, t0 = self.fed.pop(tag)
+                now = time.monotonic()
+                busy, self.free_at[k] = now - max(t0, self.free_at[k]), now
+                try:
+                    self.done.append((tag, self.r.decode_samples(h, streams, target.device, samples=buf), busy))
+                except KVCodecError as e:
+                    self.done.append((tag, e, busy))
+        except Exception as e:  # noqa: BLE001 - the session failed: its chunks are decoded one by one
+            self._failed(k, e)
+
+    def _failed(self, k: int, error: Exception) -> None:
+        run = self.runs[k]
+        tags = list(run.keys)
+        run.close(False)
+        if not tags:  # no chunk's fault (the session itself failed)
+            raise error
+        for tag in tags:
+            h, streams, target, _, _, t0 = self.fed.pop(tag)
+            try:
+                staged = self.r.decode_samples(h, streams, target.device, run.decoder)
+            except KVCodecError as e:
+                staged = e
+            self.done.append((tag, staged, time.monotonic() - t0))
+
+
+def _on_stream(decoder, device) -> contextlib.AbstractContextManager:
+    """The decoder's stream as the current one where the buffer is on CUDA (the copies run there)."""
+    stream = getattr(decoder, "stream", None)
+    return (
+        torch.cuda.stream(stream)
+        if stream is not None and torch.device(device).type == "cuda"
+        else contextlib.nullcontext()
+    )
+
+
+def _video_array(video):  # noqa: ANN202 - a numpy uint8 array over the stream's bytes
+    from kvcodec.video.nvcuvid import _as_buffer
+
+    return _as_buffer(video)

@@ -72,6 +72,7 @@ def default_max_inflight(device: torch.device, decode_workers: int) -> int:
     return max(CUDA_MAX_INFLIGHT, 4 * decode_workers)
 
 
+_DRIVEN_NET_WAIT_S = 0.0005  # a driven fetch waits this long for the next blob before flushing a session
 _DIRECT_JOIN_S = 60.0  # how long a stopped fetch waits for a decode still writing into the target
 
 
@@ -166,15 +167,28 @@ class FetchPipeline:
     # -- the whole run -----------------------------------------------------------------------
     def run(self) -> tuple[int, KVCodecError | None]:
         self.est.begin()
-        for _ in range(min(self.s.net_workers, self.s.max_inflight)):
-            self._start(self._net_worker, "net")
-        dec = [self._start(self._decode_worker, "dec") for _ in range(self.s.decode_workers)]
+        dec: list = []
         try:
-            with _own_stream(self.s.device, self.started):  # never queued behind the caller's (the model's) work
-                return self._consume()
+            with contextlib.ExitStack() as stack:
+                driver = stack.enter_context(self._driver())
+                for _ in range(min(self.s.net_workers, self.s.max_inflight)):
+                    self._start(self._net_worker, "net")
+                if driver is None:
+                    dec = [self._start(self._decode_worker, "dec") for _ in range(self.s.decode_workers)]
+                stack.enter_context(_own_stream(self.s.device, self.started))  # never behind the model's work
+                return self._consume() if driver is None else self._consume_driven(driver)
         finally:
             self._shutdown(dec)
             self._finish_stats()
+
+    def _driver(self):  # noqa: ANN202 - a context manager yielding a StageDriver or None
+        """A streamed staged fetch of a transform codec on CUDA stages its chunks from this thread
+        (transform_batch.StageDriver: no decode worker threads); None: decode workers."""
+        if not self.s.streamed:
+            return contextlib.nullcontext()
+        from kvcodec.codecs import transform_batch
+
+        return transform_batch.stage_driver(self.s.codec, self.s.device, self.s.decode_workers, self._check_info)
 
     def _start(self, work: Callable[[], None], kind: str):  # noqa: ANN202 - a threading.Thread or a _Task
         """Run `work` on a thread of the settings' executor (kept across fetches), else a new thread."""
@@ -235,6 +249,94 @@ class FetchPipeline:
             pending[i] = (err, staged)
             self._take_ready(pending)
         return restored, None
+
+    def _consume_driven(self, driver) -> tuple[int, KVCodecError | None]:
+        """_consume where this thread also stages the chunks: each blob the network stage delivers
+        is handed to `driver` (its video to a session's native feeder) and the chunks it completes
+        are finished in order, in batches, between submissions."""
+        pending: dict[int, tuple] = {}
+        fed: dict[int, tuple] = {}  # chunks submitted and not yet handed back: index -> (j, target, direct)
+        next_i, restored, n, delivered = 0, 0, len(self.plan.metas), 0
+        while next_i < n:
+            try:
+                delivered += self._submit_queued(driver, fed)
+                for i, part, busy in driver.poll():
+                    self._staged(i, part, fed.pop(i), busy)
+            except Exception as e:  # noqa: BLE001 - a session failed with no chunk at fault
+                return restored, e if isinstance(e, KVCodecError) else _failed(next_i, "failed to decode", e)
+            self._take_ready(pending)
+            ready, err = _ready_run(pending, next_i)
+            if ready:
+                try:
+                    self._finish(ready)
+                except KVCodecError as e:
+                    return restored, e
+                except Exception as e:  # noqa: BLE001 - report, never swallow
+                    return restored, _failed(ready[0][0], "failed to restore", e)
+                torch.cuda.current_stream(self.s.device).synchronize()  # one wait for the batch's math
+                for i, done in ready:
+                    restored = self._restore(i, done.staging)
+                next_i += len(ready)
+            if err is not None:
+                return restored, err
+            if next_i >= n or ready:
+                continue
+            wait, left = _POLL_S, self.deadline.left()
+            if left is not None:
+                if left <= 0:
+                    return restored, FetchError(
+                        f"deadline of {self.deadline.seconds:.3f}s passed after "
+                        f"{restored} of {self.plan.n_tokens} tokens"
+                    )
+                wait = min(wait, left)
+            if next_i in pending or not self.res_q.empty() or driver.has_done():
+                continue
+            if driver.pending(next_i):
+                more = delivered < n and not self.stop.is_set()
+                if more and self._submit_waiting(driver, fed, min(wait, _DRIVEN_NET_WAIT_S)):
+                    delivered += 1
+                    continue
+                try:  # while blobs may come, back to the queue often
+                    if not more:
+                        driver.flush_stuck()
+                    driver.wait(next_i, min(wait, 0.002) if more else wait, flush=self.dec_q.empty())
+                except Exception as e:  # noqa: BLE001
+                    return restored, _failed(next_i, "failed to decode", e)
+            elif self._submit_waiting(driver, fed, wait):
+                delivered += 1
+        return restored, None
+
+    def _submit_queued(self, driver, fed: dict) -> int:
+        """Every blob the network stage has delivered, to the driver; how many."""
+        count = 0
+        while True:
+            try:
+                item = self.dec_q.get_nowait()
+            except queue.Empty:
+                return count
+            if item is not None:
+                self._submit(driver, fed, item)
+                count += 1
+
+    def _submit_waiting(self, driver, fed: dict, timeout_s: float) -> bool:
+        """The next blob delivered within timeout_s to the driver; whether one came."""
+        try:
+            item = self.dec_q.get(timeout=timeout_s)
+        except queue.Empty:
+            return False
+        if item is None:
+            return False
+        self._submit(driver, fed, item)
+        return True
+
+    def _submit(self, driver, fed: dict, item: tuple) -> None:
+        i, j, blob = item
+        tm = self.timings[i]
+        tm.dec_start = self.now()
+        tm.worker = threading.current_thread().name
+        target, direct = self._target(self.plan.metas[i])
+        fed[i] = (j, target, direct)
+        driver.submit(i, blob, target)
 
     def _take_ready(self, pending: dict[int, tuple]) -> None:
         """Every result already queued, so that chunks decoded together are finished together."""
@@ -421,19 +523,24 @@ class FetchPipeline:
     def _check_info(self, i: int, info: ChunkInfo) -> None:
         self._check_binding(i, info)
 
-    def _staged(self, i: int, part: object, fed: tuple) -> None:
-        """Chunk i's staged part (or its error) to the in-order restore."""
+    def _staged(self, i: int, part: object, fed: tuple, busy_s: float | None = None) -> None:
+        """Chunk i's staged part (or its error) to the in-order restore. busy_s: the seconds its
+        decoder spent on it (a driven fetch's chunks wait behind others: the start is moved up);
+        None: staged on this thread's stream since dec_start."""
         j, target, direct = fed
         if isinstance(part, KVCodecError):
             if isinstance(part, FormatError):
                 self.on_bad_chunk(i, part)
             self.res_q.put((i, part, None))
             return
-        ready = torch.cuda.Event() if self.s.device.type == "cuda" else None
-        if ready is not None:
+        ready = None  # a driven chunk's frames were copied and waited for on its session's stream
+        if self.s.device.type == "cuda" and busy_s is None:
+            ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.s.device))
         tm = self.timings[i]
         tm.dec_end = self.now()
+        if busy_s is not None:
+            tm.dec_start = max(tm.dec_start, tm.dec_end - busy_s)
         self.profile.observe(j, self.plan.metas[i].values, tm.dec_end - tm.dec_start)
         with self.lock:
             self.backlog.pop(i, None)

@@ -97,6 +97,15 @@ def _as_buffer(bitstream) -> np.ndarray:
     return buf
 
 
+def _into_item(item: tuple) -> tuple:
+    """A (key, bitstream, width, height, frames announced, buffer address) item of decode_each_into
+    and decode_each_fed, its bitstream as a uint8 array; ValueError for a stream of no frames."""
+    key, bitstream, width, height, frames, out_ptr = item
+    if frames < 1:
+        raise ValueError("a stream decoded into a buffer announces at least one frame")
+    return key, _as_buffer(bitstream), width, height, frames, out_ptr
+
+
 class _Session:
     """An NVDEC decoder for one frame size in context `ctx`; pictures land in a ring of slots."""
 
@@ -513,10 +522,8 @@ class NvcuvidDecoder:
         held: collections.deque = collections.deque(maxlen=native.MAX_TARGETS)
         finished = False
         try:
-            for ordinal, (key, bitstream, width, height, frames, out_ptr) in enumerate(items):
-                buf = _as_buffer(bitstream)
-                if frames < 1:
-                    raise ValueError("a stream fed to decode_each_into announces at least one frame")
+            for ordinal, item in enumerate(items):
+                key, buf, width, height, frames, out_ptr = _into_item(item)
                 held.append(buf)
                 if session is None or (session.width, session.height) != (width, height):
                     if parser is not None:
@@ -556,10 +563,8 @@ class NvcuvidDecoder:
         run = _FedRun(self, lib)
         finished = False
         try:
-            for ordinal, (key, bitstream, width, height, frames, out_ptr) in enumerate(items):
-                buf = _as_buffer(bitstream)
-                if frames < 1:
-                    raise ValueError("a stream fed to decode_each_fed announces at least one frame")
+            for ordinal, item in enumerate(items):
+                key, buf, width, height, frames, out_ptr = _into_item(item)
                 if run.session is None or (run.session.width, run.session.height) != (width, height):
                     yield from run.end()
                     run.open(width, height)
@@ -570,6 +575,18 @@ class NvcuvidDecoder:
             finished = True
         finally:
             run.close(finished)
+
+    def fed_run(self) -> _FedRun:
+        """A run of streams on this decoder whose parser a native thread feeds, driven without
+        blocking (open, push, poll, stuck, begin_end, wait, close): what one thread driving the
+        sessions of several decoders uses (transform_batch.StageDriver). Needs the native feeder."""
+        from kvcodec.video import nvcuvid_native as native
+
+        lib = native.library() if native.available() else None
+        if lib is None:
+            raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
+        api.make_current(self.ctx)
+        return _FedRun(self, lib)
 
     def _native_state(self, lib, session: _Session, procparams):  # noqa: ANN202 - an nvcuvid_native.State
         from kvcodec.video import nvcuvid_native as native
@@ -637,13 +654,16 @@ class _FedRun:
         self.session = self.parser = self.state = self.feeder = None
         self.keys: collections.deque = collections.deque()
         self.held: collections.deque = collections.deque()  # buffers pushed and not complete
+        self.ending, self.pushed = False, 0  # the flush asked for; streams pushed on this parser
         self.procparams = api.ProcParams(progressive_frame=1, output_stream=decoder.stream.cuda_stream)
 
     def open(self, width: int, height: int) -> None:
         from kvcodec.video import nvcuvid_native as native
 
+        api.make_current(self.decoder.ctx)  # a driving thread may have run another device's work since
         self.session = self.decoder._session(width, height)
         self.session.error = None
+        self.ending, self.pushed = False, 0
         self.state = self.decoder._native_state(self.lib, self.session, self.procparams)
         self.parser = _NativeParser(self.session, self.decoder.display_delay, self.lib, self.state)
         nv, cu = api.nvcuvid(), api.cuda()
@@ -685,18 +705,58 @@ class _FedRun:
 
     def end(self) -> Iterator[object]:
         """Flush the parser after the streams pushed; their keys as they complete; then close."""
+        self.begin_end()
+        while self.feeder is not None:
+            yield from self.poll()
+            if self.feeder is not None:
+                self.feeder.wait(1 << 62, self.WAIT_S)
+
+    # -- driven without blocking (one thread drives the runs of several decoders) ----------------
+
+    @property
+    def pending(self) -> int:
+        """Streams pushed and not yet complete."""
+        return len(self.keys)
+
+    def next_ordinal(self) -> int:
+        """The ordinal of the next stream pushed on this parser."""
+        self.pushed += 1
+        return self.pushed - 1
+
+    def stuck(self) -> bool:
+        """Every stream pushed is fed and some are not complete: the parser holds their last
+        pictures until more stream comes or it is flushed (begin_end)."""
+        return self.feeder is not None and not self.ending and bool(self.keys) and self.feeder.wait_fed(0, 0) == 0
+
+    def begin_end(self) -> None:
+        """Ask for the flush after the streams pushed (poll closes the run once it is done)."""
+        if self.feeder is not None and not self.ending:
+            self.feeder.end()
+            self.ending = True
+
+    def poll(self) -> Iterator[object]:
+        """The keys of the streams complete now, without waiting; once a flush asked for is done,
+        the run is closed (CorruptStreamError for a stream left with fewer frames)."""
         if self.feeder is None:
             return
-        self.feeder.end()
-        while not self.feeder.finished:
-            self.feeder.wait(1 << 62, self.WAIT_S)
+        if not self.ending:
+            yield from self.ready()
+            return
+        if self.feeder.wait(0, 0) >= 0:  # the flush is not done yet
             yield from self._ready()
+            return
         self._check(self.feeder.close())
         yield from self._ready()
         if self.keys:
             raise CorruptStreamError("a stream decoded to fewer frames than its chunk announces")
         self.parser.close()
         self.session = self.parser = self.state = self.feeder = None
+        self.ending = False
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait (at most timeout_s) for one more stream to complete or the feeder to finish."""
+        if self.feeder is not None:
+            self.feeder.wait(int(self.state.completed) + 1, timeout_s)
 
     def _ready(self) -> Iterator[object]:
         self._check()
@@ -720,9 +780,15 @@ class _FedRun:
             raise CorruptStreamError(f"NVDEC could not parse the stream (CUDA error {parse_error})")
 
     def close(self, finished: bool) -> None:
+        """Stop the feeder, close the parser (and, unless `finished`, the session: one left
+        mid-stream is not reused); the run can be opened again."""
         if self.feeder is not None:
             self.feeder.close()
         if self.parser is not None:
             self.parser.close()
         if not finished and self.session is not None:
             self.decoder.close((self.session.width, self.session.height))
+        self.session = self.parser = self.state = self.feeder = None
+        self.keys.clear()
+        self.held.clear()
+        self.ending = False
