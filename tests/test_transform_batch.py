@@ -10,7 +10,9 @@ GPU coverage: tests/test_transform_gpu.py, tests/test_nvcuvid.py.
 from __future__ import annotations
 
 import collections
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -217,3 +219,113 @@ def test_sink_tokens_go_up_in_one_piece_each_to_its_chunk(monkeypatch):
     out = transform_decode._sinks_on([a, None, b], torch.device("meta"))
     assert uploads == [a.numel() + b.numel()]  # one upload
     assert out[1] is None and torch.equal(out[0], a) and torch.equal(out[2], b)
+
+
+class FakeRun:
+    """Stands where nvcuvid._FedRun does for StageDriver (no GPU here): a pushed stream is decoded
+    with FFmpeg straight into its buffer, and, as NVDEC's parser holds a stream's last picture, it
+    completes only once another stream was pushed after it or the flush was asked for. fail: the
+    key of a stream whose session fails (every stream it holds is then decoded on its own)."""
+
+    def __init__(self, decoder, fail=None):
+        self.decoder, self.fail = decoder, fail
+        self.session = self.feeder = None
+        self.keys, self.held, self.ending, self.pushed, self.streams = collections.deque(), [], False, 0, 0
+
+    pending = property(lambda self: len(self.keys))
+
+    def open(self, w, h):
+        self.session, self.feeder, self.ending, self.pushed = SimpleNamespace(width=w, height=h), object(), False, 0
+
+    def next_ordinal(self):
+        self.pushed += 1
+        return self.pushed - 1
+
+    def push(self, key, buf, ordinal, frames, out_ptr):
+        w, h = self.session.width, self.session.height
+        got = list(self.decoder.cpu.decode(buf.tobytes(), w, h))
+        assert len(got) == frames
+        for k, frame in enumerate(got):
+            ctypes.memmove(out_ptr + k * frame.numel(), frame.contiguous().data_ptr(), frame.numel())
+        self.keys.append(key)
+        self.streams += 1
+
+    def stuck(self):
+        return self.feeder is not None and not self.ending and bool(self.keys)
+
+    def begin_end(self):
+        if self.feeder is not None:
+            self.ending = True
+
+    def poll(self):
+        if self.feeder is None:
+            return
+        if self.fail in self.keys:
+            raise CorruptStreamError("the session failed")
+        while len(self.keys) > (0 if self.ending else 1):
+            yield self.keys.popleft()
+        if self.ending:
+            self.close(True)
+
+    def wait(self, timeout_s):
+        pass
+
+    def close(self, finished):
+        self.session = self.feeder = None
+        self.keys.clear()
+        self.ending = False
+
+
+class FakeDecoder:
+    def __init__(self, fail=None):
+        self.cpu, self.fail, self.decoded_alone = get_decoder("cpu"), fail, 0
+        self.run = FakeRun(self, fail)
+
+    def fed_run(self):
+        return self.run
+
+    def decode(self, video, w, h):  # a chunk decoded on its own after its session failed
+        self.decoded_alone += 1
+        return self.cpu.decode(video, w, h)
+
+
+def _drive(driver, c, chunks, outs, flush) -> dict:
+    for i, ch in enumerate(chunks):
+        driver.submit(i, ch.blobs[0], outs[i])
+    got: dict = {}
+    while len(got) < len(chunks):
+        got.update((tag, part) for tag, part, _ in driver.poll())
+        flush()
+    return got
+
+
+@pytest.mark.parametrize("sessions,fail", [(1, None), (3, 4)])
+def test_stage_driver_stages_every_chunk_from_one_thread(kvt, sessions, fail):
+    """transform_batch.StageDriver (the fetch's default on CUDA): chunks submitted from one thread to
+    several sessions, each chunk's frames straight into its buffer; a chunk refused by its check is
+    that chunk's error; after a session fails, each chunk it held is decoded on its own."""
+    from kvcodec.codecs.transform_batch import StageDriver
+    from kvcodec.errors import FormatError
+
+    c, kv, chunks, want = _case(kvt)
+    out, outs = _outs(kv, chunks)
+
+    def check(tag, info):
+        if tag == 2:
+            raise FormatError("refused by its check")
+
+    decoders = [FakeDecoder(fail if k == 0 else None) for k in range(sessions)]
+    driver = StageDriver(c, decoders, check)
+    driver.open_all(64, 64)
+    got = _drive(driver, c, chunks, outs, driver.end_all if sessions == 1 else driver.flush_stuck)
+    driver.close()
+    assert sorted(got) == list(range(len(chunks))) and isinstance(got[2], FormatError)
+    ok = [i for i in got if i != 2]
+    c.finish([got[i] for i in ok], [outs[i] for i in ok])
+    for i in ok:
+        assert gpu_tests.within_an_ulp(
+            outs[i], want[:, :, chunks[i].start_token : chunks[i].start_token + chunks[i].tokens]
+        )
+    assert sum(d.run.streams for d in decoders) == len(chunks) - 1  # every chunk but the refused one streamed once
+    assert sum(d.decoded_alone for d in decoders) == (0 if fail is None else 2)  # the failed session held 2
+    assert all(d.run.feeder is None for d in decoders)  # closed

@@ -229,8 +229,9 @@ def _switches(codec, variant: dict):
 
     saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
-    driven = transform_batch.DRIVEN
-    transform_batch.DRIVEN = variant.get("drive", True) and driven
+    driven = transform_batch.DRIVEN, transform_batch.EAGER
+    transform_batch.DRIVEN = variant.get("drive", True) and driven[0]
+    transform_batch.EAGER = variant.get("eager", True) and driven[1]
     nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
     nvcuvid_native.FEED_DEPTH = variant.get("fd", fed[1])
     nvcuvid_native.ENABLED = variant.get("native", True) and saved[0]
@@ -247,7 +248,7 @@ def _switches(codec, variant: dict):
     finally:
         nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
-        transform_batch.DRIVEN = driven
+        transform_batch.DRIVEN, transform_batch.EAGER = driven
         sys.setswitchinterval(saved[2])
         if variant.get("dd") is not None:
             _close_idle()
@@ -255,7 +256,7 @@ def _switches(codec, variant: dict):
         codec.__dict__.pop("stage_stream", None)
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive")
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager")
 
 
 def _close_idle() -> None:
@@ -693,7 +694,14 @@ def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32 (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
-    names = {"nostream": "stream", "python": "native", "fp32": "split", "nofeed": "feed", "nodrive": "drive"}
+    names = {
+        "nostream": "stream",
+        "python": "native",
+        "fp32": "split",
+        "nofeed": "feed",
+        "nodrive": "drive",
+        "lazy": "eager",
+    }
     for sw in switches:
         if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
             v["swi"] = int(sw[3:]) * 1e-6

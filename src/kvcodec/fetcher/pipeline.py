@@ -259,7 +259,10 @@ class FetchPipeline:
         next_i, restored, n, delivered = 0, 0, len(self.plan.metas), 0
         while next_i < n:
             try:
-                delivered += self._submit_queued(driver, fed)
+                got = self._submit_queued(driver, fed)
+                delivered += got
+                if got and delivered == n:  # the last blob is in: flushes follow the last streams at once
+                    driver.end_all()
                 for i, part, busy in driver.poll():
                     self._staged(i, part, fed.pop(i), busy)
             except Exception as e:  # noqa: BLE001 - a session failed with no chunk at fault
@@ -295,6 +298,8 @@ class FetchPipeline:
                 more = delivered < n and not self.stop.is_set()
                 if more and self._submit_waiting(driver, fed, min(wait, _DRIVEN_NET_WAIT_S)):
                     delivered += 1
+                    if delivered == n:
+                        driver.end_all()
                     continue
                 try:  # while blobs may come, back to the queue often
                     if not more:
@@ -304,6 +309,8 @@ class FetchPipeline:
                     return restored, _failed(next_i, "failed to decode", e)
             elif self._submit_waiting(driver, fed, wait):
                 delivered += 1
+                if delivered == n:
+                    driver.end_all()
         return restored, None
 
     def _submit_queued(self, driver, fed: dict) -> int:
