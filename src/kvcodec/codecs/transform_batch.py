@@ -413,6 +413,7 @@ class StageDriver:
         self.fed: dict = {}  # tag -> (header, streams, target, buffer, run, submitted at)
         self.done: collections.deque = collections.deque()  # (tag, staged or error, decode seconds)
         self.free_at = [0.0] * len(self.runs)  # when each session finished its last chunk
+        self.load = [0] * len(self.runs)  # video bytes each session holds (NVDEC's time goes with them)
 
     def submit(self, tag, blob, target: Target) -> None:
         t0 = time.monotonic()
@@ -435,7 +436,9 @@ class StageDriver:
         with _on_stream(run.decoder, target.device):  # reused only after its (synchronous) copies
             buf = frame_buffer(h["frames"], w, hh, target.device)
         self.fed[tag] = (h, streams, target, buf, k, t0)
-        run.push(tag, _video_array(streams["video"]), run.next_ordinal(), h["frames"], buf.data_ptr())
+        video = _video_array(streams["video"])
+        run.push(tag, video, run.next_ordinal(), h["frames"], buf.data_ptr())
+        self.load[k] += video.size
 
     def poll(self) -> list[tuple]:
         """(tag, staged chunk or KVCodecError, decode seconds) of every chunk complete since the last call."""
@@ -494,8 +497,8 @@ class StageDriver:
     # -- sessions ----------------------------------------------------------------------------
 
     def _run_for(self, w: int, hh: int) -> int:
-        """The session for the next chunk: the least busy one open for frames of w x hh (or not
-        open); if none, one is emptied first."""
+        """The session for the next chunk: the one holding the fewest video bytes among those open
+        for frames of w x hh (or not open); if none, one is emptied first."""
         from kvcodec.video.nvcuvid_native import MAX_TARGETS
 
         def fits(run) -> bool:
@@ -507,7 +510,7 @@ class StageDriver:
             k = min(range(len(self.runs)), key=lambda j: self.runs[j].pending)
             self._drain(k)
             ok = [k]
-        k = min(ok, key=lambda j: self.runs[j].pending)
+        k = min(ok, key=lambda j: self.load[j])
         if self.runs[k].session is None:
             self.runs[k].open(w, hh)
         return k
@@ -526,6 +529,7 @@ class StageDriver:
         try:
             for tag in run.poll():
                 h, streams, target, buf, _, t0 = self.fed.pop(tag)
+                self.load[k] -= len(streams["video"])
                 now = time.monotonic()
                 busy, self.free_at[k] = now - max(t0, self.free_at[k]), now
                 try:
@@ -539,6 +543,7 @@ class StageDriver:
         run = self.runs[k]
         tags = list(run.keys)
         run.close(False)
+        self.load[k] = 0
         if not tags:  # no chunk's fault (the session itself failed)
             raise error
         for tag in tags:
