@@ -58,8 +58,10 @@ def test_a_store_is_encoded_in_a_worker_process_below_the_engine_with_the_same_b
     storer = KVStorer(cache, StorePolicy(encode_workers=2, nice=5), CONFIG.chunk_tokens, store_url=url)
     try:
         assert storer.encode_in == "processes" and storer.processes.spec.threads == 2
-        assert storer.submit(ids, layers_of(kv)).result(timeout=300) == 3
-        storer.flush()
+        stored = storer.submit(ids, layers_of(kv))
+        storer.flush()  # the store, and the start of every worker the first store spawned
+        assert stored.done() and stored.result() == 3
+        assert len(storer._started) == storer.processes.processes and all(f.done() for f in storer._started)
         pids = {f.result() for f in storer._started}
         assert storer.encoder_pids and storer.encoder_pids <= pids and os.getpid() not in pids
         if sys.platform.startswith("linux"):

@@ -34,6 +34,7 @@ Storing is background work and must never slow a request:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import hashlib
 import heapq
@@ -194,7 +195,7 @@ class KVStorer:
         self.max_pending = max(1, int(max_pending)) + max(0, workers - 1)
         self.encoder_pids: set[int] = set()  # the worker processes that encoded stores
         self._started: list[Future] = []  # the worker processes' start (their pids)
-        self._start_asked = False
+        self._starting: Future | None = None  # done when _started holds every start
         self._pool = ThreadPoolExecutor(
             max_workers=workers, thread_name_prefix="kvcodec-store", initializer=self._start_thread
         )
@@ -289,7 +290,7 @@ class KVStorer:
         from kvcodec.integrations.hf import layer_pairs
 
         job = _Job((-seen, -n, next(self._arrival)), list(prompt_ids[:n]), None, Future(), time.monotonic())
-        evicted = None
+        evicted, start = None, False
         with self._lock:
             full = len(self._pending) >= self.max_pending
             if full:
@@ -302,6 +303,9 @@ class KVStorer:
                 job.ready = _prefill_done(job.layers)
                 heapq.heappush(self._waiting, job)
                 self._pending.add(job.future)
+                start = self.processes is not None and self._starting is None
+                if start:
+                    self._starting = Future()
         if evicted is not None:  # outside the lock: its future's callbacks take it
             evicted.future.set_result(None)
             self._drop(evicted.tokens, "a more valuable prefix came")
@@ -309,6 +313,8 @@ class KVStorer:
             self._drop(n, "backlog full")
             return None
         job.future.add_done_callback(self._forget)
+        if start:  # the first store spawns the workers, from a storer thread (never the engine's)
+            self._pool.submit(self._start_processes)
         self._pool.submit(self._run_next)
         return job.future
 
@@ -344,10 +350,6 @@ class KVStorer:
             if not self._waiting:
                 return  # its job was dropped for a more valuable one (which another run took)
             job = heapq.heappop(self._waiting)
-            start = self.processes is not None and not self._start_asked
-            self._start_asked = True
-        if start:
-            self._start_processes()
         try:
             with background(self.settings), self._on_stream(job):
                 result = self._put(job)
@@ -358,7 +360,6 @@ class KVStorer:
     def _on_stream(self, job: _Job) -> Any:
         """On CUDA: the storer's stream (after the prefill's event), the job's tensors marked used
         on it; elsewhere nothing."""
-        import contextlib
 
         import torch
 
@@ -381,6 +382,8 @@ class KVStorer:
             self._started = self.processes.start()
         except Exception as e:  # noqa: BLE001
             self._to_threads(e)
+        finally:
+            self._starting.set_result(None)
 
     def _to_threads(self, error: BaseException) -> None:
         with self._lock:
@@ -440,12 +443,14 @@ class KVStorer:
         """Wait until every queued store has finished and the encode processes started for them
         are up (errors are logged, not raised)."""
         with self._lock:
-            pending = list(self._pending) + list(self._started)
+            pending, starting = list(self._pending), self._starting
+        if starting is not None:  # the workers the first store started, up
+            with contextlib.suppress(Exception):
+                starting.result(timeout=timeout)
+            pending += self._started
         for f in pending:
-            try:
+            with contextlib.suppress(Exception):
                 f.result(timeout=timeout)
-            except Exception:
-                pass
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the workers; wait=False drops waiting stores (the ones being encoded finish)."""
@@ -456,6 +461,9 @@ class KVStorer:
                 job.layers = None
                 job.future.cancel()
         self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        if self._starting is not None and not self._starting.done():  # its start was cancelled
+            with contextlib.suppress(Exception):
+                self._starting.set_result(None)
         if self.processes is not None:
             self.processes.shutdown(wait=wait)
 
