@@ -163,3 +163,23 @@ def test_shared_buffers_are_reused_grown_within_the_limit_and_unlinked():
     pool.close()
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=bigger.name)
+
+
+def test_serve_store_encode_options_reach_the_store_policy(monkeypatch):
+    from click.testing import CliRunner
+
+    import kvcodec.engine
+    import kvcodec.server
+    from kvcodec.cli.main import cli
+
+    seen = []
+    monkeypatch.setattr(kvcodec.engine, "Engine", lambda model, **kw: seen.append(kw["store_policy"]) or object())
+    monkeypatch.setattr(kvcodec.server, "serve", lambda *a, **k: None)
+    base = ["serve", "--store", "memory://", "--device", "cpu"]
+    runner = CliRunner()
+    assert runner.invoke(cli, base).exit_code == 0
+    assert seen[-1].encode_in == "processes" and seen[-1].encode_processes is None  # the default
+    extra = ["--store-encode-in", "threads", "--store-encode-workers", "3", "--store-encode-processes", "2"]
+    assert runner.invoke(cli, [*base, *extra]).exit_code == 0
+    assert (seen[-1].encode_in, seen[-1].encode_workers, seen[-1].encode_processes) == ("threads", 3, 2)
+    assert runner.invoke(cli, [*base, "--store-encode-in", "gpu"]).exit_code == 2

@@ -10,7 +10,8 @@ Modes (--modes, in order, the whole list --repeat times): off (storing off), on 
 default storing: encode worker processes at lower priority, the serving process only copies the KV
 to shared memory), threads (the background storer's encode threads inside the serving process),
 legacy (storing as before issue 24's fix: an encode thread per core at the engine's priority),
-on:W:N (W encode workers at nice N, processes) or threads:W:N (the same on threads).
+on:W:N[:P] (W encode threads at nice N in P worker processes; default: up to 8 threads each) or
+threads:W:N (the same on threads).
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
 
     python benchmarks/probes/serve_store.py --model DIR --docs docs.jsonl --requests 80 --rate 8 \
@@ -74,10 +75,11 @@ def policy_of(mode: str, args: argparse.Namespace):  # noqa: ANN201
     if mode in where:
         given = {"encode_workers": args.encode_workers, "nice": args.nice}
         return StorePolicy(**{k: v for k, v in given.items() if v is not None}, encode_in=where[mode])
-    if mode.split(":")[0] in where and mode.count(":") == 2:
-        kind, w, n = mode.split(":")
-        return StorePolicy(encode_workers=int(w), nice=int(n), encode_in=where[kind])
-    sys.exit(f"unknown mode {mode!r}: off, on, threads, legacy, on:WORKERS:NICE or threads:WORKERS:NICE")
+    if mode.split(":")[0] in where and mode.count(":") in (2, 3):
+        kind, w, n, *p = mode.split(":")
+        procs = int(p[0]) if p else None
+        return StorePolicy(encode_workers=int(w), nice=int(n), encode_in=where[kind], encode_processes=procs)
+    sys.exit(f"unknown mode {mode!r}: off, on, threads, legacy, on:WORKERS:NICE[:PROCESSES] or threads:WORKERS:NICE")
 
 
 def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, mode: str, tag: str) -> dict:  # noqa: ANN001

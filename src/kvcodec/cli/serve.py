@@ -93,6 +93,12 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     "or on threads of the serving process (also where the store is memory://).",
 )
 @click.option(
+    "--store-encode-processes",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Worker processes sharing the encode threads [enough for at most 8 threads each].",
+)
+@click.option(
     "--fetch-deadline",
     default="auto",
     show_default=True,
@@ -169,6 +175,7 @@ def command(
     store_min_tokens: int | None,
     store_encode_workers: int | None,
     store_encode_in: str,
+    store_encode_processes: int | None,
     fetch_deadline: float | str | None,
     stall_timeout: float,
     device: str | None,
@@ -222,6 +229,7 @@ def command(
                 min_tokens=store_min_tokens,
                 encode_workers=store_encode_workers,
                 encode_in=store_encode_in,
+                encode_processes=store_encode_processes,
             ),
             policy=policy,
             max_batch=max_batch,
