@@ -73,6 +73,26 @@ def test_a_store_is_encoded_in_a_worker_process_below_the_engine_with_the_same_b
     assert stored_bytes(cache, ids) == stored_bytes(fore, ids) and all(stored_bytes(fore, ids))
 
 
+def test_a_transform_coded_store_crosses_to_a_worker_and_writes_the_same_bytes(tmp_path):
+    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.transform import calibrate
+
+    cal = calibrate([kv_of(256, 1), kv_of(256, 2)], None, info={"model": "test"})
+    codec = TransformCodec(cal, kvt_hash="ab" * 32, chunk_tokens=16)
+    ids, kv = list(range(48)), kv_of(48)
+    fore = PrefixCache(open_store("memory://"), "m", codec, "cpu")
+    assert fore.put(ids, kv) == 3
+    url, cache = file_cache(tmp_path, TransformCodec(cal, kvt_hash="ab" * 32, chunk_tokens=16))
+    storer = KVStorer(cache, StorePolicy(encode_workers=1), 16, store_url=url)
+    try:
+        assert storer.encode_in == "processes"
+        assert storer.submit(ids, layers_of(kv)).result(timeout=300) == 3
+        assert storer.encoder_pids and os.getpid() not in storer.encoder_pids
+    finally:
+        storer.shutdown()
+    assert stored_bytes(cache, ids) == stored_bytes(fore, ids) and all(stored_bytes(fore, ids))
+
+
 @dataclasses.dataclass(frozen=True)
 class ParentOnlyRaw(RawCodec):
     """A raw codec whose worker-side factory fails in any process but the test's."""
