@@ -35,7 +35,7 @@ def extra(tmp_path_factory) -> dict:
 
     path = tmp_path_factory.mktemp("kvt") / "test.kvt"
     save_kvt(calibrate([make_kv(600, seed=s) for s in (11, 12)], RopeSpec(10000.0, 32), info={"model": "t"}), path)
-    return {**EXTRA, "transform": {"transform": path}}
+    return {**EXTRA, "transform": {"transform": path}, "transform-ans": {"transform": path, "block": 4096}}
 
 
 def build(name: str, extra: dict = EXTRA, chunk_tokens: int = 16) -> ChunkCodec:
