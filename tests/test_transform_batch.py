@@ -316,7 +316,6 @@ def test_stage_driver_stages_every_chunk_from_one_thread(kvt, sessions, fail):
 
     decoders = [FakeDecoder(fail) for _ in range(sessions)]
     driver = StageDriver(c, decoders, check)
-    driver.open_all(64, 64)
     got = _drive(driver, c, chunks, outs, driver.end_all if sessions == 1 else driver.flush_stuck)
     driver.close()
     assert sorted(got) == list(range(len(chunks))) and isinstance(got[2], FormatError)

@@ -26,7 +26,7 @@ from kvcodec.transform.frames import frame_count
 _END = object()
 DEFAULT_WAVE = 16  # chunks per pass of the math: launch-bound below ~8, no faster per chunk above 16
 DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
-EAGER = True  # a driven fetch opens every session's parser up front and flushes right after the last blob
+EAGER = True  # a driven fetch flushes every session right after the last blob (False: when it waits on one)
 
 
 def threads_decode_into(codec) -> Callable:
@@ -383,8 +383,6 @@ def stage_driver(codec, device, sessions: int, check: Callable | None = None) ->
             yield None
             return
         driver = StageDriver(codec, decoders, check)
-        if EAGER and len(codec.resolutions) == 1:  # parsers and feeders up before the first blob arrives
-            driver.open_all(*codec.resolutions[0])
         try:
             yield driver
         finally:
@@ -466,12 +464,6 @@ class StageDriver:
         if flush and run.stuck():
             run.begin_end()
         run.wait(timeout_s)
-
-    def open_all(self, width: int, height: int) -> None:
-        """Open every session's run for frames of width x height (else opened by the first chunk)."""
-        for run in self.runs:
-            if run.session is None:
-                run.open(width, height)
 
     def end_all(self) -> None:
         """No more chunks are coming: every session is flushed once it has fed what it holds."""

@@ -170,9 +170,9 @@ class FetchPipeline:
         dec: list = []
         try:
             with contextlib.ExitStack() as stack:
-                driver = stack.enter_context(self._driver())
                 for _ in range(min(self.s.net_workers, self.s.max_inflight)):
                     self._start(self._net_worker, "net")
+                driver = stack.enter_context(self._driver())
                 if driver is None:
                     dec = [self._start(self._decode_worker, "dec") for _ in range(self.s.decode_workers)]
                 stack.enter_context(_own_stream(self.s.device, self.started))  # never behind the model's work
