@@ -203,3 +203,19 @@ def test_serve_store_encode_options_reach_the_store_policy(monkeypatch):
     assert runner.invoke(cli, [*base, *extra]).exit_code == 0
     assert (seen[-1].encode_in, seen[-1].encode_workers, seen[-1].encode_processes) == ("threads", 3, 2)
     assert runner.invoke(cli, [*base, "--store-encode-in", "gpu"]).exit_code == 2
+
+
+def test_the_engine_stores_through_worker_processes_by_default_and_says_so_in_metrics(smollm2, tmp_path):
+    from kvcodec.engine import Engine
+
+    model, tok = smollm2
+    codec = HevcCodec(CodecConfig(quant="int8", chunk_tokens=16, video_bits=8))
+    with Engine(model, tokenizer=tok, store_url=f"file://{tmp_path}", device="cpu", codec=codec) as eng:
+        text = "The miller kept a canoe tied to a post by the river, and a lamp in the mill's window. " * 2
+        eng.generate(text, max_new_tokens=1, wait_for_store=True)
+        metrics = eng.metrics.render().decode()
+        assert eng.storer.encode_in == "processes" and eng.storer.encoder_pids
+        ids = eng.encode(text)
+        assert eng.prefix_cache.lookup(ids) == len(ids)  # every chunk, the partial last one too
+    assert "kvcodec_store_encode_processes 1.0" in metrics and "kvcodec_stored_prefixes_total 1.0" in metrics
+    assert "kvcodec_store_errors_total 0.0" in metrics

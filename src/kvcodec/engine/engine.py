@@ -107,6 +107,7 @@ class Engine:
         self.storer.on_stored, self.storer.on_skip = self._prefix_stored, self.metrics.stores_skipped.inc
         self.metrics.store_backlog.set_function(lambda: self.storer.backlog)
         self.metrics.store_backlog_tokens.set_function(lambda: self.storer.backlog_tokens)
+        self.metrics.store_encode_processes.set_function(lambda: getattr(self.storer.processes, "processes", 0))
         self.eos_ids = self.tokens.eos_ids(self.model)
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()

@@ -63,6 +63,11 @@ class EngineMetrics:
         self.store_backlog_tokens = Gauge(
             "kvcodec_store_backlog_tokens", "Prompt tokens of the KV stores waiting for the encoder", registry=r
         )
+        self.store_encode_processes = Gauge(
+            "kvcodec_store_encode_processes",
+            "Worker processes encoding stored KV (0: stores are encoded on threads of this process)",
+            registry=r,
+        )
         self.queue = Gauge("kvcodec_requests_in_state", "Requests per scheduler state", ["state"], registry=r)
 
     def render(self) -> bytes:
