@@ -11,6 +11,8 @@ chunks, codec "transform") and through the SMs (the same integers rANS-coded, co
     # slowdown), NVDEC decode-only for the HEVC cases, the restore kernels alone beside the matmul
     # (the SM path: rANS decode + inverse transform), and the rANS kernel alone
     python benchmarks/probes/ans_fetch.py run --dir .ans/smol --out OUT.json
+    # CPU seconds to code a chunk's samples, rANS against x265
+    python benchmarks/probes/ans_fetch.py encode-speed --src .fr/smol --out benchmarks/results/NAME
     python benchmarks/probes/ans_fetch.py report --src OUT.json --out benchmarks/results/NAME
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import shutil
@@ -168,6 +171,48 @@ def run(d: pathlib.Path, out: pathlib.Path, repeat: int, seconds: float, inter_s
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 
+def encode_speed(src: pathlib.Path, names: list[str], out: pathlib.Path, repeat: int) -> None:
+    """CPU seconds to code one chunk's samples: rANS (numpy) against x265 (one thread, the transform
+    codec's tuning), on the prepared HEVC chunks' own samples; median of `repeat` per chunk."""
+    import platform
+
+    from kvbench.results import write_result
+    from kvcodec.codecs.transform_ans import rans
+    from kvcodec.fetcher import blob_key
+    from kvcodec.store import open_store
+    from kvcodec.transform import frames
+
+    doc = json.loads((src / "cases.json").read_text())
+    store, recs = open_store(f"file://{src / 'store'}"), []
+    for case in [c for c in doc["cases"] if c["name"] in names]:
+        codec = fr.make_codec(case, src)
+        encoder = codec._encoder(1)
+        for i, k in enumerate(fr._keys(doc, case)[:3]):
+            h, streams = codec._read(store.get(blob_key(k, 0)))
+            x = codec._restorer.decode_samples(h, streams, torch.device("cpu")).samples.contiguous()
+            w, hh = h["resolution"]
+            pictures = [f.numpy() for f in frames.to_frames(x, w, hh)]
+            times = {"x265": [], "rans": []}
+            for _ in range(repeat):
+                t0 = time.process_time()
+                video = encoder.encode(pictures, w, hh)
+                t1 = time.process_time()
+                coded = rans.encode(x.numpy().reshape(-1))
+                times["x265"].append(t1 - t0)
+                times["rans"].append(time.process_time() - t1)
+            med = {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+            recs.append({"name": case["name"], "chunk": i, "samples": x.numel(), "x265_cpu_s": round(med["x265"], 3),
+                         "rans_cpu_s": round(med["rans"], 3), "x265_bytes": len(video), "rans_bytes": len(coded)})  # fmt: skip
+            print(json.dumps(recs[-1]), flush=True)
+    command = "python " + shlex.join(["benchmarks/probes/ans_fetch.py", *sys.argv[1:]])
+    cols = list(recs[0])
+    md = ["# Coding the transform's samples: rANS (numpy) vs x265 (one thread), CPU seconds per chunk", ""]
+    md += [f"Command: `{command}`", "", f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared, loaded)", ""]
+    md += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in recs]
+    write_result(out, {"command": command, "model": doc["model"], "records": recs}, md)
+
+
 COLS = ("name", "codec", "ratio_vs_fp16", "bytes_vs_hevc", "tokens", "backend", "restored_gb_per_s")
 COLS += ("restored_gb_per_s_best", "coded_gbit_per_s", "matmul_slowdown", "restored_gb_per_s_under_matmul")
 COLS += ("host_cpu_ms_per_chunk", "standing_mb", "within_fp16_rounding")
@@ -210,6 +255,11 @@ def main() -> None:
     r.add_argument("--repeat", type=int, default=5)
     r.add_argument("--seconds", type=float, default=1.5)
     r.add_argument("--interference-seconds", type=float, default=3.0)
+    e = sub.add_parser("encode-speed")
+    e.add_argument("--src", type=pathlib.Path, required=True, help="a fetch_restore.py prep directory")
+    e.add_argument("--cases", default="t5,t8")
+    e.add_argument("--repeat", type=int, default=3)
+    e.add_argument("--out", type=pathlib.Path, required=True)
     w = sub.add_parser("report")
     w.add_argument("--src", type=pathlib.Path, required=True)
     w.add_argument("--out", type=pathlib.Path, required=True)
@@ -217,6 +267,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "prep":
         prep(a.src, a.dir, a.cases.split(","))
+    elif a.cmd == "encode-speed":
+        encode_speed(a.src, a.cases.split(","), a.out, a.repeat)
     elif a.cmd == "run":
         run(a.dir, a.out, a.repeat, a.seconds, a.interference_seconds)
     else:
