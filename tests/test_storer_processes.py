@@ -21,7 +21,7 @@ from kvcodec.codecs.raw import RawCodec
 from kvcodec.engine import encode_pool
 from kvcodec.engine.encode_pool import BufferPool, portable_codec, split_workers
 from kvcodec.engine.storer import KVStorer, StorePolicy, default_store_workers
-from kvcodec.errors import ConfigError
+from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.fetcher import PrefixCache
 from kvcodec.fetcher.keys import blob_key, meta_key
 from kvcodec.layout.search import encode_workers, usable_cores
@@ -68,6 +68,11 @@ def test_a_store_is_encoded_in_a_worker_process_below_the_engine_with_the_same_b
             base = os.getpriority(os.PRIO_PROCESS, os.getpid())
             assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {min(19, base + 5)}
         assert storer.stored_prefixes == 1 and storer.encode_in == "processes"
+        bad = kv_of(16, 3)
+        bad[0, 0, 5] = float("nan")  # int8 cannot code it: the worker's encode refuses it
+        with pytest.raises(ShapeError, match="NaN"):
+            storer.submit(list(range(500, 516)), layers_of(bad)).result(timeout=120)
+        assert storer.encode_in == "processes"  # one store failed; the workers go on
     finally:
         storer.shutdown()
     assert stored_bytes(cache, ids) == stored_bytes(fore, ids) and all(stored_bytes(fore, ids))

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.errors import BackendUnavailableError
+from kvcodec.errors import BackendUnavailableError, KVCodecError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ THREADS_PER_PROCESS = 8  # chunk threads of one worker: a 2k-token prompt's 8 ch
 
 class EncodeProcessError(BackendUnavailableError):
     """The encode processes cannot take a store (they did not start, or one died)."""
+
+
+class EncodeWorkerError(KVCodecError):
+    """A store failed in a worker with an error that cannot cross back as itself (its type and
+    message are kept in the text)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,5 +326,17 @@ def _encode(ids: list[int], name: str, shape: tuple[int, ...], dtype: str) -> tu
     try:
         with background(_STATE["background"]):
             return int(_STATE["cache"].put(ids, kv) or 0), os.getpid()
+    except Exception as e:
+        raise _crossing(e) from None
     finally:
         del kv
+
+
+def _crossing(e: Exception) -> Exception:
+    """`e` where it survives pickling (the storer reports it as it is), else an EncodeWorkerError
+    naming it: an error the parent cannot rebuild must not break the pool."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001
+        return EncodeWorkerError(f"{type(e).__name__}: {e}")
