@@ -188,6 +188,12 @@ def test_shared_buffers_are_reused_grown_within_the_limit_and_unlinked():
     pool.close()
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=bigger.name)
+    late = BufferPool(limit=2)
+    in_use = late.acquire(10)
+    late.close()  # while a store holds a buffer: freed when it comes back
+    late.release(in_use)
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=in_use.name)
 
 
 def test_serve_store_encode_options_reach_the_store_policy(monkeypatch):

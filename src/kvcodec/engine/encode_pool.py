@@ -17,6 +17,7 @@ the storer encodes on its threads instead (engine/storer.py).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -181,7 +182,8 @@ class SharedBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())
             self.pinned = False
         del self.bytes
-        self.shm.close()
+        with contextlib.suppress(BufferError):  # a view still alive: unmapped at exit
+            self.shm.close()
         self.shm.unlink()
 
 
@@ -192,6 +194,7 @@ class BufferPool:
         self.limit = max(1, limit)
         self._free: list[SharedBuffer] = []
         self._count = 0
+        self._closed = False
         self._cond = threading.Condition()
 
     def acquire(self, nbytes: int) -> SharedBuffer:
@@ -221,12 +224,17 @@ class BufferPool:
 
     def release(self, buf: SharedBuffer) -> None:
         with self._cond:
-            self._free.append(buf)
-            self._cond.notify()
+            if not self._closed:
+                self._free.append(buf)
+                self._cond.notify()
+                return
+            self._count -= 1
+        buf.close()  # in use while the pool closed
 
     def close(self) -> None:
+        """Free the buffers now, and the ones in use as they come back."""
         with self._cond:
-            free, self._free = self._free, []
+            free, self._free, self._closed = self._free, [], True
             self._count -= len(free)
         for b in free:
             b.close()
@@ -264,9 +272,13 @@ class EncodePool:
             else:
                 host.copy_(kv)
             del host, kv
+            try:  # the pool's own failures, not the encode's errors
+                future = self._executor.submit(_encode, list(ids), buf.name, shape, dtype)
+            except (BrokenProcessPool, OSError, RuntimeError) as e:  # broken, cannot spawn, shut down
+                raise EncodeProcessError(f"{type(e).__name__}: {e}") from e
             try:
-                return self._executor.submit(_encode, list(ids), buf.name, shape, dtype).result()
-            except (BrokenProcessPool, OSError) as e:  # not the encode's own errors
+                return future.result()
+            except BrokenProcessPool as e:
                 raise EncodeProcessError(f"{type(e).__name__}: {e}") from e
         finally:
             self.buffers.release(buf)
