@@ -229,7 +229,8 @@ def _switches(codec, variant: dict):
 
     saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
-    driven = transform_batch.DRIVEN, transform_batch.EAGER
+    driven = transform_batch.DRIVEN, transform_batch.EAGER, nvcuvid_native.SEQUENCE
+    nvcuvid_native.SEQUENCE = variant.get("cseq", True) and driven[2]
     transform_batch.DRIVEN = variant.get("drive", True) and driven[0]
     transform_batch.EAGER = variant.get("eager", True) and driven[1]
     nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
@@ -248,7 +249,7 @@ def _switches(codec, variant: dict):
     finally:
         nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
-        transform_batch.DRIVEN, transform_batch.EAGER = driven
+        transform_batch.DRIVEN, transform_batch.EAGER, nvcuvid_native.SEQUENCE = driven
         sys.setswitchinterval(saved[2])
         if variant.get("dd") is not None:
             _close_idle()
@@ -256,7 +257,7 @@ def _switches(codec, variant: dict):
         codec.__dict__.pop("stage_stream", None)
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager")
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "cseq")
 
 
 def _close_idle() -> None:
@@ -701,6 +702,7 @@ def _variant(text: str) -> dict:
         "nofeed": "feed",
         "nodrive": "drive",
         "lazy": "eager",
+        "pyseq": "cseq",
     }
     for sw in switches:
         if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
