@@ -338,31 +338,3 @@ def test_fed_streams_report_the_parsers_refusal(monkeypatch):
 
     with pytest.raises(CorruptStreamError, match="could not parse"):
         _fed(monkeypatch, 5, 2, 2, 1, fail_stream=3)
-
-
-def test_a_stream_of_the_open_sessions_format_is_answered_without_python(lib):
-    """kv_sequence (the parser's sequence callback) returns the open session's surfaces for a stream
-    of its format and size; a stream needing more surfaces, of another size or format, or with no
-    session known yet goes to the Python callback (which opens or re-creates the session)."""
-    from kvcodec.video import nvcuvid_api as api
-
-    calls = []
-    py = api.SequenceCallback(lambda user, fmt: calls.append(fmt.contents.coded_width) or 9)
-    s = Driver().state(256, 144)
-    s.py_sequence, s.delay = native.function_pointer(py), 1
-    lib.kv_sequence.restype = ctypes.c_int
-
-    def sequence(min_surfaces=3, size=(256, 144), chroma=api.CHROMA_444, depth_minus8=0, coded=(256, 144)):
-        f = api.VideoFormat(min_num_decode_surfaces=min_surfaces, bit_depth_luma_minus8=depth_minus8)
-        f.coded_width, f.coded_height, f.chroma_format = *coded, chroma
-        f.display_area.right, f.display_area.bottom = size
-        return lib.kv_sequence(ctypes.byref(s), ctypes.byref(f))
-
-    assert sequence() == 9 and calls == [256]  # no session known: Python
-    s.know((api.CHROMA_444, 8, 4), (256, 144))
-    assert sequence() == 4 and sequence(min_surfaces=0) == 4 and len(calls) == 1 and s.native_sequences == 2
-    for other in (dict(min_surfaces=4), dict(size=(128, 144)), dict(chroma=api.CHROMA_420), dict(depth_minus8=2)):
-        assert sequence(**other) == 9
-    assert sequence(coded=(256, 160)) == 9 and len(calls) == 6
-    s.know(None, None)
-    assert sequence() == 9 and len(calls) == 7

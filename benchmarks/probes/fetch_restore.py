@@ -229,8 +229,7 @@ def _switches(codec, variant: dict):
 
     saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
-    driven = transform_batch.DRIVEN, transform_batch.EAGER, nvcuvid_native.SEQUENCE
-    nvcuvid_native.SEQUENCE = variant.get("cseq", True) and driven[2]
+    driven = transform_batch.DRIVEN, transform_batch.EAGER
     transform_batch.DRIVEN = variant.get("drive", True) and driven[0]
     transform_batch.EAGER = variant.get("eager", True) and driven[1]
     nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
@@ -249,7 +248,7 @@ def _switches(codec, variant: dict):
     finally:
         nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
-        transform_batch.DRIVEN, transform_batch.EAGER, nvcuvid_native.SEQUENCE = driven
+        transform_batch.DRIVEN, transform_batch.EAGER = driven
         sys.setswitchinterval(saved[2])
         if variant.get("dd") is not None:
             _close_idle()
@@ -257,7 +256,7 @@ def _switches(codec, variant: dict):
         codec.__dict__.pop("stage_stream", None)
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "cseq")
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager")
 
 
 def _close_idle() -> None:
@@ -702,7 +701,6 @@ def _variant(text: str) -> dict:
         "nofeed": "feed",
         "nodrive": "drive",
         "lazy": "eager",
-        "pyseq": "cseq",
     }
     for sw in switches:
         if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds

@@ -117,7 +117,6 @@ class _Session:
         self.handle = ctypes.c_void_p()
         self.lock = ctypes.c_void_p()
         self.format: tuple | None = None  # (chroma, bit depth, surfaces) the decoder was made for
-        self.coded: tuple | None = None  # its coded (width, height)
         self.layout: tuple | None = None
         self.slots: list[torch.Tensor] = []
         self.released: list[torch.cuda.Event | None] = []
@@ -199,7 +198,6 @@ class _Session:
             BackendUnavailableError,
         )
         self.format = (fmt.chroma_format, depth, surfaces)
-        self.coded = (fmt.coded_width, fmt.coded_height)
         self.layout = (name, row_bytes, rows)
         ring = self.display_delay + 1  # grows when one piece of stream completes several pictures
         self.slots = [torch.empty((rows, row_bytes), dtype=torch.uint8, device=self.device) for _ in range(ring)]
@@ -308,16 +306,10 @@ class _NativeParser:
         def on_sequence(user, fmt_p) -> int:
             surfaces = session.on_sequence(user, fmt_p)
             state.decoder = session.handle.value  # the session the C callbacks decode on
-            state.know(session.format, session.coded)
             return surfaces
 
-        self.python_sequence = api.SequenceCallback(on_sequence)  # called by kv_sequence for a new format
-        state.py_sequence = native.function_pointer(self.python_sequence)
-        state.delay = display_delay
-        state.know(session.format, session.coded)
-        sequence = api.SequenceCallback(native.function_pointer(lib.kv_sequence))
         self.callbacks = (
-            sequence if native.SEQUENCE else self.python_sequence,
+            api.SequenceCallback(on_sequence),
             api.DecodeCallback(native.function_pointer(lib.kv_decode)),
             api.DisplayCallback(native.function_pointer(lib.kv_display)),
         )

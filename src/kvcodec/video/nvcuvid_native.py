@@ -44,7 +44,6 @@ typedef int (*map_fn)(void *, int, unsigned long long *, unsigned int *, void *)
 typedef int (*unmap_fn)(void *, unsigned long long);
 typedef int (*copy_fn)(const void *, void *);
 typedef int (*sync_fn)(void *);
-typedef int (*seq_fn)(void *, void *);
 
 typedef struct {  /* CUDA_MEMCPY2D */
     size_t srcXInBytes, srcY; int srcMemoryType; const void *srcHost; unsigned long long srcDevice;
@@ -71,38 +70,9 @@ typedef struct {  /* kept in step with nvcuvid_native.State */
     long long ordinal[MAX_TARGETS];
     long long frames[MAX_TARGETS];
     long long head, tail, done_in_head, completed, error, cuda_error, pictures;
-    seq_fn py_sequence;  /* the Python sequence callback: opens or re-creates the NVDEC session */
-    long long delay, known_surfaces, known_chroma, known_depth, known_width, known_height, native_sequences;
 } state_t;
 
 enum { OK = 0, CUDA_FAILED = 1, WRONG_STREAM = 2, NO_TARGET = 3 };
-
-typedef struct { int left, top, right, bottom; } rect_t;
-typedef struct {  /* CUVIDEOFORMAT, as nvcuvid_api.VideoFormat */
-    int codec; unsigned int frame_rate_num, frame_rate_den;
-    unsigned char progressive_sequence, bit_depth_luma_minus8, bit_depth_chroma_minus8, min_num_decode_surfaces;
-    unsigned int coded_width, coded_height;
-    rect_t display_area;
-    int chroma_format;
-} vformat_t;
-
-/* The sequence callback: a stream whose format the open session already decodes (same chroma,
-   bit depth, coded and displayed size, enough surfaces) is answered here, without the interpreter
-   lock (a feeder thread otherwise waits for it at every run's first stream); anything else goes to
-   the Python callback, which opens or re-creates the session and checks the size. */
-int kv_sequence(void *user, vformat_t *f) {
-    state_t *s = (state_t *)user;
-    long long need = (f->min_num_decode_surfaces > 1 ? f->min_num_decode_surfaces : 1) + s->delay;
-    if (s->known_surfaces > 0 && f->chroma_format == s->known_chroma
-        && 8 + f->bit_depth_luma_minus8 == s->known_depth && need <= s->known_surfaces
-        && f->coded_width == s->known_width && f->coded_height == s->known_height
-        && f->display_area.right - f->display_area.left == s->row_bytes
-        && f->display_area.bottom - f->display_area.top == s->height) {
-        s->native_sequences++;
-        return (int)s->known_surfaces;
-    }
-    return s->py_sequence ? s->py_sequence(user, f) : 0;
-}
 
 int kv_decode(void *user, void *pic) {
     state_t *s = (state_t *)user;
@@ -323,24 +293,7 @@ class State(ctypes.Structure):
         ("error", c_longlong),
         ("cuda_error", c_longlong),
         ("pictures", c_longlong),
-        ("py_sequence", c_void_p),
-        ("delay", c_longlong),
-        ("known_surfaces", c_longlong),
-        ("known_chroma", c_longlong),
-        ("known_depth", c_longlong),
-        ("known_width", c_longlong),
-        ("known_height", c_longlong),
-        ("native_sequences", c_longlong),
     ]
-
-    def know(self, fmt: tuple | None, coded: tuple | None) -> None:
-        """The open session's (chroma, bit depth, surfaces) and coded size: streams of that format
-        are answered by kv_sequence without the interpreter (None: every one goes to Python)."""
-        if fmt is None or coded is None:
-            self.known_surfaces = 0
-            return
-        self.known_chroma, self.known_depth, self.known_surfaces = fmt
-        self.known_width, self.known_height = coded
 
     def push(self, out_ptr: int, ordinal: int, frames: int) -> None:
         """A stream about to be fed: its pictures go to out_ptr, frame after frame."""
@@ -422,7 +375,6 @@ def available() -> bool:
     return ENABLED and library() is not None
 
 
-SEQUENCE = True  # the parser's sequence callback in C for streams of the open session's format (kv_sequence)
 FEEDER = os.environ.get("KVCODEC_FEEDER", "1") != "0"  # False: the parser fed on the caller's thread
 FEED_DEPTH = 2  # streams pushed to a feeder and not yet fed (the engine's next stream is always there)
 
