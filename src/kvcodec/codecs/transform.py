@@ -286,7 +286,7 @@ class TransformCodec:
                 else ((T - fine) * per_token(theta, False) + fine * per_token(theta, True)) / T
             )
 
-        theta = rate.solve_level(est, target, top * 1e-7, top, iters=ITERS // 2 + 2)  # refined below
+        theta = rate.solve_level(est, target, top * rate.MIN_LEVEL, top, iters=ITERS // 2 + 2)  # refined below
         actual = (
             sum(  # the coder's real bytes on the sampled chunks, against their entropy
                 8.0 * self._payload_bytes(y[s : s + ct], kv[:, :, s : s + ct], theta, first_position + s)
@@ -296,9 +296,9 @@ class TransformCodec:
         )
         factor = actual / max(per_token(theta, False), 1e-9)
         target /= max(factor, 1e-3)
-        lo, hi = max(theta / 4, top * 1e-7), min(theta * 4, top)  # the correction is a few percent of rate
+        lo, hi = max(theta / 4, top * rate.MIN_LEVEL), min(theta * 4, top)  # the correction is a few percent of rate
         if est(lo) <= target or est(hi) > target:
-            lo, hi = top * 1e-7, top
+            lo, hi = top * rate.MIN_LEVEL, top
         return rate.solve_level(est, target, lo, hi, iters=ITERS // 2 + 2)
 
     def _weights(self) -> torch.Tensor:

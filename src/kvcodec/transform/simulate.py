@@ -100,7 +100,7 @@ def level_for_ratio(codec: Any, kv: torch.Tensor, ratio: float, y: torch.Tensor 
     guess = math.log(alloc.water_level(all_variances(codec.cal), 16.0 / ratio, iters=30))  # modelled: a bracket
 
     def solve(centre: float, width: float) -> float:
-        lo, hi = max(centre - width, math.log(top * 1e-7)), min(centre + width, math.log(top * 0.999))
+        lo, hi = max(centre - width, math.log(top * rate.MIN_LEVEL)), min(centre + width, math.log(top * 0.999))
         return _solve(lambda x: entropy_bits(codec, y, math.exp(x)) / 8 * gap, target, lo, hi)
 
     theta = math.exp(solve(guess, 3.0))
