@@ -4,7 +4,11 @@ CUDA context, the math (transform_decode.TransformRestorer.finish) runs batched 
 Each session's worker thread pulls chunks itself and streams their videos through one parser
 back to back (NvcuvidDecoder.decode_each), so the engine decodes the next chunk's picture while
 the last one is copied out and its host work (header, CRC, escapes) runs; the caller's thread
-meanwhile runs the math in waves over the chunks decoded so far, on its own stream."""
+meanwhile runs the math in waves over the chunks decoded so far, on its own stream.
+
+StageDriver (what a fetch on CUDA uses): no Python thread per session: one thread reads the chunks,
+pushes each video to the native feeder of the session holding the fewest video bytes and takes the
+chunks the feeders complete."""
 
 from __future__ import annotations
 

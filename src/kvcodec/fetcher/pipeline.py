@@ -8,7 +8,11 @@ blocks of a PagedKV) when the target is on the decode device in the stored dtype
 a staging tensor that the in-order restore copies from. A codec with the StagedDecode capability
 (codecs.base) is restored in two halves where the fetch runs on CUDA (or `batched` says so): the
 decode workers stage each chunk (its video decode), and the in-order restore finishes every chunk
-ready at that moment in one call (the transform codec's math, batched over those chunks). A blob is decoded only after its header
+ready at that moment in one call (the transform codec's math, batched over those chunks). A transform
+codec's staged fetch on CUDA has no decode workers: the in-order restore's thread also stages each blob
+as it arrives, its video pushed to a native feeder thread per NVDEC session (transform_batch.StageDriver;
+KVCODEC_DRIVEN=0 for the workers), so two Python threads share the interpreter lock instead of nine
+(benchmarks/results/fetch-h200-issue21.md, third session). A blob is decoded only after its header
 names the key, chunk, first token and shape the fetch asked for (a store serving another
 prefix's KV is caught here); a chunk failing a check is reported through `on_bad_chunk` (the
 cache drops its meta, so the next put rewrites it).
