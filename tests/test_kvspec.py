@@ -170,3 +170,19 @@ def test_to_changes_dtype_in_spec():
     kv = GroupedKV.from_tensor(torch.randn(2, 2, 3, 1, 4))
     half = kv.to(dtype=torch.bfloat16)
     assert half.spec.dtype == "bfloat16" and half.tensors[0].dtype == torch.bfloat16
+
+
+def test_kv_of_ids_skips_the_output_layer_but_not_the_kv(smollm2, short_text):
+    from kvcodec.kvspec.hf import prefill, split_cache
+    from kvcodec.models.check import inspect_model
+    from kvcodec.models.extract import kv_of_ids, prefill_recorded
+
+    model, tok = smollm2
+    ids = tok(short_text, return_tensors="pt").input_ids[0][:40]
+    logits, cache = prefill(model, ids, chunk_tokens=16)
+    assert logits.shape[0] == 40
+    few, _ = prefill_recorded(model, ids, 16, all_logits=False)
+    assert few.shape[0] == 3  # one per chunk: the output layer ran on each chunk's last position only
+    assert torch.allclose(few[-1], logits[-1], atol=1e-4)
+    kv = kv_of_ids(model, inspect_model("smollm2-135m"), ids, chunk_tokens=16)
+    assert torch.equal(kv, split_cache(cache, model.config).tensors[0])

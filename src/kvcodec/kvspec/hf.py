@@ -144,6 +144,10 @@ def cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _takes(model: Any, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
 def output_cache(out: Any) -> Any:
     """The cache a forward(use_cache=True) returned (`.cache` in 5.x, `.past_key_values` before)."""
     cache = getattr(out, "cache", None)
@@ -161,15 +165,19 @@ def prefill(
     cache: Any = None,
     chunk_tokens: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    all_logits: bool = True,
 ) -> tuple[torch.Tensor, Any]:
     """(logits [T, vocab], cache) of running the model over token ids (1-D, on the model's device) from
-    `cache` (None: the model's own new cache), in chunks of chunk_tokens (None: at once)."""
+    `cache` (None: the model's own new cache), in chunks of chunk_tokens (None: at once).
+    all_logits=False: only each chunk's last position's logits (callers that want the cache: the
+    output layer over every position is about a fifth of a small model's work, and its memory)."""
     n = ids.numel()
     kw, step = cache_kwarg(model), n if not chunk_tokens else max(1, int(chunk_tokens))
+    extra = {} if all_logits or not _takes(model, "logits_to_keep") else {"logits_to_keep": 1}
     logits = []
     for start in range(0, n, step):
         args = {kw: cache} if cache is not None else {}
-        out = model(ids[start : start + step].unsqueeze(0), use_cache=True, **args)
+        out = model(ids[start : start + step].unsqueeze(0), use_cache=True, **args, **extra)
         cache = output_cache(out)
         logits.append(out.logits[0])
         if progress is not None:

@@ -18,14 +18,21 @@ from kvcodec.models.check import ModelLayout, check_cache_spec
 
 @torch.inference_mode()
 def prefill_recorded(
-    model: Any, ids: torch.Tensor, chunk_tokens: int | None = None, progress: Callable[[int, int], None] | None = None
+    model: Any,
+    ids: torch.Tensor,
+    chunk_tokens: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    all_logits: bool = True,
 ) -> tuple[torch.Tensor, Any]:
     """(logits [T, vocab], cache) of a prefill into a recording cache (sliding layers keep every
-    position): kvspec.hf.prefill, the loop integrations.hf.forward_ids runs too."""
+    position): kvspec.hf.prefill, the loop integrations.hf.forward_ids runs too (all_logits=False:
+    only each chunk's last logits)."""
     if ids.numel() == 0:
         raise ShapeError("the text tokenizes to no tokens")
     cache = recording_cache(model)
-    return prefill(model, ids.to(model.device), cache=cache, chunk_tokens=chunk_tokens, progress=progress)
+    return prefill(
+        model, ids.to(model.device), cache=cache, chunk_tokens=chunk_tokens, progress=progress, all_logits=all_logits
+    )
 
 
 def extract_text_kv(
@@ -54,7 +61,7 @@ def kv_of_ids(
     chunk_tokens: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor | GroupedKV:
-    _, cache = prefill_recorded(model, ids, chunk_tokens, progress)
+    _, cache = prefill_recorded(model, ids, chunk_tokens, progress, all_logits=False)  # the KV only
     gkv = split_cache(cache, model.config)
     check_cache_spec(layout, gkv.spec)
     gkv = gkv.to(device="cpu")
