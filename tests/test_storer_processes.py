@@ -230,3 +230,35 @@ def test_the_engine_stores_through_worker_processes_by_default_and_says_so_in_me
         assert eng.prefix_cache.lookup(ids) == len(ids)  # every chunk, the partial last one too
     assert "kvcodec_store_encode_processes 1.0" in metrics and "kvcodec_stored_prefixes_total 1.0" in metrics
     assert "kvcodec_store_errors_total 0.0" in metrics
+
+
+WORKER_HOST = """
+import sys
+from kvcodec.codecs.raw import RawCodec
+from kvcodec.engine.storer import KVStorer, StorePolicy
+from kvcodec.fetcher import PrefixCache
+from kvcodec.store import open_store
+import torch
+url = sys.argv[1]
+cache = PrefixCache(open_store(url), "m", RawCodec(chunk_tokens=4), "cpu")
+storer = KVStorer(cache, StorePolicy(encode_workers=1), 4, store_url=url)
+kv = torch.zeros(1, 1, 8, 2)
+assert storer.submit(list(range(8)), [(kv, kv)]).result(timeout=300) == 2
+print(*storer.encoder_pids, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_encode_workers_end_when_the_serving_process_is_killed(tmp_path):
+    import subprocess
+
+    cmd = [sys.executable, "-c", WORKER_HOST, f"file://{tmp_path}"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(proc.stdout.readline())
+        assert worker != proc.pid
+    finally:
+        proc.kill()
+    # the worker inherited the killed process's stdout: the pipe ends only when the worker has ended too
+    out, _ = proc.communicate(timeout=120)
+    assert out == ""

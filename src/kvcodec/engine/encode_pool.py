@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -292,6 +293,7 @@ class EncodePool:
 _STATE: dict[str, Any] = {}
 _ATTACHED: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
 MAX_ATTACHED = 4
+PARENT_POLL_S = 0.5  # how often a worker checks that its parent still runs
 
 
 def _init_worker(spec: WorkerSpec) -> None:
@@ -307,11 +309,21 @@ def _init_worker(spec: WorkerSpec) -> None:
         except OSError:  # pragma: no cover - sandboxes that forbid it
             pass
     torch.set_num_threads(1)  # chunk threads are the parallelism; no torch pool per thread
+    parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), name="kvcodec-parent-watch", daemon=True).start()
     store = open_store(spec.store_url)
     cache = PrefixCache(
         store, spec.model_id, spec.codec(), "cpu", store_partial=spec.store_partial, namespace=spec.namespace
     )
     _STATE.update(cache=cache, background=Background(spec.threads, 0))
+
+
+def _exit_with(parent: int) -> None:
+    """End this worker soon after the process that spawned it ends (killed, say): a pool's
+    workers outlive a killed parent otherwise, holding its inherited pipes (stdout) open."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
 
 
 def _worker_pid() -> int:

@@ -370,6 +370,7 @@ class Engine:
         """Run steps on a background thread until stop() (for serving)."""
         if self._loop is not None:
             return
+        self.storer.start()  # encode workers up before the first request's store
         self._stop.clear()
         self._last_progress = time.monotonic()
         self._loop = threading.Thread(target=self._run, name="kvcodec-engine", daemon=True)

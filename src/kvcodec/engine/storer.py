@@ -313,8 +313,8 @@ class KVStorer:
             self._drop(n, "backlog full")
             return None
         job.future.add_done_callback(self._forget)
-        if start:  # the first store spawns the workers, from a storer thread (never the engine's)
-            self._pool.submit(self._start_processes)
+        if start:  # the first store spawns the workers, from a thread of its own (not the engine's)
+            threading.Thread(target=self._start_processes, name="kvcodec-store-start", daemon=True).start()
         self._pool.submit(self._run_next)
         return job.future
 
@@ -375,9 +375,21 @@ class KVStorer:
             t.record_stream(stream)
         return torch.cuda.stream(stream)
 
+    def start(self) -> None:
+        """Start the encode worker processes now (a server calls this before its first request;
+        otherwise the first store starts them). Returns at once; flush() waits for them."""
+        with self._lock:
+            start = self.processes is not None and self._starting is None
+            if start:
+                self._starting = Future()
+        if start:
+            self._start_processes()
+
     def _start_processes(self) -> None:
-        """Spawn every worker process now (from a storer thread, never the engine's); a pool that
-        cannot start leaves storing on threads."""
+        """Spawn every worker process: from a thread at the engine's priority, so that a worker
+        imports its modules without waiting behind the engine on a busy machine (a worker lowers
+        itself to the storer's niceness before it takes stores); a pool that cannot start leaves
+        storing on threads."""
         try:
             self._started = self.processes.start()
         except Exception as e:  # noqa: BLE001
