@@ -194,26 +194,85 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
 
 @click.command("inspect")
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (with every chunk's size).")
 def inspect_cmd(src, as_json):
-    """Show a .kvc file's header, streams, sizes, ratio vs fp16, quantization and layouts."""
-    import kvcodec
+    """Show what a kvcodec file holds: format and version, codec, KV shape and dtype, tokens and
+    chunks, sizes and ratio vs fp16, and what its format adds (an HEVC .kvc file's quantization,
+    streams and layouts; a transform file's calibration and settings; a grouped file's groups).
+    Every chunk is checksummed and checked against its place in the file."""
+    from kvcodec.codecs.describe import describe
 
-    info = kvcodec.inspect(src.read_bytes())
+    info = describe(src.read_bytes())
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
+    click.echo(f"file        {src} ({info['file_bytes']:,} bytes, {info['format']} v{info['version']})")
+    click.echo(f"codec       {info['codec']}")
+    for line in _DETAILS[info["format"]](info):
+        click.echo(line)
+
+
+def _common_lines(info: dict, kv: str) -> list[str]:
+    return [
+        f"kv          {kv} {info['dtype']}, {info['tokens']} tokens in {info['chunks']} chunks",
+        f"fp16 size   {info['fp16_bytes']:,} bytes; {info['ratio_vs_fp16']:.2f}x vs fp16 (the whole file)",
+    ]
+
+
+def _hevc_lines(info: dict) -> list[str]:
     cfg = info["config"]
-    click.echo(f"file        {src} ({info['file_bytes']:,} bytes, format v{info['format_version']})")
-    click.echo(
-        f"kv          shape {tuple(info['shape'])} {info['dtype']}, {info['tokens']} tokens in {info['chunks']} chunks of {cfg['chunk_tokens']}"
-    )
     bits = f" layer bits {cfg['layer_bits']}" if cfg["layer_bits"] else ""
-    click.echo(f"quant       {cfg['quant']}{bits}; samples coded with {cfg['sample_coder']}")
-    click.echo(f"fp16 size   {info['fp16_bytes']:,} bytes")
+    lines = _common_lines(info, f"shape {tuple(info['shape'])}")
+    lines[0] += f" of {cfg['chunk_tokens']}"
+    lines.append(f"quant       {cfg['quant']}{bits}; samples coded with {cfg['sample_coder']}")
     for name, r in info["resolutions"].items():
-        for line in _resolution_lines(name, r, info["chunks"]):
-            click.echo(line)
+        lines += _resolution_lines(name, r, info["chunks"])
+    return lines
+
+
+def _transform_lines(info: dict) -> list[str]:
+    s = info["settings"]
+    lines = _common_lines(info, f"shape {tuple(info['shape'])}")
+    lines[0] += f" of {info['chunk_tokens']}"
+    fine = f"last {s['fine_tokens']} tokens 2^{s['fine_bits']} finer" if s.get("fine_bits") else "no finer tail"
+    sink = f"{s['sink_tokens']} sink tokens fp16, " if "sink_tokens" in s else ""
+    thetas = info["chunk_theta"]
+    level = f"theta {thetas[0]:.4g}" + (f"..{max(thetas):.4g}" if max(thetas) != thetas[0] else "")
+    lines.append(f"calibration {info['kvt']} (sha256 of the .kvt it was coded with)")
+    lines.append(
+        f"transform   coder {info['coder']}, {level}, key weight {s['key_weight']:g}, {sink}{fine}, "
+        f"recon {s['recon']}, frames {s['resolution'][0]}x{s['resolution'][1]}"
+    )
+    lines.append("streams     " + ", ".join(f"{k} {v:,}" for k, v in info["streams"].items()))
+    return lines
+
+
+def _grouped_lines(info: dict) -> list[str]:
+    lines = _common_lines(info, f"{info['layers']} layers in {len(info['groups'])} groups,")
+    lines[0] += f" of {info['chunk_tokens']}"
+    for g in info["groups"]:
+        lines.append(f"group       {g['name']}: layers {_spans(g['layers'])}, from position {g['start']}")
+    for name, size in info["bytes_per_resolution"].items():
+        lines.append(f"  {name:>9}  {size:>12,} bytes  {info['fp16_bytes'] / size:5.2f}x")
+    return lines
+
+
+def _spans(layers: list[int]) -> str:
+    """0-3, 8, 10-11: runs of consecutive layers."""
+    runs: list[list[int]] = []
+    for n in layers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+_DETAILS = {  # format name -> its own lines after the file and codec lines
+    "kvcodec-file": _hevc_lines,
+    "kvcodec-transform-file": _transform_lines,
+    "kvcodec-grouped-file": _grouped_lines,
+}
 
 
 def _layout_text(layout: dict, frames: int, video_bits: int) -> str:

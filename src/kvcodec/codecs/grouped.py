@@ -131,6 +131,11 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
     return dataclasses.replace(info, version=version), payload
 
 
+def chunk_info(blob: bytes | memoryview) -> GroupedChunkInfo:
+    """A grouped chunk blob's checked header (no codec needed; its parts not verified)."""
+    return _parse(blob)[0]
+
+
 class GroupedCodec:
     """A ChunkCodec for GroupedKV: every group coded by `inner` (e.g. HevcCodec(CodecConfig(...))),
     or by `per_group[name]` / `per_group[kind]` where given (a codec calibrated for that kind of

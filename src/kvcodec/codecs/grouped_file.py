@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.grouped import GROUPED_VERSION, READABLE_VERSIONS, GroupedCodec, spec_of
+from kvcodec.codecs.grouped import GROUPED_VERSION, READABLE_VERSIONS, GroupedCodec, chunk_info, spec_of
 from kvcodec.container import validate as v
 from kvcodec.container.format import content_id, crc32, read_object, write_object
 from kvcodec.dtypes import DTYPES
@@ -163,16 +163,23 @@ def decode_grouped(
     except ShapeError as e:
         raise FormatError(f"grouped file header: {e}") from e
     for b in chunks:
-        blob = payload[b["offset"] : b["offset"] + b["length"]]
-        if crc32(blob) != b["crc32"]:
-            raise ChecksumError(f"grouped file: chunk {b['chunk_index']} checksum mismatch")
+        blob = _verified_blob(header, payload, b, codec.inspect_chunk)
         start = b["chunk_index"] * ct
-        info = codec.inspect_chunk(blob)
-        _check_chunk(
-            info, b["chunk_index"], start, min(start + ct, stop) - start, chunk_key(header["file_id"], b["chunk_index"])
-        )
         codec.decode_chunk(blob, out.view(start, min(start + ct, stop)))
     return out
+
+
+def _verified_blob(header: dict[str, Any], payload: memoryview, b: dict[str, Any], inspect_chunk) -> memoryview:
+    """Blob entry `b`'s bytes, checksummed, its header (`inspect_chunk(blob)`) saying it is the
+    chunk the entry lists."""
+    blob = payload[b["offset"] : b["offset"] + b["length"]]
+    if crc32(blob) != b["crc32"]:
+        raise ChecksumError(f"grouped file: chunk {b['chunk_index']} checksum mismatch")
+    ct, index = header["chunk_tokens"], b["chunk_index"]
+    start = index * ct
+    tokens = min(start + ct, header["stop"]) - start
+    _check_chunk(inspect_chunk(blob), index, start, tokens, chunk_key(header["file_id"], index))
+    return blob
 
 
 def _check_chunk(info, index: int, start: int, tokens: int, key: str | None) -> None:
@@ -203,4 +210,27 @@ def inspect_grouped(data: bytes | memoryview) -> dict[str, Any]:
         "groups": groups,
         "chunk_tokens": header["chunk_tokens"],
         "bytes_per_resolution": sizes,
+    }
+
+
+def describe(data: bytes | memoryview) -> dict[str, Any]:
+    """`inspect_grouped` with the fields every kvcodec file's summary has (codecs/describe.py),
+    every blob checksummed and its header checked against its place (no codec needed)."""
+    header, spec, payload = _read(data)
+    info = inspect_grouped(data)
+    chunk_bytes: dict[str, list[int]] = {}
+    for b in sorted(header["blobs"], key=lambda b: b["chunk_index"]):
+        _verified_blob(header, payload, b, chunk_info)
+        chunk_bytes.setdefault("x".join(map(str, b["resolution"])), []).append(b["length"])
+    fp16_bytes = 2 * sum(math.prod(g.shape(header["stop"] - s)) for g, s in zip(spec.groups, header["starts"]))
+    for g, group in zip(spec.groups, info["groups"]):
+        group.update(kind=g.kind, heads=g.heads, head_dim=g.head_dim)
+    return {
+        **info,
+        "version": header["version"],
+        "chunks": -(-header["stop"] // header["chunk_tokens"]),
+        "file_bytes": len(memoryview(data)),
+        "fp16_bytes": fp16_bytes,
+        "ratio_vs_fp16": fp16_bytes / len(memoryview(data)),
+        "chunk_bytes": chunk_bytes,
     }

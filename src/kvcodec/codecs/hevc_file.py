@@ -27,7 +27,7 @@ from kvcodec.container.format import (
     write_object,
 )
 from kvcodec.dtypes import DTYPE_NAMES, dtype_of
-from kvcodec.errors import ChecksumError, FormatError, ShapeError
+from kvcodec.errors import ChecksumError, ShapeError
 from kvcodec.restore.paged import PagedKV
 
 
@@ -147,12 +147,29 @@ def inspect(data: bytes | memoryview) -> dict:
     }
 
 
+def describe(data: bytes | memoryview) -> dict:
+    """`inspect` with the fields every kvcodec file's summary has (codecs/describe.py)."""
+    from kvcodec.codecs.hevc import hevc_id
+
+    info = inspect(data)
+    L, _, _, H, D = info["shape"]
+    chunk_bytes = {name: r.pop("chunk_bytes") for name, r in info["resolutions"].items()}
+    return {
+        "format": "kvcodec-file",
+        "version": info["format_version"],
+        "codec": hevc_id(CodecConfig.from_dict(info["config"])),
+        "layers": L,
+        "kv_heads": H,
+        "head_dim": D,
+        **info,
+        "chunk_bytes": chunk_bytes,
+    }
+
+
 def _resolution_summary(fh: FileHeader, payload: memoryview, res, fp16_bytes: int) -> dict:
-    blobs = [b for b in fh.blobs if b.resolution == tuple(res)]
-    if not blobs:
-        raise FormatError(f"kvcodec file lists resolution {res[0]}x{res[1]} but holds no blob at it")
-    per_chunk = [part_headers(payload[b.offset : b.offset + b.length]) for b in blobs]
-    total = sum(b.length for b in blobs)
+    blobs = _chunk_blobs(fh, payload, tuple(res))  # each checksummed and checked against its place
+    per_chunk = [part_headers(b) for b in blobs]
+    total = sum(len(b) for b in blobs)
     streams: dict[str, int] = {}
     for h in (h for parts in per_chunk for h in parts):
         for s in h.streams:
@@ -167,6 +184,7 @@ def _resolution_summary(fh: FileHeader, payload: memoryview, res, fp16_bytes: in
         "frames_per_chunk": sum(h.frames for h in first),
         "video_bits": first[0].video_bits,
         "plain_chunks": len(per_chunk) - len(coded),
+        "chunk_bytes": [len(b) for b in blobs],
     }
     if len(first) > 1:  # split chunks: each part has its own layout and video bits
         summary["parts"] = [

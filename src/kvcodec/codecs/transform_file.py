@@ -17,10 +17,13 @@ from typing import Any
 
 import torch
 
+from kvcodec.codecs.transform import CHUNK_MAGIC as TRANSFORM_MAGIC
 from kvcodec.codecs.transform import TransformCodec
-from kvcodec.codecs.transform_header import positive_number
+from kvcodec.codecs.transform_ans.header import CHUNK_MAGIC as ANS_MAGIC
+from kvcodec.codecs.transform_ans.header import AnsChunkHeader
+from kvcodec.codecs.transform_header import check_header, positive_number
 from kvcodec.container import validate as v
-from kvcodec.container.format import content_id, crc32, read_object, write_object
+from kvcodec.container.format import content_id, crc32, read_object, split_streams, write_object
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, TruncatedError
 from kvcodec.transform.quantize import MAX_FINE_BITS, RECONS
 
@@ -196,18 +199,88 @@ def decode_file(data: bytes | memoryview, codec: TransformCodec, device: str | t
             "decode it with the .kvt it was encoded with"
         )
     codec.cal.check_shape(tuple(h["shape"]))
-    blobs, headers, pos, start, first = [], [], 0, 0, None
-    for i, (tokens, length, crc) in enumerate(h["chunks"]):  # every chunk verified before any allocation
+    chunks = _verified_chunks(h, payload, codec.header)  # every chunk verified before any allocation
+    out = torch.empty(tuple(h["shape"]), dtype=DTYPES[h["dtype"]], device=torch.device(device))
+    for blob, _, s, tokens in chunks:
+        codec.decode_chunk(blob, out[:, :, s : s + tokens])
+    return out
+
+
+def _verified_chunks(h: dict, payload: memoryview, header_of) -> list[tuple[memoryview, dict, int, int]]:
+    """(blob, its header, first token, tokens) of every chunk of file header `h`: each one's
+    checksum verified and its header (`header_of(blob)`) saying what the file says about it."""
+    out, pos, start, first = [], 0, 0, None
+    for i, (tokens, length, crc) in enumerate(h["chunks"]):
         blob = payload[pos : pos + length]
         if crc32(blob) != crc:
             raise ChecksumError(f"chunk {i} fails its checksum")
-        ch = codec.header(blob)
+        ch = header_of(blob)
         check_chunk(h, ch, expected_chunk(h, i, start, tokens), first)
         first = first or ch
-        blobs.append(blob)
-        headers.append((start, tokens))
+        out.append((blob, ch, start, tokens))
         pos, start = pos + length, start + tokens
-    out = torch.empty(tuple(h["shape"]), dtype=DTYPES[h["dtype"]], device=torch.device(device))
-    for blob, (s, tokens) in zip(blobs, headers):
-        codec.decode_chunk(blob, out[:, :, s : s + tokens])
     return out
+
+
+def _transform_chunk(blob: memoryview) -> dict:
+    h, payload = read_object(blob, TRANSFORM_MAGIC, "transform-coded chunk")
+    h, entries = check_header(h)
+    split_streams(payload, entries, f"transform chunk {h['index']}")
+    return h
+
+
+def _ans_chunk(blob: memoryview) -> dict:
+    h, payload = read_object(blob, ANS_MAGIC, "transform-ANS chunk")
+    ah = AnsChunkHeader.from_json(h)
+    split_streams(payload, ah.streams, f"transform-ANS chunk {ah.index}")
+    return ah.restorer_fields()
+
+
+CHUNK_HEADERS = {TRANSFORM_MAGIC: _transform_chunk, ANS_MAGIC: _ans_chunk}  # by chunk magic
+
+
+def chunk_header(blob: memoryview) -> dict:
+    """A chunk's checked header without its .kvt (what inspect shows): a transform (KVTC) or a
+    transform-ANS (KVTA) chunk, read by its own reader."""
+    reader = CHUNK_HEADERS.get(bytes(blob[:4]))
+    if reader is None:
+        raise FormatError(f"transform-coded file holds a chunk of magic {bytes(blob[:4])!r}, not a transform chunk")
+    return reader(blob)
+
+
+def describe(data: bytes | memoryview) -> dict[str, Any]:
+    """The file's summary (codecs/describe.py) from its header and every chunk's verified header:
+    the calibration (`kvt`, the sha256 of the .kvt it was coded with) and settings, the chunks'
+    sizes, levels and stream totals. Needs no .kvt."""
+    h, payload = read_header(data)
+    chunks = _verified_chunks(h, payload, chunk_header)
+    L, _, T, H, D = h["shape"]
+    first = chunks[0][1]
+    settings = h.get("settings") or {k: first[k] for k in SHARED}  # version 1: the chunks' shared fields
+    streams: dict[str, int] = {}
+    for _, ch, _, _ in chunks:
+        for name, _, length, _ in ch["streams"]:
+            streams[name] = streams.get(name, 0) + length
+    fp16_bytes = 2 * math.prod(h["shape"])
+    return {
+        "format": FORMAT_NAME,
+        "version": h["kvtf_version"],
+        "codec": h["codec"],
+        "kvt": h["kvt"],
+        "coder": first["coder"],
+        "shape": h["shape"],
+        "dtype": h["dtype"],
+        "layers": L,
+        "kv_heads": H,
+        "head_dim": D,
+        "tokens": T,
+        "chunks": len(chunks),
+        "chunk_tokens": settings.get("chunk_tokens", h["chunks"][0][0]),
+        "file_bytes": len(memoryview(data)),
+        "fp16_bytes": fp16_bytes,
+        "ratio_vs_fp16": fp16_bytes / len(memoryview(data)),
+        "settings": settings,
+        "streams": streams,
+        "chunk_bytes": {"x".join(map(str, settings["resolution"])): [len(b) for b, _, _, _ in chunks]},
+        "chunk_theta": [ch["theta"] for _, ch, _, _ in chunks],
+    }

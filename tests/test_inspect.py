@@ -1,0 +1,116 @@
+"""`kvcodec inspect` over every file format kvcodec writes (codecs/describe.py): HEVC .kvc (KVCF,
+split-stream chunks too), transform files (KVTF, transform and transform-ans chunks) and grouped
+files (KVGF), each made by its real encoder; damaged, truncated and foreign files are one clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import kvcodec
+from kvcodec.cli.main import cli
+from kvcodec.codecs import make_codec
+from kvcodec.codecs.describe import CORE, READERS, describe
+from kvcodec.codecs.grouped import GroupedCodec
+from kvcodec.codecs.grouped_file import encode_grouped
+from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform_ans import TransformAnsCodec
+from kvcodec.codecs.transform_file import encode_file
+from kvcodec.errors import ChecksumError, FormatError, TruncatedError
+from kvcodec.transform import calibrate, save_kvt
+from test_grouped_file import _kv
+from test_transform_codec import ROPE, synthetic_kv
+
+
+@pytest.fixture(scope="module")
+def kvt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
+    save_kvt(calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "synthetic"}), path)
+    return path
+
+
+def _hevc(kvt):  # noqa: ANN001, ANN202
+    kv = (torch.randn(4, 2, 40, 2, 64) * 2).half()
+    codec = make_codec("hevc", quant="int8", chunk_tokens=32, resolutions=((144, 144),), streams_per_chunk=2)
+    return kvcodec.encode(kv, codec.config), codec, kv.shape[2]
+
+
+def _transform(kvt, cls=TransformCodec, **kw):  # noqa: ANN001, ANN202
+    codec = cls(kvt, chunk_tokens=64, resolutions=((64, 64),), **kw)
+    return encode_file(synthetic_kv(150, seed=7), codec), codec, 150
+
+
+def _grouped(kvt):  # noqa: ANN001, ANN202
+    codec = GroupedCodec(make_codec("raw", chunk_tokens=8, variants=("raw", "zstd")))
+    return encode_grouped(_kv(21), codec), codec, 21
+
+
+FILES = {
+    "hevc-split": _hevc,
+    "transform-hevc": _transform,
+    "transform-zstd": lambda kvt: _transform(kvt, coder="zstd"),
+    "transform-ans": lambda kvt: _transform(kvt, TransformAnsCodec, block=4096),
+    "grouped": _grouped,
+}
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def made(request, kvt):
+    return request.param, *FILES[request.param](kvt)
+
+
+def _inspect(tmp_path, data: bytes, *args: str):  # noqa: ANN202
+    path = tmp_path / "f.kvc"
+    path.write_bytes(data)
+    return CliRunner().invoke(cli, ["inspect", str(path), *args])
+
+
+def test_inspect_describes_every_format(made, kvt, tmp_path):
+    name, data, codec, tokens = made
+    r = _inspect(tmp_path, data, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert set(CORE) <= set(info) and info["magic"].encode() in READERS
+    assert info["codec"] == codec.id and info["tokens"] == tokens and info["file_bytes"] == len(data)
+    assert info["chunks"] == -(-tokens // codec.chunk_tokens)
+    assert info["ratio_vs_fp16"] == pytest.approx(info["fp16_bytes"] / len(data))
+    assert set(info["chunk_bytes"]) == {f"{w}x{h}" for w, h in codec.resolutions}
+    sizes = [n for per_res in info["chunk_bytes"].values() for n in per_res]
+    assert len(sizes) == info["chunks"] * len(codec.resolutions) and sum(sizes) < len(data)
+    text = _inspect(tmp_path, data).output
+    assert f"{info['format']} v{info['version']}" in text and codec.id in text, text
+    if name.startswith("transform"):
+        assert info["kvt"] == codec.kvt_hash and f"calibration {codec.kvt_hash}" in text
+        assert info["coder"] == name.removeprefix("transform-") and info["dtype"] == "float16"
+        assert len(info["chunk_theta"]) == info["chunks"] and info["settings"]["chunk_tokens"] == 64
+    if name == "hevc-split":
+        assert info["resolutions"]["144x144"]["parts"][0]["layers"] == 2 and "part 1: layers 2-3" in text
+    if name == "grouped":
+        assert len(info["groups"]) == 4 and info["groups"][3] | {"layers": [2], "start": 0} == info["groups"][3]
+        assert "group       sliding9-kv-2x8: layers 0, from position 12" in text
+
+
+def test_damaged_truncated_and_foreign_files_are_clear_errors(made, tmp_path):
+    _, data, _, _ = made
+    flipped = bytearray(data)
+    flipped[-3] ^= 0x10  # a byte of the last chunk's payload
+    head = bytearray(data)
+    head[20] ^= 0x01  # a byte of the header
+    cases = [
+        (bytes(flipped), ChecksumError),
+        (bytes(head), ChecksumError),
+        (data[:-1], TruncatedError),
+        (data[:30], TruncatedError),
+        (data[:2], TruncatedError),
+        (data + b"\0", FormatError),
+        (b"PK\x03\x04" + data[4:], FormatError),
+        (b"", FormatError),
+    ]
+    for bad, error in cases:
+        with pytest.raises(error):
+            describe(bad)
+        r = _inspect(tmp_path, bad)
+        assert r.exit_code == 1 and r.output.startswith("error: ") and "Traceback" not in r.output, r.output
