@@ -21,7 +21,8 @@ MAX_LOW_BITS = 7  # video_bits >= 1 leaves at most 7 low bits of an 8-bit sample
 
 
 @functools.cache
-def _triton():
+def triton_modules():  # noqa: ANN201 - (triton, triton.language), or None where Triton does not load
+    """Triton and its language module, imported once (the fused restorer and the rANS decoder)."""
     try:
         import triton
         import triton.language as tl
@@ -31,7 +32,7 @@ def _triton():
 
 
 def available() -> bool:
-    return _triton() is not None and torch.cuda.is_available()
+    return triton_modules() is not None and torch.cuda.is_available()
 
 
 def supports(terms: ChunkTerms) -> bool:
@@ -40,7 +41,7 @@ def supports(terms: ChunkTerms) -> bool:
 
 @functools.cache
 def _kernel():
-    triton, tl = _triton()
+    triton, tl = triton_modules()
 
     # integer arguments are not specialized on (value 1, multiple of 16): one compiled variant per
     # output dtype, instead of a compile whenever a chunk brings a new combination
@@ -141,7 +142,7 @@ class TritonRestorer:
             raise ValueError("the fused restorer handles the integer quant modes; use TorchRestorer for exact")
         if not terms.positions.is_cuda:
             raise ValueError("the fused restorer runs on CUDA tensors")
-        if _triton() is None:
+        if triton_modules() is None:
             raise RuntimeError("Triton is not installed")
         self.terms = terms
         self._offset = terms.offset.contiguous()

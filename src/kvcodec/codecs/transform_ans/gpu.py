@@ -18,25 +18,13 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.transform_ans.rans import PROB_BITS, PROB_SCALE, STATE_LOW, AnsParams, AnsStream
-
-
-@functools.cache
-def _triton():
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # ImportError, or a broken toolchain
-        return None
-    return triton, tl
-
-
-def available() -> bool:
-    return _triton() is not None and torch.cuda.is_available()
+from kvcodec.restore.triton_restore import available as available  # where the decoder runs: CUDA and Triton
+from kvcodec.restore.triton_restore import triton_modules
 
 
 @functools.cache
 def _kernel():
-    triton, tl = _triton()
+    triton, tl = triton_modules()
 
     @triton.jit
     def rans_decode(meta_ptr, states_ptr, table_ptr, words_ptr, out_ptr, err_ptr, LANES: tl.constexpr):
