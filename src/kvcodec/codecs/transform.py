@@ -335,19 +335,25 @@ class TransformCodec:
     def _streams(self, y, kv, theta, first_position, resolution, fine, encoder) -> tuple[dict[str, bytes], dict]:
         """The chunk's streams and the header fields they need (frames, escapes, fine tokens).
         y and kv on one device (the GPU's KV is quantized there; only samples come to the host)."""
+        samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
+        if self.coder == "hevc":
+            w, h = resolution
+            fr = [f.cpu().numpy() for f in frames.to_frames(samples, w, h)]
+            streams["video"] = encoder.encode(fr, w, h)
+            return streams, {"frames": len(fr), "escapes": escapes, "fine_tokens": fine}
+        streams["samples"] = _zstd(samples.cpu().numpy().tobytes())
+        return streams, {"frames": 0, "escapes": escapes, "fine_tokens": fine}
+
+    def _samples_and_side(self, y, kv, theta, first_position, fine) -> tuple[torch.Tensor, dict[str, bytes], int]:
+        """A chunk's uint8 samples in layout order (on y's device), its side streams (escapes, and
+        the fp16 sink tokens where it has some) and its escape count: what every sample coder codes."""
         q = self._symbols(y, theta, first_position, fine)
         samples, idx, values = _samples(q.index_select(1, self.device_plan(theta, q.device).order).T.contiguous())
         streams = {"escapes": _zstd(quantize.pack_escapes(idx, values))}
         sink = max(0, min(self.sink_tokens - first_position, kv.shape[2]))
         if sink:
             streams["sink"] = _zstd(kv[:, :, :sink].to(torch.float16).cpu().contiguous().numpy().tobytes())
-        if self.coder == "hevc":
-            w, h = resolution
-            fr = [f.cpu().numpy() for f in frames.to_frames(samples, w, h)]
-            streams["video"] = encoder.encode(fr, w, h)
-            return streams, {"frames": len(fr), "escapes": int(idx.size), "fine_tokens": fine}
-        streams["samples"] = _zstd(samples.cpu().numpy().tobytes())
-        return streams, {"frames": 0, "escapes": int(idx.size), "fine_tokens": fine}
+        return samples, streams, int(idx.size)
 
     def encode_chunks(
         self,

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import Target
-from kvcodec.codecs.transform import TRANSFORM_VERSION, TransformCodec, _samples, _zstd
+from kvcodec.codecs.transform import TRANSFORM_VERSION, TransformCodec
 from kvcodec.codecs.transform_ans import gpu, rans
 from kvcodec.codecs.transform_ans.header import ANS_VERSION, CHUNK_MAGIC, STREAM_CODECS, AnsChunkHeader
 from kvcodec.codecs.transform_decode import Decoded, TransformRestorer, check_target, unzstd
@@ -91,15 +91,10 @@ class TransformAnsCodec(TransformCodec):
     # ------------------------------------------------------------------------------ encode
 
     def _streams(self, y, kv, theta, first_position, resolution, fine, encoder) -> tuple[dict[str, bytes], dict]:
-        q = self._symbols(y, theta, first_position, fine)
-        samples, idx, values = _samples(q.index_select(1, self.device_plan(theta, q.device).order).T.contiguous())
-        streams = {"escapes": _zstd(quantize.pack_escapes(idx, values))}
-        sink = max(0, min(self.sink_tokens - first_position, kv.shape[2]))
-        if sink:
-            streams["sink"] = _zstd(kv[:, :, :sink].to(torch.float16).cpu().contiguous().numpy().tobytes())
+        samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
         flat = samples.reshape(-1).cpu().numpy()
         streams["ans"] = rans.encode(flat, self.params)
-        return streams, {"escapes": int(idx.size), "fine_tokens": fine, "samples": int(flat.size)}
+        return streams, {"escapes": escapes, "fine_tokens": fine, "samples": int(flat.size)}
 
     def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
         names = [n for n in ("escapes", "sink", "ans") if n in streams]
