@@ -122,3 +122,33 @@ def test_calibrate_command_refuses_texts_without_a_model(tmp_path):
     save_file({"kv": torch.randn(2, 2, 300, 1, 8)}, str(tmp_path / "k.safetensors"))
     res = CliRunner().invoke(command, [str(tmp_path / "k.safetensors"), "--texts", "pg/aord", "--out", "x.kvt"])
     assert res.exit_code != 0 and "--texts needs --model" in res.output
+
+
+def test_the_fisher_on_the_extractions_prefix_kv_is_the_fisher():
+    """calibrate --model hands the Fisher the KV its extraction computed for the first 512 tokens
+    instead of running them again: the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcodec.integrations.hf_fisher import fisher_diagonal
+    from kvcodec.kvspec.hf import split_cache
+    from kvcodec.models.extract import prefill_recorded
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=64,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (48,))
+    _, cache = prefill_recorded(model, ids, chunk_tokens=32, all_logits=False)
+    kv = split_cache(cache, model.config).tensors[0]
+    plain = fisher_diagonal(model, [ids], 32, sink_tokens=2)
+    assert torch.equal(fisher_diagonal(model, [ids], 32, sink_tokens=2, prefix_kvs=[kv[:, :, :32].clone()]), plain)
+    with pytest.raises(ConfigError, match="positions"):
+        fisher_diagonal(model, [ids], 32, prefix_kvs=[kv[:, :, :31]])
+    with pytest.raises(ConfigError, match="prefix KVs"):
+        fisher_diagonal(model, [ids, ids], 32, prefix_kvs=[kv[:, :, :32]])

@@ -92,25 +92,30 @@ def _load_kv_files(paths) -> tuple[list, dict]:
     return kvs, meta
 
 
-def _kv_from_model(model, tokenizer, layout, texts: list[str], max_tokens: int) -> tuple[list, list, list]:
-    """(KV per text, labels, token ids per text)."""
+def _kv_from_model(model, tokenizer, layout, texts: list[str], max_tokens: int, keep: int = 0) -> tuple:
+    """(KV per text, labels, token ids per text, prefixes): prefixes are the model-precision KV of the
+    first SENSITIVITY_PREFIX tokens of the first `keep` texts the Fisher can use (_fisher), so that it
+    does not run them again (the extraction's first 512-token chunk is that prefix, computed alike)."""
     import torch
 
     from kvcodec.cli.extract import _read_text
     from kvcodec.models.extract import extract_text_kv
 
-    kvs, sources, ids = [], [], []
+    kvs, sources, ids, prefixes = [], [], [], []
     for spec in texts:
         text, label = _read_text(spec)
-        tokens, kv = extract_text_kv(model, tokenizer, layout, text, max_tokens, chunk_tokens=512)
+        tokens, kv = extract_text_kv(model, tokenizer, layout, text, max_tokens, chunk_tokens=SENSITIVITY_PREFIX)
+        if isinstance(kv, torch.Tensor) and len(prefixes) < keep and tokens.numel() > SENSITIVITY_PREFIX + 1:
+            prefixes.append(kv[:, :, :SENSITIVITY_PREFIX].clone())
         kvs.append(kv.to(torch.float16) if isinstance(kv, torch.Tensor) else kv)  # as a store holds it; half the memory
         sources.append(label)
         ids.append(tokens)
-    return kvs, sources, ids
+    return kvs, sources, ids, prefixes
 
 
-def _fisher(model, ids: list, sink_tokens: int, count: int):
-    """Diagonal Fisher on the first `count` usable texts' first SENSITIVITY_PREFIX tokens followed by SENSITIVITY_CONT."""
+def _fisher(model, ids: list, sink_tokens: int, count: int, prefixes: list | None = None):
+    """Diagonal Fisher on the first `count` usable texts' first SENSITIVITY_PREFIX tokens followed by
+    SENSITIVITY_CONT (prefixes: those texts' prefix KV, from _kv_from_model)."""
     from kvcodec.integrations.hf_fisher import fisher_diagonal
 
     usable = [t[: SENSITIVITY_PREFIX + SENSITIVITY_CONT] for t in ids if t.numel() > SENSITIVITY_PREFIX + 1]
@@ -121,7 +126,9 @@ def _fisher(model, ids: list, sink_tokens: int, count: int):
             err=True,
         )
         return None
-    return fisher_diagonal(model, usable[:count], SENSITIVITY_PREFIX, sink_tokens=sink_tokens)
+    usable = usable[:count]
+    prefixes = prefixes if prefixes and len(prefixes) == len(usable) else None
+    return fisher_diagonal(model, usable, SENSITIVITY_PREFIX, sink_tokens=sink_tokens, prefix_kvs=prefixes)
 
 
 def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
@@ -284,8 +291,9 @@ def _model_data(model_name, texts, holdout, max_tokens, weighting, alpha, fisher
     if held:
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
     model, tokenizer = load_model(model_name)
-    kvs, sources, ids = _kv_from_model(model, tokenizer, layout, fit_texts, max_tokens)
-    held_kvs, held_sources, held_ids = _kv_from_model(model, tokenizer, layout, held_texts, max_tokens)
+    fisher = weighting == "fisher" and alpha > 0 and layout.spec.uniform  # the Fisher of grouped caches: not yet
+    kvs, sources, ids, prefixes = _kv_from_model(model, tokenizer, layout, fit_texts, max_tokens, fisher_texts * fisher)
+    held_kvs, held_sources, held_ids, _ = _kv_from_model(model, tokenizer, layout, held_texts, max_tokens)
     grouped = not layout.spec.uniform
     data = dict(
         model=model,
@@ -297,8 +305,8 @@ def _model_data(model_name, texts, holdout, max_tokens, weighting, alpha, fisher
         held_sources=held_sources,
         meta={"model": model_name, "model_id": model_id(model), "sources": sources},
     )
-    if weighting == "fisher" and alpha > 0 and not grouped:  # the Fisher of grouped caches is not measured yet
-        data["fisher"] = _fisher(model, ids, sink_tokens, fisher_texts)  # None: texts too short
+    if fisher:
+        data["fisher"] = _fisher(model, ids, sink_tokens, fisher_texts, prefixes)  # None: texts too short
         data["fisher_texts"] = fisher_texts
     return data
 
