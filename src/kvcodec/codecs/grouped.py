@@ -106,12 +106,8 @@ def part_key(key: str | None, group: int) -> str:
 
 def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
     header, payload = read_object(blob, MAGIC, "grouped kvcodec chunk blob")
-    version = header.get("grouped_version")
-    if header.get("format") != FORMAT_NAME or isinstance(version, bool) or version not in READABLE_VERSIONS:
-        raise FormatError(f"grouped chunk version {version!r} is not one this build reads {READABLE_VERSIONS}")
-    extra = sorted(set(header) - set(_FIELDS) - {"format", "grouped_version", "spec"})
-    if extra:
-        raise FormatError(f"grouped chunk header has unknown fields {extra}")
+    fields = (*_FIELDS, "spec")
+    version = v.tagged_version(header, FORMAT_NAME, "grouped_version", READABLE_VERSIONS, fields, "grouped chunk")
     spec = spec_of(header.get("spec"))
     f = v.fields_of(header, _FIELDS, {"key": None})
     start, tokens, parts = f["start_token"], f["tokens"], f["parts"]

@@ -20,7 +20,7 @@ import torch
 
 from kvcodec.codecs.grouped import GROUPED_VERSION, READABLE_VERSIONS, GroupedCodec, chunk_info, spec_of
 from kvcodec.container import validate as v
-from kvcodec.container.format import content_id, crc32, read_object, write_object
+from kvcodec.container.format import BLOB_FIELDS, content_id, crc32, read_object, write_object
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 from kvcodec.kvspec import GroupedKV, KVSpec
@@ -68,15 +68,7 @@ def chunk_key(file_id: str | None, index: int) -> str | None:
     return None if file_id is None else f"{file_id}/{index}"
 
 
-_BLOB = v.record(
-    {
-        "chunk_index": v.integer(0, v.MAX_TOKENS),
-        "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
-        "offset": v.integer(0, 1 << 48),
-        "length": v.integer(1, 1 << 40),
-        "crc32": v.integer(0, 0xFFFFFFFF),
-    }
-)
+_BLOB = v.record(BLOB_FIELDS)  # as a dict
 _FIELDS = {
     "codec": v.text(1024),
     "stop": v.integer(1, v.MAX_TOKENS),
@@ -93,12 +85,8 @@ def _read(data: bytes | memoryview) -> tuple[dict[str, Any], KVSpec, memoryview]
     a blob list that is not one blob per chunk and resolution, starts past the stop, and a KV
     implausibly large for the file."""
     header, payload = read_object(data, MAGIC, "grouped kvcodec file")
-    version = header.get("grouped_version")
-    if header.get("format") != FORMAT_NAME or isinstance(version, bool) or version not in READABLE_VERSIONS:
-        raise FormatError(f"grouped file version {version!r} is not one this build reads {READABLE_VERSIONS}")
-    extra = sorted(set(header) - set(_FIELDS) - {"format", "grouped_version", "spec"})
-    if extra:
-        raise FormatError(f"grouped file header has unknown fields {extra}")
+    fields = (*_FIELDS, "spec")
+    version = v.tagged_version(header, FORMAT_NAME, "grouped_version", READABLE_VERSIONS, fields, "grouped file")
     spec = spec_of(header.get("spec"))
     f = v.fields_of(header, _FIELDS, {} if version >= 2 else {"file_id": None})
     stop, starts, ct, blobs = f["stop"], f["starts"], f["chunk_tokens"], list(f["blobs"])

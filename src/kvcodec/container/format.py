@@ -185,16 +185,14 @@ class BlobEntry:
     crc32: int
 
 
-_BLOB = v.record(
-    {
-        "chunk_index": v.integer(0, v.MAX_TOKENS),
-        "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
-        "offset": v.integer(0, 1 << 48),
-        "length": v.integer(1, 1 << 40),
-        "crc32": v.integer(0, 0xFFFFFFFF),
-    },
-    BlobEntry,
-)
+BLOB_FIELDS = {  # a file's index entry of one chunk blob (also the grouped file's)
+    "chunk_index": v.integer(0, v.MAX_TOKENS),
+    "resolution": v.pair(v.integer(1, v.MAX_FRAME_SIDE)),
+    "offset": v.integer(0, 1 << 48),
+    "length": v.integer(1, 1 << 40),
+    "crc32": v.integer(0, 0xFFFFFFFF),
+}
+_BLOB = v.record(BLOB_FIELDS, BlobEntry)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,12 +170,7 @@ def write_split(parts: list[bytes], headers: list[ChunkHeader]) -> bytes:
 def parse_split_header(blob: bytes | memoryview) -> tuple[SplitHeader, memoryview]:
     """A split blob's verified header and its payload (the parts, not yet verified)."""
     d, payload = read_object(blob, SPLIT_MAGIC, "split kvcodec chunk blob")
-    version = d.get("split_version")
-    if d.get("format") != FORMAT_NAME or version not in READABLE_SPLIT_VERSIONS or isinstance(version, bool):
-        raise FormatError(f"split chunk version {version!r} is not one this build reads {READABLE_SPLIT_VERSIONS}")
-    extra = sorted(set(d) - set(_FIELDS) - {"format", "split_version"})
-    if extra:
-        raise FormatError(f"split chunk header has unknown fields {extra}")
+    version = v.tagged_version(d, FORMAT_NAME, "split_version", READABLE_SPLIT_VERSIONS, _FIELDS, "split chunk")
     checks = {**_FIELDS, "parts": v.listing(_PART[version], 2, MAX_PARTS)}
     fields = v.fields_of({k: d[k] for k in d if k in _FIELDS}, checks, {"key": None, "layer_bits": ()})
     h = SplitHeader(**fields, version=version)

@@ -8,7 +8,7 @@ decoder allocate far more than the container could ever hold.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -147,6 +147,20 @@ LAYOUT = record(
         "orientation": choice(ORIENTATIONS),
     }
 )
+
+
+def tagged_version(
+    header: Mapping[str, Any], tag: str, version_field: str, readable: tuple[int, ...], fields: Iterable[str], what: str
+) -> int:
+    """The version of a header tagged {"format": tag, version_field: N}: FormatError unless N is
+    one this build reads and the header has no field beyond `fields`, the tag and the version."""
+    version = header.get(version_field)
+    if header.get("format") != tag or isinstance(version, bool) or version not in readable:
+        raise FormatError(f"{what} version {version!r} is not one this build reads {readable}")
+    extra = sorted(set(header) - set(fields) - {"format", version_field})
+    if extra:
+        raise FormatError(f"{what} header has unknown fields {extra}")
+    return version
 
 
 def check_expansion(decoded_bytes: int, stored_bytes: int, what: str) -> None:
