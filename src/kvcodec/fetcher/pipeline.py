@@ -223,29 +223,17 @@ class FetchPipeline:
         while next_i < n:
             ready, err = _ready_run(pending, next_i)
             if ready:
-                try:
-                    self._finish(ready)
-                except KVCodecError as e:
-                    return restored, e
-                except Exception as e:  # noqa: BLE001 - report, never swallow
-                    return restored, _failed(ready[0][0], "failed to restore", e)
-                if self.s.staged and self.s.device.type == "cuda":  # one wait for the batch's math
-                    torch.cuda.current_stream(self.s.device).synchronize()
-                for i, done in ready:
-                    restored = self._restore(i, done.staging)
+                restored, failed = self._restore_run(ready, restored)
+                if failed is not None:
+                    return restored, failed
                 next_i += len(ready)
             if err is not None:
                 return restored, err
             if next_i >= n:
                 break
-            wait, left = _POLL_S * 5, self.deadline.left()
-            if left is not None:
-                if left <= 0:
-                    return restored, FetchError(
-                        f"deadline of {self.deadline.seconds:.3f}s passed after "
-                        f"{restored} of {self.plan.n_tokens} tokens"
-                    )
-                wait = min(wait, left)
+            wait, late = self._wait_for(_POLL_S * 5, restored)
+            if late is not None:
+                return restored, late
             try:
                 i, err, staged = self.res_q.get(timeout=wait)
             except queue.Empty:
@@ -274,28 +262,17 @@ class FetchPipeline:
             self._take_ready(pending)
             ready, err = _ready_run(pending, next_i)
             if ready:
-                try:
-                    self._finish(ready)
-                except KVCodecError as e:
-                    return restored, e
-                except Exception as e:  # noqa: BLE001 - report, never swallow
-                    return restored, _failed(ready[0][0], "failed to restore", e)
-                torch.cuda.current_stream(self.s.device).synchronize()  # one wait for the batch's math
-                for i, done in ready:
-                    restored = self._restore(i, done.staging)
+                restored, failed = self._restore_run(ready, restored)
+                if failed is not None:
+                    return restored, failed
                 next_i += len(ready)
             if err is not None:
                 return restored, err
             if next_i >= n or ready:
                 continue
-            wait, left = _POLL_S, self.deadline.left()
-            if left is not None:
-                if left <= 0:
-                    return restored, FetchError(
-                        f"deadline of {self.deadline.seconds:.3f}s passed after "
-                        f"{restored} of {self.plan.n_tokens} tokens"
-                    )
-                wait = min(wait, left)
+            wait, late = self._wait_for(_POLL_S, restored)
+            if late is not None:
+                return restored, late
             if next_i in pending or not self.res_q.empty() or driver.has_done():
                 continue
             if driver.pending(next_i):
@@ -357,6 +334,29 @@ class FetchPipeline:
             except queue.Empty:
                 return
             pending[i] = (err, staged)
+
+    def _wait_for(self, most: float, restored: int) -> tuple[float, FetchError | None]:
+        """How long to wait for the next chunk (at most `most`, never past the deadline), or the
+        error of a deadline that has passed with `restored` tokens restored."""
+        left = self.deadline.left()
+        if left is not None and left <= 0:
+            late = f"deadline of {self.deadline.seconds:.3f}s passed after {restored} of {self.plan.n_tokens} tokens"
+            return 0.0, FetchError(late)
+        return (most if left is None else min(most, left)), None
+
+    def _restore_run(self, ready: list[tuple[int, Decoded]], restored: int) -> tuple[int, KVCodecError | None]:
+        """Finish and restore the in-order run `ready`: (tokens restored, the error that stopped it)."""
+        try:
+            self._finish(ready)
+        except KVCodecError as e:
+            return restored, e
+        except Exception as e:  # noqa: BLE001 - report, never swallow
+            return restored, _failed(ready[0][0], "failed to restore", e)
+        if self.s.staged and self.s.device.type == "cuda":  # one wait for the batch's math
+            torch.cuda.current_stream(self.s.device).synchronize()
+        for i, done in ready:
+            restored = self._restore(i, done.staging)
+        return restored, None
 
     def _finish(self, ready: list[tuple[int, Decoded]]) -> None:
         """A staged fetch: the codec's second half for the chunks `ready` (in order), in one call."""
