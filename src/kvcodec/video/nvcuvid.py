@@ -275,9 +275,15 @@ class _Parser:
             api.DecodeCallback(session.on_decode),
             api.DisplayCallback(session.on_display),
         )  # kept alive as long as the parser
+        self._create(display_delay)
+
+    def _create(self, display_delay: int, user_data: int | None = None) -> None:
+        """The driver's parser over self.callbacks (their user pointer: `user_data`)."""
         params = api.ParserParams(
             CodecType=api.CODEC_HEVC, ulMaxNumDecodeSurfaces=1, ulErrorThreshold=0, ulMaxDisplayDelay=display_delay
         )
+        if user_data is not None:
+            params.pUserData = user_data
         params.pfnSequenceCallback, params.pfnDecodePicture, params.pfnDisplayPicture = self.callbacks
         self.handle = ctypes.c_void_p()
         api.check(
@@ -296,7 +302,7 @@ class _Parser:
             self.handle = ctypes.c_void_p()
 
 
-class _NativeParser:
+class _NativeParser(_Parser):
     """A fresh HEVC parser whose decode and display callbacks are the C ones of nvcuvid_native:
     pictures go straight into the sample buffers pushed onto `state` (one per stream fed)."""
 
@@ -313,20 +319,7 @@ class _NativeParser:
             api.DecodeCallback(native.function_pointer(lib.kv_decode)),
             api.DisplayCallback(native.function_pointer(lib.kv_display)),
         )
-        params = api.ParserParams(
-            CodecType=api.CODEC_HEVC, ulMaxNumDecodeSurfaces=1, ulErrorThreshold=0, ulMaxDisplayDelay=display_delay
-        )
-        params.pUserData = ctypes.addressof(state)
-        params.pfnSequenceCallback, params.pfnDecodePicture, params.pfnDisplayPicture = self.callbacks
-        self.handle = ctypes.c_void_p()
-        api.check(
-            api.nvcuvid().cuvidCreateVideoParser(ctypes.byref(self.handle), ctypes.byref(params)),
-            "cuvidCreateVideoParser",
-            BackendUnavailableError,
-        )
-
-    feed = _Parser.feed
-    close = _Parser.close
+        self._create(display_delay, ctypes.addressof(state))
 
 
 class NvcuvidDecoder:
