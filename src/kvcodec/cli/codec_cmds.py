@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,17 +24,6 @@ def _load_kv(src: Path):  # noqa: ANN202
     if "kv" not in tensors:
         raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
     return tensors["kv"]
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 @click.command("encode")
@@ -98,6 +85,7 @@ def encode_cmd(
     from tqdm import tqdm
 
     import kvcodec
+    from kvcodec.transform.kvt import write_atomic
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
     if transform or target_ratio or target_quality:
@@ -132,7 +120,7 @@ def encode_cmd(
     with tqdm(total=chunks, unit="chunk", desc="encode", disable=None) as bar:
         data = kvcodec.encode(kv, config, on_chunk=lambda c: bar.update(1))
     elapsed = time.perf_counter() - t0
-    _atomic_write(dst, data)
+    write_atomic(dst, data)
     info = kvcodec.inspect(data)
     best = min(info["resolutions"].items(), key=lambda kv_: kv_[1]["bytes"])
     click.echo(

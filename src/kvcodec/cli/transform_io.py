@@ -31,7 +31,6 @@ def pick_ratio(transform: Path, target_ratio: float | None, target_quality: str 
 def encode_cmd(
     src: Path, dst: Path, transform: Path, target_ratio, chunk_tokens: int, coder: str, resolutions, target_quality=None
 ) -> None:
-    from kvcodec.cli.codec_cmds import _atomic_write
     from kvcodec.codecs.grouped import GroupedCodec
     from kvcodec.codecs.grouped_file import encode_grouped
     from kvcodec.codecs.transform import open_transform
@@ -39,6 +38,7 @@ def encode_cmd(
     from kvcodec.errors import ShapeError
     from kvcodec.kvspec.files import load_kv_file
     from kvcodec.models.quality import fp16_bytes
+    from kvcodec.transform.kvt import write_atomic
 
     if coder not in ("hevc", "zstd", "ans"):
         raise click.BadParameter("with --transform the sample coder is hevc, zstd or ans", param_hint="--sample-coder")
@@ -54,7 +54,7 @@ def encode_cmd(
         want = "a cache of layer groups" if isinstance(codec, GroupedCodec) else "one KV tensor"
         raise ShapeError(f"{src} holds {held}; {transform} is calibrated for {want}")
     data = encode_grouped(kv, codec) if isinstance(codec, GroupedCodec) else encode_file(kv, codec)
-    _atomic_write(dst, data)
+    write_atomic(dst, data)
     tokens = kv.stop if hasattr(kv, "spec") else kv.shape[2]
     click.echo(
         f"{dst}: {len(data):,} bytes for {tokens} tokens in {time.perf_counter() - t0:.1f} s; "
