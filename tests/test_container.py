@@ -86,6 +86,16 @@ def test_json_depth_counts_nesting_and_ignores_brackets_in_strings(value):
     assert validate.json_depth(json.dumps(value).encode()) == _depth(value)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    st.binary(max_size=40).map(lambda b: b.replace(b"\\", b""))
+    | st.text(alphabet='[]{}"a,', max_size=200).map(str.encode)
+)
+def test_json_depth_without_escapes_is_the_string_patterns_depth(text):
+    """The fast path (no backslash) gives the string pattern's depth on any text, malformed too."""
+    assert validate.json_depth(text) == validate._deepest(validate._STRING.sub(b'""', text))
+
+
 def test_a_deeply_nested_header_is_refused_before_parsing():
     head = b"[" * 100_000 + b"]" * 100_000
     data = struct.pack("<4sHI", FILE_MAGIC, 2, len(head)) + head + struct.pack("<I", crc32(head))

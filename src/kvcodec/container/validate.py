@@ -38,10 +38,37 @@ Check = Callable[[Any, str], Any]
 
 def json_depth(text: bytes) -> int:
     """Deepest nesting of arrays/objects in JSON text (brackets inside strings do not count)."""
-    skeleton = np.frombuffer(_STRING.sub(b'""', text), dtype=np.uint8)
+    if b"\\" not in text:  # no escapes: every quote opens or closes a string (a header, as written)
+        return _depth_without_escapes(text)
+    return _deepest(_STRING.sub(b'""', text))
+
+
+def _depth_without_escapes(text: bytes) -> int:
+    """json_depth of text holding no backslash, without the string pattern: the text between the
+    2k-th and (2k+1)-th quotes is outside strings, and so is what follows an unpaired last quote
+    (as the pattern leaves it). Several times faster on a chunk header."""
+    parts = text.split(b'"')
+    outside = parts[::2] if len(parts) % 2 else [*parts[::2], parts[-1]]
+    brackets = b"".join(outside).translate(None, _NOT_BRACKETS)
+    if len(brackets) > 64:
+        return _deepest(brackets)
+    depth = deepest = 0
+    for c in brackets:  # a header's few brackets: cheaper in Python than through numpy
+        depth += 1 if c in _OPENERS else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _deepest(skeleton_text: bytes) -> int:
+    """The deepest running count of openers less closers over text whose strings hold no brackets."""
+    skeleton = np.frombuffer(skeleton_text, dtype=np.uint8)
     if skeleton.size == 0:
         return 0
     return int(max(np.cumsum(_OPEN[skeleton], dtype=np.int64).max(), 0))
+
+
+_OPENERS = b"[{"
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
 def check_json_depth(text: bytes, what: str) -> None:
