@@ -103,13 +103,14 @@ def calibrate(device, stats_path, then, args):
 
 def _continue(model, kv: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
     """Logits [len(cont), vocab] (float32, CPU) of cont teacher-forced on the prefix KV."""
-    from kvcodec.kvspec.hf import build_cache
+    from kvcodec.kvspec.hf import build_cache, cache_kwarg
     from kvcodec.kvspec.tensors import GroupedKV
 
     param = next(model.parameters())
     gkv = GroupedKV.from_tensor(kv.to(param.dtype))
     with torch.inference_mode():
-        out = model(cont.unsqueeze(0).to(param.device), cache=build_cache(gkv, model), use_cache=True)
+        cache = {cache_kwarg(model): build_cache(gkv, model)}  # transformers 5.17 takes past_key_values
+        out = model(cont.unsqueeze(0).to(param.device), use_cache=True, **cache)
     return out.logits[0].float().cpu()
 
 

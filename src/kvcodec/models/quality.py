@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.kvspec.hf import build_cache
+from kvcodec.kvspec.hf import build_cache, cache_kwarg
 from kvcodec.kvspec.tensors import GroupedKV
 from kvcodec.models.check import ModelLayout
 from kvcodec.models.extract import kv_of_ids
@@ -50,7 +50,8 @@ def fp16_bytes(kv: torch.Tensor | GroupedKV) -> int:
 @torch.inference_mode()
 def _continue(model: Any, kv: torch.Tensor | GroupedKV, cont: torch.Tensor) -> torch.Tensor:
     gkv = kv if isinstance(kv, GroupedKV) else GroupedKV.from_tensor(kv)
-    out = model(cont.unsqueeze(0).to(model.device), cache=build_cache(gkv, model), use_cache=True)
+    cache = {cache_kwarg(model): build_cache(gkv, model)}  # a misnamed cache is swallowed by **kwargs, unused
+    out = model(cont.unsqueeze(0).to(model.device), use_cache=True, **cache)
     return out.logits[0].float().cpu()  # a model on a GPU: scored beside the CPU token ids
 
 
