@@ -29,7 +29,7 @@ from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc_encode import in_order
 from kvcodec.codecs.transform_decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform_header import check_header
-from kvcodec.container.format import crc32, read_object, split_streams, write_object
+from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
 from kvcodec.layout.search import encode_workers
@@ -443,8 +443,9 @@ class TransformCodec:
     # ------------------------------------------------------------------------------ decode
 
     def _read(self, blob) -> tuple[dict, dict]:
-        h, payload = read_object(blob, CHUNK_MAGIC, "transform-coded chunk")
-        h, entries = check_header(h)  # every field typed and in range (transform_header.py)
+        # every field typed and in range (transform_header.py); the checks of a header read before are remembered
+        (h, entries), payload = read_parsed(blob, CHUNK_MAGIC, "transform-coded chunk", check_header)
+        h = dict(h)  # the remembered header stays as read
         if h["kvt"] != self.kvt_hash:
             raise ConfigError(
                 f"chunk was coded with transform {h['kvt'][:16]}, this codec holds {self.kvt_hash[:16]}: "

@@ -21,7 +21,8 @@ import json
 import math
 import struct
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kvcodec.config import QUANT_MODES, CodecConfig
 from kvcodec.container import validate as v
@@ -32,6 +33,7 @@ try:  # ISA-L's CRC32 (same polynomial) runs about 10x zlib's on a chunk's strea
 except ImportError:
     _crc32 = zlib.crc32
 
+T = TypeVar("T")
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 chunk headers have no video_bits (every bit in the video)
 CHUNK_MAGIC = b"KVCC"
@@ -374,16 +376,23 @@ def parse_chunk(blob: bytes | memoryview) -> tuple[ChunkHeader, memoryview]:
     """A chunk blob's verified header and its (not yet verified) payload. The prefix and header
     checksum are checked on every call; the JSON parse and field checks, a pure function of the
     header bytes, are remembered for recent headers (a chunk is inspected, then decoded)."""
-    head, payload = _read_head(blob, CHUNK_MAGIC, _CHUNK_WHAT)
-    return _chunk_header(bytes(head)), payload
+    return read_parsed(blob, CHUNK_MAGIC, "kvcodec chunk blob", ChunkHeader.from_json)
 
 
-_CHUNK_WHAT = "kvcodec chunk blob"
+def read_parsed(
+    data: bytes | memoryview, magic: bytes, what: str, parse: Callable[[dict[str, Any]], T]
+) -> tuple[T, memoryview]:
+    """read_object, then `parse(header)` (a pure function of the header: its field checks): the
+    prefix and the header's checksum are verified on every call, the JSON parse and `parse` are
+    remembered for recent headers (a chunk is inspected, then decoded). A header that fails is
+    never remembered; a parsed header is shared by the calls that read it (do not change it)."""
+    head, payload = _read_head(data, magic, what)
+    return _parsed(parse, bytes(head), what), payload
 
 
-@functools.lru_cache(maxsize=512)
-def _chunk_header(head: bytes) -> ChunkHeader:
-    return ChunkHeader.from_json(_json_object(head, _CHUNK_WHAT))
+@functools.lru_cache(maxsize=1024)
+def _parsed(parse: Callable[[dict[str, Any]], T], head: bytes, what: str) -> T:
+    return parse(_json_object(head, what))
 
 
 def object_version(data: bytes | memoryview) -> int:

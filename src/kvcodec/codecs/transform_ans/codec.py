@@ -24,7 +24,7 @@ from kvcodec.codecs.transform import TRANSFORM_VERSION, TransformCodec
 from kvcodec.codecs.transform_ans import gpu, rans
 from kvcodec.codecs.transform_ans.header import ANS_VERSION, CHUNK_MAGIC, STREAM_CODECS, AnsChunkHeader
 from kvcodec.codecs.transform_decode import Decoded, TransformRestorer, check_target, unzstd
-from kvcodec.container.format import crc32, read_object, split_streams, write_object
+from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, CorruptStreamError, FormatError
 from kvcodec.transform import quantize
 from kvcodec.transform.calibration import Calibration
@@ -142,8 +142,7 @@ class TransformAnsCodec(TransformCodec):
     # ------------------------------------------------------------------------------ decode
 
     def _read(self, blob) -> tuple[dict, dict]:
-        raw, payload = read_object(blob, CHUNK_MAGIC, "transform-ANS chunk")
-        ah = AnsChunkHeader.from_json(raw)
+        ah, payload = read_parsed(blob, CHUNK_MAGIC, "transform-ANS chunk", AnsChunkHeader.from_json)
         if ah.kvt != self.kvt_hash:
             raise ConfigError(
                 f"chunk was coded with transform {ah.kvt[:16]}, this codec holds {self.kvt_hash[:16]}: "
