@@ -1,6 +1,7 @@
 """`kvcodec inspect` over every file format kvcodec writes (codecs/describe.py): HEVC .kvc (KVCF,
 split-stream chunks too), transform files (KVTF, transform and transform-ans chunks) and grouped
-files (KVGF), each made by its real encoder; damaged, truncated and foreign files are one clear error."""
+files (KVGF), each made by its real encoder, and one chunk blob of each (KVCS, KVTC, KVTA, KVCG) as a
+store holds it; damaged, truncated and foreign data is one clear error."""
 
 from __future__ import annotations
 
@@ -114,3 +115,23 @@ def test_damaged_truncated_and_foreign_files_are_clear_errors(made, tmp_path):
             describe(bad)
         r = _inspect(tmp_path, bad)
         assert r.exit_code == 1 and r.output.startswith("error: ") and "Traceback" not in r.output, r.output
+
+
+CHUNK_MAGIC = {"hevc-split": "KVCS", "transform-hevc": "KVTC", "transform-zstd": "KVTC", "transform-ans": "KVTA"}
+
+
+def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):
+    name, data, codec, tokens = made
+    start = 10 + int.from_bytes(data[6:10], "little") + 4  # the payload: the first chunk's first blob
+    blob = data[start : start + next(iter(describe(data)["chunk_bytes"].values()))[0]]
+    info = describe(blob)
+    assert set(CORE) <= set(info) and info["magic"] == CHUNK_MAGIC.get(name, "KVCG"), info
+    assert (info["chunks"], info["chunk_index"], info["start_token"]) == (1, 0, 0) and info["key"].endswith("/0")
+    assert info["tokens"] == min(codec.chunk_tokens, tokens) and info["file_bytes"] == len(blob)
+    r = _inspect(tmp_path, blob)
+    assert r.exit_code == 0 and f"chunk       0: tokens 0-{info['tokens'] - 1} " in r.output, r.output
+    flipped = bytearray(blob)
+    flipped[-2] ^= 0x08
+    for bad, error in ((bytes(flipped), ChecksumError), (blob[:-1], TruncatedError), (blob[:12], TruncatedError)):
+        with pytest.raises(error):
+            describe(bad)

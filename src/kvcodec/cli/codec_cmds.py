@@ -245,6 +245,35 @@ def _grouped_lines(info: dict) -> list[str]:
     return lines
 
 
+def _chunk_lines(info: dict) -> list[str]:
+    """A chunk blob: where it lies, its streams, and what its format adds (calibration, parts)."""
+    shape = (
+        f"{info['layers']} layers"
+        if "kv_heads" not in info
+        else f"{info['layers']}x{info['kv_heads']}x{info['head_dim']}"
+    )
+    start, end = info["start_token"], info["start_token"] + info["tokens"]
+    key = f", key {info['key']}" if info.get("key") else ""
+    lines = [
+        f"chunk       {info['chunk_index']}: tokens {start}-{end - 1} ({info['tokens']}) of {shape} {info['dtype']}{key}",
+        f"fp16 size   {info['fp16_bytes']:,} bytes; {info['ratio_vs_fp16']:.2f}x vs fp16",
+    ]
+    if "kvt" in info:
+        lines.append(f"calibration {info['kvt']}; coder {info['coder']}, theta {info['theta']:.4g}")
+    if "quant" in info:
+        lines.append(f"quant       {info['quant']}")
+    if "streams" in info:
+        lines.append("streams     " + ", ".join(f"{k} {v:,}" for k, v in info["streams"].items()))
+    for i, p in enumerate(info.get("parts", []) if len(info.get("parts", [])) != 1 else []):
+        what = (
+            f"{p['layers']} layers"
+            if "layers" in p
+            else f"{p['group']} positions {p['start']}-{p['start'] + p['tokens'] - 1}"
+        )
+        lines.append(f"  part {i}   {what}" + (f", {p['bytes']:,} bytes" if "bytes" in p else ""))
+    return lines
+
+
 def _spans(layers: list[int]) -> str:
     """0-3, 8, 10-11: runs of consecutive layers."""
     runs: list[list[int]] = []
@@ -260,6 +289,16 @@ _DETAILS = {  # format name -> its own lines after the file and codec lines
     "kvcodec-file": _hevc_lines,
     "kvcodec-transform-file": _transform_lines,
     "kvcodec-grouped-file": _grouped_lines,
+    **dict.fromkeys(
+        (
+            "kvcodec-chunk",
+            "kvcodec-split-chunk",
+            "kvcodec-transform-chunk",
+            "kvcodec-transform-ans-chunk",
+            "kvcodec-grouped-chunk",
+        ),
+        _chunk_lines,
+    ),
 }
 
 

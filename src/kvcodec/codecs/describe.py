@@ -7,7 +7,8 @@ Every summary has the same core fields: `format` (its header's format name), `ma
 `chunks`, `file_bytes`, `fp16_bytes` (the KV it holds, as fp16), `ratio_vs_fp16` (the whole
 file) and `chunk_bytes` (per stored resolution, each chunk's bytes in token order); the formats
 add their own (the HEVC file its config and layouts, the transform file its calibration, the
-grouped file its groups). A format is one entry of READERS: magic -> "module:function".
+grouped file its groups). A chunk blob (as a store holds it) reads the same way: one chunk, with
+its index, first token and key. A format is one entry of READERS: magic -> "module:function".
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ READERS: dict[bytes, str] = {
     b"KVCF": "kvcodec.codecs.hevc_file:describe",  # .kvc: HEVC (and split-stream) chunks
     b"KVTF": "kvcodec.codecs.transform_file:describe",  # .kvc written with --transform (transform, transform-ans)
     b"KVGF": "kvcodec.codecs.grouped_file:describe",  # a multi-group prefix (kvspec.GroupedKV)
+    # one chunk blob, as a store holds it (a file:// store's objects are files)
+    b"KVCC": "kvcodec.codecs.hevc_decode:describe_chunk",
+    b"KVCS": "kvcodec.codecs.hevc_decode:describe_chunk",
+    b"KVTC": "kvcodec.codecs.transform_file:describe_chunk",
+    b"KVTA": "kvcodec.codecs.transform_file:describe_chunk",
+    b"KVCG": "kvcodec.codecs.grouped:describe_chunk",
 }
 CORE = ("format", "magic", "version", "codec", "dtype", "layers", "tokens", "chunks", "file_bytes", "fp16_bytes")
 CORE += ("ratio_vs_fp16", "chunk_bytes")  # every reader gives these (tests/test_inspect.py)
@@ -39,5 +46,16 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
     return {"magic": magic.decode(), **load_object(target)(data)}
 
 
-def ratio(fp16_bytes: int, size: int) -> float:
-    return fp16_bytes / size if size else 0.0
+def chunk_summary(blob: bytes | memoryview, resolution, fp16_bytes: int, **fields: Any) -> dict[str, Any]:
+    """The core fields of one chunk blob (`fields`: format, version, codec, dtype, layers, tokens
+    and the format's own), its bytes and ratio vs fp16 at its one resolution."""
+    size = len(memoryview(blob))
+    res = f"{resolution[0]}x{resolution[1]}"
+    return {
+        **fields,
+        "chunks": 1,
+        "file_bytes": size,
+        "fp16_bytes": fp16_bytes,
+        "ratio_vs_fp16": fp16_bytes / size,
+        "chunk_bytes": {res: [size]},
+    }

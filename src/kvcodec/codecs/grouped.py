@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -130,6 +131,38 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
 def chunk_info(blob: bytes | memoryview) -> GroupedChunkInfo:
     """A grouped chunk blob's checked header (no codec needed; its parts not verified)."""
     return _parse(blob)[0]
+
+
+def describe_chunk(blob: bytes | memoryview) -> dict[str, Any]:
+    """One grouped chunk blob's summary (codecs/describe.py), every part checksummed."""
+    from kvcodec.codecs.describe import chunk_summary
+
+    info, payload = _parse(blob)
+    header, _ = read_object(blob, MAGIC, "grouped kvcodec chunk blob")
+    pos = 0
+    for p in info.parts:
+        if crc32(payload[pos : pos + p.length]) != p.crc32:
+            raise ChecksumError(f"grouped chunk {info.index}: part of group {p.group} fails its checksum")
+        pos += p.length
+    groups = info.spec.groups
+    parts = [
+        {"group": groups[p.group].name, "start": p.start, "tokens": p.tokens, "bytes": p.length} for p in info.parts
+    ]
+    return chunk_summary(
+        blob,
+        header["resolution"],
+        2 * sum(math.prod(groups[p.group].shape(p.tokens)) for p in info.parts),
+        format=FORMAT_NAME,
+        version=info.version,
+        codec="grouped",
+        dtype=info.dtype,
+        layers=info.layers,
+        tokens=info.tokens,
+        chunk_index=info.index,
+        start_token=info.start_token,
+        key=info.key,
+        parts=parts,
+    )
 
 
 class GroupedCodec:

@@ -15,7 +15,7 @@ import zstandard
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.hevc_encode import unit_bits
 from kvcodec.container import split
-from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, parse_chunk, split_streams
+from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, object_version, parse_chunk, split_streams
 from kvcodec.container.plain import plain_values
 from kvcodec.container.split import SplitHeader
 from kvcodec.dtypes import dtype_of
@@ -41,6 +41,45 @@ def part_headers(blob: bytes | memoryview) -> list[ChunkHeader]:
     if split.is_split(blob):
         return [h for h, _ in split.parse_split(blob)[1]]
     return [parse_chunk(blob)[0]]
+
+
+def describe_chunk(blob: bytes | memoryview) -> dict:
+    """One chunk blob's summary (codecs/describe.py), split or not, every stream checksummed."""
+    from kvcodec.codecs.describe import chunk_summary
+
+    is_split = split.is_split(blob)
+    pieces = [b for _, b in split.parse_split(blob)[1]] if is_split else [blob]
+    headers = []
+    for piece in pieces:
+        h, payload = parse_chunk(piece)
+        split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+        headers.append(h)
+    first = headers[0]
+    layers = sum(h.layers for h in headers)
+    streams: dict[str, int] = {}
+    for s in (s for h in headers for s in h.streams):
+        streams[s.name] = streams.get(s.name, 0) + s.length
+    return chunk_summary(
+        blob,
+        first.resolution,
+        2 * layers * 2 * first.tokens * first.kv_heads * first.head_dim,
+        format=split.FORMAT_NAME if is_split else "kvcodec-chunk",
+        version=split.parse_split_header(blob)[0].version if is_split else object_version(blob),
+        codec="hevc",
+        dtype=first.dtype,
+        layers=layers,
+        kv_heads=first.kv_heads,
+        head_dim=first.head_dim,
+        tokens=first.tokens,
+        chunk_index=first.chunk_index,
+        start_token=first.start_token,
+        key=first.key,
+        quant=first.quant,
+        streams=streams,
+        parts=[
+            {"layers": h.layers, "layout": h.layout, "frames": h.frames, "video_bits": h.video_bits} for h in headers
+        ],
+    )
 
 
 def chunk_parts(blob: bytes | memoryview, out: Target) -> list[tuple[memoryview | bytes, Target]]:

@@ -284,3 +284,37 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
         "chunk_bytes": {"x".join(map(str, settings["resolution"])): [len(b) for b, _, _, _ in chunks]},
         "chunk_theta": [ch["theta"] for _, ch, _, _ in chunks],
     }
+
+
+def describe_chunk(blob: bytes | memoryview) -> dict[str, Any]:
+    """One transform (KVTC) or transform-ANS (KVTA) chunk blob's summary (codecs/describe.py):
+    its header and streams checked, no .kvt needed."""
+    from kvcodec.codecs.describe import chunk_summary
+
+    view = memoryview(blob)
+    h = chunk_header(view)
+    L, H, D = h["shape"]
+    streams: dict[str, int] = {}
+    for name, _, length, _ in h["streams"]:
+        streams[name] = streams.get(name, 0) + length
+    ans = h["coder"] == "ans"
+    return chunk_summary(
+        view,
+        h["resolution"],
+        2 * L * 2 * h["tokens"] * H * D,
+        format="kvcodec-transform-ans-chunk" if ans else "kvcodec-transform-chunk",
+        version=h["ans_version"] if ans else h["transform_version"],
+        codec=h["codec"],
+        kvt=h["kvt"],
+        coder=h["coder"],
+        dtype=h["dtype"],
+        layers=L,
+        kv_heads=H,
+        head_dim=D,
+        tokens=h["tokens"],
+        chunk_index=h["index"],
+        start_token=h["start_token"],
+        key=h.get("key"),
+        theta=h["theta"],
+        streams=streams,
+    )
