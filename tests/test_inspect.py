@@ -130,6 +130,9 @@ def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):
     assert info["tokens"] == min(codec.chunk_tokens, tokens) and info["file_bytes"] == len(blob)
     r = _inspect(tmp_path, blob)
     assert r.exit_code == 0 and f"chunk       0: tokens 0-{info['tokens'] - 1} " in r.output, r.output
+    if name == "hevc-split":  # the second chunk (8 tokens) is stored plain, not split
+        plain = describe(data[start + len(blob) :][: describe(data)["chunk_bytes"]["144x144"][1]])
+        assert (plain["magic"], plain["quant"], plain["start_token"], plain["tokens"]) == ("KVCC", "plain", 32, 8)
     flipped = bytearray(blob)
     flipped[-2] ^= 0x08
     for bad, error in ((bytes(flipped), ChecksumError), (blob[:-1], TruncatedError), (blob[:12], TruncatedError)):

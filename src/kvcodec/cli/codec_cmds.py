@@ -184,10 +184,10 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON (with every chunk's size).")
 def inspect_cmd(src, as_json):
-    """Show what a kvcodec file holds: format and version, codec, KV shape and dtype, tokens and
-    chunks, sizes and ratio vs fp16, and what its format adds (an HEVC .kvc file's quantization,
-    streams and layouts; a transform file's calibration and settings; a grouped file's groups).
-    Every chunk is checksummed and checked against its place in the file."""
+    """Show what a kvcodec file (or one chunk blob, as a store holds it) holds: format and version,
+    codec, KV shape and dtype, tokens and chunks, sizes and ratio vs fp16, and what its format adds
+    (an HEVC .kvc file's quantization, streams and layouts; a transform file's calibration and
+    settings; a grouped file's groups). Every chunk is checksummed and checked against its place."""
     from kvcodec.codecs.describe import describe
 
     info = describe(src.read_bytes())
