@@ -20,6 +20,7 @@ from kvcodec.codecs.grouped_file import encode_grouped
 from kvcodec.codecs.transform import TransformCodec
 from kvcodec.codecs.transform_ans import TransformAnsCodec
 from kvcodec.codecs.transform_file import encode_file
+from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, FormatError, TruncatedError
 from kvcodec.transform import calibrate, save_kvt
 from test_grouped_file import _kv
@@ -138,3 +139,25 @@ def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):
     for bad, error in ((bytes(flipped), ChecksumError), (blob[:-1], TruncatedError), (blob[:12], TruncatedError)):
         with pytest.raises(error):
             describe(bad)
+
+
+def test_a_version_1_transform_file_is_described_from_its_chunks(kvt, tmp_path):
+    data, codec, _ = _transform(kvt)
+    h, payload = read_object(data, b"KVTF", "file")
+    blobs, pos = [], 0
+    for _, length, _ in h["chunks"]:
+        ch, part = read_object(payload[pos : pos + length], b"KVTC", "chunk")
+        blobs.append(write_object(b"KVTC", {**ch, "key": None}, [bytes(part)]))  # version 1 chunks carry no key
+        pos += length
+    v2 = describe(data)
+    old = {k: v for k, v in h.items() if k not in ("format", "kvtf_version", "settings", "file_id")}
+    old["chunks"] = [[t, len(b), crc32(b)] for (t, _, _), b in zip(h["chunks"], blobs)]
+    info = describe(write_object(b"KVTF", old, blobs))
+    assert info["version"] == 1 and info["settings"] == {k: v2["settings"][k] for k in info["settings"]}
+    assert set(info["settings"]) == set(v2["settings"]) and info["chunk_theta"] == v2["chunk_theta"]
+    path = tmp_path / "v1.kvc"
+    path.write_bytes(write_object(b"KVTF", old, blobs))
+    r = CliRunner().invoke(cli, ["inspect", str(path)])
+    assert r.exit_code == 0 and "v1)" in r.output and "4 sink tokens fp16, last 16 tokens 2^2 finer" in r.output, (
+        r.output
+    )

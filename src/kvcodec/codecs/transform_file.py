@@ -248,6 +248,17 @@ def chunk_header(blob: memoryview) -> dict:
     return reader(blob)
 
 
+def _settings_of_chunks(headers: list[dict], entries: list) -> dict[str, Any]:
+    """A version 1 file's settings (it writes none), from its chunks: their shared fields, the sink
+    and fine tokens they hold, the first chunk's length."""
+    return {
+        **{k: headers[0][k] for k in SHARED},
+        "sink_tokens": sum(ch["sink"] for ch in headers),
+        "chunk_tokens": entries[0][0],
+        "fine_tokens": sum(ch["fine_tokens"] for ch in headers),
+    }
+
+
 def describe(data: bytes | memoryview) -> dict[str, Any]:
     """The file's summary (codecs/describe.py) from its header and every chunk's verified header:
     the calibration (`kvt`, the sha256 of the .kvt it was coded with) and settings, the chunks'
@@ -256,7 +267,7 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
     chunks = _verified_chunks(h, payload, chunk_header)
     L, _, T, H, D = h["shape"]
     first = chunks[0][1]
-    settings = h.get("settings") or {k: first[k] for k in SHARED}  # version 1: the chunks' shared fields
+    settings = h.get("settings") or _settings_of_chunks([ch for _, ch, _, _ in chunks], h["chunks"])
     streams: dict[str, int] = {}
     for _, ch, _, _ in chunks:
         for name, _, length, _ in ch["streams"]:
@@ -275,7 +286,7 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
         "head_dim": D,
         "tokens": T,
         "chunks": len(chunks),
-        "chunk_tokens": settings.get("chunk_tokens", h["chunks"][0][0]),
+        "chunk_tokens": settings["chunk_tokens"],
         "file_bytes": len(memoryview(data)),
         "fp16_bytes": fp16_bytes,
         "ratio_vs_fp16": fp16_bytes / len(memoryview(data)),
