@@ -1,7 +1,7 @@
 """`kvcodec inspect` over every file format kvcodec writes (codecs/describe.py): HEVC .kvc (KVCF,
 split-stream chunks too), transform files (KVTF, transform and transform-ans chunks) and grouped
 files (KVGF), each made by its real encoder, and one chunk blob of each (KVCS, KVTC, KVTA, KVCG) as a
-store holds it; damaged, truncated and foreign data is one clear error."""
+store holds it (and a raw codec chunk, KVRW); damaged, truncated and foreign data is one clear error."""
 
 from __future__ import annotations
 
@@ -161,3 +161,14 @@ def test_a_version_1_transform_file_is_described_from_its_chunks(kvt, tmp_path):
     assert r.exit_code == 0 and "v1)" in r.output and "4 sink tokens fp16, last 16 tokens 2^2 finer" in r.output, (
         r.output
     )
+
+
+def test_a_raw_codec_chunk_is_described(tmp_path):
+    chunks = make_codec("raw", chunk_tokens=8, variants=("zstd",)).encode_chunks(torch.randn(2, 2, 20, 2, 8).half())
+    blob = chunks[1].blobs[0]
+    info = describe(blob)
+    assert set(CORE) <= set(info) and info["magic"] == "KVRW" and info["codec"] == "raw"
+    assert (info["start_token"], info["tokens"], info["chunk_bytes"]) == (8, 8, {"zstd": [len(blob)]})
+    assert "chunk       1: tokens 8-15 (8) of 2x2x8 float16" in _inspect(tmp_path, blob).output
+    with pytest.raises(ChecksumError):
+        describe(blob[:-1] + bytes([blob[-1] ^ 1]))

@@ -296,6 +296,7 @@ _DETAILS = {  # format name -> its own lines after the file and codec lines
             "kvcodec-transform-chunk",
             "kvcodec-transform-ans-chunk",
             "kvcodec-grouped-chunk",
+            "kvcodec-raw-chunk",
         ),
         _chunk_lines,
     ),

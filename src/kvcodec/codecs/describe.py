@@ -28,6 +28,7 @@ READERS: dict[bytes, str] = {
     b"KVTC": "kvcodec.codecs.transform_file:describe_chunk",
     b"KVTA": "kvcodec.codecs.transform_file:describe_chunk",
     b"KVCG": "kvcodec.codecs.grouped:describe_chunk",
+    b"KVRW": "kvcodec.codecs.raw:describe_chunk",  # the raw baseline codec's chunks
 }
 CORE = ("format", "magic", "version", "codec", "dtype", "layers", "tokens", "chunks", "file_bytes", "fp16_bytes")
 CORE += ("ratio_vs_fp16", "chunk_bytes")  # every reader gives these (tests/test_inspect.py)

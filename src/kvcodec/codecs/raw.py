@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
-from kvcodec.container.format import crc32, read_object, write_object
+from kvcodec.container.format import crc32, object_version, read_object, write_object
 from kvcodec.dtypes import DTYPE_NAMES, SAME_SIZE_INT, dtype_of
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 from kvcodec.restore.paged import PagedKV
@@ -130,40 +130,8 @@ class RawCodec:
         return EncodedChunk(index, start_token, x.shape[2], self.resolutions, tuple(blobs), encoder="raw")
 
     # -- decode ------------------------------------------------------------------------------
-    def _parse(self, blob: bytes | memoryview) -> tuple[dict, memoryview]:
-        header, payload = read_object(blob, MAGIC, "raw kvcodec chunk blob")
-        try:
-            h = {
-                k: header[k]
-                for k in ("index", "start_token", "shape", "dtype", "variant", "raw_bytes", "payload_bytes", "crc32")
-            }
-            h["shape"] = tuple(int(s) for s in h["shape"])
-            h["key"] = header.get("key")
-            ok = (
-                all(_is_count(h[k]) for k in ("index", "start_token", "raw_bytes", "payload_bytes", "crc32"))
-                and (h["key"] is None or isinstance(h["key"], str))
-                and h["raw_bytes"] <= MAX_EXPANSION * max(h["payload_bytes"], 1)
-                and (h["variant"] != "raw" or h["raw_bytes"] == h["payload_bytes"])
-                and len(h["shape"]) == 5
-                and h["shape"][1] == 2
-                and min(h["shape"]) > 0
-                and h["variant"] in VARIANTS
-                and h["raw_bytes"] == math.prod(h["shape"]) * dtype_of(h["dtype"]).itemsize
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise FormatError(f"raw chunk header is malformed: {e!r}") from e
-        if not ok:
-            raise FormatError(f"raw chunk header is inconsistent: {header}")
-        if len(payload) < h["payload_bytes"]:
-            raise TruncatedError(f"raw chunk payload has {len(payload)} of {h['payload_bytes']} bytes")
-        if len(payload) > h["payload_bytes"]:
-            raise FormatError(f"raw chunk has {len(payload) - h['payload_bytes']} unexpected bytes after its payload")
-        if crc32(payload) != h["crc32"]:
-            raise ChecksumError(f"raw chunk {h['index']} payload checksum mismatch")
-        return h, payload
-
     def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
-        h, _ = self._parse(blob)
+        h, _ = parse_chunk(blob)
         L, _, T, H, D = h["shape"]
         return ChunkInfo(int(h["index"]), int(h["start_token"]), T, L, H, D, h["dtype"], "raw", h["key"])
 
@@ -182,7 +150,7 @@ class RawCodec:
         return bytes(payload)
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
-        h, payload = self._parse(blob)
+        h, payload = parse_chunk(blob)
         raw = self._unpack(h, payload)
         if len(raw) != h["raw_bytes"]:
             raise FormatError("raw chunk payload decompressed to the wrong size")
@@ -200,6 +168,68 @@ class RawCodec:
 
     def decoder_name(self, device) -> str:
         return "raw-cpu"
+
+
+def parse_chunk(blob: bytes | memoryview) -> tuple[dict, memoryview]:
+    """A raw chunk blob's checked header and its payload (checksummed)."""
+    header, payload = read_object(blob, MAGIC, "raw kvcodec chunk blob")
+    try:
+        h = {
+            k: header[k]
+            for k in ("index", "start_token", "shape", "dtype", "variant", "raw_bytes", "payload_bytes", "crc32")
+        }
+        h["shape"] = tuple(int(s) for s in h["shape"])
+        h["key"] = header.get("key")
+        ok = (
+            all(_is_count(h[k]) for k in ("index", "start_token", "raw_bytes", "payload_bytes", "crc32"))
+            and (h["key"] is None or isinstance(h["key"], str))
+            and h["raw_bytes"] <= MAX_EXPANSION * max(h["payload_bytes"], 1)
+            and (h["variant"] != "raw" or h["raw_bytes"] == h["payload_bytes"])
+            and len(h["shape"]) == 5
+            and h["shape"][1] == 2
+            and min(h["shape"]) > 0
+            and h["variant"] in VARIANTS
+            and h["raw_bytes"] == math.prod(h["shape"]) * dtype_of(h["dtype"]).itemsize
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"raw chunk header is malformed: {e!r}") from e
+    if not ok:
+        raise FormatError(f"raw chunk header is inconsistent: {header}")
+    if len(payload) < h["payload_bytes"]:
+        raise TruncatedError(f"raw chunk payload has {len(payload)} of {h['payload_bytes']} bytes")
+    if len(payload) > h["payload_bytes"]:
+        raise FormatError(f"raw chunk has {len(payload) - h['payload_bytes']} unexpected bytes after its payload")
+    if crc32(payload) != h["crc32"]:
+        raise ChecksumError(f"raw chunk {h['index']} payload checksum mismatch")
+    return h, payload
+
+
+def describe_chunk(blob: bytes | memoryview) -> dict:
+    """One raw chunk blob's summary (codecs/describe.py); its one "resolution" is its payload variant
+    (the blob does not know which resolution slot of its codec it was stored under)."""
+    h, _ = parse_chunk(blob)
+    L, _, T, H, D = h["shape"]
+    size = len(memoryview(blob))
+    fp16_bytes = 2 * math.prod(h["shape"])
+    return {
+        "format": "kvcodec-raw-chunk",
+        "version": object_version(blob),
+        "codec": "raw",
+        "dtype": h["dtype"],
+        "layers": L,
+        "kv_heads": H,
+        "head_dim": D,
+        "tokens": T,
+        "chunks": 1,
+        "chunk_index": h["index"],
+        "start_token": h["start_token"],
+        "key": h["key"],
+        "file_bytes": size,
+        "fp16_bytes": fp16_bytes,
+        "ratio_vs_fp16": fp16_bytes / size,
+        "chunk_bytes": {h["variant"]: [size]},
+        "streams": {h["variant"]: h["payload_bytes"]},
+    }
 
 
 def copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
