@@ -38,7 +38,7 @@ def test_fuzzed_files_give_a_clear_error_or_the_original(kv):
         counts = tally.outcomes[category]
         assert sum(counts.values()) >= 6, (category, counts)
         assert counts["error"] + counts["altered"] > 0, (category, counts)  # the mutations do bite
-    assert tally.max_case_s < 10
+    assert tally.max_case_s < 60  # a case that loops or inflates is caught; not a speed check (cases take < 1 s)
     assert tally.max_announced_bytes <= kv.numel() * kv.element_size()
     assert reliability.peak_rss_mb() - rss0 < 1024
 

@@ -31,6 +31,7 @@ from kvcodec.transform.kvt import from_bytes, kvt_hash  # noqa: E402
 SECONDS = float(os.environ.get("KVCODEC_FUZZ_SECONDS", "4"))
 SEED = int(os.environ.get("KVCODEC_FUZZ_SEED", "20261201"))
 CHUNK = 32
+HANG_CPU_S = 60  # CPU seconds of one case; cases take ~2 s, 10 s failed once on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def splits(kvs):
 
 def _check(tally, categories, undetectable=()):
     assert not tally.violations, tally.violations[:5]
-    assert tally.max_case_s < 10  # CPU seconds of one case
+    assert tally.max_case_s < HANG_CPU_S  # a case that loops or inflates is caught, not a speed check
     for category in categories:
         counts = tally.outcomes[category]
         assert sum(counts.values()) >= 3, (category, counts)
