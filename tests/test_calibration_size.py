@@ -78,13 +78,18 @@ def test_unknown_covariance_estimator_is_refused():
         pca.fit_pca(torch.randn(10, 3), "shrunk")
 
 
-def test_default_calibration_texts_exclude_the_evaluation_essays():
-    from kvcodec.cli.calibrate import DEFAULT_TEXTS
-    from kvcodec.transform.calibration import CALIBRATION_POOL, HELD_OUT_TEXTS
+def test_default_calibration_texts_mix_kinds_and_exclude_the_evaluation_texts():
+    from kvcodec.cli.calibrate import DEFAULT_TEXTS, HOLDOUT_TEXTS
+    from kvcodec.transform import calibration as c
 
-    assert len(HELD_OUT_TEXTS) == 8 and not set(CALIBRATION_POOL) & set(HELD_OUT_TEXTS)
-    assert len(set(CALIBRATION_POOL)) == len(CALIBRATION_POOL)
-    assert CALIBRATION_POOL[: len(DEFAULT_TEXTS)] == DEFAULT_TEXTS and len(DEFAULT_TEXTS) >= 4
+    pools = (*c.CALIBRATION_POOL, *c.CODE_POOL, *c.DOC_POOL)
+    assert len(c.HELD_OUT_TEXTS) == 8 and not set(pools) & {*c.HELD_OUT_TEXTS, *c.KIND_EVAL_TEXTS}
+    assert len(set(pools)) == len(pools)
+    assert set(DEFAULT_TEXTS) <= set(pools) and len(DEFAULT_TEXTS) >= 4 and not set(HOLDOUT_TEXTS) & set(DEFAULT_TEXTS)
+    assert [t.split("/")[0] for t in DEFAULT_TEXTS[:3]] == ["pg", "py", "doc"]  # the Fisher's first texts: every kind
+    assert c.mixed_texts(3, 1, 0) == ("pg/addiction", "py/textwrap", "pg/aord", "pg/apple")
+    with pytest.raises(ConfigError, match="pools hold"):
+        c.mixed_texts(0, len(c.CODE_POOL) + 1, 0)
 
 
 def test_calibrate_command_uses_the_default_texts_without_texts(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kvcodec.errors import ConfigError
-from kvcodec.transform.calibration import CALIBRATION_POOL, HELD_OUT_TEXTS
+from kvcodec.transform.calibration import HELD_OUT_TEXTS, KIND_EVAL_TEXTS, mixed_texts
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
 from kvcodec.transform.quality import REPORT_RATIOS, safe_ratio, summary
 from kvcodec.transform.rope import STYLES, RopeSpec
@@ -17,11 +17,12 @@ from kvcodec.transform.rope import STYLES, RopeSpec
 SENSITIVITY_PREFIX, SENSITIVITY_CONT = 512, 128  # the Fisher's prefix and scored continuation per text
 SENSITIVITY_TEXTS = 4  # the Fisher runs on the first texts only: it is the expensive part (rd-calib-size-cpu.md)
 WEIGHT_ALPHA = 1.0  # weights = Fisher ** alpha; 1 (the second-order KL) measured best (docs/TRANSFORM.md)
-DEFAULT_TEXT_COUNT = 16  # texts of CALIBRATION_POOL used without --texts (benchmarks/results/rd-calib-size-cpu.md)
-DEFAULT_TEXTS = CALIBRATION_POOL[:DEFAULT_TEXT_COUNT]
-
-
-HOLDOUT_TEXTS = CALIBRATION_POOL[DEFAULT_TEXT_COUNT : DEFAULT_TEXT_COUNT + 2]  # held out of the default fit
+# Without --texts: 16 texts (benchmarks/results/rd-calib-size-cpu.md) of three kinds, 8 essays, 4 Python
+# sources, 4 pydoc pages, interleaved (the Fisher's first texts hold every kind): essays alone coded
+# code and documentation worse (benchmarks/results/rd-smollm2-135m-cpu-kinds.md, issue 23 target 3).
+DEFAULT_TEXTS = mixed_texts(8, 4, 4)
+DEFAULT_TEXT_COUNT = len(DEFAULT_TEXTS)
+HOLDOUT_TEXTS = ("pg/goodtaste", "py/shlex", "doc/csv")  # held out of the default fit: one text of each kind
 
 
 def rope_for_model(name: str) -> RopeSpec:
@@ -151,9 +152,9 @@ def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
 )
 @click.option(
     "--texts",
-    help=f"Comma-separated texts for --model (files or pg/<essay>); never the texts you evaluate on. Default: "
-    f"{DEFAULT_TEXT_COUNT} essays, {DEFAULT_TEXTS[0]} .. {DEFAULT_TEXTS[-1]} (none of the held-out evaluation essays "
-    f"{', '.join(HELD_OUT_TEXTS)}).",
+    help="Comma-separated texts for --model (files, pg/<essay>, py/<module> source, doc/<module> pydoc, dlg/<n> "
+    f"conversation); never the texts you evaluate on. Default: {', '.join(DEFAULT_TEXTS)} (none of the evaluation "
+    f"texts {', '.join(HELD_OUT_TEXTS + KIND_EVAL_TEXTS)}).",
 )
 @click.option(
     "--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="Tokens per text (--model)."
@@ -234,8 +235,8 @@ def command(
     holdout,
 ):
     """Learn a transform (a mean and a PCA basis per group of layers, for K and V) from
-    KV_FILES (written by `kvcodec extract`) or from --model on --texts (by default a fixed set of calibration
-    essays, none of them an evaluation essay: see --texts); write it to OUT.kvt. Part of the texts is held
+    KV_FILES (written by `kvcodec extract`) or from --model on --texts (by default a fixed set of essays,
+    Python sources and their documentation, none of them an evaluation text: see --texts); write it to OUT.kvt. Part of the texts is held
     out: blocks the basis codes worse than per-channel quantization fall back to it, and the quality per
     ratio (top-1 agreement and perplexity change with the model, relative error from KV files) is written
     into the .kvt and printed."""
@@ -277,7 +278,7 @@ def command(
 
 def _texts(texts: str | None, holdout: int | None) -> tuple[list[str], list[str]]:
     if not texts:
-        return list(DEFAULT_TEXTS), list(HOLDOUT_TEXTS[: 2 if holdout is None else holdout])
+        return list(DEFAULT_TEXTS), list(HOLDOUT_TEXTS[: len(HOLDOUT_TEXTS) if holdout is None else holdout])
     return split_held_out([t.strip() for t in texts.split(",") if t.strip()], holdout)
 
 
@@ -287,7 +288,7 @@ def _model_data(model_name, texts, holdout, max_tokens, weighting, alpha, fisher
 
     layout = inspect_model(model_name)  # a model kvcodec cannot code fails here, in seconds
     fit_texts, held_texts = _texts(texts, holdout)
-    held = sorted(set(fit_texts) & set(HELD_OUT_TEXTS))
+    held = sorted(set(fit_texts) & {*HELD_OUT_TEXTS, *KIND_EVAL_TEXTS})
     if held:
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
     model, tokenizer = load_model(model_name)
