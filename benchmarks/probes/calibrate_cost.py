@@ -12,6 +12,7 @@ Each run is `kvcodec calibrate ...` started as
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
 import sys
@@ -64,7 +65,9 @@ def main(runs, notes, out_stem):
         rev, time_file, kvt = rest.split(":")
         info = kvt_info(kvt)
         q = info.get("quality") or {}
-        rec = dict(label=label, rev=rev, **parse_time(time_file), kvt_mb=round(Path(kvt).stat().st_size / 1e6, 1))
+        data = Path(kvt).read_bytes()
+        rec = dict(label=label, rev=rev, **parse_time(time_file), kvt_mb=round(len(data) / 1e6, 1))
+        rec.update(kvt_sha256=hashlib.sha256(data).hexdigest(), held_out=q.get("held_out", []))
         rec.update(
             fallback=info.get("fallback", []),
             report_coder=q.get("coder"),
@@ -87,7 +90,12 @@ def main(runs, notes, out_stem):
             f"{r['cpu_share_pct']}% | {r['peak_rss_mb']} MB | {r['kvt_mb']} MB | {', '.join(r['fallback']) or 'none'} | "
             f"{r['safe_ratio']}x |"
         )
-    md += ["", "Held-out report (pg/goodtaste, pg/hubs; 256 scored positions: one = 0.004 top-1):", ""]
+    held = ", ".join(records[0]["held_out"])
+    same = len({r["kvt_sha256"] for r in records}) == 1
+    if len(records) > 1:
+        md += ["", f".kvt sha256 {'identical in every run' if same else 'differs between runs'}."]
+    md += [""]
+    md += [f"Held-out report ({held}; 128 scored positions per text):", ""]
     md += [f"- {r['label']} ({r['report_coder']}): {r['report_summary']}" for r in records]
     write_result(out_stem + ".json", dict(command=cmd, notes=list(notes), runs=records), md)
     click.echo("\n".join(md))
