@@ -102,3 +102,18 @@ def redis_server(tmp_path):
         yield srv
     finally:
         srv.kill()
+
+
+@pytest.fixture
+def fresh_plans(tmp_path, monkeypatch):
+    """An empty on-disk coding-plan cache and empty in-process caches: the trial decisions of
+    earlier tests (kept in this process) cannot leak into a test that compares bytes."""
+    from kvcodec.layout import search
+
+    plans = tmp_path / "plans"
+    monkeypatch.setenv("KVCODEC_CACHE_DIR", str(plans))
+    monkeypatch.setenv("KVCODEC_PLAN_CACHE", "1")
+    monkeypatch.setattr(search, "_disk", None)
+    monkeypatch.setattr(search, "_cache", {})
+    monkeypatch.setattr(search, "_bits_cache", {})
+    return plans / search.PLANS_FILE

@@ -35,17 +35,6 @@ class CountingX265(X265Encoder):
         return CountingX265(self.preset, threads, self.extra_params, self.tuning)
 
 
-@pytest.fixture
-def fresh_plans(tmp_path, monkeypatch):
-    """An empty on-disk plan cache and empty in-process caches."""
-    monkeypatch.setenv("KVCODEC_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("KVCODEC_PLAN_CACHE", "1")
-    monkeypatch.setattr(search, "_disk", None)
-    monkeypatch.setattr(search, "_cache", {})
-    monkeypatch.setattr(search, "_bits_cache", {})
-    return tmp_path / search.PLANS_FILE
-
-
 def test_parallel_chunks_give_the_bytes_of_one_at_a_time_in_order(monkeypatch, fresh_plans):
     kv = kv_like()
     config = CodecConfig(chunk_tokens=16, resolutions=RES, plain_fallback=False)
