@@ -23,11 +23,11 @@ DOCS = [
 
 
 def test_ingest_in_processes_stores_the_bytes_an_ingest_on_threads_stores(smollm2, tmp_path, fresh_plans):
-    """Threads first: their trial decisions (layout, bit split) land in the plan cache, which the
-    workers read, so both runs code with the same plans."""
+    """Processes first, on an empty plan cache: the workers' trial decisions (layout, bit split)
+    land in the plan cache, which the threads run then reads, so both code with the same plans."""
     model, tokenizer = smollm2
     stored = {}
-    for where in ("threads", "processes"):
+    for where in ("processes", "threads"):
         url = f"file://{tmp_path / where}"
         cache = PrefixCache(open_store(url), model_id(model), make_codec("hevc", chunk_tokens=32, video_bits=8), "cpu")
         report = ingest(DOCS, model, tokenizer, cache, store_url=url, encode_in=where)
