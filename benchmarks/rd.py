@@ -73,7 +73,7 @@ def chunk_roundtrip(codec, kv16):
 
 def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True, zstd_ratios=(), coder="hevc"):
     """name -> (factory of a roundtrip function kv16 -> (restored, bytes, extra))."""
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
 
     out = {"fp16": _with_fast(lambda kv: (kv, kv.numel() * 2, {}), lambda theta: out["fp16"])}
     for r in ratios:
@@ -95,7 +95,7 @@ def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True
 
 
 def _transform(codec, cal, digest, compare=True):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
 
     def run(kv):
         t0 = time.perf_counter()

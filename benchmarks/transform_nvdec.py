@@ -42,7 +42,7 @@ REF_TOKENS = 128  # leading tokens of the first chunk's CPU restore kept as the 
 
 
 def _chunks(data: bytes) -> tuple[dict, list[bytes]]:
-    from kvcodec.codecs.transform_file import read_header
+    from kvcodec.codecs.transform.file import read_header
 
     h, payload = read_header(data)
     blobs, pos = [], 0
@@ -73,7 +73,7 @@ def load_pack(path: pathlib.Path):
     """A TransformCodec over the cut calibration prep wrote (bases as wide as any file codes)."""
     from safetensors import safe_open
 
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
     from kvcodec.transform.rope import RopeSpec
 
@@ -146,8 +146,8 @@ def cli():
 def prep(kvt, kv_path, ratios, resolutions, tokens, chunk_tokens, out_dir):
     from safetensors.torch import load_file, save_file
 
-    from kvcodec.codecs.transform import TransformCodec
-    from kvcodec.codecs.transform_file import encode_file
+    from kvcodec.codecs.transform.codec import TransformCodec
+    from kvcodec.codecs.transform.file import encode_file
 
     kv = load_file(kv_path)["kv"]
     kv = kv[:, :, : min(tokens, kv.shape[2]) // chunk_tokens * chunk_tokens].contiguous()
@@ -270,7 +270,7 @@ def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
     """The restore math alone, samples already on the GPU: ms per chunk on the GPU (CUDA events)
     and on the host (launch-bound), for one chunk at a time, `batch` chunks in one pass, one chunk
     replayed from a CUDA graph (GPU time without launch gaps), and the per-group reference path."""
-    from kvcodec.codecs import transform_decode
+    from kvcodec.codecs.transform import decode as transform_decode
     from kvcodec.restore import transform_kernels as tk
     from kvcodec.transform import quantize
     from kvcodec.video.nvcuvid import NvcuvidDecoder
@@ -377,7 +377,7 @@ def gemm_precision(codec, case: Case, batch: int = 16, repeat: int = 50) -> dict
 def host_profile(codec, case: Case, rounds: int = 3) -> dict:
     """Where one thread's time goes per chunk in the first half of restore_chunks (the part that
     runs on the NVDEC worker threads): host ms per chunk for each step, one chunk after another."""
-    from kvcodec.codecs import transform_decode
+    from kvcodec.codecs.transform import decode as transform_decode
     from kvcodec.container.format import crc32
     from kvcodec.transform import frames, quantize
     from kvcodec.video.nvcuvid import NvcuvidDecoder
@@ -454,7 +454,7 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     math in one pass once all are decoded); "stream": restore_chunks now (each session streams its
     chunks through one parser, the math in waves as they come). cpu_ms_per_chunk: the process's
     CPU time per chunk restored (all threads; CUDA waits may spin)."""
-    from kvcodec.codecs import transform_batch
+    from kvcodec.codecs.transform import batch as transform_batch
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     mode, wave = spec["mode"], spec["wave"]
@@ -533,7 +533,7 @@ def restore_chunks_v2(codec, blobs, outs, threads) -> None:
     decoded: list = [None] * len(blobs)
 
     def first_half(blob, i, decoder, restore="auto"):
-        from kvcodec.codecs.transform_decode import check_target
+        from kvcodec.codecs.transform.decode import check_target
 
         h, streams = codec._read(blob)
         check_target(h, outs[i])

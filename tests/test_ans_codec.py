@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from kvcodec.codecs.base import ChunkCodec
 from kvcodec.codecs.registry import make_codec
-from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.codecs.transform_ans import TransformAnsCodec
 from kvcodec.container.format import crc32
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, KVCodecError, TruncatedError

@@ -58,7 +58,7 @@ def test_codec_restores_on_the_sms_as_the_zstd_transform_does(tmp_path):
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.codecs.transform_ans import TransformAnsCodec
     from kvcodec.transform import calibrate, save_kvt
     from test_transform_codec import ROPE, synthetic_kv

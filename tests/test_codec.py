@@ -295,7 +295,7 @@ def test_the_host_shift_is_the_uncenter_shift(data):
     centering.uncenter_terms' (what the encoder's centering inverts)."""
     import numpy as np
 
-    from kvcodec.codecs.hevc_decode import shift_from_centers
+    from kvcodec.codecs.hevc.decode import shift_from_centers
     from kvcodec.quant import centering
 
     units, dim = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 16))

@@ -352,7 +352,7 @@ def test_a_remembered_chunk_header_keeps_every_check(blob):
 
 # ---------------------------------------------------------------------------- split chunks (several streams)
 
-from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob  # noqa: E402
+from kvcodec.codecs.hevc.decode import chunk_parts, decode_chunk_blob  # noqa: E402
 from kvcodec.container import split  # noqa: E402
 from kvcodec.restore.paged import PagedKV  # noqa: E402
 

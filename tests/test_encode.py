@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvcodec import CodecConfig
-from kvcodec.codecs import hevc_encode
+from kvcodec.codecs.hevc import encode as hevc_encode
 from kvcodec.errors import ConfigError
 from kvcodec.layout import search
 from kvcodec.layout.tiling import frame_blocks, pack_frame
@@ -90,7 +90,7 @@ def test_unreadable_plan_cache_is_ignored(fresh_plans):
 
 
 def _transform_codec(tmp_path, **kw):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform import RopeSpec, calibrate, save_kvt
 
     g = torch.Generator().manual_seed(3)
@@ -117,7 +117,7 @@ def test_transform_chunks_in_parallel_give_the_bytes_of_one_at_a_time(monkeypatc
 def test_transform_plan_cache_is_safe_on_threads(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvcodec.codecs import transform
+    from kvcodec.codecs.transform import codec as transform
 
     codec, _ = _transform_codec(tmp_path)
     thetas = [10.0 ** (-k / 20) for k in range(3 * transform.MAX_PLANS)]

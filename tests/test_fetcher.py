@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.codecs.hevc import HevcCodec
+from kvcodec.codecs.hevc.codec import HevcCodec
 from kvcodec.codecs.raw import RawCodec
 from kvcodec.config import CodecConfig
 from kvcodec.errors import ChecksumError, ConfigError, FetchError, FormatError, ShapeError, StoreError

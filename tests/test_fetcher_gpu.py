@@ -69,7 +69,7 @@ def test_hevc_fetch_through_nvdec_matches_cpu():
 def test_cuda_without_a_gpu_decoder_decodes_on_the_cpu_and_says_so():
     """The README's promise: a CUDA device whose GPU decoder is unavailable decodes on the CPU
     (frames moved to the device) instead of failing every fetch; the result names the decoder."""
-    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.codecs.hevc.codec import HevcCodec
     from kvcodec.video.registry import get_decoder
     from kvcodec.video.x265_cpu import FFmpegHevcDecoder
 
@@ -92,8 +92,8 @@ def test_cuda_without_a_gpu_decoder_decodes_on_the_cpu_and_says_so():
 
 
 def test_fetch_through_pool_workers_matches_cpu():
-    from kvcodec.codecs.hevc import HevcCodec
-    from kvcodec.codecs.hevc_pool import open_pool
+    from kvcodec.codecs.hevc.codec import HevcCodec
+    from kvcodec.codecs.hevc.pool import open_pool
     from kvcodec.video.nvdec import NvdecDecoder
 
     if not NvdecDecoder.is_available():
@@ -122,7 +122,7 @@ def test_fetch_through_pool_workers_matches_cpu():
 def _transform_caches(kvt, tokens: int = 600):
     """A CPU and a CUDA PrefixCache over one memory store holding `tokens` of synthetic KV coded by
     the transform codec (HEVC samples: NVDEC on CUDA), and the token ids."""
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.store import open_store
 
     codec = TransformCodec(
@@ -142,7 +142,7 @@ def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, monkeypatch)
     (transform_batch.StageDriver; driven False: decode worker threads); both restore what the CPU does."""
     import threading
 
-    from kvcodec.codecs import transform_batch
+    from kvcodec.codecs.transform import batch as transform_batch
     from kvcodec.video.nvcuvid import NvcuvidDecoder
 
     if not NvcuvidDecoder.is_available():

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "pro
 import format_fuzz  # noqa: E402
 import reliability  # noqa: E402
 
-from kvcodec.codecs.transform import CHUNK_MAGIC as TC_MAGIC  # noqa: E402
-from kvcodec.codecs.transform import TransformCodec  # noqa: E402
+from kvcodec.codecs.transform.codec import CHUNK_MAGIC as TC_MAGIC  # noqa: E402
+from kvcodec.codecs.transform.codec import TransformCodec  # noqa: E402
 from kvcodec.container import split  # noqa: E402
 from kvcodec.container.format import read_object, write_object  # noqa: E402
 from kvcodec.errors import FormatError, KVCodecError  # noqa: E402

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "pro
 import kinds_fuzz as kf  # noqa: E402
 
 from kvcodec.codecs.grouped_file import decode_grouped  # noqa: E402
-from kvcodec.codecs.transform_file import decode_file, read_header  # noqa: E402
+from kvcodec.codecs.transform.file import decode_file, read_header  # noqa: E402
 from kvcodec.container.format import read_object, write_object  # noqa: E402
 from kvcodec.errors import FormatError, KVCodecError, TruncatedError  # noqa: E402
 

@@ -202,7 +202,7 @@ def test_any_chunk_aligned_prefix_restores_exactly(spec, stop, ct, data):
 
 def test_transform_codecs_calibrated_per_layer_kind():
     """A TransformCodec calibrated on each kind's group tensors codes that kind's groups."""
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform.calibration import calibrate
     from kvcodec.transform.kvt import kvt_hash, to_bytes
 

@@ -17,9 +17,9 @@ from kvcodec.codecs import make_codec
 from kvcodec.codecs.describe import CORE, READERS, describe
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.grouped_file import encode_grouped
-from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform.codec import TransformCodec
+from kvcodec.codecs.transform.file import encode_file
 from kvcodec.codecs.transform_ans import TransformAnsCodec
-from kvcodec.codecs.transform_file import encode_file
 from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, FormatError, TruncatedError
 from kvcodec.transform import calibrate, save_kvt

@@ -55,7 +55,7 @@ def test_compact_keeps_an_uncut_float32_file_readable_and_is_idempotent():
 
 @pytest.mark.parametrize("ratio", [3.0, 8.0])
 def test_the_reports_simulation_restores_what_the_codec_decodes_and_estimates_its_size(ratio):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform import simulate
     from kvcodec.transform.kvt import kvt_hash
     from kvcodec.transform.rope import RopeSpec, apply_rope

@@ -227,7 +227,7 @@ def test_wrong_size_and_garbage_raise():
 @pytest.mark.gpu
 def test_threads_restore_chunks_exactly_in_one_context():
     import kvcodec
-    from kvcodec.codecs.hevc_pool import restore_in_pool
+    from kvcodec.codecs.hevc.pool import restore_in_pool
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     gen = torch.Generator().manual_seed(0)
@@ -253,7 +253,7 @@ def test_threads_restore_chunks_exactly_in_one_context():
 @pytest.mark.gpu
 def test_threads_stand_where_an_nvdec_pool_does():
     import kvcodec
-    from kvcodec.codecs.hevc_pool import restore_in_pool
+    from kvcodec.codecs.hevc.pool import restore_in_pool
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     gen = torch.Generator().manual_seed(1)

@@ -253,7 +253,7 @@ def test_codec_decode_on_cuda_matches_cpu(quant):
 @pytest.mark.parametrize("where", ["workers", "consumer"])
 def test_pool_decode_parallel_matches_codec(where):
     import kvcodec
-    from kvcodec.codecs.hevc_pool import decode_parallel
+    from kvcodec.codecs.hevc.pool import decode_parallel
     from kvcodec.config import CodecConfig
     from kvcodec.video.nvdec_pool import NvdecPool
 
@@ -275,7 +275,7 @@ def test_pool_decode_parallel_matches_codec(where):
 def test_pool_restore_in_workers_reports_a_corrupt_chunk():
     import kvcodec
     from kvcodec.codec import encode_chunks
-    from kvcodec.codecs.hevc_pool import restore_chunk
+    from kvcodec.codecs.hevc.pool import restore_chunk
     from kvcodec.config import CodecConfig
     from kvcodec.video.nvdec_pool import NvdecPool
 
@@ -299,7 +299,7 @@ def test_pool_workers_release_the_consumers_output_when_idle(hold):
     import time
 
     import kvcodec
-    from kvcodec.codecs.hevc_pool import decode_parallel
+    from kvcodec.codecs.hevc.pool import decode_parallel
     from kvcodec.config import CodecConfig
     from kvcodec.video.nvdec_pool import NvdecPool
 

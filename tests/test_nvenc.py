@@ -75,7 +75,7 @@ def test_failed_encode_session_falls_back_and_says_which_encoder_ran():
     project's machines) hands the encode to x265; the chunk records the encoder that ran."""
     import torch
 
-    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.codecs.hevc.codec import HevcCodec
     from kvcodec.config import CodecConfig
     from kvcodec.video.registry import _ENCODERS, BackendEntry, FallbackEncoder
 

@@ -230,7 +230,7 @@ def test_serve_refuses_a_transform_of_another_model_at_start(client):
     import click
 
     from kvcodec.cli.serve import _check_codec_fits
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform import calibrate
     from kvcodec.transform.rope import RopeSpec
 

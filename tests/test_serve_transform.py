@@ -20,7 +20,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvcodec.cli.main import cli  # noqa: E402
 from kvcodec.codecs import HevcCodec, RawCodec  # noqa: E402
-from kvcodec.codecs.transform import TransformCodec  # noqa: E402
+from kvcodec.codecs.transform.codec import TransformCodec  # noqa: E402
 from kvcodec.restore.paged import PagedKV  # noqa: E402
 
 CHUNK = 64

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from kvcodec import CodecConfig
-from kvcodec.codecs.hevc import HevcCodec
-from kvcodec.codecs.hevc_encode import Background, background, background_settings, in_order, lower_priority
+from kvcodec.codecs.hevc.codec import HevcCodec
+from kvcodec.codecs.hevc.encode import Background, background, background_settings, in_order, lower_priority
 from kvcodec.engine import EngineConfig
 from kvcodec.engine.storer import KVStorer, StorePolicy, default_store_workers
 from kvcodec.errors import ConfigError

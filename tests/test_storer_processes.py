@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvcodec import CodecConfig
-from kvcodec.codecs.hevc import HevcCodec
+from kvcodec.codecs.hevc.codec import HevcCodec
 from kvcodec.codecs.raw import RawCodec
 from kvcodec.engine import encode_pool
 from kvcodec.engine.encode_pool import BufferPool, portable_codec, split_workers
@@ -79,7 +79,7 @@ def test_a_store_is_encoded_in_a_worker_process_below_the_engine_with_the_same_b
 
 
 def test_a_transform_coded_store_crosses_to_a_worker_and_writes_the_same_bytes(tmp_path):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform import calibrate
 
     cal = calibrate([kv_of(256, 1), kv_of(256, 2)], None, info={"model": "test"})

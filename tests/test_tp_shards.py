@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcodec.codecs.hevc import HevcCodec
+from kvcodec.codecs.hevc.codec import HevcCodec
 from kvcodec.config import CodecConfig
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.fetcher import DecodeProfile, PrefixCache, blob_key, chunk_keys, meta_key

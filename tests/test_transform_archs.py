@@ -142,7 +142,7 @@ def test_a_model_kvcodec_cannot_code_fails_from_its_config_before_loading(model_
 
 @pytest.mark.parametrize("arch", sorted(GROUPS))
 def test_extract_calibrate_encode_decode(arch, model_dirs, tmp_path):
-    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.codecs.transform.codec import kvt_info
     from kvcodec.kvspec.files import load_kv_file
 
     folder, kvt, kv_file = model_dirs[arch], tmp_path / "m.kvt", tmp_path / "kv.safetensors"
@@ -171,7 +171,7 @@ def test_extract_calibrate_encode_decode(arch, model_dirs, tmp_path):
 
 
 def test_target_quality_picks_the_highest_ratio_that_met_it_and_a_ratio_beyond_warns(model_dirs, tmp_path):
-    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.codecs.transform.codec import kvt_info
     from kvcodec.transform.quality import ratio_for
 
     folder, kvt = model_dirs["gemma3"], tmp_path / "g.kvt"

@@ -1,4 +1,4 @@
-"""restore_chunks (codecs/transform_batch.py): many transform chunks decoded on worker sessions that
+"""restore_chunks (codecs/transform/batch.py): many transform chunks decoded on worker sessions that
 stream their chunks through one parser each, the math in waves on the caller's thread.
 
 On the CPU the sessions are threads with FFmpeg decoders (the orchestration is the same as on
@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import test_transform_gpu as gpu_tests  # the synthetic transform and KV those tests code
-from kvcodec.codecs.transform import TransformCodec
-from kvcodec.codecs.transform_batch import restore_chunks
+from kvcodec.codecs.transform.batch import restore_chunks
+from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.video.nvcuvid import STAMP_SHIFT, attribute
 from kvcodec.video.registry import get_decoder
@@ -181,7 +181,7 @@ def test_a_session_that_fails_on_its_own_stops_its_worker_and_the_call_raises(kv
 def test_stage_stream_stages_every_chunk_and_names_the_refused_and_the_damaged(kvt):
     """The fetch pipeline's streamed first half: every chunk staged as it completes, a chunk that
     its check refuses and a chunk whose stream holds an extra picture reported as that chunk's own."""
-    from kvcodec.codecs.transform_batch import stage_stream
+    from kvcodec.codecs.transform.batch import stage_stream
     from kvcodec.errors import FormatError
 
     c, kv, chunks, want = _case(kvt)
@@ -209,7 +209,7 @@ def test_sink_tokens_go_up_in_one_piece_each_to_its_chunk(monkeypatch):
     """finish uploads every staged chunk's host sink tokens at once (transform_decode._sinks_on):
     each chunk gets its own values and shape back, chunks without sink tokens get None. (No GPU
     here: the upload is a copy, standing for the host-to-device one.)"""
-    from kvcodec.codecs import transform_decode
+    from kvcodec.codecs.transform import decode as transform_decode
 
     a = torch.arange(2 * 2 * 4 * 3 * 2, dtype=torch.float16).view(2, 2, 4, 3, 2)
     b = -torch.arange(2 * 2 * 1 * 3 * 2, dtype=torch.float16).view(2, 2, 1, 3, 2)
@@ -304,7 +304,7 @@ def test_stage_driver_stages_every_chunk_from_one_thread(kvt, sessions, fail):
     """transform_batch.StageDriver (the fetch's default on CUDA): chunks submitted from one thread to
     several sessions, each chunk's frames straight into its buffer; a chunk refused by its check is
     that chunk's error; after a session fails, each chunk it held is decoded on its own."""
-    from kvcodec.codecs.transform_batch import StageDriver
+    from kvcodec.codecs.transform.batch import StageDriver
     from kvcodec.errors import FormatError
 
     c, kv, chunks, want = _case(kvt)

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from kvcodec.codecs.base import ChunkCodec
 from kvcodec.codecs.registry import make_codec
-from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.errors import ConfigError, FormatError, KVCodecError, ShapeError
 from kvcodec.restore.paged import PagedKV
 from kvcodec.transform import RopeSpec, calibrate, load_kvt, save_kvt
@@ -313,7 +313,7 @@ def test_fisher_predicts_the_kl_divergence_of_kv_noise():
 def test_plans_kept_per_codec_are_bounded(kvt):
     """Every chunk names its own distortion level; a stream of chunks with ever new levels (forged or
     not) must not grow the codec's plan cache without bound."""
-    from kvcodec.codecs.transform import MAX_PLANS
+    from kvcodec.codecs.transform.codec import MAX_PLANS
 
     c = codec(kvt)
     for i in range(MAX_PLANS + 40):
@@ -350,7 +350,7 @@ def test_chunks_with_and_without_the_new_fields_decode_with_any_codec(kvt):
 
 
 def test_version_1_chunks_still_decode_at_the_bin_centres(kvt):
-    from kvcodec.codecs.transform import CHUNK_MAGIC
+    from kvcodec.codecs.transform.codec import CHUNK_MAGIC
     from kvcodec.container.format import read_object, write_object
 
     c = codec(kvt, coder="zstd", bits_per_value=2.0, fine_tokens=0)  # version 1 had no finer tail
@@ -382,7 +382,7 @@ def test_version_1_chunks_still_decode_at_the_bin_centres(kvt):
     ],
 )
 def test_forged_precision_fields_are_format_errors(kvt, edit):
-    from kvcodec.codecs.transform import CHUNK_MAGIC
+    from kvcodec.codecs.transform.codec import CHUNK_MAGIC
     from kvcodec.container.format import read_object, write_object
 
     c = codec(kvt, coder="zstd", bits_per_value=2.0, fine_tokens=8, fine_bits=1)

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import test_transform_codec as codec_tests  # the synthetic KV those tests code
-from kvcodec.codecs.transform import TransformCodec
-from kvcodec.codecs.transform_batch import restore_chunks, threads_decode_into
+from kvcodec.codecs.transform.batch import restore_chunks, threads_decode_into
+from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.errors import CorruptStreamError
 from kvcodec.restore import transform_kernels as tk
 from kvcodec.restore.paged import PagedKV
@@ -209,7 +209,7 @@ def test_restore_chunks_on_nvcuvid_threads_matches_the_cpu(kvt, kw):
 
 
 def test_batched_plans_are_kept_for_a_few_levels_only(kvt):
-    from kvcodec.codecs.transform_decode import MAX_PLANS
+    from kvcodec.codecs.transform.decode import MAX_PLANS
 
     _, fast = codecs(kvt)
     kv = synthetic_kv(64, 9)

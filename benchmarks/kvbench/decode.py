@@ -186,7 +186,7 @@ class _Case:
     def part_jobs(self, views) -> tuple[list, list]:
         """(blobs, targets) with every part of a split chunk a job of its own (what spreads one
         chunk over several engines)."""
-        from kvcodec.codecs.hevc_decode import chunk_parts
+        from kvcodec.codecs.hevc.decode import chunk_parts
 
         jobs = [job for blob, view in zip(self.blobs, views) for job in chunk_parts(blob, view)]
         return [b for b, _ in jobs], [t for _, t in jobs]
@@ -221,7 +221,7 @@ THREAD_SESSIONS = 7  # NVDEC engines of an H100/H200
 
 def _nvcuvid_threads(device, warm_blob):
     """One NvcuvidThreads per device for the whole run (sessions warmed on a chunk of the data)."""
-    from kvcodec.codecs.hevc_pool import open_threads
+    from kvcodec.codecs.hevc.pool import open_threads
 
     key = str(device)
     if key not in _THREADS:
@@ -257,7 +257,7 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
 
         return run
     if backend in ("nvdec-pool", "nvdec-pool-consumer"):
-        from kvcodec.codecs.hevc_pool import decode_blobs_parallel
+        from kvcodec.codecs.hevc.pool import decode_blobs_parallel
 
         where = "workers" if backend == "nvdec-pool" else "consumer"
         blobs, targets = case.part_jobs(views)
@@ -268,7 +268,7 @@ def _restore_fn(backend: str, case: _Case, device, pool=None, cpu_threads: int =
 
         return run
     if backend == "nvcuvid-threads":  # in-process NVDEC sessions on threads, torch's own context
-        from kvcodec.codecs.hevc_pool import restore_in_pool
+        from kvcodec.codecs.hevc.pool import restore_in_pool
 
         threads = _nvcuvid_threads(device, case.unique_blobs[0])
         blobs, targets = case.part_jobs(views)
@@ -491,7 +491,7 @@ def _staging(case_paths: dict, device, pool, restore: str = "auto") -> list[dict
     import torch
 
     import kvcodec
-    from kvcodec.codecs.hevc_pool import decode_parallel
+    from kvcodec.codecs.hevc.pool import decode_parallel
     from kvcodec.video.nvdec import NvdecDecoder
 
     recs = []

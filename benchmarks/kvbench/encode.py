@@ -45,7 +45,8 @@ def gpu_name() -> str | None:
 def _setting(*, tuning: str | None = None, workers: int | None = None, plans: str = "cold") -> Iterator[None]:
     """x265 tuning, encode workers and the plan cache ("cold": empty; "warm": as left by the
     previous run; "off": in memory only, emptied: every process pays the trials) for one run."""
-    from kvcodec.codecs import hevc_encode, transform
+    from kvcodec.codecs.hevc import encode as hevc_encode
+    from kvcodec.codecs.transform import codec as transform
     from kvcodec.layout import search
     from kvcodec.video import x265_cpu
 
@@ -123,7 +124,7 @@ def _hevc_runs(kv, quant: str, repeat: int, sweep: bool) -> list[dict[str, Any]]
 
 def _transform_runs(kv, kvt: Path, repeat: int) -> list[dict[str, Any]]:
     import kvcodec
-    from kvcodec.codecs import transform
+    from kvcodec.codecs.transform import codec as transform
 
     fp16 = kv.numel() * 2
     rows = []

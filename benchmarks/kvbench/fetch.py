@@ -216,7 +216,7 @@ def command(**options) -> None:  # noqa: ANN003
 
         pool = NvdecPool(workers=s.pool_workers, device=s.device, max_frame=max(s.res, key=lambda r: r[0] * r[1]))
     elif s.thread_sessions > 0:
-        from kvcodec.codecs.hevc_pool import open_threads
+        from kvcodec.codecs.hevc.pool import open_threads
 
         pool = open_threads(s.thread_sessions, device=s.device)
     try:

@@ -56,7 +56,7 @@ def parse_time(path: str) -> dict:
 @click.option("--note", "notes", multiple=True)
 @click.option("--out", "out_stem", required=True)
 def main(runs, notes, out_stem):
-    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.codecs.transform.codec import kvt_info
     from kvcodec.transform.quality import safe_ratio, summary
 
     records = []

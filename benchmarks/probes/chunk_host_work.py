@@ -36,15 +36,15 @@ from pathlib import Path
 
 import torch
 
-from kvcodec.codecs import hevc_decode
-from kvcodec.codecs.hevc import HevcCodec
+from kvcodec.codecs.hevc import decode as hevc_decode
+from kvcodec.codecs.hevc.codec import HevcCodec
 from kvcodec.config import CodecConfig
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 # (module, attribute, phase name, enclosing phase or None): wrapped for the breakdown; missing ones
 # are skipped, so the same probe runs on the code before and after a change. Nested phases are
 # shown under their enclosing one and not subtracted again from the chunk's wall time.
-_D = "kvcodec.codecs.hevc_decode"
+_D = "kvcodec.codecs.hevc.decode"
 PHASES = [
     # the decode path since cccf1e9: side streams through one host buffer, centering shift on the host
     (_D, "parse_chunk", "header parse (prefix, CRC, cached JSON + checks)", None),

@@ -68,11 +68,11 @@ def make_codec(case: dict, d: pathlib.Path, cal=None):
     """The case's codec: on the CPU (prep) over the .kvt, on the GPU machine over the pack."""
     res = (tuple(case["res"]),)
     if case["codec"] == "hevc":
-        from kvcodec.codecs.hevc import HevcCodec
+        from kvcodec.codecs.hevc.codec import HevcCodec
         from kvcodec.config import CodecConfig
 
         return HevcCodec(CodecConfig(quant="int8", chunk_tokens=case["chunk"], resolutions=res))
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
 
     options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], "resolutions": res}
     if cal is not None:
@@ -223,7 +223,7 @@ def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
 def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
     native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM)."""
-    from kvcodec.codecs import transform_batch
+    from kvcodec.codecs.transform import batch as transform_batch
     from kvcodec.restore import transform_kernels
     from kvcodec.video import nvcuvid, nvcuvid_native
 
@@ -261,7 +261,7 @@ SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "ea
 
 def _close_idle() -> None:
     """Close every idle decoder the fetches keep (a variant's decoders are made afresh)."""
-    from kvcodec.codecs.hevc_decode import idle_decoders
+    from kvcodec.codecs.hevc.decode import idle_decoders
 
     for ds in idle_decoders._idle.values():
         for d in ds:
@@ -353,7 +353,7 @@ def decode_only(case, codec, mem, doc, probe, copies: int, seconds: float) -> di
 def restore_alone(case, codec, mem, doc, probe, seconds: float) -> dict:
     """restore_chunks on NvcuvidThreads (one session per engine, streamed, math in waves): the
     restore without the fetch pipeline, for the pipeline's own cost."""
-    from kvcodec.codecs.transform_batch import restore_chunks
+    from kvcodec.codecs.transform.batch import restore_chunks
     from kvcodec.fetcher import blob_key
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads, nvdec_engines
 
@@ -527,7 +527,7 @@ def _where(frame) -> str:
 
 def standing_sessions(probe) -> dict:
     """GPU memory the fetches' decoder sessions hold (every idle NVDEC session closed and measured)."""
-    from kvcodec.codecs.hevc_decode import idle_decoders
+    from kvcodec.codecs.hevc.decode import idle_decoders
 
     before = probe.free_mb()
     decoders = [d for ds in idle_decoders._idle.values() for d in ds]

@@ -42,9 +42,9 @@ import torch
 import zstandard
 from reliability import LOOSE, STRICT, Tally, bits, m_bitflip, m_resize, mutate_json
 
-from kvcodec.codecs.hevc import HevcCodec
-from kvcodec.codecs.transform import CHUNK_MAGIC as TC_MAGIC
-from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.hevc.codec import HevcCodec
+from kvcodec.codecs.transform.codec import CHUNK_MAGIC as TC_MAGIC
+from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import CHUNK_MAGIC, crc32, read_object, write_object
 from kvcodec.container.split import SPLIT_MAGIC

@@ -68,7 +68,7 @@ def main(
 ):
     from kvcodec.cli.calibrate import report_coder
     from kvcodec.codecs import make_codec
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.models import load_model
     from kvcodec.models.check import inspect_model
     from kvcodec.models.extract import kv_of_ids

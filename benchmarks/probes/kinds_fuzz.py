@@ -398,8 +398,8 @@ def kvgf_subjects(kv: torch.Tensor, ct: int, small: bool = False) -> list[Subjec
 
 
 def kvtf_subjects(kv: torch.Tensor, cal_kv: torch.Tensor, ct: int, small: bool = False) -> tuple[list, Subject]:
-    from kvcodec.codecs.transform import TransformCodec
-    from kvcodec.codecs.transform_file import decode_file, encode_file
+    from kvcodec.codecs.transform.codec import TransformCodec
+    from kvcodec.codecs.transform.file import decode_file, encode_file
     from kvcodec.transform import calibrate
     from kvcodec.transform.kvt import kvt_hash, to_bytes
 

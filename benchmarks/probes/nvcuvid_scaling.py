@@ -222,7 +222,7 @@ class ThreadRestorer:
 def backends(args, case: Case):
     """(backend name, threads or workers, CUDA contexts, opener) for each compared backend; an opener
     returns (restore_fn(blobs, outs), close_fn)."""
-    from kvcodec.codecs.hevc_pool import open_threads, restore_chunk
+    from kvcodec.codecs.hevc.pool import open_threads, restore_chunk
     from kvcodec.video.nvdec import NvdecDecoder
 
     def nvcuvid(sessions, threads):
@@ -248,7 +248,7 @@ def backends(args, case: Case):
 
     def pool(n):
         def open_():
-            from kvcodec.codecs.hevc_pool import open_pool, restore_in_pool
+            from kvcodec.codecs.hevc.pool import open_pool, restore_in_pool
 
             p = open_pool(workers=n)
 

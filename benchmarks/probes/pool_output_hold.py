@@ -12,7 +12,7 @@ import time
 import torch
 
 import kvcodec
-from kvcodec.codecs.hevc_pool import decode_parallel
+from kvcodec.codecs.hevc.pool import decode_parallel
 from kvcodec.config import CodecConfig
 from kvcodec.video.nvdec_pool import NvdecPool
 

@@ -100,7 +100,7 @@ def _measure(codec, judge):
 
 
 def _run_config(cfg, model_name, model, kvs, fishers, rope, items, judge, ratio, kvt_dir):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform import calibrate, save_kvt
     from kvcodec.transform.weights import channel_weights
 

@@ -126,7 +126,7 @@ def _roundtrip(codec, kv16: torch.Tensor) -> tuple[torch.Tensor, int, float | No
 def _codecs(kvt: str, ratios: list[float], baselines: list[str]) -> dict:
     """name -> factory of a fresh codec (one per job: the codecs are not shared across threads)."""
     from kvcodec.codecs import make_codec
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform.kvt import load_kvt
 
     cal, digest = load_kvt(kvt)
@@ -171,7 +171,7 @@ def _aggregate(name: str, method: str, rows: list[dict]) -> dict:
 
 
 def _report_points(kvt: str) -> tuple[dict, dict]:
-    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.codecs.transform.codec import kvt_info
 
     info = kvt_info(kvt)
     q = info.get("quality") or {}

@@ -166,7 +166,7 @@ def main(
     notes,
     out_stem,
 ):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.models import load_model
 
     if merge:

@@ -23,7 +23,7 @@ from kvbench.results import write_result  # noqa: E402
 
 
 def report_records(model: str, kvt: str) -> tuple[list[dict], dict]:
-    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.codecs.transform.codec import kvt_info
 
     info = kvt_info(kvt)
     q = info.get("quality") or {}

@@ -114,7 +114,7 @@ def _commit():
 @click.option("--alphas", default="0,0.5,1", show_default=True, help="0 = plain MSE.")
 @click.option("--out", "out_stem", required=True)
 def main(model_name, calib, calib_tokens, eval_texts, prefix_tokens, cont_tokens, ratio, alphas, out_stem):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.integrations.hf import extract_kv
     from kvcodec.integrations.hf_fisher import fisher_diagonal
     from kvcodec.models import load_model

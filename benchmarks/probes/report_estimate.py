@@ -42,7 +42,7 @@ def _real(codec, kv):
 @click.option("--out", "out_stem", required=True)
 def main(model_name, kvt, texts, prefix, ratios, coder_, out_stem):
     from kvcodec.cli.extract import _read_text
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.models import load_model
     from kvcodec.models.check import inspect_model
     from kvcodec.models.extract import extract_text_kv

@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from kvcodec.codecs.hevc import HevcCodec  # noqa: E402
-from kvcodec.codecs.hevc_decode import decode_chunk_blob, part_headers  # noqa: E402
+from kvcodec.codecs.hevc.codec import HevcCodec  # noqa: E402
+from kvcodec.codecs.hevc.decode import decode_chunk_blob, part_headers  # noqa: E402
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.container import split  # noqa: E402
 from kvcodec.container.format import CHUNK_MAGIC, read_object, write_object  # noqa: E402
@@ -129,15 +129,15 @@ class Phases:
     GIL inside one counts too): where a restore's time goes, per stream."""
 
     WRAPPED = (
-        ("kvcodec.codecs.hevc_decode", "parse_chunk", "header parse"),
-        ("kvcodec.codecs.hevc_decode", "split_streams", "stream split + CRC"),
-        ("kvcodec.codecs.hevc_decode", "_chunk_terms", "side streams, uploads, terms"),
-        ("kvcodec.codecs.hevc_decode", "_stream_tensor", "terms: one stream to the device"),
-        ("kvcodec.codecs.hevc_decode", "_unzstd_into", "terms: zstd"),
-        ("kvcodec.codecs.hevc_decode", "_copy_into", "terms: raw copy"),
+        ("kvcodec.codecs.hevc.decode", "parse_chunk", "header parse"),
+        ("kvcodec.codecs.hevc.decode", "split_streams", "stream split + CRC"),
+        ("kvcodec.codecs.hevc.decode", "_chunk_terms", "side streams, uploads, terms"),
+        ("kvcodec.codecs.hevc.decode", "_stream_tensor", "terms: one stream to the device"),
+        ("kvcodec.codecs.hevc.decode", "_unzstd_into", "terms: zstd"),
+        ("kvcodec.codecs.hevc.decode", "_copy_into", "terms: raw copy"),
         ("kvcodec.quant.centering", "uncenter_terms", "terms: uncenter ops"),
-        ("kvcodec.codecs.hevc_decode", "restorer_for", "restorer"),
-        ("kvcodec.codecs.hevc_decode", "_restore_frames", "frames: decode + restore"),
+        ("kvcodec.codecs.hevc.decode", "restorer_for", "restorer"),
+        ("kvcodec.codecs.hevc.decode", "_restore_frames", "frames: decode + restore"),
         ("kvcodec.video.nvcuvid._Parser", "__init__", "parser create"),
         ("kvcodec.video.nvcuvid._Session", "_copy_out", "map + copy + sync per frame"),
         ("kvcodec.video.nvcuvid._Parser", "feed", "parser feed (decode calls)"),
@@ -187,7 +187,7 @@ def batch_rate(sp: Split, restore, shape, hashes, seconds: float) -> dict:
     pool): the steady-state rate."""
     from nvcuvid_scaling import timed
 
-    from kvcodec.codecs.hevc_decode import chunk_parts
+    from kvcodec.codecs.hevc.decode import chunk_parts
 
     out = torch.empty(shape, dtype=torch.float16, device="cuda")
     jobs = [p for i, b in enumerate(sp.blobs) for p in chunk_parts(b, out[:, :, i * 256 : (i + 1) * 256])]
@@ -278,7 +278,7 @@ def pool_records(args, splits, shape, hashes, ids) -> list[dict]:
     """The same batch restore (and the fetch at the first rate) in an NvdecPool of worker processes."""
     from nvcuvid_scaling import free_mb
 
-    from kvcodec.codecs.hevc_pool import open_pool, restore_in_pool
+    from kvcodec.codecs.hevc.pool import open_pool, restore_in_pool
 
     before = free_mb()
     pool = open_pool(args.pool, device="cuda", max_frame=tuple(splits[0].config.resolutions[0]))
@@ -301,7 +301,7 @@ def run(args) -> None:
     from nvcuvid_scaling import free_mb, matmul_tflops
 
     from kvcodec.codecs.base import EncodedChunk
-    from kvcodec.codecs.hevc_pool import open_threads, restore_chunk
+    from kvcodec.codecs.hevc.pool import open_threads, restore_chunk
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 

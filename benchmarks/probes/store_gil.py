@@ -29,7 +29,7 @@ def loop(iters: int) -> float:
 
 
 def encode_forever(stop: threading.Event, workers: int, nice: int, kv: torch.Tensor, config) -> None:  # noqa: ANN001
-    from kvcodec.codecs.hevc_encode import Background, background, encode_chunks
+    from kvcodec.codecs.hevc.encode import Background, background, encode_chunks
 
     with background(Background(workers, nice)):
         while not stop.is_set():
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from kvcodec import CodecConfig
-    from kvcodec.codecs.hevc_encode import encode_chunks
+    from kvcodec.codecs.hevc.encode import encode_chunks
 
     torch.set_num_threads(1)
     if args.switch_interval:

@@ -85,7 +85,7 @@ def token_ids(a) -> list[int]:
 
 
 def prefix_cache(a, store, shard, device="cpu", codec=None, **kw):
-    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.codecs.hevc.codec import HevcCodec
     from kvcodec.fetcher import DecodeProfile, PrefixCache
 
     codec = codec or HevcCodec(config(a, shard))
@@ -96,7 +96,7 @@ def prefix_cache(a, store, shard, device="cpu", codec=None, **kw):
 # -- encode (CPU processes) ---------------------------------------------------------------------
 def encode_run(a, world: int, rank: int, first: int, stop: int) -> tuple[int, float]:
     """Encode chunks [first, stop) of one shard into the file store; (blob bytes, seconds)."""
-    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.codecs.hevc.codec import HevcCodec
     from kvcodec.fetcher.keys import meta_key
     from kvcodec.fetcher.shards import TPShard
     from kvcodec.store import open_store
@@ -144,7 +144,7 @@ class Rank:
     """One rank's restore state inside its process: its shard's chunks in memory, its decoders."""
 
     def __init__(self, a, index: int, gpus: int):
-        from kvcodec.codecs.hevc_pool import open_threads
+        from kvcodec.codecs.hevc.pool import open_threads
 
         self.a = a
         if gpus:
@@ -156,7 +156,7 @@ class Rank:
         self.cache = None
 
     def load(self, world: int, rank: int) -> dict:
-        from kvcodec.codecs.hevc import HevcCodec
+        from kvcodec.codecs.hevc.codec import HevcCodec
         from kvcodec.fetcher.keys import blob_key, meta_key
         from kvcodec.fetcher.shards import TPShard
         from kvcodec.store import open_store
@@ -194,7 +194,7 @@ class Rank:
         self._sync()
 
     def restore(self) -> None:
-        from kvcodec.codecs.hevc_pool import restore_chunk, restore_in_pool
+        from kvcodec.codecs.hevc.pool import restore_chunk, restore_in_pool
 
         ct = self.cache.chunk_tokens
         outs = [self.out[:, :, i * ct : (i + 1) * ct] for i in range(len(self.blobs))]
@@ -218,7 +218,7 @@ class Rank:
 
     def check(self) -> dict:
         """Chunk 0 against the CPU decoder's restore of the same blob; sha256 of each head of it."""
-        from kvcodec.codecs.hevc_decode import decode_chunk_blob
+        from kvcodec.codecs.hevc.decode import decode_chunk_blob
 
         ct = min(self.cache.chunk_tokens, self.a.tokens)
         got = self.out[:, :, :ct].cpu()

@@ -51,7 +51,7 @@ def _kvt(d: pathlib.Path) -> pathlib.Path:
 
 
 def _codec(d: pathlib.Path):
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
 
     options = json.loads((d / "codec.json").read_text())
     if not (d / PACK).exists():
@@ -165,7 +165,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 
 def measure(mem, d, prefixes, device, workers: int, inflight: int, batched: bool, repeat: int) -> tuple[dict, list]:
-    from kvcodec.codecs.hevc_decode import decoder_name
+    from kvcodec.codecs.hevc.decode import decoder_name
 
     codec = _codec(d)  # its own restorer: plans and tables built in its warm-up
     sizes = _counting(codec) if batched else []
@@ -194,7 +194,7 @@ def measure(mem, d, prefixes, device, workers: int, inflight: int, batched: bool
 
 def restore_chunks_rate(mem, d, prefixes, sessions: int, repeat: int) -> dict:
     """Every chunk of every prefix at once through restore_chunks on NvcuvidThreads (no fetcher)."""
-    from kvcodec.codecs.transform_batch import restore_chunks
+    from kvcodec.codecs.transform.batch import restore_chunks
     from kvcodec.fetcher import blob_key
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 

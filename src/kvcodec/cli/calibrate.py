@@ -389,7 +389,7 @@ def report_coder() -> str:
 
 def _codec_factory(result: dict, coder: str):
     from kvcodec.codecs.grouped import GroupedCodec
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform.kvt import kvt_hash, to_bytes
 
     if "cal" in result:

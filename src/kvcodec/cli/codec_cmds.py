@@ -164,7 +164,7 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     if pool_workers > 0:
         if not device.startswith("cuda"):
             raise click.BadParameter("--nvdec-pool needs --device cuda", param_hint="--nvdec-pool")
-        from kvcodec.codecs.hevc_pool import decode_parallel, open_pool
+        from kvcodec.codecs.hevc.pool import decode_parallel, open_pool
 
         with open_pool(workers=pool_workers, device=device) as pool:
             t0 = time.perf_counter()

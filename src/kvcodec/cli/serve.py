@@ -346,7 +346,7 @@ def _nvdec_threads(sessions: int, pool_workers: int, device: str | None):  # noq
     if pool_workers:
         raise click.UsageError("--nvdec-threads and --nvdec-pool are alternatives: give one")
     _require_cuda(device, "--nvdec-threads")
-    from kvcodec.codecs.hevc_pool import open_threads
+    from kvcodec.codecs.hevc.pool import open_threads
 
     threads = open_threads(sessions, device=device)
     click.echo(f"kvcodec serve: fetched chunks restored by {sessions} in-process NVDEC sessions", err=True)
@@ -358,7 +358,7 @@ def _nvdec_pool(workers: int, device: str | None):  # noqa: ANN202
     if workers <= 0:
         return None
     _require_cuda(device, "--nvdec-pool")
-    from kvcodec.codecs.hevc_pool import open_pool
+    from kvcodec.codecs.hevc.pool import open_pool
 
     pool = open_pool(workers, device=device)
     click.echo(f"kvcodec serve: fetched chunks restored by {workers} NVDEC worker processes", err=True)

@@ -13,7 +13,7 @@ import click
 def pick_ratio(transform: Path, target_ratio: float | None, target_quality: str | None) -> float | None:
     """--target-quality: the highest calibrated ratio that met it on the held-out texts; --target-ratio
     beyond the measured safe ratio: a warning on stderr."""
-    from kvcodec.codecs.transform import kvt_info
+    from kvcodec.codecs.transform.codec import kvt_info
     from kvcodec.transform.quality import ratio_for, ratio_warning
 
     report = kvt_info(transform).get("quality")
@@ -33,8 +33,8 @@ def encode_cmd(
 ) -> None:
     from kvcodec.codecs.grouped import GroupedCodec
     from kvcodec.codecs.grouped_file import encode_grouped
-    from kvcodec.codecs.transform import open_transform
-    from kvcodec.codecs.transform_file import encode_file
+    from kvcodec.codecs.transform.codec import open_transform
+    from kvcodec.codecs.transform.file import encode_file
     from kvcodec.errors import ShapeError
     from kvcodec.kvspec.files import load_kv_file
     from kvcodec.models.quality import fp16_bytes
@@ -65,8 +65,8 @@ def encode_cmd(
 def decode_cmd(data: bytes, dst: Path, transform: Path, device: str) -> None:
     from kvcodec.codecs.grouped import GroupedCodec
     from kvcodec.codecs.grouped_file import decode_grouped, inspect_grouped
-    from kvcodec.codecs.transform import open_transform
-    from kvcodec.codecs.transform_file import decode_file
+    from kvcodec.codecs.transform.codec import open_transform
+    from kvcodec.codecs.transform.file import decode_file
     from kvcodec.kvspec.files import save_kv_file
 
     codec = _ans_codec(transform) if _file_coder(data) == "ans" else open_transform(transform)
@@ -97,7 +97,7 @@ def _ans_codec(transform: Path, **kw):  # noqa: ANN202 - a TransformAnsCodec
 
 def _file_coder(data: bytes) -> str | None:
     """The sample coder a transform file (KVTF) says its chunks use; None for other files."""
-    from kvcodec.codecs.transform_file import FILE_MAGIC, read_header
+    from kvcodec.codecs.transform.file import FILE_MAGIC, read_header
 
     if bytes(data[:4]) != FILE_MAGIC:
         return None

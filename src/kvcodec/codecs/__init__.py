@@ -7,7 +7,7 @@ from kvcodec.codecs.registry import make_codec, register_codec, registered_codec
 def __getattr__(name):
     # The codecs themselves load on first use (hevc pulls in the video backends).
     if name == "HevcCodec":
-        from kvcodec.codecs.hevc import HevcCodec
+        from kvcodec.codecs.hevc.codec import HevcCodec
 
         return HevcCodec
     if name == "RawCodec":

@@ -19,14 +19,14 @@ from kvcodec.errors import FormatError, TruncatedError
 from kvcodec.plugins import load_object
 
 READERS: dict[bytes, str] = {
-    b"KVCF": "kvcodec.codecs.hevc_file:describe",  # .kvc: HEVC (and split-stream) chunks
-    b"KVTF": "kvcodec.codecs.transform_file:describe",  # .kvc written with --transform (transform, transform-ans)
+    b"KVCF": "kvcodec.codecs.hevc.file:describe",  # .kvc: HEVC (and split-stream) chunks
+    b"KVTF": "kvcodec.codecs.transform.file:describe",  # .kvc written with --transform (transform, transform-ans)
     b"KVGF": "kvcodec.codecs.grouped_file:describe",  # a multi-group prefix (kvspec.GroupedKV)
     # one chunk blob, as a store holds it (a file:// store's objects are files)
-    b"KVCC": "kvcodec.codecs.hevc_decode:describe_chunk",
-    b"KVCS": "kvcodec.codecs.hevc_decode:describe_chunk",
-    b"KVTC": "kvcodec.codecs.transform_file:describe_chunk",
-    b"KVTA": "kvcodec.codecs.transform_file:describe_chunk",
+    b"KVCC": "kvcodec.codecs.hevc.decode:describe_chunk",
+    b"KVCS": "kvcodec.codecs.hevc.decode:describe_chunk",
+    b"KVTC": "kvcodec.codecs.transform.file:describe_chunk",
+    b"KVTA": "kvcodec.codecs.transform.file:describe_chunk",
     b"KVCG": "kvcodec.codecs.grouped:describe_chunk",
     b"KVRW": "kvcodec.codecs.raw:describe_chunk",  # the raw baseline codec's chunks
 }

@@ -23,10 +23,10 @@ PLUGIN_GROUP = "kvcodec.codecs"
 CodecFactory = Callable[..., ChunkCodec]
 
 _REGISTRY: dict[str, str | CodecFactory] = {
-    "hevc": "kvcodec.codecs.hevc:HevcCodec.from_options",
+    "hevc": "kvcodec.codecs.hevc.codec:HevcCodec.from_options",
     "raw": "kvcodec.codecs.raw:RawCodec",
     "grouped": "kvcodec.codecs.grouped:GroupedCodec.from_options",
-    "transform": "kvcodec.codecs.transform:make_transform_codec",
+    "transform": "kvcodec.codecs.transform.codec:make_transform_codec",
     "transform-ans": "kvcodec.codecs.transform_ans:make_transform_ans_codec",
 }
 

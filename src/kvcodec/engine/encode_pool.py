@@ -76,13 +76,13 @@ def split_workers(workers: int, processes: int | None = None) -> tuple[int, int]
 
 # -- codecs that cross to a worker --------------------------------------------------------------
 def _hevc_factory(codec: Any) -> Callable[[], Any]:
-    from kvcodec.codecs.hevc import HevcCodec
+    from kvcodec.codecs.hevc.codec import HevcCodec
 
     return functools.partial(HevcCodec, codec.config)
 
 
 def _transform_factory(codec: Any) -> Callable[[], Any]:
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
 
     c = codec
     return functools.partial(
@@ -105,8 +105,8 @@ def _transform_factory(codec: Any) -> Callable[[], Any]:
 
 # codec class path -> factory maker (the encode side only: decoders and NVDEC pools stay behind)
 PORTABLE_CODECS: dict[str, Callable[[Any], Callable[[], Any]]] = {
-    "kvcodec.codecs.hevc.HevcCodec": _hevc_factory,
-    "kvcodec.codecs.transform.TransformCodec": _transform_factory,
+    "kvcodec.codecs.hevc.codec.HevcCodec": _hevc_factory,
+    "kvcodec.codecs.transform.codec.TransformCodec": _transform_factory,
 }
 
 
@@ -297,7 +297,7 @@ PARENT_POLL_S = 0.5  # how often a worker checks that its parent still runs
 
 
 def _init_worker(spec: WorkerSpec) -> None:
-    from kvcodec.codecs.hevc_encode import Background
+    from kvcodec.codecs.hevc.encode import Background
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
@@ -343,7 +343,7 @@ def _attach(name: str) -> shared_memory.SharedMemory:
 
 
 def _encode(ids: list[int], name: str, shape: tuple[int, ...], dtype: str) -> tuple[int, int]:
-    from kvcodec.codecs.hevc_encode import background
+    from kvcodec.codecs.hevc.encode import background
 
     dt = getattr(torch, dtype)
     kv = torch.frombuffer(_attach(name).buf, dtype=dt, count=math.prod(shape)).view(shape)

@@ -105,9 +105,9 @@ class StorePolicy:
         if p is not None and (isinstance(p, bool) or not isinstance(p, int) or p < 1):
             raise ConfigError(f"StorePolicy.encode_processes must be None or an integer >= 1; got {p!r}")
 
-    def background(self):  # noqa: ANN201 - kvcodec.codecs.hevc_encode.Background
+    def background(self):  # noqa: ANN201 - kvcodec.codecs.hevc.encode.Background
         """How the storer's encodes run: encode_workers threads (default: cores less one) at nice."""
-        from kvcodec.codecs.hevc_encode import Background
+        from kvcodec.codecs.hevc.encode import Background
 
         return Background(self.encode_workers or default_store_workers(), self.nice)
 
@@ -339,12 +339,12 @@ class KVStorer:
 
     def _start_thread(self) -> None:
         """A store worker starts at the background priority (its encode threads inherit it)."""
-        from kvcodec.codecs.hevc_encode import lower_priority
+        from kvcodec.codecs.hevc.encode import lower_priority
 
         lower_priority(self.settings.nice)
 
     def _run_next(self) -> None:
-        from kvcodec.codecs.hevc_encode import background
+        from kvcodec.codecs.hevc.encode import background
 
         with self._lock:
             if not self._waiting:

@@ -60,7 +60,7 @@ def _resolve_codec(codec: Any, legacy: dict[str, Any]) -> ChunkCodec:
         raise TypeError(f"PrefixCache got unexpected keyword arguments {sorted(legacy)}")
     if isinstance(codec, CodecConfig):
         if other is None:
-            from kvcodec.codecs.hevc import HevcCodec
+            from kvcodec.codecs.hevc.codec import HevcCodec
 
             return HevcCodec(codec)
         if not hasattr(other, "with_config"):

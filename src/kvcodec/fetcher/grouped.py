@@ -37,7 +37,7 @@ def grouped_codec(codec: Any) -> GroupedCodec:
     if isinstance(codec, GroupedCodec):
         return codec
     if isinstance(codec, CodecConfig):
-        from kvcodec.codecs.hevc import HevcCodec
+        from kvcodec.codecs.hevc.codec import HevcCodec
 
         codec = HevcCodec(codec)
     if not isinstance(codec, ChunkCodec):

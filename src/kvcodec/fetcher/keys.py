@@ -57,7 +57,7 @@ def key_fingerprint(codec: Any) -> str:
     if isinstance(ident, str) and ident:
         return ident
     if isinstance(codec, CodecConfig):
-        from kvcodec.codecs.hevc import hevc_id
+        from kvcodec.codecs.hevc.codec import hevc_id
 
         return hevc_id(codec)
     raise ConfigError(f"{type(codec).__name__} has no codec id")

@@ -56,7 +56,7 @@ def default_decode_workers(device: torch.device) -> int:
     in this process's CUDA context), else CPU_DECODE_WORKERS."""
     if device.type != "cuda":
         return CPU_DECODE_WORKERS
-    from kvcodec.codecs.hevc_pool import decode_engines
+    from kvcodec.codecs.hevc.pool import decode_engines
 
     return max(1, decode_engines(device))
 
@@ -190,7 +190,7 @@ class FetchPipeline:
         (transform_batch.StageDriver: no decode worker threads); None: decode workers."""
         if not self.s.streamed:
             return contextlib.nullcontext()
-        from kvcodec.codecs import transform_batch
+        from kvcodec.codecs.transform import batch as transform_batch
 
         return transform_batch.stage_driver(self.s.codec, self.s.device, self.s.decode_workers, self._check_info)
 

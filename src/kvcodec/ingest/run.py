@@ -1,5 +1,5 @@
 """Prefill documents and store their prefix KV: the model prefills one document while the chunks
-of the previous ones are encoded (in parallel over the cores, kvcodec.codecs.hevc_encode) and
+of the previous ones are encoded (in parallel over the cores, kvcodec.codecs.hevc.encode) and
 written in worker processes (engine/encode_pool.py: each takes a document's KV from shared memory,
 encodes it over its threads and writes it; given the store's URL), or on background threads of
 this process.

@@ -1,7 +1,7 @@
 """Batched restore of transform-coded chunks: every (layer group, K|V) block, and every chunk
 of a batch, in one GEMM.
 
-The per-group path of codecs/transform_decode.py runs one GEMM per block and a dozen small ops
+The per-group path of codecs/transform/decode.py runs one GEMM per block and a dozen small ops
 per block; on a GPU that is launch and indexing overhead, not arithmetic. Here the 8-bit samples
 (layout order) of N chunks that share a coordinate plan go through a fixed sequence of about ten
 kernels whatever the groups and however many chunks:

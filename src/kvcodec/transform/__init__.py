@@ -1,7 +1,7 @@
 """Transform coding of KV caches: pure math (RoPE removal, PCA per group of layers, bit
 allocation, quantization of coefficients) and the versioned calibration file (.kvt).
 
-The codec that uses it is kvcodec.codecs.transform.TransformCodec; `kvcodec calibrate` writes
+The codec that uses it is kvcodec.codecs.transform.codec.TransformCodec; `kvcodec calibrate` writes
 .kvt files. See docs/TRANSFORM.md.
 """
 

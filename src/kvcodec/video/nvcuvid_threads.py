@@ -120,7 +120,7 @@ class NvcuvidThreads:
         Returns once every chunk is decoded and its restore queued; the caller's current stream
         waits for them (synchronize=True also waits on the host). A chunk that fails raises its
         error here after the others are done. decode_into(blob, out, decoder, restore): the
-        codec's chunk restore (kvcodec.codecs.hevc_pool.restore_chunk for HEVC), as NvdecPool takes it,
+        codec's chunk restore (kvcodec.codecs.hevc.pool.restore_chunk for HEVC), as NvdecPool takes it,
         so this object can stand where an NvdecPool does."""
         if len(blobs) != len(outs):
             raise ValueError("restore_blobs needs one output per blob")

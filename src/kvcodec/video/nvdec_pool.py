@@ -6,7 +6,7 @@ not scale (about 2x at best), so the pool runs one `NvdecDecoder` in each of `wo
 
 * restore (`restore_blobs`): a chunk blob, its output tensor (a CUDA tensor of the consumer,
   shared through CUDA IPC) and the codec's chunk restore function, handed in by the codec
-  (kvcodec.codecs.hevc_pool: this package knows no codec). The worker runs it with its decoder,
+  (kvcodec.codecs.hevc.pool: this package knows no codec). The worker runs it with its decoder,
   so decoding, de-tiling and dequantization all happen in the worker and the consumer does no
   per-frame work (Python's GIL made a consumer restoring for seven decoders the bottleneck:
   benchmarks/results/decode-h200-v3.md).
@@ -173,7 +173,7 @@ class NvdecPool:
         land in one tensor, so this saves an IPC map and unmap per chunk; the consumer's allocator
         cannot reuse that memory meanwhile.
     warm_up: a module-level function(device) each worker runs once at start (the codec's kernel
-        loading; kvcodec.codecs.hevc_pool.open_pool passes the HEVC restore's).
+        loading; kvcodec.codecs.hevc.pool.open_pool passes the HEVC restore's).
     """
 
     def __init__(
@@ -325,7 +325,7 @@ class NvdecPool:
         the first chunk that failed (the others are still written)."""
         if decode_into is None:
             raise ValueError(
-                "restore_blobs needs the codec's decode_into (e.g. kvcodec.codecs.hevc_pool.restore_chunk)"
+                "restore_blobs needs the codec's decode_into (e.g. kvcodec.codecs.hevc.pool.restore_chunk)"
             )
         if self._closed:
             raise BackendUnavailableError("the NVDEC pool is closed")

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import Target
-from kvcodec.codecs.transform import TRANSFORM_VERSION, TransformCodec
+from kvcodec.codecs.transform.codec import TRANSFORM_VERSION, TransformCodec
+from kvcodec.codecs.transform.decode import Decoded, TransformRestorer, check_target, unzstd
 from kvcodec.codecs.transform_ans import gpu, rans
 from kvcodec.codecs.transform_ans.header import ANS_VERSION, CHUNK_MAGIC, STREAM_CODECS, AnsChunkHeader
-from kvcodec.codecs.transform_decode import Decoded, TransformRestorer, check_target, unzstd
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, CorruptStreamError, FormatError
 from kvcodec.transform import quantize
@@ -209,7 +209,7 @@ def make_transform_ans_codec(transform: str | Path | Calibration, *, target_qual
     """The registered "transform-ans" codec over a plain (one-group) .kvt; target_quality as for
     "transform" (the calibration's held-out report measured HEVC-coded chunks: the same integers)."""
     if target_quality is not None:
-        from kvcodec.codecs.transform import kvt_info
+        from kvcodec.codecs.transform.codec import kvt_info
         from kvcodec.transform.quality import ratio_for
 
         if isinstance(transform, Calibration):

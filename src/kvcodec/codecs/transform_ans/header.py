@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvcodec.codecs.transform.header import FIELDS as TRANSFORM_FIELDS
 from kvcodec.codecs.transform_ans.rans import AnsParams
-from kvcodec.codecs.transform_header import FIELDS as TRANSFORM_FIELDS
 from kvcodec.container import validate as v
 from kvcodec.container.format import StreamEntry
 from kvcodec.errors import ConfigError, FormatError

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
-from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob, decoder_name, inspect_chunk_blob
-from kvcodec.codecs.hevc_encode import default_encoder, encode_chunks
+from kvcodec.codecs.hevc.decode import chunk_parts, decode_chunk_blob, decoder_name, inspect_chunk_blob
+from kvcodec.codecs.hevc.encode import default_encoder, encode_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import FORMAT_VERSION, PLAIN, check_chunk_config
 from kvcodec.errors import ConfigError, FormatError
@@ -116,7 +116,7 @@ class HevcCodec:
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
         if self.pool is not None and out.device == self.pool.device:
-            from kvcodec.codecs.hevc_pool import restore_in_pool
+            from kvcodec.codecs.hevc.pool import restore_in_pool
 
             parts = chunk_parts(blob, out)
             restore_in_pool(self.pool, [b for b, _ in parts], [t for _, t in parts], restore=self.restore)

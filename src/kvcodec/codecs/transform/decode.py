@@ -81,7 +81,7 @@ class TransformRestorer:
         video = streams["video"]  # the blob's own bytes (a memoryview, as the hevc codec hands its decoders)
         if decoder is not None:
             return _decoded(decoder, video, h["frames"], count, w, hh, device)
-        from kvcodec.codecs.hevc_decode import idle_decoders  # sessions lent per call: one thread each
+        from kvcodec.codecs.hevc.decode import idle_decoders  # sessions lent per call: one thread each
 
         with idle_decoders.borrow(device) as lent:
             return _decoded(lent, video, h["frames"], count, w, hh, device)

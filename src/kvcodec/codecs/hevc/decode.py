@@ -13,7 +13,7 @@ import torch
 import zstandard
 
 from kvcodec.codecs.base import Target
-from kvcodec.codecs.hevc_encode import unit_bits
+from kvcodec.codecs.hevc.encode import unit_bits
 from kvcodec.container import split
 from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, object_version, parse_chunk, split_streams
 from kvcodec.container.plain import plain_values

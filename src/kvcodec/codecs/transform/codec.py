@@ -26,9 +26,9 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
 from kvcodec.codecs.grouped import GroupedCodec
-from kvcodec.codecs.hevc_encode import in_order
-from kvcodec.codecs.transform_decode import DTYPES, TransformRestorer, check_target
-from kvcodec.codecs.transform_header import check_header
+from kvcodec.codecs.hevc.encode import in_order
+from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
+from kvcodec.codecs.transform.header import check_header
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
@@ -486,7 +486,7 @@ class TransformCodec:
 
     def stage_stream(self, items, device, check=None):  # noqa: ANN001, ANN201 - see transform_batch.stage_stream
         """The first half for a stream of (tag, blob, target) on one NVDEC session, chunks back to back."""
-        from kvcodec.codecs.transform_batch import stage_stream
+        from kvcodec.codecs.transform.batch import stage_stream
 
         return stage_stream(self, items, device, check)
 

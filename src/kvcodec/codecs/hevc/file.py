@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import EncodedChunk, Target
-from kvcodec.codecs.hevc_decode import decode_chunk_blob, idle_decoders, inspect_chunk_blob, part_headers
-from kvcodec.codecs.hevc_encode import encode_chunks
+from kvcodec.codecs.hevc.decode import decode_chunk_blob, idle_decoders, inspect_chunk_blob, part_headers
+from kvcodec.codecs.hevc.encode import encode_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import (
     FILE_MAGIC,
@@ -149,7 +149,7 @@ def inspect(data: bytes | memoryview) -> dict:
 
 def describe(data: bytes | memoryview) -> dict:
     """`inspect` with the fields every kvcodec file's summary has (codecs/describe.py)."""
-    from kvcodec.codecs.hevc import hevc_id
+    from kvcodec.codecs.hevc.codec import hevc_id
 
     info = inspect(data)
     L, _, _, H, D = info["shape"]

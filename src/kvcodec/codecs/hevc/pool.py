@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.hevc import HevcCodec
-from kvcodec.codecs.hevc_decode import chunk_parts, decode_chunk_blob, inspect_chunk_blob
-from kvcodec.codecs.hevc_file import file_chunks
+from kvcodec.codecs.hevc.codec import HevcCodec
+from kvcodec.codecs.hevc.decode import chunk_parts, decode_chunk_blob, inspect_chunk_blob
+from kvcodec.codecs.hevc.file import file_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ConfigError

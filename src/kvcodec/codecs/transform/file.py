@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.transform import CHUNK_MAGIC as TRANSFORM_MAGIC
-from kvcodec.codecs.transform import TransformCodec
+from kvcodec.codecs.transform.codec import CHUNK_MAGIC as TRANSFORM_MAGIC
+from kvcodec.codecs.transform.codec import TransformCodec
+from kvcodec.codecs.transform.header import check_header, positive_number
 from kvcodec.codecs.transform_ans.header import CHUNK_MAGIC as ANS_MAGIC
 from kvcodec.codecs.transform_ans.header import AnsChunkHeader
-from kvcodec.codecs.transform_header import check_header, positive_number
 from kvcodec.container import validate as v
 from kvcodec.container.format import content_id, crc32, read_object, split_streams, write_object
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, TruncatedError

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.transform_decode import check_target, frame_buffer
+from kvcodec.codecs.transform.decode import check_target, frame_buffer
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.transform.frames import frame_count
 
@@ -92,7 +92,7 @@ def stage_stream(codec, items: Iterable[tuple], device, check: Callable | None =
                 yield tag, streams["video"], w, hh, h["frames"]
 
     if decoder is None:
-        from kvcodec.codecs.hevc_decode import idle_decoders
+        from kvcodec.codecs.hevc.decode import idle_decoders
 
         with idle_decoders.borrow(device) as lent:
             yield from _stream(r, lent, videos, fed, done, _native(lent, device))
@@ -369,7 +369,7 @@ def stage_driver(codec, device, sessions: int, check: Callable | None = None) ->
     """A StageDriver over `sessions` NVDEC sessions borrowed for the block; None where chunks
     cannot be driven that way (DRIVEN off, not a CUDA device, not a transform codec, no native
     feeder, or a borrowed decoder that is not nvcuvid's)."""
-    from kvcodec.codecs.transform import TransformCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.video import nvcuvid_native
 
     device = torch.device(device)
@@ -379,7 +379,7 @@ def stage_driver(codec, device, sessions: int, check: Callable | None = None) ->
     if not nvcuvid_native.available():
         yield None
         return
-    from kvcodec.codecs.hevc_decode import idle_decoders
+    from kvcodec.codecs.hevc.decode import idle_decoders
 
     with contextlib.ExitStack() as stack:
         decoders = [stack.enter_context(idle_decoders.borrow(device)) for _ in range(max(1, sessions))]
