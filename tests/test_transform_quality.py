@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.errors import ConfigError
-from kvcodec.transform.quality import parse_target, ratio_for, ratio_warning, safe_ratio
+from kvcodec.transform.quality import highest_passing, parse_target, ratio_for, ratio_warning, safe_ratio
 from kvcodec.transform.rope import RopeSpec, apply_rope, inv_freq, remove_rope
 
 REPORT = {
@@ -42,6 +42,27 @@ def test_target_quality_and_the_safe_ratio():
     assert ratio_warning(None, 12) is None
     kv_report = {"metric": "kv", "points": [{"target": 4.0, "ratio": 4.0, "rel_error": 0.01}]}
     assert ratio_for(kv_report, "err=0.02") == 4.0 and safe_ratio(kv_report) == 4.0
+
+
+def test_a_ratio_above_one_that_lost_is_not_safe():
+    """Qwen2.5's report passed 8x (0.996) after 5x lost (0.984): the safe ratio is 4x, not 8x."""
+    pts = [(3, 1.0), (4, 0.996), (5, 0.984), (6, 0.988), (8, 0.996), (10, 0.973)]
+    report = {"metric": "model", "points": [{"target": t, "top1": a, "ppl_delta_pct": 0.0} for t, a in pts]}
+    assert safe_ratio(report) == 4.0 and ratio_for(report, "top1=0.99") == 4.0 and ratio_for(report, "0.97") == 10.0
+    assert "safe ratio 4x" in ratio_warning(report, 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(2, 16), st.booleans(), max_size=8))
+def test_highest_passing_is_the_top_of_the_passing_run_from_the_lowest_ratio(outcomes):
+    points = [{"target": float(t), "ok": ok} for t, ok in outcomes.items()]
+    best = highest_passing(points, lambda p: p["ok"])
+    if best is None:
+        assert not outcomes or not outcomes[min(outcomes)]
+    else:
+        assert all(ok for t, ok in outcomes.items() if t <= best)  # nothing at or below it lost
+        above = [t for t in outcomes if t > best]
+        assert not above or not outcomes[min(above)]  # the next measured ratio lost
 
 
 @settings(max_examples=25, deadline=None)

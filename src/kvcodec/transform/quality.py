@@ -46,32 +46,43 @@ def meets(point: dict[str, Any], metric: str, bound: float) -> bool:
 
 
 def ratio_for(report: dict[str, Any] | None, target: str) -> float:
-    """The highest measured target ratio whose held-out quality met `target`; ConfigError when the
-    .kvt has no report for that metric or no ratio met it."""
+    """The highest measured target ratio whose held-out quality met `target`, as every lower one did;
+    ConfigError when the .kvt has no report for that metric or the lowest ratio did not meet it."""
     metric, bound = parse_target(target)
     points = _points(report)
     usable = [p for p in points if _value(p, metric) is not None]
     if not usable:
         have = "model" if any("top1" in p for p in points) else "KV-file" if points else "no"
         raise ConfigError(f"the .kvt has a {have} quality report: it cannot pick a ratio for {metric}")
-    ok = [p for p in usable if meets(p, metric, bound)]
-    if not ok:
+    highest = highest_passing(usable, lambda p: meets(p, metric, bound))
+    if highest is None:
         best = max(usable, key=lambda p: _value(p, metric) * (1 if METRICS[metric] == ">=" else -1))
         raise ConfigError(
             f"no calibrated ratio met {metric} {METRICS[metric]} {bound:g} on the held-out texts (best: "
             f"{_value(best, metric):g} at {best['target']:g}x); use a lower --target-ratio or the int8 codec"
         )
-    return max(float(p["target"]) for p in ok)
+    return highest
 
 
 def safe_ratio(report: dict[str, Any] | None) -> float | None:
-    """The highest measured ratio with no measurable loss (None: no report, or none was)."""
-    ok = [
-        float(p["target"])
-        for p in _points(report)
-        if (meets(p, "top1", SAFE_TOP1) and meets(p, "ppl", SAFE_PPL_PCT)) or meets(p, "err", SAFE_REL_ERROR)
-    ]
-    return max(ok) if ok else None
+    """The highest measured ratio below which every measured ratio had no measurable loss (None: no
+    report, or the lowest ratio already lost)."""
+    return highest_passing(
+        _points(report),
+        lambda p: (meets(p, "top1", SAFE_TOP1) and meets(p, "ppl", SAFE_PPL_PCT)) or meets(p, "err", SAFE_REL_ERROR),
+    )
+
+
+def highest_passing(points: Sequence[dict[str, Any]], passes) -> float | None:  # noqa: ANN001 - point -> bool
+    """The highest target ratio of the run of passing points from the lowest ratio up: a ratio above
+    one that failed is not trusted even where its own held-out texts happened to pass (quality falls
+    with the ratio; one flipped token more or less decides a point)."""
+    best = None
+    for p in sorted(points, key=lambda p: float(p["target"])):
+        if not passes(p):
+            break
+        best = float(p["target"])
+    return best
 
 
 def ratio_warning(report: dict[str, Any] | None, ratio: float) -> str | None:
