@@ -22,12 +22,14 @@ DOCS = [
 ]
 
 
-def test_ingest_in_processes_stores_the_bytes_an_ingest_on_threads_stores(smollm2, tmp_path, fresh_plans):
-    """Processes first, on an empty plan cache: the workers' trial decisions (layout, bit split)
-    land in the plan cache, which the threads run then reads, so both code with the same plans."""
+@pytest.mark.parametrize("order", [("processes", "threads"), ("threads", "processes")])
+def test_ingest_in_processes_stores_the_bytes_an_ingest_on_threads_stores(smollm2, tmp_path, fresh_plans, order):
+    """On an empty plan cache, either first: the first run's trial decisions (layout, bit split;
+    made once even while documents encode at once) land in the plan cache, which the second run's
+    processes or threads read, so both code with the same plans."""
     model, tokenizer = smollm2
     stored = {}
-    for where in ("processes", "threads"):
+    for where in order:
         url = f"file://{tmp_path / where}"
         cache = PrefixCache(open_store(url), model_id(model), make_codec("hevc", chunk_tokens=32, video_bits=8), "cpu")
         report = ingest(DOCS, model, tokenizer, cache, store_url=url, encode_in=where)

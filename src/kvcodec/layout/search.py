@@ -36,6 +36,7 @@ _cache: dict[tuple, LayoutPlan] = {}
 _bits_cache: dict[tuple, int] = {}
 _lock = threading.Lock()
 _disk: dict[str, object] | None = None
+_deciding: dict[str, threading.Lock] = {}
 
 
 def plans_file() -> Path | None:
@@ -96,8 +97,23 @@ def _disk_put(key: str, value: object) -> None:
 
 def recall(kind: str, key: tuple, encoder) -> object | None:
     """A decision of `kind` made before for `key` with this encoder's settings (this process or,
-    through the plan cache file, an earlier one); None when there is none."""
-    return _disk_get(_disk_key(kind, (*key, encoder_settings(encoder))))
+    through the plan cache file, another one: the file is read again on a miss, so a decision
+    another process wrote since is seen); None when there is none."""
+    key_ = _disk_key(kind, (*key, encoder_settings(encoder)))
+    found = _disk_get(key_)
+    if found is None and plans_file() is not None:
+        global _disk
+        with _lock:
+            _disk = {**(_disk or {}), **_read_disk()}
+            found = _disk.get(key_)
+    return found
+
+
+def once(kind: str, key: tuple, encoder) -> threading.Lock:
+    """A lock held while a decision of `kind` for `key` is made: threads of this process that
+    need the same decision wait for the first one's instead of each deciding on its own chunk."""
+    with _lock:
+        return _deciding.setdefault(_disk_key(kind, (*key, encoder_settings(encoder))), threading.Lock())
 
 
 def remember(kind: str, key: tuple, encoder, value: object) -> None:

@@ -33,7 +33,7 @@ from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc3
 from kvcodec.container.split import layer_ranges
 from kvcodec.dtypes import DTYPE_NAMES
 from kvcodec.errors import ConfigError, ShapeError
-from kvcodec.layout.search import choose_plan, choose_video_bits, encode_workers, recall, remember
+from kvcodec.layout.search import choose_plan, choose_video_bits, encode_workers, once, recall, remember
 from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame
 from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
@@ -251,17 +251,18 @@ def _plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
     """plan_coding for KV already checked."""
     L, _, _, H, D = kv.shape
     plan_key = (json.dumps(config.to_dict(), sort_keys=True), L, H, D, DTYPE_NAMES[kv.dtype])
-    known = recall("coding_plan", plan_key, encoder)
-    if isinstance(known, dict):
-        try:
-            plan = CodingPlan.from_dict(known)
-            if len(plan.layouts) == len(config.resolutions):
-                return plan
-        except (KeyError, TypeError, ValueError, ConfigError) as e:
-            log.warning("ignoring a malformed cached coding plan: %s", e)
-    plan = _search_plan(kv, config, encoder)
-    remember("coding_plan", plan_key, encoder, plan.to_dict())
-    return plan
+    with once("coding_plan", plan_key, encoder):  # documents encoding at once share one decision
+        known = recall("coding_plan", plan_key, encoder)
+        if isinstance(known, dict):
+            try:
+                plan = CodingPlan.from_dict(known)
+                if len(plan.layouts) == len(config.resolutions):
+                    return plan
+            except (KeyError, TypeError, ValueError, ConfigError) as e:
+                log.warning("ignoring a malformed cached coding plan: %s", e)
+        plan = _search_plan(kv, config, encoder)
+        remember("coding_plan", plan_key, encoder, plan.to_dict())
+        return plan
 
 
 def _search_plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
