@@ -78,16 +78,19 @@ def test_a_store_is_encoded_in_a_worker_process_below_the_engine_with_the_same_b
     assert stored_bytes(cache, ids) == stored_bytes(fore, ids) and all(stored_bytes(fore, ids))
 
 
-def test_a_transform_coded_store_crosses_to_a_worker_and_writes_the_same_bytes(tmp_path):
+@pytest.mark.parametrize("name", ["transform", "transform-ans"])
+def test_a_transform_coded_store_crosses_to_a_worker_and_writes_the_same_bytes(tmp_path, name):
     from kvcodec.codecs.transform.codec import TransformCodec
+    from kvcodec.codecs.transform_ans.codec import TransformAnsCodec
     from kvcodec.transform import calibrate
 
+    cls = {"transform": TransformCodec, "transform-ans": TransformAnsCodec}[name]
     cal = calibrate([kv_of(256, 1), kv_of(256, 2)], None, info={"model": "test"})
-    codec = TransformCodec(cal, kvt_hash="ab" * 32, chunk_tokens=16)
+    codec = cls(cal, kvt_hash="ab" * 32, chunk_tokens=16, **({"lanes": 8} if name == "transform-ans" else {}))
     ids, kv = list(range(48)), kv_of(48)
     fore = PrefixCache(open_store("memory://"), "m", codec, "cpu")
     assert fore.put(ids, kv) == 3
-    url, cache = file_cache(tmp_path, TransformCodec(cal, kvt_hash="ab" * 32, chunk_tokens=16))
+    url, cache = file_cache(tmp_path, codec)
     storer = KVStorer(cache, StorePolicy(encode_workers=1), 16, store_url=url)
     try:
         assert storer.encode_in == "processes"

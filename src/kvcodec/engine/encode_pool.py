@@ -81,12 +81,10 @@ def _hevc_factory(codec: Any) -> Callable[[], Any]:
     return functools.partial(HevcCodec, codec.config)
 
 
-def _transform_factory(codec: Any) -> Callable[[], Any]:
-    from kvcodec.codecs.transform.codec import TransformCodec
-
+def _transform_factory(codec: Any, **extra: Any) -> Callable[[], Any]:
     c = codec
     return functools.partial(
-        TransformCodec,
+        type(c),
         c.cal,
         kvt_hash=c.kvt_hash,
         target_ratio=c.target_ratio,
@@ -100,13 +98,19 @@ def _transform_factory(codec: Any) -> Callable[[], Any]:
         coder=c.coder,
         chunk_tokens=c.chunk_tokens,
         resolutions=c.resolutions,
+        **extra,
     )
+
+
+def _transform_ans_factory(codec: Any) -> Callable[[], Any]:
+    return _transform_factory(codec, block=codec.params.block, lanes=codec.params.lanes)
 
 
 # codec class path -> factory maker (the encode side only: decoders and NVDEC pools stay behind)
 PORTABLE_CODECS: dict[str, Callable[[Any], Callable[[], Any]]] = {
     "kvcodec.codecs.hevc.codec.HevcCodec": _hevc_factory,
     "kvcodec.codecs.transform.codec.TransformCodec": _transform_factory,
+    "kvcodec.codecs.transform_ans.codec.TransformAnsCodec": _transform_ans_factory,
 }
 
 
