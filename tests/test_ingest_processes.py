@@ -22,8 +22,13 @@ DOCS = [
 ]
 
 
-@pytest.mark.parametrize("order", [("processes", "threads"), ("threads", "processes")])
-def test_ingest_in_processes_stores_the_bytes_an_ingest_on_threads_stores(smollm2, tmp_path, fresh_plans, order):
+@pytest.mark.parametrize(
+    ("order", "workers"),
+    [(("processes", "threads"), None), (("threads", "processes"), None), (("processes", "threads"), 2)],
+)
+def test_ingest_in_processes_stores_the_bytes_an_ingest_on_threads_stores(
+    smollm2, tmp_path, fresh_plans, order, workers
+):
     """On an empty plan cache, either first: the first run's trial decisions (layout, bit split;
     made once even while documents encode at once) land in the plan cache, which the second run's
     processes or threads read, so both code with the same plans."""
@@ -32,7 +37,7 @@ def test_ingest_in_processes_stores_the_bytes_an_ingest_on_threads_stores(smollm
     for where in order:
         url = f"file://{tmp_path / where}"
         cache = PrefixCache(open_store(url), model_id(model), make_codec("hevc", chunk_tokens=32, video_bits=8), "cpu")
-        report = ingest(DOCS, model, tokenizer, cache, store_url=url, encode_in=where)
+        report = ingest(DOCS, model, tokenizer, cache, store_url=url, encode_in=where, store_workers=workers)
         s = report.to_dict()
         assert (s["stored"], s["failed"], s["encoded_in"]) == (2, 0, where) and s["kv_mb_per_s"] > 0
         keys = [k for d in DOCS for k in cache.keys(Tokens(tokenizer).encode(d.text))]

@@ -254,6 +254,8 @@ class EncodePool:
     def __init__(self, spec: WorkerSpec, processes: int) -> None:
         self.spec, self.processes = spec, max(1, processes)
         self.buffers = BufferPool(self.processes)
+        self._decided = threading.Event()  # the first store is done (its coding decisions on disk)
+        self._first = threading.Lock()
         self._executor = ProcessPoolExecutor(
             self.processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(spec,)
         )
@@ -264,7 +266,21 @@ class EncodePool:
 
     def put(self, ids: list[int], kv: torch.Tensor) -> tuple[int, int]:
         """(chunks written, worker pid): `kv` (on a GPU on the caller's current stream, or on the
-        CPU) copied into a shared buffer, encoded and written by a worker."""
+        CPU) copied into a shared buffer, encoded and written by a worker.
+
+        The pool's first store runs alone: its worker makes the per-model coding decisions (trial
+        encodes, kept in the plan cache file) that the others then read, instead of each process
+        deciding on its own first chunk (stored bytes that depend on which document came first)."""
+        if not self._decided.is_set():
+            with self._first:
+                if not self._decided.is_set():
+                    try:
+                        return self._put(ids, kv)
+                    finally:
+                        self._decided.set()
+        return self._put(ids, kv)
+
+    def _put(self, ids: list[int], kv: torch.Tensor) -> tuple[int, int]:
         kv = kv.contiguous()
         shape, dtype = tuple(kv.shape), str(kv.dtype).removeprefix("torch.")
         buf = self.buffers.acquire(kv.numel() * kv.element_size())
