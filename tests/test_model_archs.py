@@ -209,9 +209,9 @@ def _engine(folder, **kw):
     from kvcodec.config import CodecConfig
     from kvcodec.engine import Engine
 
+    kw.setdefault("store_url", "memory://")
     return Engine(
         str(folder),
-        store_url="memory://",
         device="cpu",
         fetch_deadline_s=None,
         codec_config=CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)),
@@ -235,6 +235,17 @@ def test_engine_reuses_a_shorter_stored_prefix_with_the_same_answer(arch, model_
     assert reused.restored_tokens == 2 * CHUNK and reused.fetch_error is None and reused.bytes_fetched > 0
     assert fresh.restored_tokens == 0
     assert reused.token_ids == fresh.token_ids == _greedy_recomputed(eng.model, torch.tensor(other))
+
+
+def test_engine_stores_layer_groups_beside_its_encode_processes(model_dirs, prompt_ids, tmp_path):
+    """A file:// store starts encode worker processes; a model of layer groups (sliding window)
+    stores its GroupedKV on the storer's threads instead and fetches it back (it failed on `is_cuda`)."""
+    ids = prompt_ids.tolist()
+    other = ids[: 2 * CHUNK + 5] + ids[:9]
+    with _engine(model_dirs["mistral"], store_url=f"file://{tmp_path / 'kv'}") as eng:
+        eng.generate(ids, max_new_tokens=STEPS, wait_for_store=True)
+        reused = eng.generate(other, max_new_tokens=STEPS)[0]
+    assert reused.restored_tokens == 2 * CHUNK and reused.fetch_error is None
 
 
 def test_engine_keeps_a_bf16_model_in_bf16(model_dirs, tmp_path):

@@ -423,14 +423,18 @@ class KVStorer:
                     kv = kv.to(getattr(torch, self.policy.dtype))
             del layers
             written = None
-            if pool is not None:
+            if pool is not None and isinstance(kv, torch.Tensor):  # layer groups (GroupedKV) encode on threads
                 try:
                     written, pid = pool.put(job.ids, kv)
                     self.encoder_pids.add(pid)
                 except EncodeProcessError as e:
                     self._to_threads(e)
             if written is None:
-                if kv.is_cuda and not getattr(self.prefix_cache.codec, "encodes_on_device", False):
+                if (
+                    isinstance(kv, torch.Tensor)
+                    and kv.is_cuda
+                    and not getattr(self.prefix_cache.codec, "encodes_on_device", False)
+                ):
                     kv = kv.to("cpu")
                 written = int(self.prefix_cache.put(job.ids, kv) or 0)
         except Exception as e:
