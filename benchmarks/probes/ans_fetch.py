@@ -137,21 +137,7 @@ def run(d: pathlib.Path, out: pathlib.Path, repeat: int, seconds: float, inter_s
     torch.zeros(1, device="cuda")
     mem = fr._memory_store(d, doc)
     alone = probe.matmul_tflops(2.0)
-    result = {
-        "command": "python " + shlex.join(["benchmarks/probes/ans_fetch.py", *sys.argv[1:]]),
-        "device": torch.cuda.get_device_name(),
-        "model": doc["model"],
-        "tokens": len(doc["ids"]),
-        "fp16_bytes": doc["fp16_bytes"],
-        "matmul": "bf16 8192x8192 torch.mm on its own stream, same process",
-        "matmul_alone_tflops": round(alone, 1),
-        "records": [],
-    }
-
-    def log(rec):
-        result["records"].append(rec)
-        print(json.dumps(rec), flush=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    result, log = fr.run_log("benchmarks/probes/ans_fetch.py", doc, alone, out)
 
     for case in doc["cases"]:
         ans = case["codec"] == "transform-ans"

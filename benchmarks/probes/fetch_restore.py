@@ -606,6 +606,28 @@ def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
     }
 
 
+def run_log(script: str, doc: dict, alone: float, out: pathlib.Path):  # noqa: ANN201 - (result, log(record))
+    """A run's result document (command, device, data, the matmul alone) and the function that adds a
+    record to it, prints it and rewrites `out` (a run cut short keeps what it measured)."""
+    result = {
+        "command": "python " + shlex.join([script, *sys.argv[1:]]),
+        "device": torch.cuda.get_device_name(),
+        "model": doc["model"],
+        "tokens": len(doc["ids"]),
+        "fp16_bytes": doc["fp16_bytes"],
+        "matmul": "bf16 8192x8192 torch.mm on its own stream, same process",
+        "matmul_alone_tflops": round(alone, 1),
+        "records": [],
+    }
+
+    def log(rec: dict) -> None:
+        result["records"].append(rec)
+        print(json.dumps(rec), flush=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    return result, log
+
+
 def run(
     d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False, interfere_all=False
 ) -> None:
@@ -623,21 +645,7 @@ def run(
     torch.zeros(1, device="cuda")
     mem = _memory_store(d, doc)
     alone = probe.matmul_tflops(2.0)
-    result = {
-        "command": "python " + shlex.join(["benchmarks/probes/fetch_restore.py", *sys.argv[1:]]),
-        "device": torch.cuda.get_device_name(),
-        "model": doc["model"],
-        "tokens": len(doc["ids"]),
-        "fp16_bytes": doc["fp16_bytes"],
-        "matmul": "bf16 8192x8192 torch.mm on its own stream, same process",
-        "matmul_alone_tflops": round(alone, 1),
-        "records": [],
-    }
-
-    def log(rec):
-        result["records"].append(rec)
-        print(json.dumps(rec), flush=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    result, log = run_log("benchmarks/probes/fetch_restore.py", doc, alone, out)
 
     for case in doc["cases"]:
         if only and case["name"] not in only:
