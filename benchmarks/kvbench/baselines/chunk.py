@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvbench.baselines import base
-from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
+from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target, check_keys, chunk_key, collect_chunks
 from kvcodec.container.format import read_object, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.restore.paged import PagedKV
@@ -66,30 +66,22 @@ class BaselineCodec:
         base.check_kv(kv)
         ct = self.chunk_tokens
         starts = range(0, kv.shape[2], ct)
-        if keys is not None and len(keys) != len(starts):
-            raise ShapeError(f"{len(keys)} keys given for {len(starts)} chunks")
-        out = []
-        for n, start in enumerate(starts):
-            x = kv[:, :, start : start + ct].contiguous()
-            header = {
-                "format": FORMAT,
-                "codec": self.name,
-                "index": first_chunk_index + n,
-                "start_token": first_chunk_index * ct + start,
-                "key": None if keys is None else str(keys[n]),
-            }
-            blob = write_object(MAGIC, header, [bytes(self.baseline.encode(x))])
-            chunk = EncodedChunk(
-                header["index"],
-                header["start_token"],
-                x.shape[2],
-                self.resolutions,
-                tuple(blob for _ in self.resolutions),
+        check_keys(keys, len(starts))
+        chunks = (
+            self._chunk(
+                kv[:, :, start : start + ct].contiguous(),
+                first_chunk_index + n,
+                first_chunk_index * ct + start,
+                chunk_key(keys, n),
             )
-            out.append(chunk)
-            if on_chunk:
-                on_chunk(chunk)
-        return out
+            for n, start in enumerate(starts)
+        )
+        return collect_chunks(chunks, on_chunk)
+
+    def _chunk(self, x: torch.Tensor, index: int, start_token: int, key: str | None) -> EncodedChunk:
+        header = {"format": FORMAT, "codec": self.name, "index": index, "start_token": start_token, "key": key}
+        blob = write_object(MAGIC, header, [bytes(self.baseline.encode(x))])
+        return EncodedChunk(index, start_token, x.shape[2], self.resolutions, tuple(blob for _ in self.resolutions))
 
     def _parse(self, blob: bytes | memoryview) -> tuple[dict, base.Header, memoryview]:
         header, inner = read_object(blob, MAGIC, _WHAT)

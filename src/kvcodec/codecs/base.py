@@ -13,11 +13,12 @@ checks the header) -> decode_chunk(blob, out) (writes every value of `out`, or r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvcodec.errors import ShapeError
 from kvcodec.restore.paged import PagedKV
 
 Target = torch.Tensor | PagedKV
@@ -109,3 +110,27 @@ class StagedDecode(Protocol):
     def stage(self, blob: bytes | memoryview, out: Target) -> object: ...
 
     def finish(self, staged: Sequence[object], outs: Sequence[Target]) -> None: ...
+
+
+def check_keys(keys: Sequence[str] | None, chunks: int) -> None:
+    """ShapeError unless `keys`, when given, holds one key per chunk (encode_chunks' `keys`)."""
+    if keys is not None and len(keys) != chunks:
+        raise ShapeError(f"{len(keys)} keys given for {chunks} chunks")
+
+
+def chunk_key(keys: Sequence[str] | None, n: int) -> str | None:
+    """The key chunk n is bound to: keys[n], or None without keys."""
+    return None if keys is None else str(keys[n])
+
+
+def collect_chunks(
+    chunks: Iterable[EncodedChunk], on_chunk: Callable[[EncodedChunk], None] | None = None
+) -> list[EncodedChunk]:
+    """`chunks` in order as a list, each handed to `on_chunk` as soon as it is made (what
+    encode_chunks returns)."""
+    out = []
+    for chunk in chunks:
+        out.append(chunk)
+        if on_chunk:
+            on_chunk(chunk)
+    return out

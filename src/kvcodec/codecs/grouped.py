@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, chunk_key, collect_chunks
 from kvcodec.container import validate as v
 from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
@@ -238,17 +238,12 @@ class GroupedCodec:
             raise ShapeError(f"GroupedCodec encodes a GroupedKV or a KV tensor; got {type(kv).__name__}")
         ct = self.chunk_tokens
         starts = range(first_chunk_index * ct, kv.stop, ct)
-        if keys is not None and len(keys) != len(starts):
-            raise ShapeError(f"{len(keys)} keys given for {len(starts)} chunks")
-        out = []
-        for n, start in enumerate(starts):
-            chunk = self._chunk(
-                kv.view(start, min(start + ct, kv.stop)), first_chunk_index + n, None if keys is None else str(keys[n])
-            )
-            out.append(chunk)
-            if on_chunk:
-                on_chunk(chunk)
-        return out
+        check_keys(keys, len(starts))
+        chunks = (
+            self._chunk(kv.view(start, min(start + ct, kv.stop)), first_chunk_index + n, chunk_key(keys, n))
+            for n, start in enumerate(starts)
+        )
+        return collect_chunks(chunks, on_chunk)
 
     def _chunk(self, part: GroupedKV, index: int, key: str | None) -> EncodedChunk:
         start = index * self.chunk_tokens

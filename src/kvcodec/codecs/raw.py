@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
+from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target, check_keys, chunk_key, collect_chunks
 from kvcodec.container.format import crc32, object_version, read_object, write_object
 from kvcodec.dtypes import DTYPE_NAMES, SAME_SIZE_INT, dtype_of
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
@@ -92,20 +92,17 @@ class RawCodec:
         kv = kv.detach().to("cpu")
         ct = int(self.chunk_tokens)
         starts = range(0, kv.shape[2], ct)
-        if keys is not None and len(keys) != len(starts):
-            raise ShapeError(f"{len(keys)} keys given for {len(starts)} chunks")
-        out = []
-        for n, start in enumerate(starts):
-            chunk = self._chunk(
+        check_keys(keys, len(starts))
+        chunks = (
+            self._chunk(
                 kv[:, :, start : start + ct].contiguous(),
                 first_chunk_index + n,
                 first_chunk_index * ct + start,
-                None if keys is None else str(keys[n]),
+                chunk_key(keys, n),
             )
-            out.append(chunk)
-            if on_chunk:
-                on_chunk(chunk)
-        return out
+            for n, start in enumerate(starts)
+        )
+        return collect_chunks(chunks, on_chunk)
 
     def _chunk(self, x: torch.Tensor, index: int, start_token: int, key: str | None) -> EncodedChunk:
         raw = x.view(torch.uint8).numpy().tobytes()

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import zstandard
 
-from kvcodec.codecs.base import EncodedChunk
+from kvcodec.codecs.base import EncodedChunk, check_keys, chunk_key, collect_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container import plain, split
 from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc32, parse_chunk, write_object
@@ -309,8 +309,7 @@ def encode_chunks(
     check_kv(kv, config)
     kv = _on_encode_device(kv)
     n_chunks = -(-kv.shape[2] // config.chunk_tokens)
-    if keys is not None and len(keys) != n_chunks:
-        raise ShapeError(f"{len(keys)} keys given for {n_chunks} chunks")
+    check_keys(keys, n_chunks)
     encoder = encoder or default_encoder(config)
     groups = layer_ranges(kv.shape[0], config.streams_per_chunk)
     starts = list(range(0, kv.shape[2], config.chunk_tokens))
@@ -333,15 +332,10 @@ def encode_chunks(
             kv[:, :, start : start + config.chunk_tokens],
             index=first_chunk_index + n,
             start_token=first_chunk_index * config.chunk_tokens + start,
-            key=None if keys is None else str(keys[n]),
+            key=chunk_key(keys, n),
         )
 
-    out = []
-    for chunk in in_order(one, len(starts), workers):
-        out.append(chunk)
-        if on_chunk:
-            on_chunk(chunk)
-    return out
+    return collect_chunks(in_order(one, len(starts), workers), on_chunk)
 
 
 def in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterator[EncodedChunk]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import zstandard
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import in_order
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
@@ -369,8 +369,7 @@ class TransformCodec:
         theta = self._level(y, kv, first)
         T = kv.shape[2]
         count = -(-T // self.chunk_tokens)
-        if keys is not None and len(keys) != count:
-            raise ConfigError(f"{len(keys)} keys for {count} chunks")
+        check_keys(keys, count)
         self.device_plan(theta, y.device)  # made once, before the chunk threads share it
         # chunks in parallel, each on a single-threaded encoder (x265's bitstream does not depend
         # on its thread count), in order; a GPU encoder (no with_threads) codes one chunk at a time
@@ -391,12 +390,7 @@ class TransformCodec:
             )
             return EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
 
-        out = []
-        for chunk in in_order(one, count, workers):
-            out.append(chunk)
-            if on_chunk:
-                on_chunk(chunk)
-        return out
+        return collect_chunks(in_order(one, count, workers), on_chunk)
 
     def _blob(self, y, kv, theta, start, fine, index, resolution, key, encoder) -> bytes:
         streams, counts = self._streams(y, kv, theta, start, resolution, fine, encoder)
