@@ -15,6 +15,7 @@ from kvcodec.errors import FetchError, StoreError
 from kvcodec.fetcher import DecodeProfile, PrefixCache
 from kvcodec.fetcher.rawcodec import RawCodec
 from kvcodec.store import open_store
+from test_fetcher import SlowCodec
 
 pytestmark = [
     pytest.mark.redis,
@@ -62,7 +63,7 @@ def test_server_killed_mid_fetch_gives_partial_result_not_hang(redis_server):
     c = cache_on(redis_server.url, max_inflight=1)
     c.put(ids, kv)
     started = threading.Event()
-    c.codec = SlowDecodes(c.codec, started)  # slow decode so the kill lands mid-fetch
+    c.codec = SlowCodec(c.codec, 0.05, before=lambda _: started.set())  # the kill lands mid-fetch
     killer = threading.Thread(target=lambda: (started.wait(5), time.sleep(0.12), redis_server.kill()))
     killer.start()
     t = time.monotonic()
@@ -72,23 +73,6 @@ def test_server_killed_mid_fetch_gives_partial_result_not_hang(redis_server):
     assert isinstance(r.error, StoreError)
     assert 0 < r.tokens_restored < 512
     assert torch.equal(r.kv[:, :, : r.tokens_restored], kv[:, :, : r.tokens_restored])
-
-
-class SlowDecodes:
-    def __init__(self, inner, started):
-        self.inner, self.started = inner, started
-        self.id, self.chunk_tokens, self.resolutions = inner.id, inner.chunk_tokens, inner.resolutions
-
-    def encode_chunks(self, kv, **kw):
-        return self.inner.encode_chunks(kv, **kw)
-
-    def inspect_chunk(self, blob):
-        return self.inner.inspect_chunk(blob)
-
-    def decode_chunk(self, blob, out):
-        self.started.set()
-        time.sleep(0.05)
-        return self.inner.decode_chunk(blob, out)
 
 
 def test_paused_server_is_bounded_by_the_deadline(redis_server):
