@@ -46,3 +46,34 @@ def test_report_continuation_uses_the_models_own_cache_argument():
     model = _tiny_llama()
     kv, cont = torch.randn(2, 2, 8, 1, 16), torch.tensor([3, 5, 7])
     assert torch.equal(_continue(_OldSignature(model), kv, cont), _continue(model, kv, cont))
+
+
+class _Kept:
+    """A codec that restores what it was given times `scale` (1: lossless), in one chunk."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def encode_chunks(self, kv):
+        from types import SimpleNamespace
+
+        self.kv = kv
+        return [SimpleNamespace(blobs=[b"x" * (kv.numel() // 2)], start_token=0, tokens=kv.shape[2])]
+
+    def decode_chunk(self, blob, out):
+        out.copy_(self.kv * self.scale)
+
+
+def test_report_scores_the_whole_continuation_from_predictions_alone(tmp_path):
+    from kvcodec.models.check import inspect_model
+    from kvcodec.models.quality import QUALITY_CONT, measure_model
+
+    assert QUALITY_CONT >= 512  # 3 held-out texts x 128 tokens could not resolve top-1 to 0.01 (issue 23)
+    model = _tiny_llama()
+    model.save_pretrained(tmp_path)
+    layout = inspect_model(str(tmp_path))
+    ids = [torch.arange(40) % 64, (torch.arange(36) * 7) % 64]
+    lossless = measure_model(model, layout, ids, lambda r: _Kept(1.0), [4.0], prefix=16, cont=20)
+    assert lossless == [{"target": 4.0, "ratio": 4.0, "top1": 1.0, "ppl_delta_pct": 0.0, "tokens": 40}]
+    lost = measure_model(model, layout, ids, lambda r: _Kept(0.0), [4.0], prefix=16, cont=20)[0]
+    assert lost["tokens"] == 40 and (lost["top1"] < 1.0 or lost["ppl_delta_pct"] != 0.0)

@@ -35,6 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench and rd.py, when not installed
 
 from kvbench.results import write_result  # noqa: E402
+from kvcodec.models.quality import QUALITY_CONT, QUALITY_PREFIX, _predictions  # noqa: E402
+
+FIRST = 128  # also scored: the continuation's first FIRST tokens (the protocol of the rd-* results before 512)
 
 TARGET_LINES = (
     "Target 2 (issue 23): at 5x top-1 >= 0.99 and ppl <= +0.5 %; at 3x top-1 >= 0.995.",
@@ -66,7 +69,9 @@ def cli():
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.option("--device", default="cpu", show_default=True, help="Where the loaded model runs.")
 @click.option("--stats", "stats_path", required=True, help="JSON to write: time, memory, device, CLI arguments.")
-@click.option("--then", "then", help="`evaluate` arguments to run next on the same loaded model (one string).")
+@click.option(
+    "--then", "then", multiple=True, help="`evaluate` arguments to run next on the same loaded model (one string each)."
+)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def calibrate(device, stats_path, then, args):
     """`kvcodec calibrate ARGS` with the model moved to DEVICE after loading."""
@@ -94,11 +99,15 @@ def calibrate(device, stats_path, then, args):
         peak_rss_mb=round(_peak_rss_mb()),
         peak_gpu_mb=round(torch.cuda.max_memory_allocated() / 2**20) if device.startswith("cuda") else None,
     )
+    if "--out" in args:  # the report as written, should an evaluation fail
+        from kvcodec.codecs.transform.codec import kvt_info
+
+        stats["report"] = kvt_info(args[list(args).index("--out") + 1]).get("quality")
     Path(stats_path).write_text(json.dumps(stats, indent=1) + "\n")
     click.echo(json.dumps(stats), err=True)
-    if then:
-        args = shlex.split(then)
-        evaluate.main([*args[args[:1] == ["evaluate"] :], "--calib-stats", stats_path], standalone_mode=False)
+    for line in then:
+        a = shlex.split(line)
+        evaluate.main([*a[a[:1] == ["evaluate"] :], "--calib-stats", stats_path], standalone_mode=False)
 
 
 def _continue(model, kv: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
@@ -136,22 +145,30 @@ def _codecs(kvt: str, ratios: list[float], baselines: list[str]) -> dict:
     return out
 
 
-def _score(ref: torch.Tensor, got: torch.Tensor, cont: torch.Tensor) -> dict:
-    """As models/quality.measure_model: top-1 over every position, NLL of the text's tokens 1.."""
-    ce = torch.nn.functional.cross_entropy
-    return dict(
-        agree=int((got.argmax(-1) == ref.argmax(-1)).sum()),
-        n=cont.numel(),
-        nll=float(ce(got[:-1], cont[1:], reduction="sum")),
-        ref_nll=float(ce(ref[:-1], cont[1:], reduction="sum")),
-        m=cont.numel() - 1,
-    )
+def _score(ref: tuple, got: tuple) -> dict:
+    """As models/quality.measure_model, from (argmax, NLL) pairs: top-1 over every position, NLL of the
+    text's tokens 1..; the same over the first FIRST positions (keys ending in _first)."""
+    (ref_top, ref_nll), (top, nll) = ref, got
+    out = {}
+    for suffix, k in (("", len(top)), ("_first", min(FIRST, len(top)))):
+        out.update(
+            {
+                f"agree{suffix}": int((top[:k] == ref_top[:k]).sum()),
+                f"n{suffix}": k,
+                f"nll{suffix}": float(nll[: k - 1].sum()),
+                f"ref_nll{suffix}": float(ref_nll[: k - 1].sum()),
+                f"m{suffix}": k - 1,
+            }
+        )
+    return out
 
 
 def _aggregate(name: str, method: str, rows: list[dict]) -> dict:
     size, values = sum(r["bytes"] for r in rows), sum(r["values"] for r in rows)
     n, m = sum(r["n"] for r in rows), sum(r["m"] for r in rows)
     nll, ref = sum(r["nll"] for r in rows), sum(r["ref_nll"] for r in rows)
+    n1, m1 = sum(r["n_first"] for r in rows), sum(r["m_first"] for r in rows)
+    d1 = sum(r["nll_first"] - r["ref_nll_first"] for r in rows)
     rec = dict(
         model=name,
         method=method,
@@ -161,6 +178,9 @@ def _aggregate(name: str, method: str, rows: list[dict]) -> dict:
         ppl=round(math.exp(nll / m), 4),
         ppl_ref=round(math.exp(ref / m), 4),
         ppl_delta_pct=round(100 * (math.exp((nll - ref) / m) - 1), 3),
+        top1_agreement_first=round(sum(r["agree_first"] for r in rows) / n1, 4),
+        ppl_delta_pct_first=round(100 * (math.exp(d1 / m1) - 1), 3),
+        first_tokens=FIRST,
         bytes=size,
         tokens_scored=n,
         encode_decode_s=round(sum(r["seconds"] for r in rows), 1),
@@ -238,19 +258,27 @@ def markdown(doc: dict) -> list[str]:
         f"memory {stats.get('peak_gpu_mb', '-')} MB; .kvt {cal.get('kvt_mb', '?')} MB; fitted on "
         f"{len(cal['info'].get('sources') or [])} texts ({cal['info'].get('tokens')} tokens), weights "
         f"{cal['info'].get('weights')}, fallback {cal['info'].get('fallback') or 'none'}; report held out "
-        f"{', '.join(doc['report'].get('held_out', []))} ({doc['report'].get('coder')}), safe ratio "
+        f"{', '.join(doc['report'].get('held_out', []))} ({doc['report'].get('coder')}; "
+        f"{doc['report'].get('prefix_tokens', 512)}-token prefixes, {doc['report'].get('cont_tokens', 128)} tokens "
+        "scored each), safe ratio "
         f"{doc['report'].get('safe_ratio')}",
         f"- Evaluated on {', '.join(doc['eval_texts'])}: {doc['prefix_tokens']}-token prefix coded, "
         f"{doc['cont_tokens']} tokens teacher-forced (as the report scores its held-out texts); real encode + "
         "decode of every chunk, the codec's own size search; ratios count every byte of every chunk blob.",
         "",
-        "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | tokens | encode+decode s |",
-        "|---|---|---|---|---|---|---|",
+        f"| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | tokens | first {FIRST}: top-1 | "
+        f"first {FIRST}: ppl % | encode+decode s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["records"]:
+        first = (
+            f"{r['top1_agreement_first']:.4f} | {r['ppl_delta_pct_first']:+.2f}"
+            if "top1_agreement_first" in r
+            else "- | -"
+        )
         lines.append(
             f"| {r['method']} | {r['bits_per_value']:.2f} | {r['ratio_vs_fp16']:.2f}x | {r['top1_agreement']:.4f} | "
-            f"{r['ppl_delta_pct']:+.2f} | {r['tokens_scored']} | {r['encode_decode_s']} |"
+            f"{r['ppl_delta_pct']:+.2f} | {r['tokens_scored']} | {first} | {r['encode_decode_s']} |"
         )
     lines += ["", TARGET_LINES[0], "", *_target2(doc["records"]), "", TARGET_LINES[1], ""]
     lines += [
@@ -281,8 +309,8 @@ def markdown(doc: dict) -> list[str]:
 @click.option("--calib-stats", type=click.Path(exists=True), help="The calibrate step's --stats JSON.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--eval", "eval_texts", default="", help="Evaluation texts; default the project's held-out essays.")
-@click.option("--prefix", "prefix_tokens", default=512, show_default=True)
-@click.option("--cont", "cont_tokens", default=128, show_default=True)
+@click.option("--prefix", "prefix_tokens", default=QUALITY_PREFIX, show_default=True, help="As the report.")
+@click.option("--cont", "cont_tokens", default=QUALITY_CONT, show_default=True, help="As the report.")
 @click.option("--ratios", default="3,5,8", show_default=True)
 @click.option("--baselines", default="int8,int4", show_default=True)
 @click.option("--jobs", default=8, show_default=True, help="Encodes (text x method) at once (threads).")
@@ -319,12 +347,12 @@ def evaluate(
     model, tok = _load(model_path, device)
     ratio_list = [float(r) for r in ratios.split(",") if r]
     factories = {"fp16": None, **_codecs(kvt, ratio_list, [b for b in baselines.split(",") if b])}
-    prepared = []  # (text, cont, reference logits, fp16 KV): model work first, then all encodes at once
+    prepared = []  # (text, cont, reference predictions, fp16 KV): model work first, then all encodes at once
     for name in texts:
         ids = tok(load_text(name), return_tensors="pt").input_ids[0][: prefix_tokens + cont_tokens]
         kv = kv_of_ids(model, layout, ids[:prefix_tokens])
         cont = ids[prefix_tokens:]
-        prepared.append((name, cont, _continue(model, kv, cont), kv.to(torch.float16)))
+        prepared.append((name, cont, _predictions(_continue(model, kv, cont), cont), kv.to(torch.float16)))
 
     def job(item):
         (_, _, _, kv16), method = item
@@ -341,7 +369,7 @@ def evaluate(
     click.echo(f"{len(items)} encode+decode jobs in {time.perf_counter() - t0:.1f} s", err=True)
     rows: dict[str, list[dict]] = {k: [] for k in factories}
     for ((name, cont, ref, kv16), method), (restored, size, theta, secs) in zip(items, results):
-        row = _score(ref, _continue(model, restored.float(), cont), cont)
+        row = _score(ref, _predictions(_continue(model, restored.float(), cont), cont))
         row.update(bytes=size, values=kv16.numel(), theta=theta, seconds=secs)
         rows[method].append(row)
         click.echo(

@@ -270,6 +270,10 @@ def command(
         "coder": coder,
         "points": points,
     }
+    if report["metric"] == "model":
+        from kvcodec.models.quality import QUALITY_CONT, QUALITY_PREFIX
+
+        report.update(prefix_tokens=QUALITY_PREFIX, cont_tokens=QUALITY_CONT)  # what an evaluation must match
     if points:
         report["safe_ratio"] = safe_ratio(report)
     digest = _save(out, data, result, report, time.perf_counter() - t0)

@@ -16,7 +16,11 @@ from kvcodec.kvspec.tensors import GroupedKV
 from kvcodec.models.check import ModelLayout
 from kvcodec.models.extract import kv_of_ids
 
-QUALITY_PREFIX, QUALITY_CONT = 512, 128  # tokens of each held-out text: prefix coded, continuation scored
+# Tokens of each held-out text: the prefix is coded, the continuation scored. 512 scored tokens a text
+# (was 128): 3 held-out texts x 128 tokens could not resolve top-1 to 0.01 (issue 23 target 5: Qwen2.5's
+# report read 0.984 at 5x and 0.996 at 8x); the longer continuation costs one forward per text and
+# ratio, not another coded prefix (the simulation of the coded prefix is the report's expensive part).
+QUALITY_PREFIX, QUALITY_CONT = 512, 512
 
 
 def roundtrip(
@@ -55,6 +59,13 @@ def _continue(model: Any, kv: torch.Tensor | GroupedKV, cont: torch.Tensor) -> t
     return out.logits[0].float().cpu()  # a model on a GPU: scored beside the CPU token ids
 
 
+def _predictions(logits: torch.Tensor, cont: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next-token argmax per position, NLL of the text's own tokens 1..): all a score keeps of the
+    logits (a 512-token continuation's logits over a 150k vocabulary are 0.3 GB)."""
+    nll = torch.nn.functional.cross_entropy(logits[:-1], cont[1:], reduction="none")
+    return logits.argmax(-1), nll
+
+
 def measure_model(
     model: Any,
     layout: ModelLayout,
@@ -73,20 +84,18 @@ def measure_model(
             continue
         kv = kv_of_ids(model, layout, ids[:p])
         c = ids[p : p + cont]
-        runs.append((kv, c, _continue(model, kv, c)))
+        runs.append((kv, c, _predictions(_continue(model, kv, c), c)))
     points = []
     for r in ratios:
         agree = n = 0
         nll0 = nll1 = 0.0
         coded = raw = 0
-        for kv, c, ref in runs:
+        for kv, c, (ref_top, ref_nll) in runs:
             restored, nbytes = roundtrip(codec_for(r), kv, r)
-            got = _continue(model, restored, c)
-            agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
+            top, nll = _predictions(_continue(model, restored, c), c)
+            agree += int((top == ref_top).sum())
             n += c.numel()
-            target = c[1:]
-            nll0 += float(torch.nn.functional.cross_entropy(ref[:-1], target, reduction="sum"))
-            nll1 += float(torch.nn.functional.cross_entropy(got[:-1], target, reduction="sum"))
+            nll0, nll1 = nll0 + float(ref_nll.sum()), nll1 + float(nll.sum())
             coded, raw = coded + nbytes, raw + fp16_bytes(kv)
         if n:
             m = max(1, n - len(runs))
