@@ -853,75 +853,105 @@ class DecodeRun:
                 self.log(rec)
 
 
-def _markdown(result: dict) -> str:
-    def f(v, nd=2):
-        return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
+def _f(v, nd=2) -> str:
+    return "-" if v is None else (f"{v:.{nd}f}" if isinstance(v, float) else str(v))
 
-    lines = [f"# kvcodec bench decode on {result['gpu']}", "", f"`{result['command']}`", ""]
-    rs = [r for r in result["records"] if r["kind"] == "restore" and "error" not in r]
-    if rs:
-        lines += [
-            "## Restore (chunk blobs -> KV on the GPU)",
-            "",
-            "| mode | video bits | resolution | backend | restore | restored GB/s (fp16) | values G/s | tokens/s | coded Gbit/s | frame samples GB/s | ratio vs fp16 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in rs:
-            lines.append(
-                f"| {r['mode']} | {r.get('video_bits', 8)} | {r['resolution']} | {r['backend']} | {r.get('restore', r.get('detile', '-'))} | "
-                f"{f(r['restored_gb_per_s'])} | {f(r.get('values_g_per_s'))} | "
-                f"{f(r['tokens_per_s'], 0)} | {f(r['coded_gbit_per_s'])} | {f(r.get('samples_gb_per_s'))} | {f(r['ratio_vs_fp16'])} |"
-            )
-    ds = [r for r in result["records"] if r["kind"] == "decode_only"]
-    if ds:
-        lines += [
-            "",
-            "## NVDEC decode only (no de-tiling)",
-            "",
-            "| mode | resolution | backend | frames/s | coded Gbit/s | 8-bit samples GB/s | bits/sample |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for r in ds:
-            lines.append(
-                f"| {r['mode']} | {r['resolution']} | {r['backend']} | {f(r['frames_per_s'], 0)} | "
-                f"{f(r['coded_gbit_per_s'])} | {f(r['samples_gb_per_s'])} | {f(r['bits_per_sample'])} |"
-            )
-    its = [r for r in result["records"] if r["kind"] == "interference"]
-    if its:
-        lines += [
-            "",
-            "## Interference: bf16 matmul 8192^3 while a backend restores flat out",
-            "",
-            "| backend | restore | case | matmul TFLOP/s alone | during | slowdown |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in its:
-            if "error" in r:
-                continue
-            lines.append(
-                f"| {r['backend']} | {r.get('restore', r.get('detile', '-'))} | {r['mode']} {r['resolution']} | {f(r['matmul_tflops_alone'], 0)} | "
-                f"{f(r['matmul_tflops_during'], 0)} | {100 * r['matmul_slowdown']:.1f}% |"
-            )
-    sc = [r for r in result["records"] if r["kind"] == "scaling" and "error" not in r]
-    if sc:
-        lines += [
-            "",
-            "## NVDEC pool: worker processes",
-            "",
-            "| workers | case | decode-only coded Gbit/s | decode-only samples GB/s | restore GB/s fp16 |",
-            "|---|---|---|---|---|",
-        ]
-        for r in sc:
-            lines.append(
-                f"| {r['workers']} | {r['mode']} {r['resolution']} | {f(r['decode_coded_gbit_per_s'])} | "
-                f"{f(r['decode_samples_gb_per_s'])} | {f(r.get('restore_gb_per_s', r.get('restore_cached_gb_per_s')))} |"
-            )
-    st = [r for r in result["records"] if r["kind"] in ("staging", "pool_fixed")]
+
+def _restore(r: dict) -> str:
+    return r.get("restore", r.get("detile", "-"))
+
+
+def _restore_row(r: dict) -> list:
+    return [
+        r["mode"],
+        r.get("video_bits", 8),
+        r["resolution"],
+        r["backend"],
+        _restore(r),
+        _f(r["restored_gb_per_s"]),
+        _f(r.get("values_g_per_s")),
+        _f(r["tokens_per_s"], 0),
+        _f(r["coded_gbit_per_s"]),
+        _f(r.get("samples_gb_per_s")),
+        _f(r["ratio_vs_fp16"]),
+    ]
+
+
+def _decode_only_row(r: dict) -> list:
+    speeds = [_f(r["frames_per_s"], 0), _f(r["coded_gbit_per_s"]), _f(r["samples_gb_per_s"])]
+    return [r["mode"], r["resolution"], r["backend"], *speeds, _f(r["bits_per_sample"])]
+
+
+def _interference_row(r: dict) -> list:
+    return [
+        r["backend"],
+        _restore(r),
+        f"{r['mode']} {r['resolution']}",
+        _f(r["matmul_tflops_alone"], 0),
+        _f(r["matmul_tflops_during"], 0),
+        f"{100 * r['matmul_slowdown']:.1f}%",
+    ]
+
+
+def _scaling_row(r: dict) -> list:
+    restore = r.get("restore_gb_per_s", r.get("restore_cached_gb_per_s"))
+    return [
+        r["workers"],
+        f"{r['mode']} {r['resolution']}",
+        _f(r["decode_coded_gbit_per_s"]),
+        _f(r["decode_samples_gb_per_s"]),
+        _f(restore),
+    ]
+
+
+# (record kind, section title, columns, row of a record): the tables of the markdown, in order
+_TABLES = (
+    (
+        "restore",
+        "Restore (chunk blobs -> KV on the GPU)",
+        "mode | video bits | resolution | backend | restore | restored GB/s (fp16) | values G/s | tokens/s"
+        " | coded Gbit/s | frame samples GB/s | ratio vs fp16",
+        _restore_row,
+    ),
+    (
+        "decode_only",
+        "NVDEC decode only (no de-tiling)",
+        "mode | resolution | backend | frames/s | coded Gbit/s | 8-bit samples GB/s | bits/sample",
+        _decode_only_row,
+    ),
+    (
+        "interference",
+        "Interference: bf16 matmul 8192^3 while a backend restores flat out",
+        "backend | restore | case | matmul TFLOP/s alone | during | slowdown",
+        _interference_row,
+    ),
+    (
+        "scaling",
+        "NVDEC pool: worker processes",
+        "workers | case | decode-only coded Gbit/s | decode-only samples GB/s | restore GB/s fp16",
+        _scaling_row,
+    ),
+)
+
+
+def _table(title: str, columns: str, rows: list[list]) -> list[str]:
+    """A markdown section: its title and a table of `rows` under `columns` (names joined by ' | ')."""
+    head = [f"## {title}", "", f"| {columns} |", "|" + "---|" * (columns.count("|") + 1)]
+    return head + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def _markdown(result: dict) -> str:
+    records = result["records"]
+    lines = [f"# kvcodec bench decode on {result['gpu']}", "", f"`{result['command']}`"]
+    for kind, title, columns, row in _TABLES:
+        rows = [row(r) for r in records if r["kind"] == kind and "error" not in r]
+        if rows:
+            lines += ["", *_table(title, columns, rows)]
+    st = [r for r in records if r["kind"] in ("staging", "pool_fixed")]
     if st:
         lines += ["", "## Staging memory", ""]
-        for r in st:
-            lines.append("- " + ", ".join(f"{k}={f(v)}" for k, v in r.items() if k != "kind"))
-    errs = [r for r in result["records"] if "error" in r]
+        lines += ["- " + ", ".join(f"{k}={_f(v)}" for k, v in r.items() if k != "kind") for r in st]
+    errs = [r for r in records if "error" in r]
     if errs:
         lines += ["", "## Errors", ""] + [f"- {r.get('backend')} {r.get('mode')}: {r['error']}" for r in errs]
     return "\n".join(lines) + "\n"
