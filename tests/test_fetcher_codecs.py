@@ -13,7 +13,7 @@ import torch
 
 import kvcodec
 from kvcodec.codecs import ChunkCodec, make_codec, registered_codecs
-from kvcodec.errors import ConfigError, FetchError, FormatError
+from kvcodec.errors import ConfigError, FetchError, FormatError, ShapeError
 from kvcodec.fetcher import DecodeProfile, PrefixCache, blob_key, chunk_keys, meta_key
 from kvcodec.restore.paged import PagedKV
 from kvcodec.store import open_store
@@ -87,6 +87,21 @@ def test_codec_id_covers_its_settings(name, extra):
     assert isinstance(codec, ChunkCodec) and codec.id
     assert build(name, extra).id == codec.id  # the same options give the same id
     assert build(name, extra, chunk_tokens=32).id != codec.id
+
+
+def test_encode_chunks_numbers_keys_and_hands_out_chunks_in_order(codec):
+    """The encode_chunks contract every codec shares: chunks numbered from first_chunk_index, each
+    bound to its key, handed to on_chunk in order as made; a key count that is not the chunk count
+    is a ShapeError before anything is coded."""
+    kv, seen = make_kv(40), []
+    keys = [f"k{n}" for n in range(3)]
+    chunks = codec.encode_chunks(kv, first_chunk_index=2, keys=keys, on_chunk=seen.append)
+    assert seen == chunks
+    assert [(c.index, c.start_token, c.tokens) for c in chunks] == [(2, 32, 16), (3, 48, 16), (4, 64, 8)]
+    assert [codec.inspect_chunk(c.blobs[0]).key for c in chunks] == keys
+    with pytest.raises(ShapeError, match="2 keys given for 3 chunks"):
+        codec.encode_chunks(kv, keys=keys[:2], on_chunk=seen.append)
+    assert len(seen) == 3
 
 
 def test_fetch_roundtrip_and_direct_targets(codec):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kvbench.baselines import base
-from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target, check_keys, chunk_key, collect_chunks
+from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target, collect_chunks, token_chunks
 from kvcodec.container.format import read_object, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.restore.paged import PagedKV
@@ -64,19 +64,8 @@ class BaselineCodec:
         on_chunk: Callable[[EncodedChunk], None] | None = None,
     ) -> list[EncodedChunk]:
         base.check_kv(kv)
-        ct = self.chunk_tokens
-        starts = range(0, kv.shape[2], ct)
-        check_keys(keys, len(starts))
-        chunks = (
-            self._chunk(
-                kv[:, :, start : start + ct].contiguous(),
-                first_chunk_index + n,
-                first_chunk_index * ct + start,
-                chunk_key(keys, n),
-            )
-            for n, start in enumerate(starts)
-        )
-        return collect_chunks(chunks, on_chunk)
+        parts = token_chunks(kv, self.chunk_tokens, first_chunk_index, keys)
+        return collect_chunks((self._chunk(*part) for part in parts), on_chunk)
 
     def _chunk(self, x: torch.Tensor, index: int, start_token: int, key: str | None) -> EncodedChunk:
         header = {"format": FORMAT, "codec": self.name, "index": index, "start_token": start_token, "key": key}

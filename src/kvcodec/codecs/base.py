@@ -13,7 +13,7 @@ checks the header) -> decode_chunk(blob, out) (writes every value of `out`, or r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -121,6 +121,25 @@ def check_keys(keys: Sequence[str] | None, chunks: int) -> None:
 def chunk_key(keys: Sequence[str] | None, n: int) -> str | None:
     """The key chunk n is bound to: keys[n], or None without keys."""
     return None if keys is None else str(keys[n])
+
+
+def token_chunks(
+    kv: torch.Tensor, chunk_tokens: int, first_chunk_index: int = 0, keys: Sequence[str] | None = None
+) -> Iterator[tuple[torch.Tensor, int, int, str | None]]:
+    """(its KV, index, start_token, key) of each chunk of `kv` (layers, 2, tokens, kv_heads,
+    head_dim) cut every `chunk_tokens` tokens, each chunk's KV contiguous; the key count is checked
+    at once, before any chunk is cut."""
+    starts = range(0, kv.shape[2], chunk_tokens)
+    check_keys(keys, len(starts))
+    return (
+        (
+            kv[:, :, start : start + chunk_tokens].contiguous(),
+            first_chunk_index + n,
+            first_chunk_index * chunk_tokens + start,
+            chunk_key(keys, n),
+        )
+        for n, start in enumerate(starts)
+    )
 
 
 def collect_chunks(

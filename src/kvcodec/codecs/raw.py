@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target, check_keys, chunk_key, collect_chunks
+from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target, collect_chunks, token_chunks
 from kvcodec.container.format import crc32, object_version, read_object, write_object
 from kvcodec.dtypes import DTYPE_NAMES, SAME_SIZE_INT, dtype_of
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
@@ -89,20 +89,8 @@ class RawCodec:
                 f"KV must be (layers, 2, tokens, kv_heads, head_dim) fp16/bf16/fp32; got "
                 f"{tuple(getattr(kv, 'shape', ()))} {getattr(kv, 'dtype', type(kv).__name__)}"
             )
-        kv = kv.detach().to("cpu")
-        ct = int(self.chunk_tokens)
-        starts = range(0, kv.shape[2], ct)
-        check_keys(keys, len(starts))
-        chunks = (
-            self._chunk(
-                kv[:, :, start : start + ct].contiguous(),
-                first_chunk_index + n,
-                first_chunk_index * ct + start,
-                chunk_key(keys, n),
-            )
-            for n, start in enumerate(starts)
-        )
-        return collect_chunks(chunks, on_chunk)
+        parts = token_chunks(kv.detach().to("cpu"), int(self.chunk_tokens), first_chunk_index, keys)
+        return collect_chunks((self._chunk(*part) for part in parts), on_chunk)
 
     def _chunk(self, x: torch.Tensor, index: int, start_token: int, key: str | None) -> EncodedChunk:
         raw = x.view(torch.uint8).numpy().tobytes()
