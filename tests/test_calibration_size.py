@@ -132,23 +132,12 @@ def test_calibrate_command_refuses_texts_without_a_model(tmp_path):
 def test_the_fisher_on_the_extractions_prefix_kv_is_the_fisher():
     """calibrate --model hands the Fisher the KV its extraction computed for the first 512 tokens
     instead of running them again: the same weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from kvcodec.integrations.hf_fisher import fisher_diagonal
     from kvcodec.kvspec.hf import split_cache
     from kvcodec.models.extract import prefill_recorded
+    from test_transform_codec import tiny_llama_and_ids
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        hidden_size=32,
-        intermediate_size=64,
-        vocab_size=64,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 64, (48,))
+    model, ids = tiny_llama_and_ids()
     _, cache = prefill_recorded(model, ids, chunk_tokens=32, all_logits=False)
     kv = split_cache(cache, model.config).tensors[0]
     plain = fisher_diagonal(model, [ids], 32, sink_tokens=2)

@@ -271,13 +271,10 @@ def test_weighted_transform_round_trips_through_the_kvt_and_moves_error(tmp_path
         calibrate(kvs, ROPE, weights=torch.zeros(L, 2, H, D))
 
 
-def test_fisher_predicts_the_kl_divergence_of_kv_noise():
-    """Second order, isotropic KV noise of variance s^2 costs KL = 0.5 s^2 trace(F): the diagonal
-    Fisher (its token mean times the tokens it covers) must predict the measured KL."""
+def tiny_llama_and_ids():
+    """A 2-layer Llama of random weights (seed 0, vocabulary 64) and 48 random token ids drawn
+    after it: what the Fisher tests differentiate."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from kvcodec.integrations.hf import cache_kwarg, cache_to_tensor, forward_ids, tensor_to_cache
-    from kvcodec.integrations.hf_fisher import fisher_diagonal
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -288,8 +285,16 @@ def test_fisher_predicts_the_kl_divergence_of_kv_noise():
         intermediate_size=64,
         vocab_size=64,
     )
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 64, (48,))
+    return LlamaForCausalLM(cfg).eval(), torch.randint(0, 64, (48,))
+
+
+def test_fisher_predicts_the_kl_divergence_of_kv_noise():
+    """Second order, isotropic KV noise of variance s^2 costs KL = 0.5 s^2 trace(F): the diagonal
+    Fisher (its token mean times the tokens it covers) must predict the measured KL."""
+    from kvcodec.integrations.hf import cache_kwarg, cache_to_tensor, forward_ids, tensor_to_cache
+    from kvcodec.integrations.hf_fisher import fisher_diagonal
+
+    model, ids = tiny_llama_and_ids()
     prefix, sink = 32, 2
     f = fisher_diagonal(model, [ids], prefix, samples=64, sink_tokens=sink)
     assert f.shape == (2, 2, 2, 8) and bool((f >= 0).all()) and float(f.sum()) > 0
