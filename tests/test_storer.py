@@ -12,9 +12,10 @@ import torch
 
 from kvcodec.codecs import make_codec
 from kvcodec.engine.metrics import EngineMetrics
-from kvcodec.engine.storer import KVStorer, PrefixCounts, StorePolicy
-from kvcodec.errors import ConfigError
+from kvcodec.engine.storer import KVStorer, PrefixCounts, StorePolicy, gather_kv
+from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.fetcher import PrefixCache
+from kvcodec.integrations.hf import cache_to_tensor
 from kvcodec.store import open_store
 
 CT = 4  # chunk tokens
@@ -104,3 +105,16 @@ def test_on_stored_reports_tokens_and_lag_and_metrics_render_them():
 def test_min_seen_is_validated(bad):
     with pytest.raises(ConfigError):
         StorePolicy(min_seen=bad)
+
+
+def test_gather_kv_is_cache_to_tensor_of_the_first_tokens():
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(3, 2, 20, 2, 8, generator=g).half()
+    layers = [(kv[i, 0].permute(1, 0, 2)[None], kv[i, 1].permute(1, 0, 2)[None]) for i in range(3)]  # strided
+    for n in (20, 12, 1):
+        want = cache_to_tensor([(k[:, :, :n], v[:, :, :n]) for k, v in layers])
+        got = gather_kv(layers, n)
+        assert got.is_contiguous() and got.dtype == want.dtype and torch.equal(got, want)
+    ragged = [layers[0], (layers[1][0][:, :, :10], layers[1][1])]
+    with pytest.raises(ShapeError, match="layer 1"):  # cache_to_tensor's error
+        gather_kv(ragged, 20)

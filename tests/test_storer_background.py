@@ -16,7 +16,7 @@ from kvcodec import CodecConfig
 from kvcodec.codecs.hevc.codec import HevcCodec
 from kvcodec.codecs.hevc.encode import Background, background, background_settings, in_order, lower_priority
 from kvcodec.engine import EngineConfig
-from kvcodec.engine.storer import KVStorer, StorePolicy, default_store_workers
+from kvcodec.engine.storer import KVStorer, StorePolicy, default_store_workers, serving_cores
 from kvcodec.errors import ConfigError
 from kvcodec.fetcher import PrefixCache
 from kvcodec.fetcher.keys import blob_key, meta_key
@@ -86,11 +86,12 @@ def test_background_encode_threads_are_capped_and_lowered():
     assert background_settings() is None  # the setting is the encoding thread's, not global
 
 
-def test_default_store_workers_leave_the_engine_a_core(monkeypatch):
+def test_default_store_workers_leave_the_serving_process_a_quarter_of_the_cores(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.delenv("KVCODEC_ENCODE_WORKERS", raising=False)
-    assert default_store_workers() == max(1, cores - 1)
-    assert StorePolicy().background() == Background(max(1, cores - 1), 10)
+    assert [serving_cores(n) for n in (1, 2, 4, 8, 16, 64)] == [1, 1, 1, 2, 4, 16]
+    assert default_store_workers() == max(1, cores - serving_cores(cores))
+    assert StorePolicy().background() == Background(max(1, cores - serving_cores(cores)), 10)
     assert StorePolicy(encode_workers=3, nice=0).background() == Background(3, 0)
     monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "1")
     assert default_store_workers() == 1

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import os
 import sys
+import threading
 from multiprocessing import shared_memory
 
 import pytest
@@ -67,6 +68,9 @@ def test_a_store_is_encoded_in_a_worker_process_below_the_engine_with_the_same_b
         if sys.platform.startswith("linux"):
             base = os.getpriority(os.PRIO_PROCESS, os.getpid())
             assert {os.getpriority(os.PRIO_PROCESS, p) for p in pids} == {min(19, base + 5)}
+            # the storer's hand-off threads (copy, send, wait) stay at the engine's priority
+            handoff = [t for t in threading.enumerate() if t.name.startswith("kvcodec-store_")]
+            assert handoff and {os.getpriority(os.PRIO_PROCESS, t.native_id) for t in handoff} == {base}
         assert storer.stored_prefixes == 1 and storer.encode_in == "processes"
         bad = kv_of(16, 3)
         bad[0, 0, 5] = float("nan")  # int8 cannot code it: the worker's encode refuses it
@@ -154,13 +158,20 @@ def test_stores_stay_on_threads_where_processes_cannot_be_used(tmp_path):
     assert portable_codec(Local(chunk_tokens=4)) is None and portable_codec(HevcCodec(CONFIG)) is not None
 
 
-def test_workers_split_into_processes_of_at_most_eight_threads_and_cores_are_counted_once(monkeypatch):
-    assert split_workers(15) == (2, 7) and split_workers(16) == (2, 8) and split_workers(17) == (3, 5)
-    assert split_workers(1) == (1, 1) and split_workers(3) == (1, 3)
-    assert split_workers(16, 4) == (4, 4) and split_workers(3, 8) == (3, 1)
+def test_workers_split_into_processes_whose_threads_take_a_stores_chunks_in_whole_rounds(monkeypatch):
+    # 8 chunks a store: 3 x 4 stores 1.5 per chunk time, where 2 x 7 (14 threads) stored 1
+    assert split_workers(12) == (3, 4) and split_workers(14) == (7, 2) and split_workers(16) == (2, 8)
+    assert split_workers(16, chunks=4) == (4, 4) and split_workers(12, chunks=16) == (3, 4)
+    assert split_workers(1) == (1, 1) and split_workers(3) == (1, 3)  # at least 2 threads a process
+    assert split_workers(64) == (8, 8)  # at most MAX_PROCESSES
+    assert split_workers(16, 4) == (4, 4) and split_workers(3, 8) == (3, 1)  # processes given
+    for workers in range(1, 40):
+        for chunks in (1, 3, 8, 16):
+            procs, threads = split_workers(workers, chunks=chunks)
+            assert 1 <= procs * threads <= workers and procs <= 8
     monkeypatch.delenv("KVCODEC_ENCODE_WORKERS", raising=False)
     assert encode_workers() == usable_cores() == len(os.sched_getaffinity(0))
-    assert default_store_workers() == max(1, usable_cores() - 1)
+    assert default_store_workers() == max(1, usable_cores() - max(1, usable_cores() // 4))
 
 
 @pytest.mark.parametrize("field, bad", [("encode_in", "gpu"), ("encode_processes", 0), ("encode_processes", 1.5)])

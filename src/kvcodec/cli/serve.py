@@ -82,7 +82,7 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     "--store-encode-workers",
     default=None,
     type=click.IntRange(min=1),
-    help="Threads encoding stored prompts' chunks in all, below the engine's priority [the cores less one].",
+    help="Threads encoding stored prompts' chunks in all, below the engine's priority [the cores less a quarter].",
 )
 @click.option(
     "--store-encode-in",
@@ -96,7 +96,7 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     "--store-encode-processes",
     default=None,
     type=click.IntRange(min=1),
-    help="Worker processes sharing the encode threads [enough for at most 8 threads each].",
+    help="Worker processes sharing the encode threads [the split that stores most 2k-token prompts].",
 )
 @click.option(
     "--fetch-deadline",

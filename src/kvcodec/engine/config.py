@@ -32,7 +32,7 @@ class EngineConfig:
     reuse: look up and fetch stored prefixes. store_policy: what is stored after prefills, and
         how: storing is background work, encoded in worker processes (store_policy.encode_in;
         threads of this process where the store URL cannot be opened by another, e.g. memory://)
-        by store_policy.encode_workers threads in all (default: the cores less one) at
+        by store_policy.encode_workers threads in all (default: the cores less a quarter) at
         store_policy.nice lower OS priority (default 10) than the engine.
     policy: "fetch-aware" (a fetching request never blocks others) or "blocking" (for comparison).
     max_batch: most requests in the running batch.

@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 LOCAL_SCHEMES = ("memory",)  # stores another process cannot see
 BUFFER_ALIGN = 8 << 20  # shared buffers grow in steps of 8 MiB (reused across stores)
-THREADS_PER_PROCESS = 8  # chunk threads of one worker: a 2k-token prompt's 8 chunks of 256 at once
+STORE_CHUNKS = 8  # chunks of a typical store (a 2k-token prompt, 256 tokens a chunk): split_workers
+MAX_PROCESSES = 8  # each worker is an interpreter with torch imported (~0.3-0.5 GB, seconds to start)
 
 
 class EncodeProcessError(BackendUnavailableError):
@@ -66,12 +67,25 @@ class WorkerSpec:
     niceness: int = 0  # absolute OS niceness of the worker (its threads inherit it)
 
 
-def split_workers(workers: int, processes: int | None = None) -> tuple[int, int]:
+def split_workers(workers: int, processes: int | None = None, chunks: int = STORE_CHUNKS) -> tuple[int, int]:
     """(processes, chunk threads per process) for at most `workers` encode threads in all:
-    `processes` if given, else enough that each runs at most THREADS_PER_PROCESS threads."""
+    `processes` if given, else the split that stores the most stores of `chunks` chunks per
+    chunk encode time, the fewest processes among equals, at least 2 threads and at most
+    MAX_PROCESSES processes. A worker encodes one store at a time, its chunks in rounds of its
+    thread count: 14 threads as 2 x 7 take two rounds for 8 chunks (1 store per round), as 7 x 2
+    1.75 stores per round; 12 threads as 3 x 4 1.5."""
     workers = max(1, int(workers))
-    procs = max(1, min(workers, processes or math.ceil(workers / THREADS_PER_PROCESS)))
-    return procs, max(1, workers // procs)
+    if processes:
+        procs = max(1, min(workers, processes))
+        return procs, max(1, workers // procs)
+    chunks = max(1, int(chunks))
+
+    def rate(procs: int) -> float:  # stores per chunk encode time
+        return procs / math.ceil(chunks / (workers // procs))
+
+    most = max(1, min(MAX_PROCESSES, workers // 2))
+    procs = max(range(1, most + 1), key=lambda p: (rate(p), -p))
+    return procs, workers // procs
 
 
 # -- codecs that cross to a worker --------------------------------------------------------------

@@ -19,16 +19,21 @@ Storing is background work and must never slow a request:
     stream of 2k-token prompts, one of them 1.7x); where a worker cannot be used (no store URL,
     a memory:// store, a codec that cannot cross, processes that fail to start) the storer
     encodes on its own threads as below (`encode_in="threads"` asks for that);
-  * its threads and processes (the store workers and the chunk threads of each encode) run at
-    `StorePolicy.nice` more OS niceness than the engine (Linux: per thread), so under contention
-    the engine's thread and its torch threads get the cores;
-  * stores' chunks are encoded by `StorePolicy.encode_workers` threads in all (default: every core
-    but one, one x265 thread each), never x265's pool of every core;
+  * whatever encodes (the worker processes, or the storer's threads and the chunk threads of each
+    encode) runs at `StorePolicy.nice` more OS niceness than the engine (Linux: per thread), so
+    under contention the engine's thread and its torch threads get the cores; with processes the
+    storer's own threads only hand stores over and stay at the engine's priority: a thread at
+    lower priority that holds the interpreter lock while the OS runs the encoders in its place
+    keeps the engine's thread waiting for the lock;
+  * stores' chunks are encoded by `StorePolicy.encode_workers` threads in all (default: the cores
+    less a few left to the serving process, `default_store_workers`; one x265 thread each),
+    never x265's pool of every core;
   * on a GPU, the stored KV is gathered on a CUDA stream of the storer's own: it waits for the
     prefill by an event recorded at submission (the engine never waits for it), the request's
     cache tensors are marked used on that stream (their memory is not reused while the storer
     reads it); on threads it is quantized there too and only the coded frames and side streams
-    cross to the host.
+    cross to the host. The prompt's KV is gathered from the cache's layers there (`gather_kv`: one
+    stack and one permuted copy, not two operations per layer).
 """
 
 from __future__ import annotations
@@ -69,15 +74,15 @@ class StorePolicy:
     min_seen: store only the leading whole chunks that at least this many recent prompts (this one
         included) began with: 1 stores every prompt, 2 only prefixes seen twice (shared documents,
         system prompts), never a prompt's own tail.
-    encode_workers: chunk encode threads in all (one x265 thread each); None: the cores this
-        process may use less one, at least 1 (the engine keeps a core).
+    encode_workers: chunk encode threads in all (one x265 thread each); None:
+        `default_store_workers()`, the cores this process may use less those left to serving.
     nice: OS niceness the storer's threads and processes run at above the engine's (0..19; 0:
         the same priority). Where the OS does not allow it, storing runs at the engine's priority.
     encode_in: "processes" (default): spawned worker processes encode and write each store, the
         serving process only copies its KV to shared memory; "threads": threads of the serving
         process (also where processes cannot be used; see the module doc).
-    encode_processes: worker processes (encode_in="processes"); None: enough that each runs at
-        most 8 of the encode_workers threads (one store's chunks at once).
+    encode_processes: worker processes (encode_in="processes"); None: the split of the
+        encode_workers threads that stores the most 2k-token prompts (encode_pool.split_workers).
     """
 
     enabled: bool = True
@@ -106,18 +111,27 @@ class StorePolicy:
             raise ConfigError(f"StorePolicy.encode_processes must be None or an integer >= 1; got {p!r}")
 
     def background(self):  # noqa: ANN201 - kvcodec.codecs.hevc.encode.Background
-        """How the storer's encodes run: encode_workers threads (default: cores less one) at nice."""
+        """How the storer's encodes run: encode_workers threads (default: default_store_workers()) at nice."""
         from kvcodec.codecs.hevc.encode import Background
 
         return Background(self.encode_workers or default_store_workers(), self.nice)
 
 
 def default_store_workers() -> int:
-    """Encode threads of a background store: the cores this process may use less one (the
-    engine's), at least 1; $KVCODEC_ENCODE_WORKERS (the encoder's own cap) still applies."""
+    """Encode threads of a background store: the cores this process may use less
+    `serving_cores` of them, at least 1; $KVCODEC_ENCODE_WORKERS (the encoder's own cap) still
+    applies."""
     from kvcodec.layout.search import encode_workers, usable_cores
 
-    return max(1, min(usable_cores() - 1, encode_workers()))
+    cores = usable_cores()
+    return max(1, min(cores - serving_cores(cores), encode_workers()))
+
+
+def serving_cores(cores: int) -> int:
+    """Cores left to the serving process out of `cores`: a quarter, at least 1 (16 -> 4). Its
+    engine thread, the torch and CUDA threads and the storer's hand-off threads then find an idle
+    core (not a busy core's sibling hyperthread) whenever they wake."""
+    return max(1, cores // 4)
 
 
 class PrefixCounts:
@@ -196,9 +210,7 @@ class KVStorer:
         self.encoder_pids: set[int] = set()  # the worker processes that encoded stores
         self._started: list[Future] = []  # the worker processes' start (their pids)
         self._starting: Future | None = None  # done when _started holds every start
-        self._pool = ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="kvcodec-store", initializer=self._start_thread
-        )
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-store")
         self._streams: dict[Any, Any] = {}  # CUDA device -> the storer's stream
         self._waiting: list[_Job] = []  # heap
         self._pending: set[Future] = set()  # waiting or being encoded
@@ -298,8 +310,8 @@ class KVStorer:
             if not full or evicted is not None:
                 if isinstance(cache, GroupedKV):  # models with several KV layer groups
                     job.layers = cache.view(0, n)
-                else:
-                    job.layers = [(k[:, :, :n], v[:, :, :n]) for k, v in layer_pairs(cache)]
+                else:  # the layers' tensors; their first n tokens are taken on the storer's thread
+                    job.layers = layer_pairs(cache)
                 job.ready = _prefill_done(job.layers)
                 heapq.heappush(self._waiting, job)
                 self._pending.add(job.future)
@@ -337,25 +349,22 @@ class KVStorer:
         if self.on_drop:
             self.on_drop()
 
-    def _start_thread(self) -> None:
-        """A store worker starts at the background priority (its encode threads inherit it)."""
-        from kvcodec.codecs.hevc.encode import lower_priority
-
-        lower_priority(self.settings.nice)
-
     def _run_next(self) -> None:
-        from kvcodec.codecs.hevc.encode import background
-
         with self._lock:
             if not self._waiting:
                 return  # its job was dropped for a more valuable one (which another run took)
             job = heapq.heappop(self._waiting)
-        try:
-            with background(self.settings), self._on_stream(job):
+        try:  # encoding here: this thread lowers itself for good (its encode threads inherit it)
+            with self._background() if self.processes is None else contextlib.nullcontext(), self._on_stream(job):
                 result = self._put(job)
             job.future.set_result(result)
         except Exception as e:  # reported by _put; the future carries it
             job.future.set_exception(e)
+
+    def _background(self) -> Any:
+        from kvcodec.codecs.hevc.encode import background
+
+        return background(self.settings)
 
     def _on_stream(self, job: _Job) -> Any:
         """On CUDA: the storer's stream (after the prefill's event), the job's tensors marked used
@@ -407,15 +416,13 @@ class KVStorer:
     def _put(self, job: _Job) -> int:
         import torch
 
-        from kvcodec.integrations.hf import cache_to_tensor
-
         layers, job.layers = job.layers, None
         try:
             pool = self.processes
             if isinstance(layers, GroupedKV):
                 kv = layers.to("cpu", getattr(torch, self.policy.dtype) if self.policy.dtype else None)
             else:
-                kv = cache_to_tensor(layers)
+                kv = gather_kv(layers, job.tokens)
                 on_device = pool is not None or getattr(self.prefix_cache.codec, "encodes_on_device", False)
                 if not on_device:
                     kv = kv.to("cpu")  # else the codec quantizes on the KV's GPU (HevcCodec)
@@ -436,7 +443,8 @@ class KVStorer:
                     and not getattr(self.prefix_cache.codec, "encodes_on_device", False)
                 ):
                     kv = kv.to("cpu")
-                written = int(self.prefix_cache.put(job.ids, kv) or 0)
+                with self._background():
+                    written = int(self.prefix_cache.put(job.ids, kv) or 0)
         except Exception as e:
             log.warning("storing %d tokens of KV failed: %s", job.tokens, e)
             if self.on_done:
@@ -482,6 +490,25 @@ class KVStorer:
                 self._starting.set_result(None)
         if self.processes is not None:
             self.processes.shutdown(wait=wait)
+
+
+def gather_kv(pairs: list[tuple[Any, Any]], tokens: int) -> Any:
+    """The first `tokens` positions of a cache's (keys, values) per layer ([1, kv_heads, seq,
+    head_dim] each) as one canonical (layers, 2, tokens, kv_heads, head_dim) tensor, as
+    cache_to_tensor gives it, in one stack and one permuted copy (cache_to_tensor: three
+    operations per layer, each holding the interpreter lock the engine's thread wants)."""
+    import torch
+
+    from kvcodec.integrations.hf import cache_to_tensor
+
+    flat = [t for pair in pairs for t in pair]
+    k0 = flat[0] if flat else None
+    if k0 is None or k0.dim() != 4 or k0.shape[0] != 1 or any(t.shape != k0.shape or t.dtype != k0.dtype for t in flat):
+        return cache_to_tensor([(k[:, :, :tokens], v[:, :, :tokens]) for k, v in pairs])  # its checks and errors
+    if k0.shape[2] != tokens:
+        flat = [t[:, :, :tokens] for t in flat]
+    _, heads, _, dim = k0.shape
+    return torch.stack(flat).view(len(pairs), 2, heads, tokens, dim).transpose(2, 3).contiguous()
 
 
 def _tensors(layers: Any) -> list[Any]:
