@@ -12,6 +12,8 @@ import click
 
 from kvcodec.cli.options import device_option, parse_codec_options
 
+LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a terminal
+
 
 @click.command("ingest")
 @click.argument("docs", type=click.Path(exists=True, path_type=Path))
@@ -123,11 +125,11 @@ def command(
 
 
 def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, counts so far)
-    """A progress bar on stderr: live on a terminal, a line every 30 s in a log."""
+    """A progress bar on stderr: live on a terminal, a line every LOG_PROGRESS_S in a log."""
     from tqdm import tqdm
 
     counts = {"stored": 0, "skipped": 0, "failed": 0}
-    bar = tqdm(total=total, unit="doc", desc="ingest", mininterval=0.1 if sys.stderr.isatty() else 30.0)
+    bar = tqdm(total=total, unit="doc", desc="ingest", mininterval=0.1 if sys.stderr.isatty() else LOG_PROGRESS_S)
 
     def on_result(r) -> None:  # noqa: ANN001
         counts[r.status] += 1
@@ -174,7 +176,9 @@ def _summary_line(s: dict[str, Any]) -> str:
     rate = f"{s['tokens_per_s']:,.0f} tokens/s" if s["tokens_per_s"] else "-"
     return (
         f"{s['documents']} documents: {s['stored']} stored, {s['skipped']} already stored, {s['failed']} failed; "
-        f"{s['stored_tokens']:,} tokens in {s['chunks']} chunks in {s['seconds']:.1f} s ({rate}; "
+        f"{s['stored_tokens']:,} tokens in {s['chunks']} chunks in {s['seconds']:.1f} s ({rate}"
+        + (f", {s['stored'] / s['seconds']:.1f} documents/s" if s["stored"] and s["seconds"] > 0 else "")
+        + "; "
         f"prefill {s['prefill_s']:.1f} s, encode+write {s['store_s']:.1f} s"
         + (f"; {s['kv_mb_per_s']:,.1f} MB/s of KV" if s.get("kv_mb_per_s") else "")
         + (f", encoded in {s['encoded_in']}" if s.get("encoded_in") else "")

@@ -129,8 +129,9 @@ def ingest(
     on_result: called with each document's result as it is known (for progress bars).
     store_url: the URL `cache`'s store was opened from; with encode_in="processes" (and a store
         other processes can open: not memory://, a codec that can cross) documents are encoded
-        in worker processes (every core's thread in all; a worker per 8 of them, each encoding
-        one document), else on threads of this process."""
+        in worker processes (a thread per core in all, split so that a document's chunks fill a
+        worker's threads: encode_pool.split_workers; each encodes one document at a time), else
+        on threads of this process."""
     from kvcodec.engine.tokens import Tokens
 
     tokens = Tokens(tokenizer)
@@ -155,7 +156,8 @@ def ingest(
     t0 = time.perf_counter()
     cores = encode_workers()
     chunk_tokens = int(getattr(cache, "chunk_tokens", 0) or 256)
-    procs = _encode_pool(cache, store_url, encode_in, cores, store_workers)
+    chunks = -(-limit // chunk_tokens) if limit else None  # a whole document's chunks, at most
+    procs = _encode_pool(cache, store_url, encode_in, cores, store_workers, chunks)
     pool_size = procs.processes if procs else max(1, store_workers or cores)
     put = functools.partial(_store_in, procs, cache) if procs else functools.partial(_store, cache)
 
@@ -207,16 +209,19 @@ def _store(cache: Any, ids: list[int], kv: Any) -> tuple[int, float]:
     return written, time.perf_counter() - t
 
 
-def _encode_pool(cache: Any, store_url: str | None, encode_in: str, cores: int, store_workers: int | None) -> Any:
-    """An EncodePool for ingest (every core, at the engine's priority: nothing else runs), or None."""
-    from kvcodec.engine.encode_pool import EncodePool, split_workers, worker_spec
+def _encode_pool(
+    cache: Any, store_url: str | None, encode_in: str, cores: int, store_workers: int | None, chunks: int | None
+) -> Any:
+    """An EncodePool for ingest (every core, at the engine's priority: nothing else runs; the
+    threads split in processes for documents of `chunks` chunks, None: STORE_CHUNKS), or None."""
+    from kvcodec.engine.encode_pool import STORE_CHUNKS, EncodePool, split_workers, worker_spec
     from kvcodec.engine.storer import ENCODE_IN
 
     if encode_in not in ENCODE_IN:
         raise ConfigError(f"encode_in must be one of {ENCODE_IN}; got {encode_in!r}")
     if encode_in != "processes":
         return None
-    processes, threads = split_workers(cores, store_workers)
+    processes, threads = split_workers(cores, store_workers, min(chunks or STORE_CHUNKS, STORE_CHUNKS))
     spec = worker_spec(cache, store_url, threads, 0)
     return EncodePool(spec, processes) if spec is not None else None
 
