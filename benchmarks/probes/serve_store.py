@@ -6,11 +6,14 @@ Each mode gets its own new prompts (none was seen or stored before), submitted a
 from a thread (as a server's requests arrive), each generating a few tokens. The KV stored per
 second is counted as fp16 bytes (2 per value) over the stream's duration, as `bench encode` does.
 
+Each mode has one engine (and its encode workers) for all its runs, warmed up with one store before the
+first; the runs alternate as --modes and --repeat order them (off,on --repeat 4: four pairs).
+
 Modes (--modes, in order, the whole list --repeat times): off (storing off), on (the engine's
 default storing: encode worker processes at lower priority, the serving process only copies the KV
 to shared memory), threads (the background storer's encode threads inside the serving process),
 legacy (storing as before issue 24's fix: an encode thread per core at the engine's priority),
-on:W:N[:P] (W encode threads at nice N in P worker processes; default: up to 8 threads each) or
+on:W:N[:P] (W encode threads at nice N in P worker processes; default: split_workers's split) or
 threads:W:N (the same on threads).
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
 
@@ -82,33 +85,43 @@ def policy_of(mode: str, args: argparse.Namespace):  # noqa: ANN201
     sys.exit(f"unknown mode {mode!r}: off, on, threads, legacy, on:WORKERS:NICE[:PROCESSES] or threads:WORKERS:NICE")
 
 
-def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, mode: str, tag: str) -> dict:  # noqa: ANN001
+def open_engine(model, tokenizer, warm_prompt: str, args: argparse.Namespace, mode: str, tag: str):  # noqa: ANN001, ANN201
+    """The engine of a mode, warmed up with one store (kernels, plan cache, encode workers up): a
+    mode's engine serves every run of that mode, as a server's engine and workers live on."""
     from kvcodec.engine import Engine
 
-    policy = policy_of(mode, args)
-    store = policy.enabled
     url = f"{args.store.rstrip('/')}-{tag}"
-    engine = Engine(model, tokenizer=tokenizer, store_url=url, store_policy=policy)
-    engine.generate(prompts[0], max_new_tokens=args.new_tokens)  # warm-up (kernels, plan cache)
+    engine = Engine(model, tokenizer=tokenizer, store_url=url, store_policy=policy_of(mode, args))
+    engine.generate(warm_prompt, max_new_tokens=args.new_tokens)
     engine.storer.flush()
+    return engine
+
+
+def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) -> dict:  # noqa: ANN001
+    """One stream of new `prompts` at --rate through `engine` (started, then stopped, its stores flushed)."""
+    import resource
+
+    store = engine.storer.policy.enabled
+    model = engine.model
     before = _metrics(engine)
     encode_in = engine.storer.encode_in  # where the warm-up store was encoded
     processes = engine.storer.processes.processes if engine.storer.processes is not None else 0
     engine.start()
     reqs, gap = [], 1.0 / args.rate
-    t0 = time.perf_counter()
-    for i, p in enumerate(prompts[1:]):  # arrivals at a fixed rate
+    use0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for i, p in enumerate(prompts):  # arrivals at a fixed rate
         time.sleep(max(0.0, t0 + i * gap - time.perf_counter()))
         reqs.append(engine.submit(p, _params(args)))
     for r in reqs:
         r.done.wait()
     served = time.perf_counter() - t0
+    use1 = resource.getrusage(resource.RUSAGE_SELF)
     at_end = _metrics(engine)
     t1 = time.perf_counter()
     engine.storer.flush()
     drained = time.perf_counter() - t1
     after = _metrics(engine)
-    engine.close()
+    engine.stop()
     ttft = [r.ttft for r in reqs if r.ttft is not None]
     layers, kv_heads, head_dim = _kv_dims(model)
     per_token = layers * 2 * kv_heads * head_dim * 2
@@ -140,6 +153,8 @@ def run_mode(model, tokenizer, prompts: list[str], args: argparse.Namespace, mod
         "backlog_at_end": at_end["kvcodec_store_backlog"],
         "drain_s": round(drained, 3),
         "lag_mean_s": round(lag_sum / lag_n, 3) if lag_n else None,
+        "server_cpu_s": round(use1.ru_utime + use1.ru_stime - use0.ru_utime - use0.ru_stime, 3),
+        "server_involuntary_switches": use1.ru_nivcsw - use0.ru_nivcsw,
     }
 
 
@@ -169,7 +184,7 @@ def main() -> None:
         default=0,
         help="first serve this many of the first mode's prompts, storing off, unrecorded",
     )
-    ap.add_argument("--encode-workers", type=int, default=None, help="mode on: encode threads [cores less one]")
+    ap.add_argument("--encode-workers", type=int, default=None, help="mode on: encode threads [cores less a quarter]")
     ap.add_argument("--nice", type=int, default=None, help="mode on: storer niceness above the engine's [10]")
     ap.add_argument("--requests", type=int, default=80, help="requests per mode")
     ap.add_argument("--rate", type=float, default=8.0, help="requests per second")
@@ -183,23 +198,32 @@ def main() -> None:
 
     model, tokenizer, device = load_for_ingest(args.model)
     modes = [m for m in args.modes.split(",") if m] * args.repeat
-    n = args.requests + 1
-    texts = _texts(args, tokenizer, n * len(modes))
-    if len(texts) < n * len(modes):
-        sys.exit(f"need {n * len(modes)} documents, {args.docs} has {len(texts)}")
+    kinds = list(dict.fromkeys(modes))
+    n = args.requests
+    need = n * len(modes) + len(kinds) + args.warmup
+    texts = _texts(args, tokenizer, need)
+    if len(texts) < need:
+        sys.exit(f"need {need} documents, {args.docs} has {len(texts)}")
+    texts = iter(texts)
 
     def prompt(t: str) -> str:  # at most --max-tokens tokens
         return tokenizer.decode(tokenizer(t)["input_ids"][: args.max_tokens])
 
+    engines = {m: open_engine(model, tokenizer, prompt(next(texts)), args, m, m.replace(":", "_")) for m in kinds}
     if args.warmup:  # a fresh process and GPU serve their first stream slower (cold off baselines)
-        warm = run_mode(model, tokenizer, [prompt(t) for t in texts[: args.warmup + 1]], args, "off", "warmup")
+        off = engines.get("off") or open_engine(model, tokenizer, prompt(next(texts)), args, "off", "warmup")
+        warm = run_mode(off, [prompt(next(texts)) for _ in range(args.warmup)], args, "off")
         print(f"warm-up (off, not recorded): TTFT p50 {warm['ttft_p50_s']}")
     runs = []
-    for i, mode in enumerate(modes):
-        prompts = [prompt(t) for t in texts[i * n : (i + 1) * n]]
-        runs.append(run_mode(model, tokenizer, prompts, args, mode, f"{i}-{mode.replace(':', '_')}"))
+    for mode in modes:
+        runs.append(run_mode(engines[mode], [prompt(next(texts)) for _ in range(n)], args, mode))
         r = runs[-1]
-        print(f"{mode}: TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} stored {r['stored_prefixes_during']}")
+        print(
+            f"{mode}: TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} stored {r['stored_prefixes_during']} "
+            f"dropped {r['dropped']:.0f} server cpu {r['server_cpu_s']} s, {r['server_involuntary_switches']} preempted"
+        )
+    for engine in engines.values():
+        engine.close()
     doc = {
         "command": "python benchmarks/probes/serve_store.py " + " ".join(sys.argv[1:]),
         "model": Path(args.model).name,
@@ -216,8 +240,9 @@ def main() -> None:
         "",
         f"`{doc['command']}`",
         "",
-        f"{args.requests} new prompts per mode at {args.rate:g}/s, {args.new_tokens} tokens each; the engine of "
-        "`kvcodec serve` in one process, storing off then on (each mode its own new prompts).",
+        f"{args.requests} new prompts per run at {args.rate:g}/s, {args.new_tokens} tokens each; the engine of "
+        "`kvcodec serve` in one process, one engine per mode (started once, warmed up with one store: its encode "
+        "workers live through all its runs), runs in the order below, each with its own new prompts.",
         "",
         "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | stored/s | stored MB/s fp16 | dropped | "
         "lag mean s | backlog at end | drain s |",
