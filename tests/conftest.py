@@ -104,6 +104,14 @@ def redis_server(tmp_path):
         srv.kill()
 
 
+@pytest.fixture(params=["file", "redis"])
+def store_url(request, tmp_path):
+    """A store URL of each kind the integrations are tested on: a file:// folder, a real redis-server."""
+    if request.param == "file":
+        return f"file://{tmp_path / 'store'}"
+    return request.getfixturevalue("redis_server").url
+
+
 @pytest.fixture
 def fresh_plans(tmp_path, monkeypatch):
     """An empty on-disk coding-plan cache and empty in-process caches: the trial decisions of

@@ -220,13 +220,6 @@ def plugin_spec(url: str, **serde) -> dict:
     }
 
 
-@pytest.fixture(params=["file", "redis"])
-def store_url(request, tmp_path):
-    if request.param == "file":
-        return f"file://{tmp_path / 'store'}"
-    return request.getfixturevalue("redis_server").url
-
-
 def test_l2_store_and_load_through_kvcodec_adapter(l1, real_kv, store_url):
     x = lmcache_layout(real_kv.to(torch.bfloat16))
     adapter = l2_adapter(l1, plugin_spec(store_url, quant="exact"))

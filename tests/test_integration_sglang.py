@@ -95,13 +95,6 @@ def backend(url: str, kv: torch.Tensor, layout: str = "layer_first", **extra):
     return b
 
 
-@pytest.fixture(params=["file", "redis"])
-def store_url(request, tmp_path):
-    if request.param == "file":
-        return f"file://{tmp_path / 'store'}"
-    return request.getfixturevalue("redis_server").url
-
-
 def keys_for(n: int, tag: str = "") -> list[str]:
     return [f"{tag}{i:064x}" for i in range(1, n + 1)]
 

@@ -125,13 +125,6 @@ def admit(sched, request: Request, local_hit: int, block_ids: list[int]) -> int:
     return external
 
 
-@pytest.fixture(params=["file", "redis"])
-def store_url(request, tmp_path):
-    if request.param == "file":
-        return f"file://{tmp_path / 'store'}"
-    return request.getfixturevalue("redis_server").url
-
-
 def first_request_then_second(url, prompt, kv, dtype, local_hit=0, shared=True, **extra):
     sched, worker = connectors(url, **extra)
     assert isinstance(worker, KVCodecConnector)
