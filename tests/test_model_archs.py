@@ -24,6 +24,33 @@ STEPS = 8
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, max_position_embeddings=512)
 
 
+def mla_config(**kw) -> object:
+    """A DeepSeek-V2-style model: an MLA latent cache and a shared RoPE key, two layers (the second
+    a small mixture of experts); `kw` adds the sizes and the vocabulary."""
+    return transformers.DeepseekV2Config(
+        num_hidden_layers=2,
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        **kw,
+    )
+
+
+def conv_config(**kw) -> object:
+    """An LFM2 model: a convolution layer (state, not keys and values) and an attention layer."""
+    return transformers.Lfm2Config(
+        num_hidden_layers=2, num_key_value_heads=2, layer_types=["conv", "full_attention"], **kw
+    )
+
+
 def _configs(vocab: int) -> dict[str, object]:
     return {
         "gemma3": transformers.Gemma3TextConfig(
@@ -39,32 +66,11 @@ def _configs(vocab: int) -> dict[str, object]:
         "mistral": transformers.MistralConfig(
             vocab_size=vocab, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW, **SMALL
         ),
-        "deepseek_v2": transformers.DeepseekV2Config(
-            vocab_size=vocab,
-            num_hidden_layers=2,
-            num_key_value_heads=4,
-            kv_lora_rank=32,
-            q_lora_rank=None,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            **SMALL,
-        ),
+        "deepseek_v2": mla_config(vocab_size=vocab, **SMALL),
         "qwen3": transformers.Qwen3Config(
             vocab_size=vocab, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, **SMALL
         ),
-        "lfm2": transformers.Lfm2Config(  # a convolution layer: state, not keys and values
-            vocab_size=vocab,
-            num_hidden_layers=2,
-            num_key_value_heads=2,
-            layer_types=["conv", "full_attention"],
-            **SMALL,
-        ),
+        "lfm2": conv_config(vocab_size=vocab, **SMALL),
     }
 
 

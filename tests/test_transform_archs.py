@@ -15,6 +15,8 @@ from click.testing import CliRunner
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 
 transformers = pytest.importorskip("transformers")
+from test_model_archs import conv_config, mla_config  # noqa: E402
+
 pytestmark = pytest.mark.slow  # a real tokenizer and tiny models (about a minute on 2 CPUs)
 
 WINDOW = 24
@@ -51,24 +53,8 @@ def _configs(vocab: int) -> dict[str, object]:
             },
             **kw,
         ),
-        "deepseek_v2": transformers.DeepseekV2Config(
-            num_hidden_layers=2,
-            num_key_value_heads=4,
-            kv_lora_rank=32,
-            q_lora_rank=None,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            **kw,
-        ),
-        "lfm2": transformers.Lfm2Config(  # a convolution layer: state, not keys and values
-            num_hidden_layers=2, num_key_value_heads=2, layer_types=["conv", "full_attention"], **kw
-        ),
+        "deepseek_v2": mla_config(**kw),
+        "lfm2": conv_config(**kw),
     }
 
 
