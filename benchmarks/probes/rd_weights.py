@@ -25,6 +25,9 @@ from pathlib import Path
 import click
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # rd.py and kvbench, when not installed
+from rd import chunk_roundtrip  # noqa: E402
+
 
 def _ids(tok, name, n):
     from kvcodec.models.texts import load_text
@@ -42,15 +45,6 @@ def _scores(model, prefix, kv, cont):
     return logits.argmax(-1), nll, logp.float()
 
 
-def _roundtrip(codec, kv16):
-    """(restored KV, bytes of every chunk blob, the chunks)."""
-    chunks = codec.encode_chunks(kv16)
-    out = torch.empty_like(kv16)
-    for c in chunks:
-        codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
-    return out, sum(len(c.blobs[0]) for c in chunks), chunks
-
-
 def _evaluate(model, items, codec, label, measure=None):
     """Top-1 agreement, perplexity change and ratio over items; measure(item, restored, logp, chunks)
     may return extra per-text totals (dict of floats), reported summed and divided by the scored tokens."""
@@ -59,7 +53,7 @@ def _evaluate(model, items, codec, label, measure=None):
     per_text, extra = [], {}
     for it in items:
         kv16 = it["kv"].to(torch.float16)
-        restored, b, chunks = _roundtrip(codec, kv16)
+        restored, b, chunks = chunk_roundtrip(codec, kv16)
         top, lo, logp = _scores(model, it["prefix"], restored.float(), it["cont"])
         a = int((top == it["top"]).sum())
         agree, n, size, values = agree + a, n + top.numel(), size + b, values + kv16.numel()

@@ -17,19 +17,11 @@ import time
 from pathlib import Path
 
 import click
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench, when not installed
 
 from kvbench.results import write_result  # noqa: E402
-
-
-def _real(codec, kv):
-    chunks = codec.encode_chunks(kv)
-    out = torch.empty_like(kv)
-    for c in chunks:
-        codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
-    return out, sum(len(c.blobs[0]) for c in chunks)
+from rd import chunk_roundtrip  # noqa: E402
 
 
 @click.command()
@@ -64,7 +56,9 @@ def main(model_name, kvt, texts, prefix, ratios, coder_, out_stem):
             row["sim_seconds"] = round(t_sim, 2)
             for coder in (coder_,):
                 t0 = time.perf_counter()
-                restored, nbytes = _real(TransformCodec(cal, kvt_hash=digest, theta=sim.theta, coder=coder), kv)
+                restored, nbytes, _ = chunk_roundtrip(
+                    TransformCodec(cal, kvt_hash=digest, theta=sim.theta, coder=coder), kv
+                )
                 row[f"{coder}_bytes"] = nbytes
                 row[f"{coder}_seconds"] = round(time.perf_counter() - t0, 2)
                 row["est_over_real"] = round(sim.bytes / nbytes, 4)
