@@ -173,3 +173,54 @@ def test_a_damaged_chunk_stops_a_driven_fetch_there(kvt):
     assert not r.ok and r.tokens_restored == 3 * 64 and "chunk" in str(r.error).lower()
     ref = cpu.fetch(ids, 3 * 64)
     torch.testing.assert_close(r.kv[:, :, : 3 * 64].cpu().float(), ref.kv.float(), atol=2**-12, rtol=2**-10)
+
+
+def test_a_bad_chunk_never_poisons_the_kept_sessions(kvt, monkeypatch):
+    """The driven fetch's runs (parser, feeder thread) stay open across fetches, each parser taking
+    the next fetch's streams after its end-of-stream flush (nvcuvid_native.KEEP); a chunk whose
+    video NVDEC cannot decode (its checksum passes) stops the fetch there with the chunk's error,
+    and the next fetches restore what the CPU does."""
+    import numpy as np
+
+    from kvcodec.codecs.hevc.decode import idle_decoders
+    from kvcodec.fetcher import blob_key
+    from kvcodec.video import nvcuvid_native
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not (NvcuvidDecoder.is_available() and nvcuvid_native.available()):
+        pytest.skip("needs NVDEC and the native feeder")
+    monkeypatch.setattr(nvcuvid_native, "KEEP", True)
+    (cpu, gpu), ids, store = _transform_caches(kvt)
+    ref = cpu.fetch(ids)
+
+    def kept() -> list:
+        return [d._kept for ds in idle_decoders._idle.values() for d in ds if getattr(d, "_kept", None)]
+
+    def check(r) -> None:
+        assert r.ok, r.error
+        torch.testing.assert_close(r.kv.cpu().float(), ref.kv.float(), atol=2**-12, rtol=2**-10)
+
+    check(gpu.fetch(ids))
+    runs = kept()
+    assert runs and all(r.feeder is not None and not r.busy for r in runs)  # open, idle
+    check(gpu.fetch(ids))  # through the parsers flushed by the first fetch
+    assert {id(r) for r in kept()} >= {id(r) for r in runs}
+    bad = store.get(blob_key(gpu.keys(ids)[3], 0))
+    read = gpu.codec._read
+
+    def damaged(blob):
+        h, streams = read(blob)
+        if blob == bad:  # past the checksums: garbage where its video is
+            junk = np.random.default_rng(0).integers(0, 256, len(streams["video"]), dtype=np.uint8)
+            streams = {**streams, "video": junk.tobytes()}
+        return h, streams
+
+    monkeypatch.setattr(gpu.codec, "_read", damaged)
+    r = gpu.fetch(ids)
+    assert not r.ok and r.tokens_restored == 3 * 64 and "chunk" in str(r.error).lower(), r.error
+    monkeypatch.setattr(gpu.codec, "_read", read)
+    assert all(not r.busy for r in kept())
+    cpu.put(ids, gpu_tests.synthetic_kv(len(ids), 21).half())  # the failed chunk's meta was dropped
+    ref = cpu.fetch(ids)  # chunk 3 coded again
+    for _ in range(2):
+        check(gpu.fetch(ids))

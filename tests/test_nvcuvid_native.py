@@ -205,6 +205,9 @@ def flib(tmp_path_factory):
         "kv_feeder_end": (None, [ctypes.c_void_p]),
         "kv_feeder_wait": (ctypes.c_longlong, [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]),
         "kv_feeder_close": (ctypes.c_int, [ctypes.c_void_p]),
+        "kv_feeder_keep": (None, [ctypes.c_void_p]),
+        "kv_feeder_flushed": (ctypes.c_longlong, [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]),
+        "kv_feeder_wait_any": (ctypes.c_longlong, [ctypes.c_void_p] + [ctypes.c_longlong] * 3),
     }.items():
         getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
     return lib
@@ -236,6 +239,29 @@ def test_the_feeder_thread_feeds_each_stream_in_pieces_then_flushes(flib):
     stamps = [(flags, size, ts >> 32) for flags, size, ts in parser.packets]
     assert stamps == [(2, 256, 0), (2, 256, 0), (2, 256, 0), (2, 232, 0), (2, 256, 1), (2, 44, 1), (2, 1, 2), (1, 0, 0)]
     assert (s.pictures, s.error) == (6, 0) and len(drv.copies) == 6
+
+
+def test_a_kept_feeder_takes_more_streams_after_each_flush(flib):
+    """kv_feeder_keep: the thread and parser stay after a flush; streams pushed after it are fed
+    and flushed again; a wait for the flush ends when it is done."""
+    sizes, frames = {0: 300, 1: 10, 2: 600}, {0: 2, 1: 1, 2: 1}
+    data = [ctypes.create_string_buffer(n) for n in sizes.values()]
+    drv, s, parser, f = _feeder(flib, sizes, frames, piece=256)
+    f.keep()
+    for round_, streams in enumerate(([0, 1], [2])):
+        for k in streams:
+            s.push(0xA000000 * (k + 1), k, frames[k])
+            f.submit(ctypes.addressof(data[k]), sizes[k], k)
+        f.end()
+        f.end()  # asked twice before it is done: one flush
+        for _ in range(40):
+            if f.wait(1 << 62, 0.5, flushes=round_ + 1) < 0 or f.flushed(round_ + 1, 0) == round_ + 1:
+                break
+        assert f.flushed(round_ + 1, 1.0) == round_ + 1 and not f.finished
+    assert s.completed == 3 and s.pictures == 4 and s.error == 0
+    assert [flags for flags, _, _ in parser.packets].count(1) == 2  # one end-of-stream packet per flush
+    assert f.wait(4, 0.01, flushes=3) == 3  # nothing more: the wait times out, the feeder lives on
+    assert f.close() == 0
 
 
 def test_a_parse_error_stops_the_feeder_and_close_reports_it(flib):

@@ -233,6 +233,7 @@ class FakeRun:
         self.keys, self.held, self.ending, self.pushed, self.streams = collections.deque(), [], False, 0, []
 
     pending = property(lambda self: len(self.keys))
+    busy = property(lambda self: bool(self.keys) or self.ending)
 
     def open(self, w, h):
         self.session, self.feeder, self.ending, self.pushed = SimpleNamespace(width=w, height=h), object(), False, 0

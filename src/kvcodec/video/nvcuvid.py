@@ -360,6 +360,7 @@ class NvcuvidDecoder:
         self.ctx = api.primary_context(self.device.index)
         self._stream = torch.cuda.Stream(self.device)
         self._sessions: dict[tuple[int, int], _Session] = {}
+        self._kept: _FedRun | None = None  # fed_run's, kept open across callers (nvcuvid_native.KEEP)
         self.sessions_created = 0
 
     @classmethod
@@ -385,13 +386,18 @@ class NvcuvidDecoder:
             self._sessions[size] = self._sessions.pop(size)
             return self._sessions[size]
         while len(self._sessions) >= self.MAX_SESSIONS:
-            self._sessions.pop(next(iter(self._sessions))).close()
+            self.close(next(iter(self._sessions)))
         self._sessions[size] = _Session(self.ctx, self.device, self._stream, width, height, self.display_delay)
         self.sessions_created += 1
         return self._sessions[size]
 
     def close(self, size: tuple[int, int] | None = None) -> None:
-        """Destroy the session for frames of `size` (all sessions when None)."""
+        """Destroy the session for frames of `size` (all sessions when None), and the kept run
+        (fed_run) on it."""
+        run = getattr(self, "_kept", None)
+        if run is not None and run.session is not None and size in (None, (run.session.width, run.session.height)):
+            self._kept = None
+            run.close(True)
         for key in list(self._sessions) if size is None else [size]:
             session = self._sessions.pop(key, None)
             if session is not None:
@@ -572,14 +578,24 @@ class NvcuvidDecoder:
     def fed_run(self) -> _FedRun:
         """A run of streams on this decoder whose parser a native thread feeds, driven without
         blocking (open, push, poll, stuck, begin_end, wait, close): what one thread driving the
-        sessions of several decoders uses (transform_batch.StageDriver). Needs the native feeder."""
+        sessions of several decoders uses (transform_batch.StageDriver). Needs the native feeder.
+        With nvcuvid_native.KEEP the decoder keeps its run: one left idle (flushed) by the last
+        caller is handed out again still open, its parser and feeder thread ready (opening them
+        cost ~0.7 ms per session of each fetch); closed with the decoder or its session."""
         from kvcodec.video import nvcuvid_native as native
 
         lib = native.library() if native.available() else None
         if lib is None:
             raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
         api.make_current(self.ctx)
-        return _FedRun(self, lib)
+        if not native.KEEP:
+            return _FedRun(self, lib)
+        run = getattr(self, "_kept", None)
+        if run is None or run.busy or run.lib is not lib:
+            if run is not None:
+                run.close(not run.busy)
+            run = self._kept = _FedRun(self, lib, keep=True)
+        return run
 
     def _native_state(self, lib, session: _Session, procparams):  # noqa: ANN202 - an nvcuvid_native.State
         from kvcodec.video import nvcuvid_native as native
@@ -637,26 +653,31 @@ class NvcuvidDecoder:
 
 
 class _FedRun:
-    """One decode_each_fed call: the session, parser, native state and feeder of the frame size
-    being decoded, and the keys of the streams pushed and not complete."""
+    """One decode_each_fed call (or a driver's run of streams): the session, parser, native state
+    and feeder of the frame size being decoded, and the keys of the streams pushed and not
+    complete. keep: the feeder thread and parser stay after a flush and take the next streams
+    (the decoder keeps the run across fetches: NvcuvidDecoder.fed_run)."""
 
     WAIT_S = 0.5  # a blocking wait re-checks the feeder this often
 
-    def __init__(self, decoder: NvcuvidDecoder, lib):
-        self.decoder, self.lib = decoder, lib
+    def __init__(self, decoder: NvcuvidDecoder, lib, keep: bool = False):
+        self.decoder, self.lib, self.keep = decoder, lib, keep
         self.session = self.parser = self.state = self.feeder = None
         self.keys: collections.deque = collections.deque()
         self.held: collections.deque = collections.deque()  # buffers pushed and not complete
         self.ending, self.pushed = False, 0  # the flush asked for; streams pushed on this parser
+        self.flushes = 0  # flushes asked of a kept feeder
         self.procparams = api.ProcParams(progressive_frame=1, output_stream=decoder.stream.cuda_stream)
 
     def open(self, width: int, height: int) -> None:
         from kvcodec.video import nvcuvid_native as native
 
         api.make_current(self.decoder.ctx)  # a driving thread may have run another device's work since
+        if self.session is not None:  # a kept run open for another size (or its session closed)
+            self.close(True)
         self.session = self.decoder._session(width, height)
         self.session.error = None
-        self.ending, self.pushed = False, 0
+        self.ending, self.pushed, self.flushes = False, 0, 0
         self.state = self.decoder._native_state(self.lib, self.session, self.procparams)
         self.parser = _NativeParser(self.session, self.decoder.display_delay, self.lib, self.state)
         nv, cu = api.nvcuvid(), api.cuda()
@@ -669,8 +690,26 @@ class _FedRun:
             self.decoder.ctx,
             self.decoder.PIECE_BYTES,
         )
+        if self.keep:
+            self.feeder.keep()
+
+    def is_open(self, width: int, height: int) -> bool:
+        """Open on a live session for frames of width x height (a kept run may be on another's)."""
+        s = self.session
+        return (
+            s is not None
+            and (s.width, s.height) == (width, height)
+            and self.decoder._sessions.get((width, height)) is s
+        )
+
+    @property
+    def busy(self) -> bool:
+        """Streams pushed and not complete, or a flush asked for and not done."""
+        return bool(self.keys) or self.ending
 
     def push(self, key, buf: np.ndarray, ordinal: int, frames: int, out_ptr: int) -> None:
+        if self.keep and not self.keys and self.session.handle.value:  # idle kept run: its decoder may be new
+            self.state.decoder = self.session.handle.value
         self.state.push(out_ptr, ordinal, frames)
         self.keys.append(key)
         self.held.append(buf)
@@ -722,10 +761,12 @@ class _FedRun:
         return self.feeder is not None and not self.ending and bool(self.keys) and self.feeder.wait_fed(0, 0) == 0
 
     def begin_end(self) -> None:
-        """Ask for the flush after the streams pushed (poll closes the run once it is done)."""
+        """Ask for the flush after the streams pushed (poll closes the run once it is done, or,
+        kept, leaves it open and idle)."""
         if self.feeder is not None and not self.ending:
             self.feeder.end()
             self.ending = True
+            self.flushes += 1
 
     def poll(self) -> Iterator[object]:
         """The keys of the streams complete now, without waiting; once a flush asked for is done,
@@ -734,6 +775,9 @@ class _FedRun:
             return
         if not self.ending:
             yield from self.ready()
+            return
+        if self.keep:
+            yield from self._poll_kept()
             return
         if self.feeder.wait(0, 0) >= 0:  # the flush is not done yet
             yield from self._ready()
@@ -746,10 +790,25 @@ class _FedRun:
         self.session = self.parser = self.state = self.feeder = None
         self.ending = False
 
+    def _poll_kept(self) -> Iterator[object]:
+        """poll of a kept run that is ending: once the flush is done, the run stays open, idle."""
+        done = self.feeder.flushed(self.flushes, 0)
+        if done < 0:  # the kept feeder stopped: its parser failed
+            self._check(self.feeder.close())
+            raise CorruptStreamError("NVDEC's parser stopped before the streams were complete")
+        yield from self._ready()
+        if done < self.flushes:
+            return
+        if self.keys:
+            raise CorruptStreamError("a stream decoded to fewer frames than its chunk announces")
+        self.ending = False
+
     def wait(self, timeout_s: float) -> None:
-        """Wait (at most timeout_s) for one more stream to complete or the feeder to finish."""
+        """Wait (at most timeout_s) for one more stream to complete, the flush asked for to be
+        done or the feeder to finish."""
         if self.feeder is not None:
-            self.feeder.wait(int(self.state.completed) + 1, timeout_s)
+            flushes = self.flushes + (0 if self.ending else 1)  # kept: a flush done ends the wait too
+            self.feeder.wait(int(self.state.completed) + 1, timeout_s, flushes if self.keep else None)
 
     def _ready(self) -> Iterator[object]:
         self._check()

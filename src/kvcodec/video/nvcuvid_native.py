@@ -136,7 +136,8 @@ typedef struct {
     state_t *s; void *parser; parse_fn parse; setctx_fn setctx; void *ctx;
     long long piece, submitted, fed;
     const unsigned char *ptr[MAX_TARGETS]; long long len[MAX_TARGETS]; long long ord[MAX_TARGETS];
-    int end, stop, finished, parse_error, started;
+    long long end_req, flushes;  /* flushes asked for, flushes done */
+    int keep, stop, finished, parse_error, started;
     pthread_mutex_t mu; pthread_cond_t cv; pthread_t thread;
 } feeder_t;
 
@@ -161,13 +162,17 @@ static void *feeder_main(void *arg) {
     if (f->setctx && f->setctx(f->ctx)) { feeder_done(f, -1); return NULL; }
     for (;;) {
         pthread_mutex_lock(&f->mu);
-        while (f->fed == f->submitted && !f->end && !f->stop) pthread_cond_wait(&f->cv, &f->mu);
+        while (f->fed == f->submitted && f->end_req == f->flushes && !f->stop) pthread_cond_wait(&f->cv, &f->mu);
         if (f->stop) { pthread_mutex_unlock(&f->mu); feeder_done(f, 0); return NULL; }
         if (f->fed == f->submitted) {  /* end: flush the parser (the last pictures come out) */
             pthread_mutex_unlock(&f->mu);
             int r = feed(f, 0x01, NULL, 0, 0);
-            feeder_done(f, r);
-            return NULL;
+            if (r || f->s->error || !f->keep) { feeder_done(f, r); return NULL; }
+            pthread_mutex_lock(&f->mu);  /* kept: the parser takes the next streams after its flush */
+            f->flushes++;
+            pthread_cond_broadcast(&f->cv);
+            pthread_mutex_unlock(&f->mu);
+            continue;
         }
         long long k = f->fed % MAX_TARGETS;
         const unsigned char *p = f->ptr[k];
@@ -201,7 +206,7 @@ void *kv_feeder_start(state_t *s, void *parser, void *parse, void *setctx, void 
 /* A stream to feed after those pushed before; -1 when MAX_TARGETS streams are not yet fed. */
 int kv_feeder_submit(feeder_t *f, const unsigned char *p, long long n, long long ordinal) {
     pthread_mutex_lock(&f->mu);
-    if (f->submitted - f->fed >= MAX_TARGETS || f->end) { pthread_mutex_unlock(&f->mu); return -1; }
+    if (f->submitted - f->fed >= MAX_TARGETS || f->end_req > f->flushes) { pthread_mutex_unlock(&f->mu); return -1; }
     long long k = f->submitted % MAX_TARGETS;
     f->ptr[k] = p; f->len[k] = n; f->ord[k] = ordinal; f->submitted++;
     pthread_cond_broadcast(&f->cv);
@@ -209,10 +214,10 @@ int kv_feeder_submit(feeder_t *f, const unsigned char *p, long long n, long long
     return 0;
 }
 
-/* No more streams: the parser is flushed once every stream pushed is fed. */
+/* No more streams: the parser is flushed once every stream pushed is fed (once per flush asked). */
 void kv_feeder_end(feeder_t *f) {
     pthread_mutex_lock(&f->mu);
-    f->end = 1;
+    if (f->end_req == f->flushes) f->end_req++;
     pthread_cond_broadcast(&f->cv);
     pthread_mutex_unlock(&f->mu);
 }
@@ -226,16 +231,22 @@ static struct timespec deadline_after(long long timeout_us) {
     return ts;
 }
 
-/* Wait (at most timeout_us) until `completed` streams are complete or the feeder has finished;
-   returns the streams complete, -1 once the feeder has finished. */
-long long kv_feeder_wait(feeder_t *f, long long completed, long long timeout_us) {
+/* Wait (at most timeout_us) until `completed` streams are complete, `flushes` flushes are done or
+   the feeder has finished; returns the streams complete, -1 once the feeder has finished. */
+long long kv_feeder_wait_any(feeder_t *f, long long completed, long long flushes, long long timeout_us) {
     struct timespec ts = deadline_after(timeout_us);
     pthread_mutex_lock(&f->mu);
-    while (f->s->completed < completed && !f->finished && !f->s->error)
+    while (f->s->completed < completed && !f->finished && !f->s->error && f->flushes < flushes)
         if (pthread_cond_timedwait(&f->cv, &f->mu, &ts)) break;
     long long done = f->finished ? -1 : f->s->completed;
     pthread_mutex_unlock(&f->mu);
     return done;
+}
+
+/* Wait (at most timeout_us) until `completed` streams are complete or the feeder has finished;
+   returns the streams complete, -1 once the feeder has finished. */
+long long kv_feeder_wait(feeder_t *f, long long completed, long long timeout_us) {
+    return kv_feeder_wait_any(f, completed, 1LL << 62, timeout_us);
 }
 
 /* Wait (at most timeout_us) until at most `unfed` streams pushed are not yet fed (or the feeder has
@@ -250,6 +261,26 @@ long long kv_feeder_wait_fed(feeder_t *f, long long unfed, long long timeout_us)
     long long left = f->finished ? -1 : f->submitted - f->fed;
     pthread_mutex_unlock(&f->mu);
     return left;
+}
+
+/* Keep the thread and parser after each flush (call before the first kv_feeder_end): the parser
+   takes more streams after its end-of-stream flush, and kv_feeder_flushed counts the flushes. */
+void kv_feeder_keep(feeder_t *f) {
+    pthread_mutex_lock(&f->mu);
+    f->keep = 1;
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Wait (at most timeout_us) until `flushes` flushes are done or the feeder has finished; returns
+   the flushes done, -1 once the feeder has finished. */
+long long kv_feeder_flushed(feeder_t *f, long long flushes, long long timeout_us) {
+    struct timespec ts = deadline_after(timeout_us);
+    pthread_mutex_lock(&f->mu);
+    while (f->flushes < flushes && !f->finished)
+        if (pthread_cond_timedwait(&f->cv, &f->mu, &ts)) break;
+    long long done = f->finished ? -1 : f->flushes;
+    pthread_mutex_unlock(&f->mu);
+    return done;
 }
 
 /* Stop (unless already finished), join the thread, free; the parser's last error (0: none). */
@@ -366,6 +397,12 @@ def library():  # noqa: ANN201 - the ctypes CDLL, or None
     lib.kv_feeder_wait_fed.restype = c_longlong
     lib.kv_feeder_wait_fed.argtypes = [c_void_p, c_longlong, c_longlong]
     lib.kv_feeder_close.restype = c_int
+    lib.kv_feeder_wait_any.restype = c_longlong
+    lib.kv_feeder_wait_any.argtypes = [c_void_p, c_longlong, c_longlong, c_longlong]
+    lib.kv_feeder_keep.restype = None
+    lib.kv_feeder_keep.argtypes = [c_void_p]
+    lib.kv_feeder_flushed.restype = c_longlong
+    lib.kv_feeder_flushed.argtypes = [c_void_p, c_longlong, c_longlong]
     lib.kv_feeder_close.argtypes = [c_void_p]
     return lib
 
@@ -377,6 +414,9 @@ def available() -> bool:
 
 FEEDER = os.environ.get("KVCODEC_FEEDER", "1") != "0"  # False: the parser fed on the caller's thread
 FEED_DEPTH = 2  # streams pushed to a feeder and not yet fed (the engine's next stream is always there)
+# True: a decoder keeps its driven run (parser, native state, feeder thread) open across fetches, the
+# parser taking the next fetch's streams after its end-of-stream flush; False: opened per fetch.
+KEEP = os.environ.get("KVCODEC_KEEP_RUNS", "1") != "0"
 
 
 class Feeder:
@@ -398,10 +438,24 @@ class Feeder:
         """No more streams: the parser is flushed after the last one."""
         self.lib.kv_feeder_end(self.handle)
 
-    def wait(self, completed: int, timeout_s: float) -> int:
-        """Streams complete once `completed` are (or timeout_s passed); -1 once the feeder finished
-        (the flush done, or stopped by an error)."""
-        done = self.lib.kv_feeder_wait(self.handle, completed, int(timeout_s * 1e6))
+    def keep(self) -> None:
+        """The thread and parser stay after each flush (end): more streams may be pushed once it
+        is done (flushed counts them). Call before the first end."""
+        self.lib.kv_feeder_keep(self.handle)
+
+    def flushed(self, flushes: int, timeout_s: float) -> int:
+        """Flushes done once `flushes` are (or timeout_s passed); -1 once the feeder finished."""
+        done = self.lib.kv_feeder_flushed(self.handle, flushes, int(timeout_s * 1e6))
+        self.finished = done < 0
+        return done
+
+    def wait(self, completed: int, timeout_s: float, flushes: int | None = None) -> int:
+        """Streams complete once `completed` are, or (kept) `flushes` flushes are done, or timeout_s
+        passed; -1 once the feeder finished (the flush done, or stopped by an error)."""
+        if flushes is None:
+            done = self.lib.kv_feeder_wait(self.handle, completed, int(timeout_s * 1e6))
+        else:
+            done = self.lib.kv_feeder_wait_any(self.handle, completed, flushes, int(timeout_s * 1e6))
         self.finished = done < 0
         return done
 

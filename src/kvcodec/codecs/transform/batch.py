@@ -474,7 +474,8 @@ class StageDriver:
         if not EAGER:
             return
         for run in self.runs:
-            run.begin_end()
+            if run.pending:  # an idle run (kept open from the last fetch, no chunk of this one) stays so
+                run.begin_end()
 
     def flush_stuck(self) -> None:
         """Flush every session whose every stream is fed (no more chunks are coming)."""
@@ -483,12 +484,17 @@ class StageDriver:
                 run.begin_end()
 
     def close(self) -> None:
-        """Every session flushed and its run closed (chunks still in flight are decoded to the end)."""
+        """Every session flushed (chunks still in flight are decoded to the end) and its run
+        closed, or, a run its decoder keeps (nvcuvid_native.KEEP), left open and idle for the next
+        fetch; a run that failed is closed with its session."""
         for k, run in enumerate(self.runs):
             try:
                 self._drain(k)
             except Exception:  # noqa: BLE001 - the session is closed, not reused
                 run.close(False)
+                continue
+            if not getattr(run, "keep", False):
+                run.close(True)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -497,27 +503,33 @@ class StageDriver:
         for frames of w x hh (or not open); if none, one is emptied first."""
         from kvcodec.video.nvcuvid_native import MAX_TARGETS
 
-        def fits(run) -> bool:
-            same = run.session is None or (run.session.width, run.session.height) == (w, hh)
-            return same and not run.ending and run.pending < MAX_TARGETS
+        def other(run) -> bool:  # open for frames of another size
+            return run.session is not None and (run.session.width, run.session.height) != (w, hh)
+
+        def fits(run) -> bool:  # an idle run open for another size is opened again
+            return not run.ending and run.pending < MAX_TARGETS and not (other(run) and run.busy)
 
         ok = [k for k, run in enumerate(self.runs) if fits(run)]
         if not ok:
             k = min(range(len(self.runs)), key=lambda j: self.runs[j].pending)
             self._drain(k)
             ok = [k]
-        k = min(ok, key=lambda j: self.load[j])
-        if self.runs[k].session is None:
-            self.runs[k].open(w, hh)
+        k = min(ok, key=lambda j: (self.load[j], other(self.runs[j])))
+        run = self.runs[k]
+        if run.session is None or other(run):
+            run.open(w, hh)
         return k
 
     def _drain(self, k: int) -> None:
-        """Flush session k and wait until its run is closed (its chunks to `done`)."""
+        """Flush session k if it holds streams and wait until it is done (its chunks to `done`):
+        its run closed or, kept, idle."""
         run = self.runs[k]
+        if not run.busy:
+            return
         run.begin_end()
-        while run.feeder is not None:
+        while run.busy:
             self._collect(k)
-            if run.feeder is not None:
+            if run.busy:
                 run.wait(self.WAIT_S)
 
     def _collect(self, k: int) -> None:
