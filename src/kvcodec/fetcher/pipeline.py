@@ -221,12 +221,7 @@ class FetchPipeline:
         pending: dict[int, tuple] = {}
         next_i, restored, n = 0, 0, len(self.plan.metas)
         while next_i < n:
-            ready, err = _ready_run(pending, next_i)
-            if ready:
-                restored, failed = self._restore_run(ready, restored)
-                if failed is not None:
-                    return restored, failed
-                next_i += len(ready)
+            next_i, restored, err, _ = self._advance(pending, next_i, restored)
             if err is not None:
                 return restored, err
             if next_i >= n:
@@ -239,8 +234,22 @@ class FetchPipeline:
             except queue.Empty:
                 continue
             pending[i] = (err, staged)
-            self._take_ready(pending)
         return restored, None
+
+    def _advance(
+        self, pending: dict[int, tuple], next_i: int, restored: int
+    ) -> tuple[int, int, KVCodecError | None, bool]:
+        """Restore the in-order run of decoded chunks from next_i (every result already queued
+        joins `pending` first): (the next chunk due, tokens restored, the error that stops the
+        fetch or None, whether any chunk was restored)."""
+        self._take_ready(pending)
+        ready, err = _ready_run(pending, next_i)
+        if ready:
+            restored, failed = self._restore_run(ready, restored)
+            if failed is not None:
+                return next_i, restored, failed, True
+            next_i += len(ready)
+        return next_i, restored, err, bool(ready)
 
     def _consume_driven(self, driver) -> tuple[int, KVCodecError | None]:
         """_consume where this thread also stages the chunks: each blob the network stage delivers
@@ -259,16 +268,10 @@ class FetchPipeline:
                     self._staged(i, part, fed.pop(i), busy)
             except Exception as e:  # noqa: BLE001 - a session failed with no chunk at fault
                 return restored, e if isinstance(e, KVCodecError) else _failed(next_i, "failed to decode", e)
-            self._take_ready(pending)
-            ready, err = _ready_run(pending, next_i)
-            if ready:
-                restored, failed = self._restore_run(ready, restored)
-                if failed is not None:
-                    return restored, failed
-                next_i += len(ready)
+            next_i, restored, err, progressed = self._advance(pending, next_i, restored)
             if err is not None:
                 return restored, err
-            if next_i >= n or ready:
+            if next_i >= n or progressed:
                 continue
             wait, late = self._wait_for(_POLL_S, restored)
             if late is not None:
