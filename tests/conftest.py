@@ -27,6 +27,16 @@ def smollm2():
     return _load("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def smol(smollm2):
+    """smollm2 with torch on one thread: it leaves a core to the fetch / store threads (faster on a
+    shared CPU)."""
+    import torch
+
+    torch.set_num_threads(1)
+    return smollm2
+
+
 @pytest.fixture(scope="session")
 def qwen25():
     """(model, tokenizer) of Qwen2.5-Coder-0.5B (Qwen2 architecture), float32, eval mode."""

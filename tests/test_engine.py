@@ -24,12 +24,6 @@ DOC = (
 )
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2):
-    torch.set_num_threads(1)  # leaves a core to the fetch / store threads; faster on a shared CPU
-    return smollm2
-
-
 def make_engine(smol, url: str, **kw) -> Engine:
     model, tok = smol
     kw.setdefault("codec_config", CodecConfig(quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),)))

@@ -26,12 +26,6 @@ CHUNK = 32
 LONG = " ".join(f"Item {i} is stored in box {i * 7 % 13}." for i in range(12))  # ~120 tokens
 
 
-@pytest.fixture(scope="module")
-def smol(smollm2):
-    torch.set_num_threads(1)  # leaves a core to the fetch / store threads; faster on a shared CPU
-    return smollm2
-
-
 def engine(smol, url: str, **kw) -> Engine:
     model, tok = smol
     return Engine(

@@ -28,12 +28,6 @@ CALIBRATION_TEXTS, EVAL_TEXT, EVAL_TOKENS = ("pg/aord", "pg/apple"), "pg/gap", 3
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2):
-    torch.set_num_threads(1)  # leaves a core to the fetch / store threads; faster on a shared CPU
-    return smollm2
-
-
-@pytest.fixture(scope="module")
 def kvt(smol, tmp_path_factory) -> Path:
     """A transform fitted on KV of texts the tests do not serve."""
     from kvcodec.integrations.hf import extract_kv
