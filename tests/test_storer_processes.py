@@ -202,6 +202,14 @@ def test_shared_buffers_are_reused_grown_within_the_limit_and_unlinked():
     pool.close()
     with pytest.raises(FileNotFoundError):
         shared_memory.SharedMemory(name=bigger.name)
+    ready = BufferPool(limit=3)
+    held = ready.acquire(10)
+    assert ready.reserve(encode_pool.BUFFER_ALIGN + 1) == 2 and ready.reserve(10) == 0  # up to the limit
+    made = [ready.acquire(encode_pool.BUFFER_ALIGN + 1) for _ in range(2)]  # the reserved ones: none made
+    assert all(b.nbytes == 2 * encode_pool.BUFFER_ALIGN for b in made) and ready._count == 3
+    for b in [held, *made]:
+        ready.release(b)
+    ready.close()
     late = BufferPool(limit=2)
     in_use = late.acquire(10)
     late.close()  # while a store holds a buffer: freed when it comes back

@@ -241,6 +241,26 @@ class BufferPool:
                 self._cond.notify()
             raise
 
+    def reserve(self, nbytes: int, pin: bool = False) -> int:
+        """Make every buffer not made yet (up to the limit) now, of at least `nbytes`, pinned with
+        `pin`, and leave them free: the pool's first store pays for their shared memory and CUDA
+        page-locking, not later stores running beside requests. Returns how many were made."""
+        with self._cond:
+            want = self.limit - self._count
+            self._count += want
+        made: list[SharedBuffer] = []
+        try:
+            for _ in range(want):
+                made.append(SharedBuffer(nbytes))
+                if pin:
+                    made[-1].pin()
+        finally:
+            with self._cond:
+                self._count -= want - len(made)
+                self._free.extend(made)
+                self._cond.notify_all()
+        return len(made)
+
     def release(self, buf: SharedBuffer) -> None:
         with self._cond:
             if not self._closed:
@@ -284,11 +304,13 @@ class EncodePool:
 
         The pool's first store runs alone: its worker makes the per-model coding decisions (trial
         encodes, kept in the plan cache file) that the others then read, instead of each process
-        deciding on its own first chunk (stored bytes that depend on which document came first)."""
+        deciding on its own first chunk (stored bytes that depend on which document came first);
+        it also makes (and pins, for CUDA KV) the shared buffers of all processes."""
         if not self._decided.is_set():
             with self._first:
                 if not self._decided.is_set():
                     try:
+                        self.buffers.reserve(kv.numel() * kv.element_size(), pin=kv.is_cuda)
                         return self._put(ids, kv)
                     finally:
                         self._decided.set()

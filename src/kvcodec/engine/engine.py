@@ -251,15 +251,20 @@ class Engine:
         if logits is None:
             return False
         layout = self.runner.layout
+        kv = None
         if req.store and self.prefix_cache is not None:
             try:
                 kv = layout.snapshot(req.cache) if layout is not None else req.cache
-                self.storer.submit(req.prompt_ids, kv, restored=req.restored_tokens)
             except Exception as e:  # never fail a request because storing failed
                 log.warning("could not queue KV store: %s", e)
         if layout is not None:
             layout.after_prefill(req.cache)
         self._append(req, sample(logits, req.params, req.generator))
+        if kv is not None:  # queued after the first token: storing never adds to the TTFT
+            try:
+                self.storer.submit(req.prompt_ids, kv, restored=req.restored_tokens)
+            except Exception as e:
+                log.warning("could not queue KV store: %s", e)
         return True
 
     def _decode(self, reqs: list[Request]) -> int:
