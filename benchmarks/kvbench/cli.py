@@ -16,6 +16,7 @@ BENCH_MODULES = (
     "kvbench.decode",
     "kvbench.fetch",
     "kvbench.ttft",
+    "kvbench.ttft_engine",
     "kvbench.interference",
     "kvbench.accuracy",
     "kvbench.plot",

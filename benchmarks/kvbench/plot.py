@@ -66,6 +66,11 @@ def ttft_series(rows: Iterable[dict]) -> dict[tuple[str, int], dict[str, list[tu
     return panels
 
 
+def modelled_series(rows: Iterable[dict]) -> dict[tuple[str, int], dict[str, list[tuple[float, float]]]]:
+    """The points of ttft_series that a run modelled instead of measuring (rows with measured False)."""
+    return ttft_series(r for r in rows if r.get("measured") is False)
+
+
 def fetch_series(records: Iterable[dict]) -> dict[str, list[tuple[float, float, float]]]:
     """{policy: [(bandwidth_gbit, fetch_s, bound_s), ...]} for the constant-rate traces."""
     out: dict[str, list[tuple[float, float, float]]] = {}
@@ -128,12 +133,17 @@ def plot_ttft(record: dict, path: str) -> None:
     panels = ttft_series(record.get("rows", []))
     if not panels:
         raise ConfigError("the TTFT result has no rows to plot")
+    modelled = modelled_series(record.get("rows", []))
     fig, axes = _figure(len(panels))
     for ax, ((model, tokens), series) in zip(axes, sorted(panels.items())):
         for method in sorted(series, key=_method_key):
             xs, ys = zip(*series[method])
             style = "--" if method == "prefill" else "-"
-            ax.plot(xs, ys, style, marker="o", markersize=3, label=method_label(method))
+            (line,) = ax.plot(xs, ys, style, marker="o", markersize=3, label=method_label(method))
+            guessed = modelled.get((model, tokens), {}).get(method)
+            if guessed:  # modelled points: hollow markers
+                gx, gy = zip(*guessed)
+                ax.plot(gx, gy, "o", markersize=5, markerfacecolor="white", color=line.get_color())
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"{model}, {tokens} tokens", fontsize=9)
@@ -142,6 +152,8 @@ def plot_ttft(record: dict, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     mode = record.get("mode") or "modeled from measured parts"
+    if modelled:
+        mode += "; hollow: modelled"
     fig.suptitle(f"TTFT vs bandwidth ({record.get('label', record.get('device', ''))}, {mode})", fontsize=10)
     _save(fig, path)
 

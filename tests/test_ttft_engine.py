@@ -1,0 +1,135 @@
+"""`kvcodec bench ttft-engine` on the CPU: relocated chunks decode as the chunk they now are, and
+the whole prep -> run path through Engine + PrefixCache on a tiny random-weight model (no timing
+asserted: only what was measured, restored and modelled)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from click.testing import CliRunner  # noqa: E402
+
+from kvbench import ttft_engine  # noqa: E402
+from kvbench.methods import method_codec  # noqa: E402
+from kvcodec.config import CodecConfig  # noqa: E402
+from kvcodec.kvspec.files import save_kv_file  # noqa: E402
+from kvcodec.transform import RopeSpec, calibrate, save_kvt  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def real_like_kv(tokens: int, layers: int = 3, heads: int = 2, dim: int = 32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    mix = torch.randn(8, layers * 2 * heads * dim, generator=g)
+    x = torch.randn(tokens, 8, generator=g) @ mix + 0.1 * torch.randn(tokens, layers * 2 * heads * dim, generator=g)
+    return x.view(tokens, layers, 2, heads, dim).permute(1, 2, 0, 3, 4).contiguous().to(torch.float16)
+
+
+@pytest.mark.parametrize("method", ["raw", "zstd-3"])
+def test_relocated_chunk_decodes_as_the_chunk_it_now_is(method):
+    codec = method_codec(method, CodecConfig(chunk_tokens=256))
+    kv = real_like_kv(256)
+    blob = codec.encode_chunks(kv, keys=["seed-0"])[0].blobs[0]
+    moved = ttft_engine.relocate(blob, 5, 5 * 256, "k" * 64)
+    info = codec.inspect_chunk(moved)
+    assert (info.index, info.start_token, info.tokens, info.key) == (5, 1280, 256, "k" * 64)
+    out = torch.empty_like(kv)
+    codec.decode_chunk(moved, out)
+    assert torch.equal(out, kv)  # the payload is untouched
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """llama-tiny (4 layers, 2 KV heads, head_dim 64): a KV file of another shape, a .kvt of the
+    target's shape, seed chunks of raw, zstd-3 and the transform at 5x."""
+    from kvbench.workloads import tiled_kv
+
+    d = tmp_path_factory.mktemp("ttft-engine")
+    save_kv_file(d / "kv.safetensors", real_like_kv(300), {"model": "syn"})
+    L, H, D = ttft_engine.target_shape("llama-tiny")
+    cal_kv = tiled_kv(real_like_kv(600), L, H, D, 600)
+    save_kvt(calibrate([cal_kv], RopeSpec(10000.0, D), info={"model": "tiny"}), d / "t.kvt")
+    r = CliRunner().invoke(
+        ttft_engine.command,
+        [
+            "prep",
+            "--kv-file",
+            str(d / "kv.safetensors"),
+            "--target",
+            "llama-tiny",
+            "--transform",
+            str(d / "t.kvt"),
+            "--methods",
+            "raw,zstd-3,kvcodec-transform",
+            "--target-ratios",
+            "5",
+            "--dir",
+            str(d / "prep"),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    return d
+
+
+def test_prep_writes_seed_chunks_and_a_pack(prepared):
+    man = json.loads((prepared / "prep" / ttft_engine.MANIFEST).read_text())
+    assert man["shape"] == [4, 2, 64] and set(man["methods"]) == {"zstd-3", "kvcodec-transform-5"}
+    assert len(man["methods"]["kvcodec-transform-5"]["chunks"]) == ttft_engine.SEED_CHUNKS
+    assert (prepared / "prep" / ttft_engine.PACK).exists()
+    # the pack's codec is the prepared one (same id: same kvt hash) and reads its chunks
+    codec = ttft_engine.run_codec("kvcodec-transform-5", prepared / "prep", man)
+    assert codec.id == man["methods"]["kvcodec-transform-5"]["codec_id"]
+
+
+def test_run_through_the_engine_measures_and_models(prepared):
+    out = prepared / "ttft.json"
+    r = CliRunner().invoke(
+        ttft_engine.command,
+        [
+            "run",
+            "--dir",
+            str(prepared / "prep"),
+            "--methods",
+            "raw,zstd-3,kvcodec-transform",
+            "--target-ratios",
+            "5",
+            "--tokens",
+            "512",
+            "--bandwidths",
+            "1,1000",
+            "--max-transfer-s",
+            "0",
+            "--device",
+            "cpu",
+            "--accuracy",
+            str(RESULTS / "rd-smollm2-135m-cpu-s6.json"),
+            "--out",
+            str(out),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())
+    rows = {(x["method"], x["bandwidth_gbit"]): x for x in rec["rows"]}
+    for m in ("raw", "zstd-3", "kvcodec-transform-5"):
+        fast, slow = rows[(m, 1000.0)], rows[(m, 1.0)]
+        assert fast["measured"] and fast["restored_tokens"] == 512 and fast["fetch_error"] is None
+        assert not slow["measured"] and slow["fetch_s"] >= slow["transfer_s"]  # modelled: at least the transfer
+        assert slow["bytes"] == fast["bytes"] > 0
+    assert rows[("prefill", 1.0)]["measured"]
+    assert rec["accuracy"]["kvcodec-transform-5"]["source"] == "rd-smollm2-135m-cpu-s6.json"
+    md = out.with_suffix(".md").read_text()
+    assert "Issue 21 target 4" in md and "*" in md
+
+
+def test_plot_marks_modelled_points():
+    from kvbench.plot import modelled_series, ttft_series
+
+    rows = [
+        {"model": "m", "tokens": 512, "method": "raw", "bandwidth_gbit": bw, "ttft_s": t, "measured": ok}
+        for bw, t, ok in ((1.0, 2.0, False), (100.0, 0.1, True))
+    ] + [{"model": "m", "tokens": 512, "method": "prefill", "bandwidth_gbit": 1.0, "ttft_s": 0.5}]
+    assert ttft_series(rows)[("m", 512)]["raw"] == [(1.0, 2.0), (100.0, 0.1)]
+    assert modelled_series(rows) == {("m", 512): {"raw": [(1.0, 2.0)]}}  # rows without the flag are measured
