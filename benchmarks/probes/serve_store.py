@@ -123,6 +123,7 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
     after = _metrics(engine)
     engine.stop()
     ttft = [r.ttft for r in reqs if r.ttft is not None]
+    busy, idle_ttft = _overlaps(reqs)
     layers, kv_heads, head_dim = _kv_dims(model)
     per_token = layers * 2 * kv_heads * head_dim * 2
     stored_tokens = at_end["kvcodec_stored_tokens_total"] - before["kvcodec_stored_tokens_total"]
@@ -142,6 +143,8 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "ttft_p50_s": round(statistics.median(ttft), 4),
         "ttft_p90_s": round(_pct(ttft, 0.9), 4),
         "ttft_mean_s": round(statistics.mean(ttft), 4),
+        "arrived_busy": busy,
+        "ttft_p50_idle_s": round(statistics.median(idle_ttft), 4) if idle_ttft else None,
         "stored_prefixes_during": at_end["kvcodec_stored_prefixes_total"] - before["kvcodec_stored_prefixes_total"],
         "stored_prefixes_total": after["kvcodec_stored_prefixes_total"] - before["kvcodec_stored_prefixes_total"],
         "stored_per_s": round(
@@ -156,6 +159,20 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "server_cpu_s": round(use1.ru_utime + use1.ru_stime - use0.ru_utime - use0.ru_stime, 3),
         "server_involuntary_switches": use1.ru_nivcsw - use0.ru_nivcsw,
     }
+
+
+def _overlaps(reqs: list) -> tuple[int, list[float]]:
+    """(requests that arrived before an earlier one finished, TTFTs of the others): a request that
+    arrives while another decodes is prefilled in chunks between decode steps
+    (EngineConfig.prefill_chunk_tokens), a slower regime a stream can stay in."""
+    busy, idle, last_end = 0, [], float("-inf")
+    for r in reqs:
+        if r.arrival_time < last_end:
+            busy += 1
+        elif r.ttft is not None:
+            idle.append(r.ttft)
+        last_end = max(last_end, r.finish_time or float("inf"))
+    return busy, idle
 
 
 def _params(args: argparse.Namespace):  # noqa: ANN202
@@ -244,16 +261,17 @@ def main() -> None:
         "`kvcodec serve` in one process, one engine per mode (started once, warmed up with one store: its encode "
         "workers live through all its runs), runs in the order below, each with its own new prompts.",
         "",
-        "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | stored/s | stored MB/s fp16 | dropped | "
-        "lag mean s | backlog at end | drain s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | arrived busy | p50 idle s | stored/s | "
+        "stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         wn = f"{r['encode_workers']}/{r['nice']}" if r["storing"] else "-"
         where = f"{r['encode_in']} ({r['encode_processes']})" if r["encode_processes"] else r["encode_in"] or "-"
         lines.append(
             f"| {r['mode']} | {where} | {wn} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
-            f"{r['ttft_p90_s']:.4f} | {r['stored_per_s']:.2f} | {r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
+            f"{r['ttft_p90_s']:.4f} | {r['arrived_busy']} | {r['ttft_p50_idle_s'] or '-'} | {r['stored_per_s']:.2f} | "
+            f"{r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
             f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} |"
         )
     lines += ["", "| mode | TTFT p50 vs off (each, then median) | p90 vs off (median) |", "|---|---|---|"]
@@ -264,7 +282,9 @@ def main() -> None:
         "",
         "Ratios: each run's TTFT over the nearest earlier off run's (the same repeat). stored/s and MB/s: prefixes stored "
         "while the stream ran (kvcodec_stored_prefixes_total / tokens), over its duration; dropped: "
-        "kvcodec_stores_dropped_total (the bounded backlog); lag: kvcodec_store_lag_seconds (prefill to stored).",
+        "kvcodec_stores_dropped_total (the bounded backlog); lag: kvcodec_store_lag_seconds (prefill to stored). "
+        "arrived busy: requests that arrived before an earlier one had finished (their prompt is prefilled in chunks "
+        "between decode steps); p50 idle: TTFT p50 of the others.",
     ]
     from kvbench.results import machine
 
