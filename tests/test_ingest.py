@@ -101,3 +101,17 @@ def test_documents_encoded_at_once_fill_the_cores_with_chunks():
     assert documents_at_once(None, 16, 8) == 2  # 2k-token documents of 8 chunks on 16 cores
     assert documents_at_once(None, 2, 8) == 1 and documents_at_once(None, 16, 1) == 16
     assert documents_at_once(None, 16, 0) == 16 and documents_at_once(3, 16, 8) == 3
+
+
+def test_ingest_splits_its_encode_threads_by_the_documents_chunks(tmp_path):
+    from kvcodec.ingest.run import _encode_pool
+
+    url = f"file://{tmp_path / 'store'}"
+    cache = PrefixCache(open_store(url), "m", make_codec("hevc"), "cpu")
+    for chunks, want in ((4, (4, 4)), (8, (2, 8)), (None, (2, 8)), (2, (8, 2))):
+        pool = _encode_pool(cache, url, "processes", 16, None, chunks)  # no process starts before a store
+        try:
+            assert (pool.processes, pool.spec.threads) == want
+        finally:
+            pool.shutdown()
+    assert _encode_pool(cache, url, "threads", 16, None, 4) is None
