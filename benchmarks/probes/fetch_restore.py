@@ -199,8 +199,14 @@ def _memory_store(d: pathlib.Path, doc: dict):
 
 
 def _check(kv: torch.Tensor, case: dict) -> dict:
-    got = kv.reshape(-1)[torch.tensor(case["ref_idx"], device=kv.device)].float().cpu()
-    ref = torch.tensor(case["ref_vals"])
+    idx, ref = torch.tensor(case["ref_idx"]), torch.tensor(case["ref_vals"])
+    full, n = case.get("full_tokens", kv.shape[2]), kv.shape[2]
+    if n != full:  # a prefix of the prepared tokens (run --tokens): the samples inside it, re-indexed
+        inner = kv.shape[3] * kv.shape[4]
+        t, lk, rest = (idx // inner) % full, idx // (inner * full), idx % inner
+        keep = t < n
+        idx, ref = ((lk * n + t) * inner + rest)[keep], ref[keep]
+    got = kv.reshape(-1)[idx.to(kv.device)].float().cpu()
     diff = (got - ref).abs()
     ok = bool(torch.all(diff <= 2**-12 + 2**-10 * ref.abs()))  # fp16 rounding of float32 sums in another order
     return {"within_fp16_rounding": ok, "max_abs_diff": float(diff.max())}
@@ -222,7 +228,8 @@ def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
 @contextlib.contextmanager
 def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
-    native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM)."""
+    native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM),
+    keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n)."""
     from kvcodec.codecs.transform import batch as transform_batch
     from kvcodec.restore import transform_kernels
     from kvcodec.video import nvcuvid, nvcuvid_native
@@ -230,6 +237,8 @@ def _switches(codec, variant: dict):
     saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
     driven = transform_batch.DRIVEN, transform_batch.EAGER
+    keep = nvcuvid_native.KEEP
+    nvcuvid_native.KEEP = variant.get("keep", True) and keep
     transform_batch.DRIVEN = variant.get("drive", True) and driven[0]
     transform_batch.EAGER = variant.get("eager", True) and driven[1]
     nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
@@ -249,6 +258,7 @@ def _switches(codec, variant: dict):
         nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
         transform_batch.DRIVEN, transform_batch.EAGER = driven
+        nvcuvid_native.KEEP = keep
         sys.setswitchinterval(saved[2])
         if variant.get("dd") is not None:
             _close_idle()
@@ -256,7 +266,7 @@ def _switches(codec, variant: dict):
         codec.__dict__.pop("stage_stream", None)
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager")
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "keep")
 
 
 def _close_idle() -> None:
@@ -576,12 +586,16 @@ def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
         finally:
             smi.terminate()
         util = [float(x) for x in smi.communicate()[0].split() if x.strip().replace(".", "").isdigit()]
+        t0 = time.perf_counter()
         r = cache.fetch(doc["ids"], deadline_s=None)
+        call_s = time.perf_counter() - t0
         torch.cuda.synchronize()
+        sync_s = time.perf_counter() - t0
     tl = sorted(r.stats.timeline, key=lambda t: t.index)
     rows = [
         [t.index, t.worker, round(1e3 * t.net_end, 3), round(1e3 * t.dec_start, 3), round(1e3 * t.dec_end, 3)]
         + [round(1e3 * t.restore_start, 3), round(1e3 * t.restore_end, 3)]
+        + [round(1e3 * t.queued, 3), round(1e3 * t.submitted, 3)]
         for t in tl
     ]
     workers: dict = {}
@@ -592,6 +606,8 @@ def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
         "switches": {k: v for k, v in variant.items() if k in SWITCHES},
         "nvdec_util_pct": util[len(util) // 4 :],  # the loop's steady part
         "fetch_ms": round(1e3 * max(t.restore_end for t in tl), 3),
+        "call_ms": round(1e3 * call_s, 3),  # the whole fetch call (the last restore_end is fetch_ms)
+        "call_synced_ms": round(1e3 * sync_s, 3),
         "chunks_per_worker": {w: len(v) for w, v in workers.items()},
         "chunks": rows,
         "columns": [
@@ -602,6 +618,8 @@ def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
             "dec_end_ms",
             "restore_start_ms",
             "restore_end_ms",
+            "queued_ms",
+            "submitted_ms",
         ],
     }
 
@@ -629,8 +647,9 @@ def run_log(script: str, doc: dict, alone: float, out: pathlib.Path):  # noqa: A
 
 
 def run(
-    d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False, interfere_all=False
-) -> None:
+    d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False, interfere_all=False,
+    tokens=0, sample=False,
+) -> None:  # fmt: skip
     from kvcodec.transform import frames  # noqa: F401 - import before threads start
 
     probe = _probe()
@@ -644,6 +663,13 @@ def run(
         cal = (packed.cal, packed.kvt_hash)
     torch.zeros(1, device="cuda")
     mem = _memory_store(d, doc)
+    if tokens and tokens < len(doc["ids"]):  # a prefix of the prepared tokens: the first chunks
+        full = len(doc["ids"])
+        doc = {**doc, "ids": doc["ids"][:tokens], "fp16_bytes": doc["fp16_bytes"] * tokens // full}
+        for case in doc["cases"]:
+            case["full_tokens"] = full
+            case["coded_bytes"] = _stored_bytes(mem, doc, case)
+            case["ratio_vs_fp16"] = round(doc["fp16_bytes"] / case["coded_bytes"], 3)
     alone = probe.matmul_tflops(2.0)
     result, log = run_log("benchmarks/probes/fetch_restore.py", doc, alone, out)
 
@@ -671,7 +697,7 @@ def run(
         if case["name"] == profile_case:
             for v in [{}] + variants:
                 _stage(log, base, timeline, mem, doc, case, codec, v, repeat)
-            for v in () if quick else ({}, {"decode_workers": 1}):
+            for v in ({},) if sample else () if quick else ({}, {"decode_workers": 1}):
                 name = f"profile-{doc['model']}-{case['name']}-w{v.get('decode_workers', 'default')}.json"
                 _stage(log, base, profile_fetch, mem, doc, case, codec, v, repeat, out.parent / name)
     _stage(log, {"model": doc["model"]}, standing_sessions, probe)
@@ -709,6 +735,7 @@ def _variant(text: str) -> dict:
         "nofeed": "feed",
         "nodrive": "drive",
         "lazy": "eager",
+        "nokeep": "keep",
     }
     for sw in switches:
         if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
@@ -722,7 +749,15 @@ def _variant(text: str) -> dict:
     return v
 
 
-FETCH_COLS = ("name", "ratio_vs_fp16", "switches", "restored_gb_per_s", "restored_gb_per_s_best", "coded_gbit_per_s")
+FETCH_COLS = (
+    "name",
+    "ratio_vs_fp16",
+    "switches",
+    "decode_workers",
+    "restored_gb_per_s",
+    "restored_gb_per_s_best",
+    "coded_gbit_per_s",
+)
 FETCH_COLS += ("vs_decode_only", "matmul_slowdown", "standing_mb", "host_cpu_ms_per_chunk", "cores_used")
 FETCH_COLS += ("within_fp16_rounding",)
 
@@ -810,6 +845,8 @@ def main() -> None:
     r.add_argument("--pack", type=pathlib.Path, default=None, help="the cut calibration (default: DIR's)")
     r.add_argument("--quick", action="store_true", help="no restore-alone, kernel or sampler-profile stages")
     r.add_argument("--interfere-all", action="store_true", help="the matmul's slowdown for every variant")
+    r.add_argument("--tokens", type=int, default=0, help="fetch this prefix of the prepared tokens (default: all)")
+    r.add_argument("--sample", action="store_true", help="the sampler profile of the defaults, also with --quick")
     a = ap.parse_args()
     if a.cmd == "pack":
         _pack(a.dir, json.loads((a.dir / "cases.json").read_text()), a.also)
@@ -821,7 +858,7 @@ def main() -> None:
     only = set(filter(None, a.only.split(",")))
     run(
         a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack, a.quick,
-        a.interfere_all,
+        a.interfere_all, a.tokens, a.sample,
     )  # fmt: skip
 
 

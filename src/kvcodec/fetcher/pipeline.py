@@ -328,6 +328,7 @@ class FetchPipeline:
         target, direct = self._target(self.plan.metas[i])
         fed[i] = (j, target, direct)
         driver.submit(i, blob, target)
+        tm.submitted = self.now()
 
     def _take_ready(self, pending: dict[int, tuple]) -> None:
         """Every result already queued, so that chunks decoded together are finished together."""
@@ -425,6 +426,7 @@ class FetchPipeline:
             except KVCodecError as e:
                 self.res_q.put((i, e, None))
                 return
+            self.timings[i].queued = self.now()
             self.dec_q.put((i, j, blob))
 
     def _issue(self) -> tuple[int, int] | None:

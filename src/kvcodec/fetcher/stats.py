@@ -21,7 +21,9 @@ class ChunkTiming:
     tokens: int
     net_start: float = 0.0
     net_end: float = 0.0
+    queued: float = 0.0  # handed to the decode stage (the network stage's queue)
     dec_start: float = 0.0
+    submitted: float = 0.0  # a driven fetch: its video pushed to a session's feeder
     dec_end: float = 0.0
     restore_start: float = 0.0
     restore_end: float = 0.0
