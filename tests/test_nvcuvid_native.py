@@ -292,11 +292,12 @@ class LaggingParser:
 
     def __init__(self, lib, frames: dict, lag: int, fail_stream: int | None = None):
         self.lib, self.frames, self.lag, self.fail_stream = lib, frames, lag, fail_stream
-        self.state, self.started, self.shown = None, [], 0
+        self.state, self.started, self.shown, self.flags = None, [], 0, []
         self.fn = PARSE(self._parse)
 
     def _parse(self, parser, packet):
         p = Packet.from_address(packet)
+        self.flags.append(p.flags)
         if p.flags & 1:
             upto = len(self.started)
         else:
@@ -314,21 +315,19 @@ class LaggingParser:
         return 0
 
 
-def _fed(monkeypatch, n: int, frames: int, depth: int, lag: int, fail_stream=None) -> list:
-    """decode_each_fed's keys over n streams of `frames` pictures, on the stand-ins (no GPU here)."""
+def _stand_ins(monkeypatch, frames: dict, lag: int, fail_stream=None):
+    """A decoder whose parser, driver calls and session are stand-ins (no GPU here), and its parser."""
     from types import SimpleNamespace
-
-    import numpy as np
 
     from kvcodec.video import nvcuvid
     from kvcodec.video import nvcuvid_api as api
 
-    parser = LaggingParser(native.library(), dict.fromkeys(range(n), frames), lag, fail_stream)
+    parser = LaggingParser(native.library(), frames, lag, fail_stream)
     drv = Driver()
     setctx = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda ctx: 0)
 
     class Session:
-        width, height, error, layout = 256, 144, None, ("YUV444", 256, 432)
+        width, height, error, layout, handle = 256, 144, None, ("YUV444", 256, 432), ctypes.c_void_p(1)
 
     class NativeParser:
         def __init__(self, session, delay, lib, state):
@@ -343,13 +342,51 @@ def _fed(monkeypatch, n: int, frames: int, depth: int, lag: int, fail_stream=Non
     monkeypatch.setattr(api, "cuda", lambda: SimpleNamespace(cuCtxSetCurrent=setctx))
     monkeypatch.setattr(api, "make_current", lambda ctx: None)
     decoder = SimpleNamespace(
-        ctx=0, stream=SimpleNamespace(cuda_stream=0), display_delay=1, PIECE_BYTES=256,
+        ctx=0, stream=SimpleNamespace(cuda_stream=0), display_delay=1, PIECE_BYTES=256, setctx=setctx,
         _session=lambda w, h: Session(), _native_state=lambda lib, s, pp: drv.state(256, 144),
         close=lambda size=None: None,
     )  # fmt: skip
+    return decoder, parser
+
+
+def _fed(monkeypatch, n: int, frames: int, depth: int, lag: int, fail_stream=None) -> list:
+    """decode_each_fed's keys over n streams of `frames` pictures, on the stand-ins (no GPU here)."""
+    import numpy as np
+
+    from kvcodec.video import nvcuvid
+
+    decoder, _ = _stand_ins(monkeypatch, dict.fromkeys(range(n), frames), lag, fail_stream)
     data = [np.zeros(600, np.uint8) for _ in range(n)]
     items = ((k, data[k], 256, 144, frames, 0xA000000 * (k + 1)) for k in range(n))
     return list(nvcuvid.NvcuvidDecoder.decode_each_fed(decoder, items, depth))
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_kept_run_takes_more_streams_after_each_flush(monkeypatch, lag):
+    """A kept _FedRun (what NvcuvidDecoder.fed_run hands out by default): after a flush its
+    parser and feeder stay open, idle, and the next caller's streams complete through them."""
+    import numpy as np
+
+    from kvcodec.video import nvcuvid
+
+    decoder, parser = _stand_ins(monkeypatch, dict.fromkeys(range(5), 2), lag)
+    run = nvcuvid._FedRun(decoder, native.library(), keep=True)
+    run.open(256, 144)
+    feeder, data, keys = run.feeder, [np.zeros(600, np.uint8) for _ in range(5)], []
+    for streams in ([0, 1, 2], [3, 4]):
+        for k in streams:
+            run.push(k, data[k], run.next_ordinal(), 2, 0xA000000 * (k + 1))
+        run.begin_end()
+        for _ in range(400):
+            keys += list(run.poll())
+            if not run.busy:
+                break
+            run.wait(0.05)
+        assert not run.busy and run.feeder is feeder and not feeder.finished  # idle, still open
+    assert keys == [0, 1, 2, 3, 4]
+    assert [flags & 1 for flags in parser.flags].count(1) == 2  # one end-of-stream packet per flush
+    run.close(True)
+    assert run.feeder is None
 
 
 @pytest.mark.parametrize(("n", "frames", "depth", "lag"), [(5, 2, 2, 1), (5, 1, 2, 2), (6, 2, 1, 3), (70, 1, 2, 2)])

@@ -227,16 +227,18 @@ class FakeRun:
     completes only once another stream was pushed after it or the flush was asked for. fail: the
     key of a stream whose session fails (every stream it holds is then decoded on its own)."""
 
-    def __init__(self, decoder, fail=None):
-        self.decoder, self.fail = decoder, fail
+    def __init__(self, decoder, fail=None, keep=False):
+        self.decoder, self.fail, self.keep = decoder, fail, keep
         self.session = self.feeder = None
         self.keys, self.held, self.ending, self.pushed, self.streams = collections.deque(), [], False, 0, []
+        self.opened = self.flushed = 0
 
     pending = property(lambda self: len(self.keys))
     busy = property(lambda self: bool(self.keys) or self.ending)
 
     def open(self, w, h):
         self.session, self.feeder, self.ending, self.pushed = SimpleNamespace(width=w, height=h), object(), False, 0
+        self.opened += 1
 
     def next_ordinal(self):
         self.pushed += 1
@@ -255,8 +257,9 @@ class FakeRun:
         return self.feeder is not None and not self.ending and bool(self.keys)
 
     def begin_end(self):
-        if self.feeder is not None:
+        if self.feeder is not None and not self.ending:
             self.ending = True
+            self.flushed += 1
 
     def poll(self):
         if self.feeder is None:
@@ -265,7 +268,9 @@ class FakeRun:
             raise CorruptStreamError("the session failed")
         while len(self.keys) > (0 if self.ending else 1):
             yield self.keys.popleft()
-        if self.ending:
+        if self.ending and self.keep:  # kept: open and idle after the flush
+            self.ending = False
+        elif self.ending:
             self.close(True)
 
     def wait(self, timeout_s):
@@ -278,9 +283,9 @@ class FakeRun:
 
 
 class FakeDecoder:
-    def __init__(self, fail=None):
+    def __init__(self, fail=None, keep=False):
         self.cpu, self.fail, self.decoded_alone = get_decoder("cpu"), fail, 0
-        self.run = FakeRun(self, fail)
+        self.run = FakeRun(self, fail, keep)
 
     def fed_run(self):
         return self.run
@@ -332,3 +337,24 @@ def test_stage_driver_stages_every_chunk_from_one_thread(kvt, sessions, fail):
     held = [d.run.streams for d in decoders if fail in d.run.streams]  # the session that failed
     assert sum(d.decoded_alone for d in decoders) == (len(held[0]) if fail is not None else 0)
     assert all(d.run.feeder is None for d in decoders)  # closed
+
+
+def test_stage_driver_leaves_kept_runs_open_for_the_next_fetch(kvt):
+    """Runs their decoders keep (nvcuvid_native.KEEP) are flushed when their chunks are in, left
+    open and idle by close, and the next driver's chunks go through them without opening them
+    again; a run with no chunk of a fetch is never flushed."""
+    from kvcodec.codecs.transform.batch import StageDriver
+
+    c, kv, chunks, want = _case(kvt)
+    decoders = [FakeDecoder(keep=True) for _ in range(len(chunks) + 1)]  # one session has no chunk
+    for _ in range(2):
+        out, outs = _outs(kv, chunks)
+        driver = StageDriver(c, decoders)
+        got = _drive(driver, c, chunks, outs, driver.end_all)
+        driver.close()
+        c.finish([got[i] for i in range(len(chunks))], outs)
+        assert gpu_tests.within_an_ulp(out, want)
+    runs = [d.run for d in decoders]
+    assert all(r.feeder is not None and not r.busy for r in runs if r.opened)  # open, idle
+    assert sorted(r.opened for r in runs) == [0] + [1] * len(chunks)  # opened once, by the first fetch
+    assert sorted(r.flushed for r in runs) == [0] + [2] * len(chunks)  # once per fetch, the idle one never
