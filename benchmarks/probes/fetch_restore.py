@@ -9,6 +9,8 @@ decoder's standing memory and a host profile of where each chunk's CPU time goes
         --cases t5:ratio=5 --cases t8:ratio=8 --cases int8:hevc
     # on the GPU machine (D carried; its .kvt stays behind, the pack cut to the coded widths travels)
     python benchmarks/probes/fetch_restore.py run --dir D --out OUT.json
+    # the first 2048 tokens' chunks of the same store, the defaults against runs opened per fetch
+    python benchmarks/probes/fetch_restore.py run --dir D --out OUT.json --tokens 2048 --variants default-nokeep
 
 A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
 (int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk). run measures per case:
@@ -725,7 +727,8 @@ def _stage(log, base, fn, *args) -> None:
 
 
 def _variant(text: str) -> dict:
-    """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32 (see _switches)."""
+    """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
+    -nokeep, -swiN, -ddN, -fdN (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
     names = {
