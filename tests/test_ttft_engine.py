@@ -133,3 +133,27 @@ def test_plot_marks_modelled_points():
     ] + [{"model": "m", "tokens": 512, "method": "prefill", "bandwidth_gbit": 1.0, "ttft_s": 0.5}]
     assert ttft_series(rows)[("m", 512)]["raw"] == [(1.0, 2.0), (100.0, 0.1)]
     assert modelled_series(rows) == {("m", 512): {"raw": [(1.0, 2.0)]}}  # rows without the flag are measured
+
+
+def test_link_bound_raw_is_the_link_time_plus_the_engine_time_after_the_fetch():
+    def row(method, bw, ttft, fetch, measured=True):
+        return {
+            "model": "m",
+            "tokens": 512,
+            "bandwidth_gbit": bw,
+            "method": method,
+            "ttft_s": ttft,
+            "fetch_s": fetch,
+            "bytes": 10**9,
+            "measured": measured,
+            "restored_tokens": 512,
+        }
+
+    rows = [row("raw", 100.0, 2.0, 1.9), row("raw", 1.0, 9.0, 8.9, measured=False), row("t", 1.0, 4.0, 3.9)]
+    out = ttft_engine.with_raw_bound(rows)
+    bound = {r["bandwidth_gbit"]: r for r in out if r["method"] == ttft_engine.RAW_BOUND}
+    assert bound[100.0]["ttft_s"] == pytest.approx(0.08 + 0.1) and not bound[100.0]["measured"]
+    assert bound[1.0]["ttft_s"] == pytest.approx(8.0 + 0.1)  # a modelled raw point: the fastest link's time after
+    t = next(r for r in out if r["method"] == "t")
+    assert t["speedup_vs_raw_link_bound"] == pytest.approx(8.1 / 4.0)
+    assert ttft_engine.with_raw_bound(out) == out  # idempotent
