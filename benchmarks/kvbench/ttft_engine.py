@@ -8,6 +8,8 @@ Two steps, because the coded chunks are made on a CPU machine and the timing run
         --transform LLAMA-SHAPED.kvt --methods raw,cachegen,kvcodec-int8,kvcodec-transform --dir D
     # GPU: stores of the full prefix built from those chunks, each request through Engine + PrefixCache
     kvcodec bench ttft-engine run --dir D --tokens 8192,32768 --bandwidths 1,5,10,25,40,100
+    # anywhere: the markdown (and derived rows) again from a run's JSON
+    kvcodec bench ttft-engine report RESULT.json
 
 What is measured (run): every TTFT is `Engine.generate`'s own (arrival -> first token) of a prompt
 whose prefix is stored: the engine's lookup, `PrefixCache.fetch` with its defaults (the CUDA fetch
