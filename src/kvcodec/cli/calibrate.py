@@ -256,7 +256,8 @@ def command(
     settings = dict(sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim, max_group=max_group, covariance=covariance)
     rope_flags = (rope_theta, rope_style, rotary_dim, no_rope)
     if model_name:
-        data = _model_data(model_name, texts, holdout, max_tokens, weighting, weight_alpha, fisher_texts, sink_tokens)
+        fisher = (weighting, weight_alpha, fisher_texts)
+        data = _model_data(model_name, texts, holdout, max_tokens, fisher, settings, no_rope)
     else:
         data = _file_data(kv_files, holdout)
     fit = _fit_grouped if data["grouped"] else _fit_uniform
@@ -286,7 +287,32 @@ def _texts(texts: str | None, holdout: int | None) -> tuple[list[str], list[str]
     return split_held_out([t.strip() for t in texts.split(",") if t.strip()], holdout)
 
 
-def _model_data(model_name, texts, holdout, max_tokens, weighting, alpha, fisher_texts, sink_tokens) -> dict:
+def _stream_from_model(model, tokenizer, layout, texts: list[str], max_tokens: int, keep: int, settings, rope) -> tuple:
+    """As _kv_from_model, but each text's KV goes into the running moments of a StreamedCalibration
+    and is dropped (the fit never holds the calibration KV): (stream, labels, token ids, prefixes)."""
+    import torch
+
+    from kvcodec.cli.extract import _read_text
+    from kvcodec.models.extract import kv_of_ids
+    from kvcodec.transform.calibration import StreamedCalibration, streamed_token_count
+
+    read = [_read_text(spec) for spec in texts]
+    ids = [tokenizer(text, return_tensors="pt").input_ids[0][:max_tokens] for text, _ in read]
+    tokens = streamed_token_count([t.numel() for t in ids], settings["sink_tokens"])
+    shape = (len(layout.spec.layers), *layout.spec.layers[0].k_shape)  # (layers, kv heads, head dim)
+    fit = {k: settings[k] for k in ("sink_tokens", "tokens_per_dim", "max_group")}
+    stream = StreamedCalibration(shape, rope, tokens=tokens, **fit)
+    prefixes = []
+    for t in ids:
+        kv = kv_of_ids(model, layout, t, chunk_tokens=SENSITIVITY_PREFIX)
+        if len(prefixes) < keep and t.numel() > SENSITIVITY_PREFIX + 1:
+            prefixes.append(kv[:, :, :SENSITIVITY_PREFIX].clone())
+        stream.add(kv.to(torch.float16))  # the values a store holds, as _kv_from_model keeps them
+        del kv
+    return stream, [label for _, label in read], ids, prefixes
+
+
+def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, no_rope) -> dict:
     from kvcodec.models import load_model, model_id
     from kvcodec.models.check import inspect_model
 
@@ -296,8 +322,19 @@ def _model_data(model_name, texts, holdout, max_tokens, weighting, alpha, fisher
     if held:
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
     model, tokenizer = load_model(model_name)
+    weighting, alpha, fisher_texts = fisher_args
+    sink_tokens = settings["sink_tokens"]
     fisher = weighting == "fisher" and alpha > 0 and layout.spec.uniform  # the Fisher of grouped caches: not yet
-    kvs, sources, ids, prefixes = _kv_from_model(model, tokenizer, layout, fit_texts, max_tokens, fisher_texts * fisher)
+    stream = None
+    if layout.spec.uniform and settings["covariance"] == "sample":  # moments as it extracts: the KV is not held
+        rope = None if no_rope else layout.uniform_rope
+        args = (fit_texts, max_tokens, fisher_texts * fisher, settings, rope)
+        stream, sources, ids, prefixes = _stream_from_model(model, tokenizer, layout, *args)
+        kvs = None
+    else:
+        kvs, sources, ids, prefixes = _kv_from_model(
+            model, tokenizer, layout, fit_texts, max_tokens, fisher_texts * fisher
+        )
     held_kvs, held_sources, held_ids, _ = _kv_from_model(model, tokenizer, layout, held_texts, max_tokens)
     grouped = not layout.spec.uniform
     data = dict(
@@ -305,6 +342,7 @@ def _model_data(model_name, texts, holdout, max_tokens, weighting, alpha, fisher
         layout=layout,
         grouped=grouped,
         kvs=kvs,
+        stream=stream,
         held=held_kvs,
         held_ids=held_ids,
         held_sources=held_sources,
@@ -353,7 +391,10 @@ def _fit_uniform(data: dict, settings: dict, rope_flags, alpha: float) -> dict:
             alpha=alpha,
         )
         info.update(weights="fisher", weight_alpha=alpha, fisher_texts=data["fisher_texts"])
-    cal = calibrate(data["kvs"], rope, weights=w, info=info, held_out=data["held"], **settings)
+    if data.get("stream") is not None:
+        cal = data["stream"].finish(weights=w, info=info, held_out=data["held"])
+    else:
+        cal = calibrate(data["kvs"], rope, weights=w, info=info, held_out=data["held"], **settings)
     return {"cal": cal, "fallback": cal.info.get("fallback", []), "weighted": w is not None}
 
 

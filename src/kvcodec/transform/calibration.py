@@ -5,7 +5,7 @@ settings are known. Sink tokens (the first few positions, whose KV are outliers)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -197,22 +197,37 @@ def calibrate(
     bases, diagonals = {}, {}
     for gi, group in enumerate(groups):
         for ki, kind in enumerate(KINDS):
-            w = None if weights is None else weights[list(group), ki].reshape(-1).to(torch.float64)
-            mean, cov, n = _moments(block_samples(k, group, ki, first_position, rope, sink) for k in kvs)
-            if covariance == "sample":
-                bases[(gi, kind)] = fit_moments(mean, cov, w)
-            else:  # estimators that need the samples themselves
-                x = torch.cat([block_samples(k, group, ki, first_position, rope, sink) for k in kvs])
-                bases[(gi, kind)] = fit_group(x, w, covariance)
-            if held_out:
-                from kvcodec.transform.fallback import diagonal_from_moments
-
-                diagonals[(gi, kind)] = diagonal_from_moments(mean, torch.diagonal(cov) * ((n - 1) / n), w)
-            del cov
+            moments = _moments(block_samples(k, group, ki, first_position, rope, sink) for k in kvs)
+            samples = None
+            if covariance != "sample":  # estimators that need the samples themselves
+                samples = torch.cat([block_samples(k, group, ki, first_position, rope, sink) for k in kvs])
+            _fit_block(bases, diagonals, (gi, kind), moments, _block_weights(weights, group, ki), bool(held_out),
+                       samples, covariance)  # fmt: skip
+            del moments, samples  # one block's covariance at a time
     meta = dict(info or {})
     meta.update(tokens=tokens, sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim)
     if covariance != "sample":
         meta["covariance"] = covariance
+    return _finish(layers, heads, dim, rope, groups, bases, diagonals, meta, held_out, first_position, sink)
+
+
+def _block_weights(weights: torch.Tensor | None, group: Sequence[int], kind: int) -> torch.Tensor | None:
+    return None if weights is None else weights[list(group), kind].reshape(-1).to(torch.float64)
+
+
+def _fit_block(bases: dict, diagonals: dict, key, moments, w, held: bool, samples=None, covariance="sample") -> None:  # noqa: ANN001
+    """bases[key] from a block's (mean, covariance, count) (or its samples, for other estimators);
+    with held-out data, diagonals[key]: its per-channel fallback from the same moments."""
+    mean, cov, n = moments
+    bases[key] = fit_moments(mean, cov, w) if samples is None else fit_group(samples, w, covariance)
+    if held:
+        from kvcodec.transform.fallback import diagonal_from_moments
+
+        diagonals[key] = diagonal_from_moments(mean, torch.diagonal(cov) * ((n - 1) / n), w)
+
+
+def _finish(layers, heads, dim, rope, groups, bases, diagonals, meta, held_out, first_position, sink) -> Calibration:  # noqa: ANN001
+    """The fitted Calibration: held-out fallback decided, bases compacted as a version-3 .kvt stores them."""
     if held_out:
         held = [lambda g, k, h=h: block_samples(h, groups[g], k, first_position, rope, sink) for h in held_out]
         meta["fallback"] = _fall_back(bases, diagonals, held)
@@ -238,24 +253,112 @@ def block_samples(
 def _moments(parts) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(mean, unbiased covariance, count) in float64 of sample matrices given one by one: float32
     products of samples shifted by the first part's mean (no cancellation), summed in float64."""
-    shift = s1 = s2 = None
-    n = 0
+    acc = _Accumulator()
     for x in parts:
+        acc.add(x)
+    return acc.moments()
+
+
+class _Accumulator:
+    """Running sums of one block's samples (see _moments)."""
+
+    def __init__(self) -> None:
+        self.shift = self.s1 = self.s2 = None
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
         if not torch.isfinite(x).all():
             raise ConfigError("calibration data holds NaN or infinity; refusing to fit a transform on it")
-        if shift is None:
-            shift = x.mean(0)
-            s1 = torch.zeros(x.shape[1], dtype=torch.float64)
-            s2 = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
-        c = x - shift
-        s1 += c.sum(0, dtype=torch.float64)
-        s2 += (c.T @ c).to(torch.float64)
-        n += x.shape[0]
-    if n < 2:
-        raise ConfigError(f"PCA needs >= 2 samples; got {n}")
-    m = s1 / n
-    cov = (s2 - n * torch.outer(m, m)) / (n - 1)
-    return shift.to(torch.float64) + m, cov, n
+        if self.shift is None:
+            self.shift = x.mean(0)
+            self.s1 = torch.zeros(x.shape[1], dtype=torch.float64)
+            self.s2 = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+        c = x - self.shift
+        self.s1 += c.sum(0, dtype=torch.float64)
+        self.s2 += (c.T @ c).to(torch.float64)
+        self.n += x.shape[0]
+
+    def moments(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        n = self.n
+        if n < 2:
+            raise ConfigError(f"PCA needs >= 2 samples; got {n}")
+        m = self.s1 / n
+        cov = (self.s2 - n * torch.outer(m, m)) / (n - 1)
+        return self.shift.to(torch.float64) + m, cov, n
+
+
+class StreamedCalibration:
+    """calibrate() on KV given one tensor at a time and dropped after it (the "sample" covariance
+    only): the fit's memory is the running moments of every block, not the calibration KV. The
+    tokens must be counted first (they decide the layer groups); finish() checks the count.
+
+        stream = StreamedCalibration((layers, heads, dim), rope, tokens=n)
+        for kv in kvs: stream.add(kv)
+        cal = stream.finish(weights=w, info=info, held_out=held)
+
+    The result equals calibrate(kvs, rope, ...) on the same tensors in the same order."""
+
+    def __init__(
+        self,
+        shape: tuple[int, int, int],
+        rope: RopeSpec | None,
+        *,
+        tokens: int,
+        sink_tokens: int = DEFAULT_SINK_TOKENS,
+        tokens_per_dim: float = TARGET_TOKENS_PER_DIM,
+        max_group: int | None = None,
+        first_position: int = 0,
+    ) -> None:
+        layers, heads, dim = shape
+        if rope is not None and rope.head_dim != dim:
+            raise ConfigError(f"rope head_dim {rope.head_dim} does not match the KV's head_dim {dim}")
+        self.shape, self.rope, self.tokens, self.first_position = tuple(shape), rope, tokens, first_position
+        self.sink_tokens, self.tokens_per_dim = sink_tokens, tokens_per_dim
+        self.sink = max(0, sink_tokens - first_position)
+        self.groups = group_layers(layers, heads * dim, tokens, tokens_per_dim=tokens_per_dim, max_group=max_group)
+        self.blocks = {(gi, kind): _Accumulator() for gi in range(len(self.groups)) for kind in KINDS}
+        self.seen = 0
+
+    def add(self, kv: torch.Tensor) -> None:
+        if _check([kv]) != self.shape:
+            raise ShapeError(f"calibration KV of shape {tuple(kv.shape)} does not match the first ones' {self.shape}")
+        for gi, group in enumerate(self.groups):
+            for ki, kind in enumerate(KINDS):
+                self.blocks[(gi, kind)].add(block_samples(kv, group, ki, self.first_position, self.rope, self.sink))
+        self.seen += max(0, kv.shape[2] - self.sink)
+
+    def finish(
+        self,
+        *,
+        weights: torch.Tensor | None = None,
+        info: dict[str, Any] | None = None,
+        held_out: Sequence[torch.Tensor] = (),
+    ) -> Calibration:
+        layers, heads, dim = self.shape
+        if self.seen != self.tokens:
+            raise ConfigError(f"the calibration KV held {self.seen} tokens, {self.tokens} were counted for the groups")
+        if weights is not None and (tuple(weights.shape) != (layers, 2, heads, dim) or not bool((weights > 0).all())):
+            raise ConfigError(f"channel weights must be positive, of shape {(layers, 2, heads, dim)}")
+        for h in held_out:
+            if _check([h]) != self.shape:
+                raise ShapeError("held-out KV comes from another model than the calibration KV")
+        bases, diagonals = {}, {}
+        for (gi, kind), acc in self.blocks.items():
+            w = _block_weights(weights, self.groups[gi], KINDS.index(kind))
+            _fit_block(bases, diagonals, (gi, kind), acc.moments(), w, bool(held_out))
+            acc.s2 = None  # the running sums are spent
+        meta = dict(info or {})
+        meta.update(tokens=self.tokens, sink_tokens=self.sink_tokens, tokens_per_dim=self.tokens_per_dim)
+        args = (self.rope, self.groups, bases, diagonals, meta, held_out, self.first_position, self.sink)
+        return _finish(layers, heads, dim, *args)
+
+
+def streamed_token_count(
+    lengths: Iterable[int], sink_tokens: int = DEFAULT_SINK_TOKENS, first_position: int = 0
+) -> int:
+    """The tokens calibrate() fits on from KV of these lengths (sink tokens left out of each)."""
+    sink = max(0, sink_tokens - first_position)
+    return sum(max(0, n - sink) for n in lengths)
 
 
 def fit_moments(mean: torch.Tensor, cov: torch.Tensor, w: torch.Tensor | None) -> GroupBasis:
