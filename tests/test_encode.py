@@ -141,3 +141,15 @@ def test_transform_encode_of_cuda_kv_decodes_like_the_host_encode(tmp_path):
             codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
         errors.append(float((out.float() - kv.float()).pow(2).mean() / kv.float().pow(2).mean()))
     assert errors[1] <= errors[0] * 1.05 + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_all_finite_finds_a_nan_or_infinity_anywhere(dtype):
+    kv = torch.randn(3, 2, 33, 2, 8).to(dtype)
+    assert hevc_encode.all_finite(kv)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for index in (0, kv.numel() // 2, kv.numel() - 1):
+            damaged = kv.clone()
+            damaged.view(-1)[index] = bad
+            assert not hevc_encode.all_finite(damaged)
+            assert not hevc_encode.all_finite(damaged.transpose(2, 3))  # a strided view

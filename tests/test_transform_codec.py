@@ -402,3 +402,17 @@ def test_precision_options_are_checked(kvt):
     for kw in (dict(fine_tokens=-1), dict(fine_bits=9), dict(recon="median")):
         with pytest.raises(ConfigError):
             codec(kvt, **kw)
+
+
+def test_coefficients_of_the_coded_coordinates_are_those_of_all(kvt):
+    """A level known beforehand computes only the coordinates it codes (the default encode): the
+    same values as all coefficients cut to the coded columns, and the same chunks."""
+    c = codec(kvt)
+    kv = synthetic_kv(100, seed=5).float()
+    theta = c._level(None, kv, 0)
+    counts = c.plan(theta).counts
+    coded = c.coefficients(kv, 0, counts)
+    full = c.coefficients(kv, 0).index_select(1, c.device_plan(theta, kv.device).columns)
+    assert coded.shape == (100, sum(counts))
+    torch.testing.assert_close(coded, full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c._symbols(coded, theta, 0), c._symbols(full, theta, 0))

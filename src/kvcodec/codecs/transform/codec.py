@@ -26,7 +26,7 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
-from kvcodec.codecs.hevc.encode import in_order
+from kvcodec.codecs.hevc.encode import all_finite, in_order
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import check_header
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
@@ -47,6 +47,7 @@ ZSTD_LEVEL = 19
 SAMPLE_CHUNKS = 2  # chunks the size search measures entropy on
 ITERS = 16
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
+GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
 # x265 parameters beyond the lossless ones: those of the HEVC codec, 2.3x faster than the earlier
 # "info=0" for 0.7% more bytes on SmolLM2 coefficients (kvcodec bench encode; a benchmark may set "")
 X265_TUNING = x265_cpu.FAST_TUNING
@@ -205,24 +206,31 @@ class TransformCodec:
             return self._device_plans[key]
 
     def _bases_on(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(mean, analysis) of every (group, kind), concatenated order, on `device`."""
+        """(mean, analysis^T) of every (group, kind), concatenated order, on `device`: the transposed
+        analysis is kept contiguous, so the leading rows of a level's coded coordinates are one block
+        (a GEMM over a column slice of the analysis ran slower than over all of it)."""
         with self._lock:
             if str(device) not in self._device_bases:
                 self._device_bases[str(device)] = [
-                    (b.mean.to(device), b.analysis.to(device))
+                    (b.mean.to(device), b.analysis.to(device).T.contiguous())
                     for b in (self.cal.basis(g, kind) for g in range(len(self.cal.groups)) for kind in KINDS)
                 ]
             return self._device_bases[str(device)]
 
-    def coefficients(self, kv: torch.Tensor, first_position: int) -> torch.Tensor:
-        """(tokens, all dims) float32 coefficients, concatenated (group, kind) order, on kv's device."""
+    def coefficients(self, kv: torch.Tensor, first_position: int, counts: Sequence[int] | None = None) -> torch.Tensor:
+        """(tokens, dims) float32 coefficients, concatenated (group, kind) order, on kv's device: all
+        dims, or with `counts` (a CoordPlan's) the leading counts[j] of the j-th (group, kind) only,
+        the coded ones: the products of the coordinates a level drops are never computed."""
         x = keys_without_rope(kv, first_position, self.cal.rope)
         bases = iter(self._bases_on(x.device))
         parts = []
         for layers in self.cal.groups:
             for ki in range(len(KINDS)):
-                mean, analysis = next(bases)
-                parts.append((group_matrix(x, layers, ki) - mean) @ analysis)
+                mean, rows = next(bases)
+                n = rows.shape[0] if counts is None else counts[len(parts)]
+                # a GEMM of an odd width ran as slow as the full one (CPU BLAS): whole blocks of 32
+                y = (group_matrix(x, layers, ki) - mean) @ rows[: -(-n // GEMM_BLOCK) * GEMM_BLOCK].T
+                parts.append(y[:, :n])
         return torch.cat(parts, dim=1)
 
     def _columns(self, plan: CoordPlan) -> torch.Tensor:
@@ -235,9 +243,10 @@ class TransformCodec:
 
     def _symbols(self, y: torch.Tensor, theta: float, first_position: int, fine: int = 0) -> torch.Tensor:
         """Integers (tokens, coded coords), concatenated order; sink tokens zeroed (they travel as fp16);
-        the last `fine` tokens with the finer step."""
+        the last `fine` tokens with the finer step. y: every coefficient (`coefficients`), or only
+        those level theta codes (`coefficients` with its plan's counts: as many columns as it codes)."""
         dp = self.device_plan(theta, y.device)
-        coded = y.index_select(1, dp.columns)
+        coded = y if y.shape[1] == dp.columns.numel() else y.index_select(1, dp.columns)
         sink = max(0, min(self.sink_tokens - first_position, coded.shape[0]))
         scale = quantize.token_scales(coded.shape[0], fine, self.fine_bits).to(y.device)
         scaled = quantize.scaled(coded, dp.steps, scale)
@@ -250,7 +259,7 @@ class TransformCodec:
         q[:sink] = 0
         return q
 
-    def _level(self, y: torch.Tensor, kv: torch.Tensor, first_position: int) -> float:
+    def _level(self, y: torch.Tensor | None, kv: torch.Tensor, first_position: int) -> float:
         """theta: from bits_per_value (modelled), or meeting target_ratio on this data: bisection on
         the coded coordinates' entropy over a sample of tokens, corrected once by a trial chunk."""
         if self.theta is not None:
@@ -365,8 +374,12 @@ class TransformCodec:
     ) -> list[EncodedChunk]:
         kv = self._check_kv(kv)
         first = first_chunk_index * self.chunk_tokens
-        y = self.coefficients(kv, first)
-        theta = self._level(y, kv, first)
+        if self.theta is None and self.target_ratio is not None:  # the level is measured on the coefficients
+            y = self.coefficients(kv, first)
+            theta = self._level(y, kv, first)
+        else:  # a level known beforehand: only the coordinates it codes
+            theta = self._level(None, kv, first)
+            y = self.coefficients(kv, first, self.plan(theta).counts)
         T = kv.shape[2]
         count = -(-T // self.chunk_tokens)
         check_keys(keys, count)
@@ -430,7 +443,7 @@ class TransformCodec:
         self.cal.check_shape(kv.shape)
         kv = kv.detach()
         kv = kv if kv.device.type == "cuda" else kv.to("cpu")  # a GPU's KV is transformed and quantized there
-        if not torch.isfinite(kv).all():
+        if not all_finite(kv):
             raise ShapeError("KV holds NaN or infinity; the transform codec needs finite values")
         return kv
 
