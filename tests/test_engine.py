@@ -162,6 +162,30 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(smol):
         assert long_r.output_ids == ref
 
 
+def test_a_lone_prompt_prefills_in_one_forward(smol):
+    """With no request decoding, a prompt up to max_prefill_tokens goes through the model in one
+    forward (a later piece attends through a dense mask, which costs time: engine-prefill-cpu-*.md);
+    a longer one in pieces of max_prefill_tokens, to the same answer."""
+    long_p = DOC * 2 + "Who keeps a canoe?"
+    runs = {}
+    for limit in (None, 40):
+        kw = {} if limit is None else {"max_prefill_tokens": limit, "prefill_chunk_tokens": 16}
+        with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False), **kw) as eng:
+            pieces, run = [], eng.runner.prefill_chunk
+
+            def counted(req, n, run=run, pieces=pieces):  # noqa: ANN001, ANN202
+                pieces.append(min(n, req.prompt_len - req.prefill_pos))
+                return run(req, n)
+
+            eng.runner.prefill_chunk = counted
+            out = eng.generate(long_p, max_new_tokens=3, ignore_eos=True)[0]
+        runs[limit] = (pieces, out)
+    (one, out), (cut, out_cut) = runs[None], runs[40]
+    assert one == [len(out.prompt_ids)] and len(out.prompt_ids) > 3 * 40
+    assert cut[:-1] == [40] * (len(cut) - 1) and sum(cut) == len(out.prompt_ids)
+    assert out_cut.token_ids == out.token_ids
+
+
 def test_store_queue_is_bounded(smol):
     """Stores past the queue bound are dropped and counted, never queued without limit."""
     with make_engine(smol, "memory://", reuse=False, store_queue=1) as eng:

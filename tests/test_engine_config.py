@@ -46,6 +46,13 @@ def test_config_refuses_bad_values(kw):
         EngineConfig(**kw)
 
 
+def test_a_lone_long_prompt_is_prefilled_in_one_forward_by_default():
+    """Pieces of a prompt attend to the cache through a dense mask (no causal kernel): the default
+    lets a prompt as long as a 32k-context model's whole window through in one forward."""
+    cfg = EngineConfig()
+    assert cfg.max_prefill_tokens >= 32768 + 512 and cfg.prefill_chunk_tokens <= cfg.max_prefill_tokens
+
+
 def test_attention_leaves_out_cudnn_by_default_and_restricts_torch_inside_forwards():
     torch = pytest.importorskip("torch")
     from kvcodec.engine.runner import sdpa_context

@@ -68,7 +68,7 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--prefill-chunk-tokens",
-    default=512,
+    default=2048,  # EngineConfig.prefill_chunk_tokens
     show_default=True,
     type=click.IntRange(min=1),
     help="Prompt tokens prefilled per engine step (long prompts never stall the others).",

@@ -36,10 +36,20 @@ class EngineConfig:
         store_policy.nice lower OS priority (default 10) than the engine.
     policy: "fetch-aware" (a fetching request never blocks others) or "blocking" (for comparison).
     max_batch: most requests in the running batch.
-    max_prefill_tokens: prompt tokens admitted per iteration (soft; one request always fits).
+    max_prefill_tokens: prompt tokens admitted per iteration (soft; one request always fits), and
+        the most prefilled in one iteration while no request is decoding: a prompt up to this long
+        then goes through the model in one forward. Larger pieces cost more memory (one forward's
+        activations), smaller ones more time: a piece after the first attends to the cache through
+        a dense [piece, cache] mask, which rules out the causal kernels (flash on CUDA, the CPU's
+        causal block skipping) and makes attention cover the whole rectangle; a 32k prompt in 8k
+        pieces took 2.6x one forward on the H200 (benchmarks/results/engine-prefill-cpu-*.md).
     prefill_chunk_tokens: while other requests are decoding, a prompt is prefilled at most this
         many tokens per iteration, so a long prompt never stalls the running batch for its whole
-        prefill (with nothing else running, up to max_prefill_tokens go in one forward).
+        prefill (with nothing else running, up to max_prefill_tokens go in one forward). Each piece
+        costs an iteration (a decode step of the others) and, after the first, a masked forward: at
+        512 a small model's 2k-token prompt took 4 iterations on the H200, ~150 ms to its first
+        token against ~33 ms in one (benchmarks/results/serve-store-h200-pairs.md); 2048 takes such
+        a prompt in one, at the price of a longer decode step for the others while it does.
     min_reuse_tokens: shorter stored prefixes are recomputed instead of fetched.
     fetch_deadline_s: "auto" (default): a fetch may take as long as recomputing its prefix would,
         from the measured prefill rate; a number: that many seconds; None: no deadline.
@@ -72,8 +82,8 @@ class EngineConfig:
     store_policy: StorePolicy = StorePolicy()
     policy: str = "fetch-aware"
     max_batch: int = 8
-    max_prefill_tokens: int = 8192
-    prefill_chunk_tokens: int = 512
+    max_prefill_tokens: int = 65536
+    prefill_chunk_tokens: int = 2048
     min_reuse_tokens: int = 1
     fetch_deadline_s: float | str | None = AUTO
     fetch_workers: int = 2

@@ -6,9 +6,9 @@
 
 Each iteration (`step`): the scheduler admits requests to the running batch (a request whose
 prefix KV is being fetched joins only once it is restored); admitted requests start from their
-restored prefix; at most `prefill_chunk_tokens` prompt tokens are prefilled per iteration (a
-request samples its first token when its whole prompt is in); every other running request decodes
-one token. A request that fails (in its prefill, decode or sampling) ends alone with finish reason
+restored prefix; at most `prefill_chunk_tokens` prompt tokens are prefilled per iteration while
+other requests decode, else up to `max_prefill_tokens` (a request samples its first token when its
+whole prompt is in); every other running request decodes one token. A request that fails (in its prefill, decode or sampling) ends alone with finish reason
 "error"; the others go on. After a prefill the prompt's KV is encoded and stored in the background.
 `generate` drives steps on the caller's thread; `start()` runs them on a background thread for
 online serving (`submit` + streaming callbacks).

@@ -2,9 +2,10 @@
 
 Each request keeps its own transformers DynamicCache over reserved storage (room for its prompt
 and answer; a restored prefix's storage is the fetch's target), into which every forward writes
-its new tokens in place (integrations.hf.reserved_cache). A prompt is prefilled in pieces of at most
-`prefill_chunk_tokens` per engine iteration (`prefill_chunk`), so a long prompt never holds the
-running batch for its whole prefill. A decode iteration either runs one forward for the whole
+its new tokens in place (integrations.hf.reserved_cache). A prompt is prefilled in pieces
+(`prefill_chunk`): while other requests decode, at most `prefill_chunk_tokens` per engine iteration,
+so a long prompt never holds the running batch for its whole prefill; alone, in one forward up to
+`max_prefill_tokens` (a later piece attends through a dense mask, slower than one causal forward). A decode iteration either runs one forward for the whole
 running batch (`decode_batched`: the caches are left-padded to the longest one into a temporary
 batched cache, with an attention mask and explicit positions; each request's new K/V is then
 appended to its own cache) or one forward per request (`decode`). No paged attention: the batched
