@@ -48,6 +48,10 @@ def parse_time(path: str) -> dict:
         "cpu_s": round(float(got["user_s"]) + float(got["system_s"]), 1),
         "cpu_share_pct": int(got["cpu_share_pct"]),
         "peak_rss_mb": round(int(got["peak_rss_kb"]) / 1024),
+        "phases": [  # calibrate_phases.py's lines, where the run printed them
+            {"phase": m[0], "at_s": float(m[1]), "peak_rss_mb": int(m[2])}
+            for m in re.findall(r"\[phase\] (\w+): ([\d.]+) s, peak RSS (\d+) MB", text)
+        ],
     }
 
 
@@ -74,6 +78,7 @@ def main(runs, notes, out_stem):
             safe_ratio=safe_ratio(q),
             report=q.get("points", []),
             report_summary=summary(q),
+            cont_tokens=q.get("cont_tokens"),
             groups=len(info.get("groups", [])) if isinstance(info.get("groups"), list) else None,
         )
         records.append(rec)
@@ -95,7 +100,14 @@ def main(runs, notes, out_stem):
     if len(records) > 1:
         md += ["", f".kvt sha256 {'identical in every run' if same else 'differs between runs'}."]
     md += [""]
-    md += [f"Held-out report ({held}; 128 scored positions per text):", ""]
+    for r in records:
+        if r["phases"]:
+            md.append(
+                f"- {r['label']}, peak RSS after each phase: "
+                + ", ".join(f"{x['phase']} {x['peak_rss_mb']} MB ({x['at_s']:.0f} s)" for x in r["phases"])
+            )
+    cont = records[0].get("cont_tokens") or 128
+    md += ["", f"Held-out report ({held}; {cont} scored positions per text):", ""]
     md += [f"- {r['label']} ({r['report_coder']}): {r['report_summary']}" for r in records]
     write_result(out_stem + ".json", dict(command=cmd, notes=list(notes), runs=records), md)
     click.echo("\n".join(md))
