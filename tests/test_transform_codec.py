@@ -416,3 +416,15 @@ def test_coefficients_of_the_coded_coordinates_are_those_of_all(kvt):
     assert coded.shape == (100, sum(counts))
     torch.testing.assert_close(coded, full, rtol=1e-5, atol=1e-5)
     assert torch.equal(c._symbols(coded, theta, 0), c._symbols(full, theta, 0))
+
+
+def test_encode_samples_are_those_of_to_samples_at_the_extremes():
+    """The encoder's samples and escapes (int32, no widening) are quantize.to_samples's."""
+    from kvcodec.codecs.transform.codec import _samples
+    from kvcodec.transform import quantize
+
+    q = (torch.randn(40, 33, generator=torch.Generator().manual_seed(3)) * 90).round().to(torch.int32)
+    q.view(-1)[:8] = torch.tensor([2**31 - 1, -(2**31), 127, -128, 128, -129, 0, 255], dtype=torch.int32)
+    got, want = _samples(q), quantize.to_samples(q)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] == want[1]).all() and (got[2] == want[2]).all() and len(got[1]) == len(want[1]) > 0

@@ -103,10 +103,11 @@ def _zstd(data: bytes) -> bytes:
 def _samples(q: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     """quantize.to_samples on q's device: the uint8 samples stay there, the (rare) escapes come to
     the host."""
-    shifted = q.to(torch.int64) + quantize.OFFSET
-    idx = torch.nonzero(((shifted < 0) | (shifted > 255)).reshape(-1)).reshape(-1)
+    lo, hi = -quantize.OFFSET, 255 - quantize.OFFSET  # the integers a sample holds (q is int32: no widening)
+    idx = torch.nonzero(((q < lo) | (q > hi)).reshape(-1)).reshape(-1)
     values = q.reshape(-1)[idx].to(torch.int32)
-    return shifted.clamp(0, 255).to(torch.uint8), idx.cpu().numpy().astype(np.int64), values.cpu().numpy()
+    samples = (q.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
+    return samples, idx.cpu().numpy().astype(np.int64), values.cpu().numpy()
 
 
 class TransformCodec:
