@@ -75,3 +75,33 @@ def test_calibrate_model_streams_the_same_transform_as_the_held_kv(tmp_path):
     assert streamed.groups == whole.groups and streamed.info["tokens"] == whole.info["tokens"]
     for key, b in whole.bases.items():
         assert torch.equal(streamed.bases[key].basis, b.basis) and torch.equal(streamed.bases[key].mean, b.mean)
+
+
+def test_streamed_calibration_with_fisher_weights_is_the_held_one(tmp_path):
+    """The streamed path runs the Fisher first, on prefixes it prefills itself (the held path hands it
+    the extraction's prefix KV): the same weights, so the same bases."""
+    from click.testing import CliRunner
+
+    from kvcodec.cli.calibrate import _fisher, _kv_from_model, command
+    from kvcodec.models import load_model
+    from kvcodec.models.check import inspect_model
+    from kvcodec.transform import load_kvt
+    from kvcodec.transform.weights import channel_weights
+
+    texts = ["pg/aord", "py/textwrap", "doc/pathlib"]
+    out = tmp_path / "m.kvt"
+    args = ["--model", "smollm2-135m", "--texts", ",".join(texts), "--holdout", "0", "--max-tokens", "600"]
+    res = CliRunner().invoke(command, [*args, "--fisher-texts", "1", "--tokens-per-dim", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    streamed, _ = load_kvt(out)
+    layout = inspect_model("smollm2-135m")
+    rope = layout.uniform_rope
+    model, tok = load_model("smollm2-135m")
+    kvs, _, ids, prefixes = _kv_from_model(model, tok, layout, texts, 600, keep=1)
+    w = channel_weights(
+        _fisher(model, ids, 4, 1, prefixes), rope_style=rope.style, rotary_dim=rope.rotary_dim, alpha=1.0
+    )
+    whole = calibrate(kvs, rope, weights=w, tokens_per_dim=2.0)
+    assert streamed.info["weights"] == "fisher"
+    for key, b in whole.bases.items():
+        assert torch.equal(streamed.bases[key].basis, b.basis) and torch.equal(streamed.bases[key].weights, b.weights)

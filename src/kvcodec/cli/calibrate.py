@@ -287,29 +287,31 @@ def _texts(texts: str | None, holdout: int | None) -> tuple[list[str], list[str]
     return split_held_out([t.strip() for t in texts.split(",") if t.strip()], holdout)
 
 
-def _stream_from_model(model, tokenizer, layout, texts: list[str], max_tokens: int, keep: int, settings, rope) -> tuple:
-    """As _kv_from_model, but each text's KV goes into the running moments of a StreamedCalibration
-    and is dropped (the fit never holds the calibration KV): (stream, labels, token ids, prefixes)."""
+def _read_ids(tokenizer, texts: list[str], max_tokens: int) -> tuple[list[str], list]:
+    """(labels, token ids cut to max_tokens) of texts, as extract_text_kv tokenizes them."""
+    from kvcodec.cli.extract import _read_text
+
+    read = [_read_text(spec) for spec in texts]
+    return [label for _, label in read], [tokenizer(t, return_tensors="pt").input_ids[0][:max_tokens] for t, _ in read]
+
+
+def _stream_from_model(model, layout, ids: list, settings: dict, rope):
+    """Each text's KV (as _kv_from_model computes and keeps it) into the running moments of a
+    StreamedCalibration, then dropped: the fit never holds the calibration KV."""
     import torch
 
-    from kvcodec.cli.extract import _read_text
     from kvcodec.models.extract import kv_of_ids
     from kvcodec.transform.calibration import StreamedCalibration, streamed_token_count
 
-    read = [_read_text(spec) for spec in texts]
-    ids = [tokenizer(text, return_tensors="pt").input_ids[0][:max_tokens] for text, _ in read]
     tokens = streamed_token_count([t.numel() for t in ids], settings["sink_tokens"])
     shape = (len(layout.spec.layers), *layout.spec.layers[0].k_shape)  # (layers, kv heads, head dim)
     fit = {k: settings[k] for k in ("sink_tokens", "tokens_per_dim", "max_group")}
     stream = StreamedCalibration(shape, rope, tokens=tokens, **fit)
-    prefixes = []
     for t in ids:
         kv = kv_of_ids(model, layout, t, chunk_tokens=SENSITIVITY_PREFIX)
-        if len(prefixes) < keep and t.numel() > SENSITIVITY_PREFIX + 1:
-            prefixes.append(kv[:, :, :SENSITIVITY_PREFIX].clone())
         stream.add(kv.to(torch.float16))  # the values a store holds, as _kv_from_model keeps them
         del kv
-    return stream, [label for _, label in read], ids, prefixes
+    return stream
 
 
 def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, no_rope) -> dict:
@@ -325,11 +327,12 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
     weighting, alpha, fisher_texts = fisher_args
     sink_tokens = settings["sink_tokens"]
     fisher = weighting == "fisher" and alpha > 0 and layout.spec.uniform  # the Fisher of grouped caches: not yet
-    stream = None
+    stream = weights = None
     if layout.spec.uniform and settings["covariance"] == "sample":  # moments as it extracts: the KV is not held
-        rope = None if no_rope else layout.uniform_rope
-        args = (fit_texts, max_tokens, fisher_texts * fisher, settings, rope)
-        stream, sources, ids, prefixes = _stream_from_model(model, tokenizer, layout, *args)
+        sources, ids = _read_ids(tokenizer, fit_texts, max_tokens)
+        if fisher:  # first: its backward pass and the fit's running sums are not held at once (peak memory)
+            weights = _fisher(model, ids, sink_tokens, fisher_texts)
+        stream = _stream_from_model(model, layout, ids, settings, None if no_rope else layout.uniform_rope)
         kvs = None
     else:
         kvs, sources, ids, prefixes = _kv_from_model(
@@ -349,7 +352,9 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
         meta={"model": model_name, "model_id": model_id(model), "sources": sources},
     )
     if fisher:
-        data["fisher"] = _fisher(model, ids, sink_tokens, fisher_texts, prefixes)  # None: texts too short
+        if stream is None:  # the Fisher on the extraction's prefix KV (no second prefill of them)
+            weights = _fisher(model, ids, sink_tokens, fisher_texts, prefixes)
+        data["fisher"] = weights  # None: texts too short
         data["fisher_texts"] = fisher_texts
     return data
 
