@@ -41,15 +41,17 @@ class EngineConfig:
         then goes through the model in one forward. Larger pieces cost more memory (one forward's
         activations), smaller ones more time: a piece after the first attends to the cache through
         a dense [piece, cache] mask, which rules out the causal kernels (flash on CUDA, the CPU's
-        causal block skipping) and makes attention cover the whole rectangle; a 32k prompt in 8k
-        pieces took 2.6x one forward on the H200 (benchmarks/results/engine-prefill-cpu-*.md).
+        causal block skipping) and makes attention cover the whole rectangle: a 32k prompt in 8k
+        pieces took 2.6x one forward on the H200 (benchmarks/results/ttft-h200-engine.md), an 8k
+        one in 2k pieces ~1.3-1.4x on a CPU (engine-prefill-cpu-tiny.md, probes/engine_gap.py).
     prefill_chunk_tokens: while other requests are decoding, a prompt is prefilled at most this
         many tokens per iteration, so a long prompt never stalls the running batch for its whole
         prefill (with nothing else running, up to max_prefill_tokens go in one forward). Each piece
         costs an iteration (a decode step of the others) and, after the first, a masked forward: at
-        512 a small model's 2k-token prompt took 4 iterations on the H200, ~150 ms to its first
-        token against ~33 ms in one (benchmarks/results/serve-store-h200-pairs.md); 2048 takes such
-        a prompt in one, at the price of a longer decode step for the others while it does.
+        512 a small model's 2k-token prompt takes 4 iterations, and on the H200, where its prefill
+        is launch-bound, runs whose prompts overlapped got their first tokens in ~150 ms against
+        ~33 ms (serve-store-h200-pairs.md; attributed, not measured per request). 2048 takes such a
+        prompt in one, at the price of a longer step for the decoding requests while it does.
     min_reuse_tokens: shorter stored prefixes are recomputed instead of fetched.
     fetch_deadline_s: "auto" (default): a fetch may take as long as recomputing its prefix would,
         from the measured prefill rate; a number: that many seconds; None: no deadline.
