@@ -269,3 +269,36 @@ def test_engine_start_on_a_paused_store_fails_by_its_deadline(smol, redis_server
     finally:
         redis_server.proc.send_signal(signal.SIGCONT)
     make_engine(smol, redis_server.url).close()
+
+
+def test_a_piece_after_the_first_is_bounded_by_its_mask(smol, monkeypatch):
+    """A piece after the first attends through a dense [piece, cache] mask: its tokens are bounded
+    so the mask stays near MASKED_PIECE_ELEMENTS (never below prefill_chunk_tokens); the first piece,
+    which has no such mask, is not; the answer is the one-forward answer."""
+    from kvcodec.engine import engine as engine_mod
+
+    assert engine_mod.masked_piece_tokens(131072, 2048) == 8192
+    assert engine_mod.masked_piece_tokens(32768, 2048) == 32768
+    assert engine_mod.masked_piece_tokens(1 << 40, 16) == 16
+    long_p = DOC * 2 + "Who keeps a canoe?"
+    runs = {}
+    for elements in (None, 6000):
+        if elements is not None:
+            monkeypatch.setattr(engine_mod, "MASKED_PIECE_ELEMENTS", elements)
+        kw = {} if elements is None else {"max_prefill_tokens": 100, "prefill_chunk_tokens": 16}
+        with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False), **kw) as eng:
+            pieces, run = [], eng.runner.prefill_chunk
+
+            def counted(req, n, run=run, pieces=pieces):  # noqa: ANN001, ANN202
+                pieces.append(min(n, req.prompt_len - req.prefill_pos))
+                return run(req, n)
+
+            eng.runner.prefill_chunk = counted
+            out = eng.generate(long_p, max_new_tokens=3, ignore_eos=True)[0]
+        runs[elements] = (pieces, out)
+    (one, out), (cut, out_cut) = runs[None], runs[6000]
+    prompt_len = len(out.prompt_ids)
+    assert one == [prompt_len] and prompt_len > 150
+    later = max(16, 6000 // prompt_len)
+    assert cut[0] == 100 and all(n <= later for n in cut[1:]) and sum(cut) == prompt_len
+    assert out_cut.token_ids == out.token_ids

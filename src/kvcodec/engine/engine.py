@@ -53,6 +53,17 @@ def _load(model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype |
     return model.to(device=device, dtype=dtype), tokenizer
 
 
+MASKED_PIECE_ELEMENTS = 1 << 30  # [piece, cache] mask entries of a piece after the first: ~3 GB with its float copy
+
+
+def masked_piece_tokens(prompt_len: int, floor: int) -> int:
+    """Tokens of a prefill piece after the first, which attends to the cache through a dense
+    [piece, cache] mask (and its float copy): bounded so the mask stays near
+    MASKED_PIECE_ELEMENTS entries (a 128k prompt's second piece: 8192 tokens, not 65536 and a
+    25 GB mask), never below `floor`."""
+    return max(1, floor, MASKED_PIECE_ELEMENTS // max(1, prompt_len))
+
+
 class Engine:
     """Generation with iteration-level scheduling and fetch-aware prefix reuse.
 
@@ -235,6 +246,8 @@ class Engine:
             if budget <= 0:
                 break
             n = min(budget, req.prompt_len - req.prefill_pos)
+            if req.prefill_pos > 0:
+                n = min(n, masked_piece_tokens(req.prompt_len, cfg.prefill_chunk_tokens))
             budget -= n
             produced += bool(self._guard(req, self._prefill_chunk, req, n))
         return produced
