@@ -71,7 +71,8 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     default=2048,  # EngineConfig.prefill_chunk_tokens
     show_default=True,
     type=click.IntRange(min=1),
-    help="Prompt tokens prefilled per engine step (long prompts never stall the others).",
+    help="Prompt tokens prefilled per engine step while other requests decode (a long prompt never stalls "
+    "them); a prompt alone goes in one forward up to EngineConfig.max_prefill_tokens (65536).",
 )
 @click.option("--no-reuse", is_flag=True, help="Never fetch stored prefixes.")
 @click.option("--no-store", is_flag=True, help="Never store prompt KV after prefill.")
@@ -143,7 +144,8 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     type=click.IntRange(min=1),
     help="Decode threads of a fetch (default: the pool's or threads' size; without them one per NVDEC "
     "engine on CUDA, each thread its own NVDEC session in this process's CUDA context: 7 on an H100/H200; "
-    "1 on the CPU).",
+    "1 on the CPU). A transform fetch on CUDA drives that many NVDEC sessions from its restore thread "
+    "instead (KVCODEC_DRIVEN=0: a thread per session).",
 )
 @click.option(
     "--sdpa-backends",
