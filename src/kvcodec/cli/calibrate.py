@@ -19,7 +19,7 @@ SENSITIVITY_TEXTS = 4  # the Fisher runs on the first texts only: it is the expe
 WEIGHT_ALPHA = 1.0  # weights = Fisher ** alpha; 1 (the second-order KL) measured best (docs/TRANSFORM.md)
 # Without --texts: 16 texts (benchmarks/results/rd-calib-size-cpu.md) of three kinds, 8 essays, 4 Python
 # sources, 4 pydoc pages, interleaved (the Fisher's first texts hold every kind): essays alone coded
-# code and documentation worse (benchmarks/results/rd-smollm2-135m-cpu-kinds.md, issue 23 target 3).
+# code and documentation worse (benchmarks/results/rd-smollm2-135m-cpu-kinds-mixcal.md, -essaycal.md, issue 23 target 3).
 DEFAULT_TEXTS = mixed_texts(8, 4, 4)
 DEFAULT_TEXT_COUNT = len(DEFAULT_TEXTS)
 HOLDOUT_TEXTS = ("pg/goodtaste", "py/shlex", "doc/csv")  # held out of the default fit: one text of each kind
