@@ -162,6 +162,19 @@ def test_long_prompt_prefills_in_chunks_while_others_decode(smol):
         assert long_r.output_ids == ref
 
 
+def prefill_pieces(smol, prompt: str, **config):  # noqa: ANN001, ANN201
+    """(the token count of each prefill piece, the output) of one request on an engine of `config`."""
+    with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False), **config) as eng:
+        pieces, run = [], eng.runner.prefill_chunk
+
+        def counted(req, n):  # noqa: ANN001, ANN202
+            pieces.append(min(n, req.prompt_len - req.prefill_pos))
+            return run(req, n)
+
+        eng.runner.prefill_chunk = counted
+        return pieces, eng.generate(prompt, max_new_tokens=3, ignore_eos=True)[0]
+
+
 def test_a_lone_prompt_prefills_in_one_forward(smol):
     """With no request decoding, a prompt up to max_prefill_tokens goes through the model in one
     forward (a later piece attends through a dense mask, which costs time: engine-prefill-cpu-*.md);
@@ -170,15 +183,7 @@ def test_a_lone_prompt_prefills_in_one_forward(smol):
     runs = {}
     for limit in (None, 40):
         kw = {} if limit is None else {"max_prefill_tokens": limit, "prefill_chunk_tokens": 16}
-        with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False), **kw) as eng:
-            pieces, run = [], eng.runner.prefill_chunk
-
-            def counted(req, n, run=run, pieces=pieces):  # noqa: ANN001, ANN202
-                pieces.append(min(n, req.prompt_len - req.prefill_pos))
-                return run(req, n)
-
-            eng.runner.prefill_chunk = counted
-            out = eng.generate(long_p, max_new_tokens=3, ignore_eos=True)[0]
+        pieces, out = prefill_pieces(smol, long_p, **kw)
         runs[limit] = (pieces, out)
     (one, out), (cut, out_cut) = runs[None], runs[40]
     assert one == [len(out.prompt_ids)] and len(out.prompt_ids) > 3 * 40
@@ -286,15 +291,7 @@ def test_a_piece_after_the_first_is_bounded_by_its_mask(smol, monkeypatch):
         if elements is not None:
             monkeypatch.setattr(engine_mod, "MASKED_PIECE_ELEMENTS", elements)
         kw = {} if elements is None else {"max_prefill_tokens": 100, "prefill_chunk_tokens": 16}
-        with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False), **kw) as eng:
-            pieces, run = [], eng.runner.prefill_chunk
-
-            def counted(req, n, run=run, pieces=pieces):  # noqa: ANN001, ANN202
-                pieces.append(min(n, req.prompt_len - req.prefill_pos))
-                return run(req, n)
-
-            eng.runner.prefill_chunk = counted
-            out = eng.generate(long_p, max_new_tokens=3, ignore_eos=True)[0]
+        pieces, out = prefill_pieces(smol, long_p, **kw)
         runs[elements] = (pieces, out)
     (one, out), (cut, out_cut) = runs[None], runs[6000]
     prompt_len = len(out.prompt_ids)
