@@ -28,6 +28,7 @@ MAGIC = b"KVRW"
 VARIANTS = ("raw", "zstd", "lz4")
 
 
+NUMPY_INT = {torch.int16: np.int16, torch.int32: np.int32}
 MAX_EXPANSION = 1 << 16  # a payload may announce at most this many times its size (forged headers)
 
 
@@ -116,47 +117,50 @@ class RawCodec:
 
     # -- decode ------------------------------------------------------------------------------
     def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
-        h, _ = parse_chunk(blob)
+        """The chunk's checked header; its payload's checksum is decode_chunk's (one pass over it per fetch)."""
+        h, _ = parse_chunk(blob, verify_payload=False)
         L, _, T, H, D = h["shape"]
         return ChunkInfo(int(h["index"]), int(h["start_token"]), T, L, H, D, h["dtype"], "raw", h["key"])
 
-    def _unpack(self, h: dict, payload: memoryview) -> bytes:
+    def _unpack(self, h: dict, payload: memoryview) -> bytes | memoryview:
+        """The chunk's value bytes: the payload itself (raw), else decompressed."""
         try:
             if h["variant"] == "zstd":
                 import zstandard
 
-                return zstandard.ZstdDecompressor().decompress(bytes(payload), max_output_size=h["raw_bytes"])
+                return zstandard.ZstdDecompressor().decompress(payload, max_output_size=h["raw_bytes"])
             if h["variant"] == "lz4":
                 import lz4.frame
 
-                return lz4.frame.LZ4FrameDecompressor().decompress(bytes(payload), max_length=h["raw_bytes"])
+                return lz4.frame.LZ4FrameDecompressor().decompress(payload, max_length=h["raw_bytes"])
         except Exception as e:  # zstd/lz4 errors: a damaged payload whose CRC was forged
             raise FormatError(f"raw chunk payload does not decompress: {e}") from e
-        return bytes(payload)
+        return payload
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
+        """Checks the header and the payload's CRC32 before a value is written, then one bulk copy
+        of the blob's bytes into `out` (write_values: no per-value or per-layer work)."""
         h, payload = parse_chunk(blob)
         raw = self._unpack(h, payload)
         if len(raw) != h["raw_bytes"]:
             raise FormatError("raw chunk payload decompressed to the wrong size")
-        dtype = dtype_of(h["dtype"])
-        x = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(h["shape"])
+        dtype, shape = dtype_of(h["dtype"]), h["shape"]
         if isinstance(out, PagedKV):
-            out.check(h["shape"], dtype, int(h["start_token"]))
-            blocks, within = out.slots(int(h["start_token"]), h["shape"][2])
-            out.pages[:, :, blocks, within] = x.to(out.device)
+            out.check(shape, dtype, int(h["start_token"]))
+            write_paged(out, int(h["start_token"]), raw, dtype, shape)
             return out
-        if tuple(out.shape) != h["shape"] or out.dtype != dtype:
-            raise ShapeError(f"output is {tuple(out.shape)} {out.dtype}; chunk holds {h['shape']} {dtype}")
-        copy_chunk(out, x)
+        if tuple(out.shape) != shape or out.dtype != dtype:
+            raise ShapeError(f"output is {tuple(out.shape)} {out.dtype}; chunk holds {shape} {dtype}")
+        write_values(out, raw, shape)
         return out
 
     def decoder_name(self, device) -> str:
         return "raw-cpu"
 
 
-def parse_chunk(blob: bytes | memoryview) -> tuple[dict, memoryview]:
-    """A raw chunk blob's checked header and its payload (checksummed)."""
+def parse_chunk(blob: bytes | memoryview, verify_payload: bool = True) -> tuple[dict, memoryview]:
+    """A raw chunk blob's checked header and its payload (its length checked; checksummed unless
+    verify_payload is False: a header-only look, whose caller never reads the values)."""
     header, payload = read_object(blob, MAGIC, "raw kvcodec chunk blob")
     try:
         h = {
@@ -184,7 +188,7 @@ def parse_chunk(blob: bytes | memoryview) -> tuple[dict, memoryview]:
         raise TruncatedError(f"raw chunk payload has {len(payload)} of {h['payload_bytes']} bytes")
     if len(payload) > h["payload_bytes"]:
         raise FormatError(f"raw chunk has {len(payload) - h['payload_bytes']} unexpected bytes after its payload")
-    if crc32(payload) != h["crc32"]:
+    if verify_payload and crc32(payload) != h["crc32"]:
         raise ChecksumError(f"raw chunk {h['index']} payload checksum mismatch")
     return h, payload
 
@@ -225,3 +229,40 @@ def copy_chunk(dst: torch.Tensor, src: torch.Tensor) -> None:
         np.copyto(dst.view(iv).numpy(), src.view(iv).numpy())
     else:
         dst.copy_(src)
+
+
+def host_values(raw: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """A chunk's value bytes as a (read-only, zero-copy) numpy array of `shape` in the integer type
+    of `dtype`'s size (numpy has no bfloat16)."""
+    return np.frombuffer(raw, dtype=NUMPY_INT[SAME_SIZE_INT[dtype]]).reshape(shape)
+
+
+def write_values(out: torch.Tensor, raw: bytes | memoryview, shape: tuple[int, ...]) -> None:
+    """out (the chunk's shape and dtype, any strides, any device) <- the chunk's value bytes, in
+    one bulk copy. CPU: numpy straight from the blob's buffer into out. CUDA: one memcpy into pinned
+    staging (torch's caching host allocator: a block is reused only after the copy that read it has
+    run), then one asynchronous host-to-device copy on the current stream (the caller synchronizes,
+    as after any codec's decode). numpy's copies and the copy engine run without the interpreter
+    lock, so the fetch's decode threads overlap."""
+    if out.device.type == "cpu":
+        np.copyto(out.view(SAME_SIZE_INT[out.dtype]).numpy(), host_values(raw, out.dtype, shape))
+        return
+    out.copy_(pinned_copy(raw).view(out.dtype).view(shape), non_blocking=True)
+
+
+def write_paged(out: PagedKV, start: int, raw: bytes | memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The chunk's values into the blocks of a PagedKV that hold tokens [start, start + tokens)."""
+    blocks, within = out.slots(start, shape[2])
+    if out.device.type == "cpu":
+        pages = out.pages.view(SAME_SIZE_INT[dtype]).numpy()
+        pages[:, :, blocks.numpy(), within.numpy()] = host_values(raw, dtype, shape)
+        return
+    out.pages[:, :, blocks, within] = pinned_copy(raw).view(dtype).view(shape).to(out.device, non_blocking=True)
+
+
+def pinned_copy(raw: bytes | memoryview) -> torch.Tensor:
+    """`raw`'s bytes in a pinned host tensor (uint8; one memcpy)."""
+    src = np.frombuffer(raw, dtype=np.uint8)
+    staging = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
+    np.copyto(staging.numpy(), src)
+    return staging
