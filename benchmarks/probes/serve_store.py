@@ -14,8 +14,10 @@ default storing: encode worker processes at lower priority, the serving process 
 to shared memory), threads (the background storer's encode threads inside the serving process),
 legacy (storing as before issue 24's fix: an encode thread per core at the engine's priority),
 on:W:N[:P] (W encode threads at nice N in P worker processes; default: split_workers's split) or
-threads:W:N (the same on threads).
+threads:W:N (the same on threads); a mode's /nopin and /nopause turn StorePolicy.pin and
+pause_for_prefill off (on/nopin/nopause: the default before they came).
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
+The result files are written again after each run (a call cut short keeps the runs done).
 
     python benchmarks/probes/serve_store.py --model DIR --docs docs.jsonl --requests 80 --rate 8 \
         --store file:///tmp/serve-store --out results/serve-store-h200.json
@@ -43,6 +45,7 @@ METRICS = (
     "kvcodec_store_backlog",
     "kvcodec_store_lag_seconds_sum",
     "kvcodec_store_lag_seconds_count",
+    "kvcodec_store_paused_seconds",
 )
 
 
@@ -66,8 +69,24 @@ def _cores() -> int:
     return usable_cores()
 
 
+FLAGS = {"nopin": {"pin": False}, "nopause": {"pause_for_prefill": False}}
+
+
 def policy_of(mode: str, args: argparse.Namespace):  # noqa: ANN201
-    """The StorePolicy of a mode name (see the module doc)."""
+    """The StorePolicy of a mode name (see the module doc): its base, then its /flags."""
+    import dataclasses
+
+    base, *flags = mode.split("/")
+    unknown = [f for f in flags if f not in FLAGS]
+    if unknown:
+        sys.exit(f"unknown mode flag(s) {unknown} in {mode!r}: {sorted(FLAGS)}")
+    policy = _base_policy(base, args)
+    for f in flags:
+        policy = dataclasses.replace(policy, **FLAGS[f])
+    return policy
+
+
+def _base_policy(mode: str, args: argparse.Namespace):  # noqa: ANN202
     from kvcodec.engine.storer import StorePolicy
 
     if mode == "off":
@@ -137,6 +156,9 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "nice": getattr(settings, "nice", None) if store else None,
         "encode_in": encode_in if store else None,
         "encode_processes": processes if store else None,
+        "pin": engine.storer.policy.pin if store else None,
+        "pause_for_prefill": engine.storer.policy.pause_for_prefill if store else None,
+        "worker_cpus": _worker_cpus(engine.storer.processes),
         "requests": len(reqs),
         "prompt_tokens_mean": round(statistics.mean(r.prompt_len for r in reqs), 1),
         "served_s": round(served, 3),
@@ -156,9 +178,25 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "backlog_at_end": at_end["kvcodec_store_backlog"],
         "drain_s": round(drained, 3),
         "lag_mean_s": round(lag_sum / lag_n, 3) if lag_n else None,
+        "paused_s": round(at_end["kvcodec_store_paused_seconds"] - before["kvcodec_store_paused_seconds"], 3),
         "server_cpu_s": round(use1.ru_utime + use1.ru_stime - use0.ru_utime - use0.ru_stime, 3),
         "server_involuntary_switches": use1.ru_nivcsw - use0.ru_nivcsw,
     }
+
+
+def _worker_cpus(pool) -> str | None:  # noqa: ANN001
+    """The CPUs the encode worker processes may run on, as the kernel says (e.g. "4-15")."""
+    import os
+
+    if pool is None or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = set()
+    for pid in pool.pids():
+        try:
+            cpus |= os.sched_getaffinity(pid)
+        except OSError:
+            pass
+    return f"{min(cpus)}-{max(cpus)} ({len(cpus)})" if cpus else None
 
 
 def _overlaps(reqs: list) -> tuple[int, list[float]]:
@@ -226,7 +264,8 @@ def main() -> None:
     def prompt(t: str) -> str:  # at most --max-tokens tokens
         return tokenizer.decode(tokenizer(t)["input_ids"][: args.max_tokens])
 
-    engines = {m: open_engine(model, tokenizer, prompt(next(texts)), args, m, m.replace(":", "_")) for m in kinds}
+    tag = {m: m.replace(":", "_").replace("/", "-") for m in kinds}
+    engines = {m: open_engine(model, tokenizer, prompt(next(texts)), args, m, tag[m]) for m in kinds}
     if args.warmup:  # a fresh process and GPU serve their first stream slower (cold off baselines)
         off = engines.get("off") or open_engine(model, tokenizer, prompt(next(texts)), args, "off", "warmup")
         warm = run_mode(off, [prompt(next(texts)) for _ in range(args.warmup)], args, "off")
@@ -236,11 +275,19 @@ def main() -> None:
         runs.append(run_mode(engines[mode], [prompt(next(texts)) for _ in range(n)], args, mode))
         r = runs[-1]
         print(
-            f"{mode}: TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} stored {r['stored_prefixes_during']} "
-            f"dropped {r['dropped']:.0f} server cpu {r['server_cpu_s']} s, {r['server_involuntary_switches']} preempted"
+            f"{mode}: TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} busy {r['arrived_busy']} stored "
+            f"{r['stored_prefixes_during']} dropped {r['dropped']:.0f} paused {r['paused_s']} s, server cpu "
+            f"{r['server_cpu_s']} s, {r['server_involuntary_switches']} preempted"
         )
+        if len(runs) < len(modes):
+            report(args, runs, device, final=False)
     for engine in engines.values():
         engine.close()
+    report(args, runs, device, final=True)
+
+
+def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> None:  # noqa: ANN001, FBT001
+    """Write the result files of the runs so far (again after each run; final: all of them)."""
     doc = {
         "command": "python benchmarks/probes/serve_store.py " + " ".join(sys.argv[1:]),
         "model": Path(args.model).name,
@@ -250,6 +297,7 @@ def main() -> None:
         "rate_per_s": args.rate,
         "runs": runs,
         **_ratios(runs),
+        "complete": final,
         "notes": args.notes,
     }
     lines = [
@@ -262,17 +310,20 @@ def main() -> None:
         "workers live through all its runs), runs in the order below, each with its own new prompts.",
         "",
         "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | arrived busy | p50 idle s | stored/s | "
-        "stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s | paused s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         wn = f"{r['encode_workers']}/{r['nice']}" if r["storing"] else "-"
         where = f"{r['encode_in']} ({r['encode_processes']})" if r["encode_processes"] else r["encode_in"] or "-"
+        if r.get("worker_cpus"):
+            where += f" on CPUs {r['worker_cpus']}"
         lines.append(
             f"| {r['mode']} | {where} | {wn} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
             f"{r['ttft_p90_s']:.4f} | {r['arrived_busy']} | {r['ttft_p50_idle_s'] or '-'} | {r['stored_per_s']:.2f} | "
             f"{r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
-            f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} |"
+            f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} | "
+            f"{r['paused_s']:.2f} |"
         )
     lines += ["", "| mode | TTFT p50 vs off (each, then median) | p90 vs off (median) |", "|---|---|---|"]
     for mode, r in doc["vs_off"].items():
@@ -284,8 +335,11 @@ def main() -> None:
         "while the stream ran (kvcodec_stored_prefixes_total / tokens), over its duration; dropped: "
         "kvcodec_stores_dropped_total (the bounded backlog); lag: kvcodec_store_lag_seconds (prefill to stored). "
         "arrived busy: requests that arrived before an earlier one had finished (their prompt is prefilled in chunks "
-        "between decode steps); p50 idle: TTFT p50 of the others.",
+        "between decode steps); p50 idle: TTFT p50 of the others. paused: kvcodec_store_paused_seconds, the time the "
+        "encode processes were stopped while the engine prefilled (StorePolicy.pause_for_prefill).",
     ]
+    if not final:
+        lines += ["", f"**Incomplete**: {len(runs)} runs of {len(args.modes.split(',')) * args.repeat} so far."]
     from kvbench.results import machine
 
     m = machine()
@@ -293,8 +347,9 @@ def main() -> None:
     if args.notes:
         lines += ["", args.notes]
     path = write_result(args.out, {**doc, "machine": m}, lines)
-    print("\n".join(lines[6:]))
-    print("wrote", path)
+    if final:
+        print("\n".join(lines[6:]))
+        print("wrote", path)
 
 
 def _texts(args: argparse.Namespace, tokenizer, count: int) -> list[str]:  # noqa: ANN001

@@ -25,6 +25,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +66,7 @@ class WorkerSpec:
     namespace: str | None = None
     threads: int = 1  # chunk threads per worker
     niceness: int = 0  # absolute OS niceness of the worker (its threads inherit it)
+    cpus: tuple[int, ...] | None = None  # the CPUs the worker runs on (None: the serving process's)
 
 
 def split_workers(workers: int, processes: int | None = None, chunks: int = STORE_CHUNKS) -> tuple[int, int]:
@@ -147,9 +149,12 @@ def portable_codec(codec: Any) -> Callable[[], Any] | None:
     return factory if same else None
 
 
-def worker_spec(prefix_cache: Any, store_url: str | None, threads: int, nice: int) -> WorkerSpec | None:
+def worker_spec(
+    prefix_cache: Any, store_url: str | None, threads: int, nice: int, cpus: tuple[int, ...] | None = None
+) -> WorkerSpec | None:
     """The WorkerSpec of an engine's PrefixCache, or None where its stores cannot be encoded in
-    another process (no store URL, a process-local store, tensor-parallel shards, layer groups)."""
+    another process (no store URL, a process-local store, tensor-parallel shards, layer groups).
+    cpus: the CPUs the workers are pinned to (None: not pinned)."""
     from kvcodec.fetcher import PrefixCache
 
     if not store_url or type(prefix_cache) is not PrefixCache or prefix_cache.shard is not None:
@@ -168,6 +173,7 @@ def worker_spec(prefix_cache: Any, store_url: str | None, threads: int, nice: in
         namespace=prefix_cache.namespace,
         threads=max(1, threads),
         niceness=min(19, base + max(0, nice)),
+        cpus=tuple(cpus) if cpus else None,
     )
 
 
@@ -290,13 +296,32 @@ class EncodePool:
         self.buffers = BufferPool(self.processes)
         self._decided = threading.Event()  # the first store is done (its coding decisions on disk)
         self._first = threading.Lock()
+        ctx = multiprocessing.get_context("spawn")
         self._executor = ProcessPoolExecutor(
-            self.processes, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker, initargs=(spec,)
+            self.processes, mp_context=ctx, initializer=_init_worker, initargs=(spec, ctx.Barrier(self.processes))
         )
 
     def start(self) -> list[Any]:
-        """Start every worker now (each opens the store and builds the codec): futures of their pids."""
+        """Start every worker now (each opens the store, builds the codec and pins itself):
+        futures of their pids, one per worker (each answers once all of them are up)."""
         return [self._executor.submit(_worker_pid) for _ in range(self.processes)]
+
+    def pids(self) -> tuple[int, ...]:
+        """The worker processes' ids (none before the first submit spawns them)."""
+        try:
+            return tuple(getattr(self._executor, "_processes", None) or ())
+        except RuntimeError:  # the executor changed its table meanwhile (a worker died): next time
+            return ()
+
+    def pause(self) -> tuple[int, ...]:
+        """Stop every worker (SIGSTOP: all its threads, at once, wherever they are) until
+        resume(); their stores wait, nothing is lost. Returns the workers stopped (none where the
+        OS has no such signal)."""
+        return _signal(self.pids(), getattr(signal, "SIGSTOP", None))
+
+    def resume(self) -> tuple[int, ...]:
+        """Let the workers pause() stopped go on (SIGCONT)."""
+        return _signal(self.pids(), getattr(signal, "SIGCONT", None))
 
     def put(self, ids: list[int], kv: torch.Tensor) -> tuple[int, int]:
         """(chunks written, worker pid): `kv` (on a GPU on the caller's current stream, or on the
@@ -341,8 +366,23 @@ class EncodePool:
             self.buffers.release(buf)
 
     def shutdown(self, wait: bool = True) -> None:
+        self.resume()  # a stopped worker would never finish its store or exit
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         self.buffers.close()
+
+
+def _signal(pids: tuple[int, ...], sig: Any) -> tuple[int, ...]:
+    """Send `sig` to each of `pids`; the ones it reached (a worker that has exited is skipped)."""
+    if sig is None:
+        return ()
+    sent = []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+            sent.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return tuple(sent)
 
 
 # -- worker process ------------------------------------------------------------------------------
@@ -352,7 +392,7 @@ MAX_ATTACHED = 4
 PARENT_POLL_S = 0.5  # how often a worker checks that its parent still runs
 
 
-def _init_worker(spec: WorkerSpec) -> None:
+def _init_worker(spec: WorkerSpec, started: Any = None) -> None:
     from kvcodec.codecs.hevc.encode import Background
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
@@ -365,13 +405,34 @@ def _init_worker(spec: WorkerSpec) -> None:
         except OSError:  # pragma: no cover - sandboxes that forbid it
             pass
     torch.set_num_threads(1)  # chunk threads are the parallelism; no torch pool per thread
+    if spec.cpus:
+        pin_process(spec.cpus)
     parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), name="kvcodec-parent-watch", daemon=True).start()
     store = open_store(spec.store_url)
     cache = PrefixCache(
         store, spec.model_id, spec.codec(), "cpu", store_partial=spec.store_partial, namespace=spec.namespace
     )
-    _STATE.update(cache=cache, background=Background(spec.threads, 0))
+    _STATE.update(cache=cache, background=Background(spec.threads, 0), started=started)
+
+
+def pin_process(cpus: tuple[int, ...]) -> bool:
+    """Run every thread of this process (and the threads it starts later) on `cpus` only; True
+    when done, False where the OS has no CPU affinity or refuses it (then nothing changes)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: the calling thread (the threads it starts inherit it)
+        tids = [0]
+    try:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cpus)
+    except OSError as e:
+        log.info("cannot pin the encode worker to CPUs %s: %s", cpus, e)
+        return False
+    return True
 
 
 def _exit_with(parent: int) -> None:
@@ -382,7 +443,15 @@ def _exit_with(parent: int) -> None:
     os._exit(0)
 
 
+START_WAIT_S = 600.0  # how long a worker's start waits for the others'
+
+
 def _worker_pid() -> int:
+    """This worker's pid, once every worker of the pool has taken one such call (so that the
+    pool's start calls reach each worker once, never one worker twice)."""
+    barrier = _STATE.get("started")
+    if barrier is not None:
+        barrier.wait(START_WAIT_S)
     return os.getpid()
 
 

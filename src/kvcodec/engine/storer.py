@@ -27,7 +27,13 @@ Storing is background work and must never slow a request:
     keeps the engine's thread waiting for the lock;
   * stores' chunks are encoded by `StorePolicy.encode_workers` threads in all (default: the cores
     less a few left to the serving process, `default_store_workers`; one x265 thread each),
-    never x265's pool of every core;
+    never x265's pool of every core; the worker processes run only on the other cores
+    (`StorePolicy.pin`, `encode_cpus`): the cores left to serving stay free of them, so the
+    engine's thread never lands on a core (and its caches) an encoder is using;
+  * the worker processes are stopped while the engine prefills (`StorePolicy.pause_for_prefill`,
+    `KVStorer.prefilling`; SIGSTOP / SIGCONT, at most PAUSE_SHARE of the time): a request's TTFT
+    is spent on an otherwise quiet CPU (shared cache, memory bandwidth, clock), its prefill being
+    bound by the engine thread's kernel launches for small models; the stores wait meanwhile;
   * on a GPU, the stored KV is gathered on a CUDA stream of the storer's own: it waits for the
     prefill by an event recorded at submission (the engine never waits for it), the request's
     cache tensors are marked used on that stream (their memory is not reused while the storer
@@ -45,6 +51,7 @@ import hashlib
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,6 +90,10 @@ class StorePolicy:
         process (also where processes cannot be used; see the module doc).
     encode_processes: worker processes (encode_in="processes"); None: the split of the
         encode_workers threads that stores the most 2k-token prompts (encode_pool.split_workers).
+    pin: run the worker processes on the serving process's cores less the ones left to serving
+        (`encode_cpus`), never on those.
+    pause_for_prefill: stop the worker processes while the engine prefills (their stores wait;
+        at most PAUSE_SHARE of the time, so that stores still go on under a stream of prefills).
     """
 
     enabled: bool = True
@@ -95,6 +106,8 @@ class StorePolicy:
     nice: int = 10
     encode_in: str = "processes"
     encode_processes: int | None = None
+    pin: bool = True
+    pause_for_prefill: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.min_seen, bool) or not isinstance(self.min_seen, int) or self.min_seen < 1:
@@ -132,6 +145,56 @@ def serving_cores(cores: int) -> int:
     engine thread, the torch and CUDA threads and the storer's hand-off threads then find an idle
     core (not a busy core's sibling hyperthread) whenever they wake."""
     return max(1, cores // 4)
+
+
+def encode_cpus(cpus: Any) -> tuple[int, ...] | None:
+    """The CPUs encode worker processes run on, out of the serving process's `cpus`: all but the
+    first serving_cores of them (16 -> the last 12); None (not pinned) with fewer than 2."""
+    cpus = sorted(set(cpus))
+    if len(cpus) < 2:
+        return None
+    return tuple(cpus[serving_cores(len(cpus)) :])
+
+
+def affinity() -> tuple[int, ...]:
+    """The CPUs this process may run on (empty where the OS does not tell)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - platforms without affinity
+        return ()
+
+
+PAUSE_SHARE = 0.5  # the encode processes are stopped for prefills at most this share of the time
+PAUSE_BURST_S = 1.0  # ... beyond it, at most this long (a long prefill may overrun it, once)
+
+
+class PauseBudget:
+    """How long stores may be held up for prefills: credit accrues at `share` per second (up to
+    `burst_s`) and a pause spends a second per second; a pause starts only with credit left, so
+    over any while the encoders are stopped at most `share` of it (plus one burst)."""
+
+    def __init__(self, share: float = PAUSE_SHARE, burst_s: float = PAUSE_BURST_S, clock: Any = time.monotonic):
+        self.share, self.burst_s, self.clock = share, burst_s, clock
+        self._credit, self._at = burst_s, clock()
+        self._since: float | None = None
+
+    def begin(self) -> bool:
+        """True (and the pause counted from now) when a pause may start."""
+        now = self.clock()
+        self._credit = min(self.burst_s, self._credit + (now - self._at) * self.share)
+        self._at = now
+        if self._credit <= 0:
+            return False
+        self._since = now
+        return True
+
+    def end(self) -> float:
+        """End the pause begin() started; its seconds."""
+        now = self.clock()
+        paused = now - self._since if self._since is not None else 0.0
+        self._credit = min(self.burst_s, self._credit + (now - self._at) * self.share) - paused
+        self._at, self._since = now, None
+        return paused
 
 
 class PrefixCounts:
@@ -220,6 +283,8 @@ class KVStorer:
         self.on_drop: Any = None
         self.on_stored: Any = None
         self.on_skip: Any = None
+        self.pauses = PauseBudget()
+        self.paused_s = 0.0  # seconds the encode processes were stopped for prefills
 
     def _encode_pool(self, store_url: str | None) -> Any:
         """The EncodePool stores go to (policy.encode_in == "processes" and the cache's stores can
@@ -229,7 +294,8 @@ class KVStorer:
         from kvcodec.engine.encode_pool import EncodePool, split_workers, worker_spec
 
         processes, threads = split_workers(self.settings.workers, self.policy.encode_processes)
-        spec = worker_spec(self.prefix_cache, store_url, threads, self.settings.nice)
+        cpus = encode_cpus(affinity()) if self.policy.pin else None
+        spec = worker_spec(self.prefix_cache, store_url, threads, self.settings.nice, cpus)
         if spec is None:
             log.info("KV stores are encoded on threads of this process (no store URL other processes can open)")
             return None
@@ -243,6 +309,22 @@ class KVStorer:
     def encode_in(self) -> str:
         """Where stores are encoded now: "processes" or "threads"."""
         return "threads" if self.processes is None else "processes"
+
+    @contextlib.contextmanager
+    def prefilling(self) -> Any:
+        """The engine prefills inside the block: with policy.pause_for_prefill, stores waiting
+        or being encoded in worker processes, and pause budget left (PauseBudget), the workers are
+        stopped until the block ends. Never waits for a store."""
+        pool = self.processes
+        if pool is None or not self.policy.pause_for_prefill or not self._pending or not self.pauses.begin():
+            yield
+            return
+        try:
+            pool.pause()
+            yield
+        finally:
+            pool.resume()
+            self.paused_s += self.pauses.end()
 
     # -- what to store -------------------------------------------------------------------------
     def tokens_to_store(self, prompt_len: int, restored: int) -> int:
