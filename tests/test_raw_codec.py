@@ -83,6 +83,8 @@ def test_decode_copies_the_values_once(variant):
 
 @pytest.mark.parametrize("variant", ["raw", "zstd", "lz4"])
 def test_every_variant_restores_into_a_strided_target(variant):
+    if variant == "lz4":
+        pytest.importorskip("lz4.frame")
     codec = RawCodec((variant,), chunk_tokens=SHAPE[2])
     kv = make_kv()
     out = engine_layout()
