@@ -35,18 +35,46 @@ class CountingX265(X265Encoder):
         return CountingX265(self.preset, threads, self.extra_params, self.tuning)
 
 
+def staged_on_the_cpu(monkeypatch) -> None:
+    """Chunks prepared on the calling thread (as for KV on a GPU) for KV on the CPU too."""
+    from kvcodec.codecs.transform import codec as transform
+
+    for module in (hevc_encode, transform):
+        monkeypatch.setattr(module, "stage_on_caller", lambda kv, workers: workers > 1)
+
+
 def test_parallel_chunks_give_the_bytes_of_one_at_a_time_in_order(monkeypatch, fresh_plans):
     kv = kv_like()
     config = CodecConfig(chunk_tokens=16, resolutions=RES, plain_fallback=False)
     runs = {}
-    for workers in ("1", "3"):
-        monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers)
+    for workers in ("1", "3", "3 staged"):
+        if workers == "3 staged":
+            staged_on_the_cpu(monkeypatch)
+        monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers.split()[0])
         seen: list[int] = []
         chunks = hevc_encode.encode_chunks(kv, config, on_chunk=seen.append)
         seen = [c.index for c in seen]
         assert seen == [c.index for c in chunks] == list(range(5))
         runs[workers] = [c.blobs for c in chunks]
-    assert runs["1"] == runs["3"]
+    assert runs["1"] == runs["3"] == runs["3 staged"]
+
+
+def test_staged_chunks_are_prepared_on_the_calling_thread_in_order():
+    import threading
+
+    caller, prepared, ran = threading.get_ident(), [], []
+
+    def prepare(i):
+        prepared.append((i, threading.get_ident()))
+        return i * 10
+
+    def fn(i, p):
+        ran.append(threading.get_ident())
+        return (i, p)
+
+    assert list(hevc_encode.in_order(fn, 7, 3, prepare)) == [(i, i * 10) for i in range(7)]
+    assert prepared == [(i, caller) for i in range(7)] and caller not in ran
+    assert hevc_encode.stage_on_caller(kv_like(), 4) is False  # KV on the CPU: prepared by the chunk threads
 
 
 def test_bad_worker_count_is_a_config_error(monkeypatch):
@@ -105,13 +133,15 @@ def _transform_codec(tmp_path, **kw):
 def test_transform_chunks_in_parallel_give_the_bytes_of_one_at_a_time(monkeypatch, tmp_path, coder):
     codec, kv = _transform_codec(tmp_path, coder=coder)
     runs = {}
-    for workers in ("1", "3"):
-        monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers)
+    for workers in ("1", "3", "3 staged"):
+        if workers == "3 staged":
+            staged_on_the_cpu(monkeypatch)
+        monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers.split()[0])
         seen: list[int] = []
         chunks = codec.encode_chunks(kv[:, :, :200], keys=[f"k{i}" for i in range(7)], on_chunk=seen.append)
         assert [c.index for c in seen] == [c.index for c in chunks] == list(range(7))
         runs[workers] = [c.blobs for c in chunks]
-    assert runs["1"] == runs["3"]
+    assert runs["1"] == runs["3"] == runs["3 staged"]
 
 
 def test_transform_plan_cache_is_safe_on_threads(tmp_path):

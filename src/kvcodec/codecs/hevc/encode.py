@@ -22,6 +22,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import zstandard
@@ -327,43 +328,62 @@ def encode_chunks(
     workers = min(encode_workers(), len(starts), bg.workers if bg else len(starts)) if parallel else 1
     # in the background every chunk is coded by one thread, never by x265's pool of every core
     chunk_encoder = encoder.with_threads(1) if parallel and (workers > 1 or bg) else encoder
+    prepare = None
     if len(groups) > 1:
         encode_one = _split_encoder(kv, config, encoder, groups, chunk_encoder)
     else:
         plan = plan or _plan(kv, config, encoder)
         encode_one = functools.partial(_encode_chunk, config=config, plan=plan, encoder=chunk_encoder)
+        if stage_on_caller(kv, workers):
 
-    def one(n: int) -> EncodedChunk:
+            def prepare(n: int) -> _Prepared:
+                return _prepare_chunk(kv[:, :, starts[n] : starts[n] + config.chunk_tokens], config=config, plan=plan)
+
+    def one(n: int, prepared: _Prepared | None = None) -> EncodedChunk:
         start = starts[n]
         return encode_one(
             kv[:, :, start : start + config.chunk_tokens],
             index=first_chunk_index + n,
             start_token=first_chunk_index * config.chunk_tokens + start,
             key=chunk_key(keys, n),
+            **({"prepared": prepared} if prepared is not None else {}),
         )
 
-    return collect_chunks(in_order(one, len(starts), workers), on_chunk)
+    return collect_chunks(in_order(one, len(starts), workers, prepare), on_chunk)
 
 
-def in_order(fn: Callable[[int], EncodedChunk], n: int, workers: int) -> Iterator[EncodedChunk]:
+def stage_on_caller(kv: torch.Tensor, workers: int) -> bool:
+    """Whether chunks are prepared (quantized, packed, their frames brought to the host) on the
+    calling thread, in order, with only the video encode on the `workers` chunk threads: for KV on
+    a GPU, whose kernels and copies from every chunk thread would queue on the one stream and wait
+    for the interpreter lock beside the encodes (on the CPU the preparation is work the threads share)."""
+    return kv.is_cuda and workers > 1
+
+
+def in_order(
+    fn: Callable[..., EncodedChunk], n: int, workers: int, prepare: Callable[[int], Any] | None = None
+) -> Iterator[EncodedChunk]:
     """fn(0), ..., fn(n - 1) in order, computed by `workers` threads (x265, zstd and torch release
     the interpreter lock while they work). At most 2 * workers chunks are in flight, so a long KV
     never holds all its frames at once; an error stops the submission of further chunks.
+    With `prepare`, chunk i is fn(i, prepare(i)), prepare running on the calling thread in order
+    (a GPU's quantization and packing: on one thread its kernels and copies are not queued behind
+    those of every other chunk thread on the one stream) while the threads run fn (the x265 encode).
     Under `background` settings at most their worker count, each thread at their priority; the
     threads run their CUDA work on the caller's current stream (not the device's default one)."""
     bg = background_settings()
     if bg is not None:
         workers = min(workers, bg.workers)
     if workers <= 1:
-        yield from (fn(i) for i in range(n))
+        yield from (fn(i) if prepare is None else fn(i, prepare(i)) for i in range(n))
         return
     init = functools.partial(_encode_thread, bg.nice if bg else 0, _caller_stream())
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-encode", initializer=init) as pool:
         pending: collections.deque[Future] = collections.deque()
         try:
             for i in range(n):
-                pending.append(pool.submit(fn, i))
-                if len(pending) >= 2 * workers:
+                pending.append(pool.submit(fn, i) if prepare is None else pool.submit(fn, i, prepare(i)))
+                while pending and (len(pending) >= 2 * workers or pending[0].done()):
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
@@ -430,18 +450,39 @@ def _to_host(frames: list[torch.Tensor]) -> list:
     return [f.cpu().numpy() for f in frames]
 
 
-def _encode_chunk(x, *, config, plan, encoder, index, start_token, key) -> EncodedChunk:
-    """One chunk at every resolution of `plan`."""
-    L, _, T, H, D = x.shape
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A chunk ready for video coding: its symbols, low bit planes and host frames per layout."""
+
+    symbols: _ChunkSymbols
+    samples: torch.Tensor
+    low_streams: list[StreamEntry]
+    low_payloads: list[bytes]
+    frames: tuple[list, ...]  # host frames of each layout of the plan
+
+
+def _prepare_chunk(x, *, config, plan) -> _Prepared:
+    """Quantization, centring, the bit split and frame packing of one chunk (on x's device), the
+    frames brought to the host: everything before the video encode."""
     symbols = _symbols(x, config)
     samples, low_streams, low_payloads = _split_low_bits(symbols, plan.video_bits)
+    frames = tuple(
+        _to_host([pack_frame(b, layout) for _, _, b in frame_blocks(samples, layout)]) for layout in plan.layouts
+    )
+    return _Prepared(symbols, samples, low_streams, low_payloads, frames)
+
+
+def _encode_chunk(x, *, config, plan, encoder, index, start_token, key, prepared=None) -> EncodedChunk:
+    """One chunk at every resolution of `plan` (`prepared`: its _prepare_chunk, made elsewhere)."""
+    L, _, T, H, D = x.shape
+    p = prepared or _prepare_chunk(x, config=config, plan=plan)
+    symbols = p.symbols
     zstd_samples = {}  # resolution-independent, computed at most once per chunk
     blobs, coders = [], []
-    for layout in plan.layouts:
-        frames = _to_host([pack_frame(b, layout) for _, _, b in frame_blocks(samples, layout)])
-        name, codec, video = _code_samples(frames, samples, layout, config, encoder, zstd_samples)
+    for layout, frames in zip(plan.layouts, p.frames):
+        name, codec, video = _code_samples(frames, p.samples, layout, config, encoder, zstd_samples)
         coders.append(getattr(encoder, "name", "hevc") if codec == "hevc" else codec)
-        streams = (*symbols.side, *low_streams, StreamEntry(name, codec, len(video), crc32(video)))
+        streams = (*symbols.side, *p.low_streams, StreamEntry(name, codec, len(video), crc32(video)))
         header = ChunkHeader(
             layers=L,
             kv_heads=H,
@@ -460,7 +501,7 @@ def _encode_chunk(x, *, config, plan, encoder, index, start_token, key) -> Encod
             video_bits=plan.video_bits,
             key=key,
         )
-        coded = write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, *low_payloads, video])
+        coded = write_object(CHUNK_MAGIC, header.to_json(), [*symbols.side_payloads, *p.low_payloads, video])
         blobs.append(
             plain.keep_smaller(
                 coded, x, chunk_index=index, start_token=start_token, resolution=header.resolution, key=key

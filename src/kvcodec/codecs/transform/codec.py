@@ -26,7 +26,7 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
-from kvcodec.codecs.hevc.encode import all_finite, in_order
+from kvcodec.codecs.hevc.encode import all_finite, in_order, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import check_header
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
@@ -345,14 +345,25 @@ class TransformCodec:
     def _streams(self, y, kv, theta, first_position, resolution, fine, encoder) -> tuple[dict[str, bytes], dict]:
         """The chunk's streams and the header fields they need (frames, escapes, fine tokens).
         y and kv on one device (the GPU's KV is quantized there; only samples come to the host)."""
+        streams, counts, host_frames = self._prepare(y, kv, theta, first_position, resolution, fine)
+        return self._coded(streams, counts, host_frames, resolution, encoder)
+
+    def _prepare(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict, list | None]:
+        """Everything before the video encode: the side streams, the header counts and the host
+        frames (None for the zstd coder, whose samples stream is made here)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
+        counts = {"frames": 0, "escapes": escapes, "fine_tokens": fine}
         if self.coder == "hevc":
-            w, h = resolution
-            fr = [f.cpu().numpy() for f in frames.to_frames(samples, w, h)]
-            streams["video"] = encoder.encode(fr, w, h)
-            return streams, {"frames": len(fr), "escapes": escapes, "fine_tokens": fine}
+            host_frames = [f.cpu().numpy() for f in frames.to_frames(samples, *resolution)]
+            return streams, {**counts, "frames": len(host_frames)}, host_frames
         streams["samples"] = _zstd(samples.cpu().numpy().tobytes())
-        return streams, {"frames": 0, "escapes": escapes, "fine_tokens": fine}
+        return streams, counts, None
+
+    @staticmethod
+    def _coded(streams, counts, host_frames, resolution, encoder) -> tuple[dict[str, bytes], dict]:
+        if host_frames is not None:
+            streams = {**streams, "video": encoder.encode(host_frames, *resolution)}
+        return streams, counts
 
     def _samples_and_side(self, y, kv, theta, first_position, fine) -> tuple[torch.Tensor, dict[str, bytes], int]:
         """A chunk's uint8 samples in layout order (on y's device), its side streams (escapes, and
@@ -393,22 +404,31 @@ class TransformCodec:
         elif workers > 1:
             encoder = self._encoder(1)
 
-        def one(n: int) -> EncodedChunk:
+        def span(n: int) -> tuple[int, int, int]:
             s = n * self.chunk_tokens
             e = min(T, s + self.chunk_tokens)
             fine = max(0, e - max(s, T - self.fine_tokens)) if self.fine_bits else 0  # the KV's last tokens
+            return s, e, fine
+
+        def prepare(n: int) -> tuple:
+            s, e, fine = span(n)
+            return tuple(self._prepare(y[s:e], kv[:, :, s:e], theta, first + s, res, fine) for res in self.resolutions)
+
+        def one(n: int, prepared: tuple | None = None) -> EncodedChunk:
+            s, e, fine = span(n)
             key = keys[n] if keys is not None else None
+            if prepared is None:
+                prepared = prepare(n)
             blobs = tuple(
-                self._blob(y[s:e], kv[:, :, s:e], theta, first + s, fine, first_chunk_index + n, res, key, encoder)
-                for res in self.resolutions
+                self._write(
+                    *self._coded(*p, res, encoder), kv[:, :, s:e], theta, first + s, first_chunk_index + n, res, key
+                )
+                for p, res in zip(prepared, self.resolutions)
             )
             return EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
 
-        return collect_chunks(in_order(one, count, workers), on_chunk)
-
-    def _blob(self, y, kv, theta, start, fine, index, resolution, key, encoder) -> bytes:
-        streams, counts = self._streams(y, kv, theta, start, resolution, fine, encoder)
-        return self._write(streams, counts, kv, theta, start, index, resolution, key)
+        staged = prepare if stage_on_caller(kv, workers) else None  # on a GPU: made on this thread
+        return collect_chunks(in_order(one, count, workers, staged), on_chunk)
 
     def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
         names = [n for n in ("escapes", "sink", "video", "samples") if n in streams]
