@@ -1,5 +1,6 @@
 """Stores kept off the engine's way (issue 24, target 2): encode worker processes pinned to the
-cores not left to serving, and stopped while the engine prefills (at most a share of the time).
+cores not left to serving, and (StorePolicy.pause_for_prefill) stopped while the engine prefills,
+at most a share of the time.
 Real worker processes and signals; the stop and the continue are read from the kernel (waitpid),
 never waited for by time; the pause budget runs on an injected clock."""
 
@@ -129,7 +130,7 @@ def test_workers_run_only_on_the_cores_not_left_to_serving(tmp_path):
 
 @linux_only
 def test_workers_are_stopped_while_the_engine_prefills_and_their_stores_go_on_after(tmp_path):
-    storer = raw_storer(tmp_path)
+    storer = raw_storer(tmp_path, pause_for_prefill=True)
     try:
         pids = started(storer)
         with storer.prefilling():  # nothing to store: nothing stopped
@@ -167,8 +168,8 @@ def test_no_pause_without_the_policy_without_stores_or_without_budget(tmp_path):
         storer._pending.clear()
         return list(calls)
 
-    storer = raw_storer(tmp_path)
-    off = raw_storer(tmp_path, pause_for_prefill=False)
+    storer = raw_storer(tmp_path, pause_for_prefill=True)
+    off = raw_storer(tmp_path)  # the default: not paused
     try:
         assert run(storer, pending=True) == ["pause", "prefill", "resume"]
         assert run(storer, pending=False) == ["prefill"]

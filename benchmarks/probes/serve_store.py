@@ -14,8 +14,8 @@ default storing: encode worker processes at lower priority, the serving process 
 to shared memory), threads (the background storer's encode threads inside the serving process),
 legacy (storing as before issue 24's fix: an encode thread per core at the engine's priority),
 on:W:N[:P] (W encode threads at nice N in P worker processes; default: split_workers's split) or
-threads:W:N (the same on threads); a mode's /nopin and /nopause turn StorePolicy.pin and
-pause_for_prefill off (on/nopin/nopause: the default before they came).
+threads:W:N (the same on threads); a mode's /pin, /nopin, /pause, /nopause set StorePolicy.pin
+and pause_for_prefill (on/nopin: the default before pinning came).
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
 The result files are written again after each run (a call cut short keeps the runs done).
 
@@ -58,6 +58,10 @@ def _metrics(engine) -> dict[str, float]:  # noqa: ANN001
     return out
 
 
+def _p50(values: list[float]) -> float | None:
+    return round(statistics.median(values), 4) if values else None
+
+
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -69,7 +73,12 @@ def _cores() -> int:
     return usable_cores()
 
 
-FLAGS = {"nopin": {"pin": False}, "nopause": {"pause_for_prefill": False}}
+FLAGS = {
+    "nopin": {"pin": False},
+    "pin": {"pin": True},
+    "nopause": {"pause_for_prefill": False},
+    "pause": {"pause_for_prefill": True},
+}
 
 
 def policy_of(mode: str, args: argparse.Namespace):  # noqa: ANN201
@@ -165,6 +174,8 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "ttft_p50_s": round(statistics.median(ttft), 4),
         "ttft_p90_s": round(_pct(ttft, 0.9), 4),
         "ttft_mean_s": round(statistics.mean(ttft), 4),
+        "wait_p50_s": _p50([r.prefill_start_time - r.arrival_time for r in reqs if r.prefill_start_time]),
+        "prefill_p50_s": _p50([r.prefill_to_first_token_s for r in reqs if r.prefill_to_first_token_s is not None]),
         "arrived_busy": busy,
         "ttft_p50_idle_s": round(statistics.median(idle_ttft), 4) if idle_ttft else None,
         "stored_prefixes_during": at_end["kvcodec_stored_prefixes_total"] - before["kvcodec_stored_prefixes_total"],
@@ -309,9 +320,9 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
         "`kvcodec serve` in one process, one engine per mode (started once, warmed up with one store: its encode "
         "workers live through all its runs), runs in the order below, each with its own new prompts.",
         "",
-        "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | arrived busy | p50 idle s | stored/s | "
-        "stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s | paused s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | wait p50 s | prefill p50 s | arrived busy | "
+        "p50 idle s | stored/s | stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s | paused s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         wn = f"{r['encode_workers']}/{r['nice']}" if r["storing"] else "-"
@@ -320,7 +331,7 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
             where += f" on CPUs {r['worker_cpus']}"
         lines.append(
             f"| {r['mode']} | {where} | {wn} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
-            f"{r['ttft_p90_s']:.4f} | {r['arrived_busy']} | {r['ttft_p50_idle_s'] or '-'} | {r['stored_per_s']:.2f} | "
+            f"{r['ttft_p90_s']:.4f} | {r.get('wait_p50_s') or '-'} | {r.get('prefill_p50_s') or '-'} | {r['arrived_busy']} | {r['ttft_p50_idle_s'] or '-'} | {r['stored_per_s']:.2f} | "
             f"{r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
             f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} | "
             f"{r['paused_s']:.2f} |"
@@ -335,7 +346,7 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
         "while the stream ran (kvcodec_stored_prefixes_total / tokens), over its duration; dropped: "
         "kvcodec_stores_dropped_total (the bounded backlog); lag: kvcodec_store_lag_seconds (prefill to stored). "
         "arrived busy: requests that arrived before an earlier one had finished (their prompt is prefilled in chunks "
-        "between decode steps); p50 idle: TTFT p50 of the others. paused: kvcodec_store_paused_seconds, the time the "
+        "between decode steps); p50 idle: TTFT p50 of the others. wait: arrival (before tokenizing) to the prefill's start; prefill: its start to the first token. paused: kvcodec_store_paused_seconds, the time the "
         "encode processes were stopped while the engine prefilled (StorePolicy.pause_for_prefill).",
     ]
     if not final:

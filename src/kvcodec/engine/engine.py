@@ -10,7 +10,8 @@ restored prefix; at most `prefill_chunk_tokens` prompt tokens are prefilled per 
 other requests decode, else up to `max_prefill_tokens` (a request samples its first token when its
 whole prompt is in); every other running request decodes one token. A request that fails (in its prefill, decode or sampling) ends alone with finish reason
 "error"; the others go on. After a prefill the prompt's KV is encoded and stored in the background
-(by worker processes that are stopped while the engine prefills: storer.KVStorer.prefilling).
+(StorePolicy.pause_for_prefill stops the worker processes while the engine prefills:
+storer.KVStorer.prefilling).
 `generate` drives steps on the caller's thread; `start()` runs them on a background thread for
 online serving (`submit` + streaming callbacks).
 """
@@ -247,7 +248,7 @@ class Engine:
         prefilling = [r for r in self.scheduler.running if r.prefilling]
         if not prefilling:
             return 0
-        with self.storer.prefilling():  # the encode processes stopped meanwhile (StorePolicy.pause_for_prefill)
+        with self.storer.prefilling():  # StorePolicy.pause_for_prefill: encode processes stopped meanwhile
             for req in prefilling:
                 if budget <= 0:
                     break

@@ -30,10 +30,10 @@ Storing is background work and must never slow a request:
     never x265's pool of every core; the worker processes run only on the other cores
     (`StorePolicy.pin`, `encode_cpus`): the cores left to serving stay free of them, so the
     engine's thread never lands on a core (and its caches) an encoder is using;
-  * the worker processes are stopped while the engine prefills (`StorePolicy.pause_for_prefill`,
-    `KVStorer.prefilling`; SIGSTOP / SIGCONT, at most PAUSE_SHARE of the time): a request's TTFT
-    is spent on an otherwise quiet CPU (shared cache, memory bandwidth, clock), its prefill being
-    bound by the engine thread's kernel launches for small models; the stores wait meanwhile;
+  * with `StorePolicy.pause_for_prefill` (off by default), the worker processes are stopped
+    while the engine prefills (`KVStorer.prefilling`; SIGSTOP / SIGCONT, at most PAUSE_SHARE of
+    the time), so a request's prefill runs on a CPU the encoders leave alone; on the H200 it cost
+    a fifth of the stores per second and did not lower the TTFT (serve-store-h200-v2.md);
   * on a GPU, the stored KV is gathered on a CUDA stream of the storer's own: it waits for the
     prefill by an event recorded at submission (the engine never waits for it), the request's
     cache tensors are marked used on that stream (their memory is not reused while the storer
@@ -94,6 +94,8 @@ class StorePolicy:
         (`encode_cpus`), never on those.
     pause_for_prefill: stop the worker processes while the engine prefills (their stores wait;
         at most PAUSE_SHARE of the time, so that stores still go on under a stream of prefills).
+        Off by default: on the H200 it cost a fifth of the stores per second and did not lower
+        the TTFT of a stream of 2k-token prompts (benchmarks/results/serve-store-h200-v2.md).
     """
 
     enabled: bool = True
@@ -107,7 +109,7 @@ class StorePolicy:
     encode_in: str = "processes"
     encode_processes: int | None = None
     pin: bool = True
-    pause_for_prefill: bool = True
+    pause_for_prefill: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.min_seen, bool) or not isinstance(self.min_seen, int) or self.min_seen < 1:
