@@ -90,11 +90,14 @@ class TransformAnsCodec(TransformCodec):
 
     # ------------------------------------------------------------------------------ encode
 
-    def _streams(self, y, kv, theta, first_position, resolution, fine, encoder) -> tuple[dict[str, bytes], dict]:
+    def _prepare(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict, np.ndarray]:
+        """The side streams, the header counts and the chunk's samples on the host (rANS-coded by _coded)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
         flat = samples.reshape(-1).cpu().numpy()
-        streams["ans"] = rans.encode(flat, self.params)
-        return streams, {"escapes": escapes, "fine_tokens": fine, "samples": int(flat.size)}
+        return streams, {"escapes": escapes, "fine_tokens": fine, "samples": int(flat.size)}, flat
+
+    def _coded(self, streams, counts, flat, resolution, encoder) -> tuple[dict[str, bytes], dict]:
+        return {**streams, "ans": rans.encode(flat, self.params)}, counts
 
     def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
         names = [n for n in ("escapes", "sink", "ans") if n in streams]
