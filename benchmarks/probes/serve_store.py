@@ -14,8 +14,9 @@ default storing: encode worker processes at lower priority, the serving process 
 to shared memory), threads (the background storer's encode threads inside the serving process),
 legacy (storing as before issue 24's fix: an encode thread per core at the engine's priority),
 on:W:N[:P] (W encode threads at nice N in P worker processes; default: split_workers's split) or
-threads:W:N (the same on threads); a mode's /pin, /nopin, /pause, /nopause set StorePolicy.pin
-and pause_for_prefill (on/nopin: the default before pinning came).
+threads:W:N (the same on threads); a mode's /pin, /nopin set StorePolicy.pin (on/nopin: the
+default before pinning came). Modes /pause, /nopause (encoders stopped during prefills) were
+measured at 37c070b (serve-store-h200-v2) and removed with the option.
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
 The result files are written again after each run (a call cut short keeps the runs done).
 
@@ -45,7 +46,6 @@ METRICS = (
     "kvcodec_store_backlog",
     "kvcodec_store_lag_seconds_sum",
     "kvcodec_store_lag_seconds_count",
-    "kvcodec_store_paused_seconds",
 )
 
 
@@ -76,8 +76,6 @@ def _cores() -> int:
 FLAGS = {
     "nopin": {"pin": False},
     "pin": {"pin": True},
-    "nopause": {"pause_for_prefill": False},
-    "pause": {"pause_for_prefill": True},
 }
 
 
@@ -166,7 +164,6 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "encode_in": encode_in if store else None,
         "encode_processes": processes if store else None,
         "pin": engine.storer.policy.pin if store else None,
-        "pause_for_prefill": engine.storer.policy.pause_for_prefill if store else None,
         "worker_cpus": _worker_cpus(engine.storer.processes),
         "requests": len(reqs),
         "prompt_tokens_mean": round(statistics.mean(r.prompt_len for r in reqs), 1),
@@ -189,7 +186,6 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "backlog_at_end": at_end["kvcodec_store_backlog"],
         "drain_s": round(drained, 3),
         "lag_mean_s": round(lag_sum / lag_n, 3) if lag_n else None,
-        "paused_s": round(at_end["kvcodec_store_paused_seconds"] - before["kvcodec_store_paused_seconds"], 3),
         "server_cpu_s": round(use1.ru_utime + use1.ru_stime - use0.ru_utime - use0.ru_stime, 3),
         "server_involuntary_switches": use1.ru_nivcsw - use0.ru_nivcsw,
     }
@@ -287,7 +283,7 @@ def main() -> None:
         r = runs[-1]
         print(
             f"{mode}: TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} busy {r['arrived_busy']} stored "
-            f"{r['stored_prefixes_during']} dropped {r['dropped']:.0f} paused {r['paused_s']} s, server cpu "
+            f"{r['stored_prefixes_during']} dropped {r['dropped']:.0f}, server cpu "
             f"{r['server_cpu_s']} s, {r['server_involuntary_switches']} preempted"
         )
         if len(runs) < len(modes):
@@ -321,8 +317,8 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
         "workers live through all its runs), runs in the order below, each with its own new prompts.",
         "",
         "| storing | in | workers/nice | prompt tokens | TTFT p50 s | p90 s | wait p50 s | prefill p50 s | arrived busy | "
-        "p50 idle s | stored/s | stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s | paused s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "p50 idle s | stored/s | stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         wn = f"{r['encode_workers']}/{r['nice']}" if r["storing"] else "-"
@@ -333,8 +329,7 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
             f"| {r['mode']} | {where} | {wn} | {r['prompt_tokens_mean']:.0f} | {r['ttft_p50_s']:.4f} | "
             f"{r['ttft_p90_s']:.4f} | {r.get('wait_p50_s') or '-'} | {r.get('prefill_p50_s') or '-'} | {r['arrived_busy']} | {r['ttft_p50_idle_s'] or '-'} | {r['stored_per_s']:.2f} | "
             f"{r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
-            f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} | "
-            f"{r['paused_s']:.2f} |"
+            f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} |"
         )
     lines += ["", "| mode | TTFT p50 vs off (each, then median) | p90 vs off (median) |", "|---|---|---|"]
     for mode, r in doc["vs_off"].items():
@@ -346,8 +341,7 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
         "while the stream ran (kvcodec_stored_prefixes_total / tokens), over its duration; dropped: "
         "kvcodec_stores_dropped_total (the bounded backlog); lag: kvcodec_store_lag_seconds (prefill to stored). "
         "arrived busy: requests that arrived before an earlier one had finished (their prompt is prefilled in chunks "
-        "between decode steps); p50 idle: TTFT p50 of the others. wait: arrival (before tokenizing) to the prefill's start; prefill: its start to the first token. paused: kvcodec_store_paused_seconds, the time the "
-        "encode processes were stopped while the engine prefilled (StorePolicy.pause_for_prefill).",
+        "between decode steps); p50 idle: TTFT p50 of the others. wait: arrival (before tokenizing) to the prefill's start; prefill: its start to the first token.",
     ]
     if not final:
         lines += ["", f"**Incomplete**: {len(runs)} runs of {len(args.modes.split(',')) * args.repeat} so far."]

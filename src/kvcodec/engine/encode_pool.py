@@ -25,7 +25,6 @@ import math
 import multiprocessing
 import os
 import pickle
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -313,16 +312,6 @@ class EncodePool:
         except RuntimeError:  # the executor changed its table meanwhile (a worker died): next time
             return ()
 
-    def pause(self) -> tuple[int, ...]:
-        """Stop every worker (SIGSTOP: all its threads, at once, wherever they are) until
-        resume(); their stores wait, nothing is lost. Returns the workers stopped (none where the
-        OS has no such signal)."""
-        return _signal(self.pids(), getattr(signal, "SIGSTOP", None))
-
-    def resume(self) -> tuple[int, ...]:
-        """Let the workers pause() stopped go on (SIGCONT)."""
-        return _signal(self.pids(), getattr(signal, "SIGCONT", None))
-
     def put(self, ids: list[int], kv: torch.Tensor) -> tuple[int, int]:
         """(chunks written, worker pid): `kv` (on a GPU on the caller's current stream, or on the
         CPU) copied into a shared buffer, encoded and written by a worker.
@@ -366,23 +355,8 @@ class EncodePool:
             self.buffers.release(buf)
 
     def shutdown(self, wait: bool = True) -> None:
-        self.resume()  # a stopped worker would never finish its store or exit
         self._executor.shutdown(wait=wait, cancel_futures=not wait)
         self.buffers.close()
-
-
-def _signal(pids: tuple[int, ...], sig: Any) -> tuple[int, ...]:
-    """Send `sig` to each of `pids`; the ones it reached (a worker that has exited is skipped)."""
-    if sig is None:
-        return ()
-    sent = []
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-            sent.append(pid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return tuple(sent)
 
 
 # -- worker process ------------------------------------------------------------------------------

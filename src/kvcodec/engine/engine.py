@@ -9,9 +9,7 @@ prefix KV is being fetched joins only once it is restored); admitted requests st
 restored prefix; at most `prefill_chunk_tokens` prompt tokens are prefilled per iteration while
 other requests decode, else up to `max_prefill_tokens` (a request samples its first token when its
 whole prompt is in); every other running request decodes one token. A request that fails (in its prefill, decode or sampling) ends alone with finish reason
-"error"; the others go on. After a prefill the prompt's KV is encoded and stored in the background
-(StorePolicy.pause_for_prefill stops the worker processes while the engine prefills:
-storer.KVStorer.prefilling).
+"error"; the others go on. After a prefill the prompt's KV is encoded and stored in the background.
 `generate` drives steps on the caller's thread; `start()` runs them on a background thread for
 online serving (`submit` + streaming callbacks).
 """
@@ -121,7 +119,6 @@ class Engine:
         self.metrics.store_backlog.set_function(lambda: self.storer.backlog)
         self.metrics.store_backlog_tokens.set_function(lambda: self.storer.backlog_tokens)
         self.metrics.store_encode_processes.set_function(lambda: getattr(self.storer.processes, "processes", 0))
-        self.metrics.store_paused.set_function(lambda: self.storer.paused_s)
         self.eos_ids = self.tokens.eos_ids(self.model)
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
@@ -245,18 +242,14 @@ class Engine:
         cfg = self.config
         budget = cfg.prefill_chunk_tokens if others_decoding else max(cfg.prefill_chunk_tokens, cfg.max_prefill_tokens)
         produced = 0
-        prefilling = [r for r in self.scheduler.running if r.prefilling]
-        if not prefilling:
-            return 0
-        with self.storer.prefilling():  # StorePolicy.pause_for_prefill: encode processes stopped meanwhile
-            for req in prefilling:
-                if budget <= 0:
-                    break
-                n = min(budget, req.prompt_len - req.prefill_pos)
-                if req.prefill_pos > 0:
-                    n = min(n, masked_piece_tokens(req.prompt_len, cfg.prefill_chunk_tokens))
-                budget -= n
-                produced += bool(self._guard(req, self._prefill_chunk, req, n))
+        for req in [r for r in self.scheduler.running if r.prefilling]:
+            if budget <= 0:
+                break
+            n = min(budget, req.prompt_len - req.prefill_pos)
+            if req.prefill_pos > 0:
+                n = min(n, masked_piece_tokens(req.prompt_len, cfg.prefill_chunk_tokens))
+            budget -= n
+            produced += bool(self._guard(req, self._prefill_chunk, req, n))
         return produced
 
     def _prefill_chunk(self, req: Request, n: int) -> bool:

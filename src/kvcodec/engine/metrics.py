@@ -68,11 +68,6 @@ class EngineMetrics:
             "Worker processes encoding stored KV (0: stores are encoded on threads of this process)",
             registry=r,
         )
-        self.store_paused = Gauge(
-            "kvcodec_store_paused_seconds",
-            "Seconds in all the encode processes were stopped while the engine prefilled (StorePolicy.pause_for_prefill)",
-            registry=r,
-        )
         self.queue = Gauge("kvcodec_requests_in_state", "Requests per scheduler state", ["state"], registry=r)
 
     def render(self) -> bytes:

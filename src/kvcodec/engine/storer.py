@@ -30,10 +30,6 @@ Storing is background work and must never slow a request:
     never x265's pool of every core; the worker processes run only on the other cores
     (`StorePolicy.pin`, `encode_cpus`): the cores left to serving stay free of them, so the
     engine's thread never lands on a core (and its caches) an encoder is using;
-  * with `StorePolicy.pause_for_prefill` (off by default), the worker processes are stopped
-    while the engine prefills (`KVStorer.prefilling`; SIGSTOP / SIGCONT, at most PAUSE_SHARE of
-    the time), so a request's prefill runs on a CPU the encoders leave alone; on the H200 it cost
-    a fifth of the stores per second and did not lower the TTFT (serve-store-h200-v2.md);
   * on a GPU, the stored KV is gathered on a CUDA stream of the storer's own: it waits for the
     prefill by an event recorded at submission (the engine never waits for it), the request's
     cache tensors are marked used on that stream (their memory is not reused while the storer
@@ -92,10 +88,6 @@ class StorePolicy:
         encode_workers threads that stores the most 2k-token prompts (encode_pool.split_workers).
     pin: run the worker processes on the serving process's cores less the ones left to serving
         (`encode_cpus`), never on those.
-    pause_for_prefill: stop the worker processes while the engine prefills (their stores wait;
-        at most PAUSE_SHARE of the time, so that stores still go on under a stream of prefills).
-        Off by default: on the H200 it cost a fifth of the stores per second and did not lower
-        the TTFT of a stream of 2k-token prompts (benchmarks/results/serve-store-h200-v2.md).
     """
 
     enabled: bool = True
@@ -109,7 +101,6 @@ class StorePolicy:
     encode_in: str = "processes"
     encode_processes: int | None = None
     pin: bool = True
-    pause_for_prefill: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.min_seen, bool) or not isinstance(self.min_seen, int) or self.min_seen < 1:
@@ -164,39 +155,6 @@ def affinity() -> tuple[int, ...]:
         return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - platforms without affinity
         return ()
-
-
-PAUSE_SHARE = 0.5  # the encode processes are stopped for prefills at most this share of the time
-PAUSE_BURST_S = 1.0  # ... beyond it, at most this long (a long prefill may overrun it, once)
-
-
-class PauseBudget:
-    """How long stores may be held up for prefills: credit accrues at `share` per second (up to
-    `burst_s`) and a pause spends a second per second; a pause starts only with credit left, so
-    over any while the encoders are stopped at most `share` of it (plus one burst)."""
-
-    def __init__(self, share: float = PAUSE_SHARE, burst_s: float = PAUSE_BURST_S, clock: Any = time.monotonic):
-        self.share, self.burst_s, self.clock = share, burst_s, clock
-        self._credit, self._at = burst_s, clock()
-        self._since: float | None = None
-
-    def begin(self) -> bool:
-        """True (and the pause counted from now) when a pause may start."""
-        now = self.clock()
-        self._credit = min(self.burst_s, self._credit + (now - self._at) * self.share)
-        self._at = now
-        if self._credit <= 0:
-            return False
-        self._since = now
-        return True
-
-    def end(self) -> float:
-        """End the pause begin() started; its seconds."""
-        now = self.clock()
-        paused = now - self._since if self._since is not None else 0.0
-        self._credit = min(self.burst_s, self._credit + (now - self._at) * self.share) - paused
-        self._at, self._since = now, None
-        return paused
 
 
 class PrefixCounts:
@@ -285,8 +243,6 @@ class KVStorer:
         self.on_drop: Any = None
         self.on_stored: Any = None
         self.on_skip: Any = None
-        self.pauses = PauseBudget()
-        self.paused_s = 0.0  # seconds the encode processes were stopped for prefills
 
     def _encode_pool(self, store_url: str | None) -> Any:
         """The EncodePool stores go to (policy.encode_in == "processes" and the cache's stores can
@@ -311,22 +267,6 @@ class KVStorer:
     def encode_in(self) -> str:
         """Where stores are encoded now: "processes" or "threads"."""
         return "threads" if self.processes is None else "processes"
-
-    @contextlib.contextmanager
-    def prefilling(self) -> Any:
-        """The engine prefills inside the block: with policy.pause_for_prefill, stores waiting
-        or being encoded in worker processes, and pause budget left (PauseBudget), the workers are
-        stopped until the block ends. Never waits for a store."""
-        pool = self.processes
-        if pool is None or not self.policy.pause_for_prefill or not self._pending or not self.pauses.begin():
-            yield
-            return
-        try:
-            pool.pause()
-            yield
-        finally:
-            pool.resume()
-            self.paused_s += self.pauses.end()
 
     # -- what to store -------------------------------------------------------------------------
     def tokens_to_store(self, prompt_len: int, restored: int) -> int:
