@@ -40,7 +40,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import zstandard
-from reliability import LOOSE, STRICT, Tally, bits, m_bitflip, m_resize, mutate_json
+from reliability import LOOSE, STRICT, Tally, bits, m_bitflip, m_resize, mutate_json, round_robin
 
 from kvcodec.codecs.hevc.codec import HevcCodec
 from kvcodec.codecs.transform.codec import CHUNK_MAGIC as TC_MAGIC
@@ -249,23 +249,14 @@ TC_CATEGORIES: dict[str, tuple[Callable, frozenset]] = {
 def fuzz_chunks(
     subjects: list[ChunkSubject], categories: dict, seed: int, seconds: float, tally: Tally, min_rounds: int = 3
 ) -> None:
-    """Round-robin over subjects and categories (at least `min_rounds` seeded cases of each
-    pair, then more until `seconds` have passed); each case damages one chunk blob."""
-    rng = random.Random(seed)
-    names = list(categories)
-    end, n, minimum = time.monotonic() + seconds, 0, min_rounds * len(names) * len(subjects)
-    while n < minimum or time.monotonic() < end:
-        subject = subjects[n % len(subjects)]
-        category = names[(n // len(subjects)) % len(names)]
-        mutate, allowed = categories[category]
-        case_seed = rng.randrange(2**32)
+    """Each case of round_robin (reliability.py) damages one chunk blob."""
+    for subject, category, mutate, allowed, case_seed in round_robin(subjects, categories, seed, seconds, min_rounds):
         crng = random.Random(case_seed)
         i = crng.randrange(len(subject.blobs))
         blob = mutate(crng, subject.blobs[i], subject)
         t0 = clock()
         outcome = classify_chunk(subject.codec, blob, subject.originals[i])
         tally.add(category, outcome, allowed, clock() - t0, f"{subject.name} chunk {i} case seed {case_seed}")
-        n += 1
 
 
 # ---------------------------------------------------------------------------- .kvt files
@@ -376,18 +367,11 @@ def classify_kvt(data: bytes, subject: KvtSubject, chunk_tokens: int) -> str:
 
 
 def fuzz_kvt(subject: KvtSubject, seed: int, seconds: float, tally: Tally, chunk_tokens: int, min_rounds: int = 3):
-    rng = random.Random(seed)
-    names = list(KVT_CATEGORIES)
-    end, n = time.monotonic() + seconds, 0
-    while n < min_rounds * len(names) or time.monotonic() < end:
-        category = names[n % len(names)]
-        mutate, allowed = KVT_CATEGORIES[category]
-        case_seed = rng.randrange(2**32)
+    for _, category, mutate, allowed, case_seed in round_robin([subject], KVT_CATEGORIES, seed, seconds, min_rounds):
         data = mutate(random.Random(case_seed), subject.data)
         t0 = clock()
         outcome = classify_kvt(data, subject, chunk_tokens)
         tally.add(category, outcome, allowed, clock() - t0, f"{subject.name} case seed {case_seed}")
-        n += 1
 
 
 # ---------------------------------------------------------------------------- subjects from real KV

@@ -32,7 +32,7 @@ import resource
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -240,23 +240,32 @@ class Tally:
             self.violations.append({"category": category, "outcome": outcome, "detail": detail})
 
 
-def fuzz_files(subjects: list[Subject], seed: int, seconds: float, tally: Tally, min_rounds: int = 3) -> None:
-    """Round-robin over subjects and categories: at least `min_rounds` cases of each pair (the
-    same seeded cases every run), then more until `seconds` have passed."""
+def round_robin(
+    subjects: list, categories: dict[str, tuple[Callable, frozenset]], seed: int, seconds: float, min_rounds: int
+) -> Iterator[tuple[Any, str, Callable, frozenset, int]]:
+    """(subject, category, mutate, allowed, case seed) round-robin over subjects and categories: at
+    least `min_rounds` cases of each pair (the same seeded cases every run), then more until
+    `seconds` have passed."""
     rng = random.Random(seed)
-    names = list(FILE_CATEGORIES)
+    names = list(categories)
     end, n, minimum = time.monotonic() + seconds, 0, min_rounds * len(names) * len(subjects)
     while n < minimum or time.monotonic() < end:
         subject = subjects[n % len(subjects)]
         category = names[(n // len(subjects)) % len(names)]
-        mutate, allowed = FILE_CATEGORIES[category]
-        case_seed = rng.randrange(2**32)
+        mutate, allowed = categories[category]
+        yield subject, category, mutate, allowed, rng.randrange(2**32)
+        n += 1
+
+
+def fuzz_files(subjects: list[Subject], seed: int, seconds: float, tally: Tally, min_rounds: int = 3) -> None:
+    """Each file case of round_robin: a damaged container, classified."""
+    cases = round_robin(subjects, FILE_CATEGORIES, seed, seconds, min_rounds)
+    for subject, category, mutate, allowed, case_seed in cases:
         data = mutate(random.Random(case_seed), subject.data)
         t0 = time.monotonic()
         outcome, announced = classify(data, subject.original)
         tally.max_announced_bytes = max(tally.max_announced_bytes, announced)
         tally.add(category, outcome, allowed, time.monotonic() - t0, f"{subject.name} case seed {case_seed}")
-        n += 1
 
 
 def peak_rss_mb() -> float:
