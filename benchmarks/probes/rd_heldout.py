@@ -34,6 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench and rd.py, when not installed
 
+from rd_report import report_vs_measured  # noqa: E402 - beside this file
+
 from kvbench.results import write_result  # noqa: E402
 from kvcodec.models.quality import QUALITY_CONT, QUALITY_PREFIX, _predictions  # noqa: E402
 
@@ -214,14 +216,7 @@ def _checks(records: list[dict], report: dict) -> list[dict]:
                 ratio=target,
                 ratio_report=p["ratio"],
                 ratio_measured=r["ratio_vs_fp16"],
-                top1_report=p["top1"],
-                top1_measured=r["top1_agreement"],
-                top1_diff=round(r["top1_agreement"] - p["top1"], 4),
-                ppl_report=p["ppl_delta_pct"],
-                ppl_measured=r["ppl_delta_pct"],
-                ppl_diff=round(r["ppl_delta_pct"] - p["ppl_delta_pct"], 3),
-                within_target=abs(r["top1_agreement"] - p["top1"]) <= 0.01
-                and abs(r["ppl_delta_pct"] - p["ppl_delta_pct"]) <= 0.5,
+                **report_vs_measured(p["top1"], p["ppl_delta_pct"], r),
             )
         )
     return out
