@@ -511,9 +511,7 @@ class NvcuvidDecoder:
         this decoder's stream and were waited for). Needs nvcuvid_native.library()."""
         from kvcodec.video import nvcuvid_native as native
 
-        lib = native.library() if native.available() else None
-        if lib is None:
-            raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
+        lib = native.required()
         api.make_current(self.ctx)
         session = parser = state = None
         keys: collections.deque = collections.deque()
@@ -554,9 +552,7 @@ class NvcuvidDecoder:
         Same items, keys and errors as decode_each_into."""
         from kvcodec.video import nvcuvid_native as native
 
-        lib = native.library() if native.available() else None
-        if lib is None:
-            raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
+        lib = native.required()
         depth = max(1, min(depth or native.FEED_DEPTH, native.MAX_TARGETS))
         api.make_current(self.ctx)
         run = _FedRun(self, lib)
@@ -584,9 +580,7 @@ class NvcuvidDecoder:
         cost ~0.7 ms per session of each fetch); closed with the decoder or its session."""
         from kvcodec.video import nvcuvid_native as native
 
-        lib = native.library() if native.available() else None
-        if lib is None:
-            raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
+        lib = native.required()
         api.make_current(self.ctx)
         if not native.KEEP:
             return _FedRun(self, lib)

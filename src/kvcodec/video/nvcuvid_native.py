@@ -28,6 +28,8 @@ import tempfile
 from ctypes import c_int, c_longlong, c_ulonglong, c_void_p
 from pathlib import Path
 
+from kvcodec.errors import BackendUnavailableError
+
 log = logging.getLogger(__name__)
 
 MAX_TARGETS = 64  # streams fed and not complete at once (a ring in the C state)
@@ -346,6 +348,30 @@ ERRORS = {
 }
 
 
+# The C functions Python calls, name -> (restype, argtypes), as SOURCE defines them (a pointer is
+# c_void_p). kv_decode and kv_display are not called from Python: their addresses are the parser's
+# callbacks (nvcuvid._NativeParser).
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "kv_feeder_start": (c_void_p, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_longlong]),
+    "kv_feeder_submit": (c_int, [c_void_p, c_void_p, c_longlong, c_longlong]),
+    "kv_feeder_end": (None, [c_void_p]),
+    "kv_feeder_keep": (None, [c_void_p]),
+    "kv_feeder_wait": (c_longlong, [c_void_p, c_longlong, c_longlong]),
+    "kv_feeder_wait_any": (c_longlong, [c_void_p, c_longlong, c_longlong, c_longlong]),
+    "kv_feeder_wait_fed": (c_longlong, [c_void_p, c_longlong, c_longlong]),
+    "kv_feeder_flushed": (c_longlong, [c_void_p, c_longlong, c_longlong]),
+    "kv_feeder_close": (c_int, [c_void_p]),
+}
+
+
+def declare(lib, signatures: dict[str, tuple[type | None, list[type]]]):  # noqa: ANN201 - lib itself
+    """Set each function's restype and argtypes on `lib` (a ctypes CDLL) from `signatures`."""
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
 def _cache_dir() -> Path:
     d = os.environ.get("KVCODEC_CACHE_DIR")
     return (Path(d) if d else Path.home() / ".cache" / "kvcodec") / "native"
@@ -386,30 +412,20 @@ def library():  # noqa: ANN201 - the ctypes CDLL, or None
     except OSError as e:
         log.warning("loading %s failed (%s): the nvcuvid callbacks stay in Python", path, e)
         return None
-    lib.kv_feeder_start.restype = c_void_p
-    lib.kv_feeder_start.argtypes = [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_longlong]
-    lib.kv_feeder_submit.restype = c_int
-    lib.kv_feeder_submit.argtypes = [c_void_p, c_void_p, c_longlong, c_longlong]
-    lib.kv_feeder_end.restype = None
-    lib.kv_feeder_end.argtypes = [c_void_p]
-    lib.kv_feeder_wait.restype = c_longlong
-    lib.kv_feeder_wait.argtypes = [c_void_p, c_longlong, c_longlong]
-    lib.kv_feeder_wait_fed.restype = c_longlong
-    lib.kv_feeder_wait_fed.argtypes = [c_void_p, c_longlong, c_longlong]
-    lib.kv_feeder_close.restype = c_int
-    lib.kv_feeder_wait_any.restype = c_longlong
-    lib.kv_feeder_wait_any.argtypes = [c_void_p, c_longlong, c_longlong, c_longlong]
-    lib.kv_feeder_keep.restype = None
-    lib.kv_feeder_keep.argtypes = [c_void_p]
-    lib.kv_feeder_flushed.restype = c_longlong
-    lib.kv_feeder_flushed.argtypes = [c_void_p, c_longlong, c_longlong]
-    lib.kv_feeder_close.argtypes = [c_void_p]
-    return lib
+    return declare(lib, SIGNATURES)
 
 
 def available() -> bool:
     """Whether decoders use the native callbacks (ENABLED, and the library builds and loads here)."""
     return ENABLED and library() is not None
+
+
+def required():  # noqa: ANN201 - the ctypes CDLL
+    """The loaded library where decoders use it (available()); BackendUnavailableError otherwise."""
+    lib = library() if available() else None
+    if lib is None:
+        raise BackendUnavailableError("the native nvcuvid callbacks are off or not built here")
+    return lib
 
 
 FEEDER = os.environ.get("KVCODEC_FEEDER", "1") != "0"  # False: the parser fed on the caller's thread
@@ -445,26 +461,26 @@ class Feeder:
 
     def flushed(self, flushes: int, timeout_s: float) -> int:
         """Flushes done once `flushes` are (or timeout_s passed); -1 once the feeder finished."""
-        done = self.lib.kv_feeder_flushed(self.handle, flushes, int(timeout_s * 1e6))
-        self.finished = done < 0
-        return done
+        return self._timed(self.lib.kv_feeder_flushed, flushes, timeout_s=timeout_s)
 
     def wait(self, completed: int, timeout_s: float, flushes: int | None = None) -> int:
         """Streams complete once `completed` are, or (kept) `flushes` flushes are done, or timeout_s
         passed; -1 once the feeder finished (the flush done, or stopped by an error)."""
         if flushes is None:
-            done = self.lib.kv_feeder_wait(self.handle, completed, int(timeout_s * 1e6))
-        else:
-            done = self.lib.kv_feeder_wait_any(self.handle, completed, flushes, int(timeout_s * 1e6))
-        self.finished = done < 0
-        return done
+            return self._timed(self.lib.kv_feeder_wait, completed, timeout_s=timeout_s)
+        return self._timed(self.lib.kv_feeder_wait_any, completed, flushes, timeout_s=timeout_s)
 
     def wait_fed(self, unfed: int, timeout_s: float) -> int:
         """Streams pushed and not yet fed once at most `unfed` are (or timeout_s passed); -1 once
         the feeder finished."""
-        left = self.lib.kv_feeder_wait_fed(self.handle, unfed, int(timeout_s * 1e6))
-        self.finished = left < 0
-        return left
+        return self._timed(self.lib.kv_feeder_wait_fed, unfed, timeout_s=timeout_s)
+
+    def _timed(self, fn, *args: int, timeout_s: float) -> int:
+        """One of the C waits, fn(handle, *args, timeout in microseconds); its -1 marks the feeder
+        finished."""
+        got = fn(self.handle, *args, int(timeout_s * 1e6))
+        self.finished = got < 0
+        return got
 
     def close(self) -> int:
         """Stop and join the thread; the parser's last error code (0: none)."""
