@@ -199,18 +199,7 @@ def flib(tmp_path_factory):
     path = native.build(tmp_path_factory.mktemp("feeder"))
     lib = ctypes.CDLL(str(path))
     lib.kv_display.restype = ctypes.c_int
-    for name, (res, args) in {
-        "kv_feeder_start": (ctypes.c_void_p, [ctypes.c_void_p] * 5 + [ctypes.c_longlong]),
-        "kv_feeder_submit": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]),
-        "kv_feeder_end": (None, [ctypes.c_void_p]),
-        "kv_feeder_wait": (ctypes.c_longlong, [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]),
-        "kv_feeder_close": (ctypes.c_int, [ctypes.c_void_p]),
-        "kv_feeder_keep": (None, [ctypes.c_void_p]),
-        "kv_feeder_flushed": (ctypes.c_longlong, [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong]),
-        "kv_feeder_wait_any": (ctypes.c_longlong, [ctypes.c_void_p] + [ctypes.c_longlong] * 3),
-    }.items():
-        getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
-    return lib
+    return native.declare(lib, native.SIGNATURES)  # the module's own signatures, as library() sets them
 
 
 def _feeder(flib, sizes, frames, piece, fail_at=None):
