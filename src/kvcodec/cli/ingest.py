@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import device_option, parse_codec_options
+from kvcodec.cli.options import count_option, device_option, encode_in_option, parse_codec_options
 
 LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a terminal
 
@@ -31,22 +31,14 @@ LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a
     "--transform", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="MODEL.kvt: transform-code."
 )
 @click.option("--quant", default=None, help="HEVC codec quantization (int8 by default, exact, int4, ...).")
-@click.option("--chunk-tokens", type=click.IntRange(min=1), default=None, help="Tokens per stored chunk [256].")
+@count_option("--chunk-tokens", help="Tokens per stored chunk [256].")
 @click.option("--template", default=None, help="Shared prompt template with {text} where each document goes.")
 @click.option("--text-field", default="text", show_default=True, help="JSONL: the field holding the text.")
 @click.option("--id-field", default="id", show_default=True, help="JSONL: the field naming the document.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="Leading tokens kept per document.")
-@click.option(
-    "--store-workers",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Documents encoded at once [enough that their chunks fill the cores].",
-)
-@click.option(
+@count_option("--max-tokens", help="Leading tokens kept per document.")
+@count_option("--store-workers", help="Documents encoded at once [enough that their chunks fill the cores].")
+@encode_in_option(
     "--encode-in",
-    type=click.Choice(["processes", "threads"]),
-    default="processes",
-    show_default=True,
     help="Encode documents in worker processes (each takes a document's KV from shared memory) or on threads "
     "of this process (also where the store is memory://).",
 )
@@ -58,7 +50,7 @@ LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a
     help="Run on a Ray cluster (ADDRESS or auto; the ray extra): prefill actors on its GPUs, encode tasks on "
     "its CPUs, all writing to the store (which every node must reach).",
 )
-@click.option("--prefill-actors", type=click.IntRange(min=1), default=None, help="--ray: actors [one per GPU].")
+@count_option("--prefill-actors", help="--ray: actors [one per GPU].")
 @click.option(
     "--encode-cpus", type=click.IntRange(min=1), default=4, show_default=True, help="--ray: CPUs per encode task."
 )

@@ -79,6 +79,19 @@ def device_option(default: str | None = "cpu", help: str = "cpu, cuda, cuda:1 ..
     return click.option("--device", default=default, show_default=default is not None, callback=check_device, help=help)
 
 
+def count_option(*decls: str, help: str) -> Callable:
+    """An optional count: an integer >= 1, or None where it is not given (the command's default)."""
+    return click.option(*decls, default=None, type=click.IntRange(min=1), help=help)
+
+
+def encode_in_option(name: str, help: str) -> Callable:
+    """Where stored KV is encoded: worker processes (default) or threads of this process; the
+    values of kvcodec.engine.storer.ENCODE_IN (not imported here: it loads the engine)."""
+    return click.option(
+        name, type=click.Choice(["processes", "threads"]), default="processes", show_default=True, help=help
+    )
+
+
 def check_output_path(ctx: click.Context | None, param: Any, value: Path) -> Path:
     """An output file whose directory exists."""
     parent = value.parent if str(value.parent) else Path(".")

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import device_option, parse_codec_options, parse_deadline
+from kvcodec.cli.options import count_option, device_option, encode_in_option, parse_codec_options, parse_deadline
 
 
 @click.command("serve")
@@ -61,9 +61,7 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     help="Transform codec: the highest ratio whose held-out quality at calibration met this (top1=0.99, ppl=0.5).",
 )
 @click.option("--quant", default=None, help="HEVC codec quantization of stored KV (int8 by default, exact, int4, ...).")
-@click.option(
-    "--chunk-tokens", default=None, type=click.IntRange(min=1), help="Tokens per stored chunk [codec's: 256]."
-)
+@count_option("--chunk-tokens", help="Tokens per stored chunk [codec's: 256].")
 @click.option("--policy", type=click.Choice(["fetch-aware", "blocking"]), default="fetch-aware", show_default=True)
 @click.option("--max-batch", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option(
@@ -79,24 +77,17 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
 @click.option(
     "--store-min-tokens", default=None, type=click.IntRange(min=0), help="Store prompts of at least this many tokens."
 )
-@click.option(
+@count_option(
     "--store-encode-workers",
-    default=None,
-    type=click.IntRange(min=1),
     help="Threads encoding stored prompts' chunks in all, below the engine's priority [the cores less a quarter].",
 )
-@click.option(
+@encode_in_option(
     "--store-encode-in",
-    type=click.Choice(["processes", "threads"]),
-    default="processes",
-    show_default=True,
     help="Encode stored prompts in worker processes (the serving process only copies the KV to shared memory) "
     "or on threads of the serving process (also where the store is memory://).",
 )
-@click.option(
+@count_option(
     "--store-encode-processes",
-    default=None,
-    type=click.IntRange(min=1),
     help="Worker processes sharing the encode threads [the split that stores most 2k-token prompts].",
 )
 @click.option(
@@ -138,10 +129,8 @@ from kvcodec.cli.options import device_option, parse_codec_options, parse_deadli
     "(7 on an H100/H200; needs only the driver's libnvcuvid). Costs a concurrent matmul 3-5% where "
     "the pool costs 10-19% and 5 GB (benchmarks/results/decode-h200-nvcuvid*.md).",
 )
-@click.option(
+@count_option(
     "--decode-workers",
-    default=None,
-    type=click.IntRange(min=1),
     help="Decode threads of a fetch (default: the pool's or threads' size; without them one per NVDEC "
     "engine on CUDA, each thread its own NVDEC session in this process's CUDA context: 7 on an H100/H200; "
     "1 on the CPU). A transform fetch on CUDA drives that many NVDEC sessions from its restore thread "
