@@ -53,24 +53,33 @@ def test_streamed_calibration_refuses_a_miscount_and_other_shapes():
         stream.finish()
 
 
-def test_calibrate_model_streams_the_same_transform_as_the_held_kv(tmp_path):
-    """`calibrate --model` (streamed moments) writes the bases calibrate() fits on the KV held whole."""
+TEXTS = ["pg/aord", "py/textwrap", "doc/pathlib"]
+
+
+def _calibrate_cli(tmp_path, max_tokens: int, *options: str):  # noqa: ANN202 - a Calibration
+    """The calibration `kvcodec calibrate --model smollm2-135m` (streamed) fits on TEXTS with `options`."""
     from click.testing import CliRunner
 
-    from kvcodec.cli.calibrate import _kv_from_model, command
-    from kvcodec.models import load_model
-    from kvcodec.models.check import inspect_model
+    from kvcodec.cli.calibrate import command
     from kvcodec.transform import load_kvt
 
-    texts = ["pg/aord", "py/textwrap", "doc/pathlib"]
     out = tmp_path / "m.kvt"
-    args = ["--model", "smollm2-135m", "--texts", ",".join(texts), "--holdout", "0", "--max-tokens", "256"]
-    res = CliRunner().invoke(command, [*args, "--weights", "mse", "--tokens-per-dim", "2", "--out", str(out)])
+    args = ["--model", "smollm2-135m", "--texts", ",".join(TEXTS), "--holdout", "0", "--max-tokens", str(max_tokens)]
+    res = CliRunner().invoke(command, [*args, *options, "--tokens-per-dim", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    streamed, _ = load_kvt(out)
+    return load_kvt(out)[0]
+
+
+def test_calibrate_model_streams_the_same_transform_as_the_held_kv(tmp_path):
+    """`calibrate --model` (streamed moments) writes the bases calibrate() fits on the KV held whole."""
+    from kvcodec.cli.calibrate import _kv_from_model
+    from kvcodec.models import load_model
+    from kvcodec.models.check import inspect_model
+
+    streamed = _calibrate_cli(tmp_path, 256, "--weights", "mse")
     layout = inspect_model("smollm2-135m")
     model, tok = load_model("smollm2-135m")
-    kvs = _kv_from_model(model, tok, layout, texts, 256)[0]
+    kvs = _kv_from_model(model, tok, layout, TEXTS, 256)[0]
     whole = calibrate(kvs, layout.uniform_rope, tokens_per_dim=2.0)
     assert streamed.groups == whole.groups and streamed.info["tokens"] == whole.info["tokens"]
     for key, b in whole.bases.items():
@@ -80,24 +89,16 @@ def test_calibrate_model_streams_the_same_transform_as_the_held_kv(tmp_path):
 def test_streamed_calibration_with_fisher_weights_is_the_held_one(tmp_path):
     """The streamed path runs the Fisher first, on prefixes it prefills itself (the held path hands it
     the extraction's prefix KV): the same weights, so the same bases."""
-    from click.testing import CliRunner
-
-    from kvcodec.cli.calibrate import _fisher, _kv_from_model, command
+    from kvcodec.cli.calibrate import _fisher, _kv_from_model
     from kvcodec.models import load_model
     from kvcodec.models.check import inspect_model
-    from kvcodec.transform import load_kvt
     from kvcodec.transform.weights import channel_weights
 
-    texts = ["pg/aord", "py/textwrap", "doc/pathlib"]
-    out = tmp_path / "m.kvt"
-    args = ["--model", "smollm2-135m", "--texts", ",".join(texts), "--holdout", "0", "--max-tokens", "600"]
-    res = CliRunner().invoke(command, [*args, "--fisher-texts", "1", "--tokens-per-dim", "2", "--out", str(out)])
-    assert res.exit_code == 0, res.output
-    streamed, _ = load_kvt(out)
+    streamed = _calibrate_cli(tmp_path, 600, "--fisher-texts", "1")
     layout = inspect_model("smollm2-135m")
     rope = layout.uniform_rope
     model, tok = load_model("smollm2-135m")
-    kvs, _, ids, prefixes = _kv_from_model(model, tok, layout, texts, 600, keep=1)
+    kvs, _, ids, prefixes = _kv_from_model(model, tok, layout, TEXTS, 600, keep=1)
     w = channel_weights(
         _fisher(model, ids, 4, 1, prefixes), rope_style=rope.style, rotary_dim=rope.rotary_dim, alpha=1.0
     )
