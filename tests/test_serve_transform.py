@@ -5,14 +5,12 @@ chunks. Also `kvcodec serve --codec/--codec-option/--transform` chosen through t
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from serve_process import start_serve
 
 torch = pytest.importorskip("torch")
 
@@ -198,24 +196,13 @@ def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, tmp_path
 # -- a real `kvcodec serve --transform` process -----------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_kvcodec_serve_transform_reuses_a_prefix(kvt, prompt, tmp_path):
     httpx = pytest.importorskip("httpx")
     ids, _ = prompt
-    port, store = _free_port(), tmp_path / "store"
-    cmd = [sys.executable, "-m", "kvcodec.cli.main", "serve", "--store", f"file://{store}", "--device", "cpu"]
-    cmd += ["--port", str(port), "--transform", str(kvt), "--chunk-tokens", str(CHUNK), "--fetch-deadline", "none"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    args = ["--store", f"file://{tmp_path / 'store'}", "--device", "cpu"]
+    proc, base = start_serve(*args, "--transform", str(kvt), "--chunk-tokens", str(CHUNK), "--fetch-deadline", "none")
     try:
-        _wait_healthy(proc, base, httpx)
         body = {"prompt": ids, "max_tokens": 1}
         first = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
         assert first["kvcodec"]["restored_tokens"] == 0
@@ -230,15 +217,3 @@ def test_kvcodec_serve_transform_reuses_a_prefix(kvt, prompt, tmp_path):
         proc.kill()
         out = proc.communicate()[0]
     assert "codec transform" in out, out[-2000:]
-
-
-def _wait_healthy(proc, base: str, httpx) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    pytest.fail(f"server did not start: {proc.communicate()[0][-3000:]}")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
+
+from serve_process import start_serve
 
 httpx = pytest.importorskip("httpx")
 
@@ -47,49 +46,11 @@ INVALID = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2):  # smollm2: converts the weights once, before the server starts
     store = tmp_path_factory.mktemp("store")
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvcodec.cli.main",
-        "serve",
-        "--model",
-        "smollm2-135m",
-        "--store",
-        f"file://{store}",
-        "--device",
-        "cpu",
-        "--port",
-        str(port),
-        "--quant",
-        "exact",
-        "--chunk-tokens",
-        "32",
-        "--max-batch",
-        "4",
-    ]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail(f"server did not start: {proc.stdout.read()[-3000:]}")
+    args = ["--model", "smollm2-135m", "--store", f"file://{store}", "--device", "cpu"]
+    proc, base = start_serve(*args, "--quant", "exact", "--chunk-tokens", "32", "--max-batch", "4")
     yield proc, base
     if proc.poll() is None:
         proc.kill()
