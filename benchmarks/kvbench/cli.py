@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 
 import click
 
-from kvcodec.errors import KVCodecError
+from kvcodec.cli.program import run_program
 
 BENCH_MODULES = (
     "kvbench.ratio",
@@ -35,13 +34,4 @@ for _name in BENCH_MODULES:
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        group(standalone_mode=False)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except KVCodecError as e:
-        click.echo(f"kvbench: error: {e}", err=True)
-        sys.exit(2)
+    run_program(group, error_prefix="kvbench: error: ", error_code=2)

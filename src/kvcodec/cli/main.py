@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 
 import click
 
+from kvcodec.cli.program import run_program
 from kvcodec.errors import KVCodecError
 
 SUBCOMMAND_MODULES = (
@@ -73,16 +73,8 @@ _register()
 
 
 def main() -> None:
-    try:
-        cli(standalone_mode=False)
-    except click.exceptions.Abort:
-        sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except KVCodecError as e:  # raised outside a subcommand's invocation
-        CommandError(str(e)).show()
-        sys.exit(1)
+    # a KVCodecError raised outside a subcommand's invocation ends as a CommandError would
+    run_program(cli, error_prefix="error: ", error_code=CommandError.exit_code)
 
 
 if __name__ == "__main__":
