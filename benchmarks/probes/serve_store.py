@@ -20,6 +20,15 @@ measured at 37c070b (serve-store-h200-v2) and removed with the option.
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
 The result files are written again after each run (a call cut short keeps the runs done).
 
+Where a request's wait (arrival to its prefill's start) goes: submit (arrival to `Engine.submit`
+returning on the submitting thread: tokenizer, checks, prefix lookup), queue (from there to the
+prefill's start on the engine's thread: its wake-up, scheduling and the request's cache allocation),
+admit (`ModelRunner.begin_prefill` alone: the cache allocation); engine store (`KVStorer.submit`
+on the engine's thread after a first token); device allocations (CUDA caching-allocator segments
+made during the run: cudaMalloc calls). --gil-probe adds a thread that sleeps 1 ms in a loop: how
+late it runs again beyond the time the OS kept it waiting for a CPU (/proc schedstat) is time
+waiting for the interpreter lock (and wake-up); its mean and the count of waits over 1 ms.
+
     python benchmarks/probes/serve_store.py --model DIR --docs docs.jsonl --requests 80 --rate 8 \
         --store file:///tmp/serve-store --out results/serve-store-h200.json
     python benchmarks/probes/serve_store.py --model smollm2-135m --max-tokens 512 --requests 12 \
@@ -58,8 +67,8 @@ def _metrics(engine) -> dict[str, float]:  # noqa: ANN001
     return out
 
 
-def _p50(values: list[float]) -> float | None:
-    return round(statistics.median(values), 4) if values else None
+def _p50(values: list[float], digits: int = 4) -> float | None:
+    return round(statistics.median(values), digits) if values else None
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -132,16 +141,23 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
     before = _metrics(engine)
     encode_in = engine.storer.encode_in  # where the warm-up store was encoded
     processes = engine.storer.processes.processes if engine.storer.processes is not None else 0
+    timers = Timers(engine)
+    gil = GilProbe() if args.gil_probe else None
     engine.start()
-    reqs, gap = [], 1.0 / args.rate
+    reqs, returned, gap = [], [], 1.0 / args.rate
+    segments0 = _device_segments()
     use0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     for i, p in enumerate(prompts):  # arrivals at a fixed rate
         time.sleep(max(0.0, t0 + i * gap - time.perf_counter()))
         reqs.append(engine.submit(p, _params(args)))
+        returned.append(time.perf_counter())
     for r in reqs:
         r.done.wait()
     served = time.perf_counter() - t0
     use1 = resource.getrusage(resource.RUSAGE_SELF)
+    segments = _device_segments() - segments0
+    timers.remove()
+    gil_late = gil.stop() if gil is not None else {}
     at_end = _metrics(engine)
     t1 = time.perf_counter()
     engine.storer.flush()
@@ -171,8 +187,15 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "ttft_p50_s": round(statistics.median(ttft), 4),
         "ttft_p90_s": round(_pct(ttft, 0.9), 4),
         "ttft_mean_s": round(statistics.mean(ttft), 4),
-        "wait_p50_s": _p50([r.prefill_start_time - r.arrival_time for r in reqs if r.prefill_start_time]),
+        "wait_p50_s": _p50([r.prefill_start_time - r.arrival_time for r in reqs if r.prefill_start_time], 6),
         "prefill_p50_s": _p50([r.prefill_to_first_token_s for r in reqs if r.prefill_to_first_token_s is not None]),
+        "submit_p50_s": _p50([t - r.arrival_time for r, t in zip(reqs, returned)], 6),
+        "queue_p50_s": _p50([r.prefill_start_time - t for r, t in zip(reqs, returned) if r.prefill_start_time], 6),
+        "admit_p50_s": _p50(timers.admit, 6),
+        "engine_store_p50_s": _p50(timers.store, 6),
+        "engine_store_max_s": round(max(timers.store), 6) if timers.store else None,
+        "device_allocs": segments,
+        **gil_late,
         "arrived_busy": busy,
         "ttft_p50_idle_s": round(statistics.median(idle_ttft), 4) if idle_ttft else None,
         "stored_prefixes_during": at_end["kvcodec_stored_prefixes_total"] - before["kvcodec_stored_prefixes_total"],
@@ -189,6 +212,84 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "server_cpu_s": round(use1.ru_utime + use1.ru_stime - use0.ru_utime - use0.ru_stime, 3),
         "server_involuntary_switches": use1.ru_nivcsw - use0.ru_nivcsw,
     }
+
+
+class Timers:
+    """Wall time of the engine's begin_prefill (the request's cache allocation) and of its
+    KVStorer.submit calls (the store hand-off on the engine's thread), while installed."""
+
+    def __init__(self, engine) -> None:  # noqa: ANN001
+        self.admit: list[float] = []
+        self.store: list[float] = []
+        self._patched = [(engine.runner, "begin_prefill"), (engine.storer, "submit")]
+        engine.runner.begin_prefill = self._timed(engine.runner.begin_prefill, self.admit)
+        engine.storer.submit = self._timed(engine.storer.submit, self.store)
+
+    @staticmethod
+    def _timed(fn, into: list[float]):  # noqa: ANN001, ANN205
+        def timed(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                into.append(time.perf_counter() - t)
+
+        return timed
+
+    def remove(self) -> None:
+        for obj, name in self._patched:
+            vars(obj).pop(name, None)
+
+
+class GilProbe:
+    """A thread sleeping 1 ms in a loop: how late it runs again, less the time the OS kept it
+    waiting for a CPU (Linux /proc schedstat), is time waiting for the interpreter lock."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.late: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import threading
+
+        path = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        while not self._stop.is_set():
+            q0 = _runqueue_ns(path)
+            t0 = time.perf_counter()
+            time.sleep(0.001)
+            late = time.perf_counter() - t0 - 0.001
+            self.late.append(late - (_runqueue_ns(path) - q0) / 1e9)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        late = self.late or [0.0]
+        return {
+            "gil_wait_mean_ms": round(1e3 * statistics.mean(late), 4),
+            "gil_waits_over_1ms": sum(x > 0.001 for x in late),
+            "gil_wait_over_1ms_s": round(sum(x for x in late if x > 0.001), 4),
+        }
+
+
+def _runqueue_ns(path: str) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[1])
+    except (OSError, IndexError, ValueError):  # no schedstat: lateness counted whole
+        return 0
+
+
+def _device_segments() -> int:
+    """CUDA caching-allocator segments made so far (cudaMalloc calls); 0 without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
 
 
 def _worker_cpus(pool) -> str | None:  # noqa: ANN001
@@ -255,6 +356,7 @@ def main() -> None:
     ap.add_argument("--store", default="file:///tmp/kvcodec-serve-store", help="store URL prefix (-on / -off)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--notes", default="", help="text added to the result (how it was run, the machine)")
+    ap.add_argument("--gil-probe", action="store_true", help="measure waits for the interpreter lock (a 1 ms thread)")
     args = ap.parse_args()
     from kvcodec.ingest.run import load_for_ingest
 
@@ -320,6 +422,12 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
         "p50 idle s | stored/s | stored MB/s fp16 | dropped | lag mean s | backlog at end | drain s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    split = [
+        "",
+        "| storing | wait p50 ms | submit p50 ms | queue p50 ms | admit p50 ms | engine store p50 / max ms | "
+        "device allocs | GIL wait mean ms | GIL waits > 1 ms (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         wn = f"{r['encode_workers']}/{r['nice']}" if r["storing"] else "-"
         where = f"{r['encode_in']} ({r['encode_processes']})" if r["encode_processes"] else r["encode_in"] or "-"
@@ -331,6 +439,8 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
             f"{r['stored_mb_per_s_fp16']:.1f} | {r['dropped']:.0f} | "
             f"{r['lag_mean_s'] if r['lag_mean_s'] is not None else '-'} | {r['backlog_at_end']:.0f} | {r['drain_s']:.2f} |"
         )
+        split.append(_split_row(r))
+    lines += split
     lines += ["", "| mode | TTFT p50 vs off (each, then median) | p90 vs off (median) |", "|---|---|---|"]
     for mode, r in doc["vs_off"].items():
         each = ", ".join(f"{x:.2f}" for x in r["p50_each"])
@@ -355,6 +465,21 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
     if final:
         print("\n".join(lines[6:]))
         print("wrote", path)
+
+
+def _split_row(r: dict) -> str:
+    """The wait split of a run (milliseconds) as a table row; '-' where not measured."""
+
+    def ms(key: str) -> str:
+        v = r.get(key)
+        return "-" if v is None else f"{1e3 * v:.2f}"
+
+    gil = "-" if "gil_wait_mean_ms" not in r else f"{r['gil_wait_mean_ms']:.3f}"
+    over = "-" if "gil_waits_over_1ms" not in r else f"{r['gil_waits_over_1ms']} ({r['gil_wait_over_1ms_s']:.3f})"
+    return (
+        f"| {r['mode']} | {ms('wait_p50_s')} | {ms('submit_p50_s')} | {ms('queue_p50_s')} | {ms('admit_p50_s')} | "
+        f"{ms('engine_store_p50_s')} / {ms('engine_store_max_s')} | {r.get('device_allocs', '-')} | {gil} | {over} |"
+    )
 
 
 def _texts(args: argparse.Namespace, tokenizer, count: int) -> list[str]:  # noqa: ANN001
