@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import tempfile
 import threading
@@ -131,6 +132,7 @@ def main() -> None:
             data["idle"] += rounds(per_block, args.iters, device)
     storer.flush()
     storer.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
     doc = _summary(args, data, hand_off, one, per_block)
     doc.update(
         stored=storer.stored_prefixes - stored0,
