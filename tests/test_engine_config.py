@@ -120,6 +120,21 @@ def test_check_tokens_and_context():
             check_context(n, m, 16)
 
 
+TOKEN_LIKE = st.one_of(st.integers(-3, 12), st.booleans(), st.floats(0, 9), st.sampled_from(["a", None]))
+
+
+@given(ids=st.lists(TOKEN_LIKE, max_size=12), vocab=st.one_of(st.none(), st.integers(1, 12)))
+def test_check_token_ids_refuses_exactly_the_first_bad_id(ids, vocab):
+    first_bad = next(
+        (i for i, t in enumerate(ids) if type(t) is not int or t < 0 or (vocab is not None and t >= vocab)), None
+    )
+    if first_bad is None:
+        check_token_ids(ids, vocab)
+    else:
+        with pytest.raises(ConfigError, match=f"token {first_bad} "):
+            check_token_ids(ids, vocab)
+
+
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),

@@ -23,6 +23,8 @@ def check_sampling(p: SamplingParams) -> None:
 
 def check_token_ids(ids: Sequence[int], vocab_size: int | None, what: str = "prompt") -> None:
     """Every id an int in [0, vocab_size)."""
+    if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and (vocab_size is None or max(ids) < vocab_size):
+        return  # the common case in C-level passes (a 2k-token prompt: 0.1 ms, not 1.7); else find the culprit
     for i, t in enumerate(ids):
         if not isinstance(t, int) or isinstance(t, bool):
             raise ConfigError(f"{what} token {i} is not an integer: {t!r}")
