@@ -56,27 +56,32 @@ def test_streamed_calibration_refuses_a_miscount_and_other_shapes():
 TEXTS = ["pg/aord", "py/textwrap", "doc/pathlib"]
 
 
-def _calibrate_cli(tmp_path, max_tokens: int, *options: str):  # noqa: ANN202 - a Calibration
-    """The calibration `kvcodec calibrate --model smollm2-135m` (streamed) fits on TEXTS with `options`."""
+def _calibrate_cli(tmp_path, max_tokens: int, *options: str, name: str = "m"):  # noqa: ANN202 - a Calibration
+    """The calibration `kvcodec calibrate --model smollm2-135m` (streamed) fits on TEXTS with `options`
+    (cal.info["output"]: what the command printed)."""
     from click.testing import CliRunner
 
     from kvcodec.cli.calibrate import command
     from kvcodec.transform import load_kvt
 
-    out = tmp_path / "m.kvt"
+    out = tmp_path / f"{name}.kvt"
     args = ["--model", "smollm2-135m", "--texts", ",".join(TEXTS), "--holdout", "0", "--max-tokens", str(max_tokens)]
     res = CliRunner().invoke(command, [*args, *options, "--tokens-per-dim", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
-    return load_kvt(out)[0]
+    cal = load_kvt(out)[0]
+    cal.info["output"] = res.output
+    return cal
 
 
 def test_calibrate_model_streams_the_same_transform_as_the_held_kv(tmp_path):
-    """`calibrate --model` (streamed moments) writes the bases calibrate() fits on the KV held whole."""
+    """`calibrate --model --device cpu` (streamed moments) writes the bases calibrate() fits on the KV held
+    whole, with the model as load_model gives it (on the CPU, as calibrate ran before --device)."""
     from kvcodec.cli.calibrate import _kv_from_model
     from kvcodec.models import load_model
     from kvcodec.models.check import inspect_model
 
-    streamed = _calibrate_cli(tmp_path, 256, "--weights", "mse")
+    streamed = _calibrate_cli(tmp_path, 256, "--weights", "mse", "--device", "cpu")
+    assert "s on cpu (float32)" in streamed.info["output"]
     layout = inspect_model("smollm2-135m")
     model, tok = load_model("smollm2-135m")
     kvs = _kv_from_model(model, tok, layout, TEXTS, 256)[0]
@@ -94,7 +99,7 @@ def test_streamed_calibration_with_fisher_weights_is_the_held_one(tmp_path):
     from kvcodec.models.check import inspect_model
     from kvcodec.transform.weights import channel_weights
 
-    streamed = _calibrate_cli(tmp_path, 600, "--fisher-texts", "1")
+    streamed = _calibrate_cli(tmp_path, 600, "--fisher-texts", "1", "--device", "cpu")
     layout = inspect_model("smollm2-135m")
     rope = layout.uniform_rope
     model, tok = load_model("smollm2-135m")
@@ -106,3 +111,16 @@ def test_streamed_calibration_with_fisher_weights_is_the_held_one(tmp_path):
     assert streamed.info["weights"] == "fisher"
     for key, b in whole.bases.items():
         assert torch.equal(streamed.bases[key].basis, b.basis) and torch.equal(streamed.bases[key].weights, b.weights)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default device is the GPU here")
+def test_calibrate_model_runs_on_the_cpu_by_default_without_cuda_and_says_so(tmp_path):
+    """No --device and no CUDA: the CPU, stated in the result line and the .kvt, the same bases as --device cpu."""
+    default = _calibrate_cli(tmp_path, 256, "--weights", "mse", name="default")
+    cpu = _calibrate_cli(tmp_path, 256, "--weights", "mse", "--device", "cpu", name="cpu")
+    assert "s on cpu (float32), peak RSS" in default.info["output"]
+    assert default.info["calibration_cost"]["device"] == "cpu"
+    assert default.info["calibration_cost"]["dtype"] == "float32"
+    assert default.groups == cpu.groups
+    for key, b in cpu.bases.items():
+        assert torch.equal(default.bases[key].basis, b.basis) and torch.equal(default.bases[key].mean, b.mean)

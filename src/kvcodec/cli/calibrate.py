@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 
+from kvcodec.cli.options import device_option
 from kvcodec.errors import ConfigError
 from kvcodec.transform.calibration import HELD_OUT_TEXTS, KIND_EVAL_TEXTS, mixed_texts
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
@@ -132,6 +136,63 @@ def _fisher(model, ids: list, sink_tokens: int, count: int, prefixes: list | Non
     return fisher_diagonal(model, usable, SENSITIVITY_PREFIX, sink_tokens=sink_tokens, prefix_kvs=prefixes)
 
 
+def resolve_device(device: str | None) -> Any:
+    """The torch device --model runs on: --device (checked by cli.options.check_device), else cuda
+    where there is one, else cpu."""
+    import torch
+
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def load_for_calibration(name: str, device: Any) -> tuple[Any, Any]:
+    """(model, tokenizer) on `device`. On a GPU the weights keep their own dtype, float32 ones
+    (dequantized GGUF) loaded as float16, as the engine runs them there (engine/engine.py): the KV
+    fitted on is then the KV a GPU engine stores, and a 7B model takes 14 GB, not 28. They are loaded
+    in that dtype (load_model's dtype), not cast after: Module.to(dtype) would also round the
+    float32 RoPE frequencies. The CPU loads as before --device."""
+    from kvcodec.models import load_model
+
+    if device.type == "cpu":
+        return load_model(name)
+    model, tokenizer = load_model(name, dtype=_gpu_dtype(name))
+    return model.to(device), tokenizer
+
+
+def _gpu_dtype(name: str) -> Any:
+    """float16 for weights that load as float32 (a registered model or a .gguf: dequantized; a model
+    directory whose config says float32), else None (the checkpoint's own dtype)."""
+    import torch
+
+    from kvcodec.models.local import is_local
+    from kvcodec.models.registry import MODELS
+
+    if name in MODELS or not is_local(name) or name.endswith(".gguf"):
+        return torch.float16
+    try:
+        config = json.loads((Path(name).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # load_model says what is wrong with the folder
+    return torch.float16 if (config.get("dtype") or config.get("torch_dtype")) == "float32" else None
+
+
+@contextlib.contextmanager
+def gpu_memory_hint(device: Any, model_name: str | None) -> Iterator[None]:
+    """A GPU out-of-memory error inside (loading, extraction, the Fisher, the fit, the report) as a
+    one-line ConfigError that names the fix, instead of a traceback."""
+    import torch
+
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        if device is None or device.type != "cuda":
+            raise
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        raise ConfigError(
+            f"calibrating {model_name} ran out of memory on {device} ({gib:.0f} GiB): run it on the CPU with "
+            "--device cpu (slower), or lower --max-tokens"
+        ) from None
+
+
 def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
     """(fit, held out): the last `holdout` items (default: one in eight, at least one when there are three)."""
     n = len(items)
@@ -214,6 +275,11 @@ def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
     f"quality report measured on them. Default: {', '.join(HOLDOUT_TEXTS)} beside the default texts; one in eight "
     "of given texts or files.",
 )
+@device_option(
+    default=None,
+    help="--model: where the model runs, with its KV extraction, Fisher and running moments (cpu, cuda, cuda:1 "
+    "...; default: cuda if present). On a GPU the model runs in its own dtype, float32 weights as float16.",
+)
 def command(
     kv_files,
     out,
@@ -233,6 +299,7 @@ def command(
     fisher_texts,
     report_ratios,
     holdout,
+    device,
 ):
     """Learn a transform (a mean and a PCA basis per group of layers, for K and V) from
     KV_FILES (written by `kvcodec extract`) or from --model on --texts (by default a fixed set of essays,
@@ -244,6 +311,8 @@ def command(
         raise click.UsageError("give either KV files or --model (with --texts or the default texts)")
     if texts and not model_name:
         raise click.UsageError("--texts needs --model")
+    if device and not model_name:
+        raise click.UsageError("--device needs --model (KV files are fitted on the CPU)")
     if out.suffix != ".kvt":
         raise click.BadParameter(f"{out}: the output name must end in .kvt", param_hint="--out")
     try:
@@ -255,16 +324,18 @@ def command(
     t0 = time.perf_counter()
     settings = dict(sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim, max_group=max_group, covariance=covariance)
     rope_flags = (rope_theta, rope_style, rotary_dim, no_rope)
-    if model_name:
-        fisher = (weighting, weight_alpha, fisher_texts)
-        data = _model_data(model_name, texts, holdout, max_tokens, fisher, settings, no_rope)
-    else:
-        data = _file_data(kv_files, holdout)
-    fit = _fit_grouped if data["grouped"] else _fit_uniform
-    result = fit(data, settings, rope_flags, weight_alpha)
-    data["kvs"] = None  # fitted: the report needs only the held-out texts (bounded memory)
-    coder = report_coder() if "cal" in result else "zstd"  # grouped caches: real zstd encodes
-    points = _quality(data, result, ratios, coder)
+    dev = resolve_device(device) if model_name else None
+    with gpu_memory_hint(dev, model_name):
+        if model_name:
+            fisher = (weighting, weight_alpha, fisher_texts)
+            data = _model_data(model_name, texts, holdout, max_tokens, fisher, settings, no_rope, dev)
+        else:
+            data = _file_data(kv_files, holdout)
+        fit = _fit_grouped if data["grouped"] else _fit_uniform
+        result = fit(data, settings, rope_flags, weight_alpha)
+        data["kvs"] = data["stream"] = None  # fitted: the report needs only the held-out texts (bounded memory)
+        coder = report_coder() if "cal" in result else "zstd"  # grouped caches: real zstd encodes
+        points = _quality(data, result, ratios, coder)
     report = {
         "metric": "model" if data.get("model") is not None else "kv",
         "held_out": data["held_sources"],
@@ -277,8 +348,9 @@ def command(
         report.update(prefix_tokens=QUALITY_PREFIX, cont_tokens=QUALITY_CONT)  # what an evaluation must match
     if points:
         report["safe_ratio"] = safe_ratio(report)
-    digest = _save(out, data, result, report, time.perf_counter() - t0)
-    _print_report(out, result, report, digest, time.perf_counter() - t0)
+    where = _where(data)
+    digest = _save(out, data, result, report, time.perf_counter() - t0, where)
+    _print_report(out, result, report, digest, time.perf_counter() - t0, where)
 
 
 def _texts(texts: str | None, holdout: int | None) -> tuple[list[str], list[str]]:
@@ -297,7 +369,8 @@ def _read_ids(tokenizer, texts: list[str], max_tokens: int) -> tuple[list[str], 
 
 def _stream_from_model(model, layout, ids: list, settings: dict, rope):
     """Each text's KV (as _kv_from_model computes and keeps it) into the running moments of a
-    StreamedCalibration, then dropped: the fit never holds the calibration KV."""
+    StreamedCalibration, then dropped: the fit never holds the calibration KV. The moments are summed
+    on the model's device (kv_of_ids hands the KV over on the CPU: it goes back as float16)."""
     import torch
 
     from kvcodec.models.extract import kv_of_ids
@@ -309,13 +382,13 @@ def _stream_from_model(model, layout, ids: list, settings: dict, rope):
     stream = StreamedCalibration(shape, rope, tokens=tokens, **fit)
     for t in ids:
         kv = kv_of_ids(model, layout, t, chunk_tokens=SENSITIVITY_PREFIX)
-        stream.add(kv.to(torch.float16))  # the values a store holds, as _kv_from_model keeps them
+        stream.add(kv.to(device=model.device, dtype=torch.float16))  # the values a store holds, as _kv_from_model
         del kv
     return stream
 
 
-def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, no_rope) -> dict:
-    from kvcodec.models import load_model, model_id
+def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, no_rope, device) -> dict:
+    from kvcodec.models import model_id
     from kvcodec.models.check import inspect_model
 
     layout = inspect_model(model_name)  # a model kvcodec cannot code fails here, in seconds
@@ -323,7 +396,7 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
     held = sorted(set(fit_texts) & {*HELD_OUT_TEXTS, *KIND_EVAL_TEXTS})
     if held:
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_for_calibration(model_name, device)
     weighting, alpha, fisher_texts = fisher_args
     sink_tokens = settings["sink_tokens"]
     fisher = weighting == "fisher" and alpha > 0 and layout.spec.uniform  # the Fisher of grouped caches: not yet
@@ -350,6 +423,8 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
         held_ids=held_ids,
         held_sources=held_sources,
         meta={"model": model_name, "model_id": model_id(model), "sources": sources},
+        device=device,
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
     )
     if fisher:
         if stream is None:  # the Fisher on the extraction's prefix KV (no second prefill of them)
@@ -478,11 +553,24 @@ def _peak_rss_mb() -> float:
     return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
-def _save(out: Path, data: dict, result: dict, report: dict, seconds: float) -> str:
+def _where(data: dict) -> dict:
+    """Where --model ran: {"device", "dtype", "peak_gpu_mb" (a GPU: the most this process held)}; {} for KV files."""
+    dev = data.get("device")
+    if dev is None:
+        return {}
+    out = {"device": str(dev), "dtype": data["dtype"]}
+    if dev.type == "cuda":
+        import torch
+
+        out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(dev) / 2**20)
+    return out
+
+
+def _save(out: Path, data: dict, result: dict, report: dict, seconds: float, where: dict) -> str:
     from kvcodec.transform import save_kvt
     from kvcodec.transform.grouped_kvt import save_grouped_kvt
 
-    cost = {"seconds": round(seconds, 1), "peak_rss_mb": round(_peak_rss_mb())}
+    cost = {"seconds": round(seconds, 1), "peak_rss_mb": round(_peak_rss_mb()), **where}
     if "cal" in result:
         result["cal"].info.update(quality=report, calibration_cost=cost)
         return save_kvt(result["cal"], out)
@@ -490,7 +578,7 @@ def _save(out: Path, data: dict, result: dict, report: dict, seconds: float) -> 
     return save_grouped_kvt(result["spec"], result["parts"], out, info)
 
 
-def _print_report(out: Path, result: dict, report: dict, digest: str, seconds: float) -> None:
+def _print_report(out: Path, result: dict, report: dict, digest: str, seconds: float, where: dict) -> None:
     if "cal" in result:
         cal = result["cal"]
         sizes = sorted({len(g) for g in cal.groups})
@@ -504,9 +592,11 @@ def _print_report(out: Path, result: dict, report: dict, digest: str, seconds: f
             f"{name}: {len(c.groups)} groups, rope {'off' if c.rope is None else f'theta={c.rope.theta:g}'}"
             for name, c in result["parts"].items()
         )
+    ran = f" on {where['device']} ({where['dtype']})" if where else ""
+    gpu = f", peak GPU memory {where['peak_gpu_mb']} MB" if "peak_gpu_mb" in where else ""
     click.echo(
         f"{out}: {what}, {'Fisher-weighted' if result['weighted'] else 'plain MSE'}, sha256 {digest[:16]}, "
-        f"{out.stat().st_size / 1e6:.1f} MB, {seconds:.1f} s, peak RSS {_peak_rss_mb():.0f} MB"
+        f"{out.stat().st_size / 1e6:.1f} MB, {seconds:.1f} s{ran}, peak RSS {_peak_rss_mb():.0f} MB{gpu}"
     )
     fell = result["fallback"]
     if report["held_out"]:

@@ -217,13 +217,24 @@ def _block_weights(weights: torch.Tensor | None, group: Sequence[int], kind: int
 
 def _fit_block(bases: dict, diagonals: dict, key, moments, w, held: bool, samples=None, covariance="sample") -> None:  # noqa: ANN001
     """bases[key] from a block's (mean, covariance, count) (or its samples, for other estimators);
-    with held-out data, diagonals[key]: its per-channel fallback from the same moments."""
+    with held-out data, diagonals[key]: its per-channel fallback from the same moments. Moments on a
+    GPU (StreamedCalibration of KV there) are decomposed there; what is kept comes back to the CPU."""
     mean, cov, n = moments
-    bases[key] = fit_moments(mean, cov, w) if samples is None else fit_group(samples, w, covariance)
+    if samples is None:
+        bases[key] = _on_cpu(fit_moments(mean, cov, None if w is None else w.to(cov.device)))
+    else:
+        bases[key] = fit_group(samples, w, covariance)
     if held:
         from kvcodec.transform.fallback import diagonal_from_moments
 
-        diagonals[key] = diagonal_from_moments(mean, torch.diagonal(cov) * ((n - 1) / n), w)
+        diagonals[key] = diagonal_from_moments(mean.cpu(), torch.diagonal(cov).cpu() * ((n - 1) / n), w)
+
+
+def _on_cpu(b: GroupBasis) -> GroupBasis:
+    """b with its tensors on the CPU (itself when they are there)."""
+    if b.mean.device.type == "cpu":
+        return b
+    return GroupBasis(*(None if t is None else t.cpu() for t in (b.mean, b.basis, b.variances, b.weights)))
 
 
 def _finish(layers, heads, dim, rope, groups, bases, diagonals, meta, held_out, first_position, sink) -> Calibration:  # noqa: ANN001
@@ -271,8 +282,8 @@ class _Accumulator:
             raise ConfigError("calibration data holds NaN or infinity; refusing to fit a transform on it")
         if self.shift is None:
             self.shift = x.mean(0)
-            self.s1 = torch.zeros(x.shape[1], dtype=torch.float64)
-            self.s2 = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64)
+            self.s1 = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)  # where the samples are
+            self.s2 = torch.zeros(x.shape[1], x.shape[1], dtype=torch.float64, device=x.device)
         c = x - self.shift
         self.s1 += c.sum(0, dtype=torch.float64)
         self.s2 += (c.T @ c).to(torch.float64)
@@ -296,7 +307,10 @@ class StreamedCalibration:
         for kv in kvs: stream.add(kv)
         cal = stream.finish(weights=w, info=info, held_out=held)
 
-    The result equals calibrate(kvs, rope, ...) on the same tensors in the same order."""
+    The result equals calibrate(kvs, rope, ...) on the same tensors in the same order. KV on a GPU is
+    summed there (float64 sums of float32 products) and each block's eigendecomposition runs there
+    (a 3072-dim block: seconds to a minute on a few CPU cores); the bases, the held-out fallback
+    check and the result are on the CPU."""
 
     def __init__(
         self,
