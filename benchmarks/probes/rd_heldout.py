@@ -7,8 +7,10 @@ with its defaults, then real encodes of the .kvt on evaluation essays it never s
         --calib-stats cal.json --device cuda --out benchmarks/results/rd-qwen2.5-coder-0.5b-h200-heldout
 
 `calibrate` runs the CLI's own command in this process, everything after `--` passed as on the command line;
---device puts the loaded model there (the CLI loads on the CPU; the fit and the report's coding stay on the
-CPU either way) and records wall time, peak RSS and peak GPU memory. `evaluate` scores each text the way the
+--device is handed to the CLI's own --device (default: the CLI's, cuda where present; on a GPU float32 weights
+load as float16, as the engine runs them), and wall time, peak RSS and peak GPU memory are recorded.
+`evaluate` loads the model as the CLI does on its --device (records made before the CLI had --device ran
+float32 weights on the GPU). It scores each text the way the
 calibration report does (the text's first --prefix tokens' KV coded and restored, the next --cont tokens
 teacher-forced on it and on the original KV: top-1 agreement of the next-token argmax over all of them,
 perplexity change of the text's own tokens), with real encodes (the codec's own size search, HEVC) instead
@@ -51,12 +53,12 @@ _LOADED: dict = {}  # model argument -> (model, tokenizer) the calibrate step lo
 
 
 def _load(model: str, device: str):
-    from kvcodec.models import load_model
+    """The calibrate step's model (on its device) for --then, else the model loaded as the CLI loads it."""
+    from kvcodec.cli.calibrate import load_for_calibration, resolve_device
 
     if model in _LOADED:
         return _LOADED[model]
-    m, tok = load_model(model)
-    return m.to(device), tok
+    return load_for_calibration(model, resolve_device(device))
 
 
 def _peak_rss_mb() -> float:
@@ -69,37 +71,41 @@ def cli():
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})
-@click.option("--device", default="cpu", show_default=True, help="Where the loaded model runs.")
+@click.option("--device", help="The CLI's --device (where the model runs); default: the CLI's (cuda if present).")
 @click.option("--stats", "stats_path", required=True, help="JSON to write: time, memory, device, CLI arguments.")
 @click.option(
     "--then", "then", multiple=True, help="`evaluate` arguments to run next on the same loaded model (one string each)."
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def calibrate(device, stats_path, then, args):
-    """`kvcodec calibrate ARGS` with the model moved to DEVICE after loading."""
+    """`kvcodec calibrate ARGS [--device DEVICE]`, recording its cost (and its loaded model, for --then)."""
     import kvcodec.models
-    from kvcodec.cli.calibrate import command
+    from kvcodec.cli.calibrate import command, resolve_device
 
+    args = list(args)
+    if device and "--device" not in args:
+        args += ["--device", device]
+    dev = resolve_device(args[args.index("--device") + 1] if "--device" in args else None)
     load = kvcodec.models.load_model  # the CLI imports it from the package when it runs
 
-    def moved(*a, **k):
-        m, tok = load(*a, **k)
-        _LOADED[a[0] if a else k["name"]] = m.to(device), tok
+    def kept(*a, **k):  # the CLI moves the model with Module.to, in place: this object ends on its device
+        _LOADED[a[0] if a else k["name"]] = load(*a, **k)
         return _LOADED[a[0] if a else k["name"]]
 
-    kvcodec.models.load_model = moved
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
+    kvcodec.models.load_model = kept
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    command.main(list(args), standalone_mode=False)
+    command.main(args, standalone_mode=False)
     stats = dict(
-        cli_args=list(args),
-        device=device,
-        device_name=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        cli_args=args,
+        device=str(dev),
+        device_name=torch.cuda.get_device_name(dev) if cuda else "cpu",
         cpu_threads=torch.get_num_threads(),
         wall_s=round(time.perf_counter() - t0, 1),
         peak_rss_mb=round(_peak_rss_mb()),
-        peak_gpu_mb=round(torch.cuda.max_memory_allocated() / 2**20) if device.startswith("cuda") else None,
+        peak_gpu_mb=round(torch.cuda.max_memory_allocated(dev) / 2**20) if cuda else None,
     )
     if "--out" in args:  # the report as written, should an evaluation fail
         from kvcodec.codecs.transform.codec import kvt_info
@@ -302,7 +308,7 @@ def markdown(doc: dict) -> list[str]:
 @click.option("--name", "model_name", required=True, help="The model's name in the records.")
 @click.option("--kvt", required=True, type=click.Path(exists=True))
 @click.option("--calib-stats", type=click.Path(exists=True), help="The calibrate step's --stats JSON.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", help="Where the model runs; default: cuda if present (loaded as the CLI's calibrate does).")
 @click.option("--eval", "eval_texts", default="", help="Evaluation texts; default the project's held-out essays.")
 @click.option("--prefix", "prefix_tokens", default=QUALITY_PREFIX, show_default=True, help="As the report.")
 @click.option("--cont", "cont_tokens", default=QUALITY_CONT, show_default=True, help="As the report.")
@@ -328,6 +334,7 @@ def evaluate(
     notes,
     out_stem,
 ):
+    from kvcodec.cli.calibrate import resolve_device
     from kvcodec.models.check import inspect_model
     from kvcodec.models.extract import kv_of_ids
     from kvcodec.models.texts import load_text
@@ -388,7 +395,7 @@ def evaluate(
         command="python benchmarks/probes/rd_heldout.py " + " ".join(map(shlex.quote, sys.argv[1:])),
         commit=commit,
         model=model_name,
-        device=device,
+        device=str(resolve_device(device)),
         eval_texts=texts,
         prefix_tokens=prefix_tokens,
         cont_tokens=cont_tokens,
