@@ -234,3 +234,28 @@ def test_dialogue_texts_are_whole_conversations():
     for bad in ("dlg/x", "dlg/-1", "dlg/100000"):
         with pytest.raises(ConfigError, match="unknown text"):
             texts.load_text(bad)
+
+
+def test_a_model_cast_to_float16_keeps_its_rope_frequencies_float32(smollm2):
+    """Module.to(float16) would round RoPE's inv_freq (keys then drift with their position);
+    cast_model and the engine's and ingest's loading keep them as from_pretrained(dtype=float16) does."""
+    import copy
+
+    import torch
+
+    from kvcodec.engine.engine import _load
+    from kvcodec.models import cast_model
+
+    model, tok = smollm2
+    want = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    assert want and all(b.dtype == torch.float32 for b in want.values())
+    assert any(not torch.equal(b.half().float(), b) for b in want.values())  # float16 would round them
+    for cast in (
+        lambda m: cast_model(m, dtype=torch.float16),
+        lambda m: _load(m, tok, torch.device("cpu"), torch.float16)[0],
+    ):
+        half = cast(copy.deepcopy(model))
+        assert all(p.dtype == torch.float16 for p in half.parameters())
+        got = {n: b for n, b in half.named_buffers() if n.endswith("inv_freq")}
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert next(model.parameters()).dtype == torch.float32  # the fixture's model untouched

@@ -50,7 +50,9 @@ def _load(model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype |
     if dtype is None:  # the model's own dtype; only float32 weights become float16 on a GPU
         own = next(model.parameters()).dtype
         dtype = torch.float16 if own == torch.float32 and device.type != "cpu" else own
-    return model.to(device=device, dtype=dtype), tokenizer
+    from kvcodec.models import cast_model
+
+    return cast_model(model, device=device, dtype=dtype), tokenizer
 
 
 MASKED_PIECE_ELEMENTS = 1 << 30  # [piece, cache] mask entries of a piece after the first: ~3 GB with its float copy

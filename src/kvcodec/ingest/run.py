@@ -87,13 +87,12 @@ def load_for_ingest(model_name: str, device: Any = None) -> tuple[Any, Any, Any]
     import torch
 
     from kvcodec.engine.runner import default_device
-    from kvcodec.models import load_model
+    from kvcodec.models import cast_model, load_model
 
     dev = torch.device(device) if device else default_device()
     model, tokenizer = load_model(model_name)
-    if dev.type == "cuda" and next(model.parameters()).dtype == torch.float32:
-        model = model.to(torch.float16)
-    return model.to(dev).eval(), tokenizer, dev
+    half = dev.type == "cuda" and next(model.parameters()).dtype == torch.float32
+    return cast_model(model, device=dev, dtype=torch.float16 if half else None).eval(), tokenizer, dev
 
 
 def _prefill(model: Any, ids: list[int], chunk_tokens: int | None) -> Any:
