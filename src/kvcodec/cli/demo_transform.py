@@ -25,6 +25,7 @@ class QuickCalibration:
     held_out: str
     tokens_per_text: int
     seconds: float
+    prefill_s: float  # of `seconds`: the calibration texts' prefills (the rest: the fit and the save)
 
 
 def calibration_texts(document: str) -> tuple[str, ...]:
@@ -50,11 +51,12 @@ def quick_calibration(model: Any, tok: Any, model_name: str, document: str, toke
     tokens = max(tokens, math.ceil(MIN_TOKENS_PER_DIM * heads * dim / FIT_TEXTS) + DEFAULT_SINK_TOKENS)
     texts = calibration_texts(document)
     kvs = [extract_text_kv(model, tok, layout, load_text(t), tokens)[1].to(torch.float16) for t in texts]
+    prefill_s = time.perf_counter() - t0
     info = {"model": model_name, "sources": list(texts[:FIT_TEXTS])}
     cal = calibrate(kvs[:FIT_TEXTS], layout.uniform_rope, held_out=kvs[FIT_TEXTS:], info=info)
     path = os.path.join(out_dir, f"{model_name.replace('/', '_')}-demo.kvt")
     save_kvt(cal, path)
-    return QuickCalibration(path, texts[:FIT_TEXTS], texts[FIT_TEXTS], tokens, time.perf_counter() - t0)
+    return QuickCalibration(path, texts[:FIT_TEXTS], texts[FIT_TEXTS], tokens, time.perf_counter() - t0, prefill_s)
 
 
 def transcode(src: Any, dst: Any, ids: list[int]) -> tuple[int, float]:
