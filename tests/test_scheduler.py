@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.engine import (  # noqa: E402
     Engine,
+    EngineConfig,
     Request,
     SamplingParams,
     Scheduler,  # noqa: E402
@@ -117,6 +118,8 @@ def test_scheduler_config_errors():
     with pytest.raises(ConfigError):
         Scheduler(None, max_batch=0)
     s = Scheduler(None)
+    cfg = EngineConfig()  # a Scheduler made alone schedules as the engine's does
+    assert (s.policy, s.max_batch, s.max_prefill_tokens) == (cfg.policy, cfg.max_batch, cfg.max_prefill_tokens)
     r = Request(prompt_ids=[1, 2, 3])
     s.add(r)
     assert r.state is State.WAITING and s.schedule() == [r] and r.state is State.RUNNING

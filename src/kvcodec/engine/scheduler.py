@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from kvcodec.engine.config import POLICIES
+from kvcodec.engine.config import POLICIES, EngineConfig
 from kvcodec.engine.sequence import Request, State
 from kvcodec.errors import ConfigError
 
@@ -61,11 +61,11 @@ class Scheduler:
     def __init__(
         self,
         prefix_cache: PrefixSource | None = None,
-        policy: str = "fetch-aware",
-        max_batch: int = 8,
-        max_prefill_tokens: int = 4096,
-        min_reuse_tokens: int = 1,
-        fetch_workers: int = 2,
+        policy: str = EngineConfig.policy,  # the defaults are the engine's (one place to change them)
+        max_batch: int = EngineConfig.max_batch,
+        max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
+        min_reuse_tokens: int = EngineConfig.min_reuse_tokens,
+        fetch_workers: int = EngineConfig.fetch_workers,
         fetch_deadline_s: float | None = None,
         deadline_for: Callable[[Request], float | None] | None = None,
         target_for: Callable[[Request], Any] | None = None,
