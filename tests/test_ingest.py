@@ -90,9 +90,11 @@ def test_an_interrupted_ingest_says_what_was_done_and_how_to_resume(tmp_path, mo
     monkeypatch.setattr(kvcodec.ingest, "ingest", interrupted)
     (tmp_path / "p.txt").write_text("alpha\nbeta\n")
     args = ["ingest", str(tmp_path / "p.txt"), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}"]
-    result = CliRunner().invoke(cli, [*args, "--device", "cpu", "--codec", "raw"])
+    result = CliRunner().invoke(cli, [*args, "--device", "cpu", "--codec", "raw", "--report", str(tmp_path / "r.json")])
     assert result.exit_code == 130
     assert "interrupted after 1 stored, 0 skipped, 0 failed of 2 documents; run the same command" in result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["interrupted"] and (report["documents"], report["stored"], report["failed"]) == (2, 1, 0)
 
 
 def test_documents_encoded_at_once_fill_the_cores_with_chunks():

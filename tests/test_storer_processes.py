@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,3 +285,36 @@ def test_encode_workers_end_when_the_serving_process_is_killed(tmp_path):
     # the worker inherited the killed process's stdout: the pipe ends only when the worker has ended too
     out, _ = proc.communicate(timeout=120)
     assert out == ""
+
+
+def _ignored_signals(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return int(line.split()[1], 16)
+    raise AssertionError(f"no SigIgn line for {pid}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads signal dispositions from /proc")
+def test_encode_workers_leave_a_ctrl_c_to_their_parent(tmp_path):
+    """A Ctrl-C reaches every process of the terminal's group: the workers ignore it (the parent
+    finishes the stores in flight and shuts them down), so they neither die mid-store nor print
+    KeyboardInterrupt tracebacks, and the pool keeps encoding."""
+    import signal
+
+    from kvcodec.engine.encode_pool import EncodePool, interrupts_blocked, worker_spec
+
+    with interrupts_blocked():
+        assert signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    url = f"file://{tmp_path}"
+    cache = PrefixCache(open_store(url), "m", RawCodec(chunk_tokens=4), "cpu")
+    pool = EncodePool(worker_spec(cache, url, 1, 0), 2)
+    try:
+        pids = sorted(f.result(timeout=300) for f in pool.start())
+        for pid in pids:
+            assert _ignored_signals(pid) & (1 << (signal.SIGINT - 1)), "SIGINT not ignored by a worker"
+            os.kill(pid, signal.SIGINT)
+        written, pid = pool.put(list(range(8)), torch.ones(1, 2, 8, 1, 2))
+        assert written == 2 and pid in pids and sorted(pool.pids()) == pids
+    finally:
+        pool.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,7 @@ def command(
     documents = list(read_documents(docs, template=template, text_field=text_field, id_field=id_field))
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
     bar, on_result, counts = _progress(len(documents))
+    started = time.perf_counter()
     try:
         with bar:
             if ray_address:
@@ -107,6 +109,10 @@ def command(
     except KeyboardInterrupt:
         done = ", ".join(f"{v} {k}" for k, v in counts.items())
         click.echo(f"interrupted after {done} of {len(documents)} documents; run the same command to resume", err=True)
+        if report:  # what was counted; documents whose store was in flight were finished, not counted
+            seconds = round(time.perf_counter() - started, 3)
+            partial = {"interrupted": True, "documents": len(documents), **counts, "seconds": seconds}
+            report.write_text(json.dumps(partial, indent=1) + "\n")
         raise click.exceptions.Exit(130) from None
     summary = result.to_dict()
     click.echo(_summary_line(summary))

@@ -25,6 +25,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -303,7 +304,8 @@ class EncodePool:
     def start(self) -> list[Any]:
         """Start every worker now (each opens the store, builds the codec and pins itself):
         futures of their pids, one per worker (each answers once all of them are up)."""
-        return [self._executor.submit(_worker_pid) for _ in range(self.processes)]
+        with interrupts_blocked():
+            return [self._executor.submit(_worker_pid) for _ in range(self.processes)]
 
     def pids(self) -> tuple[int, ...]:
         """The worker processes' ids (none before the first submit spawns them)."""
@@ -344,7 +346,8 @@ class EncodePool:
                 host.copy_(kv)
             del host, kv
             try:  # the pool's own failures, not the encode's errors
-                future = self._executor.submit(_encode, list(ids), buf.name, shape, dtype)
+                with interrupts_blocked():  # a submit may spawn a worker
+                    future = self._executor.submit(_encode, list(ids), buf.name, shape, dtype)
             except (BrokenProcessPool, OSError, RuntimeError) as e:  # broken, cannot spawn, shut down
                 raise EncodeProcessError(f"{type(e).__name__}: {e}") from e
             try:
@@ -359,6 +362,32 @@ class EncodePool:
         self.buffers.close()
 
 
+@contextlib.contextmanager
+def interrupts_blocked():  # noqa: ANN201 - a context manager
+    """SIGINT blocked on the calling thread for the block, so that a worker spawned in it starts
+    with SIGINT blocked (a signal mask survives fork and exec) until _init_worker ignores it.
+
+    A Ctrl-C at a terminal reaches every process of the foreground group: workers would die with a
+    KeyboardInterrupt (tracebacks from a half-done import, a store cut short, a broken pool) while
+    the parent, which owns the interrupt, lets the stores in flight finish and shuts the pool down."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _ignore_interrupts() -> None:
+    """A worker leaves interrupts to its parent (see interrupts_blocked); a SIGINT pending since
+    its spawn is discarded once ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 # -- worker process ------------------------------------------------------------------------------
 _STATE: dict[str, Any] = {}
 _ATTACHED: collections.OrderedDict[str, shared_memory.SharedMemory] = collections.OrderedDict()
@@ -371,6 +400,7 @@ def _init_worker(spec: WorkerSpec, started: Any = None) -> None:
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
+    _ignore_interrupts()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU only: no CUDA context (memory, NVENC probe) per worker
     if hasattr(os, "setpriority"):
         try:
