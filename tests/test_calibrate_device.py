@@ -1,11 +1,10 @@
 """`kvcodec calibrate --model --device`: a bad device fails before the model loads, the default is
-stated, float32 weights load as float16 for a GPU, a GPU out-of-memory error names --device cpu, and
+stated, the model loads through kvcodec.models.load_for_device (float32 weights as float16 for a GPU:
+tests/test_models_placement.py), a GPU out-of-memory error names --device cpu, and
 KV streamed on a GPU fits what it fits on the CPU. The model runs themselves are in
 test_calibration_stream.py (--device cpu there equals the calibration computed in-process)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 
@@ -27,7 +26,7 @@ def _no_load(*a, **k):  # noqa: ANN002, ANN003, ANN202
 def test_a_bad_device_is_a_usage_error_before_the_model_loads(tmp_path, monkeypatch, device, message):
     if device.startswith("cuda") and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    monkeypatch.setattr("kvcodec.models.load_model", _no_load)
+    monkeypatch.setattr("kvcodec.models.load_for_device", _no_load)
     monkeypatch.setattr("kvcodec.models.check.inspect_model", _no_load)
     args = ["--model", "smollm2-135m", "--device", device, "--out", str(tmp_path / "m.kvt")]
     res = CliRunner().invoke(cal_cli.command, args)
@@ -48,15 +47,24 @@ def test_the_default_device_is_cuda_where_present_else_cpu():
     assert cal_cli.resolve_device("cpu") == torch.device("cpu")
 
 
-def test_float32_weights_load_as_float16_for_a_gpu_and_others_keep_their_dtype(tmp_path):
-    assert cal_cli._gpu_dtype("smollm2-135m") == torch.float16  # a dequantized GGUF: float32
-    assert cal_cli._gpu_dtype(str(tmp_path / "model.Q4_K_M.gguf")) == torch.float16
-    for config, want in [({"dtype": "float32"}, torch.float16), ({"torch_dtype": "float32"}, torch.float16),
-                         ({"dtype": "bfloat16"}, None), ({}, None)]:  # fmt: skip
-        folder = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(config))
-        assert cal_cli._gpu_dtype(str(folder)) == want, config
+class _Loaded(Exception):
+    pass
+
+
+def test_the_model_loads_through_load_for_device_on_the_chosen_device(tmp_path, monkeypatch):
+    """calibrate --model loads as the engine does (kvcodec.models.load_for_device: float32 weights as
+    float16 on a GPU, tests/test_models_placement.py), on the --device it resolved."""
+    calls = []
+
+    def record(name, device, **kw):  # noqa: ANN003, ANN202
+        calls.append((name, device, kw))
+        raise _Loaded
+
+    monkeypatch.setattr("kvcodec.models.load_for_device", record)
+    args = ["--model", "smollm2-135m", "--device", "cpu", "--out", str(tmp_path / "m.kvt")]
+    res = CliRunner().invoke(cal_cli.command, args)
+    assert isinstance(res.exception, _Loaded), res.output
+    assert calls == [("smollm2-135m", torch.device("cpu"), {})]
 
 
 def test_a_gpu_out_of_memory_error_names_the_cpu_fix(monkeypatch):

@@ -54,11 +54,12 @@ _LOADED: dict = {}  # model argument -> (model, tokenizer) the calibrate step lo
 
 def _load(model: str, device: str):
     """The calibrate step's model (on its device) for --then, else the model loaded as the CLI loads it."""
-    from kvcodec.cli.calibrate import load_for_calibration, resolve_device
+    from kvcodec.cli.calibrate import resolve_device
+    from kvcodec.models import load_for_device
 
     if model in _LOADED:
         return _LOADED[model]
-    return load_for_calibration(model, resolve_device(device))
+    return load_for_device(model, resolve_device(device))
 
 
 def _peak_rss_mb() -> float:

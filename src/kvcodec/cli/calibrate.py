@@ -144,37 +144,6 @@ def resolve_device(device: str | None) -> Any:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def load_for_calibration(name: str, device: Any) -> tuple[Any, Any]:
-    """(model, tokenizer) on `device`. On a GPU the weights keep their own dtype, float32 ones
-    (dequantized GGUF) loaded as float16, as the engine runs them there (engine/engine.py): the KV
-    fitted on is then the KV a GPU engine stores, and a 7B model takes 14 GB, not 28. They are loaded
-    in that dtype (load_model's dtype), not cast after: Module.to(dtype) would also round the
-    float32 RoPE frequencies. The CPU loads as before --device."""
-    from kvcodec.models import load_model
-
-    if device.type == "cpu":
-        return load_model(name)
-    model, tokenizer = load_model(name, dtype=_gpu_dtype(name))
-    return model.to(device), tokenizer
-
-
-def _gpu_dtype(name: str) -> Any:
-    """float16 for weights that load as float32 (a registered model or a .gguf: dequantized; a model
-    directory whose config says float32), else None (the checkpoint's own dtype)."""
-    import torch
-
-    from kvcodec.models.local import is_local
-    from kvcodec.models.registry import MODELS
-
-    if name in MODELS or not is_local(name) or name.endswith(".gguf"):
-        return torch.float16
-    try:
-        config = json.loads((Path(name).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # load_model says what is wrong with the folder
-    return torch.float16 if (config.get("dtype") or config.get("torch_dtype")) == "float32" else None
-
-
 @contextlib.contextmanager
 def gpu_memory_hint(device: Any, model_name: str | None) -> Iterator[None]:
     """A GPU out-of-memory error inside (loading, extraction, the Fisher, the fit, the report) as a
@@ -388,7 +357,7 @@ def _stream_from_model(model, layout, ids: list, settings: dict, rope):
 
 
 def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, no_rope, device) -> dict:
-    from kvcodec.models import model_id
+    from kvcodec.models import load_for_device, model_id
     from kvcodec.models.check import inspect_model
 
     layout = inspect_model(model_name)  # a model kvcodec cannot code fails here, in seconds
@@ -396,7 +365,7 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
     held = sorted(set(fit_texts) & {*HELD_OUT_TEXTS, *KIND_EVAL_TEXTS})
     if held:
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
-    model, tokenizer = load_for_calibration(model_name, device)
+    model, tokenizer = load_for_device(model_name, device)  # as the engine runs it: float32 weights as float16 on a GPU
     weighting, alpha, fisher_texts = fisher_args
     sink_tokens = settings["sink_tokens"]
     fisher = weighting == "fisher" and alpha > 0 and layout.spec.uniform  # the Fisher of grouped caches: not yet

@@ -40,19 +40,17 @@ log = logging.getLogger(__name__)
 
 
 def _load(model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype | None) -> tuple[Any, Any]:
+    """(model, tokenizer) on `device` in `dtype`, else the model's own dtype with float32 weights as
+    float16 on a GPU (kvcodec.models.placement): a name loads in that dtype, a model object is cast."""
     if isinstance(model, str):
-        from kvcodec.models import load_model
+        from kvcodec.models import load_for_device
 
-        model, tok = load_model(model)
-        tokenizer = tokenizer or tok
-    if tokenizer is None:
-        tokenizer = getattr(model, "tokenizer", None)
-    if dtype is None:  # the model's own dtype; only float32 weights become float16 on a GPU
-        own = next(model.parameters()).dtype
-        dtype = torch.float16 if own == torch.float32 and device.type != "cpu" else own
-    from kvcodec.models import cast_model
+        model, tok = load_for_device(model, device, dtype=dtype)
+        return model, tokenizer if tokenizer is not None else tok
+    from kvcodec.models.placement import place_model
 
-    return cast_model(model, device=device, dtype=dtype), tokenizer
+    tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+    return place_model(model, device, dtype), tokenizer
 
 
 MASKED_PIECE_ELEMENTS = 1 << 30  # [piece, cache] mask entries of a piece after the first: ~3 GB with its float copy

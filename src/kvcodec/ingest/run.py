@@ -82,17 +82,16 @@ def _stored_already(cache: Any, ids: list[int]) -> bool:
 
 
 def load_for_ingest(model_name: str, device: Any = None) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, device) as ingest prefills: fp16 on a GPU, the model's dtype on the CPU;
-    device None: the engine's default (a GPU if there is one)."""
+    """(model, tokenizer, device) as ingest prefills, as the engine runs it (kvcodec.models.load_for_device:
+    float32 weights load as float16 for a GPU); device None: the engine's default (a GPU if there is one)."""
     import torch
 
     from kvcodec.engine.runner import default_device
-    from kvcodec.models import cast_model, load_model
+    from kvcodec.models import load_for_device
 
     dev = torch.device(device) if device else default_device()
-    model, tokenizer = load_model(model_name)
-    half = dev.type == "cuda" and next(model.parameters()).dtype == torch.float32
-    return cast_model(model, device=dev, dtype=torch.float16 if half else None).eval(), tokenizer, dev
+    model, tokenizer = load_for_device(model_name, dev)
+    return model, tokenizer, dev
 
 
 def _prefill(model: Any, ids: list[int], chunk_tokens: int | None) -> Any:

