@@ -51,7 +51,11 @@ class _Loaded(Exception):
     pass
 
 
-def test_the_model_loads_through_load_for_device_on_the_chosen_device(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_the_model_loads_through_load_for_device_on_the_chosen_device(tmp_path, monkeypatch, device):
     """calibrate --model loads as the engine does (kvcodec.models.load_for_device: float32 weights as
     float16 on a GPU, tests/test_models_placement.py), on the --device it resolved."""
     calls = []
@@ -61,10 +65,10 @@ def test_the_model_loads_through_load_for_device_on_the_chosen_device(tmp_path, 
         raise _Loaded
 
     monkeypatch.setattr("kvcodec.models.load_for_device", record)
-    args = ["--model", "smollm2-135m", "--device", "cpu", "--out", str(tmp_path / "m.kvt")]
+    args = ["--model", "smollm2-135m", "--device", device, "--out", str(tmp_path / "m.kvt")]
     res = CliRunner().invoke(cal_cli.command, args)
     assert isinstance(res.exception, _Loaded), res.output
-    assert calls == [("smollm2-135m", torch.device("cpu"), {})]
+    assert calls == [("smollm2-135m", torch.device(device), {})]
 
 
 def test_a_gpu_out_of_memory_error_names_the_cpu_fix(monkeypatch):

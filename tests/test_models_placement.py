@@ -188,3 +188,23 @@ def test_the_engine_and_ingest_load_a_name_through_load_for_device(smollm2, aske
     model, tok, dev = load_for_ingest("smollm2-135m", "meta")
     assert asked[2:] == [torch.float16] and dev == torch.device("meta") and tok is not None
     _check(model, "meta", torch.float16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_every_loader_runs_a_registered_model_in_float16_with_float32_rope(smollm2, asked):
+    """On CUDA itself: load_for_device, the engine's _load and ingest's default device."""
+    from kvcodec.engine.engine import _load
+    from kvcodec.ingest.run import load_for_ingest
+
+    want = _rope(smollm2[0])
+    for load in (
+        lambda: load_for_device("smollm2-135m", "cuda")[0],
+        lambda: _load("smollm2-135m", None, torch.device("cuda"), None)[0],
+        lambda: load_for_ingest("smollm2-135m")[0],
+    ):
+        asked.clear()
+        model = load()
+        assert asked == [torch.float16]
+        _check(model, "cuda", torch.float16)
+        assert all(torch.equal(b.cpu(), want[n]) for n, b in _rope(model).items())
+        del model
