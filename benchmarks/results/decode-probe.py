@@ -66,7 +66,8 @@ P("encode", time.time() - t0, {sp: len(b) * 8 / (16 * 3 * W * H) for sp, b in BS
 @step("introspect_frame")
 def _():
     import PyNvVideoCodec as nvc
-    from kvcodec.video.nvdec import split_access_units, _primary_context
+    from kvcodec.video.nvcuvid_api import primary_context as _primary_context
+    from kvcodec.video.nvdec import split_access_units
     dec = nvc.CreateDecoder(gpuid=0, codec=nvc.cudaVideoCodec.HEVC, cudacontext=_primary_context(0), cudastream=0, usedevicememory=True)
     bs = BS[8.0]
     buf = np.frombuffer(bs, np.uint8)

@@ -13,7 +13,6 @@ process do not scale).
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
+from kvcodec.video.nvcuvid_api import make_current, primary_context
 
 log = logging.getLogger(__name__)
 
@@ -69,20 +69,6 @@ def _nvc():
     except Exception as e:  # ImportError, or RuntimeError when the driver's codec libraries are absent
         raise BackendUnavailableError(f"PyNvVideoCodec is not usable here: {e}") from e
     return nvc
-
-
-@functools.cache
-def _primary_context(index: int) -> int:
-    """The driver handle of device `index`'s primary context (the one torch uses)."""
-    torch.cuda.init()
-    lib = ctypes.CDLL("libcuda.so.1")
-    dev = ctypes.c_int()
-    ctx = ctypes.c_void_p()
-    if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), index):
-        raise BackendUnavailableError(f"CUDA device {index} not found")
-    if lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
-        raise BackendUnavailableError(f"cannot retain the primary context of CUDA device {index}")
-    return int(ctx.value or 0)
 
 
 @functools.cache
@@ -239,10 +225,10 @@ class NvdecDecoder:
             if self._stream is None:
                 self._stream = torch.cuda.Stream(idx)
             latency = nvc.DisplayDecodeLatencyType.LOW if self.latency == "low" else nvc.DisplayDecodeLatencyType.NATIVE
-            ctx = _primary_context(idx)
+            ctx = primary_context(idx)
             # torch's primary context must be the thread's current one (a library that failed to
             # open a session elsewhere may have left its own context current)
-            ctypes.CDLL("libcuda.so.1").cuCtxSetCurrent(ctypes.c_void_p(ctx))
+            make_current(ctx)
             try:
                 dec = nvc.CreateDecoder(
                     gpuid=idx,

@@ -34,17 +34,15 @@ class PyAVNvdecDecoder:
             return False
 
     def _context(self):
-        import ctypes
-
         import av
         from av.codec.hwaccel import HWAccel
 
-        from kvcodec.video.nvdec import _primary_context
+        from kvcodec.video.nvcuvid_api import make_current, primary_context
 
         torch.cuda.set_device(self.device)
         torch.empty(1, device=self.device)
         # FFmpeg's "current_ctx" takes the driver's current context: make it torch's primary one
-        ctypes.CDLL("libcuda.so.1").cuCtxSetCurrent(ctypes.c_void_p(_primary_context(self.device.index)))
+        make_current(primary_context(self.device.index))
         hw = HWAccel(
             device_type="cuda",
             device=str(self.device.index),
