@@ -61,6 +61,28 @@ def test_ingest_stores_under_engine_keys_resumes_and_reports_bad_documents(smoll
     assert (again["stored"], again["skipped"], again["failed"]) == (0, 2, 2)
 
 
+def test_an_interrupted_ingest_finishes_and_counts_the_documents_in_flight(smollm2, tmp_path):
+    """Ctrl-C while two documents are being stored: both are finished and reported (so the
+    interrupted run's report says what a resume will skip), no later document is started."""
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    docs = [Document(f"d{i}", f"Document {i}: " + DOCS[i % 2]) for i in range(4)]
+    cache = PrefixCache(open_store(f"file://{tmp_path}"), model_id(model), make_codec("raw", chunk_tokens=32), "cpu")
+    seen = []
+
+    def interrupt_at_the_first(r) -> None:  # noqa: ANN001 - a DocResult
+        seen.append(r)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        ingest(docs, model, tokenizer, cache, encode_in="threads", store_workers=2, on_result=interrupt_at_the_first)
+    assert [(r.id, r.status) for r in seen] == [("d0", "stored"), ("d1", "stored"), ("d2", "stored")]
+    stored = [cache.lookup(Tokens(tokenizer).encode(d.text)) > 0 for d in docs]
+    assert stored == [True, True, True, False]
+
+
 def test_ingest_command_summary_and_exit_code(tmp_path):
     from kvcodec.cli.main import cli
 

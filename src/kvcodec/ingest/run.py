@@ -16,6 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ from typing import Any
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.ingest.sources import Document
 from kvcodec.layout.search import encode_workers
+
+log = logging.getLogger(__name__)
 
 STORED, SKIPPED, FAILED = "stored", "skipped", "failed"
 
@@ -167,28 +170,36 @@ def ingest(
     with contextlib.ExitStack() as stack:
         if procs:  # shut down after the threads that feed it
             stack.callback(procs.shutdown)
+            procs.start()  # the workers spawn and import while the first document is tokenized and prefilled
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvcodec-ingest"))
-        for doc in documents:
-            if doc.error:
-                done(DocResult(doc.id, FAILED, error=doc.error))
-                continue
-            try:
-                ids = tokens.encode(doc.text)[: limit or None]
-                if not ids:
-                    raise KVCodecError("the document tokenizes to no tokens")
-                if _stored_already(cache, ids):
-                    done(DocResult(doc.id, SKIPPED, len(ids)))
+        try:
+            for doc in documents:
+                if doc.error:
+                    done(DocResult(doc.id, FAILED, error=doc.error))
                     continue
-                t = time.perf_counter()
-                kv = _prefill(model, ids, prefill_chunk_tokens)
-                prefill_s = time.perf_counter() - t
-            except Exception as e:  # noqa: BLE001 - reported per document
-                done(DocResult(doc.id, FAILED, error=_why(e)))
-                continue
-            result = DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv.numel() * kv.element_size())
-            inflight.append((pool.submit(put, ids, kv), result))
-            del kv
-            settle(at_once(ids))
+                try:
+                    ids = tokens.encode(doc.text)[: limit or None]
+                    if not ids:
+                        raise KVCodecError("the document tokenizes to no tokens")
+                    if _stored_already(cache, ids):
+                        done(DocResult(doc.id, SKIPPED, len(ids)))
+                        continue
+                    t = time.perf_counter()
+                    kv = _prefill(model, ids, prefill_chunk_tokens)
+                    prefill_s = time.perf_counter() - t
+                except Exception as e:  # noqa: BLE001 - reported per document
+                    done(DocResult(doc.id, FAILED, error=_why(e)))
+                    continue
+                kv_bytes = kv.numel() * kv.element_size()
+                result = DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv_bytes)
+                inflight.append((pool.submit(put, ids, kv), result))
+                del kv
+                settle(at_once(ids))
+        except KeyboardInterrupt:
+            if inflight:
+                log.warning("interrupted: finishing the %d documents in flight", len(inflight))
+            settle(0)  # counted, so that the interrupted run's report says what is stored
+            raise
         settle(0)
     return IngestReport(tuple(results), time.perf_counter() - t0, "processes" if procs else "threads")
 
