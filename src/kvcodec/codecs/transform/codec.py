@@ -29,6 +29,7 @@ from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import all_finite, in_order, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import check_header
+from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
@@ -44,8 +45,6 @@ READABLE_VERSIONS = (1, 2)
 CODERS = ("hevc", "zstd")
 PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
 ZSTD_LEVEL = 19
-SAMPLE_CHUNKS = 2  # chunks the size search measures entropy on
-ITERS = 16
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
 # x265 parameters beyond the lossless ones: those of the HEVC codec, 2.3x faster than the earlier
@@ -83,6 +82,8 @@ def coord_plan(cal: Calibration, theta: float, key_weight: float) -> CoordPlan:
 
 
 _WATER_LEVELS: dict[tuple[str, float, float], float] = {}  # (kvt hash, bits per value, key weight) -> theta
+# (codec id, key weight) -> the level of the last target-ratio search's entropy target: the next one's first guess
+_RATIO_LEVELS: dict[tuple[str, float], float] = {}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -261,8 +262,8 @@ class TransformCodec:
         return q
 
     def _level(self, y: torch.Tensor | None, kv: torch.Tensor, first_position: int) -> float:
-        """theta: from bits_per_value (modelled), or meeting target_ratio on this data: bisection on
-        the coded coordinates' entropy over a sample of tokens, corrected once by a trial chunk."""
+        """theta: given, from bits_per_value (modelled), or meeting target_ratio on this data
+        (_ratio_level; y: every coefficient of kv, or None to transform the sampled chunks only)."""
         if self.theta is not None:
             return self.theta
         var = all_variances(self.cal).to(torch.float64)
@@ -272,44 +273,27 @@ class TransformCodec:
             if key not in _WATER_LEVELS:  # depends on the calibration alone: once per process
                 _WATER_LEVELS[key] = alloc.water_level(var, self.bits_per_value, w)
             return _WATER_LEVELS[key]
-        T, ct = kv.shape[2], self.chunk_tokens
+        return self._ratio_level(y, kv, first_position, var, w)
+
+    def _ratio_level(self, y, kv, first_position, var, w) -> float:  # noqa: ANN001
+        """The level meeting target_ratio on this data: a search (rate.LevelSearch) on the entropy of
+        a sample of chunks (SampleRate), from the last search's level of this codec or the modelled
+        one; the target corrected once by the coder's real bytes on the sampled chunks."""
+        T = kv.shape[2]
         target = (16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)) / T
-        starts = list(range(0, T, ct))
-        sample = [starts[i * len(starts) // SAMPLE_CHUNKS] for i in range(min(SAMPLE_CHUNKS, len(starts)))]
         top = float((var * w).max())
         if target <= 0:  # the fp16 sink tokens alone exceed the budget (a short first chunk): the coarsest level
             return top * 0.999  # that still codes a coordinate (a chunk of no samples has nothing to decode)
-
-        fine = min(self.fine_tokens, T) if self.fine_bits else 0
-
-        def per_token(theta: float, all_fine: bool) -> float:  # entropy per token of the sampled chunks
-            bits = 0.0
-            for s in sample:
-                t = min(ct, T - s)
-                bits += rate.column_entropy_bits(self._symbols(y[s : s + t], theta, first_position + s, t * all_fine))
-            return bits / sum(min(ct, T - s) for s in sample)
-
-        def est(theta: float) -> float:  # the finer tail tokens' cost measured on the same tokens
-            return (
-                per_token(theta, False)
-                if not fine
-                else ((T - fine) * per_token(theta, False) + fine * per_token(theta, True)) / T
-            )
-
-        theta = rate.solve_level(est, target, top * rate.MIN_LEVEL, top, iters=ITERS // 2 + 2)  # refined below
-        actual = (
-            sum(  # the coder's real bytes on the sampled chunks, against their entropy
-                8.0 * self._payload_bytes(y[s : s + ct], kv[:, :, s : s + ct], theta, first_position + s)
-                for s in sample
-            )
-            / sum(min(ct, T - s) for s in sample)
-        )
-        factor = actual / max(per_token(theta, False), 1e-9)
-        target /= max(factor, 1e-3)
-        lo, hi = max(theta / 4, top * rate.MIN_LEVEL), min(theta * 4, top)  # the correction is a few percent of rate
-        if est(lo) <= target or est(hi) > target:
-            lo, hi = top * rate.MIN_LEVEL, top
-        return rate.solve_level(est, target, lo, hi, iters=ITERS // 2 + 2)
+        sample = SampleRate(self, y, kv, first_position)
+        key = (self.id, self.key_weight)
+        guess = _RATIO_LEVELS.get(key) or alloc.water_level(var, target * T / kv.numel(), w, iters=40)
+        search = rate.LevelSearch(sample.bits_per_token, top * rate.MIN_LEVEL, top)
+        theta = search.solve(target, guess)  # on the entropy; refined below
+        if len(_RATIO_LEVELS) >= MAX_PLANS:
+            _RATIO_LEVELS.clear()
+        _RATIO_LEVELS[key] = theta
+        factor = sample.coded_bits_per_token(theta) / max(sample.bits_per_token(theta, fine=False), 1e-9)
+        return search.solve(target / max(factor, 1e-3), theta)  # from the first search's points
 
     def _weights(self) -> torch.Tensor:
         ws = []
@@ -386,12 +370,8 @@ class TransformCodec:
     ) -> list[EncodedChunk]:
         kv = self._check_kv(kv)
         first = first_chunk_index * self.chunk_tokens
-        if self.theta is None and self.target_ratio is not None:  # the level is measured on the coefficients
-            y = self.coefficients(kv, first)
-            theta = self._level(y, kv, first)
-        else:  # a level known beforehand: only the coordinates it codes
-            theta = self._level(None, kv, first)
-            y = self.coefficients(kv, first, self.plan(theta).counts)
+        theta = self._level(None, kv, first)  # a target ratio: measured on a sample of chunks
+        y = self.coefficients(kv, first, self.plan(theta).counts)  # only the coordinates it codes
         T = kv.shape[2]
         count = -(-T // self.chunk_tokens)
         check_keys(keys, count)
