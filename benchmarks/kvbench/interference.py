@@ -231,12 +231,11 @@ def load_workload(s: Settings, device: str) -> Workload:
                 ids = json.load(f)  # the prepared stores' document
         shape = (c.num_hidden_layers, c.num_key_value_heads, c.hidden_size // c.num_attention_heads)
         return Workload(None, None, f"random-{arch}", ids, shape=shape)  # fixed id: stores encoded elsewhere
-    from kvcodec.models import load_model, model_id
+    from kvcodec.models import load_for_device, model_id
     from kvcodec.models.texts import load_text
 
     click.echo(f"loading {s.model_name} ...", err=True)
-    model, tok = load_model(s.model_name)
-    model = model.to(device=device, dtype=torch.float32 if device == "cpu" else torch.float16)
+    model, tok = load_for_device(s.model_name, device)  # float16 on a GPU, RoPE frequencies kept float32
     text = load_text(s.text, max_chars=s.doc_tokens * 12)
     ids = tok(text, return_tensors="pt").input_ids[0][: s.doc_tokens].tolist()
     return Workload(model, tok, model_id(model), ids, doc_text=text)

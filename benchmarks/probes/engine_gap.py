@@ -44,6 +44,9 @@ def load(args: argparse.Namespace, device: str):  # noqa: ANN201
     """(model, tokenizer) on `device` in fp16 (GPU) or fp32; random weights from --config."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from kvcodec.models import load_for_device
+    from kvcodec.models.placement import place_model
+
     if args.config:
         torch.manual_seed(0)
         cfg = AutoConfig.from_pretrained(args.config)
@@ -51,12 +54,8 @@ def load(args: argparse.Namespace, device: str):  # noqa: ANN201
         if args.save_random:  # a model folder other tools (bench ttft --kv-models DIR) can load
             model.to(torch.float16).save_pretrained(args.save_random)
             tok.save_pretrained(args.save_random)
-    else:
-        from kvcodec.models import load_model
-
-        model, tok = load_model(args.model)
-    dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    return model.to(device=device, dtype=dtype).eval(), tok
+        return place_model(model, device), tok  # float16 on a GPU, RoPE frequencies kept float32
+    return load_for_device(args.model, device)
 
 
 def prompt_ids(tok, tokens: int) -> tuple[list[int], list[int]]:  # noqa: ANN001
