@@ -16,11 +16,17 @@ import torch
 
 from kvcodec.errors import ConfigError
 
+QUANTIZER_EXTRA_BITS = 0.25  # a uniform quantizer's bits beyond the Gaussian rate per coded coordinate (high rate)
 
-def coordinate_bits(variances: torch.Tensor, theta: float, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Modelled bits of each coordinate at distortion level theta (0 where lambda_i w_i <= theta)."""
+
+def coordinate_bits(
+    variances: torch.Tensor, theta: float, weights: torch.Tensor | None = None, extra_bits: float = 0.0
+) -> torch.Tensor:
+    """Modelled bits of each coordinate at distortion level theta (0 where lambda_i w_i <= theta),
+    plus extra_bits for each coded one."""
     v = variances.to(torch.float64) * (1.0 if weights is None else weights.to(torch.float64))
-    return (0.5 * torch.log2(v.clamp_min(1e-300) / theta)).clamp_min(0.0)
+    bits = 0.5 * torch.log2(v.clamp_min(1e-300) / theta)
+    return torch.where(v > theta, bits + extra_bits, torch.zeros_like(bits))
 
 
 def steps_for(variances: torch.Tensor, theta: float, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,10 +39,15 @@ def steps_for(variances: torch.Tensor, theta: float, weights: torch.Tensor | Non
 
 
 def water_level(
-    variances: torch.Tensor, bits_per_value: float, weights: torch.Tensor | None = None, iters: int = 100
+    variances: torch.Tensor,
+    bits_per_value: float,
+    weights: torch.Tensor | None = None,
+    iters: int = 100,
+    extra_bits: float = 0.0,
 ) -> float:
     """The distortion level theta at which the modelled mean bits per coordinate equal
-    bits_per_value (bisection on log theta)."""
+    bits_per_value (bisection on log theta); extra_bits: the model's bits for each coded
+    coordinate beyond the Gaussian rate (QUANTIZER_EXTRA_BITS models a real quantizer's)."""
     if not bits_per_value > 0 or not math.isfinite(bits_per_value):
         raise ConfigError(f"bits per value must be a positive number; got {bits_per_value}")
     v = variances.to(torch.float64)
@@ -47,7 +58,7 @@ def water_level(
     lo, hi = math.log(top) - 200.0, math.log(top)  # rate(hi) = 0 < budget
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        if float(coordinate_bits(v, math.exp(mid), w).mean()) > bits_per_value:
+        if float(coordinate_bits(v, math.exp(mid), w, extra_bits).mean()) > bits_per_value:
             lo = mid
         else:
             hi = mid

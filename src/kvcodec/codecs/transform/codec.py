@@ -286,7 +286,9 @@ class TransformCodec:
             return top * 0.999  # that still codes a coordinate (a chunk of no samples has nothing to decode)
         sample = SampleRate(self, y, kv, first_position)
         key = (self.id, self.key_weight)
-        guess = _RATIO_LEVELS.get(key) or alloc.water_level(var, target * T / kv.numel(), w, iters=40)
+        guess = _RATIO_LEVELS.get(key) or alloc.water_level(
+            var, target * T / kv.numel(), w, iters=40, extra_bits=alloc.QUANTIZER_EXTRA_BITS
+        )
         search = rate.LevelSearch(sample.bits_per_token, top * rate.MIN_LEVEL, top)
         theta = search.solve(target, guess)  # on the entropy; refined below
         if len(_RATIO_LEVELS) >= MAX_PLANS:
