@@ -139,15 +139,15 @@ def _transform_caches(kvt, tokens: int = 600):
 @pytest.mark.parametrize("driven", [True, False])
 def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, monkeypatch):
     """The default staged fetch on CUDA: the caller's thread drives every NVDEC session
-    (transform_batch.StageDriver; driven False: decode worker threads); both restore what the CPU does."""
+    (driven.StageDriver; driven False: decode worker threads); both restore what the CPU does."""
     import threading
 
-    from kvcodec.codecs.transform import batch as transform_batch
+    from kvcodec.codecs import driven as driven_module
     from kvcodec.video.nvcuvid import NvcuvidDecoder
 
     if not NvcuvidDecoder.is_available():
         pytest.skip("needs NVDEC")
-    monkeypatch.setattr(transform_batch, "DRIVEN", driven)
+    monkeypatch.setattr(driven_module, "DRIVEN", driven)
     (cpu, gpu), ids, _ = _transform_caches(kvt)
     ref = cpu.fetch(ids)
     for _ in range(2):  # the second fetch reuses the sessions

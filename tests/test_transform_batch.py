@@ -305,12 +305,12 @@ def _drive(driver, c, chunks, outs, flush) -> dict:
     return got
 
 
-@pytest.mark.parametrize("sessions,fail", [(1, None), (3, 4)])
+@pytest.mark.parametrize("sessions,fail", [(1, None), (3, (4, 0))])  # a session holds (chunk, piece) keys
 def test_stage_driver_stages_every_chunk_from_one_thread(kvt, sessions, fail):
-    """transform_batch.StageDriver (the fetch's default on CUDA): chunks submitted from one thread to
+    """driven.StageDriver (the fetch's default on CUDA): chunks submitted from one thread to
     several sessions, each chunk's frames straight into its buffer; a chunk refused by its check is
     that chunk's error; after a session fails, each chunk it held is decoded on its own."""
-    from kvcodec.codecs.transform.batch import StageDriver
+    from kvcodec.codecs.driven import StageDriver
     from kvcodec.errors import FormatError
 
     c, kv, chunks, want = _case(kvt)
@@ -332,7 +332,7 @@ def test_stage_driver_stages_every_chunk_from_one_thread(kvt, sessions, fail):
             outs[i], want[:, :, chunks[i].start_token : chunks[i].start_token + chunks[i].tokens]
         )
     assert sorted(k for d in decoders for k in d.run.streams) == sorted(
-        ok
+        (i, 0) for i in ok
     )  # every chunk but the refused one streamed once
     held = [d.run.streams for d in decoders if fail in d.run.streams]  # the session that failed
     assert sum(d.decoded_alone for d in decoders) == (len(held[0]) if fail is not None else 0)
@@ -343,7 +343,7 @@ def test_stage_driver_leaves_kept_runs_open_for_the_next_fetch(kvt):
     """Runs their decoders keep (nvcuvid_native.KEEP) are flushed when their chunks are in, left
     open and idle by close, and the next driver's chunks go through them without opening them
     again; a run with no chunk of a fetch is never flushed."""
-    from kvcodec.codecs.transform.batch import StageDriver
+    from kvcodec.codecs.driven import StageDriver
 
     c, kv, chunks, want = _case(kvt)
     decoders = [FakeDecoder(keep=True) for _ in range(len(chunks) + 1)]  # one session has no chunk

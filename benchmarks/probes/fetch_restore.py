@@ -15,9 +15,11 @@ decoder's standing memory and a host profile of where each chunk's CPU time goes
 A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
 (int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk). run measures per case:
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
-get) and with the settings in --variants; NVDEC decode-only on the same chunk streams (7 threads,
-each streaming its chunks through one parser); a bf16 8192^3 matmul's TFLOP/s alone and beside
-fetches looping on another thread (one CUDA context); the GPU memory the decoders hold after the
+get) and with the settings in --variants (`default-nodrive`: decode worker threads instead of the
+driven restore); NVDEC decode-only on the same chunk streams (7 threads, each streaming its chunks
+through one parser); the driven restore's host work per chunk without NVDEC (read, stage, finish);
+a bf16 8192^3 matmul's TFLOP/s alone and beside fetches looping on another thread (one CUDA
+context); the GPU memory the decoders hold after the
 fetch (sessions, rings, plans); for transform cases the batched inverse-transform kernels alone
 beside the matmul (SM cost per GB/s). Every GPU fetch is checked against the CPU fetch's sampled
 values (prep). --profile CASE samples the stacks of every fetch thread (a sampling profiler in the
@@ -232,7 +234,7 @@ def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
     native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM),
     keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n)."""
-    from kvcodec.codecs.transform import batch as transform_batch
+    from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
     from kvcodec.restore import transform_kernels
     from kvcodec.video import nvcuvid, nvcuvid_native
 
@@ -241,7 +243,7 @@ def _switches(codec, variant: dict):
     driven = transform_batch.DRIVEN, transform_batch.EAGER
     keep = nvcuvid_native.KEEP
     nvcuvid_native.KEEP = variant.get("keep", True) and keep
-    transform_batch.DRIVEN = variant.get("drive", True) and driven[0]
+    transform_batch.DRIVEN = variant.get("drive", True) and variant.get("stream", True) and driven[0]
     transform_batch.EAGER = variant.get("eager", True) and driven[1]
     nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
     nvcuvid_native.FEED_DEPTH = variant.get("fd", fed[1])
@@ -329,12 +331,24 @@ def _measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alo
 def _videos(case, codec, mem, doc) -> tuple[list, list, tuple]:
     from kvcodec.fetcher import blob_key
 
-    videos, frames = [], []
+    videos, frames, size = [], [], None
     for k in _keys(doc, case):
-        h, streams = codec._read(mem.get(blob_key(k, 0)))
+        blob = mem.get(blob_key(k, 0))
+        if case["codec"] == "hevc":  # one stream per chunk (the probe's cases are not split)
+            from kvcodec.container.format import parse_chunk, split_streams
+
+            h, payload = parse_chunk(blob)
+            if "video" not in (streams := split_streams(payload, h.streams, "chunk")):
+                continue  # a plain chunk (a few tokens at the end)
+            videos.append(bytes(streams["video"]))
+            frames.append(h.frames)
+            size = tuple(h.resolution)
+            continue
+        h, streams = codec._read(blob)
         videos.append(bytes(streams["video"]))
         frames.append(h["frames"])
-    return videos, frames, tuple(h["resolution"])
+        size = tuple(h["resolution"])
+    return videos, frames, size
 
 
 def decode_only(case, codec, mem, doc, probe, copies: int, seconds: float) -> dict:
@@ -430,6 +444,46 @@ def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float
         "cuda_contexts": 1,
         "nvdec_gb_per_s": round(doc["fp16_bytes"] * reps / s / 1e9, 3),
         "coded_gbit_per_s": round(8 * case["coded_bytes"] * reps / s / 1e9, 3),
+    }
+
+
+def driven_host(case, codec, mem, doc, reps: int = 10) -> dict:
+    """The driven restore's host work per chunk on this machine, NVDEC left out (codecs/driven.py):
+    read (parse, checksums, checks), stage (from buffers of zeros: side streams uploaded, restorer
+    made), finish (the math's launches); the whole blob's CRC32 alone for scale. ms per chunk."""
+    from kvcodec.codecs.driven import driven_of
+    from kvcodec.container.format import crc32
+    from kvcodec.fetcher import blob_key
+
+    chunks = driven_of(codec)
+    blobs = [mem.get(blob_key(k, 0)) for k in _keys(doc, case)]
+    infos = [codec.inspect_chunk(b) for b in blobs]
+    i0 = infos[0]
+    out = torch.empty((i0.layers, 2, len(doc["ids"]), i0.kv_heads, i0.head_dim), dtype=torch.float16, device="cuda")
+    outs = [out[:, :, i.start_token : i.start_token + i.tokens] for i in infos]
+    readings = [chunks.read(b, o) for b, o in zip(blobs, outs)]
+    bufs = [[torch.zeros(p.buffer_bytes, dtype=torch.uint8, device="cuda") for p in r.pieces] for r in readings]
+    spent = dict.fromkeys(("read", "stage", "finish", "crc32_blob"), 0.0)
+    for rep in range(reps + 1):  # the first pass warms up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        readings = [chunks.read(b, o) for b, o in zip(blobs, outs)]
+        t1 = time.perf_counter()
+        staged = [chunks.stage(r, bs, o) for r, bs, o in zip(readings, bufs, outs)]
+        t2 = time.perf_counter()
+        chunks.finish(staged, outs)
+        t3 = time.perf_counter()
+        for b in blobs:
+            crc32(b)
+        t4 = time.perf_counter()
+        if rep:
+            for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                spent[k] += dt
+    n = reps * len(blobs)
+    return {
+        "kind": "driven-host",
+        "chunks": len(blobs),
+        "ms_per_chunk": {k: round(1e3 * v / n, 4) for k, v in spent.items()},
     }
 
 
@@ -686,16 +740,16 @@ def run(
         for i, variant in enumerate([{}] + variants):
             secs = interference_s if i == 0 or interfere_all else 0.0
             _stage(log, base, measure_fetch, mem, doc, case, codec, probe, variant, repeat, alone, secs)
-        if case["codec"] == "transform":
-            if not quick:
-                _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
-            _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds)
-            _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds, "fed")
-            _against_decode_only(result["records"], case["name"])
-            if not quick:
-                _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
-                for split in (True, False):
-                    _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split)
+        if not quick:
+            _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
+        _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds)
+        _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds, "fed")
+        _against_decode_only(result["records"], case["name"])
+        _stage(log, base, driven_host, case, codec, mem, doc)
+        if case["codec"] == "transform" and not quick:
+            _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
+            for split in (True, False):
+                _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split)
         if case["name"] == profile_case:
             for v in [{}] + variants:
                 _stage(log, base, timeline, mem, doc, case, codec, v, repeat)

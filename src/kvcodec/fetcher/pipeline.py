@@ -8,12 +8,13 @@ blocks of a PagedKV) when the target is on the decode device in the stored dtype
 a staging tensor that the in-order restore copies from. A codec with the StagedDecode capability
 (codecs.base) is restored in two halves where the fetch runs on CUDA (or `batched` says so): the
 decode workers stage each chunk (its video decode), and the in-order restore finishes every chunk
-ready at that moment in one call (the transform codec's math, batched over those chunks). A transform
-codec's staged fetch on CUDA has no decode workers: the in-order restore's thread also stages each blob
-as it arrives, its video pushed to a native feeder thread per NVDEC session (transform_batch.StageDriver;
-KVCODEC_DRIVEN=0 for the workers), so two Python threads share the interpreter lock instead of nine
-(benchmarks/results/fetch-h200-issue21.md, third session). A blob is decoded only after its header
-names the key, chunk, first token and shape the fetch asked for (a store serving another
+ready at that moment in one call (the transform codec's math, batched over those chunks). A fetch on
+CUDA of a codec that can be driven (codecs/driven.py: the transform and HEVC codecs) has no decode
+workers: the in-order restore's thread also stages each blob as it arrives, its videos pushed to a
+native feeder thread per NVDEC session (driven.StageDriver; KVCODEC_DRIVEN=0 for the workers), and
+finishes the chunks the sessions complete in order, in batches, with the codec's driven finish; two
+Python threads share the interpreter lock instead of nine (benchmarks/results/fetch-h200-issue21.md).
+A blob is decoded only after its header names the key, chunk, first token and shape the fetch asked for (a store serving another
 prefix's KV is caught here); a chunk failing a check is reported through `on_bad_chunk` (the
 cache drops its meta, so the next put rewrites it).
 """
@@ -99,6 +100,12 @@ class PipelineSettings:
         return bool(on) and isinstance(self.codec, StagedDecode)
 
     @property
+    def drivable(self) -> bool:
+        """Staged from the fetch's own thread (driven.stage_driver) where the codec can be: on CUDA,
+        with the staged and streamed decode not turned off (`batched`, `stream`)."""
+        return self.device.type == "cuda" and self.batched is not False and self.stream
+
+    @property
     def streamed(self) -> bool:
         """Staged through the codec's stage_stream (chunks back to back on one decoder session per
         worker), where the codec has one; `stream` False turns it off."""
@@ -158,6 +165,7 @@ class FetchPipeline:
         self.inflight = 0
         self.next_issue = 0
         self.direct_used = False
+        self.halves: Callable | None = settings.codec.finish if settings.staged else None  # the second half
         self.out = plan.out
         self._suffix_sums()
         self.started = None  # CUDA: the caller's stream at the start; the fetch's own streams wait for it
@@ -179,6 +187,8 @@ class FetchPipeline:
                 driver = stack.enter_context(self._driver())
                 if driver is None:
                     dec = [self._start(self._decode_worker, "dec") for _ in range(self.s.decode_workers)]
+                else:
+                    self.halves = driver.finish
                 stack.enter_context(_own_stream(self.s.device, self.started))  # never behind the model's work
                 return self._consume() if driver is None else self._consume_driven(driver)
         finally:
@@ -186,13 +196,13 @@ class FetchPipeline:
             self._finish_stats()
 
     def _driver(self):  # noqa: ANN202 - a context manager yielding a StageDriver or None
-        """A streamed staged fetch of a transform codec on CUDA stages its chunks from this thread
-        (transform_batch.StageDriver: no decode worker threads); None: decode workers."""
-        if not self.s.streamed:
+        """A fetch on CUDA of a codec that can be driven stages its chunks from this thread
+        (driven.StageDriver: no decode worker threads); None: decode workers."""
+        if not self.s.drivable:
             return contextlib.nullcontext()
-        from kvcodec.codecs.transform import batch as transform_batch
+        from kvcodec.codecs import driven
 
-        return transform_batch.stage_driver(self.s.codec, self.s.device, self.s.decode_workers, self._check_info)
+        return driven.stage_driver(self.s.codec, self.s.device, self.s.decode_workers, self._check_info)
 
     def _start(self, work: Callable[[], None], kind: str):  # noqa: ANN202 - a threading.Thread or a _Task
         """Run `work` on a thread of the settings' executor (kept across fetches), else a new thread."""
@@ -206,7 +216,7 @@ class FetchPipeline:
         self.stop.set()
         for _ in decoders:
             self.dec_q.put(None)
-        writers = self.direct_used and not self.s.staged  # a staged chunk's target is written by finish, here
+        writers = self.direct_used and self.halves is None  # a staged chunk's target is written by finish, here
         for t in decoders:
             # a decode may be writing into the caller's target beyond the restored prefix; the
             # caller writes there next, so wait for it to finish its chunk
@@ -356,15 +366,15 @@ class FetchPipeline:
             return restored, e
         except Exception as e:  # noqa: BLE001 - report, never swallow
             return restored, _failed(ready[0][0], "failed to restore", e)
-        if self.s.staged and self.s.device.type == "cuda":  # one wait for the batch's math
+        if self.halves is not None and self.s.device.type == "cuda":  # one wait for the batch's math
             torch.cuda.current_stream(self.s.device).synchronize()
         for i, done in ready:
             restored = self._restore(i, done.staging)
         return restored, None
 
     def _finish(self, ready: list[tuple[int, Decoded]]) -> None:
-        """A staged fetch: the codec's second half for the chunks `ready` (in order), in one call."""
-        if not self.s.staged:
+        """A staged or driven fetch: the codec's second half for the chunks `ready` (in order), in one call."""
+        if self.halves is None:
             return
         start = self.now()
         for i, _ in ready:
@@ -376,14 +386,14 @@ class FetchPipeline:
                 if d.ready is not None:
                     stream.wait_event(d.ready)
             with torch.cuda.device(self.s.device):
-                self.s.codec.finish(parts, targets)
+                self.halves(parts, targets)
         else:
-            self.s.codec.finish(parts, targets)
+            self.halves(parts, targets)
 
     def _restore(self, i: int, staged: torch.Tensor | None) -> int:
         """Chunk i is complete in the target (copied from its staging tensor if it has one)."""
         m, tm, out = self.plan.metas[i], self.timings[i], self.out
-        if not self.s.staged:  # a staged chunk's restore began with its finish
+        if self.halves is None:  # a staged chunk's restore began with its finish
             tm.restore_start = self.now()
         take = min(m.tokens, self.plan.n_tokens - m.start_token)
         if staged is not None:
@@ -392,7 +402,7 @@ class FetchPipeline:
                 out.pages[:, :, blocks, within] = staged[:, :, :take].to(out.device, out.pages.dtype)
             else:
                 copy_chunk(out[:, :, m.start_token : m.start_token + take], staged[:, :, :take])
-        if out.device.type == "cuda" and (staged is not None or not self.s.staged):
+        if out.device.type == "cuda" and (staged is not None or self.halves is None):
             torch.cuda.current_stream(out.device).synchronize()  # a staged batch was waited for once
         tm.restore_end = self.now()
         st = self.stats

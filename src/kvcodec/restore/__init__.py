@@ -10,7 +10,8 @@ and side streams say; a `FrameRestorer` does the per-frame work. Two restorers:
 * `TritonRestorer`: one fused Triton kernel per frame on CUDA for the integer modes: no
   temporaries beyond the frame itself, one launch instead of about ten.
 
-`restorer_for(terms)` picks the fused kernel where it applies and the reference otherwise.
+`restorer_for(terms)` picks the fused kernel where it applies and the reference otherwise;
+`restore_frames` restores a chunk's frames held in one buffer (one launch where the restorer can).
 """
 
 from kvcodec.restore.terms import ChunkTerms, FrameRestorer
@@ -30,4 +31,17 @@ def restorer_for(terms: ChunkTerms, prefer: str = "auto") -> FrameRestorer:
     return TorchRestorer(terms)
 
 
-__all__ = ["ChunkTerms", "FrameRestorer", "TorchRestorer", "restorer_for"]
+def restore_frames(restorer: FrameRestorer, frames, tokens: int, out) -> None:
+    """Tokens [0, tokens) of a chunk from its frames, (F, 3, H, W) uint8 (frame k holds tokens
+    from k * tokens_per_frame), into `out` (as FrameRestorer.restore): in one call where the
+    restorer has restore_frames (the fused kernel), else frame by frame."""
+    whole = getattr(restorer, "restore_frames", None)
+    if whole is not None:
+        whole(frames, tokens, out)
+        return
+    tpf = restorer.terms.plan.tokens_per_frame
+    for k in range(frames.shape[0]):
+        restorer.restore(frames[k], k * tpf, min(tpf, tokens - k * tpf), out)
+
+
+__all__ = ["ChunkTerms", "FrameRestorer", "TorchRestorer", "restore_frames", "restorer_for"]

@@ -1,6 +1,7 @@
 """The fused restorer: one Triton kernel per frame (CUDA, integer quant modes).
 
-For every value of the frame's tokens the kernel reads its sample from the frame (through the
+For every value of the frame's tokens (or of every frame of a chunk held in one buffer:
+restore_frames) the kernel reads its sample from the frame (through the
 plan's gather index and the frame's own strides, so NVDEC's pitched surface is read in place),
 merges its low bits from the packed planes, uncenters, dequantizes and stores it at its place in
 the output KV tensor. The reference restorer's ~10 launches and uint8/float temporaries of a
@@ -51,6 +52,7 @@ def _kernel():
             "row_stride",
             "frame_w",
             "frame_hw",
+            "frame_stride",
             "low_plane_bytes",
             "s_layer",
             "s_kv",
@@ -71,6 +73,7 @@ def _kernel():
         row_stride,
         frame_w,
         frame_hw,
+        frame_stride,
         pos_ptr,
         low_ptr,
         low_plane_bytes,
@@ -101,12 +104,14 @@ def _kernel():
         d = idx % dim
         t = (idx // dim) % n
         u = idx // (dim * n)
-        pos = tl.load(pos_ptr + (u * tpf + t) * dim + d, mask=live, other=0).to(tl.int64)
+        f = t // tpf  # the frame (of several, frame_stride apart) holding token t; 0 within one frame
+        pos = tl.load(pos_ptr + (u * tpf + t - f * tpf) * dim + d, mask=live, other=0).to(tl.int64)
         plane = pos // frame_hw
         rem = pos - plane * frame_hw
         y = rem // frame_w
         x = rem - y * frame_w
-        s = tl.load(frame_ptr + plane * plane_stride + y * row_stride + x, mask=live, other=0).to(tl.int32)
+        src = frame_ptr + f * frame_stride + plane * plane_stride + y * row_stride + x
+        s = tl.load(src, mask=live, other=0).to(tl.int32)
         count = tl.load(low_count_ptr + u, mask=live, other=0).to(tl.int32)
         i = ((start + t) * units + u) * dim + d
         low = tl.zeros_like(s)
@@ -154,12 +159,29 @@ class TritonRestorer:
         self._low_planes = planes.contiguous() if planes is not None and planes.shape[0] else None
 
     def restore(self, frame: torch.Tensor, start: int, n: int, out) -> None:
-        t = self.terms
-        plan = t.plan
+        if n > self.terms.plan.tokens_per_frame:
+            raise ValueError(f"a frame holds {self.terms.plan.tokens_per_frame} tokens, not {n}")
+        self._launch(self._checked(frame), 0, start, n, out)
+
+    def restore_frames(self, frames: torch.Tensor, n: int, out) -> None:
+        """Tokens [0, n) of the chunk from its frames (F, 3, H, W), frame k holding the tokens
+        from k * tokens_per_frame: one launch for every frame."""
+        tpf = self.terms.plan.tokens_per_frame
+        if frames.dim() != 4 or frames.shape[0] * tpf < n:
+            raise ValueError(f"frames of shape {tuple(frames.shape)} do not hold {n} tokens")
+        if frames.stride(3) != 1:
+            frames = frames.contiguous()
+        self._launch(self._checked(frames[0]), frames.stride(0), 0, n, out)
+
+    def _checked(self, frame: torch.Tensor) -> torch.Tensor:
+        plan = self.terms.plan
         if frame.dim() != 3 or frame.shape[0] != 3 or frame.shape[1] < plan.height or frame.shape[2] < plan.width:
             raise ValueError(f"frame of shape {tuple(frame.shape)} does not hold {plan.width}x{plan.height} planes")
-        if frame.stride(2) != 1:
-            frame = frame.contiguous()
+        return frame if frame.stride(2) == 1 else frame.contiguous()
+
+    def _launch(self, frame: torch.Tensor, frame_stride: int, start: int, n: int, out) -> None:
+        t = self.terms
+        plan = t.plan
         low = self._low_planes
         if isinstance(out, PagedChunk):
             pages = out.paged.pages
@@ -175,6 +197,7 @@ class TritonRestorer:
             frame.stride(1),
             plan.width,
             plan.width * plan.height,
+            frame_stride,
             t.positions,
             low if low is not None else frame,
             low.shape[1] if low is not None else 0,

@@ -276,20 +276,37 @@ def decode_chunk_blob(
         return out
     h, payload = parse_chunk(blob)
     streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+    return restore_part(h, streams, device, out, decoder, restore)
+
+
+def restore_part(h: ChunkHeader, streams, device, out: Target | None, decoder=None, restore: str = "auto") -> Target:
+    """One (part) chunk of checked streams into `out` (allocated on `device` when None), frame by
+    frame from `decoder` (borrowed where None and the chunk has a video); a plain chunk copied."""
     if h.quant == PLAIN:
         return _restore_plain(h, streams, device, out)
-    required = {"center"} | ({"side"} if h.quant != "exact" else set())
-    if not required <= streams.keys() or not ({"video", "samples"} & streams.keys()):
-        raise FormatError(f"chunk blob lacks streams (has {sorted(streams)})")
-    dtype = dtype_of(h.dtype, "chunk blob dtype")
-    out, device = _target(h, dtype, device, out)
-    plan = _layout(h)
-    terms = _chunk_terms(h, plan, streams, dtype, device)
-    restorer = restorer_for(terms, prefer=restore)
-    if decoder is None:
+    out, device, plan = checked_part(h, streams, device, out)
+    restorer = part_restorer(h, plan, streams, device, restore)
+    if decoder is None and "video" in streams:
         with idle_decoders.borrow(device) as lent:
             return _restore_frames(h, plan, streams, lent, restorer, device, out)
     return _restore_frames(h, plan, streams, decoder, restorer, device, out)
+
+
+def checked_part(h: ChunkHeader, streams, device, out: Target | None) -> tuple[Target, torch.device, LayoutPlan]:
+    """A coded (not plain) chunk's checks before its restore: the streams it needs, the target
+    (allocated on `device` when None) and its layout: (target, device restoring into it, layout)."""
+    required = {"center"} | ({"side"} if h.quant != "exact" else set())
+    if not required <= streams.keys() or not ({"video", "samples"} & streams.keys()):
+        raise FormatError(f"chunk blob lacks streams (has {sorted(streams)})")
+    out, device = _target(h, dtype_of(h.dtype, "chunk blob dtype"), device, out)
+    return out, device, _layout(h)
+
+
+def part_restorer(h: ChunkHeader, plan: LayoutPlan, streams, device, restore: str = "auto"):  # noqa: ANN201
+    """The FrameRestorer of a checked chunk: its side streams decompressed and uploaded to `device`
+    (on the current stream), the restorer `restore` picks ("auto": the fused kernel where it applies)."""
+    terms = _chunk_terms(h, plan, streams, dtype_of(h.dtype, "chunk blob dtype"), device)
+    return restorer_for(terms, prefer=restore)
 
 
 def _restore_plain(h: ChunkHeader, streams, device, out: Target | None) -> Target:

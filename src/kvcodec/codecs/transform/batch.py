@@ -6,31 +6,27 @@ back to back (NvcuvidDecoder.decode_each), so the engine decodes the next chunk'
 the last one is copied out and its host work (header, CRC, escapes) runs; the caller's thread
 meanwhile runs the math in waves over the chunks decoded so far, on its own stream.
 
-StageDriver (what a fetch on CUDA uses): no Python thread per session: one thread reads the chunks,
-pushes each video to the native feeder of the session holding the fewest video bytes and takes the
-chunks the feeders complete."""
+TransformDriven: the transform codec's part in the driven restore (codecs/driven.py, what a fetch on
+CUDA uses): no Python thread per session: one thread reads the chunks, pushes each video to the native
+feeder of the session holding the fewest video bytes and takes the chunks the feeders complete."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
+from kvcodec.codecs.driven import Piece, Reading
 from kvcodec.codecs.transform.decode import check_target, frame_buffer
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.transform.frames import frame_count
 
 _END = object()
 DEFAULT_WAVE = 16  # chunks per pass of the math: launch-bound below ~8, no faster per chunk above 16
-DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
-EAGER = True  # a driven fetch flushes every session right after the last blob (False: when it waits on one)
 
 
 def threads_decode_into(codec) -> Callable:
@@ -364,216 +360,33 @@ def _frames_of(decoder, item: tuple) -> Iterator[tuple]:
     return ((key, frame) for frame in decoder.decode(video, w, h))
 
 
-@contextlib.contextmanager
-def stage_driver(codec, device, sessions: int, check: Callable | None = None) -> Iterator[StageDriver | None]:
-    """A StageDriver over `sessions` NVDEC sessions borrowed for the block; None where chunks
-    cannot be driven that way (DRIVEN off, not a CUDA device, not a transform codec, no native
-    feeder, or a borrowed decoder that is not nvcuvid's)."""
-    from kvcodec.codecs.transform.codec import TransformCodec
-    from kvcodec.video import nvcuvid_native
+class TransformDriven:
+    """The transform codec's DrivenChunks (codecs/driven.py), over its existing methods: a chunk's
+    one video (none for zstd-coded samples) decoded into a buffer that decode_samples takes as
+    its samples; finish is the codec's batched math."""
 
-    device = torch.device(device)
-    if not (DRIVEN and nvcuvid_native.FEEDER and device.type == "cuda" and type(codec) is TransformCodec):
-        yield None
-        return
-    if not nvcuvid_native.available():
-        yield None
-        return
-    from kvcodec.codecs.hevc.decode import idle_decoders
+    def __init__(self, codec):
+        self.codec = codec
 
-    with contextlib.ExitStack() as stack:
-        decoders = [stack.enter_context(idle_decoders.borrow(device)) for _ in range(max(1, sessions))]
-        if not all(callable(getattr(d, "fed_run", None)) and d.device == device for d in decoders):
-            yield None
-            return
-        driver = StageDriver(codec, decoders, check)
-        try:
-            yield driver
-        finally:
-            driver.close()
-
-
-class StageDriver:
-    """Transform chunks staged on several NVDEC sessions from the calling thread alone.
-
-    submit(tag, blob, target) reads and checks the chunk here and pushes its video at once to the
-    native feeder thread of the least busy session (nvcuvid._FedRun), which decodes its frames
-    straight into the chunk's buffer; poll() hands back the chunks complete since (tag, staged chunk
-    or its KVCodecError, seconds its session spent on it); wait(tag) blocks until one more of the
-    tag's session completes. No Python thread per session: the per-chunk host work of a fetch runs
-    on one thread (the one that also launches the math), where decode worker threads queued for
-    the interpreter lock behind each other (benchmarks/results/fetch-h200-issue21.md). A chunk's
-    last pictures come out once its session has more stream or is flushed: wait(flush=True)
-    flushes a session whose every stream is fed. After a session fails, each chunk it held is
-    decoded on its own (which names the chunk at fault)."""
-
-    WAIT_S = 0.05
-
-    def __init__(self, codec, decoders: Sequence, check: Callable | None = None):
-        self.codec, self.r, self.check = codec, codec._restorer, check
-        self.runs = [d.fed_run() for d in decoders]
-        self.fed: dict = {}  # tag -> (header, streams, target, buffer, run, submitted at)
-        self.done: collections.deque = collections.deque()  # (tag, staged or error, decode seconds)
-        self.free_at = [0.0] * len(self.runs)  # when each session finished its last chunk
-        self.load = [0] * len(self.runs)  # video bytes each session holds (NVDEC's time goes with them)
-
-    def submit(self, tag, blob, target: Target) -> None:
-        t0 = time.monotonic()
-        try:
-            h, streams = self.codec._read(blob)
-            check_target(h, target)
-            if self.check is not None:
-                self.check(tag, chunk_info(h))
-            if h["coder"] == "zstd":
-                self.done.append((tag, self.r.decode_samples(h, streams, target.device, None), 0.0))
-                return
+    def read(self, blob, target: Target) -> Reading:
+        h, streams = self.codec._read(blob)
+        check_target(h, target)
+        pieces = ()
+        if h["coder"] != "zstd":
             w, hh = h["resolution"]
-            if h["frames"] != frame_count(self.r.sample_count(h), w, hh):
+            if h["frames"] != frame_count(self.codec._restorer.sample_count(h), w, hh):
                 raise CorruptStreamError("transform chunk announces the wrong number of frames")
-        except KVCodecError as e:
-            self.done.append((tag, e, 0.0))
-            return
-        k = self._run_for(w, hh)
-        run = self.runs[k]
-        with _on_stream(run.decoder, target.device):  # reused only after its (synchronous) copies
-            buf = frame_buffer(h["frames"], w, hh, target.device)
-        self.fed[tag] = (h, streams, target, buf, k, t0)
-        video = _video_array(streams["video"])
-        run.push(tag, video, run.next_ordinal(), h["frames"], buf.data_ptr())
-        self.load[k] += video.size
+            pieces = (Piece(streams["video"], w, hh, h["frames"]),)
+        return Reading(chunk_info(h), pieces, (h, streams))
 
-    def poll(self) -> list[tuple]:
-        """(tag, staged chunk or KVCodecError, decode seconds) of every chunk complete since the last call."""
-        for k in range(len(self.runs)):
-            self._collect(k)
-        out = list(self.done)
-        self.done.clear()
-        return out
+    def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
+        h, streams = reading.state
+        samples = buffers[0] if buffers else None
+        return self.codec._restorer.decode_samples(h, streams, target.device, samples=samples)
 
-    def has_done(self) -> bool:
-        """Whether poll has chunks to hand back without collecting (refused or zstd chunks)."""
-        return bool(self.done)
+    def stage_alone(self, reading: Reading, target: Target, decoder):  # noqa: ANN201 - Decoded
+        h, streams = reading.state
+        return self.codec._restorer.decode_samples(h, streams, target.device, decoder)
 
-    def pending(self, tag) -> bool:
-        """Whether the chunk is submitted and not yet handed back by poll."""
-        return tag in self.fed
-
-    def wait(self, tag, timeout_s: float, flush: bool) -> None:
-        """Wait (at most timeout_s) for one more chunk of `tag`'s session to complete; flush: first
-        flush that session if its every stream is fed (its last pictures wait for that)."""
-        entry = self.fed.get(tag)
-        if entry is None:
-            return
-        run = self.runs[entry[4]]
-        if flush and run.stuck():
-            run.begin_end()
-        run.wait(timeout_s)
-
-    def end_all(self) -> None:
-        """No more chunks are coming: every session is flushed once it has fed what it holds."""
-        if not EAGER:
-            return
-        for run in self.runs:
-            if run.pending:  # an idle run (kept open from the last fetch, no chunk of this one) stays so
-                run.begin_end()
-
-    def flush_stuck(self) -> None:
-        """Flush every session whose every stream is fed (no more chunks are coming)."""
-        for run in self.runs:
-            if run.stuck():
-                run.begin_end()
-
-    def close(self) -> None:
-        """Every session flushed (chunks still in flight are decoded to the end) and its run
-        closed, or, a run its decoder keeps (nvcuvid_native.KEEP), left open and idle for the next
-        fetch; a run that failed is closed with its session."""
-        for k, run in enumerate(self.runs):
-            try:
-                self._drain(k)
-            except Exception:  # noqa: BLE001 - the session is closed, not reused
-                run.close(False)
-                continue
-            if not getattr(run, "keep", False):
-                run.close(True)
-
-    # -- sessions ----------------------------------------------------------------------------
-
-    def _run_for(self, w: int, hh: int) -> int:
-        """The session for the next chunk: the one holding the fewest video bytes among those open
-        for frames of w x hh (or not open); if none, one is emptied first."""
-        from kvcodec.video.nvcuvid_native import MAX_TARGETS
-
-        def other(run) -> bool:  # open for frames of another size
-            return run.session is not None and (run.session.width, run.session.height) != (w, hh)
-
-        def fits(run) -> bool:  # an idle run open for another size is opened again
-            return not run.ending and run.pending < MAX_TARGETS and not (other(run) and run.busy)
-
-        ok = [k for k, run in enumerate(self.runs) if fits(run)]
-        if not ok:
-            k = min(range(len(self.runs)), key=lambda j: self.runs[j].pending)
-            self._drain(k)
-            ok = [k]
-        k = min(ok, key=lambda j: (self.load[j], other(self.runs[j])))
-        run = self.runs[k]
-        if run.session is None or other(run):
-            run.open(w, hh)
-        return k
-
-    def _drain(self, k: int) -> None:
-        """Flush session k if it holds streams and wait until it is done (its chunks to `done`):
-        its run closed or, kept, idle."""
-        run = self.runs[k]
-        if not run.busy:
-            return
-        run.begin_end()
-        while run.busy:
-            self._collect(k)
-            if run.busy:
-                run.wait(self.WAIT_S)
-
-    def _collect(self, k: int) -> None:
-        run = self.runs[k]
-        try:
-            for tag in run.poll():
-                h, streams, target, buf, _, t0 = self.fed.pop(tag)
-                self.load[k] -= len(streams["video"])
-                now = time.monotonic()
-                busy, self.free_at[k] = now - max(t0, self.free_at[k]), now
-                try:
-                    self.done.append((tag, self.r.decode_samples(h, streams, target.device, samples=buf), busy))
-                except KVCodecError as e:
-                    self.done.append((tag, e, busy))
-        except Exception as e:  # noqa: BLE001 - the session failed: its chunks are decoded one by one
-            self._failed(k, e)
-
-    def _failed(self, k: int, error: Exception) -> None:
-        run = self.runs[k]
-        tags = list(run.keys)
-        run.close(False)
-        self.load[k] = 0
-        if not tags:  # no chunk's fault (the session itself failed)
-            raise error
-        for tag in tags:
-            h, streams, target, _, _, t0 = self.fed.pop(tag)
-            try:
-                staged = self.r.decode_samples(h, streams, target.device, run.decoder)
-            except KVCodecError as e:
-                staged = e
-            self.done.append((tag, staged, time.monotonic() - t0))
-
-
-def _on_stream(decoder, device) -> contextlib.AbstractContextManager:
-    """The decoder's stream as the current one where the buffer is on CUDA (the copies run there)."""
-    stream = getattr(decoder, "stream", None)
-    return (
-        torch.cuda.stream(stream)
-        if stream is not None and torch.device(device).type == "cuda"
-        else contextlib.nullcontext()
-    )
-
-
-def _video_array(video):  # noqa: ANN202 - a numpy uint8 array over the stream's bytes
-    from kvcodec.video.nvcuvid import _as_buffer
-
-    return _as_buffer(video)
+    def finish(self, staged: Sequence, targets: Sequence[Target]) -> None:
+        self.codec.finish(staged, targets)

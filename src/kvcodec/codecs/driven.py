@@ -1,0 +1,342 @@
+"""Driven chunk restore on CUDA: one thread stages a fetch's chunks on every NVDEC session.
+
+A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec)` returns):
+
+    read(blob, target) -> Reading       the blob parsed and checked against the target: the chunk's
+                                         ChunkInfo and its videos (Piece: bytes, frame size, frames)
+    stage(reading, buffers, target)     the chunk's staged part, from each piece's decoded frames (a
+                                         flat uint8 buffer per piece, frame after frame)
+    stage_alone(reading, target, dec)   the same with the pieces decoded by `dec` (after its session
+                                         failed: names the chunk at fault)
+    finish(staged, targets)             the math for many staged chunks at once, into their targets
+
+The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec's in
+codecs/hevc/driven.py. StageDriver runs the protocol: submit(tag, blob, target) reads and checks
+the chunk here and pushes each of its videos at once to the native feeder thread of the least busy
+session (nvcuvid._FedRun), which decodes its frames straight into the piece's buffer; poll() hands
+back the chunks whose every piece is complete. No Python thread per session: the per-chunk host
+work of a fetch runs on one thread (the one that also launches the math), where decode worker
+threads queued for the interpreter lock behind each other (benchmarks/results/fetch-h200-issue21.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from kvcodec.codecs.base import ChunkInfo, Target
+from kvcodec.errors import KVCodecError
+
+DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
+EAGER = True  # a driven fetch flushes every session right after the last blob (False: when it waits on one)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Piece:
+    """One video of a chunk for NVDEC: its bytes, frame size and the frames its header announces."""
+
+    video: object  # bytes-like
+    width: int
+    height: int
+    frames: int
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.frames * 3 * self.width * self.height
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Reading:
+    """A chunk blob read and checked by its codec: what the fetch checks it against, its videos
+    (none: the chunk is staged from its other streams) and the codec's own state of it."""
+
+    info: ChunkInfo
+    pieces: tuple[Piece, ...]
+    state: object
+
+
+class DrivenChunks(Protocol):
+    """A codec's part in the driven restore (see the module's doc)."""
+
+    def read(self, blob, target: Target) -> Reading: ...
+
+    def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> object: ...
+
+    def stage_alone(self, reading: Reading, target: Target, decoder) -> object: ...
+
+    def finish(self, staged: Sequence[object], targets: Sequence[Target]) -> None: ...
+
+
+def driven_of(codec) -> DrivenChunks | None:
+    """The codec's DrivenChunks: its own `driven_chunks()` where it has one, else the adapter of
+    its type (TransformCodec, HevcCodec without a pool or a fixed decoder); None: not driven."""
+    own = getattr(codec, "driven_chunks", None)
+    if callable(own):
+        return own()
+    from kvcodec.codecs.hevc.codec import HevcCodec
+    from kvcodec.codecs.transform.codec import TransformCodec
+
+    if type(codec) is TransformCodec:
+        from kvcodec.codecs.transform.batch import TransformDriven
+
+        return TransformDriven(codec)
+    if type(codec) is HevcCodec and codec.pool is None and codec.decoder is None:
+        from kvcodec.codecs.hevc.driven import HevcDriven
+
+        return HevcDriven(codec)
+    return None
+
+
+@contextlib.contextmanager
+def stage_driver(codec, device, sessions: int, check: Callable | None = None) -> Iterator[StageDriver | None]:
+    """A StageDriver over `sessions` NVDEC sessions borrowed for the block; None where chunks
+    cannot be driven that way (DRIVEN off, not a CUDA device, a codec without DrivenChunks, no
+    native feeder, or a borrowed decoder that is not nvcuvid's)."""
+    from kvcodec.video import nvcuvid_native
+
+    device = torch.device(device)
+    chunks = driven_of(codec) if DRIVEN and nvcuvid_native.FEEDER and device.type == "cuda" else None
+    if chunks is None or not nvcuvid_native.available():
+        yield None
+        return
+    from kvcodec.codecs.hevc.decode import idle_decoders
+
+    with contextlib.ExitStack() as stack:
+        decoders = [stack.enter_context(idle_decoders.borrow(device)) for _ in range(max(1, sessions))]
+        if not all(callable(getattr(d, "fed_run", None)) and d.device == device for d in decoders):
+            yield None
+            return
+        driver = StageDriver(chunks, decoders, check)
+        try:
+            yield driver
+        finally:
+            driver.close()
+
+
+class _Fed:
+    """A chunk submitted and not yet handed back: its reading, target, piece buffers, the pieces
+    still decoding (session of each), when it was submitted, and the decoder to decode it alone
+    with once a session holding one of its pieces failed."""
+
+    __slots__ = ("reading", "target", "buffers", "left", "t0", "alone")
+
+    def __init__(self, reading: Reading, target: Target, t0: float):
+        self.reading, self.target, self.t0 = reading, target, t0
+        self.buffers: list[torch.Tensor] = []
+        self.left: dict[int, int] = {}  # piece -> session
+        self.alone = None
+
+
+class StageDriver:
+    """Chunks staged on several NVDEC sessions from the calling thread alone (module doc).
+
+    poll() hands back (tag, staged chunk or its KVCodecError, seconds its session spent on it);
+    wait(tag) blocks until one more chunk of a session holding the tag's pieces completes. A
+    piece's last pictures come out once its session has more stream or is flushed: wait(flush=True)
+    flushes a session whose every stream is fed. After a session fails, each chunk it held is
+    decoded on its own once its other pieces are done (which names the chunk at fault).
+    finish(staged, targets): the codec's math (DrivenChunks.finish). `chunks`: a DrivenChunks, or a
+    codec that has one (driven_of)."""
+
+    WAIT_S = 0.05
+
+    def __init__(self, chunks, decoders: Sequence, check: Callable | None = None):
+        self.chunks = chunks if callable(getattr(chunks, "stage_alone", None)) else driven_of(chunks)
+        if self.chunks is None:
+            raise TypeError(f"{type(chunks).__name__} cannot be driven (no DrivenChunks)")
+        self.check = check
+        self.runs = [d.fed_run() for d in decoders]
+        self.fed: dict = {}  # tag -> _Fed
+        self.done: list = []  # (tag, staged or error, decode seconds)
+        self.free_at = [0.0] * len(self.runs)  # when each session finished its last piece
+        self.load = [0] * len(self.runs)  # video bytes each session holds (NVDEC's time goes with them)
+
+    def submit(self, tag, blob, target: Target) -> None:
+        t0 = time.monotonic()
+        try:
+            reading = self.chunks.read(blob, target)
+            if self.check is not None:
+                self.check(tag, reading.info)
+            if not reading.pieces:
+                self.done.append((tag, self.chunks.stage(reading, [], target), 0.0))
+                return
+        except KVCodecError as e:
+            self.done.append((tag, e, 0.0))
+            return
+        entry = self.fed[tag] = _Fed(reading, target, t0)
+        for p, piece in enumerate(reading.pieces):
+            k = self._run_for(piece.width, piece.height)
+            run = self.runs[k]
+            with _on_stream(run.decoder, target.device):  # reused only after its (synchronous) copies
+                buf = torch.empty(piece.buffer_bytes, dtype=torch.uint8, device=target.device)
+            entry.buffers.append(buf)
+            entry.left[p] = k
+            video = _video_array(piece.video)
+            run.push((tag, p), video, run.next_ordinal(), piece.frames, buf.data_ptr())
+            self.load[k] += video.size
+
+    def finish(self, staged: Sequence[object], targets: Sequence[Target]) -> None:
+        self.chunks.finish(staged, targets)
+
+    def poll(self) -> list[tuple]:
+        """(tag, staged chunk or KVCodecError, decode seconds) of every chunk complete since the last call."""
+        for k in range(len(self.runs)):
+            self._collect(k)
+        out, self.done = self.done, []
+        return out
+
+    def has_done(self) -> bool:
+        """Whether poll has chunks to hand back without collecting (refused or video-less chunks)."""
+        return bool(self.done)
+
+    def pending(self, tag) -> bool:
+        """Whether the chunk is submitted and not yet handed back by poll."""
+        return tag in self.fed
+
+    def wait(self, tag, timeout_s: float, flush: bool) -> None:
+        """Wait (at most timeout_s) for one more piece of a session holding one of `tag`'s pieces
+        to complete; flush: first flush that session if its every stream is fed."""
+        entry = self.fed.get(tag)
+        if entry is None or not entry.left:
+            return
+        run = self.runs[next(iter(entry.left.values()))]
+        if flush and run.stuck():
+            run.begin_end()
+        run.wait(timeout_s)
+
+    def end_all(self) -> None:
+        """No more chunks are coming: every session is flushed once it has fed what it holds."""
+        if not EAGER:
+            return
+        for run in self.runs:
+            if run.pending:  # an idle run (kept open from the last fetch, no chunk of this one) stays so
+                run.begin_end()
+
+    def flush_stuck(self) -> None:
+        """Flush every session whose every stream is fed (no more chunks are coming)."""
+        for run in self.runs:
+            if run.stuck():
+                run.begin_end()
+
+    def close(self) -> None:
+        """Every session flushed (pieces still in flight are decoded to the end) and its run
+        closed, or, a run its decoder keeps (nvcuvid_native.KEEP), left open and idle for the next
+        fetch; a run that failed is closed with its session."""
+        for k, run in enumerate(self.runs):
+            try:
+                self._drain(k)
+            except Exception:  # noqa: BLE001 - the session is closed, not reused
+                run.close(False)
+                continue
+            if not getattr(run, "keep", False):
+                run.close(True)
+
+    # -- sessions ----------------------------------------------------------------------------
+
+    def _run_for(self, w: int, hh: int) -> int:
+        """The session for the next piece: the one holding the fewest video bytes among those open
+        for frames of w x hh (or not open); if none, one is emptied first."""
+        from kvcodec.video.nvcuvid_native import MAX_TARGETS
+
+        def other(run) -> bool:  # open for frames of another size
+            return run.session is not None and (run.session.width, run.session.height) != (w, hh)
+
+        def fits(run) -> bool:  # an idle run open for another size is opened again
+            return not run.ending and run.pending < MAX_TARGETS and not (other(run) and run.busy)
+
+        ok = [k for k, run in enumerate(self.runs) if fits(run)]
+        if not ok:
+            k = min(range(len(self.runs)), key=lambda j: self.runs[j].pending)
+            self._drain(k)
+            ok = [k]
+        k = min(ok, key=lambda j: (self.load[j], other(self.runs[j])))
+        run = self.runs[k]
+        if run.session is None or other(run):
+            run.open(w, hh)
+        return k
+
+    def _drain(self, k: int) -> None:
+        """Flush session k if it holds streams and wait until it is done (its chunks to `done`):
+        its run closed or, kept, idle."""
+        run = self.runs[k]
+        if not run.busy:
+            return
+        run.begin_end()
+        while run.busy:
+            self._collect(k)
+            if run.busy:
+                run.wait(self.WAIT_S)
+
+    def _collect(self, k: int) -> None:
+        run = self.runs[k]
+        try:
+            for tag, p in run.poll():
+                self._piece_done(k, tag, p, None)
+        except Exception as e:  # noqa: BLE001 - the session failed: its chunks are decoded one by one
+            self._failed(k, e)
+
+    def _piece_done(self, k: int, tag, p: int, alone) -> None:
+        """Piece p of chunk `tag` is out of session k (decoded, or its session failed: `alone`,
+        that session's decoder); the chunk is staged once its last piece is out."""
+        entry = self.fed[tag]
+        del entry.left[p]
+        self.load[k] -= len(entry.reading.pieces[p].video)
+        now = time.monotonic()
+        busy, self.free_at[k] = now - max(entry.t0, self.free_at[k]), now
+        if alone is not None and entry.alone is None:
+            entry.alone = alone
+        if entry.left:
+            return
+        del self.fed[tag]
+        try:
+            if entry.alone is not None:
+                staged = self.chunks.stage_alone(entry.reading, entry.target, entry.alone)
+                busy = time.monotonic() - entry.t0
+            else:
+                staged = self.chunks.stage(entry.reading, entry.buffers, entry.target)
+        except KVCodecError as e:
+            staged = _named(e, entry.reading.info.index)
+        self.done.append((tag, staged, busy))
+
+    def _failed(self, k: int, error: Exception) -> None:
+        run = self.runs[k]
+        keys = list(run.keys)
+        run.close(False)
+        if not keys:  # no chunk's fault (the session itself failed)
+            self.load[k] = 0
+            raise error
+        for tag, p in keys:
+            self._piece_done(k, tag, p, run.decoder)
+        self.load[k] = 0
+
+
+def _named(error: KVCodecError, index: int) -> KVCodecError:
+    """`error` naming its chunk (same type, the original as its cause) where it does not yet (a
+    video decoder's own errors name no chunk)."""
+    if f"chunk {index}" in str(error):
+        return error
+    named = type(error)(f"chunk {index}: {error}")
+    named.__cause__ = error
+    return named
+
+
+def _on_stream(decoder, device) -> contextlib.AbstractContextManager:
+    """The decoder's stream as the current one where the buffer is on CUDA (the copies run there)."""
+    stream = getattr(decoder, "stream", None)
+    return (
+        torch.cuda.stream(stream)
+        if stream is not None and torch.device(device).type == "cuda"
+        else contextlib.nullcontext()
+    )
+
+
+def _video_array(video):  # noqa: ANN202 - a numpy uint8 array over the stream's bytes
+    from kvcodec.video.nvcuvid import _as_buffer
+
+    return _as_buffer(video)

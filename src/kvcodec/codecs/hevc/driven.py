@@ -1,0 +1,108 @@
+"""The HEVC codec's part in the driven restore (codecs/driven.py): what a fetch on CUDA uses.
+
+read: the blob checked as HevcCodec.inspect_chunk and decode_chunk check it, each part's streams
+verified (a split chunk has one part per layer range, each with its own video: each is a piece,
+decoded on whichever session is least busy). stage: each part's side streams uploaded and its
+restorer made (on the fetch's stream); a part without a video (zstd samples) or a plain chunk is
+restored into its target here. finish: each part's frames restored from its decoded buffer into
+its target, one launch per part for all its frames where the fused kernel applies.
+stage_alone: after a session failed, every part decoded frame by frame with that session's decoder
+(as the worker path does)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from kvcodec.codecs.base import Target
+from kvcodec.codecs.driven import Piece, Reading
+from kvcodec.codecs.hevc.decode import checked_part, chunk_parts, part_restorer, restore_part
+from kvcodec.container.format import PLAIN, ChunkHeader, parse_chunk, split_streams
+from kvcodec.errors import CorruptStreamError
+from kvcodec.layout.tiling import LayoutPlan
+from kvcodec.restore import restore_frames
+from kvcodec.restore.paged import PagedChunk, PagedKV
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Part:
+    """One part of a read chunk (the chunk itself when not split): header, verified streams, its
+    target, and for a coded part its layout."""
+
+    h: ChunkHeader
+    streams: dict
+    target: Target
+    plan: LayoutPlan | None = None
+
+    @property
+    def video(self) -> bool:
+        return self.plan is not None and "video" in self.streams
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Staged:
+    """A chunk staged for finish: (restorer, frames (F, 3, H, W) uint8 on the device, tokens,
+    the restorer's target) per part decoded into a buffer."""
+
+    parts: tuple[tuple, ...]
+
+
+class HevcDriven:
+    """HevcCodec's DrivenChunks (codecs/driven.py)."""
+
+    def __init__(self, codec):
+        self.codec = codec
+
+    def read(self, blob, target: Target) -> Reading:
+        info = self.codec.inspect_chunk(blob)  # quant, frame size and bit widths of this codec
+        parts = tuple(_read_part(b, t) for b, t in chunk_parts(blob, target))
+        pieces = tuple(Piece(p.streams["video"], p.plan.width, p.plan.height, p.h.frames) for p in parts if p.video)
+        return Reading(info, pieces, parts)
+
+    def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> _Staged:
+        staged, buffers = [], iter(buffers)
+        for p in reading.state:
+            if not p.video:
+                restore_part(p.h, p.streams, _device(p.target), p.target, restore=self.codec.restore)
+                continue
+            restorer = part_restorer(p.h, p.plan, p.streams, _device(p.target), self.codec.restore)
+            frames = next(buffers).view(p.h.frames, 3, p.plan.height, p.plan.width)
+            staged.append((restorer, frames, p.h.tokens, _frame_target(p)))
+        return _Staged(tuple(staged))
+
+    def stage_alone(self, reading: Reading, target: Target, decoder) -> _Staged:
+        for p in reading.state:
+            restore_part(p.h, p.streams, _device(p.target), p.target, decoder if p.video else None, self.codec.restore)
+        return _Staged(())
+
+    def finish(self, staged: Sequence[_Staged], targets: Sequence[Target]) -> None:
+        stream = None
+        for chunk in staged:
+            for restorer, frames, tokens, out in chunk.parts:
+                if stream is None and frames.is_cuda:
+                    stream = torch.cuda.current_stream(frames.device)
+                if stream is not None:  # decoded on a session's stream: not reused before this one reads it
+                    frames.record_stream(stream)
+                restore_frames(restorer, frames, tokens, out)
+
+
+def _read_part(blob, target: Target) -> _Part:
+    """A part blob's header and verified streams, checked against its target as restore_part checks."""
+    h, payload = parse_chunk(blob)
+    streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+    if h.quant == PLAIN:
+        return _Part(h, streams, target)
+    target, _, plan = checked_part(h, streams, _device(target), target)
+    if "video" in streams and h.frames != -(-h.tokens // plan.tokens_per_frame):
+        raise CorruptStreamError(f"chunk announces {h.frames} frames for {h.tokens} tokens")
+    return _Part(h, streams, target, plan)
+
+
+def _device(target: Target) -> torch.device:
+    return target.pages.device if isinstance(target, PagedKV) else target.device
+
+
+def _frame_target(p: _Part):  # noqa: ANN202 - what a FrameRestorer writes into
+    return PagedChunk(p.target, p.h.start_token) if isinstance(p.target, PagedKV) else p.target

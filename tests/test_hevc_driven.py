@@ -1,0 +1,184 @@
+"""The HEVC codec in the driven restore (codecs/driven.py, codecs/hevc/driven.py).
+
+On the CPU, StageDriver runs over stand-in sessions that decode with FFmpeg straight into each
+piece's buffer (test_transform_batch.FakeDecoder): one-stream and split chunks (a piece per part,
+spread over the sessions), a plain chunk, a refused chunk, a session that fails. On CUDA (skipped
+without NVDEC and the native feeder): PrefixCache.fetch driven by default, against the worker path
+and the CPU fetch; a damaged chunk stops the fetch there and leaves the sessions good."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvcodec.codecs.driven import StageDriver, driven_of
+from kvcodec.codecs.hevc.codec import HevcCodec
+from kvcodec.codecs.hevc.decode import decode_chunk_blob
+from kvcodec.config import CodecConfig
+from kvcodec.errors import FormatError
+from test_transform_batch import FakeDecoder
+
+CFG = CodecConfig(chunk_tokens=128, resolutions=((144, 144),), search_layout=False)
+
+
+def _kv(tokens: int, layers: int = 4, heads: int = 2, dim: int = 64) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn((layers, 2, tokens, heads, dim), generator=g).half()
+
+
+def _chunks(config: CodecConfig, tokens: int = 513):
+    codec = HevcCodec(config)
+    kv = _kv(tokens)
+    chunks = codec.encode_chunks(kv)
+    ref = [decode_chunk_blob(ch.blobs[0]) for ch in chunks]
+    return codec, kv, chunks, ref
+
+
+def _drive(driver, chunks, outs, flush) -> dict:
+    for i, ch in enumerate(chunks):
+        driver.submit(i, ch.blobs[0], outs[i])
+    got: dict = {}
+    while len(got) < len(chunks):
+        got.update((tag, part) for tag, part, _ in driver.poll())
+        flush()
+    return got
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize("sessions,fail", [(1, None), (3, None), (3, (3, 0))])
+def test_the_driver_restores_hevc_chunks_as_decode_chunk_does(streams, sessions, fail):
+    """Every chunk restored as decode_chunk_blob restores it, split or not (a piece per part), a
+    chunk refused by its check is that chunk's error, a plain chunk (the last token) needs no
+    session; after a session fails, each chunk with a piece there is decoded on its own."""
+    codec, kv, chunks, ref = _chunks(CFG if streams == 1 else CodecConfig(**{**CFG.to_dict(), "streams_per_chunk": 3}))
+    assert driven_of(codec) is not None and chunks[-1].tokens == 1
+    outs = [torch.full_like(r, float("nan")) for r in ref]
+
+    def check(tag, info):
+        if tag == 2:
+            raise FormatError("refused by its check")
+
+    decoders = [FakeDecoder(fail) for _ in range(sessions)]
+    driver = StageDriver(codec, decoders, check)
+    got = _drive(driver, chunks, outs, driver.end_all if sessions == 1 else driver.flush_stuck)
+    driver.close()
+    assert sorted(got) == list(range(len(chunks))) and isinstance(got[2], FormatError)
+    ok = sorted(i for i in got if i != 2)
+    driver.finish([got[i] for i in ok], [outs[i] for i in ok])
+    for i in ok:
+        assert torch.equal(outs[i], ref[i]), i
+    streamed = sorted(k for d in decoders for k in d.run.streams)
+    pieces = [(i, p) for i in ok[:-1] for p in range(streams)]  # the plain last chunk has no video
+    assert streamed == pieces  # every piece streamed once
+    failed = [d for d in decoders if fail in d.run.streams]
+    assert sum(d.decoded_alone for d in decoders) == (
+        len({t for t, _ in failed[0].run.streams}) * streams if fail else 0
+    )
+    assert all(d.run.feeder is None for d in decoders)  # closed
+
+
+def test_a_codec_with_a_pool_or_a_fixed_decoder_is_not_driven():
+    assert driven_of(HevcCodec(CFG, decoder=object())) is None
+    assert driven_of(HevcCodec(CFG, pool=object())) is None
+    assert driven_of(object()) is None
+
+
+# ------------------------------------------------------------------------------------ CUDA
+
+
+def _nvdec() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from kvcodec.video import nvcuvid_native
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not (NvcuvidDecoder.is_available() and nvcuvid_native.available()):
+        pytest.skip("needs NVDEC and the native feeder")
+
+
+def _caches(config: CodecConfig, tokens: int = 700):
+    from kvcodec.fetcher import DecodeProfile, PrefixCache
+    from kvcodec.store import open_store
+
+    store, ids = open_store("memory://"), list(range(tokens))
+    caches = [
+        PrefixCache(store, "m", config, dev, profile=DecodeProfile.default(config.resolutions))
+        for dev in ("cpu", "cuda")
+    ]
+    assert caches[0].put(ids, _kv(tokens)) == -(-tokens // config.chunk_tokens)
+    return caches, ids, store
+
+
+GPU_CFG = CodecConfig(chunk_tokens=64, resolutions=((256, 256), (512, 512)), search_layout=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("driven", [True, False])
+def test_hevc_fetch_on_cuda_is_driven_and_matches_the_cpu_fetch(driven, streams, monkeypatch):
+    """The default fetch of HEVC chunks on CUDA: the caller's thread drives every NVDEC session
+    (driven False: decode worker threads), whole and split chunks, both frame sizes (the adaptive
+    policy mixes them), a dense target and a paged one; all restore what the CPU does."""
+    from kvcodec.codecs import driven as driven_module
+    from kvcodec.restore.paged import PagedKV
+
+    _nvdec()
+    monkeypatch.setattr(driven_module, "DRIVEN", driven)
+    config = CodecConfig(**{**GPU_CFG.to_dict(), "streams_per_chunk": streams})
+    (cpu, gpu), ids, _ = _caches(config)
+    ref = cpu.fetch(ids).kv.float()
+    for policy in ("fixed:0", "fixed:1", "adaptive", "fixed:0"):  # the last one reuses the sessions
+        r = gpu.fetch(ids, policy=policy)
+        assert r.ok, r.error
+        torch.testing.assert_close(r.kv.cpu().float(), ref, atol=1e-3, rtol=0)
+    assert ({t.worker for t in r.stats.timeline} == {threading.current_thread().name}) == driven
+    pages = torch.zeros((4, 2, 12, 64, 2, 64), dtype=torch.float16, device="cuda")
+    table = torch.randperm(12)[:11]
+    r = gpu.fetch(ids, out=PagedKV(pages, table))
+    assert r.ok, r.error
+    torch.testing.assert_close(PagedKV(pages, table).gather(0, len(ids)).cpu().float(), ref, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_a_bad_hevc_chunk_stops_a_driven_fetch_there_and_never_poisons_the_sessions(monkeypatch):
+    """A chunk failing its checksum, then one whose video NVDEC cannot decode (its checksums pass):
+    the driven fetch stops at that chunk with its error, what comes before is restored, and the
+    next fetches restore what the CPU does."""
+    import numpy as np
+
+    from kvcodec.codecs.hevc import driven as hevc_driven
+    from kvcodec.fetcher import blob_key
+    from kvcodec.fetcher.policy import get_policy
+
+    _nvdec()
+    (cpu, gpu), ids, store = _caches(GPU_CFG, 600)
+    gpu.policy = get_policy("fixed:0", GPU_CFG.resolutions)  # the blob damaged below is the one fetched
+    ref = cpu.fetch(ids).kv.float()
+    key = blob_key(gpu.keys(ids)[3], 0)
+    blob = bytearray(store.get(key))
+    blob[-100] ^= 0xFF  # inside the last stream: its checksum fails
+    store.put(key, bytes(blob))
+    r = gpu.fetch(ids)
+    assert not r.ok and r.tokens_restored == 3 * 64 and "chunk" in str(r.error).lower(), r.error
+    torch.testing.assert_close(r.kv[:, :, : 3 * 64].cpu().float(), ref[:, :, : 3 * 64], atol=1e-3, rtol=0)
+    cpu.put(ids, _kv(len(ids)))  # the failed chunk's meta was dropped: coded again
+    split = hevc_driven.split_streams
+
+    def damaged(payload, entries, what):
+        streams = split(payload, entries, what)
+        if what == "chunk 3":  # past the checksums: garbage where its video is
+            junk = np.random.default_rng(0).integers(0, 256, len(streams["video"]), dtype=np.uint8)
+            streams = {**streams, "video": junk.tobytes()}
+        return streams
+
+    monkeypatch.setattr(hevc_driven, "split_streams", damaged)
+    r = gpu.fetch(ids)
+    assert not r.ok and r.tokens_restored == 3 * 64 and "chunk" in str(r.error).lower(), r.error
+    monkeypatch.setattr(hevc_driven, "split_streams", split)
+    cpu.put(ids, _kv(len(ids)))
+    for _ in range(2):
+        r = gpu.fetch(ids)
+        assert r.ok, r.error
+        torch.testing.assert_close(r.kv.cpu().float(), ref, atol=1e-3, rtol=0)
