@@ -115,7 +115,9 @@ class PrefixCache:
     shard: a TPShard: this cache holds one tensor-parallel rank's KV heads (puts and fetches
         carry only those heads, under keys of their own); None: every head.
     batched_restore: restore codecs with the StagedDecode capability in two halves, the second
-        batched over the chunks ready together (fetcher/pipeline.py); None: on CUDA only.
+        batched over the chunks ready together (fetcher/pipeline.py); on CUDA, chunks of codecs
+        with a driven form (codecs/driven.py: transform, int8 HEVC) are then decoded by the
+        driven path. None: on CUDA only. False also turns the driven path off.
     """
 
     def __init__(
