@@ -46,6 +46,31 @@ def _drive(driver, chunks, outs, flush) -> dict:
     return got
 
 
+def test_chunks_are_prepared_while_their_videos_decode_and_restore_the_same():
+    """A wait with chunks not yet prepared prepares the oldest instead of blocking (side streams
+    uploaded, restorer made while NVDEC decodes); those chunks restore as decode_chunk_blob does."""
+    codec, kv, chunks, ref = _chunks(CFG)
+    outs = [torch.full_like(r, float("nan")) for r in ref]
+    driver = StageDriver(codec, [FakeDecoder(None) for _ in range(2)])
+    for i, ch in enumerate(chunks):
+        driver.submit(i, ch.blobs[0], outs[i])
+    coded = [i for i in range(len(chunks)) if driver.pending(i)]
+    assert list(driver.unprepared) == coded and len(coded) >= 2
+    driver.wait(coded[0], 10.0, flush=False)  # returns at once: it prepared chunk coded[0]
+    assert list(driver.unprepared) == coded[1:] and driver.fed[coded[0]].prepared
+    assert all(p.restorer is not None for p in driver.fed[coded[0]].reading.state)
+    while driver.prepare_one():
+        pass
+    got: dict = {}
+    while len(got) < len(chunks):
+        got.update((tag, part) for tag, part, _ in driver.poll())
+        driver.end_all()
+    driver.close()
+    driver.finish([got[i] for i in sorted(got)], [outs[i] for i in sorted(got)])
+    for i in sorted(got):
+        assert torch.equal(outs[i], ref[i]), i
+
+
 @pytest.mark.parametrize("streams", [1, 3])
 @pytest.mark.parametrize("sessions,fail", [(1, None), (3, None), (3, (3, 0))])
 def test_the_driver_restores_hevc_chunks_as_decode_chunk_does(streams, sessions, fail):

@@ -9,6 +9,9 @@ A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec
     stage_alone(reading, target, dec)   the same with the pieces decoded by `dec` (after its session
                                          failed: names the chunk at fault)
     finish(staged, targets)             the math for many staged chunks at once, into their targets
+    prepare(reading) -> Reading         optional: the chunk's frame-independent host work (side
+                                         streams uploaded, restorer made), done while NVDEC decodes
+                                         its video, when the fetch's thread would otherwise wait
 
 The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec's in
 codecs/hevc/driven.py. StageDriver runs the protocol: submit(tag, blob, target) reads and checks
@@ -21,6 +24,7 @@ threads queued for the interpreter lock behind each other (benchmarks/results/fe
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -124,13 +128,15 @@ class _Fed:
     still decoding (session of each), when it was submitted, and the decoder to decode it alone
     with once a session holding one of its pieces failed."""
 
-    __slots__ = ("reading", "target", "buffers", "left", "t0", "alone")
+    __slots__ = ("reading", "target", "buffers", "left", "t0", "alone", "prepared", "error")
 
     def __init__(self, reading: Reading, target: Target, t0: float):
         self.reading, self.target, self.t0 = reading, target, t0
         self.buffers: list[torch.Tensor] = []
         self.left: dict[int, int] = {}  # piece -> session
         self.alone = None
+        self.prepared = False
+        self.error: KVCodecError | None = None  # its preparation's
 
 
 class StageDriver:
@@ -156,6 +162,8 @@ class StageDriver:
         self.done: list = []  # (tag, staged or error, decode seconds)
         self.free_at = [0.0] * len(self.runs)  # when each session finished its last piece
         self.load = [0] * len(self.runs)  # video bytes each session holds (NVDEC's time goes with them)
+        self.prepare = getattr(self.chunks, "prepare", None)
+        self.unprepared: collections.deque = collections.deque()  # tags whose pieces decode, not prepared
 
     def submit(self, tag, blob, target: Target) -> None:
         t0 = time.monotonic()
@@ -180,6 +188,8 @@ class StageDriver:
             video = _video_array(piece.video)
             run.push((tag, p), video, run.next_ordinal(), piece.frames, buf.data_ptr())
             self.load[k] += video.size
+        if self.prepare is not None:
+            self.unprepared.append(tag)
 
     def finish(self, staged: Sequence[object], targets: Sequence[Target]) -> None:
         self.chunks.finish(staged, targets)
@@ -203,12 +213,29 @@ class StageDriver:
         """Wait (at most timeout_s) for one more piece of a session holding one of `tag`'s pieces
         to complete; flush: first flush that session if its every stream is fed."""
         entry = self.fed.get(tag)
-        if entry is None or not entry.left:
+        if entry is None or not entry.left or self.prepare_one():  # useful work instead of waiting
             return
         run = self.runs[next(iter(entry.left.values()))]
         if flush and run.stuck():
             run.begin_end()
         run.wait(timeout_s)
+
+    def prepare_one(self) -> bool:
+        """Prepare the oldest submitted chunk not yet prepared (DrivenChunks.prepare) while its
+        pieces decode; whether there was one."""
+        while self.unprepared:
+            entry = self.fed.get(self.unprepared.popleft())
+            if entry is not None and not entry.prepared:
+                self._prepare(entry)
+                return True
+        return False
+
+    def _prepare(self, entry: _Fed) -> None:
+        entry.prepared = True
+        try:
+            entry.reading = self.prepare(entry.reading)
+        except KVCodecError as e:
+            entry.error = e
 
     def end_all(self) -> None:
         """No more chunks are coming: every session is flushed once it has fed what it holds."""
@@ -294,7 +321,11 @@ class StageDriver:
         if entry.left:
             return
         del self.fed[tag]
+        if self.prepare is not None and not entry.prepared and entry.alone is None:
+            self._prepare(entry)
         try:
+            if entry.error is not None:
+                raise entry.error
             if entry.alone is not None:
                 staged = self.chunks.stage_alone(entry.reading, entry.target, entry.alone)
                 busy = time.monotonic() - entry.t0

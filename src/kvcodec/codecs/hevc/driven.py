@@ -2,9 +2,9 @@
 
 read: the blob checked as HevcCodec.inspect_chunk and decode_chunk check it, each part's streams
 verified (a split chunk has one part per layer range, each with its own video: each is a piece,
-decoded on whichever session is least busy). stage: each part's side streams uploaded and its
-restorer made (on the fetch's stream); a part without a video (zstd samples) or a plain chunk is
-restored into its target here. finish: each part's frames restored from its decoded buffer into
+decoded on whichever session is least busy). prepare (while the videos decode) or stage: each
+part's side streams uploaded and its restorer made (on the fetch's stream); a part without a video
+(zstd samples) or a plain chunk is restored into its target at stage. finish: each part's frames restored from its decoded buffer into
 its target, one launch per part for all its frames where the fused kernel applies.
 stage_alone: after a session failed, every part decoded frame by frame with that session's decoder
 (as the worker path does)."""
@@ -35,6 +35,7 @@ class _Part:
     streams: dict
     target: Target
     plan: LayoutPlan | None = None
+    restorer: object = None  # made ahead by prepare (its side streams uploaded)
 
     @property
     def video(self) -> bool:
@@ -61,16 +62,24 @@ class HevcDriven:
         pieces = tuple(Piece(p.streams["video"], p.plan.width, p.plan.height, p.h.frames) for p in parts if p.video)
         return Reading(info, pieces, parts)
 
+    def prepare(self, reading: Reading) -> Reading:
+        """Each coded part's restorer made (side streams decompressed and uploaded) before its frames are out."""
+        parts = tuple(dataclasses.replace(p, restorer=self._restorer(p)) if p.video else p for p in reading.state)
+        return dataclasses.replace(reading, state=parts)
+
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> _Staged:
         staged, buffers = [], iter(buffers)
         for p in reading.state:
             if not p.video:
                 restore_part(p.h, p.streams, _device(p.target), p.target, restore=self.codec.restore)
                 continue
-            restorer = part_restorer(p.h, p.plan, p.streams, _device(p.target), self.codec.restore)
+            restorer = p.restorer if p.restorer is not None else self._restorer(p)
             frames = next(buffers).view(p.h.frames, 3, p.plan.height, p.plan.width)
             staged.append((restorer, frames, p.h.tokens, _frame_target(p)))
         return _Staged(tuple(staged))
+
+    def _restorer(self, p: _Part):  # noqa: ANN202 - a FrameRestorer
+        return part_restorer(p.h, p.plan, p.streams, _device(p.target), self.codec.restore)
 
     def stage_alone(self, reading: Reading, target: Target, decoder) -> _Staged:
         for p in reading.state:
