@@ -82,8 +82,6 @@ def coord_plan(cal: Calibration, theta: float, key_weight: float) -> CoordPlan:
 
 
 _WATER_LEVELS: dict[tuple[str, float, float], float] = {}  # (kvt hash, bits per value, key weight) -> theta
-# (codec id, key weight) -> the level of the last target-ratio search's entropy target: the next one's first guess
-_RATIO_LEVELS: dict[tuple[str, float], float] = {}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -277,23 +275,18 @@ class TransformCodec:
 
     def _ratio_level(self, y, kv, first_position, var, w) -> float:  # noqa: ANN001
         """The level meeting target_ratio on this data: a search (rate.LevelSearch) on the entropy of
-        a sample of chunks (SampleRate), from the last search's level of this codec or the modelled
-        one; the target corrected once by the coder's real bytes on the sampled chunks."""
+        a sample of chunks (SampleRate), from the modelled level; the target corrected once by the coder's real bytes on the sampled chunks."""
         T = kv.shape[2]
         target = (16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)) / T
         top = float((var * w).max())
         if target <= 0:  # the fp16 sink tokens alone exceed the budget (a short first chunk): the coarsest level
             return top * 0.999  # that still codes a coordinate (a chunk of no samples has nothing to decode)
         sample = SampleRate(self, y, kv, first_position)
-        key = (self.id, self.key_weight)
-        guess = _RATIO_LEVELS.get(key) or alloc.water_level(
-            var, target * T / kv.numel(), w, iters=40, extra_bits=alloc.QUANTIZER_EXTRA_BITS
-        )
+        # the first guess depends on this data alone (never on what this process coded before): the
+        # same KV codes to the same bytes in any process, thread or order (ingest on Ray, worker processes)
+        guess = alloc.water_level(var, target * T / kv.numel(), w, iters=40, extra_bits=alloc.QUANTIZER_EXTRA_BITS)
         search = rate.LevelSearch(sample.bits_per_token, top * rate.MIN_LEVEL, top)
         theta = search.solve(target, guess)  # on the entropy; refined below
-        if len(_RATIO_LEVELS) >= MAX_PLANS:
-            _RATIO_LEVELS.clear()
-        _RATIO_LEVELS[key] = theta
         factor = sample.coded_bits_per_token(theta) / max(sample.bits_per_token(theta, fine=False), 1e-9)
         return search.solve(target / max(factor, 1e-3), theta)  # from the first search's points
 
