@@ -40,10 +40,12 @@ def _drive(driver, chunks, outs, flush) -> dict:
     for i, ch in enumerate(chunks):
         driver.submit(i, ch.blobs[0], outs[i])
     got: dict = {}
-    while len(got) < len(chunks):
+    for _ in range(10_000):  # the stand-in sessions decode synchronously: a chunk never handed back is a failure
+        if len(got) == len(chunks):
+            return got
         got.update((tag, part) for tag, part, _ in driver.poll())
         flush()
-    return got
+    raise AssertionError(f"chunks never handed back: {sorted(set(range(len(chunks))) - set(got))}")
 
 
 def test_chunks_are_prepared_while_their_videos_decode_and_restore_the_same():
@@ -62,7 +64,9 @@ def test_chunks_are_prepared_while_their_videos_decode_and_restore_the_same():
     while driver.prepare_one():
         pass
     got: dict = {}
-    while len(got) < len(chunks):
+    for _ in range(10_000):
+        if len(got) == len(chunks):
+            break
         got.update((tag, part) for tag, part, _ in driver.poll())
         driver.end_all()
     driver.close()
@@ -207,3 +211,56 @@ def test_a_bad_hevc_chunk_stops_a_driven_fetch_there_and_never_poisons_the_sessi
         r = gpu.fetch(ids)
         assert r.ok, r.error
         torch.testing.assert_close(r.kv.cpu().float(), ref, atol=1e-3, rtol=0)
+
+
+def test_a_split_chunk_is_staged_only_once_every_piece_is_pushed(monkeypatch):
+    """A session drained to make room for a chunk's later pieces may complete its earlier ones
+    during submit: the chunk waits for its last piece (it was staged with one buffer and failed)."""
+    from kvcodec.video import nvcuvid_native
+
+    monkeypatch.setattr(nvcuvid_native, "MAX_TARGETS", 4)  # one session's ring fills within the second chunk
+    codec, kv, chunks, ref = _chunks(CodecConfig(**{**CFG.to_dict(), "streams_per_chunk": 3}))
+    outs = [torch.full_like(r, float("nan")) for r in ref]
+    driver = StageDriver(codec, [FakeDecoder(None)])
+    got = _drive(driver, chunks, outs, driver.end_all)
+    driver.close()
+    driver.finish([got[i] for i in sorted(got)], [outs[i] for i in sorted(got)])
+    for i in sorted(got):
+        assert torch.equal(outs[i], ref[i]), i
+
+
+def test_a_chunk_whose_preparation_fails_is_that_chunks_error_and_the_others_restore(monkeypatch):
+    """Not a codec error (a GPU out of memory, say) while a chunk is prepared: that chunk comes back
+    as a KVCodecError naming it; the session is not taken for failed, the other chunks restore."""
+    from kvcodec.codecs.hevc import driven as hevc_driven
+    from kvcodec.errors import KVCodecError
+
+    prepare = hevc_driven.HevcDriven.prepare
+
+    def failing(self, reading):  # noqa: ANN001, ANN202
+        if reading.info.index == 0:
+            raise RuntimeError("out of memory (a stand-in)")
+        return prepare(self, reading)
+
+    monkeypatch.setattr(hevc_driven.HevcDriven, "prepare", failing)
+    codec, kv, chunks, ref = _chunks(CFG)
+    outs = [torch.full_like(r, float("nan")) for r in ref]
+    decoder = FakeDecoder(None)
+    driver = StageDriver(codec, [decoder])
+    got = _drive(driver, chunks, outs, driver.end_all)
+    driver.close()
+    assert isinstance(got[0], KVCodecError) and "chunk 0" in str(got[0]) and "out of memory" in str(got[0])
+    ok = sorted(i for i in got if i != 0)
+    driver.finish([got[i] for i in ok], [outs[i] for i in ok])
+    assert all(torch.equal(outs[i], ref[i]) for i in ok) and decoder.decoded_alone == 0
+
+
+def test_a_failed_session_waiting_to_decode_a_chunk_alone_takes_no_new_pieces():
+    """A split chunk with pieces on a failed session is decoded alone with that session's decoder
+    once its other pieces are out: until then no new piece goes to that session (its run would
+    reopen on the decoder the chunk is decoded with)."""
+    codec, kv, chunks, ref = _chunks(CFG)
+    driver = StageDriver(codec, [FakeDecoder(None) for _ in range(3)])
+    driver.reserved[0] = 1
+    picked = {driver._run_for(144, 144) for _ in range(6)}
+    assert 0 not in picked

@@ -128,15 +128,17 @@ class _Fed:
     still decoding (session of each), when it was submitted, and the decoder to decode it alone
     with once a session holding one of its pieces failed."""
 
-    __slots__ = ("reading", "target", "buffers", "left", "t0", "alone", "prepared", "error")
+    __slots__ = ("reading", "target", "buffers", "left", "t0", "alone", "alone_run", "prepared", "error", "submitting")
 
     def __init__(self, reading: Reading, target: Target, t0: float):
         self.reading, self.target, self.t0 = reading, target, t0
         self.buffers: list[torch.Tensor] = []
         self.left: dict[int, int] = {}  # piece -> session
         self.alone = None
+        self.alone_run: int | None = None  # the failed run whose decoder it waits to be decoded alone with
         self.prepared = False
         self.error: KVCodecError | None = None  # its preparation's
+        self.submitting = True  # staged only once every piece is pushed (a drain may complete one meanwhile)
 
 
 class StageDriver:
@@ -164,6 +166,8 @@ class StageDriver:
         self.load = [0] * len(self.runs)  # video bytes each session holds (NVDEC's time goes with them)
         self.prepare = getattr(self.chunks, "prepare", None)
         self.unprepared: collections.deque = collections.deque()  # tags whose pieces decode, not prepared
+        self.reserved: collections.Counter = collections.Counter()  # failed run -> chunks to decode alone with it
+        self.closing = False  # close(): chunks still in flight are dropped, not staged
 
     def submit(self, tag, blob, target: Target) -> None:
         t0 = time.monotonic()
@@ -188,7 +192,10 @@ class StageDriver:
             video = _video_array(piece.video)
             run.push((tag, p), video, run.next_ordinal(), piece.frames, buf.data_ptr())
             self.load[k] += video.size
-        if self.prepare is not None:
+        entry.submitting = False
+        if not entry.left:  # every piece already out (a session drained to make room for the last)
+            self._stage(tag, entry, time.monotonic() - t0)
+        elif self.prepare is not None:
             self.unprepared.append(tag)
 
     def finish(self, staged: Sequence[object], targets: Sequence[Target]) -> None:
@@ -236,6 +243,9 @@ class StageDriver:
             entry.reading = self.prepare(entry.reading)
         except KVCodecError as e:
             entry.error = e
+        except Exception as e:  # noqa: BLE001 - this chunk's failure (a GPU out of memory, say), reported as its error
+            entry.error = KVCodecError(f"{type(e).__name__}: {e}")
+            entry.error.__cause__ = e
 
     def end_all(self) -> None:
         """No more chunks are coming: every session is flushed once it has fed what it holds."""
@@ -255,6 +265,7 @@ class StageDriver:
         """Every session flushed (pieces still in flight are decoded to the end) and its run
         closed, or, a run its decoder keeps (nvcuvid_native.KEEP), left open and idle for the next
         fetch; a run that failed is closed with its session."""
+        self.closing = True
         for k, run in enumerate(self.runs):
             try:
                 self._drain(k)
@@ -277,9 +288,10 @@ class StageDriver:
         def fits(run) -> bool:  # an idle run open for another size is opened again
             return not run.ending and run.pending < MAX_TARGETS and not (other(run) and run.busy)
 
-        ok = [k for k, run in enumerate(self.runs) if fits(run)]
+        usable = [k for k in range(len(self.runs)) if not self.reserved[k]] or list(range(len(self.runs)))
+        ok = [k for k in usable if fits(self.runs[k])]
         if not ok:
-            k = min(range(len(self.runs)), key=lambda j: self.runs[j].pending)
+            k = min(usable, key=lambda j: self.runs[j].pending)
             self._drain(k)
             ok = [k]
         k = min(ok, key=lambda j: (self.load[j], other(self.runs[j])))
@@ -318,9 +330,20 @@ class StageDriver:
         busy, self.free_at[k] = now - max(entry.t0, self.free_at[k]), now
         if alone is not None and entry.alone is None:
             entry.alone = alone
-        if entry.left:
+            if entry.left:  # decoded alone with run k's decoder once its other pieces are out: k stays shut
+                entry.alone_run = k
+                self.reserved[k] += 1
+        if entry.left or entry.submitting:
             return
+        self._stage(tag, entry, busy)
+
+    def _stage(self, tag, entry: _Fed, busy: float) -> None:
+        """Every piece of the chunk is out: its staged chunk (or error naming it) to `done`."""
         del self.fed[tag]
+        if entry.alone_run is not None:
+            self.reserved[entry.alone_run] -= 1
+        if self.closing:  # the fetch is over: nothing more is restored
+            return
         if self.prepare is not None and not entry.prepared and entry.alone is None:
             self._prepare(entry)
         try:
@@ -333,12 +356,17 @@ class StageDriver:
                 staged = self.chunks.stage(entry.reading, entry.buffers, entry.target)
         except KVCodecError as e:
             staged = _named(e, entry.reading.info.index)
+        except Exception as e:  # noqa: BLE001 - not the session's failure: this chunk's (a GPU out of memory, say)
+            staged = _named(KVCodecError(f"{type(e).__name__}: {e}"), entry.reading.info.index)
+            staged.__cause__ = e
         self.done.append((tag, staged, busy))
 
     def _failed(self, k: int, error: Exception) -> None:
         run = self.runs[k]
         keys = list(run.keys)
         run.close(False)
+        if getattr(run, "keep", False):  # its decoder dropped it: reopened here, it is closed by close()
+            run.keep = False
         if not keys:  # no chunk's fault (the session itself failed)
             self.load[k] = 0
             raise error
