@@ -83,6 +83,31 @@ def test_an_interrupted_ingest_finishes_and_counts_the_documents_in_flight(smoll
     assert stored == [True, True, True, False]
 
 
+def test_an_interrupt_while_waiting_for_a_store_counts_that_document_too(smollm2, tmp_path, monkeypatch):
+    """Ctrl-C lands while the job waits for the oldest store's result: that document is still
+    finished and counted with the others in flight (the interrupted run's report is complete)."""
+    from concurrent.futures import Future
+
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    docs = [Document(f"d{i}", f"Document {i}: " + DOCS[i % 2]) for i in range(4)]
+    cache = PrefixCache(open_store(f"file://{tmp_path}"), model_id(model), make_codec("raw", chunk_tokens=32), "cpu")
+    result, interrupted = Future.result, []
+
+    def interrupt_once(self, timeout=None):  # noqa: ANN001, ANN202
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return result(self, timeout)
+
+    monkeypatch.setattr(Future, "result", interrupt_once)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        ingest(docs, model, tokenizer, cache, encode_in="threads", store_workers=2, on_result=seen.append)
+    assert [(r.id, r.status) for r in seen] == [("d0", "stored"), ("d1", "stored"), ("d2", "stored")]
+
+
 def test_ingest_command_summary_and_exit_code(tmp_path):
     from kvcodec.cli.main import cli
 

@@ -147,12 +147,14 @@ def ingest(
 
     def settle(keep: int) -> None:
         while len(inflight) > keep:
-            fut, r = inflight.popleft()
+            fut, r = inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it to settle
             try:
                 chunks, store_s = fut.result()
-                done(dataclasses.replace(r, chunks=chunks, store_s=store_s))
+                result = dataclasses.replace(r, chunks=chunks, store_s=store_s)
             except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
-                done(dataclasses.replace(r, status=FAILED, error=_why(e)))
+                result = dataclasses.replace(r, status=FAILED, error=_why(e))
+            inflight.popleft()
+            done(result)
 
     t0 = time.perf_counter()
     cores = encode_workers()
