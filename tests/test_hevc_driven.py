@@ -264,3 +264,18 @@ def test_a_failed_session_waiting_to_decode_a_chunk_alone_takes_no_new_pieces():
     driver.reserved[0] = 1
     picked = {driver._run_for(144, 144) for _ in range(6)}
     assert 0 not in picked
+
+
+def test_the_binding_check_sees_a_blob_before_it_is_read_against_the_target():
+    """A blob of another prefix whose shape also differs from what the fetch expects: the fetch's
+    binding check runs on its header first, so it is refused as a FormatError (the fetch drops
+    such a chunk and the next put rewrites it), not as the target's ShapeError."""
+    codec, kv, chunks, ref = _chunks(CFG)
+
+    def check(tag, info):
+        raise FormatError("bound to another prefix")
+
+    driver = StageDriver(codec, [FakeDecoder(None)], check)
+    driver.submit(0, chunks[0].blobs[0], torch.empty(4, 2, 64, 2, 32, dtype=torch.float16))
+    ((tag, err, _),) = driver.poll()
+    assert tag == 0 and type(err) is FormatError

@@ -2,6 +2,8 @@
 
 A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec)` returns):
 
+    inspect(blob) -> ChunkInfo          the header alone (the fetch's binding check runs on it first:
+                                         a blob of another prefix is dropped, whatever its shape)
     read(blob, target) -> Reading       the blob parsed and checked against the target: the chunk's
                                          ChunkInfo and its videos (Piece: bytes, frame size, frames)
     stage(reading, buffers, target)     the chunk's staged part, from each piece's decoded frames (a
@@ -67,6 +69,8 @@ class Reading:
 
 class DrivenChunks(Protocol):
     """A codec's part in the driven restore (see the module's doc)."""
+
+    def inspect(self, blob) -> ChunkInfo: ...
 
     def read(self, blob, target: Target) -> Reading: ...
 
@@ -172,9 +176,9 @@ class StageDriver:
     def submit(self, tag, blob, target: Target) -> None:
         t0 = time.monotonic()
         try:
+            if self.check is not None:  # what the blob says it is, before it is read against the target
+                self.check(tag, self.chunks.inspect(blob))
             reading = self.chunks.read(blob, target)
-            if self.check is not None:
-                self.check(tag, reading.info)
             if not reading.pieces:
                 self.done.append((tag, self.chunks.stage(reading, [], target), 0.0))
                 return

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcodec.codecs.base import Target
+from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
 from kvcodec.codecs.hevc.decode import checked_part, chunk_parts, part_restorer, restore_part
 from kvcodec.container.format import PLAIN, ChunkHeader, parse_chunk, split_streams
@@ -55,6 +55,9 @@ class HevcDriven:
 
     def __init__(self, codec):
         self.codec = codec
+
+    def inspect(self, blob) -> ChunkInfo:
+        return self.codec.inspect_chunk(blob)
 
     def read(self, blob, target: Target) -> Reading:
         info = self.codec.inspect_chunk(blob)  # quant, frame size and bit widths of this codec

@@ -368,6 +368,9 @@ class TransformDriven:
     def __init__(self, codec):
         self.codec = codec
 
+    def inspect(self, blob) -> ChunkInfo:
+        return self.codec.inspect_chunk(blob)
+
     def read(self, blob, target: Target) -> Reading:
         h, streams = self.codec._read(blob)
         check_target(h, target)
