@@ -38,6 +38,17 @@ def smol(smollm2):
 
 
 @pytest.fixture(scope="session")
+def synthetic_kvt(tmp_path_factory):
+    """The path of a .kvt calibrated on two texts of tests/synthetic.py's model."""
+    from kvcodec.transform import calibrate, save_kvt
+    from synthetic import ROPE, synthetic_kv
+
+    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
+    save_kvt(calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "synthetic"}), path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def qwen25():
     """(model, tokenizer) of Qwen2.5-Coder-0.5B (Qwen2 architecture), float32, eval mode."""
     return _load("qwen2.5-coder-0.5b")

@@ -18,20 +18,13 @@ from kvcodec.container.format import crc32
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, KVCodecError, TruncatedError
 from kvcodec.restore.paged import PagedKV
 from kvcodec.transform import calibrate, save_kvt
-from test_transform_codec import ROPE, rel_mse, synthetic_kv
+from synthetic import ROPE, rel_mse, synthetic_kv
 
 
 @pytest.fixture(scope="module")
-def kvt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
-    save_kvt(calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "synthetic"}), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def coded(kvt):
+def coded(synthetic_kvt):
     kv = synthetic_kv(150, seed=7)
-    codec = TransformAnsCodec(kvt, chunk_tokens=64, bits_per_value=3.0, block=4096)
+    codec = TransformAnsCodec(synthetic_kvt, chunk_tokens=64, bits_per_value=3.0, block=4096)
     return kv, codec, codec.encode_chunks(kv)
 
 
@@ -42,9 +35,9 @@ def decode_all(codec, chunks, like):
     return out
 
 
-def test_same_integers_and_values_as_the_transform_codec(kvt, coded):
+def test_same_integers_and_values_as_the_transform_codec(synthetic_kvt, coded):
     kv, codec, chunks = coded
-    ref = TransformCodec(kvt, chunk_tokens=64, bits_per_value=3.0, coder="zstd")
+    ref = TransformCodec(synthetic_kvt, chunk_tokens=64, bits_per_value=3.0, coder="zstd")
     assert isinstance(codec, ChunkCodec) and codec.id.startswith("transform-ans1-")
     assert torch.equal(decode_all(codec, chunks, kv), decode_all(ref, ref.encode_chunks(kv), kv))
     assert rel_mse(decode_all(codec, chunks, kv), kv) < 0.05
@@ -64,16 +57,16 @@ def test_staged_batch_and_paged_target(coded):
     assert torch.equal(paged.gather(0, T), dense)
 
 
-def test_registry_inspect_and_options(kvt, coded):
+def test_registry_inspect_and_options(synthetic_kvt, coded):
     kv, codec, chunks = coded
-    c = make_codec("transform-ans", transform=kvt, chunk_tokens=64, bits_per_value=3.0, block=4096)
+    c = make_codec("transform-ans", transform=synthetic_kvt, chunk_tokens=64, bits_per_value=3.0, block=4096)
     assert c.id == codec.id and torch.equal(decode_all(c, chunks, kv), decode_all(codec, chunks, kv))
     info = c.inspect_chunk(chunks[1].blobs[0])
     assert (info.index, info.start_token, info.tokens, info.codec) == (1, 64, 64, codec.id)
-    assert TransformAnsCodec(kvt, lanes=64).id != TransformAnsCodec(kvt).id
+    assert TransformAnsCodec(synthetic_kvt, lanes=64).id != TransformAnsCodec(synthetic_kvt).id
     for bad in ({"lanes": 3}, {"block": 100}, {"coder": "hevc"}):
         with pytest.raises(ConfigError):
-            TransformAnsCodec(kvt, **bad)
+            TransformAnsCodec(synthetic_kvt, **bad)
 
 
 def _edit_header(blob: bytes, **fields) -> bytes:
@@ -83,7 +76,7 @@ def _edit_header(blob: bytes, **fields) -> bytes:
     return struct.pack("<4sHI", magic, version, len(head)) + head + struct.pack("<I", crc32(head)) + blob[14 + n :]
 
 
-def test_damaged_forged_and_foreign_chunks_are_clear_errors(kvt, coded, tmp_path):
+def test_damaged_forged_and_foreign_chunks_are_clear_errors(synthetic_kvt, coded, tmp_path):
     kv, codec, chunks = coded
     blob = chunks[0].blobs[0]
     out = torch.empty_like(kv[:, :, :64])
@@ -96,7 +89,10 @@ def test_damaged_forged_and_foreign_chunks_are_clear_errors(kvt, coded, tmp_path
         (_edit_header(blob, ans_version=9), FormatError),
         (_edit_header(blob, extra=1), FormatError),
         (_edit_header(blob, escapes=10**9), FormatError),
-        (TransformCodec(kvt, chunk_tokens=64, coder="zstd").encode_chunks(kv[:, :, :64])[0].blobs[0], FormatError),
+        (
+            TransformCodec(synthetic_kvt, chunk_tokens=64, coder="zstd").encode_chunks(kv[:, :, :64])[0].blobs[0],
+            FormatError,
+        ),
     ]
     for bad, err in cases:
         with pytest.raises(err):
@@ -108,7 +104,7 @@ def test_damaged_forged_and_foreign_chunks_are_clear_errors(kvt, coded, tmp_path
         TransformAnsCodec(tmp_path / "other.kvt", chunk_tokens=64).decode_chunk(blob, out)
 
 
-def test_encode_decode_commands(kvt, tmp_path):
+def test_encode_decode_commands(synthetic_kvt, tmp_path):
     from click.testing import CliRunner
     from safetensors.torch import load_file
 
@@ -116,11 +112,11 @@ def test_encode_decode_commands(kvt, tmp_path):
 
     kv = synthetic_kv(200, seed=16)
     save_file({"kv": kv}, str(tmp_path / "in.safetensors"))
-    args = [str(tmp_path / "in.safetensors"), str(tmp_path / "t.kvc"), "--transform", str(kvt)]
+    args = [str(tmp_path / "in.safetensors"), str(tmp_path / "t.kvc"), "--transform", str(synthetic_kvt)]
     res = CliRunner().invoke(encode_cmd, [*args, "--sample-coder", "ans", "--chunk-tokens", "64"])
     assert res.exit_code == 0, res.output
     assert "transform-ans1-" in res.output
-    dec = [str(tmp_path / "t.kvc"), str(tmp_path / "out.safetensors"), "--transform", str(kvt)]
+    dec = [str(tmp_path / "t.kvc"), str(tmp_path / "out.safetensors"), "--transform", str(synthetic_kvt)]
     res = CliRunner().invoke(decode_cmd, dec)
     assert res.exit_code == 0, res.output
     assert rel_mse(load_file(str(tmp_path / "out.safetensors"))["kv"], kv) < 0.05

@@ -61,7 +61,7 @@ def test_codec_restores_on_the_sms_as_the_zstd_transform_does(tmp_path):
     from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.codecs.transform_ans import TransformAnsCodec
     from kvcodec.transform import calibrate, save_kvt
-    from test_transform_codec import ROPE, synthetic_kv
+    from synthetic import ROPE, synthetic_kv
 
     save_kvt(calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE), tmp_path / "s.kvt")
     kv = synthetic_kv(300, seed=9).cuda()

@@ -22,30 +22,22 @@ from kvcodec.codecs.transform.file import encode_file
 from kvcodec.codecs.transform_ans import TransformAnsCodec
 from kvcodec.container.format import crc32, read_object, write_object
 from kvcodec.errors import ChecksumError, FormatError, TruncatedError
-from kvcodec.transform import calibrate, save_kvt
+from synthetic import synthetic_kv
 from test_grouped_file import _kv
-from test_transform_codec import ROPE, synthetic_kv
 
 
-@pytest.fixture(scope="module")
-def kvt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
-    save_kvt(calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "synthetic"}), path)
-    return path
-
-
-def _hevc(kvt):  # noqa: ANN001, ANN202
+def _hevc(synthetic_kvt):  # noqa: ANN001, ANN202
     kv = (torch.randn(4, 2, 40, 2, 64) * 2).half()
     codec = make_codec("hevc", quant="int8", chunk_tokens=32, resolutions=((144, 144),), streams_per_chunk=2)
     return kvcodec.encode(kv, codec.config), codec, kv.shape[2]
 
 
-def _transform(kvt, cls=TransformCodec, **kw):  # noqa: ANN001, ANN202
-    codec = cls(kvt, chunk_tokens=64, resolutions=((64, 64),), **kw)
+def _transform(synthetic_kvt, cls=TransformCodec, **kw):  # noqa: ANN001, ANN202
+    codec = cls(synthetic_kvt, chunk_tokens=64, resolutions=((64, 64),), **kw)
     return encode_file(synthetic_kv(150, seed=7), codec), codec, 150
 
 
-def _grouped(kvt):  # noqa: ANN001, ANN202
+def _grouped(synthetic_kvt):  # noqa: ANN001, ANN202
     codec = GroupedCodec(make_codec("raw", chunk_tokens=8, variants=("raw", "zstd")))
     return encode_grouped(_kv(21), codec), codec, 21
 
@@ -53,15 +45,15 @@ def _grouped(kvt):  # noqa: ANN001, ANN202
 FILES = {
     "hevc-split": _hevc,
     "transform-hevc": _transform,
-    "transform-zstd": lambda kvt: _transform(kvt, coder="zstd"),
-    "transform-ans": lambda kvt: _transform(kvt, TransformAnsCodec, block=4096),
+    "transform-zstd": lambda synthetic_kvt: _transform(synthetic_kvt, coder="zstd"),
+    "transform-ans": lambda synthetic_kvt: _transform(synthetic_kvt, TransformAnsCodec, block=4096),
     "grouped": _grouped,
 }
 
 
 @pytest.fixture(scope="module", params=list(FILES))
-def made(request, kvt):
-    return request.param, *FILES[request.param](kvt)
+def made(request, synthetic_kvt):
+    return request.param, *FILES[request.param](synthetic_kvt)
 
 
 def _inspect(tmp_path, data: bytes, *args: str):  # noqa: ANN202
@@ -70,7 +62,7 @@ def _inspect(tmp_path, data: bytes, *args: str):  # noqa: ANN202
     return CliRunner().invoke(cli, ["inspect", str(path), *args])
 
 
-def test_inspect_describes_every_format(made, kvt, tmp_path):
+def test_inspect_describes_every_format(made, synthetic_kvt, tmp_path):
     name, data, codec, tokens = made
     r = _inspect(tmp_path, data, "--json")
     assert r.exit_code == 0, r.output
@@ -141,8 +133,8 @@ def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):
             describe(bad)
 
 
-def test_a_version_1_transform_file_is_described_from_its_chunks(kvt, tmp_path):
-    data, codec, _ = _transform(kvt)
+def test_a_version_1_transform_file_is_described_from_its_chunks(synthetic_kvt, tmp_path):
+    data, codec, _ = _transform(synthetic_kvt)
     h, payload = read_object(data, b"KVTF", "file")
     blobs, pos = [], 0
     for _, length, _ in h["chunks"]:

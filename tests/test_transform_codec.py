@@ -11,35 +11,15 @@ from kvcodec.codecs.registry import make_codec
 from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.errors import ConfigError, FormatError, KVCodecError, ShapeError
 from kvcodec.restore.paged import PagedKV
-from kvcodec.transform import RopeSpec, calibrate, load_kvt, save_kvt
-from kvcodec.transform.rope import apply_rope
-
-L, H, D = 4, 2, 16
-ROPE = RopeSpec(10000.0, D)
+from kvcodec.transform import calibrate, load_kvt, save_kvt
+from kvcodec.transform.kvt import kvt_hash
+from synthetic import ROPE, D, H, L, rel_mse, synthetic_kv
 
 
-def synthetic_kv(tokens: int, seed: int, first: int = 0, rank: int = 12, layers: int = L) -> torch.Tensor:
-    """KV whose channels and layers are correlated (low rank + noise); keys carry RoPE."""
-    g = torch.Generator().manual_seed(1234)  # the same mixing for every text: one "model"
-    mix = torch.randn(rank, layers * 2 * H * D, generator=g) * torch.linspace(3, 0.2, rank)[:, None]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, rank, generator=g) @ mix + 0.05 * torch.randn(tokens, layers * 2 * H * D, generator=g)
-    kv = x.view(tokens, layers, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
-    kv[:, 0] = apply_rope(kv[:, 0], torch.arange(first, first + tokens), ROPE)
-    return kv.to(torch.float16)
-
-
-@pytest.fixture(scope="module")
-def kvt(tmp_path_factory):
-    cal = calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "synthetic"})
-    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
-    return path, save_kvt(cal, path)
-
-
-def codec(kvt, **kw):
+def codec(synthetic_kvt, **kw):
     kw.setdefault("chunk_tokens", 64)
     kw.setdefault("resolutions", ((64, 64),))
-    return TransformCodec(kvt[0], **kw)
+    return TransformCodec(synthetic_kvt, **kw)
 
 
 def roundtrip(c, kv, first_chunk_index=0):
@@ -51,41 +31,37 @@ def roundtrip(c, kv, first_chunk_index=0):
     return out, chunks
 
 
-def rel_mse(a, b):
-    return float((a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean())
-
-
 @pytest.mark.parametrize("coder", ["zstd", "hevc"])
-def test_roundtrip_is_close_and_finer_steps_are_closer(kvt, coder):
+def test_roundtrip_is_close_and_finer_steps_are_closer(synthetic_kvt, coder):
     kv = synthetic_kv(150, seed=7)
-    coarse, _ = roundtrip(codec(kvt, coder=coder, bits_per_value=0.5), kv)
-    fine, chunks = roundtrip(codec(kvt, coder=coder, bits_per_value=3.0), kv)
+    coarse, _ = roundtrip(codec(synthetic_kvt, coder=coder, bits_per_value=0.5), kv)
+    fine, chunks = roundtrip(codec(synthetic_kvt, coder=coder, bits_per_value=3.0), kv)
     assert rel_mse(fine, kv) < 1e-3
     assert rel_mse(fine, kv) < rel_mse(coarse, kv) / 4
     assert [c.tokens for c in chunks] == [64, 64, 22]
     assert torch.equal(fine[:, :, :4], kv[:, :, :4])  # sink tokens travel as fp16
 
 
-def test_hevc_and_zstd_code_the_same_integers(kvt):
+def test_hevc_and_zstd_code_the_same_integers(synthetic_kvt):
     kv = synthetic_kv(100, seed=8)
-    a, chunks = roundtrip(codec(kvt, coder="hevc", bits_per_value=2.0), kv)
-    theta = codec(kvt).header(chunks[0].blobs[0])["theta"]
-    b, _ = roundtrip(codec(kvt, coder="zstd", theta=theta), kv)
+    a, chunks = roundtrip(codec(synthetic_kvt, coder="hevc", bits_per_value=2.0), kv)
+    theta = codec(synthetic_kvt).header(chunks[0].blobs[0])["theta"]
+    b, _ = roundtrip(codec(synthetic_kvt, coder="zstd", theta=theta), kv)
     assert torch.equal(a, b)
 
 
-def test_rope_positions_follow_the_chunk_index(kvt):
+def test_rope_positions_follow_the_chunk_index(synthetic_kvt):
     first = 3 * 64
     kv = synthetic_kv(64, seed=9, first=first)
     # un-RoPE at the wrong positions leaves keys the basis does not decorrelate: at a low rate
     # most of their energy is dropped
-    good, _ = roundtrip(codec(kvt, bits_per_value=0.5, coder="zstd"), kv, first_chunk_index=3)
-    wrong, _ = roundtrip(codec(kvt, bits_per_value=0.5, coder="zstd"), kv, first_chunk_index=0)
+    good, _ = roundtrip(codec(synthetic_kvt, bits_per_value=0.5, coder="zstd"), kv, first_chunk_index=3)
+    wrong, _ = roundtrip(codec(synthetic_kvt, bits_per_value=0.5, coder="zstd"), kv, first_chunk_index=0)
     assert 5 * rel_mse(good, kv) < rel_mse(wrong, kv)
 
 
-def test_paged_target_gets_the_same_values(kvt):
-    c = codec(kvt, coder="zstd", bits_per_value=2.0)
+def test_paged_target_gets_the_same_values(synthetic_kvt):
+    c = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0)
     kv = synthetic_kv(128, seed=10)
     dense, chunks = roundtrip(c, kv)
     pages = torch.zeros(L, 2, 20, 16, H, D, dtype=torch.float16)
@@ -96,26 +72,26 @@ def test_paged_target_gets_the_same_values(kvt):
     assert torch.equal(paged.gather(0, 128), dense)
 
 
-def test_target_ratio_is_met_within_ten_percent(kvt):
+def test_target_ratio_is_met_within_ten_percent(synthetic_kvt):
     kv = synthetic_kv(512, seed=11)
     for r in (4.0, 8.0):
-        chunks = codec(kvt, target_ratio=r, coder="zstd").encode_chunks(kv)
+        chunks = codec(synthetic_kvt, target_ratio=r, coder="zstd").encode_chunks(kv)
         size = sum(len(ch.blobs[0]) for ch in chunks)
         assert abs(kv.numel() * 2 / r / size - 1) < 0.10, (r, kv.numel() * 2 / size)
 
 
-def test_wrong_transform_is_refused(kvt, tmp_path):
+def test_wrong_transform_is_refused(synthetic_kvt, tmp_path):
     other = calibrate([synthetic_kv(600, s) for s in (3, 4)], ROPE)
     save_kvt(other, tmp_path / "other.kvt")
-    blob = codec(kvt, coder="zstd").encode_chunks(synthetic_kv(64, seed=12))[0].blobs[0]
+    blob = codec(synthetic_kvt, coder="zstd").encode_chunks(synthetic_kv(64, seed=12))[0].blobs[0]
     with pytest.raises(ConfigError, match="coded with transform"):
         TransformCodec(tmp_path / "other.kvt").decode_chunk(blob, torch.empty(L, 2, 64, H, D, dtype=torch.float16))
     with pytest.raises(ConfigError):
         TransformCodec(tmp_path / "missing.kvt")
 
 
-def test_damage_and_bad_input_are_clear_errors(kvt):
-    c = codec(kvt, coder="zstd")
+def test_damage_and_bad_input_are_clear_errors(synthetic_kvt):
+    c = codec(synthetic_kvt, coder="zstd")
     blob = bytearray(c.encode_chunks(synthetic_kv(64, seed=13))[0].blobs[0])
     blob[-5] ^= 0xFF
     with pytest.raises(KVCodecError):
@@ -130,18 +106,18 @@ def test_damage_and_bad_input_are_clear_errors(kvt):
         c.encode_chunks(torch.zeros(L + 1, 2, 8, H, D))
 
 
-def test_inspect_and_registry(kvt):
-    c = make_codec("transform", transform=str(kvt[0]), coder="zstd", chunk_tokens=64, resolutions=((64, 64),))
-    assert isinstance(c, ChunkCodec) and kvt[1][:16] in c.id
+def test_inspect_and_registry(synthetic_kvt):
+    c = make_codec("transform", transform=str(synthetic_kvt), coder="zstd", chunk_tokens=64, resolutions=((64, 64),))
+    assert isinstance(c, ChunkCodec) and kvt_hash(synthetic_kvt.read_bytes())[:16] in c.id
     chunks = c.encode_chunks(synthetic_kv(100, seed=15), first_chunk_index=2, keys=["a", "b"])
     info = c.inspect_chunk(chunks[1].blobs[0])
     assert (info.index, info.start_token, info.tokens, info.key) == (3, 192, 36, "b")
 
 
-def test_kvt_file_round_trip_and_damage(kvt, tmp_path):
-    cal, digest = load_kvt(kvt[0])
-    assert digest == kvt[1] and cal.groups and cal.rope == ROPE
-    data = bytearray(kvt[0].read_bytes())
+def test_kvt_file_round_trip_and_damage(synthetic_kvt, tmp_path):
+    cal, digest = load_kvt(synthetic_kvt)
+    assert digest == kvt_hash(synthetic_kvt.read_bytes()) and cal.groups and cal.rope == ROPE
+    data = bytearray(synthetic_kvt.read_bytes())
     (tmp_path / "cut.kvt").write_bytes(bytes(data[: len(data) // 2]))
     with pytest.raises(FormatError):
         load_kvt(tmp_path / "cut.kvt")
@@ -178,7 +154,7 @@ def test_calibrate_command(tmp_path):
     assert res.exit_code != 0
 
 
-def test_encode_decode_commands_with_transform(kvt, tmp_path):
+def test_encode_decode_commands_with_transform(synthetic_kvt, tmp_path):
     from click.testing import CliRunner
     from safetensors.torch import load_file
 
@@ -190,7 +166,7 @@ def test_encode_decode_commands_with_transform(kvt, tmp_path):
         str(tmp_path / "in.safetensors"),
         str(tmp_path / "t.kvc"),
         "--transform",
-        str(kvt[0]),
+        str(synthetic_kvt),
         "--target-ratio",
         "5",
         "--sample-coder",
@@ -203,7 +179,7 @@ def test_encode_decode_commands_with_transform(kvt, tmp_path):
     size = (tmp_path / "t.kvc").stat().st_size
     assert abs(kv.numel() * 2 / 5 / size - 1) < 0.10
     res = CliRunner().invoke(
-        decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "out.safetensors"), "--transform", str(kvt[0])]
+        decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "out.safetensors"), "--transform", str(synthetic_kvt)]
     )
     assert res.exit_code == 0, res.output
     assert rel_mse(load_file(str(tmp_path / "out.safetensors"))["kv"], kv) < 0.05
@@ -218,19 +194,19 @@ def test_encode_decode_commands_with_transform(kvt, tmp_path):
     assert res.exit_code != 0 and isinstance(res.exception, FormatError)
 
 
-def test_presets_are_target_ratios(kvt):
-    assert codec(kvt, preset="compact").target_ratio == 8.0
+def test_presets_are_target_ratios(synthetic_kvt):
+    assert codec(synthetic_kvt, preset="compact").target_ratio == 8.0
     with pytest.raises(ConfigError):
-        codec(kvt, preset="nonsense")
+        codec(synthetic_kvt, preset="nonsense")
     with pytest.raises(ConfigError):
-        codec(kvt, preset="compact", target_ratio=3)
+        codec(synthetic_kvt, preset="compact", target_ratio=3)
 
 
-def test_key_weight_moves_error_from_keys_to_values(kvt):
+def test_key_weight_moves_error_from_keys_to_values(synthetic_kvt):
     kv = synthetic_kv(128, seed=17)
     errs = {}
     for kw in (0.25, 1.0, 4.0):
-        out, _ = roundtrip(codec(kvt, coder="zstd", theta=0.05, key_weight=kw), kv)
+        out, _ = roundtrip(codec(synthetic_kvt, coder="zstd", theta=0.05, key_weight=kw), kv)
         errs[kw] = [rel_mse(out[:, i], kv[:, i]) for i in (0, 1)]
     assert errs[4.0][0] < errs[1.0][0] < errs[0.25][0]  # finer key steps, smaller key error
     assert errs[4.0][1] == pytest.approx(errs[1.0][1], rel=0.05)  # values coded the same way
@@ -315,34 +291,34 @@ def test_fisher_predicts_the_kl_divergence_of_kv_noise():
     assert sum(kls) / len(kls) == pytest.approx(predicted, rel=0.35)
 
 
-def test_plans_kept_per_codec_are_bounded(kvt):
+def test_plans_kept_per_codec_are_bounded(synthetic_kvt):
     """Every chunk names its own distortion level; a stream of chunks with ever new levels (forged or
     not) must not grow the codec's plan cache without bound."""
     from kvcodec.codecs.transform.codec import MAX_PLANS
 
-    c = codec(kvt)
+    c = codec(synthetic_kvt)
     for i in range(MAX_PLANS + 40):
         c.plan(1e-3 * (1 + i))
     assert len(c._plans) == MAX_PLANS
     assert c.plan(1e-3 * (MAX_PLANS + 40)) is c.plan(1e-3 * (MAX_PLANS + 40))  # the latest kept, reused
 
 
-def test_finer_tail_tokens_are_closer_at_the_same_size(kvt):
+def test_finer_tail_tokens_are_closer_at_the_same_size(synthetic_kvt):
     kv = synthetic_kv(200, seed=31)  # chunks of 64: the last 24 tokens span the last two chunks
-    base, _ = roundtrip(codec(kvt, coder="zstd", target_ratio=4.0), kv)
-    c = codec(kvt, coder="zstd", target_ratio=4.0, fine_tokens=24, fine_bits=2)
+    base, _ = roundtrip(codec(synthetic_kvt, coder="zstd", target_ratio=4.0), kv)
+    c = codec(synthetic_kvt, coder="zstd", target_ratio=4.0, fine_tokens=24, fine_bits=2)
     fine, chunks = roundtrip(c, kv)
     assert [c.header(ch.blobs[0])["fine_tokens"] for ch in chunks] == [0, 0, 16, 8]
     assert rel_mse(fine[:, :, -24:], kv[:, :, -24:]) < rel_mse(base[:, :, -24:], kv[:, :, -24:]) / 2
     size = sum(len(ch.blobs[0]) for ch in chunks)
     assert abs(kv.numel() * 2 / 4.0 / size - 1) < 0.10
-    assert "f24x2" in c.id and "f0x0" in codec(kvt, fine_tokens=0).id  # stores never mix the two
+    assert "f24x2" in c.id and "f0x0" in codec(synthetic_kvt, fine_tokens=0).id  # stores never mix the two
 
 
-def test_chunks_with_and_without_the_new_fields_decode_with_any_codec(kvt):
+def test_chunks_with_and_without_the_new_fields_decode_with_any_codec(synthetic_kvt):
     kv = synthetic_kv(100, seed=32)
-    plain = codec(kvt, coder="zstd", bits_per_value=2.0)
-    special = codec(kvt, coder="zstd", bits_per_value=2.0, fine_tokens=50, fine_bits=1, recon="laplace")
+    plain = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0)
+    special = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0, fine_tokens=50, fine_bits=1, recon="laplace")
     for coded_by in (plain, special):
         chunks = coded_by.encode_chunks(kv)
         want, _ = roundtrip(coded_by, kv)
@@ -354,11 +330,11 @@ def test_chunks_with_and_without_the_new_fields_decode_with_any_codec(kvt):
     assert rel_mse(roundtrip(special, kv)[0], kv) < rel_mse(roundtrip(plain, kv)[0], kv)
 
 
-def test_version_1_chunks_still_decode_at_the_bin_centres(kvt):
+def test_version_1_chunks_still_decode_at_the_bin_centres(synthetic_kvt):
     from kvcodec.codecs.transform.codec import CHUNK_MAGIC
     from kvcodec.container.format import read_object, write_object
 
-    c = codec(kvt, coder="zstd", bits_per_value=2.0, fine_tokens=0)  # version 1 had no finer tail
+    c = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0, fine_tokens=0)  # version 1 had no finer tail
     kv = synthetic_kv(64, seed=33)
     blob = c.encode_chunks(kv)[0].blobs[0]
     want = c.decode_chunk(blob, torch.empty_like(kv))
@@ -368,7 +344,7 @@ def test_version_1_chunks_still_decode_at_the_bin_centres(kvt):
         del h[field]
     h["transform_version"] = 1  # the header today's version-1 writers produced
     old = write_object(CHUNK_MAGIC, h, [bytes(payload)])
-    for decoder in (c, codec(kvt, recon="laplace", fine_tokens=8, fine_bits=1)):
+    for decoder in (c, codec(synthetic_kvt, recon="laplace", fine_tokens=8, fine_bits=1)):
         assert torch.equal(decoder.decode_chunk(old, torch.empty_like(kv)), want)
 
 
@@ -386,11 +362,11 @@ def test_version_1_chunks_still_decode_at_the_bin_centres(kvt):
         lambda h: h.__setitem__("transform_version", "2"),
     ],
 )
-def test_forged_precision_fields_are_format_errors(kvt, edit):
+def test_forged_precision_fields_are_format_errors(synthetic_kvt, edit):
     from kvcodec.codecs.transform.codec import CHUNK_MAGIC
     from kvcodec.container.format import read_object, write_object
 
-    c = codec(kvt, coder="zstd", bits_per_value=2.0, fine_tokens=8, fine_bits=1)
+    c = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0, fine_tokens=8, fine_bits=1)
     kv = synthetic_kv(64, seed=34)
     h, payload = read_object(c.encode_chunks(kv)[0].blobs[0], CHUNK_MAGIC, "tc")
     edit(h)
@@ -398,16 +374,16 @@ def test_forged_precision_fields_are_format_errors(kvt, edit):
         c.decode_chunk(write_object(CHUNK_MAGIC, h, [bytes(payload)]), torch.empty_like(kv))
 
 
-def test_precision_options_are_checked(kvt):
+def test_precision_options_are_checked(synthetic_kvt):
     for kw in (dict(fine_tokens=-1), dict(fine_bits=9), dict(recon="median")):
         with pytest.raises(ConfigError):
-            codec(kvt, **kw)
+            codec(synthetic_kvt, **kw)
 
 
-def test_coefficients_of_the_coded_coordinates_are_those_of_all(kvt):
+def test_coefficients_of_the_coded_coordinates_are_those_of_all(synthetic_kvt):
     """A level known beforehand computes only the coordinates it codes (the default encode): the
     same values as all coefficients cut to the coded columns, and the same chunks."""
-    c = codec(kvt)
+    c = codec(synthetic_kvt)
     kv = synthetic_kv(100, seed=5).float()
     theta = c._level(None, kv, 0)
     counts = c.plan(theta).counts

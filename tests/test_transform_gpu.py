@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import test_transform_codec as codec_tests  # the synthetic KV those tests code
+import synthetic as codec_tests  # the synthetic KV the transform tests code
 from kvcodec.codecs.transform.batch import restore_chunks, threads_decode_into
 from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.errors import CorruptStreamError

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.errors import ConfigError
-from kvcodec.transform import calibrate, rate, save_kvt
-from test_transform_codec import ROPE, synthetic_kv
+from kvcodec.transform import rate
+from synthetic import synthetic_kv
 
 
 def bisect(size_bits, target, lo, hi, iters=200):
@@ -78,22 +78,15 @@ def test_a_second_search_starts_from_the_first_ones_sizes():
     assert size(second) == pytest.approx(0.3 * size(1e-4) * 0.9, rel=1e-3)
 
 
-@pytest.fixture(scope="module")
-def kvt(tmp_path_factory):
-    cal = calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "synthetic"})
-    path = tmp_path_factory.mktemp("kvt") / "synthetic.kvt"
-    return path, save_kvt(cal, path)
-
-
-def codec(kvt, **kw):
-    return TransformCodec(kvt[0], chunk_tokens=64, resolutions=((64, 64),), **kw)
+def codec(synthetic_kvt, **kw):
+    return TransformCodec(synthetic_kvt, chunk_tokens=64, resolutions=((64, 64),), **kw)
 
 
 @pytest.mark.parametrize("shuffled", [False, True])
-def test_sample_entropy_is_that_of_the_encodes_integers(kvt, shuffled):
+def test_sample_entropy_is_that_of_the_encodes_integers(synthetic_kvt, shuffled):
     """Sorted columns cut to a level's (or, when they are not a leading slice, picked): the entropy of
     exactly the integers _symbols gives each sampled chunk (sinks zero, all tokens finer for fine)."""
-    c = codec(kvt, target_ratio=4.0, fine_tokens=8, fine_bits=2)
+    c = codec(synthetic_kvt, target_ratio=4.0, fine_tokens=8, fine_bits=2)
     kv = synthetic_kv(300, seed=9)
     y = c.coefficients(kv, 0)
     sample = SampleRate(c, None, kv, 0)
@@ -132,11 +125,11 @@ def reference_level(c: TransformCodec, kv: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("ratio", [3.0, 6.0])
-def test_the_codecs_level_is_the_full_bisections(kvt, ratio):
+def test_the_codecs_level_is_the_full_bisections(synthetic_kvt, ratio):
     """The level LevelSearch finds from a sample's entropy is the fine bisection's, within the search's
     tolerance (its estimated size within 0.2%); the same data gives the same level whatever the
     process coded before (another KV in between: byte-identical stores from any worker, any order)."""
-    c = codec(kvt, target_ratio=ratio, fine_tokens=8, fine_bits=2)
+    c = codec(synthetic_kvt, target_ratio=ratio, fine_tokens=8, fine_bits=2)
     kv = synthetic_kv(400, seed=21)
     want, est = reference_level(c, kv)
     got = c._level(None, kv, 0)

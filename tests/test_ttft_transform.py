@@ -16,30 +16,16 @@ from kvbench.methods import expand_methods, label, method_codec, transform_ratio
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.errors import ConfigError  # noqa: E402
 from kvcodec.kvspec.files import save_kv_file  # noqa: E402
-from kvcodec.transform import RopeSpec, calibrate, save_kvt  # noqa: E402
-from kvcodec.transform.rope import apply_rope  # noqa: E402
+from kvcodec.transform import calibrate, save_kvt  # noqa: E402
+from synthetic import ROPE, D, H, L, synthetic_kv  # noqa: E402
 
-L, H, D = 4, 2, 16
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-
-
-def synthetic_kv(tokens: int, seed: int) -> torch.Tensor:
-    """Correlated (low rank + noise) KV of one synthetic "model"; keys carry RoPE."""
-    g = torch.Generator().manual_seed(1234)
-    mix = torch.randn(12, L * 2 * H * D, generator=g) * torch.linspace(3, 0.2, 12)[:, None]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, 12, generator=g) @ mix + 0.05 * torch.randn(tokens, L * 2 * H * D, generator=g)
-    kv = x.view(tokens, L, 2, H, D).permute(1, 2, 0, 3, 4).contiguous()
-    kv[:, 0] = apply_rope(kv[:, 0], torch.arange(tokens), RopeSpec(10000.0, D))
-    return kv.to(torch.float16)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("ttft")
-    save_kvt(
-        calibrate([synthetic_kv(600, s) for s in (1, 2)], RopeSpec(10000.0, D), info={"model": "syn"}), d / "s.kvt"
-    )
+    save_kvt(calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info={"model": "syn"}), d / "s.kvt")
     save_kv_file(d / "kv.safetensors", synthetic_kv(300, seed=9), {"model": "syn"})
     return d / "s.kvt", d / "kv.safetensors"
 

@@ -13,7 +13,8 @@ decoder's standing memory and a host profile of where each chunk's CPU time goes
     python benchmarks/probes/fetch_restore.py run --dir D --out OUT.json --tokens 2048 --variants default-nokeep
 
 A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
-(int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk). run measures per case:
+(int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk), `split=N` (HEVC streams
+per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes). run measures per case:
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
 get) and with the settings in --variants (`default-nodrive`: decode worker threads instead of the
 driven restore); NVDEC decode-only on the same chunk streams (7 threads, each streaming its chunks
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import pathlib
 import shlex
@@ -51,6 +53,7 @@ SAMPLES = 4096  # values of the CPU fetch kept as the reference (random position
 def parse_case(text: str) -> dict:
     name, _, spec = text.partition(":")
     case = {"name": name, "codec": "transform", "ratio": None, "res": [512, 512], "chunk": 256, "ns": None}
+    case |= {"split": 1, "vbits": "auto"}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         if key == "hevc":
@@ -61,6 +64,10 @@ def parse_case(text: str) -> dict:
             case["res"] = [int(x) for x in value.split("x")]
         elif key == "chunk":
             case["chunk"] = int(value)
+        elif key == "split":  # HEVC streams per chunk
+            case["split"] = int(value)
+        elif key == "vbits":  # HEVC bits per sample through the video stream
+            case["vbits"] = value if value == "auto" else int(value)
         elif key == "ns":  # a key namespace: cases whose codec ids coincide (frame sizes) keep apart
             case["ns"] = value
         else:
@@ -75,7 +82,9 @@ def make_codec(case: dict, d: pathlib.Path, cal=None):
         from kvcodec.codecs.hevc.codec import HevcCodec
         from kvcodec.config import CodecConfig
 
-        return HevcCodec(CodecConfig(quant="int8", chunk_tokens=case["chunk"], resolutions=res))
+        split, vbits = case.get("split", 1), case.get("vbits", "auto")
+        config = CodecConfig(quant="int8", chunk_tokens=case["chunk"], resolutions=res, streams_per_chunk=split)
+        return HevcCodec(dataclasses.replace(config, video_bits=vbits))
     from kvcodec.codecs.transform.codec import TransformCodec
 
     options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], "resolutions": res}
