@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import device_option
+from kvcodec.cli.options import check_output_path, device_option
 from kvcodec.errors import ConfigError
 from kvcodec.transform.calibration import HELD_OUT_TEXTS, KIND_EVAL_TEXTS, mixed_texts
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
@@ -172,7 +172,12 @@ def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
 @click.command("calibrate")
 @click.argument("kv_files", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
-    "--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="MODEL.kvt to write."
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=check_output_path,
+    help="MODEL.kvt to write.",
 )
 @click.option(
     "--model",

@@ -10,7 +10,9 @@ import click
 
 from kvcodec.cli.options import check_output_path, device_option, parse_layer_bits, parse_resolutions
 from kvcodec.config import QUANT_MODES, SAMPLE_CODERS
-from kvcodec.errors import ShapeError
+from kvcodec.errors import ConfigError, ShapeError
+
+TRANSFORM_MAGICS = (b"KVTF", b"KVGF")  # transform files and grouped files: decoded with their .kvt
 
 
 def _load_kv(src: Path):  # noqa: ANN202
@@ -93,8 +95,7 @@ def encode_cmd(
 
         if not transform:
             raise click.BadParameter("--target-ratio / --target-quality need --transform", param_hint="--target-ratio")
-        if streams_per_chunk != 1:
-            raise click.BadParameter("applies to HEVC files, not --transform", param_hint="--streams-per-chunk")
+        _refuse_hevc_options(res)
         return transform_io.encode_cmd(
             src, dst, transform, target_ratio, chunk_tokens, sample_coder, res, target_quality=target_quality
         )
@@ -130,6 +131,17 @@ def encode_cmd(
     )
 
 
+def _refuse_hevc_options(resolutions) -> None:  # noqa: ANN001
+    """encode --transform: the HEVC file's options given on the command line are refused, not ignored."""
+    ctx = click.get_current_context()
+    for name in ("quant", "layer_bits", "video_bits", "streams_per_chunk"):
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            flag = "--" + name.replace("_", "-")
+            raise click.BadParameter("applies to HEVC files, not --transform", param_hint=flag)
+    if resolutions and len(resolutions) > 1:
+        raise click.BadParameter("a transform file stores one resolution", param_hint="--resolutions")
+
+
 @click.command("decode")
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
@@ -150,17 +162,23 @@ def encode_cmd(
 )
 def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     """Decode SRC.kvc into DST.safetensors (one tensor named `kv`)."""
-    from safetensors.torch import save_file
-
     import kvcodec
-
-    if transform:
-        from kvcodec.cli import transform_io
-
-        return transform_io.decode_cmd(src.read_bytes(), dst, transform, device)
+    from kvcodec.kvspec.files import save_kv_file
 
     res = parse_resolutions(resolution, "--resolution")
     data = src.read_bytes()
+    if transform:
+        from kvcodec.cli import transform_io
+
+        for flag, given in (("--resolution", resolution), ("--nvdec-pool", pool_workers)):
+            if given:
+                raise click.BadParameter("applies to HEVC files, not --transform", param_hint=flag)
+        return transform_io.decode_cmd(data, dst, transform, device)
+    if bytes(data[:4]) in TRANSFORM_MAGICS:
+        raise ConfigError(
+            f"{src} is transform-coded: decode it with --transform MODEL.kvt, the .kvt it was encoded with "
+            f"(`kvcodec inspect {src}` shows that .kvt's sha256)"
+        )
     if pool_workers > 0:
         if not device.startswith("cuda"):
             raise click.BadParameter("--nvdec-pool needs --device cuda", param_hint="--nvdec-pool")
@@ -174,7 +192,7 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
         t0 = time.perf_counter()
         kv = kvcodec.decode(data, device=device, resolution=res[0] if res else None)
         elapsed = time.perf_counter() - t0
-    save_file({"kv": kv.cpu().contiguous()}, str(dst))
+    save_kv_file(dst, kv.cpu(), {})  # written beside dst and renamed: a failed write leaves no partial dst
     click.echo(
         f"{dst}: kv {tuple(kv.shape)} {str(kv.dtype).removeprefix('torch.')} decoded on {device} in {elapsed:.2f} s"
     )

@@ -19,11 +19,12 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
 
-from kvcodec.cli.options import device_option
+from kvcodec.cli.options import check_report_path, device_option
 
 QUESTIONS = (
     "What is this text about? Answer in one sentence.",
@@ -71,7 +72,13 @@ def _say(msg: str) -> None:
 @click.option(
     "--threads", default=None, type=click.IntRange(min=1), help="torch CPU threads (default: torch's choice)."
 )
-@click.option("--json-out", default=None, type=click.Path(dir_okay=False), help="Also write the numbers as JSON.")
+@click.option(
+    "--json-out",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=check_report_path,
+    help="Also write the numbers as JSON.",
+)
 def command(
     model_name: str,
     text_name: str,
@@ -84,7 +91,7 @@ def command(
     max_new_tokens: int,
     store_dir: str | None,
     device: str | None,
-    json_out: str | None,
+    json_out: Path | None,
     threads: int | None,
 ) -> None:
     """Store a document's KV, then reuse it over an emulated link: TTFT and identical answers."""

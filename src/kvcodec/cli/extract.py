@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kvcodec.cli.options import check_output_path
 from kvcodec.errors import ConfigError
 
 _DTYPES = ("float16", "bfloat16", "float32")
@@ -45,7 +46,7 @@ def _read_text(spec: str) -> tuple[str, str]:
     "--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True, help="dtype of the saved KV."
 )
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True, help="Prefill chunk size.")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
 def command(model_name: str, text_spec: str, max_tokens: int, dtype: str, chunk_tokens: int, out: Path) -> None:
     """Prefill MODEL on a text and save its KV to OUT.safetensors.
 
@@ -64,8 +65,6 @@ def command(model_name: str, text_spec: str, max_tokens: int, dtype: str, chunk_
 
     if out.suffix != ".safetensors":
         raise click.BadParameter(f"{out}: the output name must end in .safetensors", param_hint="OUT")
-    if not out.parent.exists():
-        raise click.BadParameter(f"{out.parent} does not exist", param_hint="OUT")
     layout = inspect_model(model_name)  # a model kvcodec cannot code fails here, in seconds
     text, label = _read_text(text_spec)
     if not text.strip():

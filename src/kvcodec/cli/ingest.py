@@ -11,7 +11,13 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import count_option, device_option, encode_in_option, parse_codec_options
+from kvcodec.cli.options import (
+    check_report_path,
+    count_option,
+    device_option,
+    encode_in_option,
+    parse_codec_options,
+)
 
 LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a terminal
 
@@ -43,7 +49,12 @@ LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a
     help="Encode documents in worker processes (each takes a document's KV from shared memory) or on threads "
     "of this process (also where the store is memory://).",
 )
-@click.option("--report", type=click.Path(dir_okay=False, path_type=Path), help="Write the summary (JSON) here.")
+@click.option(
+    "--report",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=check_report_path,
+    help="Write the summary (JSON) here.",
+)
 @click.option(
     "--ray",
     "ray_address",
@@ -83,15 +94,20 @@ def command(
     of prompts, one per line. Documents already stored are skipped (run the same command again to
     resume); a document that fails is reported and the others go on (exit code 1 if any failed).
     """
-    from kvcodec.cli.serve import build_codec, codec_choice
+    from kvcodec.cli.serve import build_codec, check_model, check_store, codec_choice
+    from kvcodec.errors import ConfigError
     from kvcodec.ingest import read_documents
     from kvcodec.ingest.sources import check_template
 
-    check_template(template)
+    check_template(template)  # everything a run needs is checked first, in seconds, before the model loads
     flags = {"transform": transform, "quant": quant, "chunk_tokens": chunk_tokens}
     name, options = codec_choice(codec_name, codec_options, flags)
-    codec = build_codec(name, options)  # a bad codec or option fails before the model loads
+    codec = build_codec(name, options)
     documents = list(read_documents(docs, template=template, text_field=text_field, id_field=id_field))
+    if not documents:
+        raise ConfigError(f"{docs} holds no documents")
+    check_model(model_name)
+    check_store(store_url)
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
     bar, on_result, counts = _progress(len(documents))
     started = time.perf_counter()

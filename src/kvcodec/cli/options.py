@@ -92,8 +92,20 @@ def encode_in_option(name: str, help: str) -> Callable:
     )
 
 
-def check_output_path(ctx: click.Context | None, param: Any, value: Path) -> Path:
-    """An output file whose directory exists."""
+def check_output_path(ctx: click.Context | None, param: Any, value: Path | None) -> Path | None:
+    """An output file whose directory exists; where it exists, a regular file (outputs are written
+    beside it and renamed over it, which would replace a device such as /dev/null, or a FIFO)."""
+    value = check_report_path(ctx, param, value)
+    if value is not None and value.exists() and not value.is_file():
+        raise click.BadParameter(f"{str(value)!r} exists and is not a regular file")
+    return value
+
+
+def check_report_path(ctx: click.Context | None, param: Any, value: Path | None) -> Path | None:
+    """A file written in place (a report: /dev/stdout will do) whose directory exists, checked
+    before the work so that its result is not lost at the end."""
+    if value is None:
+        return None
     parent = value.parent if str(value.parent) else Path(".")
     if not parent.is_dir():
         raise click.BadParameter(f"directory {str(parent)!r} does not exist")

@@ -13,9 +13,10 @@ from kvcodec.errors import KVCodecError
 def run_program(group: click.Group, error_prefix: str, error_code: int) -> None:
     """Run `group` on the command line. Ctrl-C exits with code 130; a click error prints its
     message and exits with its code; a KVCodecError that reaches here prints `error_prefix` and
-    its message and exits with `error_code`."""
+    its message and exits with `error_code`. A command's own exit code (click's Exit, which click
+    returns instead of raising outside standalone mode) is the program's."""
     try:
-        group(standalone_mode=False)
+        code = group(standalone_mode=False)
     except click.exceptions.Abort:
         sys.exit(130)
     except click.ClickException as e:
@@ -24,3 +25,5 @@ def run_program(group: click.Group, error_prefix: str, error_code: int) -> None:
     except KVCodecError as e:
         click.echo(f"{error_prefix}{e}", err=True)
         sys.exit(error_code)
+    if isinstance(code, int) and not isinstance(code, bool) and code:
+        sys.exit(code)

@@ -192,9 +192,9 @@ def command(
 
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
-    _check_store_scheme(store_url)  # before the model loads
+    check_store(store_url)  # before the model loads
     if not (no_reuse and no_store):
-        _check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
+        check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
     flags = {
         "transform": transform,
         "preset": preset,
@@ -255,7 +255,7 @@ def _check_codec_fits(codec: Any, engine: Any) -> None:
         raise click.UsageError(f"--transform does not fit the served model: {e}") from None
 
 
-def _check_model(model_name: str) -> None:
+def check_model(model_name: str) -> None:
     from kvcodec.errors import KVCodecError
     from kvcodec.models.check import inspect_model
 
@@ -294,6 +294,18 @@ def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCo
         raise click.BadParameter(f"codec {name!r} refuses its options ({given}): {e}", param_hint="--codec") from None
     except KVCodecError as e:
         raise click.BadParameter(f"codec {name!r}: {e}", param_hint="--codec") from None
+
+
+def check_store(url: str) -> None:
+    """--store, before the model loads: a known scheme, and a store that opens (its server answers)
+    within the engine's own deadline; a StoreError is the command's `error:` line."""
+    from kvcodec.engine.prefix import STORE_OPEN_DEADLINE_S
+    from kvcodec.store import open_store
+
+    _check_store_scheme(url)
+    store = open_store(url, deadline_s=STORE_OPEN_DEADLINE_S)
+    if hasattr(store, "close"):
+        store.close()
 
 
 def _check_store_scheme(url: str) -> None:

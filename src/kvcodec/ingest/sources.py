@@ -47,7 +47,7 @@ def read_documents(
     if p.is_dir():
         docs = _folder(p)
     elif p.is_file():
-        docs = _jsonl(p, text_field, id_field) if p.suffix == ".jsonl" else _lines(p)
+        docs = _jsonl(p, text_field, id_field) if p.suffix.lower() == ".jsonl" else _lines(p)
     else:
         raise ConfigError(f"{str(p)!r} is neither a folder nor a file")
     for d in docs:

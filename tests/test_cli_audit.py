@@ -1,0 +1,174 @@
+"""The `kvcodec` command as a first-time user meets it: exit codes, outputs that must not be lost or
+clobbered, flags that must not be silently ignored, and bad input refused before the slow work."""
+
+import json
+import os
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+from safetensors.torch import save_file
+
+from kvcodec.cli.main import cli
+from kvcodec.cli.program import run_program
+from synthetic import synthetic_kv
+
+
+def _kv_file(tmp_path, tokens: int = 40):  # noqa: ANN001, ANN202
+    path = tmp_path / "kv.safetensors"
+    save_file({"kv": synthetic_kv(tokens, 3)}, str(path))
+    return path
+
+
+def _one_line_error(r, code: int) -> str:  # noqa: ANN001
+    """The run ended with `code` and printed no traceback; its output (the error line)."""
+    assert isinstance(r.exception, SystemExit) and r.exit_code == code, (r.exit_code, r.output, r.exception)
+    assert "Traceback" not in r.output
+    return r.output
+
+
+def test_a_commands_own_exit_code_is_the_programs(monkeypatch):
+    # click returns (does not raise) a command's Exit outside standalone mode: ingest's "exit 1 if any
+    # document failed" and its Ctrl-C 130 ended as exit 0
+    @click.group()
+    def group() -> None:
+        pass
+
+    @group.command("fail")
+    def fail() -> None:
+        raise click.exceptions.Exit(3)
+
+    @group.command("ok")
+    def ok() -> None:
+        pass
+
+    monkeypatch.setattr(sys, "argv", ["prog", "fail"])
+    with pytest.raises(SystemExit) as e:
+        run_program(group, error_prefix="error: ", error_code=1)
+    assert e.value.code == 3
+    monkeypatch.setattr(sys, "argv", ["prog", "ok"])
+    run_program(group, error_prefix="error: ", error_code=1)  # exit 0: returns
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_an_output_that_exists_and_is_not_a_regular_file_is_refused(tmp_path):
+    # outputs are written beside the path and renamed over it: `encode kv /dev/null` replaced the device
+    src, fifo = _kv_file(tmp_path), tmp_path / "fifo"
+    os.mkfifo(fifo)
+    runner = CliRunner()
+    out = _one_line_error(runner.invoke(cli, ["encode", str(src), str(fifo)]), 2)
+    assert "not a regular file" in out
+    out = _one_line_error(runner.invoke(cli, ["extract", "--model", "no-such-model", "--text", "pg", str(fifo)]), 2)
+    assert "not a regular file" in out
+    out = _one_line_error(runner.invoke(cli, ["calibrate", str(src), "--out", str(fifo)]), 2)
+    assert "not a regular file" in out
+    assert not fifo.is_file() and fifo.exists()
+
+
+def test_output_directories_are_checked_before_the_work(tmp_path, monkeypatch):
+    # calibrate fitted (minutes with --model) and ingest stored everything, then failed to write
+    src = _kv_file(tmp_path)
+    runner = CliRunner()
+    out = _one_line_error(runner.invoke(cli, ["calibrate", str(src), "--out", str(tmp_path / "no" / "m.kvt")]), 2)
+    assert "--out" in out and "does not exist" in out
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one prompt\n")
+    args = ["ingest", str(docs), "--model", "no-such-model", "--store", "memory://"]
+    out = _one_line_error(runner.invoke(cli, [*args, "--report", str(tmp_path / "no" / "r.json")]), 2)
+    assert "--report" in out and "does not exist" in out
+
+
+@pytest.fixture
+def transform_file(tmp_path, synthetic_kvt):  # noqa: ANN001, ANN201
+    src, dst = _kv_file(tmp_path), tmp_path / "t.kvc"
+    r = CliRunner().invoke(
+        cli, ["encode", str(src), str(dst), "--transform", str(synthetic_kvt), "--sample-coder", "zstd"]
+    )
+    assert r.exit_code == 0, r.output
+    return dst
+
+
+def test_decoding_a_transform_file_without_its_kvt_says_to_give_it(tmp_path, transform_file):
+    out = _one_line_error(CliRunner().invoke(cli, ["decode", str(transform_file), str(tmp_path / "o.safetensors")]), 1)
+    assert out.startswith("error: ") and "--transform" in out
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_decode_transform_refuses_the_hevc_flags_it_would_ignore(tmp_path, transform_file, synthetic_kvt):
+    base = ["decode", str(transform_file), str(tmp_path / "o.safetensors"), "--transform", str(synthetic_kvt)]
+    for flags in (["--resolution", "999x1"], ["--nvdec-pool", "3"]):
+        out = _one_line_error(CliRunner().invoke(cli, [*base, *flags]), 2)
+        assert flags[0] in out
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_encode_transform_refuses_the_hevc_flags_it_would_ignore(tmp_path, synthetic_kvt):
+    src, dst = _kv_file(tmp_path), tmp_path / "e.kvc"
+    base = ["encode", str(src), str(dst), "--transform", str(synthetic_kvt), "--sample-coder", "zstd"]
+    for flags in (
+        ["--quant", "int4"],
+        ["--quant", "int8"],
+        ["--video-bits", "3"],
+        ["--layer-bits", "2,2,2,2"],
+        ["--streams-per-chunk", "2"],
+        ["--resolutions", "256x256,512x512"],
+    ):
+        out = _one_line_error(CliRunner().invoke(cli, [*base, *flags]), 2)
+        assert flags[0] in out
+    assert not dst.exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_decode_to_a_place_it_cannot_write_is_one_error_line(tmp_path):
+    src, kvc = _kv_file(tmp_path), tmp_path / "kv.kvc"
+    r = CliRunner().invoke(cli, ["encode", str(src), str(kvc), "--quant", "exact", "--sample-coder", "zstd"])
+    assert r.exit_code == 0, r.output
+    out = _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), "/proc/kvcodec-audit.safetensors"]), 1)
+    assert out.startswith("error: ")
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):  # noqa: ANN001, ANN201
+    """Ingest must refuse bad input before the model loads: loading it fails the test."""
+    import kvcodec.ingest.run
+
+    def load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvcodec.ingest.run, "load_for_ingest", load)
+
+
+def test_ingest_refuses_an_empty_corpus_and_a_bad_store_before_the_model_loads(tmp_path, no_model_load):
+    runner = CliRunner()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = _one_line_error(
+        runner.invoke(cli, ["ingest", str(empty), "--model", "smollm2-135m", "--store", "memory://"]), 1
+    )
+    assert "no documents" in out
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one prompt\n")
+    args = ["ingest", str(docs), "--model", "smollm2-135m", "--store"]
+    out = _one_line_error(runner.invoke(cli, [*args, "bogus://x"]), 2)
+    assert "unknown scheme 'bogus'" in out
+    out = _one_line_error(runner.invoke(cli, [*args, "redis://127.0.0.1:1/0"]), 1)  # nothing listens on port 1
+    assert out.startswith("error: ") and "127.0.0.1:1" in out
+
+
+def test_ingest_refuses_an_unsupported_model_before_it_loads(tmp_path, no_model_load):
+    model = tmp_path / "bert"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one prompt\n")
+    r = CliRunner().invoke(cli, ["ingest", str(docs), "--model", str(model), "--store", "memory://"])
+    assert "--model" in _one_line_error(r, 2)
+
+
+def test_a_jsonl_corpus_is_read_as_jsonl_whatever_the_case_of_its_suffix(tmp_path):
+    from kvcodec.ingest import read_documents
+
+    path = tmp_path / "DOCS.JSONL"
+    path.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
+    assert [(d.id, d.text) for d in read_documents(path)] == [("a", "hello")]
