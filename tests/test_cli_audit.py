@@ -172,3 +172,16 @@ def test_a_jsonl_corpus_is_read_as_jsonl_whatever_the_case_of_its_suffix(tmp_pat
     path = tmp_path / "DOCS.JSONL"
     path.write_text(json.dumps({"id": "a", "text": "hello"}) + "\n")
     assert [(d.id, d.text) for d in read_documents(path)] == [("a", "hello")]
+
+
+def test_an_output_that_is_its_own_input_is_refused(tmp_path):
+    # `encode kv.safetensors ./kv.safetensors` replaced the input with the .kvc
+    src = _kv_file(tmp_path)
+    before = src.read_bytes()
+    out = _one_line_error(CliRunner().invoke(cli, ["encode", str(src), str(tmp_path / "." / src.name)]), 2)
+    assert "DST" in out and src.read_bytes() == before
+    kvc = tmp_path / "kv.kvc"
+    assert CliRunner().invoke(cli, ["encode", str(src), str(kvc), "--sample-coder", "zstd"]).exit_code == 0
+    link = tmp_path / "link.kvc"
+    link.symlink_to(kvc)
+    assert "DST" in _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), str(link)]), 2)

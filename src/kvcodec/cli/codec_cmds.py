@@ -90,6 +90,7 @@ def encode_cmd(
     from kvcodec.transform.kvt import write_atomic
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
+    _check_not_source(src, dst)
     if transform or target_ratio or target_quality:
         from kvcodec.cli import transform_io
 
@@ -131,6 +132,12 @@ def encode_cmd(
     )
 
 
+def _check_not_source(src: Path, dst: Path) -> None:
+    """DST must not be SRC (written over, the input would be gone)."""
+    if dst.exists() and dst.samefile(src):
+        raise click.BadParameter(f"{str(dst)!r} is SRC itself: name another output file", param_hint="DST")
+
+
 def _refuse_hevc_options(resolutions) -> None:  # noqa: ANN001
     """encode --transform: the HEVC file's options given on the command line are refused, not ignored."""
     ctx = click.get_current_context()
@@ -166,6 +173,7 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     from kvcodec.kvspec.files import save_kv_file
 
     res = parse_resolutions(resolution, "--resolution")
+    _check_not_source(src, dst)
     data = src.read_bytes()
     if transform:
         from kvcodec.cli import transform_io
