@@ -185,3 +185,16 @@ def test_an_output_that_is_its_own_input_is_refused(tmp_path):
     link = tmp_path / "link.kvc"
     link.symlink_to(kvc)
     assert "DST" in _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), str(link)]), 2)
+
+
+def test_calibrate_refuses_a_misspelt_text_before_the_model_loads(tmp_path, monkeypatch):
+    # a held-out text (the last ones) was read only after the model had loaded and extracted the others
+    import kvcodec.models
+
+    def load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvcodec.models, "load_for_device", load)
+    args = ["calibrate", "--model", "smollm2-135m", "--texts", "pg/apple,pg/no-such-essay", "--device", "cpu"]
+    out = _one_line_error(CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "m.kvt")]), 1)
+    assert "pg/no-such-essay" in out

@@ -362,6 +362,7 @@ def _stream_from_model(model, layout, ids: list, settings: dict, rope):
 
 
 def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, no_rope, device) -> dict:
+    from kvcodec.cli.extract import _read_text
     from kvcodec.models import load_for_device, model_id
     from kvcodec.models.check import inspect_model
 
@@ -370,6 +371,8 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
     held = sorted(set(fit_texts) & {*HELD_OUT_TEXTS, *KIND_EVAL_TEXTS})
     if held:
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
+    for spec in (*fit_texts, *held_texts):  # a misspelt text fails here, not after the model loads (or the fit)
+        _read_text(spec)
     model, tokenizer = load_for_device(model_name, device)  # as the engine runs it: float32 weights as float16 on a GPU
     weighting, alpha, fisher_texts = fisher_args
     sink_tokens = settings["sink_tokens"]
