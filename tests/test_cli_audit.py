@@ -198,3 +198,10 @@ def test_calibrate_refuses_a_misspelt_text_before_the_model_loads(tmp_path, monk
     args = ["calibrate", "--model", "smollm2-135m", "--texts", "pg/apple,pg/no-such-essay", "--device", "cpu"]
     out = _one_line_error(CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "m.kvt")]), 1)
     assert "pg/no-such-essay" in out
+
+
+def test_inspect_of_a_safetensors_file_says_what_it_is(tmp_path, synthetic_kvt):
+    # was: not a kvcodec file: magic b'\xe8:\x00\x00'
+    for path in (_kv_file(tmp_path), synthetic_kvt):
+        out = _one_line_error(CliRunner().invoke(cli, ["inspect", str(path)]), 1)
+        assert out.startswith("error: ") and "safetensors file" in out

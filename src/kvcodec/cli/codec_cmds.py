@@ -215,8 +215,18 @@ def inspect_cmd(src, as_json):
     (an HEVC .kvc file's quantization, streams and layouts; a transform file's calibration and
     settings; a grouped file's groups). Every chunk is checksummed and checked against its place."""
     from kvcodec.codecs.describe import describe
+    from kvcodec.errors import FormatError
 
-    info = describe(src.read_bytes())
+    data = src.read_bytes()
+    try:
+        info = describe(data)
+    except FormatError as e:
+        if _is_safetensors(data):
+            raise FormatError(
+                f"{src} is a safetensors file (a KV file of extract or decode, or a .kvt of calibrate), "
+                "not a kvcodec container: inspect reads the files encode writes and the chunks a store holds"
+            ) from e
+        raise
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -224,6 +234,12 @@ def inspect_cmd(src, as_json):
     click.echo(f"codec       {info['codec']}")
     for line in _DETAILS[info["format"]](info):
         click.echo(line)
+
+
+def _is_safetensors(data: bytes) -> bool:
+    """Looks like a safetensors file: an 8-byte little-endian header length, then a JSON object."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 10 else 0
+    return 2 <= n <= len(data) - 8 and data[8:9] == b"{"
 
 
 def _common_lines(info: dict, kv: str) -> list[str]:
