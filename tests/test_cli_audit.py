@@ -205,3 +205,21 @@ def test_inspect_of_a_safetensors_file_says_what_it_is(tmp_path, synthetic_kvt):
     for path in (_kv_file(tmp_path), synthetic_kvt):
         out = _one_line_error(CliRunner().invoke(cli, ["inspect", str(path)]), 1)
         assert out.startswith("error: ") and "safetensors file" in out
+
+
+def test_serve_refuses_a_busy_port_before_the_model_loads(monkeypatch):
+    import socket
+
+    import kvcodec.engine
+
+    def engine(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the engine (and its model) was started")
+
+    monkeypatch.setattr(kvcodec.engine, "Engine", engine)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--store", "memory://", "--device", "cpu"]
+        out = _one_line_error(CliRunner().invoke(cli, args), 2)
+    assert "--port" in out and str(port) in out

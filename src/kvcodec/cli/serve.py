@@ -192,7 +192,8 @@ def command(
 
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
-    check_store(store_url)  # before the model loads
+    _check_port(host, port)  # before the model loads
+    check_store(store_url)
     if not (no_reuse and no_store):
         check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
     flags = {
@@ -294,6 +295,25 @@ def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCo
         raise click.BadParameter(f"codec {name!r} refuses its options ({given}): {e}", param_hint="--codec") from None
     except KVCodecError as e:
         raise click.BadParameter(f"codec {name!r}: {e}", param_hint="--codec") from None
+
+
+def _check_port(host: str, port: int) -> None:
+    """--host/--port: an address this machine can listen on now (a busy port failed only once the
+    model had loaded). SO_REUSEADDR as the server binds: a port in TIME_WAIT is free."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        raise click.BadParameter(f"{host!r}: {e}", param_hint="--host") from None
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise click.BadParameter(
+                f"cannot listen on {host}:{port}: {e.strerror or e}", param_hint="--port"
+            ) from None
 
 
 def check_store(url: str) -> None:
