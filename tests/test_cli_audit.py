@@ -223,3 +223,15 @@ def test_serve_refuses_a_busy_port_before_the_model_loads(monkeypatch):
         args = ["serve", "--host", "127.0.0.1", "--port", str(port), "--store", "memory://", "--device", "cpu"]
         out = _one_line_error(CliRunner().invoke(cli, args), 2)
     assert "--port" in out and str(port) in out
+
+
+def test_a_line_that_is_not_utf8_is_reported_not_ingested_with_its_bytes_replaced(tmp_path):
+    from kvcodec.ingest import read_documents
+
+    jsonl, prompts = tmp_path / "d.jsonl", tmp_path / "p.txt"
+    jsonl.write_bytes(b'{"id": "a", "text": "caf\xe9"}\n{"id": "b", "text": "fine"}\n')
+    prompts.write_bytes(b"caf\xe9\r\nfine\r\n")
+    for path in (jsonl, prompts):
+        docs = list(read_documents(path))
+        assert docs[0].id == "line 1" and "not UTF-8" in docs[0].error, docs
+        assert docs[1].error is None and docs[1].text == "fine"

@@ -66,26 +66,40 @@ def _folder(root: Path) -> Iterator[Document]:
             yield Document(rel, error=f"cannot read: {e}")
 
 
-def _jsonl(path: Path, text_field: str, id_field: str) -> Iterator[Document]:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+def _utf8_lines(path: Path) -> Iterator[tuple[int, str | None, str | None]]:
+    """(line number, text, None) per line, or (line number, None, error) for a line that is not
+    UTF-8: it is reported, never ingested with its bytes replaced."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
             try:
-                rec = json.loads(line)
-            except ValueError as e:
-                yield Document(f"line {n}", error=f"not JSON: {e}")
-                continue
-            if isinstance(rec, str):
-                yield Document(f"line {n}", rec)
-            elif isinstance(rec, dict) and isinstance(rec.get(text_field), str):
-                yield Document(str(rec.get(id_field, f"line {n}")), rec[text_field])
-            else:
-                yield Document(f"line {n}", error=f"no string field {text_field!r}")
+                yield n, raw.decode("utf-8"), None
+            except UnicodeDecodeError as e:
+                yield n, None, f"not UTF-8 text: {e}"
+
+
+def _jsonl(path: Path, text_field: str, id_field: str) -> Iterator[Document]:
+    for n, line, error in _utf8_lines(path):
+        if error:
+            yield Document(f"line {n}", error=error)
+            continue
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            yield Document(f"line {n}", error=f"not JSON: {e}")
+            continue
+        if isinstance(rec, str):
+            yield Document(f"line {n}", rec)
+        elif isinstance(rec, dict) and isinstance(rec.get(text_field), str):
+            yield Document(str(rec.get(id_field, f"line {n}")), rec[text_field])
+        else:
+            yield Document(f"line {n}", error=f"no string field {text_field!r}")
 
 
 def _lines(path: Path) -> Iterator[Document]:
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, start=1):
-            if line.strip():
-                yield Document(f"line {n}", line.rstrip("\n"))
+    for n, line, error in _utf8_lines(path):
+        if error:
+            yield Document(f"line {n}", error=error)
+        elif line.strip():
+            yield Document(f"line {n}", line.rstrip("\r\n"))
