@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from kvcodec.cli.main import cli
 from kvcodec.cli.program import run_program
-from synthetic import synthetic_kv
+from synthetic import ROPE, synthetic_kv
 
 
 def _kv_file(tmp_path, tokens: int = 40):  # noqa: ANN001, ANN202
@@ -235,3 +235,28 @@ def test_a_line_that_is_not_utf8_is_reported_not_ingested_with_its_bytes_replace
         docs = list(read_documents(path))
         assert docs[0].id == "line 1" and "not UTF-8" in docs[0].error, docs
         assert docs[1].error is None and docs[1].text == "fine"
+
+
+def test_numbers_that_are_not_finite_or_in_range_are_refused(tmp_path, synthetic_kvt):
+    src = _kv_file(tmp_path)
+    runner = CliRunner()
+    encode = ["encode", str(src), str(tmp_path / "e.kvc"), "--transform", str(synthetic_kvt), "--target-ratio"]
+    for value in ("inf", "nan"):  # inf coded a file named ...-rinf-... at 76x
+        assert "--target-ratio" in _one_line_error(runner.invoke(cli, [*encode, value]), 2)
+    calibrate = ["calibrate", str(src), "--out", str(tmp_path / "m.kvt")]
+    for flags in (["--rope-theta", "0"], ["--rope-theta", "-5"], ["--rotary-dim", "0"]):  # were ignored
+        assert flags[0] in _one_line_error(runner.invoke(cli, [*calibrate, *flags]), 2)
+    assert not (tmp_path / "e.kvc").exists() and not (tmp_path / "m.kvt").exists()
+
+
+def test_rotary_flags_that_would_be_ignored_are_refused(tmp_path):
+    # files that carry their rotary settings (as extract writes them), or --model: the flags were ignored
+    for s in (1, 2):
+        meta = {"rope": json.dumps(ROPE.to_dict())}
+        save_file({"kv": synthetic_kv(400, s)}, str(tmp_path / f"k{s}.safetensors"), metadata=meta)
+    files = [str(tmp_path / "k1.safetensors"), str(tmp_path / "k2.safetensors")]
+    r = CliRunner().invoke(cli, ["calibrate", *files, "--out", str(tmp_path / "m.kvt"), "--rope-theta", "500"])
+    assert "--rope-theta" in _one_line_error(r, 1)
+    r = CliRunner().invoke(cli, ["calibrate", "--model", "smollm2-135m", "--rotary-dim", "8", "--out", "m.kvt"])
+    assert "--rotary-dim" in _one_line_error(r, 2)
+    assert not (tmp_path / "m.kvt").exists()

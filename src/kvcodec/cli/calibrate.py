@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import check_output_path, device_option
+from kvcodec.cli.options import check_output_path, device_option, finite_above
 from kvcodec.errors import ConfigError
 from kvcodec.transform.calibration import HELD_OUT_TEXTS, KIND_EVAL_TEXTS, mixed_texts
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
@@ -42,6 +42,7 @@ def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec 
     if no_rope:
         return None
     if metadata.get("rope"):
+        _refuse_rope_flags(theta, rotary_dim)
         return RopeSpec.from_dict(json.loads(metadata["rope"]))
     head_dim = int(metadata["head_dim"])
     if theta is not None:
@@ -51,12 +52,19 @@ def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec 
     raise ConfigError("the KV files do not say their model's rotary settings: pass --rope-theta (or --no-rope)")
 
 
+def _refuse_rope_flags(theta, rotary_dim) -> None:  # noqa: ANN001
+    """The KV files carry their rotary settings: flags that would not be used are refused, not ignored."""
+    if theta is not None or rotary_dim is not None:
+        raise ConfigError("the KV files carry their model's rotary settings: leave out --rope-theta / --rotary-dim")
+
+
 def group_ropes(spec, metadata: dict, theta, style, rotary_dim, no_rope) -> list[RopeSpec | None]:
     """Per group of a grouped KV file: its keys' rotary settings (the file's per-layer 'ropes', else
     --rope-theta for every full-kv group, else the model named in the metadata)."""
     if no_rope:
         return [None] * len(spec.groups)
     if metadata.get("ropes"):
+        _refuse_rope_flags(theta, rotary_dim)
         per_layer = [RopeSpec.from_dict(r) if r else None for r in json.loads(metadata["ropes"])]
     elif theta is not None:
         per_layer = [RopeSpec(theta, x.k_shape[1], rotary_dim, style) for x in spec.layers]
@@ -194,9 +202,18 @@ def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
 @click.option(
     "--max-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="Tokens per text (--model)."
 )
-@click.option("--rope-theta", type=float, help="Rotary base, when the KV files do not carry their model's settings.")
+@click.option(
+    "--rope-theta",
+    type=float,
+    callback=finite_above(0),
+    help="Rotary base, when the KV files do not carry their model's settings.",
+)
 @click.option("--rope-style", type=click.Choice(STYLES), default="half", show_default=True)
-@click.option("--rotary-dim", type=int, help="Rotated channels per head (partial rotary); default the whole head.")
+@click.option(
+    "--rotary-dim",
+    type=click.IntRange(min=2),
+    help="Rotated channels per head (partial rotary); default the whole head.",
+)
 @click.option("--no-rope", is_flag=True, help="Fit the keys as stored (with RoPE).")
 @click.option(
     "--sink-tokens",
@@ -287,6 +304,8 @@ def command(
         raise click.UsageError("--texts needs --model")
     if device and not model_name:
         raise click.UsageError("--device needs --model (KV files are fitted on the CPU)")
+    if model_name and (rope_theta is not None or rotary_dim is not None):
+        raise click.UsageError("--rope-theta / --rotary-dim are for KV files without rotary settings, not --model")
     if out.suffix != ".kvt":
         raise click.BadParameter(f"{out}: the output name must end in .kvt", param_hint="--out")
     try:

@@ -8,9 +8,15 @@ from pathlib import Path
 
 import click
 
-from kvcodec.cli.options import check_output_path, device_option, parse_layer_bits, parse_resolutions
+from kvcodec.cli.options import (
+    check_output_path,
+    device_option,
+    finite_above,
+    parse_layer_bits,
+    parse_resolutions,
+)
 from kvcodec.config import QUANT_MODES, SAMPLE_CODERS
-from kvcodec.errors import ConfigError, ShapeError
+from kvcodec.errors import FormatError, ShapeError
 
 TRANSFORM_MAGICS = (b"KVTF", b"KVGF")  # transform files and grouped files: decoded with their .kvt
 
@@ -54,7 +60,12 @@ def _load_kv(src: Path):  # noqa: ANN202
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="MODEL.kvt: transform-code the KV.",
 )
-@click.option("--target-ratio", type=float, help="With --transform: file size = fp16 size / R (within 10%).")
+@click.option(
+    "--target-ratio",
+    type=float,
+    callback=finite_above(1),
+    help="With --transform: file size = fp16 size / R (within 10%).",
+)
 @click.option(
     "--target-quality",
     help="With --transform: the highest ratio whose held-out quality at calibration met this: top1=0.99 "
@@ -183,7 +194,7 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
                 raise click.BadParameter("applies to HEVC files, not --transform", param_hint=flag)
         return transform_io.decode_cmd(data, dst, transform, device)
     if bytes(data[:4]) in TRANSFORM_MAGICS:
-        raise ConfigError(
+        raise FormatError(
             f"{src} is transform-coded: decode it with --transform MODEL.kvt, the .kvt it was encoded with "
             f"(`kvcodec inspect {src}` shows that .kvt's sha256)"
         )
@@ -215,7 +226,6 @@ def inspect_cmd(src, as_json):
     (an HEVC .kvc file's quantization, streams and layouts; a transform file's calibration and
     settings; a grouped file's groups). Every chunk is checksummed and checked against its place."""
     from kvcodec.codecs.describe import describe
-    from kvcodec.errors import FormatError
 
     data = src.read_bytes()
     try:

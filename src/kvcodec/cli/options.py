@@ -3,6 +3,7 @@ error (one line naming the option, exit code 2) before any work starts."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,17 @@ def parse_deadline(ctx: click.Context | None, param: Any, value: str | float | N
     if not seconds > 0:
         raise click.BadParameter(f"{value!r}: a deadline must be > 0 seconds (or none)")
     return seconds
+
+
+def finite_above(low: float) -> Callable:
+    """A callback: an optional number that is finite and > low (click's FloatRange lets nan and inf through)."""
+
+    def check(ctx: click.Context | None, param: Any, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > low):
+            raise click.BadParameter(f"{value}: expected a finite number > {low:g}")
+        return value
+
+    return check
 
 
 def check_device(ctx: click.Context | None, param: Any, value: str | None) -> str | None:

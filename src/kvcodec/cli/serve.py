@@ -8,7 +8,14 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import count_option, device_option, encode_in_option, parse_codec_options, parse_deadline
+from kvcodec.cli.options import (
+    count_option,
+    device_option,
+    encode_in_option,
+    finite_above,
+    parse_codec_options,
+    parse_deadline,
+)
 
 
 @click.command("serve")
@@ -53,7 +60,11 @@ from kvcodec.cli.options import count_option, device_option, encode_in_option, p
 )
 @click.option("--preset", type=click.Choice(["accurate", "compact"]), default=None, help="Transform codec size preset.")
 @click.option(
-    "--target-ratio", type=click.FloatRange(min=1, min_open=True), default=None, help="Transform codec: size vs fp16."
+    "--target-ratio",
+    type=float,
+    callback=finite_above(1),
+    default=None,
+    help="Transform codec: size vs fp16 (> 1).",
 )
 @click.option(
     "--target-quality",
