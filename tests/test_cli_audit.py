@@ -260,3 +260,21 @@ def test_rotary_flags_that_would_be_ignored_are_refused(tmp_path):
     r = CliRunner().invoke(cli, ["calibrate", "--model", "smollm2-135m", "--rotary-dim", "8", "--out", "m.kvt"])
     assert "--rotary-dim" in _one_line_error(r, 2)
     assert not (tmp_path / "m.kvt").exists()
+
+
+def test_demo_refuses_bad_options_before_the_model_loads(monkeypatch):
+    # an unknown text or quant failed after the model loaded; --doc-tokens below --chunk-tokens ran the
+    # story and ended in "the stored fp16 KV could not be read back for the transform codec: None"
+    import kvcodec.models
+
+    def load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvcodec.models, "load_model", load)
+    for flags, code, needle in (
+        (["--text", "pg/no-such-essay"], 1, "pg/no-such-essay"),
+        (["--quant", "int9"], 2, "--quant"),
+        (["--doc-tokens", "64", "--chunk-tokens", "128"], 2, "--doc-tokens"),
+    ):
+        out = _one_line_error(CliRunner().invoke(cli, ["demo", "--device", "cpu", *flags]), code)
+        assert needle in out, out

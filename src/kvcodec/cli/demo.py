@@ -25,6 +25,7 @@ from typing import Any
 import click
 
 from kvcodec.cli.options import check_report_path, device_option
+from kvcodec.config import QUANT_MODES
 
 QUESTIONS = (
     "What is this text about? Answer in one sentence.",
@@ -51,7 +52,9 @@ def _say(msg: str) -> None:
     type=click.FloatRange(min=0, min_open=True),
     help="Emulated link bandwidth (Gbit/s, token bucket).",
 )
-@click.option("--quant", default="int8", show_default=True, help="kvcodec quantization (int8, ..., exact).")
+@click.option(
+    "--quant", type=click.Choice(QUANT_MODES), default="int8", show_default=True, help="kvcodec quantization."
+)
 @click.option(
     "--transform-ratio",
     default=None,
@@ -97,6 +100,13 @@ def command(
     """Store a document's KV, then reuse it over an emulated link: TTFT and identical answers."""
     import tempfile
 
+    from kvcodec.cli.serve import check_model
+    from kvcodec.models.texts import load_text
+
+    if doc_tokens < chunk_tokens:  # the store holds whole chunks: a shorter document leaves nothing to reuse
+        raise click.BadParameter(f"{doc_tokens} is fewer than --chunk-tokens {chunk_tokens}", param_hint="--doc-tokens")
+    check_model(model_name)  # before the model loads: a model kvcodec cannot code, from its config
+    load_text(text_name)  # an unknown text, likewise
     t_start = time.perf_counter()
     if threads:
         import torch
@@ -104,7 +114,6 @@ def command(
         torch.set_num_threads(threads)
     _say(f"[1/{STEPS}] loading {model_name} (the first run converts the weights, ~30 s) ...")
     from kvcodec.models import load_model
-    from kvcodec.models.texts import load_text
 
     model, tok = load_model(model_name)
     tmp = None
