@@ -37,7 +37,14 @@ def _load_kv(src: Path):  # noqa: ANN202
 @click.command("encode")
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
-@click.option("--quant", type=click.Choice(QUANT_MODES), default="int8", show_default=True)
+@click.option(
+    "--quant",
+    type=click.Choice(QUANT_MODES),
+    default="int8",
+    show_default=True,
+    help="Quantization of an HEVC file (exact: bit for bit). Like --layer-bits, --video-bits, "
+    "--streams-per-chunk and a second resolution, not with --transform.",
+)
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 512x512).")
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
@@ -164,19 +171,21 @@ def _refuse_hevc_options(resolutions) -> None:  # noqa: ANN001
 @click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("dst", type=click.Path(dir_okay=False, path_type=Path), callback=check_output_path)
 @device_option()
-@click.option("--resolution", help="Which stored resolution to decode, e.g. 512x512 (default: the largest).")
+@click.option(
+    "--resolution", help="HEVC files: which stored resolution to decode, e.g. 512x512 (default: the largest)."
+)
 @click.option(
     "--nvdec-pool",
     "pool_workers",
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="CUDA: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).",
+    help="CUDA, HEVC files: decode the chunks in parallel in this many NVDEC worker processes (0: one decoder here).",
 )
 @click.option(
     "--transform",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="The MODEL.kvt SRC was encoded with.",
+    help="The MODEL.kvt SRC was encoded with (needed for a transform-coded SRC).",
 )
 def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     """Decode SRC.kvc into DST.safetensors (one tensor named `kv`)."""

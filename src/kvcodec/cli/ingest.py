@@ -32,6 +32,7 @@ LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a
     "codec_options",
     multiple=True,
     callback=parse_codec_options,
+    metavar="KEY=VALUE",
     help="An option of the codec (repeatable), e.g. quant=int4.",
 )
 @click.option(
