@@ -278,3 +278,16 @@ def test_demo_refuses_bad_options_before_the_model_loads(monkeypatch):
     ):
         out = _one_line_error(CliRunner().invoke(cli, ["demo", "--device", "cpu", *flags]), code)
         assert needle in out, out
+
+
+def test_decode_resolution_must_be_one_that_the_file_stores(tmp_path):
+    # was: "error: file has no blob for chunk 0 at 256x144"; and of "a,b" the first was decoded silently
+    src, kvc = _kv_file(tmp_path), tmp_path / "kv.kvc"
+    args = ["encode", str(src), str(kvc), "--resolutions", "144x144,160x144", "--sample-coder", "zstd"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    dst = str(tmp_path / "o.safetensors")
+    out = _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), dst, "--resolution", "256x144"]), 2)
+    assert "144x144, 160x144" in out
+    out = _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), dst, "--resolution", "144x144,160x144"]), 2)
+    assert "one resolution" in out
+    assert CliRunner().invoke(cli, ["decode", str(kvc), dst, "--resolution", "160x144"]).exit_code == 0

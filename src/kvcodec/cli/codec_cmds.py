@@ -193,6 +193,8 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     from kvcodec.kvspec.files import save_kv_file
 
     res = parse_resolutions(resolution, "--resolution")
+    if res and len(res) > 1:
+        raise click.BadParameter(f"{resolution!r}: give one resolution", param_hint="--resolution")
     _check_not_source(src, dst)
     data = src.read_bytes()
     if transform:
@@ -206,6 +208,10 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
         raise FormatError(
             f"{src} is transform-coded: decode it with --transform MODEL.kvt, the .kvt it was encoded with "
             f"(`kvcodec inspect {src}` shows that .kvt's sha256)"
+        )
+    if res and f"{res[0][0]}x{res[0][1]}" not in (stored := kvcodec.inspect(data)["resolutions"]):
+        raise click.BadParameter(
+            f"{resolution!r} is not stored; {src} holds {', '.join(stored)}", param_hint="--resolution"
         )
     if pool_workers > 0:
         if not device.startswith("cuda"):
