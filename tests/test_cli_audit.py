@@ -291,3 +291,11 @@ def test_decode_resolution_must_be_one_that_the_file_stores(tmp_path):
     out = _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), dst, "--resolution", "144x144,160x144"]), 2)
     assert "one resolution" in out
     assert CliRunner().invoke(cli, ["decode", str(kvc), dst, "--resolution", "160x144"]).exit_code == 0
+
+
+def test_ingest_refuses_a_memory_store_whose_kv_would_end_with_it(tmp_path, no_model_load):
+    # "1 documents: 1 stored" into a store that is gone when the command exits
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one prompt\n")
+    r = CliRunner().invoke(cli, ["ingest", str(docs), "--model", "smollm2-135m", "--store", "memory://"])
+    assert "--store" in _one_line_error(r, 2)

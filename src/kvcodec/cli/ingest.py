@@ -48,7 +48,7 @@ LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a
 @encode_in_option(
     "--encode-in",
     help="Encode documents in worker processes (each takes a document's KV from shared memory) or on threads "
-    "of this process (also where the store is memory://).",
+    "of this process.",
 )
 @click.option(
     "--report",
@@ -108,6 +108,10 @@ def command(
     if not documents:
         raise ConfigError(f"{docs} holds no documents")
     check_model(model_name)
+    if store_url.lower().startswith("memory:"):
+        raise click.BadParameter(
+            "a memory:// store ends with this process: give file:// or redis://", param_hint="--store"
+        )
     check_store(store_url)
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
     bar, on_result, counts = _progress(len(documents))
