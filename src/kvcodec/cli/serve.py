@@ -201,9 +201,9 @@ def command(
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.server import serve
 
+    _check_port(host, port)  # before the model loads (and before a temp store is made)
     if store_url is None:
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
-    _check_port(host, port)  # before the model loads
     check_store(store_url)
     if not (no_reuse and no_store):
         check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
