@@ -299,3 +299,11 @@ def test_ingest_refuses_a_memory_store_whose_kv_would_end_with_it(tmp_path, no_m
     docs.write_text("one prompt\n")
     r = CliRunner().invoke(cli, ["ingest", str(docs), "--model", "smollm2-135m", "--store", "memory://"])
     assert "--store" in _one_line_error(r, 2)
+
+
+def test_a_refused_serve_start_leaves_no_temp_store_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = CliRunner().invoke(cli, ["serve", "--device", "cpu", "--quant", "int9"])
+    assert "--codec" in _one_line_error(r, 2) and not list(tmp_path.iterdir())

@@ -201,10 +201,9 @@ def command(
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.server import serve
 
-    _check_port(host, port)  # before the model loads (and before a temp store is made)
-    if store_url is None:
-        store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
-    check_store(store_url)
+    _check_port(host, port)  # before the model loads
+    if store_url is not None:
+        check_store(store_url)
     if not (no_reuse and no_store):
         check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
     flags = {
@@ -216,6 +215,8 @@ def command(
     }
     name, options = codec_choice(codec_name, codec_options, {**flags, "chunk_tokens": chunk_tokens})
     codec = build_codec(name, options)  # a bad codec, option or .kvt is refused before pools or the model start
+    if store_url is None:  # made once every check passed: a refused start leaves no empty directory behind
+        store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
     try:
         if pool is not None:
