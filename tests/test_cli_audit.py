@@ -244,7 +244,13 @@ def test_numbers_that_are_not_finite_or_in_range_are_refused(tmp_path, synthetic
     for value in ("inf", "nan"):  # inf coded a file named ...-rinf-... at 76x
         assert "--target-ratio" in _one_line_error(runner.invoke(cli, [*encode, value]), 2)
     calibrate = ["calibrate", str(src), "--out", str(tmp_path / "m.kvt")]
-    for flags in (["--rope-theta", "0"], ["--rope-theta", "-5"], ["--rotary-dim", "0"]):  # were ignored
+    for flags in (
+        ["--rope-theta", "0"],  # was ignored, as -5 and --rotary-dim 0
+        ["--rope-theta", "-5"],
+        ["--rotary-dim", "0"],
+        ["--report-ratios", "3,nan"],  # failed after the fit
+        ["--report-ratios", "3,inf"],  # measured "infx"
+    ):
         assert flags[0] in _one_line_error(runner.invoke(cli, [*calibrate, *flags]), 2)
     assert not (tmp_path / "e.kvc").exists() and not (tmp_path / "m.kvt").exists()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -312,8 +313,10 @@ def command(
         ratios = sorted({float(r) for r in report_ratios.split(",") if r.strip()})
     except ValueError:
         ratios = []
-    if not ratios or min(ratios) <= 1:
-        raise click.BadParameter(f"{report_ratios!r}: ratios above 1, comma-separated", param_hint="--report-ratios")
+    if not ratios or not all(math.isfinite(r) and r > 1 for r in ratios):  # nan failed after the fit, inf ran
+        raise click.BadParameter(
+            f"{report_ratios!r}: finite ratios above 1, comma-separated", param_hint="--report-ratios"
+        )
     t0 = time.perf_counter()
     settings = dict(sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim, max_group=max_group, covariance=covariance)
     rope_flags = (rope_theta, rope_style, rotary_dim, no_rope)
