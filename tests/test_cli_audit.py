@@ -1,6 +1,7 @@
 """The `kvcodec` command as a first-time user meets it: exit codes, outputs that must not be lost or
 clobbered, flags that must not be silently ignored, and bad input refused before the slow work."""
 
+import importlib.util
 import json
 import os
 import sys
@@ -313,3 +314,19 @@ def test_a_refused_serve_start_leaves_no_temp_store_behind(tmp_path, monkeypatch
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = CliRunner().invoke(cli, ["serve", "--device", "cpu", "--quant", "int9"])
     assert "--codec" in _one_line_error(r, 2) and not list(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="needs Ray not installed")
+def test_ingest_ray_without_ray_is_refused_first(tmp_path, monkeypatch):
+    # was refused only after the model check and the store had been opened
+    import kvcodec.cli.serve
+
+    def check(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was checked first")
+
+    monkeypatch.setattr(kvcodec.cli.serve, "check_model", check)
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one prompt\n")
+    args = ["ingest", str(docs), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}", "--ray", "auto"]
+    assert "kvcodec[ray]" in _one_line_error(CliRunner().invoke(cli, args), 1)
+    assert not (tmp_path / "s").exists()

@@ -101,6 +101,10 @@ def command(
     from kvcodec.ingest.sources import check_template
 
     check_template(template)  # everything a run needs is checked first, in seconds, before the model loads
+    if ray_address:
+        from kvcodec.ingest.distributed import import_ray
+
+        import_ray()  # the ray extra installed
     flags = {"transform": transform, "quant": quant, "chunk_tokens": chunk_tokens}
     name, options = codec_choice(codec_name, codec_options, flags)
     codec = build_codec(name, options)
