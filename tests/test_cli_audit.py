@@ -163,7 +163,7 @@ def test_ingest_refuses_an_unsupported_model_before_it_loads(tmp_path, no_model_
     (model / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     docs = tmp_path / "docs.txt"
     docs.write_text("one prompt\n")
-    r = CliRunner().invoke(cli, ["ingest", str(docs), "--model", str(model), "--store", "memory://"])
+    r = CliRunner().invoke(cli, ["ingest", str(docs), "--model", str(model), "--store", f"file://{tmp_path / 's'}"])
     assert "--model" in _one_line_error(r, 2)
 
 

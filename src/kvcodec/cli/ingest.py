@@ -95,7 +95,7 @@ def command(
     of prompts, one per line. Documents already stored are skipped (run the same command again to
     resume); a document that fails is reported and the others go on (exit code 1 if any failed).
     """
-    from kvcodec.cli.serve import build_codec, check_model, check_store, codec_choice
+    from kvcodec.cli.serve import build_codec, codec_choice
     from kvcodec.errors import ConfigError
     from kvcodec.ingest import read_documents
     from kvcodec.ingest.sources import check_template
@@ -111,12 +111,7 @@ def command(
     documents = list(read_documents(docs, template=template, text_field=text_field, id_field=id_field))
     if not documents:
         raise ConfigError(f"{docs} holds no documents")
-    check_model(model_name)
-    if store_url.lower().startswith("memory:"):
-        raise click.BadParameter(
-            "a memory:// store ends with this process: give file:// or redis://", param_hint="--store"
-        )
-    check_store(store_url)
+    _check_model_and_store(model_name, store_url, here=not ray_address)
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
     bar, on_result, counts = _progress(len(documents))
     started = time.perf_counter()
@@ -145,6 +140,20 @@ def command(
         report.write_text(json.dumps(summary, indent=1) + "\n")
     if summary["failed"]:
         raise click.exceptions.Exit(1)
+
+
+def _check_model_and_store(model_name: str, store_url: str, here: bool) -> None:
+    """Before the model loads: the model kvcodec can code and the store it can reach, where the job
+    runs here; on a Ray cluster, whose nodes hold them, only what the names say."""
+    from kvcodec.cli.serve import check_model, check_store
+
+    if store_url.lower().startswith("memory:"):
+        raise click.BadParameter(
+            "a memory:// store ends with this process: give file:// or redis://", param_hint="--store"
+        )
+    if here:
+        check_model(model_name)
+    check_store(store_url, reach=here)
 
 
 def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, counts so far)

@@ -328,13 +328,15 @@ def _check_port(host: str, port: int) -> None:
             ) from None
 
 
-def check_store(url: str) -> None:
-    """--store, before the model loads: a known scheme, and a store that opens (its server answers)
-    within the engine's own deadline; a StoreError is the command's `error:` line."""
+def check_store(url: str, reach: bool = True) -> None:
+    """--store, before the model loads: a known scheme, and (reach) a store that opens (its server
+    answers) within the engine's own deadline; a StoreError is the command's `error:` line."""
     from kvcodec.engine.prefix import STORE_OPEN_DEADLINE_S
     from kvcodec.store import open_store
 
     _check_store_scheme(url)
+    if not reach:
+        return
     store = open_store(url, deadline_s=STORE_OPEN_DEADLINE_S)
     if hasattr(store, "close"):
         store.close()
