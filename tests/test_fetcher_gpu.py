@@ -224,3 +224,23 @@ def test_a_bad_chunk_never_poisons_the_kept_sessions(kvt, monkeypatch):
     ref = cpu.fetch(ids)  # chunk 3 coded again
     for _ in range(2):
         check(gpu.fetch(ids))
+
+
+def test_restore_streams_take_the_configured_priority(monkeypatch):
+    """A fetch's CUDA work runs on streams of streams.PRIORITY: the default one unless a benchmark
+    (fetch_restore's -hipri) asks for the device's highest, which torch clamps HIGHEST to."""
+    from kvcodec.fetcher.pipeline import _own_stream
+    from kvcodec.video import streams
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    with _own_stream(torch.device("cuda"), None):
+        assert torch.cuda.current_stream().priority == 0
+    _, highest = torch.cuda.Stream.priority_range()
+    monkeypatch.setattr(streams, "PRIORITY", streams.HIGHEST)
+    with _own_stream(torch.device("cuda"), None):
+        assert torch.cuda.current_stream().priority == highest < 0
+    try:
+        decoder = NvcuvidDecoder("cuda")
+    except BackendUnavailableError as e:
+        pytest.skip(f"no NVDEC here: {e}")
+    assert decoder.stream.priority == highest

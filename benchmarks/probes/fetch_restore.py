@@ -226,11 +226,16 @@ def _check(kv: torch.Tensor, case: dict) -> dict:
 
 
 def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
+    """Fetch times, each until the KV is ready on the caller's stream. The caller is a thread of its
+    own stream (an engine's request thread): a device-wide sync, or the legacy default stream that
+    the interference's matmul runs on, would time the matmul's queue as well."""
     times, kv = [], None
+    caller = torch.cuda.Stream()
     for _ in range(repeat):
         t0 = time.perf_counter()
-        r = cache.fetch(ids, deadline_s=None)
-        torch.cuda.synchronize()
+        with torch.cuda.stream(caller):
+            r = cache.fetch(ids, deadline_s=None)
+        caller.synchronize()
         times.append(time.perf_counter() - t0)
         if not r.ok:
             raise RuntimeError(f"fetch failed: {r.error}")
@@ -242,15 +247,19 @@ def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
 def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
     native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM),
-    keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n)."""
+    keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n),
+    hipri True (the restore's CUDA streams at the device's highest priority, not the default one)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
     from kvcodec.restore import transform_kernels
-    from kvcodec.video import nvcuvid, nvcuvid_native
+    from kvcodec.video import nvcuvid, nvcuvid_native, streams
 
     saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
     driven = transform_batch.DRIVEN, transform_batch.EAGER
-    keep = nvcuvid_native.KEEP
+    keep, priority = nvcuvid_native.KEEP, streams.PRIORITY
+    if variant.get("hipri", False):  # the decoders' streams are made afresh at the highest priority
+        _close_idle()
+        streams.PRIORITY = streams.HIGHEST
     nvcuvid_native.KEEP = variant.get("keep", True) and keep
     transform_batch.DRIVEN = variant.get("drive", True) and variant.get("stream", True) and driven[0]
     transform_batch.EAGER = variant.get("eager", True) and driven[1]
@@ -272,6 +281,9 @@ def _switches(codec, variant: dict):
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
         transform_batch.DRIVEN, transform_batch.EAGER = driven
         nvcuvid_native.KEEP = keep
+        if priority != streams.PRIORITY:
+            _close_idle()
+            streams.PRIORITY = priority
         sys.setswitchinterval(saved[2])
         if variant.get("dd") is not None:
             _close_idle()
@@ -279,7 +291,7 @@ def _switches(codec, variant: dict):
         codec.__dict__.pop("stage_stream", None)
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "keep")
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "keep", "hipri")
 
 
 def _close_idle() -> None:
@@ -791,17 +803,18 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -swiN, -ddN, -fdN (see _switches)."""
+    -nokeep, -hipri, -swiN, -ddN, -fdN (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
-    names = {
-        "nostream": "stream",
-        "python": "native",
-        "fp32": "split",
-        "nofeed": "feed",
-        "nodrive": "drive",
-        "lazy": "eager",
-        "nokeep": "keep",
+    names = {  # switch -> (variant key, value)
+        "nostream": ("stream", False),
+        "python": ("native", False),
+        "fp32": ("split", False),
+        "nofeed": ("feed", False),
+        "nodrive": ("drive", False),
+        "lazy": ("eager", False),
+        "nokeep": ("keep", False),
+        "hipri": ("hipri", True),
     }
     for sw in switches:
         if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
@@ -811,7 +824,8 @@ def _variant(text: str) -> dict:
         elif sw.startswith("fd"):  # -fd4: streams a native feeder holds fed and not complete
             v["fd"] = int(sw[2:])
         else:
-            v[names[sw]] = False
+            key, value = names[sw]
+            v[key] = value
     return v
 
 

@@ -43,6 +43,7 @@ from kvcodec.fetcher.policy import ChoiceContext, ResolutionPolicy
 from kvcodec.fetcher.profile import DecodeProfile
 from kvcodec.fetcher.stats import ChunkTiming, FetchStats
 from kvcodec.restore.paged import PagedKV
+from kvcodec.video.streams import restore_stream
 
 log = logging.getLogger(__name__)
 
@@ -681,7 +682,7 @@ def _own_stream(device: torch.device, after: torch.cuda.Event | None):
     if device.type != "cuda":
         yield
         return
-    stream = torch.cuda.Stream(device)
+    stream = restore_stream(device)
     if after is not None:
         stream.wait_event(after)
     with torch.cuda.stream(stream):

@@ -26,6 +26,7 @@ import torch
 
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 from kvcodec.video import nvcuvid_api as api
+from kvcodec.video.streams import restore_stream
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +359,7 @@ class NvcuvidDecoder:
         self.copy = copy
         torch.cuda.init()
         self.ctx = api.primary_context(self.device.index)
-        self._stream = torch.cuda.Stream(self.device)
+        self._stream = restore_stream(self.device)
         self._sessions: dict[tuple[int, int], _Session] = {}
         self._kept: _FedRun | None = None  # fed_run's, kept open across callers (nvcuvid_native.KEEP)
         self.sessions_created = 0

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvcodec.video.nvcuvid import NvcuvidDecoder
+from kvcodec.video.streams import restore_stream
 
 DEFAULT_SESSIONS = 7  # NVDEC engines of an H100/H200
 # NVDEC engines per GPU (the vendor's NVDEC support matrix), by a substring of the device name; a
@@ -102,7 +103,7 @@ class NvcuvidThreads:
         stream = getattr(self._local, "stream", None)
         if stream is None:
             torch.cuda.set_device(self.device)
-            stream = self._local.stream = torch.cuda.Stream(self.device)
+            stream = self._local.stream = restore_stream(self.device)
         return stream
 
     def _restore_one(self, blob, out, restore: str, decode_into) -> torch.cuda.Event:

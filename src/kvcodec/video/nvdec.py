@@ -22,6 +22,7 @@ import torch
 
 from kvcodec.errors import BackendUnavailableError, CorruptStreamError
 from kvcodec.video.nvcuvid_api import make_current, primary_context
+from kvcodec.video.streams import restore_stream
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ class NvdecDecoder:
         idx = self.device.index
         with torch.cuda.device(idx):
             if self._stream is None:
-                self._stream = torch.cuda.Stream(idx)
+                self._stream = restore_stream(idx)
             latency = nvc.DisplayDecodeLatencyType.LOW if self.latency == "low" else nvc.DisplayDecodeLatencyType.NATIVE
             ctx = primary_context(idx)
             # torch's primary context must be the thread's current one (a library that failed to
