@@ -259,3 +259,38 @@ def test_a_model_cast_to_float16_keeps_its_rope_frequencies_float32(smollm2):
         got = {n: b for n, b in half.named_buffers() if n.endswith("inv_freq")}
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     assert next(model.parameters()).dtype == torch.float32  # the fixture's model untouched
+
+
+def _gguf_header(arch: bytes = b"llama") -> bytes:
+    """A GGUF v3 header with one string field (general.architecture) and no tensors."""
+    import struct
+
+    key = b"general.architecture"
+    return (
+        b"GGUF"
+        + struct.pack("<IQQ", 3, 0, 1)
+        + struct.pack("<Q", len(key))
+        + key
+        + struct.pack("<IQ", 8, len(arch))
+        + arch
+    )
+
+
+@pytest.mark.parametrize("cut", [6, 20, 30, 50])
+def test_a_truncated_gguf_is_refused_as_damaged_not_with_a_traceback(tmp_path, cut):
+    from kvcodec.models.check import inspect_model
+    from kvcodec.models.gguf_config import read_header
+
+    whole = _gguf_header()
+    fields, tensors = read_header(_write(tmp_path / "whole.gguf", whole))
+    assert fields == {"general.architecture": "llama"} and tensors == []
+    path = _write(tmp_path / "cut.gguf", whole[:cut])
+    with pytest.raises(ConfigError, match="truncated GGUF header"):
+        read_header(path)
+    with pytest.raises(ConfigError, match="truncated GGUF header"):  # no fallback to transformers' parser
+        inspect_model(str(path))
+
+
+def _write(path, data: bytes):
+    path.write_bytes(data)
+    return path

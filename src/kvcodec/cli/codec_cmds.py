@@ -105,7 +105,7 @@ def encode_cmd(
     from tqdm import tqdm
 
     import kvcodec
-    from kvcodec.transform.kvt import write_atomic
+    from kvcodec.atomic import write_atomic
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
     _check_not_source(src, dst)

@@ -31,6 +31,7 @@ def pick_ratio(transform: Path, target_ratio: float | None, target_quality: str 
 def encode_cmd(
     src: Path, dst: Path, transform: Path, target_ratio, chunk_tokens: int, coder: str, resolutions, target_quality=None
 ) -> None:
+    from kvcodec.atomic import write_atomic
     from kvcodec.codecs.grouped import GroupedCodec
     from kvcodec.codecs.grouped_file import encode_grouped
     from kvcodec.codecs.transform.codec import open_transform
@@ -38,7 +39,6 @@ def encode_cmd(
     from kvcodec.errors import ShapeError
     from kvcodec.kvspec.files import load_kv_file
     from kvcodec.models.quality import fp16_bytes
-    from kvcodec.transform.kvt import write_atomic
 
     if coder not in ("hevc", "zstd", "ans"):
         raise click.BadParameter("with --transform the sample coder is hevc, zstd or ans", param_hint="--sample-coder")

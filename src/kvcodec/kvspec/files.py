@@ -8,12 +8,11 @@ one tensor per group (`group.<i>`) with the KVSpec and the positions each holds 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvcodec.atomic import replacing
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec.spec import KVSpec
 from kvcodec.kvspec.tensors import GroupedKV
@@ -38,14 +37,8 @@ def save_kv_file(path: str | Path, kv: torch.Tensor | GroupedKV, metadata: dict[
         )
     else:
         tensors, meta["layout"] = {"kv": kv.contiguous()}, LAYOUT_PLAIN
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_kv_file(path: str | Path) -> tuple[torch.Tensor | GroupedKV, dict[str, str]]:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from kvcodec.atomic import replacing
 from kvcodec.errors import ConfigError
 from kvcodec.layout.tiling import LayoutPlan, candidate_plans, frame_blocks, pack_frame
 
@@ -87,10 +87,8 @@ def _disk_put(key: str, value: object) -> None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             merged = {**_read_disk(), key: value}
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-            with os.fdopen(fd, "w") as f:
+            with replacing(path) as tmp, open(tmp, "w") as f:
                 json.dump(merged, f, indent=0, sort_keys=True)
-            os.replace(tmp, path)
         except OSError as e:
             log.warning("could not write the coding-plan cache %s: %s", path, e)
 

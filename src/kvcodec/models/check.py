@@ -92,12 +92,12 @@ def model_config(name: str) -> Any:
             "a transformers model directory or a .gguf file"
         )
     if extra:  # a GGUF file: its header alone (transformers' parser reads every vocabulary string)
-        from kvcodec.models.gguf_config import gguf_config
+        from kvcodec.models.gguf_config import DamagedGGUFError, gguf_config
 
         try:
             return gguf_config(Path(where) / extra["gguf_file"])
         except ConfigError as e:
-            if "is not one transformers loads" in str(e):
+            if isinstance(e, DamagedGGUFError) or "is not one transformers loads" in str(e):
                 raise ConfigError(f"model {name!r}: {e}") from e
     try:
         return AutoConfig.from_pretrained(str(where), **extra)

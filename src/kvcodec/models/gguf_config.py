@@ -18,19 +18,26 @@ MAX_KEPT_ARRAY = 4096  # numeric arrays up to this long are kept (per-layer sett
 _RENAMES = (("qwen2moe", "qwen2_moe"), ("gpt_oss", "gpt_oss"), ("gpt-oss", "gpt_oss"), ("qwen3moe", "qwen3_moe"))
 
 
+class DamagedGGUFError(ConfigError):
+    """A GGUF header that ends early or holds impossible values: no other parser reads it either."""
+
+
+def _exactly(f: BinaryIO, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise DamagedGGUFError(f"truncated GGUF header (ends at byte {f.tell()})")
+    return data
+
+
 def _read(f: BinaryIO, fmt: str) -> Any:
-    size = struct.calcsize(fmt)
-    data = f.read(size)
-    if len(data) != size:
-        raise ConfigError("truncated GGUF header")
-    return struct.unpack(fmt, data)[0]
+    return struct.unpack(fmt, _exactly(f, struct.calcsize(fmt)))[0]
 
 
 def _string(f: BinaryIO) -> str:
     n = _read(f, "<Q")
     if n > 1 << 24:
-        raise ConfigError("implausible GGUF string length")
-    return f.read(n).decode("utf-8", errors="replace")
+        raise DamagedGGUFError("implausible GGUF string length")
+    return _exactly(f, n).decode("utf-8", errors="replace")
 
 
 def _value(f: BinaryIO, kind: int) -> Any:
@@ -46,7 +53,7 @@ def _value(f: BinaryIO, kind: int) -> Any:
         if count > MAX_KEPT_ARRAY:
             f.seek(size * count, 1)
             return _Skipped(count)
-        return list(struct.unpack(f"<{count}{_SCALARS[item][1]}", f.read(size * count)))
+        return list(struct.unpack(f"<{count}{_SCALARS[item][1]}", _exactly(f, size * count)))
     if item == _STRING:
         for _ in range(count):
             f.seek(_read(f, "<Q"), 1)

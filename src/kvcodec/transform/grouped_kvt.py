@@ -86,7 +86,7 @@ def grouped_from_bytes(data: bytes) -> tuple[KVSpec, dict[str, tuple[Calibration
 
 def save_grouped_kvt(spec: KVSpec, parts: dict[str, Calibration], path: str | Path, info: dict | None = None) -> str:
     """Write atomically; returns the file's sha256."""
-    from kvcodec.transform.kvt import write_atomic
+    from kvcodec.atomic import write_atomic
 
     data = grouped_to_bytes(spec, parts, info)
     write_atomic(Path(path), data)

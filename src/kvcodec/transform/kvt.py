@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kvcodec.atomic import write_atomic
 from kvcodec.errors import ConfigError, FormatError
 from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
 from kvcodec.transform.rope import RopeSpec
@@ -116,17 +115,6 @@ def save_kvt(cal: Calibration, path: str | Path) -> str:
     data = to_bytes(cal)
     write_atomic(Path(path), data)
     return kvt_hash(data)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _meta(data: bytes) -> dict[str, str]:
