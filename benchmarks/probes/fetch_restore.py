@@ -710,7 +710,7 @@ def run_log(script: str, doc: dict, alone: float, out: pathlib.Path):  # noqa: A
         "model": doc["model"],
         "tokens": len(doc["ids"]),
         "fp16_bytes": doc["fp16_bytes"],
-        "matmul": "bf16 8192x8192 torch.mm on its own stream, same process",
+        "matmul": "bf16 8192x8192 torch.mm on the legacy default stream, same process",
         "matmul_alone_tflops": round(alone, 1),
         "records": [],
     }
