@@ -330,3 +330,18 @@ def test_ingest_ray_without_ray_is_refused_first(tmp_path, monkeypatch):
     args = ["ingest", str(docs), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}", "--ray", "auto"]
     assert "kvcodec[ray]" in _one_line_error(CliRunner().invoke(cli, args), 1)
     assert not (tmp_path / "s").exists()
+
+
+def test_a_benchmark_given_a_damaged_or_grouped_kv_file_says_so_in_one_line(tmp_path):
+    from kvcodec.kvspec.files import save_kv_file
+    from kvcodec.kvspec.spec import KVSpec, LayerSpec
+    from kvcodec.kvspec.tensors import GroupedKV
+
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(_kv_file(tmp_path).read_bytes()[:100])
+    out = _one_line_error(CliRunner().invoke(cli, ["bench", "encode", str(damaged)]), 1)
+    assert "damaged.safetensors: not a readable safetensors KV file" in out
+    spec = KVSpec((LayerSpec("full", (2, 8), (2, 8)), LayerSpec("sliding", (1, 8), (1, 8), keep=4)), "float16")
+    save_kv_file(tmp_path / "grouped.safetensors", GroupedKV.empty(spec, 8, window=False), {})
+    out = _one_line_error(CliRunner().invoke(cli, ["bench", "encode", str(tmp_path / "grouped.safetensors")]), 1)
+    assert "a grouped KV file" in out and "give a plain KV file" in out

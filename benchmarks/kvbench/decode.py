@@ -54,12 +54,11 @@ def _res(s: str) -> tuple[int, int]:
 def prepare(kv_path: str, data_dir: str, modes: list[str], resolutions: list[tuple[int, int]], tokens: int) -> None:
     """Encode the first `tokens` tokens of a KV cache (safetensors, key "kv") into one .kvc per
     (mode, resolution) in data_dir, on the CPU with x265."""
-    from safetensors.torch import load_file
-
     import kvcodec
     from kvcodec.config import CodecConfig
+    from kvcodec.kvspec.files import load_plain_kv
 
-    kv = load_file(kv_path)["kv"][:, :, :tokens].contiguous()
+    kv = load_plain_kv(kv_path)[0][:, :, :tokens].contiguous()
     out = Path(data_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source": Path(kv_path).name, "shape": list(kv.shape), "dtype": str(kv.dtype), "files": {}}
@@ -369,9 +368,9 @@ class _NvcompCase:
         nvcomp = _import_nvcomp()
         src = case.path.parent / "kv.safetensors"
         if src.exists():  # the original KV the containers were made from (written by --prepare)
-            from safetensors.torch import load_file
+            from kvcodec.kvspec.files import load_plain_kv
 
-            kv = load_file(str(src))["kv"][:, :, : case.fh.tokens]
+            kv = load_plain_kv(src)[0][:, :, : case.fh.tokens]
         else:  # exact: bit-exact; intN: the dequantized values (re-quantized below)
             kv = codec.decode(case.data, device).cpu()
         cfg = case.config

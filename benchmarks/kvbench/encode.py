@@ -232,12 +232,10 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Result JSON path.")
 def command(kv_file, quant, tokens, kvt, repeat, sweep, device, name, out) -> None:
     """Encode speed and size of KV_FILE (safetensors, tensor `kv`) now and with the earlier default."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    from kvcodec.kvspec.files import load_plain_kv
 
-    kv = load_file(str(kv_file))["kv"]
-    with safe_open(str(kv_file), "pt") as f:  # what `kvcodec extract` recorded: model, text, tokens
-        meta = {k: v for k, v in (f.metadata() or {}).items() if k in ("model", "text", "tokens", "dtype")}
+    kv, _, recorded = load_plain_kv(kv_file)
+    meta = {k: v for k, v in recorded.items() if k in ("model", "text", "tokens", "dtype")}  # `kvcodec extract`'s
     if tokens:
         kv = kv[:, :, :tokens].contiguous()
     kv = kv.to(device)

@@ -35,9 +35,10 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
     """(token_ids, kv fp16) from a safetensors file ("kv" [+ "token_ids"]) or a real model prefill
     (cached as safetensors in the cache dir)."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from kvcodec.fetcher.profile import cache_dir
+    from kvcodec.kvspec.files import load_plain_kv
 
     if kv_path is None:
         cached = cache_dir() / "bench-kv" / f"{model}-{text.replace('/', '_')}-{tokens}.safetensors"
@@ -56,8 +57,8 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
         source = f"{model} prefill of text {text!r}"
     else:
         source = f"file {Path(kv_path).name}"
-    d = load_file(kv_path)
-    kv = d["kv"].to(torch.float16)[:, :, :tokens].contiguous()
+    kv, d, _ = load_plain_kv(kv_path)
+    kv = kv.to(torch.float16)[:, :, :tokens].contiguous()
     ids = d.get("token_ids")
     ids = ids[: kv.shape[2]] if ids is not None else torch.arange(kv.shape[2])
     return ids, kv, source

@@ -300,9 +300,9 @@ def document_kv(s: Settings, w: Workload, device: str, store_dir: str, from_kvco
     if s.random_model:
         if not s.kv_file:
             raise click.ClickException("random:<arch> needs --kv-file (real KV to tile) or a prepared --store-dir")
-        from safetensors.torch import load_file
+        from kvcodec.kvspec.files import load_plain_kv
 
-        return tiled_kv(load_file(s.kv_file)["kv"].to(torch.float16), *w.shape, s.doc_tokens)
+        return tiled_kv(load_plain_kv(s.kv_file)[0].to(torch.float16), *w.shape, s.doc_tokens)
     from kvcodec.integrations.hf import extract_kv
 
     ids, kv = extract_kv(w.model, w.tok, w.doc_text, max_tokens=s.doc_tokens)

@@ -41,18 +41,36 @@ def save_kv_file(path: str | Path, kv: torch.Tensor | GroupedKV, metadata: dict[
         save_file(tensors, tmp, metadata=meta)
 
 
-def load_kv_file(path: str | Path) -> tuple[torch.Tensor | GroupedKV, dict[str, str]]:
-    """(kv tensor or GroupedKV, metadata) of a file written by save_kv_file (or any file holding `kv`)."""
+def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(every tensor by name, metadata) of a safetensors file; a missing, damaged or foreign file is
+    one ConfigError naming it."""
     from safetensors import SafetensorError
     from safetensors.torch import safe_open
 
     try:
         with safe_open(str(path), "pt") as f:
-            names = set(f.keys())
-            meta = dict(f.metadata() or {})
-            tensors = {n: f.get_tensor(n) for n in names}
+            names = f.keys()  # a safe_open handle cannot be iterated
+            return {n: f.get_tensor(n) for n in names}, dict(f.metadata() or {})
     except (OSError, ValueError, SafetensorError) as e:
         raise ConfigError(f"{path}: not a readable safetensors KV file ({e})") from e
+
+
+def load_plain_kv(path: str | Path) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, str]]:
+    """(the `kv` tensor, every tensor, metadata) of a KV file with one plain `kv` tensor (as `kvcodec
+    extract` writes for a model of one layer kind)."""
+    tensors, meta = read_tensors(path)
+    if "kv" not in tensors:
+        what = "a grouped KV file (one tensor per layer group)" if meta.get("layout") == LAYOUT_GROUPED else None
+        raise ShapeError(
+            f"{path} holds no tensor named 'kv' ({what or f'it has {sorted(tensors)}'}): give a plain KV file"
+        )
+    return tensors["kv"], tensors, meta
+
+
+def load_kv_file(path: str | Path) -> tuple[torch.Tensor | GroupedKV, dict[str, str]]:
+    """(kv tensor or GroupedKV, metadata) of a file written by save_kv_file (or any file holding `kv`)."""
+    tensors, meta = read_tensors(path)
+    names = set(tensors)
     if "kv" in tensors:
         return tensors["kv"], meta
     if meta.get("layout") != LAYOUT_GROUPED:
