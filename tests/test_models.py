@@ -294,3 +294,21 @@ def test_a_truncated_gguf_is_refused_as_damaged_not_with_a_traceback(tmp_path, c
 def _write(path, data: bytes):
     path.write_bytes(data)
     return path
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ("BertConfig", "bert has no rotary position embedding"),
+        ("GPT2Config", "gpt2 has no rotary position embedding"),
+        ("T5Config", "t5 is an encoder-decoder model"),
+    ],
+)
+def test_a_model_kvcodec_cannot_code_is_refused_by_what_it_is(tmp_path, config, says):
+    import transformers
+
+    from kvcodec.models.check import inspect_model
+
+    getattr(transformers, config)().save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=says):
+        inspect_model(str(tmp_path))

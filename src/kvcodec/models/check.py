@@ -146,9 +146,30 @@ def _layer_rope(c: Any, i: int, name: str) -> RopeSpec | None:
         raise ConfigError(f"model {name}, layer {i}: unreadable RoPE settings ({e})") from e
 
 
+def _refuse_architecture(config: Any, c: Any, name: str) -> None:
+    """Say first when the model is not a decoder-only language model with rotary positions (every
+    layout and transform kvcodec has assumes one), rather than naming a missing setting."""
+    kind = str(getattr(config, "model_type", "") or "this")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"model {name}: {kind} is an encoder-decoder model; kvcodec reuses the prefix KV cache of "
+            "decoder-only language models"
+        )
+    if getattr(c, "kv_lora_rank", None) or any(
+        getattr(c, a, None) is not None for a in ("rope_theta", "rope_parameters", "rope_scaling")
+    ):
+        return
+    raise ConfigError(
+        f"model {name}: {kind} has no rotary position embedding (its config names no rope_theta); kvcodec "
+        "supports decoder-only language models with RoPE (Llama, Qwen, Mistral, Gemma, Phi families and the "
+        "like); an encoder such as BERT keeps no KV cache to reuse"
+    )
+
+
 def layout_from_config(config: Any, name: str = "model") -> ModelLayout:
     """The ModelLayout a config describes; ConfigError / ShapeError with one line naming what is wrong."""
     c = _text_config(config)
+    _refuse_architecture(config, c, name)
     layers = _int(c, "num_hidden_layers", name)
     heads = _int(c, "num_attention_heads", name)
     kv_heads = _int(c, "num_key_value_heads", name, heads)
