@@ -19,15 +19,15 @@ NEW_FILE_MODE = 0o666 & ~_read_umask()  # mkstemp's 0600 would hide outputs from
 
 
 @contextlib.contextmanager
-def replacing(path: str | Path, suffix: str = ".part") -> Iterator[str]:
-    """A temporary file's path beside `path`, moved over `path` when the block ends without an error
-    and removed when it does not: readers see the old file or the whole new one, never a part."""
+def replacing(path: str | Path, suffix: str = ".part", mode: int = NEW_FILE_MODE) -> Iterator[str]:
+    """A temporary file's path beside `path`, moved over `path` (with `mode`) when the block ends
+    without an error and removed when it does not: readers see the old file or the whole new one."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     os.close(fd)
     try:
         yield tmp
-        os.chmod(tmp, NEW_FILE_MODE)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvcodec.atomic import replacing
 from kvcodec.codecs.base import ChunkCodec
 from kvcodec.errors import KVCodecError
 
@@ -206,9 +207,8 @@ def load_or_calibrate(
     table[key] = prof.to_json()
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=1))
-        os.replace(tmp, path)
+        with replacing(path) as tmp, open(tmp, "w") as f:
+            f.write(json.dumps(table, indent=1))
     except OSError as e:
         log.warning("cannot cache decode profile in %s: %s", directory, e)
     return prof

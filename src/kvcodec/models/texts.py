@@ -26,9 +26,9 @@ import re
 import subprocess
 import sys
 import tarfile
-import tempfile
 from pathlib import Path
 
+from kvcodec.atomic import replacing
 from kvcodec.errors import ConfigError
 from kvcodec.models.registry import cache_dir
 
@@ -241,11 +241,8 @@ def ensure_bigbench(download: bool = False, tasks: tuple[str, ...] = QA_TASKS) -
                 json.loads(data)  # a truncated file must not be cached
                 target = out / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".task.", suffix=".part")
-                with os.fdopen(fd, "wb") as f:
+                with replacing(target, mode=0o644) as tmp, open(tmp, "wb") as f:
                     f.write(data)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, target)
     except (tarfile.TarError, OSError, EOFError, ValueError) as e:
         raise ConfigError(f"cannot read the bigbench sdist {sdist}: {e}") from e
     missing = [rel for rel in _BB_TASKS.values() if not (out / rel).is_file()]
