@@ -120,6 +120,17 @@ def test_file_writes_are_atomic(tmp_path):
     assert os.listdir(tmp_path / "tmp") == []  # no temp file left behind
 
 
+def test_file_store_objects_get_the_mode_a_plain_open_gives(tmp_path):
+    """A store directory shared by users or hosts (a server reading what an ingest job wrote)
+    needs its objects readable as any other file the user writes: not mkstemp's 0600."""
+    (tmp_path / "plain").write_bytes(b"x")
+    st = open_store(f"file://{tmp_path / 'store'}")
+    st.put("obj", b"value")
+    objects = [p for p in (tmp_path / "store" / "objects").rglob("*") if p.is_file()]
+    assert len(objects) == 1
+    assert objects[0].stat().st_mode & 0o777 == (tmp_path / "plain").stat().st_mode & 0o777
+
+
 def test_file_store_fsync_option(tmp_path):
     st = open_store(f"file://{tmp_path}?fsync=1")
     assert st.fsync

@@ -22,6 +22,7 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kvcodec.atomic import NEW_FILE_MODE
 from kvcodec.errors import ConfigError, StoreError
 from kvcodec.store.base import BaseStore, check_key
 
@@ -106,6 +107,7 @@ class FileStore(BaseStore):
             fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
             try:
                 with os.fdopen(fd, "wb") as f:
+                    os.fchmod(f.fileno(), NEW_FILE_MODE)  # a store shared by users or hosts: not mkstemp's 0600
                     f.write(value)
                     if self.fsync:
                         f.flush()
