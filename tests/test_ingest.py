@@ -125,6 +125,28 @@ def test_ingest_command_summary_and_exit_code(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["skipped"] == 1
 
 
+def test_ingest_prefills_in_the_dtype_asked_and_stores_under_that_models_keys(smollm2, tmp_path):
+    """A CPU ingest for a server that runs the model in another dtype: --dtype makes the keys match
+    that server's (the model id names the dtype); the float32 model's keys do not find them."""
+    import torch
+
+    from kvcodec.cli.main import cli
+    from kvcodec.models import load_for_device
+
+    model, tokenizer = smollm2
+    (tmp_path / "p.txt").write_text(DOCS[0] + "\n")
+    store = f"file://{tmp_path / 'store'}"
+    args = ["ingest", str(tmp_path / "p.txt"), "--model", "smollm2-135m", "--store", store, "--device", "cpu"]
+    result = CliRunner().invoke(cli, [*args, "--dtype", "bfloat16", "--codec", "raw", "--chunk-tokens", "32"])
+    assert result.exit_code == 0, result.output
+    bf16, _ = load_for_device("smollm2-135m", "cpu", dtype=torch.bfloat16)
+    assert f"in torch.bfloat16: stored under model id {model_id(bf16)}" in result.output
+    ids = Tokens(tokenizer).encode(DOCS[0])
+    codec = make_codec("raw", chunk_tokens=32)
+    assert PrefixCache(open_store(store), model_id(bf16), codec, "cpu").lookup(ids) >= len(ids) - len(ids) % 32 > 0
+    assert PrefixCache(open_store(store), model_id(model), codec, "cpu").lookup(ids) == 0
+
+
 def test_an_interrupted_ingest_says_what_was_done_and_how_to_resume(tmp_path, monkeypatch):
     import kvcodec.ingest
     from kvcodec.cli.main import cli

@@ -15,8 +15,10 @@ from kvcodec.cli.options import (
     check_report_path,
     count_option,
     device_option,
+    dtype_option,
     encode_in_option,
     parse_codec_options,
+    torch_dtype,
 )
 
 LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a terminal
@@ -68,6 +70,11 @@ LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a
     "--encode-cpus", type=click.IntRange(min=1), default=4, show_default=True, help="--ray: CPUs per encode task."
 )
 @device_option(default=None, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+@dtype_option(
+    help="Prefill in this dtype (default: as `kvcodec serve` runs the model on the device: its own dtype, float32 "
+    "weights as float16 on CUDA). Stored keys name the dtype: a server finds the documents when it runs the model "
+    "in the same dtype (e.g. --dtype float16 on a CPU for a CUDA server)."
+)
 def command(
     docs: Path,
     model_name: str,
@@ -88,6 +95,7 @@ def command(
     prefill_actors: int | None,
     encode_cpus: int,
     device: str | None,
+    dtype: str | None,
 ) -> None:
     """Prefill each document of DOCS with MODEL and store its KV in the store.
 
@@ -121,11 +129,12 @@ def command(
                 from kvcodec.ingest.distributed import RayJob
 
                 options = tuple(sorted(options.items()))
-                job = RayJob(model_name, store_url, name, options, max_tokens, encode_cpus=encode_cpus)
+                job = RayJob(model_name, store_url, name, options, max_tokens, encode_cpus=encode_cpus, dtype=dtype)
                 result = _on_ray(ray_address, documents, job, prefill_actors, on_result)
             else:
                 where = {"store_workers": store_workers, "encode_in": encode_in}
-                result = _here(documents, model_name, store_url, codec, device, max_tokens, where, on_result)
+                model_at = (model_name, device, dtype)
+                result = _here(documents, model_at, store_url, codec, max_tokens, where, on_result)
     except KeyboardInterrupt:
         done = ", ".join(f"{v} {k}" for k, v in counts.items())
         click.echo(f"interrupted after {done} of {len(documents)} documents; run the same command to resume", err=True)
@@ -173,16 +182,20 @@ def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, coun
     return bar, on_result, counts
 
 
-def _here(documents, model_name, store_url, codec, device, max_tokens, where, on_result):  # noqa: ANN001, ANN202
-    """The job on this machine: its GPU (or CPU) prefills, its cores encode."""
+def _here(documents, model_at, store_url, codec, max_tokens, where, on_result):  # noqa: ANN001, ANN202
+    """The job on this machine: its GPU (or CPU) prefills, its cores encode. model_at: (model name,
+    device or None, dtype name or None)."""
     from kvcodec.engine.config import EngineConfig
     from kvcodec.engine.prefix import open_prefix_cache
     from kvcodec.errors import ConfigError
     from kvcodec.ingest import ingest
     from kvcodec.ingest.run import load_for_ingest
     from kvcodec.kvspec.serving import layout_for
+    from kvcodec.models import model_id
 
-    model, tokenizer, dev = load_for_ingest(model_name, device)
+    model_name, device, dtype = model_at
+    model, tokenizer, dev = load_for_ingest(model_name, device, torch_dtype(dtype))
+    click.echo(f"prefilling on {dev} in {model.dtype}: stored under model id {model_id(model)}", err=True)
     if layout_for(model, dev) is not None:
         raise ConfigError(f"{model_name} keeps several KV layer groups; kvcodec ingest stores uniform caches only")
     store, cache = open_prefix_cache(EngineConfig(store_url=store_url, codec=codec), model, dev)

@@ -91,6 +91,21 @@ def device_option(default: str | None = "cpu", help: str = "cpu, cuda, cuda:1 ..
     return click.option("--device", default=default, show_default=default is not None, callback=check_device, help=help)
 
 
+RUN_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_option(help: str) -> Callable:
+    """--dtype: the dtype a model runs in (a name of RUN_DTYPES; None: kvcodec.models.run_dtype's rule)."""
+    return click.option("--dtype", type=click.Choice(RUN_DTYPES), default=None, help=help)
+
+
+def torch_dtype(name: str | None):  # noqa: ANN201 - a torch.dtype or None
+    """The torch dtype a --dtype value names (None stays None)."""
+    import torch
+
+    return getattr(torch, name) if name else None
+
+
 def count_option(*decls: str, help: str) -> Callable:
     """An optional count: an integer >= 1, or None where it is not given (the command's default)."""
     return click.option(*decls, default=None, type=click.IntRange(min=1), help=help)

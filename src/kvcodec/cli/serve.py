@@ -11,10 +11,12 @@ import click
 from kvcodec.cli.options import (
     count_option,
     device_option,
+    dtype_option,
     encode_in_option,
     finite_above,
     parse_codec_options,
     parse_deadline,
+    torch_dtype,
 )
 
 
@@ -26,12 +28,7 @@ from kvcodec.cli.options import (
     show_default=True,
     help="Registered model name (kvcodec.models), local model directory or .gguf file.",
 )
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default=None,
-    help="Run the model in this dtype (default: its own; float32 weights run as float16 on CUDA).",
-)
+@dtype_option(help="Run the model in this dtype (default: its own; float32 weights run as float16 on CUDA).")
 @click.option(
     "--store",
     "store_url",
@@ -241,7 +238,7 @@ def command(
             fetch_deadline_s=fetch_deadline,
             stall_s=stall_timeout,
             device=device,
-            dtype=_torch_dtype(dtype),
+            dtype=torch_dtype(dtype),
             sdpa_backends=sdpa_backends,
         )
         _check_codec_fits(codec, engine)
@@ -363,12 +360,6 @@ def _sdpa_backends(value: str) -> tuple[str, ...] | None:
     if not names or not set(names) <= set(SDPA_BACKENDS):
         raise click.BadParameter(f"{value!r}: expected 'default' or names from {', '.join(SDPA_BACKENDS)}")
     return names
-
-
-def _torch_dtype(name: str | None):  # noqa: ANN202
-    import torch
-
-    return getattr(torch, name) if name else None
 
 
 def _require_cuda(device: str | None, option: str) -> None:

@@ -35,6 +35,7 @@ class RayJob:
     prefill_chunk_tokens: int | None = 2048
     encode_cpus: int = 4  # CPUs an encode task takes (its chunk threads)
     threads: int | None = None  # torch threads of a CPU prefill actor (None: Ray's default)
+    dtype: str | None = None  # the prefill's dtype by name (None: kvcodec.models.run_dtype's rule)
 
     def make_codec(self):  # noqa: ANN201 - a ChunkCodec
         from kvcodec.codecs import make_codec
@@ -75,7 +76,8 @@ class Prefiller:
             torch.set_num_threads(job.threads)
         self.job = job
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, tokenizer, self.device = load_for_ingest(job.model, device)
+        run_dtype = getattr(torch, job.dtype) if job.dtype else None
+        self.model, tokenizer, self.device = load_for_ingest(job.model, device, run_dtype)
         self.tokens = Tokens(tokenizer)
         self.model_id = model_id(self.model)
         self.store, self.cache = job.open_cache(self.model_id)

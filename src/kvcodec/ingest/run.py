@@ -84,16 +84,17 @@ def _stored_already(cache: Any, ids: list[int]) -> bool:
     return want == 0 or cache.lookup(ids) >= want
 
 
-def load_for_ingest(model_name: str, device: Any = None) -> tuple[Any, Any, Any]:
+def load_for_ingest(model_name: str, device: Any = None, dtype: Any = None) -> tuple[Any, Any, Any]:
     """(model, tokenizer, device) as ingest prefills, as the engine runs it (kvcodec.models.load_for_device:
-    float32 weights load as float16 for a GPU); device None: the engine's default (a GPU if there is one)."""
+    float32 weights load as float16 for a GPU; `dtype`, a torch dtype, overrides that); device None: the
+    engine's default (a GPU if there is one)."""
     import torch
 
     from kvcodec.engine.runner import default_device
     from kvcodec.models import load_for_device
 
     dev = torch.device(device) if device else default_device()
-    model, tokenizer = load_for_device(model_name, dev)
+    model, tokenizer = load_for_device(model_name, dev, dtype=dtype)
     return model, tokenizer, dev
 
 
