@@ -183,3 +183,65 @@ def test_all_finite_finds_a_nan_or_infinity_anywhere(dtype):
             damaged.view(-1)[index] = bad
             assert not hevc_encode.all_finite(damaged)
             assert not hevc_encode.all_finite(damaged.transpose(2, 3))  # a strided view
+
+
+def _same_prepared(a, b) -> None:
+    assert a.symbols.side == b.symbols.side and a.symbols.side_payloads == b.symbols.side_payloads
+    assert a.symbols.param_dtype == b.symbols.param_dtype
+    assert torch.equal(a.symbols.unit_bits, b.symbols.unit_bits) and torch.equal(a.samples, b.samples)
+    assert (a.low_streams, a.low_payloads) == (b.low_streams, b.low_payloads)
+    assert [[f.tolist() for f in fs] for fs in a.frames] == [[f.tolist() for f in fs] for fs in b.frames]
+
+
+@pytest.mark.parametrize(
+    "quant, layer_bits, video_bits, dtype",
+    [("int8", (), 4, torch.float16), ("int4", (), 8, torch.bfloat16), ("int8", (8, 5, 3), 3, torch.float32)],
+)
+def test_chunks_prepared_together_are_those_prepared_one_by_one(quant, layer_bits, video_bits, dtype):
+    """The staged encode prepares a batch of chunks in one pass: the same side streams, low planes
+    and frames as each chunk alone, whatever the bits, split and dtype (frames padded at the end)."""
+    from kvcodec.layout.tiling import candidate_plans
+
+    kv = kv_like(layers=3, tokens=60, heads=2, dim=16).to(dtype)
+    config = CodecConfig(chunk_tokens=20, quant=quant, layer_bits=layer_bits, resolutions=RES)
+    plans = candidate_plans(144, 144, 12, 16, 20)
+    layouts = (plans[0], next(p for p in plans if p.tokens_per_frame < 20))  # the second: 2 frames, one padded
+    plan = hevc_encode.CodingPlan(layouts, video_bits)
+    together = hevc_encode._prepare_batch(kv, 3, config=config, plan=plan)
+    for k, batched in enumerate(together):
+        _same_prepared(batched, hevc_encode._prepare_chunk(kv[:, :, 20 * k : 20 * k + 20], config=config, plan=plan))
+
+
+def test_a_batch_with_values_beyond_fp16_range_is_prepared_chunk_by_chunk():
+    """Parameters are fp32 for a chunk whose values leave fp16's range and fp16 for the others: a
+    batch cannot decide that for all, so the chunks are prepared alone (the same bytes)."""
+    kv = kv_like(layers=2, tokens=48, heads=2, dim=16).float()
+    kv[0, 0, 30, 0, 0] = 1e6
+    config = CodecConfig(chunk_tokens=16, resolutions=RES)
+    plan = hevc_encode.plan_coding(kv, config)
+    assert hevc_encode._prepare_batch(kv, 3, config=config, plan=plan) is None
+    prepare = hevc_encode._staged_preparer(kv, [0, 16, 32], config, plan, batch=3)
+    params = [prepare(n).symbols.param_dtype for n in range(3)]
+    assert params == ["float16", "float32", "float16"]
+
+
+def test_a_staged_batch_is_one_chunk_per_thread_within_its_byte_limit(monkeypatch):
+    kv = kv_like(layers=2, tokens=64, heads=2, dim=32)  # 16-token chunks of 8 KiB
+    config = CodecConfig(chunk_tokens=16, resolutions=RES)
+    assert hevc_encode.stage_batch(kv, config, workers=3) == 3
+    monkeypatch.setattr(hevc_encode, "STAGE_BATCH_BYTES", 17 << 10)
+    assert hevc_encode.stage_batch(kv, config, workers=3) == 2
+    monkeypatch.setattr(hevc_encode, "STAGE_BATCH_BYTES", 1)
+    assert hevc_encode.stage_batch(kv, config, workers=3) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hevc_encode_of_cuda_kv_gives_the_bytes_of_the_host_encode(monkeypatch, fresh_plans):
+    """KV in CUDA memory is quantized, split and packed there, chunks in batches on the calling
+    thread: the same chunk blobs as the host's encode, chunk by chunk on one thread."""
+    kv = kv_like(layers=3, tokens=100, heads=2, dim=32)
+    config = CodecConfig(chunk_tokens=16, resolutions=RES, plain_fallback=False)
+    monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "1")
+    host = [c.blobs for c in hevc_encode.encode_chunks(kv, config)]
+    monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "3")
+    assert [c.blobs for c in hevc_encode.encode_chunks(kv.cuda(), config)] == host

@@ -35,7 +35,7 @@ from kvcodec.container.split import layer_ranges
 from kvcodec.dtypes import DTYPE_NAMES
 from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.layout.search import choose_plan, choose_video_bits, encode_workers, once, recall, remember
-from kvcodec.layout.tiling import LayoutPlan, frame_blocks, pack_frame
+from kvcodec.layout.tiling import PAD_SAMPLE, LayoutPlan, frame_blocks, pack_frame, pixel_positions
 from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
 from kvcodec.quant import integer as int_q
@@ -213,10 +213,14 @@ def _split_low_bits(symbols: _ChunkSymbols, video_bits: int) -> tuple[torch.Tens
     if bitsplit.plane_count(counts) == 0:
         return symbols.samples, [], []
     high, low = bitsplit.split(symbols.samples, counts)
-    raw = bitsplit.pack_low(low, counts).cpu().numpy().tobytes()
+    return high, *_low_stream(bitsplit.pack_low(low, counts).cpu().numpy().tobytes())
+
+
+def _low_stream(raw: bytes) -> tuple[list[StreamEntry], list[bytes]]:
+    """The low bit planes' stream: zstd where it is smaller, else raw."""
     packed = _zstd(raw, LOW_ZSTD_LEVEL)
     codec, data = ("zstd", packed) if len(packed) < len(raw) else ("raw", raw)
-    return high, [StreamEntry("low", codec, len(data), crc32(data))], [data]
+    return [StreamEntry("low", codec, len(data), crc32(data))], [data]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,9 +339,7 @@ def encode_chunks(
         plan = plan or _plan(kv, config, encoder)
         encode_one = functools.partial(_encode_chunk, config=config, plan=plan, encoder=chunk_encoder)
         if stage_on_caller(kv, workers):
-
-            def prepare(n: int) -> _Prepared:
-                return _prepare_chunk(kv[:, :, starts[n] : starts[n] + config.chunk_tokens], config=config, plan=plan)
+            prepare = _staged_preparer(kv, starts, config, plan, stage_batch(kv, config, workers))
 
     def one(n: int, prepared: _Prepared | None = None) -> EncodedChunk:
         start = starts[n]
@@ -358,6 +360,44 @@ def stage_on_caller(kv: torch.Tensor, workers: int) -> bool:
     a GPU, whose kernels and copies from every chunk thread would queue on the one stream and wait
     for the interpreter lock beside the encodes (on the CPU the preparation is work the threads share)."""
     return kv.is_cuda and workers > 1
+
+
+STAGE_BATCH_BYTES = 256 << 20  # KV a batch of staged chunks takes (its working copies on the GPU: a few times that)
+
+
+def stage_batch(kv: torch.Tensor, config: CodecConfig, workers: int) -> int:
+    """Chunks a staged encode prepares at once: one for each chunk thread (so that every thread has
+    a chunk after one batch), within STAGE_BATCH_BYTES of KV."""
+    chunk_bytes = (
+        kv.shape[0] * 2 * min(config.chunk_tokens, kv.shape[2]) * kv.shape[3] * kv.shape[4] * kv.element_size()
+    )
+    return max(1, min(workers, STAGE_BATCH_BYTES // chunk_bytes))
+
+
+def _staged_preparer(kv, starts, config, plan, batch: int) -> Callable[[int], _Prepared]:  # noqa: ANN001
+    """prepare(n) for in_order: chunk n's _Prepared, chunks prepared `batch` at a time as the first
+    of each batch is asked for (a GPU runs one chunk's kernels in the time of their launches and
+    waits: 16 chunks one by one kept the last chunk thread idle for a third of the encode)."""
+    ready: dict[int, _Prepared] = {}
+
+    def prepare(n: int) -> _Prepared:
+        if n not in ready:
+            ready.update(_prepare_from(kv, starts, n, batch, config, plan))
+        return ready.pop(n)
+
+    return prepare
+
+
+def _prepare_from(kv, starts, n: int, batch: int, config, plan) -> dict[int, _Prepared]:  # noqa: ANN001
+    """Chunk n and the whole chunks after it, at most `batch`, prepared at once ({index: _Prepared});
+    a partial last chunk, a batch of one or KV the batch cannot take is prepared alone."""
+    t = config.chunk_tokens
+    whole = [i for i in range(n, min(n + batch, len(starts))) if starts[i] + t <= kv.shape[2]]
+    if len(whole) > 1:
+        done = _prepare_batch(kv[:, :, starts[n] : starts[whole[-1]] + t], len(whole), config=config, plan=plan)
+        if done is not None:
+            return dict(zip(whole, done))
+    return {n: _prepare_chunk(kv[:, :, starts[n] : starts[n] + t], config=config, plan=plan)}
 
 
 def in_order(
@@ -470,6 +510,75 @@ def _prepare_chunk(x, *, config, plan) -> _Prepared:
         _to_host([pack_frame(b, layout) for _, _, b in frame_blocks(samples, layout)]) for layout in plan.layouts
     )
     return _Prepared(symbols, samples, low_streams, low_payloads, frames)
+
+
+def _prepare_batch(x: torch.Tensor, chunks: int, *, config, plan) -> list[_Prepared] | None:  # noqa: ANN001
+    """_prepare_chunk of `chunks` whole chunks at once (x: their tokens), with the same bytes as one
+    by one: every step works per (chunk, layer, channel) or per unit, so the chunks ride along in
+    the layer and unit dimensions, and their frames, planes and parameters come to the host in one
+    copy each. None where the per-chunk path must decide: exact mode, or values beyond fp16 range
+    (whose chunks take fp32 parameters, the others fp16)."""
+    if config.is_exact:
+        return None
+    L, _, T, H, D = x.shape
+    t = T // chunks
+    stacked = x.reshape(L, 2, chunks, t, H, D).permute(2, 0, 1, 3, 4, 5).reshape(chunks * L, 2, t, H, D)
+    bits = _bits(config, L)
+    offset, step = int_q.minmax_params(stacked, bits.repeat(chunks))
+    if offset.dtype != torch.float16:
+        return None
+    units = _units(int_q.quantize(stacked, offset, step, bits.repeat(chunks)))  # (chunks * U, t, D)
+    modulus = _unit_modulus(bits.tolist(), L, H).repeat(chunks)
+    centers = centering.channel_centers(units, modulus)
+    centered = centering.center(units, centers, modulus)
+    per_unit_bits = unit_bits(bits.tolist(), L, H)
+    counts = bitsplit.low_bit_counts(per_unit_bits, plan.video_bits)
+    planes = bitsplit.plane_count(counts)
+    high, low = bitsplit.split(centered, counts.repeat(chunks)) if planes else (centered, None)
+    params = torch.stack([offset, step]).view(2, chunks, L, 2, H, D)
+    host_params = params.permute(1, 0, 2, 3, 4, 5).contiguous().cpu().numpy()
+    host_centers = centers.view(chunks, -1).cpu().numpy()
+    host_low = _batch_low_planes(low, chunks, planes).cpu().numpy() if planes else None
+    frames = [_batch_frames(high, chunks, layout) for layout in plan.layouts]
+    units_per_chunk = units.shape[0] // chunks
+    out = []
+    for k in range(chunks):
+        side_data = _zstd(host_params[k].tobytes(), SIDE_ZSTD_LEVEL)
+        center_data = _zstd(host_centers[k].tobytes(), SIDE_ZSTD_LEVEL)
+        side = [
+            StreamEntry("side", "zstd", len(side_data), crc32(side_data)),
+            StreamEntry("center", "zstd", len(center_data), crc32(center_data)),
+        ]
+        rows = slice(k * units_per_chunk, (k + 1) * units_per_chunk)
+        symbols = _ChunkSymbols(
+            centered[rows], side, [side_data, center_data], DTYPE_NAMES[params.dtype], per_unit_bits
+        )
+        low_streams, low_payloads = _low_stream(host_low[k].tobytes()) if planes else ([], [])
+        chunk_frames = tuple(list(f[k]) for f in frames)
+        out.append(_Prepared(symbols, high[rows], low_streams, low_payloads, chunk_frames))
+    return out
+
+
+def _batch_low_planes(low: torch.Tensor, chunks: int, planes: int) -> torch.Tensor:
+    """bitsplit.pack_low of each chunk's rows of `low` (chunks * U, t, D), as (chunks, planes, bytes)."""
+    _, t, d = low.shape
+    flat = low.view(chunks, -1, t, d).permute(0, 2, 1, 3).reshape(-1)  # token-major within each chunk
+    packed = bitsplit.pack_planes_torch(flat, planes)  # (planes, chunks * bytes): chunk-major columns
+    return packed.view(planes, chunks, -1).permute(1, 0, 2).contiguous()
+
+
+def _batch_frames(samples: torch.Tensor, chunks: int, layout: LayoutPlan) -> Any:  # noqa: ANN401 - numpy
+    """The frames of each chunk's rows of `samples` (chunks * U, t, D) as frame_blocks and pack_frame
+    make them, on the host: (chunks, frames, 3, height, width) uint8."""
+    _, t, d = samples.shape
+    per_frame = layout.tokens_per_frame
+    n_frames = -(-t // per_frame)
+    blocks = samples.new_full((chunks, samples.shape[0] // chunks, n_frames * per_frame, d), PAD_SAMPLE)
+    blocks[:, :, :t] = samples.view(chunks, -1, t, d)
+    blocks = blocks.view(chunks, -1, n_frames, per_frame, d).permute(0, 2, 1, 3, 4).reshape(chunks * n_frames, -1)
+    frames = samples.new_zeros((chunks * n_frames, 3 * layout.height * layout.width))
+    frames[:, pixel_positions(layout, samples.device)] = blocks
+    return frames.view(chunks, n_frames, 3, layout.height, layout.width).cpu().numpy()
 
 
 def _encode_chunk(x, *, config, plan, encoder, index, start_token, key, prepared=None) -> EncodedChunk:
