@@ -4,6 +4,8 @@ disk so that a later process makes none."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -126,7 +128,7 @@ def _transform_codec(tmp_path, **kw):
     kvs = [(torch.randn(300, 8, generator=g) @ mix).view(300, 2, 2, 2, 16).permute(1, 2, 0, 3, 4) for _ in range(2)]
     cal = calibrate([k.contiguous().half() for k in kvs], RopeSpec(10000.0, 16), info={"model": "synthetic"})
     save_kvt(cal, tmp_path / "s.kvt")
-    return TransformCodec(tmp_path / "s.kvt", chunk_tokens=32, resolutions=((64, 64),), **kw), kvs[0].half()
+    return TransformCodec(tmp_path / "s.kvt", **{"chunk_tokens": 32, "resolutions": ((64, 64),), **kw}), kvs[0].half()
 
 
 @pytest.mark.parametrize("coder", ["hevc", "zstd"])
@@ -142,6 +144,26 @@ def test_transform_chunks_in_parallel_give_the_bytes_of_one_at_a_time(monkeypatc
         assert [c.index for c in seen] == [c.index for c in chunks] == list(range(7))
         runs[workers] = [c.blobs for c in chunks]
     assert runs["1"] == runs["3"] == runs["3 staged"]
+
+
+def test_transform_chunks_prepared_together_are_those_prepared_one_by_one(tmp_path):
+    """Whole chunks without sink or fine tokens are prepared in one pass: the same escapes (an
+    outlier makes some), counts and frames as each chunk alone."""
+    codec, kv = _transform_codec(tmp_path, resolutions=((64, 64), (32, 32)))
+    kv = kv[:, :, :160].clone()
+    kv[0, 1, 70, 0, :] = 3000.0  # far outside the calibration: integers beyond a sample's range
+    theta = codec._level(None, kv, 0)
+    y = codec.coefficients(kv, 0, codec.plan(theta).counts)
+    together = codec._prepare_batch(y[32:128], theta, 32, 3)
+    escapes = 0
+    for k, batched in enumerate(together):
+        s = 32 * (k + 1)
+        for (streams, counts, frames), res in zip(batched, codec.resolutions):
+            alone = codec._prepare(y[s : s + 32], kv[:, :, s : s + 32], theta, s, res, 0)
+            assert (streams, counts) == alone[:2]
+            assert [f.tolist() for f in frames] == [f.tolist() for f in alone[2]]
+            escapes += counts["escapes"]
+    assert escapes > 0
 
 
 def test_transform_plan_cache_is_safe_on_threads(tmp_path):
@@ -220,19 +242,20 @@ def test_a_batch_with_values_beyond_fp16_range_is_prepared_chunk_by_chunk():
     config = CodecConfig(chunk_tokens=16, resolutions=RES)
     plan = hevc_encode.plan_coding(kv, config)
     assert hevc_encode._prepare_batch(kv, 3, config=config, plan=plan) is None
-    prepare = hevc_encode._staged_preparer(kv, [0, 16, 32], config, plan, batch=3)
+    prepare = hevc_encode.batched(
+        functools.partial(hevc_encode._prepare_from, kv, [0, 16, 32], batch=3, config=config, plan=plan)
+    )
     params = [prepare(n).symbols.param_dtype for n in range(3)]
     assert params == ["float16", "float32", "float16"]
 
 
 def test_a_staged_batch_is_one_chunk_per_thread_within_its_byte_limit(monkeypatch):
     kv = kv_like(layers=2, tokens=64, heads=2, dim=32)  # 16-token chunks of 8 KiB
-    config = CodecConfig(chunk_tokens=16, resolutions=RES)
-    assert hevc_encode.stage_batch(kv, config, workers=3) == 3
+    assert hevc_encode.stage_batch(kv, 16, workers=3) == 3
     monkeypatch.setattr(hevc_encode, "STAGE_BATCH_BYTES", 17 << 10)
-    assert hevc_encode.stage_batch(kv, config, workers=3) == 2
+    assert hevc_encode.stage_batch(kv, 16, workers=3) == 2
     monkeypatch.setattr(hevc_encode, "STAGE_BATCH_BYTES", 1)
-    assert hevc_encode.stage_batch(kv, config, workers=3) == 1
+    assert hevc_encode.stage_batch(kv, 16, workers=3) == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -141,26 +141,26 @@ def _hevc_runs(kv, quant: str, repeat: int, sweep: bool) -> list[dict[str, Any]]
     return rows
 
 
-def _one_at_a_time(kv, config, workers) -> int:  # noqa: ANN001
+def _one_at_a_time(kv, chunk_tokens, workers) -> int:  # noqa: ANN001
     return 1
 
 
 @contextlib.contextmanager
 def _staging(staged: str) -> Iterator[None]:
     """Chunks of KV on a GPU prepared on the calling thread in batches ("batches", the default), one
-    at a time there ("one", HEVC only: the staged encode before batches) or on the chunk threads ("threads")."""
+    at a time there ("one": the staged encode before batches) or on the chunk threads ("threads")."""
     from kvcodec.codecs.hevc import encode as hevc_encode
     from kvcodec.codecs.transform import codec as transform
 
-    saved = (hevc_encode.stage_on_caller, transform.stage_on_caller, hevc_encode.stage_batch)
+    saved = (hevc_encode.stage_on_caller, transform.stage_on_caller, hevc_encode.stage_batch, transform.stage_batch)
     if staged == "threads":
         hevc_encode.stage_on_caller = transform.stage_on_caller = _never
     elif staged == "one":
-        hevc_encode.stage_batch = _one_at_a_time
+        hevc_encode.stage_batch = transform.stage_batch = _one_at_a_time
     try:
         yield
     finally:
-        hevc_encode.stage_on_caller, transform.stage_on_caller, hevc_encode.stage_batch = saved
+        hevc_encode.stage_on_caller, transform.stage_on_caller, hevc_encode.stage_batch, transform.stage_batch = saved
 
 
 def _transform_runs(kv, kvt: Path, repeat: int) -> list[dict[str, Any]]:
@@ -173,6 +173,7 @@ def _transform_runs(kv, kvt: Path, repeat: int) -> list[dict[str, Any]]:
         # before issue 24: untuned x265 (its own threads), chunks one at a time, the math on the CPU
         ("transform, old default", dict(tuning="", workers=1), True),
         ("transform, new default", dict(), False),
+        ("transform, staged chunks prepared one at a time", dict(staged="one"), False),
         ("transform, chunks prepared on their threads", dict(staged="threads"), False),
     )
     for name, kw, on_cpu in settings:

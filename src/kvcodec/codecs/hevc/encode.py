@@ -339,7 +339,8 @@ def encode_chunks(
         plan = plan or _plan(kv, config, encoder)
         encode_one = functools.partial(_encode_chunk, config=config, plan=plan, encoder=chunk_encoder)
         if stage_on_caller(kv, workers):
-            prepare = _staged_preparer(kv, starts, config, plan, stage_batch(kv, config, workers))
+            batch = stage_batch(kv, config.chunk_tokens, workers)
+            prepare = batched(functools.partial(_prepare_from, kv, starts, batch=batch, config=config, plan=plan))
 
     def one(n: int, prepared: _Prepared | None = None) -> EncodedChunk:
         start = starts[n]
@@ -365,30 +366,28 @@ def stage_on_caller(kv: torch.Tensor, workers: int) -> bool:
 STAGE_BATCH_BYTES = 256 << 20  # KV a batch of staged chunks takes (its working copies on the GPU: a few times that)
 
 
-def stage_batch(kv: torch.Tensor, config: CodecConfig, workers: int) -> int:
+def stage_batch(kv: torch.Tensor, chunk_tokens: int, workers: int) -> int:
     """Chunks a staged encode prepares at once: one for each chunk thread (so that every thread has
     a chunk after one batch), within STAGE_BATCH_BYTES of KV."""
-    chunk_bytes = (
-        kv.shape[0] * 2 * min(config.chunk_tokens, kv.shape[2]) * kv.shape[3] * kv.shape[4] * kv.element_size()
-    )
+    chunk_bytes = kv[:, :, :chunk_tokens].numel() * kv.element_size()
     return max(1, min(workers, STAGE_BATCH_BYTES // chunk_bytes))
 
 
-def _staged_preparer(kv, starts, config, plan, batch: int) -> Callable[[int], _Prepared]:  # noqa: ANN001
-    """prepare(n) for in_order: chunk n's _Prepared, chunks prepared `batch` at a time as the first
-    of each batch is asked for (a GPU runs one chunk's kernels in the time of their launches and
-    waits: 16 chunks one by one kept the last chunk thread idle for a third of the encode)."""
-    ready: dict[int, _Prepared] = {}
+def batched(prepare_from: Callable[[int], dict[int, Any]]) -> Callable[[int], Any]:
+    """prepare(n) for in_order from prepare_from(n), which prepares chunk n and perhaps some after it
+    at once ({index: prepared}): a GPU runs one chunk's kernels in the time of their launches and
+    waits; 16 chunks one by one kept the last chunk thread idle for a third of the encode."""
+    ready: dict[int, Any] = {}
 
-    def prepare(n: int) -> _Prepared:
+    def prepare(n: int) -> Any:  # noqa: ANN401
         if n not in ready:
-            ready.update(_prepare_from(kv, starts, n, batch, config, plan))
+            ready.update(prepare_from(n))
         return ready.pop(n)
 
     return prepare
 
 
-def _prepare_from(kv, starts, n: int, batch: int, config, plan) -> dict[int, _Prepared]:  # noqa: ANN001
+def _prepare_from(kv, starts, n: int, *, batch: int, config, plan) -> dict[int, _Prepared]:  # noqa: ANN001
     """Chunk n and the whole chunks after it, at most `batch`, prepared at once ({index: _Prepared});
     a partial last chunk, a batch of one or KV the batch cannot take is prepared alone."""
     t = config.chunk_tokens

@@ -16,6 +16,7 @@ Every chunk names the sha256 of the .kvt it was coded with; another transform re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
-from kvcodec.codecs.hevc.encode import all_finite, in_order, stage_on_caller
+from kvcodec.codecs.hevc.encode import all_finite, batched, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import check_header
 from kvcodec.codecs.transform.level import SampleRate
@@ -402,8 +403,60 @@ class TransformCodec:
             )
             return EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
 
-        staged = prepare if stage_on_caller(kv, workers) else None  # on a GPU: made on this thread
+        def prepare_from(n: int, batch: int) -> dict[int, tuple]:
+            """Chunk n and the plain whole chunks after it (no sink or fine tokens), at most `batch`, at once."""
+            plain = [i for i in range(n, min(n + batch, count)) if self._batchable(*span(i), first)]
+            run = plain[: next((j for j, i in enumerate(plain) if i != n + j), len(plain))]
+            if len(run) < 2:
+                return {n: prepare(n)}
+            s, e = span(n)[0], span(run[-1])[1]
+            return dict(zip(run, self._prepare_batch(y[s:e], theta, first + s, len(run))))
+
+        staged = None
+        if stage_on_caller(kv, workers):  # on a GPU: made on this thread, in batches
+            staged = batched(functools.partial(prepare_from, batch=stage_batch(kv, self.chunk_tokens, workers)))
         return collect_chunks(in_order(one, count, workers, staged), on_chunk)
+
+    def _batchable(self, s: int, e: int, fine: int, first: int) -> bool:
+        """Whether the chunk of tokens [s, e) can be prepared in a batch: whole, no sink, no fine tokens, video coded."""
+        return e - s == self.chunk_tokens and fine == 0 and first + s >= self.sink_tokens and self.coder == "hevc"
+
+    def _prepare_batch(self, y, theta, first_position, chunks) -> list[tuple]:  # noqa: ANN001
+        """_prepare of `chunks` whole chunks at every resolution at once (y: their coefficients; no
+        sink or fine tokens), one tuple of (streams, counts, host frames) per resolution for each chunk:
+        the same bytes as one by one, the integers made for all, escapes and frames brought to the host
+        in one copy each."""
+        q = self._symbols(y, theta, first_position, 0)
+        ordered = q.index_select(1, self.device_plan(theta, q.device).order).view(chunks, self.chunk_tokens, -1)
+        ordered = ordered.transpose(1, 2).contiguous().view(chunks, -1)  # each chunk's (coords, tokens) in order
+        lo, hi = -quantize.OFFSET, 255 - quantize.OFFSET
+        where = torch.nonzero((ordered < lo) | (ordered > hi))  # (chunk, index) rows, in order
+        values = ordered[where[:, 0], where[:, 1]].to(torch.int32).cpu().numpy()
+        where = where.cpu().numpy()
+        samples = (ordered.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
+        host = [self._batch_frames(samples, res) for res in self.resolutions]
+        out = []
+        for k in range(chunks):
+            mine = where[:, 0] == k
+            idx = where[mine, 1].astype(np.int64)
+            streams = {"escapes": _zstd(quantize.pack_escapes(idx, values[mine]))}
+            out.append(
+                tuple(
+                    (dict(streams), {"frames": len(f[k]), "escapes": int(idx.size), "fine_tokens": 0}, list(f[k]))
+                    for f in host
+                )
+            )
+        return out
+
+    @staticmethod
+    def _batch_frames(samples: torch.Tensor, resolution: tuple[int, int]) -> np.ndarray:
+        """frames.to_frames of each row of samples (chunks, values), on the host: (chunks, frames, 3, h, w)."""
+        width, height = resolution
+        per = 3 * width * height
+        n = frames.frame_count(samples.shape[1], width, height)
+        padded = samples.new_full((samples.shape[0], n * per), frames.PAD)
+        padded[:, : samples.shape[1]] = samples
+        return padded.view(samples.shape[0], n, 3, height, width).cpu().numpy()
 
     def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
         names = [n for n in ("escapes", "sink", "video", "samples") if n in streams]
