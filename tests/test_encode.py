@@ -268,3 +268,13 @@ def test_hevc_encode_of_cuda_kv_gives_the_bytes_of_the_host_encode(monkeypatch, 
     host = [c.blobs for c in hevc_encode.encode_chunks(kv, config)]
     monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "3")
     assert [c.blobs for c in hevc_encode.encode_chunks(kv.cuda(), config)] == host
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_transform_encode_of_cuda_kv_in_batches_gives_the_bytes_of_one_at_a_time(monkeypatch, tmp_path):
+    codec, kv = _transform_codec(tmp_path)
+    runs = []
+    for workers in ("1", "3"):  # one thread: chunk by chunk; three: staged on the caller in batches
+        monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers)
+        runs.append([c.blobs for c in codec.encode_chunks(kv[:, :, :200].cuda())])
+    assert runs[0] == runs[1]
