@@ -90,7 +90,7 @@ def test_x265_bitstream_does_not_depend_on_threads():
     config = CodecConfig(chunk_tokens=32, resolutions=RES, search_layout=False, video_bits=4)
     plan = hevc_encode.plan_coding(kv, config)
     symbols = hevc_encode._symbols(kv, config)
-    samples, _, _ = hevc_encode._split_low_bits(symbols, plan.video_bits)
+    samples, _ = hevc_encode._split_low_bits(symbols, plan.video_bits)
     frames = [pack_frame(b, plan.layouts[0]).numpy() for _, _, b in frame_blocks(samples, plan.layouts[0])]
     one, four = (X265Encoder(threads=t).encode(frames, 144, 144) for t in (1, 4))
     assert one == four
@@ -211,7 +211,7 @@ def _same_prepared(a, b) -> None:
     assert a.symbols.side == b.symbols.side and a.symbols.side_payloads == b.symbols.side_payloads
     assert a.symbols.param_dtype == b.symbols.param_dtype
     assert torch.equal(a.symbols.unit_bits, b.symbols.unit_bits) and torch.equal(a.samples, b.samples)
-    assert (a.low_streams, a.low_payloads) == (b.low_streams, b.low_payloads)
+    assert a.low_planes == b.low_planes
     assert [[f.tolist() for f in fs] for fs in a.frames] == [[f.tolist() for f in fs] for fs in b.frames]
 
 

@@ -27,7 +27,7 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
-from kvcodec.codecs.hevc.encode import all_finite, batched, in_order, stage_batch, stage_on_caller
+from kvcodec.codecs.hevc.encode import _host_arrays, all_finite, batched, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import check_header
 from kvcodec.codecs.transform.level import SampleRate
@@ -431,10 +431,10 @@ class TransformCodec:
         ordered = ordered.transpose(1, 2).contiguous().view(chunks, -1)  # each chunk's (coords, tokens) in order
         lo, hi = -quantize.OFFSET, 255 - quantize.OFFSET
         where = torch.nonzero((ordered < lo) | (ordered > hi))  # (chunk, index) rows, in order
-        values = ordered[where[:, 0], where[:, 1]].to(torch.int32).cpu().numpy()
-        where = where.cpu().numpy()
+        values = ordered[where[:, 0], where[:, 1]].to(torch.int32)
         samples = (ordered.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
-        host = [self._batch_frames(samples, res) for res in self.resolutions]
+        frames_by_res = [self._batch_frames(samples, res) for res in self.resolutions]
+        where, values, *host = _host_arrays([where, values, *frames_by_res])
         out = []
         for k in range(chunks):
             mine = where[:, 0] == k
@@ -449,14 +449,14 @@ class TransformCodec:
         return out
 
     @staticmethod
-    def _batch_frames(samples: torch.Tensor, resolution: tuple[int, int]) -> np.ndarray:
-        """frames.to_frames of each row of samples (chunks, values), on the host: (chunks, frames, 3, h, w)."""
+    def _batch_frames(samples: torch.Tensor, resolution: tuple[int, int]) -> torch.Tensor:
+        """frames.to_frames of each row of samples (chunks, values): (chunks, frames, 3, h, w) on their device."""
         width, height = resolution
         per = 3 * width * height
         n = frames.frame_count(samples.shape[1], width, height)
         padded = samples.new_full((samples.shape[0], n * per), frames.PAD)
         padded[:, : samples.shape[1]] = samples
-        return padded.view(samples.shape[0], n, 3, height, width).cpu().numpy()
+        return padded.view(samples.shape[0], n, 3, height, width)
 
     def _write(self, streams, counts, kv, theta, start, index, resolution, key) -> bytes:
         names = [n for n in ("escapes", "sink", "video", "samples") if n in streams]
