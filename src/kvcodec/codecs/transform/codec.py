@@ -27,7 +27,7 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
-from kvcodec.codecs.hevc.encode import _host_arrays, all_finite, batched, in_order, stage_batch, stage_on_caller
+from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import check_header
 from kvcodec.codecs.transform.level import SampleRate
@@ -434,7 +434,7 @@ class TransformCodec:
         values = ordered[where[:, 0], where[:, 1]].to(torch.int32)
         samples = (ordered.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
         frames_by_res = [self._batch_frames(samples, res) for res in self.resolutions]
-        where, values, *host = _host_arrays([where, values, *frames_by_res])
+        where, values, *host = host_arrays([where, values, *frames_by_res])
         out = []
         for k in range(chunks):
             mine = where[:, 0] == k
