@@ -14,7 +14,8 @@ decoder's standing memory and a host profile of where each chunk's CPU time goes
 
 A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
 (int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk), `split=N` (HEVC streams
-per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes). run measures per case:
+per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes), `coder=zstd` (the
+samples zstd-coded, restored from CPU threads, instead of HEVC for NVDEC). run measures per case:
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
 get) and with the settings in --variants (`default-nodrive`: decode worker threads instead of the
 driven restore); NVDEC decode-only on the same chunk streams (7 threads, each streaming its chunks
@@ -53,7 +54,7 @@ SAMPLES = 4096  # values of the CPU fetch kept as the reference (random position
 def parse_case(text: str) -> dict:
     name, _, spec = text.partition(":")
     case = {"name": name, "codec": "transform", "ratio": None, "res": [512, 512], "chunk": 256, "ns": None}
-    case |= {"split": 1, "vbits": "auto"}
+    case |= {"split": 1, "vbits": "auto", "coder": "hevc"}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         if key == "hevc":
@@ -68,6 +69,8 @@ def parse_case(text: str) -> dict:
             case["split"] = int(value)
         elif key == "vbits":  # HEVC bits per sample through the video stream
             case["vbits"] = value if value == "auto" else int(value)
+        elif key == "coder":  # how the samples are coded: hevc (NVDEC) or zstd (CPU threads)
+            case["coder"] = value
         elif key == "ns":  # a key namespace: cases whose codec ids coincide (frame sizes) keep apart
             case["ns"] = value
         else:
@@ -82,12 +85,13 @@ def make_codec(case: dict, d: pathlib.Path, cal=None):
         from kvcodec.codecs.hevc.codec import HevcCodec
         from kvcodec.config import CodecConfig
 
-        split, vbits = case.get("split", 1), case.get("vbits", "auto")
+        split, vbits, coder = case.get("split", 1), case.get("vbits", "auto"), case.get("coder", "hevc")
         config = CodecConfig(quant="int8", chunk_tokens=case["chunk"], resolutions=res, streams_per_chunk=split)
-        return HevcCodec(dataclasses.replace(config, video_bits=vbits))
+        return HevcCodec(dataclasses.replace(config, video_bits=vbits, sample_coder=coder))
     from kvcodec.codecs.transform.codec import TransformCodec
 
     options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], "resolutions": res}
+    options["coder"] = case.get("coder", "hevc")
     if cal is not None:
         return TransformCodec(cal[0], kvt_hash=cal[1], **options)
     return TransformCodec(d.parent / f"{d.name}.kvt", **options)

@@ -20,6 +20,8 @@ class ChunkTerms:
     low_planes: (planes, tokens * units * dim / 8) uint8 packed low bits, or None.
     offset, step: (layers, 2, heads, dim) dequantization parameters (integer modes), else None.
     byte_planes: exact mode's remaining byte planes, each (layers, 2, tokens, heads, dim) uint8.
+    samples: the centered samples (units, tokens, dim) uint8 of a chunk not coded as video (its
+        zstd-coded samples, uploaded with the side streams), else None.
     """
 
     plan: LayoutPlan
@@ -36,6 +38,7 @@ class ChunkTerms:
     offset: torch.Tensor | None = None
     step: torch.Tensor | None = None
     byte_planes: tuple[torch.Tensor, ...] = ()
+    samples: torch.Tensor | None = None
 
     @property
     def exact(self) -> bool:

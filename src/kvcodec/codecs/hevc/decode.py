@@ -20,10 +20,10 @@ from kvcodec.container.plain import plain_values
 from kvcodec.container.split import SplitHeader
 from kvcodec.dtypes import dtype_of
 from kvcodec.errors import CorruptStreamError, FormatError, ShapeError
-from kvcodec.layout.tiling import LayoutPlan, frame_blocks, gather_index, pack_frame
+from kvcodec.layout.tiling import LayoutPlan, gather_index
 from kvcodec.quant import bitsplit
 from kvcodec.quant import exact as exact_q
-from kvcodec.restore import ChunkTerms, restorer_for
+from kvcodec.restore import ChunkTerms, TorchRestorer, restorer_for
 from kvcodec.restore.paged import PagedChunk, PagedKV
 from kvcodec.video.registry import get_decoder
 
@@ -99,12 +99,6 @@ def chunk_parts(blob: bytes | memoryview, out: Target) -> list[tuple[memoryview 
 
 
 _ALIGN = 64  # each stream's place in a chunk's upload buffer starts on this many bytes
-
-
-def _stream_tensor(data, coded: bool, size: int, device, name: str, wrong: str) -> torch.Tensor:
-    """A zstd-coded (`coded`) or raw stream that must hold exactly `size` bytes, as a flat uint8
-    tensor on `device` (the zstd-coded samples of chunks not coded as video)."""
-    return _upload({name: (size, functools.partial(_fill, data, coded, name, wrong))}, torch.device(device))[name]
 
 
 def _fill(data, coded: bool, name: str, wrong: str, buf: np.ndarray) -> None:
@@ -219,6 +213,10 @@ def _stream_fills(h: ChunkHeader, streams, planes: int, half: np.ndarray) -> dic
         wrong = f"stream {s.name!r} holds {{got}} bytes, expected {n}"
         fills[s.name] = (n, functools.partial(_fill, streams[s.name], s.codec == "zstd", s.name, wrong))
     fills["shift"] = (units * h.head_dim, functools.partial(_fill_shift, streams["center"], half, h.head_dim))
+    if "video" not in streams:  # the samples themselves, zstd-coded (uploaded with the rest: one copy)
+        entry = next(s for s in h.streams if s.name == "samples")
+        n, wrong = units * h.tokens * h.head_dim, "sample stream has the wrong size for the announced shape"
+        fills["samples"] = (n, functools.partial(_fill, streams["samples"], entry.codec == "zstd", "samples", wrong))
     return fills
 
 
@@ -243,6 +241,7 @@ def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, 
         mask=mask,
         low_counts=counts,
         low_planes=on_device["low"].view(planes, -1) if "low" in on_device else None,
+        samples=on_device["samples"].view(units, h.tokens, h.head_dim) if "samples" in on_device else None,
     )
     if h.quant == "exact":
         byte_planes = [on_device[s.name].view(h.shape) for s in h.streams if s.name.startswith("bytes")]
@@ -286,7 +285,9 @@ def restore_part(h: ChunkHeader, streams, device, out: Target | None, decoder=No
         return _restore_plain(h, streams, device, out)
     out, device, plan = checked_part(h, streams, device, out)
     restorer = part_restorer(h, plan, streams, device, restore)
-    if decoder is None and "video" in streams:
+    if "video" not in streams:
+        return _restore_samples(h, plan, restorer.terms, out)
+    if decoder is None:
         with idle_decoders.borrow(device) as lent:
             return _restore_frames(h, plan, streams, lent, restorer, device, out)
     return _restore_frames(h, plan, streams, decoder, restorer, device, out)
@@ -346,6 +347,15 @@ def _layout(h: ChunkHeader) -> LayoutPlan:
     return plan
 
 
+def _restore_samples(h: ChunkHeader, plan: LayoutPlan, terms: ChunkTerms, out: Target) -> Target:
+    """A chunk coded as zstd'd samples, not video: restored from its uploaded samples in one pass."""
+    if h.frames != -(-h.tokens // plan.tokens_per_frame):
+        raise CorruptStreamError(f"chunk announces {h.frames} frames for {h.tokens} tokens")
+    target = PagedChunk(out, h.start_token) if isinstance(out, PagedKV) else out
+    TorchRestorer(terms).restore_block(terms.samples, 0, h.tokens, target)
+    return out
+
+
 def _restore_frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder, restorer, device, out):
     target = PagedChunk(out, h.start_token) if isinstance(out, PagedKV) else out
     frames = 0
@@ -392,16 +402,8 @@ idle_decoders = _IdleDecoders()
 
 
 def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
-    """Decoded frames, one at a time: from the HEVC stream, or rebuilt from zstd-coded samples."""
-    if "video" in streams:
-        yield from decoder.decode(streams["video"], plan.width, plan.height)
-        return
-    units = h.layers * 2 * h.kv_heads
-    wrong = "sample stream has the wrong size for the announced shape"
-    samples = _stream_tensor(streams["samples"], True, units * h.tokens * h.head_dim, "cpu", "samples", wrong)
-    samples = samples.view(units, h.tokens, h.head_dim)
-    for _, _, block in frame_blocks(samples, plan):
-        yield pack_frame(block, plan)
+    """The chunk's decoded frames, one at a time."""
+    yield from decoder.decode(streams["video"], plan.width, plan.height)
 
 
 def decoder_name(device: str | torch.device) -> str:
