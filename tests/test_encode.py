@@ -47,7 +47,7 @@ def staged_on_the_cpu(monkeypatch) -> None:
 
 def test_parallel_chunks_give_the_bytes_of_one_at_a_time_in_order(monkeypatch, fresh_plans):
     kv = kv_like()
-    config = CodecConfig(chunk_tokens=16, resolutions=RES, plain_fallback=False)
+    config = CodecConfig(sample_coder="hevc", chunk_tokens=16, resolutions=RES, plain_fallback=False)
     runs = {}
     for workers in ("1", "3", "3 staged"):
         if workers == "3 staged":
@@ -87,7 +87,7 @@ def test_bad_worker_count_is_a_config_error(monkeypatch):
 
 def test_x265_bitstream_does_not_depend_on_threads():
     kv = kv_like(tokens=32)
-    config = CodecConfig(chunk_tokens=32, resolutions=RES, search_layout=False, video_bits=4)
+    config = CodecConfig(sample_coder="hevc", chunk_tokens=32, resolutions=RES, search_layout=False, video_bits=4)
     plan = hevc_encode.plan_coding(kv, config)
     symbols = hevc_encode._symbols(kv, config)
     samples, _ = hevc_encode._split_low_bits(symbols, plan.video_bits)
@@ -98,7 +98,7 @@ def test_x265_bitstream_does_not_depend_on_threads():
 
 def test_trial_decisions_are_made_once_and_kept_on_disk(fresh_plans):
     kv = kv_like(tokens=48)
-    config = CodecConfig(chunk_tokens=16, resolutions=RES)  # video_bits "auto", layout searched
+    config = CodecConfig(sample_coder="hevc", chunk_tokens=16, resolutions=RES)  # video_bits "auto", layout searched
     CountingX265.calls = 0
     first = hevc_encode.plan_coding(kv, config, CountingX265())
     trials = CountingX265.calls
@@ -115,7 +115,9 @@ def test_trial_decisions_are_made_once_and_kept_on_disk(fresh_plans):
 def test_unreadable_plan_cache_is_ignored(fresh_plans):
     fresh_plans.parent.mkdir(parents=True, exist_ok=True)
     fresh_plans.write_text("{not json")
-    plan = hevc_encode.plan_coding(kv_like(tokens=16), CodecConfig(chunk_tokens=16, resolutions=RES))
+    plan = hevc_encode.plan_coding(
+        kv_like(tokens=16), CodecConfig(sample_coder="hevc", chunk_tokens=16, resolutions=RES)
+    )
     assert 1 <= plan.video_bits <= 8
 
 
@@ -225,7 +227,7 @@ def test_chunks_prepared_together_are_those_prepared_one_by_one(quant, layer_bit
     from kvcodec.layout.tiling import candidate_plans
 
     kv = kv_like(layers=3, tokens=60, heads=2, dim=16).to(dtype)
-    config = CodecConfig(chunk_tokens=20, quant=quant, layer_bits=layer_bits, resolutions=RES)
+    config = CodecConfig(sample_coder="hevc", chunk_tokens=20, quant=quant, layer_bits=layer_bits, resolutions=RES)
     plans = candidate_plans(144, 144, 12, 16, 20)
     layouts = (plans[0], next(p for p in plans if p.tokens_per_frame < 20))  # the second: 2 frames, one padded
     plan = hevc_encode.CodingPlan(layouts, video_bits)
@@ -239,7 +241,7 @@ def test_a_batch_with_values_beyond_fp16_range_is_prepared_chunk_by_chunk():
     batch cannot decide that for all, so the chunks are prepared alone (the same bytes)."""
     kv = kv_like(layers=2, tokens=48, heads=2, dim=16).float()
     kv[0, 0, 30, 0, 0] = 1e6
-    config = CodecConfig(chunk_tokens=16, resolutions=RES)
+    config = CodecConfig(sample_coder="hevc", chunk_tokens=16, resolutions=RES)
     plan = hevc_encode.plan_coding(kv, config)
     assert hevc_encode._prepare_batch(kv, 3, config=config, plan=plan) is None
     prepare = hevc_encode.batched(
@@ -263,7 +265,7 @@ def test_hevc_encode_of_cuda_kv_gives_the_bytes_of_the_host_encode(monkeypatch, 
     """KV in CUDA memory is quantized, split and packed there, chunks in batches on the calling
     thread: the same chunk blobs as the host's encode, chunk by chunk on one thread."""
     kv = kv_like(layers=3, tokens=100, heads=2, dim=32)
-    config = CodecConfig(chunk_tokens=16, resolutions=RES, plain_fallback=False)
+    config = CodecConfig(sample_coder="hevc", chunk_tokens=16, resolutions=RES, plain_fallback=False)
     monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "1")
     host = [c.blobs for c in hevc_encode.encode_chunks(kv, config)]
     monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "3")

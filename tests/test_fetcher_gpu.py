@@ -15,7 +15,7 @@ kvt = gpu_tests.kvt  # the module-scoped fixture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-CFG = CodecConfig(chunk_tokens=64, resolutions=((256, 256), (512, 512)), search_layout=False)
+CFG = CodecConfig(sample_coder="hevc", chunk_tokens=64, resolutions=((256, 256), (512, 512)), search_layout=False)
 
 
 def make_kv(tokens=200, layers=4, heads=2, dim=64):

@@ -8,6 +8,7 @@ and the CPU fetch; a damaged chunk stops the fetch there and leaves the sessions
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -17,10 +18,11 @@ from kvcodec.codecs.driven import StageDriver, driven_of
 from kvcodec.codecs.hevc.codec import HevcCodec
 from kvcodec.codecs.hevc.decode import decode_chunk_blob
 from kvcodec.config import CodecConfig
-from kvcodec.errors import FormatError
+from kvcodec.container.format import CHUNK_MAGIC, StreamEntry, crc32, parse_chunk, split_streams, write_object
+from kvcodec.errors import FormatError, KVCodecError
 from test_transform_batch import FakeDecoder
 
-CFG = CodecConfig(chunk_tokens=128, resolutions=((144, 144),), search_layout=False)
+CFG = CodecConfig(sample_coder="hevc", chunk_tokens=128, resolutions=((144, 144),), search_layout=False)
 
 
 def _kv(tokens: int, layers: int = 4, heads: int = 2, dim: int = 64) -> torch.Tensor:
@@ -56,7 +58,7 @@ def test_chunks_are_prepared_while_their_videos_decode_and_restore_the_same():
     driver = StageDriver(codec, [FakeDecoder(None) for _ in range(2)])
     for i, ch in enumerate(chunks):
         driver.submit(i, ch.blobs[0], outs[i])
-    coded = [i for i in range(len(chunks)) if driver.pending(i)]
+    coded = [i for i in range(len(chunks)) if i in driver.fed]  # chunks with videos (a plain one is on the host pool)
     assert list(driver.unprepared) == coded and len(coded) >= 2
     driver.wait(coded[0], 10.0, flush=False)  # returns at once: it prepared chunk coded[0]
     assert list(driver.unprepared) == coded[1:] and driver.fed[coded[0]].prepared
@@ -140,7 +142,7 @@ def _caches(config: CodecConfig, tokens: int = 700):
     return caches, ids, store
 
 
-GPU_CFG = CodecConfig(chunk_tokens=64, resolutions=((256, 256), (512, 512)), search_layout=False)
+GPU_CFG = CodecConfig(sample_coder="hevc", chunk_tokens=64, resolutions=((256, 256), (512, 512)), search_layout=False)
 
 
 @pytest.mark.gpu
@@ -279,3 +281,56 @@ def test_the_binding_check_sees_a_blob_before_it_is_read_against_the_target():
     driver.submit(0, chunks[0].blobs[0], torch.empty(4, 2, 64, 2, 32, dtype=torch.float16))
     ((tag, err, _),) = driver.poll()
     assert tag == 0 and type(err) is FormatError
+
+
+ZSTD_CFG = CodecConfig(sample_coder="zstd", chunk_tokens=128, resolutions=((144, 144),), search_layout=False)
+
+
+def _drive_host(driver, chunks, outs, blobs=None) -> dict:
+    """Submit every chunk, then hand back each as its host work finishes (waited for, not polled in a race)."""
+    for i, ch in enumerate(chunks):
+        driver.submit(i, (blobs or {}).get(i, ch.blobs[0]), outs[i])
+    got: dict = {}
+    for i in range(len(chunks)):
+        while driver.pending(i):
+            driver.wait(i, 30.0, flush=False)
+            got.update((tag, part) for tag, part, _ in driver.poll())
+    got.update((tag, part) for tag, part, _ in driver.poll())
+    return got
+
+
+def test_chunks_without_videos_are_decompressed_on_host_threads_and_restore_the_same():
+    codec, kv, chunks, ref = _chunks(ZSTD_CFG)
+    assert all(
+        "samples" in {e.name for e in parse_chunk(ch.blobs[0])[0].streams} for ch in chunks[:-1]
+    )  # the last: plain
+    outs = [torch.full_like(r, float("nan")) for r in ref]
+    driver = StageDriver(codec, [FakeDecoder(None) for _ in range(2)])
+    got = _drive_host(driver, chunks, outs)
+    driver.close()
+    assert sorted(got) == list(range(len(chunks)))
+    driver.finish([got[i] for i in sorted(got)], [outs[i] for i in sorted(got)])
+    for i in sorted(got):
+        assert torch.equal(outs[i], ref[i]), i
+
+
+def _with_samples(blob: bytes, samples: bytes) -> bytes:
+    """The chunk blob with its samples stream replaced (its size and checksum in the header made to match)."""
+    h, payload = parse_chunk(blob)
+    streams = dict(split_streams(payload, h.streams, "chunk"), samples=samples)
+    entries = tuple(StreamEntry(e.name, e.codec, len(streams[e.name]), crc32(streams[e.name])) for e in h.streams)
+    header = dataclasses.replace(h, streams=entries).to_json()
+    return write_object(CHUNK_MAGIC, header, [bytes(streams[e.name]) for e in h.streams])
+
+
+def test_a_chunk_whose_samples_do_not_decompress_is_refused_by_name_and_the_others_restore():
+    codec, kv, chunks, ref = _chunks(ZSTD_CFG)
+    outs = [torch.full_like(r, float("nan")) for r in ref]
+    driver = StageDriver(codec, [FakeDecoder(None)])
+    got = _drive_host(driver, chunks, outs, blobs={1: _with_samples(chunks[1].blobs[0], b"not zstd at all")})
+    driver.close()
+    assert isinstance(got[1], KVCodecError) and "chunk 1" in str(got[1]) and "samples" in str(got[1])
+    good = [i for i in sorted(got) if i != 1]
+    driver.finish([got[i] for i in good], [outs[i] for i in good])
+    for i in good:
+        assert torch.equal(outs[i], ref[i]), i

@@ -28,7 +28,9 @@ from test_grouped_file import _kv
 
 def _hevc(synthetic_kvt):  # noqa: ANN001, ANN202
     kv = (torch.randn(4, 2, 40, 2, 64) * 2).half()
-    codec = make_codec("hevc", quant="int8", chunk_tokens=32, resolutions=((144, 144),), streams_per_chunk=2)
+    codec = make_codec(
+        "hevc", quant="int8", chunk_tokens=32, resolutions=((144, 144),), streams_per_chunk=2, sample_coder="hevc"
+    )
     return kvcodec.encode(kv, codec.config), codec, kv.shape[2]
 
 

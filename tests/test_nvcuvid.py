@@ -232,7 +232,7 @@ def test_threads_restore_chunks_exactly_in_one_context():
 
     gen = torch.Generator().manual_seed(0)
     kv = (torch.randn((4, 2, 1024, 2, 64), generator=gen) * 0.5).to(torch.float16)
-    config = kvcodec.CodecConfig(quant="int8", chunk_tokens=128, resolutions=((256, 256),))
+    config = kvcodec.CodecConfig(sample_coder="hevc", quant="int8", chunk_tokens=128, resolutions=((256, 256),))
     chunks = kvcodec.encode_chunks(kv, config)
     blobs = [c.blob_for((256, 256)) for c in chunks]
     ref = torch.empty_like(kv)
@@ -258,7 +258,9 @@ def test_threads_stand_where_an_nvdec_pool_does():
 
     gen = torch.Generator().manual_seed(1)
     kv = (torch.randn((2, 2, 512, 2, 64), generator=gen) * 0.5).to(torch.float16)
-    chunks = kvcodec.encode_chunks(kv, kvcodec.CodecConfig(quant="int4", chunk_tokens=128, resolutions=((256, 256),)))
+    chunks = kvcodec.encode_chunks(
+        kv, kvcodec.CodecConfig(sample_coder="hevc", quant="int4", chunk_tokens=128, resolutions=((256, 256),))
+    )
     blobs = [c.blob_for((256, 256)) for c in chunks]
     ref = torch.empty_like(kv)
     outs = []
@@ -282,7 +284,7 @@ def test_split_chunks_restore_their_parts_on_several_sessions_exactly():
 
     gen = torch.Generator().manual_seed(2)
     kv = (torch.randn((5, 2, 256, 2, 64), generator=gen) * 0.5).to(torch.float16)
-    one = kvcodec.CodecConfig(quant="int8", chunk_tokens=128, resolutions=((256, 256),))
+    one = kvcodec.CodecConfig(sample_coder="hevc", quant="int8", chunk_tokens=128, resolutions=((256, 256),))
     split = kvcodec.CodecConfig(**{**one.to_dict(), "streams_per_chunk": 3})
     ref = kvcodec.decode(kvcodec.encode(kv, one))
     blobs = [c.blobs[0] for c in kvcodec.encode_chunks(kv, split)]

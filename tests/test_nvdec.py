@@ -239,7 +239,9 @@ def test_codec_decode_on_cuda_matches_cpu(quant):
     from kvcodec.config import CodecConfig
 
     kv = _small_kv()
-    data = kvcodec.encode(kv, CodecConfig(quant=quant, chunk_tokens=32, resolutions=((256, 256), (144, 144))))
+    data = kvcodec.encode(
+        kv, CodecConfig(sample_coder="hevc", quant=quant, chunk_tokens=32, resolutions=((256, 256), (144, 144)))
+    )
     for res in ((256, 256), (144, 144)):
         cpu = kvcodec.decode(data, "cpu", resolution=res)
         gpu = kvcodec.decode(data, "cuda", resolution=res)
@@ -258,7 +260,9 @@ def test_pool_decode_parallel_matches_codec(where):
     from kvcodec.video.nvdec_pool import NvdecPool
 
     kv = _small_kv(tokens=200, seed=3)
-    data = kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
+    data = kvcodec.encode(
+        kv, CodecConfig(sample_coder="hevc", quant="int8", chunk_tokens=32, resolutions=((256, 256),))
+    )
     ref = kvcodec.decode(data, "cpu")
     with NvdecPool(workers=2, slots=2, max_frame=(256, 256)) as pool:
         got = decode_parallel(data, pool, threads=3, where=where)
@@ -280,7 +284,9 @@ def test_pool_restore_in_workers_reports_a_corrupt_chunk():
     from kvcodec.video.nvdec_pool import NvdecPool
 
     kv = _small_kv(tokens=64, seed=4)
-    chunks = encode_chunks(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
+    chunks = encode_chunks(
+        kv, CodecConfig(sample_coder="hevc", quant="int8", chunk_tokens=32, resolutions=((256, 256),))
+    )
     good, bad = chunks[0].blobs[0], bytearray(chunks[1].blobs[0])
     bad[-40] ^= 0xFF
     outs = [torch.zeros(2, 2, 32, 2, 64, dtype=torch.float16, device="cuda") for _ in range(2)]
@@ -304,7 +310,9 @@ def test_pool_workers_release_the_consumers_output_when_idle(hold):
     from kvcodec.video.nvdec_pool import NvdecPool
 
     kv = _small_kv(tokens=128, seed=5)
-    data = kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((256, 256),)))
+    data = kvcodec.encode(
+        kv, CodecConfig(sample_coder="hevc", quant="int8", chunk_tokens=32, resolutions=((256, 256),))
+    )
     ref = kvcodec.decode(data, "cpu")
     with NvdecPool(workers=2, slots=2, max_frame=(256, 256), hold_output_s=hold) as pool:
         decode_parallel(data, pool)  # workers warm

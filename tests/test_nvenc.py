@@ -96,7 +96,9 @@ def test_failed_encode_session_falls_back_and_says_which_encoder_ran():
         next(e for e in _ENCODERS if e.name == "x265"),
     ]
     enc = FallbackEncoder(entries, {"preset": "ultrafast"})
-    cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False, video_bits=8)
+    cfg = CodecConfig(
+        sample_coder="hevc", chunk_tokens=16, resolutions=((256, 256),), search_layout=False, video_bits=8
+    )
     codec = HevcCodec(cfg, encoder=enc)
     kv = torch.randn(2, 2, 16, 2, 32).half()
     (chunk,) = codec.encode_chunks(kv)

@@ -28,7 +28,12 @@ def _kv(layers=3, tokens=70, heads=2, dim=64, seed=1):
 def test_fused_restore_equals_reference(quant, layer_bits, video_bits, dtype):
     kv = _kv().to(dtype)
     config = CodecConfig(
-        quant=quant, layer_bits=layer_bits, chunk_tokens=48, resolutions=((256, 256), (144, 144)), video_bits=video_bits
+        sample_coder="hevc",
+        quant=quant,
+        layer_bits=layer_bits,
+        chunk_tokens=48,
+        resolutions=((256, 256), (144, 144)),
+        video_bits=video_bits,
     )
     for chunk in encode_chunks(kv, config):
         for blob in chunk.blobs:
@@ -48,7 +53,9 @@ def test_fused_restore_equals_reference(quant, layer_bits, video_bits, dtype):
 def test_fused_restorer_refuses_exact_mode():
     kv = _kv(tokens=20)
     # plain_fallback off: a 20-token chunk would otherwise be stored plain, with no frames to restore
-    config = CodecConfig(quant="exact", chunk_tokens=20, resolutions=((144, 144),), plain_fallback=False)
+    config = CodecConfig(
+        sample_coder="hevc", quant="exact", chunk_tokens=20, resolutions=((144, 144),), plain_fallback=False
+    )
     (chunk,) = encode_chunks(kv, config)
     with pytest.raises(ValueError, match="exact"):
         decode_chunk_blob(chunk.blobs[0], "cuda", decoder=FFmpegHevcDecoder(), restore="triton")
@@ -69,7 +76,9 @@ def test_fused_restore_into_a_paged_cache_equals_reference(quant, video_bits):
     from kvcodec import PagedKV
 
     kv = _kv()
-    config = CodecConfig(quant=quant, chunk_tokens=48, resolutions=((256, 256),), video_bits=video_bits)
+    config = CodecConfig(
+        sample_coder="hevc", quant=quant, chunk_tokens=48, resolutions=((256, 256),), video_bits=video_bits
+    )
     table = torch.tensor([11, 3, 5, 0, 9, 2, 7, 1, 4])
     ref = PagedKV(torch.zeros(3, 2, 12, 8, 2, 64, dtype=torch.float16, device="cuda"), table)
     got = PagedKV(torch.zeros_like(ref.pages), table)

@@ -102,42 +102,48 @@ def _hevc_runs(kv, quant: str, repeat: int, sweep: bool) -> list[dict[str, Any]]
 
     fp16 = kv.numel() * 2
 
-    def encode() -> list:
-        codec = kvcodec.make_codec("hevc", quant=quant)
+    def encode(coder: str | None = None) -> list:
+        codec = kvcodec.make_codec("hevc", quant=quant, **({"sample_coder": coder} if coder else {}))
         return codec.encode_chunks(kv)
 
-    plan = [("old default", dict(tuning="", workers=1, plans="off"))]
-    plan.append(("new, first of model", dict(plans="cold")))
+    # before the sample coder was chosen per model, every chunk's samples were HEVC video
+    plan = [("old default", dict(tuning="", workers=1, plans="off"), "hevc")]
+    plan.append(("new, first of model", dict(plans="cold"), None))
+    plan.append(("new, samples as HEVC video (sample_coder=hevc), first of model", dict(plans="cold"), "hevc"))
     if sweep:
-        plan += [(f"tuning {t or '(none)'}", dict(tuning=t, plans="cold")) for t in SWEEP]
+        plan += [(f"tuning {t or '(none)'}, video", dict(tuning=t, plans="cold"), "hevc") for t in SWEEP]
     rows = []
-    for name, kw in plan:
+    for name, kw, coder in plan:
         best = None
         for _ in range(repeat):
             with _setting(**kw):
-                r = _timed(encode, fp16)
+                r = _timed(lambda coder=coder: encode(coder), fp16)
             best = r if best is None or r["seconds"] < best["seconds"] else best
-        rows.append({"setting": name, "codec": f"hevc {quant}", **kw, **best})
+        rows.append({"setting": name, "codec": f"hevc {quant}", "sample_coder": coder or "auto", **kw, **best})
     # a new process of a machine that has encoded this model before: decisions from the plan cache
     from kvcodec.layout import search
 
     staging = (
-        ("new default", "batches"),
-        ("new, staged chunks prepared one at a time", "one"),
-        ("new, chunks prepared on their threads", "threads"),
+        ("new default", "batches", None),
+        ("new, samples as HEVC video (sample_coder=hevc)", "batches", "hevc"),
+        ("new, video, staged chunks prepared one at a time", "one", "hevc"),
+        ("new, video, chunks prepared on their threads", "threads", "hevc"),
     )
     best: dict[str, dict[str, Any]] = {}
     with _setting(plans="cold"):
-        encode()  # fills the (fresh) plan cache: the one-time trial encodes
+        encode(), encode("hevc")  # fill the (fresh) plan cache: the one-time trial encodes
         for _ in range(repeat):  # settings interleaved: a drift of the machine's speed hits each alike
-            for name, staged in staging:
+            for name, staged, coder in staging:
                 search._cache.clear()
                 search._bits_cache.clear()
                 search._disk = None  # read back from the file, as a new process would
                 with _staging(staged):
-                    r = _timed(encode, fp16)
+                    r = _timed(lambda coder=coder: encode(coder), fp16)
                 best[name] = r if name not in best or r["seconds"] < best[name]["seconds"] else best[name]
-    rows += [{"setting": name, "codec": f"hevc {quant}", "plans": "warm", **best[name]} for name, _ in staging]
+    rows += [
+        {"setting": name, "codec": f"hevc {quant}", "sample_coder": coder or "auto", "plans": "warm", **best[name]}
+        for name, _, coder in staging
+    ]
     return rows
 
 
@@ -205,12 +211,12 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
         f"GPU: {doc['gpu'] or 'none'}, "
         f"CPU: {doc['machine']['cpu']}, load {doc['machine'].get('load_avg_1m', '?')}.",
         "",
-        "| setting | codec | s | CPU s | MB/s (fp16) | ratio vs fp16 | bytes vs base | speedup vs base |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setting | codec | samples | s | CPU s | MB/s (fp16) | ratio vs fp16 | bytes vs base | speedup vs base |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rows"]:
         lines.append(
-            f"| {r['setting']} | {r['codec']} | {r['seconds']:.2f} | {r['cpu_seconds']:.1f} | {r['encoded_mb_per_s']:.2f} | "
+            f"| {r['setting']} | {r['codec']} | {r.get('sample_coder', 'hevc')} | {r['seconds']:.2f} | {r['cpu_seconds']:.1f} | {r['encoded_mb_per_s']:.2f} | "
             f"{r['ratio_vs_fp16']:.3f} | {r['bytes_vs_base']:+.2%} | {r['speedup_vs_base']:.1f}x |"
         )
     lines += [

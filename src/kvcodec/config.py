@@ -35,8 +35,9 @@ class CodecConfig:
     search_layout: pick the tile layout per resolution by trial encodes on the first chunk
         (otherwise the first candidate is used).
     sample_coder: how the 8-bit sample planes are coded: "hevc" (lossless video, decoded by NVDEC
-        on GPUs, the default), "zstd" (byte coder, decoded on the CPU), or "auto" (per chunk and
-        resolution, whichever is smaller).
+        on GPUs), "zstd" (byte coder, decoded on the host's cores and uploaded), or "auto" (the
+        default: whichever codes the first chunk in fewer bytes, decided once per model shape and
+        kept with the coding plan; zstd on SmolLM2's and Qwen2.5's int8, int4 and exact KV).
     video_bits: how many top bits of each sample go through the video stream; the remaining low
         bits (near-random on real KV) are stored as packed bit planes (kvcodec.quant.bitsplit).
         8 puts every bit in the video; "auto" picks by trial encodes on the first chunk.
@@ -54,7 +55,7 @@ class CodecConfig:
     layer_bits: tuple[int, ...] = ()
     x265_preset: str = "ultrafast"
     search_layout: bool = True
-    sample_coder: str = "hevc"
+    sample_coder: str = "auto"
     video_bits: int | str = "auto"
     plain_fallback: bool = True
     streams_per_chunk: int = 1

@@ -14,6 +14,10 @@ A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec
     prepare(reading) -> Reading         optional: the chunk's frame-independent host work (side
                                          streams uploaded, restorer made), done while NVDEC decodes
                                          its video, when the fetch's thread would otherwise wait
+    prepare_host(reading) -> Reading    optional: a chunk without videos, its host work with no
+                                         CUDA calls (zstd'd samples decompressed), run on a pool of
+                                         host threads (HOST_THREADS) before stage; without it such
+                                         a chunk is staged at once on the fetch's thread
 
 The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec's in
 codecs/hevc/driven.py. StageDriver runs the protocol: submit(tag, blob, target) reads and checks
@@ -30,8 +34,11 @@ import collections
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Protocol
 
 import torch
@@ -40,6 +47,21 @@ from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.errors import KVCodecError
 
 DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
+# threads decompressing chunks without videos (zstd releases the interpreter lock): half the cores, at most 8
+HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+_host_pool: ThreadPoolExecutor | None = None
+_host_pool_lock = threading.Lock()
+
+
+def host_pool() -> ThreadPoolExecutor:
+    """The process's pool for DrivenChunks.prepare_host, shared by every fetch, started on first use."""
+    global _host_pool
+    with _host_pool_lock:
+        if _host_pool is None:
+            _host_pool = ThreadPoolExecutor(HOST_THREADS, thread_name_prefix="kvcodec-host")
+        return _host_pool
+
+
 EAGER = True  # a driven fetch flushes every session right after the last blob (False: when it waits on one)
 
 
@@ -169,6 +191,8 @@ class StageDriver:
         self.free_at = [0.0] * len(self.runs)  # when each session finished its last piece
         self.load = [0] * len(self.runs)  # video bytes each session holds (NVDEC's time goes with them)
         self.prepare = getattr(self.chunks, "prepare", None)
+        self.prepare_host = getattr(self.chunks, "prepare_host", None)
+        self.on_host: dict = {}  # tag -> (Future of prepare_host, reading, target, submitted): chunks without videos
         self.unprepared: collections.deque = collections.deque()  # tags whose pieces decode, not prepared
         self.reserved: collections.Counter = collections.Counter()  # failed run -> chunks to decode alone with it
         self.closing = False  # close(): chunks still in flight are dropped, not staged
@@ -179,6 +203,9 @@ class StageDriver:
             if self.check is not None:  # what the blob says it is, before it is read against the target
                 self.check(tag, self.chunks.inspect(blob))
             reading = self.chunks.read(blob, target)
+            if not reading.pieces and self.prepare_host is not None:
+                self.on_host[tag] = (host_pool().submit(self.prepare_host, reading), reading, target, t0)
+                return
             if not reading.pieces:
                 self.done.append((tag, self.chunks.stage(reading, [], target), 0.0))
                 return
@@ -209,20 +236,26 @@ class StageDriver:
         """(tag, staged chunk or KVCodecError, decode seconds) of every chunk complete since the last call."""
         for k in range(len(self.runs)):
             self._collect(k)
+        self._collect_host()
         out, self.done = self.done, []
         return out
 
     def has_done(self) -> bool:
-        """Whether poll has chunks to hand back without collecting (refused or video-less chunks)."""
-        return bool(self.done)
+        """Whether poll has chunks to hand back without collecting NVDEC sessions (refused chunks,
+        chunks without videos)."""
+        return bool(self.done) or any(job[0].done() for job in self.on_host.values())
 
     def pending(self, tag) -> bool:
         """Whether the chunk is submitted and not yet handed back by poll."""
-        return tag in self.fed
+        return tag in self.fed or tag in self.on_host
 
     def wait(self, tag, timeout_s: float, flush: bool) -> None:
         """Wait (at most timeout_s) for one more piece of a session holding one of `tag`'s pieces
-        to complete; flush: first flush that session if its every stream is fed."""
+        to complete, or for the host work of `tag` without videos; flush: first flush that session
+        if its every stream is fed."""
+        if tag in self.on_host:
+            wait_futures([self.on_host[tag][0]], timeout_s)
+            return
         entry = self.fed.get(tag)
         if entry is None or not entry.left or self.prepare_one():  # useful work instead of waiting
             return
@@ -251,6 +284,24 @@ class StageDriver:
             entry.error = KVCodecError(f"{type(e).__name__}: {e}")
             entry.error.__cause__ = e
 
+    def _collect_host(self) -> None:
+        """Chunks without videos whose host work is done, staged here (their uploads and math on
+        this thread's stream), in the order submitted."""
+        for tag in [t for t, job in self.on_host.items() if job[0].done()]:
+            future, reading, target, t0 = self.on_host.pop(tag)
+            self.done.append((tag, self._staged_from_host(future, reading, target), time.monotonic() - t0))
+
+    def _staged_from_host(self, future: Future, reading: Reading, target: Target) -> object:
+        """The staged chunk of a finished prepare_host, or its error naming the chunk."""
+        try:
+            return self.chunks.stage(future.result(), [], target)
+        except KVCodecError as e:
+            return _named(e, reading.info.index)
+        except Exception as e:  # noqa: BLE001 - this chunk's failure (a GPU out of memory, say)
+            error = _named(KVCodecError(f"{type(e).__name__}: {e}"), reading.info.index)
+            error.__cause__ = e
+            return error
+
     def end_all(self) -> None:
         """No more chunks are coming: every session is flushed once it has fed what it holds."""
         if not EAGER:
@@ -270,6 +321,10 @@ class StageDriver:
         closed, or, a run its decoder keeps (nvcuvid_native.KEEP), left open and idle for the next
         fetch; a run that failed is closed with its session."""
         self.closing = True
+        for future, *_ in self.on_host.values():  # host work in flight ends unused: nothing more is restored
+            future.cancel()
+        wait_futures([job[0] for job in self.on_host.values()])
+        self.on_host.clear()
         for k, run in enumerate(self.runs):
             try:
                 self._drain(k)

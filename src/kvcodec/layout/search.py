@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,10 +31,10 @@ CALIBRATION_TOKENS = 128
 VIDEO_BITS_CANDIDATES = (3, 4, 5, 6, 8)
 
 PLANS_FILE = "coding-plans.json"
-PLANS_VERSION = 1  # bump when a trial's method changes: older decisions are then ignored
+PLANS_VERSION = 2  # bump when a trial's method changes: older decisions are then ignored
 
 _cache: dict[tuple, LayoutPlan] = {}
-_bits_cache: dict[tuple, int] = {}
+_bits_cache: dict[tuple, tuple[str, int]] = {}
 _lock = threading.Lock()
 _disk: dict[str, object] | None = None
 _deciding: dict[str, threading.Lock] = {}
@@ -206,42 +207,58 @@ def choose_plan(
     return best
 
 
-def choose_video_bits(
+def choose_sample_coding(
     resolution: tuple[int, int],
     units_tokens_dim: torch.Tensor,
     unit_bits: torch.Tensor,
     chunk_tokens: int,
     encoder,
     key: tuple | None = None,
-) -> int:
-    """How many top bits of each sample to code as video: the candidate whose video stream plus
-    raw low bit planes is smallest on the calibration sample (first layout candidate). Cached
-    under `key` for the process."""
+    video_bits: tuple[int, ...] = VIDEO_BITS_CANDIDATES,
+    zstd_bytes: Callable[[torch.Tensor], int] | None = None,
+) -> tuple[str, int]:
+    """(coder, video bits) that code the calibration sample in the fewest bytes: "hevc" with the
+    top b bits of each sample in the video and the rest as raw low bit planes, for each b of
+    `video_bits` (first layout candidate); with `zstd_bytes` (the zstd-coded size of a sample
+    tensor), also "zstd": every bit zstd-coded, restored on the host's cores instead of NVDEC
+    (the top max(video_bits) bits and raw planes when every candidate splits). Cached under `key`
+    for the process and on disk."""
     from kvcodec.quant import bitsplit
 
     width, height = resolution
     units, tokens, dim = units_tokens_dim.shape
-    cache_key = (key, resolution, units, dim, chunk_tokens, encoder_settings(encoder))
+    coders = ("hevc", "zstd") if zstd_bytes is not None else ("hevc",)
+    cache_key = (key, resolution, units, dim, chunk_tokens, encoder_settings(encoder), video_bits, coders)
     with _lock:
         if cache_key in _bits_cache:
             return _bits_cache[cache_key]
-    disk_key = _disk_key("video_bits", cache_key)
+    disk_key = _disk_key("sample_coding", cache_key)
     stored = _disk_get(disk_key)
-    if isinstance(stored, int) and 1 <= stored <= 8:
-        with _lock:
-            _bits_cache[cache_key] = stored
-        return stored
+    if isinstance(stored, list) and len(stored) == 2 and stored[0] in coders and stored[1] in video_bits:
+        return _keep(cache_key, (str(stored[0]), int(stored[1])))
     plan = shortlist(width, height, units, dim, chunk_tokens)[0]
     sample = units_tokens_dim[:, :CALIBRATION_TOKENS]
     most = int(unit_bits.max())
-    candidates = sorted({min(b, most) for b in VIDEO_BITS_CANDIDATES})
-    counts = [bitsplit.low_bit_counts(unit_bits, video_bits) for video_bits in candidates]
-    sizes = _trials([(plan, bitsplit.split(sample, c)[0]) for c in counts], encoder)
+    candidates = sorted({min(b, most) for b in video_bits})
+    counts = [bitsplit.low_bit_counts(unit_bits, b) for b in candidates]
+    splits = [bitsplit.split(sample, c)[0] for c in counts]
+    sizes = _trials([(plan, top) for top in splits], encoder)
     low_bytes = [int(c.sum()) * sample.shape[1] * dim / 8 for c in counts]
-    scored = [(v + low, video_bits) for v, low, video_bits in zip(sizes, low_bytes, candidates)]
-    best = min(scored)[1]
-    log.info("video bits: %s -> %d", ", ".join(f"{b}={s / sample.shape[1]:.0f}B/tok" for s, b in scored), best)
-    _disk_put(disk_key, best)
+    scored = [(v + low, "hevc", b) for v, low, b in zip(sizes, low_bytes, candidates)]
+    if zstd_bytes is not None:
+        scored.append((zstd_bytes(splits[-1]) + low_bytes[-1], "zstd", candidates[-1]))
+    _, coder, bits = min(scored)
+    log.info(
+        "sample coding: %s -> %s %d",
+        ", ".join(f"{c} {b}={s / sample.shape[1]:.0f}B/tok" for s, c, b in scored),
+        coder,
+        bits,
+    )
+    _disk_put(disk_key, [coder, bits])
+    return _keep(cache_key, (coder, bits))
+
+
+def _keep(cache_key: tuple, decision: tuple[str, int]) -> tuple[str, int]:
     with _lock:
-        _bits_cache[cache_key] = best
-    return best
+        _bits_cache[cache_key] = decision
+    return decision

@@ -5,6 +5,7 @@ caller's target (a dense slice or a PagedKV)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 
@@ -115,24 +116,51 @@ def _copy_into(data, buf: np.ndarray) -> int:
     return len(data)
 
 
-def _upload(fills: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    """{name: (size, fill(buf))} -> {name: flat uint8 tensor of `size` bytes on `device`}: every
-    stream decompressed or copied once, into its place in ONE host buffer, then one copy. For CUDA
-    the buffer is pinned and the copy asynchronous on the current stream (a decoder thread never
-    waits for its stream's earlier work, and the pinned allocator keeps the buffer until the copy
-    ran). One buffer and one copy per chunk, not per stream: on the H200 each pinned allocation
-    and upload cost about 1 ms of a decoder thread's time beside busy NVDEC threads
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostStreams:
+    """A chunk's streams as its restore reads them (decompressed, the shift made from the centers),
+    in ONE host buffer, pinned for CUDA: uploaded in one copy. Made without CUDA work, so on any
+    thread (a driven fetch decompresses the samples of chunks not coded as video on a pool)."""
+
+    host: torch.Tensor
+    spans: dict[str, tuple[int, int]]  # name -> (offset, size)
+
+
+def _fill_host(fills: dict, pinned: bool) -> HostStreams:
+    """{name: (size, fill(buf))} -> every stream decompressed or copied once, into its place in one
+    host buffer. One buffer and one copy per chunk, not per stream: on the H200 each pinned
+    allocation and upload cost about 1 ms of a decoder thread's time beside busy NVDEC threads
     (benchmarks/results/decode-h200-split-streams.md)."""
-    offsets, total = {}, 0
+    spans, total = {}, 0
     for name, (size, _) in fills.items():
-        offsets[name] = total
+        spans[name] = (total, size)
         total += -(-size // _ALIGN) * _ALIGN
-    host = torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
     buf = host.numpy()
     for name, (size, fill) in fills.items():
-        fill(buf[offsets[name] : offsets[name] + size])
-    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
-    return {name: flat[offsets[name] : offsets[name] + size] for name, (size, _) in fills.items()}
+        offset = spans[name][0]
+        fill(buf[offset : offset + size])
+    return HostStreams(host, spans)
+
+
+def _to_device(streams: HostStreams, device: torch.device) -> dict[str, torch.Tensor]:
+    """{name: flat uint8 tensor on `device`}: for CUDA one asynchronous copy on the current stream (a
+    decoder thread never waits for its stream's earlier work; the pinned allocator keeps the buffer
+    until the copy ran)."""
+    flat = streams.host.to(device, non_blocking=True) if device.type == "cuda" else streams.host
+    return {name: flat[offset : offset + size] for name, (offset, size) in streams.spans.items()}
+
+
+def host_streams(h: ChunkHeader, streams, pinned: bool) -> HostStreams:
+    """A coded chunk's HostStreams (pinned: for a CUDA restore), made on the calling thread."""
+    _check_video_bits(h)
+    planes, _, _, half = _unit_terms(h.layer_bits, h.layers, h.kv_heads, h.video_bits, "cpu")
+    return _fill_host(_stream_fills(h, streams, planes, half), pinned)
+
+
+def _check_video_bits(h: ChunkHeader) -> None:
+    if not 1 <= h.video_bits <= 8:
+        raise FormatError(f"chunk blob has video_bits={h.video_bits}, outside 1..8")
 
 
 def shift_from_centers(centers: np.ndarray, half: np.ndarray) -> np.ndarray:
@@ -220,15 +248,18 @@ def _stream_fills(h: ChunkHeader, streams, planes: int, half: np.ndarray) -> dic
     return fills
 
 
-def _chunk_terms(h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device) -> ChunkTerms:
-    if not 1 <= h.video_bits <= 8:
-        raise FormatError(f"chunk blob has video_bits={h.video_bits}, outside 1..8")
+def _chunk_terms(
+    h: ChunkHeader, plan: LayoutPlan, streams, dtype: torch.dtype, device, host: HostStreams | None = None
+) -> ChunkTerms:
+    """The chunk's ChunkTerms on `device`, from its streams (`host`: already decompressed)."""
+    _check_video_bits(h)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     planes, counts, mask, half = _unit_terms(h.layer_bits, h.layers, h.kv_heads, h.video_bits, str(device))
     units = h.layers * 2 * h.kv_heads
-    on_device = _upload(_stream_fills(h, streams, planes, half), device)
+    host = host or _fill_host(_stream_fills(h, streams, planes, half), device.type == "cuda")
+    on_device = _to_device(host, device)
     common = dict(
         plan=plan,
         layers=h.layers,
@@ -278,13 +309,22 @@ def decode_chunk_blob(
     return restore_part(h, streams, device, out, decoder, restore)
 
 
-def restore_part(h: ChunkHeader, streams, device, out: Target | None, decoder=None, restore: str = "auto") -> Target:
+def restore_part(
+    h: ChunkHeader,
+    streams,
+    device,
+    out: Target | None,
+    decoder=None,
+    restore: str = "auto",
+    host: HostStreams | None = None,
+) -> Target:
     """One (part) chunk of checked streams into `out` (allocated on `device` when None), frame by
-    frame from `decoder` (borrowed where None and the chunk has a video); a plain chunk copied."""
+    frame from `decoder` (borrowed where None and the chunk has a video); a plain chunk copied.
+    `host`: its streams already decompressed (host_streams)."""
     if h.quant == PLAIN:
         return _restore_plain(h, streams, device, out)
     out, device, plan = checked_part(h, streams, device, out)
-    restorer = part_restorer(h, plan, streams, device, restore)
+    restorer = part_restorer(h, plan, streams, device, restore, host)
     if "video" not in streams:
         return _restore_samples(h, plan, restorer.terms, out)
     if decoder is None:
@@ -303,10 +343,11 @@ def checked_part(h: ChunkHeader, streams, device, out: Target | None) -> tuple[T
     return out, device, _layout(h)
 
 
-def part_restorer(h: ChunkHeader, plan: LayoutPlan, streams, device, restore: str = "auto"):  # noqa: ANN201
-    """The FrameRestorer of a checked chunk: its side streams decompressed and uploaded to `device`
-    (on the current stream), the restorer `restore` picks ("auto": the fused kernel where it applies)."""
-    terms = _chunk_terms(h, plan, streams, dtype_of(h.dtype, "chunk blob dtype"), device)
+def part_restorer(h: ChunkHeader, plan: LayoutPlan, streams, device, restore: str = "auto", host=None):  # noqa: ANN201
+    """The FrameRestorer of a checked chunk: its side streams decompressed (unless `host` holds
+    them) and uploaded to `device` (on the current stream), the restorer `restore` picks ("auto":
+    the fused kernel where it applies)."""
+    terms = _chunk_terms(h, plan, streams, dtype_of(h.dtype, "chunk blob dtype"), device, host)
     return restorer_for(terms, prefer=restore)
 
 

@@ -4,7 +4,8 @@ read: the blob checked as HevcCodec.inspect_chunk and decode_chunk check it, eac
 verified (a split chunk has one part per layer range, each with its own video: each is a piece,
 decoded on whichever session is least busy). prepare (while the videos decode) or stage: each
 part's side streams uploaded and its restorer made (on the fetch's stream); a part without a video
-(zstd samples) or a plain chunk is restored into its target at stage. finish: each part's frames restored from its decoded buffer into
+(zstd samples) or a plain chunk is restored into its target at stage, its streams decompressed
+ahead by prepare_host on a host thread. finish: each part's frames restored from its decoded buffer into
 its target, one launch per part for all its frames where the fused kernel applies.
 stage_alone: after a session failed, every part decoded frame by frame with that session's decoder
 (as the worker path does)."""
@@ -18,7 +19,7 @@ import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
-from kvcodec.codecs.hevc.decode import checked_part, chunk_parts, part_restorer, restore_part
+from kvcodec.codecs.hevc.decode import checked_part, chunk_parts, host_streams, part_restorer, restore_part
 from kvcodec.container.format import PLAIN, ChunkHeader, parse_chunk, split_streams
 from kvcodec.errors import CorruptStreamError
 from kvcodec.layout.tiling import LayoutPlan
@@ -36,6 +37,11 @@ class _Part:
     target: Target
     plan: LayoutPlan | None = None
     restorer: object = None  # made ahead by prepare (its side streams uploaded)
+    host: object = None  # a part without a video: its streams decompressed ahead by prepare_host
+
+    @property
+    def samples(self) -> bool:
+        return self.plan is not None and "samples" in self.streams
 
     @property
     def video(self) -> bool:
@@ -70,11 +76,22 @@ class HevcDriven:
         parts = tuple(dataclasses.replace(p, restorer=self._restorer(p)) if p.video else p for p in reading.state)
         return dataclasses.replace(reading, state=parts)
 
+    def prepare_host(self, reading: Reading) -> Reading:
+        """The host work of a chunk without videos (zstd'd samples), on any thread: each such part's
+        streams decompressed into a pinned buffer, uploaded and restored at stage."""
+        parts = tuple(
+            dataclasses.replace(p, host=host_streams(p.h, p.streams, _device(p.target).type == "cuda"))
+            if p.samples
+            else p
+            for p in reading.state
+        )
+        return dataclasses.replace(reading, state=parts)
+
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> _Staged:
         staged, buffers = [], iter(buffers)
         for p in reading.state:
             if not p.video:
-                restore_part(p.h, p.streams, _device(p.target), p.target, restore=self.codec.restore)
+                restore_part(p.h, p.streams, _device(p.target), p.target, restore=self.codec.restore, host=p.host)
                 continue
             restorer = p.restorer if p.restorer is not None else self._restorer(p)
             frames = next(buffers).view(p.h.frames, 3, p.plan.height, p.plan.width)

@@ -34,7 +34,15 @@ from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc3
 from kvcodec.container.split import layer_ranges
 from kvcodec.dtypes import DTYPE_NAMES
 from kvcodec.errors import ConfigError, ShapeError
-from kvcodec.layout.search import choose_plan, choose_video_bits, encode_workers, once, recall, remember
+from kvcodec.layout.search import (
+    VIDEO_BITS_CANDIDATES,
+    choose_plan,
+    choose_sample_coding,
+    encode_workers,
+    once,
+    recall,
+    remember,
+)
 from kvcodec.layout.tiling import PAD_SAMPLE, LayoutPlan, frame_blocks, pack_frame, pixel_positions
 from kvcodec.quant import bitsplit, centering
 from kvcodec.quant import exact as exact_q
@@ -47,7 +55,7 @@ log = logging.getLogger(__name__)
 SIDE_ZSTD_LEVEL = 12  # 19 saved 0.1% of a chunk for 30 ms of its encode (kvcodec bench encode)
 BYTES_ZSTD_LEVEL = 3
 LOW_ZSTD_LEVEL = 1  # low bit planes are near-random: zstd only removes planes a unit does not use
-SAMPLES_ZSTD_LEVEL = 19
+SAMPLES_ZSTD_LEVEL = 1  # as small as 3-19 on int8/int4/exact samples of SmolLM2 and Qwen2.5 KV, 100x faster than 19
 
 
 X265_TUNING = x265_cpu.FAST_TUNING  # the HEVC codec's x265 parameters (a benchmark may set the earlier "")
@@ -232,30 +240,39 @@ def _low_stream(raw: bytes | None) -> tuple[list[StreamEntry], list[bytes]]:
 
 @dataclasses.dataclass(frozen=True)
 class CodingPlan:
-    """Decisions made once per (model shape, config) by trial encodes on the first chunk."""
+    """Decisions made once per (model shape, config) by trial encodes on the first chunk: the
+    layout per resolution, the bits per sample in the video, and how the samples are coded
+    ("hevc": video for NVDEC; "zstd": zstd, restored on the host's cores)."""
 
     layouts: tuple[LayoutPlan, ...]  # one per resolution, config.resolutions order
     video_bits: int
+    sample_coder: str = "hevc"
 
     def to_dict(self) -> dict:
-        return {"layouts": [p.to_dict() for p in self.layouts], "video_bits": self.video_bits}
+        layouts = [p.to_dict() for p in self.layouts]
+        return {"layouts": layouts, "video_bits": self.video_bits, "sample_coder": self.sample_coder}
 
     @classmethod
     def from_dict(cls, d: dict) -> CodingPlan:
-        return cls(tuple(LayoutPlan.from_dict(p) for p in d["layouts"]), int(d["video_bits"]))
+        coder = d.get("sample_coder", "hevc")
+        if coder not in ("hevc", "zstd"):
+            raise ValueError(f"unknown sample coder {coder!r}")
+        return cls(tuple(LayoutPlan.from_dict(p) for p in d["layouts"]), int(d["video_bits"]), coder)
 
 
-def _code_samples(frames, samples, plan, config, encoder, zstd_cache) -> tuple[str, str, bytes]:
-    """The sample planes as ("video", "hevc", bitstream) or ("samples", "zstd", bytes), as
-    config.sample_coder asks; "auto" keeps the smaller."""
-    options = []
-    if config.sample_coder in ("hevc", "auto"):
-        options.append(("video", "hevc", encoder.encode(frames, plan.width, plan.height)))
-    if config.sample_coder in ("zstd", "auto"):
-        if "z" not in zstd_cache:
-            zstd_cache["z"] = _zstd(samples.cpu().numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
-        options.append(("samples", "zstd", zstd_cache["z"]))
-    return min(options, key=lambda o: len(o[2]))
+def _code_samples(frames, samples, plan: CodingPlan, layout: LayoutPlan, encoder, zstd_cache) -> tuple[str, str, bytes]:
+    """The sample planes as ("video", "hevc", bitstream) or ("samples", "zstd", bytes), as the
+    plan decided (the zstd bytes are the same for every resolution: made once per chunk)."""
+    if plan.sample_coder == "hevc":
+        return "video", "hevc", encoder.encode(frames, layout.width, layout.height)
+    if "z" not in zstd_cache:
+        zstd_cache["z"] = zstd_samples(samples)
+    return "samples", "zstd", zstd_cache["z"]
+
+
+def zstd_samples(samples: torch.Tensor) -> bytes:
+    """A chunk's samples (units, tokens, dim) uint8, zstd-coded."""
+    return _zstd(samples.cpu().numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
 
 
 def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPlan:
@@ -288,26 +305,45 @@ def _search_plan(kv: torch.Tensor, config: CodecConfig, encoder) -> CodingPlan:
     first = _on_encode_device(kv[:, :, : config.chunk_tokens])
     symbols = _symbols(first, config)
     key = (config.quant, DTYPE_NAMES[kv.dtype], config.layer_bits)
+    coder, video_bits = _sample_coding(symbols, config, encoder, key)
+    samples, _ = _split_low_bits(symbols, video_bits)
+    key = (*key, video_bits)
+    search = config.search_layout and coder == "hevc"  # zstd'd samples are not laid out in frames
+    layouts = tuple(
+        choose_plan(res, samples, config.chunk_tokens, encoder, key=key, search=search) for res in config.resolutions
+    )
+    return CodingPlan(layouts, video_bits, coder)
+
+
+def _sample_coding(symbols: _ChunkSymbols, config: CodecConfig, encoder, key: tuple) -> tuple[str, int]:
+    """(sample coder, video bits) of a plan: as configured, or where "auto", the fewest bytes on
+    the first chunk (kvcodec.layout.search.choose_sample_coding)."""
     units, _, dim = symbols.samples.shape
     if not bitsplit.can_split(units, dim):
         if config.video_bits not in ("auto", bitsplit.FULL):
             log.info(
                 "%d units x %d channels do not fill whole bytes of a bit plane: every bit in the video", units, dim
             )
-        video_bits = bitsplit.FULL
+        candidates = (bitsplit.FULL,)
     elif config.video_bits == "auto":
-        video_bits = choose_video_bits(
-            config.resolutions[0], symbols.samples, symbols.unit_bits, config.chunk_tokens, encoder, key=key
-        )
+        candidates = VIDEO_BITS_CANDIDATES if config.sample_coder != "zstd" else (bitsplit.FULL,)
     else:
-        video_bits = int(config.video_bits)
-    samples, _ = _split_low_bits(symbols, video_bits)
-    key = (*key, video_bits)
-    layouts = tuple(
-        choose_plan(res, samples, config.chunk_tokens, encoder, key=key, search=config.search_layout)
-        for res in config.resolutions
+        candidates = (int(config.video_bits),)
+    if config.sample_coder != "auto" and len(candidates) == 1:
+        return config.sample_coder, candidates[0]
+    if config.sample_coder == "zstd":
+        return "zstd", max(candidates)
+    zstd_bytes = (lambda x: len(zstd_samples(x))) if config.sample_coder == "auto" else None
+    return choose_sample_coding(
+        config.resolutions[0],
+        symbols.samples,
+        symbols.unit_bits,
+        config.chunk_tokens,
+        encoder,
+        key=key,
+        video_bits=candidates,
+        zstd_bytes=zstd_bytes,
     )
-    return CodingPlan(layouts, video_bits)
 
 
 def encode_chunks(
@@ -514,9 +550,15 @@ def _prepare_chunk(x, *, config, plan) -> _Prepared:
     symbols = _symbols(x, config)
     samples, low_planes = _split_low_bits(symbols, plan.video_bits)
     frames = tuple(
-        _to_host([pack_frame(b, layout) for _, _, b in frame_blocks(samples, layout)]) for layout in plan.layouts
+        _to_host([pack_frame(b, layout) for _, _, b in frame_blocks(samples, layout)]) if _video(plan) else []
+        for layout in plan.layouts
     )
     return _Prepared(symbols, samples, low_planes, frames)
+
+
+def _video(plan: CodingPlan) -> bool:
+    """Whether the plan codes samples as video (else their frames are never made)."""
+    return plan.sample_coder == "hevc"
 
 
 def _prepare_batch(x: torch.Tensor, chunks: int, *, config, plan) -> list[_Prepared] | None:  # noqa: ANN001
@@ -543,7 +585,8 @@ def _prepare_batch(x: torch.Tensor, chunks: int, *, config, plan) -> list[_Prepa
     planes = bitsplit.plane_count(counts)
     high, low = bitsplit.split(centered, counts.repeat(chunks)) if planes else (centered, None)
     params = torch.stack([offset, step]).view(2, chunks, L, 2, H, D).permute(1, 0, 2, 3, 4, 5)
-    device = [params, centers.view(chunks, -1), *(_batch_frames(high, chunks, layout) for layout in plan.layouts)]
+    video_layouts = plan.layouts if _video(plan) else ()
+    device = [params, centers.view(chunks, -1), *(_batch_frames(high, chunks, layout) for layout in video_layouts)]
     host_params, host_centers, *frames = host_arrays(
         [*device, _batch_low_planes(low, chunks, planes)] if planes else device
     )
@@ -561,7 +604,8 @@ def _prepare_batch(x: torch.Tensor, chunks: int, *, config, plan) -> list[_Prepa
             centered[rows], side, [side_data, center_data], DTYPE_NAMES[params.dtype], per_unit_bits
         )
         low_planes = host_low[k].tobytes() if planes else None
-        out.append(_Prepared(symbols, high[rows], low_planes, tuple(list(f[k]) for f in frames)))
+        chunk_frames = tuple(list(f[k]) for f in frames) if _video(plan) else tuple([] for _ in plan.layouts)
+        out.append(_Prepared(symbols, high[rows], low_planes, chunk_frames))
     return out
 
 
@@ -605,10 +649,10 @@ def _encode_chunk(x, *, config, plan, encoder, index, start_token, key, prepared
     p = prepared or _prepare_chunk(x, config=config, plan=plan)
     symbols = p.symbols
     low_streams, low_payloads = _low_stream(p.low_planes)
-    zstd_samples = {}  # resolution-independent, computed at most once per chunk
+    zstd_cache = {}  # resolution-independent, computed at most once per chunk
     blobs, coders = [], []
     for layout, frames in zip(plan.layouts, p.frames):
-        name, codec, video = _code_samples(frames, p.samples, layout, config, encoder, zstd_samples)
+        name, codec, video = _code_samples(frames, p.samples, plan, layout, encoder, zstd_cache)
         coders.append(getattr(encoder, "name", "hevc") if codec == "hevc" else codec)
         streams = (*symbols.side, *low_streams, StreamEntry(name, codec, len(video), crc32(video)))
         header = ChunkHeader(
@@ -624,7 +668,7 @@ def _encode_chunk(x, *, config, plan, encoder, index, start_token, key, prepared
             param_dtype=symbols.param_dtype,
             resolution=(layout.width, layout.height),
             layout=layout.to_dict(),
-            frames=len(frames),
+            frames=-(-T // layout.tokens_per_frame),
             streams=streams,
             video_bits=plan.video_bits,
             key=key,
