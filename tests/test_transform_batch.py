@@ -358,3 +358,27 @@ def test_stage_driver_leaves_kept_runs_open_for_the_next_fetch(kvt):
     assert all(r.feeder is not None and not r.busy for r in runs if r.opened)  # open, idle
     assert sorted(r.opened for r in runs) == [0] + [1] * len(chunks)  # opened once, by the first fetch
     assert sorted(r.flushed for r in runs) == [0] + [2] * len(chunks)  # once per fetch, the idle one never
+
+
+def test_stage_driver_decompresses_zstd_chunks_on_host_threads(kvt):
+    """Chunks without videos (zstd-coded samples) go to the host pool (TransformDriven.prepare_host)
+    and restore as the per-group reference does."""
+    from kvcodec.codecs.driven import StageDriver
+
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    kv = gpu_tests.synthetic_kv(200, 22)
+    chunks = c.encode_chunks(kv)
+    want = gpu_tests.restore_all(c, chunks, kv.shape)
+    out, outs = _outs(kv, chunks)
+    driver = StageDriver(c, [FakeDecoder()])
+    for i, ch in enumerate(chunks):
+        driver.submit(i, ch.blobs[0], outs[i])
+    assert all(i in driver.on_host for i in range(len(chunks)))
+    got: dict = {}
+    for i in range(len(chunks)):
+        while driver.pending(i):
+            driver.wait(i, 30.0, flush=False)  # until its host work is done: no race with the pool
+            got.update((tag, part) for tag, part, _ in driver.poll())
+    driver.close()
+    c.finish([got[i] for i in range(len(chunks))], outs)
+    assert gpu_tests.within_an_ulp(out, want)

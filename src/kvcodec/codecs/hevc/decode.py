@@ -11,10 +11,10 @@ import threading
 
 import numpy as np
 import torch
-import zstandard
 
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.hevc.encode import unit_bits
+from kvcodec.codecs.zstd_streams import unzstd_into
 from kvcodec.container import split
 from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, object_version, parse_chunk, split_streams
 from kvcodec.container.plain import plain_values
@@ -104,7 +104,7 @@ _ALIGN = 64  # each stream's place in a chunk's upload buffer starts on this man
 
 def _fill(data, coded: bool, name: str, wrong: str, buf: np.ndarray) -> None:
     """Decompress (`coded`) or copy `data` into `buf`, which it must fill exactly."""
-    got = _unzstd_into(data, buf, name) if coded else _copy_into(data, buf)
+    got = unzstd_into(data, buf, name) if coded else _copy_into(data, buf)
     if got != buf.size:
         raise CorruptStreamError(wrong.format(got=got))
 
@@ -187,27 +187,6 @@ def _unit_terms(layer_bits: tuple[int, ...], layers: int, kv_heads: int, video_b
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return bitsplit.plane_count(counts), *on_device, (modulus // 2).numpy()
-
-
-_zstd = threading.local()  # a decompression context per thread: making one per stream costs more than small streams
-
-
-def _unzstd_into(data, buf: np.ndarray, name: str) -> int:
-    """Decompress `data` into `buf`; the decompressed size (buf.size + 1 when there is more)."""
-    dctx = getattr(_zstd, "dctx", None)
-    if dctx is None:
-        dctx = _zstd.dctx = zstandard.ZstdDecompressor()
-    view, got = memoryview(buf).cast("B"), 0
-    try:
-        with dctx.stream_reader(data) as reader:
-            while got < buf.size:
-                n = reader.readinto(view[got:])
-                if not n:
-                    return got
-                got += n
-            return got + len(reader.read(1))
-    except zstandard.ZstdError as e:
-        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
 
 
 def _low_entry(h: ChunkHeader, streams, planes: int) -> StreamEntry | None:

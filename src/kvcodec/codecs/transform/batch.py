@@ -13,6 +13,7 @@ feeder of the session holding the fewest video bytes and takes the chunks the fe
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,6 +23,7 @@ import torch
 from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
 from kvcodec.codecs.transform.decode import check_target, frame_buffer
+from kvcodec.codecs.zstd_streams import unzstd_into
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.transform.frames import frame_count
 
@@ -382,13 +384,23 @@ class TransformDriven:
             pieces = (Piece(streams["video"], w, hh, h["frames"]),)
         return Reading(chunk_info(h), pieces, (h, streams))
 
-    def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
+    def prepare_host(self, reading: Reading) -> Reading:
+        """A zstd-coded chunk's samples decompressed into pinned memory (on a host thread: no CUDA work)."""
         h, streams = reading.state
-        samples = buffers[0] if buffers else None
+        count = self.codec._restorer.sample_count(h)
+        host = torch.empty(count, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # driven: a CUDA fetch
+        got = unzstd_into(streams["samples"], host.numpy(), "samples")
+        if got != count:
+            raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
+        return dataclasses.replace(reading, state=(h, streams, host))
+
+    def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
+        h, streams, *host = reading.state
+        samples = buffers[0] if buffers else host[0].to(target.device, non_blocking=True) if host else None
         return self.codec._restorer.decode_samples(h, streams, target.device, samples=samples)
 
     def stage_alone(self, reading: Reading, target: Target, decoder):  # noqa: ANN201 - Decoded
-        h, streams = reading.state
+        h, streams, *_ = reading.state
         return self.codec._restorer.decode_samples(h, streams, target.device, decoder)
 
     def finish(self, staged: Sequence, targets: Sequence[Target]) -> None:
