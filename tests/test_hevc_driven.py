@@ -334,3 +334,30 @@ def test_a_chunk_whose_samples_do_not_decompress_is_refused_by_name_and_the_othe
     driver.finish([got[i] for i in good], [outs[i] for i in good])
     for i in good:
         assert torch.equal(outs[i], ref[i]), i
+
+
+def test_samples_whose_checksum_fails_are_refused_on_the_host_thread_by_name():
+    """The samples' checksum of a chunk without a video is verified where they are decompressed."""
+    from kvcodec.errors import ChecksumError
+
+    codec, kv, chunks, ref = _chunks(ZSTD_CFG)
+    blob = bytearray(chunks[2].blobs[0])
+    blob[-100] ^= 0x40  # inside the last stream: the samples
+    h, _ = parse_chunk(bytes(blob))
+    assert h.streams[-1].name == "samples"
+    outs = [torch.full_like(r, float("nan")) for r in ref]
+    driver = StageDriver(codec, [FakeDecoder(None)])
+    for i, ch in enumerate(chunks):
+        driver.submit(i, bytes(blob) if i == 2 else ch.blobs[0], outs[i])
+    assert 2 in driver.on_host  # read without reading the samples
+    got = {}
+    for i in range(len(chunks)):
+        while driver.pending(i):
+            driver.wait(i, 30.0, flush=False)
+            got.update((tag, part) for tag, part, _ in driver.poll())
+    driver.close()
+    assert isinstance(got[2], ChecksumError) and "chunk 2" in str(got[2]) and "samples" in str(got[2])
+    assert torch.isnan(outs[2]).all()
+    good = [i for i in sorted(got) if i != 2]
+    driver.finish([got[i] for i in good], [outs[i] for i in good])
+    assert all(torch.equal(outs[i], ref[i]) for i in good)

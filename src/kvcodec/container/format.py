@@ -453,8 +453,12 @@ def _json_object(head: bytes, what: str) -> dict[str, Any]:
     return header
 
 
-def split_streams(payload: memoryview, streams: tuple[StreamEntry, ...], what: str) -> dict[str, memoryview]:
-    """Cut the payload into the announced streams and verify each one's checksum."""
+def split_streams(
+    payload: memoryview, streams: tuple[StreamEntry, ...], what: str, deferred: frozenset[str] = frozenset()
+) -> dict[str, memoryview]:
+    """Cut the payload into the announced streams and verify each one's checksum, but those named
+    in `deferred` (the caller verifies them with verify_stream before reading them, e.g. on
+    another thread)."""
     need = sum(s.length for s in streams)
     if len(payload) < need:
         raise TruncatedError(f"{what} truncated: payload has {len(payload)} of {need} bytes")
@@ -463,8 +467,14 @@ def split_streams(payload: memoryview, streams: tuple[StreamEntry, ...], what: s
     out, pos = {}, 0
     for s in streams:
         piece = payload[pos : pos + s.length]
-        if crc32(piece) != s.crc32:
-            raise ChecksumError(f"{what}: stream {s.name!r} fails its checksum (corrupted in storage or transit)")
+        if s.name not in deferred:
+            verify_stream(piece, s, what)
         out[s.name] = piece
         pos += s.length
     return out
+
+
+def verify_stream(piece: bytes | memoryview, entry: StreamEntry, what: str) -> None:
+    """ChecksumError unless `piece` holds the stream `entry` announces."""
+    if crc32(piece) != entry.crc32:
+        raise ChecksumError(f"{what}: stream {entry.name!r} fails its checksum (corrupted in storage or transit)")

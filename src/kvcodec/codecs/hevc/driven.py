@@ -20,7 +20,7 @@ import torch
 from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
 from kvcodec.codecs.hevc.decode import checked_part, chunk_parts, host_streams, part_restorer, restore_part
-from kvcodec.container.format import PLAIN, ChunkHeader, parse_chunk, split_streams
+from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, parse_chunk, split_streams, verify_stream
 from kvcodec.errors import CorruptStreamError
 from kvcodec.layout.tiling import LayoutPlan
 from kvcodec.restore import restore_frames
@@ -38,6 +38,7 @@ class _Part:
     plan: LayoutPlan | None = None
     restorer: object = None  # made ahead by prepare (its side streams uploaded)
     host: object = None  # a part without a video: its streams decompressed ahead by prepare_host
+    unverified: tuple[StreamEntry, ...] = ()  # streams whose checksum is checked where they are read
 
     @property
     def samples(self) -> bool:
@@ -80,7 +81,7 @@ class HevcDriven:
         """The host work of a chunk without videos (zstd'd samples), on any thread: each such part's
         streams decompressed into a pinned buffer, uploaded and restored at stage."""
         parts = tuple(
-            dataclasses.replace(p, host=host_streams(p.h, p.streams, _device(p.target).type == "cuda"))
+            dataclasses.replace(p, host=host_streams(p.h, _verified(p), _device(p.target).type == "cuda"))
             if p.samples
             else p
             for p in reading.state
@@ -91,7 +92,8 @@ class HevcDriven:
         staged, buffers = [], iter(buffers)
         for p in reading.state:
             if not p.video:
-                restore_part(p.h, p.streams, _device(p.target), p.target, restore=self.codec.restore, host=p.host)
+                streams = p.streams if p.host is not None else _verified(p)
+                restore_part(p.h, streams, _device(p.target), p.target, restore=self.codec.restore, host=p.host)
                 continue
             restorer = p.restorer if p.restorer is not None else self._restorer(p)
             frames = next(buffers).view(p.h.frames, 3, p.plan.height, p.plan.width)
@@ -118,15 +120,29 @@ class HevcDriven:
 
 
 def _read_part(blob, target: Target) -> _Part:
-    """A part blob's header and verified streams, checked against its target as restore_part checks."""
+    """A part blob's header and streams, checked against its target as restore_part checks; every
+    stream verified but the zstd'd samples of a part without a video (verified where they are
+    decompressed: on a host thread, off the fetch's one thread)."""
     h, payload = parse_chunk(blob)
-    streams = split_streams(payload, h.streams, f"chunk {h.chunk_index}")
+    later = tuple(s for s in h.streams if s.name == "samples") if h.quant != PLAIN else ()
+    streams = split_streams(payload, h.streams, _what(h), frozenset(s.name for s in later))
     if h.quant == PLAIN:
         return _Part(h, streams, target)
     target, _, plan = checked_part(h, streams, _device(target), target)
     if "video" in streams and h.frames != -(-h.tokens // plan.tokens_per_frame):
         raise CorruptStreamError(f"chunk announces {h.frames} frames for {h.tokens} tokens")
-    return _Part(h, streams, target, plan)
+    return _Part(h, streams, target, plan, unverified=later)
+
+
+def _what(h: ChunkHeader) -> str:
+    return f"chunk {h.chunk_index}"
+
+
+def _verified(p: _Part) -> dict:
+    """The part's streams, those whose checksum was left for later verified now."""
+    for entry in p.unverified:
+        verify_stream(p.streams[entry.name], entry, _what(p.h))
+    return p.streams
 
 
 def _device(target: Target) -> torch.device:
