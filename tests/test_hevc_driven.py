@@ -197,8 +197,8 @@ def test_a_bad_hevc_chunk_stops_a_driven_fetch_there_and_never_poisons_the_sessi
     cpu.put(ids, _kv(len(ids)))  # the failed chunk's meta was dropped: coded again
     split = hevc_driven.split_streams
 
-    def damaged(payload, entries, what):
-        streams = split(payload, entries, what)
+    def damaged(payload, entries, what, deferred=frozenset()):
+        streams = split(payload, entries, what, deferred)
         if what == "chunk 3":  # past the checksums: garbage where its video is
             junk = np.random.default_rng(0).integers(0, 256, len(streams["video"]), dtype=np.uint8)
             streams = {**streams, "video": junk.tobytes()}
