@@ -481,7 +481,9 @@ def test_shared_decoder_is_used_by_all_decode_workers():
             return real.decode(bitstream, width, height)
 
     # plain_fallback off: these small random chunks would otherwise be stored plain (no video)
-    cfg = CodecConfig(chunk_tokens=16, resolutions=((256, 256),), search_layout=False, plain_fallback=False)
+    cfg = CodecConfig(
+        sample_coder="hevc", chunk_tokens=16, resolutions=((256, 256),), search_layout=False, plain_fallback=False
+    )
     cache = PrefixCache(
         open_store("memory://"),
         "m",
