@@ -154,7 +154,17 @@ def test_inspect_shows_the_layout_when_the_first_chunk_is_stored_plain(tmp_path)
     save_file({"kv": kv}, str(tmp_path / "kv.safetensors"))
     runner = CliRunner()
     dst = str(tmp_path / "kv.kvc")
-    args = ["encode", str(tmp_path / "kv.safetensors"), dst, "--quant", "exact", "--chunk-tokens", "32"]
+    args = [
+        "encode",
+        str(tmp_path / "kv.safetensors"),
+        dst,
+        "--quant",
+        "exact",
+        "--chunk-tokens",
+        "32",
+        "--sample-coder",
+        "hevc",
+    ]
     assert runner.invoke(cli, [*args, "--resolutions", "144x144"]).exit_code == 0
     res = json.loads(runner.invoke(cli, ["inspect", dst, "--json"]).output)["resolutions"]["144x144"]
     assert res["plain_chunks"] == 1 and res["layout"]["tile_w"] > 0 and res["frames_per_chunk"] >= 1
@@ -189,3 +199,21 @@ def test_serve_sdpa_backends_reach_the_engine_config(monkeypatch):
     r = runner.invoke(cli, ["serve", "--store", "memory://", "--sdpa-backends", "flash,fast"])
     assert r.exit_code == 2 and "--sdpa-backends" in _error_line(r) and "cudnn" in _error_line(r)
     assert "cuDNN" in runner.invoke(cli, ["serve", "--help"]).output
+
+
+def test_encode_without_a_sample_coder_uses_the_codec_default_and_inspect_names_what_the_chunks_hold(tmp_path):
+    kv = (torch.randn(2, 2, 64, 2, 64) * 2).to(torch.float16)
+    save_file({"kv": kv}, str(tmp_path / "kv.safetensors"))
+    runner = CliRunner()
+    for coder in (None, "hevc"):
+        dst = tmp_path / f"kv-{coder}.kvc"
+        args = ["encode", str(tmp_path / "kv.safetensors"), str(dst), "--resolutions", "144x144"]
+        assert runner.invoke(cli, args + (["--sample-coder", coder] if coder else [])).exit_code == 0
+        info = json.loads(runner.invoke(cli, ["inspect", str(dst), "--json"]).output)
+        streams = info["resolutions"]["144x144"]["streams"]
+        text = runner.invoke(cli, ["inspect", str(dst)]).output
+        if coder is None:  # the default, auto: random values are smaller zstd-coded than as video
+            assert info["config"]["sample_coder"] == "auto" and "samples" in streams and "video" not in streams
+            assert "samples zstd-coded (no video)" in text and "auto, chosen per model" in text
+        else:
+            assert info["config"]["sample_coder"] == "hevc" and "video" in streams and "in the video" in text

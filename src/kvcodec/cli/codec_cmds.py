@@ -51,9 +51,10 @@ def _load_kv(src: Path):  # noqa: ANN202
 @click.option(
     "--sample-coder",
     type=click.Choice([*SAMPLE_CODERS, "ans"]),
-    default="hevc",
-    show_default=True,
-    help="ans (with --transform): the integers rANS-coded for decoding on the GPU's SMs instead of NVDEC.",
+    default=None,
+    help="How samples are coded: hevc (video for NVDEC), zstd (host cores), auto (an HEVC file's default: "
+    "the smaller on the first chunk, decided once per model); with --transform hevc (default), zstd or ans "
+    "(the integers rANS-coded for decoding on the GPU's SMs).",
 )
 @click.option(
     "--video-bits",
@@ -116,7 +117,7 @@ def encode_cmd(
             raise click.BadParameter("--target-ratio / --target-quality need --transform", param_hint="--target-ratio")
         _refuse_hevc_options(res)
         return transform_io.encode_cmd(
-            src, dst, transform, target_ratio, chunk_tokens, sample_coder, res, target_quality=target_quality
+            src, dst, transform, target_ratio, chunk_tokens, sample_coder or "hevc", res, target_quality=target_quality
         )
     if sample_coder == "ans":
         raise click.BadParameter("ans codes the transform's integers: give --transform", param_hint="--sample-coder")
@@ -125,7 +126,7 @@ def encode_cmd(
     kw = dict(
         quant=quant,
         chunk_tokens=chunk_tokens,
-        sample_coder=sample_coder,
+        **({"sample_coder": sample_coder} if sample_coder else {}),
         video_bits=video_bits if video_bits == "auto" else int(video_bits),
         streams_per_chunk=streams_per_chunk,
     )
@@ -279,7 +280,9 @@ def _hevc_lines(info: dict) -> list[str]:
     bits = f" layer bits {cfg['layer_bits']}" if cfg["layer_bits"] else ""
     lines = _common_lines(info, f"shape {tuple(info['shape'])}")
     lines[0] += f" of {cfg['chunk_tokens']}"
-    lines.append(f"quant       {cfg['quant']}{bits}; samples coded with {cfg['sample_coder']}")
+    coder = cfg["sample_coder"]
+    coder = "the smaller of video and zstd (auto, chosen per model)" if coder == "auto" else coder
+    lines.append(f"quant       {cfg['quant']}{bits}; samples coded with {coder}")
     for name, r in info["resolutions"].items():
         lines += _resolution_lines(name, r, info["chunks"])
     return lines
@@ -390,6 +393,8 @@ def _resolution_lines(name: str, r: dict, chunks: int) -> list[str]:
         if parts
         else _layout_text(r["layout"], r["frames_per_chunk"], r["video_bits"])
     )
+    if not parts and "samples" in r["streams"]:
+        where = "samples zstd-coded (no video)"
     lines = [f"  {name:>9}  {r['bytes']:>12,} bytes  {r['ratio_vs_fp16']:5.2f}x  {where}{note}  [{streams}]"]
     start = 0
     for i, p in enumerate(parts):
