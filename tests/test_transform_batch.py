@@ -382,3 +382,35 @@ def test_stage_driver_decompresses_zstd_chunks_on_host_threads(kvt):
     driver.close()
     c.finish([got[i] for i in range(len(chunks))], outs)
     assert gpu_tests.within_an_ulp(out, want)
+
+
+def test_stage_driver_checksums_zstd_samples_on_the_host_thread(kvt):
+    """A driven read leaves the samples' checksum to the host thread: a corrupted one is that
+    chunk's ChecksumError there, and the other chunks restore."""
+    from kvcodec.codecs.driven import StageDriver
+    from kvcodec.errors import ChecksumError
+
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    kv = gpu_tests.synthetic_kv(200, 22)
+    chunks = c.encode_chunks(kv)
+    want = gpu_tests.restore_all(c, chunks, kv.shape)
+    out, outs = _outs(kv, chunks)
+    bad = bytearray(chunks[1].blobs[0])
+    assert c._entries(bytes(bad))[-1].name == "samples"
+    bad[-50] ^= 0x10  # inside the samples, the last stream
+    driver = StageDriver(c, [FakeDecoder()])
+    for i, ch in enumerate(chunks):
+        driver.submit(i, bytes(bad) if i == 1 else ch.blobs[0], outs[i])
+    assert 1 in driver.on_host  # read without its samples' checksum
+    got: dict = {}
+    for i in range(len(chunks)):
+        while driver.pending(i):
+            driver.wait(i, 30.0, flush=False)
+            got.update((tag, part) for tag, part, _ in driver.poll())
+    driver.close()
+    assert isinstance(got[1], ChecksumError) and "transform chunk 1" in str(got[1])
+    good = [i for i in range(len(chunks)) if i != 1]
+    c.finish([got[i] for i in good], [outs[i] for i in good])
+    for i in good:
+        span = slice(chunks[i].start_token, chunks[i].start_token + chunks[i].tokens)
+        assert gpu_tests.within_an_ulp(out[:, :, span], want[:, :, span])

@@ -24,6 +24,7 @@ from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
 from kvcodec.codecs.transform.decode import check_target, frame_buffer
 from kvcodec.codecs.zstd_streams import unzstd_into
+from kvcodec.container.format import verify_stream
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.transform.frames import frame_count
 
@@ -362,6 +363,17 @@ def _frames_of(decoder, item: tuple) -> Iterator[tuple]:
     return ((key, frame) for frame in decoder.decode(video, w, h))
 
 
+_LATER = frozenset(
+    {"samples"}
+)  # a driven read leaves the zstd'd samples' checksum to the thread that decompresses them
+
+
+def _verify(h: dict, streams: dict, later: tuple) -> None:
+    """The checksums a driven read left for later."""
+    for entry in later:
+        verify_stream(streams[entry.name], entry, f"transform chunk {h['index']}")
+
+
 class TransformDriven:
     """The transform codec's DrivenChunks (codecs/driven.py), over its existing methods: a chunk's
     one video (none for zstd-coded samples) decoded into a buffer that decode_samples takes as
@@ -374,7 +386,8 @@ class TransformDriven:
         return self.codec.inspect_chunk(blob)
 
     def read(self, blob, target: Target) -> Reading:
-        h, streams = self.codec._read(blob)
+        h, streams = self.codec._read(blob, _LATER)  # zstd'd samples: checksummed where they are decompressed
+        later = tuple(e for e in self.codec._entries(blob) if e.name in _LATER)
         check_target(h, target)
         pieces = ()
         if h["coder"] != "zstd":
@@ -382,25 +395,28 @@ class TransformDriven:
             if h["frames"] != frame_count(self.codec._restorer.sample_count(h), w, hh):
                 raise CorruptStreamError("transform chunk announces the wrong number of frames")
             pieces = (Piece(streams["video"], w, hh, h["frames"]),)
-        return Reading(chunk_info(h), pieces, (h, streams))
+        return Reading(chunk_info(h), pieces, (h, streams, later))
 
     def prepare_host(self, reading: Reading) -> Reading:
         """A zstd-coded chunk's samples decompressed into pinned memory (on a host thread: no CUDA work)."""
-        h, streams = reading.state
+        h, streams, later = reading.state
+        _verify(h, streams, later)
         count = self.codec._restorer.sample_count(h)
         host = torch.empty(count, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # driven: a CUDA fetch
         got = unzstd_into(streams["samples"], host.numpy(), "samples")
         if got != count:
             raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
-        return dataclasses.replace(reading, state=(h, streams, host))
+        return dataclasses.replace(reading, state=(h, streams, (), host))
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
-        h, streams, *host = reading.state
+        h, streams, later, *host = reading.state
+        _verify(h, streams, later)
         samples = buffers[0] if buffers else host[0].to(target.device, non_blocking=True) if host else None
         return self.codec._restorer.decode_samples(h, streams, target.device, samples=samples)
 
     def stage_alone(self, reading: Reading, target: Target, decoder):  # noqa: ANN201 - Decoded
-        h, streams, *_ = reading.state
+        h, streams, later, *_ = reading.state
+        _verify(h, streams, later)
         return self.codec._restorer.decode_samples(h, streams, target.device, decoder)
 
     def finish(self, staged: Sequence, targets: Sequence[Target]) -> None:

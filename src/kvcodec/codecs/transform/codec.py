@@ -498,7 +498,9 @@ class TransformCodec:
 
     # ------------------------------------------------------------------------------ decode
 
-    def _read(self, blob) -> tuple[dict, dict]:
+    def _read(self, blob, deferred: frozenset[str] = frozenset()) -> tuple[dict, dict]:
+        """The verified header and streams of a chunk blob; the streams named in `deferred` are not
+        checksummed here (the caller verifies them against _entries before reading them)."""
         # every field typed and in range (transform_header.py); the checks of a header read before are remembered
         (h, entries), payload = read_parsed(blob, CHUNK_MAGIC, "transform-coded chunk", check_header)
         h = dict(h)  # the remembered header stays as read
@@ -511,7 +513,13 @@ class TransformCodec:
         self.cal.check_shape((L, 2, h["tokens"], H, D))
         if h["escapes"] > h["tokens"] * L * 2 * H * D:
             raise FormatError(f"transform chunk announces {h['escapes']} escapes, more than it has samples")
-        return h, split_streams(payload, entries, f"transform chunk {h['index']}")
+        return h, split_streams(payload, entries, f"transform chunk {h['index']}", deferred)
+
+    @staticmethod
+    def _entries(blob) -> tuple:
+        """The StreamEntry list of a chunk blob whose header _read checked."""
+        (_, entries), _ = read_parsed(blob, CHUNK_MAGIC, "transform-coded chunk", check_header)
+        return entries
 
     def header(self, blob: bytes | memoryview) -> dict:
         """A chunk's verified header (theta, escapes, frames, streams, ...)."""
