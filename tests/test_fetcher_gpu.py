@@ -208,8 +208,8 @@ def test_a_bad_chunk_never_poisons_the_kept_sessions(kvt, monkeypatch):
     bad = store.get(blob_key(gpu.keys(ids)[3], 0))
     read = gpu.codec._read
 
-    def damaged(blob):
-        h, streams = read(blob)
+    def damaged(blob, deferred=frozenset()):
+        h, streams = read(blob, deferred)
         if blob == bad:  # past the checksums: garbage where its video is
             junk = np.random.default_rng(0).integers(0, 256, len(streams["video"]), dtype=np.uint8)
             streams = {**streams, "video": junk.tobytes()}
