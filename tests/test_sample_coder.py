@@ -113,3 +113,13 @@ def test_a_cuda_fetch_of_zstd_chunks_gets_the_cpu_fetch_values(driven):
     want, got = caches["cpu"].fetch(ids), caches["cuda"].fetch(ids)
     assert want.ok and got.ok and got.tokens_restored == 100
     assert torch.equal(got.kv.cpu().view(torch.int16), want.kv.view(torch.int16))
+
+
+@pytest.mark.parametrize("quant", ["int8", "exact"])
+def test_split_chunks_with_zstd_samples_restore_the_values_of_split_videos(quant):
+    kv = torch.cat([_kv(40), _kv(40, seed=1)])  # 4 layers: two streams of two layers each
+    options = {"quant": quant, "streams_per_chunk": 2, "video_bits": 8}
+    from_video = kvcodec.decode(kvcodec.encode(kv, _config("hevc", **options)))
+    encoded = kvcodec.encode(kv, _config("zstd", **options))
+    assert "samples" in kvcodec.inspect(encoded)["resolutions"]["144x144"]["streams"]
+    assert torch.equal(kvcodec.decode(encoded).view(torch.int16), from_video.view(torch.int16))

@@ -45,10 +45,11 @@ import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.errors import KVCodecError
+from kvcodec.layout.search import usable_cores
 
 DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
 # threads decompressing chunks without videos (zstd releases the interpreter lock): half the cores, at most 8
-HOST_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+HOST_THREADS = max(1, min(8, usable_cores() // 2))
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
 
