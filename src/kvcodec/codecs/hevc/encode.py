@@ -329,10 +329,8 @@ def _sample_coding(symbols: _ChunkSymbols, config: CodecConfig, encoder, key: tu
         candidates = VIDEO_BITS_CANDIDATES if config.sample_coder != "zstd" else (bitsplit.FULL,)
     else:
         candidates = (int(config.video_bits),)
-    if config.sample_coder != "auto" and len(candidates) == 1:
+    if config.sample_coder != "auto" and len(candidates) == 1:  # zstd always has one: every bit, or as given
         return config.sample_coder, candidates[0]
-    if config.sample_coder == "zstd":
-        return "zstd", max(candidates)
     zstd_bytes = (lambda x: len(zstd_samples(x))) if config.sample_coder == "auto" else None
     return choose_sample_coding(
         config.resolutions[0],
