@@ -206,19 +206,19 @@ def test_a_bad_chunk_never_poisons_the_kept_sessions(kvt, monkeypatch):
     check(gpu.fetch(ids))  # through the parsers flushed by the first fetch
     assert {id(r) for r in kept()} >= {id(r) for r in runs}
     bad = store.get(blob_key(gpu.keys(ids)[3], 0))
-    read = gpu.codec._read
+    read = gpu.codec._read_entries
 
     def damaged(blob, deferred=frozenset()):
-        h, streams = read(blob, deferred)
+        h, entries, streams = read(blob, deferred)
         if blob == bad:  # past the checksums: garbage where its video is
             junk = np.random.default_rng(0).integers(0, 256, len(streams["video"]), dtype=np.uint8)
             streams = {**streams, "video": junk.tobytes()}
-        return h, streams
+        return h, entries, streams
 
-    monkeypatch.setattr(gpu.codec, "_read", damaged)
+    monkeypatch.setattr(gpu.codec, "_read_entries", damaged)
     r = gpu.fetch(ids)
     assert not r.ok and r.tokens_restored == 3 * 64 and "chunk" in str(r.error).lower(), r.error
-    monkeypatch.setattr(gpu.codec, "_read", read)
+    monkeypatch.setattr(gpu.codec, "_read_entries", read)
     assert all(not r.busy for r in kept())
     cpu.put(ids, gpu_tests.synthetic_kv(len(ids), 21).half())  # the failed chunk's meta was dropped
     ref = cpu.fetch(ids)  # chunk 3 coded again

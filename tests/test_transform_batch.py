@@ -396,7 +396,7 @@ def test_stage_driver_checksums_zstd_samples_on_the_host_thread(kvt):
     want = gpu_tests.restore_all(c, chunks, kv.shape)
     out, outs = _outs(kv, chunks)
     bad = bytearray(chunks[1].blobs[0])
-    assert c._entries(bytes(bad))[-1].name == "samples"
+    assert c._read_entries(bytes(bad))[1][-1].name == "samples"
     bad[-50] ^= 0x10  # inside the samples, the last stream
     driver = StageDriver(c, [FakeDecoder()])
     for i, ch in enumerate(chunks):

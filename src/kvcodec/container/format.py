@@ -21,7 +21,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvcodec.config import QUANT_MODES, CodecConfig
@@ -478,3 +478,9 @@ def verify_stream(piece: bytes | memoryview, entry: StreamEntry, what: str) -> N
     """ChecksumError unless `piece` holds the stream `entry` announces."""
     if crc32(piece) != entry.crc32:
         raise ChecksumError(f"{what}: stream {entry.name!r} fails its checksum (corrupted in storage or transit)")
+
+
+def verify_streams(streams: dict, entries: Sequence[StreamEntry], what: str) -> None:
+    """verify_stream of each of `entries` (those split_streams left for later) in `streams`."""
+    for entry in entries:
+        verify_stream(streams[entry.name], entry, what)

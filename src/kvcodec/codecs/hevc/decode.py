@@ -303,9 +303,10 @@ def restore_part(
     if h.quant == PLAIN:
         return _restore_plain(h, streams, device, out)
     out, device, plan = checked_part(h, streams, device, out)
+    if "video" not in streams:  # no frames: the reference restorer's one pass over the samples (no kernel to set up)
+        terms = _chunk_terms(h, plan, streams, dtype_of(h.dtype, "chunk blob dtype"), device, host)
+        return _restore_samples(h, terms, out)
     restorer = part_restorer(h, plan, streams, device, restore, host)
-    if "video" not in streams:
-        return _restore_samples(h, plan, restorer.terms, out)
     if decoder is None:
         with idle_decoders.borrow(device) as lent:
             return _restore_frames(h, plan, streams, lent, restorer, device, out)
@@ -367,10 +368,8 @@ def _layout(h: ChunkHeader) -> LayoutPlan:
     return plan
 
 
-def _restore_samples(h: ChunkHeader, plan: LayoutPlan, terms: ChunkTerms, out: Target) -> Target:
+def _restore_samples(h: ChunkHeader, terms: ChunkTerms, out: Target) -> Target:
     """A chunk coded as zstd'd samples, not video: restored from its uploaded samples in one pass."""
-    if h.frames != -(-h.tokens // plan.tokens_per_frame):
-        raise CorruptStreamError(f"chunk announces {h.frames} frames for {h.tokens} tokens")
     target = PagedChunk(out, h.start_token) if isinstance(out, PagedKV) else out
     TorchRestorer(terms).restore_block(terms.samples, 0, h.tokens, target)
     return out
@@ -380,7 +379,7 @@ def _restore_frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder, restorer
     target = PagedChunk(out, h.start_token) if isinstance(out, PagedKV) else out
     frames = 0
     tpf = plan.tokens_per_frame
-    for frame in _frames(h, plan, streams, decoder):
+    for frame in decoder.decode(streams["video"], plan.width, plan.height):
         start = frames * tpf
         frames += 1
         if start >= h.tokens:
@@ -419,11 +418,6 @@ class _IdleDecoders:
 
 
 idle_decoders = _IdleDecoders()
-
-
-def _frames(h: ChunkHeader, plan: LayoutPlan, streams, decoder):
-    """The chunk's decoded frames, one at a time."""
-    yield from decoder.decode(streams["video"], plan.width, plan.height)
 
 
 def decoder_name(device: str | torch.device) -> str:

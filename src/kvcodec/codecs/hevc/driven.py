@@ -20,8 +20,7 @@ import torch
 from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
 from kvcodec.codecs.hevc.decode import checked_part, chunk_parts, host_streams, part_restorer, restore_part
-from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, parse_chunk, split_streams, verify_stream
-from kvcodec.errors import CorruptStreamError
+from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, parse_chunk, split_streams, verify_streams
 from kvcodec.layout.tiling import LayoutPlan
 from kvcodec.restore import restore_frames
 from kvcodec.restore.paged import PagedChunk, PagedKV
@@ -128,9 +127,7 @@ def _read_part(blob, target: Target) -> _Part:
     streams = split_streams(payload, h.streams, _what(h), frozenset(s.name for s in later))
     if h.quant == PLAIN:
         return _Part(h, streams, target)
-    target, _, plan = checked_part(h, streams, _device(target), target)
-    if "video" in streams and h.frames != -(-h.tokens // plan.tokens_per_frame):
-        raise CorruptStreamError(f"chunk announces {h.frames} frames for {h.tokens} tokens")
+    target, _, plan = checked_part(h, streams, _device(target), target)  # (parse_chunk checked its frame count)
     return _Part(h, streams, target, plan, unverified=later)
 
 
@@ -140,8 +137,7 @@ def _what(h: ChunkHeader) -> str:
 
 def _verified(p: _Part) -> dict:
     """The part's streams, those whose checksum was left for later verified now."""
-    for entry in p.unverified:
-        verify_stream(p.streams[entry.name], entry, _what(p.h))
+    verify_streams(p.streams, p.unverified, _what(p.h))
     return p.streams
 
 

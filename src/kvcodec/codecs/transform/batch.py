@@ -24,7 +24,7 @@ from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
 from kvcodec.codecs.transform.decode import check_target, frame_buffer
 from kvcodec.codecs.zstd_streams import unzstd_into
-from kvcodec.container.format import verify_stream
+from kvcodec.container.format import verify_streams
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.transform.frames import frame_count
 
@@ -363,15 +363,12 @@ def _frames_of(decoder, item: tuple) -> Iterator[tuple]:
     return ((key, frame) for frame in decoder.decode(video, w, h))
 
 
-_LATER = frozenset(
-    {"samples"}
-)  # a driven read leaves the zstd'd samples' checksum to the thread that decompresses them
+_LATER = frozenset({"samples"})  # a driven read leaves the zstd'd samples' checksum to the thread decompressing them
 
 
 def _verify(h: dict, streams: dict, later: tuple) -> None:
     """The checksums a driven read left for later."""
-    for entry in later:
-        verify_stream(streams[entry.name], entry, f"transform chunk {h['index']}")
+    verify_streams(streams, later, f"transform chunk {h['index']}")
 
 
 class TransformDriven:
@@ -386,8 +383,8 @@ class TransformDriven:
         return self.codec.inspect_chunk(blob)
 
     def read(self, blob, target: Target) -> Reading:
-        h, streams = self.codec._read(blob, _LATER)  # zstd'd samples: checksummed where they are decompressed
-        later = tuple(e for e in self.codec._entries(blob) if e.name in _LATER)
+        h, entries, streams = self.codec._read_entries(blob, _LATER)  # samples: checksummed where decompressed
+        later = tuple(e for e in entries if e.name in _LATER)
         check_target(h, target)
         pieces = ()
         if h["coder"] != "zstd":

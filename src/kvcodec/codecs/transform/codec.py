@@ -498,9 +498,14 @@ class TransformCodec:
 
     # ------------------------------------------------------------------------------ decode
 
-    def _read(self, blob, deferred: frozenset[str] = frozenset()) -> tuple[dict, dict]:
-        """The verified header and streams of a chunk blob; the streams named in `deferred` are not
-        checksummed here (the caller verifies them against _entries before reading them)."""
+    def _read(self, blob) -> tuple[dict, dict]:
+        """The verified header and streams of a chunk blob."""
+        h, _, streams = self._read_entries(blob)
+        return h, streams
+
+    def _read_entries(self, blob, deferred: frozenset[str] = frozenset()) -> tuple[dict, tuple, dict]:
+        """(header, stream entries, streams) of a chunk blob, the streams named in `deferred` not
+        checksummed (the caller verifies them against their entries before reading them)."""
         # every field typed and in range (transform_header.py); the checks of a header read before are remembered
         (h, entries), payload = read_parsed(blob, CHUNK_MAGIC, "transform-coded chunk", check_header)
         h = dict(h)  # the remembered header stays as read
@@ -513,13 +518,7 @@ class TransformCodec:
         self.cal.check_shape((L, 2, h["tokens"], H, D))
         if h["escapes"] > h["tokens"] * L * 2 * H * D:
             raise FormatError(f"transform chunk announces {h['escapes']} escapes, more than it has samples")
-        return h, split_streams(payload, entries, f"transform chunk {h['index']}", deferred)
-
-    @staticmethod
-    def _entries(blob) -> tuple:
-        """The StreamEntry list of a chunk blob whose header _read checked."""
-        (_, entries), _ = read_parsed(blob, CHUNK_MAGIC, "transform-coded chunk", check_header)
-        return entries
+        return h, entries, split_streams(payload, entries, f"transform chunk {h['index']}", deferred)
 
     def header(self, blob: bytes | memoryview) -> dict:
         """A chunk's verified header (theta, escapes, frames, streams, ...)."""
