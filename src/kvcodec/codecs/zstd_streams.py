@@ -1,30 +1,369 @@
-"""zstd-coded streams decompressed straight into a caller's buffer (a pinned upload buffer, say)."""
+"""zstd-coded streams: written as independent frames with a seek table (zstd's seekable format),
+decompressed straight into a caller's buffer (a pinned upload buffer, say), the frames of one
+stream in parallel on a pool of threads that serves streams in the order their reads began.
+
+A stream is either ONE zstd frame (every stream of older writers, and the small side streams) or,
+as `zstd_frames` writes it, standard zstd frames (content size written) followed by a seek table
+in zstd's seekable format (contrib/seekable_format): a skippable frame
+
+    0x184D2A5E (u32 LE) | 8 * n + 9 (u32 LE) | n x (compressed size u32 LE, decompressed size u32 LE)
+    | n (u32 LE) | descriptor (u8: 0, no checksums) | 0x8F92EAB1 (u32 LE)
+
+Any zstd decoder decompresses such a stream whole (it skips the skippable frame); a reader that
+reads only the first frame gets fewer bytes than the stream holds.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import heapq
+import itertools
+import os
+import struct
 import threading
 
 import numpy as np
 import zstandard
 
 from kvcodec.errors import CorruptStreamError
+from kvcodec.layout.search import usable_cores
 
-_zstd = threading.local()  # a decompression context per thread: making one per stream costs more than small streams
+# A chunk's samples per frame (benchmarks/results/zstd-frames-cpu.md)
+SAMPLES_FRAME_BYTES = 256 << 10
+MAX_FRAME_BYTES = 1 << 30  # the seekable format's reference implementation's limit per frame
+SKIPPABLE_MAGIC = 0x184D2A5E
+SEEKABLE_MAGIC = 0x8F92EAB1
+_HEAD = struct.Struct("<II")  # skippable magic, size of the rest of the frame
+_ENTRY = struct.Struct("<II")  # compressed size, decompressed size
+_FOOTER = struct.Struct("<IBI")  # frames, descriptor, seekable magic
+TABLE_OVERHEAD = _HEAD.size + _FOOTER.size
+_RESERVED = 0x7C  # descriptor bits 6-2: must be 0
+_CHECKSUMS = 0x80  # descriptor bit 7: entries carry checksums (never written here)
+_ZSTD_MAGIC = 0xFD2FB528
+_SKIPPABLE_MASK, _SKIPPABLE_BASE = 0xFFFFFFF0, 0x184D2A50
+
+# threads decompressing the frames of streams (zstd releases the interpreter lock): half the cores, at most 8
+FRAME_THREADS = max(1, min(8, usable_cores() // 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class SeekTable:
+    """A stream's frames, in order: (compressed bytes, decompressed bytes) of each."""
+
+    frames: tuple[tuple[int, int], ...]
+
+    @property
+    def size(self) -> int:
+        """Bytes of the table's skippable frame."""
+        return TABLE_OVERHEAD + _ENTRY.size * len(self.frames)
+
+    @property
+    def compressed(self) -> int:
+        return sum(c for c, _ in self.frames)
+
+    @property
+    def decompressed(self) -> int:
+        return sum(d for _, d in self.frames)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """A frame's place in the stream and in the output."""
+
+    start: int
+    end: int
+    out_start: int
+    out_end: int
+
+
+def seek_table_bytes(table: SeekTable) -> bytes:
+    """The seek table's skippable frame (no checksums)."""
+    for c, d in table.frames:
+        if not (0 <= c < 1 << 32 and 0 <= d < 1 << 32):
+            raise ValueError(f"frame sizes ({c}, {d}) do not fit a seek table's u32 fields")
+    n = len(table.frames)
+    entries = b"".join(_ENTRY.pack(c, d) for c, d in table.frames)
+    return _HEAD.pack(SKIPPABLE_MAGIC, table.size - _HEAD.size) + entries + _FOOTER.pack(n, 0, SEEKABLE_MAGIC)
+
+
+def parse_seek_table(data, name: str) -> SeekTable:
+    """The seek table that is exactly `data` (a skippable frame, as seek_table_bytes writes it)."""
+    view = memoryview(data).cast("B")
+    if len(view) < TABLE_OVERHEAD:
+        raise CorruptStreamError(f"stream {name!r}: seek table of {len(view)} bytes, under {TABLE_OVERHEAD}")
+    n, descriptor, magic = _FOOTER.unpack_from(view, len(view) - _FOOTER.size)
+    if magic != SEEKABLE_MAGIC:
+        raise CorruptStreamError(f"stream {name!r}: seek table does not end with the seekable magic")
+    if descriptor & (_RESERVED | _CHECKSUMS):
+        raise CorruptStreamError(f"stream {name!r}: seek table descriptor {descriptor:#04x} is not 0 (checksums)")
+    skippable, rest = _HEAD.unpack_from(view, 0)
+    expected = TABLE_OVERHEAD + _ENTRY.size * n
+    if skippable != SKIPPABLE_MAGIC or rest != len(view) - _HEAD.size or len(view) != expected:
+        raise CorruptStreamError(
+            f"stream {name!r}: seek table of {len(view)} bytes (frame size field {rest}, magic {skippable:#x})"
+            f" does not hold {n} entries"
+        )
+    frames = tuple(_ENTRY.unpack_from(view, _HEAD.size + _ENTRY.size * i) for i in range(n))
+    return SeekTable(frames)
+
+
+def read_seek_table(data, name: str) -> SeekTable | None:
+    """The seek table at the end of a stream, checked against the stream's length; None when the
+    stream does not end with one (a stream of one frame)."""
+    view = memoryview(data).cast("B")
+    if len(view) < TABLE_OVERHEAD or _FOOTER.unpack_from(view, len(view) - _FOOTER.size)[2] != SEEKABLE_MAGIC:
+        return None
+    n = _FOOTER.unpack_from(view, len(view) - _FOOTER.size)[0]
+    size = TABLE_OVERHEAD + _ENTRY.size * n
+    if size > len(view):
+        raise CorruptStreamError(f"stream {name!r} of {len(view)} bytes ends with a seek table of {n} frames")
+    table = parse_seek_table(view[len(view) - size :], name)
+    if table.compressed + table.size != len(view):
+        raise CorruptStreamError(
+            f"stream {name!r}: seek table's frames hold {table.compressed} bytes, the stream"
+            f" {len(view) - table.size} before its table"
+        )
+    return table
+
+
+def zstd_frames(data, level: int, frame_bytes: int = SAMPLES_FRAME_BYTES) -> bytes:
+    """`data` as zstd frames of `frame_bytes` each (the last shorter), each its own standard
+    frame with its content size, then their seek table: decompressible in parallel."""
+    if not 1 <= frame_bytes <= MAX_FRAME_BYTES:
+        raise ValueError(f"frame_bytes {frame_bytes} is outside 1..{MAX_FRAME_BYTES}")
+    view = memoryview(data).cast("B")
+    cctx = zstandard.ZstdCompressor(level=level)
+    pieces = [view[a : a + frame_bytes] for a in range(0, max(len(view), 1), frame_bytes)]
+    frames = [cctx.compress(p) for p in pieces]
+    table = SeekTable(tuple((len(f), len(p)) for f, p in zip(frames, pieces, strict=True)))
+    return b"".join([*frames, seek_table_bytes(table)])
+
+
+def frame_size(data, name: str) -> int:
+    """Bytes of the zstd (or skippable) frame at the start of `data`: its blocks' headers walked,
+    nothing decompressed."""
+    view = memoryview(data).cast("B")
+    if len(view) < 8:
+        raise CorruptStreamError(f"stream {name!r}: a frame of {len(view)} bytes is truncated")
+    magic = int.from_bytes(view[:4], "little")
+    if magic & _SKIPPABLE_MASK == _SKIPPABLE_BASE:
+        return _within(8 + int.from_bytes(view[4:8], "little"), view, name)
+    if magic != _ZSTD_MAGIC:
+        raise CorruptStreamError(f"stream {name!r}: a frame starts with {magic:#010x}, not zstd's magic")
+    try:
+        p = zstandard.frame_header_size(view)
+    except zstandard.ZstdError as e:
+        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+    checksum = 4 if view[4] & 0x04 else 0
+    while True:
+        _within(p + 3, view, name)
+        h = int.from_bytes(view[p : p + 3], "little")
+        kind, size = (h >> 1) & 3, h >> 3
+        if kind == 3:
+            raise CorruptStreamError(f"stream {name!r}: a block of the reserved type")
+        p += 3 + (1 if kind == 1 else size)
+        if h & 1:
+            return _within(p + checksum, view, name)
+
+
+def _within(end: int, view: memoryview, name: str) -> int:
+    if end > len(view):
+        raise CorruptStreamError(f"stream {name!r} of {len(view)} bytes is truncated: a frame ends at byte {end}")
+    return end
+
+
+_local = threading.local()  # a decompression context per thread: making one per stream costs more than small streams
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    dctx = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
 
 
 def unzstd_into(data, buf: np.ndarray, name: str) -> int:
-    """Decompress `data` into `buf`; the decompressed size (buf.size + 1 when there is more)."""
-    dctx = getattr(_zstd, "dctx", None)
-    if dctx is None:
-        dctx = _zstd.dctx = zstandard.ZstdDecompressor()
-    view, got = memoryview(buf).cast("B"), 0
+    """Decompress `data` (one zstd frame, or frames with a seek table) into `buf`; the decompressed
+    size (buf.size + 1 when there is more). A stream's frames are decompressed in parallel, on the
+    frame pool and this thread, streams whose reads began earlier first."""
+    seq = _next_read()
+    view, out = memoryview(data).cast("B"), memoryview(buf).cast("B")
+    table = read_seek_table(view, name)
+    if table is None:
+        return _one_frame(view, out, name)
+    total = table.decompressed
+    if total > len(out):
+        return len(out) + 1
+    spans = _spans(table)
+    if len(spans) == 1:
+        _frame_into(view, out, spans[0], 0, name)
+    else:
+        _pool().read(_Read(seq, view, out, spans, name))
+    return total
+
+
+def _one_frame(view: memoryview, out: memoryview, name: str) -> int:
+    """A stream of one frame (as older writers made every stream): read as far as `out` holds."""
+    end = frame_size(view, name)
+    if end != len(view):
+        raise CorruptStreamError(f"stream {name!r} has {len(view) - end} bytes after its frame")
+    got = 0
     try:
-        with dctx.stream_reader(data) as reader:
-            while got < buf.size:
-                n = reader.readinto(view[got:])
+        with _dctx().stream_reader(view) as reader:
+            while got < len(out):
+                n = reader.readinto(out[got:])
                 if not n:
                     return got
                 got += n
             return got + len(reader.read(1))
     except zstandard.ZstdError as e:
         raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+
+
+def _spans(table: SeekTable) -> list[_Span]:
+    spans, at, out_at = [], 0, 0
+    for c, d in table.frames:
+        spans.append(_Span(at, at + c, out_at, out_at + d))
+        at, out_at = at + c, out_at + d
+    return spans
+
+
+def _frame_into(view: memoryview, out: memoryview, span: _Span, index: int, name: str) -> None:
+    """Frame `index` of a stream into its slice of the output, which it must fill exactly."""
+    frame, dest = view[span.start : span.end], out[span.out_start : span.out_end]
+    if frame_size(frame, name) != len(frame):
+        raise CorruptStreamError(f"stream {name!r}: frame {index} does not span its {len(frame)} bytes in the table")
+    if int.from_bytes(frame[:4], "little") & _SKIPPABLE_MASK == _SKIPPABLE_BASE:
+        got = 0
+    else:
+        got = _decompress(frame, dest, name)
+    if got != len(dest):
+        raise CorruptStreamError(f"stream {name!r}: frame {index} holds {got} bytes, its table entry {len(dest)}")
+
+
+def _decompress(frame: memoryview, dest: memoryview, name: str) -> int:
+    """One zstd frame into `dest`: its size (len(dest) + 1 when it holds more)."""
+    got = 0
+    try:
+        with _dctx().stream_reader(frame) as reader:
+            while got < len(dest):
+                n = reader.readinto(dest[got:])
+                if not n:
+                    return got
+                got += n
+            return got + len(reader.read(1))
+    except zstandard.ZstdError as e:
+        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+
+
+class _Read:
+    """One stream's frames, claimed front to back by the pool's threads and the reading thread."""
+
+    def __init__(self, seq: int, view: memoryview, out: memoryview, spans: list[_Span], name: str) -> None:
+        self.seq, self.view, self.out, self.spans, self.name = seq, view, out, spans, name
+        self.lock = threading.Lock()
+        self.finished = threading.Condition(self.lock)
+        self.next = 0  # the first frame nobody has claimed
+        self.left = len(spans)  # frames not finished
+        self.error: BaseException | None = None
+
+    def claim(self) -> int | None:
+        """The next frame nobody has started (None when all have been)."""
+        with self.lock:
+            if self.next >= len(self.spans):
+                return None
+            self.next += 1
+            return self.next - 1
+
+    @property
+    def unclaimed(self) -> bool:
+        return self.next < len(self.spans)
+
+    def run(self, index: int) -> None:
+        """Decompress a claimed frame (skipped once another has failed); never raises."""
+        error = None
+        if self.error is None:
+            try:
+                _frame_into(self.view, self.out, self.spans[index], index, self.name)
+            except BaseException as e:  # noqa: BLE001 - handed to the reading thread, which raises it
+                error = e
+        with self.lock:
+            self.error = self.error or error
+            self.left -= 1
+            if not self.left:
+                self.finished.notify_all()
+
+    def work_and_wait(self) -> None:
+        """Decompress the frames no pool thread has started, then wait for the others."""
+        while (index := self.claim()) is not None:
+            self.run(index)
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for every frame to finish; raise the first error."""
+        with self.lock:
+            while self.left:
+                self.finished.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _FramePool:
+    """Threads decompressing frames of reads in the order the reads began (then frame order):
+    a priority queue of reads keyed by their sequence number."""
+
+    def __init__(self, threads: int) -> None:
+        self.queue: list[tuple[int, _Read]] = []
+        self.ready = threading.Condition()
+        for i in range(threads):
+            threading.Thread(target=self._serve, name=f"kvcodec-zstd-{i}", daemon=True).start()
+
+    def read(self, read: _Read) -> None:
+        """Decompress every frame of `read`: the pool and the calling thread, until all are done."""
+        self.submit(read)
+        read.work_and_wait()
+
+    def submit(self, read: _Read) -> None:
+        """Queue `read` for the pool's threads, after every read that began before it."""
+        with self.ready:
+            heapq.heappush(self.queue, (read.seq, read))
+            self.ready.notify(len(read.spans) - 1)
+
+    def _serve(self) -> None:
+        while True:
+            with self.ready:
+                while not self.queue:
+                    self.ready.wait()
+                read = self.queue[0][1]
+                index = read.claim()
+                if index is None or not read.unclaimed:  # its last frame (or none left): out of the queue
+                    heapq.heappop(self.queue)
+            if index is not None:
+                read.run(index)
+
+
+_reads = itertools.count()
+_pool_lock = threading.Lock()
+_frame_pool: _FramePool | None = None
+
+
+def _next_read() -> int:
+    with _pool_lock:
+        return next(_reads)
+
+
+def _pool() -> _FramePool:
+    """The process's frame pool, started on first use."""
+    global _frame_pool
+    with _pool_lock:
+        if _frame_pool is None:
+            _frame_pool = _FramePool(FRAME_THREADS)
+        return _frame_pool
+
+
+def _forget_pool() -> None:  # a forked child has none of the parent's threads
+    global _frame_pool, _pool_lock
+    _frame_pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)

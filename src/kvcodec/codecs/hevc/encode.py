@@ -28,6 +28,7 @@ import torch
 import zstandard
 
 from kvcodec.codecs.base import EncodedChunk, check_keys, chunk_key, collect_chunks
+from kvcodec.codecs.zstd_streams import zstd_frames
 from kvcodec.config import CodecConfig
 from kvcodec.container import plain, split
 from kvcodec.container.format import CHUNK_MAGIC, ChunkHeader, StreamEntry, crc32, parse_chunk, write_object
@@ -271,8 +272,9 @@ def _code_samples(frames, samples, plan: CodingPlan, layout: LayoutPlan, encoder
 
 
 def zstd_samples(samples: torch.Tensor) -> bytes:
-    """A chunk's samples (units, tokens, dim) uint8, zstd-coded."""
-    return _zstd(samples.cpu().numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
+    """A chunk's samples (units, tokens, dim) uint8, zstd-coded as frames with a seek table
+    (decompressed in parallel)."""
+    return zstd_frames(samples.cpu().numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
 
 
 def plan_coding(kv: torch.Tensor, config: CodecConfig, encoder=None) -> CodingPlan:

@@ -31,6 +31,7 @@ from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_orde
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import check_header
 from kvcodec.codecs.transform.level import SampleRate
+from kvcodec.codecs.zstd_streams import zstd_frames
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
@@ -336,7 +337,7 @@ class TransformCodec:
         if self.coder == "hevc":
             host_frames = [f.cpu().numpy() for f in frames.to_frames(samples, *resolution)]
             return streams, {**counts, "frames": len(host_frames)}, host_frames
-        streams["samples"] = _zstd(samples.cpu().numpy().tobytes())
+        streams["samples"] = zstd_frames(samples.cpu().numpy().tobytes(), ZSTD_LEVEL)  # decompressed in parallel
         return streams, counts, None
 
     @staticmethod

@@ -16,6 +16,7 @@ import torch
 import zstandard
 
 from kvcodec.codecs.base import Target
+from kvcodec.codecs.zstd_streams import unzstd_into
 from kvcodec.errors import CorruptStreamError, ShapeError
 from kvcodec.restore import transform_kernels
 from kvcodec.restore.paged import PagedKV
@@ -72,9 +73,11 @@ class TransformRestorer:
         return self._device_bases[device]
 
     def _samples(self, h: dict, streams: dict, count: int, device: torch.device, decoder=None) -> torch.Tensor:
-        if h["coder"] == "zstd":
-            raw = unzstd(streams["samples"], "samples", count)
-            return _to_device(torch.frombuffer(bytearray(raw), dtype=torch.uint8), device)
+        if h["coder"] == "zstd":  # frames with a seek table (or one frame): decompressed in parallel
+            host = torch.empty(count, dtype=torch.uint8)
+            if (got := unzstd_into(streams["samples"], host.numpy(), "samples")) != count:
+                raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
+            return _to_device(host, device)
         w, hh = h["resolution"]
         if h["frames"] != frames.frame_count(count, w, hh):
             raise CorruptStreamError("transform chunk announces the wrong number of frames")
