@@ -86,3 +86,43 @@ def test_fused_restore_into_a_paged_cache_equals_reference(quant, video_bits):
         decode_chunk_blob(chunk.blobs[0], out=ref, decoder=FFmpegHevcDecoder(), restore="torch")
         decode_chunk_blob(chunk.blobs[0], out=got, decoder=FFmpegHevcDecoder(), restore="triton")
     assert torch.equal(got.pages, ref.pages) and ref.pages.any()
+
+
+@needs_triton
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant, video_bits", [("int8", 8), ("int4", 8), ("int8", 5)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_restore_of_zstd_samples_equals_reference(quant, video_bits, dtype):
+    from kvcodec import PagedKV
+
+    kv = _kv().to(dtype)
+    config = CodecConfig(sample_coder="zstd", quant=quant, chunk_tokens=48, video_bits=video_bits)
+    table = torch.tensor([11, 3, 5, 0, 9, 2, 7, 1, 4])
+    for chunk in encode_chunks(kv, config):
+        (blob,) = chunk.blobs
+        ref_cache = torch.zeros(3, 2, 100, 2, 64, dtype=dtype, device="cuda")
+        got_cache = torch.zeros_like(ref_cache)
+        span = slice(7, 7 + chunk.tokens)
+        decode_chunk_blob(blob, out=ref_cache[:, :, span], restore="torch")
+        decode_chunk_blob(blob, out=got_cache[:, :, span], restore="triton")
+        assert torch.equal(got_cache, ref_cache) and ref_cache.any()
+        ref = PagedKV(torch.zeros(3, 2, 12, 8, 2, 64, dtype=dtype, device="cuda"), table)
+        got = PagedKV(torch.zeros_like(ref.pages), table)
+        decode_chunk_blob(blob, out=ref, restore="torch")
+        decode_chunk_blob(blob, out=got, restore="triton")
+        assert torch.equal(got.pages, ref.pages) and ref.pages.any()
+
+
+@needs_triton
+@pytest.mark.gpu
+def test_fused_restore_block_refuses_samples_of_another_shape():
+    kv = _kv(tokens=48)
+    (chunk,) = encode_chunks(kv, CodecConfig(sample_coder="zstd", chunk_tokens=48, video_bits=8))
+    from kvcodec.codecs.hevc.decode import _chunk_terms, _layout
+    from kvcodec.container.format import parse_chunk, split_streams
+
+    h, payload = parse_chunk(chunk.blobs[0])
+    terms = _chunk_terms(h, _layout(h), split_streams(payload, h.streams, "c"), torch.float16, "cuda")
+    restorer = triton_restore.TritonRestorer(terms)
+    with pytest.raises(ValueError, match="samples of shape"):
+        restorer.restore_block(terms.samples[:, :40], 0, 48, torch.empty(3, 2, 48, 2, 64, device="cuda"))

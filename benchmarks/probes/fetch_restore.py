@@ -252,7 +252,8 @@ def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
     native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM),
     keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n),
-    hipri True (the restore's CUDA streams at the device's highest priority, not the default one)."""
+    hipri True (the restore's CUDA streams at the device's highest priority, not the default one),
+    torch True (an HEVC codec restores with the reference torch restorer, not the fused kernel)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
     from kvcodec.restore import transform_kernels
     from kvcodec.video import nvcuvid, nvcuvid_native, streams
@@ -261,6 +262,10 @@ def _switches(codec, variant: dict):
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
     driven = transform_batch.DRIVEN, transform_batch.EAGER
     keep, priority = nvcuvid_native.KEEP, streams.PRIORITY
+    restore = getattr(codec, "restore", None)
+    restore = restore if isinstance(restore, str) else None  # an HEVC codec's restorer choice
+    if variant.get("torch") and restore is not None:  # the reference restorer, not the fused kernel
+        codec.restore = "torch"
     if variant.get("hipri", False):  # the decoders' streams are made afresh at the highest priority
         _close_idle()
         streams.PRIORITY = streams.HIGHEST
@@ -293,9 +298,11 @@ def _switches(codec, variant: dict):
             _close_idle()
             nvcuvid.DISPLAY_DELAY = saved[3]
         codec.__dict__.pop("stage_stream", None)
+        if restore is not None:
+            codec.restore = restore
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "keep", "hipri")
+SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "keep", "hipri", "torch")
 
 
 def _close_idle() -> None:
@@ -807,7 +814,7 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -swiN, -ddN, -fdN (see _switches)."""
+    -nokeep, -hipri, -torch, -swiN, -ddN, -fdN (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
     names = {  # switch -> (variant key, value)
@@ -819,6 +826,7 @@ def _variant(text: str) -> dict:
         "lazy": ("eager", False),
         "nokeep": ("keep", False),
         "hipri": ("hipri", True),
+        "torch": ("torch", True),
     }
     for sw in switches:
         if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds

@@ -5,7 +5,8 @@ restore_frames) the kernel reads its sample from the frame (through the
 plan's gather index and the frame's own strides, so NVDEC's pitched surface is read in place),
 merges its low bits from the packed planes, uncenters, dequantizes and stores it at its place in
 the output KV tensor. The reference restorer's ~10 launches and uint8/float temporaries of a
-frame's size become one launch and no temporaries.
+frame's size become one launch and no temporaries. A chunk whose samples were not coded as video
+(zstd) is restored from its uploaded samples by the same kernel, reading them in place (restore_block).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def _kernel():
         heads,
         dim,
         PAGED: tl.constexpr,
+        FLAT: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -104,13 +106,16 @@ def _kernel():
         d = idx % dim
         t = (idx // dim) % n
         u = idx // (dim * n)
-        f = t // tpf  # the frame (of several, frame_stride apart) holding token t; 0 within one frame
-        pos = tl.load(pos_ptr + (u * tpf + t - f * tpf) * dim + d, mask=live, other=0).to(tl.int64)
-        plane = pos // frame_hw
-        rem = pos - plane * frame_hw
-        y = rem // frame_w
-        x = rem - y * frame_w
-        src = frame_ptr + f * frame_stride + plane * plane_stride + y * row_stride + x
+        if FLAT:  # the samples themselves, (units, n, dim) contiguous: no frame to gather from
+            src = frame_ptr + idx
+        else:
+            f = t // tpf  # the frame (of several, frame_stride apart) holding token t; 0 within one frame
+            pos = tl.load(pos_ptr + (u * tpf + t - f * tpf) * dim + d, mask=live, other=0).to(tl.int64)
+            plane = pos // frame_hw
+            rem = pos - plane * frame_hw
+            y = rem // frame_w
+            x = rem - y * frame_w
+            src = frame_ptr + f * frame_stride + plane * plane_stride + y * row_stride + x
         s = tl.load(src, mask=live, other=0).to(tl.int32)
         count = tl.load(low_count_ptr + u, mask=live, other=0).to(tl.int32)
         i = ((start + t) * units + u) * dim + d
@@ -173,13 +178,23 @@ class TritonRestorer:
             frames = frames.contiguous()
         self._launch(self._checked(frames[0]), frames.stride(0), 0, n, out)
 
+    def restore_block(self, block: torch.Tensor, start: int, n: int, out) -> None:
+        """Tokens [start, start + n) from their centered samples `block` (units, n, dim) uint8 (a
+        chunk's samples not coded as video), as TorchRestorer.restore_block: one launch."""
+        t = self.terms
+        if tuple(block.shape) != (t.units, n, t.head_dim) or block.dtype != torch.uint8:
+            raise ValueError(
+                f"samples of shape {tuple(block.shape)} {block.dtype} are not ({t.units}, {n}, {t.head_dim}) uint8"
+            )
+        self._launch(block.contiguous(), 0, start, n, out, flat=True)
+
     def _checked(self, frame: torch.Tensor) -> torch.Tensor:
         plan = self.terms.plan
         if frame.dim() != 3 or frame.shape[0] != 3 or frame.shape[1] < plan.height or frame.shape[2] < plan.width:
             raise ValueError(f"frame of shape {tuple(frame.shape)} does not hold {plan.width}x{plan.height} planes")
         return frame if frame.stride(2) == 1 else frame.contiguous()
 
-    def _launch(self, frame: torch.Tensor, frame_stride: int, start: int, n: int, out) -> None:
+    def _launch(self, frame: torch.Tensor, frame_stride: int, start: int, n: int, out, flat: bool = False) -> None:
         t = self.terms
         plan = t.plan
         low = self._low_planes
@@ -216,6 +231,7 @@ class TritonRestorer:
             t.kv_heads,
             t.head_dim,
             PAGED=paged,
+            FLAT=flat,
             BLOCK=BLOCK,
         )
 
@@ -244,5 +260,7 @@ def warm_up(device: torch.device | str, dtypes=(torch.float16, torch.bfloat16)) 
             step=torch.ones((1, 2, 1, 8), dtype=torch.float16, device=device),
         )
         frame = torch.zeros((3, 144, 144), dtype=torch.uint8, device=device)
-        TritonRestorer(terms).restore(frame, 0, 2, torch.empty((1, 2, 2, 1, 8), dtype=dtype, device=device))
+        out = torch.empty((1, 2, 2, 1, 8), dtype=dtype, device=device)
+        TritonRestorer(terms).restore(frame, 0, 2, out)
+        TritonRestorer(terms).restore_block(torch.zeros((2, 2, 8), dtype=torch.uint8, device=device), 0, 2, out)
     torch.cuda.synchronize(device)

@@ -24,7 +24,7 @@ from kvcodec.errors import CorruptStreamError, FormatError, ShapeError
 from kvcodec.layout.tiling import LayoutPlan, gather_index
 from kvcodec.quant import bitsplit
 from kvcodec.quant import exact as exact_q
-from kvcodec.restore import ChunkTerms, TorchRestorer, restorer_for
+from kvcodec.restore import ChunkTerms, restorer_for
 from kvcodec.restore.paged import PagedChunk, PagedKV
 from kvcodec.video.registry import get_decoder
 
@@ -303,10 +303,9 @@ def restore_part(
     if h.quant == PLAIN:
         return _restore_plain(h, streams, device, out)
     out, device, plan = checked_part(h, streams, device, out)
-    if "video" not in streams:  # no frames: the reference restorer's one pass over the samples (no kernel to set up)
-        terms = _chunk_terms(h, plan, streams, dtype_of(h.dtype, "chunk blob dtype"), device, host)
-        return _restore_samples(h, terms, out)
     restorer = part_restorer(h, plan, streams, device, restore, host)
+    if "video" not in streams:  # no frames: one pass over the uploaded samples
+        return _restore_samples(h, restorer, out)
     if decoder is None:
         with idle_decoders.borrow(device) as lent:
             return _restore_frames(h, plan, streams, lent, restorer, device, out)
@@ -368,10 +367,11 @@ def _layout(h: ChunkHeader) -> LayoutPlan:
     return plan
 
 
-def _restore_samples(h: ChunkHeader, terms: ChunkTerms, out: Target) -> Target:
-    """A chunk coded as zstd'd samples, not video: restored from its uploaded samples in one pass."""
+def _restore_samples(h: ChunkHeader, restorer, out: Target) -> Target:
+    """A chunk coded as zstd'd samples, not video: restored from its uploaded samples in one pass
+    (one launch of the fused kernel where it applies)."""
     target = PagedChunk(out, h.start_token) if isinstance(out, PagedKV) else out
-    TorchRestorer(terms).restore_block(terms.samples, 0, h.tokens, target)
+    restorer.restore_block(restorer.terms.samples, 0, h.tokens, target)
     return out
 
 
