@@ -228,6 +228,15 @@ def test_a_stream_of_one_frame_from_the_older_writer_still_reads(data, level):
         assert _read(old, len(data) - 1)[0] == len(data)
 
 
+def test_a_single_frame_that_happens_to_end_with_the_seekable_magic_still_reads():
+    data = np.random.default_rng(5).integers(0, 256, 5000, dtype=np.uint8).tobytes() + b"\xb1\xea\x92\x8f"
+    old = zstandard.ZstdCompressor(level=1).compress(data)  # incompressible: a raw block, the data's bytes last
+    assert old.endswith(b"\xb1\xea\x92\x8f")
+    with pytest.raises(CorruptStreamError):
+        zs.read_seek_table(old, "samples")
+    assert _read(old, len(data)) == (len(data), data)
+
+
 def test_a_single_frame_with_bytes_after_it_or_cut_short_is_refused():
     data = _noisy(3000)
     old = zstandard.ZstdCompressor(level=1).compress(data)
@@ -357,17 +366,19 @@ def test_the_pool_serves_reads_in_the_order_they_began_then_frame_order(monkeypa
     assert served == [(name, i) for name in ("first", "a", "b", "c") for i in range(4)]
 
 
-def test_a_reader_decompresses_its_own_frames_while_the_pool_is_busy(monkeypatch):
+def test_a_reader_serves_earlier_reads_then_its_own_while_the_pool_is_busy(monkeypatch):
     served, entered, release = _holding_first_frame(monkeypatch, "busy")
     pool = zs._FramePool(1)
-    busy, _ = _reading(0, _noisy(2500), "busy")
+    busy, busy_buf = _reading(0, _noisy(2500), "busy")
     pool.submit(busy)
-    assert entered.wait(60)
+    assert entered.wait(60)  # the pool's one thread is inside frame 0 of the earlier read
     mine, buf = _reading(1, _noisy(3500, 1), "mine")
-    pool.read(mine)  # returns with the pool's one thread still held: this thread did every frame
-    assert buf.tobytes() == _noisy(3500, 1) and [s for s in served if s[0] == "mine"] == [("mine", i) for i in range(4)]
+    pool.read(mine)  # returns with the pool's thread still held: this thread did the rest, in order
+    assert buf.tobytes() == _noisy(3500, 1)
+    assert served == [("busy", 0), ("busy", 1), ("busy", 2), *(("mine", i) for i in range(4))]
     release.set()
     busy.wait()
+    assert busy_buf.tobytes() == _noisy(2500)
 
 
 def test_an_error_in_a_frame_on_a_pool_thread_reaches_the_reader_by_name():

@@ -28,7 +28,9 @@ import zstandard
 from kvcodec.errors import CorruptStreamError
 from kvcodec.layout.search import usable_cores
 
-# A chunk's samples per frame (benchmarks/results/zstd-frames-cpu.md)
+# A chunk's samples per frame: on SmolLM2's int8 samples 128 KiB to 1 MiB frames total within 0.1% of one
+# frame (benchmarks/results/zstd-frames-cpu.md); 256 KiB makes a 256-token chunk 12 frames (>= the pool's
+# 8 threads and the reader) while a frame's ~8 us of interpreter work stays ~4% of its decompression
 SAMPLES_FRAME_BYTES = 256 << 10
 MAX_FRAME_BYTES = 1 << 30  # the seekable format's reference implementation's limit per frame
 SKIPPABLE_MAGIC = 0x184D2A5E
@@ -188,7 +190,7 @@ def unzstd_into(data, buf: np.ndarray, name: str) -> int:
     frame pool and this thread, streams whose reads began earlier first."""
     seq = _next_read()
     view, out = memoryview(data).cast("B"), memoryview(buf).cast("B")
-    table = read_seek_table(view, name)
+    table = _seek_table_of(view, name)
     if table is None:
         return _one_frame(view, out, name)
     total = table.decompressed
@@ -200,6 +202,20 @@ def unzstd_into(data, buf: np.ndarray, name: str) -> int:
     else:
         _pool().read(_Read(seq, view, out, spans, name))
     return total
+
+
+def _seek_table_of(view: memoryview, name: str) -> SeekTable | None:
+    """read_seek_table, but a stream that is exactly one zstd frame is one (never a stream with
+    a table: the table follows its frames), however its last bytes read."""
+    try:
+        return read_seek_table(view, name)
+    except CorruptStreamError:
+        try:
+            if frame_size(view, name) == len(view):
+                return None
+        except CorruptStreamError:
+            pass
+        raise
 
 
 def _one_frame(view: memoryview, out: memoryview, name: str) -> int:
@@ -257,7 +273,7 @@ def _decompress(frame: memoryview, dest: memoryview, name: str) -> int:
 
 
 class _Read:
-    """One stream's frames, claimed front to back by the pool's threads and the reading thread."""
+    """One stream's frames, claimed front to back by the pool's threads and reading threads."""
 
     def __init__(self, seq: int, view: memoryview, out: memoryview, spans: list[_Span], name: str) -> None:
         self.seq, self.view, self.out, self.spans, self.name = seq, view, out, spans, name
@@ -293,12 +309,6 @@ class _Read:
             if not self.left:
                 self.finished.notify_all()
 
-    def work_and_wait(self) -> None:
-        """Decompress the frames no pool thread has started, then wait for the others."""
-        while (index := self.claim()) is not None:
-            self.run(index)
-        self.wait()
-
     def wait(self) -> None:
         """Wait for every frame to finish; raise the first error."""
         with self.lock:
@@ -309,19 +319,24 @@ class _Read:
 
 
 class _FramePool:
-    """Threads decompressing frames of reads in the order the reads began (then frame order):
-    a priority queue of reads keyed by their sequence number."""
+    """Threads decompressing the frames of reads in the order the reads began, then frame order
+    (a priority queue of reads keyed by their sequence number); a reading thread serves the same
+    queue until its own read's frames are all started, then waits for those still running. A
+    thread waits only for frames other threads are running, which wait for nothing, or only for
+    reads that began later: no cycle, from any number of threads, the pool's own included."""
 
     def __init__(self, threads: int) -> None:
         self.queue: list[tuple[int, _Read]] = []
-        self.ready = threading.Condition()
+        self.ready = threading.Condition(threading.Lock())
         for i in range(threads):
             threading.Thread(target=self._serve, name=f"kvcodec-zstd-{i}", daemon=True).start()
 
     def read(self, read: _Read) -> None:
         """Decompress every frame of `read`: the pool and the calling thread, until all are done."""
         self.submit(read)
-        read.work_and_wait()
+        while read.unclaimed and (work := self._next()) is not None:
+            work[0].run(work[1])
+        read.wait()
 
     def submit(self, read: _Read) -> None:
         """Queue `read` for the pool's threads, after every read that began before it."""
@@ -329,17 +344,26 @@ class _FramePool:
             heapq.heappush(self.queue, (read.seq, read))
             self.ready.notify(len(read.spans) - 1)
 
-    def _serve(self) -> None:
-        while True:
-            with self.ready:
-                while not self.queue:
+    def _next(self, block: bool = False) -> tuple[_Read, int] | None:
+        """The first unstarted frame of the first-begun read in the queue, claimed (None: none
+        queued, unless `block`: then wait for one)."""
+        with self.ready:
+            while True:
+                while block and not self.queue:
                     self.ready.wait()
+                if not self.queue:
+                    return None
                 read = self.queue[0][1]
                 index = read.claim()
                 if index is None or not read.unclaimed:  # its last frame (or none left): out of the queue
                     heapq.heappop(self.queue)
-            if index is not None:
-                read.run(index)
+                if index is not None:
+                    return read, index
+
+    def _serve(self) -> None:
+        while True:
+            read, index = self._next(block=True)
+            read.run(index)
 
 
 _reads = itertools.count()
