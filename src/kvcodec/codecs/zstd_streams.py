@@ -223,17 +223,7 @@ def _one_frame(view: memoryview, out: memoryview, name: str) -> int:
     end = frame_size(view, name)
     if end != len(view):
         raise CorruptStreamError(f"stream {name!r} has {len(view) - end} bytes after its frame")
-    got = 0
-    try:
-        with _dctx().stream_reader(view) as reader:
-            while got < len(out):
-                n = reader.readinto(out[got:])
-                if not n:
-                    return got
-                got += n
-            return got + len(reader.read(1))
-    except zstandard.ZstdError as e:
-        raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
+    return _decompress(view, out, name)
 
 
 def _spans(table: SeekTable) -> list[_Span]:
