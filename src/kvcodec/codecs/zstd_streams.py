@@ -380,4 +380,5 @@ def _forget_pool() -> None:  # a forked child has none of the parent's threads
     _frame_pool, _pool_lock = None, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_pool)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_pool)
