@@ -15,7 +15,8 @@ decoder's standing memory and a host profile of where each chunk's CPU time goes
 A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
 (int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk), `split=N` (HEVC streams
 per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes), `coder=zstd` (the
-samples zstd-coded, restored from CPU threads, instead of HEVC for NVDEC). run measures per case:
+samples zstd-coded, restored from CPU threads, instead of HEVC for NVDEC), `zframe=N` (bytes per zstd frame
+of the samples; more than a chunk holds: one frame, as before the frames). run measures per case:
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
 get) and with the settings in --variants (`default-nodrive`: decode worker threads instead of the
 driven restore); NVDEC decode-only on the same chunk streams (7 threads, each streaming its chunks
@@ -71,6 +72,8 @@ def parse_case(text: str) -> dict:
             case["vbits"] = value if value == "auto" else int(value)
         elif key == "coder":  # how the samples are coded: hevc (NVDEC) or zstd (CPU threads)
             case["coder"] = value
+        elif key == "zframe":  # bytes per zstd frame of the samples (prep; larger than a chunk: one frame)
+            case["zframe"] = int(value)
         elif key == "ns":  # a key namespace: cases whose codec ids coincide (frame sizes) keep apart
             case["ns"] = value
         else:
@@ -130,7 +133,8 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
         profile = DecodeProfile.default(codec.resolutions)
         cache = PrefixCache(store, model_name, codec, "cpu", profile=profile, namespace=case["ns"])
         t0 = time.perf_counter()
-        cache.put(ids, kv)
+        with _frame_bytes(case.get("zframe")):
+            cache.put(ids, kv)
         enc = time.perf_counter() - t0
         r = cache.fetch(ids)
         assert r.ok, r.error
@@ -147,6 +151,20 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
     _pack(d, doc)
     size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
     print(f"{d}: {size / 1e6:.1f} MB; ratios {[c['ratio_vs_fp16'] for c in doc['cases']]}")
+
+
+@contextlib.contextmanager
+def _frame_bytes(size: int | None):
+    """zstd'd samples written `size` bytes a frame in the block (None: the default)."""
+    from kvcodec.codecs import zstd_streams
+
+    saved = zstd_streams.zstd_frames.__defaults__
+    if size:
+        zstd_streams.zstd_frames.__defaults__ = (size,)
+    try:
+        yield
+    finally:
+        zstd_streams.zstd_frames.__defaults__ = saved
 
 
 def _stored_bytes(store, doc: dict, case: dict) -> int:
@@ -283,6 +301,7 @@ def _switches(codec, variant: dict):
         nvcuvid.DISPLAY_DELAY = variant["dd"]
     if not variant.get("stream", True):
         codec.stage_stream = None
+    pools = _thread_pools(variant.get("ht"), variant.get("ft"))
     try:
         yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
@@ -298,11 +317,50 @@ def _switches(codec, variant: dict):
             _close_idle()
             nvcuvid.DISPLAY_DELAY = saved[3]
         codec.__dict__.pop("stage_stream", None)
+        _restore_pools(pools)
         if restore is not None:
             codec.restore = restore
 
 
-SWITCHES = ("stream", "native", "split", "swi", "dd", "feed", "fd", "drive", "eager", "keep", "hipri", "torch")
+def _thread_pools(host: int | None, frames: int | None) -> tuple:
+    """The driven fetch's host pool and the zstd frame pool replaced by pools of `host` / `frames`
+    threads (None: kept); what _restore_pools puts back."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcodec.codecs import driven, zstd_streams
+
+    saved = driven._host_pool, zstd_streams._frame_pool
+    if host:
+        driven._host_pool = ThreadPoolExecutor(host, thread_name_prefix="kvcodec-host")
+    if frames:
+        zstd_streams._frame_pool = zstd_streams._FramePool(frames)
+    return saved
+
+
+def _restore_pools(saved: tuple) -> None:
+    from kvcodec.codecs import driven, zstd_streams
+
+    if driven._host_pool is not saved[0] and driven._host_pool is not None:
+        driven._host_pool.shutdown(wait=False)
+    driven._host_pool, zstd_streams._frame_pool = saved  # a replaced frame pool's threads idle on
+
+
+SWITCHES = (
+    "stream",
+    "native",
+    "split",
+    "swi",
+    "dd",
+    "feed",
+    "fd",
+    "drive",
+    "eager",
+    "keep",
+    "hipri",
+    "torch",
+    "ht",
+    "ft",
+)
 
 
 def _close_idle() -> None:
@@ -814,7 +872,8 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -swiN, -ddN, -fdN (see _switches)."""
+    -nokeep, -hipri, -torch, -swiN, -ddN, -fdN, -htN (host pool threads), -ftN (zstd frame pool threads)
+    (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
     names = {  # switch -> (variant key, value)
@@ -829,7 +888,11 @@ def _variant(text: str) -> dict:
         "torch": ("torch", True),
     }
     for sw in switches:
-        if sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
+        if sw.startswith("ht"):  # -ht4: threads of the driven fetch's host pool
+            v["ht"] = int(sw[2:])
+        elif sw.startswith("ft"):  # -ft4: threads of the zstd frame pool
+            v["ft"] = int(sw[2:])
+        elif sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
             v["swi"] = int(sw[3:]) * 1e-6
         elif sw.startswith("dd"):  # -dd3: the parser's display delay
             v["dd"] = int(sw[2:])
