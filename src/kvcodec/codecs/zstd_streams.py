@@ -28,11 +28,13 @@ import zstandard
 from kvcodec.errors import CorruptStreamError
 from kvcodec.layout.search import usable_cores
 
-# A chunk's samples per frame: on SmolLM2's int8 samples 128 KiB to 1 MiB frames total within 0.1% of one
-# frame (benchmarks/results/zstd-frames-cpu.md); 256 KiB makes a 256-token chunk 12 frames (>= the pool's
-# 8 threads and the reader) while a frame's ~8 us of interpreter work stays ~4% of its decompression
-SAMPLES_FRAME_BYTES = 256 << 10
 MAX_FRAME_BYTES = 1 << 30  # the seekable format's reference implementation's limit per frame
+# A chunk's samples per frame: one frame (and its table). 128 KiB-1 MiB frames cost no bytes (within 0.1% on
+# SmolLM2, benchmarks/results/zstd-frames-cpu.md) and halve one chunk's decompression alone, but a driven
+# fetch on the H200 restored int8 KV 1.3-1.7x slower with 256 KiB frames on the frame pool than with one
+# frame per chunk on the host threads, same store, one call (benchmarks/results/fetch-h200-frames.md).
+# Streams of several frames (zstd_frames with a smaller frame_bytes) are read in parallel on the frame pool.
+SAMPLES_FRAME_BYTES = MAX_FRAME_BYTES
 SKIPPABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
 _HEAD = struct.Struct("<II")  # skippable magic, size of the rest of the frame
