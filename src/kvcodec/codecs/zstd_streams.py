@@ -148,12 +148,14 @@ def frame_size(data, name: str) -> int:
     nothing decompressed."""
     view = memoryview(data).cast("B")
     if len(view) < 8:
-        raise CorruptStreamError(f"stream {name!r}: a frame of {len(view)} bytes is truncated")
+        raise CorruptStreamError(f"stream {name!r} does not decompress: a frame of {len(view)} bytes is truncated")
     magic = int.from_bytes(view[:4], "little")
     if magic & _SKIPPABLE_MASK == _SKIPPABLE_BASE:
         return _within(8 + int.from_bytes(view[4:8], "little"), view, name)
     if magic != _ZSTD_MAGIC:
-        raise CorruptStreamError(f"stream {name!r}: a frame starts with {magic:#010x}, not zstd's magic")
+        raise CorruptStreamError(
+            f"stream {name!r} does not decompress: a frame starts with {magic:#010x}, not zstd's magic"
+        )
     try:
         p = zstandard.frame_header_size(view)
     except zstandard.ZstdError as e:
@@ -164,7 +166,7 @@ def frame_size(data, name: str) -> int:
         h = int.from_bytes(view[p : p + 3], "little")
         kind, size = (h >> 1) & 3, h >> 3
         if kind == 3:
-            raise CorruptStreamError(f"stream {name!r}: a block of the reserved type")
+            raise CorruptStreamError(f"stream {name!r} does not decompress: a block of the reserved type")
         p += 3 + (1 if kind == 1 else size)
         if h & 1:
             return _within(p + checksum, view, name)
