@@ -272,8 +272,8 @@ def _code_samples(frames, samples, plan: CodingPlan, layout: LayoutPlan, encoder
 
 
 def zstd_samples(samples: torch.Tensor) -> bytes:
-    """A chunk's samples (units, tokens, dim) uint8, zstd-coded as frames with a seek table
-    (decompressed in parallel)."""
+    """A chunk's samples (units, tokens, dim) uint8, zstd-coded (zstd_streams.zstd_frames: one
+    frame and its seek table by default)."""
     return zstd_frames(samples.cpu().numpy().tobytes(), SAMPLES_ZSTD_LEVEL)
 
 

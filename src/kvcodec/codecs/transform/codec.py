@@ -337,7 +337,7 @@ class TransformCodec:
         if self.coder == "hevc":
             host_frames = [f.cpu().numpy() for f in frames.to_frames(samples, *resolution)]
             return streams, {**counts, "frames": len(host_frames)}, host_frames
-        streams["samples"] = zstd_frames(samples.cpu().numpy().tobytes(), ZSTD_LEVEL)  # decompressed in parallel
+        streams["samples"] = zstd_frames(samples.cpu().numpy().tobytes(), ZSTD_LEVEL)  # one frame and its seek table
         return streams, counts, None
 
     @staticmethod

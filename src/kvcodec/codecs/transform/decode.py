@@ -73,7 +73,7 @@ class TransformRestorer:
         return self._device_bases[device]
 
     def _samples(self, h: dict, streams: dict, count: int, device: torch.device, decoder=None) -> torch.Tensor:
-        if h["coder"] == "zstd":  # frames with a seek table (or one frame): decompressed in parallel
+        if h["coder"] == "zstd":  # one frame, or frames with a seek table (read in parallel)
             host = torch.empty(count, dtype=torch.uint8)
             if (got := unzstd_into(streams["samples"], host.numpy(), "samples")) != count:
                 raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
