@@ -22,8 +22,7 @@ import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading
-from kvcodec.codecs.transform.decode import check_target, frame_buffer
-from kvcodec.codecs.zstd_streams import unzstd_into
+from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
 from kvcodec.container.format import verify_streams
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.transform.frames import frame_count
@@ -399,10 +398,7 @@ class TransformDriven:
         h, streams, later = reading.state
         _verify(h, streams, later)
         count = self.codec._restorer.sample_count(h)
-        host = torch.empty(count, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # driven: a CUDA fetch
-        got = unzstd_into(streams["samples"], host.numpy(), "samples")
-        if got != count:
-            raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
+        host = host_samples(streams, count, pinned=torch.cuda.is_available())  # driven: a CUDA fetch
         return dataclasses.replace(reading, state=(h, streams, (), host))
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded

@@ -74,10 +74,7 @@ class TransformRestorer:
 
     def _samples(self, h: dict, streams: dict, count: int, device: torch.device, decoder=None) -> torch.Tensor:
         if h["coder"] == "zstd":  # one frame, or frames with a seek table (read in parallel)
-            host = torch.empty(count, dtype=torch.uint8)
-            if (got := unzstd_into(streams["samples"], host.numpy(), "samples")) != count:
-                raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
-            return _to_device(host, device)
+            return _to_device(host_samples(streams, count), device)
         w, hh = h["resolution"]
         if h["frames"] != frames.frame_count(count, w, hh):
             raise CorruptStreamError("transform chunk announces the wrong number of frames")
@@ -277,6 +274,14 @@ def check_target(h: dict, out: Target) -> None:
         out.check(shape, dtype, h["start_token"])
     elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
         raise ShapeError(f"output must be a {shape} {dtype} tensor or a PagedKV")
+
+
+def host_samples(streams: dict, count: int, pinned: bool = False) -> torch.Tensor:
+    """A zstd-coded chunk's `count` samples decompressed into a host tensor (pinned: for an upload)."""
+    host = torch.empty(count, dtype=torch.uint8, pin_memory=pinned)
+    if (got := unzstd_into(streams["samples"], host.numpy(), "samples")) != count:
+        raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
+    return host
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
