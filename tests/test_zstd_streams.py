@@ -1,6 +1,6 @@
 """zstd streams of independent frames with a seek table (zstd's seekable format): the table's bytes,
 round trips, damage refused by name, older single-frame streams still read, older readers refusing
-the new streams, and the frame pool's order and liveness (no timing: events and joins only)."""
+the new streams, and reads from many threads at once (no timing: joins only)."""
 
 from __future__ import annotations
 
@@ -324,88 +324,10 @@ def test_transform_chunks_with_samples_in_frames_restore_as_one_frame_chunks(mon
     assert len(zs.read_seek_table(streams["samples"], "s").frames) > 1
 
 
-# the frame pool
+# threads
 
 
-def _reading(seq: int, data: bytes, name: str, frame_bytes: int = 1000) -> tuple[zs._Read, np.ndarray]:
-    stream = zs.zstd_frames(data, 1, frame_bytes)
-    buf = np.zeros(len(data), dtype=np.uint8)
-    spans = zs._spans(zs.read_seek_table(stream, name))
-    return zs._Read(seq, memoryview(stream), memoryview(buf), spans, name), buf
-
-
-def _holding_first_frame(monkeypatch, held: str):
-    """_frame_into that records (stream, frame) in the order served and holds frame 0 of `held`
-    until released."""
-    served, entered, release = [], threading.Event(), threading.Event()
-    real = zs._frame_into
-
-    def frame_into(view, out, span, index, name):
-        served.append((name, index))
-        if (name, index) == (held, 0):
-            entered.set()
-            release.wait()
-        real(view, out, span, index, name)
-
-    monkeypatch.setattr(zs, "_frame_into", frame_into)
-    return served, entered, release
-
-
-def test_the_pool_serves_reads_in_the_order_they_began_then_frame_order(monkeypatch):
-    served, entered, release = _holding_first_frame(monkeypatch, "first")
-    pool = zs._FramePool(1)
-    reads = {name: _reading(seq, _noisy(3500, seq), name) for seq, name in enumerate(["first", "a", "b", "c"])}
-    pool.submit(reads["first"][0])
-    assert entered.wait(60)  # the pool's one thread is inside frame 0 of the first read
-    for name in ("c", "a", "b"):  # queued out of order
-        pool.submit(reads[name][0])
-    release.set()
-    for name, (read, buf) in reads.items():
-        read.wait()
-        assert buf.tobytes() == _noisy(3500, list(reads).index(name))
-    assert served == [(name, i) for name in ("first", "a", "b", "c") for i in range(4)]
-
-
-def test_a_reader_serves_earlier_reads_then_its_own_while_the_pool_is_busy(monkeypatch):
-    served, entered, release = _holding_first_frame(monkeypatch, "busy")
-    pool = zs._FramePool(1)
-    busy, busy_buf = _reading(0, _noisy(2500), "busy")
-    pool.submit(busy)
-    assert entered.wait(60)  # the pool's one thread is inside frame 0 of the earlier read
-    mine, buf = _reading(1, _noisy(3500, 1), "mine")
-    pool.read(mine)  # returns with the pool's thread still held: this thread did the rest, in order
-    assert buf.tobytes() == _noisy(3500, 1)
-    assert served == [("busy", 0), ("busy", 1), ("busy", 2), *(("mine", i) for i in range(4))]
-    release.set()
-    busy.wait()
-    assert busy_buf.tobytes() == _noisy(2500)
-
-
-def test_an_error_in_a_frame_on_a_pool_thread_reaches_the_reader_by_name():
-    pool = zs._FramePool(2)
-    data = _noisy(9000)
-    stream = bytearray(zs.zstd_frames(data, 1, 1000))
-    start = sum(c for c, _ in zs.read_seek_table(stream, "s").frames[:4])
-    stream[start] ^= 0xFF
-    buf = np.zeros(len(data), dtype=np.uint8)
-    read = zs._Read(0, memoryview(bytes(stream)), memoryview(buf), zs._spans(zs.read_seek_table(stream, "s")), "bad")
-    pool.submit(read)
-    with pytest.raises(CorruptStreamError, match="'bad'"):
-        read.wait()  # every frame on the pool's threads
-
-
-def test_many_threads_reading_at_once_and_reads_from_pool_threads_finish(monkeypatch):
-    inner = _noisy(4000, 99)
-    inner_stream = zs.zstd_frames(inner, 1, 500)
-    nested = []
-    real = zs._frame_into
-
-    def frame_into(view, out, span, index, name):
-        if threading.current_thread().name.startswith("kvcodec-zstd") and index == 2 and name != "inner":
-            nested.append(_read(inner_stream, len(inner), "inner"))  # a read from inside a pool thread
-        real(view, out, span, index, name)
-
-    monkeypatch.setattr(zs, "_frame_into", frame_into)
+def test_many_threads_reading_framed_streams_at_once_each_get_their_own_bytes():
     datas = [_noisy(7000 + 300 * i, i) for i in range(16)]
     streams = [zs.zstd_frames(d, 1, 700) for d in datas]
     results: dict[int, list] = {}
@@ -420,27 +342,3 @@ def test_many_threads_reading_at_once_and_reads_from_pool_threads_finish(monkeyp
         t.join(120)
     assert not any(t.is_alive() for t in threads)
     assert all(results[i] == [(len(d), d)] * 5 for i, d in enumerate(datas))
-    assert all(n == (len(inner), inner) for n in nested)
-
-
-def test_the_pool_has_half_the_cores_between_one_and_eight_threads():
-    assert 1 <= zs.FRAME_THREADS <= 8
-
-
-def test_a_read_from_inside_a_frame_on_the_pools_own_thread_finishes(monkeypatch):
-    inner = _noisy(4000, 7)
-    inner_stream = zs.zstd_frames(inner, 1, 500)
-    nested = []
-    real = zs._frame_into
-
-    def frame_into(view, out, span, index, name):
-        if name == "outer":
-            nested.append((threading.current_thread().name, _read(inner_stream, len(inner), "inner")))
-        real(view, out, span, index, name)
-
-    monkeypatch.setattr(zs, "_frame_into", frame_into)
-    outer, buf = _reading(zs._next_read(), _noisy(3000, 8), "outer")
-    zs._pool().submit(outer)
-    outer.wait()  # this thread claims nothing: every frame, and the reads inside them, on the pool's threads
-    assert buf.tobytes() == _noisy(3000, 8)
-    assert len(nested) == 3 and all(t.startswith("kvcodec-zstd") and r == (len(inner), inner) for t, r in nested)

@@ -16,7 +16,8 @@ A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target 
 (int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk), `split=N` (HEVC streams
 per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes), `coder=zstd` (the
 samples zstd-coded, restored from CPU threads, instead of HEVC for NVDEC), `zframe=N` (bytes per zstd frame
-of the samples; more than a chunk holds: one frame, as before the frames). run measures per case:
+of the samples; more than a chunk holds: one frame, as before the frames), `zlevel=N` (the samples' zstd
+level; negative levels are zstd's fast ones, near raw bytes). run measures per case:
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
 get) and with the settings in --variants (`default-nodrive`: decode worker threads instead of the
 driven restore); NVDEC decode-only on the same chunk streams (7 threads, each streaming its chunks
@@ -74,6 +75,8 @@ def parse_case(text: str) -> dict:
             case["coder"] = value
         elif key == "zframe":  # bytes per zstd frame of the samples (prep; larger than a chunk: one frame)
             case["zframe"] = int(value)
+        elif key == "zlevel":  # zstd level of the samples (prep; negative: fast levels, ~raw bytes)
+            case["zlevel"] = int(value)
         elif key == "ns":  # a key namespace: cases whose codec ids coincide (frame sizes) keep apart
             case["ns"] = value
         else:
@@ -117,7 +120,7 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
     d.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(model_name)
     kvt = d.parent / f"{d.name}.kvt"
-    if not kvt.exists():
+    if not kvt.exists() and any(c["codec"] == "transform" for c in cases):
         kvs = [extract_kv(model, tok, load_text(t), cal_tokens)[1] for t in CAL_TEXTS]
         save_kvt(calibrate(kvs, RopeSpec.from_hf_config(model.config), info={"model": model_name}), kvt)
     ids, kv = extract_kv(model, tok, "\n\n".join(load_text(t) for t in text.split(",")), tokens)
@@ -133,7 +136,7 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
         profile = DecodeProfile.default(codec.resolutions)
         cache = PrefixCache(store, model_name, codec, "cpu", profile=profile, namespace=case["ns"])
         t0 = time.perf_counter()
-        with _frame_bytes(case.get("zframe")):
+        with _frame_bytes(case.get("zframe")), _zstd_level(case.get("zlevel")):
             cache.put(ids, kv)
         enc = time.perf_counter() - t0
         r = cache.fetch(ids)
@@ -165,6 +168,20 @@ def _frame_bytes(size: int | None):
         yield
     finally:
         zstd_streams.zstd_frames.__defaults__ = saved
+
+
+@contextlib.contextmanager
+def _zstd_level(level: int | None):
+    """The int8 codec's samples zstd-coded at `level` in the block (None: the default)."""
+    from kvcodec.codecs.hevc import encode
+
+    saved = encode.SAMPLES_ZSTD_LEVEL
+    if level is not None:
+        encode.SAMPLES_ZSTD_LEVEL = level
+    try:
+        yield
+    finally:
+        encode.SAMPLES_ZSTD_LEVEL = saved
 
 
 def _stored_bytes(store, doc: dict, case: dict) -> int:
@@ -301,7 +318,7 @@ def _switches(codec, variant: dict):
         nvcuvid.DISPLAY_DELAY = variant["dd"]
     if not variant.get("stream", True):
         codec.stage_stream = None
-    pools = _thread_pools(variant.get("ht"), variant.get("ft"))
+    pool = _host_pool(variant.get("ht"))
     try:
         yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
@@ -317,32 +334,30 @@ def _switches(codec, variant: dict):
             _close_idle()
             nvcuvid.DISPLAY_DELAY = saved[3]
         codec.__dict__.pop("stage_stream", None)
-        _restore_pools(pools)
+        _restore_pool(pool)
         if restore is not None:
             codec.restore = restore
 
 
-def _thread_pools(host: int | None, frames: int | None) -> tuple:
-    """The driven fetch's host pool and the zstd frame pool replaced by pools of `host` / `frames`
-    threads (None: kept); what _restore_pools puts back."""
+def _host_pool(threads: int | None):  # noqa: ANN202 - the replaced pool
+    """The driven fetch's host pool replaced by one of `threads` threads (None: kept); what
+    _restore_pool puts back."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvcodec.codecs import driven, zstd_streams
+    from kvcodec.codecs import driven
 
-    saved = driven._host_pool, zstd_streams._frame_pool
-    if host:
-        driven._host_pool = ThreadPoolExecutor(host, thread_name_prefix="kvcodec-host")
-    if frames:
-        zstd_streams._frame_pool = zstd_streams._FramePool(frames)
+    saved = driven._host_pool
+    if threads:
+        driven._host_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvcodec-host")
     return saved
 
 
-def _restore_pools(saved: tuple) -> None:
-    from kvcodec.codecs import driven, zstd_streams
+def _restore_pool(saved) -> None:  # noqa: ANN001
+    from kvcodec.codecs import driven
 
-    if driven._host_pool is not saved[0] and driven._host_pool is not None:
+    if driven._host_pool is not saved and driven._host_pool is not None:
         driven._host_pool.shutdown(wait=False)
-    driven._host_pool, zstd_streams._frame_pool = saved  # a replaced frame pool's threads idle on
+    driven._host_pool = saved
 
 
 SWITCHES = (
@@ -359,7 +374,6 @@ SWITCHES = (
     "hipri",
     "torch",
     "ht",
-    "ft",
 )
 
 
@@ -873,7 +887,7 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -swiN, -ddN, -fdN, -htN (host pool threads), -ftN (zstd frame pool threads)
+    -nokeep, -hipri, -torch, -swiN, -ddN, -fdN, -htN (host pool threads)
     (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
@@ -891,8 +905,6 @@ def _variant(text: str) -> dict:
     for sw in switches:
         if sw.startswith("ht"):  # -ht4: threads of the driven fetch's host pool
             v["ht"] = int(sw[2:])
-        elif sw.startswith("ft"):  # -ft4: threads of the zstd frame pool
-            v["ft"] = int(sw[2:])
         elif sw.startswith("swi"):  # -swi500: the interpreter's switch interval in microseconds
             v["swi"] = int(sw[3:]) * 1e-6
         elif sw.startswith("dd"):  # -dd3: the parser's display delay

@@ -1,6 +1,6 @@
 """zstd-coded streams: written as independent frames with a seek table (zstd's seekable format),
-decompressed straight into a caller's buffer (a pinned upload buffer, say), the frames of one
-stream in parallel on a pool of threads that serves streams in the order their reads began.
+decompressed straight into a caller's buffer (a pinned upload buffer, say), frame by frame on the
+calling thread (a fetch decompresses several chunks at once on its host threads).
 
 A stream is either ONE zstd frame (every stream of older writers, and the small side streams) or,
 as `zstd_frames` writes it, standard zstd frames (content size written) followed by a seek table
@@ -16,9 +16,6 @@ reads only the first frame gets fewer bytes than the stream holds.
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
-import os
 import struct
 import threading
 
@@ -26,14 +23,13 @@ import numpy as np
 import zstandard
 
 from kvcodec.errors import CorruptStreamError
-from kvcodec.layout.search import usable_cores
 
 MAX_FRAME_BYTES = 1 << 30  # the seekable format's reference implementation's limit per frame
 # A chunk's samples per frame: one frame (and its table). 128 KiB-1 MiB frames cost no bytes (within 0.1% on
-# SmolLM2, benchmarks/results/zstd-frames-cpu.md) and halve one chunk's decompression alone, but a driven
-# fetch on the H200 restored int8 KV 1.3-1.7x slower with 256 KiB frames on the frame pool than with one
-# frame per chunk on the host threads, same store, one call (benchmarks/results/fetch-h200-frames.md).
-# Streams of several frames (zstd_frames with a smaller frame_bytes) are read in parallel on the frame pool.
+# SmolLM2, benchmarks/results/zstd-frames-cpu.md) and halve one chunk's decompression alone when read in
+# parallel, but a driven fetch on the H200 restored int8 KV 1.3-1.7x slower with 256 KiB frames read on a
+# pool of threads than with one frame per chunk on the host threads, same store, one call
+# (benchmarks/results/fetch-h200-frames.md). Streams of several frames are read in order.
 SAMPLES_FRAME_BYTES = MAX_FRAME_BYTES
 SKIPPABLE_MAGIC = 0x184D2A5E
 SEEKABLE_MAGIC = 0x8F92EAB1
@@ -45,9 +41,6 @@ _RESERVED = 0x7C  # descriptor bits 6-2: must be 0
 _CHECKSUMS = 0x80  # descriptor bit 7: entries carry checksums (never written here)
 _ZSTD_MAGIC = 0xFD2FB528
 _SKIPPABLE_MASK, _SKIPPABLE_BASE = 0xFFFFFFF0, 0x184D2A50
-
-# threads decompressing the frames of streams (zstd releases the interpreter lock): half the cores, at most 8
-FRAME_THREADS = max(1, min(8, usable_cores() // 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +182,8 @@ def _dctx() -> zstandard.ZstdDecompressor:
 
 
 def unzstd_into(data, buf: np.ndarray, name: str) -> int:
-    """Decompress `data` (one zstd frame, or frames with a seek table) into `buf`; the decompressed
-    size (buf.size + 1 when there is more). A stream's frames are decompressed in parallel, on the
-    frame pool and this thread, streams whose reads began earlier first."""
-    seq = _next_read()
+    """Decompress `data` (one zstd frame, or frames with a seek table) into `buf`, frame by frame;
+    the decompressed size (buf.size + 1 when there is more)."""
     view, out = memoryview(data).cast("B"), memoryview(buf).cast("B")
     table = _seek_table_of(view, name)
     if table is None:
@@ -200,11 +191,8 @@ def unzstd_into(data, buf: np.ndarray, name: str) -> int:
     total = table.decompressed
     if total > len(out):
         return len(out) + 1
-    spans = _spans(table)
-    if len(spans) == 1:
-        _frame_into(view, out, spans[0], 0, name)
-    else:
-        _pool().read(_Read(seq, view, out, spans, name))
+    for index, span in enumerate(_spans(table)):
+        _frame_into(view, out, span, index, name)
     return total
 
 
@@ -264,125 +252,3 @@ def _decompress(frame: memoryview, dest: memoryview, name: str) -> int:
             return got + len(reader.read(1))
     except zstandard.ZstdError as e:
         raise CorruptStreamError(f"stream {name!r} does not decompress: {e}") from e
-
-
-class _Read:
-    """One stream's frames, claimed front to back by the pool's threads and reading threads."""
-
-    def __init__(self, seq: int, view: memoryview, out: memoryview, spans: list[_Span], name: str) -> None:
-        self.seq, self.view, self.out, self.spans, self.name = seq, view, out, spans, name
-        self.lock = threading.Lock()
-        self.finished = threading.Condition(self.lock)
-        self.next = 0  # the first frame nobody has claimed
-        self.left = len(spans)  # frames not finished
-        self.error: BaseException | None = None
-
-    def claim(self) -> int | None:
-        """The next frame nobody has started (None when all have been)."""
-        with self.lock:
-            if self.next >= len(self.spans):
-                return None
-            self.next += 1
-            return self.next - 1
-
-    @property
-    def unclaimed(self) -> bool:
-        return self.next < len(self.spans)
-
-    def run(self, index: int) -> None:
-        """Decompress a claimed frame (skipped once another has failed); never raises."""
-        error = None
-        if self.error is None:
-            try:
-                _frame_into(self.view, self.out, self.spans[index], index, self.name)
-            except BaseException as e:  # noqa: BLE001 - handed to the reading thread, which raises it
-                error = e
-        with self.lock:
-            self.error = self.error or error
-            self.left -= 1
-            if not self.left:
-                self.finished.notify_all()
-
-    def wait(self) -> None:
-        """Wait for every frame to finish; raise the first error."""
-        with self.lock:
-            while self.left:
-                self.finished.wait()
-        if self.error is not None:
-            raise self.error
-
-
-class _FramePool:
-    """Threads decompressing the frames of reads in the order the reads began, then frame order
-    (a priority queue of reads keyed by their sequence number); a reading thread serves the same
-    queue until its own read's frames are all started, then waits for those still running. A
-    thread waits only for frames other threads are running, which wait for nothing, or only for
-    reads that began later: no cycle, from any number of threads, the pool's own included."""
-
-    def __init__(self, threads: int) -> None:
-        self.queue: list[tuple[int, _Read]] = []
-        self.ready = threading.Condition(threading.Lock())
-        for i in range(threads):
-            threading.Thread(target=self._serve, name=f"kvcodec-zstd-{i}", daemon=True).start()
-
-    def read(self, read: _Read) -> None:
-        """Decompress every frame of `read`: the pool and the calling thread, until all are done."""
-        self.submit(read)
-        while read.unclaimed and (work := self._next()) is not None:
-            work[0].run(work[1])
-        read.wait()
-
-    def submit(self, read: _Read) -> None:
-        """Queue `read` for the pool's threads, after every read that began before it."""
-        with self.ready:
-            heapq.heappush(self.queue, (read.seq, read))
-            self.ready.notify(len(read.spans) - 1)
-
-    def _next(self, block: bool = False) -> tuple[_Read, int] | None:
-        """The first unstarted frame of the first-begun read in the queue, claimed (None: none
-        queued, unless `block`: then wait for one)."""
-        with self.ready:
-            while True:
-                while block and not self.queue:
-                    self.ready.wait()
-                if not self.queue:
-                    return None
-                read = self.queue[0][1]
-                index = read.claim()
-                if index is None or not read.unclaimed:  # its last frame (or none left): out of the queue
-                    heapq.heappop(self.queue)
-                if index is not None:
-                    return read, index
-
-    def _serve(self) -> None:
-        while True:
-            read, index = self._next(block=True)
-            read.run(index)
-
-
-_reads = itertools.count()
-_pool_lock = threading.Lock()
-_frame_pool: _FramePool | None = None
-
-
-def _next_read() -> int:
-    with _pool_lock:
-        return next(_reads)
-
-
-def _pool() -> _FramePool:
-    """The process's frame pool, started on first use."""
-    global _frame_pool
-    with _pool_lock:
-        if _frame_pool is None:
-            _frame_pool = _FramePool(FRAME_THREADS)
-        return _frame_pool
-
-
-def _forget_pool() -> None:  # a forked child has none of the parent's threads
-    global _frame_pool, _pool_lock
-    _frame_pool, _pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_forget_pool)
