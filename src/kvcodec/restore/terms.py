@@ -16,7 +16,7 @@ class ChunkTerms:
 
     positions: int32 gather index of the plan (value -> flattened (3, H, W) frame position).
     shift, mask: uncentering terms, (units, 1, dim) and (units, 1, 1) uint8.
-    low_counts: (units,) int64 low bits per unit kept out of the video (all zero: none).
+    low_counts: (units,) int32 low bits per unit kept out of the video (all zero: none).
     low_planes: (planes, tokens * units * dim / 8) uint8 packed low bits, or None.
     offset, step: (layers, 2, heads, dim) dequantization parameters (integer modes), else None.
     byte_planes: exact mode's remaining byte planes, each (layers, 2, tokens, heads, dim) uint8.

@@ -254,7 +254,7 @@ def warm_up(device: torch.device | str, dtypes=(torch.float16, torch.bfloat16)) 
             positions=gather_index(plan, device),
             shift=torch.zeros((2, 1, 8), dtype=torch.uint8, device=device),
             mask=torch.full((2, 1, 1), 255, dtype=torch.uint8, device=device),
-            low_counts=torch.ones(2, dtype=torch.int64, device=device),
+            low_counts=torch.ones(2, dtype=torch.int32, device=device),
             low_planes=torch.zeros((1, 4), dtype=torch.uint8, device=device),
             offset=torch.zeros((1, 2, 1, 8), dtype=torch.float16, device=device),
             step=torch.ones((1, 2, 1, 8), dtype=torch.float16, device=device),

@@ -183,7 +183,8 @@ def _unit_terms(layer_bits: tuple[int, ...], layers: int, kv_heads: int, video_b
     ubits = unit_bits(layer_bits, layers, kv_heads)
     counts = bitsplit.low_bit_counts(ubits, video_bits)
     modulus = 2**ubits
-    on_device = counts.to(device), (modulus - 1).to(torch.uint8).view(-1, 1, 1).to(device)
+    # int32: the fused restorer's type, so that it casts nothing per chunk
+    on_device = counts.to(device, torch.int32), (modulus - 1).to(torch.uint8).view(-1, 1, 1).to(device)
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()
     return bitsplit.plane_count(counts), *on_device, (modulus // 2).numpy()
