@@ -157,3 +157,39 @@ def test_link_bound_raw_is_the_link_time_plus_the_engine_time_after_the_fetch():
     t = next(r for r in out if r["method"] == "t")
     assert t["speedup_vs_raw_link_bound"] == pytest.approx(8.1 / 4.0)
     assert ttft_engine.with_raw_bound(out) == out  # idempotent
+
+
+def test_prep_calibrates_the_targets_kvt_from_another_kv_file_and_codes_with_a_named_coder(tmp_path):
+    save_kv_file(tmp_path / "kv.safetensors", real_like_kv(300), {"model": "syn"})
+    save_kv_file(tmp_path / "other.safetensors", real_like_kv(500), {"model": "syn"})
+    args = [
+        "prep",
+        "--kv-file",
+        str(tmp_path / "kv.safetensors"),
+        "--target",
+        "llama-tiny",
+        "--dir",
+        str(tmp_path / "d"),
+    ]
+    r = CliRunner().invoke(
+        ttft_engine.command,
+        [*args, "--calibrate-kv-file", str(tmp_path / "other.safetensors"), "--methods", "kvcodec-transform-5-zstd"],
+    )
+    assert r.exit_code == 0, r.output
+    man = json.loads((tmp_path / "d" / ttft_engine.MANIFEST).read_text())
+    codec = ttft_engine.run_codec("kvcodec-transform-5-zstd", tmp_path / "d", man)
+    assert codec.coder == "zstd" and codec.id == man["methods"]["kvcodec-transform-5-zstd"]["codec_id"]
+    assert codec.cal.layers == 4 and (tmp_path / "d" / "target.kvt").exists()
+    both = CliRunner().invoke(
+        ttft_engine.command,
+        [
+            *args,
+            "--transform",
+            str(tmp_path / "d" / "target.kvt"),
+            "--calibrate-kv-file",
+            str(tmp_path / "other.safetensors"),
+        ],
+    )
+    assert both.exit_code != 0 and "not both" in both.output
+    none = CliRunner().invoke(ttft_engine.command, [*args, "--methods", "kvcodec-transform-5"])
+    assert none.exit_code != 0 and "--calibrate-kv-file" in none.output

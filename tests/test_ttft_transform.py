@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 from kvbench import ttft  # noqa: E402
-from kvbench.methods import expand_methods, label, method_codec, transform_ratio  # noqa: E402
+from kvbench.methods import expand_methods, label, method_codec, transform_coder, transform_ratio  # noqa: E402
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.errors import ConfigError  # noqa: E402
 from kvcodec.kvspec.files import save_kv_file  # noqa: E402
@@ -39,7 +39,10 @@ def test_transform_method_names():
     ]
     assert transform_ratio("kvcodec-transform-6.5") == 6.5 and transform_ratio("kvcodec-int8") is None
     assert label("kvcodec-transform-5") == "kvcodec-transform 5x" and label("raw") == "raw fp16 KV"
-    for bad in ("kvcodec-transform-x", "kvcodec-transform-1"):
+    assert transform_coder("kvcodec-transform-5") == "hevc" and transform_coder("kvcodec-int8") is None
+    assert transform_ratio("kvcodec-transform-5-zstd") == 5 and transform_coder("kvcodec-transform-5-zstd") == "zstd"
+    assert label("kvcodec-transform-8-zstd") == "kvcodec-transform 8x (zstd)"
+    for bad in ("kvcodec-transform-x", "kvcodec-transform-1", "kvcodec-transform-5-lz4", "kvcodec-transform-5-"):
         with pytest.raises(ConfigError):
             expand_methods([bad], [])
     with pytest.raises(ConfigError, match="needs a .kvt"):
@@ -111,3 +114,10 @@ def test_stats_only_command_writes_a_record(files, tmp_path):
     assert "kvcodec-transform 4x" in out.with_suffix(".md").read_text()
     missing = CliRunner().invoke(ttft.command, ["--stats-only", "--methods", "kvcodec-transform", "--device", "cpu"])
     assert missing.exit_code != 0 and "--transform" in missing.output
+
+
+def test_a_transform_method_with_a_coder_codes_its_samples_with_it(files):
+    kvt, _ = files
+    config = CodecConfig(chunk_tokens=256, resolutions=((256, 256),))
+    assert method_codec("kvcodec-transform-5-zstd", config, transform=kvt).coder == "zstd"
+    assert method_codec("kvcodec-transform-5", config, transform=kvt).coder == "hevc"

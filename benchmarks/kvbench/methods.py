@@ -2,8 +2,9 @@
 
 A method is what the serving benchmarks (ttft, interference) compare: "raw" (fp16 KV as it is),
 "zstd-3" (the same bytes zstd-compressed), "kvcodec-<quant>" (kvcodec's HEVC codec; "kvcodec":
-the quant of the given config), "kvcodec-transform-<ratio>" (the transform codec of a .kvt at that
-target ratio vs fp16, e.g. "kvcodec-transform-5"), or the name of any kvbench baseline
+the quant of the given config), "kvcodec-transform-<ratio>[-<coder>]" (the transform codec of a .kvt
+at that target ratio vs fp16, its samples coded by <coder>: hevc by default, or zstd, e.g.
+"kvcodec-transform-5", "kvcodec-transform-5-zstd"), or the name of any kvbench baseline
 ("cachegen", "lz4", ...), coded chunk by chunk as a ChunkCodec.
 """
 
@@ -21,18 +22,35 @@ RAW_VARIANTS = {"raw": ("raw",), "zstd-3": ("zstd",)}
 TRANSFORM = "kvcodec-transform"
 
 
+TRANSFORM_CODERS = ("hevc", "zstd")
+
+
 def transform_ratio(method: str) -> float | None:
-    """The target ratio vs fp16 of a "kvcodec-transform-<ratio>" method; None for any other method."""
+    """The target ratio vs fp16 of a "kvcodec-transform-<ratio>[-<coder>]" method; None for any other method."""
+    parts = _transform_parts(method)
+    return None if parts is None else parts[0]
+
+
+def transform_coder(method: str) -> str | None:
+    """The sample coder of a "kvcodec-transform-<ratio>[-<coder>]" method (hevc unless named); None
+    for any other method."""
+    parts = _transform_parts(method)
+    return None if parts is None else parts[1]
+
+
+def _transform_parts(method: str) -> tuple[float, str] | None:
     if not method.startswith(TRANSFORM + "-"):
         return None
-    text = method[len(TRANSFORM) + 1 :]
+    text, dash, coder = method[len(TRANSFORM) + 1 :].partition("-")
+    if dash and coder not in TRANSFORM_CODERS:
+        raise ConfigError(f"{method!r}: the transform's sample coder must be one of {TRANSFORM_CODERS}, got {coder!r}")
     try:
         ratio = float(text)
     except ValueError:
         raise ConfigError(f"{method!r}: the transform's target ratio must be a number, got {text!r}") from None
     if not ratio > 1:
         raise ConfigError(f"{method!r}: the transform's target ratio must be > 1")
-    return ratio
+    return ratio, coder or "hevc"
 
 
 def expand_methods(methods: list[str], ratios: list[float]) -> list[str]:
@@ -47,8 +65,10 @@ def expand_methods(methods: list[str], ratios: list[float]) -> list[str]:
 
 def label(method: str) -> str:
     """The name a table or chart shows for `method`."""
-    ratio = transform_ratio(method) if method.startswith(TRANSFORM + "-") else None
-    return f"kvcodec-transform {ratio:g}x" if ratio is not None else LABELS.get(method, method)
+    ratio, coder = transform_ratio(method), transform_coder(method)
+    if ratio is None:
+        return LABELS.get(method, method)
+    return f"kvcodec-transform {ratio:g}x" + (f" ({coder})" if coder != "hevc" else "")
 
 
 def method_codec(method: str, config, transform: str | Path | None = None, **hevc_options: Any):  # noqa: ANN001, ANN201
@@ -65,6 +85,7 @@ def method_codec(method: str, config, transform: str | Path | None = None, **hev
             "transform",
             transform=str(transform),
             target_ratio=ratio,
+            coder=transform_coder(method),
             chunk_tokens=config.chunk_tokens,
             resolutions=config.resolutions,
         )

@@ -43,7 +43,7 @@ import time
 
 import click
 
-from kvbench.methods import expand_methods, method_codec, transform_ratio
+from kvbench.methods import expand_methods, method_codec, transform_coder, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 
@@ -134,6 +134,23 @@ def seed_kv(kv_file: str, shape: tuple[int, int, int], tokens: int):  # noqa: AN
 
     real, _ = load_kv(kv_file)
     return tiled_kv(real.to(torch.float16), *shape, tokens)
+
+
+CAL_TOKENS = 4096  # tokens of the calibration KV (tiled into the target's shape) prep --calibrate-kv-file fits on
+
+
+def calibrate_target(kv_file: str, target: str, d: pathlib.Path) -> pathlib.Path:
+    """A .kvt of the target's shape (the default sample covariance, the target's RoPE) fitted on
+    `kv_file`'s real values tiled into that shape, CAL_TOKENS tokens: a calibration of the same
+    kind of values the seed chunks hold, from another text's KV. Written to d/target.kvt."""
+    from kvcodec.transform import RopeSpec, calibrate, save_kvt
+
+    kv = seed_kv(kv_file, target_shape(target), CAL_TOKENS)
+    rope = RopeSpec.from_hf_config(_config(target))
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "target.kvt"
+    save_kvt(calibrate([kv], rope, info={"target": target, "calibration_kv_file": kv_file}), path)
+    return path
 
 
 def codec_config(resolution: tuple[int, int]):  # noqa: ANN201
@@ -244,7 +261,14 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
     from kvcodec.codecs.transform.codec import TransformCodec
 
     cal, kvt_hash = read_pack(pack or d / PACK)
-    return TransformCodec(cal, kvt_hash=kvt_hash, target_ratio=r, chunk_tokens=CHUNK, resolutions=cfg.resolutions)
+    return TransformCodec(
+        cal,
+        kvt_hash=kvt_hash,
+        target_ratio=r,
+        coder=transform_coder(m),
+        chunk_tokens=CHUNK,
+        resolutions=cfg.resolutions,
+    )
 
 
 def seed_blobs(m: str, d: pathlib.Path, man: dict, codec) -> list[bytes]:  # noqa: ANN001
@@ -630,15 +654,28 @@ def command() -> None:
 @click.option(
     "--transform", default=None, type=click.Path(exists=True, dir_okay=False), help="A .kvt of the target's shape."
 )
+@click.option(
+    "--calibrate-kv-file",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Instead of --transform: fit DIR/target.kvt on this real KV (another text's) tiled into the target's shape.",
+)
 @click.option("--methods", default="raw,cachegen,kvcodec-int8,kvcodec-transform", show_default=True)
 @click.option("--target-ratios", default="5,8", show_default=True)
 @click.option("--resolution", default="512x512", show_default=True)
 @click.option("--dir", "out_dir", required=True, type=click.Path(file_okay=False))
-def prep_command(kv_file, target, transform, methods, target_ratios, resolution, out_dir) -> None:  # noqa: ANN001
+def prep_command(kv_file, target, transform, calibrate_kv_file, methods, target_ratios, resolution, out_dir) -> None:  # noqa: ANN001
     """Code seed chunks of every method from real KV tiled into the target's shape."""
     meths = expand_methods([m.strip() for m in methods.split(",") if m.strip()], _floats(target_ratios))
-    if any(transform_ratio(m) for m in meths) and not transform:
-        raise click.ClickException("the kvcodec-transform methods need --transform PATH.kvt (of the target's shape)")
+    if transform and calibrate_kv_file:
+        raise click.ClickException("give --transform or --calibrate-kv-file, not both")
+    if any(transform_ratio(m) for m in meths) and not (transform or calibrate_kv_file):
+        raise click.ClickException(
+            "the kvcodec-transform methods need --transform PATH.kvt (of the target's shape) or --calibrate-kv-file KV"
+        )
+    if calibrate_kv_file:
+        transform = str(calibrate_target(calibrate_kv_file, target, pathlib.Path(out_dir)))
+        click.echo(f"  calibrated {transform} on {calibrate_kv_file}", err=True)
     w, h = (int(v) for v in resolution.lower().split("x"))
     prep(kv_file, target, transform, meths, pathlib.Path(out_dir), (w, h))
 
