@@ -12,7 +12,14 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 from kvbench import ttft  # noqa: E402
-from kvbench.methods import expand_methods, label, method_codec, transform_coder, transform_ratio  # noqa: E402
+from kvbench.methods import (  # noqa: E402
+    expand_methods,
+    label,
+    method_codec,
+    same_values_as,
+    transform_coder,
+    transform_ratio,
+)
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.errors import ConfigError  # noqa: E402
 from kvcodec.kvspec.files import save_kv_file  # noqa: E402
@@ -42,6 +49,8 @@ def test_transform_method_names():
     assert transform_coder("kvcodec-transform-5") == "hevc" and transform_coder("kvcodec-int8") is None
     assert transform_ratio("kvcodec-transform-5-zstd") == 5 and transform_coder("kvcodec-transform-5-zstd") == "zstd"
     assert label("kvcodec-transform-8-zstd") == "kvcodec-transform 8x (zstd)"
+    assert same_values_as("kvcodec-transform-8-zstd") == "kvcodec-transform-8" == same_values_as("kvcodec-transform-8")
+    assert same_values_as("raw") == "raw"
     for bad in ("kvcodec-transform-x", "kvcodec-transform-1", "kvcodec-transform-5-lz4", "kvcodec-transform-5-"):
         with pytest.raises(ConfigError):
             expand_methods([bad], [])

@@ -38,6 +38,13 @@ def transform_coder(method: str) -> str | None:
     return None if parts is None else parts[1]
 
 
+def same_values_as(method: str) -> str:
+    """The method whose restored KV `method`'s equals: a transform method with a named coder codes
+    the same integers as the default coder (both lossless), so its accuracy is that method's."""
+    ratio = transform_ratio(method)
+    return method if ratio is None else f"{TRANSFORM}-{ratio:g}"
+
+
 def _transform_parts(method: str) -> tuple[float, str] | None:
     if not method.startswith(TRANSFORM + "-"):
         return None

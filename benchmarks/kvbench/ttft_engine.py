@@ -43,7 +43,7 @@ import time
 
 import click
 
-from kvbench.methods import expand_methods, method_codec, transform_coder, transform_ratio
+from kvbench.methods import expand_methods, method_codec, same_values_as, transform_coder, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 
@@ -617,7 +617,7 @@ def inputs_markdown(rec: dict) -> list[str]:
     ]
     fastest = max(r["bandwidth_gbit"] for r in rec["rows"])
     for m, info in rec["inputs"]["methods"].items():
-        a = acc.get(m, {})
+        a = acc.get(m) or acc.get(same_values_as(m), {})
         for r in (r for r in rec["rows"] if r["method"] == m and r["bandwidth_gbit"] == fastest):
             gbs = r["fp16_bytes"] / r["fetch_s"] / 1e9 if r.get("fetch_s") else None
             md.append(
