@@ -81,7 +81,7 @@ def load_pack(path: pathlib.Path):
         meta = f.metadata()
         groups = tuple(tuple(g) for g in json.loads(meta["groups"]))
         bases = {
-            (g, k): GroupBasis(*(f.get_tensor(f"g{g}.{k}.{n}") for n in ("mean", "basis", "variances")))
+            (g, k): GroupBasis(*(f.get_tensor(f"g{g}.{k}.{n}").float() for n in ("mean", "basis", "variances")))
             for g in range(len(groups))
             for k in KINDS
         }
@@ -103,7 +103,9 @@ def _write_pack(cal, kvt_hash: str, widths: list[int], path: pathlib.Path) -> No
     for j, (g, k) in enumerate((g, k) for g in range(len(cal.groups)) for k in KINDS):
         b = cal.basis(g, k)
         tensors[f"g{g}.{k}.mean"] = b.mean.contiguous()
-        tensors[f"g{g}.{k}.basis"] = b.basis[:, : max(widths[j], 1)].contiguous()
+        basis = b.basis[:, : max(widths[j], 1)].contiguous()
+        half = basis.to(torch.float16)  # the .kvt's bases are float16 values: the pack travels at half the bytes
+        tensors[f"g{g}.{k}.basis"] = half if torch.equal(half.float(), basis.float()) else basis
         tensors[f"g{g}.{k}.variances"] = b.variances.contiguous()
     meta = {
         "kvt_hash": kvt_hash,
