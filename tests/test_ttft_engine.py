@@ -193,3 +193,41 @@ def test_prep_calibrates_the_targets_kvt_from_another_kv_file_and_codes_with_a_n
     assert both.exit_code != 0 and "not both" in both.output
     none = CliRunner().invoke(ttft_engine.command, [*args, "--methods", "kvcodec-transform-5"])
     assert none.exit_code != 0 and "--calibrate-kv-file" in none.output
+
+
+def test_a_mixed_transform_method_stores_hevc_and_zstd_chunks_in_turn_that_restore_alike(tmp_path):
+    from kvcodec.fetcher import PrefixCache, blob_key
+    from kvcodec.store import open_store
+
+    L, H, D = ttft_engine.target_shape("llama-tiny")
+    save_kv_file(tmp_path / "kv.safetensors", real_like_kv(300), {"model": "syn"})
+    save_kvt(calibrate([tiled_kv_of(600, L, H, D)], RopeSpec(10000.0, D), info={"model": "tiny"}), tmp_path / "t.kvt")
+    m = "kvcodec-transform-5-mixed"
+    args = ["prep", "--kv-file", str(tmp_path / "kv.safetensors"), "--target", "llama-tiny", "--methods", m]
+    r = CliRunner().invoke(
+        ttft_engine.command, [*args, "--transform", str(tmp_path / "t.kvt"), "--dir", str(tmp_path / "d")]
+    )
+    assert r.exit_code == 0, r.output
+    man = json.loads((tmp_path / "d" / ttft_engine.MANIFEST).read_text())
+    codec = ttft_engine.run_codec(m, tmp_path / "d", man, tmp_path / "d" / ttft_engine.PACK)
+    seeds = ttft_engine.seed_blobs(m, tmp_path / "d", man, codec)
+    assert [codec.header(b)["coder"] for b in seeds] == ["hevc", "zstd", "hevc"]
+    ids, c = list(range(6 * ttft_engine.CHUNK)), ttft_engine.CHUNK
+    fetched, coders = [], []
+    for chosen in (seeds, [seeds[0], seeds[2]], [seeds[0], seeds[1]]):  # in turn; HEVC alone; zstd after chunk 0
+        pc = PrefixCache(open_store("memory://"), "syn", codec, "cpu", policy="fixed:0")
+        ttft_engine.build_store(pc, ids, chosen, (L, H, D))
+        got = pc.fetch(ids)
+        assert got.ok and got.kv.shape[2] == len(ids)
+        fetched.append(got.kv)
+        coders.append([codec.header(pc.store.get(blob_key(k, 0)))["coder"] for k in pc.keys(ids)])
+    assert coders == [["hevc", "zstd"] * 3, ["hevc"] * 6, ["hevc"] + ["zstd"] * 5]
+    for i in range(1, 6):  # each chunk restores as the store of its coder alone restores it
+        alone = fetched[2] if i % 2 else fetched[1]
+        assert torch.equal(fetched[0][:, :, i * c : (i + 1) * c], alone[:, :, i * c : (i + 1) * c])
+
+
+def tiled_kv_of(tokens: int, layers: int, heads: int, dim: int) -> torch.Tensor:
+    from kvbench.workloads import tiled_kv
+
+    return tiled_kv(real_like_kv(tokens), layers, heads, dim, tokens)

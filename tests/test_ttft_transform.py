@@ -16,7 +16,7 @@ from kvbench.methods import (  # noqa: E402
     expand_methods,
     label,
     method_codec,
-    same_values_as,
+    accuracy_as,
     transform_coder,
     transform_ratio,
 )
@@ -49,8 +49,8 @@ def test_transform_method_names():
     assert transform_coder("kvcodec-transform-5") == "hevc" and transform_coder("kvcodec-int8") is None
     assert transform_ratio("kvcodec-transform-5-zstd") == 5 and transform_coder("kvcodec-transform-5-zstd") == "zstd"
     assert label("kvcodec-transform-8-zstd") == "kvcodec-transform 8x (zstd)"
-    assert same_values_as("kvcodec-transform-8-zstd") == "kvcodec-transform-8" == same_values_as("kvcodec-transform-8")
-    assert same_values_as("raw") == "raw"
+    assert accuracy_as("kvcodec-transform-8-zstd") == "kvcodec-transform-8" == accuracy_as("kvcodec-transform-8")
+    assert accuracy_as("raw") == "raw"
     for bad in ("kvcodec-transform-x", "kvcodec-transform-1", "kvcodec-transform-5-lz4", "kvcodec-transform-5-"):
         with pytest.raises(ConfigError):
             expand_methods([bad], [])

@@ -22,7 +22,7 @@ RAW_VARIANTS = {"raw": ("raw",), "zstd-3": ("zstd",)}
 TRANSFORM = "kvcodec-transform"
 
 
-TRANSFORM_CODERS = ("hevc", "zstd")
+TRANSFORM_CODERS = ("hevc", "zstd", "mixed")  # mixed: a benchmark experiment (kvbench.ttft_engine.seed_chunks)
 
 
 def transform_ratio(method: str) -> float | None:
@@ -38,9 +38,10 @@ def transform_coder(method: str) -> str | None:
     return None if parts is None else parts[1]
 
 
-def same_values_as(method: str) -> str:
-    """The method whose restored KV `method`'s equals: a transform method with a named coder codes
-    the same integers as the default coder (both lossless), so its accuracy is that method's."""
+def accuracy_as(method: str) -> str:
+    """The method whose measured accuracy stands for `method`: a transform method with a named coder
+    codes to the same target ratio with the same quantizer (its level set by its own coder's bytes,
+    so its values differ slightly), so the default coder's record at that ratio stands for it."""
     ratio = transform_ratio(method)
     return method if ratio is None else f"{TRANSFORM}-{ratio:g}"
 
@@ -92,7 +93,7 @@ def method_codec(method: str, config, transform: str | Path | None = None, **hev
             "transform",
             transform=str(transform),
             target_ratio=ratio,
-            coder=transform_coder(method),
+            coder="hevc" if transform_coder(method) == "mixed" else transform_coder(method),
             chunk_tokens=config.chunk_tokens,
             resolutions=config.resolutions,
         )

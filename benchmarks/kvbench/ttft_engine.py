@@ -43,7 +43,7 @@ import time
 
 import click
 
-from kvbench.methods import expand_methods, method_codec, same_values_as, transform_coder, transform_ratio
+from kvbench.methods import accuracy_as, expand_methods, method_codec, transform_coder, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 
@@ -106,10 +106,11 @@ def build_target(target: str, device: str):  # noqa: ANN201
 # ------------------------------------------------------------------------------ chunks and stores
 
 
-def relocate(blob: bytes, index: int, start_token: int, key: str) -> bytes:
+def relocate(blob: bytes, index: int, start_token: int, key: str, codec_id: str | None = None) -> bytes:
     """A chunk blob of any kvcodec container codec as chunk `index` (first token `start_token`) of
-    the prefix `key` names: its header's position fields and key rewritten, its header checksum
-    recomputed, its payload (the coded streams) unchanged."""
+    the prefix `key` names: its header's position fields and key (and with `codec_id`, the codec id
+    it says it was coded with) rewritten, its header checksum recomputed, its payload (the coded
+    streams) unchanged."""
     from kvcodec.container.format import crc32
 
     magic, version, n = _PREFIX.unpack_from(blob, 0)
@@ -120,6 +121,8 @@ def relocate(blob: bytes, index: int, start_token: int, key: str) -> bytes:
     if header.get("sink", 0) and start_token:
         raise click.ClickException("a chunk with sink tokens can only stay at the start of a prefix")
     header.update({field: index, "start_token": start_token, "key": key})
+    if codec_id and "codec" in header:
+        header["codec"] = codec_id
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     payload = blob[_PREFIX.size + n + 4 :]
     return b"".join([_PREFIX.pack(magic, version, len(head)), head, struct.pack("<I", crc32(head)), payload])
@@ -169,28 +172,45 @@ def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: 
     for m in meths:
         if m == "raw":
             continue
-        codec = method_codec(m, codec_config(resolution), transform=transform)
-        n = SEED_CHUNKS if transform_ratio(m) else 1
         t0 = time.perf_counter()
-        chunks = codec.encode_chunks(kv[:, :, : n * CHUNK], keys=[f"seed-{i}" for i in range(n)])
+        codec, blobs = seed_chunks(m, kv, resolution, transform)
         enc = time.perf_counter() - t0
         files = []
-        for c in chunks:
-            (d / f"{m}-{c.index}.blob").write_bytes(c.blobs[0])
-            files.append({"file": f"{m}-{c.index}.blob", "bytes": len(c.blobs[0])})
+        for i, blob in enumerate(blobs):
+            (d / f"{m}-{i}.blob").write_bytes(blob)
+            files.append({"file": f"{m}-{i}.blob", "bytes": len(blob)})
         coded = sum(f["bytes"] for f in files)
         man["methods"][m] = {
             "codec_id": codec.id,
             "chunks": files,
             "encode_s": round(enc, 2),
-            "ratio_vs_fp16": kv[:, :, : n * CHUNK].numel() * 2 / coded,
+            "ratio_vs_fp16": kv[:, :, :CHUNK].numel() * 2 * len(blobs) / coded,
             "kvt_sha256": getattr(codec, "kvt_hash", None),
         }
-        click.echo(f"  {m}: {n} chunk(s), {coded} bytes, {man['methods'][m]['ratio_vs_fp16']:.2f}x", err=True)
+        click.echo(f"  {m}: {len(blobs)} chunk(s), {coded} bytes, {man['methods'][m]['ratio_vs_fp16']:.2f}x", err=True)
     if transform and any(transform_ratio(m) for m in man["methods"]):
         write_pack(d, man, transform, resolution)
     (d / MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
     return man
+
+
+def seed_chunks(m: str, kv, resolution, transform: str | None) -> tuple:  # noqa: ANN001
+    """(codec, seed chunk blobs) of method `m` from the seed KV: SEED_CHUNKS for the transform, one
+    for the others. A "-mixed" transform method is the experiment of two decoders at once: its HEVC
+    seeds with the zstd coder's chunk 1 between them (seeds: HEVC 0, zstd 1, HEVC 1; build_store
+    cycles seeds 1.. over the later positions, so chunks alternate), every blob under the HEVC codec's
+    id: a fetch decodes each chunk by the coder its own header names (NVDEC or the host threads)."""
+    n = SEED_CHUNKS if transform_ratio(m) else 1
+    keys = [f"seed-{i}" for i in range(n)]
+    if transform_coder(m) != "mixed":
+        codec = method_codec(m, codec_config(resolution), transform=transform)
+        return codec, [c.blobs[0] for c in codec.encode_chunks(kv[:, :, : n * CHUNK], keys=keys)]
+    hevc, zstd = (
+        method_codec(f"{accuracy_as(m)}-{c}", codec_config(resolution), transform=transform) for c in ("hevc", "zstd")
+    )
+    h = [c.blobs[0] for c in hevc.encode_chunks(kv[:, :, : n * CHUNK], keys=keys)]
+    z = [c.blobs[0] for c in zstd.encode_chunks(kv[:, :, : n * CHUNK], keys=keys)]
+    return hevc, [h[0], *(blob for pair in zip(z[1:], h[1:]) for blob in pair)]
 
 
 def write_pack(d: pathlib.Path, man: dict, transform: str, resolution) -> None:
@@ -265,7 +285,7 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
         cal,
         kvt_hash=kvt_hash,
         target_ratio=r,
-        coder=transform_coder(m),
+        coder="hevc" if transform_coder(m) == "mixed" else transform_coder(m),  # mixed: HEVC and zstd chunks
         chunk_tokens=CHUNK,
         resolutions=cfg.resolutions,
     )
@@ -289,14 +309,15 @@ def seed_blobs(m: str, d: pathlib.Path, man: dict, codec) -> list[bytes]:  # noq
 
 
 def build_store(pc, ids: list[int], seeds: list[bytes], shape: tuple[int, int, int]) -> int:  # noqa: ANN001
-    """Store every chunk of `ids` through PrefixCache `pc`: seed i at position i, the last seed at
-    every later position (relocated). Returns the coded bytes stored."""
+    """Store every chunk of `ids` through PrefixCache `pc`: seed i at position i, then seeds 1.. in
+    turn at the later positions (relocated; as pc's codec's chunks). Returns the coded bytes stored."""
     from kvcodec.codecs.base import EncodedChunk
 
     res = tuple(pc.codec.resolutions)
     total = 0
     for i, k in enumerate(pc.keys(ids)):
-        blob = relocate(seeds[min(i, len(seeds) - 1)], i, i * CHUNK, k)
+        seed = seeds[i] if i < len(seeds) else seeds[-1] if len(seeds) < 3 else seeds[1 + (i - 1) % (len(seeds) - 1)]
+        blob = relocate(seed, i, i * CHUNK, k, pc.codec.id)
         pc.store_chunk(k, EncodedChunk(i, i * CHUNK, CHUNK, res, (blob,)), shape, "float16")
         total += len(blob)
     return total
@@ -617,7 +638,7 @@ def inputs_markdown(rec: dict) -> list[str]:
     ]
     fastest = max(r["bandwidth_gbit"] for r in rec["rows"])
     for m, info in rec["inputs"]["methods"].items():
-        a = acc.get(m) or acc.get(same_values_as(m), {})
+        a = acc.get(m) or acc.get(accuracy_as(m), {})
         for r in (r for r in rec["rows"] if r["method"] == m and r["bandwidth_gbit"] == fastest):
             gbs = r["fp16_bytes"] / r["fetch_s"] / 1e9 if r.get("fetch_s") else None
             md.append(
