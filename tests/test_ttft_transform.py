@@ -13,10 +13,10 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvbench import ttft  # noqa: E402
 from kvbench.methods import (  # noqa: E402
+    accuracy_as,
     expand_methods,
     label,
     method_codec,
-    accuracy_as,
     transform_coder,
     transform_ratio,
 )
