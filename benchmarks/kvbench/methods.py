@@ -38,6 +38,13 @@ def transform_coder(method: str) -> str | None:
     return None if parts is None else parts[1]
 
 
+def codec_coder(method: str) -> str | None:
+    """The coder of the transform codec that stores and reads `method`'s chunks: its own, or for
+    "mixed" HEVC's (the codec decodes each chunk by the coder its header names); None for others."""
+    coder = transform_coder(method)
+    return "hevc" if coder == "mixed" else coder
+
+
 def accuracy_as(method: str) -> str:
     """The method whose measured accuracy stands for `method`: a transform method with a named coder
     codes to the same target ratio with the same quantizer (its level set by its own coder's bytes,
@@ -93,7 +100,7 @@ def method_codec(method: str, config, transform: str | Path | None = None, **hev
             "transform",
             transform=str(transform),
             target_ratio=ratio,
-            coder="hevc" if transform_coder(method) == "mixed" else transform_coder(method),
+            coder=codec_coder(method),
             chunk_tokens=config.chunk_tokens,
             resolutions=config.resolutions,
         )

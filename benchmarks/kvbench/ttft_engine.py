@@ -43,7 +43,7 @@ import time
 
 import click
 
-from kvbench.methods import accuracy_as, expand_methods, method_codec, transform_coder, transform_ratio
+from kvbench.methods import accuracy_as, codec_coder, expand_methods, method_codec, transform_coder, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 
@@ -285,7 +285,7 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
         cal,
         kvt_hash=kvt_hash,
         target_ratio=r,
-        coder="hevc" if transform_coder(m) == "mixed" else transform_coder(m),  # mixed: HEVC and zstd chunks
+        coder=codec_coder(m),
         chunk_tokens=CHUNK,
         resolutions=cfg.resolutions,
     )
@@ -308,6 +308,15 @@ def seed_blobs(m: str, d: pathlib.Path, man: dict, codec) -> list[bytes]:  # noq
     return [(d / f["file"]).read_bytes() for f in info["chunks"]]
 
 
+def seed_at(seeds: list[bytes], i: int) -> bytes:
+    """The seed stored at chunk position i: seed i where there is one, then seeds 1.. in turn
+    (seed 0 holds the sink tokens: only at position 0)."""
+    if i < len(seeds):
+        return seeds[i]
+    later = seeds[1:] or seeds
+    return later[(i - 1) % len(later)]
+
+
 def build_store(pc, ids: list[int], seeds: list[bytes], shape: tuple[int, int, int]) -> int:  # noqa: ANN001
     """Store every chunk of `ids` through PrefixCache `pc`: seed i at position i, then seeds 1.. in
     turn at the later positions (relocated; as pc's codec's chunks). Returns the coded bytes stored."""
@@ -316,8 +325,7 @@ def build_store(pc, ids: list[int], seeds: list[bytes], shape: tuple[int, int, i
     res = tuple(pc.codec.resolutions)
     total = 0
     for i, k in enumerate(pc.keys(ids)):
-        seed = seeds[i] if i < len(seeds) else seeds[-1] if len(seeds) < 3 else seeds[1 + (i - 1) % (len(seeds) - 1)]
-        blob = relocate(seed, i, i * CHUNK, k, pc.codec.id)
+        blob = relocate(seed_at(seeds, i), i, i * CHUNK, k, pc.codec.id)
         pc.store_chunk(k, EncodedChunk(i, i * CHUNK, CHUNK, res, (blob,)), shape, "float16")
         total += len(blob)
     return total
