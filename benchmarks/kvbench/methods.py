@@ -3,8 +3,9 @@
 A method is what the serving benchmarks (ttft, interference) compare: "raw" (fp16 KV as it is),
 "zstd-3" (the same bytes zstd-compressed), "kvcodec-<quant>" (kvcodec's HEVC codec; "kvcodec":
 the quant of the given config), "kvcodec-transform-<ratio>[-<coder>]" (the transform codec of a .kvt
-at that target ratio vs fp16, its samples coded by <coder>: hevc by default, or zstd, e.g.
-"kvcodec-transform-5", "kvcodec-transform-5-zstd"), or the name of any kvbench baseline
+at that target ratio vs fp16, its samples coded by <coder>: hevc by default, zstd, or mixed (HEVC
+and zstd chunks in turn, a benchmark experiment of kvbench.ttft_engine), e.g. "kvcodec-transform-5",
+"kvcodec-transform-5-zstd"), or the name of any kvbench baseline
 ("cachegen", "lz4", ...), coded chunk by chunk as a ChunkCodec.
 """
 
