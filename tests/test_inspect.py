@@ -48,6 +48,7 @@ FILES = {
     "hevc-split": _hevc,
     "transform-hevc": _transform,
     "transform-zstd": lambda synthetic_kvt: _transform(synthetic_kvt, coder="zstd"),
+    "transform-mixed": lambda synthetic_kvt: _transform(synthetic_kvt, coder="mixed"),
     "transform-ans": lambda synthetic_kvt: _transform(synthetic_kvt, TransformAnsCodec, block=4096),
     "grouped": _grouped,
 }
@@ -112,7 +113,13 @@ def test_damaged_truncated_and_foreign_files_are_clear_errors(made, tmp_path):
         assert r.exit_code == 1 and r.output.startswith("error: ") and "Traceback" not in r.output, r.output
 
 
-CHUNK_MAGIC = {"hevc-split": "KVCS", "transform-hevc": "KVTC", "transform-zstd": "KVTC", "transform-ans": "KVTA"}
+CHUNK_MAGIC = {
+    "hevc-split": "KVCS",
+    "transform-hevc": "KVTC",
+    "transform-zstd": "KVTC",
+    "transform-mixed": "KVTC",
+    "transform-ans": "KVTA",
+}
 
 
 def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):

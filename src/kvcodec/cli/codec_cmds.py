@@ -50,11 +50,12 @@ def _load_kv(src: Path):  # noqa: ANN202
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
 @click.option(
     "--sample-coder",
-    type=click.Choice([*SAMPLE_CODERS, "ans"]),
+    type=click.Choice([*SAMPLE_CODERS, "mixed", "ans"]),
     default=None,
     help="How samples are coded: hevc (video for NVDEC), zstd (host cores), auto (an HEVC file's default: "
-    "the smaller on the first chunk, decided once per model); with --transform hevc (default), zstd or ans "
-    "(the integers rANS-coded for decoding on the GPU's SMs).",
+    "the smaller on the first chunk, decided once per model); with --transform mixed (default: every "
+    "other chunk as video, the rest zstd, so NVDEC and the host's cores restore at once), hevc, zstd or "
+    "ans (the integers rANS-coded for decoding on the GPU's SMs).",
 )
 @click.option(
     "--video-bits",
@@ -117,10 +118,10 @@ def encode_cmd(
             raise click.BadParameter("--target-ratio / --target-quality need --transform", param_hint="--target-ratio")
         _refuse_hevc_options(res)
         return transform_io.encode_cmd(
-            src, dst, transform, target_ratio, chunk_tokens, sample_coder or "hevc", res, target_quality=target_quality
+            src, dst, transform, target_ratio, chunk_tokens, sample_coder, res, target_quality=target_quality
         )
-    if sample_coder == "ans":
-        raise click.BadParameter("ans codes the transform's integers: give --transform", param_hint="--sample-coder")
+    if sample_coder in ("ans", "mixed"):
+        raise click.BadParameter(f"{sample_coder} codes the transform's integers: give --transform", param_hint="--sample-coder")
     bits = parse_layer_bits(layer_bits)
     kv = _load_kv(src)
     kw = dict(

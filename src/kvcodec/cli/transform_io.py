@@ -29,22 +29,26 @@ def pick_ratio(transform: Path, target_ratio: float | None, target_quality: str 
 
 
 def encode_cmd(
-    src: Path, dst: Path, transform: Path, target_ratio, chunk_tokens: int, coder: str, resolutions, target_quality=None
+    src: Path, dst: Path, transform: Path, target_ratio, chunk_tokens: int, coder: str | None, resolutions,
+    target_quality=None,
 ) -> None:
+    """coder: the samples' coder (None: the transform codec's default)."""
     from kvcodec.atomic import write_atomic
     from kvcodec.codecs.grouped import GroupedCodec
     from kvcodec.codecs.grouped_file import encode_grouped
-    from kvcodec.codecs.transform.codec import open_transform
+    from kvcodec.codecs.transform.codec import CODERS, open_transform
     from kvcodec.codecs.transform.file import encode_file
     from kvcodec.errors import ShapeError
     from kvcodec.kvspec.files import load_kv_file
     from kvcodec.models.quality import fp16_bytes
 
-    if coder not in ("hevc", "zstd", "ans"):
-        raise click.BadParameter("with --transform the sample coder is hevc, zstd or ans", param_hint="--sample-coder")
+    if coder not in (None, *CODERS, "ans"):
+        raise click.BadParameter(
+            f"with --transform the sample coder is {', '.join(CODERS)} or ans", param_hint="--sample-coder"
+        )
     target_ratio = pick_ratio(transform, target_ratio, target_quality)
     kv, _ = load_kv_file(src)
-    kw = dict(target_ratio=target_ratio, chunk_tokens=chunk_tokens, coder=coder)
+    kw = dict(target_ratio=target_ratio, chunk_tokens=chunk_tokens, **({"coder": coder} if coder else {}))
     if resolutions:
         kw["resolutions"] = resolutions[:1]
     codec = _ans_codec(transform, **kw) if coder == "ans" else open_transform(transform, **kw)

@@ -29,7 +29,7 @@ from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, che
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
-from kvcodec.codecs.transform.header import check_header
+from kvcodec.codecs.transform.header import SETTING_CODERS, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
@@ -44,7 +44,8 @@ from kvcodec.video import x265_cpu
 CHUNK_MAGIC = b"KVTC"
 TRANSFORM_VERSION = 2  # 2: fine_tokens, fine_bits, recon in the header (version 1 chunks: 0, 0, "centre")
 READABLE_VERSIONS = (1, 2)
-CODERS = ("hevc", "zstd")
+CODERS = SETTING_CODERS  # hevc, zstd, or mixed (chunk by chunk: header.chunk_coder)
+VIDEO_CODERS = ("hevc", "mixed")  # the settings that code some chunks as video
 PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
 ZSTD_LEVEL = 19
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
@@ -311,10 +312,14 @@ class TransformCodec:
         blob = self._write(streams, counts, kv, theta, first_position, 0, self.resolutions[0], None)
         return len(blob) - len(streams.get("sink", b""))
 
+    def chunk_coder(self, start_token: int) -> str:
+        """The sample coder ("hevc" or "zstd") of the chunk starting at token `start_token`."""
+        return chunk_coder(self.coder, start_token // self.chunk_tokens)
+
     def _encoder(self, threads: int | None = None):  # noqa: ANN202 - a VideoEncoder
         """The video encoder (x265 ultrafast, or NVENC where the GPU has one); `threads`: a
         single-threaded copy for one of several chunk threads, where the encoder can make one."""
-        if self.coder != "hevc":
+        if self.coder not in VIDEO_CODERS:
             return None
         from kvcodec.video.registry import get_encoder
 
@@ -329,22 +334,23 @@ class TransformCodec:
         streams, counts, host_frames = self._prepare(y, kv, theta, first_position, resolution, fine)
         return self._coded(streams, counts, host_frames, resolution, encoder)
 
-    def _prepare(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict, list | None]:
-        """Everything before the video encode: the side streams, the header counts and the host
-        frames (None for the zstd coder, whose samples stream is made here)."""
+    def _prepare(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict, object]:
+        """Everything before the samples are coded: the side streams, the header counts (the chunk's
+        coder among them) and what _coded codes: the host frames (hevc) or the samples' bytes (zstd)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
-        counts = {"frames": 0, "escapes": escapes, "fine_tokens": fine}
-        if self.coder == "hevc":
+        coder = self.chunk_coder(first_position)
+        counts = {"coder": coder, "frames": 0, "escapes": escapes, "fine_tokens": fine}
+        if coder == "hevc":
             host_frames = [f.cpu().numpy() for f in frames.to_frames(samples, *resolution)]
             return streams, {**counts, "frames": len(host_frames)}, host_frames
-        streams["samples"] = zstd_frames(samples.cpu().numpy().tobytes(), ZSTD_LEVEL)  # one frame and its seek table
-        return streams, counts, None
+        return streams, counts, samples.cpu().numpy().tobytes()
 
     @staticmethod
-    def _coded(streams, counts, host_frames, resolution, encoder) -> tuple[dict[str, bytes], dict]:
-        if host_frames is not None:
-            streams = {**streams, "video": encoder.encode(host_frames, *resolution)}
-        return streams, counts
+    def _coded(streams, counts, pending, resolution, encoder) -> tuple[dict[str, bytes], dict]:
+        """The chunk's streams with its samples coded (on the chunk's thread: x265 and zstd run in parallel)."""
+        if counts["coder"] == "hevc":
+            return {**streams, "video": encoder.encode(pending, *resolution)}, counts
+        return {**streams, "samples": zstd_frames(pending, ZSTD_LEVEL)}, counts  # one frame and its seek table
 
     def _samples_and_side(self, y, kv, theta, first_position, fine) -> tuple[torch.Tensor, dict[str, bytes], int]:
         """A chunk's uint8 samples in layout order (on y's device), its side streams (escapes, and
@@ -419,14 +425,15 @@ class TransformCodec:
         return collect_chunks(in_order(one, count, workers, staged), on_chunk)
 
     def _batchable(self, s: int, e: int, fine: int, first: int) -> bool:
-        """Whether the chunk of tokens [s, e) can be prepared in a batch: whole, no sink, no fine tokens, video coded."""
-        return e - s == self.chunk_tokens and fine == 0 and first + s >= self.sink_tokens and self.coder == "hevc"
+        """Whether the chunk of tokens [s, e) can be prepared in a batch: whole, no sink, no fine tokens, coded
+        with this codec's coders."""
+        return e - s == self.chunk_tokens and fine == 0 and first + s >= self.sink_tokens and self.coder in CODERS
 
     def _prepare_batch(self, y, theta, first_position, chunks) -> list[tuple]:  # noqa: ANN001
         """_prepare of `chunks` whole chunks at every resolution at once (y: their coefficients; no
-        sink or fine tokens), one tuple of (streams, counts, host frames) per resolution for each chunk:
-        the same bytes as one by one, the integers made for all, escapes and frames brought to the host
-        in one copy each."""
+        sink or fine tokens), one tuple of (streams, counts, host frames or samples) per resolution for
+        each chunk: the same bytes as one by one, the integers made for all, escapes, frames and samples
+        brought to the host in one copy each."""
         q = self._symbols(y, theta, first_position, 0)
         ordered = q.index_select(1, self.device_plan(theta, q.device).order).view(chunks, self.chunk_tokens, -1)
         ordered = ordered.transpose(1, 2).contiguous().view(chunks, -1)  # each chunk's (coords, tokens) in order
@@ -434,19 +441,22 @@ class TransformCodec:
         where = torch.nonzero((ordered < lo) | (ordered > hi))  # (chunk, index) rows, in order
         values = ordered[where[:, 0], where[:, 1]].to(torch.int32)
         samples = (ordered.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
-        frames_by_res = [self._batch_frames(samples, res) for res in self.resolutions]
-        where, values, *host = host_arrays([where, values, *frames_by_res])
+        coders = [self.chunk_coder(first_position + k * self.chunk_tokens) for k in range(chunks)]
+        rows = {c: [k for k in range(chunks) if coders[k] == c] for c in ("hevc", "zstd")}
+        picked = {c: samples.index_select(0, torch.tensor(r, device=samples.device)) for c, r in rows.items()}
+        frames_by_res = [self._batch_frames(picked["hevc"], res) for res in self.resolutions]
+        where, values, plain, *host = host_arrays([where, values, picked["zstd"], *frames_by_res])
+        row = {k: j for r in rows.values() for j, k in enumerate(r)}  # chunk -> its row among its coder's
         out = []
         for k in range(chunks):
             mine = where[:, 0] == k
             idx = where[mine, 1].astype(np.int64)
             streams = {"escapes": _zstd(quantize.pack_escapes(idx, values[mine]))}
-            out.append(
-                tuple(
-                    (dict(streams), {"frames": len(f[k]), "escapes": int(idx.size), "fine_tokens": 0}, list(f[k]))
-                    for f in host
-                )
-            )
+            counts = {"coder": coders[k], "frames": 0, "escapes": int(idx.size), "fine_tokens": 0}
+            if coders[k] == "zstd":
+                out.append(tuple((dict(streams), counts, plain[row[k]].tobytes()) for _ in self.resolutions))
+            else:
+                out.append(tuple((dict(streams), {**counts, "frames": len(f[row[k]])}, list(f[row[k]])) for f in host))
         return out
 
     @staticmethod
@@ -477,7 +487,6 @@ class TransformCodec:
             "sink": max(0, min(self.sink_tokens - start, t)),
             "fine_bits": self.fine_bits,
             "recon": self.recon,
-            "coder": self.coder,
             "resolution": list(resolution),
             **counts,
             "streams": entries,

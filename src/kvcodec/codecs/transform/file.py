@@ -19,7 +19,7 @@ import torch
 
 from kvcodec.codecs.transform.codec import CHUNK_MAGIC as TRANSFORM_MAGIC
 from kvcodec.codecs.transform.codec import TransformCodec
-from kvcodec.codecs.transform.header import check_header, positive_number
+from kvcodec.codecs.transform.header import SETTING_CODERS, check_header, chunk_coder, positive_number
 from kvcodec.codecs.transform_ans.header import CHUNK_MAGIC as ANS_MAGIC
 from kvcodec.codecs.transform_ans.header import AnsChunkHeader
 from kvcodec.container import validate as v
@@ -64,7 +64,7 @@ SETTINGS = v.record(
         "fine_tokens": v.integer(0, v.MAX_TOKENS),
         "fine_bits": v.integer(0, MAX_FINE_BITS),
         "recon": v.choice(RECONS),
-        "coder": v.choice(("hevc", "zstd", "ans")),  # ans: chunks of the transform-ans codec (KVTA)
+        "coder": v.choice((*SETTING_CODERS, "ans")),  # ans: chunks of the transform-ans codec (KVTA)
         "resolution": v.listing(v.integer(16, v.MAX_FRAME_SIDE), 2, 2),
     }
 )
@@ -106,7 +106,7 @@ def encode_file(kv: torch.Tensor, codec: TransformCodec, on_chunk=None) -> bytes
             "fine_tokens": codec.fine_tokens,
             "fine_bits": first["fine_bits"],
             "recon": first["recon"],
-            "coder": first["coder"],
+            "coder": codec.coder,
             "resolution": list(first["resolution"]),
         },
     }
@@ -172,6 +172,7 @@ def expected_chunk(h: dict, index: int, start: int, tokens: int) -> dict[str, An
     if s is not None:
         end = start + tokens
         want.update({k: s[k] for k in SHARED})
+        want["coder"] = chunk_coder(s["coder"], index)  # mixed: each chunk's own
         want["sink"] = max(0, min(s["sink_tokens"] - start, tokens))
         want["fine_tokens"] = max(0, end - max(start, T - s["fine_tokens"])) if s["fine_bits"] else 0
     return want
@@ -278,7 +279,7 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
         "version": h["kvtf_version"],
         "codec": h["codec"],
         "kvt": h["kvt"],
-        "coder": first["coder"],
+        "coder": settings["coder"],
         "shape": h["shape"],
         "dtype": h["dtype"],
         "layers": L,

@@ -15,11 +15,21 @@ from kvcodec.container.format import StreamEntry
 from kvcodec.errors import FormatError
 from kvcodec.transform.quantize import MAX_FINE_BITS, RECONS
 
-CODERS = ("hevc", "zstd")
+CODERS = ("hevc", "zstd")  # a chunk's own sample coder
+SETTING_CODERS = (*CODERS, "mixed")  # a codec's (and a file's) coder setting
 DTYPES = ("float16", "bfloat16", "float32")
 STREAM_NAMES = ("escapes", "sink", "video", "samples")
 VERSIONS = (1, 2)
 V1_DEFAULTS = {"fine_tokens": 0, "fine_bits": 0, "recon": "centre"}  # fields version 2 added
+
+
+def chunk_coder(setting: str, index: int) -> str:
+    """The sample coder of chunk `index` under a codec's coder setting. "mixed" codes the odd chunks
+    with zstd and the even ones as video, so a fetch of a prefix keeps NVDEC and the host's cores
+    busy at once (benchmarks/results/ttft-h200-engine-mixed.md)."""
+    if setting == "mixed":
+        return "zstd" if index % 2 else "hevc"
+    return setting
 
 
 def positive_number(lo: float = 0.0, hi: float = 1e30) -> v.Check:
