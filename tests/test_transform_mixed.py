@@ -68,7 +68,7 @@ def _with_chunk(data: bytes, index: int, blob: bytes) -> bytes:
     """The file with chunk `index` replaced by `blob`, the file's entry for it made consistent."""
     h, payload = read_object(data, b"KVTF", "file")
     blobs, pos = [], 0
-    for tokens, length, _ in h["chunks"]:
+    for _, length, _ in h["chunks"]:
         blobs.append(bytes(payload[pos : pos + length]))
         pos += length
     blobs[index] = blob

@@ -121,7 +121,9 @@ def encode_cmd(
             src, dst, transform, target_ratio, chunk_tokens, sample_coder, res, target_quality=target_quality
         )
     if sample_coder in ("ans", "mixed"):
-        raise click.BadParameter(f"{sample_coder} codes the transform's integers: give --transform", param_hint="--sample-coder")
+        raise click.BadParameter(
+            f"{sample_coder} codes the transform's integers: give --transform", param_hint="--sample-coder"
+        )
     bits = parse_layer_bits(layer_bits)
     kv = _load_kv(src)
     kw = dict(

@@ -29,7 +29,13 @@ def pick_ratio(transform: Path, target_ratio: float | None, target_quality: str 
 
 
 def encode_cmd(
-    src: Path, dst: Path, transform: Path, target_ratio, chunk_tokens: int, coder: str | None, resolutions,
+    src: Path,
+    dst: Path,
+    transform: Path,
+    target_ratio,
+    chunk_tokens: int,
+    coder: str | None,
+    resolutions,
     target_quality=None,
 ) -> None:
     """coder: the samples' coder (None: the transform codec's default)."""

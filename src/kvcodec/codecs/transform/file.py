@@ -267,7 +267,6 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
     h, payload = read_header(data)
     chunks = _verified_chunks(h, payload, chunk_header)
     L, _, T, H, D = h["shape"]
-    first = chunks[0][1]
     settings = h.get("settings") or _settings_of_chunks([ch for _, ch, _, _ in chunks], h["chunks"])
     streams: dict[str, int] = {}
     for _, ch, _, _ in chunks:
