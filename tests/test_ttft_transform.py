@@ -14,6 +14,7 @@ from click.testing import CliRunner  # noqa: E402
 from kvbench import ttft  # noqa: E402
 from kvbench.methods import (  # noqa: E402
     accuracy_as,
+    coder_options,
     expand_methods,
     label,
     method_codec,
@@ -46,7 +47,8 @@ def test_transform_method_names():
     ]
     assert transform_ratio("kvcodec-transform-6.5") == 6.5 and transform_ratio("kvcodec-int8") is None
     assert label("kvcodec-transform-5") == "kvcodec-transform 5x" and label("raw") == "raw fp16 KV"
-    assert transform_coder("kvcodec-transform-5") == "hevc" and transform_coder("kvcodec-int8") is None
+    assert transform_coder("kvcodec-transform-5") is None and transform_coder("kvcodec-int8") is None
+    assert coder_options("kvcodec-transform-5") == {} and coder_options("kvcodec-transform-5-hevc") == {"coder": "hevc"}
     assert transform_ratio("kvcodec-transform-5-zstd") == 5 and transform_coder("kvcodec-transform-5-zstd") == "zstd"
     assert label("kvcodec-transform-8-zstd") == "kvcodec-transform 8x (zstd)"
     assert accuracy_as("kvcodec-transform-8-zstd") == "kvcodec-transform-8" == accuracy_as("kvcodec-transform-8")

@@ -3,9 +3,9 @@
 A method is what the serving benchmarks (ttft, interference) compare: "raw" (fp16 KV as it is),
 "zstd-3" (the same bytes zstd-compressed), "kvcodec-<quant>" (kvcodec's HEVC codec; "kvcodec":
 the quant of the given config), "kvcodec-transform-<ratio>[-<coder>]" (the transform codec of a .kvt
-at that target ratio vs fp16, its samples coded by <coder>: hevc by default, zstd, or mixed (HEVC
-and zstd chunks in turn, a benchmark experiment of kvbench.ttft_engine), e.g. "kvcodec-transform-5",
-"kvcodec-transform-5-zstd"), or the name of any kvbench baseline
+at that target ratio vs fp16, its samples coded by <coder>: the codec's default unless named, or
+hevc, zstd or mixed (HEVC and zstd chunks in turn), e.g. "kvcodec-transform-5",
+"kvcodec-transform-5-hevc"), or the name of any kvbench baseline
 ("cachegen", "lz4", ...), coded chunk by chunk as a ChunkCodec.
 """
 
@@ -23,7 +23,7 @@ RAW_VARIANTS = {"raw": ("raw",), "zstd-3": ("zstd",)}
 TRANSFORM = "kvcodec-transform"
 
 
-TRANSFORM_CODERS = ("hevc", "zstd", "mixed")  # mixed: a benchmark experiment (kvbench.ttft_engine.seed_chunks)
+TRANSFORM_CODERS = ("hevc", "zstd", "mixed")
 
 
 def transform_ratio(method: str) -> float | None:
@@ -33,17 +33,16 @@ def transform_ratio(method: str) -> float | None:
 
 
 def transform_coder(method: str) -> str | None:
-    """The sample coder of a "kvcodec-transform-<ratio>[-<coder>]" method (hevc unless named); None
-    for any other method."""
+    """The sample coder a "kvcodec-transform-<ratio>[-<coder>]" method names; None where it names
+    none (the codec's default) and for any other method."""
     parts = _transform_parts(method)
     return None if parts is None else parts[1]
 
 
-def codec_coder(method: str) -> str | None:
-    """The coder of the transform codec that stores and reads `method`'s chunks: its own, or for
-    "mixed" HEVC's (the codec decodes each chunk by the coder its header names); None for others."""
+def coder_options(method: str) -> dict[str, str]:
+    """The transform codec's `coder` option for `method`: empty where it names none (the default)."""
     coder = transform_coder(method)
-    return "hevc" if coder == "mixed" else coder
+    return {"coder": coder} if coder else {}
 
 
 def accuracy_as(method: str) -> str:
@@ -54,7 +53,7 @@ def accuracy_as(method: str) -> str:
     return method if ratio is None else f"{TRANSFORM}-{ratio:g}"
 
 
-def _transform_parts(method: str) -> tuple[float, str] | None:
+def _transform_parts(method: str) -> tuple[float, str | None] | None:
     if not method.startswith(TRANSFORM + "-"):
         return None
     text, dash, coder = method[len(TRANSFORM) + 1 :].partition("-")
@@ -66,7 +65,7 @@ def _transform_parts(method: str) -> tuple[float, str] | None:
         raise ConfigError(f"{method!r}: the transform's target ratio must be a number, got {text!r}") from None
     if not ratio > 1:
         raise ConfigError(f"{method!r}: the transform's target ratio must be > 1")
-    return ratio, coder or "hevc"
+    return ratio, coder or None
 
 
 def expand_methods(methods: list[str], ratios: list[float]) -> list[str]:
@@ -84,7 +83,7 @@ def label(method: str) -> str:
     ratio, coder = transform_ratio(method), transform_coder(method)
     if ratio is None:
         return LABELS.get(method, method)
-    return f"kvcodec-transform {ratio:g}x" + (f" ({coder})" if coder != "hevc" else "")
+    return f"kvcodec-transform {ratio:g}x" + (f" ({coder})" if coder else "")
 
 
 def method_codec(method: str, config, transform: str | Path | None = None, **hevc_options: Any):  # noqa: ANN001, ANN201
@@ -101,7 +100,7 @@ def method_codec(method: str, config, transform: str | Path | None = None, **hev
             "transform",
             transform=str(transform),
             target_ratio=ratio,
-            coder=codec_coder(method),
+            **coder_options(method),
             chunk_tokens=config.chunk_tokens,
             resolutions=config.resolutions,
         )

@@ -43,12 +43,12 @@ import time
 
 import click
 
-from kvbench.methods import accuracy_as, codec_coder, expand_methods, method_codec, transform_coder, transform_ratio
+from kvbench.methods import accuracy_as, coder_options, expand_methods, method_codec, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 
 CHUNK = 256
-SEED_CHUNKS = 2  # transform: chunk 0 (its sink tokens) and chunk 1 (relocated to every later position)
+SEED_CHUNKS = 3  # transform: chunk 0 (its sink tokens), chunks 1 and 2 (relocated in turn to the later positions)
 PACK = "transform.pack.safetensors"
 MANIFEST = "manifest.json"
 MODEL_ID = "ttft-engine"  # the prefix-key namespace of the stores the run builds
@@ -196,21 +196,11 @@ def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: 
 
 def seed_chunks(m: str, kv, resolution, transform: str | None) -> tuple:  # noqa: ANN001
     """(codec, seed chunk blobs) of method `m` from the seed KV: SEED_CHUNKS for the transform, one
-    for the others. A "-mixed" transform method is the experiment of two decoders at once: its HEVC
-    seeds with the zstd coder's chunk 1 between them (seeds: HEVC 0, zstd 1, HEVC 1; build_store
-    cycles seeds 1.. over the later positions, so chunks alternate), every blob under the HEVC codec's
-    id: a fetch decodes each chunk by the coder its own header names (NVDEC or the host threads)."""
+    for the others. build_store cycles seeds 1.. over the later positions, so a mixed coder's chunks
+    (HEVC and zstd in turn by index) keep their turn."""
     n = SEED_CHUNKS if transform_ratio(m) else 1
-    keys = [f"seed-{i}" for i in range(n)]
-    if transform_coder(m) != "mixed":
-        codec = method_codec(m, codec_config(resolution), transform=transform)
-        return codec, [c.blobs[0] for c in codec.encode_chunks(kv[:, :, : n * CHUNK], keys=keys)]
-    hevc, zstd = (
-        method_codec(f"{accuracy_as(m)}-{c}", codec_config(resolution), transform=transform) for c in ("hevc", "zstd")
-    )
-    h = [c.blobs[0] for c in hevc.encode_chunks(kv[:, :, : n * CHUNK], keys=keys)]
-    z = [c.blobs[0] for c in zstd.encode_chunks(kv[:, :, : n * CHUNK], keys=keys)]
-    return hevc, [h[0], *(blob for pair in zip(z[1:], h[1:]) for blob in pair)]
+    codec = method_codec(m, codec_config(resolution), transform=transform)
+    return codec, [c.blobs[0] for c in codec.encode_chunks(kv[:, :, : n * CHUNK], keys=[f"seed-{i}" for i in range(n)])]
 
 
 def write_pack(d: pathlib.Path, man: dict, transform: str, resolution) -> None:
@@ -285,7 +275,7 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
         cal,
         kvt_hash=kvt_hash,
         target_ratio=r,
-        coder=codec_coder(m),
+        **coder_options(m),
         chunk_tokens=CHUNK,
         resolutions=cfg.resolutions,
     )
