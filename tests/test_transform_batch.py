@@ -71,11 +71,12 @@ class CpuSessions:
 
 
 def _case(kvt, tokens=400, **kw):
-    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="hevc", resolutions=((64, 64),), **kw)
+    kw = {"coder": "hevc", **kw}
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, resolutions=((64, 64),), **kw)
     c._restorer.batched = True
     kv = gpu_tests.synthetic_kv(tokens, 21)
     chunks = c.encode_chunks(kv)
-    ref = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="hevc", resolutions=((64, 64),), **kw)
+    ref = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, resolutions=((64, 64),), **kw)
     ref._restorer.batched = False
     return c, kv, chunks, gpu_tests.restore_all(ref, chunks, kv.shape)
 
@@ -121,8 +122,10 @@ def test_a_damaged_chunk_raises_after_the_others_are_restored(kvt):
     assert gpu_tests.within_an_ulp(out[:, :, keep], want[:, :, keep])
 
 
-def test_zstd_chunks_go_through_the_same_call(kvt):
-    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+@pytest.mark.parametrize("coder", ["zstd", "mixed"])
+def test_zstd_chunks_go_through_the_same_call(kvt, coder):
+    """zstd chunks alone, or between video chunks (mixed): restored in one call as the reference."""
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder=coder, resolutions=((64, 64),))
     kv = gpu_tests.synthetic_kv(200, 22)
     chunks = c.encode_chunks(kv)
     want = gpu_tests.restore_all(c, chunks, kv.shape)
@@ -178,13 +181,15 @@ def test_a_session_that_fails_on_its_own_stops_its_worker_and_the_call_raises(kv
     assert gpu_tests.within_an_ulp(out, want)  # the healthy session restored every chunk
 
 
-def test_stage_stream_stages_every_chunk_and_names_the_refused_and_the_damaged(kvt):
+@pytest.mark.parametrize("coder", ["hevc", "mixed"])
+def test_stage_stream_stages_every_chunk_and_names_the_refused_and_the_damaged(kvt, coder):
     """The fetch pipeline's streamed first half: every chunk staged as it completes, a chunk that
-    its check refuses and a chunk whose stream holds an extra picture reported as that chunk's own."""
+    its check refuses and a chunk whose stream holds an extra picture reported as that chunk's own
+    (mixed: zstd chunks staged between the streamed ones)."""
     from kvcodec.codecs.transform.batch import stage_stream
     from kvcodec.errors import FormatError
 
-    c, kv, chunks, want = _case(kvt)
+    c, kv, chunks, want = _case(kvt, coder=coder)
     out, outs = _outs(kv, chunks)
 
     def check(tag, info):
@@ -192,7 +197,8 @@ def test_stage_stream_stages_every_chunk_and_names_the_refused_and_the_damaged(k
         if tag == 4:
             raise FormatError("refused by its check")
 
-    decoder = StreamingCpuDecoder(extra={2: 1})  # the third stream fed holds a picture too many
+    # chunk 2's stream holds a picture too many: the third stream fed (mixed: the second; odd chunks are zstd)
+    decoder = StreamingCpuDecoder(extra={2 if coder == "hevc" else 1: 1})
     items = [(i, ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)]
     got = dict(stage_stream(c, iter(items), "cpu", check, decoder=decoder))
     assert sorted(got) == list(range(len(chunks))) and isinstance(got[4], FormatError)

@@ -105,3 +105,21 @@ def test_mixed_chunks_prepared_together_are_those_prepared_one_by_one(synthetic_
         assert batched[:2] == alone[:2] and batched[1]["coder"] == chunk_coder("mixed", k + 1)
         pending = (lambda p: p) if batched[1]["coder"] == "zstd" else (lambda p: [f.tolist() for f in p])
         assert pending(batched[2]) == pending(alone[2])
+
+
+def test_a_mixed_level_is_set_by_both_coders_bytes(synthetic_kvt):
+    """The size search measures each sampled chunk under both coders (each codes half the chunks),
+    so the ratio is met whichever indices the sample falls on."""
+    kv = synthetic_kv(512, seed=11)
+    c = _codec(synthetic_kvt, coder="mixed")
+    theta = c._level(None, kv, 0)
+    y = c.coefficients(kv, 0, c.plan(theta).counts)
+    both = [
+        _codec(synthetic_kvt, coder=k)._payload_bytes(y[64:128], kv[:, :, 64:128], theta, 64) for k in ("hevc", "zstd")
+    ]
+    mixed = c._payload_bytes(y[64:128], kv[:, :, 64:128], theta, 64)
+    assert abs(mixed - sum(both) / 2) <= 2  # the headers name the codec: "mixed" is a letter longer
+    for r in (4.0, 8.0):
+        chunks = _codec(synthetic_kvt, coder="mixed", target_ratio=r).encode_chunks(kv)
+        size = sum(len(ch.blobs[0]) for ch in chunks)
+        assert abs(kv.numel() * 2 / r / size - 1) < 0.10, (r, kv.numel() * 2 / size)

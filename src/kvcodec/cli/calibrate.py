@@ -504,11 +504,11 @@ def _fit_grouped(data: dict, settings: dict, rope_flags, alpha: float) -> dict:
 
 
 def report_coder() -> str:
-    """The coder the quality report measures one chunk of every point with: HEVC (the codec's
-    default) where a video encoder is installed, else zstd."""
+    """The coder the quality report measures the chunks of every point with: the codec's default
+    (mixed: HEVC and zstd chunks in turn) where a video encoder is installed, else zstd."""
     from kvcodec.video.registry import available_backends
 
-    return "hevc" if available_backends()["encoders"] else "zstd"
+    return "mixed" if available_backends()["encoders"] else "zstd"
 
 
 def _codec_factory(result: dict, coder: str):

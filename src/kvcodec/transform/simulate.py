@@ -99,8 +99,7 @@ def _solve(size, target: float, a: float, b: float) -> float:
 def level_for_ratio(codec: Any, kv: torch.Tensor, ratio: float, y: torch.Tensor | None = None) -> tuple[float, float]:
     """(theta, gap): the level at which kv's coded payload is the codec's budget for `ratio` (2 *
     numel / ratio bytes less the fp16 sink tokens, as TransformCodec budgets it), the payload
-    modelled as entropy x gap with the gap measured by real encodes of two chunks at a first guess
-    (a mixed coder's two kinds)."""
+    modelled as entropy x gap with the gap measured by one real chunk encode at a first guess."""
     y = codec.coefficients(kv, 0) if y is None else y
     T = kv.shape[2]
     sink_values = min(codec.sink_tokens, T) * (kv.numel() // T)
@@ -116,12 +115,11 @@ def level_for_ratio(codec: Any, kv: torch.Tensor, ratio: float, y: torch.Tensor 
         return _solve(lambda x: entropy_bits(codec, y, math.exp(x)) / 8 * gap, target, lo, hi)
 
     theta = math.exp(solve(guess, 3.0))
-    ct = codec.chunk_tokens
-    first = ct if ct < T else 0  # chunks without sink tokens where there are some
-    spans = [(s, min(T, s + ct)) for s in range(first, min(T, first + 2 * ct), ct)]
-    bits = sum(rate.column_entropy_bits(codec._symbols(y[s:e], theta, s, 0)) for s, e in spans)
+    s = codec.chunk_tokens if codec.chunk_tokens < T else 0  # a chunk without sink tokens where there is one
+    e = min(T, s + codec.chunk_tokens)
+    bits = rate.column_entropy_bits(codec._symbols(y[s:e], theta, s, 0))
     if bits > 0:
-        gap = sum(codec._payload_bytes(y[s:e], kv[:, :, s:e], theta, s) for s, e in spans) * 8.0 / bits
+        gap = codec._payload_bytes(y[s:e], kv[:, :, s:e], theta, s) * 8.0 / bits
     x = solve(math.log(theta), 0.5)
     return math.exp(x), gap
 

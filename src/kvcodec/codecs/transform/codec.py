@@ -3,7 +3,7 @@
 encode: keys with RoPE removed -> per (layer group, K|V): y = basis^T (x - mean) -> one
         distortion level theta for the file (from a target ratio, measured on the data, or a
         modelled bits/value) -> integers round(y / step), 0-bit coordinates dropped -> 8-bit
-        samples + escapes -> lossless HEVC frames (or zstd on the same samples)
+        samples + escapes -> lossless HEVC frames or zstd, chunk by chunk (the coder)
 decode: frames (NVDEC on a CUDA target, FFmpeg on the CPU) -> integers -> dequantize -> one
         GEMM per (group, K|V) -> RoPE re-applied -> the caller's dense slice or PagedKV.
 The first `sink_tokens` positions of a prefix are kept as fp16 (attention sinks are outliers);
@@ -46,8 +46,12 @@ TRANSFORM_VERSION = 2  # 2: fine_tokens, fine_bits, recon in the header (version
 READABLE_VERSIONS = (1, 2)
 CODERS = SETTING_CODERS  # hevc, zstd, or mixed (chunk by chunk: header.chunk_coder)
 VIDEO_CODERS = ("hevc", "mixed")  # the settings that code some chunks as video
+MIXED = ("hevc", "zstd")  # the mixed setting's chunk coders, in turn (header.chunk_coder)
 PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
-ZSTD_LEVEL = 19
+# zstd level of the samples (and side streams): level 1 encodes ~100x faster than 19 (~500 vs 4 MB/s
+# a thread, x265 ~10-18) for 0-9% more bytes on SmolLM2's and Qwen2.5's samples at 5x and 8x
+# (benchmarks/results/transform-zstd-level-cpu.md); a mixed coder's encode then takes half HEVC's time
+ZSTD_LEVEL = 1
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
 # x265 parameters beyond the lossless ones: those of the HEVC codec, 2.3x faster than the earlier
@@ -118,7 +122,9 @@ class TransformCodec:
     bits_per_value (modelled from the calibration's variances; default 2). fine_tokens /
     fine_bits: the last fine_tokens tokens of the KV being encoded get a step 2^fine_bits times
     finer (inside the same size; 0 turns it off); recon: "centre" (default) or "laplace"
-    (bin centroids: lower squared error, but a higher KL divergence on real models)."""
+    (bin centroids: lower squared error, but a higher KL divergence on real models); coder: how the
+    samples are coded: "mixed" (default: even chunks as HEVC video for NVDEC, odd ones zstd for the
+    host's cores, so a fetch keeps both busy), "hevc" or "zstd" (every chunk)."""
 
     def __init__(
         self,
@@ -134,7 +140,7 @@ class TransformCodec:
         fine_tokens: int = 16,  # defaults measured in benchmarks/results/rd-precision-cpu.md
         fine_bits: int = 2,
         recon: str = "centre",
-        coder: str = "hevc",
+        coder: str = "mixed",
         chunk_tokens: int = 256,
         resolutions: Sequence[tuple[int, int]] = ((512, 512),),
     ):
@@ -306,11 +312,16 @@ class TransformCodec:
         per_token = kv.numel() // kv.shape[2]
         return 8.0 * sink * per_token * 2
 
-    def _payload_bytes(self, y, kv, theta, first_position) -> int:
-        """Bytes of one chunk blob (header included), its fp16 sink tokens left out."""
-        streams, counts = self._streams(y, kv, theta, first_position, self.resolutions[0], 0, self._encoder())
-        blob = self._write(streams, counts, kv, theta, first_position, 0, self.resolutions[0], None)
-        return len(blob) - len(streams.get("sink", b""))
+    def _payload_bytes(self, y, kv, theta, first_position) -> float:
+        """Bytes of one chunk blob (header included), its fp16 sink tokens left out; for the mixed
+        coder the mean of its two coders' (each codes half the chunks), whichever its index gives it."""
+        res, encoder = self.resolutions[0], self._encoder()
+        sizes = []
+        for coder in MIXED if self.coder == "mixed" else (self.chunk_coder(first_position),):
+            streams, counts = self._coded(*self._prepare(y, kv, theta, first_position, res, 0, coder), res, encoder)
+            blob = self._write(streams, counts, kv, theta, first_position, 0, res, None)
+            sizes.append(len(blob) - len(streams.get("sink", b"")))
+        return sum(sizes) / len(sizes)
 
     def chunk_coder(self, start_token: int) -> str:
         """The sample coder ("hevc" or "zstd") of the chunk starting at token `start_token`."""
@@ -328,17 +339,13 @@ class TransformCodec:
             encoder.with_threads(threads) if threads and callable(getattr(encoder, "with_threads", None)) else encoder
         )
 
-    def _streams(self, y, kv, theta, first_position, resolution, fine, encoder) -> tuple[dict[str, bytes], dict]:
-        """The chunk's streams and the header fields they need (frames, escapes, fine tokens).
-        y and kv on one device (the GPU's KV is quantized there; only samples come to the host)."""
-        streams, counts, host_frames = self._prepare(y, kv, theta, first_position, resolution, fine)
-        return self._coded(streams, counts, host_frames, resolution, encoder)
-
-    def _prepare(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict, object]:
+    def _prepare(self, y, kv, theta, first_position, resolution, fine, coder=None) -> tuple[dict, dict, object]:
         """Everything before the samples are coded: the side streams, the header counts (the chunk's
-        coder among them) and what _coded codes: the host frames (hevc) or the samples' bytes (zstd)."""
+        coder among them: `coder`, else its index's) and what _coded codes: the host frames (hevc)
+        or the samples' bytes (zstd). y and kv on one device (the GPU's KV is quantized there; only
+        samples come to the host)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
-        coder = self.chunk_coder(first_position)
+        coder = coder or self.chunk_coder(first_position)
         counts = {"coder": coder, "frames": 0, "escapes": escapes, "fine_tokens": fine}
         if coder == "hevc":
             host_frames = [f.cpu().numpy() for f in frames.to_frames(samples, *resolution)]
@@ -443,7 +450,10 @@ class TransformCodec:
         samples = (ordered.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
         coders = [self.chunk_coder(first_position + k * self.chunk_tokens) for k in range(chunks)]
         rows = {c: [k for k in range(chunks) if coders[k] == c] for c in ("hevc", "zstd")}
-        picked = {c: samples.index_select(0, torch.tensor(r, device=samples.device)) for c, r in rows.items()}
+        picked = {
+            c: samples.index_select(0, torch.tensor(r, dtype=torch.long, device=samples.device))
+            for c, r in rows.items()
+        }
         frames_by_res = [self._batch_frames(picked["hevc"], res) for res in self.resolutions]
         where, values, plain, *host = host_arrays([where, values, picked["zstd"], *frames_by_res])
         row = {k: j for r in rows.values() for j, k in enumerate(r)}  # chunk -> its row among its coder's

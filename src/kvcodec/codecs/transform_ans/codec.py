@@ -90,7 +90,7 @@ class TransformAnsCodec(TransformCodec):
 
     # ------------------------------------------------------------------------------ encode
 
-    def _prepare(self, y, kv, theta, first_position, resolution, fine) -> tuple[dict[str, bytes], dict, np.ndarray]:
+    def _prepare(self, y, kv, theta, first_position, resolution, fine, coder=None) -> tuple[dict, dict, np.ndarray]:
         """The side streams, the header counts and the chunk's samples on the host (rANS-coded by _coded)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
         flat = samples.reshape(-1).cpu().numpy()
