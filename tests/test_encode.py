@@ -273,8 +273,9 @@ def test_hevc_encode_of_cuda_kv_gives_the_bytes_of_the_host_encode(monkeypatch, 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_transform_encode_of_cuda_kv_in_batches_gives_the_bytes_of_one_at_a_time(monkeypatch, tmp_path):
-    codec, kv = _transform_codec(tmp_path)
+@pytest.mark.parametrize("coder", ["hevc", "mixed"])
+def test_transform_encode_of_cuda_kv_in_batches_gives_the_bytes_of_one_at_a_time(monkeypatch, tmp_path, coder):
+    codec, kv = _transform_codec(tmp_path, coder=coder)
     runs = []
     for workers in ("1", "3"):  # one thread: chunk by chunk; three: staged on the caller in batches
         monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", workers)

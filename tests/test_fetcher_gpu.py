@@ -119,14 +119,15 @@ def test_fetch_through_pool_workers_matches_cpu():
             assert torch.equal(r.kv.cpu(), ref)
 
 
-def _transform_caches(kvt, tokens: int = 600):
+def _transform_caches(kvt, tokens: int = 600, coder: str = "hevc"):
     """A CPU and a CUDA PrefixCache over one memory store holding `tokens` of synthetic KV coded by
-    the transform codec (HEVC samples: NVDEC on CUDA), and the token ids."""
+    the transform codec (HEVC samples: NVDEC on CUDA; mixed: odd chunks zstd, the host's threads),
+    and the token ids."""
     from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.store import open_store
 
     codec = TransformCodec(
-        kvt[0], chunk_tokens=64, target_ratio=4.0, coder="hevc", resolutions=((256, 256),)
+        kvt[0], chunk_tokens=64, target_ratio=4.0, coder=coder, resolutions=((256, 256),)
     )  # NVDEC: >= 144
     store, ids = open_store("memory://"), list(range(tokens))
     caches = [
@@ -136,8 +137,9 @@ def _transform_caches(kvt, tokens: int = 600):
     return caches, ids, store
 
 
+@pytest.mark.parametrize("coder", ["hevc", "mixed"])
 @pytest.mark.parametrize("driven", [True, False])
-def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, monkeypatch):
+def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, coder, monkeypatch):
     """The default staged fetch on CUDA: the caller's thread drives every NVDEC session
     (driven.StageDriver; driven False: decode worker threads); both restore what the CPU does."""
     import threading
@@ -148,7 +150,7 @@ def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, monkeypatch)
     if not NvcuvidDecoder.is_available():
         pytest.skip("needs NVDEC")
     monkeypatch.setattr(driven_module, "DRIVEN", driven)
-    (cpu, gpu), ids, _ = _transform_caches(kvt)
+    (cpu, gpu), ids, _ = _transform_caches(kvt, coder=coder)
     ref = cpu.fetch(ids)
     for _ in range(2):  # the second fetch reuses the sessions
         r = gpu.fetch(ids)
@@ -158,16 +160,17 @@ def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, monkeypatch)
     assert (workers == {threading.current_thread().name}) == driven
 
 
-def test_a_damaged_chunk_stops_a_driven_fetch_there(kvt):
+@pytest.mark.parametrize("coder", ["hevc", "mixed"])
+def test_a_damaged_chunk_stops_a_driven_fetch_there(kvt, coder):
     from kvcodec.fetcher import blob_key
     from kvcodec.video.nvcuvid import NvcuvidDecoder
 
     if not NvcuvidDecoder.is_available():
         pytest.skip("needs NVDEC")
-    (cpu, gpu), ids, store = _transform_caches(kvt)
+    (cpu, gpu), ids, store = _transform_caches(kvt, coder=coder)
     key = blob_key(gpu.keys(ids)[3], 0)
     blob = bytearray(store.get(key))
-    blob[-100] ^= 0xFF  # inside the last stream (the video): its checksum fails
+    blob[-100] ^= 0xFF  # inside the last stream (the video; mixed: chunk 3's zstd samples): its checksum fails
     store.put(key, bytes(blob))
     r = gpu.fetch(ids)
     assert not r.ok and r.tokens_restored == 3 * 64 and "chunk" in str(r.error).lower()
