@@ -9,7 +9,7 @@ existing --kvt) and evaluated on --eval texts, never the same. For each eval tex
 recomputed (the reference), stored as fp16 and encoded by each method; the continuation is then run
 teacher-forced on the restored KV and on the reference: top-1 agreement of the next-token argmax,
 perplexity change, bits per value and ratio vs fp16 (every byte of every chunk blob counted).
-For each transform point the same integers are also coded with zstd-19 (coder comparison).
+For each transform point at a --compare ratio the same integers are also coded with zstd alone (coder comparison).
 """
 
 from __future__ import annotations
@@ -78,16 +78,19 @@ def methods(cal, digest, ratios, baselines, compare, key_weights=(), nosink=True
     out = {"fp16": _with_fast(lambda kv: (kv, kv.numel() * 2, {}), lambda theta: out["fp16"])}
     for r in ratios:
         codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder=coder)
-        out[f"transform-{coder}-r{r:g}"] = _transform(codec, cal, digest, compare=r in compare and coder == "hevc")
-    for r in zstd_ratios:  # the same transform, zstd-19 instead of HEVC, sized to its own target
+        out[f"transform-{coder}-r{r:g}"] = _transform(codec, cal, digest, compare=r in compare and coder != "zstd")
+    for r in zstd_ratios:  # the same transform, zstd alone, sized to its own target
         codec = TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder="zstd")
         out[f"transform-zstd-r{r:g}"] = _transform(codec, cal, digest, compare=False)
     for kw in key_weights:
-        codec = TransformCodec(cal, kvt_hash=digest, target_ratio=ratios[0], key_weight=kw)
-        out[f"transform-hevc-r{ratios[0]:g}-kw{kw:g}"] = _transform(codec, cal, digest, compare=False)
+        codec = TransformCodec(cal, kvt_hash=digest, target_ratio=ratios[0], key_weight=kw, coder=coder)
+        out[f"transform-{coder}-r{ratios[0]:g}-kw{kw:g}"] = _transform(codec, cal, digest, compare=False)
     if nosink:
-        out[f"transform-hevc-r{ratios[0]:g}-nosink"] = _transform(
-            TransformCodec(cal, kvt_hash=digest, target_ratio=ratios[0], sink_tokens=0), cal, digest, compare=False
+        out[f"transform-{coder}-r{ratios[0]:g}-nosink"] = _transform(
+            TransformCodec(cal, kvt_hash=digest, target_ratio=ratios[0], sink_tokens=0, coder=coder),
+            cal,
+            digest,
+            compare=False,
         )
     for b in baselines:
         out[b] = _baseline(b)
@@ -369,10 +372,12 @@ def task_notes(doc):
 @click.option("--cont", "cont_tokens", default=128, show_default=True)
 @click.option("--ratios", default="4,5,6,8,10", show_default=True)
 @click.option("--baselines", default="int8,int4,cachegen", show_default=True)
-@click.option("--compare", default="5", show_default=True, help="Ratios at which zstd-19 also codes the same integers.")
+@click.option(
+    "--compare", default="5", show_default=True, help="Ratios at which zstd alone also codes the same integers."
+)
 @click.option("--key-weights", default="", help="Extra points at the first ratio with these key weights.")
 @click.option("--no-nosink", is_flag=True, help="Skip the point without fp16 sink tokens.")
-@click.option("--zstd-ratios", default="", help="Transform points coded with zstd-19 instead of HEVC, e.g. 5.")
+@click.option("--zstd-ratios", default="", help="Transform points coded with zstd alone, e.g. 5.")
 @click.option("--quoref", "n_quoref", default=0, show_default=True, help="Quoref questions (distinct passages).")
 @click.option("--quoref-max-tokens", default=640, show_default=True, help="Longest Quoref prefix kept.")
 @click.option("--needle-lengths", default="", help="Needle haystack lengths in tokens, e.g. 2048,4096.")
@@ -381,10 +386,11 @@ def task_notes(doc):
 @click.option("--save-kvt", help="Write the calibration here.")
 @click.option(
     "--coder",
-    type=click.Choice(["hevc", "zstd"]),
-    default="hevc",
+    type=click.Choice(["mixed", "hevc", "zstd"]),
+    default="mixed",
     show_default=True,
-    help="Sample coder of the transform points (zstd: the same integers, a CPU-cheap coder; sizes within ~2%).",
+    help="Sample coder of the transform points: the codec's default (mixed: HEVC and zstd chunks in turn), "
+    "hevc or zstd alone (the same quantizer; the level set by the coder's own bytes).",
 )
 @click.option(
     "--defaults-tuned-on",

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from click.testing import CliRunner  # noqa: E402
 
 from kvbench import ttft_engine  # noqa: E402
-from kvbench.methods import method_codec  # noqa: E402
+from kvbench.methods import accuracy_of, method_codec  # noqa: E402
 from kvcodec.config import CodecConfig  # noqa: E402
 from kvcodec.kvspec.files import save_kv_file  # noqa: E402
 from kvcodec.transform import RopeSpec, calibrate, save_kvt  # noqa: E402
@@ -119,7 +119,7 @@ def test_run_through_the_engine_measures_and_models(prepared):
         assert not slow["measured"] and slow["fetch_s"] >= slow["transfer_s"]  # modelled: at least the transfer
         assert slow["bytes"] == fast["bytes"] > 0
     assert rows[("prefill", 1.0)]["measured"]
-    assert rec["accuracy"]["kvcodec-transform-5"]["source"] == "rd-smollm2-135m-cpu-s6.json"
+    assert accuracy_of(rec["accuracy"], "kvcodec-transform-5")["source"] == "rd-smollm2-135m-cpu-s6.json"
     md = out.with_suffix(".md").read_text()
     assert "Issue 21 target 4" in md and "*" in md
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from kvbench import ttft  # noqa: E402
 from kvbench.methods import (  # noqa: E402
-    accuracy_as,
+    accuracy_of,
     coder_options,
     expand_methods,
     label,
@@ -51,8 +51,13 @@ def test_transform_method_names():
     assert coder_options("kvcodec-transform-5") == {} and coder_options("kvcodec-transform-5-hevc") == {"coder": "hevc"}
     assert transform_ratio("kvcodec-transform-5-zstd") == 5 and transform_coder("kvcodec-transform-5-zstd") == "zstd"
     assert label("kvcodec-transform-8-zstd") == "kvcodec-transform 8x (zstd)"
-    assert accuracy_as("kvcodec-transform-8-zstd") == "kvcodec-transform-8" == accuracy_as("kvcodec-transform-8")
-    assert accuracy_as("raw") == "raw"
+    records = {"kvcodec-transform-8-hevc": {"top1_agreement": 0.9}, "raw": {"top1_agreement": 1.0}}
+    assert (
+        accuracy_of(records, "kvcodec-transform-8")
+        == accuracy_of(records, "kvcodec-transform-8-zstd")
+        == records["kvcodec-transform-8-hevc"]
+    )
+    assert accuracy_of(records, "raw") == records["raw"] and accuracy_of(records, "kvcodec-transform-5") == {}
     for bad in ("kvcodec-transform-x", "kvcodec-transform-1", "kvcodec-transform-5-lz4", "kvcodec-transform-5-"):
         with pytest.raises(ConfigError):
             expand_methods([bad], [])
@@ -105,10 +110,14 @@ def test_modeled_rows_speedups_and_accuracy():
 
 def test_accuracy_from_a_committed_rd_record():
     acc = ttft.load_accuracy((str(RESULTS / "rd-smollm2-135m-cpu-s6.json"),))["smollm2-135m"]
-    assert {"raw", "zstd-3", "kvcodec-int8", "cachegen", "kvcodec-transform-5", "kvcodec-transform-8"} <= set(acc)
-    assert acc["kvcodec-transform-5"]["top1_agreement"] == pytest.approx(0.9882, abs=1e-4)
+    assert {"raw", "zstd-3", "kvcodec-int8", "cachegen", "kvcodec-transform-5-hevc", "kvcodec-transform-8-hevc"} <= set(
+        acc
+    )
+    assert accuracy_of(acc, "kvcodec-transform-5")["top1_agreement"] == pytest.approx(0.9882, abs=1e-4)
     assert acc["cachegen"]["source"] == "rd-smollm2-135m-cpu-s6.json"
-    assert ttft.rd_method("transform-hevc-r5-nosink") is None and ttft.rd_method("transform-zstd-r5") is None
+    assert ttft.rd_method("transform-hevc-r5-nosink") is None and ttft.rd_method("transform-zstd-r5-kw2") is None
+    assert ttft.rd_method("transform-zstd-r5") == "kvcodec-transform-5-zstd"
+    assert ttft.rd_method("transform-mixed-r8") == "kvcodec-transform-8"
 
 
 def test_stats_only_command_writes_a_record(files, tmp_path):
@@ -131,4 +140,14 @@ def test_a_transform_method_with_a_coder_codes_its_samples_with_it(files):
     kvt, _ = files
     config = CodecConfig(chunk_tokens=256, resolutions=((256, 256),))
     assert method_codec("kvcodec-transform-5-zstd", config, transform=kvt).coder == "zstd"
-    assert method_codec("kvcodec-transform-5", config, transform=kvt).coder == "hevc"
+    assert method_codec("kvcodec-transform-5", config, transform=kvt).coder == "mixed"  # the codec default
+    assert method_codec("kvcodec-transform-5-hevc", config, transform=kvt).coder == "hevc"
+
+
+def test_the_benchmarks_default_coder_is_the_codecs():
+    import inspect
+
+    from kvbench.methods import DEFAULT_CODER
+    from kvcodec.codecs.transform.codec import TransformCodec
+
+    assert inspect.signature(TransformCodec).parameters["coder"].default == DEFAULT_CODER

@@ -24,6 +24,7 @@ TRANSFORM = "kvcodec-transform"
 
 
 TRANSFORM_CODERS = ("hevc", "zstd", "mixed")
+DEFAULT_CODER = "mixed"  # the transform codec's (TransformCodec's coder default)
 
 
 def transform_ratio(method: str) -> float | None:
@@ -45,12 +46,25 @@ def coder_options(method: str) -> dict[str, str]:
     return {"coder": coder} if coder else {}
 
 
-def accuracy_as(method: str) -> str:
-    """The method whose measured accuracy stands for `method`: a transform method with a named coder
-    codes to the same target ratio with the same quantizer (its level set by its own coder's bytes,
-    so its values differ slightly), so the default coder's record at that ratio stands for it."""
+def accuracy_of(records: dict[str, dict], method: str) -> dict:
+    """The accuracy record ({method: record}, kvbench.ttft.load_accuracy) standing for `method`: its
+    own; for a transform method without one, the record at the same ratio of the default coder, else
+    of any coder (the same quantizer; each coder's bytes set its level, so values differ slightly)."""
     ratio = transform_ratio(method)
-    return method if ratio is None else f"{TRANSFORM}-{ratio:g}"
+    if method in records or ratio is None:
+        return records.get(method, {})
+    base = f"{TRANSFORM}-{ratio:g}"
+    return next((records[n] for n in (base, *(f"{base}-{c}" for c in TRANSFORM_CODERS)) if n in records), {})
+
+
+def rd_name(method: str) -> str | None:
+    """The benchmark method a benchmarks/rd.py transform record measures ("transform-mixed-r5" ->
+    "kvcodec-transform-5": the default coder; "transform-hevc-r5" -> "kvcodec-transform-5-hevc");
+    None for other names and the rd variants (no sink tokens, key weights)."""
+    coder, _, rest = method.removeprefix("transform-").partition("-r")
+    if not method.startswith("transform-") or coder not in TRANSFORM_CODERS or not rest.replace(".", "", 1).isdigit():
+        return None
+    return f"{TRANSFORM}-{float(rest):g}" + ("" if coder == DEFAULT_CODER else f"-{coder}")
 
 
 def _transform_parts(method: str) -> tuple[float, str | None] | None:

@@ -31,7 +31,7 @@ import statistics
 
 import click
 
-from kvbench.methods import expand_methods, method_codec, transform_ratio
+from kvbench.methods import accuracy_of, expand_methods, method_codec, rd_name, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model
@@ -975,7 +975,7 @@ def modeled_rows(
             f, x, d = fetch_time(nbytes, p.fp16_bytes, bw, decode[m], chunks)
             res[m] = {"ttft_s": f + p.suffix_prefill_s, "bytes": int(nbytes), "transfer_s": x, "decode_s": d}
         for m, r in res.items():
-            acc = accuracy.get(m, {})
+            acc = accuracy_of(accuracy, m)
             rows.append(
                 {
                     "model": p.model,
@@ -1001,11 +1001,9 @@ RD_METHODS = {"fp16": "raw", "int8": "kvcodec-int8", "int4": "kvcodec-int4", "ca
 
 
 def rd_method(name: str) -> str | None:
-    """The TTFT method a benchmarks/rd.py method name measures ("transform-hevc-r5" ->
-    "kvcodec-transform-5"); None for variants the TTFT bench does not fetch."""
-    if name.startswith("transform-hevc-r") and name[len("transform-hevc-r") :].replace(".", "", 1).isdigit():
-        return f"kvcodec-transform-{float(name[len('transform-hevc-r') :]):g}"
-    return RD_METHODS.get(name)
+    """The TTFT method a benchmarks/rd.py method name measures ("transform-mixed-r5" ->
+    "kvcodec-transform-5", methods.rd_name); None for variants the TTFT bench does not fetch."""
+    return rd_name(name) or RD_METHODS.get(name)
 
 
 def load_accuracy(paths: tuple[str, ...]) -> dict:
@@ -1119,7 +1117,7 @@ def inputs_markdown(rec: dict, meths: list[str]) -> list[str]:
         a = acc.get(info["kv_stats_from"], {})
         for n, t in info["by_tokens"].items():
             for m in meths:
-                r, x = t["decode_rates"][m], a.get(m, {})
+                r, x = t["decode_rates"][m], accuracy_of(a, m)
                 md.append(
                     f"| {target} | {n} | {t['prefill_s']:.3f} | {t['suffix_prefill_s']:.3f} | {method_label(m)} | "
                     f"{st['methods'][m]['ratio_vs_fp16']:.2f} | {r['decode_GBps_fp16']:.2f} | {r['source']} | "

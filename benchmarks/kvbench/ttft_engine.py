@@ -43,7 +43,7 @@ import time
 
 import click
 
-from kvbench.methods import accuracy_as, coder_options, expand_methods, method_codec, transform_ratio
+from kvbench.methods import accuracy_of, coder_options, expand_methods, method_codec, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 
@@ -636,7 +636,7 @@ def inputs_markdown(rec: dict) -> list[str]:
     ]
     fastest = max(r["bandwidth_gbit"] for r in rec["rows"])
     for m, info in rec["inputs"]["methods"].items():
-        a = acc.get(m) or acc.get(accuracy_as(m), {})
+        a = accuracy_of(acc, m)
         for r in (r for r in rec["rows"] if r["method"] == m and r["bandwidth_gbit"] == fastest):
             gbs = r["fp16_bytes"] / r["fetch_s"] / 1e9 if r.get("fetch_s") else None
             md.append(
