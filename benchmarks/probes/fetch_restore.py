@@ -432,11 +432,14 @@ def _measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alo
     return rec
 
 
-def _videos(case, codec, mem, doc) -> tuple[list, list, tuple]:
+def _videos(case, codec, mem, doc) -> tuple[list, list, tuple, float]:
+    """The case's chunk videos, their frame counts, the frame size and the share of the KV they hold
+    (a mixed coder's zstd chunks, and plain chunks, hold none)."""
     from kvcodec.fetcher import blob_key
 
     videos, frames, size = [], [], None
-    for k in _keys(doc, case):
+    keys = _keys(doc, case)
+    for k in keys:
         blob = mem.get(blob_key(k, 0))
         if case["codec"] == "hevc":  # one stream per chunk (the probe's cases are not split)
             from kvcodec.container.format import parse_chunk, split_streams
@@ -449,10 +452,12 @@ def _videos(case, codec, mem, doc) -> tuple[list, list, tuple]:
             size = tuple(h.resolution)
             continue
         h, streams = codec._read(blob)
+        if h["coder"] != "hevc":
+            continue
         videos.append(bytes(streams["video"]))
         frames.append(h["frames"])
         size = tuple(h["resolution"])
-    return videos, frames, size
+    return videos, frames, size, len(videos) / len(keys)
 
 
 def decode_only(case, codec, mem, doc, probe, copies: int, seconds: float) -> dict:
@@ -460,7 +465,7 @@ def decode_only(case, codec, mem, doc, probe, copies: int, seconds: float) -> di
     from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.nvcuvid_threads import nvdec_engines
 
-    videos, frames, size = _videos(case, codec, mem, doc)
+    videos, frames, size, share = _videos(case, codec, mem, doc)
     reps = max(1, copies // len(videos))
     videos, frames = videos * reps, frames * reps
     n = nvdec_engines(0)
@@ -475,7 +480,8 @@ def decode_only(case, codec, mem, doc, probe, copies: int, seconds: float) -> di
         "backend": "nvcuvid-streamed",
         "threads": n,
         "cuda_contexts": 1,
-        "nvdec_gb_per_s": round(doc["fp16_bytes"] * reps / s / 1e9, 3),
+        "nvdec_gb_per_s": round(doc["fp16_bytes"] * share * reps / s / 1e9, 3),
+        "video_share": round(share, 3),
         "coded_gbit_per_s": round(8 * case["coded_bytes"] * reps / s / 1e9, 3),
     }
 
@@ -517,7 +523,7 @@ def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float
     from kvcodec.video.nvcuvid import NvcuvidDecoder
     from kvcodec.video.nvcuvid_threads import nvdec_engines
 
-    videos, frames, (w, h) = _videos(case, codec, mem, doc)
+    videos, frames, (w, h), share = _videos(case, codec, mem, doc)
     reps = max(1, copies // len(videos))
     videos, frames = videos * reps, frames * reps
     n = nvdec_engines(0)
@@ -546,7 +552,8 @@ def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float
         "backend": "nvcuvid-native-streamed" + ("-fed" if loop == "fed" else ""),
         "threads": n,
         "cuda_contexts": 1,
-        "nvdec_gb_per_s": round(doc["fp16_bytes"] * reps / s / 1e9, 3),
+        "nvdec_gb_per_s": round(doc["fp16_bytes"] * share * reps / s / 1e9, 3),
+        "video_share": round(share, 3),
         "coded_gbit_per_s": round(8 * case["coded_bytes"] * reps / s / 1e9, 3),
     }
 
