@@ -285,7 +285,7 @@ def markdown(doc):
         f"({doc['prefix_tokens']}-token prefix, {doc['cont_tokens']}-token teacher-forced continuation). "
         "Ratios count every byte of every chunk blob (headers, escapes, fp16 sink tokens).",
         "",
-        "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | zstd-19 on same integers | HEVC / zstd bytes |"
+        "| method | bits/value | ratio vs fp16 | top-1 agreement | ppl delta % | zstd alone on the same integers | coder / zstd bytes |"
         + TASK_HEAD,
         "|---|---|---|---|---|---|---|" + "---|" * TASK_HEAD.count("|"),
     ]

@@ -11,7 +11,8 @@ For a KV file (safetensors, tensor `kv`, e.g. from `kvcodec extract`), in one pr
     by its own chunk thread, as before the staged encode (the same bytes);
   * with --sweep, the x265 tuning alternatives at today's parallelism (bytes and speed of each).
 The transform codec (--transform MODEL.kvt) is timed the same way: its earlier default (untuned x265,
-chunks one at a time, the transform on the CPU, its bit allocation level solved on every encode) and now.
+chunks one at a time, the transform on the CPU, its bit allocation level solved on every encode, every
+chunk HEVC) and now (its default coder: HEVC and zstd chunks in turn), and now with every chunk HEVC.
 Speeds are MB/s of the fp16 KV (2 bytes per value, whatever the file's dtype).
 """
 
@@ -176,22 +177,23 @@ def _transform_runs(kv, kvt: Path, repeat: int) -> list[dict[str, Any]]:
     fp16 = kv.numel() * 2
     rows = []
     settings = (
-        # before issue 24: untuned x265 (its own threads), chunks one at a time, the math on the CPU
-        ("transform, old default", dict(tuning="", workers=1), True),
-        ("transform, new default", dict(), False),
-        ("transform, staged chunks prepared one at a time", dict(staged="one"), False),
-        ("transform, chunks prepared on their threads", dict(staged="threads"), False),
+        # before issue 24: untuned x265 (its own threads), chunks one at a time, the math on the CPU, every chunk HEVC
+        ("transform, old default", dict(tuning="", workers=1), True, {"coder": "hevc"}),
+        ("transform, new default", dict(), False, {}),
+        ("transform, samples as HEVC video alone (coder=hevc)", dict(), False, {"coder": "hevc"}),
+        ("transform, staged chunks prepared one at a time", dict(staged="one"), False, {}),
+        ("transform, chunks prepared on their threads", dict(staged="threads"), False, {}),
     )
-    for name, kw, on_cpu in settings:
+    for name, kw, on_cpu, options in settings:
         best = None
         for _ in range(repeat):
             with _setting(plans="cold", **kw):
                 if on_cpu:  # the earlier encode solved the level of its bits per value every time
                     transform._WATER_LEVELS.clear()
-                codec = kvcodec.make_codec("transform", transform=kvt)
+                codec = kvcodec.make_codec("transform", transform=kvt, **options)
                 r = _timed(lambda codec=codec, on_cpu=on_cpu: codec.encode_chunks(kv.cpu() if on_cpu else kv), fp16)
             best = r if best is None or r["seconds"] < best["seconds"] else best
-        rows.append({"setting": name, "codec": "transform", **kw, **best})
+        rows.append({"setting": name, "codec": "transform", "coder": codec.coder, **kw, **best})
     return rows
 
 
@@ -216,7 +218,7 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
     ]
     for r in doc["rows"]:
         lines.append(
-            f"| {r['setting']} | {r['codec']} | {r.get('sample_coder', 'hevc')} | {r['seconds']:.2f} | {r['cpu_seconds']:.1f} | {r['encoded_mb_per_s']:.2f} | "
+            f"| {r['setting']} | {r['codec']} | {r.get('sample_coder') or r.get('coder', 'hevc')} | {r['seconds']:.2f} | {r['cpu_seconds']:.1f} | {r['encoded_mb_per_s']:.2f} | "
             f"{r['ratio_vs_fp16']:.3f} | {r['bytes_vs_base']:+.2%} | {r['speedup_vs_base']:.1f}x |"
         )
     lines += [
