@@ -184,7 +184,12 @@ def test_batched_restore_of_a_far_position_or_an_empty_plan_matches_the_referenc
     by_name = {s.name: s for s in transform[0]}
     ref, batched = by_name["transform-hevc-ref"], by_name["transform-hevc-batched"]
     plain = TransformCodec(  # no finer tail (its escapes would name samples an empty plan lacks)
-        ref.codec.cal, kvt_hash=ref.codec.kvt_hash, chunk_tokens=CHUNK, resolutions=ref.codec.resolutions, fine_tokens=0
+        ref.codec.cal,
+        kvt_hash=ref.codec.kvt_hash,
+        chunk_tokens=CHUNK,
+        resolutions=ref.codec.resolutions,
+        fine_tokens=0,
+        coder="hevc",
     )
     tail = plain.encode_chunks(transform[1].kv[:, :, CHUNK : CHUNK + 1], first_chunk_index=1)[0].blobs[0]
     h, payload = read_object(tail, TC_MAGIC, "tc")  # one token past the sinks: one frame at any level

@@ -1,7 +1,7 @@
 """Every container kind fuzzed the same way (issue 22): .kvc files (KVCF), split chunk blobs
 (KVCS), grouped files (KVGF), transform-coded files (KVTF) and .kvt calibrations, seeded from real
 files of every codec (HEVC int8 / exact / split streams, raw, grouped over raw and HEVC, transform
-over zstd and HEVC coders) on real SmolLM2 KV.
+over zstd, HEVC and mixed coders) on real SmolLM2 KV.
 
     python benchmarks/probes/kinds_fuzz.py --cases 20000 --seed 1 --out benchmarks/results/reliability-kinds-cpu
 (tests/test_fuzz_kinds.py runs a small seeded set of the same cases in CI)
@@ -408,8 +408,13 @@ def kvtf_subjects(kv: torch.Tensor, cal_kv: torch.Tensor, ct: int, small: bool =
     cal = calibrate([cal_kv], ff.SMOLLM2_ROPE, weights=weights, info={"model": "smollm2-135m"})
     data = to_bytes(cal)
     out = []
-    setups = (("zstd", (64, 64), {}), ("hevc", (144, 144), {}), ("zstd", (64, 64), {"recon": "laplace"}))
-    for coder, res, kw in setups[:2] if small else setups:
+    setups = (
+        ("zstd", (64, 64), {}),
+        ("hevc", (144, 144), {}),
+        ("mixed", (144, 144), {}),  # the default: HEVC and zstd chunks in turn
+        ("zstd", (64, 64), {"recon": "laplace"}),
+    )
+    for coder, res, kw in setups[:3] if small else setups:
         codec = TransformCodec(cal, kvt_hash=kvt_hash(data), coder=coder, chunk_tokens=ct, resolutions=(res,), **kw)
         name = f"kvtf-{coder}" + ("-laplace" if kw else "")
         out.append(Subject("KVTF", name, encode_file(kv, codec), lambda d, c=codec: [decode_file(d, c)]))
