@@ -72,20 +72,31 @@ def _rewrite(data: bytes, edit) -> bytes:
         lambda m, h, b: (dict(h, kvt=7), b),  # a non-string kvt (TypeError)
         lambda m, h, b: (dict(h, shape=[30, 2, 2**40, 3, 64]), b),  # 2^40 tokens (allocation error)
         lambda m, h, b: (dict(h, settings=dict(h["settings"], theta=h["settings"]["theta"] * 2)), b),
+        lambda m, h, b: (dict(h, settings=dict(h["settings"], coder="hevc")), b),  # its chunks say zstd or mixed
     ],
 )
-def test_transform_file_edits_are_refused(kinds, edit):
-    subject = _file(kinds, "kvtf-zstd")
+@pytest.mark.parametrize("kind", ["kvtf-zstd", "kvtf-mixed"])
+def test_transform_file_edits_are_refused(kinds, edit, kind):
+    subject = _file(kinds, kind)
     with pytest.raises(KVCodecError):
         _decode(subject, _rewrite(subject.data, edit))
 
 
 @pytest.mark.parametrize(
     "field,value",
-    [("start_token", 1), ("theta", None), ("key_weight", 2.0), ("recon", "laplace"), ("index", 2), ("sink", 5)],
+    [
+        ("start_token", 1),
+        ("theta", None),
+        ("key_weight", 2.0),
+        ("recon", "laplace"),
+        ("index", 2),
+        ("sink", 5),
+        ("coder", "hevc"),
+    ],
 )
-def test_transform_chunk_header_edits_inside_a_file_are_refused(kinds, field, value):
-    subject = _file(kinds, "kvtf-zstd")
+@pytest.mark.parametrize("kind", ["kvtf-zstd", "kvtf-mixed"])
+def test_transform_chunk_header_edits_inside_a_file_are_refused(kinds, field, value, kind):
+    subject = _file(kinds, kind)
 
     def edit(m, h, blobs):
         ch, payload = read_object(blobs[1], blobs[1][:4], "chunk")
