@@ -29,7 +29,7 @@ from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, che
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
-from kvcodec.codecs.transform.header import SETTING_CODERS, check_header, chunk_coder
+from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
@@ -46,11 +46,11 @@ TRANSFORM_VERSION = 2  # 2: fine_tokens, fine_bits, recon in the header (version
 READABLE_VERSIONS = (1, 2)
 CODERS = SETTING_CODERS  # hevc, zstd, or mixed (chunk by chunk: header.chunk_coder)
 VIDEO_CODERS = ("hevc", "mixed")  # the settings that code some chunks as video
-MIXED = ("hevc", "zstd")  # the mixed setting's chunk coders, in turn (header.chunk_coder)
 PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
 # zstd level of the samples (and side streams): level 1 encodes ~100x faster than 19 (~500 vs 4 MB/s
 # a thread, x265 ~10-18) for 0-9% more bytes on SmolLM2's and Qwen2.5's samples at 5x and 8x
-# (benchmarks/results/transform-zstd-level-cpu.md); a mixed coder's encode then takes half HEVC's time
+# (benchmarks/results/transform-zstd-level-cpu-*.md); a mixed encode is then 1.7x faster than HEVC alone
+# (encode-gpu-h200-qwen-8k-mixed)
 ZSTD_LEVEL = 1
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
@@ -317,7 +317,7 @@ class TransformCodec:
         coder the mean of its two coders' (each codes half the chunks), whichever its index gives it."""
         res, encoder = self.resolutions[0], self._encoder()
         sizes = []
-        for coder in MIXED if self.coder == "mixed" else (self.chunk_coder(first_position),):
+        for coder in MIXED_TURN if self.coder == "mixed" else (self.chunk_coder(first_position),):
             streams, counts = self._coded(*self._prepare(y, kv, theta, first_position, res, 0, coder), res, encoder)
             blob = self._write(streams, counts, kv, theta, first_position, 0, res, None)
             sizes.append(len(blob) - len(streams.get("sink", b"")))
@@ -449,7 +449,7 @@ class TransformCodec:
         values = ordered[where[:, 0], where[:, 1]].to(torch.int32)
         samples = (ordered.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
         coders = [self.chunk_coder(first_position + k * self.chunk_tokens) for k in range(chunks)]
-        rows = {c: [k for k in range(chunks) if coders[k] == c] for c in ("hevc", "zstd")}
+        rows = {c: [k for k in range(chunks) if coders[k] == c] for c in MIXED_TURN}
         picked = {
             c: samples.index_select(0, torch.tensor(r, dtype=torch.long, device=samples.device))
             for c, r in rows.items()

@@ -17,6 +17,7 @@ from kvcodec.transform.quantize import MAX_FINE_BITS, RECONS
 
 CODERS = ("hevc", "zstd")  # a chunk's own sample coder
 SETTING_CODERS = (*CODERS, "mixed")  # a codec's (and a file's) coder setting
+MIXED_TURN = ("hevc", "zstd")  # the mixed setting: chunk i's samples coded by MIXED_TURN[i % 2]
 DTYPES = ("float16", "bfloat16", "float32")
 STREAM_NAMES = ("escapes", "sink", "video", "samples")
 VERSIONS = (1, 2)
@@ -27,9 +28,7 @@ def chunk_coder(setting: str, index: int) -> str:
     """The sample coder of chunk `index` under a codec's coder setting. "mixed" codes the odd chunks
     with zstd and the even ones as video, so a fetch of a prefix keeps NVDEC and the host's cores
     busy at once (benchmarks/results/ttft-h200-engine-mixed.md)."""
-    if setting == "mixed":
-        return "zstd" if index % 2 else "hevc"
-    return setting
+    return MIXED_TURN[index % len(MIXED_TURN)] if setting == "mixed" else setting
 
 
 def positive_number(lo: float = 0.0, hi: float = 1e30) -> v.Check:
