@@ -46,7 +46,7 @@ def _grouped(synthetic_kvt):  # noqa: ANN001, ANN202
 
 FILES = {
     "hevc-split": _hevc,
-    "transform-hevc": _transform,
+    "transform-hevc": lambda synthetic_kvt: _transform(synthetic_kvt, coder="hevc"),
     "transform-zstd": lambda synthetic_kvt: _transform(synthetic_kvt, coder="zstd"),
     "transform-mixed": lambda synthetic_kvt: _transform(synthetic_kvt, coder="mixed"),
     "transform-ans": lambda synthetic_kvt: _transform(synthetic_kvt, TransformAnsCodec, block=4096),
@@ -143,7 +143,7 @@ def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):
 
 
 def test_a_version_1_transform_file_is_described_from_its_chunks(synthetic_kvt, tmp_path):
-    data, codec, _ = _transform(synthetic_kvt)
+    data, codec, _ = _transform(synthetic_kvt, coder="hevc")  # version 1 had no mixed coder
     h, payload = read_object(data, b"KVTF", "file")
     blobs, pos = [], 0
     for _, length, _ in h["chunks"]:

@@ -60,10 +60,10 @@ def test_the_reports_simulation_restores_what_the_codec_decodes_and_estimates_it
     from kvcodec.transform.kvt import kvt_hash
     from kvcodec.transform.rope import RopeSpec, apply_rope
 
-    rope = RopeSpec(10000.0, 8)
+    rope = RopeSpec(10000.0, 16)
 
-    def roped(seed):
-        kv = _kv(tokens=512, seed=seed, constant=False)
+    def roped(seed):  # chunks of 32 KiB: a chunk header's few hundred bytes stay a small part of each
+        kv = _kv(tokens=512, heads=4, dim=16, seed=seed, constant=False)
         kv[:, 0] = apply_rope(kv[:, 0], torch.arange(kv.shape[2]), rope)
         return kv
 
