@@ -313,10 +313,9 @@ def _switches(codec, variant: dict):
     transform_kernels.SPLIT_GEMM = variant.get("split", True) and saved[1]
     if variant.get("swi"):
         sys.setswitchinterval(variant["swi"])
-    if variant.get("dd") is not None or variant.get("eop"):
-        _close_idle()  # kept runs hold their parsers and feeders: opened again with these settings
-        nvcuvid.DISPLAY_DELAY = variant.get("dd", nvcuvid.DISPLAY_DELAY)
-        nvcuvid_native.END_OF_PICTURE = bool(variant.get("eop"))
+    if variant.get("dd") is not None:
+        _close_idle()
+        nvcuvid.DISPLAY_DELAY = variant["dd"]
     if not variant.get("stream", True):
         codec.stage_stream = None
     pool = _host_pool(variant.get("ht"))
@@ -331,10 +330,9 @@ def _switches(codec, variant: dict):
             _close_idle()
             streams.PRIORITY = priority
         sys.setswitchinterval(saved[2])
-        if variant.get("dd") is not None or variant.get("eop"):
+        if variant.get("dd") is not None:
             _close_idle()
             nvcuvid.DISPLAY_DELAY = saved[3]
-            nvcuvid_native.END_OF_PICTURE = False
         codec.__dict__.pop("stage_stream", None)
         _restore_pool(pool)
         if restore is not None:
@@ -376,7 +374,6 @@ SWITCHES = (
     "hipri",
     "torch",
     "ht",
-    "eop",
 )
 
 
@@ -897,7 +894,7 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -eop (streams' last pieces flagged end of picture), -swiN, -ddN, -fdN, -htN (host pool threads)
+    -nokeep, -hipri, -torch, -swiN, -ddN, -fdN, -htN (host pool threads)
     (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
@@ -911,7 +908,6 @@ def _variant(text: str) -> dict:
         "nokeep": ("keep", False),
         "hipri": ("hipri", True),
         "torch": ("torch", True),
-        "eop": ("eop", True),
     }
     for sw in switches:
         if sw.startswith("ht"):  # -ht4: threads of the driven fetch's host pool

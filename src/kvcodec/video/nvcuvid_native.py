@@ -136,7 +136,7 @@ typedef struct {  /* CUVIDSOURCEDATAPACKET */
 
 typedef struct {
     state_t *s; void *parser; parse_fn parse; setctx_fn setctx; void *ctx;
-    long long piece, submitted, fed; int eop;
+    long long piece, submitted, fed;
     const unsigned char *ptr[MAX_TARGETS]; long long len[MAX_TARGETS]; long long ord[MAX_TARGETS];
     long long end_req, flushes;  /* flushes asked for, flushes done */
     int keep, stop, finished, parse_error, started;
@@ -182,7 +182,7 @@ static void *feeder_main(void *arg) {
         pthread_mutex_unlock(&f->mu);
         for (long long off = 0; off < n; off += f->piece) {
             long long m = n - off < f->piece ? n - off : f->piece;
-            int r = feed(f, 0x02 | (f->eop && off + m >= n ? 0x08 : 0), p + off, m, stamp);
+            int r = feed(f, 0x02, p + off, m, stamp);
             if (r || f->s->error) { feeder_done(f, r); return NULL; }
         }
         pthread_mutex_lock(&f->mu);
@@ -192,11 +192,11 @@ static void *feeder_main(void *arg) {
     }
 }
 
-void *kv_feeder_start(state_t *s, void *parser, void *parse, void *setctx, void *ctx, long long piece, int eop) {
+void *kv_feeder_start(state_t *s, void *parser, void *parse, void *setctx, void *ctx, long long piece) {
     feeder_t *f = (feeder_t *)calloc(1, sizeof(feeder_t));
     if (!f) return NULL;
     f->s = s; f->parser = parser; f->parse = (parse_fn)parse; f->setctx = (setctx_fn)setctx; f->ctx = ctx;
-    f->piece = piece > 0 ? piece : (1 << 18); f->eop = eop;
+    f->piece = piece > 0 ? piece : (1 << 18);
     pthread_mutex_init(&f->mu, NULL); pthread_cond_init(&f->cv, NULL);
     if (pthread_create(&f->thread, NULL, feeder_main, f)) {
         pthread_mutex_destroy(&f->mu); pthread_cond_destroy(&f->cv); free(f); return NULL;
@@ -352,7 +352,7 @@ ERRORS = {
 # c_void_p). kv_decode and kv_display are not called from Python: their addresses are the parser's
 # callbacks (nvcuvid._NativeParser).
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "kv_feeder_start": (c_void_p, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_longlong, c_int]),
+    "kv_feeder_start": (c_void_p, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_longlong]),
     "kv_feeder_submit": (c_int, [c_void_p, c_void_p, c_longlong, c_longlong]),
     "kv_feeder_end": (None, [c_void_p]),
     "kv_feeder_keep": (None, [c_void_p]),
@@ -433,9 +433,6 @@ FEED_DEPTH = 2  # streams pushed to a feeder and not yet fed (the engine's next 
 # True: a decoder keeps its driven run (parser, native state, feeder thread) open across fetches, the
 # parser taking the next fetch's streams after its end-of-stream flush; False: opened per fetch.
 KEEP = os.environ.get("KVCODEC_KEEP_RUNS", "1") != "0"
-# each stream's last piece marked as ending a picture (CUVID_PKT_ENDOFPICTURE): the parser decodes a
-# stream's last picture without waiting for the next stream's first bytes or the flush (an experiment)
-END_OF_PICTURE = os.environ.get("KVCODEC_END_OF_PICTURE", "0") == "1"
 
 
 class Feeder:
@@ -444,9 +441,7 @@ class Feeder:
 
     def __init__(self, lib, state: State, parser: int, parse: int, setctx: int, ctx: int, piece: int):
         self.lib, self.state = lib, state
-        self.handle = lib.kv_feeder_start(
-            ctypes.addressof(state), parser, parse, setctx, ctx, piece, int(END_OF_PICTURE)
-        )
+        self.handle = lib.kv_feeder_start(ctypes.addressof(state), parser, parse, setctx, ctx, piece)
         if not self.handle:
             raise OSError("the native feeder thread did not start")
         self.finished = False
