@@ -270,10 +270,13 @@ def stream_probe(codec, case: Case, hashes: dict) -> dict:
 
 def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
     """The restore math alone, samples already on the GPU: ms per chunk on the GPU (CUDA events)
-    and on the host (launch-bound), for one chunk at a time, `batch` chunks in one pass, one chunk
-    replayed from a CUDA graph (GPU time without launch gaps), and the per-group reference path."""
+    and on the host (launch-bound), for one chunk at a time and `batch` chunks in one pass, by the
+    fused kernel (restore.transform_triton) and by the reference kernels (restore + emit), one
+    chunk replayed from a CUDA graph (GPU time without launch gaps), and the per-group reference
+    path; whether the fused kernel's output is the reference kernels' within an fp16 rounding."""
     from kvcodec.codecs.transform import decode as transform_decode
     from kvcodec.restore import transform_kernels as tk
+    from kvcodec.restore import transform_triton as tt
     from kvcodec.transform import quantize
     from kvcodec.video.nvcuvid import NvcuvidDecoder
 
@@ -289,14 +292,16 @@ def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
     outs = [torch.empty((L, 2, t, H, D), dtype=torch.float16, device=dev) for _ in range(batch)]
     many = samples[None].expand(batch, C, t).contiguous()
     none = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
+    fused_on = tt.FUSED
 
-    def run(n, escapes=(esc,)):
+    def run(n, escapes=(esc,), fused=True):
         def fn():
-            y = tk.restore(
-                bp, many[:n], list(escapes) * n, (L, H, D), rope, [h["start_token"] + i * t for i in range(n)]
-            )
-            for i in range(n):
-                tk.emit(y, i, t, outs[i])
+            tt.FUSED = fused and fused_on
+            try:
+                starts = [h["start_token"] + i * t for i in range(n)]
+                tk.restore_into(bp, many[:n], list(escapes) * n, (L, H, D), rope, starts, outs[:n])
+            finally:
+                tt.FUSED = fused_on
 
         return fn
 
@@ -308,14 +313,30 @@ def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
             del r._samples
 
     rec = {"escapes_in_chunk": int(h["escapes"]), "coded_coordinates": C, "batch": batch}
-    for name, fn, n in (("batched", run(1), 1), (f"batched_x{batch}", run(batch), batch), ("reference", reference, 1)):
+    run(1)()
+    fused = outs[0].clone()
+    run(1, fused=False)()
+    diff = (fused.float() - outs[0].float()).abs()
+    rec["fused_max_abs_diff"] = float(diff.max())
+    rec["fused_within_an_fp16_rounding"] = bool(
+        torch.allclose(fused.float(), outs[0].float(), rtol=2**-10, atol=2**-12)
+    )
+    cases = (
+        ("batched", run(1, fused=False), 1),
+        (f"batched_x{batch}", run(batch, fused=False), batch),
+        ("fused", run(1), 1),
+        (f"fused_x{batch}", run(batch), batch),
+        ("reference", reference, 1),
+    )
+    for name, fn, n in cases:
         gpu, host = _event_ms(fn, max(repeat // n, 5))
         rec[f"{name}_gpu_ms_per_chunk"], rec[f"{name}_host_ms_per_chunk"] = round(gpu / n, 4), round(host / n, 4)
-    try:
-        rec["batched_graph_gpu_ms_per_chunk"] = _graph_ms(run(1, (none,)), repeat)  # no host work inside
-    except Exception as e:  # noqa: BLE001 - capture is a probe here, not the product's path
-        rec["batched_graph_error"] = repr(e)
-    rec["_batched_fn"] = run(1)
+    for name, fused_graph in (("batched", False), ("fused", True)):
+        try:
+            rec[f"{name}_graph_gpu_ms_per_chunk"] = _graph_ms(run(1, (none,), fused_graph), repeat)
+        except Exception as e:  # noqa: BLE001 - capture is a probe here, not the product's path
+            rec[f"{name}_graph_error"] = repr(e)
+    rec["_batched_fn"], rec["_fused_fn"] = run(1, fused=False), run(1)
     return rec
 
 
@@ -457,6 +478,7 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     chunks through one parser, the math in waves as they come). cpu_ms_per_chunk: the process's
     CPU time per chunk restored (all threads; CUDA waits may spin)."""
     from kvcodec.codecs.transform import batch as transform_batch
+    from kvcodec.restore import transform_triton
     from kvcodec.video.nvcuvid_threads import NvcuvidThreads
 
     mode, wave = spec["mode"], spec["wave"]
@@ -471,6 +493,7 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     name += f"-switch{spec['switch_us']}us" if spec["switch_us"] else ""
     name += "-nomath" if spec["no_math"] else ""
     name += f"-drivers{spec['drivers']}" if spec["drivers"] else ""
+    name += "" if spec["fused"] else "-unfused"
     rec = {"backend": name, **spec, "cuda_contexts": 1, "standing_mb": round(before - probe.free_mb(), 1)}
     fallbacks = _count_fallbacks(transform_batch)
     side = torch.cuda.Stream()  # the consumer's stream: waiting for the restore never blocks the matmul's
@@ -489,7 +512,8 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
             side.synchronize()
         calls[0] += 1
 
-    switch, finish = sys.getswitchinterval(), codec._restorer.finish
+    switch, finish, fused = sys.getswitchinterval(), codec._restorer.finish, transform_triton.FUSED
+    transform_triton.FUSED = fused and spec["fused"]
     if spec["no_math"]:
         codec._restorer.finish = lambda chunks, outs: None
     if spec["switch_us"]:
@@ -504,6 +528,7 @@ def measure_threads(probe, codec, case: Case, spec: dict, secs: tuple, alone: fl
     finally:
         sys.setswitchinterval(switch)
         codec._restorer.finish = finish
+        transform_triton.FUSED = fused
         dec.close()
         rec["chunks_decoded_alone_after_a_stream_failed"] = fallbacks.pop()
     return rec
@@ -545,8 +570,9 @@ def restore_chunks_v2(codec, blobs, outs, threads) -> None:
     r.finish(decoded, list(outs))
 
 
-def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> dict:
-    """The restore kernels alone, looping on their own stream beside the matmul."""
+def kernel_interference(probe, fn, case: Case, seconds: float, alone: float, kernels: str = "batched") -> dict:
+    """The restore kernels alone (`kernels`: the reference "batched" ones or the "fused" one),
+    looping on their own stream beside the matmul."""
     stream = torch.cuda.Stream()
 
     def loop():
@@ -558,7 +584,7 @@ def kernel_interference(probe, fn, case: Case, seconds: float, alone: float) -> 
     rec = probe.interference(loop, seconds, alone)
     chunk_bytes = case.outs[0].numel() * 2 * 50
     return {
-        "backend": "batched-kernels",
+        "backend": f"{kernels}-kernels",
         "cuda_contexts": 1,
         "matmul_slowdown": rec["matmul_slowdown"],
         "matmul_tflops": rec["matmul_tflops"],
@@ -638,8 +664,10 @@ def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, refere
     stage(log, base, "host-profile", host_profile, codec, case)
     stage(log, base, "gemm-precision", gemm_precision, codec, case)
     k = stage(log, base, "restore-kernels", kernel_times, codec, case)
-    if secs[1] > 0 and "_batched_fn" in k:
-        stage(log, base, "restore-kernels-only", kernel_interference, probe, k["_batched_fn"], case, secs[1], alone)
+    for name in ("batched", "fused"):
+        if secs[1] > 0 and f"_{name}_fn" in k:
+            fn = k[f"_{name}_fn"]
+            stage(log, base, "restore-kernels-only", kernel_interference, probe, fn, case, secs[1], alone, name)
 
 
 def decode_only(probe, case: Case, sessions: int, streamed: bool, secs: tuple, alone: float) -> dict:
@@ -662,19 +690,20 @@ def decode_only(probe, case: Case, sessions: int, streamed: bool, secs: tuple, a
             dec.close()
 
 
-SPEC = re.compile(r"([cbs]?)(\d+)x(\d+)((?:[wdint]\d+)*)$")
+SPEC = re.compile(r"([cbs]?)(\d+)x(\d+)((?:[wdintf]\d+)*)$")
 
 
 def _spec(spec: str) -> dict:
-    """[c|b|s]SESSIONSxTHREADS[wWAVE][dDELAY][iMICROSECONDS][n1]: c per chunk, b session 5's batched
+    """[c|b|s]SESSIONSxTHREADS[wWAVE][dDELAY][iMICROSECONDS][n1][tN][f0]: c per chunk, b session 5's batched
     restore, s streamed (restore_chunks); WAVE chunks per pass of the math (default 16, 0: at the
     end), DELAY the parser's display delay (default 1), i the interpreter's switch interval, n1: no
     math (finish skipped: what decoding and the host work alone reach), tN: N host threads drive the
-    sessions (restore_chunks' drivers; default one per session)."""
+    sessions (restore_chunks' drivers; default one per session), f0: the reference kernels instead of
+    the fused inverse transform."""
     m = SPEC.match(spec)
     if m is None:
         raise click.BadParameter(f"thread spec {spec!r}")
-    opts = {k: int(v) for k, v in re.findall(r"([wdint])(\d+)", m[4])}
+    opts = {k: int(v) for k, v in re.findall(r"([wdintf])(\d+)", m[4])}
     mode = {"c": "chunk", "b": "v2", "s": "stream", "": "chunk"}[m[1]]
     return {
         "sessions": int(m[2]),
@@ -685,6 +714,7 @@ def _spec(spec: str) -> dict:
         "switch_us": opts.get("i"),
         "no_math": bool(opts.get("n")),
         "drivers": opts.get("t"),
+        "fused": bool(opts.get("f", 1)),
     }
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvcodec.errors import CorruptStreamError
+from kvcodec.restore import transform_triton
 from kvcodec.transform.calibration import KINDS, Calibration
 from kvcodec.transform.quantize import OFFSET, recon_offset, step_ratio
 from kvcodec.transform.rope import RopeSpec, inv_freq
@@ -51,6 +52,7 @@ class BatchedPlan:
     split: torch.Tensor | None = None  # (J, d, 2 n) float16: [hi | lo] of bases / scales (see split_bases)
     scales: torch.Tensor | None = None  # (J, 1, 1) float32 largest |bases| of each block
     centred_means: torch.Tensor | None = None  # (J, d, 1) float32 means for centred samples (q, not q + 128)
+    pairs: torch.Tensor | None = None  # (J, P, 7) int32 channel pairs of the fused kernel (transform_triton.pair_table)
 
 
 def block_layout(counts, group_sizes, layer_dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -99,6 +101,9 @@ def build_plan(
         if sigmas is not None:
             ratios[j, :c] = step_ratio(steps[o : o + c].to(torch.float64), sigmas[o : o + c].to(torch.float64)).float()
     split, scales = split_bases(bases)
+    shape = (cal.layers, cal.kv_heads, cal.head_dim)
+    partners = None if cal.rope is None else _rotating_partners(cal.rope)
+    pairs = transform_triton.pair_table(rows, J, d, shape, partners)
     return BatchedPlan(
         gather.reshape(-1).to(device),
         bases.to(device),
@@ -110,7 +115,13 @@ def build_plan(
         split.to(device),
         scales.to(device),
         centred[:, :, None].to(device),
+        torch.from_numpy(pairs).to(device),
     )
+
+
+def _rotating_partners(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
+    partner, _, sign = rope_partner(spec)
+    return partner, sign != 0
 
 
 SPLIT_GEMM = True  # the inverse transform on fp16 tensor cores (hi + lo halves) where the values allow it
@@ -167,13 +178,18 @@ class RopeTables:
         end = start + tokens
         if end > MAX_TABLE_POSITIONS:
             return self._make(start, end)
+        cos, sin = self.covering(end)
+        return cos[:, start:end], sin[:, start:end]
+
+    def covering(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(D, T >= end) float32 cos and signed sin from position 0 (end <= MAX_TABLE_POSITIONS)."""
         cos, sin = self._tables
         if end > cos.shape[1]:
             with self._lock:
                 if end > self._tables[0].shape[1]:
                     self._tables = self._make(0, min(max(end, 2 * self._tables[0].shape[1]), MAX_TABLE_POSITIONS))
                 cos, sin = self._tables
-        return cos[:, start:end], sin[:, start:end]
+        return cos, sin
 
     def _make(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         # the same float64 angles -> float32 as transform.rope.apply_rope
@@ -265,22 +281,36 @@ def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> t
 
 def _split_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, token_scales) -> torch.Tensor:
     """x (J, d, N t) float32 through the float16 [hi | lo] GEMM over centred integers q."""
-    N, C, t = samples.shape
-    J, n, device = plan.bases.shape[0], plan.n, samples.device
-    half = device.type == "cuda"  # tensor cores; on the CPU the same split in float32 (tests)
-    q = _gathered(plan, samples, torch.float16 if half else torch.float32).sub_(OFFSET)
-    if any(idx.numel() for idx, _ in escapes):
-        flat, vals = escape_slots(plan, escapes, t, C)
-        q.view(-1).index_put_((_upload(flat, device),), _upload(vals - OFFSET, device).to(q.dtype))
-    both = q.view(J, 1, n, N * t).expand(J, 2, n, N * t).reshape(J, 2 * n, N * t)  # [q; q]
-    if half:
-        x = torch.bmm(plan.split, both, out_dtype=torch.float32)
-    else:
-        x = torch.bmm(plan.split.float(), both)
-    x.mul_(plan.scales)
+    N, _, t = samples.shape
+    J = plan.bases.shape[0]
+    x = _split_products(plan, samples, escapes).mul_(plan.scales)
     if token_scales is not None:
         x.view(J, -1, N, t).mul_(token_scales[None, None])
     return x.add_(plan.centred_means)
+
+
+def _split_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor:
+    """(J, d, N t) float32 [hi | lo] @ [q; q]: the basis products of the centred integers, before
+    the blocks' scales, the token scales and the means (float16 tensor cores on CUDA; the same
+    split in float32 on the CPU, for the tests)."""
+    N, C, t = samples.shape
+    J, n = plan.bases.shape[0], plan.n
+    half = samples.device.type == "cuda"
+    q = _centred(plan, samples, escapes, torch.float16 if half else torch.float32)
+    both = q.view(J, 1, n, N * t).expand(J, 2, n, N * t).reshape(J, 2 * n, N * t)  # [q; q]
+    if half:
+        return torch.bmm(plan.split, both, out_dtype=torch.float32)
+    return torch.bmm(plan.split.float(), both)
+
+
+def _centred(plan: BatchedPlan, samples: torch.Tensor, escapes, dtype: torch.dtype) -> torch.Tensor:
+    """(J * n, N, t) centred integers q of every block's coded coordinates, escapes written in."""
+    N, C, t = samples.shape
+    q = _gathered(plan, samples, dtype).sub_(OFFSET)
+    if any(idx.numel() for idx, _ in escapes):
+        flat, vals = escape_slots(plan, escapes, t, C)
+        q.view(-1).index_put_((_upload(flat, samples.device),), _upload(vals - OFFSET, samples.device).to(q.dtype))
+    return q
 
 
 def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, recon: str, token_scales) -> torch.Tensor:
@@ -316,6 +346,54 @@ def _reconstruct(plan: BatchedPlan, g: torch.Tensor, recon: str, token_scales: t
     if token_scales is not None:
         q.mul_(token_scales[None])
     q.add_(OFFSET)
+
+
+def restore_into(
+    plan: BatchedPlan,
+    samples: torch.Tensor,
+    escapes,
+    shape: tuple[int, int, int],
+    rope: RopeTables | None,
+    starts,
+    outs,
+    *,
+    recon: str = "centre",
+    token_scales: torch.Tensor | None = None,
+) -> None:
+    """restore() of N chunks straight into their dense outputs outs[i] (L, 2, t, H, D): by the
+    fused kernel (restore.transform_triton) where it serves, else restore() and emit()."""
+    t = samples.shape[2]
+    if _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales):
+        return
+    y = restore(plan, samples, escapes, shape, rope, starts, recon=recon, token_scales=token_scales)
+    for i, out in enumerate(outs):
+        emit(y, i, t, out)
+
+
+def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales) -> bool:  # noqa: ANN001
+    N, _, t = samples.shape
+    end = max(starts) + t
+    if plan.pairs is None or not _split_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
+        return False
+    if not transform_triton.supports(outs, shape, t, samples.device):
+        return False
+    device = samples.device
+    if rope is not None:
+        cos, sin = rope.covering(end)
+    else:
+        cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
+    meta = _upload(torch.tensor([*starts, *(o.data_ptr() for o in outs)], dtype=torch.int64), device)
+    run = transform_triton.Launch(
+        x=_split_products(plan, samples, escapes),
+        cos=cos,
+        sin=sin,
+        token_scales=None if token_scales is None else token_scales.float().contiguous(),
+        meta=meta,
+        tokens=t,
+        out_strides=tuple(outs[0].stride()),
+        out_dtype=outs[0].dtype,
+    )
+    return transform_triton.launch(plan, plan.pairs, run)
 
 
 def emit(y: torch.Tensor, i: int, t: int, out: torch.Tensor) -> torch.Tensor:

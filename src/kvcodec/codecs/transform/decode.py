@@ -202,19 +202,22 @@ class TransformRestorer:
         if any(c.h["fine_tokens"] for c in chunks):  # per-token step multipliers (N, t)
             per = [quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in chunks]
             scales = _to_device(torch.stack(per), device)
-        y = transform_kernels.restore(
+        denses = [
+            out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)
+            for out in outs
+        ]
+        transform_kernels.restore_into(
             bp,
             samples,
             [c.escapes for c in chunks],
             (L, H, D),
             self._rope_tables.get(device),
             starts,
+            denses,
             recon=h0["recon"],
             token_scales=scales,
         )
-        for i, (c, out) in enumerate(zip(chunks, outs)):
-            dense = out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)
-            transform_kernels.emit(y, i, t, dense)
+        for i, (c, out, dense) in enumerate(zip(chunks, outs, denses)):
             if sinks[i] is not None:
                 dense[:, :, : c.h["sink"]] = sinks[i]
             if isinstance(out, PagedKV):

@@ -1,0 +1,183 @@
+"""The fused inverse transform (restore.transform_triton): its channel-pair table with hypothesis,
+its semantics emulated on the CPU against the reference kernels, and on a GPU (skipped without
+CUDA and Triton) the kernel itself against the reference kernels it replaces.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import test_transform_gpu as gpu_tests  # the synthetic transform and KV of the batched-restore tests
+from kvcodec.restore import transform_kernels as tk
+from kvcodec.restore import transform_triton as tt
+from kvcodec.transform import RopeSpec, calibrate, save_kvt
+
+kvt = gpu_tests.kvt  # the module-scoped fixture
+L, H, D = gpu_tests.L, gpu_tests.H, gpu_tests.D
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() or tt.triton_modules() is None, reason="needs a CUDA GPU and Triton"
+)
+
+SPECS = [None, RopeSpec(1e4, 16), RopeSpec(5e5, 16, 8, "interleaved"), RopeSpec(1e6, 16, 12), RopeSpec(1e4, 16, 6)]
+
+
+def _partners(spec):
+    return None if spec is None else tk._rotating_partners(spec)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    heads=st.integers(1, 3),
+    spec=st.sampled_from(SPECS),
+    data=st.data(),
+)
+def test_pair_table_holds_every_output_channel_once_with_its_partner(sizes, heads, spec, data):
+    layer_dim = heads * 16
+    counts = [data.draw(st.integers(0, s * layer_dim)) for s in sizes for _ in range(2)]
+    _, rows, _, d = tk.block_layout(counts, sizes, layer_dim)
+    table = tt.pair_table(rows, 2 * len(sizes), d, (sum(sizes), heads, 16), _partners(spec))
+    live = table[table[:, :, 2] >= 0]
+    blocks = np.nonzero(table[:, :, 2] >= 0)[0]
+    row_a, row_b, lk, head, ch_a, ch_b, turn = live.T
+    hd = head * 16
+    # each output element (layer * 2 + kind, head, channel) once, as a pair's first or second
+    elements = np.concatenate([lk * layer_dim + hd + ch_a, (lk * layer_dim + hd + ch_b)[ch_b != ch_a]])
+    assert sorted(elements.tolist()) == list(range(sum(sizes) * 2 * layer_dim))
+    # each channel's GEMM row is the one block_layout gives its output element, in the pair's block
+    for ch, row in ((ch_a, row_a), (ch_b, row_b)):
+        assert np.array_equal(blocks * d + row, rows[lk * layer_dim + hd + ch])
+    if spec is None:
+        assert not turn.any()
+        return
+    partner, _, sign = tk.rope_partner(spec)
+    assert np.array_equal(turn.astype(bool), (lk % 2 == 0) & (sign[ch_a] != 0))
+    assert np.array_equal(partner[ch_a][turn == 1], ch_b[turn == 1])
+
+
+def emulate(plan, x, cos, sin, starts, outs, token_scales=None) -> None:
+    """What the kernel computes from the GEMM's products x (J, d, N t), pair by pair, in torch on
+    the CPU (the kernel's contract)."""
+    NT = x.shape[2]
+    t = outs[0].shape[2]
+    x = x * plan.scales
+    if token_scales is not None:
+        x = x * token_scales.reshape(1, 1, NT)
+    x = x + plan.centred_means
+    table = plan.pairs.numpy()
+    j, p = np.nonzero(table[:, :, 2] >= 0)
+    row_a, row_b, lk, head, ch_a, ch_b, turn = (torch.from_numpy(table[j, p, f].astype(np.int64)) for f in range(7))
+    j = torch.from_numpy(j)
+    x_a, x_b = x[j, row_a], x[j, row_b]  # (pairs, NT)
+    cols = torch.arange(NT)
+    pos = torch.tensor(starts)[cols // t] + cols % t
+    on = turn.bool()[:, None]
+    cos_a = torch.where(on, cos[ch_a][:, pos], 1.0)
+    sin_a = torch.where(on, sin[ch_a][:, pos], 0.0)
+    cos_b = torch.where(on, cos[ch_b][:, pos], 1.0)
+    sin_b = torch.where(on, sin[ch_b][:, pos], 0.0)
+    y_a, y_b = x_b * sin_a + x_a * cos_a, x_a * sin_b + x_b * cos_b
+    s_l, s_kind, s_tok, s_head, s_ch = outs[0].stride()
+    for i, out in enumerate(outs):
+        flat, sel = out.view(-1), slice(i * t, (i + 1) * t)
+        tok = torch.arange(t)
+        for y, ch in ((y_a, ch_a), (y_b, ch_b)):
+            at = ((lk // 2) * s_l + (lk % 2) * s_kind + head * s_head + ch * s_ch)[:, None] + tok[None, :] * s_tok
+            flat[at.reshape(-1)] = y[:, sel].reshape(-1).to(out.dtype)
+
+
+def decoded(codec, chunks):
+    r = codec._restorer
+    got = []
+    for ch in chunks:
+        h, streams = codec._read(ch.blobs[0])
+        got.append(r.decode_samples(h, streams, torch.device("cpu")))
+    return r, got
+
+
+@pytest.mark.parametrize("kw", [dict(target_ratio=4.0), dict(target_ratio=4.0, fine_tokens=100, fine_bits=1)])
+def test_the_kernels_contract_restores_what_the_reference_kernels_do(kvt, kw):
+    """The pair table read as the kernel reads it (emulate) against restore() + emit()."""
+    from kvcodec.transform import quantize
+
+    _, fast = gpu_tests.codecs(kvt, **kw)
+    chunks = fast.encode_chunks(gpu_tests.synthetic_kv(192, 4))
+    r, dec = decoded(fast, chunks)
+    h0 = dec[0].h
+    plan, rope = r._batched_plan(h0, torch.device("cpu")), r._rope_tables.get(torch.device("cpu"))
+    t = h0["tokens"]
+    samples = torch.stack([c.samples for c in dec])
+    escapes, starts = [c.escapes for c in dec], [c.h["start_token"] for c in dec]
+    scales = None
+    if kw.get("fine_tokens"):
+        scales = torch.stack([quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in dec])
+    want = [torch.empty((L, 2, t, H, D), dtype=torch.float16) for _ in dec]
+    y = tk.restore(plan, samples, escapes, (L, H, D), rope, starts, token_scales=scales)
+    for i, out in enumerate(want):
+        tk.emit(y, i, t, out)
+    got = [torch.full_like(w, float("nan")) for w in want]
+    cos, sin = rope.covering(max(starts) + t)
+    emulate(plan, tk._split_products(plan, samples, escapes), cos, sin, starts, got, scales)
+    for a, b in zip(want, got):
+        assert gpu_tests.within_an_ulp(a, b)
+
+
+# ----------------------------------------------------------------------------------------- GPU
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(target_ratio=4.0), dict(target_ratio=4.0, fine_tokens=100, fine_bits=1), dict(theta=1e-3)],
+    ids=["ratio4", "finer-tail", "fine-level"],
+)
+def test_fused_kernel_restores_what_the_reference_kernels_do(kvt, kw, dtype, monkeypatch):
+    _, fast = gpu_tests.codecs(kvt, **kw)
+    kv = gpu_tests.synthetic_kv(300, 9).to(dtype)
+    chunks = fast.encode_chunks(kv)
+    fused = gpu_tests.restore_all(fast, chunks, kv.shape, dtype=dtype, device="cuda")
+    assert tt.FUSED, "the fused kernel failed and was turned off"
+    monkeypatch.setattr(tt, "FUSED", False)
+    reference = gpu_tests.restore_all(fast, chunks, kv.shape, dtype=dtype, device="cuda")
+    torch.cuda.synchronize()
+    assert torch.isfinite(fused.float()).all()
+    ulp = max(torch.finfo(dtype).eps, 2.0**-16)  # float32 sums in another order, then one rounding
+    assert torch.allclose(fused.cpu().float(), reference.cpu().float(), rtol=ulp, atol=ulp / 4)
+
+
+@needs_triton
+@pytest.mark.parametrize("spec", SPECS[1:], ids=["half", "interleaved-partial", "partial", "partial-6"])
+def test_fused_kernel_rotates_every_rope_style(tmp_path, spec, monkeypatch):
+    cal = calibrate([gpu_tests.synthetic_kv(600, s) for s in (1, 2)], spec, max_group=2, info={"model": "synthetic"})
+    path = tmp_path / "s.kvt"
+    save_kvt(cal, path)
+    _, fast = gpu_tests.codecs((path, None), target_ratio=4.0)
+    kv = gpu_tests.synthetic_kv(200, 5, first=70_000)  # positions past the tables' first size
+    chunks = fast.encode_chunks(kv)
+    fused = gpu_tests.restore_all(fast, chunks, kv.shape, device="cuda")
+    monkeypatch.setattr(tt, "FUSED", False)
+    reference = gpu_tests.restore_all(fast, chunks, kv.shape, device="cuda")
+    torch.cuda.synchronize()
+    assert gpu_tests.within_an_ulp(fused.cpu(), reference.cpu())
+
+
+@needs_triton
+def test_many_chunks_in_one_fused_call_land_in_their_own_outputs(kvt, monkeypatch):
+    from kvcodec.codecs.transform.batch import restore_chunks
+
+    _, fast = gpu_tests.codecs(kvt, target_ratio=4.0)
+    kv = gpu_tests.synthetic_kv(320, 6)
+    chunks = fast.encode_chunks(kv)
+    order = [3, 0, 4, 2, 1]
+    out = torch.full(kv.shape, float("nan"), dtype=torch.float16, device="cuda")
+    outs = [out[:, :, chunks[i].start_token : chunks[i].start_token + chunks[i].tokens] for i in order]
+    restore_chunks(fast, [chunks[i].blobs[0] for i in order], outs)
+    monkeypatch.setattr(tt, "FUSED", False)
+    reference = gpu_tests.restore_all(fast, chunks, kv.shape, device="cuda")
+    torch.cuda.synchronize()
+    assert gpu_tests.within_an_ulp(out.cpu(), reference.cpu())
