@@ -450,10 +450,7 @@ class TransformCodec:
         samples = (ordered.clamp(lo, hi) + quantize.OFFSET).to(torch.uint8)
         coders = [self.chunk_coder(first_position + k * self.chunk_tokens) for k in range(chunks)]
         rows = {c: [k for k in range(chunks) if coders[k] == c] for c in MIXED_TURN}
-        picked = {
-            c: samples.index_select(0, torch.tensor(r, dtype=torch.long, device=samples.device))
-            for c, r in rows.items()
-        }
+        picked = {c: _rows_of(samples, r) for c, r in rows.items()}
         frames_by_res = [self._batch_frames(picked["hevc"], res) for res in self.resolutions]
         where, values, plain, *host = host_arrays([where, values, picked["zstd"], *frames_by_res])
         row = {k: j for r in rows.values() for j, k in enumerate(r)}  # chunk -> its row among its coder's
@@ -640,3 +637,11 @@ def kvt_info(transform: str | Path) -> dict:
     except OSError as e:
         raise ConfigError(f"transform file {transform}: {e.strerror or e}") from e
     return grouped_from_bytes(data)[2] if is_grouped_kvt(data) else dict(from_bytes(data).info)
+
+
+def _rows_of(samples: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """samples[rows] (rows ascending): samples itself where they are every row (one coder codes
+    every chunk of the batch), no copy."""
+    if len(rows) == samples.shape[0]:
+        return samples
+    return samples.index_select(0, torch.tensor(rows, dtype=torch.long, device=samples.device))
