@@ -129,19 +129,33 @@ def test_the_kernels_contract_restores_what_the_reference_kernels_do(kvt, kw):
 # ----------------------------------------------------------------------------------------- GPU
 
 
+def _counted(fn, name: str, ran: list):
+    def counted(*args, **kwargs):
+        ran.append(name)
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "kw",
-    [dict(target_ratio=4.0), dict(target_ratio=4.0, fine_tokens=100, fine_bits=1), dict(theta=1e-3)],
-    ids=["ratio4", "finer-tail", "fine-level"],
+    [dict(target_ratio=4.0), dict(target_ratio=4.0, fine_tokens=100, fine_bits=1), dict(theta=1e-2)],
+    ids=["ratio4", "finer-tail", "escapes"],
 )
 def test_fused_kernel_restores_what_the_reference_kernels_do(kvt, kw, dtype, monkeypatch):
     _, fast = gpu_tests.codecs(kvt, **kw)
     kv = gpu_tests.synthetic_kv(300, 9).to(dtype)
     chunks = fast.encode_chunks(kv)
+    if "theta" in kw:
+        assert sum(fast.header(c.blobs[0])["escapes"] for c in chunks) > 0
+    ran = []
+    for name in ("launch", "gather_twice"):
+        monkeypatch.setattr(tt, name, _counted(getattr(tt, name), name, ran))
     fused = gpu_tests.restore_all(fast, chunks, kv.shape, dtype=dtype, device="cuda")
     assert tt.FUSED, "the fused kernel failed and was turned off"
+    assert ran.count("launch") == len(chunks) and ran.count("gather_twice") == len(chunks)
     monkeypatch.setattr(tt, "FUSED", False)
     reference = gpu_tests.restore_all(fast, chunks, kv.shape, dtype=dtype, device="cuda")
     torch.cuda.synchronize()

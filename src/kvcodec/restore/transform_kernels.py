@@ -296,11 +296,31 @@ def _split_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.
     N, C, t = samples.shape
     J, n = plan.bases.shape[0], plan.n
     half = samples.device.type == "cuda"
-    q = _centred(plan, samples, escapes, torch.float16 if half else torch.float32)
-    both = q.view(J, 1, n, N * t).expand(J, 2, n, N * t).reshape(J, 2 * n, N * t)  # [q; q]
+    both = _twice_fused(plan, samples, escapes) if half and C else None
+    if both is None:
+        q = _centred(plan, samples, escapes, torch.float16 if half else torch.float32)
+        both = q.view(J, 1, n, N * t).expand(J, 2, n, N * t).reshape(J, 2 * n, N * t)  # [q; q]
     if half:
         return torch.bmm(plan.split, both, out_dtype=torch.float32)
     return torch.bmm(plan.split.float(), both)
+
+
+def _twice_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor | None:
+    """[q; q] (J, 2 n, N t) float16 by the fused gather (transform_triton.gather_twice), escapes
+    written into both halves; None where the fused kernels do not serve."""
+    N, C, t = samples.shape
+    J, n = plan.bases.shape[0], plan.n
+    if not transform_triton.FUSED or transform_triton.triton_modules() is None:
+        return None
+    both = transform_triton.gather_twice(samples.contiguous(), plan.gather, J, n)
+    if both is None or not any(idx.numel() for idx, _ in escapes):
+        return both
+    flat, vals = escape_slots(plan, escapes, t, C)  # slot * (N t) + column in the (J n, N t) layout
+    slot, col = flat // (N * t), flat % (N * t)
+    first = ((slot // n) * 2 * n + slot % n) * (N * t) + col
+    at = _upload(torch.cat([first, first + n * N * t]), samples.device)
+    both.view(-1).index_put_((at,), _upload(torch.cat([vals, vals]) - OFFSET, samples.device).half())
+    return both
 
 
 def _centred(plan: BatchedPlan, samples: torch.Tensor, escapes, dtype: torch.dtype) -> torch.Tensor:

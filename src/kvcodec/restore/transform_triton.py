@@ -30,6 +30,7 @@ FUSED = True  # False after a failed compile or launch: the reference kernels re
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernel's OUT code is the index
 PAIR_FIELDS = 7  # row a, row b (within the block), layer * 2 + kind, head, channel a, channel b, rotates
 BLOCK_M, BLOCK_N = 32, 64
+GATHER_SLOTS, GATHER_COLS = 16, 128
 
 
 def channel_partners(head_dim: int, rotating: np.ndarray, partner: np.ndarray) -> np.ndarray:
@@ -127,6 +128,26 @@ def _launch(plan, pairs: torch.Tensor, run: Launch) -> None:
     )  # fmt: skip
 
 
+def gather_twice(samples: torch.Tensor, gather: torch.Tensor, blocks: int, n: int) -> torch.Tensor | None:
+    """(blocks, 2 n, N t) float16 [q; q] of N chunks' samples (N, C, t) uint8: each block slot's
+    coded coordinate (gather[slot]: its row among the C), centred (sample - 128), written twice
+    for the [hi | lo] GEMM; one pass instead of select, cast, centre and duplicate. None where the
+    kernel fails (the fused path is then off for this process)."""
+    global FUSED
+    N, C, t = samples.shape
+    out = torch.empty((blocks, 2 * n, N * t), dtype=torch.float16, device=samples.device)
+    grid = (triton_cdiv(blocks * n, GATHER_SLOTS), triton_cdiv(N * t, GATHER_COLS))
+    try:
+        _gather_kernel()[grid](
+            samples, gather, out, n, C, t, N * t, blocks * n, SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4
+        )
+    except Exception as e:  # noqa: BLE001 - a broken toolchain or an unsupported GPU: fall back, once
+        FUSED = False
+        log.warning("fused gather unavailable (%s: %s): restoring with the reference kernels", type(e).__name__, e)
+        return None
+    return out
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -187,3 +208,28 @@ def _kernel():
         tl.store(out[None, :] + (row_off + ch_b * s_ch)[:, None] + col_off[None, :], y_b, mask=keep)
 
     return inverse_epilogue
+
+
+@functools.cache
+def _gather_kernel():
+    triton, tl = triton_modules()
+
+    @triton.jit(do_not_specialize=["n", "C", "t", "NT", "slots"])
+    def gather_twice(samples_ptr, gather_ptr, out_ptr, n, C, t, NT, slots, SLOTS: tl.constexpr, COLS: tl.constexpr):
+        slot = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
+        s_ok = slot < slots
+        row = tl.load(gather_ptr + slot, mask=s_ok, other=0)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        c_ok = cols < NT
+        chunk = (cols // t).to(tl.int64)
+        tok = cols - (cols // t) * t
+        keep = s_ok[:, None] & c_ok[None, :]
+        src = samples_ptr + (chunk * C * t + tok)[None, :] + (row * t)[:, None]
+        q = (tl.load(src, mask=keep, other=128).to(tl.float32) - 128.0).to(tl.float16)
+        j = (slot // n).to(tl.int64)
+        k = (slot - (slot // n) * n).to(tl.int64)
+        first = out_ptr + (j * 2 * n + k)[:, None] * NT + cols[None, :]
+        tl.store(first, q, mask=keep)
+        tl.store(first + n * NT, q, mask=keep)
+
+    return gather_twice
