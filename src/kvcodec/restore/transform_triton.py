@@ -9,8 +9,9 @@ chunks. Here one pass does them all: each program takes a tile of channel pairs 
 and its RoPE partner, or two neighbouring channels that do not rotate) over a tile of token
 columns, reads both rows of the GEMM's output, applies steps, means and the rotation in registers
 and stores the cast values straight into the chunks' outputs (read from a table of their
-addresses). The GEMM stays with cuBLAS (a Triton GEMM with gathered rows measured 2x slower).
-The reference path (restore + emit) is the fallback and the tests' reference.
+addresses). Before the GEMM, gather_twice makes its [q; q] operand from the chunks' uint8 samples in
+one pass. The GEMM stays with cuBLAS (a Triton GEMM with gathered rows measured 2x slower). The
+reference path (restore + emit) is the fallback and the tests' reference.
 """
 
 from __future__ import annotations
