@@ -288,11 +288,14 @@ def _switches(codec, variant: dict):
     native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM),
     keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n),
     hipri True (the restore's CUDA streams at the device's highest priority, not the default one),
-    torch True (an HEVC codec restores with the reference torch restorer, not the fused kernel)."""
+    torch True (an HEVC codec restores with the reference torch restorer, not the fused kernel),
+    fused False (the transform's inverse by the reference kernels, not restore.transform_triton's)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
-    from kvcodec.restore import transform_kernels
+    from kvcodec.restore import transform_kernels, transform_triton
     from kvcodec.video import nvcuvid, nvcuvid_native, streams
 
+    fused = transform_triton.FUSED
+    transform_triton.FUSED = variant.get("fused", True) and fused
     saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
     driven = transform_batch.DRIVEN, transform_batch.EAGER
@@ -323,6 +326,7 @@ def _switches(codec, variant: dict):
         yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
         nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
+        transform_triton.FUSED = fused
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
         transform_batch.DRIVEN, transform_batch.EAGER = driven
         nvcuvid_native.KEEP = keep
@@ -373,6 +377,7 @@ SWITCHES = (
     "keep",
     "hipri",
     "torch",
+    "fused",
     "ht",
 )
 
@@ -894,7 +899,7 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -swiN, -ddN, -fdN, -htN (host pool threads)
+    -nokeep, -hipri, -torch, -unfused, -swiN, -ddN, -fdN, -htN (host pool threads)
     (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
@@ -908,6 +913,7 @@ def _variant(text: str) -> dict:
         "nokeep": ("keep", False),
         "hipri": ("hipri", True),
         "torch": ("torch", True),
+        "unfused": ("fused", False),
     }
     for sw in switches:
         if sw.startswith("ht"):  # -ht4: threads of the driven fetch's host pool
