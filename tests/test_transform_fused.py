@@ -36,58 +36,52 @@ def _partners(spec):
     spec=st.sampled_from(SPECS),
     data=st.data(),
 )
-def test_pair_table_holds_every_output_channel_once_with_its_partner(sizes, heads, spec, data):
+def test_unit_table_names_each_head_s_rows_and_each_channel_s_partner(sizes, heads, spec, data):
     layer_dim = heads * 16
     counts = [data.draw(st.integers(0, s * layer_dim)) for s in sizes for _ in range(2)]
     _, rows, _, d = tk.block_layout(counts, sizes, layer_dim)
-    table = tt.pair_table(rows, 2 * len(sizes), d, (sum(sizes), heads, 16), _partners(spec))
-    live = table[table[:, :, 2] >= 0]
-    blocks = np.nonzero(table[:, :, 2] >= 0)[0]
-    row_a, row_b, lk, head, ch_a, ch_b, turn = live.T
-    hd = head * 16
-    # each output element (layer * 2 + kind, head, channel) once, as a pair's first or second
-    elements = np.concatenate([lk * layer_dim + hd + ch_a, (lk * layer_dim + hd + ch_b)[ch_b != ch_a]])
-    assert sorted(elements.tolist()) == list(range(sum(sizes) * 2 * layer_dim))
-    # each channel's GEMM row is the one block_layout gives its output element, in the pair's block
-    for ch, row in ((ch_a, row_a), (ch_b, row_b)):
-        assert np.array_equal(blocks * d + row, rows[lk * layer_dim + hd + ch])
+    units, channels = tt.unit_table(rows, (sum(sizes), heads, 16), _partners(spec))
+    assert units.shape == (sum(sizes) * 2 * heads,) and channels.shape == (2, 16)
+    # channel c of head unit u is GEMM row units[u] + c, in the block of the unit's layer group and kind
+    assert np.array_equal((units[:, None] + np.arange(16)).ravel(), rows)
+    partner, turn = channels
     if spec is None:
-        assert not turn.any()
+        assert not turn.any() and np.array_equal(partner, np.arange(16))
         return
-    partner, _, sign = tk.rope_partner(spec)
-    assert np.array_equal(turn.astype(bool), (lk % 2 == 0) & (sign[ch_a] != 0))
-    assert np.array_equal(partner[ch_a][turn == 1], ch_b[turn == 1])
+    want, _, sign = tk.rope_partner(spec)
+    assert np.array_equal(turn.astype(bool), sign != 0)
+    assert np.array_equal(partner[turn == 1], want[turn == 1]) and np.array_equal(partner[partner], np.arange(16))
+
+
+def test_unit_table_refuses_heads_whose_rows_are_not_consecutive():
+    _, rows, _, _ = tk.block_layout([16, 16], [1], 16)
+    with pytest.raises(ValueError):
+        tt.unit_table(rows[::-1].copy(), (1, 1, 16), None)
 
 
 def emulate(plan, x, cos, sin, starts, outs, token_scales=None) -> None:
-    """What the kernel computes from the GEMM's products x (J, d, N t), pair by pair, in torch on
+    """What the kernel computes from the GEMM's products x (J, d, N t), head by head, in torch on
     the CPU (the kernel's contract)."""
     NT = x.shape[2]
     t = outs[0].shape[2]
     x = x * plan.scales
     if token_scales is not None:
         x = x * token_scales.reshape(1, 1, NT)
-    x = x + plan.centred_means
-    table = plan.pairs.numpy()
-    j, p = np.nonzero(table[:, :, 2] >= 0)
-    row_a, row_b, lk, head, ch_a, ch_b, turn = (torch.from_numpy(table[j, p, f].astype(np.int64)) for f in range(7))
-    j = torch.from_numpy(j)
-    x_a, x_b = x[j, row_a], x[j, row_b]  # (pairs, NT)
+    x = (x + plan.centred_means).reshape(-1, NT)  # flat GEMM rows
+    L, _, _, H, D = outs[0].shape
+    partner, turn = plan.channels.long()
     cols = torch.arange(NT)
     pos = torch.tensor(starts)[cols // t] + cols % t
-    on = turn.bool()[:, None]
-    cos_a = torch.where(on, cos[ch_a][:, pos], 1.0)
-    sin_a = torch.where(on, sin[ch_a][:, pos], 0.0)
-    cos_b = torch.where(on, cos[ch_b][:, pos], 1.0)
-    sin_b = torch.where(on, sin[ch_b][:, pos], 0.0)
-    y_a, y_b = x_b * sin_a + x_a * cos_a, x_a * sin_b + x_b * cos_b
-    s_l, s_kind, s_tok, s_head, s_ch = outs[0].stride()
-    for i, out in enumerate(outs):
-        flat, sel = out.view(-1), slice(i * t, (i + 1) * t)
-        tok = torch.arange(t)
-        for y, ch in ((y_a, ch_a), (y_b, ch_b)):
-            at = ((lk // 2) * s_l + (lk % 2) * s_kind + head * s_head + ch * s_ch)[:, None] + tok[None, :] * s_tok
-            flat[at.reshape(-1)] = y[:, sel].reshape(-1).to(out.dtype)
+    for u, row0 in enumerate(plan.units.tolist()):
+        own = x[row0 : row0 + D]
+        if (u // H) % 2 == 0:  # keys rotate their rotary channels
+            on = turn.bool()[:, None]
+            y = own * torch.where(on, cos[:, pos], 1.0) + own[partner] * torch.where(on, sin[:, pos], 0.0)
+        else:
+            y = own
+        layer, kind, head = u // (2 * H), (u // H) % 2, u % H
+        for i, out in enumerate(outs):
+            out[layer, kind, :, head] = y[:, i * t : (i + 1) * t].T.to(out.dtype)
 
 
 def decoded(codec, chunks):

@@ -603,10 +603,13 @@ def driven_host(case, codec, mem, doc, reps: int = 10) -> dict:
     }
 
 
-def kernels_only(case, codec, mem, doc, probe, alone: float, secs: float, split: bool = True) -> dict:
-    """The batched inverse transform alone (samples staged once), looping beside the matmul."""
+def kernels_only(
+    case, codec, mem, doc, probe, alone: float, secs: float, split: bool = True, fused: bool = True
+) -> dict:
+    """The batched inverse transform alone (samples staged once), looping beside the matmul; fused:
+    restore.transform_triton's kernels (else the reference kernels)."""
     from kvcodec.fetcher import blob_key
-    from kvcodec.restore import transform_kernels
+    from kvcodec.restore import transform_kernels, transform_triton
 
     keys = _keys(doc, case)
     blobs = [mem.get(blob_key(k, 0)) for k in keys]
@@ -619,15 +622,15 @@ def kernels_only(case, codec, mem, doc, probe, alone: float, secs: float, split:
     stream = torch.cuda.Stream()
 
     def loop():
-        saved = transform_kernels.SPLIT_GEMM
-        transform_kernels.SPLIT_GEMM = split
+        saved = transform_kernels.SPLIT_GEMM, transform_triton.FUSED
+        transform_kernels.SPLIT_GEMM, transform_triton.FUSED = split, fused and saved[1]
         try:
             with torch.cuda.stream(stream):
                 for _ in range(10):
                     codec.finish(staged, outs)
             stream.synchronize()
         finally:
-            transform_kernels.SPLIT_GEMM = saved
+            transform_kernels.SPLIT_GEMM, transform_triton.FUSED = saved
 
     loop()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -636,7 +639,8 @@ def kernels_only(case, codec, mem, doc, probe, alone: float, secs: float, split:
     end.record(stream)
     torch.cuda.synchronize()
     nbytes = 10 * sum(o.numel() * 2 for o in outs)
-    rec = {"kind": "restore-kernels", "gemm": "fp16-split" if split else "fp32", "chunks_per_pass": len(outs)}
+    rec = {"kind": "restore-kernels", "gemm": "fp16-split" if split else "fp32", "fused": fused and split}
+    rec["chunks_per_pass"] = len(outs)
     rec["cuda_contexts"] = 1
     rec["kernels_gb_per_s_alone"] = round(nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 3)
     if secs > 0:
@@ -865,8 +869,8 @@ def run(
         _stage(log, base, driven_host, case, codec, mem, doc)
         if case["codec"] == "transform" and not quick:
             _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
-            for split in (True, False):
-                _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split)
+            for split, fused in ((True, True), (True, False), (False, False)):
+                _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split, fused)
         if case["name"] == profile_case:
             for v in [{}] + variants:
                 _stage(log, base, timeline, mem, doc, case, codec, v, repeat)

@@ -52,7 +52,8 @@ class BatchedPlan:
     split: torch.Tensor | None = None  # (J, d, 2 n) float16: [hi | lo] of bases / scales (see split_bases)
     scales: torch.Tensor | None = None  # (J, 1, 1) float32 largest |bases| of each block
     centred_means: torch.Tensor | None = None  # (J, d, 1) float32 means for centred samples (q, not q + 128)
-    pairs: torch.Tensor | None = None  # (J, P, 7) int32 channel pairs of the fused kernel (transform_triton.pair_table)
+    units: torch.Tensor | None = None  # (L * 2 * H,) int64 the fused epilogue's first row of each head (unit_table)
+    channels: torch.Tensor | None = None  # (2, D) int32 each channel's RoPE partner and whether it rotates
 
 
 def block_layout(counts, group_sizes, layer_dim: int) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -103,7 +104,7 @@ def build_plan(
     split, scales = split_bases(bases)
     shape = (cal.layers, cal.kv_heads, cal.head_dim)
     partners = None if cal.rope is None else _rotating_partners(cal.rope)
-    pairs = transform_triton.pair_table(rows, J, d, shape, partners)
+    units, channels = transform_triton.unit_table(rows, shape, partners)
     return BatchedPlan(
         gather.reshape(-1).to(device),
         bases.to(device),
@@ -115,7 +116,8 @@ def build_plan(
         split.to(device),
         scales.to(device),
         centred[:, :, None].to(device),
-        torch.from_numpy(pairs).to(device),
+        torch.from_numpy(units).to(device),
+        torch.from_numpy(channels).to(device),
     )
 
 
@@ -393,7 +395,7 @@ def restore_into(
 def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales) -> bool:  # noqa: ANN001
     N, _, t = samples.shape
     end = max(starts) + t
-    if plan.pairs is None or not _split_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
+    if plan.units is None or not _split_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
         return False
     if not transform_triton.supports(outs, shape, t, samples.device):
         return False
@@ -411,9 +413,10 @@ def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scale
         meta=meta,
         tokens=t,
         out_strides=tuple(outs[0].stride()),
+        out_shape_heads=shape[1],
         out_dtype=outs[0].dtype,
     )
-    return transform_triton.launch(plan, plan.pairs, run)
+    return transform_triton.launch(plan, plan.units, run)
 
 
 def emit(y: torch.Tensor, i: int, t: int, out: torch.Tensor) -> torch.Tensor:
