@@ -413,10 +413,10 @@ def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scale
         meta=meta,
         tokens=t,
         out_strides=tuple(outs[0].stride()),
-        out_shape_heads=shape[1],
+        heads=shape[1],
         out_dtype=outs[0].dtype,
     )
-    return transform_triton.launch(plan, plan.units, run)
+    return transform_triton.launch(plan, run)
 
 
 def emit(y: torch.Tensor, i: int, t: int, out: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,18 @@
-"""The fused epilogue of the inverse transform: one Triton kernel from the GEMM's products of N
-chunks to their scaled, rotated, cast values in each chunk's output (CUDA; the split GEMM's
-conditions).
+"""The transform's inverse around cuBLAS's GEMM as two Triton kernels (CUDA; the split GEMM's
+conditions): the gather before it and the epilogue after it.
 
-transform_kernels.restore runs the batched inverse transform as the float16 [hi | lo] GEMM (cuBLAS,
-tensor cores) and then about eight float32 passes over every value (steps, means, row order, RoPE's
-partner gather, multiply and add, permute + cast), twice the GEMM's own time on a 7-8B model's
-chunks. Here one pass does them all: each program takes one (layer, kind, head) of the
-batch, all its channels over a tile of token columns: it reads the GEMM's rows of those channels
-(consecutive rows, unit_table) and, for keys, of their RoPE partners, applies the blocks' scales,
-the token scales, the means and the rotation in registers and stores the cast values straight into
-the chunks' outputs (read from a table of their addresses), whole heads per token, so the writes
-are contiguous along the channels. Before the GEMM, gather_twice makes its [q; q] operand from the chunks' uint8 samples in
-one pass. The GEMM stays with cuBLAS (a Triton GEMM with gathered rows measured 2x slower). The
-reference path (restore + emit) is the fallback and the tests' reference.
+transform_kernels.restore runs the batched inverse transform as select, cast, centre and duplicate,
+the float16 [hi | lo] GEMM (cuBLAS, tensor cores), then about eight float32 passes over every value
+(steps, means, row order, RoPE's partner gather, multiply and add, permute + cast): twice the GEMM's
+own time on a 7-8B model's chunks. Here gather_twice makes the GEMM's [q; q] operand from the
+chunks' uint8 samples in one pass, and the epilogue does the rest in one more: each program takes
+one (layer, kind, head) of the batch, all its channels over a tile of token columns; it reads the
+GEMM's rows of those channels (consecutive rows: unit_table) and, for keys, of their RoPE partners,
+applies the blocks' scales, the token scales, the means and the rotation in registers, and stores
+the cast values straight into the chunks' outputs (a table of their addresses), whole heads per
+token, so the writes are contiguous along the channels. The GEMM stays with cuBLAS: a Triton GEMM
+over gathered basis rows measured twice as slow. The reference kernels (restore + emit) are the
+fallback and the tests' reference.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def unit_table(rows: np.ndarray, shape: tuple[int, int, int], rope_pairs) -> tup
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """What one fused restore needs beside the plan: the gathered integers and where they go."""
+    """What one epilogue needs beside the plan: the GEMM's products and where they go."""
 
     x: torch.Tensor  # (J, d, N t) float32 basis products of the centred integers (before steps and means)
     cos: torch.Tensor  # (D, T) float32 (or a 1 x 1 dummy without RoPE)
@@ -60,7 +60,7 @@ class Launch:
     meta: torch.Tensor  # (2 N,) int64 on the device: first positions, then output addresses
     tokens: int
     out_strides: tuple[int, ...]  # of every output (L, 2, t, H, D), in elements
-    out_shape_heads: int  # H
+    heads: int  # H of the outputs (L, 2, t, H, D)
     out_dtype: torch.dtype
 
 
@@ -77,12 +77,12 @@ def supports(outs, shape: tuple[int, int, int], tokens: int, device: torch.devic
     )
 
 
-def launch(plan, units: torch.Tensor, run: Launch) -> bool:
+def launch(plan, run: Launch) -> bool:
     """Run the kernel; False (and the fused path off for this process) where it fails to compile
     or launch, so the caller restores by the reference path."""
     global FUSED
     try:
-        _launch(plan, units, run)
+        _launch(plan, run)
         return True
     except Exception as e:  # noqa: BLE001 - a broken toolchain or an unsupported GPU: fall back, once
         FUSED = False
@@ -92,22 +92,22 @@ def launch(plan, units: torch.Tensor, run: Launch) -> bool:
         return False
 
 
-def _launch(plan, units: torch.Tensor, run: Launch) -> None:
+def _launch(plan, run: Launch) -> None:
     J, d, NT = run.x.shape
     N = run.meta.numel() // 2
     D = plan.channels.shape[1]
     ts = run.token_scales.reshape(-1) if run.token_scales is not None else run.cos
     s_l, s_kind, s_tok, s_head, s_ch = run.out_strides
-    grid = (units.numel(), triton_cdiv(NT, BLOCK_N))
+    grid = (plan.units.numel(), _cdiv(NT, BLOCK_N))
     _kernel()[grid](
-        run.x, plan.scales, plan.centred_means, units, plan.channels, run.cos, run.sin, ts, run.meta,
-        d, NT, run.tokens, run.cos.shape[1], s_l, s_kind, s_tok, s_head, s_ch, N, run.out_shape_heads, D,
+        run.x, plan.scales, plan.centred_means, plan.units, plan.channels, run.cos, run.sin, ts, run.meta,
+        d, NT, run.tokens, run.cos.shape[1], s_l, s_kind, s_tok, s_head, s_ch, N, run.heads, D,
         HAS_TS=run.token_scales is not None, OUT=OUT_DTYPES.index(run.out_dtype),
-        BLOCK_D=triton_next_pow2(D), BLOCK_N=BLOCK_N, num_warps=4,
+        BLOCK_D=_next_pow2(D), BLOCK_N=BLOCK_N, num_warps=4,
     )  # fmt: skip
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -119,7 +119,7 @@ def gather_twice(samples: torch.Tensor, gather: torch.Tensor, blocks: int, n: in
     global FUSED
     N, C, t = samples.shape
     out = torch.empty((blocks, 2 * n, N * t), dtype=torch.float16, device=samples.device)
-    grid = (triton_cdiv(blocks * n, GATHER_SLOTS), triton_cdiv(N * t, GATHER_COLS))
+    grid = (_cdiv(blocks * n, GATHER_SLOTS), _cdiv(N * t, GATHER_COLS))
     try:
         _gather_kernel()[grid](
             samples, gather, out, n, C, t, N * t, blocks * n, SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4
@@ -131,7 +131,7 @@ def gather_twice(samples: torch.Tensor, gather: torch.Tensor, blocks: int, n: in
     return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
