@@ -93,18 +93,18 @@ def launch(plan, run: Launch) -> bool:
 
 
 def _launch(plan, run: Launch) -> None:
-    J, d, NT = run.x.shape
-    N = run.meta.numel() // 2
-    D = plan.channels.shape[1]
+    _, d, NT = run.x.shape
+    N, D = run.meta.numel() // 2, plan.channels.shape[1]
     ts = run.token_scales.reshape(-1) if run.token_scales is not None else run.cos
     s_l, s_kind, s_tok, s_head, s_ch = run.out_strides
     grid = (plan.units.numel(), _cdiv(NT, BLOCK_N))
-    _kernel()[grid](
-        run.x, plan.scales, plan.centred_means, plan.units, plan.channels, run.cos, run.sin, ts, run.meta,
-        d, NT, run.tokens, run.cos.shape[1], s_l, s_kind, s_tok, s_head, s_ch, N, run.heads, D,
-        HAS_TS=run.token_scales is not None, OUT=OUT_DTYPES.index(run.out_dtype),
-        BLOCK_D=_next_pow2(D), BLOCK_N=BLOCK_N, num_warps=4,
-    )  # fmt: skip
+    with torch.cuda.device(run.x.device):  # Triton launches on the current device's current stream
+        _kernel()[grid](
+            run.x, plan.scales, plan.centred_means, plan.units, plan.channels, run.cos, run.sin, ts, run.meta,
+            d, NT, run.tokens, run.cos.shape[1], s_l, s_kind, s_tok, s_head, s_ch, N, run.heads, D,
+            HAS_TS=run.token_scales is not None, OUT=OUT_DTYPES.index(run.out_dtype),
+            BLOCK_D=_next_pow2(D), BLOCK_N=BLOCK_N, num_warps=4,
+        )  # fmt: skip
 
 
 def _next_pow2(n: int) -> int:
@@ -121,9 +121,10 @@ def gather_twice(samples: torch.Tensor, gather: torch.Tensor, blocks: int, n: in
     out = torch.empty((blocks, 2 * n, N * t), dtype=torch.float16, device=samples.device)
     grid = (_cdiv(blocks * n, GATHER_SLOTS), _cdiv(N * t, GATHER_COLS))
     try:
-        _gather_kernel()[grid](
-            samples, gather, out, n, C, t, N * t, blocks * n, SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4
-        )
+        with torch.cuda.device(samples.device):
+            _gather_kernel()[grid](
+                samples, gather, out, n, C, t, N * t, blocks * n, SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4
+            )
     except Exception as e:  # noqa: BLE001 - a broken toolchain or an unsupported GPU: fall back, once
         FUSED = False
         log.warning("fused gather unavailable (%s: %s): restoring with the reference kernels", type(e).__name__, e)
