@@ -370,20 +370,10 @@ def _reconstruct(plan: BatchedPlan, g: torch.Tensor, recon: str, token_scales: t
     q.add_(OFFSET)
 
 
-def restore_into(
-    plan: BatchedPlan,
-    samples: torch.Tensor,
-    escapes,
-    shape: tuple[int, int, int],
-    rope: RopeTables | None,
-    starts,
-    outs,
-    *,
-    recon: str = "centre",
-    token_scales: torch.Tensor | None = None,
-) -> None:
-    """restore() of N chunks straight into their dense outputs outs[i] (L, 2, t, H, D): by the
-    fused kernel (restore.transform_triton) where it serves, else restore() and emit()."""
+def restore_into(plan, samples, escapes, shape, rope, starts, outs, *, recon="centre", token_scales=None) -> None:
+    """restore() of N chunks (same arguments) straight into their dense outputs outs[i]
+    (L, 2, t, H, D): by the fused kernels (restore.transform_triton) where they serve, else
+    restore() and emit()."""
     t = samples.shape[2]
     if _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales):
         return
