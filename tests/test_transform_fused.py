@@ -59,6 +59,17 @@ def test_unit_table_refuses_heads_whose_rows_are_not_consecutive():
         tt.unit_table(rows[::-1].copy(), (1, 1, 16), None)
 
 
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(1, 4), n=st.integers(1, 9), columns=st.integers(1, 12), data=st.data())
+def test_twice_positions_write_each_escape_into_both_halves(blocks, n, columns, data):
+    q = torch.arange(blocks * n * columns, dtype=torch.float32).view(blocks, n, columns)
+    twice = torch.cat([q, q], dim=1)  # [q; q], as the reference kernels make it
+    flat = torch.tensor(data.draw(st.lists(st.integers(0, q.numel() - 1), max_size=8)), dtype=torch.int64)
+    at = tk.twice_positions(flat, n, columns)
+    assert torch.equal(twice.reshape(-1)[at], torch.cat([q.reshape(-1)[flat]] * 2))
+    assert len(set(at.tolist())) == 2 * len(set(flat.tolist()))
+
+
 def emulate(plan, x, cos, sin, starts, outs, token_scales=None) -> None:
     """What the kernel computes from the GEMM's products x (J, d, N t), head by head, in torch on
     the CPU (the kernel's contract)."""

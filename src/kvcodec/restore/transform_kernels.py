@@ -317,12 +317,18 @@ def _twice_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Ten
     both = transform_triton.gather_twice(samples.contiguous(), plan.gather, J, n)
     if both is None or not any(idx.numel() for idx, _ in escapes):
         return both
-    flat, vals = escape_slots(plan, escapes, t, C)  # slot * (N t) + column in the (J n, N t) layout
-    slot, col = flat // (N * t), flat % (N * t)
-    first = ((slot // n) * 2 * n + slot % n) * (N * t) + col
-    at = _upload(torch.cat([first, first + n * N * t]), samples.device)
+    flat, vals = escape_slots(plan, escapes, t, C)
+    at = _upload(twice_positions(flat, n, N * t), samples.device)
     both.view(-1).index_put_((at,), _upload(torch.cat([vals, vals]) - OFFSET, samples.device).half())
     return both
+
+
+def twice_positions(flat: torch.Tensor, n: int, columns: int) -> torch.Tensor:
+    """Where the values at flat positions of the gathered (J n, columns) integers stand in
+    [q; q] (J, 2 n, columns): each position twice, in the upper half, then in the lower."""
+    slot, col = flat // columns, flat % columns
+    first = ((slot // n) * 2 * n + slot % n) * columns + col
+    return torch.cat([first, first + n * columns])
 
 
 def _centred(plan: BatchedPlan, samples: torch.Tensor, escapes, dtype: torch.dtype) -> torch.Tensor:
