@@ -34,7 +34,8 @@ import time
 import click
 import torch
 
-PACK = "transform.pack.safetensors"
+from kvbench.pack import PACK, pack_widths, read_pack, write_pack
+
 REF_TOKENS = 128  # leading tokens of the first chunk's CPU restore kept as the reference
 
 
@@ -71,64 +72,21 @@ def _sha(t: torch.Tensor) -> str:
 
 def load_pack(path: pathlib.Path):
     """A TransformCodec over the cut calibration prep wrote (bases as wide as any file codes)."""
-    from safetensors import safe_open
-
     from kvcodec.codecs.transform.codec import TransformCodec
-    from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
-    from kvcodec.transform.rope import RopeSpec
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        groups = tuple(tuple(g) for g in json.loads(meta["groups"]))
-        bases = {
-            (g, k): GroupBasis(*(f.get_tensor(f"g{g}.{k}.{n}").float() for n in ("mean", "basis", "variances")))
-            for g in range(len(groups))
-            for k in KINDS
-        }
-    layers, heads, dim = json.loads(meta["shape"])
-    rope = json.loads(meta["rope"])
-    cal = Calibration(layers, heads, dim, RopeSpec.from_dict(rope) if rope else None, groups, bases, {})
-    return TransformCodec(cal, kvt_hash=meta["kvt_hash"])
+    cal, kvt_hash = read_pack(path)
+    return TransformCodec(cal, kvt_hash=kvt_hash)
 
 
 # -------------------------------------------------------------------------------------- prep
 
 
-def _write_pack(cal, kvt_hash: str, widths: list[int], path: pathlib.Path) -> None:
-    from safetensors.torch import save_file
-
-    from kvcodec.transform.calibration import KINDS
-
-    tensors = {}
-    for j, (g, k) in enumerate((g, k) for g in range(len(cal.groups)) for k in KINDS):
-        b = cal.basis(g, k)
-        tensors[f"g{g}.{k}.mean"] = b.mean.contiguous()
-        basis = b.basis[:, : max(widths[j], 1)].contiguous()
-        half = basis.to(torch.float16)  # the .kvt's bases are float16 values: the pack travels at half the bytes
-        tensors[f"g{g}.{k}.basis"] = half if torch.equal(half.float(), basis.float()) else basis
-        tensors[f"g{g}.{k}.variances"] = b.variances.contiguous()
-    meta = {
-        "kvt_hash": kvt_hash,
-        "shape": json.dumps([cal.layers, cal.kv_heads, cal.head_dim]),
-        "rope": json.dumps(cal.rope.to_dict() if cal.rope else None),
-        "groups": json.dumps([list(g) for g in cal.groups]),
-    }
-    save_file(tensors, str(path), metadata=meta)
-
-
 def _existing(out: pathlib.Path) -> tuple[dict, list | None, object]:
     """Hashes and basis widths of an earlier prep into the same folder (a later prep adds files)."""
-    from safetensors import safe_open
-
     from kvcodec.video.registry import get_decoder
 
     hashes = json.loads((out / "hashes.json").read_text()) if (out / "hashes.json").exists() else {}
-    widths = None
-    if (out / PACK).exists():
-        with safe_open(str(out / PACK), "pt") as f:
-            basis = [k for k in f.keys() if k.endswith(".basis")]  # noqa: SIM118 - safe_open is no dict
-            names = sorted(basis, key=lambda k: (int(k[1:].split(".")[0]), k))
-            widths = [f.get_slice(k).get_shape()[1] for k in names]
+    widths = pack_widths(out / PACK) if (out / PACK).exists() else None
     return hashes, widths, get_decoder("cpu")
 
 
@@ -159,7 +117,9 @@ def prep(kvt, kv_path, ratios, resolutions, tokens, chunk_tokens, out_dir):
     for res in resolutions.split(","):
         w, h = (int(x) for x in res.split("x"))
         for r in ratios.split(","):
-            codec = TransformCodec(kvt, target_ratio=float(r), resolutions=((w, h),), chunk_tokens=chunk_tokens)
+            codec = TransformCodec(
+                kvt, target_ratio=float(r), resolutions=((w, h),), chunk_tokens=chunk_tokens, coder="hevc"
+            )  # every chunk a video: this bench measures NVDEC
             data = encode_file(kv, codec)
             name = f"hevc-r{r}-{res}" + (f"-c{chunk_tokens}" if chunk_tokens != 256 else "")
             (out / f"{name}.kvc").write_bytes(data)
@@ -173,7 +133,7 @@ def prep(kvt, kv_path, ratios, resolutions, tokens, chunk_tokens, out_dir):
                 ref = ref[:, :, :REF_TOKENS].contiguous()  # sink, escapes and RoPE in a fraction of the bytes
                 save_file({"kv": ref}, str(out / "reference.safetensors"), metadata={"file": name})
             print(f"{name}: {kv.numel() * 2 / len(data):.2f}x, coded coordinates {sum(counts)}", flush=True)
-    _write_pack(codec.cal, codec.kvt_hash, widths, out / PACK)
+    write_pack(codec.cal, codec.kvt_hash, widths, out / PACK)
     (out / "hashes.json").write_text(json.dumps(hashes, indent=1) + "\n")
 
 

@@ -45,11 +45,12 @@ import click
 
 from kvbench.methods import accuracy_of, coder_options, expand_methods, method_codec, transform_ratio
 from kvbench.methods import label as method_label
+from kvbench.pack import PACK, read_pack, widest
+from kvbench.pack import write_pack as save_pack
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 
 CHUNK = 256
 SEED_CHUNKS = 3  # transform: chunk 0 (its sink tokens), chunks 1 and 2 (relocated in turn to the later positions)
-PACK = "transform.pack.safetensors"
 MANIFEST = "manifest.json"
 MODEL_ID = "ttft-engine"  # the prefix-key namespace of the stores the run builds
 SUFFIX_TOKENS = 32
@@ -204,61 +205,14 @@ def seed_chunks(m: str, kv, resolution, transform: str | None) -> tuple:  # noqa
 
 
 def write_pack(d: pathlib.Path, man: dict, transform: str, resolution) -> None:
-    """The .kvt's bases cut to the widest coordinates any seed chunk codes, float16 (the .kvt stores
-    them so: calibration rounds bases to float16)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from kvcodec.transform.calibration import KINDS
-
-    widths, codec = None, None
+    """The .kvt cut to the widest coordinates any seed chunk codes (kvbench.pack)."""
+    codec, headers = None, []
     for m, info in man["methods"].items():
         if transform_ratio(m) is None:
             continue
         codec = method_codec(m, codec_config(resolution), transform=transform)
-        for f in info["chunks"]:
-            counts = codec.plan(codec.header((d / f["file"]).read_bytes())["theta"]).counts
-            widths = [max(a, b) for a, b in zip(widths or counts, counts)]
-    cal, tensors = codec.cal, {}
-    for j, (g, k) in enumerate((g, k) for g in range(len(cal.groups)) for k in KINDS):
-        b = cal.basis(g, k)
-        basis = b.basis[:, : max(widths[j], 1)].contiguous()
-        half = basis.to(torch.float16)
-        tensors[f"g{g}.{k}.mean"] = b.mean.contiguous()
-        tensors[f"g{g}.{k}.basis"] = half if torch.equal(half.float(), basis.float()) else basis
-        tensors[f"g{g}.{k}.variances"] = b.variances.contiguous()
-    meta = {
-        "kvt_hash": codec.kvt_hash,
-        "shape": json.dumps([cal.layers, cal.kv_heads, cal.head_dim]),
-        "rope": json.dumps(cal.rope.to_dict() if cal.rope else None),
-        "groups": json.dumps([list(g) for g in cal.groups]),
-    }
-    save_file(tensors, str(d / PACK), metadata=meta)
-
-
-def read_pack(path: pathlib.Path):  # noqa: ANN201
-    """(Calibration, kvt sha256) of a pack: bases padded back to square with zero columns."""
-    import torch
-    from safetensors import safe_open
-
-    from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
-    from kvcodec.transform.rope import RopeSpec
-
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        groups = tuple(tuple(g) for g in json.loads(meta["groups"]))
-        bases = {}
-        for g in range(len(groups)):
-            for k in KINDS:
-                mean, basis, var = (f.get_tensor(f"g{g}.{k}.{n}") for n in ("mean", "basis", "variances"))
-                full = torch.zeros((basis.shape[0], basis.shape[0]), dtype=torch.float32)
-                full[:, : basis.shape[1]] = basis.float()
-                bases[(g, k)] = GroupBasis(mean.float(), full, var.float())
-    layers, heads, dim = json.loads(meta["shape"])
-    rope = json.loads(meta["rope"])
-    return Calibration(layers, heads, dim, RopeSpec.from_dict(rope) if rope else None, groups, bases, {}), meta[
-        "kvt_hash"
-    ]
+        headers += [codec.header((d / f["file"]).read_bytes()) for f in info["chunks"]]
+    save_pack(codec.cal, codec.kvt_hash, widest(codec, headers), d / PACK)
 
 
 def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = None):  # noqa: ANN201
@@ -270,7 +224,7 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
         return method_codec(m, cfg)
     from kvcodec.codecs.transform.codec import TransformCodec
 
-    cal, kvt_hash = read_pack(pack or d / PACK)
+    cal, kvt_hash = read_pack(pack or d / PACK, square=True)
     return TransformCodec(
         cal,
         kvt_hash=kvt_hash,

@@ -128,12 +128,11 @@ def ans_only(case, codec, mem, doc, probe, alone: float, secs: float) -> dict:
 
 
 def run(d: pathlib.Path, out: pathlib.Path, repeat: int, seconds: float, inter_s: float) -> None:
-    from transform_nvdec import load_pack
+    from kvbench.pack import read_pack
 
     probe = fr._probe()
     doc = json.loads((d / "cases.json").read_text())
-    packed = load_pack(d / fr.PACK)
-    cal = (packed.cal, packed.kvt_hash)
+    cal = read_pack(d / fr.PACK)
     torch.zeros(1, device="cuda")
     mem = fr._memory_store(d, doc)
     alone = probe.matmul_tflops(2.0)

@@ -44,9 +44,10 @@ import time
 
 import torch
 
+from kvbench.pack import PACK, read_pack, widest, write_pack
+
 CAL_TEXTS = ("pg/aord", "pg/apple")
 SERVED_TEXT = "pg/gap"
-PACK = "transform.pack.safetensors"
 SAMPLES = 4096  # values of the CPU fetch kept as the reference (random positions, fixed seed)
 
 
@@ -206,23 +207,19 @@ class _IdOnly:
 def _pack(d: pathlib.Path, doc: dict, also: list[pathlib.Path] = ()) -> None:
     """The calibration cut to the widest coordinates any transform case codes (travels light); with
     `also`, other prepared directories of the same calibration, whose cases the pack serves too."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     from kvcodec.fetcher import blob_key
     from kvcodec.store import open_store
-    from transform_nvdec import _write_pack
 
-    widths, codec = None, None
+    headers, codec = [], None
     for src, sdoc in [(d, doc)] + [(o, json.loads((o / "cases.json").read_text())) for o in also]:
         store = open_store(f"file://{src / 'store'}")
         for case in sdoc["cases"]:
             if case["codec"] != "transform":
                 continue
             codec = make_codec(case, d)
-            for k in _keys(sdoc, case):
-                counts = codec.plan(codec.header(store.get(blob_key(k, 0)))["theta"]).counts
-                widths = [max(a, b) for a, b in zip(widths or counts, counts)]
+            headers += [codec.header(store.get(blob_key(k, 0))) for k in _keys(sdoc, case)]
     if codec is not None:
-        _write_pack(codec.cal, codec.kvt_hash, widths, d / PACK)
+        write_pack(codec.cal, codec.kvt_hash, widest(codec, headers), d / PACK)
 
 
 def _keys(doc: dict, case: dict) -> list[str]:
@@ -830,13 +827,9 @@ def run(
 
     probe = _probe()
     doc = json.loads((d / "cases.json").read_text())
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
     cal, pack = None, pack or d / PACK
     if pack.exists():
-        from transform_nvdec import load_pack
-
-        packed = load_pack(pack)
-        cal = (packed.cal, packed.kvt_hash)
+        cal = read_pack(pack)
     torch.zeros(1, device="cuda")
     mem = _memory_store(d, doc)
     if tokens and tokens < len(doc["ids"]):  # a prefix of the prepared tokens: the first chunks
