@@ -18,6 +18,10 @@ kernels whatever the groups and however many chunks:
 Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples as
 sample-equivalents q + 128 (host-side index arithmetic, one pinned upload). Nothing waits on the
 GPU: no host synchronisation per chunk.
+
+restore_into is the entry point: on CUDA with Triton, where the split GEMM serves, the gather and
+everything after the GEMM run as two kernels of restore.transform_triton instead (half the GPU time
+on a 7-8B model's chunks); these kernels stay its fallback and the tests' reference.
 """
 
 from __future__ import annotations
@@ -389,7 +393,7 @@ def restore_into(plan, samples, escapes, shape, rope, starts, outs, *, recon="ce
 
 
 def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales) -> bool:  # noqa: ANN001
-    N, _, t = samples.shape
+    t = samples.shape[2]
     end = max(starts) + t
     if plan.units is None or not _split_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
         return False
