@@ -316,9 +316,11 @@ class TransformCodec:
         """Bytes of one chunk blob (header included), its fp16 sink tokens left out; for the mixed
         coder the mean of its two coders' (each codes half the chunks), whichever its index gives it."""
         res, encoder = self.resolutions[0], self._encoder()
+        samples, side, escapes = self._samples_and_side(y, kv, theta, first_position, 0)  # once for both coders
         sizes = []
         for coder in MIXED_TURN if self.coder == "mixed" else (self.chunk_coder(first_position),):
-            streams, counts = self._coded(*self._prepare(y, kv, theta, first_position, res, 0, coder), res, encoder)
+            pending = self._pending(samples, dict(side), escapes, 0, res, coder)
+            streams, counts = self._coded(*pending, res, encoder)
             blob = self._write(streams, counts, kv, theta, first_position, 0, res, None)
             sizes.append(len(blob) - len(streams.get("sink", b"")))
         return sum(sizes) / len(sizes)
@@ -345,7 +347,10 @@ class TransformCodec:
         or the samples' bytes (zstd). y and kv on one device (the GPU's KV is quantized there; only
         samples come to the host)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
-        coder = coder or self.chunk_coder(first_position)
+        return self._pending(samples, streams, escapes, fine, resolution, coder or self.chunk_coder(first_position))
+
+    def _pending(self, samples, streams, escapes, fine, resolution, coder) -> tuple[dict, dict, object]:  # noqa: ANN001
+        """_prepare's result from a chunk's samples and side streams, for `coder`."""
         counts = {"coder": coder, "frames": 0, "escapes": escapes, "fine_tokens": fine}
         if coder == "hevc":
             host_frames = [f.cpu().numpy() for f in frames.to_frames(samples, *resolution)]

@@ -90,9 +90,8 @@ class TransformAnsCodec(TransformCodec):
 
     # ------------------------------------------------------------------------------ encode
 
-    def _prepare(self, y, kv, theta, first_position, resolution, fine, coder=None) -> tuple[dict, dict, np.ndarray]:
+    def _pending(self, samples, streams, escapes, fine, resolution, coder) -> tuple[dict, dict, np.ndarray]:  # noqa: ANN001
         """The side streams, the header counts and the chunk's samples on the host (rANS-coded by _coded)."""
-        samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
         flat = samples.reshape(-1).cpu().numpy()
         return streams, {"escapes": escapes, "fine_tokens": fine, "samples": int(flat.size)}, flat
 
