@@ -59,17 +59,6 @@ def test_unit_table_refuses_heads_whose_rows_are_not_consecutive():
         tt.unit_table(rows[::-1].copy(), (1, 1, 16), None)
 
 
-@settings(max_examples=60, deadline=None)
-@given(blocks=st.integers(1, 4), n=st.integers(1, 9), columns=st.integers(1, 12), data=st.data())
-def test_twice_positions_write_each_escape_into_both_halves(blocks, n, columns, data):
-    q = torch.arange(blocks * n * columns, dtype=torch.float32).view(blocks, n, columns)
-    twice = torch.cat([q, q], dim=1)  # [q; q], as the reference kernels make it
-    flat = torch.tensor(data.draw(st.lists(st.integers(0, q.numel() - 1), max_size=8)), dtype=torch.int64)
-    at = tk.twice_positions(flat, n, columns)
-    assert torch.equal(twice.reshape(-1)[at], torch.cat([q.reshape(-1)[flat]] * 2))
-    assert len(set(at.tolist())) == 2 * len(set(flat.tolist()))
-
-
 def emulate(plan, x, cos, sin, starts, outs, token_scales=None) -> None:
     """What the kernel computes from the GEMM's products x (J, d, N t), head by head, in torch on
     the CPU (the kernel's contract)."""
@@ -126,7 +115,7 @@ def test_the_kernels_contract_restores_what_the_reference_kernels_do(kvt, kw):
         tk.emit(y, i, t, out)
     got = [torch.full_like(w, float("nan")) for w in want]
     cos, sin = rope.covering(max(starts) + t)
-    emulate(plan, tk._split_products(plan, samples, escapes), cos, sin, starts, got, scales)
+    emulate(plan, tk._half_products(plan, samples, escapes), cos, sin, starts, got, scales)
     for a, b in zip(want, got):
         assert gpu_tests.within_an_ulp(a, b)
 
@@ -156,11 +145,11 @@ def test_fused_kernel_restores_what_the_reference_kernels_do(kvt, kw, dtype, mon
     if "theta" in kw:
         assert sum(fast.header(c.blobs[0])["escapes"] for c in chunks) > 0
     ran = []
-    for name in ("launch", "gather_twice"):
+    for name in ("launch", "gather_centred"):
         monkeypatch.setattr(tt, name, _counted(getattr(tt, name), name, ran))
     fused = gpu_tests.restore_all(fast, chunks, kv.shape, dtype=dtype, device="cuda")
     assert tt.FUSED, "the fused kernel failed and was turned off"
-    assert ran.count("launch") == len(chunks) and ran.count("gather_twice") == len(chunks)
+    assert ran.count("launch") == len(chunks) and ran.count("gather_centred") == len(chunks)
     monkeypatch.setattr(tt, "FUSED", False)
     reference = gpu_tests.restore_all(fast, chunks, kv.shape, dtype=dtype, device="cuda")
     torch.cuda.synchronize()

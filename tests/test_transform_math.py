@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcodec.errors import ConfigError, CorruptStreamError
-from kvcodec.transform import alloc, pca, quantize, weights
+from kvcodec.transform import alloc, inverse, pca, quantize, weights
 from kvcodec.transform.rope import RopeSpec, apply_rope, inv_freq, remove_rope
 
 specs = st.builds(
@@ -207,3 +207,23 @@ def test_weighted_klt_inverts_and_decorrelates_the_scaled_channels(n, d, seed):
     assert float(off.abs().max()) <= 1e-3 * float(cov.abs().max()) + 1e-9
     # coefficient variances are those of the weighted channels: their sum is sum_c w_c var(x_c)
     assert float(b.variances.sum()) == pytest.approx(float((w * x.var(0)).sum()), rel=1e-3)
+
+
+@given(st.integers(1, 40), st.integers(0, 24), st.floats(1e-6, 1e4))
+@settings(max_examples=40, deadline=None)
+def test_half_basis_rounds_to_float16_under_a_power_of_two_scale(rows, cols, magnitude):
+    g = torch.Generator().manual_seed(rows * 100 + cols)
+    block = torch.randn((rows, cols), generator=g, dtype=torch.float64) * magnitude
+    if block.numel():
+        block[0, 0] = 0.0
+    half, scale = inverse.half_basis(block)
+    assert half.dtype == torch.float16 and half.shape == block.shape
+    assert math.frexp(scale)[0] == 0.5  # a power of two: scaling back is exact
+    assert bool((half.double().abs() <= 1).all())
+    back = half.double() * scale
+    normal = block.abs() >= 2.0**-14 * scale
+    err = (back - block).abs()
+    assert bool((err[normal] <= 2.0**-11 * block.abs()[normal]).all())  # round to 11 significant bits
+    assert bool((err[~normal] <= 2.0**-25 * scale).all())  # subnormal: a multiple of 2^-24 of the scale
+    q = torch.randint(-inverse.HALF_MAX, inverse.HALF_MAX + 1, (cols, 3), generator=g).double()
+    assert torch.equal((half.float()[:, :, None] * q.float()[None]).double(), half.double()[:, :, None] * q[None])

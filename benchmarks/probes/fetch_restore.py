@@ -282,7 +282,7 @@ def fetch_loop(cache, ids, repeat: int) -> tuple[list[float], torch.Tensor]:
 @contextlib.contextmanager
 def _switches(codec, variant: dict):
     """A variant's switches: stream False (the staged decode chunk by chunk, a fresh parser each),
-    native False (the parser's callbacks in Python), split False (the float32 inverse-transform GEMM),
+    native False (the parser's callbacks in Python), half False (the float32 inverse-transform GEMM),
     keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n),
     hipri True (the restore's CUDA streams at the device's highest priority, not the default one),
     torch True (an HEVC codec restores with the reference torch restorer, not the fused kernel),
@@ -293,7 +293,7 @@ def _switches(codec, variant: dict):
 
     fused = transform_triton.FUSED
     transform_triton.FUSED = variant.get("fused", True) and fused
-    saved = nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
+    saved = nvcuvid_native.ENABLED, transform_kernels.HALF_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
     driven = transform_batch.DRIVEN, transform_batch.EAGER
     keep, priority = nvcuvid_native.KEEP, streams.PRIORITY
@@ -310,7 +310,7 @@ def _switches(codec, variant: dict):
     nvcuvid_native.FEEDER = variant.get("feed", True) and fed[0]
     nvcuvid_native.FEED_DEPTH = variant.get("fd", fed[1])
     nvcuvid_native.ENABLED = variant.get("native", True) and saved[0]
-    transform_kernels.SPLIT_GEMM = variant.get("split", True) and saved[1]
+    transform_kernels.HALF_GEMM = variant.get("half", True) and saved[1]
     if variant.get("swi"):
         sys.setswitchinterval(variant["swi"])
     if variant.get("dd") is not None:
@@ -322,7 +322,7 @@ def _switches(codec, variant: dict):
     try:
         yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
-        nvcuvid_native.ENABLED, transform_kernels.SPLIT_GEMM = saved[:2]
+        nvcuvid_native.ENABLED, transform_kernels.HALF_GEMM = saved[:2]
         transform_triton.FUSED = fused
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
         transform_batch.DRIVEN, transform_batch.EAGER = driven
@@ -364,7 +364,7 @@ def _restore_pool(saved) -> None:  # noqa: ANN001
 SWITCHES = (
     "stream",
     "native",
-    "split",
+    "half",
     "swi",
     "dd",
     "feed",
@@ -601,7 +601,7 @@ def driven_host(case, codec, mem, doc, reps: int = 10) -> dict:
 
 
 def kernels_only(
-    case, codec, mem, doc, probe, alone: float, secs: float, split: bool = True, fused: bool = True
+    case, codec, mem, doc, probe, alone: float, secs: float, half: bool = True, fused: bool = True
 ) -> dict:
     """The batched inverse transform alone (samples staged once), looping beside the matmul; fused:
     restore.transform_triton's kernels (else the reference kernels)."""
@@ -619,15 +619,15 @@ def kernels_only(
     stream = torch.cuda.Stream()
 
     def loop():
-        saved = transform_kernels.SPLIT_GEMM, transform_triton.FUSED
-        transform_kernels.SPLIT_GEMM, transform_triton.FUSED = split, fused and saved[1]
+        saved = transform_kernels.HALF_GEMM, transform_triton.FUSED
+        transform_kernels.HALF_GEMM, transform_triton.FUSED = half, fused and saved[1]
         try:
             with torch.cuda.stream(stream):
                 for _ in range(10):
                     codec.finish(staged, outs)
             stream.synchronize()
         finally:
-            transform_kernels.SPLIT_GEMM, transform_triton.FUSED = saved
+            transform_kernels.HALF_GEMM, transform_triton.FUSED = saved
 
     loop()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -636,7 +636,7 @@ def kernels_only(
     end.record(stream)
     torch.cuda.synchronize()
     nbytes = 10 * sum(o.numel() * 2 for o in outs)
-    rec = {"kind": "restore-kernels", "gemm": "fp16-split" if split else "fp32", "fused": fused and split}
+    rec = {"kind": "restore-kernels", "gemm": "fp16" if half else "fp32", "fused": fused and half}
     rec["chunks_per_pass"] = len(outs)
     rec["cuda_contexts"] = 1
     rec["kernels_gb_per_s_alone"] = round(nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 3)
@@ -806,7 +806,7 @@ def run_log(script: str, doc: dict, alone: float, out: pathlib.Path):  # noqa: A
         "model": doc["model"],
         "tokens": len(doc["ids"]),
         "fp16_bytes": doc["fp16_bytes"],
-        "matmul": "bf16 8192x8192 torch.mm on the legacy default stream, same process",
+        "matmul": "bf16 8192x8192 torch.mm on its own stream, waited for per 10, same process",
         "matmul_alone_tflops": round(alone, 1),
         "records": [],
     }
@@ -862,8 +862,8 @@ def run(
         _stage(log, base, driven_host, case, codec, mem, doc)
         if case["codec"] == "transform" and not quick:
             _stage(log, base, restore_alone, case, codec, mem, doc, probe, seconds)
-            for split, fused in ((True, True), (True, False), (False, False)):
-                _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, split, fused)
+            for half, fused in ((True, True), (True, False), (False, False)):
+                _stage(log, base, kernels_only, case, codec, mem, doc, probe, alone, interference_s, half, fused)
         if case["name"] == profile_case:
             for v in [{}] + variants:
                 _stage(log, base, timeline, mem, doc, case, codec, v, repeat)
@@ -903,7 +903,7 @@ def _variant(text: str) -> dict:
     names = {  # switch -> (variant key, value)
         "nostream": ("stream", False),
         "python": ("native", False),
-        "fp32": ("split", False),
+        "fp32": ("half", False),
         "nofeed": ("feed", False),
         "nodrive": ("drive", False),
         "lazy": ("eager", False),

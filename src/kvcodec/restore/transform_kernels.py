@@ -19,7 +19,11 @@ Escapes (coefficients beyond the 8-bit samples) are written into the gathered sa
 sample-equivalents q + 128 (host-side index arithmetic, one pinned upload). Nothing waits on the
 GPU: no host synchronisation per chunk.
 
-restore_into is the entry point: on CUDA with Triton, where the split GEMM serves, the gather and
+The GEMM multiplies the decode basis (transform.inverse: each block's step-scaled basis rounded
+to float16 under a power-of-two scale, as every restore path rounds it) with the integers as they
+are: one float16 GEMM on tensor cores, float32 accumulation, every product exact.
+
+restore_into is the entry point: on CUDA with Triton, where the float16 GEMM serves, the gather and
 everything after the GEMM run as two kernels of restore.transform_triton instead (half the GPU time
 on a 7-8B model's chunks); these kernels stay its fallback and the tests' reference.
 """
@@ -36,6 +40,7 @@ import torch
 from kvcodec.errors import CorruptStreamError
 from kvcodec.restore import transform_triton
 from kvcodec.transform.calibration import KINDS, Calibration
+from kvcodec.transform.inverse import HALF_MAX, half_basis
 from kvcodec.transform.quantize import OFFSET, recon_offset, step_ratio
 from kvcodec.transform.rope import RopeSpec, inv_freq
 
@@ -53,8 +58,8 @@ class BatchedPlan:
     slot_of_row: np.ndarray  # (C,) int64 host: block slot (j * n + k) of each layout row
     n: int  # padded coefficients per block
     ratios: torch.Tensor | None = None  # (J * n,) float32 step / calibrated deviation per slot (0: padding)
-    split: torch.Tensor | None = None  # (J, d, 2 n) float16: [hi | lo] of bases / scales (see split_bases)
-    scales: torch.Tensor | None = None  # (J, 1, 1) float32 largest |bases| of each block
+    half: torch.Tensor | None = None  # (J, d, n) float16 bases / scales, exactly (see half_basis)
+    scales: torch.Tensor | None = None  # (J, 1, 1) float32 power-of-two scale of each block
     centred_means: torch.Tensor | None = None  # (J, d, 1) float32 means for centred samples (q, not q + 128)
     units: torch.Tensor | None = None  # (L * 2 * H,) int64 the fused epilogue's first row of each head (unit_table)
     channels: torch.Tensor | None = None  # (2, D) int32 each channel's RoPE partner and whether it rotates
@@ -91,13 +96,15 @@ def build_plan(
     gather = torch.zeros((J, n), dtype=torch.int64)
     bases = torch.zeros((J, d, n), dtype=torch.float32)
     means = torch.zeros((J, d), dtype=torch.float32)
-    centred = torch.zeros((J, d), dtype=torch.float32)  # the means for centred integers (split GEMM)
+    centred = torch.zeros((J, d), dtype=torch.float32)  # the means for centred integers (half GEMM)
     slot_of_row = np.zeros(inverse.numel(), dtype=np.int64)
     ratios = torch.zeros((J, n), dtype=torch.float32)
+    scales = torch.ones((J, 1, 1), dtype=torch.float32)
     for j in range(J):
         b, c, o = cal.basis(j // 2, KINDS[j % 2]), int(counts[j]), int(offsets[j])
         rows_j = b.mean.numel()
-        scaled = b.basis[:, :c].to(torch.float64) * steps[o : o + c].to(torch.float64)
+        half, scales[j] = half_basis(b.basis[:, :c].to(torch.float64) * steps[o : o + c].to(torch.float64))
+        scaled = half.to(torch.float64) * float(scales[j])
         bases[j, :rows_j, :c] = scaled.float()
         means[j, :rows_j] = (b.mean.to(torch.float64) - OFFSET * scaled.sum(1)).float()
         centred[j, :rows_j] = b.mean.float()
@@ -105,7 +112,6 @@ def build_plan(
         slot_of_row[inverse[o : o + c].numpy()] = j * n + np.arange(c)
         if sigmas is not None:
             ratios[j, :c] = step_ratio(steps[o : o + c].to(torch.float64), sigmas[o : o + c].to(torch.float64)).float()
-    split, scales = split_bases(bases)
     shape = (cal.layers, cal.kv_heads, cal.head_dim)
     partners = None if cal.rope is None else _rotating_partners(cal.rope)
     units, channels = transform_triton.unit_table(rows, shape, partners)
@@ -117,7 +123,7 @@ def build_plan(
         slot_of_row,
         n,
         ratios.reshape(-1).to(device) if sigmas is not None else None,
-        split.to(device),
+        (bases / scales).half().to(device),
         scales.to(device),
         centred[:, :, None].to(device),
         torch.from_numpy(units).to(device),
@@ -130,21 +136,7 @@ def _rotating_partners(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
     return partner, sign != 0
 
 
-SPLIT_GEMM = True  # the inverse transform on fp16 tensor cores (hi + lo halves) where the values allow it
-SPLIT_MAX = 2048  # |q| up to which float16 holds the integers exactly
-
-
-def split_bases(bases: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(J, d, 2 n) float16 [hi | lo] and (J, 1, 1) float32 scales with bases ~= scales * (hi + lo):
-    each block scaled to at most 1, hi its float16 rounding, lo the float16 rounding of the rest,
-    so hi + lo carries about 21 bits of each value (float32 carries 24). With integer coefficients
-    q (|q| <= SPLIT_MAX, exact in float16) every product is exact in float32, so one float16 GEMM
-    over [hi | lo] and [q; q] with float32 accumulation restores what the float32 GEMM does."""
-    scales = bases.abs().amax(dim=(1, 2), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
-    unit = bases.to(torch.float64) / scales
-    hi = unit.to(torch.float16)
-    lo = (unit - hi.to(torch.float64)).to(torch.float16)
-    return torch.cat([hi, lo], dim=2), scales.float()
+HALF_GEMM = True  # the inverse transform on float16 tensor cores where the values allow it
 
 
 def rope_partner(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -244,11 +236,11 @@ def restore(
     L, H, D = shape
     N, C, t = samples.shape
     x = None
-    if _split_fits(plan, escapes, recon):
+    if _half_fits(plan, escapes, recon):
         try:
-            x = _split_gemm(plan, samples, escapes, token_scales)
+            x = _half_gemm(plan, samples, escapes, token_scales)
         except (TypeError, RuntimeError, NotImplementedError) as e:  # a torch without float16 -> float32 bmm
-            _split_unavailable(e)
+            _half_unavailable(e)
     if x is None:
         x = _float_gemm(plan, samples, escapes, recon, token_scales)
     y = x.view(-1, N * t).index_select(0, plan.rows).view(L, 2, H, D, N * t)
@@ -262,17 +254,17 @@ def restore(
     return y
 
 
-def _split_unavailable(error: BaseException) -> None:
-    global SPLIT_GEMM
-    SPLIT_GEMM = False
-    log.warning("split float16 GEMM unavailable (%s: %s): restoring with the float32 GEMM", type(error).__name__, error)
+def _half_unavailable(error: BaseException) -> None:
+    global HALF_GEMM
+    HALF_GEMM = False
+    log.warning("float16 GEMM unavailable (%s: %s): restoring with the float32 GEMM", type(error).__name__, error)
 
 
-def _split_fits(plan: BatchedPlan, escapes, recon: str) -> bool:
-    """The split GEMM holds the chunk's values exactly: centre reconstruction, escapes within SPLIT_MAX."""
-    if not SPLIT_GEMM or plan.split is None or recon != "centre":
+def _half_fits(plan: BatchedPlan, escapes, recon: str) -> bool:
+    """The float16 GEMM holds the chunk's integers exactly: centre reconstruction, escapes within HALF_MAX."""
+    if not HALF_GEMM or plan.half is None or recon != "centre":
         return False
-    return all(not v.numel() or int(np.abs(v.numpy()).max()) <= SPLIT_MAX for _, v in escapes)  # host arrays
+    return all(not v.numel() or int(np.abs(v.numpy()).max()) <= HALF_MAX for _, v in escapes)  # host arrays
 
 
 def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -285,54 +277,44 @@ def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> t
     return g
 
 
-def _split_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, token_scales) -> torch.Tensor:
-    """x (J, d, N t) float32 through the float16 [hi | lo] GEMM over centred integers q."""
+def _half_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, token_scales) -> torch.Tensor:
+    """x (J, d, N t) float32 through the float16 GEMM over centred integers q."""
     N, _, t = samples.shape
     J = plan.bases.shape[0]
-    x = _split_products(plan, samples, escapes).mul_(plan.scales)
+    x = _half_products(plan, samples, escapes).mul_(plan.scales)
     if token_scales is not None:
         x.view(J, -1, N, t).mul_(token_scales[None, None])
     return x.add_(plan.centred_means)
 
 
-def _split_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor:
-    """(J, d, N t) float32 [hi | lo] @ [q; q]: the basis products of the centred integers, before
-    the blocks' scales, the token scales and the means (float16 tensor cores on CUDA; the same
-    split in float32 on the CPU, for the tests)."""
+def _half_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor:
+    """(J, d, N t) float32 half @ q: the basis products of the centred integers, before the
+    blocks' scales, the token scales and the means (float16 tensor cores on CUDA; the same
+    values in float32 on the CPU, for the tests)."""
     N, C, t = samples.shape
     J, n = plan.bases.shape[0], plan.n
-    half = samples.device.type == "cuda"
-    both = _twice_fused(plan, samples, escapes) if half and C else None
-    if both is None:
-        q = _centred(plan, samples, escapes, torch.float16 if half else torch.float32)
-        both = q.view(J, 1, n, N * t).expand(J, 2, n, N * t).reshape(J, 2 * n, N * t)  # [q; q]
-    if half:
-        return torch.bmm(plan.split, both, out_dtype=torch.float32)
-    return torch.bmm(plan.split.float(), both)
+    on_gpu = samples.device.type == "cuda"
+    q = _gathered_fused(plan, samples, escapes) if on_gpu and C else None
+    if q is None:
+        q = _centred(plan, samples, escapes, torch.float16 if on_gpu else torch.float32)
+    q = q.view(J, n, N * t)
+    if on_gpu:
+        return torch.bmm(plan.half, q, out_dtype=torch.float32)
+    return torch.bmm(plan.half.float(), q)
 
 
-def _twice_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor | None:
-    """[q; q] (J, 2 n, N t) float16 by the fused gather (transform_triton.gather_twice), escapes
-    written into both halves; None where the fused kernels do not serve."""
+def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor | None:
+    """q (J * n, N t) float16 by the fused gather (transform_triton.gather_centred), escapes
+    written in; None where the fused kernels do not serve."""
     N, C, t = samples.shape
-    J, n = plan.bases.shape[0], plan.n
     if not transform_triton.FUSED or transform_triton.triton_modules() is None:
         return None
-    both = transform_triton.gather_twice(samples.contiguous(), plan.gather, J, n)
-    if both is None or not any(idx.numel() for idx, _ in escapes):
-        return both
+    q = transform_triton.gather_centred(samples.contiguous(), plan.gather)
+    if q is None or not any(idx.numel() for idx, _ in escapes):
+        return q
     flat, vals = escape_slots(plan, escapes, t, C)
-    at = _upload(twice_positions(flat, n, N * t), samples.device)
-    both.view(-1).index_put_((at,), _upload(torch.cat([vals, vals]) - OFFSET, samples.device).half())
-    return both
-
-
-def twice_positions(flat: torch.Tensor, n: int, columns: int) -> torch.Tensor:
-    """Where the values at flat positions of the gathered (J n, columns) integers stand in
-    [q; q] (J, 2 n, columns): each position twice, in the upper half, then in the lower."""
-    slot, col = flat // columns, flat % columns
-    first = ((slot // n) * 2 * n + slot % n) * columns + col
-    return torch.cat([first, first + n * columns])
+    q.view(-1).index_put_((_upload(flat, samples.device),), _upload(vals - OFFSET, samples.device).half())
+    return q
 
 
 def _centred(plan: BatchedPlan, samples: torch.Tensor, escapes, dtype: torch.dtype) -> torch.Tensor:
@@ -395,7 +377,7 @@ def restore_into(plan, samples, escapes, shape, rope, starts, outs, *, recon="ce
 def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales) -> bool:  # noqa: ANN001
     t = samples.shape[2]
     end = max(starts) + t
-    if plan.units is None or not _split_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
+    if plan.units is None or not _half_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
         return False
     if not transform_triton.supports(outs, shape, t, samples.device):
         return False
@@ -406,7 +388,7 @@ def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scale
         cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
     meta = _upload(torch.tensor([*starts, *(o.data_ptr() for o in outs)], dtype=torch.int64), device)
     run = transform_triton.Launch(
-        x=_split_products(plan, samples, escapes),
+        x=_half_products(plan, samples, escapes),
         cos=cos,
         sin=sin,
         token_scales=None if token_scales is None else token_scales.float().contiguous(),

@@ -1,10 +1,10 @@
-"""The transform's inverse around cuBLAS's GEMM as two Triton kernels (CUDA; the split GEMM's
+"""The transform's inverse around cuBLAS's GEMM as two Triton kernels (CUDA; the float16 GEMM's
 conditions): the gather before it and the epilogue after it.
 
-transform_kernels.restore runs the batched inverse transform as select, cast, centre and duplicate,
-the float16 [hi | lo] GEMM (cuBLAS, tensor cores), then about eight float32 passes over every value
-(steps, means, row order, RoPE's partner gather, multiply and add, permute + cast): twice the GEMM's
-own time on a 7-8B model's chunks. Here gather_twice makes the GEMM's [q; q] operand from the
+transform_kernels.restore runs the batched inverse transform as select, cast and centre, the
+float16 GEMM (cuBLAS, tensor cores), then about eight float32 passes over every value (steps,
+means, row order, RoPE's partner gather, multiply and add, permute + cast): more than the GEMM's
+own time on a 7-8B model's chunks. Here gather_centred makes the GEMM's q operand from the
 chunks' uint8 samples in one pass, and the epilogue does the rest in one more: each program takes
 one (layer, kind, head) of the batch, all its channels over a tile of token columns; it reads the
 GEMM's rows of those channels (consecutive rows: unit_table) and, for keys, of their RoPE partners,
@@ -111,19 +111,19 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def gather_twice(samples: torch.Tensor, gather: torch.Tensor, blocks: int, n: int) -> torch.Tensor | None:
-    """(blocks, 2 n, N t) float16 [q; q] of N chunks' samples (N, C, t) uint8: each block slot's
-    coded coordinate (gather[slot]: its row among the C), centred (sample - 128), written twice
-    for the [hi | lo] GEMM; one pass instead of select, cast, centre and duplicate. None where the
-    kernel fails (the fused path is then off for this process)."""
+def gather_centred(samples: torch.Tensor, gather: torch.Tensor) -> torch.Tensor | None:
+    """(slots, N t) float16 q of N chunks' samples (N, C, t) uint8: each block slot's coded
+    coordinate (gather[slot]: its row among the C), centred (sample - 128); one pass instead of
+    select, cast and centre. None where the kernel fails (the fused path is then off for this process)."""
     global FUSED
     N, C, t = samples.shape
-    out = torch.empty((blocks, 2 * n, N * t), dtype=torch.float16, device=samples.device)
-    grid = (_cdiv(blocks * n, GATHER_SLOTS), _cdiv(N * t, GATHER_COLS))
+    slots = gather.numel()
+    out = torch.empty((slots, N * t), dtype=torch.float16, device=samples.device)
+    grid = (_cdiv(slots, GATHER_SLOTS), _cdiv(N * t, GATHER_COLS))
     try:
         with torch.cuda.device(samples.device):
             _gather_kernel()[grid](
-                samples, gather, out, n, C, t, N * t, blocks * n, SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4
+                samples, gather, out, C, t, N * t, slots, SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4
             )
     except Exception as e:  # noqa: BLE001 - a broken toolchain or an unsupported GPU: fall back, once
         FUSED = False
@@ -195,8 +195,8 @@ def _kernel():
 def _gather_kernel():
     triton, tl = triton_modules()
 
-    @triton.jit(do_not_specialize=["n", "C", "t", "NT", "slots"])
-    def gather_twice(samples_ptr, gather_ptr, out_ptr, n, C, t, NT, slots, SLOTS: tl.constexpr, COLS: tl.constexpr):
+    @triton.jit(do_not_specialize=["C", "t", "NT", "slots"])
+    def gather_centred(samples_ptr, gather_ptr, out_ptr, C, t, NT, slots, SLOTS: tl.constexpr, COLS: tl.constexpr):
         slot = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
         s_ok = slot < slots
         row = tl.load(gather_ptr + slot, mask=s_ok, other=0)
@@ -207,10 +207,6 @@ def _gather_kernel():
         keep = s_ok[:, None] & c_ok[None, :]
         src = samples_ptr + (chunk * C * t + tok)[None, :] + (row * t)[:, None]
         q = (tl.load(src, mask=keep, other=128).to(tl.float32) - 128.0).to(tl.float16)
-        j = (slot // n).to(tl.int64)
-        k = (slot - (slot // n) * n).to(tl.int64)
-        first = out_ptr + (j * 2 * n + k)[:, None] * NT + cols[None, :]
-        tl.store(first, q, mask=keep)
-        tl.store(first + n * NT, q, mask=keep)
+        tl.store(out_ptr + slot.to(tl.int64)[:, None] * NT + cols[None, :], q, mask=keep)
 
-    return gather_twice
+    return gather_centred

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import zstandard
 
-from kvcodec.transform import alloc, quantize, rate
-from kvcodec.transform.calibration import KINDS, all_variances
+from kvcodec.transform import alloc, inverse, quantize, rate
+from kvcodec.transform.calibration import all_variances
 from kvcodec.transform.rope import apply_rope
 
 # A first guess of the coded payload over the order-0 entropy of the same integers
@@ -131,20 +131,12 @@ def restore(codec: Any, kv: torch.Tensor, theta: float, y: torch.Tensor | None =
     cal, plan = codec.cal, codec.plan(theta)
     L, _, T, H, D = kv.shape
     out = torch.empty((L, 2, T, H, D), dtype=torch.float32)
+    bases = inverse.decode_bases(cal, plan.counts, plan.steps)
     for s, e, fine in _chunks(codec, T):
         q = codec._symbols(y[s:e], theta, s, fine).cpu()
         scale = quantize.token_scales(e - s, fine, codec.fine_bits) if fine else None
         coeffs = quantize.dequantize(q, plan.steps, token_scale=scale, sigmas=plan.sigmas, recon=codec.recon)
-        off = 0
-        for j, n in enumerate(plan.counts):
-            layers, b = cal.groups[j // 2], cal.basis(j // 2, KINDS[j % 2])
-            xg = (
-                b.mean[None, :] + coeffs[:, off : off + n] @ b.basis[:, :n].T
-                if n
-                else b.mean[None, :].expand(e - s, -1)
-            )
-            out[list(layers), j % 2, s:e] = xg.reshape(e - s, len(layers), H, D).permute(1, 0, 2, 3)
-            off += n
+        out[:, :, s:e] = inverse.inverse(cal, bases, (coeffs / plan.steps).T.contiguous(), (L, H, D))
     if cal.rope is not None:
         out[:, 0] = apply_rope(out[:, 0], torch.arange(T), cal.rope)
     sink = min(codec.sink_tokens, T)

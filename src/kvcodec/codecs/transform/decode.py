@@ -20,8 +20,8 @@ from kvcodec.codecs.zstd_streams import unzstd_into
 from kvcodec.errors import CorruptStreamError, ShapeError
 from kvcodec.restore import transform_kernels
 from kvcodec.restore.paged import PagedKV
-from kvcodec.transform import frames, quantize
-from kvcodec.transform.calibration import KINDS, Calibration
+from kvcodec.transform import frames, inverse, quantize
+from kvcodec.transform.calibration import Calibration
 from kvcodec.transform.rope import apply_rope
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -45,7 +45,7 @@ class TransformRestorer:
     def __init__(self, cal: Calibration, plan: Callable, batched: bool | None = None):
         self.cal, self.plan = cal, plan
         self.batched = batched  # None: the batched restore (restore.transform_kernels) on CUDA only
-        self._device_bases: dict[torch.device, list] = {}
+        self._device_bases: dict[tuple, list] = {}  # (theta, key_weight, device): _decode_bases
         self._batched_plans: dict[tuple, transform_kernels.BatchedPlan] = {}
         self._rope_tables: dict[torch.device, transform_kernels.RopeTables] = {}
         self._coord_plans: dict[tuple[float, float], object] = {}  # plan(theta, key_weight), read without a lock
@@ -63,14 +63,18 @@ class TransformRestorer:
             self._coord_plans[key] = plan
         return plan
 
-    def _bases_on(self, device: torch.device) -> list:
-        if device not in self._device_bases:
-            self._device_bases[device] = [
-                (self.cal.basis(g, k).mean.to(device), self.cal.basis(g, k).basis.to(device))
-                for g in range(len(self.cal.groups))
-                for k in KINDS
-            ]
-        return self._device_bases[device]
+    def _decode_bases(self, h: dict, device: torch.device) -> list:
+        """Per block (group, kind): its mean and its coded columns scaled by their steps, rounded
+        as every restore path rounds them (transform.inverse.decode_bases), on `device`."""
+        key = (float(h["theta"]), float(h["key_weight"]), device)
+        with self._lock:
+            if key not in self._device_bases:
+                while len(self._device_bases) >= MAX_PLANS:
+                    self._device_bases.pop(next(iter(self._device_bases)))
+                p = self._plan_of(h)
+                bases = inverse.decode_bases(self.cal, p.counts, p.steps)
+                self._device_bases[key] = [(m.to(device), b.to(device)) for m, b in bases]
+            return self._device_bases[key]
 
     def _samples(self, h: dict, streams: dict, count: int, device: torch.device, decoder=None) -> torch.Tensor:
         if h["coder"] == "zstd":  # one frame, or frames with a seek table (read in parallel)
@@ -121,15 +125,8 @@ class TransformRestorer:
         q = quantize.from_samples(samples, idx, values)[plan.inverse.to(device)]  # concatenated order
         scale = quantize.token_scales(t, h["fine_tokens"], h["fine_bits"]) if h["fine_tokens"] else None
         coeffs = quantize.dequantize(q.T, plan.steps, token_scale=scale, sigmas=plan.sigmas, recon=h["recon"])
-        coeffs = coeffs.T.contiguous()
-        L, H, D = h["shape"]
-        x = torch.empty((L, 2, t, H, D), dtype=torch.float32, device=device)
-        off = 0
-        for j, (mean, basis) in enumerate(self._bases_on(device)):
-            layers, n = self.cal.groups[j // 2], plan.counts[j]
-            xg = torch.addmm(mean[:, None], basis[:, :n], coeffs[off : off + n]) if n else mean[:, None].expand(-1, t)
-            x[list(layers), j % 2] = xg.T.reshape(t, len(layers), H, D).permute(1, 0, 2, 3)
-            off += n
+        units = (coeffs / plan.steps.to(device)).T.contiguous()  # in steps: the decode bases carry them
+        x = inverse.inverse(self.cal, self._decode_bases(h, device), units, tuple(h["shape"]))
         if self.cal.rope is not None:
             positions = torch.arange(h["start_token"], h["start_token"] + t, device=device)
             x[:, 0] = apply_rope(x[:, 0], positions, self.cal.rope)
