@@ -612,6 +612,56 @@ def run(in_dir, thread_specs, copies, seconds, interference_seconds, only, skip,
     pathlib.Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
+@cli.command()
+@click.option("--dir", "in_dir", required=True)
+@click.option("--out", "out_stem", required=True)
+def first(in_dir, out_stem):
+    """The first chunk a fresh process restores, with and without TransformCodec.warm_up (what
+    Engine runs at start), each in a new process with an empty Triton cache, then once more with
+    the cache the first run left on disk (a restarted server): seconds of warm-up, of the first
+    chunk's restore and of the second's."""
+    import os
+    import subprocess
+    import tempfile
+
+    doc = {"command": "python " + shlex.join(["benchmarks/transform_nvdec.py", *sys.argv[1:]]), "records": []}
+    for warm in (False, True):
+        with tempfile.TemporaryDirectory() as cache:
+            for triton_cache in ("empty", "left by the run before"):
+                env = {**os.environ, "TRITON_CACHE_DIR": cache}
+                cmd = [sys.executable, __file__, "first-one", "--dir", in_dir] + (["--warm"] if warm else [])
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+                rec = {"warm_up": warm, "triton_cache": triton_cache, **json.loads(out.strip().splitlines()[-1])}
+                doc["records"].append(rec)
+                print(json.dumps(rec), flush=True)
+    pathlib.Path(out_stem + ".json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+@cli.command(name="first-one")
+@click.option("--dir", "in_dir", required=True)
+@click.option("--warm", is_flag=True)
+def first_one(in_dir, warm):
+    d = pathlib.Path(in_dir)
+    torch.zeros(1, device="cuda")
+    codec = load_pack(d / PACK)
+    path = sorted(d.glob("hevc-*.kvc"))[0]
+    _, blobs = _chunks(path.read_bytes())
+    h = codec.header(blobs[0])
+    L, H, D = h["shape"]
+    out = torch.empty((L, 2, h["tokens"], H, D), dtype=torch.float16, device="cuda")
+    rec = {"case": path.stem, "warm_up_s": None}
+    if warm:
+        t0 = time.perf_counter()
+        codec.warm_up("cuda", torch.float16)
+        rec["warm_up_s"] = round(time.perf_counter() - t0, 4)
+    for name in ("first_restore_s", "second_restore_s"):
+        t0 = time.perf_counter()
+        codec.decode_chunk(blobs[0], out)
+        torch.cuda.synchronize()
+        rec[name] = round(time.perf_counter() - t0, 4)
+    print(json.dumps(rec))
+
+
 def measure_file(log, probe, d, path, copies, specs, secs, alone, hashes, reference) -> None:
     """Every measurement of one file, each logged as it completes."""
     codec = load_pack(d / PACK)

@@ -189,3 +189,42 @@ def test_many_chunks_in_one_fused_call_land_in_their_own_outputs(kvt, monkeypatc
     reference = gpu_tests.restore_all(fast, chunks, kv.shape, device="cuda")
     torch.cuda.synchronize()
     assert gpu_tests.within_an_ulp(out.cpu(), reference.cpu())
+
+
+def _compiled(fn) -> int:
+    """Kernels Triton has compiled (or loaded from its disk cache) for `fn` in this process."""
+    return sum(len(entry[0]) for entry in fn.device_caches.values())
+
+
+@needs_triton
+def test_warm_up_compiles_every_kernel_the_first_fetch_needs(kvt):
+    from kvcodec.codecs.base import WarmUp
+
+    _, fast = gpu_tests.codecs(kvt, target_ratio=4.0, fine_tokens=40, fine_bits=1)  # plain and finer-tail chunks
+    kv = gpu_tests.synthetic_kv(200, 3)
+    chunks = fast.encode_chunks(kv)
+    kernels = (tt._kernel(), tt._gather_kernel())
+    if not all(hasattr(k, "device_caches") for k in kernels):
+        pytest.skip("this Triton keeps no per-device kernel caches to count")
+    for k in kernels:
+        k.device_caches.clear()  # compiled again (from Triton's disk cache): the count starts at zero
+    assert isinstance(fast, WarmUp)
+    fast.warm_up("cuda", torch.float16)
+    warmed = [_compiled(k) for k in kernels]
+    assert warmed[0] >= 2 and warmed[1] >= 1  # the epilogue with and without token scales, the gather
+    gpu_tests.restore_all(fast, chunks, kv.shape, device="cuda")
+    torch.cuda.synchronize()
+    assert tt.FUSED
+    assert [_compiled(k) for k in kernels] == warmed  # the restore compiled nothing more
+
+
+def test_warm_up_is_a_no_op_off_cuda_and_for_codecs_without_kernels(kvt):
+    from kvcodec.codecs.base import WarmUp
+    from kvcodec.codecs.hevc.codec import HevcCodec
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    _, fast = gpu_tests.codecs(kvt, target_ratio=4.0)
+    fast.warm_up("cpu")  # nothing to compile: returns without touching a GPU
+    assert not isinstance(HevcCodec(), WarmUp)
+    assert PrefixCache(open_store("memory://"), "synthetic", fast, "cpu").warm_up() == 0.0

@@ -112,6 +112,14 @@ class StagedDecode(Protocol):
     def finish(self, staged: Sequence[object], outs: Sequence[Target]) -> None: ...
 
 
+@runtime_checkable
+class WarmUp(Protocol):
+    """An optional capability of a ChunkCodec: compiling what its restore runs on `device` before
+    the first chunk arrives (the transform codec's Triton kernels; a server calls it at start)."""
+
+    def warm_up(self, device: torch.device | str, dtype: torch.dtype = ...) -> None: ...
+
+
 def check_keys(keys: Sequence[str] | None, chunks: int) -> None:
     """ShapeError unless `keys`, when given, holds one key per chunk (encode_chunks' `keys`)."""
     if keys is not None and len(keys) != chunks:

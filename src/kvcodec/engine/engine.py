@@ -126,6 +126,8 @@ class Engine:
         self._last_progress = time.monotonic()
         if cfg.reuse and cfg.fetch_deadline_s == AUTO and prefix_cache is not None:
             self._measure_prefill()
+        if cfg.reuse and prefix_cache is not None:
+            prefix_cache.warm_up(self.runner.dtype)  # the restore's kernels compiled before the first fetch
 
     # ---- setup ---------------------------------------------------------------------------------
     @property

@@ -569,6 +569,11 @@ class TransformCodec:
         """The second half: the inverse transform of every staged chunk into its target."""
         self._restorer.finish(list(staged), list(outs))
 
+    def warm_up(self, device: torch.device | str, dtype: torch.dtype = torch.float16) -> None:
+        """Compile the restore's GPU kernels for outputs of `dtype` now (no-op off CUDA), so that the
+        first fetch a server runs does not wait for Triton (codecs.base.WarmUp)."""
+        self._restorer.warm_up(torch.device(device), dtype)
+
     def stage_stream(self, items, device, check=None):  # noqa: ANN001, ANN201 - see transform_batch.stage_stream
         """The first half for a stream of (tag, blob, target) on one NVDEC session, chunks back to back."""
         from kvcodec.codecs.transform.batch import stage_stream

@@ -21,10 +21,11 @@ from kvcodec.errors import CorruptStreamError, ShapeError
 from kvcodec.restore import transform_kernels
 from kvcodec.restore.paged import PagedKV
 from kvcodec.transform import frames, inverse, quantize
-from kvcodec.transform.calibration import Calibration
+from kvcodec.transform.calibration import KINDS, Calibration
 from kvcodec.transform.rope import apply_rope
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_PLANS = 4  # batched plans kept per restorer (a file coded to a target ratio has its own level)
 
 
@@ -181,6 +182,24 @@ class TransformRestorer:
             groups.setdefault(key, []).append(i)
         for members in groups.values():
             self._finish_group([chunks[i] for i in members], [outs[i] for i in members])
+
+    def warm_up(self, device: torch.device, dtype: torch.dtype, tokens: int = 16) -> None:
+        """Restore two chunks of zeros (with and without finer-tail token scales) into `dtype` on a
+        CUDA `device`, so that the fused kernels are compiled (or loaded from Triton's cache) now,
+        not during the first fetch; at a level that codes only the few widest coordinates."""
+        if device.type != "cuda":
+            return
+        widest = max(float(self.cal.basis(g, k).variances.max()) for g in range(len(self.cal.groups)) for k in KINDS)
+        h = {"theta": widest / 2, "key_weight": 1.0, "tokens": tokens, "dtype": DTYPE_NAMES[dtype], "recon": "centre"}
+        h |= {"shape": (self.cal.layers, self.cal.kv_heads, self.cal.head_dim), "start_token": 0, "sink": 0}
+        count = self._plan_of(h).steps.numel()
+        for fine_tokens, fine_bits in ((0, 0), (tokens, 1)):
+            zeros = torch.full((count, tokens), quantize.OFFSET, dtype=torch.uint8, device=device)
+            none = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
+            chunk = Decoded({**h, "fine_tokens": fine_tokens, "fine_bits": fine_bits}, zeros, none, None)
+            L, H, D = h["shape"]
+            self.finish([chunk], [torch.empty((L, 2, tokens, H, D), dtype=dtype, device=device)])
+        torch.cuda.synchronize(device)
 
     def _finish_group(self, chunks: list[Decoded], outs: list[Target]) -> None:
         h0 = chunks[0].h
