@@ -160,8 +160,9 @@ def test_transform_chunks_prepared_together_are_those_prepared_one_by_one(tmp_pa
     escapes = 0
     for k, batched in enumerate(together):
         s = 32 * (k + 1)
-        for (streams, counts, frames), res in zip(batched, codec.resolutions):
-            alone = codec._prepare(y[s : s + 32], kv[:, :, s : s + 32], theta, s, res, 0)
+        for (streams, counts, frames), alone in zip(
+            batched, codec._prepare(y[s : s + 32], kv[:, :, s : s + 32], theta, s, 0)
+        ):
             assert (streams, counts) == alone[:2]
             assert [f.tolist() for f in frames] == [f.tolist() for f in alone[2]]
             escapes += counts["escapes"]

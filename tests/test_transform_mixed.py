@@ -101,7 +101,7 @@ def test_mixed_chunks_prepared_together_are_those_prepared_one_by_one(synthetic_
     together = codec._prepare_batch(y[64:256], theta, 64, 3)
     for k, (batched,) in enumerate(together):
         s = 64 * (k + 1)
-        alone = codec._prepare(y[s : s + 64], kv[:, :, s : s + 64], theta, s, (64, 64), 0)
+        (alone,) = codec._prepare(y[s : s + 64], kv[:, :, s : s + 64], theta, s, 0)  # its one resolution, 64x64
         assert batched[:2] == alone[:2] and batched[1]["coder"] == chunk_coder("mixed", k + 1)
         pending = (lambda p: p) if batched[1]["coder"] == "zstd" else (lambda p: [f.tolist() for f in p])
         assert pending(batched[2]) == pending(alone[2])

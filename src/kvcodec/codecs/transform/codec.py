@@ -341,16 +341,17 @@ class TransformCodec:
             encoder.with_threads(threads) if threads and callable(getattr(encoder, "with_threads", None)) else encoder
         )
 
-    def _prepare(self, y, kv, theta, first_position, resolution, fine, coder=None) -> tuple[dict, dict, object]:
-        """Everything before the samples are coded: the side streams, the header counts (the chunk's
-        coder among them: `coder`, else its index's) and what _coded codes: the host frames (hevc)
-        or the samples' bytes (zstd). y and kv on one device (the GPU's KV is quantized there; only
-        samples come to the host)."""
+    def _prepare(self, y, kv, theta, first_position, fine, coder=None) -> tuple[tuple[dict, dict, object], ...]:
+        """Everything before the samples are coded, per resolution of the codec: the side streams, the
+        header counts (the chunk's coder among them: `coder`, else its index's) and what _coded codes:
+        the host frames (hevc) or the samples' bytes (zstd). The chunk is quantized once for all of them.
+        y and kv on one device (the GPU's KV is quantized there; only samples come to the host)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
-        return self._pending(samples, streams, escapes, fine, resolution, coder or self.chunk_coder(first_position))
+        coder = coder or self.chunk_coder(first_position)
+        return tuple(self._pending(samples, streams, escapes, fine, res, coder) for res in self.resolutions)
 
     def _pending(self, samples, streams, escapes, fine, resolution, coder) -> tuple[dict, dict, object]:  # noqa: ANN001
-        """_prepare's result from a chunk's samples and side streams, for `coder`."""
+        """One resolution's entry of _prepare from a chunk's samples and side streams, for `coder`."""
         counts = {"coder": coder, "frames": 0, "escapes": escapes, "fine_tokens": fine}
         if coder == "hevc":
             host_frames = [f.cpu().numpy() for f in frames.to_frames(samples, *resolution)]
@@ -407,7 +408,7 @@ class TransformCodec:
 
         def prepare(n: int) -> tuple:
             s, e, fine = span(n)
-            return tuple(self._prepare(y[s:e], kv[:, :, s:e], theta, first + s, res, fine) for res in self.resolutions)
+            return self._prepare(y[s:e], kv[:, :, s:e], theta, first + s, fine)
 
         def one(n: int, prepared: tuple | None = None) -> EncodedChunk:
             s, e, fine = span(n)
