@@ -615,11 +615,13 @@ def run(in_dir, thread_specs, copies, seconds, interference_seconds, only, skip,
 @cli.command()
 @click.option("--dir", "in_dir", required=True)
 @click.option("--out", "out_stem", required=True)
-def first(in_dir, out_stem):
-    """The first chunk a fresh process restores, with and without TransformCodec.warm_up (what
-    Engine runs at start), each in a new process with an empty Triton cache, then once more with
-    the cache the first run left on disk (a restarted server): seconds of warm-up, of the first
-    chunk's restore and of the second's."""
+@click.option("--codec", "codec_name", type=click.Choice(["transform", "int8"]), default="transform")
+def first(in_dir, out_stem, codec_name):
+    """The first chunk a fresh process restores, with and without the codec's warm_up (what Engine
+    runs at start), each in a new process with an empty Triton cache, then once more with the cache
+    the first run left on disk (a restarted server): seconds of warm-up, of the first chunk's
+    restore and of the second's. int8: the default HEVC codec over the pack's reference KV,
+    encoded in the process (CPU) before the clock starts."""
     import os
     import subprocess
     import tempfile
@@ -629,7 +631,8 @@ def first(in_dir, out_stem):
         with tempfile.TemporaryDirectory() as cache:
             for triton_cache in ("empty", "left by the run before"):
                 env = {**os.environ, "TRITON_CACHE_DIR": cache}
-                cmd = [sys.executable, __file__, "first-one", "--dir", in_dir] + (["--warm"] if warm else [])
+                cmd = [sys.executable, __file__, "first-one", "--dir", in_dir, "--codec", codec_name]
+                cmd += ["--warm"] if warm else []
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
                 rec = {"warm_up": warm, "triton_cache": triton_cache, **json.loads(out.strip().splitlines()[-1])}
                 doc["records"].append(rec)
@@ -639,24 +642,36 @@ def first(in_dir, out_stem):
 
 @cli.command(name="first-one")
 @click.option("--dir", "in_dir", required=True)
+@click.option("--codec", "codec_name", default="transform")
 @click.option("--warm", is_flag=True)
-def first_one(in_dir, warm):
+def first_one(in_dir, codec_name, warm):
     d = pathlib.Path(in_dir)
     torch.zeros(1, device="cuda")
-    codec = load_pack(d / PACK)
-    path = sorted(d.glob("hevc-*.kvc"))[0]
-    _, blobs = _chunks(path.read_bytes())
-    h = codec.header(blobs[0])
-    L, H, D = h["shape"]
-    out = torch.empty((L, 2, h["tokens"], H, D), dtype=torch.float16, device="cuda")
-    rec = {"case": path.stem, "warm_up_s": None}
+    if codec_name == "int8":
+        from safetensors.torch import load_file
+
+        from kvcodec.codecs.hevc.codec import HevcCodec
+        from kvcodec.config import CodecConfig
+
+        codec, case = HevcCodec(CodecConfig()), "int8-default"
+        chunk = codec.encode_chunks(load_file(str(d / "reference.safetensors"))["kv"].to(torch.float16))[0]
+        blob, shape = chunk.blobs[0], codec.inspect_chunk(chunk.blobs[0])
+        L, H, D, t = shape.layers, shape.kv_heads, shape.head_dim, shape.tokens
+    else:
+        codec = load_pack(d / PACK)
+        path = sorted(d.glob("hevc-*.kvc"))[0]
+        case, blob = path.stem, _chunks(path.read_bytes())[1][0]
+        h = codec.header(blob)
+        (L, H, D), t = h["shape"], h["tokens"]
+    out = torch.empty((L, 2, t, H, D), dtype=torch.float16, device="cuda")
+    rec = {"case": case, "warm_up_s": None}
     if warm:
         t0 = time.perf_counter()
         codec.warm_up("cuda", torch.float16)
         rec["warm_up_s"] = round(time.perf_counter() - t0, 4)
     for name in ("first_restore_s", "second_restore_s"):
         t0 = time.perf_counter()
-        codec.decode_chunk(blobs[0], out)
+        codec.decode_chunk(blob, out)
         torch.cuda.synchronize()
         rec[name] = round(time.perf_counter() - t0, 4)
     print(json.dumps(rec))

@@ -71,6 +71,31 @@ def test_warm_up_compiles_for_every_output_dtype():
 
 @needs_triton
 @pytest.mark.gpu
+def test_the_codecs_warm_up_compiles_what_its_first_restores_need():
+    from kvcodec.codecs.base import WarmUp
+    from kvcodec.codecs.hevc.codec import HevcCodec
+
+    kernel = triton_restore._kernel()
+    if not hasattr(kernel, "device_caches"):
+        pytest.skip("this Triton keeps no per-device kernel caches to count")
+    config = CodecConfig(chunk_tokens=48, resolutions=((256, 256),))  # the default coder: video and zstd'd planes
+    kv = _kv(tokens=96).to(torch.bfloat16)
+    chunks = encode_chunks(kv, config)
+    codec = HevcCodec(config, decoder=FFmpegHevcDecoder())
+    kernel.device_caches.clear()  # compiled again (from Triton's disk cache): the count starts at zero
+    assert isinstance(codec, WarmUp)
+    codec.warm_up("cuda", torch.bfloat16)
+    warmed = sum(len(entry[0]) for entry in kernel.device_caches.values())
+    assert warmed >= 1
+    out = torch.empty(kv.shape, dtype=torch.bfloat16, device="cuda")
+    for c in chunks:
+        codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
+    torch.cuda.synchronize()
+    assert sum(len(entry[0]) for entry in kernel.device_caches.values()) == warmed  # nothing compiled since
+
+
+@needs_triton
+@pytest.mark.gpu
 @pytest.mark.parametrize("quant, video_bits", [("int8", 4), ("int4", 8)])
 def test_fused_restore_into_a_paged_cache_equals_reference(quant, video_bits):
     from kvcodec import PagedKV

@@ -220,11 +220,11 @@ def test_warm_up_compiles_every_kernel_the_first_fetch_needs(kvt):
 
 def test_warm_up_is_a_no_op_off_cuda_and_for_codecs_without_kernels(kvt):
     from kvcodec.codecs.base import WarmUp
-    from kvcodec.codecs.hevc.codec import HevcCodec
+    from kvcodec.codecs.raw import RawCodec
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
     _, fast = gpu_tests.codecs(kvt, target_ratio=4.0)
     fast.warm_up("cpu")  # nothing to compile: returns without touching a GPU
-    assert not isinstance(HevcCodec(), WarmUp)
+    assert not isinstance(RawCodec(), WarmUp)
     assert PrefixCache(open_store("memory://"), "synthetic", fast, "cpu").warm_up() == 0.0

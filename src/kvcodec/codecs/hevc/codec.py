@@ -114,6 +114,15 @@ class HevcCodec:
             h.chunk_index, h.start_token, h.tokens, h.layers, h.kv_heads, h.head_dim, h.dtype, "hevc", h.key
         )
 
+    def warm_up(self, device: torch.device | str, dtype: torch.dtype = torch.float16) -> None:
+        """Compile the fused frame restorer for outputs of `dtype` now (CUDA with Triton, integer
+        modes), so that the first fetch a server runs does not wait for it (codecs.base.WarmUp);
+        pool workers warm their own process up when they start."""
+        from kvcodec.restore import triton_restore
+
+        if torch.device(device).type == "cuda" and self.restore != "torch" and triton_restore.available():
+            triton_restore.warm_up(device, (dtype,))
+
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
         if self.pool is not None and out.device == self.pool.device:
             from kvcodec.codecs.hevc.pool import restore_in_pool
