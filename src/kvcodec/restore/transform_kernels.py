@@ -39,8 +39,8 @@ import torch
 
 from kvcodec.errors import CorruptStreamError
 from kvcodec.restore import transform_triton
-from kvcodec.transform.calibration import KINDS, Calibration
-from kvcodec.transform.inverse import HALF_MAX, half_basis
+from kvcodec.transform.calibration import Calibration
+from kvcodec.transform.inverse import HALF_MAX, decode_bases
 from kvcodec.transform.quantize import OFFSET, recon_offset, step_ratio
 from kvcodec.transform.rope import RopeSpec, inv_freq
 
@@ -58,7 +58,7 @@ class BatchedPlan:
     slot_of_row: np.ndarray  # (C,) int64 host: block slot (j * n + k) of each layout row
     n: int  # padded coefficients per block
     ratios: torch.Tensor | None = None  # (J * n,) float32 step / calibrated deviation per slot (0: padding)
-    half: torch.Tensor | None = None  # (J, d, n) float16 bases / scales, exactly (see half_basis)
+    half: torch.Tensor | None = None  # (J, d, n) float16 bases / scales, exactly (transform.inverse.DecodeBlock)
     scales: torch.Tensor | None = None  # (J, 1, 1) float32 power-of-two scale of each block
     centred_means: torch.Tensor | None = None  # (J, d, 1) float32 means for centred samples (q, not q + 128)
     units: torch.Tensor | None = None  # (L * 2 * H,) int64 the fused epilogue's first row of each head (unit_table)
@@ -100,14 +100,13 @@ def build_plan(
     slot_of_row = np.zeros(inverse.numel(), dtype=np.int64)
     ratios = torch.zeros((J, n), dtype=torch.float32)
     scales = torch.ones((J, 1, 1), dtype=torch.float32)
-    for j in range(J):
-        b, c, o = cal.basis(j // 2, KINDS[j % 2]), int(counts[j]), int(offsets[j])
-        rows_j = b.mean.numel()
-        half, scales[j] = half_basis(b.basis[:, :c].to(torch.float64) * steps[o : o + c].to(torch.float64))
-        scaled = half.to(torch.float64) * float(scales[j])
-        bases[j, :rows_j, :c] = scaled.float()
-        means[j, :rows_j] = (b.mean.to(torch.float64) - OFFSET * scaled.sum(1)).float()
-        centred[j, :rows_j] = b.mean.float()
+    for j, block in enumerate(decode_bases(cal, counts, steps)):
+        c, o = int(counts[j]), int(offsets[j])
+        rows_j = block.mean.numel()
+        scales[j] = block.scale
+        bases[j, :rows_j, :c] = block.basis
+        means[j, :rows_j] = (block.mean.double() - OFFSET * block.basis.double().sum(1)).float()
+        centred[j, :rows_j] = block.mean
         gather[j, :c] = inverse[o : o + c]
         slot_of_row[inverse[o : o + c].numpy()] = j * n + np.arange(c)
         if sigmas is not None:

@@ -11,6 +11,7 @@ parts in 10^5 of its MSE (benchmarks/results/decode-h200-transform-llama8b-half.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -30,21 +31,35 @@ def half_basis(scaled: torch.Tensor) -> tuple[torch.Tensor, float]:
     return (scaled.to(torch.float64) / scale).to(torch.float16), scale
 
 
-def decode_bases(cal: Calibration, counts, steps: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per block j (group j // 2, kind j % 2): (mean (rows,), decode basis (rows, counts[j]))
-    float32; steps (C,) in the coordinates' concatenated order."""
+@dataclasses.dataclass(frozen=True)
+class DecodeBlock:
+    """One block's (group j // 2, kind j % 2) part of the decode basis."""
+
+    mean: torch.Tensor  # (rows,) float32
+    half: torch.Tensor  # (rows, n) float16 values; the basis is half * scale
+    scale: float  # power of two
+
+    @property
+    def basis(self) -> torch.Tensor:
+        """(rows, n) float32: the decode basis itself (exact: a float16 value times a power of two)."""
+        return (self.half.to(torch.float64) * self.scale).float()
+
+
+def decode_bases(cal: Calibration, counts, steps: torch.Tensor) -> list[DecodeBlock]:
+    """Every block's decode basis, block j coding counts[j] coordinates; steps (C,) in the
+    coordinates' concatenated order."""
     out, off = [], 0
     for j in range(2 * len(cal.groups)):
         b, n = cal.basis(j // 2, KINDS[j % 2]), int(counts[j])
         half, scale = half_basis(b.basis[:, :n].to(torch.float64) * steps[off : off + n].to(torch.float64))
-        out.append((b.mean.float(), (half.to(torch.float64) * scale).float()))
+        out.append(DecodeBlock(b.mean.float(), half, scale))
         off += n
     return out
 
 
 def inverse(cal: Calibration, bases, units: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
     """KV (L, 2, t, H, D) float32 before RoPE from coefficients in steps `units` (C, t), concatenated
-    order; bases: decode_bases' blocks (on units' device)."""
+    order; bases: (mean, basis) of each block (DecodeBlock's), on units' device."""
     L, H, D = shape
     t = units.shape[1]
     x = torch.empty((L, 2, t, H, D), dtype=torch.float32, device=units.device)

@@ -131,7 +131,7 @@ def restore(codec: Any, kv: torch.Tensor, theta: float, y: torch.Tensor | None =
     cal, plan = codec.cal, codec.plan(theta)
     L, _, T, H, D = kv.shape
     out = torch.empty((L, 2, T, H, D), dtype=torch.float32)
-    bases = inverse.decode_bases(cal, plan.counts, plan.steps)
+    bases = [(b.mean, b.basis) for b in inverse.decode_bases(cal, plan.counts, plan.steps)]
     for s, e, fine in _chunks(codec, T):
         q = codec._symbols(y[s:e], theta, s, fine).cpu()
         scale = quantize.token_scales(e - s, fine, codec.fine_bits) if fine else None

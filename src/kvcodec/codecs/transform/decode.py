@@ -73,8 +73,8 @@ class TransformRestorer:
                 while len(self._device_bases) >= MAX_PLANS:
                     self._device_bases.pop(next(iter(self._device_bases)))
                 p = self._plan_of(h)
-                bases = inverse.decode_bases(self.cal, p.counts, p.steps)
-                self._device_bases[key] = [(m.to(device), b.to(device)) for m, b in bases]
+                blocks = inverse.decode_bases(self.cal, p.counts, p.steps)
+                self._device_bases[key] = [(b.mean.to(device), b.basis.to(device)) for b in blocks]
             return self._device_bases[key]
 
     def _samples(self, h: dict, streams: dict, count: int, device: torch.device, decoder=None) -> torch.Tensor:
