@@ -114,6 +114,26 @@ def test_inspect_and_registry(synthetic_kvt):
     assert (info.index, info.start_token, info.tokens, info.key) == (3, 192, 36, "b")
 
 
+@pytest.mark.parametrize("coder", ["zstd", "hevc", "ans"])
+def test_inspect_reads_the_header_and_decode_checks_the_streams(synthetic_kvt, coder):
+    """inspect_chunk (a fetch's binding check before the decode) parses the header alone; the
+    decode's read is the one pass over the streams that catches a damaged byte."""
+    from kvcodec.codecs.transform_ans.codec import TransformAnsCodec
+    from kvcodec.errors import ChecksumError
+
+    c = (
+        TransformAnsCodec(synthetic_kvt, chunk_tokens=64, block=4096)
+        if coder == "ans"
+        else codec(synthetic_kvt, coder=coder)
+    )
+    kv = synthetic_kv(64, seed=16)
+    blob = bytearray(c.encode_chunks(kv)[0].blobs[0])
+    blob[-5] ^= 0x40  # in the last stream
+    assert c.inspect_chunk(bytes(blob)).tokens == 64
+    with pytest.raises(ChecksumError):
+        c.decode_chunk(bytes(blob), torch.empty_like(kv))
+
+
 def test_kvt_file_round_trip_and_damage(synthetic_kvt, tmp_path):
     cal, digest = load_kvt(synthetic_kvt)
     assert digest == kvt_hash(synthetic_kvt.read_bytes()) and cal.groups and cal.rope == ROPE

@@ -29,7 +29,7 @@ from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, che
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
-from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, check_header, chunk_coder
+from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
@@ -125,6 +125,8 @@ class TransformCodec:
     (bin centroids: lower squared error, but a higher KL divergence on real models); coder: how the
     samples are coded: "mixed" (default: even chunks as HEVC video for NVDEC, odd ones zstd for the
     host's cores, so a fetch keeps both busy), "hevc" or "zstd" (every chunk)."""
+
+    STREAM_NAMES = frozenset(STREAM_NAMES)  # every stream a chunk blob may hold
 
     def __init__(
         self,
@@ -521,9 +523,9 @@ class TransformCodec:
 
     # ------------------------------------------------------------------------------ decode
 
-    def _read(self, blob) -> tuple[dict, dict]:
-        """The verified header and streams of a chunk blob."""
-        h, _, streams = self._read_entries(blob)
+    def _read(self, blob, deferred: frozenset[str] = frozenset()) -> tuple[dict, dict]:
+        """The verified header and streams of a chunk blob (those named in `deferred` not checksummed)."""
+        h, _, streams = self._read_entries(blob, deferred)
         return h, streams
 
     def _read_entries(self, blob, deferred: frozenset[str] = frozenset()) -> tuple[dict, tuple, dict]:
@@ -548,7 +550,9 @@ class TransformCodec:
         return self._read(blob)[0]
 
     def inspect_chunk(self, blob: bytes | memoryview) -> ChunkInfo:
-        h, _ = self._read(blob)
+        """The chunk's checked header and stream lengths; the streams' checksums are the decode's
+        (one pass over a chunk's bytes per fetch: a driven fetch inspects and then reads each blob)."""
+        h, _ = self._read(blob, self.STREAM_NAMES)
         L, H, D = h["shape"]
         return ChunkInfo(h["index"], h["start_token"], h["tokens"], L, H, D, h["dtype"], h["codec"], h.get("key"))
 

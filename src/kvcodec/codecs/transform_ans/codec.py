@@ -74,6 +74,7 @@ class TransformAnsCodec(TransformCodec):
     of the rANS stream (rans.AnsParams); `gpu`: decode on the SMs on CUDA (None: when Triton loads)."""
 
     stage_stream = None  # no NVDEC stream to feed: the fetch stages chunk by chunk and finishes in batches
+    STREAM_NAMES = frozenset(STREAM_CODECS)
 
     def __init__(self, transform: str | Path | Calibration, *, block: int = 1 << 16, lanes: int = 32,
                  gpu: bool | None = None, **options):  # fmt: skip
@@ -143,7 +144,7 @@ class TransformAnsCodec(TransformCodec):
 
     # ------------------------------------------------------------------------------ decode
 
-    def _read(self, blob) -> tuple[dict, dict]:
+    def _read(self, blob, deferred: frozenset[str] = frozenset()) -> tuple[dict, dict]:
         ah, payload = read_parsed(blob, CHUNK_MAGIC, "transform-ANS chunk", AnsChunkHeader.from_json)
         if ah.kvt != self.kvt_hash:
             raise ConfigError(
@@ -160,7 +161,7 @@ class TransformAnsCodec(TransformCodec):
             )
         if ah.escapes > ah.samples:
             raise FormatError(f"transform-ANS chunk announces {ah.escapes} escapes, more than it has samples")
-        return h, split_streams(payload, ah.streams, f"transform-ANS chunk {ah.index}")
+        return h, split_streams(payload, ah.streams, f"transform-ANS chunk {ah.index}", deferred)
 
     def stage(self, blob: bytes | memoryview, out: Target) -> Staged:
         h, streams = self._read(blob)
