@@ -21,7 +21,8 @@ level; negative levels are zstd's fast ones, near raw bytes). run measures per c
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
 get) and with the settings in --variants (`default-nodrive`: decode worker threads instead of the
 driven restore); NVDEC decode-only on the same chunk streams (7 threads, each streaming its chunks
-through one parser); the driven restore's host work per chunk without NVDEC (read, stage, finish);
+through one parser); one chunk's video decoded alone on an idle session (the least a video chunk
+takes: chunk-latency); the driven restore's host work per chunk without NVDEC (read, stage, finish);
 a bf16 8192^3 matmul's TFLOP/s alone and beside fetches looping on another thread (one CUDA
 context); the GPU memory the decoders hold after the
 fetch (sessions, rings, plans); for transform cases the batched inverse-transform kernels alone
@@ -517,6 +518,38 @@ def restore_alone(case, codec, mem, doc, probe, seconds: float) -> dict:
     }
 
 
+def chunk_latency(case, codec, mem, doc, reps: int = 20) -> dict:
+    """One chunk's video decoded alone on an idle NVDEC session (NvcuvidDecoder.decode, waited for),
+    chunk after chunk: the least time a fetch's video chunk takes, whatever the engines' throughput."""
+    import statistics
+
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    videos, frames, (w, h), _ = _videos(case, codec, mem, doc)
+    dec = NvcuvidDecoder(0)
+    try:
+        times = []
+        for i in range(reps + 1):  # the first opens the session
+            t0 = time.perf_counter()
+            for _ in dec.decode(videos[i % len(videos)], w, h):
+                pass
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    finally:
+        dec.close()
+    mean_bytes = statistics.mean(len(videos[i % len(videos)]) for i in range(1, reps + 1))
+    median = statistics.median(times[1:])
+    return {
+        "kind": "chunk-latency",
+        "chunks": len(videos),
+        "frames": statistics.mean(frames),
+        "video_kb": round(mean_bytes / 1e3, 1),
+        "ms_median": round(1e3 * median, 3),
+        "ms_best": round(1e3 * min(times[1:]), 3),
+        "coded_gbit_per_s": round(8 * mean_bytes / median / 1e9, 3),
+    }
+
+
 def decode_only_native(case, codec, mem, doc, probe, copies: int, seconds: float, loop: str = "into") -> dict:
     """NVDEC alone through the native callbacks (NvcuvidDecoder.decode_each_into): 7 threads, each
     streaming its share of the chunk videos into scratch buffers."""
@@ -858,6 +891,7 @@ def run(
                 _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
             _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds)
             _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds, "fed")
+            _stage(log, base, chunk_latency, case, codec, mem, doc)
             _against_decode_only(result["records"], case["name"])
         _stage(log, base, driven_host, case, codec, mem, doc)
         if case["codec"] == "transform" and not quick:
