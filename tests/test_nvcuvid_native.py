@@ -125,6 +125,44 @@ def test_each_picture_goes_to_its_stream_buffer_frame_after_frame(lib):
     assert drv.maps == [3, 4, 5] and drv.syncs == 3 and len(drv.unmaps) == 3
 
 
+def _sequence(lib, state, fmt) -> int:
+    lib.kv_sequence.restype = ctypes.c_int
+    return lib.kv_sequence(ctypes.byref(state), ctypes.byref(fmt))
+
+
+@pytest.mark.parametrize("python_says", [3, 0])
+def test_the_sequence_callback_asks_python_once_per_format(lib, python_says):
+    """kv_sequence hands the parser what the Python callback returned for the last format it saw,
+    without calling it again (a fetch's feeder thread would wait for the interpreter lock); a new
+    format (another size, say), a refusal (0: never reused) or a cleared `surfaces` goes to Python."""
+    from kvcodec.video import nvcuvid
+    from kvcodec.video import nvcuvid_api as api
+
+    calls = []
+
+    def on_sequence(user, fmt_p) -> int:
+        area = fmt_p.contents.display_area
+        calls.append((area.right, area.bottom))
+        return python_says
+
+    python = api.SequenceCallback(on_sequence)
+    s = Driver().state(512, 512)
+    s.sequence, s.format_bytes = native.function_pointer(python), nvcuvid.FORMAT_BYTES
+    fmt = api.VideoFormat(coded_width=512, coded_height=512, chroma_format=3, min_num_decode_surfaces=2)
+    fmt.display_area.right = fmt.display_area.bottom = 512
+    fmt.bitrate = 7  # past the format's bytes: a stream's bit rate names no new format
+    assert [_sequence(lib, s, fmt) for _ in range(3)] == [python_says] * 3
+    assert calls == [(512, 512)] * (1 if python_says else 3)
+    fmt.bitrate = 9
+    assert _sequence(lib, s, fmt) == python_says
+    fmt.display_area.right = 256
+    assert _sequence(lib, s, fmt) == python_says
+    s.surfaces = 0  # the decoder is new (nvcuvid._FedRun.push): Python checks it again
+    assert _sequence(lib, s, fmt) == python_says
+    expected = [(512, 512), (256, 512), (256, 512)] if python_says else [(512, 512)] * 4 + [(256, 512)] * 2
+    assert calls == expected and s.sequence_calls == len(expected) and s.sequence_ns > 0
+
+
 def test_odd_heights_copy_each_plane_from_its_aligned_start(lib):
     drv = Driver()
     s = drv.state(160, 145)
@@ -316,7 +354,7 @@ def _stand_ins(monkeypatch, frames: dict, lag: int, fail_stream=None):
     setctx = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda ctx: 0)
 
     class Session:
-        width, height, error, layout, handle = 256, 144, None, ("YUV444", 256, 432), ctypes.c_void_p(1)
+        width, height, error, layout, handle, made = 256, 144, None, ("YUV444", 256, 432), ctypes.c_void_p(1), 1
 
     class NativeParser:
         def __init__(self, session, delay, lib, state):

@@ -24,7 +24,7 @@ from kvcodec.video import nvcuvid_api as api
 from kvcodec.video import nvcuvid_native as native
 
 VIDEO = Path(native.__file__).parent
-CALLBACKS = {"kv_decode", "kv_display"}  # handed to the parser by address, never called from Python
+CALLBACKS = {"kv_sequence", "kv_decode", "kv_display"}  # handed to the parser by address, never called from Python
 SCALARS = {"int": c_int, "long long": c_longlong, "unsigned int": c_uint, "unsigned long long": c_ulonglong}
 
 
@@ -129,8 +129,15 @@ def test_driver_functions_handed_to_c_match_how_c_calls_them(typedef):
     assert handed in (VIDEO / "nvcuvid.py").read_text()
 
 
+def test_the_python_sequence_callback_has_the_shape_kv_sequence_calls():
+    restype, argtypes = c_typedefs()["sequence_fn"]
+    assert restype is api.SequenceCallback._restype_
+    assert [_shape(t) for t in argtypes] == [_shape(t) for t in api.SequenceCallback._argtypes_]
+    assert "state.sequence = native.function_pointer(self.python_sequence)" in (VIDEO / "nvcuvid.py").read_text()
+
+
 def test_every_function_pointer_type_of_the_c_code_is_checked():
-    assert set(c_typedefs()) == set(HANDED_IN)
+    assert set(c_typedefs()) == set(HANDED_IN) | {"sequence_fn"}
 
 
 def test_the_driver_tables_hold_exactly_the_functions_the_backend_uses():

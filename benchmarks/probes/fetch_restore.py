@@ -28,7 +28,10 @@ context); the GPU memory the decoders hold after the
 fetch (sessions, rings, plans); for transform cases the batched inverse-transform kernels alone
 beside the matmul (SM cost per GB/s). Every GPU fetch is checked against the CPU fetch's sampled
 values (prep). --profile CASE samples the stacks of every fetch thread (a sampling profiler in the
-process) during a fetch loop of that case, with the defaults and with one decode thread.
+process) during a fetch loop of that case, with the defaults and with one decode thread. --trace CASE
+records four default fetches of that case with torch.profiler (Python calls of every thread, CUDA
+calls, kernels and copies per stream: a chunk's frames are copied out of NVDEC once decoded) into a
+gzipped Chrome trace beside --out.
 """
 
 from __future__ import annotations
@@ -287,7 +290,9 @@ def _switches(codec, variant: dict):
     keep False (a driven fetch opens its sessions' parsers and feeder threads per fetch, as before 21n),
     hipri True (the restore's CUDA streams at the device's highest priority, not the default one),
     torch True (an HEVC codec restores with the reference torch restorer, not the fused kernel),
-    fused False (the transform's inverse by the reference kernels, not restore.transform_triton's)."""
+    fused False (the transform's inverse by the reference kernels, not restore.transform_triton's),
+    pyseq True (the parser's sequence callback enters Python at every stream's first header, as before
+    the native kv_sequence reused a format's surfaces)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
     from kvcodec.restore import transform_kernels, transform_triton
     from kvcodec.video import nvcuvid, nvcuvid_native, streams
@@ -295,6 +300,10 @@ def _switches(codec, variant: dict):
     fused = transform_triton.FUSED
     transform_triton.FUSED = variant.get("fused", True) and fused
     saved = nvcuvid_native.ENABLED, transform_kernels.HALF_GEMM, sys.getswitchinterval(), nvcuvid.DISPLAY_DELAY
+    format_bytes = nvcuvid.FORMAT_BYTES
+    if variant.get("pyseq"):  # parsers made from now on ask Python at every sequence header
+        _close_idle()
+        nvcuvid.FORMAT_BYTES = 0
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
     driven = transform_batch.DRIVEN, transform_batch.EAGER
     keep, priority = nvcuvid_native.KEEP, streams.PRIORITY
@@ -335,6 +344,9 @@ def _switches(codec, variant: dict):
         if variant.get("dd") is not None:
             _close_idle()
             nvcuvid.DISPLAY_DELAY = saved[3]
+        if variant.get("pyseq"):
+            _close_idle()
+            nvcuvid.FORMAT_BYTES = format_bytes
         codec.__dict__.pop("stage_stream", None)
         _restore_pool(pool)
         if restore is not None:
@@ -377,6 +389,7 @@ SWITCHES = (
     "torch",
     "fused",
     "ht",
+    "pyseq",
 )
 
 
@@ -770,6 +783,59 @@ def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathli
     return {k: v for k, v in rec.items() if k not in ("inclusive",)}
 
 
+def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path) -> dict:
+    """`fetches` fetches with the defaults under torch.profiler (CPU ops, CUDA kernels and copies on
+    every stream, Python calls): the Chrome trace to `out` (gzip), and per fetch the span of the call
+    with the GPU work on each stream (where a chunk's frames are copied out of NVDEC: its decode is done)."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvcodec.fetcher import PrefixCache
+
+    cache = PrefixCache(mem, doc["model"], codec, "cuda", namespace=case.get("ns"))
+    fetch_loop(cache, doc["ids"], 3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(fetches):
+            with torch.profiler.record_function("kvc_fetch"):
+                fetch_loop(cache, doc["ids"], 1)
+    raw = out.with_suffix(".json")
+    prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_text())["traceEvents"]
+    out.write_bytes(gzip.compress(raw.read_bytes()))
+    raw.unlink()
+    return {"kind": "trace", "fetches": fetches, "file": out.name, "summary": _trace_summary(events)}
+
+
+def _trace_summary(events: list) -> list:
+    """Per kvc_fetch span: ms from its start of the GPU work on each stream (first start, last end, count)."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "kvc_fetch" and "dur" in e)
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    rows = []
+    for t0, t1 in spans:
+        streams: dict = {}
+        for e in gpu:
+            if t0 <= e["ts"] <= t1:
+                s = streams.setdefault(str(e.get("args", {}).get("stream", e.get("tid"))), [1e18, 0.0, 0])
+                s[0], s[1], s[2] = min(s[0], e["ts"] - t0), max(s[1], e["ts"] + e["dur"] - t0), s[2] + 1
+        rows.append(
+            {
+                "fetch_ms": round((t1 - t0) / 1e3, 3),
+                "streams": {k: [round(v[0] / 1e3, 3), round(v[1] / 1e3, 3), v[2]] for k, v in sorted(streams.items())},
+            }
+        )
+    return rows
+
+
+def _sequence_counts() -> tuple[int, int]:
+    """(calls, ns) of the Python sequence callbacks of the kept runs of every idle decoder (kv_sequence)."""
+    from kvcodec.codecs.hevc.decode import idle_decoders
+
+    states = [getattr(getattr(d, "_kept", None), "state", None) for ds in idle_decoders._idle.values() for d in ds]
+    states = [s for s in states if s is not None]
+    return sum(s.sequence_calls for s in states), sum(s.sequence_ns for s in states)
+
+
 def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
     """One fetch's per-chunk path (decode start/end per worker thread, restore) and NVDEC's
     utilization (NVML, sampled) over a loop of fetches: where the engines wait."""
@@ -792,11 +858,13 @@ def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
         finally:
             smi.terminate()
         util = [float(x) for x in smi.communicate()[0].split() if x.strip().replace(".", "").isdigit()]
+        seq0 = _sequence_counts()
         t0 = time.perf_counter()
         r = cache.fetch(doc["ids"], deadline_s=None)
         call_s = time.perf_counter() - t0
         torch.cuda.synchronize()
         sync_s = time.perf_counter() - t0
+        seq = [b - a for a, b in zip(seq0, _sequence_counts())]
     tl = sorted(r.stats.timeline, key=lambda t: t.index)
     rows = [
         [t.index, t.worker, round(1e3 * t.net_end, 3), round(1e3 * t.dec_start, 3), round(1e3 * t.dec_end, 3)]
@@ -814,6 +882,8 @@ def timeline(mem, doc, case, codec, variant: dict, repeat: int) -> dict:
         "fetch_ms": round(1e3 * max(t.restore_end for t in tl), 3),
         "call_ms": round(1e3 * call_s, 3),  # the whole fetch call (the last restore_end is fetch_ms)
         "call_synced_ms": round(1e3 * sync_s, 3),
+        "python_sequence_calls": seq[0],  # the parsers' sequence callbacks that entered Python in the fetch
+        "python_sequence_ms": round(seq[1] / 1e6, 3),  # their time, with the wait for the interpreter lock
         "chunks_per_worker": {w: len(v) for w, v in workers.items()},
         "chunks": rows,
         "columns": [
@@ -854,7 +924,7 @@ def run_log(script: str, doc: dict, alone: float, out: pathlib.Path):  # noqa: A
 
 def run(
     d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False, interfere_all=False,
-    tokens=0, sample=False,
+    tokens=0, sample=False, trace_case="",
 ) -> None:  # fmt: skip
     from kvcodec.transform import frames  # noqa: F401 - import before threads start
 
@@ -904,6 +974,9 @@ def run(
             for v in ({},) if sample else () if quick else ({}, {"decode_workers": 1}):
                 name = f"profile-{doc['model']}-{case['name']}-w{v.get('decode_workers', 'default')}.json"
                 _stage(log, base, profile_fetch, mem, doc, case, codec, v, repeat, out.parent / name)
+        if case["name"] == trace_case:
+            name = f"{out.stem}-trace-{case['name']}-{len(doc['ids'])}.json.gz"
+            _stage(log, base, trace_fetch, mem, doc, case, codec, 4, out.parent / name)
     _stage(log, {"model": doc["model"]}, standing_sessions, probe)
     result["matmul_alone_again_tflops"] = round(probe.matmul_tflops(2.0), 1)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -930,7 +1003,7 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -unfused, -swiN, -ddN, -fdN, -htN (host pool threads)
+    -nokeep, -hipri, -torch, -unfused, -pyseq, -swiN, -ddN, -fdN, -htN (host pool threads)
     (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
@@ -945,6 +1018,7 @@ def _variant(text: str) -> dict:
         "hipri": ("hipri", True),
         "torch": ("torch", True),
         "unfused": ("fused", False),
+        "pyseq": ("pyseq", True),
     }
     for sw in switches:
         if sw.startswith("ht"):  # -ht4: threads of the driven fetch's host pool
@@ -1059,6 +1133,7 @@ def main() -> None:
     r.add_argument("--interfere-all", action="store_true", help="the matmul's slowdown for every variant")
     r.add_argument("--tokens", type=int, default=0, help="fetch this prefix of the prepared tokens (default: all)")
     r.add_argument("--sample", action="store_true", help="the sampler profile of the defaults, also with --quick")
+    r.add_argument("--trace", default="", help="case name whose default fetches are traced (torch.profiler, gzip)")
     a = ap.parse_args()
     if a.cmd == "pack":
         _pack(a.dir, json.loads((a.dir / "cases.json").read_text()), a.also)
@@ -1070,7 +1145,7 @@ def main() -> None:
     only = set(filter(None, a.only.split(",")))
     run(
         a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack, a.quick,
-        a.interfere_all, a.tokens, a.sample,
+        a.interfere_all, a.tokens, a.sample, a.trace,
     )  # fmt: skip
 
 

@@ -69,6 +69,9 @@ def plane_copies(name: str, height: int, src_pitch: int) -> list[tuple[int, int,
 # starts in a packet already stamped with that stamp plus a frame duration (400000 at its default
 # clock), so the ordinal is read back from the high bits.
 STAMP_SHIFT = 32
+# CUVIDEOFORMAT's leading bytes up to its chroma format (codec, frame rate, bit depths, surfaces,
+# sizes, display area): a sequence header with the same ones needs no new session (kv_sequence)
+FORMAT_BYTES = api.VideoFormat.chroma_format.offset + ctypes.sizeof(ctypes.c_int)
 DISPLAY_DELAY = 1  # NvcuvidDecoder's default: pictures the parser queues before handing one out
 
 
@@ -118,6 +121,7 @@ class _Session:
         self.handle = ctypes.c_void_p()
         self.lock = ctypes.c_void_p()
         self.format: tuple | None = None  # (chroma, bit depth, surfaces) the decoder was made for
+        self.made = 0  # decoders made so far (a native state that reuses a format's surfaces checks it)
         self.layout: tuple | None = None
         self.slots: list[torch.Tensor] = []
         self.released: list[torch.cuda.Event | None] = []
@@ -200,6 +204,7 @@ class _Session:
         )
         self.format = (fmt.chroma_format, depth, surfaces)
         self.layout = (name, row_bytes, rows)
+        self.made += 1
         ring = self.display_delay + 1  # grows when one piece of stream completes several pictures
         self.slots = [torch.empty((rows, row_bytes), dtype=torch.uint8, device=self.device) for _ in range(ring)]
         self.released = [None] * ring
@@ -315,8 +320,11 @@ class _NativeParser(_Parser):
             state.decoder = session.handle.value  # the session the C callbacks decode on
             return surfaces
 
+        self.python_sequence = api.SequenceCallback(on_sequence)  # kept alive as long as the parser
+        state.sequence = native.function_pointer(self.python_sequence)
+        state.format_bytes = FORMAT_BYTES
         self.callbacks = (
-            api.SequenceCallback(on_sequence),
+            api.SequenceCallback(native.function_pointer(lib.kv_sequence)),
             api.DecodeCallback(native.function_pointer(lib.kv_decode)),
             api.DisplayCallback(native.function_pointer(lib.kv_display)),
         )
@@ -662,6 +670,7 @@ class _FedRun:
         self.held: collections.deque = collections.deque()  # buffers pushed and not complete
         self.ending, self.pushed = False, 0  # the flush asked for; streams pushed on this parser
         self.flushes = 0  # flushes asked of a kept feeder
+        self.made: tuple[int, int] | None = None  # (handle, Session.made) of the decoder the state was last given
         self.procparams = api.ProcParams(progressive_frame=1, output_stream=decoder.stream.cuda_stream)
 
     def open(self, width: int, height: int) -> None:
@@ -672,7 +681,7 @@ class _FedRun:
             self.close(True)
         self.session = self.decoder._session(width, height)
         self.session.error = None
-        self.ending, self.pushed, self.flushes = False, 0, 0
+        self.ending, self.pushed, self.flushes, self.made = False, 0, 0, None
         self.state = self.decoder._native_state(self.lib, self.session, self.procparams)
         self.parser = _NativeParser(self.session, self.decoder.display_delay, self.lib, self.state)
         nv, cu = api.nvcuvid(), api.cuda()
@@ -703,8 +712,10 @@ class _FedRun:
         return bool(self.keys) or self.ending
 
     def push(self, key, buf: np.ndarray, ordinal: int, frames: int, out_ptr: int) -> None:
-        if self.keep and not self.keys and self.session.handle.value:  # idle kept run: its decoder may be new
-            self.state.decoder = self.session.handle.value
+        made = (self.session.handle.value, self.session.made)
+        if self.keep and not self.keys and made[0] and made != self.made:  # idle kept run: its decoder is new
+            self.state.decoder, self.made = made[0], made
+            self.state.surfaces = 0  # the next sequence header goes to Python (on_sequence) again
         self.state.push(out_ptr, ordinal, frames)
         self.keys.append(key)
         self.held.append(buf)

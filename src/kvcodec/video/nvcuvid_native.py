@@ -7,7 +7,11 @@ the two callbacks are C functions (this file's SOURCE, compiled at first use wit
 compiler into the kvcodec cache directory, loaded with ctypes): each decoded picture is mapped,
 copied straight into its stream's place in the caller's sample buffer and unmapped without the
 interpreter, and the caller's thread takes the lock again only when cuvidParseVideoData returns.
-The sequence callback (opening the NVDEC session) stays in Python: it runs once per stream.
+The sequence callback is C too: it hands the parser the decode surfaces it was given for the last
+format it saw, and calls the Python one (which makes or checks the NVDEC session) only for a format
+it has not seen. The parser calls it at every stream's first sequence header after a flush, i.e. on
+a feeder thread early in every fetch; in Python it waited there for the interpreter lock while the
+fetch's thread ran its submits.
 
 The GPU libraries are not linked: their functions are handed in as pointers (ctypes), so the
 library builds anywhere a C compiler is. Without a compiler, or where the build fails,
@@ -39,6 +43,7 @@ SOURCE = r"""
 #include <pthread.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 typedef int (*decode_fn)(void *, void *);
@@ -46,6 +51,7 @@ typedef int (*map_fn)(void *, int, unsigned long long *, unsigned int *, void *)
 typedef int (*unmap_fn)(void *, unsigned long long);
 typedef int (*copy_fn)(const void *, void *);
 typedef int (*sync_fn)(void *);
+typedef int (*sequence_fn)(void *, void *);
 
 typedef struct {  /* CUDA_MEMCPY2D */
     size_t srcXInBytes, srcY; int srcMemoryType; const void *srcHost; unsigned long long srcDevice;
@@ -72,9 +78,33 @@ typedef struct {  /* kept in step with nvcuvid_native.State */
     long long ordinal[MAX_TARGETS];
     long long frames[MAX_TARGETS];
     long long head, tail, done_in_head, completed, error, cuda_error, pictures;
+    sequence_fn sequence;  /* the Python sequence callback: makes or checks the session for a format */
+    long long format_bytes;  /* leading bytes of CUVIDEOFORMAT that name a format (at most 64) */
+    long long surfaces;  /* what `sequence` returned for `format` (0: nothing to reuse) */
+    long long sequence_calls, sequence_ns;  /* calls of `sequence`, and their time (with the wait for Python) */
+    unsigned char format[64];
 } state_t;
 
 enum { OK = 0, CUDA_FAILED = 1, WRONG_STREAM = 2, NO_TARGET = 3 };
+
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int kv_sequence(void *user, void *fmt) {
+    state_t *s = (state_t *)user;
+    long long n = s->format_bytes;
+    if (s->surfaces > 0 && n > 0 && n <= 64 && memcmp(s->format, fmt, (size_t)n) == 0) return (int)s->surfaces;
+    long long t0 = now_ns();
+    int r = s->sequence(user, fmt);
+    s->sequence_ns += now_ns() - t0;
+    s->sequence_calls++;
+    s->surfaces = 0;
+    if (r > 0 && n > 0 && n <= 64) { memcpy(s->format, fmt, (size_t)n); s->surfaces = r; }
+    return r;
+}
 
 int kv_decode(void *user, void *pic) {
     state_t *s = (state_t *)user;
@@ -326,6 +356,12 @@ class State(ctypes.Structure):
         ("error", c_longlong),
         ("cuda_error", c_longlong),
         ("pictures", c_longlong),
+        ("sequence", c_void_p),
+        ("format_bytes", c_longlong),
+        ("surfaces", c_longlong),
+        ("sequence_calls", c_longlong),
+        ("sequence_ns", c_longlong),
+        ("format", ctypes.c_ubyte * 64),
     ]
 
     def push(self, out_ptr: int, ordinal: int, frames: int) -> None:
@@ -349,8 +385,8 @@ ERRORS = {
 
 
 # The C functions Python calls, name -> (restype, argtypes), as SOURCE defines them (a pointer is
-# c_void_p). kv_decode and kv_display are not called from Python: their addresses are the parser's
-# callbacks (nvcuvid._NativeParser).
+# c_void_p). kv_sequence, kv_decode and kv_display are not called from Python: their addresses are
+# the parser's callbacks (nvcuvid._NativeParser).
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "kv_feeder_start": (c_void_p, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_longlong]),
     "kv_feeder_submit": (c_int, [c_void_p, c_void_p, c_longlong, c_longlong]),
