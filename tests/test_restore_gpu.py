@@ -72,6 +72,7 @@ def test_warm_up_compiles_for_every_output_dtype():
 @needs_triton
 @pytest.mark.gpu
 def test_the_codecs_warm_up_compiles_what_its_first_restores_need():
+    from kvcodec import PagedKV
     from kvcodec.codecs.base import WarmUp
     from kvcodec.codecs.hevc.codec import HevcCodec
 
@@ -88,10 +89,13 @@ def test_the_codecs_warm_up_compiles_what_its_first_restores_need():
     warmed = sum(len(entry[0]) for entry in kernel.device_caches.values())
     assert warmed >= 1
     out = torch.empty(kv.shape, dtype=torch.bfloat16, device="cuda")
+    paged = PagedKV(torch.zeros(3, 2, 12, 8, 2, 64, dtype=torch.bfloat16, device="cuda"), torch.randperm(12))
     for c in chunks:
         codec.decode_chunk(c.blobs[0], out[:, :, c.start_token : c.start_token + c.tokens])
+        codec.decode_chunk(c.blobs[0], paged)  # an integration's blocks (vLLM), a fetch's PagedKV `out`
     torch.cuda.synchronize()
     assert sum(len(entry[0]) for entry in kernel.device_caches.values()) == warmed  # nothing compiled since
+    assert torch.equal(paged.gather(0, 96), out)
 
 
 @needs_triton

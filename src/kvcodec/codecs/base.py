@@ -13,6 +13,7 @@ checks the header) -> decode_chunk(blob, out) (writes every value of `out`, or r
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -20,6 +21,8 @@ import torch
 
 from kvcodec.errors import ShapeError
 from kvcodec.restore.paged import PagedKV
+
+log = logging.getLogger(__name__)
 
 Target = torch.Tensor | PagedKV
 """Where a chunk is restored: a (layers, 2, tokens, kv_heads, head_dim) tensor (for example a
@@ -118,6 +121,22 @@ class WarmUp(Protocol):
     the first chunk arrives (the transform codec's Triton kernels; a server calls it at start)."""
 
     def warm_up(self, device: torch.device | str, dtype: torch.dtype = ...) -> None: ...
+
+
+def warm_up_codec(codec, device: torch.device | str, dtype: torch.dtype = torch.float16) -> float:
+    """Compile `codec`'s restore kernels for `dtype` on a CUDA `device` now (codecs with the WarmUp
+    capability); seconds spent. A failure is logged, never raised: the first restore then
+    compiles them, or falls back as it would have."""
+    import time
+
+    if torch.device(device).type != "cuda" or not isinstance(codec, WarmUp):
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        codec.warm_up(device, dtype)
+    except Exception as e:  # noqa: BLE001 - serving goes on; the first restore pays or falls back
+        log.warning("restore warm-up failed (%s: %s); the first restore compiles the kernels", type(e).__name__, e)
+    return time.perf_counter() - t0
 
 
 def check_keys(keys: Sequence[str] | None, chunks: int) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target, WarmUp
+from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target, warm_up_codec
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES, name_of
 from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError, StoreError
@@ -295,14 +295,7 @@ class PrefixCache:
         """Compile the codec's restore kernels for fetches into `dtype` now (codecs with the WarmUp
         capability, on CUDA); seconds spent. A failure is logged, never raised: the first fetch
         then compiles them, or falls back as it would have."""
-        if self.device.type != "cuda" or not isinstance(self.codec, WarmUp):
-            return 0.0
-        t0 = time.perf_counter()
-        try:
-            self.codec.warm_up(self.device, dtype)
-        except Exception as e:  # noqa: BLE001 - serving goes on; the first fetch pays or falls back
-            log.warning("restore warm-up failed (%s: %s); the first fetch compiles the kernels", type(e).__name__, e)
-        return time.perf_counter() - t0
+        return warm_up_codec(self.codec, self.device, dtype)
 
     # -- profile -----------------------------------------------------------------------------
     def ensure_profile(self, shape: tuple[int, int, int], dtype: torch.dtype = torch.float16) -> DecodeProfile:

@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcodec.codecs import make_codec
+from kvcodec.codecs.base import warm_up_codec
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.fetcher.keys import chunk_keys, longest_present
 from kvcodec.restore.paged import PagedKV
@@ -200,6 +201,9 @@ class KVCodecConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = {name: kv_caches[name] for name in layer_order(kv_caches)}
         self._pages = paged_view(list(self._kv_caches.values())) if self._kv_caches else None
+        if self._kv_caches:  # the restore's kernels compiled now, not during the first request's load
+            first = next(iter(self._kv_caches.values()))
+            warm_up_codec(self.codec, first.device, first.dtype)
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

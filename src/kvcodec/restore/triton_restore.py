@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from kvcodec.restore.paged import PagedChunk
+from kvcodec.restore.paged import PagedChunk, PagedKV
 from kvcodec.restore.terms import ChunkTerms
 
 BLOCK = 1024
@@ -237,8 +237,10 @@ class TritonRestorer:
 
 
 def warm_up(device: torch.device | str, dtypes=(torch.float16, torch.bfloat16)) -> None:
-    """Compile (or load from Triton's cache) the kernel for `dtypes` now, so that the first
-    chunk a process restores does not wait for it (a pool worker calls this when it starts)."""
+    """Compile (or load from Triton's cache) the kernel for `dtypes` now, for frames and for zstd'd
+    samples, into dense tensors and into paged caches (PagedKV: vLLM's blocks, PrefixCache.fetch's
+    `out`), so that the first chunk a process restores does not wait for it (a pool worker calls
+    this when it starts)."""
     from kvcodec.layout.tiling import LayoutPlan, gather_index
 
     device = torch.device(device)
@@ -260,7 +262,9 @@ def warm_up(device: torch.device | str, dtypes=(torch.float16, torch.bfloat16)) 
             step=torch.ones((1, 2, 1, 8), dtype=torch.float16, device=device),
         )
         frame = torch.zeros((3, 144, 144), dtype=torch.uint8, device=device)
-        out = torch.empty((1, 2, 2, 1, 8), dtype=dtype, device=device)
-        TritonRestorer(terms).restore(frame, 0, 2, out)
-        TritonRestorer(terms).restore_block(torch.zeros((2, 2, 8), dtype=torch.uint8, device=device), 0, 2, out)
+        block = torch.zeros((2, 2, 8), dtype=torch.uint8, device=device)
+        pages = torch.empty((1, 2, 1, 2, 1, 8), dtype=dtype, device=device)
+        for out in (torch.empty((1, 2, 2, 1, 8), dtype=dtype, device=device), PagedChunk(PagedKV(pages, [0]), 0)):
+            TritonRestorer(terms).restore(frame, 0, 2, out)
+            TritonRestorer(terms).restore_block(block, 0, 2, out)
     torch.cuda.synchronize(device)
