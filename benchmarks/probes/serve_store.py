@@ -18,6 +18,9 @@ threads:W:N (the same on threads); a mode's /pin, /nopin set StorePolicy.pin (on
 default before pinning came). Modes /pause, /nopause (encoders stopped during prefills) were
 measured at 37c070b (serve-store-h200-v2) and removed with the option.
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
+--blocks B: in storing modes the requests take turns, B storing then B not storing (Engine.submit's
+`store`), on the same engine: the TTFT of the requests after a storing one against those after a
+non-storing one, paired in time (the engine, GPU and machine drift alike for both).
 The result files are written again after each run (a call cut short keeps the runs done).
 
 Where a request's wait (arrival to its prefill's start) goes: submit (arrival to `Engine.submit`
@@ -147,9 +150,10 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
     reqs, returned, gap = [], [], 1.0 / args.rate
     segments0 = _device_segments()
     use0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    flags = _store_flags(len(prompts), args.blocks if store else 0)
     for i, p in enumerate(prompts):  # arrivals at a fixed rate
         time.sleep(max(0.0, t0 + i * gap - time.perf_counter()))
-        reqs.append(engine.submit(p, _params(args)))
+        reqs.append(engine.submit(p, _params(args), store=flags[i]))
         returned.append(time.perf_counter())
     for r in reqs:
         r.done.wait()
@@ -211,7 +215,64 @@ def run_mode(engine, prompts: list[str], args: argparse.Namespace, mode: str) ->
         "lag_mean_s": round(lag_sum / lag_n, 3) if lag_n else None,
         "server_cpu_s": round(use1.ru_utime + use1.ru_stime - use0.ru_utime - use0.ru_stime, 3),
         "server_involuntary_switches": use1.ru_nivcsw - use0.ru_nivcsw,
+        **_blocks(reqs, flags, args.blocks if store else 0),
     }
+
+
+def _store_flags(n: int, block: int) -> list[bool]:
+    """Each request's store flag: all True, or (--blocks B) B storing then B not storing, in turn."""
+    return [True] * n if block <= 0 else [(i // block) % 2 == 0 for i in range(n)]
+
+
+def _blocks(reqs: list, flags: list[bool], block: int) -> dict:
+    """--blocks: TTFT and prefill of the requests that follow a storing request in a storing block
+    against those that follow a non-storing one (each block's first request left out: the one
+    before it was of the other kind), and the ratio of the medians with its per-block-pair spread."""
+    if block <= 0:
+        return {}
+    groups: dict[bool, list] = {True: [], False: []}
+    pairs: list[tuple[list, list]] = []
+    for i, (r, flag) in enumerate(zip(reqs, flags)):
+        if i % block and r.ttft is not None:
+            groups[flag].append(r)
+            if flag and i % (2 * block) == 1:
+                pairs.append(([], []))
+            if pairs:
+                pairs[-1][0 if flag else 1].append(r.ttft)
+
+    def p50(rs: list, key: str) -> float | None:
+        values = [getattr(r, key) for r in rs if getattr(r, key) is not None]
+        return round(statistics.median(values), 5) if values else None
+
+    on, off = p50(groups[True], "ttft"), p50(groups[False], "ttft")
+    each = [round(statistics.median(a) / statistics.median(b), 3) for a, b in pairs if a and b]
+    ttfts = {k: [round(r.ttft, 5) for r in groups[k]] for k in (True, False)}
+    return {
+        "blocks": block,
+        "block_requests": {"storing": len(groups[True]), "not_storing": len(groups[False])},
+        "block_ttft_p50_s": {"storing": on, "not_storing": off},
+        "block_prefill_p50_s": {
+            "storing": p50(groups[True], "prefill_to_first_token_s"),
+            "not_storing": p50(groups[False], "prefill_to_first_token_s"),
+        },
+        "block_ttft_ratio": round(on / off, 3) if on and off else None,
+        "block_ttft_ratio_90ci": _median_ratio_ci(ttfts[True], ttfts[False]),
+        "block_pair_ratios": each,
+        "block_ttfts_s": {"storing": ttfts[True], "not_storing": ttfts[False]},
+    }
+
+
+def _median_ratio_ci(a: list[float], b: list[float], rounds: int = 2000) -> list[float] | None:
+    """A bootstrap 90% interval of median(a) / median(b) (fixed seed: the same runs give the same interval)."""
+    import random
+
+    if not a or not b:
+        return None
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b))) for _ in range(rounds)
+    )
+    return [round(ratios[int(0.05 * rounds)], 3), round(ratios[int(0.95 * rounds) - 1], 3)]
 
 
 class Timers:
@@ -357,6 +418,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--notes", default="", help="text added to the result (how it was run, the machine)")
     ap.add_argument("--gil-probe", action="store_true", help="measure waits for the interpreter lock (a 1 ms thread)")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=0,
+        help="storing modes: requests in turns of B storing and B not storing on the same engine (a paired measure)",
+    )
     args = ap.parse_args()
     from kvcodec.ingest.run import load_for_ingest
 
@@ -385,7 +452,7 @@ def main() -> None:
         r = runs[-1]
         print(
             f"{mode}: TTFT p50 {r['ttft_p50_s']} p90 {r['ttft_p90_s']} busy {r['arrived_busy']} stored "
-            f"{r['stored_prefixes_during']} dropped {r['dropped']:.0f}, server cpu "
+            f"{r['stored_prefixes_during']} dropped {r['dropped']:.0f} failed {r['store_errors']:.0f}, server cpu "
             f"{r['server_cpu_s']} s, {r['server_involuntary_switches']} preempted"
         )
         if len(runs) < len(modes):
@@ -441,6 +508,39 @@ def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> N
         )
         split.append(_split_row(r))
     lines += split
+    failed = sum(r["store_errors"] for r in runs)
+    if failed:  # the stores did not happen: the runs measure something else than storing
+        lines += [
+            "",
+            f"**{failed:.0f} stores failed** (kvcodec_store_errors_total): these runs do not measure storing.",
+        ]
+    blocks = [r for r in runs if r.get("blocks")]
+    if blocks:
+        lines += [
+            "",
+            f"Interleaved on one engine (--blocks {args.blocks}): turns of {args.blocks} requests storing and "
+            f"{args.blocks} not storing; each turn's first request left out (the one before it was of the other kind).",
+            "",
+            "| run | requests storing / not | TTFT p50 storing / not s | ratio (90% interval) | per pair of turns "
+            "(median) | prefill p50 storing / not s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k, r in enumerate(blocks):
+            n, t, pf = r["block_requests"], r["block_ttft_p50_s"], r["block_prefill_p50_s"]
+            each = r["block_pair_ratios"]
+            spread = f"{min(each):.2f}-{max(each):.2f} ({statistics.median(each):.3f})" if each else "-"
+            lines.append(
+                f"| {k + 1} ({r['mode']}) | {n['storing']} / {n['not_storing']} | {t['storing']} / {t['not_storing']} | "
+                f"**{r['block_ttft_ratio']}** ({'-'.join(map(str, r['block_ttft_ratio_90ci'] or []))}) | {spread} | "
+                f"{pf['storing']} / {pf['not_storing']} |"
+            )
+        a = [t for r in blocks for t in r["block_ttfts_s"]["storing"]]
+        b = [t for r in blocks for t in r["block_ttfts_s"]["not_storing"]]
+        ci = _median_ratio_ci(a, b)
+        lines += [
+            f"| all | {len(a)} / {len(b)} | {statistics.median(a):.5f} / {statistics.median(b):.5f} | "
+            f"**{statistics.median(a) / statistics.median(b):.3f}** ({'-'.join(map(str, ci or []))}) | | |"
+        ]
     lines += ["", "| mode | TTFT p50 vs off (each, then median) | p90 vs off (median) |", "|---|---|---|"]
     for mode, r in doc["vs_off"].items():
         each = ", ".join(f"{x:.2f}" for x in r["p50_each"])
