@@ -18,6 +18,8 @@ threads:W:N (the same on threads); a mode's /pin, /nopin set StorePolicy.pin (on
 default before pinning came). Modes /pause, /nopause (encoders stopped during prefills) were
 measured at 37c070b (serve-store-h200-v2) and removed with the option.
 --encode-workers / --nice set "on" and "threads" to other values than the defaults.
+--random-weights: --model is a folder holding a config and a tokenizer (no weights needed): the model of that
+shape with random weights, for timing where the weights cannot travel.
 --blocks B: in storing modes the requests take turns, B storing then B not storing (Engine.submit's
 `store`), on the same engine: the TTFT of the requests after a storing one against those after a
 non-storing one, paired in time (the engine, GPU and machine drift alike for both).
@@ -419,6 +421,11 @@ def main() -> None:
     ap.add_argument("--notes", default="", help="text added to the result (how it was run, the machine)")
     ap.add_argument("--gil-probe", action="store_true", help="measure waits for the interpreter lock (a 1 ms thread)")
     ap.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="--model is a folder with a config and tokenizer: its shape with random weights (seed 0; timing only)",
+    )
+    ap.add_argument(
         "--blocks",
         type=int,
         default=0,
@@ -427,7 +434,7 @@ def main() -> None:
     args = ap.parse_args()
     from kvcodec.ingest.run import load_for_ingest
 
-    model, tokenizer, device = load_for_ingest(args.model)
+    model, tokenizer, device = random_model(args.model) if args.random_weights else load_for_ingest(args.model)
     modes = [m for m in args.modes.split(",") if m] * args.repeat
     kinds = list(dict.fromkeys(modes))
     n = args.requests
@@ -460,6 +467,23 @@ def main() -> None:
     for engine in engines.values():
         engine.close()
     report(args, runs, device, final=True)
+
+
+def random_model(folder: str):  # noqa: ANN201 - (model, tokenizer, device)
+    """A model of `folder`'s config with random weights (seed 0: the same every run; float16 on a GPU,
+    float32 on the CPU) and its tokenizer, on the engine's default device: the shape of a model
+    whose weights do not travel to the machine that times it (TTFT does not depend on the weights)."""
+    import torch
+    import transformers
+
+    from kvcodec.engine.runner import default_device
+
+    device = default_device()
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(folder), device
 
 
 def report(args: argparse.Namespace, runs: list[dict], device, final: bool) -> None:  # noqa: ANN001, FBT001
