@@ -345,6 +345,42 @@ def test_stage_driver_stages_every_chunk_from_one_thread(kvt, sessions, fail):
     assert all(d.run.feeder is None for d in decoders)  # closed
 
 
+@pytest.mark.parametrize("video_first", [True, False])
+def test_submit_many_pushes_the_videos_before_the_host_work_and_restores_the_same(kvt, monkeypatch, video_first):
+    """StageDriver.submit_many (what a fetch hands the blobs it holds to): the chunks with videos go
+    to their sessions first, those without to the host pool after (driven.VIDEO_FIRST; else in the
+    order given); every chunk restores as the reference either way."""
+    from kvcodec.codecs import driven
+    from kvcodec.codecs.driven import StageDriver
+
+    c, kv, chunks, want = _case(kvt, coder="mixed")
+    out, outs = _outs(kv, chunks)
+    monkeypatch.setattr(driven, "VIDEO_FIRST", video_first)
+    order = []
+    driver = StageDriver(c, [FakeDecoder(None) for _ in range(2)])
+    push, host = driver._push, driver._host
+    monkeypatch.setattr(driver, "_push", lambda tag, *a: (order.append(("video", tag)), push(tag, *a)))
+    monkeypatch.setattr(driver, "_host", lambda tag, *a: (order.append(("host", tag)), host(tag, *a)))
+    driver.submit_many([(i, ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)])
+    kinds = [k for k, _ in order]
+    assert sorted(t for _, t in order) == list(range(len(chunks))) and {"video", "host"} <= set(kinds)
+    if video_first:
+        assert kinds == sorted(kinds, key=lambda k: k == "host")  # every video before any host work
+    else:
+        assert [t for _, t in order] == list(range(len(chunks)))
+    got: dict = {}
+    for i in range(len(chunks)):
+        while driver.pending(i):
+            driver.end_all()
+            driver.wait(i, 30.0, flush=True)
+            got.update((tag, part) for tag, part, _ in driver.poll())
+    got.update((tag, part) for tag, part, _ in driver.poll())
+    driver.close()
+    assert sorted(got) == list(range(len(chunks)))
+    c.finish([got[i] for i in sorted(got)], [outs[i] for i in sorted(got)])
+    assert gpu_tests.within_an_ulp(out, want)
+
+
 def test_stage_driver_leaves_kept_runs_open_for_the_next_fetch(kvt):
     """Runs their decoders keep (nvcuvid_native.KEEP) are flushed when their chunks are in, left
     open and idle by close, and the next driver's chunks go through them without opening them

@@ -292,7 +292,8 @@ def _switches(codec, variant: dict):
     torch True (an HEVC codec restores with the reference torch restorer, not the fused kernel),
     fused False (the transform's inverse by the reference kernels, not restore.transform_triton's),
     pyseq True (the parser's sequence callback enters Python at every stream's first header, as before
-    the native kv_sequence reused a format's surfaces)."""
+    the native kv_sequence reused a format's surfaces), inorder True (a fetch's blobs submitted in
+    chunk order, not the chunks with videos first: driven.VIDEO_FIRST off)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
     from kvcodec.restore import transform_kernels, transform_triton
     from kvcodec.video import nvcuvid, nvcuvid_native, streams
@@ -305,7 +306,8 @@ def _switches(codec, variant: dict):
         _close_idle()
         nvcuvid.FORMAT_BYTES = 0
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
-    driven = transform_batch.DRIVEN, transform_batch.EAGER
+    driven = transform_batch.DRIVEN, transform_batch.EAGER, transform_batch.VIDEO_FIRST
+    transform_batch.VIDEO_FIRST = not variant.get("inorder") and driven[2]
     keep, priority = nvcuvid_native.KEEP, streams.PRIORITY
     restore = getattr(codec, "restore", None)
     restore = restore if isinstance(restore, str) else None  # an HEVC codec's restorer choice
@@ -335,7 +337,7 @@ def _switches(codec, variant: dict):
         nvcuvid_native.ENABLED, transform_kernels.HALF_GEMM = saved[:2]
         transform_triton.FUSED = fused
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
-        transform_batch.DRIVEN, transform_batch.EAGER = driven
+        transform_batch.DRIVEN, transform_batch.EAGER, transform_batch.VIDEO_FIRST = driven
         nvcuvid_native.KEEP = keep
         if priority != streams.PRIORITY:
             _close_idle()
@@ -390,6 +392,7 @@ SWITCHES = (
     "fused",
     "ht",
     "pyseq",
+    "inorder",
 )
 
 
@@ -1003,7 +1006,7 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -unfused, -pyseq, -swiN, -ddN, -fdN, -htN (host pool threads)
+    -nokeep, -hipri, -torch, -unfused, -pyseq, -inorder, -swiN, -ddN, -fdN, -htN (host pool threads)
     (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
@@ -1019,6 +1022,7 @@ def _variant(text: str) -> dict:
         "torch": ("torch", True),
         "unfused": ("fused", False),
         "pyseq": ("pyseq", True),
+        "inorder": ("inorder", True),
     }
     for sw in switches:
         if sw.startswith("ht"):  # -ht4: threads of the driven fetch's host pool

@@ -23,7 +23,8 @@ The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec
 codecs/hevc/driven.py. StageDriver runs the protocol: submit(tag, blob, target) reads and checks
 the chunk here and pushes each of its videos at once to the native feeder thread of the least busy
 session (nvcuvid._FedRun), which decodes its frames straight into the piece's buffer; poll() hands
-back the chunks whose every piece is complete. No Python thread per session: the per-chunk host
+back the chunks whose every piece is complete. submit_many() does so for every blob a fetch holds,
+the chunks with videos first (a video chunk takes NVDEC ~4 ms, the host work of one without ~1 ms). No Python thread per session: the per-chunk host
 work of a fetch runs on one thread (the one that also launches the math), where decode worker
 threads queued for the interpreter lock behind each other (benchmarks/results/fetch-h200-issue21.md).
 """
@@ -64,6 +65,7 @@ def host_pool() -> ThreadPoolExecutor:
 
 
 EAGER = True  # a driven fetch flushes every session right after the last blob (False: when it waits on one)
+VIDEO_FIRST = True  # submit_many pushes the chunks with videos before it hands the others to host threads
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -199,20 +201,48 @@ class StageDriver:
         self.closing = False  # close(): chunks still in flight are dropped, not staged
 
     def submit(self, tag, blob, target: Target) -> None:
-        t0 = time.monotonic()
+        self.submit_many([(tag, blob, target)])
+
+    def submit_many(self, items: Sequence[tuple]) -> None:
+        """submit() for each (tag, blob, target), the chunks with videos pushed to NVDEC first (where
+        VIDEO_FIRST): a video chunk takes its session milliseconds, a chunk without one a host thread ~1 ms."""
+        host = []
+        for tag, blob, target in items:
+            t0 = time.monotonic()
+            reading = self._read(tag, blob, target)
+            if reading is None:
+                continue
+            if reading.pieces:
+                self._push(tag, reading, target, t0)
+            elif VIDEO_FIRST:
+                host.append((tag, reading, target, t0))
+            else:
+                self._host(tag, reading, target, t0)
+        for job in host:
+            self._host(*job)
+
+    def _read(self, tag, blob, target: Target) -> Reading | None:
+        """The chunk read and checked; None (its error handed back by poll) where it is refused."""
         try:
             if self.check is not None:  # what the blob says it is, before it is read against the target
                 self.check(tag, self.chunks.inspect(blob))
-            reading = self.chunks.read(blob, target)
-            if not reading.pieces and self.prepare_host is not None:
-                self.on_host[tag] = (host_pool().submit(self.prepare_host, reading), reading, target, t0)
-                return
-            if not reading.pieces:
-                self.done.append((tag, self.chunks.stage(reading, [], target), 0.0))
-                return
+            return self.chunks.read(blob, target)
         except KVCodecError as e:
             self.done.append((tag, e, 0.0))
+            return None
+
+    def _host(self, tag, reading: Reading, target: Target, t0: float) -> None:
+        """A chunk without videos: its host work to the pool, or staged here where the codec has none."""
+        if self.prepare_host is not None:
+            self.on_host[tag] = (host_pool().submit(self.prepare_host, reading), reading, target, t0)
             return
+        try:
+            self.done.append((tag, self.chunks.stage(reading, [], target), 0.0))
+        except KVCodecError as e:
+            self.done.append((tag, e, 0.0))
+
+    def _push(self, tag, reading: Reading, target: Target, t0: float) -> None:
+        """Each of the chunk's videos to the native feeder of the least busy session."""
         entry = self.fed[tag] = _Fed(reading, target, t0)
         for p, piece in enumerate(reading.pieces):
             k = self._run_for(piece.width, piece.height)

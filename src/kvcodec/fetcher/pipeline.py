@@ -309,16 +309,18 @@ class FetchPipeline:
         return restored, None
 
     def _submit_queued(self, driver, fed: dict) -> int:
-        """Every blob the network stage has delivered, to the driver; how many."""
-        count = 0
+        """Every blob the network stage has delivered, to the driver in one call (it pushes the
+        videos first); how many."""
+        items = []
         while True:
             try:
                 item = self.dec_q.get_nowait()
             except queue.Empty:
-                return count
+                break
             if item is not None:
-                self._submit(driver, fed, item)
-                count += 1
+                items.append(item)
+        self._submit(driver, fed, items)
+        return len(items)
 
     def _submit_waiting(self, driver, fed: dict, timeout_s: float) -> bool:
         """The next blob delivered within timeout_s to the driver; whether one came."""
@@ -328,18 +330,25 @@ class FetchPipeline:
             return False
         if item is None:
             return False
-        self._submit(driver, fed, item)
+        self._submit(driver, fed, [item])
         return True
 
-    def _submit(self, driver, fed: dict, item: tuple) -> None:
-        i, j, blob = item
-        tm = self.timings[i]
-        tm.dec_start = self.now()
-        tm.worker = threading.current_thread().name
-        target, direct = self._target(self.plan.metas[i])
-        fed[i] = (j, target, direct)
-        driver.submit(i, blob, target)
-        tm.submitted = self.now()
+    def _submit(self, driver, fed: dict, items: list[tuple]) -> None:
+        """The delivered (chunk, resolution, blob) items to the driver, with their targets."""
+        if not items:
+            return
+        batch = []
+        for i, j, blob in items:
+            tm = self.timings[i]
+            tm.dec_start = self.now()
+            tm.worker = threading.current_thread().name
+            target, direct = self._target(self.plan.metas[i])
+            fed[i] = (j, target, direct)
+            batch.append((i, blob, target))
+        driver.submit_many(batch)
+        now = self.now()
+        for i, _, _ in items:
+            self.timings[i].submitted = now
 
     def _take_ready(self, pending: dict[int, tuple]) -> None:
         """Every result already queued, so that chunks decoded together are finished together."""
