@@ -233,21 +233,18 @@ def _blocks(reqs: list, flags: list[bool], block: int) -> dict:
     if block <= 0:
         return {}
     groups: dict[bool, list] = {True: [], False: []}
-    pairs: list[tuple[list, list]] = []
+    pairs: dict[int, tuple[list, list]] = {}  # a storing turn and the non-storing one after it
     for i, (r, flag) in enumerate(zip(reqs, flags)):
         if i % block and r.ttft is not None:
             groups[flag].append(r)
-            if flag and i % (2 * block) == 1:
-                pairs.append(([], []))
-            if pairs:
-                pairs[-1][0 if flag else 1].append(r.ttft)
+            pairs.setdefault(i // (2 * block), ([], []))[0 if flag else 1].append(r.ttft)
 
     def p50(rs: list, key: str) -> float | None:
         values = [getattr(r, key) for r in rs if getattr(r, key) is not None]
         return round(statistics.median(values), 5) if values else None
 
     on, off = p50(groups[True], "ttft"), p50(groups[False], "ttft")
-    each = [round(statistics.median(a) / statistics.median(b), 3) for a, b in pairs if a and b]
+    each = [round(statistics.median(a) / statistics.median(b), 3) for a, b in pairs.values() if a and b]
     ttfts = {k: [round(r.ttft, 5) for r in groups[k]] for k in (True, False)}
     return {
         "blocks": block,

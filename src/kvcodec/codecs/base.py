@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -127,8 +128,6 @@ def warm_up_codec(codec, device: torch.device | str, dtype: torch.dtype = torch.
     """Compile `codec`'s restore kernels for `dtype` on a CUDA `device` now (codecs with the WarmUp
     capability); seconds spent. A failure is logged, never raised: the first restore then
     compiles them, or falls back as it would have."""
-    import time
-
     if torch.device(device).type != "cuda" or not isinstance(codec, WarmUp):
         return 0.0
     t0 = time.perf_counter()

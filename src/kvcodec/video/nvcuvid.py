@@ -670,7 +670,7 @@ class _FedRun:
         self.held: collections.deque = collections.deque()  # buffers pushed and not complete
         self.ending, self.pushed = False, 0  # the flush asked for; streams pushed on this parser
         self.flushes = 0  # flushes asked of a kept feeder
-        self.made: tuple[int, int] | None = None  # (handle, Session.made) of the decoder the state was last given
+        self.made: int | None = None  # Session.made when the state was last given its decoder
         self.procparams = api.ProcParams(progressive_frame=1, output_stream=decoder.stream.cuda_stream)
 
     def open(self, width: int, height: int) -> None:
@@ -712,9 +712,9 @@ class _FedRun:
         return bool(self.keys) or self.ending
 
     def push(self, key, buf: np.ndarray, ordinal: int, frames: int, out_ptr: int) -> None:
-        made = (self.session.handle.value, self.session.made)
-        if self.keep and not self.keys and made[0] and made != self.made:  # idle kept run: its decoder is new
-            self.state.decoder, self.made = made[0], made
+        handle, made = self.session.handle.value, self.session.made
+        if self.keep and not self.keys and handle and made != self.made:  # idle kept run: its decoder is new
+            self.state.decoder, self.made = handle, made
             self.state.surfaces = 0  # the next sequence header goes to Python (on_sequence) again
         self.state.push(out_ptr, ordinal, frames)
         self.keys.append(key)
