@@ -429,6 +429,8 @@ def main() -> None:
         help="storing modes: requests in turns of B storing and B not storing on the same engine (a paired measure)",
     )
     args = ap.parse_args()
+    if args.blocks == 1 or args.blocks < 0:
+        ap.error("--blocks takes 0 (off) or a turn of at least 2 requests (each turn's first is left out)")
     from kvcodec.ingest.run import load_for_ingest
 
     model, tokenizer, device = random_model(args.model) if args.random_weights else load_for_ingest(args.model)
