@@ -228,3 +228,31 @@ def test_warm_up_is_a_no_op_off_cuda_and_for_codecs_without_kernels(kvt):
     fast.warm_up("cpu")  # nothing to compile: returns without touching a GPU
     assert not isinstance(RawCodec(), WarmUp)
     assert PrefixCache(open_store("memory://"), "synthetic", fast, "cpu").warm_up() == 0.0
+
+
+@needs_triton
+@pytest.mark.parametrize("kw", [dict(target_ratio=4.0), dict(theta=1e-2)], ids=["ratio4", "escapes"])
+def test_fused_batch_reads_each_chunk_where_it_lies_and_keeps_the_sink_exact(kvt, kw, monkeypatch):
+    """One finish() of separately decoded chunks (no stacked copy: the kernels read each chunk's
+    samples at its own address), chunk 0's sink tokens written by the epilogue, not a copy."""
+    _, fast = gpu_tests.codecs(kvt, **kw)
+    kv = gpu_tests.synthetic_kv(300, 9)
+    chunks = fast.encode_chunks(kv)
+    r, cuda = fast._restorer, torch.device("cuda")
+
+    def finish_all() -> torch.Tensor:
+        dec = [r.decode_samples(*fast._read(ch.blobs[0]), cuda) for ch in chunks]
+        out = torch.full(kv.shape, float("nan"), dtype=torch.float16, device=cuda)
+        r.finish(dec, [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks])
+        return out
+
+    ran = []
+    monkeypatch.setattr(tt, "gather_centred", _counted(tt.gather_centred, "gather_centred", ran))
+    fused = finish_all()
+    assert tt.FUSED and len(ran) == 2  # the 64-token chunks in one batch, the 44-token tail in another
+    monkeypatch.setattr(tt, "FUSED", False)
+    reference = finish_all()
+    torch.cuda.synchronize()
+    sink = fast.header(chunks[0].blobs[0])["sink"]
+    assert sink > 0 and torch.equal(fused[:, :, :sink].cpu(), kv[:, :, :sink])
+    assert torch.isfinite(fused.float()).all() and gpu_tests.within_an_ulp(fused.cpu(), reference.cpu())

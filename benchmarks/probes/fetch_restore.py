@@ -31,7 +31,8 @@ values (prep). --profile CASE samples the stacks of every fetch thread (a sampli
 process) during a fetch loop of that case, with the defaults and with one decode thread. --trace CASE
 records four default fetches of that case with torch.profiler (Python calls of every thread, CUDA
 calls, kernels and copies per stream: a chunk's frames are copied out of NVDEC once decoded) into a
-gzipped Chrome trace beside --out.
+gzipped Chrome trace beside --out; --trace-busy traces them again with the matmul looping beside them
+(per GPU operation: its count, GPU time, and wait from launch to start).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -786,10 +788,12 @@ def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathli
     return {k: v for k, v in rec.items() if k not in ("inclusive",)}
 
 
-def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path) -> dict:
+def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path, busy: bool = False) -> dict:
     """`fetches` fetches with the defaults under torch.profiler (CPU ops, CUDA kernels and copies on
     every stream, Python calls): the Chrome trace to `out` (gzip), and per fetch the span of the call
-    with the GPU work on each stream (where a chunk's frames are copied out of NVDEC: its decode is done)."""
+    with the GPU work on each stream (where a chunk's frames are copied out of NVDEC: its decode is done)
+    and per GPU operation its count, time and wait after its launch; busy: with the matmul looping
+    beside the fetches (its own thread and stream), as on a GPU that serves."""
     import gzip
 
     from torch.profiler import ProfilerActivity, profile
@@ -798,7 +802,10 @@ def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path) -> dict:
 
     cache = PrefixCache(mem, doc["model"], codec, "cuda", namespace=case.get("ns"))
     fetch_loop(cache, doc["ids"], 3)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with (
+        _matmul_beside(busy),
+        profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof,
+    ):
         for _ in range(fetches):
             with torch.profiler.record_function("kvc_fetch"):
                 fetch_loop(cache, doc["ids"], 1)
@@ -807,7 +814,60 @@ def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path) -> dict:
     events = json.loads(raw.read_text())["traceEvents"]
     out.write_bytes(gzip.compress(raw.read_bytes()))
     raw.unlink()
-    return {"kind": "trace", "fetches": fetches, "file": out.name, "summary": _trace_summary(events)}
+    rec = {"kind": "trace", "busy": busy, "fetches": fetches, "file": out.name, "summary": _trace_summary(events)}
+    return rec | {"gpu_ops": _gpu_ops(events)}
+
+
+@contextlib.contextmanager
+def _matmul_beside(on: bool) -> Iterator[None]:
+    """The probe's bf16 matmul looping on a thread of its own (its own stream) for the block."""
+    if not on:
+        yield
+        return
+    probe, stop = _probe(), threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            probe.matmul_tflops(0.2)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+def _gpu_ops(events: list) -> list:
+    """Per GPU operation name inside the kvc_fetch spans (not the matmul's): count, ms on the GPU, and
+    ms from its launch (the CPU-side runtime call it correlates with) to its start, median and max."""
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "kvc_fetch" and "dur" in e]
+    launches = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    ops: dict = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
+            continue
+        if "gemm" in e["name"].lower() and e["dur"] > 500 or not any(a <= e["ts"] <= b for a, b in spans):
+            continue  # the matmul's, or outside the fetches
+        op = ops.setdefault(e["name"][:80], [0, 0.0, []])
+        op[0], op[1] = op[0] + 1, op[1] + e["dur"]
+        launched = launches.get(e.get("args", {}).get("correlation"))
+        if launched is not None:
+            op[2].append(e["ts"] - launched)
+    rows = []
+    for name, (n, dur, waits) in sorted(ops.items(), key=lambda kv: -kv[1][1] - sum(kv[1][2])):
+        row = {"op": name, "count": n, "gpu_ms": round(dur / 1e3, 3)}
+        if waits:
+            waits.sort()
+            row |= {"wait_ms_median": round(waits[len(waits) // 2] / 1e3, 3), "wait_ms_max": round(waits[-1] / 1e3, 3)}
+        rows.append(row)
+    return rows[:30]
 
 
 def _trace_summary(events: list) -> list:
@@ -927,7 +987,7 @@ def run_log(script: str, doc: dict, alone: float, out: pathlib.Path):  # noqa: A
 
 def run(
     d, out, variants, repeat, seconds, interference_s, profile_case, only, pack=None, quick=False, interfere_all=False,
-    tokens=0, sample=False, trace_case="",
+    tokens=0, sample=False, trace_case="", trace_busy=False,
 ) -> None:  # fmt: skip
     from kvcodec.transform import frames  # noqa: F401 - import before threads start
 
@@ -980,6 +1040,9 @@ def run(
         if case["name"] == trace_case:
             name = f"{out.stem}-trace-{case['name']}-{len(doc['ids'])}.json.gz"
             _stage(log, base, trace_fetch, mem, doc, case, codec, 4, out.parent / name)
+            if trace_busy:
+                busy_name = name.replace("-trace-", "-trace-busy-")
+                _stage(log, base, trace_fetch, mem, doc, case, codec, 4, out.parent / busy_name, True)
     _stage(log, {"model": doc["model"]}, standing_sessions, probe)
     result["matmul_alone_again_tflops"] = round(probe.matmul_tflops(2.0), 1)
     out.write_text(json.dumps(result, indent=1) + "\n")
@@ -1138,6 +1201,7 @@ def main() -> None:
     r.add_argument("--tokens", type=int, default=0, help="fetch this prefix of the prepared tokens (default: all)")
     r.add_argument("--sample", action="store_true", help="the sampler profile of the defaults, also with --quick")
     r.add_argument("--trace", default="", help="case name whose default fetches are traced (torch.profiler, gzip)")
+    r.add_argument("--trace-busy", action="store_true", help="--trace also with the matmul looping beside the fetches")
     a = ap.parse_args()
     if a.cmd == "pack":
         _pack(a.dir, json.loads((a.dir / "cases.json").read_text()), a.also)
@@ -1149,7 +1213,7 @@ def main() -> None:
     only = set(filter(None, a.only.split(",")))
     run(
         a.dir, a.out, variants, a.repeat, a.seconds, a.interference_seconds, a.profile, only, a.pack, a.quick,
-        a.interfere_all, a.tokens, a.sample, a.trace,
+        a.interfere_all, a.tokens, a.sample, a.trace, a.trace_busy,
     )  # fmt: skip
 
 

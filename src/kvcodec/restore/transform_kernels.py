@@ -305,14 +305,20 @@ def _half_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.T
 def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor | None:
     """q (J * n, N t) float16 by the fused gather (transform_triton.gather_centred), escapes
     written in; None where the fused kernels do not serve."""
-    N, C, t = samples.shape
     if not transform_triton.FUSED or transform_triton.triton_modules() is None:
         return None
-    q = transform_triton.gather_centred(samples.contiguous(), plan.gather)
-    if q is None or not any(idx.numel() for idx, _ in escapes):
-        return q
-    flat, vals = escape_slots(plan, escapes, t, C)
-    q.view(-1).index_put_((_upload(flat, samples.device),), _upload(vals - OFFSET, samples.device).half())
+    chunks = list(samples.contiguous())
+    table = _upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
+    return _gathered_at(plan, chunks, escapes, table)
+
+
+def _gathered_at(plan: BatchedPlan, chunks: list, escapes, table: torch.Tensor) -> torch.Tensor | None:
+    """_gathered_fused of chunks (C, t) each, read where `table` (int64 on the device) says they are."""
+    C, t = chunks[0].shape
+    q = transform_triton.gather_centred(table, plan.gather, C, t, len(chunks))
+    if q is not None and any(idx.numel() for idx, _ in escapes):
+        flat, vals = escape_slots(plan, escapes, t, C)  # cast on the host: no cast kernel on the device
+        q.view(-1).index_put_((_upload(flat, q.device),), _upload((vals - OFFSET).half(), q.device))
     return q
 
 
@@ -361,33 +367,50 @@ def _reconstruct(plan: BatchedPlan, g: torch.Tensor, recon: str, token_scales: t
     q.add_(OFFSET)
 
 
-def restore_into(plan, samples, escapes, shape, rope, starts, outs, *, recon="centre", token_scales=None) -> None:
+def restore_into(
+    plan, samples, escapes, shape, rope, starts, outs, *, recon="centre", token_scales=None, sinks=None
+) -> None:  # noqa: ANN001
     """restore() of N chunks (same arguments) straight into their dense outputs outs[i]
     (L, 2, t, H, D): by the fused kernels (restore.transform_triton) where they serve, else
-    restore() and emit()."""
-    t = samples.shape[2]
-    if _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales):
+    restore() and emit(). samples: each chunk's (C, t) uint8 samples (or one (N, C, t) tensor);
+    sinks: per chunk None or its first tokens kept exact, (L, 2, s, H, D) float16 on the outputs'
+    device, written over the restored ones."""
+    sinks = list(sinks) if sinks is not None else [None] * len(outs)
+    if _fused(plan, list(samples), escapes, shape, rope, starts, outs, recon, token_scales, sinks):
         return
-    y = restore(plan, samples, escapes, shape, rope, starts, recon=recon, token_scales=token_scales)
+    stacked = samples if isinstance(samples, torch.Tensor) else torch.stack(list(samples))
+    y = restore(plan, stacked, escapes, shape, rope, starts, recon=recon, token_scales=token_scales)
+    t = stacked.shape[2]
     for i, out in enumerate(outs):
         emit(y, i, t, out)
+        if sinks[i] is not None:
+            out[:, :, : sinks[i].shape[2]] = sinks[i]
 
 
-def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scales) -> bool:  # noqa: ANN001
-    t = samples.shape[2]
+def _fused(plan, chunks, escapes, shape, rope, starts, outs, recon, token_scales, sinks) -> bool:  # noqa: ANN001
+    t = chunks[0].shape[1]
     end = max(starts) + t
     if plan.units is None or not _half_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
         return False
-    if not transform_triton.supports(outs, shape, t, samples.device):
+    device = chunks[0].device
+    if not transform_triton.supports(outs, shape, t, device):
         return False
-    device = samples.device
     if rope is not None:
         cos, sin = rope.covering(end)
     else:
         cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
-    meta = _upload(torch.tensor([*starts, *(o.data_ptr() for o in outs)], dtype=torch.int64), device)
+    chunks = [c.contiguous() for c in chunks]
+    sinks = [None if s is None else s.to(device, torch.float16).contiguous() for s in sinks]
+    meta = _upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
+    x = None
+    if chunks[0].shape[0]:
+        q = _gathered_at(plan, chunks, escapes, meta[2 * len(chunks) : 3 * len(chunks)])
+        if q is not None:
+            x = torch.bmm(plan.half, q.view(plan.bases.shape[0], plan.n, -1), out_dtype=torch.float32)
+    if x is None:  # nothing coded, or the gather kernel failed
+        x = _half_products(plan, torch.stack(chunks), escapes)
     run = transform_triton.Launch(
-        x=_half_products(plan, samples, escapes),
+        x=x,
         cos=cos,
         sin=sin,
         token_scales=None if token_scales is None else token_scales.float().contiguous(),
@@ -396,6 +419,7 @@ def _fused(plan, samples, escapes, shape, rope, starts, outs, recon, token_scale
         out_strides=tuple(outs[0].stride()),
         heads=shape[1],
         out_dtype=outs[0].dtype,
+        sinks=any(s is not None for s in sinks),
     )
     return transform_triton.launch(plan, run)
 

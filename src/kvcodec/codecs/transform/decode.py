@@ -9,6 +9,7 @@ decodes many chunks on NvcuvidThreads' sessions, then restores them in one pass)
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable
 
@@ -184,20 +185,22 @@ class TransformRestorer:
             self._finish_group([chunks[i] for i in members], [outs[i] for i in members])
 
     def warm_up(self, device: torch.device, dtype: torch.dtype, tokens: int = 16) -> None:
-        """Restore two chunks of zeros (with and without finer-tail token scales) into `dtype` on a
-        CUDA `device`, so that the fused kernels are compiled (or loaded from Triton's cache) now,
-        not during the first fetch; at a level that codes only the few widest coordinates."""
+        """Restore chunks of zeros (with and without finer-tail token scales, with and without sink
+        tokens) into `dtype` on a CUDA `device`, so that the fused kernels are compiled (or loaded
+        from Triton's cache) now, not during the first fetch; at a level that codes only the few
+        widest coordinates."""
         if device.type != "cuda":
             return
         widest = max(float(self.cal.basis(g, k).variances.max()) for g in range(len(self.cal.groups)) for k in KINDS)
         h = {"theta": widest / 2, "key_weight": 1.0, "tokens": tokens, "dtype": DTYPE_NAMES[dtype], "recon": "centre"}
         h |= {"shape": (self.cal.layers, self.cal.kv_heads, self.cal.head_dim), "start_token": 0, "sink": 0}
         count = self._plan_of(h).steps.numel()
-        for fine_tokens, fine_bits in ((0, 0), (tokens, 1)):
+        L, H, D = h["shape"]
+        for (fine_tokens, fine_bits), sink in itertools.product(((0, 0), (tokens, 1)), (0, 1)):
             zeros = torch.full((count, tokens), quantize.OFFSET, dtype=torch.uint8, device=device)
             none = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))
-            chunk = Decoded({**h, "fine_tokens": fine_tokens, "fine_bits": fine_bits}, zeros, none, None)
-            L, H, D = h["shape"]
+            kept = torch.zeros((L, 2, sink, H, D), dtype=torch.float16) if sink else None
+            chunk = Decoded({**h, "fine_tokens": fine_tokens, "fine_bits": fine_bits, "sink": sink}, zeros, none, kept)
             self.finish([chunk], [torch.empty((L, 2, tokens, H, D), dtype=dtype, device=device)])
         torch.cuda.synchronize(device)
 
@@ -212,7 +215,6 @@ class TransformRestorer:
                 if c.samples.device.type == "cuda":
                     c.samples.record_stream(stream)
         sinks = _sinks_on([c.sink for c in chunks], device)
-        samples = chunks[0].samples[None] if len(chunks) == 1 else torch.stack([c.samples for c in chunks])
         starts = [c.h["start_token"] for c in chunks]
         scales = None
         if any(c.h["fine_tokens"] for c in chunks):  # per-token step multipliers (N, t)
@@ -224,7 +226,7 @@ class TransformRestorer:
         ]
         transform_kernels.restore_into(
             bp,
-            samples,
+            [c.samples for c in chunks],
             [c.escapes for c in chunks],
             (L, H, D),
             self._rope_tables.get(device),
@@ -232,10 +234,9 @@ class TransformRestorer:
             denses,
             recon=h0["recon"],
             token_scales=scales,
+            sinks=sinks,
         )
-        for i, (c, out, dense) in enumerate(zip(chunks, outs, denses)):
-            if sinks[i] is not None:
-                dense[:, :, : c.h["sink"]] = sinks[i]
+        for c, out, dense in zip(chunks, outs, denses):
             if isinstance(out, PagedKV):
                 blocks, within = out.slots(c.h["start_token"], t)
                 out.pages[:, :, blocks, within] = dense
