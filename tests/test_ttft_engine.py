@@ -41,6 +41,23 @@ def test_relocated_chunk_decodes_as_the_chunk_it_now_is(method):
     assert torch.equal(out, kv)  # the payload is untouched
 
 
+@pytest.mark.parametrize("method", ["cachegen", "kvcodec-int8"])
+def test_a_stored_prefix_of_relocated_seeds_restores_whole(method):
+    """build_store's chunks pass the fetch's checks (a baseline's header keeps naming its baseline:
+    rewritten to the codec id, every CacheGen-style chunk was refused and the run restored nothing)."""
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    codec = method_codec(method, ttft_engine.codec_config((256, 256)))
+    kv = real_like_kv(2 * 256)
+    seeds = [c.blobs[0] for c in codec.encode_chunks(kv, keys=["seed-0", "seed-1"])]
+    pc = PrefixCache(open_store("memory://"), ttft_engine.MODEL_ID, codec, "cpu", policy="fixed:0")
+    ids = list(range(1000, 1000 + 3 * 256))
+    assert ttft_engine.build_store(pc, ids, seeds, tuple(kv.shape[i] for i in (0, 3, 4))) > 0
+    r = pc.fetch(ids)
+    assert r.error is None and r.tokens_restored == len(ids)
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """llama-tiny (4 layers, 2 KV heads, head_dim 64): a KV file of another shape, a .kvt of the

@@ -264,12 +264,14 @@ def seed_at(seeds: list[bytes], i: int) -> bytes:
 def build_store(pc, ids: list[int], seeds: list[bytes], shape: tuple[int, int, int]) -> int:  # noqa: ANN001
     """Store every chunk of `ids` through PrefixCache `pc`: seed i at position i, then seeds 1.. in
     turn at the later positions (relocated; as pc's codec's chunks). Returns the coded bytes stored."""
+    from kvbench.baselines.chunk import BaselineCodec
     from kvcodec.codecs.base import EncodedChunk
 
     res = tuple(pc.codec.resolutions)
+    codec_id = None if isinstance(pc.codec, BaselineCodec) else pc.codec.id  # a baseline's header names the baseline
     total = 0
     for i, k in enumerate(pc.keys(ids)):
-        blob = relocate(seed_at(seeds, i), i, i * CHUNK, k, pc.codec.id)
+        blob = relocate(seed_at(seeds, i), i, i * CHUNK, k, codec_id)
         pc.store_chunk(k, EncodedChunk(i, i * CHUNK, CHUNK, res, (blob,)), shape, "float16")
         total += len(blob)
     return total
