@@ -46,7 +46,7 @@ def _load_kv(src: Path):  # noqa: ANN202
     "--streams-per-chunk and a second resolution, not with --transform.",
 )
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 512x512).")
+@click.option("--resolutions", help="Frame sizes, e.g. 256x256,512x512 (default: 512x512; --transform: 1024x1024).")
 @click.option("--layer-bits", help="Comma-separated bit width per layer (integer modes).")
 @click.option(
     "--sample-coder",

@@ -116,6 +116,13 @@ def _samples(q: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
     return samples, idx.cpu().numpy().astype(np.int64), values.cpu().numpy()
 
 
+# One frame a chunk holds on Qwen2.5's KV (256 tokens at 5x, ~1.5 MB of samples): half the frames of 512x512, so
+# half the driver's per-frame conversion kernels on the SMs. Beside a bf16 matmul a fetch cost it 3.3-4.4% against
+# 6.9-7.1% at 512x512, idle as fast or faster; on Llama-8B-sized chunks as fast or 5% faster, bytes within 0.02%
+# (benchmarks/results/fetch-h200-s43-frame-size.md).
+FRAME_SIZES: tuple[tuple[int, int], ...] = ((1024, 1024),)
+
+
 class TransformCodec:
     """A ChunkCodec over a calibration (.kvt). Size, first that is given: theta (an explicit
     distortion level), target_ratio (file size vs fp16, measured on the data being encoded) or
@@ -144,7 +151,7 @@ class TransformCodec:
         recon: str = "centre",
         coder: str = "mixed",
         chunk_tokens: int = 256,
-        resolutions: Sequence[tuple[int, int]] = ((512, 512),),
+        resolutions: Sequence[tuple[int, int]] = FRAME_SIZES,
     ):
         if isinstance(transform, Calibration):
             if not kvt_hash:
