@@ -125,7 +125,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def gather_centred(table: torch.Tensor, gather: torch.Tensor, C: int, t: int, N: int) -> torch.Tensor | None:
+def gather_centred(table: torch.Tensor, gather: torch.Tensor, t: int, N: int) -> torch.Tensor | None:
     """(slots, N t) float16 q of N chunks' samples, (C, t) uint8 each at the addresses `table`
     ((N,) int64 on the device) holds: each block slot's coded coordinate (gather[slot]: its row
     among the C), centred (sample - 128); one pass instead of stack, select, cast and centre.
