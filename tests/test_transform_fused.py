@@ -256,3 +256,13 @@ def test_fused_batch_reads_each_chunk_where_it_lies_and_keeps_the_sink_exact(kvt
     sink = fast.header(chunks[0].blobs[0])["sink"]
     assert sink > 0 and torch.equal(fused[:, :, :sink].cpu(), kv[:, :, :sink])
     assert torch.isfinite(fused.float()).all() and gpu_tests.within_an_ulp(fused.cpu(), reference.cpu())
+
+
+def test_meta_table_lists_each_chunk_s_position_output_samples_and_sink():
+    outs = [torch.empty((2, 2, 4, 1, 8)) for _ in range(3)]
+    samples = [torch.zeros((5, 4), dtype=torch.uint8) for _ in range(3)]
+    sink = torch.zeros((2, 2, 3, 1, 8), dtype=torch.float16)
+    table = tt.meta_table([0, 4, 8], outs, samples, [sink, None, None]).tolist()
+    assert table[:3] == [0, 4, 8]
+    assert table[3:6] == [o.data_ptr() for o in outs] and table[6:9] == [s.data_ptr() for s in samples]
+    assert table[9:12] == [sink.data_ptr(), 0, 0] and table[12:] == [3, 0, 0]
