@@ -803,7 +803,7 @@ def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path, busy: bo
     cache = PrefixCache(mem, doc["model"], codec, "cuda", namespace=case.get("ns"))
     fetch_loop(cache, doc["ids"], 3)
     with (
-        _matmul_beside(busy),
+        _matmul_beside(busy) as matmul_threads,
         profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof,
     ):
         for _ in range(fetches):
@@ -815,18 +815,21 @@ def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path, busy: bo
     out.write_bytes(gzip.compress(raw.read_bytes()))
     raw.unlink()
     rec = {"kind": "trace", "busy": busy, "fetches": fetches, "file": out.name, "summary": _trace_summary(events)}
-    return rec | {"gpu_ops": _gpu_ops(events)}
+    return rec | {"gpu_ops": _gpu_ops(events, matmul_threads)}
 
 
 @contextlib.contextmanager
-def _matmul_beside(on: bool) -> Iterator[None]:
-    """The probe's bf16 matmul looping on a thread of its own (its own stream) for the block."""
+def _matmul_beside(on: bool) -> Iterator[set]:
+    """The probe's bf16 matmul looping on a thread of its own (its own stream) for the block, which
+    gets that thread's OS id (the tid of its launches in a trace; none when off)."""
+    threads: set = set()
     if not on:
-        yield
+        yield threads
         return
     probe, stop = _probe(), threading.Event()
 
     def loop() -> None:
+        threads.add(threading.get_native_id())
         while not stop.is_set():
             probe.matmul_tflops(0.2)
 
@@ -834,18 +837,19 @@ def _matmul_beside(on: bool) -> Iterator[None]:
     t.start()
     time.sleep(0.5)
     try:
-        yield
+        yield threads
     finally:
         stop.set()
         t.join()
 
 
-def _gpu_ops(events: list) -> list:
-    """Per GPU operation name inside the kvc_fetch spans (not the matmul's): count, ms on the GPU, and
-    ms from its launch (the CPU-side runtime call it correlates with) to its start, median and max."""
+def _gpu_ops(events: list, skip_threads: set) -> list:
+    """Per GPU operation name inside the kvc_fetch spans, but for those launched by `skip_threads`
+    (the matmul's): count, ms on the GPU, and ms from its launch (the CPU-side runtime call it
+    correlates with) to its start, median and max."""
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "kvc_fetch" and "dur" in e]
     launches = {
-        e["args"]["correlation"]: e["ts"]
+        e["args"]["correlation"]: (e["ts"], e.get("tid"))
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
@@ -853,11 +857,11 @@ def _gpu_ops(events: list) -> list:
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or "dur" not in e:
             continue
-        if "gemm" in e["name"].lower() and e["dur"] > 500 or not any(a <= e["ts"] <= b for a, b in spans):
-            continue  # the matmul's, or outside the fetches
+        launched, tid = launches.get(e.get("args", {}).get("correlation"), (None, None))
+        if tid in skip_threads or not any(a <= e["ts"] <= b for a, b in spans):
+            continue
         op = ops.setdefault(e["name"][:80], [0, 0.0, []])
         op[0], op[1] = op[0] + 1, op[1] + e["dur"]
-        launched = launches.get(e.get("args", {}).get("correlation"))
         if launched is not None:
             op[2].append(e["ts"] - launched)
     rows = []
