@@ -107,11 +107,11 @@ def build_target(target: str, device: str):  # noqa: ANN201
 # ------------------------------------------------------------------------------ chunks and stores
 
 
-def relocate(blob: bytes, index: int, start_token: int, key: str, codec_id: str | None = None) -> bytes:
+def relocate(blob: bytes, index: int, start_token: int, key: str) -> bytes:
     """A chunk blob of any kvcodec container codec as chunk `index` (first token `start_token`) of
-    the prefix `key` names: its header's position fields and key (and with `codec_id`, the codec id
-    it says it was coded with) rewritten, its header checksum recomputed, its payload (the coded
-    streams) unchanged."""
+    the prefix `key` names: its header's position fields and key rewritten, its header checksum
+    recomputed, its payload (the coded streams) unchanged. Its codec field stays: the seeds are coded
+    by the run's codec (seed_blobs checks), and a baseline's names the baseline, not a codec id."""
     from kvcodec.container.format import crc32
 
     magic, version, n = _PREFIX.unpack_from(blob, 0)
@@ -122,8 +122,6 @@ def relocate(blob: bytes, index: int, start_token: int, key: str, codec_id: str 
     if header.get("sink", 0) and start_token:
         raise click.ClickException("a chunk with sink tokens can only stay at the start of a prefix")
     header.update({field: index, "start_token": start_token, "key": key})
-    if codec_id and "codec" in header:
-        header["codec"] = codec_id
     head = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     payload = blob[_PREFIX.size + n + 4 :]
     return b"".join([_PREFIX.pack(magic, version, len(head)), head, struct.pack("<I", crc32(head)), payload])
@@ -263,15 +261,13 @@ def seed_at(seeds: list[bytes], i: int) -> bytes:
 
 def build_store(pc, ids: list[int], seeds: list[bytes], shape: tuple[int, int, int]) -> int:  # noqa: ANN001
     """Store every chunk of `ids` through PrefixCache `pc`: seed i at position i, then seeds 1.. in
-    turn at the later positions (relocated; as pc's codec's chunks). Returns the coded bytes stored."""
-    from kvbench.baselines.chunk import BaselineCodec
+    turn at the later positions (relocated). Returns the coded bytes stored."""
     from kvcodec.codecs.base import EncodedChunk
 
     res = tuple(pc.codec.resolutions)
-    codec_id = None if isinstance(pc.codec, BaselineCodec) else pc.codec.id  # a baseline's header names the baseline
     total = 0
     for i, k in enumerate(pc.keys(ids)):
-        blob = relocate(seed_at(seeds, i), i, i * CHUNK, k, codec_id)
+        blob = relocate(seed_at(seeds, i), i, i * CHUNK, k)
         pc.store_chunk(k, EncodedChunk(i, i * CHUNK, CHUNK, res, (blob,)), shape, "float16")
         total += len(blob)
     return total
