@@ -48,7 +48,7 @@ def test_a_stored_prefix_of_relocated_seeds_restores_whole(method):
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
-    codec = method_codec(method, ttft_engine.codec_config((256, 256)))
+    codec = method_codec(method, ttft_engine.codec_config(), resolutions=((256, 256),))
     kv = real_like_kv(2 * 256)
     seeds = [c.blobs[0] for c in codec.encode_chunks(kv, keys=["seed-0", "seed-1"])]
     pc = PrefixCache(open_store("memory://"), ttft_engine.MODEL_ID, codec, "cpu", policy="fixed:0")
@@ -94,6 +94,11 @@ def prepared(tmp_path_factory):
 def test_prep_writes_seed_chunks_and_a_pack(prepared):
     man = json.loads((prepared / "prep" / ttft_engine.MANIFEST).read_text())
     assert man["shape"] == [4, 2, 64] and set(man["methods"]) == {"zstd-3", "kvcodec-transform-5"}
+    from kvcodec.codecs.transform.codec import FRAME_SIZES
+
+    # no --resolution: every method at its codec's own default frame size
+    assert man["resolution"] is None
+    assert man["methods"]["kvcodec-transform-5"]["resolutions"] == [list(r) for r in FRAME_SIZES]
     assert len(man["methods"]["kvcodec-transform-5"]["chunks"]) == ttft_engine.SEED_CHUNKS
     assert (prepared / "prep" / ttft_engine.PACK).exists()
     # the pack's codec is the prepared one (same id: same kvt hash) and reads its chunks

@@ -82,7 +82,7 @@ def test_transform_method_stores_and_fetches_through_a_prefix_cache(files):
 
     kv = synthetic_kv(300, seed=9)
     cfg = CodecConfig(chunk_tokens=128, resolutions=((144, 144),))
-    codec = method_codec("kvcodec-transform-4", cfg, transform=files[0])
+    codec = method_codec("kvcodec-transform-4", cfg, transform=files[0], resolutions=cfg.resolutions)
     pc = PrefixCache(open_store("memory://"), "syn", codec, "cpu", policy="fixed:0")
     ids = list(range(100, 400))
     assert pc.put(ids, kv) == 3
@@ -142,6 +142,20 @@ def test_a_transform_method_with_a_coder_codes_its_samples_with_it(files):
     assert method_codec("kvcodec-transform-5-zstd", config, transform=kvt).coder == "zstd"
     assert method_codec("kvcodec-transform-5", config, transform=kvt).coder == "mixed"  # the codec default
     assert method_codec("kvcodec-transform-5-hevc", config, transform=kvt).coder == "hevc"
+
+
+def test_a_transform_method_codes_at_the_codecs_own_frame_size_unless_one_is_given(files):
+    """A benchmark measures what users get: the transform's frames are its FRAME_SIZES, not the
+    HEVC codec's CodecConfig default, unless the bench names a size for every method."""
+    from kvcodec.codecs.transform.codec import FRAME_SIZES
+
+    kvt, _ = files
+    config = CodecConfig(chunk_tokens=256)
+    assert tuple(method_codec("kvcodec-transform-5", config, transform=kvt).resolutions) == FRAME_SIZES
+    assert tuple(method_codec("kvcodec-int8", config).resolutions) == config.resolutions
+    given = ((256, 256),)
+    assert tuple(method_codec("kvcodec-transform-5", config, transform=kvt, resolutions=given).resolutions) == given
+    assert tuple(method_codec("kvcodec-int8", config, resolutions=given).resolutions) == given
 
 
 def test_the_benchmarks_default_coder_is_the_codecs():

@@ -100,23 +100,28 @@ def label(method: str) -> str:
     return f"kvcodec-transform {ratio:g}x" + (f" ({coder})" if coder else "")
 
 
-def method_codec(method: str, config, transform: str | Path | None = None, **hevc_options: Any):  # noqa: ANN001, ANN201
-    """The ChunkCodec of `method` with `config`'s chunking and resolutions. `transform`: the .kvt
-    a "kvcodec-transform-<ratio>" method codes with. hevc_options (e.g. pool=NvdecPool(...)) go to
-    kvcodec's HEVC codec."""
+def method_codec(method: str, config, transform: str | Path | None = None, resolutions=None, **hevc_options: Any):  # noqa: ANN001, ANN201
+    """The ChunkCodec of `method` with `config`'s chunking. `resolutions`: the frame sizes every
+    method codes at; None: each codec's own default (`config`'s for the HEVC codec and the
+    baselines, the transform codec's FRAME_SIZES for "kvcodec-transform-<ratio>": the defaults a
+    user gets). `transform`: the .kvt a transform method codes with. hevc_options (e.g.
+    pool=NvdecPool(...)) go to kvcodec's HEVC codec."""
     from kvcodec.codecs.registry import make_codec
 
+    if resolutions is not None:
+        config = dataclasses.replace(config, resolutions=tuple(resolutions))
     ratio = transform_ratio(method)
     if ratio is not None:
         if transform is None:
             raise ConfigError(f"method {method!r} needs a .kvt file (--transform PATH)")
+        frames = {} if resolutions is None else {"resolutions": config.resolutions}
         return make_codec(
             "transform",
             transform=str(transform),
             target_ratio=ratio,
             **coder_options(method),
             chunk_tokens=config.chunk_tokens,
-            resolutions=config.resolutions,
+            **frames,
         )
     if method == "kvcodec" or method.startswith("kvcodec-"):
         quant = method.split("-", 1)[1] if "-" in method else config.quant

@@ -102,7 +102,7 @@ def measure_method(m: str, kv, resolution: tuple[int, int], transform: str | Non
         from kvcodec.config import CodecConfig
 
         # chunk by chunk, as a store holds it: every byte of every chunk blob counts
-        codec = method_codec(m, CodecConfig(chunk_tokens=256, resolutions=(resolution,)), transform=transform)
+        codec = method_codec(m, CodecConfig(chunk_tokens=256), transform=transform, resolutions=(resolution,))
         t0 = time.perf_counter()
         chunks = codec.encode_chunks(kv)
         enc = time.perf_counter() - t0
@@ -309,12 +309,15 @@ class E2ERun:
         from kvcodec.store import open_store
 
         cfg = CodecConfig(quant="int8", chunk_tokens=256, resolutions=(resolution,))
-        codec = method_codec(method, cfg, transform=self.transform)
+        codec = method_codec(method, cfg, transform=self.transform, resolutions=cfg.resolutions)
         pc = PrefixCache(open_store(url), self.model_id, codec, "cpu", policy="fixed:0")
         pc.put(self.ids, self.kv.to(torch.float16))
         pooled = self.pool is not None and method.startswith("kvcodec-") and transform_ratio(method) is None
         options = {"pool": self.pool} if pooled else {}
-        self.stores[method] = (url, method_codec(method, cfg, transform=self.transform, **options))
+        self.stores[method] = (
+            url,
+            method_codec(method, cfg, transform=self.transform, resolutions=cfg.resolutions, **options),
+        )
         click.echo(f"  e2e: stored {method}", err=True)
 
     def full_prefill(self) -> tuple[float, list[int]]:

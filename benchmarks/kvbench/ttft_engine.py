@@ -155,10 +155,15 @@ def calibrate_target(kv_file: str, target: str, d: pathlib.Path) -> pathlib.Path
     return path
 
 
-def codec_config(resolution: tuple[int, int]):  # noqa: ANN201
+def codec_config():  # noqa: ANN201
     from kvcodec.config import CodecConfig
 
-    return CodecConfig(quant="int8", chunk_tokens=CHUNK, resolutions=(resolution,))
+    return CodecConfig(quant="int8", chunk_tokens=CHUNK)
+
+
+def frame_sizes(resolution) -> tuple[tuple[int, int], ...] | None:  # noqa: ANN001
+    """The frame sizes every method codes at: None (each codec's own default) or one (w, h)."""
+    return None if resolution is None else ((int(resolution[0]), int(resolution[1])),)
 
 
 def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: pathlib.Path, resolution) -> dict:
@@ -167,7 +172,8 @@ def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: 
     shape = target_shape(target)
     kv = seed_kv(kv_file, shape, SEED_CHUNKS * CHUNK)
     d.mkdir(parents=True, exist_ok=True)
-    man = {"target": target, "shape": list(shape), "kv_file": kv_file, "resolution": list(resolution), "methods": {}}
+    fixed = None if resolution is None else list(resolution)
+    man = {"target": target, "shape": list(shape), "kv_file": kv_file, "resolution": fixed, "methods": {}}
     for m in meths:
         if m == "raw":
             continue
@@ -181,6 +187,7 @@ def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: 
         coded = sum(f["bytes"] for f in files)
         man["methods"][m] = {
             "codec_id": codec.id,
+            "resolutions": [list(r) for r in codec.resolutions],
             "chunks": files,
             "encode_s": round(enc, 2),
             "ratio_vs_fp16": kv[:, :, :CHUNK].numel() * 2 * len(blobs) / coded,
@@ -198,7 +205,7 @@ def seed_chunks(m: str, kv, resolution, transform: str | None) -> tuple:  # noqa
     for the others. build_store cycles seeds 1.. over the later positions, so a mixed coder's chunks
     (HEVC and zstd in turn by index) keep their turn."""
     n = SEED_CHUNKS if transform_ratio(m) else 1
-    codec = method_codec(m, codec_config(resolution), transform=transform)
+    codec = method_codec(m, codec_config(), transform=transform, resolutions=frame_sizes(resolution))
     return codec, [c.blobs[0] for c in codec.encode_chunks(kv[:, :, : n * CHUNK], keys=[f"seed-{i}" for i in range(n)])]
 
 
@@ -208,7 +215,7 @@ def write_pack(d: pathlib.Path, man: dict, transform: str, resolution) -> None:
     for m, info in man["methods"].items():
         if transform_ratio(m) is None:
             continue
-        codec = method_codec(m, codec_config(resolution), transform=transform)
+        codec = method_codec(m, codec_config(), transform=transform, resolutions=frame_sizes(resolution))
         headers += [codec.header((d / f["file"]).read_bytes()) for f in info["chunks"]]
     save_pack(codec.cal, codec.kvt_hash, widest(codec, headers), d / PACK)
 
@@ -216,10 +223,10 @@ def write_pack(d: pathlib.Path, man: dict, transform: str, resolution) -> None:
 def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = None):  # noqa: ANN201
     """The codec a run stores and fetches method `m` with (the transform's over the pack: `pack`, else
     the prep folder's)."""
-    cfg = codec_config(tuple(man["resolution"]))
+    frames = frame_sizes(man.get("resolution"))
     r = transform_ratio(m)
     if r is None:
-        return method_codec(m, cfg)
+        return method_codec(m, codec_config(), resolutions=frames)
     from kvcodec.codecs.transform.codec import TransformCodec
 
     cal, kvt_hash = read_pack(pack or d / PACK, square=True)
@@ -229,7 +236,7 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
         target_ratio=r,
         **coder_options(m),
         chunk_tokens=CHUNK,
-        resolutions=cfg.resolutions,
+        **({} if frames is None else {"resolutions": frames}),
     )
 
 
@@ -422,6 +429,7 @@ def run(
         inputs["methods"][m] = {
             "codec_id": codec.id,
             "ratio_vs_fp16": fp16 / stored,
+            "frames": "+".join(f"{w}x{h}" for w, h in getattr(codec, "resolutions", ())) or None,
             "seed_chunks": len(seeds),
             "prep": {k: v for k, v in man["methods"].get(m, {}).items() if k != "chunks"},
         }
@@ -582,9 +590,9 @@ def inputs_markdown(rec: dict) -> list[str]:
         "Per method: ratio vs fp16 of the stored chunks (real KV values in the target's shape), fetch time at the "
         "fastest link (GB/s of fp16 KV restored, the transfer at that link included), accuracy from the rd record of the KV's model.",
         "",
-        "| method | ratio vs fp16 | tokens | fetch s (fastest link) | GB/s | top-1 agreement | ppl change % "
+        "| method | ratio vs fp16 | frames | tokens | fetch s (fastest link) | GB/s | top-1 agreement | ppl change % "
         "| Quoref same answer | accuracy from |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     fastest = max(r["bandwidth_gbit"] for r in rec["rows"])
     for m, info in rec["inputs"]["methods"].items():
@@ -592,7 +600,7 @@ def inputs_markdown(rec: dict) -> list[str]:
         for r in (r for r in rec["rows"] if r["method"] == m and r["bandwidth_gbit"] == fastest):
             gbs = r["fp16_bytes"] / r["fetch_s"] / 1e9 if r.get("fetch_s") else None
             md.append(
-                f"| {method_label(m)} | {info['ratio_vs_fp16']:.2f} | {r['tokens']} | "
+                f"| {method_label(m)} | {info['ratio_vs_fp16']:.2f} | {info.get('frames') or '-'} | {r['tokens']} | "
                 f"{_f(r.get('fetch_s'), '.3f')} | {_f(gbs, '.2f')} | {_f(a.get('top1_agreement'), '.4f')} | "
                 f"{_f(a.get('ppl_delta_pct'), '+.2f')} | {_f(a.get('quoref_same_answer_rate'), '.3f')} | "
                 f"{a.get('source', '-')} |"
@@ -633,7 +641,9 @@ def command() -> None:
 )
 @click.option("--methods", default="raw,cachegen,kvcodec-int8,kvcodec-transform", show_default=True)
 @click.option("--target-ratios", default="5,8", show_default=True)
-@click.option("--resolution", default="512x512", show_default=True)
+@click.option(
+    "--resolution", default=None, help="WxH: every method's frames at this size (default: each codec's own default)."
+)
 @click.option("--dir", "out_dir", required=True, type=click.Path(file_okay=False))
 def prep_command(kv_file, target, transform, calibrate_kv_file, methods, target_ratios, resolution, out_dir) -> None:  # noqa: ANN001
     """Code seed chunks of every method from real KV tiled into the target's shape."""
@@ -647,8 +657,8 @@ def prep_command(kv_file, target, transform, calibrate_kv_file, methods, target_
     if calibrate_kv_file:
         transform = str(calibrate_target(calibrate_kv_file, target, pathlib.Path(out_dir)))
         click.echo(f"  calibrated {transform} on {calibrate_kv_file}", err=True)
-    w, h = (int(v) for v in resolution.lower().split("x"))
-    prep(kv_file, target, transform, meths, pathlib.Path(out_dir), (w, h))
+    size = None if resolution is None else tuple(int(v) for v in resolution.lower().split("x"))
+    prep(kv_file, target, transform, meths, pathlib.Path(out_dir), size)
 
 
 @command.command("run")
