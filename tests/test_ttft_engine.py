@@ -126,6 +126,8 @@ def test_run_through_the_engine_measures_and_models(prepared):
             "0",
             "--device",
             "cpu",
+            "--busy-seconds",
+            "1",  # CUDA only: ignored on the CPU
             "--accuracy",
             str(RESULTS / "rd-smollm2-135m-cpu-s6.json"),
             "--out",
@@ -141,6 +143,7 @@ def test_run_through_the_engine_measures_and_models(prepared):
         assert not slow["measured"] and slow["fetch_s"] >= slow["transfer_s"]  # modelled: at least the transfer
         assert slow["bytes"] == fast["bytes"] > 0
     assert rows[("prefill", 1.0)]["measured"]
+    assert not any("busy" in info for info in rec["inputs"]["methods"].values())
     assert accuracy_of(rec["accuracy"], "kvcodec-transform-5")["source"] == "rd-smollm2-135m-cpu-s6.json"
     md = out.with_suffix(".md").read_text()
     assert "Issue 21 target 4" in md and "*" in md
@@ -253,3 +256,16 @@ def tiled_kv_of(tokens: int, layers: int, heads: int, dim: int) -> torch.Tensor:
     from kvbench.workloads import tiled_kv
 
     return tiled_kv(real_like_kv(tokens), layers, heads, dim, tokens)
+
+
+def test_the_busy_table_shows_each_methods_fetch_beside_the_matmul():
+    busy = {"tokens": 8192, "restored_gb_per_s_alone": 9.1, "restored_gb_per_s_beside": 6.2, "matmul_slowdown": 0.031}
+    rec = {
+        "inputs": {
+            "matmul_tflops_alone": 700.0,
+            "methods": {"kvcodec-transform-5": {"busy": [busy]}, "raw": {}},
+        }
+    }
+    md = "\n".join(ttft_engine.busy_markdown(rec))
+    assert "| kvcodec-transform 5x | 8192 | 9.10 | 6.20 | 3.1% |" in md and "raw fp16" not in md
+    assert ttft_engine.busy_markdown({"inputs": {"methods": {"raw": {}}}}) == []

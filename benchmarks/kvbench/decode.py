@@ -29,6 +29,7 @@ from pathlib import Path
 
 import click
 
+from kvbench.busy import beside_matmul, matmul_tflops
 from kvbench.results import command_line, result_path, write_json, write_result
 
 DEFAULT_MODES = "exact,int8,int4,int2"
@@ -429,59 +430,13 @@ class _NvcompCase:
         return run
 
 
-def _matmul_tflops(device, seconds: float, n: int = 8192) -> float:
-    import torch
-
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    c = torch.empty_like(a)
-    s = torch.cuda.Stream(device)
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            torch.matmul(a, b, out=c)
-        s.synchronize()
-        t0 = time.perf_counter()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record(s)
-        iters = 0
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(20):
-                torch.matmul(a, b, out=c)
-            iters += 20
-            s.synchronize()
-        end.record(s)
-        s.synchronize()
-    return 2.0 * n**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
-
-
-def _interference(name: str, fn, device, seconds: float, alone: float) -> dict:
-    stop = threading.Event()
-    count = [0]
-    errors = []
-
-    def loop():
-        try:
-            while not stop.is_set():
-                fn()
-                count[0] += 1
-        except Exception as e:  # pragma: no cover - reported in the record
-            errors.append(repr(e))
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    time.sleep(0.3)
-    during = _matmul_tflops(device, seconds)
-    stop.set()
-    t.join()
+def _interference(name: str, fn, device, seconds: float, alone: float) -> dict:  # noqa: ANN001
+    rec = beside_matmul(fn, device, seconds, alone)
     return {
         "kind": "interference",
         "backend": name,
-        "matmul_tflops_alone": alone,
-        "matmul_tflops_during": during,
-        "matmul_slowdown": 1.0 - during / alone,
-        "decoder_runs_during": count[0],
-        **({"error": errors[0]} if errors else {}),
+        **{k: v for k, v in rec.items() if k not in ("calls_during", "call_s_during")},
+        "decoder_runs_during": rec["calls_during"],
     }
 
 
@@ -802,7 +757,7 @@ class DecodeRun:
 
     def interference(self, case_name: str | None, seconds: float) -> None:
         """A bf16 matmul's TFLOP/s alone and while each backend restores flat out."""
-        alone = _matmul_tflops(self.device, seconds)
+        alone = matmul_tflops(self.device, seconds)
         base = self.base_case(case_name)
         for name, variant, make in self.interference_runs(base):
             try:

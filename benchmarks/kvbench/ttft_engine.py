@@ -338,6 +338,7 @@ class RunSpec:
     repeat: int
     max_transfer_s: float
     device: str
+    busy_s: float = 0.0  # > 0 (CUDA): each method's fetches also beside a looping bf16 matmul, this long
 
 
 def engine_for(model, pc, device: str):  # noqa: ANN001, ANN201
@@ -395,6 +396,46 @@ def method_points(model, m: str, pc, link_store, prompts: dict[int, list[int]], 
     return out
 
 
+def busy_points(pc, ids: list[int], spec: RunSpec, alone: float, fp16_per_token: int) -> list[dict]:  # noqa: ANN001
+    """Per prefix length: PrefixCache.fetch alone (median of `spec.repeat`, at least 3) and looping
+    beside a bf16 matmul (kvbench.busy), each until the KV is ready on the fetching thread's own
+    stream (as an engine's request thread waits; a device-wide sync would wait for the matmul too)."""
+    import torch
+
+    from kvbench.busy import beside_matmul
+
+    out = []
+    for n in spec.tokens:
+        prefix, caller = ids[:n], torch.cuda.Stream(spec.device)
+
+        def fetch(prefix=prefix, caller=caller, n=n) -> None:  # noqa: ANN001
+            with torch.cuda.stream(caller):
+                r = pc.fetch(prefix, deadline_s=None)
+            caller.synchronize()
+            if r.tokens_restored != n:
+                raise RuntimeError(f"restored {r.tokens_restored} of {n} tokens: {r.error}")
+
+        times = []
+        for _ in range(max(3, spec.repeat)):
+            t0 = time.perf_counter()
+            fetch()
+            times.append(time.perf_counter() - t0)
+        rec = beside_matmul(fetch, spec.device, spec.busy_s, alone)
+        gb = n * fp16_per_token / 1e9
+        out.append(
+            {
+                "tokens": n,
+                "restored_gb_per_s_alone": gb / statistics.median(times),
+                "restored_gb_per_s_beside": gb / rec["call_s_during"] if rec["calls_during"] else None,
+                **rec,
+            }
+        )
+        click.echo(
+            f"  busy {n}: matmul slowed {rec['matmul_slowdown']:.1%}, {out[-1]['restored_gb_per_s_beside']}", err=True
+        )
+    return out
+
+
 def run(
     d: pathlib.Path, meths: list[str], spec: RunSpec, target: str | None, pack: pathlib.Path | None = None
 ) -> tuple[dict, list[dict]]:
@@ -418,6 +459,11 @@ def run(
     prompts = {n: ids[:n] + ids[n_max : n_max + SUFFIX_TOKENS] for n in spec.tokens}
     inputs = {"target": target, "random_weights": random_weights, "shape": list(shape), "methods": {}}
     points = {"prefill": full_prefill(model, prompts, spec)}
+    busy = spec.busy_s > 0 and spec.device.startswith("cuda")
+    if busy:
+        from kvbench.busy import matmul_tflops
+
+        inputs["matmul_tflops_alone"] = alone = matmul_tflops(spec.device, spec.busy_s)
     for m in meths:
         codec = run_codec(m, d, man, pack)
         seeds = seed_blobs(m, d, man, codec)
@@ -435,6 +481,12 @@ def run(
         }
         click.echo(f"  {m}: {stored / 1e6:.1f} MB stored ({fp16 / stored:.2f}x)", err=True)
         points[m] = method_points(model, m, pc, link_store, prompts, spec)
+        if busy:
+            from kvbench.net.throttle import TokenBucketLink
+            from kvbench.net.trace import JitterTrace
+
+            link_store.link = TokenBucketLink(JitterTrace.constant(max(spec.bws)))  # method_points ends at the slowest
+            inputs["methods"][m]["busy"] = busy_points(pc, ids, spec, alone, 2 * shape[0] * shape[1] * shape[2] * 2)
         del mem, link_store, pc
         torch.cuda.empty_cache() if spec.device.startswith("cuda") else None
     return inputs, rows_of(points, target, spec, shape)
@@ -565,7 +617,31 @@ def markdown(rec: dict) -> list[str]:
         md.append(f"| {model} | {n} | {bw:g} | " + " | ".join(cells) + " |")
     md += _speedups_markdown(keyed, grid, [m for m in meths if m.startswith("kvcodec-")])
     md += ["", "Issue 21 target 4 (computed from the table):", "", *targets_check(rows, meths)]
-    return md + inputs_markdown(rec)
+    return md + inputs_markdown(rec) + busy_markdown(rec)
+
+
+def busy_markdown(rec: dict) -> list[str]:
+    """The fetches beside a busy GPU (run --busy-seconds), where measured."""
+    meths = {m: info["busy"] for m, info in rec["inputs"]["methods"].items() if info.get("busy")}
+    if not meths:
+        return []
+    md = [
+        "",
+        "Beside a busy GPU (a bf16 8192^3 matmul looping on its own stream, "
+        f"{rec['inputs'].get('matmul_tflops_alone', 0):.0f} TFLOP/s alone): PrefixCache.fetch at the fastest link, "
+        "GB/s of fp16 KV restored alone (median) and looping beside the matmul, and the matmul's slowdown.",
+        "",
+        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul slowed |",
+        "|---|---|---|---|---|",
+    ]
+    for m, recs in meths.items():
+        for b in recs:
+            md.append(
+                f"| {method_label(m)} | {b['tokens']} | {_f(b['restored_gb_per_s_alone'], '.2f')} | "
+                f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_slowdown']:.1%} |"
+                + (f" error: {b['error']}" if b.get("error") else "")
+            )
+    return md
 
 
 def _speedups_markdown(keyed: dict, grid: list, kms: list[str]) -> list[str]:
@@ -676,6 +752,13 @@ def prep_command(kv_file, target, transform, calibrate_kv_file, methods, target_
     type=float,
     help="Points whose bytes need longer on the link are modelled from the measured ones.",
 )
+@click.option(
+    "--busy-seconds",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="CUDA: also time each method's fetches beside a looping bf16 matmul for this long (0: off).",
+)
 @click.option("--pack", default=None, type=click.Path(exists=True, dir_okay=False), help="Default: DIR's pack.")
 @click.option("--accuracy", "accuracy_files", multiple=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--accuracy-model", default="smollm2-135m", show_default=True, help="The rd records' model to show.")
@@ -691,6 +774,7 @@ def run_command(
     bandwidths,
     repeat,
     max_transfer_s,
+    busy_seconds,
     pack,
     accuracy_files,
     accuracy_model,
@@ -706,7 +790,12 @@ def run_command(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meths = expand_methods([m.strip() for m in methods.split(",") if m.strip()], _floats(target_ratios))
     spec = RunSpec(
-        tuple(int(t) for t in tokens_list.split(",")), tuple(_floats(bandwidths)), repeat, max_transfer_s, device
+        tuple(int(t) for t in tokens_list.split(",")),
+        tuple(_floats(bandwidths)),
+        repeat,
+        max_transfer_s,
+        device,
+        busy_seconds,
     )
     if any(n % CHUNK for n in spec.tokens):
         raise click.ClickException(f"--tokens must be multiples of {CHUNK}")
