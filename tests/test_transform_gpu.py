@@ -138,7 +138,9 @@ def test_block_layout_places_every_output_row_once(sizes, layer_dim, data):
     counts = [data.draw(st.integers(0, s * layer_dim)) for s in sizes for _ in range(2)]
     offsets, rows, n, d = tk.block_layout(counts, sizes, layer_dim)
     assert rows.size == sum(sizes) * 2 * layer_dim and len(set(rows.tolist())) == rows.size
-    assert n == max(1, max(counts)) and d == max(sizes) * layer_dim
+    widest, height = max(1, max(counts)), max(sizes) * layer_dim
+    assert widest <= n < widest + tk.GEMM_ALIGN and n % tk.GEMM_ALIGN == 0  # aligned for the GEMM
+    assert height <= d < height + tk.GEMM_ALIGN and d % tk.GEMM_ALIGN == 0
     assert list(offsets) == list(np.cumsum([0] + counts[:-1]))
     j, within = rows // d, rows % d
     assert within.max() < d and j.max() < 2 * len(sizes)

@@ -259,13 +259,18 @@ def tiled_kv_of(tokens: int, layers: int, heads: int, dim: int) -> torch.Tensor:
 
 
 def test_the_busy_table_shows_each_methods_fetch_beside_the_matmul():
-    busy = {"tokens": 8192, "restored_gb_per_s_alone": 9.1, "restored_gb_per_s_beside": 6.2, "matmul_slowdown": 0.031}
+    busy = {
+        "tokens": 8192,
+        "restored_gb_per_s_alone": 9.1,
+        "restored_gb_per_s_beside": 6.2,
+        "matmul_tflops_alone": 700.0,
+        "matmul_slowdown": 0.031,
+    }
     rec = {
         "inputs": {
-            "matmul_tflops_alone": 700.0,
             "methods": {"kvcodec-transform-5": {"busy": [busy]}, "raw": {}},
         }
     }
     md = "\n".join(ttft_engine.busy_markdown(rec))
-    assert "| kvcodec-transform 5x | 8192 | 9.10 | 6.20 | 3.1% |" in md and "raw fp16" not in md
+    assert "| kvcodec-transform 5x | 8192 | 9.10 | 6.20 | 700 | 3.1% |" in md and "raw fp16" not in md
     assert ttft_engine.busy_markdown({"inputs": {"methods": {"raw": {}}}}) == []
