@@ -25,7 +25,9 @@ def _kv(layers=3, tokens=70, heads=2, dim=64, seed=1):
     [("int8", (), 8), ("int8", (), 4), ("int4", (), 3), ("int6", (), 2), ("int8", (8, 4, 6), 5)],
 )
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_fused_restore_equals_reference(quant, layer_bits, video_bits, dtype):
+@pytest.mark.parametrize("wide", [False, True])  # the kernel's int32 index arithmetic, and its int64 one
+def test_fused_restore_equals_reference(quant, layer_bits, video_bits, dtype, wide, monkeypatch):
+    monkeypatch.setattr(triton_restore, "FORCE_WIDE", wide)
     kv = _kv().to(dtype)
     config = CodecConfig(
         sample_coder="hevc",
@@ -121,9 +123,11 @@ def test_fused_restore_into_a_paged_cache_equals_reference(quant, video_bits):
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant, video_bits", [("int8", 8), ("int4", 8), ("int8", 5)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fused_restore_of_zstd_samples_equals_reference(quant, video_bits, dtype):
+@pytest.mark.parametrize("wide", [False, True])
+def test_fused_restore_of_zstd_samples_equals_reference(quant, video_bits, dtype, wide, monkeypatch):
     from kvcodec import PagedKV
 
+    monkeypatch.setattr(triton_restore, "FORCE_WIDE", wide)
     kv = _kv().to(dtype)
     config = CodecConfig(sample_coder="zstd", quant=quant, chunk_tokens=48, video_bits=video_bits)
     table = torch.tensor([11, 3, 5, 0, 9, 2, 7, 1, 4])

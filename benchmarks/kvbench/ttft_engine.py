@@ -396,13 +396,15 @@ def method_points(model, m: str, pc, link_store, prompts: dict[int, list[int]], 
     return out
 
 
-def busy_points(pc, ids: list[int], spec: RunSpec, alone: float, fp16_per_token: int) -> list[dict]:  # noqa: ANN001
+def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[dict]:  # noqa: ANN001
     """Per prefix length: PrefixCache.fetch alone (median of `spec.repeat`, at least 3) and looping
     beside a bf16 matmul (kvbench.busy), each until the KV is ready on the fetching thread's own
-    stream (as an engine's request thread waits; a device-wide sync would wait for the matmul too)."""
+    stream (as an engine's request thread waits; a device-wide sync would wait for the matmul too).
+    The matmul's rate alone is measured right before and after (a GPU's clocks drift as it heats):
+    the slowdown is against their mean."""
     import torch
 
-    from kvbench.busy import beside_matmul
+    from kvbench.busy import beside_matmul, matmul_tflops
 
     out = []
     for n in spec.tokens:
@@ -420,7 +422,12 @@ def busy_points(pc, ids: list[int], spec: RunSpec, alone: float, fp16_per_token:
             t0 = time.perf_counter()
             fetch()
             times.append(time.perf_counter() - t0)
-        rec = beside_matmul(fetch, spec.device, spec.busy_s, alone)
+        before = matmul_tflops(spec.device, spec.busy_s)
+        rec = beside_matmul(fetch, spec.device, spec.busy_s, before)
+        after = matmul_tflops(spec.device, spec.busy_s)
+        alone = (before + after) / 2
+        rec |= {"matmul_tflops_alone": alone, "matmul_tflops_alone_before_after": [before, after]}
+        rec["matmul_slowdown"] = 1.0 - rec["matmul_tflops_during"] / alone
         gb = n * fp16_per_token / 1e9
         out.append(
             {
@@ -460,10 +467,6 @@ def run(
     inputs = {"target": target, "random_weights": random_weights, "shape": list(shape), "methods": {}}
     points = {"prefill": full_prefill(model, prompts, spec)}
     busy = spec.busy_s > 0 and spec.device.startswith("cuda")
-    if busy:
-        from kvbench.busy import matmul_tflops
-
-        inputs["matmul_tflops_alone"] = alone = matmul_tflops(spec.device, spec.busy_s)
     for m in meths:
         codec = run_codec(m, d, man, pack)
         seeds = seed_blobs(m, d, man, codec)
@@ -486,7 +489,7 @@ def run(
             from kvbench.net.trace import JitterTrace
 
             link_store.link = TokenBucketLink(JitterTrace.constant(max(spec.bws)))  # method_points ends at the slowest
-            inputs["methods"][m]["busy"] = busy_points(pc, ids, spec, alone, 2 * shape[0] * shape[1] * shape[2] * 2)
+            inputs["methods"][m]["busy"] = busy_points(pc, ids, spec, 2 * shape[0] * shape[1] * shape[2] * 2)
         del mem, link_store, pc
         torch.cuda.empty_cache() if spec.device.startswith("cuda") else None
     return inputs, rows_of(points, target, spec, shape)
@@ -627,18 +630,18 @@ def busy_markdown(rec: dict) -> list[str]:
         return []
     md = [
         "",
-        "Beside a busy GPU (a bf16 8192^3 matmul looping on its own stream, "
-        f"{rec['inputs'].get('matmul_tflops_alone', 0):.0f} TFLOP/s alone): PrefixCache.fetch at the fastest link, "
-        "GB/s of fp16 KV restored alone (median) and looping beside the matmul, and the matmul's slowdown.",
+        "Beside a busy GPU (a bf16 8192^3 matmul looping on its own stream): PrefixCache.fetch at the fastest link, "
+        "GB/s of fp16 KV restored alone (median) and looping beside the matmul, and the matmul's slowdown against "
+        "its rate alone (the mean of its rates right before and after).",
         "",
-        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul slowed |",
-        "|---|---|---|---|---|",
+        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul TFLOP/s alone | matmul slowed |",
+        "|---|---|---|---|---|---|",
     ]
     for m, recs in meths.items():
         for b in recs:
             md.append(
                 f"| {method_label(m)} | {b['tokens']} | {_f(b['restored_gb_per_s_alone'], '.2f')} | "
-                f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_slowdown']:.1%} |"
+                f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_tflops_alone']:.0f} | {b['matmul_slowdown']:.1%} |"
                 + (f" error: {b['error']}" if b.get("error") else "")
             )
     return md

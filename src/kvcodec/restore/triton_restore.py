@@ -19,6 +19,7 @@ from kvcodec.restore.paged import PagedChunk, PagedKV
 from kvcodec.restore.terms import ChunkTerms
 
 BLOCK = 1024
+FORCE_WIDE = False  # True: the kernel's int64 index arithmetic whatever the launch's size (tests compare both)
 MAX_LOW_BITS = 7  # video_bits >= 1 leaves at most 7 low bits of an 8-bit sample
 
 
@@ -98,9 +99,16 @@ def _kernel():
         dim,
         PAGED: tl.constexpr,
         FLAT: tl.constexpr,
+        WIDE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        # the index arithmetic (a dozen divisions per value) in int32 unless the launch's values
+        # reach 2^31 (WIDE): int64 division made the kernel compute-bound, ~40x slower than its
+        # memory traffic on a 7-8B model's chunks; the addresses are formed in int64 either way
+        if WIDE:
+            idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        else:
+            idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         total = units * n * dim
         live = idx < total
         d = idx % dim
@@ -110,15 +118,16 @@ def _kernel():
             src = frame_ptr + idx
         else:
             f = t // tpf  # the frame (of several, frame_stride apart) holding token t; 0 within one frame
-            pos = tl.load(pos_ptr + (u * tpf + t - f * tpf) * dim + d, mask=live, other=0).to(tl.int64)
+            pos = tl.load(pos_ptr + (u * tpf + t - f * tpf) * dim + d, mask=live, other=0)
+            pos = pos.to(tl.int64) if WIDE else pos.to(tl.int32)  # a place in one frame: < 3 * 8192^2
             plane = pos // frame_hw
             rem = pos - plane * frame_hw
             y = rem // frame_w
             x = rem - y * frame_w
-            src = frame_ptr + f * frame_stride + plane * plane_stride + y * row_stride + x
+            src = frame_ptr + f.to(tl.int64) * frame_stride + plane.to(tl.int64) * plane_stride + y * row_stride + x
         s = tl.load(src, mask=live, other=0).to(tl.int32)
         count = tl.load(low_count_ptr + u, mask=live, other=0).to(tl.int32)
-        i = ((start + t) * units + u) * dim + d
+        i = ((start + t).to(tl.int64) * units + u) * dim + d
         low = tl.zeros_like(s)
         for j in tl.static_range(7):  # MAX_LOW_BITS; loads past a unit's own count are masked off
             byte = tl.load(low_ptr + j * low_plane_bytes + (i >> 3), mask=live & (j < count), other=0).to(tl.int32)
@@ -137,8 +146,8 @@ def _kernel():
         if PAGED:  # each token's place in its block, from the block table
             token = tl.load(token_offset_ptr + t, mask=live, other=0)
         else:
-            token = (start + t) * s_token
-        dst = layer * s_layer + kv * s_kv + token + head * s_head + d * s_dim
+            token = (start + t).to(tl.int64) * s_token
+        dst = layer.to(tl.int64) * s_layer + kv.to(tl.int64) * s_kv + token + head.to(tl.int64) * s_head + d * s_dim
         tl.store(out_ptr + dst, value.to(out_ptr.dtype.element_ty), mask=live)
 
     return restore_frame
@@ -232,6 +241,7 @@ class TritonRestorer:
             t.head_dim,
             PAGED=paged,
             FLAT=flat,
+            WIDE=FORCE_WIDE or total + BLOCK >= 2**31,
             BLOCK=BLOCK,
         )
 
