@@ -18,6 +18,10 @@ token-bucket link (kvbench.net.throttle) from an in-memory store, real decoding 
 codecs, the CuPy/torch decoders of the baselines) of real coded chunks into the engine's KV, then the
 suffix prefill. The engine's fetch deadline is off (`fetch_deadline_s=None`): each method's own TTFT,
 not the engine's fallback to recomputation. Full prefill is `Engine.generate` without reuse.
+With `--busy-seconds S` (CUDA) each method's fetches at the fastest link are also timed beside a bf16
+matmul looping on its own stream (kvbench.busy), with the matmul's slowdown: what restoring costs a
+serving GPU's compute. Every method codes at its codec's own default frame size unless prep names one
+(`--resolution`).
 
 What is not real, and said in every record:
 - the model has random weights (timing only); its KV would not compress like a trained model's, so
