@@ -76,6 +76,16 @@ def test_kv_file_and_kvt_by_path_give_the_transform_bytes(files):
     assert first["methods"]["raw"]["ratio_vs_fp16"] == pytest.approx(1, abs=1e-3)
 
 
+def test_kv_statistics_without_a_resolution_code_at_each_codecs_own_frame_size(files):
+    from kvcodec.codecs.transform.codec import FRAME_SIZES
+
+    kvt, kv_path = files
+    stats = ttft.kv_statistics(
+        "syn", 0, ["kvcodec-transform-4"], None, "pg", str(kvt), str(kv_path), {"kvcodec-transform-4"}
+    )
+    assert stats["methods"]["kvcodec-transform-4"]["resolution"] == list(FRAME_SIZES[0])
+
+
 def test_transform_method_stores_and_fetches_through_a_prefix_cache(files):
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store

@@ -41,7 +41,7 @@ def kv_statistics(
     kv_model: str,
     tokens: int,
     methods: list[str],
-    resolution: tuple[int, int],
+    resolution: tuple[int, int] | None,
     text: str,
     transform: str | None = None,
     kv_file: str | None = None,
@@ -94,7 +94,16 @@ def load_kv(path: str):  # noqa: ANN201
     return kv, {"source": "kv file", **{k: v for k, v in meta.items() if k in ("model", "text")}}
 
 
-def measure_method(m: str, kv, resolution: tuple[int, int], transform: str | None, decode: bool) -> dict:  # noqa: ANN001
+def _sizes(resolution: tuple[int, int] | None) -> tuple[tuple[int, int], ...] | None:
+    """method_codec's `resolutions`: None (each codec's own default frame size) or the one given."""
+    return None if resolution is None else (tuple(resolution),)
+
+
+def _listed(size) -> list[int] | None:  # noqa: ANN001
+    return None if not size else [int(v) for v in size]
+
+
+def measure_method(m: str, kv, resolution: tuple[int, int] | None, transform: str | None, decode: bool) -> dict:  # noqa: ANN001
     """Bytes, encode and (if `decode`) CPU decode seconds of method `m` on the fp16 `kv`."""
     import time
 
@@ -102,7 +111,7 @@ def measure_method(m: str, kv, resolution: tuple[int, int], transform: str | Non
         from kvcodec.config import CodecConfig
 
         # chunk by chunk, as a store holds it: every byte of every chunk blob counts
-        codec = method_codec(m, CodecConfig(chunk_tokens=256), transform=transform, resolutions=(resolution,))
+        codec = method_codec(m, CodecConfig(chunk_tokens=256), transform=transform, resolutions=_sizes(resolution))
         t0 = time.perf_counter()
         chunks = codec.encode_chunks(kv)
         enc = time.perf_counter() - t0
@@ -117,7 +126,7 @@ def measure_method(m: str, kv, resolution: tuple[int, int], transform: str | Non
             "bytes": sum(len(ch.blobs[0]) for ch in chunks),
             "encode_s": enc,
             "decode_s": dec,
-            "resolution": list(resolution),
+            "resolution": list(codec.resolutions[0]),
             "chunks": len(chunks),
             "kvt_sha256": codec.kvt_hash,
             "target_ratio": transform_ratio(m),
@@ -126,7 +135,7 @@ def measure_method(m: str, kv, resolution: tuple[int, int], transform: str | Non
         from kvbench.baselines import get_codec
 
         # one stored resolution (what one fetch moves), not the sum of all of them
-        codec = get_codec(m, resolutions=(resolution,))
+        codec = get_codec(m, **({} if resolution is None else {"resolutions": (resolution,)}))
         t0 = time.perf_counter()
         data = codec.encode(kv)
         enc = time.perf_counter() - t0
@@ -135,7 +144,10 @@ def measure_method(m: str, kv, resolution: tuple[int, int], transform: str | Non
             t0 = time.perf_counter()
             codec.decode(data, device="cpu")
             dec.append(time.perf_counter() - t0)
-        return {"bytes": len(data), "encode_s": enc, "decode_s": min(dec, default=None), "resolution": list(resolution)}
+        from kvcodec.config import CodecConfig
+
+        size = resolution or codec.config.get("resolutions", CodecConfig().resolutions)[0]  # the adapter's overrides
+        return {"bytes": len(data), "encode_s": enc, "decode_s": min(dec, default=None), "resolution": _listed(size)}
     from kvbench.baselines.measure import measure_codec
 
     r = measure_codec(m, kv, "cpu", repeat=2)
@@ -226,7 +238,7 @@ def e2e(
     new_tokens: int,
     bws: list[float],
     meths: list[str],
-    resolution: tuple[int, int],
+    resolution: tuple[int, int] | None,
     text: str,
     device: str,
     pool=None,  # noqa: ANN001
@@ -300,7 +312,7 @@ class E2ERun:
         self.stores: dict[str, tuple[str, object]] = {}
         self.transform: str | None = None  # the .kvt of kvcodec-transform-<ratio> methods
 
-    def store(self, method: str, url: str, resolution: tuple[int, int]) -> None:
+    def store(self, method: str, url: str, resolution: tuple[int, int] | None) -> None:
         """Store the prefix KV with the method's codec (the CPU encoder; a pool only decodes)."""
         import torch
 
@@ -308,15 +320,15 @@ class E2ERun:
         from kvcodec.fetcher import PrefixCache
         from kvcodec.store import open_store
 
-        cfg = CodecConfig(quant="int8", chunk_tokens=256, resolutions=(resolution,))
-        codec = method_codec(method, cfg, transform=self.transform, resolutions=cfg.resolutions)
+        cfg, sizes = CodecConfig(quant="int8", chunk_tokens=256), _sizes(resolution)
+        codec = method_codec(method, cfg, transform=self.transform, resolutions=sizes)
         pc = PrefixCache(open_store(url), self.model_id, codec, "cpu", policy="fixed:0")
         pc.put(self.ids, self.kv.to(torch.float16))
         pooled = self.pool is not None and method.startswith("kvcodec-") and transform_ratio(method) is None
         options = {"pool": self.pool} if pooled else {}
         self.stores[method] = (
             url,
-            method_codec(method, cfg, transform=self.transform, resolutions=cfg.resolutions, **options),
+            method_codec(method, cfg, transform=self.transform, resolutions=sizes, **options),
         )
         click.echo(f"  e2e: stored {method}", err=True)
 
@@ -449,7 +461,9 @@ def e2e_row(common: dict, m: str, r: dict, res: dict, ref_ids: list[int]) -> dic
 @click.option("--suffix-tokens", default=32, show_default=True, type=int, help="New tokens after the prefix.")
 @click.option("--bandwidths", default="1,2,5,10,20,40", show_default=True, help="Gbit/s, comma list.")
 @click.option("--methods", default="raw,zstd-3,cachegen,kvcodec-int8", show_default=True)
-@click.option("--resolution", default="512x512", show_default=True, help="Stored kvcodec resolution measured.")
+@click.option(
+    "--resolution", default=None, help="WxH: every kvcodec method's frames at this size (default: each codec's own)."
+)
 @click.option(
     "--stats",
     "stats_file",
@@ -576,7 +590,7 @@ def command(
     kvts = per_model(transforms, "--transform", kv_models.split(","))
     if any(transform_ratio(m) for m in meths) and not (kvts or stats_file):
         raise click.ClickException("the kvcodec-transform methods need --transform PATH.kvt")
-    w, h = (int(v) for v in resolution.lower().split("x"))
+    size = None if resolution is None else tuple(int(v) for v in resolution.lower().split("x"))
     overrides = {k: float(v) for k, v in (o.split("=", 1) for o in decode_rate)}
     token_counts = [int(t) for t in str(tokens_list).split(",") if t.strip()]
     if e2e_mode:
@@ -586,8 +600,7 @@ def command(
             e2e_new_tokens,
             bws,
             meths,
-            w,
-            h,
+            size,
             text,
             device,
             gpu,
@@ -598,7 +611,7 @@ def command(
         )
     src = KVSources(kv_models.split(","), text, kvts, dict(kv_pair(o, "--kv-file") for o in kv_files))
     if stats_only:
-        return stats_command(src, token_counts[0], meths, (w, h), overrides, out_path)
+        return stats_command(src, token_counts[0], meths, size, overrides, out_path)
     return modeled_command(
         targets,
         src,
@@ -606,8 +619,7 @@ def command(
         suffix_tokens,
         bws,
         meths,
-        w,
-        h,
+        size,
         stats_file,
         overrides,
         nvdec_gbit,
@@ -646,7 +658,9 @@ class KVSources:
     transforms: dict[str, str]
     kv_files: dict[str, str]
 
-    def stats(self, model: str, tokens: int, meths: list[str], resolution: tuple[int, int], skip: frozenset) -> dict:
+    def stats(
+        self, model: str, tokens: int, meths: list[str], resolution: tuple[int, int] | None, skip: frozenset
+    ) -> dict:
         return kv_statistics(
             model,
             tokens,
@@ -658,14 +672,14 @@ class KVSources:
             skip,
         )
 
-    def all_stats(self, tokens: int, meths: list[str], resolution: tuple[int, int], overrides: dict) -> dict:
+    def all_stats(self, tokens: int, meths: list[str], resolution: tuple[int, int] | None, overrides: dict) -> dict:
         click.echo("measuring codecs on real KV caches (cpu) ...", err=True)
         skip = frozenset(m for m in overrides if transform_ratio(m) is not None)
         return {m: self.stats(m, tokens, meths, resolution, skip) for m in self.models}
 
 
 def stats_command(
-    src: KVSources, tokens: int, meths: list[str], resolution: tuple[int, int], overrides: dict, out_path
+    src: KVSources, tokens: int, meths: list[str], resolution: tuple[int, int] | None, overrides: dict, out_path
 ) -> None:  # noqa: ANN001
     """--stats-only: the KV statistics alone, as a record a later (GPU) run reads with --stats."""
     stats = src.all_stats(tokens, meths, resolution, overrides)
@@ -705,8 +719,7 @@ def e2e_command(
     e2e_new_tokens: int,
     bws: list[float],
     meths: list[str],
-    w: int,
-    h: int,
+    size: tuple[int, int] | None,
     text: str,
     device: str,
     gpu: bool,
@@ -728,7 +741,7 @@ def e2e_command(
         for km in kv_models.split(","):
             for n in token_counts:
                 rows += e2e(
-                    km, n, e2e_new_tokens, bws, meths, (w, h), text, device, pool, repeat, (transforms or {}).get(km)
+                    km, n, e2e_new_tokens, bws, meths, size, text, device, pool, repeat, (transforms or {}).get(km)
                 )
     finally:
         if pool is not None:
@@ -824,8 +837,7 @@ def modeled_command(
     suffix_tokens: int,
     bws: list[float],
     meths: list[str],
-    w: int,
-    h: int,
+    size: tuple[int, int] | None,
     stats_file,
     overrides: dict,
     nvdec_gbit: float,
@@ -847,7 +859,7 @@ def modeled_command(
         if missing:
             raise click.ClickException(f"{stats_file} has no statistics for {missing}")
     else:
-        stats = src.all_stats(tokens, meths, (w, h), overrides)
+        stats = src.all_stats(tokens, meths, size, overrides)
     accuracy = load_accuracy(accuracy_files)
     tlist = targets.split(",") if targets else (["llama3-8b", "qwen2.5-7b"] if gpu else list(stats))
     rows, targets_info = [], {}
