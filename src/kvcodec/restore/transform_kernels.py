@@ -307,10 +307,14 @@ def _half_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.T
     q = _gathered_fused(plan, samples, escapes) if on_gpu and C else None
     if q is None:
         q = _centred(plan, samples, escapes, torch.float16 if on_gpu else torch.float32)
-    q = q.view(J, n, N * t)
     if on_gpu:
-        return torch.bmm(plan.half, q, out_dtype=torch.float32)
-    return torch.bmm(plan.half.float(), q)
+        return _half_gemm_of(plan, q)
+    return torch.bmm(plan.half.float(), q.view(J, n, N * t))
+
+
+def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
+    """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16."""
+    return torch.bmm(plan.half, q.view(plan.bases.shape[0], plan.n, -1), out_dtype=torch.float32)
 
 
 def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor | None:
@@ -417,7 +421,7 @@ def _fused(plan, chunks, escapes, shape, rope, starts, outs, recon, token_scales
     if chunks[0].shape[0]:
         q = _gathered_at(plan, chunks, escapes, meta[2 * len(chunks) : 3 * len(chunks)])
         if q is not None:
-            x = torch.bmm(plan.half, q.view(plan.bases.shape[0], plan.n, -1), out_dtype=torch.float32)
+            x = _half_gemm_of(plan, q)
     if x is None:  # nothing coded, or the gather kernel failed
         x = _half_products(plan, torch.stack(chunks), escapes)
     run = transform_triton.Launch(
