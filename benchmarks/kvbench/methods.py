@@ -100,6 +100,12 @@ def label(method: str) -> str:
     return f"kvcodec-transform {ratio:g}x" + (f" ({coder})" if coder else "")
 
 
+def frame_sizes(resolution) -> tuple[tuple[int, int], ...] | None:  # noqa: ANN001
+    """method_codec's `resolutions` from a bench's one (w, h) option: None (each codec's own
+    default frame size) where none was given."""
+    return None if resolution is None else ((int(resolution[0]), int(resolution[1])),)
+
+
 def method_codec(method: str, config, transform: str | Path | None = None, resolutions=None, **hevc_options: Any):  # noqa: ANN001, ANN201
     """The ChunkCodec of `method` with `config`'s chunking. `resolutions`: the frame sizes every
     method codes at; None: each codec's own default (`config`'s for the HEVC codec and the

@@ -31,7 +31,7 @@ import statistics
 
 import click
 
-from kvbench.methods import accuracy_of, expand_methods, method_codec, rd_name, transform_ratio
+from kvbench.methods import accuracy_of, expand_methods, frame_sizes, method_codec, rd_name, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model
@@ -94,15 +94,6 @@ def load_kv(path: str):  # noqa: ANN201
     return kv, {"source": "kv file", **{k: v for k, v in meta.items() if k in ("model", "text")}}
 
 
-def _sizes(resolution: tuple[int, int] | None) -> tuple[tuple[int, int], ...] | None:
-    """method_codec's `resolutions`: None (each codec's own default frame size) or the one given."""
-    return None if resolution is None else (tuple(resolution),)
-
-
-def _listed(size) -> list[int] | None:  # noqa: ANN001
-    return None if not size else [int(v) for v in size]
-
-
 def measure_method(m: str, kv, resolution: tuple[int, int] | None, transform: str | None, decode: bool) -> dict:  # noqa: ANN001
     """Bytes, encode and (if `decode`) CPU decode seconds of method `m` on the fp16 `kv`."""
     import time
@@ -111,7 +102,7 @@ def measure_method(m: str, kv, resolution: tuple[int, int] | None, transform: st
         from kvcodec.config import CodecConfig
 
         # chunk by chunk, as a store holds it: every byte of every chunk blob counts
-        codec = method_codec(m, CodecConfig(chunk_tokens=256), transform=transform, resolutions=_sizes(resolution))
+        codec = method_codec(m, CodecConfig(chunk_tokens=256), transform=transform, resolutions=frame_sizes(resolution))
         t0 = time.perf_counter()
         chunks = codec.encode_chunks(kv)
         enc = time.perf_counter() - t0
@@ -147,7 +138,7 @@ def measure_method(m: str, kv, resolution: tuple[int, int] | None, transform: st
         from kvcodec.config import CodecConfig
 
         size = resolution or codec.config.get("resolutions", CodecConfig().resolutions)[0]  # the adapter's overrides
-        return {"bytes": len(data), "encode_s": enc, "decode_s": min(dec, default=None), "resolution": _listed(size)}
+        return {"bytes": len(data), "encode_s": enc, "decode_s": min(dec, default=None), "resolution": list(size)}
     from kvbench.baselines.measure import measure_codec
 
     r = measure_codec(m, kv, "cpu", repeat=2)
@@ -320,7 +311,7 @@ class E2ERun:
         from kvcodec.fetcher import PrefixCache
         from kvcodec.store import open_store
 
-        cfg, sizes = CodecConfig(quant="int8", chunk_tokens=256), _sizes(resolution)
+        cfg, sizes = CodecConfig(quant="int8", chunk_tokens=256), frame_sizes(resolution)
         codec = method_codec(method, cfg, transform=self.transform, resolutions=sizes)
         pc = PrefixCache(open_store(url), self.model_id, codec, "cpu", policy="fixed:0")
         pc.put(self.ids, self.kv.to(torch.float16))

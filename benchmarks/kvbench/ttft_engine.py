@@ -47,7 +47,7 @@ import time
 
 import click
 
-from kvbench.methods import accuracy_of, coder_options, expand_methods, method_codec, transform_ratio
+from kvbench.methods import accuracy_of, coder_options, expand_methods, frame_sizes, method_codec, transform_ratio
 from kvbench.methods import label as method_label
 from kvbench.pack import PACK, read_pack, widest
 from kvbench.pack import write_pack as save_pack
@@ -159,15 +159,16 @@ def calibrate_target(kv_file: str, target: str, d: pathlib.Path) -> pathlib.Path
     return path
 
 
+def fp16_token_bytes(shape: tuple[int, int, int]) -> int:
+    """Bytes of one token's fp16 KV (keys and values) in the target's (layers, kv heads, head dim)."""
+    L, H, D = shape
+    return 2 * L * H * D * 2
+
+
 def codec_config():  # noqa: ANN201
     from kvcodec.config import CodecConfig
 
     return CodecConfig(quant="int8", chunk_tokens=CHUNK)
-
-
-def frame_sizes(resolution) -> tuple[tuple[int, int], ...] | None:  # noqa: ANN001
-    """The frame sizes every method codes at: None (each codec's own default) or one (w, h)."""
-    return None if resolution is None else ((int(resolution[0]), int(resolution[1])),)
 
 
 def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: pathlib.Path, resolution) -> dict:
@@ -471,6 +472,7 @@ def run(
     inputs = {"target": target, "random_weights": random_weights, "shape": list(shape), "methods": {}}
     points = {"prefill": full_prefill(model, prompts, spec)}
     busy = spec.busy_s > 0 and spec.device.startswith("cuda")
+    fp16_per_token = fp16_token_bytes(shape)
     for m in meths:
         codec = run_codec(m, d, man, pack)
         seeds = seed_blobs(m, d, man, codec)
@@ -478,7 +480,7 @@ def run(
         stored = build_store(PrefixCache(mem, MODEL_ID, codec, "cpu", policy="fixed:0"), ids[:n_max], seeds, shape)
         link_store = ThrottledStore(mem, rate_gbit=max(spec.bws))
         pc = PrefixCache(link_store, MODEL_ID, codec, spec.device, policy="fixed:0")
-        fp16 = n_max * 2 * shape[0] * shape[1] * shape[2] * 2
+        fp16 = n_max * fp16_per_token
         inputs["methods"][m] = {
             "codec_id": codec.id,
             "ratio_vs_fp16": fp16 / stored,
@@ -493,14 +495,14 @@ def run(
             from kvbench.net.trace import JitterTrace
 
             link_store.link = TokenBucketLink(JitterTrace.constant(max(spec.bws)))  # method_points ends at the slowest
-            inputs["methods"][m]["busy"] = busy_points(pc, ids, spec, 2 * shape[0] * shape[1] * shape[2] * 2)
+            inputs["methods"][m]["busy"] = busy_points(pc, ids, spec, fp16_per_token)
         del mem, link_store, pc
         torch.cuda.empty_cache() if spec.device.startswith("cuda") else None
     return inputs, rows_of(points, target, spec, shape)
 
 
 def rows_of(points: dict, target: str, spec: RunSpec, shape: tuple[int, int, int]) -> list[dict]:
-    rows = []
+    rows, fp16_per_token = [], fp16_token_bytes(shape)
     for n in spec.tokens:
         for bw in spec.bws:
             res = {"prefill": points["prefill"][n]} | {m: p[(n, bw)] for m, p in points.items() if m != "prefill"}
@@ -512,7 +514,7 @@ def rows_of(points: dict, target: str, spec: RunSpec, shape: tuple[int, int, int
                         "bandwidth_gbit": bw,
                         "method": m,
                         **r,
-                        "fp16_bytes": n * 2 * shape[0] * shape[1] * shape[2] * 2,
+                        "fp16_bytes": n * fp16_per_token,
                         "speedup_vs_raw": res["raw"]["ttft_s"] / r["ttft_s"] if "raw" in res else None,
                         "speedup_vs_cachegen": res["cachegen"]["ttft_s"] / r["ttft_s"] if "cachegen" in res else None,
                         "speedup_vs_prefill": res["prefill"]["ttft_s"] / r["ttft_s"],
