@@ -274,3 +274,13 @@ def test_the_busy_table_shows_each_methods_fetch_beside_the_matmul():
     md = "\n".join(ttft_engine.busy_markdown(rec))
     assert "| kvcodec-transform 5x | 8192 | 9.10 | 6.20 | 700 | 3.1% |" in md and "raw fp16" not in md
     assert ttft_engine.busy_markdown({"inputs": {"methods": {"raw": {}}}}) == []
+
+
+def test_a_bad_resolution_or_busy_time_is_a_usage_error_before_any_work(tmp_path):
+    save_kv_file(tmp_path / "kv.safetensors", real_like_kv(300), {"model": "syn"})
+    args = ["prep", "--kv-file", str(tmp_path / "kv.safetensors"), "--target", "llama-tiny", "--methods", "zstd-3"]
+    for bad in ("12x", "abc", "512x512,256x256", "0x512"):
+        r = CliRunner().invoke(ttft_engine.command, [*args, "--resolution", bad, "--dir", str(tmp_path / "d")])
+        assert r.exit_code == 2 and "--resolution" in r.output and not (tmp_path / "d").exists()
+    r = CliRunner().invoke(ttft_engine.command, ["run", "--dir", str(tmp_path), "--busy-seconds", "-1"])
+    assert r.exit_code == 2 and "--busy-seconds" in r.output

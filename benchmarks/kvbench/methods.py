@@ -100,6 +100,19 @@ def label(method: str) -> str:
     return f"kvcodec-transform {ratio:g}x" + (f" ({coder})" if coder else "")
 
 
+def resolution_option(text: str | None) -> tuple[int, int] | None:
+    """A bench's --resolution WxH (one frame size; None: not given), a bad value refused as a
+    usage error before any work (kvcodec.cli.options.parse_resolutions)."""
+    import click
+
+    from kvcodec.cli.options import parse_resolutions
+
+    sizes = parse_resolutions(text, "--resolution")
+    if sizes and len(sizes) > 1:
+        raise click.BadParameter(f"{text!r}: one frame size, e.g. 1024x1024", param_hint="--resolution")
+    return sizes[0] if sizes else None
+
+
 def frame_sizes(resolution) -> tuple[tuple[int, int], ...] | None:  # noqa: ANN001
     """method_codec's `resolutions` from a bench's one (w, h) option: None (each codec's own
     default frame size) where none was given."""

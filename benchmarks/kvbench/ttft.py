@@ -31,7 +31,15 @@ import statistics
 
 import click
 
-from kvbench.methods import accuracy_of, expand_methods, frame_sizes, method_codec, rd_name, transform_ratio
+from kvbench.methods import (
+    accuracy_of,
+    expand_methods,
+    frame_sizes,
+    method_codec,
+    rd_name,
+    resolution_option,
+    transform_ratio,
+)
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model
@@ -581,7 +589,7 @@ def command(
     kvts = per_model(transforms, "--transform", kv_models.split(","))
     if any(transform_ratio(m) for m in meths) and not (kvts or stats_file):
         raise click.ClickException("the kvcodec-transform methods need --transform PATH.kvt")
-    size = None if resolution is None else tuple(int(v) for v in resolution.lower().split("x"))
+    size = resolution_option(resolution)
     overrides = {k: float(v) for k, v in (o.split("=", 1) for o in decode_rate)}
     token_counts = [int(t) for t in str(tokens_list).split(",") if t.strip()]
     if e2e_mode:

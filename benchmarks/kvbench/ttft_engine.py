@@ -47,7 +47,15 @@ import time
 
 import click
 
-from kvbench.methods import accuracy_of, coder_options, expand_methods, frame_sizes, method_codec, transform_ratio
+from kvbench.methods import (
+    accuracy_of,
+    coder_options,
+    expand_methods,
+    frame_sizes,
+    method_codec,
+    resolution_option,
+    transform_ratio,
+)
 from kvbench.methods import label as method_label
 from kvbench.pack import PACK, read_pack, widest
 from kvbench.pack import write_pack as save_pack
@@ -742,7 +750,7 @@ def prep_command(kv_file, target, transform, calibrate_kv_file, methods, target_
     if calibrate_kv_file:
         transform = str(calibrate_target(calibrate_kv_file, target, pathlib.Path(out_dir)))
         click.echo(f"  calibrated {transform} on {calibrate_kv_file}", err=True)
-    size = None if resolution is None else tuple(int(v) for v in resolution.lower().split("x"))
+    size = resolution_option(resolution)
     prep(kv_file, target, transform, meths, pathlib.Path(out_dir), size)
 
 
@@ -765,7 +773,7 @@ def prep_command(kv_file, target, transform, calibrate_kv_file, methods, target_
     "--busy-seconds",
     default=0.0,
     show_default=True,
-    type=float,
+    type=click.FloatRange(min=0),
     help="CUDA: also time each method's fetches beside a looping bf16 matmul for this long (0: off).",
 )
 @click.option("--pack", default=None, type=click.Path(exists=True, dir_okay=False), help="Default: DIR's pack.")
