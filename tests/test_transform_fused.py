@@ -36,21 +36,38 @@ def _partners(spec):
     spec=st.sampled_from(SPECS),
     data=st.data(),
 )
-def test_unit_table_names_each_head_s_rows_and_each_channel_s_partner(sizes, heads, spec, data):
+def test_unit_table_names_each_head_s_rows_and_pairs_each_channel_with_its_partner(sizes, heads, spec, data):
     layer_dim = heads * 16
     counts = [data.draw(st.integers(0, s * layer_dim)) for s in sizes for _ in range(2)]
     _, rows, _, d = tk.block_layout(counts, sizes, layer_dim)
-    units, channels = tt.unit_table(rows, (sum(sizes), heads, 16), _partners(spec))
-    assert units.shape == (sum(sizes) * 2 * heads,) and channels.shape == (2, 16)
+    units, pairs = tt.unit_table(rows, (sum(sizes), heads, 16), _partners(spec))
+    assert units.shape == (sum(sizes) * 2 * heads,) and pairs.shape == (3, 8)
     # channel c of head unit u is GEMM row units[u] + c, in the block of the unit's layer group and kind
     assert np.array_equal((units[:, None] + np.arange(16)).ravel(), rows)
-    partner, turn = channels
-    if spec is None:
-        assert not turn.any() and np.array_equal(partner, np.arange(16))
-        return
-    want, _, sign = tk.rope_partner(spec)
-    assert np.array_equal(turn.astype(bool), sign != 0)
-    assert np.array_equal(partner[turn == 1], want[turn == 1]) and np.array_equal(partner[partner], np.arange(16))
+    lo, hi, turn = pairs
+    assert sorted(np.concatenate([lo, hi]).tolist()) == list(range(16)) and np.all(lo < hi)
+    want, _, sign = tk.rope_partner(spec) if spec is not None else (np.arange(16), None, np.zeros(16))
+    assert np.array_equal(turn.astype(bool), sign[lo] != 0) and np.array_equal(sign[lo] != 0, sign[hi] != 0)
+    assert np.array_equal(want[lo[turn == 1]], hi[turn == 1])  # a rotating channel's pair is its RoPE partner
+    assert tt.halves(pairs, 16) == (spec is None or (spec.style == "half" and spec.rotary == 16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(partner_style=st.sampled_from(["none", "half", "interleaved"]), D=st.integers(1, 20), data=st.data())
+def test_channel_pairs_cover_every_channel_once(partner_style, D, data):
+    r = 0 if partner_style == "none" else 2 * data.draw(st.integers(0, D // 2))
+    ch = np.arange(D)
+    partner = ch.copy()
+    if partner_style == "half":
+        partner[:r] = np.where(ch[:r] < r // 2, ch[:r] + r // 2, ch[:r] - r // 2)
+    elif partner_style == "interleaved":
+        partner[:r] = ch[:r] ^ 1
+    lo, hi, turn = tt.channel_pairs(partner, ch < r)
+    assert lo.size == (D + 1) // 2
+    valid = hi < D
+    assert sorted(np.concatenate([lo, hi[valid]]).tolist()) == list(range(D)) and (~valid).sum() == D % 2
+    assert np.array_equal(partner[lo[turn == 1]], hi[turn == 1]) and np.all(turn == (lo < r))
+    assert not tt.halves(np.stack([lo, hi, turn]), D) or D % 2 == 0
 
 
 def test_unit_table_refuses_heads_whose_rows_are_not_consecutive():
@@ -69,7 +86,11 @@ def emulate(plan, x, cos, sin, starts, outs, token_scales=None) -> None:
         x = x * token_scales.reshape(1, 1, NT)
     x = (x + plan.centred_means).reshape(-1, NT)  # flat GEMM rows
     L, _, _, H, D = outs[0].shape
-    partner, turn = plan.channels.long()
+    lo, hi, pair_turns = plan.pairs.long()
+    paired = hi < D  # each channel's partner and whether it rotates, read from its pair
+    partner, turn = torch.arange(D), torch.zeros(D, dtype=torch.long)
+    partner[lo[paired]], partner[hi[paired]] = hi[paired], lo[paired]
+    turn[lo], turn[hi[paired]] = pair_turns, pair_turns[paired]
     cols = torch.arange(NT)
     pos = torch.tensor(starts)[cols // t] + cols % t
     for u, row0 in enumerate(plan.units.tolist()):
@@ -256,6 +277,19 @@ def test_fused_batch_reads_each_chunk_where_it_lies_and_keeps_the_sink_exact(kvt
     sink = fast.header(chunks[0].blobs[0])["sink"]
     assert sink > 0 and torch.equal(fused[:, :, :sink].cpu(), kv[:, :, :sink])
     assert torch.isfinite(fused.float()).all() and gpu_tests.within_an_ulp(fused.cpu(), reference.cpu())
+
+
+def test_regular_launches_need_whole_tiles_aligned_outputs_and_dense_heads():
+    prefix = torch.empty((2, 2, 4 * tt.BLOCK_N, 2, 16))
+    whole = [prefix[:, :, i * tt.BLOCK_N : (i + 1) * tt.BLOCK_N] for i in range(4)]
+    assert tt.regular(tt.BLOCK_N, whole)
+    assert not tt.regular(tt.BLOCK_N // 2, [prefix[:, :, : tt.BLOCK_N // 2]])  # tiles would span chunks
+    shifted = torch.empty((2, 2, tt.BLOCK_N + 1, 2, 16))[:, :, 1:]  # 2 * 16 * 4 bytes in: aligned
+    assert tt.regular(tt.BLOCK_N, [shifted])
+    odd = torch.empty(2 * 2 * tt.BLOCK_N * 2 * 16 + 1)[1:].view(2, 2, tt.BLOCK_N, 2, 16)  # 4 bytes in
+    assert not tt.regular(tt.BLOCK_N, [odd])
+    assert not tt.regular(tt.BLOCK_N, [torch.empty((2, 2, tt.BLOCK_N, 2, 12))])  # strides not multiples of 16
+    assert not tt.regular(tt.BLOCK_N, [torch.empty((2, 2, tt.BLOCK_N, 16, 2)).transpose(3, 4)])  # channels strided
 
 
 def test_meta_table_lists_each_chunk_s_position_output_samples_and_sink():

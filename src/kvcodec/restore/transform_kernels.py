@@ -62,7 +62,8 @@ class BatchedPlan:
     scales: torch.Tensor | None = None  # (J, 1, 1) float32 power-of-two scale of each block
     centred_means: torch.Tensor | None = None  # (J, d, 1) float32 means for centred samples (q, not q + 128)
     units: torch.Tensor | None = None  # (L * 2 * H,) int64 the fused epilogue's first row of each head (unit_table)
-    channels: torch.Tensor | None = None  # (2, D) int32 each channel's RoPE partner and whether it rotates
+    pairs: torch.Tensor | None = None  # (3, P) int32 the epilogue's channel pairs (transform_triton.channel_pairs)
+    halves: bool = False  # the pairs are (c, c + P): the epilogue computes them without the table
 
 
 GEMM_ALIGN = 8  # float16 elements in 16 bytes: the GEMM's leading dimensions are multiples of it
@@ -124,7 +125,7 @@ def build_plan(
             ratios[j, :c] = step_ratio(steps[o : o + c].to(torch.float64), sigmas[o : o + c].to(torch.float64)).float()
     shape = (cal.layers, cal.kv_heads, cal.head_dim)
     partners = None if cal.rope is None else _rotating_partners(cal.rope)
-    units, channels = transform_triton.unit_table(rows, shape, partners)
+    units, pairs = transform_triton.unit_table(rows, shape, partners)
     return BatchedPlan(
         gather.reshape(-1).to(device),
         bases.to(device),
@@ -137,7 +138,8 @@ def build_plan(
         scales.to(device),
         centred[:, :, None].to(device),
         torch.from_numpy(units).to(device),
-        torch.from_numpy(channels).to(device),
+        torch.from_numpy(pairs).to(device),
+        transform_triton.halves(pairs, cal.head_dim),
     )
 
 
@@ -435,6 +437,7 @@ def _fused(plan, chunks, escapes, shape, rope, starts, outs, recon, token_scales
         heads=shape[1],
         out_dtype=outs[0].dtype,
         sinks=any(s is not None for s in sinks),
+        regular=transform_triton.regular(t, outs),
     )
     return transform_triton.launch(plan, run)
 

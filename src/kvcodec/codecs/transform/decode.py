@@ -19,7 +19,7 @@ import zstandard
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.zstd_streams import unzstd_into
 from kvcodec.errors import CorruptStreamError, ShapeError
-from kvcodec.restore import transform_kernels
+from kvcodec.restore import transform_kernels, transform_triton
 from kvcodec.restore.paged import PagedKV
 from kvcodec.transform import frames, inverse, quantize
 from kvcodec.transform.calibration import KINDS, Calibration
@@ -184,17 +184,22 @@ class TransformRestorer:
         for members in groups.values():
             self._finish_group([chunks[i] for i in members], [outs[i] for i in members])
 
-    def warm_up(self, device: torch.device, dtype: torch.dtype, tokens: int = 16) -> None:
+    def warm_up(self, device: torch.device, dtype: torch.dtype) -> None:
         """Restore chunks of zeros (with and without finer-tail token scales, with and without sink
-        tokens) into `dtype` on a CUDA `device`, so that the fused kernels are compiled (or loaded
-        from Triton's cache) now, not during the first fetch; at a level that codes only the few
-        widest coordinates."""
+        tokens, of each length in transform_triton.WARM_TOKENS) into `dtype` on a CUDA `device`, so
+        that the fused kernels are compiled (or loaded from Triton's cache) now, not during the first
+        fetch; at a level that codes only the few widest coordinates."""
         if device.type != "cuda":
             return
         widest = max(float(self.cal.basis(g, k).variances.max()) for g in range(len(self.cal.groups)) for k in KINDS)
-        h = {"theta": widest / 2, "key_weight": 1.0, "tokens": tokens, "dtype": DTYPE_NAMES[dtype], "recon": "centre"}
+        h = {"theta": widest / 2, "key_weight": 1.0, "dtype": DTYPE_NAMES[dtype], "recon": "centre"}
         h |= {"shape": (self.cal.layers, self.cal.kv_heads, self.cal.head_dim), "start_token": 0, "sink": 0}
-        count = self._plan_of(h).steps.numel()
+        for tokens in transform_triton.WARM_TOKENS:
+            self._warm_up_chunks({**h, "tokens": tokens}, device, dtype)
+        torch.cuda.synchronize(device)
+
+    def _warm_up_chunks(self, h: dict, device: torch.device, dtype: torch.dtype) -> None:
+        count, tokens = self._plan_of(h).steps.numel(), h["tokens"]
         L, H, D = h["shape"]
         for (fine_tokens, fine_bits), sink in itertools.product(((0, 0), (tokens, 1)), (0, 1)):
             zeros = torch.full((count, tokens), quantize.OFFSET, dtype=torch.uint8, device=device)
@@ -202,7 +207,6 @@ class TransformRestorer:
             kept = torch.zeros((L, 2, sink, H, D), dtype=torch.float16) if sink else None
             chunk = Decoded({**h, "fine_tokens": fine_tokens, "fine_bits": fine_bits, "sink": sink}, zeros, none, kept)
             self.finish([chunk], [torch.empty((L, 2, tokens, H, D), dtype=dtype, device=device)])
-        torch.cuda.synchronize(device)
 
     def _finish_group(self, chunks: list[Decoded], outs: list[Target]) -> None:
         h0 = chunks[0].h
