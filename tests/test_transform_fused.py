@@ -5,6 +5,10 @@ CUDA and Triton) the kernel itself against the reference kernels it replaces.
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -139,6 +143,89 @@ def test_the_kernels_contract_restores_what_the_reference_kernels_do(kvt, kw):
     emulate(plan, tk._half_products(plan, samples, escapes), cos, sin, starts, got, scales)
     for a, b in zip(want, got):
         assert gpu_tests.within_an_ulp(a, b)
+
+
+# ------------------------------------------------------------ the kernels' source, interpreted on the CPU
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """The Triton kernels' own source run by Triton's interpreter on CPU tensors (not the GPU
+    compiler's output: its vector loads and stores are the GPU tests'), so that CI checks them."""
+    if tt.triton_modules() is None:
+        pytest.skip("needs Triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when a kernel is decorated: fresh ones below
+    kernel, gather = tt._kernel.__wrapped__(), tt._gather_kernel.__wrapped__()
+    monkeypatch.setattr(tt, "_kernel", lambda: kernel)
+    monkeypatch.setattr(tt, "_gather_kernel", lambda: gather)
+    monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())  # the launches' device scope
+    monkeypatch.setattr(tt, "FUSED", True)  # a failing kernel turns it off: for this test only
+
+
+CALIBRATED: dict = {}
+
+
+def _codec_for(spec, kvt, **kw):
+    if spec == gpu_tests.ROPE:
+        return gpu_tests.codecs(kvt, **kw)[1]
+    if spec not in CALIBRATED:
+        cal = calibrate(
+            [gpu_tests.synthetic_kv(600, s) for s in (1, 2)], spec, max_group=2, info={"model": "synthetic"}
+        )
+        path = Path(tempfile.mkdtemp()) / "s.kvt"
+        save_kvt(cal, path)
+        CALIBRATED[spec] = path
+    return gpu_tests.codecs((CALIBRATED[spec], None), **kw)[1]
+
+
+@pytest.mark.parametrize(
+    "spec", [gpu_tests.ROPE, None, SPECS[2], SPECS[4]], ids=["half", "none", "interleaved-partial", "partial-6"]
+)
+@pytest.mark.parametrize("block_n", [32, 128], ids=["regular", "general"])  # tiles within a 64-token chunk, or across
+def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt, interpreted, spec, block_n, monkeypatch):
+    from kvcodec.transform import quantize
+
+    monkeypatch.setattr(tt, "BLOCK_N", block_n)
+    fast = _codec_for(spec, kvt, target_ratio=4.0, fine_tokens=100, fine_bits=1)
+    chunks = fast.encode_chunks(gpu_tests.synthetic_kv(192, 4))
+    r, dec = decoded(fast, chunks)
+    h0, cpu = dec[0].h, torch.device("cpu")
+    plan, rope, t = r._batched_plan(h0, cpu), r._rope_tables.get(cpu), h0["tokens"]
+    samples = torch.stack([c.samples for c in dec])
+    escapes, starts = [c.escapes for c in dec], [c.h["start_token"] for c in dec]
+    scales = torch.stack([quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in dec])
+    sinks = [c.sink for c in dec]
+    assert sinks[0] is not None and any(s is None for s in sinks) and scales.ne(1).any()
+    want = torch.empty((len(dec), L, 2, t, H, D), dtype=torch.float16)
+    y = tk.restore(plan, samples, escapes, (L, H, D), rope, starts, token_scales=scales)
+    for i, out in enumerate(want):
+        tk.emit(y, i, t, out)
+        if sinks[i] is not None:
+            out[:, :, : sinks[i].shape[2]] = sinks[i]
+    got = torch.full_like(want, float("nan"))
+    outs = list(got)
+    assert tt.regular(t, outs) == (t % block_n == 0)
+    cos, sin = rope.covering(max(starts) + t) if rope is not None else (torch.zeros((1, 1)),) * 2
+    run = tt.Launch(
+        x=tk._half_products(plan, samples, escapes).contiguous(), cos=cos, sin=sin, token_scales=scales.float(),
+        meta=tt.meta_table(starts, outs, list(samples), sinks), tokens=t, out_strides=tuple(outs[0].stride()),
+        heads=H, out_dtype=torch.float16, sinks=True, regular=tt.regular(t, outs),
+    )  # fmt: skip
+    tt._launch(plan, run)
+    assert not got.isnan().any() and gpu_tests.within_an_ulp(got, want)
+    assert torch.equal(got[0, :, :, : sinks[0].shape[2]], sinks[0])
+
+
+def test_the_gather_s_source_centres_each_block_s_coordinates(kvt, interpreted):
+    _, fast = gpu_tests.codecs(kvt, target_ratio=4.0)
+    r, dec = decoded(fast, fast.encode_chunks(gpu_tests.synthetic_kv(192, 4)))
+    plan = r._batched_plan(dec[0].h, torch.device("cpu"))
+    chunks = [c.samples.contiguous() for c in dec]
+    table = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+    got = tt.gather_centred(table, plan.gather, chunks[0].shape[1], len(chunks))
+    none = [(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))] * len(chunks)
+    want = tk._centred(plan, torch.stack(chunks), none, torch.float32).reshape(got.shape)
+    assert tt.FUSED and torch.equal(got.float(), want)
 
 
 # ----------------------------------------------------------------------------------------- GPU

@@ -198,7 +198,7 @@ def _cdiv(a: int, b: int) -> int:
 def _kernel():
     triton, tl = triton_modules()
 
-    # no integer is specialized on but s_ch (1: dense heads): one compiled variant per flag set,
+    # no integer is specialized on but s_ch (1: dense heads) and D: one compiled variant per flag set,
     # which warm-up compiles. REGULAR says what the compiler cannot see (regular()), written as
     # (v // 16) * 16 so that it can: vector loads and stores
     @triton.jit(do_not_specialize=["d", "NT", "t", "table_len", "s_l", "s_kind", "s_tok", "s_head", "N", "H", "P"])
@@ -216,7 +216,7 @@ def _kernel():
             s_head = (s_head // 16) * 16
         # the H heads of one (layer, kind) side by side on one column tile, then the next tile
         pid = tl.program_id(0)
-        n_cols = tl.cdiv(NT, BLOCK_N)
+        n_cols = (NT + BLOCK_N - 1) // BLOCK_N
         layer_kind = pid // (H * n_cols)
         rest = pid - layer_kind * (H * n_cols)
         col_tile = rest // H
