@@ -6,8 +6,6 @@ CUDA and Triton) the kernel itself against the reference kernels it replaces.
 from __future__ import annotations
 
 import contextlib
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,31 +160,30 @@ def interpreted(monkeypatch):
     monkeypatch.setattr(tt, "FUSED", True)  # a failing kernel turns it off: for this test only
 
 
-CALIBRATED: dict = {}
+@pytest.fixture(scope="module")
+def kvt_of(kvt, tmp_path_factory):
+    """The .kvt of a RoPE spec (the module's for gpu_tests.ROPE), calibrated once per spec."""
+    paths = {gpu_tests.ROPE: kvt[0]}
 
+    def of(spec):
+        if spec not in paths:
+            kv = [gpu_tests.synthetic_kv(600, s) for s in (1, 2)]
+            paths[spec] = tmp_path_factory.mktemp("kvt") / "s.kvt"
+            save_kvt(calibrate(kv, spec, max_group=2, info={"model": "synthetic"}), paths[spec])
+        return paths[spec], None
 
-def _codec_for(spec, kvt, **kw):
-    if spec == gpu_tests.ROPE:
-        return gpu_tests.codecs(kvt, **kw)[1]
-    if spec not in CALIBRATED:
-        cal = calibrate(
-            [gpu_tests.synthetic_kv(600, s) for s in (1, 2)], spec, max_group=2, info={"model": "synthetic"}
-        )
-        path = Path(tempfile.mkdtemp()) / "s.kvt"
-        save_kvt(cal, path)
-        CALIBRATED[spec] = path
-    return gpu_tests.codecs((CALIBRATED[spec], None), **kw)[1]
+    return of
 
 
 @pytest.mark.parametrize(
     "spec", [gpu_tests.ROPE, None, SPECS[2], SPECS[4]], ids=["half", "none", "interleaved-partial", "partial-6"]
 )
 @pytest.mark.parametrize("block_n", [32, 128], ids=["regular", "general"])  # tiles within a 64-token chunk, or across
-def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt, interpreted, spec, block_n, monkeypatch):
+def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt_of, interpreted, spec, block_n, monkeypatch):
     from kvcodec.transform import quantize
 
     monkeypatch.setattr(tt, "BLOCK_N", block_n)
-    fast = _codec_for(spec, kvt, target_ratio=4.0, fine_tokens=100, fine_bits=1)
+    _, fast = gpu_tests.codecs(kvt_of(spec), target_ratio=4.0, fine_tokens=100, fine_bits=1)
     chunks = fast.encode_chunks(gpu_tests.synthetic_kv(192, 4))
     r, dec = decoded(fast, chunks)
     h0, cpu = dec[0].h, torch.device("cpu")
