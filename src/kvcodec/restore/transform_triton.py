@@ -67,7 +67,7 @@ def unit_table(rows: np.ndarray, shape: tuple[int, int, int], rope_pairs) -> tup
     if np.any(heads != heads[:, :1] + np.arange(D)):
         raise ValueError("a head's channels are not consecutive rows of the GEMM's output")
     partner, rotating = (np.arange(D), np.zeros(D, dtype=bool)) if rope_pairs is None else rope_pairs
-    return heads[:, 0].astype(np.int64), channel_pairs(np.where(rotating, partner, np.arange(D)), rotating)
+    return heads[:, 0].astype(np.int64), channel_pairs(partner, rotating)
 
 
 def halves(pairs: np.ndarray, head_dim: int) -> bool:
