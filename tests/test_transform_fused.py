@@ -213,13 +213,17 @@ def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt_of, in
     assert torch.equal(got[0, :, :, : sinks[0].shape[2]], sinks[0])
 
 
-def test_the_gather_s_source_centres_each_block_s_coordinates(kvt, interpreted):
+@pytest.mark.parametrize("cols", [32, 128], ids=["tiles-in-a-chunk", "tile-past-the-chunk"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "general"])
+def test_the_gather_s_source_centres_each_block_s_coordinates(kvt, interpreted, aligned, cols, monkeypatch):
+    monkeypatch.setattr(tt, "GATHER_COLS", cols)
     _, fast = gpu_tests.codecs(kvt, target_ratio=4.0)
     r, dec = decoded(fast, fast.encode_chunks(gpu_tests.synthetic_kv(192, 4)))
     plan = r._batched_plan(dec[0].h, torch.device("cpu"))
     chunks = [c.samples.contiguous() for c in dec]
     table = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
-    got = tt.gather_centred(table, plan.gather, chunks[0].shape[1], len(chunks))
+    assert tt.gather_aligned(chunks) == (chunks[0].shape[1] % 16 == 0)  # torch allocates 16-byte aligned
+    got = tt.gather_centred(table, plan.gather, chunks[0].shape[1], len(chunks), aligned)
     none = [(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))] * len(chunks)
     want = tk._centred(plan, torch.stack(chunks), none, torch.float32).reshape(got.shape)
     assert tt.FUSED and torch.equal(got.float(), want)
@@ -374,6 +378,15 @@ def test_regular_launches_need_whole_tiles_aligned_outputs_and_dense_heads():
     assert not tt.regular(tt.BLOCK_N, [odd])
     assert not tt.regular(tt.BLOCK_N, [torch.empty((2, 2, tt.BLOCK_N, 2, 12))])  # strides not multiples of 16
     assert not tt.regular(tt.BLOCK_N, [torch.empty((2, 2, tt.BLOCK_N, 16, 2)).transpose(3, 4)])  # channels strided
+
+
+def test_aligned_gathers_need_chunks_and_rows_at_multiples_of_16_bytes():
+    flat = torch.zeros(4 * 48 * 32 + 16, dtype=torch.uint8)
+    chunks = [flat[i * 48 * 32 : (i + 1) * 48 * 32].view(48, 32) for i in range(4)]
+    assert tt.gather_aligned(chunks)
+    assert not tt.gather_aligned([flat[1 : 1 + 48 * 32].view(48, 32)])  # one byte in
+    assert not tt.gather_aligned([flat[: 48 * 24].view(48, 24)])  # rows 24 bytes apart
+    assert tt.gather_aligned([flat[16 : 16 + 48 * 32].view(48, 32)])
 
 
 def test_meta_table_lists_each_chunk_s_position_output_samples_and_sink():

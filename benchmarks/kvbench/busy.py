@@ -4,13 +4,17 @@ function in a loop on another thread meanwhile and reports what each did to the 
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable
 
 
-def matmul_tflops(device, seconds: float, n: int = 8192) -> float:  # noqa: ANN001
-    """TFLOP/s of n^3 bf16 matmuls looping for about `seconds` on a stream of their own."""
+def matmul_tflops(device, seconds: float, n: int = 8192, depth: int = 1) -> float:  # noqa: ANN001
+    """TFLOP/s of n^3 bf16 matmuls looping for about `seconds` on a stream of their own, launched 20
+    at a time. depth 1: the loop waits for each 20 before it launches the next (as an engine waits
+    for each step), so a launching thread held off the interpreter lock leaves the GPU idle; depth
+    2: it keeps one more 20 queued, so what it measures is what the GPU's other work costs it."""
     import torch
 
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
@@ -25,20 +29,25 @@ def matmul_tflops(device, seconds: float, n: int = 8192) -> float:  # noqa: ANN0
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(s)
-        iters = 0
+        iters, queued = 0, collections.deque()
         while time.perf_counter() - t0 < seconds:
             for _ in range(20):
                 torch.matmul(a, b, out=c)
             iters += 20
-            s.synchronize()
+            queued.append(s.record_event())
+            while len(queued) >= depth:
+                queued.popleft().synchronize()
         end.record(s)
         s.synchronize()
     return 2.0 * n**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def beside_matmul(fn: Callable[[], object], device, seconds: float, alone: float, settle_s: float = 0.3) -> dict:  # noqa: ANN001
-    """The matmul's rate while `fn` runs in a loop on another thread, against `alone` (its rate with
-    nothing beside it, measured by the caller in the same run), and `fn`'s calls meanwhile."""
+def beside_matmul(  # noqa: ANN001
+    fn: Callable[[], object], device, seconds: float, alone: float, settle_s: float = 0.3, depth: int = 1
+) -> dict:
+    """The matmul's rate (matmul_tflops of `depth`) while `fn` runs in a loop on another thread,
+    against `alone` (its rate with nothing beside it, measured by the caller in the same run), and
+    `fn`'s calls meanwhile."""
     stop = threading.Event()
     calls = [0]
     errors: list[str] = []
@@ -55,7 +64,7 @@ def beside_matmul(fn: Callable[[], object], device, seconds: float, alone: float
     t.start()
     time.sleep(settle_s)  # fn's first call (and any warm-up it does) is not what is measured
     c0, t0 = calls[0], time.perf_counter()
-    during = matmul_tflops(device, seconds)
+    during = matmul_tflops(device, seconds, depth=depth)
     c1, t1 = calls[0], time.perf_counter()
     stop.set()
     t.join()

@@ -332,7 +332,7 @@ def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.
 def _gathered_at(plan: BatchedPlan, chunks: list, escapes, table: torch.Tensor) -> torch.Tensor | None:
     """_gathered_fused of chunks (C, t) each, read where `table` (int64 on the device) says they are."""
     C, t = chunks[0].shape
-    q = transform_triton.gather_centred(table, plan.gather, t, len(chunks))
+    q = transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
     if q is not None and any(idx.numel() for idx, _ in escapes):
         flat, vals = escape_slots(plan, escapes, t, C)  # cast on the host: no cast kernel on the device
         q.view(-1).index_put_((_upload(flat, q.device),), _upload((vals - OFFSET).half(), q.device))

@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 FUSED = True  # False after a failed compile or launch: the reference kernels restore instead
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernel's OUT code is the index
 BLOCK_N = 32  # token columns per program of the epilogue (all of a head's channels in each)
-GATHER_SLOTS, GATHER_COLS = 8, 512  # 25% less GPU time than 16 x 128 on a 7-8B model's chunks
+EPILOGUE_WARPS = 4
+GATHER_SLOTS, GATHER_COLS = 8, 256  # a program's block slots x tokens, within one chunk
 
 
 def channel_pairs(partner: np.ndarray, rotating: np.ndarray) -> np.ndarray:
@@ -132,7 +133,9 @@ def regular(tokens: int, outs) -> bool:  # noqa: ANN001
     )
 
 
-WARM_TOKENS = (BLOCK_N, BLOCK_N // 2)  # chunk lengths that compile the regular and the general variant
+# chunk lengths that compile both variants of both kernels: one whole tile (rows 16-byte aligned), and
+# a length that is neither a multiple of BLOCK_N nor of 16 (gather_aligned)
+WARM_TOKENS = (BLOCK_N, BLOCK_N - 8)
 
 
 def launch(plan, run: Launch) -> bool:
@@ -161,7 +164,7 @@ def _launch(plan, run: Launch) -> None:
             run.x, plan.scales, plan.centred_means, plan.units, plan.pairs, run.cos, run.sin, ts, run.meta,
             d, NT, run.tokens, run.cos.shape[1], s_l, s_kind, s_tok, s_head, s_ch, N, run.heads, P, D,
             HAS_TS=run.token_scales is not None, HAS_SINK=run.sinks, OUT=OUT_DTYPES.index(run.out_dtype),
-            HALVES=plan.halves, REGULAR=run.regular, BLOCK_P=_next_pow2(P), BLOCK_N=BLOCK_N, num_warps=4,
+            HALVES=plan.halves, REGULAR=run.regular, BLOCK_P=_next_pow2(P), BLOCK_N=BLOCK_N, num_warps=EPILOGUE_WARPS,
         )  # fmt: skip
 
 
@@ -169,25 +172,35 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def gather_centred(table: torch.Tensor, gather: torch.Tensor, t: int, N: int) -> torch.Tensor | None:
+def gather_centred(
+    table: torch.Tensor, gather: torch.Tensor, t: int, N: int, aligned: bool = False
+) -> torch.Tensor | None:
     """(slots, N t) float16 q of N chunks' samples, (C, t) uint8 each at the addresses `table`
     ((N,) int64 on the device) holds: each block slot's coded coordinate (gather[slot]: its row
     among the C), centred (sample - 128); one pass instead of stack, select, cast and centre.
-    None where the kernel fails (the fused path is then off for this process)."""
+    aligned: gather_aligned() holds (vector loads). None where the kernel fails (the fused path is
+    then off for this process)."""
     global FUSED
     slots = gather.numel()
     out = torch.empty((slots, N * t), dtype=torch.float16, device=table.device)
-    grid = (_cdiv(slots, GATHER_SLOTS), _cdiv(N * t, GATHER_COLS))
+    grid = (_cdiv(slots, GATHER_SLOTS), N * _cdiv(t, GATHER_COLS))
     try:
         with torch.cuda.device(table.device):
             _gather_kernel()[grid](
-                table, gather, out, t, N * t, slots, SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4
-            )
+                table, gather, out, t, slots, ALIGNED=aligned and t % 16 == 0,
+                SLOTS=GATHER_SLOTS, COLS=GATHER_COLS, num_warps=4,
+            )  # fmt: skip
     except Exception as e:  # noqa: BLE001 - a broken toolchain or an unsupported GPU: fall back, once
         FUSED = False
         log.warning("fused gather unavailable (%s: %s): restoring with the reference kernels", type(e).__name__, e)
         return None
     return out
+
+
+def gather_aligned(chunks) -> bool:  # noqa: ANN001
+    """Every chunk's (C, t) samples start at a multiple of 16 bytes and t is one: each row of a
+    chunk is 16-byte aligned, and the gather loads 16-byte vectors."""
+    return all(c.shape[1] % 16 == 0 and c.data_ptr() % 16 == 0 for c in chunks)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -258,13 +271,17 @@ def _kernel():
             pos = tl.load(meta_ptr + chunk, mask=n_ok, other=0) + tok
         turn = (tl.load(pairs_ptr + 2 * P + p, mask=p_ok, other=0) != 0) & ((u // H) % 2 == 0)  # keys only
         rotate = turn[:, None] & n_ok[None, :]
-        at_lo = lo.to(tl.int64)[:, None] * table_len + pos[None, :]
-        at_hi = hi.to(tl.int64)[:, None] * table_len + pos[None, :]
         # as the reference: own * cos + partner * signed sin, each channel with its own table row
+        at_lo = lo.to(tl.int64)[:, None] * table_len + pos[None, :]
         cos_lo = tl.load(cos_ptr + at_lo, mask=rotate, other=1.0)
-        y_lo = x_lo * cos_lo + x_hi * tl.load(sin_ptr + at_lo, mask=rotate, other=0.0)
-        cos_hi = tl.load(cos_ptr + at_hi, mask=rotate, other=1.0)
-        y_hi = x_hi * cos_hi + x_lo * tl.load(sin_ptr + at_hi, mask=rotate, other=0.0)
+        sin_lo = tl.load(sin_ptr + at_lo, mask=rotate, other=0.0)
+        y_lo = x_lo * cos_lo + x_hi * sin_lo
+        if HALVES:  # rotate-half: both rows share a frequency, so hi's rows are cos_lo and -sin_lo exactly
+            y_hi = x_hi * cos_lo - x_lo * sin_lo
+        else:
+            at_hi = hi.to(tl.int64)[:, None] * table_len + pos[None, :]
+            cos_hi = tl.load(cos_ptr + at_hi, mask=rotate, other=1.0)
+            y_hi = x_hi * cos_hi + x_lo * tl.load(sin_ptr + at_hi, mask=rotate, other=0.0)
         if HAS_SINK:  # a chunk's first tokens kept exact: its sink's values, not the restored ones
             if REGULAR:
                 sink_len = tl.load(meta_ptr + 4 * N + chunk)
@@ -304,19 +321,29 @@ def _kernel():
 def _gather_kernel():
     triton, tl = triton_modules()
 
-    @triton.jit(do_not_specialize=["t", "NT", "slots"])
-    def gather_centred(table_ptr, gather_ptr, out_ptr, t, NT, slots, SLOTS: tl.constexpr, COLS: tl.constexpr):
+    # a program takes SLOTS block slots over COLS tokens of ONE chunk: one sample address, rows
+    # contiguous along the tokens. ALIGNED says what the compiler cannot see (gather_aligned()), as
+    # (v // 16) * 16 so that it can: vector loads and stores
+    @triton.jit(do_not_specialize=["t", "slots"])
+    def gather_centred(
+        table_ptr, gather_ptr, out_ptr, t, slots, ALIGNED: tl.constexpr, SLOTS: tl.constexpr, COLS: tl.constexpr
+    ):
+        if ALIGNED:
+            t = (t // 16) * 16
+        tiles = (t + COLS - 1) // COLS
+        chunk = tl.program_id(1) // tiles
+        tok = (tl.program_id(1) - chunk * tiles) * COLS + tl.arange(0, COLS)
         slot = tl.program_id(0) * SLOTS + tl.arange(0, SLOTS)
         s_ok = slot < slots
         row = tl.load(gather_ptr + slot, mask=s_ok, other=0)
-        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
-        c_ok = cols < NT
-        chunk = cols // t
-        tok = cols - chunk * t
-        keep = s_ok[:, None] & c_ok[None, :]
-        base = tl.load(table_ptr + chunk, mask=c_ok, other=0).to(tl.pointer_type(tl.uint8))
-        src = base[None, :] + tok[None, :] + (row * t)[:, None]
+        keep = s_ok[:, None] & (tok < t)[None, :]
+        base = tl.load(table_ptr + chunk)
+        if ALIGNED:
+            base = (base // 16) * 16
+        src = base.to(tl.pointer_type(tl.uint8)) + (row * t)[:, None] + tok[None, :]
         q = (tl.load(src, mask=keep, other=128).to(tl.float32) - 128.0).to(tl.float16)
-        tl.store(out_ptr + slot.to(tl.int64)[:, None] * NT + cols[None, :], q, mask=keep)
+        NT = tl.num_programs(1) // tiles * t
+        at = slot.to(tl.int64)[:, None] * NT + (chunk * t + tok)[None, :]
+        tl.store(out_ptr + at, q, mask=keep)
 
     return gather_centred
