@@ -272,10 +272,7 @@ def test_the_busy_table_shows_each_methods_fetch_beside_the_matmul():
         }
     }
     md = "\n".join(ttft_engine.busy_markdown(rec))
-    assert "| kvcodec-transform 5x | 8192 | 9.10 | 6.20 | 700 | 3.1% | - |" in md and "raw fp16" not in md
-    busy["queued"] = {"restored_gb_per_s_beside": 8.4, "matmul_slowdown": 0.012, "error": "RuntimeError('x')"}
-    md = "\n".join(ttft_engine.busy_markdown(rec))
-    assert "| 8192 | 9.10 | 6.20 | 700 | 3.1% | 8.40, 1.2% | error: RuntimeError('x')" in md
+    assert "| kvcodec-transform 5x | 8192 | 9.10 | 6.20 | 700 | 3.1% |" in md and "raw fp16" not in md
     assert ttft_engine.busy_markdown({"inputs": {"methods": {"raw": {}}}}) == []
 
 

@@ -4,17 +4,13 @@ function in a loop on another thread meanwhile and reports what each did to the 
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable
 
 
-def matmul_tflops(device, seconds: float, n: int = 8192, depth: int = 1) -> float:  # noqa: ANN001
-    """TFLOP/s of n^3 bf16 matmuls looping for about `seconds` on a stream of their own, launched 20
-    at a time. depth 1: the loop waits for each 20 before it launches the next (as an engine waits
-    for each step), so a launching thread held off the interpreter lock leaves the GPU idle; depth
-    2: it keeps one more 20 queued, so what it measures is what the GPU's other work costs it."""
+def matmul_tflops(device, seconds: float, n: int = 8192) -> float:  # noqa: ANN001
+    """TFLOP/s of n^3 bf16 matmuls looping for about `seconds` on a stream of their own."""
     import torch
 
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
@@ -29,25 +25,20 @@ def matmul_tflops(device, seconds: float, n: int = 8192, depth: int = 1) -> floa
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record(s)
-        iters, queued = 0, collections.deque()
+        iters = 0
         while time.perf_counter() - t0 < seconds:
             for _ in range(20):
                 torch.matmul(a, b, out=c)
             iters += 20
-            queued.append(s.record_event())
-            while len(queued) >= depth:
-                queued.popleft().synchronize()
+            s.synchronize()
         end.record(s)
         s.synchronize()
     return 2.0 * n**3 * iters / (start.elapsed_time(end) / 1e3) / 1e12
 
 
-def beside_matmul(  # noqa: ANN001
-    fn: Callable[[], object], device, seconds: float, alone: float, settle_s: float = 0.3, depth: int = 1
-) -> dict:
-    """The matmul's rate (matmul_tflops of `depth`) while `fn` runs in a loop on another thread,
-    against `alone` (its rate with nothing beside it, measured by the caller in the same run), and
-    `fn`'s calls meanwhile."""
+def beside_matmul(fn: Callable[[], object], device, seconds: float, alone: float, settle_s: float = 0.3) -> dict:  # noqa: ANN001
+    """The matmul's rate while `fn` runs in a loop on another thread, against `alone` (its rate with
+    nothing beside it, measured by the caller in the same run), and `fn`'s calls meanwhile."""
     stop = threading.Event()
     calls = [0]
     errors: list[str] = []
@@ -64,7 +55,7 @@ def beside_matmul(  # noqa: ANN001
     t.start()
     time.sleep(settle_s)  # fn's first call (and any warm-up it does) is not what is measured
     c0, t0 = calls[0], time.perf_counter()
-    during = matmul_tflops(device, seconds, depth=depth)
+    during = matmul_tflops(device, seconds)
     c1, t1 = calls[0], time.perf_counter()
     stop.set()
     t.join()

@@ -413,10 +413,11 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
     """Per prefix length: PrefixCache.fetch alone (median of `spec.repeat`, at least 3) and looping
     beside a bf16 matmul (kvbench.busy), each until the KV is ready on the fetching thread's own
     stream (as an engine's request thread waits; a device-wide sync would wait for the matmul too).
-    The matmul waits for each batch it launches (busy.matmul_tflops depth 1, as an engine's steps);
-    "queued": the same with one more batch queued (depth 2): the loss the GPU's work causes, without
-    the launching thread's waits for the interpreter lock."""
+    The matmul's rate alone is measured right before and after (a GPU's clocks drift as it heats):
+    the slowdown is against their mean."""
     import torch
+
+    from kvbench.busy import beside_matmul, matmul_tflops
 
     out = []
     for n in spec.tokens:
@@ -434,36 +435,25 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
             t0 = time.perf_counter()
             fetch()
             times.append(time.perf_counter() - t0)
+        before = matmul_tflops(spec.device, spec.busy_s)
+        rec = beside_matmul(fetch, spec.device, spec.busy_s, before)
+        after = matmul_tflops(spec.device, spec.busy_s)
+        alone = (before + after) / 2
+        rec |= {"matmul_tflops_alone": alone, "matmul_tflops_alone_before_after": [before, after]}
+        rec["matmul_slowdown"] = 1.0 - rec["matmul_tflops_during"] / alone
         gb = n * fp16_per_token / 1e9
-        rec = _beside(fetch, spec, depth=1)
-        queued = _beside(fetch, spec, depth=2)
         out.append(
             {
                 "tokens": n,
                 "restored_gb_per_s_alone": gb / statistics.median(times),
                 "restored_gb_per_s_beside": gb / rec["call_s_during"] if rec["calls_during"] else None,
                 **rec,
-                "queued": queued | {"restored_gb_per_s_beside": gb / queued["call_s_during"]},
             }
         )
         click.echo(
             f"  busy {n}: matmul slowed {rec['matmul_slowdown']:.1%}, {out[-1]['restored_gb_per_s_beside']}", err=True
         )
     return out
-
-
-def _beside(fetch, spec: RunSpec, depth: int) -> dict:  # noqa: ANN001
-    """kvbench.busy.beside_matmul of the matmul loop of `depth`, against its rate alone right before
-    and after (a GPU's clocks drift as it heats): the slowdown is against their mean."""
-    from kvbench.busy import beside_matmul, matmul_tflops
-
-    before = matmul_tflops(spec.device, spec.busy_s, depth=depth)
-    rec = beside_matmul(fetch, spec.device, spec.busy_s, before, depth=depth)
-    after = matmul_tflops(spec.device, spec.busy_s, depth=depth)
-    alone = (before + after) / 2
-    rec |= {"matmul_tflops_alone": alone, "matmul_tflops_alone_before_after": [before, after]}
-    rec["matmul_slowdown"] = 1.0 - rec["matmul_tflops_during"] / alone
-    return rec
 
 
 def run(
@@ -656,23 +646,17 @@ def busy_markdown(rec: dict) -> list[str]:
         "",
         "Beside a busy GPU (a bf16 8192^3 matmul looping on its own stream): PrefixCache.fetch at the fastest link, "
         "GB/s of fp16 KV restored alone (median) and looping beside the matmul, and the matmul's slowdown against "
-        "its rate alone (the mean of its rates right before and after). The matmul's loop waits for each 20 "
-        "matmuls it launches, as an engine's steps; with its queue kept full (one more 20 queued), a loss is what "
-        "the GPU's work costs it, without its launching thread's waits for the interpreter lock.",
+        "its rate alone (the mean of its rates right before and after).",
         "",
-        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul TFLOP/s alone | matmul slowed "
-        "| its queue kept full: GB/s beside, matmul slowed |",
-        "|---|---|---|---|---|---|---|",
+        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul TFLOP/s alone | matmul slowed |",
+        "|---|---|---|---|---|---|",
     ]
     for m, recs in meths.items():
         for b in recs:
-            q = b.get("queued")  # absent from runs before session 46
-            full = f"{_f(q['restored_gb_per_s_beside'], '.2f')}, {q['matmul_slowdown']:.1%}" if q else "-"
-            error = b.get("error") or (q or {}).get("error")
             md.append(
                 f"| {method_label(m)} | {b['tokens']} | {_f(b['restored_gb_per_s_alone'], '.2f')} | "
-                f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_tflops_alone']:.0f} | {b['matmul_slowdown']:.1%} "
-                f"| {full} |" + (f" error: {error}" if error else "")
+                f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_tflops_alone']:.0f} | {b['matmul_slowdown']:.1%} |"
+                + (f" error: {b['error']}" if b.get("error") else "")
             )
     return md
 

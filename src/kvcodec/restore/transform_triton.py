@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 FUSED = True  # False after a failed compile or launch: the reference kernels restore instead
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernel's OUT code is the index
 BLOCK_N = 32  # token columns per program of the epilogue (all of a head's channels in each)
-EPILOGUE_WARPS = 4
+EPILOGUE_WARPS = 8  # 15% less GPU time than 4 on a 7-8B model's chunks (probes/restore_kernels.py --sweep)
 GATHER_SLOTS, GATHER_COLS = 8, 256  # a program's block slots x tokens, within one chunk
 
 
@@ -271,17 +271,13 @@ def _kernel():
             pos = tl.load(meta_ptr + chunk, mask=n_ok, other=0) + tok
         turn = (tl.load(pairs_ptr + 2 * P + p, mask=p_ok, other=0) != 0) & ((u // H) % 2 == 0)  # keys only
         rotate = turn[:, None] & n_ok[None, :]
-        # as the reference: own * cos + partner * signed sin, each channel with its own table row
         at_lo = lo.to(tl.int64)[:, None] * table_len + pos[None, :]
+        at_hi = hi.to(tl.int64)[:, None] * table_len + pos[None, :]
+        # as the reference: own * cos + partner * signed sin, each channel with its own table row
         cos_lo = tl.load(cos_ptr + at_lo, mask=rotate, other=1.0)
-        sin_lo = tl.load(sin_ptr + at_lo, mask=rotate, other=0.0)
-        y_lo = x_lo * cos_lo + x_hi * sin_lo
-        if HALVES:  # rotate-half: both rows share a frequency, so hi's rows are cos_lo and -sin_lo exactly
-            y_hi = x_hi * cos_lo - x_lo * sin_lo
-        else:
-            at_hi = hi.to(tl.int64)[:, None] * table_len + pos[None, :]
-            cos_hi = tl.load(cos_ptr + at_hi, mask=rotate, other=1.0)
-            y_hi = x_hi * cos_hi + x_lo * tl.load(sin_ptr + at_hi, mask=rotate, other=0.0)
+        y_lo = x_lo * cos_lo + x_hi * tl.load(sin_ptr + at_lo, mask=rotate, other=0.0)
+        cos_hi = tl.load(cos_ptr + at_hi, mask=rotate, other=1.0)
+        y_hi = x_hi * cos_hi + x_lo * tl.load(sin_ptr + at_hi, mask=rotate, other=0.0)
         if HAS_SINK:  # a chunk's first tokens kept exact: its sink's values, not the restored ones
             if REGULAR:
                 sink_len = tl.load(meta_ptr + 4 * N + chunk)
