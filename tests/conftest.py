@@ -7,6 +7,7 @@ GGUF and caches a safetensors copy under $KVCODEC_CACHE_DIR, ~30-70 s; later run
 from __future__ import annotations
 
 import pytest
+import torch
 
 MODEL_NAMES = ("smollm2-135m", "qwen2.5-coder-0.5b")
 
@@ -146,3 +147,17 @@ def fresh_plans(tmp_path, monkeypatch):
     monkeypatch.setattr(search, "_cache", {})
     monkeypatch.setattr(search, "_bits_cache", {})
     return plans / search.PLANS_FILE
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton's interpreter on for the kernels made from now on (TRITON_INTERPRET=1): their source
+    runs on CPU tensors, so CI checks it. Skipped without Triton, and where a GPU is present: the
+    GPU tests run the compiled kernels there, and the interpreter is for machines without one."""
+    from kvcodec.restore.triton_restore import triton_modules
+
+    if triton_modules() is None:
+        pytest.skip("needs Triton")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the GPU tests run the compiled kernels")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -1,4 +1,5 @@
-"""The fused Triton restorer against the torch reference, value for value (CUDA only)."""
+"""The fused Triton restorer against the torch reference, value for value: the compiled kernel on a
+CUDA GPU, and its source under Triton's interpreter on the CPU (CI)."""
 
 import pytest
 import torch
@@ -159,3 +160,51 @@ def test_fused_restore_block_refuses_samples_of_another_shape():
     restorer = triton_restore.TritonRestorer(terms)
     with pytest.raises(ValueError, match="samples of shape"):
         restorer.restore_block(terms.samples[:, :40], 0, 48, torch.empty(3, 2, 48, 2, 64, device="cuda"))
+
+
+# --------------------------------------------------- the kernel's source, interpreted on the CPU
+
+
+@pytest.fixture
+def interpreted(triton_interpreter, monkeypatch):
+    kernel = triton_restore._kernel.__wrapped__()  # made now: under the interpreter
+    monkeypatch.setattr(triton_restore, "_kernel", lambda: kernel)
+
+
+@pytest.mark.parametrize(
+    "sample_coder, quant, layer_bits, video_bits",
+    [("hevc", "int8", (), 8), ("hevc", "int4", (), 3), ("hevc", "int8", (8, 4), 5), ("zstd", "int8", (), 6)],
+)
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_fused_restorer_s_source_equals_the_reference(
+    interpreted, sample_coder, quant, layer_bits, video_bits, wide, monkeypatch
+):
+    from kvcodec import PagedKV
+
+    monkeypatch.setattr(triton_restore, "FORCE_WIDE", wide)
+    kv = _kv(layers=2, tokens=40, heads=2, dim=16)
+    config = CodecConfig(
+        sample_coder=sample_coder,
+        quant=quant,
+        layer_bits=layer_bits,
+        chunk_tokens=24,
+        resolutions=((144, 144),),
+        video_bits=video_bits,
+        plain_fallback=False,
+    )
+    table = torch.tensor([5, 1, 3, 0, 4, 2])
+    for chunk in encode_chunks(kv, config):
+        for blob in chunk.blobs:
+            ref_cache = torch.zeros(2, 2, 60, 2, 16, dtype=torch.float16)
+            got_cache = torch.zeros_like(ref_cache)
+            span = slice(9, 9 + chunk.tokens)  # a slice of a larger cache: the kernel honours the strides
+            decode_chunk_blob(blob, out=ref_cache[:, :, span], decoder=FFmpegHevcDecoder(), restore="torch")
+            decode_chunk_blob(blob, out=got_cache[:, :, span], decoder=FFmpegHevcDecoder(), restore="triton")
+            assert torch.equal(got_cache, ref_cache) and ref_cache.any()
+            ref = PagedKV(
+                torch.zeros(2, 2, 6, 8, 2, 16, dtype=torch.float16), table
+            )  # blocks of 8 tokens, out of order
+            got = PagedKV(torch.zeros_like(ref.pages), table)
+            decode_chunk_blob(blob, out=ref, decoder=FFmpegHevcDecoder(), restore="torch")
+            decode_chunk_blob(blob, out=got, decoder=FFmpegHevcDecoder(), restore="triton")
+            assert torch.equal(got.pages, ref.pages) and ref.pages.any()

@@ -147,12 +147,9 @@ def test_the_kernels_contract_restores_what_the_reference_kernels_do(kvt, kw):
 
 
 @pytest.fixture
-def interpreted(monkeypatch):
+def interpreted(triton_interpreter, monkeypatch):
     """The Triton kernels' own source run by Triton's interpreter on CPU tensors (not the GPU
     compiler's output: its vector loads and stores are the GPU tests'), so that CI checks them."""
-    if tt.triton_modules() is None:
-        pytest.skip("needs Triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when a kernel is decorated: fresh ones below
     kernel, gather = tt._kernel.__wrapped__(), tt._gather_kernel.__wrapped__()
     monkeypatch.setattr(tt, "_kernel", lambda: kernel)
     monkeypatch.setattr(tt, "_gather_kernel", lambda: gather)

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 FUSED = True  # False after a failed compile or launch: the reference kernels restore instead
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the kernel's OUT code is the index
 BLOCK_N = 32  # token columns per program of the epilogue (all of a head's channels in each)
-EPILOGUE_WARPS = 8  # 15% less GPU time than 4 on a 7-8B model's chunks (probes/restore_kernels.py --sweep)
+EPILOGUE_WARPS = 4  # 8 measured as fast in one sweep, 9% slower in another (probes/restore_kernels.py --sweep)
 GATHER_SLOTS, GATHER_COLS = 8, 256  # a program's block slots x tokens, within one chunk
 
 
