@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -106,3 +111,36 @@ def test_params_are_checked():
             rans.AnsParams(block, lanes)
     with pytest.raises(ConfigError):
         rans.encode(np.zeros(0, np.uint8))
+
+
+SM_DECODER_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from kvcodec.codecs.transform_ans import gpu, rans
+    params = rans.AnsParams(256, 8)
+    rng = np.random.default_rng(0)
+    xs = [np.clip(rng.laplace(128, s, n), 0, 255).astype(np.uint8) for n, s in [(1, 1.0), (700, 3.0), (300, 40.0)]]
+    xs.append(np.full(260, 7, np.uint8))
+    streams = [rans.parse(rans.encode(x, params), x.size, params) for x in xs]
+    out, err = gpu.decode_batch(streams, [x.size for x in xs], params, torch.device("cpu"))
+    assert int(err.abs().sum()) == 0, err
+    assert torch.equal(out, torch.from_numpy(np.concatenate(xs)))
+    s = streams[1]
+    counts = s.word_counts.copy()
+    counts[0], counts[1] = counts[0] + 1, counts[1] - 1
+    forged = rans.AnsStream(s.freqs, s.states, counts, s.words)
+    _, err = gpu.decode_batch([forged], [700], params, torch.device("cpu"))
+    assert int(err[0]) > 0 and int(err[1]) > 0 and int(err[2]) == 0, err
+    print("decoded")
+    """
+)
+
+
+def test_the_sm_decoder_s_source_decodes_what_the_reference_does():
+    """codecs/transform_ans/gpu.py's Triton kernel run by Triton's interpreter on the CPU, so that CI
+    checks it: in a fresh process, because the interpreter must be on before Triton is imported for
+    the language's own jit functions (tl.sum, tl.cumsum) to be interpreted too."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", SM_DECODER_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "decoded", r.stderr[-3000:]
