@@ -201,9 +201,8 @@ def test_the_fused_restorer_s_source_equals_the_reference(
             decode_chunk_blob(blob, out=ref_cache[:, :, span], decoder=FFmpegHevcDecoder(), restore="torch")
             decode_chunk_blob(blob, out=got_cache[:, :, span], decoder=FFmpegHevcDecoder(), restore="triton")
             assert torch.equal(got_cache, ref_cache) and ref_cache.any()
-            ref = PagedKV(
-                torch.zeros(2, 2, 6, 8, 2, 16, dtype=torch.float16), table
-            )  # blocks of 8 tokens, out of order
+            # a paged cache: blocks of 8 tokens, out of order
+            ref = PagedKV(torch.zeros(2, 2, 6, 8, 2, 16, dtype=torch.float16), table)
             got = PagedKV(torch.zeros_like(ref.pages), table)
             decode_chunk_blob(blob, out=ref, decoder=FFmpegHevcDecoder(), restore="torch")
             decode_chunk_blob(blob, out=got, decoder=FFmpegHevcDecoder(), restore="triton")

@@ -7,8 +7,8 @@ means, row order, RoPE's partner gather, multiply and add, permute + cast): more
 own time on a 7-8B model's chunks. Here gather_centred makes the GEMM's q operand from the
 chunks' uint8 samples in one pass (reading each chunk where it lies: meta_table; a program takes
 block slots over the tokens of one chunk, in 16-byte vectors where gather_aligned(): 0.5 ms a 1 GB
-batch, against 0.9 with tiles across chunks), and the epilogue does the rest in one more, a chunk's exact sink tokens included: each program takes
-one (layer, kind, head) of the batch, all its channels over a tile of token columns, as pairs of
+batch, against 0.9 with tiles across chunks), and the epilogue does the rest in one more, a
+chunk's exact sink tokens included: each program takes one (layer, kind, head) of the batch, all its channels over a tile of token columns, as pairs of
 channels that RoPE rotates into each other (channel_pairs; c and c + D/2 for rotate-half heads);
 it reads the GEMM's rows of both channels of each pair once (consecutive rows: unit_table),
 applies the blocks' scales, the token scales, the means and the rotation in registers, and stores
