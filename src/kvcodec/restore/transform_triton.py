@@ -1,26 +1,26 @@
 """The transform's inverse around cuBLAS's GEMM as two Triton kernels (CUDA; the float16 GEMM's
 conditions): the gather before it and the epilogue after it.
 
-transform_kernels.restore runs the batched inverse transform as select, cast and centre, the
-float16 GEMM (cuBLAS, tensor cores), then about eight float32 passes over every value (steps,
-means, row order, RoPE's partner gather, multiply and add, permute + cast): more than the GEMM's
-own time on a 7-8B model's chunks. Here gather_centred makes the GEMM's q operand from the
-chunks' uint8 samples in one pass (reading each chunk where it lies: meta_table; a program takes
-block slots over the tokens of one chunk, in 16-byte vectors where gather_aligned(): 0.5 ms a 1 GB
-batch, against 0.9 with tiles across chunks), and the epilogue does the rest in one more, a
-chunk's exact sink tokens included: each program takes one (layer, kind, head) of the batch, all its channels over a tile of token columns, as pairs of
-channels that RoPE rotates into each other (channel_pairs; c and c + D/2 for rotate-half heads);
-it reads the GEMM's rows of both channels of each pair once (consecutive rows: unit_table),
-applies the blocks' scales, the token scales, the means and the rotation in registers, and stores
-the cast values straight into the chunks' outputs (a table of their addresses), whole heads per
-token, so the writes are contiguous along the channels. Where the tile lies in one chunk and the
-outputs are aligned (regular(), the usual case) the compiler is told so and loads and stores in
-16-byte vectors (a 7-8B model's 1 GB batch: 1.45 ms, against 4.0 by the general variant's scalar
-accesses and 5.0 by the previous one-channel-per-row epilogue). The GEMM stays
-with cuBLAS: a Triton GEMM with this epilogue fused into it measured 9 ms a 1 GB batch, where
+transform_kernels.restore runs the batched inverse transform as select, cast and centre, the float16
+GEMM (cuBLAS, tensor cores), then about eight float32 passes over every value (steps, means, row
+order, RoPE's partner gather, multiply and add, permute + cast): more than the GEMM's own time on a
+7-8B model's chunks. Here gather_centred makes the GEMM's q operand from the chunks' uint8 samples
+in one pass (reading each chunk where it lies: meta_table; a program takes block slots over the
+tokens of one chunk, in 16-byte vectors where gather_aligned(): 0.5 ms a 1 GB batch, against 0.9
+with tiles across chunks), and the epilogue does the rest in one more, a chunk's exact sink tokens
+included: each program takes one (layer, kind, head) of the batch, all its channels over a tile of
+token columns, as pairs of channels that RoPE rotates into each other (channel_pairs; c and c + D/2
+for rotate-half heads); it reads the GEMM's rows of both channels of each pair once (consecutive
+rows: unit_table), applies the blocks' scales, the token scales, the means and the rotation in
+registers, and stores the cast values straight into the chunks' outputs (a table of their
+addresses), whole heads per token, so the writes are contiguous along the channels. Where the tile
+lies in one chunk and the outputs are aligned (regular(), the usual case) the compiler is told so
+and loads and stores in 16-byte vectors (a 7-8B model's 1 GB batch: 1.45 ms, against 4.0 by the
+general variant's scalar accesses and 5.0 by the previous one-channel-per-row epilogue). The GEMM
+stays with cuBLAS: a Triton GEMM with this epilogue fused into it measured 9 ms a 1 GB batch, where
 cuBLAS and the epilogue take 1.6 + 1.5. Few kernels matter beside a busy GPU more than idle: each
-waits for the SMs on its own (a traced fetch beside a looping bf16 matmul: 1-2 ms per kernel).
-The reference kernels (restore + emit) are the fallback and the tests' reference.
+waits for the SMs on its own (a traced fetch beside a looping bf16 matmul: 1-2 ms per kernel). The
+reference kernels (restore + emit) are the fallback and the tests' reference.
 """
 
 from __future__ import annotations
