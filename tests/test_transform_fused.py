@@ -6,6 +6,8 @@ CUDA and Triton) the kernel itself against the reference kernels it replaces.
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,6 +210,51 @@ def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt_of, in
     tt._launch(plan, run)
     assert not got.isnan().any() and gpu_tests.within_an_ulp(got, want)
     assert torch.equal(got[0, :, :, : sinks[0].shape[2]], sinks[0])
+
+
+@pytest.fixture
+def rows_epilogue(interpreted, monkeypatch):
+    """benchmarks/probes/epilogue_rows.py (a token-major candidate for the epilogue), interpreted."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "probes"))
+    import epilogue_rows
+
+    kernel = epilogue_rows._kernel.__wrapped__()
+    monkeypatch.setattr(epilogue_rows, "_kernel", lambda: kernel)
+    return epilogue_rows
+
+
+@pytest.mark.parametrize("spec", [gpu_tests.ROPE, None, SPECS[2]], ids=["half", "none", "interleaved-partial"])
+@pytest.mark.parametrize("block_n", [32, 128], ids=["regular", "general"])
+def test_the_token_major_epilogue_candidate_restores_what_the_reference_kernels_do(
+    kvt_of, rows_epilogue, spec, block_n, monkeypatch
+):
+    from kvcodec.transform import quantize
+
+    monkeypatch.setattr(tt, "BLOCK_N", block_n)
+    _, fast = gpu_tests.codecs(kvt_of(spec), target_ratio=4.0, fine_tokens=100, fine_bits=1)
+    r, dec = decoded(fast, fast.encode_chunks(gpu_tests.synthetic_kv(192, 4)))
+    h0, cpu = dec[0].h, torch.device("cpu")
+    plan, rope, t = r._batched_plan(h0, cpu), r._rope_tables.get(cpu), h0["tokens"]
+    samples = torch.stack([c.samples for c in dec])
+    escapes, starts, sinks = [c.escapes for c in dec], [c.h["start_token"] for c in dec], [c.sink for c in dec]
+    scales = torch.stack([quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in dec])
+    want = torch.empty((len(dec), L, 2, t, H, D), dtype=torch.float16)
+    y = tk.restore(plan, samples, escapes, (L, H, D), rope, starts, token_scales=scales)
+    for i, out in enumerate(want):
+        tk.emit(y, i, t, out)
+        if sinks[i] is not None:
+            out[:, :, : sinks[i].shape[2]] = sinks[i]
+    got = torch.full_like(want, float("nan"))
+    outs = list(got)
+    cos, sin = rope.covering(max(starts) + t) if rope is not None else (torch.zeros((1, 1)),) * 2
+    q = tk._centred(plan, samples, escapes, torch.float32).reshape(-1, len(dec) * t)
+    run = tt.Launch(
+        x=rows_epilogue.rows_gemm(plan, q).contiguous(), cos=cos, sin=sin, token_scales=scales.float(),
+        meta=tt.meta_table(starts, outs, list(samples), sinks), tokens=t, out_strides=tuple(outs[0].stride()),
+        heads=H, out_dtype=torch.float16, sinks=True, regular=tt.regular(t, outs),
+    )  # fmt: skip
+    rows_epilogue.launch(plan, run, *rows_epilogue.position_major(cos, sin))
+    assert not got.isnan().any() and gpu_tests.within_an_ulp(got, want)
 
 
 @pytest.mark.parametrize("cols", [32, 128], ids=["tiles-in-a-chunk", "tile-past-the-chunk"])
