@@ -36,6 +36,8 @@ class Batch:
     """N staged chunks of one method, their outputs, plan and the epilogue's launch."""
 
     def __init__(self, d: pathlib.Path, method: str, chunks: int):
+        if not (d / MANIFEST).is_file():
+            raise click.ClickException(f"{d} is not a `kvcodec bench ttft-engine prep` folder (no {MANIFEST})")
         man = json.loads((d / MANIFEST).read_text())
         self.codec = run_codec(method, d, man)
         seeds = seed_blobs(method, d, man, self.codec)
