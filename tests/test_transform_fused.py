@@ -174,42 +174,58 @@ def kvt_of(kvt, tmp_path_factory):
     return of
 
 
+class EpilogueCase:
+    """Three 64-token chunks (sink tokens in the first, finer-tail scales) of a RoPE spec, decoded on
+    the CPU, what the reference kernels restore of them (want) and an epilogue's launch record
+    into NaN-filled outputs (got), for its GEMM products x."""
+
+    def __init__(self, kvt_path):  # noqa: ANN001
+        from kvcodec.transform import quantize
+
+        _, fast = gpu_tests.codecs(kvt_path, target_ratio=4.0, fine_tokens=100, fine_bits=1)
+        r, dec = decoded(fast, fast.encode_chunks(gpu_tests.synthetic_kv(192, 4)))
+        h0, cpu = dec[0].h, torch.device("cpu")
+        self.plan, rope, self.t = r._batched_plan(h0, cpu), r._rope_tables.get(cpu), h0["tokens"]
+        self.samples = torch.stack([c.samples for c in dec])
+        self.escapes, self.starts = [c.escapes for c in dec], [c.h["start_token"] for c in dec]
+        t = self.t
+        self.scales = torch.stack([quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in dec])
+        self.sinks = [c.sink for c in dec]
+        assert self.sinks[0] is not None and any(s is None for s in self.sinks) and self.scales.ne(1).any()
+        self.want = torch.empty((len(dec), L, 2, t, H, D), dtype=torch.float16)
+        y = tk.restore(self.plan, self.samples, self.escapes, (L, H, D), rope, self.starts, token_scales=self.scales)
+        for i, out in enumerate(self.want):
+            tk.emit(y, i, t, out)
+            if self.sinks[i] is not None:
+                out[:, :, : self.sinks[i].shape[2]] = self.sinks[i]
+        self.got = torch.full_like(self.want, float("nan"))
+        self.cos, self.sin = rope.covering(max(self.starts) + t) if rope is not None else (torch.zeros((1, 1)),) * 2
+
+    def launch(self, x: torch.Tensor) -> tt.Launch:
+        outs = list(self.got)
+        return tt.Launch(
+            x=x, cos=self.cos, sin=self.sin, token_scales=self.scales.float(),
+            meta=tt.meta_table(self.starts, outs, list(self.samples), self.sinks), tokens=self.t,
+            out_strides=tuple(outs[0].stride()), heads=H, out_dtype=torch.float16, sinks=True,
+            regular=tt.regular(self.t, outs),
+        )  # fmt: skip
+
+    def restored(self) -> bool:
+        return not self.got.isnan().any() and gpu_tests.within_an_ulp(self.got, self.want)
+
+
 @pytest.mark.parametrize(
     "spec", [gpu_tests.ROPE, None, SPECS[2], SPECS[4]], ids=["half", "none", "interleaved-partial", "partial-6"]
 )
 @pytest.mark.parametrize("block_n", [32, 128], ids=["regular", "general"])  # tiles within a 64-token chunk, or across
 def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt_of, interpreted, spec, block_n, monkeypatch):
-    from kvcodec.transform import quantize
-
     monkeypatch.setattr(tt, "BLOCK_N", block_n)
-    _, fast = gpu_tests.codecs(kvt_of(spec), target_ratio=4.0, fine_tokens=100, fine_bits=1)
-    chunks = fast.encode_chunks(gpu_tests.synthetic_kv(192, 4))
-    r, dec = decoded(fast, chunks)
-    h0, cpu = dec[0].h, torch.device("cpu")
-    plan, rope, t = r._batched_plan(h0, cpu), r._rope_tables.get(cpu), h0["tokens"]
-    samples = torch.stack([c.samples for c in dec])
-    escapes, starts = [c.escapes for c in dec], [c.h["start_token"] for c in dec]
-    scales = torch.stack([quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in dec])
-    sinks = [c.sink for c in dec]
-    assert sinks[0] is not None and any(s is None for s in sinks) and scales.ne(1).any()
-    want = torch.empty((len(dec), L, 2, t, H, D), dtype=torch.float16)
-    y = tk.restore(plan, samples, escapes, (L, H, D), rope, starts, token_scales=scales)
-    for i, out in enumerate(want):
-        tk.emit(y, i, t, out)
-        if sinks[i] is not None:
-            out[:, :, : sinks[i].shape[2]] = sinks[i]
-    got = torch.full_like(want, float("nan"))
-    outs = list(got)
-    assert tt.regular(t, outs) == (t % block_n == 0)
-    cos, sin = rope.covering(max(starts) + t) if rope is not None else (torch.zeros((1, 1)),) * 2
-    run = tt.Launch(
-        x=tk._half_products(plan, samples, escapes).contiguous(), cos=cos, sin=sin, token_scales=scales.float(),
-        meta=tt.meta_table(starts, outs, list(samples), sinks), tokens=t, out_strides=tuple(outs[0].stride()),
-        heads=H, out_dtype=torch.float16, sinks=True, regular=tt.regular(t, outs),
-    )  # fmt: skip
-    tt._launch(plan, run)
-    assert not got.isnan().any() and gpu_tests.within_an_ulp(got, want)
-    assert torch.equal(got[0, :, :, : sinks[0].shape[2]], sinks[0])
+    case = EpilogueCase(kvt_of(spec))
+    run = case.launch(tk._half_products(case.plan, case.samples, case.escapes).contiguous())
+    assert run.regular == (case.t % block_n == 0)
+    tt._launch(case.plan, run)
+    assert case.restored()
+    assert torch.equal(case.got[0, :, :, : case.sinks[0].shape[2]], case.sinks[0])
 
 
 @pytest.fixture
@@ -228,33 +244,12 @@ def rows_epilogue(interpreted, monkeypatch):
 def test_the_token_major_epilogue_candidate_restores_what_the_reference_kernels_do(
     kvt_of, rows_epilogue, spec, block_n, monkeypatch
 ):
-    from kvcodec.transform import quantize
-
     monkeypatch.setattr(tt, "BLOCK_N", block_n)
-    _, fast = gpu_tests.codecs(kvt_of(spec), target_ratio=4.0, fine_tokens=100, fine_bits=1)
-    r, dec = decoded(fast, fast.encode_chunks(gpu_tests.synthetic_kv(192, 4)))
-    h0, cpu = dec[0].h, torch.device("cpu")
-    plan, rope, t = r._batched_plan(h0, cpu), r._rope_tables.get(cpu), h0["tokens"]
-    samples = torch.stack([c.samples for c in dec])
-    escapes, starts, sinks = [c.escapes for c in dec], [c.h["start_token"] for c in dec], [c.sink for c in dec]
-    scales = torch.stack([quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in dec])
-    want = torch.empty((len(dec), L, 2, t, H, D), dtype=torch.float16)
-    y = tk.restore(plan, samples, escapes, (L, H, D), rope, starts, token_scales=scales)
-    for i, out in enumerate(want):
-        tk.emit(y, i, t, out)
-        if sinks[i] is not None:
-            out[:, :, : sinks[i].shape[2]] = sinks[i]
-    got = torch.full_like(want, float("nan"))
-    outs = list(got)
-    cos, sin = rope.covering(max(starts) + t) if rope is not None else (torch.zeros((1, 1)),) * 2
-    q = tk._centred(plan, samples, escapes, torch.float32).reshape(-1, len(dec) * t)
-    run = tt.Launch(
-        x=rows_epilogue.rows_gemm(plan, q).contiguous(), cos=cos, sin=sin, token_scales=scales.float(),
-        meta=tt.meta_table(starts, outs, list(samples), sinks), tokens=t, out_strides=tuple(outs[0].stride()),
-        heads=H, out_dtype=torch.float16, sinks=True, regular=tt.regular(t, outs),
-    )  # fmt: skip
-    rows_epilogue.launch(plan, run, *rows_epilogue.position_major(cos, sin))
-    assert not got.isnan().any() and gpu_tests.within_an_ulp(got, want)
+    case = EpilogueCase(kvt_of(spec))
+    q = tk._centred(case.plan, case.samples, case.escapes, torch.float32).reshape(-1, case.got.shape[0] * case.t)
+    run = case.launch(rows_epilogue.rows_gemm(case.plan, q).contiguous())
+    rows_epilogue.launch(case.plan, run, *rows_epilogue.position_major(case.cos, case.sin))
+    assert case.restored()
 
 
 @pytest.mark.parametrize("cols", [32, 128], ids=["tiles-in-a-chunk", "tile-past-the-chunk"])
