@@ -4,12 +4,16 @@ malformed metas and store calls bounded by the deadline."""
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
+import weakref
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvcodec
 from kvcodec.codecs import ChunkCodec, make_codec, registered_codecs
@@ -500,3 +504,95 @@ def test_staged_fetch_finishes_the_chunks_ready_together_in_one_call(extra, monk
     assert r.ok and within_an_ulp(r.kv, ref), r.error
     # the chunks queued while the first finish ran are finished together: two calls at most
     assert sum(sizes) == 6 and len(sizes) <= 2, sizes
+
+
+def chunk_bytes(kv: torch.Tensor, chunk_tokens: int = 16) -> int:
+    """fp16 bytes of one chunk of `kv` (layers, 2, tokens, heads, dim)."""
+    L, _, _, H, D = kv.shape
+    return L * 2 * chunk_tokens * H * D * 2
+
+
+def test_a_ready_run_is_finished_in_batches_of_bounded_bytes(extra, monkeypatch):
+    from kvcodec.fetcher import pipeline
+
+    codec = build("transform", extra)
+    kv, ids = make_kv(96, seed=9), ids_for(96)
+    ref = reference(codec, kv)
+    cache = cache_for(codec, batched_restore=True, decode_workers=3, max_inflight=8)
+    cache.put(ids, kv)
+    monkeypatch.setattr(pipeline, "FINISH_BATCH_BYTES", 2 * chunk_bytes(kv))
+    results = _CountingQueue(6)
+    init = pipeline.FetchPipeline.__init__
+
+    def counted(self, *a, **kw):
+        init(self, *a, **kw)
+        self.res_q = results
+
+    monkeypatch.setattr(pipeline.FetchPipeline, "__init__", counted)
+    finish, sizes = codec.finish, []
+
+    def first_waits_for_all(staged, outs):
+        sizes.append(len(staged))
+        if len(sizes) == 1:  # the other chunks are ready together after it: one run, cut in batches
+            assert results.all_in.wait(60), "the decode workers did not stage every chunk"
+        finish(staged, outs)
+
+    codec.finish = first_waits_for_all
+    r = cache.fetch(ids)
+    assert r.ok and within_an_ulp(r.kv, ref), r.error
+    assert sum(sizes) == 6 and max(sizes) == 2, sizes
+
+
+def test_a_failing_finish_batch_keeps_the_batches_before_it(extra, monkeypatch):
+    from kvcodec.fetcher import pipeline
+
+    codec = build("transform", extra)
+    kv, ids = make_kv(96, seed=10), ids_for(96)
+    cache = cache_for(codec, batched_restore=True, decode_workers=3, max_inflight=8)
+    cache.put(ids, kv)
+    monkeypatch.setattr(pipeline, "FINISH_BATCH_BYTES", 2 * chunk_bytes(kv))
+    finish, sizes = codec.finish, []
+
+    def third_fails(staged, outs):
+        sizes.append(len(staged))
+        if len(sizes) == 3:
+            raise RuntimeError("kernel launch failed")
+        finish(staged, outs)
+
+    codec.finish = third_fails
+    r = cache.fetch(ids)
+    done = sum(sizes[:2])
+    assert isinstance(r.error, FetchError) and f"chunk {done}" in str(r.error) and r.tokens_restored == 16 * done
+    assert within_an_ulp(r.kv[:, :, : 16 * done], reference(codec, kv)[:, :, : 16 * done])
+
+
+@given(st.lists(st.integers(1, 50), max_size=30), st.integers(1, 120))
+def test_finish_batches_cut_in_order_within_the_bound(nbytes, most):
+    from kvcodec.fetcher.pipeline import finish_batches
+
+    runs = finish_batches(list(range(len(nbytes))), nbytes, most)
+    assert [i for run in runs for i in run] == list(range(len(nbytes)))
+    for k, run in enumerate(runs):
+        size = sum(nbytes[i] for i in run)
+        assert run and (size <= most or len(run) == 1)
+        if k:  # a run starts only where its first item would not fit in the run before
+            assert sum(nbytes[i] for i in runs[k - 1]) + nbytes[run[0]] > most
+
+
+@pytest.mark.parametrize("batched", [None, True])
+def test_a_fetch_output_is_freed_once_the_caller_drops_it(codec, batched):
+    """No reference cycle keeps a fetch (and the output it allocated) alive until the garbage
+    collector runs."""
+    kv, ids = make_kv(48, seed=12), ids_for(48)
+    cache = cache_for(codec, batched_restore=batched)
+    cache.put(ids, kv)
+    gc.collect()
+    gc.disable()
+    try:
+        r = cache.fetch(ids)
+        assert r.ok, r.error
+        output = weakref.ref(r.kv)
+        del r
+        assert output() is None
+    finally:
+        gc.enable()

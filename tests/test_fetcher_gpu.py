@@ -160,6 +160,32 @@ def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, coder, monke
     assert (workers == {threading.current_thread().name}) == driven
 
 
+@pytest.mark.parametrize("driven", [True, False])
+def test_a_cuda_fetch_output_is_freed_once_the_caller_drops_it(kvt, driven, monkeypatch):
+    """No reference cycle holds a fetch (and its output on the GPU) until the garbage collector
+    runs: the driver held the pipeline's check while the pipeline held the driver's finish."""
+    import gc
+    import weakref
+
+    from kvcodec.codecs import driven as driven_module
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    monkeypatch.setattr(driven_module, "DRIVEN", driven)
+    (_, gpu), ids, _ = _transform_caches(kvt, coder="mixed")
+    gc.collect()
+    gc.disable()
+    try:
+        r = gpu.fetch(ids)
+        assert r.ok, r.error
+        output = weakref.ref(r.kv)
+        del r
+        assert output() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("coder", ["hevc", "mixed"])
 def test_a_damaged_chunk_stops_a_driven_fetch_there(kvt, coder):
     from kvcodec.fetcher import blob_key

@@ -365,6 +365,11 @@ class StageDriver:
                 continue
             if not getattr(run, "keep", False):
                 run.close(True)
+        # the caller's callback and targets let go: a fetch holds this driver's finish, so keeping
+        # its check closed a cycle that held the fetch's output until the garbage collector ran
+        self.check = None
+        self.fed.clear()
+        self.done = []
 
     # -- sessions ----------------------------------------------------------------------------
 

@@ -78,6 +78,27 @@ def default_max_inflight(device: torch.device, decode_workers: int) -> int:
     return max(CUDA_MAX_INFLIGHT, 4 * decode_workers)
 
 
+# most fp16-equivalent KV one finish restores: a transform's GEMM writes float32 products, twice
+# that, so a fetch's scratch stays ~3 GB however long the prefix (probes/restore_kernels.py
+# --chunks: 32 chunks of a 7-8B model, 1 GiB, restore at the kernels' best per GB; 16 cost 8% more)
+FINISH_BATCH_BYTES = 1 << 30
+
+
+def finish_batches(ready: list, nbytes: list[int], most: int | None = None) -> list[list]:
+    """`ready` cut, in order, into runs of at most `most` bytes (nbytes: each item's; a larger item
+    is a run of its own). Pure."""
+    most = FINISH_BATCH_BYTES if most is None else most
+    runs: list[list] = []
+    size = 0
+    for item, b in zip(ready, nbytes):
+        if not runs or size + b > most:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += b
+    return runs
+
+
 _DRIVEN_NET_WAIT_S = 0.0005  # a driven fetch waits this long for the next blob before flushing a session
 _DIRECT_JOIN_S = 60.0  # how long a stopped fetch waits for a decode still writing into the target
 
@@ -369,18 +390,25 @@ class FetchPipeline:
         return (most if left is None else min(most, left)), None
 
     def _restore_run(self, ready: list[tuple[int, Decoded]], restored: int) -> tuple[int, KVCodecError | None]:
-        """Finish and restore the in-order run `ready`: (tokens restored, the error that stopped it)."""
-        try:
-            self._finish(ready)
-        except KVCodecError as e:
-            return restored, e
-        except Exception as e:  # noqa: BLE001 - report, never swallow
-            return restored, _failed(ready[0][0], "failed to restore", e)
-        if self.halves is not None and self.s.device.type == "cuda":  # one wait for the batch's math
+        """Finish and restore the in-order run `ready`, in batches of at most FINISH_BATCH_BYTES:
+        (tokens restored, the error that stopped it). The batches are queued one after another on
+        the stream and waited for once; each batch's scratch is freed when the next is queued."""
+        finished, error = [], None
+        for batch in finish_batches(ready, [self.plan.metas[i].values * 2 for i, _ in ready]):
+            try:
+                self._finish(batch)
+            except KVCodecError as e:
+                error = e
+            except Exception as e:  # noqa: BLE001 - report, never swallow
+                error = _failed(batch[0][0], "failed to restore", e)
+            if error is not None:
+                break
+            finished += batch
+        if finished and self.halves is not None and self.s.device.type == "cuda":  # one wait for the math
             torch.cuda.current_stream(self.s.device).synchronize()
-        for i, done in ready:
+        for i, done in finished:
             restored = self._restore(i, done.staging)
-        return restored, None
+        return restored, error
 
     def _finish(self, ready: list[tuple[int, Decoded]]) -> None:
         """A staged or driven fetch: the codec's second half for the chunks `ready` (in order), in one call."""
