@@ -186,6 +186,48 @@ def test_a_cuda_fetch_output_is_freed_once_the_caller_drops_it(kvt, driven, monk
         gc.enable()
 
 
+@pytest.mark.parametrize("driven", [True, False])
+def test_repeated_cuda_fetches_reuse_the_memory_they_freed(kvt, driven, monkeypatch):
+    """Fetches from one thread restore on that thread's kept stream: what one fetch freed (its
+    output, its scratch) serves the next, instead of staying reserved for a stream of its own."""
+    from kvcodec.codecs import driven as driven_module
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    monkeypatch.setattr(driven_module, "DRIVEN", driven)
+    (_, gpu), ids, _ = _transform_caches(kvt, coder="mixed")
+    reserved = []
+    for _ in range(6):
+        r = gpu.fetch(ids)
+        assert r.ok, r.error
+        del r
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+    assert reserved[-1] == reserved[2], reserved
+
+
+def test_a_cuda_fetch_output_belongs_to_the_callers_stream(kvt):
+    """The output's memory is the caller's stream's: once dropped, it is handed out again in the
+    order of the caller's work, never to the next fetch while the caller's work may read it."""
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+    (_, gpu), ids, _ = _transform_caches(kvt, coder="mixed")
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        r = gpu.fetch(ids)
+    assert r.ok, r.error
+    ptr = r.kv.data_ptr()
+    owner = [
+        seg["stream"]
+        for seg in torch.cuda.memory_snapshot()
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]
+    ]
+    assert owner == [caller.cuda_stream]
+
+
 @pytest.mark.parametrize("coder", ["hevc", "mixed"])
 def test_a_damaged_chunk_stops_a_driven_fetch_there(kvt, coder):
     from kvcodec.fetcher import blob_key

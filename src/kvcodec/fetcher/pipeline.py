@@ -43,7 +43,7 @@ from kvcodec.fetcher.policy import ChoiceContext, ResolutionPolicy
 from kvcodec.fetcher.profile import DecodeProfile
 from kvcodec.fetcher.stats import ChunkTiming, FetchStats
 from kvcodec.restore.paged import PagedKV
-from kvcodec.video.streams import restore_stream
+from kvcodec.video.streams import thread_restore_stream
 
 log = logging.getLogger(__name__)
 
@@ -191,9 +191,11 @@ class FetchPipeline:
         self.out = plan.out
         self._suffix_sums()
         self.started = None  # CUDA: the caller's stream at the start; the fetch's own streams wait for it
+        self.caller: torch.cuda.Stream | None = None  # CUDA: the caller's stream, the one its output is for
         if settings.device.type == "cuda":
+            self.caller = torch.cuda.current_stream(settings.device)
             self.started = torch.cuda.Event()
-            self.started.record(torch.cuda.current_stream(settings.device))
+            self.started.record(self.caller)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -666,7 +668,7 @@ class FetchPipeline:
         L, H, D = m.shape
         with self.lock:
             if self.out is None:  # the metas' shape is now confirmed by a blob bound to its key
-                self.out = torch.empty((L, 2, self.plan.n_tokens, H, D), dtype=dtype, device=dev)
+                self.out = self._new_output((L, 2, self.plan.n_tokens, H, D), dtype)
             out = self.out
         end = m.start_token + m.tokens
         if self.s.direct and end <= self.plan.n_tokens and out.device == dev:
@@ -677,6 +679,15 @@ class FetchPipeline:
                 self.direct_used = True
                 return out[:, :, m.start_token : end], True
         return torch.empty((L, 2, m.tokens, H, D), dtype=dtype, device=dev), False
+
+    def _new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The output the fetch allocates, on the caller's stream: once the caller drops it, torch's
+        allocator hands its memory out again in the order of the caller's own work, not to the next
+        fetch on this thread's kept stream while the caller's work may still read it."""
+        if self.caller is None:
+            return torch.empty(shape, dtype=dtype, device=self.s.device)
+        with torch.cuda.stream(self.caller):
+            return torch.empty(shape, dtype=dtype, device=self.s.device)
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _suffix_sums(self) -> None:
@@ -713,13 +724,14 @@ class FetchPipeline:
 
 @contextlib.contextmanager
 def _own_stream(device: torch.device, after: torch.cuda.Event | None):
-    """On CUDA, a stream of the fetch's own as the thread's current one (ordered after `after`):
+    """On CUDA, the fetching thread's restore stream as its current one (ordered after `after`):
     its host waits wait for this stream's work alone, not for the legacy default stream that every
-    thread and the model share."""
+    thread and the model share; kept for the thread's next fetch, which reuses the memory this
+    one freed there (thread_restore_stream)."""
     if device.type != "cuda":
         yield
         return
-    stream = restore_stream(device)
+    stream = thread_restore_stream(device)
     if after is not None:
         stream.wait_event(after)
     with torch.cuda.stream(stream):
