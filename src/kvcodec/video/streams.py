@@ -16,7 +16,7 @@ import torch
 HIGHEST = -(1 << 16)  # torch maps a priority beyond the device's range to its nearest end
 PRIORITY = 0  # the default priority; fetch_restore's -hipri compares HIGHEST in the same run
 
-_threads = threading.local()  # .streams: {device: this thread's restore stream there}
+_threads = threading.local()  # .streams: {(device, priority): this thread's restore stream}
 
 
 def restore_stream(device: torch.device | int | str) -> torch.cuda.Stream:
@@ -33,7 +33,7 @@ def thread_restore_stream(device: torch.device) -> torch.cuda.Stream:
     streams = getattr(_threads, "streams", None)
     if streams is None:
         streams = _threads.streams = {}
-    stream = streams.get(device)
+    stream = streams.get((device, PRIORITY))
     if stream is None:
-        stream = streams[device] = restore_stream(device)
+        stream = streams[device, PRIORITY] = restore_stream(device)
     return stream
