@@ -6,8 +6,6 @@ CUDA and Triton) the kernel itself against the reference kernels it replaces.
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -226,30 +224,6 @@ def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt_of, in
     tt._launch(case.plan, run)
     assert case.restored()
     assert torch.equal(case.got[0, :, :, : case.sinks[0].shape[2]], case.sinks[0])
-
-
-@pytest.fixture
-def rows_epilogue(interpreted, monkeypatch):
-    """benchmarks/probes/epilogue_rows.py (a token-major candidate for the epilogue), interpreted."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "probes"))
-    import epilogue_rows
-
-    kernel = epilogue_rows._kernel.__wrapped__()
-    monkeypatch.setattr(epilogue_rows, "_kernel", lambda: kernel)
-    return epilogue_rows
-
-
-@pytest.mark.parametrize("spec", [gpu_tests.ROPE, None, SPECS[2]], ids=["half", "none", "interleaved-partial"])
-@pytest.mark.parametrize("block_n", [32, 128], ids=["regular", "general"])
-def test_the_token_major_epilogue_candidate_restores_what_the_reference_kernels_do(
-    kvt_of, rows_epilogue, spec, block_n, monkeypatch
-):
-    monkeypatch.setattr(tt, "BLOCK_N", block_n)
-    case = EpilogueCase(kvt_of(spec))
-    q = tk._centred(case.plan, case.samples, case.escapes, torch.float32).reshape(-1, case.got.shape[0] * case.t)
-    run = case.launch(rows_epilogue.rows_gemm(case.plan, q).contiguous())
-    rows_epilogue.launch(case.plan, run, *rows_epilogue.position_major(case.cos, case.sin))
-    assert case.restored()
 
 
 @pytest.mark.parametrize("cols", [32, 128], ids=["tiles-in-a-chunk", "tile-past-the-chunk"])

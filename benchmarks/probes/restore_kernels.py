@@ -5,7 +5,7 @@ shapes, each checked against the reference kernels (restore + emit). For choosin
 constants and for A/B runs of kernel changes (run it under each tree's PYTHONPATH).
 
     python benchmarks/probes/restore_kernels.py --dir D --method kvcodec-transform-8 --chunks 32 \\
-        --out $OUT/kernels.json [--sweep] [--rows]
+        --out $OUT/kernels.json [--sweep]
 
 D: a `kvcodec bench ttft-engine prep` folder (its seed chunks, relocated to positions 0 .. chunks-1,
 as the engine benchmark stores them). Needs a CUDA GPU with NVDEC and Triton.
@@ -152,33 +152,6 @@ def sweep(batch: Batch, reps: int) -> list[dict]:
     return rows
 
 
-def rows(batch: Batch, reps: int) -> list[dict]:
-    """The token-major epilogue candidate (epilogue_rows.py): its GEMM and epilogue per tile shape,
-    each checked against the product's fused restore of the same batch."""
-    import epilogue_rows as er
-
-    want = batch.restored(fused=True)
-    q = tk._gathered_at(batch.plan, batch.chunks, batch.escapes, batch.table)  # escapes written in
-    x_t = er.rows_gemm(batch.plan, q)
-    first = batch.launch(x_t)
-    cos_t, sin_t = er.position_major(first.cos, first.sin)
-    out = [{"gemm_rows_ms": round(timed_ms(lambda: er.rows_gemm(batch.plan, q), reps), 4)}]
-    saved = tt.BLOCK_N
-    try:
-        for block_n, warps in EPILOGUE_TILES:
-            tt.BLOCK_N = block_n
-            run = batch.launch(x_t)
-            ms = timed_ms(lambda r=run, w=warps: er.launch(batch.plan, r, cos_t, sin_t, w), reps)
-            for o in batch.outs:
-                o.fill_(float("nan"))
-            er.launch(batch.plan, run, cos_t, sin_t, warps)
-            worst = max(_ulps(g, w) for g, w in zip(batch.outs, want))
-            out.append({"rows_tile": [block_n, warps], "epilogue_rows_ms": round(ms, 4), "max_error_ulps": worst})
-    finally:
-        tt.BLOCK_N = saved
-    return out
-
-
 def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
     ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp_min(2**-14)
     return round(float(((got.float() - want.float()).abs() / ulp).nan_to_num(float("inf")).max()), 3)
@@ -190,10 +163,9 @@ def _ulps(got: torch.Tensor, want: torch.Tensor) -> float:
 @click.option("--chunks", default=32, show_default=True, help="Chunks of 256 tokens in the batch.")
 @click.option("--reps", default=20, show_default=True)
 @click.option("--sweep", "do_sweep", is_flag=True, help="Also time the kernels' tile shapes.")
-@click.option("--rows", "do_rows", is_flag=True, help="Also time the token-major epilogue (epilogue_rows.py).")
 @click.option("--label", default="", help="A name for the tree measured (A/B runs).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=pathlib.Path))
-def main(d, method, chunks, reps, do_sweep, do_rows, label, out) -> None:  # noqa: ANN001
+def main(d, method, chunks, reps, do_sweep, label, out) -> None:  # noqa: ANN001
     if not torch.cuda.is_available():
         raise click.ClickException("needs a CUDA GPU")
     batch = Batch(d, method, chunks)
@@ -216,8 +188,6 @@ def main(d, method, chunks, reps, do_sweep, do_rows, label, out) -> None:  # noq
     }
     if do_sweep:
         rec["sweep"] = sweep(batch, reps)
-    if do_rows:
-        rec["rows"] = rows(batch, reps)
     out.write_text(json.dumps(rec, indent=1))
     click.echo(json.dumps(rec["batch"]))
 
