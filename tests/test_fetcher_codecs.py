@@ -394,20 +394,26 @@ def test_staged_fetch_stops_at_a_damaged_or_foreign_chunk(extra):
     assert isinstance(r.error, FormatError) and "another prefix" in str(r.error) and r.tokens_restored == 16
 
 
+def third_finish_fails(codec) -> list[int]:
+    """The sizes of the batches the codec's finish is called with; its third call raises."""
+    finish, sizes = codec.finish, []
+
+    def third_fails(staged, outs):
+        sizes.append(len(staged))
+        if len(sizes) == 3:
+            raise RuntimeError("kernel launch failed")
+        finish(staged, outs)
+
+    codec.finish = third_fails
+    return sizes
+
+
 def test_staged_fetch_reports_a_failing_finish_and_keeps_what_came_before(extra):
     codec = build("transform", extra)
     kv, ids = make_kv(64, seed=6), ids_for(64)
     cache = cache_for(codec, batched_restore=True, max_inflight=1)  # one chunk per finish
     cache.put(ids, kv)
-    finish, calls = codec.finish, []
-
-    def third_fails(staged, outs):
-        calls.append(len(staged))
-        if len(calls) == 3:
-            raise RuntimeError("kernel launch failed")
-        finish(staged, outs)
-
-    codec.finish = third_fails
+    third_finish_fails(codec)
     r = cache.fetch(ids)
     assert isinstance(r.error, FetchError) and "chunk 2" in str(r.error) and r.tokens_restored == 32
 
@@ -475,15 +481,13 @@ class _CountingQueue(queue.Queue):
                 self.all_in.set()
 
 
-def test_staged_fetch_finishes_the_chunks_ready_together_in_one_call(extra, monkeypatch):
+def first_finish_waits_for_all(codec, chunks: int, monkeypatch) -> list[int]:
+    """The sizes of the batches the codec's finish is called with; its first call returns only
+    once every one of the fetch's `chunks` decode results is queued, so the rest are ready
+    together after it."""
     from kvcodec.fetcher import pipeline
 
-    codec = build("transform", extra)
-    kv, ids = make_kv(96, seed=9), ids_for(96)
-    ref = reference(codec, kv)
-    cache = cache_for(codec, batched_restore=True, decode_workers=3, max_inflight=8)
-    cache.put(ids, kv)
-    results = _CountingQueue(6)  # the fetch's decode results: one per chunk
+    results = _CountingQueue(chunks)  # the fetch's decode results: one per chunk
     init = pipeline.FetchPipeline.__init__
 
     def counted(self, *a, **kw):
@@ -495,15 +499,12 @@ def test_staged_fetch_finishes_the_chunks_ready_together_in_one_call(extra, monk
 
     def first_waits_for_all(staged, outs):
         sizes.append(len(staged))
-        if len(sizes) == 1:  # every other chunk is staged and queued before this call returns
+        if len(sizes) == 1:
             assert results.all_in.wait(60), "the decode workers did not stage every chunk"
         finish(staged, outs)
 
     codec.finish = first_waits_for_all
-    r = cache.fetch(ids)
-    assert r.ok and within_an_ulp(r.kv, ref), r.error
-    # the chunks queued while the first finish ran are finished together: two calls at most
-    assert sum(sizes) == 6 and len(sizes) <= 2, sizes
+    return sizes
 
 
 def chunk_bytes(kv: torch.Tensor, chunk_tokens: int = 16) -> int:
@@ -512,7 +513,8 @@ def chunk_bytes(kv: torch.Tensor, chunk_tokens: int = 16) -> int:
     return L * 2 * chunk_tokens * H * D * 2
 
 
-def test_a_ready_run_is_finished_in_batches_of_bounded_bytes(extra, monkeypatch):
+@pytest.mark.parametrize("bound", [None, 2], ids=["default-bound", "two-chunks"])
+def test_staged_fetch_finishes_the_chunks_ready_together_in_batches_within_the_bound(extra, monkeypatch, bound):
     from kvcodec.fetcher import pipeline
 
     codec = build("transform", extra)
@@ -520,27 +522,16 @@ def test_a_ready_run_is_finished_in_batches_of_bounded_bytes(extra, monkeypatch)
     ref = reference(codec, kv)
     cache = cache_for(codec, batched_restore=True, decode_workers=3, max_inflight=8)
     cache.put(ids, kv)
-    monkeypatch.setattr(pipeline, "FINISH_BATCH_BYTES", 2 * chunk_bytes(kv))
-    results = _CountingQueue(6)
-    init = pipeline.FetchPipeline.__init__
-
-    def counted(self, *a, **kw):
-        init(self, *a, **kw)
-        self.res_q = results
-
-    monkeypatch.setattr(pipeline.FetchPipeline, "__init__", counted)
-    finish, sizes = codec.finish, []
-
-    def first_waits_for_all(staged, outs):
-        sizes.append(len(staged))
-        if len(sizes) == 1:  # the other chunks are ready together after it: one run, cut in batches
-            assert results.all_in.wait(60), "the decode workers did not stage every chunk"
-        finish(staged, outs)
-
-    codec.finish = first_waits_for_all
+    if bound is not None:
+        monkeypatch.setattr(pipeline, "FINISH_BATCH_BYTES", bound * chunk_bytes(kv))
+    sizes = first_finish_waits_for_all(codec, 6, monkeypatch)
     r = cache.fetch(ids)
     assert r.ok and within_an_ulp(r.kv, ref), r.error
-    assert sum(sizes) == 6 and max(sizes) == 2, sizes
+    assert sum(sizes) == 6, sizes
+    if bound is None:  # the chunks queued while the first finish ran are finished together: two calls at most
+        assert len(sizes) <= 2, sizes
+    else:  # one run, cut in batches of the bound
+        assert max(sizes) == bound, sizes
 
 
 def test_a_failing_finish_batch_keeps_the_batches_before_it(extra, monkeypatch):
@@ -551,15 +542,7 @@ def test_a_failing_finish_batch_keeps_the_batches_before_it(extra, monkeypatch):
     cache = cache_for(codec, batched_restore=True, decode_workers=3, max_inflight=8)
     cache.put(ids, kv)
     monkeypatch.setattr(pipeline, "FINISH_BATCH_BYTES", 2 * chunk_bytes(kv))
-    finish, sizes = codec.finish, []
-
-    def third_fails(staged, outs):
-        sizes.append(len(staged))
-        if len(sizes) == 3:
-            raise RuntimeError("kernel launch failed")
-        finish(staged, outs)
-
-    codec.finish = third_fails
+    sizes = third_finish_fails(codec)
     r = cache.fetch(ids)
     done = sum(sizes[:2])
     assert isinstance(r.error, FetchError) and f"chunk {done}" in str(r.error) and r.tokens_restored == 16 * done
@@ -579,13 +562,9 @@ def test_finish_batches_cut_in_order_within_the_bound(nbytes, most):
             assert sum(nbytes[i] for i in runs[k - 1]) + nbytes[run[0]] > most
 
 
-@pytest.mark.parametrize("batched", [None, True])
-def test_a_fetch_output_is_freed_once_the_caller_drops_it(codec, batched):
-    """No reference cycle keeps a fetch (and the output it allocated) alive until the garbage
-    collector runs."""
-    kv, ids = make_kv(48, seed=12), ids_for(48)
-    cache = cache_for(codec, batched_restore=batched)
-    cache.put(ids, kv)
+def output_freed_without_gc(cache: PrefixCache, ids: list[int]) -> bool:
+    """A fetch of `ids` succeeds, and the output it allocated is freed as soon as its result is
+    dropped, with the garbage collector off (no reference cycle keeps it)."""
     gc.collect()
     gc.disable()
     try:
@@ -593,6 +572,14 @@ def test_a_fetch_output_is_freed_once_the_caller_drops_it(codec, batched):
         assert r.ok, r.error
         output = weakref.ref(r.kv)
         del r
-        assert output() is None
+        return output() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("batched", [None, True])
+def test_a_fetch_output_is_freed_once_the_caller_drops_it(codec, batched):
+    kv, ids = make_kv(48, seed=12), ids_for(48)
+    cache = cache_for(codec, batched_restore=batched)
+    cache.put(ids, kv)
+    assert output_freed_without_gc(cache, ids)

@@ -164,26 +164,15 @@ def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, coder, monke
 def test_a_cuda_fetch_output_is_freed_once_the_caller_drops_it(kvt, driven, monkeypatch):
     """No reference cycle holds a fetch (and its output on the GPU) until the garbage collector
     runs: the driver held the pipeline's check while the pipeline held the driver's finish."""
-    import gc
-    import weakref
-
     from kvcodec.codecs import driven as driven_module
     from kvcodec.video.nvcuvid import NvcuvidDecoder
+    from test_fetcher_codecs import output_freed_without_gc
 
     if not NvcuvidDecoder.is_available():
         pytest.skip("needs NVDEC")
     monkeypatch.setattr(driven_module, "DRIVEN", driven)
     (_, gpu), ids, _ = _transform_caches(kvt, coder="mixed")
-    gc.collect()
-    gc.disable()
-    try:
-        r = gpu.fetch(ids)
-        assert r.ok, r.error
-        output = weakref.ref(r.kv)
-        del r
-        assert output() is None
-    finally:
-        gc.enable()
+    assert output_freed_without_gc(gpu, ids)
 
 
 @pytest.mark.parametrize("driven", [True, False])
