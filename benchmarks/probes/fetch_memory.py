@@ -81,6 +81,16 @@ def measure(d: pathlib.Path, man: dict, method: str, tokens: int, fetches: int) 
     return rec
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(v) for v in text.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise click.BadParameter(f"{text!r}: positive token counts, comma-separated", param_hint="--tokens")
+    return lengths
+
+
 @click.command()
 @click.option("--dir", "d", required=True, type=click.Path(exists=True, file_okay=False, path_type=pathlib.Path))
 @click.option("--method", "methods", multiple=True, default=["kvcodec-transform-8"], show_default=True)
@@ -89,12 +99,13 @@ def measure(d: pathlib.Path, man: dict, method: str, tokens: int, fetches: int) 
 @click.option("--label", default="", help="A name for the tree measured (A/B runs).")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=pathlib.Path))
 def main(d, methods, tokens, fetches, label, out) -> None:  # noqa: ANN001
+    lengths = _lengths(tokens)
     if not torch.cuda.is_available():
         raise click.ClickException("needs a CUDA GPU")
     if not (d / MANIFEST).is_file():
         raise click.ClickException(f"{d} is not a `kvcodec bench ttft-engine prep` folder (no {MANIFEST})")
     man = json.loads((d / MANIFEST).read_text())
-    runs = [measure(d, man, m, int(n), fetches) for m in methods for n in tokens.split(",")]
+    runs = [measure(d, man, m, n, fetches) for m in methods for n in lengths]
     rec = {
         "probe": "fetch-memory",
         "label": label,

@@ -79,8 +79,9 @@ def default_max_inflight(device: torch.device, decode_workers: int) -> int:
 
 
 # most fp16-equivalent KV one finish restores: a transform's GEMM writes float32 products, twice
-# that, so a fetch's scratch stays ~3 GB however long the prefix (probes/restore_kernels.py
-# --chunks: 32 chunks of a 7-8B model, 1 GiB, restore at the kernels' best per GB; 16 cost 8% more)
+# that, so a fetch's scratch stays bounded however long the prefix (2-4 GB beyond a 7-8B model's
+# output: fetch-h200-s47-memory); at 32 chunks of that model, 1 GiB, the kernels run at their best
+# per GB, 16 cost 7.5% more (decode-h200-s47-kernels-llama)
 FINISH_BATCH_BYTES = 1 << 30
 
 
