@@ -311,3 +311,18 @@ def test_the_host_shift_is_the_uncenter_shift(data):
     shift, _ = centering.uncenter_terms(centers, modulus)
     got = shift_from_centers(centers.numpy(), (modulus // 2).numpy())
     assert np.array_equal(got, shift.squeeze(1).numpy())
+
+
+def test_close_idle_lets_go_of_the_idle_decoders_and_keeps_the_lent_ones():
+    from kvcodec.codecs.hevc.decode import _IdleDecoders
+
+    idle = _IdleDecoders()
+    with idle.borrow("cpu") as outer:
+        with idle.borrow("cpu") as inner:  # both busy: a second decoder
+            assert inner is not outer
+        assert idle.close_idle() == 1  # inner, given back; outer is still lent
+    with idle.borrow("cpu") as again:
+        assert again is outer  # given back after the close, kept
+    assert idle.close_idle() == 1 and idle.close_idle() == 0
+    with idle.borrow("cpu") as fresh:
+        assert fresh is not outer and fresh.name == outer.name

@@ -54,12 +54,10 @@ def idle_sessions_mb() -> dict:
     """The idle NVDEC sessions closed: how many, and the device memory that frees."""
     from kvcodec.codecs.hevc.decode import idle_decoders
 
-    decoders = [d for ds in idle_decoders._idle.values() for d in ds]
     before = torch.cuda.mem_get_info()[0]
-    for d in decoders:
-        d.close()
+    sessions = idle_decoders.close_idle()
     torch.cuda.synchronize()
-    return {"sessions": len(decoders), "sessions_mb": round((torch.cuda.mem_get_info()[0] - before) / MB, 1)}
+    return {"sessions": sessions, "sessions_mb": round((torch.cuda.mem_get_info()[0] - before) / MB, 1)}
 
 
 def measure(d: pathlib.Path, man: dict, method: str, tokens: int, fetches: int) -> dict:

@@ -402,10 +402,7 @@ def _close_idle() -> None:
     """Close every idle decoder the fetches keep (a variant's decoders are made afresh)."""
     from kvcodec.codecs.hevc.decode import idle_decoders
 
-    for ds in idle_decoders._idle.values():
-        for d in ds:
-            d.close()
-        ds.clear()
+    idle_decoders.close_idle()
 
 
 def measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alone: float, secs: float) -> dict:
@@ -764,10 +761,8 @@ def standing_sessions(probe) -> dict:
     from kvcodec.codecs.hevc.decode import idle_decoders
 
     before = probe.free_mb()
-    decoders = [d for ds in idle_decoders._idle.values() for d in ds]
-    for d in decoders:
-        d.close()
-    return {"kind": "standing", "sessions": len(decoders), "standing_mb": round(probe.free_mb() - before, 1)}
+    sessions = idle_decoders.close_idle()
+    return {"kind": "standing", "sessions": sessions, "standing_mb": round(probe.free_mb() - before, 1)}
 
 
 def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathlib.Path) -> dict:

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvcodec.video.nvcuvid import NvcuvidDecoder
-from kvcodec.video.streams import restore_stream
+from kvcodec.video.streams import thread_restore_stream
 
 DEFAULT_SESSIONS = 7  # NVDEC engines of an H100/H200
 # NVDEC engines per GPU (the vendor's NVDEC support matrix), by a substring of the device name; a
@@ -93,21 +93,18 @@ class NvcuvidThreads:
         self._idle: queue.Queue = queue.Queue()
         for dec in self.decoders:
             self._idle.put(dec)
-        self._local = threading.local()
         self._taking = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="nvcuvid")
+        self._pool = ThreadPoolExecutor(
+            max_workers=self.threads,
+            thread_name_prefix="nvcuvid",
+            initializer=torch.cuda.set_device,
+            initargs=(self.device,),
+        )
         self.workers = sessions  # what NvdecPool users read: engines kept busy
         self.name = "nvcuvid-threads"
 
-    def _stream(self) -> torch.cuda.Stream:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            torch.cuda.set_device(self.device)
-            stream = self._local.stream = restore_stream(self.device)
-        return stream
-
     def _restore_one(self, blob, out, restore: str, decode_into) -> torch.cuda.Event:
-        stream = self._stream()
+        stream = thread_restore_stream(self.device)
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             decode_into(blob, out, _LentDecoder(self._idle), restore)
             done = torch.cuda.Event()
@@ -154,7 +151,7 @@ class NvcuvidThreads:
             with self._taking:  # all of a share at once: two callers never each hold part of what they wait for
                 decs = [self._idle.get() for _ in range(count)]
             try:
-                with torch.cuda.device(self.device), torch.cuda.stream(self._stream()):
+                with torch.cuda.device(self.device), torch.cuda.stream(thread_restore_stream(self.device)):
                     work(decs)
             finally:
                 for dec in decs:

@@ -417,6 +417,19 @@ class _IdleDecoders:
             with self._lock:
                 self._idle[device].append(decoder)
 
+    def close_idle(self) -> int:
+        """Close every idle decoder (an NVDEC session frees its GPU memory) and let go of it;
+        decoders lent out stay theirs. Returns how many were let go."""
+        with self._lock:
+            decoders = [d for free in self._idle.values() for d in free]
+            for free in self._idle.values():
+                free.clear()
+        for decoder in decoders:
+            close = getattr(decoder, "close", None)  # the CPU decoders hold nothing to close
+            if close is not None:
+                close()
+        return len(decoders)
+
 
 idle_decoders = _IdleDecoders()
 
