@@ -72,17 +72,6 @@ def test_channel_pairs_cover_every_channel_once(partner_style, D, data):
     assert not tt.halves(np.stack([lo, hi, turn]), D) or D % 2 == 0
 
 
-@pytest.mark.parametrize("spec", SPECS[1:] + [RopeSpec(5e5, 16, scaling="llama3", factor=8.0)])
-def test_a_rotating_pair_s_table_rows_are_one_frequency_turned_both_ways(spec):
-    """What the epilogue assumes to read only lo's cos / sin rows of a pair: hi's are the same
-    cos and the negated sin, exactly, at every position (the tables' float32 values)."""
-    cos, sin = tk.RopeTables(spec, "cpu").covering(5000)
-    lo, hi, turn = tt.channel_pairs(*tk._rotating_partners(spec))
-    lo, hi = lo[turn == 1], hi[turn == 1]
-    assert lo.size and torch.equal(cos[hi], cos[lo]) and torch.equal(sin[hi], -sin[lo])
-    assert sin[lo].ne(0).any()
-
-
 def test_unit_table_refuses_heads_whose_rows_are_not_consecutive():
     _, rows, _, _ = tk.block_layout([16, 16], [1], 16)
     with pytest.raises(ValueError):

@@ -273,13 +273,12 @@ def _kernel():
         turn = (tl.load(pairs_ptr + 2 * P + p, mask=p_ok, other=0) != 0) & ((u // H) % 2 == 0)  # keys only
         rotate = turn[:, None] & n_ok[None, :]
         at_lo = lo.to(tl.int64)[:, None] * table_len + pos[None, :]
-        # as the reference: own * cos + partner * signed sin. A rotating pair turns at one frequency
-        # in opposite senses (hi's table rows are lo's, sin negated: rope_partner), so lo's rows serve
-        # both: half the table reads of a key
-        cos = tl.load(cos_ptr + at_lo, mask=rotate, other=1.0)
-        sin = tl.load(sin_ptr + at_lo, mask=rotate, other=0.0)
-        y_lo = x_lo * cos + x_hi * sin
-        y_hi = x_hi * cos - x_lo * sin
+        at_hi = hi.to(tl.int64)[:, None] * table_len + pos[None, :]
+        # as the reference: own * cos + partner * signed sin, each channel with its own table row
+        cos_lo = tl.load(cos_ptr + at_lo, mask=rotate, other=1.0)
+        y_lo = x_lo * cos_lo + x_hi * tl.load(sin_ptr + at_lo, mask=rotate, other=0.0)
+        cos_hi = tl.load(cos_ptr + at_hi, mask=rotate, other=1.0)
+        y_hi = x_hi * cos_hi + x_lo * tl.load(sin_ptr + at_hi, mask=rotate, other=0.0)
         if HAS_SINK:  # a chunk's first tokens kept exact: its sink's values, not the restored ones
             if REGULAR:
                 sink_len = tl.load(meta_ptr + 4 * N + chunk)
