@@ -13,9 +13,10 @@ decoder's standing memory and a host profile of where each chunk's CPU time goes
     python benchmarks/probes/fetch_restore.py run --dir D --out OUT.json --tokens 2048 --variants default-nokeep
 
 A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
-(int8 HEVC codec), `res=WxH` (frame size), `chunk=N` (tokens per chunk), `split=N` (HEVC streams
-per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes), `coder=zstd` (the
-samples zstd-coded, restored from CPU threads, instead of HEVC for NVDEC), `zframe=N` (bytes per zstd frame
+(int8 HEVC codec), `res=WxH` (frame size; without it the codec's own), `chunk=N` (tokens per chunk), `split=N`
+(HEVC streams per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes),
+`coder=C` (how the samples are coded; without it the codec's own default: hevc for NVDEC, zstd restored from CPU
+threads, the transform's mixed or int8's auto), `zframe=N` (bytes per zstd frame
 of the samples; more than a chunk holds: one frame, as before the frames), `zlevel=N` (the samples' zstd
 level; negative levels are zstd's fast ones, near raw bytes). run measures per case:
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
@@ -62,8 +63,9 @@ SAMPLES = 4096  # values of the CPU fetch kept as the reference (random position
 
 def parse_case(text: str) -> dict:
     name, _, spec = text.partition(":")
-    case = {"name": name, "codec": "transform", "ratio": None, "res": [512, 512], "chunk": 256, "ns": None}
-    case |= {"split": 1, "vbits": "auto", "coder": "hevc"}
+    # res and coder None: the codec's own defaults (prep records the frame size the codec chose)
+    case = {"name": name, "codec": "transform", "ratio": None, "res": None, "chunk": 256, "ns": None}
+    case |= {"split": 1, "vbits": "auto", "coder": None}
     for part in filter(None, spec.split(",")):
         key, _, value = part.partition("=")
         if key == "hevc":
@@ -93,18 +95,18 @@ def parse_case(text: str) -> dict:
 
 def make_codec(case: dict, d: pathlib.Path, cal=None):
     """The case's codec: on the CPU (prep) over the .kvt, on the GPU machine over the pack."""
-    res = (tuple(case["res"]),)
+    res = {} if case["res"] is None else {"resolutions": (tuple(case["res"]),)}
     if case["codec"] == "hevc":
         from kvcodec.codecs.hevc.codec import HevcCodec
         from kvcodec.config import CodecConfig
 
-        split, vbits, coder = case.get("split", 1), case.get("vbits", "auto"), case.get("coder", "hevc")
-        config = CodecConfig(quant="int8", chunk_tokens=case["chunk"], resolutions=res, streams_per_chunk=split)
-        return HevcCodec(dataclasses.replace(config, video_bits=vbits, sample_coder=coder))
+        config = CodecConfig(quant="int8", chunk_tokens=case["chunk"], streams_per_chunk=case.get("split", 1), **res)
+        coder = {} if case.get("coder") is None else {"sample_coder": case["coder"]}
+        return HevcCodec(dataclasses.replace(config, video_bits=case.get("vbits", "auto"), **coder))
     from kvcodec.codecs.transform.codec import TransformCodec
 
-    options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], "resolutions": res}
-    options["coder"] = case.get("coder", "hevc")
+    options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], **res}
+    options |= {} if case.get("coder") is None else {"coder": case["coder"]}
     if cal is not None:
         return TransformCodec(cal[0], kvt_hash=cal[1], **options)
     return TransformCodec(d.parent / f"{d.name}.kvt", **options)
@@ -150,7 +152,7 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
         assert r.ok, r.error
         idx, vals = _samples_of(r.kv)
         rel = float((r.kv.float() - kv.float()).norm() / kv.float().norm())
-        case.update(codec_id=codec.id, encode_s=round(enc, 2), relative_error=rel)
+        case.update(codec_id=codec.id, res=list(codec.resolutions[0]), encode_s=round(enc, 2), relative_error=rel)
         case.update(ref_idx=idx.tolist(), ref_vals=vals.tolist())
         print(f"{case['name']}: {codec.id}, encoded in {enc:.1f}s, relative error {rel:.4f}", flush=True)
         doc["cases"].append(case)
