@@ -684,9 +684,8 @@ class FetchPipeline:
     def _new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The output the fetch allocates, on the caller's stream: once the caller drops it, torch's
         allocator hands its memory out again in the order of the caller's own work, not to the next
-        fetch on this thread's kept stream while the caller's work may still read it."""
-        if self.caller is None:
-            return torch.empty(shape, dtype=dtype, device=self.s.device)
+        fetch on this thread's kept stream while the caller's work may still read it. Off CUDA the
+        caller is None, which makes torch.cuda.stream a no-op."""
         with torch.cuda.stream(self.caller):
             return torch.empty(shape, dtype=dtype, device=self.s.device)
 
