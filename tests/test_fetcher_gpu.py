@@ -119,6 +119,13 @@ def test_fetch_through_pool_workers_matches_cpu():
             assert torch.equal(r.kv.cpu(), ref)
 
 
+def skip_without_nvdec() -> None:
+    from kvcodec.video.nvcuvid import NvcuvidDecoder
+
+    if not NvcuvidDecoder.is_available():
+        pytest.skip("needs NVDEC")
+
+
 def _transform_caches(kvt, tokens: int = 600, coder: str = "hevc"):
     """A CPU and a CUDA PrefixCache over one memory store holding `tokens` of synthetic KV coded by
     the transform codec (HEVC samples: NVDEC on CUDA; mixed: odd chunks zstd, the host's threads),
@@ -145,10 +152,8 @@ def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, coder, monke
     import threading
 
     from kvcodec.codecs import driven as driven_module
-    from kvcodec.video.nvcuvid import NvcuvidDecoder
 
-    if not NvcuvidDecoder.is_available():
-        pytest.skip("needs NVDEC")
+    skip_without_nvdec()
     monkeypatch.setattr(driven_module, "DRIVEN", driven)
     (cpu, gpu), ids, _ = _transform_caches(kvt, coder=coder)
     ref = cpu.fetch(ids)
@@ -165,11 +170,9 @@ def test_a_cuda_fetch_output_is_freed_once_the_caller_drops_it(kvt, driven, monk
     """No reference cycle holds a fetch (and its output on the GPU) until the garbage collector
     runs: the driver held the pipeline's check while the pipeline held the driver's finish."""
     from kvcodec.codecs import driven as driven_module
-    from kvcodec.video.nvcuvid import NvcuvidDecoder
     from test_fetcher_codecs import output_freed_without_gc
 
-    if not NvcuvidDecoder.is_available():
-        pytest.skip("needs NVDEC")
+    skip_without_nvdec()
     monkeypatch.setattr(driven_module, "DRIVEN", driven)
     (_, gpu), ids, _ = _transform_caches(kvt, coder="mixed")
     assert output_freed_without_gc(gpu, ids)
@@ -180,10 +183,8 @@ def test_repeated_cuda_fetches_reuse_the_memory_they_freed(kvt, driven, monkeypa
     """Fetches from one thread restore on that thread's kept stream: what one fetch freed (its
     output, its scratch) serves the next, instead of staying reserved for a stream of its own."""
     from kvcodec.codecs import driven as driven_module
-    from kvcodec.video.nvcuvid import NvcuvidDecoder
 
-    if not NvcuvidDecoder.is_available():
-        pytest.skip("needs NVDEC")
+    skip_without_nvdec()
     monkeypatch.setattr(driven_module, "DRIVEN", driven)
     (_, gpu), ids, _ = _transform_caches(kvt, coder="mixed")
     reserved = []
@@ -199,10 +200,8 @@ def test_repeated_cuda_fetches_reuse_the_memory_they_freed(kvt, driven, monkeypa
 def test_a_cuda_fetch_output_belongs_to_the_callers_stream(kvt):
     """The output's memory is the caller's stream's: once dropped, it is handed out again in the
     order of the caller's work, never to the next fetch while the caller's work may read it."""
-    from kvcodec.video.nvcuvid import NvcuvidDecoder
 
-    if not NvcuvidDecoder.is_available():
-        pytest.skip("needs NVDEC")
+    skip_without_nvdec()
     (_, gpu), ids, _ = _transform_caches(kvt, coder="mixed")
     caller = torch.cuda.Stream()
     with torch.cuda.stream(caller):
@@ -220,10 +219,8 @@ def test_a_cuda_fetch_output_belongs_to_the_callers_stream(kvt):
 @pytest.mark.parametrize("coder", ["hevc", "mixed"])
 def test_a_damaged_chunk_stops_a_driven_fetch_there(kvt, coder):
     from kvcodec.fetcher import blob_key
-    from kvcodec.video.nvcuvid import NvcuvidDecoder
 
-    if not NvcuvidDecoder.is_available():
-        pytest.skip("needs NVDEC")
+    skip_without_nvdec()
     (cpu, gpu), ids, store = _transform_caches(kvt, coder=coder)
     key = blob_key(gpu.keys(ids)[3], 0)
     blob = bytearray(store.get(key))
