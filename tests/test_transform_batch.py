@@ -70,13 +70,13 @@ class CpuSessions:
         return [self.pool.submit(work, self.decoders[k::n]) for k in range(n)]
 
 
-def _case(kvt, tokens=400, **kw):
-    kw = {"coder": "hevc", **kw}
-    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, resolutions=((64, 64),), **kw)
+def _case(kvt, tokens=400, res=(64, 64), **kw):
+    kw = {"coder": "hevc", "resolutions": (res,), **kw}
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, **kw)
     c._restorer.batched = True
     kv = gpu_tests.synthetic_kv(tokens, 21)
     chunks = c.encode_chunks(kv)
-    ref = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, resolutions=((64, 64),), **kw)
+    ref = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, **kw)
     ref._restorer.batched = False
     return c, kv, chunks, gpu_tests.restore_all(ref, chunks, kv.shape)
 
@@ -456,3 +456,57 @@ def test_stage_driver_checksums_zstd_samples_on_the_host_thread(kvt):
     for i in good:
         span = slice(chunks[i].start_token, chunks[i].start_token + chunks[i].tokens)
         assert gpu_tests.within_an_ulp(out[:, :, span], want[:, :, span])
+
+
+@pytest.mark.parametrize("expected", [1, 64])
+def test_a_short_fetch_decodes_each_video_in_pieces_on_several_sessions(kvt, expected):
+    """StageDriver for a fetch of `expected` chunks: a short one cuts each chunk's video into runs of
+    its frames (each frame a picture that decodes alone) pushed to several sessions, into
+    consecutive parts of one buffer; a long one pushes each video whole. Every chunk restores as
+    the reference either way."""
+    from kvcodec.codecs.driven import StageDriver, balanced_runs, split_for
+
+    c, kv, chunks, want = _case(kvt, res=(16, 32))
+    out, outs = _outs(kv, chunks)
+    frames = [c.header(ch.blobs[0])["frames"] for ch in chunks]
+    assert min(frames) > 1 and all(len(c.header(ch.blobs[0])["pieces"]) == f for ch, f in zip(chunks, frames))
+    decoders = [FakeDecoder(None) for _ in range(3)]
+    driver = StageDriver(c, decoders, expected=expected)
+    got = _drive(driver, c, chunks, outs, driver.end_all)
+    driver.close()
+    c.finish([got[i] for i in range(len(chunks))], outs)
+    assert gpu_tests.within_an_ulp(out, want)
+    split = split_for(expected, len(decoders))
+    pieces = [len(balanced_runs(c.header(ch.blobs[0])["pieces"], split)) for ch in chunks]
+    assert sorted(k for d in decoders for k in d.run.streams) == sorted(
+        (i, p) for i, n in enumerate(pieces) for p in range(n)
+    )
+    assert (max(pieces) > 1) == (expected == 1)
+
+
+def test_pieces_that_do_not_cut_the_video_at_its_frames_are_refused(kvt):
+    """A header whose pieces add up but do not start where the video's frames do (a consistent
+    edit) is refused where a fetch would cut the video by them, never decoded into the wrong
+    frames; pieces that do not add up to the video are refused by any decode."""
+    from kvcodec.codecs.transform.batch import TransformDriven
+    from kvcodec.codecs.transform.codec import CHUNK_MAGIC
+    from kvcodec.container.format import read_object, write_object
+    from kvcodec.errors import FormatError
+
+    c, kv, chunks, _ = _case(kvt, tokens=64, res=(16, 32))
+    h, payload = read_object(chunks[0].blobs[0], CHUNK_MAGIC, "tc")
+    sizes = h["pieces"]
+    assert len(sizes) > 1
+    target = torch.empty_like(kv)
+
+    def forged(pieces):
+        return write_object(CHUNK_MAGIC, {**h, "pieces": pieces}, [bytes(payload)])
+
+    TransformDriven(c).read(forged(sizes), target, split=len(sizes))  # as written: read
+    shifted = forged([sizes[0] - 7, sizes[1] + 7, *sizes[2:]])
+    with pytest.raises(CorruptStreamError, match="piece 1"):
+        TransformDriven(c).read(shifted, target, split=len(sizes))
+    assert gpu_tests.within_an_ulp(c.decode_chunk(shifted, target), c.decode_chunk(chunks[0].blobs[0], target))
+    for bad in ([sizes[0] + 1, *sizes[1:]], sizes[:-1]):
+        with pytest.raises(FormatError, match="pieces"):
+            c.decode_chunk(forged(bad), target)

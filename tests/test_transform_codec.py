@@ -359,13 +359,17 @@ def test_version_1_chunks_still_decode_at_the_bin_centres(synthetic_kvt):
     blob = c.encode_chunks(kv)[0].blobs[0]
     want = c.decode_chunk(blob, torch.empty_like(kv))
     h, payload = read_object(blob, CHUNK_MAGIC, "tc")
-    assert (h["transform_version"], h["fine_tokens"], h["recon"]) == (2, 0, "centre")
+    assert (h["transform_version"], h["fine_tokens"], h["recon"], h["pieces"]) == (3, 0, "centre", [])
+    del h["pieces"]
+    h["transform_version"] = 2  # the header version-2 writers produced
+    v2 = write_object(CHUNK_MAGIC, dict(h), [bytes(payload)])
     for field in ("fine_tokens", "fine_bits", "recon"):
         del h[field]
-    h["transform_version"] = 1  # the header today's version-1 writers produced
+    h["transform_version"] = 1  # the header version-1 writers produced
     old = write_object(CHUNK_MAGIC, h, [bytes(payload)])
     for decoder in (c, codec(synthetic_kvt, recon="laplace", fine_tokens=8, fine_bits=1)):
         assert torch.equal(decoder.decode_chunk(old, torch.empty_like(kv)), want)
+        assert torch.equal(decoder.decode_chunk(v2, torch.empty_like(kv)), want)
 
 
 @pytest.mark.parametrize(
@@ -378,8 +382,11 @@ def test_version_1_chunks_still_decode_at_the_bin_centres(synthetic_kvt):
         lambda h: h.__setitem__("recon", "median"),
         lambda h: h.pop("recon"),  # version 2 needs all three
         lambda h: h.__setitem__("transform_version", 1),  # version 1 has none of them
-        lambda h: h.__setitem__("transform_version", 3),
+        lambda h: h.__setitem__("transform_version", 4),
         lambda h: h.__setitem__("transform_version", "2"),
+        lambda h: h.__setitem__("transform_version", 2),  # version 2 has no pieces
+        lambda h: h.__setitem__("pieces", [5]),  # a zstd chunk has none
+        lambda h: h.pop("pieces"),  # version 3 needs them
     ],
 )
 def test_forged_precision_fields_are_format_errors(synthetic_kvt, edit):
@@ -424,3 +431,22 @@ def test_encode_samples_are_those_of_to_samples_at_the_extremes():
     got, want = _samples(q), quantize.to_samples(q)
     assert torch.equal(got[0], want[0])
     assert (got[1] == want[1]).all() and (got[2] == want[2]).all() and len(got[1]) == len(want[1]) > 0
+
+
+def test_a_video_chunk_codes_each_frame_as_a_stream_that_decodes_alone(synthetic_kvt):
+    """The header's pieces: one byte length per frame of the video, each piece the frame's own
+    stream (what lets a fetch decode one chunk on several NVDEC engines), joined the whole video."""
+    from kvcodec.video.registry import get_decoder
+
+    c = codec(synthetic_kvt, coder="hevc")
+    blob = c.encode_chunks(synthetic_kv(64, seed=35))[0].blobs[0]
+    h, streams = c._read(blob)
+    video, (w, hh) = bytes(streams["video"]), h["resolution"]
+    assert h["frames"] > 1 and len(h["pieces"]) == h["frames"] and sum(h["pieces"]) == len(video)
+    cpu = get_decoder("cpu")
+    whole = list(cpu.decode(video, w, hh))
+    at = 0
+    for size, frame in zip(h["pieces"], whole):
+        alone = list(cpu.decode(video[at : at + size], w, hh))
+        assert len(alone) == 1 and torch.equal(alone[0], frame)
+        at += size

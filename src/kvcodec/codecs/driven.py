@@ -4,10 +4,15 @@ A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec
 
     inspect(blob) -> ChunkInfo          the header alone (the fetch's binding check runs on it first:
                                          a blob of another prefix is dropped, whatever its shape)
-    read(blob, target) -> Reading       the blob parsed and checked against the target: the chunk's
-                                         ChunkInfo and its videos (Piece: bytes, frame size, frames)
+    read(blob, target, split) -> Reading
+                                        the blob parsed and checked against the target: the chunk's
+                                         ChunkInfo and its videos (Piece: bytes, frame size, frames),
+                                         cut into up to `split` pieces where its videos can be (the
+                                         transform codec's frames that decode alone: a short fetch's
+                                         few chunks then keep every engine busy)
     stage(reading, buffers, target)     the chunk's staged part, from each piece's decoded frames (a
-                                         flat uint8 buffer per piece, frame after frame)
+                                         flat uint8 buffer per piece, frame after frame: consecutive
+                                         parts of one allocation)
     stage_alone(reading, target, dec)   the same with the pieces decoded by `dec` (after its session
                                          failed: names the chunk at fault)
     finish(staged, targets)             the math for many staged chunks at once, into their targets
@@ -65,6 +70,43 @@ def host_pool() -> ThreadPoolExecutor:
         return _host_pool
 
 
+PIECES_PER_SESSION = 4  # a fetch cuts its chunks' videos (where they can be) into about this many pieces per session
+
+
+def split_for(chunks: int, sessions: int) -> int:
+    """Pieces each chunk's videos are cut into, where they can be, in a fetch of `chunks` chunks on
+    `sessions` NVDEC sessions: enough that a short fetch keeps every session busy with pieces of
+    similar size; 1 once the chunks alone are that many (a piece costs the fetch's thread a push). Pure."""
+    return max(1, -(-PIECES_PER_SESSION * sessions // max(1, chunks)))
+
+
+def balanced_runs(sizes: Sequence[int], most: int) -> list[tuple[int, int]]:
+    """`sizes` cut into at most `most` contiguous non-empty runs [a, b) whose largest sum is the
+    smallest possible (the pieces of one video, each run decoded on a session: the largest decides
+    when the chunk is out). Pure."""
+    if not sizes:
+        return []
+    most = max(1, min(most, len(sizes)))
+
+    def runs_within(cap: int) -> list[tuple[int, int]]:
+        runs, start, total = [], 0, 0
+        for i, size in enumerate(sizes):
+            if total + size > cap and i > start:
+                runs.append((start, i))
+                start, total = i, 0
+            total += size
+        return [*runs, (start, len(sizes))]
+
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(runs_within(mid)) <= most:
+            hi = mid
+        else:
+            lo = mid + 1
+    return runs_within(lo)
+
+
 EAGER = True  # a driven fetch flushes every session right after the last blob (False: when it waits on one)
 VIDEO_FIRST = True  # submit_many pushes the chunks with videos before it hands the others to host threads
 
@@ -98,7 +140,7 @@ class DrivenChunks(Protocol):
 
     def inspect(self, blob) -> ChunkInfo: ...
 
-    def read(self, blob, target: Target) -> Reading: ...
+    def read(self, blob, target: Target, split: int = 1) -> Reading: ...
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> object: ...
 
@@ -128,8 +170,11 @@ def driven_of(codec) -> DrivenChunks | None:
 
 
 @contextlib.contextmanager
-def stage_driver(codec, device, sessions: int, check: Callable | None = None) -> Iterator[StageDriver | None]:
-    """A StageDriver over `sessions` NVDEC sessions borrowed for the block; None where chunks
+def stage_driver(
+    codec, device, sessions: int, check: Callable | None = None, expected: int | None = None
+) -> Iterator[StageDriver | None]:
+    """A StageDriver over `sessions` NVDEC sessions borrowed for the block (for a fetch of `expected`
+    chunks: StageDriver's split); None where chunks
     cannot be driven that way (DRIVEN off, not a CUDA device, a codec without DrivenChunks, no
     native feeder, or a borrowed decoder that is not nvcuvid's)."""
     from kvcodec.video import nvcuvid_native
@@ -146,7 +191,7 @@ def stage_driver(codec, device, sessions: int, check: Callable | None = None) ->
         if not all(callable(getattr(d, "fed_run", None)) and d.device == device for d in decoders):
             yield None
             return
-        driver = StageDriver(chunks, decoders, check)
+        driver = StageDriver(chunks, decoders, check, expected)
         try:
             yield driver
         finally:
@@ -180,16 +225,18 @@ class StageDriver:
     flushes a session whose every stream is fed. After a session fails, each chunk it held is
     decoded on its own once its other pieces are done (which names the chunk at fault).
     finish(staged, targets): the codec's math (DrivenChunks.finish). `chunks`: a DrivenChunks, or a
-    codec that has one (driven_of)."""
+    codec that has one (driven_of). `expected`: the chunks the fetch will submit, which sets how
+    many pieces each chunk's videos are cut into (split_for; None: as stored)."""
 
     WAIT_S = 0.05
 
-    def __init__(self, chunks, decoders: Sequence, check: Callable | None = None):
+    def __init__(self, chunks, decoders: Sequence, check: Callable | None = None, expected: int | None = None):
         self.chunks = chunks if callable(getattr(chunks, "stage_alone", None)) else driven_of(chunks)
         if self.chunks is None:
             raise TypeError(f"{type(chunks).__name__} cannot be driven (no DrivenChunks)")
         self.check = check
         self.runs = [d.fed_run() for d in decoders]
+        self.split = split_for(expected, len(self.runs)) if expected else 1
         self.fed: dict = {}  # tag -> _Fed
         self.done: list = []  # (tag, staged or error, decode seconds)
         self.free_at = [0.0] * len(self.runs)  # when each session finished its last piece
@@ -227,7 +274,7 @@ class StageDriver:
         try:
             if self.check is not None:  # what the blob says it is, before it is read against the target
                 self.check(tag, self.chunks.inspect(blob))
-            return self.chunks.read(blob, target)
+            return self.chunks.read(blob, target, self.split)
         except KVCodecError as e:
             self.done.append((tag, e, 0.0))
             return None
@@ -243,14 +290,19 @@ class StageDriver:
             self.done.append((tag, e, 0.0))
 
     def _push(self, tag, reading: Reading, target: Target, t0: float) -> None:
-        """Each of the chunk's videos to the native feeder of the least busy session."""
+        """Each of the chunk's videos to the native feeder of the least busy session, decoded into
+        its part of one buffer (the pieces' parts in order, so a chunk cut into pieces of one video
+        has that video's frames in one piece of memory)."""
         entry = self.fed[tag] = _Fed(reading, target, t0)
+        sizes = [piece.buffer_bytes for piece in reading.pieces]
         for p, piece in enumerate(reading.pieces):
             k = self._run_for(piece.width, piece.height)
             run = self.runs[k]
-            with _on_stream(run.decoder, target.device):  # reused only after its (synchronous) copies
-                buf = torch.empty(piece.buffer_bytes, dtype=torch.uint8, device=target.device)
-            entry.buffers.append(buf)
+            if p == 0:
+                with _on_stream(run.decoder, target.device):  # reused only after its (synchronous) copies
+                    whole = torch.empty(sum(sizes), dtype=torch.uint8, device=target.device)
+                entry.buffers = list(whole.split(sizes))
+            buf = entry.buffers[p]
             entry.left[p] = k
             video = _video_array(piece.video)
             run.push((tag, p), video, run.next_ordinal(), piece.frames, buf.data_ptr())

@@ -227,7 +227,9 @@ class FetchPipeline:
             return contextlib.nullcontext()
         from kvcodec.codecs import driven
 
-        return driven.stage_driver(self.s.codec, self.s.device, self.s.decode_workers, self._check_info)
+        return driven.stage_driver(
+            self.s.codec, self.s.device, self.s.decode_workers, self._check_info, len(self.plan.metas)
+        )
 
     def _start(self, work: Callable[[], None], kind: str):  # noqa: ANN202 - a threading.Thread or a _Task
         """Run `work` on a thread of the settings' executor (kept across fetches), else a new thread."""

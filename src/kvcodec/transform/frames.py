@@ -45,3 +45,27 @@ def from_frames(frames, count: int, width: int, height: int, device) -> torch.Te
     if got != n:
         raise CorruptStreamError(f"video stream decoded to {got} frames, expected {n}")
     return out[:count]
+
+
+MIN_FRAMES = 4  # frames a chunk's samples fill where frames can shrink: pieces a short fetch spreads over NVDEC engines
+MIN_SIDE = 256  # frames shrink no further (NVDEC decodes HEVC from 144x144; per-frame work grows as they shrink)
+
+
+def frame_size(samples: int, largest: tuple[int, int], min_frames: int = MIN_FRAMES) -> tuple[int, int]:
+    """The frame size for chunks of `samples` samples: `largest`, its longer side halved (the height
+    on a tie) while the chunk would fill fewer than `min_frames` frames and the halved side stays
+    at least MIN_SIDE (and even). Every frame of a chunk is coded as its own picture that decodes
+    alone, so a chunk of several frames can be decoded on several NVDEC engines at once. Pure."""
+    w, h = largest
+
+    def halves(side: int) -> bool:
+        return side // 2 >= MIN_SIDE and side % 4 == 0
+
+    while samples < min_frames * 3 * w * h:
+        if halves(h) and (h >= w or not halves(w)):
+            h //= 2
+        elif halves(w):
+            w //= 2
+        else:
+            break
+    return w, h

@@ -22,7 +22,10 @@ class VideoEncoder(Protocol):
         """True when this backend can run on this machine (libraries and hardware present)."""
 
     def encode(self, frames: Iterable[np.ndarray], width: int, height: int) -> bytes:
-        """Encode frames of shape (3, height, width) uint8, losslessly, into one bitstream."""
+        """Encode frames of shape (3, height, width) uint8, losslessly, into one bitstream.
+
+        An encoder may also have encode_intra(frames, width, height) -> list[bytes]: each frame a
+        stream of its own that decodes alone (the transform codec's pieces), joined one stream."""
 
 
 @runtime_checkable

@@ -74,18 +74,27 @@ class X265Encoder:
             return False
 
     def encode(self, frames: Iterable[np.ndarray], width: int, height: int) -> bytes:
+        return b"".join(self._packets(frames, width, height, "keyint=-1"))
+
+    def encode_intra(self, frames: Iterable[np.ndarray], width: int, height: int) -> list[bytes]:
+        """Each frame as a stream of its own (parameter sets and one IDR picture), in order: each
+        decodes alone, and together, joined, they are one stream of all the frames."""
+        return self._packets(frames, width, height, "keyint=1:repeat-headers=1")
+
+    def _packets(self, frames: Iterable[np.ndarray], width: int, height: int, gop: str) -> list[bytes]:
+        """One packet (access unit) per frame, in order."""
         av = _av()
         ctx = av.CodecContext.create("libx265", "w")
         ctx.width, ctx.height, ctx.pix_fmt = width, height, PIX_FMT
         ctx.time_base = fractions.Fraction(1, 25)
         # hash=1: an MD5 of every decoded picture in an SEI message, which the CPU decoder
         # verifies: a damaged stream must not decode to memory the decoder never wrote
-        params = f"lossless=1:log-level=none:bframes=0:keyint=-1:hash=1:pools={self.threads}"
+        params = f"lossless=1:log-level=none:bframes=0:{gop}:hash=1:pools={self.threads}"
         for extra in (self.tuning, self.extra_params):
             if extra:
                 params += ":" + extra
         ctx.options = {"preset": self.preset, "x265-params": params}
-        out = bytearray()
+        out: list[bytes] = []
         for i, planes in enumerate(frames):
             if planes.shape != (3, height, width) or planes.dtype != np.uint8:
                 raise ValueError(f"frame {i}: expected (3, {height}, {width}) uint8, got {planes.shape} {planes.dtype}")
@@ -93,11 +102,9 @@ class X265Encoder:
             for p in range(3):
                 _fill_plane(frame.planes[p], planes[p])
             frame.pts = i
-            for packet in ctx.encode(frame):
-                out += bytes(packet)
-        for packet in ctx.encode(None):
-            out += bytes(packet)
-        return bytes(out)
+            out += [bytes(packet) for packet in ctx.encode(frame)]
+        out += [bytes(packet) for packet in ctx.encode(None)]
+        return out
 
 
 def _fill_plane(plane, data: np.ndarray) -> None:

@@ -65,7 +65,8 @@ class HevcDriven:
     def inspect(self, blob) -> ChunkInfo:
         return self.codec.inspect_chunk(blob)
 
-    def read(self, blob, target: Target) -> Reading:
+    def read(self, blob, target: Target, split: int = 1) -> Reading:
+        """The chunk's parts (its streams of layer groups are its pieces already: `split` is not used)."""
         info = self.codec.inspect_chunk(blob)  # quant, frame size and bit widths of this codec
         parts = tuple(_read_part(b, t) for b, t in chunk_parts(blob, target))
         pieces = tuple(Piece(p.streams["video"], p.plan.width, p.plan.height, p.h.frames) for p in parts if p.video)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.driven import Piece, Reading
+from kvcodec.codecs.driven import Piece, Reading, balanced_runs
 from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
 from kvcodec.container.format import verify_streams
 from kvcodec.errors import CorruptStreamError, KVCodecError
@@ -381,7 +382,9 @@ class TransformDriven:
     def inspect(self, blob) -> ChunkInfo:
         return self.codec.inspect_chunk(blob)
 
-    def read(self, blob, target: Target) -> Reading:
+    def read(self, blob, target: Target, split: int = 1) -> Reading:
+        """The chunk checked; its video as up to `split` pieces where its frames decode alone (the
+        header's pieces, joined into runs of similar bytes: NVDEC's time goes with them)."""
         h, entries, streams = self.codec._read_entries(blob, _LATER)  # samples: checksummed where decompressed
         later = tuple(e for e in entries if e.name in _LATER)
         check_target(h, target)
@@ -390,7 +393,7 @@ class TransformDriven:
             w, hh = h["resolution"]
             if h["frames"] != frame_count(self.codec._restorer.sample_count(h), w, hh):
                 raise CorruptStreamError("transform chunk announces the wrong number of frames")
-            pieces = (Piece(streams["video"], w, hh, h["frames"]),)
+            pieces = _pieces(streams["video"], w, hh, h["frames"], h["pieces"], split)
         return Reading(chunk_info(h), pieces, (h, streams, later))
 
     def prepare_host(self, reading: Reading) -> Reading:
@@ -404,7 +407,7 @@ class TransformDriven:
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
         h, streams, later, *host = reading.state
         _verify(h, streams, later)
-        samples = buffers[0] if buffers else host[0].to(target.device, non_blocking=True) if host else None
+        samples = _joined(buffers) if buffers else host[0].to(target.device, non_blocking=True) if host else None
         return self.codec._restorer.decode_samples(h, streams, target.device, samples=samples)
 
     def stage_alone(self, reading: Reading, target: Target, decoder):  # noqa: ANN201 - Decoded
@@ -414,3 +417,42 @@ class TransformDriven:
 
     def finish(self, staged: Sequence, targets: Sequence[Target]) -> None:
         self.codec.finish(staged, targets)
+
+
+def _pieces(video, width: int, height: int, frames: int, sizes: Sequence[int], split: int) -> tuple[Piece, ...]:
+    """The video as up to `split` pieces: runs of its frames that decode alone (`sizes`: the
+    header's byte length of each; none: the video is one stream)."""
+    if split <= 1 or len(sizes) <= 1:
+        return (Piece(video, width, height, frames),)
+    view, ends, pieces = memoryview(video), list(itertools.accumulate(sizes, initial=0)), []
+    for a, b in balanced_runs(sizes, split):
+        if not _starts_a_stream(view[ends[a] : ends[a] + 6]):
+            raise CorruptStreamError(
+                f"transform chunk's video piece {a} does not start a stream (its pieces are wrong)"
+            )
+        pieces.append(Piece(view[ends[a] : ends[b]], width, height, b - a))
+    return tuple(pieces)
+
+
+_VPS = b"\x40\x01"  # the NAL unit header of a video parameter set (type 32, layer 0, temporal id 1)
+
+
+def _starts_a_stream(head: memoryview) -> bool:
+    """Whether bytes start with an Annex-B start code and a video parameter set: where each of a
+    video's pieces begins (a piece cut anywhere else would decode another frame in its place)."""
+    b = bytes(head)
+    return b.startswith(b"\x00\x00\x01" + _VPS) or b.startswith(b"\x00\x00\x00\x01" + _VPS)
+
+
+def _joined(buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The pieces' buffers as one: the span they cover where they are consecutive parts of one
+    allocation (as StageDriver makes them), else a copy."""
+    first = buffers[0]
+    if len(buffers) == 1:
+        return first
+    total, at = sum(b.numel() for b in buffers), first.data_ptr()
+    for b in buffers:
+        if b.data_ptr() != at or b.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return torch.cat(list(buffers))
+        at += b.numel()
+    return first.as_strided((total,), (1,), first.storage_offset())

@@ -42,8 +42,8 @@ from kvcodec.transform.kvt import load_kvt
 from kvcodec.video import x265_cpu
 
 CHUNK_MAGIC = b"KVTC"
-TRANSFORM_VERSION = 2  # 2: fine_tokens, fine_bits, recon in the header (version 1 chunks: 0, 0, "centre")
-READABLE_VERSIONS = (1, 2)
+TRANSFORM_VERSION = 3  # 2: fine_tokens, fine_bits, recon in the header (version 1 chunks: 0, 0, "centre"); 3: pieces
+READABLE_VERSIONS = (1, 2, 3)
 CODERS = SETTING_CODERS  # hevc, zstd, or mixed (chunk by chunk: header.chunk_coder)
 VIDEO_CODERS = ("hevc", "mixed")  # the settings that code some chunks as video
 PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
@@ -324,7 +324,7 @@ class TransformCodec:
     def _payload_bytes(self, y, kv, theta, first_position) -> float:
         """Bytes of one chunk blob (header included), its fp16 sink tokens left out; for the mixed
         coder the mean of its two coders' (each codes half the chunks), whichever its index gives it."""
-        res, encoder = self.resolutions[0], self._encoder()
+        res, encoder = self.frame_sizes(theta)[0], self._encoder()
         samples, side, escapes = self._samples_and_side(y, kv, theta, first_position, 0)  # once for both coders
         sizes = []
         for coder in MIXED_TURN if self.coder == "mixed" else (self.chunk_coder(first_position),):
@@ -333,6 +333,13 @@ class TransformCodec:
             blob = self._write(streams, counts, kv, theta, first_position, 0, res, None)
             sizes.append(len(blob) - len(streams.get("sink", b"")))
         return sum(sizes) / len(sizes)
+
+    def frame_sizes(self, theta: float) -> tuple[tuple[int, int], ...]:
+        """The frame size chunks coded at level theta use for each of the codec's resolutions (the
+        largest frames it may use): frames.frame_size of a whole chunk's samples, so that a chunk
+        fills several frames where they can shrink (every chunk of one level has the same size)."""
+        samples = self.plan(theta).steps.numel() * self.chunk_tokens
+        return tuple(frames.frame_size(samples, res) for res in self.resolutions)
 
     def chunk_coder(self, start_token: int) -> str:
         """The sample coder ("hevc" or "zstd") of the chunk starting at token `start_token`."""
@@ -357,7 +364,7 @@ class TransformCodec:
         y and kv on one device (the GPU's KV is quantized there; only samples come to the host)."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
         coder = coder or self.chunk_coder(first_position)
-        return tuple(self._pending(samples, streams, escapes, fine, res, coder) for res in self.resolutions)
+        return tuple(self._pending(samples, streams, escapes, fine, res, coder) for res in self.frame_sizes(theta))
 
     def _pending(self, samples, streams, escapes, fine, resolution, coder) -> tuple[dict, dict, object]:  # noqa: ANN001
         """One resolution's entry of _prepare from a chunk's samples and side streams, for `coder`."""
@@ -369,10 +376,15 @@ class TransformCodec:
 
     @staticmethod
     def _coded(streams, counts, pending, resolution, encoder) -> tuple[dict[str, bytes], dict]:
-        """The chunk's streams with its samples coded (on the chunk's thread: x265 and zstd run in parallel)."""
-        if counts["coder"] == "hevc":
-            return {**streams, "video": encoder.encode(pending, *resolution)}, counts
-        return {**streams, "samples": zstd_frames(pending, ZSTD_LEVEL)}, counts  # one frame and its seek table
+        """The chunk's streams with its samples coded (on the chunk's thread: x265 and zstd run in
+        parallel). Video: each frame a picture that decodes alone (its byte lengths the header's
+        pieces) where the encoder can code so (encode_intra), else one stream (pieces [])."""
+        if counts["coder"] != "hevc":
+            return {**streams, "samples": zstd_frames(pending, ZSTD_LEVEL)}, {**counts, "pieces": []}
+        if callable(getattr(encoder, "encode_intra", None)):
+            pieces = encoder.encode_intra(pending, *resolution)
+            return {**streams, "video": b"".join(pieces)}, {**counts, "pieces": [len(p) for p in pieces]}
+        return {**streams, "video": encoder.encode(pending, *resolution)}, {**counts, "pieces": []}
 
     def _samples_and_side(self, y, kv, theta, first_position, fine) -> tuple[torch.Tensor, dict[str, bytes], int]:
         """A chunk's uint8 samples in layout order (on y's device), its side streams (escapes, and
@@ -428,7 +440,7 @@ class TransformCodec:
                 self._write(
                     *self._coded(*p, res, encoder), kv[:, :, s:e], theta, first + s, first_chunk_index + n, res, key
                 )
-                for p, res in zip(prepared, self.resolutions)
+                for p, res in zip(prepared, self.frame_sizes(theta))
             )
             return EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
 
@@ -466,7 +478,7 @@ class TransformCodec:
         coders = [self.chunk_coder(first_position + k * self.chunk_tokens) for k in range(chunks)]
         rows = {c: [k for k in range(chunks) if coders[k] == c] for c in MIXED_TURN}
         picked = {c: _rows_of(samples, r) for c, r in rows.items()}
-        frames_by_res = [self._batch_frames(picked["hevc"], res) for res in self.resolutions]
+        frames_by_res = [self._batch_frames(picked["hevc"], res) for res in self.frame_sizes(theta)]
         where, values, plain, *host = host_arrays([where, values, picked["zstd"], *frames_by_res])
         row = {k: j for r in rows.values() for j, k in enumerate(r)}  # chunk -> its row among its coder's
         out = []

@@ -3,7 +3,10 @@ forged header reaches the restore path only as well-typed fields it can trust: a
 naming the field otherwise (never a KeyError, a TypeError or a NaN level deep in the math).
 
 Version 1 chunks have no fine_tokens / fine_bits / recon (read as 0, 0, "centre"); version 2
-chunks must carry all three."""
+chunks must carry all three. Version 3 adds `pieces`: the byte length of each frame of the video
+where every frame is coded as its own picture that decodes alone (parameter sets and an IDR
+picture each), so a fetch may decode them on several NVDEC engines; [] where the video is one
+stream (read so from versions 1 and 2)."""
 
 from __future__ import annotations
 
@@ -20,8 +23,9 @@ SETTING_CODERS = (*CODERS, "mixed")  # a codec's (and a file's) coder setting
 MIXED_TURN = ("hevc", "zstd")  # the mixed setting: chunk i's samples coded by MIXED_TURN[i % 2]
 DTYPES = ("float16", "bfloat16", "float32")
 STREAM_NAMES = ("escapes", "sink", "video", "samples")
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 V1_DEFAULTS = {"fine_tokens": 0, "fine_bits": 0, "recon": "centre"}  # fields version 2 added
+V2_DEFAULTS = {"pieces": []}  # the field version 3 added
 
 
 def chunk_coder(setting: str, index: int) -> str:
@@ -72,6 +76,7 @@ FIELDS: dict[str, v.Check] = {
     "fine_tokens": v.integer(0, v.MAX_TOKENS),
     "fine_bits": v.integer(0, MAX_FINE_BITS),
     "recon": v.choice(RECONS),
+    "pieces": v.listing(v.integer(1, 1 << 40), 0, v.MAX_TOKENS),
 }
 
 
@@ -84,12 +89,13 @@ def check_header(h: Any) -> tuple[dict, tuple[StreamEntry, ...]]:
     version = FIELDS["transform_version"](h.get("transform_version"), "transform_version")
     if version not in VERSIONS:
         raise FormatError(f"transform chunk version {version} is not readable (this reads {VERSIONS})")
-    known = set(FIELDS) - (set(V1_DEFAULTS) if version == 1 else set())
+    defaults = {**(V1_DEFAULTS if version == 1 else {}), **(V2_DEFAULTS if version < 3 else {})}
+    known = set(FIELDS) - set(defaults)
     extra = sorted(set(h) - known)
     if extra:
         raise FormatError(f"transform chunk header (version {version}) has unknown fields {extra}")
     checks = {k: c for k, c in FIELDS.items() if k in known}
-    checked = {**(V1_DEFAULTS if version == 1 else {}), **v.fields_of(h, checks, {"key": None})}
+    checked = {**defaults, **v.fields_of(h, checks, {"key": None})}
     entries = checked.pop("streams")
     names = [e.name for e in entries]
     need = {"escapes", "video" if checked["coder"] == "hevc" else "samples"} | ({"sink"} if checked["sink"] else set())
@@ -100,5 +106,19 @@ def check_header(h: Any) -> tuple[dict, tuple[StreamEntry, ...]]:
     for field in ("sink", "fine_tokens"):
         if checked[field] > checked["tokens"]:
             raise v.fail(field, checked[field], f"at most tokens={checked['tokens']}")
+    _check_pieces(checked, entries)
     checked["shape"], checked["resolution"] = list(checked["shape"]), list(checked["resolution"])
+    checked["pieces"] = list(checked["pieces"])
     return {**h, **checked, "streams": h["streams"]}, entries
+
+
+def _check_pieces(h: dict, entries: tuple[StreamEntry, ...]) -> None:
+    """The pieces, where there are any, are one per frame of a video chunk and add up to its video."""
+    pieces = h["pieces"]
+    if not pieces:
+        return
+    video = next((e.length for e in entries if e.name == "video"), None)
+    if h["coder"] != "hevc" or len(pieces) != h["frames"] or sum(pieces) != video:
+        raise v.fail(
+            "pieces", list(pieces)[:8], f"one byte length per frame ({h['frames']}) adding up to the video's {video}"
+        )
