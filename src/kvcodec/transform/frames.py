@@ -53,15 +53,16 @@ MIN_SIDE = 256  # frames shrink no further (NVDEC decodes HEVC from 144x144; per
 
 def frame_size(samples: int, largest: tuple[int, int], min_frames: int = MIN_FRAMES) -> tuple[int, int]:
     """The frame size for chunks of `samples` samples: `largest`, its longer side halved (the height
-    on a tie) while the chunk would fill fewer than `min_frames` frames and the halved side stays
+    on a tie) while the chunk would take fewer than `min_frames` frames and the halved side stays
     at least MIN_SIDE (and even). Every frame of a chunk is coded as its own picture that decodes
-    alone, so a chunk of several frames can be decoded on several NVDEC engines at once. Pure."""
+    alone, so a chunk of several frames can be decoded on several NVDEC engines at once; frames
+    no smaller than that, because NVDEC's map runs a conversion kernel on the SMs per frame. Pure."""
     w, h = largest
 
     def halves(side: int) -> bool:
         return side // 2 >= MIN_SIDE and side % 4 == 0
 
-    while samples < min_frames * 3 * w * h:
+    while frame_count(samples, w, h) < min_frames:
         if halves(h) and (h >= w or not halves(w)):
             h //= 2
         elif halves(w):
