@@ -126,7 +126,7 @@ def skip_without_nvdec() -> None:
         pytest.skip("needs NVDEC")
 
 
-def _transform_caches(kvt, tokens: int = 600, coder: str = "hevc"):
+def _transform_caches(kvt, tokens: int = 600, coder: str = "hevc", chunk: int = 64, res=(256, 256)):
     """A CPU and a CUDA PrefixCache over one memory store holding `tokens` of synthetic KV coded by
     the transform codec (HEVC samples: NVDEC on CUDA; mixed: odd chunks zstd, the host's threads),
     and the token ids."""
@@ -134,14 +134,36 @@ def _transform_caches(kvt, tokens: int = 600, coder: str = "hevc"):
     from kvcodec.store import open_store
 
     codec = TransformCodec(
-        kvt[0], chunk_tokens=64, target_ratio=4.0, coder=coder, resolutions=((256, 256),)
+        kvt[0], chunk_tokens=chunk, target_ratio=4.0, coder=coder, resolutions=(res,)
     )  # NVDEC: >= 144
     store, ids = open_store("memory://"), list(range(tokens))
     caches = [
         PrefixCache(store, "m", codec, dev, profile=DecodeProfile.default(codec.resolutions)) for dev in ("cpu", "cuda")
     ]
-    assert caches[0].put(ids, gpu_tests.synthetic_kv(tokens, 21).half()) == -(-tokens // 64)
+    assert caches[0].put(ids, gpu_tests.synthetic_kv(tokens, 21).half()) == -(-tokens // chunk)
     return caches, ids, store
+
+
+def test_a_short_cuda_fetch_decodes_each_chunk_in_pieces_on_several_sessions(kvt, monkeypatch):
+    """Two chunks of several frames each (every frame a stream that decodes alone): the driven fetch
+    cuts each video into pieces (driven.split_for) on several NVDEC sessions, into one buffer per
+    chunk, and restores what the CPU does."""
+    from kvcodec.codecs import driven
+
+    skip_without_nvdec()
+    (cpu, gpu), ids, _ = _transform_caches(kvt, tokens=2048, chunk=1024, res=(160, 160))
+    pushed, push = [], driven.StageDriver._push
+    monkeypatch.setattr(
+        driven.StageDriver,
+        "_push",
+        lambda self, tag, reading, *a: (pushed.append(len(reading.pieces)), push(self, tag, reading, *a))[1],
+    )
+    ref = cpu.fetch(ids)
+    for _ in range(2):  # the second fetch reuses the sessions
+        r = gpu.fetch(ids)
+        assert r.ok, r.error
+        torch.testing.assert_close(r.kv.cpu().float(), ref.kv.float(), atol=2**-12, rtol=2**-10)
+    assert len(pushed) == 4 and min(pushed) > 1
 
 
 @pytest.mark.parametrize("coder", ["hevc", "mixed"])

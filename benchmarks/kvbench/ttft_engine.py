@@ -206,6 +206,9 @@ def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: 
             "ratio_vs_fp16": kv[:, :, :CHUNK].numel() * 2 * len(blobs) / coded,
             "kvt_sha256": getattr(codec, "kvt_hash", None),
         }
+        if transform_ratio(m):  # the frames the codec chose for these chunks (its resolutions are the largest)
+            h = codec.header(blobs[0])
+            man["methods"][m] |= {"frame": list(h["resolution"]), "frames": h["frames"]}
         click.echo(f"  {m}: {len(blobs)} chunk(s), {coded} bytes, {man['methods'][m]['ratio_vs_fp16']:.2f}x", err=True)
     if transform and any(transform_ratio(m) for m in man["methods"]):
         write_pack(d, man, transform, resolution)

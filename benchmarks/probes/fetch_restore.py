@@ -15,6 +15,7 @@ decoder's standing memory and a host profile of where each chunk's CPU time goes
 A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target ratio R), `hevc`
 (int8 HEVC codec), `res=WxH` (frame size; without it the codec's own), `chunk=N` (tokens per chunk), `split=N`
 (HEVC streams per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes),
+`frames=N` (the transform's frames shrink until a chunk takes N, frames.MIN_FRAMES; 1: as large as `res`),
 `coder=C` (how the samples are coded; without it the codec's own default: hevc for NVDEC, zstd restored from CPU
 threads, the transform's mixed or int8's auto), `zframe=N` (bytes per zstd frame
 of the samples; more than a chunk holds: one frame, as before the frames), `zlevel=N` (the samples' zstd
@@ -86,6 +87,8 @@ def parse_case(text: str) -> dict:
             case["zframe"] = int(value)
         elif key == "zlevel":  # zstd level of the samples (prep; negative: fast levels, ~raw bytes)
             case["zlevel"] = int(value)
+        elif key == "frames":  # the least frames a chunk takes where frames shrink (prep: frames.MIN_FRAMES)
+            case["min_frames"] = int(value)
         elif key == "ns":  # a key namespace: cases whose codec ids coincide (frame sizes) keep apart
             case["ns"] = value
         else:
@@ -145,7 +148,7 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
         profile = DecodeProfile.default(codec.resolutions)
         cache = PrefixCache(store, model_name, codec, "cpu", profile=profile, namespace=case["ns"])
         t0 = time.perf_counter()
-        with _frame_bytes(case.get("zframe")), _zstd_level(case.get("zlevel")):
+        with _frame_bytes(case.get("zframe")), _zstd_level(case.get("zlevel")), _min_frames(case.get("min_frames")):
             cache.put(ids, kv)
         enc = time.perf_counter() - t0
         r = cache.fetch(ids)
@@ -177,6 +180,20 @@ def _frame_bytes(size: int | None):
         yield
     finally:
         zstd_streams.zstd_frames.__defaults__ = saved
+
+
+@contextlib.contextmanager
+def _min_frames(count: int | None):
+    """The transform's frames shrinking until a chunk takes `count` of them, in the block (None: the default)."""
+    from kvcodec.transform import frames
+
+    saved = frames.MIN_FRAMES
+    if count:
+        frames.MIN_FRAMES = count
+    try:
+        yield
+    finally:
+        frames.MIN_FRAMES = saved
 
 
 @contextlib.contextmanager
@@ -560,6 +577,7 @@ def chunk_latency(case, codec, mem, doc, reps: int = 20) -> dict:
         "kind": "chunk-latency",
         "chunks": len(videos),
         "frames": statistics.mean(frames),
+        "frame": [w, h],
         "video_kb": round(mean_bytes / 1e3, 1),
         "ms_median": round(1e3 * median, 3),
         "ms_best": round(1e3 * min(times[1:]), 3),
