@@ -10,28 +10,30 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvcodec.codecs.driven import PIECES_PER_SESSION, balanced_runs, split_for
-from kvcodec.transform.frames import MIN_FRAMES, MIN_SIDE, frame_count, frame_size
+from kvcodec.transform.frames import MIN_SIDE, frame_count, frame_size
 
 sides = st.sampled_from([16, 64, 256, 270, 512, 1000, 1024, 1080, 1920, 2048])
 
 
-@given(st.integers(1, 1 << 26), sides, sides)
-def test_frames_shrink_only_while_a_chunk_fills_too_few_and_stay_large_enough(samples, w, h):
-    fw, fh = frame_size(samples, (w, h))
+@given(st.integers(1, 1 << 26), sides, sides, st.integers(1, 16))
+def test_frames_shrink_only_while_a_chunk_fills_too_few_and_stay_large_enough(samples, w, h, least):
+    fw, fh = frame_size(samples, (w, h), least)
     assert fw <= w and fh <= h and w % fw == 0 and h % fh == 0
     assert fw >= min(w, MIN_SIDE) and fh >= min(h, MIN_SIDE)
     if (fw, fh) != (w, h):  # shrunk: the larger size before the last halving held too few frames
-        assert frame_count(samples, 2 * fw, fh) < MIN_FRAMES or frame_count(samples, fw, 2 * fh) < MIN_FRAMES
-    if frame_count(samples, fw, fh) < MIN_FRAMES:  # too few frames: the frames could shrink no further
+        assert frame_count(samples, 2 * fw, fh) < least or frame_count(samples, fw, 2 * fh) < least
+    if frame_count(samples, fw, fh) < least:  # too few frames: the frames could shrink no further
         assert (fh < 2 * MIN_SIDE or fh % 4) and (fw < 2 * MIN_SIDE or fw % 4)
 
 
-def test_frame_sizes_of_the_two_models_chunks():
-    """Qwen2.5-0.5B's 256-token chunk at 5x (~1.44M samples) takes 4 frames of 512x256 instead of
-    half of one 1024x1024 frame; a chunk that takes 4 frames of 1024x1024 keeps them."""
-    assert frame_size(1_440_512, (1024, 1024)) == (512, 256)
-    assert frame_size(3 * 3 * 1024 * 1024 + 1, (1024, 1024)) == (1024, 1024)
-    assert frame_size(3 * 3 * 1024 * 1024, (1024, 1024)) == (1024, 512)
+def test_frame_sizes_of_a_small_models_chunks():
+    """Qwen2.5-0.5B's 256-token chunk at 5x (~1.44M samples) keeps its one 1024x1024 frame by
+    default; asked for 4 frames it takes 4 of 512x256 (not 8 of 256x256: frames are whole); a
+    chunk that takes 4 frames of 1024x1024 keeps them."""
+    assert frame_size(1_440_512, (1024, 1024)) == (1024, 1024)
+    assert frame_size(1_440_512, (1024, 1024), 4) == (512, 256)
+    assert frame_size(3 * 3 * 1024 * 1024 + 1, (1024, 1024), 4) == (1024, 1024)
+    assert frame_size(3 * 3 * 1024 * 1024, (1024, 1024), 4) == (1024, 512)
 
 
 @given(st.integers(1, 4096), st.integers(1, 64))

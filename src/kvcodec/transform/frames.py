@@ -47,7 +47,13 @@ def from_frames(frames, count: int, width: int, height: int, device) -> torch.Te
     return out[:count]
 
 
-MIN_FRAMES = 4  # frames a chunk's samples fill where frames can shrink: pieces a short fetch spreads over NVDEC engines
+# Frames a chunk's samples take at least, where frames can shrink: more frames are more pieces a short
+# fetch can spread over NVDEC engines (one video chunk takes an engine ~3.8 ms on Qwen2.5's KV), but
+# NVDEC's map runs a conversion kernel on the SMs per frame (at 512x512, two frames a chunk, a busy
+# GPU's matmul lost 6.9-7.1% beside a fetch against 3.3-4.4%: fetch-h200-s43-frame-size). 1 (frames as
+# large as the codec's resolution) until that trade is measured on the H200; fetch_restore's case
+# option frames=N codes with another.
+MIN_FRAMES = 1
 MIN_SIDE = 256  # frames shrink no further (NVDEC decodes HEVC from 144x144; per-frame work grows as they shrink)
 
 
