@@ -59,10 +59,9 @@ MIN_SIDE = 256  # frames shrink no further (NVDEC decodes HEVC from 144x144; per
 
 def frame_size(samples: int, largest: tuple[int, int], min_frames: int | None = None) -> tuple[int, int]:
     """The frame size for chunks of `samples` samples: `largest`, its longer side halved (the height
-    on a tie) while the chunk would take fewer than `min_frames` (MIN_FRAMES) frames and the halved side stays
-    at least MIN_SIDE (and even). Every frame of a chunk is coded as its own picture that decodes
-    alone, so a chunk of several frames can be decoded on several NVDEC engines at once; frames
-    no smaller than that, because NVDEC's map runs a conversion kernel on the SMs per frame. Pure."""
+    on a tie) while a chunk would take fewer than `min_frames` (default MIN_FRAMES) frames and the
+    halved side stays even and at least MIN_SIDE. Each frame of a chunk is coded as a picture that
+    decodes alone, so a chunk of several frames can be decoded on several NVDEC engines at once. Pure."""
     w, h = largest
     min_frames = MIN_FRAMES if min_frames is None else min_frames
 
