@@ -122,12 +122,13 @@ def _samples_of(kv: torch.Tensor, n: int = SAMPLES) -> tuple[torch.Tensor, torch
 
 
 def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_tokens: int, text: str) -> None:
+    from kvcodec.codecs.hevc import encode as hevc_encode
     from kvcodec.fetcher import DecodeProfile, PrefixCache
     from kvcodec.integrations.hf import extract_kv
     from kvcodec.models import load_model
     from kvcodec.models.texts import load_text
     from kvcodec.store import open_store
-    from kvcodec.transform import RopeSpec, calibrate, save_kvt
+    from kvcodec.transform import RopeSpec, calibrate, frames, save_kvt
 
     d.mkdir(parents=True, exist_ok=True)
     model, tok = load_model(model_name)
@@ -148,7 +149,11 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
         profile = DecodeProfile.default(codec.resolutions)
         cache = PrefixCache(store, model_name, codec, "cpu", profile=profile, namespace=case["ns"])
         t0 = time.perf_counter()
-        with _frame_bytes(case.get("zframe")), _zstd_level(case.get("zlevel")), _min_frames(case.get("min_frames")):
+        with (
+            _frame_bytes(case.get("zframe")),
+            _module_setting(hevc_encode, "SAMPLES_ZSTD_LEVEL", case.get("zlevel")),
+            _module_setting(frames, "MIN_FRAMES", case.get("min_frames")),
+        ):
             cache.put(ids, kv)
         enc = time.perf_counter() - t0
         r = cache.fetch(ids)
@@ -183,31 +188,16 @@ def _frame_bytes(size: int | None):
 
 
 @contextlib.contextmanager
-def _min_frames(count: int | None):
-    """The transform's frames shrinking until a chunk takes `count` of them, in the block (None: the default)."""
-    from kvcodec.transform import frames
-
-    saved = frames.MIN_FRAMES
-    if count:
-        frames.MIN_FRAMES = count
+def _module_setting(module, name: str, value):  # noqa: ANN001 - a module and its constant's value
+    """module.name set to `value` in the block (None: left as it is): the int8 codec's samples' zstd
+    level (hevc.encode.SAMPLES_ZSTD_LEVEL), the transform's least frames a chunk (frames.MIN_FRAMES)."""
+    saved = getattr(module, name)
+    if value is not None:
+        setattr(module, name, value)
     try:
         yield
     finally:
-        frames.MIN_FRAMES = saved
-
-
-@contextlib.contextmanager
-def _zstd_level(level: int | None):
-    """The int8 codec's samples zstd-coded at `level` in the block (None: the default)."""
-    from kvcodec.codecs.hevc import encode
-
-    saved = encode.SAMPLES_ZSTD_LEVEL
-    if level is not None:
-        encode.SAMPLES_ZSTD_LEVEL = level
-    try:
-        yield
-    finally:
-        encode.SAMPLES_ZSTD_LEVEL = saved
+        setattr(module, name, saved)
 
 
 def _stored_bytes(store, doc: dict, case: dict) -> int:

@@ -413,6 +413,7 @@ class TransformCodec:
         count = -(-T // self.chunk_tokens)
         check_keys(keys, count)
         self.device_plan(theta, y.device)  # made once, before the chunk threads share it
+        sizes = self.frame_sizes(theta)
         # chunks in parallel, each on a single-threaded encoder (x265's bitstream does not depend
         # on its thread count), in order; a GPU encoder (no with_threads) codes one chunk at a time
         workers, encoder = min(encode_workers(), count), self._encoder()
@@ -440,7 +441,7 @@ class TransformCodec:
                 self._write(
                     *self._coded(*p, res, encoder), kv[:, :, s:e], theta, first + s, first_chunk_index + n, res, key
                 )
-                for p, res in zip(prepared, self.frame_sizes(theta))
+                for p, res in zip(prepared, sizes)
             )
             return EncodedChunk(first_chunk_index + n, first + s, e - s, self.resolutions, blobs)
 
