@@ -450,3 +450,28 @@ def test_a_video_chunk_codes_each_frame_as_a_stream_that_decodes_alone(synthetic
         alone = list(cpu.decode(video[at : at + size], w, hh))
         assert len(alone) == 1 and torch.equal(alone[0], frame)
         at += size
+
+
+def test_packets_that_are_not_one_per_frame_are_written_as_one_stream(synthetic_kvt, monkeypatch):
+    """An encoder whose packets do not map one to a frame (here x265's first packet cut in two)
+    writes its video as one stream, without pieces, and the chunk still decodes exactly."""
+    from kvcodec.codecs.transform.codec import X265_TUNING
+    from kvcodec.video.x265_cpu import X265Encoder
+
+    class CutFirstPacket:
+        def __init__(self) -> None:
+            self.x265 = X265Encoder(preset="ultrafast", tuning=X265_TUNING)
+
+        def encode_intra(self, frames, width, height):  # noqa: ANN001, ANN202
+            first, *rest = self.x265.encode_intra(frames, width, height)
+            return [first[:40], first[40:], *rest]
+
+    whole = codec(synthetic_kvt, coder="hevc")
+    c = codec(synthetic_kvt, coder="hevc")
+    monkeypatch.setattr(c, "_encoder", lambda threads=None: CutFirstPacket())
+    kv = synthetic_kv(64, seed=36)
+    blob = c.encode_chunks(kv)[0].blobs[0]
+    h, streams = c._read(blob)
+    assert h["frames"] > 1 and h["pieces"] == []
+    assert bytes(streams["video"]) == bytes(whole._read(whole.encode_chunks(kv)[0].blobs[0])[1]["video"])
+    assert torch.equal(roundtrip(c, kv)[0], roundtrip(whole, kv)[0])

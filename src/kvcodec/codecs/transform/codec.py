@@ -383,7 +383,10 @@ class TransformCodec:
             return {**streams, "samples": zstd_frames(pending, ZSTD_LEVEL)}, {**counts, "pieces": []}
         if callable(getattr(encoder, "encode_intra", None)):
             pieces = encoder.encode_intra(pending, *resolution)
-            return {**streams, "video": b"".join(pieces)}, {**counts, "pieces": [len(p) for p in pieces]}
+            # the header's pieces are one per frame: packets cut otherwise (a separate header
+            # packet, say) are still one valid stream together, written as such
+            lengths = [len(p) for p in pieces] if len(pieces) == counts["frames"] else []
+            return {**streams, "video": b"".join(pieces)}, {**counts, "pieces": lengths}
         return {**streams, "video": encoder.encode(pending, *resolution)}, {**counts, "pieces": []}
 
     def _samples_and_side(self, y, kv, theta, first_position, fine) -> tuple[torch.Tensor, dict[str, bytes], int]:
