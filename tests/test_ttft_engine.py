@@ -276,6 +276,22 @@ def test_the_busy_table_shows_each_methods_fetch_beside_the_matmul():
     assert ttft_engine.busy_markdown({"inputs": {"methods": {"raw": {}}}}) == []
 
 
+def test_the_busy_table_adds_a_column_pair_per_further_queue_depth():
+    busy = {
+        "tokens": 32768,
+        "restored_gb_per_s_alone": 9.1,
+        "restored_gb_per_s_beside": 6.2,
+        "matmul_tflops_alone": 700.0,
+        "matmul_slowdown": 0.071,
+        "matmul_queued": 1,
+        "matmul_slowdown_queued_2": 0.024,
+        "restored_gb_per_s_beside_queued_2": 6.9,
+    }
+    md = "\n".join(ttft_engine.busy_markdown({"inputs": {"methods": {"kvcodec-transform-8": {"busy": [busy]}}}}))
+    assert "| slowed, 2 queued |" in md and "|---|---|---|---|---|---|---|---|" in md
+    assert "| kvcodec-transform 8x | 32768 | 9.10 | 6.20 | 700 | 7.1% | 6.90 | 2.4% |" in md
+
+
 def test_a_bad_resolution_or_busy_time_is_a_usage_error_before_any_work(tmp_path):
     save_kv_file(tmp_path / "kv.safetensors", real_like_kv(300), {"model": "syn"})
     args = ["prep", "--kv-file", str(tmp_path / "kv.safetensors"), "--target", "llama-tiny", "--methods", "zstd-3"]
@@ -284,3 +300,6 @@ def test_a_bad_resolution_or_busy_time_is_a_usage_error_before_any_work(tmp_path
         assert r.exit_code == 2 and "--resolution" in r.output and not (tmp_path / "d").exists()
     r = CliRunner().invoke(ttft_engine.command, ["run", "--dir", str(tmp_path), "--busy-seconds", "-1"])
     assert r.exit_code == 2 and "--busy-seconds" in r.output
+    for bad in ("0", "two", ""):
+        r = CliRunner().invoke(ttft_engine.command, ["run", "--dir", str(tmp_path), "--busy-queued", bad])
+        assert r.exit_code == 2 and "--busy-queued" in r.output, r.output

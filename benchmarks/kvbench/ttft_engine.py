@@ -355,6 +355,9 @@ class RunSpec:
     max_transfer_s: float
     device: str
     busy_s: float = 0.0  # > 0 (CUDA): each method's fetches also beside a looping bf16 matmul, this long
+    busy_queued: tuple[int, ...] = (
+        1,
+    )  # the matmul's queue depths (kvbench.busy.matmul_tflops), the first the record's
 
 
 def engine_for(model, pc, device: str):  # noqa: ANN001, ANN201
@@ -414,13 +417,11 @@ def method_points(model, m: str, pc, link_store, prompts: dict[int, list[int]], 
 
 def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[dict]:  # noqa: ANN001
     """Per prefix length: PrefixCache.fetch alone (median of `spec.repeat`, at least 3) and looping
-    beside a bf16 matmul (kvbench.busy), each until the KV is ready on the fetching thread's own
-    stream (as an engine's request thread waits; a device-wide sync would wait for the matmul too).
-    The matmul's rate alone is measured right before and after (a GPU's clocks drift as it heats):
-    the slowdown is against their mean."""
+    beside a bf16 matmul (kvbench.busy) at each of spec.busy_queued's queue depths (the first's
+    numbers are the record's, the others' are suffixed _queued_N), each fetch until the KV is ready
+    on the fetching thread's own stream (as an engine's request thread waits; a device-wide sync
+    would wait for the matmul too)."""
     import torch
-
-    from kvbench.busy import beside_matmul, matmul_tflops
 
     out = []
     for n in spec.tokens:
@@ -438,25 +439,32 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
             t0 = time.perf_counter()
             fetch()
             times.append(time.perf_counter() - t0)
-        before = matmul_tflops(spec.device, spec.busy_s)
-        rec = beside_matmul(fetch, spec.device, spec.busy_s, before)
-        after = matmul_tflops(spec.device, spec.busy_s)
-        alone = (before + after) / 2
-        rec |= {"matmul_tflops_alone": alone, "matmul_tflops_alone_before_after": [before, after]}
-        rec["matmul_slowdown"] = 1.0 - rec["matmul_tflops_during"] / alone
         gb = n * fp16_per_token / 1e9
-        out.append(
-            {
-                "tokens": n,
-                "restored_gb_per_s_alone": gb / statistics.median(times),
-                "restored_gb_per_s_beside": gb / rec["call_s_during"] if rec["calls_during"] else None,
-                **rec,
-            }
-        )
+        first, *others = [_beside(fetch, spec, q, gb) for q in spec.busy_queued]
+        rec = {"tokens": n, "restored_gb_per_s_alone": gb / statistics.median(times), **first}
+        for q, other in zip(spec.busy_queued[1:], others, strict=True):
+            rec[f"matmul_slowdown_queued_{q}"] = other["matmul_slowdown"]
+            rec[f"restored_gb_per_s_beside_queued_{q}"] = other["restored_gb_per_s_beside"]
+        out.append(rec)
         click.echo(
-            f"  busy {n}: matmul slowed {rec['matmul_slowdown']:.1%}, {out[-1]['restored_gb_per_s_beside']}", err=True
+            f"  busy {n}: matmul slowed {rec['matmul_slowdown']:.1%}, {rec['restored_gb_per_s_beside']}", err=True
         )
     return out
+
+
+def _beside(fetch, spec: RunSpec, queued: int, gb: float) -> dict:  # noqa: ANN001
+    """`fetch` looping beside the matmul kept `queued` batches deep (kvbench.busy), against the
+    matmul's rate alone right before and after (a GPU's clocks drift as it heats): their mean."""
+    from kvbench.busy import beside_matmul, matmul_tflops
+
+    before = matmul_tflops(spec.device, spec.busy_s, queued=queued)
+    rec = beside_matmul(fetch, spec.device, spec.busy_s, before, queued=queued)
+    after = matmul_tflops(spec.device, spec.busy_s, queued=queued)
+    alone = (before + after) / 2
+    rec |= {"matmul_queued": queued, "matmul_tflops_alone": alone, "matmul_tflops_alone_before_after": [before, after]}
+    rec["matmul_slowdown"] = 1.0 - rec["matmul_tflops_during"] / alone
+    rec["restored_gb_per_s_beside"] = gb / rec["call_s_during"] if rec["calls_during"] else None
+    return rec
 
 
 def run(
@@ -641,27 +649,43 @@ def markdown(rec: dict) -> list[str]:
 
 
 def busy_markdown(rec: dict) -> list[str]:
-    """The fetches beside a busy GPU (run --busy-seconds), where measured."""
+    """The fetches beside a busy GPU (run --busy-seconds), where measured: a column pair per further
+    queue depth of the matmul (--busy-queued)."""
     meths = {m: info["busy"] for m, info in rec["inputs"]["methods"].items() if info.get("busy")}
     if not meths:
         return []
+    first = next(iter(meths.values()))[0]
+    depth = first.get("matmul_queued", 1)
+    more = sorted(int(k.rsplit("_", 1)[1]) for k in first if k.startswith("matmul_slowdown_queued_"))
     md = [
         "",
         "Beside a busy GPU (a bf16 8192^3 matmul looping on its own stream): PrefixCache.fetch at the fastest link, "
         "GB/s of fp16 KV restored alone (median) and looping beside the matmul, and the matmul's slowdown against "
-        "its rate alone (the mean of its rates right before and after).",
+        f"its rate alone (the mean of its rates right before and after). The matmul keeps {depth} batch(es) of 20 "
+        "queued while its thread waits (1: its stream idles while the thread waits for the interpreter lock"
+        + (f"; also measured with {', '.join(map(str, more))} queued: the GPU's sharing alone)." if more else ")."),
         "",
-        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul TFLOP/s alone | matmul slowed |",
-        "|---|---|---|---|---|---|",
+        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul TFLOP/s alone | matmul slowed |"
+        + "".join(f" beside, {q} queued, GB/s | slowed, {q} queued |" for q in more),
+        "|---|---|---|---|---|---|" + "---|---|" * len(more),
     ]
     for m, recs in meths.items():
         for b in recs:
             md.append(
                 f"| {method_label(m)} | {b['tokens']} | {_f(b['restored_gb_per_s_alone'], '.2f')} | "
                 f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_tflops_alone']:.0f} | {b['matmul_slowdown']:.1%} |"
+                + "".join(
+                    f" {_f(b.get(f'restored_gb_per_s_beside_queued_{q}'), '.2f')} | "
+                    f"{_pct(b.get(f'matmul_slowdown_queued_{q}'))} |"
+                    for q in more
+                )
                 + (f" error: {b['error']}" if b.get("error") else "")
             )
     return md
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _speedups_markdown(keyed: dict, grid: list, kms: list[str]) -> list[str]:
@@ -779,6 +803,13 @@ def prep_command(kv_file, target, transform, calibrate_kv_file, methods, target_
     type=click.FloatRange(min=0),
     help="CUDA: also time each method's fetches beside a looping bf16 matmul for this long (0: off).",
 )
+@click.option(
+    "--busy-queued",
+    default="1",
+    show_default=True,
+    help="The matmul's queue depths, comma-separated (the first the table's): 1 lets its stream idle while its "
+    "thread waits for the interpreter lock, 2 or more measure the GPU's sharing alone.",
+)
 @click.option("--pack", default=None, type=click.Path(exists=True, dir_okay=False), help="Default: DIR's pack.")
 @click.option("--accuracy", "accuracy_files", multiple=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--accuracy-model", default="smollm2-135m", show_default=True, help="The rd records' model to show.")
@@ -795,6 +826,7 @@ def run_command(
     repeat,
     max_transfer_s,
     busy_seconds,
+    busy_queued,
     pack,
     accuracy_files,
     accuracy_model,
@@ -816,6 +848,7 @@ def run_command(
         max_transfer_s,
         device,
         busy_seconds,
+        tuple(_queue_depths(busy_queued)),
     )
     if any(n % CHUNK for n in spec.tokens):
         raise click.ClickException(f"--tokens must be multiples of {CHUNK}")
@@ -868,3 +901,15 @@ NOTES = (
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _queue_depths(text: str) -> list[int]:
+    try:
+        depths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        depths = []
+    if not depths or min(depths) < 1:
+        raise click.BadParameter(
+            f"{text!r}: queue depths are integers >= 1, comma-separated", param_hint="--busy-queued"
+        )
+    return depths

@@ -190,7 +190,8 @@ def _frame_bytes(size: int | None):
 @contextlib.contextmanager
 def _module_setting(module, name: str, value):  # noqa: ANN001 - a module and its constant's value
     """module.name set to `value` in the block (None: left as it is): the int8 codec's samples' zstd
-    level (hevc.encode.SAMPLES_ZSTD_LEVEL), the transform's least frames a chunk (frames.MIN_FRAMES)."""
+    level (hevc.encode.SAMPLES_ZSTD_LEVEL), the transform's least frames a chunk (frames.MIN_FRAMES), the
+    matmul's queue depth (nvcuvid_scaling.MATMUL_QUEUED)."""
     saved = getattr(module, name)
     if value is not None:
         setattr(module, name, value)
@@ -251,6 +252,26 @@ def _probe():
     import nvcuvid_scaling
 
     return nvcuvid_scaling
+
+
+QUEUED_TOO: tuple[int, ...] = ()  # --matmul-queued-too: the matmul's slowdown also at these queue depths
+_alone_at: dict[int, float] = {}  # the matmul's TFLOP/s alone per queue depth of QUEUED_TOO, once a run
+
+
+def _interference(probe, fn, secs: float, alone: float) -> dict:  # noqa: ANN001
+    """probe.interference at the run's queue depth (probe.MATMUL_QUEUED) and, for each depth of
+    QUEUED_TOO, the slowdown as matmul_slowdown_queued_N, against the matmul alone at that depth."""
+    inter = probe.interference(fn, secs, alone)
+    for q in QUEUED_TOO:
+        with _module_setting(probe, "MATMUL_QUEUED", q):
+            if q not in _alone_at:
+                _alone_at[q] = probe.matmul_tflops(2.0)
+            inter[f"matmul_slowdown_queued_{q}"] = probe.interference(fn, secs, _alone_at[q])["matmul_slowdown"]
+    return inter
+
+
+def _queued_too(inter: dict) -> dict:
+    return {k: v for k, v in inter.items() if k.startswith("matmul_slowdown_queued_")}
 
 
 def _memory_store(d: pathlib.Path, doc: dict):
@@ -453,8 +474,9 @@ def _measure_fetch(mem, doc, case, codec, probe, variant: dict, repeat: int, alo
         **_check(kv, case),
     }
     if secs > 0:
-        inter = probe.interference(lambda: fetch_loop(cache, ids, 1), secs, alone)
+        inter = _interference(probe, lambda: fetch_loop(cache, ids, 1), secs, alone)
         rec["matmul_slowdown"] = inter["matmul_slowdown"]
+        rec.update(_queued_too(inter))
         rec["restored_gb_per_s_under_matmul"] = round(nbytes / inter["call_s_during"] / 1e9, 3)
     return rec
 
@@ -699,9 +721,10 @@ def kernels_only(
     rec["cuda_contexts"] = 1
     rec["kernels_gb_per_s_alone"] = round(nbytes / (start.elapsed_time(end) / 1e3) / 1e9, 3)
     if secs > 0:
-        inter = probe.interference(loop, secs, alone)
+        inter = _interference(probe, loop, secs, alone)
         gbs = nbytes / inter["call_s_during"] / 1e9
         rec.update(matmul_slowdown=inter["matmul_slowdown"], kernels_gb_per_s_under_matmul=round(gbs, 3))
+        rec.update(_queued_too(inter))
         rec["matmul_slowdown_per_gb_per_s"] = round(inter["matmul_slowdown"] / max(gbs, 1e-9), 5)
     return rec
 
@@ -981,7 +1004,10 @@ def run_log(script: str, doc: dict, alone: float, out: pathlib.Path):  # noqa: A
         "model": doc["model"],
         "tokens": len(doc["ids"]),
         "fp16_bytes": doc["fp16_bytes"],
-        "matmul": "bf16 8192x8192 torch.mm on its own stream, waited for per 10, same process",
+        "matmul": f"bf16 8192x8192 torch.mm on its own stream, launched 10 at a time with "
+        f"{_probe().MATMUL_QUEUED} such batch(es) queued while its thread waits, same process",
+        "matmul_queued": _probe().MATMUL_QUEUED,
+        **({"matmul_queued_too": list(QUEUED_TOO)} if QUEUED_TOO else {}),
         "matmul_alone_tflops": round(alone, 1),
         "records": [],
     }
@@ -1211,6 +1237,14 @@ def main() -> None:
     r.add_argument("--sample", action="store_true", help="the sampler profile of the defaults, also with --quick")
     r.add_argument("--trace", default="", help="case name whose default fetches are traced (torch.profiler, gzip)")
     r.add_argument("--trace-busy", action="store_true", help="--trace also with the matmul looping beside the fetches")
+    r.add_argument(
+        "--matmul-queued",
+        type=int,
+        default=1,
+        help="matmul batches kept queued while its thread waits: 1 (default) lets its stream idle while the thread "
+        "waits for the interpreter lock, 2 or more measure the GPU's sharing alone (kvbench.busy)",
+    )
+    r.add_argument("--matmul-queued-too", default="", help="queue depths, comma-separated, also measured per record")
     a = ap.parse_args()
     if a.cmd == "pack":
         _pack(a.dir, json.loads((a.dir / "cases.json").read_text()), a.also)
@@ -1218,6 +1252,9 @@ def main() -> None:
     if a.cmd == "prep":
         prep(a.dir, a.model, [parse_case(c) for c in a.cases], a.tokens, a.cal_tokens, a.text)
         return
+    global QUEUED_TOO
+    _probe().MATMUL_QUEUED = a.matmul_queued
+    QUEUED_TOO = tuple(int(q) for q in filter(None, a.matmul_queued_too.split(",")))
     variants = [_variant(v) for v in filter(None, a.variants.split(","))]
     only = set(filter(None, a.only.split(",")))
     run(

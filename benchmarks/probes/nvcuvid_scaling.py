@@ -78,49 +78,31 @@ def timed(fn, seconds: float) -> float:
     return sorted(times)[len(times) // 2]
 
 
+MATMUL_QUEUED = 1  # matmul batches kept queued on its stream while its thread waits (kvbench.busy)
+
+
 def matmul_tflops(seconds: float, n: int = 8192) -> float:
-    """A bf16 n^3 matmul's TFLOP/s, 10 at a time on its own stream, waiting for that stream after
-    each 10 (as an engine waits for its own step): a device-wide synchronize (before 2026-12-04)
-    also waited for the restore's work queued on other streams, counting its latency as SM cost."""
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    c = torch.empty_like(a)
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        torch.mm(a, b, out=c)
-        stream.synchronize()
-        count, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(10):
-                torch.mm(a, b, out=c)
-            stream.synchronize()
-            count += 10
-    return 2 * n**3 * count / (time.perf_counter() - t0) / 1e12
+    """A bf16 n^3 matmul's TFLOP/s, 10 at a time on its own stream (kvbench.busy.matmul_tflops),
+    MATMUL_QUEUED batches in flight: 1 waits for each 10 as an engine waits for its own step (a
+    device-wide synchronize, before 2026-12-04, also waited for the restore's streams)."""
+    from kvbench.busy import matmul_tflops as busy_tflops
+
+    return busy_tflops("cuda", seconds, n, batch=10, queued=MATMUL_QUEUED)
 
 
 def interference(fn, seconds: float, alone: float) -> dict:
-    """Matmul TFLOP/s while fn runs in a loop on another thread, and fn's own rate meanwhile."""
-    stop = threading.Event()
-    calls = [0]
+    """Matmul TFLOP/s while fn runs in a loop on another thread (kvbench.busy.beside_matmul, with
+    this module's matmul), and fn's own rate meanwhile."""
+    from kvbench.busy import beside_matmul
 
-    def loop():
-        while not stop.is_set():
-            fn()
-            calls[0] += 1
-
-    t = threading.Thread(target=loop, daemon=True)
-    t.start()
-    time.sleep(0.5)
-    c0, t0 = calls[0], time.perf_counter()
-    during = matmul_tflops(seconds)
-    c1, t1 = calls[0], time.perf_counter()
-    stop.set()
-    t.join()
+    rec = beside_matmul(fn, "cuda", seconds, alone, 0.5, batch=10, queued=MATMUL_QUEUED)
+    if "error" in rec:
+        raise RuntimeError(rec["error"])
     return {
-        "matmul_tflops": round(during, 1),
-        "matmul_slowdown": round(1 - during / alone, 4),
-        "calls_during": c1 - c0,
-        "call_s_during": round((t1 - t0) / max(c1 - c0, 1), 4),
+        "matmul_tflops": round(rec["matmul_tflops_during"], 1),
+        "matmul_slowdown": round(rec["matmul_slowdown"], 4),
+        "calls_during": rec["calls_during"],
+        "call_s_during": round(rec["call_s_during"], 4),
     }
 
 
