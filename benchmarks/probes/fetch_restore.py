@@ -325,7 +325,8 @@ def _switches(codec, variant: dict):
     fused False (the transform's inverse by the reference kernels, not restore.transform_triton's),
     pyseq True (the parser's sequence callback enters Python at every stream's first header, as before
     the native kv_sequence reused a format's surfaces), inorder True (a fetch's blobs submitted in
-    chunk order, not the chunks with videos first: driven.VIDEO_FIRST off)."""
+    chunk order, not the chunks with videos first: driven.VIDEO_FIRST off), pps N (pieces per NVDEC
+    session a fetch cuts its chunks' videos into: driven.PIECES_PER_SESSION, 0 none)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
     from kvcodec.restore import transform_kernels, transform_triton
     from kvcodec.video import nvcuvid, nvcuvid_native, streams
@@ -340,6 +341,8 @@ def _switches(codec, variant: dict):
     fed = nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH
     driven = transform_batch.DRIVEN, transform_batch.EAGER, transform_batch.VIDEO_FIRST
     transform_batch.VIDEO_FIRST = not variant.get("inorder") and driven[2]
+    pieces = transform_batch.PIECES_PER_SESSION
+    transform_batch.PIECES_PER_SESSION = variant.get("pps", pieces)
     keep, priority = nvcuvid_native.KEEP, streams.PRIORITY
     restore = getattr(codec, "restore", None)
     restore = restore if isinstance(restore, str) else None  # an HEVC codec's restorer choice
@@ -370,6 +373,7 @@ def _switches(codec, variant: dict):
         transform_triton.FUSED = fused
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
         transform_batch.DRIVEN, transform_batch.EAGER, transform_batch.VIDEO_FIRST = driven
+        transform_batch.PIECES_PER_SESSION = pieces
         nvcuvid_native.KEEP = keep
         if priority != streams.PRIORITY:
             _close_idle()
@@ -425,6 +429,7 @@ SWITCHES = (
     "ht",
     "pyseq",
     "inorder",
+    "pps",
 )
 
 
@@ -1104,8 +1109,8 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -unfused, -pyseq, -inorder, -swiN, -ddN, -fdN, -htN (host pool threads)
-    (see _switches)."""
+    -nokeep, -hipri, -torch, -unfused, -pyseq, -inorder, -swiN, -ddN, -fdN, -htN (host pool threads),
+    -ppsN (pieces per NVDEC session: driven.PIECES_PER_SESSION; 0 never cuts a video) (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
     names = {  # switch -> (variant key, value)
@@ -1131,6 +1136,8 @@ def _variant(text: str) -> dict:
             v["dd"] = int(sw[2:])
         elif sw.startswith("fd"):  # -fd4: streams a native feeder holds fed and not complete
             v["fd"] = int(sw[2:])
+        elif sw.startswith("pps"):  # -pps0: a fetch never cuts its chunks' videos into pieces
+            v["pps"] = int(sw[3:])
         else:
             key, value = names[sw]
             v[key] = value
