@@ -173,3 +173,57 @@ def test_a_raw_codec_chunk_is_described(tmp_path):
     assert "chunk       1: tokens 8-15 (8) of 2x2x8 float16" in _inspect(tmp_path, blob).output
     with pytest.raises(ChecksumError):
         describe(blob[:-1] + bytes([blob[-1] ^ 1]))
+
+
+def test_inspect_describes_a_kvt_its_fit_and_its_held_out_quality(tmp_path):
+    """A .kvt with a quality report (as calibrate writes it): its sha256 (what codec ids and chunks
+    carry), shape and groups, what it was fitted on, the fallback and report lines, the safe ratio
+    its report gives (quality.safe_ratio: 5x passes, 8x fails)."""
+    from kvcodec.transform import calibrate, save_kvt
+    from kvcodec.transform.kvt import kvt_hash
+    from synthetic import ROPE
+
+    report = {
+        "metric": "model",
+        "held_out": ["pg/held"],
+        "points": [
+            {"target": 5.0, "ratio": 4.9, "top1": 0.995, "ppl_delta_pct": 0.1},
+            {"target": 8.0, "ratio": 7.8, "top1": 0.97, "ppl_delta_pct": 0.9},
+        ],
+    }
+    info = {"model": "synthetic", "sources": ["pg/a", "pg/b"], "fallback": ["g0.v"], "quality": report}
+    cal = calibrate([synthetic_kv(600, s) for s in (1, 2)], ROPE, info=info)
+    path = tmp_path / "m.kvt"
+    digest = save_kvt(cal, path)
+    r = CliRunner().invoke(cli, ["inspect", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.output)
+    assert got["sha256"] == digest == kvt_hash(path.read_bytes()) and got["file_bytes"] == path.stat().st_size
+    assert got["shape"] == [cal.layers, cal.kv_heads, cal.head_dim] and got["groups"] == [list(g) for g in cal.groups]
+    assert got["safe_ratio"] == 5.0 and got["fallback"] == ["g0.v"] and got["rope"]["theta"] == ROPE.theta
+    text = CliRunner().invoke(cli, ["inspect", str(path)]).output
+    assert f"sha256      {digest}" in text and "fitted on   pg/a, pg/b" in text and "plain MSE" in text
+    assert "fallback    g0.v" in text and "held out    pg/held: 5x top-1 0.995 ppl +0.10%; 8x" in text
+    assert "safe ratio  5x" in text
+
+
+def test_inspect_of_a_kvt_without_a_report_or_truncated(synthetic_kvt, tmp_path):
+    text = CliRunner().invoke(cli, ["inspect", str(synthetic_kvt)]).output
+    assert "held out    nothing" in text and "model       synthetic" in text, text
+    data = synthetic_kvt.read_bytes()
+    bad = tmp_path / "bad.kvt"
+    bad.write_bytes(data[: len(data) // 2])
+    r = CliRunner().invoke(cli, ["inspect", str(bad)])
+    assert r.exit_code == 1 and r.output.startswith("error: ") and ".kvt" in r.output, r.output
+
+
+def test_inspect_describes_a_kv_file_of_extract(tmp_path):
+    from kvcodec.kvspec.files import save_kv_file
+
+    path = tmp_path / "kv.safetensors"
+    save_kv_file(path, synthetic_kv(40, 3), {"model": "synthetic", "text": "pg/a", "input_ids": "[1, 2]"})
+    r = CliRunner().invoke(cli, ["inspect", str(path), "--json"])
+    got = json.loads(r.output)
+    assert got["tokens"] == 40 and got["tensors"] == {"kv": list(synthetic_kv(40, 3).shape)} and "input_ids" not in got
+    text = CliRunner().invoke(cli, ["inspect", str(path)]).output
+    assert "40 tokens" in text and "model       synthetic" in text and "text        pg/a" in text

@@ -203,6 +203,10 @@ def test_grouped_kvt_parts_are_checked(model_dirs, tmp_path):
     data = bytearray(kvt.read_bytes())
     spec, parts, info = grouped_from_bytes(bytes(data))
     assert list(parts) == GROUPS["deepseek_v2"] and len({h for _, h in parts.values()}) == 2 and "quality" in info
+    shown = json.loads(_cli("inspect", kvt, "--json").output)
+    assert shown["format"] == "kvcodec-transform-grouped" and list(shown["parts"]) == GROUPS["deepseek_v2"]
+    assert [p["sha256"] for p in shown["parts"].values()] == [h for _, h in parts.values()]
+    assert "kv          part " in _cli("inspect", kvt).output
     data[-20] ^= 0xFF  # inside the last part's bytes
     with pytest.raises(FormatError, match="sha256|damaged"):
         grouped_from_bytes(bytes(data))

@@ -243,32 +243,22 @@ def inspect_cmd(src, as_json):
     """Show what a kvcodec file (or one chunk blob, as a store holds it) holds: format and version,
     codec, KV shape and dtype, tokens and chunks, sizes and ratio vs fp16, and what its format adds
     (an HEVC .kvc file's quantization, streams and layouts; a transform file's calibration and
-    settings; a grouped file's groups). Every chunk is checksummed and checked against its place."""
+    settings; a grouped file's groups). Every chunk is checksummed and checked against its place.
+    A .kvt: its shape, layer groups and rotary settings, what it was fitted on and the quality it
+    measured on held-out texts (the safe ratio). A KV file of extract or decode: its tensors and model."""
+    from kvcodec.cli.inspect_tensors import describe_tensors, is_safetensors, tensors_lines
     from kvcodec.codecs.describe import describe
 
     data = src.read_bytes()
-    try:
-        info = describe(data)
-    except FormatError as e:
-        if _is_safetensors(data):
-            raise FormatError(
-                f"{src} is a safetensors file (a KV file of extract or decode, or a .kvt of calibrate), "
-                "not a kvcodec container: inspect reads the files encode writes and the chunks a store holds"
-            ) from e
-        raise
+    info = describe_tensors(src, data) if is_safetensors(data) else describe(data)
     if as_json:
         click.echo(json.dumps(info, indent=2))
-        return
-    click.echo(f"file        {src} ({info['file_bytes']:,} bytes, {info['format']} v{info['version']})")
-    click.echo(f"codec       {info['codec']}")
-    for line in _DETAILS[info["format"]](info):
-        click.echo(line)
-
-
-def _is_safetensors(data: bytes) -> bool:
-    """Looks like a safetensors file: an 8-byte little-endian header length, then a JSON object."""
-    n = int.from_bytes(data[:8], "little") if len(data) >= 10 else 0
-    return 2 <= n <= len(data) - 8 and data[8:9] == b"{"
+    elif is_safetensors(data):
+        click.echo("\n".join(tensors_lines(src, info)))
+    else:
+        click.echo(f"file        {src} ({info['file_bytes']:,} bytes, {info['format']} v{info['version']})")
+        click.echo(f"codec       {info['codec']}")
+        click.echo("\n".join(_DETAILS[info["format"]](info)))
 
 
 def _common_lines(info: dict, kv: str) -> list[str]:

@@ -82,3 +82,20 @@ def load_kv_file(path: str | Path) -> tuple[torch.Tensor | GroupedKV, dict[str, 
         return GroupedKV(spec, int(meta["stop"]), starts, group_tensors), meta
     except (KeyError, ValueError, TypeError, ShapeError) as e:
         raise FormatError(f"{path}: damaged grouped KV file ({e})") from e
+
+
+KV_FILE_FIELDS = ("model", "model_id", "text", "layout")  # what extract writes that inspect shows
+
+
+def describe_kv_file(path: str | Path) -> dict[str, object]:
+    """A KV file's summary for `kvcodec inspect`, read with load_kv_file's checks: its tensors
+    (shape each), dtype, tokens, and the metadata extract writes (KV_FILE_FIELDS where present)."""
+    kv, meta = load_kv_file(path)
+    if isinstance(kv, GroupedKV):
+        tensors = {g.name: list(t.shape) for g, t in zip(kv.spec.groups, kv.tensors)}
+        dtype, tokens = kv.spec.dtype, kv.stop
+    else:
+        tensors, dtype = {"kv": list(kv.shape)}, str(kv.dtype).removeprefix("torch.")
+        tokens = kv.shape[2] if kv.dim() == 5 else None
+    fields = {k: meta[k] for k in KV_FILE_FIELDS if k in meta}
+    return {"format": "kv-file", "tensors": tensors, "dtype": dtype, "tokens": tokens, **fields}
