@@ -177,24 +177,10 @@ def ingest(
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvcodec-ingest"))
         try:
             for doc in documents:
-                if doc.error:
-                    done(DocResult(doc.id, FAILED, error=doc.error))
+                result, ids, kv = _prefilled(doc, tokens, limit, cache, model, prefill_chunk_tokens)
+                if kv is None:
+                    done(result)
                     continue
-                try:
-                    ids = tokens.encode(doc.text)[: limit or None]
-                    if not ids:
-                        raise KVCodecError("the document tokenizes to no tokens")
-                    if _stored_already(cache, ids):
-                        done(DocResult(doc.id, SKIPPED, len(ids)))
-                        continue
-                    t = time.perf_counter()
-                    kv = _prefill(model, ids, prefill_chunk_tokens)
-                    prefill_s = time.perf_counter() - t
-                except Exception as e:  # noqa: BLE001 - reported per document
-                    done(DocResult(doc.id, FAILED, error=_why(e)))
-                    continue
-                kv_bytes = kv.numel() * kv.element_size()
-                result = DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv_bytes)
                 inflight.append((pool.submit(put, ids, kv), result))
                 del kv
                 settle(at_once(ids))
@@ -205,6 +191,26 @@ def ingest(
             raise
         settle(0)
     return IngestReport(tuple(results), time.perf_counter() - t0, "processes" if procs else "threads")
+
+
+def _prefilled(doc: Document, tokens: Any, limit: int | None, cache: Any, model: Any, chunk_tokens: int | None):  # noqa: ANN202
+    """(its result so far, token ids, KV) of a document tokenized and prefilled; a failed, empty or
+    already stored one: (its final result, None, None)."""
+    if doc.error:
+        return DocResult(doc.id, FAILED, error=doc.error), None, None
+    try:
+        ids = tokens.encode(doc.text)[: limit or None]
+        if not ids:
+            raise KVCodecError("the document tokenizes to no tokens")
+        if _stored_already(cache, ids):
+            return DocResult(doc.id, SKIPPED, len(ids)), None, None
+        t = time.perf_counter()
+        kv = _prefill(model, ids, chunk_tokens)
+        prefill_s = time.perf_counter() - t
+    except Exception as e:  # noqa: BLE001 - reported per document
+        return DocResult(doc.id, FAILED, error=_why(e)), None, None
+    kv_bytes = kv.numel() * kv.element_size()
+    return DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv_bytes), ids, kv
 
 
 def documents_at_once(store_workers: int | None, cores: int, chunks: int) -> int:
