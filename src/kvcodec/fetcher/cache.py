@@ -342,14 +342,7 @@ class PrefixCache:
         pol = get_policy(policy, self.codec.resolutions) if policy is not None else self.policy
         stats = FetchStats(policy=pol.name, codec=self.codec.id, max_inflight=self.max_inflight)
         ids = as_token_array(token_ids)
-        n_tokens = len(ids) if n_tokens is None else int(n_tokens)
-        if n_tokens < 0 or n_tokens > len(ids):
-            raise ConfigError(f"n_tokens={n_tokens} outside 0..{len(ids)}")
-        capacity = out.capacity if isinstance(out, PagedKV) else (out.shape[2] if out is not None else n_tokens)
-        if out is not None and (capacity < n_tokens or (isinstance(out, torch.Tensor) and out.dim() != 5)):
-            raise ShapeError(f"out holds {capacity} tokens; {n_tokens} asked for")
-        if out is not None and self.shard is not None:
-            self.shard.check_local(out.pages.shape[4] if isinstance(out, PagedKV) else out.shape[3], "out")
+        n_tokens = self._tokens_asked(ids, n_tokens, out)
         if n_tokens == 0:
             return self._result(stats, t0, out, 0, n_tokens, None)
         metas, keys, plan_error = self._plan(ids, n_tokens, deadline, stats)
@@ -362,20 +355,9 @@ class PrefixCache:
             return self._result(stats, t0, out, 0, n_tokens, e)
         profile = self._profile_for(pol, metas[0].shape, dtype, keys[0])
         stats.decoder = self.decoder_name()
-        settings = PipelineSettings(
-            self.codec,
-            self.store,
-            self.device,
-            self.max_inflight,
-            self.decode_workers,
-            self.net_workers,
-            self.direct,
-            self.batched_restore,
-            executor=self._stage_executor(),
-        )
         bad: list[int] = []  # chunks found damaged (dropped; the chunks behind the first are checked too)
         pipeline = FetchPipeline(
-            settings,
+            self._pipeline_settings(),
             FetchPlan(metas, keys, n_tokens, dtype, out),
             pol,
             profile,
@@ -391,6 +373,31 @@ class PrefixCache:
         if error is None and restored < n_tokens:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
         return self._result(stats, t0, pipeline.out, restored, n_tokens, error)
+
+    def _tokens_asked(self, ids, n_tokens: int | None, out: Target | None) -> int:  # noqa: ANN001 - token array
+        """fetch's n_tokens (None: all of `ids`), checked with `out` against it; ConfigError or ShapeError."""
+        n_tokens = len(ids) if n_tokens is None else int(n_tokens)
+        if n_tokens < 0 or n_tokens > len(ids):
+            raise ConfigError(f"n_tokens={n_tokens} outside 0..{len(ids)}")
+        capacity = out.capacity if isinstance(out, PagedKV) else (out.shape[2] if out is not None else n_tokens)
+        if out is not None and (capacity < n_tokens or (isinstance(out, torch.Tensor) and out.dim() != 5)):
+            raise ShapeError(f"out holds {capacity} tokens; {n_tokens} asked for")
+        if out is not None and self.shard is not None:
+            self.shard.check_local(out.pages.shape[4] if isinstance(out, PagedKV) else out.shape[3], "out")
+        return n_tokens
+
+    def _pipeline_settings(self) -> PipelineSettings:
+        return PipelineSettings(
+            self.codec,
+            self.store,
+            self.device,
+            self.max_inflight,
+            self.decode_workers,
+            self.net_workers,
+            self.direct,
+            self.batched_restore,
+            executor=self._stage_executor(),
+        )
 
     # -- chunks stored by another TP degree ------------------------------------------------------
     def _stored_shards(self, stored_world: int) -> tuple[TPShard, ...]:
