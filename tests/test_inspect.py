@@ -132,6 +132,9 @@ def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):
     assert info["tokens"] == min(codec.chunk_tokens, tokens) and info["file_bytes"] == len(blob)
     r = _inspect(tmp_path, blob)
     assert r.exit_code == 0 and f"chunk       0: tokens 0-{info['tokens'] - 1} " in r.output, r.output
+    if name in ("transform-hevc", "transform-mixed"):  # chunk 0 is video: each frame a stream of its own
+        assert len(info["pieces"]) == info["frames"] > 1 and sum(info["pieces"]) == info["streams"]["video"]
+        assert f"video       {info['frames']} frames, each a stream of its own" in r.output, r.output
     if name == "hevc-split":  # the second chunk (8 tokens) is stored plain, not split
         plain = describe(data[start + len(blob) :][: describe(data)["chunk_bytes"]["144x144"][1]])
         assert (plain["magic"], plain["quant"], plain["start_token"], plain["tokens"]) == ("KVCC", "plain", 32, 8)

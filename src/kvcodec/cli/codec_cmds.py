@@ -323,6 +323,11 @@ def _chunk_lines(info: dict) -> list[str]:
     ]
     if "kvt" in info:
         lines.append(f"calibration {info['kvt']}; coder {info['coder']}, theta {info['theta']:.4g}")
+    if info.get("pieces"):
+        lines.append(
+            f"video       {info['frames']} frames, each a stream of its own: "
+            + ", ".join(f"{n:,}" for n in info["pieces"])
+        )
     if "quant" in info:
         lines.append(f"quant       {info['quant']}")
     if "streams" in info:

@@ -328,4 +328,6 @@ def describe_chunk(blob: bytes | memoryview) -> dict[str, Any]:
         key=h.get("key"),
         theta=h["theta"],
         streams=streams,
+        frames=h.get("frames", 0),
+        pieces=list(h.get("pieces") or []),  # version 3: each frame's own stream, its bytes
     )
