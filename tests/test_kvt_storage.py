@@ -81,3 +81,10 @@ def test_the_reports_simulation_restores_what_the_codec_decodes_and_estimates_it
     assert abs(sim.bytes / coded - 1) < 0.1
     own = TransformCodec(cal, kvt_hash=digest, coder="zstd", chunk_tokens=128, target_ratio=ratio)
     assert abs(sum(len(c.blobs[0]) for c in own.encode_chunks(kv)) / coded - 1) < 0.1  # the codec's own search
+
+
+@pytest.mark.parametrize("header", [b'{"__metadata__": [1, 2]}', b'{"__metadata__": "kvt"}', b"[1]", b"{nope"])
+def test_a_kvt_whose_header_is_no_object_is_a_format_error(header):
+    data = len(header).to_bytes(8, "little") + header
+    with pytest.raises(FormatError, match="not a .kvt transform file"):
+        from_bytes(data)

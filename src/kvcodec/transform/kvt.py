@@ -122,10 +122,12 @@ def _meta(data: bytes) -> dict[str, str]:
         raise FormatError("not a .kvt transform file (too short)")
     n = int.from_bytes(data[:8], "little")
     try:
-        head = json.loads(data[8 : 8 + n])
-        return dict(head.get("__metadata__") or {})
+        meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
     except (ValueError, AttributeError) as e:
         raise FormatError(f"not a .kvt transform file: {e}") from e
+    if not isinstance(meta, dict):
+        raise FormatError(f"not a .kvt transform file: its metadata is a {type(meta).__name__}, not an object")
+    return meta
 
 
 def from_bytes(data: bytes) -> Calibration:
