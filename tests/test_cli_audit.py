@@ -347,3 +347,16 @@ def test_a_benchmark_given_a_damaged_or_grouped_kv_file_says_so_in_one_line(tmp_
     save_kv_file(tmp_path / "grouped.safetensors", GroupedKV.empty(spec, 8, window=False), {})
     out = _one_line_error(CliRunner().invoke(cli, ["bench", "encode", str(tmp_path / "grouped.safetensors")]), 1)
     assert "a grouped KV file" in out and "give a plain KV file" in out
+
+
+@pytest.mark.parametrize("rope", ["x", "[]", "{}", "null", "-1", '{"theta": 10000}', '{"theta": "a", "head_dim": 16}'])
+def test_calibrate_from_kv_files_with_damaged_rope_metadata_is_one_error_line(tmp_path, rope):
+    # was: a JSONDecodeError / TypeError traceback from the KV file's 'rope' metadata
+    paths = []
+    for seed in range(3):
+        path = tmp_path / f"kv{seed}.safetensors"
+        save_file({"kv": synthetic_kv(40, seed)}, str(path), metadata={"rope": rope})
+        paths.append(str(path))
+    r = CliRunner().invoke(cli, ["calibrate", *paths, "--out", str(tmp_path / "m.kvt"), "--report-ratios", "5"])
+    out = _one_line_error(r, 1)
+    assert out.startswith("error: ") and "rope" in out and not (tmp_path / "m.kvt").exists(), out

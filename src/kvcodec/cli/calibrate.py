@@ -44,13 +44,20 @@ def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec 
         return None
     if metadata.get("rope"):
         _refuse_rope_flags(theta, rotary_dim)
-        return RopeSpec.from_dict(json.loads(metadata["rope"]))
+        return RopeSpec.from_dict(_metadata_json(metadata, "rope"))
     head_dim = int(metadata["head_dim"])
     if theta is not None:
         return RopeSpec(theta, head_dim, rotary_dim, style)
     if metadata.get("model"):
         return rope_for_model(metadata["model"])
     raise ConfigError("the KV files do not say their model's rotary settings: pass --rope-theta (or --no-rope)")
+
+
+def _metadata_json(metadata: dict, key: str):  # noqa: ANN202 - the parsed JSON value
+    try:
+        return json.loads(metadata[key])
+    except ValueError as e:
+        raise ConfigError(f"the KV file's {key!r} metadata is not JSON: {e}") from e
 
 
 def _refuse_rope_flags(theta, rotary_dim) -> None:  # noqa: ANN001
@@ -66,7 +73,10 @@ def group_ropes(spec, metadata: dict, theta, style, rotary_dim, no_rope) -> list
         return [None] * len(spec.groups)
     if metadata.get("ropes"):
         _refuse_rope_flags(theta, rotary_dim)
-        per_layer = [RopeSpec.from_dict(r) if r else None for r in json.loads(metadata["ropes"])]
+        ropes = _metadata_json(metadata, "ropes")
+        if not isinstance(ropes, list):
+            raise ConfigError(f"the KV file's 'ropes' metadata is a {type(ropes).__name__}, not a list per layer")
+        per_layer = [RopeSpec.from_dict(r) if r else None for r in ropes]
     elif theta is not None:
         per_layer = [RopeSpec(theta, x.k_shape[1], rotary_dim, style) for x in spec.layers]
     elif metadata.get("model"):

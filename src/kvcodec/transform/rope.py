@@ -75,11 +75,16 @@ class RopeSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RopeSpec:
+        if not isinstance(d, dict):
+            raise ConfigError(f"rope settings must be an object; got {type(d).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - fields
         if unknown:
             raise ConfigError(f"unknown rope settings {sorted(unknown)}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except TypeError as e:  # a required setting missing
+            raise ConfigError(f"rope settings {d}: {e}") from e
 
     @classmethod
     def from_hf_config(cls, config: Any, layer_type: str | None = None) -> RopeSpec:
