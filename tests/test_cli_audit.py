@@ -360,3 +360,19 @@ def test_calibrate_from_kv_files_with_damaged_rope_metadata_is_one_error_line(tm
     r = CliRunner().invoke(cli, ["calibrate", *paths, "--out", str(tmp_path / "m.kvt"), "--report-ratios", "5"])
     out = _one_line_error(r, 1)
     assert out.startswith("error: ") and "rope" in out and not (tmp_path / "m.kvt").exists(), out
+
+
+@pytest.mark.parametrize("ropes", ["x", "{}", "[]", "[null]"])
+def test_calibrate_from_grouped_kv_files_with_damaged_ropes_metadata_is_one_error_line(tmp_path, ropes):
+    # was: an IndexError traceback for a 'ropes' list shorter than the layers
+    from kvcodec.kvspec.files import save_kv_file
+    from test_grouped_file import _kv as grouped_kv
+
+    paths = []
+    for stop in (40, 41, 42):
+        path = tmp_path / f"kv{stop}.safetensors"
+        save_kv_file(path, grouped_kv(stop), {"ropes": ropes})
+        paths.append(str(path))
+    r = CliRunner().invoke(cli, ["calibrate", *paths, "--out", str(tmp_path / "m.kvt"), "--report-ratios", "5"])
+    out = _one_line_error(r, 1)
+    assert out.startswith("error: ") and "ropes" in out and not (tmp_path / "m.kvt").exists(), out

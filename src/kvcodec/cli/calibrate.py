@@ -74,8 +74,9 @@ def group_ropes(spec, metadata: dict, theta, style, rotary_dim, no_rope) -> list
     if metadata.get("ropes"):
         _refuse_rope_flags(theta, rotary_dim)
         ropes = _metadata_json(metadata, "ropes")
-        if not isinstance(ropes, list):
-            raise ConfigError(f"the KV file's 'ropes' metadata is a {type(ropes).__name__}, not a list per layer")
+        if not isinstance(ropes, list) or len(ropes) != len(spec.layers):
+            what = f"{len(ropes)} entries" if isinstance(ropes, list) else f"a {type(ropes).__name__}"
+            raise ConfigError(f"the KV file's 'ropes' metadata is {what}, not one per layer ({len(spec.layers)})")
         per_layer = [RopeSpec.from_dict(r) if r else None for r in ropes]
     elif theta is not None:
         per_layer = [RopeSpec(theta, x.k_shape[1], rotary_dim, style) for x in spec.layers]
