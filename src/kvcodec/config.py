@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from typing import Any
 
@@ -75,12 +76,13 @@ class CodecConfig:
             raise ConfigError(f"streams_per_chunk must be an integer; got {self.streams_per_chunk!r}")
         if not 1 <= self.streams_per_chunk <= 64:
             raise ConfigError(f"streams_per_chunk must be in 1..64; got {self.streams_per_chunk}")
+        object.__setattr__(self, "chunk_tokens", whole_number(self.chunk_tokens, "chunk_tokens"))
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
+        object.__setattr__(self, "resolutions", frame_sizes(self.resolutions))
         if not self.resolutions:
             raise ConfigError("at least one resolution is needed")
-        object.__setattr__(self, "resolutions", tuple((int(w), int(h)) for w, h in self.resolutions))
-        object.__setattr__(self, "layer_bits", tuple(int(b) for b in self.layer_bits))
+        object.__setattr__(self, "layer_bits", whole_numbers(self.layer_bits, "layer_bits"))
         for w, h in self.resolutions:
             if w < 144 or h < 144 or w % 16 or h % 16:
                 raise ConfigError(f"resolution {w}x{h}: width and height must be multiples of 16 and >= 144 (NVDEC)")
@@ -127,3 +129,55 @@ class CodecConfig:
         if "layer_bits" in kw:
             kw["layer_bits"] = tuple(kw["layer_bits"])
         return cls(**kw)
+
+
+# ---- option values as a caller may give them: typed, or as the text of a --codec-option
+
+
+def whole_number(value: Any, name: str) -> int:
+    """`value` as an int: an integer (not a bool) or its text; ConfigError naming `name` otherwise. Pure."""
+    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        return int(value)
+    if not isinstance(value, (bool, str)):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ConfigError(f"{name} must be an integer; got {value!r}")
+
+
+def whole_numbers(value: Any, name: str) -> tuple[int, ...]:
+    """A sequence of integers, or their comma-separated text ("8,6,4"), as a tuple of ints. Pure."""
+    items = [v for v in value.split(",") if v.strip()] if isinstance(value, str) else value
+    try:
+        return tuple(whole_number(v, name) for v in items)
+    except TypeError:  # not iterable
+        raise ConfigError(f"{name} must be integers; got {value!r}") from None
+
+
+def real_number(value: Any, name: str) -> float:
+    """`value` as a number: an int or float as given (not a bool; codec ids print them), else the
+    float of its text; ConfigError naming `name` otherwise. Pure."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{name} must be a number; got {value!r}")
+
+
+def frame_sizes(value: Any, name: str = "resolutions") -> tuple[tuple[int, int], ...]:
+    """(width, height) pairs from pairs or their text ("512x512" or "256x256,512x512"); ConfigError
+    naming `name` for anything else. Pure."""
+    wrong = ConfigError(f"{name} must be (width, height) pairs or WxH text such as 512x512; got {value!r}")
+    if isinstance(value, str):
+        value = [part.strip().lower().split("x") for part in value.split(",") if part.strip()]
+    try:
+        pairs = [tuple(p) for p in value]
+        if any(len(p) != 2 for p in pairs):
+            raise wrong
+        return tuple((whole_number(w, name), whole_number(h, name)) for w, h in pairs)
+    except (TypeError, ConfigError):
+        raise wrong from None

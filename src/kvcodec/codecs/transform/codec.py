@@ -32,6 +32,7 @@ from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_tar
 from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
+from kvcodec.config import frame_sizes, real_number, whole_number
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
@@ -167,6 +168,13 @@ class TransformCodec:
             target_ratio = PRESETS[preset]
         if coder not in CODERS:
             raise ConfigError(f"coder must be one of {CODERS}; got {coder!r}")
+        target_ratio, bits_per_value, theta = (
+            None if v is None else real_number(v, name)
+            for v, name in ((target_ratio, "target_ratio"), (bits_per_value, "bits_per_value"), (theta, "theta"))
+        )
+        key_weight = real_number(key_weight, "key_weight")
+        chunk_tokens, sink_tokens = whole_number(chunk_tokens, "chunk_tokens"), whole_number(sink_tokens, "sink_tokens")
+        fine_tokens, fine_bits = whole_number(fine_tokens, "fine_tokens"), whole_number(fine_bits, "fine_bits")
         if target_ratio is not None and not target_ratio > 1:
             raise ConfigError(f"target ratio must be > 1; got {target_ratio}")
         if chunk_tokens < 1 or sink_tokens < 0 or not key_weight > 0:
@@ -184,7 +192,7 @@ class TransformCodec:
         self.theta = theta
         self.bits_per_value = bits_per_value if bits_per_value is not None else (None if target_ratio else 2.0)
         self.coder, self.chunk_tokens = coder, int(chunk_tokens)
-        self.resolutions = tuple((int(w), int(h)) for w, h in resolutions)
+        self.resolutions = frame_sizes(resolutions)
         size = f"t{theta!r}" if theta else f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
         self.id = (
             f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
@@ -656,6 +664,8 @@ def make_transform_codec(transform: str | Path | Calibration, *, target_quality:
             raise ConfigError("target_quality needs a .kvt file (its quality report)")
         return TransformCodec(transform, **options)
     report = kvt_info(transform).get("quality")
+    if options.get("target_ratio") is not None:
+        options["target_ratio"] = real_number(options["target_ratio"], "target_ratio")
     if target_quality is not None:
         if options.get("target_ratio") is not None or options.get("preset") is not None:
             raise ConfigError("give target_quality or target_ratio / preset, not both")
