@@ -1,5 +1,5 @@
 """Codec option values as callers give them: typed, or as the text of a `--codec-option KEY=VALUE`
-(kvcodec.config's whole_number, whole_numbers, real_number, frame_sizes). A value that is not what
+(kvcodec.config's whole_number, whole_numbers, real_number, resolution_pairs). A value that is not what
 the option takes is one ConfigError naming the option, never a TypeError or ValueError from inside a
 codec (those surfaced as a traceback or as "'<' not supported between instances of 'str' and 'int'")."""
 
@@ -10,17 +10,19 @@ from click.testing import CliRunner
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvcodec.config import CodecConfig, frame_sizes, real_number, whole_number, whole_numbers
+from kvcodec.config import CodecConfig, real_number, resolution_pairs, whole_number, whole_numbers
 from kvcodec.errors import ConfigError
 
 sides = st.integers(min_value=1, max_value=8192)
 
 
 @given(st.lists(st.tuples(sides, sides), min_size=1, max_size=4))
-def test_frame_sizes_read_pairs_and_their_text_alike(pairs):
+def test_resolution_pairs_read_pairs_and_their_text_alike(pairs):
     text = ",".join(f"{w}x{h}" for w, h in pairs)
-    assert frame_sizes(pairs) == frame_sizes(text) == frame_sizes([list(p) for p in pairs]) == tuple(pairs)
-    assert frame_sizes(text.upper().replace(",", " , ")) == tuple(pairs)
+    assert (
+        resolution_pairs(pairs) == resolution_pairs(text) == resolution_pairs([list(p) for p in pairs]) == tuple(pairs)
+    )
+    assert resolution_pairs(text.upper().replace(",", " , ")) == tuple(pairs)
 
 
 @given(st.integers(min_value=-(10**12), max_value=10**12))
@@ -40,7 +42,7 @@ def test_a_value_that_is_no_integer_is_refused_by_name(value):
 )
 def test_a_value_that_is_no_frame_size_is_refused_by_name(value):
     with pytest.raises(ConfigError, match="resolutions must be"):
-        frame_sizes(value)
+        resolution_pairs(value)
 
 
 def test_real_numbers_keep_a_number_as_given_and_read_text():

@@ -79,7 +79,7 @@ class CodecConfig:
         object.__setattr__(self, "chunk_tokens", whole_number(self.chunk_tokens, "chunk_tokens"))
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
-        object.__setattr__(self, "resolutions", frame_sizes(self.resolutions))
+        object.__setattr__(self, "resolutions", resolution_pairs(self.resolutions))
         if not self.resolutions:
             raise ConfigError("at least one resolution is needed")
         object.__setattr__(self, "layer_bits", whole_numbers(self.layer_bits, "layer_bits"))
@@ -136,14 +136,13 @@ class CodecConfig:
 
 def whole_number(value: Any, name: str) -> int:
     """`value` as an int: an integer (not a bool) or its text; ConfigError naming `name` otherwise. Pure."""
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        return int(value)
-    if not isinstance(value, (bool, str)):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise ConfigError(f"{name} must be an integer; got {value!r}")
+    wrong = ConfigError(f"{name} must be an integer; got {value!r}")
+    if isinstance(value, bool):
+        raise wrong
+    try:
+        return int(value) if isinstance(value, str) else operator.index(value)  # text as int() reads it
+    except (TypeError, ValueError):
+        raise wrong from None
 
 
 def whole_numbers(value: Any, name: str) -> tuple[int, ...]:
@@ -168,7 +167,7 @@ def real_number(value: Any, name: str) -> float:
     raise ConfigError(f"{name} must be a number; got {value!r}")
 
 
-def frame_sizes(value: Any, name: str = "resolutions") -> tuple[tuple[int, int], ...]:
+def resolution_pairs(value: Any, name: str = "resolutions") -> tuple[tuple[int, int], ...]:
     """(width, height) pairs from pairs or their text ("512x512" or "256x256,512x512"); ConfigError
     naming `name` for anything else. Pure."""
     wrong = ConfigError(f"{name} must be (width, height) pairs or WxH text such as 512x512; got {value!r}")

@@ -17,11 +17,14 @@ def parse_resolutions(text: str | None, param: str = "--resolutions") -> tuple[t
     """ "256x256,512x512" -> ((256, 256), (512, 512)); None for an empty value."""
     if not text:
         return None
+    from kvcodec.config import resolution_pairs
+    from kvcodec.errors import ConfigError
+
     out = []
     for part in text.split(","):
         try:
-            w, h = (int(x) for x in part.strip().lower().split("x"))
-        except ValueError:
+            ((w, h),) = resolution_pairs(part)
+        except (ConfigError, ValueError):  # not WxH, or an empty part (no pair)
             raise click.BadParameter(f"{part!r}: expected WIDTHxHEIGHT, e.g. 512x512", param_hint=param) from None
         if not (0 < w <= MAX_FRAME and 0 < h <= MAX_FRAME):
             raise click.BadParameter(f"{part!r}: frame sides must be in 1..{MAX_FRAME}", param_hint=param)

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from kvcodec.codecs import ChunkCodec, make_codec
+from kvcodec.config import resolution_pairs
 from kvcodec.errors import ConfigError, FormatError, ShapeError, TruncatedError
 
 SERDE_NAME = "kvcodec"
@@ -86,8 +87,8 @@ class SerdeOptions:
 
 def parse_resolution(text: str) -> tuple[int, int]:
     try:
-        w, h = (int(v) for v in text.lower().split("x"))
-    except ValueError as e:
+        ((w, h),) = resolution_pairs(text)
+    except (ConfigError, ValueError) as e:  # not WxH, or not exactly one
         raise ConfigError(f"resolution must look like 256x256; got {text!r}") from e
     return w, h
 

@@ -32,7 +32,7 @@ from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_tar
 from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
-from kvcodec.config import frame_sizes, real_number, whole_number
+from kvcodec.config import real_number, resolution_pairs, whole_number
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
@@ -192,7 +192,7 @@ class TransformCodec:
         self.theta = theta
         self.bits_per_value = bits_per_value if bits_per_value is not None else (None if target_ratio else 2.0)
         self.coder, self.chunk_tokens = coder, int(chunk_tokens)
-        self.resolutions = frame_sizes(resolutions)
+        self.resolutions = resolution_pairs(resolutions)
         size = f"t{theta!r}" if theta else f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
         self.id = (
             f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
