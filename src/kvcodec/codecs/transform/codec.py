@@ -184,14 +184,14 @@ class TransformCodec:
                 f"fine_tokens must be >= 0, fine_bits in 0..{quantize.MAX_FINE_BITS} and recon one of "
                 f"{quantize.RECONS}; got {fine_tokens}, {fine_bits}, {recon!r}"
             )
-        self.fine_tokens, self.fine_bits = (int(fine_tokens), int(fine_bits)) if fine_tokens and fine_bits else (0, 0)
+        self.fine_tokens, self.fine_bits = (fine_tokens, fine_bits) if fine_tokens and fine_bits else (0, 0)
         self.recon = recon
-        self.target_ratio, self.key_weight, self.sink_tokens = target_ratio, float(key_weight), int(sink_tokens)
+        self.target_ratio, self.key_weight, self.sink_tokens = target_ratio, float(key_weight), sink_tokens
         if theta is not None and not theta > 0:
             raise ConfigError(f"theta (distortion level) must be > 0; got {theta}")
         self.theta = theta
         self.bits_per_value = bits_per_value if bits_per_value is not None else (None if target_ratio else 2.0)
-        self.coder, self.chunk_tokens = coder, int(chunk_tokens)
+        self.coder, self.chunk_tokens = coder, chunk_tokens
         self.resolutions = resolution_pairs(resolutions)
         size = f"t{theta!r}" if theta else f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
         self.id = (
@@ -365,14 +365,18 @@ class TransformCodec:
             encoder.with_threads(threads) if threads and callable(getattr(encoder, "with_threads", None)) else encoder
         )
 
-    def _prepare(self, y, kv, theta, first_position, fine, coder=None) -> tuple[tuple[dict, dict, object], ...]:
+    def _prepare(
+        self, y, kv, theta, first_position, fine, coder=None, sizes=None
+    ) -> tuple[tuple[dict, dict, object], ...]:
         """Everything before the samples are coded, per resolution of the codec: the side streams, the
         header counts (the chunk's coder among them: `coder`, else its index's) and what _coded codes:
         the host frames (hevc) or the samples' bytes (zstd). The chunk is quantized once for all of them.
-        y and kv on one device (the GPU's KV is quantized there; only samples come to the host)."""
+        y and kv on one device (the GPU's KV is quantized there; only samples come to the host).
+        sizes: frame_sizes(theta), where the caller has worked them out for all its chunks."""
         samples, streams, escapes = self._samples_and_side(y, kv, theta, first_position, fine)
         coder = coder or self.chunk_coder(first_position)
-        return tuple(self._pending(samples, streams, escapes, fine, res, coder) for res in self.frame_sizes(theta))
+        sizes = sizes or self.frame_sizes(theta)
+        return tuple(self._pending(samples, streams, escapes, fine, res, coder) for res in sizes)
 
     def _pending(self, samples, streams, escapes, fine, resolution, coder) -> tuple[dict, dict, object]:  # noqa: ANN001
         """One resolution's entry of _prepare from a chunk's samples and side streams, for `coder`."""
@@ -441,7 +445,7 @@ class TransformCodec:
 
         def prepare(n: int) -> tuple:
             s, e, fine = span(n)
-            return self._prepare(y[s:e], kv[:, :, s:e], theta, first + s, fine)
+            return self._prepare(y[s:e], kv[:, :, s:e], theta, first + s, fine, sizes=sizes)
 
         def one(n: int, prepared: tuple | None = None) -> EncodedChunk:
             s, e, fine = span(n)
