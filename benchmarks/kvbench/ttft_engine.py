@@ -676,16 +676,12 @@ def busy_markdown(rec: dict) -> list[str]:
                 f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_tflops_alone']:.0f} | {b['matmul_slowdown']:.1%} |"
                 + "".join(
                     f" {_f(b.get(f'restored_gb_per_s_beside_queued_{q}'), '.2f')} | "
-                    f"{_pct(b.get(f'matmul_slowdown_queued_{q}'))} |"
+                    f"{_f(b.get(f'matmul_slowdown_queued_{q}'), '.1%')} |"
                     for q in more
                 )
                 + (f" error: {b['error']}" if b.get("error") else "")
             )
     return md
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
 
 
 def _speedups_markdown(keyed: dict, grid: list, kms: list[str]) -> list[str]:

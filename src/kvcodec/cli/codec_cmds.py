@@ -250,10 +250,11 @@ def inspect_cmd(src, as_json):
     from kvcodec.codecs.describe import describe
 
     data = src.read_bytes()
-    info = describe_tensors(src, data) if is_safetensors(data) else describe(data)
+    tensors = is_safetensors(data)
+    info = describe_tensors(src, data) if tensors else describe(data)
     if as_json:
         click.echo(json.dumps(info, indent=2))
-    elif is_safetensors(data):
+    elif tensors:
         click.echo("\n".join(tensors_lines(src, info)))
     else:
         click.echo(f"file        {src} ({info['file_bytes']:,} bytes, {info['format']} v{info['version']})")

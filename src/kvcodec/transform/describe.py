@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvcodec.errors import FormatError
 from kvcodec.transform import grouped_kvt, kvt
 from kvcodec.transform.calibration import Calibration
 from kvcodec.transform.quality import safe_ratio
@@ -28,10 +27,8 @@ def describe_kvt(data: bytes) -> dict[str, Any]:
 
 
 def _head(data: bytes, name: str) -> dict[str, Any]:
-    try:
-        version = int(kvt._meta(data)["version"])
-    except (KeyError, ValueError) as e:  # the loaders checked it: unreachable for a file they read
-        raise FormatError(f"a .kvt without a version: {e}") from e
+    """Called once a loader has read the file (its version is one the loader reads)."""
+    version = int(kvt._meta(data)["version"])
     return {"format": name, "version": version, "sha256": kvt.kvt_hash(data), "file_bytes": len(data)}
 
 
