@@ -186,6 +186,30 @@ def test_fetch_partial_and_into_preallocated_out(raw_cache):
         raw_cache.fetch(ids, 40, out=torch.zeros(3, 2, 20, 2, 32))
 
 
+def test_an_integer_out_is_refused_not_filled_with_truncated_kv(raw_cache):
+    kv, ids = make_kv(48), ids_for(48)
+    raw_cache.put(ids, kv)
+    out = torch.zeros((3, 2, 48, 2, 32), dtype=torch.int32)
+    with pytest.raises(ShapeError, match="int32"):
+        raw_cache.fetch(ids, out=out)
+    assert not out.any()
+
+
+def test_metas_that_claim_a_huge_shape_are_dropped_before_anything_is_sized_from_them(raw_cache):
+    """Every meta of a prefix rewritten to a shape of terabytes: the fetch returns the error
+    (it never raises nor allocates), drops the chunks, and the next put stores them again."""
+    kv, ids = make_kv(100), ids_for(100)
+    raw_cache.put(ids, kv)
+    for k in raw_cache.keys(ids):
+        meta = raw_cache.store.get(meta_key(k))
+        raw_cache.store.put(meta_key(k), meta.replace(b'"shape":[3,2,32]', b'"shape":[4000,3000,640]'))
+    r = raw_cache.fetch(ids)
+    assert r.tokens_restored == 0 and isinstance(r.error, FormatError) and "meta says" in str(r.error)
+    assert r.stats.chunks_dropped == len(raw_cache.keys(ids))
+    raw_cache.put(ids, kv)
+    assert torch.equal(raw_cache.fetch(ids).kv, kv)
+
+
 def test_fetch_beyond_stored_reports_error(raw_cache):
     kv, ids = make_kv(48), ids_for(48)
     raw_cache.put(ids, kv)

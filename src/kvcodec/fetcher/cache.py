@@ -37,6 +37,7 @@ from kvcodec.fetcher.pipeline import (
     FetchPipeline,
     FetchPlan,
     PipelineSettings,
+    check_binding,
     default_decode_workers,
     default_max_inflight,
     stage_executor,
@@ -379,11 +380,16 @@ class PrefixCache:
         n_tokens = len(ids) if n_tokens is None else int(n_tokens)
         if n_tokens < 0 or n_tokens > len(ids):
             raise ConfigError(f"n_tokens={n_tokens} outside 0..{len(ids)}")
-        capacity = out.capacity if isinstance(out, PagedKV) else (out.shape[2] if out is not None else n_tokens)
-        if out is not None and (capacity < n_tokens or (isinstance(out, torch.Tensor) and out.dim() != 5)):
+        if out is None:
+            return n_tokens
+        tensor = out.pages if isinstance(out, PagedKV) else out
+        capacity = out.capacity if isinstance(out, PagedKV) else out.shape[2]
+        if capacity < n_tokens or (isinstance(out, torch.Tensor) and out.dim() != 5):
             raise ShapeError(f"out holds {capacity} tokens; {n_tokens} asked for")
-        if out is not None and self.shard is not None:
-            self.shard.check_local(out.pages.shape[4] if isinstance(out, PagedKV) else out.shape[3], "out")
+        if not tensor.dtype.is_floating_point:
+            raise ShapeError(f"out is {tensor.dtype}; KV is restored into a floating-point tensor")
+        if self.shard is not None:
+            self.shard.check_local(tensor.shape[4] if isinstance(out, PagedKV) else out.shape[3], "out")
         return n_tokens
 
     def _pipeline_settings(self) -> PipelineSettings:
@@ -485,10 +491,7 @@ class PrefixCache:
         """KVCodecError unless `blob` is chunk `m` of the prefix `key` names and decodes."""
         if blob is None:
             raise StoreError(f"chunk {m.index} blob is missing")
-        info = self.codec.inspect_chunk(blob)
-        where = (info.index, info.start_token, info.tokens)
-        if where != (m.index, m.start_token, m.tokens) or info.key not in (None, key):
-            raise FormatError(f"chunk {m.index} blob is another chunk ({info.index}, key {str(info.key)[:16]})")
+        check_binding(m.index, self.codec.inspect_chunk(blob), m, key)
         L, H, D = m.shape
         scratch = torch.empty((L, 2, m.tokens, H, D), dtype=DTYPES[m.dtype], device=self.device)
         stage = getattr(self.codec, "stage", None)  # a staged codec verifies its streams in its first half

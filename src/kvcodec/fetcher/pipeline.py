@@ -654,17 +654,7 @@ class FetchPipeline:
         return Decoded(target, None if direct else target, part)
 
     def _check_binding(self, i: int, info: ChunkInfo) -> None:
-        m = self.plan.metas[i]
-        want = (m.index, m.start_token, m.tokens, tuple(m.shape), m.dtype)
-        got = (info.index, info.start_token, info.tokens, (info.layers, info.kv_heads, info.head_dim), info.dtype)
-        if info.key != self.plan.keys[i]:
-            raise FormatError(
-                f"chunk {i}: the stored blob is bound to another prefix key ({info.key!r}), not the one asked for"
-            )
-        if got != want:
-            raise FormatError(
-                f"chunk {i}: the stored blob is (index, start, tokens, shape, dtype) {got}; its meta says {want}"
-            )
+        check_binding(i, info, self.plan.metas[i], self.plan.keys[i])
 
     def _target(self, m: ChunkMeta) -> tuple[Target, bool]:
         dev, dtype = self.s.device, self.plan.dtype
@@ -769,3 +759,18 @@ def _failed(i: int, what: str, e: Exception) -> FetchError:
     err = FetchError(f"chunk {i} {what}: {type(e).__name__}: {e}")
     err.__cause__ = e
     return err
+
+
+def check_binding(i: int, info: ChunkInfo, m: ChunkMeta, key: str) -> None:
+    """FormatError unless the blob whose verified header is `info` is chunk `m` of the prefix
+    `key` names, of the shape and dtype its meta says (checked before anything is sized from it)."""
+    want = (m.index, m.start_token, m.tokens, tuple(m.shape), m.dtype)
+    got = (info.index, info.start_token, info.tokens, (info.layers, info.kv_heads, info.head_dim), info.dtype)
+    if info.key != key:
+        raise FormatError(
+            f"chunk {i}: the stored blob is bound to another prefix key ({info.key!r}), not the one asked for"
+        )
+    if got != want:
+        raise FormatError(
+            f"chunk {i}: the stored blob is (index, start, tokens, shape, dtype) {got}; its meta says {want}"
+        )
