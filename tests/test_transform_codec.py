@@ -107,11 +107,21 @@ def test_damage_and_bad_input_are_clear_errors(synthetic_kvt):
 
 
 def test_inspect_and_registry(synthetic_kvt):
-    c = make_codec("transform", transform=str(synthetic_kvt), coder="zstd", chunk_tokens=64, resolutions=((64, 64),))
+    c = make_codec("transform", transform=str(synthetic_kvt), coder="zstd", chunk_tokens=64, resolutions=((144, 144),))
     assert isinstance(c, ChunkCodec) and kvt_hash(synthetic_kvt.read_bytes())[:16] in c.id
     chunks = c.encode_chunks(synthetic_kv(100, seed=15), first_chunk_index=2, keys=["a", "b"])
     info = c.inspect_chunk(chunks[1].blobs[0])
     assert (info.index, info.start_token, info.tokens, info.key) == (3, 192, 36, "b")
+
+
+@pytest.mark.parametrize("sizes", [((64, 64),), ((0, 0),), ((100_000, 100_000),), ((520, 512),), "512x512,512x512"])
+def test_the_registered_codec_takes_only_frame_sizes_nvdec_decodes(synthetic_kvt, sizes):
+    """make_codec("transform") (the CLI's, serve's and ingest's) refuses, by name, frames NVDEC
+    cannot decode; the class itself takes x265's smallest (CPU-only frames for small tests)."""
+    with pytest.raises(ConfigError, match="resolutions"):
+        make_codec("transform", transform=str(synthetic_kvt), resolutions=sizes)
+    if sizes == ((64, 64),):
+        assert TransformCodec(synthetic_kvt, resolutions=sizes).resolutions == sizes
 
 
 @pytest.mark.parametrize("coder", ["zstd", "hevc", "ans"])

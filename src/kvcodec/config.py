@@ -79,15 +79,8 @@ class CodecConfig:
         object.__setattr__(self, "chunk_tokens", whole_number(self.chunk_tokens, "chunk_tokens"))
         if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
-        object.__setattr__(self, "resolutions", resolution_pairs(self.resolutions))
-        if not self.resolutions:
-            raise ConfigError("at least one resolution is needed")
+        object.__setattr__(self, "resolutions", video_frame_sizes(self.resolutions))
         object.__setattr__(self, "layer_bits", whole_numbers(self.layer_bits, "layer_bits"))
-        for w, h in self.resolutions:
-            if w < 144 or h < 144 or w % 16 or h % 16:
-                raise ConfigError(f"resolution {w}x{h}: width and height must be multiples of 16 and >= 144 (NVDEC)")
-        if len(set(self.resolutions)) != len(self.resolutions):
-            raise ConfigError(f"duplicate resolutions in {self.resolutions}")
         for b in self.layer_bits:
             if not 2 <= b <= 8:
                 raise ConfigError(f"layer_bits entries must be in 2..8; got {b}")
@@ -165,6 +158,26 @@ def real_number(value: Any, name: str) -> float:
         except ValueError:
             pass
     raise ConfigError(f"{name} must be a number; got {value!r}")
+
+
+MIN_FRAME, MAX_FRAME = 144, 8192  # the HEVC frame sides NVDEC decodes (FACTS.md); x265 fails on larger frames too
+
+
+def video_frame_sizes(value: Any, name: str = "resolutions", least: int = MIN_FRAME) -> tuple[tuple[int, int], ...]:
+    """resolution_pairs that NVDEC can decode: at least one, none twice, each side a multiple of 16
+    in least..MAX_FRAME; ConfigError naming `name` otherwise. Pure. (least=16, x265's smallest
+    frame, makes frames that only the CPU decodes: small tests.)"""
+    pairs = resolution_pairs(value, name)
+    if not pairs:
+        raise ConfigError(f"{name}: at least one frame size is needed")
+    for w, h in pairs:
+        if not (least <= w <= MAX_FRAME and least <= h <= MAX_FRAME) or w % 16 or h % 16:
+            raise ConfigError(
+                f"{name} {w}x{h}: width and height must be multiples of 16 in {least}..{MAX_FRAME} (NVDEC)"
+            )
+    if len(set(pairs)) != len(pairs):
+        raise ConfigError(f"{name}: duplicate frame sizes in {pairs}")
+    return pairs
 
 
 def resolution_pairs(value: Any, name: str = "resolutions") -> tuple[tuple[int, int], ...]:

@@ -10,26 +10,24 @@ from typing import Any
 
 import click
 
-MAX_FRAME = 8192  # NVDEC's largest HEVC frame side (FACTS.md); x265 fails on larger frames too
-
 
 def parse_resolutions(text: str | None, param: str = "--resolutions") -> tuple[tuple[int, int], ...] | None:
-    """ "256x256,512x512" -> ((256, 256), (512, 512)); None for an empty value."""
+    """ "256x256,512x512" -> ((256, 256), (512, 512)) of frame sizes NVDEC decodes
+    (config.video_frame_sizes); None for an empty value."""
     if not text:
         return None
-    from kvcodec.config import resolution_pairs
+    from kvcodec.config import resolution_pairs, video_frame_sizes
     from kvcodec.errors import ConfigError
 
-    out = []
     for part in text.split(","):
         try:
-            ((w, h),) = resolution_pairs(part)
+            ((_w, _h),) = resolution_pairs(part)
         except (ConfigError, ValueError):  # not WxH, or an empty part (no pair)
             raise click.BadParameter(f"{part!r}: expected WIDTHxHEIGHT, e.g. 512x512", param_hint=param) from None
-        if not (0 < w <= MAX_FRAME and 0 < h <= MAX_FRAME):
-            raise click.BadParameter(f"{part!r}: frame sides must be in 1..{MAX_FRAME}", param_hint=param)
-        out.append((w, h))
-    return tuple(out)
+    try:
+        return video_frame_sizes(text, "resolution")
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint=param) from None
 
 
 def parse_layer_bits(text: str | None) -> tuple[int, ...] | None:

@@ -32,7 +32,7 @@ from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_tar
 from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
-from kvcodec.config import real_number, resolution_pairs, whole_number
+from kvcodec.config import real_number, video_frame_sizes, whole_number
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
@@ -192,7 +192,7 @@ class TransformCodec:
         self.theta = theta
         self.bits_per_value = bits_per_value if bits_per_value is not None else (None if target_ratio else 2.0)
         self.coder, self.chunk_tokens = coder, chunk_tokens
-        self.resolutions = resolution_pairs(resolutions)
+        self.resolutions = video_frame_sizes(resolutions, least=16)  # make_transform_codec takes NVDEC's only
         size = f"t{theta!r}" if theta else f"r{target_ratio:g}" if target_ratio else f"b{self.bits_per_value:g}"
         self.id = (
             f"transform{TRANSFORM_VERSION}-{self.kvt_hash[:16]}-{coder}-{size}-kw{key_weight:g}"
@@ -663,6 +663,8 @@ def make_transform_codec(transform: str | Path | Calibration, *, target_quality:
 
     from kvcodec.transform.quality import ratio_for, ratio_warning
 
+    if options.get("resolutions") is not None:  # frames for NVDEC: the smaller ones x265 makes restore on CPUs only
+        options["resolutions"] = video_frame_sizes(options["resolutions"])
     if isinstance(transform, Calibration):
         if target_quality is not None:
             raise ConfigError("target_quality needs a .kvt file (its quality report)")
