@@ -22,7 +22,9 @@ LAYOUT_GROUPED = "kvspec-groups"
 
 
 def save_kv_file(path: str | Path, kv: torch.Tensor | GroupedKV, metadata: dict[str, str]) -> None:
-    """Write atomically; metadata values are strings (safetensors)."""
+    """Write atomically; metadata values are strings (safetensors). A failed write (a full disk, a
+    file size limit) is an OSError naming the path, as Python's own writes are; nothing is left."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -37,8 +39,11 @@ def save_kv_file(path: str | Path, kv: torch.Tensor | GroupedKV, metadata: dict[
         )
     else:
         tensors, meta["layout"] = {"kv": kv.contiguous()}, LAYOUT_PLAIN
-    with replacing(path) as tmp:
-        save_file(tensors, tmp, metadata=meta)
+    try:
+        with replacing(path) as tmp:
+            save_file(tensors, tmp, metadata=meta)
+    except SafetensorError as e:  # not an OSError: safetensors' writer reports its I/O errors as its own
+        raise OSError(f"cannot write {path}: {e}") from None
 
 
 def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
