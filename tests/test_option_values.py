@@ -88,3 +88,41 @@ def test_the_transform_codec_takes_the_text_of_its_options_and_refuses_other_val
     for option, value in (("target_ratio", "abc"), ("theta", "x"), ("chunk_tokens", 1.5), ("resolutions", "big")):
         with pytest.raises(ConfigError, match=option):
             make_codec("transform", transform=synthetic_kvt, **{option: value})
+
+
+def test_the_raw_codec_takes_the_text_of_its_options_and_refuses_other_values():
+    from kvcodec.codecs import make_codec
+
+    text = make_codec("raw", variants="raw,zstd", zstd_level="5", chunk_tokens="64", resolutions="256x256,512x512")
+    typed = make_codec(
+        "raw", variants=("raw", "zstd"), zstd_level=5, chunk_tokens=64, resolutions=((256, 256), (512, 512))
+    )
+    assert text == typed and text.id == typed.id
+    assert make_codec("raw", variants="zstd").variants == ("zstd",)  # one variant, not its letters
+    for option, value in (("chunk_tokens", 1.5), ("chunk_tokens", "x"), ("zstd_level", "x"), ("zstd_level", 99)):
+        with pytest.raises(ConfigError, match=option):
+            make_codec("raw", **{option: value})
+
+
+@pytest.mark.parametrize(
+    "name,options,says",
+    [
+        ("hevc", {"foo": 1}, "unexpected keyword argument 'foo'"),
+        ("raw", {"foo": 1}, "unexpected keyword argument 'foo'"),
+        ("transform", {}, "missing a required argument: 'transform'"),
+        ("transform", {"foo": 1}, "unexpected keyword argument 'foo'"),
+        ("transform-ans", {"foo": 1}, "unexpected keyword argument 'foo'"),
+        ("grouped", {"inner": "raw", "foo": 1}, "unexpected keyword argument 'foo'"),
+        ("hevc", {"restore": "x"}, "restore must be one of"),
+        ("hevc", {"pool": "x"}, "pool must be an NvdecPool"),
+    ],
+)
+def test_make_codec_refuses_options_a_codec_does_not_take_by_name(synthetic_kvt, name, options, says):
+    """Before, a TypeError (an unknown option), or a codec that failed at its first decode
+    (restore="x": ValueError; pool="x": AttributeError)."""
+    from kvcodec.codecs import make_codec
+
+    if name.startswith("transform") and options:
+        options = {"transform": synthetic_kvt, **options}
+    with pytest.raises(ConfigError, match=says):
+        make_codec(name, **options)

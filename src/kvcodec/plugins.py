@@ -1,10 +1,13 @@
 """The one "module:attr" loader: registries (codecs, video backends, stores) name their lazily
-imported factories this way, so registering a backend never imports it."""
+imported factories this way, so registering a backend never imports it; and the check of the
+options a caller hands such a factory."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from kvcodec.errors import ConfigError
@@ -21,3 +24,13 @@ def load_object(target: str) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def check_arguments(fn: Callable, what: str, *args: Any, **options: Any) -> None:
+    """ConfigError naming what `fn(*args, **options)` would be refused for (an option it does not
+    take, one it needs and lacks), before it runs. A factory that takes **options passes this
+    check: it checks them where it hands them on."""
+    try:
+        inspect.signature(fn).bind(*args, **options)
+    except TypeError as e:
+        raise ConfigError(f"{what}: {e}") from None

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target, collect_chunks, token_chunks
+from kvcodec.config import resolution_pairs, whole_number
 from kvcodec.container.format import crc32, object_version, read_object, write_object
 from kvcodec.dtypes import DTYPE_NAMES, SAME_SIZE_INT, dtype_of
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
@@ -26,6 +27,7 @@ from kvcodec.restore.paged import PagedKV
 
 MAGIC = b"KVRW"
 VARIANTS = ("raw", "zstd", "lz4")
+ZSTD_LEVELS = (-7, 22)  # zstd's fast levels, its default (0) and its strongest
 
 
 NUMPY_INT = {torch.int16: np.int16, torch.int32: np.int32}
@@ -47,14 +49,19 @@ class RawCodec:
     resolutions: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "variants", tuple(self.variants))
+        variants = self.variants.split(",") if isinstance(self.variants, str) else self.variants  # "raw,zstd"
+        object.__setattr__(self, "variants", tuple(v.strip() if isinstance(v, str) else v for v in variants))
         bad = [v for v in self.variants if v not in VARIANTS]
         if bad or not self.variants:
             raise ConfigError(f"raw codec variants {list(self.variants)}: expected some of {', '.join(VARIANTS)}")
-        if int(self.chunk_tokens) < 1:
+        object.__setattr__(self, "zstd_level", whole_number(self.zstd_level, "zstd_level"))
+        if not ZSTD_LEVELS[0] <= self.zstd_level <= ZSTD_LEVELS[1]:
+            raise ConfigError(f"zstd_level must be in {ZSTD_LEVELS[0]}..{ZSTD_LEVELS[1]}; got {self.zstd_level}")
+        object.__setattr__(self, "chunk_tokens", whole_number(self.chunk_tokens, "chunk_tokens"))
+        if self.chunk_tokens < 1:
             raise ConfigError(f"chunk_tokens must be >= 1; got {self.chunk_tokens}")
         res = self.resolutions or tuple((256 << j, 256 << j) for j in range(len(self.variants)))
-        object.__setattr__(self, "resolutions", tuple((int(w), int(h)) for w, h in res))
+        object.__setattr__(self, "resolutions", resolution_pairs(res))
 
     @property
     def id(self) -> str:

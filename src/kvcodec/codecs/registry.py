@@ -16,7 +16,7 @@ from typing import Any
 
 from kvcodec.codecs.base import ChunkCodec
 from kvcodec.errors import ConfigError
-from kvcodec.plugins import load_object
+from kvcodec.plugins import check_arguments, load_object
 
 PLUGIN_GROUP = "kvcodec.codecs"
 
@@ -53,6 +53,7 @@ def make_codec(name: str, **options: Any) -> ChunkCodec:
         raise ConfigError(f"unknown codec {name!r}; registered: {', '.join(registered_codecs())}")
     if isinstance(factory, str):
         factory = load_object(factory)
+    check_arguments(factory, f"codec {name!r}", **options)
     codec = factory(**options)
     if not isinstance(codec, ChunkCodec):
         raise ConfigError(f"codec factory {name!r} returned {type(codec).__name__}, not a ChunkCodec")

@@ -17,6 +17,8 @@ and side streams say; a `FrameRestorer` does the per-frame work. Two restorers:
 from kvcodec.restore.terms import ChunkTerms, FrameRestorer
 from kvcodec.restore.torch_restore import TorchRestorer
 
+RESTORERS = ("auto", "torch", "triton")
+
 
 def restorer_for(terms: ChunkTerms, prefer: str = "auto") -> FrameRestorer:
     """The restorer for `terms`: "auto" (the fused kernel where available), "torch" or "triton"."""
@@ -27,7 +29,7 @@ def restorer_for(terms: ChunkTerms, prefer: str = "auto") -> FrameRestorer:
     if prefer == "triton" or (prefer == "auto" and triton_restore.supports(terms)):
         return triton_restore.TritonRestorer(terms)
     if prefer != "auto":
-        raise ValueError(f"unknown restorer {prefer!r}: use 'auto', 'torch' or 'triton'")
+        raise ValueError(f"unknown restorer {prefer!r}: use one of {', '.join(RESTORERS)}")
     return TorchRestorer(terms)
 
 

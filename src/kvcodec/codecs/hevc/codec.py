@@ -21,6 +21,8 @@ from kvcodec.codecs.hevc.encode import default_encoder, encode_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.container.format import FORMAT_VERSION, PLAIN, check_chunk_config
 from kvcodec.errors import ConfigError, FormatError
+from kvcodec.plugins import check_arguments
+from kvcodec.restore import RESTORERS
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(CodecConfig))
 
@@ -53,6 +55,10 @@ class HevcCodec:
             raise ConfigError(f"HevcCodec needs a CodecConfig; got {type(config).__name__}")
         if decoder is not None and pool is not None:
             raise ConfigError("give HevcCodec a decoder or a pool, not both")
+        if restore not in RESTORERS:
+            raise ConfigError(f"restore must be one of {', '.join(RESTORERS)}; got {restore!r}")
+        if pool is not None and not all(hasattr(pool, a) for a in ("device", "decoder", "restore_blobs")):
+            raise ConfigError(f"pool must be an NvdecPool; got {type(pool).__name__}")
         self.config = config
         self.decoder = decoder
         self.pool = pool
@@ -69,6 +75,7 @@ class HevcCodec:
         if isinstance(config, dict):
             config = CodecConfig.from_dict(config)
         config = dataclasses.replace(config or CodecConfig(), **fields) if fields else (config or CodecConfig())
+        check_arguments(cls, "codec 'hevc'", config, **options)
         return cls(config, **options)
 
     def with_config(self, config: CodecConfig) -> HevcCodec:

@@ -37,6 +37,7 @@ from kvcodec.container.format import crc32, read_parsed, split_streams, write_ob
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
 from kvcodec.layout.search import encode_workers
+from kvcodec.plugins import check_arguments
 from kvcodec.transform import alloc, frames, quantize, rate
 from kvcodec.transform.calibration import KINDS, Calibration, all_variances, group_matrix, keys_without_rope
 from kvcodec.transform.kvt import load_kvt
@@ -665,6 +666,7 @@ def make_transform_codec(transform: str | Path | Calibration, *, target_quality:
 
     if options.get("resolutions") is not None:  # frames for NVDEC: the smaller ones x265 makes restore on CPUs only
         options["resolutions"] = video_frame_sizes(options["resolutions"])
+    check_arguments(TransformCodec, "codec 'transform'", transform, **options)
     if isinstance(transform, Calibration):
         if target_quality is not None:
             raise ConfigError("target_quality needs a .kvt file (its quality report)")

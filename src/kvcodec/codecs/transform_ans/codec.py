@@ -26,6 +26,7 @@ from kvcodec.codecs.transform_ans import gpu, rans
 from kvcodec.codecs.transform_ans.header import ANS_VERSION, CHUNK_MAGIC, STREAM_CODECS, AnsChunkHeader
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.errors import ConfigError, CorruptStreamError, FormatError
+from kvcodec.plugins import check_arguments
 from kvcodec.transform import quantize
 from kvcodec.transform.calibration import Calibration
 
@@ -81,6 +82,7 @@ class TransformAnsCodec(TransformCodec):
         if options.get("coder", "ans") != "ans":
             raise ConfigError(f"the transform-ans codec codes its samples with rANS; got coder={options['coder']!r}")
         options.pop("coder", None)
+        check_arguments(TransformCodec, "codec 'transform-ans'", transform, coder="zstd", **options)
         super().__init__(transform, coder="zstd", **options)
         self.params = rans.AnsParams(int(block), int(lanes))
         self.coder = "ans"
