@@ -271,6 +271,14 @@ def test_rotary_flags_that_would_be_ignored_are_refused(tmp_path):
     assert not (tmp_path / "m.kvt").exists()
 
 
+def test_calibrate_names_a_kv_file_of_the_wrong_shape_before_asking_for_its_rotary_settings(tmp_path):
+    # a 4-D tensor without metadata was refused for its missing rotary settings; --no-rope then said the shape
+    path = tmp_path / "kv4d.safetensors"
+    save_file({"kv": synthetic_kv(40, 3)[0]}, str(path))
+    out = _one_line_error(CliRunner().invoke(cli, ["calibrate", str(path), "--out", str(tmp_path / "m.kvt")]), 1)
+    assert "kv4d.safetensors holds KV of shape" in out and "rotary" not in out
+
+
 def test_demo_refuses_bad_options_before_the_model_loads(monkeypatch):
     # an unknown text or quant failed after the model loaded; --doc-tokens below --chunk-tokens ran the
     # story and ended in "the stored fp16 KV could not be read back for the transform codec: None"

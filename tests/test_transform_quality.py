@@ -34,8 +34,10 @@ def test_target_quality_and_the_safe_ratio():
     )
     with pytest.raises(ConfigError, match="no calibrated ratio met top1"):
         ratio_for(REPORT, "top1=0.999")
-    with pytest.raises(ConfigError, match="cannot pick"):
+    with pytest.raises(ConfigError, match="has a model's quality report: it cannot pick"):
         ratio_for(REPORT, "err=0.1")
+    with pytest.raises(ConfigError, match="has no quality report: it cannot pick"):
+        ratio_for(None, "top1=0.99")
     assert (
         safe_ratio(REPORT) == 5.0 and ratio_warning(REPORT, 5) is None and "safe ratio 5x" in ratio_warning(REPORT, 6)
     )

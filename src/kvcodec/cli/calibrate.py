@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from kvcodec.cli.options import check_output_path, device_option, finite_above
-from kvcodec.errors import ConfigError
+from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.transform.calibration import HELD_OUT_TEXTS, KIND_EVAL_TEXTS, mixed_texts
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
 from kvcodec.transform.quality import REPORT_RATIOS, safe_ratio, summary
@@ -99,11 +99,14 @@ def group_ropes(spec, metadata: dict, theta, style, rotary_dim, no_rope) -> list
 
 
 def _load_kv_files(paths) -> tuple[list, dict]:
+    from kvcodec.kvspec import GroupedKV
     from kvcodec.kvspec.files import load_kv_file
 
     kvs, metas = [], []
     for p in paths:
         kv, meta = load_kv_file(p)
+        if not isinstance(kv, GroupedKV) and (kv.dim() != 5 or kv.shape[1] != 2):  # before the rope: the first thing wrong
+            raise ShapeError(f"{p} holds KV of shape {tuple(kv.shape)}, not (layers, 2, tokens, kv_heads, head_dim)")
         kvs.append(kv)
         metas.append(meta)
     models = {m.get("model") for m in metas}

@@ -52,8 +52,8 @@ def ratio_for(report: dict[str, Any] | None, target: str) -> float:
     points = _points(report)
     usable = [p for p in points if _value(p, metric) is not None]
     if not usable:
-        have = "model" if any("top1" in p for p in points) else "KV-file" if points else "no"
-        raise ConfigError(f"the .kvt has a {have} quality report: it cannot pick a ratio for {metric}")
+        have = "a model's" if any("top1" in p for p in points) else "a KV-file" if points else "no"
+        raise ConfigError(f"the .kvt has {have} quality report: it cannot pick a ratio for {metric}")
     highest = highest_passing(usable, lambda p: meets(p, metric, bound))
     if highest is None:
         best = max(usable, key=lambda p: _value(p, metric) * (1 if METRICS[metric] == ">=" else -1))
