@@ -105,7 +105,7 @@ def _load_kv_files(paths) -> tuple[list, dict]:
     kvs, metas = [], []
     for p in paths:
         kv, meta = load_kv_file(p)
-        if not isinstance(kv, GroupedKV) and (kv.dim() != 5 or kv.shape[1] != 2):  # before the rope: the first thing wrong
+        if not isinstance(kv, GroupedKV) and (kv.dim() != 5 or kv.shape[1] != 2):  # said before any rope question
             raise ShapeError(f"{p} holds KV of shape {tuple(kv.shape)}, not (layers, 2, tokens, kv_heads, head_dim)")
         kvs.append(kv)
         metas.append(meta)
