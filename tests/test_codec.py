@@ -134,6 +134,18 @@ def encoded():
     return kv, kvcodec.encode(kv, CodecConfig(quant="int8", chunk_tokens=12, resolutions=SMALL))
 
 
+def test_decode_reads_a_frame_size_as_text_and_refuses_wrong_arguments_by_name(encoded):
+    kv, data = encoded
+    (w, h), (one,) = SMALL[0], SMALL
+    assert torch.equal(kvcodec.decode(data, resolution=f"{w}x{h}"), kvcodec.decode(data, resolution=one))
+    with pytest.raises(ConfigError, match="decoded from its bytes"):  # a path: was a TypeError from memoryview
+        kvcodec.decode("some.kvc")
+    with pytest.raises(ConfigError, match="device must be cpu or a CUDA device"):  # was torch's RuntimeError
+        kvcodec.decode(data, device="bogus")
+    with pytest.raises(ConfigError, match="one frame size"):
+        kvcodec.decode(data, resolution=f"{w}x{h},{w}x{h}")
+
+
 def test_every_truncation_raises_a_kvcodec_error(encoded):
     _, data = encoded
     cuts = sorted({1, 3, 8, 10, 50, len(data) // 3, len(data) // 2, len(data) - 1} | set(range(0, 12)))

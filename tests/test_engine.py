@@ -97,6 +97,16 @@ def test_store_policy_min_tokens(smol):
         assert again.matched_tokens == 0
 
 
+def test_prompts_that_are_no_text_or_token_ids_are_refused_by_name(smol):
+    from kvcodec.errors import ConfigError
+
+    with make_engine(smol, "memory://") as eng:
+        for bad in (None, 5, [None]):  # were TypeErrors from len() or iteration
+            with pytest.raises(ConfigError, match="text or token ids|text, token ids"):
+                eng.generate(bad, max_new_tokens=1)
+        assert eng.generate([1, 2, 3], max_new_tokens=1)[0].token_ids  # token ids still work
+
+
 def test_sampling_seeded_and_stops(smol):
     with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
         p = "Once upon a time"

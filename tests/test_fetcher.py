@@ -195,6 +195,15 @@ def test_an_integer_out_is_refused_not_filled_with_truncated_kv(raw_cache):
     assert not out.any()
 
 
+def test_a_deadline_that_is_not_a_number_is_refused_and_a_device_is_checked(raw_cache):
+    # NaN never passed: the fetch reported "no answer within the deadline of nans"
+    for bad in (float("nan"), "5", True):
+        with pytest.raises(ConfigError, match="deadline"):
+            raw_cache.fetch(ids_for(16), deadline_s=bad)
+    with pytest.raises(ConfigError, match="device must be cpu or a CUDA device"):
+        PrefixCache(open_store("memory://"), "m", RAW, "bogus")
+
+
 def test_metas_that_claim_a_huge_shape_are_dropped_before_anything_is_sized_from_them(raw_cache):
     """Every meta of a prefix rewritten to a shape of terabytes: the fetch returns the error
     (it never raises nor allocates), drops the chunks, and the next put stores them again."""

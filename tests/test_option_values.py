@@ -126,3 +126,22 @@ def test_make_codec_refuses_options_a_codec_does_not_take_by_name(synthetic_kvt,
         options = {"transform": synthetic_kvt, **options}
     with pytest.raises(ConfigError, match=says):
         make_codec(name, **options)
+
+
+@pytest.mark.parametrize("value", ["bogus", "meta", 3.5, None, "cuda:x"])
+def test_a_device_that_is_no_cpu_or_cuda_device_is_refused_by_name(value):
+    from kvcodec.config import torch_device
+
+    with pytest.raises(ConfigError, match="device must be cpu or a CUDA device"):
+        torch_device(value)
+
+
+def test_devices_are_read_and_cuda_without_cuda_is_refused():
+    import torch
+
+    from kvcodec.config import torch_device
+
+    assert torch_device("cpu") == torch.device("cpu") == torch_device(torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            torch_device("cuda")

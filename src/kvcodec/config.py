@@ -193,3 +193,21 @@ def resolution_pairs(value: Any, name: str = "resolutions") -> tuple[tuple[int, 
         return tuple((whole_number(w, name), whole_number(h, name)) for w, h in pairs)
     except (TypeError, ConfigError):
         raise wrong from None
+
+
+def torch_device(value: Any, name: str = "device"):  # noqa: ANN201 - a torch.device
+    """`value` ("cpu", "cuda:1", a torch.device) as a torch.device this machine has; ConfigError
+    naming `name` for anything else (kvcodec restores on CPUs and CUDA GPUs), or a CUDA device
+    where torch has no CUDA."""
+    import torch
+
+    wrong = ConfigError(f"{name} must be cpu or a CUDA device such as cuda:0; got {value!r}")
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise wrong from None
+    if dev.type not in ("cpu", "cuda"):
+        raise wrong
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{name} {value!r}: this torch has no CUDA device (use cpu)")
+    return dev

@@ -34,6 +34,7 @@ from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams
 from kvcodec.engine.storer import KVStorer
 from kvcodec.engine.tokens import Tokens
 from kvcodec.engine.validate import check_context, check_sampling, check_token_ids
+from kvcodec.errors import ConfigError
 from kvcodec.kvspec.serving import layout_for
 
 log = logging.getLogger(__name__)
@@ -369,6 +370,8 @@ class Engine:
         wait_for_store: return only after the prompts' KV is in the store (so that a following call
         can reuse it).
         """
+        if not isinstance(prompts, (str, Sequence)):
+            raise ConfigError(f"prompts are text, token ids, or a list of either; got {type(prompts).__name__}")
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         sp = params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **kw)
         reqs = [

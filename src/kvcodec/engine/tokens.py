@@ -34,7 +34,11 @@ class Tokens:
                 return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             except (UnicodeEncodeError, TypeError) as e:
                 raise ConfigError(f"the prompt is not valid Unicode text: {e}") from None
-        return [t if isinstance(t, bool) else (int(t) if hasattr(t, "__index__") else t) for t in prompt]
+        try:
+            items = list(prompt)
+        except TypeError:
+            raise ConfigError(f"a prompt is text or token ids; got {type(prompt).__name__}") from None
+        return [t if isinstance(t, bool) else (int(t) if hasattr(t, "__index__") else t) for t in items]
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a conversation through the tokenizer's chat template."""

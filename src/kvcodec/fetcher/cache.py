@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target, warm_up_codec
-from kvcodec.config import CodecConfig
+from kvcodec.config import CodecConfig, torch_device
 from kvcodec.dtypes import DTYPES, name_of
 from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError, StoreError
 from kvcodec.fetcher import storecalls
@@ -75,7 +75,7 @@ def _resolve_codec(codec: Any, legacy: dict[str, Any]) -> ChunkCodec:
 
 
 def _device(device: str | torch.device) -> torch.device:
-    dev = torch.device(device)
+    dev = torch_device(device)
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

@@ -9,12 +9,14 @@ gets a FetchError at once.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
+from numbers import Real
 from typing import Any, TypeVar
 
-from kvcodec.errors import FetchError, KVCodecError, StoreError
+from kvcodec.errors import ConfigError, FetchError, KVCodecError, StoreError
 from kvcodec.store.deadline import run_within
 
 T = TypeVar("T")
@@ -24,6 +26,8 @@ class Deadline:
     """An absolute monotonic deadline (None: no limit)."""
 
     def __init__(self, seconds: float | None, start: float | None = None) -> None:
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, Real) or math.isnan(seconds)):
+            raise ConfigError(f"a deadline is a number of seconds or None; got {seconds!r}")
         self.at = None if seconds is None else (time.monotonic() if start is None else start) + seconds
         self.seconds = seconds
 

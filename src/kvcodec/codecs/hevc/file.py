@@ -12,7 +12,7 @@ import torch
 from kvcodec.codecs.base import EncodedChunk, Target
 from kvcodec.codecs.hevc.decode import decode_chunk_blob, idle_decoders, inspect_chunk_blob, part_headers
 from kvcodec.codecs.hevc.encode import encode_chunks
-from kvcodec.config import CodecConfig
+from kvcodec.config import CodecConfig, resolution_pairs, torch_device
 from kvcodec.container.format import (
     FILE_MAGIC,
     PLAIN,
@@ -27,7 +27,7 @@ from kvcodec.container.format import (
     write_object,
 )
 from kvcodec.dtypes import DTYPE_NAMES, dtype_of
-from kvcodec.errors import ChecksumError, ShapeError
+from kvcodec.errors import ChecksumError, ConfigError, ShapeError
 from kvcodec.restore.paged import PagedKV
 
 
@@ -79,15 +79,24 @@ def file_chunks(
     with the slice of the output it restores into (a PagedKV output is every chunk's target: each
     chunk finds its tokens' blocks from its own start_token). Every blob's own header must name
     the chunk, first token and token count the file places it at. Decoders start here."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ConfigError(
+            f"a kvcodec file is decoded from its bytes (read the file first); got a {type(data).__name__}"
+        )
     fh, payload = read_file_header(data)
     dtype = dtype_of(fh.dtype, "kvcodec file dtype")
     if resolution is None:
         resolution = max(fh.resolutions, key=lambda r: r[0] * r[1])
+    elif isinstance(resolution, str):  # "512x512"
+        pairs = resolution_pairs(resolution, "resolution")
+        if len(pairs) != 1:
+            raise ConfigError(f"resolution must be one frame size such as 512x512; got {resolution!r}")
+        resolution = pairs[0]
     blobs = _chunk_blobs(fh, payload, tuple(resolution))
     if isinstance(out, PagedKV):
         out.check(fh.shape, dtype, 0)
     elif out is None:
-        out = torch.empty(fh.shape, dtype=dtype, device=torch.device(device))
+        out = torch.empty(fh.shape, dtype=dtype, device=torch_device(device))
     elif tuple(out.shape) != fh.shape or out.dtype != dtype:
         raise ShapeError(f"output tensor is {tuple(out.shape)} {out.dtype}; file holds {fh.shape} {dtype}")
     jobs, start = [], 0
