@@ -207,7 +207,9 @@ def test_encode_decode_commands_with_transform(synthetic_kvt, tmp_path):
     res = CliRunner().invoke(encode_cmd, enc)
     assert res.exit_code == 0, res.output
     size = (tmp_path / "t.kvc").stat().st_size
-    assert abs(kv.numel() * 2 / 5 / size - 1) < 0.10
+    assert abs(kv.numel() * 2 / 5 / size - 1) < 0.10 and "warning" not in res.output
+    far = CliRunner().invoke(encode_cmd, [enc[0], str(tmp_path / "far.kvc"), *enc[2:5], "1e9", *enc[6:]])
+    assert far.exit_code == 0 and "warning" in far.output and "misses the 1e+09x asked" in far.output, far.output
     res = CliRunner().invoke(
         decode_cmd, [str(tmp_path / "t.kvc"), str(tmp_path / "out.safetensors"), "--transform", str(synthetic_kvt)]
     )
