@@ -434,7 +434,10 @@ class KVStorer:
         with self._lock:
             pool, self.processes = self.processes, None
         if pool is not None:
-            log.warning("KV encode processes failed (%s): encoding on threads from now on", error)
+            hint = ""
+            if "bootstrapping phase" in str(error):  # multiprocessing's words for a script without a main guard
+                hint = ' (run the engine under `if __name__ == "__main__":`: its workers import the main module)'
+            log.warning("KV encode processes failed (%s): encoding on threads from now on%s", error, hint)
             pool.shutdown(wait=False)
 
     def _put(self, job: _Job) -> int:
