@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import pytest
 import torch
@@ -112,7 +113,8 @@ def test_the_driver_restores_hevc_chunks_as_decode_chunk_does(streams, sessions,
 
 def test_a_codec_with_a_pool_or_a_fixed_decoder_is_not_driven():
     assert driven_of(HevcCodec(CFG, decoder=object())) is None
-    assert driven_of(HevcCodec(CFG, pool=object())) is None
+    pool = types.SimpleNamespace(device=torch.device("cuda", 0), restore_blobs=None)  # what a codec asks of one
+    assert driven_of(HevcCodec(CFG, pool=pool)) is None
     assert driven_of(object()) is None
 
 

@@ -57,8 +57,8 @@ class HevcCodec:
             raise ConfigError("give HevcCodec a decoder or a pool, not both")
         if restore not in RESTORERS:
             raise ConfigError(f"restore must be one of {', '.join(RESTORERS)}; got {restore!r}")
-        if pool is not None and not all(hasattr(pool, a) for a in ("device", "decoder", "restore_blobs")):
-            raise ConfigError(f"pool must be an NvdecPool; got {type(pool).__name__}")
+        if pool is not None and not all(hasattr(pool, a) for a in ("device", "restore_blobs")):
+            raise ConfigError(f"pool must be an NvdecPool or NvcuvidThreads; got {type(pool).__name__}")
         self.config = config
         self.decoder = decoder
         self.pool = pool
