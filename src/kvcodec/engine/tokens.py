@@ -16,6 +16,7 @@ class Tokens:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._max_chars: int | None = None
+        self._control: tuple[str, ...] | None = None
 
     def max_token_chars(self) -> int:
         """Most characters one token stands for (the longest vocabulary entry; at least 1): a text
@@ -40,8 +41,23 @@ class Tokens:
             raise ConfigError(f"a prompt is text or token ids; got {type(prompt).__name__}") from None
         return [t if isinstance(t, bool) else (int(t) if hasattr(t, "__index__") else t) for t in items]
 
+    def control_tokens(self) -> tuple[str, ...]:
+        """The text of the tokenizer's special tokens (its chat template's turn markers among them)."""
+        if self._control is None:
+            tok = self.tokenizer
+            names = set(getattr(tok, "all_special_tokens", None) or ())
+            names.update(str(t) for t in (getattr(tok, "added_tokens_decoder", None) or {}).values() if t.special)
+            self._control = tuple(sorted(n for n in names if n))
+        return self._control
+
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation through the tokenizer's chat template."""
+        """Token ids of a conversation through the tokenizer's chat template. A message whose text
+        holds a special token is refused: the rendered template is tokenized as a whole, so that
+        text would become the real marker (a user's message could close its turn and open a system one)."""
+        for i, m in enumerate(messages):
+            found = next((t for t in self.control_tokens() if t in m["content"]), None)
+            if found is not None:
+                raise ConfigError(f"message {i} holds the model's control token {found!r}; message text cannot")
         tmpl = getattr(self.tokenizer, "chat_template", None)
         if tmpl:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
