@@ -109,6 +109,28 @@ def test_check_sampling_refuses(params):
         check_sampling(params)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.floats(1e-45, 1e3),
+    st.one_of(st.just(1.0), st.floats(1e-50, 1.0, exclude_min=False)),
+    st.integers(0, 2**31 - 1),
+)
+def test_sampling_draws_a_token_at_any_temperature_and_top_p_the_checks_pass(temperature, top_p, seed):
+    """A temperature of 1e-39 overflowed logits / T to inf (NaN probabilities) and a top_p below
+    float32's least value kept no token: torch.multinomial raised inside the engine's step."""
+    import torch
+
+    from kvcodec.engine.runner import sample
+
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    check_sampling(params)
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(seed)) * 30
+    token = sample(logits, params, torch.Generator().manual_seed(seed))
+    assert 0 <= token < 50
+    if temperature < 1e-30 or top_p < 1e-30:
+        assert token == int(torch.argmax(logits))
+
+
 def test_check_tokens_and_context():
     check_token_ids([0, 5, 9], 10)
     for bad in ([10], [-1], [1.0], [True]):

@@ -190,10 +190,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Greedy for temperature 0; otherwise temperature/top-p sampling with the request's generator."""
     if params.temperature <= 0:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    scores = logits.float()
+    probs = torch.softmax((scores - scores.max()) / params.temperature, dim=-1)  # max first: no inf / inf at tiny T
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < params.top_p
+        keep[0] = True  # the likeliest token always: a top_p below float32's least value compares as 0
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
     gen_device = generator.device if generator is not None else probs.device
