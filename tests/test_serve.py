@@ -124,6 +124,34 @@ def test_chat_text_that_holds_a_turn_marker_is_refused_not_rendered_into_one(cli
     assert c.post("/v1/chat/completions", json=near).status_code == 200
 
 
+def test_a_request_the_engine_fails_or_stops_is_a_server_error_not_a_200(client, monkeypatch):
+    """An engine failure (injected: the sampler's faults reachable from the door are fixed) and an
+    abort answered 200 with the partial text and finish_reason error / abort."""
+    import kvcodec.engine.engine as engine_module
+
+    c, eng = client
+    real = engine_module.sample
+
+    def fail(logits, params, generator):  # noqa: ANN001, ANN202
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine_module, "sample", fail)
+    r = c.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 3})
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "server_error"
+
+    def abort_once(logits, params, generator):  # noqa: ANN001, ANN202 - the request stops at its next step
+        req = next(q for q in list(eng.scheduler.running) if not q.finished)
+        eng.abort(req)
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", abort_once)
+    r = c.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 50, "ignore_eos": True})
+    assert r.status_code == 503 and "stopped before the answer was complete" in r.json()["error"]["message"], r.text
+    monkeypatch.setattr(engine_module, "sample", real)
+    assert c.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 3}).status_code == 200
+
+
 def test_stop_string_and_bad_requests(client):
     c, _ = client
     full = c.post("/v1/completions", json={"prompt": "1, 2, 3, 4,", "max_tokens": 8}).json()["choices"][0]["text"]

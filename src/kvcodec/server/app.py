@@ -60,6 +60,12 @@ def _lifespan(engine: Any, close: bool):  # noqa: ANN202
     return lifespan
 
 
+UNFINISHED = {  # finish reasons of a request the engine did not answer: status, message
+    "error": (500, "the engine failed on this request"),
+    "abort": (503, "the server stopped before the answer was complete"),
+}
+
+
 async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
     status = getattr(exc, "status", 400)
     return JSONResponse(responses.error(str(exc), getattr(exc, "param", None)), status_code=status)
@@ -153,6 +159,10 @@ async def _generate(request: Request, g: GenerationRequest, arrival: float) -> R
         text, finish = text + d.text, d.finish_reason
     if finish is None:  # the client went away; the request was aborted
         return Response(status_code=CLIENT_CLOSED)
+    if finish in UNFINISHED:  # not an answer: a client reading the status alone must not take it for one
+        status, why = UNFINISHED[finish]
+        body = responses.error(f"{why}: {req.error}" if req.error else why, kind="server_error")
+        return JSONResponse({**body, "kvcodec": responses.kvcodec_info(req)}, status_code=status)
     return JSONResponse(responses.completion(env, req, text, finish))
 
 
