@@ -58,6 +58,31 @@ def test_roundtrip_and_restart(redis_server):
     assert torch.equal(c2.fetch(ids, 256).kv, kv)
 
 
+def test_keys_of_another_type_are_no_objects_so_the_next_put_rewrites_them(redis_server):
+    """A list where a blob was and a hash where a meta was: GET raised WRONGTYPE on every fetch and
+    EXISTS said the chunk was stored, so no put ever rewrote it (that prefix lost its reuse for good)."""
+    import redis
+
+    from kvcodec.fetcher import blob_key, meta_key
+
+    kv, ids = kv_and_ids()
+    c = cache_on(redis_server.url)
+    c.put(ids, kv)
+    raw, ns, keys = redis.Redis.from_url(redis_server.url), c.store.namespace, c.keys(ids)
+    for key, write in (
+        (blob_key(keys[1], 0), lambda k: raw.rpush(k, b"x")),
+        (meta_key(keys[3]), lambda k: raw.hset(k, "a", "b")),
+    ):
+        raw.delete(ns + key)
+        write(ns + key)
+    assert c.lookup(ids) == 96  # chunk 3: its meta is a hash, no object
+    r = c.fetch(ids, 256)
+    assert r.tokens_restored == 32 and r.error is not None and "WRONGTYPE" not in str(r.error)
+    assert c.put(ids, kv) >= 1
+    r = c.fetch(ids, 256)
+    assert r.ok and torch.equal(r.kv, kv)
+
+
 def test_server_killed_mid_fetch_gives_partial_result_not_hang(redis_server):
     kv, ids = kv_and_ids(512)
     c = cache_on(redis_server.url, max_inflight=1)

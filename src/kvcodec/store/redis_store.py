@@ -95,7 +95,7 @@ class RedisStore(BaseStore):
     def get(self, key: str) -> bytes | None:
         k = self._k(key)
         with self._errors("get", key):
-            return self._r.get(k)
+            return self._r.mget([k])[0]  # MGET, not GET: a key of another type is no object (GET: WRONGTYPE)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         ks = [self._k(k) for k in keys]
@@ -106,7 +106,7 @@ class RedisStore(BaseStore):
                     pipe = self._r.pipeline(transaction=False)
                     for k in part:
                         pipe.get(k)
-                    out.extend(pipe.execute())
+                    out.extend(_no_wrong_types(pipe.execute(raise_on_error=False)))
                 else:
                     out.extend(self._r.mget(part))
         return out
@@ -132,10 +132,10 @@ class RedisStore(BaseStore):
         k = self._k(key)
         with self._errors("size", key):
             pipe = self._r.pipeline(transaction=False)
-            pipe.exists(k)
+            pipe.type(k)
             pipe.strlen(k)
-            present, n = pipe.execute()
-        return int(n) if present else None
+            kind, n = pipe.execute(raise_on_error=False)
+        return int(n) if _is_value(kind) else None
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         ks = [self._k(k) for k in keys]
@@ -144,8 +144,8 @@ class RedisStore(BaseStore):
             for part in batched(ks, _BATCH):
                 pipe = self._r.pipeline(transaction=False)
                 for k in part:
-                    pipe.exists(k)
-                out.extend(bool(x) for x in pipe.execute())
+                    pipe.type(k)
+                out.extend(_is_value(x) for x in pipe.execute())
         return out
 
     def delete(self, key: str) -> bool:
@@ -173,3 +173,19 @@ class RedisStore(BaseStore):
             self._r.close()
         except Exception:  # noqa: BLE001 - closing a dead connection is not an error
             pass
+
+
+def _is_value(kind: bytes | str | Exception) -> bool:
+    """Whether a key's TYPE is a stored object: a string. A key of another type (a list, a hash:
+    not written by a store) is no object, so that a put writes the object over it (SET replaces any type)."""
+    return kind in (b"string", "string")
+
+
+def _no_wrong_types(replies: list) -> list[bytes | None]:
+    """A pipeline's GET replies with a key of another type (WRONGTYPE) as no object; other errors raise."""
+    import redis
+
+    for r in replies:
+        if isinstance(r, redis.ResponseError) and not str(r).startswith("WRONGTYPE"):
+            raise r
+    return [None if isinstance(r, redis.ResponseError) else r for r in replies]
