@@ -219,6 +219,22 @@ def test_metas_that_claim_a_huge_shape_are_dropped_before_anything_is_sized_from
     assert torch.equal(raw_cache.fetch(ids).kv, kv)
 
 
+def test_a_meta_whose_shape_the_target_and_blob_disagree_with_is_dropped_and_healed(raw_cache):
+    """Chunk 0's meta rewritten to another shape: an engine's target (its model's shape) refused it
+    on every request and nothing was dropped, so that prefix was never stored again. A target that
+    fits neither the meta nor the blob (the caller's mistake) drops nothing."""
+    kv, ids = make_kv(48), ids_for(48)
+    raw_cache.put(ids, kv)
+    k0 = meta_key(raw_cache.keys(ids)[0])
+    raw_cache.store.put(k0, raw_cache.store.get(k0).replace(b'"shape":[3,2,32]', b'"shape":[3,2,16]'))
+    wrong = raw_cache.fetch(ids, out=torch.zeros((3, 2, 48, 4, 8), dtype=torch.float16))
+    assert wrong.tokens_restored == 0 and wrong.stats.chunks_dropped == 0
+    r = raw_cache.fetch(ids, out=torch.zeros_like(kv))
+    assert r.tokens_restored == 0 and isinstance(r.error, ShapeError) and r.stats.chunks_dropped == 1
+    assert raw_cache.put(ids, kv) == 1
+    assert torch.equal(raw_cache.fetch(ids, out=torch.zeros_like(kv)).kv, kv)
+
+
 def test_fetch_beyond_stored_reports_error(raw_cache):
     kv, ids = make_kv(48), ids_for(48)
     raw_cache.put(ids, kv)

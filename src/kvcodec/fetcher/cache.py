@@ -353,6 +353,7 @@ class PrefixCache:
         try:
             self._check_out(out, metas[0].shape, n_tokens)
         except ShapeError as e:  # the caller's target or the stored metas are wrong: no fetch
+            self._drop_meta_if_its_blob_fits(out, keys[0], metas[0], deadline, stats)
             return self._result(stats, t0, out, 0, n_tokens, e)
         profile = self._profile_for(pol, metas[0].shape, dtype, keys[0])
         stats.decoder = self.decoder_name()
@@ -486,6 +487,21 @@ class PrefixCache:
                 return  # the deadline ends the check: the chunks not checked stay as they are
             except KVCodecError as e:
                 self._bad_chunk(keys[j], j, e, stats)
+
+    def _drop_meta_if_its_blob_fits(self, out: Target, key: str, m: ChunkMeta, deadline, stats: FetchStats) -> None:
+        """`out` cannot hold chunk 0 as its meta describes it: where chunk 0's blob holds KV of out's
+        (layers, heads, dim), the meta is the damaged one, so the chunk is dropped for the next put."""
+        tensor = out.pages if isinstance(out, PagedKV) else out
+        fits = (tensor.shape[0], *tensor.shape[-2:])
+        try:
+            (blob,) = storecalls.call(deadline, "check get", self.store.get_many, [blob_key(key, 0)])
+            info = self.codec.inspect_chunk(blob) if blob is not None else None
+        except KVCodecError:
+            return  # the store or the blob cannot say: nothing is dropped on a guess
+        if info is not None and (info.layers, info.kv_heads, info.head_dim) == fits:
+            self._bad_chunk(
+                key, m.index, FormatError(f"chunk {m.index} meta says {m.shape}; its blob holds {fits}"), stats
+            )
 
     def _check_blob(self, blob: bytes | None, m: ChunkMeta, key: str) -> None:
         """KVCodecError unless `blob` is chunk `m` of the prefix `key` names and decodes."""
