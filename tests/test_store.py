@@ -83,6 +83,14 @@ def test_unknown_scheme_and_registry():
     assert open_store("echo-test://h").url == "echo-test://h"
 
 
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/abc", "redis://u:secret@127.0.0.1:6379/x1", "rediss://h/1a"])
+def test_a_redis_database_that_is_no_number_is_refused_before_connecting(url):
+    # redis-py read "/abc" as database 0: the store opened on another database than the one named
+    with pytest.raises(ConfigError, match="the database is a number") as e:
+        open_store(url)
+    assert "secret" not in str(e.value)
+
+
 def test_closed_memory_store_raises():
     st = open_store("memory://")
     st.close()

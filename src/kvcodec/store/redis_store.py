@@ -16,11 +16,12 @@ See docs/STORE.md for the server's persistence settings.
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from kvcodec.errors import ConfigError, StoreError
-from kvcodec.store.base import BaseStore, batched, check_key
+from kvcodec.store.base import BaseStore, batched, check_key, redact_url
 
 _BATCH = 512  # keys per pipelined round trip in the batched calls
 
@@ -54,6 +55,9 @@ class RedisStore(BaseStore):
         scheme, rest = url.split("://", 1)
         cluster = scheme.endswith("+cluster")
         base_url = scheme.replace("+cluster", "") + "://" + rest
+        db = urllib.parse.urlsplit(base_url).path.strip("/")
+        if base_url.startswith(("redis://", "rediss://")) and db and not db.isdigit():  # redis-py reads it as db 0
+            raise ConfigError(f"{redact_url(url)}: the database is a number, as in redis://host:6379/0; got {db!r}")
         if socket_timeout <= 0 or socket_connect_timeout <= 0:
             raise ConfigError("redis timeouts must be > 0")
         kw: dict[str, Any] = dict(
