@@ -33,4 +33,5 @@ def check_arguments(fn: Callable, what: str, *args: Any, **options: Any) -> None
     try:
         inspect.signature(fn).bind(*args, **options)
     except TypeError as e:
-        raise ConfigError(f"{what}: {e}") from None
+        given = ", ".join(sorted(options)) or "none"
+        raise ConfigError(f"{what} refuses its options ({given}): {e}") from None

@@ -303,7 +303,8 @@ def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCo
         given = ", ".join(sorted(options)) or "none"
         raise click.BadParameter(f"codec {name!r} refuses its options ({given}): {e}", param_hint="--codec") from None
     except KVCodecError as e:
-        raise click.BadParameter(f"codec {name!r}: {e}", param_hint="--codec") from None
+        said = str(e) if str(e).startswith(f"codec {name!r}") else f"codec {name!r}: {e}"
+        raise click.BadParameter(said, param_hint="--codec") from None
 
 
 def _check_port(host: str, port: int) -> None:
