@@ -127,4 +127,7 @@ def test_sigterm_of_a_busy_server_stops_it_within_seconds(server):
         proc.wait(timeout=20)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    assert time.monotonic() - t0 < 10, proc.stdout.read()[-2000:]
+    out = proc.stdout.read()
+    assert time.monotonic() - t0 < 10, out[-2000:]
+    # the encode workers' start barrier outlived the process (uvicorn ends it by the signal, no exit handlers)
+    assert "leaked semaphore" not in out, out[-2000:]

@@ -305,7 +305,12 @@ class EncodePool:
         """Start every worker now (each opens the store, builds the codec and pins itself):
         futures of their pids, one per worker (each answers once all of them are up)."""
         with interrupts_blocked():
-            return [self._executor.submit(_worker_pid) for _ in range(self.processes)]
+            return [self._running().submit(_worker_pid) for _ in range(self.processes)]
+
+    def _running(self) -> ProcessPoolExecutor:
+        if self._executor is None:
+            raise RuntimeError("the encode pool is shut down")  # as a shut-down executor's submit says
+        return self._executor
 
     def pids(self) -> tuple[int, ...]:
         """The worker processes' ids (none before the first submit spawns them)."""
@@ -347,7 +352,7 @@ class EncodePool:
             del host, kv
             try:  # the pool's own failures, not the encode's errors
                 with interrupts_blocked():  # a submit may spawn a worker
-                    future = self._executor.submit(_encode, list(ids), buf.name, shape, dtype)
+                    future = self._running().submit(_encode, list(ids), buf.name, shape, dtype)
             except (BrokenProcessPool, OSError, RuntimeError) as e:  # broken, cannot spawn, shut down
                 raise EncodeProcessError(f"{type(e).__name__}: {e}") from e
             try:
@@ -358,7 +363,12 @@ class EncodePool:
             self.buffers.release(buf)
 
     def shutdown(self, wait: bool = True) -> None:
-        self._executor.shutdown(wait=wait, cancel_futures=not wait)
+        """wait=False cancels the stores not begun. The workers are joined and the executor let go
+        of either way: its start barrier's semaphores are unlinked now. `kvcodec serve` ends by the
+        stop signal uvicorn raises again, with no exit handlers: they were 'leaked semaphore objects'."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True, cancel_futures=not wait)
         self.buffers.close()
 
 
