@@ -133,7 +133,7 @@ def test_batched_decode_matches_one_by_one(smol):
 
 
 def test_a_failing_sequence_ends_alone(smol):
-    """A request that faults in sampling (top_p=0 with temperature>0, which the door refuses) is
+    """A request that faults in sampling (a NaN temperature, which the door refuses) is
     placed straight in the scheduler: it alone ends with 'error', its batch neighbours finish."""
     from kvcodec.engine import Request
 
@@ -141,7 +141,7 @@ def test_a_failing_sequence_ends_alone(smol):
         ps = ["The capital of France is", "One, two, three,"]
         alone = [o.token_ids for o in eng.generate(ps, max_new_tokens=4, ignore_eos=True)]
         good = [eng.submit(p, SamplingParams(max_new_tokens=4, ignore_eos=True)) for p in ps]
-        bad = Request(prompt_ids=eng.encode("Hello there"), params=SamplingParams(temperature=1.0, top_p=0.0))
+        bad = Request(prompt_ids=eng.encode("Hello there"), params=SamplingParams(temperature=float("nan")))
         bad.generator = torch.Generator().manual_seed(0)
         eng.scheduler.add(bad)
         while not all(r.finished for r in [*good, bad]):
