@@ -98,6 +98,34 @@ def test_fetch_deadline_falls_back_to_recompute(smol, stored):
     assert out.token_ids == ref.token_ids
 
 
+def test_a_request_aborted_while_its_fetch_waits_for_a_worker_is_not_fetched(smol, stored):
+    """One fetch worker, busy with a fetch over a slow link: a reuse request aborted meanwhile (its
+    client left) was fetched all the same once the worker was free, delaying every fetch behind it."""
+    d, nbytes = stored
+    with engine(smol, slow_url(d, nbytes * 8 / 3.0 / 1e9), fetch_workers=1) as eng:
+        a = eng.submit(LONG, SamplingParams(max_new_tokens=1))
+        b = eng.submit(LONG, SamplingParams(max_new_tokens=1))
+        eng.abort(b)
+        while not (a.finished and b.finished):
+            if eng.scheduler.wait_for_work(timeout=0.5):
+                eng.step()
+    assert a.restored_tokens > 0 and a.fetch_error is None
+    assert b.finish_reason == "abort" and b.fetch_error == "aborted before its fetch began" and not b.fetch_stats
+
+
+def test_a_fetch_deadline_counts_from_arrival_not_from_when_a_worker_is_free(smol, stored):
+    """A request that waited in the fetch queue past its deadline is recomputed without a fetch:
+    the deadline restarted when a worker took it (fetch_s 1.8 s against a deadline of 0.59 s)."""
+    d, _ = stored
+    with engine(smol, f"file://{d}", fetch_deadline_s=5.0) as eng:
+        req = Request(prompt_ids=eng.encode(LONG), params=SamplingParams(max_new_tokens=1))
+        req.matched_tokens = eng.scheduler.prefix_cache.lookup(req.prompt_ids)
+        req.fetch_start = req.arrival_time - 6.0  # queued for 6 s
+        eng.scheduler._fetch(req)
+    assert req.matched_tokens > 0 and req.restored_tokens == 0 and req.restored_kv is None
+    assert req.fetch_error == "its deadline passed while it waited for a fetch worker"
+
+
 def test_running_batch_admits_and_retires_between_steps(smol):
     with engine(smol, "memory://", reuse=False, max_batch=2) as eng:
         reqs = [eng.submit(f"Count to {n}:", SamplingParams(max_new_tokens=n, ignore_eos=True)) for n in (1, 3, 2)]

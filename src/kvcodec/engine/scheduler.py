@@ -124,10 +124,17 @@ class Scheduler:
         """Fetch the matched prefix into req.restored_kv (runs on a worker or, blocking, inline)."""
         req.fetch_start = req.fetch_start or time.perf_counter()
         try:
+            deadline = req.fetch_deadline_s = self.deadline_for(req)
+            left = None if deadline is None else deadline - (time.perf_counter() - req.fetch_start)  # from arrival
+            if req.aborted or (left is not None and left <= 0):
+                why = (
+                    "aborted before its fetch began"
+                    if req.aborted
+                    else "its deadline passed while it waited for a fetch worker"
+                )
+                return self._not_fetched(req, why)
             out = self.target_for(req)
-            deadline = self.deadline_for(req)
-            req.fetch_deadline_s = deadline
-            res = self.prefix_cache.fetch(req.prompt_ids, req.matched_tokens, out=out, deadline_s=deadline)
+            res = self.prefix_cache.fetch(req.prompt_ids, req.matched_tokens, out=out, deadline_s=left)
             restored = int(getattr(res, "tokens_restored", 0) or 0)
             req.restored_tokens = restored
             req.restored_kv = res.kv if restored else None
@@ -141,6 +148,11 @@ class Scheduler:
             req.restored_tokens = 0
             req.restored_kv = None
             req.fetch_error = f"{type(e).__name__}: {e}"
+        req.fetch_end = time.perf_counter()
+
+    @staticmethod
+    def _not_fetched(req: Request, why: str) -> None:
+        req.fetch_error, req.restored_tokens, req.restored_kv = why, 0, None
         req.fetch_end = time.perf_counter()
 
     def _fetch_done(self, fut: Future) -> None:
