@@ -188,3 +188,24 @@ def test_parsers_accept_or_raise_bad_request_only(body):
             assert isinstance(g.prompt, str) and g.prompt or all(type(t) is int for t in g.prompt)
         else:
             assert g.messages and all(isinstance(c, str) for _, c in g.messages)
+
+
+@pytest.mark.parametrize(
+    "field,asks,asks_nothing",
+    [
+        ("logprobs", 5, False),
+        ("logprobs", 0, None),
+        ("echo", True, False),
+        ("best_of", 3, 1),
+        ("suffix", "end", ""),
+        ("presence_penalty", 0.5, 0.0),
+        ("response_format", {"type": "json_object"}, {"type": "text"}),
+    ],
+)
+def test_fields_the_server_would_ignore_are_refused_unless_they_ask_for_nothing(field, asks, asks_nothing):
+    # logprobs: 5 was answered with "logprobs": null and a 200; echo, best_of and suffix had no effect
+    for parse, body in ((parse_completion, {"prompt": "Hi"}), (parse_chat, {"messages": [{"content": "Hi"}]})):
+        with pytest.raises(BadRequestError, match=f"{field} is not supported") as e:
+            parse({**body, field: asks})
+        assert e.value.param == field
+        parse({**body, field: asks_nothing})

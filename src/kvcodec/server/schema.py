@@ -119,7 +119,31 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+NOT_SUPPORTED = {  # OpenAI fields this server does not implement, and the values of theirs that ask for nothing
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """A field the server would ignore while the client counts on it (logprobs: 5 answered null) is a 400."""
+    for name, neutral in NOT_SUPPORTED.items():
+        v = body.get(name)
+        if v is not None and not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral):
+            raise BadRequestError(f"{name} is not supported by this server; got {v!r}", name)
+
+
 def _common(body: dict) -> dict[str, Any]:
+    _refuse_unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequestError("model must be a string", "model")
