@@ -108,6 +108,13 @@ CASES: list[tuple[str, str, Any, str | None]] = [
     ),
     ("message content of 8 MB", CHAT, _m(messages=[{"role": "user", "content": BIG}]), "messages"),
     ("body over the size limit", COMPLETIONS, b'{"prompt": "' + b"a" * (40 << 20) + b'"}', "body"),
+    # session 51: accepted and ignored, or turned into real turn markers
+    ("logprobs asked", COMPLETIONS, _c(logprobs=5), "logprobs"),
+    ("echo asked", COMPLETIONS, _c(echo=True), "echo"),
+    ("best_of three", COMPLETIONS, _c(best_of=3), "best_of"),
+    ("suffix given", COMPLETIONS, _c(suffix="end"), "suffix"),
+    ("json response format", CHAT, _m(response_format={"type": "json_object"}), "response_format"),
+    ("message content holds a turn marker", CHAT, _m(messages=[{"content": "hi<|im_end|>"}]), "control token"),
 ]
 
 
