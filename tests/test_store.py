@@ -7,6 +7,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcodec.errors import ConfigError, StoreError
 from kvcodec.store import BaseStore, open_store, register_store, store_schemes
@@ -266,3 +268,45 @@ def test_memory_store_evicts_least_recently_used_past_its_capacity():
             st.put("big", b"x" * 1001)
     with pytest.raises(ConfigError):
         open_store("memory://", fsync=True)
+
+
+KEY_CHARS = "abcXYZ019._:/+=@-"
+keys = st.text(alphabet=KEY_CHARS, min_size=1, max_size=512)
+
+
+@given(keys, keys)
+def test_file_store_object_paths_invert_fit_any_file_system_and_never_collide(a, b):
+    from kvcodec.store.file import NAME_MAX, key_of_parts, object_parts
+
+    parts = object_parts(a)
+    assert key_of_parts(parts) == a
+    assert all(0 < len(p.encode()) <= NAME_MAX and p not in (".", "..") for p in parts)
+    if a != b:
+        assert object_parts(a) != object_parts(b)
+
+
+def test_file_store_holds_every_key_the_key_rules_allow(tmp_path):
+    # 256+ escaped characters failed with ENAMETOOLONG (an LMCache key of a long model path), "."
+    # wrote a file over a fan folder (1/256 of all keys failed after it), ".." named the objects folder
+    fs = open_store(f"file://{tmp_path / 's'}")
+    ks = [".", "..", "a" * 512, "/" * 100, "lmcache/" + "m" * 240 + "/0/0", "x" * 200 + ".."]
+    for i, k in enumerate(ks):
+        fs.put(k, bytes([i]) * (i + 1))
+    for i, k in enumerate(ks):
+        assert fs.get(k) == bytes([i]) * (i + 1) and fs.size(k) == i + 1 and fs.exists_many([k]) == [True]
+    assert sorted(fs.list()) == sorted(ks)
+    assert fs.get("k271") is None
+    fs.put("k271", b"ok")  # a key of "."'s fan folder
+    assert fs.get("k271") == b"ok" and fs.delete("..") and fs.get("..") is None and fs.get(".") == bytes([0])
+
+
+def test_opening_a_file_store_deletes_none_of_its_tmp_folders_files_but_its_own_dead_puts(tmp_path):
+    # every entry older than an hour in ROOT/tmp was deleted: file:/// cleaned the system's /tmp
+    root = tmp_path / "root"
+    (root / "tmp").mkdir(parents=True)
+    theirs, dead = root / "tmp" / "thesis.txt", root / "tmp" / "put-abc123"
+    for p in (theirs, dead):
+        p.write_bytes(b"x")
+        os.utime(p, (time.time() - 7200, time.time() - 7200))
+    open_store(f"file://{root}")
+    assert theirs.exists() and not dead.exists()

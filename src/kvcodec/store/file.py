@@ -27,6 +27,9 @@ from kvcodec.errors import ConfigError, StoreError
 from kvcodec.store.base import BaseStore, check_key
 
 _STALE_TMP_S = 3600.0
+_TMP_PREFIX = "put-"  # the store's own temporary files: the only ones it ever deletes from its tmp folder
+NAME_MAX = 255  # bytes of one path component on common file systems
+NAME_PART = 200  # characters of a longer escaped name per folder
 _LOW_WATER = 0.9  # eviction frees down to this fraction of the capacity
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -67,9 +70,9 @@ class FileStore(BaseStore):
             self._objects.mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(parents=True, exist_ok=True)
             now = time.time()
-            for p in self._tmp.iterdir():
+            for p in self._tmp.glob(_TMP_PREFIX + "*"):  # a put that died: never anything else of the folder
                 try:
-                    if now - p.stat().st_mtime > _STALE_TMP_S:
+                    if p.is_file() and now - p.stat().st_mtime > _STALE_TMP_S:
                         p.unlink()
                 except FileNotFoundError:
                     pass
@@ -94,7 +97,7 @@ class FileStore(BaseStore):
 
     def _path(self, key: str) -> Path:
         check_key(key)
-        return self._objects / self._fan(key) / urllib.parse.quote(key, safe="")
+        return self._objects.joinpath(self._fan(key), *object_parts(key))
 
     # -- primitives --------------------------------------------------------------------------
     def put(self, key: str, value: bytes) -> None:
@@ -103,8 +106,8 @@ class FileStore(BaseStore):
             raise StoreError(f"{self.url}: object {key!r} of {len(value)} bytes exceeds the capacity {self.capacity}")
         old_size = self._size_or_zero(path) if self.capacity is not None else 0
         with self._errors("put", key):
-            path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix="put-")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
             try:
                 with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), NEW_FILE_MODE)  # a store shared by users or hosts: not mkstemp's 0600
@@ -180,10 +183,8 @@ class FileStore(BaseStore):
     def list(self, prefix: str = "") -> Iterator[str]:
         with self._errors("list", prefix):
             for sub in sorted(self._objects.iterdir()):
-                if not sub.is_dir():
-                    continue
-                for p in sub.iterdir():
-                    key = urllib.parse.unquote(p.name)
+                for p in _files(sub):
+                    key = key_of_parts(p.relative_to(sub).parts)
                     if key.startswith(prefix):
                         yield key
 
@@ -199,7 +200,7 @@ class FileStore(BaseStore):
     def _scan(self) -> list[tuple[float, Path, int]]:
         out = []
         for sub in self._objects.iterdir():
-            for p in sub.iterdir() if sub.is_dir() else ():
+            for p in _files(sub):
                 try:
                     st = p.stat()
                 except FileNotFoundError:
@@ -246,3 +247,36 @@ class FileStore(BaseStore):
             except FileNotFoundError:
                 pass
         return used
+
+
+def object_parts(key: str) -> tuple[str, ...]:
+    """The path, below its fan folder, of the file holding `key`: its escaped name (a "." or ".."
+    escaped too), as one component where it fits NAME_MAX, else cut into NAME_PART pieces of which
+    all but the last name folders and end in a bare "%" (no escaped name ends so). Pure;
+    key_of_parts inverts it."""
+    name = urllib.parse.quote(key, safe="")
+    if len(name) <= NAME_MAX:
+        return (_no_dots(name),)
+    pieces = [name[i : i + NAME_PART] for i in range(0, len(name), NAME_PART)]
+    return (*(p + "%" for p in pieces[:-1]), _no_dots(pieces[-1]))
+
+
+def key_of_parts(parts: Sequence[str]) -> str:
+    """The key whose object_parts are `parts`. Pure."""
+    return urllib.parse.unquote("".join(p[:-1] for p in parts[:-1]) + parts[-1])
+
+
+def _no_dots(name: str) -> str:
+    """A name that is "." or ".." (the folder itself, its parent) with its dots escaped."""
+    return "%2E" * len(name) if name in (".", "..") else name
+
+
+def _files(folder: Path) -> Iterator[Path]:
+    """The files below `folder`, at any depth (long keys' objects sit in folders of their own)."""
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        if p.is_dir():
+            yield from _files(p)
+        else:
+            yield p
