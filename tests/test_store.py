@@ -63,6 +63,12 @@ def test_bare_path_means_file(tmp_path):
         st.put("k", b"v")
     with open_store(f"file://{tmp_path / 's'}") as st:
         assert st.get("k") == b"v"  # persisted on disk
+    # a "#" or "?" in a bare path was URL syntax: "hp#1" and "hp#2" were one store, "hp"
+    for i, name in enumerate(("hp#1", "hp#2", "q?x=1", "pct%41")):
+        with open_store(str(tmp_path / name)) as st:
+            assert st.get("k") is None
+            st.put("k", bytes([i]))
+        assert (tmp_path / name / "objects").is_dir()
 
 
 def test_memory_named_space_is_shared():

@@ -194,8 +194,8 @@ def open_store(url: str, *, deadline_s: float | None = None, **options: Any) -> 
         if not deadline_s > 0:
             raise ConfigError(f"deadline_s must be > 0; got {deadline_s}")
         return call_by(time.monotonic() + deadline_s, "open", redact_url(url), lambda: open_store(url, **options))
-    if "://" not in url:
-        url = "file://" + url
+    if "://" not in url:  # a path, taken as it is: its "#", "?" and "%" are no URL syntax
+        url = "file://" + urllib.parse.quote(url, safe="/")
     scheme = url.split("://", 1)[0].lower()
     target = _REGISTRY.get(scheme) or next(
         (ep.value for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP, name=scheme)), None
