@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from kvbench.net.redis_server import redis_server_binary
+
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")  # LMCache's usage telemetry: no network here
 os.environ.setdefault("DO_NOT_TRACK", "1")
 pytest.importorskip("lmcache.v1.distributed.serde", reason="lmcache not installed (scripts/install-integrations.sh)")
@@ -231,6 +233,25 @@ def test_l2_store_and_load_through_kvcodec_adapter(l1, real_kv, store_url):
     with open_store(store_url) as st:
         stored = st.get(store_key(key))
     assert stored is not None and len(stored) < x.numel() * 2
+
+
+@pytest.mark.skipif(redis_server_binary() is None, reason="needs redis-server")
+def test_l2_adapter_over_a_dead_store_deletes_nothing_without_raising_and_reports_unhealthy(l1, real_kv, redis_server):
+    """LMCache calls delete from its eviction thread, which an exception ends for good: a store
+    down raised StoreError there, and report_status said healthy all the while."""
+    x = lmcache_layout(real_kv.to(torch.float16))
+    spec = plugin_spec(redis_server.url, quant="exact")
+    spec["adapter_params"].update(socket_timeout=0.5, retries=0)
+    adapter = l2_adapter(l1, spec)
+    try:
+        ok, _, key = store_then_load(l1, adapter, x)
+        assert ok and adapter.report_status()["is_healthy"]
+        redis_server.kill()
+        adapter.delete([key])  # returns: nothing deleted
+        status = adapter.report_status()
+        assert not status["is_healthy"] and "delete" in status["error"]
+    finally:
+        adapter.close()
 
 
 def test_l2_damaged_object_is_a_miss_not_wrong_data(l1, real_kv, tmp_path):

@@ -15,6 +15,7 @@ own length and loads it into the front of the buffer. Importing this module also
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,8 +28,10 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 import kvcodec.integrations.lmcache_plugin  # noqa: F401  (registers the "kvcodec" serde)
-from kvcodec.errors import ConfigError
+from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.store import open_store
+
+log = logging.getLogger(__name__)
 
 _SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
@@ -68,6 +71,7 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
         self._next_id = 0
         self._efds = {op: create_event_notifier() for op in ("store", "lookup", "load")}
         self._done: dict[str, dict[L2TaskId, Any]] = {op: {} for op in self._efds}
+        self._failing: str | None = None  # the last store operation's failure, until one succeeds
 
     def get_store_event_fd(self) -> int:
         return self._efds["store"].fileno()
@@ -104,8 +108,15 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
         return self._pop("load", task_id)
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        sizes = [self._store.size(store_key(k, self._prefix)) or 0 for k in keys]
-        gone = [(k, s) for k, s in zip(keys, sizes) if self._store.delete(store_key(k, self._prefix))]
+        """Called from LMCache's eviction thread, which does not survive an exception: a store that
+        fails deletes nothing and says so in report_status."""
+        try:
+            sizes = [self._store.size(store_key(k, self._prefix)) or 0 for k in keys]
+            gone = [(k, s) for k, s in zip(keys, sizes) if self._store.delete(store_key(k, self._prefix))]
+        except KVCodecError as e:
+            self._failed("delete", e)
+            return
+        self._failing = None
         if gone:
             self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
 
@@ -116,7 +127,12 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
             efd.close()
 
     def report_status(self) -> dict:
-        return {"is_healthy": True, "type": type(self).__name__, "store": repr(self._store)}
+        status = {"is_healthy": self._failing is None, "type": type(self).__name__, "store": repr(self._store)}
+        return status if self._failing is None else {**status, "error": self._failing}
+
+    def _failed(self, op: str, error: Exception) -> None:
+        self._failing = f"{op}: {error}"
+        log.warning("kvcodec L2 %s failed: %s", op, error)
 
     # -- work, on the adapter's threads ------------------------------------------------------
     def _store_objects(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
@@ -155,7 +171,9 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
     def _run(self, op: str, task_id: L2TaskId, fn, keys: list[ObjectKey], *rest) -> None:
         try:
             result = fn(keys, *rest)
-        except Exception:  # noqa: BLE001 - a failed batch is reported to LMCache, which treats it as a miss
+            self._failing = None
+        except Exception as e:  # noqa: BLE001 - a failed batch is reported to LMCache, which treats it as a miss
+            self._failed(op, e)
             result = L2StoreResult(False, 0) if op == "store" else Bitmap(len(keys))
         with self._lock:
             self._done[op][task_id] = result
