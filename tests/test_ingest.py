@@ -147,6 +147,21 @@ def test_ingest_prefills_in_the_dtype_asked_and_stores_under_that_models_keys(sm
     assert PrefixCache(open_store(store), model_id(model), codec, "cpu").lookup(ids) == 0
 
 
+def test_a_transform_of_another_model_is_refused_before_any_document_is_prefilled(tmp_path, synthetic_kvt, monkeypatch):
+    # each document was prefilled, then refused by the .kvt's shape: a whole corpus's prefill for nothing
+    import kvcodec.ingest
+    from kvcodec.cli.main import cli
+
+    def never(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("documents were prefilled")
+
+    monkeypatch.setattr(kvcodec.ingest, "ingest", never)
+    (tmp_path / "p.txt").write_text("alpha\nbeta\n")
+    args = ["ingest", str(tmp_path / "p.txt"), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}"]
+    r = CliRunner().invoke(cli, [*args, "--device", "cpu", "--transform", str(synthetic_kvt)])
+    assert r.exit_code == 2 and "does not fit smollm2-135m" in r.output, r.output
+
+
 def test_an_interrupted_ingest_says_what_was_done_and_how_to_resume(tmp_path, monkeypatch):
     import kvcodec.ingest
     from kvcodec.cli.main import cli

@@ -172,7 +172,7 @@ def test_serve_picks_the_codec_through_the_registry(served, small_kvt):
     assert r.exit_code == 0 and served[-1]["codec"].coder == "zstd", r.output
 
 
-def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, tmp_path):
+def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, synthetic_kvt, tmp_path):
     garbage = tmp_path / "garbage.kvt"
     garbage.write_bytes(b"not a transform at all")
     for args, needle in (
@@ -187,6 +187,7 @@ def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, tmp_path
         (("--transform", str(tmp_path / "missing.kvt")), "missing.kvt"),
         (("--transform", str(garbage)), "codec 'transform'"),
         (("--transform", str(small_kvt), "--target-ratio", "1"), "--target-ratio"),
+        (("--transform", str(synthetic_kvt)), "does not fit smollm2-135m"),  # another model's .kvt, by its config
     ):
         r = serve_cli(*args)
         assert r.exit_code == 2 and needle in error_line(r), (args, r.output)

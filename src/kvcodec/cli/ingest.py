@@ -103,7 +103,7 @@ def command(
     of prompts, one per line. Documents already stored are skipped (run the same command again to
     resume); a document that fails is reported and the others go on (exit code 1 if any failed).
     """
-    from kvcodec.cli.serve import build_codec, codec_choice
+    from kvcodec.cli.serve import build_codec, check_transform_fits_model, codec_choice
     from kvcodec.errors import ConfigError
     from kvcodec.ingest import read_documents
     from kvcodec.ingest.sources import check_template
@@ -120,6 +120,8 @@ def command(
     if not documents:
         raise ConfigError(f"{docs} holds no documents")
     _check_model_and_store(model_name, store_url, here=not ray_address)
+    if not ray_address:  # on a Ray cluster the nodes hold the model
+        check_transform_fits_model(codec, model_name)
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
     bar, on_result, counts = _progress(len(documents))
     started = time.perf_counter()

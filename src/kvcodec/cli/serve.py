@@ -212,6 +212,8 @@ def command(
     }
     name, options = codec_choice(codec_name, codec_options, {**flags, "chunk_tokens": chunk_tokens})
     codec = build_codec(name, options)  # a bad codec, option or .kvt is refused before pools or the model start
+    if not (no_reuse and no_store):
+        check_transform_fits_model(codec, model_name)
     if store_url is None:  # made once every check passed: a refused start leaves no empty directory behind
         store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
     pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
@@ -263,6 +265,29 @@ def _check_codec_fits(codec: Any, engine: Any) -> None:
     except KVCodecError as e:
         engine.close()
         raise click.UsageError(f"--transform does not fit the served model: {e}") from None
+
+
+def check_transform_fits_model(codec: Any, model_name: str) -> None:
+    """Before the model loads: refuse a transform whose .kvt was calibrated for KV of another shape
+    than the model's config says (another model), instead of failing every store after each prefill."""
+    cal = getattr(codec, "cal", None)
+    if cal is None:
+        return
+    from kvcodec.errors import KVCodecError
+    from kvcodec.models.check import inspect_model
+
+    try:
+        layers = inspect_model(model_name).spec.layers
+    except KVCodecError:
+        return  # check_model says what is wrong with the model
+    shapes = {x.k_shape for x in layers}
+    if len(shapes) != 1:
+        return  # layer groups of several shapes: a grouped .kvt's codec checks each group
+    ((heads, dim),) = shapes
+    try:
+        cal.check_shape((len(layers), 2, 1, heads, dim))
+    except KVCodecError as e:
+        raise click.UsageError(f"--transform does not fit {model_name}: {e}") from None
 
 
 def check_model(model_name: str) -> None:
