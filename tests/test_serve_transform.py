@@ -125,8 +125,9 @@ def served(monkeypatch) -> list:
 
     monkeypatch.setattr(kvcodec.engine, "Engine", fake_engine)
     monkeypatch.setattr(kvcodec.server, "serve", lambda *a, **k: None)
-    # the faked engine has no model to fit the .kvt against (tests/test_serve.py covers that check)
+    # the CLI tests' .kvt is of a tiny shape, no model's (tests/test_serve.py and the test below cover the checks)
     monkeypatch.setattr("kvcodec.cli.serve._check_codec_fits", lambda codec, engine: None)
+    monkeypatch.setattr("kvcodec.cli.serve.check_transform_fits_model", lambda codec, model: None)
     return seen
 
 
@@ -172,7 +173,18 @@ def test_serve_picks_the_codec_through_the_registry(served, small_kvt):
     assert r.exit_code == 0 and served[-1]["codec"].coder == "zstd", r.output
 
 
-def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, synthetic_kvt, tmp_path):
+def test_serve_refuses_another_models_transform_from_its_config_before_the_model_loads(small_kvt, monkeypatch):
+    import kvcodec.engine
+
+    def never(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvcodec.engine, "Engine", never)
+    r = serve_cli("--transform", str(small_kvt))
+    assert r.exit_code == 2 and "does not fit smollm2-135m" in error_line(r), r.output
+
+
+def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, tmp_path):
     garbage = tmp_path / "garbage.kvt"
     garbage.write_bytes(b"not a transform at all")
     for args, needle in (
@@ -187,7 +199,6 @@ def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, syntheti
         (("--transform", str(tmp_path / "missing.kvt")), "missing.kvt"),
         (("--transform", str(garbage)), "codec 'transform'"),
         (("--transform", str(small_kvt), "--target-ratio", "1"), "--target-ratio"),
-        (("--transform", str(synthetic_kvt)), "does not fit smollm2-135m"),  # another model's .kvt, by its config
     ):
         r = serve_cli(*args)
         assert r.exit_code == 2 and needle in error_line(r), (args, r.output)
