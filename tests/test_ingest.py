@@ -181,6 +181,32 @@ def test_an_interrupted_ingest_says_what_was_done_and_how_to_resume(tmp_path, mo
     assert report["interrupted"] and (report["documents"], report["stored"], report["failed"]) == (2, 1, 0)
 
 
+def test_sigterm_ends_an_ingest_as_ctrl_c_does(tmp_path, monkeypatch):
+    """What timeout, batch schedulers and Kubernetes send: it killed the run with no message, no
+    report and leaked worker semaphores; now the documents in flight finish and the exit code is 143."""
+    import os
+    import signal
+
+    import kvcodec.ingest
+    from kvcodec.cli.main import cli
+    from kvcodec.ingest import DocResult
+
+    def terminated(documents, *args, on_result, **kw):  # a real SIGTERM to this process after one document
+        on_result(DocResult(documents[0].id, "stored", 10, 1))
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("SIGTERM did not stop the run")
+
+    monkeypatch.setattr(kvcodec.ingest, "ingest", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    (tmp_path / "p.txt").write_text("alpha\nbeta\n")
+    args = ["ingest", str(tmp_path / "p.txt"), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}"]
+    result = CliRunner().invoke(cli, [*args, "--device", "cpu", "--codec", "raw", "--report", str(tmp_path / "r.json")])
+    assert result.exit_code == 143, result.output
+    assert "interrupted after 1 stored, 0 skipped, 0 failed of 2 documents" in result.output
+    assert json.loads((tmp_path / "r.json").read_text())["interrupted"]
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is the run's only
+
+
 def test_documents_encoded_at_once_fill_the_cores_with_chunks():
     from kvcodec.ingest.run import documents_at_once
 

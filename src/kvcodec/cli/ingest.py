@@ -3,8 +3,11 @@ later requests beginning with a document restore its KV instead of computing it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -124,9 +127,9 @@ def command(
         check_transform_fits_model(codec, model_name)
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
     bar, on_result, counts = _progress(len(documents))
-    started = time.perf_counter()
+    started, stopped_by = time.perf_counter(), {}
     try:
-        with bar:
+        with bar, _terminate_as_interrupt(stopped_by):
             if ray_address:
                 from kvcodec.ingest.distributed import RayJob
 
@@ -144,13 +147,33 @@ def command(
             seconds = round(time.perf_counter() - started, 3)
             partial = {"interrupted": True, "documents": len(documents), **counts, "seconds": seconds}
             report.write_text(json.dumps(partial, indent=1) + "\n")
-        raise click.exceptions.Exit(130) from None
+        raise click.exceptions.Exit(128 + stopped_by.get("signal", signal.SIGINT)) from None
     summary = result.to_dict()
     click.echo(_summary_line(summary))
     if report:
         report.write_text(json.dumps(summary, indent=1) + "\n")
     if summary["failed"]:
         raise click.exceptions.Exit(1)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt(stopped_by: dict):  # noqa: ANN202 - a context manager
+    """SIGTERM (what timeout, batch schedulers and Kubernetes send) ends the run as Ctrl-C does: the
+    documents in flight finish, the report is written, the exit code is 128 + the signal's number
+    (put in stopped_by["signal"])."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        stopped_by["signal"] = signum
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _check_model_and_store(model_name: str, store_url: str, here: bool) -> None:
