@@ -42,6 +42,26 @@ def test_sources_read_folders_jsonl_and_prompt_lists_with_a_template(tmp_path):
         list(read_documents(prompts, template="no placeholder"))
 
 
+def test_the_report_names_every_failed_document_even_where_ids_repeat(tmp_path):
+    # errors were a dict by id: two failed documents of id "x" were one entry; a null id was named "None"
+    from kvcodec.ingest.run import FAILED, DocResult, IngestReport
+
+    jl = tmp_path / "d.jsonl"
+    jl.write_text(
+        "\n".join(
+            json.dumps(r) for r in ({"id": "x", "text": "a"}, {"id": "x", "text": "b"}, {"id": None, "text": "c"})
+        )
+    )
+    ids = [d.id for d in read_documents(jl)]
+    assert ids == ["x", "x", "line 3"]
+    report = IngestReport(tuple(DocResult(i, FAILED, error=f"bad {n}") for n, i in enumerate(ids)), 1.0).to_dict()
+    assert report["failed"] == 3 and report["errors"] == [
+        {"id": "x", "error": "bad 0"},
+        {"id": "x", "error": "bad 1"},
+        {"id": "line 3", "error": "bad 2"},
+    ]
+
+
 def test_ingest_stores_under_engine_keys_resumes_and_reports_bad_documents(smollm2, tmp_path):
     model, tokenizer = smollm2
     jl = tmp_path / "docs.jsonl"
@@ -53,7 +73,8 @@ def test_ingest_stores_under_engine_keys_resumes_and_reports_bad_documents(smoll
     report = ingest(list(read_documents(jl)), model, tokenizer, cache, on_result=seen.append)
     s = report.to_dict()
     assert (s["stored"], s["skipped"], s["failed"]) == (2, 0, 2) and len(seen) == 4
-    assert set(s["errors"]) == {"line 2", "line 3"} and "no tokens" in s["errors"]["line 3"]
+    errors = {e["id"]: e["error"] for e in s["errors"]}
+    assert len(s["errors"]) == 2 and set(errors) == {"line 2", "line 3"} and "no tokens" in errors["line 3"]
     for text in DOCS:  # a request beginning with the document finds all of it
         ids = Tokens(tokenizer).encode(text)
         assert cache.lookup(ids + [13, 14]) == len(ids) - len(ids) % 32

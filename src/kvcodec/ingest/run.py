@@ -72,7 +72,7 @@ class IngestReport:
             if self.seconds > 0
             else None,
             "encoded_in": self.encoded_in,
-            "errors": {r.id: r.error for r in self.results if r.status == FAILED},
+            "errors": [{"id": r.id, "error": r.error} for r in self.results if r.status == FAILED],  # ids may repeat
         }
 
 

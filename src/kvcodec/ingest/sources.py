@@ -92,7 +92,8 @@ def _jsonl(path: Path, text_field: str, id_field: str) -> Iterator[Document]:
         if isinstance(rec, str):
             yield Document(f"line {n}", rec)
         elif isinstance(rec, dict) and isinstance(rec.get(text_field), str):
-            yield Document(str(rec.get(id_field, f"line {n}")), rec[text_field])
+            given = rec.get(id_field)
+            yield Document(f"line {n}" if given is None else str(given), rec[text_field])
         else:
             yield Document(f"line {n}", error=f"no string field {text_field!r}")
 
