@@ -145,3 +145,14 @@ def test_devices_are_read_and_cuda_without_cuda_is_refused():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             torch_device("cuda")
+
+
+@pytest.mark.parametrize("options", [{"head_dim": -64}, {"head_dim": "abc"}, {"head_dim": 0}, {"max_workers": 0}])
+def test_the_lmcache_serde_refuses_sizes_below_one_when_lmcache_builds_it(options):
+    # head_dim -64 failed at the first object (a RuntimeError), "abc" a ValueError, 0 meant the default
+    from kvcodec.integrations.lmcache_serde import SerdeOptions
+
+    (name,) = options
+    with pytest.raises(ConfigError, match=f"kvcodec serde {name}"):
+        SerdeOptions.from_kwargs(options)
+    assert getattr(SerdeOptions.from_kwargs({name: "64"}), name) == 64

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 import torch
 
 from kvcodec.codecs import ChunkCodec, make_codec
-from kvcodec.config import resolution_pairs
+from kvcodec.config import resolution_pairs, whole_number
 from kvcodec.errors import ConfigError, FormatError, ShapeError, TruncatedError
 
 SERDE_NAME = "kvcodec"
@@ -68,9 +68,9 @@ class SerdeOptions:
         made = cls(
             codec,
             tuple(sorted(options.items())),
-            None if head_dim is None else int(head_dim),
+            None if head_dim is None else _at_least_one(head_dim, "head_dim"),
             device,
-            int(kwargs.get("max_workers", 1)),
+            _at_least_one(kwargs.get("max_workers", 1), "max_workers"),
         )
         made.make_codec(256)  # a bad codec name or option fails here, when LMCache builds the adapter
         return made
@@ -91,6 +91,13 @@ def parse_resolution(text: str) -> tuple[int, int]:
     except (ConfigError, ValueError) as e:  # not WxH, or not exactly one
         raise ConfigError(f"resolution must look like 256x256; got {text!r}") from e
     return w, h
+
+
+def _at_least_one(value: object, name: str) -> int:
+    n = whole_number(value, f"kvcodec serde {name}")
+    if n < 1:
+        raise ConfigError(f"kvcodec serde {name} must be >= 1; got {value!r}")
+    return n
 
 
 def default_head_dim(hidden: int) -> int:
