@@ -384,3 +384,21 @@ def test_calibrate_from_grouped_kv_files_with_damaged_ropes_metadata_is_one_erro
     r = CliRunner().invoke(cli, ["calibrate", *paths, "--out", str(tmp_path / "m.kvt"), "--report-ratios", "5"])
     out = _one_line_error(r, 1)
     assert out.startswith("error: ") and "ropes" in out and not (tmp_path / "m.kvt").exists(), out
+
+
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        (["ratio", "--chunk-tokens", "0"], "--chunk-tokens"),  # was a ValueError traceback from range()
+        (["ratio", "--quants", "int99"], "--quants"),  # refused only after the whole measurement
+        (["ratio", "--tag", "../../escape"], "--tag"),  # wrote outside --out
+        (["baselines", "--codecs", "nosuch"], "--codecs"),  # a row of errors and exit 0
+        (["baselines", "--repeat", "0"], "--repeat"),
+        (["encode", "KV", "--device", "bogus"], "--device"),  # cuda without CUDA: an AssertionError traceback
+    ],
+)
+def test_bench_refuses_bad_values_before_any_work(tmp_path, args, names):
+    src = _kv_file(tmp_path)
+    args = [str(src) if a == "KV" else a for a in args]
+    out = _one_line_error(CliRunner().invoke(cli, ["bench", *args, "--out", str(tmp_path / "out")]), 2)
+    assert names in out and not (tmp_path / "out").exists()

@@ -26,7 +26,7 @@ from typing import Any
 
 import click
 
-from kvbench.results import RESULTS_DIR, command_line, machine, write_result
+from kvbench.results import RESULTS_DIR, check_tag, command_line, machine, write_result
 from kvcodec.config import QUANT_MODES
 
 # Video-lossless: the restored values depend on the quantizer only, so one (small) resolution
@@ -381,7 +381,7 @@ def table(doc: dict) -> list[str]:
 @click.option("--identity", is_flag=True, help="Skip the codec (identity round trip): checks the harness only.")
 @click.option("--download", is_flag=True, help="Let the command pip-download the bigbench sdist if missing.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS_DIR, show_default=True)
-@click.option("--tag", default="cpu", show_default=True, help="Suffix of the result file names.")
+@click.option("--tag", default="cpu", show_default=True, callback=check_tag, help="Suffix of the result file names.")
 @click.pass_context
 def command(ctx, **o) -> None:  # noqa: ANN001, ANN003
     """QA accuracy, perplexity delta and greedy-token agreement: restored KV vs recomputed KV."""

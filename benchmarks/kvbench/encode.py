@@ -29,6 +29,7 @@ from typing import Any
 import click
 
 from kvbench.results import command_line, machine, result_path, write_result
+from kvcodec.cli.options import check_device
 
 SWEEP = ("", "info=0", "rd=1:info=0", "ctu=16:info=0", "ctu=16:rd=1:info=0")
 
@@ -249,7 +250,11 @@ def _markdown(doc: dict[str, Any]) -> list[str]:
 )
 @click.option("--sweep", is_flag=True, help="Also time each x265 tuning alternative.")
 @click.option(
-    "--device", default="cpu", show_default=True, help="Where the KV is when encoding starts (cuda: as in serving)."
+    "--device",
+    default="cpu",
+    show_default=True,
+    callback=check_device,
+    help="Where the KV is when encoding starts (cuda: as in serving).",
 )
 @click.option("--name", default=None, help="Result stem suffix (default: cpu or gpu).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), help="Result JSON path.")

@@ -27,6 +27,7 @@ from pathlib import Path
 import click
 
 from kvbench.results import RESULTS_DIR, command_line, machine, write_result
+from kvcodec.cli.options import check_device
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
     "--link", "link_kind", type=click.Choice(["auto", "tc-netns", "token-bucket"]), default="auto", show_default=True
 )
 @click.option("--repeats", default=3, show_default=True)
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default="cpu", show_default=True, callback=check_device)
 @click.option("--max-inflight", default=4, show_default=True)
 @click.option("--decode-workers", default=1, show_default=True)
 @click.option("--net-workers", default=1, show_default=True, help="Concurrent gets per fetch.")

@@ -22,7 +22,8 @@ from typing import Any
 
 import click
 
-from kvbench.results import RESULTS_DIR, command_line, machine, write_result
+from kvbench.results import RESULTS_DIR, check_tag, command_line, machine, write_result
+from kvcodec.config import QUANT_MODES
 
 FP16 = 2
 NOTE = (
@@ -329,10 +330,10 @@ def markdown(records, doc: dict) -> list[str]:
 @click.command("ratio")
 @click.option("--models", default="smollm2-135m,qwen2.5-coder-0.5b", show_default=True)
 @click.option("--texts", default="pg/addiction,pg/aord", show_default=True, help="Names from kvcodec.models.texts.")
-@click.option("--tokens", default=512, show_default=True, help="Prefix tokens per text.")
+@click.option("--tokens", type=click.IntRange(min=1), default=512, show_default=True, help="Prefix tokens per text.")
 @click.option("--quants", default="exact,int8,int6,int4", show_default=True)
-@click.option("--greedy-tokens", default=64, show_default=True)
-@click.option("--chunk-tokens", default=256, show_default=True)
+@click.option("--greedy-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option(
     "--layer-bits-schemes",
     default="",
@@ -342,15 +343,28 @@ def markdown(records, doc: dict) -> list[str]:
     "rest (layers not yet set).",
 )
 @click.option(
-    "--out", "out_dir", default=str(RESULTS_DIR), show_default="benchmarks/results", type=click.Path(path_type=Path)
+    "--out",
+    "out_dir",
+    default=str(RESULTS_DIR),
+    show_default="benchmarks/results",
+    type=click.Path(file_okay=False, path_type=Path),
 )
-@click.option("--tag", default="cpu", show_default=True, help="Suffix of the result files: ratio-<tag>.json/.md.")
+@click.option(
+    "--tag",
+    default="cpu",
+    show_default=True,
+    callback=check_tag,
+    help="Suffix of the result files: ratio-<tag>.json/.md.",
+)
 def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bits_schemes, out_dir, tag):
     """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV."""
     schemes = [s.strip() for s in layer_bits_schemes.split(";") if s.strip()]
     for spec in schemes:  # syntax check before any model loads (layer counts are checked per model)
         scheme_items(spec)
     quant_list = [q.strip() for q in quants.split(",") if q.strip()]
+    for q in quant_list:  # before any model loads, not after the whole measurement
+        if q not in QUANT_MODES:
+            raise click.BadParameter(f"{q!r} is not one of {', '.join(QUANT_MODES)}", param_hint="--quants")
     records = []
     for model_name in models.split(","):
         for text_name in texts.split(","):

@@ -119,3 +119,12 @@ def write_result(path: str | os.PathLike, doc: dict[str, Any], markdown: str | S
     text = markdown if isinstance(markdown, str) else "\n".join(markdown)
     p.with_suffix(".md").write_text(text.rstrip("\n") + "\n")
     return p
+
+
+def check_tag(ctx: Any, param: Any, value: str) -> str:
+    """A click callback for a result's file-name --tag: a name, never a path (../x wrote elsewhere)."""
+    import click
+
+    if not value or "/" in value or "\\" in value or value.startswith("."):
+        raise click.BadParameter(f"{value!r}: a tag is part of a file name (no '/', no leading '.')")
+    return value

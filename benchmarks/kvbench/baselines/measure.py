@@ -23,6 +23,7 @@ import torch
 
 from kvbench.results import RESULTS_DIR, command_line, write_result
 from kvbench.results import machine as common_machine
+from kvcodec.cli.options import check_device
 
 DEFAULT_SKIP_PREFIXES = ("kvcodec-",)
 
@@ -217,15 +218,21 @@ def markdown(report: dict[str, Any]) -> list[str]:
 
 @click.command("baselines")
 @click.option("--model", default="smollm2-135m", show_default=True, help="registry name in kvcodec.models")
-@click.option("--tokens", default=2048, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--text", default="pg", show_default=True, help="kvcodec.models.texts name")
 @click.option(
     "--kv-file", type=click.Path(exists=True, dir_okay=False), default=None, help="safetensors with a 'kv' tensor"
 )
 @click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
 @click.option("--codecs", default=None, help="comma-separated names (default: every available one but kvcodec-*)")
-@click.option("--device", default="cpu", show_default=True, help="where to decode")
-@click.option("--repeat", default=1, show_default=True, help="decode repetitions (the fastest is kept)")
+@click.option("--device", default="cpu", show_default=True, callback=check_device, help="where to decode")
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="decode repetitions (the fastest is kept)",
+)
 @click.option(
     "--kernel-tile",
     default=0,
@@ -240,15 +247,25 @@ def markdown(report: dict[str, Any]) -> list[str]:
 )
 def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_tile, out) -> None:
     """Measure the baseline codecs side by side on a real KV cache."""
-    from kvbench.baselines import available_codecs
+    from kvbench.baselines import available_codecs, registered_codecs
 
+    known = registered_codecs()  # one not available on this machine is measured as its row's error
+    unknown = [n for n in (codecs.split(",") if codecs else []) if n not in known]
+    if unknown:  # before any KV is made: a row of errors and exit 0 said nothing was wrong
+        raise click.BadParameter(f"{', '.join(unknown)}: not one of {', '.join(known)}", param_hint="--codecs")
     if kv_file:
-        from safetensors.torch import load_file
+        from kvcodec.kvspec.files import load_kv_file
 
-        kv = load_file(kv_file)["kv"]
+        kv, _ = load_kv_file(kv_file)
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
+            raise click.BadParameter(
+                "holds no (layers, 2, tokens, kv_heads, head_dim) tensor 'kv'", param_hint="--kv-file"
+            )
         desc = {"model": model, "text": text, "tokens": int(kv.shape[2]), "source": f"file {Path(kv_file).name}"}
     else:
         kv, desc = real_kv(model, tokens, text)
+    if not torch.isfinite(kv).all():  # lossy coders then measured "bit exact" NaN, and JSON got a bare NaN
+        raise click.BadParameter("the KV holds NaN or infinity", param_hint="--kv-file")
     kv = kv.to(getattr(torch, dtype)).contiguous()
     desc.update({"shape": list(kv.shape), "dtype": dtype, "input_bytes": kv.numel() * kv.element_size()})
     names = codecs.split(",") if codecs else [n for n in available_codecs() if not n.startswith(DEFAULT_SKIP_PREFIXES)]
