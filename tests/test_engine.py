@@ -107,6 +107,44 @@ def test_prompts_that_are_no_text_or_token_ids_are_refused_by_name(smol):
         assert eng.generate([1, 2, 3], max_new_tokens=1)[0].token_ids  # token ids still work
 
 
+def test_a_batch_with_one_bad_prompt_queues_none_of_them(smol):
+    # the good prompts before the bad one were queued, ran for nobody and took the next caller's steps
+    from kvcodec.errors import ConfigError
+
+    with make_engine(smol, "memory://") as eng:
+        with pytest.raises(ConfigError, match="empty prompt"):
+            eng.generate(["a good prompt", ""], max_new_tokens=2)
+        assert not any(eng.scheduler.counts().values())
+        for bad, says in (
+            (dict(stop=["\n"]), "no sampling option stop"),
+            (dict(stop_token_ids=11), "stop_token_ids"),  # was a TypeError inside the step: finish_reason error
+            (dict(ignore_eos="no"), "ignore_eos"),  # was taken as True
+            (dict(params={"max_new_tokens": 2}), "params must be a SamplingParams"),
+        ):
+            with pytest.raises(ConfigError, match=says):
+                eng.generate("Hi", max_new_tokens=2, **bad)
+        for call in (lambda: eng.generate(b"hello", max_new_tokens=1), lambda: eng.submit(b"hello")):
+            with pytest.raises(ConfigError, match="bytes"):  # its bytes were taken for token ids
+                call()
+
+
+def test_a_closed_engine_refuses_requests_and_close_ends_every_waiting_one(smol):
+    """close() left a thread waiting in generate() (the loop stopped, its request unfinished)
+    forever; after close, submit queued requests that never ran and generate worked or raised a
+    RuntimeError depending on what the store held."""
+    from kvcodec.errors import ConfigError
+
+    eng = make_engine(smol, "memory://")
+    eng.start()
+    req = eng.submit("Count to a thousand:", SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    eng.close()
+    assert req.done.wait(60) and req.finish_reason == "abort"
+    for call in (lambda: eng.generate("Hi", max_new_tokens=1), lambda: eng.submit("Hi"), eng.start):
+        with pytest.raises(ConfigError, match="closed"):
+            call()
+    eng.close()  # again: nothing to do
+
+
 def test_sampling_seeded_and_stops(smol):
     with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
         p = "Once upon a time"

@@ -74,7 +74,11 @@ def test_ray_ingest_stores_the_bytes_of_a_one_machine_run(smollm2, tmp_path, two
             local["failed"],
         )
     )
-    assert len(seen) == 4 and "no tokens" in report["errors"]["empty"] and report["chunks"] == local["chunks"] > 0
+    assert (
+        len(seen) == 4
+        and "no tokens" in {e["id"]: e["error"] for e in report["errors"]}["empty"]
+        and report["chunks"] == local["chunks"] > 0
+    )
     ours, theirs = _files(here), _files(tmp_path / "ray")
     assert sorted(ours) == sorted(theirs) and ours == theirs  # the same keys, byte for byte
     jl = tmp_path / "docs.jsonl"  # the command, connected to the same cluster: everything is stored already

@@ -16,6 +16,7 @@ online serving (`submit` + streaming callbacks).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ from kvcodec.engine.scheduler import Scheduler
 from kvcodec.engine.sequence import Request, RequestOutput, SamplingParams
 from kvcodec.engine.storer import KVStorer
 from kvcodec.engine.tokens import Tokens
-from kvcodec.engine.validate import check_context, check_sampling, check_token_ids
+from kvcodec.engine.validate import check_context, check_sampling, check_token_ids, sampling_params
 from kvcodec.errors import ConfigError
 from kvcodec.kvspec.serving import layout_for
 
@@ -123,6 +124,7 @@ class Engine:
         self.eos_ids = self.tokens.eos_ids(self.model)
         self._loop: threading.Thread | None = None
         self._stop = threading.Event()
+        self._closed = False
         self._step_lock = threading.Lock()
         self._last_progress = time.monotonic()
         if cfg.reuse and cfg.fetch_deadline_s == AUTO and prefix_cache is not None:
@@ -183,6 +185,10 @@ class Engine:
         arrival_time: when the request arrived (`time.perf_counter()`; a server passes when it
         received it); default now, before tokenizing, so its TTFT includes the tokenizer.
         """
+        if self._closed:
+            raise ConfigError("this engine is closed")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams; got {type(params).__name__}")
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         req = Request(prompt_ids=self.encode(prompt), params=params or SamplingParams(), reuse=reuse, store=store)
         req.arrival_time = arrival
@@ -370,13 +376,22 @@ class Engine:
         wait_for_store: return only after the prompts' KV is in the store (so that a following call
         can reuse it).
         """
-        if not isinstance(prompts, (str, Sequence)):
+        if not isinstance(prompts, (str, Sequence)) or isinstance(prompts, (bytes, bytearray)):
             raise ConfigError(f"prompts are text, token ids, or a list of either; got {type(prompts).__name__}")
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        sp = params or SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, **kw)
+        sp = (
+            params
+            if params is not None
+            else sampling_params(max_new_tokens=max_new_tokens, temperature=temperature, **kw)
+        )
+        if not isinstance(sp, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams; got {type(sp).__name__}")
+        arrival = time.perf_counter()  # TTFT counts the tokenizer
+        ids = [self.encode(p) for p in ([prompts] if single else list(prompts))]
+        for one in ids:  # every prompt checked before any is queued: a refused batch leaves no request behind
+            self.check(one, sp)
         reqs = [
-            self.submit(p, SamplingParams(**vars(sp)), reuse=reuse, store=store)
-            for p in ([prompts] if single else list(prompts))
+            self.submit(one, dataclasses.replace(sp), reuse=reuse, store=store, arrival_time=arrival) for one in ids
         ]
         if self._loop is not None:
             for r in reqs:
@@ -391,6 +406,8 @@ class Engine:
 
     def start(self) -> None:
         """Run steps on a background thread until stop() (for serving)."""
+        if self._closed:
+            raise ConfigError("this engine is closed")
         if self._loop is not None:
             return
         self.storer.start()  # encode workers up before the first request's store
@@ -435,8 +452,13 @@ class Engine:
                         self._finish(req, "abort")
 
     def close(self, wait_for_store: bool = True) -> None:
-        """Stop and release everything; wait_for_store=False drops queued stores and fetches."""
-        self.stop(abort=not wait_for_store)
+        """Stop and release everything; wait_for_store=False drops queued stores and fetches. Requests
+        not finished end with reason 'abort' (a thread waiting in generate returns); a closed engine
+        takes no more requests."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop(abort=True)
         if wait_for_store:
             self.storer.flush()
         self.storer.shutdown(wait=wait_for_store)

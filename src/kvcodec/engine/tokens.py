@@ -35,6 +35,8 @@ class Tokens:
                 return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
             except (UnicodeEncodeError, TypeError) as e:
                 raise ConfigError(f"the prompt is not valid Unicode text: {e}") from None
+        if isinstance(prompt, (bytes, bytearray)):  # its bytes would pass for token ids: a silently wrong answer
+            raise ConfigError("a prompt is text or token ids, not bytes (decode it first)")
         try:
             items = list(prompt)
         except TypeError:

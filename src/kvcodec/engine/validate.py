@@ -3,11 +3,22 @@ where it would fail beside other requests). Each raises ConfigError with the fie
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from kvcodec.engine.sequence import SamplingParams
 from kvcodec.errors import ConfigError
+
+
+def sampling_params(**options: object) -> SamplingParams:
+    """SamplingParams from keyword options; an option it has not is a ConfigError naming it."""
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        hint = " (stop strings are the server's: Python stops on stop_token_ids)" if "stop" in unknown else ""
+        raise ConfigError(f"no sampling option {', '.join(unknown)}; there are {', '.join(sorted(fields))}{hint}")
+    return SamplingParams(**options)
 
 
 def check_sampling(p: SamplingParams) -> None:
@@ -19,6 +30,11 @@ def check_sampling(p: SamplingParams) -> None:
         raise ConfigError(f"top_p must be in (0, 1]; got {p.top_p!r}")
     if p.seed is not None and (not isinstance(p.seed, int) or isinstance(p.seed, bool) or not 0 <= p.seed < 2**63):
         raise ConfigError(f"seed must be an integer in [0, 2**63); got {p.seed!r}")
+    stops = p.stop_token_ids
+    if not isinstance(stops, (list, tuple, set, frozenset)) or not all(_is_int(t) and t >= 0 for t in stops):
+        raise ConfigError(f"stop_token_ids must be a list of token ids; got {stops!r}")
+    if not isinstance(p.ignore_eos, bool):
+        raise ConfigError(f"ignore_eos must be True or False; got {p.ignore_eos!r}")
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int | None, what: str = "prompt") -> None:
@@ -45,6 +61,10 @@ def check_context(prompt_len: int, max_new_tokens: int, max_context: int | None)
             f"prompt ({prompt_len} tokens) + max_tokens ({max_new_tokens}) exceeds the model's context of "
             f"{max_context} tokens; ask for at most {max_context - prompt_len}"
         )
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _finite(x: object) -> bool:

@@ -107,6 +107,7 @@ class FileStore(BaseStore):
         old_size = self._size_or_zero(path) if self.capacity is not None else 0
         with self._errors("put", key):
             path.parent.mkdir(parents=True, exist_ok=True)
+            self._tmp.mkdir(exist_ok=True)  # a store folder removed under a running server: storing resumes
             fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
             try:
                 with os.fdopen(fd, "wb") as f:
