@@ -145,6 +145,24 @@ def test_a_closed_engine_refuses_requests_and_close_ends_every_waiting_one(smol)
     eng.close()  # again: nothing to do
 
 
+def test_an_engine_never_closed_leaves_no_shared_memory_behind(smol, tmp_path):
+    """The README's one-liner (no close) warned of a leaked shared_memory object at exit."""
+    import subprocess
+    import sys
+
+    doc = " ".join(f"Line {i}: the quick brown fox number {i} jumps over the lazy dog." for i in range(40))
+    script = tmp_path / "once.py"
+    script.write_text(
+        "from kvcodec.engine import Engine\n"
+        "if __name__ == '__main__':\n"
+        f"    Engine('smollm2-135m', store_url='file://{tmp_path / 's'}').generate({doc!r}, max_new_tokens=2)\n"
+        "    print('done')\n"
+    )
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "done" in run.stdout, run.stderr[-2000:]
+    assert "leaked" not in run.stderr, run.stderr[-2000:]
+
+
 def test_sampling_seeded_and_stops(smol):
     with make_engine(smol, "memory://", reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
         p = "Once upon a time"

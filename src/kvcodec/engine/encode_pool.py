@@ -28,6 +28,7 @@ import pickle
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -294,6 +295,7 @@ class EncodePool:
     def __init__(self, spec: WorkerSpec, processes: int) -> None:
         self.spec, self.processes = spec, max(1, processes)
         self.buffers = BufferPool(self.processes)
+        weakref.finalize(self, self.buffers.close)  # an engine never closed: its shared memory is freed at exit
         self._decided = threading.Event()  # the first store is done (its coding decisions on disk)
         self._first = threading.Lock()
         ctx = multiprocessing.get_context("spawn")
