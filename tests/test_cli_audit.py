@@ -395,6 +395,7 @@ def test_calibrate_from_grouped_kv_files_with_damaged_ropes_metadata_is_one_erro
         (["baselines", "--codecs", "nosuch"], "--codecs"),  # a row of errors and exit 0
         (["baselines", "--repeat", "0"], "--repeat"),
         (["encode", "KV", "--device", "bogus"], "--device"),  # cuda without CUDA: an AssertionError traceback
+        (["encode", "KV", "--tokens", "100000"], "--tokens"),  # encoded what there was and recorded 100000
     ],
 )
 def test_bench_refuses_bad_values_before_any_work(tmp_path, args, names):
