@@ -93,6 +93,8 @@ def parse_case(text: str) -> dict:
             case["ns"] = value
         else:
             raise SystemExit(f"unknown case field {key!r} in {text!r}")
+    if case["ns"] is None and any(k in case for k in ("zframe", "zlevel", "min_frames")):
+        case["ns"] = name  # these settings change the bytes, not the codec id: without a namespace put skips them
     return case
 
 
