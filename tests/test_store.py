@@ -316,3 +316,19 @@ def test_opening_a_file_store_deletes_none_of_its_tmp_folders_files_but_its_own_
         os.utime(p, (time.time() - 7200, time.time() - 7200))
     open_store(f"file://{root}")
     assert theirs.exists() and not dead.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_file_store_refuses_a_fifo_at_an_object_path_without_blocking_and_a_put_replaces_it(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    store.put("k", b"v")
+    path = store._path("k")
+    path.unlink()
+    os.mkfifo(path)  # no writer: a blocking open for reading would wait for one for good
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.get("k")
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.get_range("k", 0, 1)
+    assert store.exists_many(["k"]) == [False]
+    store.put("k", b"healed")
+    assert store.get("k") == b"healed" and store.get_range("k", 1, 3) == b"ea"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -136,7 +137,7 @@ class FileStore(BaseStore):
         path = self._path(key)
         with self._errors("get", key):
             try:
-                data = path.read_bytes()
+                data = _read_regular(path, 0, None)
             except FileNotFoundError:
                 return None
             self._touch(path)
@@ -148,9 +149,7 @@ class FileStore(BaseStore):
             raise ConfigError(f"bad range [{start}, {end})")
         with self._errors("get_range", key):
             try:
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    data = f.read(end - start)
+                data = _read_regular(path, start, end)
                 self._touch(path)
                 return data
             except FileNotFoundError:
@@ -281,3 +280,18 @@ def _files(folder: Path) -> Iterator[Path]:
             yield from _files(p)
         else:
             yield p
+
+
+def _read_regular(path: Path, start: int, end: int | None) -> bytes:
+    """Bytes [start, end) of the regular file at `path` (end None: to its end). Opened without
+    blocking, so a FIFO or device someone left at an object's path is an error, not a reader
+    blocked for good."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            f.seek(start)
+            return f.read() if end is None else f.read(end - start)
+    finally:
+        os.close(fd)
