@@ -265,7 +265,9 @@ def command(kv_file, quant, tokens, kvt, repeat, sweep, device, name, out) -> No
     kv, _, recorded = load_plain_kv(kv_file)
     meta = {k: v for k, v in recorded.items() if k in ("model", "text", "tokens", "dtype")}  # `kvcodec extract`'s
     if tokens and tokens > kv.shape[2]:  # the result would record N tokens and time fewer
-        raise click.BadParameter(f"{kv_file.name} holds {kv.shape[2]} tokens, fewer than {tokens}", param_hint="--tokens")
+        raise click.BadParameter(
+            f"{kv_file.name} holds {kv.shape[2]} tokens, fewer than {tokens}", param_hint="--tokens"
+        )
     if tokens:
         kv = kv[:, :, :tokens].contiguous()
     kv = kv.to(device)
