@@ -403,3 +403,12 @@ def test_bench_refuses_bad_values_before_any_work(tmp_path, args, names):
     args = [str(src) if a == "KV" else a for a in args]
     out = _one_line_error(CliRunner().invoke(cli, ["bench", *args, "--out", str(tmp_path / "out")]), 2)
     assert names in out and not (tmp_path / "out").exists()
+
+
+def test_bench_ttft_engine_prep_refuses_a_calibration_file_of_too_few_tokens(tmp_path):
+    # tiled into the target's shape, 40 tokens became 4096 that held 40 distinct ones: a .kvt fitted on them
+    src = _kv_file(tmp_path)
+    args = ["--kv-file", str(src), "--calibrate-kv-file", str(src), "--target", "llama3-8b"]
+    args += ["--methods", "kvcodec-transform-5", "--dir", str(tmp_path / "d")]
+    out = _one_line_error(CliRunner().invoke(cli, ["bench", "ttft-engine", "prep", *args]), 2)
+    assert "--calibrate-kv-file" in out and "40 tokens" in out and not (tmp_path / "d" / "target.kvt").exists()

@@ -139,15 +139,29 @@ def relocate(blob: bytes, index: int, start_token: int, key: str) -> bytes:
     return b"".join([_PREFIX.pack(magic, version, len(head)), head, struct.pack("<I", crc32(head)), payload])
 
 
-def seed_kv(kv_file: str, shape: tuple[int, int, int], tokens: int):  # noqa: ANN201
-    """fp16 KV of the target's shape holding the KV file's real values (tiled)."""
+def seed_kv(kv_file: str, shape: tuple[int, int, int], tokens: int, real=None):  # noqa: ANN001, ANN201
+    """fp16 KV of the target's shape holding the KV file's real values (tiled; `real`: the file's KV, already read)."""
     import torch
 
     from kvbench.ttft import load_kv
     from kvbench.workloads import tiled_kv
 
-    real, _ = load_kv(kv_file)
+    real = load_kv(kv_file)[0] if real is None else real
     return tiled_kv(real.to(torch.float16), *shape, tokens)
+
+
+def check_calibration_tokens(real, kv_file: str) -> None:  # noqa: ANN001
+    """Refuse a calibration KV file with too few tokens of its own, by the rule `kvcodec calibrate`
+    applies (pca.MIN_TOKENS_PER_DIM): tiling into the target's shape repeats tokens, adds none."""
+    from kvcodec.transform.pca import MIN_TOKENS_PER_DIM
+
+    tokens, layer_dim = real.shape[2], real.shape[3] * real.shape[4]
+    if tokens < MIN_TOKENS_PER_DIM * layer_dim:
+        raise click.BadParameter(
+            f"{kv_file} holds {tokens} tokens; its layers have {layer_dim} dimensions, so a calibration needs at "
+            f"least {int(MIN_TOKENS_PER_DIM * layer_dim)} (tiling into the target's shape repeats tokens, adds none)",
+            param_hint="--calibrate-kv-file",
+        )
 
 
 CAL_TOKENS = 4096  # tokens of the calibration KV (tiled into the target's shape) prep --calibrate-kv-file fits on
@@ -157,9 +171,12 @@ def calibrate_target(kv_file: str, target: str, d: pathlib.Path) -> pathlib.Path
     """A .kvt of the target's shape (the default sample covariance, the target's RoPE) fitted on
     `kv_file`'s real values tiled into that shape, CAL_TOKENS tokens: a calibration of the same
     kind of values the seed chunks hold, from another text's KV. Written to d/target.kvt."""
+    from kvbench.ttft import load_kv
     from kvcodec.transform import RopeSpec, calibrate, save_kvt
 
-    kv = seed_kv(kv_file, target_shape(target), CAL_TOKENS)
+    real, _ = load_kv(kv_file)
+    check_calibration_tokens(real, kv_file)
+    kv = seed_kv(kv_file, target_shape(target), CAL_TOKENS, real)
     rope = RopeSpec.from_hf_config(_config(target))
     d.mkdir(parents=True, exist_ok=True)
     path = d / "target.kvt"
