@@ -325,10 +325,28 @@ def test_file_store_refuses_a_fifo_at_an_object_path_without_blocking_and_a_put_
     path = store._path("k")
     path.unlink()
     os.mkfifo(path)  # no writer: a blocking open for reading would wait for one for good
-    with pytest.raises(StoreError, match="not a regular file"):
-        store.get("k")
-    with pytest.raises(StoreError, match="not a regular file"):
-        store.get_range("k", 0, 1)
-    assert store.exists_many(["k"]) == [False]
+    errors = []
+
+    def read_both():
+        for read in (lambda: store.get("k"), lambda: store.get_range("k", 0, 1)):
+            try:
+                read()
+            except StoreError as e:
+                errors.append(str(e))
+
+    reader = threading.Thread(target=read_both, daemon=True)
+    reader.start()
+    reader.join(timeout=60)  # the bound only turns a regression (a reader blocked for good) into a failure
+    assert not reader.is_alive(), "a read of the FIFO blocked"
+    assert len(errors) == 2 and all("not a regular file" in e and "put the key again" in e for e in errors)
+    assert store.exists_many(["k"]) == [False] and store.size("k") is None
     store.put("k", b"healed")
     assert store.get("k") == b"healed" and store.get_range("k", 1, 3) == b"ea"
+
+
+def test_file_store_refuses_a_folder_at_an_object_path_by_name(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    store._path("k").mkdir(parents=True)
+    with pytest.raises(StoreError, match="not a regular file"):
+        store.get("k")
+    assert store.size("k") is None

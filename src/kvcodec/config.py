@@ -160,7 +160,7 @@ def real_number(value: Any, name: str) -> float:
     raise ConfigError(f"{name} must be a number; got {value!r}")
 
 
-MIN_FRAME, MAX_FRAME = 144, 8192  # the HEVC frame sides NVDEC decodes (measured on the H200); x265 fails on larger frames too
+MIN_FRAME, MAX_FRAME = 144, 8192  # the frame sides NVDEC decodes (H200); x265 fails on larger frames too
 
 
 def video_frame_sizes(value: Any, name: str = "resolutions", least: int = MIN_FRAME) -> tuple[tuple[int, int], ...]:

@@ -159,9 +159,10 @@ class FileStore(BaseStore):
         path = self._path(key)
         with self._errors("size", key):
             try:
-                return path.stat().st_size
+                st = path.stat()
             except FileNotFoundError:
                 return None
+            return st.st_size if stat.S_ISREG(st.st_mode) else None  # as exists_many: only files are objects
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         paths = [self._path(k) for k in keys]
@@ -282,16 +283,26 @@ def _files(folder: Path) -> Iterator[Path]:
             yield p
 
 
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # 0 where the platform has no such flag (and no FIFOs)
+
+
 def _read_regular(path: Path, start: int, end: int | None) -> bytes:
-    """Bytes [start, end) of the regular file at `path` (end None: to its end). Opened without
-    blocking, so a FIFO or device someone left at an object's path is an error, not a reader
-    blocked for good."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    """Bytes [start, end) of the regular file at `path` (end None: to its end). Anything else at
+    an object's path (a FIFO, device, socket or folder someone left there) is an error before it
+    is opened, and the open does not block, so no reader waits for a FIFO's writer for good."""
+    _check_regular(path, os.stat(path).st_mode)
+    fd = os.open(path, os.O_RDONLY | _NONBLOCK | getattr(os, "O_BINARY", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
+        _check_regular(path, os.fstat(fd).st_mode)  # replaced between the stat and the open
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as f:
             f.seek(start)
             return f.read() if end is None else f.read(end - start)
     finally:
         os.close(fd)
+
+
+def _check_regular(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise OSError(f"{path} is not a regular file: remove it, or put the key again to replace it")
