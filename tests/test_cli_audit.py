@@ -412,3 +412,14 @@ def test_bench_ttft_engine_prep_refuses_a_calibration_file_of_too_few_tokens(tmp
     args += ["--methods", "kvcodec-transform-5", "--dir", str(tmp_path / "d")]
     out = _one_line_error(CliRunner().invoke(cli, ["bench", "ttft-engine", "prep", *args]), 2)
     assert "--calibrate-kv-file" in out and "40 tokens" in out and not (tmp_path / "d" / "target.kvt").exists()
+
+
+def test_bench_ttft_engine_calibration_check_counts_sinks_and_warns_below_the_targets_need(capsys):
+    from kvbench.ttft_engine import check_calibration_tokens
+
+    kv = synthetic_kv(64, 3)  # 2 x 16 = 32 dimensions a layer: calibrate asks 64 tokens past the 4 sinks
+    with pytest.raises(click.BadParameter, match="at least 68"):
+        check_calibration_tokens(kv, "kv", "llama3-8b")
+    check_calibration_tokens(synthetic_kv(68, 3), "kv", "llama3-8b")  # enough for its own layers, not llama3-8b's
+    err = capsys.readouterr().err
+    assert "warning" in err and "2052" in err

@@ -266,7 +266,8 @@ def command(kv_file, quant, tokens, kvt, repeat, sweep, device, name, out) -> No
     meta = {k: v for k, v in recorded.items() if k in ("model", "text", "tokens", "dtype")}  # `kvcodec extract`'s
     if tokens and tokens > kv.shape[2]:  # the result would record N tokens and time fewer
         raise click.BadParameter(
-            f"{kv_file.name} holds {kv.shape[2]} tokens, fewer than {tokens}", param_hint="--tokens"
+            f"{kv_file.name} holds {kv.shape[2]} tokens, fewer than {tokens}: give at most {kv.shape[2]}, or leave it out",
+            param_hint="--tokens",
         )
     if tokens:
         kv = kv[:, :, :tokens].contiguous()

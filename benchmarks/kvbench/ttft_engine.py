@@ -150,17 +150,28 @@ def seed_kv(kv_file: str, shape: tuple[int, int, int], tokens: int, real=None): 
     return tiled_kv(real.to(torch.float16), *shape, tokens)
 
 
-def check_calibration_tokens(real, kv_file: str) -> None:  # noqa: ANN001
-    """Refuse a calibration KV file with too few tokens of its own, by the rule `kvcodec calibrate`
-    applies (pca.MIN_TOKENS_PER_DIM): tiling into the target's shape repeats tokens, adds none."""
+def check_calibration_tokens(real, kv_file: str, target: str) -> None:  # noqa: ANN001
+    """Refuse a calibration KV file with fewer tokens (past the sinks) than `kvcodec calibrate`
+    asks for its own layers (pca.MIN_TOKENS_PER_DIM), and warn when it has fewer than the target's
+    layers need: tiling into the target's shape repeats tokens and adds none, so the .kvt is fitted
+    on that many distinct samples of the target's wider layers."""
+    from kvcodec.transform.calibration import DEFAULT_SINK_TOKENS
     from kvcodec.transform.pca import MIN_TOKENS_PER_DIM
 
-    tokens, layer_dim = real.shape[2], real.shape[3] * real.shape[4]
-    if tokens < MIN_TOKENS_PER_DIM * layer_dim:
+    tokens = real.shape[2] - DEFAULT_SINK_TOKENS
+    own, wide = real.shape[3] * real.shape[4], target_shape(target)[1] * target_shape(target)[2]
+    if tokens < MIN_TOKENS_PER_DIM * own:
         raise click.BadParameter(
-            f"{kv_file} holds {tokens} tokens; its layers have {layer_dim} dimensions, so a calibration needs at "
-            f"least {int(MIN_TOKENS_PER_DIM * layer_dim)} (tiling into the target's shape repeats tokens, adds none)",
+            f"{kv_file} holds {real.shape[2]} tokens ({DEFAULT_SINK_TOKENS} of them sinks); its layers have {own} "
+            f"dimensions, so a calibration needs at least {int(MIN_TOKENS_PER_DIM * own) + DEFAULT_SINK_TOKENS}",
             param_hint="--calibrate-kv-file",
+        )
+    if tokens < MIN_TOKENS_PER_DIM * wide:
+        click.echo(
+            f"  warning: {kv_file} holds {real.shape[2]} tokens; {target}'s layers have {wide} dimensions and a "
+            f"calibration on its own KV would need {int(MIN_TOKENS_PER_DIM * wide) + DEFAULT_SINK_TOKENS}: the .kvt "
+            "is fitted on fewer distinct samples than that (rates and SM costs may differ from a real fit)",
+            err=True,
         )
 
 
@@ -175,7 +186,7 @@ def calibrate_target(kv_file: str, target: str, d: pathlib.Path) -> pathlib.Path
     from kvcodec.transform import RopeSpec, calibrate, save_kvt
 
     real, _ = load_kv(kv_file)
-    check_calibration_tokens(real, kv_file)
+    check_calibration_tokens(real, kv_file, target)
     kv = seed_kv(kv_file, target_shape(target), CAL_TOKENS, real)
     rope = RopeSpec.from_hf_config(_config(target))
     d.mkdir(parents=True, exist_ok=True)

@@ -64,6 +64,8 @@ SAMPLES = 4096  # values of the CPU fetch kept as the reference (random position
 
 def parse_case(text: str) -> dict:
     name, _, spec = text.partition(":")
+    if not name:
+        raise SystemExit(f"case {text!r} has no name (NAME:SPEC)")
     # res and coder None: the codec's own defaults (prep records the frame size the codec chose)
     case = {"name": name, "codec": "transform", "ratio": None, "res": None, "chunk": 256, "ns": None}
     case |= {"split": 1, "vbits": "auto", "coder": None}
