@@ -415,11 +415,12 @@ def test_bench_ttft_engine_prep_refuses_a_calibration_file_of_too_few_tokens(tmp
 
 
 def test_bench_ttft_engine_calibration_check_counts_sinks_and_warns_below_the_targets_need(capsys):
-    from kvbench.ttft_engine import check_calibration_tokens
+    from kvbench.ttft_engine import check_calibration_tokens, target_shape
 
+    shape = target_shape("llama3-8b")
     kv = synthetic_kv(64, 3)  # 2 x 16 = 32 dimensions a layer: calibrate asks 64 tokens past the 4 sinks
     with pytest.raises(click.BadParameter, match="at least 68"):
-        check_calibration_tokens(kv, "kv", "llama3-8b")
-    check_calibration_tokens(synthetic_kv(68, 3), "kv", "llama3-8b")  # enough for its own layers, not llama3-8b's
+        check_calibration_tokens(kv, "kv", "llama3-8b", shape)
+    check_calibration_tokens(synthetic_kv(68, 3), "kv", "llama3-8b", shape)  # enough for its own, not llama3-8b's
     err = capsys.readouterr().err
     assert "warning" in err and "2052" in err

@@ -139,27 +139,32 @@ def relocate(blob: bytes, index: int, start_token: int, key: str) -> bytes:
     return b"".join([_PREFIX.pack(magic, version, len(head)), head, struct.pack("<I", crc32(head)), payload])
 
 
-def seed_kv(kv_file: str, shape: tuple[int, int, int], tokens: int, real=None):  # noqa: ANN001, ANN201
-    """fp16 KV of the target's shape holding the KV file's real values (tiled; `real`: the file's KV, already read)."""
+def real_kv(kv_file: str):  # noqa: ANN201
+    """The KV tensor of a `kvcodec extract` file."""
+    from kvbench.ttft import load_kv
+
+    return load_kv(kv_file)[0]
+
+
+def seed_kv(real, shape: tuple[int, int, int], tokens: int):  # noqa: ANN001, ANN201
+    """fp16 KV of the target's shape holding `real`'s values (a KV file's, tiled)."""
     import torch
 
-    from kvbench.ttft import load_kv
     from kvbench.workloads import tiled_kv
 
-    real = load_kv(kv_file)[0] if real is None else real
     return tiled_kv(real.to(torch.float16), *shape, tokens)
 
 
-def check_calibration_tokens(real, kv_file: str, target: str) -> None:  # noqa: ANN001
+def check_calibration_tokens(real, kv_file: str, target: str, shape: tuple[int, int, int]) -> None:  # noqa: ANN001
     """Refuse a calibration KV file with fewer tokens (past the sinks) than `kvcodec calibrate`
     asks for its own layers (pca.MIN_TOKENS_PER_DIM), and warn when it has fewer than the target's
     layers need: tiling into the target's shape repeats tokens and adds none, so the .kvt is fitted
-    on that many distinct samples of the target's wider layers."""
+    on that many distinct samples of the target's wider layers. `shape`: the target's."""
     from kvcodec.transform.calibration import DEFAULT_SINK_TOKENS
     from kvcodec.transform.pca import MIN_TOKENS_PER_DIM
 
     tokens = real.shape[2] - DEFAULT_SINK_TOKENS
-    own, wide = real.shape[3] * real.shape[4], target_shape(target)[1] * target_shape(target)[2]
+    own, wide = real.shape[3] * real.shape[4], shape[1] * shape[2]
     if tokens < MIN_TOKENS_PER_DIM * own:
         raise click.BadParameter(
             f"{kv_file} holds {real.shape[2]} tokens ({DEFAULT_SINK_TOKENS} of them sinks); its layers have {own} "
@@ -182,12 +187,11 @@ def calibrate_target(kv_file: str, target: str, d: pathlib.Path) -> pathlib.Path
     """A .kvt of the target's shape (the default sample covariance, the target's RoPE) fitted on
     `kv_file`'s real values tiled into that shape, CAL_TOKENS tokens: a calibration of the same
     kind of values the seed chunks hold, from another text's KV. Written to d/target.kvt."""
-    from kvbench.ttft import load_kv
     from kvcodec.transform import RopeSpec, calibrate, save_kvt
 
-    real, _ = load_kv(kv_file)
-    check_calibration_tokens(real, kv_file, target)
-    kv = seed_kv(kv_file, target_shape(target), CAL_TOKENS, real)
+    real, shape = real_kv(kv_file), target_shape(target)
+    check_calibration_tokens(real, kv_file, target, shape)
+    kv = seed_kv(real, shape, CAL_TOKENS)
     rope = RopeSpec.from_hf_config(_config(target))
     d.mkdir(parents=True, exist_ok=True)
     path = d / "target.kvt"
@@ -211,7 +215,7 @@ def prep(kv_file: str, target: str, transform: str | None, meths: list[str], d: 
     """Code the seed chunks of every method (raw is coded on the run's machine) into `d`, with the
     transform's calibration cut to the coordinates they code (the pack, which travels light)."""
     shape = target_shape(target)
-    kv = seed_kv(kv_file, shape, SEED_CHUNKS * CHUNK)
+    kv = seed_kv(real_kv(kv_file), shape, SEED_CHUNKS * CHUNK)
     d.mkdir(parents=True, exist_ok=True)
     fixed = None if resolution is None else list(resolution)
     man = {"target": target, "shape": list(shape), "kv_file": kv_file, "resolution": fixed, "methods": {}}
