@@ -340,6 +340,7 @@ def test_file_store_refuses_a_fifo_at_an_object_path_without_blocking_and_a_put_
     assert not reader.is_alive(), "a read of the FIFO blocked"
     assert len(errors) == 2 and all("not a regular file" in e and "put the key again" in e for e in errors)
     assert store.exists_many(["k"]) == [False] and store.size("k") is None
+    assert list(store.list()) == [] and store.used_bytes() == 0  # what the reads say: no object there
     store.put("k", b"healed")
     assert store.get("k") == b"healed" and store.get_range("k", 1, 3) == b"ea"
 

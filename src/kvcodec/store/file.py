@@ -273,13 +273,14 @@ def _no_dots(name: str) -> str:
 
 
 def _files(folder: Path) -> Iterator[Path]:
-    """The files below `folder`, at any depth (long keys' objects sit in folders of their own)."""
+    """The regular files below `folder`, at any depth (long keys' objects sit in folders of their
+    own): a FIFO, device or socket at an object path holds no object, as size() and get() say."""
     if not folder.is_dir():
         return
     for p in folder.iterdir():
         if p.is_dir():
             yield from _files(p)
-        else:
+        elif p.is_file():
             yield p
 
 
