@@ -466,14 +466,20 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
             if r.tokens_restored != n:
                 raise RuntimeError(f"restored {r.tokens_restored} of {n} tokens: {r.error}")
 
-        times = []
+        times, cpu0 = [], time.process_time()
         for _ in range(max(3, spec.repeat)):
             t0 = time.perf_counter()
             fetch()
             times.append(time.perf_counter() - t0)
+        cores = (time.process_time() - cpu0) / sum(times)  # every thread of the process: host decoding counts
         gb = n * fp16_per_token / 1e9
         first, *others = [_beside(fetch, spec, q, gb) for q in spec.busy_queued]
-        rec = {"tokens": n, "restored_gb_per_s_alone": gb / statistics.median(times), **first}
+        rec = {
+            "tokens": n,
+            "restored_gb_per_s_alone": gb / statistics.median(times),
+            "host_cores_alone": cores,
+            **first,
+        }
         for q, other in zip(spec.busy_queued[1:], others, strict=True):
             rec[f"matmul_slowdown_queued_{q}"] = other["matmul_slowdown"]
             rec[f"restored_gb_per_s_beside_queued_{q}"] = other["restored_gb_per_s_beside"]
@@ -692,20 +698,21 @@ def busy_markdown(rec: dict) -> list[str]:
     md = [
         "",
         "Beside a busy GPU (a bf16 8192^3 matmul looping on its own stream): PrefixCache.fetch at the fastest link, "
-        "GB/s of fp16 KV restored alone (median) and looping beside the matmul, and the matmul's slowdown against "
+        "GB/s of fp16 KV restored alone (median; host cores: the process's CPU seconds per second of those fetches) and "
+        "looping beside the matmul, and the matmul's slowdown against "
         f"its rate alone (the mean of its rates right before and after). The matmul keeps {depth} batch(es) of 20 "
         "queued while its thread waits (1: its stream idles while the thread waits for the interpreter lock"
         + (f"; also measured with {', '.join(map(str, more))} queued: the GPU's sharing alone)." if more else ")."),
         "",
-        "| method | tokens | restored alone, GB/s | beside the matmul, GB/s | matmul TFLOP/s alone | matmul slowed |"
-        + "".join(f" beside, {q} queued, GB/s | slowed, {q} queued |" for q in more),
-        "|---|---|---|---|---|---|" + "---|---|" * len(more),
+        "| method | tokens | restored alone, GB/s | host cores alone | beside the matmul, GB/s | matmul TFLOP/s alone "
+        "| matmul slowed |" + "".join(f" beside, {q} queued, GB/s | slowed, {q} queued |" for q in more),
+        "|---|---|---|---|---|---|---|" + "---|---|" * len(more),
     ]
     for m, recs in meths.items():
         for b in recs:
             md.append(
                 f"| {method_label(m)} | {b['tokens']} | {_f(b['restored_gb_per_s_alone'], '.2f')} | "
-                f"{_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_tflops_alone']:.0f} | {b['matmul_slowdown']:.1%} |"
+                f"{_f(b.get('host_cores_alone'), '.1f')} | {_f(b['restored_gb_per_s_beside'], '.2f')} | {b['matmul_tflops_alone']:.0f} | {b['matmul_slowdown']:.1%} |"
                 + "".join(
                     f" {_f(b.get(f'restored_gb_per_s_beside_queued_{q}'), '.2f')} | "
                     f"{_f(b.get(f'matmul_slowdown_queued_{q}'), '.1%')} |"
