@@ -12,7 +12,8 @@ For a KV file (safetensors, tensor `kv`, e.g. from `kvcodec extract`), in one pr
   * with --sweep, the x265 tuning alternatives at today's parallelism (bytes and speed of each).
 The transform codec (--transform MODEL.kvt) is timed the same way: its earlier default (untuned x265,
 chunks one at a time, the transform on the CPU, its bit allocation level solved on every encode, every
-chunk HEVC) and now (its default coder: HEVC and zstd chunks in turn), and now with every chunk HEVC.
+chunk HEVC) and now (its default coder: every chunk zstd), and now with every chunk HEVC and with HEVC and
+zstd chunks in turn (the default until session 53).
 Speeds are MB/s of the fp16 KV (2 bytes per value, whatever the file's dtype).
 """
 
@@ -182,6 +183,12 @@ def _transform_runs(kv, kvt: Path, repeat: int) -> list[dict[str, Any]]:
         ("transform, old default", dict(tuning="", workers=1), True, {"coder": "hevc"}),
         ("transform, new default", dict(), False, {}),
         ("transform, samples as HEVC video alone (coder=hevc)", dict(), False, {"coder": "hevc"}),
+        (
+            "transform, HEVC and zstd chunks in turn (coder=mixed, the default until session 53)",
+            dict(),
+            False,
+            {"coder": "mixed"},
+        ),
         ("transform, staged chunks prepared one at a time", dict(staged="one"), False, {}),
         ("transform, chunks prepared on their threads", dict(staged="threads"), False, {}),
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.baselines.chunk import BaselineCodec
+from kvcodec.codecs.transform.codec import DEFAULT_CODER
 from kvcodec.errors import ConfigError
 
 LABELS = {"raw": "raw fp16 KV", "zstd-3": "zstd-3 KV", "cachegen": "CacheGen-style", "prefill": "full prefill"}
@@ -24,7 +25,6 @@ TRANSFORM = "kvcodec-transform"
 
 
 TRANSFORM_CODERS = ("hevc", "zstd", "mixed")
-DEFAULT_CODER = "mixed"  # the transform codec's (TransformCodec's coder default)
 
 
 def transform_ratio(method: str) -> float | None:
@@ -58,8 +58,8 @@ def accuracy_of(records: dict[str, dict], method: str) -> dict:
 
 
 def rd_name(method: str) -> str | None:
-    """The benchmark method a benchmarks/rd.py transform record measures ("transform-mixed-r5" ->
-    "kvcodec-transform-5": the default coder; "transform-hevc-r5" -> "kvcodec-transform-5-hevc");
+    """The benchmark method a benchmarks/rd.py transform record measures ("transform-zstd-r5" ->
+    "kvcodec-transform-5": zstd is the default coder; "transform-hevc-r5" -> "kvcodec-transform-5-hevc");
     None for other names and the rd variants (no sink tokens, key weights)."""
     coder, _, rest = method.removeprefix("transform-").partition("-r")
     if not method.startswith("transform-") or coder not in TRANSFORM_CODERS or not rest.replace(".", "", 1).isdigit():

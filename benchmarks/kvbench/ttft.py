@@ -1015,7 +1015,7 @@ RD_METHODS = {"fp16": "raw", "int8": "kvcodec-int8", "int4": "kvcodec-int4", "ca
 
 
 def rd_method(name: str) -> str | None:
-    """The TTFT method a benchmarks/rd.py method name measures ("transform-mixed-r5" ->
+    """The TTFT method a benchmarks/rd.py method name measures ("transform-zstd-r5" ->
     "kvcodec-transform-5", methods.rd_name); None for variants the TTFT bench does not fetch."""
     return rd_name(name) or RD_METHODS.get(name)
 

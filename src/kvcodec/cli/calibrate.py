@@ -518,11 +518,14 @@ def _fit_grouped(data: dict, settings: dict, rope_flags, alpha: float) -> dict:
 
 
 def report_coder() -> str:
-    """The coder the quality report measures the chunks of every point with: the codec's default
-    (mixed: HEVC and zstd chunks in turn) where a video encoder is installed, else zstd."""
+    """The coder the quality report measures the chunks of every point with: the codec's default,
+    or zstd where that codes video and no video encoder is installed."""
+    from kvcodec.codecs.transform.codec import DEFAULT_CODER, VIDEO_CODERS
     from kvcodec.video.registry import available_backends
 
-    return "mixed" if available_backends()["encoders"] else "zstd"
+    if DEFAULT_CODER in VIDEO_CODERS and not available_backends()["encoders"]:
+        return "zstd"
+    return DEFAULT_CODER
 
 
 def _codec_factory(result: dict, coder: str):

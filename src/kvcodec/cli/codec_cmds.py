@@ -53,9 +53,9 @@ def _load_kv(src: Path):  # noqa: ANN202
     type=click.Choice([*SAMPLE_CODERS, "mixed", "ans"]),
     default=None,
     help="How samples are coded: hevc (video for NVDEC), zstd (host cores), auto (an HEVC file's default: "
-    "the smaller on the first chunk, decided once per model); with --transform mixed (default: every "
-    "other chunk as video, the rest zstd, so NVDEC and the host's cores restore at once), hevc, zstd or "
-    "ans (the integers rANS-coded for decoding on the GPU's SMs).",
+    "the smaller on the first chunk, decided once per model); with --transform zstd (default: every "
+    "chunk, decoded on the host's threads), hevc (every chunk as video for NVDEC), mixed (every other "
+    "chunk as video, the rest zstd) or ans (the integers rANS-coded for decoding on the GPU's SMs).",
 )
 @click.option(
     "--video-bits",

@@ -47,6 +47,11 @@ CHUNK_MAGIC = b"KVTC"
 TRANSFORM_VERSION = 3  # 2: fine_tokens, fine_bits, recon in the header (version 1 chunks: 0, 0, "centre"); 3: pieces
 READABLE_VERSIONS = (1, 2, 3)
 CODERS = SETTING_CODERS  # hevc, zstd, or mixed (chunk by chunk: header.chunk_coder)
+# zstd's chunks decode on the host's threads, which restored Llama-3-8B-shaped KV 1.4-1.9x faster than
+# mixed at 5x and 0.86-1.4x at 8x (2k-32k tokens, two calls), Qwen2.5's 0.87-1.53x at 2k-4k tokens: mixed
+# waits on NVDEC for half its chunks (benchmarks/results/ttft-h200-s53-coders-llama-*.md,
+# fetch-h200-s52-qwen-coders.md, fetch-h200-s53-phases-qwen.md); its encode needs no video encoder
+DEFAULT_CODER = "zstd"
 VIDEO_CODERS = ("hevc", "mixed")  # the settings that code some chunks as video
 PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy in docs/TRANSFORM.md
 # zstd level of the samples (and side streams): level 1 encodes ~100x faster than 19 (~500 vs 4 MB/s
@@ -132,8 +137,9 @@ class TransformCodec:
     fine_bits: the last fine_tokens tokens of the KV being encoded get a step 2^fine_bits times
     finer (inside the same size; 0 turns it off); recon: "centre" (default) or "laplace"
     (bin centroids: lower squared error, but a higher KL divergence on real models); coder: how the
-    samples are coded: "mixed" (default: even chunks as HEVC video for NVDEC, odd ones zstd for the
-    host's cores, so a fetch keeps both busy), "hevc" or "zstd" (every chunk)."""
+    samples are coded: "zstd" (default: every chunk, decoded on the host's threads), "hevc" (every
+    chunk as video for NVDEC: the host's and SMs' least work per byte) or "mixed" (even chunks as
+    video, odd ones zstd, so a fetch keeps NVDEC and the host's cores busy at once)."""
 
     STREAM_NAMES = frozenset(STREAM_NAMES)  # every stream a chunk blob may hold
 
@@ -151,7 +157,7 @@ class TransformCodec:
         fine_tokens: int = 16,  # defaults measured in benchmarks/results/rd-precision-cpu.md
         fine_bits: int = 2,
         recon: str = "centre",
-        coder: str = "mixed",
+        coder: str = DEFAULT_CODER,
         chunk_tokens: int = 256,
         resolutions: Sequence[tuple[int, int]] = FRAME_SIZES,
     ):
