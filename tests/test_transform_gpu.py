@@ -178,7 +178,7 @@ def test_nvcuvid_threads_restore_transform_chunks_in_parallel(kvt):
 
     if not NvcuvidDecoder.is_available():
         pytest.skip("needs NVDEC")
-    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, resolutions=((144, 144),))
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, resolutions=((144, 144),), coder="mixed")
     kv = synthetic_kv(256, 13)
     chunks = c.encode_chunks(kv)
     one = restore_all(c, chunks, kv.shape, device="cuda")
