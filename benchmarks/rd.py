@@ -27,6 +27,8 @@ from pathlib import Path
 import click
 import torch
 
+from kvcodec.codecs.transform.codec import DEFAULT_CODER
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kvbench, when not installed
 
 import rd_tasks  # noqa: E402
@@ -386,11 +388,11 @@ def task_notes(doc):
 @click.option("--save-kvt", help="Write the calibration here.")
 @click.option(
     "--coder",
-    type=click.Choice(["mixed", "hevc", "zstd"]),
-    default="mixed",
+    type=click.Choice(["zstd", "hevc", "mixed"]),
+    default=DEFAULT_CODER,
     show_default=True,
-    help="Sample coder of the transform points: the codec's default (mixed: HEVC and zstd chunks in turn), "
-    "hevc or zstd alone (the same quantizer; the level set by the coder's own bytes).",
+    help="Sample coder of the transform points: the codec's default (zstd), hevc alone, or mixed (HEVC and zstd "
+    "chunks in turn; the same quantizer, the level set by the coder's own bytes).",
 )
 @click.option(
     "--defaults-tuned-on",

@@ -198,12 +198,12 @@ def test_prep_calibrates_the_targets_kvt_from_another_kv_file_and_codes_with_a_n
     ]
     r = CliRunner().invoke(
         ttft_engine.command,
-        [*args, "--calibrate-kv-file", str(tmp_path / "other.safetensors"), "--methods", "kvcodec-transform-5-zstd"],
+        [*args, "--calibrate-kv-file", str(tmp_path / "other.safetensors"), "--methods", "kvcodec-transform-5-mixed"],
     )
     assert r.exit_code == 0, r.output
     man = json.loads((tmp_path / "d" / ttft_engine.MANIFEST).read_text())
-    codec = ttft_engine.run_codec("kvcodec-transform-5-zstd", tmp_path / "d", man)
-    assert codec.coder == "zstd" and codec.id == man["methods"]["kvcodec-transform-5-zstd"]["codec_id"]
+    codec = ttft_engine.run_codec("kvcodec-transform-5-mixed", tmp_path / "d", man)
+    assert codec.coder == "mixed" and codec.id == man["methods"]["kvcodec-transform-5-mixed"]["codec_id"]
     assert codec.cal.layers == 4 and (tmp_path / "d" / "target.kvt").exists()
     both = CliRunner().invoke(
         ttft_engine.command,

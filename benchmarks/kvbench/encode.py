@@ -189,8 +189,8 @@ def _transform_runs(kv, kvt: Path, repeat: int) -> list[dict[str, Any]]:
             False,
             {"coder": "mixed"},
         ),
-        ("transform, staged chunks prepared one at a time", dict(staged="one"), False, {}),
-        ("transform, chunks prepared on their threads", dict(staged="threads"), False, {}),
+        ("transform, mixed, staged chunks prepared one at a time", dict(staged="one"), False, {"coder": "mixed"}),
+        ("transform, mixed, chunks prepared on their threads", dict(staged="threads"), False, {"coder": "mixed"}),
     )
     for name, kw, on_cpu, options in settings:
         best = None

@@ -8,7 +8,9 @@ and its summed time (median over 30 fetches after 5 warm-ups): where the fetch's
     python benchmarks/probes/fetch_phases.py D 2048 t5m,t5z,t5h OUT.json
 
 Columns: first_b (ms from the call to the step's first start), last_e (to its last end), n (calls),
-sum_ms (their summed time; for @host and @net steps summed over threads that run at once)."""
+sum_ms (their summed time; for @host and @net steps summed over threads that run at once). @host: the
+host pool's threads (zstd'd chunks); @net: the fetch's pool threads (its network stage, and its decode
+workers where the restore is not driven)."""
 
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def case_table(d: pathlib.Path, doc: dict, mem, name: str, tokens: int) -> dict:
     fr.fetch_loop(cache, ids, 5)
     runs = [one_fetch(cache, ids, caller) for _ in range(30)]
     med = statistics.median
-    keys = sorted(runs[-1][0], key=lambda k: med(r[0].get(k, [0])[0] for r in runs))
+    keys = sorted({k for r in runs for k in r[0]}, key=lambda k: med(r[0][k][0] for r in runs if k in r[0]))
     rows = [
         [
             k,

@@ -17,7 +17,7 @@ A case is NAME:SPEC, SPEC comma-separated: `ratio=R` (transform codec at target 
 (HEVC streams per chunk), `vbits=N` (HEVC bits per sample through the video stream, the rest as zstd'd planes),
 `frames=N` (the transform's frames shrink until a chunk takes N, frames.MIN_FRAMES; 1: as large as `res`),
 `coder=C` (how the samples are coded; without it the codec's own default: hevc for NVDEC, zstd restored from CPU
-threads, the transform's mixed or int8's auto), `zframe=N` (bytes per zstd frame
+threads, the transform's zstd or int8's auto), `zframe=N` (bytes per zstd frame
 of the samples; more than a chunk holds: one frame, as before the frames), `zlevel=N` (the samples' zstd
 level; negative levels are zstd's fast ones, near raw bytes). run measures per case:
 the fetch with PrefixCache's defaults (no decode or in-flight arguments: what `serve` and `Engine`
@@ -272,6 +272,15 @@ def _interference(probe, fn, secs: float, alone: float) -> dict:  # noqa: ANN001
                 _alone_at[q] = probe.matmul_tflops(2.0)
             inter[f"matmul_slowdown_queued_{q}"] = probe.interference(fn, secs, _alone_at[q])["matmul_slowdown"]
     return inter
+
+
+def _codes_video(case: dict, codec) -> bool:  # noqa: ANN001
+    """Whether the case's chunks hold videos for NVDEC (zstd'd samples hold none): the transform
+    codec's own coder (its default unless the case names one), an HEVC case's coder setting."""
+    from kvcodec.codecs.transform.codec import VIDEO_CODERS
+
+    coder = getattr(codec, "coder", None)
+    return coder in VIDEO_CODERS if case["codec"] == "transform" else case.get("coder") != "zstd"
 
 
 def _queued_too(inter: dict) -> dict:
@@ -1063,7 +1072,7 @@ def run(
         for i, variant in enumerate([{}] + variants):
             secs = interference_s if i == 0 or interfere_all else 0.0
             _stage(log, base, measure_fetch, mem, doc, case, codec, probe, variant, repeat, alone, secs)
-        if case.get("coder") != "zstd":  # zstd'd samples: no videos for NVDEC
+        if _codes_video(case, codec):
             if not quick:
                 _stage(log, base, decode_only, case, codec, mem, doc, probe, 56, seconds)
             _stage(log, base, decode_only_native, case, codec, mem, doc, probe, 56, seconds)

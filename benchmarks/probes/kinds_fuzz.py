@@ -411,7 +411,7 @@ def kvtf_subjects(kv: torch.Tensor, cal_kv: torch.Tensor, ct: int, small: bool =
     setups = (
         ("zstd", (64, 64), {}),
         ("hevc", (144, 144), {}),
-        ("mixed", (144, 144), {}),  # the default: HEVC and zstd chunks in turn
+        ("mixed", (144, 144), {}),  # HEVC and zstd chunks in turn (the default until session 53)
         ("zstd", (64, 64), {"recon": "laplace"}),
     )
     for coder, res, kw in setups[:3] if small else setups:

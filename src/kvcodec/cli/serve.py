@@ -142,7 +142,8 @@ from kvcodec.cli.options import (
     help="Decode threads of a fetch (default: the pool's or threads' size; without them one per NVDEC "
     "engine on CUDA, each thread its own NVDEC session in this process's CUDA context: 7 on an H100/H200; "
     "1 on the CPU). A transform fetch on CUDA drives that many NVDEC sessions from its restore thread "
-    "instead (KVCODEC_DRIVEN=0: a thread per session).",
+    "instead (KVCODEC_DRIVEN=0: a thread per session) for its video chunks; zstd'd chunks (the transform's "
+    "default coder) decompress on the host pool's threads (half the cores, at most 8).",
 )
 @click.option(
     "--sdpa-backends",

@@ -48,7 +48,7 @@ TRANSFORM_VERSION = 3  # 2: fine_tokens, fine_bits, recon in the header (version
 READABLE_VERSIONS = (1, 2, 3)
 CODERS = SETTING_CODERS  # hevc, zstd, or mixed (chunk by chunk: header.chunk_coder)
 # zstd's chunks decode on the host's threads, which restored Llama-3-8B-shaped KV 1.4-1.9x faster than
-# mixed at 5x and 0.86-1.4x at 8x (2k-32k tokens, two calls), Qwen2.5's 0.87-1.53x at 2k-4k tokens: mixed
+# mixed at 5x and 0.86-1.5x at 8x (2k-32k tokens, two calls), Qwen2.5's 0.87-1.53x at 2k-4k tokens: mixed
 # waits on NVDEC for half its chunks (benchmarks/results/ttft-h200-s53-coders-llama-*.md,
 # fetch-h200-s52-qwen-coders.md, fetch-h200-s53-phases-qwen.md); its encode needs no video encoder
 DEFAULT_CODER = "zstd"
