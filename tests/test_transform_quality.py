@@ -4,6 +4,9 @@ and KV files of layer groups (kvspec.files)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -141,3 +144,22 @@ def test_gguf_config_from_the_header_alone_matches_the_model():
     layout = inspect_model(str(path))
     assert [g.name for g in layout.spec.groups] == ["full-kv-3x64"] and len(layout.spec.layers) == 30
     assert layout.ropes[0] == RopeSpec(100000.0, 64, 64)
+
+
+def test_a_report_of_another_coder_is_named_when_a_codec_is_made(synthetic_kvt, tmp_path, caplog):
+    """A .kvt whose quality report measured mixed chunks (before session 53) under today's zstd default:
+    a warning names both coders; none where they agree."""
+    from kvcodec.codecs.transform.codec import DEFAULT_CODER, coder_warning, make_transform_codec
+    from kvcodec.transform import load_kvt, save_kvt
+
+    cal, _ = load_kvt(synthetic_kvt)
+    path = tmp_path / "mixed-report.kvt"
+    save_kvt(dataclasses.replace(cal, info={**cal.info, "quality": {"coder": "mixed", "points": []}}), path)
+    with caplog.at_level(logging.WARNING, logger="kvcodec.codecs.transform.codec"):
+        make_transform_codec(path, target_ratio=5.0)
+    assert any("measured mixed-coded chunks" in r.message and DEFAULT_CODER in r.message for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvcodec.codecs.transform.codec"):
+        make_transform_codec(path, target_ratio=5.0, coder="mixed")
+    assert not [r for r in caplog.records if "coded chunks" in r.message]
+    assert coder_warning({"points": []}, "zstd") is None and coder_warning({"coder": "zstd"}, "zstd") is None

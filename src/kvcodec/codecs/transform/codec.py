@@ -678,6 +678,8 @@ def make_transform_codec(transform: str | Path | Calibration, *, target_quality:
             raise ConfigError("target_quality needs a .kvt file (its quality report)")
         return TransformCodec(transform, **options)
     report = kvt_info(transform).get("quality")
+    if report and (warning := coder_warning(report, options.get("coder", DEFAULT_CODER))):
+        logging.getLogger(__name__).warning(warning)
     if options.get("target_ratio") is not None:
         options["target_ratio"] = real_number(options["target_ratio"], "target_ratio")
     if target_quality is not None:
@@ -687,6 +689,19 @@ def make_transform_codec(transform: str | Path | Calibration, *, target_quality:
     elif options.get("target_ratio") is not None and (warning := ratio_warning(report, options["target_ratio"])):
         logging.getLogger(__name__).warning(warning.removeprefix("warning: "))
     return open_transform(transform, **options)
+
+
+def coder_warning(report: dict, coder: str) -> str | None:
+    """What to say where a .kvt's quality report measured chunks of another sample coder than `coder`
+    (a .kvt of before session 53 measured mixed chunks): the coders are lossless, but each one's
+    bytes set the level that meets a ratio, so the report's qualities are this coder's only nearly. Pure."""
+    measured = report.get("coder")
+    if not measured or measured == coder:
+        return None
+    return (
+        f"the .kvt's quality report measured {measured}-coded chunks; this codec codes {coder}: at a ratio "
+        f"their levels differ a little (docs/TRANSFORM.md, sample coders); calibrate again for its own report"
+    )
 
 
 def kvt_info(transform: str | Path) -> dict:
