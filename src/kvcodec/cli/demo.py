@@ -355,7 +355,8 @@ def _report(model_name: str, dev: str, doc_tokens: int, gbit: float, quant: str,
     import sys
 
     ref, rr, kr, tr = runs.ref, runs.raw, runs.kvc, runs.tr
-    decoder = "NVDEC" if dev.startswith("cuda") else "CPU (software HEVC decode)"
+    video = "NVDEC" if dev.startswith("cuda") else "FFmpeg on the CPU"
+    decoder = f"zstd'd samples on the host's threads, video on {video}"  # each chunk says which it holds
     shown = {"raw": rr, "kvcodec": kr, **({"transform": tr} if tr is not None else {})}
     same = {k: r.token_ids == ref.token_ids for k, r in shown.items()}
     rows = [("full prefill", ref), ("raw fp16 KV reuse", rr), (f"kvcodec ({quant}) reuse", kr)]
