@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import test_transform_gpu as gpu_tests  # the synthetic transform and KV those tests code
 from kvcodec.codecs.transform.batch import restore_chunks
 from kvcodec.codecs.transform.codec import TransformCodec
-from kvcodec.errors import CorruptStreamError, KVCodecError
+from kvcodec.errors import CorruptStreamError, FormatError, KVCodecError
 from kvcodec.video.nvcuvid import STAMP_SHIFT, attribute
 from kvcodec.video.registry import get_decoder
 
@@ -510,3 +510,37 @@ def test_pieces_that_do_not_cut_the_video_at_its_frames_are_refused(kvt):
     for bad in ([sizes[0] + 1, *sizes[1:]], sizes[:-1]):
         with pytest.raises(FormatError, match="pieces"):
             c.decode_chunk(forged(bad), target)
+
+
+def test_a_codec_without_videos_is_driven_without_nvdec_sessions(kvt):
+    """A zstd transform codec (the default) is driven on CUDA with no NVDEC session borrowed (none
+    needed, none required: a GPU without NVDEC or libnvcuvid still takes the driven path); its chunks
+    restore from the host pool as the reference does, and a video chunk reaching such a driver is
+    that chunk's FormatError, not a crash of the fetch."""
+    from kvcodec.codecs.driven import StageDriver, stage_driver
+
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0)
+    assert not c.codes_video and TransformCodec(kvt[0], coder="mixed").codes_video
+    with stage_driver(c, "cuda", 7) as driver:  # no CUDA work until a chunk is submitted
+        assert driver is not None and driver.runs == []
+    kv = gpu_tests.synthetic_kv(200, 22)
+    chunks = c.encode_chunks(kv)
+    want = gpu_tests.restore_all(c, chunks, kv.shape)
+    out, outs = _outs(kv, chunks)
+    driver = StageDriver(c, [])
+    for i, ch in enumerate(chunks):
+        driver.submit(i, ch.blobs[0], outs[i])
+    got: dict = {}
+    for i in range(len(chunks)):
+        while driver.pending(i):
+            driver.wait(i, 30.0, flush=False)
+            got.update((tag, part) for tag, part, _ in driver.poll())
+    c.finish([got[i] for i in range(len(chunks))], outs)
+    assert gpu_tests.within_an_ulp(out, want)
+    mixed = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="mixed", resolutions=((64, 64),))
+    video = mixed.encode_chunks(kv)[0]
+    assert mixed.header(video.blobs[0])["coder"] == "hevc"
+    driver.submit(0, video.blobs[0], outs[0])
+    (tag, error, _), *_ = driver.poll()
+    driver.close()
+    assert tag == 0 and isinstance(error, FormatError) and "codes none" in str(error)

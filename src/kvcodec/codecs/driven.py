@@ -51,7 +51,7 @@ from typing import Protocol
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.errors import KVCodecError
+from kvcodec.errors import FormatError, KVCodecError
 from kvcodec.layout.search import usable_cores
 
 DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
@@ -174,14 +174,22 @@ def stage_driver(
     codec, device, sessions: int, check: Callable | None = None, expected: int | None = None
 ) -> Iterator[StageDriver | None]:
     """A StageDriver over `sessions` NVDEC sessions borrowed for the block (for a fetch of `expected`
-    chunks: StageDriver's split); None where chunks
-    cannot be driven that way (DRIVEN off, not a CUDA device, a codec without DrivenChunks, no
-    native feeder, or a borrowed decoder that is not nvcuvid's)."""
+    chunks: StageDriver's split), or over none for a codec whose chunks hold no video (its
+    `codes_video` False: every chunk on the host pool, no NVDEC needed); None where chunks cannot be
+    driven that way (DRIVEN off, not a CUDA device, a codec without DrivenChunks, no native feeder,
+    or a borrowed decoder that is not nvcuvid's)."""
     from kvcodec.video import nvcuvid_native
 
     device = torch.device(device)
-    chunks = driven_of(codec) if DRIVEN and nvcuvid_native.FEEDER and device.type == "cuda" else None
-    if chunks is None or not nvcuvid_native.available():
+    chunks = driven_of(codec) if DRIVEN and device.type == "cuda" else None
+    if chunks is not None and not getattr(codec, "codes_video", True):
+        driver = StageDriver(chunks, [], check, expected)
+        try:
+            yield driver
+        finally:
+            driver.close()
+        return
+    if chunks is None or not nvcuvid_native.FEEDER or not nvcuvid_native.available():
         yield None
         return
     from kvcodec.codecs.hevc.decode import idle_decoders
@@ -260,7 +268,10 @@ class StageDriver:
             reading = self._read(tag, blob, target)
             if reading is None:
                 continue
-            if reading.pieces:
+            if reading.pieces and not self.runs:  # a video under a codec that codes none: no session holds it
+                error = FormatError("the chunk holds a video; its codec codes none")
+                self.done.append((tag, _named(error, reading.info.index), 0.0))
+            elif reading.pieces:
                 self._push(tag, reading, target, t0)
             elif VIDEO_FIRST:
                 host.append((tag, reading, target, t0))

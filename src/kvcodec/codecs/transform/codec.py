@@ -212,6 +212,11 @@ class TransformCodec:
         self._lock = threading.Lock()  # encode chunks and decoders on threads share the plan caches
         self._restorer = TransformRestorer(self.cal, self.plan)
 
+    @property
+    def codes_video(self) -> bool:
+        """Whether some of this codec's chunks hold a video (a fetch of them needs NVDEC sessions)."""
+        return self.coder in VIDEO_CODERS
+
     # ------------------------------------------------------------------------------ encode
 
     def plan(self, theta: float, key_weight: float | None = None) -> CoordPlan:
