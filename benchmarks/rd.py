@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 import torch
 
-from kvcodec.codecs.transform.codec import DEFAULT_CODER
+from kvcodec.codecs.transform.codec import CODERS, DEFAULT_CODER
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kvbench, when not installed
 
@@ -388,7 +388,7 @@ def task_notes(doc):
 @click.option("--save-kvt", help="Write the calibration here.")
 @click.option(
     "--coder",
-    type=click.Choice(["zstd", "hevc", "mixed"]),
+    type=click.Choice(CODERS),
     default=DEFAULT_CODER,
     show_default=True,
     help="Sample coder of the transform points: the codec's default (zstd), hevc alone, or mixed (HEVC and zstd "

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.baselines.chunk import BaselineCodec
-from kvcodec.codecs.transform.codec import DEFAULT_CODER
+from kvcodec.codecs.transform.codec import CODERS, DEFAULT_CODER
 from kvcodec.errors import ConfigError
 
 LABELS = {"raw": "raw fp16 KV", "zstd-3": "zstd-3 KV", "cachegen": "CacheGen-style", "prefill": "full prefill"}
@@ -24,7 +24,7 @@ RAW_VARIANTS = {"raw": ("raw",), "zstd-3": ("zstd",)}
 TRANSFORM = "kvcodec-transform"
 
 
-TRANSFORM_CODERS = ("hevc", "zstd", "mixed")
+TRANSFORM_CODERS = CODERS  # the transform codec's coder settings
 
 
 def transform_ratio(method: str) -> float | None:

@@ -182,20 +182,15 @@ def stage_driver(
 
     device = torch.device(device)
     chunks = driven_of(codec) if DRIVEN and device.type == "cuda" else None
-    if chunks is not None and not getattr(codec, "codes_video", True):
-        driver = StageDriver(chunks, [], check, expected)
-        try:
-            yield driver
-        finally:
-            driver.close()
-        return
-    if chunks is None or not nvcuvid_native.FEEDER or not nvcuvid_native.available():
+    videos = getattr(codec, "codes_video", True)
+    if chunks is None or (videos and not (nvcuvid_native.FEEDER and nvcuvid_native.available())):
         yield None
         return
     from kvcodec.codecs.hevc.decode import idle_decoders
 
     with contextlib.ExitStack() as stack:
-        decoders = [stack.enter_context(idle_decoders.borrow(device)) for _ in range(max(1, sessions))]
+        count = max(1, sessions) if videos else 0
+        decoders = [stack.enter_context(idle_decoders.borrow(device)) for _ in range(count)]
         if not all(callable(getattr(d, "fed_run", None)) and d.device == device for d in decoders):
             yield None
             return

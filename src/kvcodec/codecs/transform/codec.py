@@ -368,7 +368,7 @@ class TransformCodec:
     def _encoder(self, threads: int | None = None):  # noqa: ANN202 - a VideoEncoder
         """The video encoder (x265 ultrafast, or NVENC where the GPU has one); `threads`: a
         single-threaded copy for one of several chunk threads, where the encoder can make one."""
-        if self.coder not in VIDEO_CODERS:
+        if not self.codes_video:
             return None
         from kvcodec.video.registry import get_encoder
 
