@@ -10,6 +10,25 @@ import pytest
 import torch
 
 MODEL_NAMES = ("smollm2-135m", "qwen2.5-coder-0.5b")
+_trace = None  # KVCODEC_TEST_TRACE: a file naming each test as it starts, and any crash's tracebacks
+
+
+def pytest_sessionstart(session):
+    """With KVCODEC_TEST_TRACE set (.ci/run sets it), a process that dies in native code leaves the
+    test it was running and every thread's Python stack in that file, which .ci/run prints."""
+    global _trace
+    import faulthandler
+    import os
+
+    path = os.environ.get("KVCODEC_TEST_TRACE")
+    if path:
+        _trace = open(path, "w", buffering=1)  # noqa: SIM115 (open for the whole session)
+        faulthandler.enable(file=_trace, all_threads=True)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _trace is not None:
+        _trace.write(f"started {nodeid}\n")
 
 
 def _load(name: str):
