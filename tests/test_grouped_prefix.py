@@ -80,14 +80,20 @@ def test_wrong_inputs_are_errors(cache):
 
 
 class _SlowStore:
-    """A real memory store behind a link that takes `delay_s` per get (a slow network)."""
+    """A real memory store behind a link that takes `delay_s` per get (a slow network), or, while
+    `stalled` is set, holds every get until it is cleared (60 s at most)."""
 
     def __init__(self, store, delay_s: float) -> None:  # noqa: ANN001
+        import threading
+
         self.store, self.delay_s = store, delay_s
+        self.stalled, self.released = threading.Event(), threading.Event()
 
     def get(self, key: str):  # noqa: ANN201
         import time
 
+        if self.stalled.is_set():
+            self.released.wait(60)
         time.sleep(self.delay_s)
         return self.store.get(key)
 
@@ -120,9 +126,13 @@ def test_fetch_stops_at_the_deadline_with_what_was_restored():
     ids = list(range(40))
     kv = _kv(40)
     cache.put(ids, kv)
-    cache.store.delay_s = 0.4  # every get now takes longer than the whole budget
-    t0 = time.monotonic()
-    res = cache.fetch(ids, 40, deadline_s=0.25)
-    assert time.monotonic() - t0 < 0.4 + 0.3  # the fetch did not wait for the slow gets
+    cache.store.stalled.set()  # every get now waits far longer than the whole budget
+    try:
+        t0 = time.monotonic()
+        res = cache.fetch(ids, 40, deadline_s=0.25)
+        took = time.monotonic() - t0
+    finally:
+        cache.store.released.set()
+    assert took < 30  # the fetch did not wait for the stalled gets (60 s)
     assert not res.ok and res.tokens_restored == 0 and "deadline" in str(res.error)
     assert res.stats.chunks_dropped == 0 and cache.lookup(ids) == 40  # a slow link is no damage

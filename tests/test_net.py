@@ -82,10 +82,11 @@ def test_throttle_url():
 def test_token_bucket_follows_trace():
     tr = JitterTrace(((0.05, 0.08), (0.05, 0.8)))  # 10 MB/s for 50 ms, then 100 MB/s
     link = TokenBucketLink(tr)
-    t = time.monotonic()
-    link.transfer(500_000)  # 0.5 MB at 10 MB/s -> 50 ms
-    link.transfer(1_000_000)  # then 1 MB at 100 MB/s -> 10 ms
-    assert 0.055 < time.monotonic() - t < 0.12
+    start = link._t0  # trace time 0: the booking is arithmetic on the trace, no clock is read
+    assert link.reserve(500_000, issued_at=start) - start == pytest.approx(0.05)  # 0.5 MB at 10 MB/s
+    assert link.reserve(1_000_000, issued_at=start) - start == pytest.approx(0.06)  # queued, 1 MB at 100 MB/s
+    link.transfer(100_000)  # the link is busy until trace time 0.06, then 1 ms at 100 MB/s
+    assert time.monotonic() >= start + 0.061
 
 
 # -------------------------------------------------------------------------- kernel-shaped link

