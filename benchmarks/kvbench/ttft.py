@@ -17,9 +17,12 @@ measured, and the record says where:
 - accuracy per method: read from benchmarks/rd.py records (`--accuracy rd-*.json`) of the
   statistics model, shown beside the TTFT.
 - decode speed per method: measured on this machine on the same real KV (CPU: zstd / CacheGen rANS
-  / software HEVC; raw = a copy). On a GPU: raw = host-to-device copy, measured; kvcodec = the NVDEC
-  pool restoring `--nvdec-gbit` of stored bytes per second (default from `kvcodec bench decode` on an
-  H200); any rate can be set with --decode-rate METHOD=GB/s (of fp16 KV), as the committed GPU runs do.
+  / software HEVC; raw = a copy). On a GPU: raw = host-to-device copy, measured; kvcodec methods
+  whose chunks are videos = the NVDEC pool restoring `--nvdec-gbit` of stored bytes per second
+  (default from `kvcodec bench decode` on an H200); a transform method with the zstd coder keeps its
+  measured host decode rate (its chunks never reach NVDEC); any rate can be set with
+  --decode-rate METHOD=GB/s (of fp16 KV), as the committed GPU runs do. `bench ttft-engine` measures
+  the whole fetch instead of modeling it.
 - prefill times: real forward passes on this machine; for 7B/8B-class targets ("llama3-8b",
   "qwen2.5-7b") full-size architectures with RANDOM weights (timing only, never KV statistics).
 """
@@ -38,11 +41,13 @@ from kvbench.methods import (
     method_codec,
     rd_name,
     resolution_option,
+    transform_coder,
     transform_ratio,
 )
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model
+from kvcodec.codecs.transform.codec import DEFAULT_CODER
 
 
 def kv_statistics(
@@ -1049,7 +1054,7 @@ def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overr
         return {"decode_GBps_fp16": overrides[m], "source": "--decode-rate override"}
     if gpu and m == "raw":
         return {"decode_GBps_fp16": h2d_GBps(min(fp16, 1 << 30)), "source": "host-to-device copy (measured)"}
-    if gpu and m.startswith("kvcodec"):
+    if gpu and m.startswith("kvcodec") and _decodes_on_nvdec(m):
         coded = fp16 / st["methods"][m]["ratio_vs_fp16"]
         return {
             "decode_GBps_fp16": fp16 / (coded * 8 / (nvdec_gbit * 1e9)) / 1e9,
@@ -1059,6 +1064,15 @@ def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overr
     if not rate:
         raise click.ClickException(f"no decode rate for {m}: its CPU decode was not timed; give --decode-rate {m}=GB/s")
     return {"decode_GBps_fp16": rate, "source": "cpu (measured on the KV-statistics machine)"}
+
+
+def _decodes_on_nvdec(method: str) -> bool:
+    """Whether a kvcodec method's chunks are videos (NVDEC's rate applies); a transform method whose
+    coder is zstd decodes on the host, so its measured decode rate stands (a --decode-rate sets it)."""
+    coder = transform_coder(method)
+    if transform_ratio(method) is None:
+        return True
+    return (coder or DEFAULT_CODER) != "zstd"
 
 
 def modeled_markdown(rec: dict) -> list[str]:
