@@ -13,7 +13,8 @@ load as float16, as the engine runs them), and wall time, peak RSS and peak GPU 
 float32 weights on the GPU). It scores each text the way the
 calibration report does (the text's first --prefix tokens' KV coded and restored, the next --cont tokens
 teacher-forced on it and on the original KV: top-1 agreement of the next-token argmax over all of them,
-perplexity change of the text's own tokens), with real encodes (the codec's own size search, HEVC) instead
+perplexity change of the text's own tokens), with real encodes (the codec's own size search and, unless
+--coder says otherwise, its default sample coder; the records name the coder) instead
 of the report's simulation, and per-channel intN baselines; it writes rd-format records and the report's
 prediction beside each measured point.
 """
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench and rd.p
 from rd_report import report_vs_measured  # noqa: E402 - beside this file
 
 from kvbench.results import write_result  # noqa: E402
+from kvcodec.codecs.transform.codec import CODERS, DEFAULT_CODER  # noqa: E402
 from kvcodec.models.quality import QUALITY_CONT, QUALITY_PREFIX, _predictions  # noqa: E402
 
 FIRST = 128  # also scored: the continuation's first FIRST tokens (the protocol of the rd-* results before 512)
@@ -141,14 +143,17 @@ def _roundtrip(codec, kv16: torch.Tensor) -> tuple[torch.Tensor, int, float | No
     return out, sum(len(c.blobs[0]) for c in chunks), theta
 
 
-def _codecs(kvt: str, ratios: list[float], baselines: list[str]) -> dict:
+def _codecs(kvt: str, ratios: list[float], baselines: list[str], coder: str) -> dict:
     """name -> factory of a fresh codec (one per job: the codecs are not shared across threads)."""
     from kvcodec.codecs import make_codec
     from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.transform.kvt import load_kvt
 
     cal, digest = load_kvt(kvt)
-    out = {f"transform-hevc-r{r:g}": (lambda r=r: TransformCodec(cal, kvt_hash=digest, target_ratio=r)) for r in ratios}
+    out = {
+        f"transform-{coder}-r{r:g}": (lambda r=r: TransformCodec(cal, kvt_hash=digest, target_ratio=r, coder=coder))
+        for r in ratios
+    }
     for b in baselines:
         out[b] = lambda b=b: make_codec("hevc", quant=b)
     return out
@@ -212,7 +217,7 @@ def _checks(records: list[dict], report: dict) -> list[dict]:
     out = []
     points = {float(p["target"]): p for p in report.get("points", []) if "top1" in p}
     for r in records:
-        if not r["method"].startswith("transform-hevc-r"):
+        if not r["method"].startswith("transform-"):
             continue
         target = float(r["method"].split("-r", 1)[1])
         p = points.get(target)
@@ -233,7 +238,7 @@ def _target2(records: list[dict]) -> list[str]:
     by = {r["method"]: r for r in records}
     out = []
     for target, top1, ppl in ((5, 0.99, 0.5), (3, 0.995, None)):
-        r = by.get(f"transform-hevc-r{target}")
+        r = next((r for m, r in by.items() if m.startswith("transform-") and m.endswith(f"-r{target}")), None)
         if r is None:
             continue
         ok = r["top1_agreement"] >= top1 and (ppl is None or r["ppl_delta_pct"] <= ppl)
@@ -315,6 +320,7 @@ def markdown(doc: dict) -> list[str]:
 @click.option("--cont", "cont_tokens", default=QUALITY_CONT, show_default=True, help="As the report.")
 @click.option("--ratios", default="3,5,8", show_default=True)
 @click.option("--baselines", default="int8,int4", show_default=True)
+@click.option("--coder", type=click.Choice(CODERS), default=DEFAULT_CODER, show_default=True, help="Transform coder.")
 @click.option("--jobs", default=8, show_default=True, help="Encodes (text x method) at once (threads).")
 @click.option("--defaults-tuned-on", default="smollm2-135m", show_default=True)
 @click.option("--note", "notes", multiple=True)
@@ -330,6 +336,7 @@ def evaluate(
     cont_tokens,
     ratios,
     baselines,
+    coder,
     jobs,
     defaults_tuned_on,
     notes,
@@ -349,7 +356,7 @@ def evaluate(
     layout = inspect_model(model_path)
     model, tok = _load(model_path, device)
     ratio_list = [float(r) for r in ratios.split(",") if r]
-    factories = {"fp16": None, **_codecs(kvt, ratio_list, [b for b in baselines.split(",") if b])}
+    factories = {"fp16": None, **_codecs(kvt, ratio_list, [b for b in baselines.split(",") if b], coder)}
     prepared = []  # (text, cont, reference predictions, fp16 KV): model work first, then all encodes at once
     for name in texts:
         ids = tok(load_text(name), return_tensors="pt").input_ids[0][: prefix_tokens + cont_tokens]

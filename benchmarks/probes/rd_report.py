@@ -20,6 +20,7 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvbench, when not installed
 
 from kvbench.results import write_result  # noqa: E402
+from kvcodec.codecs.transform.codec import CODERS  # noqa: E402
 
 TOP1_WITHIN, PPL_WITHIN = 0.01, 0.5  # issue 23 target 5: the report within these of the measurement
 
@@ -81,7 +82,7 @@ def main(kvts, rds, out_stem, notes):
     for path in rds:
         doc = json.loads(Path(path).read_text())
         for r in doc["records"]:
-            if not r["method"].startswith(("transform-hevc-r", "transform-zstd-r")):
+            if not r["method"].startswith(tuple(f"transform-{c}-r" for c in CODERS)):
                 records.append(dict(r, eval_texts=doc["eval_texts"]))
                 continue
             target = float(r["method"].split("-r", 1)[1])
