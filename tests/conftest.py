@@ -31,6 +31,11 @@ def pytest_runtest_logstart(nodeid, location):
         _trace.write(f"started {nodeid}\n")
 
 
+def pytest_runtest_logfinish(nodeid, location):
+    if _trace is not None:
+        _trace.write(f"finished {nodeid}\n")  # a crash after this line: in teardown, collection or at exit
+
+
 def _load(name: str):
     from kvcodec.errors import ConfigError
     from kvcodec.models import load_model
