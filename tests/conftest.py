@@ -33,7 +33,7 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logfinish(nodeid, location):
     if _trace is not None:
-        _trace.write(f"finished {nodeid}\n")  # a crash after this line: in teardown, collection or at exit
+        _trace.write(f"finished {nodeid}\n")  # a crash after the last such line: at the session's end or exit
 
 
 def _load(name: str):

@@ -81,7 +81,7 @@ def test_wrong_inputs_are_errors(cache):
 
 class _SlowStore:
     """A real memory store behind a link that takes `delay_s` per get (a slow network), or, while
-    `stalled` is set, holds every get until it is cleared (60 s at most)."""
+    `stalled` is set, holds every get until `released` is set (60 s at most)."""
 
     def __init__(self, store, delay_s: float) -> None:  # noqa: ANN001
         import threading

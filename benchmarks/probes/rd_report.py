@@ -11,6 +11,7 @@ top-1 within 0.01, ppl within 0.5 points).
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -82,10 +83,11 @@ def main(kvts, rds, out_stem, notes):
     for path in rds:
         doc = json.loads(Path(path).read_text())
         for r in doc["records"]:
-            if not r["method"].startswith(tuple(f"transform-{c}-r" for c in CODERS)):
+            point = re.fullmatch(rf"transform-(?:{'|'.join(CODERS)})-r([0-9.]+)", r["method"])
+            if point is None:  # a baseline, or a variant of a point (-nosink, -kw...)
                 records.append(dict(r, eval_texts=doc["eval_texts"]))
                 continue
-            target = float(r["method"].split("-r", 1)[1])
+            target = float(point.group(1))
             pred = next(
                 (x for x in records if x["model"] == r["model"] and x["method"] == f"transform-report-r{target:g}"),
                 None,
