@@ -269,3 +269,40 @@ def test_a_paused_server_costs_one_timeout_and_a_deadline_bounds_every_call(redi
     assert st.get("k") == b"v"  # the store works again once the server does
     slow.close()
     patient.close()
+
+
+def test_a_store_that_refuses_writes_warns_serve_and_stops_ingest_before_the_model_loads(
+    redis_server, tmp_path, capsys, monkeypatch
+):
+    """A read-only Redis user (an ACL without write commands): `serve` starts with a warning (its
+    prefixes can still be fetched), `ingest` refuses to start; a writable store passes both, and the
+    write probe leaves nothing behind."""
+    import click
+    import redis
+    from click.testing import CliRunner
+
+    import kvcodec.ingest.run
+    from kvcodec.cli.main import cli
+    from kvcodec.cli.serve import check_store
+
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.execute_command("ACL", "SETUSER", "reader", "on", ">s3cret", "~*", "&*", "+@all", "-@write")
+    url = redis_server.url.replace("redis://", "redis://reader:s3cret@")
+    check_store(url, writes="warn")
+    err = capsys.readouterr().err
+    assert "refuses writes" in err and "NoPermission" in err and "s3cret" not in err, err
+    with pytest.raises(click.BadParameter, match="refuses writes"):
+        check_store(url, writes="require")
+    check_store(redis_server.url, writes="require")
+    assert "refuses" not in capsys.readouterr().err
+    assert raw.keys("*kvcodec-write-probe*") == []
+
+    def load(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(kvcodec.ingest.run, "load_for_ingest", load)
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one prompt\n")
+    r = CliRunner().invoke(cli, ["ingest", str(docs), "--model", "smollm2-135m", "--store", url])
+    assert r.exit_code == 2 and "refuses writes" in r.output and "Traceback" not in r.output, r.output
+    raw.close()

@@ -187,7 +187,7 @@ def _check_model_and_store(model_name: str, store_url: str, here: bool) -> None:
         )
     if here:
         check_model(model_name)
-    check_store(store_url, reach=here)
+    check_store(store_url, reach=here, writes="require")
 
 
 def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, counts so far)

@@ -201,7 +201,7 @@ def command(
 
     _check_port(host, port)  # before the model loads
     if store_url is not None:
-        check_store(store_url)
+        check_store(store_url, writes="skip" if no_store else "warn")
     if not (no_reuse and no_store):
         check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
     flags = {
@@ -352,18 +352,46 @@ def _check_port(host: str, port: int) -> None:
             ) from None
 
 
-def check_store(url: str, reach: bool = True) -> None:
+def check_store(url: str, reach: bool = True, writes: str = "skip") -> None:
     """--store, before the model loads: a known scheme, and (reach) a store that opens (its server
-    answers) within the engine's own deadline; a StoreError is the command's `error:` line."""
+    answers) within the engine's own deadline; a StoreError is the command's `error:` line.
+    writes: "skip"; "warn": a warning where the store refuses a write (its prefixes can still be
+    fetched); "require": that refusal is the command's error (nothing could be stored)."""
     from kvcodec.engine.prefix import STORE_OPEN_DEADLINE_S
-    from kvcodec.store import open_store
+    from kvcodec.store import open_store, redact_url
 
     _check_store_scheme(url)
     if not reach:
         return
     store = open_store(url, deadline_s=STORE_OPEN_DEADLINE_S)
-    if hasattr(store, "close"):
-        store.close()
+    try:
+        refusal = None if writes == "skip" else write_refusal(store)
+    finally:
+        if hasattr(store, "close"):
+            store.close()
+    if refusal is None:
+        return
+    if writes == "require":
+        raise click.BadParameter(f"{redact_url(url)} refuses writes: {refusal}", param_hint="--store")
+    click.echo(
+        f"kvcodec serve: warning: the store refuses writes ({refusal}): prefixes are fetched from it, none is stored",
+        err=True,
+    )
+
+
+def write_refusal(store) -> str | None:  # noqa: ANN001
+    """Why `store` refused to hold (and drop) an empty probe object; None where it did."""
+    import uuid
+
+    from kvcodec.errors import StoreError
+
+    key = f"kvcodec-write-probe/{uuid.uuid4().hex}"
+    try:
+        store.put(key, b"")
+        store.delete(key)
+    except StoreError as e:
+        return str(e)
+    return None
 
 
 def _check_store_scheme(url: str) -> None:
