@@ -368,6 +368,27 @@ def test_deadline_returns_restored_prefix(raw_cache):
     assert took < 30  # returned at its deadline, not when the stalled gets end (60 s)
 
 
+def test_a_cancelled_fetch_stops_where_it_is(raw_cache):
+    """cancelled() turning True (the engine's request was aborted) ends the fetch as a deadline
+    would, with what was restored in order, though no deadline was set and a get is stalled."""
+    kv, ids = make_kv(160), ids_for(160)
+    raw_cache.put(ids, kv)
+    gone = threading.Event()
+    stalled = tuple(f"{k}/r" for k in raw_cache.keys(ids)[2:])
+
+    def stalls(key):  # the client leaves once chunk 2's get has begun
+        return key.startswith(stalled) and (gone.set() or True)
+
+    slow = raw_cache.store = SlowStore(raw_cache.store, 0.0, stalls=stalls)
+    try:
+        r = raw_cache.fetch(ids, 160, cancelled=gone.is_set)
+    finally:
+        slow.release.set()
+    assert isinstance(r.error, FetchError) and "cancelled" in str(r.error), r.error
+    assert r.tokens_restored <= 32
+    assert torch.equal(r.kv[:, :, : r.tokens_restored], kv[:, :, : r.tokens_restored])
+
+
 def test_store_failure_mid_fetch(raw_cache):
     kv, ids = make_kv(100), ids_for(100)
     raw_cache.put(ids, kv)

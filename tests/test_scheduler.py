@@ -170,3 +170,25 @@ def test_default_deadline_is_the_measured_recompute_time(smol, stored):
     assert req.fetch_s < req.fetch_deadline_s + 1.5  # stopped near its deadline, not after the 6 s transfer
     assert expected / 4 < req.fetch_deadline_s < expected * 4
     assert req.output_ids == ref.token_ids
+
+
+def test_an_aborted_request_stops_its_fetch_where_it_is(smol, stored):
+    """A reuse request whose fetch over a slow link (12 s for the prefix) is under way when its
+    client leaves: the fetch stops then, not at its end, and the request ends with 'abort'."""
+    import time
+
+    d, nbytes = stored
+    with engine(smol, slow_url(d, nbytes * 8 / 12.0 / 1e9)) as eng:
+        link = eng.scheduler.prefix_cache.store.link
+        a = eng.submit(LONG, SamplingParams(max_new_tokens=1))
+        for _ in range(6000):  # the fetch has read from the store: it is under way (at most 60 s)
+            if link.bytes_total:
+                break
+            time.sleep(0.01)
+        eng.abort(a)
+        while not a.finished:
+            if eng.scheduler.wait_for_work(timeout=0.5):
+                eng.step()
+    assert a.matched_tokens > 0 and a.finish_reason == "abort"
+    assert "cancelled" in a.fetch_error and a.restored_tokens < a.matched_tokens, a.fetch_error
+    assert a.fetch_end - a.fetch_start < 8  # the link alone needs 12 s for the whole prefix

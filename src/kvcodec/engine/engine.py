@@ -448,6 +448,7 @@ class Engine:
         if abort:
             with self._step_lock:
                 for req in self.scheduler.drain():
+                    req.aborted = True  # a fetch still under way for it stops where it is
                     if not req.finished:
                         self._finish(req, "abort")
 

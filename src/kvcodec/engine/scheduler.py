@@ -23,6 +23,7 @@ deadline and the tensor it restores into come from the engine (`deadline_for`, `
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import threading
 import time
@@ -43,6 +44,16 @@ class PrefixSource(Protocol):
     def lookup(self, token_ids: list[int]) -> int: ...
 
     def fetch(self, token_ids: list[int], n_tokens: int, out: Any = None, deadline_s: float | None = None) -> Any: ...
+
+
+def _cancellable(prefix_cache: PrefixSource | None) -> bool:
+    """Whether the cache's fetch takes `cancelled` (PrefixCache's does: an aborted request's fetch
+    stops where it is); another PrefixSource's fetch runs to its end or deadline."""
+    try:
+        params = inspect.signature(prefix_cache.fetch).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "cancelled" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Scheduler:
@@ -75,6 +86,7 @@ class Scheduler:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1; got {max_batch}")
         self.prefix_cache = prefix_cache
+        self._fetch_cancels = _cancellable(prefix_cache)
         self.policy = policy
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
@@ -134,7 +146,8 @@ class Scheduler:
                 )
                 return self._not_fetched(req, why)
             out = self.target_for(req)
-            res = self.prefix_cache.fetch(req.prompt_ids, req.matched_tokens, out=out, deadline_s=left)
+            cancel = {"cancelled": lambda: req.aborted} if self._fetch_cancels else {}
+            res = self.prefix_cache.fetch(req.prompt_ids, req.matched_tokens, out=out, deadline_s=left, **cancel)
             restored = int(getattr(res, "tokens_restored", 0) or 0)
             req.restored_tokens = restored
             req.restored_kv = res.kv if restored else None

@@ -4,7 +4,8 @@ Public API (what the serving engine calls):
     PrefixCache(store, model_id, codec, device, *, namespace=None, policy="adaptive", max_inflight=4, ...)
         .lookup(token_ids, deadline_s=None) -> matched_tokens
         .put(token_ids, kv) -> chunks_written
-        .fetch(token_ids, n_tokens, out=None, deadline_s=None) -> FetchResult   (out: tensor or PagedKV)
+        .fetch(token_ids, n_tokens, out=None, deadline_s=None, *, cancelled=None) -> FetchResult
+            (out: tensor or PagedKV; cancelled: a callable, True once the caller gave up)
     FetchResult(kv, tokens_restored, error, stats)   (stats.timeline: per-chunk stage times)
     chunk_keys(token_ids, model_id, codec, namespace=None, shard=None) -> list[str]
     TPShard(rank, world, kv_heads), split_kv, join_kv   (tensor parallelism: PrefixCache(..., shard=))

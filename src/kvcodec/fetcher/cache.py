@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -328,6 +329,7 @@ class PrefixCache:
         deadline_s: float | None = None,
         *,
         policy: str | ResolutionPolicy | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> FetchResult:
         """Restore the KV of the first `n_tokens` tokens of `token_ids` (default: all of them).
 
@@ -337,6 +339,8 @@ class PrefixCache:
             the stored dtype. Without it a tensor of the stored dtype on `device` is allocated.
         deadline_s: time budget in seconds from the call, covering every store call; when it
             runs out the fetch stops.
+        cancelled: checked as the deadline is (while the fetch waits for chunks): once it returns
+            True the fetch stops there, as at a deadline (the engine's aborted requests).
         Never raises for store, format, stored-data or deadline failures: it stops at the first
         chunk that cannot be restored in order and returns what was restored with `error` set
         (also logged). A chunk that fails its checks is dropped so the next put rewrites it.
@@ -344,7 +348,7 @@ class PrefixCache:
         an `out` whose (layers, heads, dim) differ from the stored metas' is a result error.
         """
         t0 = time.monotonic()
-        deadline = storecalls.Deadline(deadline_s, t0)
+        deadline = storecalls.Deadline(deadline_s, t0, cancelled)
         pol = get_policy(policy, self.codec.resolutions) if policy is not None else self.policy
         stats = FetchStats(policy=pol.name, codec=self.codec.id, max_inflight=self.max_inflight)
         ids = as_token_array(token_ids)
@@ -430,6 +434,8 @@ class PrefixCache:
         n_tokens: int | None = None,
         out: Target | None = None,
         deadline_s: float | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
     ) -> FetchResult:
         """Restore this cache's heads from chunks stored by the ranks of a `stored_world`-rank TP
         producer whose head ranges tile them (that TP degree or a finer one, e.g. a TP=1 consumer
@@ -447,7 +453,9 @@ class PrefixCache:
             a, b = shard.heads.start - base, shard.heads.stop - base
             left = None if deadline_s is None else max(0.0, deadline_s - (time.monotonic() - t0))
             view = None if out is None else _head_view(out, a, b)
-            parts.append(self.for_shard(shard).fetch(token_ids, n_tokens, out=view, deadline_s=left))
+            parts.append(
+                self.for_shard(shard).fetch(token_ids, n_tokens, out=view, deadline_s=left, cancelled=cancelled)
+            )
         if out is None and all(isinstance(p.kv, torch.Tensor) for p in parts):
             out = torch.cat([p.kv for p in parts], dim=3)
         stats = FetchStats(policy=parts[0].stats.policy, codec=self.codec.id, decoder=parts[0].stats.decoder)

@@ -13,6 +13,7 @@ GroupedKV targets: each chunk decodes into its positions of the target (every gr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,14 +94,15 @@ class GroupedPrefixCache(PrefixCache):
         deadline_s: float | None = None,
         *,
         policy: Any = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> FetchResult:
         """Restore the first `n_tokens` tokens (default all) into `out` (a GroupedKV holding every
         group from 0, e.g. `target(n)`), through the fetch pipeline (policy: which stored
         resolution per chunk, default the cache's; decode times come from the cache's `profile` or
         a neutral prior, never a calibration of canonical KV). Never raises for store, data or deadline failures: the
-        result says how many tokens were restored and why it stopped."""
+        result says how many tokens were restored and why it stopped. cancelled: as PrefixCache.fetch's."""
         t0 = time.monotonic()
-        deadline = storecalls.Deadline(deadline_s, t0)
+        deadline = storecalls.Deadline(deadline_s, t0, cancelled)
         pol = get_policy(policy, self.codec.resolutions) if policy is not None else self.policy
         stats = FetchStats(policy=pol.name, codec=self.codec.id, max_inflight=self.max_inflight)
         stats.decoder = self.decoder_name()

@@ -390,8 +390,7 @@ class FetchPipeline:
         error of a deadline that has passed with `restored` tokens restored."""
         left = self.deadline.left()
         if left is not None and left <= 0:
-            late = f"deadline of {self.deadline.seconds:.3f}s passed after {restored} of {self.plan.n_tokens} tokens"
-            return 0.0, FetchError(late)
+            return 0.0, FetchError(f"{self.deadline.ended()} after {restored} of {self.plan.n_tokens} tokens")
         return (most if left is None else min(most, left)), None
 
     def _restore_run(self, ready: list[tuple[int, Decoded]], restored: int) -> tuple[int, KVCodecError | None]:

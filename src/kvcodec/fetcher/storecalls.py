@@ -23,20 +23,35 @@ T = TypeVar("T")
 
 
 class Deadline:
-    """An absolute monotonic deadline (None: no limit)."""
+    """An absolute monotonic deadline (None: no limit) that also passes, at once, when its caller's
+    `cancelled()` says so (the request was aborted: its client went away)."""
 
-    def __init__(self, seconds: float | None, start: float | None = None) -> None:
+    def __init__(
+        self, seconds: float | None, start: float | None = None, cancelled: Callable[[], bool] | None = None
+    ) -> None:
         if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, Real) or math.isnan(seconds)):
             raise ConfigError(f"a deadline is a number of seconds or None; got {seconds!r}")
         self.at = None if seconds is None else (time.monotonic() if start is None else start) + seconds
         self.seconds = seconds
+        self._cancelled = cancelled
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled is not None and bool(self._cancelled())
 
     def left(self) -> float | None:
+        if self.cancelled:
+            return 0.0
         return None if self.at is None else self.at - time.monotonic()
 
     @property
     def passed(self) -> bool:
-        return self.at is not None and time.monotonic() >= self.at
+        left = self.left()
+        return left is not None and left <= 0
+
+    def ended(self) -> str:
+        """What ended the time: the caller's cancellation or the deadline."""
+        return "the fetch was cancelled" if self.cancelled else f"the deadline of {self.seconds:.3f}s passed"
 
 
 def call(deadline: Deadline, what: str, fn: Callable[..., T], *args: Any) -> T:
@@ -46,7 +61,7 @@ def call(deadline: Deadline, what: str, fn: Callable[..., T], *args: Any) -> T:
     if left is None:
         return _guarded(what, fn, *args)
     if left <= 0:
-        raise FetchError(f"{what}: the deadline of {deadline.seconds:.3f}s passed before the call")
+        raise FetchError(f"{what}: {deadline.ended()} before the call")
     try:
         return run_within(left, _guarded, what, fn, *args)
     except FutureTimeout:
