@@ -663,3 +663,26 @@ def test_direct_mode_never_writes_after_return():
     snapshot = out.clone()
     time.sleep(0.1)
     assert torch.equal(out, snapshot)  # no decode worker wrote after fetch returned
+
+
+def test_a_store_call_under_way_is_abandoned_when_its_fetch_is_cancelled():
+    """storecalls.call with no deadline but a cancellation: the caller stops waiting for a stalled
+    store call once cancelled() is True (the call itself finishes later on its worker thread);
+    a cancelled() that raises counts as cancelled, never as a fetch that waits forever."""
+    from kvcodec.fetcher import storecalls
+
+    started, release, gone = threading.Event(), threading.Event(), threading.Event()
+
+    def stalled():
+        started.set()
+        release.wait(60)
+        return b"late"
+
+    threading.Thread(target=lambda: (started.wait(60), gone.set()), daemon=True).start()
+    try:
+        with pytest.raises(FetchError, match="cancelled"):
+            storecalls.call(storecalls.Deadline(None, cancelled=gone.is_set), "get", stalled)
+    finally:
+        release.set()
+    assert storecalls.call(storecalls.Deadline(None, cancelled=lambda: False), "get", lambda: b"v") == b"v"
+    assert storecalls.Deadline(None, cancelled=lambda: 1 / 0).passed

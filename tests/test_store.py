@@ -351,3 +351,32 @@ def test_file_store_refuses_a_folder_at_an_object_path_by_name(tmp_path):
     with pytest.raises(StoreError, match="not a regular file"):
         store.get("k")
     assert store.size("k") is None
+
+
+def test_the_write_probe_of_a_full_file_store_evicts_nothing(tmp_path):
+    """serve's start-up probe (probe_write) writes no object: a store over its capacity keeps every
+    object, and a store that takes writes gives no refusal."""
+    from kvcodec.cli.serve import write_refusal
+
+    full = open_store(f"file://{tmp_path / 's'}")
+    for i in range(10):
+        full.put(f"k{i}", b"x" * 1000)
+    st = open_store(f"file://{tmp_path / 's'}?capacity=5000")
+    assert write_refusal(st, 30.0) is None
+    assert sorted(st.list()) == sorted(f"k{i}" for i in range(10))
+    assert list((tmp_path / "s" / "tmp").iterdir()) == []
+
+
+def test_a_store_whose_probe_fails_with_its_own_exception_is_a_refusal():
+    from kvcodec.cli.serve import write_refusal
+
+    class Plugin:  # a plugin's store, not a BaseStore: the generic probe, its own exception
+        url = "plugin://x"
+
+        def put(self, key, value):
+            raise PermissionError("read-only mount")
+
+        def delete(self, key):
+            return False
+
+    assert write_refusal(Plugin(), 30.0) == "PermissionError: read-only mount"

@@ -274,9 +274,10 @@ def test_a_paused_server_costs_one_timeout_and_a_deadline_bounds_every_call(redi
 def test_a_store_that_refuses_writes_warns_serve_and_stops_ingest_before_the_model_loads(
     redis_server, tmp_path, capsys, monkeypatch
 ):
-    """A read-only Redis user (an ACL without write commands): `serve` starts with a warning (its
-    prefixes can still be fetched), `ingest` refuses to start; a writable store passes both, and the
-    write probe leaves nothing behind."""
+    """A read-only Redis user (an ACL without write commands): `serve` starts with a warning and
+    storing off (its prefixes can still be fetched), `ingest` refuses to start; a user that may
+    write but not delete takes writes (the probe object it keeps is logged); a writable store passes
+    both, and the probe leaves nothing behind."""
     import click
     import redis
     from click.testing import CliRunner
@@ -286,14 +287,20 @@ def test_a_store_that_refuses_writes_warns_serve_and_stops_ingest_before_the_mod
     from kvcodec.cli.serve import check_store
 
     raw = redis.Redis.from_url(redis_server.url)
+    if tuple(int(x) for x in raw.info()["redis_version"].split(".")[:2]) < (6, 2):
+        pytest.skip("Redis ACL selectors (&*) need Redis 6.2")
     raw.execute_command("ACL", "SETUSER", "reader", "on", ">s3cret", "~*", "&*", "+@all", "-@write")
+    raw.execute_command("ACL", "SETUSER", "keeper", "on", ">s3cret", "~*", "&*", "+@all", "-del", "-unlink")
     url = redis_server.url.replace("redis://", "redis://reader:s3cret@")
-    check_store(url, writes="warn")
+    assert "NoPermission" in check_store(url, writes="warn")
     err = capsys.readouterr().err
-    assert "refuses writes" in err and "NoPermission" in err and "s3cret" not in err, err
+    assert "refuses writes" in err and "storing is off" in err and "s3cret" not in err, err
     with pytest.raises(click.BadParameter, match="refuses writes"):
         check_store(url, writes="require")
-    check_store(redis_server.url, writes="require")
+    assert check_store(redis_server.url.replace("redis://", "redis://keeper:s3cret@"), writes="require") is None
+    assert len(raw.keys("*kvcodec-write-probe*")) == 1  # the keeper's probe: it may not delete
+    raw.delete(*raw.keys("*kvcodec-write-probe*"))
+    assert check_store(redis_server.url, writes="require") is None
     assert "refuses" not in capsys.readouterr().err
     assert raw.keys("*kvcodec-write-probe*") == []
 

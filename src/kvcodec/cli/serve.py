@@ -200,8 +200,12 @@ def command(
     from kvcodec.server import serve
 
     _check_port(host, port)  # before the model loads
-    if store_url is not None:
-        check_store(store_url, writes="skip" if no_store else "warn")
+    refusal = None if store_url is None else check_store(store_url, writes="skip" if no_store else "warn")
+    if refusal is not None and no_reuse:
+        raise click.BadParameter(
+            "the store refuses writes and --no-reuse fetches nothing from it: nothing would use it",
+            param_hint="--store",
+        )
     if not (no_reuse and no_store):
         check_model(model_name)  # a model whose KV kvcodec cannot code fails here, from its config, in seconds
     flags = {
@@ -229,7 +233,7 @@ def command(
             decode_workers=decode_workers or max(nvdec_pool, nvdec_threads) or None,
             reuse=not no_reuse,
             store_policy=StorePolicy(
-                enabled=not no_store,
+                enabled=not no_store and refusal is None,
                 min_tokens=store_min_tokens,
                 encode_workers=store_encode_workers,
                 encode_in=store_encode_in,
@@ -352,45 +356,48 @@ def _check_port(host: str, port: int) -> None:
             ) from None
 
 
-def check_store(url: str, reach: bool = True, writes: str = "skip") -> None:
+def check_store(url: str, reach: bool = True, writes: str = "skip") -> str | None:
     """--store, before the model loads: a known scheme, and (reach) a store that opens (its server
     answers) within the engine's own deadline; a StoreError is the command's `error:` line.
-    writes: "skip"; "warn": a warning where the store refuses a write (its prefixes can still be
-    fetched); "require": that refusal is the command's error (nothing could be stored)."""
+    writes: "skip"; "warn": why the store refused a probe write (None where it took it), after a
+    warning; "require": that refusal is the command's error (nothing could be stored)."""
     from kvcodec.engine.prefix import STORE_OPEN_DEADLINE_S
-    from kvcodec.store import open_store, redact_url
+    from kvcodec.store import open_store
 
     _check_store_scheme(url)
     if not reach:
-        return
+        return None
     store = open_store(url, deadline_s=STORE_OPEN_DEADLINE_S)
     try:
-        refusal = None if writes == "skip" else write_refusal(store)
+        refusal = None if writes == "skip" else write_refusal(store, STORE_OPEN_DEADLINE_S)
     finally:
         if hasattr(store, "close"):
             store.close()
-    if refusal is None:
-        return
-    if writes == "require":
-        raise click.BadParameter(f"{redact_url(url)} refuses writes: {refusal}", param_hint="--store")
-    click.echo(
-        f"kvcodec serve: warning: the store refuses writes ({refusal}): prefixes are fetched from it, none is stored",
-        err=True,
-    )
+    if refusal is not None and writes == "require":
+        raise click.BadParameter(f"the store refuses writes: {refusal}", param_hint="--store")
+    if refusal is not None:
+        click.echo(
+            f"kvcodec serve: warning: the store refuses writes ({refusal}): storing is off; "
+            "prefixes others stored are still fetched",
+            err=True,
+        )
+    return refusal
 
 
-def write_refusal(store) -> str | None:  # noqa: ANN001
-    """Why `store` refused to hold (and drop) an empty probe object; None where it did."""
-    import uuid
+def write_refusal(store, within_s: float) -> str | None:  # noqa: ANN001
+    """Why `store` refused an empty probe object within `within_s` seconds (store.probe_write);
+    None where it took it."""
+    import time
 
     from kvcodec.errors import StoreError
+    from kvcodec.store import DeadlineStore
 
-    key = f"kvcodec-write-probe/{uuid.uuid4().hex}"
     try:
-        store.put(key, b"")
-        store.delete(key)
+        DeadlineStore(store, time.monotonic() + within_s).probe_write()
     except StoreError as e:
         return str(e)
+    except Exception as e:  # noqa: BLE001 - a plugin store's own failure: a refusal all the same
+        return f"{type(e).__name__}: {e}"
     return None
 
 

@@ -36,8 +36,17 @@ class Deadline:
         self._cancelled = cancelled
 
     @property
+    def cancellable(self) -> bool:
+        return self._cancelled is not None
+
+    @property
     def cancelled(self) -> bool:
-        return self._cancelled is not None and bool(self._cancelled())
+        if self._cancelled is None:
+            return False
+        try:
+            return bool(self._cancelled())
+        except Exception:  # noqa: BLE001 - a callback that fails cannot keep a fetch going forever
+            return True
 
     def left(self) -> float | None:
         if self.cancelled:
@@ -58,13 +67,16 @@ def call(deadline: Deadline, what: str, fn: Callable[..., T], *args: Any) -> T:
     """fn(*args) within the deadline. FetchError when the deadline passes first; StoreError when
     fn fails with anything that is not a KVCodecError (a store wrapper's own exception)."""
     left = deadline.left()
-    if left is None:
+    if left is None and not deadline.cancellable:
         return _guarded(what, fn, *args)
-    if left <= 0:
+    if left is not None and left <= 0:
         raise FetchError(f"{what}: {deadline.ended()} before the call")
+    give_up = (lambda: deadline.cancelled) if deadline.cancellable else None
     try:
-        return run_within(left, _guarded, what, fn, *args)
+        return run_within(left, _guarded, what, fn, *args, give_up=give_up)
     except FutureTimeout:
+        if deadline.cancelled:
+            raise FetchError(f"{what}: the fetch was cancelled while it waited") from None
         raise FetchError(f"{what}: no answer within the deadline of {deadline.seconds:.3f}s") from None
 
 

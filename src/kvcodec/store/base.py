@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import logging
 import re
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from kvcodec.errors import ConfigError, StoreError
 from kvcodec.plugins import load_object
+
+log = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,512}$")
 
@@ -129,6 +133,10 @@ class BaseStore:
             pos += len(piece)
             yield piece
 
+    def probe_write(self) -> None:
+        """Store and delete an empty object (probe_write's docstring); StoreError where the put fails."""
+        probe_write(self)
+
     def __enter__(self):
         return self
 
@@ -150,6 +158,18 @@ class BaseStore:
         except Exception as e:  # noqa: BLE001 - every backend failure becomes a StoreError
             what = f" {key!r}" if key is not None else ""
             raise StoreError(f"{op}{what} on {redact_url(self.url)} failed: {type(e).__name__}: {e}") from e
+
+
+def probe_write(store: KVStore) -> None:
+    """Whether `store` takes writes, told by one: an empty object `kvcodec-write-probe/<random>` is
+    put, then deleted. A refused put raises (StoreError from a kvcodec store); a refused delete is
+    logged with the key left behind (the store takes writes all the same)."""
+    key = f"kvcodec-write-probe/{uuid.uuid4().hex}"
+    store.put(key, b"")
+    try:
+        store.delete(key)
+    except Exception as e:  # noqa: BLE001 - the put went through: writes are taken
+        log.warning("%s took a probe object but refused to delete it (%s): %s is left", redact_url(store.url), e, key)
 
 
 # -- registry ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvcodec.errors import StoreError
-from kvcodec.store.base import BaseStore, KVStore
+from kvcodec.store.base import BaseStore, KVStore, probe_write
 
 T = TypeVar("T")
 _POOL_LOCK = threading.Lock()
@@ -33,12 +33,24 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
         return _POOL
 
 
-def run_within(seconds: float, fn: Callable[..., T], *args: Any) -> T:
+GIVE_UP_POLL_S = 0.02  # how often run_within asks give_up() while a call runs
+
+
+def run_within(seconds: float | None, fn: Callable[..., T], *args: Any, give_up: Callable[[], bool] | None = None) -> T:
     """fn(*args) on a shared worker thread; concurrent.futures.TimeoutError when it has not
-    answered within `seconds` (the call is abandoned and finishes on its own later)."""
+    answered within `seconds` (None: no limit) or once `give_up()` returns True, asked every
+    GIVE_UP_POLL_S (the call is abandoned and finishes on its own later)."""
     future = _pool().submit(fn, *args)
+    end = None if seconds is None else time.monotonic() + seconds
     try:
-        return future.result(timeout=seconds)
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            wait = left if give_up is None else (GIVE_UP_POLL_S if left is None else min(left, GIVE_UP_POLL_S))
+            try:
+                return future.result(timeout=wait)
+            except concurrent.futures.TimeoutError:
+                if give_up is None or give_up() or (left is not None and left <= wait):
+                    raise
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise
@@ -98,6 +110,10 @@ class DeadlineStore(BaseStore):
 
     def list(self, prefix: str = "") -> Iterator[str]:
         yield from call_by(self.deadline, "list", self.url, lambda: list(self.inner.list(prefix)))
+
+    def probe_write(self) -> None:
+        probe = getattr(self.inner, "probe_write", None) or (lambda: probe_write(self.inner))  # a plugin's store
+        call_by(self.deadline, "probe_write", self.url, probe)
 
     def close(self) -> None:
         pass

@@ -133,6 +133,15 @@ class FileStore(BaseStore):
         if self.capacity is not None:
             self._account(len(value) - old_size, keep=path)
 
+    def probe_write(self) -> None:
+        """A file made and removed where every put starts (its tmp folder): no object is written,
+        so capacity accounting and eviction never run for the probe."""
+        with self._errors("probe_write"):
+            self._tmp.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
+            os.close(fd)
+            os.unlink(tmp)
+
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
         with self._errors("get", key):
