@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 
 class PrefixSource(Protocol):
-    """What the scheduler needs from a prefix cache (kvcodec.fetcher.PrefixCache has this)."""
+    """What the scheduler needs from a prefix cache (kvcodec.fetcher.PrefixCache has this; a fetch
+    that also takes `cancelled=` is told when its request is aborted)."""
 
     def lookup(self, token_ids: list[int]) -> int: ...
 
