@@ -380,3 +380,36 @@ def test_a_store_whose_probe_fails_with_its_own_exception_is_a_refusal():
             return False
 
     assert write_refusal(Plugin(), 30.0) == "PermissionError: read-only mount"
+
+
+def test_a_long_keys_folders_go_with_its_object_and_a_racing_put_makes_them_again(tmp_path):
+    """A key longer than a file name is stored in folders of its own (object_parts); deleting or
+    evicting its object removes them, and a put racing the delete of the same key never fails."""
+    import threading
+
+    st = open_store(f"file://{tmp_path / 's'}")
+    keys = [f"ns/{c}" + "/x" * 120 for c in "abc"]  # escaped ("/" is %2F): longer than a file name
+    for k in keys:
+        st.put(k, b"v")
+    assert any(p.is_dir() for fan in (tmp_path / "s" / "objects").iterdir() for p in fan.iterdir())
+    for k in keys:
+        assert st.delete(k)
+    assert [p for fan in (tmp_path / "s" / "objects").iterdir() for p in fan.iterdir()] == []
+
+    errors = []
+
+    def loop(op):
+        try:
+            for _ in range(300):
+                op(keys[0])
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=loop, args=(op,)) for op in (lambda k: st.put(k, b"w"), st.delete)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    st.put(keys[0], b"w")
+    assert st.get(keys[0]) == b"w" and list(st.list("ns/")) == [keys[0]]

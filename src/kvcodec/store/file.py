@@ -107,7 +107,6 @@ class FileStore(BaseStore):
             raise StoreError(f"{self.url}: object {key!r} of {len(value)} bytes exceeds the capacity {self.capacity}")
         old_size = self._size_or_zero(path) if self.capacity is not None else 0
         with self._errors("put", key):
-            path.parent.mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(exist_ok=True)  # a store folder removed under a running server: storing resumes
             fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
             try:
@@ -117,7 +116,7 @@ class FileStore(BaseStore):
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
-                os.replace(tmp, path)
+                _move_into(tmp, path)
             except BaseException:
                 try:
                     os.unlink(tmp)
@@ -186,6 +185,7 @@ class FileStore(BaseStore):
                 path.unlink()
             except FileNotFoundError:
                 return False
+            self._prune(path.parent)
             if self.capacity is not None:
                 self._account(-size)
             return True
@@ -256,7 +256,31 @@ class FileStore(BaseStore):
                 used -= size
             except FileNotFoundError:
                 pass
+            self._prune(path.parent)
         return used
+
+    def _prune(self, folder: Path) -> None:
+        """Remove the folders a long key's object sat in (object_parts) once they hold nothing; a
+        put racing this makes its folders again (_move_into)."""
+        while folder.parent != self._objects and folder != self._objects:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (another object, a put under way) or already gone
+                return
+            folder = folder.parent
+
+
+def _move_into(tmp: str, path: Path, attempts: int = 8) -> None:
+    """os.replace(tmp, path), making path's folders first, and again where a delete pruned them
+    between the two (FileStore._prune)."""
+    for attempt in range(attempts):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1 or not os.path.exists(tmp):
+                raise
 
 
 def object_parts(key: str) -> tuple[str, ...]:
@@ -284,9 +308,11 @@ def _no_dots(name: str) -> str:
 def _files(folder: Path) -> Iterator[Path]:
     """The regular files below `folder`, at any depth (long keys' objects sit in folders of their
     own): a FIFO, device or socket at an object path holds no object, as size() and get() say."""
-    if not folder.is_dir():
+    try:
+        entries = list(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):  # pruned by a delete meanwhile, or never a folder
         return
-    for p in folder.iterdir():
+    for p in entries:
         if p.is_dir():
             yield from _files(p)
         elif p.is_file():
