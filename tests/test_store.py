@@ -351,6 +351,12 @@ def test_file_store_refuses_a_folder_at_an_object_path_by_name(tmp_path):
     with pytest.raises(StoreError, match="not a regular file"):
         store.get("k")
     assert store.size("k") is None
+    store.put("k", b"v")  # an empty folder there is nobody's object: the put replaces it
+    assert store.get("k") == b"v"
+    (store._path("j") / "x").mkdir(parents=True)  # one that holds something is left alone
+    with pytest.raises(StoreError, match="put 'j'"):
+        store.put("j", b"v")
+    assert (store._path("j") / "x").is_dir()
 
 
 def test_the_write_probe_of_a_full_file_store_evicts_nothing(tmp_path):

@@ -272,7 +272,8 @@ class FileStore(BaseStore):
 
 def _move_into(tmp: str, path: Path, attempts: int = 8) -> None:
     """os.replace(tmp, path), making path's folders first, and again where a delete pruned them
-    between the two (FileStore._prune)."""
+    between the two (FileStore._prune). An empty folder at the object's path (made by hand: no
+    object's folder has such a name, object_parts) is removed so that the put goes through."""
     for attempt in range(attempts):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -281,6 +282,10 @@ def _move_into(tmp: str, path: Path, attempts: int = 8) -> None:
         except FileNotFoundError:
             if attempt == attempts - 1 or not os.path.exists(tmp):
                 raise
+        except IsADirectoryError:
+            if attempt == attempts - 1:
+                raise
+            path.rmdir()  # OSError where it holds something: the put's error names it
 
 
 def object_parts(key: str) -> tuple[str, ...]:
