@@ -686,3 +686,12 @@ def test_a_store_call_under_way_is_abandoned_when_its_fetch_is_cancelled():
         release.set()
     assert storecalls.call(storecalls.Deadline(None, cancelled=lambda: False), "get", lambda: b"v") == b"v"
     assert storecalls.Deadline(None, cancelled=lambda: 1 / 0).passed
+    answers = iter([False, True])  # a callback that says "cancelled" once, then "not" again
+    flips = storecalls.Deadline(None, cancelled=lambda: next(answers, False))
+    release.clear()
+    try:
+        with pytest.raises(FetchError, match="cancelled"):
+            storecalls.call(flips, "get", stalled)
+    finally:
+        release.set()
+    assert flips.passed and flips.ended() == "the fetch was cancelled"

@@ -237,6 +237,12 @@ class _StalledStore(BaseStore):
         self.release.wait(60)
         return [True] * len(keys)
 
+    def put(self, key, value):
+        self.release.wait(60)
+
+    def delete(self, key):
+        return False
+
 
 def test_deadline_store_returns_by_the_deadline_when_the_backend_stalls():
     from kvcodec.store import DeadlineStore
@@ -419,3 +425,14 @@ def test_a_long_keys_folders_go_with_its_object_and_a_racing_put_makes_them_agai
     assert errors == []
     st.put(keys[0], b"w")
     assert st.get(keys[0]) == b"w" and list(st.list("ns/")) == [keys[0]]
+
+
+def test_a_store_too_slow_for_the_probe_is_not_called_read_only(capsys):
+    from kvcodec.cli.serve import write_refusal
+
+    inner = _StalledStore()
+    try:
+        assert write_refusal(inner, 0.2) is None  # the probe timed out: storing stays on, with a warning
+    finally:
+        inner.release.set()
+    assert "did not answer a probe write" in capsys.readouterr().err

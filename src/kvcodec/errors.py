@@ -39,5 +39,9 @@ class StoreError(KVCodecError):
     """A KV store failed: down, timed out, or returned an object that does not verify."""
 
 
+class StoreTimeoutError(StoreError):
+    """A store call did not answer within its deadline (it may yet succeed later)."""
+
+
 class FetchError(KVCodecError):
     """A fetch of a stored prefix stopped; the caller should recompute the remaining tokens."""

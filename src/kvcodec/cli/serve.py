@@ -385,15 +385,18 @@ def check_store(url: str, reach: bool = True, writes: str = "skip") -> str | Non
 
 
 def write_refusal(store, within_s: float) -> str | None:  # noqa: ANN001
-    """Why `store` refused an empty probe object within `within_s` seconds (store.probe_write);
-    None where it took it."""
+    """Why `store` refused an empty probe object (store.probe_write); None where it took it, or
+    did not answer within `within_s` seconds (said on stderr: a slow store is not a read-only one)."""
     import time
 
-    from kvcodec.errors import StoreError
+    from kvcodec.errors import StoreError, StoreTimeoutError
     from kvcodec.store import DeadlineStore
 
     try:
         DeadlineStore(store, time.monotonic() + within_s).probe_write()
+    except StoreTimeoutError as e:
+        click.echo(f"kvcodec: warning: the store did not answer a probe write ({e}); storing stays on", err=True)
+        return None
     except StoreError as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - a plugin store's own failure: a refusal all the same

@@ -34,6 +34,7 @@ class Deadline:
         self.at = None if seconds is None else (time.monotonic() if start is None else start) + seconds
         self.seconds = seconds
         self._cancelled = cancelled
+        self._seen_cancelled = False  # once cancelled, always: a callback that flips back changes nothing
 
     @property
     def cancellable(self) -> bool:
@@ -41,12 +42,13 @@ class Deadline:
 
     @property
     def cancelled(self) -> bool:
-        if self._cancelled is None:
-            return False
+        if self._cancelled is None or self._seen_cancelled:
+            return self._seen_cancelled
         try:
-            return bool(self._cancelled())
+            self._seen_cancelled = bool(self._cancelled())
         except Exception:  # noqa: BLE001 - a callback that fails cannot keep a fetch going forever
-            return True
+            self._seen_cancelled = True
+        return self._seen_cancelled
 
     def left(self) -> float | None:
         if self.cancelled:
@@ -60,7 +62,9 @@ class Deadline:
 
     def ended(self) -> str:
         """What ended the time: the caller's cancellation or the deadline."""
-        return "the fetch was cancelled" if self.cancelled else f"the deadline of {self.seconds:.3f}s passed"
+        if self.cancelled or self.seconds is None:
+            return "the fetch was cancelled"
+        return f"the deadline of {self.seconds:.3f}s passed"
 
 
 def call(deadline: Deadline, what: str, fn: Callable[..., T], *args: Any) -> T:
@@ -75,7 +79,7 @@ def call(deadline: Deadline, what: str, fn: Callable[..., T], *args: Any) -> T:
     try:
         return run_within(left, _guarded, what, fn, *args, give_up=give_up)
     except FutureTimeout:
-        if deadline.cancelled:
+        if deadline.cancelled or deadline.seconds is None:
             raise FetchError(f"{what}: the fetch was cancelled while it waited") from None
         raise FetchError(f"{what}: no answer within the deadline of {deadline.seconds:.3f}s") from None
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
-from kvcodec.errors import StoreError
+from kvcodec.errors import StoreError, StoreTimeoutError
 from kvcodec.store.base import BaseStore, KVStore, probe_write
 
 T = TypeVar("T")
@@ -49,9 +49,11 @@ def run_within(seconds: float | None, fn: Callable[..., T], *args: Any, give_up:
             try:
                 return future.result(timeout=wait)
             except concurrent.futures.TimeoutError:
+                if future.done():  # fn's own TimeoutError (a socket's), not this wait's
+                    return future.result()
                 if give_up is None or give_up() or (left is not None and left <= wait):
                     raise
-    except concurrent.futures.TimeoutError:
+    except BaseException:  # this wait's timeout, or give_up() failing: the call is abandoned
         future.cancel()
         raise
 
@@ -66,7 +68,7 @@ def call_by(deadline: float | None, op: str, url: str, fn: Callable[..., T], *ar
     try:
         return run_within(left, fn, *args)
     except concurrent.futures.TimeoutError:
-        raise StoreError(f"{op} on {url} did not answer within the deadline ({left:.3f}s left)") from None
+        raise StoreTimeoutError(f"{op} on {url} did not answer within the deadline ({left:.3f}s left)") from None
 
 
 class DeadlineStore(BaseStore):

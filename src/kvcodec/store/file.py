@@ -75,7 +75,7 @@ class FileStore(BaseStore):
                 try:
                     if p.is_file() and now - p.stat().st_mtime > _STALE_TMP_S:
                         p.unlink()
-                except FileNotFoundError:
+                except OSError:  # gone meanwhile, or a read-only store (served for fetches only)
                     pass
 
     @classmethod
@@ -124,11 +124,7 @@ class FileStore(BaseStore):
                     pass
                 raise
             if self.fsync:
-                dfd = os.open(path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+                _fsync_folder(path.parent)
         if self.capacity is not None:
             self._account(len(value) - old_size, keep=path)
 
@@ -270,6 +266,18 @@ class FileStore(BaseStore):
             folder = folder.parent
 
 
+def _fsync_folder(folder: Path) -> None:
+    """The folder's entries to disk; nothing where a delete of the object pruned it meanwhile."""
+    try:
+        dfd = os.open(folder, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def _move_into(tmp: str, path: Path, attempts: int = 8) -> None:
     """os.replace(tmp, path), making path's folders first, and again where a delete pruned them
     between the two (FileStore._prune). An empty folder at the object's path (made by hand: no
@@ -279,13 +287,16 @@ def _move_into(tmp: str, path: Path, attempts: int = 8) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, path)
             return
-        except FileNotFoundError:
+        except (FileNotFoundError, FileExistsError):  # a folder pruned between two steps of these
             if attempt == attempts - 1 or not os.path.exists(tmp):
                 raise
         except IsADirectoryError:
             if attempt == attempts - 1:
                 raise
-            path.rmdir()  # OSError where it holds something: the put's error names it
+            try:
+                path.rmdir()  # OSError where it holds something: the put's error names it
+            except FileNotFoundError:  # another put removed it first
+                pass
 
 
 def object_parts(key: str) -> tuple[str, ...]:
