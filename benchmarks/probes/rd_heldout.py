@@ -253,8 +253,10 @@ def _target2(records: list[dict]) -> list[str]:
 def markdown(doc: dict) -> list[str]:
     cal = doc["calibration"]
     stats = cal.get("run") or {}
+    tuned_on = (doc.get("records") or [{}])[0].get("defaults_tuned_on") or []
+    role = "The defaults' own model" if doc["model"] in tuned_on else "Held-out model"
     lines = [
-        f"# Held-out model: `kvcodec calibrate --model` defaults, real encodes on unseen essays ({doc['model']})",
+        f"# {role}: `kvcodec calibrate --model` defaults, real encodes on unseen essays ({doc['model']})",
         "",
         f"Command: `{doc['command']}`",
         "",
