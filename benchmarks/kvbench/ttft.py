@@ -47,7 +47,7 @@ from kvbench.methods import (
 from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model
-from kvcodec.codecs.transform.codec import DEFAULT_CODER
+from kvcodec.codecs.transform.codec import DEFAULT_CODER, VIDEO_CODERS
 
 
 def kv_statistics(
@@ -1069,10 +1069,9 @@ def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overr
 def _decodes_on_nvdec(method: str) -> bool:
     """Whether a kvcodec method's chunks are videos (NVDEC's rate applies); a transform method whose
     coder is zstd decodes on the host, so its measured decode rate stands (a --decode-rate sets it)."""
-    coder = transform_coder(method)
     if transform_ratio(method) is None:
         return True
-    return (coder or DEFAULT_CODER) != "zstd"
+    return (transform_coder(method) or DEFAULT_CODER) in VIDEO_CODERS
 
 
 def modeled_markdown(rec: dict) -> list[str]:

@@ -107,8 +107,7 @@ class FileStore(BaseStore):
             raise StoreError(f"{self.url}: object {key!r} of {len(value)} bytes exceeds the capacity {self.capacity}")
         old_size = self._size_or_zero(path) if self.capacity is not None else 0
         with self._errors("put", key):
-            self._tmp.mkdir(exist_ok=True)  # a store folder removed under a running server: storing resumes
-            fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
+            fd, tmp = self._new_tmp()
             try:
                 with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), NEW_FILE_MODE)  # a store shared by users or hosts: not mkstemp's 0600
@@ -132,10 +131,14 @@ class FileStore(BaseStore):
         """A file made and removed where every put starts (its tmp folder): no object is written,
         so capacity accounting and eviction never run for the probe."""
         with self._errors("probe_write"):
-            self._tmp.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
+            fd, tmp = self._new_tmp()
             os.close(fd)
             os.unlink(tmp)
+
+    def _new_tmp(self) -> tuple[int, str]:
+        """A new file in the tmp folder, where a put writes before it moves the file into place."""
+        self._tmp.mkdir(exist_ok=True)  # a store folder removed under a running server: storing resumes
+        return tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
 
     def get(self, key: str) -> bytes | None:
         path = self._path(key)
