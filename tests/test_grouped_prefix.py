@@ -11,6 +11,7 @@ from kvcodec.fetcher.grouped import GroupedPrefixCache
 from kvcodec.fetcher.keys import blob_key, meta_key
 from kvcodec.kvspec import GroupedKV, KVSpec, LayerSpec
 from kvcodec.store import open_store
+from test_fetcher import SlowStore
 
 SPEC = KVSpec(
     (
@@ -79,30 +80,8 @@ def test_wrong_inputs_are_errors(cache):
         cache.fetch(list(range(8)), 8, out=GroupedKV.empty(SPEC, 8))  # windowed: lacks sliding history
 
 
-class _SlowStore:
-    """A real memory store behind a link that takes `delay_s` per get (a slow network), or, while
-    `stalled` is set, holds every get until `released` is set (60 s at most)."""
-
-    def __init__(self, store, delay_s: float) -> None:  # noqa: ANN001
-        import threading
-
-        self.store, self.delay_s = store, delay_s
-        self.stalled, self.released = threading.Event(), threading.Event()
-
-    def get(self, key: str):  # noqa: ANN201
-        import time
-
-        if self.stalled.is_set():
-            self.released.wait(60)
-        time.sleep(self.delay_s)
-        return self.store.get(key)
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self.store, name)
-
-
 def _slow_cache(delay_s: float, **options) -> GroupedPrefixCache:
-    store = _SlowStore(open_store("memory://"), delay_s)
+    store = SlowStore(open_store("memory://"), delay_s)  # a slow link; .stalls holds gets till .release
     return GroupedPrefixCache(store, "test-model", make_codec("raw", chunk_tokens=CT), spec=SPEC, **options)
 
 
@@ -126,13 +105,13 @@ def test_fetch_stops_at_the_deadline_with_what_was_restored():
     ids = list(range(40))
     kv = _kv(40)
     cache.put(ids, kv)
-    cache.store.stalled.set()  # every get now waits far longer than the whole budget
+    cache.store.stalls = lambda key: True  # every get now waits far longer than the whole budget (60 s)
     try:
         t0 = time.monotonic()
         res = cache.fetch(ids, 40, deadline_s=0.25)
         took = time.monotonic() - t0
     finally:
-        cache.store.released.set()
+        cache.store.release.set()
     assert took < 30  # the fetch did not wait for the stalled gets (60 s)
     assert not res.ok and res.tokens_restored == 0 and "deadline" in str(res.error)
     assert res.stats.chunks_dropped == 0 and cache.lookup(ids) == 40  # a slow link is no damage
