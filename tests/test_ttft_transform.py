@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import click
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -180,11 +181,20 @@ def test_the_benchmarks_default_coder_is_the_codecs():
 
 
 def test_a_modeled_gpu_fetch_applies_nvdec_only_to_methods_whose_chunks_are_videos():
-    methods = ("kvcodec-int8", "kvcodec-transform-5-hevc", "kvcodec-transform-5-mixed", "kvcodec-transform-5-zstd")
+    methods = ("kvcodec-int8", "kvcodec-transform-5-hevc", "kvcodec-transform-5-zstd")
     stats = {"methods": {m: {"ratio_vs_fp16": 5.0, "decode_GBps_fp16": 0.7} for m in methods}}
     stats["methods"]["kvcodec-transform-5"] = stats["methods"]["kvcodec-transform-5-zstd"]  # the default coder
     rate = {m: ttft.decode_rate(m, stats, 10**9, True, 8.0, {}) for m in stats["methods"]}
-    for m in methods[:3]:  # chunks that are videos (all or half of them): 8 Gbit/s of 5x-coded bytes
+    for m in methods[:2]:  # chunks that are videos: 8 Gbit/s of 5x-coded bytes
         assert rate[m]["decode_GBps_fp16"] == pytest.approx(5.0), m
     for m in ("kvcodec-transform-5", "kvcodec-transform-5-zstd"):  # the measured host rate, not NVDEC's
         assert rate[m]["decode_GBps_fp16"] == 0.7 and "NVDEC" not in rate[m]["source"], m
+
+
+def test_a_modeled_gpu_fetch_of_the_mixed_coder_needs_a_given_rate():
+    m = "kvcodec-transform-5-mixed"
+    stats = {"methods": {m: {"ratio_vs_fp16": 5.0, "decode_GBps_fp16": 0.7}}}
+    with pytest.raises(click.ClickException, match="--decode-rate kvcodec-transform-5-mixed"):
+        ttft.decode_rate(m, stats, 10**9, True, 8.0, {})
+    assert ttft.decode_rate(m, stats, 10**9, True, 8.0, {m: 3.0})["decode_GBps_fp16"] == 3.0
+    assert ttft.decode_rate(m, stats, 10**9, False, 8.0, {})["decode_GBps_fp16"] == 0.7  # a CPU run: as measured

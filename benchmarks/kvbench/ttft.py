@@ -20,7 +20,8 @@ measured, and the record says where:
   / software HEVC; raw = a copy). On a GPU: raw = host-to-device copy, measured; kvcodec methods
   whose chunks are videos = the NVDEC pool restoring `--nvdec-gbit` of stored bytes per second
   (default from `kvcodec bench decode` on an H200); a transform method with the zstd coder keeps its
-  measured host decode rate (its chunks never reach NVDEC); any rate can be set with
+  measured host decode rate (its chunks never reach NVDEC); the mixed coder, half of its chunks on each,
+  needs a given rate; any rate can be set with
   --decode-rate METHOD=GB/s (of fp16 KV), as the committed GPU runs do. `bench ttft-engine` measures
   the whole fetch instead of modeling it.
 - prefill times: real forward passes on this machine; for 7B/8B-class targets ("llama3-8b",
@@ -1054,6 +1055,11 @@ def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overr
         return {"decode_GBps_fp16": overrides[m], "source": "--decode-rate override"}
     if gpu and m == "raw":
         return {"decode_GBps_fp16": h2d_GBps(min(fp16, 1 << 30)), "source": "host-to-device copy (measured)"}
+    if gpu and m.startswith("kvcodec") and _splits_decode(m):
+        raise click.ClickException(
+            f"{m} codes every other chunk as video and the rest with zstd, so neither NVDEC's rate nor the host's"
+            f" alone models its fetch: give --decode-rate {m}=GB/s (or measure it with `kvcodec bench ttft-engine`)"
+        )
     if gpu and m.startswith("kvcodec") and _decodes_on_nvdec(m):
         coded = fp16 / st["methods"][m]["ratio_vs_fp16"]
         return {
@@ -1064,6 +1070,11 @@ def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overr
     if not rate:
         raise click.ClickException(f"no decode rate for {m}: its CPU decode was not timed; give --decode-rate {m}=GB/s")
     return {"decode_GBps_fp16": rate, "source": "cpu (measured on the KV-statistics machine)"}
+
+
+def _splits_decode(method: str) -> bool:
+    """Whether a kvcodec transform method's chunks are decoded partly on NVDEC and partly on the host."""
+    return transform_ratio(method) is not None and (transform_coder(method) or DEFAULT_CODER) == "mixed"
 
 
 def _decodes_on_nvdec(method: str) -> bool:
