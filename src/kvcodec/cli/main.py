@@ -51,7 +51,7 @@ class Group(click.Group):
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def cli(verbose: int) -> None:
-    """kvcodec: KV caches as lossless HEVC video, fetched and decoded on NVDEC."""
+    """kvcodec: remote KV-cache reuse; KV caches quantized or transform-coded, then zstd or HEVC video (NVDEC)."""
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
