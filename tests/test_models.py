@@ -300,7 +300,6 @@ def _write(path, data: bytes):
     ("config", "says"),
     [
         ("BertConfig", "bert has no rotary position embedding"),
-        ("GPT2Config", "gpt2 has no rotary position embedding"),
         ("T5Config", "t5 is an encoder-decoder model"),
     ],
 )

@@ -1,6 +1,7 @@
 """The transform codec for the model a user brings: random-weight model directories of every
 architecture the engine serves (Llama, Qwen2, Qwen3, Mistral with a sliding window, Gemma-2 and
-Gemma-3 with RoPE per layer type, DeepSeek-V2 MLA), each with a real tokenizer. For each:
+Gemma-3 with RoPE per layer type, DeepSeek-V2 MLA, GPT-2 without RoPE, GPT-J with RoPE its config
+does not name), each with a real tokenizer. For each:
 `extract`, `calibrate --model DIR`, `encode --transform`, `decode --transform` through the CLI; a
 model kvcodec cannot code fails from its config, before any weights load."""
 
@@ -55,6 +56,10 @@ def _configs(vocab: int) -> dict[str, object]:
         ),
         "deepseek_v2": mla_config(**kw),
         "lfm2": conv_config(**kw),
+        "gpt2": transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_head=4, n_layer=2, n_positions=2048),
+        "gptj": transformers.GPTJConfig(
+            vocab_size=vocab, n_embd=64, n_head=4, n_layer=2, rotary_dim=8, n_positions=2048
+        ),
     }
 
 
@@ -66,6 +71,8 @@ GROUPS = {
     "gemma2": [f"sliding{WINDOW - 1}-kv-2x16", "full-kv-2x16"],
     "gemma3": [f"sliding{WINDOW - 1}-kv-1x32", "full-kv-1x32"],
     "deepseek_v2": ["mla-latent-1x16", "mla-rope-1x4"],
+    "gpt2": ["full-kv-4x16"],  # learned absolute positions: no RoPE to remove
+    "gptj": ["full-kv-4x16"],  # RoPE fixed in transformers' code (base 10000, interleaved, rotary_dim)
 }
 
 

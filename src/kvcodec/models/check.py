@@ -20,9 +20,12 @@ from typing import Any
 
 from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.kvspec.spec import GroupSpec, KVSpec, LayerSpec
-from kvcodec.transform.rope import RopeSpec
+from kvcodec.transform.rope import IMPLICIT_ROPE_MODEL_TYPES, RopeSpec
 
 _LAYER_KINDS = {"DynamicLayer": "full", "DynamicSlidingWindowLayer": "sliding"}
+# decoder-only families whose keys carry no rotation (learned or fixed absolute positions, ALiBi): their
+# KV is coded as it is, with no RoPE to remove
+UNROTATED_MODEL_TYPES = ("gpt2", "gpt_bigcode", "gpt_neo", "opt", "bloom", "mpt", "xglm", "biogpt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +136,14 @@ def _cache_kinds(config: Any, name: str) -> list[tuple[str, int | None]]:
     return out
 
 
+def _unrotated(c: Any) -> bool:
+    """Whether a (text) config's model rotates no keys: a family without RoPE, or ALiBi in place of it."""
+    return str(getattr(c, "model_type", "")) in UNROTATED_MODEL_TYPES or getattr(c, "alibi", False) is True
+
+
 def _layer_rope(c: Any, i: int, name: str) -> RopeSpec | None:
+    if _unrotated(c):
+        return None
     no_rope = getattr(c, "no_rope_layers", None)
     if no_rope is not None and i < len(no_rope) and not no_rope[i]:
         return None
@@ -155,14 +165,17 @@ def _refuse_architecture(config: Any, c: Any, name: str) -> None:
             f"model {name}: {kind} is an encoder-decoder model; kvcodec reuses the prefix KV cache of "
             "decoder-only language models"
         )
+    if _unrotated(c) or str(getattr(c, "model_type", "")) in IMPLICIT_ROPE_MODEL_TYPES:
+        return
     if getattr(c, "kv_lora_rank", None) or any(
         getattr(c, a, None) is not None for a in ("rope_theta", "rope_parameters", "rope_scaling")
     ):
         return
     raise ConfigError(
-        f"model {name}: {kind} has no rotary position embedding (its config names no rope_theta); kvcodec "
-        "supports decoder-only language models with RoPE (Llama, Qwen, Mistral, Gemma, Phi families and the "
-        "like); an encoder such as BERT keeps no KV cache to reuse"
+        f"model {name}: {kind} has no rotary position embedding (its config names no rope_theta) and is not a "
+        f"decoder-only family kvcodec knows without one ({', '.join(UNROTATED_MODEL_TYPES)}); kvcodec supports "
+        "decoder-only language models (Llama, Qwen, Mistral, Gemma, Phi, GPT-2 families and the like); an encoder "
+        "such as BERT keeps no KV cache to reuse"
     )
 
 

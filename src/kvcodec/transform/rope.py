@@ -23,6 +23,9 @@ STYLES = ("half", "interleaved")
 SCALINGS = ("default", "linear", "llama3", "explicit")
 # model types whose keys are rotated in (2i, 2i+1) pairs (GPT-J style); others use rotate_half
 INTERLEAVED_MODEL_TYPES = ("glm", "cohere", "cohere2", "deepseek_v2", "gptj", "codegen")
+# model types whose RoPE is fixed in transformers' code, not named in the config: base 10000 over the
+# config's `rotary_dim` leading channels of each head
+IMPLICIT_ROPE_MODEL_TYPES = ("gptj", "codegen")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +99,10 @@ class RopeSpec:
         heads = int(c.num_attention_heads)
         head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
         params = rope_parameters(c, layer_type)
+        mt = str(getattr(c, "model_type", ""))
         theta = params.get("rope_theta", getattr(c, "rope_theta", None))
+        if theta is None and mt in IMPLICIT_ROPE_MODEL_TYPES:
+            return cls(10000.0, head_dim, int(getattr(c, "rotary_dim", None) or head_dim), "interleaved")
         if theta is None:
             raise ConfigError(
                 f"the model config names no rope_theta{f' for {layer_type} layers' if layer_type else ''}"
@@ -104,7 +110,6 @@ class RopeSpec:
         kind = params.get("rope_type", params.get("type", "default")) or "default"
         partial = float(params.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) or 1.0)
         rotary = int(head_dim * partial) // 2 * 2
-        mt = str(getattr(c, "model_type", ""))
         style = "interleaved" if getattr(c, "rope_interleave", mt in INTERLEAVED_MODEL_TYPES) else "half"
         if kind == "default":
             return cls(float(theta), head_dim, rotary, style)
