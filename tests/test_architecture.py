@@ -107,3 +107,61 @@ def test_cycle_finder_finds_cycles():
 def test_no_import_cycles_between_subpackages():
     found = cycles(subpackage_graph())
     assert not found, f"import cycles between kvcodec subpackages: {[sorted(c) for c in found]}"
+
+
+# docs/ARCHITECTURE.md's layering table: each top-level module or subpackage, its layer, and what it may
+# import (lazy imports inside functions included). Edges go to lower layers only.
+LAYERS: dict[str, tuple[int, frozenset[str]]] = {
+    "errors": (0, frozenset()),
+    "dtypes": (1, frozenset({"errors"})),
+    "config": (1, frozenset({"errors"})),
+    "plugins": (1, frozenset({"errors"})),
+    "atomic": (1, frozenset({"errors"})),
+    "quant": (2, frozenset({"errors"})),
+    "kvspec": (2, frozenset({"atomic", "dtypes", "errors"})),
+    "container": (2, frozenset({"config", "dtypes", "errors"})),
+    "store": (2, frozenset({"atomic", "plugins", "errors"})),
+    "video": (2, frozenset({"plugins", "errors"})),
+    "layout": (3, frozenset({"atomic", "quant", "errors"})),
+    "transform": (3, frozenset({"atomic", "kvspec", "quant", "errors"})),
+    "models": (4, frozenset({"atomic", "kvspec", "transform", "errors"})),
+    "restore": (4, frozenset({"layout", "quant", "transform", "errors"})),
+    "codecs": (
+        5,
+        frozenset(
+            {"config", "container", "dtypes", "errors", "kvspec", "layout", "plugins", "quant", "restore"}
+            | {"transform", "video"}
+        ),
+    ),
+    "codec": (6, frozenset({"codecs", "dtypes"})),
+    "fetcher": (
+        6,
+        frozenset({"atomic", "codecs", "config", "dtypes", "errors", "kvspec", "restore", "store", "video"}),
+    ),
+    "integrations": (
+        7,
+        frozenset({"codecs", "config", "errors", "fetcher", "kvspec", "models", "restore", "store"}),
+    ),
+    "engine": (
+        8,
+        frozenset({"codecs", "config", "errors", "fetcher", "integrations", "kvspec", "layout", "models", "store"}),
+    ),
+    "server": (9, frozenset({"engine", "errors"})),
+    "ingest": (
+        9,
+        frozenset({"codecs", "engine", "errors", "fetcher", "integrations", "layout", "models", "store"}),
+    ),
+}
+
+
+def test_the_layering_table_points_down():
+    up = {(a, b) for a, (layer, deps) in LAYERS.items() for b in deps if LAYERS[b][0] >= layer}
+    assert not up, f"the layering table lets a module import one at its own layer or above: {sorted(up)}"
+
+
+def test_subpackages_import_only_what_the_layering_table_allows():
+    graph = subpackage_graph()
+    unknown = sorted(set(graph) - set(LAYERS) - {"cli"})
+    assert not unknown, f"modules missing from the layering table (docs/ARCHITECTURE.md): {unknown}"
+    extra = {a: sorted(b - LAYERS[a][1]) for a, b in graph.items() if a in LAYERS and b - LAYERS[a][1]}
+    assert not extra, f"imports the layering table (docs/ARCHITECTURE.md) does not allow: {extra}"

@@ -1,4 +1,5 @@
-"""kvcodec: KV caches as lossless HEVC video, for fast remote prefix reuse decoded on NVDEC."""
+"""kvcodec: fast remote KV-cache prefix reuse; KV caches quantized or transform-coded, then coded losslessly with
+zstd (decompressed on idle host cores) or as HEVC video (decoded on the GPU's NVDEC engines)."""
 
 from kvcodec.codec import decode, decode_chunk_blob, encode, encode_chunks, inspect, inspect_chunk_blob
 from kvcodec.codecs import ChunkCodec, ChunkInfo, EncodedChunk, make_codec, register_codec, registered_codecs

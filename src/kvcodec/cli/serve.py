@@ -47,7 +47,7 @@ from kvcodec.cli.options import (
     multiple=True,
     callback=parse_codec_options,
     metavar="KEY=VALUE",
-    help="An option of the codec (repeatable), e.g. quant=int4, coder=zstd, resolutions=256x256.",
+    help="An option of the codec (repeatable), e.g. quant=int4, sample_coder=zstd, resolutions=256x256.",
 )
 @click.option(
     "--transform",
