@@ -10,7 +10,7 @@ import torch
 
 from kvcodec.codecs import raw as raw_codec
 from kvcodec.codecs.raw import RawCodec
-from kvcodec.errors import ChecksumError
+from kvcodec.errors import ChecksumError, FormatError
 from kvcodec.fetcher import DecodeProfile, PrefixCache
 from kvcodec.restore.paged import PagedKV
 from kvcodec.store import open_store
@@ -137,6 +137,29 @@ def test_a_damaged_payload_is_refused_before_a_value_is_written():
     # chunk 1 untouched (chunk 2, decoded ahead of the restore, may be there: the fetch's prefix ends at CT)
     assert torch.equal(out[:, :, :CT], kv[:, :, :CT]) and (out[:, :, CT : 2 * CT] == -7.0).all()
     assert cache.lookup(ids) == CT  # dropped: the next put rewrites it
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda h: h.pop("format"), r"lacks \['format'\]"),
+        (lambda h: h.pop("resolution"), r"lacks \['resolution'\]"),
+        (lambda h: h.update(format="kvcodec-chunk"), "names format 'kvcodec-chunk'"),
+        (lambda h: h.update(bogus=1), r"unknown fields \['bogus'\]"),
+        (lambda h: h.update(resolution=[256]), "not \\[width, height\\]"),
+        (lambda h: h.update(resolution=[256, True]), "not \\[width, height\\]"),
+    ],
+)
+def test_a_header_without_its_fields_exactly_is_refused(edit, says):
+    """docs/FORMAT.md: every field but `key` is required, and none other is allowed."""
+    from kvcodec.container.format import read_object, write_object
+
+    blob = RawCodec(chunk_tokens=CT).encode_chunks(make_kv()[:, :, :CT])[0].blobs[0]
+    header, payload = read_object(blob, raw_codec.MAGIC, "raw chunk")
+    assert raw_codec.parse_chunk(write_object(raw_codec.MAGIC, dict(header), [bytes(payload)]))[0]["index"] == 0
+    edit(header)
+    with pytest.raises(FormatError, match=says):
+        raw_codec.parse_chunk(write_object(raw_codec.MAGIC, header, [bytes(payload)]))
 
 
 @pytest.mark.gpu

@@ -26,7 +26,12 @@ from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, 
 from kvcodec.restore.paged import PagedKV
 
 MAGIC = b"KVRW"
+FORMAT_NAME = "kvcodec-raw-chunk"
 VARIANTS = ("raw", "zstd", "lz4")
+HEADER_FIELDS = frozenset(
+    {"format", "index", "start_token", "shape", "dtype", "resolution", "variant", "raw_bytes", "payload_bytes"}
+    | {"crc32", "key"}
+)  # all required but `key` (docs/FORMAT.md)
 ZSTD_LEVELS = (-7, 22)  # zstd's fast levels, its default (0) and its strongest
 
 
@@ -107,7 +112,7 @@ class RawCodec:
             variant = self.variants[j % len(self.variants)]
             payload = self._pack(raw, variant)
             header = {
-                "format": "kvcodec-raw-chunk",
+                "format": FORMAT_NAME,
                 "index": index,
                 "start_token": start_token,
                 "shape": list(x.shape),
@@ -165,10 +170,24 @@ class RawCodec:
         return "raw-cpu"
 
 
+def _check_fields(header: dict) -> None:
+    """FormatError unless the header has exactly the raw chunk's fields, its format name and a resolution label."""
+    if extra := sorted(set(header) - HEADER_FIELDS):
+        raise FormatError(f"raw chunk header has unknown fields {extra}")
+    if missing := sorted(HEADER_FIELDS - {"key"} - set(header)):
+        raise FormatError(f"raw chunk header lacks {missing}")
+    if header["format"] != FORMAT_NAME:
+        raise FormatError(f"raw chunk header names format {header['format']!r}, not {FORMAT_NAME!r}")
+    res = header["resolution"]
+    if not (isinstance(res, list) and len(res) == 2 and all(_is_count(r) and r > 0 for r in res)):
+        raise FormatError(f"raw chunk header's resolution is {res!r}, not [width, height]")
+
+
 def parse_chunk(blob: bytes | memoryview, verify_payload: bool = True) -> tuple[dict, memoryview]:
     """A raw chunk blob's checked header and its payload (its length checked; checksummed unless
     verify_payload is False: a header-only look, whose caller never reads the values)."""
     header, payload = read_object(blob, MAGIC, "raw kvcodec chunk blob")
+    _check_fields(header)
     try:
         h = {
             k: header[k]
