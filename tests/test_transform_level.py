@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvcodec.codecs.transform.codec import TransformCodec
@@ -46,6 +46,7 @@ def gaussian_rate(variances, tokens=64):
     st.floats(0.02, 0.98),
     st.floats(-6.0, 6.0),
 )
+@example([247.0, 324.0, 794.0, 1e-6, 1e-6], 0.02, 1.0)  # the target in a jump: regula falsi crawled (35 evaluations)
 def test_level_search_finds_the_bisection_level_in_few_evaluations(variances, fraction, guess_offset):
     size = gaussian_rate(variances)
     top = max(variances)

@@ -66,7 +66,7 @@ class LevelSearch:
     search (a corrected target) starts from the first one's points. A search ends at a size in
     [target (1 - rtol), target], or at a bracket narrower than XTOL in log theta; at lo when
     size_bits(lo) is small enough, at hi when no level is. Secant steps on the relative size error
-    (about linear in log theta), overshooting to bracket the answer, then regula falsi (Illinois)."""
+    (about linear in log theta), overshooting to bracket the answer, then ITP (_itp)."""
 
     def __init__(self, size_bits: Callable[[float], float], lo: float, hi: float):
         if not 0 < lo < hi:
@@ -91,7 +91,7 @@ class LevelSearch:
         known = sorted((x, err(x)) for x in self.sizes)
         above, below = [p for p in known if p[1] > 0], [p for p in known if p[1] <= 0]
         if above and below and below[0][0] > above[-1][0]:  # a bracket already measured
-            return math.exp(_illinois(err, *above[-1], *below[0], rtol))
+            return math.exp(_itp(err, *above[-1], *below[0], rtol))
         if known:  # the nearest to the target, and the slope of the two nearest
             near = sorted(known, key=lambda p: abs(p[1]))[:2]
             x, e = near[0]
@@ -112,7 +112,7 @@ class LevelSearch:
             nx = min(max(x + dx, self.lo), self.hi)
             ne = err(nx)
             if (ne > 0) != (e > 0):
-                return _illinois(err, *((x, e, nx, ne) if e > 0 else (nx, ne, x, e)), rtol)
+                return _itp(err, *((x, e, nx, ne) if e > 0 else (nx, ne, x, e)), rtol)
             slope, over = _slope(x, e, nx, ne), over * 2  # not bracketed: overshoot more
             x, e = nx, ne
         return x
@@ -131,17 +131,27 @@ def _slope(x0: float, e0: float, x1: float, e1: float) -> float:
     return s if s < 0 and math.isfinite(s) else DEFAULT_SLOPE
 
 
-def _illinois(err, a: float, ea: float, b: float, eb: float, rtol: float) -> float:
-    """Regula falsi (Illinois) on err over [a, b], err(a) > 0 >= err(b): the log level b found."""
-    wa, wb, side = ea, eb, 0  # the errors the next point is interpolated from (one halved when kept twice)
-    for _ in range(MAX_EVALS):
+def _itp(err, a: float, ea: float, b: float, eb: float, rtol: float) -> float:
+    """The log level b found on [a, b], err(a) > 0 >= err(b): regula falsi (Illinois: a side kept
+    twice has its error halved) projected as ITP does (Oliveira and Takahashi, 2020) into a ball
+    around the bracket's middle that shrinks with the evaluations left, so a smooth size converges
+    as by interpolation and a size that jumps (where regula falsi crawls toward the jump) within
+    ITP_SLACK evaluations of bisection's count."""
+    wa, wb, side = ea, eb, 0  # the errors the next point is interpolated from
+    budget = max(0, math.ceil(math.log2((b - a) / XTOL))) + ITP_SLACK
+    for left in range(budget, -1, -1):
         if b - a < XTOL or eb >= -rtol:
             return b
-        x = b - wb * (b - a) / (wb - wa)
-        x = min(max(x, a + 0.01 * (b - a)), b - 0.01 * (b - a))  # strictly inside
+        mid, x = 0.5 * (a + b), b - wb * (b - a) / (wb - wa)
+        r = XTOL / 2 * 2.0**left - (b - a) / 2  # how far from the middle a point may be, the bound kept
+        x = min(max(x, mid - r), mid + r, b - 1e-3 * XTOL)
+        x = max(x, a + 1e-3 * XTOL)  # strictly inside
         e = err(x)
         if e > 0:
-            a, wa, wb, side = x, e, (wb / 2 if side == 1 else wb), 1
+            a, ea, wa, wb, side = x, e, e, (wb / 2 if side == 1 else wb), 1
         else:
             b, eb, wb, wa, side = x, e, e, (wa / 2 if side == -1 else wa), -1
     return b
+
+
+ITP_SLACK = 3  # evaluations the bracket stage may take beyond bisection's, for interpolation to pay off
