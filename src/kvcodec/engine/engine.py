@@ -204,8 +204,11 @@ class Engine:
             (self.metrics.reuse_hits if req.matched_tokens else self.metrics.reuse_misses).inc()
         return req
 
-    def abort(self, req: Request) -> None:
-        """Stop a request (client went away); it finishes with reason 'abort' at the next step."""
+    def abort(self, req: Request, reason: str = "abort") -> None:
+        """Stop a request at the next step, finishing with `reason`: 'abort' (its client went away)
+        or 'stop' (the server found a stop string in its text). The first reason given stands."""
+        if not req.aborted:
+            req.abort_reason = reason
         req.aborted = True
         with self.scheduler.cv:
             self.scheduler.cv.notify_all()
@@ -215,10 +218,10 @@ class Engine:
         """Admit, prefill (one chunk budget) and decode once. Returns the number of tokens produced."""
         with self._step_lock:
             for req in self.scheduler.take_aborted():
-                self._finish(req, "abort")
+                self._finish(req, req.abort_reason)
             admitted = self.scheduler.schedule()
             for req in [r for r in self.scheduler.running if r.aborted]:
-                self._finish(req, "abort")
+                self._finish(req, req.abort_reason)
             decoding = [r for r in self.scheduler.running if r.output_ids]
             for req in admitted:
                 self._guard(req, self._admit, req)

@@ -190,7 +190,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """Greedy for temperature 0; otherwise temperature/top-p sampling with the request's generator."""
     if params.temperature <= 0:
         return int(torch.argmax(logits).item())
-    scores = logits.float()
+    scores = logits.double()  # a temperature below float32's range (1e-50) is 0 there: 0 / 0 at the maximum
     probs = torch.softmax((scores - scores.max()) / params.temperature, dim=-1)  # max first: no inf / inf at tiny T
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)

@@ -51,6 +51,7 @@ class Request:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     aborted: bool = False
+    abort_reason: str = "abort"  # the finish reason an aborted request ends with ("stop": a stop string)
     # prefix reuse
     matched_tokens: int = 0  # stored prefix found by the lookup
     restored_tokens: int = 0  # tokens whose KV was restored from the store

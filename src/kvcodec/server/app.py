@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from kvcodec.engine.validate import check_context, check_token_ids
 from kvcodec.errors import KVCodecError
@@ -38,11 +39,12 @@ def create_app(engine: Any, model_name: str = "kvcodec", *, close_on_shutdown: b
     app.state.engine, app.state.model_name = engine, model_name
     app.add_exception_handler(BadRequestError, _bad_request)
     app.add_exception_handler(KVCodecError, _bad_request)
+    app.add_exception_handler(HTTPException, _http_error)  # 404, 405: OpenAI's error shape too
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET", "HEAD"])
     return app
 
 
@@ -69,6 +71,12 @@ UNFINISHED = {  # finish reasons of a request the engine did not answer: status,
 async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
     status = getattr(exc, "status", 400)
     return JSONResponse(responses.error(str(exc), getattr(exc, "param", None)), status_code=status)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    body = responses.error(f"{request.method} {request.url.path}: {exc.detail}", kind=kind)
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 async def _json(request: Request) -> Any:
@@ -140,9 +148,13 @@ async def chat_completions(request: Request) -> Response:
 
 
 def _prompt_ids(engine: Any, g: GenerationRequest) -> list[int]:
-    if g.chat:
-        return engine.chat_ids([{"role": role, "content": content} for role, content in g.messages])
-    return engine.encode(g.prompt) if isinstance(g.prompt, str) else list(g.prompt)
+    """The prompt's token ids; a text the tokenizer refuses (chat text holding a special token) is a 400 naming the field."""
+    try:
+        if g.chat:
+            return engine.chat_ids([{"role": role, "content": content} for role, content in g.messages])
+        return engine.encode(g.prompt) if isinstance(g.prompt, str) else list(g.prompt)
+    except KVCodecError as e:
+        raise BadRequestError(str(e), "messages" if g.chat else "prompt") from None
 
 
 async def _generate(request: Request, g: GenerationRequest, arrival: float) -> Response:
@@ -150,27 +162,27 @@ async def _generate(request: Request, g: GenerationRequest, arrival: float) -> R
     _check_size(engine, g)
     ids = await run_in_threadpool(_prompt_ids, engine, g)
     _check_ids(engine, g, ids)
-    env = responses.Envelope.new(g.chat, g.model or request.app.state.model_name, len(ids))
+    env = responses.Envelope.new(g.chat, request.app.state.model_name, len(ids))  # the model that answers
     req, q = await submit(engine, ids, g.params, g.reuse, arrival)  # a refused request: KVCodecError -> 400
     if g.stream:
         return StreamingResponse(_events(engine, env, req, q, g.stop), media_type="text/event-stream")
-    text, finish = "", None
+    text, finish, tokens = "", None, None
     async for d in deltas(engine, req, q, g.stop, gone=request.is_disconnected):
-        text, finish = text + d.text, d.finish_reason
+        text, finish, tokens = text + d.text, d.finish_reason, d.tokens
     if finish is None:  # the client went away; the request was aborted
         return Response(status_code=CLIENT_CLOSED)
     if finish in UNFINISHED:  # not an answer: a client reading the status alone must not take it for one
         status, why = UNFINISHED[finish]
         body = responses.error(f"{why}: {req.error}" if req.error else why, kind="server_error")
         return JSONResponse({**body, "kvcodec": responses.kvcodec_info(req)}, status_code=status)
-    return JSONResponse(responses.completion(env, req, text, finish))
+    return JSONResponse(responses.completion(env, req, text, finish, tokens))
 
 
 async def _events(engine: Any, env: responses.Envelope, req: Any, q: Any, stop: tuple[str, ...]) -> AsyncIterator[str]:
     if env.chat:
         yield responses.sse(responses.role_chunk(env))
     async for d in deltas(engine, req, q, stop):
-        yield responses.sse(responses.chunk(env, req, d.text, d.finish_reason))
+        yield responses.sse(responses.chunk(env, req, d.text, d.finish_reason, d.tokens))
     yield responses.sse("[DONE]")
 
 

@@ -45,28 +45,29 @@ def kvcodec_info(req: Any) -> dict[str, Any]:
     }
 
 
-def usage(env: Envelope, req: Any) -> dict[str, int]:
-    n = len(req.output_ids)
+def usage(env: Envelope, req: Any, tokens: int | None = None) -> dict[str, int]:
+    """Token counts; `tokens`: the answer's, where it ended before the engine's output did (a stop string)."""
+    n = len(req.output_ids) if tokens is None else tokens
     return {"prompt_tokens": env.prompt_tokens, "completion_tokens": n, "total_tokens": env.prompt_tokens + n}
 
 
-def completion(env: Envelope, req: Any, text: str, finish: str) -> dict[str, Any]:
+def completion(env: Envelope, req: Any, text: str, finish: str, tokens: int | None = None) -> dict[str, Any]:
     if env.chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
     obj = "chat.completion" if env.chat else "text_completion"
-    return {**env.head(obj), "choices": [choice], "usage": usage(env, req), "kvcodec": kvcodec_info(req)}
+    return {**env.head(obj), "choices": [choice], "usage": usage(env, req, tokens), "kvcodec": kvcodec_info(req)}
 
 
-def chunk(env: Envelope, req: Any, delta: str, finish: str | None) -> dict[str, Any]:
+def chunk(env: Envelope, req: Any, delta: str, finish: str | None, tokens: int | None = None) -> dict[str, Any]:
     if env.chat:
         choice = {"index": 0, "delta": {"content": delta} if delta else {}, "finish_reason": finish}
     else:
         choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}
     out = {**env.head("chat.completion.chunk" if env.chat else "text_completion"), "choices": [choice]}
     if finish is not None:
-        out["usage"] = usage(env, req)
+        out["usage"] = usage(env, req, tokens)
         out["kvcodec"] = kvcodec_info(req)
     return out
 

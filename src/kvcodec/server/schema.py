@@ -55,12 +55,25 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def shown(v: Any, limit: int = 60) -> str:
+    """A client's value as an error message quotes it: its repr, cut to `limit` characters."""
+    try:
+        r = repr(v)
+    except ValueError:  # an integer of more digits than Python converts
+        return f"an integer of {v.bit_length()} bits"
+    return r if len(r) <= limit else f"{r[: limit - 3]}..."
+
+
 def _number(body: dict, name: str, default: float) -> float:
     v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequestError(f"{name} must be a finite number; got {v!r}", name)
+    try:
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    except OverflowError:  # an integer beyond any float
+        ok = False
+    if not ok:
+        raise BadRequestError(f"{name} must be a finite number; got {shown(v)}", name)
     return float(v)
 
 
@@ -70,7 +83,7 @@ def _max_tokens(body: dict) -> int:
     if v is None:
         return DEFAULT_MAX_TOKENS
     if not _is_int(v):
-        raise BadRequestError(f"{name} must be an integer; got {v!r}", name)
+        raise BadRequestError(f"{name} must be an integer; got {shown(v)}", name)
     if v < 1:
         raise BadRequestError(f"{name} must be >= 1; got {v}", name)
     return v
@@ -85,7 +98,7 @@ def sampling_params(body: dict) -> SamplingParams:
         raise BadRequestError(f"top_p must be in (0, 1]; got {top_p:g}", "top_p")
     seed = body.get("seed")
     if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**63):
-        raise BadRequestError(f"seed must be an integer in [0, 2**63); got {seed!r}", "seed")
+        raise BadRequestError(f"seed must be an integer in [0, 2**63); got {shown(seed)}", "seed")
     return SamplingParams(
         max_new_tokens=_max_tokens(body),
         temperature=temperature,
@@ -115,7 +128,7 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise BadRequestError(f"{name} must be true or false; got {v!r}", name)
+        raise BadRequestError(f"{name} must be true or false; got {shown(v)}", name)
     return v
 
 
@@ -139,7 +152,7 @@ def _refuse_unsupported(body: dict) -> None:
     for name, neutral in NOT_SUPPORTED.items():
         v = body.get(name)
         if v is not None and not any(v == n and isinstance(v, bool) == isinstance(n, bool) for n in neutral):
-            raise BadRequestError(f"{name} is not supported by this server; got {v!r}", name)
+            raise BadRequestError(f"{name} is not supported by this server; got {shown(v)}", name)
 
 
 def _common(body: dict) -> dict[str, Any]:
@@ -190,7 +203,7 @@ def parse_chat(body: Any) -> GenerationRequest:
             raise BadRequestError(f"messages[{i}] must be an object with role and content", "messages")
         role, content = m.get("role", "user"), m.get("content")
         if not isinstance(role, str) or role not in ROLES:
-            raise BadRequestError(f"messages[{i}].role must be one of {list(ROLES)}; got {role!r}", "messages")
+            raise BadRequestError(f"messages[{i}].role must be one of {list(ROLES)}; got {shown(role)}", "messages")
         if not isinstance(content, str):
             raise BadRequestError(f"messages[{i}].content must be a string", "messages")
         out.append((role, text_field(content, f"messages[{i}].content")))

@@ -17,11 +17,18 @@ POLL_S = 0.25  # how often a waiting non-streaming request checks that its clien
 class Delta:
     text: str
     finish_reason: str | None  # None while tokens keep coming
+    tokens: int | None = None  # the answer's tokens where it ends before the engine's output (a stop string)
 
 
 def first_stop(text: str, stop: tuple[str, ...]) -> int:
     """Index of the earliest stop string in text, -1 if none."""
     return min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+
+
+def stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that begins some stop string: text a later token could
+    complete into a stop, so it is held back until it cannot."""
+    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
 
 
 async def submit(
@@ -91,7 +98,11 @@ async def deltas(
                 return
             if kind == "end":
                 text = engine.decode_text(ids)
-                yield Delta(text[len(sent) :] if text.startswith(sent) else "", req.finish_reason or "stop")
+                hit = first_stop(text, stop)  # the last token's text, where it ended a character late
+                if hit >= 0:
+                    text = text[:hit]
+                finish = "stop" if hit >= 0 else req.finish_reason or "stop"
+                yield Delta(text[len(sent) :] if text.startswith(sent) else "", finish, tokens=len(ids))
                 return
             ids.append(tok)
             text = engine.decode_text(ids)
@@ -99,12 +110,13 @@ async def deltas(
                 continue  # an incomplete multi-byte character: wait for the next token
             hit = first_stop(text, stop)
             if hit >= 0:
-                engine.abort(req)
-                yield Delta(text[len(sent) : hit] if hit >= len(sent) else "", "stop")
+                engine.abort(req, "stop")
+                yield Delta(text[len(sent) : hit] if hit >= len(sent) else "", "stop", tokens=len(ids))
                 return
-            delta = text[len(sent) :] if text.startswith(sent) else ""
-            sent = text
+            ready = text[: len(text) - stop_prefix_len(text, stop)]
+            delta = ready[len(sent) :] if ready.startswith(sent) else ""
             if delta:
+                sent = ready
                 yield Delta(delta, None)
     finally:
         if not req.finished:
