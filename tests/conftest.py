@@ -10,6 +10,22 @@ import pytest
 import torch
 
 MODEL_NAMES = ("smollm2-135m", "qwen2.5-coder-0.5b")
+
+
+def _hypothesis_profiles() -> None:
+    """Under CI (CI set, as .ci/run runs) property tests draw the same examples every run and have no
+    deadline: a CI run passes or fails as the same commit did here, never on a new random draw or a
+    slow machine's timing. Elsewhere they draw new examples each run, to find what CI would not."""
+    import os
+
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+    if os.environ.get("CI"):
+        settings.load_profile("ci")
+
+
+_hypothesis_profiles()
 _trace = None  # KVCODEC_TEST_TRACE: a file naming each test as it starts, and any crash's tracebacks
 
 
