@@ -28,7 +28,18 @@ def first_stop(text: str, stop: tuple[str, ...]) -> int:
 def stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
     """Length of the longest end of `text` that begins some stop string: text a later token could
     complete into a stop, so it is held back until it cannot."""
-    return max((k for s in stop for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+    return max((_begun(text, s) for s in stop), default=0)
+
+
+def _begun(text: str, s: str) -> int:
+    """The longest k < len(s) with text ending in s[:k]; only the k whose s[k - 1] is text's last
+    character are compared (a token's check stays short with long stop strings)."""
+    k = min(len(s) - 1, len(text))
+    while k > 0 and (k := s.rfind(text[-1], 0, k) + 1) > 0:
+        if text.endswith(s[:k]):
+            return k
+        k -= 1
+    return 0
 
 
 async def submit(
