@@ -122,12 +122,12 @@ def test_encode_transform_refuses_the_hevc_flags_it_would_ignore(tmp_path, synth
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
-def test_decode_to_a_place_it_cannot_write_is_one_error_line(tmp_path):
+def test_decode_to_a_place_it_cannot_write_is_one_error_line_before_the_work(tmp_path):
     src, kvc = _kv_file(tmp_path), tmp_path / "kv.kvc"
     r = CliRunner().invoke(cli, ["encode", str(src), str(kvc), "--quant", "exact", "--sample-coder", "zstd"])
     assert r.exit_code == 0, r.output
-    out = _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), "/proc/kvcodec-audit.safetensors"]), 1)
-    assert out.startswith("error: ")
+    out = _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), "/proc/kvcodec-audit.safetensors"]), 2)
+    assert "cannot write in '/proc'" in out
 
 
 @pytest.fixture
@@ -424,3 +424,78 @@ def test_bench_ttft_engine_calibration_check_counts_sinks_and_warns_below_the_ta
     check_calibration_tokens(synthetic_kv(68, 3), "kv", "llama3-8b", shape)  # enough for its own, not llama3-8b's
     err = capsys.readouterr().err
     assert "warning" in err and "2052" in err
+
+
+def test_an_output_over_the_kvt_or_the_corpus_is_refused(tmp_path, synthetic_kvt):
+    # `decode --transform v.kvt a.kvc v.kvt` replaced the calibration every file coded with it needs;
+    # `ingest corpus.jsonl --report corpus.jsonl` replaced the corpus with the summary
+    kvt = tmp_path / "v.kvt"
+    kvt.write_bytes(synthetic_kvt.read_bytes())
+    before, src = kvt.read_bytes(), _kv_file(tmp_path)
+    out = _one_line_error(CliRunner().invoke(cli, ["encode", str(src), str(kvt), "--transform", str(kvt)]), 2)
+    assert "--transform" in out and kvt.read_bytes() == before
+    docs = tmp_path / "corpus.jsonl"
+    docs.write_text(json.dumps({"text": "hello"}) + "\n")
+    args = ["ingest", str(docs), "--model", "no-such-model", "--store", "memory://", "--report", str(docs)]
+    out = _one_line_error(CliRunner().invoke(cli, args), 2)
+    assert "DOCS" in out and json.loads(docs.read_text()) == {"text": "hello"}
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
+def test_an_output_folder_that_takes_no_files_is_refused_before_the_work(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        out = _one_line_error(
+            CliRunner().invoke(cli, ["calibrate", str(_kv_file(tmp_path)), "--out", str(folder / "m.kvt")]), 2
+        )
+        assert "cannot write in" in out
+    finally:
+        folder.chmod(0o700)
+
+
+def test_the_output_folder_probe_names_why_it_failed(tmp_path, monkeypatch):
+    # the same check where the test runs as root (who writes anywhere): a folder whose files cannot be made
+    import tempfile
+
+    from kvcodec.cli import options
+
+    def refuse(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)
+    with pytest.raises(click.BadParameter, match="cannot write in .*Read-only file system"):
+        options.check_output_path(None, None, tmp_path / "m.kvt")
+
+
+def test_fisher_options_with_kv_files_are_refused_not_ignored(tmp_path):
+    src = _kv_file(tmp_path)
+    for flags in (["--weights", "fisher"], ["--fisher-texts", "2"], ["--weight-alpha", "0.3"]):
+        out = _one_line_error(
+            CliRunner().invoke(cli, ["calibrate", str(src), "--out", str(tmp_path / "m.kvt"), *flags]), 2
+        )
+        assert flags[0] in out and "--model" in out
+    assert not (tmp_path / "m.kvt").exists()
+
+
+def test_the_api_refuses_what_is_not_a_kv_tensor_with_its_own_error():
+    import numpy as np
+
+    import kvcodec
+    from kvcodec.errors import ShapeError
+
+    for kv in ([1, 2], np.zeros((2, 2, 4, 2, 8), np.float16), torch.zeros((2, 2, 4, 2, 8), device="meta")):
+        with pytest.raises(ShapeError):
+            kvcodec.encode(kv)
+        with pytest.raises(ShapeError):
+            kvcodec.make_codec("raw").encode_chunks(kv)
+
+
+def test_a_huge_chunk_size_encodes_as_fast_as_the_kv_allows():
+    # the frame layout counted tokens per frame down one by one from chunk_tokens: 10^8 took 147 s
+    import kvcodec
+
+    kv = synthetic_kv(32, 2).to(torch.float16)
+    data = kvcodec.encode(kv, kvcodec.CodecConfig(quant="exact", chunk_tokens=10**8, sample_coder="zstd"))
+    assert torch.equal(kvcodec.decode(data), kv)

@@ -192,6 +192,21 @@ def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
     return (items[: n - k], items[n - k :]) if k > 0 else (items, [])
 
 
+def _refuse_model_only_flags(model_name: str | None) -> None:
+    """Options that need the model's gradients, given with KV files, are refused rather than ignored."""
+    ctx = click.get_current_context()
+    given = [
+        "--" + name.replace("_", "-").replace("weighting", "weights")
+        for name in ("weighting", "weight_alpha", "fisher_texts")
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if given and not model_name:
+        raise click.UsageError(
+            f"{', '.join(given)} weight channels by the model's Fisher information and need --model; "
+            "KV files are fitted with plain squared error"
+        )
+
+
 @click.command("calibrate")
 @click.argument("kv_files", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option(
@@ -321,6 +336,7 @@ def command(
         raise click.UsageError("--device needs --model (KV files are fitted on the CPU)")
     if model_name and (rope_theta is not None or rotary_dim is not None):
         raise click.UsageError("--rope-theta / --rotary-dim are for KV files without rotary settings, not --model")
+    _refuse_model_only_flags(model_name)
     if out.suffix != ".kvt":
         raise click.BadParameter(f"{out}: the output name must end in .kvt", param_hint="--out")
     try:

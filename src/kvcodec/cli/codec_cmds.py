@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kvcodec.cli.options import (
+    check_distinct,
     check_output_path,
     device_option,
     finite_above,
@@ -110,7 +111,7 @@ def encode_cmd(
     from kvcodec.atomic import write_atomic
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
-    _check_not_source(src, dst)
+    check_distinct(dst, "DST", SRC=src, **{"--transform": transform})
     if transform or target_ratio or target_quality:
         from kvcodec.cli import transform_io
 
@@ -154,12 +155,6 @@ def encode_cmd(
     )
 
 
-def _check_not_source(src: Path, dst: Path) -> None:
-    """DST must not be SRC (written over, the input would be gone)."""
-    if dst.exists() and dst.samefile(src):
-        raise click.BadParameter(f"{str(dst)!r} is SRC itself: name another output file", param_hint="DST")
-
-
 def _refuse_hevc_options(resolutions) -> None:  # noqa: ANN001
     """encode --transform: the HEVC file's options given on the command line are refused, not ignored."""
     ctx = click.get_current_context()
@@ -199,7 +194,7 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     res = parse_resolutions(resolution, "--resolution")
     if res and len(res) > 1:
         raise click.BadParameter(f"{resolution!r}: give one resolution", param_hint="--resolution")
-    _check_not_source(src, dst)
+    check_distinct(dst, "DST", SRC=src, **{"--transform": transform})
     data = src.read_bytes()
     if transform:
         from kvcodec.cli import transform_io

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from kvcodec.cli.options import (
+    check_distinct,
     check_report_path,
     count_option,
     device_option,
@@ -112,6 +113,7 @@ def command(
     from kvcodec.ingest.sources import check_template
 
     check_template(template)  # everything a run needs is checked first, in seconds, before the model loads
+    check_distinct(report, "--report", DOCS=docs, **{"--transform": transform})
     if ray_address:
         from kvcodec.ingest.distributed import import_ray
 

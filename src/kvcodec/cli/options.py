@@ -121,12 +121,37 @@ def encode_in_option(name: str, help: str) -> Callable:
 
 
 def check_output_path(ctx: click.Context | None, param: Any, value: Path | None) -> Path | None:
-    """An output file whose directory exists; where it exists, a regular file (outputs are written
-    beside it and renamed over it, which would replace a device such as /dev/null, or a FIFO)."""
+    """An output file whose directory exists and takes new files; where it exists, a regular file
+    (outputs are written beside it and renamed over it, which would replace a device such as
+    /dev/null, or a FIFO)."""
     value = check_report_path(ctx, param, value)
     if value is not None and value.exists() and not value.is_file():
         raise click.BadParameter(f"{str(value)!r} exists and is not a regular file")
+    if value is not None:
+        _check_takes_files(value.parent if str(value.parent) else Path("."))
     return value
+
+
+def _check_takes_files(folder: Path) -> None:
+    """A file made and removed in `folder`, before the work whose result would be written there
+    (a read-only or full file system failed only at the end, the result lost)."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"cannot write in {str(folder)!r}: {e.strerror or e}") from None
+
+
+def check_distinct(output: Path | None, hint: str, **inputs: Path | None) -> None:
+    """`output` (named by `hint`) is none of `inputs` (option name -> path): written over, an input
+    would be gone, and with it every file it is needed to read (a .kvt, say)."""
+    if output is None or not output.exists():
+        return
+    for name, path in inputs.items():
+        if path is not None and path.exists() and output.samefile(path):
+            raise click.BadParameter(f"{str(output)!r} is {name} itself: name another file", param_hint=hint)
 
 
 def check_report_path(ctx: click.Context | None, param: Any, value: Path | None) -> Path | None:

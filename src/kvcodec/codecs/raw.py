@@ -97,7 +97,13 @@ class RawCodec:
         keys: Sequence[str] | None = None,
         on_chunk: Callable[[EncodedChunk], None] | None = None,
     ) -> list[EncodedChunk]:
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2 or kv.dtype not in DTYPE_NAMES:
+        if (
+            not isinstance(kv, torch.Tensor)
+            or kv.dim() != 5
+            or kv.shape[1] != 2
+            or kv.dtype not in DTYPE_NAMES
+            or kv.is_meta
+        ):
             raise ShapeError(
                 f"KV must be (layers, 2, tokens, kv_heads, head_dim) fp16/bf16/fp32; got "
                 f"{tuple(getattr(kv, 'shape', ()))} {getattr(kv, 'dtype', type(kv).__name__)}"

@@ -98,7 +98,8 @@ def _tile_widths(width: int, dim: int) -> list[int]:
 
 
 def _max_tokens_per_frame(width, height, units, dim, tile_w, orientation, max_tokens) -> int:
-    for tpf in range(max_tokens, 0, -1):
+    most = min(max_tokens, height * tile_w // dim)  # more tokens make a tile taller than the frame
+    for tpf in range(most, 0, -1):
         n = tpf * dim
         if n % tile_w:
             continue

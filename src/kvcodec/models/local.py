@@ -44,6 +44,7 @@ def load_local(name: str, *, dtype: torch.dtype | None = None) -> tuple[Any, Any
     try:
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype or "auto", **extra)
         tokenizer = AutoTokenizer.from_pretrained(where, **extra)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"cannot load model {name!r}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - a damaged weights file raises its reader's own type (SafetensorError, ...)
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"cannot load model {name!r}: {type(e).__name__}: {first}") from e
     return model.eval(), tokenizer

@@ -123,6 +123,8 @@ def default_encoder(config: CodecConfig):  # noqa: ANN201 - a VideoEncoder
 def check_kv(kv: torch.Tensor, config: CodecConfig | None = None) -> None:
     if not isinstance(kv, torch.Tensor):
         raise ShapeError(f"KV must be a torch.Tensor, got {type(kv).__name__}")
+    if kv.is_meta:
+        raise ShapeError("KV is a meta tensor: it holds no values to encode")
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ShapeError(
             f"KV must have shape (layers, 2, tokens, kv_heads, head_dim) with 2 = K/V; got {tuple(kv.shape)}"

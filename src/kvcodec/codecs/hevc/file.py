@@ -11,7 +11,7 @@ import torch
 
 from kvcodec.codecs.base import EncodedChunk, Target
 from kvcodec.codecs.hevc.decode import decode_chunk_blob, idle_decoders, inspect_chunk_blob, part_headers
-from kvcodec.codecs.hevc.encode import encode_chunks
+from kvcodec.codecs.hevc.encode import check_kv, encode_chunks
 from kvcodec.config import CodecConfig, resolution_pairs, torch_device
 from kvcodec.container.format import (
     FILE_MAGIC,
@@ -39,6 +39,7 @@ def encode(
     on_chunk: Callable[[EncodedChunk], None] | None = None,
 ) -> bytes:
     """Encode a KV tensor (layers, 2, tokens, kv_heads, head_dim) into a kvcodec file (.kvc)."""
+    check_kv(kv, config)  # before the file's id hashes it: anything else is a ShapeError, not an AttributeError
     file_id = content_id([kv], json.dumps(config.to_dict(), sort_keys=True))  # chunks keyed to this file
     keys = [file_chunk_key(file_id, i) for i in range(-(-kv.shape[2] // config.chunk_tokens))]
     chunks = encode_chunks(kv, config, encoder=encoder, on_chunk=on_chunk, keys=keys)

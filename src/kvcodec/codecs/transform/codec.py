@@ -559,7 +559,7 @@ class TransformCodec:
     def _check_kv(self, kv: torch.Tensor) -> torch.Tensor:
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
             raise ShapeError("KV must be a (layers, 2, tokens, kv_heads, head_dim) tensor")
-        if kv.dtype not in DTYPES.values() or kv.shape[2] == 0:
+        if kv.dtype not in DTYPES.values() or kv.shape[2] == 0 or kv.is_meta:
             raise ShapeError(f"KV must be non-empty float16/bfloat16/float32; got {kv.dtype} {tuple(kv.shape)}")
         self.cal.check_shape(kv.shape)
         kv = kv.detach()
