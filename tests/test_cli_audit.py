@@ -499,3 +499,13 @@ def test_a_huge_chunk_size_encodes_as_fast_as_the_kv_allows():
     kv = synthetic_kv(32, 2).to(torch.float16)
     data = kvcodec.encode(kv, kvcodec.CodecConfig(quant="exact", chunk_tokens=10**8, sample_coder="zstd"))
     assert torch.equal(kvcodec.decode(data), kv)
+
+
+def test_a_kvt_of_another_model_is_named_in_a_warning(tmp_path, synthetic_kvt):
+    # a .kvt from another model of the same KV shape coded at 2.7x the error, without a word
+    for model, warned in (("other-model", True), ("synthetic", False)):
+        src = tmp_path / f"{model}.safetensors"
+        save_file({"kv": synthetic_kv(40, 3)}, str(src), metadata={"model": model})
+        r = CliRunner().invoke(cli, ["encode", str(src), str(tmp_path / "o.kvc"), "--transform", str(synthetic_kvt)])
+        assert r.exit_code == 0, r.output
+        assert ("calibrated on 'synthetic'" in r.output and "'other-model'" in r.output) == warned, r.output

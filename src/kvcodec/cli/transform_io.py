@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -56,11 +57,12 @@ def encode_cmd(
             f"with --transform the sample coder is {', '.join(CODERS)} or ans", param_hint="--sample-coder"
         )
     target_ratio = pick_ratio(transform, target_ratio, target_quality)
-    kv, _ = load_kv_file(src)
+    kv, meta = load_kv_file(src)
     kw = dict(target_ratio=target_ratio, chunk_tokens=chunk_tokens, **({"coder": coder} if coder else {}))
     if resolutions:
         kw["resolutions"] = resolutions[:1]
     codec = _ans_codec(transform, **kw) if coder == "ans" else open_transform(transform, **kw)
+    warn_if_other_model(codec, meta.get("model"), f"{src}'s model")
     t0 = time.perf_counter()
     if isinstance(codec, GroupedCodec) != hasattr(kv, "spec"):
         held = "a cache of layer groups" if hasattr(kv, "spec") else "one KV tensor"
@@ -121,3 +123,33 @@ def _file_coder(data: bytes) -> str | None:
     if bytes(data[:4]) != FILE_MAGIC:
         return None
     return (read_header(data)[0].get("settings") or {}).get("coder")
+
+
+def calibrated_on(codec: Any) -> str | None:
+    """The model a transform codec's .kvt names as the one it was calibrated on (None: not a
+    transform, or a .kvt that does not say)."""
+    cals = [getattr(codec, "cal", None), *(getattr(c, "cal", None) for c in getattr(codec, "per_group", {}).values())]
+    names = {str(c.info.get("model")) for c in cals if c is not None and (c.info or {}).get("model")}
+    return names.pop() if len(names) == 1 else None
+
+
+def warn_if_other_model(codec: Any, model: str | None, what: str) -> None:
+    """On stderr: the .kvt was calibrated on another model than `model` (named as the user named it:
+    a registered name or a path). Its shape fits (that is checked apart), but its basis and its quality
+    report are another model's: the ratio's accuracy can be far worse (a fine-tune of it is near)."""
+    kvt_model = calibrated_on(codec)
+    if kvt_model is None or model is None or _same_model(kvt_model, str(model)):
+        return
+    click.echo(
+        f"kvcodec: warning: the .kvt was calibrated on {kvt_model!r}, {what} is {model!r}: its quality report does "
+        f"not apply (calibrate on {model!r} for one that does)",
+        err=True,
+    )
+
+
+def _same_model(a: str, b: str) -> bool:
+    from kvcodec.models.local import is_local
+
+    if is_local(a) and is_local(b):
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return a == b
