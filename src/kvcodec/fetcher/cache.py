@@ -203,17 +203,17 @@ class PrefixCache:
         return other
 
     # -- lookup ------------------------------------------------------------------------------
-    def lookup(self, token_ids: Any, deadline_s: float | None = None) -> int:
+    def lookup(self, token_ids: Any, deadline_s: float | None = None, *, whole: bool = False) -> int:
         """Number of leading tokens of `token_ids` whose KV is stored (0 if none), found with one
-        batched existence query. Raises StoreError if the store cannot be asked, FetchError if it
-        does not answer within `deadline_s`."""
+        batched existence query of the chunks' metas (whole=True: of their blobs too, which a store
+        that evicts may have dropped first: what a job that skips stored work asks). Raises
+        StoreError if the store cannot be asked, FetchError if it does not answer within `deadline_s`."""
         ids = as_token_array(token_ids)
         keys = self.keys(ids)
         if not keys:
             return 0
-        flags = storecalls.call(
-            storecalls.Deadline(deadline_s), "lookup", self.store.exists_many, [meta_key(k) for k in keys]
-        )
+        query = self._stored_whole if whole else lambda ks: self.store.exists_many([meta_key(k) for k in ks])
+        flags = storecalls.call(storecalls.Deadline(deadline_s), "lookup", query, keys)
         return min(len(ids), longest_present(flags) * self.chunk_tokens)
 
     # -- put ---------------------------------------------------------------------------------

@@ -77,11 +77,12 @@ class IngestReport:
 
 
 def _stored_already(cache: Any, ids: list[int]) -> bool:
-    """Whether every chunk a put of `ids` would write is in the store (one batched lookup)."""
+    """Whether every chunk a put of `ids` would write is in the store whole, its blobs too (one
+    batched lookup: a store that evicts drops a chunk's blobs before its meta, which was written last)."""
     want = len(ids)
     if not getattr(cache, "store_partial", True):
         want -= want % int(cache.chunk_tokens)
-    return want == 0 or cache.lookup(ids) >= want
+    return want == 0 or cache.lookup(ids, whole=True) >= want
 
 
 def load_for_ingest(model_name: str, device: Any = None, dtype: Any = None) -> tuple[Any, Any, Any]:
