@@ -509,3 +509,17 @@ def test_a_kvt_of_another_model_is_named_in_a_warning(tmp_path, synthetic_kvt):
         r = CliRunner().invoke(cli, ["encode", str(src), str(tmp_path / "o.kvc"), "--transform", str(synthetic_kvt)])
         assert r.exit_code == 0, r.output
         assert ("calibrated on 'synthetic'" in r.output and "'other-model'" in r.output) == warned, r.output
+
+
+def test_a_coded_file_given_as_the_kvt_and_a_cut_safetensors_file_say_what_they_are(tmp_path, transform_file):
+    # "'utf-32-be' codec can't decode bytes"; "not a kvcodec file: magic b'p\x04\x00\x00'"
+    out = _one_line_error(
+        CliRunner().invoke(
+            cli, ["decode", str(transform_file), str(tmp_path / "o.safetensors"), "--transform", str(transform_file)]
+        ),
+        1,
+    )
+    assert "not a .kvt transform file: it is a kvcodec KVTF object" in out
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(_kv_file(tmp_path).read_bytes()[:12])  # inside its header
+    assert "a safetensors file cut short" in _one_line_error(CliRunner().invoke(cli, ["inspect", str(cut)]), 1)

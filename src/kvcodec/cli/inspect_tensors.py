@@ -13,18 +13,25 @@ KVT_FORMATS = ("kvcodec-transform", "kvcodec-transform-grouped")
 
 
 def is_safetensors(data: bytes) -> bool:
-    """Looks like a safetensors file: an 8-byte little-endian header length, then a JSON object."""
+    """Looks like a safetensors file: an 8-byte little-endian header length, then a JSON object
+    (whole or, in a file cut short, its beginning)."""
     n = int.from_bytes(data[:8], "little") if len(data) >= 10 else 0
-    return 2 <= n <= len(data) - 8 and data[8:9] == b"{"
+    return n >= 2 and data[8:9] == b"{"
 
 
 def describe_tensors(src: Path, data: bytes) -> dict[str, Any]:
     """The summary of a .kvt (transform.describe) or of a KV file (kvspec.files), by the format its
     metadata names; a damaged file is the loaders' FormatError, a foreign one their error."""
+    from kvcodec.errors import TruncatedError
     from kvcodec.kvspec.files import describe_kv_file
     from kvcodec.transform import kvt
     from kvcodec.transform.describe import describe_kvt
 
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise TruncatedError(
+            f"{src}: a safetensors file cut short (its header announces {n} bytes, {len(data) - 8} follow)"
+        )
     if kvt._meta(data).get("format") in KVT_FORMATS:
         return describe_kvt(data)
     return describe_kv_file(src)

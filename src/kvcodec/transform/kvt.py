@@ -120,7 +120,15 @@ def save_kvt(cal: Calibration, path: str | Path) -> str:
 def _meta(data: bytes) -> dict[str, str]:
     if len(data) < 8:
         raise FormatError("not a .kvt transform file (too short)")
+    if data[:2] == b"KV" and data[2:4].isalpha():  # every kvcodec container starts so (docs/FORMAT.md)
+        raise FormatError(
+            f"not a .kvt transform file: it is a kvcodec {data[:4].decode()} object (coded KV), not a calibration"
+        )
     n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise FormatError(
+            f"not a .kvt transform file: its header announces {n} bytes, {len(data) - 8} follow (truncated?)"
+        )
     try:
         meta = json.loads(data[8 : 8 + n]).get("__metadata__") or {}
     except (ValueError, AttributeError) as e:
