@@ -523,3 +523,19 @@ def test_a_coded_file_given_as_the_kvt_and_a_cut_safetensors_file_say_what_they_
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(_kv_file(tmp_path).read_bytes()[:12])  # inside its header
     assert "a safetensors file cut short" in _one_line_error(CliRunner().invoke(cli, ["inspect", str(cut)]), 1)
+
+
+@pytest.mark.skipif(not hasattr(os, "getrlimit"), reason="needs resource limits")
+def test_a_write_cut_short_by_the_disk_names_the_output(tmp_path):
+    # "error: [Errno 27] File too large", and no word of which file
+    import subprocess
+
+    code = (
+        "import resource, signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
+        "from kvcodec.atomic import write_atomic; import sys; write_atomic(sys.argv[1], b'x' * 5000)"
+    )
+    out = tmp_path / "big.kvc"
+    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"(writing {out})" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind

@@ -29,6 +29,11 @@ def replacing(path: str | Path, suffix: str = ".part", mode: int = NEW_FILE_MODE
         yield tmp
         os.chmod(tmp, mode)
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # a write's error (a full disk, a file-size limit) names no file: name the output
+            raise OSError(e.errno, f"{e.strerror or e} (writing {path})") from e
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
