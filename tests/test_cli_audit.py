@@ -525,7 +525,7 @@ def test_a_coded_file_given_as_the_kvt_and_a_cut_safetensors_file_say_what_they_
     assert "a safetensors file cut short" in _one_line_error(CliRunner().invoke(cli, ["inspect", str(cut)]), 1)
 
 
-@pytest.mark.skipif(not hasattr(os, "getrlimit"), reason="needs resource limits")
+@pytest.mark.skipif(importlib.util.find_spec("resource") is None, reason="needs resource limits (POSIX)")
 def test_a_write_cut_short_by_the_disk_names_the_output(tmp_path):
     # "error: [Errno 27] File too large", and no word of which file
     import subprocess
