@@ -70,7 +70,13 @@ def _say(msg: str) -> None:
 )
 @click.option("--chunk-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-new-tokens", default=24, show_default=True, type=click.IntRange(min=1))
-@click.option("--store", "store_dir", default=None, help="Directory for the file:// store (default: a temp dir).")
+@click.option(
+    "--store",
+    "store_dir",
+    default=None,
+    type=click.Path(file_okay=False, writable=True),
+    help="Directory for the file:// store (default: a temp dir).",
+)
 @device_option(default=None, help="cpu or cuda (default: cuda if available).")
 @click.option(
     "--threads", default=None, type=click.IntRange(min=1), help="torch CPU threads (default: torch's choice)."
