@@ -150,6 +150,11 @@ def test_a_request_the_engine_fails_or_stops_is_a_server_error_not_a_200(client,
     monkeypatch.setattr(engine_module, "sample", abort_once)
     r = c.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 50, "ignore_eos": True})
     assert r.status_code == 503 and "stopped before the answer was complete" in r.json()["error"]["message"], r.text
+    body = {"prompt": "Hi there", "max_tokens": 50, "ignore_eos": True, "stream": True}
+    with c.stream("POST", "/v1/completions", json=body) as s:  # streamed: the status went out first
+        ev = _events(s)
+    assert ev[-2]["choices"][0]["finish_reason"] == "abort", ev[-2:]
+    assert ev[-1]["error"]["type"] == "server_error" and "stopped before" in ev[-1]["error"]["message"]
     monkeypatch.setattr(engine_module, "sample", real)
     assert c.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 3}).status_code == 200
 

@@ -183,6 +183,9 @@ async def _events(engine: Any, env: responses.Envelope, req: Any, q: Any, stop: 
         yield responses.sse(responses.role_chunk(env))
     async for d in deltas(engine, req, q, stop):
         yield responses.sse(responses.chunk(env, req, d.text, d.finish_reason, d.tokens))
+        if d.finish_reason in UNFINISHED:  # the status was sent 200 with the first event: say it in the stream
+            _, why = UNFINISHED[d.finish_reason]
+            yield responses.sse(responses.error(f"{why}: {req.error}" if req.error else why, kind="server_error"))
     yield responses.sse("[DONE]")
 
 
