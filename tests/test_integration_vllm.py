@@ -227,3 +227,117 @@ def test_paged_view_addresses_every_layers_k_and_v():
 def test_layer_order_is_numeric():
     names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 0, 1)]
     assert layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
+
+
+def _stored_by_r1(url, prompt, kv, **extra):
+    """A scheduler and worker whose store holds `prompt`'s chunks (saved by a first request)."""
+    sched, worker = connectors(url, quant="exact", **extra)
+    caches = paged_caches(kv, torch.float16)
+    worker.register_kv_caches(caches)
+    r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r1, 0, list(range(7))) == 0
+    write_prompt(caches, kv.to(torch.float16), list(range(7)))
+    scheduler_step(sched, worker, r1, list(range(7)), len(prompt))
+    return sched, worker, caches
+
+
+def test_a_cache_salt_or_lora_adapter_never_finds_another_ones_prefix(prompt_kv, tmp_path):
+    # the keys hashed only the tokens: a request of another tenant (cache_salt) or adapter got r1's KV
+    from vllm.lora.request import LoRARequest
+
+    prompt, kv = prompt_kv
+    sched, _, _ = _stored_by_r1(f"file://{tmp_path}", prompt, kv)
+    same = Request("same", prompt, SamplingParams(max_tokens=1), None)
+    salted = Request("salted", prompt, SamplingParams(max_tokens=1), None, cache_salt="tenant-b")
+    adapted = Request("lora", prompt, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("ad", 1, "/x"))
+    assert [sched.get_num_new_matched_tokens(r, 0)[0] for r in (same, salted, adapted)] == [96, 0, 0]
+
+
+def test_a_multimodal_prompt_is_neither_offered_nor_stored(prompt_kv, tmp_path):
+    # its placeholder tokens are the same for any image: its KV is not named by its tokens
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    prompt, kv = prompt_kv
+    sched, _, _ = _stored_by_r1(f"file://{tmp_path}", prompt, kv)
+    image = MultiModalFeatureSpec(None, "image", "img-1", PlaceholderRange(offset=2, length=8), "hash-1")
+    r = Request("mm", prompt, SamplingParams(max_tokens=1), None, mm_features=[image])
+    assert sched.request_namespace(r) == (False, None) and sched.get_num_new_matched_tokens(r, 0)[0] == 0
+
+
+def test_a_store_that_goes_down_is_a_miss_not_a_dead_scheduler(prompt_kv, redis_server):
+    prompt, kv = prompt_kv
+    sched, worker, caches = _stored_by_r1(redis_server.url, prompt, kv)
+    redis_server.kill()
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r2, 0, list(range(10, 17))) == 0  # vLLM's scheduler called this with no try: it died
+    scheduler_step(sched, worker, r2, list(range(10, 17)), len(prompt))  # no save either, no exception
+
+
+def test_a_request_resumed_after_preemption_is_restored(prompt_kv, tmp_path):
+    # vLLM's v1 runner schedules a resumed request among the cached ones: its offered tokens were
+    # counted as computed and never loaded (its blocks stayed zeros)
+    prompt, kv = prompt_kv
+    sched, worker, caches = _stored_by_r1(f"file://{tmp_path}", prompt, kv)
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    external = admit(sched, r2, 0, blocks2)
+    cached = CachedRequestData.make_empty()
+    cached.req_ids, cached.resumed_req_ids = ["r2"], {"r2"}
+    cached.new_block_ids, cached.num_computed_tokens = [(blocks2,)], [r2.num_computed_tokens]
+    out = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={"r2": len(prompt) - external},
+        total_num_scheduled_tokens=len(prompt) - external,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+    worker.bind_connector_metadata(sched.build_connector_meta(out))
+    worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
+    d = kv.shape[-1]
+    assert external == 96 and not worker.get_block_ids_with_load_errors()
+    assert torch.equal(read_tokens(caches, blocks2, 96, d), read_tokens(caches, list(range(7)), 96, d))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["paged-restore", "per-layer-scatter"])
+def test_caches_of_kernel_blocks_smaller_than_vllms_blocks(prompt_kv, tmp_path, shared):
+    # vLLM may split each scheduler block into kernel blocks ([blocks * k, heads, block_size / k, 2d]):
+    # the connector indexed them by scheduler blocks (IndexError in the worker)
+    prompt, kv = prompt_kv
+    kernel, per = BLOCK // 2, 2
+    layers, _, _, heads, d = kv.shape
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+
+    def caches():
+        if shared:
+            backing = torch.zeros(layers, NUM_BLOCKS * per, heads, kernel, 2 * d, dtype=torch.float16)
+            return {n: backing[i] for i, n in enumerate(names)}
+        return {n: torch.zeros(NUM_BLOCKS * per, heads, kernel, 2 * d, dtype=torch.float16) for n in names}
+
+    def slot(block_ids, t):
+        return block_ids[t // BLOCK] * per + (t % BLOCK) // kernel, t % kernel
+
+    sched, worker = connectors(f"file://{tmp_path}", quant="exact")
+    c1 = caches()
+    worker.register_kv_caches(c1)
+    for layer, n in enumerate(names):
+        for t in range(len(prompt)):
+            b, o = slot(list(range(7)), t)
+            c1[n][b, :, o] = torch.cat([kv[layer, 0, t], kv[layer, 1, t]], -1).to(torch.float16)
+    r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
+    admit(sched, r1, 0, list(range(7)))
+    scheduler_step(sched, worker, r1, list(range(7)), len(prompt))
+    c2 = caches()
+    worker.register_kv_caches(c2)
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    assert admit(sched, r2, 0, blocks2) == 96
+    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
+    assert not worker.get_block_ids_with_load_errors()
+    for n in names:
+        for t in range(96):
+            assert torch.equal(
+                c2[n][slot(blocks2, t)[0], :, slot(blocks2, t)[1]], c1[n][slot(list(range(7)), t)[0], :, t % kernel]
+            )

@@ -55,11 +55,22 @@ class ChunkLoad:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixSave:
-    """Store the whole chunks of `token_ids`, whose KV sits in `block_ids` after this step."""
+    """Store the whole chunks of `token_ids`, whose KV sits in `block_ids` after this step, under
+    keys of `namespace` (the request's: see KVCodecConnector.request_namespace)."""
 
     req_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
+    namespace: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    """What the scheduler side offered a request: tokens to load, of which prompt, in which namespace."""
+
+    external: int
+    prompt: tuple[int, ...]
+    namespace: str | None
 
 
 @dataclasses.dataclass
@@ -122,6 +133,14 @@ def token_slots(block_ids, block_size: int, start: int, end: int) -> tuple[torch
     return torch.as_tensor(block_ids, dtype=torch.int64)[pos // block_size], pos % block_size
 
 
+def kernel_blocks(block_ids, per_block: int) -> tuple[int, ...]:
+    """The cache tensors' own blocks of the scheduler's `block_ids`, where vLLM splits each scheduler
+    block into `per_block` kernel blocks (block b: kernel blocks b * per_block .. b * per_block + per_block - 1)."""
+    if per_block == 1:
+        return tuple(block_ids)
+    return tuple(b * per_block + j for b in block_ids for j in range(per_block))
+
+
 class KVCodecConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -141,8 +160,10 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.shards = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.rank = (0, 0) if role == KVConnectorRole.SCHEDULER else worker_rank()
         self.store = open_store(url, **dict(extra.get("store_options", {})))
-        self._need_load: dict[str, int] = {}  # req_id -> tokens to load
+        self._offers: dict[str, _Offer] = {}  # req_id -> the load vLLM now counts as computed
+        self._namespaces: dict[str, str | None] = {}  # req_id -> its keys' namespace; absent: not keyable
         self._kv_caches: dict[str, torch.Tensor] = {}
+        self._kernel_block = self.block_size  # tokens per block of the cache tensors (vLLM may split blocks)
         self._pages: torch.Tensor | None = None  # all layers as one paged view, where vLLM's layout allows
         self._load_errors: set[int] = set()
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcodec-save")
@@ -154,22 +175,58 @@ class KVCodecConnector(KVConnectorBase_V1):
         return f"{chunk_key}/tp{tp}of{self.shards[0]}-pp{pp}of{self.shards[1]}"
 
     # -- scheduler side -------------------------------------------------------------------
-    def _keys(self, token_ids) -> list[str]:
-        return chunk_keys(token_ids, self.model_id, self.codec, partial=False, namespace=self.namespace)
+    def _keys(self, token_ids, namespace: str | None) -> list[str]:
+        return chunk_keys(token_ids, self.model_id, self.codec, partial=False, namespace=namespace)
 
-    def _stored_chunks(self, token_ids) -> int:
-        keys = self._keys(token_ids)
-        return longest_present(self.store.exists_many([self.object_key(k, (0, 0)) for k in keys])) if keys else 0
+    def _stored_chunks(self, token_ids, namespace: str | None) -> int:
+        """Leading chunks of `token_ids` stored (rank (0, 0)'s objects); 0 where the store cannot say
+        (down, slow: a miss, never a failure of vLLM's scheduler)."""
+        keys = self._keys(token_ids, namespace)
+        if not keys:
+            return 0
+        try:
+            return longest_present(self.store.exists_many([self.object_key(k, (0, 0)) for k in keys]))
+        except KVCodecError as e:
+            logger.warning("kvcodec lookup failed (a miss): %s", e)
+            return 0
+
+    def request_namespace(self, request) -> tuple[bool, str | None]:
+        """(keyable, namespace of its keys). The same tokens give other KV under another cache salt
+        (vLLM's per-request isolation) or LoRA adapter, so those name the keys' namespace beside the
+        configured one; a prompt whose tokens do not say what the model saw (images or other
+        multimodal inputs behind placeholder tokens, prompt embeddings) is not keyable: never
+        offered, never stored."""
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            return False, None
+        parts = [str(self.namespace)] if self.namespace else []
+        if salt := getattr(request, "cache_salt", None):
+            parts.append(f"salt={salt}")
+        if (lora := getattr(request, "lora_request", None)) is not None:
+            parts.append(f"lora={lora.lora_name}")
+        return True, "|".join(parts) or None
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        keyable, namespace = self.request_namespace(request)
+        if not keyable:
+            self._namespaces.pop(request.request_id, None)
+            return 0, False
+        self._namespaces[request.request_id] = namespace
         prompt = request.prompt_token_ids or []
         usable = max(0, len(prompt) - 1)  # vLLM must compute at least the last prompt token
-        hit = self._stored_chunks(prompt[:usable]) * self.codec.chunk_tokens
+        hit = self._stored_chunks(prompt[:usable], namespace) * self.codec.chunk_tokens
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
-            self._need_load[request.request_id] = num_external_tokens
+            namespace = self._namespaces.get(request.request_id)
+            prompt = tuple(request.prompt_token_ids or ())
+            self._offers[request.request_id] = _Offer(num_external_tokens, prompt, namespace)
+
+    def _load_of(self, req_id: str, offer: _Offer, computed: int, block_ids) -> ChunkLoad:
+        """The chunks of an offer; the scheduler has set `computed` to vLLM's own hit plus ours."""
+        ct = self.codec.chunk_tokens
+        keys = tuple(self._keys(offer.prompt[: -(-computed // ct) * ct], offer.namespace))
+        return ChunkLoad(req_id, keys, tuple(block_ids), computed - offer.external)
 
     def build_connector_meta(self, scheduler_output) -> KVCodecConnectorMetadata:
         meta = KVCodecConnectorMetadata()
@@ -177,29 +234,49 @@ class KVCodecConnector(KVConnectorBase_V1):
         for req in scheduler_output.scheduled_new_reqs:
             prompt = list(req.prompt_token_ids or [])
             block_ids = tuple(req.block_ids[0])
-            if req.req_id in self._need_load:
-                # The scheduler has set num_computed_tokens to vLLM's own hit plus ours.
-                external = self._need_load.pop(req.req_id)
-                have = req.num_computed_tokens - external
-                n_chunks = -(-req.num_computed_tokens // ct)
-                keys = tuple(self._keys(prompt[: n_chunks * ct]))
-                meta.loads.append(ChunkLoad(req.req_id, keys, block_ids, have))
+            if (offer := self._offers.pop(req.req_id, None)) is not None:
+                meta.loads.append(self._load_of(req.req_id, offer, req.num_computed_tokens, block_ids))
                 continue
+            if req.req_id not in self._namespaces:
+                continue  # not keyable (multimodal), or never asked: not stored
+            namespace = self._namespaces[req.req_id]
             scheduled = scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
             whole = (len(prompt) // ct) * ct
             # Only prompts prefilled in this one step are stored (chunked prefill is not).
             if (
                 whole
                 and req.num_computed_tokens + scheduled >= len(prompt)
-                and self._stored_chunks(prompt[:whole]) * ct < whole
+                and self._stored_chunks(prompt[:whole], namespace) * ct < whole
             ):
-                meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids))
-        self._need_load.clear()
+                meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids, namespace))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: all of its blocks are new
+            offer = self._offers.pop(req_id, None)
+            if offer is not None and req_id in cached.resumed_req_ids and cached.new_block_ids[i] is not None:
+                meta.loads.append(
+                    self._load_of(req_id, offer, cached.num_computed_tokens[i], cached.new_block_ids[i][0])
+                )
+        for req_id in self._offers:  # vLLM counts these tokens computed: say so where none was scheduled to load
+            logger.error("kvcodec: request %s was offered stored tokens but not scheduled to load them", req_id)
+        self._offers.clear()
         return meta
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        self._namespaces.pop(request.request_id, None)
+        self._offers.pop(request.request_id, None)
+        return False, None
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = {name: kv_caches[name] for name in layer_order(kv_caches)}
+        if self._kv_caches:  # vLLM may split each scheduler block into kernel blocks of the cache tensors
+            kernel = next(iter(self._kv_caches.values())).shape[2]
+            if kernel < 1 or self.block_size % kernel:
+                raise ConfigError(
+                    f"KVCodecConnector: the KV cache's blocks of {kernel} tokens do not divide vLLM's block size "
+                    f"{self.block_size}"
+                )
+            self._kernel_block = kernel
         self._pages = paged_view(list(self._kv_caches.values())) if self._kv_caches else None
         if self._kv_caches:  # the restore's kernels compiled now, not during the first request's load
             first = next(iter(self._kv_caches.values()))
@@ -210,7 +287,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         for load in getattr(meta, "loads", []):
             try:
                 self._load(load)
-            except KVCodecError as e:
+            except (KVCodecError, IndexError, RuntimeError) as e:  # a miss vLLM recomputes, never a dead worker
                 logger.warning("kvcodec load for request %s failed: %s", load.req_id, e)
                 self._load_errors.update(load.block_ids[load.skip_tokens // self.block_size :])
 
@@ -224,7 +301,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         for save in getattr(meta, "saves", []):
             kv = self.gather(save.block_ids, 0, len(save.token_ids)).cpu()  # copied before the blocks move on
-            self._saver.submit(self._store_prefix, save.token_ids, kv)
+            self._saver.submit(self._store_prefix, save.token_ids, kv, save.namespace)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -240,17 +317,22 @@ class KVCodecConnector(KVConnectorBase_V1):
             raise ConfigError("KVCodecConnector has no registered KV caches")
         return list(self._kv_caches.values())
 
+    def _slots(self, block_ids, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cache block, offset in it) of sequence tokens [start, end), in the cache tensors' own blocks."""
+        table = kernel_blocks(block_ids, self.block_size // self._kernel_block)
+        return token_slots(table, self._kernel_block, start, end)
+
     def gather(self, block_ids, start: int, end: int) -> torch.Tensor:
         """Tokens [start, end) of a sequence as canonical (layers, 2, tokens, heads, head_dim)."""
         layers = self._layers()
-        blocks, offsets = token_slots(block_ids, self.block_size, start, end)
+        blocks, offsets = self._slots(block_ids, start, end)
         d = layers[0].shape[-1] // 2
         per_layer = [c[blocks.to(c.device), :, offsets.to(c.device)] for c in layers]  # (tokens, heads, 2d)
         return torch.stack([torch.stack([x[..., :d], x[..., d:]]) for x in per_layer])
 
     def scatter(self, kv: torch.Tensor, block_ids, start: int) -> None:
         """Write canonical KV of sequence tokens [start, start + kv.shape[2]) into the paged caches."""
-        blocks, offsets = token_slots(block_ids, self.block_size, start, start + kv.shape[2])
+        blocks, offsets = self._slots(block_ids, start, start + kv.shape[2])
         for layer, c in enumerate(self._layers()):
             d = c.shape[-1] // 2
             b, o = blocks.to(c.device), offsets.to(c.device)
@@ -271,7 +353,7 @@ class KVCodecConnector(KVConnectorBase_V1):
             if self.codec.inspect_chunk(blob).key not in (None, key):
                 raise KVCodecError(f"chunk blob under {key} is bound to another prefix")
             if self._pages is not None and start >= load.skip_tokens:
-                table = torch.as_tensor(load.block_ids, dtype=torch.int64)
+                table = torch.as_tensor(kernel_blocks(load.block_ids, self.block_size // self._kernel_block))
                 self.codec.decode_chunk(blob, PagedKV(self._pages, table))  # straight into the blocks
                 continue
             out = torch.empty((len(layers), 2, ct, heads, d), dtype=layers[0].dtype, device=layers[0].device)
@@ -279,9 +361,9 @@ class KVCodecConnector(KVConnectorBase_V1):
             first = max(start, load.skip_tokens)
             self.scatter(kv[:, :, first - start :], load.block_ids, first)
 
-    def _store_prefix(self, token_ids, kv: torch.Tensor) -> None:
+    def _store_prefix(self, token_ids, kv: torch.Tensor, namespace: str | None = None) -> None:
         try:
-            keys = self._keys(token_ids)
+            keys = self._keys(token_ids, namespace)
             for chunk in self.codec.encode_chunks(kv, keys=keys):
                 self.store.put(self.object_key(keys[chunk.index]), chunk.blobs[0])
         except KVCodecError as e:
