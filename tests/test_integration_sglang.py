@@ -169,6 +169,38 @@ def test_damaged_group_is_a_miss(real_kv, tmp_path):
     assert b.batch_get(keys, dummy_pages(6, kv)) == [None] * 6
 
 
+def test_pages_whose_group_the_store_lost_are_forgotten_then_stored_again(real_kv, tmp_path):
+    # an evicted group left its pointers: exists said 6 of 6, every read missed, and set skipped them, forever
+    kv = real_kv.to(torch.float16)
+    url = f"file://{tmp_path}"
+    b = backend(url, kv, quant="exact", group_tokens=96)
+    buf = host_buffer(kv, "layer_first")
+    keys, pages = keys_for(6), [host_page(buf, "layer_first", i) for i in range(6)]
+    assert b.batch_set(keys, pages)
+    with open_store(url) as st:
+        (group,) = [k for k in st.list("sglang/") if "/g/" in k]
+        st.delete(group)  # what a Redis maxmemory or TTL eviction of the big value does
+    assert b.batch_get(keys, dummy_pages(6, kv)) == [None] * 6
+    assert b.batch_exists(keys) == 0
+    assert b.batch_set(keys, pages) and b.batch_exists(keys) == 6
+    assert all(torch.equal(got, want) for got, want in zip(b.batch_get(keys, dummy_pages(6, kv)), pages))
+
+
+def test_a_damaged_page_pointer_is_a_miss(real_kv, tmp_path):
+    kv = real_kv.to(torch.float16)
+    url = f"file://{tmp_path}"
+    b = backend(url, kv, quant="exact", group_tokens=96)
+    buf = host_buffer(kv, "layer_first")
+    keys = keys_for(6)
+    assert b.batch_set(keys, [host_page(buf, "layer_first", i) for i in range(6)])
+    with open_store(url) as st:
+        pointer = sorted(k for k in st.list("sglang/") if "/p/" in k)[0]
+        raw = bytearray(st.get(pointer))
+        raw[-3] = 0xFF  # not UTF-8 any more: a UnicodeDecodeError escaped batch_get
+        st.put(pointer, bytes(raw))
+    assert b.batch_get(keys, dummy_pages(6, kv)) == [None] * 6
+
+
 def test_bad_configs_fail_at_startup(real_kv, tmp_path):
     url = f"file://{tmp_path}"
     with pytest.raises(ConfigError, match="url"):
@@ -182,6 +214,8 @@ def test_bad_configs_fail_at_startup(real_kv, tmp_path):
         StorageBackendFactory.create_backend("dynamic", mla, None)
     with pytest.raises(ConfigError, match="layout"):
         PageGeometry("page_unified", 2, 16, 2, 64, torch.float16)
+    with pytest.raises(ConfigError, match="interface_v1"):  # SGLang would call methods the backend has not
+        StorageBackendFactory.create_backend("dynamic", storage_config(url, interface_v1=1), None)
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])

@@ -54,6 +54,10 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
+        if extra.get("interface_v1"):  # SGLang would call batch_get_v1 / batch_set_v1, which this backend has not
+            raise ConfigError(
+                "the kvcodec HiCache backend implements the generic get/set interface: leave out interface_v1"
+            )
         if storage_config.is_mla_model:
             raise ConfigError("the kvcodec HiCache backend supports MHA/GQA host pools, not MLA")
         url = extra.get("url")
@@ -110,6 +114,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
                 if p is not None:
                     groups.setdefault(p.group_key, []).append(i)
             blobs = dict(zip(groups, self.store.get_many(list(groups))))
+            self._drop_lost_groups([keys[i] for k, members in groups.items() if blobs[k] is None for i in members])
             for group_key, members in groups.items():
                 self._restore_group(blobs[group_key], [pointers[i] for i in members], members, targets, out, g)
         except KVCodecError as e:  # a damaged or missing object is a miss; SGLang recomputes
@@ -183,6 +188,13 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         self.store.put_many(
             {self._page_key(k): PagePointer(group_key, i, len(keys)).to_bytes() for i, k in enumerate(keys)}
         )
+
+    def _drop_lost_groups(self, keys: list[str]) -> None:
+        """Pages whose group the store has lost (evicted, expired) are forgotten: exists then says
+        so and the next batch_set rewrites them, instead of a miss on every read, forever."""
+        if keys:
+            logger.warning("kvcodec HiCache: %d pages point to a group the store lost; dropping them", len(keys))
+            self.store.delete_many([self._page_key(k) for k in keys])
 
     def _restore_group(self, blob, pointers, members, targets, out, g: PageGeometry) -> None:
         if blob is None:

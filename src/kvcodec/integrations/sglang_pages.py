@@ -96,4 +96,8 @@ class PagePointer:
             raise FormatError("not a kvcodec HiCache page pointer")
         if not 0 <= index < pages:
             raise FormatError(f"HiCache page pointer index {index} outside its group of {pages}")
-        return cls(data[_POINTER.size :].decode(), index, pages)
+        try:
+            group_key = data[_POINTER.size :].decode()
+        except UnicodeDecodeError as e:
+            raise FormatError(f"HiCache page pointer names no group ({e})") from None
+        return cls(group_key, index, pages)
