@@ -125,9 +125,10 @@ async def deltas(
                 yield Delta(text[len(sent) : hit] if hit >= len(sent) else "", "stop", tokens=len(ids))
                 return
             ready = text[: len(text) - stop_prefix_len(text, stop)]
-            delta = ready[len(sent) :] if ready.startswith(sent) else ""
-            if delta:
+            if not ready.startswith(sent):  # a later token changed earlier text (a merge): go on from here
                 sent = ready
+            elif len(ready) > len(sent):
+                delta, sent = ready[len(sent) :], ready
                 yield Delta(delta, None)
     finally:
         if not req.finished:
