@@ -306,3 +306,26 @@ def test_a_bad_resolution_or_busy_time_is_a_usage_error_before_any_work(tmp_path
     for bad in ("0", "two", ""):
         r = CliRunner().invoke(ttft_engine.command, ["run", "--dir", str(tmp_path), "--busy-queued", bad])
         assert r.exit_code == 2 and "--busy-queued" in r.output, r.output
+
+
+def test_the_notes_say_whether_the_weights_were_random():
+    from kvbench.ttft_engine import notes
+
+    assert "random weights (timing only)" in notes(True, None) and "real weights" not in notes(True, None)
+    assert "its real weights" in notes(False, "x") and "random" not in notes(False, "x").replace("random fp16", "")
+
+
+def test_a_model_folder_saved_again_gets_another_cache_tag(tmp_path):
+    # prefilled KV was cached under the folder's path: a model saved again there got the old model's KV
+    import os
+
+    from kvbench.workloads import model_tag
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"a" * 10)
+    first = model_tag(str(folder))
+    (folder / "model.safetensors").write_bytes(b"b" * 12)
+    assert model_tag(str(folder)) != first and first.startswith("tiny-") and os.sep not in first
+    assert model_tag("smollm2-135m") == "smollm2-135m"

@@ -42,7 +42,9 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
     from kvcodec.kvspec.files import load_plain_kv
 
     if kv_path is None:
-        cached = cache_dir() / "bench-kv" / f"{model}-{text.replace('/', '_')}-{tokens}.safetensors"
+        from kvbench.workloads import model_tag
+
+        cached = cache_dir() / "bench-kv" / f"{model_tag(model)}-{text.replace('/', '_')}-{tokens}.safetensors"
         if not cached.exists():
             from kvcodec.integrations.hf import extract_kv
             from kvcodec.models.registry import load_model

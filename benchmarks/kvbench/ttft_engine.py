@@ -900,7 +900,7 @@ def run_command(
         "time": utc_now(),
         "wall_s": round(time.perf_counter() - t0, 1),
         "methods": meths,
-        "notes": NOTES + (f" {note}" if note else ""),
+        "notes": notes(inputs.get("random_weights", True), note),
         "inputs": inputs,
         "accuracy": load_accuracy(tuple(accuracy_files)).get(accuracy_model, {}),
         "rows": with_raw_bound(rows),
@@ -920,7 +920,7 @@ def report_command(result, note) -> None:  # noqa: ANN001
     rec = json.loads(path.read_text())
     rec["rows"] = with_raw_bound(rec["rows"])
     if note is not None:
-        rec["notes"] = NOTES + (f" {note}" if note else "")
+        rec["notes"] = notes(rec.get("inputs", {}).get("random_weights", True), note)
     md = markdown(rec)
     write_result(str(path), rec, md)
     click.echo("\n".join(md))
@@ -929,9 +929,15 @@ def report_command(result, note) -> None:  # noqa: ANN001
 NOTES = (
     "TTFT = Engine.generate's arrival -> first token, one request at a time, fetch deadline off; the prefix KV "
     "restored by PrefixCache.fetch (defaults, policy fixed:0) through a token-bucket link from an in-memory store; "
-    "the model has random weights (timing only); the stored chunks code real KV values tiled into its shape, the "
+    "{weights}; the stored chunks code real KV values tiled into its shape, the "
     "prep's seed chunks relocated to every position (raw: random fp16). Points marked modelled: see the module."
 )
+
+
+def notes(random_weights: bool, note: str | None) -> str:
+    """The record's notes: the standard ones, saying whether the model's weights were random, then the run's note."""
+    weights = "the model has random weights (timing only)" if random_weights else "the model has its real weights"
+    return NOTES.format(weights=weights) + (f" {note}" if note else "")
 
 
 def _floats(text: str) -> list[float]:

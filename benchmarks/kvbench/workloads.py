@@ -94,3 +94,24 @@ def tiled_kv(real, layers: int, heads: int, head_dim: int, tokens: int):  # noqa
                 ti = (torch.arange(tokens) + shift) % T0
                 out[l, :, :, h, b : b + w] = real[l % L0][:, ti][:, :, (h + b // D0) % H0, :w]
     return out
+
+
+def model_tag(model: str) -> str:
+    """A file-name-safe name of `model` for caches of its prefilled KV: a registered name as it is; a
+    model directory or file by its name and a fingerprint of its files (path, names, sizes, times),
+    so a model saved again under the same path is not served the old one's KV."""
+    import hashlib
+    from pathlib import Path
+
+    from kvcodec.models.local import is_local
+
+    if not is_local(model):
+        return model
+    path = Path(model).expanduser().resolve()
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    h = hashlib.sha256(str(path).encode())
+    for f in files:
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    return f"{path.name}-{h.hexdigest()[:16]}"

@@ -29,8 +29,10 @@ DEFAULT_SKIP_PREFIXES = ("kvcodec-",)
 
 
 def _cache_file(model: str, text: str, tokens: int) -> Path:
+    from kvbench.workloads import model_tag
+
     root = Path(os.environ.get("KVCODEC_CACHE_DIR", Path.home() / ".cache" / "kvcodec"))
-    return root / "baselines" / f"kv-{model}-{text.replace('/', '_')}-{tokens}.safetensors"
+    return root / "baselines" / f"kv-{model_tag(model)}-{text.replace('/', '_')}-{tokens}.safetensors"
 
 
 def real_kv(model: str, tokens: int, text: str = "pg") -> tuple[torch.Tensor, dict[str, Any]]:
@@ -256,12 +258,17 @@ def command(model, tokens, text, kv_file, dtype, codecs, device, repeat, kernel_
     if kv_file:
         from kvcodec.kvspec.files import load_kv_file
 
-        kv, _ = load_kv_file(kv_file)
+        kv, meta = load_kv_file(kv_file)
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
             raise click.BadParameter(
                 "holds no (layers, 2, tokens, kv_heads, head_dim) tensor 'kv'", param_hint="--kv-file"
             )
-        desc = {"model": model, "text": text, "tokens": int(kv.shape[2]), "source": f"file {Path(kv_file).name}"}
+        desc = {  # what the file says it holds (kvcodec extract writes both), not --model / --text's defaults
+            "model": meta.get("model", "not named in the file"),
+            "text": meta.get("text", "not named in the file"),
+            "tokens": int(kv.shape[2]),
+            "source": f"file {Path(kv_file).name}",
+        }
     else:
         kv, desc = real_kv(model, tokens, text)
     if not torch.isfinite(kv).all():  # lossy coders then measured "bit exact" NaN, and JSON got a bare NaN
