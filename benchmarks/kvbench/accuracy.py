@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -344,7 +345,12 @@ def table(doc: dict) -> list[str]:
 
 
 @click.command("accuracy")
-@click.option("--models", default="smollm2-135m", show_default=True, help="Comma-separated registry names.")
+@click.option(
+    "--models",
+    default="smollm2-135m",
+    show_default=True,
+    help="Comma-separated registered names, model folders or .gguf files.",
+)
 @click.option("--quants", default="exact,int8,int6,int4,int3", show_default=True, help="Comma-separated quant modes.")
 @click.option(
     "--task",
@@ -421,7 +427,8 @@ def command(ctx, **o) -> None:  # noqa: ANN001, ANN003
         "per_question": questions,
         "exact_reproduces_recomputation": not failures,
     }
-    stem = f"accuracy-{'+'.join(model_list)}-{o['tag']}{'-quick' if o['quick'] else ''}"
+    names = "+".join(os.path.basename(os.path.normpath(m)) for m in model_list)  # a model folder by its name
+    stem = f"accuracy-{names}-{o['tag']}{'-quick' if o['quick'] else ''}"
     path = write_result(o["out_dir"] / f"{stem}.json", doc, table(doc))
     click.echo(f"wrote {path} and .md")
     click.echo(path.with_suffix(".md").read_text())
@@ -443,7 +450,7 @@ def with_quick_defaults(ctx: click.Context, o: dict) -> dict:
 
 def checked_lists(models: str, quants: str, ppl_texts: str) -> tuple[list[str], list[str], list[str]]:
     """(models, quants, texts) from their comma lists; unknown models and quants fail here, before any work."""
-    from kvcodec.models import get_spec
+    from kvcodec.models.check import inspect_model
 
     model_list = [m.strip() for m in models.split(",") if m.strip()]
     quant_list = [q.strip() for q in quants.split(",") if q.strip()]
@@ -451,7 +458,7 @@ def checked_lists(models: str, quants: str, ppl_texts: str) -> tuple[list[str], 
         if q not in QUANT_MODES:
             raise click.BadParameter(f"{q!r} is not one of {', '.join(QUANT_MODES)}", param_hint="--quants")
     for m in model_list:
-        get_spec(m)
+        inspect_model(m)  # a registered name, a model folder or a .gguf file, from its config in seconds
     return model_list, quant_list, [t.strip() for t in ppl_texts.split(",") if t.strip()]
 
 

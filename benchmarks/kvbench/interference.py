@@ -170,6 +170,11 @@ def command(**options: Any) -> None:
     import torch
 
     s = Settings(**options)
+    if s.kv_file and not s.random_model:  # it was ignored, whatever its shape: the model's own prefill was used
+        raise click.BadParameter(
+            "tiles real KV into a random:<arch> model's shape; a real model's document KV is its own prefill",
+            param_hint="--kv-file",
+        )
     if s.threads:
         torch.set_num_threads(s.threads)
     device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")

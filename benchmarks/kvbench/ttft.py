@@ -31,6 +31,7 @@ measured, and the record says where:
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 
 import click
@@ -614,7 +615,10 @@ def command(
             out_path,
             kvts,
         )
-    src = KVSources(kv_models.split(","), text, kvts, dict(kv_pair(o, "--kv-file") for o in kv_files))
+    kv_by_model = dict(kv_pair(o, "--kv-file") for o in kv_files)
+    if stray := sorted(set(kv_by_model) - set(kv_models.split(","))):  # it was ignored: the model was prefilled instead
+        raise click.BadParameter(f"{', '.join(stray)}: not among --kv-models {kv_models}", param_hint="--kv-file")
+    src = KVSources(kv_models.split(","), text, kvts, kv_by_model)
     if stats_only:
         return stats_command(src, token_counts[0], meths, size, overrides, out_path)
     return modeled_command(
@@ -649,6 +653,8 @@ def per_model(options: tuple[str, ...], name: str, models: list[str]) -> dict[st
     out: dict[str, str] = {}
     for o in options:
         model, path = kv_pair(o, name) if "=" in o and o.split("=", 1)[0] in models else ("", o)
+        if not model and "=" in o and not os.path.exists(o):  # MODEL=PATH of a model not among them
+            raise click.BadParameter(f"{o.split('=', 1)[0]}: not among the models {', '.join(models)}", param_hint=name)
         out.update({model: path} if model else dict.fromkeys(models, path))
     return out
 
