@@ -56,6 +56,29 @@ def load_calibration(model, tokenizer, name, calib, calib_kv, kvt, max_tokens):
     return cal, kvt_hash(to_bytes(cal)), time.perf_counter() - t0, sources
 
 
+def check_before_the_work(model_name, evals, calib, calib_kv, kvt, out_stem) -> None:
+    """What can be checked before the model loads: the output folder, a .kvt's readability and its
+    KV shape against the model's config, and that no evaluation text was a calibration text (for
+    --kvt and --calib-kv, the texts their calibration names)."""
+    from kvcodec.kvspec.files import read_tensors
+    from kvcodec.models.check import inspect_model
+    from kvcodec.transform import load_kvt
+
+    if not Path(out_stem).resolve().parent.is_dir():
+        raise click.BadParameter(f"directory {str(Path(out_stem).parent)!r} does not exist", param_hint="--out")
+    layout = inspect_model(model_name)
+    sources = calib.split(",")
+    if kvt:
+        cal, _ = load_kvt(kvt)
+        (heads, dim), layers = layout.spec.layers[0].k_shape, len(layout.spec.layers)
+        cal.check_shape((layers, 2, 1, heads, dim))
+        sources = [str(s) for s in cal.info.get("sources", [])]
+    elif calib_kv:
+        sources = [read_tensors(p)[1].get("text", "") for p in calib_kv]
+    if leaked := sorted(set(evals) & set(sources)):
+        raise click.BadParameter(f"{', '.join(leaked)}: calibrated on, so not an evaluation text", param_hint="--eval")
+
+
 def teacher_forced(model, prefix, kv, cont):
     """(argmax (n-1,), nll (n-1,) float64) of continuation tokens 1.. given prefix KV and cont[0]."""
     from kvcodec.integrations.hf import continue_from_kv
@@ -428,8 +451,7 @@ def main(
     from kvcodec.transform import save_kvt as write_kvt
 
     evals = eval_texts.split(",")
-    if set(evals) & set(calib.split(",")) and not (calib_kv or kvt):
-        raise click.BadParameter("evaluation texts must not be calibration texts")
+    check_before_the_work(model_name, evals, calib, calib_kv, kvt, out_stem)
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name)
     cal, digest, secs, sources = load_calibration(model, tokenizer, model_name, calib, calib_kv, kvt, calib_tokens)
@@ -445,7 +467,10 @@ def main(
     per_text = [evaluate_text(model, tokenizer, t, prefix_tokens, cont_tokens, runners) for t in evals]
     prompts = task_prompts(tokenizer, n_quoref, quoref_max_tokens, needle_lengths, needle_depths, calib, evals)
     fast = task_runners(runners, per_text)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    here = Path(__file__).resolve().parent  # this checkout's commit, wherever the command runs from
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=here
+    ).stdout.strip()
     commit = os.environ.get("RD_SRC_COMMIT", commit)  # the commit of the src/ imported, when not the checkout's
     doc = dict(
         command="python " + shlex.join(sys.argv),
@@ -487,4 +512,6 @@ def main(
 
 
 if __name__ == "__main__":
-    main()
+    from kvcodec.cli.program import run_program
+
+    run_program(main, error_prefix="error: ", error_code=1)  # one line for a bad .kvt, model or file

@@ -201,3 +201,21 @@ def test_generate_like_matches_generate(smollm2):
         want = rd_tasks.generate(model, tok, prefix, noisy, suffix, 12)
         assert rd_tasks.generate_like(model, tok, prefix, noisy, suffix, ref, 12) == want
     assert rd_tasks.generate_like(model, tok, prefix, kv, suffix, ref[:-1] + (ref[-1] + 1,), 12) == ref
+
+
+def test_rd_checks_its_inputs_before_the_model_loads(tmp_path, synthetic_kvt):
+    # a .kvt of another shape failed after the model had loaded and the fp16 method had run (40-line
+    # traceback); --out's folder after all the measuring; --kvt skipped the calibration-leak check
+    import click
+
+    import rd
+    from kvcodec.errors import ShapeError
+
+    out = str(tmp_path / "rd")
+    with pytest.raises(ShapeError, match="does not match the transform"):
+        rd.check_before_the_work("smollm2-135m", ["pg/want"], "pg/apple", None, str(synthetic_kvt), out)
+    with pytest.raises(click.BadParameter, match="pg/apple: calibrated on"):
+        rd.check_before_the_work("smollm2-135m", ["pg/apple"], "pg/apple,pg/avg", None, None, out)
+    with pytest.raises(click.BadParameter, match="does not exist"):
+        rd.check_before_the_work("smollm2-135m", ["pg/want"], "pg/apple", None, None, str(tmp_path / "no" / "rd"))
+    rd.check_before_the_work("smollm2-135m", ["pg/want"], "pg/apple", None, None, out)
