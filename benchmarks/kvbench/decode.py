@@ -40,7 +40,13 @@ NVCOMP_ALGORITHMS = ("ANS", "GDeflate")
 
 def _mode(label: str) -> tuple[str, int | str]:
     """A mode label: a quant mode, optionally with "-vN" for N video bits (default: auto)."""
+    from kvcodec.config import QUANT_MODES
+
     quant, _, bits = label.partition("-v")
+    if quant not in QUANT_MODES or (bits and not (bits.isdigit() and 1 <= int(bits) <= 8)):
+        raise click.BadParameter(
+            f"{label!r}: a quant mode ({', '.join(QUANT_MODES)}), optionally -v1..-v8", param_hint="--modes"
+        )
     return quant, int(bits) if bits else "auto"
 
 
@@ -59,12 +65,12 @@ def prepare(kv_path: str, data_dir: str, modes: list[str], resolutions: list[tup
     from kvcodec.config import CodecConfig
     from kvcodec.kvspec.files import load_plain_kv
 
+    settings = {mode: _mode(mode) for mode in modes}  # every mode checked before the first file is written
     kv = load_plain_kv(kv_path)[0][:, :, :tokens].contiguous()
     out = Path(data_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source": Path(kv_path).name, "shape": list(kv.shape), "dtype": str(kv.dtype), "files": {}}
-    for mode in modes:
-        quant, video_bits = _mode(mode)
+    for mode, (quant, video_bits) in settings.items():
         for w, h in resolutions:
             t = time.time()
             data = kvcodec.encode(kv, CodecConfig(quant=quant, resolutions=((w, h),), video_bits=video_bits))

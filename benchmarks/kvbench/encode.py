@@ -62,6 +62,7 @@ def _setting(
 
     saved = (x265_cpu.default_tuning, hevc_encode.X265_TUNING, transform.X265_TUNING)
     saved_env = dict(os.environ)
+    cold = tempfile.TemporaryDirectory(prefix="kvbench-plans-") if plans == "cold" else None
     try:
         if tuning is not None:
             x265_cpu.default_tuning = hevc_encode.X265_TUNING = transform.X265_TUNING = tuning
@@ -72,14 +73,16 @@ def _setting(
         search._disk = None
         if plans == "off":
             os.environ["KVCODEC_PLAN_CACHE"] = "0"
-        elif plans == "cold":
-            os.environ["KVCODEC_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvbench-plans-")
+        elif cold is not None:
+            os.environ["KVCODEC_CACHE_DIR"] = cold.name
         with _staging(staged):
             yield
     finally:
         x265_cpu.default_tuning, hevc_encode.X265_TUNING, transform.X265_TUNING = saved
         os.environ.clear()
         os.environ.update(saved_env)
+        if cold is not None:  # each run left a folder in /tmp
+            cold.cleanup()
 
 
 def _never(kv, workers) -> bool:  # noqa: ANN001
