@@ -159,7 +159,7 @@ def test_concurrent_first_loads_share_one_atomic_cache(tmp_path):
 # ----------------------------------------------------------------------------- texts and QA
 
 
-def test_texts_are_the_real_essays():
+def test_texts_are_the_real_essays(tmp_path):
     names = texts.list_texts()
     assert len(names) == 50 and names[0] == "pg" and "pg/addiction" in names
     t = texts.load_text("pg/addiction")
@@ -173,6 +173,12 @@ def test_texts_are_the_real_essays():
             texts.load_text(bad)
     with pytest.raises(ConfigError, match="max_chars"):
         texts.load_text("pg", max_chars=0)
+    own = tmp_path / "mine.txt"  # a user's own text, for benchmarks that take text names
+    own.write_text("Dear reader, ünïcode.", encoding="utf-8")
+    assert texts.load_text(str(own)) == "Dear reader, ünïcode." and texts.load_text(str(own), max_chars=4) == "Dear"
+    own.write_bytes(b"\xff\xfe bad")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        texts.load_text(str(own))
 
 
 def test_qa_without_the_bigbench_sdist_says_how_to_get_it(monkeypatch, tmp_path):

@@ -77,7 +77,8 @@ def list_texts() -> list[str]:
 
 
 def load_text(name: str, max_chars: int | None = None) -> str:
-    """The text called `name` (see list_texts), cut to at most max_chars characters."""
+    """The text called `name` (see list_texts), or a UTF-8 file's where `name` is none of those names
+    and a file (a text of the user's own, e.g. for a benchmark), cut to at most max_chars characters."""
     if max_chars is not None and max_chars < 1:
         raise ConfigError(f"max_chars must be >= 1; got {max_chars}")
     folder = _essay_dir()
@@ -100,10 +101,15 @@ def load_text(name: str, max_chars: int | None = None) -> str:
         text = _module_text(name)
     elif name.startswith("dlg/"):
         text = _dialogue(name)
+    elif not name.startswith(("pg/", "py/", "doc/", "dlg/")) and Path(name).expanduser().is_file():
+        try:
+            text = Path(name).expanduser().read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{name}: not UTF-8 text ({e})") from e
     else:
         raise ConfigError(
             f"unknown text {name!r}; names are 'pg', 'pg/<essay>' (see list_texts()), 'py/<module>' (Python source "
-            "code), 'doc/<module>' (its documentation as pydoc renders it) or 'dlg/<n>' (a conversation)"
+            "code), 'doc/<module>' (its documentation as pydoc renders it), 'dlg/<n>' (a conversation) or a UTF-8 file"
         )
     return text if max_chars is None else text[:max_chars]
 
