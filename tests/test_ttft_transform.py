@@ -146,6 +146,13 @@ def test_stats_only_command_writes_a_record(files, tmp_path):
     assert "kvcodec-transform 4x" in out.with_suffix(".md").read_text()
     missing = CliRunner().invoke(ttft.command, ["--stats-only", "--methods", "kvcodec-transform", "--device", "cpu"])
     assert missing.exit_code != 0 and "--transform" in missing.output
+    stray = [a if a != f"syn={kv_path}" else f"other={kv_path}" for a in args]  # it was ignored: syn was prefilled
+    r = CliRunner().invoke(ttft.command, stray)
+    assert r.exit_code != 0 and "other: not among --kv-models" in r.output
+    with pytest.raises(click.ClickException, match="no KV statistics for nope .* measured: syn"):
+        ttft.target_rows(
+            "llama3-8b", rec["kv_stats"], [8], 4, [1.0], ["raw"], {}, 8.0, "cpu", False, 1, {}, None, "nope"
+        )
 
 
 def test_a_transform_method_with_a_coder_codes_its_samples_with_it(files):

@@ -448,7 +448,8 @@ def e2e_row(common: dict, m: str, r: dict, res: dict, ref_ids: list[int]) -> dic
     "--targets",
     default=None,
     help="Models to time prefill for (comma list). Default: the KV models on CPU; "
-    "llama3-8b,qwen2.5-7b (random weights, full size) on a GPU.",
+    "llama3-8b,qwen2.5-7b (random weights, full size) on a GPU. TARGET=KVMODEL takes the target's KV "
+    "statistics from KVMODEL (one of --kv-models; by default a full-size target's are its family's small model's).",
 )
 @click.option(
     "--kv-models",
@@ -874,7 +875,8 @@ def modeled_command(
     accuracy = load_accuracy(accuracy_files)
     tlist = targets.split(",") if targets else (["llama3-8b", "qwen2.5-7b"] if gpu else list(stats))
     rows, targets_info = [], {}
-    for target in tlist:
+    for item in tlist:
+        target, _, kv_model = item.partition("=")
         rows += target_rows(
             target,
             stats,
@@ -889,6 +891,7 @@ def modeled_command(
             repeat,
             targets_info,
             accuracy,
+            kv_model or None,
         )
     label = "gpu" if gpu else "cpu"
     rec = {
@@ -933,14 +936,18 @@ def target_rows(
     repeat: int,
     targets_info: dict,
     accuracy: dict | None = None,
+    kv_model: str | None = None,
 ) -> list[dict]:
-    """Modeled TTFT rows of one target model: its prefill timed here, fetch from the KV statistics."""
+    """Modeled TTFT rows of one target model: its prefill timed here, fetch from the KV statistics
+    (of `kv_model`; default: a full-size target's family's small model, any other target's own)."""
     import torch
 
     rows = []
-    src = LARGE[target][2] if target in LARGE else target
+    src = kv_model or (LARGE[target][2] if target in LARGE else target)
     if src not in stats:
-        raise click.ClickException(f"no KV statistics for {src} (needed by {target})")
+        raise click.ClickException(
+            f"no KV statistics for {src} (needed by {target}); measured: {', '.join(stats)} (TARGET=KVMODEL picks one)"
+        )
     st = stats[src]
     click.echo(f"timing prefill of {target} on {device} ...", err=True)
     model, per_token, random = build_model(target, device)
