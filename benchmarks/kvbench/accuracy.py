@@ -320,7 +320,7 @@ def table(doc: dict) -> list[str]:
         "",
         f"`{doc['command']}`",
         "",
-        "| model | quant | task | n | acc restored | acc recomputed | same answer | ppl recomputed | ppl delta "
+        "| model | quant | task | n | acc restored | acc recomputed | same answer | ppl recomputed | ppl delta (restored - recomputed) "
         "| token agreement | first divergence | KV rel. RMS err | ratio vs fp16 |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]

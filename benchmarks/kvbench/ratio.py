@@ -315,7 +315,7 @@ def markdown(records, doc: dict) -> list[str]:
         "",
         doc["note"],
         "",
-        "| model | text | codec | quant | video bits | bytes | ratio vs fp16 | entropy bits/value | ppl delta | token agreement |",
+        "| model | text | codec | quant | video bits | bytes | ratio vs fp16 | entropy bits/value | ppl delta (restored - recomputed, absolute) | token agreement |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
