@@ -154,13 +154,19 @@ def test_exists_counts_the_stored_prefix_and_get_stops_at_a_miss(real_kv, tmp_pa
     assert b.batch_exists(keys) == 6
 
 
-def test_damaged_group_is_a_miss(real_kv, tmp_path):
+def six_pages_stored(real_kv, url: str, quant: str):  # noqa: ANN201
+    """(backend, kv, keys, pages): six pages of real KV stored as one group."""
     kv = real_kv.to(torch.float16)
-    url = f"file://{tmp_path}"
-    b = backend(url, kv, quant="int8", group_tokens=96)
+    b = backend(url, kv, quant=quant, group_tokens=96)
     buf = host_buffer(kv, "layer_first")
-    keys = keys_for(6)
-    assert b.batch_set(keys, [host_page(buf, "layer_first", i) for i in range(6)])
+    keys, pages = keys_for(6), [host_page(buf, "layer_first", i) for i in range(6)]
+    assert b.batch_set(keys, pages)
+    return b, kv, keys, pages
+
+
+def test_damaged_group_is_a_miss(real_kv, tmp_path):
+    url = f"file://{tmp_path}"
+    b, kv, keys, _ = six_pages_stored(real_kv, url, "int8")
     with open_store(url) as st:
         (group,) = [k for k in st.list("sglang/") if "/g/" in k]
         blob = bytearray(st.get(group))
@@ -171,12 +177,8 @@ def test_damaged_group_is_a_miss(real_kv, tmp_path):
 
 def test_pages_whose_group_the_store_lost_are_forgotten_then_stored_again(real_kv, tmp_path):
     # an evicted group left its pointers: exists said 6 of 6, every read missed, and set skipped them, forever
-    kv = real_kv.to(torch.float16)
     url = f"file://{tmp_path}"
-    b = backend(url, kv, quant="exact", group_tokens=96)
-    buf = host_buffer(kv, "layer_first")
-    keys, pages = keys_for(6), [host_page(buf, "layer_first", i) for i in range(6)]
-    assert b.batch_set(keys, pages)
+    b, kv, keys, pages = six_pages_stored(real_kv, url, "exact")
     with open_store(url) as st:
         (group,) = [k for k in st.list("sglang/") if "/g/" in k]
         st.delete(group)  # what a Redis maxmemory or TTL eviction of the big value does
@@ -187,12 +189,8 @@ def test_pages_whose_group_the_store_lost_are_forgotten_then_stored_again(real_k
 
 
 def test_a_damaged_page_pointer_is_a_miss(real_kv, tmp_path):
-    kv = real_kv.to(torch.float16)
     url = f"file://{tmp_path}"
-    b = backend(url, kv, quant="exact", group_tokens=96)
-    buf = host_buffer(kv, "layer_first")
-    keys = keys_for(6)
-    assert b.batch_set(keys, [host_page(buf, "layer_first", i) for i in range(6)])
+    b, kv, keys, _ = six_pages_stored(real_kv, url, "exact")
     with open_store(url) as st:
         pointer = sorted(k for k in st.list("sglang/") if "/p/" in k)[0]
         raw = bytearray(st.get(pointer))
