@@ -477,6 +477,8 @@ def test_fisher_options_with_kv_files_are_refused_not_ignored(tmp_path):
         )
         assert flags[0] in out and "--model" in out
     assert not (tmp_path / "m.kvt").exists()
+    r = CliRunner().invoke(cli, ["calibrate", str(src), "--out", str(tmp_path / "m.kvt"), "--weights", "mse"])
+    assert "--model" not in r.output  # plain squared error is what KV files are fitted with
 
 
 def test_the_api_refuses_what_is_not_a_kv_tensor_with_its_own_error():

@@ -329,3 +329,14 @@ def test_a_model_folder_saved_again_gets_another_cache_tag(tmp_path):
     (folder / "model.safetensors").write_bytes(b"b" * 12)
     assert model_tag(str(folder)) != first and first.startswith("tiny-") and os.sep not in first
     assert model_tag("smollm2-135m") == "smollm2-135m"
+
+
+def test_a_text_file_gets_a_cache_tag_of_its_contents(tmp_path):
+    from kvbench.workloads import text_tag
+
+    own = tmp_path / ("n" * 300 + ".txt")[:200]
+    own.write_text("one")
+    first = text_tag(str(own))
+    own.write_text("two")
+    assert text_tag(str(own)) != first and len(first) < 100 and "/" not in first
+    assert text_tag("pg/apple") == "pg_apple"

@@ -42,9 +42,9 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
     from kvcodec.kvspec.files import load_plain_kv
 
     if kv_path is None:
-        from kvbench.workloads import model_tag
+        from kvbench.workloads import model_tag, text_tag
 
-        cached = cache_dir() / "bench-kv" / f"{model_tag(model)}-{text.replace('/', '_')}-{tokens}.safetensors"
+        cached = cache_dir() / "bench-kv" / f"{model_tag(model)}-{text_tag(text)}-{tokens}.safetensors"
         if not cached.exists():
             from kvcodec.integrations.hf import extract_kv
             from kvcodec.models.registry import load_model
@@ -479,8 +479,8 @@ def markdown(doc: dict, host: str) -> list[str]:
         "",
         f"KV {tuple(doc['kv_shape'])} fp16 from {doc['kv_source']}; machine {doc['machine']['cpu']}",
         "",
-        "raw fp16 = the same prefix fetched as raw fp16 KV through the same link in this run; bound = bytes at the "
-        "link's rate.",
+        "vs raw fp16 = raw fp16's fetch time over this one's (above 1: faster than raw fp16 KV fetched through the "
+        "same link in this run); bound = bytes at the link's rate.",
         "",
         "| rate Gbit/s | trace | policy | fetch ms | vs raw fp16 | bound ms | x bound | MB | resolutions "
         "| link goodput Gbit/s |",
@@ -489,7 +489,7 @@ def markdown(doc: dict, host: str) -> list[str]:
     raw = {(r["bandwidth_gbit"], r["trace"]): r["fetch_s"] for r in doc["records"] if r["policy"] == "raw-fp16"}
     for r in doc["records"]:
         base = raw.get((r["bandwidth_gbit"], r["trace"]))
-        speed = f"{base / r['fetch_s']:.2f}x faster" if base and r["fetch_s"] and r["policy"] != "raw-fp16" else "-"
+        speed = f"{base / r['fetch_s']:.2f}x" if base and r["fetch_s"] and r["policy"] != "raw-fp16" else "-"
         lines.append(
             f"| {r['bandwidth_gbit']:g} | {r['trace']} | {r['policy']} | {r['fetch_s'] * 1e3:.1f} | {speed} | "
             f"{r['bound_s'] * 1e3:.1f} | {r['time_over_bound']:.2f} | {r['bytes'] / 1e6:.2f} | "

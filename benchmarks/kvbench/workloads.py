@@ -115,3 +115,16 @@ def model_tag(model: str) -> str:
             st = f.stat()
             h.update(f"{f.name}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return f"{path.name}-{h.hexdigest()[:16]}"
+
+
+def text_tag(text: str) -> str:
+    """A file-name-safe name of a text for caches of its prefilled KV: a text name with its slashes
+    replaced; a file of the user's (kvcodec.models.texts.load_text takes one) by its name and its
+    contents' hash, so an edited file, or another of the same name, is not served the old one's KV."""
+    import hashlib
+    from pathlib import Path
+
+    path = Path(text).expanduser()
+    if text.startswith(("pg/", "py/", "doc/", "dlg/")) or text == "pg" or not path.is_file():
+        return text.replace("/", "_")
+    return f"{path.name[:64]}-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"

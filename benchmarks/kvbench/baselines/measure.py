@@ -29,10 +29,10 @@ DEFAULT_SKIP_PREFIXES = ("kvcodec-",)
 
 
 def _cache_file(model: str, text: str, tokens: int) -> Path:
-    from kvbench.workloads import model_tag
+    from kvbench.workloads import model_tag, text_tag
 
     root = Path(os.environ.get("KVCODEC_CACHE_DIR", Path.home() / ".cache" / "kvcodec"))
-    return root / "baselines" / f"kv-{model_tag(model)}-{text.replace('/', '_')}-{tokens}.safetensors"
+    return root / "baselines" / f"kv-{model_tag(model)}-{text_tag(text)}-{tokens}.safetensors"
 
 
 def real_kv(model: str, tokens: int, text: str = "pg") -> tuple[torch.Tensor, dict[str, Any]]:

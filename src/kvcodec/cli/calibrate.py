@@ -195,10 +195,11 @@ def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
 def _refuse_model_only_flags(model_name: str | None) -> None:
     """Options that need the model's gradients, given with KV files, are refused rather than ignored."""
     ctx = click.get_current_context()
-    given = [
-        "--" + name.replace("_", "-").replace("weighting", "weights")
-        for name in ("weighting", "weight_alpha", "fisher_texts")
-        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+    typed = [n for n in ("weighting", "weight_alpha", "fisher_texts") if ctx.get_parameter_source(n).name != "DEFAULT"]
+    given = [  # `--weights mse` is what KV files are fitted with: only fisher needs the model
+        "--" + n.replace("_", "-").replace("weighting", "weights")
+        for n in typed
+        if n != "weighting" or ctx.params.get("weighting") == "fisher"
     ]
     if given and not model_name:
         raise click.UsageError(

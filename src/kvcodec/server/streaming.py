@@ -25,21 +25,41 @@ def first_stop(text: str, stop: tuple[str, ...]) -> int:
     return min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
 
 
-def stop_prefix_len(text: str, stop: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that begins some stop string: text a later token could
-    complete into a stop, so it is held back until it cannot."""
-    return max((_begun(text, s) for s in stop), default=0)
+class StopPrefixes:
+    """How much of a growing text's end begins some stop string: text a later token could complete
+    into a stop, so it is held back until it cannot. Each stop string's matched prefix is carried
+    from call to call (Knuth-Morris-Pratt), so each new character costs O(1) per stop string
+    however long they are; a text whose earlier part changed (a tokenizer merge) is read again."""
+
+    def __init__(self, stop: tuple[str, ...]) -> None:
+        self.stops = [s for s in stop if s]
+        self.fail = [_failure(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)
+        self.read = ""
+
+    def held(self, text: str) -> int:
+        if not text.startswith(self.read):
+            self.matched, self.read = [0] * len(self.stops), ""
+        for ch in text[len(self.read) :]:
+            for i, s in enumerate(self.stops):
+                k, fail = self.matched[i], self.fail[i]
+                while k and (k == len(s) or s[k] != ch):
+                    k = fail[k - 1]
+                self.matched[i] = k + 1 if s[k] == ch else k
+        self.read = text
+        # a whole stop string matched (the caller's stop; its longest proper prefix ending the text is its border)
+        return max((k if k < len(s) else f[-1] for k, s, f in zip(self.matched, self.stops, self.fail)), default=0)
 
 
-def _begun(text: str, s: str) -> int:
-    """The longest k < len(s) with text ending in s[:k]; only the k whose s[k - 1] is text's last
-    character are compared (a token's check stays short with long stop strings)."""
-    k = min(len(s) - 1, len(text))
-    while k > 0 and (k := s.rfind(text[-1], 0, k) + 1) > 0:
-        if text.endswith(s[:k]):
-            return k
-        k -= 1
-    return 0
+def _failure(s: str) -> list[int]:
+    """KMP's table: fail[i] = the longest proper prefix of s[: i + 1] that is also its suffix."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        k += s[i] == s[k]
+        fail[i] = k
+    return fail
 
 
 async def submit(
@@ -101,7 +121,7 @@ async def deltas(
     """Text deltas of `req` as its tokens arrive; the last one carries the finish reason. `gone`:
     an async check that the client disconnected (the request is then aborted)."""
     sent, ids = "", []
-    watch = _Watch(gone)
+    watch, held = _Watch(gone), StopPrefixes(stop)
     try:
         while True:
             kind, tok = await _next(q, watch)
@@ -124,7 +144,7 @@ async def deltas(
                 engine.abort(req, "stop")
                 yield Delta(text[len(sent) : hit] if hit >= len(sent) else "", "stop", tokens=len(ids))
                 return
-            ready = text[: len(text) - stop_prefix_len(text, stop)]
+            ready = text[: len(text) - held.held(text)]
             if not ready.startswith(sent):  # a later token changed earlier text (a merge): go on from here
                 sent = ready
             elif len(ready) > len(sent):
