@@ -173,6 +173,7 @@ def test_damaged_group_is_a_miss(real_kv, tmp_path):
         blob[len(blob) // 2] ^= 0x40
         st.put(group, bytes(blob))
     assert b.batch_get(keys, dummy_pages(6, kv)) == [None] * 6
+    assert b.batch_exists(keys) == 0  # forgotten: the next set stores the pages again, not a miss forever
 
 
 def test_pages_whose_group_the_store_lost_are_forgotten_then_stored_again(real_kv, tmp_path):
@@ -196,7 +197,9 @@ def test_a_damaged_page_pointer_is_a_miss(real_kv, tmp_path):
         raw = bytearray(st.get(pointer))
         raw[-3] = 0xFF  # not UTF-8 any more: a UnicodeDecodeError escaped batch_get
         st.put(pointer, bytes(raw))
-    assert b.batch_get(keys, dummy_pages(6, kv)) == [None] * 6
+    got = b.batch_get(keys, dummy_pages(6, kv))
+    assert got[0] is None and all(g is not None for g in got[1:])  # the other pages' group still restores
+    assert b.batch_exists(keys) == 0  # the damaged page is forgotten, to be stored again
 
 
 def test_bad_configs_fail_at_startup(real_kv, tmp_path):

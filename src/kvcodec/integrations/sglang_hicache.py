@@ -26,7 +26,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvcodec.codecs import ChunkCodec, make_codec
-from kvcodec.errors import ConfigError, KVCodecError
+from kvcodec.errors import ConfigError, KVCodecError, StoreError
 from kvcodec.integrations.sglang_pages import (
     PageGeometry,
     PagePointer,
@@ -107,18 +107,25 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         g = self._geometry()
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
+        unreadable: list[int] = []  # pages whose pointer or group is damaged or lost: forgotten below
         try:
-            pointers = self._pointers(keys)
+            pointers, unreadable = self._pointers(keys)
             groups: dict[str, list[int]] = {}
             for i, p in enumerate(pointers):
                 if p is not None:
                     groups.setdefault(p.group_key, []).append(i)
             blobs = dict(zip(groups, self.store.get_many(list(groups))))
-            self._drop_lost_groups([keys[i] for k, members in groups.items() if blobs[k] is None for i in members])
             for group_key, members in groups.items():
-                self._restore_group(blobs[group_key], [pointers[i] for i in members], members, targets, out, g)
-        except KVCodecError as e:  # a damaged or missing object is a miss; SGLang recomputes
+                try:
+                    if blobs[group_key] is None:
+                        raise StoreError(f"group {group_key} is gone from the store")
+                    self._restore_group(blobs[group_key], [pointers[i] for i in members], members, targets, out, g)
+                except KVCodecError as e:  # a miss for its pages; SGLang recomputes them
+                    logger.warning("kvcodec HiCache: %d pages unreadable: %s", len(members), e)
+                    unreadable += members
+        except KVCodecError as e:  # the store could not be read: a miss
             logger.warning("kvcodec HiCache get failed: %s", e)
+        self._forget([keys[i] for i in unreadable])
         return out
 
     def set(
@@ -176,9 +183,17 @@ class KVCodecHiCacheStorage(HiCacheStorage):
                 self._codecs[tokens] = make_codec(self.codec_name, **self.codec_options, chunk_tokens=tokens)
             return self._codecs[tokens]
 
-    def _pointers(self, keys: list[str]) -> list[PagePointer | None]:
-        raw = self.store.get_many([self._page_key(k) for k in keys])
-        return [None if r is None else PagePointer.from_bytes(r) for r in raw]
+    def _pointers(self, keys: list[str]) -> tuple[list[PagePointer | None], list[int]]:
+        """Each page's pointer (None: not stored, or damaged), and the indices of the damaged ones."""
+        pointers: list[PagePointer | None] = []
+        damaged: list[int] = []
+        for i, raw in enumerate(self.store.get_many([self._page_key(k) for k in keys])):
+            try:
+                pointers.append(None if raw is None else PagePointer.from_bytes(raw))
+            except KVCodecError:
+                pointers.append(None)
+                damaged.append(i)
+        return pointers, damaged
 
     def _write_group(self, keys: list[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
         kv = torch.cat([page_to_canonical(p.detach().to("cpu"), g) for p in pages], dim=2)
@@ -189,16 +204,18 @@ class KVCodecHiCacheStorage(HiCacheStorage):
             {self._page_key(k): PagePointer(group_key, i, len(keys)).to_bytes() for i, k in enumerate(keys)}
         )
 
-    def _drop_lost_groups(self, keys: list[str]) -> None:
-        """Pages whose group the store has lost (evicted, expired) are forgotten: exists then says
-        so and the next batch_set rewrites them, instead of a miss on every read, forever."""
-        if keys:
-            logger.warning("kvcodec HiCache: %d pages point to a group the store lost; dropping them", len(keys))
+    def _forget(self, keys: list[str]) -> None:
+        """Pages found unreadable (a damaged pointer, a damaged group, a group the store lost) are
+        forgotten: exists then says so and the next batch_set rewrites them, instead of a miss on
+        every read, forever. Best effort: a store that refuses is logged."""
+        if not keys:
+            return
+        try:
             self.store.delete_many([self._page_key(k) for k in keys])
+        except KVCodecError as e:
+            logger.warning("kvcodec HiCache: could not forget %d unreadable pages: %s", len(keys), e)
 
     def _restore_group(self, blob, pointers, members, targets, out, g: PageGeometry) -> None:
-        if blob is None:
-            return
         tokens = pointers[0].pages * g.page_size
         shape = (g.layers, 2, tokens, g.heads, g.head_dim)
         kv = self._codec(tokens).decode_chunk(blob, torch.empty(shape, dtype=g.dtype, device=self.device)).cpu()
