@@ -251,6 +251,11 @@ def test_a_cache_salt_or_lora_adapter_never_finds_another_ones_prefix(prompt_kv,
     salted = Request("salted", prompt, SamplingParams(max_tokens=1), None, cache_salt="tenant-b")
     adapted = Request("lora", prompt, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("ad", 1, "/x"))
     assert [sched.get_num_new_matched_tokens(r, 0)[0] for r in (same, salted, adapted)] == [96, 0, 0]
+    # no salt can pose as another salt and adapter (the fields were joined with "|")
+    tricky = Request("t", prompt, SamplingParams(max_tokens=1), None, cache_salt='b", ["ad", "/x"]')
+    assert sched.request_namespace(tricky)[1] != sched.request_namespace(adapted)[1]
+    other_weights = Request("w", prompt, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("ad", 1, "/y"))
+    assert sched.request_namespace(other_weights)[1] != sched.request_namespace(adapted)[1]
 
 
 def test_a_multimodal_prompt_is_neither_offered_nor_stored(prompt_kv, tmp_path):

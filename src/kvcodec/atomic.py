@@ -31,8 +31,8 @@ def replacing(path: str | Path, suffix: str = ".part", mode: int = NEW_FILE_MODE
         os.replace(tmp, path)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
-        if e.filename is None:  # a write's error (a full disk, a file-size limit) names no file: name the output
-            raise OSError(e.errno, f"{e.strerror or e} (writing {path})") from e
+        if e.filename is None and e.errno is not None:  # a write's error (a full disk, a size limit) names no file
+            raise type(e)(e.errno, f"{e.strerror} (writing {path})") from e
         raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

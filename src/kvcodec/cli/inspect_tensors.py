@@ -10,13 +10,14 @@ from typing import Any
 from kvcodec.transform.quality import summary
 
 KVT_FORMATS = ("kvcodec-transform", "kvcodec-transform-grouped")
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on its header: beyond it, a text file's bytes, say
 
 
 def is_safetensors(data: bytes) -> bool:
     """Looks like a safetensors file: an 8-byte little-endian header length, then a JSON object
     (whole or, in a file cut short, its beginning)."""
     n = int.from_bytes(data[:8], "little") if len(data) >= 10 else 0
-    return n >= 2 and data[8:9] == b"{"
+    return 2 <= n <= MAX_HEADER_BYTES and data[8:9] == b"{"
 
 
 def describe_tensors(src: Path, data: bytes) -> dict[str, Any]:

@@ -19,6 +19,7 @@ Extra config: `url` (required), `codec` ("hevc") and its options (`quant`, `chun
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -198,12 +199,11 @@ class KVCodecConnector(KVConnectorBase_V1):
         offered, never stored."""
         if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
             return False, None
-        parts = [str(self.namespace)] if self.namespace else []
-        if salt := getattr(request, "cache_salt", None):
-            parts.append(f"salt={salt}")
-        if (lora := getattr(request, "lora_request", None)) is not None:
-            parts.append(f"lora={lora.lora_name}")
-        return True, "|".join(parts) or None
+        salt, lora = getattr(request, "cache_salt", None), getattr(request, "lora_request", None)
+        if not salt and lora is None:
+            return True, self.namespace  # the configured namespace alone: keys as without this scoping
+        adapter = None if lora is None else [lora.lora_name, str(lora.lora_path)]  # its weights' path: a reload differs
+        return True, json.dumps([self.namespace, salt or None, adapter])  # no value can pose as another field
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         keyable, namespace = self.request_namespace(request)
