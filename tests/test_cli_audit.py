@@ -477,8 +477,13 @@ def test_fisher_options_with_kv_files_are_refused_not_ignored(tmp_path):
         )
         assert flags[0] in out and "--model" in out
     assert not (tmp_path / "m.kvt").exists()
-    r = CliRunner().invoke(cli, ["calibrate", str(src), "--out", str(tmp_path / "m.kvt"), "--weights", "mse"])
-    assert "--model" not in r.output  # plain squared error is what KV files are fitted with
+    files = []  # plain squared error is what KV files are fitted with: --weights mse calibrates
+    for seed in (1, 2, 3):
+        files.append(tmp_path / f"kv{seed}.safetensors")
+        save_file({"kv": synthetic_kv(300, seed)}, str(files[-1]))
+    args = ["calibrate", *map(str, files), "--out", str(tmp_path / "m.kvt"), "--weights", "mse", "--no-rope"]
+    r = CliRunner().invoke(cli, [*args, "--report-ratios", "4"])
+    assert r.exit_code == 0 and (tmp_path / "m.kvt").is_file(), r.output
 
 
 def test_the_api_refuses_what_is_not_a_kv_tensor_with_its_own_error():

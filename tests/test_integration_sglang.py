@@ -202,6 +202,28 @@ def test_a_damaged_page_pointer_is_a_miss(real_kv, tmp_path):
     assert b.batch_exists(keys) == 0  # the damaged page is forgotten, to be stored again
 
 
+@pytest.mark.parametrize("edit", ["index", "pages-forged"])
+def test_an_edited_pointer_never_reads_another_page(real_kv, tmp_path, edit):
+    # a pointer had no checksum: its index edited from 0 to 1 returned page 1's KV for page 0; a first
+    # pointer naming another group size failed (and forgot) its whole group
+    from kvcodec.integrations.sglang_pages import PagePointer
+
+    url = f"file://{tmp_path}"
+    b, kv, keys, pages = six_pages_stored(real_kv, url, "exact")
+    with open_store(url) as st:
+        pointer = sorted(k for k in st.list("sglang/") if "/p/" in k)[0]
+        raw = bytearray(st.get(pointer))
+        if edit == "index":
+            raw[5] = 1  # the index field, its checksum left as it was
+        else:  # a consistent forgery: checksum right, the group's size wrong
+            p = PagePointer.from_bytes(bytes(raw))
+            raw = bytearray(PagePointer(p.group_key, p.index, p.pages + 1).to_bytes())
+        st.put(pointer, bytes(raw))
+    got = b.batch_get(keys, dummy_pages(6, kv))
+    assert got[0] is None and all(torch.equal(a, w) for a, w in zip(got[1:], pages[1:]))
+    assert b.batch_exists(keys) == 0 and all(b.exists(k) for k in keys[1:])
+
+
 def test_bad_configs_fail_at_startup(real_kv, tmp_path):
     url = f"file://{tmp_path}"
     with pytest.raises(ConfigError, match="url"):

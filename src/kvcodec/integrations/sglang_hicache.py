@@ -26,7 +26,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from kvcodec.codecs import ChunkCodec, make_codec
-from kvcodec.errors import ConfigError, KVCodecError, StoreError
+from kvcodec.errors import ConfigError, FormatError, KVCodecError, StoreError
 from kvcodec.integrations.sglang_pages import (
     PageGeometry,
     PagePointer,
@@ -110,12 +110,13 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         unreadable: list[int] = []  # pages whose pointer or group is damaged or lost: forgotten below
         try:
             pointers, unreadable = self._pointers(keys)
-            groups: dict[str, list[int]] = {}
+            groups: dict[tuple[str, int], list[int]] = {}  # by what the pointers say: key and size of their group
             for i, p in enumerate(pointers):
                 if p is not None:
-                    groups.setdefault(p.group_key, []).append(i)
-            blobs = dict(zip(groups, self.store.get_many(list(groups))))
-            for group_key, members in groups.items():
+                    groups.setdefault((p.group_key, p.pages), []).append(i)
+            names = list(dict.fromkeys(k for k, _ in groups))
+            blobs = dict(zip(names, self.store.get_many(names)))
+            for (group_key, _), members in groups.items():
                 try:
                     if blobs[group_key] is None:
                         raise StoreError(f"group {group_key} is gone from the store")
@@ -197,8 +198,8 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     def _write_group(self, keys: list[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
         kv = torch.cat([page_to_canonical(p.detach().to("cpu"), g) for p in pages], dim=2)
-        blob = self._codec(kv.shape[2]).encode_chunks(kv)[0].blobs[0]
         group_key = f"{self.prefix}/g/{_safe(keys[0])}.{_safe(keys[-1])}.{len(keys)}"
+        blob = self._codec(kv.shape[2]).encode_chunks(kv, keys=[group_key])[0].blobs[0]  # bound to its key
         self.store.put(group_key, blob)  # the group first: a pointer never names a missing group
         self.store.put_many(
             {self._page_key(k): PagePointer(group_key, i, len(keys)).to_bytes() for i, k in enumerate(keys)}
@@ -217,8 +218,12 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     def _restore_group(self, blob, pointers, members, targets, out, g: PageGeometry) -> None:
         tokens = pointers[0].pages * g.page_size
+        codec = self._codec(tokens)
+        info = codec.inspect_chunk(blob)
+        if info.key != pointers[0].group_key or info.tokens != tokens:  # another group's blob, or a group of other size
+            raise FormatError(f"group blob holds {info.tokens} tokens under {info.key}; its pointers name another")
         shape = (g.layers, 2, tokens, g.heads, g.head_dim)
-        kv = self._codec(tokens).decode_chunk(blob, torch.empty(shape, dtype=g.dtype, device=self.device)).cpu()
+        kv = codec.decode_chunk(blob, torch.empty(shape, dtype=g.dtype, device=self.device)).cpu()
         for p, i in zip(pointers, members):
             target = targets[i] if targets[i] is not None else torch.empty(g.numel, dtype=g.dtype)
             page = kv[:, :, p.index * g.page_size : (p.index + 1) * g.page_size]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import zlib
 
 import torch
 
@@ -72,8 +73,9 @@ def group_spans(n_pages: int, pages_per_group: int) -> list[tuple[int, int]]:
     return [(s, min(n_pages, s + pages_per_group)) for s in range(0, n_pages, pages_per_group)]
 
 
-_POINTER = struct.Struct("<4sBHH")  # magic, version, page index in group, pages in group
+_POINTER = struct.Struct("<4sBHHI")  # magic, version, page index in group, pages in group, CRC32 of the rest
 _MAGIC = b"KVHP"
+_VERSION = 2  # 2: a CRC32 over index, pages and group key (version 1 had none: an edited index read another page)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,15 +87,18 @@ class PagePointer:
     pages: int
 
     def to_bytes(self) -> bytes:
-        return _POINTER.pack(_MAGIC, 1, self.index, self.pages) + self.group_key.encode()
+        key = self.group_key.encode()
+        return _POINTER.pack(_MAGIC, _VERSION, self.index, self.pages, _crc(self.index, self.pages, key)) + key
 
     @classmethod
     def from_bytes(cls, data: bytes) -> PagePointer:
         if len(data) < _POINTER.size:
             raise FormatError(f"HiCache page pointer truncated ({len(data)} bytes)")
-        magic, version, index, pages = _POINTER.unpack_from(data, 0)
-        if magic != _MAGIC or version != 1:
-            raise FormatError("not a kvcodec HiCache page pointer")
+        magic, version, index, pages, crc = _POINTER.unpack_from(data, 0)
+        if magic != _MAGIC or version != _VERSION:
+            raise FormatError(f"not a kvcodec HiCache page pointer of version {_VERSION}")
+        if crc != _crc(index, pages, data[_POINTER.size :]):
+            raise FormatError("HiCache page pointer fails its checksum")
         if not 0 <= index < pages:
             raise FormatError(f"HiCache page pointer index {index} outside its group of {pages}")
         try:
@@ -101,3 +106,7 @@ class PagePointer:
         except UnicodeDecodeError as e:
             raise FormatError(f"HiCache page pointer names no group ({e})") from None
         return cls(group_key, index, pages)
+
+
+def _crc(index: int, pages: int, group_key: bytes) -> int:
+    return zlib.crc32(struct.pack("<HH", index, pages) + group_key)

@@ -155,7 +155,7 @@ class KVCodecConnector(KVConnectorBase_V1):
         self.codec = make_codec(str(extra.get("codec", "hevc")), **options)
         model = getattr(vllm_config.model_config, "model", None) if vllm_config.model_config else None
         self.model_id = str(extra.get("model_id") or model or "model")
-        self.namespace = extra.get("namespace")
+        self.namespace = str(extra["namespace"]) if extra.get("namespace") else None  # a JSON number names one too
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
         self.shards = (parallel.tensor_parallel_size, parallel.pipeline_parallel_size)

@@ -38,8 +38,9 @@ class StopPrefixes:
         self.read = ""
 
     def held(self, text: str) -> int:
-        if not text.startswith(self.read):
-            self.matched, self.read = [0] * len(self.stops), ""
+        if not text.startswith(self.read):  # a match depends on the last len(stop) characters alone: read those
+            longest = max(map(len, self.stops), default=0)
+            self.matched, self.read = [0] * len(self.stops), text[: max(0, len(text) - longest)]
         for ch in text[len(self.read) :]:
             for i, s in enumerate(self.stops):
                 k, fail = self.matched[i], self.fail[i]
