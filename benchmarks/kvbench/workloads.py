@@ -122,9 +122,10 @@ def text_tag(text: str) -> str:
     replaced; a file of the user's (kvcodec.models.texts.load_text takes one) by its name and its
     contents' hash, so an edited file, or another of the same name, is not served the old one's KV."""
     import hashlib
-    from pathlib import Path
 
-    path = Path(text).expanduser()
-    if text.startswith(("pg/", "py/", "doc/", "dlg/")) or text == "pg" or not path.is_file():
+    from kvcodec.models.texts import text_file
+
+    path = text_file(text)
+    if path is None:
         return text.replace("/", "_")
     return f"{path.name[:64]}-{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"

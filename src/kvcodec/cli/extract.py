@@ -16,14 +16,11 @@ _DTYPES = ("float16", "bfloat16", "float32")
 
 def _read_text(spec: str) -> tuple[str, str]:
     """(text, label): a file path if one exists, else a kvcodec.models.texts name."""
-    from kvcodec.models.texts import TEXT_KINDS, load_text
+    from kvcodec.models.texts import TEXT_KINDS, load_text, read_text_file
 
     path = Path(spec)
     if path.is_file():
-        try:
-            return path.read_text(encoding="utf-8"), path.name
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{spec}: not UTF-8 text ({e})") from e
+        return read_text_file(path), path.name
     if spec.startswith(TEXT_KINDS):
         return load_text(spec), spec
     raise ConfigError(

@@ -76,6 +76,23 @@ def list_texts() -> list[str]:
     return ["pg"] + [f"pg/{p.stem}" for p in sorted(_essay_dir().glob("*.txt"))]
 
 
+def text_file(name: str) -> Path | None:
+    """The user's file a text name designates (load_text reads it as UTF-8); None for the packaged
+    texts' names ('pg', 'pg/...', 'py/...', 'doc/...', 'dlg/...': never a file) and for no file."""
+    if name == "pg" or name.startswith(("pg/", "py/", "doc/", "dlg/")):
+        return None
+    path = Path(name).expanduser()
+    return path if path.is_file() else None
+
+
+def read_text_file(path: str | Path) -> str:
+    """A UTF-8 text file's text; ConfigError naming it where it is not UTF-8."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e})") from e
+
+
 def load_text(name: str, max_chars: int | None = None) -> str:
     """The text called `name` (see list_texts), or a UTF-8 file's where `name` is none of those names
     and a file (a text of the user's own, e.g. for a benchmark), cut to at most max_chars characters."""
@@ -101,11 +118,8 @@ def load_text(name: str, max_chars: int | None = None) -> str:
         text = _module_text(name)
     elif name.startswith("dlg/"):
         text = _dialogue(name)
-    elif not name.startswith(("pg/", "py/", "doc/", "dlg/")) and Path(name).expanduser().is_file():
-        try:
-            text = Path(name).expanduser().read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{name}: not UTF-8 text ({e})") from e
+    elif (path := text_file(name)) is not None:
+        text = read_text_file(path)
     else:
         raise ConfigError(
             f"unknown text {name!r}; names are 'pg', 'pg/<essay>' (see list_texts()), 'py/<module>' (Python source "
