@@ -487,3 +487,25 @@ def test_packets_that_are_not_one_per_frame_are_written_as_one_stream(synthetic_
     assert h["frames"] > 1 and h["pieces"] == []
     assert bytes(streams["video"]) == bytes(whole._read(whole.encode_chunks(kv)[0].blobs[0])[1]["video"])
     assert torch.equal(roundtrip(c, kv)[0], roundtrip(whole, kv)[0])
+
+
+def test_a_fetch_restores_transform_chunks_straight_into_a_target_of_another_float_dtype(synthetic_kvt):
+    """float16-stored chunks into a bfloat16 target: rounded once from the float32 restore, with no
+    float16 staging between (which rounds twice); the same fetch into float32 is the reference."""
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    c = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0)
+    kv = synthetic_kv(150, seed=12)
+    ids = list(range(1000, 1150))
+    cache = PrefixCache(open_store("memory://"), "synthetic", c, "cpu", policy="fixed:0")
+    cache.put(ids, kv)
+    reference = torch.empty(kv.shape, dtype=torch.float32)
+    assert cache.fetch(ids, out=reference).tokens_restored == 150
+    into = torch.empty(kv.shape, dtype=torch.bfloat16)
+    res = cache.fetch(ids, out=into)
+    assert res.tokens_restored == 150 and res.kv is into
+    assert torch.equal(into, reference.to(torch.bfloat16))
+    assert not torch.equal(into, reference.half().to(torch.bfloat16))  # what staging would give
+    with pytest.raises(ShapeError, match="float tensor"):
+        c.decode_chunk(c.encode_chunks(kv[:, :, :64])[0].blobs[0], torch.empty(kv[:, :, :64].shape, dtype=torch.int8))

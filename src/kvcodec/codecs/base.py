@@ -124,6 +124,12 @@ class WarmUp(Protocol):
     def warm_up(self, device: torch.device | str, dtype: torch.dtype = ...) -> None: ...
 
 
+def target_dtypes(codec) -> tuple[torch.dtype, ...]:  # noqa: ANN001
+    """The dtypes `codec` restores straight into a tensor target of, beside each chunk's stored one:
+    its optional `target_dtypes` (none: the stored dtype only, other targets get a staging copy)."""
+    return tuple(getattr(codec, "target_dtypes", ()))
+
+
 def warm_up_codec(codec, device: torch.device | str, dtype: torch.dtype = torch.float16) -> float:
     """Compile `codec`'s restore kernels for `dtype` on a CUDA `device` now (codecs with the WarmUp
     capability), and for float16: a chunk stored in another dtype than the target's restores into

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target, target_dtypes
 from kvcodec.codecs.raw import copy_chunk
 from kvcodec.errors import FetchError, FormatError, KVCodecError, StoreError
 from kvcodec.fetcher import storecalls
@@ -188,6 +188,7 @@ class FetchPipeline:
         self.inflight = 0
         self.next_issue = 0
         self.direct_used = False
+        self.cast_into = target_dtypes(settings.codec)  # tensor targets restored into without staging
         self.halves: Callable | None = settings.codec.finish if settings.staged else None  # the second half
         self.out = plan.out
         self._suffix_sums()
@@ -667,7 +668,7 @@ class FetchPipeline:
             if isinstance(out, PagedKV) and out.pages.dtype == dtype:
                 self.direct_used = True
                 return out, True
-            if isinstance(out, torch.Tensor) and out.dtype == dtype:
+            if isinstance(out, torch.Tensor) and (out.dtype == dtype or out.dtype in self.cast_into):
                 self.direct_used = True
                 return out[:, :, m.start_token : end], True
         return torch.empty((L, 2, m.tokens, H, D), dtype=dtype, device=dev), False

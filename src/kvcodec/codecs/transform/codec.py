@@ -28,7 +28,7 @@ import zstandard
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
-from kvcodec.codecs.transform.decode import DTYPES, TransformRestorer, check_target
+from kvcodec.codecs.transform.decode import DTYPES, TARGET_DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
@@ -142,6 +142,7 @@ class TransformCodec:
     video, odd ones zstd, so a fetch keeps NVDEC and the host's cores busy at once)."""
 
     STREAM_NAMES = frozenset(STREAM_NAMES)  # every stream a chunk blob may hold
+    target_dtypes = TARGET_DTYPES  # restores straight into tensors of these (codecs.base.target_dtypes)
 
     def __init__(
         self,

@@ -290,14 +290,21 @@ def _decoded(decoder, video, frames_announced: int, count: int, w: int, hh: int,
     return frames.from_frames(decoder.decode(video, w, hh), count, w, hh, device)
 
 
+# the float dtypes a restore writes into a tensor target whatever the chunk's stored dtype: the
+# inverse transform computes in float32 and rounds once, into the target's dtype (a bfloat16
+# engine's cache takes float16-stored chunks with no staging tensor and no second rounding)
+TARGET_DTYPES = tuple(DTYPES.values())
+
+
 def check_target(h: dict, out: Target) -> None:
-    """ShapeError unless `out` is a target for the chunk of header `h`."""
+    """ShapeError unless `out` is a target for the chunk of header `h`: a tensor of its shape in
+    one of TARGET_DTYPES, or a PagedKV in its stored dtype."""
     L, H, D = h["shape"]
     shape, dtype = (L, 2, h["tokens"], H, D), DTYPES[h["dtype"]]
     if isinstance(out, PagedKV):
         out.check(shape, dtype, h["start_token"])
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
-        raise ShapeError(f"output must be a {shape} {dtype} tensor or a PagedKV")
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype not in TARGET_DTYPES:
+        raise ShapeError(f"output must be a {shape} float tensor ({dtype} as stored) or a PagedKV")
 
 
 def host_samples(streams: dict, count: int, pinned: bool = False) -> torch.Tensor:
