@@ -31,7 +31,7 @@ from lmcache.v1.distributed.serde import (  # noqa: E402
 
 import kvcodec.integrations.lmcache_plugin as plugin  # noqa: E402
 from kvcodec.codecs import make_codec  # noqa: E402
-from kvcodec.errors import ConfigError, KVCodecError  # noqa: E402
+from kvcodec.errors import ConfigError, FormatError, KVCodecError  # noqa: E402
 from kvcodec.integrations.lmcache_serde import KVCodecCoder, SerdeOptions, from_canonical, to_canonical  # noqa: E402
 from kvcodec.integrations.lmcache_store import store_key  # noqa: E402
 from kvcodec.store import open_store  # noqa: E402
@@ -286,3 +286,19 @@ def test_lmcache_fs_adapter_cannot_load_coded_objects(l1, real_kv, tmp_path):
     finally:
         adapter.close()
     assert not ok
+
+
+def test_a_part_stored_in_another_dtype_than_the_buffer_is_refused_not_cast(l1, real_kv):
+    """The buffer's dtype must be the stored one: an object's raw parts carry no dtype, so a
+    coded part that cast silently would leave its raw parts misread."""
+    processor = create_serde_processor(SerdeConfig("kvcodec", {"quant": "exact"}))
+    try:
+        key, src, layout = kv_object(l1, [lmcache_layout(real_kv.to(torch.float16))])
+        _, tmp = memory_obj(l1, serialized_layout_desc(layout, processor), temporary=True)
+        processor._serializer.serialize(src, tmp, key)
+        other = MemoryLayoutDesc(shapes=layout.shapes, dtypes=[torch.bfloat16])
+        _, dst = memory_obj(l1, other)
+        with pytest.raises(FormatError, match="stored as float16; the buffer is torch.bfloat16"):
+            processor._deserializer.deserialize(tmp, dst, key)
+    finally:
+        processor.close()

@@ -491,21 +491,34 @@ def test_packets_that_are_not_one_per_frame_are_written_as_one_stream(synthetic_
 
 def test_a_fetch_restores_transform_chunks_straight_into_a_target_of_another_float_dtype(synthetic_kvt):
     """float16-stored chunks into a bfloat16 target: rounded once from the float32 restore, with no
-    float16 staging between (which rounds twice); the same fetch into float32 is the reference."""
+    float16 staging between (which rounds twice); the same fetch into float32 is the reference.
+    Chunks that are staged (direct off, a last chunk past n_tokens) are staged in the target's
+    dtype: every chunk gets the same values whichever way it went."""
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
 
     c = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0)
     kv = synthetic_kv(150, seed=12)
     ids = list(range(1000, 1150))
-    cache = PrefixCache(open_store("memory://"), "synthetic", c, "cpu", policy="fixed:0")
-    cache.put(ids, kv)
+    store = open_store("memory://")
+    PrefixCache(store, "synthetic", c, "cpu").put(ids, kv)
     reference = torch.empty(kv.shape, dtype=torch.float32)
-    assert cache.fetch(ids, out=reference).tokens_restored == 150
-    into = torch.empty(kv.shape, dtype=torch.bfloat16)
-    res = cache.fetch(ids, out=into)
-    assert res.tokens_restored == 150 and res.kv is into
-    assert torch.equal(into, reference.to(torch.bfloat16))
-    assert not torch.equal(into, reference.half().to(torch.bfloat16))  # what staging would give
-    with pytest.raises(ShapeError, match="float tensor"):
-        c.decode_chunk(c.encode_chunks(kv[:, :, :64])[0].blobs[0], torch.empty(kv[:, :, :64].shape, dtype=torch.int8))
+    assert PrefixCache(store, "synthetic", c, "cpu").fetch(ids, out=reference).tokens_restored == 150
+    once = reference.to(torch.bfloat16)
+    assert not torch.equal(once, reference.half().to(torch.bfloat16))  # what float16 staging gives
+    for direct, n in ((True, 150), (False, 150), (True, 140)):
+        into = torch.zeros(kv.shape, dtype=torch.bfloat16)
+        res = PrefixCache(store, "synthetic", c, "cpu", direct=direct).fetch(ids, n, out=into)
+        assert res.tokens_restored == n and res.kv is into
+        assert torch.equal(into[:, :, :n], once[:, :, :n]), (direct, n)
+
+
+def test_a_target_that_cannot_hold_the_stored_range_is_refused(synthetic_kvt):
+    c = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0)
+    blob = c.encode_chunks(synthetic_kv(64, seed=13).bfloat16())[0].blobs[0]
+    shape = (L, 2, 64, H, D)
+    with pytest.raises(ShapeError, match=r"torch.bfloat16, torch.float32 \(stored: torch.bfloat16\)"):
+        c.decode_chunk(blob, torch.empty(shape, dtype=torch.float16))  # bfloat16's range turns to inf there
+    with pytest.raises(ShapeError):
+        c.decode_chunk(blob, torch.empty(shape, dtype=torch.int8))
+    assert torch.isfinite(c.decode_chunk(blob, torch.empty(shape, dtype=torch.float32))).all()

@@ -417,8 +417,9 @@ def test_meta_table_lists_each_chunk_s_position_output_samples_and_sink():
     [(torch.bfloat16, [torch.bfloat16, torch.float16]), (torch.float16, [torch.float16])],
 )
 def test_warm_up_also_compiles_for_float16_chunks_restored_into_their_own_staging(dtype, warmed):
-    """A bfloat16 engine's float16-stored chunks restore into float16 staging: the warm-up compiles
-    for both, so no kernel compiles during a timed fetch (0.4-0.7 s each on an H200)."""
+    """A chunk a codec cannot restore into a bfloat16 engine's cache (an HEVC one stored in float16)
+    restores into float16 staging: the warm-up compiles for both, so no kernel compiles during a
+    timed fetch (0.4-0.7 s each on an H200)."""
     from kvcodec.codecs.base import warm_up_codec
 
     class Recording:

@@ -93,7 +93,9 @@ class ChunkCodec(Protocol):
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
         """Restore every value of the chunk into `out` (its device decides where decoding runs)
-        and return `out`; KVCodecError on any damage or mismatch, never partial silent data."""
+        and return `out`; KVCodecError on any damage or mismatch, never partial silent data. `out`
+        is in the chunk's stored dtype, or a tensor in one the codec restores into
+        (restores_into: the values rounded once into it)."""
         ...
 
 
@@ -127,24 +129,39 @@ class WarmUp(Protocol):
 def target_dtypes(codec) -> tuple[torch.dtype, ...]:  # noqa: ANN001
     """The dtypes `codec` restores straight into a tensor target of, beside each chunk's stored one:
     its optional `target_dtypes` (none: the stored dtype only, other targets get a staging copy)."""
-    return tuple(getattr(codec, "target_dtypes", ()))
+    dtypes = getattr(codec, "target_dtypes", ())
+    return tuple(dtypes) if isinstance(dtypes, (tuple, list, frozenset, set)) else ()
+
+
+def holds_range(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether `target` holds every finite value of `stored` (float16 into bfloat16 or float32;
+    bfloat16 and float32 not into float16, where they would turn to inf). Pure."""
+    return torch.finfo(target).max >= torch.finfo(stored).max
+
+
+def restores_into(codec, stored: torch.dtype, target: torch.dtype) -> bool:  # noqa: ANN001
+    """Whether `codec` restores a chunk stored in `stored` straight into a tensor of `target`."""
+    return target == stored or (target in target_dtypes(codec) and holds_range(stored, target))
 
 
 def warm_up_codec(codec, device: torch.device | str, dtype: torch.dtype = torch.float16) -> float:
     """Compile `codec`'s restore kernels for `dtype` on a CUDA `device` now (codecs with the WarmUp
-    capability), and for float16: a chunk stored in another dtype than the target's restores into
-    staging of its own dtype, float16 as `extract` and the engines store it (a bfloat16 engine's
-    float16 chunks compiled their kernels during timed fetches, 0.4-0.7 s each); seconds spent.
-    A failure is logged, never raised: the first restore then compiles them, or falls back as it
-    would have."""
+    capability), and for float16: a chunk a codec cannot restore into the target's dtype (an HEVC
+    chunk stored in float16, as `extract` writes KV, for a bfloat16 engine) restores into staging of
+    its stored dtype, whose kernels otherwise compiled during timed fetches (0.4-0.7 s each, H200);
+    seconds spent. A failure is logged, never raised: the first restore then compiles them, or
+    falls back as it would have."""
     if torch.device(device).type != "cuda" or not isinstance(codec, WarmUp):
         return 0.0
     t0 = time.perf_counter()
-    try:
-        for each in dict.fromkeys((dtype, torch.float16)):
+    for each in dict.fromkeys((dtype, torch.float16)):
+        try:
             codec.warm_up(device, each)
-    except Exception as e:  # noqa: BLE001 - serving goes on; the first restore pays or falls back
-        log.warning("restore warm-up failed (%s: %s); the first restore compiles the kernels", type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - serving goes on; the first restore pays or falls back
+            log.warning(
+                "restore warm-up for %s failed (%s: %s); the first restore compiles the kernels",
+                each, type(e).__name__, e,
+            )  # fmt: skip
     return time.perf_counter() - t0
 
 

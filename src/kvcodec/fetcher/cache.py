@@ -116,7 +116,8 @@ class PrefixCache:
     initial_gbit: bandwidth prior until chunks have been received.
     store_partial: also store a last chunk shorter than chunk_tokens.
     direct: decode each chunk straight into the fetch's target when it is on `device` in the
-        stored dtype (no staging tensor, no copy); a fetch that stops early then waits for the
+        stored dtype, or in any dtype the codec restores into (codecs.base.target_dtypes: the
+        transform's float dtypes) (no staging tensor, no copy); a fetch that stops early then waits for the
         decodes in flight to finish their chunk, so nothing writes into `out` after `fetch`
         returns. False: decode into staging tensors and copy (returns at once on a deadline).
     shard: a TPShard: this cache holds one tensor-parallel rank's KV heads (puts and fetches
@@ -336,7 +337,9 @@ class PrefixCache:
         out: optional target: a (layers, 2, >= n_tokens, kv_heads, head_dim) tensor on any
             device/dtype (restored values go to ``out[:, :, :n]``), or a PagedKV whose block table
             covers n_tokens. Chunks decode straight into it when it is on the cache's device in
-            the stored dtype. Without it a tensor of the stored dtype on `device` is allocated.
+            the stored dtype (a tensor: or in a dtype the codec restores into, codecs.base.restores_into:
+            the transform's float dtypes that hold the stored range). Without it a tensor of the
+            stored dtype on `device` is allocated.
         deadline_s: time budget in seconds from the call, covering every store call; when it
             runs out the fetch stops.
         cancelled: checked as the deadline is (while the fetch waits for chunks): once it returns

@@ -4,7 +4,8 @@ first and the last (threads and bounded queues, so peak memory does not grow wit
     network get (the policy picks the resolution per chunk) -> check + decode -> restore in order
 
 Each chunk is decoded straight into the caller's target (its slice of a dense tensor, or its
-blocks of a PagedKV) when the target is on the decode device in the stored dtype; otherwise into
+blocks of a PagedKV) when the target is on the decode device in the stored dtype (a tensor target:
+or in one of the codec's target_dtypes); otherwise into
 a staging tensor that the in-order restore copies from. A codec with the StagedDecode capability
 (codecs.base) is restored in two halves where the fetch runs on CUDA (or `batched` says so): the
 decode workers stage each chunk (its video decode), and the in-order restore finishes every chunk
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target, target_dtypes
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target, restores_into
 from kvcodec.codecs.raw import copy_chunk
 from kvcodec.errors import FetchError, FormatError, KVCodecError, StoreError
 from kvcodec.fetcher import storecalls
@@ -188,7 +189,6 @@ class FetchPipeline:
         self.inflight = 0
         self.next_issue = 0
         self.direct_used = False
-        self.cast_into = target_dtypes(settings.codec)  # tensor targets restored into without staging
         self.halves: Callable | None = settings.codec.finish if settings.staged else None  # the second half
         self.out = plan.out
         self._suffix_sums()
@@ -664,14 +664,17 @@ class FetchPipeline:
                 self.out = self._new_output((L, 2, self.plan.n_tokens, H, D), dtype)
             out = self.out
         end = m.start_token + m.tokens
+        into = out.pages.dtype if isinstance(out, PagedKV) else out.dtype
+        castable = restores_into(self.s.codec, dtype, into)  # else staged in the stored dtype and copied
         if self.s.direct and end <= self.plan.n_tokens and out.device == dev:
-            if isinstance(out, PagedKV) and out.pages.dtype == dtype:
+            if isinstance(out, PagedKV) and into == dtype:
                 self.direct_used = True
                 return out, True
-            if isinstance(out, torch.Tensor) and (out.dtype == dtype or out.dtype in self.cast_into):
+            if isinstance(out, torch.Tensor) and castable:
                 self.direct_used = True
                 return out[:, :, m.start_token : end], True
-        return torch.empty((L, 2, m.tokens, H, D), dtype=dtype, device=dev), False
+        # staged in the target's dtype where the codec restores into it: every chunk rounded once
+        return torch.empty((L, 2, m.tokens, H, D), dtype=into if castable else dtype, device=dev), False
 
     def _new_output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The output the fetch allocates, on the caller's stream: once the caller drops it, torch's

@@ -185,6 +185,9 @@ class KVCodecCoder:
     def _decode_part(self, blob: memoryview, out: torch.Tensor) -> None:
         view = to_canonical(out, self.options.head_dim)
         codec = self.codec(view.shape[2])
+        stored = codec.inspect_chunk(blob).dtype
+        if stored != str(out.dtype).removeprefix("torch."):  # the object's raw parts would be misread
+            raise FormatError(f"kvcodec LMCache part stored as {stored}; the buffer is {out.dtype}")
         device = self.options.decode_device()
         if device == out.device:
             codec.decode_chunk(blob, view)  # straight into LMCache's buffer

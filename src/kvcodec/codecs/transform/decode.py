@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import zstandard
 
-from kvcodec.codecs.base import Target
+from kvcodec.codecs.base import Target, holds_range
 from kvcodec.codecs.zstd_streams import unzstd_into
 from kvcodec.errors import CorruptStreamError, ShapeError
 from kvcodec.restore import transform_kernels, transform_triton
@@ -298,13 +298,16 @@ TARGET_DTYPES = tuple(DTYPES.values())
 
 def check_target(h: dict, out: Target) -> None:
     """ShapeError unless `out` is a target for the chunk of header `h`: a tensor of its shape in
-    one of TARGET_DTYPES, or a PagedKV in its stored dtype."""
+    one of TARGET_DTYPES that holds the stored dtype's range, or a PagedKV in its stored dtype."""
     L, H, D = h["shape"]
     shape, dtype = (L, 2, h["tokens"], H, D), DTYPES[h["dtype"]]
     if isinstance(out, PagedKV):
         out.check(shape, dtype, h["start_token"])
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype not in TARGET_DTYPES:
-        raise ShapeError(f"output must be a {shape} float tensor ({dtype} as stored) or a PagedKV")
+        return
+    fits = isinstance(out, torch.Tensor) and out.dtype in TARGET_DTYPES and holds_range(dtype, out.dtype)
+    if not fits or tuple(out.shape) != shape:
+        allowed = ", ".join(str(t) for t in TARGET_DTYPES if holds_range(dtype, t))
+        raise ShapeError(f"output must be a {shape} tensor of {allowed} (stored: {dtype}) or a PagedKV")
 
 
 def host_samples(streams: dict, count: int, pinned: bool = False) -> torch.Tensor:
