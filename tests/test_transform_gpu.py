@@ -263,3 +263,25 @@ def test_the_reference_and_batched_paths_share_the_rounded_decode_basis(kvt):
         rows, n = basis.shape
         assert torch.equal(plan.bases[j, :rows, :n], basis)
         assert torch.equal((plan.half[j, :rows, :n].double() * plan.scales[j]).float(), basis)
+
+
+@needs_cuda
+def test_a_cuda_fetch_restores_float16_chunks_straight_into_bfloat16_rounded_once(kvt):
+    """The driven fetch's fused kernels write a bfloat16 target directly: the float32 restore of the
+    same chunks rounded once (a float16 staging copy would round twice)."""
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    kv = synthetic_kv(200, 17)
+    ids = list(range(5000, 5200))
+    store = open_store("memory://")
+    PrefixCache(store, "synthetic", c, "cpu").put(ids, kv)
+    cache = PrefixCache(store, "synthetic", c, "cuda")
+    wide = torch.empty(kv.shape, dtype=torch.float32, device="cuda")
+    into = torch.empty(kv.shape, dtype=torch.bfloat16, device="cuda")
+    assert cache.fetch(ids, out=wide).tokens_restored == 200
+    res = cache.fetch(ids, out=into)
+    torch.cuda.synchronize()
+    assert res.tokens_restored == 200 and res.kv is into
+    assert torch.equal(into, wide.to(torch.bfloat16))
