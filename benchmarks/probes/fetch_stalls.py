@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Probe (issue 21): why a fetch now and then takes several times its usual time. Runs any kvcodec
+command line (a `bench ttft-engine run`, say) with three hooks, each printed to stderr as a line
+starting `EV <seconds> <thread>`:
+
+- every `PrefixCache.fetch`: its time to a device synchronize and the CUDA allocator's counters
+  that moved during it (device allocations and frees, syncs of every stream: the allocator
+  emptying its cache to retry an allocation);
+- a watchdog: the stack of a fetch still running after --stall-ms (then every 100 ms, 4 times);
+- every Triton compile: the kernel and its specialization key (a compile during a timed fetch
+  costs 0.4-0.7 s of ptxas on an H200).
+
+    python benchmarks/probes/fetch_stalls.py --stall-ms 150 -- bench ttft-engine run --dir D ...
+
+Session 56 found with it that the fused epilogue compiled during timed fetches for float16
+staging, which the warm-up (bfloat16, the engine's dtype) had not compiled
+(benchmarks/results/fetch-h200-s56-stalls.md)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+T0 = time.perf_counter()
+_running: dict[int, tuple[float, int]] = {}  # thread id -> (fetch start, stacks printed)
+_ALLOCATOR = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+_last: dict[str, int] = {}
+
+
+def event(*parts: object) -> None:
+    name = threading.current_thread().name[:16]
+    print(f"EV {time.perf_counter() - T0:.4f} {name}", *parts, file=sys.stderr, flush=True)
+
+
+def allocator_moves() -> str:
+    if not torch.cuda.is_available():
+        return ""
+    stats = torch.cuda.memory_stats()
+    moved = {k: stats.get(k, 0) - _last.get(k, 0) for k in _ALLOCATOR}
+    _last.update({k: stats.get(k, 0) for k in _ALLOCATOR})
+    return " ".join(f"{k[4:]}={v}" for k, v in moved.items() if v)
+
+
+def hook_fetch() -> None:
+    from kvcodec.fetcher import cache
+
+    fetch = cache.PrefixCache.fetch
+
+    @functools.wraps(fetch)
+    def timed(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        me = threading.get_ident()
+        start = time.perf_counter()
+        _running[me] = (start, 0)
+        try:
+            result = fetch(self, *args, **kwargs)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        finally:
+            _running.pop(me, None)
+        event(f"fetch ms={(time.perf_counter() - start) * 1e3:.1f} {allocator_moves()}")
+        return result
+
+    cache.PrefixCache.fetch = timed
+
+
+def watch(stall_s: float) -> None:
+    while True:
+        time.sleep(0.02)
+        for tid, (start, printed) in list(_running.items()):
+            late = time.perf_counter() - start
+            if printed < 4 and late > stall_s + 0.1 * printed:
+                _running[tid] = (start, printed + 1)
+                frame = sys._current_frames().get(tid)
+                if frame is not None:
+                    event(f"STALL {late * 1e3:.0f} ms\n" + "".join(traceback.format_stack(frame)[-12:]))
+
+
+def hook_triton_compiles() -> None:
+    try:
+        from triton.runtime import jit
+    except ImportError:
+        return
+    compile_ = jit.JITFunction._do_compile
+
+    def logged(self, key, *args, **kwargs):  # noqa: ANN001, ANN202
+        event(f"COMPILE {getattr(self, '__name__', '?')} key={str(key)[:700]}")
+        return compile_(self, key, *args, **kwargs)
+
+    jit.JITFunction._do_compile = logged
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    stall_ms = 150.0
+    if args[:1] == ["--stall-ms"]:
+        stall_ms, args = float(args[1]), args[2:]
+    if args[:1] == ["--"]:
+        args = args[1:]
+    hook_fetch()
+    hook_triton_compiles()
+    threading.Thread(target=watch, args=(stall_ms / 1e3,), daemon=True).start()
+    from kvcodec.cli.main import main as kvcodec_main
+
+    sys.argv = ["kvcodec", *args]
+    kvcodec_main()
+
+
+if __name__ == "__main__":
+    main()
