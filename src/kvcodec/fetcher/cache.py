@@ -116,10 +116,11 @@ class PrefixCache:
     initial_gbit: bandwidth prior until chunks have been received.
     store_partial: also store a last chunk shorter than chunk_tokens.
     direct: decode each chunk straight into the fetch's target when it is on `device` in the
-        stored dtype, or in any dtype the codec restores into (codecs.base.target_dtypes: the
-        transform's float dtypes) (no staging tensor, no copy); a fetch that stops early then waits for the
-        decodes in flight to finish their chunk, so nothing writes into `out` after `fetch`
-        returns. False: decode into staging tensors and copy (returns at once on a deadline).
+        stored dtype or, a tensor, in one the codec restores into (codecs.base.restores_into: the
+        transform's float dtypes that hold the stored range): no staging tensor, no copy; a fetch
+        that stops early then waits for the decodes in flight to finish their chunk, so nothing
+        writes into `out` after `fetch` returns. False: decode into staging tensors and copy
+        (returns at once on a deadline).
     shard: a TPShard: this cache holds one tensor-parallel rank's KV heads (puts and fetches
         carry only those heads, under keys of their own); None: every head.
     batched_restore: restore codecs with the StagedDecode capability in two halves, the second
