@@ -355,6 +355,7 @@ def median_point(points: list[Point]) -> dict:
         "restored_tokens": min(p.restored for p in points),
         "fetch_error": next((p.error for p in points if p.error), None),
         "ttft_runs_s": [p.ttft_s for p in points],
+        "fetch_runs_s": fetch if len(fetch) == len(points) else None,  # a stalled request shows here
         "measured": True,
     }
 
