@@ -3,9 +3,10 @@
 command line (a `bench ttft-engine run`, say) with three hooks, each printed to stderr as a line
 starting `EV <seconds> <thread>`:
 
-- every `PrefixCache.fetch`: its time to a device synchronize and the CUDA allocator's counters
-  that moved during it (device allocations and frees, syncs of every stream: the allocator
-  emptying its cache to retry an allocation);
+- every `PrefixCache.fetch`: its time to a device synchronize (which the hook adds: GPU work the
+  fetch queued is counted in it) and the CUDA allocator's counters that moved since the last
+  fetch ended (device allocations and frees, syncs of every stream: an emptied cache, by an
+  allocation's retry or by an `empty_cache` call between fetches);
 - a watchdog: the stack of a fetch still running after --stall-ms (then every 100 ms, 4 times);
 - every Triton compile: the kernel and its specialization key (a compile during a timed fetch
   costs 0.4-0.7 s of ptxas on an H200).
