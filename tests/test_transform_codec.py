@@ -506,10 +506,10 @@ def test_a_fetch_restores_transform_chunks_straight_into_a_target_of_another_flo
     assert PrefixCache(store, "synthetic", c, "cpu").fetch(ids, out=reference).tokens_restored == 150
     once = reference.to(torch.bfloat16)
     assert not torch.equal(once, reference.half().to(torch.bfloat16))  # what float16 staging gives
-    for direct, n in ((True, 150), (False, 150), (True, 140)):
+    for direct, n, staged in ((True, 150, 0), (False, 150, 3), (True, 140, 1)):  # 140: the last chunk staged
         into = torch.zeros(kv.shape, dtype=torch.bfloat16)
         res = PrefixCache(store, "synthetic", c, "cpu", direct=direct).fetch(ids, n, out=into)
-        assert res.tokens_restored == n and res.kv is into
+        assert res.tokens_restored == n and res.kv is into and res.stats.chunks_staged == staged
         assert torch.equal(into[:, :, :n], once[:, :, :n]), (direct, n)
 
 

@@ -413,16 +413,25 @@ def test_meta_table_lists_each_chunk_s_position_output_samples_and_sink():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "warmed"),
-    [(torch.bfloat16, [torch.bfloat16, torch.float16]), (torch.float16, [torch.float16])],
+    ("casts", "dtype", "warmed"),
+    [
+        ((), torch.bfloat16, [torch.bfloat16, torch.float16]),
+        ((), torch.float16, [torch.float16, torch.bfloat16]),
+        (tt.OUT_DTYPES, torch.bfloat16, [torch.bfloat16]),
+        (tt.OUT_DTYPES, torch.float16, [torch.float16, torch.bfloat16]),
+    ],
+    ids=["staging-bf16-engine", "staging-fp16-engine", "casting-bf16-engine", "casting-fp16-engine"],
 )
-def test_warm_up_also_compiles_for_float16_chunks_restored_into_their_own_staging(dtype, warmed):
-    """A chunk a codec cannot restore into a bfloat16 engine's cache (an HEVC one stored in float16)
-    restores into float16 staging: the warm-up compiles for both, so no kernel compiles during a
-    timed fetch (0.4-0.7 s each on an H200)."""
+def test_warm_up_also_compiles_for_the_dtypes_chunks_stage_in(casts, dtype, warmed):
+    """A chunk a codec cannot restore into the engine's dtype (an HEVC one stored in float16 for a
+    bfloat16 engine; a bfloat16 one for a float16 engine, whose range float16 does not hold)
+    restores into staging of its stored dtype: the warm-up compiles that too, so no kernel
+    compiles during a timed fetch (0.4-0.7 s each on an H200)."""
     from kvcodec.codecs.base import warm_up_codec
 
     class Recording:
+        target_dtypes = casts
+
         def __init__(self):
             self.dtypes = []
 

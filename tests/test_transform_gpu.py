@@ -283,5 +283,5 @@ def test_a_cuda_fetch_restores_float16_chunks_straight_into_bfloat16_rounded_onc
     assert cache.fetch(ids, out=wide).tokens_restored == 200
     res = cache.fetch(ids, out=into)
     torch.cuda.synchronize()
-    assert res.tokens_restored == 200 and res.kv is into
+    assert res.tokens_restored == 200 and res.kv is into and res.stats.chunks_staged == 0
     assert torch.equal(into, wide.to(torch.bfloat16))

@@ -3,13 +3,13 @@
 command line (a `bench ttft-engine run`, say) with three hooks, each printed to stderr as a line
 starting `EV <seconds> <thread>`:
 
-- every `PrefixCache.fetch`: its time to a device synchronize (which the hook adds: GPU work the
-  fetch queued is counted in it) and the CUDA allocator's counters that moved since the last
-  fetch ended (device allocations and frees, syncs of every stream: an emptied cache, by an
+- every `PrefixCache.fetch`: its time until the calling thread's stream has run what the fetch
+  queued there (the hook waits for that stream; other streams' work, such as a matmul beside it,
+  is not waited for) and the CUDA allocator's counters that moved since the last fetch ended (device allocations and frees, syncs of every stream: an emptied cache, by an
   allocation's retry or by an `empty_cache` call between fetches);
 - a watchdog: the stack of a fetch still running after --stall-ms (then every 100 ms, 4 times);
-- every Triton compile: the kernel and its specialization key (a compile during a timed fetch
-  costs 0.4-0.7 s of ptxas on an H200).
+- every Triton compile or load from Triton's disk cache: the kernel and its specialization key
+  (a compile during a timed fetch costs 0.4-0.7 s of ptxas on an H200).
 
     python benchmarks/probes/fetch_stalls.py --stall-ms 150 -- bench ttft-engine run --dir D ...
 
@@ -19,6 +19,7 @@ staging, which the warm-up (bfloat16, the engine's dtype) had not compiled
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 import threading
@@ -60,7 +61,7 @@ def hook_fetch() -> None:
         try:
             result = fetch(self, *args, **kwargs)
             if torch.cuda.is_available():
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
         finally:
             _running.pop(me, None)
         event(f"fetch ms={(time.perf_counter() - start) * 1e3:.1f} {allocator_moves()}")
@@ -96,12 +97,12 @@ def hook_triton_compiles() -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    stall_ms = 150.0
-    if args[:1] == ["--stall-ms"]:
-        stall_ms, args = float(args[1]), args[2:]
+    parser = argparse.ArgumentParser(description="a kvcodec command with fetch-stall hooks", allow_abbrev=False)
+    parser.add_argument("--stall-ms", type=float, default=150.0, help="print a fetch's stack after this long")
+    ours, args = parser.parse_known_args()
     if args[:1] == ["--"]:
         args = args[1:]
+    stall_ms = ours.stall_ms
     hook_fetch()
     hook_triton_compiles()
     threading.Thread(target=watch, args=(stall_ms / 1e3,), daemon=True).start()

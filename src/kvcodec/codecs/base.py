@@ -146,15 +146,17 @@ def restores_into(codec, stored: torch.dtype, target: torch.dtype) -> bool:  # n
 
 def warm_up_codec(codec, device: torch.device | str, dtype: torch.dtype = torch.float16) -> float:
     """Compile `codec`'s restore kernels for `dtype` on a CUDA `device` now (codecs with the WarmUp
-    capability), and for float16: a chunk a codec cannot restore into the target's dtype (an HEVC
-    chunk stored in float16, as `extract` writes KV, for a bfloat16 engine) restores into staging of
-    its stored dtype, whose kernels otherwise compiled during timed fetches (0.4-0.7 s each, H200);
-    seconds spent. A failure is logged, never raised: the first restore then compiles them, or
-    falls back as it would have."""
+    capability), and for each other half-precision dtype whose chunks it cannot restore into
+    `dtype` (restores_into): those restore into staging of their stored dtype (an HEVC chunk stored
+    in float16, as `extract` writes KV, for a bfloat16 engine), whose kernels otherwise compiled
+    during timed fetches (0.4-0.7 s each on an H200, fetch-h200-s56-stalls); seconds spent. A
+    failure is logged, never raised: the first restore then compiles them, or falls back as it
+    would have."""
     if torch.device(device).type != "cuda" or not isinstance(codec, WarmUp):
         return 0.0
     t0 = time.perf_counter()
-    for each in dict.fromkeys((dtype, torch.float16)):
+    staged = [d for d in (torch.float16, torch.bfloat16) if not restores_into(codec, d, dtype)]
+    for each in dict.fromkeys((dtype, *staged)):
         try:
             codec.warm_up(device, each)
         except Exception as e:  # noqa: BLE001 - serving goes on; the first restore pays or falls back

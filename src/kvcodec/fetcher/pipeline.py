@@ -440,6 +440,7 @@ class FetchPipeline:
             tm.restore_start = self.now()
         take = min(m.tokens, self.plan.n_tokens - m.start_token)
         if staged is not None:
+            self.stats.chunks_staged += 1
             if isinstance(out, PagedKV):
                 blocks, within = out.slots(m.start_token, take)
                 out.pages[:, :, blocks, within] = staged[:, :, :take].to(out.device, out.pages.dtype)

@@ -40,6 +40,7 @@ class FetchStats:
     chunks_planned: int = 0
     chunks_restored: int = 0
     chunks_dropped: int = 0  # chunks whose meta was dropped after failing a check (the next put rewrites them)
+    chunks_staged: int = 0  # chunks restored into a staging tensor and copied into the target
     bytes_fetched: int = 0
     meta_s: float = 0.0
     wall_s: float = 0.0
