@@ -317,10 +317,13 @@ class KVCodecConnector(KVConnectorBase_V1):
             raise ConfigError("KVCodecConnector has no registered KV caches")
         return list(self._kv_caches.values())
 
+    def _kernel_table(self, block_ids) -> tuple[int, ...]:
+        """The cache tensors' own blocks of the scheduler's `block_ids`."""
+        return kernel_blocks(block_ids, self.block_size // self._kernel_block)
+
     def _slots(self, block_ids, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cache block, offset in it) of sequence tokens [start, end), in the cache tensors' own blocks."""
-        table = kernel_blocks(block_ids, self.block_size // self._kernel_block)
-        return token_slots(table, self._kernel_block, start, end)
+        return token_slots(self._kernel_table(block_ids), self._kernel_block, start, end)
 
     def gather(self, block_ids, start: int, end: int) -> torch.Tensor:
         """Tokens [start, end) of a sequence as canonical (layers, 2, tokens, heads, head_dim)."""
@@ -353,7 +356,7 @@ class KVCodecConnector(KVConnectorBase_V1):
             if self.codec.inspect_chunk(blob).key not in (None, key):
                 raise KVCodecError(f"chunk blob under {key} is bound to another prefix")
             if self._pages is not None and start >= load.skip_tokens:
-                table = torch.as_tensor(kernel_blocks(load.block_ids, self.block_size // self._kernel_block))
+                table = torch.as_tensor(self._kernel_table(load.block_ids))
                 self.codec.decode_chunk(blob, PagedKV(self._pages, table))  # straight into the blocks
                 continue
             out = torch.empty((len(layers), 2, ct, heads, d), dtype=layers[0].dtype, device=layers[0].device)

@@ -28,12 +28,13 @@ import zstandard
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
-from kvcodec.codecs.transform.decode import DTYPES, TARGET_DTYPES, TransformRestorer, check_target
+from kvcodec.codecs.transform.decode import TARGET_DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import zstd_frames
 from kvcodec.config import real_number, video_frame_sizes, whole_number
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
+from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ConfigError, FormatError, ShapeError
 from kvcodec.kvspec import GroupSpec
 from kvcodec.layout.search import encode_workers

@@ -18,6 +18,7 @@ import zstandard
 
 from kvcodec.codecs.base import Target, holds_range
 from kvcodec.codecs.zstd_streams import unzstd_into
+from kvcodec.dtypes import DTYPE_NAMES, DTYPES
 from kvcodec.errors import CorruptStreamError, ShapeError
 from kvcodec.restore import transform_kernels, transform_triton
 from kvcodec.restore.paged import PagedKV
@@ -25,8 +26,6 @@ from kvcodec.transform import frames, inverse, quantize
 from kvcodec.transform.calibration import KINDS, Calibration
 from kvcodec.transform.rope import apply_rope
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_PLANS = 4  # batched plans kept per restorer (a file coded to a target ratio has its own level)
 
 
