@@ -29,6 +29,7 @@ from kvcodec.fetcher import (
     predicted_finish,
 )
 from kvcodec.fetcher.profile import load_or_calibrate
+from kvcodec.restore.paged import PagedKV
 from kvcodec.store import open_store
 
 CFG = CodecConfig(chunk_tokens=16, resolutions=((256, 256), (512, 512)), search_layout=False)
@@ -193,6 +194,30 @@ def test_an_integer_out_is_refused_not_filled_with_truncated_kv(raw_cache):
     with pytest.raises(ShapeError, match="int32"):
         raw_cache.fetch(ids, out=out)
     assert not out.any()
+
+
+def test_bfloat16_chunks_beyond_float16s_range_stop_the_fetch_instead_of_turning_to_inf(raw_cache):
+    ct = CFG.chunk_tokens
+    kv, ids = make_kv(3 * ct, dtype=torch.bfloat16), ids_for(3 * ct)
+    kv[1, 0, ct + 5, 0, 3] = 1e6  # in chunk 1: beyond float16's 65504
+    raw_cache.put(ids, kv)
+    out = torch.zeros((3, 2, 3 * ct, 2, 32), dtype=torch.float16)
+    r = raw_cache.fetch(ids, out=out)
+    assert not r.ok and isinstance(r.error, ShapeError) and "float16" in str(r.error)
+    assert r.tokens_restored == ct and torch.equal(out[:, :, :ct], kv[:, :, :ct].half())
+    pages = torch.zeros((3, 2, 6, ct // 2, 2, 32), dtype=torch.float16)  # paged targets convert the same way
+    paged = raw_cache.fetch(ids, out=PagedKV(pages, torch.tensor([5, 0, 3, 1, 4, 2])))
+    assert isinstance(paged.error, ShapeError) and paged.tokens_restored == ct
+    again = raw_cache.fetch(ids)  # the chunks were sound: none was dropped
+    assert again.ok and again.stats.chunks_dropped == 0 and torch.equal(again.kv, kv)
+
+
+def test_bfloat16_chunks_within_float16s_range_restore_into_float16(raw_cache):
+    kv, ids = make_kv(2 * CFG.chunk_tokens, dtype=torch.bfloat16), ids_for(2 * CFG.chunk_tokens)
+    raw_cache.put(ids, kv)
+    out = torch.zeros(kv.shape, dtype=torch.float16)
+    r = raw_cache.fetch(ids, out=out)
+    assert r.ok and torch.equal(out, kv.half()) and r.stats.chunks_staged == 2
 
 
 def test_a_deadline_that_is_not_a_number_is_refused_and_a_device_is_checked(raw_cache):

@@ -349,7 +349,9 @@ class PrefixCache:
         chunk that cannot be restored in order and returns what was restored with `error` set
         (also logged). A chunk that fails its checks is dropped so the next put rewrites it.
         Invalid arguments (n_tokens, or an `out` too short for them) raise ShapeError/ConfigError;
-        an `out` whose (layers, heads, dim) differ from the stored metas' is a result error.
+        an `out` whose (layers, heads, dim) differ from the stored metas' is a result error, as is a
+        chunk with values beyond the range of a narrower `out` (bfloat16 chunks into float16: the
+        fetch stops before it instead of writing inf; the chunks are kept).
         """
         t0 = time.monotonic()
         deadline = storecalls.Deadline(deadline_s, t0, cancelled)

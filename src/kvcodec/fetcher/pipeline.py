@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target, restores_into
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target, holds_range, restores_into
 from kvcodec.codecs.raw import copy_chunk
-from kvcodec.errors import FetchError, FormatError, KVCodecError, StoreError
+from kvcodec.errors import FetchError, FormatError, KVCodecError, ShapeError, StoreError
 from kvcodec.fetcher import storecalls
 from kvcodec.fetcher.bandwidth import BandwidthEstimator
 from kvcodec.fetcher.keys import ChunkMeta, blob_key
@@ -412,7 +412,10 @@ class FetchPipeline:
         if finished and self.halves is not None and self.s.device.type == "cuda":  # one wait for the math
             torch.cuda.current_stream(self.s.device).synchronize()
         for i, done in finished:
-            restored = self._restore(i, done.staging)
+            try:
+                restored = self._restore(i, done.staging)
+            except ShapeError as e:  # values the target's dtype cannot hold: the chunks are sound, kept
+                return restored, e
         return restored, error
 
     def _finish(self, ready: list[tuple[int, Decoded]]) -> None:
@@ -439,13 +442,10 @@ class FetchPipeline:
         if self.halves is None:  # a staged chunk's restore began with its finish
             tm.restore_start = self.now()
         take = min(m.tokens, self.plan.n_tokens - m.start_token)
+        overflow = None
         if staged is not None:
             self.stats.chunks_staged += 1
-            if isinstance(out, PagedKV):
-                blocks, within = out.slots(m.start_token, take)
-                out.pages[:, :, blocks, within] = staged[:, :, :take].to(out.device, out.pages.dtype)
-            else:
-                copy_chunk(out[:, :, m.start_token : m.start_token + take], staged[:, :, :take])
+            overflow = self._copy_staged(m.start_token, take, staged[:, :, :take])
         if out.device.type == "cuda" and (staged is not None or self.halves is None):
             torch.cuda.current_stream(out.device).synchronize()  # a staged batch was waited for once
         tm.restore_end = self.now()
@@ -457,7 +457,29 @@ class FetchPipeline:
         with self.lock:
             self.inflight -= 1
         self.slots.release()
+        if overflow is not None and bool(overflow):
+            into = out.pages.dtype if isinstance(out, PagedKV) else out.dtype
+            raise ShapeError(
+                f"chunk {i} holds {staged.dtype} values beyond the range of the target's {into}; "
+                f"fetch it into {staged.dtype} or a wider dtype"
+            )
         return m.start_token + take
+
+    def _copy_staged(self, start: int, take: int, staged: torch.Tensor) -> torch.Tensor | None:
+        """Copy a staged chunk's `take` tokens into the target at `start`. Where the target's dtype
+        is narrower than the staged one (bfloat16 chunks into float16), a 0-d tensor that says
+        whether a finite value became inf; else None."""
+        out = self.out
+        if isinstance(out, PagedKV):
+            blocks, within = out.slots(start, take)
+            dst = staged.to(out.device, out.pages.dtype)
+            out.pages[:, :, blocks, within] = dst
+        else:
+            dst = out[:, :, start : start + take]
+            copy_chunk(dst, staged)
+        if holds_range(staged.dtype, dst.dtype):
+            return None
+        return (torch.isinf(dst) & torch.isfinite(staged.to(dst.device))).any()
 
     # -- network stage -----------------------------------------------------------------------
     def _net_worker(self) -> None:
