@@ -205,9 +205,10 @@ def test_bfloat16_chunks_beyond_float16s_range_stop_the_fetch_instead_of_turning
     r = raw_cache.fetch(ids, out=out)
     assert not r.ok and isinstance(r.error, ShapeError) and "float16" in str(r.error)
     assert r.tokens_restored == ct and torch.equal(out[:, :, :ct], kv[:, :, :ct].half())
+    assert not out[:, :, ct:].any() and r.stats.chunks_restored == 1  # nothing of chunk 1 written or counted
     pages = torch.zeros((3, 2, 6, ct // 2, 2, 32), dtype=torch.float16)  # paged targets convert the same way
     paged = raw_cache.fetch(ids, out=PagedKV(pages, torch.tensor([5, 0, 3, 1, 4, 2])))
-    assert isinstance(paged.error, ShapeError) and paged.tokens_restored == ct
+    assert isinstance(paged.error, ShapeError) and paged.tokens_restored == ct and pages.isfinite().all()
     again = raw_cache.fetch(ids)  # the chunks were sound: none was dropped
     assert again.ok and again.stats.chunks_dropped == 0 and torch.equal(again.kv, kv)
 
@@ -318,6 +319,39 @@ def test_corrupt_chunk_stops_with_prefix(raw_cache):
     assert isinstance(r.error, ChecksumError)
     assert r.tokens_restored == 48
     assert torch.equal(r.kv[:, :, :48], kv[:, :, :48])
+
+
+class DropsTheCheck:
+    """A store whose connection drops on the check of the chunks behind a damaged one (a fault
+    that cannot be timed for real between the fetch and its check)."""
+
+    def __init__(self, inner, key):
+        self.inner, self.key, self.url = inner, key, inner.url
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def get_many(self, keys):
+        if len(keys) > 1 and all(k.startswith(self.key) for k in keys):
+            raise StoreError(f"{self.url}: connection reset (test)")
+        return self.inner.get_many(keys)
+
+
+def test_a_store_failure_while_checking_the_chunks_behind_a_damaged_one_drops_none_of_them():
+    inner = open_store("memory://")
+    kv, ids = make_kv(64), ids_for(64)
+    cache = PrefixCache(inner, "model-a", RAW, "cpu", profile=DecodeProfile.default(CFG.resolutions))
+    cache.put(ids, kv)
+    k = cache.keys(ids)
+    blob = bytearray(inner.get(blob_key(k[1], 0)))
+    blob[-5] ^= 0xFF
+    inner.put(blob_key(k[1], 0), bytes(blob))
+    flaky = PrefixCache(
+        DropsTheCheck(inner, k[2]), "model-a", RAW, "cpu", profile=DecodeProfile.default(CFG.resolutions)
+    )
+    r = flaky.fetch(ids, policy="fixed:0")
+    assert isinstance(r.error, ChecksumError) and r.tokens_restored == 16 and r.stats.chunks_dropped == 1
+    assert inner.exists_many([meta_key(x) for x in k]) == [True, False, True, True]
 
 
 def test_corrupt_real_codec_blob_is_format_error():

@@ -351,7 +351,7 @@ class PrefixCache:
         Invalid arguments (n_tokens, or an `out` too short for them) raise ShapeError/ConfigError;
         an `out` whose (layers, heads, dim) differ from the stored metas' is a result error, as is a
         chunk with values beyond the range of a narrower `out` (bfloat16 chunks into float16: the
-        fetch stops before it instead of writing inf; the chunks are kept).
+        fetch stops before it, writing none of it; the chunks are kept).
         """
         t0 = time.monotonic()
         deadline = storecalls.Deadline(deadline_s, t0, cancelled)
@@ -500,10 +500,11 @@ class PrefixCache:
                 blobs = storecalls.call(
                     deadline, "check get", self.store.get_many, [blob_key(keys[j], r) for r in range(n)]
                 )
+            except KVCodecError:
+                return  # the deadline or a store failure ends the check: the chunks not checked stay as they are
+            try:
                 for blob in blobs:
                     self._check_blob(blob, metas[j], keys[j])
-            except FetchError:
-                return  # the deadline ends the check: the chunks not checked stay as they are
             except KVCodecError as e:
                 self._bad_chunk(keys[j], j, e, stats)
 

@@ -442,44 +442,43 @@ class FetchPipeline:
         if self.halves is None:  # a staged chunk's restore began with its finish
             tm.restore_start = self.now()
         take = min(m.tokens, self.plan.n_tokens - m.start_token)
-        overflow = None
-        if staged is not None:
-            self.stats.chunks_staged += 1
-            overflow = self._copy_staged(m.start_token, take, staged[:, :, :take])
-        if out.device.type == "cuda" and (staged is not None or self.halves is None):
-            torch.cuda.current_stream(out.device).synchronize()  # a staged batch was waited for once
+        try:
+            if staged is not None:
+                self.stats.chunks_staged += 1
+                self._copy_staged(i, m.start_token, staged[:, :, :take])
+            if out.device.type == "cuda" and (staged is not None or self.halves is None):
+                torch.cuda.current_stream(out.device).synchronize()  # a staged batch was waited for once
+        finally:
+            with self.lock:
+                self.inflight -= 1
+            self.slots.release()
         tm.restore_end = self.now()
         st = self.stats
         st.chunks_restored += 1
         st.bytes_fetched += tm.nbytes
         label = "x".join(map(str, self.s.codec.resolutions[tm.resolution]))
         st.resolution_counts[label] = st.resolution_counts.get(label, 0) + 1
-        with self.lock:
-            self.inflight -= 1
-        self.slots.release()
-        if overflow is not None and bool(overflow):
-            into = out.pages.dtype if isinstance(out, PagedKV) else out.dtype
-            raise ShapeError(
-                f"chunk {i} holds {staged.dtype} values beyond the range of the target's {into}; "
-                f"fetch it into {staged.dtype} or a wider dtype"
-            )
         return m.start_token + take
 
-    def _copy_staged(self, start: int, take: int, staged: torch.Tensor) -> torch.Tensor | None:
-        """Copy a staged chunk's `take` tokens into the target at `start`. Where the target's dtype
-        is narrower than the staged one (bfloat16 chunks into float16), a 0-d tensor that says
-        whether a finite value became inf; else None."""
+    def _copy_staged(self, i: int, start: int, staged: torch.Tensor) -> None:
+        """Chunk i's staged tokens into the target from token `start`, in the target's dtype; a
+        ShapeError, with nothing written, where that dtype is narrower than the staged one
+        (bfloat16 chunks into float16) and a finite value would turn to inf."""
         out = self.out
+        into = out.pages.dtype if isinstance(out, PagedKV) else out.dtype
+        if not holds_range(staged.dtype, into):
+            narrowed = staged.to(into)
+            if bool((torch.isinf(narrowed) & torch.isfinite(staged)).any()):
+                raise ShapeError(
+                    f"chunk {i} holds {staged.dtype} values beyond the range of the target's {into}; "
+                    f"fetch it into {staged.dtype} or a wider dtype"
+                )
+            staged = narrowed
         if isinstance(out, PagedKV):
-            blocks, within = out.slots(start, take)
-            dst = staged.to(out.device, out.pages.dtype)
-            out.pages[:, :, blocks, within] = dst
+            blocks, within = out.slots(start, staged.shape[2])
+            out.pages[:, :, blocks, within] = staged.to(out.device, into)
         else:
-            dst = out[:, :, start : start + take]
-            copy_chunk(dst, staged)
-        if holds_range(staged.dtype, dst.dtype):
-            return None
-        return (torch.isinf(dst) & torch.isfinite(staged.to(dst.device))).any()
+            copy_chunk(out[:, :, start : start + staged.shape[2]], staged)
 
     # -- network stage -----------------------------------------------------------------------
     def _net_worker(self) -> None:
