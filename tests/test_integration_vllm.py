@@ -206,6 +206,31 @@ def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
     assert worker.get_block_ids_with_load_errors() == set(blocks2)
 
 
+def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its_heads(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    sched, worker = connectors(url, quant="exact")
+    sched.shards = worker.shards = (2, 1)  # a TP=2 deployment: each rank stores its own heads
+    caches = paged_caches(kv, torch.float16)
+    worker.register_kv_caches(caches)
+    r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
+    admit(sched, r1, 0, list(range(7)))
+    write_prompt(caches, kv.to(torch.float16), list(range(7)))
+    scheduler_step(sched, worker, r1, list(range(7)), len(prompt))
+    worker.rank = (1, 0)
+    worker._store_prefix(prompt[:96], -kv[:, :, :96].to(torch.float16))  # rank 1's objects, other values
+    worker.rank = (0, 0)
+    with open_store(url) as st:
+        codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
+        for key in chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False):
+            st.put(worker.object_key(key), st.get(worker.object_key(key, (1, 0))))  # served for rank 0's key
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    assert admit(sched, r2, 0, blocks2) == 96
+    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
+    assert worker.get_block_ids_with_load_errors() == set(blocks2)
+
+
 def test_each_tp_and_pp_rank_has_its_own_objects(tmp_path):
     _, worker = connectors(f"file://{tmp_path}")
     keys = {worker.object_key("k", (tp, pp)) for tp in range(2) for pp in range(2)}

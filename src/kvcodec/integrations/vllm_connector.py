@@ -353,8 +353,7 @@ class KVCodecConnector(KVConnectorBase_V1):
                 continue
             if blob is None:
                 raise KVCodecError(f"chunk {key} vanished from the store")
-            if self.codec.inspect_chunk(blob).key not in (None, key):
-                raise KVCodecError(f"chunk blob under {key} is bound to another prefix")
+            self._check_binding(blob, key, i)
             if self._pages is not None and start >= load.skip_tokens:
                 table = torch.as_tensor(self._kernel_table(load.block_ids))
                 self.codec.decode_chunk(blob, PagedKV(self._pages, table))  # straight into the blocks
@@ -364,11 +363,22 @@ class KVCodecConnector(KVConnectorBase_V1):
             first = max(start, load.skip_tokens)
             self.scatter(kv[:, :, first - start :], load.block_ids, first)
 
+    def _check_binding(self, blob: bytes, key: str, index: int) -> None:
+        """KVCodecError unless `blob` is chunk `index` of the prefix `key` names, stored by this rank
+        (its header is bound to this rank's object key: another rank's heads or layers are refused)."""
+        info = self.codec.inspect_chunk(blob)
+        ct = self.codec.chunk_tokens
+        if info.key != self.object_key(key) or (info.index, info.start_token, info.tokens) != (index, index * ct, ct):
+            raise KVCodecError(
+                f"chunk blob under {self.object_key(key)} is bound to {info.key!r}, chunk {info.index} "
+                f"(tokens {info.start_token}..+{info.tokens}): not this rank's chunk {index}"
+            )
+
     def _store_prefix(self, token_ids, kv: torch.Tensor, namespace: str | None = None) -> None:
         try:
-            keys = self._keys(token_ids, namespace)
-            for chunk in self.codec.encode_chunks(kv, keys=keys):
-                self.store.put(self.object_key(keys[chunk.index]), chunk.blobs[0])
+            objects = [self.object_key(k) for k in self._keys(token_ids, namespace)]
+            for chunk in self.codec.encode_chunks(kv, keys=objects):  # each blob bound to its rank's object
+                self.store.put(objects[chunk.index], chunk.blobs[0])
         except KVCodecError as e:
             logger.warning("kvcodec save failed: %s", e)
 
