@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from kvcodec.codecs.base import ChunkCodec
@@ -11,6 +13,7 @@ from kvcodec.codecs.registry import make_codec
 from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.errors import ConfigError, FormatError, KVCodecError, ShapeError
 from kvcodec.restore.paged import PagedKV
+from kvcodec.restore.transform_kernels import finite_in
 from kvcodec.transform import calibrate, load_kvt, save_kvt
 from kvcodec.transform.kvt import kvt_hash
 from synthetic import ROPE, D, H, L, rel_mse, synthetic_kv
@@ -522,3 +525,36 @@ def test_a_target_that_cannot_hold_the_stored_range_is_refused(synthetic_kvt):
     with pytest.raises(ShapeError):
         c.decode_chunk(blob, torch.empty(shape, dtype=torch.int8))
     assert torch.isfinite(c.decode_chunk(blob, torch.empty(shape, dtype=torch.float32))).all()
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["one-chunk", "batched"])
+def test_float16_values_at_its_largest_restore_finite_not_inf(synthetic_kvt, batched):
+    """A lossy restore of values near float16's largest can overshoot it: clamped, never inf."""
+    c = codec(synthetic_kvt, coder="zstd", bits_per_value=2.0)
+    kv = synthetic_kv(64, seed=14)
+    kv[0, 0, 5] = 65504.0
+    kv[1, 1, 9] = -65504.0
+    blob = c.encode_chunks(kv)[0].blobs[0]
+
+    def restored(out):
+        if batched:  # the staged restore's two halves, as a CUDA fetch runs them
+            c.finish([c.stage(blob, out)], [out])
+            return out
+        return c.decode_chunk(blob, out)
+
+    wide = restored(torch.empty(kv.shape, dtype=torch.float32))
+    assert wide.abs().max() > 65504  # the overshoot this test is about
+    out = restored(torch.empty(kv.shape, dtype=torch.float16))
+    assert torch.isfinite(out).all() and torch.equal(out, wide.clamp(-65504, 65504).half())
+    pages = torch.zeros((L, 2, 4, 16, H, D), dtype=torch.float16)
+    restored(PagedKV(pages, torch.tensor([2, 0, 3, 1])))
+    assert torch.isfinite(pages).all()
+
+
+@given(st.sampled_from([torch.float16, torch.bfloat16, torch.float32]), st.floats(-1e39, 1e39, allow_nan=False))
+def test_finite_in_clamps_only_to_a_narrower_range(dtype, value):
+    y = torch.tensor([value], dtype=torch.float32)
+    got = finite_in(y, dtype)
+    assert torch.isfinite(got.to(dtype)).all() or not torch.isfinite(y).all()
+    top = torch.finfo(dtype).max
+    assert got.item() == (max(-top, min(top, y.item())) if top < torch.finfo(torch.float32).max else y.item())

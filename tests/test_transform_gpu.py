@@ -285,3 +285,20 @@ def test_a_cuda_fetch_restores_float16_chunks_straight_into_bfloat16_rounded_onc
     torch.cuda.synchronize()
     assert res.tokens_restored == 200 and res.kv is into and res.stats.chunks_staged == 0
     assert torch.equal(into, wide.to(torch.bfloat16))
+
+
+@needs_cuda
+def test_the_fused_kernels_clamp_an_overshoot_of_float16s_largest_instead_of_writing_inf(kvt):
+    """As transform_kernels.finite_in on the reference path: the fused epilogue clamps to float16's range."""
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    kv = synthetic_kv(64, 18)
+    kv[0, 0, 5] = 65504.0
+    kv[2, 1, 9] = -65504.0
+    blob = c.encode_chunks(kv)[0].blobs[0]
+    wide = torch.empty(kv.shape, dtype=torch.float32, device="cuda")
+    c.finish([c.stage(blob, wide)], [wide])
+    out = torch.empty(kv.shape, dtype=torch.float16, device="cuda")
+    c.finish([c.stage(blob, out)], [out])
+    torch.cuda.synchronize()
+    assert wide.abs().max() > 65504  # the overshoot this test is about
+    assert torch.isfinite(out).all() and torch.equal(out, tk.finite_in(wide, torch.float16).half())

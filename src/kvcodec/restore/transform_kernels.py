@@ -444,4 +444,11 @@ def _fused(plan, chunks, escapes, shape, rope, starts, outs, recon, token_scales
 
 def emit(y: torch.Tensor, i: int, t: int, out: torch.Tensor) -> torch.Tensor:
     """Chunk i of y (L, 2, H, D, N * t) into out (L, 2, t, H, D): one permuting, casting copy."""
-    return out.copy_(y[..., i * t : (i + 1) * t].permute(0, 1, 4, 2, 3))
+    return out.copy_(finite_in(y[..., i * t : (i + 1) * t].permute(0, 1, 4, 2, 3), out.dtype))
+
+
+def finite_in(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y clamped to `dtype`'s finite range where y's dtype is wider: a lossy reconstruction of
+    values near float16's largest can overshoot it, and the cast would make them inf. Pure."""
+    top = torch.finfo(dtype).max
+    return y.clamp(-top, top) if torch.finfo(y.dtype).max > top else y
