@@ -204,6 +204,8 @@ def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
     assert admit(sched, r2, 0, blocks2) == 96
     scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
     assert worker.get_block_ids_with_load_errors() == set(blocks2)
+    r3 = Request("r3", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r3, 0, list(range(20, 27))) == CHUNK  # the damaged chunk 1 was deleted; chunk 0 is kept
 
 
 def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its_heads(prompt_kv, tmp_path):
@@ -229,6 +231,8 @@ def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its
     assert admit(sched, r2, 0, blocks2) == 96
     scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
     assert worker.get_block_ids_with_load_errors() == set(blocks2)
+    r3 = Request("r3", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r3, 0, list(range(20, 27))) == 0  # the refused object was deleted: a miss, saved again
 
 
 def test_each_tp_and_pp_rank_has_its_own_objects(tmp_path):

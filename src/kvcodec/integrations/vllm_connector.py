@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcodec.codecs import make_codec
 from kvcodec.codecs.base import warm_up_codec
-from kvcodec.errors import ConfigError, KVCodecError
+from kvcodec.errors import ConfigError, FormatError, KVCodecError
 from kvcodec.fetcher.keys import chunk_keys, longest_present
 from kvcodec.restore.paged import PagedKV
 from kvcodec.store import open_store
@@ -171,9 +171,11 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def object_key(self, chunk_key: str, rank: tuple[int, int] | None = None) -> str:
         """Store key of a chunk's blob for one (TP rank, PP rank): each rank holds its own heads and
-        layers. The scheduler checks rank (0, 0)'s; a rank whose blob is missing reports a load error."""
+        layers, its blob bound to this key (`b2`: blobs of earlier versions, bound to the chunk key
+        only, are misses, recomputed and saved again). The scheduler checks rank (0, 0)'s; a rank
+        whose blob is missing or damaged reports a load error."""
         tp, pp = self.rank if rank is None else rank
-        return f"{chunk_key}/tp{tp}of{self.shards[0]}-pp{pp}of{self.shards[1]}"
+        return f"{chunk_key}/b2-tp{tp}of{self.shards[0]}-pp{pp}of{self.shards[1]}"
 
     # -- scheduler side -------------------------------------------------------------------
     def _keys(self, token_ids, namespace: str | None) -> list[str]:
@@ -343,36 +345,47 @@ class KVCodecConnector(KVConnectorBase_V1):
             c[b, :, o, d:] = kv[layer, 1].to(c.device)
 
     def _load(self, load: ChunkLoad) -> None:
-        layers = self._layers()
         ct = self.codec.chunk_tokens
         blobs = self.store.get_many([self.object_key(k) for k in load.keys])
-        heads, d = layers[0].shape[1], layers[0].shape[-1] // 2
         for i, (key, blob) in enumerate(zip(load.keys, blobs)):
-            start, end = i * ct, (i + 1) * ct
-            if end <= load.skip_tokens:
+            if (i + 1) * ct <= load.skip_tokens:
                 continue
             if blob is None:
                 raise KVCodecError(f"chunk {key} vanished from the store")
-            self._check_binding(blob, key, i)
-            if self._pages is not None and start >= load.skip_tokens:
-                table = torch.as_tensor(self._kernel_table(load.block_ids))
-                self.codec.decode_chunk(blob, PagedKV(self._pages, table))  # straight into the blocks
-                continue
-            out = torch.empty((len(layers), 2, ct, heads, d), dtype=layers[0].dtype, device=layers[0].device)
-            kv = self.codec.decode_chunk(blob, out)
-            first = max(start, load.skip_tokens)
-            self.scatter(kv[:, :, first - start :], load.block_ids, first)
+            try:
+                self._check_binding(blob, key)
+                self._load_chunk(blob, i * ct, load)
+            except FormatError:  # damaged or not this rank's: a miss from now on, saved again
+                self._forget(self.object_key(key))
+                raise
 
-    def _check_binding(self, blob: bytes, key: str, index: int) -> None:
-        """KVCodecError unless `blob` is chunk `index` of the prefix `key` names, stored by this rank
-        (its header is bound to this rank's object key: another rank's heads or layers are refused)."""
-        info = self.codec.inspect_chunk(blob)
+    def _load_chunk(self, blob: bytes, start: int, load: ChunkLoad) -> None:
+        """A checked chunk blob whose first token is `start` into the request's blocks."""
+        if self._pages is not None and start >= load.skip_tokens:
+            table = torch.as_tensor(self._kernel_table(load.block_ids))
+            self.codec.decode_chunk(blob, PagedKV(self._pages, table))  # straight into the blocks
+            return
+        layers = self._layers()
+        heads, d = layers[0].shape[1], layers[0].shape[-1] // 2
         ct = self.codec.chunk_tokens
-        if info.key != self.object_key(key) or (info.index, info.start_token, info.tokens) != (index, index * ct, ct):
-            raise KVCodecError(
-                f"chunk blob under {self.object_key(key)} is bound to {info.key!r}, chunk {info.index} "
-                f"(tokens {info.start_token}..+{info.tokens}): not this rank's chunk {index}"
-            )
+        out = torch.empty((len(layers), 2, ct, heads, d), dtype=layers[0].dtype, device=layers[0].device)
+        kv = self.codec.decode_chunk(blob, out)
+        first = max(start, load.skip_tokens)
+        self.scatter(kv[:, :, first - start :], load.block_ids, first)
+
+    def _check_binding(self, blob: bytes, key: str) -> None:
+        """FormatError unless `blob` is bound to this rank's object key of the chunk `key` names (the
+        chained key names the chunk's place: another chunk's, prefix's or rank's blob is refused)."""
+        bound, obj = self.codec.inspect_chunk(blob).key, self.object_key(key)
+        if bound != obj:
+            raise FormatError(f"chunk blob under {obj} is bound to {bound!r}")
+
+    def _forget(self, obj: str) -> None:
+        """Delete a refused object (best effort: a store that refuses is logged)."""
+        try:
+            self.store.delete(obj)
+        except KVCodecError as e:
+            logger.warning("kvcodec could not delete the refused object %s: %s", obj, e)
 
     def _store_prefix(self, token_ids, kv: torch.Tensor, namespace: str | None = None) -> None:
         try:
