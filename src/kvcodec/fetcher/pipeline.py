@@ -465,13 +465,13 @@ class FetchPipeline:
         ShapeError, with nothing written, where that dtype is narrower than the staged one
         (bfloat16 chunks into float16) and a finite value would turn to inf."""
         out = self.out
-        into = out.pages.dtype if isinstance(out, PagedKV) else out.dtype
+        into = _dtype_of(out)
         if not holds_range(staged.dtype, into):
             narrowed = staged.to(into)
             if bool((torch.isinf(narrowed) & torch.isfinite(staged)).any()):
                 raise ShapeError(
-                    f"chunk {i} holds {staged.dtype} values beyond the range of the target's {into}; "
-                    f"fetch it into {staged.dtype} or a wider dtype"
+                    f"chunk {i} restores {staged.dtype} values beyond the range of the target's {into} (stored "
+                    f"so, or a lossy codec's overshoot of values near its edge); fetch it into {staged.dtype} or wider"
                 )
             staged = narrowed
         if isinstance(out, PagedKV):
@@ -686,7 +686,7 @@ class FetchPipeline:
                 self.out = self._new_output((L, 2, self.plan.n_tokens, H, D), dtype)
             out = self.out
         end = m.start_token + m.tokens
-        into = out.pages.dtype if isinstance(out, PagedKV) else out.dtype
+        into = _dtype_of(out)
         castable = restores_into(self.s.codec, dtype, into)  # else staged in the stored dtype and copied
         if self.s.direct and end <= self.plan.n_tokens and out.device == dev:
             if isinstance(out, PagedKV) and into == dtype:
@@ -784,6 +784,10 @@ def _failed(i: int, what: str, e: Exception) -> FetchError:
     err = FetchError(f"chunk {i} {what}: {type(e).__name__}: {e}")
     err.__cause__ = e
     return err
+
+
+def _dtype_of(out: Target) -> torch.dtype:
+    return out.pages.dtype if isinstance(out, PagedKV) else out.dtype
 
 
 def check_binding(i: int, info: ChunkInfo, m: ChunkMeta, key: str) -> None:

@@ -443,12 +443,14 @@ def _fused(plan, chunks, escapes, shape, rope, starts, outs, recon, token_scales
 
 
 def emit(y: torch.Tensor, i: int, t: int, out: torch.Tensor) -> torch.Tensor:
-    """Chunk i of y (L, 2, H, D, N * t) into out (L, 2, t, H, D): one permuting, casting copy."""
-    return out.copy_(finite_in(y[..., i * t : (i + 1) * t].permute(0, 1, 4, 2, 3), out.dtype))
+    """Chunk i of y (L, 2, H, D, N * t) into out (L, 2, t, H, D): one permuting, casting copy
+    (chunk i of y clamped to out's range first)."""
+    return out.copy_(clamp_to_range_(y[..., i * t : (i + 1) * t], out.dtype).permute(0, 1, 4, 2, 3))
 
 
-def finite_in(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y clamped to `dtype`'s finite range where y's dtype is wider: a lossy reconstruction of
-    values near float16's largest can overshoot it, and the cast would make them inf. Pure."""
+def clamp_to_range_(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y, clamped in place to `dtype`'s finite range where y's dtype is wider: a lossy
+    reconstruction of values near float16's largest can overshoot it, and the cast would make
+    them inf. NaN stays NaN."""
     top = torch.finfo(dtype).max
-    return y.clamp(-top, top) if torch.finfo(y.dtype).max > top else y
+    return y.clamp_(-top, top) if torch.finfo(y.dtype).max > top else y

@@ -308,9 +308,9 @@ def _kernel():
             at = out + unit + tok.to(tl.int64)[None, :] * s_tok
         else:
             at = out[None, :] + unit + tok.to(tl.int64)[None, :] * s_tok
-        if OUT == 0:  # as transform_kernels.finite_in: an overshoot past float16's largest is not inf
-            y_lo = tl.minimum(tl.maximum(y_lo, -65504.0), 65504.0)
-            y_hi = tl.minimum(tl.maximum(y_hi, -65504.0), 65504.0)
+        if OUT == 0:  # as transform_kernels.clamp_to_range_ (bfloat16's range cannot be overshot from float16)
+            y_lo = tl.clamp(y_lo, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
+            y_hi = tl.clamp(y_hi, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL)
         tl.store(at + (lo * s_ch)[:, None], y_lo, mask=keep_lo)
         tl.store(at + (hi * s_ch)[:, None], y_hi, mask=keep_hi)
 

@@ -104,9 +104,9 @@ class TransformRestorer:
             x[:, :, : h["sink"]] = self._sink(h, streams, device).to(torch.float32)
         if isinstance(out, PagedKV):
             blocks, within = out.slots(h["start_token"], t)
-            out.pages[:, :, blocks, within] = transform_kernels.finite_in(x, dtype).to(dtype)
+            out.pages[:, :, blocks, within] = transform_kernels.clamp_to_range_(x, dtype).to(dtype)
         else:
-            out.copy_(transform_kernels.finite_in(x, out.dtype))
+            out.copy_(transform_kernels.clamp_to_range_(x, out.dtype))
         return out
 
     @staticmethod
