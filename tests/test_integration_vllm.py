@@ -183,27 +183,37 @@ def test_int8_restores_kvcodecs_own_decode_and_skips_tokens_vllm_has(prompt_kv, 
     assert not got[:, :, :BLOCK].any()  # the tokens vLLM already held (its own prefix hit) are not written
 
 
-def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
-    prompt, kv = prompt_kv
-    url = f"file://{tmp_path}"
-    sched, worker = connectors(url, quant="int8")
+def store_first_request(sched, worker, prompt, kv) -> None:
+    """Request r1's prompt prefilled into blocks 0-6 of new float16 caches and stored by the connector."""
     caches = paged_caches(kv, torch.float16)
     worker.register_kv_caches(caches)
     r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
     admit(sched, r1, 0, list(range(7)))
     write_prompt(caches, kv.to(torch.float16), list(range(7)))
     scheduler_step(sched, worker, r1, list(range(7)), len(prompt))
+
+
+def assert_a_second_requests_blocks_are_load_errors(sched, worker, prompt) -> None:
+    """Request r2 of the same prompt is offered its 96 stored tokens, and every block it loads fails."""
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    assert admit(sched, r2, 0, blocks2) == 96
+    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
+    assert worker.get_block_ids_with_load_errors() == set(blocks2)
+
+
+def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    sched, worker = connectors(url, quant="int8")
+    store_first_request(sched, worker, prompt, kv)
     with open_store(url) as st:
         codec = make_codec("hevc", quant="int8", chunk_tokens=CHUNK, resolutions=((256, 256),))
         key = worker.object_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[1])
         blob = bytearray(st.get(key))
         blob[len(blob) // 2] ^= 0x21
         st.put(key, bytes(blob))
-    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
-    blocks2 = list(range(10, 17))
-    assert admit(sched, r2, 0, blocks2) == 96
-    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
-    assert worker.get_block_ids_with_load_errors() == set(blocks2)
+    assert_a_second_requests_blocks_are_load_errors(sched, worker, prompt)
     r3 = Request("r3", prompt, SamplingParams(max_tokens=1), None)
     assert admit(sched, r3, 0, list(range(20, 27))) == CHUNK  # the damaged chunk 1 was deleted; chunk 0 is kept
 
@@ -213,12 +223,7 @@ def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its
     url = f"file://{tmp_path}"
     sched, worker = connectors(url, quant="exact")
     sched.shards = worker.shards = (2, 1)  # a TP=2 deployment: each rank stores its own heads
-    caches = paged_caches(kv, torch.float16)
-    worker.register_kv_caches(caches)
-    r1 = Request("r1", prompt, SamplingParams(max_tokens=1), None)
-    admit(sched, r1, 0, list(range(7)))
-    write_prompt(caches, kv.to(torch.float16), list(range(7)))
-    scheduler_step(sched, worker, r1, list(range(7)), len(prompt))
+    store_first_request(sched, worker, prompt, kv)
     worker.rank = (1, 0)
     worker._store_prefix(prompt[:96], -kv[:, :, :96].to(torch.float16))  # rank 1's objects, other values
     worker.rank = (0, 0)
@@ -226,11 +231,7 @@ def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its
         codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
         for key in chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False):
             st.put(worker.object_key(key), st.get(worker.object_key(key, (1, 0))))  # served for rank 0's key
-    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
-    blocks2 = list(range(10, 17))
-    assert admit(sched, r2, 0, blocks2) == 96
-    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
-    assert worker.get_block_ids_with_load_errors() == set(blocks2)
+    assert_a_second_requests_blocks_are_load_errors(sched, worker, prompt)
     r3 = Request("r3", prompt, SamplingParams(max_tokens=1), None)
     assert admit(sched, r3, 0, list(range(20, 27))) == 0  # the refused object was deleted: a miss, saved again
 
