@@ -236,6 +236,41 @@ def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its
     assert admit(sched, r3, 0, list(range(20, 27))) == 0  # the refused object was deleted: a miss, saved again
 
 
+def test_a_decoder_that_fails_on_sound_streams_keeps_the_object(prompt_kv, tmp_path, monkeypatch):
+    # a GPU decoder in a bad state (a CUDA error) cannot be caused here: its CorruptStreamError is raised for it
+    from kvcodec.errors import CorruptStreamError
+
+    prompt, kv = prompt_kv
+    sched, worker = connectors(f"file://{tmp_path}", quant="int8")
+    store_first_request(sched, worker, prompt, kv)
+
+    def failing(blob, out):
+        raise CorruptStreamError("cuvidDecodePicture failed (CUDA error 700) (test)")
+
+    monkeypatch.setattr(worker.codec, "decode_chunk", failing)
+    assert_a_second_requests_blocks_are_load_errors(sched, worker, prompt)
+    r3 = Request("r3", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r3, 0, list(range(20, 27))) == 96  # nothing deleted: the store is sound
+
+
+def test_a_chunk_one_rank_lost_is_offered_to_no_rank(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    sched, worker = connectors(url, quant="exact")
+    sched.shards = worker.shards = (2, 1)
+    store_first_request(sched, worker, prompt, kv)  # rank 0's objects
+    worker.rank = (1, 0)
+    worker._store_prefix(prompt[:96], kv[:, :, :96].to(torch.float16))  # rank 1's
+    worker.rank = (0, 0)
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r2, 0, list(range(10, 17))) == 96
+    with open_store(url) as st:
+        codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
+        st.delete(worker.object_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[1], (1, 0)))
+    r3 = Request("r3", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, r3, 0, list(range(20, 27))) == CHUNK  # chunk 1 is whole on no rank now
+
+
 def test_each_tp_and_pp_rank_has_its_own_objects(tmp_path):
     _, worker = connectors(f"file://{tmp_path}")
     keys = {worker.object_key("k", (tp, pp)) for tp in range(2) for pp in range(2)}

@@ -19,6 +19,7 @@ Extra config: `url` (required), `codec` ("hevc") and its options (`quant`, `chun
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -34,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcodec.codecs import make_codec
 from kvcodec.codecs.base import warm_up_codec
-from kvcodec.errors import ConfigError, FormatError, KVCodecError
+from kvcodec.errors import ConfigError, CorruptStreamError, FormatError, KVCodecError
 from kvcodec.fetcher.keys import chunk_keys, longest_present
 from kvcodec.restore.paged import PagedKV
 from kvcodec.store import open_store
@@ -172,8 +173,8 @@ class KVCodecConnector(KVConnectorBase_V1):
     def object_key(self, chunk_key: str, rank: tuple[int, int] | None = None) -> str:
         """Store key of a chunk's blob for one (TP rank, PP rank): each rank holds its own heads and
         layers, its blob bound to this key (`b2`: blobs of earlier versions, bound to the chunk key
-        only, are misses, recomputed and saved again). The scheduler checks rank (0, 0)'s; a rank
-        whose blob is missing or damaged reports a load error."""
+        only, are misses). The scheduler counts a chunk stored when every rank's object exists; a
+        rank whose blob is missing or damaged reports a load error."""
         tp, pp = self.rank if rank is None else rank
         return f"{chunk_key}/b2-tp{tp}of{self.shards[0]}-pp{pp}of{self.shards[1]}"
 
@@ -182,13 +183,16 @@ class KVCodecConnector(KVConnectorBase_V1):
         return chunk_keys(token_ids, self.model_id, self.codec, partial=False, namespace=namespace)
 
     def _stored_chunks(self, token_ids, namespace: str | None) -> int:
-        """Leading chunks of `token_ids` stored (rank (0, 0)'s objects); 0 where the store cannot say
-        (down, slow: a miss, never a failure of vLLM's scheduler)."""
+        """Leading chunks of `token_ids` stored by every TP/PP rank (a rank's object a load deleted
+        ends them there); 0 where the store cannot say (down, slow: a miss, never a failure of
+        vLLM's scheduler)."""
         keys = self._keys(token_ids, namespace)
         if not keys:
             return 0
+        ranks = list(itertools.product(range(self.shards[0]), range(self.shards[1])))
         try:
-            return longest_present(self.store.exists_many([self.object_key(k, (0, 0)) for k in keys]))
+            present = self.store.exists_many([self.object_key(k, r) for k in keys for r in ranks])
+            return longest_present([all(present[i : i + len(ranks)]) for i in range(0, len(present), len(ranks))])
         except KVCodecError as e:
             logger.warning("kvcodec lookup failed (a miss): %s", e)
             return 0
@@ -355,8 +359,9 @@ class KVCodecConnector(KVConnectorBase_V1):
             try:
                 self._check_binding(blob, key)
                 self._load_chunk(blob, i * ct, load)
-            except FormatError:  # damaged or not this rank's: a miss from now on, saved again
-                self._forget(self.object_key(key))
+            except FormatError as e:  # damaged or not this rank's: a miss from now on; a decoder that fails
+                if not isinstance(e, CorruptStreamError):  # on streams whose checksums held keeps the object
+                    self._forget(self.object_key(key))
                 raise
 
     def _load_chunk(self, blob: bytes, start: int, load: ChunkLoad) -> None:
@@ -381,10 +386,10 @@ class KVCodecConnector(KVConnectorBase_V1):
             raise FormatError(f"chunk blob under {obj} is bound to {bound!r}")
 
     def _forget(self, obj: str) -> None:
-        """Delete a refused object (best effort: a store that refuses is logged)."""
+        """Delete a refused object (best effort: a store, a plug-in's too, that refuses is logged)."""
         try:
             self.store.delete(obj)
-        except KVCodecError as e:
+        except Exception as e:  # noqa: BLE001 - never out into vLLM's worker step
             logger.warning("kvcodec could not delete the refused object %s: %s", obj, e)
 
     def _store_prefix(self, token_ids, kv: torch.Tensor, namespace: str | None = None) -> None:
