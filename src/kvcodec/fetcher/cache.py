@@ -41,6 +41,7 @@ from kvcodec.fetcher.pipeline import (
     check_binding,
     default_decode_workers,
     default_max_inflight,
+    kv_tensor,
     stage_executor,
 )
 from kvcodec.fetcher.policy import ResolutionPolicy, get_policy
@@ -73,11 +74,6 @@ def _resolve_codec(codec: Any, legacy: dict[str, Any]) -> ChunkCodec:
     if not isinstance(codec, ChunkCodec):
         raise ConfigError(f"PrefixCache needs a ChunkCodec (or a CodecConfig); got {type(codec).__name__}")
     return codec
-
-
-def _kv_tensor(out: Target) -> torch.Tensor:
-    """The tensor a target's KV lands in: (layers, 2, ..., kv_heads, head_dim), dense or paged."""
-    return out.pages if isinstance(out, PagedKV) else out
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -398,7 +394,7 @@ class PrefixCache:
             raise ConfigError(f"n_tokens={n_tokens} outside 0..{len(ids)}")
         if out is None:
             return n_tokens
-        tensor = _kv_tensor(out)
+        tensor = kv_tensor(out)
         capacity = out.capacity if isinstance(out, PagedKV) else out.shape[2]
         if capacity < n_tokens or (isinstance(out, torch.Tensor) and out.dim() != 5):
             raise ShapeError(f"out holds {capacity} tokens; {n_tokens} asked for")
@@ -452,7 +448,7 @@ class PrefixCache:
         t0 = time.monotonic()
         shards = self._stored_shards(stored_world)
         if out is not None:
-            self.shard.check_local(_kv_tensor(out).shape[-2], "out")
+            self.shard.check_local(kv_tensor(out).shape[-2], "out")
         base = self.shard.heads.start
         parts: list[FetchResult] = []
         for shard in shards:
@@ -511,7 +507,7 @@ class PrefixCache:
     def _drop_meta_if_its_blob_fits(self, out: Target, key: str, m: ChunkMeta, deadline, stats: FetchStats) -> None:
         """`out` cannot hold chunk 0 as its meta describes it: where chunk 0's blob holds KV of out's
         (layers, heads, dim), the meta is the damaged one, so the chunk is dropped for the next put."""
-        tensor = _kv_tensor(out)
+        tensor = kv_tensor(out)
         fits = (tensor.shape[0], *tensor.shape[-2:])
         try:
             (blob,) = storecalls.call(deadline, "check get", self.store.get_many, [blob_key(key, 0)])

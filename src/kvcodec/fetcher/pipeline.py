@@ -465,7 +465,7 @@ class FetchPipeline:
         ShapeError, with nothing written, where that dtype is narrower than the staged one
         (bfloat16 chunks into float16) and a finite value would turn to inf."""
         out = self.out
-        into = _dtype_of(out)
+        into = kv_tensor(out).dtype
         if not holds_range(staged.dtype, into):
             narrowed = staged.to(into)
             if bool((torch.isinf(narrowed) & torch.isfinite(staged)).any()):
@@ -686,7 +686,7 @@ class FetchPipeline:
                 self.out = self._new_output((L, 2, self.plan.n_tokens, H, D), dtype)
             out = self.out
         end = m.start_token + m.tokens
-        into = _dtype_of(out)
+        into = kv_tensor(out).dtype
         castable = restores_into(self.s.codec, dtype, into)  # else staged in the stored dtype and copied
         if self.s.direct and end <= self.plan.n_tokens and out.device == dev:
             if isinstance(out, PagedKV) and into == dtype:
@@ -786,8 +786,9 @@ def _failed(i: int, what: str, e: Exception) -> FetchError:
     return err
 
 
-def _dtype_of(out: Target) -> torch.dtype:
-    return out.pages.dtype if isinstance(out, PagedKV) else out.dtype
+def kv_tensor(out: Target) -> torch.Tensor:
+    """The tensor a target's KV lands in: (layers, 2, ..., kv_heads, head_dim), dense or paged."""
+    return out.pages if isinstance(out, PagedKV) else out
 
 
 def check_binding(i: int, info: ChunkInfo, m: ChunkMeta, key: str) -> None:
