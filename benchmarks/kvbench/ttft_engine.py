@@ -467,7 +467,10 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
             if r.tokens_restored != n:
                 raise RuntimeError(f"restored {r.tokens_restored} of {n} tokens: {r.error}")
 
-        fetch()  # untimed: its float16 target's kernels (a bfloat16 engine's warm-up compiles its own dtype's)
+        # its float16 target's kernels, every variant (one fetch compiles only those its batches meet: session 58's
+        # first timed fetch compiled one more), then one untimed fetch (allocator, pools)
+        pc.warm_up(torch.float16)
+        fetch()
         times, cpu0 = [], time.process_time()
         for _ in range(max(3, spec.repeat)):
             t0 = time.perf_counter()

@@ -28,6 +28,7 @@ import torch
 
 from kvcodec.codecs import driven
 from kvcodec.codecs.transform import batch as transform_batch
+from kvcodec.codecs.transform import decode as transform_decode
 from kvcodec.fetcher import PrefixCache
 from kvcodec.fetcher import pipeline as pl
 
@@ -78,6 +79,11 @@ def instrument() -> None:
         _wrap(driven.StageDriver, a, "D." + a)
     for a in ("prepare_host", "read", "stage"):
         _wrap(transform_batch.TransformDriven, a, "T." + a)
+    # inside prepare_host: the checksums, the samples' pinned buffer and their zstd (host_samples less
+    # unzstd_into: the pinned allocation)
+    for a in ("_verify", "host_samples"):
+        _wrap(transform_batch, a, "T." + a)
+    _wrap(transform_decode, "unzstd_into", "T.unzstd_into")
     _wrap_cm(driven, "stage_driver")
     _wrap_cm(pl, "_own_stream")
 
@@ -144,6 +150,8 @@ def main() -> None:
     d, tokens, names, out = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
     instrument()
     doc = json.loads((d / "cases.json").read_text())
+    if not 0 < tokens <= len(doc["ids"]):
+        sys.exit(f"the store holds {len(doc['ids'])} tokens; asked for {tokens}")
     mem = fr._memory_store(d, doc)
     tables = []
     for name in names:

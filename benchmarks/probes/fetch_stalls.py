@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Probe (issue 21): why a fetch now and then takes several times its usual time. Runs any kvcodec
-command line (a `bench ttft-engine run`, say) with three hooks, each printed to stderr as a line
+command line (a `bench ttft-engine run`, say) with these hooks, each printed to stderr as a line
 starting `EV <seconds> <thread>`:
 
 - every `PrefixCache.fetch`: its time until the calling thread's stream has run what the fetch
@@ -8,6 +8,8 @@ starting `EV <seconds> <thread>`:
   is not waited for) and the CUDA allocator's counters that moved since the last fetch ended (device allocations and frees, syncs of every stream: an emptied cache, by an
   allocation's retry or by an `empty_cache` call between fetches);
 - a watchdog: the stack of a fetch still running after --stall-ms (then every 100 ms, 4 times);
+- at a stall's first stack, the innermost frames of every other thread not parked in a wait;
+- every garbage collection of 10 ms or more;
 - every Triton compile or load from Triton's disk cache: the kernel and its specialization key
   (a compile during a timed fetch costs 0.4-0.7 s of ptxas on an H200).
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import sys
 import threading
 import time
@@ -80,6 +83,39 @@ def watch(stall_s: float) -> None:
                 frame = sys._current_frames().get(tid)
                 if frame is not None:
                     event(f"STALL {late * 1e3:.0f} ms\n" + "".join(traceback.format_stack(frame)[-12:]))
+                if printed == 0:
+                    event("STALL busy threads\n" + busy_threads(tid))
+
+
+_IDLE = ("wait", "_wait_for_tstate_lock", "get", "_worker", "select", "poll", "accept", "sleep", "watch")
+
+
+def busy_threads(fetching: int) -> str:
+    """The innermost frames of every other thread not parked in a wait (a pool's idle worker, a
+    queue's get): what runs while the fetch stalls."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for tid, frame in sys._current_frames().items():
+        if tid in (fetching, threading.get_ident()) or frame.f_code.co_name in _IDLE:
+            continue
+        out.append(f"-- {names.get(tid, tid)}\n" + "".join(traceback.format_stack(frame)[-5:]))
+    return "".join(out) or "(none)\n"
+
+
+def hook_gc() -> None:
+    """Each garbage collection of 10 ms or more (a full collection over many objects can pause every
+    thread that needs the interpreter)."""
+    started: dict[int, float] = {}
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[info["generation"]] = time.perf_counter()
+        elif (t := started.pop(info["generation"], None)) is not None and time.perf_counter() - t >= 0.01:
+            event(
+                f"GC generation={info['generation']} ms={(time.perf_counter() - t) * 1e3:.1f} collected={info['collected']}"
+            )
+
+    gc.callbacks.append(timed)
 
 
 def hook_triton_compiles() -> None:
@@ -105,6 +141,7 @@ def main() -> None:
     stall_ms = ours.stall_ms
     hook_fetch()
     hook_triton_compiles()
+    hook_gc()
     threading.Thread(target=watch, args=(stall_ms / 1e3,), daemon=True).start()
     from kvcodec.cli.main import main as kvcodec_main
 
