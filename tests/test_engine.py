@@ -365,3 +365,25 @@ def test_a_piece_after_the_first_is_bounded_by_its_mask(smol, monkeypatch):
     later = max(16, 6000 // prompt_len)
     assert cut[0] == 100 and all(n <= later for n in cut[1:]) and sum(cut) == prompt_len
     assert out_cut.token_ids == out.token_ids
+
+
+def test_open_engine_keeps_its_startup_objects_out_of_full_collections(smol, tmp_path: pathlib.Path):
+    import gc
+
+    from kvcodec.engine import gcfreeze
+
+    base = gcfreeze.holders()  # engines other tests left open
+    first = make_engine(smol, f"file://{tmp_path}")
+    assert gcfreeze.holders() == base + 1
+    assert gc.get_freeze_count() > 10_000  # the model's modules and tensors, the runtime's objects
+    with make_engine(smol, f"file://{tmp_path}", freeze_gc=False):
+        assert gcfreeze.holders() == base + 1
+    second = make_engine(smol, f"file://{tmp_path}")
+    first.close()
+    assert gcfreeze.holders() == base + 1 and gc.get_freeze_count() > 10_000  # the other engine still open
+    assert second.generate(prompts(smol[1])[:1], max_new_tokens=2)[0].finish_reason in ("length", "stop")
+    second.close()
+    second.close()  # a second close releases nothing more
+    assert gcfreeze.holders() == base
+    if base == 0:
+        assert gc.get_freeze_count() == 0  # returned to the collector

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from kvcodec.engine import gcfreeze
 from kvcodec.engine.config import AUTO, EngineConfig
 from kvcodec.engine.deadline import PrefillRate
 from kvcodec.engine.metrics import EngineMetrics
@@ -131,6 +132,9 @@ class Engine:
             self._measure_prefill()
         if cfg.reuse and prefix_cache is not None:
             prefix_cache.warm_up(self.runner.dtype)  # the restore's kernels compiled before the first fetch
+        self._gc_held = cfg.freeze_gc
+        if self._gc_held:
+            gcfreeze.hold()
 
     # ---- setup ---------------------------------------------------------------------------------
     @property
@@ -469,6 +473,8 @@ class Engine:
         self.scheduler.shutdown(wait=wait_for_store)
         if self.store is not None and hasattr(self.store, "close"):
             self.store.close()
+        if self._gc_held:
+            gcfreeze.release()
 
     def __enter__(self) -> Engine:
         return self
