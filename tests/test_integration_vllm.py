@@ -411,3 +411,43 @@ def test_caches_of_kernel_blocks_smaller_than_vllms_blocks(prompt_kv, tmp_path, 
             assert torch.equal(
                 c2[n][slot(blocks2, t)[0], :, slot(blocks2, t)[1]], c1[n][slot(list(range(7)), t)[0], :, t % kernel]
             )
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["paged-restore", "per-layer-scatter"])
+def test_a_server_of_another_cache_dtype_restores_the_stored_chunks_cast(prompt_kv, tmp_path, shared):
+    # float16 chunks loaded by a bfloat16 server were a load error for every request (vLLM's default
+    # policy fails such a request), every time
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    _stored_by_r1(url, prompt, kv)  # float16 caches, exact codec
+    sched, worker = connectors(url, quant="exact")
+    caches = paged_caches(kv, torch.bfloat16, shared)
+    worker.register_kv_caches(caches)
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    assert admit(sched, r2, 0, blocks2) == 96
+    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 96)
+    assert worker.get_block_ids_with_load_errors() == set()
+    got = read_tokens(caches, blocks2, 96, kv.shape[-1])
+    assert torch.equal(got, kv[:, :, :96].to(torch.float16).to(torch.bfloat16))
+
+
+def test_chunks_beyond_the_servers_float16_range_are_a_load_error_not_inf(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    sched, worker = connectors(url, quant="exact")
+    worker.register_kv_caches(paged_caches(kv, torch.bfloat16))
+    big = kv[:, :, :96].to(torch.bfloat16).clone()
+    big[0, 0, 40, 0, 0] = 1e6  # a bfloat16 value float16 cannot hold, in chunk 1
+    worker._store_prefix(prompt[:96], big)
+    sched2, worker2 = connectors(url, quant="exact")
+    caches = paged_caches(kv, torch.float16)
+    worker2.register_kv_caches(caches)
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1), None)
+    blocks2 = list(range(10, 17))
+    assert admit(sched2, r2, 0, blocks2) == 96
+    scheduler_step(sched2, worker2, r2, blocks2, len(prompt) - 96)
+    assert worker2.get_block_ids_with_load_errors() == set(blocks2)  # the load fails at chunk 1: vLLM recomputes it all
+    got = read_tokens(caches, blocks2, CHUNK, kv.shape[-1])
+    assert torch.equal(got, big[:, :, :CHUNK].to(torch.float16))
+    assert torch.isfinite(read_tokens(caches, blocks2, 96, kv.shape[-1])).all()

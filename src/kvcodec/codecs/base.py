@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvcodec.dtypes import dtype_of
 from kvcodec.errors import ShapeError
 from kvcodec.restore.paged import PagedKV
 
@@ -142,6 +143,40 @@ def holds_range(stored: torch.dtype, target: torch.dtype) -> bool:
 def restores_into(codec, stored: torch.dtype, target: torch.dtype) -> bool:  # noqa: ANN001
     """Whether `codec` restores a chunk stored in `stored` straight into a tensor of `target`."""
     return target == stored or (target in target_dtypes(codec) and holds_range(stored, target))
+
+
+def narrowed_checked(kv: torch.Tensor, into: torch.dtype, what: str) -> torch.Tensor:
+    """`kv` as a copy into `into` may take it: itself where `into` holds its range (the copy casts),
+    else cast to `into` (bfloat16 chunks into float16), a ShapeError where a finite value would turn
+    to inf: the values cannot tell a real one from a lossy codec's overshoot of the edge, and inf in
+    a KV cache is silent wrong data."""
+    if holds_range(kv.dtype, into):
+        return kv
+    narrowed = kv.to(into)
+    if bool((torch.isinf(narrowed) & torch.isfinite(kv)).any()):
+        raise ShapeError(
+            f"{what} restores {kv.dtype} values beyond the range of the target's {into} (stored so, or a lossy"
+            f" codec's overshoot of values near its edge); fetch it into {kv.dtype} or wider"
+        )
+    return narrowed
+
+
+def stored_dtype(codec, blob) -> torch.dtype:  # noqa: ANN001
+    """The dtype a chunk blob's header says its KV was stored in."""
+    return dtype_of(codec.inspect_chunk(blob).dtype, "chunk dtype")
+
+
+def decode_chunk_as(codec, blob, shape: tuple[int, ...], dtype: torch.dtype, device, what: str) -> torch.Tensor:  # noqa: ANN001
+    """A chunk's KV (L, 2, tokens, H, D) in `dtype` on `device`: restored straight into it where the
+    codec can (restores_into), else in the chunk's stored dtype, then cast (narrowed_checked). A
+    ShapeError unless the chunk holds `shape`."""
+    info = codec.inspect_chunk(blob)
+    if info.shape != tuple(shape):
+        raise ShapeError(f"{what} holds {info.shape}; the target takes {tuple(shape)}")
+    stored = dtype_of(info.dtype, f"{what}'s dtype")
+    into = dtype if restores_into(codec, stored, dtype) else stored
+    out = torch.empty(info.shape, dtype=into, device=device)
+    return narrowed_checked(codec.decode_chunk(blob, out), dtype, what).to(dtype)
 
 
 def warm_up_codec(codec, device: torch.device | str, dtype: torch.dtype = torch.float16) -> float:

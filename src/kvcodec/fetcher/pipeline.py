@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target, holds_range, restores_into
+from kvcodec.codecs.base import ChunkCodec, ChunkInfo, StagedDecode, Target, narrowed_checked, restores_into
 from kvcodec.codecs.raw import copy_chunk
 from kvcodec.errors import FetchError, FormatError, KVCodecError, ShapeError, StoreError
 from kvcodec.fetcher import storecalls
@@ -466,14 +466,7 @@ class FetchPipeline:
         (bfloat16 chunks into float16) and a finite value would turn to inf."""
         out = self.out
         into = kv_tensor(out).dtype
-        if not holds_range(staged.dtype, into):
-            narrowed = staged.to(into)
-            if bool((torch.isinf(narrowed) & torch.isfinite(staged)).any()):
-                raise ShapeError(
-                    f"chunk {i} restores {staged.dtype} values beyond the range of the target's {into} (stored "
-                    f"so, or a lossy codec's overshoot of values near its edge); fetch it into {staged.dtype} or wider"
-                )
-            staged = narrowed
+        staged = narrowed_checked(staged, into, f"chunk {i}")
         if isinstance(out, PagedKV):
             blocks, within = out.slots(start, staged.shape[2])
             out.pages[:, :, blocks, within] = staged.to(out.device, into)

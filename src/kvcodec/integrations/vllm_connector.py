@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcodec.codecs import make_codec
-from kvcodec.codecs.base import warm_up_codec
+from kvcodec.codecs.base import decode_chunk_as, stored_dtype, warm_up_codec
 from kvcodec.errors import ConfigError, CorruptStreamError, FormatError, KVCodecError
 from kvcodec.fetcher.keys import chunk_keys, longest_present
 from kvcodec.restore.paged import PagedKV
@@ -365,16 +365,17 @@ class KVCodecConnector(KVConnectorBase_V1):
                 raise
 
     def _load_chunk(self, blob: bytes, start: int, load: ChunkLoad) -> None:
-        """A checked chunk blob whose first token is `start` into the request's blocks."""
-        if self._pages is not None and start >= load.skip_tokens:
-            table = torch.as_tensor(self._kernel_table(load.block_ids))
-            self.codec.decode_chunk(blob, PagedKV(self._pages, table))  # straight into the blocks
-            return
+        """A checked chunk blob whose first token is `start` into the request's blocks: straight into
+        them where it is stored in the caches' dtype, else restored in theirs (decode_chunk_as: cast,
+        a ShapeError for values a narrower cache cannot hold) and scattered."""
         layers = self._layers()
-        heads, d = layers[0].shape[1], layers[0].shape[-1] // 2
-        ct = self.codec.chunk_tokens
-        out = torch.empty((len(layers), 2, ct, heads, d), dtype=layers[0].dtype, device=layers[0].device)
-        kv = self.codec.decode_chunk(blob, out)
+        cache = layers[0]
+        if self._pages is not None and start >= load.skip_tokens and stored_dtype(self.codec, blob) == cache.dtype:
+            table = torch.as_tensor(self._kernel_table(load.block_ids))
+            self.codec.decode_chunk(blob, PagedKV(self._pages, table))
+            return
+        shape = (len(layers), 2, self.codec.chunk_tokens, cache.shape[1], cache.shape[-1] // 2)
+        kv = decode_chunk_as(self.codec, blob, shape, cache.dtype, cache.device, f"chunk at token {start}")
         first = max(start, load.skip_tokens)
         self.scatter(kv[:, :, first - start :], load.block_ids, first)
 
