@@ -367,23 +367,30 @@ def test_a_piece_after_the_first_is_bounded_by_its_mask(smol, monkeypatch):
     assert out_cut.token_ids == out.token_ids
 
 
-def test_open_engine_keeps_its_startup_objects_out_of_full_collections(smol, tmp_path: pathlib.Path):
+def test_open_engine_keeps_its_startup_objects_out_of_full_collections(smol, tmp_path: pathlib.Path, monkeypatch):
     import gc
+    import weakref
 
     from kvcodec.engine import gcfreeze
 
-    base = gcfreeze.holders()  # engines other tests left open
+    monkeypatch.setattr(gcfreeze, "_holders", 0)  # engines other tests left open are forgotten here
+    monkeypatch.setattr(gcfreeze, "_theirs", False)
+    gc.unfreeze()
     first = make_engine(smol, f"file://{tmp_path}")
-    assert gcfreeze.holders() == base + 1
-    assert gc.get_freeze_count() > 10_000  # the model's modules and tensors, the runtime's objects
-    with make_engine(smol, f"file://{tmp_path}", freeze_gc=False):
-        assert gcfreeze.holders() == base + 1
-    second = make_engine(smol, f"file://{tmp_path}")
-    first.close()
-    assert gcfreeze.holders() == base + 1 and gc.get_freeze_count() > 10_000  # the other engine still open
-    assert second.generate(prompts(smol[1])[:1], max_new_tokens=2)[0].finish_reason in ("length", "stop")
-    second.close()
-    second.close()  # a second close releases nothing more
-    assert gcfreeze.holders() == base
-    if base == 0:
-        assert gc.get_freeze_count() == 0  # returned to the collector
+    try:
+        assert gcfreeze.holders() == 1
+        assert gc.get_freeze_count() > 10_000  # the model's modules and tensors, the runtime's objects
+        with make_engine(smol, f"file://{tmp_path}", freeze_gc=False):
+            assert gcfreeze.holders() == 1
+        second = make_engine(smol, f"file://{tmp_path}")
+        gone = weakref.ref(second.storer)
+        assert second.generate(prompts(smol[1])[:1], max_new_tokens=2)[0].finish_reason in ("length", "stop")
+        second.close()
+        second.close()  # a second close releases nothing more
+        assert gcfreeze.holders() == 1 and gc.get_freeze_count() == 0  # returned to the collector
+        del second
+        gc.collect()
+        assert gone() is None  # a closed engine is collectable while the first is still open
+    finally:
+        first.close()
+    assert gcfreeze.holders() == 0 and gc.get_freeze_count() == 0

@@ -206,6 +206,7 @@ def test_bfloat16_chunks_beyond_float16s_range_stop_the_fetch_instead_of_turning
     assert not r.ok and isinstance(r.error, ShapeError) and "float16" in str(r.error)
     assert r.tokens_restored == ct and torch.equal(out[:, :, :ct], kv[:, :, :ct].half())
     assert not out[:, :, ct:].any() and r.stats.chunks_restored == 1  # nothing of chunk 1 written or counted
+    assert r.stats.chunks_staged == 1  # nor counted as staged
     pages = torch.zeros((3, 2, 6, ct // 2, 2, 32), dtype=torch.float16)  # paged targets convert the same way
     paged = raw_cache.fetch(ids, out=PagedKV(pages, torch.tensor([5, 0, 3, 1, 4, 2])))
     assert isinstance(paged.error, ShapeError) and paged.tokens_restored == ct and pages.isfinite().all()

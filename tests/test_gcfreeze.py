@@ -1,8 +1,12 @@
-"""engine/gcfreeze: nested holds freeze the live objects; the last release returns them."""
+"""engine/gcfreeze: a hold collects and freezes the live objects, a release returns them; an
+application's own freeze is left alone."""
 
 from __future__ import annotations
 
 import gc
+import weakref
+
+import pytest
 
 from kvcodec.engine import gcfreeze
 
@@ -12,38 +16,59 @@ class Cycle:
         self.me = self
 
 
-def test_holds_nest_and_the_last_release_unfreezes():
-    base = gcfreeze.holders()  # engines other tests left open
+@pytest.fixture
+def fresh(monkeypatch):
+    """No hold, nothing frozen (engines other tests left open are forgotten for this test)."""
+    monkeypatch.setattr(gcfreeze, "_holders", 0)
+    monkeypatch.setattr(gcfreeze, "_theirs", False)
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_holds_are_counted_and_a_release_unfreezes(fresh):
     gcfreeze.hold()
-    try:
-        assert gc.get_freeze_count() > 0
-        gcfreeze.hold()
-        gcfreeze.release()
-        assert gcfreeze.holders() == base + 1 and gc.get_freeze_count() > 0
-    finally:
-        gcfreeze.release()
-    assert gcfreeze.holders() == base
-    if base == 0:
-        assert gc.get_freeze_count() == 0
-        gcfreeze.release()  # an unmatched release neither goes below zero nor raises
-        assert gcfreeze.holders() == 0
+    assert gc.get_freeze_count() > 0
+    gcfreeze.hold()
+    assert gcfreeze.holders() == 2
+    gcfreeze.release()
+    assert gcfreeze.holders() == 1 and gc.get_freeze_count() == 0
+    gcfreeze.release()
+    assert gcfreeze.holders() == 0 and gc.get_freeze_count() == 0
+    gcfreeze.release()  # an unmatched release changes nothing
+    assert gcfreeze.holders() == 0
 
 
-def test_garbage_from_before_the_hold_is_collected_first_not_frozen():
-    import weakref
-
+def test_garbage_from_before_the_hold_is_collected_first_not_frozen(fresh):
     c = Cycle()
     alive = weakref.ref(c)
     del c
-    base = gcfreeze.holders()
     gcfreeze.hold()
-    try:
-        assert alive() is None  # collected by the hold, not kept forever in the frozen generation
-        kept = Cycle()
-        ref = weakref.ref(kept)
-    finally:
-        gcfreeze.release()
+    assert alive() is None
+    kept = Cycle()
+    ref = weakref.ref(kept)
+    gcfreeze.release()
     del kept
     gc.collect()
-    if base == 0:
-        assert ref() is None  # frozen while held, collectable once released
+    assert ref() is None  # frozen while held, collectable once released
+
+
+def test_one_release_returns_everything_while_another_holds(fresh):
+    gcfreeze.hold()  # a long-lived engine
+    closed = Cycle()  # a second engine's objects, frozen by its own hold
+    ref = weakref.ref(closed)
+    gcfreeze.hold()
+    gcfreeze.release()  # the second engine closes (its caller still holds it)
+    assert gcfreeze.holders() == 1 and gc.get_freeze_count() == 0
+    del closed
+    gc.collect()
+    assert ref() is None  # collectable once its caller drops it
+    gcfreeze.release()
+
+
+def test_an_applications_own_freeze_is_left_alone(fresh):
+    gc.freeze()
+    theirs = gc.get_freeze_count()
+    gcfreeze.hold()
+    gcfreeze.release()
+    assert gc.get_freeze_count() == theirs and gcfreeze.holders() == 0

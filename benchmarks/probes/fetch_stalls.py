@@ -25,6 +25,7 @@ import argparse
 import functools
 import gc
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -87,16 +88,24 @@ def watch(stall_s: float) -> None:
                     event("STALL busy threads\n" + busy_threads(tid))
 
 
-_IDLE = ("wait", "_wait_for_tstate_lock", "get", "_worker", "select", "poll", "accept", "sleep", "watch")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def parked(frame) -> bool:  # noqa: ANN001
+    """Whether a thread's innermost Python frame is a wait of the standard library (a lock's or an
+    event's wait, a queue's get, a pool's idle worker, a selector): a thread parked, not working.
+    C calls such as time.sleep leave no frame of their own: a sleeping thread shows its caller."""
+    return frame.f_code.co_filename.startswith(_STDLIB) and frame.f_code.co_name in (
+        "wait", "_wait_for_tstate_lock", "get", "_worker", "select", "poll", "accept",
+    )  # fmt: skip
 
 
 def busy_threads(fetching: int) -> str:
-    """The innermost frames of every other thread not parked in a wait (a pool's idle worker, a
-    queue's get): what runs while the fetch stalls."""
+    """The innermost frames of every other thread not parked: what runs while the fetch stalls."""
     names = {t.ident: t.name for t in threading.enumerate()}
     out = []
     for tid, frame in sys._current_frames().items():
-        if tid in (fetching, threading.get_ident()) or frame.f_code.co_name in _IDLE:
+        if tid in (fetching, threading.get_ident()) or parked(frame):
             continue
         out.append(f"-- {names.get(tid, tid)}\n" + "".join(traceback.format_stack(frame)[-5:]))
     return "".join(out) or "(none)\n"

@@ -132,6 +132,7 @@ class Engine:
             self._measure_prefill()
         if cfg.reuse and prefix_cache is not None:
             prefix_cache.warm_up(self.runner.dtype)  # the restore's kernels compiled before the first fetch
+        self._gc_lock = threading.Lock()
         self._gc_held = cfg.freeze_gc
         if self._gc_held:
             gcfreeze.hold()
@@ -466,14 +467,21 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self.stop(abort=True)
-        if wait_for_store:
-            self.storer.flush()
-        self.storer.shutdown(wait=wait_for_store)
-        self.scheduler.shutdown(wait=wait_for_store)
-        if self.store is not None and hasattr(self.store, "close"):
-            self.store.close()
-        if self._gc_held:
+        try:
+            self.stop(abort=True)
+            if wait_for_store:
+                self.storer.flush()
+            self.storer.shutdown(wait=wait_for_store)
+            self.scheduler.shutdown(wait=wait_for_store)
+            if self.store is not None and hasattr(self.store, "close"):
+                self.store.close()
+        finally:
+            self._release_gc()
+
+    def _release_gc(self) -> None:
+        with self._gc_lock:
+            held, self._gc_held = self._gc_held, False
+        if held:
             gcfreeze.release()
 
     def __enter__(self) -> Engine:

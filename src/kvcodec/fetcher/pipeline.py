@@ -444,8 +444,8 @@ class FetchPipeline:
         take = min(m.tokens, self.plan.n_tokens - m.start_token)
         try:
             if staged is not None:
-                self.stats.chunks_staged += 1
                 self._copy_staged(i, m.start_token, staged[:, :, :take])
+                self.stats.chunks_staged += 1  # copied: a chunk refused for its values is not counted
             if out.device.type == "cuda" and (staged is not None or self.halves is None):
                 torch.cuda.current_stream(out.device).synchronize()  # a staged batch was waited for once
         finally:
