@@ -42,7 +42,7 @@ def test_decode_chunk_as_casts_or_refuses_and_checks_the_shape():
     codec = RawCodec(chunk_tokens=4)
     kv = torch.randn(2, 2, 4, 3, 8, dtype=torch.bfloat16)
     blob = next(iter(codec.encode_chunks(kv))).blobs[0]
-    assert stored_dtype(codec, blob) == torch.bfloat16
+    assert stored_dtype(codec.inspect_chunk(blob)) == torch.bfloat16
     got = decode_chunk_as(codec, blob, (2, 2, 4, 3, 8), torch.float32, "cpu", "chunk 0")
     assert got.dtype == torch.float32 and torch.equal(got, kv.float())
     assert torch.equal(decode_chunk_as(codec, blob, (2, 2, 4, 3, 8), torch.float16, "cpu", "c"), kv.half())

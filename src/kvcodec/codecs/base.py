@@ -161,16 +161,24 @@ def narrowed_checked(kv: torch.Tensor, into: torch.dtype, what: str) -> torch.Te
     return narrowed
 
 
-def stored_dtype(codec, blob) -> torch.dtype:  # noqa: ANN001
-    """The dtype a chunk blob's header says its KV was stored in."""
-    return dtype_of(codec.inspect_chunk(blob).dtype, "chunk dtype")
+def stored_dtype(info: ChunkInfo) -> torch.dtype:
+    """The dtype a chunk's header says its KV was stored in."""
+    return dtype_of(info.dtype, "chunk dtype")
 
 
-def decode_chunk_as(codec, blob, shape: tuple[int, ...], dtype: torch.dtype, device, what: str) -> torch.Tensor:  # noqa: ANN001
+def decode_chunk_as(
+    codec: ChunkCodec,
+    blob: bytes | memoryview,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    what: str,
+    info: ChunkInfo | None = None,
+) -> torch.Tensor:
     """A chunk's KV (L, 2, tokens, H, D) in `dtype` on `device`: restored straight into it where the
     codec can (restores_into), else in the chunk's stored dtype, then cast (narrowed_checked). A
-    ShapeError unless the chunk holds `shape`."""
-    info = codec.inspect_chunk(blob)
+    ShapeError unless the chunk holds `shape`. `info`: the blob's inspect_chunk, where the caller has it."""
+    info = info or codec.inspect_chunk(blob)
     if info.shape != tuple(shape):
         raise ShapeError(f"{what} holds {info.shape}; the target takes {tuple(shape)}")
     stored = dtype_of(info.dtype, f"{what}'s dtype")

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvcodec.codecs import make_codec
-from kvcodec.codecs.base import decode_chunk_as, stored_dtype, warm_up_codec
+from kvcodec.codecs.base import ChunkInfo, decode_chunk_as, stored_dtype, warm_up_codec
 from kvcodec.errors import ConfigError, CorruptStreamError, FormatError, KVCodecError
 from kvcodec.fetcher.keys import chunk_keys, longest_present
 from kvcodec.restore.paged import PagedKV
@@ -357,34 +357,35 @@ class KVCodecConnector(KVConnectorBase_V1):
             if blob is None:
                 raise KVCodecError(f"chunk {key} vanished from the store")
             try:
-                self._check_binding(blob, key)
-                self._load_chunk(blob, i * ct, load)
+                self._load_chunk(blob, self._checked_info(blob, key), i * ct, load)
             except FormatError as e:  # damaged or not this rank's: a miss from now on; a decoder that fails
                 if not isinstance(e, CorruptStreamError):  # on streams whose checksums held keeps the object
                     self._forget(self.object_key(key))
                 raise
 
-    def _load_chunk(self, blob: bytes, start: int, load: ChunkLoad) -> None:
+    def _load_chunk(self, blob: bytes, info: ChunkInfo, start: int, load: ChunkLoad) -> None:
         """A checked chunk blob whose first token is `start` into the request's blocks: straight into
         them where it is stored in the caches' dtype, else restored in theirs (decode_chunk_as: cast,
         a ShapeError for values a narrower cache cannot hold) and scattered."""
         layers = self._layers()
         cache = layers[0]
-        if self._pages is not None and start >= load.skip_tokens and stored_dtype(self.codec, blob) == cache.dtype:
+        if self._pages is not None and start >= load.skip_tokens and stored_dtype(info) == cache.dtype:
             table = torch.as_tensor(self._kernel_table(load.block_ids))
             self.codec.decode_chunk(blob, PagedKV(self._pages, table))
             return
         shape = (len(layers), 2, self.codec.chunk_tokens, cache.shape[1], cache.shape[-1] // 2)
-        kv = decode_chunk_as(self.codec, blob, shape, cache.dtype, cache.device, f"chunk at token {start}")
+        kv = decode_chunk_as(self.codec, blob, shape, cache.dtype, cache.device, f"chunk at token {start}", info)
         first = max(start, load.skip_tokens)
         self.scatter(kv[:, :, first - start :], load.block_ids, first)
 
-    def _check_binding(self, blob: bytes, key: str) -> None:
-        """FormatError unless `blob` is bound to this rank's object key of the chunk `key` names (the
-        chained key names the chunk's place: another chunk's, prefix's or rank's blob is refused)."""
-        bound, obj = self.codec.inspect_chunk(blob).key, self.object_key(key)
-        if bound != obj:
-            raise FormatError(f"chunk blob under {obj} is bound to {bound!r}")
+    def _checked_info(self, blob: bytes, key: str) -> ChunkInfo:
+        """The blob's header; a FormatError unless it is bound to this rank's object key of the chunk
+        `key` names (the chained key names the chunk's place: another chunk's, prefix's or rank's blob
+        is refused)."""
+        info, obj = self.codec.inspect_chunk(blob), self.object_key(key)
+        if info.key != obj:
+            raise FormatError(f"chunk blob under {obj} is bound to {info.key!r}")
+        return info
 
     def _forget(self, obj: str) -> None:
         """Delete a refused object (best effort: a store, a plug-in's too, that refuses is logged)."""
