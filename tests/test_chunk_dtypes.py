@@ -52,3 +52,12 @@ def test_decode_chunk_as_casts_or_refuses_and_checks_the_shape():
         decode_chunk_as(codec, big, (2, 2, 4, 3, 8), torch.float16, "cpu", "c")
     with pytest.raises(ShapeError, match=r"holds \(2, 2, 4, 3, 8\); the target takes \(2, 2, 4, 2, 8\)"):
         decode_chunk_as(codec, blob, (2, 2, 4, 2, 8), torch.bfloat16, "cpu", "c")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float8_e4m3fn])
+def test_a_cache_of_integers_or_fp8_is_refused_by_name_not_cast(dtype):
+    # fp8 and int8 caches (vLLM's kv_cache_dtype fp8/int8): torch.finfo raised TypeError out of the connector
+    codec = RawCodec(chunk_tokens=4)
+    blob = next(iter(codec.encode_chunks(torch.randn(2, 2, 4, 3, 8, dtype=torch.float16)))).blobs[0]
+    with pytest.raises(ShapeError, match="is not one kvcodec restores into"):
+        decode_chunk_as(codec, blob, (2, 2, 4, 3, 8), dtype, "cpu", "chunk 0")

@@ -43,14 +43,16 @@ def test_garbage_from_before_the_hold_is_collected_first_not_frozen(fresh):
     c = Cycle()
     alive = weakref.ref(c)
     del c
-    gcfreeze.hold()
-    assert alive() is None
     kept = Cycle()
     ref = weakref.ref(kept)
-    gcfreeze.release()
+    gcfreeze.hold()
+    assert alive() is None
     del kept
     gc.collect()
-    assert ref() is None  # frozen while held, collectable once released
+    assert ref() is not None  # frozen while held: not collected
+    gcfreeze.release()
+    gc.collect()
+    assert ref() is None  # collectable once released
 
 
 def test_one_release_returns_everything_while_another_holds(fresh):
@@ -72,3 +74,23 @@ def test_an_applications_own_freeze_is_left_alone(fresh):
     gcfreeze.hold()
     gcfreeze.release()
     assert gc.get_freeze_count() == theirs and gcfreeze.holders() == 0
+
+
+def test_a_finalizer_that_closes_an_engine_during_the_holds_collection_does_not_deadlock(fresh):
+    import threading
+
+    class ClosesAnEngine(Cycle):
+        def __del__(self) -> None:
+            gcfreeze.release()  # as an engine's close from a finalizer
+
+    gcfreeze.hold()  # the engine the finalizer will close
+    gc.disable()  # no automatic collection runs the finalizer before the hold's own
+    try:
+        ClosesAnEngine()  # garbage in a cycle: only a collection runs its finalizer
+        worker = threading.Thread(target=gcfreeze.hold, daemon=True)  # its collection runs the finalizer
+        worker.start()
+        worker.join(timeout=120)  # only a deadlock reaches the timeout
+    finally:
+        gc.enable()
+    assert not worker.is_alive() and gcfreeze.holders() == 1
+    gcfreeze.release()

@@ -447,7 +447,7 @@ def test_chunks_beyond_the_servers_float16_range_are_a_load_error_not_inf(prompt
     blocks2 = list(range(10, 17))
     assert admit(sched2, r2, 0, blocks2) == 96
     scheduler_step(sched2, worker2, r2, blocks2, len(prompt) - 96)
-    assert worker2.get_block_ids_with_load_errors() == set(blocks2)  # the load fails at chunk 1: vLLM recomputes it all
+    assert worker2.get_block_ids_with_load_errors() == set(blocks2)  # the load fails at chunk 1: all its blocks
     got = read_tokens(caches, blocks2, CHUNK, kv.shape[-1])
     assert torch.equal(got, big[:, :, :CHUNK].to(torch.float16))
     assert torch.isfinite(read_tokens(caches, blocks2, 96, kv.shape[-1])).all()

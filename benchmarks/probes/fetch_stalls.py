@@ -89,13 +89,15 @@ def watch(stall_s: float) -> None:
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
+_PACKAGES = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})  # may lie under the stdlib
 
 
 def parked(frame) -> bool:  # noqa: ANN001
     """Whether a thread's innermost Python frame is a wait of the standard library (a lock's or an
     event's wait, a queue's get, a pool's idle worker, a selector): a thread parked, not working.
     C calls such as time.sleep leave no frame of their own: a sleeping thread shows its caller."""
-    return frame.f_code.co_filename.startswith(_STDLIB) and frame.f_code.co_name in (
+    where = frame.f_code.co_filename
+    return where.startswith(_STDLIB) and not where.startswith(_PACKAGES) and frame.f_code.co_name in (
         "wait", "_wait_for_tstate_lock", "get", "_worker", "select", "poll", "accept",
     )  # fmt: skip
 

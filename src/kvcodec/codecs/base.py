@@ -178,6 +178,8 @@ def decode_chunk_as(
     """A chunk's KV (L, 2, tokens, H, D) in `dtype` on `device`: restored straight into it where the
     codec can (restores_into), else in the chunk's stored dtype, then cast (narrowed_checked). A
     ShapeError unless the chunk holds `shape`. `info`: the blob's inspect_chunk, where the caller has it."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ShapeError(f"{what}: a {dtype} target is not one kvcodec restores into (float16, bfloat16, float32)")
     info = info or codec.inspect_chunk(blob)
     if info.shape != tuple(shape):
         raise ShapeError(f"{what} holds {info.shape}; the target takes {tuple(shape)}")

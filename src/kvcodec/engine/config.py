@@ -73,9 +73,11 @@ class EngineConfig:
         benchmarks/results/ttft-gpu-h200-latency.md).
     device, dtype: where and in which dtype the model runs (default: cuda if present; fp32 on
         CPU, fp16 on CUDA).
-    freeze_gc: while the engine is open, the objects alive at its start are kept out of the garbage
-        collector's full collections (engine/gcfreeze.py, as vLLM's engine does): a full collection
-        walks them all with every fetch and decode thread paused (119-136 ms for SmolLM2 on the CPU VM).
+    freeze_gc: at its start the engine collects once and freezes the objects alive then out of the
+        garbage collector's full collections (engine/gcfreeze.py, as vLLM's engine does), which walk
+        them all with every fetch and decode thread paused (119-136 ms for SmolLM2 on the CPU VM);
+        any engine's close unfreezes them (engines still open run unfrozen until the next start); an
+        application that froze objects itself is left to manage the collector.
     """
 
     store_url: str | None = None

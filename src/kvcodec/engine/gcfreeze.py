@@ -26,9 +26,10 @@ def hold() -> None:
         if _holders == 0:
             _theirs = gc.get_freeze_count() > 0
         _holders += 1
-        if not _theirs:
-            gc.collect()
-            gc.freeze()
+        ours = not _theirs
+    if ours:  # outside the lock: a finalizer the collection runs may close an engine (release)
+        gc.collect()
+        gc.freeze()
 
 
 def release() -> None:
