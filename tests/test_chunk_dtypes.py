@@ -56,7 +56,8 @@ def test_decode_chunk_as_casts_or_refuses_and_checks_the_shape():
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.float8_e4m3fn])
 def test_a_cache_of_integers_or_fp8_is_refused_by_name_not_cast(dtype):
-    # fp8 and int8 caches (vLLM's kv_cache_dtype fp8/int8): torch.finfo raised TypeError out of the connector
+    # vLLM's int8/fp8 caches: torch.finfo raised TypeError out of the connector for integer ones; fp8 saturated
+    # silently, without vLLM's k/v scales
     codec = RawCodec(chunk_tokens=4)
     blob = next(iter(codec.encode_chunks(torch.randn(2, 2, 4, 3, 8, dtype=torch.float16)))).blobs[0]
     with pytest.raises(ShapeError, match="is not one kvcodec restores into"):

@@ -4,6 +4,7 @@ application's own freeze is left alone."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -21,6 +22,7 @@ def fresh(monkeypatch):
     """No hold, nothing frozen (engines other tests left open are forgotten for this test)."""
     monkeypatch.setattr(gcfreeze, "_holders", 0)
     monkeypatch.setattr(gcfreeze, "_theirs", False)
+    monkeypatch.setattr(gcfreeze, "_lock", threading.RLock())  # a thread stuck on it stays out of later tests
     gc.unfreeze()
     yield
     gc.unfreeze()
@@ -77,8 +79,6 @@ def test_an_applications_own_freeze_is_left_alone(fresh):
 
 
 def test_a_finalizer_that_closes_an_engine_during_the_holds_collection_does_not_deadlock(fresh):
-    import threading
-
     class ClosesAnEngine(Cycle):
         def __del__(self) -> None:
             gcfreeze.release()  # as an engine's close from a finalizer

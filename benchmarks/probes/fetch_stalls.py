@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import site
 import sys
 import sysconfig
 import threading
@@ -89,7 +90,9 @@ def watch(stall_s: float) -> None:
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
-_PACKAGES = tuple({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})  # may lie under the stdlib
+_PACKAGES = tuple(  # site-packages may lie under the stdlib's folder
+    {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *site.getsitepackages()}
+)
 
 
 def parked(frame) -> bool:  # noqa: ANN001

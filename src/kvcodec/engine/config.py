@@ -76,8 +76,9 @@ class EngineConfig:
     freeze_gc: at its start the engine collects once and freezes the objects alive then out of the
         garbage collector's full collections (engine/gcfreeze.py, as vLLM's engine does), which walk
         them all with every fetch and decode thread paused (119-136 ms for SmolLM2 on the CPU VM);
-        any engine's close unfreezes them (engines still open run unfrozen until the next start); an
-        application that froze objects itself is left to manage the collector.
+        the close of any engine that froze unfreezes them (engines still open run unfrozen until the
+        next start); an application that froze objects itself before the first engine is left to
+        manage the collector.
     """
 
     store_url: str | None = None

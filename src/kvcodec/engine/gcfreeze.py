@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import threading
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # a finalizer or signal handler may close an engine inside hold or release
 _holders = 0
 _theirs = False  # the application had frozen objects itself: hold and release change nothing
 
