@@ -183,7 +183,7 @@ def decode_chunk_as(
     info = info or codec.inspect_chunk(blob)
     if info.shape != tuple(shape):
         raise ShapeError(f"{what} holds {info.shape}; the target takes {tuple(shape)}")
-    stored = dtype_of(info.dtype, f"{what}'s dtype")
+    stored = stored_dtype(info)
     into = dtype if restores_into(codec, stored, dtype) else stored
     out = torch.empty(info.shape, dtype=into, device=device)
     return narrowed_checked(codec.decode_chunk(blob, out), dtype, what).to(dtype)
