@@ -256,6 +256,36 @@ def test_a_mixed_transform_method_stores_hevc_and_zstd_chunks_in_turn_that_resto
         assert torch.equal(fetched[0][:, :, i * c : (i + 1) * c], alone[:, :, i * c : (i + 1) * c])
 
 
+def test_an_ans_transform_method_stores_relocated_rans_chunks_that_restore_as_its_zstd_twin(tmp_path):
+    """"kvcodec-transform-5-ans" (the same integers rANS-coded for the SMs): prep, relocation and the
+    fetch's checks take its chunks, and they restore nearly what the default coder's chunks restore."""
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    L, H, D = ttft_engine.target_shape("llama-tiny")
+    save_kv_file(tmp_path / "kv.safetensors", real_like_kv(300), {"model": "syn"})
+    save_kvt(calibrate([tiled_kv_of(600, L, H, D)], RopeSpec(10000.0, D), info={"model": "tiny"}), tmp_path / "t.kvt")
+    methods = ["kvcodec-transform-5-ans", "kvcodec-transform-5"]
+    args = ["prep", "--kv-file", str(tmp_path / "kv.safetensors"), "--target", "llama-tiny", "--methods", ",".join(methods)]
+    r = CliRunner().invoke(
+        ttft_engine.command, [*args, "--transform", str(tmp_path / "t.kvt"), "--dir", str(tmp_path / "d")]
+    )
+    assert r.exit_code == 0, r.output
+    man = json.loads((tmp_path / "d" / ttft_engine.MANIFEST).read_text())
+    ids, restored = list(range(4 * ttft_engine.CHUNK)), []
+    for m in methods:
+        codec = ttft_engine.run_codec(m, tmp_path / "d", man, tmp_path / "d" / ttft_engine.PACK)
+        assert codec.id == man["methods"][m]["codec_id"]
+        pc = PrefixCache(open_store("memory://"), "syn", codec, "cpu", policy="fixed:0")
+        ttft_engine.build_store(pc, ids, ttft_engine.seed_blobs(m, tmp_path / "d", man, codec), (L, H, D))
+        got = pc.fetch(ids)
+        assert got.ok and got.tokens_restored == len(ids)
+        restored.append(got.kv)
+    assert man["methods"][methods[0]]["codec_id"].startswith("transform-ans")
+    a, b = (x.float() for x in restored)  # each coder's bytes set its quantizer's level: close, not equal
+    assert (a - b).norm() / b.norm() < 0.1
+
+
 def tiled_kv_of(tokens: int, layers: int, heads: int, dim: int) -> torch.Tensor:
     from kvbench.workloads import tiled_kv
 

@@ -15,10 +15,10 @@ from click.testing import CliRunner  # noqa: E402
 from kvbench import ttft  # noqa: E402
 from kvbench.methods import (  # noqa: E402
     accuracy_of,
-    coder_options,
     expand_methods,
     label,
     method_codec,
+    transform_codec,
     transform_coder,
     transform_ratio,
 )
@@ -49,7 +49,6 @@ def test_transform_method_names():
     assert transform_ratio("kvcodec-transform-6.5") == 6.5 and transform_ratio("kvcodec-int8") is None
     assert label("kvcodec-transform-5") == "kvcodec-transform 5x" and label("raw") == "raw fp16 KV"
     assert transform_coder("kvcodec-transform-5") is None and transform_coder("kvcodec-int8") is None
-    assert coder_options("kvcodec-transform-5") == {} and coder_options("kvcodec-transform-5-hevc") == {"coder": "hevc"}
     assert transform_ratio("kvcodec-transform-5-zstd") == 5 and transform_coder("kvcodec-transform-5-zstd") == "zstd"
     assert label("kvcodec-transform-8-zstd") == "kvcodec-transform 8x (zstd)"
     records = {"kvcodec-transform-8-hevc": {"top1_agreement": 0.9}, "raw": {"top1_agreement": 1.0}}
@@ -64,6 +63,16 @@ def test_transform_method_names():
             expand_methods([bad], [])
     with pytest.raises(ConfigError, match="needs a .kvt"):
         method_codec("kvcodec-transform-5", CodecConfig())
+
+
+def test_each_transform_method_codes_with_its_coder(files):
+    kvt, _ = files
+    default, hevc = transform_codec("kvcodec-transform-5", str(kvt)), transform_codec("kvcodec-transform-5-hevc", str(kvt))
+    ans = transform_codec("kvcodec-transform-5-ans", str(kvt), chunk_tokens=128)
+    assert default.coder == "zstd" and hevc.coder == "hevc"
+    assert ans.coder == "ans" and ans.id.startswith("transform-ans") and ans.chunk_tokens == 128
+    assert label("kvcodec-transform-5-ans") == "kvcodec-transform 5x (ans)"
+    assert transform_ratio("kvcodec-transform-8-ans") == 8
 
 
 def test_kv_file_and_kvt_by_path_give_the_transform_bytes(files):

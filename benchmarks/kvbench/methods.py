@@ -4,8 +4,9 @@ A method is what the serving benchmarks (ttft, interference) compare: "raw" (fp1
 "zstd-3" (the same bytes zstd-compressed), "kvcodec-<quant>" (kvcodec's HEVC codec; "kvcodec":
 the quant of the given config), "kvcodec-transform-<ratio>[-<coder>]" (the transform codec of a .kvt
 at that target ratio vs fp16, its samples coded by <coder>: the codec's default unless named, or
-hevc, zstd or mixed (HEVC and zstd chunks in turn), e.g. "kvcodec-transform-5",
-"kvcodec-transform-5-hevc"), or the name of any kvbench baseline
+hevc, zstd or mixed (HEVC and zstd chunks in turn), or ans (the "transform-ans" codec: the same
+integers rANS-coded and decoded on the SMs), e.g. "kvcodec-transform-5",
+"kvcodec-transform-5-hevc", "kvcodec-transform-5-ans"), or the name of any kvbench baseline
 ("cachegen", "lz4", ...), coded chunk by chunk as a ChunkCodec.
 """
 
@@ -24,7 +25,8 @@ RAW_VARIANTS = {"raw": ("raw",), "zstd-3": ("zstd",)}
 TRANSFORM = "kvcodec-transform"
 
 
-TRANSFORM_CODERS = CODERS  # the transform codec's coder settings
+SM_CODER = "ans"  # a method's coder naming the "transform-ans" codec rather than a "transform" coder
+TRANSFORM_CODERS = (*CODERS, SM_CODER)
 
 
 def transform_ratio(method: str) -> float | None:
@@ -40,10 +42,17 @@ def transform_coder(method: str) -> str | None:
     return None if parts is None else parts[1]
 
 
-def coder_options(method: str) -> dict[str, str]:
-    """The transform codec's `coder` option for `method`: empty where it names none (the default)."""
+def transform_codec(method: str, transform, **options: Any):  # noqa: ANN001, ANN201
+    """The ChunkCodec of a "kvcodec-transform-<ratio>[-<coder>]" method over `transform` (a .kvt path
+    or a Calibration): the registered "transform" codec with the method's coder, or "transform-ans"
+    for the coder "ans"; options (chunk_tokens, resolutions, kvt_hash) go to the codec."""
+    from kvcodec.codecs.registry import make_codec
+
     coder = transform_coder(method)
-    return {"coder": coder} if coder else {}
+    if coder == SM_CODER:
+        return make_codec("transform-ans", transform=transform, target_ratio=transform_ratio(method), **options)
+    coder_option = {"coder": coder} if coder else {}
+    return make_codec("transform", transform=transform, target_ratio=transform_ratio(method), **coder_option, **options)
 
 
 def accuracy_of(records: dict[str, dict], method: str) -> dict:
@@ -134,14 +143,7 @@ def method_codec(method: str, config, transform: str | Path | None = None, resol
         if transform is None:
             raise ConfigError(f"method {method!r} needs a .kvt file (--transform PATH)")
         frames = {} if resolutions is None else {"resolutions": config.resolutions}
-        return make_codec(
-            "transform",
-            transform=str(transform),
-            target_ratio=ratio,
-            **coder_options(method),
-            chunk_tokens=config.chunk_tokens,
-            **frames,
-        )
+        return transform_codec(method, str(transform), chunk_tokens=config.chunk_tokens, **frames)
     if method == "kvcodec" or method.startswith("kvcodec-"):
         quant = method.split("-", 1)[1] if "-" in method else config.quant
         return make_codec("hevc", config=dataclasses.replace(config, quant=quant), **hevc_options)

@@ -49,11 +49,11 @@ import click
 
 from kvbench.methods import (
     accuracy_of,
-    coder_options,
     expand_methods,
     frame_sizes,
     method_codec,
     resolution_option,
+    transform_codec,
     transform_ratio,
 )
 from kvbench.methods import label as method_label
@@ -275,17 +275,8 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
     r = transform_ratio(m)
     if r is None:
         return method_codec(m, codec_config(), resolutions=frames)
-    from kvcodec.codecs.transform.codec import TransformCodec
-
     cal, kvt_hash = read_pack(pack or d / PACK, square=True)
-    return TransformCodec(
-        cal,
-        kvt_hash=kvt_hash,
-        target_ratio=r,
-        **coder_options(m),
-        chunk_tokens=CHUNK,
-        **({} if frames is None else {"resolutions": frames}),
-    )
+    return transform_codec(m, cal, kvt_hash=kvt_hash, chunk_tokens=CHUNK, **({} if frames is None else {"resolutions": frames}))
 
 
 def seed_blobs(m: str, d: pathlib.Path, man: dict, codec) -> list[bytes]:  # noqa: ANN001
