@@ -257,7 +257,7 @@ def test_a_mixed_transform_method_stores_hevc_and_zstd_chunks_in_turn_that_resto
 
 
 def test_an_ans_transform_method_stores_relocated_rans_chunks_that_restore_as_its_zstd_twin(tmp_path):
-    """"kvcodec-transform-5-ans" (the same integers rANS-coded for the SMs): prep, relocation and the
+    """The method "kvcodec-transform-5-ans" (the same integers rANS-coded for the SMs): prep, relocation and the
     fetch's checks take its chunks, and they restore nearly what the default coder's chunks restore."""
     from kvcodec.fetcher import PrefixCache
     from kvcodec.store import open_store
@@ -266,7 +266,8 @@ def test_an_ans_transform_method_stores_relocated_rans_chunks_that_restore_as_it
     save_kv_file(tmp_path / "kv.safetensors", real_like_kv(300), {"model": "syn"})
     save_kvt(calibrate([tiled_kv_of(600, L, H, D)], RopeSpec(10000.0, D), info={"model": "tiny"}), tmp_path / "t.kvt")
     methods = ["kvcodec-transform-5-ans", "kvcodec-transform-5"]
-    args = ["prep", "--kv-file", str(tmp_path / "kv.safetensors"), "--target", "llama-tiny", "--methods", ",".join(methods)]
+    kv_file = str(tmp_path / "kv.safetensors")
+    args = ["prep", "--kv-file", kv_file, "--target", "llama-tiny", "--methods", ",".join(methods)]
     r = CliRunner().invoke(
         ttft_engine.command, [*args, "--transform", str(tmp_path / "t.kvt"), "--dir", str(tmp_path / "d")]
     )

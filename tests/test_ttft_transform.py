@@ -67,7 +67,10 @@ def test_transform_method_names():
 
 def test_each_transform_method_codes_with_its_coder(files):
     kvt, _ = files
-    default, hevc = transform_codec("kvcodec-transform-5", str(kvt)), transform_codec("kvcodec-transform-5-hevc", str(kvt))
+    default, hevc = (
+        transform_codec("kvcodec-transform-5", str(kvt)),
+        transform_codec("kvcodec-transform-5-hevc", str(kvt)),
+    )
     ans = transform_codec("kvcodec-transform-5-ans", str(kvt), chunk_tokens=128)
     assert default.coder == "zstd" and hevc.coder == "hevc"
     assert ans.coder == "ans" and ans.id.startswith("transform-ans") and ans.chunk_tokens == 128

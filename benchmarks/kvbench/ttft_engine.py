@@ -276,7 +276,9 @@ def run_codec(m: str, d: pathlib.Path, man: dict, pack: pathlib.Path | None = No
     if r is None:
         return method_codec(m, codec_config(), resolutions=frames)
     cal, kvt_hash = read_pack(pack or d / PACK, square=True)
-    return transform_codec(m, cal, kvt_hash=kvt_hash, chunk_tokens=CHUNK, **({} if frames is None else {"resolutions": frames}))
+    return transform_codec(
+        m, cal, kvt_hash=kvt_hash, chunk_tokens=CHUNK, **({} if frames is None else {"resolutions": frames})
+    )
 
 
 def seed_blobs(m: str, d: pathlib.Path, man: dict, codec) -> list[bytes]:  # noqa: ANN001
