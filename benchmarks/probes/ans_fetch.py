@@ -35,15 +35,6 @@ sys.path.insert(0, str(HERE.parent))
 import fetch_restore as fr  # noqa: E402
 
 
-def ans_codec(case: dict, kvt=None, cal=None):
-    from kvcodec.codecs.transform_ans import TransformAnsCodec
-
-    options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], "resolutions": (tuple(case["res"]),)}
-    if cal is not None:
-        return TransformAnsCodec(cal[0], kvt_hash=cal[1], **options)
-    return TransformAnsCodec(kvt, **options)
-
-
 def prep(src: pathlib.Path, d: pathlib.Path, names: list[str]) -> None:
     from kvcodec.codecs.base import EncodedChunk
     from kvcodec.fetcher import PrefixCache, blob_key, meta_key
@@ -56,8 +47,8 @@ def prep(src: pathlib.Path, d: pathlib.Path, names: list[str]) -> None:
     cases = []
     for case in [c for c in doc["cases"] if c["name"] in names]:
         tcodec = fr.make_codec(case, src)
-        acodec = ans_codec(case, kvt)
-        acase = {**case, "name": "a" + case["name"][1:], "codec": "transform-ans", "codec_id": acodec.id}
+        acodec = fr.make_codec({**case, "codec": "transform-ans", "coder": None}, src)  # the same integers, rANS-coded
+        acase = {**case, "name": "a" + case["name"][1:], "codec": "transform-ans", "coder": None, "codec_id": acodec.id}
         cache = PrefixCache(out, doc["model"], acodec, "cpu", namespace=case.get("ns"))
         t0, hevc_s = time.perf_counter(), 0.0
         for kt, ka in zip(fr._keys(doc, case), fr._keys(doc, acase)):
@@ -87,7 +78,9 @@ def prep(src: pathlib.Path, d: pathlib.Path, names: list[str]) -> None:
               f"rANS-coded in {enc:.1f} s, CPU fetch max diff {check['max_abs_diff']}", flush=True)  # fmt: skip
         cases += [case, acase]
     (d / "cases.json").write_text(json.dumps({**doc, "cases": cases}))
-    shutil.copy(src / fr.PACK, d / fr.PACK)
+    if (src / fr.PACK).exists():
+        shutil.copy(src / fr.PACK, d / fr.PACK)
+    shutil.copy(kvt, d.parent / f"{d.name}.kvt")
 
 
 def ans_only(case, codec, mem, doc, probe, alone: float, secs: float) -> dict:
@@ -127,20 +120,21 @@ def ans_only(case, codec, mem, doc, probe, alone: float, secs: float) -> dict:
     return rec
 
 
-def run(d: pathlib.Path, out: pathlib.Path, repeat: int, seconds: float, inter_s: float) -> None:
+def run(d: pathlib.Path, out: pathlib.Path, repeat: int, seconds: float, inter_s: float, tokens: int) -> None:
     from kvbench.pack import read_pack
 
     probe = fr._probe()
     doc = json.loads((d / "cases.json").read_text())
-    cal = read_pack(d / fr.PACK)
+    cal = read_pack(d / fr.PACK) if (d / fr.PACK).exists() else None  # None: the .kvt beside DIR
     torch.zeros(1, device="cuda")
     mem = fr._memory_store(d, doc)
+    doc = fr.prefix_of(doc, mem, tokens)
     alone = probe.matmul_tflops(2.0)
     result, log = fr.run_log("benchmarks/probes/ans_fetch.py", doc, alone, out)
 
     for case in doc["cases"]:
         ans = case["codec"] == "transform-ans"
-        codec = ans_codec(case, cal=cal) if ans else fr.make_codec(case, d, cal)
+        codec = fr.make_codec(case, d, cal)
         if codec.id.startswith(case["codec_id"]):  # prepared before the id named its frame sizes (8d2f2fe)
             codec.id = case["codec_id"]
         assert codec.id == case["codec_id"], (codec.id, case["codec_id"])
@@ -240,6 +234,7 @@ def main() -> None:
     r.add_argument("--repeat", type=int, default=5)
     r.add_argument("--seconds", type=float, default=1.5)
     r.add_argument("--interference-seconds", type=float, default=3.0)
+    r.add_argument("--tokens", type=int, default=0, help="fetch this prefix of the prepared tokens (default: all)")
     e = sub.add_parser("encode-speed")
     e.add_argument("--src", type=pathlib.Path, required=True, help="a fetch_restore.py prep directory")
     e.add_argument("--cases", default="t5,t8")
@@ -255,7 +250,7 @@ def main() -> None:
     elif a.cmd == "encode-speed":
         encode_speed(a.src, a.cases.split(","), a.out, a.repeat)
     elif a.cmd == "run":
-        run(a.dir, a.out, a.repeat, a.seconds, a.interference_seconds)
+        run(a.dir, a.out, a.repeat, a.seconds, a.interference_seconds, a.tokens)
     else:
         report(a.src, a.out, a.note)
 

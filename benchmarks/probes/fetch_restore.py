@@ -100,8 +100,23 @@ def parse_case(text: str) -> dict:
     return case
 
 
+def prefix_of(doc: dict, mem, tokens: int) -> dict:  # noqa: ANN001
+    """The prepared run's `doc` cut to its first `tokens` (its first chunks; 0 or more than it holds:
+    all), each case's bytes and ratio counted again over them in `mem`."""
+    full = len(doc["ids"])
+    if not tokens or tokens >= full:
+        return doc
+    doc = {**doc, "ids": doc["ids"][:tokens], "fp16_bytes": doc["fp16_bytes"] * tokens // full}
+    for case in doc["cases"]:
+        case["full_tokens"] = full
+        case["coded_bytes"] = _stored_bytes(mem, doc, case)
+        case["ratio_vs_fp16"] = round(doc["fp16_bytes"] / case["coded_bytes"], 3)
+    return doc
+
+
 def make_codec(case: dict, d: pathlib.Path, cal=None):
-    """The case's codec: on the CPU (prep) over the .kvt, on the GPU machine over the pack."""
+    """The case's codec ("hevc", "transform" or "transform-ans"): on the CPU (prep) over the .kvt, on
+    the GPU machine over the pack."""
     res = {} if case["res"] is None else {"resolutions": (tuple(case["res"]),)}
     if case["codec"] == "hevc":
         from kvcodec.codecs.hevc.codec import HevcCodec
@@ -111,12 +126,14 @@ def make_codec(case: dict, d: pathlib.Path, cal=None):
         coder = {} if case.get("coder") is None else {"sample_coder": case["coder"]}
         return HevcCodec(dataclasses.replace(config, video_bits=case.get("vbits", "auto"), **coder))
     from kvcodec.codecs.transform.codec import TransformCodec
+    from kvcodec.codecs.transform_ans import TransformAnsCodec
 
+    kind = TransformAnsCodec if case["codec"] == "transform-ans" else TransformCodec
     options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], **res}
     options |= {} if case.get("coder") is None else {"coder": case["coder"]}
     if cal is not None:
-        return TransformCodec(cal[0], kvt_hash=cal[1], **options)
-    return TransformCodec(d.parent / f"{d.name}.kvt", **options)
+        return kind(cal[0], kvt_hash=cal[1], **options)
+    return kind(d.parent / f"{d.name}.kvt", **options)
 
 
 def _samples_of(kv: torch.Tensor, n: int = SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1048,20 +1065,14 @@ def run(
         cal = read_pack(pack)
     torch.zeros(1, device="cuda")
     mem = _memory_store(d, doc)
-    if tokens and tokens < len(doc["ids"]):  # a prefix of the prepared tokens: the first chunks
-        full = len(doc["ids"])
-        doc = {**doc, "ids": doc["ids"][:tokens], "fp16_bytes": doc["fp16_bytes"] * tokens // full}
-        for case in doc["cases"]:
-            case["full_tokens"] = full
-            case["coded_bytes"] = _stored_bytes(mem, doc, case)
-            case["ratio_vs_fp16"] = round(doc["fp16_bytes"] / case["coded_bytes"], 3)
+    doc = prefix_of(doc, mem, tokens)
     alone = probe.matmul_tflops(2.0)
     result, log = run_log("benchmarks/probes/fetch_restore.py", doc, alone, out)
 
     for case in doc["cases"]:
         if only and case["name"] not in only:
             continue
-        codec = make_codec(case, d, cal if case["codec"] == "transform" else None)
+        codec = make_codec(case, d, cal if case["codec"].startswith("transform") else None)
         if codec.id.startswith(case["codec_id"]):  # prepared before the id named its frame sizes (8d2f2fe)
             codec.id = case["codec_id"]
         assert codec.id == case["codec_id"], (codec.id, case["codec_id"])
