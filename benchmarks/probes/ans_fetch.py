@@ -143,7 +143,7 @@ def run(d: pathlib.Path, out: pathlib.Path, repeat: int, seconds: float, inter_s
         fr._stage(log, base, fr.measure_fetch, mem, doc, case, codec, probe, {}, repeat, alone, inter_s)
         if ans:
             fr._stage(log, base, ans_only, case, codec, mem, doc, probe, alone, inter_s)
-        else:
+        elif fr._codes_video(case, codec):  # NVDEC decode-only: for chunks with video streams
             fr._stage(log, base, fr.decode_only_native, case, codec, mem, doc, probe, 56, seconds)
         fr._stage(log, base, fr.kernels_only, case, codec, mem, doc, probe, alone, inter_s, True)
     result["matmul_alone_again_tflops"] = round(probe.matmul_tflops(2.0), 1)

@@ -294,7 +294,7 @@ def _interference(probe, fn, secs: float, alone: float) -> dict:  # noqa: ANN001
 def _codes_video(case: dict, codec) -> bool:  # noqa: ANN001
     """Whether the case's chunks hold videos for NVDEC (zstd'd samples hold none): the transform
     codec's own coder (its default unless the case names one), an HEVC case's coder setting."""
-    return codec.codes_video if case["codec"] == "transform" else case.get("coder") != "zstd"
+    return codec.codes_video if case["codec"].startswith("transform") else case.get("coder") != "zstd"
 
 
 def _queued_too(inter: dict) -> dict:
