@@ -371,3 +371,18 @@ def test_samples_whose_checksum_fails_are_refused_on_the_host_thread_by_name():
     good = [i for i in sorted(got) if i != 2]
     driver.finish([got[i] for i in good], [outs[i] for i in good])
     assert all(torch.equal(outs[i], ref[i]) for i in good)
+
+
+def test_the_host_pools_size_is_half_the_cores_unless_set_and_a_bad_setting_is_refused(monkeypatch):
+    from kvcodec.codecs import driven
+    from kvcodec.errors import ConfigError
+
+    monkeypatch.delenv("KVCODEC_HOST_THREADS", raising=False)
+    assert driven.host_threads() == driven.HOST_THREADS == max(1, min(8, driven.usable_cores() // 2))
+    monkeypatch.setenv("KVCODEC_HOST_THREADS", " 12 ")
+    assert (
+        driven.host_threads() == 12 and driven.host_threads("3") == 3 and driven.host_threads("") == driven.HOST_THREADS
+    )
+    for bad in ("0", "-2", "x", "1.5"):
+        with pytest.raises(ConfigError, match="KVCODEC_HOST_THREADS"):
+            driven.host_threads(bad)

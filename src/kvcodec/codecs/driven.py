@@ -51,14 +51,25 @@ from typing import Protocol
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.errors import FormatError, KVCodecError
+from kvcodec.errors import ConfigError, FormatError, KVCodecError
 from kvcodec.layout.search import usable_cores
 
 DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
-# threads decompressing chunks without videos (zstd releases the interpreter lock): half the cores, at most 8
+# threads decompressing chunks without videos (zstd releases the interpreter lock): half the cores, at most 8,
+# leaving the rest to the serving engine; KVCODEC_HOST_THREADS sets another count
 HOST_THREADS = max(1, min(8, usable_cores() // 2))
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
+
+
+def host_threads(setting: str | None = None) -> int:
+    """The host pool's size: `setting` (KVCODEC_HOST_THREADS's value when None), else HOST_THREADS."""
+    text = (os.environ.get("KVCODEC_HOST_THREADS", "") if setting is None else setting).strip()
+    if not text:
+        return HOST_THREADS
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"KVCODEC_HOST_THREADS must be a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def host_pool() -> ThreadPoolExecutor:
@@ -66,7 +77,7 @@ def host_pool() -> ThreadPoolExecutor:
     global _host_pool
     with _host_pool_lock:
         if _host_pool is None:
-            _host_pool = ThreadPoolExecutor(HOST_THREADS, thread_name_prefix="kvcodec-host")
+            _host_pool = ThreadPoolExecutor(host_threads(), thread_name_prefix="kvcodec-host")
         return _host_pool
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target, warm_up_codec
+from kvcodec.codecs.driven import host_threads
 from kvcodec.config import CodecConfig, torch_device
 from kvcodec.dtypes import DTYPES, name_of
 from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError, StoreError
@@ -159,6 +160,8 @@ class PrefixCache:
         self.model_id = str(model_id)
         self.codec = _resolve_codec(codec, legacy)
         self.device = _device(device)
+        if self.device.type == "cuda":
+            host_threads()  # a bad KVCODEC_HOST_THREADS is refused here, not in each fetch
         self.namespace = namespace
         self.policy = get_policy(policy, self.codec.resolutions)
         self.decode_workers = int(decode_workers or default_decode_workers(self.device))
