@@ -5,14 +5,19 @@ slow host-side decompression in a fetch's phase timeline is the machine's cores 
 
 Synthetic samples: 1.44 MB of uint8 symbols (Laplace, scale 2.2, about 3.6 bits each after zstd),
 the size of a 256-token Qwen2.5-0.5B chunk's samples at 5x, coded as the transform codec codes them
-(zstd_frames at its ZSTD_LEVEL).
+(zstd_frames at its ZSTD_LEVEL). Or real ones: the zstd-coded seed chunks of each transform method of a
+`kvcodec bench ttft-engine prep` directory (real KV values in a target's shape, one chunk's samples each).
 
     python benchmarks/probes/host_zstd.py
+    python benchmarks/probes/host_zstd.py --engine-dir D --threads 1,8
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import pathlib
 import statistics
 import threading
 import time
@@ -32,9 +37,25 @@ def coded_samples(n: int = SAMPLES, streams: int = 8) -> list[bytes]:
     return [zstd_frames(np.roll(symbols, k * 997).tobytes(), ZSTD_LEVEL) for k in range(streams)]
 
 
-def per_chunk_ms(srcs: list[bytes], threads: int, reps: int, pinned: bool) -> tuple[float, float]:
+def engine_samples(d: pathlib.Path) -> dict[str, tuple[list[bytes], int]]:
+    """Per transform method of a ttft-engine prep directory: its zstd-coded seed chunks' sample
+    streams and the samples each holds."""
+    from kvbench import ttft_engine as te
+    from kvbench.methods import transform_ratio
+
+    man = json.loads((d / te.MANIFEST).read_text())
+    out = {}
+    for m in [m for m in man["methods"] if transform_ratio(m) is not None]:
+        codec = te.run_codec(m, d, man)
+        reads = [codec._read(b) for b in te.seed_blobs(m, d, man, codec)]
+        if all(h["coder"] == "zstd" for h, _ in reads):
+            out[m] = ([bytes(s["samples"]) for _, s in reads], codec._restorer.sample_count(reads[0][0]))
+    return out
+
+
+def per_chunk_ms(srcs: list[bytes], threads: int, reps: int, pinned: bool, n: int = SAMPLES) -> tuple[float, float]:
     """(median ms one decompression took, wall ms per chunk over all threads)."""
-    outs = [torch.empty(SAMPLES, dtype=torch.uint8, pin_memory=pinned).numpy() for _ in range(threads)]
+    outs = [torch.empty(n, dtype=torch.uint8, pin_memory=pinned).numpy() for _ in range(threads)]
     took: list[list[float]] = [[] for _ in range(threads)]
 
     def work(t: int) -> None:
@@ -54,14 +75,20 @@ def per_chunk_ms(srcs: list[bytes], threads: int, reps: int, pinned: bool) -> tu
 
 
 def main() -> None:
-    srcs = coded_samples()
-    bits = 8 * len(srcs[0]) / SAMPLES
-    print(f"cpus {os.cpu_count()} affinity {len(os.sched_getaffinity(0))} level {ZSTD_LEVEL} bits/sample {bits:.2f}")
-    for pinned in (True, False) if torch.cuda.is_available() else (False,):
-        for threads in (1, 2, 4, 8, 16):
-            each, wall = per_chunk_ms(srcs, threads, 20, pinned)
-            dest = "pinned" if pinned else "numpy"
-            print(f"dest={dest} threads={threads}: {each:.2f} ms each, {wall:.2f} ms/chunk effective")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine-dir", type=pathlib.Path, help="a ttft-engine prep directory: its chunks' samples")
+    ap.add_argument("--threads", default="1,2,4,8,16")
+    a = ap.parse_args()
+    cases = engine_samples(a.engine_dir) if a.engine_dir else {"synthetic": (coded_samples(), SAMPLES)}
+    print(f"cpus {os.cpu_count()} affinity {len(os.sched_getaffinity(0))} level {ZSTD_LEVEL}")
+    for name, (srcs, n) in cases.items():
+        bits = 8 * sum(map(len, srcs)) / (n * len(srcs))
+        print(f"{name}: {n} samples a chunk, {bits:.2f} bits each")
+        for pinned in (True, False) if torch.cuda.is_available() else (False,):
+            for threads in (int(t) for t in a.threads.split(",")):
+                each, wall = per_chunk_ms(srcs, threads, 20, pinned, n)
+                dest = "pinned" if pinned else "numpy"
+                print(f"  dest={dest} threads={threads}: {each:.2f} ms each, {wall:.2f} ms/chunk effective")
 
 
 if __name__ == "__main__":
