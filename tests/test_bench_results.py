@@ -49,6 +49,16 @@ def test_write_result_writes_json_and_markdown_with_machine_and_command(tmp_path
     assert path.with_suffix(".md").read_text() == "# x\n\n`kvcodec bench x --a 1`\n"
 
 
+def test_the_machine_record_names_the_kvcodec_switches_and_the_host_pool(monkeypatch):
+    monkeypatch.setenv("KVCODEC_HOST_THREADS", "5")
+    monkeypatch.setenv("KVCODEC_CACHE_DIR", "/somewhere")
+    m = results.machine()
+    assert m["host_threads"] == 5 and m["kvcodec_env"]["KVCODEC_HOST_THREADS"] == "5"
+    assert "KVCODEC_CACHE_DIR" not in m["kvcodec_env"]
+    monkeypatch.setenv("KVCODEC_HOST_THREADS", "none")
+    assert "KVCODEC_HOST_THREADS" in results.machine()["host_threads"]  # a bad setting is recorded, not raised
+
+
 def test_write_result_refuses_a_result_without_its_command(tmp_path):
     with pytest.raises(ValueError):
         results.write_result(tmp_path / "x.json", {"records": []}, "# x")

@@ -376,13 +376,18 @@ def test_samples_whose_checksum_fails_are_refused_on_the_host_thread_by_name():
 def test_the_host_pools_size_is_half_the_cores_unless_set_and_a_bad_setting_is_refused(monkeypatch):
     from kvcodec.codecs import driven
     from kvcodec.errors import ConfigError
+    from kvcodec.fetcher import cache
 
     monkeypatch.delenv("KVCODEC_HOST_THREADS", raising=False)
-    assert driven.host_threads() == driven.HOST_THREADS == max(1, min(8, driven.usable_cores() // 2))
-    monkeypatch.setenv("KVCODEC_HOST_THREADS", " 12 ")
-    assert (
-        driven.host_threads() == 12 and driven.host_threads("3") == 3 and driven.host_threads("") == driven.HOST_THREADS
-    )
-    for bad in ("0", "-2", "x", "1.5"):
+    assert driven.host_threads() == driven.HOST_THREADS and 1 <= driven.HOST_THREADS <= 8
+    monkeypatch.setenv("KVCODEC_HOST_THREADS", " 3 ")
+    monkeypatch.setattr(driven, "_host_pool", None)  # a pool of this test's own, the process's left as it was
+    assert driven.host_threads() == 3 and driven.host_pool()._max_workers == 3
+    driven.host_pool().shutdown()
+    for bad in ("0", "-2", "x", "1.5", "\u00b2"):
         with pytest.raises(ConfigError, match="KVCODEC_HOST_THREADS"):
             driven.host_threads(bad)
+    monkeypatch.setenv("KVCODEC_HOST_THREADS", "0")
+    monkeypatch.setattr(cache, "_device", lambda device: torch.device("cuda"))  # a CUDA cache, made on any machine
+    with pytest.raises(ConfigError, match="KVCODEC_HOST_THREADS"):
+        cache.PrefixCache("memory://", "m", CodecConfig(), "cuda")

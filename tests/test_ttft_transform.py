@@ -210,10 +210,10 @@ def test_a_modeled_gpu_fetch_applies_nvdec_only_to_methods_whose_chunks_are_vide
         assert rate[m]["decode_GBps_fp16"] == 0.7 and "NVDEC" not in rate[m]["source"], m
 
 
-def test_a_modeled_gpu_fetch_of_the_mixed_coder_needs_a_given_rate():
-    m = "kvcodec-transform-5-mixed"
+@pytest.mark.parametrize("m", ["kvcodec-transform-5-mixed", "kvcodec-transform-5-ans"])
+def test_a_modeled_gpu_fetch_of_the_mixed_or_sm_coder_needs_a_given_rate(m):
     stats = {"methods": {m: {"ratio_vs_fp16": 5.0, "decode_GBps_fp16": 0.7}}}
-    with pytest.raises(click.ClickException, match="--decode-rate kvcodec-transform-5-mixed"):
+    with pytest.raises(click.ClickException, match=f"--decode-rate {m}"):
         ttft.decode_rate(m, stats, 10**9, True, 8.0, {})
     assert ttft.decode_rate(m, stats, 10**9, True, 8.0, {m: 3.0})["decode_GBps_fp16"] == 3.0
     assert ttft.decode_rate(m, stats, 10**9, False, 8.0, {})["decode_GBps_fp16"] == 0.7  # a CPU run: as measured

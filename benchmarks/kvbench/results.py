@@ -91,7 +91,21 @@ def machine() -> dict[str, Any]:
         pass
     if torch.cuda.is_available():
         m["gpu"] = torch.cuda.get_device_name(0)
+    m |= kvcodec_switches()
     return m
+
+
+def kvcodec_switches() -> dict[str, Any]:
+    """The KVCODEC_* settings a run had (folders left out) and the restore's host pool size."""
+    from kvcodec.codecs.driven import host_threads
+    from kvcodec.errors import ConfigError
+
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("KVCODEC_") and not k.endswith("_DIR")}
+    try:
+        threads: int | str = host_threads()
+    except ConfigError as e:
+        threads = str(e)
+    return {"kvcodec_env": env, "host_threads": threads}
 
 
 def utc_now() -> str:

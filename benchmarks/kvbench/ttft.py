@@ -37,6 +37,7 @@ import statistics
 import click
 
 from kvbench.methods import (
+    SM_CODER,
     accuracy_of,
     expand_methods,
     frame_sizes,
@@ -1076,6 +1077,11 @@ def decode_rate(m: str, st: dict, fp16: int, gpu: bool, nvdec_gbit: float, overr
         raise click.ClickException(
             f"{m} codes every other chunk as video and the rest with zstd, so neither NVDEC's rate nor the host's"
             f" alone models its fetch: give --decode-rate {m}=GB/s (or measure it with `kvcodec bench ttft-engine`)"
+        )
+    if gpu and transform_coder(m) == SM_CODER:
+        raise click.ClickException(
+            f"{m} decodes its samples on the GPU's SMs, whose rate the KV-statistics machine's CPU decode does not"
+            f" model: give --decode-rate {m}=GB/s (or measure it with `kvcodec bench ttft-engine`)"
         )
     if gpu and m.startswith("kvcodec") and _decodes_on_nvdec(m):
         coded = fp16 / st["methods"][m]["ratio_vs_fp16"]

@@ -130,7 +130,8 @@ def make_codec(case: dict, d: pathlib.Path, cal=None):
 
     kind = TransformAnsCodec if case["codec"] == "transform-ans" else TransformCodec
     options = {"target_ratio": case["ratio"], "chunk_tokens": case["chunk"], **res}
-    options |= {} if case.get("coder") is None else {"coder": case["coder"]}
+    if case.get("coder") is not None and kind is TransformCodec:  # an ans case may carry its source's coder
+        options["coder"] = case["coder"]
     if cal is not None:
         return kind(cal[0], kvt_hash=cal[1], **options)
     return kind(d.parent / f"{d.name}.kvt", **options)

@@ -31,15 +31,16 @@ from kvcodec.codecs.zstd_streams import unzstd_into, zstd_frames
 SAMPLES = 1_440_512
 
 
-def coded_samples(n: int = SAMPLES, streams: int = 8) -> list[bytes]:
+def coded_samples(n: int = SAMPLES, streams: int = 8) -> list[tuple[bytes, int]]:
+    """Synthetic chunks' sample streams, each with the samples it holds."""
     rng = np.random.default_rng(0)
     symbols = np.clip(np.round(rng.laplace(0, 2.2, n)) + 128, 0, 255).astype(np.uint8)
-    return [zstd_frames(np.roll(symbols, k * 997).tobytes(), ZSTD_LEVEL) for k in range(streams)]
+    return [(zstd_frames(np.roll(symbols, k * 997).tobytes(), ZSTD_LEVEL), n) for k in range(streams)]
 
 
-def engine_samples(d: pathlib.Path) -> dict[str, tuple[list[bytes], int]]:
+def engine_samples(d: pathlib.Path) -> dict[str, list[tuple[bytes, int]]]:
     """Per transform method of a ttft-engine prep directory: its zstd-coded seed chunks' sample
-    streams and the samples each holds."""
+    streams, each with the samples it holds (methods whose chunks are not all zstd-coded: named, left out)."""
     from kvbench import ttft_engine as te
     from kvbench.methods import transform_ratio
 
@@ -49,20 +50,25 @@ def engine_samples(d: pathlib.Path) -> dict[str, tuple[list[bytes], int]]:
         codec = te.run_codec(m, d, man)
         reads = [codec._read(b) for b in te.seed_blobs(m, d, man, codec)]
         if all(h["coder"] == "zstd" for h, _ in reads):
-            out[m] = ([bytes(s["samples"]) for _, s in reads], codec._restorer.sample_count(reads[0][0]))
+            out[m] = [(bytes(s["samples"]), codec._restorer.sample_count(h)) for h, s in reads]
+        else:
+            print(f"{m}: not every chunk's samples are zstd-coded; left out")
     return out
 
 
-def per_chunk_ms(srcs: list[bytes], threads: int, reps: int, pinned: bool, n: int = SAMPLES) -> tuple[float, float]:
+def per_chunk_ms(srcs: list[tuple[bytes, int]], threads: int, reps: int, pinned: bool) -> tuple[float, float]:
     """(median ms one decompression took, wall ms per chunk over all threads)."""
+    n = max(count for _, count in srcs)
     outs = [torch.empty(n, dtype=torch.uint8, pin_memory=pinned).numpy() for _ in range(threads)]
     took: list[list[float]] = [[] for _ in range(threads)]
 
     def work(t: int) -> None:
         for i in range(reps):
+            data, count = srcs[(t + i) % len(srcs)]
             t0 = time.perf_counter()
-            unzstd_into(srcs[(t + i) % len(srcs)], outs[t], "samples")
+            got = unzstd_into(data, outs[t][:count], "samples")
             took[t].append(time.perf_counter() - t0)
+            assert got == count, (got, count)
 
     pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
     t0 = time.perf_counter()
@@ -79,14 +85,14 @@ def main() -> None:
     ap.add_argument("--engine-dir", type=pathlib.Path, help="a ttft-engine prep directory: its chunks' samples")
     ap.add_argument("--threads", default="1,2,4,8,16")
     a = ap.parse_args()
-    cases = engine_samples(a.engine_dir) if a.engine_dir else {"synthetic": (coded_samples(), SAMPLES)}
+    cases = engine_samples(a.engine_dir) if a.engine_dir else {"synthetic": coded_samples()}
     print(f"cpus {os.cpu_count()} affinity {len(os.sched_getaffinity(0))} level {ZSTD_LEVEL}")
-    for name, (srcs, n) in cases.items():
-        bits = 8 * sum(map(len, srcs)) / (n * len(srcs))
-        print(f"{name}: {n} samples a chunk, {bits:.2f} bits each")
+    for name, srcs in cases.items():
+        n = sum(count for _, count in srcs)
+        print(f"{name}: {n // len(srcs)} samples a chunk, {8 * sum(len(d) for d, _ in srcs) / n:.2f} bits each")
         for pinned in (True, False) if torch.cuda.is_available() else (False,):
             for threads in (int(t) for t in a.threads.split(",")):
-                each, wall = per_chunk_ms(srcs, threads, 20, pinned, n)
+                each, wall = per_chunk_ms(srcs, threads, 20, pinned)
                 dest = "pinned" if pinned else "numpy"
                 print(f"  dest={dest} threads={threads}: {each:.2f} ms each, {wall:.2f} ms/chunk effective")
 

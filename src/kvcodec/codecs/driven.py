@@ -21,7 +21,7 @@ A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec
                                          its video, when the fetch's thread would otherwise wait
     prepare_host(reading) -> Reading    optional: a chunk without videos, its host work with no
                                          CUDA calls (zstd'd samples decompressed), run on a pool of
-                                         host threads (HOST_THREADS) before stage; without it such
+                                         host threads (host_pool) before stage; without it such
                                          a chunk is staged at once on the fetch's thread
 
 The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec's in
@@ -56,7 +56,8 @@ from kvcodec.layout.search import usable_cores
 
 DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
 # threads decompressing chunks without videos (zstd releases the interpreter lock): half the cores, at most 8,
-# leaving the rest to the serving engine; KVCODEC_HOST_THREADS sets another count
+# leaving the rest to the serving engine; KVCODEC_HOST_THREADS sets another count, read when the process's
+# pool starts (its first fetch of such chunks): benchmarks/results/host-threads-h100-s59.md
 HOST_THREADS = max(1, min(8, usable_cores() // 2))
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
@@ -67,7 +68,7 @@ def host_threads(setting: str | None = None) -> int:
     text = (os.environ.get("KVCODEC_HOST_THREADS", "") if setting is None else setting).strip()
     if not text:
         return HOST_THREADS
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise ConfigError(f"KVCODEC_HOST_THREADS must be a whole number >= 1, got {text!r}")
     return int(text)
 
