@@ -46,6 +46,19 @@ def test_config_refuses_bad_values(kw):
         EngineConfig(**kw)
 
 
+@pytest.mark.parametrize("writable", [True, False])
+def test_the_engines_prefix_cache_drops_damaged_chunks_only_where_the_store_takes_writes(writable):
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvcodec.engine.prefix import open_prefix_cache
+
+    model = SimpleNamespace(_kvcodec_model_id="m")  # the id is all the cache needs of a model
+    store, cache = open_prefix_cache(EngineConfig(store_writable=writable, codec="raw"), model, torch.device("cpu"))
+    assert cache.drop_damaged is writable
+
+
 def test_a_lone_long_prompt_is_prefilled_in_one_forward_by_default():
     """Pieces of a prompt attend to the cache through a dense mask (no causal kernel): the default
     lets a prompt as long as a 32k-context model's whole window through in one forward."""

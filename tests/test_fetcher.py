@@ -246,6 +246,21 @@ def test_metas_that_claim_a_huge_shape_are_dropped_before_anything_is_sized_from
     assert torch.equal(raw_cache.fetch(ids).kv, kv)
 
 
+def test_a_cache_on_a_store_that_refuses_writes_leaves_damaged_chunks_in_place():
+    """drop_damaged=False (serve on a store that refuses writes): the damaged metas stay, no delete
+    is tried (each would fail, and nothing would rewrite them), the fetch still reports the damage."""
+    cache = PrefixCache(open_store("memory://"), "model-a", RAW, "cpu", drop_damaged=False)
+    kv, ids = make_kv(100), ids_for(100)
+    cache.put(ids, kv)
+    damaged = {}
+    for k in cache.keys(ids):
+        damaged[k] = cache.store.get(meta_key(k)).replace(b'"shape":[3,2,32]', b'"shape":[4000,3000,640]')
+        cache.store.put(meta_key(k), damaged[k])
+    r = cache.fetch(ids)
+    assert r.tokens_restored == 0 and isinstance(r.error, FormatError) and r.stats.chunks_dropped == 0
+    assert all(cache.store.get(meta_key(k)) == m for k, m in damaged.items())
+
+
 def test_a_meta_whose_shape_the_target_and_blob_disagree_with_is_dropped_and_healed(raw_cache):
     """Chunk 0's meta rewritten to another shape: an engine's target (its model's shape) refused it
     on every request and nothing was dropped, so that prefix was never stored again. A target that

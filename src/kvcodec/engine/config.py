@@ -79,6 +79,8 @@ class EngineConfig:
         the close of any engine that froze unfreezes them (engines still open run unfrozen until the
         next start); an application that froze objects itself before the first engine is left to
         manage the collector.
+    store_writable: False for a store that refuses writes (a read-only replica): a fetch leaves the
+        damaged chunks it finds in place instead of deleting their metas (PrefixCache.drop_damaged).
     """
 
     store_url: str | None = None
@@ -104,6 +106,7 @@ class EngineConfig:
     device: Any = None
     dtype: Any = None
     freeze_gc: bool = True
+    store_writable: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

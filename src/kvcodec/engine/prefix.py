@@ -43,6 +43,7 @@ def open_prefix_cache(cfg: EngineConfig, model: Any, device: torch.device, layou
         "policy": cfg.resolution_policy,
         "decode_workers": cfg.decode_workers,
         "store_partial": cfg.store_partial,
+        "drop_damaged": cfg.store_writable,
     }
     try:
         if layout is not None:

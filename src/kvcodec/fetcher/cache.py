@@ -124,6 +124,9 @@ class PrefixCache:
         batched over the chunks ready together (fetcher/pipeline.py); on CUDA, chunks of codecs
         with a driven form (codecs/driven.py: transform, int8 HEVC) are then decoded by the
         driven path. None: on CUDA only. False also turns the driven path off.
+    drop_damaged: a chunk a fetch finds damaged has its meta deleted, so that the next put (this
+        cache's or a peer's) rewrites it; False leaves it in place (a store that refuses writes:
+        nothing would rewrite it, and each delete would fail).
     """
 
     def __init__(
@@ -146,6 +149,7 @@ class PrefixCache:
         direct: bool = True,
         shard: TPShard | None = None,
         batched_restore: bool | None = None,
+        drop_damaged: bool = True,
         **legacy: Any,
     ) -> None:
         if (max_inflight is not None and max_inflight < 1) or (decode_workers is not None and decode_workers < 1):
@@ -173,6 +177,7 @@ class PrefixCache:
         self.direct = bool(direct)
         self.shard = shard
         self.batched_restore = batched_restore
+        self.drop_damaged = bool(drop_damaged)
         self._decoder_name: str | None = None
         self._profile_failed = False  # a failed decode calibration is not retried per fetch
         self._executor = None  # the fetch stages' threads, started once (pipeline.stage_executor)
@@ -536,6 +541,9 @@ class PrefixCache:
             self.codec.decode_chunk(blob, scratch)
 
     def _bad_chunk(self, key: str, index: int, error: KVCodecError, stats: FetchStats) -> None:
+        if not self.drop_damaged:
+            log.warning("chunk %d fails its checks (%s); left in the store (drop_damaged is off)", index, error)
+            return
         log.warning("chunk %d fails its checks (%s); dropping it so the next put rewrites it", index, error)
         self.drop_chunk(key)
         stats.chunks_dropped += 1
