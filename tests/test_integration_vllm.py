@@ -218,6 +218,55 @@ def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
     assert admit(sched, r3, 0, list(range(20, 27))) == CHUNK  # the damaged chunk 1 was deleted; chunk 0 is kept
 
 
+def partial_hit(prompt, kv, url: str, damage_chunk: int | None = None):
+    """r1 stores the first two chunks of `prompt` (70 of its tokens); r2, the whole prompt, is
+    offered those 64 tokens and computes the rest (written here, its loaded blocks zeroed first);
+    returns (connectors, r2's caches and blocks, the store's codec)."""
+    sched, worker = connectors(url, quant="exact")
+    caches = paged_caches(kv, torch.bfloat16)
+    worker.register_kv_caches(caches)
+    r1 = Request("r1", prompt[:70], SamplingParams(max_tokens=1), None)
+    assert admit(sched, r1, 0, list(range(5))) == 0
+    write_prompt(caches, kv[:, :, :70].to(torch.bfloat16), list(range(5)))
+    scheduler_step(sched, worker, r1, list(range(5)), 70)
+    codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
+    if damage_chunk is not None:
+        with open_store(url) as st:
+            key = worker.object_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[damage_chunk])
+            blob = bytearray(st.get(key))
+            blob[len(blob) // 2] ^= 0x21
+            st.put(key, bytes(blob))
+    r2, blocks2 = Request("r2", prompt, SamplingParams(max_tokens=1), None), list(range(10, 17))
+    assert admit(sched, r2, 0, blocks2) == 2 * CHUNK
+    write_prompt(caches, kv.to(torch.bfloat16), blocks2)  # vLLM's forward: the tokens past the hit
+    for name in caches:
+        caches[name][blocks2[: 2 * CHUNK // BLOCK]] = 0  # the hit's blocks hold nothing until the load
+    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 2 * CHUNK)
+    return sched, worker, caches, blocks2, codec
+
+
+def test_a_partial_hit_stores_the_chunks_past_the_stored_ones(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    sched, worker, caches, blocks2, _ = partial_hit(prompt, kv, f"file://{tmp_path}")
+    assert not worker.get_block_ids_with_load_errors()
+    r3, blocks3 = Request("r3", prompt, SamplingParams(max_tokens=1), None), list(range(17, 24))
+    assert admit(sched, r3, 0, blocks3) == 96  # chunk 2 was stored by r2 after its hit on chunks 0-1
+    scheduler_step(sched, worker, r3, blocks3, len(prompt) - 96)
+    d = kv.shape[-1]
+    want = kv[:, :, :96].to(torch.bfloat16).view(torch.int16)
+    assert torch.equal(read_tokens(caches, blocks3, 96, d).view(torch.int16), want)
+    assert torch.equal(read_tokens(caches, blocks2, 96, d).view(torch.int16), want)  # r2's load restored 0-63
+
+
+def test_a_partial_hit_whose_load_failed_stores_nothing_computed_over_it(prompt_kv, tmp_path):
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    sched, worker, _, blocks2, codec = partial_hit(prompt, kv, url, damage_chunk=1)
+    assert worker.get_block_ids_with_load_errors() == set(blocks2)
+    with open_store(url) as st:  # chunk 2's KV attended to blocks vLLM recomputes: not stored
+        assert not st.exists(worker.object_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[2]))
+
+
 def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its_heads(prompt_kv, tmp_path):
     prompt, kv = prompt_kv
     url = f"file://{tmp_path}"

@@ -7,7 +7,7 @@
 Scheduler side: get_num_new_matched_tokens looks up the prompt's chained chunk keys (one batched
 exists query) and offers the stored whole chunks beyond what vLLM already has; build_connector_meta
 tells the workers which chunks to restore into which blocks, and which fully prefilled prompts to
-store. Worker side: start_load_kv decodes each chunk (NVDEC on CUDA where present) and writes its
+store (after a partial hit, their chunks past the stored ones). Worker side: start_load_kv decodes each chunk (NVDEC on CUDA where present) and writes its
 tokens into every layer's paged cache (vLLM 0.33: one [blocks, kv_heads, block_size, 2 * head_dim]
 tensor per layer, K then V on the last axis); wait_for_save gathers the stored prompts' KV from the
 paged caches and codes and stores it on a background thread (a lost save is a later miss).
@@ -57,13 +57,15 @@ class ChunkLoad:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixSave:
-    """Store the whole chunks of `token_ids`, whose KV sits in `block_ids` after this step, under
+    """Store the whole chunks of `token_ids` from token `first` on (a multiple of the chunk size:
+    the chunks before it are stored already), whose KV sits in `block_ids` after this step, under
     keys of `namespace` (the request's: see KVCodecConnector.request_namespace)."""
 
     req_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     namespace: str | None = None
+    first: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,19 +244,17 @@ class KVCodecConnector(KVConnectorBase_V1):
             block_ids = tuple(req.block_ids[0])
             if (offer := self._offers.pop(req.req_id, None)) is not None:
                 meta.loads.append(self._load_of(req.req_id, offer, req.num_computed_tokens, block_ids))
-                continue
             if req.req_id not in self._namespaces:
                 continue  # not keyable (multimodal), or never asked: not stored
             namespace = self._namespaces[req.req_id]
             scheduled = scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
             whole = (len(prompt) // ct) * ct
-            # Only prompts prefilled in this one step are stored (chunked prefill is not).
-            if (
-                whole
-                and req.num_computed_tokens + scheduled >= len(prompt)
-                and self._stored_chunks(prompt[:whole], namespace) * ct < whole
-            ):
-                meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids, namespace))
+            # Only prompts prefilled in this one step are stored (chunked prefill is not); after a
+            # partial hit, the chunks past the stored ones (their KV computed over the restored prefix).
+            if whole and req.num_computed_tokens + scheduled >= len(prompt):
+                stored = self._stored_chunks(prompt[:whole], namespace) * ct
+                if stored < whole:
+                    meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids, namespace, stored))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: all of its blocks are new
             offer = self._offers.pop(req_id, None)
@@ -306,8 +306,11 @@ class KVCodecConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         for save in getattr(meta, "saves", []):
-            kv = self.gather(save.block_ids, 0, len(save.token_ids)).cpu()  # copied before the blocks move on
-            self._saver.submit(self._store_prefix, save.token_ids, kv, save.namespace)
+            if self._load_errors.intersection(save.block_ids):  # a block vLLM recomputes: its KV is not this prompt's
+                logger.warning("kvcodec: request %s not stored: part of its prefix failed to load", save.req_id)
+                continue
+            kv = self.gather(save.block_ids, save.first, len(save.token_ids)).cpu()  # copied before the blocks move on
+            self._saver.submit(self._store_prefix, save.token_ids, kv, save.namespace, save.first)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -394,10 +397,13 @@ class KVCodecConnector(KVConnectorBase_V1):
         except Exception as e:  # noqa: BLE001 - never out into vLLM's worker step
             logger.warning("kvcodec could not delete the refused object %s: %s", obj, e)
 
-    def _store_prefix(self, token_ids, kv: torch.Tensor, namespace: str | None = None) -> None:
+    def _store_prefix(self, token_ids, kv: torch.Tensor, namespace: str | None = None, first: int = 0) -> None:
+        """Code and store `kv`, the KV of token_ids[first:] (whole chunks, `first` a chunk boundary)."""
         try:
             objects = [self.object_key(k) for k in self._keys(token_ids, namespace)]
-            for chunk in self.codec.encode_chunks(kv, keys=objects):  # each blob bound to its rank's object
+            skip = first // self.codec.chunk_tokens
+            chunks = self.codec.encode_chunks(kv, first_chunk_index=skip, keys=objects[skip:])
+            for chunk in chunks:  # each blob bound to its rank's object
                 self.store.put(objects[chunk.index], chunk.blobs[0])
         except KVCodecError as e:
             logger.warning("kvcodec save failed: %s", e)
