@@ -94,8 +94,10 @@ def read_tokens(caches: dict[str, torch.Tensor], block_ids: list[int], n: int, d
     return torch.stack(out)
 
 
-def scheduler_step(sched, worker, request: Request, block_ids: list[int], num_scheduled: int) -> None:
-    """One engine step for a new request: scheduler builds metadata, the worker loads, forwards, saves."""
+def scheduler_step(sched, worker, request: Request, block_ids: list[int], num_scheduled: int, deferred=False):
+    """One engine step for a new request: scheduler builds metadata, the worker loads, forwards, saves.
+    `deferred`: vLLM's order with speculative decoding, the load errors taken before wait_for_save
+    (returned then)."""
     new = NewRequestData.from_request(request, (block_ids,))
     out = SchedulerOutput(
         scheduled_new_reqs=[new],
@@ -110,9 +112,11 @@ def scheduler_step(sched, worker, request: Request, block_ids: list[int], num_sc
     meta = sched.build_connector_meta(out)
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={}))
+    errors = worker.get_block_ids_with_load_errors() if deferred else None
     worker.wait_for_save()
     worker.clear_connector_metadata()
     worker.wait_for_pending_saves()
+    return errors
 
 
 def admit(sched, request: Request, local_hit: int, block_ids: list[int]) -> int:
@@ -218,17 +222,24 @@ def test_damaged_chunk_reports_its_blocks_as_load_errors(prompt_kv, tmp_path):
     assert admit(sched, r3, 0, list(range(20, 27))) == CHUNK  # the damaged chunk 1 was deleted; chunk 0 is kept
 
 
-def partial_hit(prompt, kv, url: str, damage_chunk: int | None = None):
+def partial_hit(prompt, kv, url: str, damage_chunk: int | None = None, deferred: bool = False, ranks: int = 1):
     """r1 stores the first two chunks of `prompt` (70 of its tokens); r2, the whole prompt, is
     offered those 64 tokens and computes the rest (written here, its loaded blocks zeroed first);
-    returns (connectors, r2's caches and blocks, the store's codec)."""
+    `deferred`: r2's step in speculative decoding's order; `ranks`: a TP deployment of that many
+    ranks (the others' objects stored by hand). Returns (connectors, r2's caches and blocks, the
+    store's codec, r2's load errors)."""
     sched, worker = connectors(url, quant="exact")
+    sched.shards = worker.shards = (ranks, 1)
     caches = paged_caches(kv, torch.bfloat16)
     worker.register_kv_caches(caches)
     r1 = Request("r1", prompt[:70], SamplingParams(max_tokens=1), None)
     assert admit(sched, r1, 0, list(range(5))) == 0
     write_prompt(caches, kv[:, :, :70].to(torch.bfloat16), list(range(5)))
     scheduler_step(sched, worker, r1, list(range(5)), 70)
+    for rank in range(1, ranks):
+        worker.rank = (rank, 0)
+        worker._store_prefix(prompt[:64], kv[:, :, :64].to(torch.bfloat16))
+    worker.rank = (0, 0)
     codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
     if damage_chunk is not None:
         with open_store(url) as st:
@@ -241,14 +252,20 @@ def partial_hit(prompt, kv, url: str, damage_chunk: int | None = None):
     write_prompt(caches, kv.to(torch.bfloat16), blocks2)  # vLLM's forward: the tokens past the hit
     for name in caches:
         caches[name][blocks2[: 2 * CHUNK // BLOCK]] = 0  # the hit's blocks hold nothing until the load
-    scheduler_step(sched, worker, r2, blocks2, len(prompt) - 2 * CHUNK)
-    return sched, worker, caches, blocks2, codec
+    errors = scheduler_step(sched, worker, r2, blocks2, len(prompt) - 2 * CHUNK, deferred)
+    errors = worker.get_block_ids_with_load_errors() if not deferred else errors
+    return sched, worker, caches, blocks2, codec, errors
+
+
+def chunk_stored(url: str, worker, prompt, codec, index: int, rank=(0, 0)) -> bool:
+    with open_store(url) as st:
+        return st.exists(worker.object_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[index], rank))
 
 
 def test_a_partial_hit_stores_the_chunks_past_the_stored_ones(prompt_kv, tmp_path):
     prompt, kv = prompt_kv
-    sched, worker, caches, blocks2, _ = partial_hit(prompt, kv, f"file://{tmp_path}")
-    assert not worker.get_block_ids_with_load_errors()
+    sched, worker, caches, blocks2, _, errors = partial_hit(prompt, kv, f"file://{tmp_path}")
+    assert not errors
     r3, blocks3 = Request("r3", prompt, SamplingParams(max_tokens=1), None), list(range(17, 24))
     assert admit(sched, r3, 0, blocks3) == 96  # chunk 2 was stored by r2 after its hit on chunks 0-1
     scheduler_step(sched, worker, r3, blocks3, len(prompt) - 96)
@@ -258,13 +275,23 @@ def test_a_partial_hit_stores_the_chunks_past_the_stored_ones(prompt_kv, tmp_pat
     assert torch.equal(read_tokens(caches, blocks2, 96, d).view(torch.int16), want)  # r2's load restored 0-63
 
 
-def test_a_partial_hit_whose_load_failed_stores_nothing_computed_over_it(prompt_kv, tmp_path):
+@pytest.mark.parametrize("deferred", [False, True], ids=["plain-order", "speculative-decoding-order"])
+def test_a_partial_hit_whose_load_failed_stores_nothing_computed_over_it(prompt_kv, tmp_path, deferred):
     prompt, kv = prompt_kv
     url = f"file://{tmp_path}"
-    sched, worker, _, blocks2, codec = partial_hit(prompt, kv, url, damage_chunk=1)
-    assert worker.get_block_ids_with_load_errors() == set(blocks2)
-    with open_store(url) as st:  # chunk 2's KV attended to blocks vLLM recomputes: not stored
-        assert not st.exists(worker.object_key(chunk_keys(prompt[:96], "smollm2-135m", codec, partial=False)[2]))
+    _, worker, _, blocks2, codec, errors = partial_hit(prompt, kv, url, damage_chunk=1, deferred=deferred)
+    assert errors == set(blocks2)
+    assert not chunk_stored(url, worker, prompt, codec, 2)  # its KV attended to blocks vLLM recomputes
+
+
+def test_a_partial_hit_under_tensor_parallelism_stores_nothing(prompt_kv, tmp_path):
+    """One rank cannot see another's failed load, whose garbage reaches its KV through the
+    all-reduce: with several ranks the chunks past a hit are not stored."""
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    _, worker, _, _, codec, errors = partial_hit(prompt, kv, url, ranks=2)
+    assert not errors and chunk_stored(url, worker, prompt, codec, 1, (1, 0))
+    assert not chunk_stored(url, worker, prompt, codec, 2)
 
 
 def test_another_ranks_chunk_served_under_this_ranks_key_is_a_load_error_not_its_heads(prompt_kv, tmp_path):

@@ -125,8 +125,9 @@ class PrefixCache:
         with a driven form (codecs/driven.py: transform, int8 HEVC) are then decoded by the
         driven path. None: on CUDA only. False also turns the driven path off.
     drop_damaged: a chunk a fetch finds damaged has its meta deleted, so that the next put (this
-        cache's or a peer's) rewrites it; False leaves it in place (a store that refuses writes:
-        nothing would rewrite it, and each delete would fail).
+        cache's or a peer's) rewrites it; False leaves it in place and skips the checks of the
+        chunks behind it (a store that refuses writes: nothing would rewrite it, and each delete
+        would fail; a server that does not store: it writes nothing).
     """
 
     def __init__(
@@ -351,7 +352,8 @@ class PrefixCache:
             True the fetch stops there, as at a deadline (the engine's aborted requests).
         Never raises for store, format, stored-data or deadline failures: it stops at the first
         chunk that cannot be restored in order and returns what was restored with `error` set
-        (also logged). A chunk that fails its checks is dropped so the next put rewrites it.
+        (also logged). A chunk that fails its checks is dropped so the next put rewrites it
+        (unless drop_damaged is off).
         Invalid arguments (n_tokens, or an `out` too short for them) raise ShapeError/ConfigError;
         an `out` whose (layers, heads, dim) differ from the stored metas' is a result error, as is a
         chunk with values beyond the range of a narrower `out` (bfloat16 chunks into float16: the
@@ -494,7 +496,7 @@ class PrefixCache:
         """After a damaged chunk, check the planned chunks behind it (each one's blobs fetched and
         decoded into scratch, while the fetch's deadline lasts) and drop every damaged one too: one
         put then rewrites them all, instead of one fetch and put per damaged chunk."""
-        if not bad:
+        if not bad or not self.drop_damaged:  # nothing would be dropped: the check would only cost the fetch
             return
         n = len(self.codec.resolutions)
         for j in range(min(bad) + 1, len(metas)):
@@ -515,6 +517,8 @@ class PrefixCache:
     def _drop_meta_if_its_blob_fits(self, out: Target, key: str, m: ChunkMeta, deadline, stats: FetchStats) -> None:
         """`out` cannot hold chunk 0 as its meta describes it: where chunk 0's blob holds KV of out's
         (layers, heads, dim), the meta is the damaged one, so the chunk is dropped for the next put."""
+        if not self.drop_damaged:
+            return
         tensor = kv_tensor(out)
         fits = (tensor.shape[0], *tensor.shape[-2:])
         try:

@@ -169,7 +169,8 @@ class KVCodecConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._kernel_block = self.block_size  # tokens per block of the cache tensors (vLLM may split blocks)
         self._pages: torch.Tensor | None = None  # all layers as one paged view, where vLLM's layout allows
-        self._load_errors: set[int] = set()
+        self._load_errors: set[int] = set()  # until vLLM asks for them
+        self._failed_this_step: set[int] = set()  # until this step's wait_for_save
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcodec-save")
 
     def object_key(self, chunk_key: str, rank: tuple[int, int] | None = None) -> str:
@@ -250,8 +251,14 @@ class KVCodecConnector(KVConnectorBase_V1):
             scheduled = scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
             whole = (len(prompt) // ct) * ct
             # Only prompts prefilled in this one step are stored (chunked prefill is not); after a
-            # partial hit, the chunks past the stored ones (their KV computed over the restored prefix).
-            if whole and req.num_computed_tokens + scheduled >= len(prompt):
+            # partial hit, the chunks past the stored ones (their KV computed over the restored prefix),
+            # where one worker sees every load of the step (one rank: another rank's failed load would
+            # reach this rank's KV through the all-reduce or the pipeline, unseen by its save).
+            if (
+                whole
+                and req.num_computed_tokens + scheduled >= len(prompt)
+                and (offer is None or self.shards == (1, 1))
+            ):
                 stored = self._stored_chunks(prompt[:whole], namespace) * ct
                 if stored < whole:
                     meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids, namespace, stored))
@@ -290,12 +297,15 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        for load in getattr(meta, "loads", []):
+        self._failed_this_step = set()  # read by this step's wait_for_save, which vLLM may call after it
+        for load in getattr(meta, "loads", []):  # has taken the load errors (speculative decoding's order)
             try:
                 self._load(load)
             except (KVCodecError, IndexError, RuntimeError) as e:  # a miss vLLM recomputes, never a dead worker
                 logger.warning("kvcodec load for request %s failed: %s", load.req_id, e)
-                self._load_errors.update(load.block_ids[load.skip_tokens // self.block_size :])
+                failed = load.block_ids[load.skip_tokens // self.block_size :]
+                self._load_errors.update(failed)
+                self._failed_this_step.update(failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv restores every layer before the forward pass
@@ -305,8 +315,9 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
+        failed, self._failed_this_step = self._failed_this_step, set()
         for save in getattr(meta, "saves", []):
-            if self._load_errors.intersection(save.block_ids):  # a block vLLM recomputes: its KV is not this prompt's
+            if failed.intersection(save.block_ids):  # a block vLLM recomputes: its KV is not this prompt's
                 logger.warning("kvcodec: request %s not stored: part of its prefix failed to load", save.req_id)
                 continue
             kv = self.gather(save.block_ids, save.first, len(save.token_ids)).cpu()  # copied before the blocks move on
@@ -399,6 +410,9 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def _store_prefix(self, token_ids, kv: torch.Tensor, namespace: str | None = None, first: int = 0) -> None:
         """Code and store `kv`, the KV of token_ids[first:] (whole chunks, `first` a chunk boundary)."""
+        if first % self.codec.chunk_tokens:
+            logger.error("kvcodec save skipped: it starts at token %d, inside a chunk", first)
+            return
         try:
             objects = [self.object_key(k) for k in self._keys(token_ids, namespace)]
             skip = first // self.codec.chunk_tokens
