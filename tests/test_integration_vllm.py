@@ -284,6 +284,66 @@ def test_a_partial_hit_whose_load_failed_stores_nothing_computed_over_it(prompt_
     assert not chunk_stored(url, worker, prompt, codec, 2)  # its KV attended to blocks vLLM recomputes
 
 
+def test_a_save_over_blocks_whose_load_failed_a_few_steps_before_is_skipped(prompt_kv, tmp_path):
+    """vLLM learns of a step's failed loads steps later (asynchronous scheduling) and may hand those
+    blocks to a later request from its own prefix cache meanwhile: that request's save is skipped."""
+    from kvcodec.integrations.vllm_connector import RECENT_LOAD_STEPS, KVCodecConnectorMetadata, PrefixSave
+
+    prompt, kv = prompt_kv
+    url = f"file://{tmp_path}"
+    _, worker, _, blocks2, codec, errors = partial_hit(prompt, kv, url, damage_chunk=1)
+    assert errors == set(blocks2)
+    save = PrefixSave("r9", tuple(prompt[:96]), tuple(blocks2), None, 2 * CHUNK)
+    forward = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
+    for step in range(RECENT_LOAD_STEPS):
+        worker.bind_connector_metadata(KVCodecConnectorMetadata(saves=[save] if step == 0 else []))
+        worker.start_load_kv(forward)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+    worker.wait_for_pending_saves()
+    assert not chunk_stored(url, worker, prompt, codec, 2)  # the save right after the failure was skipped
+    worker.bind_connector_metadata(KVCodecConnectorMetadata(saves=[save]))  # the failure is out of the window
+    worker.start_load_kv(forward)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    worker.wait_for_pending_saves()
+    assert chunk_stored(url, worker, prompt, codec, 2)
+
+
+def test_under_tp_no_save_reads_a_block_another_request_loads_in_the_same_step(prompt_kv, tmp_path):
+    """Request B, scheduled with A, hits A's blocks in vLLM's own prefix cache while A's load fills
+    them: one rank cannot see another's failed load, so B's save is dropped under TP, kept on one rank."""
+    prompt, kv = prompt_kv
+    for ranks in (1, 2):
+        sched, _ = connectors(f"file://{tmp_path}/{ranks}", quant="exact")
+        sched.shards = (ranks, 1)
+        key_fn = sched.object_key
+        with open_store(f"file://{tmp_path}/{ranks}") as st:
+            codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
+            for key in chunk_keys(prompt[:64], "smollm2-135m", codec, partial=False):  # chunks 0-1, every rank
+                for r in range(ranks):
+                    st.put(key_fn(key, (r, 0)), b"x")
+        a, b = (Request(n, prompt, SamplingParams(max_tokens=1), None) for n in ("a", "b"))
+        assert admit(sched, a, 0, list(range(7))) == 64
+        assert admit(sched, b, 64, [0, 1, 2, 3, 10, 11, 12]) == 0  # vLLM's own hit on A's first 4 blocks
+        out = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(a, (list(range(7)),)),
+                NewRequestData.from_request(b, ([0, 1, 2, 3, 10, 11, 12],)),
+            ],
+            scheduled_cached_reqs=CachedRequestData.make_empty(),
+            num_scheduled_tokens={"a": len(prompt) - 64, "b": len(prompt) - 64},
+            total_num_scheduled_tokens=2 * (len(prompt) - 64),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=set(),
+            free_encoder_mm_hashes=[],
+        )
+        meta = sched.build_connector_meta(out)
+        assert [load.req_id for load in meta.loads] == ["a"]
+        assert sorted(save.req_id for save in meta.saves) == (["a", "b"] if ranks == 1 else [])
+
+
 def test_a_partial_hit_under_tensor_parallelism_stores_nothing(prompt_kv, tmp_path):
     """One rank cannot see another's failed load, whose garbage reaches its KV through the
     all-reduce: with several ranks the chunks past a hit are not stored."""

@@ -243,7 +243,7 @@ def command(
             max_batch=max_batch,
             prefill_chunk_tokens=prefill_chunk_tokens,
             fetch_deadline_s=fetch_deadline,
-            store_writable=not no_store and refusal is None,  # --no-store: nothing written, no deletes either
+            store_writable=refusal is None,  # dropping a damaged meta repairs: also with --no-store
             stall_s=stall_timeout,
             device=device,
             dtype=torch_dtype(dtype),

@@ -79,9 +79,10 @@ class EngineConfig:
         the close of any engine that froze unfreezes them (engines still open run unfrozen until the
         next start); an application that froze objects itself before the first engine is left to
         manage the collector.
-    store_writable: False for a store this engine must not write (one that refuses writes, a read-only
-        replica; `serve --no-store`): a fetch leaves the damaged chunks it finds in place instead of
-        deleting their metas (PrefixCache.drop_damaged).
+    store_writable: False for a store that refuses writes (a read-only replica): a fetch leaves the
+        damaged chunks it finds in place instead of deleting their metas, which would fail
+        (PrefixCache.drop_damaged). An engine that stores nothing but may write (`serve --no-store`)
+        keeps it True: the deleted meta lets the next writer's put (an ingest's, a peer's) rewrite the chunk.
     """
 
     store_url: str | None = None

@@ -127,7 +127,7 @@ class PrefixCache:
     drop_damaged: a chunk a fetch finds damaged has its meta deleted, so that the next put (this
         cache's or a peer's) rewrites it; False leaves it in place and skips the checks of the
         chunks behind it (a store that refuses writes: nothing would rewrite it, and each delete
-        would fail; a server that does not store: it writes nothing).
+        would fail).
     """
 
     def __init__(

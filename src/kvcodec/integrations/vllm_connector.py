@@ -18,6 +18,7 @@ Extra config: `url` (required), `codec` ("hevc") and its options (`quant`, `chun
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -42,6 +43,7 @@ from kvcodec.store import open_store
 
 logger = logging.getLogger(__name__)
 _OWN = {"url", "codec", "model_id", "namespace", "store_options"}
+RECENT_LOAD_STEPS = 8  # steps whose failed loads a save is checked against (more than vLLM's lag in steps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +172,11 @@ class KVCodecConnector(KVConnectorBase_V1):
         self._kernel_block = self.block_size  # tokens per block of the cache tensors (vLLM may split blocks)
         self._pages: torch.Tensor | None = None  # all layers as one paged view, where vLLM's layout allows
         self._load_errors: set[int] = set()  # until vLLM asks for them
-        self._failed_this_step: set[int] = set()  # until this step's wait_for_save
+        # Blocks whose load failed in the last steps, which a save must not read: vLLM may take a
+        # step's errors before its wait_for_save (speculative decoding), and learns of them steps
+        # late (asynchronous scheduling, pipeline stages) while it hands those blocks to other
+        # requests from its own prefix cache.
+        self._recent_failed: collections.deque[set[int]] = collections.deque(maxlen=RECENT_LOAD_STEPS)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcodec-save")
 
     def object_key(self, chunk_key: str, rank: tuple[int, int] | None = None) -> str:
@@ -251,15 +257,12 @@ class KVCodecConnector(KVConnectorBase_V1):
             scheduled = scheduler_output.num_scheduled_tokens.get(req.req_id, 0)
             whole = (len(prompt) // ct) * ct
             # Only prompts prefilled in this one step are stored (chunked prefill is not); after a
-            # partial hit, the chunks past the stored ones (their KV computed over the restored prefix),
-            # where one worker sees every load of the step (one rank: another rank's failed load would
-            # reach this rank's KV through the all-reduce or the pipeline, unseen by its save).
-            if (
-                whole
-                and req.num_computed_tokens + scheduled >= len(prompt)
-                and (offer is None or self.shards == (1, 1))
-            ):
+            # partial hit, the chunks past the stored and loaded ones (their KV computed over the
+            # restored prefix; the loaded chunks are never coded again).
+            if whole and req.num_computed_tokens + scheduled >= len(prompt):
                 stored = self._stored_chunks(prompt[:whole], namespace) * ct
+                if offer is not None:
+                    stored = max(stored, req.num_computed_tokens // ct * ct)
                 if stored < whole:
                     meta.saves.append(PrefixSave(req.req_id, tuple(prompt[:whole]), block_ids, namespace, stored))
         cached = scheduler_output.scheduled_cached_reqs
@@ -269,6 +272,12 @@ class KVCodecConnector(KVConnectorBase_V1):
                 meta.loads.append(
                     self._load_of(req_id, offer, cached.num_computed_tokens[i], cached.new_block_ids[i][0])
                 )
+        if self.shards != (1, 1):
+            # A rank cannot see another rank's failed load, whose garbage reaches its KV through the
+            # all-reduce or the pipeline: no save over a block any request loads this step (vLLM shares
+            # a block being loaded with later requests of the same prefix at once).
+            loading = {b for load in meta.loads for b in load.block_ids[load.skip_tokens // self.block_size :]}
+            meta.saves = [save for save in meta.saves if not loading.intersection(save.block_ids)]
         for req_id in self._offers:  # vLLM counts these tokens computed: say so where none was scheduled to load
             logger.error("kvcodec: request %s was offered stored tokens but not scheduled to load them", req_id)
         self._offers.clear()
@@ -297,15 +306,16 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        self._failed_this_step = set()  # read by this step's wait_for_save, which vLLM may call after it
-        for load in getattr(meta, "loads", []):  # has taken the load errors (speculative decoding's order)
+        failed_now: set[int] = set()
+        self._recent_failed.append(failed_now)
+        for load in getattr(meta, "loads", []):
             try:
                 self._load(load)
             except (KVCodecError, IndexError, RuntimeError) as e:  # a miss vLLM recomputes, never a dead worker
                 logger.warning("kvcodec load for request %s failed: %s", load.req_id, e)
                 failed = load.block_ids[load.skip_tokens // self.block_size :]
                 self._load_errors.update(failed)
-                self._failed_this_step.update(failed)
+                failed_now.update(failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # start_load_kv restores every layer before the forward pass
@@ -315,7 +325,7 @@ class KVCodecConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        failed, self._failed_this_step = self._failed_this_step, set()
+        failed = set().union(*self._recent_failed)
         for save in getattr(meta, "saves", []):
             if failed.intersection(save.block_ids):  # a block vLLM recomputes: its KV is not this prompt's
                 logger.warning("kvcodec: request %s not stored: part of its prefix failed to load", save.req_id)
