@@ -310,38 +310,77 @@ def test_a_save_over_blocks_whose_load_failed_a_few_steps_before_is_skipped(prom
     assert chunk_stored(url, worker, prompt, codec, 2)
 
 
-def test_under_tp_no_save_reads_a_block_another_request_loads_in_the_same_step(prompt_kv, tmp_path):
-    """Request B, scheduled with A, hits A's blocks in vLLM's own prefix cache while A's load fills
-    them: one rank cannot see another's failed load, so B's save is dropped under TP, kept on one rank."""
+def step_output(*scheduled: tuple[Request, list[int]]) -> SchedulerOutput:
+    """A scheduler step of new requests, each with its blocks, each prefilled whole in the step."""
+    n = {r.request_id: len(r.prompt_token_ids) - r.num_computed_tokens for r, _ in scheduled}
+    return SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData.from_request(r, (blocks,)) for r, blocks in scheduled],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens=n,
+        total_num_scheduled_tokens=sum(n.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
+
+
+def stored_for_every_rank(sched, url: str, prompt, tokens: int, ranks: int) -> None:
+    with open_store(url) as st:
+        codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
+        for key in chunk_keys(prompt[:tokens], "smollm2-135m", codec, partial=False):
+            for r in range(ranks):
+                st.put(sched.object_key(key, (r, 0)), b"x")
+
+
+def test_under_tp_no_save_reads_a_block_another_request_loads_in_the_same_or_a_recent_step(prompt_kv, tmp_path):
+    """Request B hits A's blocks in vLLM's own prefix cache while A's load fills them (the same step)
+    or before vLLM reports how it went (later steps): one rank cannot see another's failed load, so
+    under TP B's save is dropped, on one rank kept; C, on blocks of its own, is saved either way."""
+    from kvcodec.integrations.vllm_connector import RECENT_LOAD_STEPS
+
     prompt, kv = prompt_kv
+    other = [t + 1 for t in prompt]  # C's prompt: nothing stored, nothing shared
     for ranks in (1, 2):
-        sched, _ = connectors(f"file://{tmp_path}/{ranks}", quant="exact")
+        url = f"file://{tmp_path}/{ranks}"
+        sched, _ = connectors(url, quant="exact")
         sched.shards = (ranks, 1)
-        key_fn = sched.object_key
-        with open_store(f"file://{tmp_path}/{ranks}") as st:
-            codec = make_codec("hevc", quant="exact", chunk_tokens=CHUNK, resolutions=((256, 256),))
-            for key in chunk_keys(prompt[:64], "smollm2-135m", codec, partial=False):  # chunks 0-1, every rank
-                for r in range(ranks):
-                    st.put(key_fn(key, (r, 0)), b"x")
-        a, b = (Request(n, prompt, SamplingParams(max_tokens=1), None) for n in ("a", "b"))
+        stored_for_every_rank(sched, url, prompt, 64, ranks)
+        a, b, c = (
+            Request(n, p, SamplingParams(max_tokens=1), None) for n, p in (("a", prompt), ("b", prompt), ("c", other))
+        )
         assert admit(sched, a, 0, list(range(7))) == 64
         assert admit(sched, b, 64, [0, 1, 2, 3, 10, 11, 12]) == 0  # vLLM's own hit on A's first 4 blocks
-        out = SchedulerOutput(
-            scheduled_new_reqs=[
-                NewRequestData.from_request(a, (list(range(7)),)),
-                NewRequestData.from_request(b, ([0, 1, 2, 3, 10, 11, 12],)),
-            ],
-            scheduled_cached_reqs=CachedRequestData.make_empty(),
-            num_scheduled_tokens={"a": len(prompt) - 64, "b": len(prompt) - 64},
-            total_num_scheduled_tokens=2 * (len(prompt) - 64),
-            scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={},
-            finished_req_ids=set(),
-            free_encoder_mm_hashes=[],
+        assert admit(sched, c, 0, list(range(13, 20))) == 0
+        meta = sched.build_connector_meta(
+            step_output((a, list(range(7))), (b, [0, 1, 2, 3, 10, 11, 12]), (c, list(range(13, 20))))
         )
-        meta = sched.build_connector_meta(out)
         assert [load.req_id for load in meta.loads] == ["a"]
-        assert sorted(save.req_id for save in meta.saves) == (["a", "b"] if ranks == 1 else [])
+        assert sorted(save.req_id for save in meta.saves) == (["a", "b", "c"] if ranks == 1 else ["c"])
+        for step in range(RECENT_LOAD_STEPS):  # D hits A's blocks in each later step
+            d = Request(f"d{step}", prompt, SamplingParams(max_tokens=1), None)
+            assert admit(sched, d, 64, [0, 1, 2, 3, 20, 21, 22]) == 0
+            meta = sched.build_connector_meta(step_output((d, [0, 1, 2, 3, 20, 21, 22])))
+            expect = ranks == 1 or step == RECENT_LOAD_STEPS - 1  # A's load is out of the window at the last
+            assert [save.req_id for save in meta.saves] == ([d.request_id] if expect else []), (ranks, step)
+
+
+def test_no_save_reads_a_block_a_rank_reported_failed_until_vllm_reuses_it_for_new_kv(prompt_kv, tmp_path):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    prompt, _ = prompt_kv
+    url = f"file://{tmp_path}"
+    sched, _ = connectors(url, quant="exact")
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={0, 1, 2, 3}))  # another rank's, say
+    b = Request("b", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, b, 64, [0, 1, 2, 3, 10, 11, 12]) == 0  # vLLM's own hit on the failed blocks
+    assert sched.build_connector_meta(step_output((b, [0, 1, 2, 3, 10, 11, 12]))).saves == []
+    c = Request("c", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, c, 0, [3, 4, 5, 6, 7, 8, 9]) == 0  # block 3 handed out again for new KV
+    assert [save.req_id for save in sched.build_connector_meta(step_output((c, [3, 4, 5, 6, 7, 8, 9]))).saves] == ["c"]
+    d = Request("d", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, d, 48, [0, 1, 2, 14, 15, 16, 17]) == 0  # blocks 0-2 still hold the failed load
+    assert sched.build_connector_meta(step_output((d, [0, 1, 2, 14, 15, 16, 17]))).saves == []
 
 
 def test_a_partial_hit_under_tensor_parallelism_stores_nothing(prompt_kv, tmp_path):

@@ -297,13 +297,15 @@ class PrefixCache:
 
     _store_chunk = store_chunk  # the name GroupedPrefixCache calls
 
-    def drop_chunk(self, key: str) -> None:
+    def drop_chunk(self, key: str) -> bool:
         """Forget a stored chunk (its meta, the commit marker): lookups stop reporting it and the
-        next put rewrites it. Best effort: a store failure is logged."""
+        next put rewrites it. Best effort: a store failure is logged (False)."""
         try:
             storecalls.call(storecalls.Deadline(5.0), "delete", self.store.delete, meta_key(key))
         except KVCodecError as e:
             log.warning("could not drop the meta of chunk %s: %s", key[:16], e)
+            return False
+        return True
 
     def warm_up(self, dtype: torch.dtype = torch.float16) -> float:
         """Compile the codec's restore kernels for fetches into `dtype` now (codecs with the WarmUp
@@ -549,8 +551,7 @@ class PrefixCache:
             log.warning("chunk %d fails its checks (%s); left in the store (drop_damaged is off)", index, error)
             return
         log.warning("chunk %d fails its checks (%s); dropping it so the next put rewrites it", index, error)
-        self.drop_chunk(key)
-        stats.chunks_dropped += 1
+        stats.chunks_dropped += self.drop_chunk(key)
 
     def _plan(
         self, ids, n_tokens: int, deadline, stats: FetchStats

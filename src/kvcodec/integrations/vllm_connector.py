@@ -177,6 +177,11 @@ class KVCodecConnector(KVConnectorBase_V1):
         # late (asynchronous scheduling, pipeline stages) while it hands those blocks to other
         # requests from its own prefix cache.
         self._recent_failed: collections.deque[set[int]] = collections.deque(maxlen=RECENT_LOAD_STEPS)
+        # Scheduler side: blocks whose load failed on any rank (vLLM's merged invalid_block_ids), until
+        # vLLM hands them out again for new KV; and the blocks loaded in the last steps (TP/PP: a rank
+        # cannot see another's failure until vLLM reports it, steps later).
+        self._tainted: set[int] = set()
+        self._recent_loading: collections.deque[set[int]] = collections.deque(maxlen=RECENT_LOAD_STEPS)
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcodec-save")
 
     def object_key(self, chunk_key: str, rank: tuple[int, int] | None = None) -> str:
@@ -249,7 +254,10 @@ class KVCodecConnector(KVConnectorBase_V1):
         for req in scheduler_output.scheduled_new_reqs:
             prompt = list(req.prompt_token_ids or [])
             block_ids = tuple(req.block_ids[0])
-            if (offer := self._offers.pop(req.req_id, None)) is not None:
+            offer = self._offers.pop(req.req_id, None)
+            own_hit = req.num_computed_tokens - (offer.external if offer is not None else 0)
+            self._tainted.difference_update(block_ids[own_hit // self.block_size :])  # new KV goes there now
+            if offer is not None:
                 meta.loads.append(self._load_of(req.req_id, offer, req.num_computed_tokens, block_ids))
             if req.req_id not in self._namespaces:
                 continue  # not keyable (multimodal), or never asked: not stored
@@ -272,16 +280,25 @@ class KVCodecConnector(KVConnectorBase_V1):
                 meta.loads.append(
                     self._load_of(req_id, offer, cached.num_computed_tokens[i], cached.new_block_ids[i][0])
                 )
+        self._recent_loading.append(
+            {b for load in meta.loads for b in load.block_ids[load.skip_tokens // self.block_size :]}
+        )
+        # No save reads a block whose load failed (its KV, and what was computed over it, is not the
+        # prompt's); under TP/PP none reads a block loaded in the last steps either: a rank cannot see
+        # another rank's failed load, whose garbage reaches its KV through the all-reduce or the
+        # pipeline, until vLLM reports it (vLLM shares a block being loaded with later requests at once).
+        unsafe = set(self._tainted)
         if self.shards != (1, 1):
-            # A rank cannot see another rank's failed load, whose garbage reaches its KV through the
-            # all-reduce or the pipeline: no save over a block any request loads this step (vLLM shares
-            # a block being loaded with later requests of the same prefix at once).
-            loading = {b for load in meta.loads for b in load.block_ids[load.skip_tokens // self.block_size :]}
-            meta.saves = [save for save in meta.saves if not loading.intersection(save.block_ids)]
+            unsafe = unsafe.union(*self._recent_loading)
+        meta.saves = [save for save in meta.saves if not unsafe.intersection(save.block_ids)]
         for req_id in self._offers:  # vLLM counts these tokens computed: say so where none was scheduled to load
             logger.error("kvcodec: request %s was offered stored tokens but not scheduled to load them", req_id)
         self._offers.clear()
         return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        """The workers' report of a step: blocks whose load failed, on any rank, are not saved from."""
+        self._tainted.update(getattr(connector_output, "invalid_block_ids", None) or ())
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._namespaces.pop(request.request_id, None)
