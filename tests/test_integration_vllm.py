@@ -381,6 +381,12 @@ def test_no_save_reads_a_block_a_rank_reported_failed_until_vllm_reuses_it_for_n
     d = Request("d", prompt, SamplingParams(max_tokens=1), None)
     assert admit(sched, d, 48, [0, 1, 2, 14, 15, 16, 17]) == 0  # blocks 0-2 still hold the failed load
     assert sched.build_connector_meta(step_output((d, [0, 1, 2, 14, 15, 16, 17]))).saves == []
+    stored_for_every_rank(sched, url, prompt, 64, 1)  # E is offered 64 stored tokens, loaded into blocks 18-21
+    sched.update_connector_output(KVConnectorOutput(invalid_block_ids={18, 19}))
+    e = Request("e", prompt, SamplingParams(max_tokens=1), None)
+    assert admit(sched, e, 0, list(range(17, 24))) == 64
+    meta = sched.build_connector_meta(step_output((e, list(range(17, 24)))))
+    assert [load.req_id for load in meta.loads] == ["e"] and [save.req_id for save in meta.saves] == ["e"]
 
 
 def test_a_partial_hit_under_tensor_parallelism_stores_nothing(prompt_kv, tmp_path):
