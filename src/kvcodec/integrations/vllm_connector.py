@@ -7,7 +7,8 @@
 Scheduler side: get_num_new_matched_tokens looks up the prompt's chained chunk keys (one batched
 exists query) and offers the stored whole chunks beyond what vLLM already has; build_connector_meta
 tells the workers which chunks to restore into which blocks, and which fully prefilled prompts to
-store (after a partial hit, their chunks past the stored ones). Worker side: start_load_kv decodes each chunk (NVDEC on CUDA where present) and writes its
+store (after a partial hit, their chunks past the stored ones). Worker side: start_load_kv decodes
+each chunk (NVDEC on CUDA where present) and writes its
 tokens into every layer's paged cache (vLLM 0.33: one [blocks, kv_heads, block_size, 2 * head_dim]
 tensor per layer, K then V on the last axis); wait_for_save gathers the stored prompts' KV from the
 paged caches and codes and stores it on a background thread (a lost save is a later miss).
