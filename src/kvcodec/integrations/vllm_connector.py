@@ -57,6 +57,10 @@ class ChunkLoad:
     block_ids: tuple[int, ...]
     skip_tokens: int
 
+    def written_blocks(self, block_size: int) -> tuple[int, ...]:
+        """The blocks this load writes: from the one holding token `skip_tokens` on."""
+        return self.block_ids[self.skip_tokens // block_size :]
+
 
 @dataclasses.dataclass(frozen=True)
 class PrefixSave:
@@ -281,9 +285,7 @@ class KVCodecConnector(KVConnectorBase_V1):
                 meta.loads.append(
                     self._load_of(req_id, offer, cached.num_computed_tokens[i], cached.new_block_ids[i][0])
                 )
-        self._recent_loading.append(
-            {b for load in meta.loads for b in load.block_ids[load.skip_tokens // self.block_size :]}
-        )
+        self._recent_loading.append({b for load in meta.loads for b in load.written_blocks(self.block_size)})
         # No save reads a block whose load failed (its KV, and what was computed over it, is not the
         # prompt's); under TP/PP none reads a block loaded in the last steps either: a rank cannot see
         # another rank's failed load, whose garbage reaches its KV through the all-reduce or the
@@ -331,7 +333,7 @@ class KVCodecConnector(KVConnectorBase_V1):
                 self._load(load)
             except (KVCodecError, IndexError, RuntimeError) as e:  # a miss vLLM recomputes, never a dead worker
                 logger.warning("kvcodec load for request %s failed: %s", load.req_id, e)
-                failed = load.block_ids[load.skip_tokens // self.block_size :]
+                failed = load.written_blocks(self.block_size)
                 self._load_errors.update(failed)
                 failed_now.update(failed)
 
