@@ -117,11 +117,12 @@ LAYERS: dict[str, tuple[int, frozenset[str]]] = {
     "config": (1, frozenset({"errors"})),
     "plugins": (1, frozenset({"errors"})),
     "atomic": (1, frozenset({"errors"})),
+    "native": (1, frozenset({"errors"})),
     "quant": (2, frozenset({"errors"})),
     "kvspec": (2, frozenset({"atomic", "dtypes", "errors"})),
     "container": (2, frozenset({"config", "dtypes", "errors"})),
     "store": (2, frozenset({"atomic", "plugins", "errors"})),
-    "video": (2, frozenset({"plugins", "errors"})),
+    "video": (2, frozenset({"native", "plugins", "errors"})),
     "layout": (3, frozenset({"atomic", "quant", "errors"})),
     "transform": (3, frozenset({"atomic", "kvspec", "quant", "errors"})),
     "models": (4, frozenset({"atomic", "kvspec", "transform", "errors"})),
@@ -129,7 +130,7 @@ LAYERS: dict[str, tuple[int, frozenset[str]]] = {
     "codecs": (
         5,
         frozenset(
-            {"config", "container", "dtypes", "errors", "kvspec", "layout", "plugins", "quant", "restore"}
+            {"config", "container", "dtypes", "errors", "kvspec", "layout", "native", "plugins", "quant", "restore"}
             | {"transform", "video"}
         ),
     ),

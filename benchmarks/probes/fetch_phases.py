@@ -26,11 +26,13 @@ import time
 import fetch_restore as fr
 import torch
 
-from kvcodec.codecs import driven
+from kvcodec.codecs import driven, zstd_streams
+from kvcodec.container import format as container_format
 from kvcodec.codecs.transform import batch as transform_batch
 from kvcodec.codecs.transform import decode as transform_decode
 from kvcodec.fetcher import PrefixCache
 from kvcodec.fetcher import pipeline as pl
+from kvcodec.restore import transform_kernels, transform_triton
 
 EVENTS: list[tuple[str, str, float, str]] = []  # (step, "b" | "e", time, thread)
 
@@ -84,6 +86,15 @@ def instrument() -> None:
     for a in ("_verify", "host_samples"):
         _wrap(transform_batch, a, "T." + a)
     _wrap(transform_decode, "unzstd_into", "T.unzstd_into")
+    _wrap(container_format, "crc32", "C.crc32")
+    _wrap(zstd_streams, "_decompress", "Z._decompress")
+    # inside finish: the batched restore's host side (tables, uploads, the launches) and its kernels' calls
+    _wrap(transform_decode.TransformRestorer, "_finish_group", "F._finish_group")
+    for a in ("restore_into", "_fused", "_upload", "_gathered_at", "_half_gemm_of"):
+        _wrap(transform_kernels, a, "F." + a)
+    for a in ("meta_table", "supports", "launch", "gather_centred"):
+        _wrap(transform_triton, a, "F." + a)
+    _wrap(transform_decode, "_sinks_on", "F._sinks_on")
     _wrap_cm(driven, "stage_driver")
     _wrap_cm(pl, "_own_stream")
 
@@ -123,6 +134,8 @@ def case_table(d: pathlib.Path, doc: dict, mem, name: str, tokens: int) -> dict:
     ids, caller = doc["ids"][:tokens], torch.cuda.Stream()
     fr.fetch_loop(cache, ids, 5)
     runs = [one_fetch(cache, ids, caller) for _ in range(30)]
+    t0 = min(t for _, _, t, _ in EVENTS)
+    events = [(n, k, round((t - t0) * 1e3, 4), th) for n, k, t, th in EVENTS]
     med = statistics.median
     keys = sorted({k for r in runs for k in r[0]}, key=lambda k: med(r[0][k][0] for r in runs if k in r[0]))
     rows = [
@@ -143,6 +156,7 @@ def case_table(d: pathlib.Path, doc: dict, mem, name: str, tokens: int) -> dict:
         "call_ms": round(call_ms, 3),
         "gb_per_s": round(gb / call_ms * 1e3, 3),
         "rows": rows,
+        "last_events": events,
     }
 
 

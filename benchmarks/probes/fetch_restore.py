@@ -354,8 +354,10 @@ def _switches(codec, variant: dict):
     pyseq True (the parser's sequence callback enters Python at every stream's first header, as before
     the native kv_sequence reused a format's surfaces), inorder True (a fetch's blobs submitted in
     chunk order, not the chunks with videos first: driven.VIDEO_FIRST off), pps N (pieces per NVDEC
-    session a fetch cuts its chunks' videos into: driven.PIECES_PER_SESSION, 0 none)."""
+    session a fetch cuts its chunks' videos into: driven.PIECES_PER_SESSION, 0 none), pyzstd True (zstd'd
+    samples decompressed on the Python host pool, as before the native zstd threads: zstd_native.threads off)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
+    from kvcodec.codecs import zstd_native
     from kvcodec.restore import transform_kernels, transform_triton
     from kvcodec.video import nvcuvid, nvcuvid_native, streams
 
@@ -394,9 +396,13 @@ def _switches(codec, variant: dict):
     if not variant.get("stream", True):
         codec.stage_stream = None
     pool = _host_pool(variant.get("ht"))
+    native_zstd = zstd_native.threads
+    if variant.get("pyzstd"):
+        zstd_native.threads = lambda count: None
     try:
         yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
+        zstd_native.threads = native_zstd
         nvcuvid_native.ENABLED, transform_kernels.HALF_GEMM = saved[:2]
         transform_triton.FUSED = fused
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
@@ -458,6 +464,7 @@ SWITCHES = (
     "pyseq",
     "inorder",
     "pps",
+    "pyzstd",
 )
 
 
@@ -1132,7 +1139,7 @@ def _stage(log, base, fn, *args) -> None:
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
     -nokeep, -hipri, -torch, -unfused, -pyseq, -inorder, -swiN, -ddN, -fdN, -htN (host pool threads),
-    -ppsN (pieces per NVDEC session: driven.PIECES_PER_SESSION; 0 never cuts a video) (see _switches)."""
+    -ppsN (pieces per NVDEC session: driven.PIECES_PER_SESSION; 0 never cuts a video), -pyzstd (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
     names = {  # switch -> (variant key, value)
@@ -1148,6 +1155,7 @@ def _variant(text: str) -> dict:
         "unfused": ("fused", False),
         "pyseq": ("pyseq", True),
         "inorder": ("inorder", True),
+        "pyzstd": ("pyzstd", True),
     }
     for sw in switches:
         if sw.startswith("ht"):  # -ht4: threads of the driven fetch's host pool

@@ -23,6 +23,10 @@ A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec
                                          CUDA calls (zstd'd samples decompressed), run on a pool of
                                          host threads (host_pool) before stage; without it such
                                          a chunk is staged at once on the fetch's thread
+    submit_host(reading) -> Future      optional: prepare_host's work started wherever it runs
+                                         fastest (the transform codec's: zstd on native threads),
+                                         a Future of the prepared Reading that cannot be cancelled
+                                         once its work writes into buffers
 
 The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec's in
 codecs/hevc/driven.py. StageDriver runs the protocol: submit(tag, blob, target) reads and checks
@@ -258,6 +262,7 @@ class StageDriver:
         self.load = [0] * len(self.runs)  # video bytes each session holds (NVDEC's time goes with them)
         self.prepare = getattr(self.chunks, "prepare", None)
         self.prepare_host = getattr(self.chunks, "prepare_host", None)
+        self.submit_host = getattr(self.chunks, "submit_host", None)
         self.on_host: dict = {}  # tag -> (Future of prepare_host, reading, target, submitted): chunks without videos
         self.unprepared: collections.deque = collections.deque()  # tags whose pieces decode, not prepared
         self.reserved: collections.Counter = collections.Counter()  # failed run -> chunks to decode alone with it
@@ -299,6 +304,9 @@ class StageDriver:
 
     def _host(self, tag, reading: Reading, target: Target, t0: float) -> None:
         """A chunk without videos: its host work to the pool, or staged here where the codec has none."""
+        if self.submit_host is not None:
+            self.on_host[tag] = (self.submit_host(reading), reading, target, t0)
+            return
         if self.prepare_host is not None:
             self.on_host[tag] = (host_pool().submit(self.prepare_host, reading), reading, target, t0)
             return

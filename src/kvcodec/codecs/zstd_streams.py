@@ -191,9 +191,30 @@ def unzstd_into(data, buf: np.ndarray, name: str) -> int:
     total = table.decompressed
     if total > len(out):
         return len(out) + 1
-    for index, span in enumerate(_spans(table)):
-        _frame_into(view, out, span, index, name)
+    for index, span in _checked_frames(view, table, name):
+        got = _decompress(view[span.start : span.end], out[span.out_start : span.out_end], name)
+        if got != span.out_end - span.out_start:
+            raise CorruptStreamError(
+                f"stream {name!r}: frame {index} holds {got} bytes, its table entry {span.out_end - span.out_start}"
+            )
     return total
+
+
+def frame_spans(data, size: int, name: str) -> list[tuple[int, _Span]]:
+    """unzstd_into's checks that need no decompression, for a stream that must decompress to
+    exactly `size` bytes: (index, span) of each frame to decompress, in order (a stream of one
+    frame: that frame, to fill all `size` bytes; skippable frames left out). Each frame must then
+    fill its span's output exactly. CorruptStreamError where the stream cannot."""
+    view = memoryview(data).cast("B")
+    table = _seek_table_of(view, name)
+    if table is None:
+        end = frame_size(view, name)
+        if end != len(view):
+            raise CorruptStreamError(f"stream {name!r} has {len(view) - end} bytes after its frame")
+        return [(0, _Span(0, len(view), 0, size))]
+    if table.decompressed != size:
+        raise CorruptStreamError(f"stream {name!r} holds {table.decompressed} bytes, expected {size}")
+    return _checked_frames(view, table, name)
 
 
 def _seek_table_of(view: memoryview, name: str) -> SeekTable | None:
@@ -226,17 +247,23 @@ def _spans(table: SeekTable) -> list[_Span]:
     return spans
 
 
-def _frame_into(view: memoryview, out: memoryview, span: _Span, index: int, name: str) -> None:
-    """Frame `index` of a stream into its slice of the output, which it must fill exactly."""
-    frame, dest = view[span.start : span.end], out[span.out_start : span.out_end]
-    if frame_size(frame, name) != len(frame):
-        raise CorruptStreamError(f"stream {name!r}: frame {index} does not span its {len(frame)} bytes in the table")
-    if int.from_bytes(frame[:4], "little") & _SKIPPABLE_MASK == _SKIPPABLE_BASE:
-        got = 0
-    else:
-        got = _decompress(frame, dest, name)
-    if got != len(dest):
-        raise CorruptStreamError(f"stream {name!r}: frame {index} holds {got} bytes, its table entry {len(dest)}")
+def _checked_frames(view: memoryview, table: SeekTable, name: str) -> list[tuple[int, _Span]]:
+    """(index, span) of the table's frames that decompress, each checked to span its bytes
+    exactly; a skippable frame (no output) must have no output in the table."""
+    frames = []
+    for index, span in enumerate(_spans(table)):
+        frame = view[span.start : span.end]
+        if frame_size(frame, name) != len(frame):
+            raise CorruptStreamError(
+                f"stream {name!r}: frame {index} does not span its {len(frame)} bytes in the table"
+            )
+        if int.from_bytes(frame[:4], "little") & _SKIPPABLE_MASK != _SKIPPABLE_BASE:
+            frames.append((index, span))
+        elif span.out_end != span.out_start:
+            raise CorruptStreamError(
+                f"stream {name!r}: frame {index} holds 0 bytes, its table entry {span.out_end - span.out_start}"
+            )
+    return frames
 
 
 def _decompress(frame: memoryview, dest: memoryview, name: str) -> int:

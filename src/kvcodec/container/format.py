@@ -477,7 +477,12 @@ def split_streams(
 def verify_stream(piece: bytes | memoryview, entry: StreamEntry, what: str) -> None:
     """ChecksumError unless `piece` holds the stream `entry` announces."""
     if crc32(piece) != entry.crc32:
-        raise ChecksumError(f"{what}: stream {entry.name!r} fails its checksum (corrupted in storage or transit)")
+        raise checksum_error(entry, what)
+
+
+def checksum_error(entry: StreamEntry, what: str) -> ChecksumError:
+    """The error of a stream whose bytes fail `entry`'s checksum."""
+    return ChecksumError(f"{what}: stream {entry.name!r} fails its checksum (corrupted in storage or transit)")
 
 
 def verify_streams(streams: dict, entries: Sequence[StreamEntry], what: str) -> None:

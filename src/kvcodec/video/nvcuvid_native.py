@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from ctypes import c_int, c_longlong, c_ulonglong, c_void_p
 from pathlib import Path
 
+from kvcodec import native
 from kvcodec.errors import BackendUnavailableError
+from kvcodec.native import declare, function_pointer  # noqa: F401 - this module's API for its callers
 
 log = logging.getLogger(__name__)
 
 MAX_TARGETS = 64  # streams fed and not complete at once (a ring in the C state)
-ENABLED = os.environ.get("KVCODEC_NATIVE", "1") != "0"  # False: the Python callbacks everywhere
+ENABLED = native.ENABLED  # False: the Python callbacks everywhere
 
 SOURCE = r"""
 #include <pthread.h>
@@ -400,41 +398,9 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 }
 
 
-def declare(lib, signatures: dict[str, tuple[type | None, list[type]]]):  # noqa: ANN201 - lib itself
-    """Set each function's restype and argtypes on `lib` (a ctypes CDLL) from `signatures`."""
-    for name, (restype, argtypes) in signatures.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
-def _cache_dir() -> Path:
-    d = os.environ.get("KVCODEC_CACHE_DIR")
-    return (Path(d) if d else Path.home() / ".cache" / "kvcodec") / "native"
-
-
 def build(directory: Path | None = None) -> Path | None:
     """The compiled library (built once per SOURCE); None without a C compiler or if the build fails."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.info("no C compiler: the nvcuvid callbacks stay in Python")
-        return None
-    directory = directory or _cache_dir()
-    path = directory / f"nvcuvid_loop-{hashlib.sha256(SOURCE.encode()).hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            src, lib = Path(tmp) / "loop.c", Path(tmp) / "loop.so"
-            src.write_text(SOURCE)
-            cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(lib), str(src)]
-            subprocess.run(cmd, check=True, capture_output=True)
-            os.replace(lib, path)  # atomic: a concurrent build wins or loses whole
-    except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("building the native nvcuvid callbacks failed (%s): they stay in Python", e)
-        return None
-    return path
+    return native.build("nvcuvid_loop", SOURCE, directory)
 
 
 @functools.cache
@@ -524,11 +490,6 @@ class Feeder:
             return 0
         handle, self.handle = self.handle, None
         return self.lib.kv_feeder_close(handle)
-
-
-def function_pointer(fn) -> int:
-    """The address of a ctypes foreign function (handed to the C code)."""
-    return ctypes.cast(fn, c_void_p).value
 
 
 DecodeFn = ctypes.CFUNCTYPE(c_int, c_void_p, c_void_p)

@@ -18,13 +18,15 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 
 import torch
 
+from kvcodec.codecs import zstd_native
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.driven import Piece, Reading, balanced_runs
+from kvcodec.codecs.driven import Piece, Reading, balanced_runs, host_pool, host_threads
 from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
-from kvcodec.container.format import verify_streams
+from kvcodec.container.format import checksum_error, verify_streams
 from kvcodec.errors import CorruptStreamError, KVCodecError
 from kvcodec.transform.frames import frame_count
 
@@ -368,7 +370,11 @@ _LATER = frozenset({"samples"})  # a driven read leaves the zstd'd samples' chec
 
 def _verify(h: dict, streams: dict, later: tuple) -> None:
     """The checksums a driven read left for later."""
-    verify_streams(streams, later, f"transform chunk {h['index']}")
+    verify_streams(streams, later, _what(h))
+
+
+def _what(h: dict) -> str:
+    return f"transform chunk {h['index']}"
 
 
 class TransformDriven:
@@ -403,6 +409,22 @@ class TransformDriven:
         count = self.codec._restorer.sample_count(h)
         host = host_samples(streams, count, pinned=torch.cuda.is_available())  # driven: a CUDA fetch
         return dataclasses.replace(reading, state=(h, streams, (), host))
+
+    def submit_host(self, reading: Reading) -> Future:
+        """prepare_host's work on the native zstd threads (codecs/zstd_native.py: the samples'
+        checksum and zstd there, none of it under the interpreter lock), else on the host pool: a
+        Future of the prepared Reading."""
+        threads = zstd_native.threads(host_threads)
+        h, streams, later = reading.state
+        if threads is None or [e.name for e in later] != ["samples"]:
+            return host_pool().submit(self.prepare_host, reading)
+        entry, what = later[0], _what(h)
+        host = torch.empty(
+            self.codec._restorer.sample_count(h), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        )
+        prepared = dataclasses.replace(reading, state=(h, streams, (), host))
+        checksum = (entry.crc32, lambda: checksum_error(entry, what))
+        return threads.submit(streams["samples"], host.numpy(), "samples", lambda: prepared, checksum)
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
         h, streams, later, *host = reading.state

@@ -1,0 +1,404 @@
+"""zstd streams decompressed on native threads: a fetch's host work without the interpreter lock.
+
+A driven fetch decompresses its zstd-coded chunks' samples on host threads. On Python threads each
+chunk crosses the interpreter lock several times (the pool's queue, the checks, the buffer, the
+decompressor's loop), and with eight chunks at once the threads start one after another: a 2048-token
+Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its first, and one thread
+took two chunks while three stayed idle (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the
+chunk's frames are found and checked on the caller's thread (zstd_streams.frame_spans), then
+decompressed by C threads (SOURCE, compiled at first use: kvcodec.native) straight into the caller's
+buffer, calling the system's libzstd through pointers handed over by ctypes; one Python thread turns
+each finished job into its Future's result. The stream's checksum (zlib's CRC-32, the container's) is
+checked on the same C thread first, where the caller asks.
+
+Where it cannot run (KVCODEC_NATIVE=0, no C compiler, no libzstd or zlib), `threads()` is None and the
+caller keeps zstd_streams.unzstd_into on its Python pool: the reference the tests compare with.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from ctypes import c_int, c_longlong, c_size_t, c_void_p
+
+import numpy as np
+
+from kvcodec import native
+from kvcodec.codecs.zstd_streams import frame_spans
+from kvcodec.errors import CorruptStreamError, KVCodecError
+
+log = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <time.h>
+
+typedef void *(*create_fn)(void);
+typedef size_t (*decompress_fn)(void *, void *, size_t, const void *, size_t);
+typedef unsigned (*is_error_fn)(size_t);
+typedef size_t (*free_fn)(void *);
+typedef unsigned long (*crc_fn)(unsigned long, const unsigned char *, unsigned);
+
+typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } frame;
+
+/* status: 0 every frame filled its output exactly; 1 frame `at` failed (value: zstd's error
+   code); 2 frame `at` held `value` bytes; 3 no decompression context (out of memory); 4 the
+   stream's CRC-32 (zlib's) is not `crc` (nothing decompressed) */
+typedef struct job {
+    struct job *next;
+    const frame *frames;
+    int count, status, at;
+    size_t value;
+    const unsigned char *stream;
+    size_t stream_len;
+    unsigned crc;
+    int check;
+} job;
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    job *head, *tail, *done_head, *done_tail;
+    int stop, joined, started;
+    pthread_t *threads;
+    create_fn create; decompress_fn decompress; is_error_fn is_error; free_fn release; crc_fn crc32;
+} pool;
+
+static void push(job **head, job **tail, job *j) {
+    j->next = NULL;
+    if (*tail) (*tail)->next = j; else *head = j;
+    *tail = j;
+}
+
+static job *pop(job **head, job **tail) {
+    job *j = *head;
+    if (j) { *head = j->next; if (!*head) *tail = NULL; }
+    return j;
+}
+
+static unsigned long crc_of(pool *p, const unsigned char *at, size_t len) {
+    unsigned long crc = p->crc32(0, NULL, 0);
+    for (size_t step; len; at += step, len -= step) {
+        step = len < (1u << 30) ? len : (1u << 30);
+        crc = p->crc32(crc, at, (unsigned)step);
+    }
+    return crc;
+}
+
+static void run(pool *p, void *dctx, job *j) {
+    j->status = 0;
+    if (j->check && (crc_of(p, j->stream, j->stream_len) & 0xFFFFFFFFul) != j->crc) { j->status = 4; return; }
+    if (!dctx) { j->status = 3; return; }
+    for (int i = 0; i < j->count; i++) {
+        const frame *f = &j->frames[i];
+        size_t got = p->decompress(dctx, f->dst, f->dst_len, f->src, f->src_len);
+        if (p->is_error(got) || got != f->dst_len) {
+            j->status = p->is_error(got) ? 1 : 2; j->at = i; j->value = got;
+            return;
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    pool *p = arg;
+    void *dctx = p->create();
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        job *j = pop(&p->head, &p->tail);
+        if (!j) {
+            if (p->stop) break;
+            pthread_cond_wait(&p->work, &p->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&p->mu);
+        run(p, dctx, j);
+        pthread_mutex_lock(&p->mu);
+        push(&p->done_head, &p->done_tail, j);
+        pthread_cond_signal(&p->done);
+    }
+    pthread_mutex_unlock(&p->mu);
+    if (dctx) p->release(dctx);
+    return NULL;
+}
+
+void *kv_zpool_start(int threads, void *create, void *decompress, void *is_error, void *release, void *crc32) {
+    pool *p = calloc(1, sizeof(pool));
+    if (!p || threads < 1) { free(p); return NULL; }
+    p->threads = calloc((size_t)threads, sizeof(pthread_t));
+    if (!p->threads) { free(p); return NULL; }
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->done, NULL);
+    p->create = (create_fn)create; p->decompress = (decompress_fn)decompress;
+    p->is_error = (is_error_fn)is_error; p->release = (free_fn)release; p->crc32 = (crc_fn)crc32;
+    for (int i = 0; i < threads && pthread_create(&p->threads[i], NULL, worker, p) == 0; i++) p->started++;
+    if (!p->started) { free(p->threads); free(p); return NULL; }
+    return p;
+}
+
+int kv_zpool_threads(void *handle) { return ((pool *)handle)->started; }
+
+void kv_zpool_submit(void *handle, job *j) {
+    pool *p = handle;
+    pthread_mutex_lock(&p->mu);
+    push(&p->head, &p->tail, j);
+    pthread_cond_signal(&p->work);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The next finished job, or NULL once timeout_us passed (or the pool is stopped and drained). */
+job *kv_zpool_next_done(void *handle, long long timeout_us) {
+    pool *p = handle;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_us / 1000000;
+    until.tv_nsec += (timeout_us % 1000000) * 1000;
+    if (until.tv_nsec >= 1000000000L) { until.tv_sec += 1; until.tv_nsec -= 1000000000L; }
+    pthread_mutex_lock(&p->mu);
+    while (!p->done_head && !p->joined)
+        if (pthread_cond_timedwait(&p->done, &p->mu, &until) == ETIMEDOUT) break;
+    job *j = pop(&p->done_head, &p->done_tail);
+    pthread_mutex_unlock(&p->mu);
+    return j;
+}
+
+/* Queued jobs run to the end, then the threads exit and are joined. */
+void kv_zpool_stop(void *handle) {
+    pool *p = handle;
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->started; i++) pthread_join(p->threads[i], NULL);
+    pthread_mutex_lock(&p->mu);
+    p->joined = 1;
+    pthread_cond_broadcast(&p->done);
+    pthread_mutex_unlock(&p->mu);
+}
+"""
+
+SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "kv_zpool_start": (c_void_p, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p]),
+    "kv_zpool_threads": (c_int, [c_void_p]),
+    "kv_zpool_submit": (None, [c_void_p, c_void_p]),
+    "kv_zpool_next_done": (c_void_p, [c_void_p, c_longlong]),
+    "kv_zpool_stop": (None, [c_void_p]),
+}
+ZSTD_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "ZSTD_createDCtx": (c_void_p, []),
+    "ZSTD_decompressDCtx": (c_size_t, [c_void_p, c_void_p, c_size_t, c_void_p, c_size_t]),
+    "ZSTD_isError": (ctypes.c_uint, [c_size_t]),
+    "ZSTD_freeDCtx": (c_size_t, [c_void_p]),
+    "ZSTD_getErrorName": (ctypes.c_char_p, [c_size_t]),
+}
+ZLIB_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "crc32": (ctypes.c_ulong, [ctypes.c_ulong, c_void_p, ctypes.c_uint]),
+}
+OK, FAILED, SIZE, NO_CONTEXT, CHECKSUM = 0, 1, 2, 3, 4
+_COLLECT_WAIT_US = 200_000  # the collecting thread's wait between looks at whether the pool stopped
+
+
+class _Frame(ctypes.Structure):
+    _fields_ = [("src", c_void_p), ("src_len", c_size_t), ("dst", c_void_p), ("dst_len", c_size_t)]
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [
+        ("next", c_void_p),
+        ("frames", c_void_p),
+        ("count", c_int),
+        ("status", c_int),
+        ("at", c_int),
+        ("value", c_size_t),
+        ("stream", c_void_p),
+        ("stream_len", c_size_t),
+        ("crc", ctypes.c_uint),
+        ("check", c_int),
+    ]
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    """A submitted job and everything the C threads read or write, alive until it is done."""
+
+    job: _Job
+    frames: ctypes.Array
+    source: np.ndarray
+    out: np.ndarray
+    spans: list
+    name: str
+    future: Future
+    then: Callable[[], object] | None
+    bad_checksum: Callable[[], Exception] | None
+
+
+class ZstdThreads:
+    """Native threads decompressing zstd streams into caller buffers; submit() returns a Future."""
+
+    def __init__(self, lib, zstd, zlib, threads: int):
+        self.lib, self.zstd, self.zlib = lib, zstd, zlib
+        fns = [zstd.ZSTD_createDCtx, zstd.ZSTD_decompressDCtx, zstd.ZSTD_isError, zstd.ZSTD_freeDCtx, zlib.crc32]
+        self.handle = lib.kv_zpool_start(threads, *(native.function_pointer(f) for f in fns))
+        if not self.handle:
+            raise OSError("the native zstd threads did not start")
+        self.threads = lib.kv_zpool_threads(self.handle)
+        self._live: dict[int, _Pending] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._collector = threading.Thread(target=self._collect, name="kvcodec-zstd-done", daemon=True)
+        self._collector.start()
+
+    def submit(
+        self,
+        data,
+        out: np.ndarray,
+        name: str,
+        then: Callable[[], object] | None = None,
+        checksum: tuple[int, Callable[[], Exception]] | None = None,
+    ) -> Future:
+        """Decompress `data` (a stream as unzstd_into reads it) into `out` (a contiguous uint8 array
+        that it must fill exactly): a Future of then() (None without it), or of the CorruptStreamError
+        that says why the stream does not hold out.nbytes bytes. checksum: (the stream's CRC-32, the
+        error where its bytes have another): checked first, nothing decompressed on a mismatch. The
+        Future cannot be cancelled: the threads write into `out` until it is done."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            spans = frame_spans(data, out.nbytes, name)
+        except KVCodecError as e:
+            future.set_exception(e)
+            return future
+        source = np.frombuffer(data, dtype=np.uint8)  # the stream's address, read-only bytes included
+        frames = (_Frame * max(1, len(spans)))()
+        for k, (_, s) in enumerate(spans):
+            frames[k] = _Frame(
+                source.ctypes.data + s.start, s.end - s.start, out.ctypes.data + s.out_start, s.out_end - s.out_start
+            )
+        crc, bad_checksum = checksum if checksum is not None else (0, None)
+        job = _Job(None, ctypes.addressof(frames), len(spans), OK, 0, 0, source.ctypes.data, source.size, crc)
+        job.check = checksum is not None
+        pending = _Pending(job, frames, source, out, spans, name, future, then, bad_checksum)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError("the native zstd threads are stopped")
+            self._live[ctypes.addressof(job)] = pending
+        self.lib.kv_zpool_submit(self.handle, ctypes.addressof(job))
+        return future
+
+    def stop(self) -> None:
+        """Let the queued jobs finish, then end the threads (at exit: nothing writes into freed memory)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.lib.kv_zpool_stop(self.handle)
+        self._collector.join(timeout=5.0)
+
+    def _collect(self) -> None:
+        while True:
+            address = self.lib.kv_zpool_next_done(self.handle, _COLLECT_WAIT_US)
+            if address is None:
+                with self._lock:
+                    if self._stopped and not self._live:
+                        return
+                continue
+            with self._lock:
+                pending = self._live.pop(address)
+            _settle(pending, self.zstd)
+
+
+def _settle(p: _Pending, zstd) -> None:
+    """The job's Future: then()'s result, or the error the job ended with."""
+    if p.job.status != OK:
+        p.future.set_exception(_error(p, zstd))
+        return
+    try:
+        p.future.set_result(p.then() if p.then is not None else None)
+    except Exception as e:  # noqa: BLE001 - then()'s failure is the job's
+        p.future.set_exception(e)
+
+
+def _error(p: _Pending, zstd) -> Exception:
+    """The job's failure in the words of unzstd_into and host_samples for the same stream."""
+    job, name = p.job, p.name
+    if job.status == CHECKSUM:
+        return p.bad_checksum()
+    if job.status == NO_CONTEXT:
+        return CorruptStreamError(f"stream {name!r}: no zstd decompression context (out of memory)")
+    index, span = p.spans[job.at]
+    want = span.out_end - span.out_start
+    one_frame = len(p.spans) == 1 and span.start == 0 and span.end == p.source.size
+    if job.status == FAILED:
+        reason = zstd.ZSTD_getErrorName(job.value).decode(errors="replace")
+        if one_frame and "too small" in reason:  # the frame holds more than the stream's output
+            return CorruptStreamError(f"stream {name!r} holds more than {want} bytes, expected {want}")
+        return CorruptStreamError(f"stream {name!r} does not decompress: {reason}")
+    if one_frame:
+        return CorruptStreamError(f"stream {name!r} holds {job.value} bytes, expected {want}")
+    return CorruptStreamError(f"stream {name!r}: frame {index} holds {job.value} bytes, its table entry {want}")
+
+
+def _system_library(name: str, candidates: tuple[str, ...], signatures: dict):  # noqa: ANN202 - a CDLL or None
+    for candidate in (ctypes.util.find_library(name), *candidates):
+        if not candidate:
+            continue
+        try:
+            return native.declare(ctypes.CDLL(candidate), signatures)
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def start(count: int) -> ZstdThreads | None:
+    """`count` native zstd threads, or None where they cannot run here (a reason logged)."""
+    if not native.ENABLED:
+        return None
+    zstd = _system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), ZSTD_SIGNATURES)
+    zlib = _system_library("z", ("libz.so.1", "libz.dylib"), ZLIB_SIGNATURES)
+    if zstd is None or zlib is None:
+        log.info("no libzstd or zlib: zstd streams are decompressed on Python threads")
+        return None
+    path = native.build("zstd_pool", SOURCE)
+    if path is None:
+        return None
+    try:
+        return ZstdThreads(native.declare(ctypes.CDLL(str(path)), SIGNATURES), zstd, zlib, count)
+    except OSError as e:
+        log.warning("the native zstd threads did not start (%s): zstd stays on Python threads", e)
+        return None
+
+
+_threads: ZstdThreads | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def threads(count: Callable[[], int]) -> ZstdThreads | None:
+    """The process's native zstd threads (count() of them), started on first use and stopped at
+    exit; None where they cannot run here (tried once)."""
+    global _threads, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            _threads = start(count())
+            if _threads is not None:
+                atexit.register(_threads.stop)
+        return _threads
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's threads: it starts its own on first use."""
+    global _threads, _tried, _lock
+    _threads, _tried, _lock = None, False, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

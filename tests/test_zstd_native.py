@@ -1,0 +1,204 @@
+"""The native zstd threads (codecs/zstd_native.py) against their reference, zstd_streams.unzstd_into
+on Python threads: the same bytes for every stream the reference reads, a refusal (CorruptStreamError
+naming the stream) wherever the reference refuses, many streams at once, Futures that cannot be
+cancelled while the threads write, and the transform codec's driven host work the same both ways.
+No timing: every wait is on a Future."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcodec.codecs import zstd_native
+from kvcodec.codecs import zstd_streams as zs
+from kvcodec.errors import ChecksumError, CorruptStreamError
+
+DATA = st.binary(max_size=6000) | st.builds(lambda n, b: bytes([b]) * n, st.integers(0, 9000), st.integers(0, 255))
+FRAME_BYTES = st.integers(1, 3000)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    threads = zstd_native.start(3)
+    if threads is None:
+        pytest.skip("no C compiler or no libzstd here: the Python threads serve (the reference)")
+    yield threads
+    threads.stop()
+
+
+def _noisy(n: int, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    return rng.normal(128, 12, n).clip(0, 255).astype(np.uint8).tobytes()
+
+
+def _reference(stream: bytes, size: int) -> bytes | None:
+    """What a Python host thread gets (transform.decode.host_samples): the bytes, or None where it refuses."""
+    out = np.zeros(size, dtype=np.uint8)
+    try:
+        got = zs.unzstd_into(stream, out, "samples")
+    except CorruptStreamError:
+        return None
+    return out.tobytes() if got == size else None
+
+
+def _native(pool, stream: bytes, size: int) -> bytes | None:
+    out = np.zeros(size, dtype=np.uint8)
+    try:
+        pool.submit(stream, out, "samples").result(timeout=60)
+    except CorruptStreamError as e:
+        assert "'samples'" in str(e)
+        return None
+    return out.tobytes()
+
+
+def _same(pool, stream: bytes, size: int) -> None:
+    assert _native(pool, stream, size) == _reference(stream, size)
+
+
+@given(DATA, FRAME_BYTES)
+@settings(max_examples=60, deadline=None)
+def test_frames_decompress_to_the_bytes_the_reference_reads(pool, data, frame_bytes):
+    stream = zs.zstd_frames(data, 1, frame_bytes)
+    assert _native(pool, stream, len(data)) == data == _reference(stream, len(data))
+
+
+@given(DATA, st.integers(1, 19))
+@settings(max_examples=30, deadline=None)
+def test_a_stream_of_one_frame_reads_and_is_refused_as_the_reference_reads_and_refuses_it(pool, data, level):
+    import zstandard
+
+    stream = zstandard.ZstdCompressor(level=level).compress(data)
+    assert _native(pool, stream, len(data)) == data
+    for size in (len(data) + 3, len(data) - 1):  # a frame that holds fewer or more bytes than the buffer
+        if size >= 0:
+            assert _native(pool, stream, size) is None is _reference(stream, size)
+
+
+@given(DATA, FRAME_BYTES, st.sampled_from([-5, -1, 1, 7]))
+@settings(max_examples=40, deadline=None)
+def test_a_buffer_of_another_size_is_refused_as_the_reference_refuses_it(pool, data, frame_bytes, delta):
+    stream = zs.zstd_frames(data, 1, frame_bytes)
+    size = len(data) + delta
+    if size < 0:
+        return
+    assert _native(pool, stream, size) is None
+    _same(pool, stream, size)
+
+
+@given(DATA.filter(len), FRAME_BYTES, st.data())
+@settings(max_examples=60, deadline=None)
+def test_every_truncation_is_refused_as_the_reference_refuses_it(pool, data, frame_bytes, draw):
+    stream = zs.zstd_frames(data, 1, frame_bytes)
+    k = draw.draw(st.integers(0, len(stream) - 1))
+    _same(pool, stream[:k], len(data))
+
+
+@given(DATA.filter(len), FRAME_BYTES, st.data())
+@settings(max_examples=60, deadline=None)
+def test_a_damaged_seek_table_reads_as_the_reference_reads_it(pool, data, frame_bytes, draw):
+    stream = bytearray(zs.zstd_frames(data, 1, frame_bytes))
+    table = zs.read_seek_table(stream, "s")
+    at = draw.draw(st.integers(len(stream) - table.size, len(stream) - 1))
+    stream[at] ^= draw.draw(st.integers(1, 255))
+    _same(pool, bytes(stream), len(data))
+
+
+def test_frames_moved_between_entries_and_a_damaged_frame_are_refused(pool):
+    data = _noisy(5000)
+    stream = zs.zstd_frames(data, 1, 1000)
+    table = zs.read_seek_table(stream, "s")
+    (c0, d0), (c1, d1), *rest = table.frames
+    forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(((c0 + 1, d0), (c1 - 1, d1), *rest)))
+    assert _native(pool, forged, len(data)) is None is _reference(forged, len(data))
+    damaged = bytearray(stream)
+    damaged[c0 : c0 + 4] = b"\0\0\0\0"  # the second frame's magic
+    assert _native(pool, bytes(damaged), len(data)) is None
+
+
+def test_many_streams_at_once_each_fill_their_own_buffer(pool):
+    datas = [_noisy(1000 + 997 * k, seed=k) for k in range(40)]
+    outs = [np.zeros(len(d), dtype=np.uint8) for d in datas]
+    futures = [
+        pool.submit(zs.zstd_frames(d, 1, 1 + 300 * (k % 4)), out, "samples", lambda k=k: k)
+        for k, (d, out) in enumerate(zip(datas, outs))
+    ]
+    assert [f.result(timeout=60) for f in futures] == list(range(40))
+    assert all(out.tobytes() == d for out, d in zip(outs, datas))
+
+
+def test_a_submitted_stream_cannot_be_cancelled_and_then_failing_is_its_error(pool):
+    data = _noisy(50_000)
+    out = np.zeros(len(data), dtype=np.uint8)
+    future = pool.submit(zs.zstd_frames(data, 1), out, "samples")
+    assert not future.cancel()  # the threads may be writing into `out`
+    future.result(timeout=60)
+
+    def then():
+        raise ValueError("then failed")
+
+    with pytest.raises(ValueError, match="then failed"):
+        pool.submit(zs.zstd_frames(data, 1), out, "samples", then).result(timeout=60)
+
+
+def test_a_stream_whose_checksum_fails_is_not_decompressed_and_gets_the_callers_error(pool):
+    from kvcodec.container.format import crc32
+
+    data = _noisy(30_000)
+    stream = zs.zstd_frames(data, 1, 7000)
+    out = np.zeros(len(data), dtype=np.uint8)
+    pool.submit(stream, out, "samples", checksum=(crc32(stream), lambda: ChecksumError("never"))).result(timeout=60)
+    assert out.tobytes() == data
+    out[:] = 0
+    wrong = (crc32(stream) ^ 1, lambda: ChecksumError("stream 'samples' fails its checksum"))
+    with pytest.raises(ChecksumError, match="fails its checksum"):
+        pool.submit(stream, out, "samples", checksum=wrong).result(timeout=60)
+    assert not out.any()  # nothing decompressed
+
+
+def test_a_stopped_pool_refuses_new_work_after_finishing_what_it_had():
+    threads = zstd_native.start(2)
+    if threads is None:
+        pytest.skip("no native zstd threads here")
+    data = _noisy(20_000)
+    out = np.zeros(len(data), dtype=np.uint8)
+    queued = [threads.submit(zs.zstd_frames(data, 1), out, "samples") for _ in range(8)]
+    threads.stop()
+    assert all(f.done() for f in queued) and out.tobytes() == data  # drained before the threads ended
+    with pytest.raises(RuntimeError, match="stopped"):
+        threads.submit(zs.zstd_frames(data, 1), out, "samples")
+
+
+def test_without_native_code_there_are_no_native_threads(monkeypatch):
+    monkeypatch.setattr(zstd_native.native, "ENABLED", False)
+    assert zstd_native.start(2) is None
+
+
+def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_pool(synthetic_kvt, monkeypatch):
+    """TransformDriven.submit_host (native threads) against prepare_host (the Python pool's work):
+    the same samples; a corrupted samples stream is that chunk's ChecksumError either way; without
+    native threads submit_host runs prepare_host on the pool."""
+    from kvcodec.codecs.transform.batch import TransformDriven
+    from kvcodec.codecs.transform.codec import TransformCodec
+
+    if zstd_native.threads(lambda: 2) is None:
+        pytest.skip("no native zstd threads here")
+    from synthetic import synthetic_kv
+
+    codec = TransformCodec(synthetic_kvt, chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    kv = synthetic_kv(150, 7)
+    driven = TransformDriven(codec)
+    for chunk in codec.encode_chunks(kv):
+        target = torch.empty((*kv.shape[:2], chunk.tokens, *kv.shape[3:]), dtype=torch.float16)
+        reading = driven.read(chunk.blobs[0], target)
+        natively = driven.submit_host(reading).result(timeout=60).state[3]
+        assert torch.equal(natively, driven.prepare_host(reading).state[3])
+        bad = bytearray(chunk.blobs[0])
+        bad[-40] ^= 0xFF  # in the samples stream, the last of the chunk's streams
+        with pytest.raises(ChecksumError, match="samples"):
+            driven.submit_host(driven.read(bytes(bad), target)).result(timeout=60)
+    monkeypatch.setattr(zstd_native, "threads", lambda count: None)
+    pooled = driven.submit_host(reading).result(timeout=60).state[3]
+    assert torch.equal(pooled, natively)
