@@ -190,15 +190,26 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
     codec = TransformCodec(synthetic_kvt, chunk_tokens=64, target_ratio=4.0, coder="zstd")
     kv = synthetic_kv(150, 7)
     driven = TransformDriven(codec)
+    seen_sink = False
     for chunk in codec.encode_chunks(kv):
         target = torch.empty((*kv.shape[:2], chunk.tokens, *kv.shape[3:]), dtype=torch.float16)
         reading = driven.read(chunk.blobs[0], target)
-        natively = driven.submit_host(reading).result(timeout=60).state[3]
-        assert torch.equal(natively, driven.prepare_host(reading).state[3])
+        native_state, pooled_state = (
+            driven.submit_host(reading).result(timeout=60).state,
+            driven.prepare_host(reading).state,
+        )
+        natively = native_state[3]
+        assert torch.equal(natively, pooled_state[3])
+        (idx, values), sink = native_state[4]
+        (pooled_idx, pooled_values), pooled_sink = pooled_state[4]  # escapes and sink tokens, read ahead
+        assert torch.equal(idx, pooled_idx) and torch.equal(values, pooled_values)
+        assert (sink is None and pooled_sink is None) or torch.equal(sink, pooled_sink)
+        seen_sink = seen_sink or sink is not None
         bad = bytearray(chunk.blobs[0])
         bad[-40] ^= 0xFF  # in the samples stream, the last of the chunk's streams
         with pytest.raises(ChecksumError, match="samples"):
             driven.submit_host(driven.read(bytes(bad), target)).result(timeout=60)
+    assert seen_sink  # the first chunk keeps its first tokens exact
     monkeypatch.setattr(zstd_native, "threads", lambda count: None)
     pooled = driven.submit_host(reading).result(timeout=60).state[3]
     assert torch.equal(pooled, natively)

@@ -101,6 +101,10 @@ def finish_batches(ready: list, nbytes: list[int], most: int | None = None) -> l
     return runs
 
 
+# a driven fetch finishes an in-order run of ready chunks once it holds this much fp16-equivalent KV (or the
+# fetch's last chunk): each finish costs the fetch's thread ~0.4-0.8 ms whatever its size (uploads, launches,
+# the wait), and a short prefix's chunks were finished in 2-3 runs (benchmarks/results/fetch-h100-s60-phases-qwen.md)
+MIN_FINISH_BYTES = 64 << 20
 _DRIVEN_NET_WAIT_S = 0.0005  # a driven fetch waits this long for the next blob before flushing a session
 _DIRECT_JOIN_S = 60.0  # how long a stopped fetch waits for a decode still writing into the target
 
@@ -275,13 +279,17 @@ class FetchPipeline:
         return restored, None
 
     def _advance(
-        self, pending: dict[int, tuple], next_i: int, restored: int
+        self, pending: dict[int, tuple], next_i: int, restored: int, hold: bool = False
     ) -> tuple[int, int, KVCodecError | None, bool]:
         """Restore the in-order run of decoded chunks from next_i (every result already queued
         joins `pending` first): (the next chunk due, tokens restored, the error that stops the
-        fetch or None, whether any chunk was restored)."""
+        fetch or None, whether any chunk was restored). hold: a run too small to be worth its
+        finish (_held) stays in `pending`."""
         self._take_ready(pending)
         ready, err = _ready_run(pending, next_i)
+        if ready and err is None and hold and self._held(ready):
+            pending.update((i, (None, done)) for i, done in ready)
+            return next_i, restored, None, False
         if ready:
             restored, failed = self._restore_run(ready, restored)
             if failed is not None:
@@ -289,10 +297,19 @@ class FetchPipeline:
             next_i += len(ready)
         return next_i, restored, err, bool(ready)
 
+    def _held(self, ready: list[tuple[int, Decoded]]) -> bool:
+        """Whether a driven fetch waits for more chunks before finishing the in-order run `ready`:
+        it holds under MIN_FINISH_BYTES of fp16-equivalent KV, does not end the fetch, and keeps
+        fewer than half the in-flight slots."""
+        if ready[-1][0] + 1 >= len(self.plan.metas) or 2 * len(ready) >= self.s.max_inflight:
+            return False
+        return sum(self.plan.metas[i].values * 2 for i, _ in ready) < MIN_FINISH_BYTES
+
     def _consume_driven(self, driver) -> tuple[int, KVCodecError | None]:
         """_consume where this thread also stages the chunks: each blob the network stage delivers
         is handed to `driver` (its video to a session's native feeder) and the chunks it completes
-        are finished in order, in batches, between submissions."""
+        are finished in order, in batches of at least MIN_FINISH_BYTES (or to the end), between
+        submissions."""
         pending: dict[int, tuple] = {}
         fed: dict[int, tuple] = {}  # chunks submitted and not yet handed back: index -> (j, target, direct)
         next_i, restored, n, delivered = 0, 0, len(self.plan.metas), 0
@@ -305,18 +322,22 @@ class FetchPipeline:
                 for i, part, busy in driver.poll():
                     self._staged(i, part, fed.pop(i), busy)
             except Exception as e:  # noqa: BLE001 - a session failed with no chunk at fault
-                return restored, e if isinstance(e, KVCodecError) else _failed(next_i, "failed to decode", e)
-            next_i, restored, err, progressed = self._advance(pending, next_i, restored)
+                error = e if isinstance(e, KVCodecError) else _failed(next_i, "failed to decode", e)
+                return self._restore_held(pending, next_i, restored, error)
+            next_i, restored, err, progressed = self._advance(pending, next_i, restored, hold=True)
             if err is not None:
                 return restored, err
             if next_i >= n or progressed:
                 continue
+            due = next_i
+            while due in pending:  # held: the chunk after them decides when they are finished
+                due += 1
             wait, late = self._wait_for(_POLL_S, restored)
             if late is not None:
-                return restored, late
-            if next_i in pending or not self.res_q.empty() or driver.has_done():
+                return self._restore_held(pending, next_i, restored, late)
+            if due in pending or not self.res_q.empty() or driver.has_done():
                 continue
-            if driver.pending(next_i):
+            if driver.pending(due):
                 more = delivered < n and not self.stop.is_set()
                 if more and self._submit_waiting(driver, fed, min(wait, _DRIVEN_NET_WAIT_S)):
                     delivered += 1
@@ -326,14 +347,22 @@ class FetchPipeline:
                 try:  # while blobs may come, back to the queue often
                     if not more:
                         driver.flush_stuck()
-                    driver.wait(next_i, min(wait, 0.002) if more else wait, flush=self.dec_q.empty())
+                    driver.wait(due, min(wait, 0.002) if more else wait, flush=self.dec_q.empty())
                 except Exception as e:  # noqa: BLE001
-                    return restored, _failed(next_i, "failed to decode", e)
+                    return self._restore_held(pending, next_i, restored, _failed(due, "failed to decode", e))
             elif self._submit_waiting(driver, fed, wait):
                 delivered += 1
                 if delivered == n:
                     driver.end_all()
         return restored, None
+
+    def _restore_held(
+        self, pending: dict[int, tuple], next_i: int, restored: int, error: KVCodecError
+    ) -> tuple[int, KVCodecError]:
+        """The fetch stops with `error`: the chunks it held are restored first (tokens restored, the
+        error that stops it: a failure restoring them, else `error`)."""
+        _, restored, failed, _ = self._advance(pending, next_i, restored)
+        return restored, failed or error
 
     def _submit_queued(self, driver, fed: dict) -> int:
         """Every blob the network stage has delivered, to the driver in one call (it pushes the

@@ -403,17 +403,18 @@ class TransformDriven:
         return Reading(chunk_info(h), pieces, (h, streams, later))
 
     def prepare_host(self, reading: Reading) -> Reading:
-        """A zstd-coded chunk's samples decompressed into pinned memory (on a host thread: no CUDA work)."""
+        """A zstd-coded chunk's samples decompressed into pinned memory, its escapes and sink tokens
+        read (on a host thread: no CUDA work)."""
         h, streams, later = reading.state
         _verify(h, streams, later)
         count = self.codec._restorer.sample_count(h)
         host = host_samples(streams, count, pinned=torch.cuda.is_available())  # driven: a CUDA fetch
-        return dataclasses.replace(reading, state=(h, streams, (), host))
+        return dataclasses.replace(reading, state=(h, streams, (), host, self.codec._restorer.host_side(h, streams)))
 
     def submit_host(self, reading: Reading) -> Future:
         """prepare_host's work on the native zstd threads (codecs/zstd_native.py: the samples'
-        checksum and zstd there, none of it under the interpreter lock), else on the host pool: a
-        Future of the prepared Reading."""
+        checksum and zstd there, none of it under the interpreter lock; the escapes and sink tokens
+        on the thread that collects them), else on the host pool: a Future of the prepared Reading."""
         threads = zstd_native.threads(host_threads)
         h, streams, later = reading.state
         if threads is None or [e.name for e in later] != ["samples"]:
@@ -422,15 +423,25 @@ class TransformDriven:
         host = torch.empty(
             self.codec._restorer.sample_count(h), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
         )
-        prepared = dataclasses.replace(reading, state=(h, streams, (), host))
+
+        def prepared() -> Reading:
+            return dataclasses.replace(
+                reading, state=(h, streams, (), host, self.codec._restorer.host_side(h, streams))
+            )
+
         checksum = (entry.crc32, lambda: checksum_error(entry, what))
-        return threads.submit(streams["samples"], host.numpy(), "samples", lambda: prepared, checksum)
+        return threads.submit(streams["samples"], host.numpy(), "samples", prepared, checksum)
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
-        h, streams, later, *host = reading.state
+        h, streams, later, *prepared = reading.state
         _verify(h, streams, later)
-        samples = _joined(buffers) if buffers else host[0].to(target.device, non_blocking=True) if host else None
-        return self.codec._restorer.decode_samples(h, streams, target.device, samples=samples)
+        if buffers:
+            return self.codec._restorer.decode_samples(h, streams, target.device, samples=_joined(buffers))
+        if not prepared:
+            return self.codec._restorer.decode_samples(h, streams, target.device)
+        host, side = prepared
+        samples = host.to(target.device, non_blocking=True)
+        return self.codec._restorer.decode_samples(h, streams, target.device, samples=samples, side=side)
 
     def stage_alone(self, reading: Reading, target: Target, decoder):  # noqa: ANN201 - Decoded
         h, streams, later, *_ = reading.state

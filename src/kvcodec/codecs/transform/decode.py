@@ -160,17 +160,24 @@ class TransformRestorer:
         """Samples a verified chunk codes (coded coordinates x tokens)."""
         return self._plan_of(h).steps.numel() * h["tokens"]
 
-    def decode_samples(self, h: dict, streams: dict, device: torch.device, decoder=None, samples=None) -> Decoded:
+    def decode_samples(
+        self, h: dict, streams: dict, device: torch.device, decoder=None, samples=None, side=None
+    ) -> Decoded:
         """A chunk's first half of the batched restore: its samples on `device` (NVDEC or zstd;
         `samples`: already decoded, a flat uint8 buffer that starts with them), escapes and sink
-        tokens; finish() does the math, for many chunks at once."""
+        tokens (`side`: host_side's, made already); finish() does the math, for many chunks at once."""
         C = self._plan_of(h).steps.numel()
-        escapes = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
+        escapes, sink = side if side is not None else self.host_side(h, streams)
         if samples is None:
             samples = self._samples(h, streams, C * h["tokens"], device, decoder)
         samples = samples[: C * h["tokens"]].view(C, h["tokens"])
-        sink = self._sink(h, streams, torch.device("cpu")) if h["sink"] else None  # uploaded by finish, all at once
         return Decoded(h, samples, escapes, sink)
+
+    def host_side(self, h: dict, streams: dict) -> tuple:
+        """A chunk's escapes and sink tokens on the host (finish uploads them, all chunks' at once):
+        decode_samples' work that needs no device, for a host thread to do ahead."""
+        escapes = quantize.unpack_escapes(unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
+        return escapes, self._sink(h, streams, torch.device("cpu")) if h["sink"] else None
 
     def finish(self, chunks: list[Decoded], outs: list[Target]) -> None:
         """The math of the batched restore for decoded chunks, each into its target: one pass
