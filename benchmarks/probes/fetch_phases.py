@@ -26,10 +26,10 @@ import time
 import fetch_restore as fr
 import torch
 
-from kvcodec.codecs import driven, zstd_streams
-from kvcodec.container import format as container_format
+from kvcodec.codecs import driven, zstd_native, zstd_streams
 from kvcodec.codecs.transform import batch as transform_batch
 from kvcodec.codecs.transform import decode as transform_decode
+from kvcodec.container import format as container_format
 from kvcodec.fetcher import PrefixCache
 from kvcodec.fetcher import pipeline as pl
 from kvcodec.restore import transform_kernels, transform_triton
@@ -88,6 +88,7 @@ def instrument() -> None:
     _wrap(transform_decode, "unzstd_into", "T.unzstd_into")
     _wrap(container_format, "crc32", "C.crc32")
     _wrap(zstd_streams, "_decompress", "Z._decompress")
+    _wrap(zstd_native, "_settle", "Z._settle")  # on the native threads' collecting thread: a chunk's job done
     # inside finish: the batched restore's host side (tables, uploads, the launches) and its kernels' calls
     _wrap(transform_decode.TransformRestorer, "_finish_group", "F._finish_group")
     for a in ("restore_into", "_fused", "_upload", "_gathered_at", "_half_gemm_of"):

@@ -355,9 +355,11 @@ def _switches(codec, variant: dict):
     the native kv_sequence reused a format's surfaces), inorder True (a fetch's blobs submitted in
     chunk order, not the chunks with videos first: driven.VIDEO_FIRST off), pps N (pieces per NVDEC
     session a fetch cuts its chunks' videos into: driven.PIECES_PER_SESSION, 0 none), pyzstd True (zstd'd
-    samples decompressed on the Python host pool, as before the native zstd threads: zstd_native.threads off)."""
+    samples decompressed on the Python host pool, as before the native zstd threads: zstd_native.threads off),
+    minf N (pipeline.MIN_FINISH_BYTES: a driven fetch holds a ready run under N bytes of KV until more come)."""
     from kvcodec.codecs import driven as transform_batch  # the driven restore's switches
     from kvcodec.codecs import zstd_native
+    from kvcodec.fetcher import pipeline
     from kvcodec.restore import transform_kernels, transform_triton
     from kvcodec.video import nvcuvid, nvcuvid_native, streams
 
@@ -396,13 +398,14 @@ def _switches(codec, variant: dict):
     if not variant.get("stream", True):
         codec.stage_stream = None
     pool = _host_pool(variant.get("ht"))
-    native_zstd = zstd_native.threads
+    native_zstd, min_finish = zstd_native.threads, pipeline.MIN_FINISH_BYTES
+    pipeline.MIN_FINISH_BYTES = variant.get("minf", min_finish)
     if variant.get("pyzstd"):
         zstd_native.threads = lambda count: None
     try:
         yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
-        zstd_native.threads = native_zstd
+        zstd_native.threads, pipeline.MIN_FINISH_BYTES = native_zstd, min_finish
         nvcuvid_native.ENABLED, transform_kernels.HALF_GEMM = saved[:2]
         transform_triton.FUSED = fused
         nvcuvid_native.FEEDER, nvcuvid_native.FEED_DEPTH = fed
@@ -465,6 +468,7 @@ SWITCHES = (
     "inorder",
     "pps",
     "pyzstd",
+    "minf",
 )
 
 
@@ -1139,7 +1143,8 @@ def _stage(log, base, fn, *args) -> None:
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
     -nokeep, -hipri, -torch, -unfused, -pyseq, -inorder, -swiN, -ddN, -fdN, -htN (host pool threads),
-    -ppsN (pieces per NVDEC session: driven.PIECES_PER_SESSION; 0 never cuts a video), -pyzstd (see _switches)."""
+    -ppsN (pieces per NVDEC session: driven.PIECES_PER_SESSION; 0 never cuts a video), -pyzstd, -minfN (MiB: the
+    driven fetch's pipeline.MIN_FINISH_BYTES; 0 finishes every ready run at once) (see _switches)."""
     size, *switches = text.split("-")
     v = {} if size == "default" else dict(zip(("decode_workers", "max_inflight"), map(int, size.split("x"))))
     names = {  # switch -> (variant key, value)
@@ -1168,6 +1173,8 @@ def _variant(text: str) -> dict:
             v["fd"] = int(sw[2:])
         elif sw.startswith("pps"):  # -pps0: a fetch never cuts its chunks' videos into pieces
             v["pps"] = int(sw[3:])
+        elif sw.startswith("minf"):  # -minf0: a driven fetch finishes every ready run at once
+            v["minf"] = int(sw[4:]) << 20
         else:
             key, value = names[sw]
             v[key] = value
