@@ -6,6 +6,10 @@ No timing: every wait is on a Future."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -158,6 +162,54 @@ def test_a_stream_whose_checksum_fails_is_not_decompressed_and_gets_the_callers_
     assert not out.any()  # nothing decompressed
 
 
+def test_damage_that_breaks_the_frames_is_the_checksums_error_as_on_the_python_path(pool):
+    from kvcodec.container.format import crc32
+
+    data = _noisy(30_000)
+    stream = zs.zstd_frames(data, 1, 7000)
+    checksum = (crc32(stream), lambda: ChecksumError("stream 'samples' fails its checksum"))
+    for at in (-3, -10, 2):  # the seek table's footer and an entry, a frame's magic
+        damaged = bytearray(stream)
+        damaged[at] ^= 0x5A
+        with pytest.raises(ChecksumError):
+            pool.submit(bytes(damaged), np.zeros(len(data), dtype=np.uint8), "samples", checksum=checksum).result(60)
+    with pytest.raises(CorruptStreamError):  # without a checksum: the stream's own error
+        pool.submit(bytes(damaged), np.zeros(len(data), dtype=np.uint8), "samples").result(60)
+
+
+def test_a_forked_child_starts_its_own_threads_and_exits():
+    """The parent's threads are not the child's: the child decompresses on threads of its own and
+    exits without waiting for the parent's (it hung in the exit handler before)."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        import numpy as np
+        from kvcodec.codecs import zstd_native, zstd_streams
+
+        def roundtrip():
+            data = bytes(range(256)) * 64
+            out = np.zeros(len(data), dtype=np.uint8)
+            zstd_native.threads(lambda: 2).submit(zstd_streams.zstd_frames(data, 1), out, "s").result(60)
+            assert out.tobytes() == data
+
+        if zstd_native.threads(lambda: 2) is None:
+            print("none"); sys.exit(0)
+        roundtrip()
+        pid = os.fork()
+        if pid == 0:
+            roundtrip()
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    if run.stdout.strip() == "none":
+        pytest.skip("no native zstd threads here")
+    assert run.stdout.strip() == "child 0"
+
+
 def test_a_stopped_pool_refuses_new_work_after_finishing_what_it_had():
     threads = zstd_native.start(2)
     if threads is None:
@@ -210,6 +262,10 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
         with pytest.raises(ChecksumError, match="samples"):
             driven.submit_host(driven.read(bytes(bad), target)).result(timeout=60)
     assert seen_sink  # the first chunk keeps its first tokens exact
+    monkeypatch.setattr(codec._restorer, "sample_count", lambda h: 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # the chunk's error, not the fetch thread's
+        driven.submit_host(reading).result(timeout=60)
+    monkeypatch.undo()
     monkeypatch.setattr(zstd_native, "threads", lambda count: None)
     pooled = driven.submit_host(reading).result(timeout=60).state[3]
     assert torch.equal(pooled, natively)

@@ -32,6 +32,7 @@ import numpy as np
 
 from kvcodec import native
 from kvcodec.codecs.zstd_streams import frame_spans
+from kvcodec.container.format import crc32
 from kvcodec.errors import CorruptStreamError, KVCodecError
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,7 @@ class ZstdThreads:
         if not self.handle:
             raise OSError("the native zstd threads did not start")
         self.threads = lib.kv_zpool_threads(self.handle)
+        self.pid = os.getpid()  # a forked child has none of these threads
         self._live: dict[int, _Pending] = {}
         self._lock = threading.Lock()
         self._stopped = False
@@ -274,8 +276,9 @@ class ZstdThreads:
         future.set_running_or_notify_cancel()
         try:
             spans = frame_spans(data, out.nbytes, name)
-        except KVCodecError as e:
-            future.set_exception(e)
+        except KVCodecError as e:  # damage in transit is the checksum's error, as where it is checked first
+            damaged = checksum is not None and crc32(memoryview(data).cast("B")) != checksum[0]
+            future.set_exception(checksum[1]() if damaged else e)
             return future
         source = np.frombuffer(data, dtype=np.uint8)  # the stream's address, read-only bytes included
         frames = (_Frame * max(1, len(spans)))()
@@ -287,15 +290,17 @@ class ZstdThreads:
         job = _Job(None, ctypes.addressof(frames), len(spans), OK, 0, 0, source.ctypes.data, source.size, crc)
         job.check = checksum is not None
         pending = _Pending(job, frames, source, out, spans, name, future, then, bad_checksum)
-        with self._lock:
+        with self._lock:  # submitted before a stop() joins the threads, or refused
             if self._stopped:
                 raise RuntimeError("the native zstd threads are stopped")
             self._live[ctypes.addressof(job)] = pending
-        self.lib.kv_zpool_submit(self.handle, ctypes.addressof(job))
+            self.lib.kv_zpool_submit(self.handle, ctypes.addressof(job))
         return future
 
     def stop(self) -> None:
         """Let the queued jobs finish, then end the threads (at exit: nothing writes into freed memory)."""
+        if os.getpid() != self.pid:
+            return
         with self._lock:
             if self._stopped:
                 return
@@ -398,6 +403,8 @@ def threads(count: Callable[[], int]) -> ZstdThreads | None:
 def _forget_in_child() -> None:
     """A forked child has none of its parent's threads: it starts its own on first use."""
     global _threads, _tried, _lock
+    if _threads is not None:
+        atexit.unregister(_threads.stop)
     _threads, _tried, _lock = None, False, threading.Lock()
 
 

@@ -322,8 +322,10 @@ class FetchPipeline:
                 for i, part, busy in driver.poll():
                     self._staged(i, part, fed.pop(i), busy)
             except Exception as e:  # noqa: BLE001 - a session failed with no chunk at fault
-                error = e if isinstance(e, KVCodecError) else _failed(next_i, "failed to decode", e)
-                return self._restore_held(pending, next_i, restored, error)
+                next_i, restored, failed = self._restore_held(pending, next_i, restored)
+                return restored, failed or (
+                    e if isinstance(e, KVCodecError) else _failed(next_i, "failed to decode", e)
+                )
             next_i, restored, err, progressed = self._advance(pending, next_i, restored, hold=True)
             if err is not None:
                 return restored, err
@@ -334,7 +336,8 @@ class FetchPipeline:
                 due += 1
             wait, late = self._wait_for(_POLL_S, restored)
             if late is not None:
-                return self._restore_held(pending, next_i, restored, late)
+                next_i, restored, failed = self._restore_held(pending, next_i, restored)
+                return restored, failed or self._wait_for(0.0, restored)[1]
             if due in pending or not self.res_q.empty() or driver.has_done():
                 continue
             if driver.pending(due):
@@ -349,7 +352,8 @@ class FetchPipeline:
                         driver.flush_stuck()
                     driver.wait(due, min(wait, 0.002) if more else wait, flush=self.dec_q.empty())
                 except Exception as e:  # noqa: BLE001
-                    return self._restore_held(pending, next_i, restored, _failed(due, "failed to decode", e))
+                    next_i, restored, failed = self._restore_held(pending, next_i, restored)
+                    return restored, failed or _failed(due, "failed to decode", e)
             elif self._submit_waiting(driver, fed, wait):
                 delivered += 1
                 if delivered == n:
@@ -357,12 +361,12 @@ class FetchPipeline:
         return restored, None
 
     def _restore_held(
-        self, pending: dict[int, tuple], next_i: int, restored: int, error: KVCodecError
-    ) -> tuple[int, KVCodecError]:
-        """The fetch stops with `error`: the chunks it held are restored first (tokens restored, the
-        error that stops it: a failure restoring them, else `error`)."""
-        _, restored, failed, _ = self._advance(pending, next_i, restored)
-        return restored, failed or error
+        self, pending: dict[int, tuple], next_i: int, restored: int
+    ) -> tuple[int, int, KVCodecError | None]:
+        """The fetch is stopping: the chunks it held restored first (the next chunk due, tokens
+        restored, the error of a chunk that failed among them or right after them)."""
+        next_i, restored, failed, _ = self._advance(pending, next_i, restored)
+        return next_i, restored, failed
 
     def _submit_queued(self, driver, fed: dict) -> int:
         """Every blob the network stage has delivered, to the driver in one call (it pushes the

@@ -414,12 +414,21 @@ class TransformDriven:
     def submit_host(self, reading: Reading) -> Future:
         """prepare_host's work on the native zstd threads (codecs/zstd_native.py: the samples'
         checksum and zstd there, none of it under the interpreter lock; the escapes and sink tokens
-        on the thread that collects them), else on the host pool: a Future of the prepared Reading."""
+        on the thread that collects them), else on the host pool: a Future of the prepared Reading,
+        or of the error that refused the chunk (raised nowhere else)."""
         threads = zstd_native.threads(host_threads)
         h, streams, later = reading.state
         if threads is None or [e.name for e in later] != ["samples"]:
             return host_pool().submit(self.prepare_host, reading)
-        entry, what = later[0], _what(h)
+        try:
+            return self._submit_native(threads, reading)
+        except Exception as e:  # noqa: BLE001 - a pinned buffer that could not be had, say: the chunk's error
+            failed: Future = Future()
+            failed.set_exception(e)
+            return failed
+
+    def _submit_native(self, threads, reading: Reading) -> Future:  # noqa: ANN001 - a ZstdThreads
+        h, streams, (entry,) = reading.state
         host = torch.empty(
             self.codec._restorer.sample_count(h), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
         )
@@ -429,7 +438,7 @@ class TransformDriven:
                 reading, state=(h, streams, (), host, self.codec._restorer.host_side(h, streams))
             )
 
-        checksum = (entry.crc32, lambda: checksum_error(entry, what))
+        checksum = (entry.crc32, lambda: checksum_error(entry, _what(h)))
         return threads.submit(streams["samples"], host.numpy(), "samples", prepared, checksum)
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded

@@ -625,8 +625,13 @@ class TransformCodec:
 
     def warm_up(self, device: torch.device | str, dtype: torch.dtype = torch.float16) -> None:
         """Compile the restore's GPU kernels for outputs of `dtype` now (no-op off CUDA), so that the
-        first fetch a server runs does not wait for Triton (codecs.base.WarmUp)."""
+        first fetch a server runs does not wait for Triton (codecs.base.WarmUp), nor for the native zstd
+        threads' build and start (a driven fetch's zstd'd chunks: codecs/zstd_native.py)."""
         self._restorer.warm_up(torch.device(device), dtype)
+        if torch.device(device).type == "cuda":
+            from kvcodec.codecs import driven, zstd_native
+
+            zstd_native.threads(driven.host_threads)
 
     def stage_stream(self, items, device, check=None):  # noqa: ANN001, ANN201 - see transform_batch.stage_stream
         """The first half for a stream of (tag, blob, target) on one NVDEC session, chunks back to back."""
