@@ -19,10 +19,11 @@ SMALL = 1 << 20  # values of a chunk: 2 MiB of fp16-equivalent KV
 
 
 class Driver:
-    """Chunk i completes at poll ready[i] (None: never); poll number `fails_at` raises."""
+    """Chunk i completes at poll ready[i] (None: never); poll number `fails_at` raises, and so
+    does a wait once `wait_fails` (the session a chunk's pieces are on failed)."""
 
-    def __init__(self, ready, bad=(), fails_at=None):
-        self.ready, self.bad, self.fails_at = ready, set(bad), fails_at
+    def __init__(self, ready, bad=(), fails_at=None, wait_fails=False):
+        self.ready, self.bad, self.fails_at, self.wait_fails = ready, set(bad), fails_at, wait_fails
         self.submitted, self.polls = set(), 0
 
     def submit_many(self, batch):
@@ -47,6 +48,8 @@ class Driver:
 
     def wait(self, i, timeout_s, flush):
         self.polls += 1  # time passes
+        if self.wait_fails and self.polls >= 4:
+            raise RuntimeError("the session died while waited on")
 
     def flush_stuck(self):
         pass
@@ -129,6 +132,12 @@ def test_a_deadline_restores_the_held_chunks_first_and_counts_them():
 
 def test_a_failing_session_restores_the_held_chunks_and_names_the_first_chunk_not_restored():
     restored, error, finishes = _fetch(Driver([1, 1, None, None], fails_at=4), 4)
+    assert restored == 2 and finishes == [[0, 1]]
+    assert isinstance(error, FetchError) and "chunk 2 failed to decode" in str(error)
+
+
+def test_a_session_failing_while_waited_on_restores_the_held_chunks_and_names_the_chunk_it_held():
+    restored, error, finishes = _fetch(Driver([1, 1, None, None], wait_fails=True), 4)
     assert restored == 2 and finishes == [[0, 1]]
     assert isinstance(error, FetchError) and "chunk 2 failed to decode" in str(error)
 

@@ -263,8 +263,9 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
             driven.submit_host(driven.read(bytes(bad), target)).result(timeout=60)
     assert seen_sink  # the first chunk keeps its first tokens exact
     monkeypatch.setattr(codec._restorer, "sample_count", lambda h: 1 / 0)
-    with pytest.raises(ZeroDivisionError):  # the chunk's error, not the fetch thread's
-        driven.submit_host(reading).result(timeout=60)
+    failed = driven.submit_host(reading)  # the chunk's error, not raised on the fetch's thread
+    with pytest.raises(ZeroDivisionError):
+        failed.result(timeout=60)
     monkeypatch.undo()
     monkeypatch.setattr(zstd_native, "threads", lambda count: None)
     pooled = driven.submit_host(reading).result(timeout=60).state[3]

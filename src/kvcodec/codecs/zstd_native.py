@@ -3,8 +3,8 @@
 A driven fetch decompresses its zstd-coded chunks' samples on host threads. On Python threads each
 chunk crosses the interpreter lock several times (the pool's queue, the checks, the buffer, the
 decompressor's loop), and with eight chunks at once the threads start one after another: a 2048-token
-Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its first, and one thread
-took two chunks while three stayed idle (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the
+Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its first, and in another
+three threads took two chunks each while three stayed idle (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the
 chunk's frames are found and checked on the caller's thread (zstd_streams.frame_spans), then
 decompressed by C threads (SOURCE, compiled at first use: kvcodec.native) straight into the caller's
 buffer, calling the system's libzstd through pointers handed over by ctypes; one Python thread turns
@@ -393,8 +393,9 @@ def threads(count: Callable[[], int]) -> ZstdThreads | None:
     global _threads, _tried
     with _lock:
         if not _tried:
+            n = count()  # a bad setting raises here, every time it is asked
             _tried = True
-            _threads = start(count())
+            _threads = start(n)
             if _threads is not None:
                 atexit.register(_threads.stop)
         return _threads

@@ -102,7 +102,7 @@ def finish_batches(ready: list, nbytes: list[int], most: int | None = None) -> l
 
 
 # a driven fetch finishes an in-order run of ready chunks once it holds this much fp16-equivalent KV (or the
-# fetch's last chunk): each finish costs the fetch's thread ~0.4-0.8 ms whatever its size (uploads, launches,
+# fetch's last chunk): each finish costs the fetch's thread ~0.3-1 ms whatever its size (uploads, launches,
 # the wait), and a short prefix's chunks were finished in 2-3 runs (benchmarks/results/fetch-h100-s60-phases-qwen.md)
 MIN_FINISH_BYTES = 64 << 20
 _DRIVEN_NET_WAIT_S = 0.0005  # a driven fetch waits this long for the next blob before flushing a session
@@ -337,7 +337,7 @@ class FetchPipeline:
             wait, late = self._wait_for(_POLL_S, restored)
             if late is not None:
                 next_i, restored, failed = self._restore_held(pending, next_i, restored)
-                return restored, failed or self._wait_for(0.0, restored)[1]
+                return restored, failed or self._wait_for(0.0, restored)[1] or late
             if due in pending or not self.res_q.empty() or driver.has_done():
                 continue
             if driver.pending(due):

@@ -628,7 +628,7 @@ class TransformCodec:
         first fetch a server runs does not wait for Triton (codecs.base.WarmUp), nor for the native zstd
         threads' build and start (a driven fetch's zstd'd chunks: codecs/zstd_native.py)."""
         self._restorer.warm_up(torch.device(device), dtype)
-        if torch.device(device).type == "cuda":
+        if torch.device(device).type == "cuda" and self.coder != "hevc":
             from kvcodec.codecs import driven, zstd_native
 
             zstd_native.threads(driven.host_threads)
