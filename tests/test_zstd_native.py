@@ -162,6 +162,33 @@ def test_a_stream_whose_checksum_fails_is_not_decompressed_and_gets_the_callers_
     assert not out.any()  # nothing decompressed
 
 
+@pytest.mark.parametrize("crc", ["isal", "zlib"])
+def test_both_crc_functions_agree_with_the_containers_checksum(monkeypatch, crc):
+    """ISA-L's crc32_gzip_refl (the default) and zlib's crc32 (without the isal package) agree with
+    the container's checksum."""
+    from kvcodec.container.format import crc32
+
+    if crc == "zlib":
+        zlib = zstd_native._system_library("z", ("libz.so.1",), zstd_native.ZLIB_SIGNATURES)
+        if zlib is None:
+            pytest.skip("no zlib library here")
+        monkeypatch.setattr(zstd_native, "_crc32", lambda: (zlib.crc32, False))
+    threads = zstd_native.start(2)
+    if threads is None:
+        pytest.skip("no native zstd threads here")
+    assert threads.crc[1] == (crc == "isal")
+    data = _noisy(300_000)
+    stream = zs.zstd_frames(data, 1)
+    try:
+        out = np.zeros(len(data), dtype=np.uint8)
+        threads.submit(stream, out, "s", checksum=(crc32(stream), lambda: ChecksumError("no"))).result(60)
+        assert out.tobytes() == data
+        with pytest.raises(ChecksumError):
+            threads.submit(stream, out, "s", checksum=(crc32(stream) ^ 4, lambda: ChecksumError("bad"))).result(60)
+    finally:
+        threads.stop()
+
+
 def test_damage_that_breaks_the_frames_is_the_checksums_error_as_on_the_python_path(pool):
     from kvcodec.container.format import crc32
 

@@ -8,10 +8,10 @@ three threads took two chunks each while three stayed idle (benchmarks/results/f
 chunk's frames are found and checked on the caller's thread (zstd_streams.frame_spans), then
 decompressed by C threads (SOURCE, compiled at first use: kvcodec.native) straight into the caller's
 buffer, calling the system's libzstd through pointers handed over by ctypes; one Python thread turns
-each finished job into its Future's result. The stream's checksum (zlib's CRC-32, the container's) is
-checked on the same C thread first, where the caller asks.
+each finished job into its Future's result. The stream's checksum (the container's CRC-32: ISA-L's, the
+isal package's, else zlib's) is checked on the same C thread first, where the caller asks.
 
-Where it cannot run (KVCODEC_NATIVE=0, no C compiler, no libzstd or zlib), `threads()` is None and the
+Where it cannot run (KVCODEC_NATIVE=0, no C compiler, no libzstd, no CRC-32 of ISA-L or zlib), `threads()` is None and the
 caller keeps zstd_streams.unzstd_into on its Python pool: the reference the tests compare with.
 """
 
@@ -47,13 +47,14 @@ typedef void *(*create_fn)(void);
 typedef size_t (*decompress_fn)(void *, void *, size_t, const void *, size_t);
 typedef unsigned (*is_error_fn)(size_t);
 typedef size_t (*free_fn)(void *);
-typedef unsigned long (*crc_fn)(unsigned long, const unsigned char *, unsigned);
+typedef unsigned (*isal_crc_fn)(unsigned, const unsigned char *, unsigned long long);  /* crc32_gzip_refl */
+typedef unsigned long (*zlib_crc_fn)(unsigned long, const unsigned char *, unsigned);
 
 typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } frame;
 
 /* status: 0 every frame filled its output exactly; 1 frame `at` failed (value: zstd's error
    code); 2 frame `at` held `value` bytes; 3 no decompression context (out of memory); 4 the
-   stream's CRC-32 (zlib's) is not `crc` (nothing decompressed) */
+   stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed) */
 typedef struct job {
     struct job *next;
     const frame *frames;
@@ -71,7 +72,8 @@ typedef struct {
     job *head, *tail, *done_head, *done_tail;
     int stop, joined, started;
     pthread_t *threads;
-    create_fn create; decompress_fn decompress; is_error_fn is_error; free_fn release; crc_fn crc32;
+    create_fn create; decompress_fn decompress; is_error_fn is_error; free_fn release;
+    void *crc; int crc_isal;  /* ISA-L's crc32_gzip_refl (about 15x zlib's), else zlib's crc32 */
 } pool;
 
 static void push(job **head, job **tail, job *j) {
@@ -86,18 +88,20 @@ static job *pop(job **head, job **tail) {
     return j;
 }
 
-static unsigned long crc_of(pool *p, const unsigned char *at, size_t len) {
-    unsigned long crc = p->crc32(0, NULL, 0);
+static unsigned crc_of(pool *p, const unsigned char *at, size_t len) {
+    if (p->crc_isal) return ((isal_crc_fn)p->crc)(0, at, len);
+    zlib_crc_fn crc32 = (zlib_crc_fn)p->crc;
+    unsigned long crc = crc32(0, NULL, 0);
     for (size_t step; len; at += step, len -= step) {
         step = len < (1u << 30) ? len : (1u << 30);
-        crc = p->crc32(crc, at, (unsigned)step);
+        crc = crc32(crc, at, (unsigned)step);
     }
-    return crc;
+    return (unsigned)(crc & 0xFFFFFFFFul);
 }
 
 static void run(pool *p, void *dctx, job *j) {
     j->status = 0;
-    if (j->check && (crc_of(p, j->stream, j->stream_len) & 0xFFFFFFFFul) != j->crc) { j->status = 4; return; }
+    if (j->check && crc_of(p, j->stream, j->stream_len) != j->crc) { j->status = 4; return; }
     if (!dctx) { j->status = 3; return; }
     for (int i = 0; i < j->count; i++) {
         const frame *f = &j->frames[i];
@@ -131,7 +135,7 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-void *kv_zpool_start(int threads, void *create, void *decompress, void *is_error, void *release, void *crc32) {
+void *kv_zpool_start(int threads, void *create, void *decompress, void *is_error, void *release, void *crc, int crc_isal) {
     pool *p = calloc(1, sizeof(pool));
     if (!p || threads < 1) { free(p); return NULL; }
     p->threads = calloc((size_t)threads, sizeof(pthread_t));
@@ -140,7 +144,7 @@ void *kv_zpool_start(int threads, void *create, void *decompress, void *is_error
     pthread_cond_init(&p->work, NULL);
     pthread_cond_init(&p->done, NULL);
     p->create = (create_fn)create; p->decompress = (decompress_fn)decompress;
-    p->is_error = (is_error_fn)is_error; p->release = (free_fn)release; p->crc32 = (crc_fn)crc32;
+    p->is_error = (is_error_fn)is_error; p->release = (free_fn)release; p->crc = crc; p->crc_isal = crc_isal;
     for (int i = 0; i < threads && pthread_create(&p->threads[i], NULL, worker, p) == 0; i++) p->started++;
     if (!p->started) { free(p->threads); free(p); return NULL; }
     return p;
@@ -188,7 +192,7 @@ void kv_zpool_stop(void *handle) {
 """
 
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "kv_zpool_start": (c_void_p, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p]),
+    "kv_zpool_start": (c_void_p, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int]),
     "kv_zpool_threads": (c_int, [c_void_p]),
     "kv_zpool_submit": (None, [c_void_p, c_void_p]),
     "kv_zpool_next_done": (c_void_p, [c_void_p, c_longlong]),
@@ -203,6 +207,9 @@ ZSTD_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 }
 ZLIB_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "crc32": (ctypes.c_ulong, [ctypes.c_ulong, c_void_p, ctypes.c_uint]),
+}
+ISAL_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "crc32_gzip_refl": (ctypes.c_uint32, [ctypes.c_uint32, c_void_p, ctypes.c_uint64]),
 }
 OK, FAILED, SIZE, NO_CONTEXT, CHECKSUM = 0, 1, 2, 3, 4
 _COLLECT_WAIT_US = 200_000  # the collecting thread's wait between looks at whether the pool stopped
@@ -245,10 +252,11 @@ class _Pending:
 class ZstdThreads:
     """Native threads decompressing zstd streams into caller buffers; submit() returns a Future."""
 
-    def __init__(self, lib, zstd, zlib, threads: int):
-        self.lib, self.zstd, self.zlib = lib, zstd, zlib
-        fns = [zstd.ZSTD_createDCtx, zstd.ZSTD_decompressDCtx, zstd.ZSTD_isError, zstd.ZSTD_freeDCtx, zlib.crc32]
-        self.handle = lib.kv_zpool_start(threads, *(native.function_pointer(f) for f in fns))
+    def __init__(self, lib, zstd, crc: tuple, threads: int):
+        """crc: (a ctypes CRC-32 function, whether it is ISA-L's crc32_gzip_refl rather than zlib's crc32)."""
+        self.lib, self.zstd, self.crc = lib, zstd, crc
+        fns = [zstd.ZSTD_createDCtx, zstd.ZSTD_decompressDCtx, zstd.ZSTD_isError, zstd.ZSTD_freeDCtx, crc[0]]
+        self.handle = lib.kv_zpool_start(threads, *(native.function_pointer(f) for f in fns), int(crc[1]))
         if not self.handle:
             raise OSError("the native zstd threads did not start")
         self.threads = lib.kv_zpool_threads(self.handle)
@@ -363,20 +371,32 @@ def _system_library(name: str, candidates: tuple[str, ...], signatures: dict):  
     return None
 
 
+def _crc32() -> tuple | None:
+    """(CRC-32 function, is ISA-L's): ISA-L's from the isal package's extension (the container's
+    checksum, about 15x zlib's on a chunk's streams), else the system zlib's; None without either."""
+    try:
+        from isal import isal_zlib
+
+        return native.declare(ctypes.CDLL(isal_zlib.__file__), ISAL_SIGNATURES).crc32_gzip_refl, True
+    except (ImportError, OSError, AttributeError):
+        zlib = _system_library("z", ("libz.so.1", "libz.dylib"), ZLIB_SIGNATURES)
+        return None if zlib is None else (zlib.crc32, False)
+
+
 def start(count: int) -> ZstdThreads | None:
     """`count` native zstd threads, or None where they cannot run here (a reason logged)."""
     if not native.ENABLED:
         return None
     zstd = _system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), ZSTD_SIGNATURES)
-    zlib = _system_library("z", ("libz.so.1", "libz.dylib"), ZLIB_SIGNATURES)
-    if zstd is None or zlib is None:
-        log.info("no libzstd or zlib: zstd streams are decompressed on Python threads")
+    crc = _crc32()
+    if zstd is None or crc is None:
+        log.info("no libzstd or no CRC-32 (ISA-L, zlib): zstd streams are decompressed on Python threads")
         return None
     path = native.build("zstd_pool", SOURCE)
     if path is None:
         return None
     try:
-        return ZstdThreads(native.declare(ctypes.CDLL(str(path)), SIGNATURES), zstd, zlib, count)
+        return ZstdThreads(native.declare(ctypes.CDLL(str(path)), SIGNATURES), zstd, crc, count)
     except OSError as e:
         log.warning("the native zstd threads did not start (%s): zstd stays on Python threads", e)
         return None
