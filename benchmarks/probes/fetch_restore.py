@@ -1142,7 +1142,8 @@ def _stage(log, base, fn, *args) -> None:
 
 def _variant(text: str) -> dict:
     """WORKERSxINFLIGHT (or "default") with switches -nostream, -python, -fp32, -nofeed, -nodrive, -lazy,
-    -nokeep, -hipri, -torch, -unfused, -pyseq, -inorder, -swiN, -ddN, -fdN, -htN (host pool threads),
+    -nokeep, -hipri, -torch, -unfused, -pyseq, -inorder, -swiN, -ddN, -fdN, -htN (the Python host pool's threads:
+    with -pyzstd; the native zstd threads are sized once per process),
     -ppsN (pieces per NVDEC session: driven.PIECES_PER_SESSION; 0 never cuts a video), -pyzstd, -minfN (MiB: the
     driven fetch's pipeline.MIN_FINISH_BYTES; 0 finishes every ready run at once) (see _switches)."""
     size, *switches = text.split("-")
