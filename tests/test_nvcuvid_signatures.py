@@ -185,7 +185,9 @@ def test_the_built_library_takes_every_signature(tmp_path):
         assert fn.restype is restype and list(fn.argtypes) == argtypes
 
 
-def test_declare_is_the_modules_only_place_setting_signatures():
-    text = _python_text(VIDEO / "nvcuvid_native.py")
-    assert re.findall(r"\.(argtypes|restype)\b", text) == ["restype", "argtypes"]
+def test_declare_is_the_only_place_setting_native_signatures():
+    """The native modules set their functions' signatures through kvcodec.native.declare alone."""
+    for path in (VIDEO / "nvcuvid_native.py", VIDEO.parent / "codecs" / "zstd_native.py"):
+        assert re.findall(r"\.(argtypes|restype)\b", _python_text(path)) == []
+    assert re.findall(r"\.(argtypes|restype)\b", _python_text(VIDEO.parent / "native.py")) == ["restype", "argtypes"]
     assert "fn.restype, fn.argtypes = restype, argtypes" in inspect.getsource(native.declare)
