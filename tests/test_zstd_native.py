@@ -133,6 +133,18 @@ def test_many_streams_at_once_each_fill_their_own_buffer(pool):
     assert all(out.tobytes() == d for out, d in zip(outs, datas))
 
 
+def test_an_output_the_threads_cannot_write_straight_into_is_refused(pool):
+    stream = zs.zstd_frames(_noisy(1000), 1)
+    strided, wide, read_only = (
+        np.zeros(2000, np.uint8)[::2],
+        np.zeros(500, np.uint16),
+        np.frombuffer(bytes(1000), np.uint8),
+    )
+    for out in (strided, wide, read_only):
+        with pytest.raises(ValueError, match="contiguous uint8"):
+            pool.submit(stream, out, "samples")
+
+
 def test_a_submitted_stream_cannot_be_cancelled_and_then_failing_is_its_error(pool):
     data = _noisy(50_000)
     out = np.zeros(len(data), dtype=np.uint8)

@@ -280,6 +280,8 @@ class ZstdThreads:
         that says why the stream does not hold out.nbytes bytes. checksum: (the stream's CRC-32, the
         error where its bytes have another): checked first, nothing decompressed on a mismatch. The
         Future cannot be cancelled: the threads write into `out` until it is done."""
+        if out.dtype != np.uint8 or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError(f"the output must be a writable contiguous uint8 array, got {out.dtype} {out.flags}")
         future: Future = Future()
         future.set_running_or_notify_cancel()
         try:
