@@ -408,7 +408,11 @@ class TransformDriven:
         h, streams, later = reading.state
         _verify(h, streams, later)
         count = self.codec._restorer.sample_count(h)
-        host = host_samples(streams, count, pinned=torch.cuda.is_available())  # driven: a CUDA fetch
+        return self._prepared(reading, host_samples(streams, count, pinned=torch.cuda.is_available()))  # a CUDA fetch
+
+    def _prepared(self, reading: Reading, host: torch.Tensor) -> Reading:
+        """The read chunk with its decompressed samples, escapes and sink tokens (checksums done)."""
+        h, streams, _ = reading.state
         return dataclasses.replace(reading, state=(h, streams, (), host, self.codec._restorer.host_side(h, streams)))
 
     def submit_host(self, reading: Reading) -> Future:
@@ -432,14 +436,10 @@ class TransformDriven:
         host = torch.empty(
             self.codec._restorer.sample_count(h), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
         )
-
-        def prepared() -> Reading:
-            return dataclasses.replace(
-                reading, state=(h, streams, (), host, self.codec._restorer.host_side(h, streams))
-            )
-
         checksum = (entry.crc32, lambda: checksum_error(entry, _what(h)))
-        return threads.submit(streams["samples"], host.numpy(), "samples", prepared, checksum)
+        return threads.submit(
+            streams["samples"], host.numpy(), "samples", lambda: self._prepared(reading, host), checksum
+        )
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
         h, streams, later, *prepared = reading.state
