@@ -122,6 +122,32 @@ def test_frames_moved_between_entries_and_a_damaged_frame_are_refused(pool):
     assert _native(pool, bytes(damaged), len(data)) is None
 
 
+def _error_of(read) -> str:  # noqa: ANN001
+    with pytest.raises(CorruptStreamError) as e:
+        read()
+    return str(e.value)
+
+
+def test_of_two_bad_frames_read_at_once_the_first_is_named_as_the_reference_names_it(pool):
+    data = _noisy(40 * 500, seed=3)
+    stream = zs.zstd_frames(data, 1, 500)
+    table = zs.read_seek_table(stream, "s")
+    entries = list(table.frames)
+    (c4, d4), (c5, d5) = entries[4], entries[5]
+    entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)  # frame 4 holds a byte less than its entry, frame 5 more
+    forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+    reference = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
+    assert "frame 4 " in reference
+    for _ in range(50):  # frames 4 and 5 fail on two threads at once, in either order: frame 4 is named
+        out = np.zeros(len(data), dtype=np.uint8)
+        assert _error_of(lambda out=out: pool.submit(forged, out, "samples").result(timeout=60)) == reference
+    whole = [np.zeros(len(data), dtype=np.uint8) for _ in range(6)]
+    futures = [pool.submit(stream, out, "samples") for out in whole]
+    for f in futures:
+        f.result(timeout=60)
+    assert all(out.tobytes() == data for out in whole)
+
+
 def test_many_streams_at_once_each_fill_their_own_buffer(pool):
     datas = [_noisy(1000 + 997 * k, seed=k) for k in range(40)]
     outs = [np.zeros(len(d), dtype=np.uint8) for d in datas]

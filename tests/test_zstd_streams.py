@@ -269,7 +269,7 @@ def test_the_older_one_shot_reader_gets_the_first_frame_only_and_refuses_the_str
 # the codecs' sample streams
 
 
-def _small_frames(monkeypatch, module) -> None:
+def _small_frames(monkeypatch, module) -> None:  # the int8 codec's samples: zstd_frames' default frame size
     monkeypatch.setattr(module, "zstd_frames", functools.partial(zs.zstd_frames, frame_bytes=1000))
 
 
@@ -314,7 +314,7 @@ def test_transform_chunks_with_samples_in_frames_restore_as_one_frame_chunks(mon
     kv = synthetic_kv(64, seed=3)
     c = TransformCodec(synthetic_kvt, chunk_tokens=64, resolutions=((64, 64),), coder="zstd", bits_per_value=3.0)
     one_frame = c.encode_chunks(kv)[0].blobs[0]
-    _small_frames(monkeypatch, transform_codec)
+    monkeypatch.setattr(transform_codec, "SAMPLES_FRAME_BYTES", 1000)
     framed = c.encode_chunks(kv)[0].blobs[0]
     a, b = torch.empty_like(kv), torch.empty_like(kv)
     c.decode_chunk(one_frame, a)

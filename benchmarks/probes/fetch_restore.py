@@ -197,16 +197,19 @@ def prep(d: pathlib.Path, model_name: str, cases: list[dict], tokens: int, cal_t
 
 @contextlib.contextmanager
 def _frame_bytes(size: int | None):
-    """zstd'd samples written `size` bytes a frame in the block (None: the default)."""
+    """zstd'd samples written `size` bytes a frame in the block (None: the default): the int8
+    codec's (zstd_frames' default) and the transform's (its SAMPLES_FRAME_BYTES)."""
     from kvcodec.codecs import zstd_streams
+    from kvcodec.codecs.transform import codec as transform_codec
 
-    saved = zstd_streams.zstd_frames.__defaults__
+    saved = zstd_streams.zstd_frames.__defaults__, transform_codec.SAMPLES_FRAME_BYTES
     if size:
         zstd_streams.zstd_frames.__defaults__ = (size,)
+        transform_codec.SAMPLES_FRAME_BYTES = size
     try:
         yield
     finally:
-        zstd_streams.zstd_frames.__defaults__ = saved
+        zstd_streams.zstd_frames.__defaults__, transform_codec.SAMPLES_FRAME_BYTES = saved
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its fi
 three threads took two chunks each while three stayed idle (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the
 chunk's frames are found and checked on the caller's thread (zstd_streams.frame_spans), then
 decompressed by C threads (SOURCE, compiled at first use: kvcodec.native) straight into the caller's
-buffer, calling the system's libzstd through pointers handed over by ctypes; one Python thread turns
+buffer, each frame of a stream by whichever thread is free (the jobs in the order submitted), calling the system's libzstd through pointers handed over by ctypes; one Python thread turns
 each finished job into its Future's result. The stream's checksum (the container's CRC-32: ISA-L's, the
 isal package's, else zlib's) is checked on the same C thread first, where the caller asks.
 
@@ -54,7 +54,10 @@ typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } f
 
 /* status: 0 every frame filled its output exactly; 1 frame `at` failed (value: zstd's error
    code); 2 frame `at` held `value` bytes; 3 no decompression context (out of memory); 4 the
-   stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed) */
+   stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed).
+   Jobs are queued in order; each frame of a job goes to whichever thread is free, once the
+   job's checksum (where asked) has passed. Of several failing frames, `at` is the first: the
+   one reading them in order finds. */
 typedef struct job {
     struct job *next;
     const frame *frames;
@@ -64,6 +67,7 @@ typedef struct job {
     size_t stream_len;
     unsigned crc;
     int check;
+    int taken, left, checked;  /* the pool's: frames handed out, frames not done, 0/1/2 unchecked/checking/passed */
 } job;
 
 typedef struct {
@@ -99,18 +103,56 @@ static unsigned crc_of(pool *p, const unsigned char *at, size_t len) {
     return (unsigned)(crc & 0xFFFFFFFFul);
 }
 
-static void run(pool *p, void *dctx, job *j) {
-    j->status = 0;
-    if (j->check && crc_of(p, j->stream, j->stream_len) != j->crc) { j->status = 4; return; }
-    if (!dctx) { j->status = 3; return; }
-    for (int i = 0; i < j->count; i++) {
-        const frame *f = &j->frames[i];
-        size_t got = p->decompress(dctx, f->dst, f->dst_len, f->src, f->src_len);
-        if (p->is_error(got) || got != f->dst_len) {
-            j->status = p->is_error(got) ? 1 : 2; j->at = i; j->value = got;
-            return;
-        }
+static void finished(pool *p, job *j) {  /* under the lock */
+    push(&p->done_head, &p->done_tail, j);
+    pthread_cond_signal(&p->done);
+}
+
+static void unqueue(pool *p, job *j) {  /* under the lock */
+    job *prev = NULL;
+    for (job *at = p->head; at != j; at = at->next) prev = at;
+    if (prev) prev->next = j->next; else p->head = j->next;
+    if (p->tail == j) p->tail = prev;
+    if (!p->head && p->stop) pthread_cond_broadcast(&p->work);  /* stopping: the waiting threads end */
+}
+
+/* The first job with work a thread can take: an unchecked checksum, or a frame of a job that
+   needs no check or passed it (a job being checked is passed over). */
+static job *work_of(pool *p) {
+    for (job *j = p->head; j; j = j->next)
+        if (!j->check || j->checked != 1) return j;
+    return NULL;
+}
+
+static void check(pool *p, job *j) {  /* entered and left under the lock, released meanwhile */
+    j->checked = 1;
+    pthread_mutex_unlock(&p->mu);
+    int ok = crc_of(p, j->stream, j->stream_len) == j->crc;
+    pthread_mutex_lock(&p->mu);
+    if (!ok || !j->count) {
+        if (!ok) j->status = 4;
+        unqueue(p, j);
+        finished(p, j);
+        return;
     }
+    j->checked = 2;
+    if (j->count > 1) pthread_cond_broadcast(&p->work); else pthread_cond_signal(&p->work);
+}
+
+static void run_frame(pool *p, void *dctx, job *j) {  /* entered and left under the lock */
+    int i = j->taken++, status = 0, skip = j->status != 0;  /* a frame after one that failed: not read */
+    size_t value = 0;
+    if (j->taken == j->count) unqueue(p, j);
+    pthread_mutex_unlock(&p->mu);
+    if (!skip) {
+        const frame *f = &j->frames[i];
+        size_t got = dctx ? p->decompress(dctx, f->dst, f->dst_len, f->src, f->src_len) : 0;
+        if (!dctx) status = 3;
+        else if (p->is_error(got) || got != f->dst_len) { status = p->is_error(got) ? 1 : 2; value = got; }
+    }
+    pthread_mutex_lock(&p->mu);
+    if (status && (!j->status || i < j->at)) { j->status = status; j->at = i; j->value = value; }
+    if (--j->left == 0) finished(p, j);
 }
 
 static void *worker(void *arg) {
@@ -118,17 +160,14 @@ static void *worker(void *arg) {
     void *dctx = p->create();
     pthread_mutex_lock(&p->mu);
     for (;;) {
-        job *j = pop(&p->head, &p->tail);
+        job *j = work_of(p);
         if (!j) {
-            if (p->stop) break;
+            if (p->stop && !p->head) break;
             pthread_cond_wait(&p->work, &p->mu);
             continue;
         }
-        pthread_mutex_unlock(&p->mu);
-        run(p, dctx, j);
-        pthread_mutex_lock(&p->mu);
-        push(&p->done_head, &p->done_tail, j);
-        pthread_cond_signal(&p->done);
+        if (j->check && !j->checked) check(p, j);
+        else run_frame(p, dctx, j);
     }
     pthread_mutex_unlock(&p->mu);
     if (dctx) p->release(dctx);
@@ -154,9 +193,13 @@ int kv_zpool_threads(void *handle) { return ((pool *)handle)->started; }
 
 void kv_zpool_submit(void *handle, job *j) {
     pool *p = handle;
+    j->status = 0; j->at = 0; j->taken = 0; j->left = j->count; j->checked = 0;
     pthread_mutex_lock(&p->mu);
-    push(&p->head, &p->tail, j);
-    pthread_cond_signal(&p->work);
+    if (!j->check && !j->count) finished(p, j);
+    else {
+        push(&p->head, &p->tail, j);
+        if (j->check || j->count == 1) pthread_cond_signal(&p->work); else pthread_cond_broadcast(&p->work);
+    }
     pthread_mutex_unlock(&p->mu);
 }
 
@@ -231,6 +274,9 @@ class _Job(ctypes.Structure):
         ("stream_len", c_size_t),
         ("crc", ctypes.c_uint),
         ("check", c_int),
+        ("taken", c_int),
+        ("left", c_int),
+        ("checked", c_int),
     ]
 
 

@@ -60,6 +60,11 @@ PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy 
 # (benchmarks/results/transform-zstd-level-cpu-*.md); a mixed encode is then 1.7x faster than HEVC alone
 # (encode-gpu-h200-qwen-8k-mixed)
 ZSTD_LEVEL = 1
+# zstd frames of a chunk's samples: the native threads (codecs/zstd_native.py) decompress a stream's
+# frames on every free thread, so a short fetch's few chunks are not each left to one thread. Frames
+# over 256 KiB are compressed with the parameters of an unbounded input: on Qwen2.5's samples at 5x,
+# 512 KiB frames made 0.06% fewer bytes than one frame per chunk, 256 KiB frames 2% more.
+SAMPLES_FRAME_BYTES = 512 << 10
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
 # x265 parameters beyond the lossless ones: those of the HEVC codec, 2.3x faster than the earlier
@@ -406,7 +411,10 @@ class TransformCodec:
         parallel). Video: each frame a picture that decodes alone (its byte lengths the header's
         pieces) where the encoder can code so (encode_intra), else one stream (pieces [])."""
         if counts["coder"] != "hevc":
-            return {**streams, "samples": zstd_frames(pending, ZSTD_LEVEL)}, {**counts, "pieces": []}
+            return {**streams, "samples": zstd_frames(pending, ZSTD_LEVEL, SAMPLES_FRAME_BYTES)}, {
+                **counts,
+                "pieces": [],
+            }
         if callable(getattr(encoder, "encode_intra", None)):
             pieces = encoder.encode_intra(pending, *resolution)
             # the header's pieces are one per frame: packets cut otherwise (a separate header
