@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from kvcodec.codecs import zstd_native
 from kvcodec.codecs import zstd_streams as zs
+from kvcodec.container.format import crc32
 from kvcodec.errors import ChecksumError, CorruptStreamError
 
 DATA = st.binary(max_size=6000) | st.builds(lambda n, b: bytes([b]) * n, st.integers(0, 9000), st.integers(0, 255))
@@ -138,7 +139,7 @@ def test_of_two_bad_frames_read_at_once_the_first_is_named_as_the_reference_name
     forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
     reference = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
     assert "frame 4 " in reference
-    for _ in range(50):  # frames 4 and 5 fail on two threads at once, in either order: frame 4 is named
+    for _ in range(50):  # where frames 4 and 5 fail on two threads at once, in either order: frame 4 is named
         out = np.zeros(len(data), dtype=np.uint8)
         assert _error_of(lambda out=out: pool.submit(forged, out, "samples").result(timeout=60)) == reference
     whole = [np.zeros(len(data), dtype=np.uint8) for _ in range(6)]
@@ -146,6 +147,23 @@ def test_of_two_bad_frames_read_at_once_the_first_is_named_as_the_reference_name
     for f in futures:
         f.result(timeout=60)
     assert all(out.tobytes() == data for out in whole)
+
+
+@pytest.mark.parametrize("with_checksum", [False, True])
+def test_a_stream_of_no_frames_fills_an_empty_buffer_as_the_reference_reads_it(pool, with_checksum):
+    empty_table = zs.seek_table_bytes(zs.SeekTable(()))
+    skippable = zs.SKIPPABLE_MAGIC.to_bytes(4, "little") + (3).to_bytes(4, "little") + b"abc"
+    only_skippable = skippable + zs.seek_table_bytes(zs.SeekTable(((len(skippable), 0),)))
+    for stream in (empty_table, only_skippable):
+        assert _reference(stream, 0) == b""
+        for crc in (crc32(stream), crc32(stream) ^ 1) if with_checksum else (None,):
+            checksum = None if crc is None else (crc, lambda: ChecksumError("bad"))
+            future = pool.submit(stream, np.zeros(0, dtype=np.uint8), "samples", checksum=checksum)
+            if crc is None or crc == crc32(stream):
+                assert future.result(timeout=60) is None
+            else:
+                with pytest.raises(ChecksumError):
+                    future.result(timeout=60)
 
 
 def test_many_streams_at_once_each_fill_their_own_buffer(pool):
@@ -282,8 +300,16 @@ def test_a_stopped_pool_refuses_new_work_after_finishing_what_it_had():
     data = _noisy(20_000)
     out = np.zeros(len(data), dtype=np.uint8)
     queued = [threads.submit(zs.zstd_frames(data, 1), out, "samples") for _ in range(8)]
+    framed = zs.zstd_frames(data, 1, 700)
+    outs = [np.zeros(len(data), dtype=np.uint8) for _ in range(8)]
+    checked = [  # checksums checked first, every other one failing, their frames on both threads after
+        threads.submit(framed, o, "samples", checksum=(crc32(framed) ^ (k % 2), lambda: ChecksumError("bad")))
+        for k, o in enumerate(outs)
+    ]
     threads.stop()
-    assert all(f.done() for f in queued) and out.tobytes() == data  # drained before the threads ended
+    assert all(f.done() for f in queued + checked) and out.tobytes() == data  # drained before the threads ended
+    assert [f.exception() is None for f in checked] == [True, False] * 4
+    assert all(o.tobytes() == data for o in outs[::2]) and not any(o.any() for o in outs[1::2])
     with pytest.raises(RuntimeError, match="stopped"):
         threads.submit(zs.zstd_frames(data, 1), out, "samples")
 
@@ -297,6 +323,7 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
     """TransformDriven.submit_host (native threads) against prepare_host (the Python pool's work):
     the same samples; a corrupted samples stream is that chunk's ChecksumError either way; without
     native threads submit_host runs prepare_host on the pool."""
+    from kvcodec.codecs.transform import codec as transform_codec
     from kvcodec.codecs.transform.batch import TransformDriven
     from kvcodec.codecs.transform.codec import TransformCodec
 
@@ -305,12 +332,14 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
     from synthetic import synthetic_kv
 
     codec = TransformCodec(synthetic_kvt, chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    monkeypatch.setattr(transform_codec, "SAMPLES_FRAME_BYTES", 500)  # several frames a chunk: read in parallel
     kv = synthetic_kv(150, 7)
     driven = TransformDriven(codec)
     seen_sink = False
     for chunk in codec.encode_chunks(kv):
         target = torch.empty((*kv.shape[:2], chunk.tokens, *kv.shape[3:]), dtype=torch.float16)
         reading = driven.read(chunk.blobs[0], target)
+        assert len(zs.read_seek_table(reading.state[1]["samples"], "s").frames) > 1
         native_state, pooled_state = (
             driven.submit_host(reading).result(timeout=60).state,
             driven.prepare_host(reading).state,

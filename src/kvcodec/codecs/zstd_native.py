@@ -7,9 +7,11 @@ Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its fi
 three threads took two chunks each while three stayed idle (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the
 chunk's frames are found and checked on the caller's thread (zstd_streams.frame_spans), then
 decompressed by C threads (SOURCE, compiled at first use: kvcodec.native) straight into the caller's
-buffer, each frame of a stream by whichever thread is free (the jobs in the order submitted), calling the system's libzstd through pointers handed over by ctypes; one Python thread turns
-each finished job into its Future's result. The stream's checksum (the container's CRC-32: ISA-L's, the
-isal package's, else zlib's) is checked on the same C thread first, where the caller asks.
+buffer, calling the system's libzstd through pointers handed over by ctypes: the jobs in the order
+submitted, each frame of a job by whichever thread is free, so a fetch's few chunks are not each
+left to one thread. One Python thread turns each finished job into its Future's result. Where the
+caller asks, the stream's checksum (the container's CRC-32: ISA-L's, the isal package's, else
+zlib's) is checked by one thread before any of its frames is handed out.
 
 Where it cannot run (KVCODEC_NATIVE=0, no C compiler, no libzstd, no CRC-32 of ISA-L or zlib), `threads()` is None and the
 caller keeps zstd_streams.unzstd_into on its Python pool: the reference the tests compare with.
@@ -53,7 +55,7 @@ typedef unsigned long (*zlib_crc_fn)(unsigned long, const unsigned char *, unsig
 typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } frame;
 
 /* status: 0 every frame filled its output exactly; 1 frame `at` failed (value: zstd's error
-   code); 2 frame `at` held `value` bytes; 3 no decompression context (out of memory); 4 the
+   code); 2 frame `at` held `value` bytes; 3 no decompression context for frame `at` (out of memory); 4 the
    stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed).
    Jobs are queued in order; each frame of a job goes to whichever thread is free, once the
    job's checksum (where asked) has passed. Of several failing frames, `at` is the first: the
@@ -139,15 +141,16 @@ static void check(pool *p, job *j) {  /* entered and left under the lock, releas
     if (j->count > 1) pthread_cond_broadcast(&p->work); else pthread_cond_signal(&p->work);
 }
 
-static void run_frame(pool *p, void *dctx, job *j) {  /* entered and left under the lock */
+static void run_frame(pool *p, void **dctx, job *j) {  /* entered and left under the lock */
     int i = j->taken++, status = 0, skip = j->status != 0;  /* a frame after one that failed: not read */
     size_t value = 0;
     if (j->taken == j->count) unqueue(p, j);
     pthread_mutex_unlock(&p->mu);
+    if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
     if (!skip) {
         const frame *f = &j->frames[i];
-        size_t got = dctx ? p->decompress(dctx, f->dst, f->dst_len, f->src, f->src_len) : 0;
-        if (!dctx) status = 3;
+        size_t got = *dctx ? p->decompress(*dctx, f->dst, f->dst_len, f->src, f->src_len) : 0;
+        if (!*dctx) status = 3;
         else if (p->is_error(got) || got != f->dst_len) { status = p->is_error(got) ? 1 : 2; value = got; }
     }
     pthread_mutex_lock(&p->mu);
@@ -167,7 +170,7 @@ static void *worker(void *arg) {
             continue;
         }
         if (j->check && !j->checked) check(p, j);
-        else run_frame(p, dctx, j);
+        else run_frame(p, &dctx, j);
     }
     pthread_mutex_unlock(&p->mu);
     if (dctx) p->release(dctx);

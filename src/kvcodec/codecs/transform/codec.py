@@ -62,8 +62,9 @@ PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy 
 ZSTD_LEVEL = 1
 # zstd frames of a chunk's samples: the native threads (codecs/zstd_native.py) decompress a stream's
 # frames on every free thread, so a short fetch's few chunks are not each left to one thread. Frames
-# over 256 KiB are compressed with the parameters of an unbounded input: on Qwen2.5's samples at 5x,
-# 512 KiB frames made 0.06% fewer bytes than one frame per chunk, 256 KiB frames 2% more.
+# over 256 KiB get zstd's parameters for large inputs (smaller ones, those of its small-input tiers):
+# Qwen2.5's 2048 tokens coded at 5x / 8x came to 4.949x / 7.861x with 512 KiB frames, 4.948x / 7.852x
+# with one frame a chunk (benchmarks/results/fetch-s61-frames.md).
 SAMPLES_FRAME_BYTES = 512 << 10
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
