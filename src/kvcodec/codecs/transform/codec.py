@@ -413,10 +413,8 @@ class TransformCodec:
         parallel). Video: each frame a picture that decodes alone (its byte lengths the header's
         pieces) where the encoder can code so (encode_intra), else one stream (pieces [])."""
         if counts["coder"] != "hevc":
-            return {**streams, "samples": zstd_frames(pending, ZSTD_LEVEL, SAMPLES_FRAME_BYTES)}, {
-                **counts,
-                "pieces": [],
-            }
+            samples = zstd_frames(pending, ZSTD_LEVEL, SAMPLES_FRAME_BYTES)
+            return {**streams, "samples": samples}, {**counts, "pieces": []}
         if callable(getattr(encoder, "encode_intra", None)):
             pieces = encoder.encode_intra(pending, *resolution)
             # the header's pieces are one per frame: packets cut otherwise (a separate header
