@@ -8,8 +8,8 @@ three threads took two chunks each while three stayed idle (benchmarks/results/f
 chunk's frames are found and checked on the caller's thread (zstd_streams.frame_spans), then
 decompressed by C threads (SOURCE, compiled at first use: kvcodec.native) straight into the caller's
 buffer, calling the system's libzstd through pointers handed over by ctypes: the jobs in the order
-submitted, each frame of a job by whichever thread is free, so a fetch's few chunks are not each
-left to one thread. One Python thread turns each finished job into its Future's result. Where the
+submitted, each frame of a job by whichever thread is free, so a stream written in several frames
+is not left to one thread (kvcodec writes one frame a chunk: benchmarks/results/fetch-s61-frames.md). One Python thread turns each finished job into its Future's result. Where the
 caller asks, the stream's checksum (the container's CRC-32: ISA-L's, the isal package's, else
 zlib's) is checked by one thread before any of its frames is handed out.
 

@@ -60,7 +60,7 @@ PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy 
 # (benchmarks/results/transform-zstd-level-cpu-*.md); a mixed encode is then 1.7x faster than HEVC alone
 # (encode-gpu-h200-qwen-8k-mixed)
 ZSTD_LEVEL = 1
-# zstd frames of a chunk's samples: one (zstd_streams.SAMPLES_FRAME_BYTES). The native threads
+# zstd frames of a chunk's samples: one, whole (MAX_FRAME_BYTES). The native threads
 # (codecs/zstd_native.py) decompress a stream's frames on every free thread, so smaller frames would
 # not leave a short fetch's few chunks each to one thread; 512 KiB frames cost no bytes on Qwen2.5
 # (4.949x / 7.861x at 5x / 8x against 4.948x / 7.852x), and on 2 threads of the CPU VM one chunk
