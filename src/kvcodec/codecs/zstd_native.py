@@ -137,8 +137,8 @@ static void check(pool *p, job *j) {  /* entered and left under the lock, releas
         finished(p, j);
         return;
     }
-    j->checked = 2;
-    if (j->count > 1) pthread_cond_broadcast(&p->work); else pthread_cond_signal(&p->work);
+    j->checked = 2;  /* this thread takes a frame next; the others are woken for the rest */
+    if (j->count > 1) pthread_cond_broadcast(&p->work);
 }
 
 static void run_frame(pool *p, void **dctx, job *j) {  /* entered and left under the lock */
