@@ -3,18 +3,20 @@
 A driven fetch decompresses its zstd-coded chunks' samples on host threads. On Python threads each
 chunk crosses the interpreter lock several times (the pool's queue, the checks, the buffer, the
 decompressor's loop), and with eight chunks at once the threads start one after another: a 2048-token
-Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its first, and in another
-three threads took two chunks each while three stayed idle (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the
-chunk's frames are found and checked on the caller's thread (zstd_streams.frame_spans), then
-decompressed by C threads (SOURCE, compiled at first use: kvcodec.native) straight into the caller's
-buffer, calling the system's libzstd through pointers handed over by ctypes: the jobs in the order
-submitted, each frame of a job by whichever thread is free, so a stream written in several frames
-is not left to one thread (kvcodec writes one frame a chunk: benchmarks/results/fetch-s61-frames.md). One Python thread turns each finished job into its Future's result. Where the
-caller asks, the stream's checksum (the container's CRC-32: ISA-L's, the isal package's, else
-zlib's) is checked by one thread before any of its frames is handed out.
+Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its first, and in another fetch
+three threads took two chunks each while three stayed idle
+(benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the chunk's frames are found and checked on the
+caller's thread (zstd_streams.frame_spans), then decompressed by C threads (SOURCE, compiled at first
+use: kvcodec.native) straight into the caller's buffer, calling the system's libzstd through pointers
+handed over by ctypes: the jobs in the order submitted, each frame of a job by whichever thread is free,
+so a stream written in several frames is not left to one thread (kvcodec writes one frame a chunk:
+benchmarks/results/fetch-s61-frames.md). One Python thread turns each finished job into its Future's
+result. Where the caller asks, the stream's checksum (the container's CRC-32: ISA-L's, the isal
+package's, else zlib's) is checked by one thread before any of its frames is handed out.
 
-Where it cannot run (KVCODEC_NATIVE=0, no C compiler, no libzstd, no CRC-32 of ISA-L or zlib), `threads()` is None and the
-caller keeps zstd_streams.unzstd_into on its Python pool: the reference the tests compare with.
+Where it cannot run (KVCODEC_NATIVE=0, no C compiler, no libzstd, no CRC-32 of ISA-L or zlib),
+`threads()` is None and the caller keeps zstd_streams.unzstd_into on its Python pool: the reference the
+tests compare with.
 """
 
 from __future__ import annotations
