@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
 """Probe (issue 21): the native zstd threads' time to decompress a fetch's first 1, 2 and 8 chunks'
-samples, submitted at once (median of rounds that take the cases in turn), with the transform's
-samples in 512 KiB frames (each frame on whichever thread is free) against one frame a chunk (the
-default: each chunk on one thread). Same KV, same calibration: a store prepared by fetch_restore.py
-with framed twins of its cases:
+samples, submitted at once (median of rounds that take the cases in turn), for every transform case of a
+store prepared by fetch_restore.py: the same KV and calibration with the samples in frames of several
+sizes (`zframe`; without it, the default: 512 KiB). benchmarks/results/fetch-h100-s62-frames.md:
 
     python benchmarks/probes/fetch_restore.py prep --model qwen2.5-coder-0.5b --dir D --tokens 2048 \\
-        --text pg/gap,pg/love,pg/web20 --cases t5f:ratio=5,coder=zstd,zframe=524288 --cases t5z:ratio=5,coder=zstd \\
-        --cases t8f:ratio=8,coder=zstd,zframe=524288 --cases t8z:ratio=8,coder=zstd
+        --text pg/gap,pg/love,pg/web20 --cases t5f:ratio=5,coder=zstd --cases t5z:ratio=5,coder=zstd,zframe=1073741824 \\
+        --cases t8f:ratio=8,coder=zstd --cases t8z:ratio=8,coder=zstd,zframe=1073741824
     python benchmarks/probes/native_frames.py D THREADS [OUT.json]
 """
 
@@ -27,7 +26,6 @@ from kvcodec.codecs import zstd_native
 from kvcodec.fetcher import PrefixCache
 from kvcodec.store import open_store
 
-CASES = ("t5f", "t5z", "t8f", "t8z")
 COUNTS = (1, 2, 8)
 REPEAT = 20  # fetches a round (after 5 warm-ups): their median is the round's
 ROUNDS = 6
@@ -65,11 +63,12 @@ def main() -> None:
     if pool is None:
         sys.exit("no native zstd threads here")
     store, cal = open_store(f"file://{d / 'store'}"), read_pack(d / "transform.pack.safetensors")
-    cases = {c["name"]: c for c in doc["cases"] if c["name"] in CASES}
-    chunks = {name: _samples(d, doc, store, cases[name], cal) for name in CASES}
-    runs: dict[tuple[str, int], list[float]] = {(name, n): [] for name in CASES for n in COUNTS}
+    cases = {c["name"]: c for c in doc["cases"] if c["codec"] == "transform"}
+    names = list(cases)
+    chunks = {name: _samples(d, doc, store, cases[name], cal) for name in names}
+    runs: dict[tuple[str, int], list[float]] = {(name, n): [] for name in names for n in COUNTS}
     for r in range(ROUNDS):  # the cases in turn, in alternating order: a drifting machine favours none
-        for name in CASES if r % 2 == 0 else CASES[::-1]:
+        for name in names if r % 2 == 0 else names[::-1]:
             for n in COUNTS:
                 runs[(name, n)].append(_median_ms(pool, chunks[name][:n]))
     out = {"command": "python " + " ".join(sys.argv), "threads": pool.threads, "repeat": REPEAT, "rounds": ROUNDS}
