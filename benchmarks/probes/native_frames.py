@@ -2,11 +2,11 @@
 """Probe (issue 21): the native zstd threads' time to decompress a fetch's first 1, 2 and 8 chunks'
 samples, submitted at once (median of rounds that take the cases in turn), for every transform case of a
 store prepared by fetch_restore.py: the same KV and calibration with the samples in frames of several
-sizes (`zframe`; without it, the default: 512 KiB). benchmarks/results/fetch-h100-s62-frames.md:
+sizes (`zframe`; without it, the default: one frame a chunk). benchmarks/results/fetch-h100-s62-frames.md:
 
     python benchmarks/probes/fetch_restore.py prep --model qwen2.5-coder-0.5b --dir D --tokens 2048 \\
-        --text pg/gap,pg/love,pg/web20 --cases t5f:ratio=5,coder=zstd --cases t5z:ratio=5,coder=zstd,zframe=1073741824 \\
-        --cases t8f:ratio=8,coder=zstd --cases t8z:ratio=8,coder=zstd,zframe=1073741824
+        --text pg/gap,pg/love,pg/web20 --cases t5f:ratio=5,coder=zstd,zframe=524288 --cases t5z:ratio=5,coder=zstd \\
+        --cases t8f:ratio=8,coder=zstd,zframe=524288 --cases t8z:ratio=8,coder=zstd
     python benchmarks/probes/native_frames.py D THREADS [OUT.json]
 """
 

@@ -9,8 +9,8 @@ three threads took two chunks each while three stayed idle
 caller's thread (zstd_streams.frame_spans), then decompressed by C threads (SOURCE, compiled at first
 use: kvcodec.native) straight into the caller's buffer, calling the system's libzstd through pointers
 handed over by ctypes: the jobs in the order submitted, each frame of a job by whichever thread is free,
-so a stream written in several frames is not left to one thread (the transform codec writes 512 KiB
-frames: benchmarks/results/fetch-h100-s62-frames.md). One Python thread turns each finished job into its Future's
+so a stream written in several frames is not left to one thread (kvcodec writes one frame a chunk:
+benchmarks/results/fetch-h100-s62-frames.md). One Python thread turns each finished job into its Future's
 result. Where the caller asks, the stream's checksum (the container's CRC-32: ISA-L's, the isal
 package's, else zlib's) is checked by one thread before any of its frames is handed out.
 

@@ -25,7 +25,7 @@ import zstandard
 from kvcodec.errors import CorruptStreamError
 
 MAX_FRAME_BYTES = 1 << 30  # the seekable format's reference implementation's limit per frame
-# A chunk's samples per frame (the int8 codec's; the transform's is its own, 512 KiB): one frame (and its
+# A chunk's samples per frame (the int8 codec's; the transform's is its own, also one): one frame (and its
 # table). 128 KiB-1 MiB frames cost no bytes (within 0.1% on SmolLM2, benchmarks/results/zstd-frames-cpu.md) and
 # halve one chunk's decompression alone when read in parallel, but a driven fetch on the H200 restored int8 KV
 # 1.3-1.7x slower with 256 KiB frames read on a pool of Python threads than with one frame per chunk on the host

@@ -31,7 +31,7 @@ from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_orde
 from kvcodec.codecs.transform.decode import TARGET_DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
 from kvcodec.codecs.transform.level import SampleRate
-from kvcodec.codecs.zstd_streams import zstd_frames
+from kvcodec.codecs.zstd_streams import MAX_FRAME_BYTES, zstd_frames
 from kvcodec.config import real_number, video_frame_sizes, whole_number
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
 from kvcodec.dtypes import DTYPES
@@ -60,12 +60,12 @@ PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy 
 # (benchmarks/results/transform-zstd-level-cpu-*.md); a mixed encode is then 1.7x faster than HEVC alone
 # (encode-gpu-h200-qwen-8k-mixed)
 ZSTD_LEVEL = 1
-# zstd frames of a chunk's samples: 512 KiB (three at 5x on Qwen2.5's 1.44 MB a chunk). The native threads
-# (codecs/zstd_native.py) decompress a stream's frames on every free thread, so a short fetch's few chunks are not
-# each left to one thread. Against one frame a chunk, on an H100 machine: Qwen2.5's 2048-token fetch 1.13-1.23x
-# faster, a Llama-3-8B-shaped 8k engine fetch 1.04x (medians of 4 runs), bytes within 0.1%; 256 KiB frames
-# cost 0.1-0.7% more bytes and lost on the Llama shape (benchmarks/results/fetch-h100-s62-frames.md).
-SAMPLES_FRAME_BYTES = 512 << 10
+# zstd frames of a chunk's samples: one, whole (MAX_FRAME_BYTES). The native threads (codecs/zstd_native.py)
+# would decompress 512 KiB frames of a stream on every free thread: same bytes, Qwen2.5's 2048-token fetch
+# 1.13-1.23x faster and a Llama-3-8B-shaped 8k fetch 1.04x (H100), but beside a 32k Llama-shaped fetch on the
+# H200 a bf16 matmul lost 9.2-10.0% instead of 6.3-6.6% at 5x (6.3-7.6% against 4.5-4.9% at 8x), for no
+# faster restore there (benchmarks/results/fetch-h100-s62-frames.md).
+SAMPLES_FRAME_BYTES = MAX_FRAME_BYTES
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
 # x265 parameters beyond the lossless ones: those of the HEVC codec, 2.3x faster than the earlier
