@@ -364,3 +364,56 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
     monkeypatch.setattr(zstd_native, "threads", lambda count: None)
     pooled = driven.submit_host(reading).result(timeout=60).state[3]
     assert torch.equal(pooled, natively)
+
+
+def test_a_stop_while_a_checksum_is_being_checked_finishes_that_stream_then_ends_every_thread():
+    """stop() called while one thread is inside a stream's CRC (held there by a CRC function that
+    waits to be released) and the other waits for work, having finished the stream queued behind it:
+    the checked stream is still decompressed, and its end wakes the waiting thread to end too. The CRC
+    is released once stop() has entered the native code."""
+    import ctypes
+    import threading
+    import zlib
+
+    lib_path = zstd_native.native.build("zstd_pool", zstd_native.SOURCE) if zstd_native.native.ENABLED else None
+    zstd = zstd_native._system_library("zstd", ("libzstd.so.1",), zstd_native.ZSTD_SIGNATURES)
+    if lib_path is None or zstd is None:
+        pytest.skip("no native zstd threads here")
+    entered, release, stopping = threading.Event(), threading.Event(), threading.Event()
+
+    @ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint)
+    def held_crc(crc, at, size):  # zlib's crc32, held on its first look at a stream's bytes
+        if not at:
+            return 0
+        if not entered.is_set():
+            entered.set()
+            release.wait(60)
+        return zlib.crc32(ctypes.string_at(at, size), crc)
+
+    lib = zstd_native.native.declare(ctypes.CDLL(str(lib_path)), zstd_native.SIGNATURES)
+    threads = zstd_native.ZstdThreads(lib, zstd, (held_crc, False), 2)
+
+    class _Lib:  # the pool's library, saying when stop() enters the native code
+        def __getattr__(self, name):  # noqa: ANN204
+            return getattr(lib, name)
+
+        def kv_zpool_stop(self, handle):  # noqa: ANN001, ANN202
+            stopping.set()
+            return lib.kv_zpool_stop(handle)
+
+    threads.lib = _Lib()
+    data = _noisy(20_000)
+    whole, framed = zs.zstd_frames(data, 1), zs.zstd_frames(data, 1, 3000)
+    held_out, other_out = np.zeros(len(data), dtype=np.uint8), np.zeros(len(data), dtype=np.uint8)
+    held = threads.submit(whole, held_out, "samples", checksum=(crc32(whole), lambda: ChecksumError("bad")))
+    assert entered.wait(60)
+    # done once the other thread, under the pool's lock, found no more work and waits for some
+    assert threads.submit(framed, other_out, "samples").result(timeout=60) is None
+    stopper = threading.Thread(target=threads.stop)
+    stopper.start()
+    assert stopping.wait(60)
+    release.set()
+    stopper.join(60)
+    assert not stopper.is_alive()  # both threads ended
+    assert held.result(timeout=60) is None
+    assert held_out.tobytes() == data and other_out.tobytes() == data

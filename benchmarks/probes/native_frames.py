@@ -63,7 +63,7 @@ def main() -> None:
     if pool is None:
         sys.exit("no native zstd threads here")
     store, cal = open_store(f"file://{d / 'store'}"), read_pack(d / "transform.pack.safetensors")
-    cases = {c["name"]: c for c in doc["cases"] if c["codec"] == "transform"}
+    cases = {c["name"]: c for c in doc["cases"] if c["codec"] == "transform" and c.get("coder") in (None, "zstd")}
     names = list(cases)
     chunks = {name: _samples(d, doc, store, cases[name], cal) for name in names}
     runs: dict[tuple[str, int], list[float]] = {(name, n): [] for name in names for n in COUNTS}
