@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -61,6 +62,49 @@ def _native(pool, stream: bytes, size: int) -> bytes | None:
 
 def _same(pool, stream: bytes, size: int) -> None:
     assert _native(pool, stream, size) == _reference(stream, size)
+
+
+class _HeldCrc:
+    """Native threads whose CRC-32 (zlib's) holds the first stream it checks until released: the
+    threads' states made certain without waiting on the clock."""
+
+    def __init__(self, count: int):
+        import ctypes
+        import threading
+        import zlib
+
+        lib_path = zstd_native.native.build("zstd_pool", zstd_native.SOURCE) if zstd_native.native.ENABLED else None
+        zstd = zstd_native._system_library("zstd", ("libzstd.so.1",), zstd_native.ZSTD_SIGNATURES)
+        if lib_path is None or zstd is None:
+            pytest.skip("no native zstd threads here")
+        self.entered, self.release, self.stopping = threading.Event(), threading.Event(), threading.Event()
+
+        @ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint)
+        def held_crc(crc, at, size):
+            if not at:
+                return 0
+            if not self.entered.is_set():
+                self.entered.set()
+                self.release.wait(60)
+            return zlib.crc32(ctypes.string_at(at, size), crc)
+
+        self._crc, self.lib = held_crc, zstd_native.native.declare(ctypes.CDLL(str(lib_path)), zstd_native.SIGNATURES)
+        self.threads = zstd_native.ZstdThreads(self.lib, zstd, (held_crc, False), count)
+        self.threads.lib = self  # stop() through kv_zpool_stop below, the rest through __getattr__
+
+    def __getattr__(self, name):  # noqa: ANN204
+        return getattr(self.lib, name)
+
+    def kv_zpool_stop(self, handle):  # noqa: ANN001, ANN202
+        self.stopping.set()
+        return self.lib.kv_zpool_stop(handle)
+
+    def hold(self, data: bytes) -> Future:
+        """A stream submitted with its checksum, its thread held in the CRC (once this returns)."""
+        stream = zs.zstd_frames(data, 1)
+        future = self.threads.submit(stream, np.zeros(len(data), dtype=np.uint8), "s", checksum=(crc32(stream), None))
+        assert self.entered.wait(60)
+        return future
 
 
 @given(DATA, FRAME_BYTES)
@@ -147,6 +191,40 @@ def test_of_two_bad_frames_read_at_once_the_first_is_named_as_the_reference_name
     for f in futures:
         f.result(timeout=60)
     assert all(out.tobytes() == data for out in whole)
+
+
+def test_streams_queued_behind_others_read_as_the_reference_reads_each_of_them():
+    """A stream queued behind another is read whole by one thread, in order (its frames are spread
+    over free threads only while it is alone): queued behind a held stream on one thread, sound,
+    damaged and truncated streams each fill their buffer or are refused with the reference's words."""
+    held = _HeldCrc(1)
+    pool = held.threads
+    first = held.hold(_noisy(1000))
+    data = _noisy(40 * 500, seed=5)
+    stream = zs.zstd_frames(data, 1, 500)
+    table = zs.read_seek_table(stream, "s")
+    entries = list(table.frames)
+    (c4, d4), (c5, d5) = entries[4], entries[5]
+    entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)
+    forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+    damaged = bytearray(stream)
+    damaged[entries[7][0] // 2] ^= 0xFF  # a byte inside frame 0 or 1's compressed bytes
+    streams = [stream, forged, bytes(damaged), stream[:-1]] * 6
+    outs = [np.zeros(len(data), dtype=np.uint8) for _ in streams]
+    futures = [pool.submit(s, out, "samples") for s, out in zip(streams, outs)]
+    held.release.set()
+    for s, out, future in zip(streams, outs, futures):
+        try:
+            future.result(timeout=60)
+            got = out.tobytes()
+        except CorruptStreamError:
+            got = None
+        assert got == _reference(s, len(data))
+    named = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
+    assert "frame 4 " in named
+    assert all(_error_of(lambda f=f: f.result(timeout=60)) == named for f in futures[1::4])
+    assert first.result(timeout=60) is None
+    pool.stop()
 
 
 @pytest.mark.parametrize("with_checksum", [False, True])
@@ -367,53 +445,22 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
 
 
 def test_a_stop_while_a_checksum_is_being_checked_finishes_that_stream_then_ends_every_thread():
-    """stop() called while one thread is inside a stream's CRC (held there by a CRC function that
-    waits to be released) and the other waits for work, having finished the stream queued behind it:
-    the checked stream is still decompressed, and its end wakes the waiting thread to end too. The CRC
-    is released once stop() has entered the native code."""
-    import ctypes
+    """stop() called while one thread is inside a stream's CRC (held there) and the other waits for
+    work, having finished the stream queued behind it: the checked stream is still decompressed, and
+    its end wakes the waiting thread to end too. The CRC is released once stop() has entered the
+    native code."""
     import threading
-    import zlib
 
-    lib_path = zstd_native.native.build("zstd_pool", zstd_native.SOURCE) if zstd_native.native.ENABLED else None
-    zstd = zstd_native._system_library("zstd", ("libzstd.so.1",), zstd_native.ZSTD_SIGNATURES)
-    if lib_path is None or zstd is None:
-        pytest.skip("no native zstd threads here")
-    entered, release, stopping = threading.Event(), threading.Event(), threading.Event()
-
-    @ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint)
-    def held_crc(crc, at, size):  # zlib's crc32, held on its first look at a stream's bytes
-        if not at:
-            return 0
-        if not entered.is_set():
-            entered.set()
-            release.wait(60)
-        return zlib.crc32(ctypes.string_at(at, size), crc)
-
-    lib = zstd_native.native.declare(ctypes.CDLL(str(lib_path)), zstd_native.SIGNATURES)
-    threads = zstd_native.ZstdThreads(lib, zstd, (held_crc, False), 2)
-
-    class _Lib:  # the pool's library, saying when stop() enters the native code
-        def __getattr__(self, name):  # noqa: ANN204
-            return getattr(lib, name)
-
-        def kv_zpool_stop(self, handle):  # noqa: ANN001, ANN202
-            stopping.set()
-            return lib.kv_zpool_stop(handle)
-
-    threads.lib = _Lib()
+    held = _HeldCrc(2)
     data = _noisy(20_000)
-    whole, framed = zs.zstd_frames(data, 1), zs.zstd_frames(data, 1, 3000)
-    held_out, other_out = np.zeros(len(data), dtype=np.uint8), np.zeros(len(data), dtype=np.uint8)
-    held = threads.submit(whole, held_out, "samples", checksum=(crc32(whole), lambda: ChecksumError("bad")))
-    assert entered.wait(60)
+    first = held.hold(data)
+    other_out = np.zeros(len(data), dtype=np.uint8)
     # done once the other thread, under the pool's lock, found no more work and waits for some
-    assert threads.submit(framed, other_out, "samples").result(timeout=60) is None
-    stopper = threading.Thread(target=threads.stop)
+    assert held.threads.submit(zs.zstd_frames(data, 1, 3000), other_out, "s").result(timeout=60) is None
+    stopper = threading.Thread(target=held.threads.stop)
     stopper.start()
-    assert stopping.wait(60)
-    release.set()
+    assert held.stopping.wait(60)
+    held.release.set()
     stopper.join(60)
     assert not stopper.is_alive()  # both threads ended
-    assert held.result(timeout=60) is None
-    assert held_out.tobytes() == data and other_out.tobytes() == data
+    assert first.result(timeout=60) is None and other_out.tobytes() == data

@@ -8,11 +8,14 @@ three threads took two chunks each while three stayed idle
 (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the chunk's frames are found and checked on the
 caller's thread (zstd_streams.frame_spans), then decompressed by C threads (SOURCE, compiled at first
 use: kvcodec.native) straight into the caller's buffer, calling the system's libzstd through pointers
-handed over by ctypes: the jobs in the order submitted, each frame of a job by whichever thread is free,
-so a stream written in several frames is not left to one thread (kvcodec writes one frame a chunk:
-benchmarks/results/fetch-h100-s62-frames.md). One Python thread turns each finished job into its Future's
-result. Where the caller asks, the stream's checksum (the container's CRC-32: ISA-L's, the isal
-package's, else zlib's) is checked by one thread before any of its frames is handed out.
+handed over by ctypes: the jobs in the order submitted; a stream written in several frames has them
+decompressed by every free thread while no other job is queued behind it (a short fetch's first chunk),
+else the frames it has left by one thread. kvcodec writes one frame a chunk: 512 KiB frames, each on
+whichever thread was free, cost a bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
+(benchmarks/results/fetch-h100-s62-frames.md); frames queued behind other work are read whole since.
+One Python thread turns each finished job into its Future's result. Where the caller asks, the stream's
+checksum (the container's CRC-32: ISA-L's, the isal package's, else zlib's) is checked by one thread
+before any of its frames is handed out.
 
 Where it cannot run (KVCODEC_NATIVE=0, no C compiler, no libzstd, no CRC-32 of ISA-L or zlib),
 `threads()` is None and the caller keeps zstd_streams.unzstd_into on its Python pool: the reference the
@@ -59,9 +62,10 @@ typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } f
 /* status: 0 every frame filled its output exactly; 1 frame `at` failed (value: zstd's error
    code); 2 frame `at` held `value` bytes; 3 no decompression context for frame `at` (out of memory); 4 the
    stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed).
-   Jobs are queued in order; each frame of a job goes to whichever thread is free, once the
-   job's checksum (where asked) has passed. Of several failing frames, `at` is the first: the
-   one reading them in order finds. */
+   Jobs are queued in order; once a job's checksum (where asked) has passed, its frames go to
+   whichever thread is free while no other job is queued behind it, and otherwise all that are left
+   to the next thread (a long fetch keeps each thread on a stream of its own). Of several failing
+   frames, `at` is the first: the one reading them in order finds. */
 typedef struct job {
     struct job *next;
     const frame *frames;
@@ -139,25 +143,30 @@ static void check(pool *p, job *j) {  /* entered and left under the lock, releas
         finished(p, j);
         return;
     }
-    j->checked = 2;  /* this thread takes a frame next; the others are woken for the rest */
-    if (j->count > 1) pthread_cond_broadcast(&p->work);
+    j->checked = 2;  /* this thread takes a frame next; the others are woken for the rest, if it is alone */
+    if (j->count > 1 && !j->next) pthread_cond_broadcast(&p->work);
 }
 
-static void run_frame(pool *p, void **dctx, job *j) {  /* entered and left under the lock */
-    int i = j->taken++, status = 0, skip = j->status != 0;  /* a frame after one that failed: not read */
+/* Frames [first, end) of a job, in order, stopping at the first that fails (entered and left under
+   the lock): one frame while the job is alone in the queue, else every frame it has left. */
+static void run_frames(pool *p, void **dctx, job *j) {
+    int first = j->taken, end = j->next ? j->count : first + 1, at = first, status = 0;
+    int skip = j->status != 0;  /* frames after one that failed: not read */
     size_t value = 0;
-    if (j->taken == j->count) unqueue(p, j);
+    j->taken = end;
+    if (end == j->count) unqueue(p, j);
     pthread_mutex_unlock(&p->mu);
     if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
-    if (!skip) {
-        const frame *f = &j->frames[i];
+    for (; !skip && !status && at < end; at++) {
+        const frame *f = &j->frames[at];
         size_t got = *dctx ? p->decompress(*dctx, f->dst, f->dst_len, f->src, f->src_len) : 0;
         if (!*dctx) status = 3;
         else if (p->is_error(got) || got != f->dst_len) { status = p->is_error(got) ? 1 : 2; value = got; }
     }
     pthread_mutex_lock(&p->mu);
-    if (status && (!j->status || i < j->at)) { j->status = status; j->at = i; j->value = value; }
-    if (--j->left == 0) finished(p, j);
+    if (status && (!j->status || at - 1 < j->at)) { j->status = status; j->at = at - 1; j->value = value; }
+    j->left -= end - first;
+    if (j->left == 0) finished(p, j);
 }
 
 static void *worker(void *arg) {
@@ -172,7 +181,7 @@ static void *worker(void *arg) {
             continue;
         }
         if (j->check && !j->checked) check(p, j);
-        else run_frame(p, &dctx, j);
+        else run_frames(p, &dctx, j);
     }
     pthread_mutex_unlock(&p->mu);
     if (dctx) p->release(dctx);
