@@ -193,38 +193,43 @@ def test_of_two_bad_frames_read_at_once_the_first_is_named_as_the_reference_name
     assert all(out.tobytes() == data for out in whole)
 
 
-def test_streams_queued_behind_others_read_as_the_reference_reads_each_of_them():
-    """A stream queued behind another is read whole by one thread, in order (its frames are spread
-    over free threads only while it is alone): queued behind a held stream on one thread, sound,
-    damaged and truncated streams each fill their buffer or are refused with the reference's words."""
-    held = _HeldCrc(1)
+@pytest.mark.parametrize("count", [1, 2])
+def test_streams_queued_behind_a_held_one_read_as_the_reference_reads_each_of_them(count):
+    """Streams queued while one thread is held in a CRC: each thread reads a stream of its own in order,
+    and a thread with none helps another's (its frames then split between threads). Sound, damaged
+    and truncated streams each fill their buffer or are refused with the reference's words."""
+    held = _HeldCrc(count)
     pool = held.threads
-    first = held.hold(_noisy(1000))
-    data = _noisy(40 * 500, seed=5)
-    stream = zs.zstd_frames(data, 1, 500)
-    table = zs.read_seek_table(stream, "s")
-    entries = list(table.frames)
-    (c4, d4), (c5, d5) = entries[4], entries[5]
-    entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)
-    forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
-    damaged = bytearray(stream)
-    damaged[entries[7][0] // 2] ^= 0xFF  # a byte inside frame 0 or 1's compressed bytes
-    streams = [stream, forged, bytes(damaged), stream[:-1]] * 6
-    outs = [np.zeros(len(data), dtype=np.uint8) for _ in streams]
-    futures = [pool.submit(s, out, "samples") for s, out in zip(streams, outs)]
-    held.release.set()
-    for s, out, future in zip(streams, outs, futures):
-        try:
-            future.result(timeout=60)
-            got = out.tobytes()
-        except CorruptStreamError:
-            got = None
-        assert got == _reference(s, len(data))
-    named = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
-    assert "frame 4 " in named
-    assert all(_error_of(lambda f=f: f.result(timeout=60)) == named for f in futures[1::4])
-    assert first.result(timeout=60) is None
-    pool.stop()
+    try:
+        first = held.hold(_noisy(1000))
+        data = _noisy(40 * 500, seed=5)
+        stream = zs.zstd_frames(data, 1, 500)
+        table = zs.read_seek_table(stream, "s")
+        entries = list(table.frames)
+        (c4, d4), (c5, d5) = entries[4], entries[5]
+        entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)
+        forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+        damaged = bytearray(stream)
+        damaged[entries[7][0] // 2] ^= 0xFF  # a byte inside frame 0 or 1's compressed bytes
+        streams = [stream, forged, bytes(damaged), stream[:-1]] * 6
+        outs = [np.zeros(len(data), dtype=np.uint8) for _ in streams]
+        futures = [pool.submit(s, out, "samples") for s, out in zip(streams, outs)]
+    finally:
+        held.release.set()
+    try:
+        for s, out, future in zip(streams, outs, futures):
+            try:
+                future.result(timeout=60)
+                got = out.tobytes()
+            except CorruptStreamError:
+                got = None
+            assert got == _reference(s, len(data))
+        named = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
+        assert "frame 4 " in named
+        assert all(_error_of(lambda f=f: f.result(timeout=60)) == named for f in futures[1::4])
+        assert first.result(timeout=60) is None
+    finally:
+        pool.stop()
 
 
 @pytest.mark.parametrize("with_checksum", [False, True])

@@ -8,11 +8,11 @@ three threads took two chunks each while three stayed idle
 (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the chunk's frames are found and checked on the
 caller's thread (zstd_streams.frame_spans), then decompressed by C threads (SOURCE, compiled at first
 use: kvcodec.native) straight into the caller's buffer, calling the system's libzstd through pointers
-handed over by ctypes: the jobs in the order submitted; a stream written in several frames has them
-decompressed by every free thread while no other job is queued behind it (a short fetch's first chunk),
-else the frames it has left by one thread. kvcodec writes one frame a chunk: 512 KiB frames, each on
-whichever thread was free, cost a bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
-(benchmarks/results/fetch-h100-s62-frames.md); frames queued behind other work are read whole since.
+handed over by ctypes: the jobs in the order submitted. A thread reads a stream's frames in order until
+they are all handed out; a free thread starts a stream no thread reads, else helps the oldest one with
+frames left. kvcodec writes one frame a chunk: 512 KiB frames, each on whichever thread was free, cost a
+bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
+(benchmarks/results/fetch-h100-s62-frames.md); threads stay with a stream of their own since.
 One Python thread turns each finished job into its Future's result. Where the caller asks, the stream's
 checksum (the container's CRC-32: ISA-L's, the isal package's, else zlib's) is checked by one thread
 before any of its frames is handed out.
@@ -62,10 +62,12 @@ typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } f
 /* status: 0 every frame filled its output exactly; 1 frame `at` failed (value: zstd's error
    code); 2 frame `at` held `value` bytes; 3 no decompression context for frame `at` (out of memory); 4 the
    stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed).
-   Jobs are queued in order; once a job's checksum (where asked) has passed, its frames go to
-   whichever thread is free while no other job is queued behind it, and otherwise all that are left
-   to the next thread (a long fetch keeps each thread on a stream of its own). Of several failing
-   frames, `at` is the first: the one reading them in order finds. */
+   Jobs are queued in order; once a job's checksum (where asked) has passed, its frames are handed
+   out in order, one at a time. A thread stays with its job until the job's frames are all handed
+   out; a free thread checks or starts a job that no thread reads, else helps the oldest job with
+   frames left (a long fetch keeps each thread on a stream of its own; a short one's last streams
+   get every thread). Of several failing frames, `at` is the first: the one reading them in order
+   finds. */
 typedef struct job {
     struct job *next;
     const frame *frames;
@@ -75,7 +77,8 @@ typedef struct job {
     size_t stream_len;
     unsigned crc;
     int check;
-    int taken, left, checked;  /* the pool's: frames handed out, frames not done, 0/1/2 unchecked/checking/passed */
+    int taken, left, checked, active;  /* the pool's: frames handed out, frames not done,
+                                           0/1/2 unchecked/checking/passed, threads reading a frame */
 } job;
 
 typedef struct {
@@ -124,15 +127,21 @@ static void unqueue(pool *p, job *j) {  /* under the lock */
     if (!p->head && p->stop) pthread_cond_broadcast(&p->work);  /* stopping: the waiting threads end */
 }
 
-/* The first job with work a thread can take: an unchecked checksum, or a frame of a job that
-   needs no check or passed it (a job being checked is passed over). */
+/* The work a free thread takes: the first job with an unchecked checksum or with frames that no
+   thread reads, else the first job with frames left (a job being checked is passed over). */
 static job *work_of(pool *p) {
-    for (job *j = p->head; j; j = j->next)
-        if (!j->check || j->checked != 1) return j;
-    return NULL;
+    job *help = NULL;
+    for (job *j = p->head; j; j = j->next) {
+        if (j->check && j->checked == 1) continue;
+        if ((j->check && !j->checked) || !j->active) return j;
+        if (!help) help = j;
+    }
+    return help;
 }
 
-static void check(pool *p, job *j) {  /* entered and left under the lock, released meanwhile */
+/* The job's checksum (entered and left under the lock, released meanwhile): the job if it passed and
+   has frames, for this thread to read on; else NULL, the job finished. */
+static job *check(pool *p, job *j) {
     j->checked = 1;
     pthread_mutex_unlock(&p->mu);
     int ok = crc_of(p, j->stream, j->stream_len) == j->crc;
@@ -141,47 +150,48 @@ static void check(pool *p, job *j) {  /* entered and left under the lock, releas
         if (!ok) j->status = 4;
         unqueue(p, j);
         finished(p, j);
-        return;
+        return NULL;
     }
-    j->checked = 2;  /* this thread takes a frame next; the others are woken for the rest, if it is alone */
-    if (j->count > 1 && !j->next) pthread_cond_broadcast(&p->work);
+    j->checked = 2;  /* the others are woken to help with the rest */
+    if (j->count > 1) pthread_cond_broadcast(&p->work);
+    return j;
 }
 
-/* Frames [first, end) of a job, in order, stopping at the first that fails (entered and left under
-   the lock): one frame while the job is alone in the queue, else every frame it has left. */
-static void run_frames(pool *p, void **dctx, job *j) {
-    int first = j->taken, end = j->next ? j->count : first + 1, at = first, status = 0;
-    int skip = j->status != 0;  /* frames after one that failed: not read */
+/* The job's next frame (entered and left under the lock): the job if it has frames left to hand
+   out, for this thread to read on; else NULL (it may be finished). */
+static job *run_frame(pool *p, void **dctx, job *j) {
+    int i = j->taken++, status = 0, skip = j->status != 0;  /* a frame after one that failed: not read */
     size_t value = 0;
-    j->taken = end;
-    if (end == j->count) unqueue(p, j);
+    if (j->taken == j->count) unqueue(p, j);
+    j->active++;
     pthread_mutex_unlock(&p->mu);
     if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
-    for (; !skip && !status && at < end; at++) {
-        const frame *f = &j->frames[at];
+    if (!skip) {
+        const frame *f = &j->frames[i];
         size_t got = *dctx ? p->decompress(*dctx, f->dst, f->dst_len, f->src, f->src_len) : 0;
         if (!*dctx) status = 3;
         else if (p->is_error(got) || got != f->dst_len) { status = p->is_error(got) ? 1 : 2; value = got; }
     }
     pthread_mutex_lock(&p->mu);
-    if (status && (!j->status || at - 1 < j->at)) { j->status = status; j->at = at - 1; j->value = value; }
-    j->left -= end - first;
-    if (j->left == 0) finished(p, j);
+    j->active--;
+    if (status && (!j->status || i < j->at)) { j->status = status; j->at = i; j->value = value; }
+    int more = j->taken < j->count;
+    if (--j->left == 0) finished(p, j);
+    return more ? j : NULL;
 }
 
 static void *worker(void *arg) {
     pool *p = arg;
     void *dctx = p->create();
     pthread_mutex_lock(&p->mu);
-    for (;;) {
-        job *j = work_of(p);
+    for (job *mine = NULL;;) {  /* mine: the job this thread reads on */
+        job *j = mine ? mine : work_of(p);
         if (!j) {
             if (p->stop && !p->head) break;
             pthread_cond_wait(&p->work, &p->mu);
             continue;
         }
-        if (j->check && !j->checked) check(p, j);
-        else run_frames(p, &dctx, j);
+        mine = j->check && !j->checked ? check(p, j) : run_frame(p, &dctx, j);
     }
     pthread_mutex_unlock(&p->mu);
     if (dctx) p->release(dctx);
@@ -207,7 +217,7 @@ int kv_zpool_threads(void *handle) { return ((pool *)handle)->started; }
 
 void kv_zpool_submit(void *handle, job *j) {
     pool *p = handle;
-    j->status = 0; j->at = 0; j->taken = 0; j->left = j->count; j->checked = 0;
+    j->status = 0; j->at = 0; j->taken = 0; j->left = j->count; j->checked = 0; j->active = 0;
     pthread_mutex_lock(&p->mu);
     if (!j->check && !j->count) finished(p, j);
     else {
@@ -291,6 +301,7 @@ class _Job(ctypes.Structure):
         ("taken", c_int),
         ("left", c_int),
         ("checked", c_int),
+        ("active", c_int),
     ]
 
 
