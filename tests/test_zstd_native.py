@@ -196,8 +196,8 @@ def test_of_two_bad_frames_read_at_once_the_first_is_named_as_the_reference_name
 @pytest.mark.parametrize("count", [1, 2])
 def test_streams_queued_behind_a_held_one_read_as_the_reference_reads_each_of_them(count):
     """Streams queued while one thread is held in a CRC: each thread reads a stream of its own in order,
-    and a thread with none helps another's (its frames then split between threads). Sound, damaged
-    and truncated streams each fill their buffer or are refused with the reference's words."""
+    and a thread with none may help another's. Sound, damaged and truncated streams each fill their
+    buffer or are refused with the reference's words."""
     held = _HeldCrc(count)
     pool = held.threads
     try:
@@ -230,6 +230,55 @@ def test_streams_queued_behind_a_held_one_read_as_the_reference_reads_each_of_th
         assert first.result(timeout=60) is None
     finally:
         pool.stop()
+
+
+def test_of_two_bad_frames_the_first_is_named_when_the_second_fails_first_on_another_thread():
+    """Two threads on one stream whose frames 4 and 5 are bad: the thread that takes frame 4 is held
+    (its zstd call waits) until frame 5 has failed on the other thread; frame 4 is still the one named,
+    as the Python reference names it."""
+    import ctypes
+    import threading
+
+    held = _HeldCrc(2)  # its CRC is not used: the stream goes without a checksum
+    data = _noisy(40 * 500, seed=3)
+    stream = zs.zstd_frames(data, 1, 500)
+    entries = list(zs.read_seek_table(stream, "s").frames)
+    (c4, d4), (c5, d5) = entries[4], entries[5]
+    entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)  # frame 4 holds a byte less than its entry, frame 5 more
+    forged = stream[: zs.read_seek_table(stream, "s").compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+    out = np.zeros(len(data), dtype=np.uint8)
+    frame4, frame5 = out.ctypes.data + 4 * 500, out.ctypes.data + 4 * 500 + d4 + 1
+    fifth_failed = threading.Event()
+    real = held.threads.zstd.ZSTD_decompressDCtx
+
+    @ctypes.CFUNCTYPE(
+        ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t
+    )
+    def decompress(dctx, dst, dst_len, src, src_len):
+        if dst == frame4:
+            fifth_failed.wait(60)
+        got = real(dctx, dst, dst_len, src, src_len)
+        if dst == frame5:
+            fifth_failed.set()
+        return got
+
+    class _Zstd:  # libzstd, its decompression held as above
+        ZSTD_decompressDCtx = decompress
+
+        def __getattr__(self, name):  # noqa: ANN204
+            return getattr(held.threads.zstd, name)
+
+    threads = zstd_native.ZstdThreads(held.threads.lib, _Zstd(), held.threads.crc, 2)
+    try:
+        reference = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
+        assert "frame 4 " in reference
+        assert _error_of(lambda: threads.submit(forged, out, "samples").result(timeout=60)) == reference
+        assert fifth_failed.is_set()
+    finally:
+        fifth_failed.set()
+        threads.stop()
+        held.release.set()
+        held.threads.stop()
 
 
 @pytest.mark.parametrize("with_checksum", [False, True])
@@ -458,14 +507,16 @@ def test_a_stop_while_a_checksum_is_being_checked_finishes_that_stream_then_ends
 
     held = _HeldCrc(2)
     data = _noisy(20_000)
-    first = held.hold(data)
-    other_out = np.zeros(len(data), dtype=np.uint8)
-    # done once the other thread, under the pool's lock, found no more work and waits for some
-    assert held.threads.submit(zs.zstd_frames(data, 1, 3000), other_out, "s").result(timeout=60) is None
-    stopper = threading.Thread(target=held.threads.stop)
-    stopper.start()
-    assert held.stopping.wait(60)
-    held.release.set()
+    try:
+        first = held.hold(data)
+        other_out = np.zeros(len(data), dtype=np.uint8)
+        # done once the other thread, under the pool's lock, found no more work and waits for some
+        assert held.threads.submit(zs.zstd_frames(data, 1, 3000), other_out, "s").result(timeout=60) is None
+        stopper = threading.Thread(target=held.threads.stop, daemon=True)  # a hung stop() fails the test
+        stopper.start()
+        assert held.stopping.wait(60)
+    finally:
+        held.release.set()
     stopper.join(60)
     assert not stopper.is_alive()  # both threads ended
     assert first.result(timeout=60) is None and other_out.tobytes() == data
