@@ -439,11 +439,26 @@ def test_a_stopped_pool_refuses_new_work_after_finishing_what_it_had():
         for k, o in enumerate(outs)
     ]
     threads.stop()
+    threads._collector.join(60)  # stop() waits 5 s for it; a loaded machine gets longer here
+    assert not threads._collector.is_alive()  # woken by the stop, not by a clock
     assert all(f.done() for f in queued + checked) and out.tobytes() == data  # drained before the threads ended
     assert [f.exception() is None for f in checked] == [True, False] * 4
     assert all(o.tobytes() == data for o in outs[::2]) and not any(o.any() for o in outs[1::2])
     with pytest.raises(RuntimeError, match="stopped"):
         threads.submit(zs.zstd_frames(data, 1), out, "samples")
+
+
+def test_an_idle_pools_collecting_thread_ends_with_the_stop():
+    """The thread that settles finished jobs waits for the next one without a clock; stop() wakes it."""
+    threads = zstd_native.start(2)
+    if threads is None:
+        pytest.skip("no native zstd threads here")
+    data = _noisy(5000)
+    out = np.zeros(len(data), dtype=np.uint8)
+    threads.submit(zs.zstd_frames(data, 1), out, "samples").result(timeout=60)
+    threads.stop()
+    threads._collector.join(60)  # stop() waits 5 s for it; a loaded machine gets longer here
+    assert not threads._collector.is_alive()
 
 
 def test_without_native_code_there_are_no_native_threads(monkeypatch):

@@ -279,7 +279,9 @@ ISAL_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "crc32_gzip_refl": (ctypes.c_uint32, [ctypes.c_uint32, c_void_p, ctypes.c_uint64]),
 }
 OK, FAILED, SIZE, NO_CONTEXT, CHECKSUM = 0, 1, 2, 3, 4
-_COLLECT_WAIT_US = 200_000  # the collecting thread's wait between looks at whether the pool stopped
+# The collecting thread's longest wait: it wakes for each finished job and at stop (kv_zpool_stop wakes it once
+# the threads are joined), not on a clock, so an idle process's thread sleeps.
+_COLLECT_WAIT_US = 3_600_000_000
 
 
 class _Frame(ctypes.Structure):
