@@ -65,8 +65,8 @@ typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } f
    Jobs are queued in order; once a job's checksum (where asked) has passed, its frames are handed
    out in order, one at a time. A thread stays with its job until the job's frames are all handed
    out; a free thread checks or starts a job that no thread reads, else helps the oldest job with
-   frames left (a long fetch keeps each thread on a stream of its own; a short one's last streams
-   get every thread). Of several failing frames, `at` is the first: the one reading them in order
+   frames left (streams queued before threads come free each get one of their own; a fetch's last
+   streams get every free thread). Of several failing frames, `at` is the first: the one reading them in order
    finds. */
 typedef struct job {
     struct job *next;
