@@ -425,10 +425,16 @@ def test_a_forked_child_starts_its_own_threads_and_exits():
     assert run.stdout.strip() == "child 0"
 
 
-def test_a_stopped_pool_refuses_new_work_after_finishing_what_it_had():
+def _own_threads() -> zstd_native.ZstdThreads:
+    """Two native threads of the test's own (it stops them)."""
     threads = zstd_native.start(2)
     if threads is None:
         pytest.skip("no native zstd threads here")
+    return threads
+
+
+def test_a_stopped_pool_refuses_new_work_after_finishing_what_it_had():
+    threads = _own_threads()
     data = _noisy(20_000)
     out = np.zeros(len(data), dtype=np.uint8)
     queued = [threads.submit(zs.zstd_frames(data, 1), out, "samples") for _ in range(8)]
@@ -450,9 +456,7 @@ def test_a_stopped_pool_refuses_new_work_after_finishing_what_it_had():
 
 def test_an_idle_pools_collecting_thread_ends_with_the_stop():
     """The thread that settles finished jobs waits for the next one without a clock; stop() wakes it."""
-    threads = zstd_native.start(2)
-    if threads is None:
-        pytest.skip("no native zstd threads here")
+    threads = _own_threads()
     data = _noisy(5000)
     out = np.zeros(len(data), dtype=np.uint8)
     threads.submit(zs.zstd_frames(data, 1), out, "samples").result(timeout=60)
