@@ -77,8 +77,7 @@ typedef struct job {
     size_t stream_len;
     unsigned crc;
     int check;
-    int taken, left, checked, active;  /* the pool's: frames handed out, frames not done,
-                                           0/1/2 unchecked/checking/passed, threads reading a frame */
+    int taken, left, checked;  /* the pool's: frames handed out, frames not done, 0/1/2 unchecked/checking/passed */
 } job;
 
 typedef struct {
@@ -127,13 +126,14 @@ static void unqueue(pool *p, job *j) {  /* under the lock */
     if (!p->head && p->stop) pthread_cond_broadcast(&p->work);  /* stopping: the waiting threads end */
 }
 
-/* The work a free thread takes: the first job with an unchecked checksum or with frames that no
-   thread reads, else the first job with frames left (a job being checked is passed over). */
+/* The work a free thread takes: the first job with an unchecked checksum or with no frame handed out,
+   else the first job with frames left (a job being checked is passed over). A queued job with frames
+   handed out has a thread reading on: the one that took its last frame keeps it while it has more. */
 static job *work_of(pool *p) {
     job *help = NULL;
     for (job *j = p->head; j; j = j->next) {
         if (j->check && j->checked == 1) continue;
-        if ((j->check && !j->checked) || !j->active) return j;
+        if ((j->check && !j->checked) || !j->taken) return j;
         if (!help) help = j;
     }
     return help;
@@ -163,7 +163,6 @@ static job *run_frame(pool *p, void **dctx, job *j) {
     int i = j->taken++, status = 0, skip = j->status != 0;  /* a frame after one that failed: not read */
     size_t value = 0;
     if (j->taken == j->count) unqueue(p, j);
-    j->active++;
     pthread_mutex_unlock(&p->mu);
     if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
     if (!skip) {
@@ -173,7 +172,6 @@ static job *run_frame(pool *p, void **dctx, job *j) {
         else if (p->is_error(got) || got != f->dst_len) { status = p->is_error(got) ? 1 : 2; value = got; }
     }
     pthread_mutex_lock(&p->mu);
-    j->active--;
     if (status && (!j->status || i < j->at)) { j->status = status; j->at = i; j->value = value; }
     int more = j->taken < j->count;
     if (--j->left == 0) finished(p, j);
@@ -217,7 +215,7 @@ int kv_zpool_threads(void *handle) { return ((pool *)handle)->started; }
 
 void kv_zpool_submit(void *handle, job *j) {
     pool *p = handle;
-    j->status = 0; j->at = 0; j->taken = 0; j->left = j->count; j->checked = 0; j->active = 0;
+    j->status = 0; j->at = 0; j->taken = 0; j->left = j->count; j->checked = 0;
     pthread_mutex_lock(&p->mu);
     if (!j->check && !j->count) finished(p, j);
     else {
@@ -303,7 +301,6 @@ class _Job(ctypes.Structure):
         ("taken", c_int),
         ("left", c_int),
         ("checked", c_int),
-        ("active", c_int),
     ]
 
 
