@@ -64,6 +64,26 @@ def _same(pool, stream: bytes, size: int) -> None:
     assert _native(pool, stream, size) == _reference(stream, size)
 
 
+def _frames_4_and_5_bad(stream: bytes) -> bytes:
+    """`stream` with a seek table whose entries say frame 4 holds a byte more than it does, frame 5 one less."""
+    table = zs.read_seek_table(stream, "s")
+    entries = list(table.frames)
+    (c4, d4), (c5, d5) = entries[4], entries[5]
+    entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)
+    return stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+
+
+def _pool_library() -> tuple:
+    """(the native threads' C library, libzstd), for a test's own ZstdThreads; a skip without them."""
+    import ctypes
+
+    lib_path = zstd_native.native.build("zstd_pool", zstd_native.SOURCE) if zstd_native.native.ENABLED else None
+    zstd = zstd_native._system_library("zstd", ("libzstd.so.1",), zstd_native.ZSTD_SIGNATURES)
+    if lib_path is None or zstd is None:
+        pytest.skip("no native zstd threads here")
+    return zstd_native.native.declare(ctypes.CDLL(str(lib_path)), zstd_native.SIGNATURES), zstd
+
+
 class _HeldCrc:
     """Native threads whose CRC-32 (zlib's) holds the first stream it checks until released: the
     threads' states made certain without waiting on the clock."""
@@ -73,10 +93,7 @@ class _HeldCrc:
         import threading
         import zlib
 
-        lib_path = zstd_native.native.build("zstd_pool", zstd_native.SOURCE) if zstd_native.native.ENABLED else None
-        zstd = zstd_native._system_library("zstd", ("libzstd.so.1",), zstd_native.ZSTD_SIGNATURES)
-        if lib_path is None or zstd is None:
-            pytest.skip("no native zstd threads here")
+        self.lib, zstd = _pool_library()
         self.entered, self.release, self.stopping = threading.Event(), threading.Event(), threading.Event()
 
         @ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint)
@@ -88,7 +105,7 @@ class _HeldCrc:
                 self.release.wait(60)
             return zlib.crc32(ctypes.string_at(at, size), crc)
 
-        self._crc, self.lib = held_crc, zstd_native.native.declare(ctypes.CDLL(str(lib_path)), zstd_native.SIGNATURES)
+        self._crc = held_crc
         self.threads = zstd_native.ZstdThreads(self.lib, zstd, (held_crc, False), count)
         self.threads.lib = self  # stop() through kv_zpool_stop below, the rest through __getattr__
 
@@ -176,11 +193,7 @@ def _error_of(read) -> str:  # noqa: ANN001
 def test_of_two_bad_frames_read_at_once_the_first_is_named_as_the_reference_names_it(pool):
     data = _noisy(40 * 500, seed=3)
     stream = zs.zstd_frames(data, 1, 500)
-    table = zs.read_seek_table(stream, "s")
-    entries = list(table.frames)
-    (c4, d4), (c5, d5) = entries[4], entries[5]
-    entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)  # frame 4 holds a byte less than its entry, frame 5 more
-    forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+    forged = _frames_4_and_5_bad(stream)
     reference = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
     assert "frame 4 " in reference
     for _ in range(50):  # where frames 4 and 5 fail on two threads at once, in either order: frame 4 is named
@@ -204,13 +217,11 @@ def test_streams_queued_behind_a_held_one_read_as_the_reference_reads_each_of_th
         first = held.hold(_noisy(1000))
         data = _noisy(40 * 500, seed=5)
         stream = zs.zstd_frames(data, 1, 500)
-        table = zs.read_seek_table(stream, "s")
-        entries = list(table.frames)
-        (c4, d4), (c5, d5) = entries[4], entries[5]
-        entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)
-        forged = stream[: table.compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+        forged = _frames_4_and_5_bad(stream)
         damaged = bytearray(stream)
-        damaged[entries[7][0] // 2] ^= 0xFF  # a byte inside frame 0 or 1's compressed bytes
+        damaged[zs.read_seek_table(stream, "s").frames[7][0] // 2] ^= (
+            0xFF  # a byte inside frame 0 or 1's compressed bytes
+        )
         streams = [stream, forged, bytes(damaged), stream[:-1]] * 6
         outs = [np.zeros(len(data), dtype=np.uint8) for _ in streams]
         futures = [pool.submit(s, out, "samples") for s, out in zip(streams, outs)]
@@ -239,17 +250,16 @@ def test_of_two_bad_frames_the_first_is_named_when_the_second_fails_first_on_ano
     import ctypes
     import threading
 
-    held = _HeldCrc(2)  # its CRC is not used: the stream goes without a checksum
+    lib, zstd = _pool_library()
+    crc = zstd_native._crc32()
+    if crc is None:
+        pytest.skip("no CRC-32 of ISA-L or zlib here")
     data = _noisy(40 * 500, seed=3)
-    stream = zs.zstd_frames(data, 1, 500)
-    entries = list(zs.read_seek_table(stream, "s").frames)
-    (c4, d4), (c5, d5) = entries[4], entries[5]
-    entries[4], entries[5] = (c4, d4 + 1), (c5, d5 - 1)  # frame 4 holds a byte less than its entry, frame 5 more
-    forged = stream[: zs.read_seek_table(stream, "s").compressed] + zs.seek_table_bytes(zs.SeekTable(tuple(entries)))
+    forged = _frames_4_and_5_bad(zs.zstd_frames(data, 1, 500))
     out = np.zeros(len(data), dtype=np.uint8)
-    frame4, frame5 = out.ctypes.data + 4 * 500, out.ctypes.data + 4 * 500 + d4 + 1
+    frame4, frame5 = out.ctypes.data + 4 * 500, out.ctypes.data + 4 * 500 + 501  # frame 4's entry says 501 bytes
     fifth_failed = threading.Event()
-    real = held.threads.zstd.ZSTD_decompressDCtx
+    real = zstd.ZSTD_decompressDCtx
 
     @ctypes.CFUNCTYPE(
         ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t
@@ -266,9 +276,9 @@ def test_of_two_bad_frames_the_first_is_named_when_the_second_fails_first_on_ano
         ZSTD_decompressDCtx = decompress
 
         def __getattr__(self, name):  # noqa: ANN204
-            return getattr(held.threads.zstd, name)
+            return getattr(zstd, name)
 
-    threads = zstd_native.ZstdThreads(held.threads.lib, _Zstd(), held.threads.crc, 2)
+    threads = zstd_native.ZstdThreads(lib, _Zstd(), crc, 2)
     try:
         reference = _error_of(lambda: zs.unzstd_into(forged, np.zeros(len(data), dtype=np.uint8), "samples"))
         assert "frame 4 " in reference
@@ -277,8 +287,6 @@ def test_of_two_bad_frames_the_first_is_named_when_the_second_fails_first_on_ano
     finally:
         fifth_failed.set()
         threads.stop()
-        held.release.set()
-        held.threads.stop()
 
 
 @pytest.mark.parametrize("with_checksum", [False, True])
