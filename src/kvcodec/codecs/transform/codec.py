@@ -60,11 +60,11 @@ PRESETS = {"accurate": 5.0, "compact": 8.0}  # target ratios; measured accuracy 
 # (benchmarks/results/transform-zstd-level-cpu-*.md); a mixed encode is then 1.7x faster than HEVC alone
 # (encode-gpu-h200-qwen-8k-mixed)
 ZSTD_LEVEL = 1
-# zstd frames of a chunk's samples: one, whole (MAX_FRAME_BYTES). The native threads (codecs/zstd_native.py)
-# would decompress 512 KiB frames of a stream on every free thread: same bytes, Qwen2.5's 2048-token fetch
-# 1.13-1.23x faster and a Llama-3-8B-shaped 8k fetch 1.04x (H100), but beside a 32k Llama-shaped fetch on the
-# H200 a bf16 matmul lost 9.2-10.0% instead of 6.3-6.6% at 5x (6.3-7.6% against 4.5-4.9% at 8x), for no
-# faster restore there (benchmarks/results/fetch-h100-s62-frames.md).
+# zstd frames of a chunk's samples: one, whole (MAX_FRAME_BYTES). 512 KiB frames cost the same bytes; read on
+# every free native thread they fetched Qwen2.5's 2048 tokens 1.13-1.23x faster, but a bf16 matmul beside a 32k
+# Llama-shaped fetch lost 1.4-3.7 more points, for no faster restore (H200, fetch-h100-s62-frames.md). With each
+# native thread on a stream of its own (codecs/zstd_native.py) they gained nothing at 2048 tokens and still cost
+# that matmul 1.1-12.1 more points (H100, benchmarks/results/fetch-h100-s63-frames-own-stream.md).
 SAMPLES_FRAME_BYTES = MAX_FRAME_BYTES
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
