@@ -8,8 +8,13 @@ the size of a 256-token Qwen2.5-0.5B chunk's samples at 5x, coded as the transfo
 (zstd_frames at its ZSTD_LEVEL). Or real ones: the zstd-coded seed chunks of each transform method of a
 `kvcodec bench ttft-engine prep` directory (real KV values in a target's shape, one chunk's samples each).
 
+With --recode, the samples decompressed and coded again with other settings (zstd levels and minimum match
+lengths, deflate through isal, lz4): bytes and one thread's decompression time against the codec's own setting,
+whether another setting would cost the host's cores less per chunk at no more bytes.
+
     python benchmarks/probes/host_zstd.py
     python benchmarks/probes/host_zstd.py --engine-dir D --threads 1,8
+    python benchmarks/probes/host_zstd.py --engine-dir D --recode
 """
 
 from __future__ import annotations
@@ -80,21 +85,93 @@ def per_chunk_ms(srcs: list[tuple[bytes, int]], threads: int, reps: int, pinned:
     return statistics.median(x for ts in took for x in ts) * 1e3, wall / (reps * threads) * 1e3
 
 
+def recoders() -> dict[str, tuple]:
+    """(compress, decompress) per setting tried by --recode; the codec's own (zstd at ZSTD_LEVEL) first."""
+    import lz4.frame
+    import zstandard
+    from isal import isal_zlib
+
+    def zstd(**params) -> tuple:
+        level = params.pop("level", ZSTD_LEVEL)
+        p = zstandard.ZstdCompressionParameters.from_level(level, **params)
+        return zstandard.ZstdCompressor(compression_params=p).compress, zstandard.ZstdDecompressor().decompress
+
+    out = {f"zstd-{ZSTD_LEVEL}": zstd()}
+    out |= {f"zstd-{lv}": zstd(level=lv) for lv in (2, 3, 5, 9) if lv != ZSTD_LEVEL}
+    out |= {f"zstd-{ZSTD_LEVEL}-minmatch{m}": zstd(min_match=m) for m in (5, 6)}
+    out[f"zstd-{ZSTD_LEVEL}-window17"] = zstd(window_log=17)
+    out |= {f"deflate-isal-{lv}": (lambda b, lv=lv: isal_zlib.compress(b, lv), isal_zlib.decompress) for lv in (1, 3)}
+    out["lz4"] = (lz4.frame.compress, lz4.frame.decompress)
+    return out
+
+
+def recode(srcs: list[tuple[bytes, int]], reps: int = 7) -> list[dict]:
+    """Each recoder's bytes and one thread's decompression ms per chunk, as ratios to the first's."""
+    raws = []
+    for data, count in srcs:
+        buf = np.empty(count, dtype=np.uint8)
+        unzstd_into(data, buf, "samples")
+        raws.append(buf.tobytes())
+    rows = []
+    for name, (compress, decompress) in recoders().items():
+        coded = [compress(r) for r in raws]
+        assert all(decompress(c) == r for c, r in zip(coded, raws)), name
+        took = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for c in coded:
+                decompress(c)
+            took.append((time.perf_counter() - t0) / len(coded))
+        rows.append({"setting": name, "bytes": sum(map(len, coded)), "ms_per_chunk": 1e3 * statistics.median(took)})
+    for r in rows:
+        r["bytes_vs_default"] = round(r["bytes"] / rows[0]["bytes"], 4)
+        r["time_vs_default"] = round(r["ms_per_chunk"] / rows[0]["ms_per_chunk"], 3)
+        r["ms_per_chunk"] = round(r["ms_per_chunk"], 3)
+    return rows
+
+
+def order0_bits(srcs: list[tuple[bytes, int]]) -> float:
+    """The samples' order-0 entropy, bits a sample (what a coder of each byte alone could reach)."""
+    counts = np.zeros(256, dtype=np.int64)
+    for data, count in srcs:
+        buf = np.empty(count, dtype=np.uint8)
+        unzstd_into(data, buf, "samples")
+        counts += np.bincount(buf, minlength=256)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log2(p)).sum())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine-dir", type=pathlib.Path, help="a ttft-engine prep directory: its chunks' samples")
     ap.add_argument("--threads", default="1,2,4,8,16")
+    ap.add_argument("--recode", action="store_true", help="other coders' bytes and decompression time, one thread")
+    ap.add_argument("--out", type=pathlib.Path, help="--recode: also write the rows here (JSON)")
     a = ap.parse_args()
     cases = engine_samples(a.engine_dir) if a.engine_dir else {"synthetic": coded_samples()}
     print(f"cpus {os.cpu_count()} affinity {len(os.sched_getaffinity(0))} level {ZSTD_LEVEL}")
+    recoded: dict[str, dict] = {}
     for name, srcs in cases.items():
         n = sum(count for _, count in srcs)
         print(f"{name}: {n // len(srcs)} samples a chunk, {8 * sum(len(d) for d, _ in srcs) / n:.2f} bits each")
+        if a.recode:
+            rows = recode(srcs)
+            recoded[name] = {"order0_bits_per_sample": round(order0_bits(srcs), 3), "rows": rows}
+            for r in rows:
+                print(
+                    f"  {r['setting']:22s} bytes {r['bytes_vs_default']:.4f}x  {r['ms_per_chunk']:.3f} ms a chunk "
+                    f"({r['time_vs_default']:.2f}x the time)"
+                )
+            continue
         for pinned in (True, False) if torch.cuda.is_available() else (False,):
             for threads in (int(t) for t in a.threads.split(",")):
                 each, wall = per_chunk_ms(srcs, threads, 20, pinned)
                 dest = "pinned" if pinned else "numpy"
                 print(f"  dest={dest} threads={threads}: {each:.2f} ms each, {wall:.2f} ms/chunk effective")
+
+    if a.out and recoded:
+        cmd = "python benchmarks/probes/host_zstd.py --engine-dir D --recode --out OUT.json"
+        a.out.write_text(json.dumps({"command": cmd, "cpus": len(os.sched_getaffinity(0)), "cases": recoded}, indent=1))
 
 
 if __name__ == "__main__":
