@@ -547,3 +547,45 @@ def test_a_stop_while_a_checksum_is_being_checked_finishes_that_stream_then_ends
     stopper.join(60)
     assert not stopper.is_alive()  # both threads ended
     assert first.result(timeout=60) is None and other_out.tobytes() == data
+
+
+@pytest.mark.parametrize("streams_per_chunk", [1, 3])
+def test_the_int8_codecs_host_work_is_the_same_natively_and_on_the_python_pool(streams_per_chunk, monkeypatch):
+    """HevcDriven.submit_host (each part's zstd'd samples on the native threads) against prepare_host
+    (the Python pool's work): the same host streams, part by part, for a chunk and for one split into
+    parts; a corrupted part's samples are that chunk's ChecksumError either way; a plain chunk and
+    (without native threads) every chunk go to the pool."""
+    from kvcodec.codecs.hevc.codec import HevcCodec
+    from kvcodec.codecs.hevc.driven import HevcDriven
+    from kvcodec.config import CodecConfig
+    from synthetic import synthetic_kv
+
+    if zstd_native.threads(lambda: 2) is None:
+        pytest.skip("no native zstd threads here")
+    config = CodecConfig(quant="int8", chunk_tokens=32, sample_coder="zstd", streams_per_chunk=streams_per_chunk)
+    codec, kv = HevcCodec(config), synthetic_kv(70, 3)
+    driven = HevcDriven(codec)
+    coded = 0
+    for chunk in codec.encode_chunks(kv):
+        target = torch.empty((*kv.shape[:2], chunk.tokens, *kv.shape[3:]), dtype=torch.float16)
+        reading = driven.read(chunk.blobs[0], target)
+        if not any(p.samples for p in reading.state):  # the last few tokens, stored plain: nothing to decompress ahead
+            assert [p.host for p in driven.submit_host(reading).result(timeout=60).state] == [None]
+            continue
+        assert len(reading.state) == streams_per_chunk and all(p.samples for p in reading.state)
+        coded += 1
+        native, pooled = driven.submit_host(reading).result(timeout=60).state, driven.prepare_host(reading).state
+        for n, p in zip(native, pooled, strict=True):
+            assert n.host.spans == p.host.spans and torch.equal(n.host.host, p.host.host)
+        if coded == 1:
+            chunks_first, first_target, first_native = chunk, target, native
+        bad = bytearray(chunk.blobs[0])
+        bad[-40] ^= 0xFF  # in the last part's samples stream, the last of its streams
+        with pytest.raises(ChecksumError, match="samples"):
+            driven.submit_host(driven.read(bytes(bad), target)).result(timeout=60)
+        with pytest.raises(ChecksumError, match="samples"):
+            driven.prepare_host(driven.read(bytes(bad), target))
+    assert coded == 2
+    monkeypatch.setattr(zstd_native, "threads", lambda count: None)
+    pooled = driven.submit_host(driven.read(chunks_first.blobs[0], first_target)).result(timeout=60).state
+    assert all(torch.equal(n.host.host, p.host.host) for n, p in zip(first_native, pooled, strict=True))
