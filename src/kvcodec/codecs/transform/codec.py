@@ -29,7 +29,14 @@ from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, che
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import TARGET_DTYPES, TransformRestorer, check_target
-from kvcodec.codecs.transform.header import MIXED_TURN, SETTING_CODERS, STREAM_NAMES, check_header, chunk_coder
+from kvcodec.codecs.transform.header import (
+    MIXED_TURN,
+    SETTING_CODERS,
+    STREAM_NAMES,
+    check_header,
+    check_named,
+    chunk_coder,
+)
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import MAX_FRAME_BYTES, zstd_frames
 from kvcodec.config import real_number, video_frame_sizes, whole_number
@@ -599,6 +606,7 @@ class TransformCodec:
         self.cal.check_shape((L, 2, h["tokens"], H, D))
         if h["escapes"] > h["tokens"] * L * 2 * H * D:
             raise FormatError(f"transform chunk announces {h['escapes']} escapes, more than it has samples")
+        check_named(h)  # its settings, those its codec names
         return h, entries, split_streams(payload, entries, f"transform chunk {h['index']}", deferred)
 
     def header(self, blob: bytes | memoryview) -> dict:

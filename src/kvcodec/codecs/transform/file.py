@@ -19,7 +19,13 @@ import torch
 
 from kvcodec.codecs.transform.codec import CHUNK_MAGIC as TRANSFORM_MAGIC
 from kvcodec.codecs.transform.codec import TransformCodec
-from kvcodec.codecs.transform.header import SETTING_CODERS, check_header, chunk_coder, positive_number
+from kvcodec.codecs.transform.header import (
+    SETTING_CODERS,
+    check_header,
+    check_named_settings,
+    chunk_coder,
+    positive_number,
+)
 from kvcodec.codecs.transform_ans.header import CHUNK_MAGIC as ANS_MAGIC
 from kvcodec.codecs.transform_ans.header import AnsChunkHeader
 from kvcodec.container import validate as v
@@ -141,6 +147,7 @@ def read_header(data: bytes | memoryview) -> tuple[dict, memoryview]:
     settings = checked.get("settings")
     if settings is not None:
         _check_settings(settings, chunks)
+        check_named_settings(settings, checked["codec"])
         checked["settings"] = {**settings, "resolution": list(settings["resolution"])}
     out = {**h, **checked, "kvtf_version": version, "shape": list(shape), "chunks": [list(c) for c in chunks]}
     return out, payload

@@ -11,6 +11,7 @@ stream (read so from versions 1 and 2)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from kvcodec.container import validate as v
@@ -33,6 +34,69 @@ def chunk_coder(setting: str, index: int) -> str:
     with zstd and the even ones as video, so a fetch of a prefix keeps NVDEC and the host's cores
     busy at once (benchmarks/results/ttft-h200-engine-mixed.md)."""
     return MIXED_TURN[index % len(MIXED_TURN)] if setting == "mixed" else setting
+
+
+# what a transform codec's id names of its settings (TransformCodec.id: ...-kw{key weight:g}-s{sink tokens}-c{chunk
+# tokens}-f{fine tokens}x{fine bits}-{recon}-...); older codecs' ids name none of them
+_NAMED = re.compile(r"-kw(?P<key_weight>[^-]+(?:-\d+)?)-s(?P<sink_tokens>\d+)-c(?P<chunk_tokens>\d+)"
+                    r"-f(?P<fine_tokens>\d+)x(?P<fine_bits>\d+)-(?P<recon>[a-z]+)-")  # fmt: skip
+
+
+def named_settings(codec_id: str) -> dict[str, Any] | None:
+    """The settings a transform codec's id names: key_weight (as its id writes it, `:g`), sink_tokens,
+    chunk_tokens, fine_tokens, fine_bits (both 0 where it has no finer tail) and recon; None for an id
+    that names none. Pure."""
+    m = _NAMED.search(codec_id)
+    if m is None:
+        return None
+    return {k: x if k in ("key_weight", "recon") else int(x) for k, x in m.groupdict().items()}
+
+
+def check_named(h: dict) -> None:
+    """FormatError unless a checked chunk header's settings are those its `codec` field names: a header
+    edited with its checksum made again (key weight, sink tokens, finer tail, reconstruction) must not
+    restore other values than were stored. Headers whose codec names none pass (older codecs')."""
+    named = named_settings(h["codec"])
+    if named is None:
+        return
+    sink = max(0, min(named["sink_tokens"] - h["start_token"], h["tokens"]))  # as the encoder writes it
+    checks = (
+        ("key_weight", f"{h['key_weight']:g}" == named["key_weight"]),
+        ("sink", h["sink"] == sink),
+        ("fine_tokens", h["fine_tokens"] <= min(named["fine_tokens"], h["tokens"])),
+        ("fine_bits", not h["fine_tokens"] or h["fine_bits"] == named["fine_bits"]),
+        ("recon", h["recon"] == named["recon"]),
+    )
+    if wrong := [f"{name} {h[name]!r}" for name, ok in checks if not ok]:
+        raise FormatError(
+            f"transform chunk {h['index']} states {', '.join(wrong)}; its codec {h['codec']!r} stores otherwise "
+            "(its header was altered)"
+        )
+
+
+def check_named_settings(settings: dict, codec_id: str) -> None:
+    """FormatError unless a transform file's settings are those its codec's id names (where it names them)."""
+    named = named_settings(codec_id)
+    if named is None:
+        return
+    fine = (
+        (settings["fine_tokens"], settings["fine_bits"])
+        if settings["fine_tokens"] and settings["fine_bits"]
+        else (0, 0)
+    )
+    got = {
+        "key_weight": f"{settings['key_weight']:g}",
+        "sink_tokens": settings["sink_tokens"],
+        "chunk_tokens": settings["chunk_tokens"],
+        "fine_tokens": fine[0],
+        "fine_bits": fine[1],
+        "recon": settings["recon"],
+    }
+    if wrong := [f"{k} {got[k]!r}" for k in got if got[k] != named[k]]:
+        raise FormatError(
+            f"transform-coded file's settings say {', '.join(wrong)}; its codec {codec_id!r} stores otherwise "
+            "(its header was altered)"
+        )
 
 
 def positive_number(lo: float = 0.0, hi: float = 1e30) -> v.Check:

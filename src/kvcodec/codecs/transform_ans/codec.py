@@ -22,6 +22,7 @@ import torch
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.transform.codec import TRANSFORM_VERSION, TransformCodec
 from kvcodec.codecs.transform.decode import Decoded, TransformRestorer, check_target, unzstd
+from kvcodec.codecs.transform.header import check_named
 from kvcodec.codecs.transform_ans import gpu, rans
 from kvcodec.codecs.transform_ans.header import ANS_VERSION, CHUNK_MAGIC, STREAM_CODECS, AnsChunkHeader
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
@@ -163,6 +164,7 @@ class TransformAnsCodec(TransformCodec):
             )
         if ah.escapes > ah.samples:
             raise FormatError(f"transform-ANS chunk announces {ah.escapes} escapes, more than it has samples")
+        check_named(h)  # its settings, those its codec names
         return h, split_streams(payload, ah.streams, f"transform-ANS chunk {ah.index}", deferred)
 
     def stage(self, blob: bytes | memoryview, out: Target) -> Staged:
