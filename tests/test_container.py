@@ -495,3 +495,33 @@ def test_a_chunk_of_another_file_of_the_same_config_is_refused(kv, encoded):
     assert h["file_id"] != oh["file_id"]
     with pytest.raises(FormatError, match="key"):
         kvcodec.decode(write_object(FILE_MAGIC, h, blobs))
+
+
+def _with_layout_of_chunk_1(data: bytes, edit) -> bytes:
+    """The file with chunk 1's layout edited, every checksum made again."""
+    fh, payload = read_object(data, FILE_MAGIC, "file")
+    blobs = [bytes(payload[b["offset"] : b["offset"] + b["length"]]) for b in fh["blobs"]]
+    ch, pl = read_object(blobs[1], CHUNK_MAGIC, "chunk")
+    edit(ch["layout"])
+    blobs[1] = write_object(CHUNK_MAGIC, ch, [bytes(pl)])
+    offset = 0
+    for b, blob in zip(fh["blobs"], blobs, strict=True):
+        b["offset"], b["length"], b["crc32"] = offset, len(blob), crc32(blob)
+        offset += len(blob)
+    return write_object(FILE_MAGIC, fh, blobs)
+
+
+def _transposed(layout: dict) -> None:
+    layout.update(orientation="channel_major" if layout["orientation"] == "token_major" else "token_major")
+
+
+@pytest.mark.parametrize("edit", [_transposed, lambda lay: lay.update(tile_w=lay["tile_h"], tile_h=lay["tile_w"])])
+def test_a_chunk_laid_out_otherwise_than_its_files_others_is_refused(kv, edit):
+    """A chunk whose header names another frame layout (its checksums made again) would read its video as
+    other values: the file's chunks were coded with one plan, so it is refused."""
+    data = kvcodec.encode(
+        kv, CodecConfig(quant="int8", chunk_tokens=32, resolutions=((144, 144),), sample_coder="hevc")
+    )
+    assert (kvcodec.decode(data).float() - kv.float()).abs().max() < 0.1
+    with pytest.raises(FormatError, match="header was altered"):
+        kvcodec.decode(_with_layout_of_chunk_1(data, edit))

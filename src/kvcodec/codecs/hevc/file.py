@@ -27,7 +27,7 @@ from kvcodec.container.format import (
     write_object,
 )
 from kvcodec.dtypes import DTYPE_NAMES, dtype_of
-from kvcodec.errors import ChecksumError, ConfigError, ShapeError
+from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError
 from kvcodec.restore.paged import PagedKV
 
 
@@ -108,16 +108,32 @@ def file_chunks(
 
 
 def _chunk_blobs(fh: FileHeader, payload: memoryview, resolution: tuple[int, int]) -> list[memoryview]:
-    """Each chunk's verified blob at `resolution`, checked against where the file places it."""
-    blobs = []
+    """Each chunk's verified blob at `resolution`, checked against where the file places it; its
+    frames laid out as every other coded chunk's (one encode codes a file with one plan)."""
+    blobs, layouts = [], None
     for index in range(len(fh.chunk_tokens)):
         entry = fh.blob(index, resolution)
         blob = payload[entry.offset : entry.offset + entry.length]
         if crc32(blob) != entry.crc32:
             raise ChecksumError(f"chunk {index} at {resolution[0]}x{resolution[1]} fails its checksum")
         check_chunk_against_file(fh, index, inspect_chunk_blob(blob), resolution)
+        layouts = _same_layouts(index, [h.layout for h in part_headers(blob)], layouts, resolution)
         blobs.append(blob)
     return blobs
+
+
+def _same_layouts(index: int, layouts: list[dict], first: list[dict] | None, resolution) -> list[dict] | None:
+    """The file's layouts so far (each part's): `first` where chunk `index` has the same (plain chunks
+    have none), else FormatError: its header names another layout (altered, its checksums made again),
+    and its video would be read as other values."""
+    if not all(layouts):
+        return first
+    if first is not None and layouts != first:
+        raise FormatError(
+            f"chunk {index} at {resolution[0]}x{resolution[1]} lays its frames out otherwise than the file's other "
+            "chunks (its header was altered)"
+        )
+    return layouts
 
 
 def decode(
