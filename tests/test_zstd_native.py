@@ -565,6 +565,9 @@ def test_the_int8_codecs_host_work_is_the_same_natively_and_on_the_python_pool(s
     config = CodecConfig(quant="int8", chunk_tokens=32, sample_coder="zstd", streams_per_chunk=streams_per_chunk)
     codec, kv = HevcCodec(config), synthetic_kv(70, 3)
     driven = HevcDriven(codec)
+    threads, submitted = zstd_native.threads(lambda: 2), []
+    submit = threads.submit
+    monkeypatch.setattr(threads, "submit", lambda *a, **k: submitted.append(a[2]) or submit(*a, **k))
     coded = 0
     for chunk in codec.encode_chunks(kv):
         target = torch.empty((*kv.shape[:2], chunk.tokens, *kv.shape[3:]), dtype=torch.float16)
@@ -585,7 +588,47 @@ def test_the_int8_codecs_host_work_is_the_same_natively_and_on_the_python_pool(s
             driven.submit_host(driven.read(bytes(bad), target)).result(timeout=60)
         with pytest.raises(ChecksumError, match="samples"):
             driven.prepare_host(driven.read(bytes(bad), target))
-    assert coded == 2
+    assert coded == 2 and submitted == ["samples"] * (2 * coded * streams_per_chunk)  # each part natively
     monkeypatch.setattr(zstd_native, "threads", lambda count: None)
     pooled = driven.submit_host(driven.read(chunks_first.blobs[0], first_target)).result(timeout=60).state
     assert all(torch.equal(n.host.host, p.host.host) for n, p in zip(first_native, pooled, strict=True))
+
+
+def test_an_int8_chunks_host_work_cannot_be_cancelled_and_fails_with_its_first_parts_error():
+    """The Future of a chunk's parts (each on the native threads): StageDriver.close cancels what it can and
+    then waits for the rest, so this one must not be cancellable (a cancelled Future is never waited out);
+    of several failed parts, the chunk's error is its first one's, in order, as prepare_host raises it."""
+    from kvcodec.codecs.hevc.driven import _all_of
+
+    first, second = Future(), Future()
+    chunk = _all_of([first, second], list)
+    assert not chunk.cancel()
+    second.set_exception(ValueError("the second part's"))
+    assert not chunk.done()
+    first.set_exception(KeyError("the first part's"))
+    with pytest.raises(KeyError):
+        chunk.result(timeout=60)
+    assert _all_of([], list).result(timeout=60) == []
+
+
+def test_closing_a_driven_fetch_with_int8_host_work_in_flight_waits_for_it_and_returns():
+    """StageDriver.close while the int8 chunks' samples are still on the native threads (a fetch that stopped
+    early): it returns once they are done, each chunk's Future finished, none cancelled."""
+    from kvcodec.codecs.driven import StageDriver
+    from kvcodec.codecs.hevc.codec import HevcCodec
+    from kvcodec.codecs.hevc.driven import HevcDriven
+    from kvcodec.config import CodecConfig
+    from synthetic import synthetic_kv
+
+    if zstd_native.threads(lambda: 2) is None:
+        pytest.skip("no native zstd threads here")
+    codec = HevcCodec(CodecConfig(quant="int8", chunk_tokens=32, sample_coder="zstd", streams_per_chunk=3))
+    kv = synthetic_kv(700, 3)
+    driver = StageDriver(HevcDriven(codec), [])
+    shape = (*kv.shape[:2], 32, *kv.shape[3:])
+    chunks = [c for c in codec.encode_chunks(kv) if c.tokens == 32]
+    driver.submit_many([(i, c.blobs[0], torch.empty(shape, dtype=torch.float16)) for i, c in enumerate(chunks)])
+    futures = [f for f, *_ in driver.on_host.values()]
+    assert len(futures) == len(chunks)
+    driver.close()
+    assert all(f.done() and not f.cancelled() for f in futures)

@@ -116,10 +116,7 @@ class HevcDriven:
         threads = zstd_native.threads(host_threads)
         if threads is None or not all(_native_samples(p) for p in reading.state if p.samples):
             return host_pool().submit(self.prepare_host, reading)
-        try:
-            parts = [_submit_part(threads, p) if p.samples else _done(p) for p in reading.state]
-        except Exception as e:  # noqa: BLE001 - a pinned buffer that could not be had, say: the chunk's error
-            return _done(e, failed=True)
+        parts = [_submit_part(threads, p) if p.samples else _done(p) for p in reading.state]
         return _all_of(parts, lambda done: dataclasses.replace(reading, state=tuple(done)))
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> _Staged:
@@ -172,7 +169,15 @@ def _native_samples(p: _Part) -> bool:
 
 
 def _submit_part(threads, p: _Part) -> Future:  # noqa: ANN001 - a ZstdThreads
-    """A Future of the part with its host streams: the samples on the native threads, then the rest."""
+    """A Future of the part with its host streams: the samples on the native threads, then the rest; or
+    of the error that stopped it being submitted (a pinned buffer that could not be had, say)."""
+    try:
+        return _submitted(threads, p)
+    except Exception as e:  # noqa: BLE001 - the part's error, after any earlier part's
+        return _done(e, failed=True)
+
+
+def _submitted(threads, p: _Part) -> Future:  # noqa: ANN001 - a ZstdThreads
     host, fills = planned_host_streams(p.h, p.streams, _device(p.target).type == "cuda")
     offset, size = host.spans["samples"]
     (entry,) = p.unverified
@@ -196,6 +201,7 @@ def _all_of(futures: list[Future], then) -> Future:  # noqa: ANN001 - then: list
     """A Future of then(each one's result, in order) once all are done; of the first one's error, in
     order, where any failed."""
     out: Future = Future()
+    out.set_running_or_notify_cancel()  # not cancellable: the native threads write into its parts' buffers
     if not futures:
         out.set_result(then([]))
         return out
