@@ -156,7 +156,12 @@ def main() -> None:
         print(f"{name}: {n // len(srcs)} samples a chunk, {8 * sum(len(d) for d, _ in srcs) / n:.2f} bits each")
         if a.recode:
             rows = recode(srcs)
-            recoded[name] = {"order0_bits_per_sample": round(order0_bits(srcs), 3), "rows": rows}
+            recoded[name] = {
+                "samples_per_chunk": n // len(srcs),
+                "bits_per_sample": round(8 * sum(len(d) for d, _ in srcs) / n, 3),
+                "order0_bits_per_sample": round(order0_bits(srcs), 3),
+                "rows": rows,
+            }
             for r in rows:
                 print(
                     f"  {r['setting']:22s} bytes {r['bytes_vs_default']:.4f}x  {r['ms_per_chunk']:.3f} ms a chunk "

@@ -71,7 +71,7 @@ ZSTD_LEVEL = 1
 # every free native thread they fetched Qwen2.5's 2048 tokens 1.13-1.23x faster, but a bf16 matmul beside a 32k
 # Llama-shaped fetch lost 1.4-3.7 more points, for no faster restore (H200, fetch-h100-s62-frames.md). With each
 # native thread on a stream of its own (codecs/zstd_native.py) they gained nothing at 2048 tokens and still cost
-# that matmul 1.1-12.1 more points (H100, benchmarks/results/fetch-h100-s63-frames-own-stream.md).
+# that matmul more in every pair of runs, 1.1-12.1 points (H100, benchmarks/results/fetch-h100-s63-frames-own-stream.md).
 SAMPLES_FRAME_BYTES = MAX_FRAME_BYTES
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
