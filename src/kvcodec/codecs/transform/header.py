@@ -37,9 +37,9 @@ def chunk_coder(setting: str, index: int) -> str:
 
 
 # what a transform codec's id names of its settings (TransformCodec.id: ...-kw{key weight:g}-s{sink tokens}-c{chunk
-# tokens}-f{fine tokens}x{fine bits}-{recon}-...); older codecs' ids name none of them
+# tokens}-f{fine tokens}x{fine bits}-{recon}[-...]: older ones end there); the oldest name none of them
 _NAMED = re.compile(r"-kw(?P<key_weight>[^-]+(?:-\d+)?)-s(?P<sink_tokens>\d+)-c(?P<chunk_tokens>\d+)"
-                    r"-f(?P<fine_tokens>\d+)x(?P<fine_bits>\d+)-(?P<recon>[a-z]+)-")  # fmt: skip
+                    r"-f(?P<fine_tokens>\d+)x(?P<fine_bits>\d+)-(?P<recon>[a-z]+)(?:-|$)")  # fmt: skip
 
 
 def named_settings(codec_id: str) -> dict[str, Any] | None:
