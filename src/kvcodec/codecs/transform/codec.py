@@ -36,6 +36,8 @@ from kvcodec.codecs.transform.header import (
     check_header,
     check_named,
     chunk_coder,
+    finer_tail,
+    sink_count,
 )
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.codecs.zstd_streams import MAX_FRAME_BYTES, zstd_frames
@@ -206,7 +208,7 @@ class TransformCodec:
                 f"fine_tokens must be >= 0, fine_bits in 0..{quantize.MAX_FINE_BITS} and recon one of "
                 f"{quantize.RECONS}; got {fine_tokens}, {fine_bits}, {recon!r}"
             )
-        self.fine_tokens, self.fine_bits = (fine_tokens, fine_bits) if fine_tokens and fine_bits else (0, 0)
+        self.fine_tokens, self.fine_bits = finer_tail(fine_tokens, fine_bits)
         self.recon = recon
         self.target_ratio, self.key_weight, self.sink_tokens = target_ratio, float(key_weight), sink_tokens
         if theta is not None and not theta > 0:
@@ -562,7 +564,7 @@ class TransformCodec:
             "dtype": str(kv.dtype).replace("torch.", ""),
             "theta": theta,
             "key_weight": self.key_weight,
-            "sink": max(0, min(self.sink_tokens - start, t)),
+            "sink": sink_count(self.sink_tokens, start, t),
             "fine_bits": self.fine_bits,
             "recon": self.recon,
             "resolution": list(resolution),

@@ -25,6 +25,7 @@ from kvcodec.codecs.transform.header import (
     check_named_settings,
     chunk_coder,
     positive_number,
+    sink_count,
 )
 from kvcodec.codecs.transform_ans.header import CHUNK_MAGIC as ANS_MAGIC
 from kvcodec.codecs.transform_ans.header import AnsChunkHeader
@@ -180,7 +181,7 @@ def expected_chunk(h: dict, index: int, start: int, tokens: int) -> dict[str, An
         end = start + tokens
         want.update({k: s[k] for k in SHARED})
         want["coder"] = chunk_coder(s["coder"], index)  # mixed: each chunk's own
-        want["sink"] = max(0, min(s["sink_tokens"] - start, tokens))
+        want["sink"] = sink_count(s["sink_tokens"], start, tokens)
         want["fine_tokens"] = max(0, end - max(start, T - s["fine_tokens"])) if s["fine_bits"] else 0
     return want
 

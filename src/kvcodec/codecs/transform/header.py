@@ -36,6 +36,17 @@ def chunk_coder(setting: str, index: int) -> str:
     return MIXED_TURN[index % len(MIXED_TURN)] if setting == "mixed" else setting
 
 
+def sink_count(sink_tokens: int, start_token: int, tokens: int) -> int:
+    """How many of a chunk's first tokens are sink tokens (kept exact, the `sink` header field): those of
+    the prefix's first `sink_tokens` that fall in its tokens [start_token, start_token + tokens). Pure."""
+    return max(0, min(sink_tokens - start_token, tokens))
+
+
+def finer_tail(fine_tokens: int, fine_bits: int) -> tuple[int, int]:
+    """(fine_tokens, fine_bits) as a codec keeps them: both 0 where either is (no finer tail). Pure."""
+    return (fine_tokens, fine_bits) if fine_tokens and fine_bits else (0, 0)
+
+
 # what a transform codec's id names of its settings (TransformCodec.id: ...-kw{key weight:g}-s{sink tokens}-c{chunk
 # tokens}-f{fine tokens}x{fine bits}-{recon}[-...]: older ones end there); the oldest name none of them
 _NAMED = re.compile(r"-kw(?P<key_weight>[^-]+(?:-\d+)?)-s(?P<sink_tokens>\d+)-c(?P<chunk_tokens>\d+)"
@@ -59,10 +70,9 @@ def check_named(h: dict) -> None:
     named = named_settings(h["codec"])
     if named is None:
         return
-    sink = max(0, min(named["sink_tokens"] - h["start_token"], h["tokens"]))  # as the encoder writes it
     checks = (
         ("key_weight", f"{h['key_weight']:g}" == named["key_weight"]),
-        ("sink", h["sink"] == sink),
+        ("sink", h["sink"] == sink_count(named["sink_tokens"], h["start_token"], h["tokens"])),
         ("fine_tokens", h["fine_tokens"] <= min(named["fine_tokens"], h["tokens"])),
         ("fine_bits", not h["fine_tokens"] or h["fine_bits"] == named["fine_bits"]),
         ("recon", h["recon"] == named["recon"]),
@@ -79,11 +89,7 @@ def check_named_settings(settings: dict, codec_id: str) -> None:
     named = named_settings(codec_id)
     if named is None:
         return
-    fine = (
-        (settings["fine_tokens"], settings["fine_bits"])
-        if settings["fine_tokens"] and settings["fine_bits"]
-        else (0, 0)
-    )
+    fine = finer_tail(settings["fine_tokens"], settings["fine_bits"])
     got = {
         "key_weight": f"{settings['key_weight']:g}",
         "sink_tokens": settings["sink_tokens"],

@@ -22,7 +22,7 @@ import torch
 from kvcodec.codecs.base import Target
 from kvcodec.codecs.transform.codec import TRANSFORM_VERSION, TransformCodec
 from kvcodec.codecs.transform.decode import Decoded, TransformRestorer, check_target, unzstd
-from kvcodec.codecs.transform.header import check_named
+from kvcodec.codecs.transform.header import check_named, sink_count
 from kvcodec.codecs.transform_ans import gpu, rans
 from kvcodec.codecs.transform_ans.header import ANS_VERSION, CHUNK_MAGIC, STREAM_CODECS, AnsChunkHeader
 from kvcodec.container.format import crc32, read_parsed, split_streams, write_object
@@ -115,7 +115,7 @@ class TransformAnsCodec(TransformCodec):
             dtype=str(kv.dtype).replace("torch.", ""),
             theta=theta,
             key_weight=self.key_weight,
-            sink=max(0, min(self.sink_tokens - start, t)),
+            sink=sink_count(self.sink_tokens, start, t),
             fine_tokens=counts["fine_tokens"],
             fine_bits=self.fine_bits,
             recon=self.recon,
