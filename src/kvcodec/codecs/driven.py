@@ -77,6 +77,14 @@ def host_threads(setting: str | None = None) -> int:
     return int(text)
 
 
+def finished(value, failed: bool = False) -> Future:  # noqa: ANN001
+    """A Future already holding `value` (its exception where `failed`): submit_host's answer where there
+    is nothing left to run, or a chunk's error found before anything ran."""
+    future: Future = Future()
+    future.set_exception(value) if failed else future.set_result(value)
+    return future
+
+
 def host_pool() -> ThreadPoolExecutor:
     """The process's pool for DrivenChunks.prepare_host, shared by every fetch, started on first use."""
     global _host_pool

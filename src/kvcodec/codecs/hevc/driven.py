@@ -22,7 +22,7 @@ import torch
 
 from kvcodec.codecs import zstd_native
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.driven import Piece, Reading, host_pool, host_threads
+from kvcodec.codecs.driven import Piece, Reading, finished, host_pool, host_threads
 from kvcodec.codecs.hevc.decode import (
     checked_part,
     chunk_parts,
@@ -116,7 +116,7 @@ class HevcDriven:
         threads = zstd_native.threads(host_threads)
         if threads is None or not all(_native_samples(p) for p in reading.state if p.samples):
             return host_pool().submit(self.prepare_host, reading)
-        parts = [_submit_part(threads, p) if p.samples else _done(p) for p in reading.state]
+        parts = [_submit_part(threads, p) if p.samples else finished(p) for p in reading.state]
         return _all_of(parts, lambda done: dataclasses.replace(reading, state=tuple(done)))
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> _Staged:
@@ -174,7 +174,7 @@ def _submit_part(threads, p: _Part) -> Future:  # noqa: ANN001 - a ZstdThreads
     try:
         return _submitted(threads, p)
     except Exception as e:  # noqa: BLE001 - the part's error, after any earlier part's
-        return _done(e, failed=True)
+        return finished(e, failed=True)
 
 
 def _submitted(threads, p: _Part) -> Future:  # noqa: ANN001 - a ZstdThreads
@@ -188,13 +188,6 @@ def _submitted(threads, p: _Part) -> Future:  # noqa: ANN001 - a ZstdThreads
         lambda: dataclasses.replace(p, host=fill_host(host, fills, frozenset({"samples"}))),
         (entry.crc32, lambda: checksum_error(entry, _what(p.h))),
     )
-
-
-def _done(value, failed: bool = False) -> Future:  # noqa: ANN001
-    """A Future already holding `value` (its exception where `failed`)."""
-    future: Future = Future()
-    future.set_exception(value) if failed else future.set_result(value)
-    return future
 
 
 def _all_of(futures: list[Future], then) -> Future:  # noqa: ANN001 - then: list of results -> result
