@@ -68,8 +68,8 @@ def test_hevc_fetch_through_nvdec_matches_cpu():
 
 @pytest.mark.parametrize("streams_per_chunk", [1, 2])
 def test_int8_fetch_of_zstd_samples_onto_cuda_matches_cpu(streams_per_chunk):
-    """The int8 codec's chunks without videos (zstd'd samples, each part's on the native zstd threads
-    where they run) fetched onto CUDA by the driven restore: the CPU fetch's values; a chunk whose
+    """The int8 codec's chunks without videos (zstd'd samples, each part's on a host thread) fetched
+    onto CUDA by the driven restore: the CPU fetch's values; a chunk whose
     samples were damaged in the store is refused, the prefix before it kept (the fetch stops with the
     later chunks' host work in flight), and once the next put rewrote it the next fetch restores it all."""
     from kvcodec.fetcher import blob_key
@@ -94,6 +94,43 @@ def test_int8_fetch_of_zstd_samples_onto_cuda_matches_cpu(streams_per_chunk):
     assert cpu.put(ids, kv) == 1  # the refused chunk was dropped: the next put rewrites it
     r = gpu.fetch(ids)
     assert r.ok and torch.allclose(r.kv.cpu().float(), ref.float(), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("codec_name", ["transform-zstd", "transform-hevc", "int8-zstd", "int8-hevc"])
+def test_a_cuda_fetch_leaves_no_cyclic_garbage(codec_name, kvt):
+    """Every CUDA fetch path frees what it made by reference counting: a chunk's pinned buffers held in a
+    reference cycle live until the collector's next full pass, and the pinned allocator meanwhile pins
+    new ones (session 63's int8 host work, a Future holding a callback that held it, fetched 2-4x
+    slower and cost a matmul beside it 36-50%: benchmarks/results/fetch-h100-s64-int8-native.md)."""
+    import gc
+
+    from kvcodec.codecs.transform.codec import TransformCodec
+
+    kind, coder = codec_name.split("-")
+    if kind == "transform":
+        codec = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder=coder)
+    else:
+        codec = CodecConfig(sample_coder=coder, chunk_tokens=64, streams_per_chunk=2)
+    kv, ids = gpu_tests.synthetic_kv(520, 23).half(), list(range(9000, 9520))
+    store = f"memory://gpu-cycles-{codec_name}"
+    PrefixCache(store, "m", codec, "cpu").put(ids, kv)
+    gpu = PrefixCache(store, "m", codec, "cuda", policy="fixed:0")
+    assert gpu.fetch(ids).ok  # first use: threads, sessions, compiled kernels made and kept
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            r = gpu.fetch(ids)
+            assert r.ok, r.error
+        del r
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        found = gc.collect()
+        kinds = sorted({type(o).__name__ for o in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert found == 0, kinds
 
 
 def test_cuda_without_a_gpu_decoder_decodes_on_the_cpu_and_says_so():

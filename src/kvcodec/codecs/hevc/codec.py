@@ -123,18 +123,12 @@ class HevcCodec:
 
     def warm_up(self, device: torch.device | str, dtype: torch.dtype = torch.float16) -> None:
         """Compile the fused frame restorer for outputs of `dtype` now (CUDA with Triton, integer
-        modes), so that the first fetch a server runs does not wait for it (codecs.base.WarmUp), nor for
-        the native zstd threads' build and start (a driven fetch's zstd'd samples: codecs/hevc/driven.py);
+        modes), so that the first fetch a server runs does not wait for it (codecs.base.WarmUp);
         pool workers warm their own process up when they start."""
-        from kvcodec.codecs import driven, zstd_native
         from kvcodec.restore import triton_restore
 
-        if torch.device(device).type != "cuda":
-            return
-        if self.restore != "torch" and triton_restore.available():
+        if torch.device(device).type == "cuda" and self.restore != "torch" and triton_restore.available():
             triton_restore.warm_up(device, (dtype,))
-        if self.config.sample_coder != "hevc":
-            zstd_native.threads(driven.host_threads)
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target) -> Target:
         if self.pool is not None and out.device == self.pool.device:

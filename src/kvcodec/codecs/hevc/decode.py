@@ -131,26 +131,16 @@ def _fill_host(fills: dict, pinned: bool) -> HostStreams:
     host buffer. One buffer and one copy per chunk, not per stream: on the H200 each pinned
     allocation and upload cost about 1 ms of a decoder thread's time beside busy NVDEC threads
     (benchmarks/results/decode-h200-split-streams.md)."""
-    return fill_host(_allocated(fills, pinned), fills)
-
-
-def _allocated(fills: dict, pinned: bool) -> HostStreams:
-    """The one host buffer of `fills`' streams, each at its aligned place, not yet filled."""
     spans, total = {}, 0
     for name, (size, _) in fills.items():
         spans[name] = (total, size)
         total += -(-size // _ALIGN) * _ALIGN
-    return HostStreams(torch.empty(total, dtype=torch.uint8, pin_memory=pinned), spans)
-
-
-def fill_host(streams: HostStreams, fills: dict, skip: frozenset[str] = frozenset()) -> HostStreams:
-    """Each of `fills`' streams but those in `skip` decompressed or copied into its place in `streams`."""
-    buf = streams.host.numpy()
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    buf = host.numpy()
     for name, (size, fill) in fills.items():
-        if name not in skip:
-            offset = streams.spans[name][0]
-            fill(buf[offset : offset + size])
-    return streams
+        offset = spans[name][0]
+        fill(buf[offset : offset + size])
+    return HostStreams(host, spans)
 
 
 def _to_device(streams: HostStreams, device: torch.device) -> dict[str, torch.Tensor]:
@@ -163,16 +153,9 @@ def _to_device(streams: HostStreams, device: torch.device) -> dict[str, torch.Te
 
 def host_streams(h: ChunkHeader, streams, pinned: bool) -> HostStreams:
     """A coded chunk's HostStreams (pinned: for a CUDA restore), made on the calling thread."""
-    return fill_host(*planned_host_streams(h, streams, pinned))
-
-
-def planned_host_streams(h: ChunkHeader, streams, pinned: bool) -> tuple[HostStreams, dict]:
-    """host_streams' buffer, allocated but not filled, and {name: (size, fill(buf))} of each of its
-    streams: for a caller that fills some elsewhere (the zstd'd samples on the native threads)."""
     _check_video_bits(h)
     planes, _, _, half = _unit_terms(h.layer_bits, h.layers, h.kv_heads, h.video_bits, "cpu")
-    fills = _stream_fills(h, streams, planes, half)
-    return _allocated(fills, pinned), fills
+    return _fill_host(_stream_fills(h, streams, planes, half), pinned)
 
 
 def _check_video_bits(h: ChunkHeader) -> None:

@@ -5,42 +5,22 @@ verified (a split chunk has one part per layer range, each with its own video: e
 decoded on whichever session is least busy). prepare (while the videos decode) or stage: each
 part's side streams uploaded and its restorer made (on the fetch's stream); a part without a video
 (zstd samples) or a plain chunk is restored into its target at stage, its streams decompressed
-ahead by submit_host (the samples on the native zstd threads, else prepare_host on a host
-thread). finish: each part's frames restored from its decoded buffer into its target, one launch
-per part for all its frames where the fused kernel applies.
+ahead by prepare_host on a host thread. finish: each part's frames restored from its decoded buffer into
+its target, one launch per part for all its frames where the fused kernel applies.
 stage_alone: after a session failed, every part decoded frame by frame with that session's decoder
 (as the worker path does)."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 
 import torch
 
-from kvcodec.codecs import zstd_native
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.driven import Piece, Reading, finished, host_pool, host_threads
-from kvcodec.codecs.hevc.decode import (
-    checked_part,
-    chunk_parts,
-    fill_host,
-    host_streams,
-    part_restorer,
-    planned_host_streams,
-    restore_part,
-)
-from kvcodec.container.format import (
-    PLAIN,
-    ChunkHeader,
-    StreamEntry,
-    checksum_error,
-    parse_chunk,
-    split_streams,
-    verify_streams,
-)
+from kvcodec.codecs.driven import Piece, Reading
+from kvcodec.codecs.hevc.decode import checked_part, chunk_parts, host_streams, part_restorer, restore_part
+from kvcodec.container.format import PLAIN, ChunkHeader, StreamEntry, parse_chunk, split_streams, verify_streams
 from kvcodec.layout.tiling import LayoutPlan
 from kvcodec.restore import restore_frames
 from kvcodec.restore.paged import PagedChunk, PagedKV
@@ -108,17 +88,6 @@ class HevcDriven:
         )
         return dataclasses.replace(reading, state=parts)
 
-    def submit_host(self, reading: Reading) -> Future:
-        """prepare_host's work with each part's zstd'd samples checksummed and decompressed on the native
-        threads (codecs/zstd_native.py: no interpreter lock), its side streams on the thread that collects
-        them; else prepare_host on the host pool. A Future of the prepared Reading, or of the error that
-        refused the chunk (the first of its parts', in order)."""
-        threads = zstd_native.threads(host_threads)
-        if threads is None or not all(_native_samples(p) for p in reading.state if p.samples):
-            return host_pool().submit(self.prepare_host, reading)
-        parts = [_submit_part(threads, p) if p.samples else finished(p) for p in reading.state]
-        return _all_of(parts, lambda done: dataclasses.replace(reading, state=tuple(done)))
-
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target) -> _Staged:
         staged, buffers = [], iter(buffers)
         for p in reading.state:
@@ -161,59 +130,6 @@ def _read_part(blob, target: Target) -> _Part:
         return _Part(h, streams, target)
     target, _, plan = checked_part(h, streams, _device(target), target)  # (parse_chunk checked its frame count)
     return _Part(h, streams, target, plan, unverified=later)
-
-
-def _native_samples(p: _Part) -> bool:
-    """Whether the native threads can read the part's samples: zstd'd, their checksum the one left for later."""
-    return [(e.name, e.codec) for e in p.unverified] == [("samples", "zstd")]
-
-
-def _submit_part(threads, p: _Part) -> Future:  # noqa: ANN001 - a ZstdThreads
-    """A Future of the part with its host streams: the samples on the native threads, then the rest; or
-    of the error that stopped it being submitted (a pinned buffer that could not be had, say)."""
-    try:
-        return _submitted(threads, p)
-    except Exception as e:  # noqa: BLE001 - the part's error, after any earlier part's
-        return finished(e, failed=True)
-
-
-def _submitted(threads, p: _Part) -> Future:  # noqa: ANN001 - a ZstdThreads
-    host, fills = planned_host_streams(p.h, p.streams, _device(p.target).type == "cuda")
-    offset, size = host.spans["samples"]
-    (entry,) = p.unverified
-    return threads.submit(
-        p.streams["samples"],
-        host.host.numpy()[offset : offset + size],
-        "samples",
-        lambda: dataclasses.replace(p, host=fill_host(host, fills, frozenset({"samples"}))),
-        (entry.crc32, lambda: checksum_error(entry, _what(p.h))),
-    )
-
-
-def _all_of(futures: list[Future], then) -> Future:  # noqa: ANN001 - then: list of results -> result
-    """A Future of then(each one's result, in order) once all are done; of the first one's error, in
-    order, where any failed."""
-    out: Future = Future()
-    out.set_running_or_notify_cancel()  # not cancellable: the native threads write into its parts' buffers
-    if not futures:
-        out.set_result(then([]))
-        return out
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        try:
-            out.set_result(then([f.result() for f in futures]))
-        except Exception as e:  # noqa: BLE001 - the chunk's error, for whoever waits on it
-            out.set_exception(e)
-
-    for f in futures:
-        f.add_done_callback(one_done)
-    return out
 
 
 def _what(h: ChunkHeader) -> str:
