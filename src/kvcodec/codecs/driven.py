@@ -78,8 +78,8 @@ def host_threads(setting: str | None = None) -> int:
 
 
 def finished(value, failed: bool = False) -> Future:  # noqa: ANN001
-    """A Future already holding `value` (its exception where `failed`): submit_host's answer where there
-    is nothing left to run, or a chunk's error found before anything ran."""
+    """A Future already holding `value` (its exception where `failed`): submit_host's answer for a
+    chunk's error found before anything ran."""
     future: Future = Future()
     future.set_exception(value) if failed else future.set_result(value)
     return future
