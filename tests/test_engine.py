@@ -394,3 +394,22 @@ def test_open_engine_keeps_its_startup_objects_out_of_full_collections(smol, tmp
     finally:
         first.close()
     assert gcfreeze.holders() == 0 and gc.get_freeze_count() == 0
+
+
+def test_reuse_frees_its_buffers_without_the_collector(smol, tmp_path: pathlib.Path):
+    """Requests that reuse a stored prefix leave no tensor or Future in a reference cycle: a restored
+    prefix's KV in a cycle lives until the collector's next full pass."""
+    from test_fetcher_codecs import cyclic_buffers
+
+    with make_engine(smol, f"file://{tmp_path}", codec_config=CodecConfig(quant="int8", chunk_tokens=CHUNK)) as eng:
+        ps = prompts(smol[1])
+        eng.generate(ps[:1], max_new_tokens=1, wait_for_store=True)
+        first = eng.generate(ps, max_new_tokens=2, wait_for_store=True)  # first use: threads made and kept
+        assert all(o.restored_tokens for o in first)
+
+        def requests() -> None:
+            for _ in range(2):
+                out = eng.generate(ps, max_new_tokens=2, store=False)  # nothing left on the storer's threads
+                assert all(o.restored_tokens >= 2 * CHUNK for o in out)
+
+        assert cyclic_buffers(requests) == []

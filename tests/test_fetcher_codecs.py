@@ -595,3 +595,44 @@ def test_a_fetch_output_is_freed_once_the_caller_drops_it(codec, batched):
     cache = cache_for(codec, batched_restore=batched)
     cache.put(ids, kv)
     assert output_freed_without_gc(cache, ids)
+
+
+def cyclic_buffers(run) -> list[str]:  # noqa: ANN001 - run: () -> None
+    """The types of the tensors and Futures that `run` left in reference cycles (with the collector off
+    meanwhile): a buffer in a cycle lives until the collector's next full pass."""
+    from concurrent.futures import Future
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        return sorted(type(o).__name__ for o in gc.garbage if isinstance(o, (torch.Tensor, Future)))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+
+
+def test_a_fetch_frees_its_buffers_without_the_collector(codec):
+    """Fetches that succeed, and one refused at a damaged chunk, leave no tensor or Future in a cycle
+    (tests/test_fetcher_gpu.py checks the driven CUDA paths)."""
+    kv, ids = make_kv(tokens=100), ids_for(100)
+    cache = cache_for(codec)
+    assert cache.put(ids, kv) == 7
+    assert cache.fetch(ids).ok  # first use: threads and tables made and kept
+
+    def fetches() -> None:
+        for _ in range(3):
+            assert cache.fetch(ids).ok
+        key = blob_key(cache.keys(ids)[2], 0)
+        blob = bytearray(cache.store.get(key))
+        blob[len(blob) // 2] ^= 0xFF
+        cache.store.put(key, bytes(blob))
+        r = cache.fetch(ids)
+        assert not r.ok and r.tokens_restored == 32
+
+    assert cyclic_buffers(fetches) == []
