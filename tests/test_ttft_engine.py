@@ -144,13 +144,15 @@ def test_run_through_the_engine_measures_and_models(prepared):
         assert len(fast["fetch_runs_s"]) == len(fast["ttft_runs_s"]) and fast["fetch_s"] == statistics.median(
             fast["fetch_runs_s"]
         )
+        assert 0 < fast["first_fetch_s"] <= fast["first_ttft_s"] and "first_fetch_s" not in slow
+        assert not any(k.startswith("first_pinned") for k in fast)  # the CPU: no pinned host memory
         assert not slow["measured"] and slow["fetch_s"] >= slow["transfer_s"]  # modelled: at least the transfer
         assert slow["bytes"] == fast["bytes"] > 0
     assert rows[("prefill", 1.0)]["measured"]
     assert not any("busy" in info for info in rec["inputs"]["methods"].values())
     assert accuracy_of(rec["accuracy"], "kvcodec-transform-5")["source"] == "rd-smollm2-135m-cpu-s6.json"
     md = out.with_suffix(".md").read_text()
-    assert "Issue 21 target 4" in md and "*" in md
+    assert "Issue 21 target 4" in md and "*" in md and "first request's fetch s" in md
 
 
 def test_plot_marks_modelled_points():
