@@ -5,6 +5,7 @@ malformed metas and store calls bounded by the deadline."""
 from __future__ import annotations
 
 import gc
+import logging
 import queue
 import threading
 import time
@@ -599,40 +600,62 @@ def test_a_fetch_output_is_freed_once_the_caller_drops_it(codec, batched):
 
 def cyclic_buffers(run) -> list[str]:  # noqa: ANN001 - run: () -> None
     """The types of the tensors and Futures that `run` left in reference cycles (with the collector off
-    meanwhile): a buffer in a cycle lives until the collector's next full pass."""
+    meanwhile, and logging too: a captured log record would keep an error, and so its cycle, alive):
+    a buffer in a cycle lives until the collector's next full pass."""
     from concurrent.futures import Future
 
-    was_enabled = gc.isenabled()
+    was_enabled, debug = gc.isenabled(), gc.get_debug()
     gc.collect()
+    gc.garbage.clear()
     gc.disable()
+    logging.disable(logging.CRITICAL)
     try:
         run()
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         return sorted(type(o).__name__ for o in gc.garbage if isinstance(o, (torch.Tensor, Future)))
     finally:
-        gc.set_debug(0)
+        logging.disable(logging.NOTSET)
+        gc.set_debug(debug)
         gc.garbage.clear()
         if was_enabled:
             gc.enable()
 
 
 def test_a_fetch_frees_its_buffers_without_the_collector(codec):
-    """Fetches that succeed, and one refused at a damaged chunk, leave no tensor or Future in a cycle
+    """Fetches that succeed, one refused at two damaged chunks and one cut off by its deadline with a store
+    call in flight (whose worker reports after the fetch has ended) leave no tensor or Future in a cycle
     (tests/test_fetcher_gpu.py checks the driven CUDA paths)."""
     kv, ids = make_kv(tokens=100), ids_for(100)
-    cache = cache_for(codec)
+    store = open_store("memory://")
+    cache = cache_for(codec, store)
     assert cache.put(ids, kv) == 7
     assert cache.fetch(ids).ok  # first use: threads and tables made and kept
+    release, real_get = threading.Event(), store.get
+
+    def get(key):  # noqa: ANN001, ANN202
+        if key == blob_key(cache.keys(ids)[5], 0):
+            release.wait(60)
+        return real_get(key)
 
     def fetches() -> None:
         for _ in range(3):
             assert cache.fetch(ids).ok
-        key = blob_key(cache.keys(ids)[2], 0)
-        blob = bytearray(cache.store.get(key))
-        blob[len(blob) // 2] ^= 0xFF
-        cache.store.put(key, bytes(blob))
+        for c in (2, 4):
+            key = blob_key(cache.keys(ids)[c], 0)
+            blob = bytearray(store.get(key))
+            blob[len(blob) // 2] ^= 0xFF
+            store.put(key, bytes(blob))
         r = cache.fetch(ids)
         assert not r.ok and r.tokens_restored == 32
+        cache.put(ids, kv)  # the refused chunks rewritten
+        store.get = get
+        try:
+            r = cache.fetch(ids, deadline_s=0.5)
+        finally:
+            release.set()
+        assert "deadline" in str(r.error) and r.tokens_restored <= 80
+        del r
+        cache._executor.shutdown(wait=True)  # every stage thread done, the stalled one's report included
 
     assert cyclic_buffers(fetches) == []

@@ -187,6 +187,7 @@ class FetchPipeline:
         self.slots = threading.Semaphore(settings.max_inflight)
         self.dec_q: queue.Queue = queue.Queue()
         self.res_q: queue.Queue = queue.Queue()
+        self.results_closed = False
         self.timings: list[ChunkTiming | None] = [None] * n
         self.lock = threading.Lock()
         self.backlog: dict[int, float] = {}  # predicted decode seconds of issued, undecoded chunks
@@ -223,7 +224,26 @@ class FetchPipeline:
                 return self._consume() if driver is None else self._consume_driven(driver)
         finally:
             self._shutdown(dec)
+            self._close_results()
             self._finish_stats()
+
+    def _report(self, item: tuple) -> None:
+        """(index, error, staged) of a chunk to the in-order restore, dropped once the run has ended."""
+        with self.lock:
+            if not self.results_closed:
+                self.res_q.put(item)
+
+    def _close_results(self) -> None:
+        """No more results, and none left queued: a queued error's traceback holds the worker's frame and so
+        this pipeline and its queue, a cycle that kept the fetch's output and buffers alive until the
+        collector's next full pass (a deadline with a store call in flight, a second bad chunk)."""
+        with self.lock:
+            self.results_closed = True
+        while True:
+            try:
+                self.res_q.get_nowait()
+            except queue.Empty:
+                return
 
     def _driver(self):  # noqa: ANN202 - a context manager yielding a StageDriver or None
         """A fetch on CUDA of a codec that can be driven stages its chunks from this thread
@@ -516,7 +536,7 @@ class FetchPipeline:
             try:
                 issued = self._issue()
             except KVCodecError as e:
-                self.res_q.put((self.next_issue - 1, e, None))
+                self._report((self.next_issue - 1, e, None))
                 return
             if issued is None:
                 self.slots.release()
@@ -525,7 +545,7 @@ class FetchPipeline:
             try:
                 blob = self._get(i, j)
             except KVCodecError as e:
-                self.res_q.put((i, e, None))
+                self._report((i, e, None))
                 return
             self.timings[i].queued = self.now()
             self.dec_q.put((i, j, blob))
@@ -613,7 +633,7 @@ class FetchPipeline:
             except Exception as e:  # noqa: BLE001 - the session failed: every chunk fed reports it
                 for i in list(fed):
                     fed.pop(i)
-                    self.res_q.put((i, e if isinstance(e, KVCodecError) else _failed(i, "failed to decode", e), None))
+                    self._report((i, e if isinstance(e, KVCodecError) else _failed(i, "failed to decode", e), None))
             if ended[0]:
                 return
 
@@ -648,7 +668,7 @@ class FetchPipeline:
         if isinstance(part, KVCodecError):
             if isinstance(part, FormatError):
                 self.on_bad_chunk(i, part)
-            self.res_q.put((i, part, None))
+            self._report((i, part, None))
             return
         ready = None  # a driven chunk's frames were copied and waited for on its session's stream
         if self.s.device.type == "cuda" and busy_s is None:
@@ -661,7 +681,7 @@ class FetchPipeline:
         self.profile.observe(j, self.plan.metas[i].values, tm.dec_end - tm.dec_start)
         with self.lock:
             self.backlog.pop(i, None)
-        self.res_q.put((i, None, Decoded(target, None if direct else target, part, ready)))
+        self._report((i, None, Decoded(target, None if direct else target, part, ready)))
 
     def _decode_loop(self) -> None:
         while not self.stop.is_set():
@@ -677,12 +697,12 @@ class FetchPipeline:
             except KVCodecError as e:
                 if isinstance(e, FormatError):
                     self.on_bad_chunk(i, e)
-                self.res_q.put((i, e, None))
+                self._report((i, e, None))
                 continue
             except Exception as e:  # noqa: BLE001 - report, never swallow
-                self.res_q.put((i, _failed(i, "failed to decode", e), None))
+                self._report((i, _failed(i, "failed to decode", e), None))
                 continue
-            self.res_q.put((i, None, staged))
+            self._report((i, None, staged))
 
     def _decode(self, i: int, j: int, blob: bytes) -> Decoded:
         """Check chunk i's blob, decode it into its target (or, staged, its first half)."""
