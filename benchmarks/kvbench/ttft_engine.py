@@ -411,27 +411,29 @@ def full_prefill(model, prompts: dict[int, list[int]], spec: RunSpec) -> dict[in
     return out
 
 
-def first_request(eng, prompt: list[int]) -> dict:  # noqa: ANN001 - an Engine
+def first_request(eng, prompt: list[int], device) -> dict:  # noqa: ANN001 - an Engine, a device
     """The first request of a prefix length, kept out of the medians: its TTFT and fetch time, and (CUDA)
-    the pinned host memory the process's allocator grew by for it, what a server's first long fetch pays."""
-    before = _pinned_growth()
+    what the pinned host allocator grew by during it, what a server's first long fetch pays."""
+    before = _pinned(device)
     out = eng.generate(prompt, max_new_tokens=1)[0]
-    after = _pinned_growth()
-    grew = {f"first_{k}": after[k] - before[k] for k in after} if before and after else {}
+    after = _pinned(device)
+    grew = {f"first_{k}": after[k] - before[k] for k in after if after[k] is not None and before[k] is not None}
     return {"first_ttft_s": out.ttft_s, "first_fetch_s": out.fetch_s, **grew}
 
 
-def _pinned_growth() -> dict | None:
-    """The pinned host allocator's blocks made, seconds spent making them, and bytes held (None without CUDA)."""
+def _pinned(device) -> dict:  # noqa: ANN001
+    """The pinned host allocator's blocks made, seconds spent making them and bytes held, each None where
+    this torch does not count it; empty off CUDA."""
     import torch
 
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(torch.cuda, "host_memory_stats")):
-        return None
+    if torch.device(device).type != "cuda" or not hasattr(torch.cuda, "host_memory_stats"):
+        return {}
     stats = torch.cuda.host_memory_stats()
+    alloc_us = stats.get("host_alloc_time.total")
     return {
-        "pinned_blocks": stats.get("num_host_alloc", 0),
-        "pinned_alloc_s": stats.get("host_alloc_time.total", 0) / 1e6,
-        "pinned_bytes": stats.get("allocated_bytes.current", 0),
+        "pinned_blocks": stats.get("num_host_alloc"),
+        "pinned_alloc_s": None if alloc_us is None else alloc_us / 1e6,
+        "pinned_bytes": stats.get("allocated_bytes.current"),
     }
 
 
@@ -451,7 +453,7 @@ def method_points(model, m: str, pc, link_store, prompts: dict[int, list[int]], 
                 if fast is not None and nbytes * 8 / (bw * 1e9) > spec.max_transfer_s:
                     out[(n, bw)] = modelled(fast, nbytes, bw, n // CHUNK)
                 else:
-                    first = first_request(eng, prompt) if fast is None else {}  # not in the medians
+                    first = first_request(eng, prompt, spec.device) if fast is None else {}  # not in the medians
                     pts = [point_of(eng.generate(prompt, max_new_tokens=1)[0]) for _ in range(spec.repeat)]
                     out[(n, bw)] = median_point(pts) | first
                     fast = fast or out[(n, bw)]
@@ -625,7 +627,7 @@ def with_raw_bound(rows: list[dict]) -> list[dict]:
         ref = r if r["measured"] and r.get("fetch_s") is not None else raw[fastest[k[:2]]]
         x = r["bytes"] * 8 / (k[2] * 1e9)
         bound[k] = {
-            **r,
+            **{name: v for name, v in r.items() if not name.startswith("first_")},  # the raw fetcher's own
             "method": RAW_BOUND,
             "ttft_s": x + ref["ttft_s"] - ref["fetch_s"],
             "fetch_s": x,
