@@ -391,3 +391,30 @@ def test_the_host_pools_size_is_half_the_cores_unless_set_and_a_bad_setting_is_r
     monkeypatch.setattr(cache, "_device", lambda device: torch.device("cuda"))  # a CUDA cache, made on any machine
     with pytest.raises(ConfigError, match="KVCODEC_HOST_THREADS"):
         cache.PrefixCache("memory://", "m", CodecConfig(), "cuda")
+
+
+def test_a_chunk_refused_by_its_host_work_leaves_no_buffer_in_a_cycle():
+    """An int8 chunk without videos whose samples fail their checksum on a host thread is that chunk's error, and
+    its target (a view of the fetch's output) and Future are left in no reference cycle: the error, raised
+    where it was collected, held that frame, and the frame the Future that held the error."""
+    from synthetic import synthetic_kv
+    from test_fetcher_codecs import cyclic_buffers
+
+    codec = HevcCodec(CodecConfig(quant="int8", chunk_tokens=32, sample_coder="zstd"))
+    kv = synthetic_kv(64, 3)
+    (chunk, *_) = codec.encode_chunks(kv)
+    bad = bytearray(chunk.blobs[0])
+    bad[-40] ^= 0xFF  # in its samples stream, checked on the host thread
+    errors = []
+
+    def refused() -> None:
+        driver = StageDriver(codec, [])
+        out = torch.empty((*kv.shape[:2], 32, *kv.shape[3:]), dtype=torch.float16)
+        driver.submit_many([(0, bytes(bad), out)])
+        for future, *_ in driver.on_host.values():
+            future.exception(60)
+        errors.extend(str(e) for _, e, _ in driver.poll())  # the strings: the errors themselves hold frames
+        driver.close()
+
+    assert cyclic_buffers(refused) == []
+    assert len(errors) == 1 and "chunk 0" in errors[0] and "samples" in errors[0], errors

@@ -5,6 +5,7 @@ a gate so that the backlog fills deterministically."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -118,3 +119,24 @@ def test_gather_kv_is_cache_to_tensor_of_the_first_tokens():
     ragged = [layers[0], (layers[1][0][:, :, :10], layers[1][1])]
     with pytest.raises(ShapeError, match="layer 1"):  # cache_to_tensor's error
         gather_kv(ragged, 20)
+
+
+def test_a_failed_store_frees_its_kv_without_the_collector(tmp_path):
+    """A store that fails for real (its directory turned into a file) fails the job's Future, and neither the
+    job's KV nor its Future is left in a reference cycle (the error's frames held both: on CUDA the KV stayed
+    on the GPU until the collector's next full pass)."""
+    from test_fetcher_codecs import cyclic_buffers
+
+    cache = PrefixCache(open_store(f"file://{tmp_path}/store"), "m", make_codec("raw", chunk_tokens=CT), "cpu")
+    shutil.rmtree(tmp_path / "store")
+    (tmp_path / "store").write_bytes(b"")  # every put fails now: the store's folder is a file
+    failed = []
+
+    def stores() -> None:
+        storer = KVStorer(cache, StorePolicy(), CT, max_pending=3)
+        future = storer.submit(prompt(0, 16), cache_of(16))
+        failed.append(str(future.exception(30)))  # not the error itself: it would keep its frames alive
+        storer.shutdown()  # its thread done with the job
+
+    assert cyclic_buffers(stores) == []
+    assert "failed" in failed[0]

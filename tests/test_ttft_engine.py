@@ -180,10 +180,12 @@ def test_link_bound_raw_is_the_link_time_plus_the_engine_time_after_the_fetch():
             "restored_tokens": 512,
         }
 
-    rows = [row("raw", 100.0, 2.0, 1.9), row("raw", 1.0, 9.0, 8.9, measured=False), row("t", 1.0, 4.0, 3.9)]
+    fastest_raw = row("raw", 100.0, 2.0, 1.9) | {"first_fetch_s": 3.0, "first_ttft_s": 3.1}  # the fetcher's own
+    rows = [fastest_raw, row("raw", 1.0, 9.0, 8.9, measured=False), row("t", 1.0, 4.0, 3.9)]
     out = ttft_engine.with_raw_bound(rows)
     bound = {r["bandwidth_gbit"]: r for r in out if r["method"] == ttft_engine.RAW_BOUND}
     assert bound[100.0]["ttft_s"] == pytest.approx(0.08 + 0.1) and not bound[100.0]["measured"]
+    assert not any(k.startswith("first_") for r in bound.values() for k in r)
     assert bound[1.0]["ttft_s"] == pytest.approx(8.0 + 0.1)  # a modelled raw point: the fastest link's time after
     t = next(r for r in out if r["method"] == "t")
     assert t["speedup_vs_raw_link_bound"] == pytest.approx(8.1 / 4.0)

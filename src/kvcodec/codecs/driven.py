@@ -410,15 +410,16 @@ class StageDriver:
             self.done.append((tag, self._staged_from_host(future, reading, target), time.monotonic() - t0))
 
     def _staged_from_host(self, future: Future, reading: Reading, target: Target) -> object:
-        """The staged chunk of a finished prepare_host, or its error naming the chunk."""
+        """The staged chunk of a finished prepare_host, or its error naming the chunk. The host work's error is
+        taken, not raised here: raised, it would hold this frame, and the frame its future, a cycle that kept
+        the chunk's target (the fetch's output) and buffers until the collector's next full pass."""
+        error = future.exception()
+        if error is not None:
+            return _chunk_error(error, reading.info.index)
         try:
             return self.chunks.stage(future.result(), [], target)
-        except KVCodecError as e:
-            return _named(e, reading.info.index)
         except Exception as e:  # noqa: BLE001 - this chunk's failure (a GPU out of memory, say)
-            error = _named(KVCodecError(f"{type(e).__name__}: {e}"), reading.info.index)
-            error.__cause__ = e
-            return error
+            return _chunk_error(e, reading.info.index)
 
     def end_all(self) -> None:
         """No more chunks are coming: every session is flushed once it has fed what it holds."""
@@ -555,6 +556,15 @@ class StageDriver:
         for tag, p in keys:
             self._piece_done(k, tag, p, run.decoder)
         self.load[k] = 0
+
+
+def _chunk_error(error: BaseException, index: int) -> KVCodecError:
+    """A chunk's failure as the KVCodecError naming it (any other error its cause)."""
+    if isinstance(error, KVCodecError):
+        return _named(error, index)
+    named = _named(KVCodecError(f"{type(error).__name__}: {error}"), index)
+    named.__cause__ = error
+    return named
 
 
 def _named(error: KVCodecError, index: int) -> KVCodecError:

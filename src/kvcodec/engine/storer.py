@@ -50,6 +50,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -383,7 +384,10 @@ class KVStorer:
                 result = self._put(job)
             job.future.set_result(result)
         except Exception as e:  # reported by _put; the future carries it
-            job.future.set_exception(e)
+            future, job = job.future, None  # the error's frames hold neither the job (its KV) nor its future
+            traceback.clear_frames(e.__traceback__)  # the finished ones below this one: _put's, holding the KV
+            future.set_exception(e)
+            del future
 
     def _background(self) -> Any:
         from kvcodec.codecs.hevc.encode import background

@@ -223,9 +223,11 @@ class FetchPipeline:
                 stack.enter_context(_own_stream(self.s.device, self.started))  # never behind the model's work
                 return self._consume() if driver is None else self._consume_driven(driver)
         finally:
-            self._shutdown(dec)
-            self._close_results()
-            self._finish_stats()
+            try:
+                self._shutdown(dec)
+            finally:
+                self._close_results()
+                self._finish_stats()
 
     def _report(self, item: tuple) -> None:
         """(index, error, staged) of a chunk to the in-order restore, dropped once the run has ended."""
