@@ -393,28 +393,39 @@ def test_the_host_pools_size_is_half_the_cores_unless_set_and_a_bad_setting_is_r
         cache.PrefixCache("memory://", "m", CodecConfig(), "cuda")
 
 
-def test_a_chunk_refused_by_its_host_work_leaves_no_buffer_in_a_cycle():
-    """An int8 chunk without videos whose samples fail their checksum on a host thread is that chunk's error, and
-    its target (a view of the fetch's output) and Future are left in no reference cycle: the error, raised
-    where it was collected, held that frame, and the frame the Future that held the error."""
+@pytest.mark.parametrize("fault", ["checksum", "stage"])
+def test_a_chunk_refused_by_its_host_work_leaves_no_buffer_in_a_cycle(fault, monkeypatch):
+    """An int8 chunk without videos whose samples fail their checksum on a host thread, or whose staging fails
+    (a GPU out of memory, which the CPU cannot cause), is that chunk's error, and its target (a view of the
+    fetch's output) and Future are left in no reference cycle: the error, raised where it was collected,
+    held that frame (and the frames that called it), and the frame the Future and the list holding the error."""
+    from kvcodec.codecs.hevc.driven import HevcDriven
     from synthetic import synthetic_kv
     from test_fetcher_codecs import cyclic_buffers
 
     codec = HevcCodec(CodecConfig(quant="int8", chunk_tokens=32, sample_coder="zstd"))
     kv = synthetic_kv(64, 3)
     (chunk, *_) = codec.encode_chunks(kv)
-    bad = bytearray(chunk.blobs[0])
-    bad[-40] ^= 0xFF  # in its samples stream, checked on the host thread
+    blob = bytearray(chunk.blobs[0])
+    if fault == "checksum":
+        blob[-40] ^= 0xFF  # in its samples stream, checked on the host thread
+    else:
+
+        def out_of_memory(self, reading, buffers, target):  # noqa: ANN001, ANN202
+            raise RuntimeError("CUDA out of memory")
+
+        monkeypatch.setattr(HevcDriven, "stage", out_of_memory)
     errors = []
 
     def refused() -> None:
         driver = StageDriver(codec, [])
         out = torch.empty((*kv.shape[:2], 32, *kv.shape[3:]), dtype=torch.float16)
-        driver.submit_many([(0, bytes(bad), out)])
+        driver.submit_many([(0, bytes(blob), out)])
         for future, *_ in driver.on_host.values():
             future.exception(60)
         errors.extend(str(e) for _, e, _ in driver.poll())  # the strings: the errors themselves hold frames
         driver.close()
 
     assert cyclic_buffers(refused) == []
-    assert len(errors) == 1 and "chunk 0" in errors[0] and "samples" in errors[0], errors
+    assert len(errors) == 1 and "chunk 0" in errors[0], errors
+    assert ("samples" if fault == "checksum" else "RuntimeError: CUDA out of memory") in errors[0], errors

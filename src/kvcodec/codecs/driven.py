@@ -48,7 +48,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Protocol
 
@@ -307,7 +307,7 @@ class StageDriver:
                 self.check(tag, self.chunks.inspect(blob))
             return self.chunks.read(blob, target, self.split)
         except KVCodecError as e:
-            self.done.append((tag, e, 0.0))
+            self.done.append((tag, _untraced(e), 0.0))
             return None
 
     def _host(self, tag, reading: Reading, target: Target, t0: float) -> None:
@@ -321,7 +321,7 @@ class StageDriver:
         try:
             self.done.append((tag, self.chunks.stage(reading, [], target), 0.0))
         except KVCodecError as e:
-            self.done.append((tag, e, 0.0))
+            self.done.append((tag, _untraced(e), 0.0))
 
     def _push(self, tag, reading: Reading, target: Target, t0: float) -> None:
         """Each of the chunk's videos to the native feeder of the least busy session, decoded into
@@ -396,11 +396,8 @@ class StageDriver:
         entry.prepared = True
         try:
             entry.reading = self.prepare(entry.reading)
-        except KVCodecError as e:
-            entry.error = e
         except Exception as e:  # noqa: BLE001 - this chunk's failure (a GPU out of memory, say), reported as its error
-            entry.error = KVCodecError(f"{type(e).__name__}: {e}")
-            entry.error.__cause__ = e
+            entry.error = _untraced(e if isinstance(e, KVCodecError) else _chunk_error(e, entry.reading.info.index))
 
     def _collect_host(self) -> None:
         """Chunks without videos whose host work is done, staged here (their uploads and math on
@@ -413,13 +410,15 @@ class StageDriver:
         """The staged chunk of a finished prepare_host, or its error naming the chunk. The host work's error is
         taken, not raised here: raised, it would hold this frame, and the frame its future, a cycle that kept
         the chunk's target (the fetch's output) and buffers until the collector's next full pass."""
-        error = future.exception()
+        error = CancelledError() if future.cancelled() else future.exception()
+        if error is not None and not isinstance(error, Exception):
+            raise error  # an interrupt, not the chunk's failure
         if error is not None:
-            return _chunk_error(error, reading.info.index)
+            return _untraced(_chunk_error(error, reading.info.index))
         try:
             return self.chunks.stage(future.result(), [], target)
         except Exception as e:  # noqa: BLE001 - this chunk's failure (a GPU out of memory, say)
-            return _chunk_error(e, reading.info.index)
+            return _untraced(_chunk_error(e, reading.info.index))
 
     def end_all(self) -> None:
         """No more chunks are coming: every session is flushed once it has fed what it holds."""
@@ -537,11 +536,8 @@ class StageDriver:
                 busy = time.monotonic() - entry.t0
             else:
                 staged = self.chunks.stage(entry.reading, entry.buffers, entry.target)
-        except KVCodecError as e:
-            staged = _named(e, entry.reading.info.index)
         except Exception as e:  # noqa: BLE001 - not the session's failure: this chunk's (a GPU out of memory, say)
-            staged = _named(KVCodecError(f"{type(e).__name__}: {e}"), entry.reading.info.index)
-            staged.__cause__ = e
+            staged = _untraced(_chunk_error(e, entry.reading.info.index))
         self.done.append((tag, staged, busy))
 
     def _failed(self, k: int, error: Exception) -> None:
@@ -556,6 +552,18 @@ class StageDriver:
         for tag, p in keys:
             self._piece_done(k, tag, p, run.decoder)
         self.load[k] = 0
+
+
+def _untraced(error: BaseException) -> BaseException:
+    """`error`, and the errors it was raised from, without their tracebacks: a chunk's error is kept (in the
+    driver, then the fetch's results) and handed on as a value, and its traceback's frames held the driver,
+    the chunk's target and buffers, a cycle that kept them until the collector's next full pass."""
+    seen, at = set(), error
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        at.__traceback__ = None
+        at = at.__cause__ or at.__context__
+    return error
 
 
 def _chunk_error(error: BaseException, index: int) -> KVCodecError:
