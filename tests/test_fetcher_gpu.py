@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import pytest
 import torch
 
@@ -105,12 +103,10 @@ def test_a_driven_cuda_fetch_leaves_no_cyclic_garbage(codec_name, kvt):
     cycle live until the collector's next full pass, and the pinned allocator meanwhile pins new ones
     (session 63's int8 host work, a Future holding a callback that held it, fetched 2.1-3.3x slower and cost
     a matmul beside it 36-50%: benchmarks/results/fetch-h100-s64-int8-native.md)."""
-    import collections
-    import gc
-
     from kvcodec.codecs import driven, zstd_native
     from kvcodec.codecs.transform.codec import TransformCodec
     from kvcodec.video.registry import get_decoder
+    from test_fetcher_codecs import cyclic_buffers
 
     kind, coder = codec_name.split("-")
     if not driven.DRIVEN:
@@ -131,24 +127,13 @@ def test_a_driven_cuda_fetch_leaves_no_cyclic_garbage(codec_name, kvt):
     PrefixCache(store, "m", codec, "cpu").put(ids, kv)
     gpu = PrefixCache(store, "m", codec, "cuda", policy="fixed:0")
     assert gpu.fetch(ids).ok  # first use: threads, sessions, compiled kernels made and kept
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
+
+    def fetches() -> None:
         for _ in range(3):
             r = gpu.fetch(ids)
             assert r.ok, r.error
-        del r
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-        kinds = collections.Counter(type(o).__name__ for o in gc.garbage)
-        held = [o for o in gc.garbage if isinstance(o, (torch.Tensor, Future))]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        if was_enabled:
-            gc.enable()
-    assert not held, kinds.most_common(12)  # what another thread left in a cycle meanwhile holds no buffer
+
+    assert cyclic_buffers(fetches) == []
 
 
 def test_cuda_without_a_gpu_decoder_decodes_on_the_cpu_and_says_so():

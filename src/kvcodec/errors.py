@@ -45,3 +45,15 @@ class StoreTimeoutError(StoreError):
 
 class FetchError(KVCodecError):
     """A fetch of a stored prefix stopped; the caller should recompute the remaining tokens."""
+
+
+def untraced(error: BaseException) -> BaseException:
+    """`error`, and the errors it was raised from, without their tracebacks: for an error kept and handed on as
+    a value (a chunk's, a background job's), whose traceback's frames would hold what they held (the job, its
+    buffers, the holder of the error itself), a cycle kept until the collector's next full pass."""
+    seen, at = set(), error
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        at.__traceback__ = None
+        at = at.__cause__ or at.__context__
+    return error

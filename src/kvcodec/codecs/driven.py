@@ -55,7 +55,7 @@ from typing import Protocol
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.errors import ConfigError, FormatError, KVCodecError
+from kvcodec.errors import ConfigError, FormatError, KVCodecError, untraced
 from kvcodec.layout.search import usable_cores
 
 DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages on decode worker threads
@@ -75,14 +75,6 @@ def host_threads(setting: str | None = None) -> int:
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise ConfigError(f"KVCODEC_HOST_THREADS must be a whole number >= 1, got {text!r}")
     return int(text)
-
-
-def finished(value, failed: bool = False) -> Future:  # noqa: ANN001
-    """A Future already holding `value` (its exception where `failed`): submit_host's answer for a
-    chunk's error found before anything ran."""
-    future: Future = Future()
-    future.set_exception(value) if failed else future.set_result(value)
-    return future
 
 
 def host_pool() -> ThreadPoolExecutor:
@@ -290,7 +282,7 @@ class StageDriver:
                 continue
             if reading.pieces and not self.runs:  # a video under a codec that codes none: no session holds it
                 error = FormatError("the chunk holds a video; its codec codes none")
-                self.done.append((tag, _named(error, reading.info.index), 0.0))
+                self._hand_back(tag, _named(error, reading.info.index), 0.0)
             elif reading.pieces:
                 self._push(tag, reading, target, t0)
             elif VIDEO_FIRST:
@@ -307,7 +299,7 @@ class StageDriver:
                 self.check(tag, self.chunks.inspect(blob))
             return self.chunks.read(blob, target, self.split)
         except KVCodecError as e:
-            self.done.append((tag, _untraced(e), 0.0))
+            self._hand_back(tag, e, 0.0)
             return None
 
     def _host(self, tag, reading: Reading, target: Target, t0: float) -> None:
@@ -319,9 +311,9 @@ class StageDriver:
             self.on_host[tag] = (host_pool().submit(self.prepare_host, reading), reading, target, t0)
             return
         try:
-            self.done.append((tag, self.chunks.stage(reading, [], target), 0.0))
+            self._hand_back(tag, self.chunks.stage(reading, [], target), 0.0)
         except KVCodecError as e:
-            self.done.append((tag, _untraced(e), 0.0))
+            self._hand_back(tag, e, 0.0)
 
     def _push(self, tag, reading: Reading, target: Target, t0: float) -> None:
         """Each of the chunk's videos to the native feeder of the least busy session, decoded into
@@ -397,14 +389,14 @@ class StageDriver:
         try:
             entry.reading = self.prepare(entry.reading)
         except Exception as e:  # noqa: BLE001 - this chunk's failure (a GPU out of memory, say), reported as its error
-            entry.error = _untraced(e if isinstance(e, KVCodecError) else _chunk_error(e, entry.reading.info.index))
+            entry.error = untraced(_chunk_error(e, entry.reading.info.index))  # kept until staged: see _hand_back
 
     def _collect_host(self) -> None:
         """Chunks without videos whose host work is done, staged here (their uploads and math on
         this thread's stream), in the order submitted."""
         for tag in [t for t, job in self.on_host.items() if job[0].done()]:
             future, reading, target, t0 = self.on_host.pop(tag)
-            self.done.append((tag, self._staged_from_host(future, reading, target), time.monotonic() - t0))
+            self._hand_back(tag, self._staged_from_host(future, reading, target), time.monotonic() - t0)
 
     def _staged_from_host(self, future: Future, reading: Reading, target: Target) -> object:
         """The staged chunk of a finished prepare_host, or its error naming the chunk. The host work's error is
@@ -414,11 +406,16 @@ class StageDriver:
         if error is not None and not isinstance(error, Exception):
             raise error  # an interrupt, not the chunk's failure
         if error is not None:
-            return _untraced(_chunk_error(error, reading.info.index))
+            return _chunk_error(error, reading.info.index)
         try:
             return self.chunks.stage(future.result(), [], target)
         except Exception as e:  # noqa: BLE001 - this chunk's failure (a GPU out of memory, say)
-            return _untraced(_chunk_error(e, reading.info.index))
+            return _chunk_error(e, reading.info.index)
+
+    def _hand_back(self, tag, staged: object, seconds: float) -> None:
+        """A chunk's staged result, or its error without a traceback, for poll: the error's frames held this
+        driver, the chunk's target and its buffers, a cycle kept until the collector's next full pass."""
+        self.done.append((tag, untraced(staged) if isinstance(staged, BaseException) else staged, seconds))
 
     def end_all(self) -> None:
         """No more chunks are coming: every session is flushed once it has fed what it holds."""
@@ -537,8 +534,8 @@ class StageDriver:
             else:
                 staged = self.chunks.stage(entry.reading, entry.buffers, entry.target)
         except Exception as e:  # noqa: BLE001 - not the session's failure: this chunk's (a GPU out of memory, say)
-            staged = _untraced(_chunk_error(e, entry.reading.info.index))
-        self.done.append((tag, staged, busy))
+            staged = _chunk_error(e, entry.reading.info.index)
+        self._hand_back(tag, staged, busy)
 
     def _failed(self, k: int, error: Exception) -> None:
         run = self.runs[k]
@@ -552,18 +549,6 @@ class StageDriver:
         for tag, p in keys:
             self._piece_done(k, tag, p, run.decoder)
         self.load[k] = 0
-
-
-def _untraced(error: BaseException) -> BaseException:
-    """`error`, and the errors it was raised from, without their tracebacks: a chunk's error is kept (in the
-    driver, then the fetch's results) and handed on as a value, and its traceback's frames held the driver,
-    the chunk's target and buffers, a cycle that kept them until the collector's next full pass."""
-    seen, at = set(), error
-    while at is not None and id(at) not in seen:
-        seen.add(id(at))
-        at.__traceback__ = None
-        at = at.__cause__ or at.__context__
-    return error
 
 
 def _chunk_error(error: BaseException, index: int) -> KVCodecError:

@@ -50,14 +50,13 @@ import logging
 import os
 import threading
 import time
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from kvcodec.engine.encode_pool import EncodeProcessError
-from kvcodec.errors import ConfigError
+from kvcodec.errors import ConfigError, untraced
 from kvcodec.kvspec.tensors import GroupedKV
 
 log = logging.getLogger(__name__)
@@ -384,10 +383,7 @@ class KVStorer:
                 result = self._put(job)
             job.future.set_result(result)
         except Exception as e:  # reported by _put; the future carries it
-            future, job = job.future, None  # the error's frames hold neither the job (its KV) nor its future
-            traceback.clear_frames(e.__traceback__)  # the finished ones below this one: _put's, holding the KV
-            future.set_exception(e)
-            del future
+            job.future.set_exception(untraced(e))  # its frames held the job (its KV) and the future holding it
 
     def _background(self) -> Any:
         from kvcodec.codecs.hevc.encode import background

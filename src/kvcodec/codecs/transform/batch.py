@@ -24,7 +24,7 @@ import torch
 
 from kvcodec.codecs import zstd_native
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.driven import Piece, Reading, balanced_runs, finished, host_pool, host_threads
+from kvcodec.codecs.driven import Piece, Reading, balanced_runs, host_pool, host_threads
 from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
 from kvcodec.container.format import checksum_error, verify_streams
 from kvcodec.errors import CorruptStreamError, KVCodecError
@@ -427,7 +427,9 @@ class TransformDriven:
         try:
             return self._submit_native(threads, reading)
         except Exception as e:  # noqa: BLE001 - a pinned buffer that could not be had, say: the chunk's error
-            return finished(e, failed=True)
+            failed: Future = Future()
+            failed.set_exception(e)
+            return failed
 
     def _submit_native(self, threads, reading: Reading) -> Future:  # noqa: ANN001 - a ZstdThreads
         h, streams, (entry,) = reading.state
