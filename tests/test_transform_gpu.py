@@ -151,6 +151,53 @@ def test_block_layout_places_every_output_row_once(sizes, layer_dim, data):
     assert np.array_equal(j, 2 * group_of + kind_of)
 
 
+def _random_calibration(sizes: list[int], layer_dim: int, cols: list[int], magnitude: float, seed: int):
+    """A Calibration of groups of `sizes` layers (1 head of layer_dim channels), block j keeping
+    cols[j] columns of its basis (as a pack cut to the coded coordinates does)."""
+    from kvcodec.transform.calibration import KINDS, Calibration, GroupBasis
+
+    g = torch.Generator().manual_seed(seed)
+    bases = {}
+    for j, c in enumerate(cols):
+        rows = sizes[j // 2] * layer_dim
+        basis = (torch.randn((rows, min(c, rows)), generator=g) * magnitude).float()
+        var = torch.sort(torch.rand(basis.shape[1], generator=g), descending=True).values
+        bases[(j // 2, KINDS[j % 2])] = GroupBasis(torch.randn(rows, generator=g), basis, var)
+    layers, groups, first = sum(sizes), [], 0
+    for size in sizes:
+        groups.append(tuple(range(first, first + size)))
+        first += size
+    return Calibration(layers, 1, layer_dim, None, tuple(groups), bases, {})
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    layer_dim=st.integers(1, 12),
+    magnitude=st.floats(1e-4, 1e3),
+    data=st.data(),
+)
+def test_plans_built_from_the_stacked_calibration_hold_the_decode_basis_exactly(sizes, layer_dim, magnitude, data):
+    """build_plan scales the stacked calibration on its device: block by block the very float16
+    values and scales that transform.inverse.decode_bases rounds on the host, zero past them."""
+    from kvcodec.transform.inverse import decode_bases
+
+    cols = [data.draw(st.integers(1, s * layer_dim)) for s in sizes for _ in range(2)]
+    cal = _random_calibration(sizes, layer_dim, cols, magnitude, data.draw(st.integers(0, 99)))
+    counts = [data.draw(st.integers(0, c)) for c in cols]
+    steps = torch.rand(sum(counts), generator=torch.Generator().manual_seed(sum(counts))) * 3 + 1e-3
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    want = decode_bases(cal, counts, steps)
+    for device in devices:
+        plan = tk.build_plan(cal, counts, steps, torch.arange(sum(counts)), device)
+        for j, block in enumerate(want):
+            rows, n = block.half.shape
+            assert torch.equal(plan.half[j, :rows, :n].cpu(), block.half)
+            assert float(plan.scales[j]) == block.scale
+            assert not plan.half[j, rows:].any() and not plan.half[j, :, n:].any()
+            assert torch.equal(plan.centred_means[j, :rows, 0].cpu(), block.mean)
+
+
 # ----------------------------------------------------------------------------------------- GPU
 
 

@@ -30,7 +30,9 @@ on a 7-8B model's chunks); these kernels stay its fallback and the tests' refere
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -39,8 +41,8 @@ import torch
 
 from kvcodec.errors import CorruptStreamError
 from kvcodec.restore import transform_triton
-from kvcodec.transform.calibration import Calibration
-from kvcodec.transform.inverse import HALF_MAX, decode_bases
+from kvcodec.transform.calibration import KINDS, Calibration
+from kvcodec.transform.inverse import HALF_MAX
 from kvcodec.transform.quantize import OFFSET, recon_offset, step_ratio
 from kvcodec.transform.rope import RopeSpec, inv_freq
 
@@ -52,18 +54,33 @@ class BatchedPlan:
     """Device tensors for one (calibration, coordinate plan, device)."""
 
     gather: torch.Tensor  # (J * n,) int64 layout row of each block slot (row 0 for padding)
-    bases: torch.Tensor  # (J, d, n) float32 basis columns scaled by their steps; padding zero
-    means: torch.Tensor  # (J, d, 1) float32 mean - OFFSET * bases @ 1
+    half: torch.Tensor  # (J, d, n) float16 bases / scales, exactly (transform.inverse.DecodeBlock); padding zero
+    scales: torch.Tensor  # (J, 1, 1) float32 power-of-two scale of each block
+    centred_means: torch.Tensor  # (J, d, 1) float32 means for centred samples (q, not q + 128)
     rows: torch.Tensor  # (L * 2 * H * D,) int64 row of J * d holding each (layer, kind, head, dim)
     slot_of_row: np.ndarray  # (C,) int64 host: block slot (j * n + k) of each layout row
     n: int  # padded coefficients per block
     ratios: torch.Tensor | None = None  # (J * n,) float32 step / calibrated deviation per slot (0: padding)
-    half: torch.Tensor | None = None  # (J, d, n) float16 bases / scales, exactly (transform.inverse.DecodeBlock)
-    scales: torch.Tensor | None = None  # (J, 1, 1) float32 power-of-two scale of each block
-    centred_means: torch.Tensor | None = None  # (J, d, 1) float32 means for centred samples (q, not q + 128)
     units: torch.Tensor | None = None  # (L * 2 * H,) int64 the fused epilogue's first row of each head (unit_table)
     pairs: torch.Tensor | None = None  # (3, P) int32 the epilogue's channel pairs (transform_triton.channel_pairs)
     halves: bool = False  # the pairs are (c, c + P): the epilogue computes them without the table
+
+    @property
+    def blocks(self) -> int:
+        return self.half.shape[0]
+
+    # The float32 GEMM's operands (a reconstruction other than the bin centres, escapes beyond
+    # float16's integers) are made from the float16 basis on first use: most plans never need them,
+    # and each would hold twice the float16 basis's memory on the device.
+    @functools.cached_property
+    def bases(self) -> torch.Tensor:
+        """(J, d, n) float32 basis columns scaled by their steps (the decode basis, exactly)."""
+        return self.half.float() * self.scales
+
+    @functools.cached_property
+    def means(self) -> torch.Tensor:
+        """(J, d, 1) float32 mean - OFFSET * bases @ 1: the means for samples (q + 128)."""
+        return (self.centred_means.double() - OFFSET * self.bases.double().sum(2, keepdim=True)).float()
 
 
 GEMM_ALIGN = 8  # float16 elements in 16 bytes: the GEMM's leading dimensions are multiples of it
@@ -96,29 +113,83 @@ def block_layout(counts, group_sizes, layer_dim: int) -> tuple[np.ndarray, np.nd
     return offsets, np.concatenate(rows).astype(np.int64), n, d
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeviceCalibration:
+    """A calibration's bases and means stacked per block (group j // 2, kind j % 2) and zero-padded,
+    on one device: what build_plan scales by a level's steps. Made once per device, so that a
+    new level costs a few kernels there, not seconds of float64 arithmetic on the host."""
+
+    bases: torch.Tensor  # (J, d, m) float32 synthesis columns, d and m padded to GEMM_ALIGN
+    means: torch.Tensor  # (J, d) float32
+
+
+def device_calibration(cal: Calibration, device) -> DeviceCalibration:  # noqa: ANN001
+    blocks = [cal.basis(j // 2, KINDS[j % 2]) for j in range(2 * len(cal.groups))]
+    d = _aligned(max(len(g) for g in cal.groups) * cal.layer_dim)
+    m = _aligned(max(b.basis.shape[1] for b in blocks))
+    bases = torch.zeros((len(blocks), d, m), dtype=torch.float32)
+    means = torch.zeros((len(blocks), d), dtype=torch.float32)
+    for j, b in enumerate(blocks):
+        rows, cols = b.basis.shape
+        bases[j, :rows, :cols] = b.basis
+        means[j, :rows] = b.mean
+    device = torch.device(device)
+    with _own_stream(device):
+        return DeviceCalibration(bases.to(device), means.to(device))
+
+
+SCALE_SLICE_BYTES = 64 << 20  # float64 scratch of half_bases per slice of blocks
+
+
+def half_bases(stacked: DeviceCalibration, counts, steps: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(J, d, n) float16 decode bases and (J, 1, 1) float32 scales on the calibration's device:
+    block j's leading counts[j] columns times their steps (concatenated order), rounded as
+    transform.inverse.half_basis rounds them (the same values, computed on the device in float64)."""
+    J, d, m = stacked.bases.shape
+    device = stacked.bases.device
+    padded = torch.zeros((J, n), dtype=torch.float64)
+    off = 0
+    for j, c in enumerate(int(c) for c in counts):
+        padded[j, :c] = steps[off : off + c].to(torch.float64)
+        off += c
+    padded = padded.to(device)
+    half = torch.zeros((J, d, n), dtype=torch.float16, device=device)
+    scales = torch.ones((J,), dtype=torch.float64, device=device)
+    width = min(n, m)  # columns past the calibration's are padding (zero)
+    per = max(1, SCALE_SLICE_BYTES // max(1, d * width * 8))
+    for j0 in range(0, J, per):
+        j1 = min(J, j0 + per)
+        scaled = stacked.bases[j0:j1, :, :width].to(torch.float64) * padded[j0:j1, None, :width]
+        top = scaled.abs().amax(dim=(1, 2))
+        scale = torch.where(top > 0, torch.exp2(torch.frexp(top).exponent.to(torch.float64)), 1.0)
+        half[j0:j1, :, :width] = (scaled / scale[:, None, None]).to(torch.float16)
+        scales[j0:j1] = scale
+    return half, scales.float().view(J, 1, 1)
+
+
 def build_plan(
-    cal: Calibration, counts, steps: torch.Tensor, inverse: torch.Tensor, device, sigmas: torch.Tensor | None = None
+    cal: Calibration,
+    counts,
+    steps: torch.Tensor,
+    inverse: torch.Tensor,
+    device,
+    sigmas: torch.Tensor | None = None,
+    stacked: DeviceCalibration | None = None,
 ) -> BatchedPlan:
     """steps (C,), inverse (C,: concatenated index -> layout row) and sigmas (C,, for the
-    "laplace" reconstruction) as in codecs.transform.CoordPlan."""
+    "laplace" reconstruction) as in codecs.transform.CoordPlan; stacked: device_calibration(cal,
+    device), where the caller keeps it (made here otherwise). On CUDA the plan's tensors are
+    ready when it returns (built on a stream of its own), so any stream may use them."""
+    stacked = stacked if stacked is not None else device_calibration(cal, device)
     group_sizes = [len(g) for g in cal.groups]
     offsets, rows, n, d = block_layout(counts, group_sizes, cal.layer_dim)
     J = 2 * len(cal.groups)
     inverse = inverse.to(torch.int64).cpu()
     gather = torch.zeros((J, n), dtype=torch.int64)
-    bases = torch.zeros((J, d, n), dtype=torch.float32)
-    means = torch.zeros((J, d), dtype=torch.float32)
-    centred = torch.zeros((J, d), dtype=torch.float32)  # the means for centred integers (half GEMM)
     slot_of_row = np.zeros(inverse.numel(), dtype=np.int64)
     ratios = torch.zeros((J, n), dtype=torch.float32)
-    scales = torch.ones((J, 1, 1), dtype=torch.float32)
-    for j, block in enumerate(decode_bases(cal, counts, steps)):
+    for j in range(J):
         c, o = int(counts[j]), int(offsets[j])
-        rows_j = block.mean.numel()
-        scales[j] = block.scale
-        bases[j, :rows_j, :c] = block.basis
-        means[j, :rows_j] = (block.mean.double() - OFFSET * block.basis.double().sum(1)).float()
-        centred[j, :rows_j] = block.mean
         gather[j, :c] = inverse[o : o + c]
         slot_of_row[inverse[o : o + c].numpy()] = j * n + np.arange(c)
         if sigmas is not None:
@@ -126,21 +197,45 @@ def build_plan(
     shape = (cal.layers, cal.kv_heads, cal.head_dim)
     partners = None if cal.rope is None else _rotating_partners(cal.rope)
     units, pairs = transform_triton.unit_table(rows, shape, partners)
-    return BatchedPlan(
-        gather.reshape(-1).to(device),
-        bases.to(device),
-        means[:, :, None].to(device),
-        torch.from_numpy(rows).to(device),
-        slot_of_row,
-        n,
-        ratios.reshape(-1).to(device) if sigmas is not None else None,
-        (bases / scales).half().to(device),
-        scales.to(device),
-        centred[:, :, None].to(device),
-        torch.from_numpy(units).to(device),
-        torch.from_numpy(pairs).to(device),
-        transform_triton.halves(pairs, cal.head_dim),
-    )
+    device = torch.device(device)
+    with _own_stream(device):
+        half, scales = half_bases(stacked, counts, steps, n)
+        plan = BatchedPlan(
+            gather.reshape(-1).to(device),
+            half,
+            scales,
+            stacked.means[:, :, None],
+            torch.from_numpy(rows).to(device),
+            slot_of_row,
+            n,
+            ratios.reshape(-1).to(device) if sigmas is not None else None,
+            torch.from_numpy(units).to(device),
+            torch.from_numpy(pairs).to(device),
+            transform_triton.halves(pairs, cal.head_dim),
+        )
+    return plan
+
+
+_BUILD_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_BUILD_STREAMS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _own_stream(device: torch.device):  # noqa: ANN202
+    """CUDA: the block's work on the device's plan-building stream, waited for at its end (a plan
+    is shared by threads on other streams); elsewhere nothing. One stream per device, not one per
+    plan: the caching allocator reuses a freed block only for its own stream's allocations."""
+    if device.type != "cuda":
+        yield
+        return
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    with _BUILD_STREAMS_LOCK:
+        stream = _BUILD_STREAMS.get(device)
+        if stream is None:
+            stream = _BUILD_STREAMS[device] = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
 
 
 def _rotating_partners(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -292,7 +387,7 @@ def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> t
 def _half_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, token_scales) -> torch.Tensor:
     """x (J, d, N t) float32 through the float16 GEMM over centred integers q."""
     N, _, t = samples.shape
-    J = plan.bases.shape[0]
+    J = plan.blocks
     x = _half_products(plan, samples, escapes).mul_(plan.scales)
     if token_scales is not None:
         x.view(J, -1, N, t).mul_(token_scales[None, None])
@@ -304,7 +399,7 @@ def _half_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.T
     blocks' scales, the token scales and the means (float16 tensor cores on CUDA; the same
     values in float32 on the CPU, for the tests)."""
     N, C, t = samples.shape
-    J, n = plan.bases.shape[0], plan.n
+    J, n = plan.blocks, plan.n
     on_gpu = samples.device.type == "cuda"
     q = _gathered_fused(plan, samples, escapes) if on_gpu and C else None
     if q is None:
@@ -316,7 +411,7 @@ def _half_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.T
 
 def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
     """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16."""
-    return torch.bmm(plan.half, q.view(plan.bases.shape[0], plan.n, -1), out_dtype=torch.float32)
+    return torch.bmm(plan.half, q.view(plan.blocks, plan.n, -1), out_dtype=torch.float32)
 
 
 def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor | None:
@@ -363,8 +458,7 @@ def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, recon: str, t
         g.view(-1).index_put_((_upload(flat, device),), _upload(vals, device))
     if recon != "centre" or token_scales is not None:
         _reconstruct(plan, g, recon, token_scales)
-    J = plan.bases.shape[0]
-    return torch.baddbmm(plan.means, plan.bases, g.view(J, plan.n, N * t))  # (J, d, N t)
+    return torch.baddbmm(plan.means, plan.bases, g.view(plan.blocks, plan.n, N * t))  # (J, d, N t)
 
 
 def _reconstruct(plan: BatchedPlan, g: torch.Tensor, recon: str, token_scales: torch.Tensor | None) -> None:

@@ -48,6 +48,7 @@ class TransformRestorer:
         self.batched = batched  # None: the batched restore (restore.transform_kernels) on CUDA only
         self._device_bases: dict[tuple, list] = {}  # (theta, key_weight, device): _decode_bases
         self._batched_plans: dict[tuple, transform_kernels.BatchedPlan] = {}
+        self._stacked: dict[torch.device, transform_kernels.DeviceCalibration] = {}  # what plans are made from
         self._rope_tables: dict[torch.device, transform_kernels.RopeTables] = {}
         self._coord_plans: dict[tuple[float, float], object] = {}  # plan(theta, key_weight), read without a lock
         self._lock = threading.Lock()  # plans and tables are built once, by whichever thread asks first
@@ -144,8 +145,10 @@ class TransformRestorer:
                 while len(self._batched_plans) >= MAX_PLANS:  # each holds a padded basis on the device
                     self._batched_plans.pop(next(iter(self._batched_plans)))
                 p = self.plan(key[0], key[1])
+                if device not in self._stacked:
+                    self._stacked[device] = transform_kernels.device_calibration(self.cal, device)
                 self._batched_plans[key] = transform_kernels.build_plan(
-                    self.cal, p.counts, p.steps, p.inverse, device, sigmas=p.sigmas
+                    self.cal, p.counts, p.steps, p.inverse, device, sigmas=p.sigmas, stacked=self._stacked[device]
                 )
             if self.cal.rope is not None and device not in self._rope_tables:
                 self._rope_tables[device] = transform_kernels.RopeTables(self.cal.rope, device)
