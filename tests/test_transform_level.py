@@ -15,6 +15,7 @@ from kvcodec.codecs.transform.codec import TransformCodec
 from kvcodec.codecs.transform.level import SampleRate
 from kvcodec.errors import ConfigError
 from kvcodec.transform import rate
+from kvcodec.transform.calibration import all_variances
 from synthetic import synthetic_kv
 
 
@@ -133,13 +134,27 @@ def test_the_codecs_level_is_the_full_bisections(synthetic_kvt, ratio):
     c = codec(synthetic_kvt, target_ratio=ratio, fine_tokens=8, fine_bits=2)
     kv = synthetic_kv(400, seed=21)
     want, est = reference_level(c, kv)
+    var, w = all_variances(c.cal).to(torch.float64), c._weights()
+    searched = c._searched_level(None, kv, 0, var, w)
+    assert est(searched) == pytest.approx(est(want), rel=2e-3)
+    assert searched == pytest.approx(want, rel=0.02)
     got = c._level(None, kv, 0)
-    assert est(got) == pytest.approx(est(want), rel=2e-3)
-    assert got == pytest.approx(want, rel=0.02)
+    assert got == rate.on_grid(searched)  # the codec codes at the grid's level nearest the search's
     c._level(None, synthetic_kv(400, seed=5) * 3, 0)
     assert c._level(None, kv, 0) == got
-    full = c._level(c.coefficients(kv, 0), kv, 0)  # every coefficient given: the same sampled chunks
-    assert full == pytest.approx(got, rel=1e-3)
+    full = c._searched_level(c.coefficients(kv, 0), kv, 0, var, w)  # every coefficient given: the same sampled chunks
+    assert full == pytest.approx(searched, rel=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(1e-12, 1e6))
+def test_grid_levels_are_near_idempotent_and_ordered(theta):
+    """A level moves at most half a grid step (in log scale) to a level the grid keeps as it is,
+    and the grid keeps the levels' order."""
+    snapped = rate.on_grid(theta)
+    assert abs(math.log2(snapped / theta)) <= 0.5 / rate.LEVELS_PER_OCTAVE + 1e-12
+    assert rate.on_grid(snapped) == snapped
+    assert rate.on_grid(theta * 1.01) >= snapped
 
 
 @settings(max_examples=40, deadline=None)

@@ -329,8 +329,15 @@ class TransformCodec:
         return self._ratio_level(y, kv, first_position, var, w)
 
     def _ratio_level(self, y, kv, first_position, var, w) -> float:  # noqa: ANN001
-        """The level meeting target_ratio on this data: a search (rate.LevelSearch) on the entropy of
-        a sample of chunks (SampleRate), from the modelled level; the target corrected once by the coder's real bytes on the sampled chunks."""
+        """The level meeting target_ratio on this data (_searched_level), moved to the nearest level
+        of rate.on_grid's grid: prefixes share levels, so a restorer's decode plans serve many."""
+        theta = self._searched_level(y, kv, first_position, var, w)
+        snapped, top = rate.on_grid(theta), float((var * w).max())
+        return snapped if top * rate.MIN_LEVEL <= snapped < top else theta
+
+    def _searched_level(self, y, kv, first_position, var, w) -> float:  # noqa: ANN001
+        """A search (rate.LevelSearch) on the entropy of a sample of chunks (SampleRate), from the
+        modelled level; the target corrected once by the coder's real bytes on the sampled chunks."""
         T = kv.shape[2]
         target = (16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)) / T
         top = float((var * w).max())
