@@ -26,7 +26,7 @@ from kvcodec.transform import frames, inverse, quantize
 from kvcodec.transform.calibration import KINDS, Calibration
 from kvcodec.transform.rope import apply_rope
 
-MAX_PLANS = 4  # batched plans kept per restorer (a file coded to a target ratio has its own level)
+MAX_PLANS = 4  # batched plans kept per restorer (levels: a target ratio's on a grid, rate.on_grid, a few a model)
 
 
 def unzstd(data, name: str, size: int) -> bytes:
