@@ -359,3 +359,58 @@ def test_the_fused_kernels_clamp_an_overshoot_of_float16s_largest_instead_of_wri
     assert launched == [True, True]  # both restores ran the fused kernels
     assert wide.abs().max() > 65520  # an overshoot that a cast would turn to inf
     assert torch.isfinite(out).all() and torch.equal(out, tk.clamp_to_range_(wide.clone(), torch.float16).half())
+
+
+@needs_cuda
+def test_a_plan_evicted_while_a_stream_still_reads_it_keeps_its_memory(kvt, monkeypatch):
+    """A plan dropped for another level's (MAX_PLANS) while a fetch's kernels on another stream are
+    still queued behind other work: its memory must not go to the next allocation on the
+    plan-building stream before those kernels have read it (BatchedPlan.used_on)."""
+    from kvcodec.codecs.transform import decode as transform_decode
+
+    _, fast = codecs(kvt, target_ratio=4.0)
+    kv = synthetic_kv(64, 23)
+    blob = fast.encode_chunks(kv)[0].blobs[0]
+    r = fast._restorer
+    want = torch.empty(kv.shape, dtype=torch.float16, device="cuda")
+    fast.finish([fast.stage(blob, want)], [want])
+    torch.cuda.synchronize()
+    (key,) = [k for k in r._batched_plans if k[0] == fast.header(blob)["theta"]]
+    shape = r._batched_plans[key].half.shape
+    r._batched_plans.clear()
+    side, out = torch.cuda.Stream(), torch.empty_like(want)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 30)  # the fetch's kernels wait behind ~0.5 s of other work
+        fast.finish([fast.stage(blob, out)], [out])
+    monkeypatch.setattr(transform_decode, "MAX_PLANS", 1)
+    r._batched_plan({"theta": key[0] * 2, "key_weight": key[1]}, torch.device("cuda"))  # evicts the plan
+    with torch.cuda.stream(tk._BUILD_STREAMS[tk.indexed("cuda")]):
+        junk = torch.full(shape, float("nan"), dtype=torch.float16, device="cuda")  # the next allocation there
+    torch.cuda.synchronize()
+    assert junk.isnan().all()
+    assert torch.equal(out, want)
+
+
+@needs_cuda
+def test_rope_tables_replaced_while_a_stream_still_reads_them_keep_their_memory(kvt):
+    """A longer request grows the RoPE tables while a fetch's kernels on another stream still read the
+    old pair: that pair's memory must not go to the next allocation on the stream that made it
+    before those kernels have read it (RopeTables.covering records the reading streams)."""
+    _, fast = codecs(kvt, target_ratio=4.0)
+    kv = synthetic_kv(64, 24)
+    blob = fast.encode_chunks(kv)[0].blobs[0]
+    r, cuda = fast._restorer, torch.device("cuda", torch.cuda.current_device())
+    want = torch.empty(kv.shape, dtype=torch.float16, device="cuda")
+    fast.finish([fast.stage(blob, want)], [want])
+    torch.cuda.synchronize()
+    r._rope_tables[cuda] = tk.RopeTables(fast.cal.rope, cuda)  # made on this thread's stream
+    shape = r._rope_tables[cuda].covering(1)[0].shape
+    side, out = torch.cuda.Stream(), torch.empty_like(want)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1 << 30)  # the fetch's kernels wait behind ~0.5 s of other work
+        fast.finish([fast.stage(blob, out)], [out])
+    r._rope_tables[cuda].covering(2 * shape[1])  # a longer request: the pair the side stream reads is replaced
+    junk = [torch.full(shape, float("nan"), device="cuda") for _ in range(2)]  # the next allocations here
+    torch.cuda.synchronize()
+    assert all(j.isnan().all() for j in junk)
+    assert torch.equal(out, want)

@@ -64,10 +64,24 @@ class BatchedPlan:
     units: torch.Tensor | None = None  # (L * 2 * H,) int64 the fused epilogue's first row of each head (unit_table)
     pairs: torch.Tensor | None = None  # (3, P) int32 the epilogue's channel pairs (transform_triton.channel_pairs)
     halves: bool = False  # the pairs are (c, c + P): the epilogue computes them without the table
+    _used_on: set = dataclasses.field(default_factory=set, repr=False)  # (stream, tensors) recorded
 
     @property
     def blocks(self) -> int:
         return self.half.shape[0]
+
+    def used_on(self, stream: torch.cuda.Stream) -> None:
+        """Keep the plan's device memory from reuse until the work `stream` has queued when the plan
+        is freed is done: a plan evicted by another level's while a fetch's kernels on its own
+        stream still read it would otherwise hand its memory to the next allocation. Once per stream."""
+        tensors = [self.gather, self.half, self.scales, self.rows, self.ratios, self.units, self.pairs]
+        tensors += [self.__dict__[k] for k in ("bases", "means") if k in self.__dict__]  # made since
+        tensors = [t for t in tensors if t is not None and t.device.type == "cuda"]
+        key = (stream, len(tensors))
+        if key not in self._used_on:
+            self._used_on.add(key)
+            for t in tensors:
+                t.record_stream(stream)
 
     # The float32 GEMM's operands (a reconstruction other than the bin centres, escapes beyond
     # float16's integers) are made from the float16 basis on first use: most plans never need them,
@@ -216,6 +230,14 @@ def build_plan(
     return plan
 
 
+def indexed(device) -> torch.device:  # noqa: ANN001
+    """`device` with its index: CUDA's current device where it names none."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 _BUILD_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _BUILD_STREAMS_LOCK = threading.Lock()
 
@@ -228,7 +250,7 @@ def _own_stream(device: torch.device):  # noqa: ANN202
     if device.type != "cuda":
         yield
         return
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    device = indexed(device)
     with _BUILD_STREAMS_LOCK:
         stream = _BUILD_STREAMS.get(device)
         if stream is None:
@@ -276,7 +298,7 @@ class RopeTables:
         self.partner = torch.from_numpy(partner).to(self.device)
         self._rest = torch.from_numpy(np.arange(spec.head_dim) >= spec.rotary)
         self._lock = threading.Lock()
-        self._tables = self._make(0, 4096)
+        self._tables = (*self._make(0, 4096), set())  # cos, sin, the streams recorded on them (covering)
 
     def window(self, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(D, tokens) float32 cos and signed sin for positions start .. start + tokens - 1."""
@@ -287,13 +309,22 @@ class RopeTables:
         return cos[:, start:end], sin[:, start:end]
 
     def covering(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(D, T >= end) float32 cos and signed sin from position 0 (end <= MAX_TABLE_POSITIONS)."""
-        cos, sin = self._tables
+        """(D, T >= end) float32 cos and signed sin from position 0 (end <= MAX_TABLE_POSITIONS), for
+        the current stream's kernels: a pair that a longer request replaces keeps its memory until
+        the work every stream that read it had queued is done."""
+        cos, sin, streams = self._tables
         if end > cos.shape[1]:
             with self._lock:
                 if end > self._tables[0].shape[1]:
-                    self._tables = self._make(0, min(max(end, 2 * self._tables[0].shape[1]), MAX_TABLE_POSITIONS))
-                cos, sin = self._tables
+                    grown = min(max(end, 2 * self._tables[0].shape[1]), MAX_TABLE_POSITIONS)
+                    self._tables = (*self._make(0, grown), set())
+                cos, sin, streams = self._tables
+        if self.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.device)
+            if stream not in streams:
+                streams.add(stream)
+                cos.record_stream(stream)
+                sin.record_stream(stream)
         return cos, sin
 
     def _make(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

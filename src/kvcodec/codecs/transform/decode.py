@@ -137,6 +137,7 @@ class TransformRestorer:
     # ------------------------------------------------------------------ batched (GPU) restore
 
     def _batched_plan(self, h: dict, device: torch.device) -> transform_kernels.BatchedPlan:
+        device = transform_kernels.indexed(device)  # "cuda" and "cuda:0" share plans and tables
         key = (float(h["theta"]), float(h["key_weight"]), device)
         with self._lock:
             if key in self._batched_plans:
@@ -224,6 +225,7 @@ class TransformRestorer:
         bp = self._batched_plan(h0, device)
         if device.type == "cuda":  # decoded on worker streams, read on this one: not reused before that
             stream = torch.cuda.current_stream(device)
+            bp.used_on(stream)
             for c in chunks:
                 if c.samples.device.type == "cuda":
                     c.samples.record_stream(stream)
