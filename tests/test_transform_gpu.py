@@ -385,9 +385,10 @@ def test_a_plan_evicted_while_a_stream_still_reads_it_keeps_its_memory(kvt, monk
     monkeypatch.setattr(transform_decode, "MAX_PLANS", 1)
     r._batched_plan({"theta": key[0] * 2, "key_weight": key[1]}, torch.device("cuda"))  # evicts the plan
     with torch.cuda.stream(tk._BUILD_STREAMS[tk.indexed("cuda")]):
-        junk = torch.full(shape, float("nan"), dtype=torch.float16, device="cuda")  # the next allocation there
+        # the next allocations there, enough to take every free block of the plan's size
+        junk = [torch.full(shape, float("nan"), dtype=torch.float16, device="cuda") for _ in range(8)]
     torch.cuda.synchronize()
-    assert junk.isnan().all()
+    assert all(j.isnan().all() for j in junk)
     assert torch.equal(out, want)
 
 
@@ -410,7 +411,8 @@ def test_rope_tables_replaced_while_a_stream_still_reads_them_keep_their_memory(
         torch.cuda._sleep(1 << 30)  # the fetch's kernels wait behind ~0.5 s of other work
         fast.finish([fast.stage(blob, out)], [out])
     r._rope_tables[cuda].covering(2 * shape[1])  # a longer request: the pair the side stream reads is replaced
-    junk = [torch.full(shape, float("nan"), device="cuda") for _ in range(2)]  # the next allocations here
+    # the next allocations here, enough to take every free block of the pair's size (earlier kernels' too)
+    junk = [torch.full(shape, float("nan"), device="cuda") for _ in range(64)]
     torch.cuda.synchronize()
     assert all(j.isnan().all() for j in junk)
     assert torch.equal(out, want)
