@@ -248,7 +248,7 @@ def kernel_times(codec, case: Case, repeat: int = 100, batch: int = 16) -> dict:
     samples = _samples(codec, blob, dec, "cuda").view(C, t)
     dec.close()
     esc = quantize.unpack_escapes(transform_decode.unzstd(streams["escapes"], "escapes", 4 + 8 * int(h["escapes"])))
-    bp, rope = r._batched_plan(h, dev), r._rope_tables.get(dev)
+    bp, rope = r._batched_plan(h, dev), r.rope_tables(dev)
     outs = [torch.empty((L, 2, t, H, D), dtype=torch.float16, device=dev) for _ in range(batch)]
     many = samples[None].expand(batch, C, t).contiguous()
     none = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))

@@ -170,6 +170,7 @@ def _random_calibration(sizes: list[int], layer_dim: int, cols: list[int], magni
     return Calibration(layers, 1, layer_dim, None, tuple(groups), bases, {})
 
 
+@pytest.mark.parametrize("slice_bytes", [8, tk.SCALE_SLICE_BYTES], ids=["a-block-a-slice", "default-slices"])
 @settings(max_examples=30, deadline=None)
 @given(
     sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
@@ -177,10 +178,15 @@ def _random_calibration(sizes: list[int], layer_dim: int, cols: list[int], magni
     magnitude=st.floats(1e-4, 1e3),
     data=st.data(),
 )
-def test_plans_built_from_the_stacked_calibration_hold_the_decode_basis_exactly(sizes, layer_dim, magnitude, data):
-    """build_plan scales the stacked calibration on its device: block by block the very float16
-    values and scales that transform.inverse.decode_bases rounds on the host, zero past them."""
+def test_plans_built_from_the_stacked_calibration_hold_the_decode_basis_exactly(
+    slice_bytes, sizes, layer_dim, magnitude, data
+):
+    """build_plan scales the stacked calibration on its device, slice by slice: block by block the
+    very float16 values and scales that transform.inverse.decode_bases rounds on the host, zero past
+    them; the float32 GEMM's bases and means, made on first use, are the decode basis and
+    mean - OFFSET * its row sums, as the host made them."""
     from kvcodec.transform.inverse import decode_bases
+    from kvcodec.transform.quantize import OFFSET
 
     cols = [data.draw(st.integers(1, s * layer_dim)) for s in sizes for _ in range(2)]
     cal = _random_calibration(sizes, layer_dim, cols, magnitude, data.draw(st.integers(0, 99)))
@@ -188,14 +194,22 @@ def test_plans_built_from_the_stacked_calibration_hold_the_decode_basis_exactly(
     steps = torch.rand(sum(counts), generator=torch.Generator().manual_seed(sum(counts))) * 3 + 1e-3
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     want = decode_bases(cal, counts, steps)
-    for device in devices:
-        plan = tk.build_plan(cal, counts, steps, torch.arange(sum(counts)), device)
+    default, tk.SCALE_SLICE_BYTES = tk.SCALE_SLICE_BYTES, slice_bytes
+    try:
+        plans = [tk.build_plan(cal, counts, steps, torch.arange(sum(counts)), device) for device in devices]
+    finally:
+        tk.SCALE_SLICE_BYTES = default
+    for plan in plans:
         for j, block in enumerate(want):
             rows, n = block.half.shape
             assert torch.equal(plan.half[j, :rows, :n].cpu(), block.half)
             assert float(plan.scales[j]) == block.scale
             assert not plan.half[j, rows:].any() and not plan.half[j, :, n:].any()
             assert torch.equal(plan.centred_means[j, :rows, 0].cpu(), block.mean)
+            assert torch.equal(plan.bases[j, :rows, :n].cpu(), block.basis)
+            mean = (block.mean.double() - OFFSET * block.basis.double().sum(1)).float()
+            assert torch.allclose(plan.means[j, :rows, 0].cpu(), mean, rtol=1e-6, atol=1e-6 * float(mean.abs().max()))
+            assert not plan.bases[j, rows:].any() and not plan.means[j, rows:].any()
 
 
 # ----------------------------------------------------------------------------------------- GPU

@@ -135,15 +135,33 @@ def test_the_codecs_level_is_the_full_bisections(synthetic_kvt, ratio):
     kv = synthetic_kv(400, seed=21)
     want, est = reference_level(c, kv)
     var, w = all_variances(c.cal).to(torch.float64), c._weights()
-    searched = c._searched_level(None, kv, 0, var, w)
+    searched = c._searched_level(c._target_bits(kv, 0), None, kv, 0, var, w)
     assert est(searched) == pytest.approx(est(want), rel=2e-3)
     assert searched == pytest.approx(want, rel=0.02)
     got = c._level(None, kv, 0)
     assert got == rate.on_grid(searched)  # the codec codes at the grid's level nearest the search's
     c._level(None, synthetic_kv(400, seed=5) * 3, 0)
     assert c._level(None, kv, 0) == got
-    full = c._searched_level(c.coefficients(kv, 0), kv, 0, var, w)  # every coefficient given: the same sampled chunks
+    full = c._searched_level(
+        c._target_bits(kv, 0), c.coefficients(kv, 0), kv, 0, var, w
+    )  # every coefficient given: the same sampled chunks
     assert full == pytest.approx(searched, rel=1e-3)
+
+
+def test_a_level_the_grid_would_move_out_of_the_search_range_stays_as_searched(synthetic_kvt, monkeypatch):
+    """Where the grid level nearest a searched level would code nothing (>= the widest variance),
+    the searched level is kept. A budget the fp16 sink tokens alone exceed keeps the
+    coarsest level that still codes a coordinate, off the grid."""
+    c = codec(synthetic_kvt, target_ratio=3.0)
+    kv = synthetic_kv(64, seed=4)
+    var, w = all_variances(c.cal).to(torch.float64), c._weights()
+    top = float((var * w).max())
+    monkeypatch.setattr(TransformCodec, "_searched_level", lambda *a: top * 0.995)
+    monkeypatch.setattr(rate, "on_grid", lambda theta: top * 1.01)  # the grid level nearest it
+    assert c._ratio_level(None, kv, 0, var, w) == top * 0.995
+    monkeypatch.setattr(TransformCodec, "_target_bits", lambda *a: -1.0)
+    monkeypatch.setattr(rate, "on_grid", lambda theta: theta / 2)  # a grid level inside the range
+    assert c._ratio_level(None, kv, 0, var, w) == top * 0.999
 
 
 @settings(max_examples=60, deadline=None)

@@ -83,7 +83,4 @@ if __name__ == "__main__":
     threading.Thread(target=_sample_forever, daemon=True).start()
     cache.PrefixCache.fetch = _sampled(cache.PrefixCache.fetch)
     sys.argv = ["kvcodec", *sys.argv[1:]]
-    try:
-        main()
-    except SystemExit:
-        pass
+    main()

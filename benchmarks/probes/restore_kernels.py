@@ -50,7 +50,7 @@ class Batch:
         restorer = self.codec._restorer
         h0 = self.staged[0].h
         self.plan = restorer._batched_plan(h0, torch.device("cuda"))
-        self.rope = restorer._rope_tables.get(torch.device("cuda"))
+        self.rope = restorer.rope_tables(torch.device("cuda"))
         self.chunks = [c.samples.contiguous() for c in self.staged]
         self.escapes = [c.escapes for c in self.staged]
         self.starts = [c.h["start_token"] for c in self.staged]

@@ -86,15 +86,19 @@ class BatchedPlan:
     # The float32 GEMM's operands (a reconstruction other than the bin centres, escapes beyond
     # float16's integers) are made from the float16 basis on first use: most plans never need them,
     # and each would hold twice the float16 basis's memory on the device.
+    # Made on the plan-building stream and waited for there, as the plan itself: any stream may read them.
     @functools.cached_property
     def bases(self) -> torch.Tensor:
         """(J, d, n) float32 basis columns scaled by their steps (the decode basis, exactly)."""
-        return self.half.float() * self.scales
+        with _own_stream(self.half.device):
+            return self.half.float() * self.scales
 
     @functools.cached_property
     def means(self) -> torch.Tensor:
         """(J, d, 1) float32 mean - OFFSET * bases @ 1: the means for samples (q + 128)."""
-        return (self.centred_means.double() - OFFSET * self.bases.double().sum(2, keepdim=True)).float()
+        bases = self.bases
+        with _own_stream(self.half.device):
+            return (self.centred_means.double() - OFFSET * bases.double().sum(2, keepdim=True)).float()
 
 
 GEMM_ALIGN = 8  # float16 elements in 16 bytes: the GEMM's leading dimensions are multiples of it
@@ -152,7 +156,9 @@ def device_calibration(cal: Calibration, device) -> DeviceCalibration:  # noqa: 
         return DeviceCalibration(bases.to(device), means.to(device))
 
 
-SCALE_SLICE_BYTES = 64 << 20  # float64 scratch of half_bases per slice of blocks
+SCALE_SLICE_BYTES = (
+    16 << 20
+)  # float64 scratch of half_bases per slice of blocks (it stays in the building stream's pool)
 
 
 def half_bases(stacked: DeviceCalibration, counts, steps: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,10 +179,10 @@ def half_bases(stacked: DeviceCalibration, counts, steps: torch.Tensor, n: int) 
     per = max(1, SCALE_SLICE_BYTES // max(1, d * width * 8))
     for j0 in range(0, J, per):
         j1 = min(J, j0 + per)
-        scaled = stacked.bases[j0:j1, :, :width].to(torch.float64) * padded[j0:j1, None, :width]
-        top = scaled.abs().amax(dim=(1, 2))
+        scaled = stacked.bases[j0:j1, :, :width].to(torch.float64).mul_(padded[j0:j1, None, :width])
+        top = torch.maximum(scaled.amax(dim=(1, 2)), scaled.amin(dim=(1, 2)).neg_())
         scale = torch.where(top > 0, torch.exp2(torch.frexp(top).exponent.to(torch.float64)), 1.0)
-        half[j0:j1, :, :width] = (scaled / scale[:, None, None]).to(torch.float16)
+        half[j0:j1, :, :width] = scaled.div_(scale[:, None, None])  # rounded as .to(float16) rounds
         scales[j0:j1] = scale
     return half, scales.float().view(J, 1, 1)
 
@@ -489,7 +495,10 @@ def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, recon: str, t
         g.view(-1).index_put_((_upload(flat, device),), _upload(vals, device))
     if recon != "centre" or token_scales is not None:
         _reconstruct(plan, g, recon, token_scales)
-    return torch.baddbmm(plan.means, plan.bases, g.view(plan.blocks, plan.n, N * t))  # (J, d, N t)
+    means, bases = plan.means, plan.bases
+    if device.type == "cuda":
+        plan.used_on(torch.cuda.current_stream(device))  # the two just made, on their first use
+    return torch.baddbmm(means, bases, g.view(plan.blocks, plan.n, N * t))  # (J, d, N t)
 
 
 def _reconstruct(plan: BatchedPlan, g: torch.Tensor, recon: str, token_scales: torch.Tensor | None) -> None:

@@ -331,22 +331,28 @@ class TransformCodec:
     def _ratio_level(self, y, kv, first_position, var, w) -> float:  # noqa: ANN001
         """The level meeting target_ratio on this data (_searched_level), moved to the nearest level
         of rate.on_grid's grid: prefixes share levels, so a restorer's decode plans serve many."""
-        theta = self._searched_level(y, kv, first_position, var, w)
-        snapped, top = rate.on_grid(theta), float((var * w).max())
-        return snapped if top * rate.MIN_LEVEL <= snapped < top else theta
-
-    def _searched_level(self, y, kv, first_position, var, w) -> float:  # noqa: ANN001
-        """A search (rate.LevelSearch) on the entropy of a sample of chunks (SampleRate), from the
-        modelled level; the target corrected once by the coder's real bytes on the sampled chunks."""
-        T = kv.shape[2]
-        target = (16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)) / T
-        top = float((var * w).max())
+        target, top = self._target_bits(kv, first_position), float((var * w).max())
         if target <= 0:  # the fp16 sink tokens alone exceed the budget (a short first chunk): the coarsest level
             return top * 0.999  # that still codes a coordinate (a chunk of no samples has nothing to decode)
+        theta = self._searched_level(target, y, kv, first_position, var, w)
+        snapped = rate.on_grid(theta)
+        return snapped if top * rate.MIN_LEVEL <= snapped < top else theta
+
+    def _target_bits(self, kv: torch.Tensor, first_position: int) -> float:
+        """Bits per token target_ratio leaves the coded coordinates (the fp16 sink tokens paid)."""
+        return (16.0 * kv.numel() / self.target_ratio - self._overhead_bits(kv, first_position)) / kv.shape[2]
+
+    def _searched_level(self, target, y, kv, first_position, var, w) -> float:  # noqa: ANN001
+        """The level whose coded bits per token meet `target` (> 0): a search (rate.LevelSearch) on the
+        entropy of a sample of chunks (SampleRate), from the modelled level; the target corrected once
+        by the coder's real bytes on the sampled chunks."""
+        top = float((var * w).max())
         sample = SampleRate(self, y, kv, first_position)
         # the first guess depends on this data alone (never on what this process coded before): the
         # same KV codes to the same bytes in any process, thread or order (ingest on Ray, worker processes)
-        guess = alloc.water_level(var, target * T / kv.numel(), w, iters=40, extra_bits=alloc.QUANTIZER_EXTRA_BITS)
+        guess = alloc.water_level(
+            var, target * kv.shape[2] / kv.numel(), w, iters=40, extra_bits=alloc.QUANTIZER_EXTRA_BITS
+        )
         search = rate.LevelSearch(sample.bits_per_token, top * rate.MIN_LEVEL, top)
         theta = search.solve(target, guess)  # on the entropy; refined below
         factor = sample.coded_bits_per_token(theta) / max(sample.bits_per_token(theta, fine=False), 1e-9)

@@ -155,6 +155,10 @@ class TransformRestorer:
                 self._rope_tables[device] = transform_kernels.RopeTables(self.cal.rope, device)
             return self._batched_plans[key]
 
+    def rope_tables(self, device: torch.device) -> transform_kernels.RopeTables | None:
+        """The RoPE tables the batched restore keeps on `device` (None: no plan built there yet, or no RoPE)."""
+        return self._rope_tables.get(transform_kernels.indexed(device))
+
     def _decode_batched(self, h: dict, streams: dict, out: Target, device: torch.device, decoder) -> Target:
         """The same restore in about ten kernels (restore.transform_kernels), no host waits."""
         self.finish([self.decode_samples(h, streams, device, decoder)], [out])
@@ -244,7 +248,7 @@ class TransformRestorer:
             [c.samples for c in chunks],
             [c.escapes for c in chunks],
             (L, H, D),
-            self._rope_tables.get(device),
+            self.rope_tables(device),
             starts,
             denses,
             recon=h0["recon"],
