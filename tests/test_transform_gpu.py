@@ -405,28 +405,3 @@ def test_a_plan_evicted_while_a_stream_still_reads_it_keeps_its_memory(kvt, monk
     assert all(j.isnan().all() for j in junk)
     assert torch.equal(out, want)
 
-
-@needs_cuda
-def test_rope_tables_replaced_while_a_stream_still_reads_them_keep_their_memory(kvt):
-    """A longer request grows the RoPE tables while a fetch's kernels on another stream still read the
-    old pair: that pair's memory must not go to the next allocation on the stream that made it
-    before those kernels have read it (RopeTables.covering records the reading streams)."""
-    _, fast = codecs(kvt, target_ratio=4.0)
-    kv = synthetic_kv(64, 24)
-    blob = fast.encode_chunks(kv)[0].blobs[0]
-    r, cuda = fast._restorer, torch.device("cuda", torch.cuda.current_device())
-    want = torch.empty(kv.shape, dtype=torch.float16, device="cuda")
-    fast.finish([fast.stage(blob, want)], [want])
-    torch.cuda.synchronize()
-    r._rope_tables[cuda] = tk.RopeTables(fast.cal.rope, cuda)  # made on this thread's stream
-    shape = r._rope_tables[cuda].covering(1)[0].shape
-    side, out = torch.cuda.Stream(), torch.empty_like(want)
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(1 << 30)  # the fetch's kernels wait behind ~0.5 s of other work
-        fast.finish([fast.stage(blob, out)], [out])
-    r._rope_tables[cuda].covering(2 * shape[1])  # a longer request: the pair the side stream reads is replaced
-    # the next allocations here, enough to take every free block of the pair's size (earlier kernels' too)
-    junk = [torch.full(shape, float("nan"), device="cuda") for _ in range(64)]
-    torch.cuda.synchronize()
-    assert all(j.isnan().all() for j in junk)
-    assert torch.equal(out, want)
