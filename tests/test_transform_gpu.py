@@ -404,4 +404,3 @@ def test_a_plan_evicted_while_a_stream_still_reads_it_keeps_its_memory(kvt, monk
     torch.cuda.synchronize()
     assert all(j.isnan().all() for j in junk)
     assert torch.equal(out, want)
-
