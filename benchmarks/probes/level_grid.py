@@ -4,7 +4,7 @@ along rate.on_grid's grid does to its size. For each KV file and prefix length: 
 size search finds (the grid off) and its grid level; for the first --sizes files, the ratio vs fp16
 at the searched level and 1/16 octave (half a grid step) either side.
 
-    python benchmarks/probes/level_grid.py KVT OUT.json KV_FILE... [--ratios 5,8] [--tokens 512,1024,2048]
+    python benchmarks/probes/level_grid.py KVT OUT.json KV_FILE... [--ratios 5,8] [--tokens 512,1024,2048] [--sizes 2]
 
 KVT: a calibration of the files' model; KV_FILE: `kvcodec extract` files."""
 

@@ -74,7 +74,8 @@ class BatchedPlan:
         """Keep the plan's device memory from reuse until the work `stream` has queued when the plan
         is freed is done: a plan evicted by another level's while a fetch's kernels on its own
         stream still read it would otherwise hand its memory to the next allocation. Once per stream."""
-        tensors = [self.gather, self.half, self.scales, self.rows, self.ratios, self.units, self.pairs]
+        tensors = [self.gather, self.half, self.scales, self.centred_means, self.rows, self.ratios, self.units]
+        tensors.append(self.pairs)
         tensors += [self.__dict__[k] for k in ("bases", "means") if k in self.__dict__]  # made since
         tensors = [t for t in tensors if t is not None and t.device.type == "cuda"]
         key = (stream, len(tensors))
@@ -329,8 +330,8 @@ class RopeTables:
             stream = torch.cuda.current_stream(self.device)
             if stream not in streams:
                 streams.add(stream)
-                cos.record_stream(stream)
-                sin.record_stream(stream)
+                for table in (cos, sin, self.partner):
+                    table.record_stream(stream)
         return cos, sin
 
     def _make(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -496,8 +497,9 @@ def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, recon: str, t
     if recon != "centre" or token_scales is not None:
         _reconstruct(plan, g, recon, token_scales)
     means, bases = plan.means, plan.bases
-    if device.type == "cuda":
-        plan.used_on(torch.cuda.current_stream(device))  # the two just made, on their first use
+    if device.type == "cuda":  # the very tensors read here (two threads may each have made a pair on first use)
+        for operand in (means, bases):
+            operand.record_stream(torch.cuda.current_stream(device))
     return torch.baddbmm(means, bases, g.view(plan.blocks, plan.n, N * t))  # (J, d, N t)
 
 

@@ -64,7 +64,7 @@ def _entropy_numpy(q: np.ndarray) -> float:
 # prefix's level is measured on its own KV: without the grid each would have a level of its own,
 # and a restorer would build a new decode plan for each prefix it fetches. Essays' levels at one
 # target spread over ~0.4 octave (Qwen2.5, 512-2048 tokens), a few grid levels; the grid moves a
-# level by 1/16 octave at most, which moved Qwen2.5's sizes by 0.8% (5x) and 1.4-1.5% (8x)
+# level by 1/16 octave at most, which moved Qwen2.5's ratios by 0.80-0.85% (5x) and 1.35-1.49% (8x)
 # (benchmarks/results/level-grid-cpu-s65-qwen.md; it depends on the data).
 LEVELS_PER_OCTAVE = 8
 
