@@ -64,7 +64,7 @@ class BatchedPlan:
     units: torch.Tensor | None = None  # (L * 2 * H,) int64 the fused epilogue's first row of each head (unit_table)
     pairs: torch.Tensor | None = None  # (3, P) int32 the epilogue's channel pairs (transform_triton.channel_pairs)
     halves: bool = False  # the pairs are (c, c + P): the epilogue computes them without the table
-    _used_on: set = dataclasses.field(default_factory=set, repr=False)  # (stream, tensors) recorded
+    _used_on: set = dataclasses.field(default_factory=set, repr=False)  # streams recorded (used_on)
 
     @property
     def blocks(self) -> int:
@@ -73,15 +73,22 @@ class BatchedPlan:
     def used_on(self, stream: torch.cuda.Stream) -> None:
         """Keep the plan's device memory from reuse until the work `stream` has queued when the plan
         is freed is done: a plan evicted by another level's while a fetch's kernels on its own
-        stream still read it would otherwise hand its memory to the next allocation. Once per stream."""
-        tensors = [self.gather, self.half, self.scales, self.centred_means, self.rows, self.ratios, self.units]
-        tensors.append(self.pairs)
-        tensors += [self.__dict__[k] for k in ("bases", "means") if k in self.__dict__]  # made since
-        tensors = [t for t in tensors if t is not None and t.device.type == "cuda"]
-        key = (stream, len(tensors))
-        if key not in self._used_on:
-            self._used_on.add(key)
-            for t in tensors:
+        stream still read it would otherwise hand its memory to the next allocation. Once per stream
+        (the float32 GEMM's operands, made on first use, are recorded where they are read)."""
+        if stream in self._used_on:
+            return
+        self._used_on.add(stream)
+        for t in (
+            self.gather,
+            self.half,
+            self.scales,
+            self.centred_means,
+            self.rows,
+            self.ratios,
+            self.units,
+            self.pairs,
+        ):
+            if t is not None and t.device.type == "cuda":
                 t.record_stream(stream)
 
     # The float32 GEMM's operands (a reconstruction other than the bin centres, escapes beyond
@@ -157,9 +164,8 @@ def device_calibration(cal: Calibration, device) -> DeviceCalibration:  # noqa: 
         return DeviceCalibration(bases.to(device), means.to(device))
 
 
-SCALE_SLICE_BYTES = (
-    16 << 20
-)  # float64 scratch of half_bases per slice of blocks (it stays in the building stream's pool)
+# float64 scratch of half_bases per slice of blocks (it stays in the building stream's pool)
+SCALE_SLICE_BYTES = 16 << 20
 
 
 def half_bases(stacked: DeviceCalibration, counts, steps: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
