@@ -241,6 +241,23 @@ def test_bad_configs_fail_at_startup(real_kv, tmp_path):
         StorageBackendFactory.create_backend("dynamic", storage_config(url, interface_v1=1), None)
 
 
+def test_a_hybrid_models_other_host_pools_fail_the_attach(real_kv, tmp_path):
+    """As HybridCacheController attaches: the KV anchor, then every pool of the host pool group
+    through register_mem_host_pool_v2, then on_host_pools_registered. The KV pool alone attaches; a
+    state pool beside it fails the attach, and so does one registered later (a dynamic sidecar)."""
+    b = backend(f"file://{tmp_path}", real_kv)
+    b.register_mem_host_pool_v2(b.mem_pool_host, "kv")
+    b.on_host_pools_registered()
+    assert b.batch_exists(keys_for(1)) == 0  # attached: the generic interface serves
+    other = backend(f"file://{tmp_path}", real_kv)
+    other.register_mem_host_pool_v2(other.mem_pool_host, "kv")
+    other.register_mem_host_pool_v2(object(), "mamba")
+    with pytest.raises(ConfigError, match="mamba"):
+        other.on_host_pools_registered()
+    with pytest.raises(ConfigError, match="swa"):
+        b.register_mem_host_pool_v2(object(), "swa")
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_page_layouts_map_to_canonical(layout):
     L, H, D = 3, 2, 4

@@ -99,6 +99,32 @@ class KVCodecHiCacheStorage(HiCacheStorage):
             dtype=mem_pool_host.dtype,
         )
 
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:  # noqa: ANN001
+        """A hybrid model's host pools (the KV anchor, and Mamba or sliding-window state or an
+        indexer beside it). Only the KV pool is stored here: SGLang would read and write the others
+        through batch_exists_v2 / batch_get_v2 / batch_set_v2, which this backend has not. One that
+        comes after the attach (a dynamic sidecar) is refused at once."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if getattr(self, "_pools_final", False):
+            self._refuse_sidecars()
+
+    def on_host_pools_registered(self) -> None:
+        """The attach's pools are all registered: one besides the KV pool fails the attach here
+        (SGLang's contract: raising fails it), not the first prefetch."""
+        self._pools_final = True
+        self._refuse_sidecars()
+
+    def _refuse_sidecars(self) -> None:
+        kv_pool = getattr(self, "mem_pool_host", None)
+        others = sorted(
+            str(name) for name, pool in getattr(self, "registered_pools", {}).items() if pool is not kv_pool
+        )
+        if others:
+            raise ConfigError(
+                f"the kvcodec HiCache backend stores the KV host pool only, not this model's {', '.join(others)} "
+                "pool(s) (a hybrid model's state or indexer): run it without the kvcodec storage backend"
+            )
+
     # -- HiCacheStorage -------------------------------------------------------------------
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None):
         return self.batch_get([key], [target_location])[0]
