@@ -9,6 +9,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbench.net.redis_server import redis_server_binary
 
@@ -33,7 +35,7 @@ import kvcodec.integrations.lmcache_plugin as plugin  # noqa: E402
 from kvcodec.codecs import make_codec  # noqa: E402
 from kvcodec.errors import ConfigError, FormatError, KVCodecError  # noqa: E402
 from kvcodec.integrations.lmcache_serde import KVCodecCoder, SerdeOptions, from_canonical, to_canonical  # noqa: E402
-from kvcodec.integrations.lmcache_store import store_key  # noqa: E402
+from kvcodec.integrations.lmcache_store import KVCodecStoreL2Adapter, object_key, store_key  # noqa: E402
 from kvcodec.store import open_store  # noqa: E402
 
 _TAG = "test"
@@ -302,3 +304,58 @@ def test_a_part_stored_in_another_dtype_than_the_buffer_is_refused_not_cast(l1, 
             processor._deserializer.deserialize(tmp, dst, key)
     finally:
         processor.close()
+
+
+SALT = st.text(st.characters(blacklist_characters="@/\\\x00"), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    model=st.text(st.characters(blacklist_characters="@"), max_size=12),
+    salts=st.lists(SALT, min_size=2, max_size=2, unique=True),
+    rank=st.integers(0, 2**20),
+    group=st.integers(0, 9),
+    digest=st.binary(min_size=1, max_size=8),
+)
+def test_store_keys_are_injective_and_parse_back(model, salts, rank, group, digest):
+    keys = [ObjectKey(digest, model, rank, group, salt) for salt in salts]
+    names = [store_key(k, "lm/c") for k in keys]
+    assert names[0] != names[1]
+    assert [object_key(n, "lm/c") for n in names] == keys
+    assert object_key(names[0], "lmcache") is None and object_key(names[0] + "x", "lm/c") is None
+
+
+def test_salts_that_read_alike_byte_by_byte_get_their_own_keys():
+    """U+0100 and "\\x10" + "0" were both "=100" when a character's code was written in as many digits as it took."""
+    a, b = (ObjectKey(b"\x01", "m", 0, 0, salt) for salt in ("\u0100", "\x100"))
+    assert store_key(a) != store_key(b)
+
+
+def test_the_adapter_lists_its_objects_a_page_at_a_time(tmp_path):
+    url = f"file://{tmp_path}"
+    keys = [ObjectKey(bytes([i]), model, 0, 0, "s") for i, model in enumerate(["org/a", "org/a", "org/b"])]
+    with open_store(url) as st_:
+        for i, k in enumerate(keys):
+            st_.put(store_key(k), b"x" * (i + 1))
+        st_.put("lmcache/not-an-object", b"y")
+    adapter = KVCodecStoreL2Adapter({"url": url})
+    try:
+        seen, cursor = [], None
+        while True:
+            page = adapter.list_l2_keys(page_size=2, cursor=cursor)
+            assert len(page.entries) <= 2
+            seen += [(e.key, e.size_bytes) for e in page.entries]
+            if page.next_page_token is None:
+                break
+            cursor = page.next_page_token
+        assert sorted(seen, key=str) == sorted(
+            ((k.to_encoded_object_key(), i + 1) for i, k in enumerate(keys)), key=str
+        )
+        only_a = adapter.list_l2_keys(model_name="org/a").entries
+        assert sorted(e.key.chunk_hash_hex for e in only_a) == ["00", "01"]
+        with pytest.raises(ValueError):
+            adapter.list_l2_keys(page_size=0)
+        with pytest.raises(ValueError):
+            adapter.list_l2_keys(cursor="elsewhere/x")
+    finally:
+        adapter.close()

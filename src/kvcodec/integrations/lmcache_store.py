@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from lmcache.lmcache_native import Bitmap
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.memory_management import MemoryObj
@@ -36,22 +36,51 @@ log = logging.getLogger(__name__)
 _SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
+def _field(text: str) -> str:
+    """A key field: its UTF-8 bytes, each outside _SAFE as "=xx" (two hex digits always, so that
+    no two texts give one field: "=100" is not both U+0100 and "\\x10" + "0"); "=" alone for ""."""
+    raw = text.encode("utf-8", "surrogatepass")
+    return "".join(chr(b) if chr(b) in _SAFE else f"={b:02x}" for b in raw) or "="
+
+
+def _text(field: str) -> str:
+    """_field's inverse; ValueError where `field` is not one of its results."""
+    if field == "=":
+        return ""
+    out, i = bytearray(), 0
+    while i < len(field):
+        if field[i] == "=":
+            pair = field[i + 1 : i + 3]
+            if len(pair) != 2:
+                raise ValueError(f"not a key field: {field!r}")
+            out += bytes.fromhex(pair)
+            i += 3
+        elif field[i] in _SAFE:
+            out += field[i].encode()
+            i += 1
+        else:
+            raise ValueError(f"not a key field: {field!r}")
+    return out.decode("utf-8", "surrogatepass")
+
+
 def store_key(key: ObjectKey, prefix: str = "lmcache") -> str:
     """A kvcodec store key for an LMCache ObjectKey (every field, injectively)."""
+    fields = [_field(key.model_name), str(key.kv_rank), str(key.object_group_id), _field(key.cache_salt)]
+    return "/".join([prefix, *fields, key.chunk_hash.hex()])
 
-    def part(text: str) -> str:
-        return "".join(c if c in _SAFE else f"={ord(c):02x}" for c in text) or "="
 
-    return "/".join(
-        [
-            prefix,
-            part(key.model_name),
-            str(key.kv_rank),
-            str(key.object_group_id),
-            part(key.cache_salt),
-            key.chunk_hash.hex(),
-        ]
-    )
+def object_key(stored: str, prefix: str = "lmcache") -> ObjectKey | None:
+    """store_key's inverse: the ObjectKey a store key was made from; None for any other key."""
+    parts = stored.split("/")
+    head = prefix.split("/")
+    if len(parts) != len(head) + 5 or parts[: len(head)] != head:
+        return None
+    model, rank, group, salt, digest = parts[len(head) :]
+    try:
+        key = ObjectKey(bytes.fromhex(digest), _text(model), int(rank), int(group), _text(salt))
+    except ValueError:
+        return None
+    return key if store_key(key, prefix) == stored else None
 
 
 class KVCodecStoreL2Adapter(L2AdapterInterface):
@@ -119,6 +148,30 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
         self._failing = None
         if gone:
             self._notify_keys_deleted([k for k, _ in gone], [s for _, s in gone])
+
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
+        """The stored objects' keys and sizes, a page at a time in key order (LMCache's object
+        service); the cursor is the last store key of the previous page."""
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive (got {page_size})")
+        under = self._prefix + "/" + ("" if model_name is None else _field(model_name) + "/")
+        if cursor is not None and (not cursor.startswith(under) or object_key(cursor, self._prefix) is None):
+            raise ValueError(f"not a cursor of this listing: {cursor!r}")
+        try:
+            names = sorted(k for k in self._store.list(under) if cursor is None or k > cursor)
+            entries = []
+            for name in names:
+                key = object_key(name, self._prefix)
+                size = None if key is None else self._store.size(name)
+                if size is not None:  # not an object's key, or gone since the listing: skipped
+                    entries.append(KeyEntry(key=key.to_encoded_object_key(), size_bytes=size))
+                if len(entries) == page_size:
+                    return KeyListPage(tuple(entries), name if name != names[-1] else None)
+        except KVCodecError as e:
+            raise RuntimeError(f"kvcodec L2 listing failed: {e}") from e
+        return KeyListPage(tuple(entries), None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
