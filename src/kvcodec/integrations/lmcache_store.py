@@ -30,42 +30,14 @@ from lmcache.v1.platform import create_event_notifier
 import kvcodec.integrations.lmcache_plugin  # noqa: F401  (registers the "kvcodec" serde)
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.store import open_store
+from kvcodec.store.keys import field_text, key_field
 
 log = logging.getLogger(__name__)
-
-_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-
-
-def _field(text: str) -> str:
-    """A key field: its UTF-8 bytes, each outside _SAFE as "=xx" (two hex digits always, so that
-    no two texts give one field: "=100" is not both U+0100 and "\\x10" + "0"); "=" alone for ""."""
-    raw = text.encode("utf-8", "surrogatepass")
-    return "".join(chr(b) if chr(b) in _SAFE else f"={b:02x}" for b in raw) or "="
-
-
-def _text(field: str) -> str:
-    """_field's inverse; ValueError where `field` is not one of its results."""
-    if field == "=":
-        return ""
-    out, i = bytearray(), 0
-    while i < len(field):
-        if field[i] == "=":
-            pair = field[i + 1 : i + 3]
-            if len(pair) != 2:
-                raise ValueError(f"not a key field: {field!r}")
-            out += bytes.fromhex(pair)
-            i += 3
-        elif field[i] in _SAFE:
-            out += field[i].encode()
-            i += 1
-        else:
-            raise ValueError(f"not a key field: {field!r}")
-    return out.decode("utf-8", "surrogatepass")
 
 
 def store_key(key: ObjectKey, prefix: str = "lmcache") -> str:
     """A kvcodec store key for an LMCache ObjectKey (every field, injectively)."""
-    fields = [_field(key.model_name), str(key.kv_rank), str(key.object_group_id), _field(key.cache_salt)]
+    fields = [key_field(key.model_name), str(key.kv_rank), str(key.object_group_id), key_field(key.cache_salt)]
     return "/".join([prefix, *fields, key.chunk_hash.hex()])
 
 
@@ -77,7 +49,7 @@ def object_key(stored: str, prefix: str = "lmcache") -> ObjectKey | None:
         return None
     model, rank, group, salt, digest = parts[len(head) :]
     try:
-        key = ObjectKey(bytes.fromhex(digest), _text(model), int(rank), int(group), _text(salt))
+        key = ObjectKey(bytes.fromhex(digest), field_text(model), int(rank), int(group), field_text(salt))
     except ValueError:
         return None
     return key if store_key(key, prefix) == stored else None
@@ -156,7 +128,7 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
         service); the cursor is the last store key of the previous page."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive (got {page_size})")
-        under = self._prefix + "/" + ("" if model_name is None else _field(model_name) + "/")
+        under = self._prefix + "/" + ("" if model_name is None else key_field(model_name) + "/")
         if cursor is not None and (not cursor.startswith(under) or object_key(cursor, self._prefix) is None):
             raise ValueError(f"not a cursor of this listing: {cursor!r}")
         try:

@@ -35,17 +35,13 @@ from kvcodec.integrations.sglang_pages import (
     page_to_canonical,
 )
 from kvcodec.store import open_store
+from kvcodec.store.keys import key_field
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GROUP_TOKENS = 256
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}
 _OWN_KEYS = {"url", "codec", "resolution", "group_tokens", "device", "prefix", "store_options"}
-_SAFE = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
-
-
-def _safe(text: str) -> str:
-    return "".join(c if c in _SAFE else f"={ord(c):02x}" for c in text) or "="
 
 
 class KVCodecHiCacheStorage(HiCacheStorage):
@@ -80,8 +76,8 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         shard = f"tp{storage_config.tp_rank}of{storage_config.tp_size}"
         if storage_config.pp_size > 1:
             shard += f"-pp{storage_config.pp_rank}of{storage_config.pp_size}"
-        model = _safe(storage_config.model_name or "model")
-        self.prefix = f"{_safe(str(extra.get('prefix', 'sglang')))}/{model}/{shard}"
+        model = key_field(storage_config.model_name or "model")
+        self.prefix = f"{key_field(str(extra.get('prefix', 'sglang')))}/{model}/{shard}"
         self.store = open_store(url, **dict(extra.get("store_options", {})))
         self.geometry: PageGeometry | None = None
         self._codecs: dict[int, ChunkCodec] = {}
@@ -202,7 +198,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         return self.geometry
 
     def _page_key(self, key: str) -> str:
-        return f"{self.prefix}/p/{_safe(key)}"
+        return f"{self.prefix}/p/{key_field(key)}"
 
     def _codec(self, tokens: int) -> ChunkCodec:
         with self._lock:
@@ -224,7 +220,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     def _write_group(self, keys: list[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
         kv = torch.cat([page_to_canonical(p.detach().to("cpu"), g) for p in pages], dim=2)
-        group_key = f"{self.prefix}/g/{_safe(keys[0])}.{_safe(keys[-1])}.{len(keys)}"
+        group_key = f"{self.prefix}/g/{key_field(keys[0])}.{key_field(keys[-1])}.{len(keys)}"
         blob = self._codec(kv.shape[2]).encode_chunks(kv, keys=[group_key])[0].blobs[0]  # bound to its key
         self.store.put(group_key, blob)  # the group first: a pointer never names a missing group
         self.store.put_many(
