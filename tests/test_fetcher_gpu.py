@@ -393,3 +393,46 @@ def test_restore_streams_take_the_configured_priority(monkeypatch):
     except BackendUnavailableError as e:
         pytest.skip(f"no NVDEC here: {e}")
     assert decoder.stream.priority == highest
+
+
+_FIRST_FETCH = """
+import sys, torch
+from kvcodec.codecs.transform.codec import TransformCodec
+from kvcodec.fetcher import DecodeProfile, PrefixCache
+codec = TransformCodec(sys.argv[1], chunk_tokens=64, target_ratio=8.0, coder="zstd", resolutions=((256, 256),))
+cache = PrefixCache(sys.argv[2], "m", codec, "cuda", profile=DecodeProfile.default(codec.resolutions))
+ids = list(range(600))
+if sys.argv[3] == "warm":
+    cache.warm_up(torch.float16, tokens=len(ids))
+before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+r = cache.fetch(ids)
+assert r.ok, r.error
+print(torch.cuda.host_memory_stats()["allocated_bytes.current"] - before, codec.pinned_block_bytes())
+"""
+
+
+def test_a_warmed_up_cache_pins_nothing_for_its_first_fetchs_samples(kvt, tmp_path):
+    """In a fresh process (torch's pinned cache empty): the first driven fetch of zstd'd transform
+    chunks pins a staging block per chunk in flight, unless PrefixCache.warm_up made them. At 8x
+    these chunks' samples fill under a quarter of the block (and the last chunk's less): only
+    blocks of the one staging size come from the warm-up's."""
+    import os
+    import subprocess
+    import sys
+
+    from kvcodec.codecs.transform.codec import TransformCodec
+    from kvcodec.store import open_store
+
+    codec = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=8.0, coder="zstd", resolutions=((256, 256),))
+    url = f"file://{tmp_path}"
+    ids = list(range(600))
+    assert PrefixCache(open_store(url), "m", codec, "cpu").put(ids, gpu_tests.synthetic_kv(600, 21).half()) == 10
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    grew = {}
+    for mode in ("cold", "warm"):
+        run = subprocess.run(
+            [sys.executable, "-c", _FIRST_FETCH, str(kvt[0]), url, mode], capture_output=True, text=True, env=env
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        grew[mode], block = (int(v) for v in run.stdout.split()[-2:])
+    assert grew["cold"] >= block > grew["warm"], (grew, block)

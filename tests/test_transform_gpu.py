@@ -406,3 +406,17 @@ def test_a_plan_evicted_while_a_stream_still_reads_it_keeps_its_memory(kvt, monk
     torch.cuda.synchronize()
     assert all(j.isnan().all() for j in junk)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("kw", [dict(target_ratio=2.0), dict(target_ratio=8.0), dict(theta=1e-9), dict(theta=1e3)])
+def test_every_chunks_samples_fit_the_codecs_pinned_staging_block(kvt, kw):
+    """pinned_block_bytes bounds sample_count at any level and chunk length (a short last chunk,
+    a level that codes every coordinate, one that codes nearly none): one size class serves all."""
+    codec = TransformCodec(kvt[0], chunk_tokens=64, coder="zstd", **kw)
+    kv = synthetic_kv(150, 4)
+    for ch in codec.encode_chunks(kv):
+        h, _ = codec._read(ch.blobs[0])
+        assert codec._restorer.sample_count(h) <= codec.pinned_block_bytes()  # 0 where nothing is coded
+    at_finest = codec._restorer.sample_count({"theta": 1e-12, "key_weight": 1.0, "tokens": 64})
+    assert at_finest == codec.pinned_block_bytes()
+    assert TransformCodec(kvt[0], chunk_tokens=64, coder="hevc", target_ratio=4.0).pinned_block_bytes() == 0

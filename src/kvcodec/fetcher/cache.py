@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target, warm_up_codec
+from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target, reserve_staging, warm_up_codec
 from kvcodec.codecs.driven import host_threads
 from kvcodec.config import CodecConfig, torch_device
 from kvcodec.dtypes import DTYPES, name_of
@@ -54,6 +54,11 @@ from kvcodec.restore.paged import PagedKV
 log = logging.getLogger(__name__)
 
 __all__ = ["ChunkTiming", "FetchResult", "FetchStats", "PrefixCache"]
+
+# pinned staging blocks beyond max_inflight that a long fetch held at once: a dropped chunk's block
+# returns to torch's pinned cache only when its upload is done (a 32k-token fetch of a 7-8B model,
+# max_inflight 64: 73 blocks, plan-cost-h200-s65-first-fetch.log)
+STAGING_SPARE = 12
 
 
 def _resolve_codec(codec: Any, legacy: dict[str, Any]) -> ChunkCodec:
@@ -307,11 +312,15 @@ class PrefixCache:
             return False
         return True
 
-    def warm_up(self, dtype: torch.dtype = torch.float16) -> float:
+    def warm_up(self, dtype: torch.dtype = torch.float16, tokens: int | None = None) -> float:
         """Compile the codec's restore kernels for fetches into `dtype` now (codecs with the WarmUp
-        capability, on CUDA); seconds spent. A failure is logged, never raised: the first fetch
-        then compiles them, or falls back as it would have."""
-        return warm_up_codec(self.codec, self.device, dtype)
+        capability, on CUDA), and make the pinned staging blocks a fetch of `tokens` (None: of any
+        length) holds at once (PinnedStaging codecs: as many as max_inflight chunks, and
+        STAGING_SPARE for uploads still in flight); seconds spent. A failure is logged, never
+        raised: the first fetch then compiles or pins them, or falls back as it would have."""
+        chunks = self.max_inflight if tokens is None else min(self.max_inflight, -(-tokens // self.codec.chunk_tokens))
+        seconds = warm_up_codec(self.codec, self.device, dtype)
+        return seconds + reserve_staging(self.codec, self.device, chunks + STAGING_SPARE)
 
     # -- profile -----------------------------------------------------------------------------
     def ensure_profile(self, shape: tuple[int, int, int], dtype: torch.dtype = torch.float16) -> DecodeProfile:

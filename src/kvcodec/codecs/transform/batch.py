@@ -408,7 +408,7 @@ class TransformDriven:
         h, streams, later = reading.state
         _verify(h, streams, later)
         count = self.codec._restorer.sample_count(h)
-        return self._prepared(reading, host_samples(streams, count, pinned=torch.cuda.is_available()))  # a CUDA fetch
+        return self._prepared(reading, host_samples(streams, count, self._staging(count)))
 
     def _prepared(self, reading: Reading, host: torch.Tensor) -> Reading:
         """The read chunk with its decompressed samples, escapes and sink tokens (checksums done)."""
@@ -433,13 +433,19 @@ class TransformDriven:
 
     def _submit_native(self, threads, reading: Reading) -> Future:  # noqa: ANN001 - a ZstdThreads
         h, streams, (entry,) = reading.state
-        host = torch.empty(
-            self.codec._restorer.sample_count(h), dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-        )
+        host = self._staging(self.codec._restorer.sample_count(h))
         checksum = (entry.crc32, lambda: checksum_error(entry, _what(h)))
         return threads.submit(
             streams["samples"], host.numpy(), "samples", lambda: self._prepared(reading, host), checksum
         )
+
+    def _staging(self, count: int) -> torch.Tensor:
+        """(count,) uint8 for a chunk's samples; on a CUDA machine the front of a pinned block of the
+        codec's one staging size (pinned_block_bytes), so that every chunk takes its block from one
+        size class of torch's pinned cache whatever its level or length (reserve_staging fills it)."""
+        if not torch.cuda.is_available():
+            return torch.empty(count, dtype=torch.uint8)
+        return torch.empty(max(count, self.codec.pinned_block_bytes()), dtype=torch.uint8, pin_memory=True)[:count]
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: Target):  # noqa: ANN201 - Decoded
         h, streams, later, *prepared = reading.state

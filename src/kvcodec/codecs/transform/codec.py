@@ -663,6 +663,12 @@ class TransformCodec:
 
             zstd_native.threads(driven.host_threads)
 
+    def pinned_block_bytes(self) -> int:
+        """The pinned block a driven CUDA fetch decompresses each chunk's zstd'd samples into
+        (codecs.base.PinnedStaging): every coordinate the calibration keeps over a whole chunk;
+        0 for the HEVC coder, whose samples NVDEC writes on the device."""
+        return 0 if self.coder == "hevc" else self._restorer.most_rows * self.chunk_tokens
+
     def stage_stream(self, items, device, check=None):  # noqa: ANN001, ANN201 - see transform_batch.stage_stream
         """The first half for a stream of (tag, blob, target) on one NVDEC session, chunks back to back."""
         from kvcodec.codecs.transform.batch import stage_stream

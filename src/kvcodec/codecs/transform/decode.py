@@ -9,6 +9,7 @@ decodes many chunks on NvcuvidThreads' sessions, then restores them in one pass)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import Callable
@@ -163,6 +164,11 @@ class TransformRestorer:
         """The same restore in about ten kernels (restore.transform_kernels), no host waits."""
         self.finish([self.decode_samples(h, streams, device, decoder)], [out])
         return out
+
+    @functools.cached_property
+    def most_rows(self) -> int:
+        """Coordinates a chunk codes per token at most: every column the calibration keeps."""
+        return sum(self.cal.basis(g, k).variances.numel() for g in range(len(self.cal.groups)) for k in KINDS)
 
     def sample_count(self, h: dict) -> int:
         """Samples a verified chunk codes (coded coordinates x tokens)."""
@@ -325,9 +331,10 @@ def check_target(h: dict, out: Target) -> None:
         raise ShapeError(f"output must be a {shape} tensor of {allowed} (stored: {dtype}) or a PagedKV")
 
 
-def host_samples(streams: dict, count: int, pinned: bool = False) -> torch.Tensor:
-    """A zstd-coded chunk's `count` samples decompressed into a host tensor (pinned: for an upload)."""
-    host = torch.empty(count, dtype=torch.uint8, pin_memory=pinned)
+def host_samples(streams: dict, count: int, into: torch.Tensor | None = None) -> torch.Tensor:
+    """A zstd-coded chunk's `count` samples decompressed into a host tensor (`into`: the (count,)
+    uint8 tensor to fill, e.g. pinned for an upload)."""
+    host = torch.empty(count, dtype=torch.uint8) if into is None else into
     if (got := unzstd_into(streams["samples"], host.numpy(), "samples")) != count:
         raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
     return host
