@@ -57,3 +57,24 @@ def untraced(error: BaseException) -> BaseException:
         at.__traceback__ = None
         at = at.__cause__ or at.__context__
     return error
+
+
+def wait_all(futures: list) -> list:
+    """Every future's result, in order, once all are done; else the first failure, raised so that no
+    frame on its way up holds the futures: a failed future holds its error, whose traceback holds the
+    frames, so a frame holding the future made a cycle that kept both, and what the frames held (a
+    chunk's buffers and targets), until the collector's next full pass. `futures` is emptied."""
+    results, error = [], None
+    for future in futures:
+        try:
+            results.append(future.result())
+        except BaseException as e:  # noqa: BLE001 - raised below once every future is done
+            error = error or e
+    futures.clear()
+    future = None
+    if error is None:
+        return results
+    try:
+        raise error
+    finally:
+        error = None  # the raise's traceback holds this frame

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from kvcodec.errors import wait_all
 from kvcodec.video.nvcuvid import NvcuvidDecoder
 from kvcodec.video.streams import thread_restore_stream
 
@@ -124,19 +125,14 @@ class NvcuvidThreads:
             raise ValueError("restore_blobs needs one output per blob")
         restore = restore or self.restore
         futures = [self._pool.submit(self._restore_one, b, o, restore, decode_into) for b, o in zip(blobs, outs)]
-        events, error = [], None
-        for f in futures:
-            try:
-                events.append(f.result())
-            except Exception as e:  # noqa: BLE001 - re-raised once every chunk has finished
-                error = error or e
         current = torch.cuda.current_stream(self.device)
-        for event in events:
-            current.wait_event(event)
+        for f in futures:  # the chunks restored before a failure are waited for all the same
+            if not f.exception():
+                current.wait_event(f.result())
         if synchronize:
             current.synchronize()
-        if error is not None:
-            raise error
+        f = None
+        wait_all(futures)  # a chunk's failure, raised once every chunk has finished
 
     def run_sessions(self, work: Callable[[list[NvcuvidDecoder]], None], drivers: int | None = None) -> list[Future]:
         """work(decoders) on `drivers` worker threads (default and at most: one per session, and no
@@ -170,8 +166,7 @@ class NvcuvidThreads:
             torch.cuda.current_stream(self.device).synchronize()
 
         with ThreadPoolExecutor(max_workers=self.sessions) as ex:
-            for f in [ex.submit(one, dec) for dec in self.decoders]:
-                f.result()
+            wait_all([ex.submit(one, dec) for dec in self.decoders])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

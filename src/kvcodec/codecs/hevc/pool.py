@@ -19,7 +19,7 @@ from kvcodec.codecs.hevc.decode import chunk_parts, decode_chunk_blob, inspect_c
 from kvcodec.codecs.hevc.file import file_chunks
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES
-from kvcodec.errors import ConfigError
+from kvcodec.errors import ConfigError, wait_all
 
 
 def warm_up_restore(device: torch.device) -> None:
@@ -116,8 +116,7 @@ def decode_blobs_parallel(
             torch.cuda.current_stream(pool.device).synchronize()
 
     with ThreadPoolExecutor(max_workers=threads or 2 * pool.workers) as ex:
-        for f in [ex.submit(run, j) for j in zip(blobs, outs)]:
-            f.result()
+        wait_all([ex.submit(run, j) for j in zip(blobs, outs)])
 
 
 def PoolCodec(pool: Any, restore: str = "auto", config: CodecConfig | None = None) -> HevcCodec:  # noqa: N802

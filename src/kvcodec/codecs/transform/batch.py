@@ -27,7 +27,7 @@ from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading, balanced_runs, host_pool, host_threads
 from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
 from kvcodec.container.format import checksum_error, verify_streams
-from kvcodec.errors import CorruptStreamError, KVCodecError
+from kvcodec.errors import CorruptStreamError, KVCodecError, untraced, wait_all
 from kvcodec.transform.frames import frame_count
 
 _END = object()
@@ -178,10 +178,13 @@ def restore_chunks(
     else:
         futures = threads.run_sessions(run.session, drivers)
         run.collect(len(futures), wave, futures)
-        for f in futures:
-            f.result()  # a worker's own failure (every chunk's error is in run.errors)
+        wait_all(futures)  # a worker's own failure (every chunk's error is in run.errors)
     if run.errors:
-        raise run.errors[min(run.errors)]
+        errors, run = run.errors, None
+        try:
+            raise errors[min(errors)]
+        finally:
+            errors = None  # the raise's traceback holds this frame: not the errors
 
 
 class _Run:
@@ -250,7 +253,7 @@ class _Run:
                     self._done(i, self.r.decode_samples(h, streams, self.outs[i].device, None))
                     continue
             except Exception as e:  # noqa: BLE001 - raised once the others are restored
-                self.errors[i] = e
+                self.errors[i] = untraced(e)  # its frames held this run, which holds it
                 continue
             if not yield_video:
                 yield i, h, streams
@@ -267,7 +270,7 @@ class _Run:
         try:
             self._done(i, self.r.decode_samples(h, streams, self.outs[i].device, decoder))
         except Exception as e:  # noqa: BLE001
-            self.errors[i] = e
+            self.errors[i] = untraced(e)
 
     def _done(self, i: int, decoded) -> None:
         event = None
@@ -322,7 +325,7 @@ class _Run:
                 try:
                     self.r.finish([d], [self.outs[i]])
                 except Exception as e:  # noqa: BLE001
-                    self.errors[i] = e
+                    self.errors[i] = untraced(e)
 
 
 class _Router:
