@@ -68,7 +68,7 @@ def wait_all(futures: list) -> list:
     for future in futures:
         try:
             results.append(future.result())
-        except BaseException as e:  # noqa: BLE001 - raised below once every future is done
+        except Exception as e:  # noqa: BLE001 - raised below once every future is done (an interrupt: now)
             error = error or e
     futures.clear()
     future = None
