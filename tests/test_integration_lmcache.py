@@ -329,6 +329,7 @@ def test_salts_that_read_alike_byte_by_byte_get_their_own_keys():
     """U+0100 and "\\x10" + "0" were both "=100" when a character's code was written in as many digits as it took."""
     a, b = (ObjectKey(b"\x01", "m", 0, 0, salt) for salt in ("\u0100", "\x100"))
     assert store_key(a) != store_key(b)
+    assert object_key("lmcache/m/0/0/=100/01") is None  # the first scheme's key for a: no object of this one
 
 
 def test_the_adapter_lists_its_objects_a_page_at_a_time(tmp_path):

@@ -256,6 +256,10 @@ def test_a_hybrid_models_other_host_pools_fail_the_attach(real_kv, tmp_path):
         other.on_host_pools_registered()
     with pytest.raises(ConfigError, match="swa"):
         b.register_mem_host_pool_v2(object(), "swa")
+    # SGLang's hybrid controller had enabled the backend before it asked: it stays attached, answering misses
+    page = host_page(host_buffer(real_kv, "layer_first"), "layer_first", 0)
+    assert b.batch_set(keys_for(1), [page]) is False and b.batch_exists(keys_for(1)) == 0
+    assert b.batch_get(keys_for(1), dummy_pages(1, real_kv)) == [None] and not b.exists(keys_for(1)[0])
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])

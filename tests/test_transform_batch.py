@@ -122,6 +122,39 @@ def test_a_damaged_chunk_raises_after_the_others_are_restored(kvt):
     assert gpu_tests.within_an_ulp(out[:, :, keep], want[:, :, keep])
 
 
+def test_a_damaged_chunks_error_holds_nothing_of_the_call_once_dropped(kvt, monkeypatch):
+    """The error restore_chunks raises keeps its traceback, but nothing of the call stays in a cycle
+    with it: a chunk's error held the worker's frames, which held the call's run, which held the
+    error, until the collector's next full pass (with the chunks' blobs and targets)."""
+    import gc
+    import weakref
+
+    from kvcodec.codecs.transform import batch
+
+    runs = []
+
+    class Tracked(batch._Run):
+        def __init__(self, *args):
+            super().__init__(*args)
+            runs.append(weakref.ref(self))
+
+    monkeypatch.setattr(batch, "_Run", Tracked)
+    c, kv, chunks, _ = _case(kvt)
+    blobs = [bytearray(ch.blobs[0]) for ch in chunks]
+    blobs[3][len(blobs[3]) // 2] ^= 0xFF
+    _, outs = _outs(kv, chunks)
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            restore_chunks(c, [bytes(b) for b in blobs], outs, threads=CpuSessions([StreamingCpuDecoder()] * 2))
+        except KVCodecError as e:
+            assert e.__traceback__ is not None
+        assert len(runs) == 1 and runs[0]() is None
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("coder", ["zstd", "mixed"])
 def test_zstd_chunks_go_through_the_same_call(kvt, coder):
     """zstd chunks alone, or between video chunks (mixed): restored in one call as the reference."""

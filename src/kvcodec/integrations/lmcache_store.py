@@ -35,16 +35,22 @@ from kvcodec.store.keys import field_text, key_field
 log = logging.getLogger(__name__)
 
 
+# The keys' scheme, a segment of every key: the first scheme wrote a character outside the safe set
+# as its code in as many hex digits as it took, so its "=100" (U+0100) reads in this one as
+# "\x10" + "0". Its keys have no such segment, so none of them is read as an object of this scheme.
+KEY_SCHEME = "k2"
+
+
 def store_key(key: ObjectKey, prefix: str = "lmcache") -> str:
     """A kvcodec store key for an LMCache ObjectKey (every field, injectively)."""
     fields = [key_field(key.model_name), str(key.kv_rank), str(key.object_group_id), key_field(key.cache_salt)]
-    return "/".join([prefix, *fields, key.chunk_hash.hex()])
+    return "/".join([prefix, KEY_SCHEME, *fields, key.chunk_hash.hex()])
 
 
 def object_key(stored: str, prefix: str = "lmcache") -> ObjectKey | None:
     """store_key's inverse: the ObjectKey a store key was made from; None for any other key."""
     parts = stored.split("/")
-    head = prefix.split("/")
+    head = [*prefix.split("/"), KEY_SCHEME]
     if len(parts) != len(head) + 5 or parts[: len(head)] != head:
         return None
     model, rank, group, salt, digest = parts[len(head) :]
@@ -125,14 +131,16 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
         self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
     ) -> KeyListPage:
         """The stored objects' keys and sizes, a page at a time in key order (LMCache's object
-        service); the cursor is the last store key of the previous page."""
+        service); the cursor is the last store key of the previous page. Each page lists the store's
+        keys under the prefix again (a directory walk, a Redis SCAN) and asks each object's size on
+        it: for an operator's occasional listing, not for a request's path."""
         if page_size <= 0:
             raise ValueError(f"page_size must be positive (got {page_size})")
-        under = self._prefix + "/" + ("" if model_name is None else key_field(model_name) + "/")
+        under = f"{self._prefix}/{KEY_SCHEME}/" + ("" if model_name is None else key_field(model_name) + "/")
         if cursor is not None and (not cursor.startswith(under) or object_key(cursor, self._prefix) is None):
             raise ValueError(f"not a cursor of this listing: {cursor!r}")
         try:
-            names = sorted(k for k in self._store.list(under) if cursor is None or k > cursor)
+            names = sorted({k for k in self._store.list(under) if cursor is None or k > cursor})  # a SCAN may repeat
             entries = []
             for name in names:
                 key = object_key(name, self._prefix)

@@ -80,6 +80,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         self.prefix = f"{key_field(str(extra.get('prefix', 'sglang')))}/{model}/{shard}"
         self.store = open_store(url, **dict(extra.get("store_options", {})))
         self.geometry: PageGeometry | None = None
+        self.refused: str | None = None  # why an attach was refused (_refuse_sidecars): every call a miss
         self._codecs: dict[int, ChunkCodec] = {}
         self._lock = threading.Lock()
 
@@ -105,8 +106,11 @@ class KVCodecHiCacheStorage(HiCacheStorage):
             self._refuse_sidecars()
 
     def on_host_pools_registered(self) -> None:
-        """The attach's pools are all registered: one besides the KV pool fails the attach here
-        (SGLang's contract: raising fails it), not the first prefetch."""
+        """The attach's pools are all registered: one besides the KV pool fails the attach here,
+        not the first prefetch. At a server's start that stops the server with this error. SGLang's
+        hybrid controller calls this after its attach has already enabled the backend, so a refused
+        attach at run time leaves the backend attached: it then answers every call as a miss (refused),
+        and needs a detach before another backend can attach."""
         self._pools_final = True
         self._refuse_sidecars()
 
@@ -116,16 +120,19 @@ class KVCodecHiCacheStorage(HiCacheStorage):
             str(name) for name, pool in getattr(self, "registered_pools", {}).items() if pool is not kv_pool
         )
         if others:
-            raise ConfigError(
+            self.refused = (
                 f"the kvcodec HiCache backend stores the KV host pool only, not this model's {', '.join(others)} "
                 "pool(s) (a hybrid model's state or indexer): run it without the kvcodec storage backend"
             )
+            raise ConfigError(self.refused)
 
     # -- HiCacheStorage -------------------------------------------------------------------
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None):
         return self.batch_get([key], [target_location])[0]
 
     def batch_get(self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None):
+        if self.refused:
+            return [None] * len(keys)
         g = self._geometry()
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
@@ -163,6 +170,8 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
+        if self.refused:
+            return False
         g = self._geometry()
         if values is None or len(values) != len(keys):
             raise ConfigError("batch_set needs one page tensor per key")
@@ -178,9 +187,11 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         return True
 
     def exists(self, key: str) -> bool:
-        return self.store.exists(self._page_key(key))
+        return not self.refused and self.store.exists(self._page_key(key))
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        if self.refused:
+            return 0
         found = self.store.exists_many([self._page_key(k) for k in keys])
         return next((i for i, f in enumerate(found) if not f), len(keys))
 
@@ -220,7 +231,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     def _write_group(self, keys: list[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
         kv = torch.cat([page_to_canonical(p.detach().to("cpu"), g) for p in pages], dim=2)
-        group_key = f"{self.prefix}/g/{key_field(keys[0])}.{key_field(keys[-1])}.{len(keys)}"
+        group_key = f"{self.prefix}/g/{key_field(keys[0])}+{key_field(keys[-1])}+{len(keys)}"  # "+": in no field
         blob = self._codec(kv.shape[2]).encode_chunks(kv, keys=[group_key])[0].blobs[0]  # bound to its key
         self.store.put(group_key, blob)  # the group first: a pointer never names a missing group
         self.store.put_many(

@@ -127,7 +127,7 @@ class NvcuvidThreads:
         futures = [self._pool.submit(self._restore_one, b, o, restore, decode_into) for b, o in zip(blobs, outs)]
         current = torch.cuda.current_stream(self.device)
         for f in futures:  # the chunks restored before a failure are waited for all the same
-            if not f.exception():
+            if f.exception() is None:
                 current.wait_event(f.result())
         if synchronize:
             current.synchronize()

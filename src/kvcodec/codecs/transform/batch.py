@@ -27,7 +27,7 @@ from kvcodec.codecs.base import ChunkInfo, Target
 from kvcodec.codecs.driven import Piece, Reading, balanced_runs, host_pool, host_threads
 from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
 from kvcodec.container.format import checksum_error, verify_streams
-from kvcodec.errors import CorruptStreamError, KVCodecError, untraced, wait_all
+from kvcodec.errors import CorruptStreamError, KVCodecError, wait_all
 from kvcodec.transform.frames import frame_count
 
 _END = object()
@@ -180,11 +180,13 @@ def restore_chunks(
         run.collect(len(futures), wave, futures)
         wait_all(futures)  # a worker's own failure (every chunk's error is in run.errors)
     if run.errors:
-        errors, run = run.errors, None
+        # each error's traceback holds the worker's frames, which hold this run: emptied, it holds no error
+        first = run.errors.pop(min(run.errors))
+        run.errors.clear()
         try:
-            raise errors[min(errors)]
+            raise first
         finally:
-            errors = None  # the raise's traceback holds this frame: not the errors
+            first = run = None  # the raise's traceback holds this frame
 
 
 class _Run:
@@ -253,7 +255,7 @@ class _Run:
                     self._done(i, self.r.decode_samples(h, streams, self.outs[i].device, None))
                     continue
             except Exception as e:  # noqa: BLE001 - raised once the others are restored
-                self.errors[i] = untraced(e)  # its frames held this run, which holds it
+                self.errors[i] = e
                 continue
             if not yield_video:
                 yield i, h, streams
@@ -270,7 +272,7 @@ class _Run:
         try:
             self._done(i, self.r.decode_samples(h, streams, self.outs[i].device, decoder))
         except Exception as e:  # noqa: BLE001
-            self.errors[i] = untraced(e)
+            self.errors[i] = e
 
     def _done(self, i: int, decoded) -> None:
         event = None
@@ -325,7 +327,7 @@ class _Run:
                 try:
                     self.r.finish([d], [self.outs[i]])
                 except Exception as e:  # noqa: BLE001
-                    self.errors[i] = untraced(e)
+                    self.errors[i] = e
 
 
 class _Router:
