@@ -22,7 +22,7 @@ pytest.importorskip(
     "sglang.srt.mem_cache.hicache_storage", reason="sglang not installed (scripts/install-integrations.sh)"
 )
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvcodec.codecs import make_codec  # noqa: E402
@@ -248,7 +248,8 @@ def test_a_hybrid_models_other_host_pools_fail_the_attach(real_kv, tmp_path):
     b = backend(f"file://{tmp_path}", real_kv)
     b.register_mem_host_pool_v2(b.mem_pool_host, "kv")
     b.on_host_pools_registered()
-    assert b.batch_exists(keys_for(1)) == 0  # attached: the generic interface serves
+    page = host_page(host_buffer(real_kv, "layer_first"), "layer_first", 0)
+    assert b.batch_set(keys_for(1, "s"), [page]) and b.batch_exists(keys_for(1, "s")) == 1  # attached: it serves
     other = backend(f"file://{tmp_path}", real_kv)
     other.register_mem_host_pool_v2(other.mem_pool_host, "kv")
     other.register_mem_host_pool_v2(object(), "mamba")
@@ -257,9 +258,14 @@ def test_a_hybrid_models_other_host_pools_fail_the_attach(real_kv, tmp_path):
     with pytest.raises(ConfigError, match="swa"):
         b.register_mem_host_pool_v2(object(), "swa")
     # SGLang's hybrid controller had enabled the backend before it asked: it stays attached, answering misses
-    page = host_page(host_buffer(real_kv, "layer_first"), "layer_first", 0)
-    assert b.batch_set(keys_for(1), [page]) is False and b.batch_exists(keys_for(1)) == 0
-    assert b.batch_get(keys_for(1), dummy_pages(1, real_kv)) == [None] and not b.exists(keys_for(1)[0])
+    assert b.batch_set(keys_for(1), [page]) is False and b.batch_exists(keys_for(1, "s")) == 0
+    assert b.batch_get(keys_for(1, "s"), dummy_pages(1, real_kv)) == [None] and not b.exists(keys_for(1, "s")[0])
+    transfer = PoolTransfer(name=PoolName.KV, keys=keys_for(1, "s"))
+    assert b.batch_exists_v2(keys_for(1, "s"), [transfer]).kv_hit_pages == 0
+    assert b.batch_get_v2([transfer]) == {PoolName.KV: [False]} == b.batch_set_v2([transfer])
+    b.clear()  # SGLang's admin clear of a backend it still counts attached: nothing deleted
+    with open_store(f"file://{tmp_path}") as st:
+        assert any("/p/" in k for k in st.list("sglang/"))
 
 
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])

@@ -127,6 +127,7 @@ def test_a_damaged_chunks_error_holds_nothing_of_the_call_once_dropped(kvt, monk
     with it: a chunk's error held the worker's frames, which held the call's run, which held the
     error, until the collector's next full pass (with the chunks' blobs and targets)."""
     import gc
+    import traceback
     import weakref
 
     from kvcodec.codecs.transform import batch
@@ -141,15 +142,18 @@ def test_a_damaged_chunks_error_holds_nothing_of_the_call_once_dropped(kvt, monk
     monkeypatch.setattr(batch, "_Run", Tracked)
     c, kv, chunks, _ = _case(kvt)
     blobs = [bytearray(ch.blobs[0]) for ch in chunks]
-    blobs[3][len(blobs[3]) // 2] ^= 0xFF
+    for i in (3, 5):  # two errors: the one not raised must not keep the run either
+        blobs[i][len(blobs[i]) // 2] ^= 0xFF
     _, outs = _outs(kv, chunks)
+    raised = []
     gc.collect()
     gc.disable()
     try:
         try:
             restore_chunks(c, [bytes(b) for b in blobs], outs, threads=CpuSessions([StreamingCpuDecoder()] * 2))
         except KVCodecError as e:
-            assert e.__traceback__ is not None
+            raised.append({frame.f_code.co_name for frame, _ in traceback.walk_tb(e.__traceback__)})
+        assert raised and "_videos" in raised[0]  # the worker's frames are kept in the traceback
         assert len(runs) == 1 and runs[0]() is None
     finally:
         gc.enable()

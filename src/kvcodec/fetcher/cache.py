@@ -317,7 +317,7 @@ class PrefixCache:
         capability, on CUDA), and make the pinned staging blocks a fetch of `tokens` (None: of any
         length; 0: none) holds at once (PinnedStaging codecs: as many as max_inflight chunks, and
         STAGING_SPARE for uploads still in flight). torch's pinned cache keeps them for the process's
-        life, as it keeps what a long fetch pinned: at Llama-3-8B's shape 76 blocks of 16 MiB,
+        life, as it keeps what a long fetch pinned: at Llama-3-8B's shape up to 76 blocks of 16 MiB,
         1.2 GiB of host memory. Seconds spent. A failure is logged, never raised: the first fetch
         then compiles or pins them, or falls back as it would have."""
         seconds = warm_up_codec(self.codec, self.device, dtype)

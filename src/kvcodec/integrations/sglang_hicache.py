@@ -23,7 +23,12 @@ import threading
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransferResult,
+)
 
 from kvcodec.codecs import ChunkCodec, make_codec
 from kvcodec.errors import ConfigError, FormatError, KVCodecError, StoreError
@@ -195,7 +200,25 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         found = self.store.exists_many([self._page_key(k) for k in keys])
         return next((i for i, f in enumerate(found) if not f), len(keys))
 
+    def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):  # noqa: ANN001, ANN201
+        """Pools beside the KV pool are refused (_refuse_sidecars); a refused backend finds nothing."""
+        if self.refused:
+            return PoolTransferResult(kv_hit_pages=0, extra_pool_hit_pages={})
+        return super().batch_exists_v2(keys, pool_transfers, extra_info)
+
+    def batch_get_v2(self, transfers, extra_info=None):  # noqa: ANN001, ANN201
+        if self.refused:
+            return {t.name: [False] * len(t.keys or []) for t in transfers}
+        return super().batch_get_v2(transfers, extra_info)
+
+    def batch_set_v2(self, transfers, extra_info=None):  # noqa: ANN001, ANN201
+        if self.refused:
+            return {t.name: [False] * len(t.keys or []) for t in transfers}
+        return super().batch_set_v2(transfers, extra_info)
+
     def clear(self) -> None:
+        if self.refused:  # SGLang still counts a refused backend attached: its clear deletes nothing
+            return
         for key in list(self.store.list(self.prefix + "/")):
             self.store.delete(key)
 

@@ -172,21 +172,23 @@ def restore_chunks(
     if len(blobs) != len(outs):
         raise ValueError("restore_chunks needs one output per blob")
     run = _Run(codec, blobs, outs)
-    if threads is None:
-        run.session(None)
-        run.collect(1, 0)
-    else:
-        futures = threads.run_sessions(run.session, drivers)
-        run.collect(len(futures), wave, futures)
-        wait_all(futures)  # a worker's own failure (every chunk's error is in run.errors)
-    if run.errors:
-        # each error's traceback holds the worker's frames, which hold this run: emptied, it holds no error
-        first = run.errors.pop(min(run.errors))
-        run.errors.clear()
-        try:
-            raise first
-        finally:
-            first = run = None  # the raise's traceback holds this frame
+    try:
+        if threads is None:
+            run.session(None)
+            run.collect(1, 0)
+        else:
+            futures = threads.run_sessions(run.session, drivers)
+            run.collect(len(futures), wave, futures)
+            wait_all(futures)  # a worker's own failure (every chunk's error is in run.errors)
+        if run.errors:
+            first = run.errors.pop(min(run.errors))
+            try:
+                raise first
+            finally:
+                first = None
+    finally:
+        run.errors.clear()  # each error's traceback holds the workers' frames, which hold this run
+        run = None  # and whatever is raised holds this frame
 
 
 class _Run:
