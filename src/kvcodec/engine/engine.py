@@ -130,10 +130,8 @@ class Engine:
         self._last_progress = time.monotonic()
         if cfg.reuse and cfg.fetch_deadline_s == AUTO and prefix_cache is not None:
             self._measure_prefill()
-        if cfg.reuse and prefix_cache is not None:
-            prefix_cache.warm_up(
-                self.runner.dtype, self.max_context
-            )  # kernels and pinned staging before the first fetch
+        if cfg.reuse and prefix_cache is not None:  # kernels and pinned staging before the first fetch
+            prefix_cache.warm_up(self.runner.dtype, self.max_context)
         self._gc_lock = threading.Lock()
         self._gc_held = cfg.freeze_gc
         if self._gc_held:
