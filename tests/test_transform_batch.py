@@ -581,3 +581,126 @@ def test_a_codec_without_videos_is_driven_without_nvdec_sessions(kvt):
     (tag, error, _), *_ = driver.poll()
     driver.close()
     assert tag == 0 and isinstance(error, FormatError) and "codes none" in str(error)
+
+
+def _zstd_case(kvt):
+    """A zstd-coded transform (its level's plan built, as a fetch's first chunks build it) and its chunks."""
+    from kvcodec.codecs import zstd_native
+    from kvcodec.codecs.driven import host_threads
+
+    if zstd_native.threads(host_threads) is None:
+        pytest.skip("no native zstd threads here (no C compiler or no libzstd)")
+    c = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    kv = gpu_tests.synthetic_kv(200, 22)
+    chunks = c.encode_chunks(kv)
+    return c, kv, chunks, gpu_tests.restore_all(c, chunks, kv.shape)
+
+
+def _collect(driver, n: int) -> dict:
+    got: dict = {}
+    for i in range(n):
+        while driver.pending(i):
+            driver.wait(i, 30.0, flush=False)  # until its host work is done: no race with the threads
+            got.update((tag, part) for tag, part, _ in driver.poll())
+    return got
+
+
+def _counted_submits(monkeypatch) -> list:
+    """Every stream handed to the native zstd threads, from here on."""
+    from kvcodec.codecs import zstd_native
+
+    seen, submit = [], zstd_native.ZstdThreads.submit
+
+    def counted(self, data, *a, **k):
+        seen.append(data)
+        return submit(self, data, *a, **k)
+
+    monkeypatch.setattr(zstd_native.ZstdThreads, "submit", counted)
+    return seen
+
+
+def test_host_work_begun_as_blobs_arrive_is_taken_over_and_restores_the_same(kvt, monkeypatch):
+    """StageDriver.begin (a fetch's network stage calls it with each blob): the chunk's zstd starts
+    there, and submit() of the same blob takes that work over instead of decompressing it again."""
+    from kvcodec.codecs.driven import StageDriver
+
+    c, kv, chunks, want = _zstd_case(kvt)
+    out, outs = _outs(kv, chunks)
+    seen = _counted_submits(monkeypatch)
+    driver = StageDriver(c, [FakeDecoder()])
+    for ch in chunks:
+        driver.begin(ch.blobs[0])
+    assert len(driver.begun) == len(seen) == len(chunks)
+    driver.submit_many([(i, ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)])
+    assert not driver.begun and len(seen) == len(chunks)  # every chunk decompressed once
+    got = _collect(driver, len(chunks))
+    driver.close()
+    c.finish([got[i] for i in range(len(chunks))], outs)
+    assert gpu_tests.within_an_ulp(out, want)
+
+
+def test_begun_work_is_not_taken_over_by_another_blob_and_close_waits_for_it(kvt, monkeypatch):
+    """A blob refused by the fetch's check keeps its begun work out of the restore: close() waits for
+    it; a copy of a begun blob (another object) is read and decompressed on its own."""
+    from kvcodec.codecs import driven
+    from kvcodec.codecs.driven import StageDriver
+    from kvcodec.errors import FetchError
+
+    c, kv, chunks, want = _zstd_case(kvt)
+    out, outs = _outs(kv, chunks)
+    seen = _counted_submits(monkeypatch)
+
+    def check(tag, info):
+        if tag == 1:
+            raise FetchError("chunk 1 is bound to another prefix")
+
+    driver = StageDriver(c, [FakeDecoder()], check)
+    for ch in chunks:
+        driver.begin(ch.blobs[0])
+    copy = bytes(bytearray(chunks[2].blobs[0]))
+    items = [(i, copy if i == 2 else ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)]
+    driver.submit_many(items)
+    assert len(seen) == len(chunks) + 1  # the copy's own
+    assert set(driver.begun) == {id(chunks[1].blobs[0]), id(chunks[2].blobs[0])}
+    left = [future for _, future in driver.begun.values()]
+    got = _collect(driver, len(chunks))
+    waited, wait = [], driven.wait_futures
+    monkeypatch.setattr(driven, "wait_futures", lambda fs, *a: waited.extend(fs) or wait(fs, *a))
+    driver.close()
+    assert not driver.begun and set(left) <= set(waited)
+    driver.begin(chunks[0].blobs[0])  # after close: nothing begins
+    assert not driver.begun and len(seen) == len(chunks) + 1
+    assert isinstance(got[1], FetchError)
+    good = [i for i in range(len(chunks)) if i != 1]
+    c.finish([got[i] for i in good], [outs[i] for i in good])
+    for i in good:
+        span = slice(chunks[i].start_token, chunks[i].start_token + chunks[i].tokens)
+        assert gpu_tests.within_an_ulp(out[:, :, span], want[:, :, span])
+
+
+def test_nothing_begins_for_a_damaged_blob_or_an_unplanned_level_and_a_bad_checksum_names_its_chunk(kvt):
+    """begin_host leaves what it cannot read to read() (which refuses it on the fetch's thread), builds
+    no plan off that thread, and a begun chunk whose samples fail their checksum is that chunk's error."""
+    from kvcodec.codecs.driven import StageDriver
+    from kvcodec.codecs.transform.batch import TransformDriven
+    from kvcodec.errors import ChecksumError, FormatError
+
+    c, kv, chunks, _ = _zstd_case(kvt)
+    fresh = TransformCodec(kvt[0], chunk_tokens=64, target_ratio=4.0, coder="zstd")
+    assert TransformDriven(fresh).begin_host(chunks[0].blobs[0]) is None  # its level's plan is not built here
+    damaged = bytearray(chunks[0].blobs[0])
+    damaged[:4] = b"XXXX"
+    assert TransformDriven(c).begin_host(bytes(damaged)) is None
+    bad = bytearray(chunks[1].blobs[0])
+    bad[-50] ^= 0x10  # inside the samples, the last stream
+    bad = bytes(bad)
+    out, outs = _outs(kv, chunks)
+    driver = StageDriver(c, [FakeDecoder()])
+    driver.begin(bad)
+    driver.begin(bytes(damaged))
+    assert list(driver.begun) == [id(bad)]
+    driver.submit_many([(0, bytes(damaged), outs[0]), (1, bad, outs[1])])
+    got = _collect(driver, 2)
+    driver.close()
+    assert isinstance(got[0], FormatError)
+    assert isinstance(got[1], ChecksumError) and "transform chunk 1" in str(got[1])

@@ -27,6 +27,10 @@ A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec
                                          fastest (the transform codec's: zstd on native threads),
                                          a Future of the prepared Reading that cannot be cancelled
                                          once its work writes into buffers
+    begin_host(blob) -> Future | None   optional: submit_host's work begun for a blob as it arrives,
+                                         on the thread that got it (the fetch's network stage), before
+                                         the fetch's thread checks and reads it; the chunk read from
+                                         the same blob object takes it over (None: not begun)
 
 The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec's in
 codecs/hevc/driven.py. StageDriver runs the protocol: submit(tag, blob, target) reads and checks
@@ -267,6 +271,30 @@ class StageDriver:
         self.unprepared: collections.deque = collections.deque()  # tags whose pieces decode, not prepared
         self.reserved: collections.Counter = collections.Counter()  # failed run -> chunks to decode alone with it
         self.closing = False  # close(): chunks still in flight are dropped, not staged
+        self.begin_host = getattr(self.chunks, "begin_host", None)
+        self.begun: dict[int, tuple[object, Future]] = {}  # id(blob) -> (blob, Future of begin_host)
+        self.begun_lock = threading.Lock()  # begin() runs on the fetch's network threads
+
+    def begin(self, blob) -> None:
+        """The host work of the chunk in `blob` begun where its codec can (DrivenChunks.begin_host), on
+        the calling thread (the fetch's network stage, as each blob comes in): its zstd starts before
+        this driver's thread gets to the blob. submit() of the same blob object takes it over."""
+        if self.begin_host is None:
+            return
+        with self.begun_lock:  # close() waits for what was begun before it
+            if self.closing:
+                return
+            try:
+                future = self.begin_host(blob)
+            except Exception:  # noqa: BLE001 - best effort: submit() reads the blob again and reports what is wrong
+                return
+            if future is not None:
+                self.begun[id(blob)] = (blob, future)
+
+    def _claim(self, blob) -> Future | None:
+        """The host work begun for this very blob object, taken over; None where none was."""
+        with self.begun_lock:
+            return self.begun.pop(id(blob), (None, None))[1]
 
     def submit(self, tag, blob, target: Target) -> None:
         self.submit_many([(tag, blob, target)])
@@ -286,9 +314,9 @@ class StageDriver:
             elif reading.pieces:
                 self._push(tag, reading, target, t0)
             elif VIDEO_FIRST:
-                host.append((tag, reading, target, t0))
+                host.append((tag, reading, target, t0, self._claim(blob)))
             else:
-                self._host(tag, reading, target, t0)
+                self._host(tag, reading, target, t0, self._claim(blob))
         for job in host:
             self._host(*job)
 
@@ -302,8 +330,12 @@ class StageDriver:
             self._hand_back(tag, e, 0.0)
             return None
 
-    def _host(self, tag, reading: Reading, target: Target, t0: float) -> None:
-        """A chunk without videos: its host work to the pool, or staged here where the codec has none."""
+    def _host(self, tag, reading: Reading, target: Target, t0: float, begun: Future | None = None) -> None:
+        """A chunk without videos: its host work to the pool (or the work begun for its blob), or
+        staged here where the codec has none."""
+        if begun is not None:
+            self.on_host[tag] = (begun, reading, target, t0)
+            return
         if self.submit_host is not None:
             self.on_host[tag] = (self.submit_host(reading), reading, target, t0)
             return
@@ -435,10 +467,13 @@ class StageDriver:
         """Every session flushed (pieces still in flight are decoded to the end) and its run
         closed, or, a run its decoder keeps (nvcuvid_native.KEEP), left open and idle for the next
         fetch; a run that failed is closed with its session."""
-        self.closing = True
+        with self.begun_lock:
+            self.closing = True
+            begun = [future for _, future in self.begun.values()]  # of blobs refused or never submitted
+            self.begun.clear()
         for future, *_ in self.on_host.values():  # host work in flight ends unused: nothing more is restored
             future.cancel()
-        wait_futures([job[0] for job in self.on_host.values()])
+        wait_futures([job[0] for job in self.on_host.values()] + begun)
         self.on_host.clear()
         for k, run in enumerate(self.runs):
             try:

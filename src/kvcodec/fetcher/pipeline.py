@@ -195,6 +195,7 @@ class FetchPipeline:
         self.next_issue = 0
         self.direct_used = False
         self.halves: Callable | None = settings.codec.finish if settings.staged else None  # the second half
+        self.begin: Callable | None = None  # a driven fetch's StageDriver.begin: host work started as blobs come in
         self.out = plan.out
         self._suffix_sums()
         self.started = None  # CUDA: the caller's stream at the start; the fetch's own streams wait for it
@@ -219,7 +220,7 @@ class FetchPipeline:
                 if driver is None:
                     dec = [self._start(self._decode_worker, "dec") for _ in range(self.s.decode_workers)]
                 else:
-                    self.halves = driver.finish
+                    self.halves, self.begin = driver.finish, driver.begin
                 stack.enter_context(_own_stream(self.s.device, self.started))  # never behind the model's work
                 return self._consume() if driver is None else self._consume_driven(driver)
         finally:
@@ -530,6 +531,9 @@ class FetchPipeline:
 
     # -- network stage -----------------------------------------------------------------------
     def _net_worker(self) -> None:
+        # the host work it begins (StageDriver.begin) pins memory for the fetch's device, not device 0
+        if self.s.device.type == "cuda":
+            torch.cuda.set_device(self.s.device)
         while not self.stop.is_set():
             if not self.slots.acquire(timeout=_POLL_S):
                 continue
@@ -549,6 +553,8 @@ class FetchPipeline:
             except KVCodecError as e:
                 self._report((i, e, None))
                 return
+            if self.begin is not None:  # before the blob is queued: the fetch's thread then takes the work over
+                self.begin(blob)
             self.timings[i].queued = self.now()
             self.dec_q.put((i, j, blob))
 

@@ -438,6 +438,22 @@ class TransformDriven:
             failed.set_exception(e)
             return failed
 
+    def begin_host(self, blob) -> Future | None:
+        """submit_host's work for a zstd-coded chunk begun before its target is known (DrivenChunks.begin_host),
+        on the native threads only and at a level whose coordinate plan is built (none is built off the
+        fetch's thread). None where not begun: a blob it cannot read is left for read() to refuse."""
+        threads = zstd_native.threads(host_threads)
+        if threads is None:
+            return None
+        try:
+            h, entries, streams = self.codec._read_entries(blob, _LATER)
+        except KVCodecError:
+            return None
+        later = tuple(e for e in entries if e.name in _LATER)
+        if h["coder"] != "zstd" or [e.name for e in later] != ["samples"] or not self.codec._restorer.planned(h):
+            return None
+        return self.submit_host(Reading(chunk_info(h), (), (h, streams, later)))
+
     def _submit_native(self, threads, reading: Reading) -> Future:  # noqa: ANN001 - a ZstdThreads
         h, streams, (entry,) = reading.state
         host = self._staging(self.codec._restorer.sample_count(h))

@@ -66,6 +66,10 @@ class TransformRestorer:
             self._coord_plans[key] = plan
         return plan
 
+    def planned(self, h: dict) -> bool:
+        """Whether the coordinate plan of a verified header is built already (_plan_of builds it)."""
+        return (float(h["theta"]), float(h["key_weight"])) in self._coord_plans
+
     def _decode_bases(self, h: dict, device: torch.device) -> list:
         """Per block (group, kind): its mean and its coded columns scaled by their steps, rounded
         as every restore path rounds them (transform.inverse.decode_bases), on `device`."""
