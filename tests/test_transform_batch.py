@@ -639,10 +639,10 @@ def test_host_work_begun_as_blobs_arrive_is_taken_over_and_restores_the_same(kvt
     assert gpu_tests.within_an_ulp(out, want)
 
 
-def test_begun_work_is_not_taken_over_by_another_blob_and_close_waits_for_it(kvt, monkeypatch):
-    """A blob refused by the fetch's check keeps its begun work out of the restore: close() waits for
-    it; a copy of a begun blob (another object) is read and decompressed on its own."""
-    from kvcodec.codecs import driven
+def test_begun_work_is_not_taken_over_by_another_blob_and_close_drops_what_is_left(kvt, monkeypatch):
+    """A blob refused by the fetch's check keeps its begun work out of the restore, and a copy of a begun
+    blob (another object) is read and decompressed on its own; close() drops the work left (each job holds
+    its blob and buffer until it ends) and nothing begins after it, nor twice for one blob."""
     from kvcodec.codecs.driven import StageDriver
     from kvcodec.errors import FetchError
 
@@ -657,19 +657,19 @@ def test_begun_work_is_not_taken_over_by_another_blob_and_close_waits_for_it(kvt
     driver = StageDriver(c, [FakeDecoder()], check)
     for ch in chunks:
         driver.begin(ch.blobs[0])
+    driver.begin(chunks[0].blobs[0])  # again: the work begun stays the one
+    assert len(seen) == len(chunks)
     copy = bytes(bytearray(chunks[2].blobs[0]))
-    items = [(i, copy if i == 2 else ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)]
-    driver.submit_many(items)
+    driver.submit_many([(i, copy if i == 2 else ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)])
     assert len(seen) == len(chunks) + 1  # the copy's own
     assert set(driver.begun) == {id(chunks[1].blobs[0]), id(chunks[2].blobs[0])}
     left = [future for _, future in driver.begun.values()]
     got = _collect(driver, len(chunks))
-    waited, wait = [], driven.wait_futures
-    monkeypatch.setattr(driven, "wait_futures", lambda fs, *a: waited.extend(fs) or wait(fs, *a))
     driver.close()
-    assert not driver.begun and set(left) <= set(waited)
+    assert not driver.begun
     driver.begin(chunks[0].blobs[0])  # after close: nothing begins
     assert not driver.begun and len(seen) == len(chunks) + 1
+    assert all(f.result() is not None for f in left)  # dropped, not cut short
     assert isinstance(got[1], FetchError)
     good = [i for i in range(len(chunks)) if i != 1]
     c.finish([got[i] for i in good], [outs[i] for i in good])
@@ -704,3 +704,24 @@ def test_nothing_begins_for_a_damaged_blob_or_an_unplanned_level_and_a_bad_check
     driver.close()
     assert isinstance(got[0], FormatError)
     assert isinstance(got[1], ChecksumError) and "transform chunk 1" in str(got[1])
+
+
+def test_a_video_chunk_begins_nothing_and_its_video_is_not_checksummed_for_it(kvt, monkeypatch):
+    """begin_host reads the header alone before it decides: a chunk whose samples are a video (NVDEC's
+    work, checksummed where it is read) costs the network thread no pass over its bytes."""
+    from kvcodec.codecs import zstd_native
+    from kvcodec.codecs.driven import host_threads
+    from kvcodec.codecs.transform.batch import TransformDriven
+    from kvcodec.container import format as container_format
+
+    if zstd_native.threads(host_threads) is None:
+        pytest.skip("no native zstd threads here (no C compiler or no libzstd)")
+    c, _, chunks, _ = _case(kvt)
+    c._restorer._plan_of(c.header(chunks[0].blobs[0]))
+    summed = []
+    crc = container_format.crc32
+    monkeypatch.setattr(container_format, "crc32", lambda data, *a: summed.append(len(data)) or crc(data, *a))
+    video = next(e.length for e in c._read_entries(chunks[0].blobs[0])[1] if e.name == "video")
+    summed.clear()
+    assert TransformDriven(c).begin_host(chunks[0].blobs[0]) is None
+    assert video > 1000 and video not in summed  # its header's checksum only

@@ -278,17 +278,21 @@ class StageDriver:
     def begin(self, blob) -> None:
         """The host work of the chunk in `blob` begun where its codec can (DrivenChunks.begin_host), on
         the calling thread (the fetch's network stage, as each blob comes in): its zstd starts before
-        this driver's thread gets to the blob. submit() of the same blob object takes it over."""
+        this driver's thread gets to the blob. submit() of the same blob object takes it over; work
+        never taken over is dropped (it holds its blob and buffer until it ends)."""
         if self.begin_host is None:
             return
-        with self.begun_lock:  # close() waits for what was begun before it
-            if self.closing:
+        with self.begun_lock:
+            if self.closing or id(blob) in self.begun:
                 return
-            try:
-                future = self.begin_host(blob)
-            except Exception:  # noqa: BLE001 - best effort: submit() reads the blob again and reports what is wrong
-                return
-            if future is not None:
+        try:
+            future = self.begin_host(blob)
+        except Exception:  # noqa: BLE001 - best effort: submit() reads the blob again and reports what is wrong
+            return
+        if future is None:
+            return
+        with self.begun_lock:
+            if not self.closing:
                 self.begun[id(blob)] = (blob, future)
 
     def _claim(self, blob) -> Future | None:
@@ -467,13 +471,12 @@ class StageDriver:
         """Every session flushed (pieces still in flight are decoded to the end) and its run
         closed, or, a run its decoder keeps (nvcuvid_native.KEEP), left open and idle for the next
         fetch; a run that failed is closed with its session."""
-        with self.begun_lock:
+        with self.begun_lock:  # work begun for blobs refused or never submitted is dropped
             self.closing = True
-            begun = [future for _, future in self.begun.values()]  # of blobs refused or never submitted
             self.begun.clear()
         for future, *_ in self.on_host.values():  # host work in flight ends unused: nothing more is restored
             future.cancel()
-        wait_futures([job[0] for job in self.on_host.values()] + begun)
+        wait_futures([job[0] for job in self.on_host.values()])
         self.on_host.clear()
         for k, run in enumerate(self.runs):
             try:

@@ -431,12 +431,7 @@ class TransformDriven:
         h, streams, later = reading.state
         if threads is None or [e.name for e in later] != ["samples"]:
             return host_pool().submit(self.prepare_host, reading)
-        try:
-            return self._submit_native(threads, reading)
-        except Exception as e:  # noqa: BLE001 - a pinned buffer that could not be had, say: the chunk's error
-            failed: Future = Future()
-            failed.set_exception(e)
-            return failed
+        return self._native_job(threads, reading, self.codec._restorer.sample_count(h))
 
     def begin_host(self, blob) -> Future | None:
         """submit_host's work for a zstd-coded chunk begun before its target is known (DrivenChunks.begin_host),
@@ -446,21 +441,32 @@ class TransformDriven:
         if threads is None:
             return None
         try:
+            h = self.codec._read_entries(blob, self.codec.STREAM_NAMES)[0]  # the header: nothing checksummed yet
+            count = self.codec._restorer.known_sample_count(h)
+            if h["coder"] != "zstd" or count is None:
+                return None
             h, entries, streams = self.codec._read_entries(blob, _LATER)
         except KVCodecError:
             return None
         later = tuple(e for e in entries if e.name in _LATER)
-        if h["coder"] != "zstd" or [e.name for e in later] != ["samples"] or not self.codec._restorer.planned(h):
+        if [e.name for e in later] != ["samples"]:
             return None
-        return self.submit_host(Reading(chunk_info(h), (), (h, streams, later)))
+        return self._native_job(threads, Reading(chunk_info(h), (), (h, streams, later)), count)
 
-    def _submit_native(self, threads, reading: Reading) -> Future:  # noqa: ANN001 - a ZstdThreads
-        h, streams, (entry,) = reading.state
-        host = self._staging(self.codec._restorer.sample_count(h))
-        checksum = (entry.crc32, lambda: checksum_error(entry, _what(h)))
-        return threads.submit(
-            streams["samples"], host.numpy(), "samples", lambda: self._prepared(reading, host), checksum
-        )
+    def _native_job(self, threads, reading: Reading, count: int) -> Future:  # noqa: ANN001 - a ZstdThreads
+        """The chunk's `count` samples checksummed and decompressed on the native threads into pinned
+        staging: a Future of the prepared Reading, or of the error (a pinned buffer that could not be had, say)."""
+        try:
+            h, streams, (entry,) = reading.state
+            host = self._staging(count)
+            checksum = (entry.crc32, lambda: checksum_error(entry, _what(h)))
+            return threads.submit(
+                streams["samples"], host.numpy(), "samples", lambda: self._prepared(reading, host), checksum
+            )
+        except Exception as e:  # noqa: BLE001 - the chunk's error, raised nowhere else
+            failed: Future = Future()
+            failed.set_exception(e)
+            return failed
 
     def _staging(self, count: int) -> torch.Tensor:
         """(count,) uint8 for a chunk's samples; on a CUDA machine the front of a pinned block of the

@@ -66,9 +66,10 @@ class TransformRestorer:
             self._coord_plans[key] = plan
         return plan
 
-    def planned(self, h: dict) -> bool:
-        """Whether the coordinate plan of a verified header is built already (_plan_of builds it)."""
-        return (float(h["theta"]), float(h["key_weight"])) in self._coord_plans
+    def known_sample_count(self, h: dict) -> int | None:
+        """sample_count where the header's coordinate plan is built already, else None (nothing built)."""
+        plan = self._coord_plans.get((float(h["theta"]), float(h["key_weight"])))
+        return None if plan is None else plan.steps.numel() * h["tokens"]
 
     def _decode_bases(self, h: dict, device: torch.device) -> list:
         """Per block (group, kind): its mean and its coded columns scaled by their steps, rounded
