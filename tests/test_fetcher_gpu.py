@@ -257,6 +257,27 @@ def test_transform_fetch_on_cuda_matches_the_cpu_fetch(kvt, driven, coder, monke
     assert (workers == {threading.current_thread().name}) == driven
 
 
+def test_a_driven_fetch_takes_over_the_zstd_work_its_network_stage_began(kvt, monkeypatch):
+    """A driven CUDA fetch of zstd'd transform chunks: the network stage begins each blob's zstd as it
+    comes in (StageDriver.begin) and the fetch's thread takes that work over (a fetch's first blobs may come
+    before its driver is made: at least one is taken over); it restores what the CPU does."""
+    from kvcodec.codecs import driven, zstd_native
+
+    if not torch.cuda.is_available() or not driven.DRIVEN:
+        pytest.skip("needs CUDA and the driven fetch")
+    if zstd_native.threads(driven.host_threads) is None:
+        pytest.skip("no native zstd threads here")
+    (cpu, gpu), ids, _ = _transform_caches(kvt, coder="zstd")
+    ref = cpu.fetch(ids)
+    assert gpu.fetch(ids).ok  # the level's plan is built by the fetch's thread
+    taken, claim = [], driven.StageDriver._claim
+    monkeypatch.setattr(driven.StageDriver, "_claim", lambda self, blob: taken.append(f := claim(self, blob)) or f)
+    r = gpu.fetch(ids)
+    assert r.ok, r.error
+    torch.testing.assert_close(r.kv.cpu().float(), ref.kv.float(), atol=2**-12, rtol=2**-10)
+    assert len(taken) == -(-len(ids) // 64) and any(f is not None for f in taken)
+
+
 @pytest.mark.parametrize("driven", [True, False])
 def test_a_cuda_fetch_output_is_freed_once_the_caller_drops_it(kvt, driven, monkeypatch):
     """No reference cycle holds a fetch (and its output on the GPU) until the garbage collector
