@@ -431,7 +431,7 @@ class TransformDriven:
         h, streams, later = reading.state
         if threads is None or [e.name for e in later] != ["samples"]:
             return host_pool().submit(self.prepare_host, reading)
-        return self._native_job(threads, reading, self.codec._restorer.sample_count(h))
+        return self._native_job(threads, reading)
 
     def begin_host(self, blob) -> Future | None:
         """submit_host's work for a zstd-coded chunk begun before its target is known (DrivenChunks.begin_host),
@@ -453,12 +453,12 @@ class TransformDriven:
             return None
         return self._native_job(threads, Reading(chunk_info(h), (), (h, streams, later)), count)
 
-    def _native_job(self, threads, reading: Reading, count: int) -> Future:  # noqa: ANN001 - a ZstdThreads
-        """The chunk's `count` samples checksummed and decompressed on the native threads into pinned
-        staging: a Future of the prepared Reading, or of the error (a pinned buffer that could not be had, say)."""
+    def _native_job(self, threads, reading: Reading, count: int | None = None) -> Future:  # noqa: ANN001 - a ZstdThreads
+        """The chunk's samples (`count`, else its plan's) checksummed and decompressed on the native threads into
+        pinned staging: a Future of the prepared Reading, or of the error (a pinned buffer that could not be had, say)."""
         try:
             h, streams, (entry,) = reading.state
-            host = self._staging(count)
+            host = self._staging(self.codec._restorer.sample_count(h) if count is None else count)
             checksum = (entry.crc32, lambda: checksum_error(entry, _what(h)))
             return threads.submit(
                 streams["samples"], host.numpy(), "samples", lambda: self._prepared(reading, host), checksum
