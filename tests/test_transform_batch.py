@@ -663,7 +663,7 @@ def test_begun_work_is_not_taken_over_by_another_blob_and_close_drops_what_is_le
     driver.submit_many([(i, copy if i == 2 else ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)])
     assert len(seen) == len(chunks) + 1  # the copy's own
     assert set(driver.begun) == {id(chunks[1].blobs[0]), id(chunks[2].blobs[0])}
-    left = [future for _, future in driver.begun.values()]
+    left = [future for _, future, _ in driver.begun.values()]
     got = _collect(driver, len(chunks))
     driver.close()
     assert not driver.begun
@@ -725,3 +725,26 @@ def test_a_video_chunk_begins_nothing_and_its_video_is_not_checksummed_for_it(kv
     summed.clear()
     assert TransformDriven(c).begin_host(chunks[0].blobs[0]) is None
     assert video > 1000 and video not in summed  # its header's checksum only
+
+
+def test_a_begun_chunks_decode_time_counts_from_when_its_work_began(kvt, monkeypatch):
+    """The seconds poll() hands back for a chunk whose work began on the network stage (what the fetch's
+    decode profile and stats learn from) run from that start, not from its submit."""
+    from types import SimpleNamespace
+
+    from kvcodec.codecs import driven
+    from kvcodec.codecs.driven import StageDriver
+
+    c, kv, chunks, _ = _zstd_case(kvt)
+    _, outs = _outs(kv, chunks)
+    clock = [100.0]
+    monkeypatch.setattr(driven, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    driver = StageDriver(c, [FakeDecoder()])
+    driver.begin(chunks[0].blobs[0])
+    clock[0] = 150.0
+    driver.submit(0, chunks[0].blobs[0], outs[0])
+    clock[0] = 175.0
+    driver.on_host[0][0].result(timeout=60)
+    (tag, _, seconds), *_ = driver.poll()
+    driver.close()
+    assert tag == 0 and seconds == 75.0

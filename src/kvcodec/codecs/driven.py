@@ -272,7 +272,7 @@ class StageDriver:
         self.reserved: collections.Counter = collections.Counter()  # failed run -> chunks to decode alone with it
         self.closing = False  # close(): chunks still in flight are dropped, not staged
         self.begin_host = getattr(self.chunks, "begin_host", None)
-        self.begun: dict[int, tuple[object, Future]] = {}  # id(blob) -> (blob, Future of begin_host)
+        self.begun: dict[int, tuple[object, Future, float]] = {}  # id(blob) -> (blob, Future of begin_host, begun at)
         self.begun_lock = threading.Lock()  # begin() runs on the fetch's network threads
 
     def begin(self, blob) -> None:
@@ -285,6 +285,7 @@ class StageDriver:
         with self.begun_lock:
             if self.closing or id(blob) in self.begun:
                 return
+        t0 = time.monotonic()
         try:
             future = self.begin_host(blob)
         except Exception:  # noqa: BLE001 - best effort: submit() reads the blob again and reports what is wrong
@@ -293,12 +294,13 @@ class StageDriver:
             return
         with self.begun_lock:
             if not self.closing:
-                self.begun[id(blob)] = (blob, future)
+                self.begun[id(blob)] = (blob, future, t0)
 
-    def _claim(self, blob) -> Future | None:
-        """The host work begun for this very blob object, taken over; None where none was."""
+    def _claim(self, blob) -> tuple[Future, float] | None:
+        """The host work begun for this very blob object and when it began, taken over; None where none was."""
         with self.begun_lock:
-            return self.begun.pop(id(blob), (None, None))[1]
+            begun = self.begun.pop(id(blob), None)
+        return None if begun is None else begun[1:]
 
     def submit(self, tag, blob, target: Target) -> None:
         self.submit_many([(tag, blob, target)])
@@ -334,11 +336,12 @@ class StageDriver:
             self._hand_back(tag, e, 0.0)
             return None
 
-    def _host(self, tag, reading: Reading, target: Target, t0: float, begun: Future | None = None) -> None:
-        """A chunk without videos: its host work to the pool (or the work begun for its blob), or
-        staged here where the codec has none."""
+    def _host(self, tag, reading: Reading, target: Target, t0: float, begun: tuple | None = None) -> None:
+        """A chunk without videos: its host work to the pool (or the work begun for its blob: its
+        Future, and when it began, which its decode time counts from), or staged here where the codec has none."""
         if begun is not None:
-            self.on_host[tag] = (begun, reading, target, t0)
+            future, began_at = begun
+            self.on_host[tag] = (future, reading, target, began_at)
             return
         if self.submit_host is not None:
             self.on_host[tag] = (self.submit_host(reading), reading, target, t0)

@@ -437,9 +437,6 @@ class TransformDriven:
         """submit_host's work for a zstd-coded chunk begun before its target is known (DrivenChunks.begin_host),
         on the native threads only and at a level whose coordinate plan is built (none is built off the
         fetch's thread). None where not begun: a blob it cannot read is left for read() to refuse."""
-        threads = zstd_native.threads(host_threads)
-        if threads is None:
-            return None
         try:
             h = self.codec._read_entries(blob, self.codec.STREAM_NAMES)[0]  # the header: nothing checksummed yet
             count = self.codec._restorer.known_sample_count(h)
@@ -449,7 +446,8 @@ class TransformDriven:
         except KVCodecError:
             return None
         later = tuple(e for e in entries if e.name in _LATER)
-        if [e.name for e in later] != ["samples"]:
+        threads = zstd_native.threads(host_threads)  # started by then: the fetch's thread built the plan
+        if threads is None or [e.name for e in later] != ["samples"]:
             return None
         return self._native_job(threads, Reading(chunk_info(h), (), (h, streams, later)), count)
 
