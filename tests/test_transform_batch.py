@@ -748,3 +748,24 @@ def test_a_begun_chunks_decode_time_counts_from_when_its_work_began(kvt, monkeyp
     (tag, _, seconds), *_ = driver.poll()
     driver.close()
     assert tag == 0 and seconds == 75.0
+
+
+def test_nothing_begins_for_a_chunk_whose_side_streams_fail_their_checksums(kvt):
+    """begin_host checks every stream but the samples (their checksum is the native job's) as read() does:
+    a chunk whose escapes or sink tokens were damaged begins nothing, and read() refuses it."""
+    from kvcodec.codecs.transform.batch import TransformDriven
+    from kvcodec.errors import ChecksumError
+
+    c, kv, chunks, _ = _zstd_case(kvt)
+    blob = chunks[0].blobs[0]
+    entries = c._read_entries(blob)[1]
+    side = [e for e in entries if e.name != "samples" and e.length]
+    assert side  # the first chunk keeps its first tokens exact: a sink stream
+    _, outs = _outs(kv, chunks)
+    for entry in side:
+        at = len(blob) - sum(e.length for e in entries[entries.index(entry) :])
+        bad = bytearray(blob)
+        bad[at] ^= 0x01
+        assert TransformDriven(c).begin_host(bytes(bad)) is None, entry.name
+        with pytest.raises(ChecksumError, match=entry.name):
+            TransformDriven(c).read(bytes(bad), outs[0])

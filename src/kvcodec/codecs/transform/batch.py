@@ -438,11 +438,11 @@ class TransformDriven:
         on the native threads only and at a level whose coordinate plan is built (none is built off the
         fetch's thread). None where not begun: a blob it cannot read is left for read() to refuse."""
         try:
-            h = self.codec._read_entries(blob, self.codec.STREAM_NAMES)[0]  # the header: nothing checksummed yet
+            h, entries, streams = self.codec._read_entries(blob, self.codec.STREAM_NAMES)  # nothing checksummed yet
             count = self.codec._restorer.known_sample_count(h)
             if h["coder"] != "zstd" or count is None:
                 return None
-            h, entries, streams = self.codec._read_entries(blob, _LATER)
+            verify_streams(streams, [e for e in entries if e.name not in _LATER], _what(h))  # as read() does
         except KVCodecError:
             return None
         later = tuple(e for e in entries if e.name in _LATER)
