@@ -138,7 +138,8 @@ def test_the_kernels_contract_restores_what_the_reference_kernels_do(kvt, kw):
         tk.emit(y, i, t, out)
     got = [torch.full_like(w, float("nan")) for w in want]
     cos, sin = rope.covering(max(starts) + t)
-    emulate(plan, tk._half_products(plan, samples, escapes), cos, sin, starts, got, scales)
+    slots = tk.escape_slots(plan, escapes, t, samples.shape[1])
+    emulate(plan, tk._half_products(plan, samples, slots), cos, sin, starts, got, scales)
     for a, b in zip(want, got):
         assert gpu_tests.within_an_ulp(a, b)
 
@@ -219,7 +220,8 @@ class EpilogueCase:
 def test_the_epilogue_s_source_restores_what_the_reference_kernels_do(kvt_of, interpreted, spec, block_n, monkeypatch):
     monkeypatch.setattr(tt, "BLOCK_N", block_n)
     case = EpilogueCase(kvt_of(spec))
-    run = case.launch(tk._half_products(case.plan, case.samples, case.escapes).contiguous())
+    slots = tk.escape_slots(case.plan, case.escapes, case.t, case.samples.shape[1])
+    run = case.launch(tk._half_products(case.plan, case.samples, slots).contiguous())
     assert run.regular == (case.t % block_n == 0)
     tt._launch(case.plan, run)
     assert case.restored()
@@ -237,7 +239,7 @@ def test_the_gather_s_source_centres_each_block_s_coordinates(kvt, interpreted, 
     table = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
     assert tt.gather_aligned(chunks) == (chunks[0].shape[1] % 16 == 0)  # torch allocates 16-byte aligned
     got = tt.gather_centred(table, plan.gather, chunks[0].shape[1], len(chunks), aligned)
-    none = [(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))] * len(chunks)
+    none = tk.escape_slots(plan, [(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int32))], 0, 0)
     want = tk._centred(plan, torch.stack(chunks), none, torch.float32).reshape(got.shape)
     assert tt.FUSED and torch.equal(got.float(), want)
 

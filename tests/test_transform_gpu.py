@@ -102,6 +102,34 @@ def test_batched_restore_refuses_escapes_outside_the_chunk(kvt):
         tk.escape_slots(plan, [(idx, vals)], 64, 100)
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_escape_slots_place_each_chunks_escapes_in_its_own_columns(kvt, data):
+    _, fast = codecs(kvt, theta=1e-6)
+    plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
+    rows, tokens = plan.slot_of_row.size, data.draw(st.integers(1, 64))
+    escapes = []
+    for _ in range(data.draw(st.integers(1, 5))):
+        flat = data.draw(st.lists(st.integers(0, rows * tokens - 1), max_size=6, unique=True))
+        values = data.draw(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=len(flat), max_size=len(flat)))
+        escapes.append((torch.tensor(sorted(flat), dtype=torch.int64), torch.tensor(values, dtype=torch.int32)))
+    slots = tk.escape_slots(plan, escapes, tokens, rows)
+    N, want_at, want_values = len(escapes), [], []
+    for i, (idx, values) in enumerate(escapes):
+        for k, v in zip(idx.tolist(), values.tolist()):
+            want_at.append(int(plan.slot_of_row[k // tokens]) * N * tokens + i * tokens + k % tokens)
+            want_values.append(v)
+    assert slots.flat.tolist() == want_at and slots.values.tolist() == want_values
+    assert slots.fit_half() == all(abs(v) <= tk.HALF_MAX for v in want_values)
+
+
+def test_an_escape_of_int32_s_least_value_does_not_fit_the_float16_gemm(kvt):
+    _, fast = codecs(kvt, theta=1e-6)
+    plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
+    escapes = [(torch.tensor([3]), torch.tensor([-(2**31)], dtype=torch.int32))]  # abs() of it overflows int32
+    assert not tk._half_fits(plan, tk.escape_slots(plan, escapes, 64, 100), "centre")
+
+
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
 def test_many_chunks_restored_at_once_equal_one_by_one(kvt, kw):
     ref, fast = codecs(kvt, theta=1e-6, **kw)  # escapes in several chunks, a short last chunk, sink tokens
@@ -373,6 +401,16 @@ def test_the_fused_kernels_clamp_an_overshoot_of_float16s_largest_instead_of_wri
     assert launched == [True, True]  # both restores ran the fused kernels
     assert wide.abs().max() > 65520  # an overshoot that a cast would turn to inf
     assert torch.isfinite(out).all() and torch.equal(out, tk.clamp_to_range_(wide.clone(), torch.float16).half())
+
+
+@needs_cuda
+def test_tensors_uploaded_together_arrive_whole_in_their_own_dtypes():
+    cuda = torch.device("cuda")
+    parts = [torch.arange(5, dtype=torch.int64), torch.tensor([1.5, -3, 7], dtype=torch.float16)]
+    parts += [torch.zeros(0, dtype=torch.int64), torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([2**40])]
+    got = tk._upload_together(parts, cuda)
+    for want, on in zip(parts, got, strict=True):
+        assert on.device.type == "cuda" and on.dtype == want.dtype and torch.equal(on.cpu(), want)
 
 
 @needs_cuda

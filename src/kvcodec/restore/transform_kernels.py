@@ -349,24 +349,68 @@ class RopeTables:
         return cos.float().contiguous().to(self.device), sin.float().contiguous().to(self.device)
 
 
-def escape_slots(plan: BatchedPlan, escapes, tokens: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat positions in the (J * n, N, tokens) gathered samples of N chunks, and the
-    sample-equivalent values (q + OFFSET, float32), of every chunk's escapes. escapes[i]: chunk
-    i's (flat indices in its (rows, tokens) layout, true integers), on the host."""
-    N, flats, vals = len(escapes), [], []
-    for i, (idx, values) in enumerate(escapes):
-        idx_np = idx.numpy()
-        if idx_np.size and (idx_np.min() < 0 or idx_np.max() >= rows * tokens):
-            raise CorruptStreamError("escape list names samples outside the chunk")
-        flats.append(plan.slot_of_row[idx_np // tokens] * (N * tokens) + i * tokens + idx_np % tokens)
-        vals.append(values.numpy().astype(np.float32) + OFFSET)
-    return torch.from_numpy(np.concatenate(flats)), torch.from_numpy(np.concatenate(vals))
+@dataclasses.dataclass(frozen=True, eq=False)
+class EscapeSlots:
+    """Every escape of a batch of N chunks, on the host: its flat position in the (J * n, N, t)
+    gathered samples and its true integer."""
+
+    flat: np.ndarray  # int64
+    values: np.ndarray  # int32
+
+    def __len__(self) -> int:
+        return self.flat.size
+
+    def fit_half(self) -> bool:
+        """float16 holds every value exactly."""
+        return not self.values.size or int(np.abs(self.values.astype(np.int64)).max()) <= HALF_MAX
+
+    def sample_values(self, dtype: torch.dtype, shift: float = 0.0) -> torch.Tensor:
+        """The values + shift as a host tensor of `dtype` (shift OFFSET: sample-equivalents)."""
+        return torch.from_numpy(self.values.astype(np.float32) + shift).to(dtype)
+
+
+def escape_slots(plan: BatchedPlan, escapes, tokens: int, rows: int) -> EscapeSlots:
+    """The EscapeSlots of N chunks of `rows` x `tokens` samples. escapes[i]: chunk i's (flat
+    indices in its (rows, tokens) layout, true integers), host tensors."""
+    counts = [int(idx.numel()) for idx, _ in escapes]
+    if not any(counts):
+        return EscapeSlots(np.zeros(0, np.int64), np.zeros(0, np.int32))
+    idx = np.concatenate([i.numpy() for i, _ in escapes])
+    if idx.min() < 0 or idx.max() >= rows * tokens:
+        raise CorruptStreamError("escape list names samples outside the chunk")
+    chunk = np.repeat(np.arange(len(escapes), dtype=np.int64), counts)
+    flat = plan.slot_of_row[idx // tokens] * (len(escapes) * tokens) + chunk * tokens + idx % tokens
+    return EscapeSlots(flat, np.concatenate([v.numpy() for _, v in escapes]).astype(np.int32, copy=False))
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _upload_together(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Host tensors on `device` by one copy from one pinned buffer: each upload of its own costs a
+    pinned block and a copy's launch, and a fetch's finish made three (table, escapes' slots, values)."""
+    if device.type != "cuda":
+        return parts
+    sizes = [p.numel() * p.element_size() for p in parts]
+    starts = np.concatenate([[0], np.cumsum([-(-n // 8) * 8 for n in sizes])])  # each part 8-byte aligned
+    buf = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
+    host = buf.numpy()
+    for p, start, n in zip(parts, starts, sizes):
+        host[start : start + n] = p.contiguous().view(-1).view(torch.uint8).numpy()
+    on = buf.to(device, non_blocking=True)
+    return [on[start : start + n].view(p.dtype).view(p.shape) for p, start, n in zip(parts, starts, sizes)]
+
+
+def _write_escapes(q: torch.Tensor, slots: EscapeSlots, shift: float = 0.0) -> None:
+    """slots' values + shift written into the gathered q (J * n, N, t) (or its (J * n, N t) view),
+    cast on the host: no cast kernel on the device."""
+    if len(slots):
+        flat = torch.from_numpy(slots.flat)
+        at, values = _upload_together([flat, slots.sample_values(q.dtype, shift)], q.device)
+        q.view(-1).index_put_((at,), values)
 
 
 def restore(
@@ -384,16 +428,21 @@ def restore(
     (N, C, t) uint8 in layout order, their escapes (per chunk: flat index, true integer, on the
     host) and first positions; recon and token_scales ((N, t) step multipliers on the device,
     None: all 1) as in quantize.dequantize. Chunk i is [..., i * t : (i + 1) * t]; emit() writes it out."""
+    N, C, t = samples.shape
+    return _restore(plan, samples, escape_slots(plan, escapes, t, C), shape, rope, starts, recon, token_scales)
+
+
+def _restore(plan, samples, slots, shape, rope, starts, recon, token_scales) -> torch.Tensor:  # noqa: ANN001
     L, H, D = shape
     N, C, t = samples.shape
     x = None
-    if _half_fits(plan, escapes, recon):
+    if _half_fits(plan, slots, recon):
         try:
-            x = _half_gemm(plan, samples, escapes, token_scales)
+            x = _half_gemm(plan, samples, slots, token_scales)
         except (TypeError, RuntimeError, NotImplementedError) as e:  # a torch without float16 -> float32 bmm
             _half_unavailable(e)
     if x is None:
-        x = _float_gemm(plan, samples, escapes, recon, token_scales)
+        x = _float_gemm(plan, samples, slots, recon, token_scales)
     y = x.view(-1, N * t).index_select(0, plan.rows).view(L, 2, H, D, N * t)
     if rope is not None:
         windows = [rope.window(s, t) for s in starts]
@@ -411,11 +460,9 @@ def _half_unavailable(error: BaseException) -> None:
     log.warning("float16 GEMM unavailable (%s: %s): restoring with the float32 GEMM", type(error).__name__, error)
 
 
-def _half_fits(plan: BatchedPlan, escapes, recon: str) -> bool:
+def _half_fits(plan: BatchedPlan, slots: EscapeSlots, recon: str) -> bool:
     """The float16 GEMM holds the chunk's integers exactly: centre reconstruction, escapes within HALF_MAX."""
-    if not HALF_GEMM or plan.half is None or recon != "centre":
-        return False
-    return all(not v.numel() or int(np.abs(v.numpy()).max()) <= HALF_MAX for _, v in escapes)  # host arrays
+    return HALF_GEMM and plan.half is not None and recon == "centre" and slots.fit_half()
 
 
 def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -428,26 +475,26 @@ def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> t
     return g
 
 
-def _half_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, token_scales) -> torch.Tensor:
+def _half_gemm(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, token_scales) -> torch.Tensor:
     """x (J, d, N t) float32 through the float16 GEMM over centred integers q."""
     N, _, t = samples.shape
     J = plan.blocks
-    x = _half_products(plan, samples, escapes).mul_(plan.scales)
+    x = _half_products(plan, samples, slots).mul_(plan.scales)
     if token_scales is not None:
         x.view(J, -1, N, t).mul_(token_scales[None, None])
     return x.add_(plan.centred_means)
 
 
-def _half_products(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor:
+def _half_products(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots) -> torch.Tensor:
     """(J, d, N t) float32 half @ q: the basis products of the centred integers, before the
     blocks' scales, the token scales and the means (float16 tensor cores on CUDA; the same
     values in float32 on the CPU, for the tests)."""
     N, C, t = samples.shape
     J, n = plan.blocks, plan.n
     on_gpu = samples.device.type == "cuda"
-    q = _gathered_fused(plan, samples, escapes) if on_gpu and C else None
+    q = _gathered_fused(plan, samples, slots) if on_gpu and C else None
     if q is None:
-        q = _centred(plan, samples, escapes, torch.float16 if on_gpu else torch.float32)
+        q = _centred(plan, samples, slots, torch.float16 if on_gpu else torch.float32)
     if on_gpu:
         return _half_gemm_of(plan, q)
     return torch.bmm(plan.half.float(), q.view(J, n, N * t))
@@ -458,37 +505,34 @@ def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
     return torch.bmm(plan.half, q.view(plan.blocks, plan.n, -1), out_dtype=torch.float32)
 
 
-def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, escapes) -> torch.Tensor | None:
+def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots) -> torch.Tensor | None:
     """q (J * n, N t) float16 by the fused gather (transform_triton.gather_centred), escapes
     written in; None where the fused kernels do not serve."""
     if not transform_triton.FUSED or transform_triton.triton_modules() is None:
         return None
     chunks = list(samples.contiguous())
     table = _upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
-    return _gathered_at(plan, chunks, escapes, table)
-
-
-def _gathered_at(plan: BatchedPlan, chunks: list, escapes, table: torch.Tensor) -> torch.Tensor | None:
-    """_gathered_fused of chunks (C, t) each, read where `table` (int64 on the device) says they are."""
-    C, t = chunks[0].shape
-    q = transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
-    if q is not None and any(idx.numel() for idx, _ in escapes):
-        flat, vals = escape_slots(plan, escapes, t, C)  # cast on the host: no cast kernel on the device
-        q.view(-1).index_put_((_upload(flat, q.device),), _upload((vals - OFFSET).half(), q.device))
+    q = _gathered_at(plan, chunks, table)
+    if q is not None:
+        _write_escapes(q, slots)
     return q
 
 
-def _centred(plan: BatchedPlan, samples: torch.Tensor, escapes, dtype: torch.dtype) -> torch.Tensor:
+def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor) -> torch.Tensor | None:
+    """The fused gather of chunks (C, t) each, read where `table` (int64 on the device) says they
+    are, escapes not yet written in."""
+    t = chunks[0].shape[1]
+    return transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
+
+
+def _centred(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, dtype: torch.dtype) -> torch.Tensor:
     """(J * n, N, t) centred integers q of every block's coded coordinates, escapes written in."""
-    N, C, t = samples.shape
     q = _gathered(plan, samples, dtype).sub_(OFFSET)
-    if any(idx.numel() for idx, _ in escapes):
-        flat, vals = escape_slots(plan, escapes, t, C)
-        q.view(-1).index_put_((_upload(flat, samples.device),), _upload(vals - OFFSET, samples.device).to(q.dtype))
+    _write_escapes(q, slots)
     return q
 
 
-def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, recon: str, token_scales) -> torch.Tensor:
+def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, recon: str, token_scales) -> torch.Tensor:
     """x (J, d, N t) float32 through the float32 GEMM (any reconstruction, any escape)."""
     N, C, t = samples.shape
     device = samples.device
@@ -497,9 +541,7 @@ def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, escapes, recon: str, t
         g.copy_(samples.index_select(1, plan.gather).permute(1, 0, 2))
     else:  # a level so coarse that nothing is coded: every slot is padding (the chunk is the mean)
         g = torch.zeros((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
-    if any(idx.numel() for idx, _ in escapes):
-        flat, vals = escape_slots(plan, escapes, t, C)
-        g.view(-1).index_put_((_upload(flat, device),), _upload(vals, device))
+    _write_escapes(g, slots, OFFSET)
     if recon != "centre" or token_scales is not None:
         _reconstruct(plan, g, recon, token_scales)
     means, bases = plan.means, plan.bases
@@ -535,10 +577,12 @@ def restore_into(
     sinks: per chunk None or its first tokens kept exact, (L, 2, s, H, D) float16 on the outputs'
     device, written over the restored ones."""
     sinks = list(sinks) if sinks is not None else [None] * len(outs)
-    if _fused(plan, list(samples), escapes, shape, rope, starts, outs, recon, token_scales, sinks):
+    chunks = list(samples)
+    slots = escape_slots(plan, escapes, chunks[0].shape[1], chunks[0].shape[0])
+    if _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, sinks):
         return
-    stacked = samples if isinstance(samples, torch.Tensor) else torch.stack(list(samples))
-    y = restore(plan, stacked, escapes, shape, rope, starts, recon=recon, token_scales=token_scales)
+    stacked = samples if isinstance(samples, torch.Tensor) else torch.stack(chunks)
+    y = _restore(plan, stacked, slots, shape, rope, starts, recon, token_scales)
     t = stacked.shape[2]
     for i, out in enumerate(outs):
         emit(y, i, t, out)
@@ -546,10 +590,10 @@ def restore_into(
             out[:, :, : sinks[i].shape[2]] = sinks[i]
 
 
-def _fused(plan, chunks, escapes, shape, rope, starts, outs, recon, token_scales, sinks) -> bool:  # noqa: ANN001
+def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, sinks) -> bool:  # noqa: ANN001
     t = chunks[0].shape[1]
     end = max(starts) + t
-    if plan.units is None or not _half_fits(plan, escapes, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
+    if plan.units is None or not _half_fits(plan, slots, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
         return False
     device = chunks[0].device
     if not transform_triton.supports(outs, shape, t, device):
@@ -560,14 +604,23 @@ def _fused(plan, chunks, escapes, shape, rope, starts, outs, recon, token_scales
         cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
     chunks = [c.contiguous() for c in chunks]
     sinks = [None if s is None else s.to(device, torch.float16).contiguous() for s in sinks]
-    meta = _upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
+    meta, at, values = _upload_together(
+        [
+            transform_triton.meta_table(starts, outs, chunks, sinks),
+            torch.from_numpy(slots.flat),
+            slots.sample_values(torch.float16),
+        ],
+        device,
+    )
     x = None
     if chunks[0].shape[0]:
-        q = _gathered_at(plan, chunks, escapes, meta[2 * len(chunks) : 3 * len(chunks)])
+        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)])
         if q is not None:
+            if len(slots):
+                q.view(-1).index_put_((at,), values)
             x = _half_gemm_of(plan, q)
     if x is None:  # nothing coded, or the gather kernel failed
-        x = _half_products(plan, torch.stack(chunks), escapes)
+        x = _half_products(plan, torch.stack(chunks), slots)
     run = transform_triton.Launch(
         x=x,
         cos=cos,
