@@ -15,9 +15,9 @@ kernels whatever the groups and however many chunks:
     RoPE:     keys * cos + keys[partner] * sin  (tables precomputed on the device, any position)
     emit:     per chunk, permute + cast into its dense slice (or a staging tensor for PagedKV)
 
-Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples as
-sample-equivalents q + 128 (host-side index arithmetic, one pinned upload). Nothing waits on the
-GPU: no host synchronisation per chunk.
+Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples
+(EscapeSlots: the index arithmetic on the host, once for the whole batch, uploaded in the same
+copy as the fused kernels' chunk table). Nothing waits on the GPU: no host synchronisation per chunk.
 
 The GEMM multiplies the decode basis (transform.inverse: each block's step-scaled basis rounded
 to float16 under a power-of-two scale, as every restore path rounds it) with the integers as they
