@@ -123,11 +123,16 @@ def test_escape_slots_place_each_chunks_escapes_in_its_own_columns(kvt, data):
     assert slots.fit_half() == all(abs(v) <= tk.HALF_MAX for v in want_values)
 
 
-def test_an_escape_of_int32_s_least_value_does_not_fit_the_float16_gemm(kvt):
+@pytest.mark.parametrize(
+    "value, fits", [(2048, True), (-2048, True), (2049, False), (-2049, False), (-(2**31), False), (2**32 + 5, False)]
+)
+def test_only_escapes_that_float16_holds_exactly_take_the_float16_gemm(kvt, value, fits):
     _, fast = codecs(kvt, theta=1e-6)
     plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
-    escapes = [(torch.tensor([3]), torch.tensor([-(2**31)], dtype=torch.int32))]  # abs() of it overflows int32
-    assert not tk._half_fits(plan, tk.escape_slots(plan, escapes, 64, 100), "centre")
+    # -2**31: abs() of it overflows int32; 2**32 + 5 is no int32 at all (a caller's int64 values)
+    dtype = torch.int32 if -(2**31) <= value < 2**31 else torch.int64
+    escapes = [(torch.tensor([3]), torch.tensor([value], dtype=dtype))]
+    assert tk._half_fits(plan, tk.escape_slots(plan, escapes, 64, 100), "centre") == fits
 
 
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
@@ -401,6 +406,21 @@ def test_the_fused_kernels_clamp_an_overshoot_of_float16s_largest_instead_of_wri
     assert launched == [True, True]  # both restores ran the fused kernels
     assert wide.abs().max() > 65520  # an overshoot that a cast would turn to inf
     assert torch.isfinite(out).all() and torch.equal(out, tk.clamp_to_range_(wide.clone(), torch.float16).half())
+
+
+@needs_cuda
+@pytest.mark.parametrize("theta", [1e-2, 1e-6], ids=["float16-gemm", "float32-gemm"])
+def test_many_chunks_with_escapes_restored_at_once_on_the_gpu_equal_the_cpu(kvt, theta):
+    ref, _ = codecs(kvt, theta=theta)
+    kv = synthetic_kv(256, 19)
+    chunks = ref.encode_chunks(kv)
+    assert sum(ref.header(ch.blobs[0])["escapes"] > 0 for ch in chunks) >= 2
+    cpu = restore_all(ref, chunks, kv.shape)
+    out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+    outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
+    restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)
+    torch.cuda.synchronize()
+    assert within_an_ulp(cpu, out.cpu())
 
 
 @needs_cuda

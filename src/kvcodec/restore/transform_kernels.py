@@ -16,8 +16,8 @@ kernels whatever the groups and however many chunks:
     emit:     per chunk, permute + cast into its dense slice (or a staging tensor for PagedKV)
 
 Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples
-(EscapeSlots: the index arithmetic on the host, once for the whole batch, uploaded in the same
-copy as the fused kernels' chunk table). Nothing waits on the GPU: no host synchronisation per chunk.
+(EscapeSlots: the index arithmetic on the host, once for the whole batch, uploaded in one copy,
+by the fused kernels in the copy of their chunk table). Nothing waits on the GPU: no host synchronisation per chunk.
 
 The GEMM multiplies the decode basis (transform.inverse: each block's step-scaled basis rounded
 to float16 under a power-of-two scale, as every restore path rounds it) with the integers as they
@@ -355,14 +355,14 @@ class EscapeSlots:
     gathered samples and its true integer."""
 
     flat: np.ndarray  # int64
-    values: np.ndarray  # int32
+    values: np.ndarray  # int64
 
     def __len__(self) -> int:
         return self.flat.size
 
     def fit_half(self) -> bool:
         """float16 holds every value exactly."""
-        return not self.values.size or int(np.abs(self.values.astype(np.int64)).max()) <= HALF_MAX
+        return not self.values.size or int(np.abs(self.values).max()) <= HALF_MAX
 
     def sample_values(self, dtype: torch.dtype, shift: float = 0.0) -> torch.Tensor:
         """The values + shift as a host tensor of `dtype` (shift OFFSET: sample-equivalents)."""
@@ -374,13 +374,16 @@ def escape_slots(plan: BatchedPlan, escapes, tokens: int, rows: int) -> EscapeSl
     indices in its (rows, tokens) layout, true integers), host tensors."""
     counts = [int(idx.numel()) for idx, _ in escapes]
     if not any(counts):
-        return EscapeSlots(np.zeros(0, np.int64), np.zeros(0, np.int32))
+        return NO_ESCAPES
     idx = np.concatenate([i.numpy() for i, _ in escapes])
     if idx.min() < 0 or idx.max() >= rows * tokens:
         raise CorruptStreamError("escape list names samples outside the chunk")
     chunk = np.repeat(np.arange(len(escapes), dtype=np.int64), counts)
     flat = plan.slot_of_row[idx // tokens] * (len(escapes) * tokens) + chunk * tokens + idx % tokens
-    return EscapeSlots(flat, np.concatenate([v.numpy() for _, v in escapes]).astype(np.int32, copy=False))
+    return EscapeSlots(flat, np.concatenate([v.numpy() for _, v in escapes]).astype(np.int64, copy=False))
+
+
+NO_ESCAPES = EscapeSlots(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -395,7 +398,7 @@ def _upload_together(parts: list[torch.Tensor], device: torch.device) -> list[to
     if device.type != "cuda":
         return parts
     sizes = [p.numel() * p.element_size() for p in parts]
-    starts = np.concatenate([[0], np.cumsum([-(-n // 8) * 8 for n in sizes])])  # each part 8-byte aligned
+    starts = np.concatenate([[0], np.cumsum([-(-n // 16) * 16 for n in sizes])])  # each part 16-byte aligned
     buf = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
     host = buf.numpy()
     for p, start, n in zip(parts, starts, sizes):
@@ -604,20 +607,15 @@ def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, 
         cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
     chunks = [c.contiguous() for c in chunks]
     sinks = [None if s is None else s.to(device, torch.float16).contiguous() for s in sinks]
-    meta, at, values = _upload_together(
-        [
-            transform_triton.meta_table(starts, outs, chunks, sinks),
-            torch.from_numpy(slots.flat),
-            slots.sample_values(torch.float16),
-        ],
-        device,
-    )
+    table = transform_triton.meta_table(starts, outs, chunks, sinks)
+    escapes = [torch.from_numpy(slots.flat), slots.sample_values(torch.float16)] if len(slots) else []
+    meta, *escapes = _upload_together([table, *escapes], device)
     x = None
     if chunks[0].shape[0]:
         q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)])
         if q is not None:
-            if len(slots):
-                q.view(-1).index_put_((at,), values)
+            if escapes:
+                q.view(-1).index_put_((escapes[0],), escapes[1])
             x = _half_gemm_of(plan, q)
     if x is None:  # nothing coded, or the gather kernel failed
         x = _half_products(plan, torch.stack(chunks), slots)
