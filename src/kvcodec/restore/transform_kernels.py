@@ -17,7 +17,8 @@ kernels whatever the groups and however many chunks:
 
 Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples
 (EscapeSlots: the index arithmetic on the host, once for the whole batch, uploaded in one copy,
-by the fused kernels in the copy of their chunk table). Nothing waits on the GPU: no host synchronisation per chunk.
+the fused gather's in the copy of its chunk table). Nothing waits on the GPU: no host
+synchronisation per chunk.
 
 The GEMM multiplies the decode basis (transform.inverse: each block's step-scaled basis rounded
 to float16 under a power-of-two scale, as every restore path rounds it) with the integers as they
@@ -386,12 +387,6 @@ def escape_slots(plan: BatchedPlan, escapes, tokens: int, rows: int) -> EscapeSl
 NO_ESCAPES = EscapeSlots(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def _upload_together(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Host tensors on `device` by one copy from one pinned buffer: each upload of its own costs a
     pinned block and a copy's launch, and a fetch's finish made three (table, escapes' slots, values)."""
@@ -514,18 +509,25 @@ def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots
     if not transform_triton.FUSED or transform_triton.triton_modules() is None:
         return None
     chunks = list(samples.contiguous())
-    table = _upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
-    q = _gathered_at(plan, chunks, table)
-    if q is not None:
-        _write_escapes(q, slots)
-    return q
+    table = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
+    return _gathered_at(plan, chunks, *_table_and_escapes(table, slots, samples.device))
 
 
-def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor) -> torch.Tensor | None:
+def _table_and_escapes(table: torch.Tensor, slots: EscapeSlots, device: torch.device) -> list[torch.Tensor]:
+    """The fused kernels' table (host int64), the escapes' slots and their float16 values (none
+    without escapes) on `device`, in one copy."""
+    escapes = [torch.from_numpy(slots.flat), slots.sample_values(torch.float16)] if len(slots) else []
+    return _upload_together([table, *escapes], device)
+
+
+def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor, *escapes: torch.Tensor) -> torch.Tensor | None:
     """The fused gather of chunks (C, t) each, read where `table` (int64 on the device) says they
-    are, escapes not yet written in."""
+    are, with `escapes` (_table_and_escapes': slots and values on the device) written in."""
     t = chunks[0].shape[1]
-    return transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
+    q = transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
+    if q is not None and escapes:
+        q.view(-1).index_put_((escapes[0],), escapes[1])
+    return q
 
 
 def _centred(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, dtype: torch.dtype) -> torch.Tensor:
@@ -607,15 +609,11 @@ def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, 
         cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
     chunks = [c.contiguous() for c in chunks]
     sinks = [None if s is None else s.to(device, torch.float16).contiguous() for s in sinks]
-    table = transform_triton.meta_table(starts, outs, chunks, sinks)
-    escapes = [torch.from_numpy(slots.flat), slots.sample_values(torch.float16)] if len(slots) else []
-    meta, *escapes = _upload_together([table, *escapes], device)
+    meta, *escapes = _table_and_escapes(transform_triton.meta_table(starts, outs, chunks, sinks), slots, device)
     x = None
     if chunks[0].shape[0]:
-        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)])
+        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], *escapes)
         if q is not None:
-            if escapes:
-                q.view(-1).index_put_((escapes[0],), escapes[1])
             x = _half_gemm_of(plan, q)
     if x is None:  # nothing coded, or the gather kernel failed
         x = _half_products(plan, torch.stack(chunks), slots)
