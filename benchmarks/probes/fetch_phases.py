@@ -93,7 +93,7 @@ def instrument() -> None:
     _wrap(transform_decode.TransformRestorer, "_finish_group", "F._finish_group")
     kernels = ("restore_into", "_fused", "escape_slots", "_upload", "_upload_together", "_gathered_at", "_half_gemm_of")
     for a in kernels:
-        if hasattr(transform_kernels, a):  # _upload_together: since session 68 (an A/B's older tree lacks it)
+        if hasattr(transform_kernels, a):  # _upload before session 68, _upload_together since (A/B trees differ)
             _wrap(transform_kernels, a, "F." + a)
     for a in ("meta_table", "supports", "launch", "gather_centred"):
         _wrap(transform_triton, a, "F." + a)
