@@ -424,16 +424,6 @@ def test_many_chunks_with_escapes_restored_at_once_on_the_gpu_equal_the_cpu(kvt,
 
 
 @needs_cuda
-def test_tensors_uploaded_together_arrive_whole_in_their_own_dtypes():
-    cuda = torch.device("cuda")
-    parts = [torch.arange(5, dtype=torch.int64), torch.tensor([1.5, -3, 7], dtype=torch.float16)]
-    parts += [torch.zeros(0, dtype=torch.int64), torch.arange(6, dtype=torch.int32).view(2, 3), torch.tensor([2**40])]
-    got = tk._upload_together(parts, cuda)
-    for want, on in zip(parts, got, strict=True):
-        assert on.device.type == "cuda" and on.dtype == want.dtype and torch.equal(on.cpu(), want)
-
-
-@needs_cuda
 def test_a_plan_evicted_while_a_stream_still_reads_it_keeps_its_memory(kvt, monkeypatch):
     """A plan dropped for another level's (MAX_PLANS) while a fetch's kernels on another stream are
     still queued behind other work: its memory must not go to the next allocation on the

@@ -16,9 +16,8 @@ kernels whatever the groups and however many chunks:
     emit:     per chunk, permute + cast into its dense slice (or a staging tensor for PagedKV)
 
 Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples
-(EscapeSlots: the index arithmetic on the host, once for the whole batch, uploaded in one copy,
-the fused gather's in the copy of its chunk table). Nothing waits on the GPU: no host
-synchronisation per chunk.
+(EscapeSlots: the index arithmetic on the host, once for the whole batch; two pinned uploads).
+Nothing waits on the GPU: no host synchronisation per chunk.
 
 The GEMM multiplies the decode basis (transform.inverse: each block's step-scaled basis rounded
 to float16 under a power-of-two scale, as every restore path rounds it) with the integers as they
@@ -387,28 +386,26 @@ def escape_slots(plan: BatchedPlan, escapes, tokens: int, rows: int) -> EscapeSl
 NO_ESCAPES = EscapeSlots(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def _upload_together(parts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Host tensors on `device` by one copy from one pinned buffer: each upload of its own costs a
-    pinned block and a copy's launch, and a fetch's finish made three (table, escapes' slots, values)."""
+def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
-        return parts
-    sizes = [p.numel() * p.element_size() for p in parts]
-    starts = np.concatenate([[0], np.cumsum([-(-n // 16) * 16 for n in sizes])])  # each part 16-byte aligned
-    buf = torch.empty(int(starts[-1]), dtype=torch.uint8, pin_memory=True)
-    host = buf.numpy()
-    for p, start, n in zip(parts, starts, sizes):
-        host[start : start + n] = p.contiguous().view(-1).view(torch.uint8).numpy()
-    on = buf.to(device, non_blocking=True)
-    return [on[start : start + n].view(p.dtype).view(p.shape) for p, start, n in zip(parts, starts, sizes)]
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
-def _write_escapes(q: torch.Tensor, slots: EscapeSlots, shift: float = 0.0) -> None:
-    """slots' values + shift written into the gathered q (J * n, N, t) (or its (J * n, N t) view),
-    cast on the host: no cast kernel on the device."""
-    if len(slots):
-        flat = torch.from_numpy(slots.flat)
-        at, values = _upload_together([flat, slots.sample_values(q.dtype, shift)], q.device)
-        q.view(-1).index_put_((at,), values)
+def _escapes_on(slots: EscapeSlots, device: torch.device, dtype: torch.dtype, shift: float = 0.0) -> tuple:
+    """The escapes' slots and their values + shift as `dtype` (cast on the host: no cast kernel on
+    the device) on `device`; () without escapes. Two uploads of their own: packing them with the
+    kernels' table into one pinned block grew what a warmed-up fetch pins (session 68)."""
+    if not len(slots):
+        return ()
+    return _upload(torch.from_numpy(slots.flat), device), _upload(slots.sample_values(dtype, shift), device)
+
+
+def _write_escapes(q: torch.Tensor, escapes: tuple) -> None:
+    """The escapes (_escapes_on's, in q's dtype) written into the gathered q (J * n, N, t) or its
+    (J * n, N t) view."""
+    if escapes:
+        q.view(-1).index_put_((escapes[0],), escapes[1])
 
 
 def restore(
@@ -509,31 +506,24 @@ def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots
     if not transform_triton.FUSED or transform_triton.triton_modules() is None:
         return None
     chunks = list(samples.contiguous())
-    table = torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64)
-    return _gathered_at(plan, chunks, *_table_and_escapes(table, slots, samples.device))
+    table = _upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
+    return _gathered_at(plan, chunks, table, _escapes_on(slots, samples.device, torch.float16))
 
 
-def _table_and_escapes(table: torch.Tensor, slots: EscapeSlots, device: torch.device) -> list[torch.Tensor]:
-    """The fused kernels' table (host int64), the escapes' slots and their float16 values (none
-    without escapes) on `device`, in one copy."""
-    escapes = [torch.from_numpy(slots.flat), slots.sample_values(torch.float16)] if len(slots) else []
-    return _upload_together([table, *escapes], device)
-
-
-def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor, *escapes: torch.Tensor) -> torch.Tensor | None:
+def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor, escapes: tuple) -> torch.Tensor | None:
     """The fused gather of chunks (C, t) each, read where `table` (int64 on the device) says they
-    are, with `escapes` (_table_and_escapes': slots and values on the device) written in."""
+    are, with `escapes` (_escapes_on's, float16) written in."""
     t = chunks[0].shape[1]
     q = transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
-    if q is not None and escapes:
-        q.view(-1).index_put_((escapes[0],), escapes[1])
+    if q is not None:
+        _write_escapes(q, escapes)
     return q
 
 
 def _centred(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, dtype: torch.dtype) -> torch.Tensor:
     """(J * n, N, t) centred integers q of every block's coded coordinates, escapes written in."""
     q = _gathered(plan, samples, dtype).sub_(OFFSET)
-    _write_escapes(q, slots)
+    _write_escapes(q, _escapes_on(slots, samples.device, dtype))
     return q
 
 
@@ -546,7 +536,7 @@ def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, re
         g.copy_(samples.index_select(1, plan.gather).permute(1, 0, 2))
     else:  # a level so coarse that nothing is coded: every slot is padding (the chunk is the mean)
         g = torch.zeros((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
-    _write_escapes(g, slots, OFFSET)
+    _write_escapes(g, _escapes_on(slots, device, torch.float32, OFFSET))
     if recon != "centre" or token_scales is not None:
         _reconstruct(plan, g, recon, token_scales)
     means, bases = plan.means, plan.bases
@@ -609,10 +599,12 @@ def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, 
         cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
     chunks = [c.contiguous() for c in chunks]
     sinks = [None if s is None else s.to(device, torch.float16).contiguous() for s in sinks]
-    meta, *escapes = _table_and_escapes(transform_triton.meta_table(starts, outs, chunks, sinks), slots, device)
+    meta = _upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
     x = None
     if chunks[0].shape[0]:
-        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], *escapes)
+        q = _gathered_at(
+            plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], _escapes_on(slots, device, torch.float16)
+        )
         if q is not None:
             x = _half_gemm_of(plan, q)
     if x is None:  # nothing coded, or the gather kernel failed
