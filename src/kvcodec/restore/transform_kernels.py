@@ -507,16 +507,16 @@ def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots
         return None
     chunks = list(samples.contiguous())
     table = _upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
-    return _gathered_at(plan, chunks, table, _escapes_on(slots, samples.device, torch.float16))
+    return _gathered_at(plan, chunks, table, slots)
 
 
-def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor, escapes: tuple) -> torch.Tensor | None:
+def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor, slots: EscapeSlots) -> torch.Tensor | None:
     """The fused gather of chunks (C, t) each, read where `table` (int64 on the device) says they
-    are, with `escapes` (_escapes_on's, float16) written in."""
+    are, escapes written in (uploaded once the gather ran: a failed one falls back, which uploads them)."""
     t = chunks[0].shape[1]
     q = transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
     if q is not None:
-        _write_escapes(q, escapes)
+        _write_escapes(q, _escapes_on(slots, q.device, torch.float16))
     return q
 
 
@@ -602,9 +602,7 @@ def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, 
     meta = _upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
     x = None
     if chunks[0].shape[0]:
-        q = _gathered_at(
-            plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], _escapes_on(slots, device, torch.float16)
-        )
+        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], slots)
         if q is not None:
             x = _half_gemm_of(plan, q)
     if x is None:  # nothing coded, or the gather kernel failed
