@@ -392,20 +392,14 @@ def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _escapes_on(slots: EscapeSlots, device: torch.device, dtype: torch.dtype, shift: float = 0.0) -> tuple:
-    """The escapes' slots and their values + shift as `dtype` (cast on the host: no cast kernel on
-    the device) on `device`; () without escapes. Two uploads of their own: packing them with the
-    kernels' table into one pinned block grew what a warmed-up fetch pins (session 68)."""
-    if not len(slots):
-        return ()
-    return _upload(torch.from_numpy(slots.flat), device), _upload(slots.sample_values(dtype, shift), device)
-
-
-def _write_escapes(q: torch.Tensor, escapes: tuple) -> None:
-    """The escapes (_escapes_on's, in q's dtype) written into the gathered q (J * n, N, t) or its
-    (J * n, N t) view."""
-    if escapes:
-        q.view(-1).index_put_((escapes[0],), escapes[1])
+def _write_escapes(q: torch.Tensor, slots: EscapeSlots, shift: float = 0.0) -> None:
+    """The escapes' values + shift written into the gathered q (J * n, N, t) or its (J * n, N t)
+    view, cast to q's dtype on the host (no cast kernel on the device). Slots and values are two
+    uploads of their own: packed with the kernels' table into one pinned block, they grew what a
+    warmed-up fetch pins (session 68)."""
+    if len(slots):
+        at = _upload(torch.from_numpy(slots.flat), q.device)
+        q.view(-1).index_put_((at,), _upload(slots.sample_values(q.dtype, shift), q.device))
 
 
 def restore(
@@ -516,14 +510,14 @@ def _gathered_at(plan: BatchedPlan, chunks: list, table: torch.Tensor, slots: Es
     t = chunks[0].shape[1]
     q = transform_triton.gather_centred(table, plan.gather, t, len(chunks), transform_triton.gather_aligned(chunks))
     if q is not None:
-        _write_escapes(q, _escapes_on(slots, q.device, torch.float16))
+        _write_escapes(q, slots)
     return q
 
 
 def _centred(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, dtype: torch.dtype) -> torch.Tensor:
     """(J * n, N, t) centred integers q of every block's coded coordinates, escapes written in."""
     q = _gathered(plan, samples, dtype).sub_(OFFSET)
-    _write_escapes(q, _escapes_on(slots, samples.device, dtype))
+    _write_escapes(q, slots)
     return q
 
 
@@ -536,7 +530,7 @@ def _float_gemm(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, re
         g.copy_(samples.index_select(1, plan.gather).permute(1, 0, 2))
     else:  # a level so coarse that nothing is coded: every slot is padding (the chunk is the mean)
         g = torch.zeros((plan.gather.numel(), N, t), dtype=torch.float32, device=device)
-    _write_escapes(g, _escapes_on(slots, device, torch.float32, OFFSET))
+    _write_escapes(g, slots, OFFSET)
     if recon != "centre" or token_scales is not None:
         _reconstruct(plan, g, recon, token_scales)
     means, bases = plan.means, plan.bases
