@@ -258,7 +258,9 @@ def test_sink_tokens_go_up_in_one_piece_each_to_its_chunk(monkeypatch):
     b = -torch.arange(2 * 2 * 1 * 3 * 2, dtype=torch.float16).view(2, 2, 1, 3, 2)
     assert transform_decode._sinks_on([a, None, b], torch.device("cpu"))[0] is a  # already there: as is
     uploads = []
-    monkeypatch.setattr(transform_decode, "_to_device", lambda t, device: uploads.append(t.numel()) or t.clone())
+    monkeypatch.setattr(
+        transform_decode.transform_kernels, "upload", lambda t, device: uploads.append(t.numel()) or t.clone()
+    )
     out = transform_decode._sinks_on([a, None, b], torch.device("meta"))
     assert uploads == [a.numel() + b.numel()]  # one upload
     assert out[1] is None and torch.equal(out[0], a) and torch.equal(out[2], b)

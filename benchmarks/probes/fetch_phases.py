@@ -91,8 +91,9 @@ def instrument() -> None:
     _wrap(zstd_native, "_settle", "Z._settle")  # on the native threads' collecting thread: a chunk's job done
     # inside finish: the batched restore's host side (tables, uploads, the launches) and its kernels' calls
     _wrap(transform_decode.TransformRestorer, "_finish_group", "F._finish_group")
-    for a in ("restore_into", "_fused", "escape_slots", "_upload", "_gathered_at", "_half_gemm_of"):
-        _wrap(transform_kernels, a, "F." + a)
+    for a in ("restore_into", "_fused", "escape_slots", "upload", "_upload", "_gathered_at", "_half_gemm_of"):
+        if hasattr(transform_kernels, a):  # upload: _upload before session 68 (an A/B's older tree)
+            _wrap(transform_kernels, a, "F." + a)
     for a in ("meta_table", "supports", "launch", "gather_centred"):
         _wrap(transform_triton, a, "F." + a)
     _wrap(transform_decode, "_sinks_on", "F._sinks_on")

@@ -386,7 +386,9 @@ def escape_slots(plan: BatchedPlan, escapes, tokens: int, rows: int) -> EscapeSl
 NO_ESCAPES = EscapeSlots(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def _upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; to CUDA through pinned memory, so the copy does not wait for
+    the GPU's queued work (a pageable upload synchronises the stream first)."""
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
@@ -398,8 +400,8 @@ def _write_escapes(q: torch.Tensor, slots: EscapeSlots, shift: float = 0.0) -> N
     uploads of their own: packed with the kernels' table into one pinned block, they grew what a
     warmed-up fetch pins (session 68)."""
     if len(slots):
-        at = _upload(torch.from_numpy(slots.flat), q.device)
-        q.view(-1).index_put_((at,), _upload(slots.sample_values(q.dtype, shift), q.device))
+        at = upload(torch.from_numpy(slots.flat), q.device)
+        q.view(-1).index_put_((at,), upload(slots.sample_values(q.dtype, shift), q.device))
 
 
 def restore(
@@ -500,7 +502,7 @@ def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots
     if not transform_triton.FUSED or transform_triton.triton_modules() is None:
         return None
     chunks = list(samples.contiguous())
-    table = _upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
+    table = upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
     return _gathered_at(plan, chunks, table, slots)
 
 
@@ -593,7 +595,7 @@ def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, 
         cos = sin = torch.zeros((1, 1), dtype=torch.float32, device=device)
     chunks = [c.contiguous() for c in chunks]
     sinks = [None if s is None else s.to(device, torch.float16).contiguous() for s in sinks]
-    meta = _upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
+    meta = upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
     x = None
     if chunks[0].shape[0]:
         q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], slots)

@@ -86,7 +86,7 @@ class TransformRestorer:
 
     def _samples(self, h: dict, streams: dict, count: int, device: torch.device, decoder=None) -> torch.Tensor:
         if h["coder"] == "zstd":  # one frame, or frames with a seek table (read in parallel)
-            return _to_device(host_samples(streams, count), device)
+            return transform_kernels.upload(host_samples(streams, count), device)
         w, hh = h["resolution"]
         if h["frames"] != frames.frame_count(count, w, hh):
             raise CorruptStreamError("transform chunk announces the wrong number of frames")
@@ -122,7 +122,7 @@ class TransformRestorer:
         L, H, D = h["shape"]
         raw = unzstd(streams["sink"], "sink", h["sink"] * L * 2 * H * D * 2)
         sink = torch.frombuffer(bytearray(raw), dtype=torch.float16).view(L, 2, h["sink"], H, D)
-        return _to_device(sink, device)
+        return transform_kernels.upload(sink, device)
 
     def _restore(self, h: dict, streams: dict, device: torch.device, decoder=None) -> torch.Tensor:
         """Dequantize, inverse transform (one GEMM per group and kind), re-apply RoPE: float32 KV."""
@@ -249,7 +249,7 @@ class TransformRestorer:
         scales = None
         if any(c.h["fine_tokens"] for c in chunks):  # per-token step multipliers (N, t)
             per = [quantize.token_scales(t, c.h["fine_tokens"], c.h["fine_bits"]) for c in chunks]
-            scales = _to_device(torch.stack(per), device)
+            scales = transform_kernels.upload(torch.stack(per), device)
         denses = [
             out if isinstance(out, torch.Tensor) else torch.empty((L, 2, t, H, D), dtype=dtype, device=device)
             for out in outs
@@ -277,7 +277,7 @@ def _sinks_on(sinks: list, device: torch.device) -> list:
     host = [s for s in sinks if s is not None and s.device != device]
     if not host:
         return sinks
-    flat = _to_device(torch.cat([s.reshape(-1) for s in host]), device)
+    flat = transform_kernels.upload(torch.cat([s.reshape(-1) for s in host]), device)
     out, off = [], 0
     for s in sinks:
         if s is None or s.device == device:
@@ -343,11 +343,3 @@ def host_samples(streams: dict, count: int, into: torch.Tensor | None = None) ->
     if (got := unzstd_into(streams["samples"], host.numpy(), "samples")) != count:
         raise CorruptStreamError(f"stream 'samples' holds {got} bytes, expected {count}")
     return host
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; to CUDA through pinned memory, so the copy does not wait for
-    the GPU's queued work (a pageable upload synchronises the stream first)."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
