@@ -10,7 +10,8 @@ and its summed time (median over 30 fetches after 5 warm-ups): where the fetch's
 Columns: first_b (ms from the call to the step's first start), last_e (to its last end), n (calls),
 sum_ms (their summed time; for @host and @net steps summed over threads that run at once). @host: the
 host pool's threads (zstd'd chunks); @net: the fetch's pool threads (its network stage, and its decode
-workers where the restore is not driven)."""
+workers where the restore is not driven, and the thread collecting the native zstd jobs); Z.job@native:
+each native zstd job from when a C thread took it to when it ended (their own clock)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,21 @@ def _wrap_cm(owner, attr: str) -> None:  # noqa: ANN001
     setattr(owner, attr, timed)
 
 
+def _record_native_jobs() -> None:
+    """Each native zstd job's own span, from its C threads' clock (CLOCK_MONOTONIC, which
+    time.perf_counter reads), as step Z.job: when a thread took it and when it ended, before the
+    collecting thread settles it (a tree whose jobs keep no times records none)."""
+    settle = zstd_native._settle
+
+    def timed(p, zstd):  # noqa: ANN001, ANN202
+        began, ended = getattr(p.job, "began_ns", 0), getattr(p.job, "ended_ns", 0)
+        if began and ended:
+            EVENTS.extend((("Z.job", "b", began / 1e9, "zstd-native"), ("Z.job", "e", ended / 1e9, "zstd-native")))
+        return settle(p, zstd)
+
+    zstd_native._settle = timed
+
+
 def instrument() -> None:
     for a in ("_plan", "_profile_for", "decoder_name", "_result", "_check_out"):
         _wrap(PrefixCache, a)
@@ -89,6 +105,7 @@ def instrument() -> None:
     _wrap(container_format, "crc32", "C.crc32")
     _wrap(zstd_streams, "_decompress", "Z._decompress")
     _wrap(zstd_native, "_settle", "Z._settle")  # on the native threads' collecting thread: a chunk's job done
+    _record_native_jobs()
     # inside finish: the batched restore's host side (tables, uploads, the launches) and its kernels' calls
     _wrap(transform_decode.TransformRestorer, "_finish_group", "F._finish_group")
     for a in ("restore_into", "_fused", "escape_slots", "upload", "_upload", "_gathered_at", "_half_gemm_of"):
@@ -104,6 +121,8 @@ def instrument() -> None:
 def _step(name: str, thread: str) -> str:
     if thread == "MainThread":
         return name
+    if thread == "zstd-native":
+        return name + "@native"
     return name + ("@host" if thread.startswith("kvcodec-host") else "@net")
 
 
@@ -124,8 +143,9 @@ def one_fetch(cache, ids: list[int], caller) -> tuple[dict, float]:  # noqa: ANN
         s = steps.setdefault(key, [t - t0, 0.0, 0, 0.0])
         if kind == "b":
             began[(key, thread)] = t
+            s[0] = min(s[0], t - t0)  # Z.job's events come in the order settled, not begun
             continue
-        s[1], s[2] = t - t0, s[2] + 1
+        s[1], s[2] = max(s[1], t - t0), s[2] + 1
         s[3] += t - began.pop((key, thread), t)
     return steps, call
 

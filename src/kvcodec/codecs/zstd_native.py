@@ -78,6 +78,7 @@ typedef struct job {
     unsigned crc;
     int check;
     int taken, left, checked;  /* the pool's: frames handed out, frames not done, 0/1/2 unchecked/checking/passed */
+    long long began_ns, ended_ns;  /* CLOCK_MONOTONIC (Python's time.perf_counter) when a thread took it, when it ended */
 } job;
 
 typedef struct {
@@ -113,7 +114,18 @@ static unsigned crc_of(pool *p, const unsigned char *at, size_t len) {
     return (unsigned)(crc & 0xFFFFFFFFul);
 }
 
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static void began(job *j) {  /* under the lock */
+    if (!j->began_ns) j->began_ns = now_ns();
+}
+
 static void finished(pool *p, job *j) {  /* under the lock */
+    j->ended_ns = now_ns();
     push(&p->done_head, &p->done_tail, j);
     pthread_cond_signal(&p->done);
 }
@@ -143,6 +155,7 @@ static job *work_of(pool *p) {
    has frames, for this thread to read on; else NULL, the job finished. */
 static job *check(pool *p, job *j) {
     j->checked = 1;
+    began(j);
     pthread_mutex_unlock(&p->mu);
     int ok = crc_of(p, j->stream, j->stream_len) == j->crc;
     pthread_mutex_lock(&p->mu);
@@ -161,6 +174,7 @@ static job *check(pool *p, job *j) {
    out, for this thread to read on; else NULL (it may be finished). */
 static job *run_frame(pool *p, void **dctx, job *j) {
     int i = j->taken++, status = 0, skip = j->status != 0;  /* a frame after one that failed: not read */
+    began(j);
     size_t value = 0;
     if (j->taken == j->count) unqueue(p, j);
     pthread_mutex_unlock(&p->mu);
@@ -215,7 +229,7 @@ int kv_zpool_threads(void *handle) { return ((pool *)handle)->started; }
 
 void kv_zpool_submit(void *handle, job *j) {
     pool *p = handle;
-    j->status = 0; j->at = 0; j->taken = 0; j->left = j->count; j->checked = 0;
+    j->status = 0; j->at = 0; j->taken = 0; j->left = j->count; j->checked = 0; j->began_ns = j->ended_ns = 0;
     pthread_mutex_lock(&p->mu);
     if (!j->check && !j->count) finished(p, j);
     else {
@@ -301,6 +315,8 @@ class _Job(ctypes.Structure):
         ("taken", c_int),
         ("left", c_int),
         ("checked", c_int),
+        ("began_ns", c_longlong),
+        ("ended_ns", c_longlong),
     ]
 
 
