@@ -95,8 +95,12 @@ def instrument() -> None:
         _wrap(pl.FetchPipeline, a, "P." + a)
     for a in ("submit_many", "close", "wait", "poll", "prepare_one", "_collect_host", "_push", "_host"):
         _wrap(driven.StageDriver, a, "D." + a)
-    for a in ("prepare_host", "read", "stage"):
-        _wrap(transform_batch.TransformDriven, a, "T." + a)
+    for a in ("prepare_host", "read", "stage", "begin_host", "_native_job", "_staging"):
+        if hasattr(transform_batch.TransformDriven, a):  # begin_host: since session 67
+            _wrap(transform_batch.TransformDriven, a, "T." + a)
+    _wrap(driven.StageDriver, "begin", "D.begin")
+    _wrap(zstd_native.ZstdThreads, "submit", "Z.submit")
+    _wrap(zstd_native, "frame_spans", "Z.frame_spans")
     # inside prepare_host: the checksums, the samples' pinned buffer and their zstd (host_samples less
     # unzstd_into: the pinned allocation)
     for a in ("_verify", "host_samples"):
