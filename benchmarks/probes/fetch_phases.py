@@ -98,7 +98,8 @@ def instrument() -> None:
     for a in ("prepare_host", "read", "stage", "begin_host", "_native_job", "_staging"):
         if hasattr(transform_batch.TransformDriven, a):  # begin_host: since session 67
             _wrap(transform_batch.TransformDriven, a, "T." + a)
-    _wrap(driven.StageDriver, "begin", "D.begin")
+    if hasattr(driven.StageDriver, "begin"):  # since session 67
+        _wrap(driven.StageDriver, "begin", "D.begin")
     _wrap(zstd_native.ZstdThreads, "submit", "Z.submit")
     _wrap(zstd_native, "frame_spans", "Z.frame_spans")
     # inside prepare_host: the checksums, the samples' pinned buffer and their zstd (host_samples less
