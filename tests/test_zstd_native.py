@@ -473,6 +473,27 @@ def test_an_idle_pools_collecting_thread_ends_with_the_stop():
     assert not threads._collector.is_alive()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="time.perf_counter reads CLOCK_MONOTONIC on Linux")
+def test_each_job_keeps_when_a_thread_took_it_and_when_it_ended_on_the_perf_counter_clock(pool, monkeypatch):
+    """The job's own span (what fetch_phases shows as Z.job) lies within its submit and its settling, in order."""
+    import time
+
+    spans = []
+    settle = zstd_native._settle
+    monkeypatch.setattr(
+        zstd_native, "_settle", lambda p, z: spans.append((p.job.began_ns, p.job.ended_ns)) or settle(p, z)
+    )
+    data = _noisy(20000)
+    for checksum in (False, True):
+        stream = zs.zstd_frames(data, 1, 4096)
+        check = (crc32(stream), None) if checksum else None
+        t0 = time.perf_counter()
+        pool.submit(stream, np.zeros(len(data), dtype=np.uint8), "s", checksum=check).result(timeout=60)
+        t1 = time.perf_counter()
+        began, ended = spans[-1]
+        assert t0 <= began / 1e9 <= ended / 1e9 <= t1
+
+
 def test_without_native_code_there_are_no_native_threads(monkeypatch):
     monkeypatch.setattr(zstd_native.native, "ENABLED", False)
     assert zstd_native.start(2) is None
