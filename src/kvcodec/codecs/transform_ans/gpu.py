@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvcodec.codecs.transform_ans.rans import PROB_BITS, PROB_SCALE, STATE_LOW, AnsParams, AnsStream
+from kvcodec.restore import transform_kernels
 from kvcodec.restore.triton_restore import available as available  # where the decoder runs: CUDA and Triton
 from kvcodec.restore.triton_restore import triton_modules
 
@@ -115,7 +116,7 @@ def decode_batch(
     queued on the device's current stream; nothing here waits for it."""
     buf, layout = pack_batch(streams, counts, params)
     host = torch.from_numpy(buf)
-    dev = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    dev = transform_kernels.upload(host, device)
 
     def part(name: str) -> torch.Tensor:
         at, dtype, shape = layout[name]
