@@ -385,6 +385,55 @@ def test_both_crc_functions_agree_with_the_containers_checksum(monkeypatch, crc)
         threads.stop()
 
 
+def _builds() -> dict:
+    return {
+        "system": zstd_native._system_library("zstd", ("libzstd.so.1",), zstd_native.ZSTD_SIGNATURES),
+        "package": zstd_native._package_library(zstd_native.ZSTD_SIGNATURES),
+    }
+
+
+@pytest.mark.parametrize("build", ["system", "package"])
+def test_each_libzstd_build_reads_and_refuses_streams_as_the_reference_does(monkeypatch, build):
+    """The threads run on whichever libzstd build start() picks (the system's, or the one the zstandard
+    package links in): each reads what the reference reads and refuses what it refuses."""
+    lib = _builds()[build]
+    if lib is None:
+        pytest.skip(f"no {build} libzstd here")
+    monkeypatch.setattr(zstd_native, "fastest_zstd", lambda libs: lib)
+    threads = zstd_native.start(2)
+    if threads is None:
+        pytest.skip("no native zstd threads here")
+    try:
+        assert threads.zstd is lib
+        data = _noisy(700_000, seed=3)
+        for frame_bytes in (len(data), 100_000):
+            stream = zs.zstd_frames(data, 1, frame_bytes)
+            _same(threads, stream, len(data))
+            _same(threads, stream[:-9], len(data))
+            _same(threads, stream, len(data) + 1)
+        _same(threads, _frames_4_and_5_bad(zs.zstd_frames(data, 1, 100_000)), len(data))
+    finally:
+        threads.stop()
+
+
+def test_the_fastest_build_is_one_that_decompresses_the_trial_frame():
+    """fastest_zstd chooses among the builds found (None without any, the one where there is one), and a
+    build's trial that fails counts as never finishing; the trial frame is at the samples' zstd level."""
+    from kvcodec.codecs.transform.codec import ZSTD_LEVEL
+
+    assert zstd_native.TRIAL_LEVEL == ZSTD_LEVEL
+    builds = [lib for lib in _builds().values() if lib is not None]
+    if not builds:
+        pytest.skip("no libzstd here")
+    assert zstd_native.fastest_zstd([None, None]) is None
+    assert zstd_native.fastest_zstd([None, builds[0]]) is builds[0]
+    assert any(zstd_native.fastest_zstd(builds) is lib for lib in builds)
+    frame, size = zstd_native._trial_frame()
+    assert all(0 < zstd_native.decode_seconds(lib, frame, size) < float("inf") for lib in builds)
+    assert zstd_native.decode_seconds(builds[0], frame[:-5], size) == float("inf")
+    assert zstd_native.decode_seconds(builds[0], frame, size + 1) == float("inf")
+
+
 def test_damage_that_breaks_the_frames_is_the_checksums_error_as_on_the_python_path(pool):
     from kvcodec.container.format import crc32
 

@@ -8,6 +8,11 @@ the size of a 256-token Qwen2.5-0.5B chunk's samples at 5x, coded as the transfo
 (zstd_frames at its ZSTD_LEVEL). Or real ones: the zstd-coded seed chunks of each transform method of a
 `kvcodec bench ttft-engine prep` directory (real KV values in a target's shape, one chunk's samples each).
 
+Or those of a store that `fetch_restore.py prep` made (--store-dir: each zstd transform case's first 8 chunks).
+
+With --builds, one thread's time per chunk on each libzstd build here (the system's; the one the zstandard package
+links in), the trial frame's times and the build the native threads would take (codecs/zstd_native.py:fastest_zstd).
+
 With --recode, the samples decompressed and coded again with other settings (zstd levels and minimum match
 lengths, deflate through isal, lz4): bytes and one thread's decompression time against the codec's own setting,
 whether another setting would cost the host's cores less per chunk at no more bytes.
@@ -15,6 +20,7 @@ whether another setting would cost the host's cores less per chunk at no more by
     python benchmarks/probes/host_zstd.py
     python benchmarks/probes/host_zstd.py --engine-dir D --threads 1,8
     python benchmarks/probes/host_zstd.py --engine-dir D --recode
+    python benchmarks/probes/host_zstd.py --store-dir D --builds --out OUT.json
 """
 
 from __future__ import annotations
@@ -130,6 +136,55 @@ def recode(srcs: list[tuple[bytes, int]], reps: int = 7) -> list[dict]:
     return rows
 
 
+def store_samples(d: pathlib.Path) -> dict[str, list[tuple[bytes, int]]]:
+    """Per zstd transform case of a fetch_restore.py store: its first 8 chunks' sample streams and counts."""
+    import fetch_restore as fr
+    from native_frames import _samples
+
+    from kvbench.pack import read_pack
+    from kvcodec.store import open_store
+
+    doc = json.loads((d / "cases.json").read_text())
+    store, cal = open_store(f"file://{d / 'store'}"), read_pack(d / fr.PACK)
+    zstd_cases = [c for c in doc["cases"] if c["codec"] == "transform" and c.get("coder") in (None, "zstd")]
+    return {c["name"]: _samples(d, doc, store, c, cal) for c in zstd_cases}
+
+
+def builds(cases: dict[str, list[tuple[bytes, int]]], rounds: int = 7) -> dict:
+    """Each libzstd build's one-thread ms per chunk of each case (median of rounds, the builds in turn,
+    their order alternating), the trial frame's ms, and the build fastest_zstd takes."""
+    from kvcodec.codecs import zstd_native as zn
+
+    found = {
+        "system": zn._system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), zn.ZSTD_SIGNATURES),
+        "package": zn._package_library(zn.ZSTD_SIGNATURES),
+    }
+    found = {name: lib for name, lib in found.items() if lib is not None}
+    frame, size = zn._trial_frame()
+    srcs = {name: [(bytes(data), count) for data, count in chunks] for name, chunks in cases.items()}
+    srcs["trial"] = [(frame, size)]
+    took: dict[tuple[str, str], list[float]] = {}
+    for r in range(rounds):
+        for build in list(found) if r % 2 == 0 else list(found)[::-1]:
+            for case, chunks in srcs.items():
+                each = [zn.decode_seconds(found[build], data, count, rounds=1) for data, count in chunks]
+                took.setdefault((build, case), []).append(1e3 * sum(each) / len(each))
+    chosen = zn.fastest_zstd(list(found.values()))
+    return {
+        "versions": {name: lib.ZSTD_versionNumber() for name, lib in found.items()},
+        "chosen": next((name for name, lib in found.items() if lib is chosen), None),
+        "rows": [
+            {
+                "build": b,
+                "case": c,
+                "ms_per_chunk": round(statistics.median(v), 4),
+                "rounds_ms": [round(x, 4) for x in v],
+            }
+            for (b, c), v in took.items()
+        ],
+    }
+
+
 def order0_bits(srcs: list[tuple[bytes, int]]) -> float:
     """The samples' order-0 entropy, bits a sample (what a coder of each byte alone could reach)."""
     counts = np.zeros(256, dtype=np.int64)
@@ -146,10 +201,24 @@ def main() -> None:
     ap.add_argument("--engine-dir", type=pathlib.Path, help="a ttft-engine prep directory: its chunks' samples")
     ap.add_argument("--threads", default="1,2,4,8,16")
     ap.add_argument("--recode", action="store_true", help="other coders' bytes and decompression time, one thread")
-    ap.add_argument("--out", type=pathlib.Path, help="--recode: also write the rows here (JSON)")
+    ap.add_argument("--store-dir", type=pathlib.Path, help="a fetch_restore.py store: its chunks' samples")
+    ap.add_argument("--builds", action="store_true", help="each libzstd build's time, one thread, and the one taken")
+    ap.add_argument("--out", type=pathlib.Path, help="--recode, --builds: also write the rows here (JSON)")
     a = ap.parse_args()
-    cases = engine_samples(a.engine_dir) if a.engine_dir else {"synthetic": coded_samples()}
+    if a.engine_dir:
+        cases = engine_samples(a.engine_dir)
+    else:
+        cases = store_samples(a.store_dir) if a.store_dir else {"synthetic": coded_samples()}
     print(f"cpus {os.cpu_count()} affinity {len(os.sched_getaffinity(0))} level {ZSTD_LEVEL}")
+    if a.builds:
+        out = builds(cases)
+        print(f"versions {out['versions']}, taken: {out['chosen']}")
+        for r in out["rows"]:
+            print(f"  {r['build']:8s} {r['case']:10s} {r['ms_per_chunk']:.3f} ms a chunk")
+        if a.out:
+            cmd = "python benchmarks/probes/host_zstd.py " + ("--store-dir D " if a.store_dir else "") + "--builds"
+            a.out.write_text(json.dumps({"command": cmd, "cpus": len(os.sched_getaffinity(0)), **out}, indent=1))
+        return
     recoded: dict[str, dict] = {}
     for name, srcs in cases.items():
         n = sum(count for _, count in srcs)
