@@ -7,8 +7,10 @@ Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its fi
 three threads took two chunks each while three stayed idle
 (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the chunk's frames are found and checked on the
 caller's thread (zstd_streams.frame_spans), then decompressed by C threads (SOURCE, compiled at first
-use: kvcodec.native) straight into the caller's buffer, calling the system's libzstd through pointers
-handed over by ctypes: the jobs in the order submitted. A thread reads a stream's frames in order until
+use: kvcodec.native) straight into the caller's buffer, calling libzstd through pointers handed over by
+ctypes: the jobs in the order submitted. Of the system's libzstd and the one the zstandard package links in,
+the threads take the build that decompresses a trial frame faster (`fastest_zstd`: builds differ by version
+and by their assembly Huffman decoder). A thread reads a stream's frames in order until
 they are all handed out; a free thread starts a stream no thread reads, else helps the oldest one with
 frames left. kvcodec writes one frame a chunk: 512 KiB frames, each on whichever thread was free, cost a
 bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
