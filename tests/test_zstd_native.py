@@ -434,6 +434,22 @@ def test_the_fastest_build_is_one_that_decompresses_the_trial_frame():
     assert zstd_native.decode_seconds(builds[0], frame, size + 1) == float("inf")
 
 
+class _NoContexts:
+    """A libzstd that cannot make a decompression context (out of memory: a fault not caused here for real)."""
+
+    def ZSTD_createDCtx(self) -> int:  # noqa: N802 - libzstd's name
+        return 0
+
+
+def test_a_build_without_contexts_is_never_taken_and_none_is_where_no_build_decompresses():
+    builds = [lib for lib in _builds().values() if lib is not None]
+    if not builds:
+        pytest.skip("no libzstd here")
+    assert zstd_native.fastest_zstd([_NoContexts(), builds[0]]) is builds[0]
+    assert zstd_native.fastest_zstd([builds[0], _NoContexts()]) is builds[0]
+    assert zstd_native.fastest_zstd([_NoContexts(), _NoContexts()]) is None
+
+
 def test_damage_that_breaks_the_frames_is_the_checksums_error_as_on_the_python_path(pool):
     from kvcodec.container.format import crc32
 

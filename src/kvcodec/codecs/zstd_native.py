@@ -510,15 +510,16 @@ def decode_seconds(lib, frame: bytes, size: int, rounds: int = 5) -> float:  # n
 
 
 def fastest_zstd(libs: list) -> object | None:
-    """Of the libzstd builds here, the one that decompresses a trial frame fastest (None without any):
-    builds differ by version and by their assembly Huffman decoder, which set a chunk's zstd time."""
+    """Of the libzstd builds here, the one that decompresses a trial frame fastest: builds differ by version
+    and by their assembly Huffman decoder, which set a chunk's zstd time. None without any, or where none of
+    several decompresses the trial frame (the Python threads serve)."""
     libs = [lib for lib in libs if lib is not None]
     if len(libs) < 2:
         return libs[0] if libs else None
     frame, size = _trial_frame()
     times = [decode_seconds(lib, frame, size) for lib in libs]
     log.info("libzstd builds' trial decode times: %s s", ", ".join(f"{t:.6f}" for t in times))
-    return libs[times.index(min(times))]
+    return None if min(times) == float("inf") else libs[times.index(min(times))]
 
 
 def _crc32() -> tuple | None:
