@@ -10,8 +10,8 @@ the size of a 256-token Qwen2.5-0.5B chunk's samples at 5x, coded as the transfo
 
 Or those of a store that `fetch_restore.py prep` made (--store-dir: each zstd transform case's first 8 chunks).
 
-With --builds, one thread's time per chunk on each libzstd build here (the system's; the one the zstandard package
-links in), the trial frame's times and the build the native threads would take (codecs/zstd_native.py:fastest_zstd).
+With --builds, one thread's time per chunk on each libzstd build here: the system's, which the native threads use
+(codecs/zstd_native.py), and the one the zstandard package links in.
 
 With --recode, the samples decompressed and coded again with other settings (zstd levels and minimum match
 lengths, deflate through isal, lz4): bytes and one thread's decompression time against the codec's own setting,
@@ -26,6 +26,8 @@ whether another setting would cost the host's cores less per chunk at no more by
 from __future__ import annotations
 
 import argparse
+import ctypes
+import importlib.util
 import json
 import os
 import pathlib
@@ -150,29 +152,59 @@ def store_samples(d: pathlib.Path) -> dict[str, list[tuple[bytes, int]]]:
     return {c["name"]: _samples(d, doc, store, c, cal) for c in zstd_cases}
 
 
+def package_zstd():  # noqa: ANN201 - a CDLL or None
+    """The libzstd that the zstandard package's cffi extension links in and exports (1.5.7 in zstandard 0.25),
+    loaded so that its own calls stay within it (RTLD_DEEPBIND: its functions call each other through the PLT, and
+    a system libzstd in the global scope would otherwise answer them); None where it cannot be had."""
+    from kvcodec import native
+    from kvcodec.codecs import zstd_native as zn
+
+    try:
+        spec = importlib.util.find_spec("zstandard._cffi")
+        mode = ctypes.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0)
+        return (
+            None
+            if spec is None or not spec.origin
+            else native.declare(ctypes.CDLL(spec.origin, mode), zn.ZSTD_SIGNATURES)
+        )
+    except (ImportError, ValueError, OSError, AttributeError):
+        return None
+
+
+def decode_ms(lib, data: bytes, count: int) -> float:  # noqa: ANN001 - a libzstd CDLL
+    """One decompression of a one-frame stream by `lib`, ms (the stream must fill `count` bytes exactly)."""
+    out = ctypes.create_string_buffer(count)
+    dctx = lib.ZSTD_createDCtx()
+    try:
+        t0 = time.perf_counter()
+        written = lib.ZSTD_decompressDCtx(dctx, out, count, data, len(data))
+        took = time.perf_counter() - t0
+    finally:
+        lib.ZSTD_freeDCtx(dctx)
+    if lib.ZSTD_isError(written) or written != count:
+        raise RuntimeError(f"libzstd {lib.ZSTD_versionNumber()} did not decompress a chunk's samples")
+    return 1e3 * took
+
+
 def builds(cases: dict[str, list[tuple[bytes, int]]], rounds: int = 7) -> dict:
-    """Each libzstd build's one-thread ms per chunk of each case (median of rounds, the builds in turn,
-    their order alternating), the trial frame's ms, and the build fastest_zstd takes."""
+    """Each libzstd build's one-thread ms per chunk of each case (a chunk's samples in one frame, as kvcodec
+    writes them): the median of rounds that take the builds in turn, their order alternating. The native
+    threads use the system's build (codecs/zstd_native.py); this says whether the package's would be faster."""
     from kvcodec.codecs import zstd_native as zn
 
     found = {
         "system": zn._system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), zn.ZSTD_SIGNATURES),
-        "package": zn._package_library(zn.ZSTD_SIGNATURES),
+        "package": package_zstd(),
     }
     found = {name: lib for name, lib in found.items() if lib is not None}
-    frame, size = zn._trial_frame()
-    srcs = {name: [(bytes(data), count) for data, count in chunks] for name, chunks in cases.items()}
-    srcs["trial"] = [(frame, size)]
     took: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for build in list(found) if r % 2 == 0 else list(found)[::-1]:
-            for case, chunks in srcs.items():
-                each = [zn.decode_seconds(found[build], data, count, rounds=1) for data, count in chunks]
-                took.setdefault((build, case), []).append(1e3 * sum(each) / len(each))
-    chosen = zn.fastest_zstd(list(found.values()))
+            for case, chunks in cases.items():
+                each = [decode_ms(found[build], bytes(data), count) for data, count in chunks]
+                took.setdefault((build, case), []).append(sum(each) / len(each))
     return {
         "versions": {name: lib.ZSTD_versionNumber() for name, lib in found.items()},
-        "chosen": next((name for name, lib in found.items() if lib is chosen), None),
         "rows": [
             {
                 "build": b,
@@ -198,11 +230,12 @@ def order0_bits(srcs: list[tuple[bytes, int]]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engine-dir", type=pathlib.Path, help="a ttft-engine prep directory: its chunks' samples")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--engine-dir", type=pathlib.Path, help="a ttft-engine prep directory: its chunks' samples")
     ap.add_argument("--threads", default="1,2,4,8,16")
     ap.add_argument("--recode", action="store_true", help="other coders' bytes and decompression time, one thread")
-    ap.add_argument("--store-dir", type=pathlib.Path, help="a fetch_restore.py store: its chunks' samples")
-    ap.add_argument("--builds", action="store_true", help="each libzstd build's time, one thread, and the one taken")
+    source.add_argument("--store-dir", type=pathlib.Path, help="a fetch_restore.py store: its chunks' samples")
+    ap.add_argument("--builds", action="store_true", help="each libzstd build's time, one thread")
     ap.add_argument("--out", type=pathlib.Path, help="--recode, --builds: also write the rows here (JSON)")
     a = ap.parse_args()
     if a.engine_dir:
@@ -212,7 +245,7 @@ def main() -> None:
     print(f"cpus {os.cpu_count()} affinity {len(os.sched_getaffinity(0))} level {ZSTD_LEVEL}")
     if a.builds:
         out = builds(cases)
-        print(f"versions {out['versions']}, taken: {out['chosen']}")
+        print(f"versions {out['versions']}")
         for r in out["rows"]:
             print(f"  {r['build']:8s} {r['case']:10s} {r['ms_per_chunk']:.3f} ms a chunk")
         if a.out:

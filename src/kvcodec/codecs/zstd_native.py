@@ -7,10 +7,8 @@ Qwen2.5 fetch on an H100 machine began its eighth chunk's zstd 1 ms after its fi
 three threads took two chunks each while three stayed idle
 (benchmarks/results/fetch-h100-s60-phases-qwen.md). Here the chunk's frames are found and checked on the
 caller's thread (zstd_streams.frame_spans), then decompressed by C threads (SOURCE, compiled at first
-use: kvcodec.native) straight into the caller's buffer, calling libzstd through pointers handed over by
-ctypes: the jobs in the order submitted. Of the system's libzstd and the one the zstandard package links in,
-the threads take the build that decompresses a trial frame faster (`fastest_zstd`: builds differ by version
-and by their assembly Huffman decoder). A thread reads a stream's frames in order until
+use: kvcodec.native) straight into the caller's buffer, calling the system's libzstd through pointers
+handed over by ctypes: the jobs in the order submitted. A thread reads a stream's frames in order until
 they are all handed out; a free thread starts a stream no thread reads, else helps the oldest one with
 frames left. kvcodec writes one frame a chunk: 512 KiB frames, each on whichever thread was free, cost a
 bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
@@ -30,11 +28,9 @@ import atexit
 import ctypes
 import ctypes.util
 import dataclasses
-import importlib.util
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from ctypes import c_int, c_longlong, c_size_t, c_void_p
@@ -295,8 +291,6 @@ ISAL_SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "crc32_gzip_refl": (ctypes.c_uint32, [ctypes.c_uint32, c_void_p, ctypes.c_uint64]),
 }
 OK, FAILED, SIZE, NO_CONTEXT, CHECKSUM = 0, 1, 2, 3, 4
-TRIAL_BYTES = 1 << 19  # the trial frame that picks a libzstd build: ~0.4 ms a decode
-TRIAL_LEVEL = 1  # the transform's samples' level (codecs/transform/codec.py:ZSTD_LEVEL; a test keeps them equal)
 # The collecting thread's longest wait: it wakes for each finished job and at stop (kv_zpool_stop wakes it once
 # the threads are joined), not on a clock, so an idle process's thread sleeps.
 _COLLECT_WAIT_US = 3_600_000_000
@@ -465,63 +459,6 @@ def _system_library(name: str, candidates: tuple[str, ...], signatures: dict):  
     return None
 
 
-def _package_library(signatures: dict):  # noqa: ANN202 - a CDLL or None
-    """The libzstd that the zstandard package's cffi extension links in (and exports): another build,
-    often newer than the system's; None where the package has no such extension."""
-    try:
-        spec = importlib.util.find_spec("zstandard._cffi")
-        return None if spec is None or not spec.origin else native.declare(ctypes.CDLL(spec.origin), signatures)
-    except (ImportError, OSError, AttributeError):
-        return None
-
-
-def _trial_frame() -> tuple[bytes, int]:
-    """A zstd frame (at the samples' level) of 512 KiB of bytes distributed as a transform's samples are (a
-    peak at the quantizer's offset, 128, and two-sided geometric tails; ~3.5 bits a byte), the same on every
-    run; and its size decompressed."""
-    import zstandard
-
-    quantiles = (np.arange(1 << 16) + 0.5) / (1 << 16)  # each uint16 drawn is one of these quantiles
-    magnitude = np.floor(-np.log(np.abs(2 * quantiles - 1)) * 2.3)
-    values = (128 + np.sign(quantiles - 0.5) * magnitude).clip(0, 255).astype(np.uint8)
-    drawn = np.frombuffer(np.random.default_rng(0).bytes(2 * TRIAL_BYTES), dtype=np.uint16)
-    samples = values[drawn].tobytes()
-    return zstandard.ZstdCompressor(level=TRIAL_LEVEL).compress(samples), len(samples)
-
-
-def decode_seconds(lib, frame: bytes, size: int, rounds: int = 5) -> float:  # noqa: ANN001 - a libzstd CDLL
-    """The least of `rounds` wall times of `lib` decompressing `frame` (`size` bytes decompressed), in
-    seconds; inf where it fails."""
-    out = ctypes.create_string_buffer(size)
-    dctx = lib.ZSTD_createDCtx()
-    if not dctx:
-        return float("inf")
-    try:
-        best = float("inf")
-        for _ in range(rounds):
-            began = time.perf_counter()
-            written = lib.ZSTD_decompressDCtx(dctx, out, size, frame, len(frame))
-            best = min(best, time.perf_counter() - began)
-            if lib.ZSTD_isError(written) or written != size:
-                return float("inf")
-        return best
-    finally:
-        lib.ZSTD_freeDCtx(dctx)
-
-
-def fastest_zstd(libs: list) -> object | None:
-    """Of the libzstd builds here, the one that decompresses a trial frame fastest: builds differ by version
-    and by their assembly Huffman decoder, which set a chunk's zstd time. None without any, or where none of
-    several decompresses the trial frame (the Python threads serve)."""
-    libs = [lib for lib in libs if lib is not None]
-    if len(libs) < 2:
-        return libs[0] if libs else None
-    frame, size = _trial_frame()
-    times = [decode_seconds(lib, frame, size) for lib in libs]
-    log.info("libzstd builds' trial decode times: %s s", ", ".join(f"{t:.6f}" for t in times))
-    return None if min(times) == float("inf") else libs[times.index(min(times))]
-
-
 def _crc32() -> tuple | None:
     """(CRC-32 function, is ISA-L's): ISA-L's from the isal package's extension (the container's
     checksum, about 15x zlib's on a chunk's streams), else the system zlib's; None without either."""
@@ -538,8 +475,7 @@ def start(count: int) -> ZstdThreads | None:
     """`count` native zstd threads, or None where they cannot run here (a reason logged)."""
     if not native.ENABLED:
         return None
-    system = _system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), ZSTD_SIGNATURES)
-    zstd = fastest_zstd([system, _package_library(ZSTD_SIGNATURES)])
+    zstd = _system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), ZSTD_SIGNATURES)
     crc = _crc32()
     if zstd is None or crc is None:
         log.info("no libzstd or no CRC-32 (ISA-L, zlib): zstd streams are decompressed on Python threads")
