@@ -78,7 +78,7 @@ def _pool_library() -> tuple:
     import ctypes
 
     lib_path = zstd_native.native.build("zstd_pool", zstd_native.SOURCE) if zstd_native.native.ENABLED else None
-    zstd = zstd_native._system_library("zstd", ("libzstd.so.1",), zstd_native.ZSTD_SIGNATURES)
+    zstd = zstd_native.system_zstd()
     if lib_path is None or zstd is None:
         pytest.skip("no native zstd threads here")
     return zstd_native.native.declare(ctypes.CDLL(str(lib_path)), zstd_native.SIGNATURES), zstd

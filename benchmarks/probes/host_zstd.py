@@ -193,15 +193,16 @@ def builds(cases: dict[str, list[tuple[bytes, int]]], rounds: int = 7) -> dict:
     from kvcodec.codecs import zstd_native as zn
 
     found = {
-        "system": zn._system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), zn.ZSTD_SIGNATURES),
+        "system": zn.system_zstd(),
         "package": package_zstd(),
     }
     found = {name: lib for name, lib in found.items() if lib is not None}
+    streams = {case: [(bytes(data), count) for data, count in chunks] for case, chunks in cases.items()}
     took: dict[tuple[str, str], list[float]] = {}
     for r in range(rounds):
         for build in list(found) if r % 2 == 0 else list(found)[::-1]:
-            for case, chunks in cases.items():
-                each = [decode_ms(found[build], bytes(data), count) for data, count in chunks]
+            for case, chunks in streams.items():
+                each = [decode_ms(found[build], data, count) for data, count in chunks]
                 took.setdefault((build, case), []).append(sum(each) / len(each))
     return {
         "versions": {name: lib.ZSTD_versionNumber() for name, lib in found.items()},
@@ -240,8 +241,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.engine_dir:
         cases = engine_samples(a.engine_dir)
+    elif a.store_dir:
+        cases = store_samples(a.store_dir)
     else:
-        cases = store_samples(a.store_dir) if a.store_dir else {"synthetic": coded_samples()}
+        cases = {"synthetic": coded_samples()}
     print(f"cpus {os.cpu_count()} affinity {len(os.sched_getaffinity(0))} level {ZSTD_LEVEL}")
     if a.builds:
         out = builds(cases)

@@ -459,6 +459,11 @@ def _system_library(name: str, candidates: tuple[str, ...], signatures: dict):  
     return None
 
 
+def system_zstd():  # noqa: ANN201 - a CDLL or None
+    """The system's libzstd, its functions declared; None where there is none."""
+    return _system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), ZSTD_SIGNATURES)
+
+
 def _crc32() -> tuple | None:
     """(CRC-32 function, is ISA-L's): ISA-L's from the isal package's extension (the container's
     checksum, about 15x zlib's on a chunk's streams), else the system zlib's; None without either."""
@@ -475,7 +480,7 @@ def start(count: int) -> ZstdThreads | None:
     """`count` native zstd threads, or None where they cannot run here (a reason logged)."""
     if not native.ENABLED:
         return None
-    zstd = _system_library("zstd", ("libzstd.so.1", "libzstd.dylib"), ZSTD_SIGNATURES)
+    zstd = system_zstd()
     crc = _crc32()
     if zstd is None or crc is None:
         log.info("no libzstd or no CRC-32 (ISA-L, zlib): zstd streams are decompressed on Python threads")
