@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import threading
 
 import pytest
 
@@ -210,14 +211,19 @@ class Packet(ctypes.Structure):  # CUVIDSOURCEDATAPACKET
 class Parser:
     """A stand-in for cuvidParseVideoData, called on the feeder's thread: it records each packet
     and, once a stream's last byte has come, displays that stream's pictures (kv_display), as
-    NVDEC's parser does once it has seen a stream's end. fail_at: the packet it refuses."""
+    NVDEC's parser does once it has seen a stream's end. fail_at: the packet it refuses. While
+    `gate` is clear, each packet waits for it: the feeder thread is held where the test needs it."""
 
     def __init__(self, lib, state, sizes: dict, frames: dict, fail_at: int | None = None):
         self.lib, self.state, self.sizes, self.frames, self.fail_at = lib, state, sizes, frames, fail_at
         self.packets, self.seen = [], {}
+        self.gate = threading.Event()
+        self.gate.set()
         self.fn = PARSE(self._parse)
 
     def _parse(self, parser, packet):
+        if not self.gate.wait(timeout=60):
+            return 8
         p = Packet.from_address(packet)
         self.packets.append((p.flags, p.size, p.ts))
         if self.fail_at is not None and len(self.packets) > self.fail_at:
@@ -276,11 +282,13 @@ def test_a_kept_feeder_takes_more_streams_after_each_flush(flib):
     drv, s, parser, f = _feeder(flib, sizes, frames, piece=256)
     f.keep()
     for round_, streams in enumerate(([0, 1], [2])):
+        parser.gate.clear()  # nothing is fed, so nothing flushed, until both ends are asked for
         for k in streams:
             s.push(0xA000000 * (k + 1), k, frames[k])
             f.submit(ctypes.addressof(data[k]), sizes[k], k)
         f.end()
         f.end()  # asked twice before it is done: one flush
+        parser.gate.set()
         for _ in range(40):
             if f.wait(1 << 62, 0.5, flushes=round_ + 1) < 0 or f.flushed(round_ + 1, 0) == round_ + 1:
                 break
