@@ -20,7 +20,7 @@ from kvcodec.integrations.hf import (
 from kvcodec.models import kv_shape
 
 
-def _tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8):
+def _tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8, **extra):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -30,6 +30,7 @@ def _tiny_config(layers=2, heads=4, kv_heads=2, head_dim=8):
         hidden_size=heads * head_dim,
         intermediate_size=16,
         vocab_size=32,
+        **extra,
     )
 
 
@@ -198,3 +199,20 @@ def test_extract_command_saves_canonical_kv(smollm2, short_text, tmp_path):
 
     bad = CliRunner().invoke(command, ["--text", str(tmp_path / "missing.txt"), str(out)])
     assert bad.exit_code != 0 and "neither a file nor a text name" in str(bad.exception)
+
+
+def test_a_model_of_another_config_gets_another_id_with_the_same_weights():
+    """RoPE's base changes every key, not a weight: the id once left it out, so a store served one
+    model's KV to the other. What only names or runs a model (its path, use_cache) keeps the id."""
+    from transformers import LlamaForCausalLM
+
+    from kvcodec.models import model_id
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(_tiny_config())
+    other_rope = LlamaForCausalLM(_tiny_config(rope_theta=5e5))
+    other_rope.load_state_dict(base.state_dict())
+    renamed = LlamaForCausalLM(_tiny_config())
+    renamed.load_state_dict(base.state_dict())
+    renamed.config._name_or_path, renamed.config.use_cache = "elsewhere/model", False
+    assert model_id(other_rope) != model_id(base) == model_id(renamed)

@@ -32,9 +32,16 @@ from lmcache.v1.distributed.serde import (  # noqa: E402
 )
 
 import kvcodec.integrations.lmcache_plugin as plugin  # noqa: E402
+import kvcodec.integrations.lmcache_serde as lmcache_serde  # noqa: E402
 from kvcodec.codecs import make_codec  # noqa: E402
-from kvcodec.errors import ConfigError, FormatError, KVCodecError  # noqa: E402
-from kvcodec.integrations.lmcache_serde import KVCodecCoder, SerdeOptions, from_canonical, to_canonical  # noqa: E402
+from kvcodec.errors import ChecksumError, ConfigError, FormatError, KVCodecError  # noqa: E402
+from kvcodec.integrations.lmcache_serde import (  # noqa: E402
+    KVCodecCoder,
+    SerdeOptions,
+    from_canonical,
+    split_frame,
+    to_canonical,
+)
 from kvcodec.integrations.lmcache_store import KVCodecStoreL2Adapter, object_key, store_key  # noqa: E402
 from kvcodec.store import open_store  # noqa: E402
 
@@ -150,10 +157,10 @@ def test_layout_maps_are_inverse():
     assert torch.equal(from_canonical(to_canonical(m, None), m.shape), m)
 
 
-def test_tiny_object_is_stored_raw_within_the_bound(l1, real_kv):
+def test_a_one_token_object_stays_within_the_bound(l1, real_kv):
     x = lmcache_layout(real_kv[:2, :, :1].to(torch.float16))  # one token: side info outweighs it
     n, (y,) = serde_round_trip(l1, {"quant": "int8"}, [x])
-    assert torch.equal(y, x)
+    assert torch.equal(y, x)  # int8 of one token is exact: each channel's min is its max
     processor = create_serde_processor(SerdeConfig("kvcodec", {}))
     assert n <= processor.estimate_serialized_size(MemoryLayoutDesc([x.shape], [x.dtype]))
     processor.close()
@@ -162,17 +169,51 @@ def test_tiny_object_is_stored_raw_within_the_bound(l1, real_kv):
 def test_damaged_bytes_raise_kvcodec_errors(real_kv):
     coder = KVCodecCoder(SerdeOptions.from_kwargs({"quant": "int8"}))
     x = lmcache_layout(real_kv.to(torch.float16))
-    data = bytearray(coder.encode([x]))
+    data = bytearray(coder.encode([x], b"k"))
     out = torch.zeros_like(x)
     with pytest.raises(KVCodecError):
-        coder.decode_into(memoryview(bytes(data[:100])), [out])
+        coder.decode_into(memoryview(bytes(data[:100])), [out], b"k")
     data[len(data) // 2] ^= 0xFF
     with pytest.raises(KVCodecError):
-        coder.decode_into(memoryview(bytes(data)), [out])
+        coder.decode_into(memoryview(bytes(data)), [out], b"k")
     with pytest.raises(KVCodecError):
-        coder.decode_into(memoryview(b"LMC\x00" + bytes(64)), [out])
+        coder.decode_into(memoryview(b"LMC\x00" + bytes(64)), [out], b"k")
     with pytest.raises(KVCodecError):  # wrong destination shape
-        coder.decode_into(memoryview(coder.encode([x])), [torch.zeros_like(x[:, :, :5])])
+        coder.decode_into(memoryview(coder.encode([x], b"k")), [torch.zeros_like(x[:, :, :5])], b"k")
+
+
+def test_an_object_read_under_another_key_is_refused(real_kv):
+    coder = KVCodecCoder(SerdeOptions.from_kwargs({"quant": "int8"}))
+    x = lmcache_layout(real_kv.to(torch.float16))
+    data = memoryview(coder.encode([x], b"key a"))
+    with pytest.raises(FormatError, match="another key"):
+        coder.decode_into(data, [torch.zeros_like(x)], b"key b")
+    coder.decode_into(data, [torch.zeros_like(x)], b"key a")
+
+
+def test_a_raw_part_is_checked_and_keeps_its_dtype(real_kv, monkeypatch):
+    """A part that codes larger than raw (beyond a headroom real objects stay within, so none here)
+    is stored raw: a flipped bit there, or a buffer of another dtype, is refused."""
+    monkeypatch.setattr(lmcache_serde, "_HEADROOM", 0)
+    coder = KVCodecCoder(SerdeOptions.from_kwargs({"quant": "int8"}))
+    x = lmcache_layout(real_kv[:2, :, :1].to(torch.float16))
+    data = bytearray(coder.encode([x], b"k"))
+    assert split_frame(memoryview(data))[1][0][0] == 2  # stored raw
+    with pytest.raises(FormatError, match="stored as torch.float16; the buffer is torch.bfloat16"):
+        coder.decode_into(memoryview(bytes(data)), [torch.zeros_like(x, dtype=torch.bfloat16)], b"k")
+    data[-1] ^= 0x01
+    with pytest.raises(ChecksumError):
+        coder.decode_into(memoryview(bytes(data)), [torch.zeros_like(x)], b"k")
+
+
+def test_objects_of_the_first_version_are_refused(real_kv):
+    """Version 1 bound no object to its key: its objects are misses (recomputed), not read."""
+    coder = KVCodecCoder(SerdeOptions.from_kwargs({"quant": "exact"}))
+    x = lmcache_layout(real_kv[:2].to(torch.float16))
+    data = bytearray(coder.encode([x], b"k"))
+    data[4] = 1
+    with pytest.raises(FormatError, match="version 1"):
+        coder.decode_into(memoryview(bytes(data)), [torch.zeros_like(x)], b"k")
 
 
 # -- through LMCache's L2 path: config parsing, the serde wrapper, an adapter ------------------
@@ -277,6 +318,29 @@ def test_l2_damaged_object_is_a_miss_not_wrong_data(l1, real_kv, tmp_path):
     assert not loaded.test(0)
 
 
+def test_l2_objects_swapped_between_keys_are_misses_not_wrong_data(l1, real_kv, tmp_path):
+    """A store that serves another key's object (here: two objects swapped on disk)."""
+    url = f"file://{tmp_path / 'store'}"
+    xs = [lmcache_layout(real_kv[:, :, s : s + 32].to(torch.float16)) for s in (0, 32)]
+    adapter = l2_adapter(l1, plugin_spec(url, quant="int8"))
+    try:
+        stored = []
+        for x in xs:
+            key, _, layout = kv_object(l1, [x])
+            task = adapter.submit_store_task([key], [l1.reserve_read([key])[key][1]])
+            assert wait(lambda task=task: adapter.pop_completed_store_tasks().get(task)).is_successful()
+            stored.append(key)
+        with open_store(url) as st:
+            a, b = (st.get(store_key(k)) for k in stored)
+            st.put_many({store_key(stored[0]): b, store_key(stored[1]): a})
+        dsts = [memory_obj(l1, layout)[1] for _ in stored]
+        load = adapter.submit_load_task(stored, dsts)
+        loaded = wait(lambda: adapter.query_load_result(load))
+    finally:
+        adapter.close()
+    assert not loaded.test(0) and not loaded.test(1)
+
+
 def test_lmcache_fs_adapter_cannot_load_coded_objects(l1, real_kv, tmp_path):
     """Why kvcodec ships its own L2 adapter: LMCache 0.5.6's fs adapter stores the coded (shorter)
     object but loads only objects exactly as long as the serde's size bound. If LMCache fixes
@@ -291,8 +355,8 @@ def test_lmcache_fs_adapter_cannot_load_coded_objects(l1, real_kv, tmp_path):
 
 
 def test_a_part_stored_in_another_dtype_than_the_buffer_is_refused_not_cast(l1, real_kv):
-    """The buffer's dtype must be the stored one: an object's raw parts carry no dtype, so a
-    coded part that cast silently would leave its raw parts misread."""
+    """The buffer's dtype must be the stored one: a coded part that cast silently would leave the
+    object's raw parts misread."""
     processor = create_serde_processor(SerdeConfig("kvcodec", {"quant": "exact"}))
     try:
         key, src, layout = kv_object(l1, [lmcache_layout(real_kv.to(torch.float16))])
@@ -300,7 +364,7 @@ def test_a_part_stored_in_another_dtype_than_the_buffer_is_refused_not_cast(l1, 
         processor._serializer.serialize(src, tmp, key)
         other = MemoryLayoutDesc(shapes=layout.shapes, dtypes=[torch.bfloat16])
         _, dst = memory_obj(l1, other)
-        with pytest.raises(FormatError, match="stored as float16; the buffer is torch.bfloat16"):
+        with pytest.raises(FormatError, match="stored as torch.float16; the buffer is torch.bfloat16"):
             processor._deserializer.deserialize(tmp, dst, key)
     finally:
         processor.close()

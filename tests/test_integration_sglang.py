@@ -195,7 +195,7 @@ def test_a_damaged_page_pointer_is_a_miss(real_kv, tmp_path):
     with open_store(url) as st:
         pointer = sorted(k for k in st.list("sglang/") if "/p/" in k)[0]
         raw = bytearray(st.get(pointer))
-        raw[-3] = 0xFF  # not UTF-8 any more: a UnicodeDecodeError escaped batch_get
+        raw[-3] = 0xFF  # once, a byte that was not UTF-8 any more raised UnicodeDecodeError out of batch_get
         st.put(pointer, bytes(raw))
     got = b.batch_get(keys, dummy_pages(6, kv))
     assert got[0] is None and all(g is not None for g in got[1:])  # the other pages' group still restores
@@ -216,12 +216,26 @@ def test_an_edited_pointer_never_reads_another_page(real_kv, tmp_path, edit):
         if edit == "index":
             raw[5] = 1  # the index field, its checksum left as it was
         else:  # a consistent forgery: checksum right, the group's size wrong
-            p = PagePointer.from_bytes(bytes(raw))
-            raw = bytearray(PagePointer(p.group_key, p.index, p.pages + 1).to_bytes())
+            p = PagePointer.from_bytes(bytes(raw), pointer)
+            raw = bytearray(PagePointer(p.page_key, p.group_key, p.index, p.pages + 1).to_bytes())
         st.put(pointer, bytes(raw))
     got = b.batch_get(keys, dummy_pages(6, kv))
     assert got[0] is None and all(torch.equal(a, w) for a, w in zip(got[1:], pages[1:]))
     assert b.batch_exists(keys) == 0 and all(b.exists(k) for k in keys[1:])
+
+
+def test_pointers_the_store_serves_under_other_page_keys_are_misses(real_kv, tmp_path):
+    """A store that serves the wrong object: two pages' pointers swapped (a pointer named no page,
+    so page 0 read page 1's KV)."""
+    url = f"file://{tmp_path}"
+    b, kv, keys, pages = six_pages_stored(real_kv, url, "exact")
+    with open_store(url) as st:
+        first, second = sorted(k for k in st.list("sglang/") if "/p/" in k)[:2]
+        a, c = st.get(first), st.get(second)
+        st.put_many({first: c, second: a})
+    got = b.batch_get(keys, dummy_pages(6, kv))
+    swapped = [i for i, g in enumerate(got) if g is None]
+    assert len(swapped) == 2 and all(torch.equal(got[i], pages[i]) for i in range(6) if i not in swapped)
 
 
 def test_bad_configs_fail_at_startup(real_kv, tmp_path):

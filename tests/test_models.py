@@ -118,7 +118,7 @@ def test_loaded_models_have_the_registered_kv_shape_and_stable_ids(smollm2, qwen
 
     with torch.no_grad():
         again.model.layers[3].mlp.down_proj.weight[0, 0] += 1.0
-    assert registry._weights_fingerprint(again) != registry._weights_fingerprint(s_model)
+    assert registry._fingerprint(again) != registry._fingerprint(s_model)
     # a tokenizer loaded from the cache matches the GGUF's: text with ids that both models know
     assert s_tok("Hello world").input_ids and q_tok("Hello world").input_ids
     assert s_tok.decode(s_tok("Paul Graham wrote essays.").input_ids) == "Paul Graham wrote essays."

@@ -9,6 +9,7 @@ Coding lives in kvcodec.integrations.lmcache_serde (no LMCache import there).
 
 from __future__ import annotations
 
+import json
 import sys
 
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -33,7 +34,7 @@ class KVCodecSerializer(Serializer):
         self._coder = coder
 
     def serialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> int:
-        data = self._coder.encode(object_parts(src))
+        data = self._coder.encode(object_parts(src), key_bytes(key))
         out = dst.tensor
         if out is None or out.numel() < len(data):
             raise ShapeError(f"LMCache serde buffer holds {0 if out is None else out.numel()} bytes; need {len(data)}")
@@ -54,7 +55,14 @@ class KVCodecDeserializer(Deserializer):
         data = src.tensor
         if data is None:
             raise ShapeError("LMCache gave the kvcodec serde an invalidated source buffer")
-        self._coder.decode_into(memoryview(data.reshape(-1).numpy()), object_parts(dst))
+        self._coder.decode_into(memoryview(data.reshape(-1).numpy()), object_parts(dst), key_bytes(key))
+
+
+def key_bytes(key: ObjectKey) -> bytes:
+    """Every field of an LMCache ObjectKey, injectively: the serde binds each object to its key, so
+    a store that serves another key's object is refused, not read as this key's KV."""
+    fields = [key.model_name, key.kv_rank, key.object_group_id, key.cache_salt, key.chunk_hash.hex()]
+    return json.dumps(fields).encode()
 
 
 def _bytes_tensor(data: bytes):

@@ -18,22 +18,28 @@ thread pool). This module does the coding and imports nothing of LMCache.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import struct
 import threading
+import zlib
 from collections.abc import Mapping
 
 import torch
 
 from kvcodec.codecs import ChunkCodec, make_codec
 from kvcodec.config import resolution_pairs, whole_number
-from kvcodec.errors import ConfigError, FormatError, ShapeError, TruncatedError
+from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 
 SERDE_NAME = "kvcodec"
 _MAGIC = b"KVLM"
-_VERSION = 1
-_HEAD = struct.Struct("<4sBBH")  # magic, version, flags (unused), number of parts
-_PART = struct.Struct("<BQ")  # part kind (coded or raw), byte length
+# 2: the object's key digest in the head, each part's dtype and CRC-32 in the table (version 1 had
+# none: an object stored under another key, or a raw part damaged or of another dtype, read as data)
+_VERSION = 2
+_KEY_DIGEST = 16  # bytes of BLAKE2b over the object's key
+_HEAD = struct.Struct(f"<4sBBH{_KEY_DIGEST}s")  # magic, version, flags (unused), number of parts, key digest
+_PART = struct.Struct("<BBIQ")  # part kind (coded or raw), dtype code, CRC-32 of kind, dtype and bytes, byte length
 _CODED, _RAW = 1, 2
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
 _HEADROOM = 4096  # frame and header bytes beyond a part's raw size (the size bound)
 _OWN = {"codec", "resolution", "head_dim", "device", "max_workers"}
 
@@ -157,16 +163,23 @@ class KVCodecCoder:
                 self._codecs[tokens] = self.options.make_codec(tokens)
             return self._codecs[tokens]
 
-    def encode(self, parts: list[torch.Tensor]) -> bytes:
-        pieces = [self._encode_part(p) for p in parts]
-        head = _HEAD.pack(_MAGIC, _VERSION, 0, len(pieces))
-        return b"".join([head, *(_PART.pack(kind, len(b)) for kind, b in pieces), *(b for _, b in pieces)])
+    def encode(self, parts: list[torch.Tensor], key: bytes) -> bytes:
+        """The serialized object: `parts`, bound to `key` (the object's key, any bytes that name it)."""
+        pieces = [(kind, dtype_code(p.dtype), b) for p, (kind, b) in zip(parts, map(self._encode_part, parts))]
+        table = [_PART.pack(kind, dtype, _part_crc(kind, dtype, b), len(b)) for kind, dtype, b in pieces]
+        head = _HEAD.pack(_MAGIC, _VERSION, 0, len(pieces), key_digest(key))
+        return b"".join([head, *table, *(b for _, _, b in pieces)])
 
-    def decode_into(self, data: memoryview, parts: list[torch.Tensor]) -> None:
-        pieces = split_frame(data)
+    def decode_into(self, data: memoryview, parts: list[torch.Tensor], key: bytes) -> None:
+        """Decode an object into `parts`; refused (FormatError) unless it was stored under `key`."""
+        stored_under, pieces = split_frame(data)
+        if stored_under != key_digest(key):
+            raise FormatError("kvcodec LMCache object was stored under another key (the store served the wrong object)")
         if len(pieces) != len(parts):
             raise ShapeError(f"stored object has {len(pieces)} parts; the destination has {len(parts)}")
-        for (kind, blob), out in zip(pieces, parts):
+        for (kind, dtype, blob), out in zip(pieces, parts):
+            if dtype != out.dtype:  # raw bytes would be misread, a coded part cast
+                raise FormatError(f"kvcodec LMCache part stored as {dtype}; the buffer is {out.dtype}")
             if kind == _RAW:
                 _copy_raw(blob, out)
             else:
@@ -185,9 +198,6 @@ class KVCodecCoder:
     def _decode_part(self, blob: memoryview, out: torch.Tensor) -> None:
         view = to_canonical(out, self.options.head_dim)
         codec = self.codec(view.shape[2])
-        stored = codec.inspect_chunk(blob).dtype
-        if stored != str(out.dtype).removeprefix("torch."):  # the object's raw parts would be misread
-            raise FormatError(f"kvcodec LMCache part stored as {stored}; the buffer is {out.dtype}")
         device = self.options.decode_device()
         if device == out.device:
             codec.decode_chunk(blob, view)  # straight into LMCache's buffer
@@ -196,13 +206,28 @@ class KVCodecCoder:
             view.copy_(codec.decode_chunk(blob, staged))
 
 
-def split_frame(data: memoryview) -> list[tuple[int, memoryview]]:
-    """(kind, bytes) of each part of a serialized object; trailing bytes (LMCache loads into a
-    buffer of the estimated size) are ignored."""
+def key_digest(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=_KEY_DIGEST).digest()
+
+
+def _part_crc(kind: int, dtype: int, blob: bytes | memoryview) -> int:
+    return zlib.crc32(blob, zlib.crc32(bytes([kind, dtype])))
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in _DTYPES:
+        raise ShapeError(f"the kvcodec LMCache serde stores {', '.join(map(str, _DTYPES))}; not {dtype}")
+    return _DTYPES.index(dtype)
+
+
+def split_frame(data: memoryview) -> tuple[bytes, list[tuple[int, torch.dtype, memoryview]]]:
+    """The key digest of a serialized object and (kind, dtype, bytes) of each of its parts, each
+    checked against its CRC-32; trailing bytes (LMCache loads into a buffer of the estimated size)
+    are ignored."""
     view = memoryview(data).cast("B")
     if len(view) < _HEAD.size:
         raise TruncatedError(f"kvcodec LMCache object truncated: {len(view)} bytes")
-    magic, version, _, n = _HEAD.unpack_from(view, 0)
+    magic, version, _, n, key_digest = _HEAD.unpack_from(view, 0)
     if magic != _MAGIC:
         raise FormatError(f"not a kvcodec LMCache object (magic {bytes(magic)!r})")
     if version != _VERSION:
@@ -212,14 +237,17 @@ def split_frame(data: memoryview) -> list[tuple[int, memoryview]]:
         raise TruncatedError("kvcodec LMCache object truncated inside its part table")
     pieces = []
     for i in range(n):
-        kind, length = _PART.unpack_from(view, _HEAD.size + i * _PART.size)
-        if kind not in (_CODED, _RAW):
-            raise FormatError(f"kvcodec LMCache object part {i} has unknown kind {kind}")
+        kind, dtype, crc, length = _PART.unpack_from(view, _HEAD.size + i * _PART.size)
+        if kind not in (_CODED, _RAW) or dtype >= len(_DTYPES):
+            raise FormatError(f"kvcodec LMCache object part {i} has unknown kind {kind} or dtype {dtype}")
         if pos + length > len(view):
             raise TruncatedError(f"kvcodec LMCache object truncated in part {i}")
-        pieces.append((kind, view[pos : pos + length]))
+        blob = view[pos : pos + length]
+        if _part_crc(kind, dtype, blob) != crc:
+            raise ChecksumError(f"kvcodec LMCache object part {i} fails its CRC-32")
+        pieces.append((kind, _DTYPES[dtype], blob))
         pos += length
-    return pieces
+    return bytes(key_digest), pieces
 
 
 def _copy_raw(blob: memoryview, out: torch.Tensor) -> None:

@@ -244,9 +244,10 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         """Each page's pointer (None: not stored, or damaged), and the indices of the damaged ones."""
         pointers: list[PagePointer | None] = []
         damaged: list[int] = []
-        for i, raw in enumerate(self.store.get_many([self._page_key(k) for k in keys])):
+        page_keys = [self._page_key(k) for k in keys]
+        for i, (page_key, raw) in enumerate(zip(page_keys, self.store.get_many(page_keys))):
             try:
-                pointers.append(None if raw is None else PagePointer.from_bytes(raw))
+                pointers.append(None if raw is None else PagePointer.from_bytes(raw, page_key))
             except KVCodecError:
                 pointers.append(None)
                 damaged.append(i)
@@ -257,9 +258,8 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         group_key = f"{self.prefix}/g/{key_field(keys[0])}+{key_field(keys[-1])}+{len(keys)}"  # "+": in no field
         blob = self._codec(kv.shape[2]).encode_chunks(kv, keys=[group_key])[0].blobs[0]  # bound to its key
         self.store.put(group_key, blob)  # the group first: a pointer never names a missing group
-        self.store.put_many(
-            {self._page_key(k): PagePointer(group_key, i, len(keys)).to_bytes() for i, k in enumerate(keys)}
-        )
+        pointers = [PagePointer(self._page_key(k), group_key, i, len(keys)) for i, k in enumerate(keys)]
+        self.store.put_many({p.page_key: p.to_bytes() for p in pointers})
 
     def _forget(self, keys: list[str]) -> None:
         """Pages found unreadable (a damaged pointer, a damaged group, a group the store lost) are

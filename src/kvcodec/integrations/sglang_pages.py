@@ -73,40 +73,49 @@ def group_spans(n_pages: int, pages_per_group: int) -> list[tuple[int, int]]:
     return [(s, min(n_pages, s + pages_per_group)) for s in range(0, n_pages, pages_per_group)]
 
 
-_POINTER = struct.Struct("<4sBHHI")  # magic, version, page index in group, pages in group, CRC32 of the rest
+_POINTER = struct.Struct("<4sBHHHI")  # magic, version, page index in group, pages in group, group key length, CRC32
 _MAGIC = b"KVHP"
-_VERSION = 2  # 2: a CRC32 over index, pages and group key (version 1 had none: an edited index read another page)
+# 3: the pointer names its own page key (version 2 did not: a pointer the store served under another
+# page's key read that page's KV); 2: a CRC32 over index, pages and keys (1 had none)
+_VERSION = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class PagePointer:
-    """What a page key holds: the key of its group's coded blob and its place in the group."""
+    """What a page key holds: that page key, the key of its group's coded blob and its place in
+    the group."""
 
+    page_key: str
     group_key: str
     index: int
     pages: int
 
     def to_bytes(self) -> bytes:
-        key = self.group_key.encode()
-        return _POINTER.pack(_MAGIC, _VERSION, self.index, self.pages, _crc(self.index, self.pages, key)) + key
+        group, page = self.group_key.encode(), self.page_key.encode()
+        crc = _crc(self.index, self.pages, group, page)
+        return _POINTER.pack(_MAGIC, _VERSION, self.index, self.pages, len(group), crc) + group + page
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> PagePointer:
+    def from_bytes(cls, data: bytes, page_key: str) -> PagePointer:
+        """The pointer stored under `page_key`; FormatError if it is damaged or belongs to another page."""
         if len(data) < _POINTER.size:
             raise FormatError(f"HiCache page pointer truncated ({len(data)} bytes)")
-        magic, version, index, pages, crc = _POINTER.unpack_from(data, 0)
+        magic, version, index, pages, group_len, crc = _POINTER.unpack_from(data, 0)
         if magic != _MAGIC or version != _VERSION:
             raise FormatError(f"not a kvcodec HiCache page pointer of version {_VERSION}")
-        if crc != _crc(index, pages, data[_POINTER.size :]):
+        group, page = data[_POINTER.size : _POINTER.size + group_len], data[_POINTER.size + group_len :]
+        if len(group) != group_len or crc != _crc(index, pages, group, page):
             raise FormatError("HiCache page pointer fails its checksum")
+        if page != page_key.encode():
+            raise FormatError(f"the HiCache page pointer under {page_key} belongs to another page")
         if not 0 <= index < pages:
             raise FormatError(f"HiCache page pointer index {index} outside its group of {pages}")
         try:
-            group_key = data[_POINTER.size :].decode()
+            group_key = group.decode()
         except UnicodeDecodeError as e:
             raise FormatError(f"HiCache page pointer names no group ({e})") from None
-        return cls(group_key, index, pages)
+        return cls(page_key, group_key, index, pages)
 
 
-def _crc(index: int, pages: int, group_key: bytes) -> int:
-    return zlib.crc32(struct.pack("<HH", index, pages) + group_key)
+def _crc(index: int, pages: int, group_key: bytes, page_key: bytes) -> int:
+    return zlib.crc32(struct.pack("<HHH", index, pages, len(group_key)) + group_key + page_key)

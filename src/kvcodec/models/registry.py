@@ -359,11 +359,19 @@ def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
 _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-def _weights_fingerprint(model: Any, samples: int = 4096) -> str:
-    """sha256 (16 hex) over every parameter's name, shape, dtype and a strided sample of its values."""
+# Config fields that name, load or run a model without changing the KV it computes.
+_CONFIG_NOT_KV = frozenset(
+    {"architectures", "dtype", "torch_dtype", "transformers_version", "name_or_path", "use_cache", "return_dict"}
+    | {"output_attentions", "output_hidden_states"}
+)
+
+
+def _fingerprint(model: Any, samples: int = 4096) -> str:
+    """sha256 (16 hex) over the decoder config's settings (RoPE, norms, scaling...) and every
+    parameter's name, shape, dtype and a strided sample of its values."""
     import torch
 
-    h = hashlib.sha256()
+    h = hashlib.sha256(_config_text(model).encode())
     with torch.no_grad():
         for name, t in sorted(model.state_dict().items()):
             flat = t.detach().reshape(-1)
@@ -376,11 +384,19 @@ def _weights_fingerprint(model: Any, samples: int = 4096) -> str:
     return h.hexdigest()[:16]
 
 
+def _config_text(model: Any) -> str:
+    config = _text_config(model)
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    kept = {k: v for k, v in fields.items() if not k.startswith("_") and k not in _CONFIG_NOT_KV}
+    return json.dumps(kept, sort_keys=True, default=str)
+
+
 def model_id(model: Any) -> str:
     """Stable identity of a loaded model: architecture, KV shape, dtype and a weights fingerprint.
 
-    Example: ``llama-L30-kv3x64-fp32-0123456789abcdef``. Two models give the same id exactly when
-    they would compute the same KV for the same tokens (same architecture, weights and dtype).
+    Example: ``llama-L30-kv3x64-fp32-0123456789abcdef``. Models of another architecture, config
+    (RoPE base and scaling among them), dtype or weights get another id; the weights are sampled
+    (4096 values a tensor), so two models that differ in a few values only may share one.
     The value is computed once per model object and remembered.
     """
     cached = getattr(model, "_kvcodec_model_id", None)
@@ -389,7 +405,7 @@ def model_id(model: Any) -> str:
     layers, kv_heads, head_dim = kv_shape(model)
     arch = getattr(_text_config(model), "model_type", None) or type(model).__name__
     dtype = str(getattr(model, "dtype", "unknown")).replace("torch.", "")
-    ident = f"{arch}-L{layers}-kv{kv_heads}x{head_dim}-{_DTYPE_SHORT.get(dtype, dtype)}-{_weights_fingerprint(model)}"
+    ident = f"{arch}-L{layers}-kv{kv_heads}x{head_dim}-{_DTYPE_SHORT.get(dtype, dtype)}-{_fingerprint(model)}"
     try:
         object.__setattr__(model, "_kvcodec_model_id", ident)
     except Exception:  # pragma: no cover - objects that refuse attributes just recompute
