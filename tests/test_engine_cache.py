@@ -108,7 +108,15 @@ def test_engine_prefills_in_the_fetch_target_and_reports_the_gap(smollm2, short_
 
     pc = RecordingCache(open_store("memory://"), model_id(model), make_codec("raw", chunk_tokens=16), "cpu")
     pc.put(ids[:n].tolist(), kv)
-    with Engine(model, tokenizer=tok, prefix_cache=pc, store_policy=StorePolicy(enabled=False), device="cpu") as eng:
+    engine = Engine(  # no fetch deadline: the default's (the measured recompute time) is a race on a loaded machine
+        model,
+        tokenizer=tok,
+        prefix_cache=pc,
+        store_policy=StorePolicy(enabled=False),
+        device="cpu",
+        fetch_deadline_s=None,
+    )
+    with engine as eng:
         req = eng.submit(ids.tolist(), SamplingParams(max_new_tokens=3, ignore_eos=True))
         while not req.output_ids:
             if eng.scheduler.wait_for_work(timeout=5):

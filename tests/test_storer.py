@@ -23,13 +23,15 @@ CT = 4  # chunk tokens
 
 
 class GatedCache(PrefixCache):
-    """A real PrefixCache whose puts wait for `gate` and record their order."""
+    """A real PrefixCache whose puts say they have begun (`entered`), wait for `gate` and record
+    their order."""
 
     def __init__(self) -> None:
         super().__init__(open_store("memory://"), "m", make_codec("raw", chunk_tokens=CT), "cpu")
-        self.gate, self.order = threading.Event(), []
+        self.entered, self.gate, self.order = threading.Event(), threading.Event(), []
 
     def put(self, token_ids, kv):
+        self.entered.set()
         assert self.gate.wait(30)
         self.order.append(tuple(token_ids))
         return super().put(token_ids, kv)
@@ -48,7 +50,8 @@ def test_backlog_keeps_the_most_valuable_and_runs_them_first():
     cache = GatedCache()
     storer = KVStorer(cache, StorePolicy(), CT, max_pending=3)
     try:
-        running = storer.submit(prompt(0, 8), cache_of(8))  # taken by the worker, waits at the gate
+        running = storer.submit(prompt(0, 8), cache_of(8))
+        assert cache.entered.wait(30)  # taken by the worker, which waits at the gate: out of the backlog
         short = storer.submit(prompt(100, 8), cache_of(8))
         long = storer.submit(prompt(200, 16), cache_of(16))
         shared = prompt(300, 8)
