@@ -88,11 +88,22 @@ def test_burst_of_valid_and_invalid_requests(server):
     assert 'kvcodec_requests_total{finish_reason="error"}' not in metrics
 
 
-def _aborted(base: str) -> float:
+def _metric(base: str, sample: str) -> float:
     for ln in httpx.get(base + "/metrics", timeout=10).text.splitlines():
-        if ln.startswith('kvcodec_requests_total{finish_reason="abort"}'):
+        if ln.startswith(sample + " "):
             return float(ln.split()[-1])
     return 0.0
+
+
+def _aborted(base: str) -> float:
+    return _metric(base, 'kvcodec_requests_total{finish_reason="abort"}')
+
+
+def _wait_until(condition, seconds: float = 60) -> None:  # noqa: ANN001 - condition: () -> bool
+    """Poll `condition` until it holds (generous for a loaded CI machine; returns as soon as it does)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_vanished_client_request_is_cancelled(server):
@@ -106,10 +117,9 @@ def test_vanished_client_request_is_cancelled(server):
             + f"Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        time.sleep(1.0)
-    deadline = time.monotonic() + 60  # generous for a loaded CI machine; passes as soon as it aborts
-    while _aborted(base) <= before and time.monotonic() < deadline:
-        time.sleep(0.25)
+        generated = _metric(base, "kvcodec_generated_tokens_total")
+        _wait_until(lambda: _metric(base, "kvcodec_generated_tokens_total") > generated)  # the request runs
+    _wait_until(lambda: _aborted(base) > before)
     assert _aborted(base) == before + 1
     assert httpx.get(base + "/health", timeout=10).status_code == 200
 
