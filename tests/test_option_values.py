@@ -156,3 +156,28 @@ def test_the_lmcache_serde_refuses_sizes_below_one_when_lmcache_builds_it(option
     with pytest.raises(ConfigError, match=f"kvcodec serde {name}"):
         SerdeOptions.from_kwargs(options)
     assert getattr(SerdeOptions.from_kwargs({name: "64"}), name) == 64
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["demo", "--gbit", "nan"],  # a nan link rate hung the demo at its first transfer
+        ["demo", "--transform-ratio", "inf"],
+        ["serve", "--stall-timeout", "nan"],
+        ["calibrate", "x.safetensors", "--weight-alpha", "nan"],
+        ["calibrate", "x.safetensors", "--tokens-per-dim", "inf"],
+    ],
+)
+def test_a_number_that_is_not_finite_is_a_usage_error_before_any_work(args):
+    from kvcodec.cli.main import cli
+
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 2 and "is not a finite number" in r.output and "Traceback" not in r.output, r.output
+
+
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_link_trace_refuses_a_rate_that_is_not_finite_and_positive(rate):
+    from kvbench.net.trace import JitterTrace
+
+    with pytest.raises(ConfigError, match="finite and > 0"):
+        JitterTrace.constant(rate)

@@ -24,8 +24,8 @@ class JitterTrace:
         if not self.segments:
             raise ConfigError("a trace needs at least one segment")
         for d, r in self.segments:
-            if d <= 0 or r <= 0:
-                raise ConfigError(f"trace segment ({d}, {r}): duration and rate must be > 0")
+            if not (0 < d < math.inf and 0 < r < math.inf):  # a nan rate: a link that never delivers
+                raise ConfigError(f"trace segment ({d}, {r}): duration and rate must be finite and > 0")
 
     @property
     def period_s(self) -> float:

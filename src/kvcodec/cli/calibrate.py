@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import check_output_path, device_option, finite_above
+from kvcodec.cli.options import FiniteRange, check_output_path, device_option, finite_above
 from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.transform.calibration import HELD_OUT_TEXTS, KIND_EVAL_TEXTS, mixed_texts
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
@@ -256,7 +256,7 @@ def _refuse_model_only_flags(model_name: str | None) -> None:
 @click.option("--max-group", type=click.IntRange(min=1), help="At most this many layers per PCA group.")
 @click.option(
     "--tokens-per-dim",
-    type=click.FloatRange(min=MIN_TOKENS_PER_DIM),
+    type=FiniteRange(min=MIN_TOKENS_PER_DIM),
     default=TARGET_TOKENS_PER_DIM,
     show_default=True,
     help="Calibration tokens per dimension a layer group must keep (fewer: larger groups).",
@@ -276,7 +276,7 @@ def _refuse_model_only_flags(model_name: str | None) -> None:
     show_default=True,
     help="fisher: weight channels by the model's sensitivity (needs --model); mse: plain squared error.",
 )
-@click.option("--weight-alpha", type=click.FloatRange(0.0, 1.0), default=WEIGHT_ALPHA, show_default=True)
+@click.option("--weight-alpha", type=FiniteRange(0.0, 1.0), default=WEIGHT_ALPHA, show_default=True)
 @click.option(
     "--fisher-texts",
     type=click.IntRange(min=1),

@@ -24,7 +24,7 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import check_report_path, device_option
+from kvcodec.cli.options import FiniteRange, check_report_path, device_option
 from kvcodec.config import QUANT_MODES
 
 QUESTIONS = (
@@ -49,7 +49,7 @@ def _say(msg: str) -> None:
     "--gbit",
     default=1.0,
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     help="Emulated link bandwidth (Gbit/s, token bucket).",
 )
 @click.option(
@@ -58,7 +58,7 @@ def _say(msg: str) -> None:
 @click.option(
     "--transform-ratio",
     default=None,
-    type=click.FloatRange(min=1, min_open=True),
+    type=FiniteRange(min=1, min_open=True),
     help="Transform codec: stored size = fp16 size / this (default: its 'accurate' preset).",
 )
 @click.option(

@@ -57,6 +57,18 @@ def parse_deadline(ctx: click.Context | None, param: Any, value: str | float | N
     return seconds
 
 
+class FiniteRange(click.FloatRange):
+    """click.FloatRange without nan and inf, which FloatRange lets through (a nan link rate hung the demo)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: Any, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 def finite_above(low: float) -> Callable:
     """A callback: an optional number that is finite and > low (click's FloatRange lets nan and inf through)."""
 

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from kvcodec.cli.options import (
+    FiniteRange,
     count_option,
     device_option,
     dtype_option,
@@ -110,7 +111,7 @@ from kvcodec.cli.options import (
     "--stall-timeout",
     default=60.0,
     show_default=True,
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     help="/health answers 503 after this many seconds without engine progress while work is pending.",
 )
 @device_option(default=None, help="cpu or cuda (default: cuda if available).")
