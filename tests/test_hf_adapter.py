@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -216,3 +218,24 @@ def test_a_model_of_another_config_gets_another_id_with_the_same_weights():
     renamed.load_state_dict(base.state_dict())
     renamed.config._name_or_path, renamed.config.use_cache = "elsewhere/model", False
     assert model_id(other_rope) != model_id(base) == model_id(renamed)
+
+
+def test_extracted_kv_never_goes_beyond_the_models_context(caplog):
+    """extract and calibrate once prefilled 500 tokens through a model of 64 positions (KV of
+    positions it was never trained on); ingest and the server already stopped at the context."""
+    from transformers import LlamaForCausalLM
+
+    from kvcodec.models.check import layout_from_config
+    from kvcodec.models.extract import extract_text_kv
+
+    class Tokenizer:  # every character a token: any text is as long as asked for
+        def __call__(self, text, return_tensors=None):  # noqa: ANN001, ANN204
+            return SimpleNamespace(input_ids=torch.tensor([[ord(c) % 32 for c in text]]))
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(_tiny_config(max_position_embeddings=64)).eval()
+    layout = layout_from_config(model.config)
+    ids, kv = extract_text_kv(model, Tokenizer(), layout, "x" * 500, 500)
+    assert len(ids) == 64 and kv.shape[2] == 64 and "the model's context is 64" in caplog.text
+    assert len(extract_text_kv(model, Tokenizer(), layout, "x" * 500)[0]) == 64
+    assert len(extract_text_kv(model, Tokenizer(), layout, "x" * 500, 40)[0]) == 40

@@ -19,6 +19,7 @@ from typing import Any
 from kvcodec.errors import ConfigError
 from kvcodec.ingest.run import FAILED, SKIPPED, STORED, DocResult, IngestReport, _prefill, _stored_already, _why
 from kvcodec.ingest.sources import Document
+from kvcodec.models.registry import token_limit
 
 INSTALL_HINT = "kvcodec ingest --ray needs Ray: pip install 'kvcodec[ray]'"
 
@@ -81,7 +82,7 @@ class Prefiller:
         self.tokens = Tokens(tokenizer)
         self.model_id = model_id(self.model)
         self.store, self.cache = job.open_cache(self.model_id)
-        self.limit = job.max_tokens or getattr(self.model.config, "max_position_embeddings", None)
+        self.limit = token_limit(self.model, job.max_tokens)
 
     def prefill(self, doc: Document) -> tuple[tuple[DocResult, list[int] | None, str], Any]:
         """((result, token ids to store or None, model id), KV on the CPU or None)."""

@@ -25,6 +25,7 @@ from typing import Any
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.ingest.sources import Document
 from kvcodec.layout.search import encode_workers
+from kvcodec.models.registry import token_limit
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def ingest(
     from kvcodec.engine.tokens import Tokens
 
     tokens = Tokens(tokenizer)
-    limit = max_tokens or getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = token_limit(model, max_tokens)
     results: list[DocResult] = []
     inflight: collections.deque[tuple[Future, DocResult]] = collections.deque()
 

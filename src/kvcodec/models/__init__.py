@@ -22,6 +22,7 @@ from kvcodec.models.registry import (
     ModelSpec,
     cache_dir,
     cast_model,
+    context_tokens,
     get_spec,
     gguf_path,
     kv_shape,
@@ -29,6 +30,7 @@ from kvcodec.models.registry import (
     load_model,
     model_cache_path,
     model_id,
+    token_limit,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "ModelSpec",
     "cache_dir",
     "cast_model",
+    "context_tokens",
     "get_spec",
     "gguf_path",
     "kv_shape",
@@ -44,4 +47,5 @@ __all__ = [
     "load_model",
     "model_cache_path",
     "model_id",
+    "token_limit",
 ]

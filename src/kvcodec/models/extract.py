@@ -14,6 +14,7 @@ from kvcodec.errors import ShapeError
 from kvcodec.kvspec.hf import prefill, recording_cache, split_cache
 from kvcodec.kvspec.tensors import GroupedKV
 from kvcodec.models.check import ModelLayout, check_cache_spec
+from kvcodec.models.registry import token_limit
 
 
 @torch.inference_mode()
@@ -45,11 +46,13 @@ def extract_text_kv(
     chunk_tokens: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | GroupedKV]:
-    """(token ids, KV on the CPU): a (layers, 2, T, H, D) tensor for a uniform cache, else a GroupedKV
-    whose groups all hold positions [0, T)."""
+    """(token ids, KV on the CPU) of the text's first max_tokens tokens (never beyond the model's
+    context): a (layers, 2, T, H, D) tensor for a uniform cache, else a GroupedKV whose groups all
+    hold positions [0, T)."""
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
+    limit = token_limit(model, max_tokens)
+    if limit is not None:
+        ids = ids[:limit]
     return ids, kv_of_ids(model, layout, ids, chunk_tokens=chunk_tokens, progress=progress)
 
 

@@ -356,6 +356,22 @@ def kv_shape(model_or_config: Any) -> tuple[int, int, int]:
     return layers, kv_heads, int(head_dim)
 
 
+def context_tokens(model_or_config: Any) -> int | None:
+    """The model's context window (its config's max_position_embeddings); None where it names none."""
+    n = getattr(_text_config(model_or_config), "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def token_limit(model_or_config: Any, max_tokens: int | None) -> int | None:
+    """At most `max_tokens` tokens, and never beyond the model's context: positions past it give KV
+    of positions the model was not trained on (said in a warning where max_tokens asked for them)."""
+    context = context_tokens(model_or_config)
+    if max_tokens is not None and context is not None and max_tokens > context:
+        log.warning("%d tokens asked for; the model's context is %d: at most %d are used", max_tokens, context, context)
+    limits = [n for n in (max_tokens, context) if n is not None]
+    return min(limits) if limits else None
+
+
 _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
