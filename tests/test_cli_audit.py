@@ -326,6 +326,20 @@ def test_a_refused_serve_start_leaves_no_temp_store_behind(tmp_path, monkeypatch
     assert "--codec" in _one_line_error(r, 2) and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        (["--preset", "compact"], "--preset"),  # was: "Invalid value for --codec: ... unexpected keyword 'preset'"
+        (["--target-ratio", "5"], "--target-ratio"),
+        (["--quant", "int99"], "--quant"),
+        (["--codec-option", "nope=1"], "--codec-option nope"),
+    ],
+)
+def test_a_serve_codec_refusal_names_the_flag_that_was_wrong(args, names):
+    out = _one_line_error(CliRunner().invoke(cli, ["serve", "--device", "cpu", *args]), 2)
+    assert names in out and "Invalid value for --codec:" not in out, out
+
+
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="needs Ray not installed")
 def test_ingest_ray_without_ray_is_refused_first(tmp_path, monkeypatch):
     # was refused only after the model check and the store had been opened

@@ -3,6 +3,7 @@ fetching prompt KV with any registered codec (kvcodec.codecs.registry)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -318,12 +319,34 @@ def codec_choice(name: str | None, options: dict[str, Any], flags: dict[str, Any
         if value is None:
             continue
         if key in options:
-            flag = "--" + key.replace("_", "-")
-            raise click.UsageError(f"{flag} and --codec-option {key}=... are alternatives: give one")
+            raise click.UsageError(f"{_flag(key)} and --codec-option {key}=... are alternatives: give one")
         options[key] = str(value) if isinstance(value, Path) else value
     if flags.get("transform") is not None and name not in (None, "transform"):
         raise click.UsageError(f"--transform stores KV with the transform codec; --codec {name} contradicts it")
-    return name or ("transform" if flags.get("transform") is not None else "hevc"), options
+    name = name or ("transform" if flags.get("transform") is not None else "hevc")
+    if name != "transform" and (given := [_flag(k) for k in _TRANSFORM_ONLY if flags.get(k) is not None]):
+        raise click.UsageError(f"{' / '.join(given)} set the transform codec's size: give --transform (a .kvt) too")
+    return name, options
+
+
+_TRANSFORM_ONLY = ("preset", "target_ratio", "target_quality")
+_SHORTHANDS = frozenset(
+    {"transform", "quant", "chunk_tokens", *_TRANSFORM_ONLY}
+)  # options that have flags of their own
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _blamed(error: Exception, options: dict[str, Any]) -> str:
+    """Where a codec's refusal came from: the option its message names (the longest such name), as
+    its flag and --codec-option; --codec where it names none."""
+    said = str(error)
+    named = next((k for k in sorted(options, key=len, reverse=True) if re.search(rf"\b{k}\b", said)), None)
+    if named is None:
+        return "--codec"
+    return f"{_flag(named)} / --codec-option {named}" if named in _SHORTHANDS else f"--codec-option {named}"
 
 
 def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCodec
@@ -336,10 +359,12 @@ def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCo
         return make(name, **options)
     except TypeError as e:  # an option the codec's factory does not take
         given = ", ".join(sorted(options)) or "none"
-        raise click.BadParameter(f"codec {name!r} refuses its options ({given}): {e}", param_hint="--codec") from None
+        raise click.BadParameter(
+            f"codec {name!r} refuses its options ({given}): {e}", param_hint=_blamed(e, options)
+        ) from None
     except KVCodecError as e:
         said = str(e) if str(e).startswith(f"codec {name!r}") else f"codec {name!r}: {e}"
-        raise click.BadParameter(said, param_hint="--codec") from None
+        raise click.BadParameter(said, param_hint=_blamed(e, options)) from None
 
 
 def _check_port(host: str, port: int) -> None:
