@@ -79,9 +79,10 @@ def test_staged_chunks_are_prepared_on_the_calling_thread_in_order():
     assert hevc_encode.stage_on_caller(kv_like(), 4) is False  # KV on the CPU: prepared by the chunk threads
 
 
-def test_bad_worker_count_is_a_config_error(monkeypatch):
-    monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", "many")
-    with pytest.raises(ConfigError, match="KVCODEC_ENCODE_WORKERS"):
+@pytest.mark.parametrize("value", ["many", "-1", "0", "1.5"])
+def test_bad_worker_count_is_a_config_error(monkeypatch, value):
+    monkeypatch.setenv("KVCODEC_ENCODE_WORKERS", value)  # "-1" and "0" once meant one worker, without a word
+    with pytest.raises(ConfigError, match="KVCODEC_ENCODE_WORKERS must be an integer >= 1"):
         hevc_encode.encode_workers()
 
 

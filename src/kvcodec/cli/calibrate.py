@@ -188,7 +188,9 @@ def gpu_memory_hint(device: Any, model_name: str | None) -> Iterator[None]:
 def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
     """(fit, held out): the last `holdout` items (default: one in eight, at least one when there are three)."""
     n = len(items)
-    k = (max(1, n // 8) if n >= 3 else 0) if holdout is None else min(holdout, n - 1)
+    if holdout is not None and holdout > max(0, n - 1):
+        raise click.BadParameter(f"{holdout} of {n}: at least one must be fitted", param_hint="--holdout")
+    k = (max(1, n // 8) if n >= 3 else 0) if holdout is None else holdout
     return (items[: n - k], items[n - k :]) if k > 0 else (items, [])
 
 
@@ -382,6 +384,11 @@ def command(
 
 def _texts(texts: str | None, holdout: int | None) -> tuple[list[str], list[str]]:
     if not texts:
+        if holdout is not None and holdout > len(HOLDOUT_TEXTS):
+            raise click.BadParameter(
+                f"{holdout}: the default holds out at most {', '.join(HOLDOUT_TEXTS)}; give --texts to hold out more",
+                param_hint="--holdout",
+            )
         return list(DEFAULT_TEXTS), list(HOLDOUT_TEXTS[: len(HOLDOUT_TEXTS) if holdout is None else holdout])
     return split_held_out([t.strip() for t in texts.split(",") if t.strip()], holdout)
 

@@ -182,7 +182,7 @@ def _calibrate(model, tok, model_name: str, text_name: str, tokens: int, out_dir
     texts = calibration_texts(text_name)
     _say(
         f"[2/{STEPS}] transform codec: calibrating on the KV of {', '.join(texts[:-1])} (held out: {texts[-1]}), "
-        f"{tokens} tokens each, not the document ..."
+        "not the document ..."  # the tokens per text follow: at least what the fit needs, which may exceed `tokens`
     )
     qc = quick_calibration(model, tok, model_name, text_name, tokens, out_dir)
     if qc is None:

@@ -37,8 +37,19 @@ def _read_text(spec: str) -> tuple[str, str]:
     show_default=True,
     help="A registered model name, a transformers model directory or a .gguf file.",
 )
-@click.option("--text", "text_spec", required=True, help="A UTF-8 file, or a text name: pg, pg/<essay>.")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="Tokens to keep.")
+@click.option(
+    "--text",
+    "text_spec",
+    required=True,
+    help="A UTF-8 file, or a text name: pg, pg/<essay>, py/<module>, doc/<module>, dlg/<n> (kvcodec.models.texts).",
+)
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="Tokens to keep (never beyond the model's context).",
+)
 @click.option(
     "--dtype", type=click.Choice(_DTYPES), default="float16", show_default=True, help="dtype of the saved KV."
 )

@@ -149,9 +149,12 @@ def encode_workers() -> int:
     env = os.environ.get("KVCODEC_ENCODE_WORKERS")
     if env:
         try:
-            return max(1, int(env))
+            workers = int(env)
         except ValueError:
-            raise ConfigError(f"KVCODEC_ENCODE_WORKERS must be an integer; got {env!r}") from None
+            workers = 0
+        if workers < 1:
+            raise ConfigError(f"KVCODEC_ENCODE_WORKERS must be an integer >= 1; got {env!r}")
+        return workers
     return usable_cores()
 
 
