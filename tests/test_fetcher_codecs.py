@@ -109,6 +109,23 @@ def test_encode_chunks_numbers_keys_and_hands_out_chunks_in_order(codec):
     assert len(seen) == 3
 
 
+@pytest.mark.parametrize(
+    "name,options,decoders",
+    [
+        ("hevc", {"sample_coder": "zstd"}, "zstd-host"),  # was "ffmpeg-cpu": a decoder that never ran
+        ("hevc", {"sample_coder": "hevc"}, "ffmpeg-cpu"),
+        ("hevc", {}, "zstd-host+ffmpeg-cpu"),  # "auto" codes either
+        ("transform", {"coder": "zstd"}, "zstd-host"),  # was the class name
+        ("transform", {"coder": "mixed"}, "ffmpeg-cpu+zstd-host"),
+    ],
+)
+def test_a_fetch_names_the_decoders_its_chunks_use(extra, name, options, decoders):
+    kv, ids = make_kv(), ids_for(40)
+    cache = cache_for(build(name, {name: {**extra.get(name, {}), **options}}))
+    cache.put(ids, kv)
+    assert cache.fetch(ids).stats.decoder == decoders
+
+
 def test_fetch_roundtrip_and_direct_targets(codec):
     kv, ids = make_kv(), ids_for(40)
     cache = cache_for(codec)

@@ -11,6 +11,7 @@ from kvcodec.errors import ConfigError
 
 _INT_QUANT = re.compile(r"^int([2-8])$")
 SAMPLE_CODERS = ("hevc", "zstd", "auto")
+SAMPLE_CODER_USES = {"hevc": ("hevc",), "zstd": ("zstd",), "auto": ("zstd", "hevc")}  # what each may code chunks with
 QUANT_MODES = ("exact",) + tuple(f"int{b}" for b in range(2, 9))
 
 # Frame sizes (width, height) of the planes each chunk is stored at. All multiples of 16 and

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkInfo, EncodedChunk, Target
-from kvcodec.codecs.hevc.decode import chunk_parts, decode_chunk_blob, decoder_name, inspect_chunk_blob
+from kvcodec.codecs.hevc.decode import chunk_parts, decode_chunk_blob, inspect_chunk_blob, sample_decoders
 from kvcodec.codecs.hevc.encode import default_encoder, encode_chunks
-from kvcodec.config import CodecConfig
+from kvcodec.config import SAMPLE_CODER_USES, CodecConfig
 from kvcodec.container.format import FORMAT_VERSION, PLAIN, check_chunk_config
 from kvcodec.errors import ConfigError, FormatError
 from kvcodec.plugins import check_arguments
@@ -140,12 +140,14 @@ class HevcCodec:
         return decode_chunk_blob(blob, out=out, decoder=self.decoder, restore=self.restore)
 
     def decoder_name(self, device: str | torch.device) -> str:
-        """The video decoder a decode into a target on `device` uses."""
+        """The decoders a decode into a target on `device` uses: zstd-host for zstd'd samples, the
+        video decoder for video ("auto" codes either: both are named)."""
+        video = None
         if self.pool is not None and torch.device(device) == self.pool.device:
-            return f"{getattr(self.pool, 'name', 'nvdec-pool')}:{self.pool.workers}"
-        if self.decoder is not None:
-            return str(getattr(self.decoder, "name", type(self.decoder).__name__))
-        return decoder_name(device)
+            video = f"{getattr(self.pool, 'name', 'nvdec-pool')}:{self.pool.workers}"
+        elif self.decoder is not None:
+            video = str(getattr(self.decoder, "name", type(self.decoder).__name__))
+        return sample_decoders(SAMPLE_CODER_USES[self.config.sample_coder], device, video)
 
     def __repr__(self) -> str:
         return f"HevcCodec({self.config!r}, id={self.id!r})"

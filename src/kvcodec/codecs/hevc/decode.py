@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -439,3 +440,14 @@ def decoder_name(device: str | torch.device) -> str:
     device has no NVDEC)."""
     with idle_decoders.borrow(device) as lent:
         return lent.name
+
+
+HOST_ZSTD_DECODER = "zstd-host"
+
+
+def sample_decoders(coders: Iterable[str], device: str | torch.device, video: str | None = None) -> str:
+    """The decoders that chunks whose samples are coded by `coders` ("zstd", "hevc") use on
+    `device`, joined by "+": zstd-host for zstd'd samples, for video `video` or else the video
+    decoder a decode on `device` borrows."""
+    names = (HOST_ZSTD_DECODER if c == "zstd" else video or decoder_name(device) for c in dict.fromkeys(coders))
+    return "+".join(names)

@@ -27,6 +27,7 @@ import zstandard
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
+from kvcodec.codecs.hevc.decode import sample_decoders
 from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import TARGET_DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import (
@@ -233,6 +234,10 @@ class TransformCodec:
     def codes_video(self) -> bool:
         """Whether some of this codec's chunks hold a video (a fetch of them needs NVDEC sessions)."""
         return self.coder in VIDEO_CODERS
+
+    def decoder_name(self, device: str | torch.device) -> str:
+        """The decoders a decode on `device` uses: zstd-host for zstd'd samples, the video decoder for video."""
+        return sample_decoders(MIXED_TURN if self.coder == "mixed" else (self.coder,), device)
 
     # ------------------------------------------------------------------------------ encode
 
