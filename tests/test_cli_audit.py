@@ -571,3 +571,20 @@ def test_calibrate_refuses_a_holdout_it_cannot_give_instead_of_shrinking_it(tmp_
     args = ["calibrate", "--model", "smollm2-135m", "--holdout", "4", "--out", kvt]
     out = _one_line_error(CliRunner().invoke(cli, args), 2)
     assert "--holdout" in out and "give --texts" in out
+
+
+def test_a_usage_error_imports_neither_torch_nor_other_subcommands():
+    """`kvcodec encode --nope` imported every subcommand's module and, through the package root,
+    torch: seconds for a one-line error (tens of seconds on a loaded machine)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from kvcodec.cli.main import main\n"
+        "sys.argv = ['kvcodec', 'encode', '--nope']\n"
+        "try:\n    main()\nexcept SystemExit as e:\n    code = e.code\n"
+        "print(code, 'torch' in sys.modules, 'kvcodec.cli.calibrate' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["2", "False", "False"], (out.stdout, out.stderr)

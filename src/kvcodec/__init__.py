@@ -1,9 +1,6 @@
 """kvcodec: fast remote KV-cache prefix reuse; KV caches quantized or transform-coded, then coded losslessly with
 zstd (decompressed on idle host cores) or as HEVC video (decoded on the GPU's NVDEC engines)."""
 
-from kvcodec.codec import decode, decode_chunk_blob, encode, encode_chunks, inspect, inspect_chunk_blob
-from kvcodec.codecs import ChunkCodec, ChunkInfo, EncodedChunk, make_codec, register_codec, registered_codecs
-from kvcodec.config import CodecConfig
 from kvcodec.errors import (
     ChecksumError,
     ConfigError,
@@ -13,17 +10,36 @@ from kvcodec.errors import (
     ShapeError,
     TruncatedError,
 )
-from kvcodec.restore.paged import PagedKV
 
 __version__ = "0.1.0"
 
+# The rest of the API imports torch (and the cache adapters transformers): each is loaded on first
+# use, so that what imports only a submodule (the command line's --help and usage errors) stays fast.
+_LAZY = {
+    **dict.fromkeys(
+        ("decode", "decode_chunk_blob", "encode", "encode_chunks", "inspect", "inspect_chunk_blob"), "codec"
+    ),
+    **dict.fromkeys(
+        ("ChunkCodec", "ChunkInfo", "EncodedChunk", "make_codec", "register_codec", "registered_codecs"), "codecs"
+    ),
+    "CodecConfig": "config",
+    "PagedKV": "restore.paged",
+    **dict.fromkeys(("cache_to_tensor", "tensor_to_cache"), "integrations.hf"),
+}
+
 
 def __getattr__(name):
-    # Cache adapters import transformers; load them on first use only.
-    if name in ("cache_to_tensor", "tensor_to_cache"):
-        from kvcodec.integrations import hf
+    import importlib
 
-        return getattr(hf, name)
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"kvcodec.{_LAZY[name]}"), name)
+        globals()[name] = value  # looked up once
+        return value
+    try:  # a submodule: `import kvcodec` then `kvcodec.codec.check_kv` worked when the root imported it
+        return importlib.import_module(f"kvcodec.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"kvcodec.{name}":
+            raise
     raise AttributeError(f"module 'kvcodec' has no attribute {name!r}")
 
 

@@ -109,6 +109,7 @@ def encode_cmd(
 
     import kvcodec
     from kvcodec.atomic import write_atomic
+    from kvcodec.codec import check_kv
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
     check_distinct(dst, "DST", SRC=src, **{"--transform": transform})
@@ -139,7 +140,7 @@ def encode_cmd(
     if bits:
         kw["layer_bits"] = bits
     config = kvcodec.CodecConfig(**kw)
-    kvcodec.codec.check_kv(kv, config)
+    check_kv(kv, config)
     chunks = -(-kv.shape[2] // chunk_tokens)
     t0 = time.perf_counter()
     with tqdm(total=chunks, unit="chunk", desc="encode", disable=None) as bar:

@@ -1,9 +1,10 @@
 """Entry point of the `kvcodec` command: a click group that gathers the subcommands by name.
 
-Each module listed in SUBCOMMAND_MODULES defines `command` (a click command or group). Benchmarks
-live under `kvcodec bench`, whose own modules are listed in kvcodec.cli.bench. Errors end in one
-line, never a traceback: bad options are click usage errors (exit code 2); a KVCodecError or an
-OS error (a file that cannot be read or written) prints `error: ...` (exit code 1).
+Each module named in SUBCOMMANDS defines `command` (a click command or group), imported when that
+subcommand is asked for. Benchmarks live under `kvcodec bench`, whose own modules are listed in
+kvcodec.cli.bench. Errors end in one line, never a traceback: bad options are click usage errors
+(exit code 2); a KVCodecError or an OS error (a file that cannot be read or written) prints
+`error: ...` (exit code 1).
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ import click
 from kvcodec.cli.program import run_program
 from kvcodec.errors import KVCodecError
 
-SUBCOMMAND_MODULES = (
-    "kvcodec.cli.codec_cmds",  # encode, decode, inspect
-    "kvcodec.cli.extract",  # extract
-    "kvcodec.cli.calibrate",  # calibrate
-    "kvcodec.cli.demo",  # demo
-    "kvcodec.cli.bench",  # bench <name>
-    "kvcodec.cli.serve",  # serve
-    "kvcodec.cli.ingest",  # ingest
-)
+SUBCOMMANDS = {  # name -> the module that defines it (as `command`, or among its `commands`)
+    "encode": "kvcodec.cli.codec_cmds",
+    "decode": "kvcodec.cli.codec_cmds",
+    "inspect": "kvcodec.cli.codec_cmds",
+    "extract": "kvcodec.cli.extract",
+    "calibrate": "kvcodec.cli.calibrate",
+    "demo": "kvcodec.cli.demo",
+    "bench": "kvcodec.cli.bench",
+    "serve": "kvcodec.cli.serve",
+    "ingest": "kvcodec.cli.ingest",
+}
 
 
 class CommandError(click.ClickException):
@@ -37,7 +40,19 @@ class CommandError(click.ClickException):
 
 
 class Group(click.Group):
-    """The `kvcodec` group: turns KVCodecError and OSError from any subcommand into CommandError."""
+    """The `kvcodec` group: imports a subcommand's module when that subcommand is asked for (some
+    import torch: a usage error of another stays fast), and turns KVCodecError and OSError from any
+    subcommand into CommandError."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*SUBCOMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in SUBCOMMANDS:
+            module = importlib.import_module(SUBCOMMANDS[name])
+            for cmd in getattr(module, "commands", None) or [module.command]:
+                self.add_command(cmd)
+        return self.commands.get(name)
 
     def invoke(self, ctx: click.Context):  # noqa: ANN201
         try:
@@ -54,22 +69,6 @@ def cli(verbose: int) -> None:
     """kvcodec: remote KV-cache reuse; KV caches quantized or transform-coded, then zstd or HEVC video (NVDEC)."""
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-
-
-def _register() -> None:
-    for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue  # subcommand not built yet
-            raise
-        cmds = getattr(module, "commands", None) or [module.command]
-        for cmd in cmds:
-            cli.add_command(cmd)
-
-
-_register()
 
 
 def main() -> None:
