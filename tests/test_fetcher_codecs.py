@@ -594,16 +594,20 @@ def test_finish_batches_cut_in_order_within_the_bound(nbytes, most):
 
 def output_freed_without_gc(cache: PrefixCache, ids: list[int]) -> bool:
     """A fetch of `ids` succeeds, and the output it allocated is freed as soon as its result is
-    dropped, with the garbage collector off (no reference cycle keeps it). The cache's threads are
-    joined first: a decode thread the machine has not yet run to its end still holds its frame."""
+    dropped, with the garbage collector off (no reference cycle keeps it). A decode thread that a
+    loaded machine has not yet run to its end still holds its frame for a moment: the output must be
+    gone once the threads have run (waited for up to 30 s, not joined: a thread's own data must not
+    keep it either)."""
     gc.collect()
     gc.disable()
     try:
         r = cache.fetch(ids)
         assert r.ok, r.error
         output = weakref.ref(r.kv)
-        cache._executor.shutdown(wait=True)
         del r
+        deadline = time.monotonic() + 30
+        while output() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
         return output() is None
     finally:
         gc.enable()

@@ -205,7 +205,7 @@ def test_extract_command_saves_canonical_kv(smollm2, short_text, tmp_path):
 
 def test_a_model_of_another_config_gets_another_id_with_the_same_weights():
     """RoPE's base changes every key, not a weight: the id once left it out, so a store served one
-    model's KV to the other. What only names or runs a model (its path, use_cache) keeps the id."""
+    model's KV to the other. What only names or runs a model (its path, use_cache, pad token) keeps the id."""
     from transformers import LlamaForCausalLM
 
     from kvcodec.models import model_id
@@ -216,7 +216,7 @@ def test_a_model_of_another_config_gets_another_id_with_the_same_weights():
     other_rope.load_state_dict(base.state_dict())
     renamed = LlamaForCausalLM(_tiny_config())
     renamed.load_state_dict(base.state_dict())
-    renamed.config._name_or_path, renamed.config.use_cache = "elsewhere/model", False
+    renamed.config._name_or_path, renamed.config.use_cache, renamed.config.pad_token_id = "elsewhere/model", False, 7
     assert model_id(other_rope) != model_id(base) == model_id(renamed)
 
 

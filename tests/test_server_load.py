@@ -99,10 +99,11 @@ def _aborted(base: str) -> float:
     return _metric(base, 'kvcodec_requests_total{finish_reason="abort"}')
 
 
-def _wait_until(condition, seconds: float = 60) -> None:  # noqa: ANN001 - condition: () -> bool
+def _wait_until(condition, what: str, seconds: float = 60) -> None:  # noqa: ANN001 - condition: () -> bool
     """Poll `condition` until it holds (generous for a loaded CI machine; returns as soon as it does)."""
     deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds} s"
         time.sleep(0.05)
 
 
@@ -118,8 +119,8 @@ def test_vanished_client_request_is_cancelled(server):
             + body
         )
         generated = _metric(base, "kvcodec_generated_tokens_total")
-        _wait_until(lambda: _metric(base, "kvcodec_generated_tokens_total") > generated)  # the request runs
-    _wait_until(lambda: _aborted(base) > before)
+        _wait_until(lambda: _metric(base, "kvcodec_generated_tokens_total") > generated, "the request generating")
+    _wait_until(lambda: _aborted(base) > before, "the request aborted")
     assert _aborted(base) == before + 1
     assert httpx.get(base + "/health", timeout=10).status_code == 200
 

@@ -111,14 +111,22 @@ def processor(quant: str, device: str):
     return create_serde_processor(SerdeConfig("kvcodec", {"quant": quant, "head_dim": HEAD_DIM, "device": device}))
 
 
-def serialize(l1: L1, proc, x: torch.Tensor, reps: int = 1) -> tuple[float, bytes]:
-    """LMCache's serializer call on a resident object into a temp buffer sized by LMCache:
-    (median seconds of `reps` calls, the bytes)."""
+def stored_key(index: int):
+    """The LMCache key object `index` is serialized under (the serde binds each object to its key):
+    the same on the machine that prepares the objects and on the one that deserializes them."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    return ObjectKey(chunk_hash=index.to_bytes(16, "big"), model_name="smollm2/135m-objects", kv_rank=0)
+
+
+def serialize(l1: L1, proc, x: torch.Tensor, index: int, reps: int = 1) -> tuple[float, bytes]:
+    """LMCache's serializer call on a resident object into a temp buffer sized by LMCache, under
+    stored_key(index): (median seconds of `reps` calls, the bytes)."""
     from lmcache.v1.distributed.serde import serialized_layout_desc
 
     key, src, layout = l1.kv_obj(x)
     tkey, tmp = l1.obj(serialized_layout_desc(layout, proc), temporary=True)
-    t, n = timed(lambda: proc._serializer.serialize(src, tmp, key), reps)
+    t, n = timed(lambda: proc._serializer.serialize(src, tmp, stored_key(index)), reps)
     data = bytes(tmp.tensor.reshape(-1)[:n].numpy().tobytes())
     l1.release(staged=[tkey], resident=[key])
     return t, data
@@ -150,7 +158,7 @@ def prepare(args) -> None:
         x = lmcache_layout(kv[:, :, i * OBJECT_TOKENS : (i + 1) * OBJECT_TOKENS])
         entry = {"index": i, "shape": list(x.shape), "dtype": "float16", "sha_original": sha(x), "bytes": {}}
         for quant in QUANTS:
-            _, data = serialize(l1, processor(quant, "cpu"), x)
+            _, data = serialize(l1, processor(quant, "cpu"), x, i)
             (out / f"{quant}_{i}.bin").write_bytes(data)
             entry["bytes"][quant] = len(data)
         codec = make_codec("hevc", quant="int8", chunk_tokens=OBJECT_TOKENS, resolutions=((256, 256),))
@@ -186,9 +194,9 @@ def environment() -> dict:
     return env
 
 
-def deserialize(l1: L1, proc, data: bytes, shape, reps: int) -> tuple[float, torch.Tensor]:
-    """LMCache's deserializer call from a temp buffer holding `data` into a fresh memory object:
-    (median seconds of `reps` calls, the restored tensor)."""
+def deserialize(l1: L1, proc, data: bytes, shape, index: int, reps: int) -> tuple[float, torch.Tensor]:
+    """LMCache's deserializer call, under stored_key(index), from a temp buffer holding `data` into
+    a fresh memory object: (median seconds of `reps` calls, the restored tensor)."""
     from lmcache.v1.distributed.api import MemoryLayoutDesc
     from lmcache.v1.distributed.serde import serialized_layout_desc
 
@@ -197,7 +205,7 @@ def deserialize(l1: L1, proc, data: bytes, shape, reps: int) -> tuple[float, tor
     tmp.tensor.reshape(-1)[: len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     dkey, dst = l1.obj(layout)
     dst.tensor.zero_()
-    t, _ = timed(lambda: proc._deserializer.deserialize(tmp, dst, key), reps)
+    t, _ = timed(lambda: proc._deserializer.deserialize(tmp, dst, stored_key(index)), reps)
     y = dst.tensor.clone()
     l1.release(staged=[key, dkey])
     return t, y
@@ -208,7 +216,7 @@ def own_decode(data: bytes, shape, device: str) -> torch.Tensor:
     from kvcodec.codecs import make_codec
     from kvcodec.integrations.lmcache_serde import split_frame
 
-    ((_, blob),) = split_frame(memoryview(data))
+    _, ((_, _, blob),) = split_frame(memoryview(data))
     canonical = (shape[1], 2, shape[2], shape[3] // HEAD_DIM, HEAD_DIM)
     codec = make_codec("hevc", quant="int8", chunk_tokens=shape[2], resolutions=((256, 256),))
     out = codec.decode_chunk(blob, torch.empty(canonical, dtype=torch.float16, device=device))
@@ -227,7 +235,7 @@ def run_lmcache(data_dir: Path, manifest: dict, device: str, reps: int) -> tuple
             for dev in dict.fromkeys((device, "cpu")):
                 proc = processor(quant, dev)
                 n = reps if dev == device else max(1, reps // 5)
-                t, y = deserialize(l1, proc, data, shape, n)
+                t, y = deserialize(l1, proc, data, shape, i, n)
                 res["deserialize"].setdefault(f"{quant}/{dev}", []).append(t)
                 if quant == "exact":
                     got[f"exact_{dev}_bitwise"] = sha(y) == entry["sha_original"]
@@ -241,7 +249,7 @@ def run_lmcache(data_dir: Path, manifest: dict, device: str, reps: int) -> tuple
     for quant in QUANTS:
         proc = processor(quant, device)
         for i, x in enumerate(originals):
-            t, data = serialize(l1, proc, x, max(1, reps // 5))
+            t, data = serialize(l1, proc, x, i, max(1, reps // 5))
             res["serialize"].setdefault(quant, []).append(t)
             same = data == (data_dir / f"{quant}_{i}.bin").read_bytes()
             res["objects"][i][f"{quant}_serialized_bytes_equal_cpu_machine"] = same

@@ -324,11 +324,14 @@ def codec_choice(name: str | None, options: dict[str, Any], flags: dict[str, Any
     if flags.get("transform") is not None and name not in (None, "transform"):
         raise click.UsageError(f"--transform stores KV with the transform codec; --codec {name} contradicts it")
     name = name or ("transform" if flags.get("transform") is not None else "hevc")
-    if name != "transform" and (given := [_flag(k) for k in _TRANSFORM_ONLY if flags.get(k) is not None]):
-        raise click.UsageError(f"{' / '.join(given)} set the transform codec's size: give --transform (a .kvt) too")
+    if name not in _TRANSFORM_CODECS and (given := [_flag(k) for k in _TRANSFORM_ONLY if flags.get(k) is not None]):
+        raise click.UsageError(
+            f"{' / '.join(given)} size a transform codec: give --transform (a .kvt) or --codec transform-ans"
+        )
     return name, options
 
 
+_TRANSFORM_CODECS = ("transform", "transform-ans")  # the codecs the sizing flags below are for
 _TRANSFORM_ONLY = ("preset", "target_ratio", "target_quality")
 _SHORTHANDS = frozenset(
     {"transform", "quant", "chunk_tokens", *_TRANSFORM_ONLY}
@@ -340,13 +343,14 @@ def _flag(key: str) -> str:
 
 
 def _blamed(error: Exception, options: dict[str, Any]) -> str:
-    """Where a codec's refusal came from: the option its message names (the longest such name), as
-    its flag and --codec-option; --codec where it names none."""
+    """Where a codec's refusal came from: the one option its message names, as its flag and
+    --codec-option; --codec where it names none or several."""
     said = str(error)
-    named = next((k for k in sorted(options, key=len, reverse=True) if re.search(rf"\b{k}\b", said)), None)
-    if named is None:
+    named = [k for k in options if re.search(rf"\b{k}\b", said)]
+    if len(named) != 1:  # none, or a message about several options: which one was wrong is not said
         return "--codec"
-    return f"{_flag(named)} / --codec-option {named}" if named in _SHORTHANDS else f"--codec-option {named}"
+    (key,) = named
+    return f"{_flag(key)} / --codec-option {key}" if key in _SHORTHANDS else f"--codec-option {key}"
 
 
 def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCodec

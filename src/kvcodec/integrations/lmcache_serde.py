@@ -39,7 +39,7 @@ _KEY_DIGEST = 16  # bytes of BLAKE2b over the object's key
 _HEAD = struct.Struct(f"<4sBBH{_KEY_DIGEST}s")  # magic, version, flags (unused), number of parts, key digest
 _PART = struct.Struct("<BBIQ")  # part kind (coded or raw), dtype code, CRC-32 of kind, dtype and bytes, byte length
 _CODED, _RAW = 1, 2
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the codecs store (the code is the index)
 _HEADROOM = 4096  # frame and header bytes beyond a part's raw size (the size bound)
 _OWN = {"codec", "resolution", "head_dim", "device", "max_workers"}
 
@@ -227,7 +227,7 @@ def split_frame(data: memoryview) -> tuple[bytes, list[tuple[int, torch.dtype, m
     view = memoryview(data).cast("B")
     if len(view) < _HEAD.size:
         raise TruncatedError(f"kvcodec LMCache object truncated: {len(view)} bytes")
-    magic, version, _, n, key_digest = _HEAD.unpack_from(view, 0)
+    magic, version, _, n, stored_under = _HEAD.unpack_from(view, 0)
     if magic != _MAGIC:
         raise FormatError(f"not a kvcodec LMCache object (magic {bytes(magic)!r})")
     if version != _VERSION:
@@ -247,7 +247,7 @@ def split_frame(data: memoryview) -> tuple[bytes, list[tuple[int, torch.dtype, m
             raise ChecksumError(f"kvcodec LMCache object part {i} fails its CRC-32")
         pieces.append((kind, _DTYPES[dtype], blob))
         pos += length
-    return bytes(key_digest), pieces
+    return bytes(stored_under), pieces
 
 
 def _copy_raw(blob: memoryview, out: torch.Tensor) -> None:

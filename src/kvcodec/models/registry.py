@@ -375,16 +375,16 @@ def token_limit(model_or_config: Any, max_tokens: int | None) -> int | None:
 _DTYPE_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 
-# Config fields that name, load or run a model without changing the KV it computes.
-_CONFIG_NOT_KV = frozenset(
-    {"architectures", "dtype", "torch_dtype", "transformers_version", "name_or_path", "use_cache", "return_dict"}
-    | {"output_attentions", "output_hidden_states"}
-)
+# Config values besides the cache layout and RoPE that change the KV of the same weights. An allow-list,
+# not the whole config: that one's fields differ between transformers releases (rope_parameters in 5,
+# rope_theta in 4), and an id that moved with them would make a mixed fleet's stores miss.
+_KV_CONFIG_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "hidden_act", "activation_function")
+_KV_CONFIG_FIELDS += ("attention_bias", "partial_rotary_factor", "attn_logit_softcapping", "query_pre_attn_scalar")
 
 
 def _fingerprint(model: Any, samples: int = 4096) -> str:
-    """sha256 (16 hex) over the decoder config's settings (RoPE, norms, scaling...) and every
-    parameter's name, shape, dtype and a strided sample of its values."""
+    """sha256 (16 hex) over what of the config changes the KV (`_config_text`) and every parameter's
+    name, shape, dtype and a strided sample of its values."""
     import torch
 
     h = hashlib.sha256(_config_text(model).encode())
@@ -401,10 +401,20 @@ def _fingerprint(model: Any, samples: int = 4096) -> str:
 
 
 def _config_text(model: Any) -> str:
-    config = _text_config(model)
-    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
-    kept = {k: v for k, v in fields.items() if not k.startswith("_") and k not in _CONFIG_NOT_KV}
-    return json.dumps(kept, sort_keys=True, default=str)
+    """What of the model's config changes its KV, in a form no transformers release changes: each
+    layer's cache kind and RoPE as kvcodec reads them (base, scaling, style...), and _KV_CONFIG_FIELDS."""
+    from kvcodec.errors import KVCodecError
+    from kvcodec.models.check import layout_from_config
+
+    config = getattr(model, "config", model)
+    try:
+        layout = layout_from_config(config)
+        cache = [repr(layout.spec.layers), repr(layout.ropes)]
+    except KVCodecError:  # a cache kvcodec cannot code: no store serves this model's KV
+        cache = []
+    c = _text_config(model)
+    fields = {k: getattr(c, k) for k in _KV_CONFIG_FIELDS if getattr(c, k, None) is not None}
+    return json.dumps([cache, fields], sort_keys=True, default=str)
 
 
 def model_id(model: Any) -> str:
