@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvcodec.atomic import replacing
-from kvcodec.errors import ConfigError, ShapeError
+from kvcodec.errors import ConfigError, KVCodecError, ShapeError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -403,7 +403,6 @@ def _fingerprint(model: Any, samples: int = 4096) -> str:
 def _config_text(model: Any) -> str:
     """What of the model's config changes its KV, in a form no transformers release changes: each
     layer's cache kind and RoPE as kvcodec reads them (base, scaling, style...), and _KV_CONFIG_FIELDS."""
-    from kvcodec.errors import KVCodecError
     from kvcodec.models.check import layout_from_config
 
     config = getattr(model, "config", model)
