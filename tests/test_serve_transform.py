@@ -194,7 +194,7 @@ def test_serve_refuses_bad_codec_choices_in_one_line(served, small_kvt, tmp_path
         (("--codec-option", "quant=int4", "--quant", "int8"), "alternatives"),
         (("--codec-option", "no_such_option=1"), "refuses"),
         (("--transform", str(small_kvt), "--quant", "int8"), "refuses"),
-        (("--preset", "accurate"), "refuses"),  # a transform preset for the hevc codec
+        (("--preset", "accurate"), "size a transform codec"),  # a transform preset for the hevc codec
         (("--codec", "raw", "--transform", str(small_kvt)), "contradicts"),
         (("--transform", str(tmp_path / "missing.kvt")), "missing.kvt"),
         (("--transform", str(garbage)), "codec 'transform'"),
