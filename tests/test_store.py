@@ -260,6 +260,46 @@ def test_deadline_store_returns_by_the_deadline_when_the_backend_stalls():
         inner.release.set()
 
 
+def test_a_call_abandoned_at_its_deadline_does_not_hold_the_process_at_exit():
+    """A store call that never returns (a server paused, no socket timeout) is abandoned at the
+    deadline; the process still exits (a ThreadPoolExecutor's thread would be joined, forever)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import threading, concurrent.futures\n"
+        "from kvcodec.store.deadline import run_within\n"
+        "try:\n"
+        "    run_within(0.05, threading.Event().wait)\n"
+        "except concurrent.futures.TimeoutError:\n"
+        "    print('abandoned')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "abandoned", done.stderr
+
+
+def test_call_threads_run_calls_side_by_side_and_pass_errors_back():
+    from kvcodec.store.deadline import CallThreads
+
+    threads = CallThreads(4)
+    meet = threading.Barrier(4, timeout=60)  # four calls in flight at once, or BrokenBarrierError
+    results = sorted(f.result(60) for f in [threads.submit(meet.wait) for _ in range(4)])
+    assert results == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="gone"):
+        threads.submit({}.__getitem__, "gone").result(60)
+    assert threads.submit(sum, [1, 2]).result(60) == 3
+
+
+def test_a_file_store_whose_folder_was_removed_stores_again(tmp_path):
+    import shutil
+
+    st = open_store(f"file://{tmp_path / 'store'}")
+    st.put("a", b"1")
+    shutil.rmtree(tmp_path / "store")
+    st.put("b", b"2")
+    assert st.get("b") == b"2" and st.get("a") is None
+
+
 def test_deadline_store_passes_calls_through(store):
     from kvcodec.store import DeadlineStore
 

@@ -133,6 +133,34 @@ def test_processes_that_cannot_start_leave_the_store_to_the_storers_threads(tmp_
         storer.shutdown()
 
 
+def test_a_store_down_when_the_workers_start_fails_those_stores_and_the_workers_stay(tmp_path):
+    """A real redis-server, stopped after the engine opened its store and before the encode
+    workers started: each store fails with the store's error (not a broken pool), and once the
+    server is back on its port the same workers store."""
+    from kvbench.net.redis_server import RedisServer
+    from kvcodec.errors import StoreError
+
+    srv = RedisServer(tmp_path / "redis", appendonly=True).start()
+    try:
+        cache = PrefixCache(open_store(srv.url), "m", RawCodec(chunk_tokens=4), "cpu")
+        srv.stop()
+        storer = KVStorer(cache, StorePolicy(encode_workers=1), 4, store_url=srv.url)
+        try:
+            for n in range(2):  # the second store asks the same worker to open the store again
+                with pytest.raises(StoreError):
+                    storer.submit(list(range(10 * n, 10 * n + 8)), layers_of(kv_of(8, n))).result(timeout=300)
+                assert storer.encode_in == "processes"
+            srv = RedisServer(tmp_path / "redis", port=srv.port, appendonly=True).start()
+            ids = list(range(100, 112))
+            assert storer.submit(ids, layers_of(kv_of(12))).result(timeout=300) == 3
+            assert storer.encode_in == "processes" and len(storer.encoder_pids) == 1
+            assert os.getpid() not in storer.encoder_pids and cache.lookup(ids) == 12
+        finally:
+            storer.shutdown()
+    finally:
+        srv.kill()
+
+
 def test_stores_stay_on_threads_where_processes_cannot_be_used(tmp_path):
     kv = kv_of(8)
     memory = PrefixCache(open_store("memory://"), "m", RawCodec(chunk_tokens=4), "cpu")

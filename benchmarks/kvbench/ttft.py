@@ -231,7 +231,7 @@ class _CapturedKV:
         self.config = CodecConfig(chunk_tokens=chunk_tokens)
         self.kv = None
 
-    def lookup(self, token_ids) -> int:  # noqa: ANN001
+    def lookup(self, token_ids, deadline_s=None) -> int:  # noqa: ANN001
         return 0
 
     def put(self, token_ids, kv) -> int:  # noqa: ANN001

@@ -55,7 +55,8 @@ class EngineConfig:
     min_reuse_tokens: shorter stored prefixes are recomputed instead of fetched.
     fetch_deadline_s: "auto" (default): a fetch may take as long as recomputing its prefix would,
         from the measured prefill rate; a number: that many seconds; None: no deadline. It counts
-        from the request's arrival: time queued for a fetch worker is spent from it.
+        from the request's arrival: the prefix lookup (bounded by the whole prompt's recompute time) and
+        time queued for a fetch worker are spent from it.
     fetch_workers: concurrent fetches.
     store_queue: most prompt KVs waiting for the background encoder (besides one in each encode
         process); past it new stores are dropped (logged and counted), so queued cache slices

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvcodec.errors import BackendUnavailableError, KVCodecError
+from kvcodec.errors import BackendUnavailableError, KVCodecError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,8 @@ class EncodePool:
         )
 
     def start(self) -> list[Any]:
-        """Start every worker now (each opens the store, builds the codec and pins itself):
+        """Start every worker now (each builds the codec, pins itself and opens the store, or does so on its
+        first store where the store is down now):
         futures of their pids, one per worker (each answers once all of them are up)."""
         with interrupts_blocked():
             return [self._running().submit(_worker_pid) for _ in range(self.processes)]
@@ -409,8 +410,6 @@ PARENT_POLL_S = 0.5  # how often a worker checks that its parent still runs
 
 def _init_worker(spec: WorkerSpec, started: Any = None) -> None:
     from kvcodec.codecs.hevc.encode import Background
-    from kvcodec.fetcher import PrefixCache
-    from kvcodec.store import open_store
 
     _ignore_interrupts()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU only: no CUDA context (memory, NVENC probe) per worker
@@ -425,11 +424,27 @@ def _init_worker(spec: WorkerSpec, started: Any = None) -> None:
         pin_process(spec.cpus)
     parent = os.getppid()
     threading.Thread(target=_exit_with, args=(parent,), name="kvcodec-parent-watch", daemon=True).start()
-    store = open_store(spec.store_url)
-    cache = PrefixCache(
-        store, spec.model_id, spec.codec(), "cpu", store_partial=spec.store_partial, namespace=spec.namespace
-    )
-    _STATE.update(cache=cache, background=Background(spec.threads, 0), started=started)
+    _STATE.update(spec=spec, codec=spec.codec(), background=Background(spec.threads, 0), started=started)
+    try:
+        _cache()
+    except StoreError as e:  # a store that is down now fails this worker's stores, not the pool
+        log.warning("encode worker %d cannot open its store yet (%s): it tries again on each store", os.getpid(), e)
+
+
+def _cache() -> Any:
+    """The worker's PrefixCache, its store opened on first use (and again after a failed open)."""
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    cache = _STATE.get("cache")
+    if cache is None:
+        spec = _STATE["spec"]
+        store = open_store(spec.store_url)
+        cache = PrefixCache(
+            store, spec.model_id, _STATE["codec"], "cpu", store_partial=spec.store_partial, namespace=spec.namespace
+        )
+        _STATE["cache"] = cache
+    return cache
 
 
 def pin_process(cpus: tuple[int, ...]) -> bool:
@@ -490,7 +505,7 @@ def _encode(ids: list[int], name: str, shape: tuple[int, ...], dtype: str) -> tu
     kv = torch.frombuffer(_attach(name).buf, dtype=dt, count=math.prod(shape)).view(shape)
     try:
         with background(_STATE["background"]):
-            return int(_STATE["cache"].put(ids, kv) or 0), os.getpid()
+            return int(_cache().put(ids, kv) or 0), os.getpid()
     except Exception as e:
         raise _crossing(e) from None
     finally:

@@ -152,9 +152,9 @@ class Engine:
             elapsed = time.perf_counter() - t0
         self.prefill_rate.observe(tokens, elapsed)
 
-    def _deadline_for(self, req: Request) -> float | None:
+    def _deadline_for(self, req: Request, tokens: int) -> float | None:
         d = self.config.fetch_deadline_s
-        return self.prefill_rate.deadline_s(req.matched_tokens) if d == AUTO else d
+        return self.prefill_rate.deadline_s(tokens) if d == AUTO else d
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:

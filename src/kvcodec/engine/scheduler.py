@@ -42,7 +42,7 @@ class PrefixSource(Protocol):
     """What the scheduler needs from a prefix cache (kvcodec.fetcher.PrefixCache has this; a fetch
     that also takes `cancelled=` is told when its request is aborted)."""
 
-    def lookup(self, token_ids: list[int]) -> int: ...
+    def lookup(self, token_ids: list[int], deadline_s: float | None = None) -> int: ...
 
     def fetch(self, token_ids: list[int], n_tokens: int, out: Any = None, deadline_s: float | None = None) -> Any: ...
 
@@ -65,8 +65,10 @@ class Scheduler:
     max_prefill_tokens: soft budget of new (non-restored) prompt tokens prefilled per iteration
         (at least one request is always admitted when a slot is free).
     min_reuse_tokens: a stored prefix shorter than this is not fetched (recomputed instead).
-    fetch_deadline_s: passed to each fetch; past it the fetch stops and the rest is recomputed.
-    deadline_for: request -> deadline in seconds (or None), used instead of fetch_deadline_s.
+    fetch_deadline_s: bounds each prefix's lookup and fetch together, from the lookup's start; past it the
+        fetch stops and the rest is recomputed.
+    deadline_for: (request, tokens) -> deadline in seconds (or None) for reading a prefix of `tokens`,
+        used instead of fetch_deadline_s (the lookup asks it for the whole prompt, the fetch for the match).
     target_for: request -> the tensor to restore its prefix into (None: the fetch allocates one).
     """
 
@@ -79,7 +81,7 @@ class Scheduler:
         min_reuse_tokens: int = EngineConfig.min_reuse_tokens,
         fetch_workers: int = EngineConfig.fetch_workers,
         fetch_deadline_s: float | None = None,
-        deadline_for: Callable[[Request], float | None] | None = None,
+        deadline_for: Callable[[Request, int], float | None] | None = None,
         target_for: Callable[[Request], Any] | None = None,
     ) -> None:
         if policy not in POLICIES:
@@ -92,7 +94,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
         self.min_reuse_tokens = max(1, min_reuse_tokens)
-        self.deadline_for = deadline_for or (lambda req: fetch_deadline_s)
+        self.deadline_for = deadline_for or (lambda req, tokens: fetch_deadline_s)
         self.target_for = target_for or (lambda req: None)
         self.waiting: collections.deque[Request] = collections.deque()
         self.fetching: list[Request] = []
@@ -107,12 +109,14 @@ class Scheduler:
 
     # ---- arrival -------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        """Queue a request. The prefix lookup runs here, on the caller's thread, never the engine's."""
+        """Queue a request. The prefix lookup runs here, on the caller's thread, never the engine's; its time
+        counts against the fetch's deadline (a store that answers slowly costs no more than recomputing)."""
+        lookup_start = time.perf_counter()
         req.matched_tokens = self._lookup(req)
         with self.cv:
             if req.matched_tokens and self.policy == "fetch-aware":
                 req.state = State.FETCHING
-                req.fetch_start = time.perf_counter()
+                req.fetch_start = lookup_start
                 self.fetching.append(req)
                 req.fetch_future = self._pool.submit(self._fetch, req)
                 req.fetch_future.add_done_callback(self._fetch_done)
@@ -125,7 +129,7 @@ class Scheduler:
         if self.prefix_cache is None or not req.reuse or req.prompt_len < 2:
             return 0
         try:
-            matched = int(self.prefix_cache.lookup(req.prompt_ids))
+            matched = int(self.prefix_cache.lookup(req.prompt_ids, self.deadline_for(req, req.prompt_len)))
         except Exception as e:  # a store that is down is a miss, not a failed request
             log.warning("prefix lookup failed for %s: %s", req.request_id, e)
             req.fetch_error = f"lookup: {e}"
@@ -137,7 +141,7 @@ class Scheduler:
         """Fetch the matched prefix into req.restored_kv (runs on a worker or, blocking, inline)."""
         req.fetch_start = req.fetch_start or time.perf_counter()
         try:
-            deadline = req.fetch_deadline_s = self.deadline_for(req)
+            deadline = req.fetch_deadline_s = self.deadline_for(req, req.matched_tokens)
             left = None if deadline is None else deadline - (time.perf_counter() - req.fetch_start)  # from arrival
             if req.aborted or (left is not None and left <= 0):
                 why = (

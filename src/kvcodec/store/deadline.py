@@ -11,6 +11,7 @@ gets a StoreError at the deadline.
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -21,15 +22,49 @@ from kvcodec.store.base import BaseStore, KVStore, probe_write
 
 T = TypeVar("T")
 _POOL_LOCK = threading.Lock()
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL: CallThreads | None = None
 _WORKERS = 32  # abandoned calls hold a worker only until their backend times out
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
+class CallThreads:
+    """Up to `workers` daemon threads that run store calls, started as calls need them. Not a
+    ThreadPoolExecutor: the interpreter joins those threads at exit, and a call abandoned at its
+    deadline may block until its backend times out (never, for a server paused without a timeout)."""
+
+    def __init__(self, workers: int) -> None:
+        self._workers, self._started = workers, 0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        if not self._idle.acquire(blocking=False):
+            with self._lock:
+                if self._started < self._workers:
+                    self._started += 1
+                    name = f"kvcodec-store-call_{self._started}"
+                    threading.Thread(target=self._work, name=name, daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:  # noqa: BLE001 - the caller gets it from the future
+                    future.set_exception(e)
+            del future, fn, args  # nothing of a finished call is kept while this thread waits
+            self._idle.release()
+
+
+def _pool() -> CallThreads:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="kvcodec-store-call")
+            _POOL = CallThreads(_WORKERS)
         return _POOL
 
 
