@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from kvcodec.cli.options import FiniteRange, check_output_path, device_option, finite_above
+from kvcodec.cli.options import FiniteRange, check_output_path, device_option
 from kvcodec.errors import ConfigError, ShapeError
 from kvcodec.transform.calibration import HELD_OUT_TEXTS, KIND_EVAL_TEXTS, mixed_texts
 from kvcodec.transform.pca import COVARIANCES, MIN_TOKENS_PER_DIM, TARGET_TOKENS_PER_DIM
@@ -237,8 +237,7 @@ def _refuse_model_only_flags(model_name: str | None) -> None:
 )
 @click.option(
     "--rope-theta",
-    type=float,
-    callback=finite_above(0),
+    type=FiniteRange(min=0, min_open=True),
     help="Rotary base, when the KV files do not carry their model's settings.",
 )
 @click.option("--rope-style", type=click.Choice(STYLES), default="half", show_default=True)

@@ -9,10 +9,10 @@ from pathlib import Path
 import click
 
 from kvcodec.cli.options import (
+    FiniteRange,
     check_distinct,
     check_output_path,
     device_option,
-    finite_above,
     parse_layer_bits,
     parse_resolutions,
 )
@@ -72,8 +72,7 @@ def _load_kv(src: Path):  # noqa: ANN202
 )
 @click.option(
     "--target-ratio",
-    type=float,
-    callback=finite_above(1),
+    type=FiniteRange(min=1, min_open=True),
     help="With --transform: file size = fp16 size / R (within 10%).",
 )
 @click.option(

@@ -120,7 +120,7 @@ def command(
         import_ray()  # the ray extra installed
     flags = {"transform": transform, "quant": quant, "chunk_tokens": chunk_tokens}
     name, options = codec_choice(codec_name, codec_options, flags)
-    codec = build_codec(name, options)
+    codec = build_codec(name, options, flags)
     documents = list(read_documents(docs, template=template, text_field=text_field, id_field=id_field))
     if not documents:
         raise ConfigError(f"{docs} holds no documents")

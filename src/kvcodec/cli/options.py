@@ -69,17 +69,6 @@ class FiniteRange(click.FloatRange):
         return number
 
 
-def finite_above(low: float) -> Callable:
-    """A callback: an optional number that is finite and > low (click's FloatRange lets nan and inf through)."""
-
-    def check(ctx: click.Context | None, param: Any, value: float | None) -> float | None:
-        if value is not None and not (math.isfinite(value) and value > low):
-            raise click.BadParameter(f"{value}: expected a finite number > {low:g}")
-        return value
-
-    return check
-
-
 def check_device(ctx: click.Context | None, param: Any, value: str | None) -> str | None:
     """A torch device name this machine has: cpu, cuda, cuda:N."""
     if value is None:

@@ -4,6 +4,7 @@ fetching prompt KV with any registered codec (kvcodec.codecs.registry)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ from kvcodec.cli.options import (
     device_option,
     dtype_option,
     encode_in_option,
-    finite_above,
     parse_codec_options,
     parse_deadline,
     torch_dtype,
@@ -60,8 +60,7 @@ from kvcodec.cli.options import (
 @click.option("--preset", type=click.Choice(["accurate", "compact"]), default=None, help="Transform codec size preset.")
 @click.option(
     "--target-ratio",
-    type=float,
-    callback=finite_above(1),
+    type=FiniteRange(min=1, min_open=True),
     default=None,
     help="Transform codec: size vs fp16 (> 1).",
 )
@@ -217,8 +216,9 @@ def command(
         "target_quality": target_quality,
         "quant": quant,
     }
-    name, options = codec_choice(codec_name, codec_options, {**flags, "chunk_tokens": chunk_tokens})
-    codec = build_codec(name, options)  # a bad codec, option or .kvt is refused before pools or the model start
+    flags["chunk_tokens"] = chunk_tokens
+    name, options = codec_choice(codec_name, codec_options, flags)
+    codec = build_codec(name, options, flags)  # a bad codec, option or .kvt is refused before pools or the model start
     if not (no_reuse and no_store):
         check_transform_fits_model(codec, model_name)
     if store_url is None:  # made once every check passed: a refused start leaves no empty directory behind
@@ -333,29 +333,26 @@ def codec_choice(name: str | None, options: dict[str, Any], flags: dict[str, Any
 
 _TRANSFORM_CODECS = ("transform", "transform-ans")  # the codecs the sizing flags below are for
 _TRANSFORM_ONLY = ("preset", "target_ratio", "target_quality")
-_SHORTHANDS = frozenset(
-    {"transform", "quant", "chunk_tokens", *_TRANSFORM_ONLY}
-)  # options that have flags of their own
 
 
 def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def _blamed(error: Exception, options: dict[str, Any]) -> str:
-    """Where a codec's refusal came from: the one option its message names, as its flag and
-    --codec-option; --codec where it names none or several."""
+def _blamed(error: Exception, options: dict[str, Any], flags: Collection[str]) -> str:
+    """Where a codec's refusal came from: the one option its message names, as its flag (where the
+    command has one: `flags`) and --codec-option; --codec where it names none or several."""
     said = str(error)
     named = [k for k in options if re.search(rf"\b{k}\b", said)]
     if len(named) != 1:  # none, or a message about several options: which one was wrong is not said
         return "--codec"
     (key,) = named
-    return f"{_flag(key)} / --codec-option {key}" if key in _SHORTHANDS else f"--codec-option {key}"
+    return f"{_flag(key)} / --codec-option {key}" if key in flags else f"--codec-option {key}"
 
 
-def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCodec
+def build_codec(name: str, options: dict[str, Any], flags: Collection[str] = ()):  # noqa: ANN201 - a ChunkCodec
     """The registered codec `name` built from `options`; a one-line usage error when the name,
-    an option or a file it reads (a .kvt) is wrong."""
+    an option or a file it reads (a .kvt) is wrong, naming the option's flag where it is one of `flags`."""
     from kvcodec.codecs import make_codec as make
     from kvcodec.errors import KVCodecError
 
@@ -364,11 +361,11 @@ def build_codec(name: str, options: dict[str, Any]):  # noqa: ANN201 - a ChunkCo
     except TypeError as e:  # an option the codec's factory does not take
         given = ", ".join(sorted(options)) or "none"
         raise click.BadParameter(
-            f"codec {name!r} refuses its options ({given}): {e}", param_hint=_blamed(e, options)
+            f"codec {name!r} refuses its options ({given}): {e}", param_hint=_blamed(e, options, flags)
         ) from None
     except KVCodecError as e:
         said = str(e) if str(e).startswith(f"codec {name!r}") else f"codec {name!r}: {e}"
-        raise click.BadParameter(said, param_hint=_blamed(e, options)) from None
+        raise click.BadParameter(said, param_hint=_blamed(e, options, flags)) from None
 
 
 def _check_port(host: str, port: int) -> None:
