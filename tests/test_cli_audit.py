@@ -565,7 +565,9 @@ def test_a_write_cut_short_by_the_disk_names_the_output(tmp_path):
 def test_calibrate_refuses_a_holdout_it_cannot_give_instead_of_shrinking_it(tmp_path):
     # was: --holdout 5 with two KV files held out one, and with the default texts at most three, without a word
     kv, kvt = _kv_file(tmp_path), str(tmp_path / "t.kvt")
-    args = ["calibrate", str(kv), str(kv), "--no-rope", "--holdout", "5", "--out", kvt]
+    unread = tmp_path / "unread.safetensors"
+    unread.write_bytes(b"not read: the holdout is refused before the files load")
+    args = ["calibrate", str(kv), str(unread), "--no-rope", "--holdout", "5", "--out", kvt]
     out = _one_line_error(CliRunner().invoke(cli, args), 2)
     assert "--holdout" in out and "at least one must be fitted" in out
     args = ["calibrate", "--model", "smollm2-135m", "--holdout", "4", "--out", kvt]

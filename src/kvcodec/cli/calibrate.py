@@ -349,6 +349,8 @@ def command(
         raise click.BadParameter(
             f"{report_ratios!r}: finite ratios above 1, comma-separated", param_hint="--report-ratios"
         )
+    if not model_name:
+        split_held_out(list(kv_files), holdout)  # one KV a file: a --holdout beyond them is refused before they load
     t0 = time.perf_counter()
     settings = dict(sink_tokens=sink_tokens, tokens_per_dim=tokens_per_dim, max_group=max_group, covariance=covariance)
     rope_flags = (rope_theta, rope_style, rotary_dim, no_rope)

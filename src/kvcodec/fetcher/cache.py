@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -95,6 +96,28 @@ class _MetaMismatchError(FormatError):
     def __init__(self, message: str, index: int, key: str) -> None:
         super().__init__(message)
         self.index, self.key = index, key
+
+
+class BadChunks:
+    """The chunks a fetch's decoders find damaged, each dropped as it is reported, until the fetch
+    closes the list: a decoder still at work when the fetch returns reports nothing more (the chunks
+    behind the first damaged one are checked by the fetch itself), so neither the fetch's counts nor
+    the store change after it returns."""
+
+    def __init__(self, drop: Callable[[int, KVCodecError], None]) -> None:
+        self._drop, self._lock, self._found, self._open = drop, threading.Lock(), [], True
+
+    def report(self, index: int, error: KVCodecError) -> None:
+        with self._lock:
+            if self._open:
+                self._found.append(index)
+                self._drop(index, error)
+
+    def close(self) -> list[int]:
+        """The chunks reported so far; later reports are ignored."""
+        with self._lock:
+            self._open = False
+            return list(self._found)
 
 
 class PrefixCache:
@@ -393,7 +416,7 @@ class PrefixCache:
             return self._result(stats, t0, out, 0, n_tokens, e)
         profile = self._profile_for(pol, metas[0].shape, dtype, keys[0])
         stats.decoder = self.decoder_name()
-        bad: list[int] = []  # chunks found damaged (dropped; the chunks behind the first are checked too)
+        bad = BadChunks(lambda i, e: self._bad_chunk(keys[i], i, e, stats))
         pipeline = FetchPipeline(
             self._pipeline_settings(),
             FetchPlan(metas, keys, n_tokens, dtype, out),
@@ -403,10 +426,10 @@ class PrefixCache:
             stats,
             deadline,
             t0,
-            lambda i, e: bad.append(i) or self._bad_chunk(keys[i], i, e, stats),
+            bad.report,
         )
         restored, error = pipeline.run()
-        self._drop_damaged_after(keys, metas, bad, deadline, stats)
+        self._drop_damaged_after(keys, metas, bad.close(), deadline, stats)
         self._heal_suspect(plan_error, error, stats)
         if error is None and restored < n_tokens:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")

@@ -24,7 +24,7 @@ from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ConfigError, FetchError, FormatError, ShapeError
 from kvcodec.fetcher import storecalls
-from kvcodec.fetcher.cache import PrefixCache, _runs
+from kvcodec.fetcher.cache import BadChunks, PrefixCache, _runs
 from kvcodec.fetcher.keys import ChunkMeta, as_token_array, meta_key
 from kvcodec.fetcher.pipeline import Decoded, FetchPipeline, FetchPlan, PipelineSettings
 from kvcodec.fetcher.policy import get_policy
@@ -121,6 +121,7 @@ class GroupedPrefixCache(PrefixCache):
         settings = PipelineSettings(
             self.codec, self.store, out.device, self.max_inflight, self.decode_workers, self.net_workers, True, False
         )
+        bad = BadChunks(lambda i, e: self._bad_chunk(keys[i], i, e, stats))
         pipeline = _GroupedPipeline(
             settings,
             FetchPlan(metas, keys, n_tokens, DTYPES[self.spec.dtype], out),
@@ -130,9 +131,10 @@ class GroupedPrefixCache(PrefixCache):
             stats,
             deadline,
             t0,
-            lambda i, e: self._bad_chunk(keys[i], i, e, stats),
+            bad.report,
         )
         restored, error = pipeline.run()
+        bad.close()
         self._heal_suspect(plan_error, error, stats)
         if error is None and restored < n_tokens:
             error = plan_error or FetchError(f"only {restored} of {n_tokens} tokens restored")
