@@ -772,14 +772,15 @@ def test_a_store_call_under_way_is_abandoned_when_its_fetch_is_cancelled():
     assert flips.passed and flips.ended() == "the fetch was cancelled"
 
 
-def test_a_damaged_chunk_reported_after_the_fetch_closed_its_list_changes_nothing():
-    """A decoder still at work when its fetch returns must not drop chunks or change the counts
-    the caller already has: the fetch checks the chunks behind the first damaged one itself."""
+def test_a_damaged_chunk_reported_after_the_fetch_closed_its_list_is_dropped_but_not_counted():
+    """A decoder still at work when its fetch returns must not change the counts the caller already
+    has (the fetch checks the chunks behind the first damaged one itself); the store still heals."""
     from kvcodec.fetcher.cache import BadChunks
+    from kvcodec.fetcher.stats import FetchStats
 
-    dropped = []
-    bad = BadChunks(lambda i, e: dropped.append(i))
+    dropped, stats = [], FetchStats(policy="p", codec="c")
+    bad = BadChunks(lambda i, e: dropped.append(i), stats, counts=True)
     bad.report(2, FormatError("chunk 2"))
-    assert bad.close() == [2] and dropped == [2]
+    assert bad.close() == [2] and dropped == [2] and stats.chunks_dropped == 1
     bad.report(5, FormatError("chunk 5"))
-    assert dropped == [2] and bad.close() == [2]
+    assert dropped == [2, 5] and bad.close() == [2] and stats.chunks_dropped == 1

@@ -123,7 +123,7 @@ def test_a_fetch_deadline_counts_from_arrival_not_from_when_a_worker_is_free(smo
         req.fetch_start = req.arrival_time - 6.0  # queued for 6 s
         eng.scheduler._fetch(req)
     assert req.matched_tokens > 0 and req.restored_tokens == 0 and req.restored_kv is None
-    assert req.fetch_error == "its deadline passed while it waited for a fetch worker"
+    assert req.fetch_error == "its deadline passed in its lookup or while it waited for a fetch worker"
 
 
 def test_running_batch_admits_and_retires_between_steps(smol):

@@ -4,6 +4,7 @@ answering costs a request no more than recomputing its prompt, not the store cli
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -30,7 +31,9 @@ class GatedStore:
         if not self.gate.is_set():
             self.waiting.set()
             self.gate.wait(60)
-        return self.inner.exists_many(keys)
+        found = self.inner.exists_many(keys)
+        self.answered_at = time.perf_counter()
+        return found
 
 
 def stored_cache() -> tuple[PrefixCache, GatedStore, list[int]]:
@@ -73,3 +76,36 @@ def test_the_deadline_asked_for_the_lookup_covers_the_whole_prompt() -> None:
     req.fetch_future.result(60)
     assert asked == [len(ids) + 1, 3 * CHUNK]  # the lookup: the whole prompt; the fetch: what it matched
     assert req.matched_tokens == 3 * CHUNK and req.fetch_start is not None
+
+
+def test_the_fetch_starts_after_the_lookup_and_its_deadline_counts_from_the_lookup() -> None:
+    cache, store, ids = stored_cache()
+    sched = Scheduler(cache, policy="fetch-aware", fetch_deadline_s=30.0)
+    req = Request(prompt_ids=ids + [7])
+    before = time.perf_counter()
+    sched.add(req)
+    req.fetch_future.result(60)
+    assert before <= req.deadline_start <= store.answered_at <= req.fetch_start  # fetch_s leaves the lookup out
+    assert req.restored_tokens == 3 * CHUNK
+
+
+class OneArgumentLookup:
+    """A prefix source whose lookup takes only the token ids (the PrefixSource protocol before deadlines)."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def lookup(self, token_ids):  # noqa: ANN001, ANN201
+        return self.cache.lookup(token_ids)
+
+    def fetch(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        return self.cache.fetch(*args, **kwargs)
+
+
+def test_a_source_whose_lookup_takes_no_deadline_is_asked_without_one() -> None:
+    cache, _, ids = stored_cache()
+    sched = Scheduler(OneArgumentLookup(cache), policy="fetch-aware", fetch_deadline_s=30.0)
+    req = Request(prompt_ids=ids + [7])
+    sched.add(req)
+    req.fetch_future.result(60)
+    assert req.fetch_error is None and req.matched_tokens == req.restored_tokens == 3 * CHUNK

@@ -290,12 +290,17 @@ def test_call_threads_run_calls_side_by_side_and_pass_errors_back():
     assert threads.submit(sum, [1, 2]).result(60) == 3
 
 
-def test_a_file_store_whose_folder_was_removed_stores_again(tmp_path):
+def test_a_file_store_whose_folder_is_gone_refuses_puts_until_it_is_back(tmp_path):
+    """The folder is not made again: where it was a mount point, the puts would fill the disk under it."""
     import shutil
 
     st = open_store(f"file://{tmp_path / 'store'}")
     st.put("a", b"1")
     shutil.rmtree(tmp_path / "store")
+    with pytest.raises(StoreError):
+        st.put("b", b"2")
+    assert not (tmp_path / "store").exists()
+    (tmp_path / "store").mkdir()
     st.put("b", b"2")
     assert st.get("b") == b"2" and st.get("a") is None
 

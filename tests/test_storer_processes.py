@@ -150,10 +150,12 @@ def test_a_store_down_when_the_workers_start_fails_those_stores_and_the_workers_
                 with pytest.raises(StoreError):
                     storer.submit(list(range(10 * n, 10 * n + 8)), layers_of(kv_of(8, n))).result(timeout=300)
                 assert storer.encode_in == "processes"
+            assert not storer.processes._decided.is_set()  # the coding decisions wait for a store that runs
             srv = RedisServer(tmp_path / "redis", port=srv.port, appendonly=True).start()
             ids = list(range(100, 112))
             assert storer.submit(ids, layers_of(kv_of(12))).result(timeout=300) == 3
             assert storer.encode_in == "processes" and len(storer.encoder_pids) == 1
+            assert storer.processes._decided.is_set()
             assert os.getpid() not in storer.encoder_pids and cache.lookup(ids) == 12
         finally:
             storer.shutdown()

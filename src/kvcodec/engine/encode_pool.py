@@ -329,15 +329,15 @@ class EncodePool:
         The pool's first store runs alone: its worker makes the per-model coding decisions (trial
         encodes, kept in the plan cache file) that the others then read, instead of each process
         deciding on its own first chunk (stored bytes that depend on which document came first);
-        it also makes (and pins, for CUDA KV) the shared buffers of all processes."""
+        it also makes (and pins, for CUDA KV) the shared buffers of all processes. A first store that
+        fails (a store that is down fails before anything is coded) leaves that to the next store."""
         if not self._decided.is_set():
             with self._first:
                 if not self._decided.is_set():
-                    try:
-                        self.buffers.reserve(kv.numel() * kv.element_size(), pin=kv.is_cuda)
-                        return self._put(ids, kv)
-                    finally:
-                        self._decided.set()
+                    self.buffers.reserve(kv.numel() * kv.element_size(), pin=kv.is_cuda)
+                    written = self._put(ids, kv)
+                    self._decided.set()
+                    return written
         return self._put(ids, kv)
 
     def _put(self, ids: list[int], kv: torch.Tensor) -> tuple[int, int]:

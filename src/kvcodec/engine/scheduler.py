@@ -47,14 +47,14 @@ class PrefixSource(Protocol):
     def fetch(self, token_ids: list[int], n_tokens: int, out: Any = None, deadline_s: float | None = None) -> Any: ...
 
 
-def _cancellable(prefix_cache: PrefixSource | None) -> bool:
-    """Whether the cache's fetch takes `cancelled` (PrefixCache's does: an aborted request's fetch
-    stops where it is); another PrefixSource's fetch runs to its end or deadline."""
+def _takes(method: Any, name: str) -> bool:
+    """Whether `method` takes the keyword `name` (a PrefixSource's fetch `cancelled`, its lookup
+    `deadline_s`: PrefixCache's do; another source's are called without them)."""
     try:
-        params = inspect.signature(prefix_cache.fetch).parameters
+        params = inspect.signature(method).parameters
     except (AttributeError, TypeError, ValueError):
         return False
-    return "cancelled" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 class Scheduler:
@@ -65,8 +65,8 @@ class Scheduler:
     max_prefill_tokens: soft budget of new (non-restored) prompt tokens prefilled per iteration
         (at least one request is always admitted when a slot is free).
     min_reuse_tokens: a stored prefix shorter than this is not fetched (recomputed instead).
-    fetch_deadline_s: bounds each prefix's lookup and fetch together, from the lookup's start; past it the
-        fetch stops and the rest is recomputed.
+    fetch_deadline_s: bounds each prefix's lookup, and its fetch from the lookup's start (fetch-aware; blocking:
+        from the fetch's start, once admitted); past it the fetch stops and the rest is recomputed.
     deadline_for: (request, tokens) -> deadline in seconds (or None) for reading a prefix of `tokens`,
         used instead of fetch_deadline_s (the lookup asks it for the whole prompt, the fetch for the match).
     target_for: request -> the tensor to restore its prefix into (None: the fetch allocates one).
@@ -89,7 +89,8 @@ class Scheduler:
         if max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1; got {max_batch}")
         self.prefix_cache = prefix_cache
-        self._fetch_cancels = _cancellable(prefix_cache)
+        self._fetch_cancels = _takes(getattr(prefix_cache, "fetch", None), "cancelled")
+        self._lookup_bounded = _takes(getattr(prefix_cache, "lookup", None), "deadline_s")
         self.policy = policy
         self.max_batch = max_batch
         self.max_prefill_tokens = max_prefill_tokens
@@ -116,7 +117,7 @@ class Scheduler:
         with self.cv:
             if req.matched_tokens and self.policy == "fetch-aware":
                 req.state = State.FETCHING
-                req.fetch_start = lookup_start
+                req.fetch_start, req.deadline_start = time.perf_counter(), lookup_start
                 self.fetching.append(req)
                 req.fetch_future = self._pool.submit(self._fetch, req)
                 req.fetch_future.add_done_callback(self._fetch_done)
@@ -128,8 +129,9 @@ class Scheduler:
     def _lookup(self, req: Request) -> int:
         if self.prefix_cache is None or not req.reuse or req.prompt_len < 2:
             return 0
+        bound = {"deadline_s": self.deadline_for(req, req.prompt_len)} if self._lookup_bounded else {}
         try:
-            matched = int(self.prefix_cache.lookup(req.prompt_ids, self.deadline_for(req, req.prompt_len)))
+            matched = int(self.prefix_cache.lookup(req.prompt_ids, **bound))
         except Exception as e:  # a store that is down is a miss, not a failed request
             log.warning("prefix lookup failed for %s: %s", req.request_id, e)
             req.fetch_error = f"lookup: {e}"
@@ -142,12 +144,13 @@ class Scheduler:
         req.fetch_start = req.fetch_start or time.perf_counter()
         try:
             deadline = req.fetch_deadline_s = self.deadline_for(req, req.matched_tokens)
-            left = None if deadline is None else deadline - (time.perf_counter() - req.fetch_start)  # from arrival
+            since = req.deadline_start or req.fetch_start  # fetch-aware: from the lookup's start
+            left = None if deadline is None else deadline - (time.perf_counter() - since)
             if req.aborted or (left is not None and left <= 0):
                 why = (
                     "aborted before its fetch began"
                     if req.aborted
-                    else "its deadline passed while it waited for a fetch worker"
+                    else "its deadline passed in its lookup or while it waited for a fetch worker"
                 )
                 return self._not_fetched(req, why)
             out = self.target_for(req)

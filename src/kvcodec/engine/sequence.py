@@ -66,6 +66,9 @@ class Request:
     # timing
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     fetch_start: float | None = None
+    deadline_start: float | None = (
+        None  # where the fetch's deadline counts from (its lookup's start), if not fetch_start
+    )
     fetch_end: float | None = None
     scheduled_time: float | None = None  # admitted to the running batch
     prefill_start_time: float | None = None  # its first prefill forward called

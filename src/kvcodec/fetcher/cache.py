@@ -99,22 +99,24 @@ class _MetaMismatchError(FormatError):
 
 
 class BadChunks:
-    """The chunks a fetch's decoders find damaged, each dropped as it is reported, until the fetch
-    closes the list: a decoder still at work when the fetch returns reports nothing more (the chunks
-    behind the first damaged one are checked by the fetch itself), so neither the fetch's counts nor
-    the store change after it returns."""
+    """The chunks a fetch's decoders find damaged. Each is dropped from the store on the thread that
+    found it (best effort; no lock is held across the store call, so a slow delete cannot hold the fetch
+    past its deadline); those found before the fetch closes the list are counted in its stats at once,
+    so the counts a caller gets do not change after the fetch returns."""
 
-    def __init__(self, drop: Callable[[int, KVCodecError], None]) -> None:
-        self._drop, self._lock, self._found, self._open = drop, threading.Lock(), [], True
+    def __init__(self, drop: Callable[[int, KVCodecError], object], stats: FetchStats, counts: bool) -> None:
+        self._drop, self._stats, self._counts = drop, stats, counts
+        self._lock, self._found, self._open = threading.Lock(), [], True
 
     def report(self, index: int, error: KVCodecError) -> None:
         with self._lock:
             if self._open:
                 self._found.append(index)
-                self._drop(index, error)
+                self._stats.chunks_dropped += self._counts
+        self._drop(index, error)
 
     def close(self) -> list[int]:
-        """The chunks reported so far; later reports are ignored."""
+        """The chunks reported so far; later reports are dropped from the store but not counted."""
         with self._lock:
             self._open = False
             return list(self._found)
@@ -416,7 +418,7 @@ class PrefixCache:
             return self._result(stats, t0, out, 0, n_tokens, e)
         profile = self._profile_for(pol, metas[0].shape, dtype, keys[0])
         stats.decoder = self.decoder_name()
-        bad = BadChunks(lambda i, e: self._bad_chunk(keys[i], i, e, stats))
+        bad = BadChunks(lambda i, e: self._drop_damaged(keys[i], i, e), stats, self.drop_damaged)
         pipeline = FetchPipeline(
             self._pipeline_settings(),
             FetchPlan(metas, keys, n_tokens, dtype, out),
@@ -583,11 +585,15 @@ class PrefixCache:
             self.codec.decode_chunk(blob, scratch)
 
     def _bad_chunk(self, key: str, index: int, error: KVCodecError, stats: FetchStats) -> None:
+        stats.chunks_dropped += self._drop_damaged(key, index, error)
+
+    def _drop_damaged(self, key: str, index: int, error: KVCodecError) -> bool:
+        """Whether the chunk that fails its checks was dropped (drop_damaged on and the store answered)."""
         if not self.drop_damaged:
             log.warning("chunk %d fails its checks (%s); left in the store (drop_damaged is off)", index, error)
-            return
+            return False
         log.warning("chunk %d fails its checks (%s); dropping it so the next put rewrites it", index, error)
-        stats.chunks_dropped += self.drop_chunk(key)
+        return self.drop_chunk(key)
 
     def _plan(
         self, ids, n_tokens: int, deadline, stats: FetchStats

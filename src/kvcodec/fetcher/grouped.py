@@ -121,7 +121,7 @@ class GroupedPrefixCache(PrefixCache):
         settings = PipelineSettings(
             self.codec, self.store, out.device, self.max_inflight, self.decode_workers, self.net_workers, True, False
         )
-        bad = BadChunks(lambda i, e: self._bad_chunk(keys[i], i, e, stats))
+        bad = BadChunks(lambda i, e: self._drop_damaged(keys[i], i, e), stats, self.drop_damaged)
         pipeline = _GroupedPipeline(
             settings,
             FetchPlan(metas, keys, n_tokens, DTYPES[self.spec.dtype], out),

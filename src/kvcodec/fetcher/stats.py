@@ -39,7 +39,7 @@ class FetchStats:
     decoder: str = ""  # the decoder that ran (e.g. "ffmpeg-cpu" on a CUDA device without NVDEC)
     chunks_planned: int = 0
     chunks_restored: int = 0
-    chunks_dropped: int = 0  # chunks failing a check whose meta was deleted (the next put rewrites them)
+    chunks_dropped: int = 0  # chunks failing a check whose meta is deleted (the next put rewrites them)
     chunks_staged: int = 0  # chunks restored into a staging tensor and copied into the target
     bytes_fetched: int = 0
     meta_s: float = 0.0

@@ -137,7 +137,7 @@ class FileStore(BaseStore):
 
     def _new_tmp(self) -> tuple[int, str]:
         """A new file in the tmp folder, where a put writes before it moves the file into place."""
-        self._tmp.mkdir(parents=True, exist_ok=True)  # a store folder removed under a running server: storing resumes
+        self._tmp.mkdir(exist_ok=True)  # its tmp folder removed: storing resumes; the store's folder is not made again
         return tempfile.mkstemp(dir=self._tmp, prefix=_TMP_PREFIX)
 
     def get(self, key: str) -> bytes | None:
