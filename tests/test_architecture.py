@@ -166,3 +166,17 @@ def test_subpackages_import_only_what_the_layering_table_allows():
     assert not unknown, f"modules missing from the layering table (docs/ARCHITECTURE.md): {unknown}"
     extra = {a: sorted(b - LAYERS[a][1]) for a, b in graph.items() if a in LAYERS and b - LAYERS[a][1]}
     assert not extra, f"imports the layering table (docs/ARCHITECTURE.md) does not allow: {extra}"
+
+
+def test_every_name_a_public_package_exports_resolves():
+    """`from kvcodec.codecs import TransformCodec` (the docs' import) failed: a lazily exported name
+    missing from its module's table is an ImportError only a user finds."""
+    import importlib
+
+    for package in ("kvcodec", "kvcodec.codecs", "kvcodec.fetcher", "kvcodec.store", "kvcodec.engine"):
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            assert getattr(module, name) is not None, f"{package}.{name}"
+    from kvcodec.codecs import GroupedCodec, TransformAnsCodec, TransformCodec
+
+    assert issubclass(TransformAnsCodec, TransformCodec) and GroupedCodec.__name__ == "GroupedCodec"

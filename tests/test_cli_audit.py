@@ -590,3 +590,25 @@ def test_a_usage_error_imports_neither_torch_nor_other_subcommands():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["2", "False", "False"], (out.stdout, out.stderr)
+
+
+def test_the_command_listing_is_each_commands_own_short_help_and_imports_none_of_them():
+    import subprocess
+    import sys
+
+    import click
+
+    from kvcodec.cli.main import SUBCOMMANDS, SUMMARIES
+
+    ctx = click.Context(cli)
+    assert set(SUMMARIES) == set(SUBCOMMANDS)
+    for name, summary in SUMMARIES.items():
+        assert summary == cli.get_command(ctx, name).get_short_help_str(limit=10**6), name
+    code = (
+        "import sys; from click.testing import CliRunner; from kvcodec.cli.main import cli; "
+        "out = CliRunner().invoke(cli, ['--help']).output; "
+        "assert 'calibrate' in out and 'serve' in out, out; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvcodec.cli.') or m == 'kvbench.cli'))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "['kvcodec.cli.main', 'kvcodec.cli.program']", r.stdout + r.stderr

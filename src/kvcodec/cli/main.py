@@ -28,6 +28,25 @@ SUBCOMMANDS = {  # name -> the module that defines it (as `command`, or among it
     "serve": "kvcodec.cli.serve",
     "ingest": "kvcodec.cli.ingest",
 }
+# what `kvcodec --help` lists for each, without importing the modules (calibrate and bench import torch:
+# seconds); the commands' own short help, which tests/test_cli_audit.py holds these to
+SUMMARIES = {
+    "bench": "Run a benchmark; results go to benchmarks/results/ as JSON and a markdown table.",
+    "calibrate": "Learn a transform (a mean and a PCA basis per group of layers, for K and V) from KV_FILES"
+    " (written by `kvcodec extract`) or from --model on --texts (by default a fixed set of essays, Python sources"
+    " and their documentation, none of them an evaluation text: see --texts); write it to OUT.kvt.",
+    "decode": "Decode SRC.kvc into DST.safetensors (one tensor named `kv`).",
+    "demo": "Store a document's KV, then reuse it over an emulated link: TTFT and identical answers.",
+    "encode": "Encode SRC.safetensors (a tensor named `kv`, shape layers x 2 x tokens x kv_heads x head_dim)"
+    " into DST.kvc.",
+    "extract": "Prefill MODEL on a text and save its KV to OUT.safetensors.",
+    "ingest": "Prefill each document of DOCS with MODEL and store its KV in the store.",
+    "inspect": "Show what a kvcodec file (or one chunk blob, as a store holds it) holds: format and version,"
+    " codec, KV shape and dtype, tokens and chunks, sizes and ratio vs fp16, and what its format adds (an HEVC"
+    " .kvc file's quantization, streams and layouts; a transform file's calibration and settings; a grouped"
+    " file's groups).",
+    "serve": "Serve a model over an OpenAI-compatible API with remote KV prefix reuse.",
+}
 
 
 class CommandError(click.ClickException):
@@ -46,6 +65,20 @@ class Group(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*SUBCOMMANDS, *self.commands})
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The listing from SUMMARIES: no subcommand's module is imported to print it."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        rows = [(n, click.Command(n, help=self._summary(ctx, n)).get_short_help_str(limit)) for n in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def _summary(self, ctx: click.Context, name: str) -> str:
+        if name in SUMMARIES and name not in self.commands:
+            return SUMMARIES[name]
+        cmd = self.get_command(ctx, name)
+        return cmd.get_short_help_str(limit=10**6) if cmd is not None else ""
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in self.commands and name in SUBCOMMANDS:

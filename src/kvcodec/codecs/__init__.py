@@ -1,19 +1,23 @@
-"""Chunk codecs: the ChunkCodec type, its registry and the built-in codecs (hevc, raw)."""
+"""Chunk codecs: the ChunkCodec type, its registry and the built-in codecs (hevc, raw, transform,
+transform-ans, grouped)."""
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target
 from kvcodec.codecs.registry import make_codec, register_codec, registered_codecs
 
+_CLASSES = {  # name -> the module that defines it: the codecs load on first use (hevc pulls in the video backends)
+    "HevcCodec": "kvcodec.codecs.hevc.codec",
+    "RawCodec": "kvcodec.codecs.raw",
+    "TransformCodec": "kvcodec.codecs.transform.codec",
+    "TransformAnsCodec": "kvcodec.codecs.transform_ans.codec",
+    "GroupedCodec": "kvcodec.codecs.grouped",
+}
+
 
 def __getattr__(name):
-    # The codecs themselves load on first use (hevc pulls in the video backends).
-    if name == "HevcCodec":
-        from kvcodec.codecs.hevc.codec import HevcCodec
+    if name in _CLASSES:
+        import importlib
 
-        return HevcCodec
-    if name == "RawCodec":
-        from kvcodec.codecs.raw import RawCodec
-
-        return RawCodec
+        return getattr(importlib.import_module(_CLASSES[name]), name)
     raise AttributeError(f"module 'kvcodec.codecs' has no attribute {name!r}")
 
 
@@ -21,9 +25,12 @@ __all__ = [
     "ChunkCodec",
     "ChunkInfo",
     "EncodedChunk",
+    "GroupedCodec",
     "HevcCodec",
     "RawCodec",
     "Target",
+    "TransformAnsCodec",
+    "TransformCodec",
     "make_codec",
     "register_codec",
     "registered_codecs",
