@@ -43,6 +43,19 @@ def test_sources_read_folders_jsonl_and_prompt_lists_with_a_template(tmp_path):
         list(read_documents(prompts, template="no placeholder"))
 
 
+def test_json_lines_by_either_name_are_records_and_a_json_file_or_blank_text_is_refused(tmp_path):
+    # .ndjson was read as prompts: each line's JSON text stored, which no request begins with
+    for name in ("c.ndjson", "c.JSONL"):
+        (tmp_path / name).write_text('{"id": "x", "text": "one"}\n{"id": "y", "text": "  \\n "}\n')
+        got = list(read_documents(tmp_path / name))
+        assert (got[0].id, got[0].text) == ("x", "one") and "white space" in got[1].error
+    (tmp_path / "a.json").write_text('[{"text": "one"}]')
+    with pytest.raises(ConfigError, match="JSON Lines"):
+        list(read_documents(tmp_path / "a.json"))
+    (tmp_path / "p.txt").write_text("alpha\n \t \nbeta\n")
+    assert [d.text for d in read_documents(tmp_path / "p.txt")] == ["alpha", "beta"]  # a blank line is no prompt
+
+
 def test_the_report_names_every_failed_document_even_where_ids_repeat(tmp_path):
     # errors were a dict by id: two failed documents of id "x" were one entry; a null id was named "None"
     from kvcodec.ingest.run import FAILED, DocResult, IngestReport
@@ -75,7 +88,7 @@ def test_ingest_stores_under_engine_keys_resumes_and_reports_bad_documents(smoll
     s = report.to_dict()
     assert (s["stored"], s["skipped"], s["failed"]) == (2, 0, 2) and len(seen) == 4
     errors = {e["id"]: e["error"] for e in s["errors"]}
-    assert len(s["errors"]) == 2 and set(errors) == {"line 2", "line 3"} and "no tokens" in errors["line 3"]
+    assert len(s["errors"]) == 2 and set(errors) == {"line 2", "line 3"} and "empty" in errors["line 3"]
     for text in DOCS:  # a request beginning with the document finds all of it
         ids = Tokens(tokenizer).encode(text)
         assert cache.lookup(ids + [13, 14]) == len(ids) - len(ids) % 32
@@ -208,6 +221,29 @@ def test_an_interrupted_ingest_says_what_was_done_and_how_to_resume(tmp_path, mo
     assert "interrupted after 1 stored, 0 skipped, 0 failed of 2 documents; run the same command" in result.output
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["interrupted"] and (report["documents"], report["stored"], report["failed"]) == (2, 1, 0)
+    assert report["done"] == 1 and report["errors"] == [] and report["stored_tokens"] == 10
+
+
+def test_a_store_that_stays_down_stops_the_ingest_with_its_failures_in_the_report(tmp_path, monkeypatch):
+    import kvcodec.ingest
+    from kvcodec.cli.main import cli
+    from kvcodec.ingest import DocResult
+    from kvcodec.ingest.run import StoreDownError
+
+    def store_down(documents, *args, on_result, **kw):
+        on_result(DocResult(documents[0].id, "failed", error="StoreError: connection refused", store_down=True))
+        raise StoreDownError("the store did not answer for 120 s: stopped; run the same command to resume")
+
+    monkeypatch.setattr(kvcodec.ingest, "ingest", store_down)
+    (tmp_path / "p.txt").write_text("alpha\nbeta\n")
+    args = ["ingest", str(tmp_path / "p.txt"), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}"]
+    result = CliRunner().invoke(cli, [*args, "--device", "cpu", "--codec", "raw", "--report", str(tmp_path / "r.json")])
+    assert (
+        result.exit_code == 1 and "run the same command to resume (0 stored, 0 skipped, 1 failed of 2" in result.output
+    )
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert not report["interrupted"] and "did not answer" in report["store_down"]
+    assert report["errors"] == [{"id": "line 1", "error": "StoreError: connection refused"}]
 
 
 def test_sigterm_ends_an_ingest_as_ctrl_c_does(tmp_path, monkeypatch):
@@ -256,3 +292,68 @@ def test_ingest_splits_its_encode_threads_by_the_documents_chunks(tmp_path):
         finally:
             pool.shutdown()
     assert _encode_pool(cache, url, "threads", 16, None, 4) is None
+
+
+class FlakyStore:
+    """A real store whose existence queries fail (StoreError, as a store that is down raises) for the
+    first `failures` calls: the fault is counted, not timed."""
+
+    def __init__(self, inner, failures: int) -> None:  # noqa: ANN001
+        self.inner, self.failures, self.url = inner, failures, "flaky+" + inner.url
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def exists_many(self, keys):  # noqa: ANN001, ANN201
+        from kvcodec.errors import StoreError
+
+        if self.failures > 0:
+            self.failures -= 1
+            raise StoreError(f"{self.url}: connection refused (down for {self.failures + 1} more calls)")
+        return self.inner.exists_many(keys)
+
+
+def test_a_store_that_stops_answering_is_waited_for_then_the_job_goes_on_or_stops(smollm2, tmp_path):
+    """A store outage failed every remaining document within milliseconds; now the job waits for the
+    store (the document is read again once it answers) and stops after its patience (resumable)."""
+    from kvcodec.ingest.run import StoreDownError
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    docs = [Document(f"d{i}", f"Document {i}: " + DOCS[i % 2]) for i in range(3)]
+    raw = make_codec("raw", chunk_tokens=32)
+    store = FlakyStore(open_store(f"file://{tmp_path / 'a'}"), failures=3)  # the first lookup and two probes
+    cache = PrefixCache(store, model_id(model), raw, "cpu")
+    s = ingest(docs, model, tokenizer, cache, encode_in="threads").to_dict()
+    assert (s["stored"], s["failed"]) == (3, 0) and store.failures == 0
+    down = FlakyStore(open_store(f"file://{tmp_path / 'b'}"), failures=10**6)
+    seen = []
+    with pytest.raises(StoreDownError, match="resume"):
+        ingest(
+            docs,
+            model,
+            tokenizer,
+            PrefixCache(down, model_id(model), raw, "cpu"),
+            store_patience_s=0,
+            encode_in="threads",
+            on_result=seen.append,
+        )
+    assert [(r.id, r.status) for r in seen] == [("d0", "failed")]  # the others were not started
+
+
+def test_a_repeated_document_is_skipped_and_one_longer_than_the_context_fails_unless_cut(smollm2, tmp_path):
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    long = Document("long", "word " * 9000)  # past SmolLM2's 8192-token context
+    docs = [Document("a", DOCS[0]), Document("again", DOCS[0]), long]
+    cache = PrefixCache(open_store(f"file://{tmp_path}"), model_id(model), make_codec("raw", chunk_tokens=32), "cpu")
+    r = ingest(docs, model, tokenizer, cache, encode_in="threads")
+    got = {d.id: d for d in r.results}
+    assert got["a"].status == "stored" and got["again"].status == "skipped" and "as a" in got["again"].error
+    assert (
+        got["long"].status == "failed" and "context holds" in got["long"].error and "--max-tokens" in got["long"].error
+    )
+    assert r.to_dict()["stored_tokens"] == got["a"].tokens
+    cut = ingest([long], model, tokenizer, cache, max_tokens=64, encode_in="threads").results[0]
+    assert (cut.status, cut.tokens) == ("stored", 64)

@@ -103,13 +103,14 @@ def command(
 ) -> None:
     """Prefill each document of DOCS with MODEL and store its KV in the store.
 
-    DOCS: a folder of text files (.txt/.md), a .jsonl file (objects with a text field), or a file
+    DOCS: a folder of text files (.txt/.md), a .jsonl/.ndjson file (objects with a text field), or a file
     of prompts, one per line. Documents already stored are skipped (run the same command again to
     resume); a document that fails is reported and the others go on (exit code 1 if any failed).
     """
     from kvcodec.cli.serve import build_codec, check_transform_fits_model, codec_choice
     from kvcodec.errors import ConfigError
     from kvcodec.ingest import read_documents
+    from kvcodec.ingest.run import IngestReport, StoreDownError
     from kvcodec.ingest.sources import check_template
 
     check_template(template)  # everything a run needs is checked first, in seconds, before the model loads
@@ -128,7 +129,7 @@ def command(
     if not ray_address:  # on a Ray cluster the nodes hold the model
         check_transform_fits_model(codec, model_name)
     click.echo(f"kvcodec ingest: {len(documents)} documents, model {model_name}, codec {codec.id}", err=True)
-    bar, on_result, counts = _progress(len(documents))
+    bar, on_result, counts, results = _progress(len(documents))
     started, stopped_by = time.perf_counter(), {}
     try:
         with bar, _terminate_as_interrupt(stopped_by):
@@ -142,14 +143,18 @@ def command(
                 where = {"store_workers": store_workers, "encode_in": encode_in}
                 model_at = (model_name, device, dtype)
                 result = _here(documents, model_at, store_url, codec, max_tokens, where, on_result)
-    except KeyboardInterrupt:
-        done = ", ".join(f"{v} {k}" for k, v in counts.items())
-        click.echo(f"interrupted after {done} of {len(documents)} documents; run the same command to resume", err=True)
-        if report:  # what was counted; documents whose store was in flight were finished, not counted
-            seconds = round(time.perf_counter() - started, 3)
-            partial = {"interrupted": True, "documents": len(documents), **counts, "seconds": seconds}
+    except (KeyboardInterrupt, StoreDownError) as e:
+        done = f"{', '.join(f'{v} {k}' for k, v in counts.items())} of {len(documents)} documents"
+        down = str(e) if isinstance(e, StoreDownError) else None
+        click.echo(
+            f"{down} ({done})" if down else f"interrupted after {done}; run the same command to resume", err=True
+        )
+        if report:  # the documents done so far (those in flight were finished and counted), errors included
+            partial = IngestReport(tuple(results), time.perf_counter() - started).to_dict()
+            partial.update(documents=len(documents), done=len(results), interrupted=not down, store_down=down)
             report.write_text(json.dumps(partial, indent=1) + "\n")
-        raise click.exceptions.Exit(128 + stopped_by.get("signal", signal.SIGINT)) from None
+        code = 1 if isinstance(e, StoreDownError) else 128 + stopped_by.get("signal", signal.SIGINT)
+        raise click.exceptions.Exit(code) from None
     summary = result.to_dict()
     click.echo(_summary_line(summary))
     if report:
@@ -192,21 +197,23 @@ def _check_model_and_store(model_name: str, store_url: str, here: bool) -> None:
     check_store(store_url, reach=here, writes="require")
 
 
-def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, counts so far)
+def _progress(total: int):  # noqa: ANN202 - (tqdm bar, on_result callback, counts so far, results so far)
     """A progress bar on stderr: live on a terminal, a line every LOG_PROGRESS_S in a log."""
     from tqdm import tqdm
 
     counts = {"stored": 0, "skipped": 0, "failed": 0}
+    results = []
     bar = tqdm(total=total, unit="doc", desc="ingest", mininterval=0.1 if sys.stderr.isatty() else LOG_PROGRESS_S)
 
     def on_result(r) -> None:  # noqa: ANN001
+        results.append(r)
         counts[r.status] += 1
         if r.status == "failed":
             tqdm.write(f"failed: {r.id}: {r.error}", file=sys.stderr)
         bar.set_postfix(counts, refresh=False)
         bar.update(1)
 
-    return bar, on_result, counts
+    return bar, on_result, counts, results
 
 
 def _here(documents, model_at, store_url, codec, max_tokens, where, on_result):  # noqa: ANN001, ANN202

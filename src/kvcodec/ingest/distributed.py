@@ -17,7 +17,17 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvcodec.errors import ConfigError
-from kvcodec.ingest.run import FAILED, SKIPPED, STORED, DocResult, IngestReport, _prefill, _stored_already, _why
+from kvcodec.ingest.run import (
+    FAILED,
+    SKIPPED,
+    STORED,
+    DocResult,
+    IngestReport,
+    _Cut,
+    _prefill,
+    _stored_already,
+    _why,
+)
 from kvcodec.ingest.sources import Document
 from kvcodec.models.registry import token_limit
 
@@ -82,14 +92,14 @@ class Prefiller:
         self.tokens = Tokens(tokenizer)
         self.model_id = model_id(self.model)
         self.store, self.cache = job.open_cache(self.model_id)
-        self.limit = token_limit(self.model, job.max_tokens)
+        self.cut = _Cut(token_limit(self.model, job.max_tokens), given=job.max_tokens is not None)
 
     def prefill(self, doc: Document) -> tuple[tuple[DocResult, list[int] | None, str], Any]:
         """((result, token ids to store or None, model id), KV on the CPU or None)."""
         if doc.error:
             return (DocResult(doc.id, FAILED, error=doc.error), None, self.model_id), None
         try:
-            ids = self.tokens.encode(doc.text)[: self.limit or None]
+            ids = self.cut(self.tokens.encode(doc.text))
             if not ids:
                 raise ConfigError("the document tokenizes to no tokens")
             if _stored_already(self.cache, ids):
@@ -175,7 +185,7 @@ def ingest_on_ray(
             result = stores.pop(ref)
             try:
                 chunks, store_s = _get(ray, ref)
-                done(dataclasses.replace(result, chunks=chunks, store_s=store_s))
+                done(dataclasses.replace(result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED))
             except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
                 done(dataclasses.replace(result, status=FAILED, error=_why(e)))
     for actor in pool:

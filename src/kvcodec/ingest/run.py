@@ -12,17 +12,19 @@ KV. A document whose KV is already stored is skipped after one lookup (resume); 
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvcodec.errors import ConfigError, KVCodecError
+from kvcodec.errors import ConfigError, KVCodecError, StoreError
 from kvcodec.ingest.sources import Document
 from kvcodec.layout.search import encode_workers
 from kvcodec.models.registry import token_limit
@@ -30,6 +32,12 @@ from kvcodec.models.registry import token_limit
 log = logging.getLogger(__name__)
 
 STORED, SKIPPED, FAILED = "stored", "skipped", "failed"
+STORE_PATIENCE_S = 120.0  # how long a job waits for a store that stopped answering before it stops
+_STORE_PROBE = "kvcodec-ingest-probe"  # a key asked about, never written
+
+
+class StoreDownError(StoreError):
+    """The store did not answer again within the job's patience: the job stopped (run it again to resume)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +50,7 @@ class DocResult:
     prefill_s: float = 0.0
     store_s: float = 0.0  # encode + write
     kv_bytes: int = 0  # bytes of the KV prefilled (in the model's dtype)
+    store_down: bool = False  # it failed on a store error (the job waits for the store before going on)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +78,7 @@ class IngestReport:
             "tokens_per_s": round(self.stored_tokens / self.seconds, 1) if self.seconds > 0 else None,
             "prefill_s": round(sum(r.prefill_s for r in self.results), 3),
             "store_s": round(sum(r.store_s for r in self.results), 3),
-            "kv_mb_per_s": round(sum(r.kv_bytes for r in self.results) / self.seconds / 1e6, 1)
+            "kv_mb_per_s": round(sum(r.kv_bytes for r in self.results if r.status == STORED) / self.seconds / 1e6, 1)
             if self.seconds > 0
             else None,
             "encoded_in": self.encoded_in,
@@ -122,10 +131,15 @@ def ingest(
     on_result: Callable[[DocResult], None] | None = None,
     store_url: str | None = None,
     encode_in: str = "processes",
+    store_patience_s: float = STORE_PATIENCE_S,
 ) -> IngestReport:
     """Prefill each document with `model` and store its KV through `cache` (a PrefixCache).
 
-    max_tokens: keep at most this many leading tokens of a document (None: the model's context).
+    max_tokens: keep at most this many leading tokens of a document (None: the model's context; a
+        longer document fails, since no request that begins with it fits the model).
+    store_patience_s: after a document fails on a store error, how long the job waits for the store
+        to answer again before it stops (StoreDownError, after the documents in flight are done;
+        running it again resumes); it goes on as soon as the store answers.
     store_workers: documents encoded and written at once; at most store_workers + 1 prefilled KVs
         wait for the encoder, bounding memory. None: enough documents that their chunks fill the
         encode threads (a document's chunks are encoded in parallel; one 2k-token document has 8
@@ -140,6 +154,8 @@ def ingest(
 
     tokens = Tokens(tokenizer)
     limit = token_limit(model, max_tokens)
+    cut = _Cut(limit, given=max_tokens is not None)
+    seen = _Seen()
     results: list[DocResult] = []
     inflight: collections.deque[tuple[Future, DocResult]] = collections.deque()
 
@@ -153,11 +169,13 @@ def ingest(
             fut, r = inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it to settle
             try:
                 chunks, store_s = fut.result()
-                result = dataclasses.replace(r, chunks=chunks, store_s=store_s)
+                result = dataclasses.replace(r, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
             except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
-                result = dataclasses.replace(r, status=FAILED, error=_why(e))
+                result = dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
             inflight.popleft()
             done(result)
+            if result.store_down:
+                wait_for_store(cache.store, store_patience_s)
 
     t0 = time.perf_counter()
     cores = encode_workers()
@@ -179,14 +197,24 @@ def ingest(
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvcodec-ingest"))
         try:
             for doc in documents:
-                result, ids, kv = _prefilled(doc, tokens, limit, cache, model, prefill_chunk_tokens)
+                result, ids, kv = _prefilled(doc, tokens, cut, seen, cache, model, prefill_chunk_tokens)
+                if result.store_down:  # its lookup failed: once the store answers again, the document is read again
+                    try:
+                        wait_for_store(cache.store, store_patience_s)
+                    except StoreDownError:
+                        done(result)
+                        raise
+                    result, ids, kv = _prefilled(doc, tokens, cut, seen, cache, model, prefill_chunk_tokens)
                 if kv is None:
                     done(result)
+                    if result.store_down:
+                        wait_for_store(cache.store, store_patience_s)
                     continue
+                seen.add(ids, doc.id)
                 inflight.append((pool.submit(put, ids, kv), result))
                 del kv
                 settle(at_once(ids))
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, StoreDownError):
             if inflight:
                 log.warning("interrupted: finishing the %d documents in flight", len(inflight))
             settle(0)  # counted, so that the interrupted run's report says what is stored
@@ -195,24 +223,80 @@ def ingest(
     return IngestReport(tuple(results), time.perf_counter() - t0, "processes" if procs else "threads")
 
 
-def _prefilled(doc: Document, tokens: Any, limit: int | None, cache: Any, model: Any, chunk_tokens: int | None):  # noqa: ANN202
-    """(its result so far, token ids, KV) of a document tokenized and prefilled; a failed, empty or
-    already stored one: (its final result, None, None)."""
+def _prefilled(doc: Document, tokens: Any, cut: _Cut, seen: _Seen, cache: Any, model: Any, chunk_tokens: int | None):  # noqa: ANN202
+    """(its result so far, token ids, KV) of a document tokenized and prefilled; a failed, empty,
+    repeated or already stored one: (its final result, None, None)."""
     if doc.error:
         return DocResult(doc.id, FAILED, error=doc.error), None, None
     try:
-        ids = tokens.encode(doc.text)[: limit or None]
+        ids = cut(tokens.encode(doc.text))
         if not ids:
             raise KVCodecError("the document tokenizes to no tokens")
+        if (first := seen.first(ids)) is not None:
+            return DocResult(doc.id, SKIPPED, len(ids), error=f"the same tokens as {first}"), None, None
         if _stored_already(cache, ids):
             return DocResult(doc.id, SKIPPED, len(ids)), None, None
         t = time.perf_counter()
         kv = _prefill(model, ids, chunk_tokens)
         prefill_s = time.perf_counter() - t
     except Exception as e:  # noqa: BLE001 - reported per document
-        return DocResult(doc.id, FAILED, error=_why(e)), None, None
+        return DocResult(doc.id, FAILED, error=_why(e), store_down=isinstance(e, StoreError)), None, None
     kv_bytes = kv.numel() * kv.element_size()
     return DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv_bytes), ids, kv
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cut:
+    """A document's tokens as stored: at most `limit`; longer than the model's context (no
+    max_tokens `given`) is an error, since no request that begins with the document fits the model."""
+
+    limit: int | None
+    given: bool
+
+    def __call__(self, ids: list[int]) -> list[int]:
+        if self.limit and len(ids) > self.limit and not self.given:
+            raise KVCodecError(
+                f"{len(ids)} tokens; the model's context holds {self.limit}: give --max-tokens to store the first ones"
+            )
+        return ids[: self.limit or None]
+
+
+class _Seen:
+    """The token sequences this job stored (a 16-byte digest each): a repeat is skipped before
+    its prefill, not prefilled and counted again."""
+
+    def __init__(self) -> None:
+        self._first: dict[bytes, str] = {}
+
+    @staticmethod
+    def _digest(ids: list[int]) -> bytes:
+        return hashlib.blake2b(array.array("q", ids).tobytes(), digest_size=16).digest()
+
+    def first(self, ids: list[int]) -> str | None:
+        """The id of the document this job stored with the same tokens, if any."""
+        return self._first.get(self._digest(ids))
+
+    def add(self, ids: list[int], doc_id: str) -> None:
+        self._first.setdefault(self._digest(ids), doc_id)
+
+
+def wait_for_store(store: Any, patience_s: float, first_wait_s: float = 0.5) -> None:
+    """Return once `store` answers an existence query; StoreDownError after `patience_s` seconds of
+    asking (waits doubling from `first_wait_s`, at most 8 s)."""
+    end, wait = time.monotonic() + patience_s, first_wait_s
+    while True:
+        try:
+            store.exists_many([_STORE_PROBE])
+            return
+        except Exception as e:  # noqa: BLE001 - any failure to answer is the store still down
+            left = end - time.monotonic()
+            if left <= 0:
+                raise StoreDownError(
+                    f"the store did not answer for {patience_s:g} s ({_why(e)}): stopped; run the same command to resume"
+                ) from None
+            log.warning("the store does not answer (%s): asking again in %.1f s", _why(e), min(wait, left))
+            time.sleep(min(wait, left))
+            wait = min(wait * 2, 8.0)
 
 
 def documents_at_once(store_workers: int | None, cores: int, chunks: int) -> int:

@@ -1,4 +1,4 @@
-"""Where ingested documents come from: a folder of text files, a JSONL file, or a file of prompts
+"""Where ingested documents come from: a folder of text files, a JSON Lines file, or a file of prompts
 (one per line), each optionally put into a shared template.
 
 Every document gets an id (file name, the record's id field or its line number) used in progress
@@ -16,6 +16,7 @@ from pathlib import Path
 from kvcodec.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
+JSON_LINES_SUFFIXES = (".jsonl", ".ndjson")
 PLACEHOLDER = "{text}"
 
 
@@ -40,18 +41,27 @@ def read_documents(
     path: str | Path, *, template: str | None = None, text_field: str = "text", id_field: str = "id"
 ) -> Iterator[Document]:
     """The documents of `path`: a directory (its text files, sorted by name, recursively), a
-    .jsonl file (objects with `text_field` and optionally `id_field`, or plain strings), or any
-    other file (one prompt per non-empty line)."""
+    JSON Lines file (.jsonl or .ndjson: objects with `text_field` and optionally `id_field`, or plain
+    strings), or any other file but .json (one prompt per non-empty line). A document whose text is
+    empty or only white space is reported, not stored."""
     check_template(template)
     p = Path(path)
     if p.is_dir():
         docs = _folder(p)
     elif p.is_file():
-        docs = _jsonl(p, text_field, id_field) if p.suffix.lower() == ".jsonl" else _lines(p)
+        suffix = p.suffix.lower()
+        if suffix == ".json":  # its lines would be stored as prompts: JSON text that no request begins with
+            raise ConfigError(f"{p}: a .json file is not read; give JSON Lines (.jsonl), one record a line")
+        docs = _jsonl(p, text_field, id_field) if suffix in JSON_LINES_SUFFIXES else _lines(p)
     else:
         raise ConfigError(f"{str(p)!r} is neither a folder nor a file")
     for d in docs:
-        yield d if d.error else dataclasses.replace(d, text=apply_template(template, d.text))
+        if d.error:
+            yield d
+        elif not d.text.strip():
+            yield Document(d.id, error="the text is empty or only white space")
+        else:
+            yield dataclasses.replace(d, text=apply_template(template, d.text))
 
 
 def _folder(root: Path) -> Iterator[Document]:
