@@ -164,7 +164,8 @@ def ingest(
         if on_result:
             on_result(r)
 
-    def settle(keep: int) -> None:
+    def settle(keep: int, wait: bool = True) -> None:
+        """Report the oldest stores until `keep` are in flight; after a store error, wait for the store (`wait`)."""
         while len(inflight) > keep:
             fut, r = inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it to settle
             try:
@@ -174,7 +175,7 @@ def ingest(
                 result = dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
             inflight.popleft()
             done(result)
-            if result.store_down:
+            if result.store_down and wait:
                 wait_for_store(cache.store, store_patience_s)
 
     t0 = time.perf_counter()
@@ -217,7 +218,7 @@ def ingest(
         except (KeyboardInterrupt, StoreDownError):
             if inflight:
                 log.warning("interrupted: finishing the %d documents in flight", len(inflight))
-            settle(0)  # counted, so that the interrupted run's report says what is stored
+            settle(0, wait=False)  # counted, so that the interrupted run's report says what is stored
             raise
         settle(0)
     return IngestReport(tuple(results), time.perf_counter() - t0, "processes" if procs else "threads")
