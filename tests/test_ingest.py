@@ -357,3 +357,32 @@ def test_a_repeated_document_is_skipped_and_one_longer_than_the_context_fails_un
     assert r.to_dict()["stored_tokens"] == got["a"].tokens
     cut = ingest([long], model, tokenizer, cache, max_tokens=64, encode_in="threads").results[0]
     assert (cut.status, cut.tokens) == ("stored", 64)
+
+
+class RefusingPuts:
+    """A real store whose writes fail (StoreError, as a store that refuses writes raises)."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.url = inner, "refusing+" + inner.url
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def put_many(self, items):  # noqa: ANN001, ANN201
+        from kvcodec.errors import StoreError
+
+        raise StoreError(f"{self.url}: read-only")
+
+    put = put_many
+
+
+def test_a_repeat_of_a_document_whose_store_fails_fails_with_it(smollm2, tmp_path):
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    store = RefusingPuts(open_store(f"file://{tmp_path}"))
+    cache = PrefixCache(store, model_id(model), make_codec("raw", chunk_tokens=32), "cpu")
+    docs = [Document("a", DOCS[0]), Document("again", DOCS[0])]
+    got = {r.id: r for r in ingest(docs, model, tokenizer, cache, encode_in="threads", store_patience_s=0.01).results}
+    assert got["a"].status == "failed" and "read-only" in got["a"].error
+    assert got["again"].status == "failed" and "same tokens as a, whose store failed" in got["again"].error

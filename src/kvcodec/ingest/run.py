@@ -157,7 +157,7 @@ def ingest(
     cut = _Cut(limit, given=max_tokens is not None)
     seen = _Seen()
     results: list[DocResult] = []
-    inflight: collections.deque[tuple[Future, DocResult]] = collections.deque()
+    inflight: collections.deque[tuple[Future, DocResult, list[int]]] = collections.deque()
 
     def done(r: DocResult) -> None:
         results.append(r)
@@ -167,12 +167,18 @@ def ingest(
     def settle(keep: int, wait: bool = True) -> None:
         """Report the oldest stores until `keep` are in flight; after a store error, wait for the store (`wait`)."""
         while len(inflight) > keep:
-            fut, r = inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it to settle
+            fut, r, ids = inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it to settle
+            repeat = r.status == SKIPPED  # a repeat settles with the store of its first document
             try:
                 chunks, store_s = fut.result()
-                result = dataclasses.replace(r, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
+                status = SKIPPED if repeat or not chunks else STORED
+                result = r if repeat else dataclasses.replace(r, chunks=chunks, store_s=store_s, status=status)
             except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
-                result = dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
+                if repeat:
+                    result = dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed")
+                else:
+                    result = dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
+                    seen.forget(ids)  # a later repeat is tried again
             inflight.popleft()
             done(result)
             if result.store_down and wait:
@@ -202,39 +208,44 @@ def ingest(
                 if result.store_down:  # its lookup failed: once the store answers again, the document is read again
                     try:
                         wait_for_store(cache.store, store_patience_s)
-                    except StoreDownError:
+                    except (StoreDownError, KeyboardInterrupt):
                         done(result)
                         raise
                     result, ids, kv = _prefilled(doc, tokens, cut, seen, cache, model, prefill_chunk_tokens)
+                if kv is None and ids is not None:  # a repeat: reported once its first document's store is
+                    inflight.append((seen.store_of(ids), result, ids))
+                    settle(at_once(ids))
+                    continue
                 if kv is None:
                     done(result)
                     if result.store_down:
                         wait_for_store(cache.store, store_patience_s)
                     continue
-                seen.add(ids, doc.id)
-                inflight.append((pool.submit(put, ids, kv), result))
+                stored = pool.submit(put, ids, kv)
+                seen.add(ids, doc.id, stored)
+                inflight.append((stored, result, ids))
                 del kv
                 settle(at_once(ids))
+            settle(0)
         except (KeyboardInterrupt, StoreDownError):
             if inflight:
                 log.warning("interrupted: finishing the %d documents in flight", len(inflight))
             settle(0, wait=False)  # counted, so that the interrupted run's report says what is stored
             raise
-        settle(0)
     return IngestReport(tuple(results), time.perf_counter() - t0, "processes" if procs else "threads")
 
 
 def _prefilled(doc: Document, tokens: Any, cut: _Cut, seen: _Seen, cache: Any, model: Any, chunk_tokens: int | None):  # noqa: ANN202
-    """(its result so far, token ids, KV) of a document tokenized and prefilled; a failed, empty,
-    repeated or already stored one: (its final result, None, None)."""
+    """(its result so far, token ids, KV) of a document tokenized and prefilled; a repeat of one this
+    job stores: (its result, token ids, None); a failed, empty or already stored one: (its final result, None, None)."""
     if doc.error:
         return DocResult(doc.id, FAILED, error=doc.error), None, None
     try:
         ids = cut(tokens.encode(doc.text))
         if not ids:
             raise KVCodecError("the document tokenizes to no tokens")
-        if (first := seen.first(ids)) is not None:
-            return DocResult(doc.id, SKIPPED, len(ids), error=f"the same tokens as {first}"), None, None
+        if (first := seen.first(ids)) is not None:  # settled with that document's store (ids, no KV)
+            return DocResult(doc.id, SKIPPED, len(ids), error=f"the same tokens as {first}"), ids, None
         if _stored_already(cache, ids):
             return DocResult(doc.id, SKIPPED, len(ids)), None, None
         t = time.perf_counter()
@@ -263,22 +274,30 @@ class _Cut:
 
 
 class _Seen:
-    """The token sequences this job stored (a 16-byte digest each): a repeat is skipped before
-    its prefill, not prefilled and counted again."""
+    """The token sequences this job stores (a 16-byte digest each, with the first document's id and
+    its store's future): a repeat is not prefilled again; it is skipped once that store is done, or
+    fails with it (and a repeat after a failed store is tried again)."""
 
     def __init__(self) -> None:
-        self._first: dict[bytes, str] = {}
+        self._first: dict[bytes, tuple[str, Future]] = {}
 
     @staticmethod
     def _digest(ids: list[int]) -> bytes:
         return hashlib.blake2b(array.array("q", ids).tobytes(), digest_size=16).digest()
 
     def first(self, ids: list[int]) -> str | None:
-        """The id of the document this job stored with the same tokens, if any."""
-        return self._first.get(self._digest(ids))
+        """The id of the document this job stores with the same tokens, if any."""
+        entry = self._first.get(self._digest(ids))
+        return entry[0] if entry else None
 
-    def add(self, ids: list[int], doc_id: str) -> None:
-        self._first.setdefault(self._digest(ids), doc_id)
+    def store_of(self, ids: list[int]) -> Future:
+        return self._first[self._digest(ids)][1]
+
+    def add(self, ids: list[int], doc_id: str, stored: Future) -> None:
+        self._first.setdefault(self._digest(ids), (doc_id, stored))
+
+    def forget(self, ids: list[int]) -> None:
+        self._first.pop(self._digest(ids), None)
 
 
 def wait_for_store(store: Any, patience_s: float, first_wait_s: float = 0.5) -> None:
