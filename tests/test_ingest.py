@@ -386,3 +386,65 @@ def test_a_repeat_of_a_document_whose_store_fails_fails_with_it(smollm2, tmp_pat
     got = {r.id: r for r in ingest(docs, model, tokenizer, cache, encode_in="threads", store_patience_s=0.01).results}
     assert got["a"].status == "failed" and "read-only" in got["a"].error
     assert got["again"].status == "failed" and "same tokens as a, whose store failed" in got["again"].error
+
+
+class DownOnceWritten:
+    """A real store that goes down (StoreError on every call) at the first write, which waits for
+    `gate`: the fault lands at a fixed point of the job, not at a time."""
+
+    def __init__(self, inner, gate) -> None:  # noqa: ANN001
+        self.inner, self.gate, self.down, self.url = inner, gate, False, "down+" + inner.url
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def _refuse(self) -> None:
+        from kvcodec.errors import StoreError
+
+        raise StoreError(f"{self.url}: connection refused")
+
+    def exists_many(self, keys):  # noqa: ANN001, ANN201
+        if self.down:
+            self._refuse()
+        return self.inner.exists_many(keys)
+
+    def put_many(self, items):  # noqa: ANN001, ANN201
+        self.gate.wait(60)
+        self.down = True
+        self._refuse()
+
+    put = put_many
+
+
+def test_a_store_that_goes_down_while_the_last_documents_finish_still_reports_them(smollm2, tmp_path):
+    import threading
+
+    from kvcodec.ingest.run import StoreDownError
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    read_all = threading.Event()
+
+    def documents():  # every lookup is done before any write: the store goes down in the final drain
+        yield from (Document(f"d{i}", f"Document {i}: " + DOCS[i % 2]) for i in range(3))
+        read_all.set()
+
+    cache = PrefixCache(
+        DownOnceWritten(open_store(f"file://{tmp_path}"), read_all),
+        model_id(model),
+        make_codec("raw", chunk_tokens=32),
+        "cpu",
+    )
+    seen = []
+    with pytest.raises(StoreDownError):
+        ingest(
+            documents(),
+            model,
+            tokenizer,
+            cache,
+            encode_in="threads",
+            store_workers=3,
+            store_patience_s=0,
+            on_result=seen.append,
+        )
+    assert sorted((r.id, r.status) for r in seen) == [("d0", "failed"), ("d1", "failed"), ("d2", "failed")]
