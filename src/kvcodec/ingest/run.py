@@ -152,109 +152,165 @@ def ingest(
         on threads of this process."""
     from kvcodec.engine.tokens import Tokens
 
-    tokens = Tokens(tokenizer)
     limit = token_limit(model, max_tokens)
-    cut = _Cut(limit, given=max_tokens is not None)
-    seen = _Seen()
-    results: list[DocResult] = []
-    inflight: collections.deque[tuple[Future, DocResult, list[int]]] = collections.deque()
-
-    def done(r: DocResult) -> None:
-        results.append(r)
-        if on_result:
-            on_result(r)
-
-    def settle(keep: int, wait: bool = True) -> None:
-        """Report the oldest stores until `keep` are in flight; after a store error, wait for the store (`wait`)."""
-        while len(inflight) > keep:
-            fut, r, ids = inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it to settle
-            repeat = r.status == SKIPPED  # a repeat settles with the store of its first document
-            try:
-                chunks, store_s = fut.result()
-                status = SKIPPED if repeat or not chunks else STORED
-                result = r if repeat else dataclasses.replace(r, chunks=chunks, store_s=store_s, status=status)
-            except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
-                if repeat:
-                    result = dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed")
-                else:
-                    result = dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
-                    seen.forget(ids)  # a later repeat is tried again
-            inflight.popleft()
-            done(result)
-            if result.store_down and wait:
-                wait_for_store(cache.store, store_patience_s)
-
-    t0 = time.perf_counter()
-    cores = encode_workers()
     chunk_tokens = int(getattr(cache, "chunk_tokens", 0) or 256)
+    cores = encode_workers()
     chunks = -(-limit // chunk_tokens) if limit else None  # a whole document's chunks, at most
     procs = _encode_pool(cache, store_url, encode_in, cores, store_workers, chunks)
-    pool_size = procs.processes if procs else max(1, store_workers or cores)
-    put = functools.partial(_store_in, procs, cache) if procs else functools.partial(_store, cache)
-
-    def at_once(ids: list[int]) -> int:  # documents encoding, or waiting with their KV, at once
-        if procs:
-            return procs.processes + 1  # one waits to take the first free worker
-        return documents_at_once(store_workers, cores, -(-len(ids) // chunk_tokens))
-
+    job = _Job(
+        prefill=_Prefill(
+            Tokens(tokenizer), _Cut(limit, given=max_tokens is not None), _Seen(), cache, model, prefill_chunk_tokens
+        ),
+        cache=cache,
+        put=functools.partial(_store_in, procs, cache) if procs else functools.partial(_store, cache),
+        at_once=_AtOnce(procs.processes + 1 if procs else None, store_workers, cores, chunk_tokens),
+        on_result=on_result,
+        store_patience_s=store_patience_s,
+    )
+    t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         if procs:  # shut down after the threads that feed it
             stack.callback(procs.shutdown)
             procs.start()  # the workers spawn and import while the first document is tokenized and prefilled
-        pool = stack.enter_context(ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="kvcodec-ingest"))
+        pool_size = procs.processes if procs else max(1, store_workers or cores)
+        job.run(documents, stack.enter_context(ThreadPoolExecutor(pool_size, thread_name_prefix="kvcodec-ingest")))
+    return IngestReport(tuple(job.results), time.perf_counter() - t0, "processes" if procs else "threads")
+
+
+@dataclasses.dataclass(frozen=True)
+class _AtOnce:
+    """Documents encoding, or waiting with their KV, at once: a worker process each and one waiting to
+    take the first free one (`processes`), else documents_at_once on this process's threads."""
+
+    processes: int | None
+    store_workers: int | None
+    cores: int
+    chunk_tokens: int
+
+    def __call__(self, ids: list[int]) -> int:
+        if self.processes:
+            return self.processes
+        return documents_at_once(self.store_workers, self.cores, -(-len(ids) // self.chunk_tokens))
+
+
+@dataclasses.dataclass
+class _Job:
+    """One ingest run: each document prefilled on this thread, its store submitted to `pool`; results
+    reported in document order as the stores finish; after a store error, the job waits for the store."""
+
+    prefill: _Prefill
+    cache: Any
+    put: Callable[[list[int], Any], tuple[int, float]]
+    at_once: Callable[[list[int]], int]
+    on_result: Callable[[DocResult], None] | None
+    store_patience_s: float
+    results: list[DocResult] = dataclasses.field(default_factory=list)
+    inflight: collections.deque[tuple[Future, DocResult, list[int]]] = dataclasses.field(
+        default_factory=collections.deque
+    )
+
+    def run(self, documents: Iterable[Document], pool: ThreadPoolExecutor) -> None:
         try:
             for doc in documents:
-                result, ids, kv = _prefilled(doc, tokens, cut, seen, cache, model, prefill_chunk_tokens)
-                if result.store_down:  # its lookup failed: once the store answers again, the document is read again
-                    try:
-                        wait_for_store(cache.store, store_patience_s)
-                    except (StoreDownError, KeyboardInterrupt):
-                        done(result)
-                        raise
-                    result, ids, kv = _prefilled(doc, tokens, cut, seen, cache, model, prefill_chunk_tokens)
-                if kv is None and ids is not None:  # a repeat: reported once its first document's store is
-                    inflight.append((seen.store_of(ids), result, ids))
-                    settle(at_once(ids))
-                    continue
-                if kv is None:
-                    done(result)
-                    if result.store_down:
-                        wait_for_store(cache.store, store_patience_s)
-                    continue
-                stored = pool.submit(put, ids, kv)
-                seen.add(ids, doc.id, stored)
-                inflight.append((stored, result, ids))
-                del kv
-                settle(at_once(ids))
-            settle(0)
+                self._take(doc, pool)
+            self._settle(0)
         except (KeyboardInterrupt, StoreDownError):
-            if inflight:
-                log.warning("interrupted: finishing the %d documents in flight", len(inflight))
-            settle(0, wait=False)  # counted, so that the interrupted run's report says what is stored
+            if self.inflight:
+                log.warning("interrupted: finishing the %d documents in flight", len(self.inflight))
+            self._settle(0, wait=False)  # counted, so that the interrupted run's report says what is stored
             raise
-    return IngestReport(tuple(results), time.perf_counter() - t0, "processes" if procs else "threads")
+
+    def _take(self, doc: Document, pool: ThreadPoolExecutor) -> None:
+        result, ids, kv = self._read(doc)
+        if kv is None and ids is not None:  # a repeat: reported once its first document's store is
+            self.inflight.append((self.prefill.seen.store_of(ids), result, ids))
+            self._settle(self.at_once(ids))
+        elif kv is None:
+            self._done(result)
+            if result.store_down:
+                self._wait_for_store()
+        else:
+            stored = pool.submit(self.put, ids, kv)
+            self.prefill.seen.add(ids, doc.id, stored)
+            self.inflight.append((stored, result, ids))
+            del kv
+            self._settle(self.at_once(ids))
+
+    def _read(self, doc: Document) -> tuple[DocResult, list[int] | None, Any]:
+        """prefill(doc); where its lookup failed, once more after the store answers again."""
+        result, ids, kv = self.prefill(doc)
+        if not result.store_down:
+            return result, ids, kv
+        try:
+            self._wait_for_store()
+        except (StoreDownError, KeyboardInterrupt):
+            self._done(result)
+            raise
+        return self.prefill(doc)
+
+    def _settle(self, keep: int, wait: bool = True) -> None:
+        """Report the oldest stores until `keep` are in flight; after a store error, wait for the store (`wait`)."""
+        while len(self.inflight) > keep:
+            fut, r, ids = self.inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it
+            result = self._outcome(fut, r, ids)
+            self.inflight.popleft()
+            self._done(result)
+            if result.store_down and wait:
+                self._wait_for_store()
+
+    def _outcome(self, fut: Future, r: DocResult, ids: list[int]) -> DocResult:
+        repeat = r.status == SKIPPED  # a repeat settles with the store of its first document
+        try:
+            chunks, store_s = fut.result()
+        except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
+            if repeat:
+                return dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed")
+            self.prefill.seen.forget(ids)  # a later repeat is tried again
+            return dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
+        if repeat:
+            return r
+        return dataclasses.replace(r, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
+
+    def _done(self, r: DocResult) -> None:
+        self.results.append(r)
+        if self.on_result:
+            self.on_result(r)
+
+    def _wait_for_store(self) -> None:
+        wait_for_store(self.cache.store, self.store_patience_s)
 
 
-def _prefilled(doc: Document, tokens: Any, cut: _Cut, seen: _Seen, cache: Any, model: Any, chunk_tokens: int | None):  # noqa: ANN202
-    """(its result so far, token ids, KV) of a document tokenized and prefilled; a repeat of one this
-    job stores: (its result, token ids, None); a failed, empty or already stored one: (its final result, None, None)."""
-    if doc.error:
-        return DocResult(doc.id, FAILED, error=doc.error), None, None
-    try:
-        ids = cut(tokens.encode(doc.text))
-        if not ids:
-            raise KVCodecError("the document tokenizes to no tokens")
-        if (first := seen.first(ids)) is not None:  # settled with that document's store (ids, no KV)
-            return DocResult(doc.id, SKIPPED, len(ids), error=f"the same tokens as {first}"), ids, None
-        if _stored_already(cache, ids):
-            return DocResult(doc.id, SKIPPED, len(ids)), None, None
-        t = time.perf_counter()
-        kv = _prefill(model, ids, chunk_tokens)
-        prefill_s = time.perf_counter() - t
-    except Exception as e:  # noqa: BLE001 - reported per document
-        return DocResult(doc.id, FAILED, error=_why(e), store_down=isinstance(e, StoreError)), None, None
-    kv_bytes = kv.numel() * kv.element_size()
-    return DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv_bytes), ids, kv
+@dataclasses.dataclass(frozen=True)
+class _Prefill:
+    """A document tokenized as the engine tokenizes a prompt, cut, and prefilled."""
+
+    tokens: Any  # engine.tokens.Tokens
+    cut: _Cut
+    seen: _Seen
+    cache: Any
+    model: Any
+    chunk_tokens: int | None  # tokens per forward
+
+    def __call__(self, doc: Document) -> tuple[DocResult, list[int] | None, Any]:
+        """(its result so far, token ids, KV); a repeat of one this job stores: (its result, token ids,
+        None); a failed, empty or already stored one: (its final result, None, None)."""
+        if doc.error:
+            return DocResult(doc.id, FAILED, error=doc.error), None, None
+        try:
+            ids = self.cut(self.tokens.encode(doc.text))
+            if not ids:
+                raise KVCodecError("the document tokenizes to no tokens")
+            if (first := self.seen.first(ids)) is not None:  # settled with that document's store (ids, no KV)
+                return DocResult(doc.id, SKIPPED, len(ids), error=f"the same tokens as {first}"), ids, None
+            if _stored_already(self.cache, ids):
+                return DocResult(doc.id, SKIPPED, len(ids)), None, None
+            t = time.perf_counter()
+            kv = _prefill(self.model, ids, self.chunk_tokens)
+            prefill_s = time.perf_counter() - t
+        except Exception as e:  # noqa: BLE001 - reported per document
+            return DocResult(doc.id, FAILED, error=_why(e), store_down=isinstance(e, StoreError)), None, None
+        kv_bytes = kv.numel() * kv.element_size()
+        return DocResult(doc.id, STORED, len(ids), prefill_s=prefill_s, kv_bytes=kv_bytes), ids, kv
 
 
 @dataclasses.dataclass(frozen=True)
