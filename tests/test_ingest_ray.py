@@ -5,6 +5,7 @@ installs the ray extra and sets KVCODEC_REQUIRE_RAY=1, so a missing ray fails th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -87,3 +88,25 @@ def test_ray_ingest_stores_the_bytes_of_a_one_machine_run(smollm2, tmp_path, two
     args += ["--codec-option", "chunk_tokens=32", "--ray", two_nodes.address, "--encode-cpus", "1"]
     again = CliRunner().invoke(cli, args)
     assert again.exit_code == 1 and "0 stored, 2 already stored, 2 failed" in again.output, again.output
+
+
+def test_ray_ingest_stores_a_repeat_once_and_waits_for_a_store_that_is_down(smollm2, tmp_path, two_nodes, redis_server):
+    """As on one machine: a repeat settles with its first document's store (stored once), and a store
+    that does not answer stops the job after its patience with the first document reported."""
+    from kvcodec.ingest.run import StoreDownError
+
+    docs = [DOCS[0], Document("mill-again", DOCS[0].text), DOCS[1]]
+    job = RayJob("smollm2-135m", f"file://{tmp_path / 'ray'}", "hevc", OPTIONS, encode_cpus=1)
+    report = ingest_on_ray(docs, job)
+    got = {r.id: r for r in report.results}
+    assert (got["mill"].status, got["light"].status) == ("stored", "stored")
+    again = got["mill-again"]  # told of mill's store in flight, or prefilled beside it, or looked up once stored
+    assert again.status == "skipped" and (again.error is None or "same tokens as mill" in again.error)
+    assert again.store_s == 0  # not encoded again
+    assert report.to_dict()["chunks"] == got["mill"].chunks + got["light"].chunks
+    redis_server.kill()
+    seen = []
+    down = dataclasses.replace(job, store_url=redis_server.url)
+    with pytest.raises(StoreDownError, match="resume"):
+        ingest_on_ray(docs, down, on_result=seen.append, store_patience_s=0)
+    assert [(r.id, r.status) for r in seen] == [("mill", "failed")]

@@ -4,7 +4,10 @@ Prefill actors (one per GPU of the cluster, or CPU actors on a cluster without G
 document, skip those already stored and prefill the others; the KV goes into Ray's object store and
 an encode task on CPUs codes and writes it to the shared store (Redis, Redis Cluster, a folder every
 node mounts). Tokens, keys and chunk bytes are those of a one-machine `ingest` with the same model,
-codec and options: the stored objects are byte-identical.
+codec and options: the stored objects are byte-identical. As there, a repeat of a document this job
+stores is not stored again (it settles with the first one's store; an actor told of the stores in
+flight does not prefill it), and after a store error the driver waits for the store (run.wait_for_store)
+before it goes on or stops.
 """
 
 from __future__ import annotations
@@ -16,17 +19,20 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvcodec.errors import ConfigError
+from kvcodec.errors import ConfigError, StoreError
 from kvcodec.ingest.run import (
     FAILED,
     SKIPPED,
+    STORE_PATIENCE_S,
     STORED,
     DocResult,
     IngestReport,
+    StoreDownError,
     _Cut,
-    _prefill,
-    _stored_already,
+    _Prefill,
     _why,
+    token_digest,
+    wait_for_store,
 )
 from kvcodec.ingest.sources import Document
 from kvcodec.models.registry import token_limit
@@ -85,31 +91,39 @@ class Prefiller:
 
         if job.threads:
             torch.set_num_threads(job.threads)
-        self.job = job
         device = "cuda" if torch.cuda.is_available() else "cpu"
         run_dtype = getattr(torch, job.dtype) if job.dtype else None
-        self.model, tokenizer, self.device = load_for_ingest(job.model, device, run_dtype)
-        self.tokens = Tokens(tokenizer)
-        self.model_id = model_id(self.model)
-        self.store, self.cache = job.open_cache(self.model_id)
-        self.cut = _Cut(token_limit(self.model, job.max_tokens), given=job.max_tokens is not None)
+        model, tokenizer, _ = load_for_ingest(job.model, device, run_dtype)
+        self.job, self.model_id = job, model_id(model)
+        cut = _Cut(token_limit(model, job.max_tokens), given=job.max_tokens is not None)
+        self.unopened = _Prefill(Tokens(tokenizer), cut, _Storing({}), None, model, job.prefill_chunk_tokens)
+        self.read: _Prefill | None = None  # with the store's cache, once the store opened
 
-    def prefill(self, doc: Document) -> tuple[tuple[DocResult, list[int] | None, str], Any]:
-        """((result, token ids to store or None, model id), KV on the CPU or None)."""
-        if doc.error:
-            return (DocResult(doc.id, FAILED, error=doc.error), None, self.model_id), None
+    def prefill(self, doc: Document, storing: dict[bytes, str]) -> tuple[tuple[DocResult, list[int] | None, str], Any]:
+        """((result, token ids or None, model id), KV on the CPU or None): run._Prefill's answer, where
+        `storing` (token digest -> document id) names the documents whose store is in flight."""
         try:
-            ids = self.cut(self.tokens.encode(doc.text))
-            if not ids:
-                raise ConfigError("the document tokenizes to no tokens")
-            if _stored_already(self.cache, ids):
-                return (DocResult(doc.id, SKIPPED, len(ids)), None, self.model_id), None
-            t = time.perf_counter()
-            kv = _prefill(self.model, ids, self.job.prefill_chunk_tokens).to("cpu")
-            result = DocResult(doc.id, STORED, len(ids), prefill_s=time.perf_counter() - t)
-            return (result, ids, self.model_id), kv
-        except Exception as e:  # noqa: BLE001 - reported per document
-            return (DocResult(doc.id, FAILED, error=_why(e)), None, self.model_id), None
+            read = self._opened()
+        except StoreError as e:  # the store is down (at the actor's start too): the driver waits for it
+            return (DocResult(doc.id, FAILED, error=_why(e), store_down=True), None, self.model_id), None
+        result, ids, kv = dataclasses.replace(read, seen=_Storing(storing))(doc)
+        return (result, ids, self.model_id), (kv.to("cpu") if kv is not None else None)
+
+    def _opened(self) -> _Prefill:
+        if self.read is None:
+            _, cache = self.job.open_cache(self.model_id)
+            self.read = dataclasses.replace(self.unopened, cache=cache)
+        return self.read
+
+
+@dataclasses.dataclass(frozen=True)
+class _Storing:
+    """The documents whose store is in flight, as run._Prefill asks of a job's _Seen."""
+
+    ids_of: dict[bytes, str]
+
+    def first(self, ids: list[int]) -> str | None:
+        return self.ids_of.get(token_digest(ids))
 
 
 def store_kv(job: RayJob, model_id: str, ids: list[int], kv: Any) -> tuple[int, float]:
@@ -135,10 +149,12 @@ def ingest_on_ray(
     *,
     actors: int | None = None,
     on_result: Callable[[DocResult], None] | None = None,
+    store_patience_s: float = STORE_PATIENCE_S,
 ) -> IngestReport:
     """Run `job` over `documents` on the Ray cluster this process is connected to (ray.init).
     actors: prefill actors (default: one per GPU of the cluster, or one on the CPU without GPUs).
-    At most two documents per actor wait for prefill and two encodes per actor run at once."""
+    At most two documents per actor wait for prefill and two encodes per actor run at once.
+    store_patience_s: as run.ingest's (StoreDownError once the stores in flight are done)."""
     ray = import_ray()
     gpus = cluster_gpus(ray)
     n = actors or max(1, gpus)
@@ -153,44 +169,134 @@ def ingest_on_ray(
     per_actor = {"num_gpus": 1} if gpus else {"num_cpus": 1}
     remote_actor = ray.remote(Prefiller).options(**per_actor)
     pool = [remote_actor.remote(job) for _ in range(n)]
-    encode = ray.remote(store_kv).options(num_cpus=job.encode_cpus)
-    results: list[DocResult] = []
-    prefills: dict[Any, Any] = {}  # meta ref -> its actor
-    stores: dict[Any, DocResult] = {}  # store ref -> the document's result so far
-    queue = collections.deque(documents)
-    idle = collections.deque(a for a in pool for _ in range(2))  # two documents in flight per actor
-
-    def done(r: DocResult) -> None:
-        results.append(r)
-        if on_result:
-            on_result(r)
-
+    run = _RayRun(ray, job, ray.remote(store_kv).options(num_cpus=job.encode_cpus), on_result, store_patience_s)
     t0 = time.perf_counter()
-    while queue or prefills or stores:
-        while queue and idle and len(stores) < 2 * n:
-            actor = idle.popleft()
-            meta, kv = actor.prefill.options(num_returns=2).remote(queue.popleft())
-            prefills[meta] = (actor, kv)
-        ready, _ = ray.wait([*prefills, *stores], num_returns=1)
-        ref = ready[0]
-        if ref in prefills:
-            actor, kv = prefills.pop(ref)
-            idle.append(actor)
-            result, ids, model_id = _get(ray, ref)
-            if ids is None:
-                done(result)
-            else:
-                stores[encode.remote(job, model_id, ids, kv)] = result
+    try:
+        run.run(documents, pool)
+    finally:
+        for actor in pool:
+            ray.kill(actor)
+    return IngestReport(tuple(run.results), time.perf_counter() - t0)
+
+
+@dataclasses.dataclass
+class _Prefilling:
+    actor: Any
+    kv: Any  # the KV's object ref
+    doc: Document
+    again: bool  # read again after its lookup failed
+
+
+@dataclasses.dataclass
+class _RayRun:
+    """The driver's loop: documents to the actors (two in flight each), prefilled KV to encode tasks
+    (two per actor at once), results reported as they come; repeats settle with their first store."""
+
+    ray: Any
+    job: RayJob
+    encode: Any  # the remote store_kv
+    on_result: Callable[[DocResult], None] | None
+    store_patience_s: float
+    results: list[DocResult] = dataclasses.field(default_factory=list)
+    prefills: dict[Any, _Prefilling] = dataclasses.field(default_factory=dict)  # meta ref ->
+    stores: dict[Any, tuple[DocResult, bytes]] = dataclasses.field(default_factory=dict)  # ref -> (result, digest)
+    storing: dict[bytes, tuple[str, Any]] = dataclasses.field(default_factory=dict)  # digest -> (doc id, store ref)
+    repeats: dict[Any, list[DocResult]] = dataclasses.field(default_factory=dict)  # store ref -> its repeats
+    stored: dict[bytes, str] = dataclasses.field(default_factory=dict)  # digest -> doc id, stores done
+    _store: _StoreAt | None = None  # the driver's handle on the store, made at the first store error
+
+    def run(self, documents: Iterable[Document], pool: list[Any]) -> None:
+        queue = collections.deque((doc, False) for doc in documents)
+        idle = collections.deque(a for a in pool for _ in range(2))  # two documents in flight per actor
+        try:
+            while queue or self.prefills or self.stores:
+                while queue and idle and len(self.stores) < len(pool) * 2:
+                    self._prefill(idle.popleft(), *queue.popleft())
+                ref = self.ray.wait([*self.prefills, *self.stores], num_returns=1)[0][0]
+                if ref in self.prefills:
+                    idle.append(self.prefills[ref].actor)
+                    self._prefilled(ref, queue)
+                else:
+                    self._stored(ref, wait=True)
+        except (KeyboardInterrupt, StoreDownError):
+            while self.stores:  # counted, so that the interrupted run's report says what is stored
+                self._stored(self.ray.wait(list(self.stores), num_returns=1)[0][0], wait=False)
+            raise
+
+    def _prefill(self, actor: Any, doc: Document, again: bool) -> None:
+        storing = {digest: doc_id for digest, (doc_id, _) in self.storing.items()}
+        meta, kv = actor.prefill.options(num_returns=2).remote(doc, storing)
+        self.prefills[meta] = _Prefilling(actor, kv, doc, again)
+
+    def _prefilled(self, ref: Any, queue: collections.deque) -> None:
+        p = self.prefills.pop(ref)
+        result, ids, model_id = _get(self.ray, ref)
+        if result.store_down and not p.again:  # its lookup failed: read again once the store answers
+            self._wait_for_store(result)
+            queue.appendleft((p.doc, True))
+        elif ids is None:
+            self._done(result)
+            if result.store_down:
+                self._wait_for_store()
+        elif (digest := token_digest(ids)) in self.storing:  # a repeat, or its twin prefilled beside it
+            first, stored = self.storing[digest]
+            skipped = dataclasses.replace(result, status=SKIPPED, error=f"the same tokens as {first}")
+            self.repeats.setdefault(stored, []).append(skipped)
+        elif digest in self.stored:  # its first document's store finished while it was prefilled
+            self._done(dataclasses.replace(result, status=SKIPPED, error=f"the same tokens as {self.stored[digest]}"))
+        elif result.status == SKIPPED:  # its first document's store failed since: read it again
+            queue.appendleft((p.doc, p.again))
         else:
-            result = stores.pop(ref)
-            try:
-                chunks, store_s = _get(ray, ref)
-                done(dataclasses.replace(result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED))
-            except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
-                done(dataclasses.replace(result, status=FAILED, error=_why(e)))
-    for actor in pool:
-        ray.kill(actor)
-    return IngestReport(tuple(results), time.perf_counter() - t0)
+            stored = self.encode.remote(self.job, model_id, ids, p.kv)
+            self.stores[stored] = (result, digest)
+            self.storing[digest] = (p.doc.id, stored)
+
+    def _stored(self, ref: Any, wait: bool) -> None:
+        result, digest = self.stores.pop(ref)
+        del self.storing[digest]
+        try:
+            chunks, store_s = _get(self.ray, ref)
+        except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
+            self._done(dataclasses.replace(result, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError)))
+            for r in self.repeats.pop(ref, []):
+                self._done(dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed"))
+            if isinstance(e, StoreError) and wait:
+                self._wait_for_store()
+            return
+        self._done(dataclasses.replace(result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED))
+        self.stored.setdefault(digest, result.id)
+        for r in self.repeats.pop(ref, []):
+            self._done(r)
+
+    def _done(self, r: DocResult) -> None:
+        self.results.append(r)
+        if self.on_result:
+            self.on_result(r)
+
+    def _wait_for_store(self, unreported: DocResult | None = None) -> None:
+        """run.wait_for_store on the driver; where it stops, `unreported` is reported first."""
+        try:
+            if self._store is None:
+                self._store = _StoreAt(self.job.store_url)
+            wait_for_store(self._store, self.store_patience_s)
+        except (StoreDownError, KeyboardInterrupt):
+            if unreported is not None:
+                self._done(unreported)
+            raise
+
+
+class _StoreAt:
+    """The store at `url`, opened when first asked (opening a store that is down fails as asking it does)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self._store = url, None
+
+    def exists_many(self, keys: list[str]) -> list[bool]:
+        if self._store is None:
+            from kvcodec.store import open_store
+
+            self._store = open_store(self.url)
+        return self._store.exists_many(keys)
 
 
 def _get(ray: Any, ref: Any) -> Any:

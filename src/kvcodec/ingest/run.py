@@ -286,7 +286,7 @@ class _Prefill:
 
     tokens: Any  # engine.tokens.Tokens
     cut: _Cut
-    seen: _Seen
+    seen: Any  # .first(ids): the id of a document this job stores with the same tokens, or None (_Seen)
     cache: Any
     model: Any
     chunk_tokens: int | None  # tokens per forward
@@ -337,23 +337,24 @@ class _Seen:
     def __init__(self) -> None:
         self._first: dict[bytes, tuple[str, Future]] = {}
 
-    @staticmethod
-    def _digest(ids: list[int]) -> bytes:
-        return hashlib.blake2b(array.array("q", ids).tobytes(), digest_size=16).digest()
-
     def first(self, ids: list[int]) -> str | None:
         """The id of the document this job stores with the same tokens, if any."""
-        entry = self._first.get(self._digest(ids))
+        entry = self._first.get(token_digest(ids))
         return entry[0] if entry else None
 
     def store_of(self, ids: list[int]) -> Future:
-        return self._first[self._digest(ids)][1]
+        return self._first[token_digest(ids)][1]
 
     def add(self, ids: list[int], doc_id: str, stored: Future) -> None:
-        self._first.setdefault(self._digest(ids), (doc_id, stored))
+        self._first.setdefault(token_digest(ids), (doc_id, stored))
 
     def forget(self, ids: list[int]) -> None:
-        self._first.pop(self._digest(ids), None)
+        self._first.pop(token_digest(ids), None)
+
+
+def token_digest(ids: list[int]) -> bytes:
+    """16 bytes that tell a document's token ids from another's."""
+    return hashlib.blake2b(array.array("q", ids).tobytes(), digest_size=16).digest()
 
 
 def wait_for_store(store: Any, patience_s: float, first_wait_s: float = 0.5) -> None:
