@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -115,3 +117,19 @@ def test_fetch_stops_at_the_deadline_with_what_was_restored():
     assert took < 30  # the fetch did not wait for the stalled gets (60 s)
     assert not res.ok and res.tokens_restored == 0 and "deadline" in str(res.error)
     assert res.stats.chunks_dropped == 0 and cache.lookup(ids) == 40  # a slow link is no damage
+
+
+def test_kv_stored_in_another_dtype_restores_into_the_models(cache):
+    """An engine whose StorePolicy stores float16 KV of a float32 model (the demo on CPU does): the
+    put was refused ("expected a GroupedKV of this model's KVSpec") and nothing was ever stored."""
+    wide = dataclasses.replace(SPEC, dtype="float32")
+    cache32 = GroupedPrefixCache(cache.store, "test-model", make_codec("raw", chunk_tokens=CT), spec=wide)
+    ids, kv = list(range(16)), _kv(16)  # float16 values
+    assert cache32.put(ids, kv) == 2
+    res = cache32.fetch(ids, 16)
+    assert res.ok and res.kv.spec == wide and res.kv.equal(kv.to(dtype=torch.float32))
+    huge = GroupedKV(wide, 16, res.kv.starts, tuple(torch.full_like(t, 1e6) for t in res.kv.tensors))
+    other = list(range(50, 66))
+    assert cache.put(other, huge) == 2  # float32 values beyond float16's range: not restored as inf
+    bad = cache.fetch(other, 16)
+    assert bad.tokens_restored == 0 and "beyond the range" in str(bad.error)

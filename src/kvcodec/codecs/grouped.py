@@ -29,9 +29,20 @@ from typing import Any
 
 import torch
 
-from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, chunk_key, collect_chunks
+from kvcodec.codecs.base import (
+    ChunkCodec,
+    ChunkInfo,
+    EncodedChunk,
+    Target,
+    check_keys,
+    chunk_key,
+    collect_chunks,
+    narrowed_checked,
+    restores_into,
+)
 from kvcodec.container import validate as v
 from kvcodec.container.format import crc32, read_object, write_object
+from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 from kvcodec.kvspec import GroupedKV, GroupSpec, KVSpec
 
@@ -313,7 +324,7 @@ class GroupedCodec:
 
     @staticmethod
     def _check_target(info: GroupedChunkInfo, out: GroupedKV) -> None:
-        if out.spec != info.spec:
+        if dataclasses.replace(out.spec, dtype=info.spec.dtype) != info.spec:  # restored into any dtype
             raise ShapeError(f"the chunk holds KV of another model shape or dtype: {_spec_diff(info.spec, out.spec)}")
         if out.stop != info.start_token + info.tokens or min(out.starts) < info.start_token:
             raise ShapeError(
@@ -335,15 +346,16 @@ class GroupedCodec:
         if crc32(data) != p.crc32:
             raise ChecksumError(f"group {name}: part checksum mismatch")
         _check_part(codec.inspect_chunk(data), p, g, info)
-        target = out.tensors[g]
-        if p.tokens == need:
+        target, stored = out.tensors[g], DTYPES[info.spec.dtype]
+        if p.tokens == need and restores_into(codec, stored, target.dtype):
             codec.decode_chunk(data, target)
-        else:  # the chunk holds more of this group than the target keeps: restore, then copy the tail
-            full = torch.empty(
-                (*target.shape[:2], p.tokens, *target.shape[3:]), dtype=target.dtype, device=target.device
-            )
-            codec.decode_chunk(data, full)
-            target.copy_(full[:, :, p.tokens - need :])
+            return
+        # the chunk holds more of this group than the target keeps, or the target's dtype is not one the
+        # codec restores this chunk into: restore whole, then copy the tail across
+        into = target.dtype if restores_into(codec, stored, target.dtype) else stored
+        full = torch.empty((*target.shape[:2], p.tokens, *target.shape[3:]), dtype=into, device=target.device)
+        codec.decode_chunk(data, full)
+        target.copy_(narrowed_checked(full[:, :, p.tokens - need :], target.dtype, f"group {name}"))
 
 
 def _check_part(inner: ChunkInfo, p: Part, g: int, info: GroupedChunkInfo) -> None:

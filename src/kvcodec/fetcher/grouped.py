@@ -12,6 +12,7 @@ GroupedKV targets: each chunk decodes into its positions of the target (every gr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,8 +67,10 @@ class GroupedPrefixCache(PrefixCache):
     def put(self, token_ids: Any, kv: GroupedKV) -> int:  # type: ignore[override]
         """Encode and store the complete chunks of `kv` not stored yet; returns how many were written."""
         ids = as_token_array(token_ids)
-        if not isinstance(kv, GroupedKV) or kv.spec != self.spec:
+        if not isinstance(kv, GroupedKV):
             raise ShapeError(f"expected a GroupedKV of this model's KVSpec; got {type(kv).__name__}")
+        if dataclasses.replace(kv.spec, dtype=self.spec.dtype) != self.spec:  # stored in any dtype (StorePolicy)
+            raise ShapeError(f"expected a GroupedKV of this model's KVSpec {self.spec}; got one of {kv.spec}")
         if kv.stop > len(ids):
             raise ShapeError(f"KV holds {kv.stop} tokens but only {len(ids)} token ids were given")
         keys = self.keys(ids[: kv.stop])
@@ -78,7 +81,7 @@ class GroupedPrefixCache(PrefixCache):
         for run in _runs(missing):
             a, b = run[0] * self.chunk_tokens, min(kv.stop, (run[-1] + 1) * self.chunk_tokens)
             for c in self.codec.encode_chunks(kv.view(a, b), first_chunk_index=run[0], keys=[keys[i] for i in run]):
-                self._store_chunk(keys[c.index], c, (len(self.spec.layers), 1, 1), self.spec.dtype)
+                self._store_chunk(keys[c.index], c, (len(self.spec.layers), 1, 1), kv.spec.dtype)
                 written += 1
         return written
 
@@ -157,7 +160,7 @@ class _GroupedPipeline(FetchPipeline):
                 f"chunk {m.index} at {m.start_token} (+{m.tokens})"
             )
         spec = getattr(info, "spec", None)
-        if spec is not None and spec != self.out.spec:
+        if spec is not None and dataclasses.replace(spec, dtype=self.out.spec.dtype) != self.out.spec:  # any dtype
             raise FormatError(f"chunk {i}: the blob holds KV of another KVSpec than this model's")
 
     def _target(self, m: ChunkMeta) -> tuple[GroupedKV, bool]:
