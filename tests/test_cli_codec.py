@@ -5,6 +5,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from kvcodec.cli.main import cli
+from kvcodec.kvspec import GroupedKV, KVSpec, LayerSpec
+from kvcodec.kvspec.files import save_kv_file
 
 
 def test_encode_inspect_decode_round_trip(tmp_path):
@@ -68,11 +70,15 @@ def test_cli_misuse_ends_in_one_line_errors(tmp_path):
     save_file({"kv": t.randn(2, 2, 20, 2, 16).half()}, str(good))
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"\x00garbage" * 10)
+    grouped = tmp_path / "grouped.safetensors"  # as extract writes for a sliding-window model
+    spec = KVSpec((LayerSpec("sliding", (2, 8), (2, 8), keep=4), LayerSpec("full", (2, 8), (2, 8))), "float16")
+    save_kv_file(grouped, GroupedKV.empty(spec, 8), {})
     out = str(tmp_path / "o.kvc")
     runner = CliRunner()
     cases = [
         (["encode", str(good), out, "--layer-bits", "a,b"], 2, "--layer-bits"),
-        (["encode", str(garbage), out], 2, "not a readable safetensors file"),
+        (["encode", str(garbage), out], 2, "not a readable safetensors KV file"),
+        (["encode", str(grouped), out], 1, "encode it with --transform"),
         (["encode", str(good), str(tmp_path / "missing" / "o.kvc")], 2, "does not exist"),
         (["encode", str(good), out, "--resolutions", "16384x16384"], 2, "8192"),
         (["encode", str(good), out, "--layer-bits", "9,9", "--resolutions", "144x144"], 1, "layer_bits"),

@@ -56,3 +56,15 @@ def test_demo_short_document(tmp_path):
     tr = rec["transform"]
     assert tr["compression_vs_fp16"] > rec["compression_vs_fp16"] > 1
     assert tr["calibration_s"] > 0 and "pg/worked" not in tr["calibration_texts"] + [tr["held_out"]]
+
+
+def test_a_demo_whose_reuse_restored_nothing_says_so():
+    """A review found the demo on a sliding-window model printing 'greedy answers identical: ... yes' and
+    exit 0 when nothing was stored: every reuse row measured recomputation."""
+    from types import SimpleNamespace as Run
+
+    from kvcodec.cli.demo import Runs
+
+    ok, none = Run(restored_tokens=64, fetch_error=None), Run(restored_tokens=0, fetch_error="chunk 0 is not stored")
+    assert Runs(ok, ok, ok, None, 0.0, None).not_reused() == {}
+    assert Runs(ok, ok, none, ok, 0.0, 0.0).not_reused() == {"kvcodec reuse": "chunk 0 is not stored"}

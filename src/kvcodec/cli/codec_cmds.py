@@ -24,15 +24,21 @@ TRANSFORM_MAGICS = (b"KVTF", b"KVGF")  # transform files and grouped files: deco
 
 def _load_kv(src: Path):  # noqa: ANN202
     """The tensor named `kv` of a safetensors file; a clear error for anything else."""
-    from safetensors.torch import load_file
+    from kvcodec.errors import ConfigError
+    from kvcodec.kvspec.files import LAYOUT_GROUPED, read_tensors
 
     try:
-        tensors = load_file(str(src))
-    except Exception as e:  # the safetensors parser raises its own types for damaged files
-        raise click.BadParameter(f"{str(src)!r} is not a readable safetensors file ({e})", param_hint="SRC") from None
-    if "kv" not in tensors:
-        raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
-    return tensors["kv"]
+        tensors, meta = read_tensors(src)
+    except ConfigError as e:  # the safetensors parser's own errors, for a damaged file
+        raise click.BadParameter(str(e), param_hint="SRC") from None
+    if "kv" in tensors:
+        return tensors["kv"]
+    if meta.get("layout") == LAYOUT_GROUPED:
+        raise ShapeError(
+            f"{src} holds the KV of several layer groups (a sliding-window or MLA model); an HEVC file holds one KV "
+            "tensor: encode it with --transform MODEL.kvt (kvcodec calibrate --model), which writes a grouped file"
+        )
+    raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
 
 
 @click.command("encode")

@@ -160,6 +160,12 @@ def command(
             e.close()
     if tmp is not None:
         tmp.cleanup()
+    if unused := runs.not_reused():
+        raise click.ClickException(
+            "nothing was restored for "
+            + "; ".join(f"{k} ({why})" for k, why in unused.items())
+            + ": those rows measured recomputation, not reuse"
+        )
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,11 @@ class Runs:
     tr: Any
     kvc_store_s: float
     tr_store_s: float | None
+
+    def not_reused(self) -> dict[str, str]:
+        """The reuse runs that restored no token, with their fetch error."""
+        runs = {"raw fp16 reuse": self.raw, "kvcodec reuse": self.kvc, "transform reuse": self.tr}
+        return {k: r.fetch_error or "no error" for k, r in runs.items() if r is not None and not r.restored_tokens}
 
 
 def _calibrate(model, tok, model_name: str, text_name: str, tokens: int, out_dir: str):  # noqa: ANN001, ANN202
