@@ -305,8 +305,24 @@ def test_local_model_paths_load_or_fail_clearly(model_dirs, tmp_path):
 def test_engine_names_what_it_cannot_store_and_serves_without_reuse(model_dirs, prompt_ids):
     from kvcodec.engine import StorePolicy
 
-    with pytest.raises(ShapeError, match="LinearAttentionLayer: linear-attention .* --no-reuse --no-store"):
+    with pytest.raises(ShapeError, match=r"LinearAttentionLayer .* --no-reuse --no-store .*Engine\(reuse=False"):
         _engine(model_dirs["lfm2"])
     with _engine(model_dirs["lfm2"], reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
         out = eng.generate(prompt_ids.tolist(), max_new_tokens=3)[0]
     assert len(out.token_ids) == 3 and out.token_ids == _greedy_recomputed(eng.model, prompt_ids, 3)
+
+
+def test_the_engine_refuses_a_model_it_cannot_code_from_its_config_before_loading(model_dirs, tmp_path):
+    """Engine(path) loaded every weight before refusing (minutes for a large checkpoint); the config
+    alone now says it, as the commands do. Mamba-like configs name their recurrent state."""
+    from kvcodec.errors import ConfigError
+
+    broken = tmp_path / "lfm2-no-weights"  # the config alone: loading weights would fail differently
+    broken.mkdir()
+    (broken / "config.json").write_text((model_dirs["lfm2"] / "config.json").read_text())
+    with pytest.raises(ShapeError, match=r"LinearAttentionLayer.*--no-reuse --no-store.*Engine\(reuse=False"):
+        _engine(broken)
+    mamba = tmp_path / "mamba"
+    transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=100).save_pretrained(mamba)
+    with pytest.raises(ConfigError, match="mamba keeps a recurrent state"):
+        _engine(mamba)

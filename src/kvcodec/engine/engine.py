@@ -37,7 +37,7 @@ from kvcodec.engine.storer import KVStorer
 from kvcodec.engine.tokens import Tokens
 from kvcodec.engine.validate import check_context, check_sampling, check_token_ids, sampling_params
 from kvcodec.errors import ConfigError
-from kvcodec.kvspec.serving import layout_for
+from kvcodec.kvspec.serving import check_codable, layout_for
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,9 @@ class Engine:
     ) -> None:
         cfg = self.config = EngineConfig.from_kwargs(config, **kwargs)
         self.device = torch.device(cfg.device) if cfg.device is not None else default_device()
+        keeps_kv = cfg.reuse or cfg.store_policy.enabled
+        if keeps_kv and isinstance(model, str):
+            check_codable(model)  # from its config, before minutes of loading weights
         model, tokenizer = _load(model, tokenizer, self.device, cfg.dtype)
         self.runner = ModelRunner(model, self.device, cfg.sdpa_backends)
         self.model, self.tokens = self.runner.model, Tokens(tokenizer)
@@ -95,7 +98,6 @@ class Engine:
         self.max_context = cfg.max_context or self.runner.max_positions
         self.metrics = EngineMetrics()
         self.store = None
-        keeps_kv = cfg.reuse or cfg.store_policy.enabled
         layout = self.runner.layout = layout_for(self.model, self.device) if keeps_kv else None
         store_url = None  # worker processes encode stores where they can open the same store
         if prefix_cache is None and keeps_kv:

@@ -62,13 +62,27 @@ class GroupedLayout:
         return GroupedKV.empty(self.spec, tokens, device=self.device, window=False)
 
 
+WITHOUT_REUSE = (
+    ". Serve this model without KV reuse and storing (Engine(reuse=False, store_policy=StorePolicy(enabled=False)); "
+    "kvcodec serve --no-reuse --no-store)"
+)
+
+
 def layout_for(model: Any, device: torch.device | str) -> GroupedLayout | None:
     """None for a uniform cache, else the GroupedLayout; ShapeError for caches kvcodec cannot code."""
     try:
         spec = probe_spec(model)
     except ShapeError as e:
-        raise ShapeError(
-            f"{e}. Serve this model without KV reuse and storing (Engine(reuse=False, "
-            "store_policy=StorePolicy(enabled=False)); kvcodec serve --no-reuse --no-store)"
-        ) from e
+        raise ShapeError(f"{e}{WITHOUT_REUSE}") from e
     return None if spec.uniform else GroupedLayout(model, spec, torch.device(device))
+
+
+def check_codable(name: str) -> None:
+    """Refuse, from its config in seconds and before its weights load, a model (registered name, folder
+    or .gguf) whose KV cache kvcodec cannot code (models.check.inspect_model)."""
+    from kvcodec.models.check import inspect_model
+
+    try:
+        inspect_model(name)
+    except ShapeError as e:  # its words name the command's flags; the API's arguments too
+        raise ShapeError(f"{e} (Engine(reuse=False, store_policy=StorePolicy(enabled=False)))") from e

@@ -165,6 +165,11 @@ def _refuse_architecture(config: Any, c: Any, name: str) -> None:
             f"model {name}: {kind} is an encoder-decoder model; kvcodec reuses the prefix KV cache of "
             "decoder-only language models"
         )
+    if _recurrent(c):
+        raise ConfigError(
+            f"model {name}: {kind} keeps a recurrent state (state-space or linear-attention layers), which a KV cache does not "
+            "hold; kvcodec reuses the prefix KV cache of attention-only decoder models"
+        )
     if _unrotated(c) or str(getattr(c, "model_type", "")) in IMPLICIT_ROPE_MODEL_TYPES:
         return
     if getattr(c, "kv_lora_rank", None) or any(
@@ -177,6 +182,15 @@ def _refuse_architecture(config: Any, c: Any, name: str) -> None:
         "decoder-only language models (Llama, Qwen, Mistral, Gemma, Phi, GPT-2 families and the like); an encoder "
         "such as BERT keeps no KV cache to reuse"
     )
+
+
+RECURRENT_STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "linear_num_value_heads")
+
+
+def _recurrent(c: Any) -> bool:
+    """Whether a config describes layers that keep a recurrent state (Mamba, RWKV, their hybrids)."""
+    kind = str(getattr(c, "model_type", "")).lower()
+    return any(getattr(c, f, None) for f in RECURRENT_STATE_FIELDS) or "mamba" in kind or "rwkv" in kind
 
 
 def layout_from_config(config: Any, name: str = "model") -> ModelLayout:
