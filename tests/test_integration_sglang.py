@@ -238,6 +238,48 @@ def test_pointers_the_store_serves_under_other_page_keys_are_misses(real_kv, tmp
     assert len(swapped) == 2 and all(torch.equal(got[i], pages[i]) for i in range(6) if i not in swapped)
 
 
+def test_a_group_of_other_pages_never_overwrites_the_blob_pages_point_into(real_kv, tmp_path):
+    """A group's blob key named its first and last page and the count: a later group of other pages
+    between the same two overwrote the blob, and a page still pointing into it read another page's KV."""
+    url = f"file://{tmp_path}"
+    kv = real_kv.to(torch.float16)
+    b = backend(url, kv, quant="exact", group_tokens=64)
+    buf = host_buffer(kv, "layer_first")
+    pages = [host_page(buf, "layer_first", i) for i in range(4)]
+    a, bb, c, d = keys = keys_for(4)
+    assert b.batch_set([c], [pages[2]]) and b.batch_set(keys, pages)  # the group [a, bb, d]
+    with open_store(url) as st:  # an eviction (maxmemory, TTL, capacity) of three pointers
+        st.delete_many([b._page_key(k) for k in (a, c, d)])
+    assert b.batch_set(keys, pages)  # the group [a, c, d]
+    assert torch.equal(b.batch_get([bb], dummy_pages(1, kv))[0], pages[1])
+
+
+def test_what_the_reader_cannot_take_is_a_miss_that_keeps_the_pages(real_kv, tmp_path):
+    """Only damage in the store forgets pages: a bfloat16 server's pages read by a float16 one (the same
+    keys) restore cast, and a wrongly sized target misses that page alone; neither deletes anything."""
+    url = f"file://{tmp_path}"
+    kv = real_kv.to(torch.bfloat16)
+    b16 = backend(url, kv, quant="int8", group_tokens=64)
+    buf = host_buffer(kv, "layer_first")
+    keys, pages = keys_for(4), [host_page(buf, "layer_first", i) for i in range(4)]
+    assert b16.batch_set(keys, pages)
+    half = kv.to(torch.float16)
+    got = backend(url, half, quant="int8", group_tokens=64).batch_get(keys, dummy_pages(4, half))
+    mine = b16.batch_get(keys, dummy_pages(4, kv))
+    assert all(g is not None and g.dtype == torch.float16 for g in got)
+    assert all(torch.equal(g, m.to(torch.float16)) for g, m in zip(got, mine))
+    targets = [*dummy_pages(3, kv), torch.zeros(10, dtype=kv.dtype)]
+    assert [g is not None for g in b16.batch_get(keys, targets)] == [True, True, True, False]
+    assert b16.batch_exists(keys) == 4
+
+
+def test_malformed_option_values_are_one_line_naming_the_option(real_kv, tmp_path):
+    url = f"file://{tmp_path}"
+    for extra, name in (({"resolution": "256x256x2"}, "resolution"), ({"group_tokens": "abc"}, "group_tokens")):
+        with pytest.raises(ConfigError, match=name):
+            backend(url, real_kv, **extra)
+
+
 def test_bad_configs_fail_at_startup(real_kv, tmp_path):
     url = f"file://{tmp_path}"
     with pytest.raises(ConfigError, match="url"):

@@ -196,6 +196,15 @@ def resolution_pairs(value: Any, name: str = "resolutions") -> tuple[tuple[int, 
         raise wrong from None
 
 
+def one_resolution(text: Any, name: str = "resolution") -> tuple[int, int]:
+    """One WIDTHxHEIGHT (text "256x256" or a pair); ConfigError naming `name` otherwise. Pure."""
+    try:
+        ((w, h),) = resolution_pairs(str(text) if not isinstance(text, (tuple, list)) else (text,), name)
+    except (ConfigError, ValueError) as e:  # not WxH, or not exactly one
+        raise ConfigError(f"{name} must look like 256x256; got {text!r}") from e
+    return w, h
+
+
 def torch_device(value: Any, name: str = "device"):  # noqa: ANN201 - a torch.device
     """`value` ("cpu", "cuda:1", a torch.device) as a torch.device this machine has; ConfigError
     naming `name` for anything else (kvcodec restores on CPUs and CUDA GPUs), or a CUDA device

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 
 from kvcodec.codecs import ChunkCodec, make_codec
-from kvcodec.config import resolution_pairs, whole_number
+from kvcodec.config import one_resolution, whole_number
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 
 SERDE_NAME = "kvcodec"
@@ -66,7 +66,7 @@ class SerdeOptions:
             )
         codec = str(kwargs.get("codec", "hevc"))
         if "resolution" in kwargs or codec == "hevc":
-            options["resolutions"] = (parse_resolution(str(kwargs.get("resolution", "256x256"))),)
+            options["resolutions"] = (one_resolution(kwargs.get("resolution", "256x256")),)
         device = str(kwargs.get("device", "auto"))
         if device not in ("auto", "cpu", "cuda") and not device.startswith("cuda:"):
             raise ConfigError(f"kvcodec serde device must be auto, cpu or cuda[:N]; got {device!r}")
@@ -89,14 +89,6 @@ class SerdeOptions:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-
-def parse_resolution(text: str) -> tuple[int, int]:
-    try:
-        ((w, h),) = resolution_pairs(text)
-    except (ConfigError, ValueError) as e:  # not WxH, or not exactly one
-        raise ConfigError(f"resolution must look like 256x256; got {text!r}") from e
-    return w, h
 
 
 def _at_least_one(value: object, name: str) -> int:

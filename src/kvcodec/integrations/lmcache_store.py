@@ -28,6 +28,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 import kvcodec.integrations.lmcache_plugin  # noqa: F401  (registers the "kvcodec" serde)
+from kvcodec.config import whole_number
 from kvcodec.errors import ConfigError, KVCodecError
 from kvcodec.store import open_store
 from kvcodec.store.keys import field_text, key_field
@@ -66,14 +67,15 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
     so lookup-and-lock is an existence check and unlock has nothing to release."""
 
     def __init__(self, params: dict[str, Any], **_: Any) -> None:
-        super().__init__(int(params.get("max_capacity_bytes", 0)))
+        super().__init__(_at_least(params.get("max_capacity_bytes", 0), "adapter_params.max_capacity_bytes", 0))
+        workers = _at_least(params.get("workers", 2), "adapter_params.workers", 1)
         url = params.get("url")
         if not isinstance(url, str) or not url:
             raise ConfigError("KVCodecStoreL2Adapter needs adapter_params.url (a kvcodec store URL)")
         options = {k: v for k, v in params.items() if k not in ("url", "workers", "max_capacity_bytes", "prefix")}
         self._store = open_store(url, **options)
         self._prefix = str(params.get("prefix", "lmcache"))
-        self._pool = ThreadPoolExecutor(max_workers=int(params.get("workers", 2)), thread_name_prefix="kvcodec-l2")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvcodec-l2")
         self._lock = threading.Lock()
         self._next_id = 0
         self._efds = {op: create_event_notifier() for op in ("store", "lookup", "load")}
@@ -215,3 +217,10 @@ class KVCodecStoreL2Adapter(L2AdapterInterface):
     def _pop(self, op: str, task_id: L2TaskId):
         with self._lock:
             return self._done[op].pop(task_id, None)
+
+
+def _at_least(value: Any, name: str, least: int) -> int:
+    n = whole_number(value, name)
+    if n < least:
+        raise ConfigError(f"{name} must be >= {least}; got {value!r}")
+    return n

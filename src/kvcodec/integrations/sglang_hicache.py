@@ -18,6 +18,7 @@ Options in the extra config (besides SGLang's backend_name / module_path / class
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from typing import Any
@@ -31,7 +32,9 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvcodec.codecs import ChunkCodec, make_codec
-from kvcodec.errors import ConfigError, FormatError, KVCodecError, StoreError
+from kvcodec.codecs.base import decode_chunk_as
+from kvcodec.config import one_resolution, whole_number
+from kvcodec.errors import ConfigError, FormatError, KVCodecError, ShapeError, StoreError
 from kvcodec.integrations.sglang_pages import (
     PageGeometry,
     PagePointer,
@@ -64,7 +67,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         url = extra.get("url")
         if not isinstance(url, str) or not url:
             raise ConfigError("the kvcodec HiCache backend needs 'url' (a kvcodec store URL) in the extra config")
-        self.group_tokens = int(extra.get("group_tokens", DEFAULT_GROUP_TOKENS))
+        self.group_tokens = whole_number(extra.get("group_tokens", DEFAULT_GROUP_TOKENS), "group_tokens")
         if self.group_tokens < 1:
             raise ConfigError(f"group_tokens must be >= 1; got {self.group_tokens}")
         self.codec_name = str(extra.get("codec", "hevc"))
@@ -72,8 +75,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         if "chunk_tokens" in options or "resolutions" in options:
             raise ConfigError("set group_tokens and resolution, not chunk_tokens / resolutions")
         if "resolution" in extra or self.codec_name == "hevc":
-            w, h = (int(v) for v in str(extra.get("resolution", "256x256")).lower().split("x"))
-            options["resolutions"] = ((w, h),)
+            options["resolutions"] = (one_resolution(extra.get("resolution", "256x256")),)
         self.codec_options = options
         make_codec(self.codec_name, **options, chunk_tokens=self.group_tokens)  # bad options fail at startup
         device = str(extra.get("device", "auto"))
@@ -155,9 +157,11 @@ class KVCodecHiCacheStorage(HiCacheStorage):
                     if blobs[group_key] is None:
                         raise StoreError(f"group {group_key} is gone from the store")
                     self._restore_group(blobs[group_key], [pointers[i] for i in members], members, targets, out, g)
-                except KVCodecError as e:  # a miss for its pages; SGLang recomputes them
+                except (FormatError, StoreError) as e:  # damaged or lost in the store: a miss, and forgotten
                     logger.warning("kvcodec HiCache: %d pages unreadable: %s", len(members), e)
                     unreadable += members
+                except KVCodecError as e:  # sound, but not what this reader takes (shape, dtype): a miss, kept
+                    logger.warning("kvcodec HiCache: %d pages not restored here: %s", len(members), e)
         except KVCodecError as e:  # the store could not be read: a miss
             logger.warning("kvcodec HiCache get failed: %s", e)
         self._forget([keys[i] for i in unreadable])
@@ -255,7 +259,7 @@ class KVCodecHiCacheStorage(HiCacheStorage):
 
     def _write_group(self, keys: list[str], pages: list[torch.Tensor], g: PageGeometry) -> None:
         kv = torch.cat([page_to_canonical(p.detach().to("cpu"), g) for p in pages], dim=2)
-        group_key = f"{self.prefix}/g/{key_field(keys[0])}+{key_field(keys[-1])}+{len(keys)}"  # "+": in no field
+        group_key = f"{self.prefix}/g/{key_field(keys[0])}+{len(keys)}+{_members_digest(keys)}"  # "+": in no field
         blob = self._codec(kv.shape[2]).encode_chunks(kv, keys=[group_key])[0].blobs[0]  # bound to its key
         self.store.put(group_key, blob)  # the group first: a pointer never names a missing group
         pointers = [PagePointer(self._page_key(k), group_key, i, len(keys)) for i, k in enumerate(keys)]
@@ -279,8 +283,18 @@ class KVCodecHiCacheStorage(HiCacheStorage):
         if info.key != pointers[0].group_key or info.tokens != tokens:  # another group's blob, or a group of other size
             raise FormatError(f"group blob holds {info.tokens} tokens under {info.key}; its pointers name another")
         shape = (g.layers, 2, tokens, g.heads, g.head_dim)
-        kv = codec.decode_chunk(blob, torch.empty(shape, dtype=g.dtype, device=self.device)).cpu()
+        kv = decode_chunk_as(codec, blob, shape, g.dtype, self.device, f"group {info.key}", info).cpu()
         for p, i in zip(pointers, members):
             target = targets[i] if targets[i] is not None else torch.empty(g.numel, dtype=g.dtype)
             page = kv[:, :, p.index * g.page_size : (p.index + 1) * g.page_size]
-            out[i] = canonical_to_page(page, g, target.reshape(-1))
+            try:
+                out[i] = canonical_to_page(page, g, target.reshape(-1))
+            except ShapeError as e:  # the caller's target, not the store's data: a miss for this page alone
+                logger.warning("kvcodec HiCache: page %d not restored: %s", i, e)
+
+
+def _members_digest(keys: list[str]) -> str:
+    """16 hex digits naming exactly which pages a group holds, in order: two groups of other pages
+    never share a blob key (first, last and count did: a later group overwrote a blob that pages of
+    an earlier one still pointed into)."""
+    return hashlib.blake2b("\0".join(keys).encode(), digest_size=8).hexdigest()
