@@ -324,5 +324,18 @@ def test_the_engine_refuses_a_model_it_cannot_code_from_its_config_before_loadin
         _engine(broken)
     mamba = tmp_path / "mamba"
     transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=100).save_pretrained(mamba)
-    with pytest.raises(ConfigError, match="mamba keeps a recurrent state"):
+    with pytest.raises(ConfigError, match="mamba keeps a recurrent state and no attention"):
         _engine(mamba)
+    from kvcodec.models.check import inspect_model
+
+    hybrid = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    for types, refused in ((["mamba", "attention"], True), (["attention", "attention"], False)):
+        folder = tmp_path / "-".join(
+            types
+        )  # a hybrid family's config sizes its Mamba state even where no layer has one
+        transformers.GraniteMoeHybridConfig(layer_types=types, mamba_n_heads=8, **hybrid).save_pretrained(folder)
+        if refused:
+            with pytest.raises(ShapeError, match="recurrent state .* beside its attention.* --no-reuse --no-store"):
+                inspect_model(str(folder))
+        else:
+            assert inspect_model(str(folder)).spec.uniform

@@ -7,7 +7,7 @@ node mounts). Tokens, keys and chunk bytes are those of a one-machine `ingest` w
 codec and options: the stored objects are byte-identical. As there, a repeat of a document this job
 stores is not stored again (it settles with the first one's store; an actor told of the stores in
 flight does not prefill it), and after a store error the driver waits for the store (run.wait_for_store)
-before it goes on or stops.
+before it goes on or stops (asked from a task on the cluster, whose nodes reach the store).
 """
 
 from __future__ import annotations
@@ -203,7 +203,6 @@ class _RayRun:
     storing: dict[bytes, tuple[str, Any]] = dataclasses.field(default_factory=dict)  # digest -> (doc id, store ref)
     repeats: dict[Any, list[DocResult]] = dataclasses.field(default_factory=dict)  # store ref -> its repeats
     stored: dict[bytes, str] = dataclasses.field(default_factory=dict)  # digest -> doc id, stores done
-    _store: _StoreAt | None = None  # the driver's handle on the store, made at the first store error
 
     def run(self, documents: Iterable[Document], pool: list[Any]) -> None:
         queue = collections.deque((doc, False) for doc in documents)
@@ -252,21 +251,25 @@ class _RayRun:
             self.storing[digest] = (p.doc.id, stored)
 
     def _stored(self, ref: Any, wait: bool) -> None:
-        result, digest = self.stores.pop(ref)
-        del self.storing[digest]
+        result, digest = self.stores[ref]  # taken off once its result is in: an interrupt leaves it to the drain
         try:
             chunks, store_s = _get(self.ray, ref)
         except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
+            self._taken(ref, digest)
             self._done(dataclasses.replace(result, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError)))
             for r in self.repeats.pop(ref, []):
                 self._done(dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed"))
             if isinstance(e, StoreError) and wait:
                 self._wait_for_store()
             return
+        self._taken(ref, digest)
         self._done(dataclasses.replace(result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED))
         self.stored.setdefault(digest, result.id)
         for r in self.repeats.pop(ref, []):
             self._done(r)
+
+    def _taken(self, ref: Any, digest: bytes) -> None:
+        del self.stores[ref], self.storing[digest]
 
     def _done(self, r: DocResult) -> None:
         self.results.append(r)
@@ -274,15 +277,23 @@ class _RayRun:
             self.on_result(r)
 
     def _wait_for_store(self, unreported: DocResult | None = None) -> None:
-        """run.wait_for_store on the driver; where it stops, `unreported` is reported first."""
-        try:
-            if self._store is None:
-                self._store = _StoreAt(self.job.store_url)
-            wait_for_store(self._store, self.store_patience_s)
+        """run.wait_for_store, in a task on the cluster; where it stops, `unreported` is reported first."""
+        try:  # asked from the cluster, whose nodes reach the store (the driver may not)
+            probe = self.ray.remote(wait_for_store_at).options(num_cpus=0)
+            _get(self.ray, probe.remote(self.job.store_url, self.store_patience_s))
         except (StoreDownError, KeyboardInterrupt):
             if unreported is not None:
                 self._done(unreported)
             raise
+
+
+def wait_for_store_at(url: str, patience_s: float) -> None:
+    """A task: run.wait_for_store on the store at `url` (a store that cannot be opened is down too)."""
+    store = _StoreAt(url)
+    try:
+        wait_for_store(store, patience_s)
+    finally:
+        store.close()
 
 
 class _StoreAt:
@@ -297,6 +308,10 @@ class _StoreAt:
 
             self._store = open_store(self.url)
         return self._store.exists_many(keys)
+
+    def close(self) -> None:
+        if self._store is not None and hasattr(self._store, "close"):
+            self._store.close()
 
 
 def _get(ray: Any, ref: Any) -> Any:

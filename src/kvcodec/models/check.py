@@ -166,9 +166,14 @@ def _refuse_architecture(config: Any, c: Any, name: str) -> None:
             "decoder-only language models"
         )
     if _recurrent(c):
-        raise ConfigError(
-            f"model {name}: {kind} keeps a recurrent state (state-space or linear-attention layers), which a KV cache does not "
-            "hold; kvcodec reuses the prefix KV cache of attention-only decoder models"
+        if getattr(c, "num_attention_heads", None) is None:
+            raise ConfigError(
+                f"model {name}: {kind} keeps a recurrent state and no attention KV cache; kvcodec reuses the prefix "
+                "KV cache of attention models"
+            )
+        raise ShapeError(
+            f"model {name}: {kind} keeps a recurrent state (state-space or linear-attention layers) beside its "
+            "attention, which a KV cache does not hold; serve it with --no-reuse --no-store"
         )
     if _unrotated(c) or str(getattr(c, "model_type", "")) in IMPLICIT_ROPE_MODEL_TYPES:
         return
@@ -188,7 +193,13 @@ RECURRENT_STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "line
 
 
 def _recurrent(c: Any) -> bool:
-    """Whether a config describes layers that keep a recurrent state (Mamba, RWKV, their hybrids)."""
+    """Whether a config describes layers that keep a recurrent state (Mamba, RWKV, their hybrids): by its
+    layer types where it lists them (transformers names state-space layers linear_attention; a hybrid
+    family's config of attention layers only sizes a state no layer keeps), else by the state's size or
+    the family's name. Other layers that are not attention (LFM2's convolutions) are left to _cache_kinds."""
+    types = getattr(c, "layer_types", None)
+    if isinstance(types, (list, tuple)) and types:
+        return any(str(t).startswith("linear") or "mamba" in str(t) for t in types)
     kind = str(getattr(c, "model_type", "")).lower()
     return any(getattr(c, f, None) for f in RECURRENT_STATE_FIELDS) or "mamba" in kind or "rwkv" in kind
 
