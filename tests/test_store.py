@@ -71,6 +71,19 @@ def test_bare_path_means_file(tmp_path):
         assert (tmp_path / name / "objects").is_dir()
 
 
+def test_a_mistyped_url_is_refused_not_taken_for_a_folder(tmp_path, monkeypatch):
+    """A bare path means a local folder: "file:/var/kv", "rediss//h" or "redis:6379" made one here and
+    stored into it, a mistake seen only when no KV came back."""
+    monkeypatch.chdir(tmp_path)
+    for url in ("file:/var/kv", "rediss//cache:6380", "redis:6379", "memory:"):
+        with pytest.raises(ConfigError, match="mistyped"):
+            open_store(url)
+    assert list(tmp_path.iterdir()) == []
+    with open_store("./redis//h") as st, open_store("a:b/c") as other:  # written as folders, they are folders
+        st.put("k", b"v") and other.put("k", b"v")
+    assert (tmp_path / "redis" / "h").is_dir() and (tmp_path / "a:b" / "c").is_dir()
+
+
 def test_memory_named_space_is_shared():
     a, b = open_store("memory://shared-space-test"), open_store("memory://shared-space-test")
     a.put("k", b"1")

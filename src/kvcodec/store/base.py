@@ -216,6 +216,7 @@ def open_store(url: str, *, deadline_s: float | None = None, **options: Any) -> 
             raise ConfigError(f"deadline_s must be > 0; got {deadline_s}")
         return call_by(time.monotonic() + deadline_s, "open", redact_url(url), lambda: open_store(url, **options))
     if "://" not in url:  # a path, taken as it is: its "#", "?" and "%" are no URL syntax
+        _refuse_mistyped_url(url)
         url = "file://" + urllib.parse.quote(url, safe="/")
     scheme = url.split("://", 1)[0].lower()
     target = _REGISTRY.get(scheme) or next(
@@ -230,6 +231,18 @@ def open_store(url: str, *, deadline_s: float | None = None, **options: Any) -> 
         raise
     except Exception as e:  # noqa: BLE001
         raise StoreError(f"cannot open store {redact_url(url)}: {type(e).__name__}: {e}") from e
+
+
+def _refuse_mistyped_url(path: str) -> None:
+    """A bare path is a file:// folder, but one that begins with a store scheme and a colon or two
+    slashes ("file:/var/kv", "redis:6379", "rediss//h") is a mistyped URL: storing into a local folder of
+    that name would lose nothing the user can see until the KV is not there. (./redis//h is a folder.)"""
+    head = path.split("/", 1)[0]
+    name = head.split(":", 1)[0].lower()
+    if name in store_schemes() and (":" in head or path[len(head) :].startswith("//")):
+        raise ConfigError(
+            f"{redact_url(path)!r} looks like a mistyped {name}:// URL; write {name}://... (or ./{head}... for a folder)"
+        )
 
 
 def batched(seq: Iterable, n: int) -> Iterator[list]:
