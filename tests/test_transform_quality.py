@@ -57,6 +57,29 @@ def test_a_ratio_above_one_that_lost_is_not_safe():
     assert "safe ratio 4x" in ratio_warning(report, 8)
 
 
+def test_a_point_that_did_not_reach_its_ratio_is_not_safe():
+    """3 held-out tokens were stored nearly whole (0.99x at every target): 'err 0.0000, safe 10x', and
+    encode --target-quality then chose 10x on that report."""
+    whole = {"metric": "kv", "points": [{"target": t, "ratio": 0.987, "rel_error": 0.0} for t in (3.0, 5.0, 10.0)]}
+    assert safe_ratio(whole) is None
+    with pytest.raises(ConfigError, match="no calibrated ratio met err"):
+        ratio_for(whole, "err=0.01")
+    half = {"metric": "kv", "points": [{"target": 4.0, "ratio": 2.1, "rel_error": 0.0}]}
+    assert safe_ratio(half) == 4.0  # a short text's ratio falls below its target; half of it still measures
+
+
+def test_a_held_out_source_that_is_fitted_or_too_short_is_refused_before_the_fit():
+    import click
+
+    from kvcodec.cli.calibrate import check_held_out
+
+    check_held_out(["pg/a", "pg/b"], ["pg/c"], [36], 4)
+    with pytest.raises(click.BadParameter, match="pg/a is both fitted and held out"):
+        check_held_out(["pg/a", "pg/b"], ["pg/a"], [500], 4)
+    with pytest.raises(click.BadParameter, match=r"pg/c \(35\) has fewer than 36 tokens"):
+        check_held_out(["pg/a"], ["pg/c"], [35], 4)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.integers(2, 16), st.booleans(), max_size=8))
 def test_highest_passing_is_the_top_of_the_passing_run_from_the_lowest_ratio(outcomes):

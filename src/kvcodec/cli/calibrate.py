@@ -194,6 +194,34 @@ def split_held_out(items: list, holdout: int | None) -> tuple[list, list]:
     return (items[: n - k], items[n - k :]) if k > 0 else (items, [])
 
 
+MIN_HELD_OUT_TOKENS = 32  # beyond the sink tokens: fewer measure no ratio (a few tokens are stored whole)
+
+
+def check_held_out(fitted: list[str], held: list[str], held_tokens: list[int], sink_tokens: int) -> None:
+    """Refuse a quality report that would not be one (before the fit): check_disjoint, and a held-out
+    source too short to code at any ratio. Pure."""
+    check_disjoint(fitted, held)
+    least = sink_tokens + MIN_HELD_OUT_TOKENS
+    if short := [f"{name} ({n})" for name, n in zip(held, held_tokens) if n < least]:
+        raise click.BadParameter(
+            f"held-out {', '.join(short)} has fewer than {least} tokens ({sink_tokens} sink tokens + "
+            f"{MIN_HELD_OUT_TOKENS}): too short to measure the quality of a ratio; hold out a longer text",
+            param_hint="--holdout",
+        )
+
+
+def check_disjoint(fitted: list[str], held: list[str]) -> None:
+    """Refuse a held-out source that is also fitted: its quality would not be held-out. Pure."""
+    if both := sorted(set(fitted) & set(held)):
+        raise click.BadParameter(
+            f"{', '.join(both)} is both fitted and held out: its quality would not be held-out", param_hint="--holdout"
+        )
+
+
+def _tokens(kv) -> int:  # noqa: ANN001 - a KV tensor (layers, 2, tokens, ...) or a GroupedKV
+    return int(kv.stop) if hasattr(kv, "stop") else int(kv.shape[2])
+
+
 def _refuse_model_only_flags(model_name: str | None) -> None:
     """Options that need the model's gradients, given with KV files, are refused rather than ignored."""
     ctx = click.get_current_context()
@@ -361,6 +389,7 @@ def command(
             data = _model_data(model_name, texts, holdout, max_tokens, fisher, settings, no_rope, dev)
         else:
             data = _file_data(kv_files, holdout)
+        check_held_out(data["meta"]["sources"], data["held_sources"], [_tokens(kv) for kv in data["held"]], sink_tokens)
         fit = _fit_grouped if data["grouped"] else _fit_uniform
         result = fit(data, settings, rope_flags, weight_alpha)
         data["kvs"] = data["stream"] = None  # fitted: the report needs only the held-out texts (bounded memory)
@@ -429,6 +458,7 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
 
     layout = inspect_model(model_name)  # a model kvcodec cannot code fails here, in seconds
     fit_texts, held_texts = _texts(texts, holdout)
+    check_disjoint(fit_texts, held_texts)  # in seconds, before the model loads
     held = sorted(set(fit_texts) & {*HELD_OUT_TEXTS, *KIND_EVAL_TEXTS})
     if held:
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)

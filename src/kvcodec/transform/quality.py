@@ -75,14 +75,22 @@ def safe_ratio(report: dict[str, Any] | None) -> float | None:
 
 def highest_passing(points: Sequence[dict[str, Any]], passes) -> float | None:  # noqa: ANN001 - point -> bool
     """The highest target ratio of the run of passing points from the lowest ratio up: a ratio above
-    one that failed is not trusted even where its own held-out texts happened to pass (quality falls
-    with the ratio; one flipped token more or less decides a point)."""
+    one that failed, or that did not reach half its target (_reached), is not trusted even where its
+    own held-out texts happened to pass (quality falls with the ratio; one flipped token more or less
+    decides a point)."""
     best = None
     for p in sorted(points, key=lambda p: float(p["target"])):
-        if not passes(p):
+        if not (passes(p) and _reached(p)):
             break
         best = float(p["target"])
     return best
+
+
+def _reached(point: dict[str, Any]) -> bool:
+    """Whether a point measured its target ratio: one whose held-out KV coded to under half of it (a few
+    tokens, stored nearly whole) says nothing of that ratio's quality."""
+    ratio = point.get("ratio")
+    return not isinstance(ratio, (int, float)) or ratio >= 0.5 * float(point["target"])
 
 
 def ratio_warning(report: dict[str, Any] | None, ratio: float) -> str | None:
