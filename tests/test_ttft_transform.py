@@ -217,3 +217,17 @@ def test_a_modeled_gpu_fetch_of_the_mixed_or_sm_coder_needs_a_given_rate(m):
         ttft.decode_rate(m, stats, 10**9, True, 8.0, {})
     assert ttft.decode_rate(m, stats, 10**9, True, 8.0, {m: 3.0})["decode_GBps_fp16"] == 3.0
     assert ttft.decode_rate(m, stats, 10**9, False, 8.0, {})["decode_GBps_fp16"] == 0.7  # a CPU run: as measured
+
+
+def test_a_kv_file_of_another_model_or_shorter_than_a_chunk_is_refused_before_any_work(files, tmp_path):
+    """A review's bench ttft table reported gpt2's KV as llama's, and a 3-token file's ratios (overhead:
+    0.48x for int8) for 512-token prompts."""
+    kvt, _ = files
+    save_kv_file(tmp_path / "other.safetensors", synthetic_kv(300, seed=9), {"model": "other"})
+    save_kv_file(tmp_path / "short.safetensors", synthetic_kv(100, seed=9), {"model": "syn"})
+    base = ["--stats-only", "--kv-models", "syn", "--transform", str(kvt), "--methods", "raw,kvcodec-transform"]
+    base += ["--target-ratios", "4", "--device", "cpu", "--out", str(tmp_path / "x.json")]
+    for name, words in (("other", "holds the KV of 'other', not of 'syn'"), ("short", "fewer than one 256-token")):
+        r = CliRunner().invoke(ttft.command, [*base, "--kv-file", f"syn={tmp_path / name}.safetensors"])
+        assert r.exit_code == 2 and words in r.output, r.output
+    assert not (tmp_path / "x.json").exists()

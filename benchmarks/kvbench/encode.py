@@ -284,12 +284,16 @@ def command(kv_file, quant, tokens, kvt, repeat, sweep, device, name, out) -> No
     if kvt:  # a damaged or foreign .kvt, or one of another KV shape, fails here, not after the HEVC runs
         import kvcodec
 
-        cal = getattr(kvcodec.make_codec("transform", transform=kvt), "cal", None)
+        codec = kvcodec.make_codec("transform", transform=kvt)
+        cal = getattr(codec, "cal", None)
         if cal is None:
             raise click.BadParameter(
                 f"{kvt} is a grouped .kvt; {kv_file.name} holds one KV tensor", param_hint="--transform"
             )
         cal.check_shape(tuple(kv.shape))
+        from kvcodec.cli.transform_io import warn_if_other_model
+
+        warn_if_other_model(codec, meta.get("model"), kv_file.name + "'s model")
     kv = kv.to(device)
     rows = _hevc_runs(kv, quant, repeat, sweep)
     _relative(rows, rows[0])

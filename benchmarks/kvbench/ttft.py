@@ -52,6 +52,8 @@ from kvbench.results import command_line, machine, result_path, utc_now, write_r
 from kvbench.workloads import LARGE, build_model
 from kvcodec.codecs.transform.codec import DEFAULT_CODER, VIDEO_CODERS
 
+STATS_CHUNK_TOKENS = 256  # a transform method's statistics: its KV coded in chunks of this many tokens
+
 
 def kv_statistics(
     kv_model: str,
@@ -118,7 +120,8 @@ def measure_method(m: str, kv, resolution: tuple[int, int] | None, transform: st
         from kvcodec.config import CodecConfig
 
         # chunk by chunk, as a store holds it: every byte of every chunk blob counts
-        codec = method_codec(m, CodecConfig(chunk_tokens=256), transform=transform, resolutions=frame_sizes(resolution))
+        config = CodecConfig(chunk_tokens=STATS_CHUNK_TOKENS)
+        codec = method_codec(m, config, transform=transform, resolutions=frame_sizes(resolution))
         t0 = time.perf_counter()
         chunks = codec.encode_chunks(kv)
         enc = time.perf_counter() - t0
@@ -621,6 +624,7 @@ def command(
     if stray := sorted(set(kv_by_model) - set(kv_models.split(","))):  # it was ignored: the model was prefilled instead
         raise click.BadParameter(f"{', '.join(stray)}: not among --kv-models {kv_models}", param_hint="--kv-file")
     src = KVSources(kv_models.split(","), text, kvts, kv_by_model)
+    src.check()  # before any model loads: a foreign or grouped .kvt, a KV file of another model
     if stats_only:
         return stats_command(src, token_counts[0], meths, size, overrides, out_path)
     return modeled_command(
@@ -684,6 +688,36 @@ class KVSources:
             self.kv_files.get(model),
             skip,
         )
+
+    def check(self) -> None:
+        """Each model's KV file is that model's, of at least one chunk, and fits its .kvt (a plain
+        one: this bench codes one KV tensor); a .kvt calibrated on another model is warned of."""
+        import kvcodec
+        from kvcodec.cli.transform_io import same_model, warn_if_other_model
+
+        for model in self.models:
+            kv = meta = None
+            if path := self.kv_files.get(model):
+                kv, meta = load_kv(path)
+                if meta.get("model") and not same_model(meta["model"], model):
+                    raise click.BadParameter(
+                        f"{path} holds the KV of {meta['model']!r}, not of {model!r}", param_hint="--kv-file"
+                    )
+                if kv.shape[2] < STATS_CHUNK_TOKENS:  # its ratios would be those of one short chunk's overhead
+                    raise click.BadParameter(
+                        f"{path} holds {kv.shape[2]} tokens, fewer than one {STATS_CHUNK_TOKENS}-token chunk: its "
+                        "ratios and rates would not be those of the table's prompts",
+                        param_hint="--kv-file",
+                    )
+            if kvt := self.transforms.get(model):
+                codec = kvcodec.make_codec("transform", transform=kvt)
+                if getattr(codec, "cal", None) is None:
+                    raise click.BadParameter(
+                        f"{kvt} is a grouped .kvt; the TTFT bench codes one KV tensor", param_hint="--transform"
+                    )
+                if kv is not None:
+                    codec.cal.check_shape(tuple(kv.shape))
+                warn_if_other_model(codec, model, "the KV model")
 
     def all_stats(self, tokens: int, meths: list[str], resolution: tuple[int, int] | None, overrides: dict) -> dict:
         click.echo("measuring codecs on real KV caches (cpu) ...", err=True)

@@ -138,7 +138,7 @@ def warn_if_other_model(codec: Any, model: str | None, what: str) -> None:
     a registered name or a path). Its shape fits (that is checked apart), but its basis and its quality
     report are another model's: the ratio's accuracy can be far worse (a fine-tune of it is near)."""
     kvt_model = calibrated_on(codec)
-    if kvt_model is None or model is None or _same_model(kvt_model, str(model)):
+    if kvt_model is None or model is None or same_model(kvt_model, str(model)):
         return
     click.echo(
         f"kvcodec: warning: the .kvt was calibrated on {kvt_model!r}, {what} is {model!r}: its quality report does "
@@ -147,7 +147,8 @@ def warn_if_other_model(codec: Any, model: str | None, what: str) -> None:
     )
 
 
-def _same_model(a: str, b: str) -> bool:
+def same_model(a: str, b: str) -> bool:
+    """Whether two names of a model (registered names or paths) name the same one."""
     from kvcodec.models.local import is_local
 
     if is_local(a) and is_local(b):
