@@ -37,7 +37,8 @@ from kvcodec.engine.storer import KVStorer
 from kvcodec.engine.tokens import Tokens
 from kvcodec.engine.validate import check_context, check_sampling, check_token_ids, sampling_params
 from kvcodec.errors import ConfigError
-from kvcodec.kvspec.serving import check_codable, layout_for
+from kvcodec.kvspec.serving import layout_for
+from kvcodec.models.check import check_codable
 
 log = logging.getLogger(__name__)
 

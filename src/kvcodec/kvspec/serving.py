@@ -75,14 +75,3 @@ def layout_for(model: Any, device: torch.device | str) -> GroupedLayout | None:
     except ShapeError as e:
         raise ShapeError(f"{e}{WITHOUT_REUSE}") from e
     return None if spec.uniform else GroupedLayout(model, spec, torch.device(device))
-
-
-def check_codable(name: str) -> None:
-    """Refuse, from its config in seconds and before its weights load, a model (registered name, folder
-    or .gguf) whose KV cache kvcodec cannot code (models.check.inspect_model)."""
-    from kvcodec.models.check import inspect_model
-
-    try:
-        inspect_model(name)
-    except ShapeError as e:  # its words name the command's flags; the API's arguments too
-        raise ShapeError(f"{e} (Engine(reuse=False, store_policy=StorePolicy(enabled=False)))") from e

@@ -247,3 +247,12 @@ def check_cache_spec(layout: ModelLayout, spec: KVSpec) -> None:
         diff = next(i for i, (a, b) in enumerate(zip(want, have)) if a != b) if len(want) == len(have) else None
         where = f"layer {diff}: config {want[diff]}, cache {have[diff]}" if diff is not None else "layer counts"
         raise ShapeError(f"model {layout.name}: its cache differs from its config ({where})")
+
+
+def check_codable(name: str) -> None:
+    """Refuse, from its config in seconds and before its weights load, a model (registered name, folder
+    or .gguf) whose KV cache kvcodec cannot code (models.check.inspect_model)."""
+    try:
+        inspect_model(name)
+    except ShapeError as e:  # its words name the command's flags; the API's arguments too
+        raise ShapeError(f"{e} (Engine(reuse=False, store_policy=StorePolicy(enabled=False)))") from e
