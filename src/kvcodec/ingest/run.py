@@ -161,7 +161,6 @@ def ingest(
         prefill=_Prefill(
             Tokens(tokenizer), _Cut(limit, given=max_tokens is not None), _Seen(), cache, model, prefill_chunk_tokens
         ),
-        cache=cache,
         put=functools.partial(_store_in, procs, cache) if procs else functools.partial(_store, cache),
         at_once=_AtOnce(procs.processes + 1 if procs else None, store_workers, cores, chunk_tokens),
         on_result=on_result,
@@ -198,8 +197,7 @@ class _Job:
     """One ingest run: each document prefilled on this thread, its store submitted to `pool`; results
     reported in document order as the stores finish; after a store error, the job waits for the store."""
 
-    prefill: _Prefill
-    cache: Any
+    prefill: _Prefill  # its cache is the one stored into
     put: Callable[[list[int], Any], tuple[int, float]]
     at_once: Callable[[list[int]], int]
     on_result: Callable[[DocResult], None] | None
@@ -277,7 +275,7 @@ class _Job:
             self.on_result(r)
 
     def _wait_for_store(self) -> None:
-        wait_for_store(self.cache.store, self.store_patience_s)
+        wait_for_store(self.prefill.cache.store, self.store_patience_s)
 
 
 @dataclasses.dataclass(frozen=True)
