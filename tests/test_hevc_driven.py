@@ -393,6 +393,24 @@ def test_the_host_pools_size_is_half_the_cores_unless_set_and_a_bad_setting_is_r
         cache.PrefixCache("memory://", "m", CodecConfig(), "cuda")
 
 
+def test_the_native_helpers_fill_the_cores_up_to_16_unless_set_and_a_bad_setting_is_refused(monkeypatch):
+    from kvcodec.codecs import driven
+    from kvcodec.errors import ConfigError
+    from kvcodec.fetcher import cache
+    from kvcodec.layout.search import usable_cores
+
+    monkeypatch.delenv("KVCODEC_HOST_HELPERS", raising=False)
+    assert driven.host_helpers() == driven.HOST_HELPERS == max(0, min(16, usable_cores()) - driven.HOST_THREADS)
+    assert driven.host_helpers(" 0 ") == 0 and driven.host_helpers("5") == 5
+    for bad in ("-1", "x", "1.5", "\u00b2"):
+        with pytest.raises(ConfigError, match="KVCODEC_HOST_HELPERS"):
+            driven.host_helpers(bad)
+    monkeypatch.setenv("KVCODEC_HOST_HELPERS", "-1")
+    monkeypatch.setattr(cache, "_device", lambda device: torch.device("cuda"))
+    with pytest.raises(ConfigError, match="KVCODEC_HOST_HELPERS"):
+        cache.PrefixCache("memory://", "m", CodecConfig(), "cuda")
+
+
 @pytest.mark.parametrize("fault", ["checksum", "stage"])
 def test_a_chunk_refused_by_its_host_work_leaves_no_buffer_in_a_cycle(fault, monkeypatch):
     """An int8 chunk without videos whose samples fail their checksum on a host thread, or whose staging fails

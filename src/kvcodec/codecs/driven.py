@@ -67,18 +67,38 @@ DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages o
 # leaving the rest to the serving engine; KVCODEC_HOST_THREADS sets another count, read when the process's
 # pool starts (its first fetch of such chunks): benchmarks/results/host-threads-h100-s59.md
 HOST_THREADS = max(1, min(8, usable_cores() // 2))
+# native zstd threads that only help with the frames of streams already being read, while no stream waits for a
+# thread (codecs/zstd_native.py): a short fetch's last chunks are read on the other cores too, a long one keeps
+# HOST_THREADS busy; KVCODEC_HOST_HELPERS sets another count
+HOST_HELPERS = max(0, min(16, usable_cores()) - HOST_THREADS)
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
 
 
 def host_threads(setting: str | None = None) -> int:
     """The host pool's size: `setting` (KVCODEC_HOST_THREADS's value when None), else HOST_THREADS."""
-    text = (os.environ.get("KVCODEC_HOST_THREADS", "") if setting is None else setting).strip()
+    return _count("KVCODEC_HOST_THREADS", setting, HOST_THREADS, least=1)
+
+
+def host_helpers(setting: str | None = None) -> int:
+    """The native zstd helpers: `setting` (KVCODEC_HOST_HELPERS's value when None), else HOST_HELPERS."""
+    return _count("KVCODEC_HOST_HELPERS", setting, HOST_HELPERS, least=0)
+
+
+def _count(variable: str, setting: str | None, default: int, least: int) -> int:
+    text = (os.environ.get(variable, "") if setting is None else setting).strip()
     if not text:
-        return HOST_THREADS
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise ConfigError(f"KVCODEC_HOST_THREADS must be a whole number >= 1, got {text!r}")
+        return default
+    if not (text.isascii() and text.isdigit()) or int(text) < least:
+        raise ConfigError(f"{variable} must be a whole number >= {least}, got {text!r}")
     return int(text)
+
+
+def native_zstd_threads():  # noqa: ANN201 - a zstd_native.ZstdThreads or None
+    """The process's native zstd threads at the host pool's size, with its helpers (None where they cannot run)."""
+    from kvcodec.codecs import zstd_native
+
+    return zstd_native.threads(host_threads, host_helpers)
 
 
 def host_pool() -> ThreadPoolExecutor:

@@ -64,9 +64,11 @@ typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } f
    stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed).
    Jobs are queued in order; once a job's checksum (where asked) has passed, its frames are handed
    out in order, one at a time. A thread stays with its job until the job's frames are all handed
-   out; a free thread checks or starts a job that no thread reads, else helps the oldest job with
+   out; a free reader checks or starts a job that no thread reads, else helps the oldest job with
    frames left (streams queued before threads come free each get one of their own; a fetch's last
-   streams get every free thread). Of several failing frames, `at` is the first: the one reading them in order
+   streams get every free thread). Helpers (the threads after the first `readers`) only help, and only
+   while no job waits for a reader: a long fetch keeps `readers` cores busy, a short one's frames are
+   read on every thread. Of several failing frames, `at` is the first: the one reading them in order
    finds. */
 typedef struct job {
     struct job *next;
@@ -85,7 +87,7 @@ typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
     job *head, *tail, *done_head, *done_tail;
-    int stop, joined, started;
+    int stop, joined, started, readers, helpers, named;  /* named: threads that took their role */
     pthread_t *threads;
     create_fn create; decompress_fn decompress; is_error_fn is_error; free_fn release;
     void *crc; int crc_isal;  /* ISA-L's crc32_gzip_refl (about 15x zlib's), else zlib's crc32 */
@@ -140,12 +142,13 @@ static void unqueue(pool *p, job *j) {  /* under the lock */
 
 /* The work a free thread takes: the first job with an unchecked checksum or with no frame handed out,
    else the first job with frames left (a job being checked is passed over). A queued job with frames
-   handed out has a thread reading on: the one that took its last frame keeps it while it has more. */
-static job *work_of(pool *p) {
+   handed out has a thread reading on: the one that took its last frame keeps it while it has more.
+   A helper takes nothing while a job waits for a reader. */
+static job *work_of(pool *p, int helper) {
     job *help = NULL;
     for (job *j = p->head; j; j = j->next) {
         if (j->check && j->checked == 1) continue;
-        if ((j->check && !j->checked) || !j->taken) return j;
+        if ((j->check && !j->checked) || !j->taken) return helper ? NULL : j;
         if (!help) help = j;
     }
     return help;
@@ -177,6 +180,7 @@ static job *run_frame(pool *p, void **dctx, job *j) {
     began(j);
     size_t value = 0;
     if (j->taken == j->count) unqueue(p, j);
+    else if (i == 0 && p->helpers) pthread_cond_broadcast(&p->work);  /* helpers may help now */
     pthread_mutex_unlock(&p->mu);
     if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
     if (!skip) {
@@ -196,8 +200,9 @@ static void *worker(void *arg) {
     pool *p = arg;
     void *dctx = p->create();
     pthread_mutex_lock(&p->mu);
+    int helper = p->named++ >= p->readers;
     for (job *mine = NULL;;) {  /* mine: the job this thread reads on */
-        job *j = mine ? mine : work_of(p);
+        job *j = mine ? mine : work_of(p, helper);
         if (!j) {
             if (p->stop && !p->head) break;
             pthread_cond_wait(&p->work, &p->mu);
@@ -210,9 +215,12 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-void *kv_zpool_start(int threads, void *create, void *decompress, void *is_error, void *release, void *crc, int crc_isal) {
+void *kv_zpool_start(int threads, int readers, void *create, void *decompress, void *is_error, void *release, void *crc,
+                     int crc_isal) {
     pool *p = calloc(1, sizeof(pool));
-    if (!p || threads < 1) { free(p); return NULL; }
+    if (!p || readers < 1 || threads < readers) { free(p); return NULL; }
+    p->readers = readers;
+    p->helpers = threads - readers;
     p->threads = calloc((size_t)threads, sizeof(pthread_t));
     if (!p->threads) { free(p); return NULL; }
     pthread_mutex_init(&p->mu, NULL);
@@ -234,7 +242,9 @@ void kv_zpool_submit(void *handle, job *j) {
     if (!j->check && !j->count) finished(p, j);
     else {
         push(&p->head, &p->tail, j);
-        if (j->check || j->count == 1) pthread_cond_signal(&p->work); else pthread_cond_broadcast(&p->work);
+        /* one thread's work, but a signal could wake a helper, which leaves a job no thread reads */
+        if ((j->check || j->count == 1) && !p->helpers) pthread_cond_signal(&p->work);
+        else pthread_cond_broadcast(&p->work);
     }
     pthread_mutex_unlock(&p->mu);
 }
@@ -271,7 +281,7 @@ void kv_zpool_stop(void *handle) {
 """
 
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "kv_zpool_start": (c_void_p, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int]),
+    "kv_zpool_start": (c_void_p, [c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int]),
     "kv_zpool_threads": (c_int, [c_void_p]),
     "kv_zpool_submit": (None, [c_void_p, c_void_p]),
     "kv_zpool_next_done": (c_void_p, [c_void_p, c_longlong]),
@@ -338,11 +348,14 @@ class _Pending:
 class ZstdThreads:
     """Native threads decompressing zstd streams into caller buffers; submit() returns a Future."""
 
-    def __init__(self, lib, zstd, crc: tuple, threads: int):
-        """crc: (a ctypes CRC-32 function, whether it is ISA-L's crc32_gzip_refl rather than zlib's crc32)."""
+    def __init__(self, lib, zstd, crc: tuple, threads: int, helpers: int = 0):
+        """crc: (a ctypes CRC-32 function, whether it is ISA-L's crc32_gzip_refl rather than zlib's crc32).
+        threads read streams of their own; helpers only read frames of streams that a thread reads, while no
+        stream waits for one (SOURCE)."""
         self.lib, self.zstd, self.crc = lib, zstd, crc
         fns = [zstd.ZSTD_createDCtx, zstd.ZSTD_decompressDCtx, zstd.ZSTD_isError, zstd.ZSTD_freeDCtx, crc[0]]
-        self.handle = lib.kv_zpool_start(threads, *(native.function_pointer(f) for f in fns), int(crc[1]))
+        pointers = (native.function_pointer(f) for f in fns)
+        self.handle = lib.kv_zpool_start(threads + helpers, threads, *pointers, int(crc[1]))
         if not self.handle:
             raise OSError("the native zstd threads did not start")
         self.threads = lib.kv_zpool_threads(self.handle)
@@ -476,8 +489,8 @@ def _crc32() -> tuple | None:
         return None if zlib is None else (zlib.crc32, False)
 
 
-def start(count: int) -> ZstdThreads | None:
-    """`count` native zstd threads, or None where they cannot run here (a reason logged)."""
+def start(count: int, helpers: int = 0) -> ZstdThreads | None:
+    """`count` native zstd threads and `helpers` (ZstdThreads), or None where they cannot run here (a reason logged)."""
     if not native.ENABLED:
         return None
     zstd = system_zstd()
@@ -489,7 +502,7 @@ def start(count: int) -> ZstdThreads | None:
     if path is None:
         return None
     try:
-        return ZstdThreads(native.declare(ctypes.CDLL(str(path)), SIGNATURES), zstd, crc, count)
+        return ZstdThreads(native.declare(ctypes.CDLL(str(path)), SIGNATURES), zstd, crc, count, helpers)
     except OSError as e:
         log.warning("the native zstd threads did not start (%s): zstd stays on Python threads", e)
         return None
@@ -500,15 +513,15 @@ _tried = False
 _lock = threading.Lock()
 
 
-def threads(count: Callable[[], int]) -> ZstdThreads | None:
-    """The process's native zstd threads (count() of them), started on first use and stopped at
-    exit; None where they cannot run here (tried once)."""
+def threads(count: Callable[[], int], helpers: Callable[[], int] = lambda: 0) -> ZstdThreads | None:
+    """The process's native zstd threads (count() of them, and helpers() helpers), started on first use
+    and stopped at exit; None where they cannot run here (tried once)."""
     global _threads, _tried
     with _lock:
         if not _tried:
-            n = count()  # a bad setting raises here, every time it is asked
+            n, h = count(), helpers()  # a bad setting raises here, every time it is asked
             _tried = True
-            _threads = start(n)
+            _threads = start(n, h)
             if _threads is not None:
                 atexit.register(_threads.stop)
         return _threads

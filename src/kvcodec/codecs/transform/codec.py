@@ -664,9 +664,9 @@ class TransformCodec:
         threads' build and start (a driven fetch's zstd'd chunks: codecs/zstd_native.py)."""
         self._restorer.warm_up(torch.device(device), dtype)
         if torch.device(device).type == "cuda" and self.coder != "hevc":
-            from kvcodec.codecs import driven, zstd_native
+            from kvcodec.codecs import driven
 
-            zstd_native.threads(driven.host_threads)
+            driven.native_zstd_threads()
 
     def pinned_block_bytes(self) -> int:
         """The pinned block a driven CUDA fetch decompresses each chunk's zstd'd samples into
