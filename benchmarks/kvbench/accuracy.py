@@ -10,14 +10,17 @@ For each model and quant mode, on real data:
 - greedy decoding of N tokens after either KV (token_agreement: fraction of equal positions).
 
 quant "exact" must reproduce the recomputation token for token (same choices, bit-identical
-scores, agreement 1.0); the command fails if it does not. Results: benchmarks/results/accuracy-*.json
-and a markdown table.
+scores, agreement 1.0); the command fails if it does not. With --transform MODEL.kvt, each of
+--target-ratios r adds the lossy method kvcodec-transform-<r>: the KV coded by the .kvt's transform
+codec at target ratio r vs fp16, chunk by chunk as a store holds it, and decoded. Results:
+benchmarks/results/accuracy-*.json and a markdown table.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import math
 import os
 import statistics
 import time
@@ -33,6 +36,9 @@ from kvcodec.config import QUANT_MODES
 # Video-lossless: the restored values depend on the quantizer only, so one (small) resolution
 # suffices here and keeps the CPU encode short.
 BENCH_RESOLUTION = (256, 256)
+# a kvcodec-transform-<r> method codes the KV in chunks of this many tokens, as a store holds it (as
+# kvbench.ttft's statistics do); a last chunk, or a KV shorter than one, holds the tokens left
+TRANSFORM_CHUNK_TOKENS = 256
 
 
 @dataclasses.dataclass
@@ -55,10 +61,13 @@ class _QuantStats:
     round_trips: int = 0
 
 
-def restore(kv, quant: str, *, identity: bool = False):
-    """kvcodec round trip of kv: (restored, stored bytes, encode seconds)."""
+def restore(kv, quant: str, *, identity: bool = False, codec=None):  # noqa: ANN001
+    """kvcodec round trip of kv: (restored, stored bytes, encode seconds). `codec`: the chunk codec
+    of a kvcodec-transform-<r> method (transform_method_codec); None: kvcodec's HEVC codec at `quant`."""
     if identity:  # harness check without the codec
         return kv.clone(), kv.numel() * kv.element_size(), 0.0
+    if codec is not None:
+        return restore_chunks(kv, codec)
     import kvcodec
 
     config = kvcodec.CodecConfig(quant=quant, resolutions=(BENCH_RESOLUTION,), search_layout=False)
@@ -66,6 +75,27 @@ def restore(kv, quant: str, *, identity: bool = False):
     data = kvcodec.encode(kv, config)
     enc = time.perf_counter() - t0
     return kvcodec.decode(data), len(data), enc
+
+
+def transform_method_codec(method: str, kvt: str | Path):  # noqa: ANN201 - a TransformCodec
+    """The chunk codec of a kvcodec-transform-<r> method: the .kvt's transform codec at target ratio r
+    vs fp16, in TRANSFORM_CHUNK_TOKENS-token chunks, at the codec's own frame size and coder."""
+    from kvbench.methods import method_codec
+    from kvcodec.config import CodecConfig
+
+    return method_codec(method, CodecConfig(chunk_tokens=TRANSFORM_CHUNK_TOKENS), transform=kvt)
+
+
+def restore_chunks(kv, codec):  # noqa: ANN001, ANN201
+    """Round trip of kv through a chunk codec, chunk by chunk: (restored, bytes of every chunk blob,
+    encode seconds)."""
+    t0 = time.perf_counter()
+    chunks = codec.encode_chunks(kv)
+    enc = time.perf_counter() - t0
+    out = kv.new_empty(kv.shape)
+    for ch in chunks:
+        codec.decode_chunk(ch.blobs[0], out[:, :, ch.start_token : ch.start_token + ch.tokens])
+    return out, sum(len(ch.blobs[0]) for ch in chunks), enc
 
 
 def run_model(
@@ -84,11 +114,13 @@ def run_model(
     download: bool,
     log: Callable[[str], None],
     answer_tokens: int = 12,
+    transform: Path | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """(one record per quant, one row per question) of `model_name` on `task` and the perplexity texts."""
+    """(one record per quant, one row per question) of `model_name` on `task` and the perplexity texts.
+    quants: quant modes and kvcodec-transform-<r> methods (coded with the .kvt `transform`)."""
     from kvcodec.models.texts import load_qa
 
-    run = ModelRun(model_name, quants, task, kv_dtype, identity, log, answer_tokens)
+    run = ModelRun(model_name, quants, task, kv_dtype, identity, log, answer_tokens, transform)
     questions = load_qa(task, limit=n_questions, download=download)
     t_start = time.perf_counter()
     for qi, q in enumerate(questions):
@@ -115,7 +147,8 @@ def run_model(
 
 class ModelRun:
     """One model's accuracy run: every question answered from recomputed KV and from each quant's
-    restored KV, perplexity and greedy agreement on texts, statistics per quant."""
+    restored KV, perplexity and greedy agreement on texts, statistics per quant (a quant here is a
+    quant mode or a kvcodec-transform-<r> method, coded with the .kvt `transform`)."""
 
     def __init__(
         self,
@@ -126,9 +159,11 @@ class ModelRun:
         identity: bool,
         log: Callable[[str], None],
         answer_tokens: int,
+        transform: Path | None = None,
     ) -> None:
         import torch
 
+        from kvbench.methods import transform_ratio
         from kvcodec.models import load_model, model_id
 
         self.model_name, self.quants, self.task, self.kv_dtype = model_name, quants, task, kv_dtype
@@ -138,6 +173,7 @@ class ModelRun:
         self.model_id = model_id(self.model)
         self.extractive = task == "quoref"
         self.stats = {q: _QuantStats() for q in quants}
+        self.codecs = {q: transform_method_codec(q, transform) for q in quants if transform_ratio(q) is not None}
         self.per_question: list[dict] = []
         self.recomputed_correct, self.recomputed_em = 0.0, 0
 
@@ -152,7 +188,7 @@ class ModelRun:
         """(kv_store encoded with `quant` and restored, in like's dtype; stored bytes; encode seconds)."""
         import torch
 
-        restored, nbytes, enc_s = restore(kv_store, quant, identity=self.identity)
+        restored, nbytes, enc_s = restore(kv_store, quant, identity=self.identity, codec=self.codecs.get(quant))
         s = self.stats[quant]
         s.round_trips += 1
         s.bit_exact += restored.dtype == kv_store.dtype and torch.equal(
@@ -284,7 +320,19 @@ class ModelRun:
             "ratio_vs_fp16": mean(s.ratio),
             "ratio_vs_stored_dtype": mean(s.ratio_stored),
             "encode_s_cpu_mean": mean(s.encode_s),
-            "codec": "identity" if self.identity else f"kvcodec {BENCH_RESOLUTION[0]}x{BENCH_RESOLUTION[1]}",
+            **self.codec_fields(quant),
+        }
+
+    def codec_fields(self, quant: str) -> dict:
+        """What coded `quant`'s round trips: for a transform method its codec id, target ratio and .kvt."""
+        codec = self.codecs.get(quant)
+        if self.identity or codec is None:
+            return {"codec": "identity" if self.identity else f"kvcodec {BENCH_RESOLUTION[0]}x{BENCH_RESOLUTION[1]}"}
+        return {
+            "codec": codec.id,
+            "target_ratio": codec.target_ratio,
+            "kvt_sha256": codec.kvt_hash,
+            "chunk_tokens": codec.chunk_tokens,
         }
 
 
@@ -320,7 +368,7 @@ def table(doc: dict) -> list[str]:
         "",
         f"`{doc['command']}`",
         "",
-        "| model | quant | task | n | acc restored | acc recomputed | same answer | ppl recomputed | ppl delta (restored - recomputed) "
+        "| model | quant / method | task | n | acc restored | acc recomputed | same answer | ppl recomputed | ppl delta (restored - recomputed) "
         "| token agreement | first divergence | KV rel. RMS err | ratio vs fp16 |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
@@ -331,6 +379,7 @@ def table(doc: dict) -> list[str]:
         "(quoref: gave the same answer text; 'acc' is then the mean token F1 against the accepted spans).",
         f"'token agreement': fraction of equal positions in two {doc['settings']['greedy_tokens']}-token greedy decodes;",
         "'first divergence': per essay, index of the first differing token (none = identical).",
+        *transform_notes(doc["settings"]),
     ]
     for r in doc["records"]:
         lines.append(
@@ -342,6 +391,16 @@ def table(doc: dict) -> list[str]:
             f"| {f(r['ratio_vs_fp16'], '.2f')} |"
         )
     return lines + lines_notes
+
+
+def transform_notes(settings: dict) -> list[str]:
+    if not settings.get("transform"):
+        return []
+    return [
+        f"kvcodec-transform-<r>: the transform codec of {settings['transform']} at target ratio r vs fp16, coded in "
+        f"{settings['transform_chunk_tokens']}-token chunks; its 'ratio vs fp16' counts every chunk's bytes "
+        "(a short KV carries more side information a token, so it can fall short of r)."
+    ]
 
 
 @click.command("accuracy")
@@ -384,6 +443,20 @@ def table(doc: dict) -> list[str]:
 @click.option(
     "--quick", is_flag=True, help="Small run: 8 questions, quants exact,int8,int4, one essay, 512-token prefix."
 )
+@click.option(
+    "--transform",
+    "kvt",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Also measure the transform codec of this MODEL.kvt (`kvcodec calibrate`): one lossy method "
+    "kvcodec-transform-<r> per --target-ratios r.",
+)
+@click.option(
+    "--target-ratios",
+    default="5,8",
+    show_default=True,
+    help="With --transform: comma-separated target ratios vs fp16 (each > 1).",
+)
 @click.option("--identity", is_flag=True, help="Skip the codec (identity round trip): checks the harness only.")
 @click.option("--download", is_flag=True, help="Let the command pip-download the bigbench sdist if missing.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=RESULTS_DIR, show_default=True)
@@ -393,6 +466,7 @@ def command(ctx, **o) -> None:  # noqa: ANN001, ANN003
     """QA accuracy, perplexity delta and greedy-token agreement: restored KV vs recomputed KV."""
     o = with_quick_defaults(ctx, o)
     model_list, quant_list, text_list = checked_lists(o["models"], o["quants"], o["ppl_texts"])
+    quant_list += transform_methods(ctx, o["kvt"], o["target_ratios"], model_list)
     started = _dt.datetime.now(_dt.UTC)
     t0 = time.perf_counter()
     records, questions = [], []
@@ -412,6 +486,7 @@ def command(ctx, **o) -> None:  # noqa: ANN001, ANN003
             identity=o["identity"],
             download=o["download"],
             log=lambda msg: click.echo(msg, err=True),
+            transform=o["kvt"],
         )
         records += r
         questions += q
@@ -462,6 +537,58 @@ def checked_lists(models: str, quants: str, ppl_texts: str) -> tuple[list[str], 
     return model_list, quant_list, [t.strip() for t in ppl_texts.split(",") if t.strip()]
 
 
+def transform_methods(ctx: click.Context, kvt: Path | None, target_ratios: str, models: list[str]) -> list[str]:
+    """The kvcodec-transform-<r> methods of --transform and --target-ratios; the .kvt is checked
+    against every model here, before any model loads."""
+    if kvt is None:
+        if ctx.get_parameter_source("target_ratios") != click.core.ParameterSource.DEFAULT:
+            raise click.UsageError("--target-ratios needs --transform PATH.kvt", ctx=ctx)
+        return []
+    methods = transform_method_names(target_ratios)
+    check_kvt(kvt, models)
+    return methods
+
+
+def transform_method_names(target_ratios: str) -> list[str]:
+    """["kvcodec-transform-5", "kvcodec-transform-8"] of "5,8"; a ratio that is not a number > 1 is refused."""
+    from kvbench.methods import TRANSFORM, expand_methods
+
+    try:
+        ratios = [float(r) for r in target_ratios.split(",") if r.strip()]
+    except ValueError:
+        ratios = []
+    if not ratios or not all(math.isfinite(r) and r > 1 for r in ratios):
+        raise click.BadParameter(
+            f"{target_ratios!r}: comma-separated target ratios vs fp16, each a number > 1 (e.g. 5,8)",
+            param_hint="--target-ratios",
+        )
+    return expand_methods([TRANSFORM], ratios)
+
+
+def check_kvt(kvt: Path, models: list[str]) -> None:
+    """Refuse a file that is not a .kvt, a grouped one (this bench codes one KV tensor), and one made
+    for another KV shape than one of `models` (from its config); warn of one calibrated on another model."""
+    import kvcodec
+    from kvcodec.cli.transform_io import warn_if_other_model
+    from kvcodec.errors import KVCodecError
+    from kvcodec.models.check import inspect_model
+
+    try:
+        codec = kvcodec.make_codec("transform", transform=kvt)
+    except KVCodecError as e:
+        raise click.BadParameter(str(e), param_hint="--transform") from e
+    if getattr(codec, "cal", None) is None:
+        raise click.BadParameter(f"{kvt} is a grouped .kvt; this bench codes one KV tensor", param_hint="--transform")
+    for m in models:
+        warn_if_other_model(codec, m, "the model measured")
+        spec = inspect_model(m).spec
+        try:
+            if spec.uniform:
+                codec.cal.check_shape(spec.groups[0].shape(1))
+        except KVCodecError as e:
+            raise click.BadParameter(f"{m}: {e}", param_hint="--transform") from e
+
+
 def settings_record(o: dict, text_list: list[str]) -> dict:
     keys = ("quick", "n_questions", "max_doc_tokens", "ppl_prefix", "ppl_tokens", "greedy_tokens", "kv_dtype")
     scoring = (
@@ -470,4 +597,13 @@ def settings_record(o: dict, text_list: list[str]) -> dict:
         if o["task"] == "quoref"
         else "sum of option-token log-probabilities after 'Question: ...\\nAnswer:'"
     )
-    return {k: o[k] for k in keys} | {"ppl_texts": text_list, "identity_codec": o["identity"], "scoring": scoring}
+    transform = {
+        "transform": str(o["kvt"]) if o["kvt"] else None,
+        "target_ratios": o["target_ratios"] if o["kvt"] else None,
+        "transform_chunk_tokens": TRANSFORM_CHUNK_TOKENS if o["kvt"] else None,
+    }
+    return (
+        {k: o[k] for k in keys}
+        | {"ppl_texts": text_list, "identity_codec": o["identity"], "scoring": scoring}
+        | transform
+    )
