@@ -13,6 +13,8 @@ they are all handed out; a free thread starts a stream no thread reads, else hel
 frames left. kvcodec writes one frame a chunk: 512 KiB frames, each on whichever thread was free, cost a
 bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
 (benchmarks/results/fetch-h100-s62-frames.md); threads stay with a stream of their own since.
+Helper threads beside them (driven.HOST_HELPERS) read frames only, of streams a thread reads, and only
+while no stream waits for a thread: at a fetch's end, a stream of several frames is read on several cores.
 One Python thread turns each finished job into its Future's result. Where the caller asks, the stream's
 checksum (the container's CRC-32: ISA-L's, the isal package's, else zlib's) is checked by one thread
 before any of its frames is handed out.
@@ -85,7 +87,7 @@ typedef struct job {
 
 typedef struct {
     pthread_mutex_t mu;
-    pthread_cond_t work, done;
+    pthread_cond_t work, help, done;  /* help: what helpers wait on */
     job *head, *tail, *done_head, *done_tail;
     int stop, joined, started, readers, helpers, named;  /* named: threads that took their role */
     pthread_t *threads;
@@ -137,7 +139,10 @@ static void unqueue(pool *p, job *j) {  /* under the lock */
     for (job *at = p->head; at != j; at = at->next) prev = at;
     if (prev) prev->next = j->next; else p->head = j->next;
     if (p->tail == j) p->tail = prev;
-    if (!p->head && p->stop) pthread_cond_broadcast(&p->work);  /* stopping: the waiting threads end */
+    if (!p->head && p->stop) {  /* stopping: the waiting threads end */
+        pthread_cond_broadcast(&p->work);
+        pthread_cond_broadcast(&p->help);
+    }
 }
 
 /* The work a free thread takes: the first job with an unchecked checksum or with no frame handed out,
@@ -180,7 +185,7 @@ static job *run_frame(pool *p, void **dctx, job *j) {
     began(j);
     size_t value = 0;
     if (j->taken == j->count) unqueue(p, j);
-    else if (i == 0 && p->helpers) pthread_cond_broadcast(&p->work);  /* helpers may help now */
+    if (i == 0 && p->helpers && work_of(p, 1)) pthread_cond_broadcast(&p->help);  /* the last job waiting started */
     pthread_mutex_unlock(&p->mu);
     if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
     if (!skip) {
@@ -205,7 +210,7 @@ static void *worker(void *arg) {
         job *j = mine ? mine : work_of(p, helper);
         if (!j) {
             if (p->stop && !p->head) break;
-            pthread_cond_wait(&p->work, &p->mu);
+            pthread_cond_wait(helper ? &p->help : &p->work, &p->mu);
             continue;
         }
         mine = j->check && !j->checked ? check(p, j) : run_frame(p, &dctx, j);
@@ -225,6 +230,7 @@ void *kv_zpool_start(int threads, int readers, void *create, void *decompress, v
     if (!p->threads) { free(p); return NULL; }
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->help, NULL);
     pthread_cond_init(&p->done, NULL);
     p->create = (create_fn)create; p->decompress = (decompress_fn)decompress;
     p->is_error = (is_error_fn)is_error; p->release = (free_fn)release; p->crc = crc; p->crc_isal = crc_isal;
@@ -242,9 +248,7 @@ void kv_zpool_submit(void *handle, job *j) {
     if (!j->check && !j->count) finished(p, j);
     else {
         push(&p->head, &p->tail, j);
-        /* one thread's work, but a signal could wake a helper, which leaves a job no thread reads */
-        if ((j->check || j->count == 1) && !p->helpers) pthread_cond_signal(&p->work);
-        else pthread_cond_broadcast(&p->work);
+        if (j->check || j->count == 1) pthread_cond_signal(&p->work); else pthread_cond_broadcast(&p->work);
     }
     pthread_mutex_unlock(&p->mu);
 }
@@ -271,6 +275,7 @@ void kv_zpool_stop(void *handle) {
     pthread_mutex_lock(&p->mu);
     p->stop = 1;
     pthread_cond_broadcast(&p->work);
+    pthread_cond_broadcast(&p->help);
     pthread_mutex_unlock(&p->mu);
     for (int i = 0; i < p->started; i++) pthread_join(p->threads[i], NULL);
     pthread_mutex_lock(&p->mu);
