@@ -64,6 +64,12 @@ def test_target_ratios_that_are_not_numbers_above_one_are_refused(text):
         transform_method_names(text)
 
 
+@pytest.mark.parametrize("text", ["1.0000001", "5.1234567"])
+def test_target_ratios_a_method_name_would_round_are_refused(text):
+    with pytest.raises(click.BadParameter, match="6 significant digits"):
+        transform_method_names(text)
+
+
 def test_target_ratios_without_a_transform_is_a_usage_error(no_model_loads):
     res = invoke("--target-ratios", "5")
     assert res.exit_code == 2, res.output

@@ -359,6 +359,54 @@ def test_a_helper_starts_no_stream_while_one_waits_for_a_reader():
         pool.stop()
 
 
+def test_helpers_are_woken_when_the_last_waiting_stream_goes_into_its_check():
+    """Two readers, one helper. Both readers are held in the checksums of two small streams while a stream of
+    40 frames and a checksummed one are queued behind them; once released, one reader takes the first frame
+    of the long stream and is held there until another of its frames is read, the other is held in the
+    checksummed stream's check until the same. Only the helper can read that frame, and only if it is woken
+    when the last waiting stream goes into its check (nothing waits on the clock)."""
+    import ctypes
+    import threading
+    import zlib
+
+    lib, zstd = _pool_library()
+    small = [zs.zstd_frames(_noisy(100, seed=k), 1) for k in (1, 2)]
+    data = _noisy(40 * 100, seed=3)
+    long_out = np.zeros(len(data), dtype=np.uint8)
+    checked = zs.zstd_frames(_noisy(100, seed=4), 1)
+    in_small, small_gate, released = threading.Semaphore(0), threading.Event(), threading.Event()
+    addresses = {np.frombuffer(b, dtype=np.uint8).ctypes.data: b for b in (*small, checked)}
+
+    @ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint)
+    def held_crc(crc, at, size):
+        stream = addresses.get(at)
+        if stream is not None and stream is not checked:
+            in_small.release()
+            small_gate.wait(60)
+        elif stream is checked:
+            released.wait(60)
+        return zlib.crc32(ctypes.string_at(at, size), crc) if at else 0
+
+    held_zstd, frame_read = _held_decompress(zstd, long_out.ctypes.data, long_out.ctypes.data + 100)
+    threads = zstd_native.ZstdThreads(lib, held_zstd, (held_crc, False), 2, helpers=1)
+    futures = []
+    try:
+        for stream in small:
+            futures.append(threads.submit(stream, np.zeros(100, dtype=np.uint8), "s", checksum=(crc32(stream), None)))
+        assert in_small.acquire(timeout=60) and in_small.acquire(timeout=60)
+        futures.append(threads.submit(zs.zstd_frames(data, 1, 100), long_out, "long"))
+        futures.append(threads.submit(checked, np.zeros(100, dtype=np.uint8), "c", checksum=(crc32(checked), None)))
+        small_gate.set()
+        assert frame_read.wait(60)  # the helper read a frame while both readers were held
+        released.set()
+        assert all(f.result(timeout=60) is None for f in futures) and long_out.tobytes() == data
+    finally:
+        small_gate.set()
+        released.set()
+        frame_read.set()
+        threads.stop()
+
+
 @pytest.mark.parametrize("with_checksum", [False, True])
 def test_a_stream_of_no_frames_fills_an_empty_buffer_as_the_reference_reads_it(pool, with_checksum):
     empty_table = zs.seek_table_bytes(zs.SeekTable(()))

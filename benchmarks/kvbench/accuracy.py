@@ -562,6 +562,10 @@ def transform_method_names(target_ratios: str) -> list[str]:
             f"{target_ratios!r}: comma-separated target ratios vs fp16, each a number > 1 (e.g. 5,8)",
             param_hint="--target-ratios",
         )
+    if any(float(f"{r:g}") != r for r in ratios):  # a method's name holds its ratio to 6 significant digits
+        raise click.BadParameter(
+            f"{target_ratios!r}: give each target ratio in at most 6 significant digits", param_hint="--target-ratios"
+        )
     return expand_methods([TRANSFORM], ratios)
 
 

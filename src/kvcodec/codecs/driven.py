@@ -69,28 +69,33 @@ DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages o
 HOST_THREADS = max(1, min(8, usable_cores() // 2))
 # native zstd threads that only help with the frames of streams already being read, while no stream waits for a
 # thread (codecs/zstd_native.py): a short fetch's last chunks are read on the other cores too, a long one keeps
-# HOST_THREADS busy; KVCODEC_HOST_HELPERS sets another count
-HOST_HELPERS = max(0, min(16, usable_cores()) - HOST_THREADS)
+# the host threads' count busy. By default they fill the cores up to 16 threads in all; KVCODEC_HOST_HELPERS sets
+# another count
+MOST_THREADS = 16
+MOST_SETTING = 256  # the most host threads or helpers a setting may ask for
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
 
 
 def host_threads(setting: str | None = None) -> int:
     """The host pool's size: `setting` (KVCODEC_HOST_THREADS's value when None), else HOST_THREADS."""
-    return _count("KVCODEC_HOST_THREADS", setting, HOST_THREADS, least=1)
+    return _count("KVCODEC_HOST_THREADS", setting, least=1) or HOST_THREADS
 
 
 def host_helpers(setting: str | None = None) -> int:
-    """The native zstd helpers: `setting` (KVCODEC_HOST_HELPERS's value when None), else HOST_HELPERS."""
-    return _count("KVCODEC_HOST_HELPERS", setting, HOST_HELPERS, least=0)
+    """The native zstd helpers: `setting` (KVCODEC_HOST_HELPERS's value when None), else as many as
+    keep the host threads and their helpers within the cores and MOST_THREADS."""
+    count = _count("KVCODEC_HOST_HELPERS", setting, least=0)
+    return max(0, min(MOST_THREADS, usable_cores()) - host_threads()) if count is None else count
 
 
-def _count(variable: str, setting: str | None, default: int, least: int) -> int:
+def _count(variable: str, setting: str | None, least: int) -> int | None:
+    """The whole number a setting holds (None where it is empty), refused outside least..MOST_SETTING."""
     text = (os.environ.get(variable, "") if setting is None else setting).strip()
     if not text:
-        return default
-    if not (text.isascii() and text.isdigit()) or int(text) < least:
-        raise ConfigError(f"{variable} must be a whole number >= {least}, got {text!r}")
+        return None
+    if not (text.isascii() and text.isdigit()) or not least <= int(text) <= MOST_SETTING:
+        raise ConfigError(f"{variable} must be a whole number from {least} to {MOST_SETTING}, got {text!r}")
     return int(text)
 
 

@@ -13,7 +13,7 @@ they are all handed out; a free thread starts a stream no thread reads, else hel
 frames left. kvcodec writes one frame a chunk: 512 KiB frames, each on whichever thread was free, cost a
 bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
 (benchmarks/results/fetch-h100-s62-frames.md); threads stay with a stream of their own since.
-Helper threads beside them (driven.HOST_HELPERS) read frames only, of streams a thread reads, and only
+Helper threads beside them (driven.host_helpers) read frames only, of streams a thread reads, and only
 while no stream waits for a thread: at a fetch's end, a stream of several frames is read on several cores.
 One Python thread turns each finished job into its Future's result. Where the caller asks, the stream's
 checksum (the container's CRC-32: ISA-L's, the isal package's, else zlib's) is checked by one thread
@@ -159,11 +159,18 @@ static job *work_of(pool *p, int helper) {
     return help;
 }
 
+/* Helpers woken where one would now find work: no job waits for a reader (the last one was started,
+   went into its check, or left the queue) and one has frames left. Under the lock. */
+static void wake_helpers(pool *p) {
+    if (p->helpers && work_of(p, 1)) pthread_cond_broadcast(&p->help);
+}
+
 /* The job's checksum (entered and left under the lock, released meanwhile): the job if it passed and
    has frames, for this thread to read on; else NULL, the job finished. */
 static job *check(pool *p, job *j) {
     j->checked = 1;
     began(j);
+    wake_helpers(p);
     pthread_mutex_unlock(&p->mu);
     int ok = crc_of(p, j->stream, j->stream_len) == j->crc;
     pthread_mutex_lock(&p->mu);
@@ -171,6 +178,7 @@ static job *check(pool *p, job *j) {
         if (!ok) j->status = 4;
         unqueue(p, j);
         finished(p, j);
+        wake_helpers(p);
         return NULL;
     }
     j->checked = 2;  /* the others are woken to help with the rest */
@@ -185,7 +193,7 @@ static job *run_frame(pool *p, void **dctx, job *j) {
     began(j);
     size_t value = 0;
     if (j->taken == j->count) unqueue(p, j);
-    if (i == 0 && p->helpers && work_of(p, 1)) pthread_cond_broadcast(&p->help);  /* the last job waiting started */
+    if (i == 0) wake_helpers(p);
     pthread_mutex_unlock(&p->mu);
     if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
     if (!skip) {
