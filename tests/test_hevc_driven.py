@@ -384,35 +384,12 @@ def test_the_host_pools_size_is_half_the_cores_unless_set_and_a_bad_setting_is_r
     monkeypatch.setattr(driven, "_host_pool", None)  # a pool of this test's own, the process's left as it was
     assert driven.host_threads() == 3 and driven.host_pool()._max_workers == 3
     driven.host_pool().shutdown()
-    for bad in ("0", "-2", "x", "1.5", "\u00b2"):
+    for bad in ("0", "-2", "x", "1.5", "\u00b2", "257", "4294967296"):
         with pytest.raises(ConfigError, match="KVCODEC_HOST_THREADS"):
             driven.host_threads(bad)
     monkeypatch.setenv("KVCODEC_HOST_THREADS", "0")
     monkeypatch.setattr(cache, "_device", lambda device: torch.device("cuda"))  # a CUDA cache, made on any machine
     with pytest.raises(ConfigError, match="KVCODEC_HOST_THREADS"):
-        cache.PrefixCache("memory://", "m", CodecConfig(), "cuda")
-
-
-def test_the_native_helpers_fill_the_cores_up_to_16_threads_unless_set_and_a_bad_setting_is_refused(monkeypatch):
-    from kvcodec.codecs import driven
-    from kvcodec.errors import ConfigError
-    from kvcodec.fetcher import cache
-    from kvcodec.layout.search import usable_cores
-
-    monkeypatch.delenv("KVCODEC_HOST_HELPERS", raising=False)
-    monkeypatch.delenv("KVCODEC_HOST_THREADS", raising=False)
-    assert driven.host_helpers() == max(0, min(16, usable_cores()) - driven.HOST_THREADS)
-    monkeypatch.setenv("KVCODEC_HOST_THREADS", "16")  # the helpers fill what the threads leave, never beyond 16
-    assert driven.host_helpers() == 0
-    assert driven.host_helpers(" 0 ") == 0 and driven.host_helpers("5") == 5 and driven.host_helpers("256") == 256
-    for bad in ("-1", "x", "1.5", "\u00b2", "257", "4294967296"):
-        with pytest.raises(ConfigError, match="KVCODEC_HOST_HELPERS"):
-            driven.host_helpers(bad)
-    with pytest.raises(ConfigError, match="KVCODEC_HOST_THREADS"):
-        driven.host_threads("4294967296")
-    monkeypatch.setenv("KVCODEC_HOST_HELPERS", "-1")
-    monkeypatch.setattr(cache, "_device", lambda device: torch.device("cuda"))
-    with pytest.raises(ConfigError, match="KVCODEC_HOST_HELPERS"):
         cache.PrefixCache("memory://", "m", CodecConfig(), "cuda")
 
 

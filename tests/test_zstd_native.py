@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 from concurrent.futures import Future
-from concurrent.futures import wait as futures_wait
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ FRAME_BYTES = st.integers(1, 3000)
 
 @pytest.fixture(scope="module")
 def pool():
-    threads = zstd_native.start(2, helpers=1)
+    threads = zstd_native.start(3)
     if threads is None:
         pytest.skip("no C compiler or no libzstd here: the Python threads serve (the reference)")
     yield threads
@@ -89,7 +88,7 @@ class _HeldCrc:
     """Native threads whose CRC-32 (zlib's) holds the first stream it checks until released: the
     threads' states made certain without waiting on the clock."""
 
-    def __init__(self, count: int, helpers: int = 0):
+    def __init__(self, count: int):
         import ctypes
         import threading
         import zlib
@@ -107,7 +106,7 @@ class _HeldCrc:
             return zlib.crc32(ctypes.string_at(at, size), crc)
 
         self._crc = held_crc
-        self.threads = zstd_native.ZstdThreads(self.lib, zstd, (held_crc, False), count, helpers)
+        self.threads = zstd_native.ZstdThreads(self.lib, zstd, (held_crc, False), count)
         self.threads.lib = self  # stop() through kv_zpool_stop below, the rest through __getattr__
 
     def __getattr__(self, name):  # noqa: ANN204
@@ -287,123 +286,6 @@ def test_of_two_bad_frames_the_first_is_named_when_the_second_fails_first_on_ano
         assert fifth_failed.is_set()
     finally:
         fifth_failed.set()
-        threads.stop()
-
-
-def _held_decompress(zstd, hold_at: int, release_at: int):  # noqa: ANN202 - (a libzstd stand-in, its Event)
-    """libzstd whose decompression into address hold_at waits until one into release_at has ended."""
-    import ctypes
-    import threading
-
-    released = threading.Event()
-    real = zstd.ZSTD_decompressDCtx
-
-    @ctypes.CFUNCTYPE(
-        ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t
-    )
-    def decompress(dctx, dst, dst_len, src, src_len):
-        if dst == hold_at:
-            released.wait(60)
-        got = real(dctx, dst, dst_len, src, src_len)
-        if dst == release_at:
-            released.set()
-        return got
-
-    class _Zstd:
-        ZSTD_decompressDCtx = decompress
-
-        def __getattr__(self, name):  # noqa: ANN204
-            return getattr(zstd, name)
-
-    return _Zstd(), released
-
-
-def test_a_helper_reads_the_frames_of_a_stream_whose_one_reader_is_busy_with_its_first():
-    """One reading thread and one helper: the reader's first frame waits until the stream's second frame
-    is read, which only the helper can do (without helpers the stream would never finish)."""
-    lib, zstd = _pool_library()
-    crc = zstd_native._crc32()
-    if crc is None:
-        pytest.skip("no CRC-32 of ISA-L or zlib here")
-    data = _noisy(6 * 500, seed=4)
-    out = np.zeros(len(data), dtype=np.uint8)
-    held_zstd, released = _held_decompress(zstd, out.ctypes.data, out.ctypes.data + 500)
-    threads = zstd_native.ZstdThreads(lib, held_zstd, crc, 1, helpers=1)
-    try:
-        threads.submit(zs.zstd_frames(data, 1, 500), out, "samples").result(timeout=60)
-        assert released.is_set() and out.tobytes() == data
-    finally:
-        released.set()
-        threads.stop()
-
-
-def test_a_helper_starts_no_stream_while_one_waits_for_a_reader():
-    """One reader held in the first stream's checksum, one helper: a second stream, queued, waits for the
-    reader (the helper reads none of it) until the first is released; then both fill their buffers. The
-    wait asserts nothing on the clock: the stream cannot finish while the reader is held."""
-    held = _HeldCrc(1, helpers=1)
-    pool = held.threads
-    try:
-        first = held.hold(_noisy(1000))
-        data = _noisy(8 * 500, seed=6)
-        out = np.zeros(len(data), dtype=np.uint8)
-        second = pool.submit(zs.zstd_frames(data, 1, 500), out, "samples")
-        # cannot finish while the reader is held, however long it is given (a helper that started it would)
-        assert not futures_wait([second], timeout=0.2).done and not out.any()
-    finally:
-        held.release.set()
-    try:
-        assert first.result(timeout=60) is None and second.result(timeout=60) is None
-        assert out.tobytes() == data
-    finally:
-        pool.stop()
-
-
-def test_helpers_are_woken_when_the_last_waiting_stream_goes_into_its_check():
-    """Two readers, one helper. Both readers are held in the checksums of two small streams while a stream of
-    40 frames and a checksummed one are queued behind them; once released, one reader takes the first frame
-    of the long stream and is held there until another of its frames is read, the other is held in the
-    checksummed stream's check until the same. Only the helper can read that frame, and only if it is woken
-    when the last waiting stream goes into its check (nothing waits on the clock)."""
-    import ctypes
-    import threading
-    import zlib
-
-    lib, zstd = _pool_library()
-    small = [zs.zstd_frames(_noisy(100, seed=k), 1) for k in (1, 2)]
-    data = _noisy(40 * 100, seed=3)
-    long_out = np.zeros(len(data), dtype=np.uint8)
-    checked = zs.zstd_frames(_noisy(100, seed=4), 1)
-    in_small, small_gate, released = threading.Semaphore(0), threading.Event(), threading.Event()
-    addresses = {np.frombuffer(b, dtype=np.uint8).ctypes.data: b for b in (*small, checked)}
-
-    @ctypes.CFUNCTYPE(ctypes.c_ulong, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_uint)
-    def held_crc(crc, at, size):
-        stream = addresses.get(at)
-        if stream is not None and stream is not checked:
-            in_small.release()
-            small_gate.wait(60)
-        elif stream is checked:
-            released.wait(60)
-        return zlib.crc32(ctypes.string_at(at, size), crc) if at else 0
-
-    held_zstd, frame_read = _held_decompress(zstd, long_out.ctypes.data, long_out.ctypes.data + 100)
-    threads = zstd_native.ZstdThreads(lib, held_zstd, (held_crc, False), 2, helpers=1)
-    futures = []
-    try:
-        for stream in small:
-            futures.append(threads.submit(stream, np.zeros(100, dtype=np.uint8), "s", checksum=(crc32(stream), None)))
-        assert in_small.acquire(timeout=60) and in_small.acquire(timeout=60)
-        futures.append(threads.submit(zs.zstd_frames(data, 1, 100), long_out, "long"))
-        futures.append(threads.submit(checked, np.zeros(100, dtype=np.uint8), "c", checksum=(crc32(checked), None)))
-        small_gate.set()
-        assert frame_read.wait(60)  # the helper read a frame while both readers were held
-        released.set()
-        assert all(f.result(timeout=60) is None for f in futures) and long_out.tobytes() == data
-    finally:
-        small_gate.set()
-        released.set()
-        frame_read.set()
         threads.stop()
 
 
@@ -659,7 +541,7 @@ def test_the_transform_codecs_host_work_is_the_same_natively_and_on_the_python_p
     with pytest.raises(ZeroDivisionError):
         failed.result(timeout=60)
     monkeypatch.undo()
-    monkeypatch.setattr(zstd_native, "threads", lambda *counts: None)
+    monkeypatch.setattr(zstd_native, "threads", lambda count: None)
     pooled = driven.submit_host(reading).result(timeout=60).state[3]
     assert torch.equal(pooled, natively)
 

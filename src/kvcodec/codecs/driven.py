@@ -67,43 +67,19 @@ DRIVEN = os.environ.get("KVCODEC_DRIVEN", "1") != "0"  # False: a fetch stages o
 # leaving the rest to the serving engine; KVCODEC_HOST_THREADS sets another count, read when the process's
 # pool starts (its first fetch of such chunks): benchmarks/results/host-threads-h100-s59.md
 HOST_THREADS = max(1, min(8, usable_cores() // 2))
-# native zstd threads that only help with the frames of streams already being read, while no stream waits for a
-# thread (codecs/zstd_native.py): a short fetch's last chunks are read on the other cores too, a long one keeps
-# the host threads' count busy. By default they fill the cores up to 16 threads in all; KVCODEC_HOST_HELPERS sets
-# another count
-MOST_THREADS = 16
-MOST_SETTING = 256  # the most host threads or helpers a setting may ask for
+MOST_HOST_THREADS = 256  # a setting's largest (the native threads' count is a C int)
 _host_pool: ThreadPoolExecutor | None = None
 _host_pool_lock = threading.Lock()
 
 
 def host_threads(setting: str | None = None) -> int:
     """The host pool's size: `setting` (KVCODEC_HOST_THREADS's value when None), else HOST_THREADS."""
-    return _count("KVCODEC_HOST_THREADS", setting, least=1) or HOST_THREADS
-
-
-def host_helpers(setting: str | None = None) -> int:
-    """The native zstd helpers: `setting` (KVCODEC_HOST_HELPERS's value when None), else as many as
-    keep the host threads and their helpers within the cores and MOST_THREADS."""
-    count = _count("KVCODEC_HOST_HELPERS", setting, least=0)
-    return max(0, min(MOST_THREADS, usable_cores()) - host_threads()) if count is None else count
-
-
-def _count(variable: str, setting: str | None, least: int) -> int | None:
-    """The whole number a setting holds (None where it is empty), refused outside least..MOST_SETTING."""
-    text = (os.environ.get(variable, "") if setting is None else setting).strip()
+    text = (os.environ.get("KVCODEC_HOST_THREADS", "") if setting is None else setting).strip()
     if not text:
-        return None
-    if not (text.isascii() and text.isdigit()) or not least <= int(text) <= MOST_SETTING:
-        raise ConfigError(f"{variable} must be a whole number from {least} to {MOST_SETTING}, got {text!r}")
+        return HOST_THREADS
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MOST_HOST_THREADS:
+        raise ConfigError(f"KVCODEC_HOST_THREADS must be a whole number from 1 to {MOST_HOST_THREADS}, got {text!r}")
     return int(text)
-
-
-def native_zstd_threads():  # noqa: ANN201 - a zstd_native.ZstdThreads or None
-    """The process's native zstd threads at the host pool's size, with its helpers (None where they cannot run)."""
-    from kvcodec.codecs import zstd_native
-
-    return zstd_native.threads(host_threads, host_helpers)
 
 
 def host_pool() -> ThreadPoolExecutor:

@@ -12,9 +12,9 @@ handed over by ctypes: the jobs in the order submitted. A thread reads a stream'
 they are all handed out; a free thread starts a stream no thread reads, else helps the oldest one with
 frames left. kvcodec writes one frame a chunk: 512 KiB frames, each on whichever thread was free, cost a
 bf16 matmul beside a 32k fetch 1.4-3.7 more points, why not measured
-(benchmarks/results/fetch-h100-s62-frames.md); threads stay with a stream of their own since.
-Helper threads beside them (driven.host_helpers) read frames only, of streams a thread reads, and only
-while no stream waits for a thread: at a fetch's end, a stream of several frames is read on several cores.
+(benchmarks/results/fetch-h100-s62-frames.md); threads stay with a stream of their own since. Helper threads
+that read only other streams' frames, at a fetch's end, fetched 2048 tokens no faster
+(benchmarks/results/fetch-h100-s74-helpers.md).
 One Python thread turns each finished job into its Future's result. Where the caller asks, the stream's
 checksum (the container's CRC-32: ISA-L's, the isal package's, else zlib's) is checked by one thread
 before any of its frames is handed out.
@@ -66,11 +66,9 @@ typedef struct { const void *src; size_t src_len; void *dst; size_t dst_len; } f
    stream's CRC-32 (zlib's polynomial and convention) is not `crc` (nothing decompressed).
    Jobs are queued in order; once a job's checksum (where asked) has passed, its frames are handed
    out in order, one at a time. A thread stays with its job until the job's frames are all handed
-   out; a free reader checks or starts a job that no thread reads, else helps the oldest job with
+   out; a free thread checks or starts a job that no thread reads, else helps the oldest job with
    frames left (streams queued before threads come free each get one of their own; a fetch's last
-   streams get every free thread). Helpers (the threads after the first `readers`) only help, and only
-   while no job waits for a reader: a long fetch keeps `readers` cores busy, a short one's frames are
-   read on every thread. Of several failing frames, `at` is the first: the one reading them in order
+   streams get every free thread). Of several failing frames, `at` is the first: the one reading them in order
    finds. */
 typedef struct job {
     struct job *next;
@@ -87,9 +85,9 @@ typedef struct job {
 
 typedef struct {
     pthread_mutex_t mu;
-    pthread_cond_t work, help, done;  /* help: what helpers wait on */
+    pthread_cond_t work, done;
     job *head, *tail, *done_head, *done_tail;
-    int stop, joined, started, readers, helpers, named;  /* named: threads that took their role */
+    int stop, joined, started;
     pthread_t *threads;
     create_fn create; decompress_fn decompress; is_error_fn is_error; free_fn release;
     void *crc; int crc_isal;  /* ISA-L's crc32_gzip_refl (about 15x zlib's), else zlib's crc32 */
@@ -139,30 +137,20 @@ static void unqueue(pool *p, job *j) {  /* under the lock */
     for (job *at = p->head; at != j; at = at->next) prev = at;
     if (prev) prev->next = j->next; else p->head = j->next;
     if (p->tail == j) p->tail = prev;
-    if (!p->head && p->stop) {  /* stopping: the waiting threads end */
-        pthread_cond_broadcast(&p->work);
-        pthread_cond_broadcast(&p->help);
-    }
+    if (!p->head && p->stop) pthread_cond_broadcast(&p->work);  /* stopping: the waiting threads end */
 }
 
 /* The work a free thread takes: the first job with an unchecked checksum or with no frame handed out,
    else the first job with frames left (a job being checked is passed over). A queued job with frames
-   handed out has a thread reading on: the one that took its last frame keeps it while it has more.
-   A helper takes nothing while a job waits for a reader. */
-static job *work_of(pool *p, int helper) {
+   handed out has a thread reading on: the one that took its last frame keeps it while it has more. */
+static job *work_of(pool *p) {
     job *help = NULL;
     for (job *j = p->head; j; j = j->next) {
         if (j->check && j->checked == 1) continue;
-        if ((j->check && !j->checked) || !j->taken) return helper ? NULL : j;
+        if ((j->check && !j->checked) || !j->taken) return j;
         if (!help) help = j;
     }
     return help;
-}
-
-/* Helpers woken where one would now find work: no job waits for a reader (the last one was started,
-   went into its check, or left the queue) and one has frames left. Under the lock. */
-static void wake_helpers(pool *p) {
-    if (p->helpers && work_of(p, 1)) pthread_cond_broadcast(&p->help);
 }
 
 /* The job's checksum (entered and left under the lock, released meanwhile): the job if it passed and
@@ -170,7 +158,6 @@ static void wake_helpers(pool *p) {
 static job *check(pool *p, job *j) {
     j->checked = 1;
     began(j);
-    wake_helpers(p);
     pthread_mutex_unlock(&p->mu);
     int ok = crc_of(p, j->stream, j->stream_len) == j->crc;
     pthread_mutex_lock(&p->mu);
@@ -178,7 +165,6 @@ static job *check(pool *p, job *j) {
         if (!ok) j->status = 4;
         unqueue(p, j);
         finished(p, j);
-        wake_helpers(p);
         return NULL;
     }
     j->checked = 2;  /* the others are woken to help with the rest */
@@ -193,7 +179,6 @@ static job *run_frame(pool *p, void **dctx, job *j) {
     began(j);
     size_t value = 0;
     if (j->taken == j->count) unqueue(p, j);
-    if (i == 0) wake_helpers(p);
     pthread_mutex_unlock(&p->mu);
     if (!*dctx) *dctx = p->create();  /* a context that could not be had is asked for again */
     if (!skip) {
@@ -213,12 +198,11 @@ static void *worker(void *arg) {
     pool *p = arg;
     void *dctx = p->create();
     pthread_mutex_lock(&p->mu);
-    int helper = p->named++ >= p->readers;
     for (job *mine = NULL;;) {  /* mine: the job this thread reads on */
-        job *j = mine ? mine : work_of(p, helper);
+        job *j = mine ? mine : work_of(p);
         if (!j) {
             if (p->stop && !p->head) break;
-            pthread_cond_wait(helper ? &p->help : &p->work, &p->mu);
+            pthread_cond_wait(&p->work, &p->mu);
             continue;
         }
         mine = j->check && !j->checked ? check(p, j) : run_frame(p, &dctx, j);
@@ -228,17 +212,13 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-void *kv_zpool_start(int threads, int readers, void *create, void *decompress, void *is_error, void *release, void *crc,
-                     int crc_isal) {
+void *kv_zpool_start(int threads, void *create, void *decompress, void *is_error, void *release, void *crc, int crc_isal) {
     pool *p = calloc(1, sizeof(pool));
-    if (!p || readers < 1 || threads < readers) { free(p); return NULL; }
-    p->readers = readers;
-    p->helpers = threads - readers;
+    if (!p || threads < 1) { free(p); return NULL; }
     p->threads = calloc((size_t)threads, sizeof(pthread_t));
     if (!p->threads) { free(p); return NULL; }
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
-    pthread_cond_init(&p->help, NULL);
     pthread_cond_init(&p->done, NULL);
     p->create = (create_fn)create; p->decompress = (decompress_fn)decompress;
     p->is_error = (is_error_fn)is_error; p->release = (free_fn)release; p->crc = crc; p->crc_isal = crc_isal;
@@ -283,7 +263,6 @@ void kv_zpool_stop(void *handle) {
     pthread_mutex_lock(&p->mu);
     p->stop = 1;
     pthread_cond_broadcast(&p->work);
-    pthread_cond_broadcast(&p->help);
     pthread_mutex_unlock(&p->mu);
     for (int i = 0; i < p->started; i++) pthread_join(p->threads[i], NULL);
     pthread_mutex_lock(&p->mu);
@@ -294,7 +273,7 @@ void kv_zpool_stop(void *handle) {
 """
 
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
-    "kv_zpool_start": (c_void_p, [c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int]),
+    "kv_zpool_start": (c_void_p, [c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int]),
     "kv_zpool_threads": (c_int, [c_void_p]),
     "kv_zpool_submit": (None, [c_void_p, c_void_p]),
     "kv_zpool_next_done": (c_void_p, [c_void_p, c_longlong]),
@@ -361,14 +340,11 @@ class _Pending:
 class ZstdThreads:
     """Native threads decompressing zstd streams into caller buffers; submit() returns a Future."""
 
-    def __init__(self, lib, zstd, crc: tuple, threads: int, helpers: int = 0):
-        """crc: (a ctypes CRC-32 function, whether it is ISA-L's crc32_gzip_refl rather than zlib's crc32).
-        threads read streams of their own; helpers only read frames of streams that a thread reads, while no
-        stream waits for one (SOURCE)."""
+    def __init__(self, lib, zstd, crc: tuple, threads: int):
+        """crc: (a ctypes CRC-32 function, whether it is ISA-L's crc32_gzip_refl rather than zlib's crc32)."""
         self.lib, self.zstd, self.crc = lib, zstd, crc
         fns = [zstd.ZSTD_createDCtx, zstd.ZSTD_decompressDCtx, zstd.ZSTD_isError, zstd.ZSTD_freeDCtx, crc[0]]
-        pointers = (native.function_pointer(f) for f in fns)
-        self.handle = lib.kv_zpool_start(threads + helpers, threads, *pointers, int(crc[1]))
+        self.handle = lib.kv_zpool_start(threads, *(native.function_pointer(f) for f in fns), int(crc[1]))
         if not self.handle:
             raise OSError("the native zstd threads did not start")
         self.threads = lib.kv_zpool_threads(self.handle)
@@ -502,8 +478,8 @@ def _crc32() -> tuple | None:
         return None if zlib is None else (zlib.crc32, False)
 
 
-def start(count: int, helpers: int = 0) -> ZstdThreads | None:
-    """`count` native zstd threads and `helpers` (ZstdThreads), or None where they cannot run here (a reason logged)."""
+def start(count: int) -> ZstdThreads | None:
+    """`count` native zstd threads, or None where they cannot run here (a reason logged)."""
     if not native.ENABLED:
         return None
     zstd = system_zstd()
@@ -515,7 +491,7 @@ def start(count: int, helpers: int = 0) -> ZstdThreads | None:
     if path is None:
         return None
     try:
-        return ZstdThreads(native.declare(ctypes.CDLL(str(path)), SIGNATURES), zstd, crc, count, helpers)
+        return ZstdThreads(native.declare(ctypes.CDLL(str(path)), SIGNATURES), zstd, crc, count)
     except OSError as e:
         log.warning("the native zstd threads did not start (%s): zstd stays on Python threads", e)
         return None
@@ -526,15 +502,15 @@ _tried = False
 _lock = threading.Lock()
 
 
-def threads(count: Callable[[], int], helpers: Callable[[], int] = lambda: 0) -> ZstdThreads | None:
-    """The process's native zstd threads (count() of them, and helpers() helpers), started on first use
-    and stopped at exit; None where they cannot run here (tried once)."""
+def threads(count: Callable[[], int]) -> ZstdThreads | None:
+    """The process's native zstd threads (count() of them), started on first use and stopped at
+    exit; None where they cannot run here (tried once)."""
     global _threads, _tried
     with _lock:
         if not _tried:
-            n, h = count(), helpers()  # a bad setting raises here, every time it is asked
+            n = count()  # a bad setting raises here, every time it is asked
             _tried = True
-            _threads = start(n, h)
+            _threads = start(n)
             if _threads is not None:
                 atexit.register(_threads.stop)
         return _threads

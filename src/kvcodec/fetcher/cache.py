@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkCodec, EncodedChunk, Target, reserve_staging, warm_up_codec
-from kvcodec.codecs.driven import host_helpers, host_threads
+from kvcodec.codecs.driven import host_threads
 from kvcodec.config import CodecConfig, torch_device
 from kvcodec.dtypes import DTYPES, name_of
 from kvcodec.errors import ConfigError, FetchError, FormatError, KVCodecError, ShapeError, StoreError
@@ -196,7 +196,7 @@ class PrefixCache:
         self.codec = _resolve_codec(codec, legacy)
         self.device = _device(device)
         if self.device.type == "cuda":
-            host_threads(), host_helpers()  # a bad KVCODEC_HOST_THREADS or _HELPERS is refused here, not in each fetch
+            host_threads()  # a bad KVCODEC_HOST_THREADS is refused here, not in each fetch
         self.namespace = namespace
         self.policy = get_policy(policy, self.codec.resolutions)
         self.decode_workers = int(decode_workers or default_decode_workers(self.device))

@@ -22,8 +22,9 @@ from concurrent.futures import Future
 
 import torch
 
+from kvcodec.codecs import zstd_native
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.driven import Piece, Reading, balanced_runs, host_pool, native_zstd_threads
+from kvcodec.codecs.driven import Piece, Reading, balanced_runs, host_pool, host_threads
 from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
 from kvcodec.container.format import checksum_error, verify_streams
 from kvcodec.errors import CorruptStreamError, KVCodecError, wait_all
@@ -426,7 +427,7 @@ class TransformDriven:
         checksum and zstd there, none of it under the interpreter lock; the escapes and sink tokens
         on the thread that collects them), else on the host pool: a Future of the prepared Reading,
         or of the error that refused the chunk (raised nowhere else)."""
-        threads = native_zstd_threads()
+        threads = zstd_native.threads(host_threads)
         h, streams, later = reading.state
         if threads is None or [e.name for e in later] != ["samples"]:
             return host_pool().submit(self.prepare_host, reading)
@@ -445,7 +446,7 @@ class TransformDriven:
         except KVCodecError:
             return None
         later = tuple(e for e in entries if e.name in _LATER)
-        threads = native_zstd_threads()  # started by then: the fetch's thread built the plan
+        threads = zstd_native.threads(host_threads)  # started by then: the fetch's thread built the plan
         if threads is None or [e.name for e in later] != ["samples"]:
             return None
         return self._native_job(threads, Reading(chunk_info(h), (), (h, streams, later)), count)

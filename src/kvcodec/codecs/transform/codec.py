@@ -74,7 +74,8 @@ ZSTD_LEVEL = 1
 # every free native thread they fetched Qwen2.5's 2048 tokens 1.13-1.23x faster, but a bf16 matmul beside a 32k
 # Llama-shaped fetch lost 1.4-3.7 more points, for no faster restore (H200, fetch-h100-s62-frames.md). With each
 # native thread on a stream of its own (codecs/zstd_native.py) they gained nothing at 2048 tokens and still cost
-# that matmul more in every pair of runs, 1.1-12.1 points (H100, benchmarks/results/fetch-h100-s63-frames-own-stream.md).
+# that matmul more in every pair of runs, 1.1-12.1 points (H100, benchmarks/results/fetch-h100-s63-frames-own-stream.md);
+# with 8 more native threads reading other chunks' frames they were 0.75-1.11x as fast (fetch-h100-s74-helpers.md).
 SAMPLES_FRAME_BYTES = MAX_FRAME_BYTES
 MAX_PLANS = 64  # coordinate plans kept per codec (one per distortion level seen)
 GEMM_BLOCK = 32  # coefficients are computed in whole blocks of this many coordinates (then cut)
@@ -664,9 +665,9 @@ class TransformCodec:
         threads' build and start (a driven fetch's zstd'd chunks: codecs/zstd_native.py)."""
         self._restorer.warm_up(torch.device(device), dtype)
         if torch.device(device).type == "cuda" and self.coder != "hevc":
-            from kvcodec.codecs import driven
+            from kvcodec.codecs import driven, zstd_native
 
-            driven.native_zstd_threads()
+            zstd_native.threads(driven.host_threads)
 
     def pinned_block_bytes(self) -> int:
         """The pinned block a driven CUDA fetch decompresses each chunk's zstd'd samples into
