@@ -89,13 +89,12 @@ def transform_method_codec(method: str, kvt: str | Path):  # noqa: ANN201 - a Tr
 def restore_chunks(kv, codec):  # noqa: ANN001, ANN201
     """Round trip of kv through a chunk codec, chunk by chunk: (restored, bytes of every chunk blob,
     encode seconds)."""
-    t0 = time.perf_counter()
-    chunks = codec.encode_chunks(kv)
-    enc = time.perf_counter() - t0
+    from kvbench.methods import chunk_bytes, decode_chunks_into, encode_in_chunks
+
+    chunks, enc = encode_in_chunks(codec, kv)
     out = kv.new_empty(kv.shape)
-    for ch in chunks:
-        codec.decode_chunk(ch.blobs[0], out[:, :, ch.start_token : ch.start_token + ch.tokens])
-    return out, sum(len(ch.blobs[0]) for ch in chunks), enc
+    decode_chunks_into(codec, chunks, out)
+    return out, chunk_bytes(chunks), enc
 
 
 def run_model(

@@ -39,6 +39,9 @@ import click
 from kvbench.methods import (
     SM_CODER,
     accuracy_of,
+    chunk_bytes,
+    decode_chunks_into,
+    encode_in_chunks,
     expand_methods,
     frame_sizes,
     method_codec,
@@ -122,18 +125,10 @@ def measure_method(m: str, kv, resolution: tuple[int, int] | None, transform: st
         # chunk by chunk, as a store holds it: every byte of every chunk blob counts
         config = CodecConfig(chunk_tokens=STATS_CHUNK_TOKENS)
         codec = method_codec(m, config, transform=transform, resolutions=frame_sizes(resolution))
-        t0 = time.perf_counter()
-        chunks = codec.encode_chunks(kv)
-        enc = time.perf_counter() - t0
-        dec = None
-        if decode:
-            out = kv.new_empty(kv.shape)
-            t0 = time.perf_counter()
-            for ch in chunks:
-                codec.decode_chunk(ch.blobs[0], out[:, :, ch.start_token : ch.start_token + ch.tokens])
-            dec = time.perf_counter() - t0
+        chunks, enc = encode_in_chunks(codec, kv)
+        dec = decode_chunks_into(codec, chunks, kv.new_empty(kv.shape)) if decode else None
         return {
-            "bytes": sum(len(ch.blobs[0]) for ch in chunks),
+            "bytes": chunk_bytes(chunks),
             "encode_s": enc,
             "decode_s": dec,
             "resolution": list(codec.resolutions[0]),

@@ -404,7 +404,7 @@ def _switches(codec, variant: dict):
     native_zstd, min_finish = zstd_native.threads, pipeline.MIN_FINISH_BYTES
     pipeline.MIN_FINISH_BYTES = variant.get("minf", min_finish)
     if variant.get("pyzstd"):
-        zstd_native.threads = lambda *counts: None
+        zstd_native.threads = lambda count: None
     try:
         yield {k: v for k, v in variant.items() if k not in SWITCHES}
     finally:
