@@ -12,10 +12,9 @@ from kvbench.accuracy import (
     exact_failures,
     restore,
     table,
-    transform_method_codec,
     transform_method_names,
 )
-from kvbench.methods import transform_ratio
+from kvbench.methods import chunked_transform_codec, transform_ratio
 from synthetic import ROPE, rel_mse, synthetic_kv
 
 MODEL = "smollm2-135m"
@@ -120,7 +119,7 @@ def test_a_transform_round_trip_meets_its_ratio_with_a_small_error(synthetic_kvt
     kv = synthetic_kv(tokens, seed=3).float()  # a text the .kvt was not calibrated on
     errors, ratios = [], []
     for method in ("kvcodec-transform-5", "kvcodec-transform-8"):
-        codec = transform_method_codec(method, synthetic_kvt)
+        codec = chunked_transform_codec(method, synthetic_kvt)
         restored, nbytes, encode_s = restore(kv, method, codec=codec)
         assert restored.shape == kv.shape and restored.dtype == kv.dtype and encode_s > 0
         ratios.append(kv.numel() * 2 / nbytes)

@@ -36,9 +36,6 @@ from kvcodec.config import QUANT_MODES
 # Video-lossless: the restored values depend on the quantizer only, so one (small) resolution
 # suffices here and keeps the CPU encode short.
 BENCH_RESOLUTION = (256, 256)
-# a kvcodec-transform-<r> method codes the KV in chunks of this many tokens, as a store holds it (as
-# kvbench.ttft's statistics do); a last chunk, or a KV shorter than one, holds the tokens left
-TRANSFORM_CHUNK_TOKENS = 256
 
 
 @dataclasses.dataclass
@@ -63,7 +60,7 @@ class _QuantStats:
 
 def restore(kv, quant: str, *, identity: bool = False, codec=None):  # noqa: ANN001
     """kvcodec round trip of kv: (restored, stored bytes, encode seconds). `codec`: the chunk codec
-    of a kvcodec-transform-<r> method (transform_method_codec); None: kvcodec's HEVC codec at `quant`."""
+    of a kvcodec-transform-<r> method (methods.chunked_transform_codec); None: kvcodec's HEVC codec at `quant`."""
     if identity:  # harness check without the codec
         return kv.clone(), kv.numel() * kv.element_size(), 0.0
     if codec is not None:
@@ -75,15 +72,6 @@ def restore(kv, quant: str, *, identity: bool = False, codec=None):  # noqa: ANN
     data = kvcodec.encode(kv, config)
     enc = time.perf_counter() - t0
     return kvcodec.decode(data), len(data), enc
-
-
-def transform_method_codec(method: str, kvt: str | Path):  # noqa: ANN201 - a TransformCodec
-    """The chunk codec of a kvcodec-transform-<r> method: the .kvt's transform codec at target ratio r
-    vs fp16, in TRANSFORM_CHUNK_TOKENS-token chunks, at the codec's own frame size and coder."""
-    from kvbench.methods import method_codec
-    from kvcodec.config import CodecConfig
-
-    return method_codec(method, CodecConfig(chunk_tokens=TRANSFORM_CHUNK_TOKENS), transform=kvt)
 
 
 def restore_chunks(kv, codec):  # noqa: ANN001, ANN201
@@ -162,7 +150,7 @@ class ModelRun:
     ) -> None:
         import torch
 
-        from kvbench.methods import transform_ratio
+        from kvbench.methods import chunked_transform_codec, transform_ratio
         from kvcodec.models import load_model, model_id
 
         self.model_name, self.quants, self.task, self.kv_dtype = model_name, quants, task, kv_dtype
@@ -172,7 +160,7 @@ class ModelRun:
         self.model_id = model_id(self.model)
         self.extractive = task == "quoref"
         self.stats = {q: _QuantStats() for q in quants}
-        self.codecs = {q: transform_method_codec(q, transform) for q in quants if transform_ratio(q) is not None}
+        self.codecs = {q: chunked_transform_codec(q, transform) for q in quants if transform_ratio(q) is not None}
         self.per_question: list[dict] = []
         self.recomputed_correct, self.recomputed_em = 0.0, 0
 
@@ -600,10 +588,12 @@ def settings_record(o: dict, text_list: list[str]) -> dict:
         if o["task"] == "quoref"
         else "sum of option-token log-probabilities after 'Question: ...\\nAnswer:'"
     )
+    from kvbench.methods import STATS_CHUNK_TOKENS
+
     transform = {
         "transform": str(o["kvt"]) if o["kvt"] else None,
         "target_ratios": o["target_ratios"] if o["kvt"] else None,
-        "transform_chunk_tokens": TRANSFORM_CHUNK_TOKENS if o["kvt"] else None,
+        "transform_chunk_tokens": STATS_CHUNK_TOKENS if o["kvt"] else None,
     }
     return (
         {k: o[k] for k in keys}

@@ -180,3 +180,18 @@ def decode_chunks_into(codec, chunks, out) -> float:  # noqa: ANN001
 def chunk_bytes(chunks) -> int:  # noqa: ANN001
     """The bytes of every chunk blob: what a store holds of the chunks."""
     return sum(len(ch.blobs[0]) for ch in chunks)
+
+
+# a transform method's statistics (bytes, encode and decode time, accuracy round trips): its KV coded in chunks
+# of this many tokens, as a store holds it; a last chunk, or a KV shorter than one, holds the tokens left
+STATS_CHUNK_TOKENS = 256
+
+
+def chunked_transform_codec(method: str, transform, resolutions=None):  # noqa: ANN001, ANN201 - a TransformCodec
+    """The chunk codec of a kvcodec-transform-<r> method for its statistics: the .kvt `transform` at target
+    ratio r vs fp16, in STATS_CHUNK_TOKENS-token chunks (resolutions: None, the codec's own frame size)."""
+    from kvcodec.config import CodecConfig
+
+    return method_codec(
+        method, CodecConfig(chunk_tokens=STATS_CHUNK_TOKENS), transform=transform, resolutions=resolutions
+    )

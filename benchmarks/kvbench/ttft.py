@@ -38,8 +38,10 @@ import click
 
 from kvbench.methods import (
     SM_CODER,
+    STATS_CHUNK_TOKENS,
     accuracy_of,
     chunk_bytes,
+    chunked_transform_codec,
     decode_chunks_into,
     encode_in_chunks,
     expand_methods,
@@ -54,8 +56,6 @@ from kvbench.methods import label as method_label
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model
 from kvcodec.codecs.transform.codec import DEFAULT_CODER, VIDEO_CODERS
-
-STATS_CHUNK_TOKENS = 256  # a transform method's statistics: its KV coded in chunks of this many tokens
 
 
 def kv_statistics(
@@ -120,11 +120,8 @@ def measure_method(m: str, kv, resolution: tuple[int, int] | None, transform: st
     import time
 
     if transform_ratio(m) is not None:
-        from kvcodec.config import CodecConfig
-
         # chunk by chunk, as a store holds it: every byte of every chunk blob counts
-        config = CodecConfig(chunk_tokens=STATS_CHUNK_TOKENS)
-        codec = method_codec(m, config, transform=transform, resolutions=frame_sizes(resolution))
+        codec = chunked_transform_codec(m, transform, frame_sizes(resolution))
         chunks, enc = encode_in_chunks(codec, kv)
         dec = decode_chunks_into(codec, chunks, kv.new_empty(kv.shape)) if decode else None
         return {
