@@ -641,6 +641,32 @@ def test_host_work_begun_as_blobs_arrive_is_taken_over_and_restores_the_same(kvt
     assert gpu_tests.within_an_ulp(out, want)
 
 
+def test_a_begun_blob_is_not_parsed_again_and_its_target_is_still_checked(kvt, monkeypatch):
+    """submit() of a begun blob takes over the chunk as begin_host read it (adopt: no second parse on the
+    fetch's thread), and still refuses a target the chunk does not fit, as read() does."""
+    from kvcodec.codecs.driven import StageDriver
+    from kvcodec.errors import ShapeError
+
+    c, kv, chunks, want = _zstd_case(kvt)
+    out, outs = _outs(kv, chunks)
+    driver = StageDriver(c, [FakeDecoder()])
+    for ch in chunks:
+        driver.begin(ch.blobs[0])
+    parsed = []
+    read_entries = c._read_entries
+    monkeypatch.setattr(c, "_read_entries", lambda *a, **k: parsed.append(a) or read_entries(*a, **k))
+    wrong = torch.empty((1, 2, chunks[0].tokens, 1, 1), dtype=out.dtype)
+    driver.submit_many([(i, ch.blobs[0], wrong if i == 0 else outs[i]) for i, ch in enumerate(chunks)])
+    assert not parsed
+    got = _collect(driver, len(chunks))
+    driver.close()
+    assert isinstance(got[0], ShapeError)
+    c.finish([got[i] for i in range(1, len(chunks))], outs[1:])
+    for ch in chunks[1:]:
+        span = slice(ch.start_token, ch.start_token + ch.tokens)
+        assert gpu_tests.within_an_ulp(out[:, :, span], want[:, :, span])
+
+
 def test_begun_work_is_not_taken_over_by_another_blob_and_close_drops_what_is_left(kvt, monkeypatch):
     """A blob refused by the fetch's check keeps its begun work out of the restore, and a copy of a begun
     blob (another object) is read and decompressed on its own; close() drops the work left (each job holds
@@ -665,7 +691,7 @@ def test_begun_work_is_not_taken_over_by_another_blob_and_close_drops_what_is_le
     driver.submit_many([(i, copy if i == 2 else ch.blobs[0], outs[i]) for i, ch in enumerate(chunks)])
     assert len(seen) == len(chunks) + 1  # the copy's own
     assert set(driver.begun) == {id(chunks[1].blobs[0]), id(chunks[2].blobs[0])}
-    left = [future for _, future, _ in driver.begun.values()]
+    left = [begun.future for _, begun, _ in driver.begun.values()]
     got = _collect(driver, len(chunks))
     driver.close()
     assert not driver.begun

@@ -27,10 +27,14 @@ A codec takes part through a small protocol, DrivenChunks (what `driven_of(codec
                                          fastest (the transform codec's: zstd on native threads),
                                          a Future of the prepared Reading that cannot be cancelled
                                          once its work writes into buffers
-    begin_host(blob) -> Future | None   optional: submit_host's work begun for a blob as it arrives,
+    begin_host(blob) -> Begun | None    optional: submit_host's work begun for a blob as it arrives,
                                          on the thread that got it (the fetch's network stage), before
-                                         the fetch's thread checks and reads it; the chunk read from
-                                         the same blob object takes it over (None: not begun)
+                                         the fetch's thread checks and reads it, with the chunk as read
+                                         there; the same blob object submitted takes both over (None:
+                                         not begun)
+    adopt(reading, target) -> Reading   optional: a begun chunk's Reading checked against the target
+                                         (what read() checks beyond begin_host); with it, a begun blob
+                                         is not parsed again on the fetch's thread
 
 The transform codec's adapter lives in codecs/transform/batch.py, the HEVC codec's in
 codecs/hevc/driven.py. StageDriver runs the protocol: submit(tag, blob, target) reads and checks
@@ -156,6 +160,15 @@ class Reading:
     state: object
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Begun:
+    """A chunk's host work begun as its blob arrived (DrivenChunks.begin_host): a Future of the prepared
+    Reading, and the chunk as read then (checked as read() checks it, but for its target)."""
+
+    future: Future
+    reading: Reading
+
+
 class DrivenChunks(Protocol):
     """A codec's part in the driven restore (see the module's doc)."""
 
@@ -273,7 +286,8 @@ class StageDriver:
         self.reserved: collections.Counter = collections.Counter()  # failed run -> chunks to decode alone with it
         self.closing = False  # close(): chunks still in flight are dropped, not staged
         self.begin_host = getattr(self.chunks, "begin_host", None)
-        self.begun: dict[int, tuple[object, Future, float]] = {}  # id(blob) -> (blob, Future of begin_host, begun at)
+        self.adopt = getattr(self.chunks, "adopt", None)
+        self.begun: dict[int, tuple[object, Begun, float]] = {}  # id(blob) -> (blob, its begin_host, begun at)
         self.begun_lock = threading.Lock()  # begin() runs on the fetch's network threads
 
     def begin(self, blob) -> None:
@@ -288,20 +302,29 @@ class StageDriver:
                 return
         t0 = time.monotonic()
         try:
-            future = self.begin_host(blob)
+            begun = self.begin_host(blob)
         except Exception:  # noqa: BLE001 - best effort: submit() reads the blob again and reports what is wrong
             return
-        if future is None:
+        if begun is None:
             return
         with self.begun_lock:
             if not self.closing:
-                self.begun[id(blob)] = (blob, future, t0)
+                self.begun[id(blob)] = (blob, begun, t0)
+
+    def _begun_reading(self, blob) -> Reading | None:
+        """The chunk as read where its host work was begun for this very blob object (left begun: a chunk
+        the fetch's check refuses keeps it out of the restore); None where none was, or the codec adopts none."""
+        if self.adopt is None:
+            return None
+        with self.begun_lock:
+            begun = self.begun.get(id(blob))
+        return None if begun is None else begun[1].reading
 
     def _claim(self, blob) -> tuple[Future, float] | None:
         """The host work begun for this very blob object and when it began, taken over; None where none was."""
         with self.begun_lock:
             begun = self.begun.pop(id(blob), None)
-        return None if begun is None else begun[1:]
+        return None if begun is None else (begun[1].future, begun[2])
 
     def submit(self, tag, blob, target: Target) -> None:
         self.submit_many([(tag, blob, target)])
@@ -328,11 +351,13 @@ class StageDriver:
             self._host(*job)
 
     def _read(self, tag, blob, target: Target) -> Reading | None:
-        """The chunk read and checked; None (its error handed back by poll) where it is refused."""
+        """The chunk read and checked (as read where its host work was begun: not parsed again); None (its
+        error handed back by poll) where it is refused."""
+        begun = self._begun_reading(blob)
         try:
             if self.check is not None:  # what the blob says it is, before it is read against the target
-                self.check(tag, self.chunks.inspect(blob))
-            return self.chunks.read(blob, target, self.split)
+                self.check(tag, self.chunks.inspect(blob) if begun is None else begun.info)
+            return self.chunks.read(blob, target, self.split) if begun is None else self.adopt(begun, target)
         except KVCodecError as e:
             self._hand_back(tag, e, 0.0)
             return None

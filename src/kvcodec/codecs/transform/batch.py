@@ -24,7 +24,7 @@ import torch
 
 from kvcodec.codecs import zstd_native
 from kvcodec.codecs.base import ChunkInfo, Target
-from kvcodec.codecs.driven import Piece, Reading, balanced_runs, host_pool, host_threads
+from kvcodec.codecs.driven import Begun, Piece, Reading, balanced_runs, host_pool, host_threads
 from kvcodec.codecs.transform.decode import check_target, frame_buffer, host_samples
 from kvcodec.container.format import checksum_error, verify_streams
 from kvcodec.errors import CorruptStreamError, KVCodecError, wait_all
@@ -433,10 +433,11 @@ class TransformDriven:
             return host_pool().submit(self.prepare_host, reading)
         return self._native_job(threads, reading)
 
-    def begin_host(self, blob) -> Future | None:
+    def begin_host(self, blob) -> Begun | None:
         """submit_host's work for a zstd-coded chunk begun before its target is known (DrivenChunks.begin_host),
         on the native threads only and at a level whose coordinate plan is built (none is built off the
-        fetch's thread). None where not begun: a blob it cannot read is left for read() to refuse."""
+        fetch's thread), with the chunk as read here. None where not begun: a blob it cannot read is left for
+        read() to refuse."""
         try:
             h, entries, streams = self.codec._read_entries(blob, self.codec.STREAM_NAMES)  # nothing checksummed yet
             count = self.codec._restorer.known_sample_count(h)
@@ -449,7 +450,13 @@ class TransformDriven:
         threads = zstd_native.threads(host_threads)  # started by then: the fetch's thread built the plan
         if threads is None or [e.name for e in later] != ["samples"]:
             return None
-        return self._native_job(threads, Reading(chunk_info(h), (), (h, streams, later)), count)
+        reading = Reading(chunk_info(h), (), (h, streams, later))
+        return Begun(self._native_job(threads, reading, count), reading)
+
+    def adopt(self, reading: Reading, target: Target) -> Reading:
+        """A begun chunk's Reading checked against its target: all read() checks that begin_host has not."""
+        check_target(reading.state[0], target)
+        return reading
 
     def _native_job(self, threads, reading: Reading, count: int | None = None) -> Future:  # noqa: ANN001 - a ZstdThreads
         """The chunk's samples (`count`, else its plan's) checksummed and decompressed on the native threads into
