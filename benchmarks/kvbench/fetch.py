@@ -1,7 +1,10 @@
 """`kvcodec bench fetch`: time to restore a stored prefix of real KV over a shaped link.
 
-For each link rate (and a jitter trace) and each policy (fixed resolutions, adaptive, and raw fp16
-KV through the same store and pipeline), fetch the prefix from a real redis-server and record:
+The prefix is stored with one method (kvbench.methods: "kvcodec", kvcodec's HEVC codec at --quant, by
+default; "kvcodec-transform-5" with --transform MODEL.kvt, ...) and as raw fp16 KV. For each link rate
+(and a jitter trace) and each policy (each of the codec's resolutions fixed, adaptive where it has several,
+and raw fp16 KV through the same store and pipeline), fetch the prefix from a real redis-server with
+PrefixCache's defaults (what `serve` gets; --max-inflight and --decode-workers change them) and record:
 fetch_s, bytes, stage busy times, a per-chunk timeline, and
 
     bound_s = max(bytes / bandwidth, decode_s) + min(bytes / bandwidth, decode_s) / chunks
@@ -28,6 +31,7 @@ import click
 
 from kvbench.results import RESULTS_DIR, command_line, machine, write_result
 from kvcodec.cli.options import check_device
+from kvcodec.errors import KVCodecError
 
 log = logging.getLogger(__name__)
 
@@ -140,20 +144,43 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option("--text", default="pg", show_default=True, help="Text (kvcodec.models.texts name) to prefill.")
 @click.option("--tokens", "prefix_tokens", default=1024, show_default=True)
 @click.option("--chunk-tokens", default=256, show_default=True)
-@click.option("--quant", default="int8", show_default=True)
-@click.option("--resolutions", default="256x256,512x512,1024x1024", show_default=True)
+@click.option("--quant", default="int8", show_default=True, help="The quant of the method 'kvcodec'.")
+@click.option(
+    "--method",
+    default="kvcodec",
+    show_default=True,
+    help="How the prefix is stored (kvbench.methods): kvcodec (the HEVC codec at --quant), kvcodec-<quant>, "
+    "kvcodec-transform-<ratio>[-<coder>] (with --transform), or a baseline's name.",
+)
+@click.option(
+    "--transform",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The MODEL.kvt a kvcodec-transform-<ratio> method codes with (`kvcodec calibrate`).",
+)
+@click.option(
+    "--resolutions",
+    default=None,
+    help="Frame sizes, e.g. 256x256,512x512,1024x1024 (several: the adaptive policy picks one per chunk). "
+    "Default: the method's own (what a user gets).",
+)
 @click.option("--rates", default="1,2,4,8,16,25,40", show_default=True, help="Link rates, Gbit/s.")
 @click.option("--jitter-mean", default=4.0, show_default=True, help="Mean Gbit/s of the jitter trace (0: none).")
 @click.option("--jitter-cv", default=0.6, show_default=True)
 @click.option("--jitter-segment-ms", default=50.0, show_default=True)
-@click.option("--policies", default="fixed:0,fixed:1,fixed:2,adaptive,raw-fp16", show_default=True)
+@click.option(
+    "--policies",
+    default=None,
+    help="Comma-separated, e.g. fixed:0,adaptive,raw-fp16. Default: fixed:<j> for each resolution, adaptive "
+    "where there are several, raw-fp16.",
+)
 @click.option(
     "--link", "link_kind", type=click.Choice(["auto", "tc-netns", "token-bucket"]), default="auto", show_default=True
 )
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--device", default="cpu", show_default=True, callback=check_device)
-@click.option("--max-inflight", default=4, show_default=True)
-@click.option("--decode-workers", default=1, show_default=True)
+@click.option("--max-inflight", type=int, default=None, help="Chunks in flight per fetch (default: PrefixCache's).")
+@click.option("--decode-workers", type=int, default=None, help="Decoders per fetch (default: PrefixCache's).")
 @click.option("--net-workers", default=1, show_default=True, help="Concurrent gets per fetch.")
 @click.option(
     "--torch-threads",
@@ -210,24 +237,31 @@ def command(**options) -> None:  # noqa: ANN003
     if s.torch_threads > 0:
         torch.set_num_threads(s.torch_threads)
     link_kind = resolve_link_kind(s.store_kind, s.link_kind)
-    ids, kv, source = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
-    click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
-    pool = None
     if s.pool_workers > 0 and s.thread_sessions > 0:
         raise click.BadParameter("give --nvdec-pool or --nvdec-threads, not both")
+    if (s.pool_workers > 0 or s.thread_sessions > 0) and not is_hevc_method(s.method):
+        raise click.BadParameter(f"--nvdec-pool and --nvdec-threads restore the HEVC codec, not {s.method!r}")
+    codec = method_codec_for(s)  # a bad method or .kvt is refused before any KV is made
+    ids, kv, source = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
+    click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
+    check_fits(codec, kv, None if s.kv_path else s.model)
+    pool = None
     if s.pool_workers > 0:
         from kvcodec.video.nvdec_pool import NvdecPool
 
-        pool = NvdecPool(workers=s.pool_workers, device=s.device, max_frame=max(s.res, key=lambda r: r[0] * r[1]))
+        frames = codec.resolutions
+        pool = NvdecPool(workers=s.pool_workers, device=s.device, max_frame=max(frames, key=lambda r: r[0] * r[1]))
     elif s.thread_sessions > 0:
         from kvcodec.codecs.hevc.pool import open_threads
 
         pool = open_threads(s.thread_sessions, device=s.device)
+    if pool is not None:
+        codec = method_codec_for(s, pool=pool)
     try:
         with tempfile.TemporaryDirectory(prefix="kvc-bench-") as tmp:
             link = _Link(link_kind, Path(tmp), s.store_kind)
             try:
-                run = FetchRun(s, link, ids, kv, pool)
+                run = FetchRun(s, link, ids, kv, codec)
                 records = [rec for trace in traces(s) for rec in run.under(trace)]
             finally:
                 link.close()
@@ -239,9 +273,12 @@ def command(**options) -> None:  # noqa: ANN003
         "command": command_line("fetch"),
         "kv_source": source,
         "kv_shape": list(kv.shape),
-        "codec_config": s.config.to_dict(),
+        "method": s.method,
+        "codec": run.coded.codec.id,
+        "transform": str(s.transform) if s.transform else None,
+        "codec_config": codec.config.to_dict() if is_hevc_method(s.method) else None,
         "encode_s": run.encode_s,
-        "bytes_per_resolution": dict(zip(["x".join(map(str, r)) for r in s.res], run.sizes)),
+        "bytes_per_resolution": dict(zip(["x".join(map(str, r)) for r in run.coded.codec.resolutions], run.sizes)),
         "decode_profile": run.profile.to_json() | {"source": run.profile.source} if run.profile else None,
         "machine": run.machine,
         "link": link_kind,
@@ -263,17 +300,19 @@ class Settings:
     prefix_tokens: int
     chunk_tokens: int
     quant: str
-    resolutions: str
+    method: str
+    transform: Path | None
+    resolutions: str | None
     rates: str
     jitter_mean: float
     jitter_cv: float
     jitter_segment_ms: float
-    policies: str
+    policies: str | None
     link_kind: str
     repeats: int
     device: str
-    max_inflight: int
-    decode_workers: int
+    max_inflight: int | None
+    decode_workers: int | None
     net_workers: int
     torch_threads: int
     store_kind: str
@@ -284,23 +323,68 @@ class Settings:
     out_dir: str
 
     @property
-    def res(self) -> tuple[tuple[int, int], ...]:
-        return tuple(tuple(int(v) for v in r.split("x")) for r in self.resolutions.split(","))
+    def res(self) -> tuple[tuple[int, int], ...] | None:
+        """--resolutions, None where not given (the method's own)."""
+        if not self.resolutions:
+            return None
+        from kvcodec.config import video_frame_sizes
+
+        try:
+            return video_frame_sizes(self.resolutions)
+        except (ValueError, KVCodecError) as e:
+            raise click.BadParameter(str(e), param_hint="--resolutions") from e
 
     @property
     def config(self):  # noqa: ANN201
         from kvcodec.config import CodecConfig
 
-        return CodecConfig(
-            quant=self.quant,
-            chunk_tokens=self.chunk_tokens,
-            resolutions=self.res,
-            streams_per_chunk=self.streams_per_chunk,
-        )
+        return CodecConfig(quant=self.quant, chunk_tokens=self.chunk_tokens, streams_per_chunk=self.streams_per_chunk)
 
-    @property
-    def policy_list(self) -> list[str]:
-        return [p for p in self.policies.split(",") if p]
+    def policy_list(self, resolutions: int) -> list[str]:
+        """--policies, or each of `resolutions` fixed, adaptive where there are several, and raw-fp16."""
+        if self.policies is not None:
+            return [p for p in self.policies.split(",") if p]
+        return [f"fixed:{j}" for j in range(resolutions)] + ["adaptive"] * (resolutions > 1) + ["raw-fp16"]
+
+
+def is_hevc_method(method: str) -> bool:
+    """Whether `method` stores with kvcodec's HEVC codec (the one NVDEC pools and thread sessions restore)."""
+    from kvbench.methods import transform_ratio
+
+    return (method == "kvcodec" or method.startswith("kvcodec-")) and transform_ratio(method) is None
+
+
+def method_codec_for(s: Settings, **hevc_options):  # noqa: ANN003, ANN201 - a ChunkCodec
+    """The chunk codec of --method (with --transform, --chunk-tokens, --resolutions); a usage error for a
+    method this bench cannot store with, or a file that is not a .kvt of one KV tensor."""
+    from kvbench.methods import method_codec, transform_ratio
+
+    if s.transform is not None and transform_ratio(s.method) is None:
+        raise click.BadParameter(f"--transform codes the kvcodec-transform-<ratio> methods, not {s.method!r}")
+    try:
+        codec = method_codec(s.method, s.config, transform=s.transform, resolutions=s.res, **hevc_options)
+    except (KVCodecError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--method/--transform") from e
+    if transform_ratio(s.method) is not None and getattr(codec, "cal", None) is None:
+        raise click.BadParameter(
+            f"{s.transform} is a grouped .kvt; this bench stores one KV tensor", param_hint="--transform"
+        )
+    return codec
+
+
+def check_fits(codec, kv, model: str | None) -> None:  # noqa: ANN001
+    """A usage error where a transform's .kvt was made for another KV shape than `kv`'s; a warning where it
+    was calibrated on another model than `model` (the one prefilled; None: KV from a file)."""
+    cal = getattr(codec, "cal", None)
+    if cal is None:
+        return
+    from kvcodec.cli.transform_io import warn_if_other_model
+
+    try:
+        cal.check_shape(tuple(kv.shape))
+    except KVCodecError as e:
+        raise click.BadParameter(f"the KV does not fit the .kvt: {e}", param_hint="--transform") from e
+    warn_if_other_model(codec, model, "the model prefilled")
 
 
 def traces(s: Settings) -> list:
@@ -335,17 +419,17 @@ class FetchRun:
     """The prefix stored raw and (unless only raw-fp16 is measured) with kvcodec, then fetched
     under each trace and policy."""
 
-    def __init__(self, s: Settings, link: _Link, ids, kv, pool) -> None:  # noqa: ANN001
+    def __init__(self, s: Settings, link: _Link, ids, kv, coded) -> None:  # noqa: ANN001
         from kvcodec.codecs.registry import make_codec
         from kvcodec.fetcher import PrefixCache
         from kvcodec.fetcher.keys import blob_key
 
         self.s, self.link, self.ids, self.kv = s, link, ids, kv
         self.machine = machine()
-        hevc = make_codec("hevc", config=s.config, **({"pool": pool} if pool is not None else {}))
-        raw = make_codec("raw", chunk_tokens=s.chunk_tokens, resolutions=(s.res[0],))
-        self.hevc = PrefixCache(
-            link.base, s.model, hevc, s.device, max_inflight=s.max_inflight, decode_workers=s.decode_workers
+        self.policies = s.policy_list(len(coded.resolutions))
+        raw = make_codec("raw", chunk_tokens=s.chunk_tokens, resolutions=(coded.resolutions[0],))
+        self.coded = PrefixCache(
+            link.base, s.model, coded, s.device, max_inflight=s.max_inflight, decode_workers=s.decode_workers
         )
         self.raw = PrefixCache(
             link.base,
@@ -358,14 +442,16 @@ class FetchRun:
         )
         self.raw.put(ids, kv)
         self.encode_s, self.sizes, self.profile = None, [], None
-        if any(p != "raw-fp16" for p in s.policy_list):
+        if any(p != "raw-fp16" for p in self.policies):
             t = time.perf_counter()
-            self.hevc.put(ids, kv)
+            self.coded.put(ids, kv)
             self.encode_s = time.perf_counter() - t
             L, _, _, H, D = kv.shape
-            self.profile = self.hevc.ensure_profile((L, H, D), kv.dtype)
-            keys = self.hevc.keys(ids)
-            self.sizes = [sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(s.res))]
+            self.profile = self.coded.ensure_profile((L, H, D), kv.dtype)
+            keys = self.coded.keys(ids)
+            self.sizes = [
+                sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(coded.resolutions))
+            ]
             click.echo(
                 f"encoded in {self.encode_s:.1f}s; bytes per resolution {self.sizes} (fp16 {kv.numel() * 2}); "
                 f"decode profile {[f'{v / 1e6:.1f}M/s' for v in self.profile.values_per_s()]}",
@@ -380,7 +466,7 @@ class FetchRun:
         self.link.shape(trace)
         try:
             goodput = _goodput(self.link.store, self.probe_key, self.probe_bytes)
-            return [self.measure(trace, pol, goodput) for pol in self.s.policy_list]
+            return [self.measure(trace, pol, goodput) for pol in self.policies]
         finally:
             self.link.unshape()
 
@@ -408,7 +494,7 @@ class FetchRun:
         from kvcodec.fetcher import PrefixCache
 
         s, is_raw = self.s, pol == "raw-fp16"
-        base = self.raw if is_raw else self.hevc
+        base = self.raw if is_raw else self.coded
         pc = PrefixCache(
             self.link.store,
             s.model,
@@ -425,7 +511,7 @@ class FetchRun:
         st = med.stats
         bw = trace.mean_gbit
         net_s = st.bytes_fetched * 8 / (bw * 1e9)
-        dec_s = st.decode_busy_s / s.decode_workers
+        dec_s = st.decode_busy_s / pc.decode_workers
         bound = max(net_s, dec_s) + min(net_s, dec_s) / max(1, st.chunks_restored)
         rec = {
             "bandwidth_gbit": bw,
@@ -452,8 +538,11 @@ class FetchRun:
             "load_avg_1m": os.getloadavg()[0],
             "torch_threads": torch.get_num_threads(),
             "device": s.device,
-            "net_workers": s.net_workers,
-            "decode_workers": s.decode_workers,
+            "method": "raw" if is_raw else s.method,
+            "codec": pc.codec.id,
+            "net_workers": pc.net_workers,
+            "decode_workers": pc.decode_workers,
+            "max_inflight": pc.max_inflight,
             "store": s.store_kind,
             "nvdec_pool_workers": s.pool_workers,
             "nvdec_threads": s.thread_sessions,
@@ -478,6 +567,8 @@ def markdown(doc: dict, host: str) -> list[str]:
         f"`{doc['command']}`",
         "",
         f"KV {tuple(doc['kv_shape'])} fp16 from {doc['kv_source']}; machine {doc['machine']['cpu']}",
+        "",
+        f"method {doc['method']}: codec `{doc['codec']}`" + (f", .kvt {doc['transform']}" if doc["transform"] else ""),
         "",
         "vs raw fp16 = raw fp16's fetch time over this one's (above 1: faster than raw fp16 KV fetched through the "
         "same link in this run); bound = bytes at the link's rate.",

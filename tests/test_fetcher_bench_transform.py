@@ -1,0 +1,74 @@
+"""`kvcodec bench fetch --method kvcodec-transform-<r> --transform X.kvt`: any KV file and .kvt by path, fetched
+with PrefixCache's defaults (in-process store, token-bucket link: no redis-server needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from synthetic import synthetic_kv
+
+TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def kv_file(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("kv") / "kv.safetensors"
+    save_file({"kv": synthetic_kv(TOKENS, 3), "token_ids": torch.arange(TOKENS)}, str(path))
+    return path
+
+
+def _bench(tmp_path, *args: str):
+    from kvbench.fetch import command
+
+    base = ["--tokens", str(TOKENS), "--chunk-tokens", "32", "--rates", "4", "--jitter-mean", "0"]
+    base += ["--store", "memory", "--repeats", "1", "--out-dir", str(tmp_path / "results")]
+    return CliRunner().invoke(command, [*base, *args])
+
+
+def test_a_transform_method_is_stored_and_fetched_with_the_fetchers_defaults(tmp_path, kv_file, synthetic_kvt):
+    from kvcodec.fetcher.pipeline import CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT
+
+    res = _bench(tmp_path, "--kv", str(kv_file), "--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt))
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    (path,) = (tmp_path / "results").glob("fetch-*.json")
+    doc = json.loads(path.read_text())
+    assert doc["method"] == "kvcodec-transform-4" and doc["codec"].startswith("transform")
+    assert doc["transform"] == str(synthetic_kvt) and doc["codec_config"] is None
+    recs = {r["policy"]: r for r in doc["records"]}
+    assert list(recs) == ["fixed:0", "raw-fp16"]  # one frame size: nothing for the adaptive policy to pick
+    coded, raw = recs["fixed:0"], recs["raw-fp16"]
+    assert coded["codec"] == doc["codec"] and coded["method"] == "kvcodec-transform-4"
+    assert (coded["decode_workers"], coded["max_inflight"]) == (CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT)
+    assert raw["bit_exact"] and raw["bytes"] / coded["bytes"] > 2.5  # the transform's ratio, near its target of 4
+    assert "method kvcodec-transform-4: codec `transform" in path.with_suffix(".md").read_text()
+
+
+def test_a_bad_transform_is_refused_before_any_kv_is_made(tmp_path, kv_file, synthetic_kvt):
+    not_kvt = tmp_path / "notes.kvt"
+    not_kvt.write_bytes(b"not a transform")
+    for args, says in [
+        (["--method", "kvcodec-transform-4", "--transform", str(not_kvt)], "--transform"),
+        (["--method", "kvcodec-transform-4"], "--transform PATH"),
+        (["--method", "kvcodec-int8", "--transform", str(synthetic_kvt)], "kvcodec-transform-<ratio>"),
+        (["--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt), "--nvdec-threads", "2"], "HEVC"),
+    ]:
+        # a model that is not registered: reaching the prefill would fail otherwise
+        res = _bench(tmp_path, "--model", "no-such-model", *args)
+        assert res.exit_code == 2, (args, res.output)
+        assert says in res.output, (args, res.output)
+    assert not (tmp_path / "results").exists()
+
+
+def test_kv_of_another_shape_than_the_kvts_is_refused(tmp_path, synthetic_kvt):
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other.safetensors"
+    save_file({"kv": synthetic_kv(TOKENS, 3, layers=2)}, str(other))
+    res = _bench(tmp_path, "--kv", str(other), "--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt))
+    assert res.exit_code == 2 and "does not fit the .kvt" in res.output, res.output
