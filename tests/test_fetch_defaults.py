@@ -12,7 +12,7 @@ from kvcodec.codecs.raw import RawCodec
 from kvcodec.engine.config import EngineConfig
 from kvcodec.errors import BackendUnavailableError, ConfigError
 from kvcodec.fetcher import PrefixCache, blob_key
-from kvcodec.fetcher.pipeline import default_decode_workers, default_max_inflight
+from kvcodec.fetcher.pipeline import default_decode_workers, default_max_inflight, default_net_workers
 from kvcodec.fetcher.profile import CalibrationError, load_or_calibrate
 from kvcodec.store import open_store
 from kvcodec.video.nvcuvid_threads import DEFAULT_ENGINES, engines_for_name
@@ -59,15 +59,16 @@ def test_device_defaults():
     assert default_decode_workers(cpu) == 1 and default_max_inflight(cpu, 1) == 4
     assert default_max_inflight(cuda, 7) >= 64  # never caps a staged batch of 7 engines' chunks
     assert default_max_inflight(cuda, 32) >= 4 * 32
+    assert default_net_workers(cpu) == 1 and default_net_workers(cuda) == 2  # the link busy while a chunk begins
     if not torch.cuda.is_available():
         assert default_decode_workers(cuda) == 1  # no NVDEC to count: one decode thread
 
 
 def test_prefix_cache_and_engine_defaults():
     cache = PrefixCache("memory://", "m", RawCodec(), "cpu")
-    assert (cache.decode_workers, cache.max_inflight) == (1, 4)
-    cache = PrefixCache("memory://", "m", RawCodec(), "cpu", decode_workers=3, max_inflight=9)
-    assert (cache.decode_workers, cache.max_inflight) == (3, 9)
+    assert (cache.decode_workers, cache.max_inflight, cache.net_workers) == (1, 4, 1)
+    cache = PrefixCache("memory://", "m", RawCodec(), "cpu", decode_workers=3, max_inflight=9, net_workers=2)
+    assert (cache.decode_workers, cache.max_inflight, cache.net_workers) == (3, 9, 2)
     for bad in ({"decode_workers": 0}, {"max_inflight": 0}):
         try:
             PrefixCache("memory://", "m", RawCodec(), "cpu", **bad)

@@ -181,7 +181,7 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option("--device", default="cpu", show_default=True, callback=check_device)
 @click.option("--max-inflight", type=int, default=None, help="Chunks in flight per fetch (default: PrefixCache's).")
 @click.option("--decode-workers", type=int, default=None, help="Decoders per fetch (default: PrefixCache's).")
-@click.option("--net-workers", default=1, show_default=True, help="Concurrent gets per fetch.")
+@click.option("--net-workers", type=int, default=None, help="Concurrent gets per fetch (default: PrefixCache's).")
 @click.option(
     "--torch-threads",
     default=1,
@@ -313,7 +313,7 @@ class Settings:
     device: str
     max_inflight: int | None
     decode_workers: int | None
-    net_workers: int
+    net_workers: int | None
     torch_threads: int
     store_kind: str
     pool_workers: int

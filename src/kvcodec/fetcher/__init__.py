@@ -1,7 +1,8 @@
 """Remote prefix reuse: chunk keys, PrefixCache (lookup / put / fetch) and its pipeline parts.
 
 Public API (what the serving engine calls):
-    PrefixCache(store, model_id, codec, device, *, namespace=None, policy="adaptive", max_inflight=4, ...)
+    PrefixCache(store, model_id, codec, device, *, namespace=None, policy="adaptive", max_inflight=None, ...)
+        (None: the device's defaults for in-flight chunks, decode and network threads)
         .lookup(token_ids, deadline_s=None) -> matched_tokens
         .put(token_ids, kv) -> chunks_written
         .fetch(token_ids, n_tokens, out=None, deadline_s=None, *, cancelled=None) -> FetchResult

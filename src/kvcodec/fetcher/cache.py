@@ -43,6 +43,7 @@ from kvcodec.fetcher.pipeline import (
     check_binding,
     default_decode_workers,
     default_max_inflight,
+    default_net_workers,
     kv_tensor,
     stage_executor,
 )
@@ -138,7 +139,9 @@ class PrefixCache:
         engine (7 on an H100/H200, each thread its own session, all in this process's CUDA
         context), 1 on the CPU (pipeline.default_decode_workers).
     net_workers: concurrent gets (several connections; helps where one client stream cannot fill
-        the link). The bandwidth estimator charges overlapping gets only their non-overlapped time.
+        the link, and keeps it busy while a chunk's host work begins). The bandwidth estimator charges
+        overlapping gets only their non-overlapped time. None: 2 on CUDA, 1 on the CPU
+        (pipeline.default_net_workers).
     profile: a DecodeProfile; None = calibrate (cached in the cache dir) on first adaptive fetch.
     initial_gbit: bandwidth prior until chunks have been received.
     store_partial: also store a last chunk shorter than chunk_tokens.
@@ -172,7 +175,7 @@ class PrefixCache:
         policy: str | ResolutionPolicy = "adaptive",
         max_inflight: int | None = None,
         decode_workers: int | None = None,
-        net_workers: int = 1,
+        net_workers: int | None = None,
         profile: DecodeProfile | None = None,
         initial_gbit: float = 8.0,
         bandwidth_alpha: float = 0.3,
@@ -201,7 +204,7 @@ class PrefixCache:
         self.policy = get_policy(policy, self.codec.resolutions)
         self.decode_workers = int(decode_workers or default_decode_workers(self.device))
         self.max_inflight = int(max_inflight or default_max_inflight(self.device, self.decode_workers))
-        self.net_workers = max(1, min(int(net_workers), self.max_inflight))
+        self.net_workers = max(1, min(int(net_workers or default_net_workers(self.device)), self.max_inflight))
         self.profile = profile
         self.bandwidth = BandwidthEstimator(initial_gbit, bandwidth_alpha)
         self.store_partial = store_partial

@@ -64,6 +64,18 @@ def default_decode_workers(device: torch.device) -> int:
     return max(1, decode_engines(device))
 
 
+# gets in flight per fetch on CUDA: with one, the link idles while the network thread begins each chunk's host
+# work (a 2048-token fetch of transform-coded KV behind a 5-40 Gbit/s link on an H100: 1.3-1.36x faster with
+# two, four no faster than two; benchmarks/results/fetch-h100-s75-net-workers.md)
+CUDA_NET_WORKERS = 2
+CPU_NET_WORKERS = 1
+
+
+def default_net_workers(device: torch.device) -> int:
+    """Concurrent gets of a fetch on `device`: CUDA_NET_WORKERS on CUDA, else CPU_NET_WORKERS."""
+    return CUDA_NET_WORKERS if device.type == "cuda" else CPU_NET_WORKERS
+
+
 def stage_executor(decode_workers: int, net_workers: int) -> concurrent.futures.ThreadPoolExecutor:
     """Threads for the stages of a cache's fetches, started once and kept (a fetch of a short
     prefix otherwise spends a good part of its time starting and joining its threads): room for
