@@ -15,6 +15,8 @@ from kvcodec.fetcher import PrefixCache, blob_key
 from kvcodec.fetcher.pipeline import default_decode_workers, default_max_inflight, default_net_workers
 from kvcodec.fetcher.profile import CalibrationError, load_or_calibrate
 from kvcodec.store import open_store
+from kvcodec.store.deadline import DeadlineStore
+from kvcodec.store.redis_store import RedisStore
 from kvcodec.video.nvcuvid_threads import DEFAULT_ENGINES, engines_for_name
 
 RES = ((256, 256), (512, 512))
@@ -59,7 +61,10 @@ def test_device_defaults():
     assert default_decode_workers(cpu) == 1 and default_max_inflight(cpu, 1) == 4
     assert default_max_inflight(cuda, 7) >= 64  # never caps a staged batch of 7 engines' chunks
     assert default_max_inflight(cuda, 32) >= 4 * 32
-    assert default_net_workers(cpu) == 1 and default_net_workers(cuda) == 2  # the link busy while a chunk begins
+    memory, redis = open_store("memory://"), RedisStore.__new__(RedisStore)  # no server needed: its class says
+    assert default_net_workers(cuda, redis) == 2  # the link busy while a chunk's host work begins
+    assert default_net_workers(cpu, redis) == default_net_workers(cuda, memory) == 1
+    assert default_net_workers(cuda, DeadlineStore(redis, None)) == 2  # a view of a store keeps what it says
     if not torch.cuda.is_available():
         assert default_decode_workers(cuda) == 1  # no NVDEC to count: one decode thread
 

@@ -32,7 +32,7 @@ def _bench(tmp_path, *args: str):
 
 
 def test_a_transform_method_is_stored_and_fetched_with_the_fetchers_defaults(tmp_path, kv_file, synthetic_kvt):
-    from kvcodec.fetcher.pipeline import CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT, CPU_NET_WORKERS
+    from kvcodec.fetcher.pipeline import CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT
 
     res = _bench(tmp_path, "--kv", str(kv_file), "--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt))
     assert res.exit_code == 0, res.output + repr(res.exception)
@@ -44,7 +44,7 @@ def test_a_transform_method_is_stored_and_fetched_with_the_fetchers_defaults(tmp
     assert list(recs) == ["fixed:0", "raw-fp16"]  # one frame size: nothing for the adaptive policy to pick
     coded, raw = recs["fixed:0"], recs["raw-fp16"]
     assert coded["codec"] == doc["codec"] and coded["method"] == "kvcodec-transform-4"
-    defaults = (CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT, CPU_NET_WORKERS)
+    defaults = (CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT, 1)
     assert (coded["decode_workers"], coded["max_inflight"], coded["net_workers"]) == defaults
     assert raw["bit_exact"] and raw["bytes"] / coded["bytes"] > 2.5  # the transform's ratio, near its target of 4
     assert "method kvcodec-transform-4: codec `transform" in path.with_suffix(".md").read_text()

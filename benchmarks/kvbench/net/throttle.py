@@ -63,6 +63,7 @@ class TokenBucketLink:
 
 
 class ThrottledStore(BaseStore):
+    remote = True  # its gets cross the shaped link
     """`store` seen through a TokenBucketLink of `rate_gbit` (or `jitter_trace`)."""
 
     def __init__(

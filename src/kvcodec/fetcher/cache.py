@@ -140,8 +140,8 @@ class PrefixCache:
         context), 1 on the CPU (pipeline.default_decode_workers).
     net_workers: concurrent gets (several connections; helps where one client stream cannot fill
         the link, and keeps it busy while a chunk's host work begins). The bandwidth estimator charges
-        overlapping gets only their non-overlapped time. None: 2 on CUDA, 1 on the CPU
-        (pipeline.default_net_workers).
+        overlapping gets only their non-overlapped time. None: 2 on CUDA from a store across a link
+        (its `remote`: Redis), else 1 (pipeline.default_net_workers).
     profile: a DecodeProfile; None = calibrate (cached in the cache dir) on first adaptive fetch.
     initial_gbit: bandwidth prior until chunks have been received.
     store_partial: also store a last chunk shorter than chunk_tokens.
@@ -204,7 +204,7 @@ class PrefixCache:
         self.policy = get_policy(policy, self.codec.resolutions)
         self.decode_workers = int(decode_workers or default_decode_workers(self.device))
         self.max_inflight = int(max_inflight or default_max_inflight(self.device, self.decode_workers))
-        self.net_workers = max(1, min(int(net_workers or default_net_workers(self.device)), self.max_inflight))
+        self.net_workers = max(1, min(int(net_workers or default_net_workers(self.device, store)), self.max_inflight))
         self.profile = profile
         self.bandwidth = BandwidthEstimator(initial_gbit, bandwidth_alpha)
         self.store_partial = store_partial

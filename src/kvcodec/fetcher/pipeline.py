@@ -64,16 +64,18 @@ def default_decode_workers(device: torch.device) -> int:
     return max(1, decode_engines(device))
 
 
-# gets in flight per fetch on CUDA: with one, the link idles while the network thread begins each chunk's host
-# work (a 2048-token fetch of transform-coded KV behind a 5-40 Gbit/s link on an H100: 1.3-1.36x faster with
-# two, four no faster than two; benchmarks/results/fetch-h100-s75-net-workers.md)
-CUDA_NET_WORKERS = 2
-CPU_NET_WORKERS = 1
+# gets in flight per fetch on CUDA from a store across a link (its `remote`): with one, the link idles while the
+# network thread begins each chunk's host work (2048 tokens of transform-coded KV behind 5-40 Gbit/s on an H100:
+# 1.3-1.36x faster with two, four no faster than two); from a store in this machine's memory or disk, a second
+# get has nothing to overlap and its thread only contends for the interpreter lock (0.6-0.95x of one), so one
+# (benchmarks/results/fetch-h100-s75-net-workers.md)
+REMOTE_NET_WORKERS = 2
 
 
-def default_net_workers(device: torch.device) -> int:
-    """Concurrent gets of a fetch on `device`: CUDA_NET_WORKERS on CUDA, else CPU_NET_WORKERS."""
-    return CUDA_NET_WORKERS if device.type == "cuda" else CPU_NET_WORKERS
+def default_net_workers(device: torch.device, store: Any) -> int:
+    """Concurrent gets of a fetch on `device` from `store`: REMOTE_NET_WORKERS on CUDA where the store says its
+    gets cross a link (its `remote`, BaseStore's), else 1."""
+    return REMOTE_NET_WORKERS if device.type == "cuda" and getattr(store, "remote", False) else 1
 
 
 def stage_executor(decode_workers: int, net_workers: int) -> concurrent.futures.ThreadPoolExecutor:

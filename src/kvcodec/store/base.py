@@ -105,6 +105,8 @@ class BaseStore:
     """
 
     url: str = ""
+    # whether gets cross a network link (a fetch on CUDA then keeps two in flight: fetcher.pipeline.default_net_workers)
+    remote: bool = False
 
     # -- defaults in terms of the primitives ------------------------------------------------
     def put_many(self, items: Mapping[str, bytes]) -> None:

@@ -114,6 +114,7 @@ class DeadlineStore(BaseStore):
         self.inner = inner
         self.deadline = deadline
         self.url = inner.url
+        self.remote = bool(getattr(inner, "remote", False))
 
     def _call(self, op: str, *args: Any) -> Any:
         return call_by(self.deadline, op, self.url, getattr(self.inner, op), *args)

@@ -31,6 +31,8 @@ def _glob_escape(s: str) -> str:
 
 
 class RedisStore(BaseStore):
+    remote = True
+
     def __init__(self, client: Any, url: str, namespace: str = "", cluster: bool = False) -> None:
         self._r = client
         self.url = url
