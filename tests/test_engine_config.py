@@ -39,6 +39,8 @@ def test_config_from_kwargs_replaces_fields_and_refuses_unknown_names():
         {"sdpa_backends": ()},
         {"sdpa_backends": ("flash", "fast")},
         {"sdpa_backends": "flash"},
+        {"store_policy": "off"},  # failed later, deep in Engine, as an AttributeError
+        {"store_policy": None},
     ],
 )
 def test_config_refuses_bad_values(kw):

@@ -72,6 +72,7 @@ def _configs(vocab: int) -> dict[str, object]:
             vocab_size=vocab, num_hidden_layers=3, num_key_value_heads=2, head_dim=16, **SMALL
         ),
         "lfm2": conv_config(vocab_size=vocab, **SMALL),
+        "mamba": transformers.MambaConfig(vocab_size=vocab, hidden_size=32, state_size=4, num_hidden_layers=2),
         # families without RoPE in their config: learned absolute positions, ALiBi, GPT-J's fixed RoPE
         "gpt2": transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_head=4, n_layer=2, n_positions=512),
         "bloom": transformers.BloomConfig(vocab_size=vocab, hidden_size=64, n_head=4, n_layer=2),
@@ -310,6 +311,21 @@ def test_engine_names_what_it_cannot_store_and_serves_without_reuse(model_dirs, 
     with _engine(model_dirs["lfm2"], reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
         out = eng.generate(prompt_ids.tolist(), max_new_tokens=3)[0]
     assert len(out.token_ids) == 3 and out.token_ids == _greedy_recomputed(eng.model, prompt_ids, 3)
+
+
+def test_a_pure_mamba_model_serves_without_reuse_its_requests_decoded_one_by_one(model_dirs, prompt_ids):
+    """A model with no keys and values at all (Mamba) is served with reuse and storing off: nothing sizes a
+    restore target for it, and its cache (a recurrent state) is never padded and joined for a batched decode."""
+    from kvcodec.engine import StorePolicy
+    from kvcodec.engine.runner import holds_kv_pairs
+
+    prompts = [prompt_ids, prompt_ids[:20]]
+    with _engine(model_dirs["mamba"], reuse=False, store_policy=StorePolicy(enabled=False)) as eng:
+        assert not eng.runner.batchable
+        outs = eng.generate([p.tolist() for p in prompts], max_new_tokens=3)
+    for out, ids in zip(outs, prompts, strict=True):
+        assert out.token_ids == _greedy_recomputed(eng.model, ids, 3)
+    assert holds_kv_pairs(_load(model_dirs["qwen3"]))  # keys and values in every layer: batched
 
 
 def test_the_engine_refuses_a_model_it_cannot_code_from_its_config_before_loading(model_dirs, tmp_path):

@@ -137,6 +137,10 @@ class EngineConfig:
             raise ConfigError(f"sdpa_backends must be None or names from {SDPA_BACKENDS}; got {self.sdpa_backends!r}")
         if self.stall_s <= 0:
             raise ConfigError(f"stall_s must be > 0; got {self.stall_s}")
+        if not isinstance(self.store_policy, StorePolicy):
+            raise ConfigError(
+                f"store_policy must be a StorePolicy (StorePolicy(enabled=False): store nothing); got {self.store_policy!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, config: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:

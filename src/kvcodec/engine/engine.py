@@ -115,7 +115,7 @@ class Engine:
             min_reuse_tokens=cfg.min_reuse_tokens,
             fetch_workers=cfg.fetch_workers,
             deadline_for=self._deadline_for,
-            target_for=RestoreTargets(self.model, self.device, self.runner.dtype, layout),
+            target_for=RestoreTargets(self.model, self.device, self.runner.dtype, layout) if cfg.reuse else None,
         )
         self.storer = KVStorer(
             prefix_cache, cfg.store_policy, self.chunk_tokens, max_pending=cfg.store_queue, store_url=store_url
@@ -304,7 +304,7 @@ class Engine:
         reqs = [r for r in reqs if not r.finished]
         if not reqs:
             return 0
-        if self.config.batch_decode and len(reqs) > 1 and self.runner.layout is None:
+        if self.config.batch_decode and len(reqs) > 1 and self.runner.layout is None and self.runner.batchable:
             try:
                 logits = self.runner.decode_batched(reqs)
             except Exception:  # find the request that breaks it: one by one below

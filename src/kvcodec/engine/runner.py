@@ -23,6 +23,7 @@ import torch
 from kvcodec.engine.sequence import Request, SamplingParams
 from kvcodec.errors import KVCodecError
 from kvcodec.integrations.hf import cache_kwarg, layer_pairs, make_cache, output_cache, reserved_cache
+from kvcodec.models.check import keeps_recurrent_state
 from kvcodec.models.registry import kv_shape
 
 
@@ -71,6 +72,17 @@ def sdpa_context(backends: tuple[str, ...] | None) -> Any:
     return lambda: sdpa_kernel(chosen)
 
 
+def holds_kv_pairs(model: Any) -> bool:
+    """Whether the model's cache is keys and values in every layer, of a shape kvcodec can tell (not a
+    recurrent state: Mamba and its hybrids)."""
+    config = getattr(model, "config", None)
+    try:
+        kv_shape(model)
+    except (KVCodecError, AttributeError, TypeError, ValueError):
+        return False
+    return config is not None and not keeps_recurrent_state(config)
+
+
 class ModelRunner:
     """Runs a Hugging Face causal LM for the engine."""
 
@@ -86,6 +98,7 @@ class ModelRunner:
         config = getattr(self.model, "config", None)
         self.vocab_size = int(getattr(config, "vocab_size", 0) or 0) or None
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0) or None
+        self.batchable = holds_kv_pairs(self.model)  # decode_batched pads and joins each layer's keys and values
 
     def forward(self, ids: torch.Tensor, cache: Any, **kw: Any) -> tuple[torch.Tensor, Any]:
         """(logits, cache) of one forward; cache None starts a new one."""

@@ -192,6 +192,11 @@ def _refuse_architecture(config: Any, c: Any, name: str) -> None:
 RECURRENT_STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "linear_num_value_heads")
 
 
+def keeps_recurrent_state(config: Any) -> bool:
+    """Whether a model's config (a multimodal one's text part) describes layers that keep a recurrent state."""
+    return _recurrent(_text_config(config))
+
+
 def _recurrent(c: Any) -> bool:
     """Whether a config describes layers that keep a recurrent state (Mamba, RWKV, their hybrids): by its
     layer types where it lists them (transformers names state-space layers linear_attention; a hybrid
