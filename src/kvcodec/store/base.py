@@ -33,7 +33,8 @@ class KVStore(Protocol):
     Keys: 1..512 characters of ``[A-Za-z0-9._:/+=@-]``; ``/`` is an ordinary character (no
     directories are implied). Values are immutable once written; writing a key again replaces it
     atomically (readers see the old or the new object, never a mix). Optional: ``probe_write()``
-    (BaseStore has it; kvcodec.store.base.probe_write serves a store without it).
+    (BaseStore has it; kvcodec.store.base.probe_write serves a store without it), and ``remote``: True
+    where gets cross a network link (a fetch on CUDA then keeps two in flight; BaseStore's is False).
     """
 
     url: str
