@@ -7,14 +7,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from kvbench.accuracy import (
-    command,
-    exact_failures,
-    restore,
-    table,
-    transform_method_names,
-)
+from kvbench.accuracy import command, exact_failures, restore, table
 from kvbench.methods import chunked_transform_codec, transform_ratio
+from kvbench.transform_options import transform_method_names
 from synthetic import ROPE, rel_mse, synthetic_kv
 
 MODEL = "smollm2-135m"

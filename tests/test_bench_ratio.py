@@ -59,3 +59,41 @@ def test_command_rejects_bad_scheme_before_loading_models(tmp_path):
     res = CliRunner().invoke(ratio.command, ["--layer-bits-schemes", "first8:4;rest=3", "--out", str(tmp_path)])
     assert res.exit_code != 0 and "not SEL:BITS" in res.output
     assert not list(tmp_path.iterdir())
+
+
+def test_target_ratios_without_a_transform_and_a_kvt_of_another_shape_are_refused_before_models_load(
+    tmp_path, synthetic_kvt, monkeypatch
+):
+    import kvcodec.models
+
+    monkeypatch.setattr(kvcodec.models, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    res = CliRunner().invoke(ratio.command, ["--target-ratios", "5", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "--target-ratios needs --transform" in res.output
+    args = ["--models", "smollm2-135m", "--transform", str(synthetic_kvt), "--out", str(tmp_path)]
+    res = CliRunner().invoke(ratio.command, args)
+    assert res.exit_code == 2 and "--transform" in res.output, res.output
+    assert not list(tmp_path.glob("ratio-*"))
+
+
+@pytest.mark.slow
+def test_a_transform_method_is_recorded_with_its_ratio_and_accuracy(smollm2, tmp_path):
+    """SmolLM2's KV of 300 tokens (a chunk and a short one) through the transform of a .kvt calibrated on two
+    other essays, at 5x: its stored bytes (every chunk's) give the ratio, and its accuracy is scored."""
+    from kvcodec.integrations.hf import extract_kv
+    from kvcodec.models.texts import load_text
+    from kvcodec.transform import RopeSpec, calibrate, save_kvt
+
+    model, tok = smollm2
+    kvs = [extract_kv(model, tok, load_text(t, max_chars=4000), 400)[1] for t in ("pg/aord", "pg/apple")]
+    kvt = tmp_path / "smollm2.kvt"
+    save_kvt(calibrate(kvs, RopeSpec.from_hf_config(model.config), info={"model": "smollm2-135m"}), kvt)
+    ids = tok(load_text("pg/addiction"), return_tensors="pt").input_ids[0]
+    _, kv32 = extract_kv(model, tok, load_text("pg/addiction"), max_tokens=300)
+    p = ratio.Prefix("smollm2-135m", "pg/addiction", model, kv32, kv32.half(), ids[:300], ids[300:428], ids[300:316])
+    out = ratio.Records(p, lambda m: None)
+    ratio.measure_transform(p, out, "kvcodec-transform-5", kvt, 256, 8)
+    (rec,) = out.rows
+    assert rec["codec"] == "kvcodec-transform" and rec["quant"] == "kvcodec-transform-5" and rec["target_ratio"] == 5
+    assert rec["ratio_vs_fp16"] == pytest.approx(5, rel=0.15)
+    assert 0 < rec["kv_error"]["rel_rms"] < 0.5
+    assert rec["ppl_delta"] != 0 and 0 < rec["token_agreement"] <= 1

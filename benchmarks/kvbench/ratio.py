@@ -5,6 +5,8 @@ For each (model, text): the prefix KV of `--tokens` tokens from a real forward p
     and in each per-layer bit scheme of `--layer-bits-schemes` (CodecConfig.layer_bits),
   * zstd-3 / zstd-19 / lz4 on the fp16 bytes and on the SAME quantized integers kvcodec codes,
   * CacheGen-style (kvbench.baselines "cachegen"),
+  * with --transform MODEL.kvt: the transform codec at each of --target-ratios (kvcodec-transform-<r>), its KV
+    coded chunk by chunk as a store holds it,
   * the order-0 entropy of the quantized symbols per (layer, K/V, head, channel): the size a
     per-channel static entropy coder could reach,
   * accuracy: perplexity of the text's continuation and greedy-token agreement over
@@ -23,6 +25,7 @@ from typing import Any
 import click
 
 from kvbench.results import RESULTS_DIR, check_tag, command_line, machine, write_result
+from kvbench.transform_options import transform_methods, transform_options
 from kvcodec.config import QUANT_MODES
 
 FP16 = 2
@@ -231,6 +234,8 @@ def measure(
     chunk_tokens: int,
     log,
     layer_bits_schemes=(),
+    transforms=(),
+    kvt: Path | None = None,
 ) -> list[dict]:
     from kvbench.baselines import get_codec
 
@@ -249,7 +254,25 @@ def measure(
     cachegen = get_codec("cachegen")
     data = cachegen.encode(p.kv)
     out.add("cachegen-style", "cachegen", len(data), **accuracy(p, cachegen.decode(data), greedy_tokens))
+    for method in transforms:
+        measure_transform(p, out, method, kvt, chunk_tokens, greedy_tokens)
     return out.rows
+
+
+def measure_transform(p: Prefix, out: Records, method: str, kvt: Path, chunk_tokens: int, greedy_tokens: int) -> None:
+    """A kvcodec-transform-<r> method: the KV coded by the .kvt's transform chunk by chunk, as a store holds it
+    (every chunk's bytes counted), decoded, and its accuracy."""
+    import torch
+
+    from kvbench.methods import chunk_bytes, decode_chunks_into, encode_in_chunks, method_codec, transform_ratio
+    from kvcodec.config import CodecConfig
+
+    codec = method_codec(method, CodecConfig(chunk_tokens=chunk_tokens), transform=kvt)
+    chunks, _ = encode_in_chunks(codec, p.kv)
+    restored = torch.empty_like(p.kv)
+    decode_chunks_into(codec, chunks, restored)
+    scores = accuracy(p, restored, greedy_tokens)
+    out.add("kvcodec-transform", method, chunk_bytes(chunks), target_ratio=transform_ratio(method), **scores)
 
 
 def measure_quant(
@@ -342,6 +365,7 @@ def markdown(records, doc: dict) -> list[str]:
     "e.g. 'first8:4,rest:3;all:3'. Items SEL:BITS left to right; SEL: firstN, lastN, A-B, N, all, "
     "rest (layers not yet set).",
 )
+@transform_options
 @click.option(
     "--out",
     "out_dir",
@@ -356,8 +380,23 @@ def markdown(records, doc: dict) -> list[str]:
     callback=check_tag,
     help="Suffix of the result files: ratio-<tag>.json/.md.",
 )
-def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bits_schemes, out_dir, tag):
-    """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV."""
+@click.pass_context
+def command(
+    ctx,
+    models,
+    texts,
+    tokens,
+    quants,
+    greedy_tokens,
+    chunk_tokens,
+    layer_bits_schemes,
+    kvt,
+    target_ratios,
+    out_dir,
+    tag,
+):  # noqa: ANN001
+    """Compression ratio vs fp16, zstd, lz4 and the entropy bound, with accuracy, on real KV (and the
+    transform codec of a .kvt at --target-ratios, with --transform)."""
     schemes = [s.strip() for s in layer_bits_schemes.split(";") if s.strip()]
     for spec in schemes:  # syntax check before any model loads (layer counts are checked per model)
         scheme_items(spec)
@@ -365,6 +404,7 @@ def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bi
     for q in quant_list:  # before any model loads, not after the whole measurement
         if q not in QUANT_MODES:
             raise click.BadParameter(f"{q!r} is not one of {', '.join(QUANT_MODES)}", param_hint="--quants")
+    transforms = transform_methods(ctx, kvt, target_ratios, models.split(","))
     records = []
     for model_name in models.split(","):
         for text_name in texts.split(","):
@@ -377,6 +417,8 @@ def command(models, texts, tokens, quants, greedy_tokens, chunk_tokens, layer_bi
                 chunk_tokens,
                 lambda m: click.echo(m, err=True),
                 schemes,
+                transforms,
+                kvt,
             )
     doc = {
         "benchmark": "ratio",
