@@ -616,6 +616,29 @@ def test_profile_calibration_cached(tmp_path):
     assert p2.seconds_per_value[0] > p1.seconds_per_value[0]
 
 
+def test_a_cached_profile_of_other_frame_sizes_is_calibrated_again_not_used(tmp_path):
+    """A codec whose id does not name its frame sizes (a benchmark baseline's did not) met the profile cached for
+    another of its frame-size lists: the policy then asked it for a resolution it did not have."""
+    one, two = (
+        SlowCodec(RawCodec(("raw", "zstd"), chunk_tokens=16, resolutions=r), 0)
+        for r in (CFG.resolutions[:1], CFG.resolutions)
+    )
+    one.id = two.id = "one-id-for-any-frame-sizes"
+    assert load_or_calibrate(one, "cpu", (2, 2, 32), directory=tmp_path).resolutions == ((256, 256),)
+    again = load_or_calibrate(two, "cpu", (2, 2, 32), directory=tmp_path)
+    assert again.source == "calibrated" and again.resolutions == CFG.resolutions
+
+
+def test_a_failure_on_the_network_thread_that_is_not_kvcodecs_fails_the_fetch_instead_of_hanging_it(raw_cache):
+    """The network thread died of an IndexError (a profile of fewer resolutions than the codec) and the fetch
+    waited for its chunks for ever; now the error is the fetch's."""
+    kv, ids = make_kv(48), ids_for(48)
+    raw_cache.put(ids, kv)
+    raw_cache.profile = DecodeProfile.default(CFG.resolutions[:1])
+    r = raw_cache.fetch(ids, 48)
+    assert r.tokens_restored == 0 and isinstance(r.error, FetchError) and "IndexError" in str(r.error)
+
+
 def test_concurrent_fetches_share_cache(raw_cache):
     kv, ids = make_kv(64), ids_for(64)
     raw_cache.put(ids, kv)

@@ -231,3 +231,21 @@ def test_a_kv_file_of_another_model_or_shorter_than_a_chunk_is_refused_before_an
         r = CliRunner().invoke(ttft.command, [*base, "--kv-file", f"syn={tmp_path / name}.safetensors"])
         assert r.exit_code == 2 and words in r.output, r.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_kv_file_without_metadata_of_another_shape_than_its_models_is_refused(tmp_path, monkeypatch):
+    """The file-vs-model check trusted a file's `model` metadata; one without it (or with a wrong one) is now also
+    checked against the model's config: SmolLM2 has 30 layers of 3 KV heads of 64, not synthetic KV's."""
+    import kvcodec.models
+
+    if ttft.model_kv_shape("smollm2-135m") is None:
+        pytest.skip("smollm2-135m's config cannot be read here")
+    assert ttft.model_kv_shape("smollm2-135m") == (30, 3, 64) and ttft.model_kv_shape("no-such-model") is None
+    monkeypatch.setattr(kvcodec.models, "load_model", lambda *a, **k: pytest.fail("a model loaded first"))
+    save_kv_file(tmp_path / "bare.safetensors", synthetic_kv(300, seed=9), {})
+    args = ["--stats-only", "--kv-models", "smollm2-135m", "--kv-file", f"smollm2-135m={tmp_path / 'bare.safetensors'}"]
+    r = CliRunner().invoke(
+        ttft.command, [*args, "--methods", "raw", "--device", "cpu", "--out", str(tmp_path / "x.json")]
+    )
+    assert r.exit_code == 2 and f"(layers, kv_heads, head_dim) {(L, H, D)}; 'smollm2-135m''s is (30, 3, 64)" in r.output
+    assert not (tmp_path / "x.json").exists()

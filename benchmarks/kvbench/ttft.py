@@ -646,6 +646,22 @@ def kv_pair(option: str, name: str) -> tuple[str, str]:
     return model, path
 
 
+def model_kv_shape(model: str) -> tuple[int, int, int] | None:
+    """(layers, kv_heads, head_dim) of a model's KV from its config; None where its config cannot be read here or
+    its KV is not one tensor."""
+    from kvcodec.errors import KVCodecError
+    from kvcodec.models.check import inspect_model
+
+    try:
+        spec = inspect_model(model).spec
+    except (KVCodecError, OSError, ValueError):
+        return None
+    if not spec.uniform:
+        return None
+    layers, _, _, heads, dim = spec.groups[0].shape(1)
+    return layers, heads, dim
+
+
 def per_model(options: tuple[str, ...], name: str, models: list[str]) -> dict[str, str]:
     """{model: path} of PATH (every model) / MODEL=PATH options."""
     out: dict[str, str] = {}
@@ -694,6 +710,13 @@ class KVSources:
                 if meta.get("model") and not same_model(meta["model"], model):
                     raise click.BadParameter(
                         f"{path} holds the KV of {meta['model']!r}, not of {model!r}", param_hint="--kv-file"
+                    )
+                want = model_kv_shape(model)  # a file's metadata may be missing or wrong: its shape is checked too
+                if want is not None and (kv.shape[0], kv.shape[3], kv.shape[4]) != want:
+                    raise click.BadParameter(
+                        f"{path} holds KV of (layers, kv_heads, head_dim) {(kv.shape[0], kv.shape[3], kv.shape[4])}; "
+                        f"{model!r}'s is {want}",
+                        param_hint="--kv-file",
                     )
                 if kv.shape[2] < STATS_CHUNK_TOKENS:  # its ratios would be those of one short chunk's overhead
                     raise click.BadParameter(

@@ -555,8 +555,8 @@ class FetchPipeline:
                 return
             try:
                 issued = self._issue()
-            except KVCodecError as e:
-                self._report((self.next_issue - 1, e, None))
+            except Exception as e:  # noqa: BLE001 - this thread ends here: the fetch must hear why, not wait
+                self._report((self.next_issue - 1, _as_fetch_error(self.next_issue - 1, "failed to issue", e), None))
                 return
             if issued is None:
                 self.slots.release()
@@ -564,8 +564,8 @@ class FetchPipeline:
             i, j = issued
             try:
                 blob = self._get(i, j)
-            except KVCodecError as e:
-                self._report((i, e, None))
+            except Exception as e:  # noqa: BLE001
+                self._report((i, _as_fetch_error(i, "failed to get", e), None))
                 return
             if self.begin is not None:  # before the blob is queued: the fetch's thread then takes the work over
                 self.begin(blob)
@@ -846,6 +846,11 @@ def _ready_run(pending: dict[int, tuple], first: int) -> tuple[list[tuple[int, D
             return ready, err
         ready.append((first + len(ready), done))
     return ready, None
+
+
+def _as_fetch_error(i: int, what: str, e: Exception) -> KVCodecError:
+    """`e` itself where it is kvcodec's, else a FetchError of chunk i that chains it."""
+    return e if isinstance(e, KVCodecError) else _failed(i, what, e)
 
 
 def _failed(i: int, what: str, e: Exception) -> FetchError:

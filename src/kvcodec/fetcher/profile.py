@@ -189,9 +189,15 @@ def load_or_calibrate(
         table = {}
     if not recalibrate and isinstance(table, dict) and key in table:
         try:
-            return DecodeProfile.from_json(table[key], "cache")
+            cached = DecodeProfile.from_json(table[key], "cache")
         except (KeyError, TypeError, ValueError):
             log.warning("ignoring malformed cached decode profile %s", key)
+        else:  # a codec whose id does not name its frame sizes (a plugin's) may have others than the cached one
+            if cached.resolutions == tuple(tuple(int(v) for v in r) for r in codec.resolutions):
+                return cached
+            log.info(
+                "cached decode profile %s is of frame sizes %s, not the codec's: calibrating", key, cached.resolutions
+            )
     why = failed_calibration(key)
     if why is not None and not recalibrate:
         raise CalibrationError(f"decode calibration failed earlier in this process: {why}")
