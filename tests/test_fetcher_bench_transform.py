@@ -31,9 +31,14 @@ def _bench(tmp_path, *args: str):
     return CliRunner().invoke(command, [*base, *args])
 
 
-def test_a_transform_method_is_stored_and_fetched_with_the_fetchers_defaults(tmp_path, kv_file, synthetic_kvt):
-    from kvcodec.fetcher.pipeline import CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT
+def test_a_transform_method_is_stored_and_fetched_with_the_fetchers_defaults(
+    tmp_path, kv_file, synthetic_kvt, monkeypatch
+):
+    import kvcodec.fetcher.cache as cache
 
+    # the fetcher's defaults, made distinct from the bench's old ones (4 in flight, 1 decode worker)
+    monkeypatch.setattr(cache, "default_decode_workers", lambda device: 2)
+    monkeypatch.setattr(cache, "default_max_inflight", lambda device, workers: 9)
     res = _bench(tmp_path, "--kv", str(kv_file), "--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt))
     assert res.exit_code == 0, res.output + repr(res.exception)
     (path,) = (tmp_path / "results").glob("fetch-*.json")
@@ -44,8 +49,8 @@ def test_a_transform_method_is_stored_and_fetched_with_the_fetchers_defaults(tmp
     assert list(recs) == ["fixed:0", "raw-fp16"]  # one frame size: nothing for the adaptive policy to pick
     coded, raw = recs["fixed:0"], recs["raw-fp16"]
     assert coded["codec"] == doc["codec"] and coded["method"] == "kvcodec-transform-4"
-    defaults = (CPU_DECODE_WORKERS, CPU_MAX_INFLIGHT, 1)
-    assert (coded["decode_workers"], coded["max_inflight"], coded["net_workers"]) == defaults
+    assert (coded["decode_workers"], coded["max_inflight"], coded["net_workers"]) == (2, 9, 1)
+    assert (raw["decode_workers"], raw["max_inflight"]) == (2, 9)
     assert raw["bit_exact"] and raw["bytes"] / coded["bytes"] > 2.5  # the transform's ratio, near its target of 4
     assert "method kvcodec-transform-4: codec `transform" in path.with_suffix(".md").read_text()
 
@@ -58,6 +63,11 @@ def test_a_bad_transform_is_refused_before_any_kv_is_made(tmp_path, kv_file, syn
         (["--method", "kvcodec-transform-4"], "--transform PATH"),
         (["--method", "kvcodec-int8", "--transform", str(synthetic_kvt)], "kvcodec-transform-<ratio>"),
         (["--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt), "--nvdec-threads", "2"], "HEVC"),
+        (["--method", "kvcodec-transform-x", "--transform", str(synthetic_kvt), "--nvdec-threads", "2"], "ratio"),
+        (["--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt), "--policies", "fixed:1"], "frame size"),
+        (["--policies", "bogus"], "unknown policy"),
+        (["--policies", ","], "no policy"),
+        (["--decode-workers", "0"], "--decode-workers"),
     ]:
         # a model that is not registered: reaching the prefill would fail otherwise
         res = _bench(tmp_path, "--model", "no-such-model", *args)

@@ -649,7 +649,8 @@ def test_a_begun_blob_is_not_parsed_again_and_its_target_is_still_checked(kvt, m
 
     c, kv, chunks, want = _zstd_case(kvt)
     out, outs = _outs(kv, chunks)
-    driver = StageDriver(c, [FakeDecoder()])
+    checked = []  # a fetch's binding check runs on what the blob says it is: here, as begin_host read it
+    driver = StageDriver(c, [FakeDecoder()], lambda tag, info: checked.append((tag, info)))
     for ch in chunks:
         driver.begin(ch.blobs[0])
     parsed = []
@@ -658,6 +659,7 @@ def test_a_begun_blob_is_not_parsed_again_and_its_target_is_still_checked(kvt, m
     wrong = torch.empty((1, 2, chunks[0].tokens, 1, 1), dtype=out.dtype)
     driver.submit_many([(i, ch.blobs[0], wrong if i == 0 else outs[i]) for i, ch in enumerate(chunks)])
     assert not parsed
+    assert checked == [(i, c.inspect_chunk(ch.blobs[0])) for i, ch in enumerate(chunks)]
     got = _collect(driver, len(chunks))
     driver.close()
     assert isinstance(got[0], ShapeError)

@@ -11,7 +11,9 @@ fetch_s, bytes, stage busy times, a per-chunk timeline, and
 
 (the slower stage for the whole prefix, plus one chunk of the other stage to fill/drain the
 pipeline: the least a two-stage pipeline of equal chunks can take), time_over_bound = fetch_s /
-bound_s. decode_s is the measured decode busy time of that run, bandwidth the nominal (mean) rate.
+bound_s. decode_s is the chunks' summed decode-busy time in that run over the decode workers, bandwidth
+the nominal (mean) rate. Zstd-coded transform chunks on CUDA decompress on the host threads, not on the
+decode workers, and their busy time counts from the blob's arrival: for them decode_s and bound_s are rough.
 
 Link: "tc-netns" (redis-server in a network namespace behind a veth pair shaped by tc tbf) when
 permitted, else "token-bucket" (an in-process shaper around a loopback redis-server). Each record
@@ -179,9 +181,24 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 )
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--device", default="cpu", show_default=True, callback=check_device)
-@click.option("--max-inflight", type=int, default=None, help="Chunks in flight per fetch (default: PrefixCache's).")
-@click.option("--decode-workers", type=int, default=None, help="Decoders per fetch (default: PrefixCache's).")
-@click.option("--net-workers", type=int, default=None, help="Concurrent gets per fetch (default: PrefixCache's).")
+@click.option(
+    "--max-inflight",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Chunks in flight per fetch (default: PrefixCache's).",
+)
+@click.option(
+    "--decode-workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Decoders per fetch (default: PrefixCache's; with --nvdec-pool or --nvdec-threads their count, as serve does).",
+)
+@click.option(
+    "--net-workers",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Concurrent gets per fetch (default: PrefixCache's).",
+)
 @click.option(
     "--torch-threads",
     default=1,
@@ -230,7 +247,7 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 )
 @click.option("--out-dir", default=str(RESULTS_DIR), show_default="benchmarks/results")
 def command(**options) -> None:  # noqa: ANN003
-    """Time restoring a stored prefix over a shaped link: fixed vs adaptive resolution vs raw fp16."""
+    """Time restoring a stored prefix over a shaped link: each resolution policy vs raw fp16 KV."""
     import torch
 
     s = Settings(**options)
@@ -239,9 +256,10 @@ def command(**options) -> None:  # noqa: ANN003
     link_kind = resolve_link_kind(s.store_kind, s.link_kind)
     if s.pool_workers > 0 and s.thread_sessions > 0:
         raise click.BadParameter("give --nvdec-pool or --nvdec-threads, not both")
+    codec = method_codec_for(s)  # a bad method, .kvt or policy is refused before any KV is made
     if (s.pool_workers > 0 or s.thread_sessions > 0) and not is_hevc_method(s.method):
         raise click.BadParameter(f"--nvdec-pool and --nvdec-threads restore the HEVC codec, not {s.method!r}")
-    codec = method_codec_for(s)  # a bad method or .kvt is refused before any KV is made
+    check_policies(s.policy_list(len(codec.resolutions)), codec.resolutions)
     ids, kv, source = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
     click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
     check_fits(codec, kv, None if s.kv_path else s.model)
@@ -340,11 +358,37 @@ class Settings:
 
         return CodecConfig(quant=self.quant, chunk_tokens=self.chunk_tokens, streams_per_chunk=self.streams_per_chunk)
 
+    @property
+    def workers(self) -> int | None:
+        """--decode-workers; else, restoring in an NVDEC pool or thread sessions, their count (as `serve` does);
+        else None (PrefixCache's default)."""
+        return self.decode_workers or max(self.pool_workers, self.thread_sessions) or None
+
     def policy_list(self, resolutions: int) -> list[str]:
         """--policies, or each of `resolutions` fixed, adaptive where there are several, and raw-fp16."""
         if self.policies is not None:
             return [p for p in self.policies.split(",") if p]
         return [f"fixed:{j}" for j in range(resolutions)] + ["adaptive"] * (resolutions > 1) + ["raw-fp16"]
+
+
+def check_policies(policies: list[str], resolutions) -> None:  # noqa: ANN001
+    """A usage error for an empty list, or a policy the codec's frame sizes do not allow (fixed:1 with one)."""
+    from kvcodec.fetcher.policy import FixedPolicy, get_policy
+
+    if not policies:
+        raise click.BadParameter("no policy to measure", param_hint="--policies")
+    for p in policies:
+        if p == "raw-fp16":
+            continue
+        try:
+            policy = get_policy(p, resolutions)
+        except KVCodecError as e:
+            raise click.BadParameter(str(e), param_hint="--policies") from e
+        if isinstance(policy, FixedPolicy) and not 0 <= policy.index < len(resolutions):
+            raise click.BadParameter(
+                f"{p}: the method stores {len(resolutions)} frame size(s) {list(resolutions)} (--resolutions)",
+                param_hint="--policies",
+            )
 
 
 def is_hevc_method(method: str) -> bool:
@@ -359,13 +403,14 @@ def method_codec_for(s: Settings, **hevc_options):  # noqa: ANN003, ANN201 - a C
     method this bench cannot store with, or a file that is not a .kvt of one KV tensor."""
     from kvbench.methods import method_codec, transform_ratio
 
-    if s.transform is not None and transform_ratio(s.method) is None:
-        raise click.BadParameter(f"--transform codes the kvcodec-transform-<ratio> methods, not {s.method!r}")
     try:
+        ratio = transform_ratio(s.method)
+        if s.transform is not None and ratio is None:
+            raise click.BadParameter(f"--transform codes the kvcodec-transform-<ratio> methods, not {s.method!r}")
         codec = method_codec(s.method, s.config, transform=s.transform, resolutions=s.res, **hevc_options)
     except (KVCodecError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--method/--transform") from e
-    if transform_ratio(s.method) is not None and getattr(codec, "cal", None) is None:
+    if ratio is not None and getattr(codec, "cal", None) is None:
         raise click.BadParameter(
             f"{s.transform} is a grouped .kvt; this bench stores one KV tensor", param_hint="--transform"
         )
@@ -429,7 +474,7 @@ class FetchRun:
         self.policies = s.policy_list(len(coded.resolutions))
         raw = make_codec("raw", chunk_tokens=s.chunk_tokens, resolutions=(coded.resolutions[0],))
         self.coded = PrefixCache(
-            link.base, s.model, coded, s.device, max_inflight=s.max_inflight, decode_workers=s.decode_workers
+            link.base, s.model, coded, s.device, max_inflight=s.max_inflight, decode_workers=s.workers
         )
         self.raw = PrefixCache(
             link.base,
@@ -437,7 +482,7 @@ class FetchRun:
             raw,
             s.device,
             max_inflight=s.max_inflight,
-            decode_workers=s.decode_workers,
+            decode_workers=s.workers,
             policy="fixed:0",
         )
         self.raw.put(ids, kv)
@@ -502,7 +547,7 @@ class FetchRun:
             s.device,
             policy="fixed:0" if is_raw else pol,
             max_inflight=s.max_inflight,
-            decode_workers=s.decode_workers,
+            decode_workers=s.workers,
             net_workers=s.net_workers,
             profile=None if is_raw else self.profile,
         )
