@@ -634,9 +634,17 @@ def test_a_failure_on_the_network_thread_that_is_not_kvcodecs_fails_the_fetch_in
     waited for its chunks for ever; now the error is the fetch's."""
     kv, ids = make_kv(48), ids_for(48)
     raw_cache.put(ids, kv)
-    raw_cache.profile = DecodeProfile.default(CFG.resolutions[:1])
-    r = raw_cache.fetch(ids, 48)
-    assert r.tokens_restored == 0 and isinstance(r.error, FetchError) and "IndexError" in str(r.error)
+    raw_cache.profile = DecodeProfile.default(CFG.resolutions[:1])  # past the constructor's check of it
+    r = raw_cache.fetch(ids, 48, deadline_s=30)  # were it to come back, the bug fails the test, not hangs it
+    assert (
+        r.tokens_restored == 0
+        and isinstance(r.error, FetchError)
+        and "chunk 0 failed to issue: IndexError" in str(r.error)
+    )
+    with pytest.raises(ConfigError, match="decode profile is of frame sizes"):
+        PrefixCache(open_store("memory://"), "m", RAW, "cpu", profile=DecodeProfile.default(CFG.resolutions[:1]))
+    with pytest.raises(ConfigError, match="net_workers"):
+        PrefixCache(open_store("memory://"), "m", RAW, "cpu", net_workers=0)
 
 
 def test_concurrent_fetches_share_cache(raw_cache):

@@ -63,8 +63,9 @@ class TokenBucketLink:
 
 
 class ThrottledStore(BaseStore):
-    remote = True  # its gets cross the shaped link
     """`store` seen through a TokenBucketLink of `rate_gbit` (or `jitter_trace`)."""
+
+    remote = True  # its gets cross the shaped link
 
     def __init__(
         self,

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from kvcodec.engine.sequence import Request, SamplingParams
-from kvcodec.errors import KVCodecError
 from kvcodec.integrations.hf import cache_kwarg, layer_pairs, make_cache, output_cache, reserved_cache
 from kvcodec.models.check import keeps_recurrent_state
 from kvcodec.models.registry import kv_shape
@@ -78,7 +77,7 @@ def holds_kv_pairs(model: Any) -> bool:
     config = getattr(model, "config", None)
     try:
         kv_shape(model)
-    except (KVCodecError, AttributeError, TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - any config kvcodec cannot read a KV shape from (transformers' per-layer ones raise theirs)
         return False
     return config is not None and not keeps_recurrent_state(config)
 
@@ -139,11 +138,10 @@ class ModelRunner:
 
     def _empty_cache(self, capacity: int) -> Any:
         """A cache with room for `capacity` tokens; None (the model makes its own) for caches
-        whose shape kvcodec cannot tell."""
-        try:
-            layers, kv_heads, head_dim = kv_shape(self.model)
-        except (KVCodecError, AttributeError, TypeError):
+        whose shape kvcodec cannot tell, or that hold more than keys and values (holds_kv_pairs)."""
+        if not self.batchable:
             return None
+        layers, kv_heads, head_dim = kv_shape(self.model)
         target = restore_target(layers, capacity, kv_heads, head_dim, self.device, self.dtype)
         return reserved_cache(layer_storage(target), 0, self.model.config)
 

@@ -186,8 +186,10 @@ class PrefixCache:
         drop_damaged: bool = True,
         **legacy: Any,
     ) -> None:
-        if (max_inflight is not None and max_inflight < 1) or (decode_workers is not None and decode_workers < 1):
-            raise ConfigError("max_inflight and decode_workers must be >= 1 (or None: the device's default)")
+        if any(n is not None and n < 1 for n in (max_inflight, decode_workers, net_workers)):
+            raise ConfigError(
+                "max_inflight, decode_workers and net_workers must be >= 1 (or None: the device's default)"
+            )
         if shard is not None and not isinstance(shard, TPShard):
             raise ConfigError(f"shard must be a TPShard; got {type(shard).__name__}")
         if isinstance(store, str):
@@ -205,6 +207,13 @@ class PrefixCache:
         self.decode_workers = int(decode_workers or default_decode_workers(self.device))
         self.max_inflight = int(max_inflight or default_max_inflight(self.device, self.decode_workers))
         self.net_workers = max(1, min(int(net_workers or default_net_workers(self.device, store)), self.max_inflight))
+        if profile is not None and profile.resolutions != tuple(
+            tuple(int(v) for v in r) for r in self.codec.resolutions
+        ):
+            raise ConfigError(
+                f"the decode profile is of frame sizes {list(profile.resolutions)}; the codec's are "
+                f"{list(self.codec.resolutions)}"
+            )
         self.profile = profile
         self.bandwidth = BandwidthEstimator(initial_gbit, bandwidth_alpha)
         self.store_partial = store_partial

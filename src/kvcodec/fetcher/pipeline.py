@@ -555,8 +555,8 @@ class FetchPipeline:
                 return
             try:
                 issued = self._issue()
-            except Exception as e:  # noqa: BLE001 - this thread ends here: the fetch must hear why, not wait
-                self._report((self.next_issue - 1, _as_fetch_error(self.next_issue - 1, "failed to issue", e), None))
+            except _IssueError as e:  # this thread ends here: the fetch must hear why, not wait
+                self._report((e.index, e.error, None))
                 return
             if issued is None:
                 self.slots.release()
@@ -579,24 +579,31 @@ class FetchPipeline:
             if i >= len(self.plan.metas):
                 return None
             self.next_issue += 1
-            m = self.plan.metas[i]
-            dpred = [self.profile.predict(j, m.values) for j in range(len(m.sizes))]
-            rest_sizes, rest_dec = self._rest_means(i)
-            ctx = ChoiceContext(
-                m.sizes,
-                dpred,
-                self.est.bytes_per_s,
-                sum(self.backlog.values()),
-                self.s.decode_workers,
-                len(self.plan.metas) - i - 1,
-                rest_sizes,
-                rest_dec,
-                self.est.latency_s,
-            )
-            j = self.policy.choose(ctx)
-            self.backlog[i] = dpred[j]
-            self.inflight += 1
-            self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
+            try:
+                return self._choose(i)
+            except Exception as e:  # noqa: BLE001 - chunk i's error, whatever raised it (a policy, a profile)
+                raise _IssueError(i, _as_fetch_error(i, "failed to issue", e)) from e
+
+    def _choose(self, i: int) -> tuple[int, int]:
+        """Chunk i issued (under the lock): the resolution the policy picks for it, its timing started."""
+        m = self.plan.metas[i]
+        dpred = [self.profile.predict(j, m.values) for j in range(len(m.sizes))]
+        rest_sizes, rest_dec = self._rest_means(i)
+        ctx = ChoiceContext(
+            m.sizes,
+            dpred,
+            self.est.bytes_per_s,
+            sum(self.backlog.values()),
+            self.s.decode_workers,
+            len(self.plan.metas) - i - 1,
+            rest_sizes,
+            rest_dec,
+            self.est.latency_s,
+        )
+        j = self.policy.choose(ctx)
+        self.backlog[i] = dpred[j]
+        self.inflight += 1
+        self.stats.peak_inflight = max(self.stats.peak_inflight, self.inflight)
         self.timings[i] = ChunkTiming(
             i, j, m.sizes[j], m.tokens, bw_estimate_gbit=self.est.gbit, predicted_decode_s=dpred[j]
         )
@@ -846,6 +853,14 @@ def _ready_run(pending: dict[int, tuple], first: int) -> tuple[list[tuple[int, D
             return ready, err
         ready.append((first + len(ready), done))
     return ready, None
+
+
+class _IssueError(Exception):
+    """Issuing chunk `index` failed with `error` (the chunk it names is known only under the lock)."""
+
+    def __init__(self, index: int, error: KVCodecError) -> None:
+        super().__init__(str(error))
+        self.index, self.error = index, error
 
 
 def _as_fetch_error(i: int, what: str, e: Exception) -> KVCodecError:
