@@ -207,9 +207,7 @@ class PrefixCache:
         self.decode_workers = int(decode_workers or default_decode_workers(self.device))
         self.max_inflight = int(max_inflight or default_max_inflight(self.device, self.decode_workers))
         self.net_workers = max(1, min(int(net_workers or default_net_workers(self.device, store)), self.max_inflight))
-        if profile is not None and profile.resolutions != tuple(
-            tuple(int(v) for v in r) for r in self.codec.resolutions
-        ):
+        if profile is not None and not profile.fits(self.codec.resolutions):
             raise ConfigError(
                 f"the decode profile is of frame sizes {list(profile.resolutions)}; the codec's are "
                 f"{list(self.codec.resolutions)}"

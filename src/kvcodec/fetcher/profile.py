@@ -73,6 +73,10 @@ class DecodeProfile:
         n = len(resolutions)
         return cls(tuple(tuple(r) for r in resolutions), [1.0 / values_per_s] * n, [0.0] * n, "default")
 
+    def fits(self, resolutions) -> bool:  # noqa: ANN001
+        """Whether this profile is of exactly these frame sizes (a codec's), in their order."""
+        return self.resolutions == tuple(tuple(int(v) for v in r) for r in resolutions)
+
     def predict(self, r: int, values: int) -> float:
         return self.overhead_s[r] + values * self.seconds_per_value[r]
 
@@ -193,7 +197,7 @@ def load_or_calibrate(
         except (KeyError, TypeError, ValueError):
             log.warning("ignoring malformed cached decode profile %s", key)
         else:  # a codec whose id does not name its frame sizes (a plugin's) may have others than the cached one
-            if cached.resolutions == tuple(tuple(int(v) for v in r) for r in codec.resolutions):
+            if cached.fits(codec.resolutions):
                 return cached
             log.info(
                 "cached decode profile %s is of frame sizes %s, not the codec's: calibrating", key, cached.resolutions
