@@ -576,6 +576,17 @@ def test_get_policy_names():
         get_policy("nope")
 
 
+@pytest.mark.parametrize("spec", ["fixed:2", "fixed:-1", "fixed:", "fixed:5x", "fixed:1x2x3", "fixed:ax512"])
+def test_get_policy_refuses_a_fixed_resolution_the_codec_lacks(spec):
+    with pytest.raises(ConfigError, match="policy"):
+        get_policy(spec, CFG.resolutions)  # two frame sizes: indices 0 and 1
+
+
+def test_prefix_cache_refuses_a_fixed_index_past_its_frame_sizes_at_once():
+    with pytest.raises(ConfigError, match="fixed:7"):
+        PrefixCache(open_store("memory://"), "m", CFG, "cpu", policy="fixed:7")
+
+
 def test_bandwidth_estimator_tracks_rate_and_overlap():
     est = BandwidthEstimator(initial_gbit=1.0, alpha=0.5)
     t = 0.0

@@ -373,7 +373,7 @@ class Settings:
 
 def check_policies(policies: list[str], resolutions) -> None:  # noqa: ANN001
     """A usage error for an empty list, or a policy the codec's frame sizes do not allow (fixed:1 with one)."""
-    from kvcodec.fetcher.policy import FixedPolicy, get_policy
+    from kvcodec.fetcher.policy import get_policy
 
     if not policies:
         raise click.BadParameter("no policy to measure", param_hint="--policies")
@@ -381,14 +381,9 @@ def check_policies(policies: list[str], resolutions) -> None:  # noqa: ANN001
         if p == "raw-fp16":
             continue
         try:
-            policy = get_policy(p, resolutions)
+            get_policy(p, resolutions)
         except KVCodecError as e:
-            raise click.BadParameter(str(e), param_hint="--policies") from e
-        if isinstance(policy, FixedPolicy) and not 0 <= policy.index < len(resolutions):
-            raise click.BadParameter(
-                f"{p}: the method stores {len(resolutions)} frame size(s) {list(resolutions)} (--resolutions)",
-                param_hint="--policies",
-            )
+            raise click.BadParameter(f"{e} (--resolutions)", param_hint="--policies") from e
 
 
 def is_hevc_method(method: str) -> bool:

@@ -101,21 +101,31 @@ def register_policy(name: str, factory: Callable[[str], ResolutionPolicy]) -> No
 
 
 def get_policy(spec: str | ResolutionPolicy, resolutions: Sequence[tuple[int, int]] = ()) -> ResolutionPolicy:
-    """A policy from its name: "adaptive", "min-bytes", "min-decode", "fixed:J" or "fixed:WxH"."""
+    """A policy from its name: "adaptive", "min-bytes", "min-decode", "fixed:J" or "fixed:WxH". Where the
+    codec's `resolutions` are given, a fixed policy must name one of them (ConfigError)."""
     if not isinstance(spec, str):
         return spec
     name, _, arg = spec.partition(":")
     if name == "fixed":
+        return FixedPolicy(_fixed_index(spec, arg, [tuple(r) for r in resolutions]))
+    if name not in _POLICIES:
+        raise ConfigError(f"unknown policy {spec!r}; known: {sorted(_POLICIES) + ['fixed:J', 'fixed:WxH']}")
+    return _POLICIES[name](arg)
+
+
+def _fixed_index(spec: str, arg: str, resolutions: list[tuple]) -> int:
+    """The resolution index a "fixed:J" or "fixed:WxH" policy names, checked against `resolutions` where given."""
+    try:
         if "x" in arg:
             w, h = (int(v) for v in arg.split("x"))
-            try:
-                return FixedPolicy(list(map(tuple, resolutions)).index((w, h)))
-            except ValueError:
-                raise ConfigError(f"policy {spec!r}: {w}x{h} is not among {list(resolutions)}") from None
-        try:
-            return FixedPolicy(int(arg))
-        except ValueError:
-            raise ConfigError(f"policy {spec!r}: expected fixed:INDEX or fixed:WxH") from None
-    if name not in _POLICIES:
-        raise ConfigError(f"unknown policy {spec!r}; known: {sorted(_POLICIES) + ['fixed:J']}")
-    return _POLICIES[name](arg)
+        else:
+            index = int(arg)
+    except ValueError:
+        raise ConfigError(f"policy {spec!r}: expected fixed:INDEX or fixed:WxH") from None
+    if "x" in arg:
+        if (w, h) not in resolutions:
+            raise ConfigError(f"policy {spec!r}: {w}x{h} is not among the codec's frame sizes {resolutions}")
+        return resolutions.index((w, h))
+    if index < 0 or (resolutions and index >= len(resolutions)):
+        raise ConfigError(f"policy {spec!r}: not an index of the codec's frame sizes {resolutions}")
+    return index
