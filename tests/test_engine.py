@@ -413,3 +413,26 @@ def test_reuse_frees_its_buffers_without_the_collector(smol, tmp_path: pathlib.P
                 assert all(o.restored_tokens >= 2 * CHUNK for o in out)
 
         assert cyclic_buffers(requests) == []
+
+
+def test_health_allows_a_running_prefill_forward_its_predicted_time(smol, tmp_path: pathlib.Path):
+    """A long prompt's one forward is work, not a stall: while it runs /health's limit grows by
+    FORWARD_ALLOWANCE times its predicted time; after it, the limit is stall_s again."""
+    from kvcodec.engine.engine import FORWARD_ALLOWANCE
+
+    with make_engine(smol, f"file://{tmp_path}", stall_s=1.0) as eng:
+        seen = []
+        forward = eng.runner.prefill_chunk
+
+        def watched(req, n):  # noqa: ANN001, ANN202
+            seen.append((n, eng.prefill_rate.deadline_s(n), eng.health()["limit_s"]))
+            return forward(req, n)
+
+        eng.runner.prefill_chunk = watched
+        ps = prompts(smol[1])
+        eng.generate(ps[:1], max_new_tokens=1, reuse=False, store=False)  # measures the prefill rate
+        eng.generate(ps[1:], max_new_tokens=1, reuse=False, store=False)
+        n, predicted, limit = seen[-1]
+        assert predicted is not None and predicted > 0
+        assert limit == pytest.approx(1.0 + FORWARD_ALLOWANCE * predicted)
+        assert eng.health()["limit_s"] == 1.0

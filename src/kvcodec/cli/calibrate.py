@@ -111,7 +111,10 @@ def _load_kv_files(paths) -> tuple[list, dict]:
         metas.append(meta)
     models = {m.get("model") for m in metas}
     if len(models) > 1:
-        raise ConfigError(f"KV files come from different models: {sorted(map(str, models))}")
+        named = ", ".join(
+            f"{p}: {m.get('model') or 'no model named (not from kvcodec extract)'}" for p, m in zip(paths, metas)
+        )
+        raise ConfigError(f"KV files come from different models: {named}")
     if len({type(k).__name__ for k in kvs}) > 1 or len({getattr(k, "spec", None) for k in kvs}) > 1:
         raise ConfigError("KV files hold caches of different layouts (layer groups)")
     meta = dict(metas[0])

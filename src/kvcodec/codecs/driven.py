@@ -42,8 +42,9 @@ the chunk here and pushes each of its videos at once to the native feeder thread
 session (nvcuvid._FedRun), which decodes its frames straight into the piece's buffer; poll() hands
 back the chunks whose every piece is complete; submit_many() does so for every blob a fetch holds,
 the chunks with videos first (a video chunk takes NVDEC ~4 ms, the host work of one without ~1 ms).
-No Python thread per session: the per-chunk host work of a fetch runs on one thread (the one that
-also launches the math), where decode worker threads queued for the interpreter lock behind each
+No Python thread per session: a fetch's per-chunk Python work runs on its restore thread (the one that
+also launches the math), apart from what the network thread begins for each blob as it arrives
+(begin_host); decode worker threads, one per session, queued for the interpreter lock behind each
 other (benchmarks/results/fetch-h200-issue21.md).
 """
 

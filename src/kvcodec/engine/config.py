@@ -62,8 +62,9 @@ class EngineConfig:
         process); past it new stores are dropped (logged and counted), so queued cache slices
         never grow without bound.
     max_context: longest prompt + output in tokens; None: the model's max_position_embeddings.
-    stall_s: /health reports a stalled engine after this long without a finished iteration while
-        work is pending.
+    stall_s: /health reports a stalled engine after this long without a finished iteration or
+        prefill piece while work is pending (while a prefill forward runs, 4x its time predicted
+        from the measured prefill rate more).
     batch_decode: one forward for the whole running batch per decode step.
     sdpa_backends: the torch scaled-dot-product attention kernels the model may use, in
         SDPA_BACKENDS names; None: torch's own choice. The default leaves out cuDNN, which plans

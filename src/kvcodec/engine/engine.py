@@ -41,6 +41,7 @@ from kvcodec.kvspec.serving import layout_for
 from kvcodec.models.check import check_codable
 
 log = logging.getLogger(__name__)
+FORWARD_ALLOWANCE = 4.0  # /health: a prefill forward may take this many times its predicted time beyond stall_s
 
 
 def _load(model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype | None) -> tuple[Any, Any]:
@@ -131,6 +132,7 @@ class Engine:
         self._closed = False
         self._step_lock = threading.Lock()
         self._last_progress = time.monotonic()
+        self._forward_allowance_s = 0.0  # a prefill forward under way may run this long beyond stall_s
         if cfg.reuse and cfg.fetch_deadline_s == AUTO and prefix_cache is not None:
             self._measure_prefill()
         if cfg.reuse and prefix_cache is not None:  # kernels and pinned staging before the first fetch
@@ -278,7 +280,12 @@ class Engine:
             req.prefill_start_time = t0
             if req.restored_to_prefill_s is not None:
                 self.metrics.restored_to_prefill.observe(req.restored_to_prefill_s)
-        logits = self.runner.prefill_chunk(req, n)
+        self._forward_allowance_s = FORWARD_ALLOWANCE * (self.prefill_rate.deadline_s(n) or 0.0)
+        try:
+            logits = self.runner.prefill_chunk(req, n)
+        finally:
+            self._forward_allowance_s = 0.0
+            self._last_progress = time.monotonic()  # a piece prefilled is progress
         self.prefill_rate.observe(n, time.perf_counter() - t0)
         self.metrics.prefill_tokens.inc(n)
         if logits is None:
@@ -440,13 +447,16 @@ class Engine:
                     self._finish(req, "error")
 
     def health(self) -> dict[str, Any]:
-        """{"ok", "stalled_s", "alive", "queue"}: not ok when the step loop died, or made no progress
-        for config.stall_s seconds while requests were waiting to run."""
+        """{"ok", "stalled_s", "limit_s", "alive", "queue"}: not ok when the step loop died, or made no
+        progress for limit_s seconds while requests were waiting to run: config.stall_s, and while a
+        prefill forward runs, FORWARD_ALLOWANCE times its predicted time more (a long prompt's one
+        forward on a slow device is work, not a stall)."""
         counts = self.scheduler.counts()
         alive = self._loop is None or self._loop.is_alive()
         busy = bool(counts["running"] or counts["waiting"] or counts["ready"])
         since = time.monotonic() - self._last_progress if busy else 0.0
-        return {"ok": alive and since < self.config.stall_s, "stalled_s": since, "alive": alive, "queue": counts}
+        limit = self.config.stall_s + self._forward_allowance_s
+        return {"ok": alive and since < limit, "stalled_s": since, "limit_s": limit, "alive": alive, "queue": counts}
 
     def stop(self, abort: bool = False) -> None:
         """Stop the step loop after its current step; abort=True also ends every unfinished request

@@ -13,8 +13,11 @@ ready at that moment in one call (the transform codec's math, batched over those
 CUDA of a codec that can be driven (codecs/driven.py: the transform and HEVC codecs) has no decode
 workers: the in-order restore's thread also stages each blob as it arrives, its videos pushed to a
 native feeder thread per NVDEC session (driven.StageDriver; KVCODEC_DRIVEN=0 for the workers), and
-finishes the chunks the sessions complete in order, in batches, with the codec's driven finish; two
-Python threads share the interpreter lock instead of nine (benchmarks/results/fetch-h200-issue21.md).
+finishes the chunks the sessions complete in order, in batches, with the codec's driven finish; the network
+thread begins each blob's host work as it arrives (driven.StageDriver.begin: the transform codec's zstd on
+native threads). The restore thread and one network thread per get in flight (default_net_workers: two from a
+store across a link on CUDA, else one) share the interpreter lock, not nine threads
+(benchmarks/results/fetch-h200-issue21.md).
 A blob is decoded only after its header names the key, chunk, first token and shape the fetch asked for (a store serving another
 prefix's KV is caught here); a chunk failing a check is reported through `on_bad_chunk` (the
 cache drops its meta, so the next put rewrites it).
