@@ -20,12 +20,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
-    """(the process, its base URL) of `kvcodec serve ARGS --port PORT`; the test fails with the
-    server's last output where it exits or is not healthy within START_S."""
+def start_serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """(the process, its base URL) of `kvcodec serve ARGS --port PORT` (env: more environment variables);
+    the test fails with the server's last output where it exits or is not healthy within START_S."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvcodec.cli.main", "serve", *args, "--port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     _wait_healthy(proc, base)

@@ -125,6 +125,19 @@ def test_chat_text_that_holds_a_turn_marker_is_refused_not_rendered_into_one(cli
     assert c.post("/v1/chat/completions", json=near).status_code == 200
 
 
+def test_messages_the_chat_template_refuses_are_a_400_naming_them(client, monkeypatch):
+    c, eng = client
+    refusing = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    )
+    monkeypatch.setattr(eng.tokens.tokenizer, "chat_template", refusing + "{{ messages[0]['content'] }}")
+    r = c.post("/v1/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 400 and "roles must alternate" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "messages"
+    ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+
+
 def test_a_request_the_engine_fails_or_stops_is_a_server_error_not_a_200(client, monkeypatch):
     """An engine failure (injected: the sampler's faults reachable from the door are fixed) and an
     abort answered 200 with the partial text and finish_reason error / abort."""

@@ -142,3 +142,21 @@ def test_sigterm_of_a_busy_server_stops_it_within_seconds(server):
     assert time.monotonic() - t0 < 10, out[-2000:]
     # the encode workers' start barrier outlived the process (uvicorn ends it by the signal, no exit handlers)
     assert "leaked semaphore" not in out, out[-2000:]
+
+
+def test_the_default_temporary_store_is_deleted_when_the_server_stops(tmp_path, smollm2):
+    """Without --store, serve stores into a temporary directory of its own: gone once it stops."""
+    proc, base = start_serve(
+        "--model", "smollm2-135m", "--device", "cpu", "--quant", "exact", env={"TMPDIR": str(tmp_path)}
+    )
+    try:
+        made = list(tmp_path.glob("kvcodec-store-*"))
+        assert len(made) == 1 and made[0].is_dir()
+        assert _answer(_post(base, {"prompt": "The store keeps", "max_tokens": 2}))  # something stored
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not list(tmp_path.glob("kvcodec-store-*")), proc.stdout.read()[-2000:]

@@ -35,7 +35,8 @@ from kvcodec.cli.options import (
     "--store",
     "store_url",
     default=None,
-    help="KV store URL (file://, memory://, redis://); default: a temp file:// dir.",
+    help="KV store URL (file://, memory://, redis://); default: a temporary file:// directory, deleted on exit "
+    "(memory:// with --no-reuse --no-store).",
 )
 @click.option(
     "--codec",
@@ -195,6 +196,7 @@ def command(
     almost always, but a temperature-0 answer whose top two tokens nearly tie can change after
     its prefix is restored (1 of 4 prompts in one test). Use --quant exact where that matters.
     """
+    import shutil
     import tempfile
 
     from kvcodec.engine import Engine, StorePolicy
@@ -221,8 +223,10 @@ def command(
     codec = build_codec(name, options, flags)  # a bad codec, option or .kvt is refused before pools or the model start
     if not (no_reuse and no_store):
         check_transform_fits_model(codec, model_name)
+    temp_store = None
     if store_url is None:  # made once every check passed: a refused start leaves no empty directory behind
-        store_url = "file://" + tempfile.mkdtemp(prefix="kvcodec-store-")
+        temp_store = None if no_reuse and no_store else tempfile.mkdtemp(prefix="kvcodec-store-")
+        store_url = "memory://" if temp_store is None else "file://" + temp_store
     pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
     try:
         if pool is not None:
@@ -252,10 +256,12 @@ def command(
             sdpa_backends=sdpa_backends,
         )
         _check_codec_fits(codec, engine)
-        serve(engine, model_name, host=host, port=port)
+        serve(engine, model_name, host=host, port=port)  # closes the engine: its stores are written or dropped
     finally:
         if pool is not None:
             pool.close()
+        if temp_store is not None:
+            shutil.rmtree(temp_store, ignore_errors=True)
 
 
 def _check_codec_fits(codec: Any, engine: Any) -> None:

@@ -62,7 +62,12 @@ class Tokens:
                 raise ConfigError(f"message {i} holds the model's control token {found!r}; message text cannot")
         tmpl = getattr(self.tokenizer, "chat_template", None)
         if tmpl:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            try:
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:
+                if not _template_refusal(e):
+                    raise
+                raise ConfigError(f"the model's chat template refuses these messages: {e}") from None
         else:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.encode(text)
@@ -80,3 +85,9 @@ class Tokens:
                 continue
             ids.update(v if isinstance(v, (list, tuple, set)) else [v])
         return {int(i) for i in ids}
+
+
+def _template_refusal(e: Exception) -> bool:
+    """Whether a chat template's failure is its verdict on the messages (its raise_exception, a role or
+    order it does not take: jinja2's errors, ValueError, TypeError), not a fault of the server."""
+    return isinstance(e, (ValueError, TypeError)) or type(e).__module__.split(".")[0] == "jinja2"

@@ -3,6 +3,7 @@ server stops within seconds instead of waiting for its longest generation."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Any
 
@@ -24,8 +25,16 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def _exit_on_sigterm(sig: int, frame: Any) -> None:
+    raise SystemExit(128 + sig)
+
+
 def serve(engine: Any, model_name: str, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `engine` until a stop signal; the engine is closed on the way out."""
+    """Serve `engine` until a stop signal; the engine is closed on the way out. uvicorn raises the stop
+    signal again once it has shut down: SIGTERM then leaves as SystemExit (status 143), so the caller's
+    cleanup runs (serve's temporary store is deleted), where its default action would end the process."""
     app = create_app(engine, model_name, close_on_shutdown=True)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=GRACEFUL_S)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _Server(config, engine).run()
