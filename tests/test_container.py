@@ -525,3 +525,30 @@ def test_a_chunk_laid_out_otherwise_than_its_files_others_is_refused(kv, edit):
     assert (kvcodec.decode(data).float() - kv.float()).abs().max() < 0.1
     with pytest.raises(FormatError, match="header was altered"):
         kvcodec.decode(_with_layout_of_chunk_1(data, edit))
+
+
+def _without_last_chunk(data: bytes) -> bytes:
+    """A file whose header was edited to list one chunk fewer, its payload cut to match, every checksum recomputed."""
+    header, payload = read_object(data, b"KVCF", "object")
+    last = len(header["chunk_tokens"]) - 1
+    kept = [b for b in header["blobs"] if b["chunk_index"] != last]
+    header["blobs"], header["tokens"] = kept, header["tokens"] - header["chunk_tokens"][-1]
+    header["chunk_tokens"] = header["chunk_tokens"][:-1]
+    return write_object(b"KVCF", header, [bytes(payload[: max(b["offset"] + b["length"] for b in kept)])])
+
+
+def test_a_file_edited_to_lose_its_last_chunk_is_refused_not_read_shorter(encoded):
+    # each chunk's key names the file's chunk count: a consistent header edit cannot drop the tail
+    refused(_without_last_chunk(encoded), "key", "lost chunks")
+
+
+def test_files_whose_chunk_keys_name_no_count_still_decode(kv, monkeypatch):
+    """Files written before the count was bound carry `<file_id>/<index>`: still read."""
+    from kvcodec.codecs.hevc import file as hevc_file
+
+    monkeypatch.setattr(hevc_file, "file_chunk_key", lambda file_id, index, count: f"{file_id}/{index}")
+    legacy = kvcodec.encode(kv, CONFIG)
+    monkeypatch.undo()
+    header, payload = read_object(legacy, b"KVCF", "object")
+    assert header["file_id"] and f'{header["file_id"]}/0"'.encode() in bytes(payload)  # the key as written then
+    assert torch.equal(kvcodec.decode(legacy), kvcodec.decode(kvcodec.encode(kv, CONFIG)))

@@ -62,3 +62,46 @@ def test_damaged_or_foreign_files_are_refused():
         inspect_grouped(codec.encode_chunks(_kv(8))[0].blobs[0])  # a chunk blob, not a file
     with pytest.raises(ConfigError):
         encode_grouped(_kv(8), make_codec("raw"))
+
+
+def _edited(data: bytes, edit) -> bytes:
+    """A grouped file with its header edited by edit(header) and its header checksum recomputed."""
+    from kvcodec.container.format import read_object, write_object
+
+    header, payload = read_object(data, b"KVGF", "grouped file")
+    edit(header)
+    end = max(b["offset"] + b["length"] for b in header["blobs"])  # blobs dropped from the end: their bytes too
+    return write_object(b"KVGF", header, [bytes(payload[:end])])
+
+
+def _drop_last_chunk(h: dict) -> None:
+    last = (h["stop"] - 1) // h["chunk_tokens"]
+    h["blobs"] = [b for b in h["blobs"] if b["chunk_index"] != last]
+    h["stop"] = last * h["chunk_tokens"]
+    h["starts"] = [min(s, h["stop"]) for s in h["starts"]]
+
+
+def _retype(h: dict) -> None:
+    h["spec"]["dtype"] = "float16"
+
+
+def _later_start(h: dict) -> None:
+    h["starts"][1] = 20  # the full group said to hold positions from 20, not 0
+
+
+@pytest.mark.parametrize("edit,field", [(_retype, "spec"), (_later_start, "parts"), (_drop_last_chunk, "key")])
+def test_consistent_header_edits_are_refused_not_decoded_into_other_values(edit, field):
+    """A file header edited consistently (its checksum recomputed): another dtype, a group's later first
+    position, the last chunk dropped. Each decoded before without an error: values cast, positions lost, a
+    shorter prefix."""
+    codec = GroupedCodec(make_codec("raw", chunk_tokens=8))
+    kv = _kv(24)
+    data = encode_grouped(kv, codec)
+    assert decode_grouped(data, codec).equal(kv)
+    bad = _edited(data, edit)
+    with pytest.raises(FormatError, match=f"says {field}="):
+        decode_grouped(bad, codec)
+    from kvcodec.codecs.grouped_file import describe
+
+    with pytest.raises(FormatError):
+        describe(bad)

@@ -128,7 +128,9 @@ def test_inspect_describes_a_chunk_blob_as_a_store_holds_it(made, tmp_path):
     blob = data[start : start + next(iter(describe(data)["chunk_bytes"].values()))[0]]
     info = describe(blob)
     assert set(CORE) <= set(info) and info["magic"] == CHUNK_MAGIC.get(name, "KVCG"), info
-    assert (info["chunks"], info["chunk_index"], info["start_token"]) == (1, 0, 0) and info["key"].endswith("/0")
+    assert (info["chunks"], info["chunk_index"], info["start_token"]) == (1, 0, 0) and info["key"].endswith(
+        f"/0/{-(-tokens // codec.chunk_tokens)}"
+    )
     assert info["tokens"] == min(codec.chunk_tokens, tokens) and info["file_bytes"] == len(blob)
     r = _inspect(tmp_path, blob)
     assert r.exit_code == 0 and f"chunk       0: tokens 0-{info['tokens'] - 1} " in r.output, r.output

@@ -20,7 +20,15 @@ import torch
 
 from kvcodec.codecs.grouped import GROUPED_VERSION, READABLE_VERSIONS, GroupedCodec, chunk_info, spec_of
 from kvcodec.container import validate as v
-from kvcodec.container.format import BLOB_FIELDS, content_id, crc32, read_object, write_object
+from kvcodec.container.format import (
+    BLOB_FIELDS,
+    content_id,
+    crc32,
+    file_chunk_key,
+    file_chunk_key_fits,
+    read_object,
+    write_object,
+)
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 from kvcodec.kvspec import GroupedKV, KVSpec
@@ -35,7 +43,8 @@ def encode_grouped(kv: GroupedKV, codec: GroupedCodec) -> bytes:
         raise ConfigError(f"encode_grouped needs a GroupedCodec; got {type(codec).__name__}")
     blobs, payloads, offset = [], [], 0
     file_id = content_id(kv.tensors, codec.id, json.dumps(kv.spec.to_dict(), sort_keys=True), str(kv.starts))
-    keys = [chunk_key(file_id, n) for n in range(-(-kv.stop // codec.chunk_tokens))]
+    count = -(-kv.stop // codec.chunk_tokens)
+    keys = [file_chunk_key(file_id, n, count) for n in range(count)]
     for chunk in codec.encode_chunks(kv, keys=keys):
         for res, blob in zip(chunk.resolutions, chunk.blobs):
             blobs.append(
@@ -61,11 +70,6 @@ def encode_grouped(kv: GroupedKV, codec: GroupedCodec) -> bytes:
         "blobs": blobs,
     }
     return write_object(MAGIC, header, payloads)
-
-
-def chunk_key(file_id: str | None, index: int) -> str | None:
-    """The key chunk `index` of a file carries (version 2: bound to the file's content id)."""
-    return None if file_id is None else f"{file_id}/{index}"
 
 
 _BLOB = v.record(BLOB_FIELDS)  # as a dict
@@ -151,33 +155,56 @@ def decode_grouped(
     except ShapeError as e:
         raise FormatError(f"grouped file header: {e}") from e
     for b in chunks:
-        blob = _verified_blob(header, payload, b, codec.inspect_chunk)
+        blob = _verified_blob(header, spec, payload, b, codec.inspect_chunk)
         start = b["chunk_index"] * ct
         codec.decode_chunk(blob, out.view(start, min(start + ct, stop)))
     return out
 
 
-def _verified_blob(header: dict[str, Any], payload: memoryview, b: dict[str, Any], inspect_chunk) -> memoryview:
+def _verified_blob(
+    header: dict[str, Any], spec: KVSpec, payload: memoryview, b: dict[str, Any], inspect_chunk
+) -> memoryview:
     """Blob entry `b`'s bytes, checksummed, its header (`inspect_chunk(blob)`) saying it is the
     chunk the entry lists."""
     blob = payload[b["offset"] : b["offset"] + b["length"]]
     if crc32(blob) != b["crc32"]:
         raise ChecksumError(f"grouped file: chunk {b['chunk_index']} checksum mismatch")
-    ct, index = header["chunk_tokens"], b["chunk_index"]
-    start = index * ct
-    tokens = min(start + ct, header["stop"]) - start
-    _check_chunk(inspect_chunk(blob), index, start, tokens, chunk_key(header["file_id"], index))
+    _check_chunk(inspect_chunk(blob), header, spec, b["chunk_index"])
     return blob
 
 
-def _check_chunk(info, index: int, start: int, tokens: int, key: str | None) -> None:
-    """Refuse a chunk blob that is not chunk `index` of this file (its place, or its file: the key)."""
-    want = {"index": index, "start_token": start, "tokens": tokens, "key": key}
+def expected_parts(starts: list[int], start: int, stop: int) -> list[tuple[int, int, int]]:
+    """(group, first position, positions) of each group's part in the chunk of positions [start, stop) of a
+    file whose groups hold positions from `starts`: what the chunk holds of each, in group order. Pure."""
+    firsts = [(g, max(s, start)) for g, s in enumerate(starts)]
+    return [(g, first, stop - first) for g, first in firsts if first < stop]
+
+
+def _check_chunk(info, header: dict[str, Any], spec: KVSpec, index: int) -> None:
+    """Refuse a chunk blob that is not chunk `index` of this file: its place, its file and the file's chunk
+    count (the key), the file's spec (dtype included) and each group's positions the file's starts give."""
+    ct, stop = header["chunk_tokens"], header["stop"]
+    start = index * ct
+    end = min(start + ct, stop)
+    count, file_id = -(-stop // ct), header["file_id"]
+    want = {"index": index, "start_token": start, "tokens": end - start}
+    if not file_chunk_key_fits(info.key, file_id, index, count):
+        want["key"] = file_chunk_key(file_id, index, count)
+    if info.spec is not None and info.spec != spec:
+        want["spec"] = spec
+    parts = getattr(info, "parts", None)
+    if parts is not None and [(p.group, p.start, p.tokens) for p in parts] != expected_parts(
+        header["starts"], start, end
+    ):
+        want["parts"] = expected_parts(header["starts"], start, end)
     for name, value in want.items():
-        if getattr(info, name) != value:
+        got = getattr(info, name)
+        if name == "parts":
+            got = [(p.group, p.start, p.tokens) for p in got]
+        if got != value:
             raise FormatError(
-                f"grouped file: the chunk listed as chunk {index} says {name}={getattr(info, name)}; expected {value} "
-                "(a chunk moved or of another file)"
+                f"grouped file: the chunk listed as chunk {index} says {name}={got}; expected {value} "
+                "(a chunk moved, of another file, or a file header edited)"
             )
 
 
@@ -208,7 +235,7 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
     info = inspect_grouped(data)
     chunk_bytes: dict[str, list[int]] = {}
     for b in sorted(header["blobs"], key=lambda b: b["chunk_index"]):
-        _verified_blob(header, payload, b, chunk_info)
+        _verified_blob(header, spec, payload, b, chunk_info)
         chunk_bytes.setdefault("x".join(map(str, b["resolution"])), []).append(b["length"])
     fp16_bytes = 2 * sum(math.prod(g.shape(header["stop"] - s)) for g, s in zip(spec.groups, header["starts"]))
     for g, group in zip(spec.groups, info["groups"]):

@@ -207,7 +207,7 @@ class FileHeader:
     config: dict[str, Any]
     chunk_tokens: tuple[int, ...]  # tokens of each chunk
     blobs: tuple[BlobEntry, ...]
-    file_id: str | None = None  # content id; chunk i carries the key file_chunk_key(file_id, i)
+    file_id: str | None = None  # content id; chunk i of n carries the key file_chunk_key(file_id, i, n)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -257,9 +257,16 @@ _FILE_FIELDS = {
 }
 
 
-def file_chunk_key(file_id: str | None, index: int) -> str | None:
-    """The key chunk `index` of a file carries: bound to the file's content id (None: unbound)."""
-    return None if file_id is None else f"{file_id}/{index}"
+def file_chunk_key(file_id: str | None, index: int, count: int) -> str | None:
+    """The key chunk `index` of a file of `count` chunks carries: bound to the file's content id and to its
+    chunk count, so that a file header edited to list fewer chunks is refused (None: unbound)."""
+    return None if file_id is None else f"{file_id}/{index}/{count}"
+
+
+def file_chunk_key_fits(key: str | None, file_id: str | None, index: int, count: int) -> bool:
+    """Whether a chunk's `key` is the one chunk `index` of a file of `count` chunks carries; files
+    written before the count was bound (session 76) carry `<file_id>/<index>`, still read."""
+    return key == file_chunk_key(file_id, index, count) or (file_id is not None and key == f"{file_id}/{index}")
 
 
 def check_file_header(fh: FileHeader) -> FileHeader:
@@ -297,7 +304,6 @@ def check_chunk_against_file(
         "chunk_index": index,
         "start_token": fh.start_token(index),
         "tokens": fh.chunk_tokens[index],
-        "key": file_chunk_key(fh.file_id, index),
     }
     if resolution is not None:
         expect["resolution"] = tuple(resolution)
@@ -306,6 +312,12 @@ def check_chunk_against_file(
             raise FormatError(
                 f"chunk at position {index} of the file says {name}={getattr(ch, name)!r}; the file expects {want!r}"
             )
+    count = len(fh.chunk_tokens)
+    if not file_chunk_key_fits(ch.key, fh.file_id, index, count):
+        raise FormatError(
+            f"chunk at position {index} of the file says key={ch.key!r}; the file expects "
+            f"{file_chunk_key(fh.file_id, index, count)!r} (a chunk of another file, or a file that lost chunks)"
+        )
     if ch.quant not in (fh.config["quant"], PLAIN):
         raise FormatError(f"chunk {index} is coded {ch.quant!r}; the file says {fh.config['quant']!r}")
     check_chunk_config(ch, _file_config(json.dumps(fh.config, sort_keys=True)), f"chunk {index}")

@@ -41,7 +41,8 @@ def encode(
     """Encode a KV tensor (layers, 2, tokens, kv_heads, head_dim) into a kvcodec file (.kvc)."""
     check_kv(kv, config)  # before the file's id hashes it: anything else is a ShapeError, not an AttributeError
     file_id = content_id([kv], json.dumps(config.to_dict(), sort_keys=True))  # chunks keyed to this file
-    keys = [file_chunk_key(file_id, i) for i in range(-(-kv.shape[2] // config.chunk_tokens))]
+    count = -(-kv.shape[2] // config.chunk_tokens)
+    keys = [file_chunk_key(file_id, i, count) for i in range(count)]
     chunks = encode_chunks(kv, config, encoder=encoder, on_chunk=on_chunk, keys=keys)
     entries, payloads, offset = [], [], 0
     for c in chunks:

@@ -30,7 +30,15 @@ from kvcodec.codecs.transform.header import (
 from kvcodec.codecs.transform_ans.header import CHUNK_MAGIC as ANS_MAGIC
 from kvcodec.codecs.transform_ans.header import AnsChunkHeader
 from kvcodec.container import validate as v
-from kvcodec.container.format import content_id, crc32, read_object, split_streams, write_object
+from kvcodec.container.format import (
+    content_id,
+    crc32,
+    file_chunk_key,
+    file_chunk_key_fits,
+    read_object,
+    split_streams,
+    write_object,
+)
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, TruncatedError
 from kvcodec.transform.quantize import MAX_FINE_BITS, RECONS
 
@@ -85,14 +93,10 @@ FIELDS: dict[str, v.Check] = {
 FIELDS_V2 = {**FIELDS, "settings": SETTINGS, "file_id": v.text(64)}
 
 
-def chunk_key(file_id: str | None, index: int) -> str | None:
-    """The key chunk `index` carries (version 2: bound to the file's content id; version 1: none)."""
-    return None if file_id is None else f"{file_id}/{index}"
-
-
 def encode_file(kv: torch.Tensor, codec: TransformCodec, on_chunk=None) -> bytes:
     file_id = content_id([kv], codec.id)
-    keys = [chunk_key(file_id, i) for i in range(-(-kv.shape[2] // codec.chunk_tokens))]
+    count = -(-kv.shape[2] // codec.chunk_tokens)
+    keys = [file_chunk_key(file_id, i, count) for i in range(count)]  # version 2: bound to the file; 1: none
     chunks = codec.encode_chunks(kv, keys=keys, on_chunk=on_chunk)
     blobs = [c.blobs[0] for c in chunks]
     first = codec.header(blobs[0])
@@ -174,7 +178,6 @@ def expected_chunk(h: dict, index: int, start: int, tokens: int) -> dict[str, An
         "dtype": h["dtype"],
         "kvt": h["kvt"],
         "codec": h["codec"],
-        "key": chunk_key(h.get("file_id"), index),
     }
     s = h.get("settings")
     if s is not None:
@@ -191,11 +194,14 @@ def check_chunk(h: dict, ch: dict, want: dict[str, Any], first: dict | None) -> 
     file, shares the first chunk's settings)."""
     if first is not None and h.get("settings") is None:
         want = {**want, **{k: first[k] for k in SHARED}}
+    index, count, file_id = want["index"], len(h["chunks"]), h.get("file_id")
+    if not file_chunk_key_fits(ch.get("key"), file_id, index, count):
+        want = {**want, "key": file_chunk_key(file_id, index, count)}
     for name, value in want.items():
         got = ch.get(name)
         if (list(got) if isinstance(got, tuple) else got) != value:
             raise FormatError(
-                f"chunk at position {want['index']} of the transform-coded file says {name}={got!r}; "
+                f"chunk at position {index} of the transform-coded file says {name}={got!r}; "
                 f"the file expects {value!r} (a chunk moved, repeated, dropped or edited)"
             )
 
