@@ -436,3 +436,30 @@ def test_health_allows_a_running_prefill_forward_its_predicted_time(smol, tmp_pa
         assert predicted is not None and predicted > 0
         assert limit == pytest.approx(1.0 + FORWARD_ALLOWANCE * predicted)
         assert eng.health()["limit_s"] == 1.0
+
+
+def test_a_batched_decode_that_fails_midway_leaves_no_request_a_position_twice(smol, tmp_path: pathlib.Path):
+    """A batched step appends each request's new position in turn: where a later append fails, the earlier
+    ones are cut back, so the one-by-one decode that follows appends each position once."""
+    from kvcodec.engine.sequence import Request, SamplingParams
+
+    with make_engine(smol, f"file://{tmp_path}") as eng:
+        reqs = []
+        for p in prompts(smol[1]):
+            req = Request(prompt_ids=smol[1](p)["input_ids"], params=SamplingParams(max_new_tokens=2))
+            eng.runner.begin_prefill(req)
+            req.output_ids.append(int(eng.runner.prefill_chunk(req, req.prompt_len).argmax()))
+            reqs.append(req)
+        lens = [r.cache.get_seq_length() for r in reqs]
+        real = reqs[1].cache.update
+
+        def failing(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            raise RuntimeError("injected: the append of the second request fails")
+
+        reqs[1].cache.update = failing
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.runner.decode_batched(reqs)
+        reqs[1].cache.update = real
+        assert [r.cache.get_seq_length() for r in reqs] == lens
+        assert [len(eng.runner.decode([r])) for r in reqs] == [1, 1]
+        assert [r.cache.get_seq_length() for r in reqs] == [n + 1 for n in lens]

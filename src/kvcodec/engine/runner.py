@@ -16,6 +16,7 @@ detail goes through kvcodec.integrations.hf.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from kvcodec.engine.sequence import Request, SamplingParams
 from kvcodec.integrations.hf import cache_kwarg, layer_pairs, make_cache, output_cache, reserved_cache
 from kvcodec.models.check import keeps_recurrent_state
 from kvcodec.models.registry import kv_shape
+
+log = logging.getLogger(__name__)
 
 
 def default_device() -> torch.device:
@@ -191,10 +194,25 @@ class ModelRunner:
         pos = torch.tensor([[n] for n in lens], dtype=torch.long, device=self.device)
         ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
         logits, new = self.forward(ids, cache, attention_mask=mask, position_ids=pos)
-        for b, r in enumerate(reqs):
-            for i, (k, v) in enumerate(layer_pairs(new)):
-                r.cache.update(k[b : b + 1, :, -1:], v[b : b + 1, :, -1:], i)
+        try:
+            for b, r in enumerate(reqs):
+                for i, (k, v) in enumerate(layer_pairs(new)):
+                    r.cache.update(k[b : b + 1, :, -1:], v[b : b + 1, :, -1:], i)
+        except Exception:
+            _cut_back(reqs, lens)  # the one-by-one decode that follows appends each request's position once
+            raise
         return [logits[b, -1] for b in range(len(reqs))]
+
+
+def _cut_back(reqs: list[Request], lens: list[int]) -> None:
+    """Each request's cache back to its length before a batched step appended to some of them."""
+    for r, n in zip(reqs, lens):
+        extra = r.cache.get_seq_length() - n
+        if extra > 0:
+            try:
+                r.cache.crop(-extra)  # negative: tokens to drop (every layer kind takes it so)
+            except Exception as e:  # a cache that cannot crop: its request may see the position twice
+                log.warning("could not cut a cache back after a failed batched decode: %s", e)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
