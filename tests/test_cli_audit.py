@@ -612,3 +612,9 @@ def test_the_command_listing_is_each_commands_own_short_help_and_imports_none_of
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "['kvcodec.cli.main', 'kvcodec.cli.program']", r.stdout + r.stderr
+
+
+def test_a_kvt_given_as_the_kv_to_encode_is_named_as_such(tmp_path, synthetic_kvt):
+    r = CliRunner().invoke(cli, ["encode", str(synthetic_kvt), str(tmp_path / "o.kvc")])
+    assert r.exit_code != 0 and "transform calibration (.kvt), not a KV file" in r.output, r.output
+    assert "Traceback" not in r.output and "g0." not in r.output  # not its tensors' names

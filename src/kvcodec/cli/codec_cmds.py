@@ -25,7 +25,7 @@ TRANSFORM_MAGICS = (b"KVTF", b"KVGF")  # transform files and grouped files: deco
 def _load_kv(src: Path):  # noqa: ANN202
     """The tensor named `kv` of a safetensors file; a clear error for anything else."""
     from kvcodec.errors import ConfigError
-    from kvcodec.kvspec.files import LAYOUT_GROUPED, read_tensors
+    from kvcodec.kvspec.files import LAYOUT_GROUPED, no_kv_tensor, read_tensors
 
     try:
         tensors, meta = read_tensors(src)
@@ -38,7 +38,7 @@ def _load_kv(src: Path):  # noqa: ANN202
             f"{src} holds the KV of several layer groups (a sliding-window or MLA model); an HEVC file holds one KV "
             "tensor: encode it with --transform MODEL.kvt (kvcodec calibrate --model), which writes a grouped file"
         )
-    raise ShapeError(f"{src} holds no tensor named 'kv' (it has {sorted(tensors)})")
+    raise ShapeError(no_kv_tensor(src, tensors, meta))
 
 
 @click.command("encode")

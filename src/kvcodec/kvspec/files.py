@@ -60,15 +60,27 @@ def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, s
         raise ConfigError(f"{path}: not a readable safetensors KV file ({e})") from e
 
 
+def no_kv_tensor(path: str | Path, names, meta: dict[str, str]) -> str:  # noqa: ANN001 - any iterable of names
+    """Why a safetensors file is not a KV file: a .kvt given as KV, or which tensors it holds instead (a few)."""
+    if str(meta.get("format", "")).startswith("kvcodec-transform"):
+        return (
+            f"{path} is a transform calibration (.kvt), not a KV file: give it as --transform, and KV (kvcodec extract)"
+        )
+    shown = sorted(names)
+    more = f" and {len(shown) - 8} more" if len(shown) > 8 else ""
+    return f"{path} holds no tensor named 'kv' (it has {shown[:8]}{more})"
+
+
 def load_plain_kv(path: str | Path) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, str]]:
     """(the `kv` tensor, every tensor, metadata) of a KV file with one plain `kv` tensor (as `kvcodec
     extract` writes for a model of one layer kind)."""
     tensors, meta = read_tensors(path)
     if "kv" not in tensors:
-        what = "a grouped KV file (one tensor per layer group)" if meta.get("layout") == LAYOUT_GROUPED else None
-        raise ShapeError(
-            f"{path} holds no tensor named 'kv' ({what or f'it has {sorted(tensors)}'}): give a plain KV file"
-        )
+        if meta.get("layout") == LAYOUT_GROUPED:
+            raise ShapeError(
+                f"{path} holds no tensor named 'kv' (a grouped KV file, one tensor per layer group): give a plain KV file"
+            )
+        raise ShapeError(no_kv_tensor(path, tensors, meta))
     return tensors["kv"], tensors, meta
 
 
@@ -79,7 +91,7 @@ def load_kv_file(path: str | Path) -> tuple[torch.Tensor | GroupedKV, dict[str, 
     if "kv" in tensors:
         return tensors["kv"], meta
     if meta.get("layout") != LAYOUT_GROUPED:
-        raise ShapeError(f"{path} holds no tensor named 'kv' (it has {sorted(names)})")
+        raise ShapeError(no_kv_tensor(path, names, meta))
     try:
         spec = KVSpec.from_dict(json.loads(meta["kvspec"]))
         starts = tuple(int(s) for s in json.loads(meta["starts"]))
