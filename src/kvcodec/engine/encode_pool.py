@@ -367,8 +367,8 @@ class EncodePool:
 
     def shutdown(self, wait: bool = True) -> None:
         """wait=False cancels the stores not begun. The workers are joined and the executor let go
-        of either way: its start barrier's semaphores are unlinked now. `kvcodec serve` ends by the
-        stop signal uvicorn raises again, with no exit handlers: they were 'leaked semaphore objects'."""
+        of either way: its start barrier's semaphores are unlinked now, not left to exit handlers (a process
+        that ends by a signal runs none: they were 'leaked semaphore objects')."""
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=not wait)
