@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvcodec.codecs import make_codec
 from kvcodec.codecs.grouped import GroupedCodec
@@ -105,3 +107,14 @@ def test_consistent_header_edits_are_refused_not_decoded_into_other_values(edit,
 
     with pytest.raises(FormatError):
         describe(bad)
+
+
+@given(st.lists(st.integers(0, 64), min_size=1, max_size=5), st.integers(0, 63), st.integers(1, 64))
+def test_expected_parts_are_each_groups_positions_of_the_chunk(starts, start, length):
+    from kvcodec.codecs.grouped_file import expected_parts
+
+    stop = start + length
+    parts = expected_parts(starts, start, stop)
+    assert [g for g, _, _ in parts] == sorted(g for g, s in enumerate(starts) if s < stop)  # group order, held ones
+    for g, first, n in parts:
+        assert first == max(starts[g], start) and first + n == stop and n > 0

@@ -101,6 +101,12 @@ def test_ingest_stores_under_engine_keys_resumes_and_reports_bad_documents(smoll
     third = ingest(list(read_documents(jl)), model, tokenizer, cache).to_dict()
     assert (third["stored"], third["skipped"], third["failed"]) == (1, 1, 2)
     assert cache.lookup(ids, whole=True) == len(ids)
+    # a blob cut by damage is no stored chunk either: the resume stores that document again, not skips it
+    mill = Tokens(tokenizer).encode(DOCS[0])
+    cache.store.put(blob_key(cache.keys(mill)[0], 0), b"")
+    fourth = ingest(list(read_documents(jl)), model, tokenizer, cache).to_dict()
+    assert (fourth["stored"], fourth["skipped"], fourth["failed"]) == (1, 1, 2)
+    assert cache.lookup(mill, whole=True) == len(mill) and cache.fetch(mill).tokens_restored == len(mill)
 
 
 def test_an_interrupted_ingest_finishes_and_counts_the_documents_in_flight(smollm2, tmp_path):
@@ -295,8 +301,8 @@ def test_ingest_splits_its_encode_threads_by_the_documents_chunks(tmp_path):
 
 
 class FlakyStore:
-    """A real store whose existence queries fail (StoreError, as a store that is down raises) for the
-    first `failures` calls: the fault is counted, not timed."""
+    """A real store whose batched queries (exists_many, get_many) fail (StoreError, as a store that is
+    down raises) for the first `failures` calls: the fault is counted, not timed."""
 
     def __init__(self, inner, failures: int) -> None:  # noqa: ANN001
         self.inner, self.failures, self.url = inner, failures, "flaky+" + inner.url
@@ -304,13 +310,20 @@ class FlakyStore:
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self.inner, name)
 
-    def exists_many(self, keys):  # noqa: ANN001, ANN201
+    def _down(self) -> None:
         from kvcodec.errors import StoreError
 
         if self.failures > 0:
             self.failures -= 1
             raise StoreError(f"{self.url}: connection refused (down for {self.failures + 1} more calls)")
+
+    def exists_many(self, keys):  # noqa: ANN001, ANN201
+        self._down()
         return self.inner.exists_many(keys)
+
+    def get_many(self, keys):  # noqa: ANN001, ANN201
+        self._down()
+        return self.inner.get_many(keys)
 
 
 def test_a_store_that_stops_answering_is_waited_for_then_the_job_goes_on_or_stops(smollm2, tmp_path):
@@ -448,3 +461,18 @@ def test_a_store_that_goes_down_while_the_last_documents_finish_still_reports_th
             on_result=seen.append,
         )
     assert sorted((r.id, r.status) for r in seen) == [("d0", "failed"), ("d1", "failed"), ("d2", "failed")]
+
+
+def test_a_document_shorter_than_a_chunk_fails_where_partial_chunks_are_not_stored(smollm2, tmp_path):
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    cache = PrefixCache(
+        open_store(f"file://{tmp_path}"),
+        model_id(model),
+        make_codec("raw", chunk_tokens=32),
+        "cpu",
+        store_partial=False,
+    )
+    s = ingest([Document("short", "A few words.")], model, tokenizer, cache, encode_in="threads").to_dict()
+    assert (s["stored"], s["skipped"], s["failed"]) == (0, 0, 1) and "fewer than a chunk" in s["errors"][0]["error"]

@@ -252,14 +252,15 @@ class PrefixCache:
     # -- lookup ------------------------------------------------------------------------------
     def lookup(self, token_ids: Any, deadline_s: float | None = None, *, whole: bool = False) -> int:
         """Number of leading tokens of `token_ids` whose KV is stored (0 if none), found with one
-        batched existence query of the chunks' metas (whole=True: of their blobs too, which a store
-        that evicts may have dropped first: what a job that skips stored work asks). Raises
-        StoreError if the store cannot be asked, FetchError if it does not answer within `deadline_s`."""
+        batched existence query of the chunks' metas (whole=True: their metas read and every blob of the
+        size its meta records, which a store that evicts may have dropped first or damage may have cut:
+        what a job that skips stored work asks; a query per blob). Raises StoreError if the store cannot
+        be asked, FetchError if it does not answer within `deadline_s`."""
         ids = as_token_array(token_ids)
         keys = self.keys(ids)
         if not keys:
             return 0
-        query = self._stored_whole if whole else lambda ks: self.store.exists_many([meta_key(k) for k in ks])
+        query = self._stored_readable if whole else lambda ks: self.store.exists_many([meta_key(k) for k in ks])
         flags = storecalls.call(storecalls.Deadline(deadline_s), "lookup", query, keys)
         return min(len(ids), longest_present(flags) * self.chunk_tokens)
 
@@ -298,6 +299,25 @@ class PrefixCache:
         flags = self.store.exists_many([meta_key(k) for k in keys] + [blob_key(k, j) for k in keys for j in range(n)])
         metas, blobs = flags[: len(keys)], flags[len(keys) :]
         return [bool(m) and all(blobs[i * n : (i + 1) * n]) for i, m in enumerate(metas)]
+
+    def _stored_readable(self, keys: list[str]) -> list[bool]:
+        """Whether each chunk's meta parses as this cache's chunk and each of its blobs has the size the
+        meta records, in order up to the first that does not; that one, damaged, is dropped (drop_damaged)
+        so that the next put rewrites it."""
+        flags: list[bool] = []
+        for i, raw in enumerate(self.store.get_many([meta_key(k) for k in keys])):
+            if raw is None:
+                break
+            try:
+                sizes = self._checked_meta(raw, i).sizes
+                cut = [j for j, n in enumerate(sizes) if self.store.size(blob_key(keys[i], j)) != n]
+                if cut:
+                    raise FormatError(f"its blobs {cut} are missing or not of the sizes its meta records {sizes}")
+            except FormatError as e:
+                self._drop_damaged(keys[i], i, e)
+                break
+            flags.append(True)
+        return flags + [False] * (len(keys) - len(flags))
 
     def put_sharded(self, token_ids: Any, kv: torch.Tensor, world: int) -> int:
         """Store the full `kv` as `world` tensor-parallel ranks will fetch it: each distinct head

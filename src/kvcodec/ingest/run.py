@@ -87,12 +87,19 @@ class IngestReport:
 
 
 def _stored_already(cache: Any, ids: list[int]) -> bool:
-    """Whether every chunk a put of `ids` would write is in the store whole, its blobs too (one
-    batched lookup: a store that evicts drops a chunk's blobs before its meta, which was written last)."""
+    """Whether every chunk a put of `ids` would write is in the store whole: its meta, and its blobs of the
+    sizes the meta records (a store that evicts drops a chunk's blobs before its meta, which was written
+    last; a damaged chunk is dropped by the lookup, so the put rewrites it). KVCodecError for a document
+    too short to store anything (shorter than a chunk where partial chunks are not stored)."""
     want = len(ids)
     if not getattr(cache, "store_partial", True):
         want -= want % int(cache.chunk_tokens)
-    return want == 0 or cache.lookup(ids, whole=True) >= want
+        if want == 0:
+            raise KVCodecError(
+                f"the document's {len(ids)} tokens are fewer than a chunk ({cache.chunk_tokens}): nothing to store "
+                "without partial chunks"
+            )
+    return cache.lookup(ids, whole=True) >= want
 
 
 def load_for_ingest(model_name: str, device: Any = None, dtype: Any = None) -> tuple[Any, Any, Any]:
