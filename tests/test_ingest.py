@@ -476,3 +476,14 @@ def test_a_document_shorter_than_a_chunk_fails_where_partial_chunks_are_not_stor
     )
     s = ingest([Document("short", "A few words.")], model, tokenizer, cache, encode_in="threads").to_dict()
     assert (s["stored"], s["skipped"], s["failed"]) == (0, 0, 1) and "fewer than a chunk" in s["errors"][0]["error"]
+
+
+def test_results_come_in_document_order_when_one_fails_behind_stores_in_flight(smollm2, tmp_path):
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    cache = PrefixCache(open_store(f"file://{tmp_path}"), model_id(model), make_codec("hevc", chunk_tokens=32), "cpu")
+    docs = [Document("a", DOCS[0]), Document("b", DOCS[1]), Document("empty", "")]
+    seen = []
+    s = ingest(docs, model, tokenizer, cache, on_result=seen.append).to_dict()
+    assert [r.id for r in seen] == ["a", "b", "empty"] and (s["stored"], s["failed"]) == (2, 1)

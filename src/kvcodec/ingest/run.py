@@ -230,6 +230,8 @@ class _Job:
         if kv is None and ids is not None:  # a repeat: reported once its first document's store is
             self.inflight.append((self.prefill.seen.store_of(ids), result, ids))
             self._settle(self.at_once(ids))
+        elif kv is None and self.inflight and not result.store_down:  # reported behind the stores before it
+            self.inflight.append((_settled(), result, []))
         elif kv is None:
             self._done(result)
             if result.store_down:
@@ -264,7 +266,10 @@ class _Job:
                 self._wait_for_store()
 
     def _outcome(self, fut: Future, r: DocResult, ids: list[int]) -> DocResult:
-        repeat = r.status == SKIPPED  # a repeat settles with the store of its first document
+        if r.status == FAILED:  # failed before its prefill, queued only to keep the order
+            return r
+        # a repeat settles with the store of its first document; a document stored before, at once
+        repeat = r.status == SKIPPED
         try:
             chunks, store_s = fut.result()
         except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
@@ -283,6 +288,13 @@ class _Job:
 
     def _wait_for_store(self) -> None:
         wait_for_store(self.prefill.cache.store, self.store_patience_s)
+
+
+def _settled() -> Future:
+    """A Future done already (no chunks written): a result that waits only for the ones before it."""
+    done: Future = Future()
+    done.set_result((0, 0.0))
+    return done
 
 
 @dataclasses.dataclass(frozen=True)
