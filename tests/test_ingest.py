@@ -487,3 +487,41 @@ def test_results_come_in_document_order_when_one_fails_behind_stores_in_flight(s
     seen = []
     s = ingest(docs, model, tokenizer, cache, on_result=seen.append).to_dict()
     assert [r.id for r in seen] == ["a", "b", "empty"] and (s["stored"], s["failed"]) == (2, 1)
+
+
+class PutFailsOnce:
+    """A real store whose first write fails as a store that is down fails it (StoreError); it answers after."""
+
+    def __init__(self, inner) -> None:  # noqa: ANN001
+        self.inner, self.failed, self.url = inner, False, "putfails+" + inner.url
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.inner, name)
+
+    def _write(self, name: str, *args):  # noqa: ANN002, ANN202
+        from kvcodec.errors import StoreError
+
+        if not self.failed:
+            self.failed = True
+            raise StoreError(f"{self.url}: connection reset")
+        return getattr(self.inner, name)(*args)
+
+    def put(self, key, value):  # noqa: ANN001, ANN201
+        return self._write("put", key, value)
+
+    def put_many(self, items):  # noqa: ANN001, ANN201
+        return self._write("put_many", items)
+
+
+def test_a_document_whose_store_fails_while_the_store_is_down_is_stored_once_it_answers(smollm2, tmp_path):
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    store = PutFailsOnce(open_store(f"file://{tmp_path}"))
+    cache = PrefixCache(store, model_id(model), make_codec("raw", chunk_tokens=32), "cpu")
+    docs = [Document(f"d{i}", f"Document {i}: " + DOCS[i % 2]) for i in range(3)]
+    s = ingest(docs, model, tokenizer, cache, encode_in="threads").to_dict()
+    assert store.failed and (s["stored"], s["failed"]) == (3, 0), s
+    for d in docs:
+        ids = Tokens(tokenizer).encode(d.text)
+        assert cache.lookup(ids, whole=True) == len(ids)

@@ -261,9 +261,15 @@ class _Job:
             fut, r, ids = self.inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it
             result = self._outcome(fut, r, ids)
             self.inflight.popleft()
-            self._done(result)
             if result.store_down and wait:
-                self._wait_for_store()
+                try:
+                    self._wait_for_store()
+                except BaseException:
+                    self._done(result)
+                    raise
+                if r.status == STORED:  # its store failed while the store was down: once more, now it answers
+                    result = self._again(r, ids)
+            self._done(result)
 
     def _outcome(self, fut: Future, r: DocResult, ids: list[int]) -> DocResult:
         if r.status == FAILED:  # failed before its prefill, queued only to keep the order
@@ -279,6 +285,17 @@ class _Job:
             return dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
         if repeat:
             return r
+        return dataclasses.replace(r, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
+
+    def _again(self, r: DocResult, ids: list[int]) -> DocResult:
+        """Document `r` (token ids `ids`) prefilled and stored again, here (its KV was let go once submitted)."""
+        try:
+            kv = _prefill(self.prefill.model, ids, self.prefill.chunk_tokens)
+            chunks, store_s = self.put(ids, kv)
+        except Exception as e:  # noqa: BLE001 - reported per document
+            self.prefill.seen.forget(ids)
+            return dataclasses.replace(r, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
+        self.prefill.seen.add(ids, r.id, _settled())
         return dataclasses.replace(r, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
 
     def _done(self, r: DocResult) -> None:
