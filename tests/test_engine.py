@@ -438,9 +438,13 @@ def test_health_allows_a_running_prefill_forward_its_predicted_time(smol, tmp_pa
         assert eng.health()["limit_s"] == 1.0
 
 
-def test_a_batched_decode_that_fails_midway_leaves_no_request_a_position_twice(smol, tmp_path: pathlib.Path):
-    """A batched step appends each request's new position in turn: where a later append fails, the earlier
-    ones are cut back, so the one-by-one decode that follows appends each position once."""
+@pytest.mark.parametrize("failing_layer", [0, 2])
+def test_a_batched_decode_that_fails_midway_leaves_no_request_a_position_twice(
+    smol, tmp_path: pathlib.Path, failing_layer
+):
+    """A batched step appends each request's new position layer by layer, request after request: where an
+    append fails (at the second request's first or third layer), every layer appended is cut back, so the
+    one-by-one decode that follows appends each position once."""
     from kvcodec.engine.sequence import Request, SamplingParams
 
     with make_engine(smol, f"file://{tmp_path}") as eng:
@@ -453,13 +457,16 @@ def test_a_batched_decode_that_fails_midway_leaves_no_request_a_position_twice(s
         lens = [r.cache.get_seq_length() for r in reqs]
         real = reqs[1].cache.update
 
-        def failing(*a, **k):  # noqa: ANN002, ANN003, ANN202
-            raise RuntimeError("injected: the append of the second request fails")
+        def failing(k, v, layer, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if layer >= failing_layer:
+                raise RuntimeError("injected: the append of the second request fails")
+            return real(k, v, layer, *a, **kw)
 
         reqs[1].cache.update = failing
         with pytest.raises(RuntimeError, match="injected"):
             eng.runner.decode_batched(reqs)
         reqs[1].cache.update = real
         assert [r.cache.get_seq_length() for r in reqs] == lens
+        assert all(layer.get_seq_length() == n for r, n in zip(reqs, lens) for layer in r.cache.layers)
         assert [len(eng.runner.decode([r])) for r in reqs] == [1, 1]
         assert [r.cache.get_seq_length() for r in reqs] == [n + 1 for n in lens]

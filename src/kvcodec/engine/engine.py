@@ -314,8 +314,12 @@ class Engine:
         if self.config.batch_decode and len(reqs) > 1 and self.runner.layout is None and self.runner.batchable:
             try:
                 logits = self.runner.decode_batched(reqs)
-            except Exception:  # find the request that breaks it: one by one below
+            except Exception as e:  # find the request that breaks it: one by one below
                 log.exception("batched decode failed; decoding one by one")
+                broken = getattr(e, "broken", ())  # runner.BatchedAppendError: caches it could not put back
+                for r in broken:
+                    self._finish(r, "error")
+                reqs = [r for r in reqs if r not in broken]
             else:
                 return sum(bool(self._guard(r, self._emit, r, lg)) for r, lg in zip(reqs, logits))
         return sum(bool(self._guard(r, self._decode_one, r)) for r in reqs)

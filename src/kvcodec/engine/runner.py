@@ -194,25 +194,54 @@ class ModelRunner:
         pos = torch.tensor([[n] for n in lens], dtype=torch.long, device=self.device)
         ids = torch.tensor([[r.output_ids[-1]] for r in reqs], dtype=torch.long, device=self.device)
         logits, new = self.forward(ids, cache, attention_mask=mask, position_ids=pos)
+        before = [_layer_lengths(r.cache) for r in reqs]
         try:
             for b, r in enumerate(reqs):
                 for i, (k, v) in enumerate(layer_pairs(new)):
                     r.cache.update(k[b : b + 1, :, -1:], v[b : b + 1, :, -1:], i)
-        except Exception:
-            _cut_back(reqs, lens)  # the one-by-one decode that follows appends each request's position once
+        except Exception as e:  # the one-by-one decode that follows must append each request's position once
+            broken = _cut_back(reqs, before)
+            if broken:
+                raise BatchedAppendError(broken) from e
             raise
         return [logits[b, -1] for b in range(len(reqs))]
 
 
-def _cut_back(reqs: list[Request], lens: list[int]) -> None:
-    """Each request's cache back to its length before a batched step appended to some of them."""
-    for r, n in zip(reqs, lens):
-        extra = r.cache.get_seq_length() - n
-        if extra > 0:
-            try:
-                r.cache.crop(-extra)  # negative: tokens to drop (every layer kind takes it so)
-            except Exception as e:  # a cache that cannot crop: its request may see the position twice
-                log.warning("could not cut a cache back after a failed batched decode: %s", e)
+class BatchedAppendError(RuntimeError):
+    """A batched decode step failed while appending its new positions; `broken`: the requests whose caches
+    could not be put back as they were (they cannot go on), the others' caches are as before the step."""
+
+    def __init__(self, broken: list[Request]) -> None:
+        super().__init__(f"a batched decode step left {len(broken)} request caches it could not put back")
+        self.broken = broken
+
+
+def _layer_lengths(cache: Any) -> list[int] | None:
+    """Each layer's length in tokens (None: a cache without per-layer access)."""
+    layers = getattr(cache, "layers", None)
+    return None if layers is None else [layer.get_seq_length() for layer in layers]
+
+
+def _cut_back(reqs: list[Request], before: list[list[int] | None]) -> list[Request]:
+    """Each request's cache layers back to their lengths `before` a batched step appended to some of
+    them; the requests where that cannot be done (a layer that cannot drop tokens, no per-layer access)."""
+    broken = []
+    for r, lengths in zip(reqs, before):
+        now = _layer_lengths(r.cache)
+        if now == lengths:
+            continue
+        try:
+            if lengths is None or now is None or len(now) != len(lengths):
+                raise ValueError("no per-layer access")
+            for layer, n, m in zip(r.cache.layers, lengths, now):
+                if m > n:
+                    layer.crop(n - m)  # negative: the tokens to drop
+            if _layer_lengths(r.cache) != lengths:
+                raise ValueError("its layers did not drop the appended position")
+        except Exception as e:  # noqa: BLE001 - the request cannot go on; the others can
+            log.warning("a request's cache cannot be put back after a failed batched decode: %s", e)
+            broken.append(r)
+    return broken
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
