@@ -118,3 +118,23 @@ def test_expected_parts_are_each_groups_positions_of_the_chunk(starts, start, le
     assert [g for g, _, _ in parts] == sorted(g for g, s in enumerate(starts) if s < stop)  # group order, held ones
     for g, first, n in parts:
         assert first == max(starts[g], start) and first + n == stop and n > 0
+
+
+def test_a_plain_chunk_in_a_grouped_file_is_a_format_error():
+    from kvcodec.container.format import read_object, write_object
+
+    inner = make_codec("raw", chunk_tokens=8)
+    codec = GroupedCodec(inner)
+    data = encode_grouped(_kv(24), codec)
+    header, payload = read_object(data, b"KVGF", "grouped file")
+    first = next(b for b in header["blobs"] if b["chunk_index"] == 0)
+    plain = inner.encode_chunks(torch.zeros(1, 2, 8, 2, 8, dtype=torch.bfloat16))[0].blobs[0]
+    from kvcodec.container.format import crc32
+
+    rest = bytes(payload[first["length"] :])
+    shift = len(plain) - first["length"]
+    for b in header["blobs"]:
+        b["offset"] += shift if b is not first else 0
+    first.update(length=len(plain), crc32=crc32(plain))
+    with pytest.raises(FormatError, match="not a grouped chunk"):
+        decode_grouped(write_object(b"KVGF", header, [plain + rest]), codec)

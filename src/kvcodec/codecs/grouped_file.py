@@ -183,6 +183,8 @@ def expected_parts(starts: list[int], start: int, stop: int) -> list[tuple[int, 
 def _check_chunk(info, header: dict[str, Any], spec: KVSpec, index: int) -> None:
     """Refuse a chunk blob that is not chunk `index` of this file: its place, its file and the file's chunk
     count (the key), the file's spec (dtype included) and each group's positions the file's starts give."""
+    if not isinstance(getattr(info, "parts", None), tuple):
+        raise FormatError(f"grouped file: the chunk listed as chunk {index} is not a grouped chunk blob")
     ct, stop = header["chunk_tokens"], header["stop"]
     start = index * ct
     end = min(start + ct, stop)
@@ -190,12 +192,9 @@ def _check_chunk(info, header: dict[str, Any], spec: KVSpec, index: int) -> None
     want = {"index": index, "start_token": start, "tokens": end - start}
     if not file_chunk_key_fits(info.key, file_id, index, count):
         want["key"] = file_chunk_key(file_id, index, count)
-    if info.spec is not None and info.spec != spec:
+    if info.spec != spec:
         want["spec"] = spec
-    parts = getattr(info, "parts", None)
-    if parts is not None and [(p.group, p.start, p.tokens) for p in parts] != expected_parts(
-        header["starts"], start, end
-    ):
+    if [(p.group, p.start, p.tokens) for p in info.parts] != expected_parts(header["starts"], start, end):
         want["parts"] = expected_parts(header["starts"], start, end)
     for name, value in want.items():
         got = getattr(info, name)
