@@ -525,3 +525,16 @@ def test_a_document_whose_store_fails_while_the_store_is_down_is_stored_once_it_
     for d in docs:
         ids = Tokens(tokenizer).encode(d.text)
         assert cache.lookup(ids, whole=True) == len(ids)
+
+
+def test_a_repeat_of_a_document_stored_again_after_an_outage_is_not_failed(smollm2, tmp_path):
+    from kvcodec.ingest.sources import Document
+
+    model, tokenizer = smollm2
+    store = PutFailsOnce(open_store(f"file://{tmp_path}"))
+    cache = PrefixCache(store, model_id(model), make_codec("raw", chunk_tokens=32), "cpu")
+    docs = [Document("a", DOCS[0]), Document("a-again", DOCS[0])]
+    seen = []
+    s = ingest(docs, model, tokenizer, cache, encode_in="threads", on_result=seen.append).to_dict()
+    assert store.failed and [(r.id, r.status) for r in seen] == [("a", "stored"), ("a-again", "skipped")], seen
+    assert s["failed"] == 0

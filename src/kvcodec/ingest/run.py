@@ -257,7 +257,7 @@ class _Job:
 
     def _settle(self, keep: int, wait: bool = True) -> None:
         """Report the oldest stores until `keep` are in flight; after a store error, wait for the store (`wait`)."""
-        while len(self.inflight) > keep:
+        while self.inflight and (not self.inflight[0][2] or self._counted() > keep):
             fut, r, ids = self.inflight[0]  # taken off once its result is in: an interrupt while waiting leaves it
             result = self._outcome(fut, r, ids)
             self.inflight.popleft()
@@ -268,14 +268,24 @@ class _Job:
                     self._done(result)
                     raise
                 if r.status == STORED:  # its store failed while the store was down: once more, now it answers
-                    result = self._again(r, ids)
+                    try:
+                        result = self._again(r, ids)
+                    except BaseException:
+                        self._done(result)
+                        raise
             self._done(result)
+
+    def _counted(self) -> int:
+        """Stores and repeats in flight: the queued results but those only kept in order (no token ids)."""
+        return sum(bool(ids) for _, _, ids in self.inflight)
 
     def _outcome(self, fut: Future, r: DocResult, ids: list[int]) -> DocResult:
         if r.status == FAILED:  # failed before its prefill, queued only to keep the order
             return r
-        # a repeat settles with the store of its first document; a document stored before, at once
+        # a repeat settles with the store of its first document (or of its retry); a document stored before, at once
         repeat = r.status == SKIPPED
+        if repeat and ids:
+            fut = self.prefill.seen.current(ids) or fut
         try:
             chunks, store_s = fut.result()
         except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
@@ -378,6 +388,11 @@ class _Seen:
 
     def store_of(self, ids: list[int]) -> Future:
         return self._first[token_digest(ids)][1]
+
+    def current(self, ids: list[int]) -> Future | None:
+        """The store of these tokens now (a retry's, after the first failed), or None."""
+        entry = self._first.get(token_digest(ids))
+        return entry[1] if entry else None
 
     def add(self, ids: list[int], doc_id: str, stored: Future) -> None:
         self._first.setdefault(token_digest(ids), (doc_id, stored))
