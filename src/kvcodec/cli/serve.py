@@ -201,6 +201,7 @@ def command(
 
     from kvcodec.engine import Engine, StorePolicy
     from kvcodec.server import serve
+    from kvcodec.server.run import sigterm_exits
 
     _check_port(host, port)  # before the model loads
     refusal = None if store_url is None else check_store(store_url, writes="skip" if no_store else "warn")
@@ -223,45 +224,52 @@ def command(
     codec = build_codec(name, options, flags)  # a bad codec, option or .kvt is refused before pools or the model start
     if not (no_reuse and no_store):
         check_transform_fits_model(codec, model_name)
-    temp_store = None
-    if store_url is None:  # made once every check passed: a refused start leaves no empty directory behind
-        temp_store = None if no_reuse and no_store else tempfile.mkdtemp(prefix="kvcodec-store-")
-        store_url = "memory://" if temp_store is None else "file://" + temp_store
-    pool = _nvdec_pool(nvdec_pool, device) if not nvdec_threads else _nvdec_threads(nvdec_threads, nvdec_pool, device)
-    try:
-        if pool is not None:
-            codec = build_codec(name, {**options, "pool": pool})
-        click.echo(f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}, codec {codec.id}", err=True)
-        engine = Engine(
-            model_name,
-            store_url=store_url,
-            codec=codec,
-            decode_workers=decode_workers or max(nvdec_pool, nvdec_threads) or None,
-            reuse=not no_reuse,
-            store_policy=StorePolicy(
-                enabled=not no_store and refusal is None,
-                min_tokens=store_min_tokens,
-                encode_workers=store_encode_workers,
-                encode_in=store_encode_in,
-                encode_processes=store_encode_processes,
-            ),
-            policy=policy,
-            max_batch=max_batch,
-            prefill_chunk_tokens=prefill_chunk_tokens,
-            fetch_deadline_s=fetch_deadline,
-            store_writable=refusal is None,  # dropping a damaged meta repairs: also with --no-store
-            stall_s=stall_timeout,
-            device=device,
-            dtype=torch_dtype(dtype),
-            sdpa_backends=sdpa_backends,
-        )
-        _check_codec_fits(codec, engine)
-        serve(engine, model_name, host=host, port=port)  # closes the engine: its stores are written or dropped
-    finally:
-        if pool is not None:
-            pool.close()
-        if temp_store is not None:
-            shutil.rmtree(temp_store, ignore_errors=True)
+    with sigterm_exits():
+        temp_store = pool = None
+        try:  # SIGTERM from here on leaves as SystemExit, so the finally runs (server.run.sigterm_exits)
+            if store_url is None:  # made once every check passed: a refused start leaves no empty directory behind
+                temp_store = None if no_reuse and no_store else tempfile.mkdtemp(prefix="kvcodec-store-")
+                store_url = "memory://" if temp_store is None else "file://" + temp_store
+            pool = (
+                _nvdec_pool(nvdec_pool, device)
+                if not nvdec_threads
+                else _nvdec_threads(nvdec_threads, nvdec_pool, device)
+            )
+            if pool is not None:
+                codec = build_codec(name, {**options, "pool": pool})
+            click.echo(
+                f"kvcodec serve: model {model_name}, store {store_url}, policy {policy}, codec {codec.id}", err=True
+            )
+            engine = Engine(
+                model_name,
+                store_url=store_url,
+                codec=codec,
+                decode_workers=decode_workers or max(nvdec_pool, nvdec_threads) or None,
+                reuse=not no_reuse,
+                store_policy=StorePolicy(
+                    enabled=not no_store and refusal is None,
+                    min_tokens=store_min_tokens,
+                    encode_workers=store_encode_workers,
+                    encode_in=store_encode_in,
+                    encode_processes=store_encode_processes,
+                ),
+                policy=policy,
+                max_batch=max_batch,
+                prefill_chunk_tokens=prefill_chunk_tokens,
+                fetch_deadline_s=fetch_deadline,
+                store_writable=refusal is None,  # dropping a damaged meta repairs: also with --no-store
+                stall_s=stall_timeout,
+                device=device,
+                dtype=torch_dtype(dtype),
+                sdpa_backends=sdpa_backends,
+            )
+            _check_codec_fits(codec, engine)
+            serve(engine, model_name, host=host, port=port)  # closes the engine: its stores are written or dropped
+        finally:
+            if pool is not None:
+                pool.close()
+            if temp_store is not None:
+                shutil.rmtree(temp_store, ignore_errors=True)
 
 
 def _check_codec_fits(codec: Any, engine: Any) -> None:

@@ -133,8 +133,7 @@ class Engine:
         self._step_lock = threading.Lock()
         self._last_progress = time.monotonic()
         self._forward_allowance_s = 0.0  # a prefill forward under way may run this long beyond stall_s
-        if cfg.reuse and cfg.fetch_deadline_s == AUTO and prefix_cache is not None:
-            self._measure_prefill()
+        self._measure_prefill()  # the fetch deadline's rate, and /health's allowance for a prefill under way
         if cfg.reuse and prefix_cache is not None:  # kernels and pinned staging before the first fetch
             prefix_cache.warm_up(self.runner.dtype, self.max_context)
         self._gc_lock = threading.Lock()
@@ -148,13 +147,18 @@ class Engine:
         return self.config.batch_decode
 
     def _measure_prefill(self, tokens: int = 32) -> None:
-        """Seed the prefill rate (and warm the model up) before the first fetch needs a deadline."""
+        """Seed the prefill rate (and warm the model up) before the first fetch needs a deadline and the
+        first long prompt /health's allowance; a model this fails on is measured by its first prompts."""
         req = Request(prompt_ids=[0] * tokens, params=SamplingParams(max_new_tokens=1))
-        for _ in range(2):  # the first forward pays one-time setup costs
-            self.runner.begin_prefill(req)
-            t0 = time.perf_counter()
-            self.runner.prefill_chunk(req, tokens)
-            elapsed = time.perf_counter() - t0
+        try:
+            for _ in range(2):  # the first forward pays one-time setup costs
+                self.runner.begin_prefill(req)
+                t0 = time.perf_counter()
+                self.runner.prefill_chunk(req, tokens)
+                elapsed = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - a measurement, not a request
+            log.warning("could not measure the prefill rate at start (%s): the first prompts will", e)
+            return
         self.prefill_rate.observe(tokens, elapsed)
 
     def _deadline_for(self, req: Request, tokens: int) -> float | None:
