@@ -322,6 +322,7 @@ class Engine:
                 log.exception("batched decode failed; decoding one by one")
                 broken = getattr(e, "broken", ())  # runner.BatchedAppendError: caches it could not put back
                 for r in broken:
+                    r.error = f"{type(e).__name__}: {e}"
                     self._finish(r, "error")
                 reqs = [r for r in reqs if r not in broken]
             else:

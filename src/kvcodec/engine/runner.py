@@ -228,7 +228,7 @@ def _cut_back(reqs: list[Request], before: list[list[int] | None]) -> list[Reque
     broken = []
     for r, lengths in zip(reqs, before):
         now = _layer_lengths(r.cache)
-        if now == lengths:
+        if lengths is not None and now == lengths:
             continue
         try:
             if lengths is None or now is None or len(now) != len(lengths):
