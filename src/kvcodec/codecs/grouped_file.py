@@ -189,20 +189,16 @@ def _check_chunk(info, header: dict[str, Any], spec: KVSpec, index: int) -> None
     start = index * ct
     end = min(start + ct, stop)
     count, file_id = -(-stop // ct), header["file_id"]
-    want = {"index": index, "start_token": start, "tokens": end - start}
-    if not file_chunk_key_fits(info.key, file_id, index, count):
-        want["key"] = file_chunk_key(file_id, index, count)
-    if info.spec != spec:
-        want["spec"] = spec
-    if [(p.group, p.start, p.tokens) for p in info.parts] != expected_parts(header["starts"], start, end):
-        want["parts"] = expected_parts(header["starts"], start, end)
+    got = {"index": info.index, "start_token": info.start_token, "tokens": info.tokens, "key": info.key}
+    want = {"index": index, "start_token": start, "tokens": end - start, "key": file_chunk_key(file_id, index, count)}
+    if file_chunk_key_fits(info.key, file_id, index, count):  # the older form of the key too
+        want["key"] = info.key
+    got |= {"spec": info.spec, "parts": [(p.group, p.start, p.tokens) for p in info.parts]}
+    want |= {"spec": spec, "parts": expected_parts(header["starts"], start, end)}
     for name, value in want.items():
-        got = getattr(info, name)
-        if name == "parts":
-            got = [(p.group, p.start, p.tokens) for p in got]
-        if got != value:
+        if got[name] != value:
             raise FormatError(
-                f"grouped file: the chunk listed as chunk {index} says {name}={got}; expected {value} "
+                f"grouped file: the chunk listed as chunk {index} says {name}={got[name]}; expected {value} "
                 "(a chunk moved, of another file, or a file header edited)"
             )
 
