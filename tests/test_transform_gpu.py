@@ -123,16 +123,37 @@ def test_escape_slots_place_each_chunks_escapes_in_its_own_columns(kvt, data):
     assert slots.fit_half() == all(abs(v) <= tk.HALF_MAX for v in want_values)
 
 
-@pytest.mark.parametrize(
-    "value, fits", [(2048, True), (-2048, True), (2049, False), (-2049, False), (-(2**31), False), (2**32 + 5, False)]
-)
-def test_only_escapes_that_float16_holds_exactly_take_the_float16_gemm(kvt, value, fits):
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(-(2**40), 2**40)), max_size=12, unique_by=lambda e: e[0]))
+def test_split_half_clips_each_escape_to_float16_and_keeps_the_rest_beyond_it(escapes):
+    flat = np.array([f for f, _ in escapes], dtype=np.int64)
+    values = np.array([v for _, v in escapes], dtype=np.int64)
+    fit, beyond = tk.EscapeSlots(flat, values).split_half()
+    assert fit.flat.tolist() == flat.tolist() and fit.fit_half()
+    rest = dict(zip(beyond.flat.tolist(), beyond.values.tolist()))
+    assert set(rest) == {f for f, v in escapes if abs(v) > tk.HALF_MAX} and 0 not in rest.values()
+    assert [c + rest.get(f, 0) for f, c in zip(fit.flat.tolist(), fit.values.tolist())] == values.tolist()
+
+
+@pytest.mark.parametrize("value", [2049, -2049, 7837, -(2**31), 2**32 + 5])
+def test_escapes_beyond_float16_keep_the_float16_gemm_and_restore_what_the_float32_gemm_does(kvt, value, monkeypatch):
     _, fast = codecs(kvt, theta=1e-6)
     plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
-    # -2**31: abs() of it overflows int32; 2**32 + 5 is no int32 at all (a caller's int64 values)
-    dtype = torch.int32 if -(2**31) <= value < 2**31 else torch.int64
-    escapes = [(torch.tensor([3]), torch.tensor([value], dtype=dtype))]
-    assert tk._half_fits(plan, tk.escape_slots(plan, escapes, 64, 100), "centre") == fits
+    rows, t = plan.slot_of_row.size, 64
+    g = torch.Generator().manual_seed(3)
+    samples = torch.randint(0, 256, (2, rows, t), dtype=torch.uint8, generator=g)
+    dtype = torch.int32 if -(2**31) <= value < 2**31 else torch.int64  # 2**32 + 5 is no int32 (a caller's int64)
+    # chunk 0: one huge escape and one float16 holds; chunk 1: two huge ones in one block and token
+    escapes = [
+        (torch.tensor([3, 5 * t + 1]), torch.tensor([value, -300], dtype=dtype)),
+        (torch.tensor([7, t + 7]), torch.tensor([value, value], dtype=dtype)),
+    ]
+    slots = tk.escape_slots(plan, escapes, t, rows)
+    want = tk._float_gemm(plan, samples, slots, "centre", None)
+    monkeypatch.setattr(tk, "_float_gemm", None)  # restore() must not fall back to it
+    got = tk._restore(plan, samples, slots, (L, H, D), None, [0, t], "centre", None)
+    y = want.view(-1, 2 * t).index_select(0, plan.rows).view(L, 2, H, D, 2 * t)
+    assert torch.allclose(got, y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
 
 
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])

@@ -21,7 +21,10 @@ Nothing waits on the GPU: no host synchronisation per chunk.
 
 The GEMM multiplies the decode basis (transform.inverse: each block's step-scaled basis rounded
 to float16 under a power-of-two scale, as every restore path rounds it) with the integers as they
-are: one float16 GEMM on tensor cores, float32 accumulation, every product exact.
+are: one float16 GEMM on tensor cores, float32 accumulation, every product exact. An escape
+beyond +-HALF_MAX (outlier coefficients: Qwen2.5's KV has hundreds a chunk at 5x) goes into it
+clipped, and the rest of it times its basis column is added after it (overflow_terms), so such KV
+keeps the float16 GEMM and the fused kernels instead of falling back to the float32 GEMM.
 
 restore_into is the entry point: on CUDA with Triton, where the float16 GEMM serves, the gather and
 everything after the GEMM run as two kernels of restore.transform_triton instead (half the GPU time
@@ -364,6 +367,16 @@ class EscapeSlots:
         """float16 holds every value exactly."""
         return not self.values.size or int(np.abs(self.values).max()) <= HALF_MAX
 
+    def split_half(self) -> tuple[EscapeSlots, EscapeSlots]:
+        """(every escape clipped to +-HALF_MAX, which float16 holds exactly; the rest of those
+        beyond it): the float16 GEMM takes the first, overflow_terms adds the second's products."""
+        if self.fit_half():
+            return self, NO_ESCAPES
+        clipped = np.clip(self.values, -HALF_MAX, HALF_MAX)
+        rest = self.values - clipped
+        beyond = rest != 0
+        return EscapeSlots(self.flat, clipped), EscapeSlots(self.flat[beyond], rest[beyond])
+
     def sample_values(self, dtype: torch.dtype, shift: float = 0.0) -> torch.Tensor:
         """The values + shift as a host tensor of `dtype` (shift OFFSET: sample-equivalents)."""
         return torch.from_numpy(self.values.astype(np.float32) + shift).to(dtype)
@@ -427,7 +440,7 @@ def _restore(plan, samples, slots, shape, rope, starts, recon, token_scales) -> 
     L, H, D = shape
     N, C, t = samples.shape
     x = None
-    if _half_fits(plan, slots, recon):
+    if _half_fits(plan, recon):
         try:
             x = _half_gemm(plan, samples, slots, token_scales)
         except (TypeError, RuntimeError, NotImplementedError) as e:  # a torch without float16 -> float32 bmm
@@ -451,9 +464,10 @@ def _half_unavailable(error: BaseException) -> None:
     log.warning("float16 GEMM unavailable (%s: %s): restoring with the float32 GEMM", type(error).__name__, error)
 
 
-def _half_fits(plan: BatchedPlan, slots: EscapeSlots, recon: str) -> bool:
-    """The float16 GEMM holds the chunk's integers exactly: centre reconstruction, escapes within HALF_MAX."""
-    return HALF_GEMM and plan.half is not None and recon == "centre" and slots.fit_half()
+def _half_fits(plan: BatchedPlan, recon: str) -> bool:
+    """The float16 GEMM restores the chunks: centre reconstruction (escapes beyond HALF_MAX are
+    clipped in its operand and their rest added by overflow_terms)."""
+    return HALF_GEMM and plan.half is not None and recon == "centre"
 
 
 def _gathered(plan: BatchedPlan, samples: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -482,13 +496,28 @@ def _half_products(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots)
     values in float32 on the CPU, for the tests)."""
     N, C, t = samples.shape
     J, n = plan.blocks, plan.n
+    fit, beyond = slots.split_half()
     on_gpu = samples.device.type == "cuda"
-    q = _gathered_fused(plan, samples, slots) if on_gpu and C else None
+    q = _gathered_fused(plan, samples, fit) if on_gpu and C else None
     if q is None:
-        q = _centred(plan, samples, slots, torch.float16 if on_gpu else torch.float32)
-    if on_gpu:
-        return _half_gemm_of(plan, q)
-    return torch.bmm(plan.half.float(), q.view(J, n, N * t))
+        q = _centred(plan, samples, fit, torch.float16 if on_gpu else torch.float32)
+    x = _half_gemm_of(plan, q) if on_gpu else torch.bmm(plan.half.float(), q.view(J, n, N * t))
+    return overflow_terms(plan, x, beyond)
+
+
+def overflow_terms(plan: BatchedPlan, x: torch.Tensor, beyond: EscapeSlots) -> torch.Tensor:
+    """x (J, d, N t) float32 products of the float16 GEMM plus, for each escape it held clipped,
+    the rest of the escape times its block's basis column (float32, in place): KV with a few
+    huge coefficients (outlier channels) keeps the float16 GEMM and the fused kernels."""
+    if not len(beyond):
+        return x
+    slot, column = np.divmod(beyond.flat, x.shape[2])
+    block, k = np.divmod(slot, plan.n)
+    at = upload(torch.from_numpy(np.stack([block, k, column])), x.device)
+    rest = upload(torch.from_numpy(beyond.values.astype(np.float32)), x.device)
+    terms = plan.half[at[0], :, at[1]].float().mul_(rest[:, None])  # (escapes, d)
+    rows = torch.arange(x.shape[1], device=x.device)
+    return x.index_put_((at[0][:, None], rows[None, :], at[2][:, None]), terms, accumulate=True)
 
 
 def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
@@ -584,7 +613,7 @@ def restore_into(
 def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, sinks) -> bool:  # noqa: ANN001
     t = chunks[0].shape[1]
     end = max(starts) + t
-    if plan.units is None or not _half_fits(plan, slots, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
+    if plan.units is None or not _half_fits(plan, recon) or (rope is not None and end > MAX_TABLE_POSITIONS):
         return False
     device = chunks[0].device
     if not transform_triton.supports(outs, shape, t, device):
@@ -598,9 +627,10 @@ def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, 
     meta = upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
     x = None
     if chunks[0].shape[0]:
-        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], slots)
+        fit, beyond = slots.split_half()
+        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], fit)
         if q is not None:
-            x = _half_gemm_of(plan, q)
+            x = overflow_terms(plan, _half_gemm_of(plan, q), beyond)
     if x is None:  # nothing coded, or the gather kernel failed
         x = _half_products(plan, torch.stack(chunks), slots)
     run = transform_triton.Launch(
