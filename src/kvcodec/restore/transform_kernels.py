@@ -16,7 +16,8 @@ kernels whatever the groups and however many chunks:
     emit:     per chunk, permute + cast into its dense slice (or a staging tensor for PagedKV)
 
 Escapes (coefficients beyond the 8-bit samples) are written into the gathered samples
-(EscapeSlots: the index arithmetic on the host, once for the whole batch; two pinned uploads).
+(EscapeSlots: the index arithmetic on the host, once for the whole batch; two pinned uploads, two
+more for escapes beyond +-HALF_MAX).
 Nothing waits on the GPU: no host synchronisation per chunk.
 
 The GEMM multiplies the decode basis (transform.inverse: each block's step-scaled basis rounded
@@ -94,8 +95,7 @@ class BatchedPlan:
             if t is not None and t.device.type == "cuda":
                 t.record_stream(stream)
 
-    # The float32 GEMM's operands (a reconstruction other than the bin centres, escapes beyond
-    # float16's integers) are made from the float16 basis on first use: most plans never need them,
+    # The float32 GEMM's operands (a reconstruction other than the bin centres) are made from the float16 basis on first use: most plans never need them,
     # and each would hold twice the float16 basis's memory on the device.
     # Made on the plan-building stream and waited for there, as the plan itself: any stream may read them.
     @functools.cached_property
@@ -443,6 +443,8 @@ def _restore(plan, samples, slots, shape, rope, starts, recon, token_scales) -> 
     if _half_fits(plan, recon):
         try:
             x = _half_gemm(plan, samples, slots, token_scales)
+        except torch.OutOfMemoryError:
+            raise  # the device's memory, not a torch without the float16 GEMM
         except (TypeError, RuntimeError, NotImplementedError) as e:  # a torch without float16 -> float32 bmm
             _half_unavailable(e)
     if x is None:
@@ -490,17 +492,19 @@ def _half_gemm(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, tok
     return x.add_(plan.centred_means)
 
 
-def _half_products(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots) -> torch.Tensor:
-    """(J, d, N t) float32 half @ q: the basis products of the centred integers, before the
-    blocks' scales, the token scales and the means (float16 tensor cores on CUDA; the same
-    values in float32 on the CPU, for the tests)."""
-    N, C, t = samples.shape
+def _half_products(plan: BatchedPlan, chunks, slots: EscapeSlots, table: torch.Tensor | None = None) -> torch.Tensor:
+    """(J, d, N t) float32 half @ q of N chunks (an (N, C, t) tensor or N (C, t) ones): the basis
+    products of the centred integers, before the blocks' scales, the token scales and the means
+    (float16 tensor cores on CUDA; the same values in float32 on the CPU, for the tests). `table`:
+    the chunks' addresses on the device where the caller uploaded them (the fused path's meta)."""
+    N, (C, t) = len(chunks), chunks[0].shape
     J, n = plan.blocks, plan.n
     fit, beyond = slots.split_half()
-    on_gpu = samples.device.type == "cuda"
-    q = _gathered_fused(plan, samples, fit) if on_gpu and C else None
+    on_gpu = chunks[0].device.type == "cuda"
+    q = _gathered_fused(plan, chunks, fit, table) if on_gpu and C else None
     if q is None:
-        q = _centred(plan, samples, fit, torch.float16 if on_gpu else torch.float32)
+        stacked = chunks if isinstance(chunks, torch.Tensor) else torch.stack(list(chunks))
+        q = _centred(plan, stacked, fit, torch.float16 if on_gpu else torch.float32)
     x = _half_gemm_of(plan, q) if on_gpu else torch.bmm(plan.half.float(), q.view(J, n, N * t))
     return overflow_terms(plan, x, beyond)
 
@@ -513,11 +517,16 @@ def overflow_terms(plan: BatchedPlan, x: torch.Tensor, beyond: EscapeSlots) -> t
         return x
     slot, column = np.divmod(beyond.flat, x.shape[2])
     block, k = np.divmod(slot, plan.n)
-    at = upload(torch.from_numpy(np.stack([block, k, column])), x.device)
+    pairs, which = np.unique(np.stack([block, column]), axis=1, return_inverse=True)  # (block, column) once each
+    at = upload(torch.from_numpy(np.concatenate([block, k, which.ravel(), pairs.ravel()])), x.device).split(
+        [block.size, block.size, block.size, pairs.shape[1], pairs.shape[1]]
+    )
     rest = upload(torch.from_numpy(beyond.values.astype(np.float32)), x.device)
     terms = plan.half[at[0], :, at[1]].float().mul_(rest[:, None])  # (escapes, d)
-    rows = torch.arange(x.shape[1], device=x.device)
-    return x.index_put_((at[0][:, None], rows[None, :], at[2][:, None]), terms, accumulate=True)
+    summed = torch.zeros((pairs.shape[1], x.shape[1]), device=x.device).index_add_(0, at[2], terms)
+    # no index twice: a plain indexed write (an accumulating one sorts an index per (escape, row) on CUDA)
+    x[at[3], :, at[4]] = x[at[3], :, at[4]] + summed
+    return x
 
 
 def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
@@ -525,13 +534,15 @@ def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
     return torch.bmm(plan.half, q.view(plan.blocks, plan.n, -1), out_dtype=torch.float32)
 
 
-def _gathered_fused(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots) -> torch.Tensor | None:
+def _gathered_fused(plan: BatchedPlan, chunks, slots: EscapeSlots, table: torch.Tensor | None) -> torch.Tensor | None:
     """q (J * n, N t) float16 by the fused gather (transform_triton.gather_centred), escapes
-    written in; None where the fused kernels do not serve."""
+    written in; None where the fused kernels do not serve. `table`: the chunks' addresses on the
+    device (None: uploaded here)."""
     if not transform_triton.FUSED or transform_triton.triton_modules() is None:
         return None
-    chunks = list(samples.contiguous())
-    table = upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), samples.device)
+    chunks = [c.contiguous() for c in chunks]
+    if table is None:
+        table = upload(torch.tensor([c.data_ptr() for c in chunks], dtype=torch.int64), chunks[0].device)
     return _gathered_at(plan, chunks, table, slots)
 
 
@@ -625,14 +636,7 @@ def _fused(plan, chunks, slots, shape, rope, starts, outs, recon, token_scales, 
     chunks = [c.contiguous() for c in chunks]
     sinks = [None if s is None else s.to(device, torch.float16).contiguous() for s in sinks]
     meta = upload(transform_triton.meta_table(starts, outs, chunks, sinks), device)
-    x = None
-    if chunks[0].shape[0]:
-        fit, beyond = slots.split_half()
-        q = _gathered_at(plan, chunks, meta[2 * len(chunks) : 3 * len(chunks)], fit)
-        if q is not None:
-            x = overflow_terms(plan, _half_gemm_of(plan, q), beyond)
-    if x is None:  # nothing coded, or the gather kernel failed
-        x = _half_products(plan, torch.stack(chunks), slots)
+    x = _half_products(plan, chunks, slots, table=meta[2 * len(chunks) : 3 * len(chunks)])
     run = transform_triton.Launch(
         x=x,
         cos=cos,
