@@ -143,6 +143,19 @@ def test_lookup_uses_one_batched_query(raw_cache):
     assert calls == [8]
 
 
+def test_lookup_whole_reads_every_blob_size_in_one_batched_query_and_stops_at_a_cut_blob(raw_cache):
+    kv, ids = make_kv(64), ids_for(64)
+    raw_cache.put(ids, kv)
+    st, sizes = raw_cache.store, []
+    many = st.size_many
+    st.size_many = lambda keys: sizes.append(len(keys)) or many(keys)
+    assert raw_cache.lookup(ids, whole=True) == 64
+    assert sizes == [4 * len(RAW.resolutions)]  # 4 chunks' blobs, one query
+    cut = blob_key(raw_cache.keys(ids)[2], 0)
+    st.put(cut, st.get(cut)[:-1])
+    assert raw_cache.lookup(ids, whole=True) == 32 and len(sizes) == 2
+
+
 def test_meta_is_commit_marker(raw_cache):
     kv, ids = make_kv(32), ids_for(32)
     raw_cache.put(ids, kv)

@@ -33,6 +33,7 @@ def conformance(st) -> None:
     st.put_many({"a/c": b"", "z/1": bytes(range(256)) * 10})
     assert st.get("a/c") == b""
     assert st.exists_many(["a/b", "nope", "a/c", "z/1"]) == [True, False, True, True]
+    assert st.size_many(["z/1", "nope", "a/c", "a/b"]) == [2560, None, 0, 8] and st.size_many([]) == []
     assert st.exists("z/1") and not st.exists("z/2")
     assert st.get_many(["z/1", "q", "a/b"]) == [bytes(range(256)) * 10, None, b"replaced"]
     assert st.get_range("z/1", 250, 260) == bytes(range(250, 256)) + bytes(range(4))
@@ -494,3 +495,24 @@ def test_a_store_too_slow_for_the_probe_is_not_called_read_only(capsys):
     finally:
         inner.release.set()
     assert "did not answer a probe write" in capsys.readouterr().err
+
+
+class SizesOnePerKey:
+    """A plugin's store with size() but no size_many: the fetcher's batched size query serves it too."""
+
+    url = "plugin://"
+
+    def __init__(self):
+        self.objects = {"a": b"xyz", "b": b""}
+
+    def size(self, key):
+        return len(self.objects[key]) if key in self.objects else None
+
+
+def test_size_many_serves_a_store_without_it_directly_and_by_deadline():
+    from kvcodec.store import DeadlineStore
+    from kvcodec.store.base import size_many
+
+    plugin = SizesOnePerKey()
+    assert size_many(plugin, ["a", "nope", "b"]) == [3, None, 0]
+    assert DeadlineStore(plugin, time.monotonic() + 60).size_many(["b", "a"]) == [0, 3]

@@ -42,6 +42,7 @@ def test_large_value_and_batches(redis_server):
     st.put_many({k: k.encode() for k in keys[::2]})
     assert st.exists_many(keys) == [i % 2 == 0 for i in range(1200)]
     assert st.get_many(keys[:4]) == [b"k0", None, b"k2", None]
+    assert st.size_many(keys) == [len(k) if i % 2 == 0 else None for i, k in enumerate(keys)]
 
 
 def test_restart_persistence_graceful(redis_server):

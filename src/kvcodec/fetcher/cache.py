@@ -52,6 +52,7 @@ from kvcodec.fetcher.profile import DecodeProfile, load_or_calibrate
 from kvcodec.fetcher.shards import TPShard, tiling_shards
 from kvcodec.fetcher.stats import ChunkTiming, FetchResult, FetchStats
 from kvcodec.restore.paged import PagedKV
+from kvcodec.store.base import size_many
 
 log = logging.getLogger(__name__)
 
@@ -303,18 +304,25 @@ class PrefixCache:
     def _stored_readable(self, keys: list[str]) -> list[bool]:
         """Whether each chunk's meta parses as this cache's chunk and each of its blobs has the size the
         meta records, in order up to the first that does not; that one, damaged, is dropped (drop_damaged)
-        so that the next put rewrites it."""
-        flags: list[bool] = []
+        so that the next put rewrites it. Two batched queries: the metas, then every blob's size."""
+        recorded: list[list[int]] = []  # the blob sizes each chunk's meta records, up to the first damaged
         for i, raw in enumerate(self.store.get_many([meta_key(k) for k in keys])):
             if raw is None:
                 break
             try:
-                sizes = self._checked_meta(raw, i).sizes
-                cut = [j for j, n in enumerate(sizes) if self.store.size(blob_key(keys[i], j)) != n]
-                if cut:
-                    raise FormatError(f"its blobs {cut} are missing or not of the sizes its meta records {sizes}")
+                recorded.append(list(self._checked_meta(raw, i).sizes))
             except FormatError as e:
                 self._drop_damaged(keys[i], i, e)
+                break
+        found = iter(
+            size_many(self.store, [blob_key(keys[i], j) for i, s in enumerate(recorded) for j in range(len(s))])
+        )
+        flags: list[bool] = []
+        for i, sizes in enumerate(recorded):
+            cut = [j for j, n in enumerate(sizes) if next(found) != n]
+            if cut:
+                why = f"its blobs {cut} are missing or not of the sizes its meta records {sizes}"
+                self._drop_damaged(keys[i], i, FormatError(why))
                 break
             flags.append(True)
         return flags + [False] * (len(keys) - len(flags))

@@ -33,7 +33,8 @@ class KVStore(Protocol):
     Keys: 1..512 characters of ``[A-Za-z0-9._:/+=@-]``; ``/`` is an ordinary character (no
     directories are implied). Values are immutable once written; writing a key again replaces it
     atomically (readers see the old or the new object, never a mix). Optional: ``probe_write()``
-    (BaseStore has it; kvcodec.store.base.probe_write serves a store without it), and ``remote``: True
+    (BaseStore has it; kvcodec.store.base.probe_write serves a store without it), ``size_many(keys)``
+    (BaseStore's asks size() per key; kvcodec.store.base.size_many serves a store without it), and ``remote``: True
     where gets cross a network link (a fetch on CUDA then keeps two in flight; BaseStore's is False).
     """
 
@@ -120,6 +121,10 @@ class BaseStore:
     def exists(self, key: str) -> bool:
         return self.exists_many([key])[0]
 
+    def size_many(self, keys: Sequence[str]) -> list[int | None]:
+        """size() of each key, in order (a backend with batched queries answers in one round trip)."""
+        return [self.size(k) for k in keys]
+
     def delete_many(self, keys: Sequence[str]) -> int:
         return sum(self.delete(k) for k in keys)
 
@@ -162,6 +167,13 @@ class BaseStore:
         except Exception as e:  # noqa: BLE001 - every backend failure becomes a StoreError
             what = f" {key!r}" if key is not None else ""
             raise StoreError(f"{op}{what} on {redact_url(self.url)} failed: {type(e).__name__}: {e}") from e
+
+
+def size_many(store: KVStore, keys: Sequence[str]) -> list[int | None]:
+    """Each key's object size (None: no object), by the store's size_many where it has one (a
+    plugin's store may not: then one size() per key)."""
+    sizes = getattr(store, "size_many", None)
+    return sizes(keys) if sizes is not None else [store.size(k) for k in keys]
 
 
 def probe_write(store: KVStore) -> None:

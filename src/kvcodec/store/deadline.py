@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvcodec.errors import StoreError, StoreTimeoutError
-from kvcodec.store.base import BaseStore, KVStore, probe_write
+from kvcodec.store.base import BaseStore, KVStore, probe_write, size_many
 
 T = TypeVar("T")
 _POOL_LOCK = threading.Lock()
@@ -139,6 +139,9 @@ class DeadlineStore(BaseStore):
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return self._call("exists_many", keys)
+
+    def size_many(self, keys: Sequence[str]) -> list[int | None]:
+        return call_by(self.deadline, "size_many", self.url, size_many, self.inner, keys)  # a plugin's store too
 
     def delete(self, key: str) -> bool:
         return self._call("delete", key)

@@ -143,6 +143,19 @@ class RedisStore(BaseStore):
             kind, n = pipe.execute(raise_on_error=False)
         return int(n) if _is_value(kind) else None
 
+    def size_many(self, keys: Sequence[str]) -> list[int | None]:
+        ks = [self._k(k) for k in keys]
+        out: list[int | None] = []
+        with self._errors("size_many"):
+            for part in batched(ks, _BATCH // 2):
+                pipe = self._r.pipeline(transaction=False)
+                for k in part:
+                    pipe.type(k)
+                    pipe.strlen(k)
+                got = pipe.execute(raise_on_error=False)
+                out.extend(int(n) if _is_value(kind) else None for kind, n in zip(got[::2], got[1::2]))
+        return out
+
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         ks = [self._k(k) for k in keys]
         out: list[bool] = []
