@@ -158,6 +158,20 @@ def test_escapes_beyond_float16_keep_the_float16_gemm_and_restore_what_the_float
     assert torch.allclose(got, y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
 
 
+def test_running_out_of_device_memory_in_the_float16_gemm_raises_and_keeps_it(kvt, monkeypatch):
+    _, fast = codecs(kvt, theta=1e-6)
+    plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
+    samples = torch.zeros((1, plan.slot_of_row.size, 64), dtype=torch.uint8)
+
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(tk, "_half_gemm", out_of_memory)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        tk._restore(plan, samples, tk.NO_ESCAPES, (L, H, D), None, [0], "centre", None)
+    assert tk.HALF_GEMM  # not mistaken for a torch without the float16 GEMM
+
+
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
 def test_many_chunks_restored_at_once_equal_one_by_one(kvt, kw):
     ref, fast = codecs(kvt, theta=1e-6, **kw)  # escapes in several chunks, a short last chunk, sink tokens
@@ -432,8 +446,11 @@ def test_the_fused_kernels_clamp_an_overshoot_of_float16s_largest_instead_of_wri
 
 
 @needs_cuda
-@pytest.mark.parametrize("theta", [1e-2, 1e-6], ids=["float16-gemm", "float32-gemm"])
-def test_many_chunks_with_escapes_restored_at_once_on_the_gpu_equal_the_cpu(kvt, theta):
+@pytest.mark.parametrize(
+    "theta, half", [(1e-2, True), (1e-6, True), (1e-6, False)], ids=["escapes", "beyond-float16", "float32-gemm"]
+)
+def test_many_chunks_with_escapes_restored_at_once_on_the_gpu_equal_the_cpu(kvt, theta, half, monkeypatch):
+    monkeypatch.setattr(tk, "HALF_GEMM", half)
     ref, _ = codecs(kvt, theta=theta)
     kv = synthetic_kv(256, 19)
     chunks = ref.encode_chunks(kv)

@@ -443,7 +443,7 @@ def _restore(plan, samples, slots, shape, rope, starts, recon, token_scales) -> 
     if _half_fits(plan, recon):
         try:
             x = _half_gemm(plan, samples, slots, token_scales)
-        except torch.OutOfMemoryError:
+        except torch.cuda.OutOfMemoryError:  # (torch.OutOfMemoryError is newer than torch 2.4)
             raise  # the device's memory, not a torch without the float16 GEMM
         except (TypeError, RuntimeError, NotImplementedError) as e:  # a torch without float16 -> float32 bmm
             _half_unavailable(e)
@@ -523,7 +523,8 @@ def overflow_terms(plan: BatchedPlan, x: torch.Tensor, beyond: EscapeSlots) -> t
     )
     rest = upload(torch.from_numpy(beyond.values.astype(np.float32)), x.device)
     terms = plan.half[at[0], :, at[1]].float().mul_(rest[:, None])  # (escapes, d)
-    summed = torch.zeros((pairs.shape[1], x.shape[1]), device=x.device).index_add_(0, at[2], terms)
+    summed = torch.zeros((pairs.shape[1], x.shape[1]), dtype=torch.float32, device=x.device)
+    summed.index_put_((at[2],), terms, accumulate=True)  # sorted, not atomic: the same sums every run
     # no index twice: a plain indexed write (an accumulating one sorts an index per (escape, row) on CUDA)
     x[at[3], :, at[4]] = x[at[3], :, at[4]] + summed
     return x
