@@ -151,9 +151,14 @@ def test_lookup_whole_reads_every_blob_size_in_one_batched_query_and_stops_at_a_
     st.size_many = lambda keys: sizes.append(len(keys)) or many(keys)
     assert raw_cache.lookup(ids, whole=True) == 64
     assert sizes == [4 * len(RAW.resolutions)]  # 4 chunks' blobs, one query
-    cut = blob_key(raw_cache.keys(ids)[2], 0)
+    keys = raw_cache.keys(ids)
+    cut = blob_key(keys[1], 0)
     st.put(cut, st.get(cut)[:-1])
-    assert raw_cache.lookup(ids, whole=True) == 32 and len(sizes) == 2
+    st.put(meta_key(keys[3]), b"{not a meta")  # a later damaged chunk: dropped once reached, not before
+    assert raw_cache.lookup(ids, whole=True) == 16 and len(sizes) == 2
+    assert st.get(meta_key(keys[1])) is None and st.get(meta_key(keys[3])) == b"{not a meta"
+    assert raw_cache.lookup(ids, whole=True) == 16 and raw_cache.put(ids, kv) == 1  # chunk 1 rewritten
+    assert raw_cache.lookup(ids, whole=True) == 48 and st.get(meta_key(keys[3])) is None
 
 
 def test_meta_is_commit_marker(raw_cache):

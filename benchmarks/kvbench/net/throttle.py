@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from kvbench.net.trace import JitterTrace
 from kvcodec.errors import ConfigError
-from kvcodec.store.base import BaseStore, KVStore, open_store
+from kvcodec.store.base import BaseStore, KVStore, open_store, size_many
 
 
 class TokenBucketLink:
@@ -141,6 +141,9 @@ class ThrottledStore(BaseStore):
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return self.inner.exists_many(keys)
+
+    def size_many(self, keys: Sequence[str]) -> list[int | None]:
+        return size_many(self.inner, keys)
 
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)

@@ -255,7 +255,7 @@ class PrefixCache:
         """Number of leading tokens of `token_ids` whose KV is stored (0 if none), found with one
         batched existence query of the chunks' metas (whole=True: their metas read and every blob of the
         size its meta records, which a store that evicts may have dropped first or damage may have cut:
-        what a job that skips stored work asks; a query per blob). Raises StoreError if the store cannot
+        what a job that skips stored work asks; two batched queries, the metas and the blobs' sizes). Raises StoreError if the store cannot
         be asked, FetchError if it does not answer within `deadline_s`."""
         ids = as_token_array(token_ids)
         keys = self.keys(ids)
@@ -304,28 +304,29 @@ class PrefixCache:
     def _stored_readable(self, keys: list[str]) -> list[bool]:
         """Whether each chunk's meta parses as this cache's chunk and each of its blobs has the size the
         meta records, in order up to the first that does not; that one, damaged, is dropped (drop_damaged)
-        so that the next put rewrites it. Two batched queries: the metas, then every blob's size."""
-        recorded: list[list[int]] = []  # the blob sizes each chunk's meta records, up to the first damaged
+        so that the next put rewrites it. Two batched queries: the metas, then their blobs' sizes."""
+        recorded: list[list[int]] = []  # the blob sizes each chunk's meta records, up to the first missing or bad
+        bad_meta: FormatError | None = None
         for i, raw in enumerate(self.store.get_many([meta_key(k) for k in keys])):
             if raw is None:
                 break
             try:
                 recorded.append(list(self._checked_meta(raw, i).sizes))
             except FormatError as e:
-                self._drop_damaged(keys[i], i, e)
+                bad_meta = e
                 break
         found = iter(
             size_many(self.store, [blob_key(keys[i], j) for i, s in enumerate(recorded) for j in range(len(s))])
         )
-        flags: list[bool] = []
         for i, sizes in enumerate(recorded):
             cut = [j for j, n in enumerate(sizes) if next(found) != n]
             if cut:
                 why = f"its blobs {cut} are missing or not of the sizes its meta records {sizes}"
                 self._drop_damaged(keys[i], i, FormatError(why))
-                break
-            flags.append(True)
-        return flags + [False] * (len(keys) - len(flags))
+                return [True] * i + [False] * (len(keys) - i)
+        if bad_meta is not None:  # dropped only once every chunk before it is whole, as it is reached in order
+            self._drop_damaged(keys[len(recorded)], len(recorded), bad_meta)
+        return [True] * len(recorded) + [False] * (len(keys) - len(recorded))
 
     def put_sharded(self, token_ids: Any, kv: torch.Tensor, world: int) -> int:
         """Store the full `kv` as `world` tensor-parallel ranks will fetch it: each distinct head
