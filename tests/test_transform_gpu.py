@@ -172,6 +172,20 @@ def test_running_out_of_device_memory_in_the_float16_gemm_raises_and_keeps_it(kv
     assert tk.HALF_GEMM  # not mistaken for a torch without the float16 GEMM
 
 
+def test_a_torch_without_the_float16_gemm_gets_the_float32_products(kvt, monkeypatch):
+    """The CPU has no float16 GEMM into float32 (as CUDA torches before 2.8 have none): the products
+    come from the float32 GEMM, and later restores take the float32 path without trying again."""
+    _, fast = codecs(kvt, theta=1e-6)
+    plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-2048, 2049, (plan.blocks * plan.n, 3 * 64), generator=g).half()
+    monkeypatch.setattr(tk, "HALF_GEMM", True)
+    got = tk._half_gemm_of(plan, q)
+    assert not tk.HALF_GEMM
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.bmm(plan.half.float(), q.float().view(plan.blocks, plan.n, -1)))
+
+
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
 def test_many_chunks_restored_at_once_equal_one_by_one(kvt, kw):
     ref, fast = codecs(kvt, theta=1e-6, **kw)  # escapes in several chunks, a short last chunk, sink tokens
@@ -461,6 +475,32 @@ def test_many_chunks_with_escapes_restored_at_once_on_the_gpu_equal_the_cpu(kvt,
     restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)
     torch.cuda.synchronize()
     assert within_an_ulp(cpu, out.cpu())
+
+
+@needs_cuda
+def test_a_cuda_torch_without_out_dtype_restores_the_same_chunks(kvt, monkeypatch):
+    """torch before 2.8 has no bmm(out_dtype=): the fused restore takes the float32 GEMM's products
+    for that batch and the float32 path afterwards, with the same KV (a torch that old is not here
+    to run: its TypeError is raised for it)."""
+    ref, _ = codecs(kvt, theta=1e-6)
+    kv = synthetic_kv(256, 21)
+    chunks = ref.encode_chunks(kv)
+    cpu = restore_all(ref, chunks, kv.shape)
+    bmm = torch.bmm
+
+    def old_bmm(*args, **kwargs):
+        if "out_dtype" in kwargs:
+            raise TypeError("bmm() got an unexpected keyword argument 'out_dtype'")
+        return bmm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "bmm", old_bmm)
+    monkeypatch.setattr(tk, "HALF_GEMM", True)
+    for _ in range(2):  # the first batch falls back inside the fused restore, the second never tries
+        out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+        outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
+        restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)
+        torch.cuda.synchronize()
+        assert not tk.HALF_GEMM and within_an_ulp(cpu, out.cpu())
 
 
 @needs_cuda

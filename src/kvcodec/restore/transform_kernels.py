@@ -531,8 +531,18 @@ def overflow_terms(plan: BatchedPlan, x: torch.Tensor, beyond: EscapeSlots) -> t
 
 
 def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
-    """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16."""
-    return torch.bmm(plan.half, q.view(plan.blocks, plan.n, -1), out_dtype=torch.float32)
+    """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16; the
+    same products by a float32 GEMM where torch has no float16 GEMM into float32 (before 2.8, or on
+    this device), which the fused kernels then read as they would the float16 GEMM's."""
+    q = q.view(plan.blocks, plan.n, -1)
+    if HALF_GEMM:
+        try:
+            return torch.bmm(plan.half, q, out_dtype=torch.float32)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (TypeError, RuntimeError, NotImplementedError) as e:
+            _half_unavailable(e)
+    return torch.bmm(plan.half.float(), q.float())
 
 
 def _gathered_fused(plan: BatchedPlan, chunks, slots: EscapeSlots, table: torch.Tensor | None) -> torch.Tensor | None:
