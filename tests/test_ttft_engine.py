@@ -318,6 +318,25 @@ def test_the_busy_table_shows_each_methods_fetch_beside_the_matmul():
     assert ttft_engine.busy_markdown({"inputs": {"methods": {"raw": {}}}}) == []
 
 
+def test_the_busy_table_says_how_the_rate_alone_was_measured():
+    busy = {"tokens": 8192, "restored_gb_per_s_alone": 9.1, "restored_gb_per_s_beside": 6.2}
+    busy |= {"matmul_tflops_alone": 700.0, "matmul_slowdown": 0.031}
+    rec = {"inputs": {"methods": {"kvcodec-transform-5": {"busy": [busy]}}}}
+    assert "restored alone (median;" in "\n".join(ttft_engine.busy_markdown(rec))  # a record of before calls_alone
+    busy["calls_alone"] = 40
+    assert "restored alone (looping as long as beside the matmul;" in "\n".join(ttft_engine.busy_markdown(rec))
+
+
+def test_the_fetches_alone_loop_for_the_least_calls_and_the_least_time(monkeypatch):
+    calls = []
+    n, seconds, cores = ttft_engine._looped(lambda: calls.append(1), 5, 0.0)
+    assert n == len(calls) == 5 and seconds > 0 and cores >= 0
+    clock = iter(range(100))  # a fake clock read once at the start and once per check after the least calls
+    monkeypatch.setattr(ttft_engine.time, "perf_counter", lambda: float(next(clock)))
+    n, seconds, _ = ttft_engine._looped(lambda: None, 2, 6.5)
+    assert (n, seconds) == (8, 8.0)  # 2 calls, then one per check that reads under 6.5 (1..6); 7 stops; 8 ends
+
+
 def test_the_busy_table_adds_a_column_pair_per_further_queue_depth():
     busy = {
         "tokens": 32768,

@@ -44,6 +44,7 @@ import pathlib
 import statistics
 import struct
 import time
+from collections.abc import Callable
 
 import click
 
@@ -489,17 +490,13 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
         # first timed fetch compiled one more), then one untimed fetch (allocator, pools)
         pc.warm_up(torch.float16)
         fetch()
-        times, cpu0 = [], time.process_time()
-        for _ in range(max(3, spec.repeat)):
-            t0 = time.perf_counter()
-            fetch()
-            times.append(time.perf_counter() - t0)
-        cores = (time.process_time() - cpu0) / sum(times)  # every thread of the process: host decoding counts
+        calls, seconds, cores = _looped(fetch, max(3, spec.repeat), spec.busy_s)
         gb = n * fp16_per_token / 1e9
         first, *others = [_beside(fetch, spec, q, gb) for q in spec.busy_queued]
         rec = {
             "tokens": n,
-            "restored_gb_per_s_alone": gb / statistics.median(times),
+            "restored_gb_per_s_alone": calls * gb / seconds,  # the same estimator as beside the matmul
+            "calls_alone": calls,
             "host_cores_alone": cores,
             **first,
         }
@@ -511,6 +508,19 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
             f"  busy {n}: matmul slowed {rec['matmul_slowdown']:.1%}, {rec['restored_gb_per_s_beside']}", err=True
         )
     return out
+
+
+def _looped(fetch: Callable[[], None], least_calls: int, least_s: float) -> tuple[int, float, float]:
+    """(calls, seconds, host cores) of `fetch` called back to back for at least `least_calls` calls and
+    `least_s` seconds, as it loops beside the matmul: a few calls on an idle GPU (its clocks low)
+    read slower than the same fetch looping. Host cores: every thread of the process's CPU seconds
+    per second (host decoding counts)."""
+    calls, cpu0, t0 = 0, time.process_time(), time.perf_counter()
+    while calls < least_calls or time.perf_counter() - t0 < least_s:
+        fetch()
+        calls += 1
+    seconds = time.perf_counter() - t0
+    return calls, seconds, (time.process_time() - cpu0) / seconds
 
 
 def _beside(fetch, spec: RunSpec, queued: int, gb: float) -> dict:  # noqa: ANN001
@@ -718,11 +728,13 @@ def busy_markdown(rec: dict) -> list[str]:
     first = next(iter(meths.values()))[0]
     depth = first.get("matmul_queued", 1)
     more = sorted(int(k.rsplit("_", 1)[1]) for k in first if k.startswith("matmul_slowdown_queued_"))
+    # records before calls_alone: the median of 3+ fetches (on an idle GPU, its clocks low, they read slower)
+    alone = "looping as long as beside the matmul" if "calls_alone" in first else "median"
     md = [
         "",
         "Beside a busy GPU (a bf16 8192^3 matmul looping on its own stream): PrefixCache.fetch at the fastest link, "
-        "GB/s of fp16 KV restored alone (median; host cores: the process's CPU seconds per second of those fetches) and "
-        "looping beside the matmul, and the matmul's slowdown against "
+        f"GB/s of fp16 KV restored alone ({alone}; host cores: the process's CPU seconds per second of those fetches) "
+        "and looping beside the matmul, and the matmul's slowdown against "
         f"its rate alone (the mean of its rates right before and after). The matmul keeps {depth} batch(es) of 20 "
         "queued while its thread waits (1: its stream idles while the thread waits for the interpreter lock"
         + (f"; also measured with {', '.join(map(str, more))} queued: the GPU's sharing alone)." if more else ")."),
