@@ -172,18 +172,35 @@ def test_running_out_of_device_memory_in_the_float16_gemm_raises_and_keeps_it(kv
     assert tk.HALF_GEMM  # not mistaken for a torch without the float16 GEMM
 
 
-def test_a_torch_without_the_float16_gemm_gets_the_float32_products(kvt, monkeypatch):
-    """The CPU has no float16 GEMM into float32 (as CUDA torches before 2.8 have none): the products
-    come from the float32 GEMM, and later restores take the float32 path without trying again."""
+def torch_before_out_dtype(monkeypatch) -> list:
+    """torch.bmm as torch before 2.8 has it (no out_dtype: a torch that old is not here to run);
+    returns the list of refused calls."""
+    bmm, refused = torch.bmm, []
+
+    def old_bmm(*args, **kwargs):
+        if "out_dtype" in kwargs:
+            refused.append(1)
+            raise TypeError("bmm() got an unexpected keyword argument 'out_dtype'")
+        return bmm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "bmm", old_bmm)
+    monkeypatch.setattr(tk, "OUT_DTYPE_BMM", True)
+    return refused
+
+
+def test_a_torch_without_the_float16_gemm_gets_the_products_from_a_float32_one(kvt, monkeypatch):
+    """Once refused, the float16 GEMM is not tried again; the products are those of the exact operands."""
     _, fast = codecs(kvt, theta=1e-6)
     plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     q = torch.randint(-2048, 2049, (plan.blocks * plan.n, 3 * 64), generator=g).half()
-    monkeypatch.setattr(tk, "HALF_GEMM", True)
-    got = tk._half_gemm_of(plan, q)
-    assert not tk.HALF_GEMM
-    assert got.dtype == torch.float32
-    assert torch.equal(got, torch.bmm(plan.half.float(), q.float().view(plan.blocks, plan.n, -1)))
+    want = torch.bmm(plan.half.double(), q.double().view(plan.blocks, plan.n, -1))
+    refused = torch_before_out_dtype(monkeypatch)
+    for _ in range(2):
+        got = tk._half_gemm_of(plan, q)
+        assert got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    assert len(refused) == 1 and not tk.OUT_DTYPE_BMM and tk.HALF_GEMM
 
 
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
@@ -478,29 +495,25 @@ def test_many_chunks_with_escapes_restored_at_once_on_the_gpu_equal_the_cpu(kvt,
 
 
 @needs_cuda
-def test_a_cuda_torch_without_out_dtype_restores_the_same_chunks(kvt, monkeypatch):
-    """torch before 2.8 has no bmm(out_dtype=): the fused restore takes the float32 GEMM's products
-    for that batch and the float32 path afterwards, with the same KV (a torch that old is not here
-    to run: its TypeError is raised for it)."""
+def test_a_cuda_torch_without_out_dtype_keeps_the_fused_restore_and_its_kv(kvt, monkeypatch):
+    """torch before 2.8: the fused kernels restore every batch, from a float32 GEMM's products, with
+    the same KV; the float16 GEMM is asked for once."""
+    from kvcodec.restore import transform_triton
+
     ref, _ = codecs(kvt, theta=1e-6)
     kv = synthetic_kv(256, 21)
     chunks = ref.encode_chunks(kv)
     cpu = restore_all(ref, chunks, kv.shape)
-    bmm = torch.bmm
-
-    def old_bmm(*args, **kwargs):
-        if "out_dtype" in kwargs:
-            raise TypeError("bmm() got an unexpected keyword argument 'out_dtype'")
-        return bmm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "bmm", old_bmm)
-    monkeypatch.setattr(tk, "HALF_GEMM", True)
-    for _ in range(2):  # the first batch falls back inside the fused restore, the second never tries
+    launched, launch = [], transform_triton.launch
+    monkeypatch.setattr(transform_triton, "launch", lambda *a: launched.append(launch(*a)) or launched[-1])
+    refused = torch_before_out_dtype(monkeypatch)
+    for _ in range(2):
         out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
         outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
         restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)
         torch.cuda.synchronize()
-        assert not tk.HALF_GEMM and within_an_ulp(cpu, out.cpu())
+        assert within_an_ulp(cpu, out.cpu())
+    assert len(refused) == 1 and launched and all(launched) and len(launched) >= 2
 
 
 @needs_cuda

@@ -327,13 +327,12 @@ def test_the_busy_table_says_how_the_rate_alone_was_measured():
     assert "restored alone (looping as long as beside the matmul;" in "\n".join(ttft_engine.busy_markdown(rec))
 
 
-def test_the_fetches_alone_loop_for_the_least_calls_and_the_least_time(monkeypatch):
+def test_the_fetches_alone_loop_for_the_least_calls_and_the_least_time():
     calls = []
     n, seconds, cores = ttft_engine._looped(lambda: calls.append(1), 5, 0.0)
     assert n == len(calls) == 5 and seconds > 0 and cores >= 0
     clock = iter(range(100))  # a fake clock read once at the start and once per check after the least calls
-    monkeypatch.setattr(ttft_engine.time, "perf_counter", lambda: float(next(clock)))
-    n, seconds, _ = ttft_engine._looped(lambda: None, 2, 6.5)
+    n, seconds, _ = ttft_engine._looped(lambda: None, 2, 6.5, clock=lambda: float(next(clock)))
     assert (n, seconds) == (8, 8.0)  # 2 calls, then one per check that reads under 6.5 (1..6); 7 stops; 8 ends
 
 

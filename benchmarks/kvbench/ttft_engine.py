@@ -468,7 +468,8 @@ def method_points(model, m: str, pc, link_store, prompts: dict[int, list[int]], 
 
 
 def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[dict]:  # noqa: ANN001
-    """Per prefix length: PrefixCache.fetch alone (median of `spec.repeat`, at least 3) and looping
+    """Per prefix length: PrefixCache.fetch alone (looped back to back for at least max(3, repeat)
+    calls and busy_s seconds: calls x GB / seconds, as beside the matmul) and looping
     beside a bf16 matmul (kvbench.busy) at each of spec.busy_queued's queue depths (the first's
     numbers are the record's, the others' are suffixed _queued_N), each fetch until the KV is ready
     on the fetching thread's own stream (as an engine's request thread waits; a device-wide sync
@@ -495,7 +496,7 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
         first, *others = [_beside(fetch, spec, q, gb) for q in spec.busy_queued]
         rec = {
             "tokens": n,
-            "restored_gb_per_s_alone": calls * gb / seconds,  # the same estimator as beside the matmul
+            "restored_gb_per_s_alone": calls * gb / seconds,  # calls over a busy_s window, as beside the matmul
             "calls_alone": calls,
             "host_cores_alone": cores,
             **first,
@@ -510,16 +511,18 @@ def busy_points(pc, ids: list[int], spec: RunSpec, fp16_per_token: int) -> list[
     return out
 
 
-def _looped(fetch: Callable[[], None], least_calls: int, least_s: float) -> tuple[int, float, float]:
+def _looped(
+    fetch: Callable[[], None], least_calls: int, least_s: float, clock: Callable[[], float] = time.perf_counter
+) -> tuple[int, float, float]:
     """(calls, seconds, host cores) of `fetch` called back to back for at least `least_calls` calls and
     `least_s` seconds, as it loops beside the matmul: a few calls on an idle GPU (its clocks low)
     read slower than the same fetch looping. Host cores: every thread of the process's CPU seconds
     per second (host decoding counts)."""
-    calls, cpu0, t0 = 0, time.process_time(), time.perf_counter()
-    while calls < least_calls or time.perf_counter() - t0 < least_s:
+    calls, cpu0, t0 = 0, time.process_time(), clock()
+    while calls < least_calls or clock() - t0 < least_s:
         fetch()
         calls += 1
-    seconds = time.perf_counter() - t0
+    seconds = max(clock() - t0, 1e-9)
     return calls, seconds, (time.process_time() - cpu0) / seconds
 
 

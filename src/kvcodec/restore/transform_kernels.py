@@ -282,6 +282,7 @@ def _rotating_partners(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray]:
 
 
 HALF_GEMM = True  # the inverse transform on float16 tensor cores where the values allow it
+OUT_DTYPE_BMM = True  # torch.bmm(out_dtype=float32) of float16 operands (torch >= 2.8 on CUDA)
 
 
 def rope_partner(spec: RopeSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -531,17 +532,17 @@ def overflow_terms(plan: BatchedPlan, x: torch.Tensor, beyond: EscapeSlots) -> t
 
 
 def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
-    """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16; the
-    same products by a float32 GEMM where torch has no float16 GEMM into float32 (before 2.8, or on
-    this device), which the fused kernels then read as they would the float16 GEMM's."""
+    """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16; where
+    torch has no float16 GEMM into float32 (before 2.8; the CPU), the same products by a float32
+    GEMM of the same operands (every float16 value exact in float32), for the fused kernels as well."""
+    global OUT_DTYPE_BMM
     q = q.view(plan.blocks, plan.n, -1)
-    if HALF_GEMM:
+    if OUT_DTYPE_BMM:
         try:
             return torch.bmm(plan.half, q, out_dtype=torch.float32)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (TypeError, RuntimeError, NotImplementedError) as e:
-            _half_unavailable(e)
+        except (TypeError, NotImplementedError) as e:  # no such argument / no such kernel: not a device error
+            OUT_DTYPE_BMM = False
+            log.warning("torch.bmm has no float16 -> float32 GEMM here (%s): a float32 GEMM of the same operands", e)
     return torch.bmm(plan.half.float(), q.float())
 
 
