@@ -538,3 +538,24 @@ def test_a_repeat_of_a_document_stored_again_after_an_outage_is_not_failed(smoll
     s = ingest(docs, model, tokenizer, cache, encode_in="threads", on_result=seen.append).to_dict()
     assert store.failed and [(r.id, r.status) for r in seen] == [("a", "stored"), ("a-again", "skipped")], seen
     assert s["failed"] == 0
+
+
+def test_the_ray_driver_reports_results_in_document_order_and_what_it_holds_when_it_stops():
+    """The Ray job's results come as its documents finish; the driver reports each once every document
+    before it is (as the one-machine job does), and when the job stops, what it holds, in order."""
+    from kvcodec.ingest.distributed import _RayRun
+    from kvcodec.ingest.run import FAILED, STORED, DocResult
+
+    seen = []
+    run = _RayRun(ray=None, job=None, encode=None, on_result=seen.append, store_patience_s=0.0)
+    r = [DocResult(f"d{i}", STORED if i % 2 else FAILED) for i in range(6)]
+    for i in (2, 1):
+        run._done(i, r[i])
+    assert seen == []  # d0 has not finished
+    run._done(0, r[0])
+    assert seen == r[:3]
+    run._done(5, r[5])
+    run._done(4, r[4])
+    assert seen == r[:3]  # d3 has not finished
+    run._report_held()  # the job stops: d3 never finishes
+    assert seen == [r[0], r[1], r[2], r[4], r[5]] and run.results == seen

@@ -75,6 +75,7 @@ def test_ray_ingest_stores_the_bytes_of_a_one_machine_run(smollm2, tmp_path, two
             local["failed"],
         )
     )
+    assert [r.id for r in seen] == [d.id for d in DOCS]  # in document order, though the failures come first
     assert (
         len(seen) == 4
         and "no tokens" in {e["id"]: e["error"] for e in report["errors"]}["empty"]
@@ -103,6 +104,7 @@ def test_ray_ingest_stores_a_repeat_once_and_waits_for_a_store_that_is_down(smol
     again = got["mill-again"]  # told of mill's store in flight, or prefilled beside it, or looked up once stored
     assert again.status == "skipped" and (again.error is None or "same tokens as mill" in again.error)
     assert again.store_s == 0  # not encoded again
+    assert [r.id for r in report.results] == ["mill", "mill-again", "light"]
     assert report.to_dict()["chunks"] == got["mill"].chunks + got["light"].chunks
     redis_server.kill()
     seen = []

@@ -4,7 +4,8 @@ Prefill actors (one per GPU of the cluster, or CPU actors on a cluster without G
 document, skip those already stored and prefill the others; the KV goes into Ray's object store and
 an encode task on CPUs codes and writes it to the shared store (Redis, Redis Cluster, a folder every
 node mounts). Tokens, keys and chunk bytes are those of a one-machine `ingest` with the same model,
-codec and options: the stored objects are byte-identical. As there, a repeat of a document this job
+codec and options: the stored objects are byte-identical. As there, results are reported in document
+order (a result waits for those of the documents before it), a repeat of a document this job
 stores is not stored again (it settles with the first one's store; an actor told of the stores in
 flight does not prefill it), and after a store error the driver waits for the store (run.wait_for_store)
 before it goes on or stops (asked from a task on the cluster, whose nodes reach the store).
@@ -183,6 +184,7 @@ def ingest_on_ray(
 class _Prefilling:
     actor: Any
     kv: Any  # the KV's object ref
+    index: int  # the document's place in the job: results are reported in this order
     doc: Document
     again: bool  # read again after its lookup failed
 
@@ -190,7 +192,8 @@ class _Prefilling:
 @dataclasses.dataclass
 class _RayRun:
     """The driver's loop: documents to the actors (two in flight each), prefilled KV to encode tasks
-    (two per actor at once), results reported as they come; repeats settle with their first store."""
+    (two per actor at once), results reported in document order (as on one machine); repeats settle
+    with their first store."""
 
     ray: Any
     job: RayJob
@@ -199,13 +202,16 @@ class _RayRun:
     store_patience_s: float
     results: list[DocResult] = dataclasses.field(default_factory=list)
     prefills: dict[Any, _Prefilling] = dataclasses.field(default_factory=dict)  # meta ref ->
-    stores: dict[Any, tuple[DocResult, bytes]] = dataclasses.field(default_factory=dict)  # ref -> (result, digest)
+    stores: dict[Any, tuple[int, DocResult, bytes]] = dataclasses.field(default_factory=dict)  # ref -> (index,
+    # result, digest)
     storing: dict[bytes, tuple[str, Any]] = dataclasses.field(default_factory=dict)  # digest -> (doc id, store ref)
-    repeats: dict[Any, list[DocResult]] = dataclasses.field(default_factory=dict)  # store ref -> its repeats
+    repeats: dict[Any, list[tuple[int, DocResult]]] = dataclasses.field(default_factory=dict)  # store ref -> repeats
     stored: dict[bytes, str] = dataclasses.field(default_factory=dict)  # digest -> doc id, stores done
+    held: dict[int, DocResult] = dataclasses.field(default_factory=dict)  # results behind an unreported document
+    reported: int = 0  # documents reported so far: the next to report is this index
 
     def run(self, documents: Iterable[Document], pool: list[Any]) -> None:
-        queue = collections.deque((doc, False) for doc in documents)
+        queue = collections.deque((i, doc, False) for i, doc in enumerate(documents))
         idle = collections.deque(a for a in pool for _ in range(2))  # two documents in flight per actor
         try:
             while queue or self.prefills or self.stores:
@@ -217,73 +223,92 @@ class _RayRun:
                     self._prefilled(ref, queue)
                 else:
                     self._stored(ref, wait=True)
+            self._report_held()  # none: every document has its result by now
         except (KeyboardInterrupt, StoreDownError):
             while self.stores:  # counted, so that the interrupted run's report says what is stored
                 self._stored(self.ray.wait(list(self.stores), num_returns=1)[0][0], wait=False)
+            self._report_held()
             raise
 
-    def _prefill(self, actor: Any, doc: Document, again: bool) -> None:
+    def _prefill(self, actor: Any, index: int, doc: Document, again: bool) -> None:
         storing = {digest: doc_id for digest, (doc_id, _) in self.storing.items()}
         meta, kv = actor.prefill.options(num_returns=2).remote(doc, storing)
-        self.prefills[meta] = _Prefilling(actor, kv, doc, again)
+        self.prefills[meta] = _Prefilling(actor, kv, index, doc, again)
 
     def _prefilled(self, ref: Any, queue: collections.deque) -> None:
         p = self.prefills.pop(ref)
         result, ids, model_id = _get(self.ray, ref)
         if result.store_down and not p.again:  # its lookup failed: read again once the store answers
-            self._wait_for_store(result)
-            queue.appendleft((p.doc, True))
+            self._wait_for_store((p.index, result))
+            queue.appendleft((p.index, p.doc, True))
         elif ids is None:
-            self._done(result)
+            self._done(p.index, result)
             if result.store_down:
                 self._wait_for_store()
         elif (digest := token_digest(ids)) in self.storing:  # a repeat, or its twin prefilled beside it
             first, stored = self.storing[digest]
             skipped = dataclasses.replace(result, status=SKIPPED, error=f"the same tokens as {first}")
-            self.repeats.setdefault(stored, []).append(skipped)
+            self.repeats.setdefault(stored, []).append((p.index, skipped))
         elif digest in self.stored:  # its first document's store finished while it was prefilled
-            self._done(dataclasses.replace(result, status=SKIPPED, error=f"the same tokens as {self.stored[digest]}"))
+            skipped = dataclasses.replace(result, status=SKIPPED, error=f"the same tokens as {self.stored[digest]}")
+            self._done(p.index, skipped)
         elif result.status == SKIPPED:  # its first document's store failed since: read it again
-            queue.appendleft((p.doc, p.again))
+            queue.appendleft((p.index, p.doc, p.again))
         else:
             stored = self.encode.remote(self.job, model_id, ids, p.kv)
-            self.stores[stored] = (result, digest)
+            self.stores[stored] = (p.index, result, digest)
             self.storing[digest] = (p.doc.id, stored)
 
     def _stored(self, ref: Any, wait: bool) -> None:
-        result, digest = self.stores[ref]  # taken off once its result is in: an interrupt leaves it to the drain
+        index, result, digest = self.stores[ref]  # taken off once its result is in: an interrupt leaves it to the drain
         try:
             chunks, store_s = _get(self.ray, ref)
         except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
             self._taken(ref, digest)
-            self._done(dataclasses.replace(result, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError)))
-            for r in self.repeats.pop(ref, []):
-                self._done(dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed"))
+            failed = dataclasses.replace(result, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
+            self._done(index, failed)
+            for i, r in self.repeats.pop(ref, []):
+                self._done(i, dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed"))
             if isinstance(e, StoreError) and wait:
                 self._wait_for_store()
             return
         self._taken(ref, digest)
-        self._done(dataclasses.replace(result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED))
+        self._done(
+            index, dataclasses.replace(result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
+        )
         self.stored.setdefault(digest, result.id)
-        for r in self.repeats.pop(ref, []):
-            self._done(r)
+        for i, r in self.repeats.pop(ref, []):
+            self._done(i, r)
 
     def _taken(self, ref: Any, digest: bytes) -> None:
         del self.stores[ref], self.storing[digest]
 
-    def _done(self, r: DocResult) -> None:
+    def _done(self, index: int, r: DocResult) -> None:
+        """Document `index`'s result, reported once every document before it is."""
+        self.held[index] = r
+        while self.reported in self.held:
+            self._report(self.held.pop(self.reported))
+            self.reported += 1
+
+    def _report_held(self) -> None:
+        """The job stops: the results held behind documents that will not finish, in document order."""
+        for index in sorted(self.held):
+            self._report(self.held.pop(index))
+
+    def _report(self, r: DocResult) -> None:
         self.results.append(r)
         if self.on_result:
             self.on_result(r)
 
-    def _wait_for_store(self, unreported: DocResult | None = None) -> None:
-        """run.wait_for_store, in a task on the cluster; where it stops, `unreported` is reported first."""
+    def _wait_for_store(self, unreported: tuple[int, DocResult] | None = None) -> None:
+        """run.wait_for_store, in a task on the cluster; where it stops, `unreported` (index, result) is
+        reported first."""
         try:  # asked from the cluster, whose nodes reach the store (the driver may not)
             probe = self.ray.remote(wait_for_store_at).options(num_cpus=0)
             _get(self.ray, probe.remote(self.job.store_url, self.store_patience_s))
         except (StoreDownError, KeyboardInterrupt):
             if unreported is not None:
-                self._done(unreported)
+                self._done(*unreported)
             raise
 
 
