@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -81,6 +83,36 @@ def test_interference_rejects_unknown_and_cpu_pool_conditions_before_any_work():
     assert r.exit_code != 0 and "unknown condition 'kvcodec-turbo'" in r.output
     r = CliRunner().invoke(command, ["--conditions", "alone,kvcodec-pool:2", "--device", "cpu"])
     assert r.exit_code != 0 and "needs a CUDA device" in r.output
+
+
+def test_interference_refuses_a_method_it_cannot_store_before_any_work(tmp_path):
+    from click.testing import CliRunner
+
+    from kvbench.interference import command
+
+    kvt = tmp_path / "no.kvt"
+    kvt.write_bytes(b"not a kvt")
+    cases = [
+        (["--method", "kvcodec-transform-5"], "needs a .kvt"),
+        (["--method", "kvcodec-transform-5", "--transform", str(kvt)], "--method / --transform"),
+        (["--method", "kvcodec-int8", "--transform", str(kvt)], "codes a kvcodec-transform-<ratio> method"),
+        (["--method", "kvcodec-transform-5", "--conditions", "alone,kvcodec-pool", "--device", "cuda"], "HEVC codec"),
+    ]
+    for args, why in cases:  # refused before the model loads (there is none of that name) or CUDA is asked for
+        r = CliRunner().invoke(command, ["--device", "cpu", *args, "--model", "no-such-model"])
+        assert r.exit_code != 0 and why in r.output, (args, r.output)
+
+
+def test_interference_stores_the_kvcodec_conditions_with_the_method_asked_for(synthetic_kvt):
+    from kvbench.interference import Settings, store_codec, stored_as
+
+    fields = dict.fromkeys(Settings.__dataclass_fields__)
+    s = Settings(**{**fields, "quant": "int8", "method": "kvcodec-transform-5", "transform": str(synthetic_kvt)})
+    assert store_codec(s, "kvcodec").id.startswith("transform")
+    assert store_codec(dataclasses.replace(s, method="kvcodec"), "kvcodec").id.startswith("hevc")
+    doc = {"method": s.method, "transform": "m.kvt", "sm_codec": "cachegen"}
+    assert "stored as `kvcodec-transform-5` (.kvt m.kvt); the sm-decoder's as `cachegen`" in stored_as(doc)
+    assert "stored as `kvcodec`;" in stored_as({"sm_codec": "cachegen"})  # a record of before --method
 
 
 def test_conditions_fetch_from_their_stores():

@@ -188,8 +188,9 @@ def torch_before_out_dtype(monkeypatch) -> list:
     return refused
 
 
-def test_a_torch_without_the_float16_gemm_gets_the_products_from_a_float32_one(kvt, monkeypatch):
-    """Once refused, the float16 GEMM is not tried again; the products are those of the exact operands."""
+def test_products_on_the_cpu_come_from_a_float32_gemm_and_never_turn_the_cuda_one_off(kvt, monkeypatch):
+    """The CPU has no float16 GEMM into float32: the products of the exact operands, without asking
+    for it (a refusal there would turn it off for the process's CUDA restores too)."""
     _, fast = codecs(kvt, theta=1e-6)
     plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
@@ -200,7 +201,7 @@ def test_a_torch_without_the_float16_gemm_gets_the_products_from_a_float32_one(k
         got = tk._half_gemm_of(plan, q)
         assert got.dtype == torch.float32
         assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
-    assert len(refused) == 1 and not tk.OUT_DTYPE_BMM and tk.HALF_GEMM
+    assert len(refused) == 0 and tk.OUT_DTYPE_BMM and tk.HALF_GEMM
 
 
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
@@ -514,6 +515,30 @@ def test_a_cuda_torch_without_out_dtype_keeps_the_fused_restore_and_its_kv(kvt, 
         torch.cuda.synchronize()
         assert within_an_ulp(cpu, out.cpu())
     assert len(refused) == 1 and launched and all(launched) and len(launched) >= 2
+
+
+@needs_cuda
+def test_the_fused_restore_serves_while_torch_accumulates_float16_gemms_in_float16(kvt, monkeypatch):
+    """torch.backends.cuda.matmul.allow_fp16_accumulation (torch >= 2.7) refuses bmm(out_dtype=float32):
+    the products come from a float32 GEMM for as long as it is set, and the float16 GEMM is kept."""
+    from kvcodec.restore import transform_triton
+
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "allow_fp16_accumulation"):
+        pytest.skip("this torch has no float16-accumulation setting")
+    ref, _ = codecs(kvt, theta=1e-6)
+    kv = synthetic_kv(256, 22)
+    chunks = ref.encode_chunks(kv)
+    cpu = restore_all(ref, chunks, kv.shape)
+    launched, launch = [], transform_triton.launch
+    monkeypatch.setattr(transform_triton, "launch", lambda *a: launched.append(launch(*a)) or launched[-1])
+    monkeypatch.setattr(matmul, "allow_fp16_accumulation", True)
+    out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+    outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
+    restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)
+    torch.cuda.synchronize()
+    assert within_an_ulp(cpu, out.cpu()) and launched and all(launched)
+    assert tk.OUT_DTYPE_BMM and tk.HALF_GEMM
 
 
 @needs_cuda

@@ -39,7 +39,7 @@ from typing import Any
 
 import click
 
-from kvbench.methods import method_codec
+from kvbench.methods import method_codec, transform_ratio
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
 from kvbench.workloads import LARGE, build_model, tiled_kv
 
@@ -62,6 +62,8 @@ class Settings:
     warmup: float
     gbit: float
     quant: str
+    method: str
+    transform: str | None
     sm_codec: str
     conditions: str
     device: str | None
@@ -126,7 +128,20 @@ def _summary(xs: list[float]) -> dict:
     help="Seconds of background arrivals run (and discarded) before the first condition.",
 )
 @click.option("--gbit", default=1.0, show_default=True, type=float, help="Emulated link (token bucket), Gbit/s.")
-@click.option("--quant", default="int8", show_default=True)
+@click.option("--quant", default="int8", show_default=True, help="The quant of the method 'kvcodec'.")
+@click.option(
+    "--method",
+    default="kvcodec",
+    show_default=True,
+    help="How the kvcodec conditions' document is stored (kvbench.methods): kvcodec (the HEVC codec at --quant), "
+    "kvcodec-<quant>, or kvcodec-transform-<ratio>[-<coder>] (with --transform; no kvcodec-pool condition).",
+)
+@click.option(
+    "--transform",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The MODEL.kvt a kvcodec-transform-<ratio> method codes with (`kvcodec calibrate`).",
+)
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
 @click.option(
     "--conditions",
@@ -179,6 +194,7 @@ def command(**options: Any) -> None:
         torch.set_num_threads(s.threads)
     device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
     conds = check_conditions(s.conditions, device, s.nvdec_pool or 7)
+    check_method(s, conds)
     with tempfile.TemporaryDirectory(prefix="kvcodec-interf-") as tmp:
         store_dir = s.store_dir or tmp
         w = load_workload(s, device)
@@ -214,6 +230,22 @@ def check_conditions(conditions: str, device: str, nvdec_pool: int) -> list[str]
                 f"unknown condition {cond!r}; known: {', '.join(SIMPLE_CONDITIONS)}, kvcodec-pool, kvcodec-pool:N"
             )
     return conds
+
+
+def check_method(s: Settings, conds: list[str]) -> None:
+    """--method and --transform make a codec (a usage error otherwise), before minutes of preparation;
+    the NVDEC pool conditions decode the HEVC codec's chunks only."""
+    from kvcodec.errors import KVCodecError
+
+    transform = transform_ratio(s.method) is not None
+    if s.transform and not transform:
+        raise click.BadParameter(f"--transform codes a kvcodec-transform-<ratio> method, not {s.method!r}")
+    if transform and any(c.startswith("kvcodec-pool") for c in conds):
+        raise click.ClickException(f"the kvcodec-pool conditions decode the HEVC codec's chunks, not {s.method!r}")
+    try:
+        store_codec(s, "kvcodec")
+    except (KVCodecError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--method / --transform") from e
 
 
 def load_workload(s: Settings, device: str) -> Workload:
@@ -254,9 +286,8 @@ def needed_stores(conds: list[str]) -> list[str]:
 
 
 def store_codec(s: Settings, store: str, **hevc_options: Any):  # noqa: ANN201
-    return method_codec(
-        {"kvcodec": "kvcodec", "sm-decoder": s.sm_codec, "raw": "raw"}[store], codec_config(s), **hevc_options
-    )
+    method = {"kvcodec": s.method, "sm-decoder": s.sm_codec, "raw": "raw"}[store]
+    return method_codec(method, codec_config(s), transform=s.transform, **hevc_options)
 
 
 def prepare_stores(s: Settings, w: Workload, conds: list[str], device: str, store_dir: str) -> dict[str, int]:
@@ -487,6 +518,8 @@ def record(s: Settings, w: Workload, device: str, conds: list[str], stored: dict
         "warmup_s": s.warmup,
         "rounds": s.rounds,
         "stored_bytes": stored,
+        "method": s.method,
+        "transform": os.path.basename(s.transform) if s.transform else None,
         "sm_codec": s.sm_codec,
         "nvdec_pool": {c: pool_workers(c, s.nvdec_pool or 7) for c in conds if c.startswith("kvcodec-pool")},
         "notes": (
@@ -507,11 +540,20 @@ def markdown(doc: dict) -> list[str]:
         "",
         f"`{doc['command']}`",
         "",
+        stored_as(doc),
+        "",
         doc["notes"],
         "",
         *rounds_table(doc["results"], doc["rounds"]),
         *medians_table(doc["results"], doc["conditions"], doc["rounds"]),
     ]
+
+
+def stored_as(doc: dict) -> str:
+    """How the document is stored for the kvcodec conditions and for the sm-decoder (records before
+    --method: the HEVC codec at --quant)."""
+    kvt = f" (.kvt {doc['transform']})" if doc.get("transform") else ""
+    return f"The kvcodec conditions' document is stored as `{doc.get('method', 'kvcodec')}`{kvt}; the sm-decoder's as `{doc['sm_codec']}`."
 
 
 def rounds_table(results: list[dict], rounds: int) -> list[str]:

@@ -532,12 +532,13 @@ def overflow_terms(plan: BatchedPlan, x: torch.Tensor, beyond: EscapeSlots) -> t
 
 
 def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
-    """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16; where
-    torch has no float16 GEMM into float32 (before 2.8; the CPU), the same products by a float32
-    GEMM of the same operands (every float16 value exact in float32), for the fused kernels as well."""
+    """(J, d, N t) float32: the float16 GEMM of the decode basis with q (J * n, N t) float16 on CUDA;
+    where torch has none into float32 (before 2.8: no out_dtype; while torch's float16-accumulation
+    setting is on, which refuses it), the same products by a float32 GEMM of the same operands (every
+    float16 value exact in float32; its cost beside the float16 GEMM is not measured)."""
     global OUT_DTYPE_BMM
     q = q.view(plan.blocks, plan.n, -1)
-    if OUT_DTYPE_BMM:
+    if OUT_DTYPE_BMM and q.is_cuda and not getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False):
         try:
             return torch.bmm(plan.half, q, out_dtype=torch.float32)
         except (TypeError, NotImplementedError) as e:  # no such argument / no such kernel: not a device error
