@@ -18,6 +18,10 @@ and fetch the document's KV over an emulated link. Conditions:
   all: what serving the reuse requests costs the background by itself, so that the decoders'
   own interference is the difference between a condition and raw.
 
+The kvcodec conditions' document is stored with `--method` (the HEVC codec at `--quant` by default; any
+kvbench method, e.g. `kvcodec-transform-5 --transform MODEL.kvt`: the transform codec, whose default coder
+decodes on the host's threads); the pool conditions need the HEVC codec.
+
 With `--rounds N` the condition list runs N times interleaved and the report gives each condition's
 median, over rounds, of its p50 relative to the same round's alone: slow drift of the machine then
 hits every condition alike instead of whichever ran last.
