@@ -85,7 +85,7 @@ def test_interference_rejects_unknown_and_cpu_pool_conditions_before_any_work():
     assert r.exit_code != 0 and "needs a CUDA device" in r.output
 
 
-def test_interference_refuses_a_method_it_cannot_store_before_any_work(tmp_path):
+def test_interference_refuses_a_method_it_cannot_store_before_any_work(tmp_path, synthetic_kvt):
     from click.testing import CliRunner
 
     from kvbench.interference import command
@@ -94,13 +94,38 @@ def test_interference_refuses_a_method_it_cannot_store_before_any_work(tmp_path)
     kvt.write_bytes(b"not a kvt")
     cases = [
         (["--method", "kvcodec-transform-5"], "needs a .kvt"),
-        (["--method", "kvcodec-transform-5", "--transform", str(kvt)], "--method / --transform"),
+        (["--method", "kvcodec-transform-5", "--transform", str(kvt)], "--method / --sm-codec / --transform"),
+        (["--method", "kvcodec-transform-abc"], "--method / --sm-codec / --transform"),
+        (["--sm-codec", "kvcodec-transform-5-ans"], "needs a .kvt"),
         (["--method", "kvcodec-int8", "--transform", str(kvt)], "codes a kvcodec-transform-<ratio> method"),
-        (["--method", "kvcodec-transform-5", "--conditions", "alone,kvcodec-pool", "--device", "cuda"], "HEVC codec"),
+        (
+            [
+                "--method",
+                "kvcodec-transform-5",
+                "--transform",
+                str(synthetic_kvt),
+                "--conditions",
+                "alone,kvcodec-pool",
+                "--device",
+                "cuda",
+            ],
+            "HEVC codec",
+        ),
+        (["--method", "cachegen", "--conditions", "alone,kvcodec-pool:2", "--device", "cuda"], "HEVC codec"),
     ]
     for args, why in cases:  # refused before the model loads (there is none of that name) or CUDA is asked for
         r = CliRunner().invoke(command, ["--device", "cpu", *args, "--model", "no-such-model"])
         assert r.exit_code != 0 and why in r.output, (args, r.output)
+
+
+def test_interference_takes_a_kvt_for_a_transform_sm_decoder(synthetic_kvt):
+    from click.testing import CliRunner
+
+    from kvbench.interference import command
+
+    args = ["--sm-codec", "kvcodec-transform-5-ans", "--transform", str(synthetic_kvt), "--device", "cpu"]
+    r = CliRunner().invoke(command, [*args, "--model", "no-such-model"])
+    assert r.exit_code != 0 and "--transform" not in r.output and "no-such-model" in r.output  # past the checks
 
 
 def test_interference_stores_the_kvcodec_conditions_with_the_method_asked_for(synthetic_kvt):

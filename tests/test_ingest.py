@@ -559,3 +559,39 @@ def test_the_ray_driver_reports_results_in_document_order_and_what_it_holds_when
     assert seen == r[:3]  # d3 has not finished
     run._report_held()  # the job stops: d3 never finishes
     assert seen == [r[0], r[1], r[2], r[4], r[5]] and run.results == seen
+
+
+def test_a_second_interrupt_in_the_ray_drain_still_reports_the_finished_documents():
+    """The job is interrupted while d0's store is in flight and d1 is stored (held behind d0); a second
+    interrupt comes while the drain waits for d0: d1 is reported all the same (a Ray stand-in: the
+    interrupts cannot be timed into a real cluster's waits)."""
+    from kvcodec.ingest.distributed import _RayRun
+    from kvcodec.ingest.run import STORED, DocResult
+
+    class Ref:
+        def __init__(self, value):
+            self.value = value
+
+    class Ray:
+        class exceptions:
+            RayTaskError = RuntimeError
+
+        def __init__(self):
+            self.waits = 0
+
+        def get(self, ref):
+            return ref.value
+
+        def wait(self, refs, num_returns):
+            self.waits += 1
+            if self.waits == 1:
+                return [r for r in refs if r.value == (5, 0.1)], refs  # d1's store: d0's is still running
+            raise KeyboardInterrupt  # the job's interrupt, then a second one in the drain
+
+    ray, seen = Ray(), []
+    run = _RayRun(ray=ray, job=None, encode=None, on_result=seen.append, store_patience_s=0.0)
+    run.stores = {Ref((3, 0.1)): (0, DocResult("d0", STORED), b"0"), Ref((5, 0.1)): (1, DocResult("d1", STORED), b"1")}
+    run.storing = {b"0": ("d0", None), b"1": ("d1", None)}
+    with pytest.raises(KeyboardInterrupt):
+        run.run([], [])
+    assert [(r.id, r.chunks) for r in seen] == [("d1", 5)]

@@ -204,6 +204,21 @@ def test_products_on_the_cpu_come_from_a_float32_gemm_and_never_turn_the_cuda_on
     assert len(refused) == 0 and tk.OUT_DTYPE_BMM and tk.HALF_GEMM
 
 
+def test_once_refused_the_float16_gemm_is_not_asked_for_again(kvt, monkeypatch):
+    """As a CUDA torch before 2.8 answers (its bmm has no out_dtype; the gate is opened for the CPU
+    tensors here): one refusal, then the float32 GEMM's products of the same operands."""
+    _, fast = codecs(kvt, theta=1e-6)
+    plan = fast._restorer._batched_plan({"theta": 1e-6, "key_weight": 1.0}, torch.device("cpu"))
+    q = torch.randint(-2048, 2049, (plan.blocks * plan.n, 64), generator=torch.Generator().manual_seed(6)).half()
+    want = torch.bmm(plan.half.double(), q.double().view(plan.blocks, plan.n, -1))
+    refused = torch_before_out_dtype(monkeypatch)
+    monkeypatch.setattr(tk, "_float16_gemm_offered", lambda q: tk.OUT_DTYPE_BMM)
+    for _ in range(2):
+        got = tk._half_gemm_of(plan, q)
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    assert len(refused) == 1 and not tk.OUT_DTYPE_BMM and tk.HALF_GEMM
+
+
 @pytest.mark.parametrize("kw", [{}, dict(fine_tokens=100, fine_bits=1), dict(recon="laplace")])
 def test_many_chunks_restored_at_once_equal_one_by_one(kvt, kw):
     ref, fast = codecs(kvt, theta=1e-6, **kw)  # escapes in several chunks, a short last chunk, sink tokens
@@ -533,6 +548,8 @@ def test_the_fused_restore_serves_while_torch_accumulates_float16_gemms_in_float
     launched, launch = [], transform_triton.launch
     monkeypatch.setattr(transform_triton, "launch", lambda *a: launched.append(launch(*a)) or launched[-1])
     monkeypatch.setattr(matmul, "allow_fp16_accumulation", True)
+    monkeypatch.setattr(tk, "HALF_GEMM", True)  # a failure that turns it off stays in this test
+    monkeypatch.setattr(tk, "OUT_DTYPE_BMM", True)
     out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
     outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
     restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)

@@ -237,19 +237,23 @@ def check_conditions(conditions: str, device: str, nvdec_pool: int) -> list[str]
 
 
 def check_method(s: Settings, conds: list[str]) -> None:
-    """--method and --transform make a codec (a usage error otherwise), before minutes of preparation;
-    the NVDEC pool conditions decode the HEVC codec's chunks only."""
+    """--method, --sm-codec and --transform make their codecs (a usage error otherwise), before minutes
+    of preparation; the NVDEC pool conditions decode the HEVC codec's chunks only."""
     from kvcodec.errors import KVCodecError
 
-    transform = transform_ratio(s.method) is not None
-    if s.transform and not transform:
-        raise click.BadParameter(f"--transform codes a kvcodec-transform-<ratio> method, not {s.method!r}")
-    if transform and any(c.startswith("kvcodec-pool") for c in conds):
-        raise click.ClickException(f"the kvcodec-pool conditions decode the HEVC codec's chunks, not {s.method!r}")
     try:
-        store_codec(s, "kvcodec")
+        if s.transform and transform_ratio(s.method) is None and transform_ratio(s.sm_codec) is None:
+            raise click.BadParameter(
+                f"--transform codes a kvcodec-transform-<ratio> method; --method is {s.method!r}, "
+                f"--sm-codec {s.sm_codec!r}"
+            )
+        codec = store_codec(s, "kvcodec")
+        if "sm-decoder" in conds:
+            store_codec(s, "sm-decoder")
     except (KVCodecError, ValueError) as e:
-        raise click.BadParameter(str(e), param_hint="--method / --transform") from e
+        raise click.BadParameter(str(e), param_hint="--method / --sm-codec / --transform") from e
+    if not codec.id.startswith("hevc") and any(c.startswith("kvcodec-pool") for c in conds):
+        raise click.ClickException(f"the kvcodec-pool conditions decode the HEVC codec's chunks, not {s.method!r}'s")
 
 
 def load_workload(s: Settings, device: str) -> Workload:

@@ -5,7 +5,8 @@ document, skip those already stored and prefill the others; the KV goes into Ray
 an encode task on CPUs codes and writes it to the shared store (Redis, Redis Cluster, a folder every
 node mounts). Tokens, keys and chunk bytes are those of a one-machine `ingest` with the same model,
 codec and options: the stored objects are byte-identical. As there, results are reported in document
-order (a result waits for those of the documents before it), a repeat of a document this job
+order (a result waits for those of the documents before it, so one long document holds back the
+progress of the others), a repeat of a document this job
 stores is not stored again (it settles with the first one's store; an actor told of the stores in
 flight does not prefill it), and after a store error the driver waits for the store (run.wait_for_store)
 before it goes on or stops (asked from a task on the cluster, whose nodes reach the store).
@@ -214,21 +215,22 @@ class _RayRun:
         queue = collections.deque((i, doc, False) for i, doc in enumerate(documents))
         idle = collections.deque(a for a in pool for _ in range(2))  # two documents in flight per actor
         try:
-            while queue or self.prefills or self.stores:
-                while queue and idle and len(self.stores) < len(pool) * 2:
-                    self._prefill(idle.popleft(), *queue.popleft())
-                ref = self.ray.wait([*self.prefills, *self.stores], num_returns=1)[0][0]
-                if ref in self.prefills:
-                    idle.append(self.prefills[ref].actor)
-                    self._prefilled(ref, queue)
-                else:
-                    self._stored(ref, wait=True)
-            self._report_held()  # none: every document has its result by now
-        except (KeyboardInterrupt, StoreDownError):
-            while self.stores:  # counted, so that the interrupted run's report says what is stored
-                self._stored(self.ray.wait(list(self.stores), num_returns=1)[0][0], wait=False)
+            try:
+                while queue or self.prefills or self.stores:
+                    while queue and idle and len(self.stores) < len(pool) * 2:
+                        self._prefill(idle.popleft(), *queue.popleft())
+                    ref = self.ray.wait([*self.prefills, *self.stores], num_returns=1)[0][0]
+                    if ref in self.prefills:
+                        idle.append(self.prefills[ref].actor)
+                        self._prefilled(ref, queue)
+                    else:
+                        self._stored(ref, wait=True)
+            except (KeyboardInterrupt, StoreDownError):
+                while self.stores:  # counted, so that the interrupted run's report says what is stored
+                    self._stored(self.ray.wait(list(self.stores), num_returns=1)[0][0], wait=False)
+                raise
+        finally:  # however the job ends (a second interrupt in the drain too): nothing finished goes unreported
             self._report_held()
-            raise
 
     def _prefill(self, actor: Any, index: int, doc: Document, again: bool) -> None:
         storing = {digest: doc_id for digest, (doc_id, _) in self.storing.items()}

@@ -538,13 +538,19 @@ def _half_gemm_of(plan: BatchedPlan, q: torch.Tensor) -> torch.Tensor:
     float16 value exact in float32; its cost beside the float16 GEMM is not measured)."""
     global OUT_DTYPE_BMM
     q = q.view(plan.blocks, plan.n, -1)
-    if OUT_DTYPE_BMM and q.is_cuda and not getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False):
+    if _float16_gemm_offered(q):
         try:
             return torch.bmm(plan.half, q, out_dtype=torch.float32)
         except (TypeError, NotImplementedError) as e:  # no such argument / no such kernel: not a device error
             OUT_DTYPE_BMM = False
             log.warning("torch.bmm has no float16 -> float32 GEMM here (%s): a float32 GEMM of the same operands", e)
     return torch.bmm(plan.half.float(), q.float())
+
+
+def _float16_gemm_offered(q: torch.Tensor) -> bool:
+    """Whether to ask torch for the float16 GEMM into float32 for q: on CUDA, unless it was refused
+    before or torch's float16-accumulation setting refuses it now (it can be set at any time)."""
+    return OUT_DTYPE_BMM and q.is_cuda and not getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False)
 
 
 def _gathered_fused(plan: BatchedPlan, chunks, slots: EscapeSlots, table: torch.Tensor | None) -> torch.Tensor | None:
