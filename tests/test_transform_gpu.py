@@ -510,52 +510,47 @@ def test_many_chunks_with_escapes_restored_at_once_on_the_gpu_equal_the_cpu(kvt,
     assert within_an_ulp(cpu, out.cpu())
 
 
-@needs_cuda
-def test_a_cuda_torch_without_out_dtype_keeps_the_fused_restore_and_its_kv(kvt, monkeypatch):
-    """torch before 2.8: the fused kernels restore every batch, from a float32 GEMM's products, with
-    the same KV; the float16 GEMM is asked for once."""
+def fused_launches(kvt, seed: int, monkeypatch, passes: int) -> list:
+    """The fused launches (each True where the kernels ran) of `passes` batched CUDA restores of chunks
+    with escapes, each asserted within an ulp of the CPU restore."""
     from kvcodec.restore import transform_triton
 
     ref, _ = codecs(kvt, theta=1e-6)
-    kv = synthetic_kv(256, 21)
+    kv = synthetic_kv(256, seed)
     chunks = ref.encode_chunks(kv)
     cpu = restore_all(ref, chunks, kv.shape)
     launched, launch = [], transform_triton.launch
     monkeypatch.setattr(transform_triton, "launch", lambda *a: launched.append(launch(*a)) or launched[-1])
-    refused = torch_before_out_dtype(monkeypatch)
-    for _ in range(2):
+    for _ in range(passes):
         out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
         outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
         restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)
         torch.cuda.synchronize()
         assert within_an_ulp(cpu, out.cpu())
-    assert len(refused) == 1 and launched and all(launched) and len(launched) >= 2
+    return launched
+
+
+@needs_cuda
+def test_a_cuda_torch_without_out_dtype_keeps_the_fused_restore_and_its_kv(kvt, monkeypatch):
+    """torch before 2.8: the fused kernels restore every batch, from a float32 GEMM's products, with
+    the same KV; the float16 GEMM is asked for once."""
+    refused = torch_before_out_dtype(monkeypatch)
+    launched = fused_launches(kvt, 21, monkeypatch, passes=2)
+    assert len(refused) == 1 and len(launched) >= 2 and all(launched)
 
 
 @needs_cuda
 def test_the_fused_restore_serves_while_torch_accumulates_float16_gemms_in_float16(kvt, monkeypatch):
     """torch.backends.cuda.matmul.allow_fp16_accumulation (torch >= 2.7) refuses bmm(out_dtype=float32):
     the products come from a float32 GEMM for as long as it is set, and the float16 GEMM is kept."""
-    from kvcodec.restore import transform_triton
-
     matmul = torch.backends.cuda.matmul
     if not hasattr(matmul, "allow_fp16_accumulation"):
         pytest.skip("this torch has no float16-accumulation setting")
-    ref, _ = codecs(kvt, theta=1e-6)
-    kv = synthetic_kv(256, 22)
-    chunks = ref.encode_chunks(kv)
-    cpu = restore_all(ref, chunks, kv.shape)
-    launched, launch = [], transform_triton.launch
-    monkeypatch.setattr(transform_triton, "launch", lambda *a: launched.append(launch(*a)) or launched[-1])
     monkeypatch.setattr(matmul, "allow_fp16_accumulation", True)
     monkeypatch.setattr(tk, "HALF_GEMM", True)  # a failure that turns it off stays in this test
     monkeypatch.setattr(tk, "OUT_DTYPE_BMM", True)
-    out = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
-    outs = [out[:, :, ch.start_token : ch.start_token + ch.tokens] for ch in chunks]
-    restore_chunks(TransformCodec(kvt[0], chunk_tokens=64, coder="zstd"), [ch.blobs[0] for ch in chunks], outs)
-    torch.cuda.synchronize()
-    assert within_an_ulp(cpu, out.cpu()) and launched and all(launched)
-    assert tk.OUT_DTYPE_BMM and tk.HALF_GEMM
+    launched = fused_launches(kvt, 22, monkeypatch, passes=1)
+    assert launched and all(launched) and tk.OUT_DTYPE_BMM and tk.HALF_GEMM
 
 
 @needs_cuda

@@ -32,6 +32,7 @@ from pathlib import Path
 import click
 
 from kvbench.results import RESULTS_DIR, command_line, machine, write_result
+from kvbench.transform_options import kvt_option
 from kvcodec.cli.options import check_device
 from kvcodec.errors import KVCodecError
 
@@ -154,12 +155,7 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
     help="How the prefix is stored (kvbench.methods): kvcodec (the HEVC codec at --quant), kvcodec-<quant>, "
     "kvcodec-transform-<ratio>[-<coder>] (with --transform), or a baseline's name.",
 )
-@click.option(
-    "--transform",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="The MODEL.kvt a kvcodec-transform-<ratio> method codes with (`kvcodec calibrate`).",
-)
+@kvt_option
 @click.option(
     "--resolutions",
     default=None,

@@ -39,12 +39,14 @@ import statistics
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import click
 
 from kvbench.methods import method_codec, transform_ratio
 from kvbench.results import command_line, machine, result_path, utc_now, write_result
+from kvbench.transform_options import kvt_option
 from kvbench.workloads import LARGE, build_model, tiled_kv
 
 SIMPLE_CONDITIONS = ("alone", "kvcodec", "sm-decoder", "blocking", "raw")
@@ -67,7 +69,7 @@ class Settings:
     gbit: float
     quant: str
     method: str
-    transform: str | None
+    transform: Path | None
     sm_codec: str
     conditions: str
     device: str | None
@@ -140,12 +142,7 @@ def _summary(xs: list[float]) -> dict:
     help="How the kvcodec conditions' document is stored (kvbench.methods): kvcodec (the HEVC codec at --quant), "
     "kvcodec-<quant>, or kvcodec-transform-<ratio>[-<coder>] (with --transform; no kvcodec-pool condition).",
 )
-@click.option(
-    "--transform",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="The MODEL.kvt a kvcodec-transform-<ratio> method codes with (`kvcodec calibrate`).",
-)
+@kvt_option
 @click.option("--sm-codec", default="cachegen", show_default=True, help="Baseline codec for the sm-decoder condition.")
 @click.option(
     "--conditions",

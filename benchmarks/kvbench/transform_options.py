@@ -1,6 +1,7 @@
 """The --transform MODEL.kvt and --target-ratios options of the benches that measure the transform codec beside
 their own methods (`bench accuracy`, `bench ratio`): one lossy method kvcodec-transform-<r> per ratio, the .kvt
-checked against every model before any model loads."""
+checked against every model before any model loads; and the --transform of the benches that store with one
+--method (`bench fetch`, `bench interference`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ import math
 from pathlib import Path
 
 import click
+
+
+def kvt_option(command):  # noqa: ANN001, ANN201 - a click command
+    """--transform: the .kvt a kvcodec-transform-<ratio> --method codes with (a Path, or None)."""
+    return click.option(
+        "--transform",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=None,
+        help="The MODEL.kvt a kvcodec-transform-<ratio> method codes with (`kvcodec calibrate`).",
+    )(command)
 
 
 def transform_options(command):  # noqa: ANN001, ANN201 - a click command
