@@ -496,17 +496,16 @@ def _half_gemm(plan: BatchedPlan, samples: torch.Tensor, slots: EscapeSlots, tok
 def _half_products(plan: BatchedPlan, chunks, slots: EscapeSlots, table: torch.Tensor | None = None) -> torch.Tensor:
     """(J, d, N t) float32 half @ q of N chunks (an (N, C, t) tensor or N (C, t) ones): the basis
     products of the centred integers, before the blocks' scales, the token scales and the means
-    (float16 tensor cores on CUDA; the same values in float32 on the CPU, for the tests). `table`:
+    (float16 tensor cores on CUDA; the same values in float32 on the CPU, for the tests: _half_gemm_of). `table`:
     the chunks' addresses on the device where the caller uploaded them (the fused path's meta)."""
-    N, (C, t) = len(chunks), chunks[0].shape
-    J, n = plan.blocks, plan.n
+    C = chunks[0].shape[0]
     fit, beyond = slots.split_half()
     on_gpu = chunks[0].device.type == "cuda"
     q = _gathered_fused(plan, chunks, fit, table) if on_gpu and C else None
     if q is None:
         stacked = chunks if isinstance(chunks, torch.Tensor) else torch.stack(list(chunks))
         q = _centred(plan, stacked, fit, torch.float16 if on_gpu else torch.float32)
-    x = _half_gemm_of(plan, q) if on_gpu else torch.bmm(plan.half.float(), q.view(J, n, N * t))
+    x = _half_gemm_of(plan, q)
     return overflow_terms(plan, x, beyond)
 
 
