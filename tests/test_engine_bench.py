@@ -173,3 +173,23 @@ def test_ttft_rows_carry_the_engine_split_after_the_fetch_and_tolerate_older_eng
     assert old["restored_to_prefill_s"] is None and old["ttft_minus_fetch_s"] == pytest.approx(0.035)
     rows = [{"model": "m", "tokens": 8, "bandwidth_gbit": 40.0, "method": "raw", **new}]
     assert "| m | 8 | 40 | raw fp16 KV | 2.0 | 20.0 | 30.0 |" in gap_markdown(rows, ["raw"])
+
+
+def test_interference_counts_only_its_own_codecs_bytes_in_a_reused_store_folder():
+    import torch
+
+    from kvbench.interference import document_bytes
+    from kvcodec.codecs import RawCodec
+    from kvcodec.fetcher import PrefixCache
+    from kvcodec.store import open_store
+
+    store, ids = open_store("memory://"), list(range(600))
+    kv = torch.randn(2, 2, 600, 2, 8, dtype=torch.float16)
+    raw = PrefixCache(store, "m", RawCodec(chunk_tokens=256), "cpu")
+    raw.put(ids, kv)
+    alone = sum(store.size(k) for k in store.list())
+    assert document_bytes(raw, ids) == alone  # 3 chunks (the last one short): metas and blobs
+    zstd = PrefixCache(store, "m", RawCodec(variants=("zstd",), chunk_tokens=256), "cpu")
+    zstd.put(ids, kv)
+    assert document_bytes(raw, ids) == alone
+    assert document_bytes(zstd, ids) == sum(store.size(k) for k in store.list()) - alone

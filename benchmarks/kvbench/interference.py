@@ -310,12 +310,23 @@ def prepare_stores(s: Settings, w: Workload, conds: list[str], device: str, stor
             t0 = time.perf_counter()
             pc.put(w.doc_ids, kv)
             click.echo(f"  {name}: encoded and stored in {time.perf_counter() - t0:.1f} s", err=True)
-        stored[name] = sum(base.size(k) or 0 for k in base.list())
+        stored[name] = document_bytes(pc, w.doc_ids)
         click.echo(f"  {name}: {stored[name] / 1e6:.2f} MB stored", err=True)
     os.makedirs(store_dir, exist_ok=True)
     with open(os.path.join(store_dir, "doc_ids.json"), "w") as f:
         json.dump(w.doc_ids, f)
     return stored
+
+
+def document_bytes(pc, ids: list[int]) -> int:  # noqa: ANN001 - a PrefixCache
+    """Bytes `pc`'s codec stores for the document (every chunk's meta and blobs), however many other
+    codecs' chunks the same store folder holds (a --store-dir reused with another --method or --quant)."""
+    from kvcodec.fetcher import blob_key, meta_key
+    from kvcodec.store.base import size_many
+
+    keys = pc.keys(ids)
+    names = [meta_key(k) for k in keys] + [blob_key(k, j) for k in keys for j in range(len(pc.codec.resolutions))]
+    return sum(n or 0 for n in size_many(pc.store, names))
 
 
 def document_kv(s: Settings, w: Workload, device: str, store_dir: str, from_kvcodec: bool):  # noqa: ANN201
