@@ -565,7 +565,7 @@ def test_a_second_interrupt_in_the_ray_drain_still_reports_the_finished_document
     """The job is interrupted while d0's store is in flight and d1 is stored (held behind d0); a second
     interrupt comes while the drain waits for d0: d1 is reported all the same (a Ray stand-in: the
     interrupts cannot be timed into a real cluster's waits)."""
-    from kvcodec.ingest.distributed import _RayRun
+    from kvcodec.ingest.distributed import _InStore, _RayRun
     from kvcodec.ingest.run import STORED, DocResult
 
     class Ref:
@@ -590,8 +590,103 @@ def test_a_second_interrupt_in_the_ray_drain_still_reports_the_finished_document
 
     ray, seen = Ray(), []
     run = _RayRun(ray=ray, job=None, encode=None, on_result=seen.append, store_patience_s=0.0)
-    run.stores = {Ref((3, 0.1)): (0, DocResult("d0", STORED), b"0"), Ref((5, 0.1)): (1, DocResult("d1", STORED), b"1")}
+    run.stores = {
+        Ref((3, 0.1)): _InStore(0, DocResult("d0", STORED), b"0", "m", [1], None),
+        Ref((5, 0.1)): _InStore(1, DocResult("d1", STORED), b"1", "m", [2], None),
+    }
     run.storing = {b"0": ("d0", None), b"1": ("d1", None)}
     with pytest.raises(KeyboardInterrupt):
         run.run([], [])
     assert [(r.id, r.chunks) for r in seen] == [("d1", 5)]
+
+
+class _RayAfterAnOutage:
+    """A Ray stand-in for the driver's stores: each encode task's outcome in turn (a StoreError the
+    store raised, or (chunks, seconds)); the store answers the driver's probe at once. An outage of a
+    real cluster's shared store cannot be timed between a task's failure and its retry."""
+
+    class exceptions:
+        RayTaskError = RuntimeError
+
+    class Ref:
+        def __init__(self, outcome):
+            self.outcome = outcome
+
+    def __init__(self, outcomes):
+        self.outcomes, self.encoded, self.probes = list(outcomes), [], 0
+
+    def get(self, ref):
+        if isinstance(ref.outcome, BaseException):
+            raise ref.outcome
+        return ref.outcome
+
+    def wait(self, refs, num_returns):
+        return refs[:1], refs[1:]
+
+    def remote(self, fn):  # the driver's probe of the store: it answers
+        ray = self
+
+        class Probe:
+            def options(self, **_):
+                return self
+
+            def remote(self, *args):
+                ray.probes += 1
+                return ray.Ref(None)
+
+        return Probe()
+
+    def encoder(self):
+        ray = self
+
+        class Encode:
+            def remote(self, *args):
+                ray.encoded.append(args)
+                return ray.Ref(ray.outcomes.pop(0))
+
+        return Encode()
+
+
+def _ray_run_storing(ray, *docs):
+    from kvcodec.ingest.distributed import RayJob, _InStore, _RayRun
+    from kvcodec.ingest.run import STORED, DocResult
+
+    seen = []
+    job = RayJob(model="m", store_url="redis://store:6379/0", codec="raw")
+    run = _RayRun(ray=ray, job=job, encode=ray.encoder(), on_result=seen.append, store_patience_s=0.0)
+    for i, doc in enumerate(docs):
+        run._store(_InStore(i, DocResult(doc, STORED), doc.encode(), "m", [i], f"kv-{doc}"), doc)
+    return run, seen
+
+
+def test_the_ray_driver_stores_a_document_once_more_after_an_outage():
+    """d0's encode task failed while the store was down: once the store answers, the driver stores d0's KV
+    (still in the object store) again, without a second prefill; its repeat settles with the retry."""
+    from kvcodec.errors import StoreError
+    from kvcodec.ingest.run import SKIPPED, DocResult
+
+    ray = _RayAfterAnOutage([StoreError("connection refused"), (3, 0.1), (4, 0.2)])  # d0, d1, d0 again
+    run, seen = _ray_run_storing(ray, "d0", "d1")
+    run.repeats[next(iter(run.stores))] = [(2, DocResult("d0-again", SKIPPED, error="the same tokens as d0"))]
+    run.run([], [])
+    assert [(r.id, r.status, r.chunks) for r in seen] == [
+        ("d0", "stored", 4),
+        ("d1", "stored", 3),
+        ("d0-again", "skipped", 0),
+    ]
+    assert ray.probes == 1 and [a[1:] for a in ray.encoded] == [
+        ("m", [0], "kv-d0"),
+        ("m", [1], "kv-d1"),
+        ("m", [0], "kv-d0"),
+    ]
+    assert not run.stores and not run.storing
+
+
+def test_the_ray_driver_stores_a_document_once_more_only_once():
+    from kvcodec.errors import StoreError
+
+    ray = _RayAfterAnOutage([StoreError("connection refused"), StoreError("connection reset")])
+    run, seen = _ray_run_storing(ray, "d0")
+    run.run([], [])
+    assert [(r.id, r.status, r.store_down) for r in seen] == [("d0", "failed", True)] and "reset" in seen[0].error
+    assert len(ray.encoded) == 2 and ray.probes == 2

@@ -9,7 +9,9 @@ order (a result waits for those of the documents before it, so one long document
 progress of the others), a repeat of a document this job
 stores is not stored again (it settles with the first one's store; an actor told of the stores in
 flight does not prefill it), and after a store error the driver waits for the store (run.wait_for_store)
-before it goes on or stops (asked from a task on the cluster, whose nodes reach the store).
+before it goes on or stops (asked from a task on the cluster, whose nodes reach the store); a document
+whose store failed while the store was down is stored once more when it answers (its KV is still in
+Ray's object store: no second prefill).
 """
 
 from __future__ import annotations
@@ -190,6 +192,19 @@ class _Prefilling:
     again: bool  # read again after its lookup failed
 
 
+@dataclasses.dataclass(frozen=True)
+class _InStore:
+    """A document whose encode task is in flight: what reports it, and what stores it once more."""
+
+    index: int  # the document's place in the job
+    result: DocResult  # its prefill's result
+    digest: bytes  # its tokens' (token_digest)
+    model_id: str
+    ids: list[int]
+    kv: Any  # the KV's object ref, held until the store is done
+    retried: bool = False  # stored once more after an outage
+
+
 @dataclasses.dataclass
 class _RayRun:
     """The driver's loop: documents to the actors (two in flight each), prefilled KV to encode tasks
@@ -203,8 +218,7 @@ class _RayRun:
     store_patience_s: float
     results: list[DocResult] = dataclasses.field(default_factory=list)
     prefills: dict[Any, _Prefilling] = dataclasses.field(default_factory=dict)  # meta ref ->
-    stores: dict[Any, tuple[int, DocResult, bytes]] = dataclasses.field(default_factory=dict)  # ref -> (index,
-    # result, digest)
+    stores: dict[Any, _InStore] = dataclasses.field(default_factory=dict)  # encode task ref ->
     storing: dict[bytes, tuple[str, Any]] = dataclasses.field(default_factory=dict)  # digest -> (doc id, store ref)
     repeats: dict[Any, list[tuple[int, DocResult]]] = dataclasses.field(default_factory=dict)  # store ref -> repeats
     stored: dict[bytes, str] = dataclasses.field(default_factory=dict)  # digest -> doc id, stores done
@@ -257,30 +271,50 @@ class _RayRun:
         elif result.status == SKIPPED:  # its first document's store failed since: read it again
             queue.appendleft((p.index, p.doc, p.again))
         else:
-            stored = self.encode.remote(self.job, model_id, ids, p.kv)
-            self.stores[stored] = (p.index, result, digest)
-            self.storing[digest] = (p.doc.id, stored)
+            self._store(_InStore(p.index, result, digest, model_id, ids, p.kv), p.doc.id)
+
+    def _store(self, s: _InStore, doc_id: str, repeats: list[tuple[int, DocResult]] | None = None) -> None:
+        """An encode task for `s`; `repeats` (index, result) settle with it."""
+        ref = self.encode.remote(self.job, s.model_id, s.ids, s.kv)
+        self.stores[ref] = s
+        self.storing[s.digest] = (doc_id, ref)
+        if repeats:
+            self.repeats[ref] = repeats
 
     def _stored(self, ref: Any, wait: bool) -> None:
-        index, result, digest = self.stores[ref]  # taken off once its result is in: an interrupt leaves it to the drain
+        s = self.stores[ref]  # taken off once its result is in: an interrupt leaves it to the drain
         try:
             chunks, store_s = _get(self.ray, ref)
         except Exception as e:  # noqa: BLE001 - one document's failure is reported, the job goes on
-            self._taken(ref, digest)
-            failed = dataclasses.replace(result, status=FAILED, error=_why(e), store_down=isinstance(e, StoreError))
-            self._done(index, failed)
-            for i, r in self.repeats.pop(ref, []):
-                self._done(i, dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed"))
-            if isinstance(e, StoreError) and wait:
+            self._taken(ref, s.digest)
+            down = isinstance(e, StoreError)
+            failed = dataclasses.replace(s.result, status=FAILED, error=_why(e), store_down=down)
+            if not (down and wait):
+                self._failed(s.index, failed, self.repeats.pop(ref, []))
+                return
+            repeats = self.repeats.pop(ref, [])
+            try:
                 self._wait_for_store()
+            except BaseException:
+                self._failed(s.index, failed, repeats)
+                raise
+            if s.retried:  # its second store failed too, the store answering again since
+                self._failed(s.index, failed, repeats)
+            else:  # its store failed while the store was down: once more, now it answers
+                self._store(dataclasses.replace(s, retried=True), s.result.id, repeats)
             return
-        self._taken(ref, digest)
+        self._taken(ref, s.digest)
         self._done(
-            index, dataclasses.replace(result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
+            s.index, dataclasses.replace(s.result, chunks=chunks, store_s=store_s, status=STORED if chunks else SKIPPED)
         )
-        self.stored.setdefault(digest, result.id)
+        self.stored.setdefault(s.digest, s.result.id)
         for i, r in self.repeats.pop(ref, []):
             self._done(i, r)
+
+    def _failed(self, index: int, failed: DocResult, repeats: list[tuple[int, DocResult]]) -> None:
+        self._done(index, failed)
+        for i, r in repeats:
+            self._done(i, dataclasses.replace(r, status=FAILED, error=f"{r.error}, whose store failed"))
 
     def _taken(self, ref: Any, digest: bytes) -> None:
         del self.stores[ref], self.storing[digest]
