@@ -682,3 +682,38 @@ def test_a_fetch_frees_its_buffers_without_the_collector(codec):
         cache._executor.shutdown(wait=True)  # every stage thread done, the stalled one's report included
 
     assert cyclic_buffers(fetches) == []
+
+
+_META_FIELDS = st.fixed_dictionaries(
+    {
+        "v": st.sampled_from([1, 1, 1, 2]),
+        "index": st.integers(-1, 3),
+        "start_token": st.integers(0, 512),
+        "tokens": st.integers(0, 256),
+        "shape": st.lists(st.integers(0, 64), min_size=2, max_size=4),
+        "dtype": st.sampled_from(["float16", "bfloat16", "int9"]),
+        "resolutions": st.lists(st.lists(st.integers(16, 1024), min_size=2, max_size=2), max_size=2),
+        "sizes": st.lists(st.integers(0, 10**6), max_size=2),
+        "codec": st.just("c"),
+    }
+)
+
+
+@given(_META_FIELDS, st.sampled_from([bytes, bytearray, memoryview]))
+def test_a_meta_parses_the_same_every_time_from_any_bytes(fields, kind):
+    """ChunkMeta.from_bytes keeps the metas it parsed by their bytes: the same bytes, in any buffer, give
+    an equal meta or the same error every time, as a parse of its own (the uncached ChunkMeta._parse)."""
+    import json
+
+    from kvcodec.fetcher import ChunkMeta
+
+    raw = json.dumps(fields).encode()
+    outcomes = []
+    for parse in (ChunkMeta.from_bytes, ChunkMeta.from_bytes, ChunkMeta._parse):
+        try:
+            outcomes.append(parse(kind(raw) if parse is ChunkMeta.from_bytes else raw))
+        except FormatError as e:
+            outcomes.append(str(e))
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    if isinstance(outcomes[0], ChunkMeta):
+        assert ChunkMeta.from_bytes(outcomes[0].to_bytes()) == outcomes[0]
