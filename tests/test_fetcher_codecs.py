@@ -699,21 +699,31 @@ _META_FIELDS = st.fixed_dictionaries(
 )
 
 
-@given(_META_FIELDS, st.sampled_from([bytes, bytearray, memoryview]))
-def test_a_meta_parses_the_same_every_time_from_any_bytes(fields, kind):
-    """ChunkMeta.from_bytes keeps the metas it parsed by their bytes: the same bytes, in any buffer, give
-    an equal meta or the same error every time, as a parse of its own (the uncached ChunkMeta._parse)."""
+@given(_META_FIELDS, st.sampled_from([bytearray, lambda b: b.decode(), memoryview, lambda b: None]))
+def test_a_meta_parses_the_same_every_time_and_from_other_objects_as_before(fields, other):
+    """ChunkMeta.from_bytes keeps the metas it parsed by their bytes: the same bytes give an equal meta or
+    the same error every time, as a parse of its own (the uncached ChunkMeta._parse); what is not bytes
+    (another buffer, a str, None) is parsed or refused by that parse, uncached: a FormatError, never another."""
     import json
 
     from kvcodec.fetcher import ChunkMeta
 
     raw = json.dumps(fields).encode()
     outcomes = []
-    for parse in (ChunkMeta.from_bytes, ChunkMeta.from_bytes, ChunkMeta._parse):
+    for parse, given_ in ((ChunkMeta.from_bytes, raw), (ChunkMeta.from_bytes, raw), (ChunkMeta._parse, raw)):
         try:
-            outcomes.append(parse(kind(raw) if parse is ChunkMeta.from_bytes else raw))
+            outcomes.append(parse(given_))
         except FormatError as e:
             outcomes.append(str(e))
     assert outcomes[0] == outcomes[1] == outcomes[2]
+    try:
+        from_other = ChunkMeta.from_bytes(other(raw))
+    except FormatError as e:
+        from_other = str(e)
+    try:
+        parsed_other = ChunkMeta._parse(other(raw))
+    except FormatError as e:
+        parsed_other = str(e)
+    assert from_other == parsed_other
     if isinstance(outcomes[0], ChunkMeta):
         assert ChunkMeta.from_bytes(outcomes[0].to_bytes()) == outcomes[0]

@@ -612,8 +612,13 @@ class _RayAfterAnOutage:
         def __init__(self, outcome):
             self.outcome = outcome
 
-    def __init__(self, outcomes):
+    class OnSubmit:  # an outcome raised by encode.remote itself
+        def __init__(self, error):
+            self.error = error
+
+    def __init__(self, outcomes, probe=None, interrupted_waits=0):
         self.outcomes, self.encoded, self.probes = list(outcomes), [], 0
+        self.probe, self.interrupted_waits = probe, interrupted_waits  # the probe's error; waits interrupted first
 
     def get(self, ref):
         if isinstance(ref.outcome, BaseException):
@@ -621,6 +626,9 @@ class _RayAfterAnOutage:
         return ref.outcome
 
     def wait(self, refs, num_returns):
+        if self.interrupted_waits:
+            self.interrupted_waits -= 1
+            raise KeyboardInterrupt
         return refs[:1], refs[1:]
 
     def remote(self, fn):  # the driver's probe of the store: it answers
@@ -632,7 +640,7 @@ class _RayAfterAnOutage:
 
             def remote(self, *args):
                 ray.probes += 1
-                return ray.Ref(None)
+                return ray.Ref(ray.probe)
 
         return Probe()
 
@@ -642,7 +650,10 @@ class _RayAfterAnOutage:
         class Encode:
             def remote(self, *args):
                 ray.encoded.append(args)
-                return ray.Ref(ray.outcomes.pop(0))
+                outcome = ray.outcomes.pop(0)
+                if isinstance(outcome, ray.OnSubmit):
+                    raise outcome.error
+                return ray.Ref(outcome)
 
         return Encode()
 
@@ -690,3 +701,34 @@ def test_the_ray_driver_stores_a_document_once_more_only_once():
     run.run([], [])
     assert [(r.id, r.status, r.store_down) for r in seen] == [("d0", "failed", True)] and "reset" in seen[0].error
     assert len(ray.encoded) == 2 and ray.probes == 2
+
+
+@pytest.mark.parametrize("stop", ["the store stays down", "interrupted while the retry is submitted"])
+def test_a_ray_job_stopped_at_a_retry_reports_the_document_and_its_repeat(stop):
+    from kvcodec.errors import StoreError
+    from kvcodec.ingest.run import SKIPPED, DocResult, StoreDownError
+
+    down = StoreDownError("the store did not answer within 0 s")
+    if stop == "the store stays down":
+        ray, error = _RayAfterAnOutage([StoreError("refused")], probe=down), StoreDownError
+    else:
+        ray, error = (
+            _RayAfterAnOutage([StoreError("refused"), _RayAfterAnOutage.OnSubmit(KeyboardInterrupt())]),
+            KeyboardInterrupt,
+        )
+    run, seen = _ray_run_storing(ray, "d0")
+    run.repeats[next(iter(run.stores))] = [(1, DocResult("d0-again", SKIPPED, error="the same tokens as d0"))]
+    with pytest.raises(error):
+        run.run([], [])
+    assert [(r.id, r.status) for r in seen] == [("d0", "failed"), ("d0-again", "failed")]
+    assert not run.stores and not run.storing
+
+
+def test_the_ray_drain_after_an_interrupt_neither_waits_for_the_store_nor_stores_again():
+    from kvcodec.errors import StoreError
+
+    ray = _RayAfterAnOutage([StoreError("refused")], interrupted_waits=1)
+    run, seen = _ray_run_storing(ray, "d0")
+    with pytest.raises(KeyboardInterrupt):
+        run.run([], [])
+    assert [(r.id, r.status) for r in seen] == [("d0", "failed")] and ray.probes == 0 and len(ray.encoded) == 1

@@ -147,10 +147,10 @@ class ChunkMeta:
         metas of recently fetched prefixes are kept by their bytes."""
         if cls is ChunkMeta and isinstance(b, bytes):
             return _parsed_meta(b)
-        return cls._parse(bytes(b))
+        return cls._parse(b)
 
     @classmethod
-    def _parse(cls, b: bytes) -> ChunkMeta:
+    def _parse(cls, b: bytes | bytearray | str) -> ChunkMeta:
         try:
             d = json.loads(b)
             if not isinstance(d, dict) or d.pop("v", None) != META_VERSION:

@@ -276,10 +276,10 @@ class _RayRun:
     def _store(self, s: _InStore, doc_id: str, repeats: list[tuple[int, DocResult]] | None = None) -> None:
         """An encode task for `s`; `repeats` (index, result) settle with it."""
         ref = self.encode.remote(self.job, s.model_id, s.ids, s.kv)
-        self.stores[ref] = s
-        self.storing[s.digest] = (doc_id, ref)
         if repeats:
             self.repeats[ref] = repeats
+        self.storing[s.digest] = (doc_id, ref)
+        self.stores[ref] = s  # last: what the drain waits for holds all of it
 
     def _stored(self, ref: Any, wait: bool) -> None:
         s = self.stores[ref]  # taken off once its result is in: an interrupt leaves it to the drain
@@ -301,7 +301,7 @@ class _RayRun:
             if s.retried:  # its second store failed too, the store answering again since
                 self._failed(s.index, failed, repeats)
             else:  # its store failed while the store was down: once more, now it answers
-                self._store(dataclasses.replace(s, retried=True), s.result.id, repeats)
+                self._retry(dataclasses.replace(s, retried=True), failed, repeats)
             return
         self._taken(ref, s.digest)
         self._done(
@@ -310,6 +310,15 @@ class _RayRun:
         self.stored.setdefault(s.digest, s.result.id)
         for i, r in self.repeats.pop(ref, []):
             self._done(i, r)
+
+    def _retry(self, s: _InStore, failed: DocResult, repeats: list[tuple[int, DocResult]]) -> None:
+        try:
+            self._store(s, s.result.id, repeats)
+        except BaseException:  # not in flight (an interrupt while it was submitted): reported as failed
+            if not any(v is s for v in self.stores.values()):
+                self.storing.pop(s.digest, None)
+                self._failed(s.index, failed, repeats)
+            raise
 
     def _failed(self, index: int, failed: DocResult, repeats: list[tuple[int, DocResult]]) -> None:
         self._done(index, failed)
