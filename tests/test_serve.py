@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("httpx")
@@ -361,3 +363,78 @@ class _NoClose:
 
     def close(self) -> None:
         pass
+
+
+def test_without_max_tokens_a_chat_answers_up_to_the_context_and_a_completion_16_tokens():
+    """As OpenAI's and vLLM's endpoints: a chat without max_tokens may use the room its prompt leaves in the
+    context; a completion gets 16 tokens, or that room if less (a prompt near the context is answered, not
+    refused over a max_tokens the client never sent)."""
+    from kvcodec.models import load_model
+
+    model, tok = load_model("smollm2-135m")
+    eng = Engine(model, tokenizer=tok, store_url="memory://", device="cpu", max_context=64, fetch_deadline_s=None)
+    try:
+        with TestClient(create_app(eng, "smollm2-135m")) as c:
+            chat = {"messages": [{"role": "user", "content": "Count to a hundred."}], "ignore_eos": True}
+            r = c.post("/v1/chat/completions", json=chat).json()
+            prompt = r["usage"]["prompt_tokens"]
+            assert r["usage"]["completion_tokens"] == 64 - prompt > 16
+            r = c.post("/v1/completions", json={"prompt": [5] * 30, "ignore_eos": True}).json()
+            assert r["usage"]["completion_tokens"] == 16
+            r = c.post("/v1/completions", json={"prompt": [5] * 60, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            r = c.post("/v1/completions", json={"prompt": [5] * 60, "max_tokens": 16})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # the client's own max_tokens
+    finally:
+        eng.close()
+
+
+@given(st.booleans(), st.integers(0, 10_000), st.one_of(st.none(), st.integers(2, 10_000)))
+def test_the_default_output_length_fits_the_context(chat, prompt_tokens, context):
+    from kvcodec.server.schema import DEFAULT_MAX_TOKENS, default_max_tokens
+
+    n = default_max_tokens(chat, prompt_tokens, context)
+    assert n >= 1
+    if context is None:
+        assert n == DEFAULT_MAX_TOKENS
+    elif prompt_tokens < context:
+        assert prompt_tokens + n <= context
+        assert n == (context - prompt_tokens if chat else min(DEFAULT_MAX_TOKENS, context - prompt_tokens))
+
+
+@pytest.mark.parametrize("length", ["100", "ten"])
+def test_a_body_cut_short_by_its_client_or_a_bad_length_is_answered_not_raised(length):
+    """A client that sends part of its body and goes ends the request with 499 (no answer to give, no
+    server error); a Content-Length that is not a number is a 400 saying so."""
+    import asyncio
+
+    from kvcodec.server import create_app
+
+    app = create_app(object())  # the body is read before the engine is asked anything
+    chunks = [{"type": "http.request", "body": b'{"prompt": "Hi"', "more_body": True}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", length.encode())],
+        "query_string": b"",
+        "http_version": "1.1",
+        "scheme": "http",
+        "server": ("127.0.0.1", 8000),
+        "client": ("127.0.0.1", 5000),
+        "root_path": "",
+    }
+    asyncio.run(app(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    assert status == (499 if length.isdigit() else 400)
+    if not length.isdigit():
+        body = json.loads(b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"))
+        assert "Content-Length" in body["error"]["message"]

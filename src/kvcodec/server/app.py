@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from kvcodec.engine.validate import check_context, check_token_ids
 from kvcodec.errors import KVCodecError
@@ -40,6 +41,7 @@ def create_app(engine: Any, model_name: str = "kvcodec", *, close_on_shutdown: b
     app.add_exception_handler(BadRequestError, _bad_request)
     app.add_exception_handler(KVCodecError, _bad_request)
     app.add_exception_handler(HTTPException, _http_error)  # 404, 405: OpenAI's error shape too
+    app.add_exception_handler(ClientDisconnect, _client_gone)  # left before its body was read: no answer, no error
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
@@ -79,11 +81,17 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED)
+
+
 async def _json(request: Request) -> Any:
     """The body as JSON; an oversize body (by its Content-Length, or as it arrives) is refused
     before it is read whole or parsed."""
     length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+    if length is not None and not (length.isascii() and length.isdigit()):
+        raise BadRequestError(f"Content-Length is not a number of bytes: {length[:40]!r}", "body")
+    if length is not None and int(length) > MAX_BODY_BYTES:
         raise BadRequestError(f"the body is over {MAX_BODY_BYTES} bytes", "body", status=413)
     body, size = [], 0
     async for piece in request.stream():
@@ -161,6 +169,7 @@ async def _generate(request: Request, g: GenerationRequest, arrival: float) -> R
     engine = request.app.state.engine
     _check_size(engine, g)
     ids = await run_in_threadpool(_prompt_ids, engine, g)
+    g = g.fitted(len(ids), getattr(engine, "max_context", None))
     _check_ids(engine, g, ids)
     env = responses.Envelope.new(g.chat, request.app.state.model_name, len(ids))  # the model that answers
     req, q = await submit(engine, ids, g.params, g.reuse, arrival)  # a refused request: KVCodecError -> 400

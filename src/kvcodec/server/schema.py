@@ -12,7 +12,7 @@ from typing import Any
 
 from kvcodec.engine.sequence import SamplingParams
 
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # a completion's without max_tokens (OpenAI's completions); a chat's: the context's room
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -49,6 +49,25 @@ class GenerationRequest:
     stream: bool
     reuse: bool
     model: str | None
+    max_tokens_given: bool = True  # the client set max_tokens (or max_completion_tokens)
+
+    def fitted(self, prompt_tokens: int, context: int | None) -> GenerationRequest:
+        """This request with its output length set where the client left it out: default_max_tokens."""
+        if self.max_tokens_given:
+            return self
+        n = default_max_tokens(self.chat, prompt_tokens, context)
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, max_new_tokens=n))
+
+
+def default_max_tokens(chat: bool, prompt_tokens: int, context: int | None) -> int:
+    """The output length of a request without max_tokens: a chat answers up to the room its prompt leaves
+    in the model's context (as OpenAI's and vLLM's chat endpoints), a completion DEFAULT_MAX_TOKENS (OpenAI's
+    completions default) or that room if less; at least 1 (a prompt that fills the context is refused for
+    its length). Pure."""
+    if context is None:
+        return DEFAULT_MAX_TOKENS
+    room = max(1, context - prompt_tokens)
+    return room if chat else min(DEFAULT_MAX_TOKENS, room)
 
 
 def _is_int(x: Any) -> bool:
@@ -171,6 +190,7 @@ def _common(body: dict) -> dict[str, Any]:
         "stream": _flag(body, "stream", False),
         "reuse": _flag(body, "kvcodec_reuse", True),
         "model": model,
+        "max_tokens_given": body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None,
     }
 
 
