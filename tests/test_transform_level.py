@@ -152,8 +152,8 @@ def test_the_codecs_level_is_the_full_bisections(synthetic_kvt, ratio):
 
 def test_a_level_the_grid_would_move_out_of_the_search_range_stays_as_searched(synthetic_kvt, monkeypatch):
     """Where the grid level nearest a searched level would code nothing (>= the widest variance),
-    the searched level is kept. A budget the fp16 sink tokens alone exceed keeps the
-    coarsest level that still codes a coordinate, off the grid."""
+    the searched level is kept. A budget the fp16 sink tokens alone exceed is searched as the ratio's
+    budget without them (then on the grid); a KV of sink tokens alone codes nothing: the coarsest level."""
     c = codec(synthetic_kvt, target_ratio=3.0)
     kv = synthetic_kv(64, seed=4)
     var, w = all_variances(c.cal).to(torch.float64), c._weights()
@@ -163,7 +163,11 @@ def test_a_level_the_grid_would_move_out_of_the_search_range_stays_as_searched(s
     assert c._ratio_level(None, kv, 0, var, w) == top * 0.995
     monkeypatch.setattr(TransformCodec, "_target_bits", lambda *a: -1.0)
     monkeypatch.setattr(rate, "on_grid", lambda theta: theta / 2)  # a grid level inside the range
-    assert c._ratio_level(None, kv, 0, var, w) == top * 0.999
+    searched = []
+    monkeypatch.setattr(TransformCodec, "_searched_level", lambda self, target, *a: searched.append(target) or top / 3)
+    assert c._ratio_level(None, kv, 0, var, w) == top / 6
+    assert searched == [16.0 * kv.numel() / 3.0 / kv.shape[2]]  # bits a token: the ratio's, no sink paid
+    assert c._ratio_level(None, kv[:, :, : c.sink_tokens], 0, var, w) == top * 0.999
 
 
 @settings(max_examples=60, deadline=None)

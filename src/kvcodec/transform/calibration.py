@@ -151,6 +151,9 @@ def keys_without_rope(kv: torch.Tensor, first_position: int, rope: RopeSpec | No
     return torch.stack([remove_rope(x[:, 0], positions, rope), x[:, 1]], dim=1)
 
 
+FLOAT16_MAX = 65504.0
+
+
 def _check(kvs: Sequence[torch.Tensor]) -> tuple[int, int, int]:
     if not kvs:
         raise ConfigError("calibration needs at least one KV tensor")
@@ -162,7 +165,19 @@ def _check(kvs: Sequence[torch.Tensor]) -> tuple[int, int, int]:
     for k in kvs:
         if not torch.isfinite(k).all():
             raise ConfigError("calibration KV holds NaN or infinity; refusing to fit a transform on it")
+        check_half_range(k, "calibration KV")
     return next(iter(shapes))
+
+
+def check_half_range(kv: torch.Tensor, what: str) -> None:
+    """ShapeError where `kv` (finite) holds a value beyond float16's range: a .kvt stores its means in float16's
+    range and the transform codec its exact sink tokens as float16, so such KV cannot be coded by the transform
+    (the HEVC codec's integer modes code it)."""
+    if kv.numel() and (peak := float(kv.detach().abs().amax())) > FLOAT16_MAX:
+        raise ShapeError(
+            f"{what} reaches {peak:.6g}, beyond float16's range ({FLOAT16_MAX:g}): the transform codes KV within "
+            "it; the HEVC codec (--quant int8) codes this KV"
+        )
 
 
 def calibrate(

@@ -50,7 +50,14 @@ from kvcodec.kvspec import GroupSpec
 from kvcodec.layout.search import encode_workers
 from kvcodec.plugins import check_arguments
 from kvcodec.transform import alloc, frames, quantize, rate
-from kvcodec.transform.calibration import KINDS, Calibration, all_variances, group_matrix, keys_without_rope
+from kvcodec.transform.calibration import (
+    KINDS,
+    Calibration,
+    all_variances,
+    check_half_range,
+    group_matrix,
+    keys_without_rope,
+)
 from kvcodec.transform.kvt import load_kvt
 from kvcodec.video import x265_cpu
 
@@ -338,8 +345,10 @@ class TransformCodec:
         """The level meeting target_ratio on this data (_searched_level), moved to the nearest level
         of rate.on_grid's grid: prefixes share levels, so a restorer's decode plans serve many."""
         target, top = self._target_bits(kv, first_position), float((var * w).max())
-        if target <= 0:  # the fp16 sink tokens alone exceed the budget (a short first chunk): the coarsest level
-            return top * 0.999  # that still codes a coordinate (a chunk of no samples has nothing to decode)
+        if kv.shape[2] <= self.sink_tokens - first_position:  # every token a sink, kept exact: no coordinate coded
+            return top * 0.999
+        if target <= 0:  # the fp16 sink tokens alone exceed the budget (a KV of a few tokens): the other tokens
+            target = 16.0 * kv.numel() / self.target_ratio / kv.shape[2]  # at the level the ratio gives without sinks
         theta = self._searched_level(target, y, kv, first_position, var, w)
         snapped = rate.on_grid(theta)
         return snapped if top * rate.MIN_LEVEL <= snapped < top else theta
@@ -603,6 +612,7 @@ class TransformCodec:
         kv = kv if kv.device.type == "cuda" else kv.to("cpu")  # a GPU's KV is transformed and quantized there
         if not all_finite(kv):
             raise ShapeError("KV holds NaN or infinity; the transform codec needs finite values")
+        check_half_range(kv, "KV")  # its sink tokens are kept as float16, its .kvt's means are within it
         return kv
 
     # ------------------------------------------------------------------------------ decode
