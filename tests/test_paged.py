@@ -66,3 +66,14 @@ def test_block_ids_outside_the_pool_are_refused():
         PagedKV(torch.zeros((1, 2, 4, 8, 1, 8)), torch.tensor([0, 4]))
     with pytest.raises(ShapeError):
         PagedKV(torch.zeros((1, 2, 8, 1, 8)), torch.tensor([0]))
+
+
+@pytest.mark.parametrize(
+    "table, why",
+    [([0, 2, 0], "more than once"), ([0.0, 1.0], "integers"), ([0.7, 1.2], "integers"), ([True, False], "integers")],
+)
+def test_a_block_table_naming_a_block_twice_or_not_of_integers_is_refused(table, why):
+    """Two runs of one sequence in one block would overwrite each other; a float table was truncated to ids."""
+    with pytest.raises(ShapeError, match=why):
+        PagedKV(torch.zeros((1, 2, 4, 8, 1, 8)), torch.tensor(table))
+    assert PagedKV(torch.zeros((1, 2, 4, 8, 1, 8)), [3, 0, 2]).block_table.tolist() == [3, 0, 2]

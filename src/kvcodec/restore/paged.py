@@ -27,9 +27,14 @@ class PagedKV:
     def __post_init__(self) -> None:
         if not isinstance(self.pages, torch.Tensor) or self.pages.dim() != 6 or self.pages.shape[1] != 2:
             raise ShapeError("pages must be (layers, 2, num_blocks, block_size, kv_heads, head_dim)")
-        table = torch.as_tensor(self.block_table, dtype=torch.int64).reshape(-1)
+        given = torch.as_tensor(self.block_table)
+        if given.dtype.is_floating_point or given.dtype.is_complex or given.dtype == torch.bool:
+            raise ShapeError(f"the block table holds block ids, integers; got {given.dtype}")
+        table = given.to(torch.int64).reshape(-1)
         if table.numel() and (int(table.min()) < 0 or int(table.max()) >= self.pages.shape[2]):
             raise ShapeError(f"block table names blocks outside 0..{self.pages.shape[2] - 1}")
+        if table.unique().numel() != table.numel():  # two runs of the sequence would overwrite each other
+            raise ShapeError("the block table names a block more than once")
         object.__setattr__(self, "block_table", table.to(self.pages.device))
 
     @property
