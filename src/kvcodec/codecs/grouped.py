@@ -21,6 +21,7 @@ data) decode through it: `GroupedCodec(HevcCodec(config))` reads everything `Hev
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -33,6 +34,7 @@ from kvcodec.codecs.base import (
     ChunkCodec,
     ChunkInfo,
     EncodedChunk,
+    StagedDecode,
     Target,
     check_keys,
     chunk_key,
@@ -335,18 +337,12 @@ class GroupedCodec:
     def _restore_group(
         self, g: int, group: GroupSpec, part: tuple[Part, memoryview] | None, out: GroupedKV, info: GroupedChunkInfo
     ) -> None:
-        name, codec = group.name, self.codec_for(group)
-        need = out.stop - out.starts[g]
-        if need == 0:
+        checked = self._checked_part(g, group, part, out, info)
+        if checked is None:
             return
-        if part is None or part[0].start > out.starts[g]:
-            have = "nothing" if part is None else f"positions from {part[0].start}"
-            raise ShapeError(f"group {name}: the chunk holds {have}; the target needs them from {out.starts[g]}")
-        p, data = part
-        if crc32(data) != p.crc32:
-            raise ChecksumError(f"group {name}: part checksum mismatch")
-        _check_part(codec.inspect_chunk(data), p, g, info)
+        codec, data, p = checked
         target, stored = out.tensors[g], DTYPES[info.spec.dtype]
+        need = out.stop - out.starts[g]
         if p.tokens == need and restores_into(codec, stored, target.dtype):
             codec.decode_chunk(data, target)
             return
@@ -355,7 +351,90 @@ class GroupedCodec:
         into = target.dtype if restores_into(codec, stored, target.dtype) else stored
         full = torch.empty((*target.shape[:2], p.tokens, *target.shape[3:]), dtype=into, device=target.device)
         codec.decode_chunk(data, full)
-        target.copy_(narrowed_checked(full[:, :, p.tokens - need :], target.dtype, f"group {name}"))
+        target.copy_(narrowed_checked(full[:, :, p.tokens - need :], target.dtype, f"group {group.name}"))
+
+    def _checked_part(
+        self, g: int, group: GroupSpec, part: tuple[Part, memoryview] | None, out: GroupedKV, info: GroupedChunkInfo
+    ) -> tuple[ChunkCodec, memoryview, Part] | None:
+        """(the group's codec, its part's bytes, the part) with every check passed; None: the target holds
+        nothing of this group here."""
+        name, codec = group.name, self.codec_for(group)
+        need = out.stop - out.starts[g]
+        if need == 0:
+            return None
+        if part is None or part[0].start > out.starts[g]:
+            have = "nothing" if part is None else f"positions from {part[0].start}"
+            raise ShapeError(f"group {name}: the chunk holds {have}; the target needs them from {out.starts[g]}")
+        p, data = part
+        if crc32(data) != p.crc32:
+            raise ChecksumError(f"group {name}: part checksum mismatch")
+        _check_part(codec.inspect_chunk(data), p, g, info)
+        return codec, data, p
+
+    # ---- staged decode (codecs.base.StagedDecode) --------------------------------------------------
+    @property
+    def stages(self) -> bool:
+        """Every group's codec restores in two halves (StagedDecode): a fetch stages this codec's chunks on
+        its decode workers and finishes each group of many chunks in one call of that group's codec."""
+        return all(isinstance(c, StagedDecode) for c in (self.inner, *self.per_group.values()))
+
+    def stage(self, blob: bytes | memoryview, out: Target | GroupedKV) -> GroupedStaged:
+        """decode_chunk's checks of a chunk, each group's part staged by its codec where it restores straight
+        into the target (its whole positions, a dtype it restores into); `out` is not written: what cannot be
+        staged is decoded by finish."""
+        if not is_grouped(blob) or not isinstance(out, GroupedKV):
+            if not is_grouped(blob) and isinstance(out, GroupedKV) and not out.spec.uniform:
+                raise ShapeError("a plain (single-group) chunk cannot fill a KV of several layer groups")
+            if is_grouped(blob):
+                raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(out).__name__}")
+            return GroupedStaged((), (lambda: self.decode_chunk(blob, out),))
+        info, payload = _parse(blob)
+        self._check_target(info, out)
+        parts, offset = {}, 0
+        for p in info.parts:
+            parts[p.group] = (p, payload[offset : offset + p.length])
+            offset += p.length
+        staged, later = [], []
+        for g, group in enumerate(out.spec.groups):
+            checked = self._checked_part(g, group, parts.get(g), out, info)
+            if checked is None:
+                continue
+            codec, data, p = checked
+            target = out.tensors[g]
+            whole = p.tokens == out.stop - out.starts[g]
+            if (
+                whole
+                and isinstance(codec, StagedDecode)
+                and restores_into(codec, DTYPES[info.spec.dtype], target.dtype)
+            ):
+                staged.append((g, codec, codec.stage(data, target), target))
+            else:
+                later.append(functools.partial(self._restore_group, g, group, parts.get(g), out, info))
+        return GroupedStaged(tuple(staged), tuple(later))
+
+    def finish(self, staged: Sequence[GroupedStaged], outs: Sequence[Target | GroupedKV]) -> None:
+        """Each group's staged parts of every chunk by one finish of its codec, in chunk order; then what
+        stage left (parts decoded whole here)."""
+        batches: dict[tuple[int, int], tuple[ChunkCodec, list, list]] = {}
+        for st in staged:
+            for g, codec, part, target in st.parts:
+                batch = batches.setdefault((g, id(codec)), (codec, [], []))
+                batch[1].append(part)
+                batch[2].append(target)
+        for codec, parts, targets in batches.values():
+            codec.finish(parts, targets)
+        for st in staged:
+            for decode in st.later:
+                decode()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedStaged:
+    """A grouped chunk's staged groups (group, codec, the codec's staged part, the group's target) and the
+    decodes left to finish (groups that cannot be staged; a plain chunk)."""
+
+    parts: tuple[tuple[int, ChunkCodec, object, torch.Tensor], ...]
+    later: tuple[Callable[[], object], ...] = ()
 
 
 def _check_part(inner: ChunkInfo, p: Part, g: int, info: GroupedChunkInfo) -> None:

@@ -13,6 +13,7 @@ GroupedKV targets: each chunk decodes into its positions of the target (every gr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo
-from kvcodec.codecs.grouped import GroupedCodec
+from kvcodec.codecs.grouped import GroupedCodec, GroupedStaged
 from kvcodec.config import CodecConfig
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ConfigError, FetchError, FormatError, ShapeError
@@ -122,7 +123,14 @@ class GroupedPrefixCache(PrefixCache):
         if not metas:
             return self._result(stats, t0, out, 0, n_tokens, plan_error)
         settings = PipelineSettings(
-            self.codec, self.store, out.device, self.max_inflight, self.decode_workers, self.net_workers, True, False
+            self.codec,
+            self.store,
+            out.device,
+            self.max_inflight,
+            self.decode_workers,
+            self.net_workers,
+            True,
+            self.batched_restore,  # staged (on CUDA by default) where every group's codec is: GroupedCodec.stages
         )
         bad = BadChunks(lambda i, e: self._drop_damaged(keys[i], i, e), stats, self.drop_damaged)
         pipeline = _GroupedPipeline(
@@ -170,11 +178,22 @@ class _GroupedPipeline(FetchPipeline):
             return self.out.view(m.start_token, end), True
         return GroupedKV.empty(self.out.spec, end, start=m.start_token, device=self.out.device, window=False), False
 
-    def _decode(self, i: int, j: int, blob: bytes) -> Decoded:
-        done = super()._decode(i, j, blob)
+    def _decode(self, i: int, j: int, blob: bytes, staged: bool | None = None) -> Decoded:
+        m = self.plan.metas[i]
+        fits = (
+            m.start_token + m.tokens <= self.out.stop
+        )  # else decoded whole into its own, the positions that fit copied
+        done = super()._decode(i, j, blob, staged=self.s.staged and fits)
         if done.staging is None:
             return done
-        start = self.plan.metas[i].start_token
-        for dst, src in zip(self.out.view(start, self.out.stop).tensors, done.staging.tensors):
-            dst.copy_(src[:, :, : dst.shape[2]])
+        copy = functools.partial(_copy_fitting, self.out, m.start_token, done.staging)
+        if self.s.staged:  # the caller's target is written by finish only (a fetch stopped early never waits for it)
+            return Decoded(done.target, None, GroupedStaged((), (copy,)))
+        copy()
         return Decoded(done.target, None, done.part)
+
+
+def _copy_fitting(out: GroupedKV, start: int, whole: GroupedKV) -> None:
+    """The positions of a chunk decoded whole (from `start`) that `out` holds, copied into it."""
+    for dst, src in zip(out.view(start, out.stop).tensors, whole.tensors):
+        dst.copy_(src[:, :, : dst.shape[2]])

@@ -142,7 +142,7 @@ class PipelineSettings:
     @property
     def staged(self) -> bool:
         on = self.batched if self.batched is not None else self.device.type == "cuda"
-        return bool(on) and isinstance(self.codec, StagedDecode)
+        return bool(on) and isinstance(self.codec, StagedDecode) and getattr(self.codec, "stages", True)
 
     @property
     def drivable(self) -> bool:
@@ -736,14 +736,16 @@ class FetchPipeline:
                 continue
             self._report((i, None, staged))
 
-    def _decode(self, i: int, j: int, blob: bytes) -> Decoded:
-        """Check chunk i's blob, decode it into its target (or, staged, its first half)."""
+    def _decode(self, i: int, j: int, blob: bytes, staged: bool | None = None) -> Decoded:
+        """Check chunk i's blob, decode it into its target (or, staged, its first half; `staged`: whether
+        to, where not the fetch's setting)."""
         m, tm = self.plan.metas[i], self.timings[i]
         tm.dec_start = self.now()
         self._check_binding(i, self.s.codec.inspect_chunk(blob))
         target, direct = self._target(m)
-        part = self.s.codec.stage(blob, target) if self.s.staged else None
-        if not self.s.staged:
+        staged = self.s.staged if staged is None else staged
+        part = self.s.codec.stage(blob, target) if staged else None
+        if not staged:
             self.s.codec.decode_chunk(blob, target)
         if self.s.device.type == "cuda":
             torch.cuda.current_stream(self.s.device).synchronize()
