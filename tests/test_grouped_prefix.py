@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from kvcodec.codecs import make_codec
+from kvcodec.codecs.grouped import GroupedCodec
+from kvcodec.codecs.raw import RawCodec
 from kvcodec.errors import ShapeError
 from kvcodec.fetcher.grouped import GroupedPrefixCache
 from kvcodec.fetcher.keys import blob_key, meta_key
@@ -133,3 +135,38 @@ def test_kv_stored_in_another_dtype_restores_into_the_models(cache):
     assert cache.put(other, huge) == 2  # float32 values beyond float16's range: not restored as inf
     bad = cache.fetch(other, 16)
     assert bad.tokens_restored == 0 and "beyond the range" in str(bad.error)
+
+
+class _StagedRaw(RawCodec):
+    """The raw codec in two halves (StagedDecode): stage checks the blob, finish decodes it."""
+
+    def stage(self, blob, out):
+        self.inspect_chunk(blob)
+        return bytes(blob)
+
+    def finish(self, staged, outs):
+        for blob, out in zip(staged, outs):
+            self.decode_chunk(blob, out)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["unstaged", "staged"])
+def test_a_staged_grouped_fetch_restores_what_the_unstaged_one_does_up_to_a_chunk_too_wide_for_the_target(batched):
+    """bfloat16 chunks into a float16 target (every group restored whole and narrowed, in the decode worker):
+    a value beyond float16 in chunk 2 stops the fetch there with a ShapeError, chunks 0-1 restored, staged or
+    not; a fetch past the last whole chunk's end restores the rest (the last chunk decoded whole, copied)."""
+    codec = GroupedCodec(_StagedRaw(chunk_tokens=CT))
+    assert codec.stages and not GroupedCodec(make_codec("raw", chunk_tokens=CT)).stages
+    store, ids = open_store("memory://"), list(range(100, 140))
+    kv = GroupedKV.empty(dataclasses.replace(SPEC, dtype="bfloat16"), 40, window=False)
+    for t in kv.tensors:
+        t.copy_(torch.randn(t.shape))
+    GroupedPrefixCache(store, "m", codec, spec=SPEC, batched_restore=False).put(ids, kv)
+    fetch = GroupedPrefixCache(store, "m", codec, spec=SPEC, batched_restore=batched)
+    r = fetch.fetch(ids, 37)
+    assert r.ok and r.tokens_restored == 37
+    assert all(torch.equal(a, b.half()) for a, b in zip(r.kv.tensors, kv.view(0, 37).tensors))
+    kv.tensors[2][0, 0, 20] = 1e6  # chunk 2 (tokens 16..23) of the full group: beyond float16
+    other = list(range(200, 240))
+    GroupedPrefixCache(store, "m", codec, spec=SPEC, batched_restore=False).put(other, kv)
+    r = fetch.fetch(other, 40)
+    assert isinstance(r.error, ShapeError) and r.tokens_restored == 16

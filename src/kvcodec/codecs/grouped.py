@@ -21,7 +21,6 @@ data) decode through it: `GroupedCodec(HevcCodec(config))` reads everything `Hev
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -341,17 +340,11 @@ class GroupedCodec:
         if checked is None:
             return
         codec, data, p = checked
-        target, stored = out.tensors[g], DTYPES[info.spec.dtype]
-        need = out.stop - out.starts[g]
-        if p.tokens == need and restores_into(codec, stored, target.dtype):
+        target = out.tensors[g]
+        if _direct(codec, p, out, g, info):
             codec.decode_chunk(data, target)
-            return
-        # the chunk holds more of this group than the target keeps, or the target's dtype is not one the
-        # codec restores this chunk into: restore whole, then copy the tail across
-        into = target.dtype if restores_into(codec, stored, target.dtype) else stored
-        full = torch.empty((*target.shape[:2], p.tokens, *target.shape[3:]), dtype=into, device=target.device)
-        codec.decode_chunk(data, full)
-        target.copy_(narrowed_checked(full[:, :, p.tokens - need :], target.dtype, f"group {group.name}"))
+        else:
+            target.copy_(_decoded_whole(codec, data, p, out, g, info))
 
     def _checked_part(
         self, g: int, group: GroupSpec, part: tuple[Part, memoryview] | None, out: GroupedKV, info: GroupedChunkInfo
@@ -380,37 +373,34 @@ class GroupedCodec:
 
     def stage(self, blob: bytes | memoryview, out: Target | GroupedKV) -> GroupedStaged:
         """decode_chunk's checks of a chunk, each group's part staged by its codec where it restores straight
-        into the target (its whole positions, a dtype it restores into); `out` is not written: what cannot be
-        staged is decoded by finish."""
-        if not is_grouped(blob) or not isinstance(out, GroupedKV):
-            if not is_grouped(blob) and isinstance(out, GroupedKV) and not out.spec.uniform:
+        into the target (its whole positions, a dtype it restores into), else decoded here into memory of its
+        own (checked against the target's dtype): `out` is not written before finish."""
+        if not is_grouped(blob):
+            if isinstance(out, GroupedKV) and not out.spec.uniform:
                 raise ShapeError("a plain (single-group) chunk cannot fill a KV of several layer groups")
-            if is_grouped(blob):
-                raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(out).__name__}")
-            return GroupedStaged((), (lambda: self.decode_chunk(blob, out),))
+            target = out.tensors[0] if isinstance(out, GroupedKV) else out
+            scratch = torch.empty_like(target)
+            self.inner.decode_chunk(blob, scratch)
+            return GroupedStaged((), ((target, scratch),))
+        if not isinstance(out, GroupedKV):
+            raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(out).__name__}")
         info, payload = _parse(blob)
         self._check_target(info, out)
         parts, offset = {}, 0
         for p in info.parts:
             parts[p.group] = (p, payload[offset : offset + p.length])
             offset += p.length
-        staged, later = [], []
+        staged, copies = [], []
         for g, group in enumerate(out.spec.groups):
             checked = self._checked_part(g, group, parts.get(g), out, info)
             if checked is None:
                 continue
             codec, data, p = checked
-            target = out.tensors[g]
-            whole = p.tokens == out.stop - out.starts[g]
-            if (
-                whole
-                and isinstance(codec, StagedDecode)
-                and restores_into(codec, DTYPES[info.spec.dtype], target.dtype)
-            ):
-                staged.append((g, codec, codec.stage(data, target), target))
+            if isinstance(codec, StagedDecode) and _direct(codec, p, out, g, info):
+                staged.append((g, codec, codec.stage(data, out.tensors[g]), out.tensors[g]))
             else:
-                later.append(functools.partial(self._restore_group, g, group, parts.get(g), out, info))
-        return GroupedStaged(tuple(staged), tuple(later))
+                copies.append((out.tensors[g], _decoded_whole(codec, data, p, out, g, info)))
+        return GroupedStaged(tuple(staged), tuple(copies))
 
     def finish(self, staged: Sequence[GroupedStaged], outs: Sequence[Target | GroupedKV]) -> None:
         """Each group's staged parts of every chunk by one finish of its codec, in chunk order; then what
@@ -424,17 +414,36 @@ class GroupedCodec:
         for codec, parts, targets in batches.values():
             codec.finish(parts, targets)
         for st in staged:
-            for decode in st.later:
-                decode()
+            for target, restored in st.copies:
+                target.copy_(restored)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedStaged:
     """A grouped chunk's staged groups (group, codec, the codec's staged part, the group's target) and the
-    decodes left to finish (groups that cannot be staged; a plain chunk)."""
+    copies left to finish (target, values restored into memory of their own: groups that cannot be staged,
+    a plain chunk, the positions of a chunk past the fetch's target)."""
 
     parts: tuple[tuple[int, ChunkCodec, object, torch.Tensor], ...]
-    later: tuple[Callable[[], object], ...] = ()
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+
+
+def _direct(codec: ChunkCodec, p: Part, out: GroupedKV, g: int, info: GroupedChunkInfo) -> bool:
+    """Group g's part restores straight into the target: it holds the target's positions of the group
+    exactly, in a dtype the codec restores this chunk into."""
+    return p.tokens == out.stop - out.starts[g] and restores_into(codec, DTYPES[info.spec.dtype], out.tensors[g].dtype)
+
+
+def _decoded_whole(codec: ChunkCodec, data, p: Part, out: GroupedKV, g: int, info: GroupedChunkInfo) -> torch.Tensor:  # noqa: ANN001
+    """Group g's part restored whole into memory of its own, as the target's positions of it in the target's
+    dtype (a ShapeError where a finite value would turn to inf): the chunk holds more of the group than the
+    target keeps, or the target's dtype is not one the codec restores this chunk into."""
+    target, stored = out.tensors[g], DTYPES[info.spec.dtype]
+    need = out.stop - out.starts[g]
+    into = target.dtype if restores_into(codec, stored, target.dtype) else stored
+    full = torch.empty((*target.shape[:2], p.tokens, *target.shape[3:]), dtype=into, device=target.device)
+    codec.decode_chunk(data, full)
+    return narrowed_checked(full[:, :, p.tokens - need :], target.dtype, f"group {out.spec.groups[g].name}")
 
 
 def _check_part(inner: ChunkInfo, p: Part, g: int, info: GroupedChunkInfo) -> None:

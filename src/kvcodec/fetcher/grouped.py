@@ -13,7 +13,6 @@ GroupedKV targets: each chunk decodes into its positions of the target (every gr
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -171,6 +170,13 @@ class _GroupedPipeline(FetchPipeline):
         if spec is not None and dataclasses.replace(spec, dtype=self.out.spec.dtype) != self.out.spec:  # any dtype
             raise FormatError(f"chunk {i}: the blob holds KV of another KVSpec than this model's")
 
+    def _fp16_bytes(self, i: int) -> int:
+        """A grouped chunk's meta records shape (layers, 1, 1): its size is the spec's groups' over its positions."""
+        m = self.plan.metas[i]
+        return 2 * sum(
+            t.numel() for t in self.out.view(m.start_token, min(self.out.stop, m.start_token + m.tokens)).tensors
+        )
+
     def _target(self, m: ChunkMeta) -> tuple[GroupedKV, bool]:
         self.direct_used = True  # every decode writes into the caller's target: a stopped fetch waits for it
         end = m.start_token + m.tokens
@@ -186,14 +192,14 @@ class _GroupedPipeline(FetchPipeline):
         done = super()._decode(i, j, blob, staged=self.s.staged and fits)
         if done.staging is None:
             return done
-        copy = functools.partial(_copy_fitting, self.out, m.start_token, done.staging)
+        copies = _fitting(self.out, m.start_token, done.staging)
         if self.s.staged:  # the caller's target is written by finish only (a fetch stopped early never waits for it)
-            return Decoded(done.target, None, GroupedStaged((), (copy,)))
-        copy()
+            return Decoded(done.target, None, GroupedStaged((), copies))
+        for dst, src in copies:
+            dst.copy_(src)
         return Decoded(done.target, None, done.part)
 
 
-def _copy_fitting(out: GroupedKV, start: int, whole: GroupedKV) -> None:
-    """The positions of a chunk decoded whole (from `start`) that `out` holds, copied into it."""
-    for dst, src in zip(out.view(start, out.stop).tensors, whole.tensors):
-        dst.copy_(src[:, :, : dst.shape[2]])
+def _fitting(out: GroupedKV, start: int, whole: GroupedKV) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """(target, values) of the positions of a chunk decoded whole (from `start`) that `out` holds."""
+    return tuple((dst, src[:, :, : dst.shape[2]]) for dst, src in zip(out.view(start, out.stop).tensors, whole.tensors))

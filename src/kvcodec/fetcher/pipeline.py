@@ -472,7 +472,7 @@ class FetchPipeline:
         (tokens restored, the error that stopped it). The batches are queued one after another on
         the stream and waited for once; each batch's scratch is freed when the next is queued."""
         finished, error = [], None
-        for batch in finish_batches(ready, [self.plan.metas[i].values * 2 for i, _ in ready]):
+        for batch in finish_batches(ready, [self._fp16_bytes(i) for i, _ in ready]):
             try:
                 self._finish(batch)
             except KVCodecError as e:
@@ -490,6 +490,10 @@ class FetchPipeline:
             except ShapeError as e:  # values the target's dtype cannot hold: the chunks are sound, kept
                 return restored, e
         return restored, error
+
+    def _fp16_bytes(self, i: int) -> int:
+        """Chunk i's KV in fp16 bytes (what a finish batch is measured in)."""
+        return self.plan.metas[i].values * 2
 
     def _finish(self, ready: list[tuple[int, Decoded]]) -> None:
         """A staged or driven fetch: the codec's second half for the chunks `ready` (in order), in one call."""
