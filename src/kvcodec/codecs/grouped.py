@@ -311,6 +311,13 @@ class GroupedCodec:
                 self.inner.decode_chunk(blob, out.tensors[0])
                 return out
             return self.inner.decode_chunk(blob, out)
+        info, parts = self._parts(blob, out)
+        for g, group in enumerate(out.spec.groups):
+            self._restore_group(g, group, parts.get(g), out, info)
+        return out
+
+    def _parts(self, blob: bytes | memoryview, out: Target | GroupedKV) -> tuple[GroupedChunkInfo, dict]:
+        """A grouped chunk's header, checked against the target, and its parts by group: group -> (Part, bytes)."""
         if not isinstance(out, GroupedKV):
             raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(out).__name__}")
         info, payload = _parse(blob)
@@ -319,9 +326,7 @@ class GroupedCodec:
         for p in info.parts:
             parts[p.group] = (p, payload[offset : offset + p.length])
             offset += p.length
-        for g, group in enumerate(out.spec.groups):
-            self._restore_group(g, group, parts.get(g), out, info)
-        return out
+        return info, parts
 
     @staticmethod
     def _check_target(info: GroupedChunkInfo, out: GroupedKV) -> None:
@@ -382,14 +387,7 @@ class GroupedCodec:
             scratch = torch.empty_like(target)
             self.inner.decode_chunk(blob, scratch)
             return GroupedStaged((), ((target, scratch),))
-        if not isinstance(out, GroupedKV):
-            raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(out).__name__}")
-        info, payload = _parse(blob)
-        self._check_target(info, out)
-        parts, offset = {}, 0
-        for p in info.parts:
-            parts[p.group] = (p, payload[offset : offset + p.length])
-            offset += p.length
+        info, parts = self._parts(blob, out)
         staged, copies = [], []
         for g, group in enumerate(out.spec.groups):
             checked = self._checked_part(g, group, parts.get(g), out, info)
