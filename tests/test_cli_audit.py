@@ -268,6 +268,13 @@ def test_rotary_flags_that_would_be_ignored_are_refused(tmp_path):
     assert "--rope-theta" in _one_line_error(r, 1)
     r = CliRunner().invoke(cli, ["calibrate", "--model", "smollm2-135m", "--rotary-dim", "8", "--out", "m.kvt"])
     assert "--rotary-dim" in _one_line_error(r, 2)
+    for flags, code in (  # --rope-style was ignored in all three: the files', the model's or no --rope-theta
+        ([*files, "--rope-style", "interleaved"], 2),
+        ([*files, "--rope-style", "interleaved", "--rope-theta", "500"], 1),
+        (["--model", "smollm2-135m", "--rope-style", "half"], 2),
+    ):
+        r = CliRunner().invoke(cli, ["calibrate", *flags, "--out", str(tmp_path / "m.kvt")])
+        assert "--rope-style" in _one_line_error(r, code)
     assert not (tmp_path / "m.kvt").exists()
 
 

@@ -83,3 +83,25 @@ def test_kv_of_another_shape_than_the_kvts_is_refused(tmp_path, synthetic_kvt):
     save_file({"kv": synthetic_kv(TOKENS, 3, layers=2)}, str(other))
     res = _bench(tmp_path, "--kv", str(other), "--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt))
     assert res.exit_code == 2 and "does not fit the .kvt" in res.output, res.output
+
+
+@pytest.mark.parametrize(
+    "args, hint",
+    [
+        (["--tokens", "0"], "--tokens"),
+        (["--tokens", "-5"], "--tokens"),
+        (["--repeats", "0"], "--repeats"),
+        (["--chunk-tokens", "0"], "--chunk-tokens"),
+        (["--jitter-cv", "-1"], "--jitter-cv"),
+        (["--rates", "abc"], "--rates"),
+        (["--rates", "1,0"], "--rates"),
+        (["--rates", ","], "--rates"),
+    ],
+)
+def test_bench_fetch_refuses_a_malformed_count_or_rate_as_a_usage_error(tmp_path, args, hint):
+    """Each crashed with a traceback (an IndexError, a ValueError) or ran on silently (a negative --tokens cut
+    the KV's end off)."""
+    from kvbench.fetch import command
+
+    res = CliRunner().invoke(command, ["--kv", str(tmp_path / "none.safetensors"), *args])
+    assert res.exit_code == 2 and hint in res.output, res.output

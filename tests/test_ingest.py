@@ -732,3 +732,30 @@ def test_the_ray_drain_after_an_interrupt_neither_waits_for_the_store_nor_stores
     with pytest.raises(KeyboardInterrupt):
         run.run([], [])
     assert [(r.id, r.status) for r in seen] == [("d0", "failed")] and ray.probes == 0 and len(ray.encoded) == 1
+
+
+@pytest.mark.parametrize(
+    "docs, flags, named",
+    [
+        ("p.txt", ["--prefill-actors", "2"], "--prefill-actors"),
+        ("p.txt", ["--encode-cpus", "8"], "--encode-cpus"),
+        ("p.txt", ["--text-field", "body"], "--text-field"),
+        ("folder", ["--id-field", "name"], "--id-field"),
+        ("p.txt", ["--ray", "auto", "--device", "cpu", "--encode-in", "threads"], "--device, --encode-in"),
+    ],
+)
+def test_ingest_refuses_an_option_its_run_would_ignore(tmp_path, docs, flags, named, monkeypatch):
+    """Ray's options without --ray, one-machine options with it, JSON Lines fields for other documents: each was
+    accepted and ignored."""
+    import kvcodec.ingest
+    from kvcodec.cli.main import cli
+
+    def never(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("documents were prefilled")
+
+    monkeypatch.setattr(kvcodec.ingest, "ingest", never)
+    (tmp_path / "p.txt").write_text("alpha\nbeta\n")
+    (tmp_path / "folder").mkdir()
+    args = ["ingest", str(tmp_path / docs), "--model", "smollm2-135m", "--store", f"file://{tmp_path / 's'}"]
+    r = CliRunner().invoke(cli, [*args, *flags])
+    assert r.exit_code == 2 and named in r.output, r.output

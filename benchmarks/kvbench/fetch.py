@@ -145,8 +145,8 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option("--model", default="smollm2-135m", show_default=True, help="Registry model whose prefill KV is fetched.")
 @click.option("--kv", "kv_path", default=None, help="Use a saved safetensors KV ('kv' [+ 'token_ids']) instead.")
 @click.option("--text", default="pg", show_default=True, help="Text (kvcodec.models.texts name) to prefill.")
-@click.option("--tokens", "prefix_tokens", default=1024, show_default=True)
-@click.option("--chunk-tokens", default=256, show_default=True)
+@click.option("--tokens", "prefix_tokens", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--quant", default="int8", show_default=True, help="The quant of the method 'kvcodec'.")
 @click.option(
     "--method",
@@ -162,9 +162,15 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
     help="Frame sizes, e.g. 256x256,512x512,1024x1024 (several: the adaptive policy picks one per chunk). "
     "Default: the method's own (what a user gets).",
 )
-@click.option("--rates", default="1,2,4,8,16,25,40", show_default=True, help="Link rates, Gbit/s.")
+@click.option(
+    "--rates",
+    default="1,2,4,8,16,25,40",
+    show_default=True,
+    callback=lambda c, p, v: _rates(v),
+    help="Link rates, Gbit/s.",
+)
 @click.option("--jitter-mean", default=4.0, show_default=True, help="Mean Gbit/s of the jitter trace (0: none).")
-@click.option("--jitter-cv", default=0.6, show_default=True)
+@click.option("--jitter-cv", type=click.FloatRange(min=0), default=0.6, show_default=True)
 @click.option("--jitter-segment-ms", default=50.0, show_default=True)
 @click.option(
     "--policies",
@@ -175,7 +181,7 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 @click.option(
     "--link", "link_kind", type=click.Choice(["auto", "tc-netns", "token-bucket"]), default="auto", show_default=True
 )
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--device", default="cpu", show_default=True, callback=check_device)
 @click.option(
     "--max-inflight",
@@ -421,6 +427,21 @@ def check_fits(codec, kv, model: str | None) -> None:  # noqa: ANN001
     except KVCodecError as e:
         raise click.BadParameter(f"the KV does not fit the .kvt: {e}", param_hint="--transform") from e
     warn_if_other_model(codec, model, "the model prefilled")
+
+
+def _rates(text: str) -> str:
+    """--rates as given, once every item reads as a finite number of Gbit/s > 0 (a usage error otherwise)."""
+    import math
+
+    try:
+        ok = all(math.isfinite(float(r)) and float(r) > 0 for r in text.split(",") if r.strip())
+    except ValueError:
+        ok = False
+    if not ok or not text.strip(" ,"):
+        raise click.BadParameter(
+            f"{text!r}: comma-separated link rates in Gbit/s, each a number > 0", param_hint="--rates"
+        )
+    return text
 
 
 def traces(s: Settings) -> list:

@@ -43,11 +43,11 @@ def resolve_rope(metadata: dict, theta, style, rotary_dim, no_rope) -> RopeSpec 
     if no_rope:
         return None
     if metadata.get("rope"):
-        _refuse_rope_flags(theta, rotary_dim)
+        _refuse_rope_flags(theta, rotary_dim, style)
         return RopeSpec.from_dict(_metadata_json(metadata, "rope"))
     head_dim = int(metadata["head_dim"])
     if theta is not None:
-        return RopeSpec(theta, head_dim, rotary_dim, style)
+        return RopeSpec(theta, head_dim, rotary_dim, style or "half")
     if metadata.get("model"):
         return rope_for_model(metadata["model"])
     raise ConfigError("the KV files do not say their model's rotary settings: pass --rope-theta (or --no-rope)")
@@ -60,10 +60,12 @@ def _metadata_json(metadata: dict, key: str):  # noqa: ANN202 - the parsed JSON 
         raise ConfigError(f"the KV file's {key!r} metadata is not JSON: {e}") from e
 
 
-def _refuse_rope_flags(theta, rotary_dim) -> None:  # noqa: ANN001
+def _refuse_rope_flags(theta, rotary_dim, style) -> None:  # noqa: ANN001
     """The KV files carry their rotary settings: flags that would not be used are refused, not ignored."""
-    if theta is not None or rotary_dim is not None:
-        raise ConfigError("the KV files carry their model's rotary settings: leave out --rope-theta / --rotary-dim")
+    if theta is not None or rotary_dim is not None or style is not None:
+        raise ConfigError(
+            "the KV files carry their model's rotary settings: leave out --rope-theta / --rotary-dim / --rope-style"
+        )
 
 
 def group_ropes(spec, metadata: dict, theta, style, rotary_dim, no_rope) -> list[RopeSpec | None]:
@@ -72,14 +74,14 @@ def group_ropes(spec, metadata: dict, theta, style, rotary_dim, no_rope) -> list
     if no_rope:
         return [None] * len(spec.groups)
     if metadata.get("ropes"):
-        _refuse_rope_flags(theta, rotary_dim)
+        _refuse_rope_flags(theta, rotary_dim, style)
         ropes = _metadata_json(metadata, "ropes")
         if not isinstance(ropes, list) or len(ropes) != len(spec.layers):
             what = f"{len(ropes)} entries" if isinstance(ropes, list) else f"a {type(ropes).__name__}"
             raise ConfigError(f"the KV file's 'ropes' metadata is {what}, not one per layer ({len(spec.layers)})")
         per_layer = [RopeSpec.from_dict(r) if r else None for r in ropes]
     elif theta is not None:
-        per_layer = [RopeSpec(theta, x.k_shape[1], rotary_dim, style) for x in spec.layers]
+        per_layer = [RopeSpec(theta, x.k_shape[1], rotary_dim, style or "half") for x in spec.layers]
     elif metadata.get("model"):
         from kvcodec.models.check import inspect_model
 
@@ -271,7 +273,12 @@ def _refuse_model_only_flags(model_name: str | None) -> None:
     type=FiniteRange(min=0, min_open=True),
     help="Rotary base, when the KV files do not carry their model's settings.",
 )
-@click.option("--rope-style", type=click.Choice(STYLES), default="half", show_default=True)
+@click.option(
+    "--rope-style",
+    type=click.Choice(STYLES),
+    default=None,
+    help="With --rope-theta: how the rotary pairs its channels.  [default: half]",
+)
 @click.option(
     "--rotary-dim",
     type=click.IntRange(min=2),
@@ -367,8 +374,12 @@ def command(
         raise click.UsageError("--texts needs --model")
     if device and not model_name:
         raise click.UsageError("--device needs --model (KV files are fitted on the CPU)")
-    if model_name and (rope_theta is not None or rotary_dim is not None):
-        raise click.UsageError("--rope-theta / --rotary-dim are for KV files without rotary settings, not --model")
+    if model_name and (rope_theta is not None or rotary_dim is not None or rope_style is not None):
+        raise click.UsageError(
+            "--rope-theta / --rotary-dim / --rope-style are for KV files without rotary settings, not --model"
+        )
+    if rope_style is not None and rope_theta is None:
+        raise click.UsageError("--rope-style goes with --rope-theta (KV files without rotary settings)")
     _refuse_model_only_flags(model_name)
     if out.suffix != ".kvt":
         raise click.BadParameter(f"{out}: the output name must end in .kvt", param_hint="--out")

@@ -24,6 +24,7 @@ from kvcodec.cli.options import (
     parse_codec_options,
     torch_dtype,
 )
+from kvcodec.ingest.sources import JSON_LINES_SUFFIXES
 
 LOG_PROGRESS_S = 10.0  # a progress line this often where stderr is a log, not a terminal
 
@@ -115,6 +116,7 @@ def command(
 
     check_template(template)  # everything a run needs is checked first, in seconds, before the model loads
     check_distinct(report, "--report", DOCS=docs, **{"--transform": transform})
+    _refuse_unused(click.get_current_context(), bool(ray_address), Path(docs))
     if ray_address:
         from kvcodec.ingest.distributed import import_ray
 
@@ -181,6 +183,30 @@ def _terminate_as_interrupt(stopped_by: dict):  # noqa: ANN202 - a context manag
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+# options of one way of running only: given with the other they would be ignored
+_RAY_ONLY = ("prefill_actors", "encode_cpus")
+_HERE_ONLY = ("device", "store_workers", "encode_in")
+
+
+def _refuse_unused(ctx: click.Context, on_ray: bool, docs: Path) -> None:
+    """A usage error for an option the run would ignore: --prefill-actors / --encode-cpus without --ray, --device /
+    --store-workers / --encode-in with it (the actors pick their devices; encode tasks take --encode-cpus),
+    --text-field / --id-field for DOCS that are not JSON Lines."""
+    given = _given(ctx, _HERE_ONLY if on_ray else _RAY_ONLY)
+    if given:
+        raise click.UsageError(f"{given}: not used {'with' if on_ray else 'without'} --ray", ctx=ctx)
+    given = _given(ctx, ("text_field", "id_field"))
+    if given and (docs.is_dir() or docs.suffix.lower() not in JSON_LINES_SUFFIXES):
+        raise click.UsageError(f"{given}: for DOCS of JSON Lines ({', '.join(JSON_LINES_SUFFIXES)}) only", ctx=ctx)
+
+
+def _given(ctx: click.Context, names: tuple[str, ...]) -> str:
+    """The options of `names` given on the command line (or by the environment), as flags; "" if none."""
+    source = ctx.get_parameter_source
+    flags = ["--" + n.replace("_", "-") for n in names if source(n) not in (click.core.ParameterSource.DEFAULT, None)]
+    return ", ".join(flags)
 
 
 def _check_model_and_store(model_name: str, store_url: str, here: bool) -> None:

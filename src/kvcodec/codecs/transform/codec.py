@@ -194,9 +194,11 @@ class TransformCodec:
         else:
             self.cal, self.kvt_hash = load_kvt(transform)
         if preset is not None:
-            if preset not in PRESETS or target_ratio is not None:
+            if preset not in PRESETS:
+                raise ConfigError(f"preset must be one of {sorted(PRESETS)}; got {preset!r}")
+            if target_ratio is not None:
                 raise ConfigError(
-                    f"preset must be one of {sorted(PRESETS)} (and excludes target_ratio); got {preset!r}"
+                    f"preset {preset!r} is a target ratio ({PRESETS[preset]:g}x): give it or target_ratio"
                 )
             target_ratio = PRESETS[preset]
         if coder not in CODERS:
