@@ -155,6 +155,7 @@ def test_extract_calibrate_encode_decode(arch, model_dirs, tmp_path):
     res = _cli("calibrate", "--model", folder, "--texts", TEXTS, "--max-tokens", 200, "--out", kvt, *RATIOS)
     assert res.exit_code == 0, res.output
     assert "held-out quality (pg/avg)" in res.output and "per-channel fallback" in res.output
+    assert "calibrate: fitting the bases" in res.output and " held out (" in res.output  # progress of a long job
     report = kvt_info(kvt)["quality"]
     assert report["metric"] == "model" and [p["target"] for p in report["points"]] == [3.0, 5.0]
     assert all(0 <= p["top1"] <= 1 and math.isfinite(p["ppl_delta_pct"]) for p in report["points"])

@@ -405,9 +405,13 @@ def command(
             data = _file_data(kv_files, holdout)
         check_held_out(data["meta"]["sources"], data["held_sources"], [_tokens(kv) for kv in data["held"]], sink_tokens)
         fit = _fit_grouped if data["grouped"] else _fit_uniform
+        if model_name:  # minutes of work: progress lines (a fit of KV files takes seconds)
+            _say("fitting the bases", t0)
         result = fit(data, settings, rope_flags, weight_alpha)
         data["kvs"] = data["stream"] = None  # fitted: the report needs only the held-out texts (bounded memory)
         coder = report_coder() if "cal" in result else "zstd"  # grouped caches: real zstd encodes
+        if model_name:
+            _say(f"measuring the quality at {', '.join(f'{r:g}x' for r in ratios)} on the held-out texts", t0)
         points = _quality(data, result, ratios, coder)
     report = {
         "metric": "model" if data.get("model") is not None else "kv",
@@ -445,6 +449,11 @@ def _read_ids(tokenizer, texts: list[str], max_tokens: int) -> tuple[list[str], 
     return [label for _, label in read], [tokenizer(t, return_tensors="pt").input_ids[0][:max_tokens] for t, _ in read]
 
 
+def _say(what: str, since: float) -> None:
+    """A progress line on stderr: a calibration from a model runs for minutes."""
+    click.echo(f"calibrate: {what} ({time.perf_counter() - since:.0f} s)", err=True)
+
+
 def _stream_from_model(model, layout, ids: list, settings: dict, rope):
     """Each text's KV (as _kv_from_model computes and keeps it) into the running moments of a
     StreamedCalibration, then dropped: the fit never holds the calibration KV. The moments are summed
@@ -458,7 +467,9 @@ def _stream_from_model(model, layout, ids: list, settings: dict, rope):
     shape = (len(layout.spec.layers), *layout.spec.layers[0].k_shape)  # (layers, kv heads, head dim)
     fit = {k: settings[k] for k in ("sink_tokens", "tokens_per_dim", "max_group")}
     stream = StreamedCalibration(shape, rope, tokens=tokens, **fit)
-    for t in ids:
+    t0 = time.perf_counter()
+    for i, t in enumerate(ids):
+        _say(f"KV of text {i + 1} of {len(ids)} ({t.numel()} tokens)", t0)
         kv = kv_of_ids(model, layout, t, chunk_tokens=SENSITIVITY_PREFIX)
         stream.add(kv.to(device=model.device, dtype=torch.float16))  # the values a store holds, as _kv_from_model
         del kv
@@ -478,7 +489,9 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
         click.echo(f"warning: calibrating on {', '.join(held)}, which the project evaluates on", err=True)
     for spec in (*fit_texts, *held_texts):  # a misspelt text fails here, not after the model loads (or the fit)
         _read_text(spec)
+    t0 = time.perf_counter()
     model, tokenizer = load_for_device(model_name, device)  # as the engine runs it: float32 weights as float16 on a GPU
+    _say(f"{model_name} loaded; {len(fit_texts)} texts to fit on, {len(held_texts)} held out", t0)
     weighting, alpha, fisher_texts = fisher_args
     sink_tokens = settings["sink_tokens"]
     fisher = weighting == "fisher" and alpha > 0 and layout.spec.uniform  # the Fisher of grouped caches: not yet
@@ -486,6 +499,7 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
     if layout.spec.uniform and settings["covariance"] == "sample":  # moments as it extracts: the KV is not held
         sources, ids = _read_ids(tokenizer, fit_texts, max_tokens)
         if fisher:  # first: its backward pass and the fit's running sums are not held at once (peak memory)
+            _say(f"Fisher weights on {min(fisher_texts, len(ids))} texts (the longest step)", t0)
             weights = _fisher(model, ids, sink_tokens, fisher_texts)
         stream = _stream_from_model(model, layout, ids, settings, None if no_rope else layout.uniform_rope)
         kvs = None
@@ -493,6 +507,7 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
         kvs, sources, ids, prefixes = _kv_from_model(
             model, tokenizer, layout, fit_texts, max_tokens, fisher_texts * fisher
         )
+    _say(f"KV of the {len(held_texts)} held-out texts", t0)
     held_kvs, held_sources, held_ids, _ = _kv_from_model(model, tokenizer, layout, held_texts, max_tokens)
     grouped = not layout.spec.uniform
     data = dict(
@@ -510,6 +525,7 @@ def _model_data(model_name, texts, holdout, max_tokens, fisher_args, settings, n
     )
     if fisher:
         if stream is None:  # the Fisher on the extraction's prefix KV (no second prefill of them)
+            _say(f"Fisher weights on {min(fisher_texts, len(ids))} texts (the longest step)", t0)
             weights = _fisher(model, ids, sink_tokens, fisher_texts, prefixes)
         data["fisher"] = weights  # None: texts too short
         data["fisher_texts"] = fisher_texts
