@@ -134,7 +134,7 @@ def test_encode_streams_per_chunk_splits_chunks_and_inspect_shows_the_parts(tmp_
     for n in ("1", "2"):
         dst = str(tmp_path / f"kv{n}.kvc")
         args = ["encode", str(tmp_path / "kv.safetensors"), dst, "--chunk-tokens", "32", "--resolutions", "144x144"]
-        r = runner.invoke(cli, [*args, "--streams-per-chunk", n, "--video-bits", "8"])
+        r = runner.invoke(cli, [*args, "--streams-per-chunk", n, "--video-bits", "8", "--sample-coder", "hevc"])
         assert r.exit_code == 0, r.output
         info = json.loads(runner.invoke(cli, ["inspect", dst, "--json"]).output)
         res = info["resolutions"]["144x144"]
@@ -147,6 +147,10 @@ def test_encode_streams_per_chunk_splits_chunks_and_inspect_shows_the_parts(tmp_
         outs[n] = load_file(str(tmp_path / f"out{n}.safetensors"))["kv"]
     assert "part 0: layers 0-1, " in text and "part 1: layers 2-3, " in text and "tiles" in text, text
     assert torch.equal(outs["1"], outs["2"])
+    r = runner.invoke(cli, [*args, "--streams-per-chunk", "2", "--sample-coder", "zstd"])
+    text = runner.invoke(cli, ["inspect", dst]).output
+    assert r.exit_code == 0 and "2 streams per chunk, samples zstd-coded (no video)" in text, text
+    assert "part 1: layers 2-3\n" in text and "tiles" not in text and "frames" not in text, text  # no video described
     r = runner.invoke(cli, ["encode", str(tmp_path / "kv.safetensors"), dst, "--streams-per-chunk", "0"])
     assert r.exit_code == 2 and "--streams-per-chunk" in _error_line(r)
 

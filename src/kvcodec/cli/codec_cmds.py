@@ -388,20 +388,20 @@ def _resolution_lines(name: str, r: dict, chunks: int) -> list[str]:
     plain = r.get("plain_chunks", 0)
     note = f"; {plain} of {chunks} chunks plain" if plain and r["layout"] else ""
     parts = r.get("parts", [])
+    zstd = "samples" in r["streams"]  # the samples zstd-coded: no video, its frames never made
     where = (
-        f"{len(parts)} streams per chunk, {r['frames_per_chunk']} frames/chunk"
+        f"{len(parts)} streams per chunk" + ("" if zstd else f", {r['frames_per_chunk']} frames/chunk")
         if parts
         else _layout_text(r["layout"], r["frames_per_chunk"], r["video_bits"])
     )
-    if not parts and "samples" in r["streams"]:
-        where = "samples zstd-coded (no video)"
+    if zstd:
+        where = "samples zstd-coded (no video)" if not parts else where + ", samples zstd-coded (no video)"
     lines = [f"  {name:>9}  {r['bytes']:>12,} bytes  {r['ratio_vs_fp16']:5.2f}x  {where}{note}  [{streams}]"]
     start = 0
     for i, p in enumerate(parts):
         end = start + p["layers"]
-        lines.append(
-            f"{'':15}part {i}: layers {start}-{end - 1}, " + _layout_text(p["layout"], p["frames"], p["video_bits"])
-        )
+        layout = "" if zstd else ", " + _layout_text(p["layout"], p["frames"], p["video_bits"])
+        lines.append(f"{'':15}part {i}: layers {start}-{end - 1}{layout}")
         start = end
     return lines
 
