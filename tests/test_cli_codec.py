@@ -227,3 +227,13 @@ def test_encode_without_a_sample_coder_uses_the_codec_default_and_inspect_names_
             assert "samples zstd-coded (no video)" in text and "auto, chosen per model" in text
         else:
             assert info["config"]["sample_coder"] == "hevc" and "video" in streams and "in the video" in text
+
+
+def test_encode_warns_of_resolutions_that_store_the_same_zstd_coded_samples(tmp_path):
+    """With zstd-coded samples a frame size changes nothing: a second resolution doubled the file silently."""
+    save_file({"kv": (torch.randn(4, 2, 40, 2, 64) * 2).to(torch.float16)}, str(tmp_path / "kv.safetensors"))
+    args = ["encode", str(tmp_path / "kv.safetensors"), str(tmp_path / "kv.kvc"), "--sample-coder"]
+    r = CliRunner().invoke(cli, [*args, "zstd", "--resolutions", "144x144,256x256"])
+    assert r.exit_code == 0 and "the 2 resolutions store them as many times" in r.output, r.output
+    r = CliRunner().invoke(cli, [*args, "zstd", "--resolutions", "144x144"])
+    assert r.exit_code == 0 and "warning" not in r.output, r.output

@@ -159,6 +159,12 @@ def encode_cmd(
         f"in {elapsed:.1f} s; {info['fp16_bytes'] / len(data):.2f}x vs fp16 (one resolution, {best[0]}: "
         f"{best[1]['ratio_vs_fp16']:.2f}x)"
     )
+    if len(info["resolutions"]) > 1 and all("samples" in r["streams"] for r in info["resolutions"].values()):
+        click.echo(
+            f"warning: the samples are zstd-coded, the same bytes at every frame size: the {len(info['resolutions'])} "
+            "resolutions store them as many times for nothing (give one, or --sample-coder hevc for video)",
+            err=True,
+        )
 
 
 def _refuse_hevc_options(resolutions) -> None:  # noqa: ANN001
