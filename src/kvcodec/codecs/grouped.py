@@ -401,8 +401,8 @@ class GroupedCodec:
         return GroupedStaged(tuple(staged), tuple(copies))
 
     def finish(self, staged: Sequence[GroupedStaged], outs: Sequence[Target | GroupedKV]) -> None:
-        """Each group's staged parts of every chunk by one finish of its codec, in chunk order; then what
-        stage left (parts decoded whole here)."""
+        """Each group's staged parts of every chunk by one finish of its codec, in chunk order; then the
+        copies stage left (what it restored into memory of its own)."""
         batches: dict[tuple[int, int], tuple[ChunkCodec, list, list]] = {}
         for st in staged:
             for g, codec, part, target in st.parts:
