@@ -165,15 +165,15 @@ def _check(kvs: Sequence[torch.Tensor]) -> tuple[int, int, int]:
     for k in kvs:
         if not torch.isfinite(k).all():
             raise ConfigError("calibration KV holds NaN or infinity; refusing to fit a transform on it")
-        check_half_range(k, "calibration KV")
+        refuse_beyond_half(float(k.abs().amax()) if k.numel() else 0.0, "calibration KV")
     return next(iter(shapes))
 
 
-def check_half_range(kv: torch.Tensor, what: str) -> None:
-    """ShapeError where `kv` (finite) holds a value beyond float16's range: a .kvt stores its means in float16's
-    range and the transform codec its exact sink tokens as float16, so such KV cannot be coded by the transform
-    (the HEVC codec's integer modes code it)."""
-    if kv.numel() and (peak := float(kv.detach().abs().amax())) > FLOAT16_MAX:
+def refuse_beyond_half(peak: float, what: str) -> None:
+    """ShapeError where KV's largest magnitude `peak` is beyond float16's range: a .kvt stores its means in
+    float16's range and the transform codec its exact sink tokens as float16, so such KV cannot be coded by the
+    transform (the HEVC codec's integer modes code it)."""
+    if peak > FLOAT16_MAX:
         raise ShapeError(
             f"{what} reaches {peak:.6g}, beyond float16's range ({FLOAT16_MAX:g}): the transform codes KV within "
             "it; the HEVC codec (--quant int8) codes this KV"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +29,7 @@ import zstandard
 from kvcodec.codecs.base import ChunkCodec, ChunkInfo, EncodedChunk, Target, check_keys, collect_chunks
 from kvcodec.codecs.grouped import GroupedCodec
 from kvcodec.codecs.hevc.decode import sample_decoders
-from kvcodec.codecs.hevc.encode import all_finite, batched, host_arrays, in_order, stage_batch, stage_on_caller
+from kvcodec.codecs.hevc.encode import batched, host_arrays, in_order, stage_batch, stage_on_caller
 from kvcodec.codecs.transform.decode import TARGET_DTYPES, TransformRestorer, check_target
 from kvcodec.codecs.transform.header import (
     MIXED_TURN,
@@ -54,9 +55,9 @@ from kvcodec.transform.calibration import (
     KINDS,
     Calibration,
     all_variances,
-    check_half_range,
     group_matrix,
     keys_without_rope,
+    refuse_beyond_half,
 )
 from kvcodec.transform.kvt import load_kvt
 from kvcodec.video import x265_cpu
@@ -612,9 +613,10 @@ class TransformCodec:
         self.cal.check_shape(kv.shape)
         kv = kv.detach()
         kv = kv if kv.device.type == "cuda" else kv.to("cpu")  # a GPU's KV is transformed and quantized there
-        if not all_finite(kv):
+        lo, hi = (float(v) for v in torch.aminmax(kv))  # one pass: finite, and within float16's range
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ShapeError("KV holds NaN or infinity; the transform codec needs finite values")
-        check_half_range(kv, "KV")  # its sink tokens are kept as float16, its .kvt's means are within it
+        refuse_beyond_half(max(-lo, hi), "KV")  # its sink tokens are kept as float16, its .kvt's means are within it
         return kv
 
     # ------------------------------------------------------------------------------ decode
