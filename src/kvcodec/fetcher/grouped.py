@@ -186,9 +186,8 @@ class _GroupedPipeline(FetchPipeline):
 
     def _decode(self, i: int, j: int, blob: bytes, staged: bool | None = None) -> Decoded:
         m = self.plan.metas[i]
-        fits = (
-            m.start_token + m.tokens <= self.out.stop
-        )  # else decoded whole into its own, the positions that fit copied
+        # a chunk past the target's end is decoded whole into memory of its own; the positions that fit are copied
+        fits = m.start_token + m.tokens <= self.out.stop
         done = super()._decode(i, j, blob, staged=self.s.staged and fits)
         if done.staging is None:
             return done
