@@ -401,28 +401,44 @@ class GroupedCodec:
         return GroupedStaged(tuple(staged), tuple(copies))
 
     def finish(self, staged: Sequence[GroupedStaged], outs: Sequence[Target | GroupedKV]) -> None:
-        """Each group's staged parts of every chunk by one finish of its codec, in chunk order; then the
-        copies stage left (what it restored into memory of its own)."""
-        batches: dict[tuple[int, int], tuple[ChunkCodec, list, list]] = {}
-        for st in staged:
-            for g, codec, part, target in st.parts:
-                batch = batches.setdefault((g, id(codec)), (codec, [], []))
-                batch[1].append(part)
-                batch[2].append(target)
-        for codec, parts, targets in batches.values():
-            codec.finish(parts, targets)
-        for st in staged:
-            for target, restored in st.copies:
-                target.copy_(restored)
+        finish_grouped(staged)
+
+    # ---- driven restore (codecs/driven.py) -------------------------------------------------------
+    @property
+    def codes_video(self) -> bool:
+        """Whether any group's chunks hold a video (NVDEC sessions are borrowed for a driven fetch)."""
+        return any(getattr(c, "codes_video", True) for c in (self.inner, *self.per_group.values()))
+
+    def driven_chunks(self):  # noqa: ANN201 - a GroupedDriven or None
+        """This codec's DrivenChunks where every group's codec has one (codecs/grouped_driven.py); None: not driven."""
+        from kvcodec.codecs.grouped_driven import grouped_driven
+
+        return grouped_driven(self)
+
+
+def finish_grouped(staged: Sequence[GroupedStaged]) -> None:
+    """Each group's staged parts of every chunk by one finish of what staged it (its codec, or its codec's
+    DrivenChunks), in chunk order; then the copies the staging left (what it restored into memory of its own)."""
+    batches: dict[tuple[int, int], tuple[Any, list, list]] = {}
+    for st in staged:
+        for g, stager, part, target in st.parts:
+            batch = batches.setdefault((g, id(stager)), (stager, [], []))
+            batch[1].append(part)
+            batch[2].append(target)
+    for stager, parts, targets in batches.values():
+        stager.finish(parts, targets)
+    for st in staged:
+        for target, restored in st.copies:
+            target.copy_(restored)
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedStaged:
-    """A grouped chunk's staged groups (group, codec, the codec's staged part, the group's target) and the
-    copies left to finish (target, values restored into memory of their own: groups that cannot be staged,
+    """A grouped chunk's staged groups (group, what staged it: its codec or that codec's DrivenChunks, the staged
+    part, the group's target) and the copies left to finish (target, values restored into memory of their own: groups that cannot be staged,
     a plain chunk, the positions of a chunk past the fetch's target)."""
 
-    parts: tuple[tuple[int, ChunkCodec, object, torch.Tensor], ...]
+    parts: tuple[tuple[int, Any, object, torch.Tensor], ...]
     copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 

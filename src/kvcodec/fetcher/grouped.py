@@ -184,6 +184,13 @@ class _GroupedPipeline(FetchPipeline):
             return self.out.view(m.start_token, end), True
         return GroupedKV.empty(self.out.spec, end, start=m.start_token, device=self.out.device, window=False), False
 
+    def _staged(self, i: int, part: object, fed: tuple, busy_s: float | None = None) -> None:
+        j, target, direct = fed
+        if not direct and isinstance(part, GroupedStaged):  # driven, past the target: the finish copies what fits
+            copies = _fitting(self.out, self.plan.metas[i].start_token, target)
+            part, fed = GroupedStaged(part.parts, part.copies + copies), (j, target, True)
+        super()._staged(i, part, fed, busy_s)
+
     def _decode(self, i: int, j: int, blob: bytes, staged: bool | None = None) -> Decoded:
         m = self.plan.metas[i]
         # a chunk past the target's end is decoded whole into memory of its own; the positions that fit are copied

@@ -343,7 +343,7 @@ class FetchPipeline:
         fewer than half the in-flight slots."""
         if ready[-1][0] + 1 >= len(self.plan.metas) or 2 * len(ready) >= self.s.max_inflight:
             return False
-        return sum(self.plan.metas[i].values * 2 for i, _ in ready) < MIN_FINISH_BYTES
+        return sum(self._fp16_bytes(i) for i, _ in ready) < MIN_FINISH_BYTES
 
     def _consume_driven(self, driver) -> tuple[int, KVCodecError | None]:
         """_consume where this thread also stages the chunks: each blob the network stage delivers

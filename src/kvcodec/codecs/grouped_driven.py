@@ -1,0 +1,218 @@
+"""GroupedDriven: the grouped codec's part in the driven restore (codecs/driven.py's DrivenChunks).
+
+A grouped chunk's parts are driven by their groups' codecs' own DrivenChunks: read() checks the chunk as
+GroupedCodec.decode_chunk does and reads each part by its group's adapter against the group's target (the
+chunk's videos are its parts' pieces, in group order); the host work of a chunk without videos runs per
+part, wherever each adapter runs it (the transform codec's zstd on native threads), begun per part as the
+blob arrives; finish restores each group of every ready chunk by one finish of its adapter (the transform's
+batched kernels). A part that cannot restore straight into its group's target (it holds more positions
+than the target keeps, or another dtype than the codec restores into) is decoded whole at stage, on the
+fetch's thread, and copied by the finish; a plain (single-group) blob is staged by GroupedCodec.stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import CancelledError, Future
+
+import torch
+
+from kvcodec.codecs.base import Target
+from kvcodec.codecs.driven import Begun, DrivenChunks, Reading, driven_of, host_pool
+from kvcodec.codecs.grouped import (
+    GroupedCodec,
+    GroupedStaged,
+    Part,
+    _decoded_whole,
+    _direct,
+    _parse,
+    finish_grouped,
+    is_grouped,
+)
+from kvcodec.errors import KVCodecError
+from kvcodec.kvspec import GroupedKV
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """A grouped chunk as read: its parts by group (Part, bytes) and the group parts read by their adapters
+    (group -> that adapter's Reading; a group absent here restores whole at stage, if the target holds it)."""
+
+    parts: Mapping[int, tuple[Part, memoryview]]
+    subs: Mapping[int, Reading]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plain:
+    """A plain (single-group) blob: GroupedCodec.stage restores it."""
+
+    blob: object
+
+
+def grouped_driven(codec: GroupedCodec) -> GroupedDriven | None:
+    """The codec's DrivenChunks where every group's codec has one; None: not driven."""
+    codecs = {id(c): c for c in (codec.inner, *codec.per_group.values())}
+    adapters = {k: driven_of(c) for k, c in codecs.items()}
+    if any(a is None for a in adapters.values()):
+        return None
+    return GroupedDriven(codec, adapters)
+
+
+class GroupedDriven:
+    """A GroupedCodec's DrivenChunks (see the module doc) over its groups' codecs' adapters (by id of codec)."""
+
+    def __init__(self, codec: GroupedCodec, adapters: Mapping[int, DrivenChunks]):
+        self.codec, self.adapters = codec, dict(adapters)
+
+    def _adapter(self, info, g: int) -> DrivenChunks:  # noqa: ANN001 - a GroupedChunkInfo
+        return self.adapters[id(self.codec.codec_for(info.spec.groups[g]))]
+
+    def inspect(self, blob):  # noqa: ANN001, ANN201 - bytes-like, a ChunkInfo
+        return self.codec.inspect_chunk(blob)
+
+    def read(self, blob, target: GroupedKV, split: int = 1) -> Reading:  # noqa: ANN001 - bytes-like
+        """The chunk checked against `target` as decode_chunk checks it; each part restoring straight into its
+        group's target read by its adapter (up to `split` pieces each)."""
+        if not is_grouped(blob):
+            return Reading(self.codec.inspect_chunk(blob), (), _Plain(blob))
+        info, parts = self.codec._parts(blob, target)
+        subs, pieces = {}, []
+        for g, group in enumerate(target.spec.groups):
+            checked = self.codec._checked_part(g, group, parts.get(g), target, info)
+            if checked is not None and _direct(checked[0], checked[2], target, g, info):
+                subs[g] = self._adapter(info, g).read(checked[1], target.tensors[g], split)
+                pieces += subs[g].pieces
+        return Reading(info, tuple(pieces), _Chunk(parts, subs))
+
+    def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: GroupedKV) -> object:
+        return self._staged(reading, target, buffers=buffers)
+
+    def stage_alone(self, reading: Reading, target: GroupedKV, decoder) -> object:  # noqa: ANN001
+        return self._staged(reading, target, decoder=decoder)
+
+    def _staged(self, reading: Reading, target: GroupedKV, buffers=None, decoder=None) -> GroupedStaged:  # noqa: ANN001
+        """Each group's part staged by its adapter (its pieces' decoded `buffers`, or decoded by `decoder` alone),
+        the parts that cannot restore straight into their group's target decoded whole here."""
+        if isinstance(reading.state, _Plain):
+            return self.codec.stage(reading.state.blob, target)
+        info, chunk = reading.info, reading.state
+        staged, copies, used = [], [], 0
+        for g in range(len(target.spec.groups)):
+            if target.stop == target.starts[g]:
+                continue  # the target holds nothing of this group here
+            part, sub = chunk.parts[g], chunk.subs.get(g)
+            if sub is None or not _direct(self.codec.codec_for(info.spec.groups[g]), part[0], target, g, info):
+                codec = self.codec.codec_for(info.spec.groups[g])
+                copies.append((target.tensors[g], _decoded_whole(codec, part[1], part[0], target, g, info)))
+                continue
+            adapter, out = self._adapter(info, g), target.tensors[g]
+            n = len(sub.pieces)
+            if decoder is not None and n:
+                staged.append((g, adapter, adapter.stage_alone(sub, out, decoder), out))
+            else:
+                staged.append((g, adapter, adapter.stage(sub, (buffers or ())[used : used + n], out), out))
+            used += n
+        return GroupedStaged(tuple(staged), tuple(copies))
+
+    def finish(self, staged: Sequence[GroupedStaged], targets: Sequence[Target]) -> None:
+        finish_grouped(staged)
+
+    # -- host work of chunks without videos ------------------------------------------------------------
+    def prepare(self, reading: Reading) -> Reading:
+        """Each part's frame-independent host work where its adapter has some (DrivenChunks.prepare)."""
+        return self._each(reading, "prepare")
+
+    def prepare_host(self, reading: Reading) -> Reading:
+        return self._each(reading, "prepare_host")
+
+    def _each(self, reading: Reading, step: str) -> Reading:
+        if isinstance(reading.state, _Plain):
+            return reading
+        subs = {}
+        for g, sub in reading.state.subs.items():
+            fn = getattr(self._adapter(reading.info, g), step, None)
+            subs[g] = sub if fn is None else fn(sub)
+        return dataclasses.replace(reading, state=dataclasses.replace(reading.state, subs=subs))
+
+    def submit_host(self, reading: Reading) -> Future:
+        """Each part's host work submitted where its adapter runs it fastest: a Future of the prepared Reading."""
+        if isinstance(reading.state, _Plain) or not reading.state.subs:
+            done: Future = Future()
+            done.set_result(reading)
+            return done
+        futures = {g: self._submitted(reading.info, g, sub) for g, sub in reading.state.subs.items()}
+        return _joined(reading, futures)
+
+    def _submitted(self, info, g: int, sub: Reading) -> Future:  # noqa: ANN001 - a GroupedChunkInfo
+        adapter = self._adapter(info, g)
+        submit = getattr(adapter, "submit_host", None)
+        if submit is not None:
+            return submit(sub)
+        prepare = getattr(adapter, "prepare_host", None)
+        if prepare is not None:
+            return host_pool().submit(prepare, sub)
+        done: Future = Future()
+        done.set_result(sub)
+        return done
+
+    def begin_host(self, blob) -> Begun | None:  # noqa: ANN001 - bytes-like
+        """Each part's host work begun as the blob arrives, where every part's adapter begins its own (the
+        parts' checksums and the target's checks wait for adopt); None where not begun."""
+        if not is_grouped(blob):
+            return None
+        try:
+            info, payload = _parse(blob)
+        except KVCodecError:
+            return None
+        parts, begun, offset = {}, {}, 0
+        for p in info.parts:
+            parts[p.group] = (p, payload[offset : offset + p.length])
+            offset += p.length
+        for g, (_, data) in parts.items():
+            adapter = self._adapter(info, g)
+            if getattr(adapter, "begin_host", None) is None or getattr(adapter, "adopt", None) is None:
+                return None
+            one = adapter.begin_host(data)
+            if one is None:
+                return None  # the parts begun already end unused
+            begun[g] = one
+        reading = Reading(info, (), _Chunk(parts, {g: b.reading for g, b in begun.items()}))
+        return Begun(_joined(reading, {g: b.future for g, b in begun.items()}), reading)
+
+    def adopt(self, reading: Reading, target: GroupedKV) -> Reading:
+        """A begun chunk checked against its target: every check read() makes (the parts' checksums and keys
+        included), each part staged straight into its group's target adopted by its adapter."""
+        info, chunk = reading.info, reading.state
+        self.codec._check_target(info, target)
+        for g, group in enumerate(target.spec.groups):
+            checked = self.codec._checked_part(g, group, chunk.parts.get(g), target, info)
+            if checked is not None and _direct(checked[0], checked[2], target, g, info):
+                self._adapter(info, g).adopt(chunk.subs[g], target.tensors[g])
+        return reading
+
+
+def _joined(reading: Reading, futures: Mapping[int, Future]) -> Future:
+    """A Future of `reading` with each group's part replaced by its Future's prepared Reading, or of the first
+    error among them; it runs from the start, so it cannot be cancelled while the parts write into buffers."""
+    joined: Future = Future()
+    joined.set_running_or_notify_cancel()
+    lock, left = threading.Lock(), [len(futures)]
+
+    def one_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        for f in futures.values():
+            error = CancelledError() if f.cancelled() else f.exception()
+            if error is not None:
+                joined.set_exception(error)
+                return
+        subs = {g: f.result() for g, f in futures.items()}
+        joined.set_result(dataclasses.replace(reading, state=dataclasses.replace(reading.state, subs=subs)))
+
+    for f in futures.values():
+        f.add_done_callback(one_done)
+    return joined
