@@ -147,3 +147,23 @@ def test_a_cuda_fetch_of_a_grouped_transform_is_driven(kvt):
         pytest.skip("needs a CUDA GPU")
     with driven.stage_driver(_codec(kvt), "cuda", 7) as driver:
         assert driver is not None and isinstance(driver.chunks, GroupedDriven) and driver.runs == []
+
+
+@pytest.mark.parametrize("kind", ["transform", "hevc"])
+def test_a_cuda_grouped_fetch_restores_what_the_cpu_fetch_restores(kvt, kind):
+    """GroupedPrefixCache on CUDA (driven by default) against the CPU fetch, to the end and to a target that the
+    last chunk fetched reaches past (its fitting positions copied by the finish)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from kvcodec.fetcher.grouped import GroupedPrefixCache
+    from kvcodec.store import open_store
+
+    codec = _codec(kvt) if kind == "transform" else GroupedCodec(make_codec("hevc", chunk_tokens=CT))
+    store, ids = open_store("memory://"), list(range(500, 500 + TOKENS))
+    GroupedPrefixCache(store, "m", codec, spec=SPEC).put(ids, _kv())
+    for n in (TOKENS, 150):  # 150: the chunk of positions 128..191 reaches past the target
+        cpu = GroupedPrefixCache(store, "m", codec, "cpu", spec=SPEC).fetch(ids, n)
+        gpu = GroupedPrefixCache(store, "m", codec, "cuda", spec=SPEC).fetch(ids, n)
+        assert cpu.ok and gpu.ok and cpu.tokens_restored == gpu.tokens_restored == n, (cpu.error, gpu.error)
+        for a, b in zip(gpu.kv.tensors, cpu.kv.tensors):
+            assert gpu_tests.within_an_ulp(a.cpu(), b) if kind == "transform" else torch.equal(a.cpu(), b)
