@@ -339,6 +339,23 @@ def test_plans_kept_per_codec_are_bounded(synthetic_kvt):
     assert c.plan(1e-3 * (MAX_PLANS + 40)) is c.plan(1e-3 * (MAX_PLANS + 40))  # the latest kept, reused
 
 
+def test_the_restorer_remembers_more_levels_than_its_device_plans_and_forgets_the_oldest(synthetic_kvt):
+    """A fetch's host work begins as a blob arrives only for a level whose coordinate plan the restorer knows
+    (known_sample_count): a fetch of more levels than MAX_PLANS (a grouped model's per-chunk levels) must not
+    forget them all, and a stream of ever new levels must not grow the memo without bound."""
+    from kvcodec.codecs.transform.decode import MAX_COORD_PLANS, MAX_PLANS
+
+    r = codec(synthetic_kvt)._restorer
+    heads = [{"theta": 1e-3 * (1 + i), "key_weight": 1.0, "tokens": 8} for i in range(MAX_COORD_PLANS + 3)]
+    for h in heads[: MAX_PLANS + 2]:
+        r._plan_of(h)
+    assert all(r.known_sample_count(h) is not None for h in heads[: MAX_PLANS + 2])
+    for h in heads:
+        r._plan_of(h)
+    assert len(r._coord_plans) == MAX_COORD_PLANS
+    assert r.known_sample_count(heads[0]) is None and r.known_sample_count(heads[-1]) is not None
+
+
 def test_finer_tail_tokens_are_closer_at_the_same_size(synthetic_kvt):
     kv = synthetic_kv(200, seed=31)  # chunks of 64: the last 24 tokens span the last two chunks
     base, _ = roundtrip(codec(synthetic_kvt, coder="zstd", target_ratio=4.0), kv)

@@ -28,6 +28,9 @@ from kvcodec.transform.calibration import KINDS, Calibration
 from kvcodec.transform.rope import apply_rope
 
 MAX_PLANS = 4  # batched plans kept per restorer (levels: a target ratio's on a grid, rate.on_grid, a few a model)
+# coordinate plans remembered per restorer (the codec's own, shared: host memory only); a level forgotten here is
+# not begun as its blob arrives (known_sample_count), so a fetch of more levels than this would lose that overlap
+MAX_COORD_PLANS = 64
 
 
 def unzstd(data, name: str, size: int) -> bytes:
@@ -53,6 +56,7 @@ class TransformRestorer:
         self._rope_tables: dict[torch.device, transform_kernels.RopeTables] = {}
         self._coord_plans: dict[tuple[float, float], object] = {}  # plan(theta, key_weight), read without a lock
         self._lock = threading.Lock()  # plans and tables are built once, by whichever thread asks first
+        self._coord_lock = threading.Lock()
 
     def _plan_of(self, h: dict):  # noqa: ANN202 - the codec's CoordPlan
         """The coordinate plan of a verified header (the codec's plan, memoized here: a fetch asks
@@ -61,9 +65,10 @@ class TransformRestorer:
         plan = self._coord_plans.get(key)
         if plan is None:
             plan = self.plan(*key)
-            if len(self._coord_plans) >= MAX_PLANS:
-                self._coord_plans.clear()
-            self._coord_plans[key] = plan
+            with self._coord_lock:  # written under it, read without it
+                while len(self._coord_plans) >= MAX_COORD_PLANS:
+                    self._coord_plans.pop(next(iter(self._coord_plans)))
+                self._coord_plans[key] = plan
         return plan
 
     def known_sample_count(self, h: dict) -> int | None:
