@@ -167,3 +167,48 @@ def test_a_cuda_grouped_fetch_restores_what_the_cpu_fetch_restores(kvt, kind):
         assert cpu.ok and gpu.ok and cpu.tokens_restored == gpu.tokens_restored == n, (cpu.error, gpu.error)
         for a, b in zip(gpu.kv.tensors, cpu.kv.tensors):
             assert gpu_tests.within_an_ulp(a.cpu(), b) if kind == "transform" else torch.equal(a.cpu(), b)
+
+
+def test_a_chunk_holding_no_part_the_target_needs_is_handed_back_on_either_path(kvt):
+    """A chunk before every group's window holds no part: read or begun, it is handed back (nothing to restore),
+    never left pending (a joined Future of no parts once never completed, and the driver's close then hung)."""
+    spec = KVSpec(tuple(LayerSpec("sliding", (H, D), (H, D), keep=KEEP) for _ in range(L)), "float16")
+    kv = GroupedKV.empty(spec, TOKENS, window=True)
+    kv.tensors[0].copy_(gpu_tests.synthetic_kv(TOKENS, 3)[:, :, -KEEP:])
+    codec = _codec(kvt)
+    first = codec.encode_chunks(kv)[0].blobs[0]
+    target = GroupedKV.empty(spec, CT, start=CT, window=False)  # holds none of the chunk's positions
+    driver = StageDriver(codec.driven_chunks(), [])
+    got = _drive(driver, [first, first], [target, target], begin=False)
+    driver.begin(first)
+    driver.submit(2, first, target)
+    while driver.pending(2):
+        driver.wait(2, 30.0, flush=False)
+        got.update((tag, part) for tag, part, _ in driver.poll())
+    driver.close()
+    assert sorted(got) == [0, 1, 2] and not any(isinstance(p, Exception) for p in got.values())
+
+
+def test_joined_host_work_holds_no_cycle_that_keeps_the_parts_buffers():
+    """The Future joining a chunk's parts' host work lets go of the parts' Futures once joined: they (and the
+    pinned samples their results hold) are freed when the fetch drops them, without the garbage collector."""
+    import gc
+    import weakref
+    from concurrent.futures import Future
+
+    from kvcodec.codecs.driven import Reading
+    from kvcodec.codecs.grouped_driven import _Chunk, _joined
+
+    parts = {0: Future(), 1: Future()}
+    reading = Reading(None, (), _Chunk({}, {0: None, 1: None}))
+    gc.disable()
+    try:
+        joined = _joined(reading, parts)
+        for g, f in parts.items():
+            f.set_result(f"prepared {g}")
+        assert joined.result().state.subs == {0: "prepared 0", 1: "prepared 1"}
+        held = [weakref.ref(f) for f in parts.values()]
+        del parts, f, joined
+        assert all(ref() is None for ref in held)
+    finally:
+        gc.enable()

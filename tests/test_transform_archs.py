@@ -306,7 +306,9 @@ def test_a_grouped_transform_fetch_stages_each_group_and_finishes_it_once_for_ma
             TransformCodec.finish = finish
         plain = cache(False).fetch(ids, n)
         assert staged.ok and plain.ok and staged.tokens_restored == plain.tokens_restored == n
-        assert sum(finishes) == 2 * (n // 16), finishes  # both groups' whole chunks, staged and finished
+        # both groups' chunks within the target staged and finished; on CUDA (driven) the chunk reaching past it
+        # too, into memory of its own whose fitting positions the finish copies
+        assert sum(finishes) == 2 * (-(-n // 16) if device == "cuda" else n // 16), finishes
         finishes.clear()
         for a, b, c in zip(staged.kv.tensors, plain.kv.tensors, kv.view(0, n).tensors):
             assert torch.allclose(a.float().cpu(), b.float(), atol=1e-3, rtol=1e-3)

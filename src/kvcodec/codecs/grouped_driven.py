@@ -31,7 +31,7 @@ from kvcodec.codecs.grouped import (
     finish_grouped,
     is_grouped,
 )
-from kvcodec.errors import KVCodecError
+from kvcodec.errors import KVCodecError, ShapeError
 from kvcodec.kvspec import GroupedKV
 
 
@@ -65,6 +65,8 @@ class GroupedDriven:
 
     def __init__(self, codec: GroupedCodec, adapters: Mapping[int, DrivenChunks]):
         self.codec, self.adapters = codec, dict(adapters)
+        if any(callable(getattr(a, "prepare", None)) for a in self.adapters.values()):
+            self.prepare = self._prepare  # StageDriver prepares a video chunk while NVDEC decodes only if asked
 
     def _adapter(self, info, g: int) -> DrivenChunks:  # noqa: ANN001 - a GroupedChunkInfo
         return self.adapters[id(self.codec.codec_for(info.spec.groups[g]))]
@@ -120,20 +122,14 @@ class GroupedDriven:
         finish_grouped(staged)
 
     # -- host work of chunks without videos ------------------------------------------------------------
-    def prepare(self, reading: Reading) -> Reading:
+    def _prepare(self, reading: Reading) -> Reading:
         """Each part's frame-independent host work where its adapter has some (DrivenChunks.prepare)."""
-        return self._each(reading, "prepare")
-
-    def prepare_host(self, reading: Reading) -> Reading:
-        return self._each(reading, "prepare_host")
-
-    def _each(self, reading: Reading, step: str) -> Reading:
         if isinstance(reading.state, _Plain):
             return reading
         subs = {}
         for g, sub in reading.state.subs.items():
-            fn = getattr(self._adapter(reading.info, g), step, None)
-            subs[g] = sub if fn is None else fn(sub)
+            prepare = getattr(self._adapter(reading.info, g), "prepare", None)
+            subs[g] = sub if prepare is None else prepare(sub)
         return dataclasses.replace(reading, state=dataclasses.replace(reading.state, subs=subs))
 
     def submit_host(self, reading: Reading) -> Future:
@@ -170,13 +166,13 @@ class GroupedDriven:
         for p in info.parts:
             parts[p.group] = (p, payload[offset : offset + p.length])
             offset += p.length
+        adapters = {g: self._adapter(info, g) for g in parts}
+        if not parts or not all(callable(getattr(a, "begin_host", None)) for a in adapters.values()):
+            return None
         for g, (_, data) in parts.items():
-            adapter = self._adapter(info, g)
-            if getattr(adapter, "begin_host", None) is None or getattr(adapter, "adopt", None) is None:
-                return None
-            one = adapter.begin_host(data)
+            one = adapters[g].begin_host(data)
             if one is None:
-                return None  # the parts begun already end unused
+                return None  # the parts begun already end unused (a level whose plan is not built yet, a video)
             begun[g] = one
         reading = Reading(info, (), _Chunk(parts, {g: b.reading for g, b in begun.items()}))
         return Begun(_joined(reading, {g: b.future for g, b in begun.items()}), reading)
@@ -184,11 +180,14 @@ class GroupedDriven:
     def adopt(self, reading: Reading, target: GroupedKV) -> Reading:
         """A begun chunk checked against its target: every check read() makes (the parts' checksums and keys
         included), each part staged straight into its group's target adopted by its adapter."""
+        if not isinstance(target, GroupedKV):
+            raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(target).__name__}")
         info, chunk = reading.info, reading.state
         self.codec._check_target(info, target)
         for g, group in enumerate(target.spec.groups):
             checked = self.codec._checked_part(g, group, chunk.parts.get(g), target, info)
             if checked is not None and _direct(checked[0], checked[2], target, g, info):
+                # its checks only: stage takes the part as its begun work prepared it (the joined Future's)
                 self._adapter(info, g).adopt(chunk.subs[g], target.tensors[g])
         return reading
 
@@ -198,19 +197,25 @@ def _joined(reading: Reading, futures: Mapping[int, Future]) -> Future:
     error among them; it runs from the start, so it cannot be cancelled while the parts write into buffers."""
     joined: Future = Future()
     joined.set_running_or_notify_cancel()
-    lock, left = threading.Lock(), [len(futures)]
+    if not futures:
+        joined.set_result(reading)
+        return joined
+    lock, waiting = threading.Lock(), dict(futures)
 
     def one_done(_: Future) -> None:
         with lock:
-            left[0] -= 1
-            if left[0]:
+            if not all(f.done() for f in waiting.values()):
                 return
-        for f in futures.values():
+            done = dict(waiting)
+            waiting.clear()  # the parts' callbacks held this closure, it the parts: a cycle kept their buffers
+        if not done:
+            return  # the last part's callback already joined them
+        for f in done.values():
             error = CancelledError() if f.cancelled() else f.exception()
             if error is not None:
                 joined.set_exception(error)
                 return
-        subs = {g: f.result() for g, f in futures.items()}
+        subs = {g: f.result() for g, f in done.items()}
         joined.set_result(dataclasses.replace(reading, state=dataclasses.replace(reading.state, subs=subs)))
 
     for f in futures.values():
