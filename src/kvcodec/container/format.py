@@ -420,8 +420,20 @@ def write_object(magic: bytes, header: dict[str, Any], payloads: list[bytes]) ->
 
 def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict[str, Any], memoryview]:
     """Parse and verify the prefix and header; returns (header dict, payload view)."""
+    head, payload = read_object_raw(data, magic, what)
+    return header_object(head, what), payload
+
+
+def read_object_raw(data: bytes | memoryview, magic: bytes, what: str) -> tuple[bytes, memoryview]:
+    """read_object's checks of the prefix and the header's checksum, the header left unparsed: (its JSON bytes,
+    payload view), for a reader that keeps what it parsed of headers it has seen (header_object parses them)."""
     head, payload = _read_head(data, magic, what)
-    return _json_object(bytes(head), what), payload
+    return bytes(head), payload
+
+
+def header_object(head: bytes, what: str) -> dict[str, Any]:
+    """A header's JSON bytes (read_object_raw's) as the object read_object returns."""
+    return _json_object(head, what)
 
 
 def _read_head(data: bytes | memoryview, magic: bytes, what: str) -> tuple[memoryview, memoryview]:
