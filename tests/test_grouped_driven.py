@@ -212,3 +212,10 @@ def test_joined_host_work_holds_no_cycle_that_keeps_the_parts_buffers():
         assert all(ref() is None for ref in held)
     finally:
         gc.enable()
+
+
+def test_zstd_coded_groups_need_no_nvdec_session():
+    """A grouped codec whose every group's chunks hold no video (HEVC codec with zstd samples) is driven without
+    borrowing NVDEC sessions; the default HEVC codec may code video."""
+    zstd = GroupedCodec(make_codec("hevc", chunk_tokens=CT, sample_coder="zstd"))
+    assert not zstd.codes_video and GroupedCodec(make_codec("hevc", chunk_tokens=CT)).codes_video

@@ -139,6 +139,12 @@ class HevcCodec:
             return out
         return decode_chunk_blob(blob, out=out, decoder=self.decoder, restore=self.restore)
 
+    @property
+    def codes_video(self) -> bool:
+        """Whether some of this codec's chunks may hold a video (a driven fetch of them borrows NVDEC sessions);
+        its id covers sample_coder, so a zstd codec's chunks hold none."""
+        return "hevc" in SAMPLE_CODER_USES[self.config.sample_coder]
+
     def decoder_name(self, device: str | torch.device) -> str:
         """The decoders a decode into a target on `device` uses: zstd-host for zstd'd samples, the
         video decoder for video ("auto" codes either: both are named)."""
