@@ -118,11 +118,11 @@ class GroupedDriven:
             part, sub = chunk.parts[g], chunk.subs.get(g)
             if g in chunk.host:
                 sub = chunk.host[g].result()  # begun at read; its error is this chunk's
-            if sub is None or not _direct(self.codec.codec_for(info.spec.groups[g]), part[0], target, g, info):
-                codec = self.codec.codec_for(info.spec.groups[g])
+            codec = self.codec.codec_for(info.spec.groups[g])
+            if sub is None or not _direct(codec, part[0], target, g, info):
                 copies.append((target.tensors[g], _decoded_whole(codec, part[1], part[0], target, g, info)))
                 continue
-            adapter, out = self._adapter(info, g), target.tensors[g]
+            adapter, out = self.adapters[id(codec)], target.tensors[g]
             n = len(sub.pieces)
             if decoder is not None and n:
                 staged.append((g, adapter, adapter.stage_alone(sub, out, decoder), out))
