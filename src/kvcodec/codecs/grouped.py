@@ -130,12 +130,14 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
     return info, payload
 
 
-@functools.lru_cache(maxsize=4096)  # ~2 KB a header; an error is raised, not kept. A fetch reads each chunk's
+@functools.lru_cache(
+    maxsize=4096
+)  # ~1-2 KB a header (its spec shared); an error is raised, not kept. A fetch reads each chunk's
 def _parsed_header(head: bytes) -> GroupedChunkInfo:  # header twice, a hot prefix's in every fetch (~60-100 us)
     header = header_object(head, WHAT)
     fields = (*_FIELDS, "spec")
     version = v.tagged_version(header, FORMAT_NAME, "grouped_version", READABLE_VERSIONS, fields, "grouped chunk")
-    spec = spec_of(header.get("spec"))
+    spec = _interned(spec_of(header.get("spec")))
     f = v.fields_of(header, _FIELDS, {"key": None})
     start, tokens, parts = f["start_token"], f["tokens"], f["parts"]
     info = GroupedChunkInfo(
@@ -147,6 +149,17 @@ def _parsed_header(head: bytes) -> GroupedChunkInfo:  # header twice, a hot pref
     if len({p.group for p in parts}) != len(parts):
         raise FormatError("grouped chunk lists a group twice")
     return dataclasses.replace(info, version=version)
+
+
+_SPECS: dict[KVSpec, KVSpec] = {}
+
+
+def _interned(spec: KVSpec) -> KVSpec:
+    """One KVSpec object per distinct spec among the headers kept (every chunk of a model carries the same spec:
+    an 80-layer one is ~20 KB of objects, which 4096 kept headers would otherwise hold once each)."""
+    if len(_SPECS) >= 64 and spec not in _SPECS:
+        _SPECS.clear()
+    return _SPECS.setdefault(spec, spec)
 
 
 def chunk_info(blob: bytes | memoryview) -> GroupedChunkInfo:
@@ -444,8 +457,8 @@ def finish_grouped(staged: Sequence[GroupedStaged]) -> None:
 @dataclasses.dataclass(frozen=True)
 class GroupedStaged:
     """A grouped chunk's staged groups (group, what staged it: its codec or that codec's DrivenChunks, the staged
-    part, the group's target) and the copies left to finish (target, values restored into memory of their own: groups that cannot be staged,
-    a plain chunk, the positions of a chunk past the fetch's target)."""
+    part, the group's target) and the copies left to finish (target, values restored into memory of their own:
+    groups that cannot be staged, a plain chunk, the positions of a chunk past the fetch's target)."""
 
     parts: tuple[tuple[int, Any, object, torch.Tensor], ...]
     copies: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
