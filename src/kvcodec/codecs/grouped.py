@@ -130,10 +130,10 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
     return info, payload
 
 
-@functools.lru_cache(
-    maxsize=4096
-)  # ~1-2 KB a header (its spec shared); an error is raised, not kept. A fetch reads each chunk's
-def _parsed_header(head: bytes) -> GroupedChunkInfo:  # header twice, a hot prefix's in every fetch (~60-100 us)
+# A fetch reads each chunk's header twice, a hot prefix's in every fetch (60-100 us a parse): kept by its bytes,
+# ~1-2 KB a header (its spec shared); an error is raised, not kept.
+@functools.lru_cache(maxsize=4096)
+def _parsed_header(head: bytes) -> GroupedChunkInfo:
     header = header_object(head, WHAT)
     fields = (*_FIELDS, "spec")
     version = v.tagged_version(header, FORMAT_NAME, "grouped_version", READABLE_VERSIONS, fields, "grouped chunk")
