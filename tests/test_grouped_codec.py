@@ -231,3 +231,16 @@ def test_transform_codecs_calibrated_per_layer_kind():
             alone.decode_chunk(c.blobs[0], want[:, :, c.start_token : c.start_token + c.tokens])
         assert torch.equal(out, want[:, :, start:]), g.name
         assert (out - t[:, :, start:]).pow(2).mean() < 0.05 * t.pow(2).mean()  # 4 bits per value
+
+
+def test_headers_parsed_once_share_the_models_spec_and_still_check_each_blobs_payload():
+    """A chunk's header is parsed once and kept by its bytes (a fetch reads it twice); every kept header holds the
+    same KVSpec object, and a blob cut short behind a kept header is still refused."""
+    from kvcodec.codecs.grouped import chunk_info
+
+    codec = GroupedCodec(make_codec("raw", chunk_tokens=8))
+    blobs = [c.blobs[0] for c in codec.encode_chunks(_random(HYBRID, 24).prefix(24))]
+    infos = [chunk_info(b) for b in blobs]
+    assert chunk_info(blobs[1]) is infos[1] and infos[0].spec is infos[2].spec == HYBRID
+    with pytest.raises(KVCodecError, match="payload"):
+        chunk_info(blobs[1][:-5])
