@@ -219,35 +219,3 @@ def test_zstd_coded_groups_need_no_nvdec_session():
     borrowing NVDEC sessions; the default HEVC codec may code video."""
     zstd = GroupedCodec(make_codec("hevc", chunk_tokens=CT, sample_coder="zstd"))
     assert not zstd.codes_video and GroupedCodec(make_codec("hevc", chunk_tokens=CT)).codes_video
-
-
-def test_a_video_chunks_parts_without_video_begin_their_host_work_at_read(kvt):
-    """Sliding layers coded as video (NVDEC in a fetch; FFmpeg stands in here), full layers as zstd'd samples: a
-    chunk's zstd part is decompressed on the host threads from read, while its video decodes, not on the fetch's
-    thread at stage; the chunks restore what decode_chunk restores."""
-    from test_transform_batch import FakeDecoder
-
-    res = ((64, 64),)
-    video = TransformCodec(kvt[0], chunk_tokens=CT, theta=1e-3, coder="hevc", resolutions=res)
-    codec = GroupedCodec(_codec(kvt, resolutions=res).inner, per_group={"sliding": video})
-    assert codec.codes_video
-    chunks = codec.encode_chunks(_kv())
-    blobs = [ch.blobs[0] for ch in chunks]
-    want, want_targets = _targets(chunks)
-    for blob, target in zip(blobs, want_targets):
-        codec.decode_chunk(blob, target)
-    out, targets = _targets(chunks)
-    driven = codec.driven_chunks()
-    first = driven.read(blobs[0], targets[0])
-    assert first.pieces and set(first.state.host) == {1}  # the full group's zstd part, begun
-    driver = StageDriver(driven, [FakeDecoder()])
-    driver.submit_many([(i, blob, target) for i, (blob, target) in enumerate(zip(blobs, targets))])
-    got: dict = {}
-    while len(got) < len(blobs):
-        driver.flush_stuck()
-        got.update((tag, part) for tag, part, _ in driver.poll())
-    driver.close()
-    assert not any(isinstance(p, Exception) for p in got.values()), got
-    driver.finish([got[i] for i in range(len(blobs))], targets)
-    for a, b in zip(out.tensors, want.tensors):
-        assert gpu_tests.within_an_ulp(a, b)

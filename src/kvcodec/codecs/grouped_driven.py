@@ -42,7 +42,6 @@ class _Chunk:
 
     parts: Mapping[int, tuple[Part, memoryview]]
     subs: Mapping[int, Reading]
-    host: Mapping[int, Future] = dataclasses.field(default_factory=dict)  # a video chunk's other parts' host work
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +86,7 @@ class GroupedDriven:
             if checked is not None and _direct(checked[0], checked[2], target, g, info):
                 subs[g] = self._adapter(info, g).read(checked[1], target.tensors[g], split)
                 pieces += subs[g].pieces
-        host = {}
-        if pieces:  # its parts without a video begin their host work now, off this thread, while NVDEC decodes
-            host = {
-                g: self._submitted(info, g, sub) for g, sub in subs.items() if not sub.pieces and self._works(info, g)
-            }
-        return Reading(info, tuple(pieces), _Chunk(parts, subs, host))
-
-    def _works(self, info, g: int) -> bool:  # noqa: ANN001 - a GroupedChunkInfo
-        """Whether group g's adapter has host work to run off the fetch's thread (submit_host or prepare_host)."""
-        adapter = self._adapter(info, g)
-        return any(callable(getattr(adapter, name, None)) for name in ("submit_host", "prepare_host"))
+        return Reading(info, tuple(pieces), _Chunk(parts, subs))
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: GroupedKV) -> object:
         return self._staged(reading, target, buffers=buffers)
@@ -116,8 +105,6 @@ class GroupedDriven:
             if target.stop == target.starts[g]:
                 continue  # the target holds nothing of this group here
             part, sub = chunk.parts[g], chunk.subs.get(g)
-            if g in chunk.host:
-                sub = chunk.host[g].result()  # begun at read; its error is this chunk's
             codec = self.codec.codec_for(info.spec.groups[g])
             if sub is None or not _direct(codec, part[0], target, g, info):
                 copies.append((target.tensors[g], _decoded_whole(codec, part[1], part[0], target, g, info)))
