@@ -219,3 +219,37 @@ def test_zstd_coded_groups_need_no_nvdec_session():
     borrowing NVDEC sessions; the default HEVC codec may code video."""
     zstd = GroupedCodec(make_codec("hevc", chunk_tokens=CT, sample_coder="zstd"))
     assert not zstd.codes_video and GroupedCodec(make_codec("hevc", chunk_tokens=CT)).codes_video
+
+
+def test_a_video_chunks_parts_without_video_are_prepared_while_it_decodes(kvt):
+    """Sliding layers coded as video (NVDEC in a fetch; FFmpeg stands in here), full layers as zstd'd samples: the
+    chunk's prepare (run while NVDEC decodes its frames) decompresses the zstd part, which stage then takes; the
+    chunks restore what decode_chunk restores."""
+    from test_transform_batch import FakeDecoder
+
+    res = ((64, 64),)
+    video = TransformCodec(kvt[0], chunk_tokens=CT, theta=1e-3, coder="hevc", resolutions=res)
+    codec = GroupedCodec(_codec(kvt, resolutions=res).inner, per_group={"sliding": video})
+    assert codec.codes_video
+    chunks = codec.encode_chunks(_kv())
+    blobs = [ch.blobs[0] for ch in chunks]
+    want, want_targets = _targets(chunks)
+    for blob, target in zip(blobs, want_targets):
+        codec.decode_chunk(blob, target)
+    out, targets = _targets(chunks)
+    driven = codec.driven_chunks()
+    first = driven.read(blobs[0], targets[0])
+    prepared = driven.prepare(first)
+    assert first.pieces and prepared.state.subs[0] is first.state.subs[0]  # the video part: nothing to prepare
+    assert prepared.state.subs[1] is not first.state.subs[1]  # the zstd part: decompressed
+    driver = StageDriver(driven, [FakeDecoder()])
+    driver.submit_many([(i, blob, target) for i, (blob, target) in enumerate(zip(blobs, targets))])
+    got: dict = {}
+    while len(got) < len(blobs):
+        driver.flush_stuck()
+        got.update((tag, part) for tag, part, _ in driver.poll())
+    driver.close()
+    assert not any(isinstance(p, Exception) for p in got.values()), got
+    driver.finish([got[i] for i in range(len(blobs))], targets)
+    for a, b in zip(out.tensors, want.tensors):
+        assert gpu_tests.within_an_ulp(a, b)

@@ -65,7 +65,7 @@ class GroupedDriven:
 
     def __init__(self, codec: GroupedCodec, adapters: Mapping[int, DrivenChunks]):
         self.codec, self.adapters = codec, dict(adapters)
-        if any(callable(getattr(a, "prepare", None)) for a in self.adapters.values()):
+        if any(callable(getattr(a, h, None)) for a in self.adapters.values() for h in ("prepare", "prepare_host")):
             self.prepare = self._prepare  # StageDriver prepares a video chunk while NVDEC decodes only if asked
 
     def _adapter(self, info, g: int) -> DrivenChunks:  # noqa: ANN001 - a GroupedChunkInfo
@@ -123,13 +123,15 @@ class GroupedDriven:
 
     # -- host work of chunks without videos ------------------------------------------------------------
     def _prepare(self, reading: Reading) -> Reading:
-        """Each part's frame-independent host work where its adapter has some (DrivenChunks.prepare)."""
+        """A video chunk's frame-independent host work, done while NVDEC decodes its frames (DrivenChunks.prepare):
+        each video part's by its adapter's prepare, each part without a video by its adapter's prepare_host (its
+        zstd'd samples decompressed, else done on this thread at stage)."""
         if isinstance(reading.state, _Plain):
             return reading
         subs = {}
         for g, sub in reading.state.subs.items():
-            prepare = getattr(self._adapter(reading.info, g), "prepare", None)
-            subs[g] = sub if prepare is None else prepare(sub)
+            step = getattr(self._adapter(reading.info, g), "prepare" if sub.pieces else "prepare_host", None)
+            subs[g] = sub if step is None else step(sub)
         return dataclasses.replace(reading, state=dataclasses.replace(reading.state, subs=subs))
 
     def submit_host(self, reading: Reading) -> Future:
