@@ -244,3 +244,22 @@ def test_headers_parsed_once_share_the_models_spec_and_still_check_each_blobs_pa
     assert chunk_info(blobs[1]) is infos[1] and infos[0].spec is infos[2].spec == HYBRID
     with pytest.raises(KVCodecError, match="payload"):
         chunk_info(blobs[1][:-5])
+
+
+def test_a_header_padded_past_the_kept_size_is_read_but_not_kept():
+    """A store that pads headers (valid JSON, whitespace) cannot fill memory through the parsed-header cache."""
+    import json
+    import struct
+
+    from kvcodec.codecs.grouped import MAGIC, chunk_info
+    from kvcodec.container import format as fmt
+
+    codec = GroupedCodec(make_codec("raw", chunk_tokens=8))
+    blob = codec.encode_chunks(_random(HYBRID, 8).prefix(8))[0].blobs[0]
+    header, payload = fmt.read_object(blob, MAGIC, "grouped chunk")
+    head = json.dumps(header).encode() + b" " * fmt.MAX_KEPT_HEADER_BYTES
+    padded = struct.pack("<4sHI", MAGIC, fmt.FORMAT_VERSION, len(head)) + head + struct.pack("<I", fmt.crc32(head))
+    want = chunk_info(blob)
+    kept = fmt._parsed.cache_info().currsize
+    assert chunk_info(padded + bytes(payload)) == want
+    assert fmt._parsed.cache_info().currsize == kept

@@ -21,7 +21,6 @@ data) decode through it: `GroupedCodec(HevcCodec(config))` reads everything `Hev
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
@@ -43,7 +42,7 @@ from kvcodec.codecs.base import (
     restores_into,
 )
 from kvcodec.container import validate as v
-from kvcodec.container.format import crc32, header_object, read_object, read_object_raw, write_object
+from kvcodec.container.format import crc32, read_object, read_parsed, write_object
 from kvcodec.dtypes import DTYPES
 from kvcodec.errors import ChecksumError, ConfigError, FormatError, ShapeError, TruncatedError
 from kvcodec.kvspec import GroupedKV, GroupSpec, KVSpec
@@ -120,8 +119,7 @@ def part_key(key: str | None, group: int) -> str:
 
 
 def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
-    head, payload = read_object_raw(blob, MAGIC, WHAT)
-    info = _parsed_header(head)
+    info, payload = read_parsed(blob, MAGIC, WHAT, _header_info)  # parsed once per header (a fetch reads it twice)
     need = sum(p.length for p in info.parts)
     if len(payload) != need:
         raise (TruncatedError if len(payload) < need else FormatError)(
@@ -130,11 +128,7 @@ def _parse(blob: bytes | memoryview) -> tuple[GroupedChunkInfo, memoryview]:
     return info, payload
 
 
-# A fetch reads each chunk's header twice, a hot prefix's in every fetch (60-100 us a parse): kept by its bytes,
-# ~1-2 KB a header (its spec shared); an error is raised, not kept.
-@functools.lru_cache(maxsize=4096)
-def _parsed_header(head: bytes) -> GroupedChunkInfo:
-    header = header_object(head, WHAT)
+def _header_info(header: dict[str, Any]) -> GroupedChunkInfo:
     fields = (*_FIELDS, "spec")
     version = v.tagged_version(header, FORMAT_NAME, "grouped_version", READABLE_VERSIONS, fields, "grouped chunk")
     spec = _interned(spec_of(header.get("spec")))
@@ -156,7 +150,7 @@ _SPECS: dict[KVSpec, KVSpec] = {}
 
 def _interned(spec: KVSpec) -> KVSpec:
     """One KVSpec object per distinct spec among the headers kept (every chunk of a model carries the same spec:
-    an 80-layer one is ~20 KB of objects, which 4096 kept headers would otherwise hold once each)."""
+    an 80-layer one is ~20 KB of objects, which every kept header would otherwise hold once)."""
     if len(_SPECS) >= 64 and spec not in _SPECS:
         _SPECS.clear()
     return _SPECS.setdefault(spec, spec)

@@ -41,6 +41,7 @@ FILE_MAGIC = b"KVCF"
 _PREFIX = struct.Struct("<4sHI")
 _CRC = struct.Struct("<I")
 MAX_HEADER_BYTES = 16 << 20
+MAX_KEPT_HEADER_BYTES = 64 << 10  # read_parsed keeps what it parsed of headers up to this size (a real one: < 8 KB)
 PLAIN = "plain"
 
 
@@ -399,6 +400,8 @@ def read_parsed(
     remembered for recent headers (a chunk is inspected, then decoded). A header that fails is
     never remembered; a parsed header is shared by the calls that read it (do not change it)."""
     head, payload = _read_head(data, magic, what)
+    if len(head) > MAX_KEPT_HEADER_BYTES:  # a damaged or hostile store's padded headers would fill memory
+        return parse(_json_object(bytes(head), what)), payload
     return _parsed(parse, bytes(head), what), payload
 
 
@@ -420,20 +423,8 @@ def write_object(magic: bytes, header: dict[str, Any], payloads: list[bytes]) ->
 
 def read_object(data: bytes | memoryview, magic: bytes, what: str) -> tuple[dict[str, Any], memoryview]:
     """Parse and verify the prefix and header; returns (header dict, payload view)."""
-    head, payload = read_object_raw(data, magic, what)
-    return header_object(head, what), payload
-
-
-def read_object_raw(data: bytes | memoryview, magic: bytes, what: str) -> tuple[bytes, memoryview]:
-    """read_object's checks of the prefix and the header's checksum, the header left unparsed: (its JSON bytes,
-    payload view), for a reader that keeps what it parsed of headers it has seen (header_object parses them)."""
     head, payload = _read_head(data, magic, what)
-    return bytes(head), payload
-
-
-def header_object(head: bytes, what: str) -> dict[str, Any]:
-    """A header's JSON bytes (read_object_raw's) as the object read_object returns."""
-    return _json_object(head, what)
+    return _json_object(bytes(head), what), payload
 
 
 def _read_head(data: bytes | memoryview, magic: bytes, what: str) -> tuple[memoryview, memoryview]:
