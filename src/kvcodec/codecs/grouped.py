@@ -215,6 +215,11 @@ class GroupedCodec:
             ids = json.dumps(sorted((k, c.id) for k, c in self.per_group.items()))
             self.id += "-" + hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
 
+    @property
+    def codecs(self) -> tuple[ChunkCodec, ...]:
+        """Every codec a group may be coded by: the inner one and the per-group ones."""
+        return (self.inner, *self.per_group.values())
+
     def codec_for(self, group: GroupSpec) -> ChunkCodec:
         for name in (group.name, group.kind):
             if self.per_group.get(name) is not None:
@@ -390,7 +395,7 @@ class GroupedCodec:
     def stages(self) -> bool:
         """Every group's codec restores in two halves (StagedDecode): a fetch stages this codec's chunks on
         its decode workers and finishes each group of many chunks in one call of that group's codec."""
-        return all(isinstance(c, StagedDecode) for c in (self.inner, *self.per_group.values()))
+        return all(isinstance(c, StagedDecode) for c in self.codecs)
 
     def stage(self, blob: bytes | memoryview, out: Target | GroupedKV) -> GroupedStaged:
         """decode_chunk's checks of a chunk, each group's part staged by its codec where it restores straight
@@ -423,7 +428,7 @@ class GroupedCodec:
     @property
     def codes_video(self) -> bool:
         """Whether any group's chunks hold a video (NVDEC sessions are borrowed for a driven fetch)."""
-        return any(getattr(c, "codes_video", True) for c in (self.inner, *self.per_group.values()))
+        return any(getattr(c, "codes_video", True) for c in self.codecs)
 
     def driven_chunks(self):  # noqa: ANN201 - a GroupedDriven or None
         """This codec's DrivenChunks where every group's codec has one (codecs/grouped_driven.py); None: not driven."""

@@ -53,7 +53,7 @@ class _Plain:
 
 def grouped_driven(codec: GroupedCodec) -> GroupedDriven | None:
     """The codec's DrivenChunks where every group's codec has one; None: not driven."""
-    codecs = {id(c): c for c in (codec.inner, *codec.per_group.values())}
+    codecs = {id(c): c for c in codec.codecs}
     adapters = {k: driven_of(c) for k, c in codecs.items()}
     if any(a is None for a in adapters.values()):
         return None
