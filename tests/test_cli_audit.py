@@ -184,9 +184,23 @@ def test_an_output_that_is_its_own_input_is_refused(tmp_path):
     assert "DST" in out and src.read_bytes() == before
     kvc = tmp_path / "kv.kvc"
     assert CliRunner().invoke(cli, ["encode", str(src), str(kvc), "--sample-coder", "zstd"]).exit_code == 0
-    link = tmp_path / "link.kvc"
+    link = tmp_path / "link.safetensors"
     link.symlink_to(kvc)
-    assert "DST" in _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), str(link)]), 2)
+    assert "SRC itself" in _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), str(link)]), 2)
+    assert kvc.read_bytes()[:4] == b"KVCF"
+
+
+def test_encode_and_decode_refuse_output_names_of_the_other_kind(tmp_path):
+    # a coded file named .safetensors passed for a KV file (bench --kv, extract's output), a decoded one
+    # named .kvc for a coded file; extract and calibrate already checked theirs
+    src = _kv_file(tmp_path)
+    for name in ("coded.safetensors", "coded.kvt"):
+        out = _one_line_error(CliRunner().invoke(cli, ["encode", str(src), str(tmp_path / name)]), 2)
+        assert "name it .kvc" in out and not (tmp_path / name).exists()
+    kvc = tmp_path / "kv.kvc"
+    assert CliRunner().invoke(cli, ["encode", str(src), str(kvc), "--sample-coder", "zstd"]).exit_code == 0
+    out = _one_line_error(CliRunner().invoke(cli, ["decode", str(kvc), str(tmp_path / "back.kvc")]), 2)
+    assert "must end in .safetensors" in out and not (tmp_path / "back.kvc").exists()
 
 
 def test_calibrate_refuses_a_misspelt_text_before_the_model_loads(tmp_path, monkeypatch):

@@ -118,6 +118,8 @@ def encode_cmd(
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
     check_distinct(dst, "DST", SRC=src, **{"--transform": transform})
+    if dst.suffix in (".safetensors", ".kvt"):  # read back by its name, a coded file would pass for a KV file or .kvt
+        raise click.BadParameter(f"{dst}: a coded file is not {dst.suffix}; name it .kvc", param_hint="DST")
     if transform or target_ratio or target_quality:
         from kvcodec.cli import transform_io
 
@@ -207,6 +209,8 @@ def decode_cmd(src, dst, device, resolution, pool_workers, transform):
     if res and len(res) > 1:
         raise click.BadParameter(f"{resolution!r}: give one resolution", param_hint="--resolution")
     check_distinct(dst, "DST", SRC=src, **{"--transform": transform})
+    if dst.suffix != ".safetensors":
+        raise click.BadParameter(f"{dst}: the output name must end in .safetensors", param_hint="DST")
     data = src.read_bytes()
     if transform:
         from kvcodec.cli import transform_io
