@@ -15,6 +15,13 @@ bound_s. decode_s is the chunks' summed decode-busy time in that run over the de
 the nominal (mean) rate. Zstd-coded transform chunks on CUDA decompress on the host threads, not on the
 decode workers, and their busy time counts from the blob's arrival: for them decode_s and bound_s are rough.
 
+A grouped KV file (`kvcodec extract` of a sliding-window or MLA model: one tensor per layer group) is stored
+and fetched with GroupedPrefixCache, raw fp16 and coded alike (the method's codec on every group; a
+kvcodec-transform method needs the model's grouped .kvt). Every group must hold every position from 0 (extract
+records sliding layers whole). Its records' fp16_bytes count every group's values; kv_shape lists each group's
+shape (kv_groups their names). A GroupedPrefixCache plans an adaptive policy with a neutral decode-time prior
+(no decode profile is calibrated, as in `serve`).
+
 Link: "tc-netns" (redis-server in a network namespace behind a veth pair shaped by tc tbf) when
 permitted, else "token-bucket" (an in-process shaper around a loopback redis-server). Each record
 says which. Results: benchmarks/results/fetch-<machine>-<time>.json and .md.
@@ -40,13 +47,12 @@ log = logging.getLogger(__name__)
 
 
 def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
-    """(token_ids, kv fp16) from a safetensors file ("kv" [+ "token_ids"]) or a real model prefill
-    (cached as safetensors in the cache dir)."""
+    """(token_ids, kv fp16, source) from a KV file (a plain "kv" [+ "token_ids"], or a grouped file: a
+    GroupedKV) or a real model prefill (cached as safetensors in the cache dir)."""
     import torch
     from safetensors.torch import save_file
 
     from kvcodec.fetcher.profile import cache_dir
-    from kvcodec.kvspec.files import load_plain_kv
 
     if kv_path is None:
         from kvbench.workloads import model_tag, text_tag
@@ -67,11 +73,110 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
         source = f"{model} prefill of text {text!r}"
     else:
         source = f"file {Path(kv_path).name}"
-    kv, d, _ = load_plain_kv(kv_path)
-    kv = kv.to(torch.float16)[:, :, :tokens].contiguous()
-    ids = d.get("token_ids")
-    ids = ids[: kv.shape[2]] if ids is not None else torch.arange(kv.shape[2])
+    kv, ids = _read_kv_file(kv_path)
+    kv = grouped_prefix(kv, tokens) if is_grouped(kv) else kv.to(torch.float16)[:, :, :tokens].contiguous()
+    n = kv_tokens(kv)
+    ids = ids[:n] if ids is not None else torch.arange(n)
     return ids, kv, source
+
+
+def _read_kv_file(path: str):  # noqa: ANN202
+    """(the `kv` tensor, its "token_ids" or None) of a plain KV file; (a GroupedKV, None) of a grouped one."""
+    from kvcodec.errors import ShapeError
+    from kvcodec.kvspec.files import load_kv_file, load_plain_kv
+
+    try:
+        kv, tensors, _ = load_plain_kv(path)
+        return kv, tensors.get("token_ids")
+    except ShapeError:
+        pass  # no plain `kv`: a grouped file, or load_kv_file says what the file is instead
+    return load_kv_file(path)[0], None
+
+
+# ---- the two kinds of KV a run measures: one (layers, 2, tokens, heads, dim) tensor, or a GroupedKV
+# (sliding-window / MLA models: one tensor per layer group, positions on axis 2, every group from 0)
+
+
+def is_grouped(kv) -> bool:  # noqa: ANN001
+    """Whether `kv` is a GroupedKV (a KV file of several layer groups) rather than one KV tensor."""
+    from kvcodec.kvspec import GroupedKV
+
+    return isinstance(kv, GroupedKV)
+
+
+def kv_tensors(kv) -> tuple:  # noqa: ANN001
+    return kv.tensors if is_grouped(kv) else (kv,)
+
+
+def kv_tokens(kv) -> int:  # noqa: ANN001
+    return kv.stop if is_grouped(kv) else kv.shape[2]
+
+
+def fp16_bytes(kv) -> int:  # noqa: ANN001
+    return 2 * sum(t.numel() for t in kv_tensors(kv))
+
+
+def kv_shape(kv) -> list:  # noqa: ANN001
+    """A record's kv_shape: the tensor's shape; of a GroupedKV, each group's (in kv.spec.groups' order)."""
+    return [list(t.shape) for t in kv.tensors] if is_grouped(kv) else list(kv.shape)
+
+
+def kv_groups(kv) -> list[str] | None:  # noqa: ANN001
+    """A record's kv_groups: the names of a GroupedKV's groups, in kv_shape's order; None for one KV tensor."""
+    return [g.name for g in kv.spec.groups] if is_grouped(kv) else None
+
+
+def kv_text(shape: list, groups: list[str] | None) -> str:
+    """kv_shape (with kv_groups) as a line shows it."""
+    if groups is None:
+        return str(tuple(shape))
+    return ", ".join(f"{name} {tuple(s)}" for name, s in zip(groups, shape))
+
+
+def prefix_cache(kv, store, model: str, codec, device: str, **options):  # noqa: ANN001, ANN003, ANN201
+    """A PrefixCache storing and fetching KV like `kv`: a GroupedPrefixCache of its KVSpec for a GroupedKV."""
+    if is_grouped(kv):
+        from kvcodec.fetcher.grouped import GroupedPrefixCache
+
+        return GroupedPrefixCache(store, model, codec, device, spec=kv.spec, **options)
+    from kvcodec.fetcher import PrefixCache
+
+    return PrefixCache(store, model, codec, device, **options)
+
+
+def fetch_target(kv, device: str):  # noqa: ANN001, ANN201
+    """Uninitialized storage like `kv` on `device` that a fetch of all of its tokens restores into."""
+    import torch
+
+    if is_grouped(kv):
+        return type(kv).empty(kv.spec, kv.stop, device=device, window=False)
+    return torch.empty(kv.shape, dtype=kv.dtype, device=device)
+
+
+def bit_exact(restored, kv) -> bool:  # noqa: ANN001
+    import torch
+
+    return all(torch.equal(a.cpu(), b) for a, b in zip(kv_tensors(restored), kv_tensors(kv), strict=True))
+
+
+def grouped_prefix(kv, tokens: int):  # noqa: ANN001, ANN201 - a GroupedKV
+    """The first `tokens` positions of a GroupedKV (all of them where it holds fewer) as fp16; a usage error
+    where a group does not hold them from 0 (a sliding group recorded as a cache holds it: its last positions)."""
+    import torch
+
+    from kvcodec.kvspec import GroupedKV
+
+    if max(kv.starts) > 0:
+        held = ", ".join(f"{g.name} from {s}" for g, s in zip(kv.spec.groups, kv.starts) if s > 0)
+        raise click.BadParameter(
+            f"the file's sliding-window groups hold only their last positions ({held}, of {kv.stop}): the store "
+            "keeps only chunks every group holds whole, so no prefix from position 0 can be fetched; give a KV file "
+            "with every position of every group (kvcodec extract records sliding layers whole)",
+            param_hint="--kv",
+        )
+    n = min(tokens, kv.stop)
+    tensors = tuple(t[:, :, :n].to(torch.float16).contiguous() for t in kv.tensors)
+    return GroupedKV(dataclasses.replace(kv.spec, dtype="float16"), n, kv.starts, tensors)
 
 
 class _Link:
@@ -143,7 +248,12 @@ def _goodput(store, key: str, nbytes: int, repeats: int = 3) -> float:
 
 @click.command("fetch")
 @click.option("--model", default="smollm2-135m", show_default=True, help="Registry model whose prefill KV is fetched.")
-@click.option("--kv", "kv_path", default=None, help="Use a saved safetensors KV ('kv' [+ 'token_ids']) instead.")
+@click.option(
+    "--kv",
+    "kv_path",
+    default=None,
+    help="Use a saved safetensors KV ('kv' [+ 'token_ids'], or a grouped file of `kvcodec extract`) instead.",
+)
 @click.option("--text", default="pg", show_default=True, help="Text (kvcodec.models.texts name) to prefill.")
 @click.option("--tokens", "prefix_tokens", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--chunk-tokens", type=click.IntRange(min=1), default=256, show_default=True)
@@ -263,7 +373,7 @@ def command(**options) -> None:  # noqa: ANN003
         raise click.BadParameter(f"--nvdec-pool and --nvdec-threads restore the HEVC codec, not {s.method!r}")
     check_policies(s.policy_list(len(codec.resolutions)), codec.resolutions)
     ids, kv, source = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
-    click.echo(f"KV {tuple(kv.shape)} from {source}; link {link_kind}", err=True)
+    click.echo(f"KV {kv_text(kv_shape(kv), kv_groups(kv))} from {source}; link {link_kind}", err=True)
     check_fits(codec, kv, None if s.kv_path else s.model)
     pool = None
     if s.pool_workers > 0:
@@ -292,7 +402,8 @@ def command(**options) -> None:  # noqa: ANN003
         "benchmark": "fetch",
         "command": command_line("fetch"),
         "kv_source": source,
-        "kv_shape": list(kv.shape),
+        "kv_shape": kv_shape(kv),
+        "kv_groups": kv_groups(kv),
         "method": s.method,
         "codec": run.coded.codec.id,
         "transform": str(s.transform) if s.transform else None,
@@ -407,26 +518,47 @@ def method_codec_for(s: Settings, **hevc_options):  # noqa: ANN003, ANN201 - a C
         codec = method_codec(s.method, s.config, transform=s.transform, resolutions=s.res, **hevc_options)
     except (KVCodecError, ValueError) as e:
         raise click.BadParameter(str(e), param_hint="--method/--transform") from e
-    if ratio is not None and getattr(codec, "cal", None) is None:
+    if ratio is not None and getattr(codec, "cal", None) is None and s.kv_path is None:
         raise click.BadParameter(
-            f"{s.transform} is a grouped .kvt; this bench stores one KV tensor", param_hint="--transform"
+            f"{s.transform} is a grouped .kvt (a model of several KV layer groups); the prefill of --model gives "
+            "one KV tensor: give the grouped model's KV file as --kv",
+            param_hint="--transform",
         )
     return codec
 
 
 def check_fits(codec, kv, model: str | None) -> None:  # noqa: ANN001
-    """A usage error where a transform's .kvt was made for another KV shape than `kv`'s; a warning where it
-    was calibrated on another model than `model` (the one prefilled; None: KV from a file)."""
-    cal = getattr(codec, "cal", None)
-    if cal is None:
+    """A usage error where a transform's .kvt was made for another kind of KV than `kv` (one KV tensor, or
+    layer groups) or for another shape (of a GroupedKV: a group the grouped .kvt has no transform of, or one
+    of another shape); a warning where it was calibrated on another model than `model` (the one prefilled;
+    None: KV from a file)."""
+    from kvcodec.codecs.grouped import GroupedCodec
+
+    grouped_kvt = isinstance(codec, GroupedCodec)
+    if getattr(codec, "cal", None) is None and not grouped_kvt:
         return
     from kvcodec.cli.transform_io import warn_if_other_model
 
+    if grouped_kvt != is_grouped(kv):
+        held, want = ("layer groups", "one KV tensor") if is_grouped(kv) else ("one KV tensor", "layer groups")
+        raise click.BadParameter(
+            f"the KV holds {held}; the .kvt is calibrated for {want}: give the .kvt of the KV's model",
+            param_hint="--transform",
+        )
     try:
-        cal.check_shape(tuple(kv.shape))
+        for cal, shape in _calibrations(codec, kv):
+            cal.check_shape(shape)
     except KVCodecError as e:
         raise click.BadParameter(f"the KV does not fit the .kvt: {e}", param_hint="--transform") from e
     warn_if_other_model(codec, model, "the model prefilled")
+
+
+def _calibrations(codec, kv) -> list:  # noqa: ANN001
+    """(calibration, KV shape it codes) of each part of `kv`: the codec's own of the one tensor, or of each
+    group the grouped .kvt's transform for it (a KVCodecError where it has none)."""
+    if not is_grouped(kv):
+        return [(codec.cal, tuple(kv.shape))]
+    return [(codec.codec_for(g).cal, g.shape(kv.stop)) for g in kv.spec.groups]
 
 
 def _rates(text: str) -> str:
@@ -478,17 +610,17 @@ class FetchRun:
 
     def __init__(self, s: Settings, link: _Link, ids, kv, coded) -> None:  # noqa: ANN001
         from kvcodec.codecs.registry import make_codec
-        from kvcodec.fetcher import PrefixCache
         from kvcodec.fetcher.keys import blob_key
 
         self.s, self.link, self.ids, self.kv = s, link, ids, kv
         self.machine = machine()
         self.policies = s.policy_list(len(coded.resolutions))
         raw = make_codec("raw", chunk_tokens=s.chunk_tokens, resolutions=(coded.resolutions[0],))
-        self.coded = PrefixCache(
-            link.base, s.model, coded, s.device, max_inflight=s.max_inflight, decode_workers=s.workers
+        self.coded = prefix_cache(
+            kv, link.base, s.model, coded, s.device, max_inflight=s.max_inflight, decode_workers=s.workers
         )
-        self.raw = PrefixCache(
+        self.raw = prefix_cache(
+            kv,
             link.base,
             s.model,
             raw,
@@ -503,20 +635,28 @@ class FetchRun:
             t = time.perf_counter()
             self.coded.put(ids, kv)
             self.encode_s = time.perf_counter() - t
-            L, _, _, H, D = kv.shape
-            self.profile = self.coded.ensure_profile((L, H, D), kv.dtype)
+            self.profile = self.decode_profile()
             keys = self.coded.keys(ids)
             self.sizes = [
                 sum(len(link.base.get(blob_key(k, j)) or b"") for k in keys) for j in range(len(coded.resolutions))
             ]
+            speeds = [f"{v / 1e6:.1f}M/s" for v in self.profile.values_per_s()] if self.profile else "(neutral prior)"
             click.echo(
-                f"encoded in {self.encode_s:.1f}s; bytes per resolution {self.sizes} (fp16 {kv.numel() * 2}); "
-                f"decode profile {[f'{v / 1e6:.1f}M/s' for v in self.profile.values_per_s()]}",
+                f"encoded in {self.encode_s:.1f}s; bytes per resolution {self.sizes} (fp16 {fp16_bytes(kv)}); "
+                f"decode profile {speeds}",
                 err=True,
             )
         # link goodput probe: the largest object, per condition
         self.probe_key = blob_key(self.raw.keys(ids)[0], 0)
         self.probe_bytes = len(link.base.get(self.probe_key))
+
+    def decode_profile(self):  # noqa: ANN201 - a DecodeProfile or None
+        """The coded cache's decode-speed profile of KV of this shape (loaded or calibrated, as serve's); None
+        for a GroupedKV: a GroupedPrefixCache plans with a neutral prior, never a calibration of one KV tensor."""
+        if is_grouped(self.kv):
+            return None
+        L, _, _, H, D = self.kv.shape
+        return self.coded.ensure_profile((L, H, D), self.kv.dtype)
 
     def under(self, trace) -> list[dict]:  # noqa: ANN001
         """One record per policy, the link shaped by `trace`."""
@@ -530,13 +670,11 @@ class FetchRun:
     def timed_fetches(self, pc, pol: str, trace) -> list[tuple[float, object]]:  # noqa: ANN001
         """(seconds, result) of --repeats fetches after one warm-up (the bandwidth estimator learns
         the link), fastest first."""
-        import torch
-
-        T = self.kv.shape[2]
+        T = kv_tokens(self.kv)
         pc.fetch(self.ids, T)
         runs = []
         for _ in range(self.s.repeats):
-            out = torch.empty(self.kv.shape, dtype=self.kv.dtype, device=self.s.device)
+            out = fetch_target(self.kv, self.s.device)
             t = time.perf_counter()
             r = pc.fetch(self.ids, T, out=out)
             dt = time.perf_counter() - t
@@ -548,11 +686,10 @@ class FetchRun:
     def measure(self, trace, pol: str, goodput: float) -> dict:  # noqa: ANN001
         import torch
 
-        from kvcodec.fetcher import PrefixCache
-
         s, is_raw = self.s, pol == "raw-fp16"
         base = self.raw if is_raw else self.coded
-        pc = PrefixCache(
+        pc = prefix_cache(
+            self.kv,
             self.link.store,
             s.model,
             base.codec,
@@ -573,7 +710,8 @@ class FetchRun:
         rec = {
             "bandwidth_gbit": bw,
             "trace": trace.name,
-            "prefix_tokens": self.kv.shape[2],
+            "prefix_tokens": kv_tokens(self.kv),
+            "tokens_restored": med.tokens_restored,
             "policy": pol,
             "fetch_s": fetch_s,
             "fetch_s_min": runs[0][0],
@@ -581,7 +719,7 @@ class FetchRun:
             "bound_s": bound,
             "time_over_bound": fetch_s / bound,
             "bytes": st.bytes_fetched,
-            "fp16_bytes": self.kv.numel() * 2,
+            "fp16_bytes": fp16_bytes(self.kv),
             "net_s_at_nominal_rate": net_s,
             "decode_s": dec_s,
             "link_goodput_gbit": goodput,
@@ -590,7 +728,7 @@ class FetchRun:
             "resolution_counts": st.resolution_counts,
             "stats": {k: v for k, v in st.to_dict().items() if k != "timeline"},
             "timeline": [vars(t) for t in st.timeline],
-            "bit_exact": bool(torch.equal(med.kv.cpu(), self.kv)) if is_raw else None,
+            "bit_exact": bit_exact(med.kv, self.kv) if is_raw else None,
             "machine": self.machine,
             "load_avg_1m": os.getloadavg()[0],
             "torch_threads": torch.get_num_threads(),
@@ -618,12 +756,13 @@ class FetchRun:
 
 
 def markdown(doc: dict, host: str) -> list[str]:
+    kv = kv_text(doc["kv_shape"], doc.get("kv_groups"))
     lines = [
         f"# fetch benchmark ({host}, link {doc['link']})",
         "",
         f"`{doc['command']}`",
         "",
-        f"KV {tuple(doc['kv_shape'])} fp16 from {doc['kv_source']}; machine {doc['machine']['cpu']}",
+        f"KV {kv} fp16 from {doc['kv_source']}; machine {doc['machine']['cpu']}",
         "",
         f"method {doc['method']}: codec `{doc['codec']}`" + (f", .kvt {doc['transform']}" if doc["transform"] else ""),
         "",
