@@ -701,7 +701,8 @@ class KVSources:
         """Each model's KV file is that model's, of at least one chunk, and fits its .kvt (a plain
         one: this bench codes one KV tensor); a .kvt calibrated on another model is warned of."""
         import kvcodec
-        from kvcodec.cli.transform_io import same_model, warn_if_other_model
+        from kvcodec.cli.transform_io import warn_if_other_model
+        from kvcodec.models.local import same_model
 
         for model in self.models:
             kv = meta = None

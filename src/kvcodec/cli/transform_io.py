@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from kvcodec.models.local import kvt_of_another_model
+
 
 def pick_ratio(transform: Path, target_ratio: float | None, target_quality: str | None) -> float | None:
     """--target-quality: the highest calibrated ratio that met it on the held-out texts; --target-ratio
@@ -125,32 +127,15 @@ def _file_coder(data: bytes) -> str | None:
     return (read_header(data)[0].get("settings") or {}).get("coder")
 
 
-def calibrated_on(codec: Any) -> str | None:
-    """The model a transform codec's .kvt names as the one it was calibrated on (None: not a
-    transform, or a .kvt that does not say)."""
-    cals = [getattr(codec, "cal", None), *(getattr(c, "cal", None) for c in getattr(codec, "per_group", {}).values())]
-    names = {str(c.info.get("model")) for c in cals if c is not None and (c.info or {}).get("model")}
-    return names.pop() if len(names) == 1 else None
-
-
 def warn_if_other_model(codec: Any, model: str | None, what: str) -> None:
     """On stderr: the .kvt was calibrated on another model than `model` (named as the user named it:
     a registered name or a path). Its shape fits (that is checked apart), but its basis and its quality
     report are another model's: the ratio's accuracy can be far worse (a fine-tune of it is near)."""
-    kvt_model = calibrated_on(codec)
-    if kvt_model is None or model is None or same_model(kvt_model, str(model)):
+    kvt_model = kvt_of_another_model(codec, model)
+    if kvt_model is None:
         return
     click.echo(
         f"kvcodec: warning: the .kvt was calibrated on {kvt_model!r}, {what} is {model!r}: its quality report does "
         f"not apply (calibrate on {model!r} for one that does)",
         err=True,
     )
-
-
-def same_model(a: str, b: str) -> bool:
-    """Whether two names of a model (registered names or paths) name the same one."""
-    from kvcodec.models.local import is_local
-
-    if is_local(a) and is_local(b):
-        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-    return a == b

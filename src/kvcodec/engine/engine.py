@@ -39,9 +39,24 @@ from kvcodec.engine.validate import check_context, check_sampling, check_token_i
 from kvcodec.errors import ConfigError
 from kvcodec.kvspec.serving import layout_for
 from kvcodec.models.check import check_codable
+from kvcodec.models.local import kvt_of_another_model
 
 log = logging.getLogger(__name__)
 FORWARD_ALLOWANCE = 4.0  # /health: a prefill forward may take this many times its predicted time beyond stall_s
+
+
+def _warn_if_kvt_of_another_model(codec: Any, model: str) -> None:
+    """A logged warning where the transform codec's .kvt was calibrated on another model than `model`
+    (serve and the CLI say so on stderr): its shape may fit, its accuracy is another model's."""
+    other = kvt_of_another_model(codec, model)
+    if other is not None:
+        log.warning(
+            "the .kvt was calibrated on %r, the engine serves %r: its quality report does not apply "
+            "(calibrate on %r for one that does)",
+            other,
+            model,
+            model,
+        )
 
 
 def _load(model: Any, tokenizer: Any, device: torch.device, dtype: torch.dtype | None) -> tuple[Any, Any]:
@@ -93,6 +108,7 @@ class Engine:
         keeps_kv = cfg.reuse or cfg.store_policy.enabled
         if keeps_kv and isinstance(model, str):
             check_codable(model)  # from its config, before minutes of loading weights
+            _warn_if_kvt_of_another_model(cfg.codec, model)
         model, tokenizer = _load(model, tokenizer, self.device, cfg.dtype)
         self.runner = ModelRunner(model, self.device, cfg.sdpa_backends)
         self.model, self.tokens = self.runner.model, Tokens(tokenizer)

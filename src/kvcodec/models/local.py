@@ -23,6 +23,31 @@ def is_local(name: str) -> bool:
     return isinstance(name, str) and ("/" in name or "\\" in name or name.endswith(".gguf") or Path(name).is_dir())
 
 
+def same_model(a: str, b: str) -> bool:
+    """Whether two names of a model (registered names or paths) name the same one."""
+    if is_local(a) and is_local(b):
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return a == b
+
+
+def calibrated_on(codec: Any) -> str | None:
+    """The model a transform codec's .kvt names as the one it was calibrated on (None: not a
+    transform, or a .kvt that does not say)."""
+    cals = [getattr(codec, "cal", None), *(getattr(c, "cal", None) for c in getattr(codec, "per_group", {}).values())]
+    names = {str(c.info.get("model")) for c in cals if c is not None and (c.info or {}).get("model")}
+    return names.pop() if len(names) == 1 else None
+
+
+def kvt_of_another_model(codec: Any, model: str | None) -> str | None:
+    """The model the codec's .kvt was calibrated on where that is not `model` (a registered name or a
+    path); None where it is, or either is unknown. Its shape may fit, but its basis and quality report are
+    another model's: the ratio's accuracy can be far worse."""
+    kvt_model = calibrated_on(codec)
+    if kvt_model is None or model is None or same_model(kvt_model, str(model)):
+        return None
+    return kvt_model
+
+
 def load_local(name: str, *, dtype: torch.dtype | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) from a model directory or GGUF file, on the CPU, in eval mode."""
     import torch
