@@ -155,9 +155,15 @@ def one_fetch(cache, ids: list[int], caller) -> tuple[dict, float]:  # noqa: ANN
     return steps, call
 
 
+def _pack_of(d: pathlib.Path, case: dict):  # noqa: ANN202 - the calibration read_pack gives, or None
+    """The cut calibration that travels with D (prep's pack) for a transform case, else None (the .kvt beside D)."""
+    pack = d / fr.PACK
+    return fr.read_pack(pack) if case["codec"].startswith("transform") and pack.exists() else None
+
+
 def case_table(d: pathlib.Path, doc: dict, mem, name: str, tokens: int) -> dict:  # noqa: ANN001
     case = next(c for c in doc["cases"] if c["name"] == name)
-    cache = PrefixCache(mem, doc["model"], fr.make_codec(case, d), "cuda", namespace=case.get("ns"))
+    cache = PrefixCache(mem, doc["model"], fr.make_codec(case, d, _pack_of(d, case)), "cuda", namespace=case.get("ns"))
     ids, caller = doc["ids"][:tokens], torch.cuda.Stream()
     fr.fetch_loop(cache, ids, 5)
     runs = [one_fetch(cache, ids, caller) for _ in range(30)]
