@@ -181,7 +181,7 @@ def test_an_output_that_is_its_own_input_is_refused(tmp_path):
     src = _kv_file(tmp_path)
     before = src.read_bytes()
     out = _one_line_error(CliRunner().invoke(cli, ["encode", str(src), str(tmp_path / "." / src.name)]), 2)
-    assert "DST" in out and src.read_bytes() == before
+    assert "SRC itself" in out and src.read_bytes() == before
     kvc = tmp_path / "kv.kvc"
     assert CliRunner().invoke(cli, ["encode", str(src), str(kvc), "--sample-coder", "zstd"]).exit_code == 0
     link = tmp_path / "link.safetensors"

@@ -231,19 +231,30 @@ def test_kvcodec_serve_transform_reuses_a_prefix(kvt, prompt, tmp_path):
     assert "codec transform" in out, out[-2000:]
 
 
-def test_an_engine_given_another_models_kvt_logs_a_warning(tmp_path, caplog):
+def test_an_engine_given_another_models_kvt_logs_a_warning(tmp_path, caplog, monkeypatch):
     # `serve` and the CLI warned of a .kvt calibrated on another model; an Engine built in Python did not
+    from kvcodec.engine import Engine
     from kvcodec.engine import engine as engine_module
     from kvcodec.transform import RopeSpec, calibrate, save_kvt
 
+    class Loaded(Exception):
+        """The weights would load now: the warning, if any, is out by then."""
+
+    def load(*_):
+        raise Loaded
+
+    monkeypatch.setattr(engine_module, "check_codable", lambda name: None)
+    monkeypatch.setattr(engine_module, "_load", load)
     g = torch.Generator().manual_seed(2)
     path = tmp_path / "qwen.kvt"
     save_kvt(calibrate([torch.randn((2, 2, 300, 2, 32), generator=g)], RopeSpec(1e4, 32), info={"model": "qwen"}), path)
     codec = TransformCodec(path)
     with caplog.at_level("WARNING", logger=engine_module.__name__):
-        engine_module._warn_if_kvt_of_another_model(codec, "qwen")
-        engine_module._warn_if_kvt_of_another_model(RawCodec(), "smollm2-135m")  # no .kvt: nothing to say
+        for model, given in (("qwen", codec), ("smollm2-135m", RawCodec())):  # its own model; no .kvt
+            with pytest.raises(Loaded):
+                Engine(model, store_url="memory://", device="cpu", codec=given)
         assert not caplog.records
-        engine_module._warn_if_kvt_of_another_model(codec, "smollm2-135m")
+        with pytest.raises(Loaded):
+            Engine("smollm2-135m", store_url="memory://", device="cpu", codec=codec)
     (record,) = caplog.records
     assert "calibrated on 'qwen'" in record.getMessage() and "'smollm2-135m'" in record.getMessage()

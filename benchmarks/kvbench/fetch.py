@@ -81,16 +81,21 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
 
 
 def _read_kv_file(path: str):  # noqa: ANN202
-    """(the `kv` tensor, its "token_ids" or None) of a plain KV file; (a GroupedKV, None) of a grouped one."""
-    from kvcodec.errors import ShapeError
-    from kvcodec.kvspec.files import load_kv_file, load_plain_kv
+    """(the `kv` tensor, its "token_ids" or None) of a plain KV file; (a GroupedKV, None) of a grouped one;
+    the file read once."""
+    from kvcodec.kvspec.files import load_kv_file
 
-    try:
-        kv, tensors, _ = load_plain_kv(path)
-        return kv, tensors.get("token_ids")
-    except ShapeError:
-        pass  # no plain `kv`: a grouped file, or load_kv_file says what the file is instead
-    return load_kv_file(path)[0], None
+    kv, _ = load_kv_file(path)
+    return kv, None if is_grouped(kv) else _token_ids(path)
+
+
+def _token_ids(path: str):  # noqa: ANN202 - a tensor or None
+    """The file's "token_ids" tensor, where it holds one."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        names = f.keys()  # a safe_open handle cannot be searched itself
+        return f.get_tensor("token_ids") if "token_ids" in names else None
 
 
 # ---- the two kinds of KV a run measures: one (layers, 2, tokens, heads, dim) tensor, or a GroupedKV
@@ -508,7 +513,8 @@ def is_hevc_method(method: str) -> bool:
 
 def method_codec_for(s: Settings, **hevc_options):  # noqa: ANN003, ANN201 - a ChunkCodec
     """The chunk codec of --method (with --transform, --chunk-tokens, --resolutions); a usage error for a
-    method this bench cannot store with, or a file that is not a .kvt of one KV tensor."""
+    method this bench cannot store with, a file that is not a .kvt, or a grouped .kvt without --kv (a prefill
+    gives one KV tensor)."""
     from kvbench.methods import method_codec, transform_ratio
 
     try:

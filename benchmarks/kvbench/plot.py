@@ -180,8 +180,16 @@ def plot_fetch(record: dict, path: str) -> None:
     ax.set_ylabel("fetch ms")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(f"fetch of {record.get('kv_shape', '')} KV ({record.get('link', '')})", fontsize=9)
+    ax.set_title(f"fetch of {_kv_title(record)} KV ({record.get('link', '')})", fontsize=9)
     _save(fig, path)
+
+
+def _kv_title(record: dict) -> str:
+    """A fetch record's KV as its title names it: the shape, or a grouped file's group names (its shapes are long)."""
+    groups = record.get("kv_groups")
+    if groups:
+        return f"{len(groups)} layer groups ({', '.join(groups)})"
+    return str(tuple(record.get("kv_shape", ())))
 
 
 def plot_interference(record: dict, path: str) -> None:

@@ -118,7 +118,8 @@ def encode_cmd(
 
     res = parse_resolutions(resolutions)  # options first: a typo fails before any work
     check_distinct(dst, "DST", SRC=src, **{"--transform": transform})
-    if dst.suffix in (".safetensors", ".kvt"):  # read back by its name, a coded file would pass for a KV file or .kvt
+    # read back by its name, a coded file would pass for a KV file or a .kvt
+    if dst.suffix.lower() in (".safetensors", ".kvt"):
         raise click.BadParameter(f"{dst}: a coded file is not {dst.suffix}; name it .kvc", param_hint="DST")
     if transform or target_ratio or target_quality:
         from kvcodec.cli import transform_io

@@ -291,10 +291,8 @@ def _check_codec_fits(codec: Any, engine: Any) -> None:
 
 def check_transform_fits_model(codec: Any, model_name: str) -> None:
     """Before the model loads: refuse a transform whose .kvt was calibrated for KV of another shape
-    than the model's config says (another model), instead of failing every store after each prefill."""
-    from kvcodec.cli.transform_io import warn_if_other_model
-
-    warn_if_other_model(codec, model_name, "the model")
+    than the model's config says (another model), instead of failing every store after each prefill.
+    A .kvt of another model whose shape fits is warned of by the Engine (logged)."""
     cal = getattr(codec, "cal", None)
     if cal is None:
         return
