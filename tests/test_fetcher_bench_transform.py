@@ -105,3 +105,16 @@ def test_bench_fetch_refuses_a_malformed_count_or_rate_as_a_usage_error(tmp_path
 
     res = CliRunner().invoke(command, ["--kv", str(tmp_path / "none.safetensors"), *args])
     assert res.exit_code == 2 and hint in res.output, res.output
+
+
+def test_a_kv_file_of_another_model_than_the_kvts_is_warned_of(tmp_path, synthetic_kvt):
+    # the warning was given for a prefilled model only: a KV file's own model (extract's metadata) went unchecked
+    from safetensors.torch import save_file
+
+    for model, warned in (("other-model", True), ("synthetic", False)):
+        path = tmp_path / f"{model}.safetensors"
+        save_file({"kv": synthetic_kv(TOKENS, 3)}, str(path), metadata={"model": model})
+        res = _bench(tmp_path, "--kv", str(path), "--method", "kvcodec-transform-4", "--transform", str(synthetic_kvt))
+        assert res.exit_code == 0, res.output + repr(res.exception)
+        said = "calibrated on 'synthetic'" in res.output and f"file {path.name}'s model is 'other-model'" in res.output
+        assert said == warned, res.output

@@ -47,14 +47,16 @@ log = logging.getLogger(__name__)
 
 
 def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
-    """(token_ids, kv fp16, source) from a KV file (a plain "kv" [+ "token_ids"], or a grouped file: a
-    GroupedKV) or a real model prefill (cached as safetensors in the cache dir)."""
+    """(token_ids, kv fp16, source, the model the KV is of (None: a file that does not say)) from a KV file (a
+    plain "kv" [+ "token_ids"], or a grouped file: a GroupedKV) or a real model prefill (cached as safetensors
+    in the cache dir)."""
     import torch
     from safetensors.torch import save_file
 
     from kvcodec.fetcher.profile import cache_dir
 
-    if kv_path is None:
+    given = kv_path is not None
+    if not given:
         from kvbench.workloads import model_tag, text_tag
 
         cached = cache_dir() / "bench-kv" / f"{model_tag(model)}-{text_tag(text)}-{tokens}.safetensors"
@@ -73,20 +75,20 @@ def _load_kv(model: str, kv_path: str | None, text: str, tokens: int):
         source = f"{model} prefill of text {text!r}"
     else:
         source = f"file {Path(kv_path).name}"
-    kv, ids = _read_kv_file(kv_path)
+    kv, ids, meta = _read_kv_file(kv_path)
     kv = grouped_prefix(kv, tokens) if is_grouped(kv) else kv.to(torch.float16)[:, :, :tokens].contiguous()
     n = kv_tokens(kv)
     ids = ids[:n] if ids is not None else torch.arange(n)
-    return ids, kv, source
+    return ids, kv, source, meta.get("model") if given else model
 
 
 def _read_kv_file(path: str):  # noqa: ANN202
-    """(the `kv` tensor, its "token_ids" or None) of a plain KV file; (a GroupedKV, None) of a grouped one;
-    the file read once."""
+    """(the `kv` tensor, its "token_ids" or None, metadata) of a plain KV file; (a GroupedKV, None, metadata) of
+    a grouped one; the file read once."""
     from kvcodec.kvspec.files import load_kv_file
 
-    kv, _ = load_kv_file(path)
-    return kv, None if is_grouped(kv) else _token_ids(path)
+    kv, meta = load_kv_file(path)
+    return kv, None if is_grouped(kv) else _token_ids(path), meta
 
 
 def _token_ids(path: str):  # noqa: ANN202 - a tensor or None
@@ -377,9 +379,9 @@ def command(**options) -> None:  # noqa: ANN003
     if (s.pool_workers > 0 or s.thread_sessions > 0) and not is_hevc_method(s.method):
         raise click.BadParameter(f"--nvdec-pool and --nvdec-threads restore the HEVC codec, not {s.method!r}")
     check_policies(s.policy_list(len(codec.resolutions)), codec.resolutions)
-    ids, kv, source = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
+    ids, kv, source, kv_model = _load_kv(s.model, s.kv_path, s.text, s.prefix_tokens)
     click.echo(f"KV {kv_text(kv_shape(kv), kv_groups(kv))} from {source}; link {link_kind}", err=True)
-    check_fits(codec, kv, None if s.kv_path else s.model)
+    check_fits(codec, kv, kv_model, f"{source}'s model" if s.kv_path else "the model prefilled")
     pool = None
     if s.pool_workers > 0:
         from kvcodec.video.nvdec_pool import NvdecPool
@@ -533,11 +535,11 @@ def method_codec_for(s: Settings, **hevc_options):  # noqa: ANN003, ANN201 - a C
     return codec
 
 
-def check_fits(codec, kv, model: str | None) -> None:  # noqa: ANN001
+def check_fits(codec, kv, model: str | None, what: str = "the model prefilled") -> None:  # noqa: ANN001
     """A usage error where a transform's .kvt was made for another kind of KV than `kv` (one KV tensor, or
     layer groups) or for another shape (of a GroupedKV: a group the grouped .kvt has no transform of, or one
-    of another shape); a warning where it was calibrated on another model than `model` (the one prefilled;
-    None: KV from a file)."""
+    of another shape); a warning where it was calibrated on another model than `model` (`what`: the one
+    prefilled, or the one a KV file names; None: a file that names none)."""
     from kvcodec.codecs.grouped import GroupedCodec
 
     grouped_kvt = isinstance(codec, GroupedCodec)
@@ -556,7 +558,7 @@ def check_fits(codec, kv, model: str | None) -> None:  # noqa: ANN001
             cal.check_shape(shape)
     except KVCodecError as e:
         raise click.BadParameter(f"the KV does not fit the .kvt: {e}", param_hint="--transform") from e
-    warn_if_other_model(codec, model, "the model prefilled")
+    warn_if_other_model(codec, model, what)
 
 
 def _calibrations(codec, kv) -> list:  # noqa: ANN001
