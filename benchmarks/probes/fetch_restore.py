@@ -846,7 +846,12 @@ def standing_sessions(probe) -> dict:
 
 
 def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathlib.Path) -> dict:
-    """Where each thread of `repeat` fetches spends its time (Sampler): ms per chunk per function."""
+    """Where each thread of `repeat` fetches spends its time (Sampler): ms per chunk per function; and by
+    cProfile (`calls`: function, calls, own and cumulative ms per fetch; the sampler misplaces time spent
+    holding the interpreter lock, cProfile does not). From Python 3.12 cProfile sees every thread's calls
+    (sys.monitoring), before it the calling thread's (the driven fetch's restore)."""
+    from grouped_fetch import profiled
+
     from kvcodec.fetcher import PrefixCache
 
     cache = PrefixCache(mem, doc["model"], codec, "cuda", namespace=case.get("ns"), **variant)
@@ -859,8 +864,9 @@ def profile_fetch(mem, doc, case, codec, variant: dict, repeat: int, out: pathli
     per_sample = 1e3 * wall / chunks / max(len(sampler.gaps), 1)  # ms per chunk that one sample stands for
     rec = {"kind": "profile", "variant": variant, "chunks": chunks, "wall_ms_per_chunk": round(1e3 * wall / chunks, 3)}
     rec.update(sampler.report(per_sample))
+    rec["calls"] = profiled(cache, doc["ids"], repeat)
     out.write_text(json.dumps(rec, indent=1) + "\n")
-    return {k: v for k, v in rec.items() if k not in ("inclusive",)}
+    return {k: v for k, v in rec.items() if k not in ("inclusive", "calls")}
 
 
 def trace_fetch(mem, doc, case, codec, fetches: int, out: pathlib.Path, busy: bool = False) -> dict:

@@ -104,7 +104,8 @@ def measure(kv: GroupedKV, case: str, codec, device: str, repeats: int, profile:
 
 
 def profiled(cache: GroupedPrefixCache, ids: list[int], repeats: int, top: int = 40) -> list:
-    """cProfile of the calling thread over `repeats` default fetches (a driven fetch runs its restore there):
+    """cProfile over `repeats` default fetches (of the calling thread, where a driven fetch runs its restore; from
+    Python 3.12 of every thread: cProfile runs on sys.monitoring):
     [function, calls per fetch, own ms per fetch, cumulative ms per fetch] of the `top` by own time. The
     sampler misplaces time spent holding the interpreter lock; this does not."""
     import cProfile
