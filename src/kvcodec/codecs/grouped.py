@@ -156,6 +156,15 @@ def _interned(spec: KVSpec) -> KVSpec:
     return _SPECS.setdefault(spec, spec)
 
 
+def split_parts(info: GroupedChunkInfo, payload: memoryview) -> dict[int, tuple[Part, memoryview]]:
+    """A parsed chunk's parts by group, in the order they are stored: group -> (Part, its bytes of the payload)."""
+    parts, offset = {}, 0
+    for p in info.parts:
+        parts[p.group] = (p, payload[offset : offset + p.length])
+        offset += p.length
+    return parts
+
+
 def chunk_info(blob: bytes | memoryview) -> GroupedChunkInfo:
     """A grouped chunk blob's checked header (no codec needed; its parts not verified)."""
     return _parse(blob)[0]
@@ -167,11 +176,9 @@ def describe_chunk(blob: bytes | memoryview) -> dict[str, Any]:
 
     info, payload = _parse(blob)
     header, _ = read_object(blob, MAGIC, WHAT)
-    pos = 0
-    for p in info.parts:
-        if crc32(payload[pos : pos + p.length]) != p.crc32:
+    for p, data in split_parts(info, payload).values():
+        if crc32(data) != p.crc32:
             raise ChecksumError(f"grouped chunk {info.index}: part of group {p.group} fails its checksum")
-        pos += p.length
     groups = info.spec.groups
     parts = [
         {"group": groups[p.group].name, "start": p.start, "tokens": p.tokens, "bytes": p.length} for p in info.parts
@@ -315,10 +322,8 @@ class GroupedCodec:
         if not is_grouped(blob):
             return self.inner.inspect_chunk(blob)
         info, payload = _parse(blob)
-        offset = 0
-        for p in info.parts:  # the inner headers must verify too
-            self.codec_for(info.spec.groups[p.group]).inspect_chunk(payload[offset : offset + p.length])
-            offset += p.length
+        for p, data in split_parts(info, payload).values():  # the inner headers must verify too
+            self.codec_for(info.spec.groups[p.group]).inspect_chunk(data)
         return info
 
     def decode_chunk(self, blob: bytes | memoryview, out: Target | GroupedKV) -> Target | GroupedKV:
@@ -343,11 +348,7 @@ class GroupedCodec:
             raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(out).__name__}")
         info, payload = _parse(blob)
         self._check_target(info, out)
-        parts, offset = {}, 0
-        for p in info.parts:
-            parts[p.group] = (p, payload[offset : offset + p.length])
-            offset += p.length
-        return info, parts
+        return info, split_parts(info, payload)
 
     @staticmethod
     def _check_target(info: GroupedChunkInfo, out: GroupedKV) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 
 import torch
@@ -30,6 +30,7 @@ from kvcodec.codecs.grouped import (
     _parse,
     finish_grouped,
     is_grouped,
+    split_parts,
 )
 from kvcodec.errors import KVCodecError, ShapeError
 from kvcodec.kvspec import GroupedKV
@@ -81,12 +82,18 @@ class GroupedDriven:
             return Reading(self.codec.inspect_chunk(blob), (), _Plain(blob))
         info, parts = self.codec._parts(blob, target)
         subs, pieces = {}, []
+        for g, data in self._direct_parts(info, parts, target):
+            subs[g] = self._adapter(info, g).read(data, target.tensors[g], split)
+            pieces += subs[g].pieces
+        return Reading(info, tuple(pieces), _Chunk(parts, subs))
+
+    def _direct_parts(self, info, parts: Mapping, target: GroupedKV) -> Iterator[tuple[int, memoryview]]:  # noqa: ANN001
+        """(group, its part's bytes) of each part that restores straight into its group's target, every part
+        checked as decode_chunk checks it (checksum, bound key, positions) on the way."""
         for g, group in enumerate(target.spec.groups):
             checked = self.codec._checked_part(g, group, parts.get(g), target, info)
             if checked is not None and _direct(checked[0], checked[2], target, g, info):
-                subs[g] = self._adapter(info, g).read(checked[1], target.tensors[g], split)
-                pieces += subs[g].pieces
-        return Reading(info, tuple(pieces), _Chunk(parts, subs))
+                yield g, checked[1]
 
     def stage(self, reading: Reading, buffers: Sequence[torch.Tensor], target: GroupedKV) -> object:
         return self._staged(reading, target, buffers=buffers)
@@ -164,10 +171,7 @@ class GroupedDriven:
             info, payload = _parse(blob)
         except KVCodecError:
             return None
-        parts, begun, offset = {}, {}, 0
-        for p in info.parts:
-            parts[p.group] = (p, payload[offset : offset + p.length])
-            offset += p.length
+        parts, begun = split_parts(info, payload), {}
         adapters = {g: self._adapter(info, g) for g in parts}
         if not parts or not all(callable(getattr(a, "begin_host", None)) for a in adapters.values()):
             return None
@@ -186,11 +190,9 @@ class GroupedDriven:
             raise ShapeError(f"a grouped chunk restores into a GroupedKV; got {type(target).__name__}")
         info, chunk = reading.info, reading.state
         self.codec._check_target(info, target)
-        for g, group in enumerate(target.spec.groups):
-            checked = self.codec._checked_part(g, group, chunk.parts.get(g), target, info)
-            if checked is not None and _direct(checked[0], checked[2], target, g, info):
-                # its checks only: stage takes the part as its begun work prepared it (the joined Future's)
-                self._adapter(info, g).adopt(chunk.subs[g], target.tensors[g])
+        for g, _ in self._direct_parts(info, chunk.parts, target):
+            # its checks only: stage takes the part as its begun work prepared it (the joined Future's)
+            self._adapter(info, g).adopt(chunk.subs[g], target.tensors[g])
         return reading
 
 
